@@ -1,0 +1,1 @@
+"""photon_core: the inference engine (Moondream and Whisper), importable without ROS."""

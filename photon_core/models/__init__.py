@@ -1,0 +1,1 @@
+"""Model definitions (Whisper, Moondream) on top of the backend ops."""

@@ -1,0 +1,146 @@
+"""Audio messages <-> float32 mono PCM with its sample rate, no node needed.
+
+Accepted inputs: our `photon_ros/AudioChunk` (format and rate travel with the data),
+`std_msgs/Int16MultiArray` and `std_msgs/Float32MultiArray` (the rate and channel count cannot
+travel with these, so the caller states them; a two-dimensional `layout` [samples, channels]
+overrides the channel count). Multi-channel audio is averaged to mono, since speech models take
+one channel. Malformed chunks raise ValueError naming the problem.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from std_msgs.msg import Float32MultiArray, Int16MultiArray, MultiArrayDimension
+
+from photon_ros.msg import AudioChunk
+
+# dtype of one sample, and the scale that maps it to [-1, 1]
+_FORMATS: dict[str, tuple[str, float, float]] = {
+    AudioChunk.FORMAT_S16LE: ("<i2", 32768.0, 0.0),
+    AudioChunk.FORMAT_S32LE: ("<i4", 2147483648.0, 0.0),
+    AudioChunk.FORMAT_F32LE: ("<f4", 1.0, 0.0),
+    AudioChunk.FORMAT_U8: ("u1", 128.0, 128.0),
+}
+
+
+class Pcm(NamedTuple):
+    samples: np.ndarray     # float32, mono, nominally in [-1, 1]
+    sample_rate: int
+
+
+def _to_mono(interleaved: np.ndarray, channels: int) -> np.ndarray:
+    if channels < 1:
+        raise ValueError(f"audio has {channels} channels")
+    if interleaved.size == 0:
+        raise ValueError("audio chunk is empty")
+    if interleaved.size % channels:
+        raise ValueError(f"audio has {interleaved.size} samples, not a multiple of {channels} channels")
+    if channels == 1:
+        return interleaved
+    return interleaved.reshape(-1, channels).mean(axis=1, dtype=np.float32)
+
+
+def _check(samples: np.ndarray, sample_rate: int) -> Pcm:
+    if sample_rate <= 0:
+        raise ValueError(f"sample rate must be positive, got {sample_rate}")
+    if not np.isfinite(samples).all():
+        raise ValueError("audio contains NaN or infinite samples")
+    return Pcm(samples.astype(np.float32, copy=False), int(sample_rate))
+
+
+def audio_chunk_to_pcm(msg: AudioChunk) -> Pcm:
+    spec = _FORMATS.get(msg.sample_format)
+    if spec is None:
+        raise ValueError(f"unsupported sample format {msg.sample_format!r}; "
+                         f"supported: {', '.join(_FORMATS)}")
+    dtype, scale, offset = spec
+    raw = np.frombuffer(msg.data, dtype=np.uint8)
+    width = np.dtype(dtype).itemsize
+    if raw.size % width:
+        raise ValueError(f"audio data has {raw.size} bytes, not a whole number of "
+                         f"{msg.sample_format} samples")
+    values = raw.view(dtype)
+    if offset or scale != 1.0:
+        values = (values.astype(np.float32) - offset) / scale
+    return _check(_to_mono(values, int(msg.channels)), msg.sample_rate)
+
+
+def _channels_from_layout(msg, default: int) -> int:
+    dims = msg.layout.dim
+    return int(dims[1].size) if len(dims) >= 2 else default
+
+
+def int16_array_to_pcm(msg: Int16MultiArray, sample_rate: int, channels: int = 1) -> Pcm:
+    values = np.asarray(msg.data, dtype=np.int16)[msg.layout.data_offset:]
+    mono = _to_mono(values, _channels_from_layout(msg, channels))
+    return _check(mono.astype(np.float32) / 32768.0, sample_rate)
+
+
+def float32_array_to_pcm(msg: Float32MultiArray, sample_rate: int, channels: int = 1) -> Pcm:
+    values = np.asarray(msg.data, dtype=np.float32)[msg.layout.data_offset:]
+    return _check(_to_mono(values, _channels_from_layout(msg, channels)), sample_rate)
+
+
+def _as_interleaved(samples: np.ndarray) -> tuple[np.ndarray, int]:
+    samples = np.asarray(samples)
+    if samples.ndim == 1:
+        return samples, 1
+    if samples.ndim == 2:
+        return samples.reshape(-1), samples.shape[1]
+    raise ValueError(f"expected samples shaped [n] or [n, channels], got {samples.shape}")
+
+
+def _as_float(samples: np.ndarray) -> np.ndarray:
+    if samples.dtype == np.int16:
+        return samples.astype(np.float32) / 32768.0
+    return samples.astype(np.float32, copy=False)
+
+
+def pcm_to_audio_chunk(samples: np.ndarray, sample_rate: int, sample_format: str = AudioChunk.FORMAT_S16LE,
+                       header=None) -> AudioChunk:
+    """Float ([-1, 1]) or int16 samples, [n] or [n, channels], as an AudioChunk."""
+    spec = _FORMATS.get(sample_format)
+    if spec is None:
+        raise ValueError(f"unsupported sample format {sample_format!r}")
+    dtype, scale, offset = spec
+    interleaved, channels = _as_interleaved(samples)
+    if sample_format == AudioChunk.FORMAT_S16LE and interleaved.dtype == np.int16:
+        encoded = interleaved.astype("<i2")
+    elif sample_format == AudioChunk.FORMAT_F32LE:
+        encoded = _as_float(interleaved).astype("<f4")
+    else:
+        info = np.iinfo(np.dtype(dtype))
+        scaled = np.round(_as_float(interleaved) * scale + offset)
+        encoded = np.clip(scaled, info.min, info.max).astype(dtype)
+    msg = AudioChunk()
+    if header is not None:
+        msg.header = header
+    msg.sample_rate = int(sample_rate)
+    msg.channels = channels
+    msg.sample_format = sample_format
+    msg.data = encoded.tobytes()
+    return msg
+
+
+def _layout(msg, n: int, channels: int) -> None:
+    msg.layout.dim = [MultiArrayDimension(label="samples", size=n // channels, stride=n),
+                      MultiArrayDimension(label="channels", size=channels, stride=channels)]
+
+
+def pcm_to_int16_array(samples: np.ndarray) -> Int16MultiArray:
+    interleaved, channels = _as_interleaved(samples)
+    if interleaved.dtype != np.int16:
+        interleaved = np.clip(np.round(_as_float(interleaved) * 32768.0), -32768, 32767).astype(np.int16)
+    msg = Int16MultiArray()
+    _layout(msg, interleaved.size, channels)
+    msg.data = interleaved
+    return msg
+
+
+def pcm_to_float32_array(samples: np.ndarray) -> Float32MultiArray:
+    interleaved, channels = _as_interleaved(samples)
+    msg = Float32MultiArray()
+    _layout(msg, interleaved.size, channels)
+    msg.data = _as_float(interleaved)
+    return msg

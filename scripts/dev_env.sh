@@ -1,0 +1,17 @@
+# Source this (". scripts/dev_env.sh") to work in the development environment:
+# the venv, the ROS 2 wheels' prefix, and the built workspace when it exists.
+# Discovery is pinned to this machine: on a robot, source install/setup.bash of your own
+# workspace instead and keep ROS 2's defaults.
+_photon_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+. "$_photon_root/.venv/bin/activate"
+case ":${AMENT_PREFIX_PATH:-}:" in *":$VIRTUAL_ENV:"*) ;;
+  *) export AMENT_PREFIX_PATH="$VIRTUAL_ENV${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}" ;; esac
+case ":${CMAKE_PREFIX_PATH:-}:" in *":$VIRTUAL_ENV:"*) ;;
+  *) export CMAKE_PREFIX_PATH="$VIRTUAL_ENV${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}" ;; esac
+export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
+# A domain of our own keeps parallel runs on one machine from seeing each other.
+export ROS_DOMAIN_ID="${ROS_DOMAIN_ID:-$(( 100 + $$ % 100 ))}"
+if [ -f "$_photon_root/install/setup.bash" ]; then
+  . "$_photon_root/install/setup.bash"
+fi
+unset _photon_root

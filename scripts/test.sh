@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs the whole test suite in the environment scripts/setup.sh built.
+# Tests start real rclpy nodes: discovery stays on this machine, in a domain of this run's own.
+set -eo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+if [ ! -f install/setup.bash ] || [ ! -x .venv/bin/python ]; then
+  echo "[test] not set up yet: run scripts/setup.sh first" >&2
+  exit 1
+fi
+. scripts/dev_env.sh
+python -c 'import photon_ros.msg' || { echo "[test] generated interfaces missing: rerun scripts/setup.sh" >&2; exit 1; }
+exec python -m pytest "$@"

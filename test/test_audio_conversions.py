@@ -1,0 +1,79 @@
+"""Audio messages <-> float32 mono PCM, both directions, and malformed chunks."""
+import numpy as np
+import pytest
+from std_msgs.msg import Float32MultiArray, Int16MultiArray
+
+from photon_ros.audio_conversions import (audio_chunk_to_pcm, float32_array_to_pcm,
+                                          int16_array_to_pcm, pcm_to_audio_chunk,
+                                          pcm_to_float32_array, pcm_to_int16_array)
+from photon_ros.msg import AudioChunk
+
+
+@pytest.fixture
+def pcm():
+    rng = np.random.default_rng()
+    return (rng.uniform(-0.9, 0.9, size=1601)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt, tol", [("S16LE", 1 / 32768), ("S32LE", 1e-6), ("F32LE", 0), ("U8", 1 / 128)])
+def test_audio_chunk_round_trip(pcm, fmt, tol):
+    out = audio_chunk_to_pcm(pcm_to_audio_chunk(pcm, 16000, fmt))
+    assert out.sample_rate == 16000 and out.samples.dtype == np.float32
+    np.testing.assert_allclose(out.samples, pcm, atol=tol)
+
+
+def test_int16_input_is_sent_exactly():
+    ints = np.array([-32768, -1, 0, 1, 32767], dtype=np.int16)
+    out = audio_chunk_to_pcm(pcm_to_audio_chunk(ints, 8000, "S16LE"))
+    np.testing.assert_array_equal(out.samples, ints / 32768.0)
+
+
+def test_stereo_is_mixed_to_mono(pcm):
+    stereo = np.stack([pcm, -pcm * 0.5], axis=1)
+    out = audio_chunk_to_pcm(pcm_to_audio_chunk(stereo, 48000, "F32LE"))
+    np.testing.assert_allclose(out.samples, pcm * 0.25, atol=1e-7)
+    out = float32_array_to_pcm(pcm_to_float32_array(stereo), 48000)   # layout carries channels
+    np.testing.assert_allclose(out.samples, pcm * 0.25, atol=1e-7)
+
+
+def test_multiarrays_round_trip(pcm):
+    out = int16_array_to_pcm(pcm_to_int16_array(pcm), 16000)
+    np.testing.assert_allclose(out.samples, pcm, atol=1 / 32768)
+    out = float32_array_to_pcm(pcm_to_float32_array(pcm), 22050)
+    np.testing.assert_array_equal(out.samples, pcm)
+    assert out.sample_rate == 22050
+
+
+def test_plain_multiarray_without_layout(pcm):
+    msg = Float32MultiArray(data=pcm.tolist())
+    np.testing.assert_allclose(float32_array_to_pcm(msg, 16000).samples, pcm)
+    stereo = Int16MultiArray(data=[100, 300, -100, -300])
+    np.testing.assert_allclose(int16_array_to_pcm(stereo, 16000, channels=2).samples,
+                               np.array([200, -200]) / 32768.0)
+
+
+def nan_chunk():
+    return pcm_to_audio_chunk(np.array([0.1, np.nan, 0.2], np.float32), 16000, "F32LE")
+
+
+@pytest.mark.parametrize("make, message", [
+    (nan_chunk, "NaN or infinite"),
+    (lambda: AudioChunk(sample_rate=16000, channels=1, sample_format="S16LE"), "empty"),
+    (lambda: AudioChunk(sample_rate=0, channels=1, sample_format="S16LE", data=bytes(4)), "sample rate"),
+    (lambda: AudioChunk(sample_rate=16000, channels=1, sample_format="MP3", data=bytes(4)), "unsupported sample format"),
+    (lambda: AudioChunk(sample_rate=16000, channels=1, sample_format="S16LE", data=bytes(3)), "whole number"),
+    (lambda: AudioChunk(sample_rate=16000, channels=2, sample_format="S16LE", data=bytes(6)), "multiple of 2 channels"),
+    (lambda: AudioChunk(sample_rate=16000, channels=0, sample_format="S16LE", data=bytes(4)), "0 channels"),
+])
+def test_malformed_chunks_raise(make, message):
+    with pytest.raises(ValueError, match=message):
+        audio_chunk_to_pcm(make())
+
+
+def test_malformed_multiarrays_raise():
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        float32_array_to_pcm(Float32MultiArray(data=[0.0, float("inf")]), 16000)
+    with pytest.raises(ValueError, match="empty"):
+        int16_array_to_pcm(Int16MultiArray(), 16000)
+    with pytest.raises(ValueError, match="sample rate"):
+        int16_array_to_pcm(Int16MultiArray(data=[1, 2]), 0)
