@@ -10,6 +10,8 @@ demo=1
 [ "${1:-}" = "--no-demo" ] && demo=0
 
 say() { printf '[setup] %s\n' "$*"; }
+# pip, quiet, without this machine's warnings about local index folders it cannot read.
+pip_q() { .venv/bin/python -m pip -q "$@" 2>&1 | { grep -v 'is ignored: it is neither' || true; }; }
 
 # 1. System packages: espeak-ng makes speech with a known text for the demo and the tests.
 if ! command -v espeak-ng >/dev/null 2>&1; then
@@ -32,10 +34,10 @@ stamp=.venv/.photon-requirements.sha256
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing pinned requirements (a few minutes the first time)"
-  .venv/bin/python -m pip install -q --upgrade pip
+  pip_q install --upgrade pip
   # torch first, alone and pinned, so nothing can pull a different (CUDA) build.
-  .venv/bin/python -m pip install -q "$(grep -E '^torch==' requirements.txt)"
-  .venv/bin/python -m pip install -q -r requirements.txt
+  pip_q install "$(grep -E '^torch==' requirements.txt)"
+  pip_q install -r requirements.txt
   echo "$want" > "$stamp"
 else
   say "requirements already installed"
