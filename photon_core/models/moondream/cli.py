@@ -1,0 +1,89 @@
+"""`python -m photon_core {detect,point,caption,query} IMAGE ... --model PATH_OR_ID`, results as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _read_image(path: str) -> np.ndarray:
+    from PIL import Image
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cannot read image {path}: {e}")
+
+
+def draw(image: np.ndarray, result: dict, out_path: str) -> None:
+    """Boxes and points (normalised coordinates) drawn on the RGB image, written to out_path."""
+    import cv2
+    canvas = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
+    h, w = canvas.shape[:2]
+    thick = max(1, round(max(h, w) / 400))
+    for o in result.get("objects", []):
+        p0 = (round(o["x_min"] * (w - 1)), round(o["y_min"] * (h - 1)))
+        p1 = (round(o["x_max"] * (w - 1)), round(o["y_max"] * (h - 1)))
+        cv2.rectangle(canvas, p0, p1, (0, 255, 0), thick)
+    for p in result.get("points", []):
+        cv2.circle(canvas, (round(p["x"] * (w - 1)), round(p["y"] * (h - 1))), 3 * thick, (0, 0, 255), -1)
+    if not cv2.imwrite(out_path, canvas):
+        raise SystemExit(f"cannot write {out_path}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .model import load_moondream
+    image = _read_image(args.image)
+    t0 = time.perf_counter()
+    try:
+        model = load_moondream(args.model, device=args.device, dtype=args.dtype)
+    except (FileNotFoundError, NotImplementedError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t1 = time.perf_counter()
+    if args.command in ("detect", "point"):
+        result = getattr(model, args.command)(image, args.object, max_objects=args.max_objects)
+    elif args.command == "caption":
+        result = model.caption(image, length=args.length, max_tokens=args.max_tokens,
+                               temperature=args.temperature, top_p=args.top_p)
+    else:
+        result = model.query(image, args.question, max_tokens=args.max_tokens,
+                             temperature=args.temperature, top_p=args.top_p)
+    t2 = time.perf_counter()
+    if args.draw:
+        draw(image, result, args.draw)
+    result = {**result, "model": model.model_id, "load_s": round(t1 - t0, 3), "infer_s": round(t2 - t1, 3)}
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("image", help="image file (any format PIL reads)")
+        p.add_argument("--model", default="moondream2",
+                       help="checkpoint folder or file, or a model id in the Hugging Face cache (default moondream2)")
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+        p.set_defaults(run=_run)
+
+    for name, what in (("detect", "bounding boxes"), ("point", "points")):
+        p = subparsers.add_parser(name, help=f"Moondream: {what} of an object, as JSON")
+        common(p)
+        p.add_argument("object", help='what to look for, e.g. "cup"')
+        p.add_argument("--max-objects", type=int, default=50)
+        p.add_argument("--draw", metavar="OUT.png", help="also write the image with the results drawn")
+    for name in ("caption", "query"):
+        p = subparsers.add_parser(name, help=f"Moondream: {name} an image, as JSON")
+        common(p)
+        if name == "query":
+            p.add_argument("question")
+        else:
+            p.add_argument("--length", default="normal", choices=["short", "normal", "long"])
+        p.add_argument("--max-tokens", type=int, default=768)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.set_defaults(draw=None)

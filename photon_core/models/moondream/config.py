@@ -1,0 +1,131 @@
+"""Moondream 2 dimensions and prompt ids, in the public reference's config layout.
+
+A checkpoint folder may carry a config.json either in that layout (`{"text": {...}, "vision": {...},
+"region": {...}, "tokenizer": {...}}`) or as the Hugging Face wrapper (`{"config": {...}, ...}`,
+usually empty: the defaults below are moondream2's real sizes).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    dim: int = 2048
+    ff_dim: int = 8192
+    n_layers: int = 24
+    vocab_size: int = 51200
+    max_context: int = 2048
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    prefix_attn: int = 730
+    rope_theta: float = 10000.0
+    group_size: int | None = None  # int4 quantized checkpoints: not supported (checked at load)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    enc_dim: int = 1152
+    enc_patch_size: int = 14
+    enc_n_layers: int = 27
+    enc_ff_dim: int = 4304
+    enc_n_heads: int = 16
+    proj_out_dim: int = 2048
+    crop_size: int = 378
+    in_channels: int = 3
+    max_crops: int = 12
+    overlap_margin: int = 4
+    proj_inner_dim: int = 8192
+
+    @property
+    def grid(self) -> int:
+        """Patches per crop side (27): also the side of the pooled feature map."""
+        return self.crop_size // self.enc_patch_size
+
+
+@dataclass(frozen=True)
+class RegionConfig:
+    dim: int = 2048
+    coord_feat_dim: int = 256
+    coord_out_dim: int = 1024
+    size_feat_dim: int = 512
+    size_out_dim: int = 2048
+    inner_dim: int = 8192
+    group_size: int | None = None
+
+
+def _default_templates() -> dict:
+    return {
+        "caption": {"short": [1, 32708, 2, 12492, 3], "normal": [1, 32708, 2, 6382, 3],
+                    "long": [1, 32708, 2, 4059, 3]},
+        "query": {"prefix": [1, 15381, 2], "suffix": [3]},
+        "detect": {"prefix": [1, 7235, 476, 2], "suffix": [3]},
+        "point": {"prefix": [1, 2581, 2], "suffix": [3]},
+    }
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    bos_id: int = 0
+    eos_id: int = 0
+    answer_id: int = 3
+    thinking_id: int = 4
+    coord_id: int = 5
+    size_id: int = 6
+    start_ground_points_id: int = 7
+    end_ground_id: int = 9
+    templates: dict = field(default_factory=_default_templates)
+
+
+# Keys that only Moondream 3 configs carry: we fail loudly rather than run a wrong model.
+_MD3_KEYS = {"moe", "n_experts", "experts_per_token", "expert_inner_dim"}
+
+
+def _build(cls, d: dict, section: str):
+    d = dict(d or {})
+    md3 = _MD3_KEYS & set(d)
+    if md3:
+        raise NotImplementedError(
+            f"Moondream 3 (MoE) checkpoints are not supported yet (config.{section} has {sorted(md3)})")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"config.json: unknown keys in '{section}': {sorted(unknown)}")
+    return cls(**d)
+
+
+@dataclass(frozen=True)
+class MoondreamConfig:
+    text: TextConfig = TextConfig()
+    vision: VisionConfig = VisionConfig()
+    region: RegionConfig = RegionConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "MoondreamConfig":
+        d = dict(d or {})
+        if isinstance(d.get("config"), dict) and not ({"text", "vision", "region"} & set(d)):
+            d = d["config"]  # Hugging Face wrapper: the reference layout sits under "config"
+        cfg = cls(text=_build(TextConfig, d.get("text"), "text"),
+                  vision=_build(VisionConfig, d.get("vision"), "vision"),
+                  region=_build(RegionConfig, d.get("region"), "region"),
+                  tokenizer=_build(TokenizerConfig, d.get("tokenizer"), "tokenizer"))
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        t, v, r = self.text, self.vision, self.region
+        if t.group_size is not None or r.group_size is not None:
+            raise NotImplementedError("int4-quantized Moondream checkpoints are not supported yet")
+        if t.dim % t.n_heads or t.n_heads % t.n_kv_heads:
+            raise ValueError("config.text: dim must divide into n_heads, n_heads into n_kv_heads")
+        if v.crop_size % v.enc_patch_size or v.enc_dim % v.enc_n_heads:
+            raise ValueError("config.vision: crop_size / patch size or enc_dim / heads do not divide")
+        if t.prefix_attn != 1 + v.grid * v.grid:
+            raise ValueError(f"config: text.prefix_attn ({t.prefix_attn}) must be 1 + image tokens "
+                             f"({1 + v.grid * v.grid})")
+        if v.proj_out_dim != t.dim or r.dim != t.dim:
+            raise ValueError("config: vision.proj_out_dim and region.dim must equal text.dim")
+        if r.size_out_dim % 2:
+            raise ValueError("config.region.size_out_dim must be even (width and height bins)")

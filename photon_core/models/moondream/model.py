@@ -1,0 +1,165 @@
+"""The loaded Moondream 2 model: weights laid out once at load time, image encoding, the four skills."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import image_crops, skills, text, vision
+from . import weights as weights_io
+from .config import MoondreamConfig
+from .region import RegionWeights
+from .tokenizer import MoondreamTokenizer, find_tokenizer
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image after the vision encoder and the prefill of [BOS][image tokens]: the per-layer keys and
+    values of those `pos` positions ([layers, 1, kv_heads, pos, head_dim]). Reusable for any number
+    of skills on the same image; read-only."""
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: int
+    tiling: tuple[int, int]
+    owner: int  # id() of the model that made it: another model's cache would be meaningless
+
+
+ImageLike = Union[np.ndarray, Image.Image]  # HxWx3 uint8 RGB, HxW gray, HxWx4 RGBA, or PIL
+
+
+def _expected_shapes(cfg: MoondreamConfig) -> dict[str, tuple[int, ...]]:
+    t, v, r = cfg.text, cfg.vision, cfg.region
+    hd = t.dim // t.n_heads
+    s: dict[str, tuple[int, ...]] = {}
+
+    def lin(name, n_in, n_out):
+        s[name + ".weight"], s[name + ".bias"] = (n_out, n_in), (n_out,)
+
+    def ln(name, d):
+        s[name + ".weight"], s[name + ".bias"] = (d,), (d,)
+
+    lin("vision.patch_emb", v.in_channels * v.enc_patch_size ** 2, v.enc_dim)
+    s["vision.pos_emb"] = (1, v.grid * v.grid, v.enc_dim)
+    for i in range(v.enc_n_layers):
+        p = f"vision.blocks.{i}."
+        ln(p + "ln1", v.enc_dim), ln(p + "ln2", v.enc_dim)
+        lin(p + "attn.qkv", v.enc_dim, 3 * v.enc_dim), lin(p + "attn.proj", v.enc_dim, v.enc_dim)
+        lin(p + "mlp.fc1", v.enc_dim, v.enc_ff_dim), lin(p + "mlp.fc2", v.enc_ff_dim, v.enc_dim)
+    ln("vision.post_ln", v.enc_dim)
+    lin("vision.proj_mlp.fc1", 2 * v.enc_dim, v.proj_inner_dim)
+    lin("vision.proj_mlp.fc2", v.proj_inner_dim, v.proj_out_dim)
+    s["text.wte"] = (t.vocab_size, t.dim)
+    for i in range(t.n_layers):
+        p = f"text.blocks.{i}."
+        ln(p + "ln", t.dim)
+        lin(p + "attn.qkv", t.dim, (t.n_heads + 2 * t.n_kv_heads) * hd), lin(p + "attn.proj", t.dim, t.dim)
+        lin(p + "mlp.fc1", t.dim, t.ff_dim), lin(p + "mlp.fc2", t.ff_dim, t.dim)
+    ln("text.post_ln", t.dim)
+    lin("text.lm_head", t.dim, t.vocab_size)
+    s["region.coord_features"] = (1, r.coord_feat_dim // 2)
+    s["region.size_features"] = (2, r.size_feat_dim // 2)
+    lin("region.coord_encoder", r.coord_feat_dim, r.dim)
+    lin("region.coord_decoder.fc1", r.dim, r.inner_dim), lin("region.coord_decoder.fc2", r.inner_dim, r.coord_out_dim)
+    lin("region.size_encoder", r.size_feat_dim, r.dim)
+    lin("region.size_decoder.fc1", r.dim, r.inner_dim), lin("region.size_decoder.fc2", r.inner_dim, r.size_out_dim)
+    return s
+
+
+def check_state(sd: dict[str, torch.Tensor], cfg: MoondreamConfig, source: str) -> None:
+    """Every tensor the config implies is present with its shape; a clear error otherwise."""
+    expected = _expected_shapes(cfg)
+    missing = [k for k in expected if k not in sd]
+    wrong = [f"{k}: {tuple(sd[k].shape)} != {v}" for k, v in expected.items() if k in sd and tuple(sd[k].shape) != v]
+    if missing or wrong:
+        raise ValueError(f"{source} does not match the Moondream 2 config: "
+                         f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                         f"wrong shapes {wrong[:5]}{'...' if len(wrong) > 5 else ''}")
+
+
+class MoondreamModel:
+    """Moondream 2 on one backend. Skills take an image (numpy RGB / PIL) or an EncodedImage."""
+
+    def __init__(self, config: MoondreamConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
+                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2") -> None:
+        self.config, self.tokenizer, self.ops = config, tokenizer, ops
+        self.device, self.dtype, self.model_id = device, dtype, model_id
+        self.vision_w = vision.VisionWeights.from_state(state, config.vision)
+        self.text_w = text.TextWeights.from_state(state, config.text)
+        self.region_w = RegionWeights.from_state(state)
+
+    # -- image -------------------------------------------------------------------------------
+    def preprocess(self, image: ImageLike, channel_order: str = "rgb") -> tuple[np.ndarray, tuple[int, int]]:
+        """Image -> (uint8 crops [1 + rows*cols, S, S, 3], tiling). Cheap: one resize per crop set."""
+        v = self.config.vision
+        rgb = image_crops.to_rgb_array(image, channel_order)
+        return image_crops.make_crops(rgb, v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops)
+
+    @torch.inference_mode()
+    def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
+        """numpy HxWx3 uint8 RGB (also HxW gray, HxWx4 RGBA, or a PIL image) -> EncodedImage.
+        BGR arrays (OpenCV, ROS bgr8) need channel_order="bgr"."""
+        if isinstance(image, EncodedImage):
+            self._check_owner(image)
+            return image
+        crops, tiling = self.preprocess(image, channel_order)
+        cfg = self.config
+        feats = vision.encode_crops(vision.normalize(crops, self.dtype, self.device), self.vision_w, cfg.vision, self.ops)
+        img_tokens = vision.project(feats, tiling, self.vision_w, cfg.vision, self.ops)
+        bos = text.embed(torch.tensor([[cfg.tokenizer.bos_id]], device=self.device), self.text_w)
+        x = torch.cat([bos, img_tokens[None]], dim=1)
+        cache = text.KVCache(cfg.text, x.shape[1], self.dtype, self.device)
+        text.forward(x, 0, self.text_w, cfg.text, cache, self.ops)  # bidirectional over BOS + image
+        return EncodedImage(cache.k, cache.v, x.shape[1], tiling, id(self))
+
+    def _check_owner(self, enc: EncodedImage) -> None:
+        if enc.owner != id(self):
+            raise ValueError("this EncodedImage was made by another model; encode the image again")
+
+    def _encoded(self, image: ImageLike | EncodedImage) -> EncodedImage:
+        return self.encode_image(image)
+
+    # -- skills ------------------------------------------------------------------------------
+    def detect(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
+        """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max"}]}, normalised to [0, 1]."""
+        prompt = skills.object_prompt(self, "detect", object)
+        return {"objects": skills.generate_objects(self, self._encoded(image), prompt, True, max_objects)}
+
+    def point(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
+        """Points on `object`: {"points": [{"x", "y"}]}, normalised to [0, 1]."""
+        prompt = skills.object_prompt(self, "point", object)
+        return {"points": skills.generate_objects(self, self._encoded(image), prompt, False, max_objects)}
+
+    def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,
+                max_tokens: int = skills.DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+        """{"caption": str}, or a generator of text pieces with stream=True. length: short/normal/long."""
+        prompt = skills.caption_prompt(self, length)
+        gen = skills.generate_text(self, self._encoded(image), prompt, max_tokens, temperature, top_p)
+        return {"caption": gen if stream else "".join(gen)}  # str, or Iterator[str] when streaming
+
+    def query(self, image: ImageLike | EncodedImage, question: str, stream: bool = False, max_tokens: int = skills.DEFAULT_MAX_TOKENS,
+              temperature: float = 0.0, top_p: float = 1.0) -> dict:
+        """{"answer": str}, or a generator of text pieces with stream=True."""
+        prompt = skills.query_prompt(self, question)
+        gen = skills.generate_text(self, self._encoded(image), prompt, max_tokens, temperature, top_p)
+        return {"answer": gen if stream else "".join(gen)}
+
+
+def load_moondream(path_or_id: str | Path = "moondream2", device: str | torch.device = "cpu",
+                   dtype: torch.dtype | str = torch.float32, backend: Any = None) -> MoondreamModel:
+    """Load Moondream 2 from a local file/folder or the Hugging Face cache (`vikhyatk/moondream2`).
+
+    backend: a module with the ops of photon_core.backends.reference (the default)."""
+    if backend is None:
+        from photon_core.backends import reference as backend
+    dtype = weights_io.parse_dtype(dtype)
+    device = torch.device(device)
+    ckpt = weights_io.resolve(path_or_id)
+    config = MoondreamConfig.from_dict(ckpt.config)
+    tokenizer = MoondreamTokenizer(find_tokenizer(ckpt.folder))
+    state = weights_io.load_tensors(ckpt.weights, dtype, device)
+    check_state(state, config, str(ckpt.weights))
+    return MoondreamModel(config, state, tokenizer, backend, device, dtype)

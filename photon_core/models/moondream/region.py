@@ -1,0 +1,63 @@
+"""Region module: turns decoder hidden states into coordinates/sizes and encodes them back as inputs.
+
+Values are binned: coordinate = argmax bin / n_bins (the public reference's rule), size per axis =
+2 ** (bin / 1023 * 10 - 10), i.e. log-spaced from 1/1024 to 1 of the image side.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .vision import Linear, take
+
+
+@dataclass
+class RegionWeights:
+    coord_features: torch.Tensor  # [1, coord_feat_dim/2] Fourier frequencies
+    coord_encoder: Linear
+    coord_fc1: Linear
+    coord_fc2: Linear
+    size_features: torch.Tensor   # [2, size_feat_dim/2]
+    size_encoder: Linear
+    size_fc1: Linear
+    size_fc2: Linear
+
+    @classmethod
+    def from_state(cls, sd: dict[str, torch.Tensor]) -> "RegionWeights":
+        return cls(sd["region.coord_features"], take(sd, "region.coord_encoder"),
+                   take(sd, "region.coord_decoder.fc1"), take(sd, "region.coord_decoder.fc2"),
+                   sd["region.size_features"], take(sd, "region.size_encoder"),
+                   take(sd, "region.size_decoder.fc1"), take(sd, "region.size_decoder.fc2"))
+
+
+def fourier(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    f = 2 * math.pi * (x @ freqs)
+    return torch.cat([f.cos(), f.sin()], dim=-1)
+
+
+def encode_coord(value: float, w: RegionWeights, ops) -> torch.Tensor:
+    """One coordinate in [0, 1] -> an input embedding [1, 1, dim]."""
+    x = torch.tensor([[[value]]], dtype=w.coord_features.dtype, device=w.coord_features.device)
+    return ops.linear(fourier(x, w.coord_features), *w.coord_encoder)
+
+
+def encode_size(width: float, height: float, w: RegionWeights, ops) -> torch.Tensor:
+    """(width, height) in [0, 1] -> an input embedding [1, 1, dim]."""
+    x = torch.tensor([[[width, height]]], dtype=w.size_features.dtype, device=w.size_features.device)
+    return ops.linear(fourier(x, w.size_features), *w.size_encoder)
+
+
+def decode_coord(hidden: torch.Tensor, w: RegionWeights, ops) -> float:
+    """Last hidden state [dim] (before post_ln) -> coordinate in [0, 1)."""
+    logits = ops.linear(ops.linear(hidden, *w.coord_fc1, activation="gelu_tanh"), *w.coord_fc2)
+    return ops.argmax(logits).item() / logits.shape[-1]
+
+
+def decode_size(hidden: torch.Tensor, w: RegionWeights, ops) -> tuple[float, float]:
+    """Last hidden state [dim] (before post_ln) -> (width, height) in (0, 1]."""
+    logits = ops.linear(ops.linear(hidden, *w.size_fc1, activation="gelu_tanh"), *w.size_fc2)
+    bins = ops.argmax(logits.view(2, -1)).float()
+    size = torch.pow(2.0, bins / 1023.0 * 10.0 - 10.0)
+    return size[0].item(), size[1].item()

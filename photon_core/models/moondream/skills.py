@@ -1,0 +1,167 @@
+"""The four skills: prompt templates, decoding loops and result shapes.
+
+Every request continues from an encoded image (the KV cache of [BOS][729 image tokens]) in a cache of
+its own. detect/point decode with the region module: the LM head only decides *whether* another object
+follows (coord or eos, at an object boundary); the coordinates and sizes come from the region heads
+reading the same last hidden state, and are fed back as the next input embedding.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import region, text
+
+if TYPE_CHECKING:
+    from .model import EncodedImage, MoondreamModel
+
+DEFAULT_MAX_OBJECTS = 50
+DEFAULT_MAX_TOKENS = 768
+
+
+class Sequence:
+    """One request's decoding state: its KV cache and the next position."""
+
+    def __init__(self, model: "MoondreamModel", enc: "EncodedImage", length: int) -> None:
+        self.model = model
+        self.cache = text.KVCache(model.config.text, length, model.dtype, model.device)
+        self.cache.k[:, :, :, :enc.pos] = enc.k
+        self.cache.v[:, :, :, :enc.pos] = enc.v
+        self.pos = enc.pos
+
+    @torch.inference_mode()
+    def step(self, emb: torch.Tensor, want_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed input embeddings [1, T, dim]; returns (last hidden [1, dim] before post_ln, logits
+        [1, vocab] or None when the next token is fixed and the LM head need not run)."""
+        m = self.model
+        hidden = text.forward(emb, self.pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
+        self.pos += emb.shape[1]
+        return hidden, (text.lm_logits(hidden, m.text_w, m.ops) if want_logits else None)
+
+    @torch.inference_mode()
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        return text.embed(torch.tensor([ids], device=self.model.device), self.model.text_w)
+
+
+def _check_prompt(model: "MoondreamModel", enc: "EncodedImage", ids: list[int]) -> None:
+    if enc.pos + len(ids) >= model.config.text.max_context:
+        raise ValueError(f"prompt of {len(ids)} tokens does not fit the context "
+                         f"({model.config.text.max_context} incl. {enc.pos} image tokens)")
+
+
+def _allowed(vocab: int, ids: list[int], device) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[ids] = True
+    return mask
+
+
+def _sample(logits: torch.Tensor, allowed: torch.Tensor, temperature: float, top_p: float, ops) -> int:
+    if temperature == 0:
+        return int(ops.argmax(logits, allowed).item())
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")) / temperature, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0.0  # keep the smallest set reaching top_p
+    choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1)
+    return int(order.gather(-1, choice).item())
+
+
+def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int], max_tokens: int,
+                  temperature: float, top_p: float) -> Iterator[str]:
+    """Yields the answer text in pieces as tokens are decoded (caption and query)."""
+    if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError("need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+    _check_prompt(model, enc, prompt)
+    cfg = model.config
+    seq = Sequence(model, enc, min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens))
+    # The answer marker ends the prompt; the model must never emit it itself.
+    allowed = torch.ones(cfg.text.vocab_size, dtype=torch.bool, device=model.device)
+    allowed[cfg.tokenizer.answer_id] = False
+
+    def run() -> Iterator[str]:
+        _, logits = seq.step(seq.embed(prompt))
+        ids: list[int] = []
+        shown = ""
+        while len(ids) < max_tokens:
+            tok = _sample(logits[0], allowed, temperature, top_p, model.ops)
+            if tok == cfg.tokenizer.eos_id:
+                break
+            ids.append(tok)
+            # Re-decode everything so multi-token characters come out whole; hold back a piece that
+            # ends in an incomplete UTF-8 sequence until the next token completes it.
+            txt = model.tokenizer.decode(ids)
+            if txt.startswith(shown) and not txt.endswith("\ufffd") and len(txt) > len(shown):
+                yield txt[len(shown):]
+                shown = txt
+            if len(ids) == max_tokens or seq.pos >= seq.cache.length:
+                break
+            _, logits = seq.step(seq.embed([tok]))
+        txt = model.tokenizer.decode(ids)
+        if txt != shown:
+            yield txt[len(shown):]
+
+    return run()
+
+
+def generate_objects(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int], with_size: bool,
+                     max_objects: int) -> list[dict]:
+    """detect (with_size) or point: 3 or 2 decode steps per object, eos only between objects."""
+    if max_objects < 0:
+        raise ValueError("max_objects must be >= 0")
+    _check_prompt(model, enc, prompt)
+    cfg, ops, rw = model.config, model.ops, model.region_w
+    tk = cfg.tokenizer
+    steps = 3 if with_size else 2
+    length = min(cfg.text.max_context, enc.pos + len(prompt) + steps * max_objects)
+    seq = Sequence(model, enc, length)
+    vocab, dev = cfg.text.vocab_size, model.device
+    at_boundary = _allowed(vocab, [tk.coord_id, tk.eos_id], dev)
+
+    out: list[dict] = []
+    hidden, logits = seq.step(seq.embed(prompt))
+    with torch.inference_mode():
+        while len(out) < max_objects and seq.pos + steps <= length:
+            if int(ops.argmax(logits[0], at_boundary)) != tk.coord_id:
+                break  # eos
+            # Inside an object the tokens are fixed (y: coord, then size: size), so eos cannot occur
+            # there and the LM head is skipped; only the region heads read those hidden states.
+            x = region.decode_coord(hidden, rw, ops)
+            hidden, _ = seq.step(region.encode_coord(x, rw, ops), want_logits=False)
+            y = region.decode_coord(hidden, rw, ops)
+            hidden, logits = seq.step(region.encode_coord(y, rw, ops), want_logits=not with_size)
+            if not with_size:
+                out.append({"x": min(max(x, 0.0), 1.0), "y": min(max(y, 0.0), 1.0)})
+                continue
+            w, h = region.decode_size(hidden, rw, ops)
+            hidden, logits = seq.step(region.encode_size(w, h, rw, ops))
+            # The reference leaves boxes unclamped; ours are clamped to the image.
+            out.append({"x_min": min(max(x - w / 2, 0.0), 1.0), "y_min": min(max(y - h / 2, 0.0), 1.0),
+                        "x_max": min(max(x + w / 2, 0.0), 1.0), "y_max": min(max(y + h / 2, 0.0), 1.0)})
+    return out
+
+
+def caption_prompt(model: "MoondreamModel", length: str) -> list[int]:
+    templates = model.config.tokenizer.templates["caption"]
+    if length not in templates:
+        raise ValueError(f"caption length must be one of {sorted(templates)}, got {length!r}")
+    return list(templates[length])
+
+
+def _wrap(model: "MoondreamModel", skill: str, words: list[int]) -> list[int]:
+    t = model.config.tokenizer.templates[skill]
+    return list(t["prefix"]) + words + list(t["suffix"])
+
+
+def query_prompt(model: "MoondreamModel", question: str) -> list[int]:
+    """prefix + question + suffix + suffix. The doubled answer marker is what the public reference
+    (2025-06 tokenizer/release) sends without reasoning: Q <answer> [<thinking> ... ] <answer> answer."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question must be a non-empty string")
+    return _wrap(model, "query", model.tokenizer.encode(question)) + list(model.config.tokenizer.templates["query"]["suffix"])
+
+
+def object_prompt(model: "MoondreamModel", skill: str, name: str) -> list[int]:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("object must be a non-empty string")
+    return _wrap(model, skill, model.tokenizer.encode(" " + name))

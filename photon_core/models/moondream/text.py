@@ -1,0 +1,102 @@
+"""Phi-style text decoder: parallel blocks, partial rotary, a bidirectional image prefix, a KV cache.
+
+Rotary: the public reference splits the first rot_dim features of each head into halves (a, b) and
+writes the rotated pair back *interleaved*; ops.rotary ("rotate half") writes them back as halves.
+Both rotate the same (a_i, b_i) pairs by the same angles; the results differ only by one fixed
+permutation of the rotated features, applied to q and k alike, so every q.k score and therefore the
+model's output is identical (test_moondream_reference checks this against the reference code).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import TextConfig
+from .vision import Linear, take
+
+
+@dataclass
+class TextBlock:
+    ln: Linear
+    qkv: Linear
+    proj: Linear
+    fc1: Linear
+    fc2: Linear
+
+
+@dataclass
+class TextWeights:
+    wte: torch.Tensor  # [vocab, dim]
+    blocks: list[TextBlock]
+    post_ln: Linear
+    lm_head: Linear
+    cos: torch.Tensor  # [max_context, rot_dim/2], precomputed once
+    sin: torch.Tensor
+
+    @classmethod
+    def from_state(cls, sd: dict[str, torch.Tensor], cfg: TextConfig) -> "TextWeights":
+        blocks = [TextBlock(*(take(sd, f"text.blocks.{i}.{n}") for n in
+                              ("ln", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")))
+                  for i in range(cfg.n_layers)]
+        rot = rot_dim(cfg)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+        angles = torch.arange(cfg.max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        dtype, device = sd["text.wte"].dtype, sd["text.wte"].device
+        return cls(sd["text.wte"], blocks, take(sd, "text.post_ln"), take(sd, "text.lm_head"),
+                   angles.cos().to(device, dtype), angles.sin().to(device, dtype))
+
+
+def rot_dim(cfg: TextConfig) -> int:
+    """Rotary covers the first half of each head (32 of 64 in moondream2)."""
+    return cfg.dim // cfg.n_heads // 2
+
+
+class KVCache:
+    """Per-layer keys and values for one sequence, [layers, 1, kv_heads, length, head_dim].
+
+    Allocated per request (torch.empty costs nothing until written), so requests never share state.
+    """
+
+    def __init__(self, cfg: TextConfig, length: int, dtype: torch.dtype, device) -> None:
+        shape = (cfg.n_layers, 1, cfg.n_kv_heads, length, cfg.dim // cfg.n_heads)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = length
+
+
+def embed(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
+    return w.wte[ids]
+
+
+def forward(x: torch.Tensor, pos: int, w: TextWeights, cfg: TextConfig, cache: KVCache, ops) -> torch.Tensor:
+    """Input embeddings [1, T, dim] at positions pos..pos+T-1 -> hidden states [1, T, dim] *before*
+    post_ln (the region heads read them; lm_logits applies post_ln). Writes k/v into the cache."""
+    _, t, d = x.shape
+    hq, hkv = cfg.n_heads, cfg.n_kv_heads
+    hd = d // hq
+    end = pos + t
+    if end > cache.length:
+        raise RuntimeError(f"sequence of {end} tokens exceeds the KV cache ({cache.length})")
+    cos, sin, rot = w.cos[pos:end], w.sin[pos:end], rot_dim(cfg)
+    for i, b in enumerate(w.blocks):
+        h = ops.layer_norm(x, *b.ln)  # one norm feeds attention and MLP: the parallel block
+        q, k, v = ops.linear(h, *b.qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        q = ops.rotary(q.view(1, t, hq, hd).transpose(1, 2), cos, sin, rot)
+        k = ops.rotary(k.view(1, t, hkv, hd).transpose(1, 2), cos, sin, rot)
+        cache.k[i, :, :, pos:end] = k
+        cache.v[i, :, :, pos:end] = v.view(1, t, hkv, hd).transpose(1, 2)
+        keys, values = cache.k[i, :, :, :end], cache.v[i, :, :, :end]
+        if hkv != hq:
+            keys = keys.repeat_interleave(hq // hkv, dim=1)
+            values = values.repeat_interleave(hq // hkv, dim=1)
+        a = ops.attention(q, keys, values, causal=True, prefix_len=cfg.prefix_attn)
+        a = a.transpose(1, 2).reshape(1, t, d)
+        mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
+        x = ops.linear(a, *b.proj, residual=x + mlp)
+    return x
+
+
+def lm_logits(hidden: torch.Tensor, w: TextWeights, ops) -> torch.Tensor:
+    """Hidden states [..., dim] (before post_ln) -> logits [..., vocab], in float32 for sampling."""
+    return ops.linear(ops.layer_norm(hidden, *w.post_ln), *w.lm_head).float()

@@ -1,0 +1,148 @@
+"""Finding and reading Moondream 2 checkpoints, without executing any code from them.
+
+Two tensor namings exist for the same md2 tensors; both are normalised to the reference module
+names (`text.blocks.0.attn.qkv.weight`, `vision.pos_emb`, `region.coord_features`, ...):
+- current `vikhyatk/moondream2` releases: those names with a `model.` prefix;
+- older releases: `vision_encoder...`, `text_model...`, `region_model...` (mapped below; the Fourier
+  feature matrices are stored transposed there).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from photon_core.weights import hf_cache
+
+HF_REPO = "vikhyatk/moondream2"
+WEIGHTS_FILE = "model.safetensors"
+MD2_IDS = {"moondream2", HF_REPO}
+MD3_IDS = {"moondream3-preview", "moondream/moondream3-preview", "moondream3.1-9B-A2B",
+           "moondream/moondream3.1-9B-A2B"}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+# Older naming -> reference naming, applied in order (first match wins).
+_OLD_NAMES = [
+    (r"vision_encoder\.encoder\.model\.visual\.patch_embed\.linear\.", "vision.patch_emb."),
+    (r"vision_encoder\.encoder\.model\.visual\.pos_embed$", "vision.pos_emb"),
+    (r"vision_encoder\.encoder\.model\.visual\.norm\.", "vision.post_ln."),
+    (r"vision_encoder\.encoder\.model\.visual\.blocks\.(\d+)\.norm1\.", r"vision.blocks.\1.ln1."),
+    (r"vision_encoder\.encoder\.model\.visual\.blocks\.(\d+)\.norm2\.", r"vision.blocks.\1.ln2."),
+    (r"vision_encoder\.encoder\.model\.visual\.blocks\.", "vision.blocks."),
+    (r"vision_encoder\.projection\.mlp\.", "vision.proj_mlp."),
+    (r"text_model\.transformer\.embd\.wte\.weight$", "text.wte"),
+    (r"text_model\.transformer\.h\.(\d+)\.mixer\.Wqkv\.", r"text.blocks.\1.attn.qkv."),
+    (r"text_model\.transformer\.h\.(\d+)\.mixer\.out_proj\.", r"text.blocks.\1.attn.proj."),
+    (r"text_model\.transformer\.h\.", "text.blocks."),
+    (r"text_model\.lm_head\.ln\.", "text.post_ln."),
+    (r"text_model\.lm_head\.linear\.", "text.lm_head."),
+    (r"region_model\.coordinate_encoder\.", "region.coord_encoder."),
+    (r"region_model\.coordinate_decoder\.", "region.coord_decoder."),
+    (r"region_model\.coordinate_features\.weight$", "region.coord_features"),
+    (r"region_model\.size_features\.weight$", "region.size_features"),
+    (r"region_model\.", "region."),
+]
+_OLD_TRANSPOSED = {"region.coord_features", "region.size_features"}
+_MD3_MARKERS = ("experts", "tau_", "moe_quant", "coordinate_head", "size_head")
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    weights: Path          # the tensor file
+    folder: Path           # where config.json / tokenizer.json may sit next to it
+    config: dict | None    # parsed config.json, if there is one
+
+
+def _how_to_get() -> str:
+    return (f"Download the weights once with `huggingface-cli download {HF_REPO}` "
+            f"(or pass a folder holding {WEIGHTS_FILE} and tokenizer.json).")
+
+
+def _weights_in(folder: Path) -> Path | None:
+    for name in (WEIGHTS_FILE, "model.pt"):
+        if (folder / name).is_file():
+            return folder / name
+    found = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.pt"))
+    if len(found) > 1:
+        raise ValueError(f"{folder} holds several weight files ({[p.name for p in found]}); pass one of them")
+    return found[0] if found else None
+
+
+def resolve(path_or_id: str | Path) -> Checkpoint:
+    """A local file or folder, or a model id looked up in the Hugging Face cache (never downloaded)."""
+    name = str(path_or_id)
+    if name in MD3_IDS or "moondream3" in name.lower() and not Path(name).exists():
+        raise NotImplementedError(f"{name}: Moondream 3 (MoE) is not supported yet; use moondream2")
+    path = Path(name).expanduser()
+    if path.is_file():
+        weights, folder = path, path.parent
+    elif path.is_dir():
+        weights, folder = _weights_in(path), path
+        if weights is None:
+            raise FileNotFoundError(f"no {WEIGHTS_FILE} (or other .safetensors/.pt) in {path}. {_how_to_get()}")
+    elif name in MD2_IDS or re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        repo = HF_REPO if name in MD2_IDS else name
+        snap = hf_cache.find_snapshot(repo, WEIGHTS_FILE)
+        if snap is None:
+            raise FileNotFoundError(f"Moondream weights for {name!r} not found: {hf_cache.describe_search(repo)}. "
+                                    f"{_how_to_get()}")
+        weights, folder = snap / WEIGHTS_FILE, snap
+    else:
+        raise FileNotFoundError(f"{name!r} is neither a file, a folder, nor a known model id "
+                                f"({sorted(MD2_IDS)}). {_how_to_get()}")
+    config = None
+    if (folder / "config.json").is_file():
+        config = json.loads((folder / "config.json").read_text())
+    return Checkpoint(weights=weights, folder=folder, config=config)
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(str(path))
+    if path.suffix in (".pt", ".pth", ".bin"):
+        # weights_only refuses pickled code; mmap avoids a second copy of a multi-GB file.
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    raise ValueError(f"unsupported weights format {path.suffix!r} ({path}); expected .safetensors or .pt")
+
+
+def normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Either naming -> reference names, Fourier matrices as [in, features]."""
+    md3 = [k for k in tensors if any(m in k for m in _MD3_MARKERS)]
+    if md3:
+        raise NotImplementedError(f"this looks like a Moondream 3 (MoE) checkpoint ({md3[0]}, ...); "
+                                  "Moondream 3 is not supported yet")
+    out = {}
+    for key, t in tensors.items():
+        key = key.replace("._orig_mod", "")  # torch.compile'd training checkpoints
+        if key.startswith("model."):
+            key = key[len("model."):]
+        elif key.startswith(("vision_encoder.", "text_model.", "region_model.")):
+            for pat, rep in _OLD_NAMES:
+                new, n = re.subn("^" + pat, rep, key)
+                if n:
+                    key = new
+                    break
+            if key in _OLD_TRANSPOSED:
+                t = t.T
+        out[key] = t
+    return out
+
+
+def load_tensors(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    tensors = normalize_names(_read(path))
+    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in tensors.items()}

@@ -1,0 +1,310 @@
+"""Moondream skills on a small random checkpoint: result shapes, the decode protocol, input handling,
+loading (both namings, dtypes, config overrides) and the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import moondream_fixtures as mf
+from photon_core.models.moondream import load_moondream, region, text
+from photon_core.models.moondream import cli as mdcli
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mf.model()
+
+
+@pytest.fixture(scope="module")
+def image():
+    y, x = np.mgrid[0:240, 0:320]
+    return np.stack([x % 256, y % 256, (3 * x + y) % 256], -1).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def enc(model, image):
+    return model.encode_image(image)
+
+
+def _in_unit(*vals):
+    return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in vals)
+
+
+def test_all_skills_well_formed(model, enc):
+    det = model.detect(enc, "cup", max_objects=4)
+    assert set(det) == {"objects"} and len(det["objects"]) == 4  # the biased LM head never says eos
+    for o in det["objects"]:
+        assert set(o) == {"x_min", "y_min", "x_max", "y_max"} and _in_unit(*o.values())
+        assert o["x_min"] <= o["x_max"] and o["y_min"] <= o["y_max"]
+    pts = model.point(enc, "cup", max_objects=3)
+    assert set(pts) == {"points"} and len(pts["points"]) == 3
+    assert all(set(p) == {"x", "y"} and _in_unit(*p.values()) for p in pts["points"])
+    assert model.detect(enc, "cup", max_objects=0) == {"objects": []}
+    cap = model.caption(enc, length="short", max_tokens=6)["caption"]
+    assert isinstance(cap, str) and len(cap.split()) == 6  # WordLevel: one word per token, no eos drawn
+    ans = model.query(enc, "what is this ?", max_tokens=5)["answer"]
+    assert isinstance(ans, str) and len(ans.split()) == 5
+    assert model.model_id == "moondream2"
+
+
+def test_streaming_matches_plain(model, enc):
+    for skill, kw in (("caption", {"length": "long"}), ("query", {"question": "what is the robot ?"})):
+        plain = getattr(model, skill)(enc, max_tokens=7, **kw)
+        key = "caption" if skill == "caption" else "answer"
+        gen = getattr(model, skill)(enc, max_tokens=7, stream=True, **kw)[key]
+        assert not isinstance(gen, str)
+        pieces = list(gen)
+        assert len(pieces) > 1 and "".join(pieces) == plain[key]
+
+
+def test_sampling_settings(model, enc):
+    torch.manual_seed(0)
+    out = model.caption(enc, max_tokens=4, temperature=0.8, top_p=0.5)["caption"]
+    assert len(out.split()) == 4
+    for bad in ({"top_p": 0.0}, {"temperature": -1.0}, {"max_tokens": -1}):
+        with pytest.raises(ValueError):
+            model.caption(enc, **bad)
+    with pytest.raises(ValueError, match="length"):
+        model.caption(enc, length="huge")
+    with pytest.raises(ValueError):
+        model.query(enc, "")
+
+
+class Spy:
+    """Records text.forward / lm_logits / region calls made by the skills loop."""
+
+    def __init__(self, monkeypatch):
+        self.events = []
+        for mod, name in ((text, "forward"), (text, "lm_logits"), (region, "decode_coord"),
+                          (region, "decode_size"), (region, "encode_coord"), (region, "encode_size")):
+            real = getattr(mod, name)
+
+            def wrapped(*a, _real=real, _name=name, **k):
+                out = _real(*a, **k)
+                self.events.append((_name, a, out))
+                return out
+            monkeypatch.setattr(mod, name, wrapped)
+
+    def names(self):
+        return [e[0] for e in self.events]
+
+    def decode_steps(self):
+        return [e for e in self.events if e[0] == "forward" and e[1][0].shape[1] == 1]
+
+
+def _region_weights(folder):
+    sd = {k[len("model."):]: v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    return sd
+
+
+def _coord_embedding(sd, x):
+    f = 2 * math.pi * x * sd["region.coord_features"][0]
+    feats = torch.cat([f.cos(), f.sin()])
+    return feats @ sd["region.coord_encoder.weight"].T + sd["region.coord_encoder.bias"]
+
+
+def _size_embedding(sd, w, h):
+    f = 2 * math.pi * (torch.tensor([w, h]) @ sd["region.size_features"])
+    feats = torch.cat([f.cos(), f.sin()])
+    return feats @ sd["region.size_encoder.weight"].T + sd["region.size_encoder.bias"]
+
+
+@pytest.mark.parametrize("skill,steps", [("detect", 3), ("point", 2)])
+def test_decode_protocol(model, enc, monkeypatch, skill, steps):
+    n = 3
+    spy = Spy(monkeypatch)
+    result = getattr(model, skill)(enc, "cup", max_objects=n)
+    objs = result["objects" if skill == "detect" else "points"]
+    assert len(objs) == n
+    ev = spy.events
+    # Prefill of the prompt, then exactly `steps` single-token decode steps per object.
+    fwd = [e for e in ev if e[0] == "forward"]
+    tmpl = model.config.tokenizer.templates[skill]
+    assert fwd[0][1][0].shape[1] == len(tmpl["prefix"]) + len(mf.build_tokenizer().encode(" cup").ids) + 1
+    assert len(spy.decode_steps()) == steps * n
+    # The LM head runs once per object boundary (n objects + the final stop decision) and nowhere else.
+    assert spy.names().count("lm_logits") == n + 1
+    sd = _region_weights(mf.checkpoint())
+    last_hidden = None
+    for i, (name, args, out) in enumerate(ev):
+        if name == "forward":
+            last_hidden = out[:, -1]
+        elif name == "lm_logits":
+            # The LM head gets the hidden state before post_ln (it applies post_ln itself) ...
+            assert torch.equal(args[0], last_hidden)
+        elif name in ("decode_coord", "decode_size"):
+            # ... and the region heads read exactly that same state.
+            assert torch.equal(args[0], last_hidden)
+            # The decoded value is encoded and fed as the very next input embedding.
+            nxt = next(e for e in ev[i + 1:] if e[0] == "forward")
+            fed = nxt[1][0][0, 0]
+            expect = _coord_embedding(sd, out) if name == "decode_coord" else _size_embedding(sd, *out)
+            torch.testing.assert_close(fed, expect, rtol=1e-4, atol=1e-5)
+    # Results are the decoded values: centres from decode_coord, sizes from decode_size.
+    coords = [e[2] for e in ev if e[0] == "decode_coord"]
+    if skill == "point":
+        assert [(p["x"], p["y"]) for p in objs] == list(zip(coords[::2], coords[1::2]))
+    else:
+        sizes = [e[2] for e in ev if e[0] == "decode_size"]
+        for o, x, y, (w, h) in zip(objs, coords[::2], coords[1::2], sizes):
+            assert o["x_min"] == pytest.approx(min(max(x - w / 2, 0), 1)) and o["y_max"] == pytest.approx(min(max(y + h / 2, 0), 1))
+
+
+def test_hidden_before_post_ln(model, enc):
+    h = torch.randn(1, model.config.text.dim)
+    ln_w, ln_b = model.text_w.post_ln
+    lm_w, lm_b = model.text_w.lm_head
+    expect = torch.nn.functional.layer_norm(h, (h.shape[-1],), ln_w, ln_b) @ lm_w.T + lm_b
+    torch.testing.assert_close(text.lm_logits(h, model.text_w, model.ops), expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("skill,steps", [("detect", 3), ("point", 2)])
+def test_eos_only_at_object_boundary(model, enc, monkeypatch, skill, steps):
+    """Scripted LM head: eos is the top token at every call except the first K boundaries. If eos were
+    allowed (or the LM head consulted) inside an object, objects would be cut short."""
+    k, vocab = 2, model.config.text.vocab_size
+    calls = []
+
+    def scripted(hidden, w, ops):
+        logits = torch.zeros(1, vocab)
+        logits[0, mf.EOS_ID] = 10.0
+        logits[0, 1234] = 20.0  # not allowed at a boundary: the mask must ignore it
+        logits[0, mf.COORD_ID] = 15.0 if len(calls) < k else 5.0
+        calls.append(1)
+        return logits
+
+    monkeypatch.setattr(text, "lm_logits", scripted)
+    steps_seen = []
+    real_forward = text.forward
+    monkeypatch.setattr(text, "forward", lambda x, *a, **kw: steps_seen.append(x.shape[1]) or real_forward(x, *a, **kw))
+    out = getattr(model, skill)(enc, "cup", max_objects=10)
+    assert len(next(iter(out.values()))) == k
+    assert len(calls) == k + 1
+    assert steps_seen[1:] == [1] * (steps * k)
+
+
+def test_text_never_emits_answer_token_and_stops_at_eos(model, enc, monkeypatch):
+    vocab = model.config.text.vocab_size
+    calls = []
+
+    def scripted(hidden, w, ops):
+        logits = torch.zeros(1, vocab)
+        logits[0, mf.ANSWER_ID] = 100.0  # masked in text decoding
+        logits[0, 11] = 50.0  # "cup"
+        if len(calls) == 3:
+            logits[0, mf.EOS_ID] = 200.0
+        calls.append(1)
+        return logits
+
+    monkeypatch.setattr(text, "lm_logits", scripted)
+    assert model.query(enc, "what is this ?", max_tokens=50)["answer"] == "cup cup cup"
+
+
+def test_reused_encoding_and_input_kinds_agree(model, image, enc):
+    fresh = model.detect(image, "dog", max_objects=3)
+    assert model.detect(enc, "dog", max_objects=3) == fresh
+    assert model.detect(Image.fromarray(image), "dog", max_objects=3) == fresh
+    assert model.detect(np.ascontiguousarray(image[:, :, ::-1]), "dog", max_objects=3) != fresh  # BGR read as RGB
+    bgr_enc = model.encode_image(np.ascontiguousarray(image[:, :, ::-1]), channel_order="bgr")
+    assert model.detect(bgr_enc, "dog", max_objects=3) == fresh
+    rgba = np.concatenate([image, np.full(image.shape[:2] + (1,), 255, np.uint8)], -1)
+    assert model.point(rgba, "dog", max_objects=2) == model.point(enc, "dog", max_objects=2)
+    gray = model.point(image[:, :, 1].copy(), "dog", max_objects=2)["points"]
+    assert len(gray) == 2
+    torch.testing.assert_close(model.encode_image(image).k, enc.k, rtol=0, atol=0)
+
+
+def test_bad_images_raise_value_error(model):
+    for bad in (np.zeros((0, 5, 3), np.uint8), np.zeros((5, 5, 3), np.float32), np.zeros((5, 5, 5), np.uint8), "x.png"):
+        with pytest.raises(ValueError):
+            model.detect(bad, "cup")
+
+
+def test_large_frame(model):
+    img = np.random.default_rng(2).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
+    enc = model.encode_image(img)
+    assert enc.tiling == (2, 4) and enc.pos == 730
+    assert len(model.detect(enc, "cup", max_objects=2)["objects"]) == 2
+
+
+def test_both_namings_load_to_identical_outputs(model, image, enc):
+    old = load_moondream(mf.checkpoint("old"))
+    enc_old = old.encode_image(image)
+    assert torch.equal(enc_old.k, enc.k) and torch.equal(enc_old.v, enc.v)
+    assert old.detect(enc_old, "cup", max_objects=3) == model.detect(enc, "cup", max_objects=3)
+    assert old.caption(enc_old, max_tokens=5) == model.caption(enc, max_tokens=5)
+    with pytest.raises(ValueError, match="another model"):
+        old.detect(enc, "cup")
+
+
+def test_config_json_overrides_dims(tmp_path, image):
+    cfg = mf.small_config(vision_layers=1, text_layers=3)
+    cfg["text"]["ff_dim"] = 96
+    cfg["vision"]["enc_ff_dim"] = 48
+    folder = mf.write_checkpoint(tmp_path / "ck", config=cfg)
+    m = load_moondream(folder)
+    assert (m.config.text.n_layers, m.config.text.ff_dim, m.config.vision.enc_n_layers) == (3, 96, 1)
+    assert len(m.text_w.blocks) == 3 and m.text_w.blocks[0].fc1[0].shape == (96, 128)
+    assert len(m.point(image, "cup", max_objects=2)["points"]) == 2
+    # A config that disagrees with the tensors is refused with the offending names.
+    cfg["text"]["n_layers"] = 4
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="text.blocks.3"):
+        load_moondream(folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "float16"])
+def test_half_precision_loads_and_runs(image, dtype):
+    m = load_moondream(mf.checkpoint(), dtype=dtype)
+    assert m.text_w.wte.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)
+    out = m.detect(image, "cup", max_objects=2)["objects"]
+    assert len(out) == 2 and all(_in_unit(*o.values()) for o in out)
+
+
+def test_missing_tokenizer_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(mf.checkpoint() / "model.safetensors")
+    (folder / "config.json").symlink_to(mf.checkpoint() / "config.json")
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download moondream/starmie-v1"):
+        load_moondream(folder)
+
+
+def test_cli_detect_point_caption_query(tmp_path, image, capsys):
+    img_path = tmp_path / "in.png"
+    Image.fromarray(image).save(img_path)
+    parser = argparse.ArgumentParser()
+    mdcli.add_commands(parser.add_subparsers(dest="command", required=True))
+    ck = str(mf.checkpoint())
+    runs = [["detect", str(img_path), "cup", "--max-objects", "2", "--draw", str(tmp_path / "d.png")],
+            ["point", str(img_path), "cup", "--max-objects", "2", "--draw", str(tmp_path / "p.png")],
+            ["caption", str(img_path), "--max-tokens", "3"],
+            ["query", str(img_path), "what is this ?", "--max-tokens", "3"]]
+    outs = []
+    for argv in runs:
+        args = parser.parse_args(argv + ["--model", ck])
+        assert args.run(args) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert len(outs[0]["objects"]) == 2 and len(outs[1]["points"]) == 2
+    assert len(outs[2]["caption"].split()) == 3 and len(outs[3]["answer"].split()) == 3
+    drawn = np.asarray(Image.open(tmp_path / "d.png"))
+    assert drawn.shape == image.shape and not np.array_equal(drawn, image)
+    assert (tmp_path / "p.png").exists()
+
+
+def test_prompts_follow_the_published_templates(model):
+    from photon_core.models.moondream import skills
+    cup = mf.build_tokenizer().encode(" cup").ids
+    assert skills.object_prompt(model, "detect", "cup") == [1, 7235, 476, 2] + cup + [3]
+    assert skills.object_prompt(model, "point", "cup") == [1, 2581, 2] + cup + [3]
+    assert skills.caption_prompt(model, "short") == [1, 32708, 2, 12492, 3]
+    q = mf.build_tokenizer().encode("what is this ?").ids
+    assert skills.query_prompt(model, "what is this ?") == [1, 15381, 2] + q + [3, 3]
