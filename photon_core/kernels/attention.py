@@ -1,0 +1,197 @@
+"""Softmax attention: a tiled prefill kernel (causal + bidirectional prefix) and split-KV decode.
+
+Semantics are backends.reference.attention: q [B, H, Tq, D], k/v [B, H, Tk, D]; query i sits at absolute
+position Tk - Tq + i; with `causal` it sees keys <= its position, and the first `prefix_len` positions
+also see each other (Moondream's image-prefix block).
+
+* prefill: one program owns BLOCK_M queries of one (b, h) and streams keys in BLOCK_N blocks with the
+  online-softmax recurrence (running max m, normaliser l, accumulator acc [BLOCK_M, BLOCK_D]); QK^T and
+  PV use tl.dot in fp32 "ieee" precision. Causal programs stop at the last key any of their queries (or
+  the prefix) can see. Bytes: K and V re-read once per query block; Q read and O written once.
+* decode (Tq == 1, also cross-attention over encoder K/V): "flash decoding". Phase 1, grid (B*H, S):
+  program (bh, s) takes keys [s*chunk, min(L, (s+1)*chunk)) of its row in BLOCK_T blocks and writes a
+  partial (m, l, acc[D]). Phase 2, grid (B*H): merges the S partials with the usual rescaling. Per-row
+  lengths L come from device memory (`lengths`), so a KV cache of capacity T_max can be used directly.
+  Bytes: K and V read exactly once (L*D*4 each per row), partials S*(D+2)*4 written and read.
+The two device helpers `decode_partial` / `decode_merge` are shared with the megakernel (which passes
+CACHE=".cg": there the K/V and partials were written by other programs of the same launch).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from photon_core.kernels import new_output
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, TQ, TK, D, PREFIX, scale,
+                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    qb = tl.program_id(1)
+    qi = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    dd = tl.arange(0, BLOCK_D)
+    qmask = qi < TQ
+    dmask = dd < D
+    q = tl.load(q_ptr + bh * TQ * D + qi[:, None] * D + dd[None, :],
+                mask=qmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    qpos = TK - TQ + qi
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kv_end = TK
+    if CAUSAL:
+        kv_end = tl.minimum(TK, tl.maximum(TK - TQ + qb * BLOCK_M + BLOCK_M, PREFIX))
+    for k0 in range(0, kv_end, BLOCK_N):
+        kj = k0 + tl.arange(0, BLOCK_N)
+        kmask = kj < TK
+        kv_off = bh * TK * D + kj[:, None] * D + dd[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        ok = kmask[None, :]
+        if CAUSAL:
+            ok = ok & ((kj[None, :] <= qpos[:, None])
+                       | ((qpos[:, None] < PREFIX) & (kj[None, :] < PREFIX)))
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps m = -inf; guard the exp against inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + bh * TQ * D + qi[:, None] * D + dd[None, :], out,
+             mask=qmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = ""):
+    """Online softmax of one query (q_ptr, D values) over keys [start, end) of a [*, D] row-major
+    K/V block. Returns (m, l, acc[BLOCK_D]); an empty range gives (-inf, 0, 0)."""
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    q = tl.load(q_ptr + dd, mask=dmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        tmask = tt < end
+        off = tt[:, None].to(tl.int64) * D + dd[None, :]
+        k = tl.load(k_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
+                    cache_modifier=CACHE).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1) * scale
+        s = tl.where(tmask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        v = tl.load(v_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
+                    cache_modifier=CACHE).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def decode_merge(part_ptr, S, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = ""):
+    """Merge S partials stored as rows [m, l, acc[0:D]] of stride D + 2; returns out[BLOCK_D]."""
+    ss = tl.arange(0, BLOCK_S)
+    dd = tl.arange(0, BLOCK_D)
+    smask = ss < S
+    row = ss.to(tl.int64) * (D + 2)
+    m = tl.load(part_ptr + row, mask=smask, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(part_ptr + row + 1, mask=smask, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(part_ptr + row[:, None] + 2 + dd[None, :], mask=smask[:, None] & (dd[None, :] < D),
+                  other=0.0, cache_modifier=CACHE)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+    l_all = tl.sum(l * w, axis=0)
+    return tl.sum(acc * w[:, None], axis=0) / l_all
+
+
+@triton.jit
+def store_partial(part_ptr, m, l, acc, D, BLOCK_D: tl.constexpr):
+    dd = tl.arange(0, BLOCK_D)
+    # m and l are written through a 2-lane vector so one code path serves interpreter and GPU.
+    two = tl.arange(0, 2)
+    tl.store(part_ptr + two, tl.where(two == 0, m, l))
+    tl.store(part_ptr + 2 + dd, acc, mask=dd < D)
+
+
+@triton.jit
+def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, H, T_MAX, D, S, scale,
+                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    # A length past the cache capacity would read the next row's keys: clamp, as the megakernel does.
+    length = tl.minimum(tl.load(len_ptr + bh // H), T_MAX)
+    chunk = tl.cdiv(tl.cdiv(length, S), BLOCK_T) * BLOCK_T
+    start = tl.minimum(s * chunk, length)
+    end = tl.minimum(start + chunk, length)
+    base = bh * T_MAX * D
+    m, l, acc = decode_partial(q_ptr + bh * D, k_ptr + base, v_ptr + base, start, end, D, scale,
+                               BLOCK_T, BLOCK_D)
+    store_partial(part_ptr + (bh * S + s) * (D + 2), m, l, acc, D, BLOCK_D)
+
+
+@triton.jit
+def _decode_merge_kernel(part_ptr, o_ptr, S, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    out = decode_merge(part_ptr + bh * S * (D + 2), S, D, BLOCK_S, BLOCK_D)
+    dd = tl.arange(0, BLOCK_D)
+    tl.store(o_ptr + bh * D + dd, out, mask=dd < D)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor, scale: float | None = None,
+                     num_splits: int | None = None, block_t: int = 32) -> torch.Tensor:
+    """One query per (b, h): q [B, H, 1, D] over the first lengths[b] keys of k/v [B, H, T_max, D].
+    Every row must have lengths[b] >= 1 (an empty softmax is undefined)."""
+    b, h, tq, d = q.shape
+    if tq != 1:
+        raise ValueError("decode_attention takes exactly one query per row")
+    t_max = k_cache.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    if num_splits is None:
+        # Enough programs to fill a GPU at batch 1, but never splits shorter than a block.
+        num_splits = max(1, min(16, triton.cdiv(t_max, 4 * block_t)))
+    kc, vc = k_cache.contiguous(), v_cache.contiguous()
+    part = new_output((b * h, num_splits, d + 2), q.device, torch.float32)
+    out = new_output((b, h, 1, d), q.device, torch.float32)
+    bd = triton.next_power_of_2(d)
+    _decode_partial_kernel[(b * h, num_splits)](q.contiguous(), kc, vc, lengths.to(torch.int32).contiguous(),
+                                                part, h, t_max, d, num_splits, scale,
+                                                BLOCK_T=block_t, BLOCK_D=bd)
+    _decode_merge_kernel[(b * h,)](part, out, num_splits, d,
+                                   BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=bd)
+    return out.to(q.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              prefix_len: int = 0, scale: float | None = None) -> torch.Tensor:
+    """Same contract as backends.reference.attention."""
+    b, h, tq, d = q.shape
+    tk = k.shape[2]
+    if k.shape != (b, h, tk, d) or v.shape != k.shape:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    if tq == 1:
+        # The single query is the last position: causal or not, it sees every key.
+        lengths = torch.full((b,), tk, device=q.device, dtype=torch.int32)
+        return decode_attention(q, k, v, lengths, scale)
+    out = new_output((b, h, tq, d), q.device, torch.float32)
+    bm, bn = 16, 16
+    _prefill_kernel[(b * h, triton.cdiv(tq, bm))](q.contiguous(), k.contiguous(), v.contiguous(), out,
+                                                 tq, tk, d, prefix_len, scale, CAUSAL=causal,
+                                                 BLOCK_M=bm, BLOCK_N=bn,
+                                                 BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return out.to(q.dtype)

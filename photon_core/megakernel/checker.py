@@ -1,0 +1,139 @@
+"""Static checks of a task graph before it is ever launched.
+
+A bad graph on the GPU is a hang (a program spinning on a counter nobody will raise) or a silent race;
+under the interpreter it is a hang too. So the host proves, for every graph it builds:
+
+1. well-formed: known ops, targets >= 1, counters that exist;
+2. acyclic: the relation "signaler of c -> waiter on c" has no cycle (Kahn's algorithm);
+3. every wait satisfiable by EARLIER tasks: tasks are claimed in list order, and a program never
+   gives its task up, so a wait that needs a later task deadlocks once all programs are busy (and
+   always under the interpreter, which runs one program to completion after another);
+4. race-free: any two tasks touching an overlapping state region, one of them writing, are ordered by
+   a chain of waits. A wait orders a task after the signalers of a counter only when its target is the
+   counter's total number of signalers (otherwise which ones finished is unknown), so only such
+   waits count as ordering edges.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+
+from photon_core.megakernel.graph import OP_NAMES, TaskGraph
+
+
+class GraphError(ValueError):
+    pass
+
+
+def check(graph: TaskGraph) -> None:
+    """Raise GraphError with a precise message if the graph is not safe to launch."""
+    tasks = graph.tasks
+    if not tasks:
+        raise GraphError(f"{graph.model}: empty graph")
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})[:3]
+        raise GraphError(f"{graph.model}: duplicate task names {dup}")
+    signalers: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(tasks):
+        if t.op not in OP_NAMES:
+            raise GraphError(f"task {i} {t.name!r}: unknown op {t.op}")
+        if t.signal is not None:
+            if t.signal not in graph.counters:
+                raise GraphError(f"task {i} {t.name!r}: signals unknown counter {t.signal!r}")
+            signalers[t.signal].append(i)
+        for c, target in t.waits:
+            if c not in graph.counters:
+                raise GraphError(f"task {i} {t.name!r}: waits on unknown counter {c!r}")
+            if target < 1:
+                raise GraphError(f"task {i} {t.name!r}: wait target {target} on {c!r} must be >= 1")
+
+    # Ordering edges, and the cycle check over them (all waits, whatever their target).
+    succ: dict[int, set[int]] = defaultdict(set)
+    indeg = [0] * len(tasks)
+    for i, t in enumerate(tasks):
+        for c, _ in t.waits:
+            for j in signalers[c]:
+                if i not in succ[j]:
+                    succ[j].add(i)
+                    indeg[i] += 1
+    queue = deque(i for i in range(len(tasks)) if indeg[i] == 0)
+    seen = 0
+    while queue:
+        j = queue.popleft()
+        seen += 1
+        for i in succ[j]:
+            indeg[i] -= 1
+            if indeg[i] == 0:
+                queue.append(i)
+    if seen != len(tasks):
+        stuck = [tasks[i].name for i in range(len(tasks)) if indeg[i] > 0][:6]
+        raise GraphError(f"{graph.model}: dependency cycle; tasks on or behind it include {stuck}")
+
+    for i, t in enumerate(tasks):
+        for c, target in t.waits:
+            total = len(signalers[c])
+            earlier = sum(1 for j in signalers[c] if j < i)
+            if target > total:
+                raise GraphError(f"task {i} {t.name!r}: waits for {c!r} to reach {target} but only {total} "
+                                 "tasks ever signal it: the wait can never be satisfied")
+            if target > earlier:
+                raise GraphError(f"task {i} {t.name!r}: waits for {c!r} to reach {target} but only {earlier} "
+                                 f"of its signalers come earlier in the list: a later task must run first, "
+                                 "which deadlocks the persistent kernel")
+
+    # Happens-before as bitsets of ancestors and descendants. Ordering edges only go from lower to
+    # higher list index (checked above), so one forward and one backward pass suffice.
+    anc = [0] * len(tasks)
+    ordered_succ: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(tasks):
+        a = 0
+        for c, target in t.waits:
+            if target >= len(signalers[c]):
+                for j in signalers[c]:
+                    a |= anc[j] | (1 << j)
+                    ordered_succ[j].append(i)
+        anc[i] = a
+    desc = [0] * len(tasks)
+    for j in range(len(tasks) - 1, -1, -1):
+        dsc = 0
+        for i in ordered_succ[j]:
+            dsc |= desc[i] | (1 << i)
+        desc[j] = dsc
+
+    accesses: dict[str, list[tuple[int, int, int, bool]]] = defaultdict(list)
+    for i, t in enumerate(tasks):
+        for r in t.reads:
+            accesses[r.buffer].append((r.start, r.end, i, False))
+        for r in t.writes:
+            accesses[r.buffer].append((r.start, r.end, i, True))
+    for buf, acc in accesses.items():
+        acc.sort()
+        # Sweep by start offset over the accesses still open there (heaps by end), with the open
+        # tasks also kept as bitsets: an access races with any open task (any open writer, for a
+        # read) that is neither its ancestor nor its descendant, so each access costs a few big-int
+        # operations however many thousands of tile tasks read the same rows.
+        heaps: tuple[list, list] = ([], [])
+        counts: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        masks = [0, 0]
+        for a0, a1, ai, aw in acc:
+            for kind in (0, 1):
+                heap, cnt = heaps[kind], counts[kind]
+                while heap and heap[0][0] <= a0:
+                    _, _, bi = heapq.heappop(heap)
+                    cnt[bi] -= 1
+                    if cnt[bi] == 0:
+                        masks[kind] &= ~(1 << bi)
+            candidates = (masks[1] | (masks[0] if aw else 0)) & ~(1 << ai)
+            bad = candidates & ~(anc[ai] | desc[ai])
+            if bad:
+                bi = (bad & -bad).bit_length() - 1
+                b0, b1 = next((s0, e) for kind in (1, 0) for e, s0, k in heaps[kind] if k == bi)
+                i, j = min(ai, bi), max(ai, bi)
+                raise GraphError(
+                    f"race on {buf}[{max(a0, b0)}:{min(a1, b1)}]: task {i} {tasks[i].name!r} and task {j} "
+                    f"{tasks[j].name!r} access it (one writes) but no chain of waits orders them")
+            kind = 1 if aw else 0
+            heapq.heappush(heaps[kind], (a1, a0, ai))
+            counts[kind][ai] = counts[kind].get(ai, 0) + 1
+            masks[kind] |= 1 << ai

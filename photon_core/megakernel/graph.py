@@ -1,0 +1,143 @@
+"""Task graphs for the decode megakernel.
+
+A graph is one model's decode step at one batch bucket (1, 2, 4 or 8 rows), cut into tasks: tiles of
+fused ops (e.g. "LayerNorm + QKV projection + KV-cache append for output columns 64..127"). Tasks are
+listed in a topological order. Each task may wait on up to two dependency counters (until each reaches
+its target) and increments at most one counter when done. The persistent kernel (kernel.py) claims
+tasks in list order, so any program only ever waits on tasks claimed before its own.
+
+Every task also declares the state regions it reads and writes (buffer name, [start, end) in
+elements), so checker.py can prove that every pair of conflicting accesses is ordered by the counters.
+The host encodes the graph as an int64 table [num_tasks, NUM_FIELDS], one row per task; unused fields
+hold -1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Op codes understood by kernel.py.
+OP_EMBED = 1          # x[:, n0:n0+BN] = tok_emb[token] + pos_emb[position]
+OP_LINEAR = 2         # [LN] -> x @ W.T tile -> +bias -> act -> +residual -> plain / QKV-scatter / LM-head store
+OP_ATTN_PARTIAL = 3   # one query, keys of split s of S, for (b, h): writes (m, l, acc)
+OP_ATTN_MERGE = 4     # merge the S partials of (b, h) into the attention output
+OP_ARGMAX_REDUCE = 5  # merge the LM-head tiles' (max, index) into tokens; optionally advance the step
+OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
+            OP_ATTN_MERGE: "attn_merge", OP_ARGMAX_REDUCE: "argmax_reduce"}
+
+# Store modes of OP_LINEAR.
+MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2
+# Sequence-length sources of OP_ATTN_PARTIAL.
+LEN_SELF, LEN_CROSS = 0, 1
+
+# Column of each field in the encoded task table. kernel.py uses the same indices.
+FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
+          "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
+          "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
+          "lenkind")
+F = {name: i for i, name in enumerate(FIELDS)}
+NUM_FIELDS = 40  # padded; rows stay 320-byte aligned
+
+# Layout of the int32 dynamic buffer (per-step values, written by the host or by the kernel itself):
+# [0:B] tokens, [B:2B] positions (of the token being decoded), [2B:3B] cross-attention lengths.
+DYN_TOKENS, DYN_POSITIONS, DYN_CROSS_LEN = 0, 1, 2
+# Layout of the int32 control buffer: [0] claim counter, [1] error flag (first failed task + 1),
+# [2:] dependency counters. All of it must be zero at launch.
+CTRL_CLAIM, CTRL_ERROR, CTRL_COUNTERS = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Region:
+    buffer: str
+    start: int
+    end: int
+
+    def overlaps(self, other: "Region") -> bool:
+        return self.buffer == other.buffer and self.start < other.end and other.start < self.end
+
+
+@dataclass
+class Task:
+    name: str
+    op: int
+    args: dict[str, int]
+    waits: list[tuple[str, int]] = field(default_factory=list)
+    signal: str | None = None
+    reads: list[Region] = field(default_factory=list)
+    writes: list[Region] = field(default_factory=list)
+
+
+@dataclass
+class Arena:
+    """Bump allocator of named regions inside one flat fp32 buffer."""
+    name: str
+    size: int = 0
+    regions: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def alloc(self, key: str, numel: int, align: int = 16) -> int:
+        if key in self.regions:
+            raise KeyError(f"{self.name}: region {key!r} allocated twice")
+        off = -(-self.size // align) * align
+        self.regions[key] = (off, numel)
+        self.size = off + numel
+        return off
+
+    def off(self, key: str) -> int:
+        return self.regions[key][0]
+
+    def region(self, key: str, start: int = 0, end: int | None = None) -> Region:
+        off, numel = self.regions[key]
+        end = numel if end is None else end
+        if not 0 <= start <= end <= numel:
+            raise ValueError(f"{self.name}: [{start}, {end}) is outside region {key!r} of {numel}")
+        return Region(self.name, off + start, off + end)
+
+
+@dataclass
+class TaskGraph:
+    model: str
+    batch: int
+    tasks: list[Task] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def counter(self, name: str) -> str:
+        self.counters.setdefault(name, len(self.counters))
+        return name
+
+    def add(self, task: Task) -> Task:
+        for c, _ in task.waits:
+            self.counter(c)
+        if task.signal is not None:
+            self.counter(task.signal)
+        self.tasks.append(task)
+        return task
+
+    def signalers(self, counter: str) -> int:
+        return sum(1 for t in self.tasks if t.signal == counter)
+
+    def encode(self) -> torch.Tensor:
+        """The int64 table the kernel reads; call checker.check(graph) first."""
+        table = torch.full((len(self.tasks), NUM_FIELDS), -1, dtype=torch.int64)
+        for i, t in enumerate(self.tasks):
+            if len(t.waits) > 2:
+                raise ValueError(f"task {t.name}: at most two waits are encoded, got {len(t.waits)}")
+            row = table[i]
+            row[F["op"]] = t.op
+            for j, (c, target) in enumerate(t.waits):
+                row[F[f"w{j}"]] = self.counters[c]
+                row[F[f"t{j}"]] = target
+            if t.signal is not None:
+                row[F["sig"]] = self.counters[t.signal]
+            for k, v in t.args.items():
+                if k not in F or F[k] < F["M"]:
+                    raise KeyError(f"task {t.name}: unknown argument {k!r}")
+                row[F[k]] = int(v)
+        return table
+
+    def summary(self) -> str:
+        by_op: dict[str, int] = {}
+        for t in self.tasks:
+            by_op[OP_NAMES.get(t.op, str(t.op))] = by_op.get(OP_NAMES.get(t.op, str(t.op)), 0) + 1
+        return (f"{self.model} batch {self.batch}: {len(self.tasks)} tasks, {len(self.counters)} counters, "
+                + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items())))

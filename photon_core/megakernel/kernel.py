@@ -1,0 +1,349 @@
+"""The persistent decode megakernel: ONE launch runs a whole task graph (graph.py).
+
+Each program loops: claim the next task index with tl.atomic_add on the claim counter; wait until the
+task's dependency counters reach their targets (acquire loads, done as atomic_add(ptr, 0)); run the
+task; make its stores visible (barrier, then a release atomic_add on its counter). Tasks are claimed in
+topological order, so a waiting program only waits on tasks already claimed by running programs: with
+no more programs than can be resident at once, that cannot deadlock; under TRITON_INTERPRET=1 (programs
+run one after another) program 0 simply runs every task in order.
+
+Data lives in three flat buffers, addressed by element offsets from the task table: the fp32 weights
+arena, the fp32 state arena (residual stream, activations, KV caches, partials, logits) and the int32
+dyn buffer of per-step values (tokens, positions, cross lengths; graph.DYN_*). Nothing step-dependent is
+a kernel argument, so the launch (plus the zeroing of the control buffer) can be captured in a CUDA
+graph and replayed; with `advance` the argmax task writes the next token and position itself.
+
+What one task moves (fp32, M rows, tile width BN): linear tile N_tile*K*4 weight bytes + M*K*4
+activations (+ LN: another M*K*4 pass for the statistics); attention partial 2*chunk*Dh*4; merge
+S*(Dh+2)*4; embed 2*M*BN*4. Waits are bounded by `spin_limit` iterations: a wait that times out sets the
+error flag (task index + 1) and the task is skipped rather than hanging the GPU; the host raises.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
+from photon_core.kernels.linear import apply_activation
+from photon_core.megakernel.graph import (CTRL_COUNTERS, CTRL_ERROR, NUM_FIELDS, F, TaskGraph)
+
+# Loads of data other programs wrote during this launch bypass L1 (".cg": cached in L2 only), so no
+# SM can read a stale line of an activation, cache entry or partial; weights keep the default path.
+CG: tl.constexpr = tl.constexpr(".cg")
+
+# The jit code reads fields by literal column; this pins those literals to graph.FIELDS.
+assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
+                       "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
+                       "ntiles", "bi", "hi", "s", "S", "lenkind")] == list(range(1, 33))
+
+
+@triton.jit
+def _wait(ctr_ptr, target, spin_limit):
+    v = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+    n = 0
+    while (v < target) & (n < spin_limit):
+        v = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+        n += 1
+    return v >= target
+
+
+@triton.jit
+def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    M = tl.load(row + 6)
+    N = tl.load(row + 8)
+    n0 = tl.load(row + 9)
+    tok_off = tl.load(row + 11)
+    pos_off = tl.load(row + 12)
+    out = tl.load(row + 18)
+    rows = tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < N)
+    tok = tl.load(dyn_ptr + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
+    pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
+    e = tl.load(w_ptr + tok_off + tok[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(w_ptr + pos_off + pos[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(s_ptr + out + rows[:, None].to(tl.int64) * N + cols[None, :], e + p, mask=mask)
+
+
+@triton.jit
+def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    M = tl.load(row + 6)
+    K = tl.load(row + 7)
+    N = tl.load(row + 8)
+    n0 = tl.load(row + 9)
+    x_off = tl.load(row + 10)
+    w_off = tl.load(row + 11)
+    b_off = tl.load(row + 12)
+    lnw = tl.load(row + 13)
+    lnb = tl.load(row + 14)
+    act = tl.load(row + 15)
+    res = tl.load(row + 16)
+    mode = tl.load(row + 17)
+    out = tl.load(row + 18)
+    rows = tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = s_ptr + x_off + rows[:, None].to(tl.int64) * K
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if lnw >= 0:
+        # LayerNorm fused in: every tile recomputes its rows' statistics (M*K reads, tiny next to the
+        # N_tile*K weight bytes) instead of waiting on a separate norm task.
+        s1 = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            xm = rmask[:, None] & (kk[None, :] < K)
+            s1 += tl.sum(tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), axis=1)
+        mean = s1 / K
+        s2 = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            xm = rmask[:, None] & (kk[None, :] < K)
+            xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+            xc = tl.where(xm, xv - mean[:, None], 0.0)
+            s2 += tl.sum(xc * xc, axis=1)
+        rstd = 1.0 / tl.sqrt(s2 / K + ln_eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        kmask = kk < K
+        xm = rmask[:, None] & kmask[None, :]
+        x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+        if lnw >= 0:
+            g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
+            # A LayerNorm without bias has lnb = -1: load from 0 and zero it (scalar masks are awkward).
+            be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
+                  * tl.where(lnb >= 0, 1.0, 0.0))
+            x = tl.where(xm, (x - mean[:, None]) * rstd[:, None] * g[None, :] + be[None, :], 0.0)
+        w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * K + kk[None, :],
+                    mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    omask = rmask[:, None] & cmask[None, :]
+    if b_off >= 0:
+        acc += tl.load(w_ptr + b_off + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, act)
+    flat = rows[:, None].to(tl.int64) * N + cols[None, :]
+    if res >= 0:
+        acc += tl.load(s_ptr + res + flat, mask=omask, other=0.0, cache_modifier=CG)
+    if mode == 0:
+        tl.store(s_ptr + out + flat, acc, mask=omask)
+    elif mode == 1:
+        # QKV: columns [0, D) are q (row-major [M, D] at out), [D, 2D) / [2D, 3D) go straight into the
+        # K / V caches [B, H, Tmax, Dh] at each row's position: the cache append costs no extra task.
+        kc = tl.load(row + 19)
+        vc = tl.load(row + 20)
+        H = tl.load(row + 21)
+        Dh = tl.load(row + 22)
+        Tmax = tl.load(row + 23)
+        D = N // 3
+        sec = cols // D
+        within = cols - sec * D
+        h = within // Dh
+        j = within - h * Dh
+        pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
+        cache = ((rows[:, None].to(tl.int64) * H + h[None, :]) * Tmax + pos[:, None]) * Dh + j[None, :]
+        q_addr = out + rows[:, None].to(tl.int64) * D + within[None, :]
+        addr = tl.where(sec[None, :] == 0, q_addr, tl.where(sec[None, :] == 1, kc + cache, vc + cache))
+        ok = omask & ((sec[None, :] == 0) | (pos[:, None] < Tmax))
+        tl.store(s_ptr + addr, acc, mask=ok)
+    else:
+        # LM head: optional per-row additive logit bias (suppression masks), logits, and this tile's
+        # (max, first index) per row for the argmax reduction.
+        rb = tl.load(row + 26)
+        if rb >= 0:
+            acc += tl.load(s_ptr + rb + flat, mask=omask, other=0.0, cache_modifier=CG)
+        tl.store(s_ptr + out + flat, acc, mask=omask)
+        tile = tl.load(row + 24)
+        part = tl.load(row + 25)
+        ntiles = tl.load(row + 27)
+        vals = tl.where(omask, acc, float("-inf"))
+        tmax = tl.max(vals, axis=1)
+        tidx = tl.min(tl.where(vals == tmax[:, None], cols[None, :], 2147483647), axis=1)
+        # An all -inf tile reports its first column, so an all-masked row still yields index 0.
+        tidx = tl.where(tidx == 2147483647, n0, tidx)
+        p = s_ptr + part + (rows.to(tl.int64) * ntiles + tile) * 2
+        tl.store(p, tmax, mask=rmask)
+        tl.store(p + 1, tidx.to(tl.float32), mask=rmask)
+
+
+@triton.jit
+def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    q_off = tl.load(row + 10)
+    stride = tl.load(row + 7)
+    kc = tl.load(row + 19)
+    vc = tl.load(row + 20)
+    H = tl.load(row + 21)
+    Dh = tl.load(row + 22)
+    Tmax = tl.load(row + 23)
+    part = tl.load(row + 25)
+    b = tl.load(row + 28)
+    h = tl.load(row + 29)
+    s = tl.load(row + 30)
+    S = tl.load(row + 31)
+    kind = tl.load(row + 32)
+    if kind == 0:
+        length = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64) + 1
+    else:
+        length = tl.load(dyn_ptr + 2 * B + b, cache_modifier=CG).to(tl.int64)
+    length = tl.minimum(length, Tmax)
+    chunk = tl.cdiv(tl.cdiv(length, S), BLOCK_T) * BLOCK_T
+    start = tl.minimum(s * chunk, length)
+    end = tl.minimum(start + chunk, length)
+    base = (b * H + h) * Tmax * Dh
+    scale = 1.0 / tl.sqrt(Dh.to(tl.float32))
+    m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, s_ptr + kc + base, s_ptr + vc + base,
+                               start, end, Dh, scale, BLOCK_T, BLOCK_D, CG)
+    store_partial(s_ptr + part + ((b * H + h) * S + s) * (Dh + 2), m, l, acc, Dh, BLOCK_D)
+
+
+@triton.jit
+def _task_attn_merge(row, s_ptr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    stride = tl.load(row + 7)
+    out = tl.load(row + 18)
+    H = tl.load(row + 21)
+    Dh = tl.load(row + 22)
+    part = tl.load(row + 25)
+    b = tl.load(row + 28)
+    h = tl.load(row + 29)
+    S = tl.load(row + 31)
+    o = decode_merge(s_ptr + part + (b * H + h) * S * (Dh + 2), S, Dh, BLOCK_S, BLOCK_D, CG)
+    dd = tl.arange(0, BLOCK_D)
+    tl.store(s_ptr + out + b * stride + h * Dh + dd, o, mask=dd < Dh)
+
+
+@triton.jit
+def _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
+    M = tl.load(row + 6)
+    advance = tl.load(row + 17)
+    part = tl.load(row + 25)
+    ntiles = tl.load(row + 27)
+    for m in range(0, M):
+        best = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.full([], 0, tl.int32)
+        for t0 in range(0, ntiles, BLOCK_R):
+            tt = t0 + tl.arange(0, BLOCK_R)
+            ok = tt < ntiles
+            p = s_ptr + part + (m * ntiles + tt.to(tl.int64)) * 2
+            v = tl.load(p, mask=ok, other=float("-inf"), cache_modifier=CG)
+            i = tl.load(p + 1, mask=ok, other=0.0, cache_modifier=CG).to(tl.int32)
+            bmax = tl.max(v, axis=0)
+            bi = tl.min(tl.where(ok & (v == bmax), i, 2147483647), axis=0)
+            better = bmax > best
+            best_i = tl.where(better, bi, best_i)
+            best = tl.where(better, bmax, best)
+        tl.store(out_ptr + m, best_i)
+        if advance != 0:
+            # Every reader of this step's token/position is ordered before this task (checker-proven),
+            # so the next step's values can be written in place: a replayed launch decodes onwards.
+            tl.store(dyn_ptr + m, best_i)
+            tl.store(dyn_ptr + B + m, tl.load(dyn_ptr + B + m, cache_modifier=CG) + 1)
+
+
+@triton.jit
+def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, B, ln_eps, spin_limit,
+                NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_R: tl.constexpr):
+    t = tl.atomic_add(ctrl_ptr, 1)
+    while t < num_tasks:
+        row = tasks_ptr + t.to(tl.int64) * NF
+        op = tl.load(row)
+        ok = tl.full([], 1, tl.int32)
+        c0 = tl.load(row + 1)
+        if c0 >= 0:
+            ok = _wait(ctrl_ptr + 2 + c0, tl.load(row + 2), spin_limit).to(tl.int32)
+        c1 = tl.load(row + 3)
+        if c1 >= 0:
+            ok = ok * _wait(ctrl_ptr + 2 + c1, tl.load(row + 4), spin_limit).to(tl.int32)
+        # All threads must see the producers' data before any of them reads it.
+        tl.debug_barrier()
+        if ok == 0:
+            tl.atomic_max(ctrl_ptr + 1, t + 1)
+        else:
+            if op == 2:
+                _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+            elif op == 3:
+                _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
+            elif op == 4:
+                _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
+            elif op == 1:
+                _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+            elif op == 5:
+                _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
+            else:
+                tl.atomic_max(ctrl_ptr + 1, t + 1)
+        # Every thread's stores must be done before the release that publishes them.
+        tl.debug_barrier()
+        sig = tl.load(row + 5)
+        if sig >= 0:
+            tl.atomic_add(ctrl_ptr + 2 + sig, 1, sem="release")
+        t = tl.atomic_add(ctrl_ptr, 1)
+
+
+def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int = 2) -> int:
+    """How many programs to launch: no more than can be resident at once. (Tasks are claimed when a
+    program starts running, so a program that is not yet resident holds no task and cannot block
+    anyone; staying within residency keeps every claimed task on an SM all the same.) Compiled for
+    sm_90 the kernel needs <= 234 registers x 128 threads and ~0.5 KB shared memory, so two programs
+    fit on every SM; more in-flight loads per SM is what a bandwidth-bound step needs."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(sms * programs_per_sm, num_tasks))
+    # Interpreter: programs run one after another; a few exercise the claim loop's exit path.
+    return max(1, min(4, num_tasks))
+
+
+class Megakernel:
+    """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
+
+    def __init__(self, graph: TaskGraph, weights: torch.Tensor, state: torch.Tensor, dyn: torch.Tensor,
+                 out: torch.Tensor, block_m: int, block_n: int, block_k: int, block_t: int,
+                 head_dim: int, max_splits: int, max_tiles: int, ln_eps: float = 1e-5,
+                 spin_limit: int | None = None) -> None:
+        from photon_core.megakernel.checker import check
+        check(graph)
+        self.graph = graph
+        dev = weights.device
+        if state.dtype != torch.float32 or not state.is_contiguous():
+            raise ValueError("megakernel state arena must be contiguous fp32")
+        if weights.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not weights.is_contiguous():
+            raise ValueError("megakernel weights arena must be contiguous fp32, bf16 or fp16")
+        self.tasks = graph.encode().to(dev)
+        self.ctrl = torch.zeros(CTRL_COUNTERS + max(1, len(graph.counters)), dtype=torch.int32, device=dev)
+        self.weights, self.state, self.dyn, self.out = weights, state, dyn, out
+        self.batch = graph.batch
+        self.ln_eps = ln_eps
+        self.num_programs = resident_programs(dev, len(graph.tasks))
+        interp = dev.type == "cpu"
+        # Under the interpreter any wait is satisfied at once or never: fail fast instead of hanging.
+        self.spin_limit = spin_limit if spin_limit is not None else (2 if interp else 1 << 30)
+        self.meta = dict(NF=NUM_FIELDS, BLOCK_M=max(1, triton.next_power_of_2(graph.batch)),
+                         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
+                         BLOCK_D=triton.next_power_of_2(head_dim),
+                         BLOCK_S=triton.next_power_of_2(max(1, max_splits)),
+                         BLOCK_R=min(1024, triton.next_power_of_2(max(1, max_tiles))))
+        if block_m and block_m < self.meta["BLOCK_M"]:
+            raise ValueError(f"block_m {block_m} < batch {graph.batch}")
+
+    def launch(self) -> None:
+        """Zero the control buffer and run the graph once (both capturable in a CUDA graph)."""
+        self.ctrl.zero_()
+        _megakernel[(self.num_programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
+                                          self.weights, self.state, self.out, self.batch, self.ln_eps,
+                                          self.spin_limit, **self.meta)
+
+    def raise_on_error(self) -> None:
+        """Synchronising check of the error flag (a timed-out wait skipped that task)."""
+        err = int(self.ctrl[CTRL_ERROR].item())
+        if err:
+            t = self.graph.tasks[err - 1]
+            raise RuntimeError(f"megakernel: task {err - 1} {t.name!r} gave up waiting on {t.waits} "
+                               "(a dependency was never signalled) or has an unknown op")
+        done = int(self.ctrl[0].item())
+        if done < len(self.graph.tasks):
+            raise RuntimeError(f"megakernel: only {done} of {len(self.graph.tasks)} tasks were claimed")

@@ -1,0 +1,156 @@
+"""Every Triton kernel against backends.reference on fresh random inputs, ragged shapes included.
+
+Runs on CPU under TRITON_INTERPRET=1 (set here before triton is imported). Outputs are poisoned
+(NaN / -1) before each kernel runs, so an element a kernel never writes fails the comparison.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+os.environ["PHOTON_POISON_OUTPUTS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import photon_core.kernels as K  # noqa: E402
+from photon_core.backends import reference as ref  # noqa: E402
+from photon_core.backends.select import get_backend  # noqa: E402
+
+K.POISON_OUTPUTS = True
+tri = get_backend("triton", "cpu")
+RTOL = 1e-4
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = RTOL) -> None:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.isfinite(a).all(), "kernel left unwritten (NaN) or non-finite elements"
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(abs(hash(request.node.name)) % (2**31))
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 5, 384)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm(shape, with_bias):
+    x = torch.randn(shape) * 3 + 1
+    w, b = torch.randn(shape[-1]), torch.randn(shape[-1]) if with_bias else None
+    close(tri.layer_norm(x, w, b, 1e-5), ref.layer_norm(x, w, b, 1e-5))
+
+
+@pytest.mark.parametrize("shape", [(2, 96), (3, 130)])
+def test_rms_norm_and_fused_residual(shape):
+    x, r, w, b = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1]), torch.randn(shape[-1])
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    close(tri.rms_norm(x, w, 1e-6), want)
+    y, s = tri.add_layer_norm(x, r, w, b, 1e-5)
+    close(s, x + r)
+    close(y, ref.layer_norm(x + r, w, b, 1e-5))
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 37])  # 1..16: GEMV path; 37: tiled path, ragged
+@pytest.mark.parametrize("kn", [(64, 96), (100, 77)])
+@pytest.mark.parametrize("act", [None, "gelu", "gelu_tanh"])
+def test_linear(m, kn, act):
+    k, n = kn
+    x, w, b, r = torch.randn(m, k), torch.randn(n, k) / k**0.5, torch.randn(n), torch.randn(m, n)
+    close(tri.linear(x, w, b, act, r), ref.linear(x, w, b, act, r))
+    close(tri.linear(x, w), ref.linear(x, w))
+
+
+def test_linear_batched_leading_dims():
+    x, w = torch.randn(2, 3, 48), torch.randn(40, 48)
+    close(tri.linear(x, w, activation="gelu"), ref.linear(x, w, activation="gelu"))
+
+
+@pytest.mark.parametrize("shape,rot", [((1, 2, 5, 32), 32), ((2, 3, 7, 64), 32), ((1, 1, 3, 24), 10)])
+def test_rotary(shape, rot):
+    x = torch.randn(shape)
+    ang = torch.randn(shape[-2], rot // 2)
+    close(tri.rotary(x, ang.cos(), ang.sin(), rot), ref.rotary(x, ang.cos(), ang.sin(), rot))
+
+
+def test_kv_append_per_row_positions():
+    b, h, t_max, d = 2, 3, 11, 20
+    kc, vc = torch.randn(b, h, t_max, d), torch.randn(b, h, t_max, d)
+    k, v = torch.randn(b, h, 2, d), torch.randn(b, h, 2, d)
+    pos = torch.tensor([0, 9], dtype=torch.int32)
+    want_k, want_v = kc.clone(), vc.clone()
+    for i, p in enumerate(pos.tolist()):
+        want_k[i, :, p:p + 2] = k[i]
+        want_v[i, :, p:p + 2] = v[i]
+    tri.kv_append(kc, vc, k, v, pos)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(ValueError):
+        tri.kv_append(kc, vc, k, v, torch.tensor([10, 0], dtype=torch.int32), check=True)
+
+
+@pytest.mark.parametrize("b,h,tq,tk,d,causal,prefix", [
+    (1, 2, 17, 17, 32, True, 0),      # causal prefill, ragged
+    (2, 1, 20, 20, 24, True, 7),      # bidirectional prefix block, D not a power of 2
+    (1, 2, 5, 33, 16, True, 0),       # queries are the last 5 of 33 positions
+    (1, 1, 9, 30, 64, False, 0),      # bidirectional (encoder)
+    (2, 3, 1, 45, 32, True, 0),       # decode through attention()
+])
+def test_attention(b, h, tq, tk, d, causal, prefix):
+    q, k, v = torch.randn(b, h, tq, d), torch.randn(b, h, tk, d), torch.randn(b, h, tk, d)
+    close(tri.attention(q, k, v, causal, prefix), ref.attention(q, k, v, causal, prefix))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_attention_split_kv_ragged_lengths(splits):
+    b, h, t_max, d = 3, 2, 70, 32
+    q, kc, vc = torch.randn(b, h, 1, d), torch.randn(b, h, t_max, d), torch.randn(b, h, t_max, d)
+    lengths = torch.tensor([1, 37, 70], dtype=torch.int32)
+    out = tri.decode_attention(q, kc, vc, lengths, num_splits=splits, block_t=16)
+    for i, n in enumerate(lengths.tolist()):
+        close(out[i:i + 1], ref.attention(q[i:i + 1], kc[i:i + 1, :, :n], vc[i:i + 1, :, :n]))
+
+
+@pytest.mark.parametrize("rows,v", [(1, 1000), (3, 2053), (2, 51)])
+def test_argmax_and_masked(rows, v):
+    x = torch.randn(rows, v)
+    x[0, 7] = x[0, v - 3] = x.max() + 1  # a tie: the first index must win, as in torch
+    assert torch.equal(tri.argmax(x), ref.argmax(x))
+    allowed = torch.rand(v) > 0.5
+    assert torch.equal(tri.argmax(x, allowed), ref.argmax(x, allowed))
+    none = torch.zeros(v, dtype=torch.bool)
+    assert torch.equal(tri.argmax(x, none), ref.argmax(x, none))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.3, 1.0), (1.0, 0.5)])
+def test_sampling_matches_definition(temperature, top_p):
+    from photon_core.kernels.sampling import sample_reference
+    x = torch.randn(4, 1500) * 2
+    u = torch.rand(4)
+    got = tri.sample(x, temperature, top_p, u)
+    assert torch.equal(got, sample_reference(x, temperature, top_p, u))
+    assert torch.equal(tri.sample(x, 0.0, 0.9, u), x.argmax(-1))
+
+
+def test_sampling_distribution_respects_nucleus():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(24, 1)
+    got = tri.sample(x, 1.0, 0.7, torch.rand(24))
+    assert set(got.tolist()) <= {0, 1}  # 0.5 + 0.3 >= 0.7: tokens 2 and 3 are outside the nucleus
+    assert {0, 1} <= set(got.tolist())
+
+
+def test_select_refuses_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        get_backend("triton", "cpu")
+    assert get_backend("auto", "cpu") is ref
+    with pytest.raises(ValueError):
+        get_backend("nope")
+
+
+def test_select_triton_and_megakernel_modules():
+    mega = get_backend("megakernel", "cpu")
+    for name in ("linear", "layer_norm", "attention", "rotary", "argmax"):
+        assert getattr(mega, name) is getattr(tri, name)
+        assert callable(getattr(ref, name))
+    assert hasattr(mega, "WhisperDecoderMegakernel")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        get_backend("triton", "mps")
