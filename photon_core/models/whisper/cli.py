@@ -1,0 +1,40 @@
+"""`python -m photon_core transcribe FILE.wav [--model whisper-tiny.en]`: the result as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from photon_core.audio_io import read_wav
+
+def _run(args: argparse.Namespace) -> int:
+    from . import load_whisper
+
+    try:
+        audio, rate = read_wav(args.file)
+        model = load_whisper(args.model, device=args.device, dtype=args.dtype)
+        result = model.transcribe(audio, rate, language=args.language,
+                                  timestamps=not args.no_timestamps,
+                                  initial_prompt=args.initial_prompt)
+    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    json.dump(result, sys.stdout, ensure_ascii=False, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("transcribe", help="speech to text with Whisper (JSON output)")
+    p.add_argument("file", help="audio file (WAV PCM 8/16/32-bit; more with soundfile)")
+    p.add_argument("--model", default="whisper-tiny.en",
+                   help="model name, local path, or Hugging Face id in the local cache")
+    p.add_argument("--language", default=None, help="language code (default: detect / en)")
+    p.add_argument("--no-timestamps", action="store_true", help="decode without timestamps")
+    p.add_argument("--initial-prompt", default=None, help="text to condition the first window on")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="encoder precision (default: bfloat16 on CPUs with AMX/AVX512-BF16, "
+                        "float32 otherwise)")
+    p.set_defaults(run=_run)

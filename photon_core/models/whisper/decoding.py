@@ -1,0 +1,149 @@
+"""Decoding one 30 s window: greedy (or temperature sampling for fallback) with Whisper's logit
+rules, following openai-whisper's DecodingTask so results match it token for token.
+
+Rules, in openai-whisper's order: blank/EOT suppressed at the first sampled position; non-speech
+and special tokens always suppressed; with timestamps, the timestamp grammar (pairs, monotonic,
+first token a timestamp <= 1 s, timestamp forced when their total probability beats any text
+token). The no-speech probability is read at the SOT position of the first forward pass.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import WhisperNet
+from .tokenizer import WhisperTokenizer
+
+MAX_INITIAL_TIMESTAMP_S = 1.0
+
+
+@dataclass
+class DecodeOptions:
+    language: str | None = "en"
+    without_timestamps: bool = False
+    temperature: float = 0.0
+    prompt: list[int] = field(default_factory=list)   # previous-text tokens (<|startofprev|>)
+    sample_len: int | None = None                     # default n_text_ctx // 2
+    generator: torch.Generator | None = None          # for temperature > 0
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]            # sampled tokens, EOT excluded (timestamps included)
+    text: str
+    avg_logprob: float
+    no_speech_prob: float
+    temperature: float
+    compression_ratio: float
+
+
+def compression_ratio(text: str) -> float:
+    """How well the text zips: repetition loops compress far better than speech."""
+    raw = text.encode("utf-8")
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
+
+
+class WindowDecoder:
+    """Per-model constants for decoding (suppression masks); `decode(features, options)`."""
+
+    def __init__(self, net: WhisperNet, tokenizer: WhisperTokenizer, time_precision: float):
+        self.net = net
+        self.tok = tokenizer
+        self.n_ctx = net.dims.n_text_ctx
+        self.n_vocab = net.dims.n_vocab
+        tok = tokenizer
+        suppress = set(tok.non_speech_tokens)
+        suppress |= {tok.transcribe, tok.translate, tok.sot, tok.sot_prev, tok.sot_lm}
+        if tok.no_speech is not None:
+            suppress.add(tok.no_speech)
+        self.suppress = torch.tensor(sorted(t for t in suppress if t < self.n_vocab))
+        self.blank = torch.tensor(tok.encode(" ") + [tok.eot])
+        self.max_initial_ts = round(MAX_INITIAL_TIMESTAMP_S / time_precision)
+
+    def initial_tokens(self, options: DecodeOptions) -> tuple[list[int], int]:
+        """Prompt tokens and the index of SOT in them."""
+        tok = self.tok
+        seq = tok.sot_sequence(options.language)
+        if options.without_timestamps:
+            seq = seq + [tok.no_timestamps]
+        if options.prompt:
+            prev = [tok.sot_prev] + list(options.prompt)[-(self.n_ctx // 2 - 1):]
+            return prev + seq, len(prev)
+        return seq, 0
+
+    def _apply_rules(self, logits: torch.Tensor, sampled: list[int], timestamps: bool) -> None:
+        """In-place -inf masking of one [vocab] logits row, given the tokens sampled so far."""
+        tok = self.tok
+        neg = float("-inf")
+        if not sampled:
+            logits[self.blank] = neg
+        logits[self.suppress] = neg
+        if not timestamps:
+            return
+        tb, eot = tok.timestamp_begin, tok.eot
+        logits[tok.no_timestamps] = neg
+        last_ts = len(sampled) >= 1 and sampled[-1] >= tb
+        penult_ts = len(sampled) < 2 or sampled[-2] >= tb
+        if last_ts:
+            if penult_ts:
+                logits[tb:] = neg          # a pair just closed: text must follow
+            else:
+                logits[:eot] = neg         # an open timestamp: close it (or end)
+        last_timestamp = next((t for t in reversed(sampled) if t >= tb), None)
+        if last_timestamp is not None:
+            # Non-decreasing timestamps; a segment must have non-zero length.
+            limit = last_timestamp if (last_ts and not penult_ts) else last_timestamp + 1
+            logits[tb:limit] = neg
+        if not sampled:
+            logits[:tb] = neg
+            logits[tb + self.max_initial_ts + 1:] = neg
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if logprobs[tb:].logsumexp(dim=-1) > logprobs[:tb].max():
+            logits[:tb] = neg
+
+    @torch.inference_mode()
+    def decode(self, features: torch.Tensor | None, options: DecodeOptions,
+               cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DecodeResult:
+        """Decode one window from its encoder output [1, n_audio_ctx, d], or from its
+        precomputed cross-attention K/V (`cross`, from net.cross_kv) when given."""
+        net, tok = self.net, self.tok
+        ops = net.ops
+        initial, sot_index = self.initial_tokens(options)
+        sample_len = options.sample_len or self.n_ctx // 2
+        timestamps = not options.without_timestamps
+        cache = net.new_cache(cross if cross is not None else net.cross_kv(features))
+        device = cache.k.device
+
+        hidden = net.decode(torch.tensor([initial], device=device), 0, cache)
+        first = net.logits(hidden[0, [sot_index, -1]])
+        no_speech_prob = float("nan")
+        if tok.no_speech is not None:
+            no_speech_prob = first[0].softmax(-1)[tok.no_speech].item()
+        logits = first[1]
+
+        sampled: list[int] = []
+        sum_logprob = 0.0
+        n_tokens = len(initial)
+        step = torch.empty(1, 1, dtype=torch.long, device=device)
+        for _ in range(sample_len):
+            self._apply_rules(logits, sampled, timestamps)
+            if options.temperature == 0:
+                nxt = int(ops.argmax(logits))
+            else:
+                probs = torch.softmax(logits / options.temperature, dim=-1)
+                nxt = int(torch.multinomial(probs, 1, generator=options.generator))
+            sum_logprob += torch.log_softmax(logits, dim=-1)[nxt].item()
+            if nxt == tok.eot:
+                break
+            sampled.append(nxt)
+            n_tokens += 1
+            if n_tokens > self.n_ctx:
+                break
+            step[0, 0] = nxt
+            logits = net.logits(net.decode(step, n_tokens - 1, cache))[0, -1]
+
+        text = tok.decode(sampled).strip()
+        return DecodeResult(sampled, text, sum_logprob / (len(sampled) + 1), no_speech_prob,
+                            options.temperature, compression_ratio(text))

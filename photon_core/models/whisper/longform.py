@@ -1,0 +1,156 @@
+"""Sequential transcription of audio of any length, as openai-whisper's `transcribe` does it.
+
+30 s windows over the log-mel of the whole clip (plus 30 s of zero audio, so the last window has
+real padding frames); each window is decoded with temperature fallback (a too-compressible text
+means a repetition loop, a low average log-prob means a guess), skipped when the model says
+"no speech" with low confidence in its text, cut into segments at consecutive timestamp pairs,
+and the next window starts at the last complete timestamp (or the window end). The text so far is
+fed back as the <|startofprev|> prompt unless a hot temperature was needed.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Sequence
+
+import torch
+
+from .decoding import DecodeOptions, DecodeResult, WindowDecoder
+from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, pad_or_trim
+
+DEFAULT_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+@dataclass
+class LongFormOptions:
+    language: str | None = "en"
+    timestamps: bool = True
+    temperatures: Sequence[float] = DEFAULT_TEMPERATURES
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+    # Guards beyond openai-whisper against its classic hallucinations on silence and noise
+    # ("you", "."): a strong no-speech vote skips the window even when the text looks confident,
+    # and text without a letter or digit is dropped. None/False reproduce openai-whisper exactly.
+    no_speech_hard_threshold: float | None = 0.9
+    drop_punctuation_only: bool = True
+    condition_on_previous_text: bool = True
+    initial_prompt_tokens: list[int] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class LongFormResult:
+    segments: list[dict]      # start, end, text, tokens, avg_logprob, no_speech_prob, ...
+    tokens: list[int]         # all emitted tokens, initial prompt excluded
+    no_speech_probs: list[float]
+
+
+def decode_with_fallback(decoder: WindowDecoder, cross: list, base: DecodeOptions,
+                         opts: LongFormOptions) -> DecodeResult:
+    """Decode at the first temperature whose result is neither a loop nor a low-confidence
+    guess; an honest "no speech" (high no-speech prob and low log-prob) is accepted as is."""
+    result = None
+    for t in opts.temperatures:
+        base.temperature = t
+        result = decoder.decode(None, base, cross=cross)
+        too_repetitive = (opts.compression_ratio_threshold is not None
+                          and result.compression_ratio > opts.compression_ratio_threshold)
+        low_logprob = (opts.logprob_threshold is not None
+                       and result.avg_logprob < opts.logprob_threshold)
+        silence = (opts.no_speech_threshold is not None and low_logprob
+                   and result.no_speech_prob > opts.no_speech_threshold)
+        if silence or not (too_repetitive or low_logprob):
+            break
+    assert result is not None, "temperatures must not be empty"
+    return result
+
+
+def transcribe_mel(decoder: WindowDecoder, encode: Callable[[torch.Tensor], torch.Tensor],
+                   mel: torch.Tensor, content_frames: int, opts: LongFormOptions,
+                   decode_context: Callable[[], ContextManager] = nullcontext) -> LongFormResult:
+    """`mel`: at least the first `content_frames` frames of
+    log_mel_spectrogram(audio, padding=N_SAMPLES) (see frontend.log_mel_content).
+    `decode_context` wraps each window's decoding (e.g. a thread count other than the
+    encoder's)."""
+    tok = decoder.tok
+    n_audio_ctx = decoder.net.dims.n_audio_ctx
+    input_stride = N_FRAMES // n_audio_ctx                       # mel frames per audio token
+    time_precision = input_stride * HOP_LENGTH / SAMPLE_RATE     # 0.02 s per timestamp step
+    tb = tok.timestamp_begin
+    generator = torch.Generator().manual_seed(opts.seed)
+
+    all_tokens = list(opts.initial_prompt_tokens)
+    n_initial = len(all_tokens)
+    prompt_reset_since = 0
+    segments: list[dict] = []
+    no_speech_probs: list[float] = []
+    seek = 0
+    while seek < content_frames:
+        time_offset = seek * HOP_LENGTH / SAMPLE_RATE
+        segment_size = min(N_FRAMES, content_frames - seek)
+        segment_duration = segment_size * HOP_LENGTH / SAMPLE_RATE
+        window = pad_or_trim(mel[:, seek:seek + segment_size], N_FRAMES)
+        # encoder and cross K/V on all threads; decoding may run under `decode_context`
+        cross = decoder.net.cross_kv(encode(window[None]))
+        base = DecodeOptions(language=opts.language, without_timestamps=not opts.timestamps,
+                             prompt=all_tokens[prompt_reset_since:], generator=generator)
+        with decode_context():
+            result = decode_with_fallback(decoder, cross, base, opts)
+        no_speech_probs.append(result.no_speech_prob)
+        tokens = result.tokens
+
+        if opts.no_speech_threshold is not None:
+            skip = result.no_speech_prob > opts.no_speech_threshold
+            if opts.logprob_threshold is not None and result.avg_logprob > opts.logprob_threshold:
+                skip = False   # confident text despite a "no speech" vote
+            if (opts.no_speech_hard_threshold is not None
+                    and result.no_speech_prob > opts.no_speech_hard_threshold):
+                skip = True
+            if skip:
+                seek += segment_size
+                continue
+
+        def segment(start: float, end: float, toks: list[int]) -> dict:
+            return {"start": start, "end": end, "text": tok.decode(toks), "tokens": toks,
+                    "temperature": result.temperature, "avg_logprob": result.avg_logprob,
+                    "compression_ratio": result.compression_ratio,
+                    "no_speech_prob": result.no_speech_prob}
+
+        is_ts = [t >= tb for t in tokens]
+        single_timestamp_ending = is_ts[-2:] == [False, True]
+        # a segment ends after each pair of consecutive timestamps <|t_end|><|t_start_next|>
+        consecutive = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
+        current: list[dict] = []
+        if consecutive:
+            slices = consecutive + ([len(tokens)] if single_timestamp_ending else [])
+            last = 0
+            for cut in slices:
+                piece = tokens[last:cut]
+                current.append(segment(time_offset + (piece[0] - tb) * time_precision,
+                                       time_offset + (piece[-1] - tb) * time_precision, piece))
+                last = cut
+            if single_timestamp_ending:
+                seek += segment_size
+            else:
+                # resume at the last complete timestamp: the words after it may be cut off
+                seek += (tokens[last - 1] - tb) * input_stride
+        else:
+            duration = segment_duration
+            stamps = [t for t in tokens if t >= tb]
+            if stamps and stamps[-1] != tb:
+                duration = (stamps[-1] - tb) * time_precision
+            current.append(segment(time_offset, time_offset + duration, tokens))
+            seek += segment_size
+
+        for seg in current:
+            blank = seg["text"].strip() == "" or (
+                opts.drop_punctuation_only and not any(c.isalnum() for c in seg["text"]))
+            if seg["start"] == seg["end"] or blank:
+                seg["text"], seg["tokens"] = "", []
+        segments.extend(current)
+        all_tokens.extend(t for seg in current for t in seg["tokens"])
+        if not opts.condition_on_previous_text or result.temperature > 0.5:
+            prompt_reset_since = len(all_tokens)   # a hot sample is no context to build on
+
+    return LongFormResult(segments, all_tokens[n_initial:], no_speech_probs)

