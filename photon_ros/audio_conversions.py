@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 from std_msgs.msg import Float32MultiArray, Int16MultiArray, MultiArrayDimension
 
+from photon_core.audio_io import pcm_to_float
 from photon_ros.msg import AudioChunk
 
 # dtype of one sample, and the scale that maps it to [-1, 1]
@@ -91,10 +92,7 @@ def _as_interleaved(samples: np.ndarray) -> tuple[np.ndarray, int]:
     raise ValueError(f"expected samples shaped [n] or [n, channels], got {samples.shape}")
 
 
-def _as_float(samples: np.ndarray) -> np.ndarray:
-    if samples.dtype == np.int16:
-        return samples.astype(np.float32) / 32768.0
-    return samples.astype(np.float32, copy=False)
+_as_float = pcm_to_float
 
 
 def pcm_to_audio_chunk(samples: np.ndarray, sample_rate: int, sample_format: str = AudioChunk.FORMAT_S16LE,

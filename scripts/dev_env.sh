@@ -14,4 +14,8 @@ export ROS_DOMAIN_ID="${ROS_DOMAIN_ID:-$(( 100 + $$ % 100 ))}"
 if [ -f "$_photon_root/install/setup.bash" ]; then
   . "$_photon_root/install/setup.bash"
 fi
+# The source tree first: the workspace holds copies of our Python packages that a rebuild
+# refreshes, and a developer edits the source (photon_ros.msg still comes from the workspace).
+case ":${PYTHONPATH:-}:" in *":$_photon_root:"*) ;;
+  *) export PYTHONPATH="$_photon_root${PYTHONPATH:+:$PYTHONPATH}" ;; esac
 unset _photon_root

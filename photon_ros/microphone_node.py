@@ -1,0 +1,90 @@
+"""Captures a microphone with `sounddevice` (PortAudio) and publishes AudioChunk on `audio`.
+
+Optional: needs `pip install sounddevice` and the PortAudio library (`apt install libportaudio2`).
+Without them, or without an input device, it says so and exits instead of publishing nothing.
+"""
+from __future__ import annotations
+
+import queue
+import sys
+import time
+
+import numpy as np
+import rclpy
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from std_msgs.msg import Header
+
+from photon_ros.audio_conversions import pcm_to_audio_chunk
+from photon_ros.msg import AudioChunk
+from photon_ros.result_messages import seconds_to_time
+
+
+def open_sounddevice():
+    try:
+        import sounddevice
+    except (ImportError, OSError) as err:
+        raise RuntimeError(f"sounddevice is not usable ({err}): `pip install sounddevice` and "
+                           "`apt install libportaudio2`, or play a file with wav_publisher") from None
+    return sounddevice
+
+
+class MicrophoneNode(Node):
+    def __init__(self, **kwargs) -> None:
+        super().__init__("microphone", **kwargs)
+        p = self.declare_parameter
+        device = p("device", "").value or None         # name or index; default input when empty
+        self.rate = p("sample_rate", 16000).value
+        channels = p("channels", 1).value
+        self.frame_id = p("frame_id", "microphone").value
+        block = int(self.rate * p("chunk_ms", 100).value / 1000)
+        sd = open_sounddevice()
+        if device is not None and str(device).isdigit():
+            device = int(device)
+        self.blocks: queue.Queue = queue.Queue(maxsize=100)
+        self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
+            depth=100, reliability=ReliabilityPolicy.RELIABLE))
+        # PortAudio calls back on its own thread; hand blocks over, publish from the executor.
+        self.stream = sd.InputStream(samplerate=self.rate, channels=channels, dtype="int16",
+                                     blocksize=block, device=device, callback=self.on_block)
+        self.stream.start()
+        self.create_timer(block / self.rate / 2, self.publish_pending)
+        self.get_logger().info(f"capturing {self.stream.device} at {self.rate} Hz")
+
+    def on_block(self, data: np.ndarray, frames: int, time_info, status) -> None:
+        captured = time.time() - frames / self.rate
+        try:
+            self.blocks.put_nowait((data.copy(), captured))
+        except queue.Full:
+            pass  # the executor is stalled; losing audio beats blocking the audio thread
+
+    def publish_pending(self) -> None:
+        while not self.blocks.empty():
+            data, captured = self.blocks.get_nowait()
+            header = Header(stamp=seconds_to_time(captured), frame_id=self.frame_id)
+            self.publisher.publish(pcm_to_audio_chunk(data, self.rate, AudioChunk.FORMAT_S16LE, header))
+
+    def destroy_node(self) -> None:
+        self.stream.close()
+        super().destroy_node()
+
+
+def main(args=None) -> None:
+    rclpy.init(args=args)
+    try:
+        node = MicrophoneNode()
+    except Exception as err:  # noqa: BLE001 - report why capture cannot start, then exit non-zero
+        print(f"microphone: {err}", file=sys.stderr)
+        rclpy.try_shutdown()
+        sys.exit(1)
+    try:
+        rclpy.spin(node)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Engine results (plain dicts from photon_core) -> our ROS messages, and time conversions."""
+from __future__ import annotations
+
+import math
+
+from builtin_interfaces.msg import Duration, Time
+from std_msgs.msg import Header
+
+from photon_ros.msg import (Detection, Detections, ImagePoint, Points, Transcript, TranscriptSegment,
+                            VisionText)
+
+
+def time_to_seconds(stamp: Time) -> float:
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def seconds_to_time(seconds: float) -> Time:
+    sec = math.floor(seconds)
+    return Time(sec=int(sec), nanosec=min(999_999_999, int(round((seconds - sec) * 1e9))))
+
+
+def seconds_to_duration(seconds: float) -> Duration:
+    sec = math.floor(seconds)
+    return Duration(sec=int(sec), nanosec=min(999_999_999, int(round((seconds - sec) * 1e9))))
+
+
+def transcript_message(result: dict, header: Header, *, audio_duration: float, processing_time: float,
+                       latency: float, prompt: str, model_id: str, is_final: bool = True) -> Transcript:
+    """A Transcript from `transcribe()`'s result; segment times stay relative to the utterance."""
+    return Transcript(
+        header=header,
+        text=result["text"].strip(),
+        segments=[TranscriptSegment(start=float(s["start"]), end=float(s["end"]), text=s["text"].strip())
+                  for s in result.get("segments", [])],
+        language=result.get("language") or "",
+        is_final=is_final,
+        audio_duration=seconds_to_duration(audio_duration),
+        processing_time=seconds_to_duration(processing_time),
+        latency=seconds_to_duration(latency),
+        prompt=prompt or "",
+        model_id=model_id,
+    )
+
+
+def detections_message(result: dict, header: Header, *, prompt: str, width: int, height: int,
+                       latency: float, model_id: str) -> Detections:
+    """Detections from `detect()`'s {"objects": [...]} (normalized boxes), with pixel boxes added."""
+    msg = Detections(header=header, prompt=prompt, model_id=model_id, image_width=width,
+                     image_height=height, latency=seconds_to_duration(latency))
+    for box in result["objects"]:
+        msg.detections.append(Detection(
+            label=prompt, score=float(box.get("score", math.nan)),
+            x_min=box["x_min"], y_min=box["y_min"], x_max=box["x_max"], y_max=box["y_max"],
+            x_min_px=box["x_min"] * width, y_min_px=box["y_min"] * height,
+            x_max_px=box["x_max"] * width, y_max_px=box["y_max"] * height))
+    return msg
+
+
+def points_message(result: dict, header: Header, *, prompt: str, width: int, height: int,
+                   latency: float, model_id: str) -> Points:
+    msg = Points(header=header, prompt=prompt, model_id=model_id, image_width=width,
+                 image_height=height, latency=seconds_to_duration(latency))
+    msg.points = [ImagePoint(label=prompt, x=p["x"], y=p["y"], x_px=p["x"] * width, y_px=p["y"] * height)
+                  for p in result["points"]]
+    return msg
+
+
+def vision_text_message(text: str, header: Header, *, task: str, prompt: str, latency: float,
+                        model_id: str) -> VisionText:
+    return VisionText(header=header, task=task, prompt=prompt, text=text.strip(), model_id=model_id,
+                      latency=seconds_to_duration(latency))
+
+
+def detection2d_array(msg: Detections):
+    """The same detections as vision_msgs/Detection2DArray, or None where vision_msgs is not
+    installed (it is not on PyPI; robots have it from apt)."""
+    try:
+        from vision_msgs.msg import Detection2D, Detection2DArray, ObjectHypothesisWithPose
+    except ImportError:
+        return None
+    out = Detection2DArray(header=msg.header)
+    for d in msg.detections:
+        det = Detection2D(header=msg.header)
+        det.bbox.center.position.x = (d.x_min_px + d.x_max_px) / 2.0
+        det.bbox.center.position.y = (d.y_min_px + d.y_max_px) / 2.0
+        det.bbox.size_x = float(d.x_max_px - d.x_min_px)
+        det.bbox.size_y = float(d.y_max_px - d.y_min_px)
+        hypothesis = ObjectHypothesisWithPose()
+        hypothesis.hypothesis.class_id = d.label
+        hypothesis.hypothesis.score = 0.0 if math.isnan(d.score) else float(d.score)
+        det.results.append(hypothesis)
+        out.detections.append(det)
+    return out

@@ -1,0 +1,220 @@
+"""Speech node: audio topic in, one Transcript per utterance out.
+
+    audio (photon_ros/AudioChunk by default; std_msgs/Int16MultiArray or Float32MultiArray with
+           input_type "int16" / "float32", their sample rate and channels given as parameters)
+      -> energy VAD cuts utterances (subscription callback, cheap)
+      -> bounded queue (oldest audio dropped, with a warning, when speech outruns the model)
+      -> worker thread: Whisper transcribe
+      -> transcript (photon_ros/Transcript), header stamped at the utterance's first sample.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import rclpy
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
+
+from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
+                                          int16_array_to_pcm)
+from photon_ros.msg import AudioChunk, Transcript
+from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
+from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter, Utterance
+from photon_ros.utterance_queue import UtteranceQueue
+
+INPUT_TYPES = {"audio_chunk": AudioChunk, "int16": Int16MultiArray, "float32": Float32MultiArray}
+# Rates outside this range are a malformed message, not audio we can use.
+MIN_RATE, MAX_RATE = 4000, 384000
+
+
+def load_speech_model(name: str, device: str):
+    """Imported here so the node starts (and reports) even when the engine cannot load."""
+    from photon_core.models.whisper import load_whisper
+
+    return load_whisper(name, device=device)
+
+
+class SpeechNode(Node):
+    def __init__(self, **kwargs) -> None:
+        super().__init__("speech", **kwargs)
+        p = self.declare_parameter
+        self.model_name = p("model", "whisper-tiny.en").value
+        self.device = p("device", "cpu").value
+        self.input_type = p("input_type", "audio_chunk").value
+        self.array_rate = p("sample_rate", 16000).value
+        self.array_channels = p("channels", 1).value
+        self.frame_id = p("frame_id", "").value
+        self.language = p("language", "").value or None
+        self.initial_prompt = p("initial_prompt", "").value
+        self.idle_flush_s = p("idle_flush_s", 0.8).value
+        defaults = SegmenterConfig()
+        self.vad_config = SegmenterConfig(
+            threshold_db=p("vad.threshold_db", defaults.threshold_db).value,
+            min_level_db=p("vad.min_level_db", defaults.min_level_db).value,
+            hangover_s=p("vad.hangover_s", defaults.hangover_s).value,
+            min_speech_s=p("vad.min_speech_s", defaults.min_speech_s).value,
+            max_utterance_s=p("vad.max_utterance_s", defaults.max_utterance_s).value)
+        if self.input_type not in INPUT_TYPES:
+            raise ValueError(f"input_type must be one of {sorted(INPUT_TYPES)}, got {self.input_type!r}")
+
+        self.queue = UtteranceQueue(p("max_pending_s", 60.0).value)
+        self.segmenter: SpeechSegmenter | None = None
+        self.last_frame_id = self.frame_id
+        self.last_audio_wall = 0.0
+        self.model = None
+        self.model_error: str | None = None
+        self.skipped_chunks = 0
+        self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
+
+        self.publisher = self.create_publisher(Transcript, "transcript", QoSProfile(
+            depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self.create_subscription(INPUT_TYPES[self.input_type], "audio", self.on_audio, QoSProfile(
+            depth=100, reliability=ReliabilityPolicy.RELIABLE))
+        self.create_timer(0.1, self.flush_if_idle)
+        self.create_timer(5.0, self.warn_on_type_mismatch)
+        self.stopping = threading.Event()
+        self.worker = threading.Thread(target=self.transcribe_loop, daemon=True)
+        self.worker.start()
+
+    # --- input: callback and timer (cheap) ---------------------------------------------------
+    def on_audio(self, msg) -> None:
+        try:
+            pcm, start, frame_id = self.decode(msg)
+        except ValueError as err:
+            self.skipped_chunks += 1
+            self.get_logger().warning(f"skipping audio chunk: {err}", throttle_duration_sec=5.0)
+            return
+        with self.lock:
+            if self.segmenter is None or self.segmenter.sample_rate != pcm.sample_rate:
+                self.restart_segmenter(pcm.sample_rate)
+            self.last_frame_id = frame_id
+            self.last_audio_wall = time.monotonic()
+            for utterance in self.segmenter.push(pcm.samples, start):
+                self.enqueue(utterance)
+
+    def decode(self, msg) -> tuple[Pcm, float, str]:
+        """PCM, capture time of its first sample, and frame id."""
+        if isinstance(msg, AudioChunk):
+            pcm = audio_chunk_to_pcm(msg)
+            start = time_to_seconds(msg.header.stamp)
+            frame_id = self.frame_id or msg.header.frame_id
+        else:
+            convert = int16_array_to_pcm if isinstance(msg, Int16MultiArray) else float32_array_to_pcm
+            pcm = convert(msg, self.array_rate, self.array_channels)
+            # No header on these: the chunk ended about now.
+            start = self.now_seconds() - pcm.samples.size / pcm.sample_rate
+            frame_id = self.frame_id
+        if not MIN_RATE <= pcm.sample_rate <= MAX_RATE:
+            raise ValueError(f"sample rate {pcm.sample_rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
+        if start <= 0.0:   # unstamped chunk: use arrival time
+            start = self.now_seconds() - pcm.samples.size / pcm.sample_rate
+        return pcm, start, frame_id
+
+    def restart_segmenter(self, sample_rate: int) -> None:
+        if self.segmenter is not None:
+            self.get_logger().info(f"sample rate changed {self.segmenter.sample_rate} -> {sample_rate} Hz")
+            tail = self.segmenter.flush()
+            if tail is not None:
+                self.enqueue(tail)
+        self.segmenter = SpeechSegmenter(sample_rate, self.vad_config)
+
+    def flush_if_idle(self) -> None:
+        with self.lock:
+            if (self.segmenter is not None and self.segmenter.in_speech
+                    and time.monotonic() - self.last_audio_wall > self.idle_flush_s):
+                utterance = self.segmenter.flush()
+                if utterance is not None:
+                    self.enqueue(utterance)
+
+    def warn_on_type_mismatch(self) -> None:
+        """Publishers of another type on our topic never reach us (DDS does not match them):
+        say so, since a silent speech node is the hardest failure to debug."""
+        expected = {"audio_chunk": "photon_ros/msg/AudioChunk", "int16": "std_msgs/msg/Int16MultiArray",
+                    "float32": "std_msgs/msg/Float32MultiArray"}[self.input_type]
+        topic = self.resolve_topic_name("audio")
+        for info in self.get_publishers_info_by_topic(topic):
+            if info.topic_type != expected:
+                self.get_logger().warning(
+                    f"{info.node_name} publishes {info.topic_type} on {topic}, but this node takes "
+                    f"{expected} (parameter input_type={self.input_type!r}); its audio is ignored",
+                    throttle_duration_sec=30.0)
+
+    def enqueue(self, utterance: Utterance) -> None:
+        utterance.seen_at = time.monotonic()
+        utterance.frame_id = self.last_frame_id
+        dropped = self.queue.put(utterance)
+        if dropped:
+            self.get_logger().warning(
+                f"speech arrives faster than it can be transcribed: dropped {len(dropped)} oldest "
+                f"utterance(s), {sum(u.duration for u in dropped):.1f} s of audio "
+                f"({self.queue.dropped} dropped so far)")
+
+    def now_seconds(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    # --- worker: the model ----------------------------------------------------------------------
+    def transcribe_loop(self) -> None:
+        try:
+            started = time.monotonic()
+            model = load_speech_model(self.model_name, self.device)
+            model.warmup()   # the first call in a process is 2-3x slower: pay it before speech arrives
+            self.model = model
+            self.get_logger().info(f"loaded {self.model.model_id} in {time.monotonic() - started:.1f} s")
+        except Exception as err:  # noqa: BLE001 - any load failure is reported, the node stays up
+            self.model_error = f"{type(err).__name__}: {err}"
+            self.get_logger().error(f"cannot load speech model {self.model_name!r}: {self.model_error}")
+        while not self.stopping.is_set():
+            utterance = self.queue.get(timeout=0.1)
+            if utterance is None:
+                continue
+            if self.model is None:
+                self.get_logger().warning("dropping an utterance: no speech model "
+                                          f"({self.model_error})", throttle_duration_sec=5.0)
+                continue
+            self.transcribe_one(utterance)
+
+    def transcribe_one(self, utterance: Utterance) -> None:
+        started = time.monotonic()
+        try:
+            result = self.model.transcribe(utterance.samples, utterance.sample_rate,
+                                           language=self.language,
+                                           initial_prompt=self.initial_prompt or None)
+        except Exception as err:  # noqa: BLE001 - one bad utterance must not stop the node
+            self.get_logger().error(f"transcription failed: {type(err).__name__}: {err}")
+            return
+        processing = time.monotonic() - started
+        if not result["text"].strip():
+            self.get_logger().debug(f"no speech in {utterance.duration:.1f} s of audio")
+            return
+        header = Header(stamp=seconds_to_time(utterance.start_time), frame_id=utterance.frame_id)
+        msg = transcript_message(result, header, audio_duration=utterance.duration,
+                                 processing_time=processing,
+                                 latency=time.monotonic() - utterance.seen_at,
+                                 prompt=self.initial_prompt, model_id=self.model.model_id)
+        self.publisher.publish(msg)
+        self.get_logger().info(f"[{utterance.duration:.1f} s audio, {processing:.2f} s] {msg.text}")
+
+    def destroy_node(self) -> None:
+        # The worker publishes: stop it before the publisher goes away.
+        self.stopping.set()
+        self.queue.close()
+        self.worker.join(timeout=60)
+        super().destroy_node()
+
+
+def main(args=None) -> None:
+    rclpy.init(args=args)
+    node = SpeechNode()
+    try:
+        rclpy.spin(node)
+    except (KeyboardInterrupt, rclpy.executors.ExternalShutdownException):
+        pass
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    main()

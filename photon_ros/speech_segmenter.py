@@ -1,0 +1,137 @@
+"""Cut a stream of audio chunks into utterances with an energy voice-activity detector.
+
+Why energy and not a neural VAD: it needs no model file, costs microseconds per chunk inside the
+subscription callback, and Whisper's own no-speech probability already rejects the non-speech
+sounds (fans, clicks) that get past it. The detector adapts to the room: speech is a frame whose
+level stands `threshold_db` above a slowly tracked noise floor (and above an absolute minimum).
+
+An utterance starts after `min_speech_s` of speech (with `preroll_s` of audio before it, so the
+first syllable is not clipped) and ends after `hangover_s` of non-speech, at `max_utterance_s`, or
+when the stream goes idle (flush). Memory is bounded by `max_utterance_s` plus the preroll.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SegmenterConfig:
+    frame_s: float = 0.03
+    threshold_db: float = 12.0       # speech stands this far above the noise floor
+    min_level_db: float = -55.0      # and above this absolute level (dBFS)
+    min_speech_s: float = 0.12
+    hangover_s: float = 0.6
+    preroll_s: float = 0.3
+    max_utterance_s: float = 28.0    # Whisper sees 30 s windows; cut before one overflows
+    min_utterance_s: float = 0.3
+    noise_adapt_s: float = 2.0       # time constant of the noise-floor tracker
+
+
+@dataclass
+class Utterance:
+    samples: np.ndarray              # float32 mono
+    sample_rate: int
+    start_time: float                # capture time of the first sample (seconds, the stream's clock)
+    ended_at: float                  # capture time just after the last sample
+    frame_id: str = ""               # of the audio source, set by the node
+    seen_at: float = 0.0             # monotonic time the end was detected (latency starts here)
+
+    @property
+    def duration(self) -> float:
+        return self.samples.size / self.sample_rate
+
+
+class SpeechSegmenter:
+    """Feed chunks with `push`; it returns the utterances they complete."""
+
+    def __init__(self, sample_rate: int, config: SegmenterConfig | None = None) -> None:
+        self.sample_rate = sample_rate
+        self.config = cfg = config or SegmenterConfig()
+        self.frame = max(1, round(cfg.frame_s * sample_rate))
+        self._pending = np.zeros(0, np.float32)     # samples not yet forming a whole frame
+        self._pending_start = None                  # capture time of _pending[0]
+        self._frame_s = self.frame / sample_rate
+        # The frames that trigger the start belong to the utterance too, so keep them with the preroll.
+        self._preroll: deque[np.ndarray] = deque(
+            maxlen=round((cfg.preroll_s + cfg.min_speech_s) / self._frame_s) + 1)
+        self._speech: list[np.ndarray] = []         # frames of the current utterance
+        self._speech_start = 0.0
+        self._in_speech = False
+        self._voiced_run = 0
+        self._silent_run = 0
+        self._noise_db: float | None = None
+        self.last_time = None                       # capture time after the last pushed sample
+
+    def push(self, samples: np.ndarray, start_time: float) -> list[Utterance]:
+        """Add a chunk whose first sample was captured at `start_time` (seconds)."""
+        if self._pending.size == 0:
+            self._pending_start = start_time
+        self._pending = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
+        self.last_time = start_time + samples.size / self.sample_rate
+        done = []
+        n_frames = self._pending.size // self.frame
+        for i in range(n_frames):
+            frame = self._pending[i * self.frame:(i + 1) * self.frame]
+            t = self._pending_start + i * self.frame / self.sample_rate
+            utterance = self._step(frame, t)
+            if utterance is not None:
+                done.append(utterance)
+        used = n_frames * self.frame
+        self._pending = self._pending[used:].copy()
+        self._pending_start += used / self.sample_rate
+        return done
+
+    def flush(self) -> Utterance | None:
+        """End the current utterance now (the stream went quiet or stopped)."""
+        return self._finish() if self._in_speech else None
+
+    @property
+    def in_speech(self) -> bool:
+        return self._in_speech
+
+    def _level_db(self, frame: np.ndarray) -> float:
+        rms = float(np.sqrt(np.mean(np.square(frame, dtype=np.float64))))
+        return 20.0 * np.log10(max(rms, 1e-10))
+
+    def _step(self, frame: np.ndarray, t: float) -> Utterance | None:
+        cfg = self.config
+        level = self._level_db(frame)
+        if self._noise_db is None:
+            self._noise_db = level
+        voiced = level > max(self._noise_db + cfg.threshold_db, cfg.min_level_db)
+        if not voiced:
+            # Track the floor on non-speech frames: fall at once, rise slowly.
+            alpha = min(1.0, cfg.frame_s / cfg.noise_adapt_s)
+            self._noise_db = min(level, self._noise_db + alpha * (level - self._noise_db))
+
+        if not self._in_speech:
+            self._preroll.append(frame)
+            self._voiced_run = self._voiced_run + 1 if voiced else 0
+            if self._voiced_run * self._frame_s >= cfg.min_speech_s:
+                self._in_speech = True
+                self._speech = list(self._preroll)
+                self._speech_start = t + self._frame_s - len(self._speech) * self._frame_s
+                self._preroll.clear()
+                self._silent_run = 0
+            return None
+
+        self._speech.append(frame)
+        self._silent_run = 0 if voiced else self._silent_run + 1
+        duration = len(self._speech) * self._frame_s
+        if self._silent_run * self._frame_s >= cfg.hangover_s or duration >= cfg.max_utterance_s:
+            return self._finish()
+        return None
+
+    def _finish(self) -> Utterance | None:
+        cfg = self.config
+        frames, self._speech = self._speech, []
+        self._in_speech = False
+        self._voiced_run = self._silent_run = 0
+        samples = np.concatenate(frames) if frames else np.zeros(0, np.float32)
+        if samples.size < cfg.min_utterance_s * self.sample_rate:
+            return None
+        return Utterance(samples, self.sample_rate, self._speech_start,
+                         self._speech_start + samples.size / self.sample_rate)

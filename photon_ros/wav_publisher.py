@@ -1,0 +1,90 @@
+"""Plays a WAV file onto the audio topic in real-time-sized chunks, as a microphone driver would.
+
+For demos, tests and users without a microphone. Chunks are photon_ros/AudioChunk at the file's
+own rate and channel count (the speech node resamples), stamped with the capture time their first
+sample would have had. Silence before and after lets a VAD see the speech start and end.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import rclpy
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from std_msgs.msg import Header
+
+from photon_core.audio_io import pcm_to_float, read_wav
+from photon_ros.audio_conversions import pcm_to_audio_chunk
+from photon_ros.msg import AudioChunk
+from photon_ros.result_messages import seconds_to_time
+
+
+def chunk_audio(samples: np.ndarray, rate: int, chunk_s: float, leading_s: float = 0.0,
+                trailing_s: float = 0.0) -> list[np.ndarray]:
+    """The file padded with silence and cut into chunks of chunk_s seconds (the last may be short)."""
+    pad = [(round(leading_s * rate), round(trailing_s * rate))] + [(0, 0)] * (samples.ndim - 1)
+    padded = np.pad(samples, pad)
+    step = max(1, round(chunk_s * rate))
+    return [padded[i:i + step] for i in range(0, len(padded), step)]
+
+
+class WavPublisher(Node):
+    def __init__(self, **kwargs) -> None:
+        super().__init__("wav_publisher", **kwargs)
+        p = self.declare_parameter
+        path = p("file", "").value
+        self.speed = p("speed", 1.0).value            # 1.0 = real time; 2.0 = twice as fast
+        self.loop = p("loop", False).value
+        self.frame_id = p("frame_id", "microphone").value
+        self.sample_format = p("sample_format", AudioChunk.FORMAT_S16LE).value
+        chunk_s = p("chunk_ms", 100).value / 1000.0
+        if not path:
+            raise ValueError("parameter 'file' (a WAV file to play) is required")
+        samples, self.rate = read_wav(path)
+        if samples.dtype != np.int16:   # 8-bit silence is 128, not 0: pad and send floats instead
+            samples = pcm_to_float(samples)
+        self.chunks = chunk_audio(samples, self.rate, chunk_s, p("leading_silence_s", 0.5).value,
+                                  p("trailing_silence_s", 1.0).value)
+        self.index = 0
+        self.sent_samples = 0
+        self.done = False
+        self.published_at: list[float] = []   # monotonic time of each chunk, for latency measurements
+        self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
+            depth=100, reliability=ReliabilityPolicy.RELIABLE))
+        self.t0 = time.time()
+        self.timer = self.create_timer(chunk_s / self.speed, self.publish_next)
+        self.get_logger().info(f"playing {path}: {len(samples) / self.rate:.1f} s at {self.rate} Hz")
+
+    def publish_next(self) -> None:
+        if self.index >= len(self.chunks):
+            if not self.loop:
+                self.done = True
+                self.timer.cancel()
+                self.get_logger().info("finished playing")
+                return
+            self.index, self.sent_samples, self.t0 = 0, 0, time.time()
+        offset = self.sent_samples / self.rate / self.speed
+        header = Header(stamp=seconds_to_time(self.t0 + offset), frame_id=self.frame_id)
+        chunk = self.chunks[self.index]
+        self.publisher.publish(pcm_to_audio_chunk(chunk, self.rate, self.sample_format, header=header))
+        self.index += 1
+        self.sent_samples += len(chunk)
+        self.published_at.append(time.monotonic())
+
+
+def main(args=None) -> None:
+    rclpy.init(args=args)
+    node = WavPublisher()
+    try:
+        while rclpy.ok() and not node.done:
+            rclpy.spin_once(node, timeout_sec=0.1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The speech graph over real DDS with real Whisper tiny.en weights: WAV publisher -> speech node
+-> subscriber gets the spoken sentence; bad chunks are logged and skipped without losing speech."""
+import re
+import time
+
+import numpy as np
+import pytest
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from std_msgs.msg import Int16MultiArray
+
+from photon_ros.audio_conversions import pcm_to_audio_chunk, pcm_to_int16_array
+from photon_ros.msg import AudioChunk, Transcript
+from photon_ros.result_messages import time_to_seconds
+from photon_ros.speech_node import SpeechNode
+from photon_ros.wav_publisher import WavPublisher
+from ros_harness import RosGraph, wait_for, wait_for_match
+from speech_audio import espeak_pcm, espeak_wav
+
+QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+
+
+def words(text):
+    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
+
+
+@pytest.fixture
+def graph():
+    g = RosGraph()
+    yield g
+    g.close()
+
+
+def listen(graph):
+    received = []
+    graph.node("listener").create_subscription(Transcript, "transcript", received.append, QOS)
+    return received
+
+
+def speech_node(graph, **params):
+    overrides = [Parameter(k, value=v) for k, v in params.items()]
+    node = graph.add(SpeechNode(context=graph.context, parameter_overrides=overrides))
+    assert wait_for(lambda: node.model is not None or node.model_error, timeout=60)
+    assert node.model is not None, node.model_error
+    return node
+
+
+def test_wav_publisher_to_transcript(graph):
+    sentence = "Go to the kitchen and bring me a glass of water."
+    received = listen(graph)
+    node = speech_node(graph)
+    started = time.time()
+    player = graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(espeak_wav(sentence))), Parameter("speed", value=2.0),
+        Parameter("frame_id", value="kitchen_mic")]))
+    assert wait_for(lambda: received, timeout=60), "no transcript arrived"
+    msg = received[0]
+    assert words(msg.text) == words(sentence)
+    assert msg.is_final and msg.model_id == "whisper-tiny.en" and msg.language == "en"
+    assert msg.header.frame_id == "kitchen_mic"
+    # Stamped at the utterance's first sample: after playback started, before it ended.
+    assert started - 0.5 <= time_to_seconds(msg.header.stamp) <= time.time()
+    duration = msg.audio_duration.sec + msg.audio_duration.nanosec * 1e-9
+    assert 2.0 < duration < 6.0
+    assert msg.segments and words(" ".join(s.text for s in msg.segments)) == words(sentence)
+    assert msg.processing_time.sec + msg.processing_time.nanosec > 0
+    assert player.done or wait_for(lambda: player.done, timeout=10)
+    assert node.skipped_chunks == 0
+
+
+def test_bad_chunks_are_skipped_and_speech_still_arrives(graph):
+    received = listen(graph)
+    node = speech_node(graph)
+    pub = graph.node("mic").create_publisher(AudioChunk, "audio", QOS)
+    wait_for_match(pub)
+    pub.publish(pcm_to_audio_chunk(np.array([0.1, np.nan, 0.2], np.float32), 16000, "F32LE"))
+    pub.publish(AudioChunk(sample_rate=16000, channels=1, sample_format="S16LE"))            # empty
+    pub.publish(AudioChunk(sample_rate=0, channels=1, sample_format="S16LE", data=bytes(320)))
+    pub.publish(AudioChunk(sample_rate=16000, channels=1, sample_format="OPUS", data=bytes(320)))
+    pub.publish(pcm_to_audio_chunk(np.zeros(100, np.float32), 50, "F32LE"))                   # 50 Hz
+    assert wait_for(lambda: node.skipped_chunks == 5, timeout=10)
+
+    speech, rate = espeak_pcm("Stop right there.")
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    t0 = time.time()
+    for i in range(0, audio.size, rate // 10):
+        pub.publish(pcm_to_audio_chunk(audio[i:i + rate // 10], rate, "S16LE"))
+    assert wait_for(lambda: received, timeout=60)
+    assert words(received[0].text) == ["stop", "right", "there"]
+    assert time_to_seconds(received[0].header.stamp) >= t0 - 1.0
+
+
+def test_int16_multiarray_input(graph):
+    received = listen(graph)
+    speech, rate = espeak_pcm("Turn on the lights.")
+    speech_node(graph, input_type="int16", sample_rate=rate)
+    pub = graph.node("mic").create_publisher(Int16MultiArray, "audio", QOS)
+    wait_for_match(pub)
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    for i in range(0, audio.size, rate // 10):
+        pub.publish(pcm_to_int16_array(audio[i:i + rate // 10]))
+    assert wait_for(lambda: received, timeout=60)
+    assert words(received[0].text) == ["turn", "on", "the", "lights"]
