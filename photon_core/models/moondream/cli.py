@@ -18,19 +18,13 @@ def _read_image(path: str) -> np.ndarray:
         raise SystemExit(f"cannot read image {path}: {e}")
 
 
-def draw(image: np.ndarray, result: dict, out_path: str) -> None:
+def draw(image: np.ndarray, result: dict, label: str, out_path: str) -> None:
     """Boxes and points (normalised coordinates) drawn on the RGB image, written to out_path."""
     import cv2
-    canvas = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
-    h, w = canvas.shape[:2]
-    thick = max(1, round(max(h, w) / 400))
-    for o in result.get("objects", []):
-        p0 = (round(o["x_min"] * (w - 1)), round(o["y_min"] * (h - 1)))
-        p1 = (round(o["x_max"] * (w - 1)), round(o["y_max"] * (h - 1)))
-        cv2.rectangle(canvas, p0, p1, (0, 255, 0), thick)
-    for p in result.get("points", []):
-        cv2.circle(canvas, (round(p["x"] * (w - 1)), round(p["y"] * (h - 1))), 3 * thick, (0, 0, 255), -1)
-    if not cv2.imwrite(out_path, canvas):
+
+    from photon_core.draw import draw_results
+    canvas = draw_results(image, {label: result.get("objects", [])}, {label: result.get("points", [])})
+    if not cv2.imwrite(out_path, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR)):
         raise SystemExit(f"cannot write {out_path}")
 
 
@@ -54,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
                              temperature=args.temperature, top_p=args.top_p)
     t2 = time.perf_counter()
     if args.draw:
-        draw(image, result, args.draw)
+        draw(image, result, args.object, args.draw)
     result = {**result, "model": model.model_id, "load_s": round(t1 - t0, 3), "infer_s": round(t2 - t1, 3)}
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")

@@ -1,0 +1,180 @@
+"""ROS path benchmark: what the graph costs around the model.
+
+    python bench/ros.py [--write]
+
+1. Conversion: sensor_msgs/Image -> RGB array (rgb8 zero-copy view, bgr8 converted) and
+   CompressedImage (jpeg) decode, at 640x480 and 1920x1080; p50 / p99.
+2. Transport: Image publish -> subscriber callback over DDS on this machine, p50 / p99.
+3. End to end with the small random Moondream checkpoint: camera stamp -> Detections received.
+4. Throughput with 1, 2, 4 and 8 camera streams into one vision engine (one process) vs the
+   single-stream rate.
+Run it in the development environment (scripts/dev_env.sh: discovery stays on this machine).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "test"))
+os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+
+from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_compressed, rgb_to_image  # noqa: E402
+from photon_ros.msg import Detections  # noqa: E402
+from photon_ros.result_messages import time_to_seconds, seconds_to_time  # noqa: E402
+from ros_harness import RosGraph, wait_for, wait_for_match  # noqa: E402
+
+SIZES = {"640x480": (480, 640), "1920x1080": (1080, 1920)}
+RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+
+
+def pct(values: list[float]) -> tuple[float, float]:
+    return float(np.percentile(values, 50)) * 1000, float(np.percentile(values, 99)) * 1000
+
+
+def bench_conversions(repeats: int) -> list[tuple[str, float, float]]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for name, (h, w) in SIZES.items():
+        rgb = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        for label, msg, fn in [("rgb8", rgb_to_image(rgb, "rgb8"), image_to_rgb),
+                               ("bgr8", rgb_to_image(rgb, "bgr8"), image_to_rgb),
+                               ("jpeg", rgb_to_compressed(rgb, "jpeg"), compressed_to_rgb)]:
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn(msg)
+                times.append(time.perf_counter() - t)
+            rows.append((f"convert {label} {name}", *pct(times)))
+    return rows
+
+
+def bench_transport(graph: RosGraph, repeats: int) -> list[tuple[str, float, float]]:
+    rows = []
+    for name, (h, w) in SIZES.items():
+        arrivals: dict[int, float] = {}
+        node = graph.node(f"transport_{name.replace('x', '_')}")
+        topic = f"bench_image_{name.replace('x', '_')}"
+        node.create_subscription(Image, topic, lambda m: arrivals.setdefault(m.header.stamp.nanosec, time.perf_counter()), RELIABLE)
+        pub = node.create_publisher(Image, topic, RELIABLE)
+        wait_for_match(pub)
+        msg = rgb_to_image(np.zeros((h, w, 3), np.uint8))
+        sent = {}
+        for i in range(repeats):
+            msg.header.stamp.nanosec = i
+            sent[i] = time.perf_counter()
+            pub.publish(msg)
+            wait_for(lambda: i in arrivals, timeout=5, poll=0.0005)
+        rows.append((f"DDS publish -> callback, Image {name}", *pct([arrivals[i] - sent[i] for i in sent if i in arrivals])))
+    return rows
+
+
+def vision_graph(graph: RosGraph, streams: int, checkpoint: str):
+    from photon_ros.vision_node import VisionNode
+
+    nodes = []
+    for s in range(streams):
+        nodes.append(graph.add(VisionNode(context=graph.context, namespace=f"cam{s}", parameter_overrides=[
+            Parameter("model", value=checkpoint), Parameter("detect", value=["cup"]),
+            Parameter("max_objects", value=1), Parameter("reliability", value="reliable")])))
+    assert wait_for(lambda: all(n.engine is not None for n in nodes), timeout=120)
+    return nodes
+
+
+def bench_end_to_end(graph: RosGraph, checkpoint: str, repeats: int) -> list[tuple[str, float, float]]:
+    vision_graph(graph, 1, checkpoint)
+    got: list[tuple[float, float]] = []
+    node = graph.node("e2e")
+    node.create_subscription(Detections, "/cam0/detections",
+                             lambda m: got.append((time_to_seconds(m.header.stamp), time.time())), RELIABLE)
+    pub = node.create_publisher(Image, "/cam0/image", RELIABLE)
+    wait_for_match(pub)
+    rgb = np.random.default_rng(1).integers(0, 256, (480, 640, 3), dtype=np.uint8)
+    for i in range(repeats):
+        n = len(got)
+        pub.publish(_stamped(rgb))
+        wait_for(lambda: len(got) > n, timeout=60, poll=0.001)
+    return [("camera stamp -> Detections received (640x480, 1 object)", *pct([r - s for s, r in got]))]
+
+
+def _stamped(rgb):
+    msg = rgb_to_image(rgb)
+    msg.header.stamp = seconds_to_time(time.time())
+    return msg
+
+
+def bench_streams(checkpoint: str, seconds: float) -> list[tuple[str, float, float]]:
+    rows = []
+    single = None
+    for streams in (1, 2, 4, 8):
+        graph = RosGraph()
+        try:
+            nodes = vision_graph(graph, streams, checkpoint)
+            counts = [0] * streams
+            cam = graph.node("cameras")
+            for s in range(streams):
+                cam.create_subscription(Detections, f"/cam{s}/detections",
+                                        lambda m, s=s: counts.__setitem__(s, counts[s] + 1), RELIABLE)
+            pubs = [cam.create_publisher(Image, f"/cam{s}/image", RELIABLE) for s in range(streams)]
+            for p in pubs:
+                wait_for_match(p)
+            rgb = np.random.default_rng(2).integers(0, 256, (480, 640, 3), dtype=np.uint8)
+            msg = rgb_to_image(rgb)
+            stop = time.monotonic() + seconds
+            while time.monotonic() < stop:          # 30 Hz cameras
+                for p in pubs:
+                    p.publish(msg)
+                time.sleep(1 / 30)
+            total = sum(counts) / seconds
+            single = single or total
+            rows.append((f"{streams} stream(s) x 30 Hz -> one engine: frames/s processed", total, total / single))
+            del nodes
+        finally:
+            graph.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per stream-count throughput run")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    import moondream_fixtures
+
+    checkpoint = str(moondream_fixtures.checkpoint())
+    rows = bench_conversions(args.repeats)
+    graph = RosGraph()
+    try:
+        rows += bench_transport(graph, args.repeats)
+        rows += bench_end_to_end(graph, checkpoint, min(args.repeats, 10))
+    finally:
+        graph.close()
+    stream_rows = bench_streams(checkpoint, args.seconds)
+    command = "python bench/ros.py " + " ".join(sys.argv[1:])
+    lines = [f"### ROS path — {time.strftime('%Y-%m-%d')}", "", f"Command: `{command.strip()}`", "",
+             "| what | p50 ms | p99 ms |", "|---|---:|---:|"]
+    lines += [f"| {n} | {a:.2f} | {b:.2f} |" for n, a, b in rows]
+    lines += ["", "| streams | frames/s | vs 1 stream |", "|---|---:|---:|"]
+    lines += [f"| {n} | {a:.2f} | {b:.2f}x |" for n, a, b in stream_rows]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.write:
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

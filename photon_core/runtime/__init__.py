@@ -1,0 +1,1 @@
+"""Runtime services around the models: sharing one loaded engine between users in a process."""

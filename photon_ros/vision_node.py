@@ -1,0 +1,284 @@
+"""Vision node: camera in, detections / points / captions out.
+
+    image (sensor_msgs/Image) or image/compressed (CompressedImage), sensor-data QoS by default
+      -> newest-frame mailbox (frames arriving while the model is busy are counted and dropped)
+      -> worker thread: convert, encode the image once, run every configured task on it
+      -> detections, points (photon_ros), caption (VisionText), detections_2d (vision_msgs, where
+         installed), image_annotated (only while someone subscribes); headers copied from the image.
+    infer (photon_ros/Infer service): detect / point / caption / query on demand.
+    /diagnostics: model state, input and processed rates, drops, latency percentiles.
+Tasks (`detect`, `point`, `caption_period_s`, ...) are parameters that can change at runtime.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import CompressedImage, Image
+from std_msgs.msg import Header
+
+from photon_core.draw import draw_results
+from photon_core.runtime.shared_models import shared_model
+from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
+from photon_ros.latest_frame import LatestFrame
+from photon_ros.msg import Detections, Points, VisionText
+from photon_ros.rate_stats import RateStats
+from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
+                                        vision_text_message)
+from photon_ros.srv import Infer
+
+TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK_CAPTION,
+         Infer.Request.TASK_QUERY)
+CAPTION_LENGTHS = ("short", "normal", "long")
+
+
+def load_vision_model(name: str, device: str, dtype: str):
+    from photon_core.models.moondream import load_moondream
+
+    return shared_model(("moondream", name, device, dtype),
+                        lambda: load_moondream(name, device=device, dtype=dtype))
+
+
+def run_task(model, image, task: str, prompt: str, max_objects: int) -> dict:
+    """One skill on an image or an encoded image; the engine's plain result dict."""
+    if task == Infer.Request.TASK_DETECT:
+        return model.detect(image, prompt, max_objects=max_objects)
+    if task == Infer.Request.TASK_POINT:
+        return model.point(image, prompt, max_objects=max_objects)
+    if task == Infer.Request.TASK_CAPTION:
+        return model.caption(image, length=prompt or "normal")
+    if task == Infer.Request.TASK_QUERY:
+        return model.query(image, prompt)
+    raise ValueError(f"unknown task {task!r}; one of {', '.join(TASKS)}")
+
+
+class VisionNode(Node):
+    def __init__(self, **kwargs) -> None:
+        super().__init__("vision", **kwargs)
+        p = self.declare_parameter
+        self.model_name = p("model", "moondream2").value
+        self.device = p("device", "cpu").value
+        self.dtype = p("dtype", "float32").value
+        compressed = p("input", "raw").value == "compressed"
+        reliable = p("reliability", "best_effort").value == "reliable"
+        depth = p("depth", 1).value
+        self.detect_targets = self.targets(p("detect", Parameter.Type.STRING_ARRAY).value)
+        self.point_targets = self.targets(p("point", Parameter.Type.STRING_ARRAY).value)
+        self.caption_period = p("caption_period_s", 0.0).value
+        self.caption_length = p("caption_length", "short").value
+        self.max_objects = p("max_objects", 10).value
+        self.annotate = p("publish_annotated", True).value
+        self.max_pixels = p("max_pixels", 64_000_000).value
+        self.add_on_set_parameters_callback(self.on_parameters)
+
+        self.frames = LatestFrame()
+        self.stats = RateStats()
+        self.bad_frames = 0
+        self.last_caption = 0.0
+        self.engine = None
+        self.model_error: str | None = None
+
+        qos = QoSProfile(depth=depth, history=HistoryPolicy.KEEP_LAST,
+                         reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT)
+        if compressed:
+            self.create_subscription(CompressedImage, "image/compressed", self.on_image, qos)
+        else:
+            self.create_subscription(Image, "image", self.on_image, qos)
+        out = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.pub_detections = self.create_publisher(Detections, "detections", out)
+        self.pub_points = self.create_publisher(Points, "points", out)
+        self.pub_caption = self.create_publisher(VisionText, "caption", out)
+        self.pub_annotated = self.create_publisher(Image, "image_annotated", out)
+        self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", out)
+        self.pub_detection2d = self.vision_msgs_publisher(out)
+        # The service waits on the model; its own group keeps it off the timers' thread.
+        self.create_service(Infer, "infer", self.on_infer, callback_group=MutuallyExclusiveCallbackGroup())
+        self.create_timer(1.0, self.publish_diagnostics)
+        self.stopping = threading.Event()
+        self.worker = threading.Thread(target=self.work, daemon=True)
+        self.worker.start()
+
+    def on_image(self, msg) -> None:
+        self.stats.tick("received")
+        self.frames.put(msg)
+
+    @staticmethod
+    def targets(values) -> list[str]:
+        return [v.strip() for v in (values or []) if v and v.strip()]
+
+    def vision_msgs_publisher(self, qos):
+        try:
+            from vision_msgs.msg import Detection2DArray
+        except ImportError:
+            self.get_logger().info("vision_msgs not installed: no detections_2d topic")
+            return None
+        return self.create_publisher(Detection2DArray, "detections_2d", qos)
+
+    def on_parameters(self, params: list[Parameter]) -> SetParametersResult:
+        for param in params:
+            if param.name == "detect":
+                self.detect_targets = self.targets(param.value)
+            elif param.name == "point":
+                self.point_targets = self.targets(param.value)
+            elif param.name == "caption_period_s":
+                self.caption_period = float(param.value)
+            elif param.name == "caption_length":
+                if param.value not in CAPTION_LENGTHS:
+                    return SetParametersResult(successful=False, reason=f"one of {CAPTION_LENGTHS}")
+                self.caption_length = param.value
+            elif param.name == "max_objects":
+                self.max_objects = int(param.value)
+            elif param.name == "publish_annotated":
+                self.annotate = bool(param.value)
+        return SetParametersResult(successful=True)
+
+    # --- worker ---------------------------------------------------------------------------------
+    def work(self) -> None:
+        try:
+            started = time.monotonic()
+            self.engine = load_vision_model(self.model_name, self.device, self.dtype)
+            self.get_logger().info(f"loaded {self.engine.model.model_id} in {time.monotonic() - started:.1f} s")
+        except Exception as err:  # noqa: BLE001 - the node stays up and reports why
+            self.model_error = f"{type(err).__name__}: {err}"
+            self.get_logger().error(f"cannot load vision model {self.model_name!r}: {self.model_error}")
+            return
+        while not self.stopping.is_set():
+            frame = self.frames.take(timeout=0.1)
+            if frame is not None:
+                self.process(frame)
+
+    def to_rgb(self, msg):
+        if isinstance(msg, CompressedImage):
+            return compressed_to_rgb(msg, self.max_pixels)
+        return image_to_rgb(msg, self.max_pixels)
+
+    def process(self, frame) -> None:
+        caption_due = self.caption_period > 0 and time.monotonic() - self.last_caption >= self.caption_period
+        detect, point = list(self.detect_targets), list(self.point_targets)
+        if not (detect or point or caption_due):
+            return
+        try:
+            rgb = self.to_rgb(frame.msg)
+        except ValueError as err:
+            self.bad_frames += 1
+            self.get_logger().warning(f"skipping frame: {err}", throttle_duration_sec=5.0)
+            return
+        header, (height, width) = frame.msg.header, rgb.shape[:2]
+        model = self.engine.model
+        boxes, points = {}, {}
+        with self.engine.lock:
+            encoded = model.encode_image(rgb)
+            for target in detect:
+                boxes[target] = model.detect(encoded, target, max_objects=self.max_objects)["objects"]
+                msg = detections_message({"objects": boxes[target]}, header, prompt=target, width=width,
+                                         height=height, latency=time.monotonic() - frame.received_at,
+                                         model_id=model.model_id)
+                self.pub_detections.publish(msg)
+                if self.pub_detection2d is not None:
+                    self.pub_detection2d.publish(detection2d_array(msg))
+            for target in point:
+                points[target] = model.point(encoded, target, max_objects=self.max_objects)["points"]
+                self.pub_points.publish(points_message(
+                    {"points": points[target]}, header, prompt=target, width=width, height=height,
+                    latency=time.monotonic() - frame.received_at, model_id=model.model_id))
+            if caption_due:
+                self.last_caption = time.monotonic()
+                text = model.caption(encoded, length=self.caption_length)["caption"]
+                self.pub_caption.publish(vision_text_message(
+                    text, header, task=VisionText.TASK_CAPTION, prompt=self.caption_length,
+                    latency=time.monotonic() - frame.received_at, model_id=model.model_id))
+        self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
+        if self.annotate and (boxes or points) and self.pub_annotated.get_subscription_count() > 0:
+            self.pub_annotated.publish(rgb_to_image(draw_results(rgb, boxes, points), header=header))
+
+    # --- on demand ------------------------------------------------------------------------------
+    def on_infer(self, request: Infer.Request, response: Infer.Response) -> Infer.Response:
+        received = time.monotonic()
+        if self.engine is None:
+            response.success = False
+            response.message = f"model not loaded: {self.model_error or 'still loading'}"
+            return response
+        source = self.frames.latest.msg if request.use_latest_frame and self.frames.latest else request.image
+        if request.use_latest_frame and self.frames.latest is None:
+            response.success, response.message = False, "no frame received yet"
+            return response
+        try:
+            rgb = self.to_rgb(source)
+            with self.engine.lock:
+                result = run_task(self.engine.model, rgb, request.task, request.prompt, self.max_objects)
+        except ValueError as err:
+            response.success, response.message = False, str(err)
+            return response
+        model_id, header = self.engine.model.model_id, source.header
+        height, width = rgb.shape[:2]
+        latency = time.monotonic() - received
+        if request.task == Infer.Request.TASK_DETECT:
+            response.detections = detections_message(result, header, prompt=request.prompt, width=width,
+                                                     height=height, latency=latency, model_id=model_id)
+        elif request.task == Infer.Request.TASK_POINT:
+            response.points = points_message(result, header, prompt=request.prompt, width=width,
+                                             height=height, latency=latency, model_id=model_id)
+        else:
+            text = result.get("caption", result.get("answer", ""))
+            response.text = vision_text_message(text, header, task=request.task, prompt=request.prompt,
+                                                latency=latency, model_id=model_id)
+        response.success = True
+        return response
+
+    # --- diagnostics ----------------------------------------------------------------------------
+    def publish_diagnostics(self) -> None:
+        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
+                                  hardware_id=self.model_name)
+        if self.model_error:
+            status.level, status.message = DiagnosticStatus.ERROR, f"model failed to load: {self.model_error}"
+        elif self.engine is None:
+            status.level, status.message = DiagnosticStatus.WARN, "loading model"
+        elif self.frames.received == 0:
+            status.level, status.message = DiagnosticStatus.WARN, "no images received"
+        else:
+            status.level, status.message = DiagnosticStatus.OK, "running"
+        values = {
+            "model": self.model_name,
+            "model_loaded": str(self.engine is not None),
+            "input_rate_hz": f"{self.stats.rate('received'):.2f}",
+            "frames_received": str(self.frames.received),
+            "frames_dropped": str(self.frames.dropped),
+            "bad_frames": str(self.bad_frames),
+            "processed_rate_hz": f"{self.stats.rate('processed'):.2f}",
+        }
+        for q, v in self.stats.latency_percentiles().items():
+            values[f"latency_p{q}_ms"] = f"{v * 1000:.1f}"
+        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
+        header = Header(stamp=self.get_clock().now().to_msg())
+        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+
+    def destroy_node(self) -> None:
+        # The worker publishes: stop it before the publishers go away.
+        self.stopping.set()
+        self.worker.join(timeout=30)
+        super().destroy_node()
+
+
+def main(args=None) -> None:
+    rclpy.init(args=args)
+    node = VisionNode()
+    executor = rclpy.executors.MultiThreadedExecutor()
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, rclpy.executors.ExternalShutdownException):
+        pass
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    main()

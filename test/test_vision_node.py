@@ -1,0 +1,163 @@
+"""The vision node over real DDS with the small random Moondream checkpoint: headers copied,
+compressed input, newest-frame-wins under a burst, bad frames survived, runtime parameters, the
+on-demand service, diagnostics, and the transcript -> loop -> vision -> target loop."""
+import time
+
+import numpy as np
+import pytest
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from geometry_msgs.msg import PointStamped, Twist
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import CompressedImage, Image
+from std_msgs.msg import Header, String
+
+from moondream_fixtures import checkpoint
+from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
+from photon_ros.loop_node import LoopNode
+from photon_ros.msg import Detections, Points, Transcript
+from photon_ros.srv import Infer
+from photon_ros.vision_node import VisionNode
+from ros_harness import RosGraph, wait_for, wait_for_match
+
+RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+
+
+@pytest.fixture
+def graph():
+    g = RosGraph()
+    yield g
+    g.close()
+
+
+def image(seed=0, size=(96, 128)):
+    return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+
+
+def header(i, frame="camera"):
+    return Header(stamp=Time(sec=1000 + i, nanosec=i), frame_id=frame)
+
+
+def vision_node(graph, **params):
+    params.setdefault("model", str(checkpoint()))
+    params.setdefault("max_objects", 2)
+    params.setdefault("reliability", "reliable")
+    node = graph.add(VisionNode(context=graph.context,
+                                parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
+    assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
+    assert node.engine is not None, node.model_error
+    return node
+
+
+def collect(graph, msg_type, topic):
+    got = []
+    graph.node(f"listen_{topic.strip('/').replace('/', '_')}").create_subscription(msg_type, topic, got.append, RELIABLE)
+    return got
+
+
+def test_detections_carry_the_image_header(graph):
+    node = vision_node(graph, detect=["cup"], point=["dog"])
+    detections, points = collect(graph, Detections, "detections"), collect(graph, Points, "points")
+    pub = graph.node("camera").create_publisher(Image, "image", RELIABLE)
+    wait_for_match(pub)
+    pub.publish(rgb_to_image(image(), "bgr8", header=header(7)))
+    assert wait_for(lambda: detections and points, timeout=60)
+    d = detections[0]
+    assert d.header == header(7) and d.prompt == "cup" and (d.image_width, d.image_height) == (128, 96)
+    assert len(d.detections) == 2   # the test checkpoint is biased to emit objects up to max_objects
+    for box in d.detections:
+        assert 0 <= box.x_min <= box.x_max <= 1 and 0 <= box.y_min <= box.y_max <= 1
+        assert box.x_max_px == pytest.approx(box.x_max * 128, rel=1e-5)
+    assert points[0].header == header(7) and points[0].prompt == "dog"
+    assert d.latency.sec + d.latency.nanosec > 0
+
+
+def test_compressed_input(graph):
+    vision_node(graph, input="compressed", detect=["cup"])
+    detections = collect(graph, Detections, "detections")
+    pub = graph.node("camera").create_publisher(CompressedImage, "image/compressed", RELIABLE)
+    wait_for_match(pub)
+    pub.publish(rgb_to_compressed(image(1), "jpeg", header=header(3)))
+    assert wait_for(lambda: detections, timeout=60)
+    assert detections[0].header == header(3)
+
+
+def test_burst_drops_frames_and_bad_frames_do_not_stop_the_node(graph):
+    # A deep subscription queue, so every frame reaches the node and the drops are its own.
+    node = vision_node(graph, detect=["cup"], depth=100)
+    detections = collect(graph, Detections, "detections")
+    diagnostics = collect(graph, DiagnosticArray, "/diagnostics")
+    pub = graph.node("camera").create_publisher(Image, "image", QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+    wait_for_match(pub)
+    # Bad frames first: zero size, short data, unknown encoding, then a 12-megapixel frame.
+    bad = [Image(header=header(0), encoding="rgb8", width=0, height=0, step=0),
+           Image(header=header(1), encoding="rgb8", width=64, height=64, step=192, data=bytes(100)),
+           Image(header=header(2), encoding="yuv422", width=4, height=4, step=8, data=bytes(32))]
+    for i, msg in enumerate(bad):   # one at a time: a newer frame would replace a waiting one
+        pub.publish(msg)
+        assert wait_for(lambda: node.bad_frames == i + 1, timeout=30)
+    big = np.zeros((3000, 4000, 3), np.uint8)
+    big[1000:2000, 1500:2500] = 200
+    pub.publish(rgb_to_image(big, "rgb8", header=header(3)))
+    assert wait_for(lambda: any(d.header == header(3) for d in detections), timeout=120)
+    # A burst of 100 frames at 30 Hz while inference is slower: the newest wins, the rest are counted.
+    frame = rgb_to_image(image(2), "rgb8")
+    for i in range(100):
+        frame.header = header(100 + i)
+        pub.publish(frame)
+        time.sleep(1 / 30)
+    assert wait_for(lambda: node.frames.received == 104, timeout=30)
+    assert wait_for(lambda: any(d.header == header(199) for d in detections), timeout=120)
+    processed = [d for d in detections if d.header.stamp.sec >= 1100]
+    assert node.frames.dropped >= 50 and len(processed) <= 50
+    assert len(processed) + node.frames.dropped <= 100 + 1
+    assert wait_for(lambda: any(int(dict((v.key, v.value) for v in a.status[0].values)["frames_dropped"]) >= 50
+                                for a in diagnostics), timeout=5)
+    assert diagnostics[-1].status[0].level == DiagnosticStatus.OK
+
+
+def test_runtime_parameter_changes_the_prompt(graph):
+    node = vision_node(graph, detect=["cup"])
+    detections = collect(graph, Detections, "detections")
+    pub = graph.node("camera").create_publisher(Image, "image", RELIABLE)
+    wait_for_match(pub)
+    pub.publish(rgb_to_image(image(), header=header(1)))
+    assert wait_for(lambda: detections, timeout=60)
+    node.set_parameters([Parameter("detect", value=["red dog"])])
+    pub.publish(rgb_to_image(image(), header=header(2)))
+    assert wait_for(lambda: any(d.prompt == "red dog" for d in detections), timeout=60)
+    assert [d.prompt for d in detections if d.header == header(2)] == ["red dog"]
+
+
+def test_missing_model_reports_error_and_stays_up(graph, tmp_path):
+    node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(tmp_path / "no-such-model"))]))
+    diagnostics = collect(graph, DiagnosticArray, "/diagnostics")
+    assert wait_for(lambda: node.model_error is not None, timeout=30)
+    assert wait_for(lambda: any(a.status[0].level == DiagnosticStatus.ERROR for a in diagnostics), timeout=5)
+    error = [a for a in diagnostics if a.status[0].level == DiagnosticStatus.ERROR][0].status[0]
+    assert "no-such-model" in error.message
+    client = graph.node("client").create_client(Infer, "infer")
+    assert client.wait_for_service(timeout_sec=10)
+    future = client.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True))
+    assert wait_for(future.done, timeout=10)
+    assert not future.result().success and "not loaded" in future.result().message
+
+
+def test_transcript_to_target(graph):
+    vision_node(graph)        # no standing tasks: the loop asks on demand
+    graph.add(LoopNode(context=graph.context, parameter_overrides=[Parameter("coordinates", value="pixels")]))
+    targets, turns, status = collect(graph, PointStamped, "target"), collect(graph, Twist, "cmd_vel"), collect(graph, String, "status")
+    camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
+    speaker = graph.node("speaker").create_publisher(Transcript, "transcript", RELIABLE)
+    wait_for_match(camera), wait_for_match(speaker)
+    camera.publish(rgb_to_image(image(4), header=header(42, "head_camera")))
+    time.sleep(0.5)
+    speaker.publish(Transcript(text="Point at the red cup.", is_final=True))
+    assert wait_for(lambda: targets, timeout=60), [s.data for s in status]
+    assert targets[0].header == header(42, "head_camera")
+    assert 0 <= targets[0].point.x <= 128 and 0 <= targets[0].point.y <= 96
+    assert turns and any("red cup" in s.data for s in status)
+    speaker.publish(Transcript(text="What a lovely day.", is_final=True))
+    assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
