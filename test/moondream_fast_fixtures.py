@@ -1,0 +1,46 @@
+"""A fast variant of the small random Moondream checkpoint, for tests that run Triton under the CPU
+interpreter (hundreds of times slower than PyTorch).
+
+Same tensor names and layer structure as moondream_fixtures.small_config(), with the costs that do
+not change what is tested cut down:
+* vocab 1024 instead of 51200 (the LM head is 1/50 of the tiles); the prompt templates are remapped
+  to ids below 1024 through config.json's tokenizer section (the fixture tokenizer still decodes them);
+* crops of 126 px (9 x 9 = 81 patches, prefix 82) instead of 378 px (729 patches): vision attention
+  and the bidirectional prefill are ~80x cheaper, the tiling/stitching/pooling code paths are the same;
+* max_context 160 (KV caches and the rotary table).
+Region bins stay real (1024 coordinate bins, 2 x 1024 size bins) so the bin arithmetic is the real one.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+import moondream_fixtures as mf
+
+FAST_VOCAB = 1024
+
+
+def fast_config() -> dict:
+    cfg = mf.small_config()
+    cfg["text"].update(vocab_size=FAST_VOCAB, max_context=160, prefix_attn=82)
+    cfg["vision"].update(crop_size=126)
+    cfg["tokenizer"] = {"templates": {
+        "caption": {"short": [1, 708, 2, 492, 3], "normal": [1, 708, 2, 382, 3], "long": [1, 708, 2, 59, 3]},
+        "query": {"prefix": [1, 381, 2], "suffix": [3]},
+        "detect": {"prefix": [1, 235, 476, 2], "suffix": [3]},
+        "point": {"prefix": [1, 581, 2], "suffix": [3]},
+    }}
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(seed: int = 0, object_bias: bool = True) -> Path:
+    return mf.write_checkpoint(mf._ROOT / f"fast_{seed}_{int(object_bias)}", seed=seed, object_bias=object_bias,
+                               config=fast_config())
+
+
+def image(height: int = 100, width: int = 120, seed: int = 0) -> np.ndarray:
+    """An image no bigger than one crop: tiling (1, 1), i.e. the global crop + one local crop."""
+    return (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)

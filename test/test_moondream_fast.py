@@ -1,0 +1,279 @@
+"""Moondream 2's fast path against the PyTorch reference, on the same (small, random) weights:
+
+* vision encoder, projection and the prefill of [BOS][image] through the per-op Triton kernels:
+  features, image tokens and the whole KV cache within fp32 relative error 1e-4;
+* the decode megakernel step (all layers, LM head under per-row masks, coordinate and size heads on
+  the hidden state before post_ln): hidden state and logits close, same token, same coordinate and
+  size bins, same appended K/V, for batch 1 and 2 (rows at different positions) over several steps;
+* the graphs pass the checker for every batch bucket (and at moondream2's real sizes), and a graph
+  with a dropped dependency is rejected;
+* the skills through FastMoondream give exactly the reference's greedy tokens, boxes and points.
+
+Runs Triton under the CPU interpreter on moondream_fast_fixtures' reduced checkpoint (vocab 1024,
+126-px crops), which keeps all of it around a minute and a half on two cores.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import moondream_fast_fixtures as ff  # noqa: E402
+from photon_core.backends import reference as ref  # noqa: E402
+from photon_core.megakernel import moondream_decoder as md  # noqa: E402
+from photon_core.megakernel.checker import GraphError, check  # noqa: E402
+from photon_core.models.moondream import load_moondream, text, vision  # noqa: E402
+from photon_core.models.moondream.config import MoondreamConfig  # noqa: E402
+from photon_core.models.moondream_fast import FastMoondream, load_moondream_fast  # noqa: E402
+
+RTOL = 1e-4
+# Wider tiles than the GPU default: the interpreter's cost is per task, not per byte.
+TILING = md.Tiling(block_n=64, block_k=128, block_t=32, splits=2)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all() and a.shape == b.shape
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(reference model, fast model) on the same checkpoint (LM head biased towards `coord`)."""
+    ckpt = ff.checkpoint()
+    return load_moondream(ckpt), load_moondream_fast(ckpt, device="cpu", tiling=TILING)
+
+
+@pytest.fixture(scope="module")
+def encoded(pair):
+    ref_m, fast = pair
+    img = ff.image()
+    return ref_m.encode_image(img), fast.encode_image(img)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Vision encoder and prefill through the per-op kernels
+
+
+def test_vision_features_and_tokens_match(pair):
+    ref_m, fast = pair
+    m = fast.model
+    crops, tiling = ref_m.preprocess(ff.image())
+    assert tiling == (1, 1) and crops.shape[0] == 2  # global crop + one local crop
+    x = vision.normalize(crops, torch.float32, "cpu")
+    want = vision.encode_crops(x, ref_m.vision_w, ref_m.config.vision, ref)
+    got = vision.encode_crops(x, m.vision_w, m.config.vision, m.ops)
+    assert rel_err(got, want) < RTOL
+    want_t = vision.project(want, tiling, ref_m.vision_w, ref_m.config.vision, ref)
+    got_t = vision.project(got, tiling, m.vision_w, m.config.vision, m.ops)
+    assert got_t.shape == (81, 128) and rel_err(got_t, want_t) < RTOL
+
+
+def test_prefill_kv_cache_matches(pair, encoded):
+    ref_e, fast_e = encoded
+    assert fast_e.pos == ref_e.pos == 82 and fast_e.tiling == ref_e.tiling
+    assert rel_err(fast_e.k, ref_e.k) < RTOL
+    assert rel_err(fast_e.v, ref_e.v) < RTOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decode megakernel step
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_step_matches_reference(pair, encoded, batch):
+    ref_m, _ = pair
+    ref_e, _ = encoded
+    cfg = ref_m.config
+    dm = md.dims_of(cfg)
+    max_len = 100
+    mk = md.MoondreamDecoderMegakernel(ref_m.text_w, ref_m.region_w, cfg, batch, max_len, TILING)
+    mk.state.fill_(float("nan"))  # poison: every value a step reads must have been written first
+    g = torch.Generator().manual_seed(batch)
+    caches = []
+    positions = [ref_e.pos + 2 * r for r in range(batch)]  # rows at different positions
+    for r, p in enumerate(positions):
+        c = text.KVCache(cfg.text, max_len, torch.float32, "cpu")
+        c.k[:, :, :, :ref_e.pos], c.v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v
+        # Later rows get a few random earlier (text) positions after the image prefix.
+        c.k[:, :, :, ref_e.pos:p] = torch.randn(c.k[:, :, :, ref_e.pos:p].shape, generator=g)
+        c.v[:, :, :, ref_e.pos:p] = torch.randn(c.v[:, :, :, ref_e.pos:p].shape, generator=g)
+        mk.cache(r).k[:, :, :, :p], mk.cache(r).v[:, :, :, :p] = c.k[:, :, :, :p], c.v[:, :, :, :p]
+        caches.append(c)
+    # Row 0: the detect boundary mask (coord or eos); other rows: a random half of the vocabulary
+    # without `coord` (which the biased LM head would pick otherwise), so the argmax is a real search.
+    bias = torch.full((batch, dm.vocab), float("-inf"))
+    bias[0, [5, 0]] = 0.0
+    for r in range(1, batch):
+        keep = torch.rand(dm.vocab, generator=g) < 0.5
+        keep[5] = False
+        bias[r, keep] = 0.0
+    mk.set_bias(bias)
+    for step in range(3):
+        emb = torch.randn(batch, dm.d, generator=g) * (1.0 if step != 1 else 3.0)
+        got = mk.step(emb, positions)
+        want = md.reference_step(ref_m.text_w, ref_m.region_w, cfg, caches, emb, positions, bias)
+        assert rel_err(got.hidden, want["hidden"]) < RTOL
+        finite = torch.isfinite(want["logits"])
+        assert torch.equal(torch.isfinite(mk.logits), finite)
+        assert rel_err(mk.logits[finite], want["logits"][finite]) < RTOL
+        assert got.tokens == want["tokens"]
+        assert got.coord_bins == want["coord_bins"]
+        assert got.size_bins == want["size_bins"]
+        for r, p in enumerate(positions):
+            # The appended (rotated) keys and values themselves, not only their effect.
+            assert rel_err(mk.view("kcache")[:, r, :, p], caches[r].k[:, 0, :, p]) < RTOL
+            assert rel_err(mk.view("vcache")[:, r, :, p], caches[r].v[:, 0, :, p]) < RTOL
+        positions = [p + 1 for p in positions]
+    assert got.tokens[0] == 5  # the biased LM head, under the boundary mask
+
+
+def test_text_graph_without_region_heads(pair, encoded):
+    """The caption/query variant: same token and hidden state, no region tasks in the graph."""
+    ref_m, _ = pair
+    ref_e, _ = encoded
+    cfg = ref_m.config
+    mk = md.MoondreamDecoderMegakernel(ref_m.text_w, ref_m.region_w, cfg, 1, 90, TILING)
+    assert not any(t.name.startswith(("coord", "size")) for t in mk.graphs[False].tasks)
+    assert mk.weight_bytes_per_step(False) < mk.weight_bytes_per_step(True)
+    cache = text.KVCache(cfg.text, 90, torch.float32, "cpu")
+    cache.k[:, :, :, :ref_e.pos], cache.v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v
+    mk.cache(0).k[:, :, :, :ref_e.pos], mk.cache(0).v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v
+    bias = torch.zeros(md.dims_of(cfg).vocab)
+    bias[5] = float("-inf")
+    emb = torch.randn(1, md.dims_of(cfg).d, generator=torch.Generator().manual_seed(7))
+    allowed = torch.ones(md.dims_of(cfg).vocab, dtype=torch.bool)
+    allowed[5] = False  # the same mask given as allowed tokens
+    got = mk.step(emb, [ref_e.pos], allowed, region_heads=False)
+    want = md.reference_step(ref_m.text_w, ref_m.region_w, cfg, [cache], emb, [ref_e.pos], bias)
+    assert got.coord_bins is None and got.tokens == want["tokens"] and got.tokens[0] != 5
+    assert rel_err(got.hidden, want["hidden"]) < RTOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# Graphs
+
+
+def _graph(cfg: MoondreamConfig, batch: int, max_len: int, tiling: md.Tiling) -> md.TaskGraph:
+    dm = md.dims_of(cfg)
+    wa, sa, _ = md.plan_arenas(dm, batch, max_len, tiling)
+    return md.build_graph(dm, batch, max_len, tiling, wa, sa)
+
+
+@pytest.mark.parametrize("batch", md.BATCH_BUCKETS)
+def test_graphs_check_for_every_bucket(batch):
+    cfg = MoondreamConfig.from_dict(ff.fast_config())
+    g = _graph(cfg, batch, 100, TILING)
+    check(g)
+    dm = md.dims_of(cfg)
+    # Every row's output is produced: one reduction per output column.
+    assert sorted(t.name for t in g.tasks if t.op == md.OP_ARGMAX_BINS) == sorted(
+        ["lm_argmax", "coord_argmax", "width_argmax", "height_argmax"])
+    assert sum(t.op == md.OP_ROPE_APPEND for t in g.tasks) == dm.layers * dm.heads * batch
+
+
+def test_real_moondream2_graph_checks():
+    """moondream2's real sizes (24 layers, dim 2048, vocab 51200, 8192-wide region heads, context
+    2048) at batch 1: ~20k tasks. (Batch 8, ~53k tasks, also checks but takes ~30 s.)"""
+    g = _graph(MoondreamConfig(), 1, 2048, md.Tiling())
+    check(g)
+    assert len(g.tasks) > 20000
+
+
+def test_dropped_dependency_is_caught():
+    cfg = MoondreamConfig.from_dict(ff.fast_config())
+    g = _graph(cfg, 2, 100, TILING)
+    proj = next(t for t in g.tasks if t.name.startswith("L0.proj"))
+    proj.waits = proj.waits[:1]  # forget to wait for the MLP-down tiles
+    with pytest.raises(GraphError, match="race"):
+        check(g)
+    g = _graph(cfg, 2, 100, TILING)
+    part = next(t for t in g.tasks if t.name.startswith("L1.attn.part"))
+    part.waits = []  # attention before its rotary/cache-append task
+    with pytest.raises(GraphError, match="race"):
+        check(g)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Skills end to end
+
+
+def test_detect_and_point_match_reference(pair, encoded):
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    got = fast.detect(fast_e, "cup", max_objects=2)
+    want = ref_m.detect(ref_e, "cup", max_objects=2)
+    assert len(want["objects"]) == 2 and got == want
+    got = fast.point(fast_e, "dog", max_objects=2)
+    want = ref_m.point(ref_e, "dog", max_objects=2)
+    assert len(want["points"]) == 2 and got == want
+
+
+def test_caption_and_query_match_reference():
+    """An unbiased LM head, so the greedy tokens are a real search over the vocabulary."""
+    ckpt = ff.checkpoint(seed=1, object_bias=False)
+    ref_m, fast = load_moondream(ckpt), load_moondream_fast(ckpt, device="cpu", tiling=TILING)
+    img = ff.image(seed=1)
+    ref_e, fast_e = ref_m.encode_image(img), fast.encode_image(img)
+    want = ref_m.caption(ref_e, "short", max_tokens=4)
+    assert fast.caption(fast_e, "short", max_tokens=4) == want
+    assert len(set(want["caption"].split())) > 1  # not one token repeated
+    want = ref_m.query(ref_e, "what is this ?", max_tokens=3)
+    assert "".join(fast.query(fast_e, "what is this ?", max_tokens=3, stream=True)["answer"]) == want["answer"]
+
+
+def test_fast_model_rules(pair, encoded):
+    ref_m, fast = pair
+    ref_e, _ = encoded
+    with pytest.raises(ValueError, match="another model"):
+        fast.detect(ref_e, "cup", max_objects=1)  # an EncodedImage of the reference model
+    with pytest.raises(ValueError, match="Triton ops"):
+        FastMoondream(ref_m)
+    with pytest.raises(ValueError, match="max_objects"):
+        fast.point(encoded[1], "cup", max_objects=-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Moondream megakernel compiles for sm_90 (no GPU needed; the interpreter misses compiler errors)
+
+_COMPILE = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from photon_core.megakernel import moondream_decoder as md
+from photon_core.megakernel.graph import NUM_FIELDS
+sig0 = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", w_ptr="*fp32", s_ptr="*fp32",
+            out_ptr="*i32", B="i32", ln_eps="fp32", spin_limit="i32")
+out = {}
+for b, wdt in ((1, "*bf16"), (8, "*fp32")):
+    const = dict(NF=NUM_FIELDS, BLOCK_M=b, BLOCK_N=32, BLOCK_K=64, BLOCK_T=32, BLOCK_D=64, BLOCK_S=4, BLOCK_R=1024)
+    sig = dict(sig0, w_ptr=wdt)
+    sig.update({k: "constexpr" for k in const})
+    ck = triton.compile(ASTSource(md._moondream_megakernel, sig, const), target=GPUTarget("cuda", 90, 32))
+    out[f"b{b}"] = dict(cubin=len(ck.asm["cubin"]), ptx=ck.asm["ptx"])
+print(json.dumps(out))
+'''
+
+
+def test_megakernel_compiles_for_sm90():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("triton's NVIDIA backend (ptxas) is not available here")
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for name in ("b1", "b8"):
+        ptx = out[name]["ptx"]
+        assert out[name]["cubin"] > 0
+        assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # dependency waits
+        assert "red.global.gpu.release.add" in ptx or "atom.global.gpu.release.add" in ptx  # signals
