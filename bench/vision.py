@@ -21,6 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "test"))
+sys.path.insert(0, str(ROOT / "bench"))
+from report import heading, publish  # noqa: E402
 
 SIZES = {"640x480": (480, 640), "1920x1080": (1080, 1920), "4000x3000": (3000, 4000)}
 
@@ -108,16 +110,10 @@ def main() -> int:
         med, best = timed(run, args.repeats)
         rows.append((skill, med, best))
 
-    command = "python bench/vision.py " + " ".join(sys.argv[1:])
-    lines = [f"### Vision ({label}, {args.device}, {args.dtype}) — {time.strftime('%Y-%m-%d')}",
-             "", f"Command: `{command.strip()}`", "",
-             "| step | median ms | best ms |", "|---|---:|---:|"]
+    lines = heading(f"Vision ({label}, {args.device}, {args.dtype})")
+    lines += ["| step | median ms | best ms |", "|---|---:|---:|"]
     lines += [f"| {name} | {med * 1000:.1f} | {best * 1000:.1f} |" for name, med, best in rows]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.write:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n" + table)
+    publish(lines, args.write)
     return 0
 
 

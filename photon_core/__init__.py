@@ -23,11 +23,19 @@ def is_whisper(model: str | Path) -> bool:
     return path.is_dir() and (path / "model.bin").exists()
 
 
-def load(model: str | Path, device: str = "cpu", dtype: Any = None) -> Any:
+def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str = "auto") -> Any:
     """A loaded model with the skills of its family: Whisper (transcribe) or Moondream
-    (detect, point, caption, query)."""
+    (detect, point, caption, query). backend: "reference", "triton", "megakernel" or "auto"
+    (reference on CPU, megakernel on CUDA; see photon_core.backends.select)."""
+    from photon_core.backends.select import get_backend
+
+    ops = get_backend(backend, device)
     if is_whisper(model):
         from photon_core.models.whisper import load_whisper
-        return load_whisper(model, device=device, dtype=dtype)
+        return load_whisper(model, device=device, dtype=dtype, backend=backend)
+    dtype = dtype if dtype is not None else "float32"
+    if getattr(ops, "NAME", "") == "megakernel":
+        from photon_core.models.moondream_fast import load_moondream_fast
+        return load_moondream_fast(model, device=device, dtype=dtype)
     from photon_core.models.moondream import load_moondream
-    return load_moondream(model, device=device, dtype=dtype if dtype is not None else "float32")
+    return load_moondream(model, device=device, dtype=dtype, backend=ops)

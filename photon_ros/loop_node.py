@@ -9,12 +9,12 @@
 """
 from __future__ import annotations
 
-import rclpy
 from geometry_msgs.msg import PointStamped, Twist
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
+from photon_ros.run_node import run_node
 from photon_ros.commands import VisionRequest, parse_command
 from photon_ros.msg import Transcript
 from photon_ros.srv import Infer
@@ -87,15 +87,7 @@ class LoopNode(Node):
 
 
 def main(args=None) -> None:
-    rclpy.init(args=args)
-    node = LoopNode()
-    try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, rclpy.executors.ExternalShutdownException):
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
+    run_node(LoopNode, args)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,14 @@ Without them, or without an input device, it says so and exits instead of publis
 from __future__ import annotations
 
 import queue
-import sys
 import time
 
 import numpy as np
-import rclpy
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
+from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import seconds_to_time
@@ -70,20 +69,7 @@ class MicrophoneNode(Node):
 
 
 def main(args=None) -> None:
-    rclpy.init(args=args)
-    try:
-        node = MicrophoneNode()
-    except Exception as err:  # noqa: BLE001 - report why capture cannot start, then exit non-zero
-        print(f"microphone: {err}", file=sys.stderr)
-        rclpy.try_shutdown()
-        sys.exit(1)
-    try:
-        rclpy.spin(node)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
+    run_node(MicrophoneNode, args)
 
 
 if __name__ == "__main__":

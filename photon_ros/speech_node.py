@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 
-import rclpy
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
+from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
 from photon_ros.msg import AudioChunk, Transcript
@@ -205,15 +205,7 @@ class SpeechNode(Node):
 
 
 def main(args=None) -> None:
-    rclpy.init(args=args)
-    node = SpeechNode()
-    try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, rclpy.executors.ExternalShutdownException):
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
+    run_node(SpeechNode, args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
@@ -26,6 +25,7 @@ from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
 from photon_core.runtime.shared_models import shared_model
+from photon_ros.run_node import run_node
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.latest_frame import LatestFrame
 from photon_ros.msg import Detections, Points, VisionText
@@ -267,17 +267,7 @@ class VisionNode(Node):
 
 
 def main(args=None) -> None:
-    rclpy.init(args=args)
-    node = VisionNode()
-    executor = rclpy.executors.MultiThreadedExecutor()
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, rclpy.executors.ExternalShutdownException):
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
+    run_node(VisionNode, args)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import rclpy
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
 from photon_core.audio_io import pcm_to_float, read_wav
+from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import seconds_to_time
@@ -74,16 +74,7 @@ class WavPublisher(Node):
 
 
 def main(args=None) -> None:
-    rclpy.init(args=args)
-    node = WavPublisher()
-    try:
-        while rclpy.ok() and not node.done:
-            rclpy.spin_once(node, timeout_sec=0.1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
+    run_node(WavPublisher, args, until=lambda node: node.done)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ def compression_ratio(text: str) -> float:
 class WindowDecoder:
     """Per-model constants for decoding (suppression masks); `decode(features, options)`."""
 
-    def __init__(self, net: WhisperNet, tokenizer: WhisperTokenizer, time_precision: float):
+    def __init__(self, net: WhisperNet, tokenizer: WhisperTokenizer, time_precision: float,
+                 steps=None):
         self.net = net
+        self.steps = steps   # MegakernelSteps: per-token steps as one launch; None = the model's ops
         self.tok = tokenizer
         self.n_ctx = net.dims.n_text_ctx
         self.n_vocab = net.dims.n_vocab
@@ -122,6 +124,8 @@ class WindowDecoder:
         if tok.no_speech is not None:
             no_speech_prob = first[0].softmax(-1)[tok.no_speech].item()
         logits = first[1]
+        if self.steps is not None:
+            self.steps.start(cache, len(initial))
 
         sampled: list[int] = []
         sum_logprob = 0.0
@@ -141,6 +145,9 @@ class WindowDecoder:
             n_tokens += 1
             if n_tokens > self.n_ctx:
                 break
+            if self.steps is not None:
+                logits = self.steps.logits(nxt, n_tokens - 1)
+                continue
             step[0, 0] = nxt
             logits = net.logits(net.decode(step, n_tokens - 1, cache))[0, -1]
 

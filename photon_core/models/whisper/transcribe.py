@@ -222,16 +222,25 @@ class WhisperSpeech:
 
 def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
                  dtype: torch.dtype | str | None = None,
-                 ops: ModuleType = reference) -> WhisperSpeech:
+                 ops: ModuleType | None = None, backend: str = "auto") -> WhisperSpeech:
     """Load Whisper from a local path, an installed weights package or the local HF cache.
 
     dtype: None picks the fastest exact-enough encoder precision for the device (bf16 autocast on
     CPUs with AMX/AVX512-BF16, float16 on CUDA, float32 otherwise); float32 is the exact
     reference. The decoder always runs in float32.
+    backend: "reference" (PyTorch), "triton" (per-op kernels), "megakernel" (per-op kernels for the
+    encoder and prompt, one persistent launch per generated token) or "auto" (by device, see
+    photon_core.backends.select); `ops` overrides it with an ops module.
     """
+    from photon_core.backends.select import get_backend
+
+    chosen = ops or get_backend(backend, device)
     resolved = resolve_whisper(model)
     checkpoint = load_checkpoint_file(resolved.path)
-    speech = WhisperSpeech(checkpoint, resolved.model_id or "", device=device, dtype=dtype, ops=ops)
+    speech = WhisperSpeech(checkpoint, resolved.model_id or "", device=device, dtype=dtype, ops=chosen)
+    if ops is None and getattr(chosen, "NAME", "") == "megakernel":
+        from .megakernel_steps import MegakernelSteps
+        speech.decoder.steps = MegakernelSteps(speech.net)
     speech.model_id = resolved.model_id or name_from_dims(speech.dims)
     return speech
 

@@ -1,0 +1,32 @@
+"""The `main()` every node shares: init, construct, spin until Ctrl-C or shutdown, clean up."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import rclpy
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+
+
+def run_node(make_node: Callable[[], object], args=None, until: Callable[[object], bool] | None = None) -> None:
+    """Spin the node made by `make_node` on a multi-threaded executor (the vision and speech nodes
+    serve callbacks while their workers publish). `until(node)` ends the spin early when true.
+    A node that cannot start (missing device, bad parameter) exits non-zero with its reason."""
+    rclpy.init(args=args)
+    try:
+        node = make_node()
+    except Exception as err:  # noqa: BLE001 - report why the node cannot start
+        print(f"{getattr(make_node, '__name__', 'node')}: {err}", file=sys.stderr)
+        rclpy.try_shutdown()
+        sys.exit(1)
+    executor = MultiThreadedExecutor()
+    executor.add_node(node)
+    try:
+        while rclpy.ok() and not (until and until(node)):
+            executor.spin_once(timeout_sec=0.1)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
