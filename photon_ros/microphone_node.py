@@ -64,7 +64,8 @@ class MicrophoneNode(Node):
             self.publisher.publish(pcm_to_audio_chunk(data, self.rate, AudioChunk.FORMAT_S16LE, header))
 
     def destroy_node(self) -> None:
-        self.stream.close()
+        if hasattr(self, "stream"):   # absent when the device failed to open in __init__
+            self.stream.close()
         super().destroy_node()
 
 
