@@ -173,8 +173,10 @@ class VisionNode(Node):
         header, (height, width) = frame.msg.header, rgb.shape[:2]
         model = self.engine.model
         boxes, points = {}, {}
+        # Frames from every camera on this engine are encoded together; the skills then run one
+        # request at a time on their encoded image.
+        encoded = self.engine.batcher.encode(rgb)
         with self.engine.lock:
-            encoded = model.encode_image(rgb)
             for target in detect:
                 boxes[target] = model.detect(encoded, target, max_objects=self.max_objects)["objects"]
                 msg = detections_message({"objects": boxes[target]}, header, prompt=target, width=width,

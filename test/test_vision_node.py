@@ -161,3 +161,23 @@ def test_transcript_to_target(graph):
     assert turns and any("red cup" in s.data for s in status)
     speaker.publish(Transcript(text="What a lovely day.", is_final=True))
     assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
+
+
+def test_two_cameras_share_one_engine(graph):
+    params = [Parameter("model", value=str(checkpoint())), Parameter("detect", value=["cup"]),
+              Parameter("max_objects", value=1), Parameter("reliability", value="reliable")]
+    nodes = [graph.add(VisionNode(context=graph.context, namespace=ns, parameter_overrides=params))
+             for ns in ("left", "right")]
+    assert wait_for(lambda: all(n.engine is not None for n in nodes), timeout=120)
+    assert nodes[0].engine is nodes[1].engine          # one model, one batcher
+    got = {ns: collect(graph, Detections, f"/{ns}/detections") for ns in ("left", "right")}
+    cams = {ns: graph.node(f"cam_{ns}").create_publisher(Image, f"/{ns}/image", RELIABLE) for ns in got}
+    for pub in cams.values():
+        wait_for_match(pub)
+    for i in range(3):
+        for k, (ns, pub) in enumerate(cams.items()):
+            pub.publish(rgb_to_image(image(10 + k), header=header(i, ns)))
+        assert wait_for(lambda: all(any(d.header == header(i, ns) for d in got[ns]) for ns in got), timeout=60)
+    for ns in got:
+        assert all(d.header.frame_id == ns for d in got[ns])
+    assert sum(nodes[0].engine.batcher.sizes) >= 6

@@ -1,8 +1,8 @@
 """One loaded model per (kind, name, device, dtype) per process.
 
 Several nodes in one process (several cameras, or vision plus the on-demand service) must share
-one engine: weights are loaded once, and `lock` serializes use of it so concurrent callers never
-interleave inside a forward pass.
+one engine: weights are loaded once, `lock` serializes use of it so concurrent callers never
+interleave inside a forward pass, and `batcher` gathers their image encodes into batches.
 """
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ class SharedModel:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.lock = threading.Lock()
+        self._batcher = None
+
+    @property
+    def batcher(self):
+        """An EncodeBatcher over the model's `encode_images` (made on first use)."""
+        if self._batcher is None:
+            from photon_core.runtime.batcher import EncodeBatcher
+            with self.lock:
+                if self._batcher is None:
+                    self._batcher = EncodeBatcher(self.model.encode_images, self.lock)
+        return self._batcher
 
 
 _models: dict[tuple, SharedModel] = {}

@@ -98,22 +98,35 @@ class MoondreamModel:
         rgb = image_crops.to_rgb_array(image, channel_order)
         return image_crops.make_crops(rgb, v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops)
 
-    @torch.inference_mode()
-    def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
+    def encode_image(self, image, channel_order: str = "rgb") -> EncodedImage:
         """numpy HxWx3 uint8 RGB (also HxW gray, HxWx4 RGBA, or a PIL image) -> EncodedImage.
         BGR arrays (OpenCV, ROS bgr8) need channel_order="bgr"."""
         if isinstance(image, EncodedImage):
             self._check_owner(image)
             return image
-        crops, tiling = self.preprocess(image, channel_order)
+        return self.encode_images([image], channel_order)[0]
+
+    @torch.inference_mode()
+    def encode_images(self, images: list, channel_order: str = "rgb") -> list[EncodedImage]:
+        """Several images in one pass, as serving several cameras wants: all their crops go through
+        the vision encoder together and their [BOS][image] prefixes are prefilled as one batch."""
+        if not images:
+            return []
         cfg = self.config
+        prepared = [self.preprocess(image, channel_order) for image in images]
+        crops = np.concatenate([c for c, _ in prepared])
         feats = vision.encode_crops(vision.normalize(crops, self.dtype, self.device), self.vision_w, cfg.vision, self.ops)
-        img_tokens = vision.project(feats, tiling, self.vision_w, cfg.vision, self.ops)
-        bos = text.embed(torch.tensor([[cfg.tokenizer.bos_id]], device=self.device), self.text_w)
-        x = torch.cat([bos, img_tokens[None]], dim=1)
-        cache = text.KVCache(cfg.text, x.shape[1], self.dtype, self.device)
+        tokens, start = [], 0
+        for own_crops, tiling in prepared:
+            end = start + len(own_crops)
+            tokens.append(vision.project(feats[start:end], tiling, self.vision_w, cfg.vision, self.ops))
+            start = end
+        bos = text.embed(torch.full((len(images), 1), cfg.tokenizer.bos_id, device=self.device), self.text_w)
+        x = torch.cat([bos, torch.stack(tokens)], dim=1)
+        cache = text.KVCache(cfg.text, x.shape[1], self.dtype, self.device, batch=len(images))
         text.forward(x, 0, self.text_w, cfg.text, cache, self.ops)  # bidirectional over BOS + image
-        return EncodedImage(cache.k, cache.v, x.shape[1], tiling, id(self))
+        return [EncodedImage(cache.k[:, i:i + 1], cache.v[:, i:i + 1], x.shape[1], tiling, id(self))
+                for i, (_, tiling) in enumerate(prepared)]
 
     def _check_owner(self, enc: EncodedImage) -> None:
         if enc.owner != id(self):

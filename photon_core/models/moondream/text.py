@@ -53,13 +53,14 @@ def rot_dim(cfg: TextConfig) -> int:
 
 
 class KVCache:
-    """Per-layer keys and values for one sequence, [layers, 1, kv_heads, length, head_dim].
+    """Per-layer keys and values, [layers, batch, kv_heads, length, head_dim] (batch > 1 only for
+    prefilling several images together).
 
     Allocated per request (torch.empty costs nothing until written), so requests never share state.
     """
 
-    def __init__(self, cfg: TextConfig, length: int, dtype: torch.dtype, device) -> None:
-        shape = (cfg.n_layers, 1, cfg.n_kv_heads, length, cfg.dim // cfg.n_heads)
+    def __init__(self, cfg: TextConfig, length: int, dtype: torch.dtype, device, batch: int = 1) -> None:
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.dim // cfg.n_heads)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = length
@@ -70,9 +71,9 @@ def embed(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
 
 
 def forward(x: torch.Tensor, pos: int, w: TextWeights, cfg: TextConfig, cache: KVCache, ops) -> torch.Tensor:
-    """Input embeddings [1, T, dim] at positions pos..pos+T-1 -> hidden states [1, T, dim] *before*
+    """Input embeddings [B, T, dim] at positions pos..pos+T-1 -> hidden states [B, T, dim] *before*
     post_ln (the region heads read them; lm_logits applies post_ln). Writes k/v into the cache."""
-    _, t, d = x.shape
+    bsz, t, d = x.shape
     hq, hkv = cfg.n_heads, cfg.n_kv_heads
     hd = d // hq
     end = pos + t
@@ -82,16 +83,16 @@ def forward(x: torch.Tensor, pos: int, w: TextWeights, cfg: TextConfig, cache: K
     for i, b in enumerate(w.blocks):
         h = ops.layer_norm(x, *b.ln)  # one norm feeds attention and MLP: the parallel block
         q, k, v = ops.linear(h, *b.qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-        q = ops.rotary(q.view(1, t, hq, hd).transpose(1, 2), cos, sin, rot)
-        k = ops.rotary(k.view(1, t, hkv, hd).transpose(1, 2), cos, sin, rot)
+        q = ops.rotary(q.view(bsz, t, hq, hd).transpose(1, 2), cos, sin, rot)
+        k = ops.rotary(k.view(bsz, t, hkv, hd).transpose(1, 2), cos, sin, rot)
         cache.k[i, :, :, pos:end] = k
-        cache.v[i, :, :, pos:end] = v.view(1, t, hkv, hd).transpose(1, 2)
+        cache.v[i, :, :, pos:end] = v.view(bsz, t, hkv, hd).transpose(1, 2)
         keys, values = cache.k[i, :, :, :end], cache.v[i, :, :, :end]
         if hkv != hq:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             values = values.repeat_interleave(hq // hkv, dim=1)
         a = ops.attention(q, keys, values, causal=True, prefix_len=cfg.prefix_attn)
-        a = a.transpose(1, 2).reshape(1, t, d)
+        a = a.transpose(1, 2).reshape(bsz, t, d)
         mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
         x = ops.linear(a, *b.proj, residual=x + mlp)
     return x
