@@ -92,9 +92,6 @@ def _as_interleaved(samples: np.ndarray) -> tuple[np.ndarray, int]:
     raise ValueError(f"expected samples shaped [n] or [n, channels], got {samples.shape}")
 
 
-_as_float = pcm_to_float
-
-
 def pcm_to_audio_chunk(samples: np.ndarray, sample_rate: int, sample_format: str = AudioChunk.FORMAT_S16LE,
                        header=None) -> AudioChunk:
     """Float ([-1, 1]) or int16 samples, [n] or [n, channels], as an AudioChunk."""
@@ -106,10 +103,10 @@ def pcm_to_audio_chunk(samples: np.ndarray, sample_rate: int, sample_format: str
     if sample_format == AudioChunk.FORMAT_S16LE and interleaved.dtype == np.int16:
         encoded = interleaved.astype("<i2")
     elif sample_format == AudioChunk.FORMAT_F32LE:
-        encoded = _as_float(interleaved).astype("<f4")
+        encoded = pcm_to_float(interleaved).astype("<f4")
     else:
         info = np.iinfo(np.dtype(dtype))
-        scaled = np.round(_as_float(interleaved) * scale + offset)
+        scaled = np.round(pcm_to_float(interleaved) * scale + offset)
         encoded = np.clip(scaled, info.min, info.max).astype(dtype)
     msg = AudioChunk()
     if header is not None:
@@ -129,7 +126,7 @@ def _layout(msg, n: int, channels: int) -> None:
 def pcm_to_int16_array(samples: np.ndarray) -> Int16MultiArray:
     interleaved, channels = _as_interleaved(samples)
     if interleaved.dtype != np.int16:
-        interleaved = np.clip(np.round(_as_float(interleaved) * 32768.0), -32768, 32767).astype(np.int16)
+        interleaved = np.clip(np.round(pcm_to_float(interleaved) * 32768.0), -32768, 32767).astype(np.int16)
     msg = Int16MultiArray()
     _layout(msg, interleaved.size, channels)
     msg.data = interleaved
@@ -140,5 +137,5 @@ def pcm_to_float32_array(samples: np.ndarray) -> Float32MultiArray:
     interleaved, channels = _as_interleaved(samples)
     msg = Float32MultiArray()
     _layout(msg, interleaved.size, channels)
-    msg.data = _as_float(interleaved)
+    msg.data = pcm_to_float(interleaved)
     return msg

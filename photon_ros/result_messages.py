@@ -14,14 +14,17 @@ def time_to_seconds(stamp: Time) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
-def seconds_to_time(seconds: float) -> Time:
+def _sec_nanosec(seconds: float) -> dict:
     sec = math.floor(seconds)
-    return Time(sec=int(sec), nanosec=min(999_999_999, int(round((seconds - sec) * 1e9))))
+    return {"sec": int(sec), "nanosec": min(999_999_999, int(round((seconds - sec) * 1e9)))}
+
+
+def seconds_to_time(seconds: float) -> Time:
+    return Time(**_sec_nanosec(seconds))
 
 
 def seconds_to_duration(seconds: float) -> Duration:
-    sec = math.floor(seconds)
-    return Duration(sec=int(sec), nanosec=min(999_999_999, int(round((seconds - sec) * 1e9))))
+    return Duration(**_sec_nanosec(seconds))
 
 
 def transcript_message(result: dict, header: Header, *, audio_duration: float, processing_time: float,

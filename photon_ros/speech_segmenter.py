@@ -35,7 +35,6 @@ class Utterance:
     samples: np.ndarray              # float32 mono
     sample_rate: int
     start_time: float                # capture time of the first sample (seconds, the stream's clock)
-    ended_at: float                  # capture time just after the last sample
     frame_id: str = ""               # of the audio source, set by the node
     seen_at: float = 0.0             # monotonic time the end was detected (latency starts here)
 
@@ -133,5 +132,4 @@ class SpeechSegmenter:
         samples = np.concatenate(frames) if frames else np.zeros(0, np.float32)
         if samples.size < cfg.min_utterance_s * self.sample_rate:
             return None
-        return Utterance(samples, self.sample_rate, self._speech_start,
-                         self._speech_start + samples.size / self.sample_rate)
+        return Utterance(samples, self.sample_rate, self._speech_start)

@@ -8,7 +8,7 @@ from photon_ros.utterance_queue import UtteranceQueue
 
 
 def utterance(seconds, t, rate=16000):
-    return Utterance(np.zeros(int(seconds * rate), np.float32), rate, t, t + seconds)
+    return Utterance(np.zeros(int(seconds * rate), np.float32), rate, t)
 
 
 def test_oldest_audio_is_dropped_past_the_budget():

@@ -139,31 +139,22 @@ class FastMoondream:
         length = min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens)
         allowed = torch.isfinite(self._text_bias)
 
-        def run() -> Iterator[str]:
+        def tokens() -> Iterator[int]:
             with _Request(self, enc, length, region_heads=False) as seq, torch.no_grad():
                 res = seq.prompt(prompt, self._text_bias)
-                ids: list[int] = []
-                shown = ""
-                while len(ids) < max_tokens:
+                for n in range(1, max_tokens + 1):
                     if temperature == 0:
                         tok = res.tokens[0]  # the in-kernel masked argmax
                     else:
                         tok = skills._sample(seq.logits()[0].clone(), allowed, temperature, top_p, self.model.ops)
                     if tok == cfg.tokenizer.eos_id:
-                        break
-                    ids.append(tok)
-                    txt = self.tokenizer.decode(ids)
-                    if txt.startswith(shown) and not txt.endswith("\ufffd") and len(txt) > len(shown):
-                        yield txt[len(shown):]
-                        shown = txt
-                    if len(ids) == max_tokens or seq.pos >= length:
-                        break
+                        return
+                    yield tok
+                    if n == max_tokens or seq.pos >= length:
+                        return
                     res = seq.step(seq.embed([tok]))
-                txt = self.tokenizer.decode(ids)
-                if txt != shown:
-                    yield txt[len(shown):]
 
-        return run()
+        return skills.text_pieces(self.tokenizer, tokens())
 
 
 def _size_values(bins: tuple[int, int]) -> tuple[float, float]:

@@ -79,29 +79,36 @@ def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int
     allowed = torch.ones(cfg.text.vocab_size, dtype=torch.bool, device=model.device)
     allowed[cfg.tokenizer.answer_id] = False
 
-    def run() -> Iterator[str]:
+    def tokens() -> Iterator[int]:
         _, logits = seq.step(seq.embed(prompt))
-        ids: list[int] = []
-        shown = ""
-        while len(ids) < max_tokens:
+        for n in range(1, max_tokens + 1):
             tok = _sample(logits[0], allowed, temperature, top_p, model.ops)
             if tok == cfg.tokenizer.eos_id:
-                break
-            ids.append(tok)
-            # Re-decode everything so multi-token characters come out whole; hold back a piece that
-            # ends in an incomplete UTF-8 sequence until the next token completes it.
-            txt = model.tokenizer.decode(ids)
-            if txt.startswith(shown) and not txt.endswith("\ufffd") and len(txt) > len(shown):
-                yield txt[len(shown):]
-                shown = txt
-            if len(ids) == max_tokens or seq.pos >= seq.cache.length:
-                break
+                return
+            yield tok
+            if n == max_tokens or seq.pos >= seq.cache.length:
+                return
             _, logits = seq.step(seq.embed([tok]))
-        txt = model.tokenizer.decode(ids)
-        if txt != shown:
-            yield txt[len(shown):]
 
-    return run()
+    return text_pieces(model.tokenizer, tokens())
+
+
+def text_pieces(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
+    """The decoded text of `tokens`, piece by piece as they arrive (lazily: a token is decoded only
+    when the caller asks for more text)."""
+    ids: list[int] = []
+    shown = ""
+    for tok in tokens:
+        ids.append(tok)
+        # Re-decode everything so multi-token characters come out whole; hold back a piece that
+        # ends in an incomplete UTF-8 sequence until the next token completes it.
+        txt = tokenizer.decode(ids)
+        if txt.startswith(shown) and not txt.endswith("\ufffd") and len(txt) > len(shown):
+            yield txt[len(shown):]
+            shown = txt
+    txt = tokenizer.decode(ids)
+    if txt != shown:
+        yield txt[len(shown):]
 
 
 def generate_objects(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int], with_size: bool,

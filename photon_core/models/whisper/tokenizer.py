@@ -57,7 +57,8 @@ class WhisperTokenizer:
                 raise ValueError("English-only models can only transcribe")
             return [self.sot]
         if language is None:
-            raise NotImplementedError("language detection is not implemented yet; pass language=")
+            # transcribe() detects the language before building a prompt; a direct caller must say it.
+            raise ValueError("a multilingual model's prompt needs a language code (e.g. 'en')")
         if language not in self.languages:
             raise ValueError(f"unknown language {language!r}")
         return [self.sot, self.languages[language],
