@@ -2,7 +2,8 @@
 
     image (sensor_msgs/Image) or image/compressed (CompressedImage), sensor-data QoS by default
       -> newest-frame mailbox (frames arriving while the model is busy are counted and dropped)
-      -> worker thread: convert, encode the image once, run every configured task on it
+      -> worker thread: convert; every configured task on the frame goes to the engine's batcher as
+         one group (decoded in one batch with other cameras' groups, the image encoded once)
       -> detections, points (photon_ros), caption (VisionText), detections_2d (vision_msgs, where
          installed), image_annotated (only while someone subscribes); headers copied from the image.
     infer (photon_ros/Infer service): detect / point / caption / query on demand.
@@ -24,6 +25,7 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
+from photon_core.models.moondream.batch import Request
 from photon_core.runtime.shared_models import shared_model
 from photon_ros.run_node import run_node
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
@@ -46,17 +48,12 @@ def load_vision_model(name: str, device: str, dtype: str):
                         lambda: load_moondream(name, device=device, dtype=dtype))
 
 
-def run_task(model, image, task: str, prompt: str, max_objects: int) -> dict:
-    """One skill on an image or an encoded image; the engine's plain result dict."""
-    if task == Infer.Request.TASK_DETECT:
-        return model.detect(image, prompt, max_objects=max_objects)
-    if task == Infer.Request.TASK_POINT:
-        return model.point(image, prompt, max_objects=max_objects)
-    if task == Infer.Request.TASK_CAPTION:
-        return model.caption(image, length=prompt or "normal")
-    if task == Infer.Request.TASK_QUERY:
-        return model.query(image, prompt)
-    raise ValueError(f"unknown task {task!r}; one of {', '.join(TASKS)}")
+def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str | None,
+                   max_objects: int) -> list[Request]:
+    """Every task configured for one frame, as engine requests (decoded together, in this order)."""
+    return ([Request("detect", rgb, target, max_objects=max_objects) for target in detect]
+            + [Request("point", rgb, target, max_objects=max_objects) for target in point]
+            + ([Request("caption", rgb, caption_length)] if caption_length else []))
 
 
 class VisionNode(Node):
@@ -172,30 +169,35 @@ class VisionNode(Node):
             return
         header, (height, width) = frame.msg.header, rgb.shape[:2]
         model = self.engine.model
+        if caption_due:
+            self.last_caption = time.monotonic()
+        # One group per frame: its requests, and those of every other camera on this engine, are
+        # decoded as one batch.
+        requests = frame_requests(rgb, detect, point, self.caption_length if caption_due else None,
+                                  self.max_objects)
+        try:
+            results = self.engine.batcher.submit(requests)
+        except ValueError as err:
+            self.get_logger().warning(f"frame not processed: {err}", throttle_duration_sec=5.0)
+            return
+        latency = time.monotonic() - frame.received_at
         boxes, points = {}, {}
-        # Frames from every camera on this engine are encoded together; the skills then run one
-        # request at a time on their encoded image.
-        encoded = self.engine.batcher.encode(rgb)
-        with self.engine.lock:
-            for target in detect:
-                boxes[target] = model.detect(encoded, target, max_objects=self.max_objects)["objects"]
-                msg = detections_message({"objects": boxes[target]}, header, prompt=target, width=width,
-                                         height=height, latency=time.monotonic() - frame.received_at,
-                                         model_id=model.model_id)
+        for request, result in zip(requests, results):
+            if request.task == "detect":
+                boxes[request.prompt] = result["objects"]
+                msg = detections_message(result, header, prompt=request.prompt, width=width, height=height,
+                                         latency=latency, model_id=model.model_id)
                 self.pub_detections.publish(msg)
                 if self.pub_detection2d is not None:
                     self.pub_detection2d.publish(detection2d_array(msg))
-            for target in point:
-                points[target] = model.point(encoded, target, max_objects=self.max_objects)["points"]
-                self.pub_points.publish(points_message(
-                    {"points": points[target]}, header, prompt=target, width=width, height=height,
-                    latency=time.monotonic() - frame.received_at, model_id=model.model_id))
-            if caption_due:
-                self.last_caption = time.monotonic()
-                text = model.caption(encoded, length=self.caption_length)["caption"]
+            elif request.task == "point":
+                points[request.prompt] = result["points"]
+                self.pub_points.publish(points_message(result, header, prompt=request.prompt, width=width,
+                                                       height=height, latency=latency, model_id=model.model_id))
+            else:
                 self.pub_caption.publish(vision_text_message(
-                    text, header, task=VisionText.TASK_CAPTION, prompt=self.caption_length,
-                    latency=time.monotonic() - frame.received_at, model_id=model.model_id))
+                    result["caption"], header, task=VisionText.TASK_CAPTION, prompt=request.prompt,
+                    latency=latency, model_id=model.model_id))
         self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
         if self.annotate and (boxes or points) and self.pub_annotated.get_subscription_count() > 0:
             self.pub_annotated.publish(rgb_to_image(draw_results(rgb, boxes, points), header=header))
@@ -213,8 +215,8 @@ class VisionNode(Node):
             return response
         try:
             rgb = self.to_rgb(source)
-            with self.engine.lock:
-                result = run_task(self.engine.model, rgb, request.task, request.prompt, self.max_objects)
+            task = Request(request.task, rgb, request.prompt, max_objects=self.max_objects)
+            result = self.engine.batcher.submit([task])[0]
         except ValueError as err:
             response.success, response.message = False, str(err)
             return response

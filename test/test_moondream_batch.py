@@ -1,12 +1,15 @@
-"""Several images encoded in one batch equal the images encoded one by one, and the batcher
-gathers concurrent requests (several cameras on one engine) into batches."""
+"""Batching: several images encoded together, and several requests decoded together, give what the
+one-at-a-time calls give; the batcher gathers concurrent callers (several cameras on one engine)."""
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from moondream_fixtures import model
-from photon_core.runtime.batcher import EncodeBatcher
+from photon_core.backends import reference
+from photon_core.models.moondream import Request, text
+from photon_core.runtime.batcher import Batcher
 
 
 def images(n, seed=0):
@@ -26,32 +29,97 @@ def test_batched_encoding_equals_single():
         assert m.detect(enc, "cup", max_objects=2) == m.detect(single, "cup", max_objects=2)
 
 
+def test_decode_step_with_per_row_positions_equals_each_row_alone():
+    cfg = model().config.text
+    w = model().text_w
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = [3, 17, 9]                      # rows at different positions
+    caches = []
+    for n in lengths:
+        c = text.KVCache(cfg, 32, torch.float32, "cpu")
+        text.forward(torch.randn(1, n, cfg.dim, generator=g), 0, w, cfg, c, reference)
+        caches.append(c)
+    batch = text.KVCache(cfg, 32, torch.float32, "cpu", batch=3)
+    batch.k.fill_(float("nan"))               # positions past a row's length must never be read
+    batch.v.fill_(float("nan"))
+    for b, (n, c) in enumerate(zip(lengths, caches)):
+        batch.k[:, b:b + 1, :, :n], batch.v[:, b:b + 1, :, :n] = c.k[:, :, :, :n], c.v[:, :, :, :n]
+    x = torch.randn(3, 1, cfg.dim, generator=g)
+    got = text.forward(x, torch.tensor(lengths), w, cfg, batch, reference)
+    for b, (n, c) in enumerate(zip(lengths, caches)):
+        want = text.forward(x[b:b + 1], n, w, cfg, c, reference)
+        torch.testing.assert_close(got[b:b + 1], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(batch.k[:, b:b + 1, :, :n + 1], c.k[:, :, :, :n + 1])
+    with pytest.raises(ValueError, match="one token per row"):
+        text.forward(torch.randn(3, 2, cfg.dim), torch.tensor(lengths), w, cfg, batch, reference)
+
+
+@pytest.mark.parametrize("object_bias", [True, False])
+def test_batched_requests_equal_single_calls(object_bias):
+    m = model(object_bias=object_bias)
+    a, b, c = images(3, seed=2)
+    enc_a = m.encode_image(a)
+    requests = [Request("detect", a, "cup", max_objects=3), Request("point", b, "dog", max_objects=4),
+                Request("caption", a, "short", max_tokens=6), Request("query", c, "what is this?", max_tokens=5),
+                Request("detect", enc_a, "person", max_objects=2), Request("point", c, "cup", max_objects=0),
+                Request("caption", c, "normal", max_tokens=0)]
+    want = [m.detect(a, "cup", max_objects=3), m.point(b, "dog", max_objects=4),
+            m.caption(a, "short", max_tokens=6), m.query(c, "what is this?", max_tokens=5),
+            m.detect(enc_a, "person", max_objects=2), m.point(c, "cup", max_objects=0),
+            m.caption(c, "normal", max_tokens=0)]
+    got = m.batch(requests)
+    assert got == want
+    if object_bias:   # this checkpoint keeps finding objects: every row runs to its own limit
+        assert [len(got[0]["objects"]), len(got[1]["points"]), len(got[5]["points"])] == [3, 4, 0]
+    assert got[2]["caption"] and got[3]["answer"]
+
+
+def test_batch_rejects_bad_requests_before_decoding():
+    m = model()
+    with pytest.raises(ValueError, match="non-empty"):
+        m.batch([Request("detect", images(1)[0], "cup"), Request("point", images(1)[0], "  ")])
+    with pytest.raises(ValueError, match="unknown task"):
+        m.batch([Request("segment", images(1)[0], "cup")])
+    assert m.batch([]) == []
+
+
 def test_batcher_gathers_concurrent_requests():
     m = model()
-    batcher = EncodeBatcher(m.encode_images, threading.Lock(), max_batch=8, window_s=0.5)
+    batcher = Batcher(m.batch, threading.Lock(), max_batch=8, window_s=0.5)
     frames = images(4, seed=1)
     results = [None] * 4
 
     def ask(i):
-        results[i] = batcher.encode(frames[i])
+        results[i] = batcher.submit([Request("detect", frames[i], "cup", max_objects=2),
+                                     Request("point", frames[i], "dog", max_objects=1)])
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert sum(batcher.sizes) == 4 and batcher.batches < 4 and max(batcher.sizes) > 1
-    for frame, enc in zip(frames, results):
-        torch.testing.assert_close(enc.k, m.encode_image(frame).k, rtol=1e-4, atol=1e-5)
+    assert sum(batcher.sizes) == 8 and len(batcher.sizes) < 4 and max(batcher.sizes) > 2
+    assert all(size <= 8 for size in batcher.sizes)
+    for frame, result in zip(frames, results):
+        assert result == [m.detect(frame, "cup", max_objects=2), m.point(frame, "dog", max_objects=1)]
 
 
-def test_batcher_reports_errors_to_each_caller():
-    def broken(images):
-        raise ValueError("image has zero size")
-    batcher = EncodeBatcher(broken, threading.Lock())
-    try:
-        batcher.encode(np.zeros((0, 0, 3), np.uint8))
-    except ValueError as err:
-        assert "zero size" in str(err)
-    else:
-        raise AssertionError("the error was swallowed")
+def test_one_callers_bad_request_fails_only_that_caller():
+    m = model()
+    batcher = Batcher(m.batch, threading.Lock(), window_s=0.5)
+    frame = images(1)[0]
+    outcome = {}
+
+    def ask(name, prompt):
+        try:
+            outcome[name] = batcher.submit([Request("point", frame, prompt, max_objects=1)])
+        except ValueError as err:
+            outcome[name] = err
+
+    threads = [threading.Thread(target=ask, args=(n, p)) for n, p in (("good", "cup"), ("bad", ""))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert isinstance(outcome["bad"], ValueError) and "non-empty" in str(outcome["bad"])
+    assert outcome["good"] == [m.point(frame, "cup", max_objects=1)]

@@ -23,7 +23,7 @@ import moondream_fast_fixtures as ff  # noqa: E402
 from photon_core.backends import reference as ref  # noqa: E402
 from photon_core.megakernel import moondream_decoder as md  # noqa: E402
 from photon_core.megakernel.checker import GraphError, check  # noqa: E402
-from photon_core.models.moondream import load_moondream, text, vision  # noqa: E402
+from photon_core.models.moondream import Request, load_moondream, text, vision  # noqa: E402
 from photon_core.models.moondream.config import MoondreamConfig  # noqa: E402
 from photon_core.models.moondream_fast import FastMoondream, load_moondream_fast  # noqa: E402
 
@@ -49,6 +49,18 @@ def encoded(pair):
     ref_m, fast = pair
     img = ff.image()
     return ref_m.encode_image(img), fast.encode_image(img)
+
+
+def test_batched_requests_through_the_triton_ops_match_reference(pair, encoded):
+    """model.batch on the per-op kernels: the per-row-position decode step (rotary with one
+    position per row, kv_append, decode_attention over ragged lengths) gives the reference's
+    boxes and points."""
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    requests = [("detect", "cup", 2), ("point", "dog", 3)]
+    want = ref_m.batch([Request(t, ref_e, p, max_objects=n) for t, p, n in requests])
+    got = fast.model.batch([Request(t, fast_e, p, max_objects=n) for t, p, n in requests])
+    assert got == want and len(got[1]["points"]) == 3
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -44,6 +44,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              pos: torch.Tensor) -> None:
+    """k_cache[b, :, pos[b]:pos[b]+T_new] = k[b] (same for v), in place: rows of a batch that are
+    at different positions (requests of different lengths decoded together)."""
+    t_new = k.shape[2]
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]
+    cols = pos.to(device=k.device, dtype=torch.long)[:, None] + torch.arange(t_new, device=k.device)
+    # advanced indices [B, T_new] on dims 0 and 2 put those dims first: [B, T_new, H, D]
+    k_cache[rows, :, cols] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[rows, :, cols] = v.transpose(1, 2).to(v_cache.dtype)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """One query per (b, h): q [B, H, 1, D] over the first lengths[b] keys of k/v [B, H, T_max, D].
+    Positions past a row's length are never read (they may hold anything, NaN included: a mask
+    would still multiply them by zero), so each row attends over its own slice."""
+    return torch.cat([F.scaled_dot_product_attention(q[b:b + 1], k_cache[b:b + 1, :, :n],
+                                                     v_cache[b:b + 1, :, :n], scale=scale)
+                      for b, n in enumerate(lengths.tolist())])
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
     """Rotary embedding on the first `rot_dim` features of each head (the rest pass through),
     rotating pairs (i, i + rot_dim/2) — the "rotate half" convention. cos/sin: [T, rot_dim/2]."""

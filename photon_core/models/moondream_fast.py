@@ -102,7 +102,7 @@ class FastMoondream:
         """skills.generate_objects with megakernel steps: 3 (detect) or 2 (point) steps per object."""
         if max_objects < 0:
             raise ValueError("max_objects must be >= 0")
-        skills._check_prompt(self.model, enc, prompt)
+        skills.check_prompt(self.model, enc, prompt)
         cfg, ops, rw = self.config, self.model.ops, self.model.region_w
         tk = cfg.tokenizer
         steps = 3 if with_size else 2
@@ -134,7 +134,7 @@ class FastMoondream:
         """skills.generate_text with megakernel steps; yields text pieces."""
         if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError("need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
-        skills._check_prompt(self.model, enc, prompt)
+        skills.check_prompt(self.model, enc, prompt)
         cfg = self.config
         length = min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens)
         allowed = torch.isfinite(self._text_bias)
@@ -146,7 +146,7 @@ class FastMoondream:
                     if temperature == 0:
                         tok = res.tokens[0]  # the in-kernel masked argmax
                     else:
-                        tok = skills._sample(seq.logits()[0].clone(), allowed, temperature, top_p, self.model.ops)
+                        tok = skills.sample_token(seq.logits()[0].clone(), allowed, temperature, top_p, self.model.ops)
                     if tok == cfg.tokenizer.eos_id:
                         return
                     yield tok

@@ -1,53 +1,77 @@
-"""Gathering concurrent image encodes into one batch.
+"""Gathering concurrent requests into one batch.
 
-Several camera streams served by one engine each ask for their newest frame to be encoded. Run
-one after another, N cameras cost N vision passes; gathered, they cost one pass of N images
-(the encoder and the prefill see a bigger batch, which is what GPUs and BLAS are fast at).
-A request waits at most `window_s` for company, and a batch holds at most `max_batch` images.
+Several camera streams served by one engine each ask for work on their newest frame (a few
+detect/point/caption requests per frame). Run one after another, N cameras cost N passes through
+the model per decode step; gathered, one pass serves them all (the model sees a bigger batch,
+which is what GPUs and BLAS are fast at). A caller's requests go in as one group and stay
+together; a batch waits at most `window_s` for company and holds at most `max_batch` requests
+(a single larger group still runs, alone).
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Callable
 
 
-class EncodeBatcher:
-    def __init__(self, encode_many: Callable[[list], list], lock: threading.Lock, max_batch: int = 8,
+class Batcher:
+    def __init__(self, run_many: Callable[[list], list], lock: threading.Lock, max_batch: int = 8,
                  window_s: float = 0.005) -> None:
-        self.encode_many = encode_many
-        self.lock = lock                  # the engine's lock: a batch runs while no skill does
+        self.run_many = run_many          # items -> results, in order
+        self.lock = lock                  # the engine's lock: a batch runs while nothing else does
         self.max_batch = max_batch
         self.window_s = window_s
-        self._pending: list[tuple[Any, Future]] = []
+        self._pending: list[tuple[list, Future]] = []
         self._cond = threading.Condition()
-        self.batches = 0                  # how many passes ran, and their sizes (diagnostics, tests)
-        self.sizes: list[int] = []
-        threading.Thread(target=self._run, daemon=True, name="encode-batcher").start()
+        self.sizes: list[int] = []        # requests per batch that ran (diagnostics, tests)
+        threading.Thread(target=self._run, daemon=True, name="batcher").start()
 
-    def encode(self, image: Any) -> Any:
-        """The encoding of `image`, computed in a batch with whatever else arrives meanwhile."""
+    def submit(self, items: list) -> list:
+        """Results of `items`, computed in a batch with whatever other callers submit meanwhile.
+        Raises what running them raised (another caller's bad request never fails this one)."""
+        if not items:
+            return []
         future: Future = Future()
         with self._cond:
-            self._pending.append((image, future))
+            self._pending.append((list(items), future))
             self._cond.notify()
         return future.result()
+
+    def _queued(self) -> int:
+        return sum(len(items) for items, _ in self._pending)
+
+    def _take(self) -> list[tuple[list, Future]]:
+        groups, count = [], 0
+        while self._pending and (not groups or count + len(self._pending[0][0]) <= self.max_batch):
+            groups.append(self._pending.pop(0))
+            count += len(groups[-1][0])
+        return groups
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending)
                 # Give other cameras a moment to join, unless the batch is already full.
-                self._cond.wait_for(lambda: len(self._pending) >= self.max_batch, self.window_s)
-                batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
-            try:
-                with self.lock:
-                    results = self.encode_many([image for image, _ in batch])
-            except Exception as err:  # noqa: BLE001 - each caller gets the error
-                for _, future in batch:
-                    future.set_exception(err)
-                continue
-            self.batches += 1
-            self.sizes.append(len(batch))
-            for (_, future), result in zip(batch, results):
-                future.set_result(result)
+                self._cond.wait_for(lambda: self._queued() >= self.max_batch, self.window_s)
+                groups = self._take()
+            self._serve(groups)
+
+    def _serve(self, groups: list[tuple[list, Future]]) -> None:
+        items = [item for group, _ in groups for item in group]
+        try:
+            with self.lock:
+                results = self.run_many(items)
+        except Exception as err:  # noqa: BLE001 - handed to the callers
+            if len(groups) == 1:
+                groups[0][1].set_exception(err)
+            else:
+                # Find whose request failed: each group alone, so the others still get results.
+                for group in groups:
+                    self._serve([group])
+            return
+        self.sizes.append(len(items))
+        start = 0
+        for group, future in groups:
+            future.set_result(results[start:start + len(group)])
+            start += len(group)
+

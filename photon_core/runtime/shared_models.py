@@ -2,7 +2,7 @@
 
 Several nodes in one process (several cameras, or vision plus the on-demand service) must share
 one engine: weights are loaded once, `lock` serializes use of it so concurrent callers never
-interleave inside a forward pass, and `batcher` gathers their image encodes into batches.
+interleave inside a forward pass, and `batcher` gathers their requests into batches.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ class SharedModel:
 
     @property
     def batcher(self):
-        """An EncodeBatcher over the model's `encode_images` (made on first use)."""
+        """A Batcher over the model's `batch` (requests -> results; made on first use)."""
         if self._batcher is None:
-            from photon_core.runtime.batcher import EncodeBatcher
+            from photon_core.runtime.batcher import Batcher
             with self.lock:
                 if self._batcher is None:
-                    self._batcher = EncodeBatcher(self.model.encode_images, self.lock)
+                    self._batcher = Batcher(self.model.batch, self.lock)
         return self._batcher
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from . import batch as batch_decoding
 from . import image_crops, skills, text, vision
 from . import weights as weights_io
 from .config import MoondreamConfig
@@ -159,6 +160,13 @@ class MoondreamModel:
         prompt = skills.query_prompt(self, question)
         gen = skills.generate_text(self, self._encoded(image), prompt, max_tokens, temperature, top_p)
         return {"answer": gen if stream else "".join(gen)}
+
+
+    def batch(self, requests: list[batch_decoding.Request]) -> list[dict]:
+        """Several requests (any mix of skills, images and prompts) decoded together: each decode
+        step is one batched forward for all of them. Results in order, shaped as the single calls
+        return them (caption/query text not streamed). See batch.py."""
+        return batch_decoding.run(self, requests)
 
 
 def load_moondream(path_or_id: str | Path = "moondream2", device: str | torch.device = "cpu",

@@ -39,25 +39,45 @@ def fourier(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 def encode_coord(value: float, w: RegionWeights, ops) -> torch.Tensor:
     """One coordinate in [0, 1] -> an input embedding [1, 1, dim]."""
-    x = torch.tensor([[[value]]], dtype=w.coord_features.dtype, device=w.coord_features.device)
-    return ops.linear(fourier(x, w.coord_features), *w.coord_encoder)
+    return encode_coords([value], w, ops)
+
+
+def encode_coords(values: list[float], w: RegionWeights, ops) -> torch.Tensor:
+    """n coordinates in [0, 1] -> input embeddings [n, 1, dim] (one per request of a batch)."""
+    x = torch.tensor(values, dtype=w.coord_features.dtype, device=w.coord_features.device)
+    return ops.linear(fourier(x[:, None, None], w.coord_features), *w.coord_encoder)
 
 
 def encode_size(width: float, height: float, w: RegionWeights, ops) -> torch.Tensor:
     """(width, height) in [0, 1] -> an input embedding [1, 1, dim]."""
-    x = torch.tensor([[[width, height]]], dtype=w.size_features.dtype, device=w.size_features.device)
-    return ops.linear(fourier(x, w.size_features), *w.size_encoder)
+    return encode_sizes([(width, height)], w, ops)
+
+
+def encode_sizes(sizes: list[tuple[float, float]], w: RegionWeights, ops) -> torch.Tensor:
+    """n (width, height) pairs in [0, 1] -> input embeddings [n, 1, dim]."""
+    x = torch.tensor(sizes, dtype=w.size_features.dtype, device=w.size_features.device)
+    return ops.linear(fourier(x[:, None], w.size_features), *w.size_encoder)
 
 
 def decode_coord(hidden: torch.Tensor, w: RegionWeights, ops) -> float:
     """Last hidden state [dim] (before post_ln) -> coordinate in [0, 1)."""
+    return decode_coords(hidden.reshape(1, -1), w, ops)[0]
+
+
+def decode_coords(hidden: torch.Tensor, w: RegionWeights, ops) -> list[float]:
+    """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1)."""
     logits = ops.linear(ops.linear(hidden, *w.coord_fc1, activation="gelu_tanh"), *w.coord_fc2)
-    return ops.argmax(logits).item() / logits.shape[-1]
+    return [b / logits.shape[-1] for b in ops.argmax(logits).tolist()]
 
 
 def decode_size(hidden: torch.Tensor, w: RegionWeights, ops) -> tuple[float, float]:
     """Last hidden state [dim] (before post_ln) -> (width, height) in (0, 1]."""
+    return decode_sizes(hidden.reshape(1, -1), w, ops)[0]
+
+
+def decode_sizes(hidden: torch.Tensor, w: RegionWeights, ops) -> list[tuple[float, float]]:
+    """Hidden states [n, dim] (before post_ln) -> n (width, height) pairs in (0, 1]."""
     logits = ops.linear(ops.linear(hidden, *w.size_fc1, activation="gelu_tanh"), *w.size_fc2)
-    bins = ops.argmax(logits.view(2, -1)).float()
+    bins = ops.argmax(logits.view(hidden.shape[0], 2, -1)).float()
     size = torch.pow(2.0, bins / 1023.0 * 10.0 - 10.0)
-    return size[0].item(), size[1].item()
+    return [(wd, ht) for wd, ht in size.tolist()]

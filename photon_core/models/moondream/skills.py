@@ -45,19 +45,19 @@ class Sequence:
         return text.embed(torch.tensor([ids], device=self.model.device), self.model.text_w)
 
 
-def _check_prompt(model: "MoondreamModel", enc: "EncodedImage", ids: list[int]) -> None:
+def check_prompt(model: "MoondreamModel", enc: "EncodedImage", ids: list[int]) -> None:
     if enc.pos + len(ids) >= model.config.text.max_context:
         raise ValueError(f"prompt of {len(ids)} tokens does not fit the context "
                          f"({model.config.text.max_context} incl. {enc.pos} image tokens)")
 
 
-def _allowed(vocab: int, ids: list[int], device) -> torch.Tensor:
+def allowed_mask(vocab: int, ids: list[int], device) -> torch.Tensor:
     mask = torch.zeros(vocab, dtype=torch.bool, device=device)
     mask[ids] = True
     return mask
 
 
-def _sample(logits: torch.Tensor, allowed: torch.Tensor, temperature: float, top_p: float, ops) -> int:
+def sample_token(logits: torch.Tensor, allowed: torch.Tensor, temperature: float, top_p: float, ops) -> int:
     if temperature == 0:
         return int(ops.argmax(logits, allowed).item())
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")) / temperature, dim=-1)
@@ -72,7 +72,7 @@ def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int
     """Yields the answer text in pieces as tokens are decoded (caption and query)."""
     if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
         raise ValueError("need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
-    _check_prompt(model, enc, prompt)
+    check_prompt(model, enc, prompt)
     cfg = model.config
     seq = Sequence(model, enc, min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens))
     # The answer marker ends the prompt; the model must never emit it itself.
@@ -82,7 +82,7 @@ def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int
     def tokens() -> Iterator[int]:
         _, logits = seq.step(seq.embed(prompt))
         for n in range(1, max_tokens + 1):
-            tok = _sample(logits[0], allowed, temperature, top_p, model.ops)
+            tok = sample_token(logits[0], allowed, temperature, top_p, model.ops)
             if tok == cfg.tokenizer.eos_id:
                 return
             yield tok
@@ -116,14 +116,14 @@ def generate_objects(model: "MoondreamModel", enc: "EncodedImage", prompt: list[
     """detect (with_size) or point: 3 or 2 decode steps per object, eos only between objects."""
     if max_objects < 0:
         raise ValueError("max_objects must be >= 0")
-    _check_prompt(model, enc, prompt)
+    check_prompt(model, enc, prompt)
     cfg, ops, rw = model.config, model.ops, model.region_w
     tk = cfg.tokenizer
     steps = 3 if with_size else 2
     length = min(cfg.text.max_context, enc.pos + len(prompt) + steps * max_objects)
     seq = Sequence(model, enc, length)
     vocab, dev = cfg.text.vocab_size, model.device
-    at_boundary = _allowed(vocab, [tk.coord_id, tk.eos_id], dev)
+    at_boundary = allowed_mask(vocab, [tk.coord_id, tk.eos_id], dev)
 
     out: list[dict] = []
     hidden, logits = seq.step(seq.embed(prompt))

@@ -53,10 +53,11 @@ def rot_dim(cfg: TextConfig) -> int:
 
 
 class KVCache:
-    """Per-layer keys and values, [layers, batch, kv_heads, length, head_dim] (batch > 1 only for
-    prefilling several images together).
+    """Per-layer keys and values, [layers, batch, kv_heads, length, head_dim] (batch > 1 when several
+    images are prefilled together or several requests decode together).
 
-    Allocated per request (torch.empty costs nothing until written), so requests never share state.
+    Allocated per request or batch (torch.empty costs nothing until written), so requests never
+    share state.
     """
 
     def __init__(self, cfg: TextConfig, length: int, dtype: torch.dtype, device, batch: int = 1) -> None:
@@ -65,37 +66,74 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = length
 
+    def row(self, b: int) -> "KVCache":
+        """Row b as a batch-1 cache sharing this one's memory (to prefill one request's prompt)."""
+        view = object.__new__(KVCache)
+        view.k, view.v, view.length = self.k[:, b:b + 1], self.v[:, b:b + 1], self.length
+        return view
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop the other rows (finished requests), so later steps stop paying for them."""
+        index = torch.tensor(rows, device=self.k.device)
+        self.k = self.k.index_select(1, index)
+        self.v = self.v.index_select(1, index)
+
 
 def embed(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
     return w.wte[ids]
 
 
-def forward(x: torch.Tensor, pos: int, w: TextWeights, cfg: TextConfig, cache: KVCache, ops) -> torch.Tensor:
-    """Input embeddings [B, T, dim] at positions pos..pos+T-1 -> hidden states [B, T, dim] *before*
-    post_ln (the region heads read them; lm_logits applies post_ln). Writes k/v into the cache."""
+def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextConfig, cache: KVCache,
+            ops) -> torch.Tensor:
+    """Input embeddings [B, T, dim] -> hidden states [B, T, dim] *before* post_ln (the region heads
+    read them; lm_logits applies post_ln). Writes k/v into the cache.
+
+    pos: an int when every row is at positions pos..pos+T-1; or a [B] tensor of per-row positions
+    for one decode step (T = 1) of requests at different lengths, each attending to its own first
+    pos[b] + 1 cache positions."""
     bsz, t, d = x.shape
     hq, hkv = cfg.n_heads, cfg.n_kv_heads
     hd = d // hq
-    end = pos + t
+    ragged = isinstance(pos, torch.Tensor)
+    if ragged and t != 1:
+        raise ValueError("per-row positions take one token per row")
+    end = int(pos.max()) + 1 if ragged else pos + t
     if end > cache.length:
         raise RuntimeError(f"sequence of {end} tokens exceeds the KV cache ({cache.length})")
-    cos, sin, rot = w.cos[pos:end], w.sin[pos:end], rot_dim(cfg)
+    cos, sin = (w.cos[pos], w.sin[pos]) if ragged else (w.cos[pos:end], w.sin[pos:end])
+    rot = rot_dim(cfg)
     for i, b in enumerate(w.blocks):
         h = ops.layer_norm(x, *b.ln)  # one norm feeds attention and MLP: the parallel block
         q, k, v = ops.linear(h, *b.qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-        q = ops.rotary(q.view(bsz, t, hq, hd).transpose(1, 2), cos, sin, rot)
-        k = ops.rotary(k.view(bsz, t, hkv, hd).transpose(1, 2), cos, sin, rot)
-        cache.k[i, :, :, pos:end] = k
-        cache.v[i, :, :, pos:end] = v.view(bsz, t, hkv, hd).transpose(1, 2)
-        keys, values = cache.k[i, :, :, :end], cache.v[i, :, :, :end]
+        q = _rotary(q.view(bsz, t, hq, hd).transpose(1, 2), cos, sin, rot, ragged, ops)
+        k = _rotary(k.view(bsz, t, hkv, hd).transpose(1, 2), cos, sin, rot, ragged, ops)
+        v = v.view(bsz, t, hkv, hd).transpose(1, 2)
+        if ragged:
+            ops.kv_append(cache.k[i], cache.v[i], k, v, pos)
+        else:
+            cache.k[i, :, :, pos:end] = k
+            cache.v[i, :, :, pos:end] = v
+        # decode_attention reads only each row's own length: give it the whole (contiguous) cache
+        keys, values = (cache.k[i], cache.v[i]) if ragged else (cache.k[i, :, :, :end], cache.v[i, :, :, :end])
         if hkv != hq:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             values = values.repeat_interleave(hq // hkv, dim=1)
-        a = ops.attention(q, keys, values, causal=True, prefix_len=cfg.prefix_attn)
+        if ragged:
+            a = ops.decode_attention(q, keys, values, pos + 1)
+        else:
+            a = ops.attention(q, keys, values, causal=True, prefix_len=cfg.prefix_attn)
         a = a.transpose(1, 2).reshape(bsz, t, d)
         mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
         x = ops.linear(a, *b.proj, residual=x + mlp)
     return x
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, ragged: bool, ops) -> torch.Tensor:
+    """ops.rotary on [B, H, T, hd]. With one position per row (ragged, T = 1) the rows are put
+    where ops.rotary expects positions: [H, B, hd] against cos/sin [B, rot/2]."""
+    if not ragged:
+        return ops.rotary(x, cos, sin, rot)
+    return ops.rotary(x[:, :, 0].transpose(0, 1), cos, sin, rot).transpose(0, 1)[:, :, None]
 
 
 def lm_logits(hidden: torch.Tensor, w: TextWeights, ops) -> torch.Tensor:

@@ -1,0 +1,226 @@
+"""Several skill requests decoded together: one batched forward per step instead of one per request.
+
+Serving several cameras (or several targets per frame) means many detect/point/caption/query
+requests at once. Run one after another, each decode step reads every weight once per request;
+batched, one step reads the weights once for all of them, which is what makes batch 1-8 nearly as
+cheap as batch 1 on a GPU. Each request keeps its own protocol exactly as in skills.py (same
+prompts, masks, stopping rules, region-head feedback); only the forward pass is shared:
+
+    images -> model.encode_images (distinct images once, together)
+    each request: its image's K/V copied into its row of one batch cache, its prompt prefilled
+    loop: every live row feeds one input embedding at its own position (text.forward with per-row
+          positions); rows then read what their protocol needs from the new hidden states:
+          LM logits (next token, or coord-vs-eos at an object boundary), a coordinate, or a size.
+    finished rows leave the batch (the cache is compacted) so later steps stop paying for them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import region, skills, text
+
+if TYPE_CHECKING:
+    from .model import EncodedImage, MoondreamModel
+
+TASKS = ("detect", "point", "caption", "query")
+
+
+@dataclass
+class Request:
+    """One skill call: task, image (array, PIL or EncodedImage) and the task's argument (the object,
+    the question, or the caption length)."""
+    task: str
+    image: Any
+    prompt: str = ""
+    max_objects: int = skills.DEFAULT_MAX_OBJECTS
+    max_tokens: int = skills.DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+# What a row reads from the hidden state its last input produced.
+BOUNDARY, COORD_Y, SIZE, TOKEN = "boundary", "y", "size", "token"
+
+
+@dataclass
+class _Row:
+    request: Request
+    prompt: list[int]
+    length: int                          # this request's context limit (as in the one-request path)
+    pos: int
+    phase: str
+    objects: list[dict] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    x: float = 0.0
+    y: float = 0.0
+    done: bool = False
+
+    @property
+    def steps(self) -> int:              # decode steps per object
+        return 3 if self.request.task == "detect" else 2
+
+
+def _prompt(model: "MoondreamModel", r: Request) -> list[int]:
+    if r.task in ("detect", "point"):
+        if r.max_objects < 0:
+            raise ValueError("max_objects must be >= 0")
+        return skills.object_prompt(model, r.task, r.prompt)
+    if r.max_tokens < 0 or r.temperature < 0 or not 0 < r.top_p <= 1:
+        raise ValueError("need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+    if r.task == "caption":
+        return skills.caption_prompt(model, r.prompt or "normal")
+    if r.task == "query":
+        return skills.query_prompt(model, r.prompt)
+    raise ValueError(f"unknown task {r.task!r}; one of {', '.join(TASKS)}")
+
+
+def _new_row(model: "MoondreamModel", r: Request, enc: "EncodedImage") -> _Row:
+    prompt = _prompt(model, r)
+    skills.check_prompt(model, enc, prompt)
+    limit = model.config.text.max_context
+    if r.task in ("detect", "point"):
+        steps = 3 if r.task == "detect" else 2
+        return _Row(r, prompt, min(limit, enc.pos + len(prompt) + steps * r.max_objects), enc.pos, BOUNDARY)
+    return _Row(r, prompt, min(limit, enc.pos + len(prompt) + r.max_tokens), enc.pos, TOKEN)
+
+
+def run(model: "MoondreamModel", requests: list[Request]) -> list[dict]:
+    """Results of `requests`, each shaped as the matching single call returns it (text not
+    streamed). A request that is invalid (empty object, unknown task...) raises ValueError before
+    any work is done."""
+    if not requests:
+        return []
+    encoded = _encode_distinct(model, [r.image for r in requests])
+    rows = [_new_row(model, r, enc) for r, enc in zip(requests, encoded)]
+    with torch.inference_mode():
+        _decode(model, rows, encoded)
+    return [_result(model, row) for row in rows]
+
+
+def _encode_distinct(model: "MoondreamModel", images: list) -> list["EncodedImage"]:
+    """Every request's EncodedImage; each distinct raw image (by identity) is encoded once, and all
+    of them in one batch."""
+    from .model import EncodedImage
+
+    raw: dict[int, Any] = {}
+    for image in images:
+        if isinstance(image, EncodedImage):
+            model._check_owner(image)
+        else:
+            raw.setdefault(id(image), image)
+    done = dict(zip(raw, model.encode_images(list(raw.values()))))
+    return [image if isinstance(image, EncodedImage) else done[id(image)] for image in images]
+
+
+def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"]) -> None:
+    cfg, ops = model.config, model.ops
+    cache = text.KVCache(cfg.text, max(r.length for r in rows), model.dtype, model.device, batch=len(rows))
+    hidden = []
+    for b, (row, enc) in enumerate(zip(rows, encoded)):
+        cache.k[:, b:b + 1, :, :enc.pos] = enc.k
+        cache.v[:, b:b + 1, :, :enc.pos] = enc.v
+        # Prompts differ in length: each is prefilled in its own row, then every step is shared.
+        emb = text.embed(torch.tensor([row.prompt], device=model.device), model.text_w)
+        hidden.append(text.forward(emb, row.pos, model.text_w, cfg.text, cache.row(b), ops)[:, -1])
+        row.pos += len(row.prompt)
+    live = list(rows)
+    nxt = _advance(model, live, torch.cat(hidden))
+    while True:
+        keep = [i for i, row in enumerate(live) if not row.done]
+        if not keep:
+            return
+        if len(keep) < len(live):
+            cache.keep(keep)
+            live, nxt = [live[i] for i in keep], nxt[keep]
+        pos = torch.tensor([row.pos for row in live], device=model.device)
+        hidden = text.forward(nxt, pos, model.text_w, cfg.text, cache, ops)[:, -1]
+        for row in live:
+            row.pos += 1
+        nxt = _advance(model, live, hidden)
+
+
+def _advance(model: "MoondreamModel", rows: list[_Row], hidden: torch.Tensor) -> torch.Tensor:
+    """Each row reads its new hidden state [dim] per its phase and gets its next input embedding;
+    rows that finish are marked done (their embedding row is a placeholder). Every head runs once,
+    batched over the rows that need it. Returns the next inputs [rows, 1, dim]."""
+    cfg, ops, rw, tk = model.config, model.ops, model.region_w, model.config.tokenizer
+    nxt = torch.zeros(len(rows), 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+    want_logits = [i for i, r in enumerate(rows) if r.phase in (BOUNDARY, TOKEN)]
+    logits = dict(zip(want_logits, text.lm_logits(hidden[want_logits], model.text_w, ops))) if want_logits else {}
+
+    boundary = skills.allowed_mask(cfg.text.vocab_size, [tk.coord_id, tk.eos_id], model.device)
+    coord_rows, tokens = [], {}
+    for i, row in enumerate(rows):
+        if row.phase == BOUNDARY:
+            if (len(row.objects) >= row.request.max_objects or row.pos + row.steps > row.length
+                    or int(ops.argmax(logits[i], boundary)) != tk.coord_id):
+                row.done = True
+            else:
+                coord_rows.append(i)          # x from this same hidden state
+        elif row.phase == COORD_Y:
+            coord_rows.append(i)
+        elif row.phase == TOKEN:
+            tok = _answer_token(model, row.request, logits[i])
+            if tok is not None:
+                row.tokens.append(tok)
+            if tok is None or len(row.tokens) >= row.request.max_tokens or row.pos >= row.length:
+                row.done = True
+            else:
+                tokens[i] = tok
+
+    size_rows = [i for i, r in enumerate(rows) if r.phase == SIZE]
+    if coord_rows:
+        values = region.decode_coords(hidden[coord_rows], rw, ops)
+        for i, v in zip(coord_rows, values):
+            row = rows[i]
+            if row.phase == BOUNDARY:
+                row.x, row.phase = v, COORD_Y
+            else:
+                row.y = v
+                if row.request.task == "point":
+                    row.objects.append({"x": _clamp(row.x), "y": _clamp(v)})
+                    row.phase = BOUNDARY
+                else:
+                    row.phase = SIZE
+        nxt[coord_rows] = region.encode_coords(values, rw, ops)
+    if size_rows:
+        sizes = region.decode_sizes(hidden[size_rows], rw, ops)
+        for i, (w, h) in zip(size_rows, sizes):
+            row = rows[i]
+            # The reference leaves boxes unclamped; ours are clamped to the image (as in skills.py).
+            row.objects.append({"x_min": _clamp(row.x - w / 2), "y_min": _clamp(row.y - h / 2),
+                                "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2)})
+            row.phase = BOUNDARY
+        nxt[size_rows] = region.encode_sizes(sizes, rw, ops)
+    if tokens:
+        ids = torch.tensor([[t] for t in tokens.values()], device=hidden.device)
+        nxt[list(tokens)] = text.embed(ids, model.text_w)
+    return nxt
+
+
+def _answer_token(model: "MoondreamModel", r: Request, logits: torch.Tensor) -> int | None:
+    """The next answer token, or None when the answer ends (eos, or max_tokens == 0)."""
+    if r.max_tokens == 0:
+        return None
+    tk = model.config.tokenizer
+    allowed = torch.ones(model.config.text.vocab_size, dtype=torch.bool, device=model.device)
+    allowed[tk.answer_id] = False   # the answer marker ends the prompt; never emitted
+    tok = skills.sample_token(logits, allowed, r.temperature, r.top_p, model.ops)
+    return None if tok == tk.eos_id else tok
+
+
+def _clamp(v: float) -> float:
+    return min(max(v, 0.0), 1.0)
+
+
+def _result(model: "MoondreamModel", row: _Row) -> dict:
+    task = row.request.task
+    if task == "detect":
+        return {"objects": row.objects}
+    if task == "point":
+        return {"points": row.objects}
+    answer = "".join(skills.text_pieces(model.tokenizer, iter(row.tokens)))
+    return {"caption": answer} if task == "caption" else {"answer": answer}
