@@ -82,8 +82,8 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.events = []
-        for mod, name in ((text, "forward"), (text, "lm_logits"), (region, "decode_coord"),
-                          (region, "decode_size"), (region, "encode_coord"), (region, "encode_size")):
+        for mod, name in ((text, "forward"), (text, "lm_logits"), (region, "decode_coords"),
+                          (region, "decode_sizes"), (region, "encode_coords"), (region, "encode_sizes")):
             real = getattr(mod, name)
 
             def wrapped(*a, _real=real, _name=name, **k):
@@ -139,20 +139,22 @@ def test_decode_protocol(model, enc, monkeypatch, skill, steps):
         elif name == "lm_logits":
             # The LM head gets the hidden state before post_ln (it applies post_ln itself) ...
             assert torch.equal(args[0], last_hidden)
-        elif name in ("decode_coord", "decode_size"):
+        elif name in ("decode_coords", "decode_sizes"):
             # ... and the region heads read exactly that same state.
             assert torch.equal(args[0], last_hidden)
             # The decoded value is encoded and fed as the very next input embedding.
             nxt = next(e for e in ev[i + 1:] if e[0] == "forward")
             fed = nxt[1][0][0, 0]
-            expect = _coord_embedding(sd, out) if name == "decode_coord" else _size_embedding(sd, *out)
+            expect = _coord_embedding(sd, out[0]) if name == "decode_coords" else _size_embedding(sd, *out[0])
             torch.testing.assert_close(fed, expect, rtol=1e-4, atol=1e-5)
-    # Results are the decoded values: centres from decode_coord, sizes from decode_size.
-    coords = [e[2] for e in ev if e[0] == "decode_coord"]
+    # Results are the decoded values: centres from decode_coords, sizes from decode_sizes.
+    coords = [e[2][0] for e in ev if e[0] == "decode_coords"]
+    assert len(coords) == 2 * n
     if skill == "point":
         assert [(p["x"], p["y"]) for p in objs] == list(zip(coords[::2], coords[1::2]))
     else:
-        sizes = [e[2] for e in ev if e[0] == "decode_size"]
+        sizes = [e[2][0] for e in ev if e[0] == "decode_sizes"]
+        assert len(sizes) == n
         for o, x, y, (w, h) in zip(objs, coords[::2], coords[1::2], sizes):
             assert o["x_min"] == pytest.approx(min(max(x - w / 2, 0), 1)) and o["y_max"] == pytest.approx(min(max(y + h / 2, 0), 1))
 

@@ -158,7 +158,7 @@ class FastMoondream:
 
 
 def _size_values(bins: tuple[int, int]) -> tuple[float, float]:
-    """(width bin, height bin) -> sizes, with region.decode_size's exact float32 arithmetic."""
+    """(width bin, height bin) -> sizes, with region.decode_sizes' exact float32 arithmetic."""
     size = torch.pow(2.0, torch.tensor(bins, dtype=torch.int64).float() / 1023.0 * 10.0 - 10.0)
     return size[0].item(), size[1].item()
 

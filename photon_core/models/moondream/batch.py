@@ -3,8 +3,13 @@
 Serving several cameras (or several targets per frame) means many detect/point/caption/query
 requests at once. Run one after another, each decode step reads every weight once per request;
 batched, one step reads the weights once for all of them, which is what makes batch 1-8 nearly as
-cheap as batch 1 on a GPU. Each request keeps its own protocol exactly as in skills.py (same
-prompts, masks, stopping rules, region-head feedback); only the forward pass is shared:
+cheap as batch 1 on a GPU. A single detect/point call is a batch of one. Each request keeps its
+own protocol (skills.py's prompts, masks and stopping rules); only the forward pass is shared.
+
+The object protocol (detect, point): at an object boundary the LM head only decides *whether*
+another object follows (coord or eos); the coordinates and sizes come from the region heads reading
+the same last hidden state, and are fed back as the next input embedding: 3 decode steps per box
+(x, y, size), 2 per point. Inside an object the tokens are fixed, so the LM head is skipped there.
 
     images -> model.encode_images (distinct images once, together)
     each request: its image's K/V copied into its row of one batch cache, its prompt prefilled

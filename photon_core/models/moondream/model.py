@@ -139,13 +139,11 @@ class MoondreamModel:
     # -- skills ------------------------------------------------------------------------------
     def detect(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
         """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max"}]}, normalised to [0, 1]."""
-        prompt = skills.object_prompt(self, "detect", object)
-        return {"objects": skills.generate_objects(self, self._encoded(image), prompt, True, max_objects)}
+        return batch_decoding.run(self, [batch_decoding.Request("detect", image, object, max_objects)])[0]
 
     def point(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
         """Points on `object`: {"points": [{"x", "y"}]}, normalised to [0, 1]."""
-        prompt = skills.object_prompt(self, "point", object)
-        return {"points": skills.generate_objects(self, self._encoded(image), prompt, False, max_objects)}
+        return batch_decoding.run(self, [batch_decoding.Request("point", image, object, max_objects)])[0]
 
     def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,
                 max_tokens: int = skills.DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict:

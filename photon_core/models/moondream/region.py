@@ -59,20 +59,10 @@ def encode_sizes(sizes: list[tuple[float, float]], w: RegionWeights, ops) -> tor
     return ops.linear(fourier(x[:, None], w.size_features), *w.size_encoder)
 
 
-def decode_coord(hidden: torch.Tensor, w: RegionWeights, ops) -> float:
-    """Last hidden state [dim] (before post_ln) -> coordinate in [0, 1)."""
-    return decode_coords(hidden.reshape(1, -1), w, ops)[0]
-
-
 def decode_coords(hidden: torch.Tensor, w: RegionWeights, ops) -> list[float]:
     """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1)."""
     logits = ops.linear(ops.linear(hidden, *w.coord_fc1, activation="gelu_tanh"), *w.coord_fc2)
     return [b / logits.shape[-1] for b in ops.argmax(logits).tolist()]
-
-
-def decode_size(hidden: torch.Tensor, w: RegionWeights, ops) -> tuple[float, float]:
-    """Last hidden state [dim] (before post_ln) -> (width, height) in (0, 1]."""
-    return decode_sizes(hidden.reshape(1, -1), w, ops)[0]
 
 
 def decode_sizes(hidden: torch.Tensor, w: RegionWeights, ops) -> list[tuple[float, float]]:

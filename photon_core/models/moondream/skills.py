@@ -1,9 +1,8 @@
 """The four skills: prompt templates, decoding loops and result shapes.
 
 Every request continues from an encoded image (the KV cache of [BOS][729 image tokens]) in a cache of
-its own. detect/point decode with the region module: the LM head only decides *whether* another object
-follows (coord or eos, at an object boundary); the coordinates and sizes come from the region heads
-reading the same last hidden state, and are fed back as the next input embedding.
+its own. Caption and query stream their text from `generate_text`; detect and point decode with the
+region module (the object protocol lives in batch.py, which runs one request or several together).
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import region, text
+from . import text
 
 if TYPE_CHECKING:
     from .model import EncodedImage, MoondreamModel
@@ -32,13 +31,12 @@ class Sequence:
         self.pos = enc.pos
 
     @torch.inference_mode()
-    def step(self, emb: torch.Tensor, want_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed input embeddings [1, T, dim]; returns (last hidden [1, dim] before post_ln, logits
-        [1, vocab] or None when the next token is fixed and the LM head need not run)."""
+    def step(self, emb: torch.Tensor) -> torch.Tensor:
+        """Feed input embeddings [1, T, dim]; returns the logits [1, vocab] after the last one."""
         m = self.model
         hidden = text.forward(emb, self.pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
         self.pos += emb.shape[1]
-        return hidden, (text.lm_logits(hidden, m.text_w, m.ops) if want_logits else None)
+        return text.lm_logits(hidden, m.text_w, m.ops)
 
     @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
@@ -80,7 +78,7 @@ def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int
     allowed[cfg.tokenizer.answer_id] = False
 
     def tokens() -> Iterator[int]:
-        _, logits = seq.step(seq.embed(prompt))
+        logits = seq.step(seq.embed(prompt))
         for n in range(1, max_tokens + 1):
             tok = sample_token(logits[0], allowed, temperature, top_p, model.ops)
             if tok == cfg.tokenizer.eos_id:
@@ -88,7 +86,7 @@ def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int
             yield tok
             if n == max_tokens or seq.pos >= seq.cache.length:
                 return
-            _, logits = seq.step(seq.embed([tok]))
+            logits = seq.step(seq.embed([tok]))
 
     return text_pieces(model.tokenizer, tokens())
 
@@ -109,43 +107,6 @@ def text_pieces(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
     txt = tokenizer.decode(ids)
     if txt != shown:
         yield txt[len(shown):]
-
-
-def generate_objects(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int], with_size: bool,
-                     max_objects: int) -> list[dict]:
-    """detect (with_size) or point: 3 or 2 decode steps per object, eos only between objects."""
-    if max_objects < 0:
-        raise ValueError("max_objects must be >= 0")
-    check_prompt(model, enc, prompt)
-    cfg, ops, rw = model.config, model.ops, model.region_w
-    tk = cfg.tokenizer
-    steps = 3 if with_size else 2
-    length = min(cfg.text.max_context, enc.pos + len(prompt) + steps * max_objects)
-    seq = Sequence(model, enc, length)
-    vocab, dev = cfg.text.vocab_size, model.device
-    at_boundary = allowed_mask(vocab, [tk.coord_id, tk.eos_id], dev)
-
-    out: list[dict] = []
-    hidden, logits = seq.step(seq.embed(prompt))
-    with torch.inference_mode():
-        while len(out) < max_objects and seq.pos + steps <= length:
-            if int(ops.argmax(logits[0], at_boundary)) != tk.coord_id:
-                break  # eos
-            # Inside an object the tokens are fixed (y: coord, then size: size), so eos cannot occur
-            # there and the LM head is skipped; only the region heads read those hidden states.
-            x = region.decode_coord(hidden, rw, ops)
-            hidden, _ = seq.step(region.encode_coord(x, rw, ops), want_logits=False)
-            y = region.decode_coord(hidden, rw, ops)
-            hidden, logits = seq.step(region.encode_coord(y, rw, ops), want_logits=not with_size)
-            if not with_size:
-                out.append({"x": min(max(x, 0.0), 1.0), "y": min(max(y, 0.0), 1.0)})
-                continue
-            w, h = region.decode_size(hidden, rw, ops)
-            hidden, logits = seq.step(region.encode_size(w, h, rw, ops))
-            # The reference leaves boxes unclamped; ours are clamped to the image.
-            out.append({"x_min": min(max(x - w / 2, 0.0), 1.0), "y_min": min(max(y - h / 2, 0.0), 1.0),
-                        "x_max": min(max(x + w / 2, 0.0), 1.0), "y_max": min(max(y + h / 2, 0.0), 1.0)})
-    return out
 
 
 def caption_prompt(model: "MoondreamModel", length: str) -> list[int]:
