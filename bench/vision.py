@@ -5,7 +5,8 @@
     python bench/vision.py --write             # also append the table to bench/RESULTS.md
 
 On a GPU machine, `--device cuda --real-size` builds random weights of the real Moondream 2 shapes
-(no files needed) and times vision encode, prefill and per-token decode.
+(no files needed) and times vision encode, prefill and per-token decode. The last table times N
+detect requests decoded as one batch against the same requests one after another.
 """
 from __future__ import annotations
 
@@ -64,6 +65,29 @@ def real_size_model(device: str, dtype: str):
                           torch.device(device), torch_dtype)
 
 
+def bench_batched_decode(model, args, rng) -> list[tuple[int, float, float]]:
+    """(N, batched seconds, sequential seconds): the decode steps only, images encoded beforehand."""
+    from photon_core.models.moondream import Request
+
+    frames = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(8)]
+    encoded = model.encode_images(frames)
+    out = []
+    for n in (1, 2, 4, 8):
+        requests = [Request("detect", enc, "cup", max_objects=3) for enc in encoded[:n]]
+
+        def batched():
+            model.batch(requests)
+            synchronize(args.device)
+
+        def one_at_a_time():
+            for r in requests:
+                model.batch([r])
+            synchronize(args.device)
+
+        out.append((n, timed(batched, args.repeats)[0], timed(one_at_a_time, args.repeats)[0]))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="weights; default: the small random test checkpoint")
@@ -110,9 +134,15 @@ def main() -> int:
         med, best = timed(run, args.repeats)
         rows.append((skill, med, best))
 
+    batch_rows = bench_batched_decode(model, args, rng)
+
     lines = heading(f"Vision ({label}, {args.device}, {args.dtype})")
     lines += ["| step | median ms | best ms |", "|---|---:|---:|"]
     lines += [f"| {name} | {med * 1000:.1f} | {best * 1000:.1f} |" for name, med, best in rows]
+    lines += ["", "N detect requests (max 3 objects) on N already-encoded frames: decoded as one batch vs "
+              "one after another (median ms):", "",
+              "| N | batched | one at a time | speedup |", "|---:|---:|---:|---:|"]
+    lines += [f"| {n} | {b * 1000:.1f} | {one * 1000:.1f} | {one / b:.2f}x |" for n, b, one in batch_rows]
     publish(lines, args.write)
     return 0
 

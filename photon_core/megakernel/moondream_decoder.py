@@ -474,7 +474,8 @@ class MoondreamDecoderMegakernel:
     """
 
     def __init__(self, text_w: Any, region_w: Any, cfg: Any, batch: int, max_len: int | None = None,
-                 tiling: Tiling = Tiling(), check: bool = True, weight_dtype: torch.dtype = torch.float32) -> None:
+                 tiling: Tiling = Tiling(), check: bool = True, weight_dtype: torch.dtype = torch.float32,
+                 weights: torch.Tensor | None = None) -> None:
         if batch not in BATCH_BUCKETS:
             raise ValueError(f"batch {batch} is not a bucket {BATCH_BUCKETS}; pad rows up to the next bucket")
         dm = dims_of(cfg)
@@ -485,11 +486,18 @@ class MoondreamDecoderMegakernel:
         self.dm, self.batch, self.max_len, self.tiling = dm, batch, max_len, tiling
         tensors = gather_weights(text_w, region_w)
         wa, sa, shapes = plan_arenas(dm, batch, max_len, tiling, tensors)
-        # bf16/fp16 weights halve the bytes a step streams; all math and the state stay fp32.
-        self.weights = torch.zeros(wa.size, dtype=weight_dtype, device=dev)
-        for k, t in tensors.items():
-            off, n = wa.regions[k]
-            self.weights[off:off + n] = t.detach().reshape(-1).to(weight_dtype)
+        if weights is not None:
+            # Another bucket's weight arena: the layout does not depend on the batch, so every
+            # bucket of one model shares one copy of the weights.
+            if weights.numel() != wa.size or weights.dtype != weight_dtype:
+                raise ValueError("shared weight arena does not match this model's layout and dtype")
+            self.weights = weights
+        else:
+            # bf16/fp16 weights halve the bytes a step streams; all math and the state stay fp32.
+            self.weights = torch.zeros(wa.size, dtype=weight_dtype, device=dev)
+            for k, t in tensors.items():
+                off, n = wa.regions[k]
+                self.weights[off:off + n] = t.detach().reshape(-1).to(weight_dtype)
         self.shapes = shapes
         self.state = torch.zeros(sa.size, dtype=torch.float32, device=dev)
         self.dyn = torch.zeros(2 * batch, dtype=torch.int32, device=dev)

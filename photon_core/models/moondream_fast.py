@@ -9,31 +9,33 @@ shapes come from skills.py. What differs is only where the math runs:
 * encode_image: the wrapped MoondreamModel's own encode_image, whose ops module is the Triton backend
   (vision crops through the encoder, projection, bidirectional prefill of [BOS][image tokens]).
 * a request: the prompt except its last token is prefilled with the per-op kernels (text.forward
-  after the image's K/V), the image and prompt K/V are copied into row 0 of the megakernel's KV
-  cache, and the last prompt token is the first megakernel step. Each step yields, in ONE launch, the LM
-  argmax under the skill's mask (a -inf logit bias), the coordinate bin and the two size bins, all
-  read from the last hidden state before post_ln; coordinates/sizes are encoded (tiny Fourier MLPs,
-  per-op) into the next input embedding, exactly the decode protocol of skills.generate_objects.
+  after the image's K/V), the image and prompt K/V are copied into the request's row of the
+  megakernel's KV cache, and the last prompt token is the first megakernel step. Each step yields, in
+  ONE launch, the LM argmax under each row's mask (a -inf logit bias), the coordinate bin and the two
+  size bins, all read from the last hidden state before post_ln.
+* detect, point and `batch`: batch.py's decode protocol (shared with MoondreamModel) with a
+  MegakernelStepper: up to 8 requests share each launch in the smallest batch bucket (1, 2, 4, 8)
+  that holds them; every bucket's megakernel reads one shared copy of the weights.
+* caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step).
 
-The decode loops mirror skills.generate_objects / generate_text step for step (same stopping rules,
-same context limits, same streaming). They are restated here rather than shared because skills.py
-constructs its own `Sequence`; see the hook noted in this project's report (a `sequence` factory
-argument) that would let both paths share one loop.
-
-One request at a time per FastMoondream: the megakernel's state (KV cache, activations) is a single
-arena per batch bucket. A concurrent second request raises instead of corrupting the first.
+One request or batch at a time per FastMoondream: the megakernels' state (KV cache, activations)
+is one arena per bucket. A concurrent second call raises instead of corrupting the first.
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from photon_core.megakernel.moondream_decoder import MoondreamDecoderMegakernel, StepResult, Tiling
-from photon_core.models.moondream import region, skills, text
+from photon_core.megakernel.moondream_decoder import (BATCH_BUCKETS, MoondreamDecoderMegakernel, StepResult, Tiling,
+                                                      bucket_for)
+from photon_core.models.moondream import batch as batch_decoding
+from photon_core.models.moondream import skills, text
+from photon_core.models.moondream.batch import Request
 from photon_core.models.moondream.model import EncodedImage, ImageLike, MoondreamModel, load_moondream
 
 
@@ -48,7 +50,7 @@ class FastMoondream:
         self.device, self.dtype = model.device, model.dtype
         self.tiling = tiling
         self.max_len = max_len or model.config.text.max_context
-        self._decoder: MoondreamDecoderMegakernel | None = None
+        self._decoders: dict[int, MoondreamDecoderMegakernel] = {}
         self._busy = threading.Lock()
         vocab, tk = self.config.text.vocab_size, self.config.tokenizer
         # The two masks every skill uses, as additive logit biases (0 allowed, -inf masked).
@@ -58,15 +60,27 @@ class FastMoondream:
         self._boundary_bias[[tk.coord_id, tk.eos_id]] = 0.0
 
     # -- the megakernels -------------------------------------------------------------------------
-    def decoder(self) -> MoondreamDecoderMegakernel:
-        """The batch-1 decode megakernel (both graphs: with and without the region heads), built
-        once on first use: the weights are copied into its arena, the graphs built and checked."""
-        if self._decoder is None:
+    def decoder(self, batch: int = 1) -> MoondreamDecoderMegakernel:
+        """The decode megakernel of one batch bucket (both graphs: with and without the region
+        heads), built on first use; every bucket shares the first one's copy of the weights."""
+        if batch not in self._decoders:
             wd = self.dtype if self.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-            self._decoder = MoondreamDecoderMegakernel(self.model.text_w, self.model.region_w, self.config,
-                                                       batch=1, max_len=self.max_len, tiling=self.tiling,
-                                                       weight_dtype=wd)
-        return self._decoder
+            shared = next(iter(self._decoders.values())).weights if self._decoders else None
+            self._decoders[batch] = MoondreamDecoderMegakernel(
+                self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
+                tiling=self.tiling, weight_dtype=wd, weights=shared)
+        return self._decoders[batch]
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The megakernels' arenas hold one request (or one batch) at a time."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("FastMoondream runs one request or batch at a time (its megakernel arenas); "
+                               "finish or close the running request (e.g. a streaming caption) first")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     # -- image -------------------------------------------------------------------------------------
     def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
@@ -76,13 +90,11 @@ class FastMoondream:
     # -- skills ------------------------------------------------------------------------------------
     def detect(self, image: ImageLike | EncodedImage, object: str,
                max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
-        prompt = skills.object_prompt(self.model, "detect", object)
-        return {"objects": self._generate_objects(self.encode_image(image), prompt, True, max_objects)}
+        return self.batch([Request("detect", image, object, max_objects)])[0]
 
     def point(self, image: ImageLike | EncodedImage, object: str,
               max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
-        prompt = skills.object_prompt(self.model, "point", object)
-        return {"points": self._generate_objects(self.encode_image(image), prompt, False, max_objects)}
+        return self.batch([Request("point", image, object, max_objects)])[0]
 
     def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,
                 max_tokens: int = skills.DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict:
@@ -96,39 +108,15 @@ class FastMoondream:
         gen = self._generate_text(self.encode_image(image), prompt, max_tokens, temperature, top_p)
         return {"answer": gen if stream else "".join(gen)}
 
-    # -- decoding ----------------------------------------------------------------------------------
-    def _generate_objects(self, enc: EncodedImage, prompt: list[int], with_size: bool,
-                          max_objects: int) -> list[dict]:
-        """skills.generate_objects with megakernel steps: 3 (detect) or 2 (point) steps per object."""
-        if max_objects < 0:
-            raise ValueError("max_objects must be >= 0")
-        skills.check_prompt(self.model, enc, prompt)
-        cfg, ops, rw = self.config, self.model.ops, self.model.region_w
-        tk = cfg.tokenizer
-        steps = 3 if with_size else 2
-        length = min(cfg.text.max_context, enc.pos + len(prompt) + steps * max_objects)
-        n_bins = cfg.region.coord_out_dim
-        out: list[dict] = []
-        with _Request(self, enc, length, region_heads=True) as seq, torch.no_grad():
-            res = seq.prompt(prompt, self._boundary_bias)
-            while len(out) < max_objects and seq.pos + steps <= length:
-                if res.tokens[0] != tk.coord_id:
-                    break  # eos
-                # Inside an object the next tokens are fixed (coord, then size); only the region
-                # heads' bins are used there, as in the reference loop.
-                x = res.coord_bins[0] / n_bins
-                res = seq.step(region.encode_coord(x, rw, ops))
-                y = res.coord_bins[0] / n_bins
-                res = seq.step(region.encode_coord(y, rw, ops))
-                if not with_size:
-                    out.append({"x": min(max(x, 0.0), 1.0), "y": min(max(y, 0.0), 1.0)})
-                    continue
-                w, h = _size_values(res.size_bins[0])
-                res = seq.step(region.encode_size(w, h, rw, ops))
-                out.append({"x_min": min(max(x - w / 2, 0.0), 1.0), "y_min": min(max(y - h / 2, 0.0), 1.0),
-                            "x_max": min(max(x + w / 2, 0.0), 1.0), "y_max": min(max(y + h / 2, 0.0), 1.0)})
-        return out
+    def batch(self, requests: list[Request]) -> list[dict]:
+        """Up to 8 requests (any skills) decoded together: each step is one megakernel launch of the
+        smallest batch bucket that holds them (MoondreamModel.batch's protocol and results)."""
+        if len(requests) > BATCH_BUCKETS[-1]:
+            return self.batch(requests[:BATCH_BUCKETS[-1]]) + self.batch(requests[BATCH_BUCKETS[-1]:])
+        with self._exclusive():
+            return batch_decoding.run(self.model, requests, MegakernelStepper(self))
 
+    # -- decoding ----------------------------------------------------------------------------------
     def _generate_text(self, enc: EncodedImage, prompt: list[int], max_tokens: int, temperature: float,
                        top_p: float) -> Iterator[str]:
         """skills.generate_text with megakernel steps; yields text pieces."""
@@ -140,7 +128,8 @@ class FastMoondream:
         allowed = torch.isfinite(self._text_bias)
 
         def tokens() -> Iterator[int]:
-            with _Request(self, enc, length, region_heads=False) as seq, torch.no_grad():
+            with self._exclusive(), torch.no_grad():
+                seq = _Request(self, enc, length, region_heads=False)
                 res = seq.prompt(prompt, self._text_bias)
                 for n in range(1, max_tokens + 1):
                     if temperature == 0:
@@ -163,30 +152,96 @@ def _size_values(bins: tuple[int, int]) -> tuple[float, float]:
     return size[0].item(), size[1].item()
 
 
-class _Request:
-    """One request's decode state on the batch-1 megakernel: row 0 of its KV cache and the position.
+def _prefill_row(fm: FastMoondream, cache: Any, enc: EncodedImage, ids: list[int]) -> None:
+    """The image prefix and `ids` into one row of a megakernel KV cache. The prompt runs through the
+    per-op kernels on a KV cache of the model's dtype (the per-op attention wants q, k, v alike);
+    the image prefix plus the prefilled positions are then copied into the fp32 arena row."""
+    m = fm.model
+    k, v = enc.k, enc.v
+    if ids:
+        tmp = text.KVCache(m.config.text, enc.pos + len(ids), m.dtype, m.device)
+        tmp.k[:, :, :, :enc.pos] = k
+        tmp.v[:, :, :, :enc.pos] = v
+        emb = text.embed(torch.tensor([ids], device=fm.device), m.text_w)
+        text.forward(emb, enc.pos, m.text_w, m.config.text, tmp, m.ops)
+        k, v = tmp.k, tmp.v
+    cache.k[:, :, :, :k.shape[3]] = k
+    cache.v[:, :, :, :v.shape[3]] = v
 
-    Entering takes the FastMoondream's lock (held until exit: the arena holds one request at a
-    time); `prompt` fills the cache with the image prefix and the prompt."""
+
+class MegakernelStepper:
+    """batch.py's stepper on the decode megakernel: the requests take rows (slots) of the smallest
+    bucket that holds them; each prompt but its last token is prefilled per-op into its slot, and
+    every step (the first one feeds the last prompt tokens) is one launch for all slots. The LM
+    argmax under each row's mask (a logit-bias row) and the region bins come out of that launch.
+    Slots without a live request decode a placeholder at position 0 of their own row."""
+
+    def __init__(self, fm: FastMoondream) -> None:
+        self.fm = fm
+        self.n_bins = fm.config.region.coord_out_dim
+
+    def start(self, rows: list, encoded: list[EncodedImage]) -> "MegakernelHeads":
+        fm = self.fm
+        self.mk = fm.decoder(bucket_for(len(rows)))
+        longest = max(r.length for r in rows)
+        if longest > self.mk.max_len:
+            raise ValueError(f"request of {longest} positions exceeds the megakernel's KV cache ({self.mk.max_len})")
+        self.slots = list(range(len(rows)))
+        objects = [batch_decoding.is_object(r) for r in rows]
+        idle = [fm._text_bias] * (self.mk.batch - len(rows))
+        self.mk.set_bias(torch.stack([fm._boundary_bias if o else fm._text_bias for o in objects] + idle))
+        self.region_heads = any(objects)
+        for slot, (row, enc) in enumerate(zip(rows, encoded)):
+            _prefill_row(fm, self.mk.cache(slot), enc, row.prompt[:-1])
+        last = torch.tensor([[r.prompt[-1]] for r in rows], device=fm.device)
+        return self.step(text.embed(last, fm.model.text_w), [r.pos + len(r.prompt) - 1 for r in rows])
+
+    def step(self, inputs: torch.Tensor, positions: list[int]) -> "MegakernelHeads":
+        emb = torch.zeros(self.mk.batch, self.fm.config.text.dim, device=self.fm.device)
+        pos = [0] * self.mk.batch
+        emb[self.slots] = inputs.reshape(len(self.slots), -1).to(emb.dtype)
+        for slot, p in zip(self.slots, positions):
+            pos[slot] = p
+        res = self.mk.step(emb, pos, region_heads=self.region_heads)
+        return MegakernelHeads(res, list(self.slots), self.mk, self.n_bins)
+
+    def keep(self, rows: list[int]) -> None:
+        self.slots = [self.slots[i] for i in rows]
+
+
+class MegakernelHeads:
+    """One launch's results, by request row: the in-kernel masked argmax, the biased logits, and the
+    coordinate/size bins turned into values with the region heads' exact arithmetic."""
+
+    def __init__(self, res: StepResult, slots: list[int], mk: MoondreamDecoderMegakernel, n_bins: int) -> None:
+        self.res, self.slots, self.mk, self.n_bins = res, slots, mk, n_bins
+
+    def tokens(self, rows: list[int]) -> list[int]:
+        return [self.res.tokens[self.slots[i]] for i in rows]
+
+    def logits(self, row: int) -> torch.Tensor:
+        return self.mk.logits[self.slots[row]].clone()
+
+    def coords(self, rows: list[int]) -> list[float]:
+        return [self.res.coord_bins[self.slots[i]] / self.n_bins for i in rows]
+
+    def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
+        return [_size_values(self.res.size_bins[self.slots[i]]) for i in rows]
+
+
+class _Request:
+    """One streaming request's decode state on the batch-1 megakernel: row 0 of its KV cache and
+    the position. Used inside FastMoondream._exclusive()."""
 
     def __init__(self, fm: FastMoondream, enc: EncodedImage, length: int, region_heads: bool) -> None:
         fm.model._check_owner(enc)
         self.fm, self.enc, self.length = fm, enc, length
-        self.mk = fm.decoder()
+        self.mk = fm.decoder(1)
         self.region_heads = region_heads
         if length > self.mk.max_len:
             raise ValueError(f"request of {length} positions exceeds the megakernel's KV cache ({self.mk.max_len})")
         self.pos = enc.pos
         self._bias: torch.Tensor | None = None
-
-    def __enter__(self) -> "_Request":
-        if not self.fm._busy.acquire(blocking=False):
-            raise RuntimeError("FastMoondream runs one request at a time (a single megakernel arena); "
-                               "finish or close the running request (e.g. a streaming caption) first")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.fm._busy.release()
 
     def embed(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -194,25 +249,12 @@ class _Request:
 
     def prompt(self, ids: list[int], bias: torch.Tensor) -> StepResult:
         """All prompt tokens but the last through the per-op kernels, the last one as the first
-        megakernel step. The prefill runs on a KV cache of the model's dtype (the per-op attention
-        wants q, k, v alike) and the image prefix plus the prefilled positions are then copied into
-        row 0 of the megakernel's fp32 cache."""
-        m = self.fm.model
+        megakernel step."""
         if self.pos + len(ids) > self.length:
             raise RuntimeError(f"sequence of {self.pos + len(ids)} tokens exceeds the KV cache ({self.length})")
-        k, v = self.enc.k, self.enc.v
-        n = len(ids) - 1
         with torch.no_grad():
-            if n > 0:
-                tmp = text.KVCache(m.config.text, self.pos + n, m.dtype, m.device)
-                tmp.k[:, :, :, :self.pos] = k
-                tmp.v[:, :, :, :self.pos] = v
-                text.forward(self.embed(ids[:-1]), self.pos, m.text_w, m.config.text, tmp, m.ops)
-                k, v = tmp.k, tmp.v
-            cache = self.mk.cache(0)
-            cache.k[:, :, :, :k.shape[3]] = k
-            cache.v[:, :, :, :v.shape[3]] = v
-        self.pos += n
+            _prefill_row(self.fm, self.mk.cache(0), self.enc, ids[:-1])
+        self.pos += len(ids) - 1
         return self.step(self.embed(ids[-1:]), bias)
 
     def step(self, emb: torch.Tensor, bias: torch.Tensor | None = None) -> StepResult:

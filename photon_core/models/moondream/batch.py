@@ -92,16 +92,17 @@ def _new_row(model: "MoondreamModel", r: Request, enc: "EncodedImage") -> _Row:
     return _Row(r, prompt, min(limit, enc.pos + len(prompt) + r.max_tokens), enc.pos, TOKEN)
 
 
-def run(model: "MoondreamModel", requests: list[Request]) -> list[dict]:
+def run(model: "MoondreamModel", requests: list[Request], stepper: Any = None) -> list[dict]:
     """Results of `requests`, each shaped as the matching single call returns it (text not
     streamed). A request that is invalid (empty object, unknown task...) raises ValueError before
-    any work is done."""
+    any work is done. `stepper` runs the forward passes (default: OpsStepper, the model's own ops;
+    moondream_fast passes its megakernel stepper)."""
     if not requests:
         return []
     encoded = _encode_distinct(model, [r.image for r in requests])
     rows = [_new_row(model, r, enc) for r, enc in zip(requests, encoded)]
     with torch.inference_mode():
-        _decode(model, rows, encoded)
+        _decode(model, rows, encoded, stepper or OpsStepper(model))
     return [_result(model, row) for row in rows]
 
 
@@ -120,55 +121,46 @@ def _encode_distinct(model: "MoondreamModel", images: list) -> list["EncodedImag
     return [image if isinstance(image, EncodedImage) else done[id(image)] for image in images]
 
 
-def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"]) -> None:
-    cfg, ops = model.config, model.ops
-    cache = text.KVCache(cfg.text, max(r.length for r in rows), model.dtype, model.device, batch=len(rows))
-    hidden = []
-    for b, (row, enc) in enumerate(zip(rows, encoded)):
-        cache.k[:, b:b + 1, :, :enc.pos] = enc.k
-        cache.v[:, b:b + 1, :, :enc.pos] = enc.v
-        # Prompts differ in length: each is prefilled in its own row, then every step is shared.
-        emb = text.embed(torch.tensor([row.prompt], device=model.device), model.text_w)
-        hidden.append(text.forward(emb, row.pos, model.text_w, cfg.text, cache.row(b), ops)[:, -1])
+def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"], stepper: Any) -> None:
+    heads = stepper.start(rows, encoded)
+    for row in rows:
         row.pos += len(row.prompt)
     live = list(rows)
-    nxt = _advance(model, live, torch.cat(hidden))
+    nxt = _advance(model, live, heads)
     while True:
         keep = [i for i, row in enumerate(live) if not row.done]
         if not keep:
             return
         if len(keep) < len(live):
-            cache.keep(keep)
+            stepper.keep(keep)
             live, nxt = [live[i] for i in keep], nxt[keep]
-        pos = torch.tensor([row.pos for row in live], device=model.device)
-        hidden = text.forward(nxt, pos, model.text_w, cfg.text, cache, ops)[:, -1]
+        heads = stepper.step(nxt, [row.pos for row in live])
         for row in live:
             row.pos += 1
-        nxt = _advance(model, live, hidden)
+        nxt = _advance(model, live, heads)
 
 
-def _advance(model: "MoondreamModel", rows: list[_Row], hidden: torch.Tensor) -> torch.Tensor:
-    """Each row reads its new hidden state [dim] per its phase and gets its next input embedding;
-    rows that finish are marked done (their embedding row is a placeholder). Every head runs once,
-    batched over the rows that need it. Returns the next inputs [rows, 1, dim]."""
-    cfg, ops, rw, tk = model.config, model.ops, model.region_w, model.config.tokenizer
-    nxt = torch.zeros(len(rows), 1, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
-    want_logits = [i for i, r in enumerate(rows) if r.phase in (BOUNDARY, TOKEN)]
-    logits = dict(zip(want_logits, text.lm_logits(hidden[want_logits], model.text_w, ops))) if want_logits else {}
+def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any) -> torch.Tensor:
+    """Each row reads what its phase needs from the step's heads and gets its next input
+    embedding; rows that finish are marked done (their embedding row is a placeholder). Every head
+    is asked once, for all the rows that need it. Returns the next inputs [rows, 1, dim]."""
+    ops, rw, tk = model.ops, model.region_w, model.config.tokenizer
+    nxt = torch.zeros(len(rows), 1, model.config.text.dim, dtype=model.dtype, device=model.device)
+    asks = [i for i, r in enumerate(rows) if r.phase in (BOUNDARY, TOKEN)]
+    greedy = dict(zip(asks, heads.tokens(asks))) if asks else {}
 
-    boundary = skills.allowed_mask(cfg.text.vocab_size, [tk.coord_id, tk.eos_id], model.device)
     coord_rows, tokens = [], {}
     for i, row in enumerate(rows):
         if row.phase == BOUNDARY:
             if (len(row.objects) >= row.request.max_objects or row.pos + row.steps > row.length
-                    or int(ops.argmax(logits[i], boundary)) != tk.coord_id):
+                    or greedy[i] != tk.coord_id):
                 row.done = True
             else:
                 coord_rows.append(i)          # x from this same hidden state
         elif row.phase == COORD_Y:
             coord_rows.append(i)
         elif row.phase == TOKEN:
-            tok = _answer_token(model, row.request, logits[i])
+            tok = _answer_token(model, row.request, greedy[i], lambda i=i: heads.logits(i))
             if tok is not None:
                 row.tokens.append(tok)
             if tok is None or len(row.tokens) >= row.request.max_tokens or row.pos >= row.length:
@@ -178,7 +170,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], hidden: torch.Tensor) ->
 
     size_rows = [i for i, r in enumerate(rows) if r.phase == SIZE]
     if coord_rows:
-        values = region.decode_coords(hidden[coord_rows], rw, ops)
+        values = heads.coords(coord_rows)
         for i, v in zip(coord_rows, values):
             row = rows[i]
             if row.phase == BOUNDARY:
@@ -192,29 +184,103 @@ def _advance(model: "MoondreamModel", rows: list[_Row], hidden: torch.Tensor) ->
                     row.phase = SIZE
         nxt[coord_rows] = region.encode_coords(values, rw, ops)
     if size_rows:
-        sizes = region.decode_sizes(hidden[size_rows], rw, ops)
+        sizes = heads.sizes(size_rows)
         for i, (w, h) in zip(size_rows, sizes):
             row = rows[i]
-            # The reference leaves boxes unclamped; ours are clamped to the image (as in skills.py).
+            # The reference leaves boxes unclamped; ours are clamped to the image.
             row.objects.append({"x_min": _clamp(row.x - w / 2), "y_min": _clamp(row.y - h / 2),
                                 "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2)})
             row.phase = BOUNDARY
         nxt[size_rows] = region.encode_sizes(sizes, rw, ops)
     if tokens:
-        ids = torch.tensor([[t] for t in tokens.values()], device=hidden.device)
+        ids = torch.tensor([[t] for t in tokens.values()], device=model.device)
         nxt[list(tokens)] = text.embed(ids, model.text_w)
     return nxt
 
 
-def _answer_token(model: "MoondreamModel", r: Request, logits: torch.Tensor) -> int | None:
-    """The next answer token, or None when the answer ends (eos, or max_tokens == 0)."""
+def _answer_token(model: "MoondreamModel", r: Request, greedy: int, logits) -> int | None:
+    """The next answer token (the greedy one, or sampled from logits()), or None when the answer
+    ends (eos, or max_tokens == 0)."""
     if r.max_tokens == 0:
         return None
-    tk = model.config.tokenizer
+    tok = greedy
+    if r.temperature > 0:
+        tok = skills.sample_token(logits(), text_mask(model), r.temperature, r.top_p, model.ops)
+    return None if tok == model.config.tokenizer.eos_id else tok
+
+
+def text_mask(model: "MoondreamModel") -> torch.Tensor:
+    """Tokens an answer may contain: all but the answer marker, which ends the prompt."""
     allowed = torch.ones(model.config.text.vocab_size, dtype=torch.bool, device=model.device)
-    allowed[tk.answer_id] = False   # the answer marker ends the prompt; never emitted
-    tok = skills.sample_token(logits, allowed, r.temperature, r.top_p, model.ops)
-    return None if tok == tk.eos_id else tok
+    allowed[model.config.tokenizer.answer_id] = False
+    return allowed
+
+
+def boundary_mask(model: "MoondreamModel") -> torch.Tensor:
+    """At an object boundary: another object (coord) or the end (eos)."""
+    tk = model.config.tokenizer
+    return skills.allowed_mask(model.config.text.vocab_size, [tk.coord_id, tk.eos_id], model.device)
+
+
+def is_object(row: _Row) -> bool:
+    return row.request.task in ("detect", "point")
+
+
+class OpsStepper:
+    """Forward passes on the model's ops module: each prompt prefilled in its own row of one batch
+    KV cache (prompts differ in length), then one text.forward per step for every live row at its
+    own position. Finished rows are dropped from the cache."""
+
+    def __init__(self, model: "MoondreamModel") -> None:
+        self.model = model
+        self.cache: text.KVCache | None = None
+        self.masks: torch.Tensor | None = None
+
+    def start(self, rows: list[_Row], encoded: list["EncodedImage"]) -> "OpsHeads":
+        m = self.model
+        self.cache = text.KVCache(m.config.text, max(r.length for r in rows), m.dtype, m.device, batch=len(rows))
+        boundary, answer = boundary_mask(m), text_mask(m)
+        self.masks = torch.stack([boundary if is_object(r) else answer for r in rows])
+        hidden = []
+        for b, (row, enc) in enumerate(zip(rows, encoded)):
+            self.cache.k[:, b:b + 1, :, :enc.pos] = enc.k
+            self.cache.v[:, b:b + 1, :, :enc.pos] = enc.v
+            emb = text.embed(torch.tensor([row.prompt], device=m.device), m.text_w)
+            hidden.append(text.forward(emb, row.pos, m.text_w, m.config.text, self.cache.row(b), m.ops)[:, -1])
+        return OpsHeads(m, torch.cat(hidden), self.masks)
+
+    def step(self, inputs: torch.Tensor, positions: list[int]) -> "OpsHeads":
+        m = self.model
+        pos = torch.tensor(positions, device=m.device)
+        hidden = text.forward(inputs, pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
+        return OpsHeads(m, hidden, self.masks)
+
+    def keep(self, rows: list[int]) -> None:
+        self.cache.keep(rows)
+        self.masks = self.masks[rows]
+
+
+class OpsHeads:
+    """What one step's hidden states [rows, dim] (before post_ln) say, each head run once for the
+    rows that ask: the masked greedy token, the logits, a coordinate, a size."""
+
+    def __init__(self, model: "MoondreamModel", hidden: torch.Tensor, masks: torch.Tensor) -> None:
+        self.model, self.hidden, self.masks = model, hidden, masks
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def tokens(self, rows: list[int]) -> list[int]:
+        m = self.model
+        self._logits = dict(zip(rows, text.lm_logits(self.hidden[rows], m.text_w, m.ops)))
+        return [int(m.ops.argmax(self._logits[i], self.masks[i])) for i in rows]
+
+    def logits(self, row: int) -> torch.Tensor:
+        return self._logits[row]
+
+    def coords(self, rows: list[int]) -> list[float]:
+        return region.decode_coords(self.hidden[rows], self.model.region_w, self.model.ops)
+
+    def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
+        return region.decode_sizes(self.hidden[rows], self.model.region_w, self.model.ops)
 
 
 def _clamp(v: float) -> float:
