@@ -41,11 +41,13 @@ TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK
 CAPTION_LENGTHS = ("short", "normal", "long")
 
 
-def load_vision_model(name: str, device: str, dtype: str):
-    from photon_core.models.moondream import load_moondream
+def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto"):
+    """The process's shared engine for this model. backend "auto": our kernels and decode
+    megakernel on CUDA, PyTorch on CPU (photon_core.backends.select)."""
+    import photon_core
 
-    return shared_model(("moondream", name, device, dtype),
-                        lambda: load_moondream(name, device=device, dtype=dtype))
+    return shared_model(("moondream", name, device, dtype, backend),
+                        lambda: photon_core.load(name, device=device, dtype=dtype, backend=backend))
 
 
 def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str | None,
@@ -63,6 +65,7 @@ class VisionNode(Node):
         self.model_name = p("model", "moondream2").value
         self.device = p("device", "cpu").value
         self.dtype = p("dtype", "float32").value
+        self.backend = p("backend", "auto").value
         compressed = p("input", "raw").value == "compressed"
         reliable = p("reliability", "best_effort").value == "reliable"
         depth = p("depth", 1).value
@@ -140,7 +143,7 @@ class VisionNode(Node):
     def work(self) -> None:
         try:
             started = time.monotonic()
-            self.engine = load_vision_model(self.model_name, self.device, self.dtype)
+            self.engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend)
             self.get_logger().info(f"loaded {self.engine.model.model_id} in {time.monotonic() - started:.1f} s")
         except Exception as err:  # noqa: BLE001 - the node stays up and reports why
             self.model_error = f"{type(err).__name__}: {err}"

@@ -145,6 +145,17 @@ def test_missing_model_reports_error_and_stays_up(graph, tmp_path):
     assert not future.result().success and "not loaded" in future.result().message
 
 
+@pytest.mark.parametrize("backend,reason", [("megakernel", "TRITON_INTERPRET"), ("tensorrt", "unknown backend")])
+def test_unusable_backend_reports_why(graph, monkeypatch, backend, reason):
+    """The compiled kernels need a GPU (or the test interpreter): on this CPU the node must say so
+    and stay up, not crash or silently fall back."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # other test modules turn it on
+    node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(checkpoint())), Parameter("backend", value=backend)]))
+    assert wait_for(lambda: node.model_error is not None, timeout=30)
+    assert reason in node.model_error and node.engine is None
+
+
 def test_transcript_to_target(graph):
     vision_node(graph)        # no standing tasks: the loop asks on demand
     graph.add(LoopNode(context=graph.context, parameter_overrides=[Parameter("coordinates", value="pixels")]))

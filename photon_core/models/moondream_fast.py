@@ -59,6 +59,10 @@ class FastMoondream:
         self._boundary_bias = torch.full((vocab,), float("-inf"), device=self.device)
         self._boundary_bias[[tk.coord_id, tk.eos_id]] = 0.0
 
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
     # -- the megakernels -------------------------------------------------------------------------
     def decoder(self, batch: int = 1) -> MoondreamDecoderMegakernel:
         """The decode megakernel of one batch bucket (both graphs: with and without the region
