@@ -245,10 +245,33 @@ def _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def decoder_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The task table of graph.py's decoder graphs (Whisper): runs task `op`; 0 for an unknown op.
+    Another model's graph passes its own table (same signature) as the megakernel's RUN_TASK."""
+    ran = 1
+    if op == 2:
+        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif op == 3:
+        _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
+    elif op == 4:
+        _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
+    elif op == 1:
+        _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+    elif op == 5:
+        _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
+    else:
+        ran = 0
+    return ran
+
+
+@triton.jit
 def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, B, ln_eps, spin_limit,
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                BLOCK_R: tl.constexpr):
+                BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr):
+    """Claim, wait, run (RUN_TASK: a model's task table, resolved at compile time), release."""
     t = tl.atomic_add(ctrl_ptr, 1)
     while t < num_tasks:
         row = tasks_ptr + t.to(tl.int64) * NF
@@ -265,17 +288,9 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
         if ok == 0:
             tl.atomic_max(ctrl_ptr + 1, t + 1)
         else:
-            if op == 2:
-                _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
-            elif op == 3:
-                _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
-            elif op == 4:
-                _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
-            elif op == 1:
-                _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
-            elif op == 5:
-                _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
-            else:
+            ran = RUN_TASK(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K,
+                           BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R)
+            if ran == 0:
                 tl.atomic_max(ctrl_ptr + 1, t + 1)
         # Every thread's stores must be done before the release that publishes them.
         tl.debug_barrier()
@@ -299,7 +314,10 @@ def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int
 
 
 class Megakernel:
-    """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
+    """A checked, encoded graph bound to its buffers; `launch()` runs one decode step. A subclass for
+    another model's graph sets `run_task` to its task table."""
+
+    run_task = decoder_tasks
 
     def __init__(self, graph: TaskGraph, weights: torch.Tensor, state: torch.Tensor, dyn: torch.Tensor,
                  out: torch.Tensor, block_m: int, block_n: int, block_k: int, block_t: int,
@@ -335,7 +353,7 @@ class Megakernel:
         self.ctrl.zero_()
         _megakernel[(self.num_programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
                                           self.weights, self.state, self.out, self.batch, self.ln_eps,
-                                          self.spin_limit, **self.meta)
+                                          self.spin_limit, RUN_TASK=self.run_task, **self.meta)
 
     def raise_on_error(self) -> None:
         """Synchronising check of the error flag (a timed-out wait skipped that task)."""

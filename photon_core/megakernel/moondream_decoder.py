@@ -56,8 +56,7 @@ from photon_core.kernels.linear import ACT_GELU_TANH
 from photon_core.megakernel import graph as _graph
 from photon_core.megakernel.graph import (LEN_SELF, MODE_LOGITS, MODE_PLAIN, OP_ATTN_MERGE, OP_ATTN_PARTIAL,
                                           OP_LINEAR, Arena, Region, Task, TaskGraph)
-from photon_core.megakernel.kernel import (CG, Megakernel, _task_attn_merge, _task_attn_partial, _task_linear,
-                                           _wait)
+from photon_core.megakernel.kernel import CG, Megakernel, _task_attn_merge, _task_attn_partial, _task_linear
 
 BATCH_BUCKETS = (1, 2, 4, 8)
 
@@ -163,53 +162,31 @@ def _task_argmax_bins(row, s_ptr, out_ptr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _moondream_megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, B, ln_eps,
-                          spin_limit, NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The claim / wait / run / release loop of kernel._megakernel with Moondream's task kinds."""
-    t = tl.atomic_add(ctrl_ptr, 1)
-    while t < num_tasks:
-        row = tasks_ptr + t.to(tl.int64) * NF
-        op = tl.load(row)
-        ok = tl.full([], 1, tl.int32)
-        c0 = tl.load(row + 1)
-        if c0 >= 0:
-            ok = _wait(ctrl_ptr + 2 + c0, tl.load(row + 2), spin_limit).to(tl.int32)
-        c1 = tl.load(row + 3)
-        if c1 >= 0:
-            ok = ok * _wait(ctrl_ptr + 2 + c1, tl.load(row + 4), spin_limit).to(tl.int32)
-        tl.debug_barrier()
-        if ok == 0:
-            tl.atomic_max(ctrl_ptr + 1, t + 1)
-        else:
-            if op == 2:
-                _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
-            elif op == 3:
-                _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
-            elif op == 4:
-                _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
-            elif op == 101:
-                _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D)
-            elif op == 102:
-                _task_argmax_bins(row, s_ptr, out_ptr, BLOCK_R)
-            else:
-                tl.atomic_max(ctrl_ptr + 1, t + 1)
-        tl.debug_barrier()
-        sig = tl.load(row + 5)
-        if sig >= 0:
-            tl.atomic_add(ctrl_ptr + 2 + sig, 1, sem="release")
-        t = tl.atomic_add(ctrl_ptr, 1)
+def moondream_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Moondream's task table for kernel._megakernel: the shared linear and attention tasks, plus
+    rotary + KV append and the argmax with region bins. 0 for an unknown op."""
+    ran = 1
+    if op == 2:
+        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif op == 3:
+        _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
+    elif op == 4:
+        _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
+    elif op == 101:
+        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D)
+    elif op == 102:
+        _task_argmax_bins(row, s_ptr, out_ptr, BLOCK_R)
+    else:
+        ran = 0
+    return ran
 
 
 class _MoondreamKernel(Megakernel):
-    """kernel.Megakernel's checking, encoding and buffers, launching the Moondream dispatch loop."""
+    """kernel.Megakernel's checking, encoding, buffers and dispatch loop, with Moondream's tasks."""
 
-    def launch(self) -> None:
-        self.ctrl.zero_()
-        _moondream_megakernel[(self.num_programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
-                                                    self.weights, self.state, self.out, self.batch,
-                                                    self.ln_eps, self.spin_limit, **self.meta)
+    run_task = moondream_tasks
 
 
 # ---------------------------------------------------------------------------------------------------
