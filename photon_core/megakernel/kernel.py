@@ -217,25 +217,34 @@ def _task_attn_merge(row, s_ptr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def argmax_of_tiles(p, count, BLOCK_R: tl.constexpr):
+    """Index of the largest of `count` (max, index) fp32 pairs at p, which linear tiles of this
+    launch wrote (read past L1). Ties keep the lowest index (each tile reports its first maximal
+    column; a later block must be strictly greater), like torch.argmax; all -inf gives the first
+    pair's index."""
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for t0 in range(0, count, BLOCK_R):
+        tt = t0 + tl.arange(0, BLOCK_R)
+        ok = tt < count
+        v = tl.load(p + tt.to(tl.int64) * 2, mask=ok, other=float("-inf"), cache_modifier=CG)
+        i = tl.load(p + tt.to(tl.int64) * 2 + 1, mask=ok, other=0.0, cache_modifier=CG).to(tl.int32)
+        bmax = tl.max(v, axis=0)
+        bi = tl.min(tl.where(ok & (v == bmax), i, 2147483647), axis=0)
+        better = (bmax > best) | (t0 == 0)
+        best_i = tl.where(better, bi, best_i)
+        best = tl.where(better, bmax, best)
+    return best_i
+
+
+@triton.jit
 def _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
     M = tl.load(row + 6)
     advance = tl.load(row + 17)
     part = tl.load(row + 25)
     ntiles = tl.load(row + 27)
     for m in range(0, M):
-        best = tl.full([], float("-inf"), tl.float32)
-        best_i = tl.full([], 0, tl.int32)
-        for t0 in range(0, ntiles, BLOCK_R):
-            tt = t0 + tl.arange(0, BLOCK_R)
-            ok = tt < ntiles
-            p = s_ptr + part + (m * ntiles + tt.to(tl.int64)) * 2
-            v = tl.load(p, mask=ok, other=float("-inf"), cache_modifier=CG)
-            i = tl.load(p + 1, mask=ok, other=0.0, cache_modifier=CG).to(tl.int32)
-            bmax = tl.max(v, axis=0)
-            bi = tl.min(tl.where(ok & (v == bmax), i, 2147483647), axis=0)
-            better = bmax > best
-            best_i = tl.where(better, bi, best_i)
-            best = tl.where(better, bmax, best)
+        best_i = argmax_of_tiles(s_ptr + part + (m * ntiles).to(tl.int64) * 2, ntiles, BLOCK_R)
         tl.store(out_ptr + m, best_i)
         if advance != 0:
             # Every reader of this step's token/position is ordered before this task (checker-proven),

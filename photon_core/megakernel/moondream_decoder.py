@@ -56,7 +56,8 @@ from photon_core.kernels.linear import ACT_GELU_TANH
 from photon_core.megakernel import graph as _graph
 from photon_core.megakernel.graph import (LEN_SELF, MODE_LOGITS, MODE_PLAIN, OP_ATTN_MERGE, OP_ATTN_PARTIAL,
                                           OP_LINEAR, Arena, Region, Task, TaskGraph)
-from photon_core.megakernel.kernel import CG, Megakernel, _task_attn_merge, _task_attn_partial, _task_linear
+from photon_core.megakernel.kernel import (CG, Megakernel, _task_attn_merge, _task_attn_partial, _task_linear,
+                                           argmax_of_tiles)
 
 BATCH_BUCKETS = (1, 2, 4, 8)
 
@@ -145,19 +146,7 @@ def _task_argmax_bins(row, s_ptr, out_ptr, BLOCK_R: tl.constexpr):
     ntiles = tl.load(row + 27)
     S = tl.load(row + 31)
     for m in range(0, M):
-        best = tl.full([], float("-inf"), tl.float32)
-        best_i = tl.full([], 0, tl.int32)
-        for t0 in range(0, S, BLOCK_R):
-            tt = t0 + tl.arange(0, BLOCK_R)
-            ok = tt < S
-            p = s_ptr + part + (m * ntiles + tile0 + tt.to(tl.int64)) * 2
-            v = tl.load(p, mask=ok, other=float("-inf"), cache_modifier=CG)
-            i = tl.load(p + 1, mask=ok, other=0.0, cache_modifier=CG).to(tl.int32)
-            bmax = tl.max(v, axis=0)
-            bi = tl.min(tl.where(ok & (v == bmax), i, 2147483647), axis=0)
-            better = (bmax > best) | (t0 == 0)
-            best_i = tl.where(better, bi, best_i)
-            best = tl.where(better, bmax, best)
+        best_i = argmax_of_tiles(s_ptr + part + (m * ntiles + tile0).to(tl.int64) * 2, S, BLOCK_R)
         tl.store(out_ptr + m * K + out, best_i - n0.to(tl.int32))
 
 
