@@ -157,19 +157,20 @@ def test_unusable_backend_reports_why(graph, monkeypatch, backend, reason):
 
 
 def test_transcript_to_target(graph):
-    vision_node(graph)        # no standing tasks: the loop asks on demand
+    vision = vision_node(graph)        # no standing tasks: the loop asks on demand
     graph.add(LoopNode(context=graph.context, parameter_overrides=[Parameter("coordinates", value="pixels")]))
     targets, turns, status = collect(graph, PointStamped, "target"), collect(graph, Twist, "cmd_vel"), collect(graph, String, "status")
     camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
     speaker = graph.node("speaker").create_publisher(Transcript, "transcript", RELIABLE)
     wait_for_match(camera), wait_for_match(speaker)
     camera.publish(rgb_to_image(image(4), header=header(42, "head_camera")))
-    time.sleep(0.5)
+    assert wait_for(lambda: vision.frames.latest is not None, timeout=10)
     speaker.publish(Transcript(text="Point at the red cup.", is_final=True))
     assert wait_for(lambda: targets, timeout=60), [s.data for s in status]
     assert targets[0].header == header(42, "head_camera")
     assert 0 <= targets[0].point.x <= 128 and 0 <= targets[0].point.y <= 96
-    assert turns and any("red cup" in s.data for s in status)
+    # cmd_vel and status are other topics: they may arrive a moment after the target
+    assert wait_for(lambda: turns and any("red cup" in s.data for s in status), timeout=10), [s.data for s in status]
     speaker.publish(Transcript(text="What a lovely day.", is_final=True))
     assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
 
