@@ -63,20 +63,11 @@ def timer(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> floa
 
 
 def graphed(fn: Callable[[], object], cuda: bool) -> Callable[[], object]:
-    """fn captured in a CUDA graph (after a warm-up on a side stream), or fn itself on CPU."""
+    """fn captured in a CUDA graph (photon_core.runtime.cuda_graph), or fn itself on CPU."""
     if not cuda:
         return fn
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    from photon_core.runtime.cuda_graph import capture
+    return capture(fn)[0].replay
 
 
 def eager_ops():

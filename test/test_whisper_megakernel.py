@@ -1,15 +1,18 @@
-"""A whole transcription with every generated token decoded by the megakernel (one persistent
-Triton launch per token, under TRITON_INTERPRET=1 here) gives the reference path's tokens, on
-real tiny.en weights and real speech."""
+"""A whole transcription with every generated token decoded by our kernels gives the reference
+path's tokens, on real tiny.en weights and real speech (under TRITON_INTERPRET=1 here): by the
+megakernel (one persistent launch per token), and by the per-op kernels of the "triton" backend
+(the step that is one CUDA-graph replay on a GPU)."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
 import pytest  # noqa: E402
 
+from photon_core.backends.select import get_backend  # noqa: E402
 from photon_core.models.whisper import load_whisper  # noqa: E402
 from photon_core.megakernel.whisper_decoder import Tiling  # noqa: E402
 from photon_core.models.whisper.megakernel_steps import MegakernelSteps  # noqa: E402
+from photon_core.models.whisper.perop_steps import PerOpSteps  # noqa: E402
 
 # Few, large tiles: the interpreter runs programs one after another, so its cost is per task.
 # (On a GPU the default tiling spreads the step over every SM instead.)
@@ -29,9 +32,28 @@ def test_megakernel_transcription_matches_reference(timestamps):
     assert got["segments"] == want["segments"]
 
 
+def test_perop_step_transcription_matches_reference(monkeypatch):
+    import photon_core.kernels.attention as attention
+    import photon_core.kernels.linear as linear
+    # Few, large programs: the interpreter's cost is per program and per loop step.
+    monkeypatch.setattr(linear, "GEMV_BLOCK_N", 1024)
+    monkeypatch.setattr(linear, "GEMV_BLOCK_K", 128)
+    monkeypatch.setattr(attention, "DECODE_BLOCK_T", 512)
+    model = load_whisper("whisper-tiny.en", dtype="float32", backend="reference")
+    pcm, rate = espeak_pcm("Stop right there.")
+    want, want_raw = model.transcribe_detailed(pcm, rate, timestamps=True)
+    model.decoder.steps = PerOpSteps(model.net, get_backend("triton", "cpu"))
+    got, got_raw = model.transcribe_detailed(pcm, rate, timestamps=True)
+    assert got_raw.tokens == want_raw.tokens and len(want_raw.tokens) >= 4
+    assert got["text"] == want["text"] == "Stop right there."
+    assert got["segments"] == want["segments"]
+
+
 def test_backend_choice():
-    from photon_core.backends.select import get_backend
     assert get_backend("auto", "cpu").__name__.endswith("reference")
     assert getattr(get_backend("megakernel", "cpu"), "NAME", "") == "megakernel"   # interpreter on
     model = load_whisper("whisper-tiny.en", dtype="float32", backend="megakernel")
     assert isinstance(model.decoder.steps, MegakernelSteps)
+    model = load_whisper("whisper-tiny.en", dtype="float32", backend="triton")
+    assert isinstance(model.decoder.steps, PerOpSteps)
+    assert load_whisper("whisper-tiny.en", dtype="float32", backend="reference").decoder.steps is None

@@ -151,15 +151,21 @@ def _decode_merge_kernel(part_ptr, o_ptr, S, D, BLOCK_S: tl.constexpr, BLOCK_D: 
     tl.store(o_ptr + bh * D + dd, out, mask=dd < D)
 
 
+# Keys per inner step of decode attention. Tests running whole models under the CPU interpreter
+# (whose cost is per program and per step) raise it; the default split count follows it.
+DECODE_BLOCK_T = 32
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, scale: float | None = None,
-                     num_splits: int | None = None, block_t: int = 32) -> torch.Tensor:
+                     num_splits: int | None = None, block_t: int | None = None) -> torch.Tensor:
     """One query per (b, h): q [B, H, 1, D] over the first lengths[b] keys of k/v [B, H, T_max, D].
     Every row must have lengths[b] >= 1 (an empty softmax is undefined)."""
     b, h, tq, d = q.shape
     if tq != 1:
         raise ValueError("decode_attention takes exactly one query per row")
     t_max = k_cache.shape[2]
+    block_t = block_t or DECODE_BLOCK_T
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     if num_splits is None:
         # Enough programs to fill a GPU at batch 1, but never splits shorter than a block.

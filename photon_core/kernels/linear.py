@@ -105,6 +105,11 @@ def _linear_tiled_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K,
 
 
 SMALL_M_MAX = 16
+# Tile of the small-M kernel: output features per program, K step (for M <= 4). Tests running
+# whole models under the CPU interpreter (whose cost is per program and per step, not per byte)
+# raise them to run far fewer, larger programs.
+GEMV_BLOCK_N = 32
+GEMV_BLOCK_K = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -129,8 +134,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         flags = dict(HAS_BIAS=b is not None, HAS_RES=r2 is not None, ACT=act)
         if m <= SMALL_M_MAX:
             bm = max(1, triton.next_power_of_2(m))
-            bn = 32
-            bk = 64 if bm <= 4 else 32
+            bn = GEMV_BLOCK_N
+            bk = GEMV_BLOCK_K if bm <= 4 else 32
             _linear_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         else:
             bm, bn, bk = 32, 32, 32

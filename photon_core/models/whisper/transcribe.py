@@ -231,8 +231,9 @@ def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
     dtype: None picks the fastest exact-enough encoder precision for the device (bf16 autocast on
     CPUs with AMX/AVX512-BF16, float16 on CUDA, float32 otherwise); float32 is the exact
     reference. The decoder always runs in float32.
-    backend: "reference" (PyTorch), "triton" (per-op kernels), "megakernel" (per-op kernels for the
-    encoder and prompt, one persistent launch per generated token) or "auto" (by device, see
+    backend: "reference" (PyTorch), "triton" (per-op kernels; each generated token's step is one
+    CUDA-graph replay on GPU), "megakernel" (per-op kernels for the encoder and prompt, one
+    persistent launch per generated token) or "auto" (by device, see
     photon_core.backends.select); `ops` overrides it with an ops module.
     """
     from photon_core.backends.select import get_backend
@@ -244,6 +245,9 @@ def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
     if ops is None and getattr(chosen, "NAME", "") == "megakernel":
         from .megakernel_steps import MegakernelSteps
         speech.decoder.steps = MegakernelSteps(speech.net)
+    elif ops is None and getattr(chosen, "NAME", "") == "triton":
+        from .perop_steps import PerOpSteps
+        speech.decoder.steps = PerOpSteps(speech.net, chosen)
     speech.model_id = resolved.model_id or name_from_dims(speech.dims)
     return speech
 
