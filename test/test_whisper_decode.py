@@ -202,3 +202,27 @@ def test_encoder_dtype_choice(monkeypatch):
     assert tr.pick_encoder_dtype(torch.device("cuda"), None) == torch.float16
     with pytest.raises(ValueError, match="dtype"):
         tr.pick_encoder_dtype(cpu, "int8")
+
+
+_FIRST_CALL = r'''
+import sys
+import numpy as np
+from photon_core.models.whisper import load_whisper
+model = load_whisper("whisper-tiny.en")
+model.warmup()
+before = set(sys.modules)
+t = np.arange(22050, dtype=np.float32) / 22050
+model.transcribe(np.sin(2 * np.pi * 440 * t) * 0.1, 22050)
+print(sorted(set(sys.modules) - before))
+'''
+
+
+def test_warmup_leaves_nothing_to_load_for_the_first_command():
+    """The first spoken command (a WAV or microphone at 22.05 kHz, say) must not pay for loading
+    code the warm-up skipped: the resampler's import alone took ~2 s and tripled the demo's latency.
+    A fresh process, since this test process has loaded everything already."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -137,11 +137,11 @@ class WhisperSpeech:
             return self.net.encode(mel).float()
 
     def warmup(self) -> None:
-        """Run one short silent request: the first call in a process pays for BLAS/oneDNN setup
-        and large first allocations (2-3x its normal latency); do it at startup, not on the first
-        spoken command."""
-        self.transcribe(np.zeros(SAMPLE_RATE, np.float32), SAMPLE_RATE, language="en",
-                        temperature=0.0)
+        """Run one short silent request: the first call in a process pays for BLAS/oneDNN setup,
+        large first allocations and loading the resampler (scipy: ~2 s, for input that is not at
+        16 kHz; hence 48 kHz, a common microphone rate). Do it at startup, not on the first spoken
+        command."""
+        self.transcribe(np.zeros(48_000, np.float32), 48_000, language="en", temperature=0.0)
 
     @torch.inference_mode()
     def detect_language(self, features: torch.Tensor) -> str:
