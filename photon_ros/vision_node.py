@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
@@ -48,6 +49,12 @@ def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto")
 
     return shared_model(("moondream", name, device, dtype, backend),
                         lambda: photon_core.load(name, device=device, dtype=dtype, backend=backend))
+
+
+def warm_up(engine) -> None:
+    """One tiny request through the engine, so that kernel compilation (Triton, on a GPU), first
+    allocations and lazy imports happen at startup instead of on the first camera frame."""
+    engine.batcher.submit([Request("detect", np.zeros((32, 32, 3), np.uint8), "object", max_objects=1)])
 
 
 def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str | None,
@@ -143,8 +150,10 @@ class VisionNode(Node):
     def work(self) -> None:
         try:
             started = time.monotonic()
-            self.engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend)
-            self.get_logger().info(f"loaded {self.engine.model.model_id} in {time.monotonic() - started:.1f} s")
+            engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend)
+            warm_up(engine)
+            self.engine = engine
+            self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
         except Exception as err:  # noqa: BLE001 - the node stays up and reports why
             self.model_error = f"{type(err).__name__}: {err}"
             self.get_logger().error(f"cannot load vision model {self.model_name!r}: {self.model_error}")
