@@ -74,8 +74,9 @@ def test_batched_requests_equal_single_calls(object_bias):
     assert got[2]["caption"] and got[3]["answer"]
 
 
-def test_batch_rejects_bad_requests_before_decoding():
+def test_batch_rejects_bad_requests_before_encoding(monkeypatch):
     m = model()
+    monkeypatch.setattr(m, "encode_images", lambda images: pytest.fail("encoded before validating"))
     with pytest.raises(ValueError, match="non-empty"):
         m.batch([Request("detect", images(1)[0], "cup"), Request("point", images(1)[0], "  ")])
     with pytest.raises(ValueError, match="unknown task"):

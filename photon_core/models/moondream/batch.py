@@ -64,8 +64,12 @@ class _Row:
     done: bool = False
 
     @property
-    def steps(self) -> int:              # decode steps per object
-        return 3 if self.request.task == "detect" else 2
+    def steps(self) -> int:
+        return _steps_per_object(self.request.task)
+
+
+def _steps_per_object(task: str) -> int:
+    return 3 if task == "detect" else 2
 
 
 def _prompt(model: "MoondreamModel", r: Request) -> list[int]:
@@ -82,25 +86,25 @@ def _prompt(model: "MoondreamModel", r: Request) -> list[int]:
     raise ValueError(f"unknown task {r.task!r}; one of {', '.join(TASKS)}")
 
 
-def _new_row(model: "MoondreamModel", r: Request, enc: "EncodedImage") -> _Row:
-    prompt = _prompt(model, r)
+def _new_row(model: "MoondreamModel", r: Request, prompt: list[int], enc: "EncodedImage") -> _Row:
     skills.check_prompt(model, enc, prompt)
     limit = model.config.text.max_context
     if r.task in ("detect", "point"):
-        steps = 3 if r.task == "detect" else 2
-        return _Row(r, prompt, min(limit, enc.pos + len(prompt) + steps * r.max_objects), enc.pos, BOUNDARY)
+        need = _steps_per_object(r.task) * r.max_objects
+        return _Row(r, prompt, min(limit, enc.pos + len(prompt) + need), enc.pos, BOUNDARY)
     return _Row(r, prompt, min(limit, enc.pos + len(prompt) + r.max_tokens), enc.pos, TOKEN)
 
 
 def run(model: "MoondreamModel", requests: list[Request], stepper: Any = None) -> list[dict]:
     """Results of `requests`, each shaped as the matching single call returns it (text not
     streamed). A request that is invalid (empty object, unknown task...) raises ValueError before
-    any work is done. `stepper` runs the forward passes (default: OpsStepper, the model's own ops;
+    any image is encoded (one whose prompt does not fit the context, before any decoding). `stepper` runs the forward passes (default: OpsStepper, the model's own ops;
     moondream_fast passes its megakernel stepper)."""
     if not requests:
         return []
+    prompts = [_prompt(model, r) for r in requests]
     encoded = _encode_distinct(model, [r.image for r in requests])
-    rows = [_new_row(model, r, enc) for r, enc in zip(requests, encoded)]
+    rows = [_new_row(model, r, p, enc) for r, p, enc in zip(requests, prompts, encoded)]
     with torch.inference_mode():
         _decode(model, rows, encoded, stepper or OpsStepper(model))
     return [_result(model, row) for row in rows]
