@@ -254,11 +254,9 @@ def _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def decoder_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The task table of graph.py's decoder graphs (Whisper): runs task `op`; 0 for an unknown op.
-    Another model's graph passes its own table (same signature) as the megakernel's RUN_TASK."""
+def shared_tasks(op, row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The tasks every decoder graph has (linear, attention partial and merge); 0 for other ops."""
     ran = 1
     if op == 2:
         _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -266,12 +264,27 @@ def decoder_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: t
         _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
     elif op == 4:
         _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
-    elif op == 1:
-        _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
-    elif op == 5:
-        _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
     else:
         ran = 0
+    return ran
+
+
+@triton.jit
+def decoder_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The task table of graph.py's decoder graphs (Whisper): runs task `op`; 0 for an unknown op.
+    Another model's graph passes its own table (same signature) as the megakernel's RUN_TASK."""
+    ran = shared_tasks(op, row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+                       BLOCK_D, BLOCK_S)
+    if ran == 0:
+        ran = 1
+        if op == 1:
+            _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+        elif op == 5:
+            _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
+        else:
+            ran = 0
     return ran
 
 

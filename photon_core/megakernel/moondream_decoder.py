@@ -56,8 +56,7 @@ from photon_core.kernels.linear import ACT_GELU_TANH
 from photon_core.megakernel import graph as _graph
 from photon_core.megakernel.graph import (LEN_SELF, MODE_LOGITS, MODE_PLAIN, OP_ATTN_MERGE, OP_ATTN_PARTIAL,
                                           OP_LINEAR, Arena, Region, Task, TaskGraph)
-from photon_core.megakernel.kernel import (CG, Megakernel, _task_attn_merge, _task_attn_partial, _task_linear,
-                                           argmax_of_tiles)
+from photon_core.megakernel.kernel import CG, Megakernel, argmax_of_tiles, shared_tasks
 
 BATCH_BUCKETS = (1, 2, 4, 8)
 
@@ -156,19 +155,16 @@ def moondream_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M:
                     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """Moondream's task table for kernel._megakernel: the shared linear and attention tasks, plus
     rotary + KV append and the argmax with region bins. 0 for an unknown op."""
-    ran = 1
-    if op == 2:
-        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
-    elif op == 3:
-        _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
-    elif op == 4:
-        _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
-    elif op == 101:
-        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D)
-    elif op == 102:
-        _task_argmax_bins(row, s_ptr, out_ptr, BLOCK_R)
-    else:
-        ran = 0
+    ran = shared_tasks(op, row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+                       BLOCK_D, BLOCK_S)
+    if ran == 0:
+        ran = 1
+        if op == 101:
+            _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D)
+        elif op == 102:
+            _task_argmax_bins(row, s_ptr, out_ptr, BLOCK_R)
+        else:
+            ran = 0
     return ran
 
 
