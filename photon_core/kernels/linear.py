@@ -45,6 +45,20 @@ def apply_activation(y, ACT):
 
 
 @triton.jit
+def _epilogue(acc, rows, cols, rmask, cmask, b_ptr, r_ptr, y_ptr, N,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
+    """Both kernels' tile finish: + bias, activation, + residual, store the [rows, cols] tile."""
+    omask = rmask[:, None] & cmask[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACT)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    if HAS_RES:
+        acc += tl.load(r_ptr + offs, mask=omask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc, mask=omask)
+
+
+@triton.jit
 def _linear_gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K,
                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -63,14 +77,7 @@ def _linear_gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K,
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    omask = rmask[:, None] & cmask[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACT)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    if HAS_RES:
-        acc += tl.load(r_ptr + offs, mask=omask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc, mask=omask)
+    _epilogue(acc, rows, cols, rmask, cmask, b_ptr, r_ptr, y_ptr, N, HAS_BIAS, HAS_RES, ACT)
 
 
 @triton.jit
@@ -94,14 +101,7 @@ def _linear_tiled_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K,
         wt = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None],
                      mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         acc = tl.dot(x, wt, acc, input_precision="ieee")
-    omask = rmask[:, None] & cmask[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACT)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    if HAS_RES:
-        acc += tl.load(r_ptr + offs, mask=omask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc, mask=omask)
+    _epilogue(acc, rows, cols, rmask, cmask, b_ptr, r_ptr, y_ptr, N, HAS_BIAS, HAS_RES, ACT)
 
 
 SMALL_M_MAX = 16

@@ -9,9 +9,8 @@ from __future__ import annotations
 from photon_core.backends.triton import (add_layer_norm, argmax, attention, decode_attention, kv_append, layer_norm,
                                          linear, rms_norm, rotary, sample)
 from photon_core.megakernel.checker import GraphError, check
-from photon_core.megakernel.graph import Task, TaskGraph
-from photon_core.megakernel.whisper_decoder import (BATCH_BUCKETS, Tiling, WhisperDecoderMegakernel,
-                                                    WhisperDecoderWeights, bucket_for, build_graph)
+from photon_core.megakernel.graph import BATCH_BUCKETS, Task, TaskGraph, bucket_for
+from photon_core.megakernel.whisper_decoder import Tiling, WhisperDecoderMegakernel, WhisperDecoderWeights, build_graph
 
 NAME = "megakernel"
 

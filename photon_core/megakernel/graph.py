@@ -93,6 +93,41 @@ class Arena:
             raise ValueError(f"{self.name}: [{start}, {end}) is outside region {key!r} of {numel}")
         return Region(self.name, off + start, off + end)
 
+    def columns(self, key: str, batch: int, width: int, c0: int, c1: int) -> list[Region]:
+        """Columns [c0, c1) of every row of a row-major [batch, width] region."""
+        return [self.region(key, r * width + c0, r * width + c1) for r in range(batch)]
+
+
+# Batch sizes a decode graph is built for; a batch of other size runs in the next bucket up.
+BATCH_BUCKETS = (1, 2, 4, 8)
+
+
+def bucket_for(rows: int) -> int:
+    """The batch bucket (one graph each) that holds `rows` concurrent requests; pad the rest."""
+    for b in BATCH_BUCKETS:
+        if rows <= b:
+            return b
+    raise ValueError(f"{rows} rows exceed the largest batch bucket {BATCH_BUCKETS[-1]}; split the batch")
+
+
+class StateViews:
+    """Named tensor views into a model megakernel's state arena. The class sets `state` (the flat
+    fp32 buffer), `sarena` (its Arena) and `shapes` (region name -> shape)."""
+
+    state: torch.Tensor
+    sarena: Arena
+    shapes: dict[str, tuple[int, ...]]
+
+    def view(self, key: str) -> torch.Tensor:
+        """A state region as a tensor view (e.g. "logits", "x", a layer's KV cache)."""
+        off, n = self.sarena.regions[key]
+        return self.state[off:off + n].view(self.shapes[key])
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[B, vocab] LM logits of the last step (logit bias included, where the graph has one)."""
+        return self.view("logits")
+
 
 @dataclass
 class TaskGraph:

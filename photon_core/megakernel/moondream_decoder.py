@@ -55,10 +55,8 @@ from photon_core.backends import reference as ref
 from photon_core.kernels.linear import ACT_GELU_TANH
 from photon_core.megakernel import graph as _graph
 from photon_core.megakernel.graph import (LEN_SELF, MODE_LOGITS, MODE_PLAIN, OP_ATTN_MERGE, OP_ATTN_PARTIAL,
-                                          OP_LINEAR, Arena, Region, Task, TaskGraph)
+                                          OP_LINEAR, BATCH_BUCKETS, Arena, Region, StateViews, Task, TaskGraph)
 from photon_core.megakernel.kernel import CG, Megakernel, argmax_of_tiles, shared_tasks
-
-BATCH_BUCKETS = (1, 2, 4, 8)
 
 # New op codes, far from kernel.py's 1..5 so a later generic op cannot collide; registered in
 # graph.OP_NAMES so checker.check accepts them (the checker only needs the name).
@@ -71,14 +69,6 @@ for _code, _name in ((OP_ROPE_APPEND, "rope_append"), (OP_ARGMAX_BINS, "argmax_b
 # Columns of the int32 result buffer [B, OUT_COLS].
 OUT_TOKEN, OUT_COORD, OUT_WIDTH, OUT_HEIGHT = 0, 1, 2, 3
 OUT_COLS = 4
-
-
-def bucket_for(rows: int) -> int:
-    """The batch bucket (one graph each) that holds `rows` concurrent requests."""
-    for b in BATCH_BUCKETS:
-        if rows <= b:
-            return b
-    raise ValueError(f"{rows} rows exceed the largest batch bucket {BATCH_BUCKETS[-1]}; split the batch")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,11 +201,6 @@ def dims_of(cfg: Any) -> Dims:
                 r.coord_out_dim, r.size_out_dim, t.max_context)
 
 
-def _rows(arena: Arena, key: str, batch: int, width: int, c0: int, c1: int) -> list[Region]:
-    """Columns [c0, c1) of every row of a row-major [batch, width] region."""
-    return [arena.region(key, r * width + c0, r * width + c1) for r in range(batch)]
-
-
 def plan_arenas(dm: Dims, batch: int, max_len: int, tiling: Tiling,
                 tensors: dict[str, torch.Tensor] | None = None,
                 ) -> tuple[Arena, Arena, dict[str, tuple[int, ...]]]:
@@ -293,15 +278,15 @@ def build_graph(dm: Dims, batch: int, max_len: int, tiling: Tiling, warena: Aren
             args = dict(M=B, K=K, N=N, n0=n0, x=S.off(x), w=W.off(w), b=W.off(b) if b else -1,
                         lnw=W.off(ln + ".w") if ln else -1, lnb=W.off(ln + ".b") if ln else -1, act=act,
                         res=S.off(res) if res else -1, mode=mode, out=S.off(out))
-            reads = [S.region(x)] + (_rows(S, res, B, N, n0, n1) if res else [])
-            writes = _rows(S, out, B, N, n0, n1)
+            reads = [S.region(x)] + (S.columns(res, B, N, n0, n1) if res else [])
+            writes = S.columns(out, B, N, n0, n1)
             if mode == MODE_LOGITS:
                 assert part is not None
                 rb = S.off("logit_bias") if name == "lm_head" else -1
                 args.update(tile=i, part=S.off(part), ntiles=ntiles, rb=rb)
                 writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
                 if rb >= 0:
-                    reads += _rows(S, "logit_bias", B, N, n0, n1)
+                    reads += S.columns("logit_bias", B, N, n0, n1)
             g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait_list), sig, reads, writes))
         return sig
 
@@ -422,7 +407,7 @@ class StepResult:
     hidden: torch.Tensor         # [B, D] last hidden state before post_ln (a copy)
 
 
-class MoondreamDecoderMegakernel:
+class MoondreamDecoderMegakernel(StateViews):
     """Moondream 2's decode step as one persistent launch for a fixed batch bucket.
 
     Two graphs over the SAME arenas (one copy of the weights, one KV cache): the full step (LM head
@@ -490,15 +475,6 @@ class MoondreamDecoderMegakernel:
         n = sum(numel for k, (_, numel) in self.warena.regions.items() if k not in skip)
         return n * self.weights.element_size()
 
-    def view(self, key: str) -> torch.Tensor:
-        """A state region as a tensor view (e.g. "logits", "x", "kcache")."""
-        off, n = self.sarena.regions[key]
-        return self.state[off:off + n].view(self.shapes[key])
-
-    @property
-    def logits(self) -> torch.Tensor:
-        """[B, vocab] LM logits of the last step, logit bias included."""
-        return self.view("logits")
 
     def cache(self, row: int) -> ArenaKVCache:
         return ArenaKVCache(self.view("kcache")[:, row:row + 1], self.view("vcache")[:, row:row + 1])

@@ -29,18 +29,8 @@ import torch
 
 from photon_core.backends import reference as ref
 from photon_core.megakernel.graph import (LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV, OP_ARGMAX_REDUCE,
-                                          OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR, Arena, Region,
-                                          Task, TaskGraph)
-
-BATCH_BUCKETS = (1, 2, 4, 8)
-
-
-def bucket_for(rows: int) -> int:
-    """The batch bucket (one graph each) that holds `rows` concurrent requests; pad the rest."""
-    for b in BATCH_BUCKETS:
-        if rows <= b:
-            return b
-    raise ValueError(f"{rows} rows exceed the largest batch bucket {BATCH_BUCKETS[-1]}; split the batch")
+                                          OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR, BATCH_BUCKETS, Arena,
+                                          Region, StateViews, Task, TaskGraph)
 
 
 @dataclass
@@ -231,11 +221,6 @@ class Tiling:
     cross_splits: int = 8    # KV splits of cross-attention
 
 
-def _rows(arena: Arena, key: str, batch: int, width: int, c0: int, c1: int) -> list[Region]:
-    """Columns [c0, c1) of every row of a row-major [batch, width] region."""
-    return [arena.region(key, r * width + c0, r * width + c1) for r in range(batch)]
-
-
 def build_graph(wt: WhisperDecoderWeights, batch: int, max_len: int, enc_len: int, tiling: Tiling,
                 warena: Arena, sarena: Arena, advance: bool = False,
                 logit_bias: bool = False) -> TaskGraph:
@@ -278,8 +263,8 @@ def build_graph(wt: WhisperDecoderWeights, batch: int, max_len: int, enc_len: in
                         lnb=warena.off(ln + ".b") if ln else -1, act=act, res=S.off(res) if res else -1,
                         mode=mode, out=S.off(out))
             args.update(extra or {})
-            reads = [S.region(x)] + (_rows(S, res, B, N, n0, n1) if res else [])
-            writes = _rows(S, out, B, N, n0, n1) if mode != MODE_QKV else []
+            reads = [S.region(x)] + (S.columns(res, B, N, n0, n1) if res else [])
+            writes = S.columns(out, B, N, n0, n1) if mode != MODE_QKV else []
             if extra_writes:
                 writes += extra_writes(i, n0, n1)
             if extra_reads:
@@ -325,7 +310,7 @@ def build_graph(wt: WhisperDecoderWeights, batch: int, max_len: int, enc_len: in
         n1 = min(d, n0 + bn)
         g.add(Task(f"embed[{n0}:{n1}]", OP_EMBED,
                    dict(M=B, N=d, n0=n0, w=warena.off("tok_emb"), b=warena.off("pos_emb"), out=S.off("x")),
-                   [], sig, [dyn_tok, dyn_pos], _rows(S, "x", B, d, n0, n1)))
+                   [], sig, [dyn_tok, dyn_pos], S.columns("x", B, d, n0, n1)))
     prev = sig
     for li in range(len(wt.layers)):
         L = f"L{li}"
@@ -338,7 +323,7 @@ def build_graph(wt: WhisperDecoderWeights, batch: int, max_len: int, enc_len: in
                 if lo >= hi:
                     continue
                 if key == "q":
-                    regs += _rows(S, "q", B, d, lo - c0, hi - c0)
+                    regs += S.columns("q", B, d, lo - c0, hi - c0)
                 else:
                     regs += [cache_cols(key, r, lo - c0, hi - c0) for r in range(B)]
             return regs
@@ -366,7 +351,7 @@ def build_graph(wt: WhisperDecoderWeights, batch: int, max_len: int, enc_len: in
         return [S.region("argmax_part", (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
 
     def lm_reads(i: int, n0: int, n1: int) -> list[Region]:
-        return _rows(S, "logit_bias", B, v, n0, n1) if logit_bias else []
+        return S.columns("logit_bias", B, v, n0, n1) if logit_bias else []
 
     lm = linear_stage("lm_head", prev, d, v, "x", "tok_emb", None, ln="ln_f", mode=MODE_LOGITS, out="logits",
                       extra=dict(ntiles=ntiles, part=S.off("argmax_part"),
@@ -423,7 +408,7 @@ def plan_arenas(wt: WhisperDecoderWeights, batch: int, max_len: int, enc_len: in
     return wa, sa, tensors, shapes
 
 
-class WhisperDecoderMegakernel:
+class WhisperDecoderMegakernel(StateViews):
     """Whisper's decoder step as one persistent launch, for a fixed batch bucket.
 
     Usage: mk = WhisperDecoderMegakernel(weights, batch=1, max_len=448, enc_len=1500)
@@ -464,14 +449,6 @@ class WhisperDecoderMegakernel:
                                  max_splits=max(tiling.self_splits, tiling.cross_splits), max_tiles=ntiles)
         self.check = check
 
-    def view(self, key: str) -> torch.Tensor:
-        """A state region as a tensor view (e.g. "logits", "L0.kcache")."""
-        off, n = self.sarena.regions[key]
-        return self.state[off:off + n].view(self.shapes[key])
-
-    @property
-    def logits(self) -> torch.Tensor:
-        return self.view("logits")
 
     def set_encoder_output(self, enc: torch.Tensor, lengths: list[int] | None = None) -> None:
         """Cross-attention K/V for all layers from the encoder output [B, T, D], T <= enc_len."""

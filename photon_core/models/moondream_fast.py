@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from photon_core.megakernel.moondream_decoder import (BATCH_BUCKETS, MoondreamDecoderMegakernel, StepResult, Tiling,
-                                                      bucket_for)
+from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
+from photon_core.megakernel.moondream_decoder import MoondreamDecoderMegakernel, StepResult, Tiling
 from photon_core.models.moondream import batch as batch_decoding
 from photon_core.models.moondream import skills, text
 from photon_core.models.moondream.batch import Request
@@ -52,12 +52,8 @@ class FastMoondream:
         self.max_len = max_len or model.config.text.max_context
         self._decoders: dict[int, MoondreamDecoderMegakernel] = {}
         self._busy = threading.Lock()
-        vocab, tk = self.config.text.vocab_size, self.config.tokenizer
-        # The two masks every skill uses, as additive logit biases (0 allowed, -inf masked).
-        self._text_bias = torch.zeros(vocab, device=self.device)
-        self._text_bias[tk.answer_id] = float("-inf")
-        self._boundary_bias = torch.full((vocab,), float("-inf"), device=self.device)
-        self._boundary_bias[[tk.coord_id, tk.eos_id]] = 0.0
+        # The two masks every skill uses; the megakernel applies them as logit biases.
+        self._answer, self._boundary = skills.answer_mask(model), skills.boundary_mask(model)
 
     @property
     def model_id(self) -> str:
@@ -129,17 +125,17 @@ class FastMoondream:
         skills.check_prompt(self.model, enc, prompt)
         cfg = self.config
         length = min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens)
-        allowed = torch.isfinite(self._text_bias)
 
         def tokens() -> Iterator[int]:
             with self._exclusive(), torch.no_grad():
                 seq = _Request(self, enc, length, region_heads=False)
-                res = seq.prompt(prompt, self._text_bias)
+                res = seq.prompt(prompt, self._answer)
                 for n in range(1, max_tokens + 1):
                     if temperature == 0:
                         tok = res.tokens[0]  # the in-kernel masked argmax
                     else:
-                        tok = skills.sample_token(seq.logits()[0].clone(), allowed, temperature, top_p, self.model.ops)
+                        tok = skills.sample_token(seq.logits()[0].clone(), self._answer, temperature, top_p,
+                                                 self.model.ops)
                     if tok == cfg.tokenizer.eos_id:
                         return
                     yield tok
@@ -191,9 +187,9 @@ class MegakernelStepper:
         if longest > self.mk.max_len:
             raise ValueError(f"request of {longest} positions exceeds the megakernel's KV cache ({self.mk.max_len})")
         self.slots = list(range(len(rows)))
-        objects = [batch_decoding.is_object(r) for r in rows]
-        idle = [fm._text_bias] * (self.mk.batch - len(rows))
-        self.mk.set_bias(torch.stack([fm._boundary_bias if o else fm._text_bias for o in objects] + idle))
+        objects = [r.is_object for r in rows]
+        idle = [fm._answer] * (self.mk.batch - len(rows))
+        self.mk.set_bias(torch.stack([fm._boundary if o else fm._answer for o in objects] + idle))
         self.region_heads = any(objects)
         for slot, (row, enc) in enumerate(zip(rows, encoded)):
             _prefill_row(fm, self.mk.cache(slot), enc, row.prompt[:-1])

@@ -67,6 +67,10 @@ class _Row:
     def steps(self) -> int:
         return _steps_per_object(self.request.task)
 
+    @property
+    def is_object(self) -> bool:          # detect/point, not caption/query
+        return self.request.task in ("detect", "point")
+
 
 def _steps_per_object(task: str) -> int:
     return 3 if task == "detect" else 2
@@ -126,11 +130,12 @@ def _encode_distinct(model: "MoondreamModel", images: list) -> list["EncodedImag
 
 
 def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"], stepper: Any) -> None:
+    answer = skills.answer_mask(model)       # for sampled answers; built once, not per token
     heads = stepper.start(rows, encoded)
     for row in rows:
         row.pos += len(row.prompt)
     live = list(rows)
-    nxt = _advance(model, live, heads)
+    nxt = _advance(model, live, heads, answer)
     while True:
         keep = [i for i, row in enumerate(live) if not row.done]
         if not keep:
@@ -141,10 +146,10 @@ def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedIma
         heads = stepper.step(nxt, [row.pos for row in live])
         for row in live:
             row.pos += 1
-        nxt = _advance(model, live, heads)
+        nxt = _advance(model, live, heads, answer)
 
 
-def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any) -> torch.Tensor:
+def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor) -> torch.Tensor:
     """Each row reads what its phase needs from the step's heads and gets its next input
     embedding; rows that finish are marked done (their embedding row is a placeholder). Every head
     is asked once, for all the rows that need it. Returns the next inputs [rows, 1, dim]."""
@@ -164,7 +169,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any) -> torch.Ten
         elif row.phase == COORD_Y:
             coord_rows.append(i)
         elif row.phase == TOKEN:
-            tok = _answer_token(model, row.request, greedy[i], lambda i=i: heads.logits(i))
+            tok = _answer_token(model, row.request, greedy[i], lambda i=i: heads.logits(i), answer)
             if tok is not None:
                 row.tokens.append(tok)
             if tok is None or len(row.tokens) >= row.request.max_tokens or row.pos >= row.length:
@@ -202,32 +207,15 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any) -> torch.Ten
     return nxt
 
 
-def _answer_token(model: "MoondreamModel", r: Request, greedy: int, logits) -> int | None:
-    """The next answer token (the greedy one, or sampled from logits()), or None when the answer
-    ends (eos, or max_tokens == 0)."""
+def _answer_token(model: "MoondreamModel", r: Request, greedy: int, logits, allowed: torch.Tensor) -> int | None:
+    """The next answer token (the greedy one, or sampled from logits() over `allowed`), or None
+    when the answer ends (eos, or max_tokens == 0)."""
     if r.max_tokens == 0:
         return None
     tok = greedy
     if r.temperature > 0:
-        tok = skills.sample_token(logits(), text_mask(model), r.temperature, r.top_p, model.ops)
+        tok = skills.sample_token(logits(), allowed, r.temperature, r.top_p, model.ops)
     return None if tok == model.config.tokenizer.eos_id else tok
-
-
-def text_mask(model: "MoondreamModel") -> torch.Tensor:
-    """Tokens an answer may contain: all but the answer marker, which ends the prompt."""
-    allowed = torch.ones(model.config.text.vocab_size, dtype=torch.bool, device=model.device)
-    allowed[model.config.tokenizer.answer_id] = False
-    return allowed
-
-
-def boundary_mask(model: "MoondreamModel") -> torch.Tensor:
-    """At an object boundary: another object (coord) or the end (eos)."""
-    tk = model.config.tokenizer
-    return skills.allowed_mask(model.config.text.vocab_size, [tk.coord_id, tk.eos_id], model.device)
-
-
-def is_object(row: _Row) -> bool:
-    return row.request.task in ("detect", "point")
 
 
 class OpsStepper:
@@ -243,8 +231,8 @@ class OpsStepper:
     def start(self, rows: list[_Row], encoded: list["EncodedImage"]) -> "OpsHeads":
         m = self.model
         self.cache = text.KVCache(m.config.text, max(r.length for r in rows), m.dtype, m.device, batch=len(rows))
-        boundary, answer = boundary_mask(m), text_mask(m)
-        self.masks = torch.stack([boundary if is_object(r) else answer for r in rows])
+        boundary, answer = skills.boundary_mask(m), skills.answer_mask(m)
+        self.masks = torch.stack([boundary if r.is_object else answer for r in rows])
         hidden = []
         for b, (row, enc) in enumerate(zip(rows, encoded)):
             self.cache.k[:, b:b + 1, :, :enc.pos] = enc.k
@@ -274,8 +262,9 @@ class OpsHeads:
 
     def tokens(self, rows: list[int]) -> list[int]:
         m = self.model
-        self._logits = dict(zip(rows, text.lm_logits(self.hidden[rows], m.text_w, m.ops)))
-        return [int(m.ops.argmax(self._logits[i], self.masks[i])) for i in rows]
+        logits = text.lm_logits(self.hidden[rows], m.text_w, m.ops)
+        self._logits = dict(zip(rows, logits))
+        return m.ops.argmax(logits, self.masks[rows]).tolist()
 
     def logits(self, row: int) -> torch.Tensor:
         return self._logits[row]

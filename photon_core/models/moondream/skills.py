@@ -49,6 +49,19 @@ def check_prompt(model: "MoondreamModel", enc: "EncodedImage", ids: list[int]) -
                          f"({model.config.text.max_context} incl. {enc.pos} image tokens)")
 
 
+def answer_mask(model: "MoondreamModel") -> torch.Tensor:
+    """Tokens an answer may contain: all but the answer marker, which ends the prompt."""
+    allowed = torch.ones(model.config.text.vocab_size, dtype=torch.bool, device=model.device)
+    allowed[model.config.tokenizer.answer_id] = False
+    return allowed
+
+
+def boundary_mask(model: "MoondreamModel") -> torch.Tensor:
+    """At an object boundary: another object (coord) or the end (eos)."""
+    tk = model.config.tokenizer
+    return allowed_mask(model.config.text.vocab_size, [tk.coord_id, tk.eos_id], model.device)
+
+
 def allowed_mask(vocab: int, ids: list[int], device) -> torch.Tensor:
     mask = torch.zeros(vocab, dtype=torch.bool, device=device)
     mask[ids] = True
@@ -73,9 +86,7 @@ def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int
     check_prompt(model, enc, prompt)
     cfg = model.config
     seq = Sequence(model, enc, min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens))
-    # The answer marker ends the prompt; the model must never emit it itself.
-    allowed = torch.ones(cfg.text.vocab_size, dtype=torch.bool, device=model.device)
-    allowed[cfg.tokenizer.answer_id] = False
+    allowed = answer_mask(model)
 
     def tokens() -> Iterator[int]:
         logits = seq.step(seq.embed(prompt))
