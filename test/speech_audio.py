@@ -14,10 +14,11 @@ _DIR = Path(tempfile.mkdtemp(prefix="photon-speech-"))
 
 
 @functools.lru_cache(maxsize=None)
-def espeak_wav(text: str, voice: str = "en-us", speed: int = 160) -> Path:
-    """A 22050 Hz mono 16-bit WAV of `text`."""
+def espeak_wav(text: str, voice: str | None = "en-us", speed: int = 160) -> Path:
+    """A 22050 Hz mono 16-bit WAV of `text` (voice None: espeak-ng's default voice)."""
     path = _DIR / f"{abs(hash((text, voice, speed)))}.wav"
-    subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(path), text], check=True)
+    args = ["espeak-ng"] + (["-v", voice] if voice else []) + ["-s", str(speed), "-w", str(path), text]
+    subprocess.run(args, check=True, capture_output=True)
     return path
 
 

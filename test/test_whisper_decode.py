@@ -36,9 +36,8 @@ def reference(model):
 
 
 @pytest.fixture(scope="module")
-def speech(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("espeak")
-    return {key: espeak(folder, key, text, speed) for key, (text, speed) in SENTENCES.items()}
+def speech():
+    return {key: espeak(text, speed) for key, (text, speed) in SENTENCES.items()}
 
 
 def words(text: str) -> list[str]:

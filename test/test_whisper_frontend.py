@@ -13,9 +13,9 @@ whisper = pytest.importorskip("whisper")
 
 
 @pytest.fixture(scope="module")
-def speech(tmp_path_factory):
+def speech():
     text, speed = SENTENCES["medium"]
-    return espeak(tmp_path_factory.mktemp("speech"), "medium", text, speed)
+    return espeak(text, speed)
 
 
 @pytest.mark.parametrize("n_mels", [80, 128])

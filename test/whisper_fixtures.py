@@ -3,7 +3,6 @@ model, and writers for small synthetic checkpoints in each supported format."""
 from __future__ import annotations
 
 import struct
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +25,10 @@ SENTENCES = {
 }
 
 
-def espeak(folder: Path, name: str, text: str, speed: int = 150) -> tuple[np.ndarray, int]:
-    """int16 mono speech at espeak-ng's native 22050 Hz."""
-    path = folder / f"{name}.wav"
-    subprocess.run(["espeak-ng", "-s", str(speed), "-w", str(path), text], check=True,
-                   capture_output=True)
-    return read_wav(path)
+def espeak(text: str, speed: int = 150) -> tuple[np.ndarray, int]:
+    """int16 mono speech in espeak-ng's default voice, at its native 22050 Hz."""
+    from speech_audio import espeak_wav
+    return read_wav(espeak_wav(text, voice=None, speed=speed))
 
 
 def to_16k_float(pcm: np.ndarray, sr: int) -> np.ndarray:
