@@ -1,6 +1,7 @@
 """The observe -> infer -> act loop: a spoken command becomes a target and a turn toward it.
 
-    transcript (photon_ros/Transcript), e.g. "point at the red cup"
+    transcript (photon_ros/Transcript), e.g. "point at the red cup"; only final transcripts of
+               complete audio are acted on (half a command must not move the robot)
       -> commands.parse_command -> VisionRequest("point", "red cup")
       -> infer service of the vision node, on its latest frame
       -> target (geometry_msgs/PointStamped, image-normalized or pixel coordinates, the frame's header)
@@ -33,6 +34,14 @@ def target_from_response(request: VisionRequest, response: Infer.Response) -> tu
     return None
 
 
+def incomplete_reason(msg: Transcript) -> str:
+    """Why a final transcript must not be acted on ("" when it may): audio that was cut may hold
+    half a command ("go to the kitchen" of "go to the kitchen and wait there")."""
+    if msg.audio_complete:
+        return ""
+    return f"not acting on {msg.text!r}: part of the command was lost ({msg.audio_note or 'no reason given'})"
+
+
 class LoopNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("loop", **kwargs)
@@ -52,6 +61,12 @@ class LoopNode(Node):
         self.pub_status.publish(String(data=text))
 
     def on_transcript(self, msg: Transcript) -> None:
+        if not msg.is_final:
+            return   # a partial transcript is for display; the final one replaces it
+        refusal = incomplete_reason(msg)
+        if refusal:
+            self.say(refusal)
+            return
         request = parse_command(msg.text)
         if request is None:
             self.say(f"no vision command in {msg.text!r}")

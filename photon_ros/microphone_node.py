@@ -28,6 +28,29 @@ def open_sounddevice():
     return sounddevice
 
 
+class SampleClock:
+    """Capture stamps counted in samples, so consecutive blocks join exactly (the speech node reads
+    a jump as lost audio), slewed toward the wall clock by at most `slew` of each block so the
+    sound card's drift never builds up; a driver overflow (samples lost) re-anchors at once."""
+
+    def __init__(self, rate: int, slew: float = 0.01) -> None:
+        self.rate = rate
+        self.slew = slew
+        self.next: float | None = None   # stamp of the next block's first sample
+
+    def stamp(self, frames: int, now: float, overflow: bool = False) -> float:
+        """Stamp of a block of `frames` samples whose last sample was captured about `now`."""
+        duration = frames / self.rate
+        wall = now - duration
+        if self.next is None or overflow:
+            start = wall
+        else:
+            limit = self.slew * duration
+            start = self.next + min(max(wall - self.next, -limit), limit)
+        self.next = start + duration
+        return start
+
+
 class MicrophoneNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("microphone", **kwargs)
@@ -41,6 +64,7 @@ class MicrophoneNode(Node):
         if device is not None and str(device).isdigit():
             device = int(device)
         self.blocks: queue.Queue = queue.Queue(maxsize=100)
+        self.clock = SampleClock(self.rate)
         self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
             depth=100, reliability=ReliabilityPolicy.RELIABLE))
         # PortAudio calls back on its own thread; hand blocks over, publish from the executor.
@@ -51,11 +75,12 @@ class MicrophoneNode(Node):
         self.get_logger().info(f"capturing {self.stream.device} at {self.rate} Hz")
 
     def on_block(self, data: np.ndarray, frames: int, time_info, status) -> None:
-        captured = time.time() - frames / self.rate
+        captured = self.clock.stamp(frames, time.time(), overflow=bool(status and status.input_overflow))
         try:
             self.blocks.put_nowait((data.copy(), captured))
         except queue.Full:
-            pass  # the executor is stalled; losing audio beats blocking the audio thread
+            pass  # the executor is stalled; losing audio beats blocking the audio thread (the
+            #       stamps of the next blocks still count these samples: the gap shows downstream)
 
     def publish_pending(self) -> None:
         while not self.blocks.empty():

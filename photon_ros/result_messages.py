@@ -28,7 +28,8 @@ def seconds_to_duration(seconds: float) -> Duration:
 
 
 def transcript_message(result: dict, header: Header, *, audio_duration: float, processing_time: float,
-                       latency: float, prompt: str, model_id: str, is_final: bool = True) -> Transcript:
+                       latency: float, prompt: str, model_id: str, is_final: bool = True,
+                       audio_complete: bool = True, audio_note: str = "") -> Transcript:
     """A Transcript from `transcribe()`'s result; segment times stay relative to the utterance."""
     return Transcript(
         header=header,
@@ -37,6 +38,8 @@ def transcript_message(result: dict, header: Header, *, audio_duration: float, p
                   for s in result.get("segments", [])],
         language=result.get("language") or "",
         is_final=is_final,
+        audio_complete=audio_complete,
+        audio_note=audio_note,
         audio_duration=seconds_to_duration(audio_duration),
         processing_time=seconds_to_duration(processing_time),
         latency=seconds_to_duration(latency),

@@ -2,7 +2,9 @@
 
     audio (photon_ros/AudioChunk by default; std_msgs/Int16MultiArray or Float32MultiArray with
            input_type "int16" / "float32", their sample rate and channels given as parameters)
-      -> energy VAD cuts utterances (subscription callback, cheap)
+      -> energy VAD cuts utterances (subscription callback, cheap), by samples, never by the clock;
+         lost audio (a jump in the chunks' stamps) or a stream that stops mid-speech ends the
+         utterance as incomplete, and its transcript says so (audio_complete, audio_note)
       -> bounded queue (oldest audio dropped, with a warning, when speech outruns the model)
       -> worker thread: Whisper transcribe
       -> transcript (photon_ros/Transcript), header stamped at the utterance's first sample.
@@ -22,6 +24,7 @@ from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array
 from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter, Utterance
+from photon_ros.stream_watch import StreamWatch
 from photon_ros.utterance_queue import UtteranceQueue
 
 INPUT_TYPES = {"audio_chunk": AudioChunk, "int16": Int16MultiArray, "float32": Float32MultiArray}
@@ -55,14 +58,15 @@ class SpeechNode(Node):
             min_level_db=p("vad.min_level_db", defaults.min_level_db).value,
             hangover_s=p("vad.hangover_s", defaults.hangover_s).value,
             min_speech_s=p("vad.min_speech_s", defaults.min_speech_s).value,
-            max_utterance_s=p("vad.max_utterance_s", defaults.max_utterance_s).value)
+            max_utterance_s=p("vad.max_utterance_s", defaults.max_utterance_s).value,
+            max_gap_s=p("vad.max_gap_s", defaults.max_gap_s).value)
         if self.input_type not in INPUT_TYPES:
             raise ValueError(f"input_type must be one of {sorted(INPUT_TYPES)}, got {self.input_type!r}")
 
         self.queue = UtteranceQueue(p("max_pending_s", 60.0).value)
         self.segmenter: SpeechSegmenter | None = None
         self.last_frame_id = self.frame_id
-        self.last_audio_wall = 0.0
+        self.watch = StreamWatch(self.idle_flush_s)
         self.model = None
         self.model_error: str | None = None
         self.skipped_chunks = 0
@@ -81,7 +85,7 @@ class SpeechNode(Node):
     # --- input: callback and timer (cheap) ---------------------------------------------------
     def on_audio(self, msg) -> None:
         try:
-            pcm, start, frame_id = self.decode(msg)
+            pcm, start, stamped, frame_id = self.decode(msg)
         except ValueError as err:
             self.skipped_chunks += 1
             self.get_logger().warning(f"skipping audio chunk: {err}", throttle_duration_sec=5.0)
@@ -90,12 +94,18 @@ class SpeechNode(Node):
             if self.segmenter is None or self.segmenter.sample_rate != pcm.sample_rate:
                 self.restart_segmenter(pcm.sample_rate)
             self.last_frame_id = frame_id
-            self.last_audio_wall = time.monotonic()
-            for utterance in self.segmenter.push(pcm.samples, start):
+            self.watch.chunk(time.monotonic())
+            for utterance in self.segmenter.push(pcm.samples, start, stamped):
                 self.enqueue(utterance)
+            if self.segmenter.discontinuities > self.gaps_seen:
+                self.gaps_seen = self.segmenter.discontinuities
+                self.get_logger().warning(
+                    f"audio stream jumped at {start:.3f} s: {self.segmenter.lost_s:.2f} s lost in "
+                    f"{self.gaps_seen} jump(s) so far; utterances across a jump are marked incomplete")
 
-    def decode(self, msg) -> tuple[Pcm, float, str]:
-        """PCM, capture time of its first sample, and frame id."""
+    def decode(self, msg) -> tuple[Pcm, float, bool, str]:
+        """PCM, capture time of its first sample, whether that time is a real capture stamp
+        (only those can show lost audio), and frame id."""
         if isinstance(msg, AudioChunk):
             pcm = audio_chunk_to_pcm(msg)
             start = time_to_seconds(msg.header.stamp)
@@ -103,28 +113,29 @@ class SpeechNode(Node):
         else:
             convert = int16_array_to_pcm if isinstance(msg, Int16MultiArray) else float32_array_to_pcm
             pcm = convert(msg, self.array_rate, self.array_channels)
-            # No header on these: the chunk ended about now.
-            start = self.now_seconds() - pcm.samples.size / pcm.sample_rate
+            start = 0.0   # no header on these
             frame_id = self.frame_id
         if not MIN_RATE <= pcm.sample_rate <= MAX_RATE:
             raise ValueError(f"sample rate {pcm.sample_rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
-        if start <= 0.0:   # unstamped chunk: use arrival time
+        stamped = start > 0.0
+        if not stamped:   # the chunk ended about now
             start = self.now_seconds() - pcm.samples.size / pcm.sample_rate
-        return pcm, start, frame_id
+        return pcm, start, stamped, frame_id
 
     def restart_segmenter(self, sample_rate: int) -> None:
         if self.segmenter is not None:
             self.get_logger().info(f"sample rate changed {self.segmenter.sample_rate} -> {sample_rate} Hz")
-            tail = self.segmenter.flush()
+            tail = self.segmenter.flush("the sample rate changed mid-utterance")
             if tail is not None:
                 self.enqueue(tail)
         self.segmenter = SpeechSegmenter(sample_rate, self.vad_config)
+        self.gaps_seen = 0
 
     def flush_if_idle(self) -> None:
         with self.lock:
-            if (self.segmenter is not None and self.segmenter.in_speech
-                    and time.monotonic() - self.last_audio_wall > self.idle_flush_s):
-                utterance = self.segmenter.flush()
+            if self.watch.stopped(time.monotonic()) and self.segmenter is not None:
+                utterance = self.segmenter.flush(
+                    f"the audio stream stopped mid-utterance (no audio for {self.idle_flush_s:g} s)")
                 if utterance is not None:
                     self.enqueue(utterance)
 
@@ -192,9 +203,14 @@ class SpeechNode(Node):
         msg = transcript_message(result, header, audio_duration=utterance.duration,
                                  processing_time=processing,
                                  latency=time.monotonic() - utterance.seen_at,
-                                 prompt=self.initial_prompt, model_id=self.model.model_id)
+                                 prompt=self.initial_prompt, model_id=self.model.model_id,
+                                 audio_complete=utterance.complete, audio_note=utterance.note)
         self.publisher.publish(msg)
-        self.get_logger().info(f"[{utterance.duration:.1f} s audio, {processing:.2f} s] {msg.text}")
+        line = f"[{utterance.duration:.1f} s audio, {processing:.2f} s] {msg.text}"
+        if utterance.complete:
+            self.get_logger().info(line)
+        else:
+            self.get_logger().warning(f"{line} (INCOMPLETE: {utterance.note})")
 
     def destroy_node(self) -> None:
         # The worker publishes: stop it before the publisher goes away.

@@ -7,7 +7,14 @@ level stands `threshold_db` above a slowly tracked noise floor (and above an abs
 
 An utterance starts after `min_speech_s` of speech (with `preroll_s` of audio before it, so the
 first syllable is not clipped) and ends after `hangover_s` of non-speech, at `max_utterance_s`, or
-when the stream goes idle (flush). Memory is bounded by `max_utterance_s` plus the preroll.
+when the stream stops (flush). Memory is bounded by `max_utterance_s` plus the preroll.
+
+Every decision is counted in samples, never read from a clock, so the same audio is cut the same
+way however it is chunked and however late it arrives. Lost audio is the one thing samples cannot
+show: the chunks' capture stamps can. A chunk that does not start where the previous one ended
+(more than `max_gap_s` later, or earlier) ends the utterance in progress as incomplete, and an
+utterance that begins in speech right after such a jump is incomplete too: a planner must not act
+on half a command as if it were the whole one.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ class SegmenterConfig:
     max_utterance_s: float = 28.0    # Whisper sees 30 s windows; cut before one overflows
     min_utterance_s: float = 0.3
     noise_adapt_s: float = 2.0       # time constant of the noise-floor tracker
+    max_gap_s: float = 0.1           # stamps may jitter this much between chunks; more is lost audio
 
 
 @dataclass
@@ -37,6 +45,8 @@ class Utterance:
     start_time: float                # capture time of the first sample (seconds, the stream's clock)
     frame_id: str = ""               # of the audio source, set by the node
     seen_at: float = 0.0             # monotonic time the end was detected (latency starts here)
+    complete: bool = True            # False when audio inside it was lost or the stream stopped
+    note: str = ""                   # why it is incomplete
 
     @property
     def duration(self) -> float:
@@ -62,15 +72,24 @@ class SpeechSegmenter:
         self._voiced_run = 0
         self._silent_run = 0
         self._noise_db: float | None = None
+        self._after_gap = ""                        # set by lost audio until a non-speech frame
+        self._start_note = ""                       # why the current utterance began incomplete
         self.last_time = None                       # capture time after the last pushed sample
+        self.discontinuities = 0                    # jumps in the stamps seen so far
+        self.lost_s = 0.0                           # seconds of audio missing at those jumps
 
-    def push(self, samples: np.ndarray, start_time: float) -> list[Utterance]:
-        """Add a chunk whose first sample was captured at `start_time` (seconds)."""
+    def push(self, samples: np.ndarray, start_time: float, stamped: bool = True) -> list[Utterance]:
+        """Add a chunk whose first sample was captured at `start_time` (seconds). `stamped=False`
+        says the time is only an arrival estimate: the chunk is taken as continuing the stream."""
+        done = []
+        if stamped and self.last_time is not None:
+            jump = start_time - self.last_time
+            if abs(jump) > self.config.max_gap_s:
+                done += self._discontinuity(jump)
         if self._pending.size == 0:
             self._pending_start = start_time
         self._pending = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
         self.last_time = start_time + samples.size / self.sample_rate
-        done = []
         n_frames = self._pending.size // self.frame
         for i in range(n_frames):
             frame = self._pending[i * self.frame:(i + 1) * self.frame]
@@ -83,9 +102,9 @@ class SpeechSegmenter:
         self._pending_start += used / self.sample_rate
         return done
 
-    def flush(self) -> Utterance | None:
-        """End the current utterance now (the stream went quiet or stopped)."""
-        return self._finish() if self._in_speech else None
+    def flush(self, note: str = "the audio stream stopped mid-utterance") -> Utterance | None:
+        """End the current utterance now (the stream stopped); it is marked incomplete with `note`."""
+        return self._finish(note) if self._in_speech else None
 
     @property
     def in_speech(self) -> bool:
@@ -109,8 +128,11 @@ class SpeechSegmenter:
         if not self._in_speech:
             self._preroll.append(frame)
             self._voiced_run = self._voiced_run + 1 if voiced else 0
+            if not voiced:
+                self._after_gap = ""   # speech after this frame began after the gap, whole
             if self._voiced_run * self._frame_s >= cfg.min_speech_s:
                 self._in_speech = True
+                self._start_note, self._after_gap = self._after_gap, ""
                 self._speech = list(self._preroll)
                 self._speech_start = t + self._frame_s - len(self._speech) * self._frame_s
                 self._preroll.clear()
@@ -120,16 +142,38 @@ class SpeechSegmenter:
         self._speech.append(frame)
         self._silent_run = 0 if voiced else self._silent_run + 1
         duration = len(self._speech) * self._frame_s
-        if self._silent_run * self._frame_s >= cfg.hangover_s or duration >= cfg.max_utterance_s:
+        if self._silent_run * self._frame_s >= cfg.hangover_s:
             return self._finish()
+        if duration >= cfg.max_utterance_s:
+            # Speech goes on: the next utterance is its continuation, incomplete as well.
+            limit = f"{cfg.max_utterance_s:g} s utterance limit"
+            cut = self._finish(f"cut at the {limit}")
+            self._after_gap = f"continues speech cut at the {limit}"
+            return cut
         return None
 
-    def _finish(self) -> Utterance | None:
+    def _discontinuity(self, jump: float) -> list[Utterance]:
+        """The stream jumped by `jump` seconds: audio before the jump does not join audio after it."""
+        self.discontinuities += 1
+        self.lost_s += max(jump, 0.0)
+        what = (f"{jump:.2f} s of audio lost" if jump > 0
+                else f"audio out of order (a chunk starts {-jump:.2f} s before the previous one ended)")
+        cut = self._finish(f"{what} after it") if self._in_speech else None
+        self._pending = np.zeros(0, np.float32)
+        self._preroll.clear()
+        self._voiced_run = 0
+        self._after_gap = f"{what} before it"
+        return [cut] if cut is not None else []
+
+    def _finish(self, note: str = "") -> Utterance | None:
         cfg = self.config
         frames, self._speech = self._speech, []
         self._in_speech = False
         self._voiced_run = self._silent_run = 0
+        notes = [n for n in (self._start_note, note) if n]
+        self._start_note = ""
         samples = np.concatenate(frames) if frames else np.zeros(0, np.float32)
         if samples.size < cfg.min_utterance_s * self.sample_rate:
             return None
-        return Utterance(samples, self.sample_rate, self._speech_start)
+        return Utterance(samples, self.sample_rate, self._speech_start, complete=not notes,
+                         note="; ".join(notes))

@@ -1,8 +1,10 @@
 """Plays a WAV file onto the audio topic in real-time-sized chunks, as a microphone driver would.
 
 For demos, tests and users without a microphone. Chunks are photon_ros/AudioChunk at the file's
-own rate and channel count (the speech node resamples), stamped with the capture time their first
-sample would have had. Silence before and after lets a VAD see the speech start and end.
+own rate and channel count (the speech node resamples), stamped on the audio's own clock: start
+time + samples sent / rate, whatever the playback speed, so consecutive chunks join exactly and a
+receiver can tell lost audio from late audio. A loop continues that clock (one seamless stream).
+Silence before and after lets a VAD see the speech start and end.
 """
 from __future__ import annotations
 
@@ -63,9 +65,9 @@ class WavPublisher(Node):
                 self.timer.cancel()
                 self.get_logger().info("finished playing")
                 return
-            self.index, self.sent_samples, self.t0 = 0, 0, time.time()
-        offset = self.sent_samples / self.rate / self.speed
-        header = Header(stamp=seconds_to_time(self.t0 + offset), frame_id=self.frame_id)
+            self.index = 0
+        header = Header(stamp=seconds_to_time(self.t0 + self.sent_samples / self.rate),
+                        frame_id=self.frame_id)
         chunk = self.chunks[self.index]
         self.publisher.publish(pcm_to_audio_chunk(chunk, self.rate, self.sample_format, header=header))
         self.index += 1

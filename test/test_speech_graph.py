@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from std_msgs.msg import Int16MultiArray
+from std_msgs.msg import Header, Int16MultiArray
 
 from photon_ros.audio_conversions import pcm_to_audio_chunk, pcm_to_int16_array
 from photon_ros.msg import AudioChunk, Transcript
-from photon_ros.result_messages import time_to_seconds
+from photon_ros.result_messages import seconds_to_time, time_to_seconds
 from photon_ros.speech_node import SpeechNode
 from photon_ros.wav_publisher import WavPublisher
 from ros_harness import RosGraph, wait_for, wait_for_match
@@ -57,6 +57,7 @@ def test_wav_publisher_to_transcript(graph):
     msg = received[0]
     assert words(msg.text) == words(sentence)
     assert msg.is_final and msg.model_id == "whisper-tiny.en" and msg.language == "en"
+    assert msg.audio_complete and msg.audio_note == ""
     assert msg.header.frame_id == "kitchen_mic"
     # Stamped at the utterance's first sample: after playback started, before it ended.
     assert started - 0.5 <= time_to_seconds(msg.header.stamp) <= time.time()
@@ -66,6 +67,69 @@ def test_wav_publisher_to_transcript(graph):
     assert msg.processing_time.sec + msg.processing_time.nanosec > 0
     assert player.done or wait_for(lambda: player.done, timeout=10)
     assert node.skipped_chunks == 0
+
+
+def test_one_wav_replayed_20_times_gives_the_same_utterance_every_time(graph):
+    sentence = "Go to the kitchen and bring me a glass of water."
+    received = listen(graph)
+    node = speech_node(graph)
+    wav = str(espeak_wav(sentence))
+    for k in range(20):   # one player after another, as fast as they finish: transcripts queue up
+        player = graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+            Parameter("file", value=wav), Parameter("speed", value=4.0)]))
+        assert wait_for(lambda: player.done, timeout=30)
+    assert wait_for(lambda: len(received) >= 20, timeout=120), [m.text for m in received]
+    time.sleep(0.5)
+    assert len(received) == 20
+    assert all(words(m.text) == words(sentence) for m in received), [m.text for m in received]
+    assert all(m.audio_complete for m in received)
+    durations = {(m.audio_duration.sec, m.audio_duration.nanosec) for m in received}
+    assert len(durations) == 1, durations
+    texts = {m.text for m in received}
+    assert len(texts) == 1, texts
+
+
+def test_a_stalled_executor_does_not_cut_the_command(graph):
+    """The speech node's callbacks stall for 1.5 s mid-sentence (as a busy machine can make them):
+    the chunks queue up, and the utterance is still the whole sentence."""
+    sentence = "Go to the kitchen and bring me a glass of water."
+    received = listen(graph)
+    node = speech_node(graph)
+    stalled = []
+
+    def stall_once():
+        if not stalled:
+            stalled.append(time.monotonic())
+            time.sleep(1.5)   # in the node's own callback group: its audio and timers wait
+    stall = node.create_timer(1.4, stall_once)
+    graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(espeak_wav(sentence)))]))
+    assert wait_for(lambda: received, timeout=60), "no transcript arrived"
+    stall.cancel()
+    assert stalled
+    assert [words(m.text) for m in received] == [words(sentence)]
+    assert received[0].audio_complete
+
+
+def test_lost_audio_is_marked_on_the_transcript(graph):
+    """Chunks that never arrive (a gap in the capture stamps) end the utterance as incomplete."""
+    received = listen(graph)
+    node = speech_node(graph)
+    pub = graph.node("mic").create_publisher(AudioChunk, "audio", QOS)
+    wait_for_match(pub)
+    speech, rate = espeak_pcm("Go to the kitchen and bring me a glass of water.")
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    chunk, t0 = rate // 10, time.time()
+    lost = range(audio.size // 2 // chunk, audio.size // 2 // chunk + 5)   # 0.5 s mid-sentence
+    for k, i in enumerate(range(0, audio.size, chunk)):
+        if k not in lost:
+            header = Header(stamp=seconds_to_time(t0 + i / rate), frame_id="mic")
+            pub.publish(pcm_to_audio_chunk(audio[i:i + chunk], rate, "S16LE", header=header))
+    assert wait_for(lambda: len(received) >= 1, timeout=60)
+    assert wait_for(lambda: node.queue.seconds == 0 and len(node.queue) == 0, timeout=30)
+    time.sleep(0.5)
+    assert received and all(not m.audio_complete for m in received), [(m.text, m.audio_note) for m in received]
+    assert "0.50 s of audio lost" in received[0].audio_note
 
 
 def test_bad_chunks_are_skipped_and_speech_still_arrives(graph):

@@ -66,3 +66,116 @@ def test_long_speech_is_cut_at_the_limit():
     utterances = run(SpeechSegmenter(rate, config), speech, 4410)
     assert len(utterances) >= 2
     assert all(u.duration <= 3.0 + 0.05 for u in utterances)
+
+
+# --- the same audio is cut the same way; lost audio is never silent ---------------------------------
+
+def sentence_with_silence(text="Go to the kitchen and bring me a glass of water."):
+    speech, rate = espeak_pcm(text)
+    return np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)]), rate
+
+
+def cuts(utterances):
+    return [(u.samples.size, round(u.start_time, 6), u.complete, u.note) for u in utterances]
+
+
+def test_same_audio_same_utterances_whatever_the_chunking():
+    audio, rate = sentence_with_silence()
+    rng = np.random.default_rng()
+    expected = None
+    for _ in range(20):
+        segmenter, out, i = SpeechSegmenter(rate), [], 0
+        while i < audio.size:
+            n = int(rng.integers(1, rate // 4))
+            out += segmenter.push(audio[i:i + n], 100.0 + i / rate)
+            i += n
+        assert segmenter.flush() is None     # the trailing silence ended it
+        expected = expected or cuts(out)
+        assert cuts(out) == expected
+    assert len(expected) == 1 and expected[0][2] is True and expected[0][3] == ""
+
+
+def push_all(segmenter, audio, rate, chunk, stamp):
+    """Chunks of `audio` stamped by stamp(index, start_sample)."""
+    out = []
+    for k, i in enumerate(range(0, audio.size, chunk)):
+        out += segmenter.push(audio[i:i + chunk], stamp(k, i))
+    return out
+
+
+def test_lost_audio_mid_speech_ends_the_utterance_incomplete_on_both_sides():
+    audio, rate = sentence_with_silence()
+    chunk = rate // 10
+    middle = (audio.size // 2) // chunk * chunk
+    lost = slice(middle, middle + 4 * chunk)          # 0.4 s of speech never arrives
+    kept = np.concatenate([audio[:lost.start], audio[lost.stop:]])
+    segmenter = SpeechSegmenter(rate)
+
+    def stamp(k, i):   # true capture times: the chunks after the loss start 0.4 s later
+        return 100.0 + (i if i < lost.start else i + 4 * chunk) / rate
+
+    out = push_all(segmenter, kept, rate, chunk, stamp)
+    assert len(out) == 2
+    assert not out[0].complete and "0.40 s of audio lost after it" in out[0].note
+    assert not out[1].complete and "0.40 s of audio lost before it" in out[1].note
+    assert segmenter.discontinuities == 1 and abs(segmenter.lost_s - 0.4) < 1e-6
+
+
+def test_stamp_jitter_within_tolerance_is_not_a_gap():
+    audio, rate = sentence_with_silence()
+    rng = np.random.default_rng()
+    jitter = rng.uniform(-0.03, 0.03, size=audio.size // 1600 + 1)
+    segmenter = SpeechSegmenter(rate)
+    out = push_all(segmenter, audio, rate, 2205, lambda k, i: 100.0 + i / rate + jitter[k])
+    assert cuts(out)[0][2:] == (True, "") and len(out) == 1 and segmenter.discontinuities == 0
+
+
+def test_a_gap_in_silence_leaves_the_next_utterance_whole():
+    audio, rate = sentence_with_silence()
+    segmenter = SpeechSegmenter(rate)
+    out = push_all(segmenter, audio, rate, 2205, lambda k, i: 100.0 + i / rate + (0.0 if k < 2 else 5.0))
+    assert segmenter.discontinuities == 1
+    assert len(out) == 1 and out[0].complete
+
+
+def test_chunks_out_of_order_end_the_utterance_incomplete():
+    audio, rate = sentence_with_silence()
+    chunk = 3307   # 0.15 s
+    middle = audio.size // 2 // chunk
+    order = list(range(0, audio.size, chunk))
+    order[middle], order[middle + 1] = order[middle + 1], order[middle]
+    segmenter = SpeechSegmenter(rate)
+    out = []
+    for i in order:
+        out += segmenter.push(audio[i:i + chunk], 100.0 + i / rate)
+    # Seen from the receiver: a gap, a chunk from the past, a gap. Nothing around it is whole.
+    assert segmenter.discontinuities == 3
+    assert out and all(not u.complete for u in out)
+
+
+def test_unstamped_chunks_are_taken_as_one_stream():
+    audio, rate = sentence_with_silence()
+    segmenter = SpeechSegmenter(rate)
+    out = []
+    for k, i in enumerate(range(0, audio.size, 2205)):   # arrival-time guesses, wildly uneven
+        out += segmenter.push(audio[i:i + 2205], 100.0 + 0.5 * k * k, stamped=False)
+    assert len(out) == 1 and out[0].complete
+
+
+def test_a_stream_that_stops_mid_speech_gives_an_incomplete_utterance():
+    speech, rate = espeak_pcm("Bring me the red cup from the kitchen.")
+    segmenter = SpeechSegmenter(rate)
+    assert segmenter.push(np.concatenate([np.zeros(rate // 2, np.float32), speech[:speech.size // 2]]),
+                          100.0) == []
+    tail = segmenter.flush("stopped")
+    assert tail is not None and not tail.complete and tail.note == "stopped"
+    assert segmenter.flush() is None
+
+
+def test_speech_cut_at_the_limit_is_incomplete_on_both_sides():
+    speech, rate = espeak_pcm("one two three four five six seven eight nine ten " * 2)
+    config = SegmenterConfig(max_utterance_s=3.0, hangover_s=2.0)
+    out = run(SpeechSegmenter(rate, config), speech, 4410)
+    assert len(out) >= 2
+    assert "cut at the 3 s utterance limit" in out[0].note and not out[0].complete
+    assert "continues speech cut" in out[1].note

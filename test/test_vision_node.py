@@ -165,13 +165,18 @@ def test_transcript_to_target(graph):
     wait_for_match(camera), wait_for_match(speaker)
     camera.publish(rgb_to_image(image(4), header=header(42, "head_camera")))
     assert wait_for(lambda: vision.frames.latest is not None, timeout=10)
-    speaker.publish(Transcript(text="Point at the red cup.", is_final=True))
+    # A command whose audio was cut is not acted on: no request, no target, and it says why.
+    speaker.publish(Transcript(text="Point at the red", is_final=True, audio_complete=False,
+                               audio_note="0.40 s of audio lost after it"))
+    assert wait_for(lambda: any("part of the command was lost" in s.data for s in status), timeout=10)
+    speaker.publish(Transcript(text="Point at the red cup.", is_final=True, audio_complete=True))
     assert wait_for(lambda: targets, timeout=60), [s.data for s in status]
+    assert len(targets) == 1
     assert targets[0].header == header(42, "head_camera")
     assert 0 <= targets[0].point.x <= 128 and 0 <= targets[0].point.y <= 96
     # cmd_vel and status are other topics: they may arrive a moment after the target
     assert wait_for(lambda: turns and any("red cup" in s.data for s in status), timeout=10), [s.data for s in status]
-    speaker.publish(Transcript(text="What a lovely day.", is_final=True))
+    speaker.publish(Transcript(text="What a lovely day.", is_final=True, audio_complete=True))
     assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
 
 
