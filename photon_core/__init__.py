@@ -9,33 +9,23 @@
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 
-def is_whisper(model: str | Path) -> bool:
-    """Whisper ids and folders name themselves (whisper-*, openai/whisper-*, faster-whisper-*);
-    a local folder holding a CTranslate2 model.bin or a Whisper config is Whisper too."""
-    text = str(model).lower()
-    if "whisper" in text:
-        return True
-    path = Path(model)
-    return path.is_dir() and (path / "model.bin").exists()
-
-
-def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str = "auto") -> Any:
-    """A loaded model with the skills of its family: Whisper (transcribe) or Moondream
-    (detect, point, caption, query). backend: "reference", "triton", "megakernel" or "auto"
-    (reference on CPU, megakernel on CUDA; see photon_core.backends.select)."""
+def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str = "auto",
+         skills: Iterable[str] = ()) -> Any:
+    """A loaded model with the skills of its family, the family being recognised from the
+    checkpoint's files (photon_core.registry): Whisper (transcribe) or Moondream (detect, point,
+    caption, query). model: a local path, a package-provided name ("whisper-tiny.en") or a
+    Hugging Face id in the local cache. backend: "reference", "triton", "megakernel" or "auto"
+    (reference on CPU, megakernel on CUDA; see photon_core.backends.select). skills: what the
+    caller needs; registry.MissingSkills, before any weights are read, if the family lacks one."""
+    from photon_core import registry
     from photon_core.backends.select import get_backend
 
-    ops = get_backend(backend, device)
-    if is_whisper(model):
-        from photon_core.models.whisper import load_whisper
-        return load_whisper(model, device=device, dtype=dtype, backend=backend)
-    dtype = dtype if dtype is not None else "float32"
-    if getattr(ops, "NAME", "") == "megakernel":
-        from photon_core.models.moondream_fast import load_moondream_fast
-        return load_moondream_fast(model, device=device, dtype=dtype)
-    from photon_core.models.moondream import load_moondream
-    return load_moondream(model, device=device, dtype=dtype, backend=ops)
+    get_backend(backend, device)   # an unusable backend is reported before any file is read
+    found = registry.recognise(model)
+    registry.require_skills(found.family, skills)
+    return found.family.load(found.checkpoint, device, dtype, backend)

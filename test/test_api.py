@@ -10,8 +10,8 @@ from moondream_fixtures import checkpoint
 
 
 def test_load_picks_the_family():
-    assert photon_core.is_whisper("whisper-tiny.en") and photon_core.is_whisper("openai/whisper-small")
-    assert not photon_core.is_whisper("vikhyatk/moondream2")
+    assert photon_core.registry.recognise("whisper-tiny.en").family.name == "whisper"
+    assert photon_core.registry.recognise(checkpoint()).family.name == "moondream"
     vision = photon_core.load(checkpoint())
     image = np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)
     result = vision.detect(image, "cup", max_objects=1)

@@ -71,6 +71,31 @@ class _Reader:
         return view
 
 
+def read_spec_name(path: str | Path) -> str | None:
+    """The spec name in a model.bin header ("WhisperSpec", "TransformerDecoderModelSpec", ...),
+    reading only its first bytes; "" for version 1 files (they have none), None when the file is
+    not a CTranslate2 model (too short, or a version we do not know)."""
+    with open(path, "rb") as f:
+        head = f.read(4 + 2 + 1024)
+    if len(head) < 4:
+        return None
+    r = _Reader(head)
+    version = r.unpack("I")
+    if version not in SUPPORTED_BINARY_VERSIONS:
+        return None
+    if version < 2:
+        return ""
+    if len(head) < 6:
+        return None
+    n = r.unpack("H")
+    if n == 0 or 6 + n > len(head) or head[6 + n - 1] != 0:
+        return None   # a real spec name is short and NUL-terminated
+    try:
+        return bytes(head[6:6 + n - 1]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def read_ctranslate2(path: str | Path, allow_quantized: bool = False) -> CT2Model:
     """Read every variable of a CTranslate2 model.bin (a file or the folder holding it).
 

@@ -7,6 +7,7 @@ user fetches weights once (`huggingface-cli download <repo>`), and we only read 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -29,21 +30,26 @@ def find_snapshot(repo_id: str, required_file: str, revision: str = "main") -> P
 
     Prefers the commit that `revision` points at; otherwise any snapshot holding the file.
     """
+    return next((snap for snap in snapshots(repo_id, revision) if (snap / required_file).exists()),
+                None)
+
+
+def snapshots(repo_id: str, revision: str = "main") -> Iterator[Path]:
+    """Every cached snapshot folder of `repo_id`: per cache directory, the commit `revision` points
+    at first, then the others, newest first."""
     folder = "models--" + repo_id.replace("/", "--")
     for hub in hub_cache_dirs():
         repo = hub / folder
-        snapshots = repo / "snapshots"
-        if not snapshots.is_dir():
+        snaps = repo / "snapshots"
+        if not snaps.is_dir():
             continue
         ref = repo / "refs" / revision
-        if ref.is_file():
-            pinned = snapshots / ref.read_text().strip()
-            if (pinned / required_file).exists():
-                return pinned
-        for snap in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
-            if (snap / required_file).exists():
-                return snap
-    return None
+        pinned = snaps / ref.read_text().strip() if ref.is_file() else None
+        if pinned is not None and pinned.is_dir():
+            yield pinned
+        for snap in sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+            if snap != pinned:
+                yield snap
 
 
 def describe_search(repo_id: str) -> str:

@@ -258,12 +258,37 @@ class ResolvedModel:
     model_id: str | None   # short name when the request named one; None for bare paths
 
 
-def _short_name(name: str) -> str:
+def short_name(name: str) -> str:
+    """"openai/whisper-small", "faster-whisper-small", "small" -> "whisper-small"."""
     base = name.rstrip("/").split("/")[-1]
     base = re.sub(r"^faster-", "", base)
     if not base.startswith("whisper-"):
         base = "whisper-" + base
     return base
+
+
+# Whisper sizes as short names and in the ids of the repositories that publish them.
+_SIZE_NAME = re.compile(r"(?:openai/|Systran/)?(?:faster-)?(?:whisper-)?"
+                        r"(?:tiny|base|small|medium|large|turbo)[\w.-]*")
+
+
+def places_for(name: str) -> list[str | Path]:
+    """Where a Whisper size name ("tiny.en", "whisper-small", "openai/whisper-large-v3") may be on
+    this machine, in order: an installed weights package's folder, then Hugging Face ids to look
+    up in the cache. Empty for other names. Used by photon_core.registry, which then recognises
+    the family from the files found, not from the name."""
+    if not _SIZE_NAME.fullmatch(name):
+        return []
+    short = short_name(name)
+    places: list[str | Path] = []
+    if short in WEIGHT_PACKAGES:
+        module, func, _ = WEIGHT_PACKAGES[short]
+        try:
+            import importlib
+            places.append(Path(getattr(importlib.import_module(module), func)()))
+        except ImportError:
+            pass
+    return places + [f"openai/{short}", f"Systran/faster-{short}"]
 
 
 def resolve_whisper(model: str | Path) -> ResolvedModel:
@@ -278,7 +303,7 @@ def resolve_whisper(model: str | Path) -> ResolvedModel:
     # "org/name" is a Hugging Face id, a bare word a model name; anything else was meant as a path
     is_repo = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
     is_name = re.fullmatch(r"[\w.-]+", name) is not None and not name.startswith(".")
-    short = _short_name(name) if (is_repo or is_name) else None
+    short = short_name(name) if (is_repo or is_name) else None
 
     def from_hf_cache(repo: str) -> ResolvedModel | None:
         for required in _HF_REQUIRED_FILES:

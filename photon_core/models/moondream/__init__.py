@@ -1,5 +1,80 @@
 """Moondream 2 (vision-language model) in plain PyTorch ops: detect, point, caption, query."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from photon_core.registry import Family
+from photon_core.weights.checkpoint_files import CheckpointFiles
+from photon_core.weights.resolve import Resolved
+
+from . import weights
 from .batch import Request
+from .config import MoondreamConfig
 from .model import EncodedImage, MoondreamModel, load_moondream
 
-__all__ = ["Request", "EncodedImage", "MoondreamModel", "load_moondream"]
+# Both tensor namings (see weights.py) have a vision tower, a text model and the region head;
+# the region head is what sets Moondream apart from other vision-language models.
+_NEW_PARTS = (("model.vision.", "vision."), ("model.text.", "text."), ("model.region.", "region."))
+_OLD_PARTS = (("vision_encoder.",), ("text_model.",), ("region_model.",))
+_MD3 = "Moondream 3 (MoE) is not supported yet; use moondream2"
+
+
+def recognise(files: CheckpointFiles) -> bool:
+    if (files.model_type or "").startswith("moondream"):
+        return True
+    names = [n.replace("._orig_mod", "") for n in files.tensor_names]
+    return any(all(any(n.startswith(prefixes) for n in names) for prefixes in parts)
+               for parts in (_NEW_PARTS, _OLD_PARTS))
+
+
+def refuse(files: CheckpointFiles) -> str | None:
+    """Moondream 3 and int4-quantized checkpoints: recognised here, not runnable yet."""
+    if files.model_type == "moondream3":
+        return _MD3
+    md3 = sorted(n for n in files.tensor_names if any(m in n for m in weights._MD3_MARKERS))
+    if md3:
+        return f"a Moondream 3 checkpoint ({md3[0]}, ...); {_MD3}"
+    try:
+        MoondreamConfig.from_dict(files.config)
+    except NotImplementedError as err:
+        return str(err)
+    except ValueError:
+        pass   # a malformed config is reported by the loader, with the whole check
+    return None
+
+
+def places(name: str) -> list[str | Path]:
+    if name in weights.MD2_IDS:
+        return [weights.HF_REPO]
+    if name in weights.MD3_IDS:   # found, it is then refused with the "not supported yet" error
+        return [name if "/" in name else f"moondream/{name}"]
+    return []
+
+
+def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
+    from photon_core.backends.select import get_backend
+
+    ops = get_backend(backend, device)
+    dtype = dtype if dtype is not None else "float32"
+    if getattr(ops, "NAME", "") == "megakernel":
+        # The decode megakernel still lives in a second class; it will merge into MoondreamModel.
+        from photon_core.models.moondream_fast import load_moondream_fast
+        return load_moondream_fast(checkpoint.path, device=device, dtype=dtype)
+    return load_moondream(checkpoint.path, device=device, dtype=dtype, backend=ops)
+
+
+FAMILY = Family(
+    name="moondream",
+    skills=frozenset({"detect", "point", "caption", "query"}),
+    looks_for="config.json model_type 'moondream*', or vision, text and region tensors "
+              "(model.vision.* / vision_encoder.*, ...) in safetensors or .pt files",
+    recognise=recognise,
+    load=_load,
+    cli="photon_core.models.moondream.cli",
+    refuse=refuse,
+    places=places,
+    hints=(f"`huggingface-cli download {weights.HF_REPO}` gives moondream2",),
+)
+
+__all__ = ["Request", "EncodedImage", "MoondreamModel", "load_moondream", "FAMILY"]

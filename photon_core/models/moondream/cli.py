@@ -29,11 +29,13 @@ def draw(image: np.ndarray, result: dict, label: str, out_path: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .model import load_moondream
+    import photon_core
     image = _read_image(args.image)
     t0 = time.perf_counter()
     try:
-        model = load_moondream(args.model, device=args.device, dtype=args.dtype)
+        # Any family with this skill: the checkpoint given with --model decides which.
+        model = photon_core.load(args.model, device=args.device, dtype=args.dtype,
+                                 backend="reference", skills=(args.command,))
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

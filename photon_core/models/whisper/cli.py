@@ -8,11 +8,13 @@ import sys
 from photon_core.audio_io import read_wav
 
 def _run(args: argparse.Namespace) -> int:
-    from . import load_whisper
+    import photon_core
 
     try:
         audio, rate = read_wav(args.file)
-        model = load_whisper(args.model, device=args.device, dtype=args.dtype)
+        # Any family that transcribes: the checkpoint given with --model decides which.
+        model = photon_core.load(args.model, device=args.device, dtype=args.dtype,
+                                 skills=("transcribe",))
         result = model.transcribe(audio, rate, language=args.language,
                                   timestamps=not args.no_timestamps,
                                   initial_prompt=args.initial_prompt)

@@ -1,0 +1,161 @@
+"""Model families, and which one a checkpoint belongs to, judged from its files alone.
+
+A family lives in `photon_core/models/<family>/` and declares itself there with a module-level
+`FAMILY = Family(...)`: the skills it offers, a probe over the checkpoint's files, its load entry
+and its command-line module. The registry finds families by importing every package under
+`photon_core.models`, so adding a family means adding its folder and nothing else.
+
+A model name is first resolved to files (photon_core.weights.resolve); then every family's probe
+looks at those files (config.json, CTranslate2 header, tensor names; never a full weight load,
+never pickled code) and exactly one must claim them. Words in the path play no part.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from photon_core.weights.checkpoint_files import CheckpointFiles
+from photon_core.weights.resolve import Resolved, resolve as resolve_files
+
+# Every skill a family may offer; the nodes and the command line speak in these names.
+SKILLS = ("transcribe", "detect", "point", "caption", "query", "segment")
+
+
+def _never(files: CheckpointFiles) -> str | None:
+    return None
+
+
+def _nowhere(name: str) -> Sequence[str | Path]:
+    return ()
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    skills: frozenset[str]
+    looks_for: str                                   # what `recognise` checks, said in errors
+    recognise: Callable[[CheckpointFiles], bool]
+    load: Callable[[Resolved, str, Any, str], Any]   # (checkpoint, device, dtype, backend) -> model
+    cli: str | None = None                           # module with add_commands(subparsers)
+    # A checkpoint this family recognises but cannot run yet, and why (e.g. Moondream 3).
+    refuse: Callable[[CheckpointFiles], str | None] = _never
+    # Places a short name of this family may be: package folders, Hugging Face ids.
+    places: Callable[[str], Sequence[str | Path]] = _nowhere
+    hints: tuple[str, ...] = ()                      # how to get weights, for "not found" errors
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "skills", frozenset(self.skills))
+        unknown = self.skills - set(SKILLS)
+        if unknown:
+            raise ValueError(f"family {self.name!r}: unknown skills {sorted(unknown)}; known: {SKILLS}")
+
+    def describe(self) -> str:
+        return f"{self.name} ({', '.join(sorted(self.skills))})"
+
+
+@dataclass(frozen=True)
+class NotSupportedYet:
+    """A checkpoint kind we can name but no family runs yet: better said plainly than "unknown"."""
+    name: str
+    recognise: Callable[[CheckpointFiles], bool]
+    message: str
+
+
+NOT_SUPPORTED_YET = (
+    NotSupportedYet("parakeet", lambda files: bool(files.nemo_files),
+                    "a NeMo (.nemo) checkpoint: Parakeet is not supported yet"),
+)
+
+
+class UnknownModelFamily(ValueError):
+    pass
+
+
+class MissingSkills(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Recognised:
+    family: Family
+    checkpoint: Resolved
+    files: CheckpointFiles
+
+
+@functools.cache
+def families() -> tuple[Family, ...]:
+    """Every family declared under photon_core.models, in package-name order."""
+    import photon_core.models as models
+
+    found: dict[str, Family] = {}
+    for info in pkgutil.iter_modules(models.__path__, models.__name__ + "."):
+        if not info.ispkg:
+            continue
+        family = getattr(importlib.import_module(info.name), "FAMILY", None)
+        if not isinstance(family, Family):
+            continue
+        if family.name in found:
+            raise ValueError(f"two packages declare the model family {family.name!r}")
+        found[family.name] = family
+    return tuple(found.values())
+
+
+def families_with(skill: str) -> list[Family]:
+    _check_skill_names([skill])
+    return [f for f in families() if skill in f.skills]
+
+
+def _check_skill_names(skills: Iterable[str]) -> None:
+    unknown = sorted(set(skills) - set(SKILLS))
+    if unknown:
+        raise ValueError(f"unknown skills {unknown}; known: {', '.join(SKILLS)}")
+
+
+def require_skills(family: Family, skills: Iterable[str]) -> None:
+    """MissingSkills naming what `family` lacks and which families have it."""
+    skills = list(skills)
+    _check_skill_names(skills)
+    missing = sorted(set(skills) - family.skills)
+    if missing:
+        able = [f.name for f in families() if set(missing) <= f.skills]
+        raise MissingSkills(
+            f"a {family.name} model cannot {', '.join(missing)} (it offers "
+            f"{', '.join(sorted(family.skills))}); families that can: {', '.join(able) or 'none yet'}")
+
+
+def resolve(name: str | Path) -> Resolved:
+    """The files `name` stands for; ModelNotFound (a FileNotFoundError) says where it looked."""
+    text = str(name)
+    # A generator: families are asked about places only when `name` is not a local path.
+    places = (place for family in families() for place in family.places(text))
+    hints = [hint for family in families() for hint in family.hints]
+    return resolve_files(name, places, hints)
+
+
+def recognise(name: str | Path) -> Recognised:
+    """Resolve `name` and find its family from the files. UnknownModelFamily lists what was found
+    and what each family looks for; NotImplementedError for checkpoints known but not runnable."""
+    checkpoint = resolve(name)
+    files = CheckpointFiles(checkpoint.path)
+    claims = [family for family in families() if family.recognise(files)]
+    if len(claims) > 1:   # a probe too loose: better loud than the first one silently winning
+        raise UnknownModelFamily(f"{checkpoint.path}: claimed by several families "
+                                 f"({', '.join(f.name for f in claims)}); found {files.describe()}")
+    if claims:
+        reason = claims[0].refuse(files)
+        if reason:
+            raise NotImplementedError(f"{checkpoint.path}: {reason}")
+        return Recognised(claims[0], checkpoint, files)
+    for kind in NOT_SUPPORTED_YET:
+        if kind.recognise(files):
+            raise NotImplementedError(f"{checkpoint.path}: {kind.message} (supported: "
+                                      f"{', '.join(f.describe() for f in families())})")
+    looked = "; ".join(f"{f.describe()}: {f.looks_for}" for f in families())
+    raise UnknownModelFamily(f"cannot tell which model family {str(name)!r} ({checkpoint.path}) is: "
+                             f"found {files.describe()}. Supported families and what identifies "
+                             f"them: {looked}")

@@ -1,0 +1,236 @@
+"""The registry: the model family comes from the checkpoint's files, never from words in its path.
+
+Every checkpoint here is real in its layout (the installed Whisper tiny.en, the small random
+Moondream checkpoints, small random Whisper checkpoints in the Hugging Face / OpenAI / CTranslate2
+formats) and sits under a name that points at the other family.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import moondream_fixtures as mf
+import photon_core
+from photon_core import registry
+from photon_core.__main__ import build_parser
+from whisper_fixtures import openai_to_ct2_variables, openai_to_hf, tiny_en_path, write_ct2
+
+
+def family_of(path) -> str:
+    return registry.recognise(path).family.name
+
+
+@pytest.fixture(scope="module")
+def random_whisper():
+    pytest.importorskip("whisper")
+    from whisper_fixtures import random_openai_model
+    model, dims = random_openai_model(seed=0)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, dims
+
+
+def test_families_declare_their_skills():
+    assert [f.name for f in registry.families()] == ["moondream", "whisper"]
+    assert [f.name for f in registry.families_with("transcribe")] == ["whisper"]
+    assert [f.name for f in registry.families_with("point")] == ["moondream"]
+    assert registry.families_with("segment") == []
+    with pytest.raises(ValueError, match="unknown skills"):
+        registry.families_with("fly")
+    assert not hasattr(photon_core, "is_whisper")
+
+
+def test_whisper_package_under_a_moondream_name(tmp_path):
+    misleading = tmp_path / "moondream2-vision"
+    misleading.symlink_to(tiny_en_path(), target_is_directory=True)
+    assert family_of("whisper-tiny.en") == "whisper"
+    assert family_of(misleading) == "whisper"
+    speech = photon_core.load(misleading)
+    assert speech.transcribe(np.zeros(16000, np.float32), sample_rate=16000)["text"] == ""
+
+
+def test_moondream_under_a_whisper_name(tmp_path):
+    misleading = tmp_path / "whisper-large"
+    shutil.copytree(mf.checkpoint(), misleading)
+    assert family_of(misleading) == "moondream"
+    vision = photon_core.load(misleading)
+    image = np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)
+    assert len(vision.detect(image, "cup", max_objects=1)["objects"]) == 1
+    # the older tensor naming, and a single weights file named like a Whisper checkpoint
+    old = tmp_path / "openai-whisper-tiny.en"
+    shutil.copytree(mf.checkpoint("old"), old)
+    (old / "model.safetensors").rename(old / "whisper-tiny.safetensors")
+    assert family_of(old) == "moondream"
+    assert family_of(old / "whisper-tiny.safetensors") == "moondream"
+
+
+def test_whisper_formats_under_moondream_names(tmp_path, random_whisper):
+    sd, dims = random_whisper
+    hf = tmp_path / "moondream2"          # Hugging Face safetensors, config without model_type
+    hf.mkdir()
+    tensors = openai_to_hf(sd)
+    tensors.pop("proj_out.weight")
+    save_file(tensors, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps({"d_model": 128}))
+    assert family_of(hf) == "whisper"
+    pt = tmp_path / "vikhyatk-moondream2"  # OpenAI .pt
+    pt.mkdir()
+    torch.save({"dims": asdict(dims), "model_state_dict": sd}, pt / "moondream.pt")
+    assert family_of(pt) == "whisper" and family_of(pt / "moondream.pt") == "whisper"
+    speech = photon_core.load(pt)
+    assert speech.dims.n_text_state == 128 and speech.model_id == "whisper-d128.en"
+    ct2 = tmp_path / "moondream-ct2"       # CTranslate2, recognised by the header's spec name
+    write_ct2(ct2, openai_to_ct2_variables(sd, 2, 2, 2))
+    assert family_of(ct2) == "whisper"
+
+
+def test_probes_read_no_weights(tmp_path, monkeypatch, random_whisper):
+    """Recognising a checkpoint reads headers and names; loading every tensor would be a bug."""
+    import safetensors.torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a probe loaded the weights")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    assert family_of(mf.checkpoint()) == "moondream"
+    monkeypatch.setattr("photon_core.weights.ctranslate2.read_ctranslate2", refuse)
+    assert family_of(tiny_en_path()) == "whisper"
+
+
+def test_a_pickle_with_code_is_never_run(tmp_path):
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    folder = tmp_path / "whisper-small"
+    folder.mkdir()
+    torch.save({"model_state_dict": {"encoder.conv1.weight": torch.zeros(1)}, "x": Evil()},
+               folder / "model.pt")
+    with pytest.raises(registry.UnknownModelFamily, match="weights-only") as err:
+        registry.recognise(folder)
+    assert not marker.exists()
+    assert "model.pt" in str(err.value)
+
+
+def test_unknown_checkpoint_lists_what_was_found_and_the_families(tmp_path):
+    bert = tmp_path / "whisper-bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    save_file({"bert.embeddings.word_embeddings.weight": torch.zeros(4, 2)}, str(bert / "model.safetensors"))
+    with pytest.raises(registry.UnknownModelFamily) as err:
+        photon_core.load(bert)
+    msg = str(err.value)
+    assert "model_type 'bert'" in msg and "BertModel" in msg and "model.safetensors" in msg
+    assert "bert.embeddings.word_embeddings.weight" in msg
+    assert "whisper (transcribe)" in msg and "moondream (caption, detect, point, query)" in msg
+    assert "WhisperSpec" in msg     # what each family looks for
+    # a CTranslate2 model of another kind is not Whisper either
+    write_ct2(tmp_path / "ct2", {"x": torch.zeros(2)})
+    (tmp_path / "ct2" / "model.bin").write_bytes((tmp_path / "ct2" / "model.bin").read_bytes()
+                                                 .replace(b"WhisperSpec", b"TransfoSpec"))
+    with pytest.raises(registry.UnknownModelFamily, match="CTranslate2 spec 'TransfoSpec'"):
+        registry.recognise(tmp_path / "ct2")
+
+
+def test_missing_model_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError) as err:
+        photon_core.load(tmp_path / "no-such-model")
+    assert "no-such-model" in str(err.value)
+    with pytest.raises(FileNotFoundError) as err:
+        photon_core.load("moondream2")
+    assert str(tmp_path / "hub" / "models--vikhyatk--moondream2") in str(err.value)
+    assert "huggingface-cli download vikhyatk/moondream2" in str(err.value)
+
+
+def test_hugging_face_cache_ids_resolve_to_files_then_the_files_decide(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+
+    def cache(repo: str, source: Path) -> None:
+        snap = tmp_path / ("models--" + repo.replace("/", "--")) / "snapshots" / "abc"
+        snap.parent.mkdir(parents=True)
+        snap.symlink_to(source, target_is_directory=True)
+
+    cache("openai/whisper-small", mf.checkpoint())
+    cache("vikhyatk/moondream2", tiny_en_path())
+    assert family_of("openai/whisper-small") == "moondream"
+    assert family_of("whisper-small") == "moondream"       # the short name finds the same repo
+    assert family_of("moondream2") == "whisper"
+
+
+def test_nemo_is_recognised_but_not_supported(tmp_path):
+    nemo = tmp_path / "moondream2.nemo"
+    with tarfile.open(nemo, "w") as tar:
+        for name, data in (("model_config.yaml", b"target: nemo.collections.asr.models.EncDecRNNTBPEModel\n"),
+                           ("model_weights.ckpt", b"\0" * 16)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(NotImplementedError, match="Parakeet is not supported yet"):
+        photon_core.load(nemo)
+    with pytest.raises(NotImplementedError, match="Parakeet is not supported yet"):
+        photon_core.load(tmp_path)
+
+
+def test_moondream3_is_recognised_and_refused_before_loading(tmp_path, monkeypatch):
+    import photon_core.models.moondream as md
+    monkeypatch.setattr(md, "load_moondream", lambda *a, **k: pytest.fail("weights were loaded"))
+    moe = tmp_path / "whisper-tiny"
+    shutil.copytree(mf.checkpoint(), moe)
+    save_file({"model.text.blocks.0.mlp.experts.weight": torch.zeros(2, 2)},
+              str(moe / "experts.safetensors"))
+    with pytest.raises(NotImplementedError, match="Moondream 3 .*not supported yet"):
+        photon_core.load(moe)
+    cfg = tmp_path / "md3-config"
+    shutil.copytree(mf.checkpoint(), cfg)
+    config = mf.small_config()
+    config["text"]["moe"] = {"num_experts": 64}
+    (cfg / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="not supported yet"):
+        photon_core.load(cfg)
+
+
+def test_missing_skill_is_refused_before_loading(monkeypatch):
+    import photon_core.models.moondream as md
+    monkeypatch.setattr(md, "load_moondream", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(registry.MissingSkills) as err:
+        photon_core.load(mf.checkpoint(), skills=["detect", "transcribe"])
+    assert "moondream model cannot transcribe" in str(err.value)
+    assert "families that can: whisper" in str(err.value)
+    registry.require_skills(registry.recognise(mf.checkpoint()).family, ["detect", "query"])
+
+
+def test_command_line_comes_from_the_registry():
+    out = subprocess.run([sys.executable, "-m", "photon_core", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for family in registry.families():
+        assert family.describe() in " ".join(out.stdout.split())
+        for skill in family.skills:
+            assert skill in out.stdout
+    # a command offered by two families is registered once
+    parser = build_parser(registry.families() * 2)
+    commands = parser._subparsers._group_actions[0].choices
+    assert sorted(commands) == sorted(s for f in registry.families() for s in f.skills)
+
+
+def test_command_line_model_decides_the_family(tmp_path):
+    """`detect --model <a Whisper checkpoint>`: the checkpoint is Whisper whatever the command."""
+    import cv2
+    image = tmp_path / "frame.png"
+    cv2.imwrite(str(image), np.zeros((8, 8, 3), np.uint8))
+    out = subprocess.run([sys.executable, "-m", "photon_core", "detect", str(image), "cup",
+                          "--model", str(tiny_en_path())], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "whisper model cannot detect" in out.stderr
