@@ -134,7 +134,7 @@ def bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int, 
     import torch
 
     from photon_core.backends.select import get_backend
-    from photon_core.megakernel.whisper_decoder import (WhisperDecoderMegakernel, reference_cross_kv,
+    from photon_core.models.whisper.decoder_step import (WhisperDecoderMegakernel, reference_cross_kv,
                                                         reference_step, triton_perop_step)
     d, h = wt.d_model, wt.n_heads
     dh = d // h
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not cuda and not args.dry_run:
         raise SystemExit("gpu_bench needs a CUDA GPU; use --dry-run to exercise it on CPU")
     dev = torch.device("cuda" if cuda else "cpu")
-    from photon_core.megakernel.whisper_decoder import Tiling, WhisperDecoderWeights
+    from photon_core.models.whisper.decoder_step import Tiling, WhisperDecoderWeights
     torch.manual_seed(0)
     if args.dry_run:
         args.iters, args.warmup = 1, 0

@@ -57,7 +57,7 @@ msig = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", 
 for b, wdt in ((1, P), (8, P), (1, "*bf16")):
     cases[f"megakernel_b{b}_{wdt[1:]}"] = (mk._megakernel, dict(msig, w_ptr=wdt),
         dict(NF=NUM_FIELDS, BLOCK_M=b, BLOCK_N=64, BLOCK_K=max(16, 128 // b), BLOCK_T=64, BLOCK_D=64,
-             BLOCK_S=8, BLOCK_R=1024, RUN_TASK=mk.decoder_tasks))
+             BLOCK_S=8, BLOCK_R=1024, RUN_TASK=mk.step_tasks))
 out = {}
 for name, (fn, sig, const) in cases.items():
     sig = dict(sig)

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 from photon_core.megakernel.checker import GraphError, check  # noqa: E402
 from photon_core.megakernel.graph import OP_EMBED, OP_LINEAR, Region, Task, TaskGraph  # noqa: E402
-from photon_core.megakernel.whisper_decoder import (Tiling, WhisperDecoderMegakernel,  # noqa: E402
+from photon_core.models.whisper.decoder_step import (Tiling, WhisperDecoderMegakernel,  # noqa: E402
                                                     WhisperDecoderWeights)
 
 
@@ -110,7 +110,9 @@ def test_real_tiny_en_graphs_check_for_every_bucket(tiling):
     # would run are built and proven acyclic, deadlock-free and race-free without allocating them.
     import dataclasses
 
-    from photon_core.megakernel.whisper_decoder import BATCH_BUCKETS, build_graph, plan_arenas
+    from photon_core.megakernel.compiler import lower, plan
+    from photon_core.megakernel.graph import BATCH_BUCKETS
+    from photon_core.models.whisper.decoder_step import step_graph
     small = WhisperDecoderWeights.random(8, 2, 4, 4, 4, seed=0)
     shapes = {"token_embedding": (51864, 384), "positional_embedding": (448, 384), "ln_w": (384,), "ln_b": (384,)}
     meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
@@ -123,7 +125,6 @@ def test_real_tiny_en_graphs_check_for_every_bucket(tiling):
               for _ in range(4)]
     wt = dataclasses.replace(small, layers=layers, n_heads=6, **meta)
     for b in BATCH_BUCKETS:
-        wa, sa, _, _ = plan_arenas(wt, b, 448, 1500, tiling, logit_bias=True)
-        g = build_graph(wt, b, 448, 1500, tiling, wa, sa, advance=True, logit_bias=True)
+        g = lower(plan(step_graph(wt, 448, 1500, advance=True, logit_bias=True), b, tiling))
         check(g)
-        assert len([t for t in g.tasks if t.name.startswith("lm_head")]) == -(-51864 // tiling.block_n)
+        assert len([t for t in g.tasks if t.name.startswith("logits[")]) == -(-51864 // tiling.block_n)

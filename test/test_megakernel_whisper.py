@@ -8,7 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from photon_core.megakernel.whisper_decoder import (Tiling, WhisperDecoderMegakernel,  # noqa: E402
+from photon_core.models.whisper.decoder_step import (Tiling, WhisperDecoderMegakernel,  # noqa: E402
                                                     WhisperDecoderWeights, reference_cross_kv, reference_step)
 
 RTOL = 1e-4
@@ -105,7 +105,7 @@ def test_tiny_en_shapes_four_layers():
 
 def test_per_op_triton_step_matches_reference(small):
     from photon_core.backends.select import get_backend
-    from photon_core.megakernel.whisper_decoder import triton_perop_step
+    from photon_core.models.whisper.decoder_step import triton_perop_step
     ops = get_backend("triton", "cpu")
     b, h, t, d = 2, small.n_heads, 6, small.d_model
     enc = torch.randn(b, 10, d)

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 model = pytest.importorskip("photon_core.models.whisper.model")
 config = pytest.importorskip("photon_core.models.whisper.config")
 
-from photon_core.megakernel.whisper_decoder import (Tiling, WhisperDecoderMegakernel,  # noqa: E402
+from photon_core.models.whisper.decoder_step import (Tiling, WhisperDecoderMegakernel,  # noqa: E402
                                                     WhisperDecoderWeights)
 
 

@@ -21,7 +21,9 @@ import torch  # noqa: E402
 
 import moondream_fast_fixtures as ff  # noqa: E402
 from photon_core.backends import reference as ref  # noqa: E402
-from photon_core.megakernel import moondream_decoder as md  # noqa: E402
+from photon_core.models.moondream import decoder_step as md  # noqa: E402
+from photon_core.megakernel.compiler import Tiling, lower, plan  # noqa: E402
+from photon_core.megakernel.graph import OP_ARGMAX, OP_ROPE_APPEND  # noqa: E402
 from photon_core.megakernel.checker import GraphError, check  # noqa: E402
 from photon_core.models.moondream import Request, load_moondream, text, vision  # noqa: E402
 from photon_core.models.moondream.config import MoondreamConfig  # noqa: E402
@@ -29,7 +31,7 @@ from photon_core.models.moondream_fast import FastMoondream, load_moondream_fast
 
 RTOL = 1e-4
 # Wider tiles than the GPU default: the interpreter's cost is per task, not per byte.
-TILING = md.Tiling(block_n=64, block_k=128, block_t=32, splits=2)
+TILING = Tiling(block_n=64, block_k=128, block_t=32, self_splits=2)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -146,7 +148,7 @@ def test_text_graph_without_region_heads(pair, encoded):
     ref_e, _ = encoded
     cfg = ref_m.config
     mk = md.MoondreamDecoderMegakernel(ref_m.text_w, ref_m.region_w, cfg, 1, 90, TILING)
-    assert not any(t.name.startswith(("coord", "size")) for t in mk.graphs[False].tasks)
+    assert not any(t.name.startswith(("coord", "size")) for t in mk.kernel_for(["token"]).graph.tasks)
     assert mk.weight_bytes_per_step(False) < mk.weight_bytes_per_step(True)
     cache = text.KVCache(cfg.text, 90, torch.float32, "cpu")
     cache.k[:, :, :, :ref_e.pos], cache.v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v
@@ -166,10 +168,8 @@ def test_text_graph_without_region_heads(pair, encoded):
 # Graphs
 
 
-def _graph(cfg: MoondreamConfig, batch: int, max_len: int, tiling: md.Tiling) -> md.TaskGraph:
-    dm = md.dims_of(cfg)
-    wa, sa, _ = md.plan_arenas(dm, batch, max_len, tiling)
-    return md.build_graph(dm, batch, max_len, tiling, wa, sa)
+def _graph(cfg: MoondreamConfig, batch: int, max_len: int, tiling: Tiling) -> md.TaskGraph:
+    return lower(plan(md.step_graph(md.dims_of(cfg), max_len), batch, tiling))
 
 
 @pytest.mark.parametrize("batch", md.BATCH_BUCKETS)
@@ -179,15 +179,15 @@ def test_graphs_check_for_every_bucket(batch):
     check(g)
     dm = md.dims_of(cfg)
     # Every row's output is produced: one reduction per output column.
-    assert sorted(t.name for t in g.tasks if t.op == md.OP_ARGMAX_BINS) == sorted(
-        ["lm_argmax", "coord_argmax", "width_argmax", "height_argmax"])
-    assert sum(t.op == md.OP_ROPE_APPEND for t in g.tasks) == dm.layers * dm.heads * batch
+    assert sorted(t.name for t in g.tasks if t.op == OP_ARGMAX) == sorted(
+        ["argmax.token", "argmax.coord", "argmax.width", "argmax.height"])
+    assert sum(t.op == OP_ROPE_APPEND for t in g.tasks) == dm.layers * dm.heads * batch
 
 
 def test_real_moondream2_graph_checks():
     """moondream2's real sizes (24 layers, dim 2048, vocab 51200, 8192-wide region heads, context
     2048) at batch 1: ~20k tasks. (Batch 8, ~53k tasks, also checks but takes ~30 s.)"""
-    g = _graph(MoondreamConfig(), 1, 2048, md.Tiling())
+    g = _graph(MoondreamConfig(), 1, 2048, Tiling())
     check(g)
     assert len(g.tasks) > 20000
 
@@ -265,14 +265,14 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from photon_core.megakernel import kernel, moondream_decoder as md
+from photon_core.megakernel import kernel
 from photon_core.megakernel.graph import NUM_FIELDS
 sig0 = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", w_ptr="*fp32", s_ptr="*fp32",
             out_ptr="*i32", B="i32", ln_eps="fp32", spin_limit="i32")
 out = {}
 for b, wdt in ((1, "*bf16"), (8, "*fp32")):
     const = dict(NF=NUM_FIELDS, BLOCK_M=b, BLOCK_N=32, BLOCK_K=64, BLOCK_T=32, BLOCK_D=64, BLOCK_S=4, BLOCK_R=1024,
-                 RUN_TASK=md.moondream_tasks)
+                 RUN_TASK=kernel.step_tasks)
     sig = dict(sig0, w_ptr=wdt)
     sig.update({k: "constexpr" for k in const})
     ck = triton.compile(ASTSource(kernel._megakernel, sig, const), target=GPUTarget("cuda", 90, 32))

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 from photon_core.backends.select import get_backend  # noqa: E402
 from photon_core.models.whisper import load_whisper  # noqa: E402
-from photon_core.megakernel.whisper_decoder import Tiling  # noqa: E402
+from photon_core.models.whisper.decoder_step import Tiling  # noqa: E402
 from photon_core.models.whisper.megakernel_steps import MegakernelSteps  # noqa: E402
 from photon_core.models.whisper.perop_steps import PerOpSteps  # noqa: E402
 

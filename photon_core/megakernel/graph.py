@@ -1,7 +1,7 @@
 """Task graphs for the decode megakernel.
 
-A graph is one model's decode step at one batch bucket (1, 2, 4 or 8 rows), cut into tasks: tiles of
-fused ops (e.g. "LayerNorm + QKV projection + KV-cache append for output columns 64..127"). Tasks are
+A graph is one model's decode step at one batch bucket (1, 2, 4 or 8 rows), cut into tasks by
+compiler.py from the model's step graph (stepgraph.py): tiles of fused ops (e.g. "LayerNorm + QKV projection + KV-cache append for output columns 64..127"). Tasks are
 listed in a topological order. Each task may wait on up to two dependency counters (until each reaches
 its target) and increments at most one counter when done. The persistent kernel (kernel.py) claims
 tasks in list order, so any program only ever waits on tasks claimed before its own.
@@ -22,9 +22,10 @@ OP_EMBED = 1          # x[:, n0:n0+BN] = tok_emb[token] + pos_emb[position]
 OP_LINEAR = 2         # [LN] -> x @ W.T tile -> +bias -> act -> +residual -> plain / QKV-scatter / LM-head store
 OP_ATTN_PARTIAL = 3   # one query, keys of split s of S, for (b, h): writes (m, l, acc)
 OP_ATTN_MERGE = 4     # merge the S partials of (b, h) into the attention output
-OP_ARGMAX_REDUCE = 5  # merge the LM-head tiles' (max, index) into tokens; optionally advance the step
+OP_ARGMAX = 5         # merge LM-style tiles' (max, index) into a result column; optionally advance the step
+OP_ROPE_APPEND = 6    # (row, head) of a fused q|k|v: rotary on q and k, q out, k and v into the caches
 OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
-            OP_ATTN_MERGE: "attn_merge", OP_ARGMAX_REDUCE: "argmax_reduce"}
+            OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append"}
 
 # Store modes of OP_LINEAR.
 MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2

@@ -63,7 +63,10 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
     tok = tl.load(dyn_ptr + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
     pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
     e = tl.load(w_ptr + tok_off + tok[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(w_ptr + pos_off + pos[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # No position table (pos_off = -1): load nothing, add zero.
+    pmask = mask & ((cols[None, :].to(tl.int64) * 0 + pos_off) >= 0)   # vector mask: see _task_rope_append
+    p = tl.load(w_ptr + tl.maximum(pos_off, 0) + pos[:, None] * N + cols[None, :], mask=pmask,
+                other=0.0).to(tl.float32)
     tl.store(s_ptr + out + rows[:, None].to(tl.int64) * N + cols[None, :], e + p, mask=mask)
 
 
@@ -238,14 +241,22 @@ def argmax_of_tiles(p, count, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
+def _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
+    """Per row m < M: argmax over the (max, index) pairs of LM-style tiles [tile0, tile0 + S) (row
+    stride `ntiles`), minus the column offset n0, stored as int32 at out[m * K + out_col]. With
+    mode 1 ("advance") it also becomes the row's next token and the position steps by one."""
     M = tl.load(row + 6)
+    K = tl.load(row + 7)
+    n0 = tl.load(row + 9)
     advance = tl.load(row + 17)
+    col = tl.load(row + 18)
+    tile0 = tl.load(row + 24)
     part = tl.load(row + 25)
     ntiles = tl.load(row + 27)
+    S = tl.load(row + 31)
     for m in range(0, M):
-        best_i = argmax_of_tiles(s_ptr + part + (m * ntiles).to(tl.int64) * 2, ntiles, BLOCK_R)
-        tl.store(out_ptr + m, best_i)
+        best_i = argmax_of_tiles(s_ptr + part + (m * ntiles + tile0).to(tl.int64) * 2, S, BLOCK_R) - n0.to(tl.int32)
+        tl.store(out_ptr + m * K + col, best_i)
         if advance != 0:
             # Every reader of this step's token/position is ordered before this task (checker-proven),
             # so the next step's values can be written in place: a replayed launch decodes onwards.
@@ -254,9 +265,57 @@ def _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def shared_tasks(op, row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The tasks every decoder graph has (linear, attention partial and merge); 0 for other ops."""
+def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D: tl.constexpr):
+    """(row b, head h) of a fused q|k|v row: rotary on the first ROT features of q and k ("rotate
+    half" pairs (i, i + ROT/2), as backends.reference.rotary; ROT = 0 rotates nothing), then q -> the
+    q buffer, k and v -> the KV caches at the row's position. The partner of each feature is gathered
+    with a second (masked) load rather than a register permutation; both loads hit the same 256 bytes.
+    Bytes: 3*Dh*4 in, 3*Dh*4 out, ROT*4 of cos/sin."""
+    rot = tl.load(row + 7)
+    D = tl.load(row + 8)
+    x_off = tl.load(row + 10)
+    cos_off = tl.load(row + 11)
+    sin_off = tl.load(row + 12)
+    out = tl.load(row + 18)
+    kc = tl.load(row + 19)
+    vc = tl.load(row + 20)
+    H = tl.load(row + 21)
+    Dh = tl.load(row + 22)
+    Tmax = tl.load(row + 23)
+    b = tl.load(row + 28)
+    h = tl.load(row + 29)
+    pos = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64)
+    half = rot // 2
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < Dh
+    in_rot = dd < rot
+    first = dd < half
+    partner = tl.where(first, dd + half, dd - half)
+    sign = tl.where(first, -1.0, 1.0)
+    freq = tl.where(first, dd, dd - half)
+    c = tl.load(w_ptr + tl.maximum(cos_off, 0) + pos * half + freq, mask=in_rot, other=1.0).to(tl.float32)
+    s = tl.load(w_ptr + tl.maximum(sin_off, 0) + pos * half + freq, mask=in_rot, other=0.0).to(tl.float32)
+    src = s_ptr + x_off + b * 3 * D + h * Dh
+    q = tl.load(src + dd, mask=dmask, other=0.0, cache_modifier=CG)
+    qp = tl.load(src + partner, mask=dmask & in_rot, other=0.0, cache_modifier=CG)
+    k = tl.load(src + D + dd, mask=dmask, other=0.0, cache_modifier=CG)
+    kp = tl.load(src + D + partner, mask=dmask & in_rot, other=0.0, cache_modifier=CG)
+    v = tl.load(src + 2 * D + dd, mask=dmask, other=0.0, cache_modifier=CG)
+    q = tl.where(in_rot, q * c + (sign * qp) * s, q)
+    k = tl.where(in_rot, k * c + (sign * kp) * s, k)
+    tl.store(s_ptr + out + b * D + h * Dh + dd, q, mask=dmask)
+    cache = ((b * H + h) * Tmax + pos) * Dh + dd
+    ok = dmask & ((dd.to(tl.int64) * 0 + pos) < Tmax)  # a vector mask (scalar & vector confuses the interpreter)
+    tl.store(s_ptr + kc + cache, k, mask=ok)
+    tl.store(s_ptr + vc + cache, v, mask=ok)
+
+
+@triton.jit
+def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The task table of every compiled decode step (compiler.py emits only these ops): runs task
+    `op`; 0 for an unknown op (the host raises)."""
     ran = 1
     if op == 2:
         _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -264,27 +323,14 @@ def shared_tasks(op, row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexp
         _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
     elif op == 4:
         _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
+    elif op == 1:
+        _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+    elif op == 5:
+        _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
+    elif op == 6:
+        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D)
     else:
         ran = 0
-    return ran
-
-
-@triton.jit
-def decoder_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The task table of graph.py's decoder graphs (Whisper): runs task `op`; 0 for an unknown op.
-    Another model's graph passes its own table (same signature) as the megakernel's RUN_TASK."""
-    ran = shared_tasks(op, row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S)
-    if ran == 0:
-        ran = 1
-        if op == 1:
-            _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
-        elif op == 5:
-            _task_argmax_reduce(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
-        else:
-            ran = 0
     return ran
 
 
@@ -293,7 +339,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr):
-    """Claim, wait, run (RUN_TASK: a model's task table, resolved at compile time), release."""
+    """Claim, wait, run (RUN_TASK: the task table, resolved at compile time), release."""
     t = tl.atomic_add(ctrl_ptr, 1)
     while t < num_tasks:
         row = tasks_ptr + t.to(tl.int64) * NF
@@ -336,10 +382,9 @@ def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int
 
 
 class Megakernel:
-    """A checked, encoded graph bound to its buffers; `launch()` runs one decode step. A subclass for
-    another model's graph sets `run_task` to its task table."""
+    """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
 
-    run_task = decoder_tasks
+    run_task = step_tasks
 
     def __init__(self, graph: TaskGraph, weights: torch.Tensor, state: torch.Tensor, dyn: torch.Tensor,
                  out: torch.Tensor, block_m: int, block_n: int, block_k: int, block_t: int,

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
-from photon_core.megakernel.moondream_decoder import MoondreamDecoderMegakernel, StepResult, Tiling
+from photon_core.megakernel.compiler import Tiling
+from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
 from photon_core.models.moondream import batch as batch_decoding
 from photon_core.models.moondream import skills, text
 from photon_core.models.moondream.batch import Request

@@ -14,8 +14,8 @@ from .model import DecoderCache, WhisperNet
 class MegakernelSteps:
     def __init__(self, net: WhisperNet, weight_dtype: torch.dtype = torch.float32,
                  tiling=None) -> None:
-        """tiling: photon_core.megakernel.whisper_decoder.Tiling; None = the GPU default."""
-        from photon_core.megakernel.whisper_decoder import (Tiling, WhisperDecoderMegakernel,
+        """tiling: photon_core.models.whisper.decoder_step.Tiling; None = the GPU default."""
+        from photon_core.models.whisper.decoder_step import (Tiling, WhisperDecoderMegakernel,
                                                             WhisperDecoderWeights)
         d = net.dims
         self.n_layers = d.n_text_layer

@@ -1,7 +1,7 @@
 """Whisper's per-token decode step from the per-op Triton kernels, replayable as one CUDA graph.
 
 The "triton" backend. The prompt is prefilled by the model's own ops; each following token runs
-megakernel.whisper_decoder.triton_perop_step (every layer's kernels, cross-attention, LM head) on
+decoder_step.triton_perop_step (every layer's kernels, cross-attention, LM head) on
 static buffers: the token and position are device tensors written in place, the self-attention
 caches and the window's cross K/V live in fixed tensors, and the logits land in one output tensor.
 Nothing in a step depends on the host, so on CUDA the step is captured once in a CUDA graph and
@@ -18,7 +18,7 @@ from .model import DecoderCache, WhisperNet
 
 class PerOpSteps:
     def __init__(self, net: WhisperNet, ops: ModuleType) -> None:
-        from photon_core.megakernel.whisper_decoder import WhisperDecoderWeights
+        from photon_core.models.whisper.decoder_step import WhisperDecoderWeights
 
         d, dev = net.dims, net.w.device
         self.ops = ops
@@ -46,7 +46,7 @@ class PerOpSteps:
             v[:, :, :length] = cache.v[i, :, :, :length]
 
     def _step(self) -> torch.Tensor:
-        from photon_core.megakernel.whisper_decoder import triton_perop_step
+        from photon_core.models.whisper.decoder_step import triton_perop_step
 
         logits, _ = triton_perop_step(self.ops, self.wt, self.tokens, self.positions, self.self_kv,
                                       self.cross_kv, self.cross_len)

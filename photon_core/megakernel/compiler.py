@@ -1,0 +1,498 @@
+"""The compiler: a model's step graph (stepgraph.py) -> megakernel tasks (graph.py) for one batch
+bucket and tiling, the arenas they address, and the host object that owns them and launches a step.
+Every family's decode step goes through here; nothing here knows a model.
+
+Lowering, op by op:
+  * embed       one task per BLOCK_N columns: token row (+ position row) into the value.
+  * layer_norm  no task: fused in front of every linear that reads it (only linears may read one).
+  * linear      one task per BLOCK_N output columns, bias / activation / residual fused behind. The
+                store depends on the readers: a kv_append without rotary as the only reader makes it
+                a q|k|v store (q into the query buffer, k and v straight into the caches at the row's
+                position: no append task); an argmax reader makes it a logits store that also writes
+                each tile's (max, first index) per row.
+  * kv_append   one task per (row, head): rotary on q and k, q out, k and v into the caches.
+  * attention   split-KV partials per (row, head, split), one merge per (row, head).
+  * argmax      one task per result column, over the tiles of the columns it covers.
+
+Dependencies come from the data flow: a task waits for the stages that produce what it reads, per
+head where the producer signals per head (q|k|v tiles or rotary tasks whose only readers are
+attention, tiles never straddling a head), so a head's attention starts as soon as its own q/k/v
+are done. A wait already implied by another is dropped; at most two remain per task. Values are
+single-assignment (each has its own region), so the only shared state is the KV caches, whose
+accesses follow the data flow; checker.check proves the tasks race-free before anything runs.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from photon_core.megakernel.graph import (BATCH_BUCKETS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
+                                          OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,
+                                          OP_ROPE_APPEND, Arena, Region, StateViews, Task, TaskGraph)
+from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
+
+ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@dataclass(frozen=True)
+class Tiling:
+    block_n: int = 32        # output columns per linear / embed task
+    block_k: int = 64        # K step inside a linear task
+    block_t: int = 32        # keys per attention inner step
+    self_splits: int = 4     # KV splits of self-attention (per row and head)
+    cross_splits: int = 8    # KV splits of attention over host-filled ("cross") caches
+
+
+@dataclass
+class Plan:
+    """Where everything lives and how each node is lowered, for one graph, batch and tiling."""
+    graph: StepGraph
+    batch: int
+    tiling: Tiling
+    warena: Arena
+    sarena: Arena
+    shapes: dict[str, tuple[int, ...]]
+    producer: dict[str, Node]             # value name -> the node that defines it
+    norm_of: dict[str, Node]              # linear name -> the layer_norm fused in front of it
+    qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
+    logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
+    ln_eps: float
+    max_position: int                     # positions must stay below this
+
+    def buffer(self, value: Value) -> str:
+        """The state region holding `value` (a fused q|k|v linear writes its kv_append's query)."""
+        return value.name
+
+
+def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
+    """Check that the graph can be lowered and lay out its arenas (no memory is allocated)."""
+    if batch not in BATCH_BUCKETS:
+        raise ValueError(f"batch {batch} is not a bucket {BATCH_BUCKETS}; pad rows up to the next bucket")
+    bn = tiling.block_n
+    producer = {n.out.name: n for n in graph.nodes if n.out is not None}
+    norm_of: dict[str, Node] = {}
+    qkv_store: dict[str, Node] = {}
+    logits: dict[str, int] = {}
+    eps = set()
+    for node in graph.nodes:
+        a = node.args
+        if node.op == "layer_norm":
+            eps.add(a["eps"])
+            for c in graph.consumers(node.out):
+                if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out:
+                    raise ValueError(f"{graph.name}: layer_norm {node.out.name!r} is read by {c.op} "
+                                     f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
+                                     "can take a fused LayerNorm")
+                norm_of[c.out.name] = node
+        elif node.op == "kv_append" and a["rotary"] is None:
+            src = producer.get(a["qkv"].name)
+            readers = graph.consumers(src.out) if src is not None else []
+            if src is not None and src.op == "linear" and len(readers) == 1 and readers[0] is node:
+                qkv_store[src.out.name] = node
+        elif node.op == "argmax":
+            src = producer.get(a["x"].name)
+            if src is None or src.op != "linear":
+                raise ValueError(f"{graph.name}: argmax {a['name']!r} must read a linear's output")
+            n = src.out.width
+            if a["c0"] % bn or (a["c1"] % bn and a["c1"] != n):
+                raise ValueError(f"{graph.name}: argmax {a['name']!r} over columns [{a['c0']}, {a['c1']}) "
+                                 f"does not fall on the {bn}-column tiles")
+            logits[src.out.name] = -(-n // bn)
+    if len(eps) > 1:
+        raise ValueError(f"{graph.name}: one LayerNorm epsilon per step, got {sorted(eps)}")
+
+    wa, sa = Arena("weights"), Arena("state")
+    for k, shape in graph.weight_shapes.items():
+        wa.alloc(k, math.prod(shape))
+    shapes: dict[str, tuple[int, ...]] = {}
+    fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
+                                                                      if n.op == "layer_norm"}
+    for node in graph.nodes:
+        if node.out is not None and node.out.name not in fused_away:
+            shapes[node.out.name] = (batch, node.out.width)
+        if node.op == "attention":
+            spec = node.args["k"].spec
+            splits = tiling.self_splits if node.args["length"] == "self" else tiling.cross_splits
+            shapes[f"{node.out.name}.part"] = (batch, spec.heads, splits, spec.head_dim + 2)
+    for name, ntiles in logits.items():
+        shapes[f"{name}.part"] = (batch, ntiles, 2)
+    for spec in graph.caches.values():
+        shapes[spec.name] = ((spec.layers,) if spec.layers is not None else ()) + (
+            batch, spec.heads, spec.length, spec.head_dim)
+    for k, shp in shapes.items():
+        sa.alloc(k, math.prod(shp))
+
+    limits = [spec.length for n in graph.nodes if n.op == "kv_append" for spec in (n.args["k"].spec,)]
+    limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
+    limits += [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
+               if n.op == "kv_append" and n.args["rotary"] is not None]
+    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits,
+                eps.pop() if eps else 1e-5, min(limits) if limits else 1 << 30)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lowering
+
+
+@dataclass
+class _Stage:
+    """The tasks of one node as the waits of later tasks see them."""
+    name: str
+    counter: str | None                          # one counter for the whole stage
+    heads: list[str] | None = None               # or one counter per attention head
+    ancestors: frozenset[str] = field(default_factory=frozenset)
+
+
+def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
+    """The task graph of one step; with `results`, only the tasks those result columns (and the
+    graph's exposed values) need, over the same arenas."""
+    graph, B, bn, S, W = p.graph, p.batch, p.tiling.block_n, p.sarena, p.warena
+    nodes = _needed(graph, p, results)
+    kept = {id(n) for n in nodes}
+    g = TaskGraph(model=graph.name, batch=B)
+    dyn_tok, dyn_pos, dyn_xlen = Region("dyn", 0, B), Region("dyn", B, 2 * B), Region("dyn", 2 * B, 3 * B)
+    stage_of: dict[str, _Stage] = {}     # value name -> stage that wrote it
+
+    def source(v: Value) -> Value:
+        """What a read of `v` really reads: a fused LayerNorm's input."""
+        n = p.producer.get(v.name)
+        return n.args["x"] if n is not None and n.op == "layer_norm" else v
+
+    def waits(values: list[Value], head: int | None = None) -> list[tuple[str, int]]:
+        stages = []
+        for v in values:
+            st = stage_of.get(source(v).name)
+            if st is not None and st not in stages:
+                stages.append(st)
+        stages = [s for s in stages if not any(s.name in o.ancestors for o in stages if o is not s)]
+        out = []
+        for s in stages:
+            c = s.heads[head] if s.heads is not None and head is not None else s.counter
+            if c is None:
+                raise ValueError(f"{graph.name}: {s.name!r} signals per head, but a reader needs all of it")
+            out.append((c, g.signalers(c)))
+        if len(out) > 2:
+            raise ValueError(f"{graph.name}: a task would wait on {len(out)} stages ({[c for c, _ in out]}); "
+                             "the megakernel encodes two")
+        return out
+
+    def ancestors(values: list[Value], name: str) -> frozenset[str]:
+        anc = {name}
+        for v in values:
+            st = stage_of.get(source(v).name)
+            if st is not None:
+                anc |= st.ancestors
+        return frozenset(anc)
+
+    def per_head(value: Value) -> int | None:
+        """Head size if every reader of `value` is attention (then its writers may signal per head)."""
+        readers = [n for n in graph.consumers(value) if id(n) in kept]
+        if readers and all(n.op == "attention" for n in readers):
+            return readers[0].args["k"].spec.head_dim
+        return None
+
+    def cache_cols(c: CacheRef, r: int, c0: int, c1: int) -> Region:
+        """Features [c0, c1) (head-major: head h is [h*Dh, (h+1)*Dh)) of row r of a cache at ANY
+        position: positions are dynamic, so cache accesses are declared position-free; two overlap
+        exactly when they share a (row, feature) pair."""
+        d = c.spec.heads * c.spec.head_dim
+        return Region(f"{c.key}@cols", r * d + c0, r * d + c1)
+
+    def cache_off(c: CacheRef) -> int:
+        spec = c.spec
+        layer = 0 if c.layer is None else c.layer * B * spec.heads * spec.length * spec.head_dim
+        return S.off(spec.name) + layer
+
+    for node in nodes:
+        a = node.args
+        if node.op in ("input", "layer_norm"):
+            continue
+        if node.op == "embed":
+            st = _Stage(node.out.name, g.counter(node.out.name), ancestors=frozenset({node.out.name}))
+            d = node.out.width
+            for n0 in range(0, d, bn):
+                n1 = min(d, n0 + bn)
+                g.add(Task(f"{node.out.name}[{n0}:{n1}]", OP_EMBED,
+                           dict(M=B, N=d, n0=n0, w=W.off(a["tok"]), b=W.off(a["pos"]) if a["pos"] else -1,
+                                out=S.off(node.out.name)),
+                           [], st.counter, [dyn_tok, dyn_pos], S.columns(node.out.name, B, d, n0, n1)))
+            stage_of[node.out.name] = st
+        elif node.op == "linear":
+            stage_of.update(_lower_linear(p, g, node, waits, ancestors, per_head, cache_cols, cache_off,
+                                          dyn_pos))
+        elif node.op == "kv_append":
+            if node.out.name in stage_of:      # stored by its q|k|v linear
+                continue
+            k, v = a["k"], a["v"]
+            H, dh = k.spec.heads, k.spec.head_dim
+            d = H * dh
+            rot = a["rotary"]
+            signal_heads = per_head(node.out) is not None
+            st = _Stage(node.out.name, None if signal_heads else g.counter(node.out.name),
+                        [g.counter(f"{node.out.name}.h{h}") for h in range(H)] if signal_heads else None,
+                        ancestors([a["qkv"]], node.out.name))
+            wait = waits([a["qkv"]])
+            qkv = a["qkv"].name
+            for h in range(H):
+                for r in range(B):
+                    g.add(Task(f"{node.out.name}[b{r},h{h}]", OP_ROPE_APPEND,
+                               dict(K=rot.dims if rot else 0, N=d, x=S.off(qkv),
+                                    w=W.off(rot.cos) if rot else -1, b=W.off(rot.sin) if rot else -1,
+                                    out=S.off(node.out.name), kc=cache_off(k), vc=cache_off(v), H=H, Dh=dh,
+                                    Tmax=k.spec.length, bi=r, hi=h),
+                               list(wait), st.heads[h] if st.heads else st.counter,
+                               [S.region(qkv, r * 3 * d + c * d + h * dh, r * 3 * d + c * d + (h + 1) * dh)
+                                for c in range(3)] + [dyn_pos],
+                               [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh),
+                                cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh)]))
+            stage_of[node.out.name] = st
+        elif node.op == "attention":
+            stage_of[node.out.name] = _lower_attention(p, g, node, waits, ancestors, cache_cols, cache_off,
+                                                       dyn_pos, dyn_xlen)
+        elif node.op == "argmax":
+            src = a["x"]
+            ntiles = p.logits[src.name]
+            t0, t1 = a["c0"] // bn, -(-a["c1"] // bn)
+            col = graph.results.index(a["name"])
+            R = len(graph.results)
+            reads = [S.region(f"{src.name}.part", (r * ntiles + t0) * 2, (r * ntiles + t1) * 2) for r in range(B)]
+            writes = [Region("out", r * R + col, r * R + col + 1) for r in range(B)]
+            if a["advance"]:
+                reads += [dyn_tok, dyn_pos]
+                writes += [dyn_tok, dyn_pos]
+            g.add(Task(f"argmax.{a['name']}", OP_ARGMAX,
+                       dict(M=B, K=R, n0=a["c0"], out=col, tile=t0, part=S.off(f"{src.name}.part"),
+                            ntiles=ntiles, S=t1 - t0, mode=1 if a["advance"] else 0),
+                       waits([src]), None, reads, writes))
+        else:
+            raise ValueError(f"{graph.name}: no lowering for op {node.op!r}")
+    return g
+
+
+def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head, cache_cols, cache_off,
+                  dyn_pos: Region) -> dict[str, _Stage]:
+    graph, B, bn, S, W = p.graph, p.batch, p.tiling.block_n, p.sarena, p.warena
+    a, name = node.args, node.out.name
+    N, K = graph.weight_shapes[a["w"]]
+    norm = p.norm_of.get(name)
+    x = a["x"] if norm is None else norm.args["x"]
+    reads_of = [a["x"]] + ([a["residual"]] if a["residual"] is not None else [])
+    kv = p.qkv_store.get(name)
+    out = kv.out if kv is not None else node.out          # what the tiles write
+    dh = per_head(out)
+    signal_heads = dh is not None and dh % bn == 0
+    d = out.width
+    heads = -(-d // dh) if signal_heads else 0
+    st = _Stage(out.name, None if signal_heads else g.counter(out.name),
+                [g.counter(f"{out.name}.h{h}") for h in range(heads)] if signal_heads else None,
+                ancestors(reads_of, out.name))
+    wait = waits(reads_of)
+    mode = MODE_QKV if kv is not None else MODE_LOGITS if name in p.logits else MODE_PLAIN
+    ntiles = -(-N // bn)
+    for i, n0 in enumerate(range(0, N, bn)):
+        n1 = min(N, n0 + bn)
+        args = dict(M=B, K=K, N=N, n0=n0, x=S.off(x.name), w=W.off(a["w"]), b=W.off(a["b"]) if a["b"] else -1,
+                    lnw=W.off(norm.args["w"]) if norm else -1,
+                    lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
+                    act=ACT_CODES[a["act"]], res=S.off(a["residual"].name) if a["residual"] is not None else -1,
+                    mode=mode, out=S.off(out.name))
+        reads = [S.region(x.name)]
+        if a["residual"] is not None:
+            reads += S.columns(a["residual"].name, B, N, n0, n1)
+        writes = []
+        if mode == MODE_QKV:
+            kc, vc = kv.args["k"], kv.args["v"]
+            H, hd = kc.spec.heads, kc.spec.head_dim
+            args.update(kc=cache_off(kc), vc=cache_off(vc), H=H, Dh=hd, Tmax=kc.spec.length)
+            reads.append(dyn_pos)
+            for c0, c1, cache in ((0, d, None), (d, 2 * d, kc), (2 * d, 3 * d, vc)):
+                lo, hi = max(n0, c0), min(n1, c1)
+                if lo >= hi:
+                    continue
+                if cache is None:
+                    writes += S.columns(out.name, B, d, lo - c0, hi - c0)
+                else:
+                    writes += [cache_cols(cache, r, lo - c0, hi - c0) for r in range(B)]
+        else:
+            writes += S.columns(out.name, B, N, n0, n1)
+        if mode == MODE_LOGITS:
+            part = f"{name}.part"
+            args.update(tile=i, part=S.off(part), ntiles=ntiles, rb=-1)
+            writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
+        signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
+        g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, reads, writes))
+    return {out.name: st}
+
+
+def _lower_attention(p: Plan, g: TaskGraph, node: Node, waits, ancestors, cache_cols, cache_off,
+                     dyn_pos: Region, dyn_xlen: Region) -> _Stage:
+    B, S = p.batch, p.sarena
+    a, name = node.args, node.out.name
+    k, v, q = a["k"], a["v"], a["q"]
+    H, dh = k.spec.heads, k.spec.head_dim
+    d = H * dh
+    self_len = a["length"] == "self"
+    splits = p.tiling.self_splits if self_len else p.tiling.cross_splits
+    part = f"{name}.part"
+    sig_p = g.counter(f"{name}.part")
+    for r in range(B):
+        for h in range(H):
+            wait = waits([q], head=h)
+            for s in range(splits):
+                p0 = ((r * H + h) * splits + s) * (dh + 2)
+                g.add(Task(f"{name}.part[b{r},h{h},s{s}]", OP_ATTN_PARTIAL,
+                           dict(x=S.off(q.name), K=d, kc=cache_off(k), vc=cache_off(v), H=H, Dh=dh,
+                                Tmax=k.spec.length, part=S.off(part), bi=r, hi=h, s=s, S=splits,
+                                lenkind=LEN_SELF if self_len else LEN_CROSS),
+                           wait, sig_p,
+                           [S.region(q.name, r * d + h * dh, r * d + (h + 1) * dh),
+                            cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh),
+                            dyn_pos if self_len else dyn_xlen],
+                           [S.region(part, p0, p0 + dh + 2)]))
+    st = _Stage(name, g.counter(name), ancestors=ancestors([q], name))
+    n_part = g.signalers(sig_p)
+    for r in range(B):
+        for h in range(H):
+            p0 = (r * H + h) * splits * (dh + 2)
+            g.add(Task(f"{name}.merge[b{r},h{h}]", OP_ATTN_MERGE,
+                       dict(K=d, out=S.off(name), H=H, Dh=dh, part=S.off(part), bi=r, hi=h, S=splits),
+                       [(sig_p, n_part)], st.counter, [S.region(part, p0, p0 + splits * (dh + 2))],
+                       [S.region(name, r * d + h * dh, r * d + (h + 1) * dh)]))
+    return st
+
+
+def _needed(graph: StepGraph, p: Plan, results: Iterable[str] | None) -> list[Node]:
+    """The nodes the chosen results and the exposed values depend on, in graph order."""
+    if results is None:
+        return list(graph.nodes)
+    results = set(results)
+    unknown = results - set(graph.results)
+    if unknown:
+        raise KeyError(f"{graph.name}: no results {sorted(unknown)}; it has {graph.results}")
+    want = [n for n in graph.nodes if n.op == "argmax" and n.args["name"] in results]
+    want += [p.producer[v.name] for v in graph.exposed.values()]
+    keep: set[int] = set()
+    while want:
+        n = want.pop()
+        if id(n) in keep:
+            continue
+        keep.add(id(n))
+        for arg in n.args.values():
+            if isinstance(arg, Value) and arg.name in p.producer:
+                want.append(p.producer[arg.name])
+    return [n for n in graph.nodes if id(n) in keep]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The host object
+
+
+class CompiledStep(StateViews):
+    """A step graph compiled for one batch bucket, bound to its buffers.
+
+    Buffers: the weights arena (fp32, or bf16/fp16 to halve the bytes a step streams; math stays
+    fp32), the fp32 state arena (values, caches, partials), the int32 dyn buffer [tokens, positions,
+    cross lengths] and the int32 results [B, len(graph.results)]. Every step-dependent value is read
+    from device memory, so a launch can be captured in a CUDA graph and replayed.
+        step = CompiledStep(graph, weights, batch=1)
+        step.set_step(tokens, positions); step.launch(); step.result("token"); step.view("logits")
+    `launch(results=(...))` runs the pruned task graph that computes only those result columns.
+    """
+
+    def __init__(self, graph: StepGraph, weights: Mapping[str, torch.Tensor], batch: int,
+                 tiling: Tiling = Tiling(), weight_dtype: torch.dtype = torch.float32,
+                 shared_weights: torch.Tensor | None = None, check: bool = True,
+                 device: torch.device | str | None = None) -> None:
+        self.graph_def, self.batch, self.tiling = graph, batch, tiling
+        self.plan = p = plan(graph, batch, tiling)
+        dev = torch.device(device) if device is not None else next(iter(weights.values())).device
+        missing = set(graph.weight_shapes) - set(weights)
+        if missing:
+            raise KeyError(f"{graph.name}: weights missing: {sorted(missing)[:8]}")
+        if shared_weights is not None:
+            # Another bucket's arena: the layout does not depend on the batch, so every bucket of
+            # one model streams one copy of the weights.
+            if shared_weights.numel() != p.warena.size or shared_weights.dtype != weight_dtype:
+                raise ValueError("shared weight arena does not match this graph's layout and dtype")
+            self.weights = shared_weights
+        else:
+            self.weights = torch.zeros(p.warena.size, dtype=weight_dtype, device=dev)
+            for k, shape in graph.weight_shapes.items():
+                t = weights[k]
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"{graph.name}: weight {k!r} has shape {tuple(t.shape)}, the graph says {shape}")
+                off, n = p.warena.regions[k]
+                self.weights[off:off + n] = t.detach().reshape(-1).to(device=dev, dtype=weight_dtype)
+        self.warena, self.sarena, self.shapes = p.warena, p.sarena, p.shapes
+        self.state = torch.zeros(p.sarena.size, dtype=torch.float32, device=dev)
+        self.dyn = torch.zeros(3 * batch, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(batch * max(1, len(graph.results)), dtype=torch.int32, device=dev)
+        self.check = check
+        self._kernels: dict[frozenset[str] | None, object] = {}
+        self.kernel_for(None)   # build and prove the full graph at load time
+
+    def view(self, key: str) -> torch.Tensor:
+        """A value, cache or exposed value (by its exposed name) as a tensor view of the state."""
+        exposed = self.graph_def.exposed.get(key)
+        return super().view(exposed.name if exposed is not None else key)
+
+    def kernel_for(self, results: Iterable[str] | None = None):
+        """The megakernel of the whole step, or of the part that computes `results`."""
+        key = None if results is None else frozenset(results)
+        if key not in self._kernels:
+            from photon_core.megakernel.kernel import Megakernel
+            p, tl = self.plan, self.tiling
+            specs = list(self.graph_def.caches.values())
+            self._kernels[key] = Megakernel(
+                lower(p, key), self.weights, self.state, self.dyn, self.out, block_m=self.batch,
+                block_n=tl.block_n, block_k=tl.block_k, block_t=tl.block_t,
+                head_dim=max([s.head_dim for s in specs], default=16),
+                max_splits=max(tl.self_splits, tl.cross_splits), max_tiles=max(p.logits.values(), default=1),
+                ln_eps=p.ln_eps)
+        return self._kernels[key]
+
+    @property
+    def kernel(self):
+        return self.kernel_for(None)
+
+    @property
+    def graph(self) -> TaskGraph:
+        """The full step's task graph."""
+        return self.kernel.graph
+
+    def set_step(self, tokens: list[int] | torch.Tensor | None, positions: list[int] | torch.Tensor) -> None:
+        """Each row's token (None: the graph takes no token) and position."""
+        B = self.batch
+        pos = torch.as_tensor(positions, dtype=torch.int32)
+        if pos.numel() != B or int(pos.min()) < 0 or int(pos.max()) >= self.plan.max_position:
+            raise ValueError(f"need {B} positions in [0, {self.plan.max_position})")
+        if tokens is not None:
+            tok = torch.as_tensor(tokens, dtype=torch.int32)
+            if tok.numel() != B:
+                raise ValueError(f"need {B} tokens")
+            self.dyn[:B] = tok.to(self.dyn.device)
+        self.dyn[B:2 * B] = pos.to(self.dyn.device)
+
+    def set_cross_len(self, lengths: list[int]) -> None:
+        self.dyn[2 * self.batch:3 * self.batch] = torch.tensor(lengths, dtype=torch.int32)
+
+    def set_input(self, name: str, value: torch.Tensor) -> None:
+        view = self.view(name)
+        view.copy_(value.to(torch.float32).expand_as(view))
+
+    def launch(self, results: Iterable[str] | None = None) -> None:
+        kernel = self.kernel_for(results)
+        kernel.launch()
+        if self.check:
+            kernel.raise_on_error()
+
+    def result(self, name: str) -> torch.Tensor:
+        """Result column `name` of the last step, [B] int32 on the device."""
+        R = len(self.graph_def.results)
+        return self.out.view(self.batch, R)[:, self.graph_def.results.index(name)]
+
+    def weight_bytes_per_step(self, skip: tuple[str, ...] = ()) -> int:
+        return self.graph_def.weight_bytes(self.weights.element_size(), skip)

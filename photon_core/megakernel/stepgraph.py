@@ -1,0 +1,271 @@
+"""A model's decode step stated once, as a graph of ops: what a family writes, what `run_reference`
+runs eagerly and what compiler.py lowers to megakernel tasks. Nothing here knows a model.
+
+A step decodes one position for each of B rows (the batch belongs to the compiler, not the graph);
+every Value is a per-row vector with a name and a width. The ops:
+
+    input(name, width)                 a value the host writes before the step (input embeddings, a
+                                       logit bias)
+    embed(tok, pos)                    tok[token] (+ pos[position]): the row's token and position come
+                                       from the step's dynamic buffer
+    layer_norm(x, w, b)                statistics over x's width; only linears may read its output, so
+                                       the compiler fuses it in front of them
+    linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, "gelu", "gelu_tanh")
+    kv_append(qkv, k, v, rotary)       q|k|v = qkv split into heads; q and k rotated at the row's
+                                       position (optional); k, v appended to the caches there -> q
+    attention(q, k, v, length)         per head, softmax(q k^T / sqrt(Dh)) v over the row's first
+                                       `length` keys: "self" = position + 1, "cross" = its cross length
+    argmax(x, name, c0, c1, advance)   int32 result column `name`: argmax of x[c0:c1] (first of ties);
+                                       `advance` also makes it the row's next token and steps the position
+
+Caches are state the graph declares ([B, H, T, Dh] per layer, or [L, B, H, T, Dh] for `layers`):
+the host fills them (prefill, cross K/V), kv_append appends to them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+ACTIVATIONS = (None, "gelu", "gelu_tanh")
+LENGTHS = ("self", "cross")
+
+
+@dataclass(frozen=True)
+class Value:
+    name: str
+    width: int
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    name: str
+    heads: int
+    length: int
+    head_dim: int
+    layers: int | None = None     # one region [L, B, H, T, Dh] instead of [B, H, T, Dh]
+
+    def __getitem__(self, layer: int) -> "CacheRef":
+        if self.layers is None or not 0 <= layer < self.layers:
+            raise IndexError(f"cache {self.name!r} has no layer {layer}")
+        return CacheRef(self, layer)
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    spec: CacheSpec
+    layer: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Identifies this cache's memory for the checker (one layer of a layered cache)."""
+        return self.spec.name if self.layer is None else f"{self.spec.name}[{self.layer}]"
+
+
+@dataclass(frozen=True)
+class Rotary:
+    cos: str          # weight names of [T, rot/2] tables
+    sin: str
+    dims: int         # rotated features per head (pairs (i, i + dims/2), "rotate half")
+
+
+@dataclass
+class Node:
+    op: str
+    out: Value | None
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _cache(c: CacheSpec | CacheRef) -> CacheRef:
+    return c if isinstance(c, CacheRef) else CacheRef(c)
+
+
+class StepGraph:
+    """Builder and container of one decode step. `weights` maps every weight name the step reads to
+    its shape (meta tensors' shapes are enough: graphs of real sizes cost no memory)."""
+
+    def __init__(self, name: str, weights: Mapping[str, tuple[int, ...]]) -> None:
+        self.name = name
+        self.weight_shapes = {k: tuple(v) for k, v in weights.items()}
+        self.nodes: list[Node] = []
+        self.values: dict[str, Value] = {}
+        self.caches: dict[str, CacheSpec] = {}
+        self.results: list[str] = []          # argmax result columns, in order
+        self.exposed: dict[str, Value] = {}   # values the host reads after a step (logits, hidden)
+
+    # -- declarations --------------------------------------------------------------------------
+    def cache(self, name: str, heads: int, length: int, head_dim: int, layers: int | None = None) -> CacheSpec:
+        if name in self.caches:
+            raise ValueError(f"cache {name!r} declared twice")
+        spec = CacheSpec(name, heads, length, head_dim, layers)
+        self.caches[name] = spec
+        return spec
+
+    def expose(self, name: str, value: Value) -> Value:
+        """Let the host read `value` after each step under `name`."""
+        self.exposed[name] = value
+        return value
+
+    # -- ops -----------------------------------------------------------------------------------
+    def input(self, name: str, width: int) -> Value:
+        return self._add("input", name, width)
+
+    def embed(self, name: str, tok: str, pos: str | None = None) -> Value:
+        v, d = self._shape(tok, 2)
+        if pos is not None and self._shape(pos, 2)[1] != d:
+            raise ValueError(f"{pos!r} width {self.weight_shapes[pos][1]} != {tok!r} width {d}")
+        return self._add("embed", name, d, tok=tok, pos=pos)
+
+    def layer_norm(self, name: str, x: Value, w: str, b: str | None = None, eps: float = 1e-5) -> Value:
+        self._vector(w, x.width)
+        if b is not None:
+            self._vector(b, x.width)
+        return self._add("layer_norm", name, x.width, x=x, w=w, b=b, eps=eps)
+
+    def linear(self, name: str, x: Value, w: str, b: str | None = None, act: str | None = None,
+               residual: Value | None = None) -> Value:
+        n, k = self._shape(w, 2)
+        if k != x.width:
+            raise ValueError(f"linear {name!r}: {w!r} takes {k} features, {x.name!r} has {x.width}")
+        if b is not None:
+            self._vector(b, n)
+        if act not in ACTIVATIONS:
+            raise ValueError(f"linear {name!r}: activation {act!r} is not one of {ACTIVATIONS}")
+        if residual is not None and residual.width != n:
+            raise ValueError(f"linear {name!r}: residual {residual.name!r} has width {residual.width}, not {n}")
+        return self._add("linear", name, n, x=x, w=w, b=b, act=act, residual=residual)
+
+    def kv_append(self, name: str, qkv: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
+                  rotary: Rotary | None = None) -> Value:
+        k, v = _cache(k), _cache(v)
+        h, dh = k.spec.heads, k.spec.head_dim
+        if (v.spec.heads, v.spec.head_dim) != (h, dh) or qkv.width != 3 * h * dh:
+            raise ValueError(f"kv_append {name!r}: {qkv.name!r} of width {qkv.width} is not q|k|v of "
+                             f"{h} heads x {dh} (grouped K/V heads are not compiled yet)")
+        if rotary is not None:
+            t, half = self._shape(rotary.cos, 2)
+            if self._shape(rotary.sin, 2) != (t, half) or 2 * half != rotary.dims or rotary.dims > dh:
+                raise ValueError(f"kv_append {name!r}: rotary tables must be [T, {rotary.dims // 2}], "
+                                 f"rotating at most the {dh} features of a head")
+        return self._add("kv_append", name, h * dh, qkv=qkv, k=k, v=v, rotary=rotary)
+
+    def attention(self, name: str, q: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
+                  length: str = "self") -> Value:
+        k, v = _cache(k), _cache(v)
+        if length not in LENGTHS:
+            raise ValueError(f"attention {name!r}: length {length!r} is not one of {LENGTHS}")
+        dims = (k.spec.heads, k.spec.head_dim, k.spec.length)
+        if q.width != k.spec.heads * k.spec.head_dim or dims != (v.spec.heads, v.spec.head_dim, v.spec.length):
+            raise ValueError(f"attention {name!r}: q {q.name!r} and caches disagree on heads / head size")
+        return self._add("attention", name, q.width, q=q, k=k, v=v, length=length)
+
+    def argmax(self, name: str, x: Value, c0: int = 0, c1: int | None = None, advance: bool = False) -> None:
+        c1 = x.width if c1 is None else c1
+        if not 0 <= c0 < c1 <= x.width:
+            raise ValueError(f"argmax {name!r}: columns [{c0}, {c1}) outside {x.name!r} of width {x.width}")
+        if name in self.results:
+            raise ValueError(f"result {name!r} declared twice")
+        self.results.append(name)
+        self.nodes.append(Node("argmax", None, dict(x=x, name=name, c0=c0, c1=c1, advance=advance)))
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _add(self, op: str, name: str, width: int, **args: Any) -> Value:
+        if name in self.values:
+            raise ValueError(f"value {name!r} defined twice (values are single-assignment)")
+        value = Value(name, width)
+        self.values[name] = value
+        self.nodes.append(Node(op, value, args))
+        return value
+
+    def _shape(self, w: str, rank: int) -> tuple[int, ...]:
+        if w not in self.weight_shapes:
+            raise KeyError(f"{self.name}: weight {w!r} is not among the step's weights")
+        shape = self.weight_shapes[w]
+        if len(shape) != rank:
+            raise ValueError(f"{self.name}: weight {w!r} has shape {shape}, expected rank {rank}")
+        return shape
+
+    def _vector(self, w: str, n: int) -> None:
+        if self._shape(w, 1) != (n,):
+            raise ValueError(f"{self.name}: weight {w!r} has shape {self.weight_shapes[w]}, expected ({n},)")
+
+    def consumers(self, value: Value) -> list[Node]:
+        return [n for n in self.nodes if any(a is value for a in n.args.values())]
+
+    def weight_bytes(self, element_size: int = 4, skip: tuple[str, ...] = ()) -> int:
+        """Bytes of weights one step streams: every weight once (rotary tables: one row each)."""
+        rows = {r.cos for n in self.nodes if (r := n.args.get("rotary"))} | \
+               {r.sin for n in self.nodes if (r := n.args.get("rotary"))}
+        total = 0
+        for k, shape in self.weight_shapes.items():
+            if k in skip:
+                continue
+            total += shape[-1] if k in rows else math.prod(shape)
+        return total * element_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# The eager reference: the same graph run op by op with backends.reference
+
+
+def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor],
+                  tokens: list[int], positions: list[int], cross_len: list[int] | None = None,
+                  inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """One step for B = len(positions) rows. `caches` maps cache names to tensors in the layout the
+    graph declares ([B, H, T, Dh], or [L, B, H, T, Dh]); kv_append updates them in place. Returns
+    every value ([B, width]) by name, and the argmax results under "results" ({name: [B] ints})."""
+    from photon_core.backends import reference as ref
+
+    bsz = len(positions)
+    dev = next(iter(weights.values())).device
+    pos = torch.tensor(positions, device=dev)
+    vals: dict[str, torch.Tensor] = {}
+    results: dict[str, list[int]] = {}
+
+    def cache(c: CacheRef) -> torch.Tensor:
+        t = caches[c.spec.name]
+        return t if c.layer is None else t[c.layer]
+
+    for node in graph.nodes:
+        a = node.args
+        if node.op == "input":
+            y = inputs[node.out.name].float().reshape(bsz, node.out.width)
+        elif node.op == "embed":
+            y = weights[a["tok"]][torch.tensor(tokens, device=dev)].float()
+            if a["pos"] is not None:
+                y = y + weights[a["pos"]][pos].float()
+        elif node.op == "layer_norm":
+            y = ref.layer_norm(vals[a["x"].name], weights[a["w"]].float(),
+                               None if a["b"] is None else weights[a["b"]].float(), a["eps"])
+        elif node.op == "linear":
+            y = ref.linear(vals[a["x"].name], weights[a["w"]].float(),
+                           None if a["b"] is None else weights[a["b"]].float(), activation=a["act"],
+                           residual=None if a["residual"] is None else vals[a["residual"].name])
+        elif node.op == "kv_append":
+            k_c, v_c = cache(a["k"]), cache(a["v"])
+            h, dh = a["k"].spec.heads, a["k"].spec.head_dim
+            q, k, v = vals[a["qkv"].name].view(bsz, 3, h, 1, dh).unbind(1)
+            rot = a["rotary"]
+            if rot is not None:
+                cos = weights[rot.cos].float()[pos].view(bsz, 1, 1, -1)
+                sin = weights[rot.sin].float()[pos].view(bsz, 1, 1, -1)
+                q, k = ref.rotary(q, cos, sin, rot.dims), ref.rotary(k, cos, sin, rot.dims)
+            ref.kv_append(k_c, v_c, k, v, pos)
+            y = q.reshape(bsz, h * dh)
+        elif node.op == "attention":
+            k_c, v_c = cache(a["k"]), cache(a["v"])
+            h, dh = a["k"].spec.heads, a["k"].spec.head_dim
+            lengths = pos + 1 if a["length"] == "self" else torch.tensor(cross_len, device=dev)
+            y = ref.decode_attention(vals[a["q"].name].view(bsz, h, 1, dh), k_c, v_c, lengths)
+            y = y.reshape(bsz, h * dh)
+        elif node.op == "argmax":
+            x = vals[a["x"].name][:, a["c0"]:a["c1"]]
+            results[a["name"]] = ref.argmax(x).tolist()
+            continue
+        else:
+            raise ValueError(f"unknown op {node.op!r}")
+        vals[node.out.name] = y
+    vals["results"] = results
+    return vals

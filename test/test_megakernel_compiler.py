@@ -1,0 +1,180 @@
+"""The compiler path: a step graph run eagerly by run_reference and the same graph compiled to one
+megakernel launch give the same values, results and cache contents, step after step; pruning by
+results keeps exactly what they need; graphs the megakernel cannot run are refused with a reason;
+and megakernel/ imports no model code."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from photon_core.megakernel import CompiledStep, Rotary, StepGraph, Tiling, check, lower, plan, run_reference  # noqa: E402
+
+RTOL = 1e-4
+
+
+def rel_err(a, b):
+    assert torch.isfinite(a).all()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def toy_weights(d=48, heads=3, ff=80, vocab=70, ctx=24, seed=0):
+    """A pre-norm decoder layer with rotary, a parallel MLP, an LM head and a two-part side head:
+    every op of the step-graph language, in shapes no tile divides."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=None):
+        return torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
+
+    dh = d // heads
+    return {"tok": w(vocab, d, scale=0.5), "pos": w(ctx, d, scale=0.2), "ln.w": 1 + 0.1 * w(d, scale=1),
+            "ln.b": w(d, scale=0.1), "qkv": w(3 * d, d), "qkv.b": w(3 * d, scale=0.1), "out": w(d, d),
+            "up": w(ff, d), "up.b": w(ff, scale=0.1), "down": w(d, ff), "cos": torch.cos(w(ctx, dh // 4, scale=1)),
+            "sin": torch.sin(w(ctx, dh // 4, scale=1)), "xq": w(d, d), "head": w(vocab, d), "side": w(64, d)}
+
+
+def toy_graph(weights, max_len=12, enc_len=9, rotary=True, advance=False, expose=True):
+    d = weights["tok"].shape[1]
+    heads = 3
+    g = StepGraph("toy", {k: tuple(t.shape) for k, t in weights.items()})
+    kc, vc = g.cache("k", heads, max_len, d // heads), g.cache("v", heads, max_len, d // heads)
+    xk, xv = g.cache("xk", heads, enc_len, d // heads), g.cache("xv", heads, enc_len, d // heads)
+    x = g.embed("x0", "tok", "pos")
+    h = g.layer_norm("h", x, "ln.w", "ln.b")
+    qkv = g.linear("qkv", h, "qkv", "qkv.b")
+    q = g.kv_append("q", qkv, kc, vc, rotary=Rotary("cos", "sin", d // heads // 2) if rotary else None)
+    a = g.attention("a", q, kc, vc, "self")
+    m = g.linear("m", g.linear("u", h, "up", "up.b", act="gelu_tanh"), "down", residual=x)
+    x = g.linear("x1", a, "out", residual=m)
+    c = g.attention("c", g.linear("cq", x, "xq"), xk, xv, "cross")
+    bias = g.input("bias", weights["tok"].shape[0])
+    logits = g.linear("logits", g.layer_norm("hf", c, "ln.w", "ln.b"), "head", residual=bias)
+    if expose:
+        g.expose("logits", logits)
+    g.argmax("token", logits, advance=advance)
+    side = g.linear("side", x, "side", act="gelu")
+    g.argmax("left", side, 0, 32)
+    g.argmax("right", side, 32, 64)
+    return g
+
+
+def fill_caches(step, batch, positions, enc_len, gen):
+    """Random history in both the compiled step's caches and plain tensors for the reference."""
+    caches = {}
+    for name, spec in step.graph_def.caches.items():
+        t = torch.randn(batch, spec.heads, spec.length, spec.head_dim, generator=gen)
+        if name in ("k", "v"):
+            for r, p in enumerate(positions):
+                t[r, :, p:] = 0.0        # not yet written: the reference must not need it
+        caches[name] = t
+        view = step.view(name)
+        view.fill_(float("nan"))         # poison: unwritten positions must never be read
+        for r, p in enumerate(positions):
+            n = p if name in ("k", "v") else enc_len
+            view[r, :, :n] = t[r, :, :n]
+    return caches
+
+
+@pytest.mark.parametrize("batch,rotary,tiling", [
+    (1, True, Tiling(16, 32, 8, 2, 3)),
+    (2, False, Tiling(16, 32, 8, 3, 2)),      # no rotary: q|k|v stored by the linear itself
+    (4, True, Tiling(32, 64, 16, 1, 1)),      # tiles straddle heads: whole-stage waits
+])
+def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling):
+    w = toy_weights()
+    g = toy_graph(w, rotary=rotary)
+    step = CompiledStep(g, w, batch, tiling)
+    step.state.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(batch)
+    positions = [1 + 2 * r for r in range(batch)]
+    cross = [9 - r for r in range(batch)]
+    caches = fill_caches(step, batch, positions, 9, gen)
+    step.set_cross_len(cross)
+    for _ in range(3):
+        tokens = torch.randint(0, 70, (batch,), generator=gen).tolist()
+        bias = torch.zeros(batch, 70)
+        bias[:, torch.randint(0, 70, (5,), generator=gen)] = float("-inf")
+        step.set_input("bias", bias)
+        step.set_step(tokens, positions)
+        step.launch()
+        want = run_reference(g, w, caches, tokens, positions, cross, {"bias": bias})
+        finite = torch.isfinite(want["logits"])
+        assert torch.equal(torch.isfinite(step.view("logits")), finite)
+        assert rel_err(step.view("logits")[finite], want["logits"][finite]) < RTOL
+        assert rel_err(step.view("x1"), want["x1"]) < RTOL
+        for name in ("token", "left", "right"):
+            assert step.result(name).tolist() == want["results"][name], name
+        for name in ("k", "v"):
+            for r, p in enumerate(positions):
+                assert rel_err(step.view(name)[r, :, p], caches[name][r, :, p]) < RTOL
+        positions = [p + 1 for p in positions]
+
+
+def test_advance_writes_the_next_token_and_position():
+    w = toy_weights()
+    g = toy_graph(w, advance=True)
+    step = CompiledStep(g, w, 1, Tiling(16, 32, 8, 2, 2))
+    gen = torch.Generator().manual_seed(3)
+    caches = fill_caches(step, 1, [0], 9, gen)
+    step.set_cross_len([9])
+    step.set_input("bias", torch.zeros(70))
+    step.set_step([4], [0])
+    tokens, positions = [4], [0]
+    for _ in range(3):
+        step.launch()     # no host write between launches: what a replayed CUDA graph does
+        want = run_reference(g, w, caches, tokens, positions, [9], {"bias": torch.zeros(1, 70)})
+        tokens, positions = want["results"]["token"], [positions[0] + 1]
+        assert step.dyn[:1].tolist() == tokens and step.dyn[1:2].tolist() == positions
+
+
+def test_pruned_step_runs_only_what_its_results_need():
+    w = toy_weights()
+    p = plan(toy_graph(w, expose=False), 2, Tiling(16, 32, 8, 2, 2))
+    full, side = lower(p), lower(p, ["left"])
+    check(side)
+    names = {t.name.split("[")[0] for t in side.tasks}
+    assert {"side", "argmax.left", "x1", "a.merge"} <= names
+    assert not names & {"logits", "c.merge", "cq", "argmax.token", "argmax.right"}
+    assert len(side.tasks) < len(full.tasks)
+    # An exposed value is computed whatever the results asked for.
+    exposed = plan(toy_graph(w), 2, Tiling(16, 32, 8, 2, 2))
+    assert any(t.name.startswith("logits[") for t in lower(exposed, ["left"]).tasks)
+    with pytest.raises(KeyError, match="no results"):
+        lower(p, ["nope"])
+
+
+def test_graphs_the_megakernel_cannot_run_are_refused():
+    w = toy_weights()
+    g = StepGraph("bad-norm", {k: tuple(t.shape) for k, t in w.items()})
+    x = g.embed("x", "tok", "pos")
+    h = g.layer_norm("h", x, "ln.w", "ln.b")
+    g.linear("y", x, "out", residual=h)          # a norm read as a residual cannot be fused
+    with pytest.raises(ValueError, match="fused LayerNorm"):
+        plan(g, 1)
+    g = StepGraph("bad-argmax", {k: tuple(t.shape) for k, t in w.items()})
+    side = g.linear("side", g.embed("x", "tok"), "side")
+    g.argmax("a", side, 0, 20)                  # 20 is not on a 32-column tile
+    with pytest.raises(ValueError, match="tiles"):
+        plan(g, 1, Tiling(block_n=32))
+    with pytest.raises(ValueError, match="bucket"):
+        plan(toy_graph(w), 3)
+    with pytest.raises(ValueError, match="takes 48 features"):
+        StepGraph("bad-shape", {"a": (4, 48), "b": (4, 5)}).linear("y", Value_of(5), "a")
+
+
+def Value_of(width):
+    from photon_core.megakernel.stepgraph import Value
+    return Value("v", width)
+
+
+def test_megakernel_imports_no_model_code():
+    root = Path(__file__).resolve().parents[1] / "photon_core" / "megakernel"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.startswith("photon_core.models") for n in names), f"{path.name} imports {names}"
