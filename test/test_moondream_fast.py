@@ -7,7 +7,7 @@
   size bins, same appended K/V, for batch 1 and 2 (rows at different positions) over several steps;
 * the graphs pass the checker for every batch bucket (and at moondream2's real sizes), and a graph
   with a dropped dependency is rejected;
-* the skills through FastMoondream give exactly the reference's greedy tokens, boxes and points.
+* the skills on the megakernel backend give exactly the reference's greedy tokens, boxes and points.
 
 Runs Triton under the CPU interpreter on moondream_fast_fixtures' reduced checkpoint (vocab 1024,
 126-px crops), which keeps all of it around a minute and a half on two cores.
@@ -27,7 +27,9 @@ from photon_core.megakernel.graph import OP_ARGMAX, OP_ROPE_APPEND  # noqa: E402
 from photon_core.megakernel.checker import GraphError, check  # noqa: E402
 from photon_core.models.moondream import Request, load_moondream, text, vision  # noqa: E402
 from photon_core.models.moondream.config import MoondreamConfig  # noqa: E402
-from photon_core.models.moondream_fast import FastMoondream, load_moondream_fast  # noqa: E402
+from photon_core.backends.select import get_backend  # noqa: E402
+from photon_core.models.moondream import batch as batch_decoding  # noqa: E402
+from photon_core.models.moondream.megakernel_decode import MegakernelDecode  # noqa: E402
 
 RTOL = 1e-4
 # Wider tiles than the GPU default: the interpreter's cost is per task, not per byte.
@@ -39,11 +41,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def fast_model(ckpt):
+    """The same checkpoint on the megakernel backend: Triton per-op encode/prefill, compiled decode steps."""
+    return load_moondream(ckpt, backend=get_backend("megakernel", "cpu"), tiling=TILING)
+
+
 @pytest.fixture(scope="module")
 def pair():
     """(reference model, fast model) on the same checkpoint (LM head biased towards `coord`)."""
     ckpt = ff.checkpoint()
-    return load_moondream(ckpt), load_moondream_fast(ckpt, device="cpu", tiling=TILING)
+    return load_moondream(ckpt), fast_model(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def test_batched_requests_through_the_triton_ops_match_reference(pair, encoded):
     ref_e, fast_e = encoded
     requests = [("detect", "cup", 2), ("point", "dog", 3)]
     want = ref_m.batch([Request(t, ref_e, p, max_objects=n) for t, p, n in requests])
-    got = fast.model.batch([Request(t, fast_e, p, max_objects=n) for t, p, n in requests])
+    got = batch_decoding.run(fast, [Request(t, fast_e, p, max_objects=n) for t, p, n in requests])  # ops stepper
     assert got == want and len(got[1]["points"]) == 3
 
 
@@ -71,7 +78,7 @@ def test_batched_requests_through_the_triton_ops_match_reference(pair, encoded):
 
 def test_vision_features_and_tokens_match(pair):
     ref_m, fast = pair
-    m = fast.model
+    m = fast
     crops, tiling = ref_m.preprocess(ff.image())
     assert tiling == (1, 1) and crops.shape[0] == 2  # global crop + one local crop
     x = vision.normalize(crops, torch.float32, "cpu")
@@ -224,7 +231,7 @@ def test_detect_and_point_match_reference(pair, encoded):
 def test_caption_and_query_match_reference():
     """An unbiased LM head, so the greedy tokens are a real search over the vocabulary."""
     ckpt = ff.checkpoint(seed=1, object_bias=False)
-    ref_m, fast = load_moondream(ckpt), load_moondream_fast(ckpt, device="cpu", tiling=TILING)
+    ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
     img = ff.image(seed=1)
     ref_e, fast_e = ref_m.encode_image(img), fast.encode_image(img)
     want = ref_m.caption(ref_e, "short", max_tokens=4)
@@ -240,7 +247,7 @@ def test_fast_model_rules(pair, encoded):
     with pytest.raises(ValueError, match="another model"):
         fast.detect(ref_e, "cup", max_objects=1)  # an EncodedImage of the reference model
     with pytest.raises(ValueError, match="Triton ops"):
-        FastMoondream(ref_m)
+        MegakernelDecode(ref_m)
     with pytest.raises(ValueError, match="max_objects"):
         fast.point(encoded[1], "cup", max_objects=-1)
 
@@ -254,7 +261,7 @@ def test_megakernel_batch_matches_reference(pair, encoded):
     got = fast.batch([Request(t, fast_e, p, max_objects=n) for t, p, n in asks])
     want = [getattr(ref_m, t)(ref_e, p, max_objects=n) for t, p, n in asks]
     assert got == want and [len(r.get("points", r.get("objects"))) for r in got] == [1, 3, 2]
-    assert fast.decoder(4).weights is fast.decoder(1).weights     # one copy of the weights
+    assert fast.decode.decoder(4).weights is fast.decode.decoder(1).weights     # one copy of the weights
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -57,10 +57,6 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
 
     ops = get_backend(backend, device)
     dtype = dtype if dtype is not None else "float32"
-    if getattr(ops, "NAME", "") == "megakernel":
-        # The decode megakernel still lives in a second class; it will merge into MoondreamModel.
-        from photon_core.models.moondream_fast import load_moondream_fast
-        return load_moondream_fast(checkpoint.path, device=device, dtype=dtype)
     return load_moondream(checkpoint.path, device=device, dtype=dtype, backend=ops)
 
 

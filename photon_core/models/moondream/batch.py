@@ -103,7 +103,7 @@ def run(model: "MoondreamModel", requests: list[Request], stepper: Any = None) -
     """Results of `requests`, each shaped as the matching single call returns it (text not
     streamed). A request that is invalid (empty object, unknown task...) raises ValueError before
     any image is encoded (one whose prompt does not fit the context, before any decoding). `stepper` runs the forward passes (default: OpsStepper, the model's own ops;
-    moondream_fast passes its megakernel stepper)."""
+    megakernel_decode passes its megakernel stepper)."""
     if not requests:
         return []
     prompts = [_prompt(model, r) for r in requests]

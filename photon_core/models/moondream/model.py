@@ -82,15 +82,25 @@ def check_state(sd: dict[str, torch.Tensor], cfg: MoondreamConfig, source: str) 
 
 
 class MoondreamModel:
-    """Moondream 2 on one backend. Skills take an image (numpy RGB / PIL) or an EncodedImage."""
+    """Moondream 2 on one backend. Skills take an image (numpy RGB / PIL) or an EncodedImage.
+
+    The backend picks the decode stepper: the ops path (batch.py's OpsStepper: every decode step a
+    batched forward of `ops`) or, with the megakernel backend, `decode` (megakernel_decode.py: every
+    decode step one launch of the compiled step graph). Results are the same."""
 
     def __init__(self, config: MoondreamConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
-                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2") -> None:
+                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2",
+                 tiling: Any = None, max_len: int | None = None) -> None:
         self.config, self.tokenizer, self.ops = config, tokenizer, ops
         self.device, self.dtype, self.model_id = device, dtype, model_id
         self.vision_w = vision.VisionWeights.from_state(state, config.vision)
         self.text_w = text.TextWeights.from_state(state, config.text)
         self.region_w = RegionWeights.from_state(state)
+        self.decode = None
+        if getattr(ops, "NAME", "") == "megakernel":
+            from photon_core.megakernel.compiler import Tiling
+            from photon_core.models.moondream.megakernel_decode import MegakernelDecode
+            self.decode = MegakernelDecode(self, tiling or Tiling(), max_len)
 
     # -- image -------------------------------------------------------------------------------
     def preprocess(self, image: ImageLike, channel_order: str = "rgb") -> tuple[np.ndarray, tuple[int, int]]:
@@ -139,39 +149,47 @@ class MoondreamModel:
     # -- skills ------------------------------------------------------------------------------
     def detect(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
         """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max"}]}, normalised to [0, 1]."""
-        return batch_decoding.run(self, [batch_decoding.Request("detect", image, object, max_objects)])[0]
+        return self.batch([batch_decoding.Request("detect", image, object, max_objects)])[0]
 
     def point(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
         """Points on `object`: {"points": [{"x", "y"}]}, normalised to [0, 1]."""
-        return batch_decoding.run(self, [batch_decoding.Request("point", image, object, max_objects)])[0]
+        return self.batch([batch_decoding.Request("point", image, object, max_objects)])[0]
 
     def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,
                 max_tokens: int = skills.DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict:
         """{"caption": str}, or a generator of text pieces with stream=True. length: short/normal/long."""
-        prompt = skills.caption_prompt(self, length)
-        gen = skills.generate_text(self, self._encoded(image), prompt, max_tokens, temperature, top_p)
+        gen = self._generate_text(image, skills.caption_prompt(self, length), max_tokens, temperature, top_p)
         return {"caption": gen if stream else "".join(gen)}  # str, or Iterator[str] when streaming
 
     def query(self, image: ImageLike | EncodedImage, question: str, stream: bool = False, max_tokens: int = skills.DEFAULT_MAX_TOKENS,
               temperature: float = 0.0, top_p: float = 1.0) -> dict:
         """{"answer": str}, or a generator of text pieces with stream=True."""
-        prompt = skills.query_prompt(self, question)
-        gen = skills.generate_text(self, self._encoded(image), prompt, max_tokens, temperature, top_p)
+        gen = self._generate_text(image, skills.query_prompt(self, question), max_tokens, temperature, top_p)
         return {"answer": gen if stream else "".join(gen)}
 
+    def _generate_text(self, image: ImageLike | EncodedImage, prompt: list[int], max_tokens: int,
+                       temperature: float, top_p: float):
+        enc = self._encoded(image)
+        if self.decode is not None:
+            return self.decode.generate_text(enc, prompt, max_tokens, temperature, top_p)
+        return skills.generate_text(self, enc, prompt, max_tokens, temperature, top_p)
 
     def batch(self, requests: list[batch_decoding.Request]) -> list[dict]:
         """Several requests (any mix of skills, images and prompts) decoded together: each decode
-        step is one batched forward for all of them. Results in order, shaped as the single calls
-        return them (caption/query text not streamed). See batch.py."""
+        step is one batched forward (or one megakernel launch) for all of them. Results in order,
+        shaped as the single calls return them (caption/query text not streamed). See batch.py."""
+        if self.decode is not None:
+            return self.decode.batch(requests)
         return batch_decoding.run(self, requests)
 
 
 def load_moondream(path_or_id: str | Path = "moondream2", device: str | torch.device = "cpu",
-                   dtype: torch.dtype | str = torch.float32, backend: Any = None) -> MoondreamModel:
+                   dtype: torch.dtype | str = torch.float32, backend: Any = None, tiling: Any = None,
+                   max_len: int | None = None) -> MoondreamModel:
     """Load Moondream 2 from a local file/folder or the Hugging Face cache (`vikhyatk/moondream2`).
 
-    backend: a module with the ops of photon_core.backends.reference (the default)."""
+    backend: an ops module (photon_core.backends.select.get_backend: reference, the default; triton;
+    megakernel, whose decode steps are compiled launches with `tiling`, KV caches of `max_len`)."""
     if backend is None:
         from photon_core.backends import reference as backend
     dtype = weights_io.parse_dtype(dtype)
@@ -181,4 +199,4 @@ def load_moondream(path_or_id: str | Path = "moondream2", device: str | torch.de
     tokenizer = MoondreamTokenizer(find_tokenizer(ckpt.folder))
     state = weights_io.load_tensors(ckpt.weights, dtype, device)
     check_state(state, config, str(ckpt.weights))
-    return MoondreamModel(config, state, tokenizer, backend, device, dtype)
+    return MoondreamModel(config, state, tokenizer, backend, device, dtype, tiling=tiling, max_len=max_len)

@@ -1,52 +1,50 @@
-"""Moondream 2 on the fast path: vision encoder and prefill through the per-op Triton kernels, every
-decode step (LM head and region heads included) through the decode megakernel.
+"""Moondream 2's decode on the megakernel: every decode step (LM head and region heads included) is
+one launch of the step graph compiled by photon_core.megakernel (decoder_step.py), while the vision
+encoder and the prompt prefill run on the per-op Triton kernels of the model's ops.
 
-    fast = load_moondream_fast("moondream2", device="cuda")      # or FastMoondream(model)
-    fast.detect(image, "cup")  /  fast.point(...)  /  fast.caption(...)  /  fast.query(...)
-
-Same skills API and results as MoondreamModel (model.py); the prompt templates, masks and result
-shapes come from skills.py. What differs is only where the math runs:
-* encode_image: the wrapped MoondreamModel's own encode_image, whose ops module is the Triton backend
-  (vision crops through the encoder, projection, bidirectional prefill of [BOS][image tokens]).
+A MoondreamModel loaded with the "megakernel" backend holds one MegakernelDecode (`model.decode`);
+its skills go through it:
 * a request: the prompt except its last token is prefilled with the per-op kernels (text.forward
   after the image's K/V), the image and prompt K/V are copied into the request's row of the
   megakernel's KV cache, and the last prompt token is the first megakernel step. Each step yields, in
   ONE launch, the LM argmax under each row's mask (a -inf logit bias), the coordinate bin and the two
   size bins, all read from the last hidden state before post_ln.
-* detect, point and `batch`: batch.py's decode protocol (shared with MoondreamModel) with a
+* detect, point and `batch`: batch.py's decode protocol (shared with the ops path) with a
   MegakernelStepper: up to 8 requests share each launch in the smallest batch bucket (1, 2, 4, 8)
-  that holds them; every bucket's megakernel reads one shared copy of the weights.
+  that holds them; every bucket's compiled step reads one shared copy of the weights.
 * caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step).
 
-One request or batch at a time per FastMoondream: the megakernels' state (KV cache, activations)
-is one arena per bucket. A concurrent second call raises instead of corrupting the first.
+One request or batch at a time per model: the compiled steps' state (KV cache, activations) is one
+arena per bucket. A concurrent second call raises instead of corrupting the first.
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from photon_core.megakernel.compiler import Tiling
-from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
+from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from photon_core.models.moondream import batch as batch_decoding
 from photon_core.models.moondream import skills, text
 from photon_core.models.moondream.batch import Request
-from photon_core.models.moondream.model import EncodedImage, ImageLike, MoondreamModel, load_moondream
+from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
+
+if TYPE_CHECKING:
+    from photon_core.models.moondream.model import EncodedImage, MoondreamModel
 
 
-class FastMoondream:
-    """A MoondreamModel (loaded with the Triton ops module) plus its decode megakernels."""
+class MegakernelDecode:
+    """The decode megakernels of one MoondreamModel (whose ops module is the megakernel backend's
+    per-op Triton kernels): one compiled step per batch bucket, all sharing one copy of the weights."""
 
-    def __init__(self, model: MoondreamModel, tiling: Tiling = Tiling(), max_len: int | None = None) -> None:
+    def __init__(self, model: "MoondreamModel", tiling: Tiling = Tiling(), max_len: int | None = None) -> None:
         if getattr(model.ops, "NAME", None) not in ("triton", "megakernel"):
-            raise ValueError("FastMoondream needs a MoondreamModel loaded with the Triton ops "
-                             "(load_moondream(..., backend=photon_core.backends.triton)); use load_moondream_fast")
+            raise ValueError("the decode megakernel needs a MoondreamModel on the Triton ops "
+                             "(load_moondream(..., backend=get_backend('megakernel', device)))")
         self.model, self.config, self.tokenizer = model, model.config, model.tokenizer
         self.device, self.dtype = model.device, model.dtype
         self.tiling = tiling
@@ -55,10 +53,6 @@ class FastMoondream:
         self._busy = threading.Lock()
         # The two masks every skill uses; the megakernel applies them as logit biases.
         self._answer, self._boundary = skills.answer_mask(model), skills.boundary_mask(model)
-
-    @property
-    def model_id(self) -> str:
-        return self.model.model_id
 
     # -- the megakernels -------------------------------------------------------------------------
     def decoder(self, batch: int = 1) -> MoondreamDecoderMegakernel:
@@ -83,42 +77,15 @@ class FastMoondream:
         finally:
             self._busy.release()
 
-    # -- image -------------------------------------------------------------------------------------
-    def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
-        """Vision encoder + prefill through the per-op Triton kernels (the wrapped model's ops)."""
-        return self.model.encode_image(image, channel_order)
-
-    # -- skills ------------------------------------------------------------------------------------
-    def detect(self, image: ImageLike | EncodedImage, object: str,
-               max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
-        return self.batch([Request("detect", image, object, max_objects)])[0]
-
-    def point(self, image: ImageLike | EncodedImage, object: str,
-              max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
-        return self.batch([Request("point", image, object, max_objects)])[0]
-
-    def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,
-                max_tokens: int = skills.DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict:
-        prompt = skills.caption_prompt(self.model, length)
-        gen = self._generate_text(self.encode_image(image), prompt, max_tokens, temperature, top_p)
-        return {"caption": gen if stream else "".join(gen)}
-
-    def query(self, image: ImageLike | EncodedImage, question: str, stream: bool = False,
-              max_tokens: int = skills.DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict:
-        prompt = skills.query_prompt(self.model, question)
-        gen = self._generate_text(self.encode_image(image), prompt, max_tokens, temperature, top_p)
-        return {"answer": gen if stream else "".join(gen)}
-
     def batch(self, requests: list[Request]) -> list[dict]:
         """Up to 8 requests (any skills) decoded together: each step is one megakernel launch of the
-        smallest batch bucket that holds them (MoondreamModel.batch's protocol and results)."""
+        smallest batch bucket that holds them (batch.py's protocol and results)."""
         if len(requests) > BATCH_BUCKETS[-1]:
             return self.batch(requests[:BATCH_BUCKETS[-1]]) + self.batch(requests[BATCH_BUCKETS[-1]:])
         with self._exclusive():
             return batch_decoding.run(self.model, requests, MegakernelStepper(self))
 
-    # -- decoding ----------------------------------------------------------------------------------
-    def _generate_text(self, enc: EncodedImage, prompt: list[int], max_tokens: int, temperature: float,
+    def generate_text(self, enc: EncodedImage, prompt: list[int], max_tokens: int, temperature: float,
                        top_p: float) -> Iterator[str]:
         """skills.generate_text with megakernel steps; yields text pieces."""
         if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
@@ -153,7 +120,7 @@ def _size_values(bins: tuple[int, int]) -> tuple[float, float]:
     return size[0].item(), size[1].item()
 
 
-def _prefill_row(fm: FastMoondream, cache: Any, enc: EncodedImage, ids: list[int]) -> None:
+def _prefill_row(fm: MegakernelDecode, cache: Any, enc: EncodedImage, ids: list[int]) -> None:
     """The image prefix and `ids` into one row of a megakernel KV cache. The prompt runs through the
     per-op kernels on a KV cache of the model's dtype (the per-op attention wants q, k, v alike);
     the image prefix plus the prefilled positions are then copied into the fp32 arena row."""
@@ -177,7 +144,7 @@ class MegakernelStepper:
     argmax under each row's mask (a logit-bias row) and the region bins come out of that launch.
     Slots without a live request decode a placeholder at position 0 of their own row."""
 
-    def __init__(self, fm: FastMoondream) -> None:
+    def __init__(self, fm: MegakernelDecode) -> None:
         self.fm = fm
         self.n_bins = fm.config.region.coord_out_dim
 
@@ -232,9 +199,9 @@ class MegakernelHeads:
 
 class _Request:
     """One streaming request's decode state on the batch-1 megakernel: row 0 of its KV cache and
-    the position. Used inside FastMoondream._exclusive()."""
+    the position. Used inside MegakernelDecode._exclusive()."""
 
-    def __init__(self, fm: FastMoondream, enc: EncodedImage, length: int, region_heads: bool) -> None:
+    def __init__(self, fm: MegakernelDecode, enc: EncodedImage, length: int, region_heads: bool) -> None:
         fm.model._check_owner(enc)
         self.fm, self.enc, self.length = fm, enc, length
         self.mk = fm.decoder(1)
@@ -272,13 +239,3 @@ class _Request:
 
     def logits(self) -> torch.Tensor:
         return self.mk.logits
-
-
-def load_moondream_fast(path_or_id: str | Path = "moondream2", device: str | torch.device = "cuda",
-                        dtype: torch.dtype | str = torch.float32, tiling: Tiling = Tiling(),
-                        max_len: int | None = None) -> FastMoondream:
-    """load_moondream with the Triton ops (vision + prefill), wrapped with the decode megakernel.
-    On CPU this only works under TRITON_INTERPRET=1 (a test mode; see backends.select)."""
-    from photon_core.backends.select import get_backend
-    backend: Any = get_backend("triton", device)
-    return FastMoondream(load_moondream(path_or_id, device, dtype, backend=backend), tiling, max_len)
