@@ -70,7 +70,7 @@ class MegakernelDecode:
     def _exclusive(self) -> Iterator[None]:
         """The megakernels' arenas hold one request (or one batch) at a time."""
         if not self._busy.acquire(blocking=False):
-            raise RuntimeError("FastMoondream runs one request or batch at a time (its megakernel arenas); "
+            raise RuntimeError("A Moondream model on the megakernel runs one request or batch at a time (its megakernel arenas); "
                                "finish or close the running request (e.g. a streaming caption) first")
         try:
             yield
