@@ -22,15 +22,19 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from photon_core.kernels import attention, kv_cache, linear, norm, rotary, sampling
+from photon_core.kernels import attention, conv, delta_rule, glu, kv_cache, linear, lstm, moe, norm, rotary, sampling
 from photon_core.megakernel import kernel as mk
 from photon_core.megakernel.graph import NUM_FIELDS
 
 T = GPUTarget("cuda", 90, 32)
 P = "*fp32"
 cases = {
-  "norm": (norm._norm_kernel, dict(x_ptr=P, res_ptr=P, sum_ptr=P, w_ptr=P, b_ptr=P, y_ptr=P, N="i32", eps="fp32"),
-           dict(HAS_RES=True, HAS_BIAS=True, RMS=False, BLOCK_N=512)),
+  "norm": (norm._norm_kernel, dict(x_ptr=P, res_ptr=P, sum_ptr=P, w_ptr=P, b_ptr=P, gate_ptr=P, y_ptr=P, N="i32",
+                                   eps="fp32", offset="fp32"),
+           dict(HAS_RES=True, HAS_BIAS=True, HAS_WEIGHT=True, HAS_GATE=False, RMS=False, BLOCK_N=512)),
+  "norm_rms_gated": (norm._norm_kernel, dict(x_ptr=P, res_ptr=P, sum_ptr=P, w_ptr=P, b_ptr=P, gate_ptr=P, y_ptr=P,
+                                             N="i32", eps="fp32", offset="fp32"),
+                     dict(HAS_RES=False, HAS_BIAS=False, HAS_WEIGHT=True, HAS_GATE=True, RMS=True, BLOCK_N=128)),
   "linear_gemv": (linear._linear_gemv_kernel, dict(x_ptr=P, w_ptr=P, b_ptr=P, r_ptr=P, y_ptr=P, M="i32", N="i32", K="i32"),
                   dict(HAS_BIAS=True, HAS_RES=True, ACT=1, BLOCK_M=8, BLOCK_N=32, BLOCK_K=32)),
   "linear_tiled": (linear._linear_tiled_kernel, dict(x_ptr=P, w_ptr=P, b_ptr=P, r_ptr=P, y_ptr=P, M="i32", N="i32", K="i32"),
@@ -40,18 +44,50 @@ cases = {
   "kv_append": (kv_cache._append_kernel, dict(k_ptr=P, v_ptr=P, kc_ptr=P, vc_ptr=P, pos_ptr="*i32", H="i32",
                                              T_NEW="i32", T_MAX="i32", D="i32"), dict(BLOCK_D=64)),
   "attn_prefill": (attention._prefill_kernel, dict(q_ptr=P, k_ptr=P, v_ptr=P, o_ptr=P, TQ="i32", TK="i32", D="i32",
-                                                  PREFIX="i32", scale="fp32"),
+                                                  PREFIX="i32", scale="fp32", GROUP="i32", WINDOW="i32"),
                    dict(CAUSAL=True, BLOCK_M=16, BLOCK_N=16, BLOCK_D=64)),
   "attn_decode_partial": (attention._decode_partial_kernel,
                           dict(q_ptr=P, k_ptr=P, v_ptr=P, len_ptr="*i32", part_ptr=P, H="i32", T_MAX="i32", D="i32",
-                               S="i32", scale="fp32"), dict(BLOCK_T=32, BLOCK_D=64)),
+                               S="i32", scale="fp32", WINDOW="i32"), dict(BLOCK_T=32, BLOCK_D=64)),
+  "attn_decode_partial_gqa": (attention._decode_partial_group_kernel,
+                              dict(q_ptr=P, k_ptr=P, v_ptr=P, len_ptr="*i32", part_ptr=P, HKV="i32", T_MAX="i32",
+                                   D="i32", S="i32", scale="fp32", WINDOW="i32", GROUP="i32"),
+                              dict(BLOCK_G=16, BLOCK_T=32, BLOCK_D=128)),
   "attn_decode_merge": (attention._decode_merge_kernel, dict(part_ptr=P, o_ptr=P, S="i32", D="i32"),
                         dict(BLOCK_S=8, BLOCK_D=64)),
   "argmax": (sampling._argmax_kernel, dict(x_ptr=P, m_ptr="*u8", out_ptr="*i64", V="i32"),
              dict(HAS_MASK=True, BLOCK_V=1024)),
   "sample": (sampling._sample_kernel, dict(x_ptr=P, u_ptr=P, out_ptr="*i64", V="i32", inv_t="fp32", top_p="fp32"),
              dict(USE_TOP_P=True, N_ITER=sampling.N_BISECT, BLOCK_V=1024)),
+  "glu": (glu._glu_kernel, dict(g_ptr=P, u_ptr=P, y_ptr=P, F="i32", stride_g="i32", stride_u="i32", up_offset="fp32"),
+          dict(ACT=2, BLOCK_F=1024)),
+  "moe_route": (moe._route_kernel, dict(logit_ptr=P, w_ptr=P, id_ptr="*i64", E="i32", K="i32"),
+                dict(RENORM=True, BLOCK_E=64, BLOCK_K=8)),
+  "moe_up": (moe._experts_up_kernel, dict(x_ptr=P, wgu_ptr=P, id_ptr="*i64", h_ptr=P, D="i32", F="i32", K="i32",
+                                          up_offset="fp32"),
+             dict(ACT=1, BLOCK_F=moe.UP_BLOCK_F, BLOCK_D=moe.UP_BLOCK_D)),
+  "moe_down": (moe._experts_down_kernel, dict(h_ptr=P, wd_ptr=P, id_ptr="*i64", w_ptr=P, y_ptr=P, D="i32", F="i32",
+                                              K="i32"), dict(BLOCK_N=moe.DOWN_BLOCK_N, BLOCK_F=moe.DOWN_BLOCK_F)),
+  "causal_conv1d": (conv._causal_conv1d_kernel, dict(x_ptr=P, w_ptr=P, b_ptr=P, s_ptr=P, y_ptr=P, ns_ptr=P, T="i32",
+                                                     C="i32"),
+                    dict(W=4, HAS_BIAS=True, HAS_STATE=True, SILU=True, BLOCK_T=conv.CONV_BLOCK_T,
+                         BLOCK_C=conv.CONV_BLOCK_C, BLOCK_S=4)),
+  "delta_step": (delta_rule._delta_step_kernel, dict(q_ptr=P, k_ptr=P, v_ptr=P, g_ptr=P, beta_ptr=P, s_ptr=P, o_ptr=P,
+                                                     ns_ptr=P, DK="i32", DV="i32", GROUP="i32", scale="fp32"),
+                 dict(L2=True, BLOCK_K=128, BLOCK_V=delta_rule.DELTA_BLOCK_V)),
+  "delta_chunk": (delta_rule._delta_chunk_kernel, dict(q_ptr=P, k_ptr=P, v_ptr=P, g_ptr=P, beta_ptr=P, s_ptr=P,
+                                                       o_ptr=P, ns_ptr=P, T="i32", HK="i32", HV="i32", DK="i32",
+                                                       DV="i32", GROUP="i32", scale="fp32"),
+                  dict(HAS_STATE=True, L2=True, CHUNK=delta_rule.DELTA_CHUNK,
+                       LOG_CHUNK=delta_rule.DELTA_CHUNK.bit_length() - 1, BLOCK_K=128,
+                       BLOCK_V=delta_rule.DELTA_BLOCK_V)),
+  "lstm_cell": (lstm._lstm_cell_kernel, dict(x_ptr=P, h_ptr=P, c_ptr=P, wih_ptr=P, whh_ptr=P, bih_ptr=P, bhh_ptr=P,
+                                             h_out_ptr=P, c_out_ptr=P, B="i32", I="i32", H="i32"),
+                dict(HAS_BIH=True, HAS_BHH=True, BLOCK_B=1, BLOCK_H=lstm.LSTM_BLOCK_H, BLOCK_K=lstm.LSTM_BLOCK_K)),
 }
+# The per-op kernels of the newer families also for the Jetson Orin (sm_87): their tl.dot tiles and
+# reductions must lower there too.
+SM87 = ("attn_decode_partial_gqa", "moe_up", "causal_conv1d", "delta_step", "delta_chunk", "lstm_cell")
 msig = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", w_ptr=P, s_ptr=P, out_ptr="*i32",
             B="i32", ln_eps="fp32", spin_limit="i32")
 for b, wdt in ((1, P), (8, P), (1, "*bf16")):
@@ -65,6 +101,9 @@ for name, (fn, sig, const) in cases.items():
     ck = triton.compile(ASTSource(fn, sig, const), target=T)
     ptx = ck.asm["ptx"]
     out[name] = dict(cubin=len(ck.asm["cubin"]), ptx=ptx if name.startswith("megakernel") else "")
+    if name in SM87:
+        out[name + "_sm87"] = dict(cubin=len(triton.compile(ASTSource(fn, sig, const),
+                                                            target=GPUTarget("cuda", 87, 32)).asm["cubin"]), ptx="")
 print(json.dumps(out))
 '''
 
@@ -83,8 +122,11 @@ def compiled():
 
 
 def test_every_kernel_compiles_for_sm90(compiled):
-    for name in ("norm", "linear_gemv", "linear_tiled", "rotary", "kv_append", "attn_prefill",
-                 "attn_decode_partial", "attn_decode_merge", "argmax", "sample",
+    for name in ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv_append", "attn_prefill",
+                 "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax", "sample",
+                 "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk", "lstm_cell",
+                 "attn_decode_partial_gqa_sm87", "moe_up_sm87", "causal_conv1d_sm87", "delta_step_sm87",
+                 "delta_chunk_sm87", "lstm_cell_sm87",
                  "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16"):
         assert compiled[name]["cubin"] > 0, name
 

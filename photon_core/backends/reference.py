@@ -1,7 +1,9 @@
 """The reference ops in plain PyTorch: the CPU path, and the definition other backends must match.
 
-Shapes: activations are [..., features]; attention takes q [B, H, Tq, D] and k, v [B, H, Tk, D],
-where the Tq queries are the last Tq of the Tk positions (decode: Tq = 1).
+backends/contract.py states every op's semantics; the functions here are those statements written as
+directly as PyTorch allows (readability over speed). Shapes: activations are [..., features];
+attention takes q [B, Hq, Tq, D] and k, v [B, Hkv, Tk, D], where the Tq queries are the last Tq of
+the Tk positions (decode: Tq = 1); the recurrent ops are time-major [B, T, ...].
 """
 from __future__ import annotations
 
@@ -10,17 +12,31 @@ import math
 import torch
 import torch.nn.functional as F
 
+NAME = "reference"
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    if activation == "silu":
+        return F.silu(y)
+    if activation == "sigmoid":
+        return torch.sigmoid(y)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+# ---------------------------------------------------------------- dense layers and norms
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """act(x @ weight.T + bias) + residual; activation is None, "gelu" (erf) or "gelu_tanh"."""
-    y = F.linear(x, weight, bias)
-    if activation == "gelu":
-        y = F.gelu(y)
-    elif activation == "gelu_tanh":
-        y = F.gelu(y, approximate="tanh")
-    elif activation is not None:
-        raise ValueError(f"unknown activation {activation!r}")
+    """act(x @ weight.T + bias) + residual; activation is None, "gelu" (erf), "gelu_tanh" or "silu"."""
+    if activation == "sigmoid":
+        raise ValueError("linear: unknown activation 'sigmoid'")
+    y = _activate(F.linear(x, weight, bias), activation)
     return y if residual is None else y + residual
 
 
@@ -29,18 +45,76 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
+             offset: float = 0.0) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * (offset + weight) over the last dim, in fp32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (offset + weight.float())
+    return y.to(x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """rms_norm(x, weight) * silu(gate): norm first, then the gate."""
+    return (rms_norm(x.float(), weight, eps) * F.silu(gate.float())).to(x.dtype)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, eps: float = 1e-5, rms: bool = False,
+                   offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), the norm scaled by (offset + weight)."""
+    s = x + residual
+    w = offset + weight.float()
+    if rms:
+        y = rms_norm(s.float(), w, eps)
+        if bias is not None:
+            y = y + bias.float()
+    else:
+        y = F.layer_norm(s.float(), (s.shape[-1],), w, None if bias is None else bias.float(), eps)
+    return y.to(x.dtype), s
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", up_offset: float = 0.0) -> torch.Tensor:
+    """act(gate) * (up + up_offset)."""
+    if activation is None:
+        raise ValueError("glu needs an activation")
+    return (_activate(gate.float(), activation) * (up.float() + up_offset)).to(gate.dtype)
+
+
+# ---------------------------------------------------------------- attention
+
+def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B, Hq, T, D], query head h reading kv head h // (Hq // Hkv)."""
+    hkv = x.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    return x.repeat_interleave(hq // hkv, dim=1) if hq != hkv else x
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              prefix_len: int = 0, scale: float | None = None) -> torch.Tensor:
-    """Softmax attention. With `causal`, query i (absolute position Tk - Tq + i) sees keys up to its
-    own position; the first `prefix_len` positions additionally see each other (a bidirectional
-    prefix block, as Moondream's image tokens need)."""
+              prefix_len: int = 0, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Softmax attention. With `causal`, query i (absolute position p = Tk - Tq + i) sees keys
+    j <= p, and with a window only j > p - window; the first `prefix_len` positions additionally see
+    each other (a bidirectional prefix block, as Moondream's image tokens need). Keys no query can
+    see are sliced away before anything reads them."""
+    if window is not None and not causal:
+        raise ValueError("attention: a window needs causal=True")
     tq, tk = q.shape[-2], k.shape[-2]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    lo = 0
+    if window is not None and tk - tq >= prefix_len:
+        lo = max(0, tk - tq - window + 1)  # the first query's first key: nothing before it is visible
+    k, v = _repeat_kv(k[:, :, lo:], q.shape[1]), _repeat_kv(v[:, :, lo:], q.shape[1])
     mask = None
     if causal:
         qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
-        kpos = torch.arange(tk, device=q.device)[None, :]
-        mask = (kpos <= qpos) | ((qpos < prefix_len) & (kpos < prefix_len))
+        kpos = torch.arange(lo, tk, device=q.device)[None, :]
+        band = kpos <= qpos
+        if window is not None:
+            band = band & (kpos > qpos - window)
+        mask = band | ((qpos < prefix_len) & (kpos < prefix_len))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -57,13 +131,19 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """One query per (b, h): q [B, H, 1, D] over the first lengths[b] keys of k/v [B, H, T_max, D].
-    Positions past a row's length are never read (they may hold anything, NaN included: a mask
-    would still multiply them by zero), so each row attends over its own slice."""
-    return torch.cat([F.scaled_dot_product_attention(q[b:b + 1], k_cache[b:b + 1, :, :n],
-                                                     v_cache[b:b + 1, :, :n], scale=scale)
-                      for b, n in enumerate(lengths.tolist())])
+                     lengths: torch.Tensor, scale: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
+    """One query per (b, h): q [B, Hq, 1, D] over keys [max(0, n - window), n) of k/v [B, Hkv, T_max, D],
+    n = lengths[b]. Positions outside that range are never read (they may hold anything, NaN
+    included: a mask would still multiply them by zero), so each row attends over its own slice."""
+    hq = q.shape[1]
+    out = []
+    for b, n in enumerate(lengths.tolist()):
+        lo = 0 if window is None else max(0, n - window)
+        kb = _repeat_kv(k_cache[b:b + 1, :, lo:n], hq)
+        vb = _repeat_kv(v_cache[b:b + 1, :, lo:n], hq)
+        out.append(F.scaled_dot_product_attention(q[b:b + 1], kb, vb, scale=scale))
+    return torch.cat(out)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
@@ -75,8 +155,166 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) 
     return torch.cat([out, rest], dim=-1)
 
 
+# ---------------------------------------------------------------- token choice
+
 def argmax(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy pick over the last dim; `allowed` (bool, broadcastable) masks out the rest."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
+    """Temperature + nucleus sampling with caller-supplied uniforms (one per row), sort-based."""
+    if temperature <= 0:
+        return argmax(logits)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    x = logits.reshape(-1, logits.shape[-1]).float()
+    e = torch.exp((x - x.max(-1, keepdim=True).values) / temperature)
+    if top_p < 1.0:
+        desc = e.sort(-1, descending=True).values
+        # theta: the smallest kept value, at the first rank whose cumulative mass reaches top_p * Z
+        first = (desc.cumsum(-1) >= top_p * e.sum(-1, keepdim=True)).float().argmax(-1, keepdim=True)
+        theta = desc.gather(-1, first)
+        e = torch.where(e >= theta, e, torch.zeros_like(e))
+    target = uniform.reshape(-1, 1).float() * e.sum(-1, keepdim=True)
+    token = ((e.cumsum(-1) > target) & (e > 0)).float().argmax(-1)
+    return token.view(logits.shape[:-1])
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32, ids int64) of the top_k experts per row: descending logit, lower id first on ties."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[..., :top_k]
+    weights = probs.gather(-1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def moe(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor | None, experts_gate_up: torch.Tensor,
+        experts_down: torch.Tensor, top_k: int, activation: str = "silu", up_offset: float = 0.0,
+        renormalize: bool = True) -> torch.Tensor:
+    """Router, top-k, and the weighted sum of the chosen experts' gated MLPs, token by token: only
+    the chosen experts' weights are touched."""
+    d = x.shape[-1]
+    f = experts_down.shape[-1]
+    xs = x.reshape(-1, d).float()
+    weights, ids = moe_route(F.linear(xs, router_w.float(), None if router_b is None else router_b.float()),
+                             top_k, renormalize)
+    y = torch.zeros_like(xs)
+    for t in range(xs.shape[0]):
+        for slot in range(top_k):
+            e = int(ids[t, slot])
+            gate_up = experts_gate_up[e].float() @ xs[t]
+            h = glu(gate_up[:f], gate_up[f:], activation, up_offset)
+            y[t] += weights[t, slot] * (experts_down[e].float() @ h)
+    return y.to(x.dtype).view(x.shape)
+
+
+# ---------------------------------------------------------------- recurrent and convolutional state
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  state: torch.Tensor | None = None,
+                  activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """y[t] = act(bias + sum_j weight[:, j] * xp[t + j]) with xp = [state; x] along time."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: unknown activation {activation!r}")
+    b, t, c = x.shape
+    w = weight.shape[1]
+    if state is None:
+        state = x.new_zeros(b, w - 1, c)
+    xp = torch.cat([state.to(x.dtype), x], dim=1).float()  # [B, W-1+T, C]
+    y = torch.zeros(b, t, c, dtype=torch.float32, device=x.device)
+    for j in range(w):
+        y += weight[:, j].float() * xp[:, j:j + t]
+    if bias is not None:
+        y += bias.float()
+    y = _activate(y, activation)
+    return y.to(x.dtype), xp[:, xp.shape[1] - (w - 1):].to(x.dtype)
+
+
+def _delta_inputs(q, k, v, g, beta, scale, qk_l2norm):
+    """fp32 copies with q/k heads repeated up to the value heads, l2-normalised and q scaled."""
+    hv, hk = v.shape[-2], k.shape[-2]
+    if hv % hk:
+        raise ValueError(f"gated delta rule: {hv} value heads are not a multiple of {hk} key heads")
+    q, k = q.float().repeat_interleave(hv // hk, dim=-2), k.float().repeat_interleave(hv // hk, dim=-2)
+    if qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    return q * scale, k, v.float(), g.float(), beta.float()
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, scale: float | None = None,
+                     qk_l2norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """S = S * exp(g); S += k (beta (v - S^T k))^T; o = S^T q, per (batch, value head)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _delta_inputs(q, k, v, g, beta, scale, qk_l2norm)
+    s = state.float() * g.exp()[..., None, None]                  # [B, H, Dk, Dv]
+    predicted = torch.einsum("bhkv,bhk->bhv", s, k)               # S^T k
+    s = s + k[..., :, None] * (beta[..., None] * (v - predicted))[..., None, :]
+    o = torch.einsum("bhkv,bhk->bhv", s, q)
+    return o.to(out_dtype), s
+
+
+def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor | None = None, scale: float | None = None, qk_l2norm: bool = False,
+                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens in chunks of C (the WY / UT-transform form).
+
+    Inside a chunk, with G_i = g_1 + ... + g_i (cumulative log decay from the chunk start) and S the
+    state entering the chunk, the recurrence unrolls to S_i = exp(G_i) S + sum_{j<=i} exp(G_i - G_j)
+    k_j u_j^T, where u_j is what token j writes. Substituting into u_i = beta_i (v_i - S_{i-1}^T k_i):
+        (I + L) U = beta (V - exp(G) K S),  L_ij = beta_i exp(G_i - G_j) k_i.k_j  for j < i
+    a unit lower-triangular system (one triangular solve per chunk). Then
+        O = exp(G) Q S + (Q K^T * D) U,     D_ij = exp(G_i - G_j) for j <= i, else 0
+        S' = exp(G_C) S + sum_j exp(G_C - G_j) k_j u_j^T.
+    The tail chunk is padded with g = beta = 0 tokens, which leave the state unchanged.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _delta_inputs(q, k, v, g, beta, scale, qk_l2norm)
+    bsz, t, h, dk = k.shape
+    dv = v.shape[-1]
+    # [B, T, H, ...] -> [B, H, T, ...], padded to whole chunks
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    pad = (-t) % chunk_size
+    q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    s = (torch.zeros(bsz, h, dk, dv, device=q.device) if state is None else state.float().clone())
+    c = chunk_size
+    below = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
+    upto = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(c, device=q.device)
+    out = []
+    for c0 in range(0, t + pad, c):
+        qc, kc, vc = q[:, :, c0:c0 + c], k[:, :, c0:c0 + c], v[:, :, c0:c0 + c]
+        bc = beta[:, :, c0:c0 + c]
+        gcum = g[:, :, c0:c0 + c].cumsum(-1)                                     # G_i
+        diff = gcum[..., :, None] - gcum[..., None, :]                           # G_i - G_j
+        decay = torch.where(upto, diff, torch.full_like(diff, float("-inf"))).exp()
+        lower = torch.where(below, bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * decay, torch.zeros_like(decay))
+        rhs = bc[..., None] * (vc - gcum.exp()[..., None] * (kc @ s))
+        u = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        out.append(gcum.exp()[..., None] * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
+        g_end = gcum[..., -1:]
+        s = g_end.exp()[..., None] * s + (kc * (g_end - gcum).exp()[..., None]).transpose(-1, -2) @ u
+    o = torch.cat(out, dim=2)[:, :, :t].transpose(1, 2)
+    return o.to(out_dtype), s
+
+
+def lstm_cell(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
+              b_ih: torch.Tensor | None = None, b_hh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One LSTM step, PyTorch's gate order (input, forget, cell, output)."""
+    gates = F.linear(x.float(), w_ih.float(), None if b_ih is None else b_ih.float()) \
+        + F.linear(h.float(), w_hh.float(), None if b_hh is None else b_hh.float())
+    i, f, g, o = gates.chunk(4, dim=-1)
+    c_new = torch.sigmoid(f) * c.float() + torch.sigmoid(i) * torch.tanh(g)
+    h_new = torch.sigmoid(o) * torch.tanh(c_new)
+    return h_new.to(x.dtype), c_new.to(x.dtype)

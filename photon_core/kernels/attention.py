@@ -1,18 +1,27 @@
-"""Softmax attention: a tiled prefill kernel (causal + bidirectional prefix) and split-KV decode.
+"""Softmax attention: a tiled prefill kernel (causal + bidirectional prefix + sliding window) and
+split-KV decode, both with grouped-query attention.
 
-Semantics are backends.reference.attention: q [B, H, Tq, D], k/v [B, H, Tk, D]; query i sits at absolute
-position Tk - Tq + i; with `causal` it sees keys <= its position, and the first `prefix_len` positions
-also see each other (Moondream's image-prefix block).
+Semantics are backends.reference.attention: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] with Hkv dividing Hq
+(query head h reads kv head h // G, G = Hq // Hkv; since rows are laid out b-major, the kv row of
+query row bh = b*Hq + h is simply bh // G). Query i sits at absolute position p = Tk - Tq + i; with
+`causal` it sees keys in (p - window, p] (window = Tk when there is none), and the first `prefix_len`
+positions also see each other (Moondream's image-prefix block).
 
 * prefill: one program owns BLOCK_M queries of one (b, h) and streams keys in BLOCK_N blocks with the
   online-softmax recurrence (running max m, normaliser l, accumulator acc [BLOCK_M, BLOCK_D]); QK^T and
   PV use tl.dot in fp32 "ieee" precision. Causal programs stop at the last key any of their queries (or
-  the prefix) can see. Bytes: K and V re-read once per query block; Q read and O written once.
-* decode (Tq == 1, also cross-attention over encoder K/V): "flash decoding". Phase 1, grid (B*H, S):
-  program (bh, s) takes keys [s*chunk, min(L, (s+1)*chunk)) of its row in BLOCK_T blocks and writes a
-  partial (m, l, acc[D]). Phase 2, grid (B*H): merges the S partials with the usual rescaling. Per-row
-  lengths L come from device memory (`lengths`), so a KV cache of capacity T_max can be used directly.
-  Bytes: K and V read exactly once (L*D*4 each per row), partials S*(D+2)*4 written and read.
+  the prefix) can see, and with a window start at the first key their first query can see: keys no
+  query of the block can see are never loaded. Bytes: K and V re-read once per query block (and per
+  query head of a group: prefill is compute-bound); Q read and O written once.
+* decode (Tq == 1, also cross-attention over encoder K/V): "flash decoding". Phase 1, grid (B*Hq, S):
+  program (bh, s) takes keys [lo + s*chunk, min(L, lo + (s+1)*chunk)) of its row in BLOCK_T blocks,
+  lo = max(0, L - window), and writes a partial (m, l, acc[D]). Phase 2, grid (B*Hq): merges the S
+  partials with the usual rescaling. Per-row lengths L come from device memory (`lengths`), so a KV
+  cache of capacity T_max can be used directly. Bytes: K and V read exactly once per kv head
+  ((L - lo)*D*4 each per row), partials S*(D+2)*4 written and read.
+  With GQA (G > 1) phase 1 runs on grid (B*Hkv, S) instead: one program takes the G query heads that
+  share a kv head as a [BLOCK_G, D] tile (BLOCK_G = max(16, next_pow2(G)), padded rows masked) and uses
+  tl.dot for QK^T and PV, so each K/V block is loaded once for the whole group, not G times.
 The two device helpers `decode_partial` / `decode_merge` are shared with the megakernel (which passes
 CACHE=".cg": there the K/V and partials were written by other programs of the same launch).
 """
@@ -28,10 +37,11 @@ from photon_core.kernels import new_output
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, TQ, TK, D, PREFIX, scale,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, TQ, TK, D, PREFIX, scale, GROUP, WINDOW,
                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
+    kvh = bh // GROUP
     qb = tl.program_id(1)
     qi = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
@@ -43,20 +53,24 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, TQ, TK, D, PREFIX, scale,
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kv_start = 0
     kv_end = TK
     if CAUSAL:
-        kv_end = tl.minimum(TK, tl.maximum(TK - TQ + qb * BLOCK_M + BLOCK_M, PREFIX))
-    for k0 in range(0, kv_end, BLOCK_N):
+        q_first = TK - TQ + qb * BLOCK_M
+        kv_end = tl.minimum(TK, tl.maximum(q_first + BLOCK_M, PREFIX))
+        # The block's first query sees back to q_first - WINDOW + 1 (unless it is in the prefix block).
+        kv_start = tl.where(q_first >= PREFIX, tl.maximum(q_first - WINDOW + 1, 0), 0)
+    for k0 in range(kv_start, kv_end, BLOCK_N):
         kj = k0 + tl.arange(0, BLOCK_N)
         kmask = kj < TK
-        kv_off = bh * TK * D + kj[:, None] * D + dd[None, :]
+        kv_off = kvh * TK * D + kj[:, None] * D + dd[None, :]
         k = tl.load(k_ptr + kv_off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         ok = kmask[None, :]
         if CAUSAL:
-            ok = ok & ((kj[None, :] <= qpos[:, None])
-                       | ((qpos[:, None] < PREFIX) & (kj[None, :] < PREFIX)))
+            band = (kj[None, :] <= qpos[:, None]) & (kj[None, :] > qpos[:, None] - WINDOW)
+            ok = ok & (band | ((qpos[:, None] < PREFIX) & (kj[None, :] < PREFIX)))
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps m = -inf; guard the exp against inf - inf.
@@ -128,19 +142,65 @@ def store_partial(part_ptr, m, l, acc, D, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, H, T_MAX, D, S, scale,
+def _split_range(len_ptr, b, s, T_MAX, S, WINDOW, BLOCK_T: tl.constexpr):
+    """Keys [start, end) of split s of row b: the window [max(0, L - WINDOW), L) cut into S chunks."""
+    # A length past the cache capacity would read the next row's keys: clamp, as the megakernel does.
+    length = tl.minimum(tl.load(len_ptr + b), T_MAX)
+    lo = tl.maximum(length - WINDOW, 0)
+    chunk = tl.cdiv(tl.cdiv(length - lo, S), BLOCK_T) * BLOCK_T
+    start = tl.minimum(lo + s * chunk, length)
+    end = tl.minimum(start + chunk, length)
+    return start, end
+
+
+@triton.jit
+def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, H, T_MAX, D, S, scale, WINDOW,
                            BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    # A length past the cache capacity would read the next row's keys: clamp, as the megakernel does.
-    length = tl.minimum(tl.load(len_ptr + bh // H), T_MAX)
-    chunk = tl.cdiv(tl.cdiv(length, S), BLOCK_T) * BLOCK_T
-    start = tl.minimum(s * chunk, length)
-    end = tl.minimum(start + chunk, length)
+    start, end = _split_range(len_ptr, bh // H, s, T_MAX, S, WINDOW, BLOCK_T)
     base = bh * T_MAX * D
     m, l, acc = decode_partial(q_ptr + bh * D, k_ptr + base, v_ptr + base, start, end, D, scale,
                                BLOCK_T, BLOCK_D)
     store_partial(part_ptr + (bh * S + s) * (D + 2), m, l, acc, D, BLOCK_D)
+
+
+@triton.jit
+def _decode_partial_group_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, HKV, T_MAX, D, S, scale, WINDOW,
+                                 GROUP, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """GQA phase 1: the GROUP query heads of kv row `bkv` against keys [start, end), K/V loaded once."""
+    bkv = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    start, end = _split_range(len_ptr, bkv // HKV, s, T_MAX, S, WINDOW, BLOCK_T)
+    gg = tl.arange(0, BLOCK_G)
+    dd = tl.arange(0, BLOCK_D)
+    gmask = gg < GROUP
+    dmask = dd < D
+    qrow = bkv * GROUP + gg  # query rows b*Hq + h for the heads h of this group
+    q = tl.load(q_ptr + qrow[:, None] * D + dd[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    base = bkv * T_MAX * D
+    for t0 in range(start, end, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        tmask = tt < end
+        off = base + tt[:, None].to(tl.int64) * D + dd[None, :]
+        k = tl.load(k_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        sc = tl.where(tmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    row = (qrow * S + s) * (D + 2)
+    tl.store(part_ptr + row, m_i, mask=gmask)
+    tl.store(part_ptr + row + 1, l_i, mask=gmask)
+    tl.store(part_ptr + row[:, None] + 2 + dd[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -157,14 +217,21 @@ DECODE_BLOCK_T = 32
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     lengths: torch.Tensor, scale: float | None = None,
+                     lengths: torch.Tensor, scale: float | None = None, window: int | None = None,
                      num_splits: int | None = None, block_t: int | None = None) -> torch.Tensor:
-    """One query per (b, h): q [B, H, 1, D] over the first lengths[b] keys of k/v [B, H, T_max, D].
-    Every row must have lengths[b] >= 1 (an empty softmax is undefined)."""
+    """One query per (b, h): q [B, Hq, 1, D] over keys [max(0, n - window), n) of k/v [B, Hkv, T_max, D],
+    n = lengths[b]. Every row must have lengths[b] >= 1 (an empty softmax is undefined)."""
     b, h, tq, d = q.shape
     if tq != 1:
         raise ValueError("decode_attention takes exactly one query per row")
-    t_max = k_cache.shape[2]
+    hkv, t_max = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape != (b, hkv, t_max, d) or v_cache.shape != k_cache.shape or h % hkv:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k/v caches {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)} do not match")
+    if window is not None and window < 1:
+        raise ValueError(f"decode_attention: window must be >= 1, got {window}")
+    group = h // hkv
+    win = t_max if window is None else min(int(window), t_max)
     block_t = block_t or DECODE_BLOCK_T
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     if num_splits is None:
@@ -174,30 +241,40 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part = new_output((b * h, num_splits, d + 2), q.device, torch.float32)
     out = new_output((b, h, 1, d), q.device, torch.float32)
     bd = triton.next_power_of_2(d)
-    _decode_partial_kernel[(b * h, num_splits)](q.contiguous(), kc, vc, lengths.to(torch.int32).contiguous(),
-                                                part, h, t_max, d, num_splits, scale,
-                                                BLOCK_T=block_t, BLOCK_D=bd)
+    lens = lengths.to(torch.int32).contiguous()
+    if group == 1:
+        _decode_partial_kernel[(b * h, num_splits)](q.contiguous(), kc, vc, lens, part, h, t_max, d, num_splits,
+                                                    scale, win, BLOCK_T=block_t, BLOCK_D=bd)
+    else:
+        _decode_partial_group_kernel[(b * hkv, num_splits)](
+            q.contiguous(), kc, vc, lens, part, hkv, t_max, d, num_splits, scale, win, group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_T=max(16, block_t), BLOCK_D=max(16, bd))
     _decode_merge_kernel[(b * h,)](part, out, num_splits, d,
                                    BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=bd)
     return out.to(q.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              prefix_len: int = 0, scale: float | None = None) -> torch.Tensor:
-    """Same contract as backends.reference.attention."""
+              prefix_len: int = 0, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Same contract as backends.reference.attention (GQA when k/v have fewer heads than q)."""
     b, h, tq, d = q.shape
-    tk = k.shape[2]
-    if k.shape != (b, h, tk, d) or v.shape != k.shape:
+    hkv, tk = k.shape[1], k.shape[2]
+    if k.shape != (b, hkv, tk, d) or v.shape != k.shape or h % hkv:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if window is not None and not causal:
+        raise ValueError("attention: a window needs causal=True")
+    if window is not None and window < 1:
+        raise ValueError(f"attention: window must be >= 1, got {window}")
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     if tq == 1:
-        # The single query is the last position: causal or not, it sees every key.
+        # The single query is the last position: causal or not, it sees every key (of its window).
         lengths = torch.full((b,), tk, device=q.device, dtype=torch.int32)
-        return decode_attention(q, k, v, lengths, scale)
+        return decode_attention(q, k, v, lengths, scale, window)
     out = new_output((b, h, tq, d), q.device, torch.float32)
     bm, bn = 16, 16
+    win = tk if window is None else min(int(window), tk)
     _prefill_kernel[(b * h, triton.cdiv(tq, bm))](q.contiguous(), k.contiguous(), v.contiguous(), out,
-                                                 tq, tk, d, prefix_len, scale, CAUSAL=causal,
+                                                 tq, tk, d, prefix_len, scale, h // hkv, win, CAUSAL=causal,
                                                  BLOCK_M=bm, BLOCK_N=bn,
                                                  BLOCK_D=max(16, triton.next_power_of_2(d)))
     return out.to(q.dtype)

@@ -11,7 +11,7 @@ Two paths, chosen by the number of rows M:
   BLOCK_K steps, fp32 "ieee" precision so results match the fp32 reference. Grid: cdiv(M,BM) x cdiv(N,BN).
   Bytes: x re-read cdiv(N,BN) times, W re-read cdiv(M,BM) times.
 
-Activations: "gelu" (erf) and "gelu_tanh", as in backends/reference.py.
+Activations: "gelu" (erf), "gelu_tanh" and "silu", as in backends/reference.py.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import triton.language as tl
 
 from photon_core.kernels import new_output
 
-ACT_NONE, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
-_ACTS = {None: ACT_NONE, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
+ACT_NONE, ACT_GELU, ACT_GELU_TANH, ACT_SILU = 0, 1, 2, 3
+ACT_SIGMOID = 4  # a gate activation (kernels/glu.py), not one `linear` offers
+_ACTS = {None: ACT_NONE, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "silu": ACT_SILU}
 
 
 def activation_code(activation: str | None) -> int:
@@ -41,6 +42,10 @@ def apply_activation(y, ACT):
         u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
         t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
         y = 0.5 * y * (1.0 + t)
+    elif ACT == 3:
+        y = y * tl.sigmoid(y)
+    elif ACT == 4:
+        y = tl.sigmoid(y)
     return y
 
 

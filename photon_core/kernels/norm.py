@@ -1,11 +1,16 @@
-"""Row normalisation: LayerNorm (with or without bias) and RMSNorm, with an optional fused residual add.
+"""Row normalisation: LayerNorm (with or without bias) and RMSNorm, with an optional fused residual add
+and an optional SiLU gate.
 
 One program normalises ONE row of N features, held whole in registers: BLOCK_N = next_pow2(N) (N is a
-model width, 64..4096, so a row fits). With a residual, the program first forms s = x + residual, writes
-s back (the new residual stream) and normalises s: the add costs no extra pass over memory.
+model width or a head dim, 64..4096, so a row fits). With a residual, the program first forms
+s = x + residual, writes s back (the new residual stream) and normalises s: the add costs no extra pass
+over memory. The scale is (offset + weight): offset 1.0 is the (1 + w) parametrisation of Qwen 3.5's
+RMSNorm; without a weight there is no scale (Gemma 4's v_norm). With a gate (Qwen 3.5's gated RMSNorm),
+y = rms_norm(x) * weight * silu(gate): one more row read, nothing more.
 
-Bytes moved per row (fp32): read N*4 (x) [+ N*4 residual] + 2*N*4 (weight, bias; cached across rows),
-write N*4 (y) [+ N*4 the summed stream]. Memory-bound; the reduction is two tl.sum over the block.
+Bytes moved per row (fp32): read N*4 (x) [+ N*4 residual] [+ N*4 gate] + 2*N*4 (weight, bias; cached
+across rows), write N*4 (y) [+ N*4 the summed stream]. Memory-bound; the reduction is two tl.sum over
+the block.
 """
 from __future__ import annotations
 
@@ -17,9 +22,9 @@ from photon_core.kernels import new_output
 
 
 @triton.jit
-def _norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, eps,
-                 HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, b_ptr, gate_ptr, y_ptr, N, eps, offset,
+                 HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                 HAS_GATE: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -35,25 +40,35 @@ def _norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, b_ptr, y_ptr, N, eps,
         xc = tl.where(mask, x - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
     rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = xc * rstd * w
+    y = xc * rstd
+    if HAS_WEIGHT:
+        y = y * (offset + tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32))
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        z = tl.load(gate_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * (z * tl.sigmoid(z))
     tl.store(y_ptr + row * N + cols, y, mask=mask)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-            residual: torch.Tensor | None, rms: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+            residual: torch.Tensor | None, rms: bool, offset: float = 0.0,
+            gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
     y = new_output(x2.shape, x2.device, x2.dtype)
     res2 = residual.reshape(-1, n).contiguous() if residual is not None else None
     s = new_output(x2.shape, x2.device, x2.dtype) if residual is not None else None
+    g2 = gate.reshape(-1, n).contiguous() if gate is not None else None
+    if g2 is not None and g2.shape != x2.shape:
+        raise ValueError(f"gated norm: gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
     if x2.shape[0] > 0:
+        w = weight.contiguous() if weight is not None else x2
         _norm_kernel[(x2.shape[0],)](
             x2, res2 if res2 is not None else x2, s if s is not None else y,
-            weight.contiguous(), bias.contiguous() if bias is not None else weight, y, n, eps,
-            HAS_RES=residual is not None, HAS_BIAS=bias is not None, RMS=rms,
+            w, bias.contiguous() if bias is not None else w, g2 if g2 is not None else x2, y, n, eps,
+            float(offset), HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+            HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, RMS=rms,
             BLOCK_N=triton.next_power_of_2(n))
     return y.view(x.shape), (s.view(x.shape) if s is not None else None)
 
@@ -64,15 +79,20 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _launch(x, weight, bias, eps, None, rms=False)[0]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim."""
-    return _launch(x, weight, None, eps, None, rms=True)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * (offset + weight) over the last dim (no scale without a weight)."""
+    return _launch(x, weight, None, eps, None, rms=True, offset=offset)[0]
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """rms_norm(x, weight, eps) * silu(gate)."""
+    return _launch(x, weight, None, eps, None, rms=True, gate=gate)[0]
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None, eps: float = 1e-5,
-                   rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   rms: bool = False, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (norm(x + residual), x + residual): the pre-norm block's residual add fused in."""
-    y, s = _launch(x, weight, bias, eps, residual, rms=rms)
+    y, s = _launch(x, weight, bias, eps, residual, rms=rms, offset=offset)
     assert s is not None
     return y, s

@@ -7,8 +7,9 @@ family's step graph (stepgraph.StepGraph), lowered by compiler.py to one persist
 """
 from __future__ import annotations
 
-from photon_core.backends.triton import (add_layer_norm, argmax, attention, decode_attention, kv_append, layer_norm,
-                                         linear, rms_norm, rotary, sample)
+from photon_core.backends.triton import (add_layer_norm, argmax, attention, causal_conv1d, decode_attention,
+                                         gated_delta_chunk, gated_delta_step, glu, kv_append, layer_norm, linear,
+                                         lstm_cell, moe, moe_route, rms_norm, rms_norm_gated, rotary, sample)
 from photon_core.megakernel.checker import GraphError, check
 from photon_core.megakernel.compiler import CompiledStep, Tiling, lower, plan
 from photon_core.megakernel.graph import BATCH_BUCKETS, Task, TaskGraph, bucket_for
@@ -16,7 +17,8 @@ from photon_core.megakernel.stepgraph import Rotary, StepGraph, run_reference
 
 NAME = "megakernel"
 
-__all__ = ["NAME", "linear", "layer_norm", "rms_norm", "add_layer_norm", "attention", "decode_attention",
-           "rotary", "kv_append", "argmax", "sample", "GraphError", "check", "Task", "TaskGraph", "Tiling",
+__all__ = ["NAME", "linear", "layer_norm", "rms_norm", "rms_norm_gated", "add_layer_norm", "attention",
+           "decode_attention", "rotary", "kv_append", "argmax", "sample", "glu", "moe_route", "moe",
+           "causal_conv1d", "gated_delta_step", "gated_delta_chunk", "lstm_cell", "GraphError", "check", "Task", "TaskGraph", "Tiling",
            "CompiledStep", "StepGraph", "Rotary", "run_reference", "lower", "plan", "BATCH_BUCKETS",
            "bucket_for"]

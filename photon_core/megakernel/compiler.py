@@ -32,9 +32,9 @@ import torch
 from photon_core.megakernel.graph import (BATCH_BUCKETS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
                                           OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,
                                           OP_ROPE_APPEND, Arena, Region, StateViews, Task, TaskGraph)
+from photon_core.kernels.linear import activation_code
 from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
-ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2}
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
         args = dict(M=B, K=K, N=N, n0=n0, x=S.off(x.name), w=W.off(a["w"]), b=W.off(a["b"]) if a["b"] else -1,
                     lnw=W.off(norm.args["w"]) if norm else -1,
                     lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
-                    act=ACT_CODES[a["act"]], res=S.off(a["residual"].name) if a["residual"] is not None else -1,
+                    act=activation_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
                     mode=mode, out=S.off(out.name))
         reads = [S.region(x.name)]
         if a["residual"] is not None:

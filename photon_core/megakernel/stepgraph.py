@@ -10,7 +10,7 @@ every Value is a per-row vector with a name and a width. The ops:
                                        from the step's dynamic buffer
     layer_norm(x, w, b)                statistics over x's width; only linears may read its output, so
                                        the compiler fuses it in front of them
-    linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, "gelu", "gelu_tanh")
+    linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, gelu, gelu_tanh, silu)
     kv_append(qkv, k, v, rotary)       q|k|v = qkv split into heads; q and k rotated at the row's
                                        position (optional); k, v appended to the caches there -> q
     attention(q, k, v, length)         per head, softmax(q k^T / sqrt(Dh)) v over the row's first
@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
-ACTIVATIONS = (None, "gelu", "gelu_tanh")
+ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 LENGTHS = ("self", "cross")
 
 
