@@ -84,7 +84,7 @@ def make_engine(name: str):
         return run
     if name == "openai-whisper":
         import whisper
-        from photon_core.weights.whisper_checkpoints import load_checkpoint_file
+        from photon_core.models.whisper.checkpoint import load_checkpoint_file
         from photon_core.models.whisper.config import WhisperDims
         from whisper_fixtures import openai_model
         ckpt = load_checkpoint_file(model_dir)

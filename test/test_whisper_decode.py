@@ -18,7 +18,7 @@ import torch
 from photon_core.models.whisper import load_whisper
 from photon_core.models.whisper.decoding import DecodeOptions
 from photon_core.models.whisper.frontend import N_SAMPLES, log_mel_spectrogram, prepare_audio
-from photon_core.weights.whisper_checkpoints import load_checkpoint_file
+from photon_core.models.whisper.checkpoint import load_checkpoint_file
 
 from whisper_fixtures import SENTENCES, espeak, openai_model, tiny_en_path
 

@@ -10,7 +10,7 @@ import torch
 
 from photon_core.models.whisper.config import WhisperDims, name_from_dims
 from photon_core.models.whisper.model import WhisperNet, WhisperWeights
-from photon_core.weights import whisper_checkpoints as wc
+from photon_core.models.whisper import checkpoint as wc
 from photon_core.weights.ctranslate2 import UnsupportedQuantization, read_ctranslate2
 
 from whisper_fixtures import (openai_to_ct2_variables, openai_to_hf, random_openai_model,

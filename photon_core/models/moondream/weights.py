@@ -16,14 +16,13 @@ from pathlib import Path
 import torch
 
 from photon_core.weights import hf_cache
+from photon_core.weights.tensor_files import DTYPES, parse_dtype, read_safetensors, read_torch, rename  # noqa: F401
 
 HF_REPO = "vikhyatk/moondream2"
 WEIGHTS_FILE = "model.safetensors"
 MD2_IDS = {"moondream2", HF_REPO}
 MD3_IDS = {"moondream3-preview", "moondream/moondream3-preview", "moondream3.1-9B-A2B",
            "moondream/moondream3.1-9B-A2B"}
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 # Older naming -> reference naming, applied in order (first match wins).
 _OLD_NAMES = [
@@ -46,18 +45,10 @@ _OLD_NAMES = [
     (r"region_model\.size_features\.weight$", "region.size_features"),
     (r"region_model\.", "region."),
 ]
-_OLD_TRANSPOSED = {"region.coord_features", "region.size_features"}
+# Stored transposed under the older names (old name -> reference name).
+_OLD_TRANSPOSED = {"region_model.coordinate_features.weight": "region.coord_features",
+                   "region_model.size_features.weight": "region.size_features"}
 _MD3_MARKERS = ("experts", "tau_", "moe_quant", "coordinate_head", "size_head")
-
-
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -112,12 +103,15 @@ def resolve(path_or_id: str | Path) -> Checkpoint:
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        return load_file(str(path))
+        return read_safetensors(path)
     if path.suffix in (".pt", ".pth", ".bin"):
-        # weights_only refuses pickled code; mmap avoids a second copy of a multi-GB file.
-        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        return read_torch(path)
     raise ValueError(f"unsupported weights format {path.suffix!r} ({path}); expected .safetensors or .pt")
+
+
+# Either naming -> reference names: the family's schema (first match wins; reference names pass).
+SCHEMA = ([(pat[:-1], rep) if pat.endswith("$") else (pat + "(.*)", rep + rf"\{pat.count('(') + 1}")
+           for pat, rep in _OLD_NAMES] + [(r"model\.(.*)", r"\1")])
 
 
 def normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -126,20 +120,11 @@ def normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     if md3:
         raise NotImplementedError(f"this looks like a Moondream 3 (MoE) checkpoint ({md3[0]}, ...); "
                                   "Moondream 3 is not supported yet")
-    out = {}
-    for key, t in tensors.items():
-        key = key.replace("._orig_mod", "")  # torch.compile'd training checkpoints
-        if key.startswith("model."):
-            key = key[len("model."):]
-        elif key.startswith(("vision_encoder.", "text_model.", "region_model.")):
-            for pat, rep in _OLD_NAMES:
-                new, n = re.subn("^" + pat, rep, key)
-                if n:
-                    key = new
-                    break
-            if key in _OLD_TRANSPOSED:
-                t = t.T
-        out[key] = t
+    tensors = {k.replace("._orig_mod", ""): t for k, t in tensors.items()}  # torch.compile'd training
+    out = rename(tensors, SCHEMA, keep=(r"(vision|text|region)\..*",))
+    for old, new in _OLD_TRANSPOSED.items():
+        if old in tensors:
+            out[new] = out[new].T
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from photon_core.registry import Family
-from photon_core.weights import whisper_checkpoints
+from photon_core.models.whisper import checkpoint as whisper_checkpoints
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved
 

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     try:
         import whisper
-        from photon_core.weights.whisper_checkpoints import load_checkpoint_file, resolve_whisper
+        from photon_core.models.whisper.checkpoint import load_checkpoint_file, resolve_whisper
 
         ours = engines["ours_fp32"]
         reference = whisper.model.Whisper(whisper.model.ModelDimensions(**ours.dims.as_dict()))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from photon_core.backends import reference
-from photon_core.weights.whisper_checkpoints import (
+from photon_core.models.whisper.checkpoint import (
     WhisperCheckpoint, WhisperWeightsNotFound, load_checkpoint_file, resolve_whisper)
 
 from .config import WhisperDims, name_from_dims

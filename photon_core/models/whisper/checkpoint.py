@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from . import hf_cache
-from .ctranslate2 import read_ctranslate2
+from photon_core.weights import hf_cache
+from photon_core.weights.ctranslate2 import read_ctranslate2
+from photon_core.weights.tensor_files import read_folder, read_safetensors, read_torch, rename
 
 
 class WhisperWeightsNotFound(FileNotFoundError):
@@ -129,62 +130,33 @@ _HF_LAYER_MAP = {
 }
 _HF_TOP_MAP = {
     "encoder.conv1": "encoder.conv1", "encoder.conv2": "encoder.conv2",
-    "encoder.embed_positions": "encoder.positional_embedding",
-    "encoder.layer_norm": "encoder.ln_post",
-    "decoder.embed_tokens": "decoder.token_embedding",
-    "decoder.embed_positions": "decoder.positional_embedding",
+    "encoder.layer_norm": "encoder.ln_post", "decoder.embed_tokens": "decoder.token_embedding",
     "decoder.layer_norm": "decoder.ln",
 }
-_HF_LAYER_RE = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Hugging Face `WhisperForConditionalGeneration` names -> openai-whisper names: the family's schema.
+HF_SCHEMA = (
+    [(rf"(?:model\.)?(encoder|decoder)\.layers\.(\d+)\.{re.escape(mod)}\.(weight|bias)", rf"\1.blocks.\2.{target}.\3")
+     for mod, target in _HF_LAYER_MAP.items()]
+    + [(rf"(?:model\.)?{re.escape(mod)}\.(weight|bias)", rf"{target}.\1") for mod, target in _HF_TOP_MAP.items()]
+    + [(r"(?:model\.)?(encoder|decoder)\.embed_positions\.weight", r"\1.positional_embedding")])
+_HF_DROP = (r"proj_out\.weight",)   # tied to the token embedding
 
 
 def hf_to_internal(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map Hugging Face `WhisperForConditionalGeneration` names to openai-whisper names."""
-    sd: dict[str, torch.Tensor] = {}
-    for key, value in hf.items():
-        name = key[len("model."):] if key.startswith("model.") else key
-        if name == "proj_out.weight":
-            continue  # tied to the token embedding
-        if m := _HF_LAYER_RE.match(name):
-            part, idx, mod, kind = m.groups()
-            if mod not in _HF_LAYER_MAP:
-                raise ValueError(f"unexpected Hugging Face Whisper tensor {key!r}")
-            sd[f"{part}.blocks.{idx}.{_HF_LAYER_MAP[mod]}.{kind}"] = value
-            continue
-        mod, _, kind = name.rpartition(".")
-        if mod not in _HF_TOP_MAP:
-            raise ValueError(f"unexpected Hugging Face Whisper tensor {key!r}")
-        target = _HF_TOP_MAP[mod]
-        sd[target if target.endswith("positional_embedding") else f"{target}.{kind}"] = value
-    return sd
-
-
-def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            tensors.update(load_file(str(folder / shard)))
-        return tensors
-    if (folder / "model.safetensors").is_file():
-        return load_file(str(folder / "model.safetensors"))
-    if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise WhisperWeightsNotFound(
-        f"{folder}: no model.safetensors(.index.json) or pytorch_model.bin")
+    try:
+        return rename(hf, HF_SCHEMA, drop=_HF_DROP)
+    except ValueError as err:
+        raise ValueError(f"unexpected Hugging Face Whisper tensor: {err}") from None
 
 
 def load_hf_whisper(path: str | Path) -> WhisperCheckpoint:
     """A Hugging Face checkpoint folder, or a single .safetensors file."""
     path = Path(path)
-    if path.is_file():
-        from safetensors.torch import load_file
-        tensors, folder = load_file(str(path)), path.parent
-    else:
-        tensors, folder = _read_hf_tensors(path), path
+    try:
+        tensors, folder = (read_safetensors(path), path.parent) if path.is_file() else (read_folder(path), path)
+    except FileNotFoundError as err:
+        raise WhisperWeightsNotFound(str(err)) from None
     heads: dict[str, int] = {}
     cfg_file = folder / "config.json"
     if cfg_file.is_file():
@@ -201,7 +173,7 @@ def load_hf_whisper(path: str | Path) -> WhisperCheckpoint:
 def load_openai_whisper(path: str | Path) -> WhisperCheckpoint:
     """An OpenAI `.pt` checkpoint ({"dims": ..., "model_state_dict": ...}), without pickle code."""
     path = Path(path)
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = read_torch(path)
     if not isinstance(ckpt, dict) or "model_state_dict" not in ckpt:
         raise ValueError(f"{path}: not an OpenAI Whisper checkpoint (no 'model_state_dict')")
     dims = ckpt.get("dims") or {}
