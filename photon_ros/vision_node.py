@@ -26,8 +26,8 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
-from photon_core.models.moondream.batch import Request
-from photon_core.runtime.shared_models import shared_model
+from photon_core.runtime.requests import Request
+from photon_core.runtime.shared_models import shared_engine
 from photon_ros.run_node import run_node
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.latest_frame import LatestFrame
@@ -37,24 +37,32 @@ from photon_ros.result_messages import (detection2d_array, detections_message, p
                                         vision_text_message)
 from photon_ros.srv import Infer
 
+VISION_SKILLS = {"detect", "point", "caption", "query", "segment"}
 TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK_CAPTION,
          Infer.Request.TASK_QUERY)
 CAPTION_LENGTHS = ("short", "normal", "long")
 
 
-def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto"):
-    """The process's shared engine for this model. backend "auto": our kernels and decode
-    megakernel on CUDA, PyTorch on CPU (photon_core.backends.select)."""
-    import photon_core
+def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto", skills: list[str] = ()):
+    """The process's shared engine for this checkpoint, of any family with `skills` (the registry
+    recognises the family from the files). backend "auto": our kernels and decode megakernel on
+    CUDA, PyTorch on CPU (photon_core.backends.select)."""
+    return shared_engine(name, device, dtype, backend, skills)
 
-    return shared_model(("moondream", name, device, dtype, backend),
-                        lambda: photon_core.load(name, device=device, dtype=dtype, backend=backend))
+
+def skills_in_use(detect: list[str], point: list[str], caption: bool) -> list[str]:
+    """The skills the node's standing tasks need from its model."""
+    return [s for s, used in (("detect", detect), ("point", point), ("caption", caption)) if used]
 
 
 def warm_up(engine) -> None:
     """One tiny request through the engine, so that kernel compilation (Triton, on a GPU), first
     allocations and lazy imports happen at startup instead of on the first camera frame."""
-    engine.batcher.submit([Request("detect", np.zeros((32, 32, 3), np.uint8), "object", max_objects=1)])
+    image = np.zeros((32, 32, 3), np.uint8)
+    skills = engine.family.skills if engine.family is not None else {"detect"}
+    request = (Request("detect", image, "object", max_objects=1) if "detect" in skills
+               else Request("caption", image, "short", max_tokens=2))
+    engine.batcher.submit([request])
 
 
 def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str | None,
@@ -130,6 +138,9 @@ class VisionNode(Node):
 
     def on_parameters(self, params: list[Parameter]) -> SetParametersResult:
         for param in params:
+            lacking = self.lacks({"detect": "detect", "point": "point"}.get(param.name))
+            if lacking and self.targets(param.value):
+                return SetParametersResult(successful=False, reason=lacking)
             if param.name == "detect":
                 self.detect_targets = self.targets(param.value)
             elif param.name == "point":
@@ -150,7 +161,11 @@ class VisionNode(Node):
     def work(self) -> None:
         try:
             started = time.monotonic()
-            engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend)
+            engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend, skills_in_use(
+                self.detect_targets, self.point_targets, self.caption_period > 0))
+            if not engine.family.skills & VISION_SKILLS:
+                raise ValueError(f"{self.model_name!r} is a {engine.family.name} model "
+                                 f"({', '.join(sorted(engine.family.skills))}), not a vision model")
             warm_up(engine)
             self.engine = engine
             self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
@@ -214,12 +229,22 @@ class VisionNode(Node):
         if self.annotate and (boxes or points) and self.pub_annotated.get_subscription_count() > 0:
             self.pub_annotated.publish(rgb_to_image(draw_results(rgb, boxes, points), header=header))
 
+    def lacks(self, skill: str | None) -> str:
+        """Why the loaded model cannot do `skill` ("" when it can, or nothing is loaded yet)."""
+        family = getattr(self.engine, "family", None)
+        if skill is None or family is None or skill in family.skills:
+            return ""
+        return f"a {family.name} model cannot {skill} (it offers {', '.join(sorted(family.skills))})"
+
     # --- on demand ------------------------------------------------------------------------------
     def on_infer(self, request: Infer.Request, response: Infer.Response) -> Infer.Response:
         received = time.monotonic()
         if self.engine is None:
             response.success = False
             response.message = f"model not loaded: {self.model_error or 'still loading'}"
+            return response
+        if self.lacks(request.task):
+            response.success, response.message = False, self.lacks(request.task)
             return response
         source = self.frames.latest.msg if request.use_latest_frame and self.frames.latest else request.image
         if request.use_latest_frame and self.frames.latest is None:

@@ -25,26 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from photon_core.runtime.requests import Request
+
 from . import region, skills, text
 
 if TYPE_CHECKING:
     from .model import EncodedImage, MoondreamModel
 
 TASKS = ("detect", "point", "caption", "query")
-
-
-@dataclass
-class Request:
-    """One skill call: task, image (array, PIL or EncodedImage) and the task's argument (the object,
-    the question, or the caption length)."""
-    task: str
-    image: Any
-    prompt: str = ""
-    max_objects: int = skills.DEFAULT_MAX_OBJECTS
-    max_tokens: int = skills.DEFAULT_MAX_TOKENS
-    temperature: float = 0.0
-    top_p: float = 1.0
-
 
 # What a row reads from the hidden state its last input produced.
 BOUNDARY, COORD_Y, SIZE, TOKEN = "boundary", "y", "size", "token"

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from photon_core.runtime.requests import DEFAULT_MAX_OBJECTS, DEFAULT_MAX_TOKENS  # noqa: F401
+
 from . import text
 
 if TYPE_CHECKING:
     from .model import EncodedImage, MoondreamModel
 
-DEFAULT_MAX_OBJECTS = 50
-DEFAULT_MAX_TOKENS = 768
 
 
 class Sequence:
