@@ -68,32 +68,29 @@ def ct2_to_internal(get, n_enc: int, n_dec: int) -> dict[str, torch.Tensor]:
             if name != "key":
                 sd[f"{dst}.{name}.bias"] = b
 
+    def block(s: str, d: str, cross: bool) -> None:
+        ln(f"{s}/self_attention/layer_norm", f"{d}.attn_ln")
+        fused(f"{s}/self_attention/linear_0", f"{d}.attn", ("query", "key", "value"))
+        lin(f"{s}/self_attention/linear_1", f"{d}.attn.out")
+        if cross:
+            ln(f"{s}/attention/layer_norm", f"{d}.cross_attn_ln")
+            lin(f"{s}/attention/linear_0", f"{d}.cross_attn.query")
+            fused(f"{s}/attention/linear_1", f"{d}.cross_attn", ("key", "value"))
+            lin(f"{s}/attention/linear_2", f"{d}.cross_attn.out")
+        ln(f"{s}/ffn/layer_norm", f"{d}.mlp_ln")
+        lin(f"{s}/ffn/linear_0", f"{d}.mlp.0")
+        lin(f"{s}/ffn/linear_1", f"{d}.mlp.2")
+
     for i in (1, 2):
         lin(f"encoder/conv{i}", f"encoder.conv{i}")
     sd["encoder.positional_embedding"] = get("encoder/position_encodings/encodings")
     for i in range(n_enc):
-        s, d = f"encoder/layer_{i}", f"encoder.blocks.{i}"
-        ln(f"{s}/self_attention/layer_norm", f"{d}.attn_ln")
-        fused(f"{s}/self_attention/linear_0", f"{d}.attn", ("query", "key", "value"))
-        lin(f"{s}/self_attention/linear_1", f"{d}.attn.out")
-        ln(f"{s}/ffn/layer_norm", f"{d}.mlp_ln")
-        lin(f"{s}/ffn/linear_0", f"{d}.mlp.0")
-        lin(f"{s}/ffn/linear_1", f"{d}.mlp.2")
+        block(f"encoder/layer_{i}", f"encoder.blocks.{i}", cross=False)
     ln("encoder/layer_norm", "encoder.ln_post")
     sd["decoder.token_embedding.weight"] = get("decoder/embeddings/weight")
     sd["decoder.positional_embedding"] = get("decoder/position_encodings/encodings")
     for i in range(n_dec):
-        s, d = f"decoder/layer_{i}", f"decoder.blocks.{i}"
-        ln(f"{s}/self_attention/layer_norm", f"{d}.attn_ln")
-        fused(f"{s}/self_attention/linear_0", f"{d}.attn", ("query", "key", "value"))
-        lin(f"{s}/self_attention/linear_1", f"{d}.attn.out")
-        ln(f"{s}/attention/layer_norm", f"{d}.cross_attn_ln")
-        lin(f"{s}/attention/linear_0", f"{d}.cross_attn.query")
-        fused(f"{s}/attention/linear_1", f"{d}.cross_attn", ("key", "value"))
-        lin(f"{s}/attention/linear_2", f"{d}.cross_attn.out")
-        ln(f"{s}/ffn/layer_norm", f"{d}.mlp_ln")
-        lin(f"{s}/ffn/linear_0", f"{d}.mlp.0")
-        lin(f"{s}/ffn/linear_1", f"{d}.mlp.2")
+        block(f"decoder/layer_{i}", f"decoder.blocks.{i}", cross=True)
     ln("decoder/layer_norm", "decoder.ln")
     return sd
 
