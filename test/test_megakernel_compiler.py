@@ -83,6 +83,9 @@ def fill_caches(step, batch, positions, enc_len, gen):
     (1, True, Tiling(16, 32, 8, 2, 3)),
     (2, False, Tiling(16, 32, 8, 3, 2)),      # no rotary: q|k|v stored by the linear itself
     (4, True, Tiling(32, 64, 16, 1, 1)),      # tiles straddle heads: whole-stage waits
+    # Few-tile stages get narrower tiles and split-K (partials summed by reduce tasks).
+    (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=12, min_block_n=8, max_split_k=3)),
+    (1, False, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=16, max_split_k=4)),
 ])
 def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling):
     w = toy_weights()
@@ -112,6 +115,22 @@ def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling):
             for r, p in enumerate(positions):
                 assert rel_err(step.view(name)[r, :, p], caches[name][r, :, p]) < RTOL
         positions = [p + 1 for p in positions]
+
+
+def test_stage_shapes_narrow_tiles_first_then_split_k():
+    from photon_core.megakernel.compiler import stage_shape
+    t = Tiling(block_n=64, block_k=32, min_tasks=16, min_block_n=16, max_split_k=4)
+    assert stage_shape(4096, 512, Tiling(block_n=64)) == (64, 1)          # min_tasks 0: as tiled
+    assert stage_shape(4096, 512, t) == (64, 1)                           # 64 tiles: enough
+    assert stage_shape(512, 512, t) == (32, 1)                            # 16 narrower tiles
+    assert stage_shape(128, 4096, t) == (16, 2)                           # 8 tiles, then 2 K slices
+    assert stage_shape(128, 4096, t, align=48) == (64, 4)                 # 32 would straddle 48-wide heads
+    assert stage_shape(64, 48, t) == (16, 1)                              # K too short to split
+    g = lower(plan(toy_graph(toy_weights()), 1, Tiling(32, 16, 8, 2, 2, min_tasks=40, max_split_k=4)))
+    kinds = {t.op for t in g.tasks}
+    from photon_core.megakernel.graph import OP_LINEAR_REDUCE, OP_LINEAR_SPLIT
+    assert OP_LINEAR_SPLIT in kinds and OP_LINEAR_REDUCE in kinds
+    check(g)
 
 
 def test_advance_writes_the_next_token_and_position():

@@ -77,6 +77,13 @@ def test_batch2_ragged_positions_and_cross_lengths(small):
     run_steps(small, 2, 8, 20, Tiling(32, 64, 16, 2, 3), [0, 3], 3, cross_lens=[20, 13])
 
 
+def test_narrow_tiles_and_split_k(small):
+    # Stages of few tiles as the compiler shapes them for a GPU: narrower tiles, then K slices
+    # whose partials reduce tasks sum in a fixed order.
+    run_steps(small, 2, 8, 20, Tiling(32, 16, 16, 2, 3, min_tasks=24, min_block_n=16, max_split_k=3), [0, 3], 2,
+              cross_lens=[20, 13])
+
+
 def test_advance_mode_replays_without_host_writes(small):
     # The launch itself writes the next token and position: what a captured CUDA graph replays.
     run_steps(small, 1, 8, 12, Tiling(64, 64, 16, 1, 1), [2], 2, advance=True)

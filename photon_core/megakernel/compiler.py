@@ -5,7 +5,10 @@ Every family's decode step goes through here; nothing here knows a model.
 Lowering, op by op:
   * embed       one task per BLOCK_N columns: token row (+ position row) into the value.
   * layer_norm  no task: fused in front of every linear that reads it (only linears may read one).
-  * linear      one task per BLOCK_N output columns, bias / activation / residual fused behind. The
+  * linear      one task per tile of output columns, bias / activation / residual fused behind. A
+                stage with fewer tiles than Tiling.min_tasks gets narrower tiles, then split-K: K
+                slices write partial products to a scratch, and one task per tile sums them in a
+                fixed order and runs the epilogue (stage_shape decides, per stage). The
                 store depends on the readers: a kv_append without rotary as the only reader makes it
                 a q|k|v store (q into the query buffer, k and v straight into the caches at the row's
                 position: no append task); an argmax reader makes it a logits store that also writes
@@ -31,7 +34,8 @@ import torch
 
 from photon_core.megakernel.graph import (BATCH_BUCKETS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
                                           OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,
-                                          OP_ROPE_APPEND, Arena, Region, StateViews, Task, TaskGraph)
+                                          OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
+                                          StateViews, Task, TaskGraph)
 from photon_core.kernels.linear import activation_code
 from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
@@ -39,11 +43,34 @@ from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
 @dataclass(frozen=True)
 class Tiling:
-    block_n: int = 32        # output columns per linear / embed task
+    block_n: int = 32        # output columns per linear / embed task (the widest tile)
     block_k: int = 64        # K step inside a linear task
     block_t: int = 32        # keys per attention inner step
     self_splits: int = 4     # KV splits of self-attention (per row and head)
     cross_splits: int = 8    # KV splits of attention over host-filled ("cross") caches
+    # A linear stage with fewer tiles than `min_tasks` (0: never) gets narrower tiles (down to
+    # `min_block_n` columns), then splits K into up to `max_split_k` slices, so that every program
+    # has work: on a GPU, min_tasks is about the number of programs (2 per SM).
+    min_tasks: int = 0
+    min_block_n: int = 16
+    max_split_k: int = 8
+
+
+def stage_shape(n: int, k: int, tiling: Tiling, align: int | None = None, narrow: bool = True) -> tuple[int, int]:
+    """(tile width, K slices) of a linear stage of n output columns over k inputs. Narrower tiles
+    first (they read no extra bytes), split-K only if that is not enough (it adds a reduction).
+    `align`: a size the width must divide (a head, so tiles can signal per head); `narrow=False`
+    keeps block_n (argmax reads the stage on that tile grid)."""
+    width, splits = tiling.block_n, 1
+    if not tiling.min_tasks:
+        return width, splits
+    while (narrow and -(-n // width) < tiling.min_tasks and width // 2 >= tiling.min_block_n
+           and (align is None or align % (width // 2) == 0)):
+        width //= 2
+    tiles = -(-n // width)
+    if tiles < tiling.min_tasks:
+        splits = max(1, min(tiling.max_split_k, -(-tiling.min_tasks // tiles), k // tiling.block_k))
+    return width, splits
 
 
 @dataclass
@@ -59,6 +86,7 @@ class Plan:
     norm_of: dict[str, Node]              # linear name -> the layer_norm fused in front of it
     qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
     logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
+    shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
     ln_eps: float
     max_position: int                     # positions must stay below this
 
@@ -119,6 +147,18 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
             shapes[f"{node.out.name}.part"] = (batch, spec.heads, splits, spec.head_dim + 2)
     for name, ntiles in logits.items():
         shapes[f"{name}.part"] = (batch, ntiles, 2)
+    shape: dict[str, tuple[int, int]] = {}
+    for node in graph.nodes:
+        if node.op != "linear":
+            continue
+        n, k = graph.weight_shapes[node.args["w"]]
+        name = node.out.name
+        written = qkv_store[name].out if name in qkv_store else node.out
+        readers = [c for c in graph.consumers(written) if c.op == "attention"]
+        align = readers[0].args["k"].spec.head_dim if readers else None
+        shape[name] = stage_shape(n, k, tiling, align, narrow=name not in logits)
+        if shape[name][1] > 1:
+            shapes[f"{name}.kpart"] = (shape[name][1], batch, n)
     for spec in graph.caches.values():
         shapes[spec.name] = ((spec.layers,) if spec.layers is not None else ()) + (
             batch, spec.heads, spec.length, spec.head_dim)
@@ -129,7 +169,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
     limits += [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
                if n.op == "kv_append" and n.args["rotary"] is not None]
-    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits,
+    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits, shape,
                 eps.pop() if eps else 1e-5, min(limits) if limits else 1 << 30)
 
 
@@ -274,16 +314,19 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
 
 def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head, cache_cols, cache_off,
                   dyn_pos: Region) -> dict[str, _Stage]:
-    graph, B, bn, S, W = p.graph, p.batch, p.tiling.block_n, p.sarena, p.warena
+    """Tiles of the stage's width; with K slices, split tasks (partial products into the stage's
+    scratch) then one reduce task per tile that sums them in a fixed order and runs the epilogue."""
+    graph, B, S, W = p.graph, p.batch, p.sarena, p.warena
     a, name = node.args, node.out.name
     N, K = graph.weight_shapes[a["w"]]
+    width, splits = p.shape[name]
     norm = p.norm_of.get(name)
     x = a["x"] if norm is None else norm.args["x"]
     reads_of = [a["x"]] + ([a["residual"]] if a["residual"] is not None else [])
     kv = p.qkv_store.get(name)
     out = kv.out if kv is not None else node.out          # what the tiles write
     dh = per_head(out)
-    signal_heads = dh is not None and dh % bn == 0
+    signal_heads = dh is not None and dh % width == 0
     d = out.width
     heads = -(-d // dh) if signal_heads else 0
     st = _Stage(out.name, None if signal_heads else g.counter(out.name),
@@ -291,10 +334,27 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                 ancestors(reads_of, out.name))
     wait = waits(reads_of)
     mode = MODE_QKV if kv is not None else MODE_LOGITS if name in p.logits else MODE_PLAIN
-    ntiles = -(-N // bn)
-    for i, n0 in enumerate(range(0, N, bn)):
-        n1 = min(N, n0 + bn)
-        args = dict(M=B, K=K, N=N, n0=n0, x=S.off(x.name), w=W.off(a["w"]), b=W.off(a["b"]) if a["b"] else -1,
+    ntiles = -(-N // width)
+    kpart = f"{name}.kpart"
+    if splits > 1:
+        split_sig = g.counter(f"{name}.split")
+        step = -(-K // splits // p.tiling.block_k) * p.tiling.block_k   # slices on the K-step grid
+        for i, n0 in enumerate(range(0, N, width)):
+            n1 = min(N, n0 + width)
+            for ks, k0 in enumerate(range(0, K, step)):
+                g.add(Task(f"{name}.split[{n0}:{n1},k{k0}]", OP_LINEAR_SPLIT,
+                           dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=k0, k1=min(K, k0 + step), x=S.off(x.name),
+                                w=W.off(a["w"]), lnw=W.off(norm.args["w"]) if norm else -1,
+                                lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
+                                kpart=S.off(kpart), ksplit=ks),
+                           list(wait), split_sig, [S.region(x.name)],
+                           [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for r in range(B)]))
+        n_split = g.signalers(split_sig)
+        used = -(-K // step)
+    for i, n0 in enumerate(range(0, N, width)):
+        n1 = min(N, n0 + width)
+        args = dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=0, k1=K, x=S.off(x.name), w=W.off(a["w"]),
+                    b=W.off(a["b"]) if a["b"] else -1,
                     lnw=W.off(norm.args["w"]) if norm else -1,
                     lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
                     act=activation_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
@@ -302,6 +362,10 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
         reads = [S.region(x.name)]
         if a["residual"] is not None:
             reads += S.columns(a["residual"].name, B, N, n0, n1)
+        if splits > 1:
+            args.update(kpart=S.off(kpart), ksplit=used)
+            reads = [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1)
+                     for ks in range(used) for r in range(B)] + reads[1:]
         writes = []
         if mode == MODE_QKV:
             kc, vc = kv.args["k"], kv.args["v"]
@@ -323,7 +387,10 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             args.update(tile=i, part=S.off(part), ntiles=ntiles, rb=-1)
             writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
         signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
-        g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, reads, writes))
+        if splits > 1:
+            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR_REDUCE, args, [(split_sig, n_split)], signal, reads, writes))
+        else:
+            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, reads, writes))
     return {out.name: st}
 
 

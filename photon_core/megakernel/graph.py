@@ -24,8 +24,11 @@ OP_ATTN_PARTIAL = 3   # one query, keys of split s of S, for (b, h): writes (m, 
 OP_ATTN_MERGE = 4     # merge the S partials of (b, h) into the attention output
 OP_ARGMAX = 5         # merge LM-style tiles' (max, index) into a result column; optionally advance the step
 OP_ROPE_APPEND = 6    # (row, head) of a fused q|k|v: rotary on q and k, q out, k and v into the caches
+OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product into the stage's scratch
+OP_LINEAR_REDUCE = 8  # sum a tile's K-slice partials in a fixed order, then OP_LINEAR's epilogue
 OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
-            OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append"}
+            OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append",
+            OP_LINEAR_SPLIT: "linear_split", OP_LINEAR_REDUCE: "linear_reduce"}
 
 # Store modes of OP_LINEAR.
 MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2
@@ -36,7 +39,7 @@ LEN_SELF, LEN_CROSS = 0, 1
 FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
-          "lenkind")
+          "lenkind", "n1", "k0", "k1", "kpart", "ksplit")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 40  # padded; rows stay 320-byte aligned
 

@@ -35,7 +35,8 @@ CG: tl.constexpr = tl.constexpr(".cg")
 # The jit code reads fields by literal column; this pins those literals to graph.FIELDS.
 assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
-                       "ntiles", "bi", "hi", "s", "S", "lenkind")] == list(range(1, 33))
+                       "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
+                       "ksplit")] == list(range(1, 38))
 
 
 @triton.jit
@@ -71,50 +72,49 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
+    one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
+    columns use narrower tiles (more tasks), and a split-K task sees a slice of K."""
     M = tl.load(row + 6)
     K = tl.load(row + 7)
-    N = tl.load(row + 8)
     n0 = tl.load(row + 9)
     x_off = tl.load(row + 10)
     w_off = tl.load(row + 11)
-    b_off = tl.load(row + 12)
     lnw = tl.load(row + 13)
     lnb = tl.load(row + 14)
-    act = tl.load(row + 15)
-    res = tl.load(row + 16)
-    mode = tl.load(row + 17)
-    out = tl.load(row + 18)
+    n1 = tl.load(row + 33)
+    k0 = tl.load(row + 34)
+    k1 = tl.load(row + 35)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < M
     cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < N
+    cmask = cols < n1
     ks = tl.arange(0, BLOCK_K)
     x_rows = s_ptr + x_off + rows[:, None].to(tl.int64) * K
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if lnw >= 0:
-        # LayerNorm fused in: every tile recomputes its rows' statistics (M*K reads, tiny next to the
-        # N_tile*K weight bytes) instead of waiting on a separate norm task.
+        # LayerNorm fused in: every tile recomputes its rows' statistics over all of K (M*K reads,
+        # tiny next to the N_tile*K weight bytes) instead of waiting on a separate norm task.
         s1 = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
+        for kb in range(0, K, BLOCK_K):
+            kk = kb + ks
             xm = rmask[:, None] & (kk[None, :] < K)
             s1 += tl.sum(tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), axis=1)
         mean = s1 / K
         s2 = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
+        for kb in range(0, K, BLOCK_K):
+            kk = kb + ks
             xm = rmask[:, None] & (kk[None, :] < K)
             xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
             xc = tl.where(xm, xv - mean[:, None], 0.0)
             s2 += tl.sum(xc * xc, axis=1)
         rstd = 1.0 / tl.sqrt(s2 / K + ln_eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        kmask = kk < K
+    for kb in range(k0, k1, BLOCK_K):
+        kk = kb + ks
+        kmask = kk < k1
         xm = rmask[:, None] & kmask[None, :]
         x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
         if lnw >= 0:
@@ -126,6 +126,27 @@ def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
         w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * K + kk[None, :],
                     mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Finish a tile: + bias, activation, + residual, then store by mode: plain, q|k|v (q to its
+    buffer, k and v into the caches at each row's position) or logits (plus the tile's per-row
+    (max, first index) for the argmax)."""
+    M = tl.load(row + 6)
+    N = tl.load(row + 8)
+    n0 = tl.load(row + 9)
+    b_off = tl.load(row + 12)
+    act = tl.load(row + 15)
+    res = tl.load(row + 16)
+    mode = tl.load(row + 17)
+    out = tl.load(row + 18)
+    n1 = tl.load(row + 33)
+    rows = tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < n1
     omask = rmask[:, None] & cmask[None, :]
     if b_off >= 0:
         acc += tl.load(w_ptr + b_off + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -155,11 +176,7 @@ def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
         ok = omask & ((sec[None, :] == 0) | (pos[:, None] < Tmax))
         tl.store(s_ptr + addr, acc, mask=ok)
     else:
-        # LM head: optional per-row additive logit bias (suppression masks), logits, and this tile's
-        # (max, first index) per row for the argmax reduction.
-        rb = tl.load(row + 26)
-        if rb >= 0:
-            acc += tl.load(s_ptr + rb + flat, mask=omask, other=0.0, cache_modifier=CG)
+        # Logits: the tile's (max, first index) per row for the argmax reduction.
         tl.store(s_ptr + out + flat, acc, mask=omask)
         tile = tl.load(row + 24)
         part = tl.load(row + 25)
@@ -172,6 +189,52 @@ def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
         p = s_ptr + part + (rows.to(tl.int64) * ntiles + tile) * 2
         tl.store(p, tmax, mask=rmask)
         tl.store(p + 1, tidx.to(tl.float32), mask=rmask)
+
+
+@triton.jit
+def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A whole tile: product over all of K, then the epilogue. Bytes: (n1-n0)*K weights + M*K x."""
+    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _task_linear_split(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """One K slice of a tile (split-K, for stages with too few tiles to fill the GPU): the raw
+    partial product into slot `ks` of the stage's [splits, M, N] scratch, no epilogue."""
+    M = tl.load(row + 6)
+    N = tl.load(row + 8)
+    n0 = tl.load(row + 9)
+    n1 = tl.load(row + 33)
+    kpart = tl.load(row + 36)
+    ks = tl.load(row + 37)
+    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    omask = (rows < M)[:, None] & (cols < n1)[None, :]
+    tl.store(s_ptr + kpart + (ks * M + rows[:, None]).to(tl.int64) * N + cols[None, :], acc, mask=omask)
+
+
+@triton.jit
+def _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum a tile's `ksplit` partials in slot order (a fixed order: the result does not depend on
+    which program finished first), then the epilogue."""
+    M = tl.load(row + 6)
+    N = tl.load(row + 8)
+    n0 = tl.load(row + 9)
+    n1 = tl.load(row + 33)
+    kpart = tl.load(row + 36)
+    nsplit = tl.load(row + 37)
+    rows = tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    omask = (rows < M)[:, None] & (cols < n1)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for s in range(0, nsplit):
+        acc += tl.load(s_ptr + kpart + (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :], mask=omask,
+                       other=0.0, cache_modifier=CG)
+    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -329,6 +392,10 @@ def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.c
         _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
     elif op == 6:
         _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D)
+    elif op == 7:
+        _task_linear_split(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif op == 8:
+        _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
     else:
         ran = 0
     return ran
