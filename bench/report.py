@@ -1,4 +1,5 @@
-"""Printing a benchmark's Markdown section and appending it to bench/RESULTS.md."""
+"""Printing a benchmark's Markdown section and putting it in bench/RESULTS.md, where each benchmark
+keeps only its latest section (a rerun replaces its own; git keeps the history)."""
 from __future__ import annotations
 
 import sys
@@ -14,9 +15,20 @@ def heading(title: str) -> list[str]:
     return [f"### {title} — {time.strftime('%Y-%m-%d')}", "", f"Command: `{command}`", ""]
 
 
+def replace_section(text: str, section: str) -> str:
+    """`text` with the section of the same title (the "### title — date" line, any date) replaced
+    by `section`, or `section` appended when there is none."""
+    title = section.splitlines()[0].rsplit(" — ", 1)[0]
+    parts = text.split("\n### ")
+    head, sections = parts[0], ["### " + p for p in parts[1:]]
+    kept = [s for s in sections if s.splitlines()[0].rsplit(" — ", 1)[0] != title]
+    at = next((i for i, s in enumerate(sections) if s.splitlines()[0].rsplit(" — ", 1)[0] == title), len(sections))
+    kept.insert(min(at, len(kept)), section.rstrip("\n") + "\n")
+    return "\n".join([head.rstrip("\n") + "\n"] + [s.rstrip("\n") + "\n" for s in kept])
+
+
 def publish(lines: list[str], write: bool) -> None:
     section = "\n".join(lines) + "\n"
     print(section)
     if write:
-        with open(RESULTS, "a") as f:
-            f.write("\n" + section)
+        RESULTS.write_text(replace_section(RESULTS.read_text() if RESULTS.exists() else "", section))

@@ -41,6 +41,9 @@ from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
 
 
+WEIGHT_ROW_ALIGN = 16   # elements; kernel.py's tl.multiple_of hints rely on it
+
+
 @dataclass(frozen=True)
 class Tiling:
     block_n: int = 32        # output columns per linear / embed task (the widest tile)
@@ -87,6 +90,7 @@ class Plan:
     qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
     logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
     shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
+    ldw: dict[str, int]                   # weight name -> padded row stride (matrices tasks stream)
     ln_eps: float
     max_position: int                     # positions must stay below this
 
@@ -132,9 +136,17 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     if len(eps) > 1:
         raise ValueError(f"{graph.name}: one LayerNorm epsilon per step, got {sorted(eps)}")
 
+    # Matrices that linear and embed tasks read get rows padded to 16 elements (64 B in fp32, 32 B
+    # in bf16): with aligned rows and offsets every weight load can be a 128-bit vector load.
+    ldw = {}
+    for n in graph.nodes:
+        for key in ("w", "tok", "pos"):
+            w = n.args.get(key) if n.op in ("linear", "embed") else None
+            if w is not None:
+                ldw[w] = -(-graph.weight_shapes[w][1] // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN
     wa, sa = Arena("weights"), Arena("state")
     for k, shape in graph.weight_shapes.items():
-        wa.alloc(k, math.prod(shape))
+        wa.alloc(k, shape[0] * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN)
     shapes: dict[str, tuple[int, ...]] = {}
     fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
                                                                       if n.op == "layer_norm"}
@@ -169,7 +181,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
     limits += [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
                if n.op == "kv_append" and n.args["rotary"] is not None]
-    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits, shape,
+    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits, shape, ldw,
                 eps.pop() if eps else 1e-5, min(limits) if limits else 1 << 30)
 
 
@@ -257,6 +269,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                 n1 = min(d, n0 + bn)
                 g.add(Task(f"{node.out.name}[{n0}:{n1}]", OP_EMBED,
                            dict(M=B, N=d, n0=n0, w=W.off(a["tok"]), b=W.off(a["pos"]) if a["pos"] else -1,
+                                ldw=p.ldw[a["tok"]],
                                 out=S.off(node.out.name)),
                            [], st.counter, [dyn_tok, dyn_pos], S.columns(node.out.name, B, d, n0, n1)))
             stage_of[node.out.name] = st
@@ -344,7 +357,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             for ks, k0 in enumerate(range(0, K, step)):
                 g.add(Task(f"{name}.split[{n0}:{n1},k{k0}]", OP_LINEAR_SPLIT,
                            dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=k0, k1=min(K, k0 + step), x=S.off(x.name),
-                                w=W.off(a["w"]), lnw=W.off(norm.args["w"]) if norm else -1,
+                                w=W.off(a["w"]), ldw=p.ldw[a["w"]], lnw=W.off(norm.args["w"]) if norm else -1,
                                 lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
                                 kpart=S.off(kpart), ksplit=ks),
                            list(wait), split_sig, [S.region(x.name)],
@@ -353,7 +366,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
         used = -(-K // step)
     for i, n0 in enumerate(range(0, N, width)):
         n1 = min(N, n0 + width)
-        args = dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=0, k1=K, x=S.off(x.name), w=W.off(a["w"]),
+        args = dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=0, k1=K, x=S.off(x.name), w=W.off(a["w"]), ldw=p.ldw[a["w"]],
                     b=W.off(a["b"]) if a["b"] else -1,
                     lnw=W.off(norm.args["w"]) if norm else -1,
                     lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
@@ -492,7 +505,11 @@ class CompiledStep(StateViews):
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{graph.name}: weight {k!r} has shape {tuple(t.shape)}, the graph says {shape}")
                 off, n = p.warena.regions[k]
-                self.weights[off:off + n] = t.detach().reshape(-1).to(device=dev, dtype=weight_dtype)
+                t = t.detach().to(device=dev, dtype=weight_dtype)
+                if k in p.ldw:
+                    self.weights[off:off + n].view(shape[0], p.ldw[k])[:, :shape[1]] = t
+                else:
+                    self.weights[off:off + n] = t.reshape(-1)
         self.warena, self.sarena, self.shapes = p.warena, p.sarena, p.shapes
         self.state = torch.zeros(p.sarena.size, dtype=torch.float32, device=dev)
         self.dyn = torch.zeros(3 * batch, dtype=torch.int32, device=dev)
@@ -500,6 +517,15 @@ class CompiledStep(StateViews):
         self.check = check
         self._kernels: dict[frozenset[str] | None, object] = {}
         self.kernel_for(None)   # build and prove the full graph at load time
+
+    def weight(self, key: str) -> torch.Tensor:
+        """A weight as the arena holds it (matrices without their row padding): a view, so writes
+        change what the next launch reads."""
+        off, n = self.warena.regions[key]
+        shape = self.graph_def.weight_shapes[key]
+        if key in self.plan.ldw:
+            return self.weights[off:off + n].view(shape[0], self.plan.ldw[key])[:, :shape[1]]
+        return self.weights[off:off + n].view(shape)
 
     def view(self, key: str) -> torch.Tensor:
         """A value, cache or exposed value (by its exposed name) as a tensor view of the state."""

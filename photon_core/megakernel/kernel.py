@@ -36,7 +36,7 @@ CG: tl.constexpr = tl.constexpr(".cg")
 assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
-                       "ksplit")] == list(range(1, 38))
+                       "ksplit", "ldw")] == list(range(1, 39))
 
 
 @triton.jit
@@ -63,10 +63,11 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
     mask = rmask[:, None] & (cols[None, :] < N)
     tok = tl.load(dyn_ptr + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
     pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
-    e = tl.load(w_ptr + tok_off + tok[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ldw = tl.load(row + 38)   # the tables' padded row stride
+    e = tl.load(w_ptr + tok_off + tok[:, None] * ldw + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # No position table (pos_off = -1): load nothing, add zero.
     pmask = mask & ((cols[None, :].to(tl.int64) * 0 + pos_off) >= 0)   # vector mask: see _task_rope_append
-    p = tl.load(w_ptr + tl.maximum(pos_off, 0) + pos[:, None] * N + cols[None, :], mask=pmask,
+    p = tl.load(w_ptr + tl.maximum(pos_off, 0) + pos[:, None] * ldw + cols[None, :], mask=pmask,
                 other=0.0).to(tl.float32)
     tl.store(s_ptr + out + rows[:, None].to(tl.int64) * N + cols[None, :], e + p, mask=mask)
 
@@ -80,12 +81,18 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     K = tl.load(row + 7)
     n0 = tl.load(row + 9)
     x_off = tl.load(row + 10)
-    w_off = tl.load(row + 11)
+    # The compiler aligns weight offsets, row strides and K slices to 16 elements (compiler.plan):
+    # saying so lets every weight load be a 128-bit vector load.
+    w_off = tl.multiple_of(tl.load(row + 11), 16)
     lnw = tl.load(row + 13)
     lnb = tl.load(row + 14)
     n1 = tl.load(row + 33)
-    k0 = tl.load(row + 34)
+    k0 = tl.multiple_of(tl.load(row + 34), 16)
     k1 = tl.load(row + 35)
+    ldw = tl.multiple_of(tl.load(row + 38), 16)
+    # Weights are masked at k1 rounded up into the row padding (zeros, multiplied by x masked to 0),
+    # so the mask is the same for every 16 consecutive elements and does not split a vector.
+    k1w = tl.multiple_of((k1 + 15) // 16 * 16, 16)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < M
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -111,7 +118,9 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
             xc = tl.where(xm, xv - mean[:, None], 0.0)
             s2 += tl.sum(xc * xc, axis=1)
         rstd = 1.0 / tl.sqrt(s2 / K + ln_eps)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # Accumulate elementwise and reduce over K once after the loop: a reduction per K step costs
+    # a round of shuffles across the warp for every BLOCK_K weights loaded.
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     for kb in range(k0, k1, BLOCK_K):
         kk = kb + ks
         kmask = kk < k1
@@ -123,10 +132,10 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
             be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
                   * tl.where(lnb >= 0, 1.0, 0.0))
             x = tl.where(xm, (x - mean[:, None]) * rstd[:, None] * g[None, :] + be[None, :], 0.0)
-        w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * K + kk[None, :],
-                    mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    return acc
+        w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * ldw + kk[None, :],
+                    mask=cmask[:, None] & (kk < k1w)[None, :], other=0.0).to(tl.float32)
+        acc3 += x[:, None, :] * w[None, :, :]
+    return tl.sum(acc3, axis=2)
 
 
 @triton.jit
