@@ -8,12 +8,19 @@
 3. End to end with the small random Moondream checkpoint: camera stamp -> Detections received.
 4. Throughput with 1, 2, 4 and 8 camera streams into one vision engine (one process), with the
    engine batching concurrent requests (up to 8) and serving them one at a time (max_batch 1).
+5. A camera in another process: rgb8 frames at 30 Hz from a publisher process to a subscriber
+   process with the vision node's QoS, 640x480 and 1920x1080, best effort (sensor data) and
+   reliable, with config/fastdds_large_data.xml and with Fast DDS's defaults; p50 / p99 from the
+   camera's stamp to the callback, frames received / sent. `--only cross-process` runs just this.
 Run it in the development environment (scripts/dev_env.sh: discovery stays on this machine).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,9 +33,11 @@ sys.path.insert(0, str(ROOT / "test"))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 
+import rclpy  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
-from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
+from std_msgs.msg import Header  # noqa: E402
 
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_compressed, rgb_to_image  # noqa: E402
 from photon_ros.msg import Detections  # noqa: E402
@@ -38,6 +47,8 @@ from report import heading, publish  # noqa: E402
 
 SIZES = {"640x480": (480, 640), "1920x1080": (1080, 1920)}
 RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+PROFILE = ROOT / "config" / "fastdds_large_data.xml"
+PROFILE_VARIABLES = ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE")
 
 
 def pct(values: list[float]) -> tuple[float, float]:
@@ -154,12 +165,139 @@ def _frames_per_second(graph: RosGraph, streams: int, seconds: float) -> float:
     return (sum(counts) - start) / seconds
 
 
+# --- 5. camera in another process ----------------------------------------------------------------
+
+def machine() -> str:
+    """CPU model, cores and the vector flags that matter to the engine (as lscpu reports them)."""
+    info = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
+    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
+    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{model}, {os.cpu_count()} cores, flags {' '.join(vector) or 'none of avx2/avx512/amx'}"
+
+
+def camera_process(topic: str, width: int, height: int, reliability: str, frames: int) -> int:
+    """A camera driver: `frames` rgb8 frames at 30 Hz, stamped with the wall clock at publish."""
+    rclpy.init()
+    node = rclpy.create_node("bench_camera")
+    qos = qos_profile_sensor_data if reliability == "best_effort" else QoSProfile(
+        depth=5, reliability=ReliabilityPolicy.RELIABLE)
+    pub = node.create_publisher(Image, topic, qos)
+    try:
+        if not wait_for(lambda: pub.get_subscription_count() >= 1, timeout=30):
+            return 2
+        msg = rgb_to_image(np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8))
+        start = time.monotonic()
+        for i in range(frames):
+            msg.header = Header(stamp=seconds_to_time(time.time()), frame_id=str(i))
+            pub.publish(msg)
+            time.sleep(max(0.0, start + (i + 1) / 30 - time.monotonic()))
+        # Stay while the listener takes what is in flight (reliable resends need the writer).
+        wait_for(lambda: pub.get_subscription_count() == 0, timeout=10)
+        return 0
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+def listener_process(topic: str, reliability: str, frames: int) -> int:
+    """The vision node's subscription (depth 1); prints {"latencies": [...]} as JSON."""
+    rclpy.init()
+    node = rclpy.create_node("bench_listener")
+    policy = ReliabilityPolicy.RELIABLE if reliability == "reliable" else ReliabilityPolicy.BEST_EFFORT
+    latencies: list[float] = []
+    last = [-1]
+
+    def on_image(msg: Image) -> None:
+        latencies.append(time.time() - time_to_seconds(msg.header.stamp))
+        last[0] = int(msg.header.frame_id)
+
+    sub = node.create_subscription(Image, topic, on_image,
+                                   QoSProfile(depth=1, history=HistoryPolicy.KEEP_LAST, reliability=policy))
+    try:
+        matched = time.monotonic() + 30
+        while sub.get_publisher_count() < 1 and time.monotonic() < matched:
+            rclpy.spin_once(node, timeout_sec=0.05)
+        # The camera needs frames / 30 s; frames lost at the end are waited for a few seconds only.
+        deadline = time.monotonic() + frames / 30 + 5
+        while last[0] < frames - 1 and time.monotonic() < deadline:
+            rclpy.spin_once(node, timeout_sec=0.05)
+        print(json.dumps({"latencies": latencies}))
+        return 0
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+def child_env(profile: Path | None) -> dict[str, str]:
+    """This environment with only `profile` (None: Fast DDS's defaults), discovery on localhost."""
+    env = {k: v for k, v in os.environ.items() if k not in PROFILE_VARIABLES}
+    env["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    if profile is not None:
+        env["FASTDDS_DEFAULT_PROFILES_FILE"] = str(profile)
+    return env
+
+
+def cross_process_once(size: str, reliability: str, profile: Path | None, frames: int) -> list[float]:
+    """Latencies of the frames that reached the listener process from the camera process."""
+    (h, w), env = SIZES[size], child_env(profile)
+    topic = f"/bench_cross_process/image_{os.getpid()}_{time.monotonic_ns()}"
+    me = [sys.executable, str(Path(__file__).resolve())]
+    listener = subprocess.Popen(me + ["--listen", topic, reliability, str(frames)], env=env,
+                                stdout=subprocess.PIPE, text=True)
+    camera = subprocess.Popen(me + ["--camera", topic, str(w), str(h), reliability, str(frames)], env=env)
+    try:
+        out, _ = listener.communicate(timeout=frames / 30 + 90)
+        camera.wait(timeout=30)
+        return json.loads(out.strip().splitlines()[-1])["latencies"]
+    finally:
+        for child in (listener, camera):
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+
+
+def bench_cross_process(frames: int) -> list[tuple[str, str, str, list[float]]]:
+    rows = []
+    for label, profile in (("fastdds_large_data.xml", PROFILE), ("Fast DDS defaults", None)):
+        for size in SIZES:
+            for reliability in ("best_effort", "reliable"):
+                rows.append((label, size, reliability, cross_process_once(size, reliability, profile, frames)))
+    return rows
+
+
+def cross_process_lines(rows, frames: int) -> list[str]:
+    lines = [f"Machine: {machine()}.", "",
+             f"Camera in another process: {frames} rgb8 frames at 30 Hz from a publisher process to a "
+             "subscriber process with the vision node's QoS (depth 1); camera stamp -> callback:", "",
+             "| DDS profile | image | QoS | p50 ms | p99 ms | frames received / sent |",
+             "|---|---|---|---:|---:|---:|"]
+    for label, size, reliability, latencies in rows:
+        cells = "{:.2f} | {:.2f}".format(*pct(latencies)) if latencies else "- | -"
+        lines.append(f"| {label} | {size} | {reliability} | {cells} | {len(latencies)} / {frames} |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=10.0, help="per stream-count throughput run")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--only", choices=["all", "cross-process"], default="all")
+    parser.add_argument("--frames", type=int, default=90, help="per camera-in-another-process run")
+    parser.add_argument("--camera", nargs=5, help=argparse.SUPPRESS)   # the child processes of part 5
+    parser.add_argument("--listen", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.camera:
+        topic, w, h, reliability, frames = args.camera
+        return camera_process(topic, int(w), int(h), reliability, int(frames))
+    if args.listen:
+        topic, reliability, frames = args.listen
+        return listener_process(topic, reliability, int(frames))
+    if args.only == "cross-process":
+        lines = heading("ROS path: camera in another process")
+        publish(lines + cross_process_lines(bench_cross_process(args.frames), args.frames), args.write)
+        return 0
     import moondream_fixtures
 
     checkpoint = str(moondream_fixtures.checkpoint())
@@ -176,6 +314,7 @@ def main() -> int:
     lines += ["", "Camera streams x 30 Hz into one engine (detect 1 object per frame), frames/s processed:", "",
               "| streams | batched | one request at a time | batched / one at a time |", "|---:|---:|---:|---:|"]
     lines += [f"| {n} | {b:.2f} | {one:.2f} | {b / one:.2f}x |" for n, b, one in stream_rows]
+    lines += [""] + cross_process_lines(bench_cross_process(args.frames), args.frames)
     publish(lines, args.write)
     return 0
 

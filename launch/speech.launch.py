@@ -9,12 +9,23 @@ from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument
 from launch.conditions import IfCondition, UnlessCondition
-from launch.substitutions import LaunchConfiguration, PythonExpression
+from launch.substitutions import EnvironmentVariable, LaunchConfiguration, PythonExpression
 from launch_ros.actions import Node
 
 
+def dds_profile_env(share):
+    """Our nodes' Fast DDS profile: the one the user chose, else config/fastdds_large_data.xml
+    (images over 512 KiB are lost between processes with Fast DDS's default shared memory)."""
+    ours = os.path.join(share, "config", "fastdds_large_data.xml")
+    chosen = EnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE",
+                                 default_value=EnvironmentVariable("FASTRTPS_DEFAULT_PROFILES_FILE", default_value=ours))
+    return {"FASTDDS_DEFAULT_PROFILES_FILE": chosen}
+
+
 def generate_launch_description():
-    config = os.path.join(get_package_share_directory("photon_ros"), "config", "photon.yaml")
+    share = get_package_share_directory("photon_ros")
+    config = os.path.join(share, "config", "photon.yaml")
+    env = dds_profile_env(share)
     namespace = LaunchConfiguration("namespace")
     wav_file = LaunchConfiguration("wav_file")
     use_wav = PythonExpression(["'", wav_file, "' != ''"])
@@ -23,10 +34,11 @@ def generate_launch_description():
         DeclareLaunchArgument("params_file", default_value=config),
         DeclareLaunchArgument("wav_file", default_value="", description="play this file instead of the microphone"),
         Node(package="photon_ros", executable="speech_node", name="speech", namespace=namespace,
-             parameters=[LaunchConfiguration("params_file")], output="screen"),
+             parameters=[LaunchConfiguration("params_file")], additional_env=env, output="screen"),
         Node(package="photon_ros", executable="microphone_node", name="microphone", namespace=namespace,
              parameters=[LaunchConfiguration("params_file")], condition=UnlessCondition(use_wav),
-             output="screen"),
+             additional_env=env, output="screen"),
         Node(package="photon_ros", executable="wav_publisher", name="wav_publisher", namespace=namespace,
-             parameters=[LaunchConfiguration("params_file"), {"file": wav_file}], condition=IfCondition(use_wav), output="screen"),
+             parameters=[LaunchConfiguration("params_file"), {"file": wav_file}], condition=IfCondition(use_wav),
+             additional_env=env, output="screen"),
     ])

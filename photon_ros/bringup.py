@@ -9,9 +9,10 @@ per model) and one multi-threaded executor.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, MutableMapping
 
 import rclpy
 import yaml
@@ -19,6 +20,9 @@ from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.parameter import Parameter
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "photon.yaml"
+LARGE_DATA_PROFILE = "fastdds_large_data.xml"
+# The first is Fast DDS 3's name; rmw_fastrtps still honours the second (deprecated).
+PROFILE_VARIABLES = ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE")
 
 GRAPHS = {
     "all": ["vision", "speech", "loop", "audio"],
@@ -41,6 +45,32 @@ def node_classes() -> dict[str, type]:
 
     return {"vision": VisionNode, "speech": SpeechNode, "loop": LoopNode,
             "wav_publisher": WavPublisher, "microphone": microphone}
+
+
+def large_data_profile() -> Path | None:
+    """config/fastdds_large_data.xml of the source tree, else of the installed package."""
+    candidates = [DEFAULT_CONFIG.parent / LARGE_DATA_PROFILE]
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        candidates.append(Path(get_package_share_directory("photon_ros")) / "config" / LARGE_DATA_PROFILE)
+    except (ImportError, LookupError):   # not built or not sourced: the source tree is all there is
+        pass
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def use_large_data_profile(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Point Fast DDS at our shared-memory profile unless a profile was chosen already; returns
+    the profile in effect. Without it, images this process sends to others (image_annotated)
+    that exceed Fast DDS's 512 KiB default segment are lost under best-effort QoS. Fast DDS reads
+    the variable once per process: call this before rclpy.init()."""
+    for name in PROFILE_VARIABLES:
+        if environ.get(name):
+            return environ[name]
+    profile = large_data_profile()
+    if profile is None:
+        return None
+    environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(profile)
+    return str(profile)
 
 
 def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -87,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-r", "--remap", action="append", default=[], metavar="FROM:=TO")
     parser.add_argument("--wav", help="play this WAV file instead of capturing the microphone")
     args = parser.parse_args(argv)
+    use_large_data_profile()
     rclpy.init()
     try:
         nodes = build_graph(args.config, args.graph, args.namespace, args.remap, args.wav)

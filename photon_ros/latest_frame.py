@@ -22,6 +22,7 @@ class LatestFrame:
         self.latest: Frame | None = None    # kept after take(), for on-demand requests
         self.received = 0
         self.dropped = 0
+        self.taken = 0       # received == taken + dropped, plus one while a frame waits
 
     def put(self, msg: Any) -> None:
         frame = Frame(msg, time.monotonic())
@@ -38,4 +39,5 @@ class LatestFrame:
             if not self._cond.wait_for(lambda: self._waiting is not None, timeout):
                 return None
             frame, self._waiting = self._waiting, None
+            self.taken += 1
             return frame

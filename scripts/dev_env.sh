@@ -11,6 +11,11 @@ case ":${CMAKE_PREFIX_PATH:-}:" in *":$VIRTUAL_ENV:"*) ;;
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
 # A domain of our own keeps parallel runs on one machine from seeing each other.
 export ROS_DOMAIN_ID="${ROS_DOMAIN_ID:-$(( 100 + $$ % 100 ))}"
+# Camera frames between processes need a shared-memory segment larger than Fast DDS's 512 KiB
+# (config/fastdds_large_data.xml says why). A profile the user already chose wins.
+if [ -z "${FASTDDS_DEFAULT_PROFILES_FILE:-}" ] && [ -z "${FASTRTPS_DEFAULT_PROFILES_FILE:-}" ]; then
+  export FASTDDS_DEFAULT_PROFILES_FILE="$_photon_root/config/fastdds_large_data.xml"
+fi
 if [ -f "$_photon_root/install/setup.bash" ]; then
   . "$_photon_root/install/setup.bash"
 fi
