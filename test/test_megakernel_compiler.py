@@ -150,6 +150,23 @@ def test_advance_writes_the_next_token_and_position():
         assert step.dyn[:1].tolist() == tokens and step.dyn[1:2].tolist() == positions
 
 
+def test_advance_stops_a_row_at_the_end_of_its_context():
+    # max_len 12: a row at position 10 may decode twice (positions 10 and 11), then its context is
+    # full; the launch reports -1 for it and leaves its position, rather than write past the cache.
+    w = toy_weights()
+    step = CompiledStep(toy_graph(w, advance=True), w, 2, Tiling(16, 32, 8, 2, 2))
+    gen = torch.Generator().manual_seed(5)
+    fill_caches(step, 2, [10, 3], 9, gen)
+    step.set_cross_len([9, 9])
+    step.set_input("bias", torch.zeros(70))
+    step.set_step([1, 2], [10, 3])
+    step.launch()
+    assert step.dyn[2:4].tolist() == [11, 4] and min(step.result("token").tolist()) >= 0
+    step.launch()
+    assert step.result("token").tolist()[0] == -1 and step.dyn[2:4].tolist() == [11, 5]
+    assert step.result("token").tolist()[1] >= 0
+
+
 def test_pruned_step_runs_only_what_its_results_need():
     w = toy_weights()
     p = plan(toy_graph(w, expose=False), 2, Tiling(16, 32, 8, 2, 2))

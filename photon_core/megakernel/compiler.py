@@ -318,7 +318,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                 writes += [dyn_tok, dyn_pos]
             g.add(Task(f"argmax.{a['name']}", OP_ARGMAX,
                        dict(M=B, K=R, n0=a["c0"], out=col, tile=t0, part=S.off(f"{src.name}.part"),
-                            ntiles=ntiles, S=t1 - t0, mode=1 if a["advance"] else 0),
+                            ntiles=ntiles, S=t1 - t0, mode=1 if a["advance"] else 0, Tmax=p.max_position),
                        waits([src]), None, reads, writes))
         else:
             raise ValueError(f"{graph.name}: no lowering for op {node.op!r}")
@@ -583,7 +583,8 @@ class CompiledStep(StateViews):
             kernel.raise_on_error()
 
     def result(self, name: str) -> torch.Tensor:
-        """Result column `name` of the last step, [B] int32 on the device."""
+        """Result column `name` of the last step, [B] int32 on the device. With `advance`, -1 marks
+        a row whose context is full (its position stayed where it was)."""
         R = len(self.graph_def.results)
         return self.out.view(self.batch, R)[:, self.graph_def.results.index(name)]
 

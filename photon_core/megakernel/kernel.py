@@ -332,8 +332,14 @@ def _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
         if advance != 0:
             # Every reader of this step's token/position is ordered before this task (checker-proven),
             # so the next step's values can be written in place: a replayed launch decodes onwards.
+            # Positions advance on the device, so the range check is here: a row whose next position
+            # would pass the caches (Tmax) keeps its position and reports token -1 (the host raises)
+            # instead of a later launch writing and reading past its cache.
+            nxt = tl.load(dyn_ptr + B + m, cache_modifier=CG) + 1
+            full = nxt >= tl.load(row + 23)
+            tl.store(out_ptr + m * K + col, tl.where(full, -1, best_i))
             tl.store(dyn_ptr + m, best_i)
-            tl.store(dyn_ptr + B + m, tl.load(dyn_ptr + B + m, cache_modifier=CG) + 1)
+            tl.store(dyn_ptr + B + m, tl.where(full, nxt - 1, nxt))
 
 
 @triton.jit

@@ -41,7 +41,11 @@ class MegakernelDecode:
     """The decode megakernels of one MoondreamModel (whose ops module is the megakernel backend's
     per-op Triton kernels): one compiled step per batch bucket, all sharing one copy of the weights."""
 
-    def __init__(self, model: "MoondreamModel", tiling: Tiling = Tiling(), max_len: int | None = None) -> None:
+    def __init__(self, model: "MoondreamModel", tiling: Tiling = Tiling(), max_len: int | None = None,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        """max_len: the KV caches' context (a smaller one fits a smaller GPU: the caches are fp32 per
+        bucket); weight_dtype: what each step streams, None = bfloat16 on CUDA (half the bytes, math
+        still fp32) and the model's dtype elsewhere (the fidelity tests' fp32)."""
         if getattr(model.ops, "NAME", None) not in ("triton", "megakernel"):
             raise ValueError("the decode megakernel needs a MoondreamModel on the Triton ops "
                              "(load_moondream(..., backend=get_backend('megakernel', device)))")
@@ -49,6 +53,11 @@ class MegakernelDecode:
         self.device, self.dtype = model.device, model.dtype
         self.tiling = tiling
         self.max_len = max_len or model.config.text.max_context
+        if weight_dtype is None:
+            weight_dtype = torch.bfloat16 if self.device.type == "cuda" else self.dtype
+        if weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {weight_dtype}")
+        self.weight_dtype = weight_dtype
         self._decoders: dict[int, MoondreamDecoderMegakernel] = {}
         self._busy = threading.Lock()
         # The two masks every skill uses; the megakernel applies them as logit biases.
@@ -59,11 +68,10 @@ class MegakernelDecode:
         """The decode megakernel of one batch bucket (both graphs: with and without the region
         heads), built on first use; every bucket shares the first one's copy of the weights."""
         if batch not in self._decoders:
-            wd = self.dtype if self.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
             shared = next(iter(self._decoders.values())).weights if self._decoders else None
             self._decoders[batch] = MoondreamDecoderMegakernel(
                 self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
-                tiling=self.tiling, weight_dtype=wd, weights=shared)
+                tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared)
         return self._decoders[batch]
 
     @contextmanager
