@@ -94,10 +94,6 @@ class Plan:
     ln_eps: float
     max_position: int                     # positions must stay below this
 
-    def buffer(self, value: Value) -> str:
-        """The state region holding `value` (a fused q|k|v linear writes its kv_append's query)."""
-        return value.name
-
 
 def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     """Check that the graph can be lowered and lay out its arenas (no memory is allocated)."""
