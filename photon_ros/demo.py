@@ -44,7 +44,7 @@ def run(wav: Path, model: str, timeout: float) -> Transcript | None:
     received: list[Transcript] = []
     arrived = threading.Event()
     listener.create_subscription(Transcript, "transcript",
-                                 lambda m: (received.append(m), arrived.set()),
+                                 lambda m: m.is_final and (received.append(m), arrived.set()),
                                  QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
     for node in (speech, listener):
         executor.add_node(node)

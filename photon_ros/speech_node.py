@@ -1,16 +1,27 @@
-"""Speech node: audio topic in, one Transcript per utterance out.
+"""Speech node: audio topic in, one final Transcript per utterance out, partial ones while it lasts.
 
     audio (photon_ros/AudioChunk by default; std_msgs/Int16MultiArray or Float32MultiArray with
            input_type "int16" / "float32", their sample rate and channels given as parameters)
       -> energy VAD cuts utterances (subscription callback, cheap), by samples, never by the clock;
          lost audio (a jump in the chunks' stamps) or a stream that stops mid-speech ends the
          utterance as incomplete, and its transcript says so (audio_complete, audio_note)
-      -> bounded queue (oldest audio dropped, with a warning, when speech outruns the model)
-      -> worker thread: Whisper transcribe
-      -> transcript (photon_ros/Transcript), header stamped at the utterance's first sample.
+      -> bounded queue (oldest audio dropped, with a warning, when speech outruns the model), and
+         beside it one slot for a partial request: the utterance so far, every
+         `partial_interval_s` of its audio while the speaker is speaking
+      -> worker thread: Whisper transcribe, finals before any partial
+      -> transcript (photon_ros/Transcript), header stamped at the utterance's first sample (the
+         same stamp on an utterance's partials and its final: it names the utterance).
+
+Partial transcripts (is_final false) carry only stable text in `text`: the words that two
+partial decodes in a row agreed on (local agreement), which later partials of the utterance
+only extend. The latest decode in full, stable and tentative words, is the one segment of a
+partial (start 0, end the audio so far). The final transcript is a fresh decode of the whole
+utterance and is the one to act on; a partial already running when the utterance ends finishes
+first (the model cannot be interrupted), so partials are only started while the speaker speaks.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -30,6 +41,44 @@ from photon_ros.utterance_queue import UtteranceQueue
 INPUT_TYPES = {"audio_chunk": AudioChunk, "int16": Int16MultiArray, "float32": Float32MultiArray}
 # Rates outside this range are a malformed message, not audio we can use.
 MIN_RATE, MAX_RATE = 4000, 384000
+# A partial is started only while the speaker is speaking: a pause this long may be the end of
+# the utterance, and the final must not wait behind a partial decode.
+PARTIAL_MAX_PAUSE_S = 0.1
+
+
+def _comparable(words: list[str]) -> list[str]:
+    """Words as compared between decodes: case and punctuation are not disagreement."""
+    return [re.sub(r"[^\w']", "", w.lower()) for w in words]
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class StableText:
+    """Local agreement over the partial decodes of one utterance: a word is committed once two
+    decodes in a row put the same words before it and it; committed words are never taken back
+    (a later decode that disagrees leaves them and only its words after them are tentative)."""
+
+    def __init__(self) -> None:
+        self.utterance: float | None = None     # start time of the utterance the words belong to
+        self.committed: list[str] = []
+        self._previous: list[str] = []          # the last decode, comparable
+
+    def update(self, utterance: float, text: str) -> tuple[str, str]:
+        """Feed the newest partial decode of `utterance`; returns (committed, tentative) text."""
+        if utterance != self.utterance:
+            self.utterance, self.committed, self._previous = utterance, [], []
+        words = text.split()
+        said, n = _comparable(words), len(self.committed)
+        agreed = _common_prefix(self._previous, said)
+        if agreed > n and said[:n] == _comparable(self.committed):
+            self.committed = self.committed + words[n:agreed]
+        self._previous = said
+        return " ".join(self.committed), " ".join(words[len(self.committed):])
 
 
 def load_speech_model(name: str, device: str):
@@ -52,9 +101,11 @@ class SpeechNode(Node):
         self.language = p("language", "").value or None
         self.initial_prompt = p("initial_prompt", "").value
         self.idle_flush_s = p("idle_flush_s", 0.8).value
+        self.partial_interval_s = p("partial_interval_s", 0.5).value
         defaults = SegmenterConfig()
         self.vad_config = SegmenterConfig(
             threshold_db=p("vad.threshold_db", defaults.threshold_db).value,
+            continue_db=p("vad.continue_db", defaults.continue_db).value,
             min_level_db=p("vad.min_level_db", defaults.min_level_db).value,
             hangover_s=p("vad.hangover_s", defaults.hangover_s).value,
             min_speech_s=p("vad.min_speech_s", defaults.min_speech_s).value,
@@ -71,6 +122,8 @@ class SpeechNode(Node):
         self.model_error: str | None = None
         self.skipped_chunks = 0
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
+        self.next_partial: tuple[float | None, float] = (None, 0.0)   # (utterance, at speech_s)
+        self.stable = StableText()     # worker thread only
 
         self.publisher = self.create_publisher(Transcript, "transcript", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
@@ -97,6 +150,7 @@ class SpeechNode(Node):
             self.watch.chunk(time.monotonic())
             for utterance in self.segmenter.push(pcm.samples, start, stamped):
                 self.enqueue(utterance)
+            self.request_partial_if_due()
             if self.segmenter.discontinuities > self.gaps_seen:
                 self.gaps_seen = self.segmenter.discontinuities
                 self.get_logger().warning(
@@ -130,6 +184,30 @@ class SpeechNode(Node):
                 self.enqueue(tail)
         self.segmenter = SpeechSegmenter(sample_rate, self.vad_config)
         self.gaps_seen = 0
+
+    def request_partial_if_due(self) -> None:
+        """Every `partial_interval_s` of an utterance's audio (counted in samples, like the cuts),
+        while the speaker is speaking, offer the audio so far for a partial transcript."""
+        seg = self.segmenter
+        if self.partial_interval_s <= 0 or seg.utterance_start is None:
+            return
+        utterance, due = self.next_partial
+        if utterance != seg.utterance_start:   # a new utterance: its first partial is one interval in
+            utterance, due = seg.utterance_start, seg.speech_s + self.partial_interval_s
+        if seg.speech_s >= due and seg.pause_s < PARTIAL_MAX_PAUSE_S:
+            partial = seg.current()
+            partial.seen_at, partial.frame_id = time.monotonic(), self.last_frame_id
+            self.queue.offer_partial(partial)
+            due = seg.speech_s + self.partial_interval_s
+        self.next_partial = (utterance, due)
+
+    def partial_still_wanted(self, partial: Utterance) -> bool:
+        """Is the partial's utterance still being spoken? Once it has ended (its final is queued
+        or coming) or the speaker pauses, decoding the partial could only delay the final."""
+        with self.lock:
+            seg = self.segmenter
+            return (seg is not None and seg.utterance_start == partial.start_time
+                    and seg.pause_s < PARTIAL_MAX_PAUSE_S)
 
     def flush_if_idle(self) -> None:
         with self.lock:
@@ -170,42 +248,78 @@ class SpeechNode(Node):
         try:
             started = time.monotonic()
             model = load_speech_model(self.model_name, self.device)
-            model.warmup()   # the first call in a process is 2-3x slower: pay it before speech arrives
+            # The first call of each path is slower: pay for them before speech arrives.
+            model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
             self.model = model
             self.get_logger().info(f"loaded {self.model.model_id} in {time.monotonic() - started:.1f} s")
         except Exception as err:  # noqa: BLE001 - any load failure is reported, the node stays up
             self.model_error = f"{type(err).__name__}: {err}"
             self.get_logger().error(f"cannot load speech model {self.model_name!r}: {self.model_error}")
+        # After a partial decode the worker takes no partial for as long as that one took: partials
+        # use at most half of its time, and the audio callbacks and other nodes keep the rest.
+        rest_until = 0.0
         while not self.stopping.is_set():
-            utterance = self.queue.get(timeout=0.1)
+            utterance = self.queue.get(timeout=0.1, partials=time.monotonic() >= rest_until)
             if utterance is None:
                 continue
             if self.model is None:
-                self.get_logger().warning("dropping an utterance: no speech model "
-                                          f"({self.model_error})", throttle_duration_sec=5.0)
+                if utterance.final:
+                    self.get_logger().warning("dropping an utterance: no speech model "
+                                              f"({self.model_error})", throttle_duration_sec=5.0)
                 continue
-            self.transcribe_one(utterance)
+            if utterance.final:
+                self.transcribe_one(utterance)
+            elif self.partial_still_wanted(utterance):
+                rest_until = time.monotonic() + self.transcribe_partial(utterance)
 
-    def transcribe_one(self, utterance: Utterance) -> None:
+    def run_model(self, utterance: Utterance, **options) -> tuple[dict | None, float]:
+        """The model's result (None when it failed: one bad utterance must not stop the node)
+        and the seconds it took."""
         started = time.monotonic()
         try:
             result = self.model.transcribe(utterance.samples, utterance.sample_rate,
                                            language=self.language,
-                                           initial_prompt=self.initial_prompt or None)
-        except Exception as err:  # noqa: BLE001 - one bad utterance must not stop the node
+                                           initial_prompt=self.initial_prompt or None, **options)
+        except Exception as err:  # noqa: BLE001
             self.get_logger().error(f"transcription failed: {type(err).__name__}: {err}")
-            return
-        processing = time.monotonic() - started
-        if not result["text"].strip():
-            self.get_logger().debug(f"no speech in {utterance.duration:.1f} s of audio")
-            return
+            return None, time.monotonic() - started
+        return result, time.monotonic() - started
+
+    def publish(self, result: dict, utterance: Utterance, processing: float) -> Transcript:
         header = Header(stamp=seconds_to_time(utterance.start_time), frame_id=utterance.frame_id)
         msg = transcript_message(result, header, audio_duration=utterance.duration,
                                  processing_time=processing,
                                  latency=time.monotonic() - utterance.seen_at,
                                  prompt=self.initial_prompt, model_id=self.model.model_id,
-                                 audio_complete=utterance.complete, audio_note=utterance.note)
+                                 is_final=utterance.final, audio_complete=utterance.complete,
+                                 audio_note=utterance.note)
         self.publisher.publish(msg)
+        return msg
+
+    def transcribe_partial(self, utterance: Utterance) -> float:
+        """Publish a partial transcript of the utterance so far; returns the seconds it took."""
+        # Greedy at one temperature and without timestamps: a partial must cost one bounded
+        # decode (no fallback retries), since a final may arrive while it runs.
+        result, processing = self.run_model(utterance, timestamps=False, temperature=0.0)
+        if result is None or not result["text"].strip():
+            return processing
+        committed, tentative = self.stable.update(utterance.start_time, result["text"])
+        whole = " ".join(t for t in (committed, tentative) if t)
+        partial = {"text": committed, "language": result["language"],
+                   "segments": [{"start": 0.0, "end": utterance.duration, "text": whole}]}
+        self.publish(partial, utterance, processing)
+        self.get_logger().debug(f"[partial, {utterance.duration:.1f} s audio, {processing:.2f} s] "
+                                f"{committed} | {tentative}")
+        return processing
+
+    def transcribe_one(self, utterance: Utterance) -> None:
+        result, processing = self.run_model(utterance)
+        if result is None:
+            return
+        if not result["text"].strip():
+            self.get_logger().debug(f"no speech in {utterance.duration:.1f} s of audio")
+            return
+        msg = self.publish(result, utterance, processing)
         line = f"[{utterance.duration:.1f} s audio, {processing:.2f} s] {msg.text}"
         if utterance.complete:
             self.get_logger().info(line)

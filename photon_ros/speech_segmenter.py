@@ -4,10 +4,20 @@ Why energy and not a neural VAD: it needs no model file, costs microseconds per 
 subscription callback, and Whisper's own no-speech probability already rejects the non-speech
 sounds (fans, clicks) that get past it. The detector adapts to the room: speech is a frame whose
 level stands `threshold_db` above a slowly tracked noise floor (and above an absolute minimum).
+Two things keep it working in noise (measured on bench/speech_set.py at 10-20 dB SNR): the level
+is the power in the speech band (`band_hz`), where white, pink and brown noise put only part of
+their power, and once speech has started a frame only needs `continue_db` above the floor to
+count as speech, so the weak consonants of noisy speech do not read as pauses (hysteresis).
+With both, every command of the set whose pauses stay within 0.2 s is one utterance at every noise
+level and ends within 0.3 s of its last sound (test_speech_segmenter.py), so a neural VAD
+(silero-vad: a new dependency and a model run in the callback) has nothing left to fix there.
 
 An utterance starts after `min_speech_s` of speech (with `preroll_s` of audio before it, so the
 first syllable is not clipped) and ends after `hangover_s` of non-speech, at `max_utterance_s`, or
-when the stream stops (flush). Memory is bounded by `max_utterance_s` plus the preroll.
+when the stream stops (flush). `hangover_s` is how long the speaker must pause for the command to
+count as said: a pause between words that long ends the utterance too, so it is a trade between
+latency and pauses; 0.3 s keeps pauses up to 0.2 s whole. `current()` hands out the utterance in
+progress for partial transcripts. Memory is bounded by `max_utterance_s` plus the preroll.
 
 Every decision is counted in samples, never read from a clock, so the same audio is cut the same
 way however it is chunked and however late it arrives. Lost audio is the one thing samples cannot
@@ -27,15 +37,17 @@ import numpy as np
 @dataclass
 class SegmenterConfig:
     frame_s: float = 0.03
-    threshold_db: float = 12.0       # speech stands this far above the noise floor
+    threshold_db: float = 12.0       # speech starts this far above the noise floor
+    continue_db: float = 6.0         # and, once started, goes on while this far above it
     min_level_db: float = -55.0      # and above this absolute level (dBFS)
     min_speech_s: float = 0.12
-    hangover_s: float = 0.6
+    hangover_s: float = 0.3          # non-speech that ends an utterance
     preroll_s: float = 0.3
     max_utterance_s: float = 28.0    # Whisper sees 30 s windows; cut before one overflows
     min_utterance_s: float = 0.3
     noise_adapt_s: float = 2.0       # time constant of the noise-floor tracker
     max_gap_s: float = 0.1           # stamps may jitter this much between chunks; more is lost audio
+    band_hz: tuple[float, float] | None = (250.0, 4000.0)   # None: the whole spectrum
 
 
 @dataclass
@@ -47,6 +59,7 @@ class Utterance:
     seen_at: float = 0.0             # monotonic time the end was detected (latency starts here)
     complete: bool = True            # False when audio inside it was lost or the stream stopped
     note: str = ""                   # why it is incomplete
+    final: bool = True               # False: the utterance so far, for a partial transcript
 
     @property
     def duration(self) -> float:
@@ -63,6 +76,12 @@ class SpeechSegmenter:
         self._pending = np.zeros(0, np.float32)     # samples not yet forming a whole frame
         self._pending_start = None                  # capture time of _pending[0]
         self._frame_s = self.frame / sample_rate
+        self._window = np.hanning(self.frame).astype(np.float32)
+        freqs = np.fft.rfftfreq(self.frame, 1.0 / sample_rate)
+        low, high = cfg.band_hz or (0.0, sample_rate / 2)
+        self._band = (freqs >= low) & (freqs <= high)
+        # Parseval: the band's share of the frame's mean square, so levels stay in dBFS.
+        self._band_scale = 2.0 / (self.frame * float(np.sum(np.square(self._window))))
         # The frames that trigger the start belong to the utterance too, so keep them with the preroll.
         self._preroll: deque[np.ndarray] = deque(
             maxlen=round((cfg.preroll_s + cfg.min_speech_s) / self._frame_s) + 1)
@@ -110,16 +129,43 @@ class SpeechSegmenter:
     def in_speech(self) -> bool:
         return self._in_speech
 
+    def current(self) -> Utterance | None:
+        """The utterance in progress so far (a copy), or None outside speech. One concatenation
+        per call: meant for a partial transcript every half second or so, not for every chunk."""
+        if not self._in_speech:
+            return None
+        notes = [self._start_note] if self._start_note else []
+        return Utterance(np.concatenate(self._speech), self.sample_rate, self._speech_start,
+                         complete=not notes, note="; ".join(notes), final=False)
+
+    @property
+    def speech_s(self) -> float:
+        """Length of the utterance in progress (0 outside speech)."""
+        return len(self._speech) * self._frame_s if self._in_speech else 0.0
+
+    @property
+    def pause_s(self) -> float:
+        """Non-speech since the last speech frame of the utterance in progress."""
+        return self._silent_run * self._frame_s if self._in_speech else 0.0
+
+    @property
+    def utterance_start(self) -> float | None:
+        """Capture time of the first sample of the utterance in progress: it names the utterance."""
+        return self._speech_start if self._in_speech else None
+
     def _level_db(self, frame: np.ndarray) -> float:
-        rms = float(np.sqrt(np.mean(np.square(frame, dtype=np.float64))))
-        return 20.0 * np.log10(max(rms, 1e-10))
+        """Power in the speech band, dBFS."""
+        spectrum = np.fft.rfft(frame * self._window)
+        power = float(np.square(np.abs(spectrum[self._band])).sum()) * self._band_scale
+        return 10.0 * np.log10(max(power, 1e-20))
 
     def _step(self, frame: np.ndarray, t: float) -> Utterance | None:
         cfg = self.config
         level = self._level_db(frame)
         if self._noise_db is None:
             self._noise_db = level
-        voiced = level > max(self._noise_db + cfg.threshold_db, cfg.min_level_db)
+        above = cfg.continue_db if self._in_speech else cfg.threshold_db
+        voiced = level > max(self._noise_db + above, cfg.min_level_db)
         if not voiced:
             # Track the floor on non-speech frames: fall at once, rise slowly.
             alpha = min(1.0, cfg.frame_s / cfg.noise_adapt_s)

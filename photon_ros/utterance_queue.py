@@ -3,6 +3,11 @@
 When speech arrives faster than it can be transcribed, the oldest audio is dropped (the robot
 should act on what was said last) and the drop is counted and reported; the queue never grows
 without bound.
+
+Partial requests (the utterance in progress, for a partial transcript) wait in a single slot
+beside the queue: a newer partial replaces a waiting one, any final utterance is handed out
+first, and a final clears the slot (its partial is stale once the whole utterance is there). So
+partials never make a final wait for them in the queue, and they cost no budget.
 """
 from __future__ import annotations
 
@@ -16,18 +21,23 @@ class UtteranceQueue:
     def __init__(self, max_seconds: float) -> None:
         self.max_seconds = max_seconds
         self._items: deque[Utterance] = deque()
+        self._partial: Utterance | None = None
         self._seconds = 0.0
         self._cond = threading.Condition()
         self._closed = False
         self.dropped = 0
         self.dropped_seconds = 0.0
+        self.partials_replaced = 0    # partial requests superseded before the model saw them
 
     def put(self, utterance: Utterance) -> list[Utterance]:
-        """Queue an utterance; returns the ones dropped to make room (oldest first)."""
+        """Queue a final utterance; returns the ones dropped to make room (oldest first)."""
         dropped = []
         with self._cond:
             self._items.append(utterance)
             self._seconds += utterance.duration
+            if self._partial is not None:
+                self._partial = None
+                self.partials_replaced += 1
             # Keep at least the newest utterance, even when it alone exceeds the budget.
             while self._seconds > self.max_seconds and len(self._items) > 1:
                 old = self._items.popleft()
@@ -38,15 +48,30 @@ class UtteranceQueue:
             self._cond.notify()
         return dropped
 
-    def get(self, timeout: float | None = None) -> Utterance | None:
-        """The oldest waiting utterance, or None on timeout or after close()."""
+    def offer_partial(self, utterance: Utterance) -> None:
+        """Ask for a partial transcript of `utterance` (the audio so far); replaces any partial
+        request still waiting."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._items or self._closed, timeout):
+            if self._partial is not None:
+                self.partials_replaced += 1
+            self._partial = utterance
+            self._cond.notify()
+
+    def get(self, timeout: float | None = None, partials: bool = True) -> Utterance | None:
+        """The oldest waiting final utterance, else (if `partials`) the waiting partial request;
+        None on timeout or after close()."""
+        with self._cond:
+            ready = lambda: self._items or (partials and self._partial) or self._closed  # noqa: E731
+            if not self._cond.wait_for(ready, timeout):
                 return None
-            if not self._items:
+            if self._items:
+                item = self._items.popleft()
+                # An empty queue holds exactly 0 s, whatever the float sums left over.
+                self._seconds = self._seconds - item.duration if self._items else 0.0
+                return item
+            if not partials:
                 return None
-            item = self._items.popleft()
-            self._seconds -= item.duration
+            item, self._partial = self._partial, None
             return item
 
     def close(self) -> None:
@@ -56,9 +81,11 @@ class UtteranceQueue:
 
     @property
     def seconds(self) -> float:
+        """Audio of the final utterances waiting."""
         with self._cond:
             return self._seconds
 
     def __len__(self) -> int:
+        """Final utterances waiting (a partial request is not counted)."""
         with self._cond:
             return len(self._items)

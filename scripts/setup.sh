@@ -2,7 +2,8 @@
 # Sets up the development workspace from a fresh clone, then runs the main job (the speech demo).
 #   scripts/setup.sh            set up (idempotent) and run the demo
 #   scripts/setup.sh --no-demo  set up only (CI)
-# Needs Python 3.11, gcc and cmake. As root it also installs espeak-ng (speech for tests and demo).
+# Needs Python 3.11, gcc and cmake. As root it also installs espeak-ng (speech for tests and demo)
+# and sox (noise for the speech set, bench/speech_set.py).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -13,13 +14,16 @@ say() { printf '[setup] %s\n' "$*"; }
 # pip, quiet, without this machine's warnings about local index folders it cannot read.
 pip_q() { .venv/bin/python -m pip -q "$@" 2>&1 | { grep -v 'is ignored: it is neither' || true; }; }
 
-# 1. System packages: espeak-ng makes speech with a known text for the demo and the tests.
-if ! command -v espeak-ng >/dev/null 2>&1; then
+# 1. System packages: espeak-ng makes speech with a known text for the demo and the tests; sox
+#    mixes noise into it for the speech set.
+missing=$(for p in espeak-ng sox; do command -v "$p" >/dev/null 2>&1 || echo "$p"; done | xargs)
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    say "installing espeak-ng"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null
+    say "installing $missing"
+    # shellcheck disable=SC2086  # one word per package
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
   else
-    say "espeak-ng is missing and I cannot install it (not root or no apt-get): install it yourself"
+    say "$missing missing and I cannot install it (not root or no apt-get): install it yourself"
     exit 1
   fi
 fi

@@ -1,5 +1,6 @@
 """The speech graph over real DDS with real Whisper tiny.en weights: WAV publisher -> speech node
--> subscriber gets the spoken sentence; bad chunks are logged and skipped without losing speech."""
+-> subscriber gets the spoken sentence; bad chunks are logged and skipped without losing speech;
+partial transcripts arrive while a sentence is spoken and never contradict its final one."""
 import re
 import time
 
@@ -31,9 +32,14 @@ def graph():
     g.close()
 
 
-def listen(graph):
+def listen(graph, partials=False):
+    """Transcripts as they arrive: the final ones only, unless `partials`."""
     received = []
-    graph.node("listener").create_subscription(Transcript, "transcript", received.append, QOS)
+
+    def keep(msg):
+        if partials or msg.is_final:
+            received.append(msg)
+    graph.node("listener").create_subscription(Transcript, "transcript", keep, QOS)
     return received
 
 
@@ -165,3 +171,57 @@ def test_int16_multiarray_input(graph):
         pub.publish(pcm_to_int16_array(audio[i:i + rate // 10]))
     assert wait_for(lambda: received, timeout=60)
     assert words(received[0].text) == ["turn", "on", "the", "lights"]
+
+
+def test_partials_arrive_while_speaking_and_their_stable_text_leads_to_the_final(graph):
+    """A 5.6 s sentence played in real time: partial transcripts come before the final one, carry
+    the utterance's stamp, their stable text only grows and is the start of the final text (the
+    tentative rest is in their one segment), and the final is the whole sentence."""
+    sentence = "Please move the robot arm to the left and then pick up the red cup from the kitchen table."
+    received = listen(graph, partials=True)
+    speech_node(graph)
+    graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(espeak_wav(sentence)))]))
+    assert wait_for(lambda: any(m.is_final for m in received), timeout=60), "no final transcript"
+    time.sleep(0.5)
+    finals = [m for m in received if m.is_final]
+    assert len(finals) == 1 and words(finals[0].text) == words(sentence), [m.text for m in finals]
+    final = finals[0]
+    partials = received[:received.index(final)]
+    assert partials, "no partial transcript before the final one"
+    assert all(not m.is_final for m in received if m is not final)
+    assert received[-1] is final, "a partial came after the final"
+    previous = []
+    for m in partials:
+        assert m.header.stamp == final.header.stamp
+        stable = words(m.text)
+        assert stable[:len(previous)] == previous, (previous, m.text)   # stable text only grows
+        assert words(final.text)[:len(stable)] == stable, (m.text, final.text)
+        assert len(m.segments) == 1 and words(m.segments[0].text)[:len(stable)] == stable
+        assert 0 < m.audio_duration.sec + m.audio_duration.nanosec * 1e-9 < 8.0
+        previous = stable
+    assert any(m.segments[0].text for m in partials)
+
+
+def test_no_partials_when_disabled(graph):
+    received = listen(graph, partials=True)
+    speech_node(graph, partial_interval_s=0.0)
+    graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(espeak_wav("Go to the kitchen and bring me a glass of water.")))]))
+    assert wait_for(lambda: received, timeout=60)
+    time.sleep(0.5)
+    assert [m.is_final for m in received] == [True]
+
+
+def test_pauses_between_words_do_not_split_the_command(graph):
+    """Pauses of 0.15-0.19 s after every word (espeak-ng -g 12 at 160 words/min), at the default
+    0.3 s end of utterance: one transcript with the whole command."""
+    sentence = "Bring the green bottle to the office."
+    received = listen(graph)
+    speech_node(graph)
+    graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(espeak_wav(sentence, word_gap=12))), Parameter("speed", value=2.0)]))
+    assert wait_for(lambda: received, timeout=60)
+    time.sleep(1.0)
+    assert [words(m.text) for m in received] == [words(sentence)]
+    assert received[0].audio_complete

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter
-from speech_audio import espeak_pcm
+from speech_audio import bench_module, espeak_pcm, set_pcm, speech_set
 
 
 def run(segmenter, samples, chunk, t0=100.0):
@@ -58,6 +58,38 @@ def test_speech_over_background_noise():
     audio = np.concatenate([np.zeros(rate, np.float32), speech, np.zeros(rate, np.float32)])
     audio = audio + (0.003 * rng.standard_normal(audio.size)).astype(np.float32)
     assert len(run(SpeechSegmenter(rate), audio, 2205)) == 1
+
+
+def short_utterances():
+    """The speech set's commands, numbers and names, clean and at 10-20 dB SNR (72 files)."""
+    ids = [e.id for e in bench_module("speech_set").entries() if e.kind != "dictation"]
+    return speech_set(tuple(ids))
+
+
+def test_pauses_up_to_0_2_s_never_split_a_command_and_0_3_s_of_silence_ends_it():
+    """At the default 0.3 s end of utterance, every short utterance of the speech set whose
+    pauses (measured on its clean audio) stay within 0.2 s is one utterance, noisy or clean, and
+    it ends at most 0.3 s (and a frame) after its last speech: the detector neither hears a pause
+    in a weak consonant under noise nor hears speech in the noise after it."""
+    folder, rows = short_utterances()
+    config = SegmenterConfig()
+    assert config.hangover_s == 0.3
+    checked = [r for r in rows if r["pause_s"] <= 0.2]
+    assert len(checked) >= 60 and any(r["word_gap_ms"] for r in checked)
+    assert sum(1 for r in checked if r["noise"]) >= 30
+    by_id = {r["id"]: r for r in rows}
+    for row in checked:
+        audio, rate = set_pcm(folder, row), row["sample_rate"]
+        clean = set_pcm(folder, by_id[row["clean_id"] or row["id"]])
+        segmenter = SpeechSegmenter(rate, config)
+        out = []
+        for i in range(0, audio.size, rate // 10):
+            out += segmenter.push(audio[i:i + rate // 10], 100.0 + i / rate)
+        assert segmenter.flush() is None, f"{row['id']}: still in speech {row['tail_s']} s after it"
+        assert len(out) == 1, (row["id"], [(round(u.start_time - 100, 2), u.duration) for u in out])
+        _, last = speech_bounds(clean, rate, level=0.003)
+        end = out[0].start_time + out[0].duration - 100.0
+        assert last < end <= last + config.hangover_s + 2 * config.frame_s, (row["id"], last, end)
 
 
 def test_long_speech_is_cut_at_the_limit():

@@ -136,12 +136,20 @@ class WhisperSpeech:
         with torch.autocast(self.device.type, dtype=self.encoder_dtype):
             return self.net.encode(mel).float()
 
-    def warmup(self) -> None:
-        """Run one short silent request: the first call in a process pays for BLAS/oneDNN setup,
-        large first allocations and loading the resampler (scipy: ~2 s, for input that is not at
-        16 kHz; hence 48 kHz, a common microphone rate). Do it at startup, not on the first spoken
-        command."""
-        self.transcribe(np.zeros(48_000, np.float32), 48_000, language="en", temperature=0.0)
+    def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
+        """Run, on silence, every path a first spoken command takes, so none of it is paid on
+        that command: BLAS/oneDNN setup and first allocations, the resampler (scipy: ~2 s to
+        import, for input not at 16 kHz; hence 48 kHz, a common microphone rate), language
+        detection when `language` is None on a multilingual model, a final transcript's decode
+        (timestamps, temperature fallback) and a partial one's (no timestamps: a longer decoder
+        prompt, so the causal prefill), with the text prompt when one is given. Pass the options
+        later calls will use; do it at startup."""
+        silence = np.zeros(48_000, np.float32)
+        self.transcribe(silence, 48_000, language=language, initial_prompt=initial_prompt)
+        self.transcribe(silence[:24_000], 48_000, language=language, timestamps=False,
+                        temperature=0.0, initial_prompt=initial_prompt)
+        # The text path (decode of ordinary tokens) that silence may not reach.
+        self.tokenizer.decode(self.tokenizer.encode(" Warm up."))
 
     @torch.inference_mode()
     def detect_language(self, features: torch.Tensor) -> str:
