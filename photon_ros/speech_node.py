@@ -82,10 +82,12 @@ class StableText:
 
 
 def load_speech_model(name: str, device: str):
-    """Imported here so the node starts (and reports) even when the engine cannot load."""
-    from photon_core.models.whisper import load_whisper
+    """The process's shared engine for this checkpoint, of any family that transcribes (the
+    registry recognises it from the files). Imported here so the node starts (and reports) even
+    when the engine cannot load."""
+    from photon_core.runtime.shared_models import shared_engine
 
-    return load_whisper(name, device=device)
+    return shared_engine(name, device, skills=["transcribe"]).model
 
 
 class SpeechNode(Node):

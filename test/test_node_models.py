@@ -6,6 +6,7 @@ from rclpy.parameter import Parameter
 
 from moondream_fixtures import checkpoint
 from photon_core.runtime.shared_models import shared_engine
+from photon_ros.speech_node import SpeechNode
 from photon_ros.vision_node import VisionNode
 from ros_harness import RosGraph, wait_for
 
@@ -36,6 +37,17 @@ def test_the_vision_node_takes_a_family_by_its_skills_and_refuses_what_it_lacks(
     assert node.engine is not None and node.engine.family.name == "moondream"
     assert node.lacks("transcribe") == "a moondream model cannot transcribe (it offers caption, detect, point, query)"
     assert node.lacks("detect") == ""
+
+
+def test_the_speech_node_takes_any_transcribing_family_and_refuses_others(graph):
+    refused = graph.add(SpeechNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(checkpoint()))]))
+    assert wait_for(lambda: refused.model is not None or refused.model_error, timeout=120)
+    assert refused.model is None and "moondream model cannot transcribe" in refused.model_error
+    speech = graph.add(SpeechNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value="whisper-tiny.en")], namespace="robot2"))
+    assert wait_for(lambda: speech.model is not None or speech.model_error, timeout=120)
+    assert speech.model is shared_engine("whisper-tiny.en", skills=["transcribe"]).model
 
 
 def test_names_of_one_checkpoint_share_one_engine(tmp_path):
