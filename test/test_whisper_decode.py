@@ -193,8 +193,10 @@ def test_cli_prints_json(tmp_path, speech):
 def test_encoder_dtype_choice(monkeypatch):
     from photon_core.models.whisper import transcribe as tr
     cpu = torch.device("cpu")
+    # The bf16 encoder missed the accuracy rule (WER within 0.5 points of float32 on the broad
+    # set): float32 is the CPU default even where bf16 is fast; bf16 is there when asked for.
     monkeypatch.setattr(tr, "cpu_has_fast_bf16", lambda: True)
-    assert tr.pick_encoder_dtype(cpu, None) == torch.bfloat16
+    assert tr.pick_encoder_dtype(cpu, None) == torch.float32
     monkeypatch.setattr(tr, "cpu_has_fast_bf16", lambda: False)
     assert tr.pick_encoder_dtype(cpu, None) == torch.float32
     assert tr.pick_encoder_dtype(cpu, "bf16") == torch.bfloat16

@@ -36,6 +36,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--initial-prompt", default=None, help="text to condition the first window on")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="encoder precision (default: bfloat16 on CPUs with AMX/AVX512-BF16, "
-                        "float32 otherwise)")
+                   help="encoder precision (default: float32 on CPU, float16 on CUDA; bfloat16 is faster "
+                        "on CPUs with AMX/AVX512-BF16 at some WER cost)")
     p.set_defaults(run=_run)
