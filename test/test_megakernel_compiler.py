@@ -32,19 +32,20 @@ def toy_weights(d=48, heads=3, ff=80, vocab=70, ctx=24, seed=0):
 
     dh = d // heads
     return {"tok": w(vocab, d, scale=0.5), "pos": w(ctx, d, scale=0.2), "ln.w": 1 + 0.1 * w(d, scale=1),
-            "ln.b": w(d, scale=0.1), "qkv": w(3 * d, d), "qkv.b": w(3 * d, scale=0.1), "out": w(d, d),
+            "ln.b": w(d, scale=0.1), "rms.w": 0.1 * w(d, scale=1), "qkv": w(3 * d, d), "qkv.b": w(3 * d, scale=0.1), "out": w(d, d),
             "up": w(ff, d), "up.b": w(ff, scale=0.1), "down": w(d, ff), "cos": torch.cos(w(ctx, dh // 4, scale=1)),
             "sin": torch.sin(w(ctx, dh // 4, scale=1)), "xq": w(d, d), "head": w(vocab, d), "side": w(64, d)}
 
 
-def toy_graph(weights, max_len=12, enc_len=9, rotary=True, advance=False, expose=True):
+def toy_graph(weights, max_len=12, enc_len=9, rotary=True, advance=False, expose=True, norm="layer"):
     d = weights["tok"].shape[1]
     heads = 3
     g = StepGraph("toy", {k: tuple(t.shape) for k, t in weights.items()})
     kc, vc = g.cache("k", heads, max_len, d // heads), g.cache("v", heads, max_len, d // heads)
     xk, xv = g.cache("xk", heads, enc_len, d // heads), g.cache("xv", heads, enc_len, d // heads)
     x = g.embed("x0", "tok", "pos")
-    h = g.layer_norm("h", x, "ln.w", "ln.b")
+    # RMSNorm in Gemma's (1 + w) form, folded into the stored weight; LayerNorm with a bias.
+    h = g.layer_norm("h", x, "ln.w", "ln.b") if norm == "layer" else g.rms_norm("h", x, "rms.w", 1e-5, offset=1.0)
     qkv = g.linear("qkv", h, "qkv", "qkv.b")
     q = g.kv_append("q", qkv, kc, vc, rotary=Rotary("cos", "sin", d // heads // 2) if rotary else None)
     a = g.attention("a", q, kc, vc, "self")
@@ -79,17 +80,17 @@ def fill_caches(step, batch, positions, enc_len, gen):
     return caches
 
 
-@pytest.mark.parametrize("batch,rotary,tiling", [
-    (1, True, Tiling(16, 32, 8, 2, 3)),
-    (2, False, Tiling(16, 32, 8, 3, 2)),      # no rotary: q|k|v stored by the linear itself
-    (4, True, Tiling(32, 64, 16, 1, 1)),      # tiles straddle heads: whole-stage waits
+@pytest.mark.parametrize("batch,rotary,tiling,norm", [
+    (1, True, Tiling(16, 32, 8, 2, 3), "rms"),
+    (2, False, Tiling(16, 32, 8, 3, 2), "layer"),      # no rotary: q|k|v stored by the linear itself
+    (4, True, Tiling(32, 64, 16, 1, 1), "layer"),      # tiles straddle heads: whole-stage waits
     # Few-tile stages get narrower tiles and split-K (partials summed by reduce tasks).
-    (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=12, min_block_n=8, max_split_k=3)),
-    (1, False, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=16, max_split_k=4)),
+    (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=12, min_block_n=8, max_split_k=3), "rms"),
+    (1, False, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=16, max_split_k=4), "layer"),
 ])
-def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling):
+def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling, norm):
     w = toy_weights()
-    g = toy_graph(w, rotary=rotary)
+    g = toy_graph(w, rotary=rotary, norm=norm)
     step = CompiledStep(g, w, batch, tiling)
     step.state.fill_(float("nan"))
     gen = torch.Generator().manual_seed(batch)
@@ -198,6 +199,12 @@ def test_graphs_the_megakernel_cannot_run_are_refused():
         plan(g, 1, Tiling(block_n=32))
     with pytest.raises(ValueError, match="bucket"):
         plan(toy_graph(w), 3)
+    g = StepGraph("shared-weight", {k: tuple(t.shape) for k, t in w.items()})
+    x = g.embed("x", "tok", "pos")
+    g.linear("y", g.rms_norm("h", x, "ln.w", 1e-5, offset=1.0), "out")
+    g.linear("z", g.layer_norm("h2", x, "ln.w", eps=1e-5), "out")   # the stored (1 + w) would be wrong here
+    with pytest.raises(ValueError, match=r"RMSNorm's \(offset \+ w\) and also read by layer_norm"):
+        plan(g, 1)
     with pytest.raises(ValueError, match="takes 48 features"):
         StepGraph("bad-shape", {"a": (4, 48), "b": (4, 5)}).linear("y", Value_of(5), "a")
 

@@ -42,6 +42,8 @@ from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
 
 WEIGHT_ROW_ALIGN = 16   # elements; kernel.py's tl.multiple_of hints rely on it
+NORMS = ("layer_norm", "rms_norm")   # fused in front of the linears that read them
+NORM_CODES = {"layer_norm": 1, "rms_norm": 2}
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class Plan:
     logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
     shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
     ldw: dict[str, int]                   # weight name -> padded row stride (matrices tasks stream)
+    weight_offset: dict[str, float]       # weight name -> constant added when stored (RMSNorm 1 + w)
     ln_eps: float
     max_position: int                     # positions must stay below this
 
@@ -102,16 +105,21 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     bn = tiling.block_n
     producer = {n.out.name: n for n in graph.nodes if n.out is not None}
     norm_of: dict[str, Node] = {}
+    weight_offset: dict[str, float] = {}
     qkv_store: dict[str, Node] = {}
     logits: dict[str, int] = {}
     eps = set()
     for node in graph.nodes:
         a = node.args
-        if node.op == "layer_norm":
+        if node.op in NORMS:
             eps.add(a["eps"])
+            if node.op == "rms_norm" and a["offset"]:
+                # (offset + w) is folded into the stored weight at load time.
+                if weight_offset.setdefault(a["w"], a["offset"]) != a["offset"]:
+                    raise ValueError(f"{graph.name}: weight {a['w']!r} read by norms with different offsets")
             for c in graph.consumers(node.out):
                 if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out:
-                    raise ValueError(f"{graph.name}: layer_norm {node.out.name!r} is read by {c.op} "
+                    raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
                                      "can take a fused LayerNorm")
                 norm_of[c.out.name] = node
@@ -131,6 +139,11 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
             logits[src.out.name] = -(-n // bn)
     if len(eps) > 1:
         raise ValueError(f"{graph.name}: one LayerNorm epsilon per step, got {sorted(eps)}")
+    for w in weight_offset:   # the stored weight is (offset + w): nothing else may read it
+        others = [n for n in graph.nodes if w in n.args.values() and not (n.op == "rms_norm" and n.args["offset"])]
+        if others:
+            raise ValueError(f"{graph.name}: weight {w!r} is an RMSNorm's (offset + w) and also read by "
+                             f"{others[0].op} {others[0].out.name if others[0].out else ''!r}")
 
     # Matrices that linear and embed tasks read get rows padded to 16 elements (64 B in fp32, 32 B
     # in bf16): with aligned rows and offsets every weight load can be a 128-bit vector load.
@@ -145,7 +158,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
         wa.alloc(k, shape[0] * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN)
     shapes: dict[str, tuple[int, ...]] = {}
     fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
-                                                                      if n.op == "layer_norm"}
+                                                                      if n.op in NORMS}
     for node in graph.nodes:
         if node.out is not None and node.out.name not in fused_away:
             shapes[node.out.name] = (batch, node.out.width)
@@ -177,7 +190,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
     limits += [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
                if n.op == "kv_append" and n.args["rotary"] is not None]
-    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits, shape, ldw,
+    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits, shape, ldw, weight_offset,
                 eps.pop() if eps else 1e-5, min(limits) if limits else 1 << 30)
 
 
@@ -207,7 +220,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
     def source(v: Value) -> Value:
         """What a read of `v` really reads: a fused LayerNorm's input."""
         n = p.producer.get(v.name)
-        return n.args["x"] if n is not None and n.op == "layer_norm" else v
+        return n.args["x"] if n is not None and n.op in NORMS else v
 
     def waits(values: list[Value], head: int | None = None) -> list[tuple[str, int]]:
         stages = []
@@ -256,7 +269,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
 
     for node in nodes:
         a = node.args
-        if node.op in ("input", "layer_norm"):
+        if node.op == "input" or node.op in NORMS:
             continue
         if node.op == "embed":
             st = _Stage(node.out.name, g.counter(node.out.name), ancestors=frozenset({node.out.name}))
@@ -354,7 +367,8 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                 g.add(Task(f"{name}.split[{n0}:{n1},k{k0}]", OP_LINEAR_SPLIT,
                            dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=k0, k1=min(K, k0 + step), x=S.off(x.name),
                                 w=W.off(a["w"]), ldw=p.ldw[a["w"]], lnw=W.off(norm.args["w"]) if norm else -1,
-                                lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
+                                lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
+                                norm=NORM_CODES[norm.op] if norm else 0,
                                 kpart=S.off(kpart), ksplit=ks),
                            list(wait), split_sig, [S.region(x.name)],
                            [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for r in range(B)]))
@@ -365,7 +379,8 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
         args = dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=0, k1=K, x=S.off(x.name), w=W.off(a["w"]), ldw=p.ldw[a["w"]],
                     b=W.off(a["b"]) if a["b"] else -1,
                     lnw=W.off(norm.args["w"]) if norm else -1,
-                    lnb=W.off(norm.args["b"]) if norm and norm.args["b"] else -1,
+                    lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
+                    norm=NORM_CODES[norm.op] if norm else 0,
                     act=activation_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
                     mode=mode, out=S.off(out.name))
         reads = [S.region(x.name)]
@@ -501,7 +516,8 @@ class CompiledStep(StateViews):
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{graph.name}: weight {k!r} has shape {tuple(t.shape)}, the graph says {shape}")
                 off, n = p.warena.regions[k]
-                t = t.detach().to(device=dev, dtype=weight_dtype)
+                t = (t.detach().float() + p.weight_offset[k] if k in p.weight_offset else t.detach())
+                t = t.to(device=dev, dtype=weight_dtype)
                 if k in p.ldw:
                     self.weights[off:off + n].view(shape[0], p.ldw[k])[:, :shape[1]] = t
                 else:

@@ -39,7 +39,7 @@ LEN_SELF, LEN_CROSS = 0, 1
 FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
-          "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw")
+          "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 40  # padded; rows stay 320-byte aligned
 

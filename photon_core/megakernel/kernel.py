@@ -36,7 +36,7 @@ CG: tl.constexpr = tl.constexpr(".cg")
 assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
-                       "ksplit", "ldw")] == list(range(1, 39))
+                       "ksplit", "ldw", "norm")] == list(range(1, 40))
 
 
 @triton.jit
@@ -102,13 +102,15 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if lnw >= 0:
-        # LayerNorm fused in: every tile recomputes its rows' statistics over all of K (M*K reads,
-        # tiny next to the N_tile*K weight bytes) instead of waiting on a separate norm task.
+        # LayerNorm or RMSNorm fused in: every tile recomputes its rows' statistics over all of K
+        # (M*K reads, tiny next to the N_tile*K weight bytes) instead of waiting on a norm task.
+        # RMSNorm is the same with the mean held at 0 (norm code 2).
         s1 = tl.zeros((BLOCK_M,), tl.float32)
-        for kb in range(0, K, BLOCK_K):
-            kk = kb + ks
-            xm = rmask[:, None] & (kk[None, :] < K)
-            s1 += tl.sum(tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), axis=1)
+        if tl.load(row + 39) != 2:
+            for kb in range(0, K, BLOCK_K):
+                kk = kb + ks
+                xm = rmask[:, None] & (kk[None, :] < K)
+                s1 += tl.sum(tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), axis=1)
         mean = s1 / K
         s2 = tl.zeros((BLOCK_M,), tl.float32)
         for kb in range(0, K, BLOCK_K):

@@ -10,6 +10,8 @@ every Value is a per-row vector with a name and a width. The ops:
                                        from the step's dynamic buffer
     layer_norm(x, w, b)                statistics over x's width; only linears may read its output, so
                                        the compiler fuses it in front of them
+    rms_norm(x, w, offset)             x / rms(x) * (offset + w) (offset 1: Gemma's and Qwen 3.5's
+                                       convention); fused like layer_norm
     linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, gelu, gelu_tanh, silu)
     kv_append(qkv, k, v, rotary)       q|k|v = qkv split into heads; q and k rotated at the row's
                                        position (optional); k, v appended to the caches there -> q
@@ -123,6 +125,10 @@ class StepGraph:
         if b is not None:
             self._vector(b, x.width)
         return self._add("layer_norm", name, x.width, x=x, w=w, b=b, eps=eps)
+
+    def rms_norm(self, name: str, x: Value, w: str, eps: float = 1e-6, offset: float = 0.0) -> Value:
+        self._vector(w, x.width)
+        return self._add("rms_norm", name, x.width, x=x, w=w, eps=eps, offset=offset)
 
     def linear(self, name: str, x: Value, w: str, b: str | None = None, act: str | None = None,
                residual: Value | None = None) -> Value:
@@ -239,6 +245,8 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
         elif node.op == "layer_norm":
             y = ref.layer_norm(vals[a["x"].name], weights[a["w"]].float(),
                                None if a["b"] is None else weights[a["b"]].float(), a["eps"])
+        elif node.op == "rms_norm":
+            y = ref.rms_norm(vals[a["x"].name], weights[a["w"]].float(), a["eps"], a["offset"])
         elif node.op == "linear":
             y = ref.linear(vals[a["x"].name], weights[a["w"]].float(),
                            None if a["b"] is None else weights[a["b"]].float(), activation=a["act"],
