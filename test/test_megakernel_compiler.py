@@ -134,6 +134,50 @@ def test_stage_shapes_narrow_tiles_first_then_split_k():
     check(g)
 
 
+@pytest.mark.parametrize("rotary,tiling", [(True, Tiling(16, 32, 8, 2, 2)), (False, Tiling(16, 32, 8, 2, 2)),
+                                           (False, Tiling(32, 32, 8, 1, 1))])
+def test_grouped_query_attention_equals_the_eager_graph(rotary, tiling):
+    """4 query heads over 2 K/V heads of 16 (Qwen, Gemma, Llama style), rotary or a q|k|v store,
+    RMSNorm in front: the compiled step against run_reference, which repeats K/V heads."""
+    g0 = torch.Generator().manual_seed(11)
+    d, hq, hkv, dh, vocab, ctx = 64, 4, 2, 16, 50, 16
+    w = {"tok": torch.randn(vocab, d, generator=g0) * 0.5, "n.w": torch.randn(d, generator=g0) * 0.1,
+         "qkv": torch.randn((hq + 2 * hkv) * dh, d, generator=g0) / 8, "o": torch.randn(d, hq * dh, generator=g0) / 8,
+         "cos": torch.cos(torch.randn(ctx, 4, generator=g0)), "sin": torch.sin(torch.randn(ctx, 4, generator=g0)),
+         "head": torch.randn(vocab, d, generator=g0) / 8}
+    g = StepGraph("gqa", {k: tuple(t.shape) for k, t in w.items()})
+    kc, vc = g.cache("k", hkv, 10, dh), g.cache("v", hkv, 10, dh)
+    x = g.embed("x", "tok")
+    h = g.rms_norm("h", x, "n.w", offset=1.0)
+    q = g.kv_append("q", g.linear("qkv", h, "qkv"), kc, vc, rotary=Rotary("cos", "sin", 8) if rotary else None,
+                    q_heads=hq)
+    x = g.linear("x1", g.attention("a", q, kc, vc), "o", residual=x)
+    g.expose("logits", logits := g.linear("logits", x, "head"))
+    g.argmax("token", logits)
+    step = CompiledStep(g, w, 2, tiling)
+    step.state.fill_(float("nan"))
+    positions = [2, 5]
+    caches = {}
+    for name in ("k", "v"):
+        t = torch.randn(2, hkv, 10, dh, generator=g0)
+        view = step.view(name)
+        for r, p in enumerate(positions):
+            t[r, :, p:] = 0.0
+            view[r, :, :p] = t[r, :, :p]
+        caches[name] = t
+    for _ in range(2):
+        tokens = torch.randint(0, vocab, (2,), generator=g0).tolist()
+        step.set_step(tokens, positions)
+        step.launch()
+        want = run_reference(g, w, caches, tokens, positions)
+        assert rel_err(step.view("logits"), want["logits"]) < RTOL
+        assert step.result("token").tolist() == want["results"]["token"]
+        for name in ("k", "v"):
+            for r, p in enumerate(positions):
+                assert rel_err(step.view(name)[r, :, p], caches[name][r, :, p]) < RTOL
+        positions = [p + 1 for p in positions]
+
+
 def test_advance_writes_the_next_token_and_position():
     w = toy_weights()
     g = toy_graph(w, advance=True)

@@ -123,7 +123,9 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
                                      "can take a fused LayerNorm")
                 norm_of[c.out.name] = node
-        elif node.op == "kv_append" and a["rotary"] is None:
+        elif node.op == "kv_append" and a["rotary"] is None and a["k"].spec.heads * a["k"].spec.head_dim == node.out.width:
+            # The linear stores q|k|v itself only with as many K/V heads as query heads (the
+            # kernel's q|k|v store); grouped-query K/V go through append tasks.
             src = producer.get(a["qkv"].name)
             readers = graph.consumers(src.out) if src is not None else []
             if src is not None and src.op == "linear" and len(readers) == 1 and readers[0] is node:
@@ -165,7 +167,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
         if node.op == "attention":
             spec = node.args["k"].spec
             splits = tiling.self_splits if node.args["length"] == "self" else tiling.cross_splits
-            shapes[f"{node.out.name}.part"] = (batch, spec.heads, splits, spec.head_dim + 2)
+            shapes[f"{node.out.name}.part"] = (batch, node.out.width // spec.head_dim, splits, spec.head_dim + 2)
     for name, ntiles in logits.items():
         shapes[f"{name}.part"] = (batch, ntiles, 2)
     shape: dict[str, tuple[int, int]] = {}
@@ -249,9 +251,11 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
         return frozenset(anc)
 
     def per_head(value: Value) -> int | None:
-        """Head size if every reader of `value` is attention (then its writers may signal per head)."""
+        """Head size if every reader of `value` is attention with one K/V head per query head (then
+        its writers may signal per head: a head's attention needs that head's q, k and v only)."""
         readers = [n for n in graph.consumers(value) if id(n) in kept]
-        if readers and all(n.op == "attention" for n in readers):
+        if readers and all(n.op == "attention" and n.args["k"].spec.heads * n.args["k"].spec.head_dim == value.width
+                           for n in readers):
             return readers[0].args["k"].spec.head_dim
         return None
 
@@ -290,7 +294,8 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                 continue
             k, v = a["k"], a["v"]
             H, dh = k.spec.heads, k.spec.head_dim
-            d = H * dh
+            d = node.out.width                 # Hq * dh: query heads may outnumber K/V heads
+            hq, row = d // dh, d + 2 * H * dh
             rot = a["rotary"]
             signal_heads = per_head(node.out) is not None
             st = _Stage(node.out.name, None if signal_heads else g.counter(node.out.name),
@@ -298,18 +303,20 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                         ancestors([a["qkv"]], node.out.name))
             wait = waits([a["qkv"]])
             qkv = a["qkv"].name
-            for h in range(H):
+            for h in range(hq):                # query head h; K/V head h too while h < H
                 for r in range(B):
+                    reads = [S.region(qkv, r * row + h * dh, r * row + (h + 1) * dh), dyn_pos]
+                    writes = [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh)]
+                    if h < H:
+                        reads += [S.region(qkv, r * row + d + c * H * dh + h * dh, r * row + d + c * H * dh + (h + 1) * dh)
+                                  for c in range(2)]
+                        writes += [cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh)]
                     g.add(Task(f"{node.out.name}[b{r},h{h}]", OP_ROPE_APPEND,
                                dict(K=rot.dims if rot else 0, N=d, x=S.off(qkv),
                                     w=W.off(rot.cos) if rot else -1, b=W.off(rot.sin) if rot else -1,
                                     out=S.off(node.out.name), kc=cache_off(k), vc=cache_off(v), H=H, Dh=dh,
                                     Tmax=k.spec.length, bi=r, hi=h),
-                               list(wait), st.heads[h] if st.heads else st.counter,
-                               [S.region(qkv, r * 3 * d + c * d + h * dh, r * 3 * d + c * d + (h + 1) * dh)
-                                for c in range(3)] + [dyn_pos],
-                               [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh),
-                                cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh)]))
+                               list(wait), st.heads[h] if st.heads else st.counter, reads, writes))
             stage_of[node.out.name] = st
         elif node.op == "attention":
             stage_of[node.out.name] = _lower_attention(p, g, node, waits, ancestors, cache_cols, cache_off,
@@ -394,9 +401,10 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
         if mode == MODE_QKV:
             kc, vc = kv.args["k"], kv.args["v"]
             H, hd = kc.spec.heads, kc.spec.head_dim
+            kvw = H * hd                       # d (the query width) may be a multiple of it
             args.update(kc=cache_off(kc), vc=cache_off(vc), H=H, Dh=hd, Tmax=kc.spec.length)
             reads.append(dyn_pos)
-            for c0, c1, cache in ((0, d, None), (d, 2 * d, kc), (2 * d, 3 * d, vc)):
+            for c0, c1, cache in ((0, d, None), (d, d + kvw, kc), (d + kvw, d + 2 * kvw, vc)):
                 lo, hi = max(n0, c0), min(n1, c1)
                 if lo >= hi:
                     continue
@@ -424,32 +432,34 @@ def _lower_attention(p: Plan, g: TaskGraph, node: Node, waits, ancestors, cache_
     a, name = node.args, node.out.name
     k, v, q = a["k"], a["v"], a["q"]
     H, dh = k.spec.heads, k.spec.head_dim
-    d = H * dh
+    d = node.out.width
+    hq = d // dh                         # query heads; head h reads K/V head h // (hq / H)
     self_len = a["length"] == "self"
     splits = p.tiling.self_splits if self_len else p.tiling.cross_splits
     part = f"{name}.part"
     sig_p = g.counter(f"{name}.part")
     for r in range(B):
-        for h in range(H):
+        for h in range(hq):
+            hk = h // (hq // H)
             wait = waits([q], head=h)
             for s in range(splits):
-                p0 = ((r * H + h) * splits + s) * (dh + 2)
+                p0 = ((r * hq + h) * splits + s) * (dh + 2)
                 g.add(Task(f"{name}.part[b{r},h{h},s{s}]", OP_ATTN_PARTIAL,
-                           dict(x=S.off(q.name), K=d, kc=cache_off(k), vc=cache_off(v), H=H, Dh=dh,
-                                Tmax=k.spec.length, part=S.off(part), bi=r, hi=h, s=s, S=splits,
+                           dict(x=S.off(q.name), K=d, N=hq, tile=hk, kc=cache_off(k), vc=cache_off(v), H=H,
+                                Dh=dh, Tmax=k.spec.length, part=S.off(part), bi=r, hi=h, s=s, S=splits,
                                 lenkind=LEN_SELF if self_len else LEN_CROSS),
                            wait, sig_p,
                            [S.region(q.name, r * d + h * dh, r * d + (h + 1) * dh),
-                            cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh),
+                            cache_cols(k, r, hk * dh, (hk + 1) * dh), cache_cols(v, r, hk * dh, (hk + 1) * dh),
                             dyn_pos if self_len else dyn_xlen],
                            [S.region(part, p0, p0 + dh + 2)]))
     st = _Stage(name, g.counter(name), ancestors=ancestors([q], name))
     n_part = g.signalers(sig_p)
     for r in range(B):
-        for h in range(H):
-            p0 = (r * H + h) * splits * (dh + 2)
+        for h in range(hq):
+            p0 = (r * hq + h) * splits * (dh + 2)
             g.add(Task(f"{name}.merge[b{r},h{h}]", OP_ATTN_MERGE,
-                       dict(K=d, out=S.off(name), H=H, Dh=dh, part=S.off(part), bi=r, hi=h, S=splits),
+                       dict(K=d, out=S.off(name), H=hq, Dh=dh, part=S.off(part), bi=r, hi=h, S=splits),
                        [(sig_p, n_part)], st.counter, [S.region(part, p0, p0 + splits * (dh + 2))],
                        [S.region(name, r * d + h * dh, r * d + (h + 1) * dh)]))
     return st

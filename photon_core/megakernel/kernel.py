@@ -175,6 +175,7 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
         H = tl.load(row + 21)
         Dh = tl.load(row + 22)
         Tmax = tl.load(row + 23)
+        # Equal q, k and v heads only (the compiler stores grouped-query q|k|v with rope tasks).
         D = N // 3
         sec = cols // D
         within = cols - sec * D
@@ -271,11 +272,15 @@ def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: t
     chunk = tl.cdiv(tl.cdiv(length, S), BLOCK_T) * BLOCK_T
     start = tl.minimum(s * chunk, length)
     end = tl.minimum(start + chunk, length)
-    base = (b * H + h) * Tmax * Dh
+    # Query head h of Hq reads K/V head hk (h // (Hq / H) with grouped-query attention): the
+    # compiler writes both into the row rather than have every task divide.
+    Hq = tl.load(row + 8)
+    hk = tl.load(row + 24)
+    base = (b * H + hk) * Tmax * Dh
     scale = 1.0 / tl.sqrt(Dh.to(tl.float32))
     m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, s_ptr + kc + base, s_ptr + vc + base,
                                start, end, Dh, scale, BLOCK_T, BLOCK_D, CG)
-    store_partial(s_ptr + part + ((b * H + h) * S + s) * (Dh + 2), m, l, acc, Dh, BLOCK_D)
+    store_partial(s_ptr + part + ((b * Hq + h) * S + s) * (Dh + 2), m, l, acc, Dh, BLOCK_D)
 
 
 @triton.jit
@@ -375,17 +380,22 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D: tl.constexpr):
     freq = tl.where(first, dd, dd - half)
     c = tl.load(w_ptr + tl.maximum(cos_off, 0) + pos * half + freq, mask=in_rot, other=1.0).to(tl.float32)
     s = tl.load(w_ptr + tl.maximum(sin_off, 0) + pos * half + freq, mask=in_rot, other=0.0).to(tl.float32)
-    src = s_ptr + x_off + b * 3 * D + h * Dh
+    # The row is q (D = Hq*Dh) | k | v (H*Dh each). Query head h also carries K/V head h when h < H
+    # (grouped-query attention has fewer K/V heads than query heads).
+    row_q = s_ptr + x_off + b * (D + 2 * H * Dh)
+    src = row_q + h * Dh
+    kv = row_q + D + h * Dh
+    has_kv = dmask & ((dd * 0 + h) < H)   # a vector mask (scalar & vector confuses the interpreter)
     q = tl.load(src + dd, mask=dmask, other=0.0, cache_modifier=CG)
     qp = tl.load(src + partner, mask=dmask & in_rot, other=0.0, cache_modifier=CG)
-    k = tl.load(src + D + dd, mask=dmask, other=0.0, cache_modifier=CG)
-    kp = tl.load(src + D + partner, mask=dmask & in_rot, other=0.0, cache_modifier=CG)
-    v = tl.load(src + 2 * D + dd, mask=dmask, other=0.0, cache_modifier=CG)
+    k = tl.load(kv + dd, mask=has_kv, other=0.0, cache_modifier=CG)
+    kp = tl.load(kv + partner, mask=has_kv & in_rot, other=0.0, cache_modifier=CG)
+    v = tl.load(kv + H * Dh + dd, mask=has_kv, other=0.0, cache_modifier=CG)
     q = tl.where(in_rot, q * c + (sign * qp) * s, q)
     k = tl.where(in_rot, k * c + (sign * kp) * s, k)
     tl.store(s_ptr + out + b * D + h * Dh + dd, q, mask=dmask)
     cache = ((b * H + h) * Tmax + pos) * Dh + dd
-    ok = dmask & ((dd.to(tl.int64) * 0 + pos) < Tmax)  # a vector mask (scalar & vector confuses the interpreter)
+    ok = has_kv & ((dd.to(tl.int64) * 0 + pos) < Tmax)
     tl.store(s_ptr + kc + cache, k, mask=ok)
     tl.store(s_ptr + vc + cache, v, mask=ok)
 

@@ -13,8 +13,9 @@ every Value is a per-row vector with a name and a width. The ops:
     rms_norm(x, w, offset)             x / rms(x) * (offset + w) (offset 1: Gemma's and Qwen 3.5's
                                        convention); fused like layer_norm
     linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, gelu, gelu_tanh, silu)
-    kv_append(qkv, k, v, rotary)       q|k|v = qkv split into heads; q and k rotated at the row's
-                                       position (optional); k, v appended to the caches there -> q
+    kv_append(qkv, k, v, rotary)       q|k|v = qkv split into heads (fewer K/V heads than query heads:
+                                       grouped-query attention); q and k rotated at the row's position
+                                       (optional); k, v appended to the caches there -> q
     attention(q, k, v, length)         per head, softmax(q k^T / sqrt(Dh)) v over the row's first
                                        `length` keys: "self" = position + 1, "cross" = its cross length
     argmax(x, name, c0, c1, advance)   int32 result column `name`: argmax of x[c0:c1] (first of ties);
@@ -144,18 +145,21 @@ class StepGraph:
         return self._add("linear", name, n, x=x, w=w, b=b, act=act, residual=residual)
 
     def kv_append(self, name: str, qkv: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
-                  rotary: Rotary | None = None) -> Value:
+                  rotary: Rotary | None = None, q_heads: int | None = None) -> Value:
+        """`qkv` is q (q_heads heads; default: the caches' heads) | k | v (the caches' heads each):
+        grouped-query attention when q_heads is a multiple of the K/V heads."""
         k, v = _cache(k), _cache(v)
         h, dh = k.spec.heads, k.spec.head_dim
-        if (v.spec.heads, v.spec.head_dim) != (h, dh) or qkv.width != 3 * h * dh:
+        hq = h if q_heads is None else q_heads
+        if (v.spec.heads, v.spec.head_dim) != (h, dh) or hq % h or qkv.width != (hq + 2 * h) * dh:
             raise ValueError(f"kv_append {name!r}: {qkv.name!r} of width {qkv.width} is not q|k|v of "
-                             f"{h} heads x {dh} (grouped K/V heads are not compiled yet)")
+                             f"{hq} query and {h} key/value heads of {dh}")
         if rotary is not None:
             t, half = self._shape(rotary.cos, 2)
             if self._shape(rotary.sin, 2) != (t, half) or 2 * half != rotary.dims or rotary.dims > dh:
                 raise ValueError(f"kv_append {name!r}: rotary tables must be [T, {rotary.dims // 2}], "
                                  f"rotating at most the {dh} features of a head")
-        return self._add("kv_append", name, h * dh, qkv=qkv, k=k, v=v, rotary=rotary)
+        return self._add("kv_append", name, hq * dh, qkv=qkv, k=k, v=v, rotary=rotary)
 
     def attention(self, name: str, q: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
                   length: str = "self") -> Value:
@@ -163,7 +167,8 @@ class StepGraph:
         if length not in LENGTHS:
             raise ValueError(f"attention {name!r}: length {length!r} is not one of {LENGTHS}")
         dims = (k.spec.heads, k.spec.head_dim, k.spec.length)
-        if q.width != k.spec.heads * k.spec.head_dim or dims != (v.spec.heads, v.spec.head_dim, v.spec.length):
+        hq, rest = divmod(q.width, k.spec.head_dim)
+        if rest or hq % k.spec.heads or dims != (v.spec.heads, v.spec.head_dim, v.spec.length):
             raise ValueError(f"attention {name!r}: q {q.name!r} and caches disagree on heads / head size")
         return self._add("attention", name, q.width, q=q, k=k, v=v, length=length)
 
@@ -254,20 +259,22 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
         elif node.op == "kv_append":
             k_c, v_c = cache(a["k"]), cache(a["v"])
             h, dh = a["k"].spec.heads, a["k"].spec.head_dim
-            q, k, v = vals[a["qkv"].name].view(bsz, 3, h, 1, dh).unbind(1)
+            hq = node.out.width // dh
+            q, k, v = vals[a["qkv"].name].split([hq * dh, h * dh, h * dh], dim=1)
+            q, k, v = q.reshape(bsz, hq, 1, dh), k.reshape(bsz, h, 1, dh), v.reshape(bsz, h, 1, dh)
             rot = a["rotary"]
             if rot is not None:
                 cos = weights[rot.cos].float()[pos].view(bsz, 1, 1, -1)
                 sin = weights[rot.sin].float()[pos].view(bsz, 1, 1, -1)
                 q, k = ref.rotary(q, cos, sin, rot.dims), ref.rotary(k, cos, sin, rot.dims)
             ref.kv_append(k_c, v_c, k, v, pos)
-            y = q.reshape(bsz, h * dh)
+            y = q.reshape(bsz, hq * dh)
         elif node.op == "attention":
             k_c, v_c = cache(a["k"]), cache(a["v"])
-            h, dh = a["k"].spec.heads, a["k"].spec.head_dim
+            dh = a["k"].spec.head_dim
             lengths = pos + 1 if a["length"] == "self" else torch.tensor(cross_len, device=dev)
-            y = ref.decode_attention(vals[a["q"].name].view(bsz, h, 1, dh), k_c, v_c, lengths)
-            y = y.reshape(bsz, h * dh)
+            y = ref.decode_attention(vals[a["q"].name].view(bsz, -1, 1, dh), k_c, v_c, lengths)
+            y = y.reshape(bsz, node.out.width)
         elif node.op == "argmax":
             x = vals[a["x"].name][:, a["c0"]:a["c1"]]
             results[a["name"]] = ref.argmax(x).tolist()
