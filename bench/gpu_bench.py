@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton kernels and the Whisper decode megakernel (random weights, real shapes).
 
-    bench/gpu.sh                      # H200/H100: the full run, well under 10 minutes
+    bench/gpu.sh                      # H200/H100: gpu_proof.py, then this (--batches 1,8), in one 10-min call
     python bench/gpu_bench.py --dry-run   # CPU, TRITON_INTERPRET=1, tiny shapes: checks the plumbing only
 
 Part 1, per-op: each Triton kernel against the PyTorch eager op at decode shapes.
@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_common import graphed, timer  # noqa: E402  (shared with gpu_proof.py)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -36,38 +37,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--sweep-block-n", default="16,32", help="extra megakernel tile widths to time ('' = none)")
     p.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bf16-weights megakernel")
+    p.add_argument("--write", action="store_true", help="put the step table into bench/RESULTS.md")
     return p.parse_args(argv)
-
-
-def timer(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    """Median seconds per call."""
-    import torch
-    for _ in range(warmup):
-        fn()
-    times = []
-    if cuda:
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def graphed(fn: Callable[[], object], cuda: bool) -> Callable[[], object]:
-    """fn captured in a CUDA graph (photon_core.runtime.cuda_graph), or fn itself on CPU."""
-    if not cuda:
-        return fn
-    from photon_core.runtime.cuda_graph import capture
-    return capture(fn)[0].replay
 
 
 def eager_ops():
@@ -268,7 +239,29 @@ def main(argv: list[str] | None = None) -> dict:
     out["seconds"] = time.time() - t0
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    publish_steps(out, args)
     return out
+
+
+def publish_steps(out: dict, args) -> None:
+    """The decode-step table, printed, and with --write put into bench/RESULTS.md (report.publish
+    replaces this benchmark's own section)."""
+    from report import heading, publish
+    shapes = out["shapes"]
+    title = "Whisper decode step on GPU: eager vs per-op graph vs megakernel" + (
+        " (dry run)" if args.dry_run else "")
+    lines = heading(title) + [
+        f"{out['device']}; decoder d {shapes['d']}, {shapes['layers']} layers, vocab {shapes['vocab']}, "
+        f"{shapes['max_len'] // 2} of {shapes['max_len']} positions, {shapes['t_enc']} frames; random weights. "
+        f"Median of {args.iters} timings after {args.warmup} warm-up; floor = weight bytes / {args.hbm_tbps} TB/s.",
+        "", "| batch | path | us/step | GB/s | x floor |", "|---:|---|---:|---:|---:|"]
+    for step in out["steps"]:
+        for path, r in step.items():
+            if isinstance(r, dict) and "us" in r:
+                lines.append(f"| {step['batch']} | {path} | {r['us']:.1f} | {r['gbps']:.0f} | {r['x_floor']:.2f} |")
+    if args.write and args.dry_run:
+        print("(--write ignored: a dry run's numbers do not belong in bench/RESULTS.md)", flush=True)
+    publish(lines, args.write and not args.dry_run)
 
 
 if __name__ == "__main__":
