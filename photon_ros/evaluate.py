@@ -1,0 +1,270 @@
+"""Evaluate a graph on a recorded bag: replay it, record the results, write CSVs and a report.
+
+    python -m photon_ros.evaluate BAG --graph vision|speech|all [--rate 1.0|max] [--out DIR]
+        [--config photon.yaml] [--set vision.detect='[cup]'] [--image-topic T] [--audio-topic T]
+        [--window N] [--storage sqlite3|mcap] [--settle-timeout S]
+
+The graph is the one `photon_ros.bringup` starts from the same YAML, minus the audio source (the
+bag is the source), in this process over real DDS. It is configured to take the bag's input
+types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArray). Out come:
+  results/         a bag (the input's storage) of every result message, at its arrival time
+  <topic>.csv      one row per result message: its stamp, the input that produced it, the delay
+                   from publishing that input to receiving the result, and the message's fields
+  inputs.csv       every input published, and whether each frame gave results
+  report.png       latency over time, detections per frame, transcripts over the audio, frames
+                   without results
+  summary.json     counts, the nodes' own drop counters, and any result that never came
+
+Replay at a rate keeps the bag's timing; at max, each stream goes as fast as the graph takes it
+(photon_ros.replay). The evaluation ends when every result the inputs call for has arrived
+(photon_ros.graph_probe predicts them), or when nothing has moved for --settle-timeout seconds.
+Modules: bag_io (bags), eval_graph (the graph, run), replay (timing), graph_probe (the nodes'
+counters), result_log (results, CSVs), eval_report (the PNG); this one reads the bag's inputs
+and writes the outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rclpy.exceptions import ParameterException
+
+from photon_ros.bag_io import STORAGES, BagError, BagMessage, bag_storage, bag_topics, read_messages
+from photon_ros.bringup import DEFAULT_CONFIG, use_large_data_profile
+from photon_ros.eval_graph import ROLES, GraphRun, Run
+from photon_ros.eval_report import ReportData, audio_envelope, plot_report
+from photon_ros.graph_probe import GraphError
+from photon_ros.replay import Published
+from photon_ros.result_log import InputTimeline, Output, csv_name, result_rows, write_csv, write_results_bag
+
+# Input types the graph takes, and the node parameter value that makes it take each.
+IMAGE_TYPES = {"sensor_msgs/msg/Image": "raw", "sensor_msgs/msg/CompressedImage": "compressed"}
+AUDIO_TYPES = {"photon_ros/msg/AudioChunk": "audio_chunk", "std_msgs/msg/Int16MultiArray": "int16",
+               "std_msgs/msg/Float32MultiArray": "float32"}
+NEEDS = {"vision": ["image"], "speech": ["audio"], "all": ["image", "audio"]}
+
+
+@dataclass
+class Inputs:
+    """The bag's messages the graph will get, per stream ("image", "audio")."""
+    bag: Path
+    topics: dict[str, str] = field(default_factory=dict)           # stream -> bag topic
+    types: dict[str, str] = field(default_factory=dict)            # stream -> message type
+    messages: dict[str, list[BagMessage]] = field(default_factory=dict)
+    ignored: dict[str, str] = field(default_factory=dict)          # bag topic -> type, not replayed
+
+
+def choose_topic(topics: dict[str, str], accepted: dict[str, str], wanted: str | None, what: str) -> str | None:
+    """The bag topic to replay as `what`: `wanted`, else the only topic of an accepted type."""
+    if wanted is not None:
+        name = wanted if wanted in topics else "/" + wanted.lstrip("/")
+        if name not in topics:
+            raise BagError(f"the bag has no topic {wanted!r} (it has {', '.join(sorted(topics)) or 'none'})")
+        if topics[name] not in accepted:
+            raise BagError(f"{name} is {topics[name]}, which the graph cannot take as {what} "
+                           f"(it takes {', '.join(accepted)})")
+        return name
+    candidates = sorted(t for t, kind in topics.items() if kind in accepted)
+    if len(candidates) > 1:
+        raise BagError(f"the bag has several {what} topics ({', '.join(candidates)}): "
+                       f"choose one with --{what}-topic")
+    return candidates[0] if candidates else None
+
+
+def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
+                audio_topic: str | None = None) -> Inputs:
+    """Read the topics the graph needs from the bag; BagError when it lacks them."""
+    topics = bag_topics(bag)
+    inputs = Inputs(Path(bag))
+    chosen = {"image": choose_topic(topics, IMAGE_TYPES, image_topic, "image"),
+              "audio": choose_topic(topics, AUDIO_TYPES, audio_topic, "audio")}
+    for stream in NEEDS[graph]:
+        if chosen[stream] is None:
+            kinds = IMAGE_TYPES if stream == "image" else AUDIO_TYPES
+            raise BagError(f"{bag}: no {stream} topic for the {graph} graph (topics of type "
+                           f"{', '.join(kinds)}); the bag has: "
+                           + (", ".join(f"{t} ({k})" for t, k in sorted(topics.items())) or "nothing"))
+        inputs.topics[stream] = chosen[stream]
+        inputs.types[stream] = topics[chosen[stream]]
+    for stream, topic in inputs.topics.items():
+        inputs.messages[stream] = list(read_messages(bag, [topic]))
+        if not inputs.messages[stream]:
+            raise BagError(f"{bag}: topic {topic} holds no messages")
+    inputs.ignored = {t: k for t, k in topics.items() if t not in inputs.topics.values()}
+    return inputs
+
+
+def input_overrides(inputs: Inputs) -> dict[str, dict[str, Any]]:
+    """Node parameters that make the graph take the bag's input types."""
+    overrides: dict[str, dict[str, Any]] = {}
+    if "image" in inputs.types:
+        overrides["vision"] = {"input": IMAGE_TYPES[inputs.types["image"]]}
+    if "audio" in inputs.types:
+        overrides["speech"] = {"input_type": AUDIO_TYPES[inputs.types["audio"]]}
+    return overrides
+
+
+def parse_sets(items: list[str]) -> dict[str, dict[str, Any]]:
+    """["vision.detect=[cup, ball]", "speech.vad.hangover_s=0.4"] -> {node: {param: value}};
+    values are YAML, as in photon.yaml."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        node, dot, param = name.partition(".")
+        if not (sep and dot and node and param):
+            raise ValueError(f"--set {item!r}: expected NODE.PARAM=VALUE, e.g. vision.detect='[cup]'")
+        parsed = yaml.safe_load(value)
+        if parsed is None:
+            raise ValueError(f"--set {item!r}: no value (an empty string is written '\"\"')")
+        overrides.setdefault(node, {})[param] = parsed
+    return overrides
+
+
+def merge_overrides(*layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for node, params in layer.items():
+            merged.setdefault(node, {}).update(params)
+    return merged
+
+
+def parse_rate(text: str) -> float | None:
+    """"max" -> None (as fast as the graph takes it); "1.0" -> 1.0 (the bag's pace)."""
+    if text == "max":
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rate must be a positive number or 'max', got {text!r}") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"rate must be a positive number or 'max', got {text!r}")
+    return rate
+
+
+# --- outputs --------------------------------------------------------------------------------------
+def write_outputs(out: Path, storage: str, inputs: Inputs, run: Run, title: str) -> dict[str, Any]:
+    """The results bag, the CSVs, the report and the summary; returns the summary."""
+    timeline = InputTimeline.build(run.published, run.chunk_ends)
+    rows = result_rows(run.log, timeline)
+    write_results_bag(out / "results", storage, run.log)
+    for topic, topic_rows in rows.items():
+        write_csv(out / csv_name(topic), topic_rows)
+    with_results = _frames_with_results(rows, run.log.outputs)
+    frames = [p for p in run.published if p.stream == "image"]
+    write_inputs_csv(out / "inputs.csv", run.published, inputs, with_results, timeline)
+    times, low, high = audio_envelope(inputs.messages.get("audio", []), timeline.t0_ns)
+    note = frames_note(run.counters.get("vision"))
+    plot_report(out / "report.png", ReportData(
+        title=title, rows=rows, frame_times=[timeline.seconds(p.stamp_ns) for p in frames],
+        frame_has_result=[p.stamp_ns in with_results for p in frames], frame_note=note,
+        audio_times=times, audio_low=low, audio_high=high))
+    summary = {"bag": str(inputs.bag), "inputs": inputs.topics, "ignored_topics": inputs.ignored,
+               "results": {topic: len(r) for topic, r in rows.items()}, **run.counters,
+               "missing_results": run.pending}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def frames_note(vision: dict | None) -> str:
+    """The vision node's frame counters in a few words, for the report."""
+    if not vision:
+        return ""
+    return (f"{vision['frames_published']} published, {vision['frames_processed']} processed, "
+            f"{vision['frames_dropped']} dropped by the vision node (a newer frame came while it was "
+            f"busy), {vision['bad_frames']} bad, {vision['frames_lost_in_transport']} lost on the way")
+
+
+def _frames_with_results(rows: dict[str, list[dict]], outputs: list[Output]) -> set[int]:
+    frame_topics = {o.topic for o in outputs if o.source == "frame"}
+    return {r["stamp_ns"] for t in frame_topics for r in rows.get(t, []) if r["stamp_ns"] is not None}
+
+
+def write_inputs_csv(path: Path, published: list[Published], inputs: Inputs, with_results: set[int],
+                     timeline: InputTimeline) -> None:
+    start = min((p.at for p in published), default=0.0)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["stream", "bag_topic", "index", "stamp_ns", "time_s", "log_time_ns",
+                         "published_s", "has_results"])
+        for p in published:
+            has = (p.stamp_ns in with_results) if p.stream == "image" else ""
+            writer.writerow([p.stream, inputs.topics[p.stream], p.index, p.stamp_ns,
+                             timeline.seconds(p.stamp_ns), p.log_time_ns, round(p.at - start, 6), has])
+
+
+# --- entry points ---------------------------------------------------------------------------------
+def evaluate(bag: Path, graph: str = "all", rate: float | None = 1.0, out: Path | None = None,
+             config: Path | None = None, overrides: dict[str, dict] | None = None,
+             image_topic: str | None = None, audio_topic: str | None = None,
+             storage: str | None = None, window: int = 1, settle_timeout: float = 120.0) -> dict[str, Any]:
+    """Replay `bag` through `graph` and write the outputs to `out`; returns the summary.
+    BagError for a bag that cannot be used, GraphError for a graph that cannot run."""
+    if window < 1:
+        raise ValueError(f"--window must be at least 1 frame, got {window}")
+    known = {role for roles in ROLES.values() for role in roles}
+    if set(overrides or {}) - known:
+        raise ValueError(f"--set names no node of a graph: {', '.join(sorted(set(overrides) - known))} "
+                         f"(nodes: {', '.join(sorted(known))})")
+    bag = Path(bag)
+    out = Path(out) if out is not None else Path.cwd() / f"{bag.name.split('.')[0]}_eval"
+    if (out / "results").exists():
+        raise BagError(f"{out / 'results'} exists already: choose another --out")
+    inputs = load_inputs(bag, graph, image_topic, audio_topic)
+    storage = storage or bag_storage(bag)
+    use_large_data_profile()   # before rclpy starts: Fast DDS reads it once
+    graph_run = GraphRun(inputs.messages, inputs.types, graph, config or DEFAULT_CONFIG,
+                         merge_overrides(input_overrides(inputs), overrides or {}))
+    try:
+        run = graph_run.run(rate, window, settle_timeout)
+    finally:
+        graph_run.close()
+    out.mkdir(parents=True, exist_ok=True)
+    rate_text = "max" if rate is None else f"{rate:g}x"
+    title = f"{bag.name}: {graph} graph, replayed at {rate_text}"
+    return write_outputs(out, storage, inputs, run, title)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bag", type=Path, help="rosbag2 folder, or a .mcap / .db3 file")
+    parser.add_argument("--graph", choices=sorted(ROLES), default="all")
+    parser.add_argument("--rate", type=parse_rate, default=1.0, help="1.0 = the bag's pace; 'max' = as fast "
+                        "as the graph takes the inputs")
+    parser.add_argument("--out", type=Path, help="output folder (default: ./<bag name>_eval)")
+    parser.add_argument("--config", type=Path, help="node parameters (default: config/photon.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE",
+                        help="override a node parameter, e.g. --set vision.detect='[cup]'")
+    parser.add_argument("--image-topic", help="the bag's image topic, when it has several")
+    parser.add_argument("--audio-topic", help="the bag's audio topic, when it has several")
+    parser.add_argument("--storage", choices=STORAGES, help="of the results bag (default: the input's)")
+    parser.add_argument("--window", type=int, default=1, metavar="N",
+                        help="at max rate, frames in flight at once (1: each frame's latency is its "
+                        "own; 2: the model never idles; more: the vision node drops frames)")
+    parser.add_argument("--settle-timeout", type=float, default=120.0, metavar="S",
+                        help="end the evaluation when no result or counter has moved for S seconds")
+    args = parser.parse_args(argv)
+    try:
+        overrides = parse_sets(args.set)
+        summary = evaluate(args.bag, args.graph, args.rate, args.out, args.config, overrides,
+                           args.image_topic, args.audio_topic, args.storage, args.window,
+                           args.settle_timeout)
+    except (BagError, ValueError, yaml.YAMLError, ParameterException) as err:   # bad input
+        print(f"evaluate: {err}", file=sys.stderr)
+        return 2
+    except GraphError as err:
+        print(f"evaluate: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    for missing in summary["missing_results"]:
+        print(f"evaluate: never came: {missing}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

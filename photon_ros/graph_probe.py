@@ -1,0 +1,151 @@
+"""What the evaluator reads from the graph's nodes, which it runs in its own process.
+
+Replaying "as fast as the graph takes it" and knowing when every result is out both need the
+nodes' own counters: a frame is taken when the vision worker takes it from its mailbox, a chunk
+of audio when the speech node's segmenter has consumed it. Those counters are attributes of the
+nodes, not topics; this module is the one place that reads them, so a change in a node shows up
+here and nowhere else. The vision node also reports its counters on /diagnostics, but once a
+second: too late to pace a replay by.
+
+It also predicts what the graph must produce from the inputs it was given (the results the
+evaluator waits for): one result per detect and point prompt per processed frame, one final
+transcript per utterance (the speech node cuts utterances by counting samples, so the same
+segmenter run here over the same audio finds the same ones), and the loop node's status lines
+per final transcript.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
+                                          int16_array_to_pcm)
+from photon_ros.commands import parse_command
+from photon_ros.loop_node import incomplete_reason
+from photon_ros.msg import AudioChunk
+from photon_ros.result_messages import time_to_seconds
+from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter
+
+
+class GraphError(Exception):
+    """The graph cannot be evaluated (a model failed to load, a node stopped taking input)."""
+
+
+@dataclass(frozen=True)
+class VisionCounters:
+    received: int     # frames that reached the node
+    taken: int        # frames its worker took to process
+    dropped: int      # frames replaced in the mailbox by a newer one before the worker took them
+    bad: int          # frames it could not convert (no results)
+
+    @property
+    def settled(self) -> int:
+        """Frames whose fate is decided: taken or dropped."""
+        return self.taken + self.dropped
+
+
+class VisionProbe:
+    def __init__(self, node) -> None:
+        self.node = node
+
+    def loaded(self) -> bool:
+        """True once the model is ready; GraphError when it failed to load."""
+        if self.node.model_error:
+            raise GraphError(f"vision model did not load: {self.node.model_error}")
+        return self.node.engine is not None
+
+    def counters(self) -> VisionCounters:
+        frames = self.node.frames
+        return VisionCounters(frames.received, frames.taken, frames.dropped, self.node.bad_frames)
+
+    def prompts(self) -> list[tuple[str, str]]:
+        """(topic, prompt) of every result a processed frame always gives (captions come only
+        when their period is due, so they are not counted on)."""
+        return ([("detections", p) for p in self.node.detect_targets]
+                + [("points", p) for p in self.node.point_targets])
+
+
+class SpeechProbe:
+    def __init__(self, node) -> None:
+        self.node = node
+
+    def loaded(self) -> bool:
+        if self.node.model_error:
+            raise GraphError(f"speech model did not load: {self.node.model_error}")
+        return self.node.model is not None
+
+    def audio_until(self) -> float | None:
+        """Capture time just after the last sample the node has consumed (None before any)."""
+        segmenter = self.node.segmenter
+        return None if segmenter is None else segmenter.last_time
+
+    def in_speech(self) -> bool:
+        """An utterance is open: its end (or the idle flush) is still to come."""
+        segmenter = self.node.segmenter
+        return segmenter is not None and segmenter.in_speech
+
+    def counters(self) -> dict[str, float]:
+        segmenter = self.node.segmenter
+        return {"utterances_dropped": self.node.queue.dropped,
+                "skipped_chunks": self.node.skipped_chunks,
+                "discontinuities": segmenter.discontinuities if segmenter else 0,
+                "lost_audio_s": round(segmenter.lost_s, 3) if segmenter else 0.0}
+
+    def decode(self, msg) -> Pcm:
+        """The PCM the node makes of `msg` (same conversion and parameters)."""
+        if isinstance(msg, AudioChunk):
+            return audio_chunk_to_pcm(msg)
+        convert = int16_array_to_pcm if self.node.input_type == "int16" else float32_array_to_pcm
+        return convert(msg, self.node.array_rate, self.node.array_channels)
+
+    @property
+    def vad_config(self) -> SegmenterConfig:
+        return self.node.vad_config
+
+
+def chunk_end(msg, pcm: Pcm) -> float | None:
+    """The capture time after the chunk's last sample, computed as the node's segmenter computes
+    it (so the two compare equal); None for audio without a stamp."""
+    start = chunk_start(msg)
+    return None if start is None else start + pcm.samples.size / pcm.sample_rate
+
+
+def chunk_start(msg) -> float | None:
+    """Capture time of the chunk's first sample; None where the node sees no stamp (std_msgs
+    arrays have no header, and a zero stamp means "not stamped")."""
+    if not isinstance(msg, AudioChunk):
+        return None
+    start = time_to_seconds(msg.header.stamp)
+    return start if start > 0.0 else None
+
+
+def predict_utterances(chunks: Iterable[tuple[Pcm, float | None]], config: SegmenterConfig) -> list[float | None]:
+    """Start times of the final utterances the speech node will cut from these chunks (PCM, start
+    stamp or None): the node's segmenter run over the same samples, restarted where the sample
+    rate changes and flushed at the end as the node's idle timer does. Start times are None for
+    unstamped audio (the node stamps it with its own clock)."""
+    starts: list[float | None] = []
+    segmenter: SpeechSegmenter | None = None
+    for pcm, start in chunks:
+        if segmenter is None or segmenter.sample_rate != pcm.sample_rate:
+            starts += _flushed(segmenter)
+            segmenter = SpeechSegmenter(pcm.sample_rate, config)
+        stamped = start is not None
+        done = segmenter.push(np.asarray(pcm.samples), start if stamped else 0.0, stamped)
+        starts += [u.start_time if stamped else None for u in done]
+    return starts + _flushed(segmenter)
+
+
+def _flushed(segmenter: SpeechSegmenter | None) -> list[float]:
+    tail = segmenter.flush() if segmenter is not None else None
+    return [] if tail is None else [tail.start_time]
+
+
+def loop_statuses(final_transcript) -> int:
+    """Status lines the loop node says for one final transcript: one when it does not act on it,
+    two when it asks the vision node (what it looks for, then what it found or why not)."""
+    if incomplete_reason(final_transcript) or parse_command(final_transcript.text) is None:
+        return 1
+    return 2

@@ -1,0 +1,232 @@
+"""The graph's results as the evaluator receives them, tied to the inputs that produced them, and
+written out: one CSV per result topic (one row per message) and a bag of the results.
+
+A result names its input by the header it copies: a vision result carries its frame's stamp, a
+transcript the capture time of its utterance's first sample. From that the rows get the input's
+index, the result's place on the input timeline (seconds from the first input stamp) and the
+delay from publishing the input to receiving the result: for a transcript, from publishing the
+chunk that held the utterance's last sample (the earliest it could have been transcribed).
+"""
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from builtin_interfaces.msg import Duration, Time
+from geometry_msgs.msg import PointStamped, Twist
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from std_msgs.msg import String
+
+from photon_ros.bag_io import BagWriter, stamp_ns
+from photon_ros.msg import Detections, Points, Transcript, VisionText
+from photon_ros.replay import Published
+from photon_ros.result_messages import time_to_seconds
+
+
+@dataclass(frozen=True)
+class Output:
+    topic: str
+    msg_class: type
+    source: str | None      # what produced it: "frame", "utterance", or None (not one input)
+
+
+def role_outputs(role: str) -> list[Output]:
+    """The result topics of a node of the graph (relative names, as the nodes publish them)."""
+    outputs = {
+        "vision": [Output("detections", Detections, "frame"), Output("points", Points, "frame"),
+                   Output("caption", VisionText, "frame")] + _detection2d_output(),
+        "speech": [Output("transcript", Transcript, "utterance")],
+        "loop": [Output("target", PointStamped, None), Output("cmd_vel", Twist, None),
+                 Output("status", String, None)],
+    }
+    return outputs.get(role, [])
+
+
+def _detection2d_output() -> list[Output]:
+    try:   # vision_msgs comes from the ROS apt repositories; the node publishes it only there
+        from vision_msgs.msg import Detection2DArray
+    except ImportError:
+        return []
+    return [Output("detections_2d", Detection2DArray, "frame")]
+
+
+@dataclass
+class Result:
+    topic: str
+    msg: Any
+    received_ns: int        # wall clock (what a recorder would log)
+    at: float               # time.monotonic(), comparable with Published.at
+
+
+class ResultLog:
+    """Subscribes to the outputs on `node` and keeps every message with its arrival time."""
+
+    def __init__(self, node, outputs: list[Output], listener=None) -> None:
+        # Reliable and deep: the evaluator must not be the one that loses results.
+        qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+        self.outputs = outputs
+        self.listener = listener      # called with (topic, msg) for every result
+        self._results: list[Result] = []
+        self._lock = threading.Lock()
+        self.subscriptions = [node.create_subscription(o.msg_class, o.topic, self._keeper(o.topic), qos)
+                              for o in outputs]
+
+    def _keeper(self, topic: str):
+        def keep(msg) -> None:
+            with self._lock:
+                self._results.append(Result(topic, msg, time.time_ns(), time.monotonic()))
+            if self.listener is not None:
+                self.listener(topic, msg)
+        return keep
+
+    def results(self, topic: str | None = None) -> list[Result]:
+        with self._lock:
+            return [r for r in self._results if topic is None or r.topic == topic]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._results)
+
+    def unmatched(self) -> list[str]:
+        """Output topics no publisher of the graph has been matched with yet."""
+        return [s.topic_name for s in self.subscriptions if s.get_publisher_count() == 0]
+
+
+class FrameProgress:
+    """Counts the frames whose awaited results have all arrived: one per detect and per point
+    prompt (graph_probe.VisionProbe.prompts). Frames are told apart by their stamps."""
+
+    def __init__(self, prompts: list[tuple[str, str]]) -> None:
+        self.prompts = set(prompts)
+        self.complete = 0
+        self._seen: dict[int | None, set] = {}
+        self._lock = threading.Lock()
+
+    def add(self, topic: str, msg: Any) -> None:
+        key = (topic, getattr(msg, "prompt", None))
+        if key not in self.prompts:
+            return
+        with self._lock:
+            seen = self._seen.setdefault(stamp_ns(msg), set())
+            was_complete = self.prompts <= seen
+            seen.add(key)
+            if not was_complete and self.prompts <= seen:
+                self.complete += 1
+
+
+# --- tying results to inputs ----------------------------------------------------------------------
+@dataclass
+class InputTimeline:
+    """The published inputs, indexed for the lookups results need."""
+    frames: dict[int, Published]               # header stamp (ns) -> the frame published with it
+    chunk_ends: list[float]                    # end capture time (s) of each audio chunk, sorted
+    chunks: list[Published]                    # in the same order
+    t0_ns: int                                 # zero of the timeline: the first input stamp
+
+    @classmethod
+    def build(cls, published: list[Published], chunk_ends: dict[int, float | None]) -> "InputTimeline":
+        frames = {p.stamp_ns: p for p in published if p.stream == "image" and p.stamp_ns is not None}
+        chunks = sorted(((chunk_ends[p.index], p) for p in published
+                         if p.stream == "audio" and chunk_ends.get(p.index) is not None), key=lambda c: c[0])
+        # Without any stamp (std_msgs audio), results carry the node's clock: zero is the replay's start.
+        stamps = [p.stamp_ns for p in published if p.stamp_ns] or [p.wall_ns for p in published]
+        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], min(stamps, default=0))
+
+    def seconds(self, stamp: int | None) -> float | None:
+        return None if stamp is None else (stamp - self.t0_ns) / 1e9
+
+    def source(self, output: Output, msg: Any) -> Published | None:
+        """The input that produced `msg`, when one input did."""
+        stamp = stamp_ns(msg)
+        if output.source == "frame":
+            return self.frames.get(stamp)
+        if output.source == "utterance" and self.chunks:
+            last_sample = time_to_seconds(msg.header.stamp) + _seconds(msg.audio_duration)
+            i = bisect.bisect_left(self.chunk_ends, last_sample - 1e-6)
+            return self.chunks[min(i, len(self.chunks) - 1)]
+        return None
+
+
+def result_rows(log: ResultLog, timeline: InputTimeline) -> dict[str, list[dict]]:
+    """topic -> one row per message received on it (every topic of the log, empty ones too)."""
+    rows: dict[str, list[dict]] = {}
+    for output in log.outputs:
+        rows[output.topic] = [_row(r, output, timeline) for r in log.results(output.topic)]
+    return rows
+
+
+def _row(result: Result, output: Output, timeline: InputTimeline) -> dict:
+    source = timeline.source(output, result.msg)
+    stamp = stamp_ns(result.msg)
+    return {"received_ns": result.received_ns,
+            "stamp_ns": stamp,
+            "time_s": timeline.seconds(stamp),
+            "input_index": None if source is None else source.index,
+            "delay_s": None if source is None else round(result.at - source.at, 6),
+            **flatten_message(result.msg)}
+
+
+def flatten_message(msg: Any, prefix: str = "") -> dict[str, Any]:
+    """A message as flat columns: nested fields joined with dots, times and durations as seconds,
+    sequences as JSON."""
+    if isinstance(msg, (Time, Duration)):
+        return {prefix.rstrip("."): _seconds(msg)}
+    flat: dict[str, Any] = {}
+    for name in msg.get_fields_and_field_types():
+        value = getattr(msg, name)
+        if hasattr(value, "get_fields_and_field_types"):
+            flat.update(flatten_message(value, f"{prefix}{name}."))
+        elif isinstance(value, (str, bool, int, float)):
+            flat[prefix + name] = value
+        else:
+            flat[prefix + name] = json.dumps(_plain(value))
+    return flat
+
+
+def _plain(value: Any) -> Any:
+    """Sequences of numbers or messages as JSON-ready lists."""
+    if hasattr(value, "get_fields_and_field_types"):
+        return flatten_message(value)
+    if isinstance(value, (bytes, bytearray)):
+        return list(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)) or hasattr(value, "__iter__"):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _seconds(t: Time | Duration) -> float:
+    return t.sec + t.nanosec * 1e-9
+
+
+# --- writing --------------------------------------------------------------------------------------
+def csv_name(topic: str) -> str:
+    return topic.strip("/").replace("/", "__") + ".csv"
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Rows as CSV; columns in the order they first appear. An empty table gets its header only
+    when rows give none: the file still says the topic was recorded."""
+    columns: dict[str, None] = dict.fromkeys(["received_ns", "stamp_ns", "time_s", "input_index", "delay_s"])
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_results_bag(path: Path, storage: str, log: ResultLog, namespace: str = "/") -> int:
+    """Every result at its arrival time, on its topic (fully qualified); returns the count."""
+    results = sorted(log.results(), key=lambda r: r.received_ns)
+    with BagWriter(path, storage) as bag:
+        for result in results:
+            bag.write(namespace.rstrip("/") + "/" + result.topic, result.msg, result.received_ns)
+    return len(results)

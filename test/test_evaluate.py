@@ -1,0 +1,224 @@
+"""Evaluation on a recorded bag: a bag of camera frames with drawn objects and espeak-ng speech as
+AudioChunks at real capture stamps (sqlite3 with raw Images, mcap with JPEG CompressedImages) is
+replayed at max rate through the whole graph (the small random Moondream checkpoint, real Whisper
+tiny.en), and the outputs hold together: one CSV row per result message in the results bag,
+result headers naming the inputs that produced them, the spoken words transcribed, every frame
+either with results or counted as dropped, a readable report. Bad input fails with its reason."""
+import csv
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image as PILImage
+from std_msgs.msg import Header
+
+from moondream_fixtures import checkpoint
+from photon_ros import evaluate
+from photon_ros.bag_io import BagError, BagWriter, bag_topics, message_class, read_messages, stamp_ns
+from photon_ros.audio_conversions import pcm_to_audio_chunk
+from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
+from photon_ros.msg import AudioChunk, Detections
+from photon_ros.replay import replay_offsets
+from photon_ros.result_log import flatten_message, write_csv
+from photon_ros.result_messages import seconds_to_time
+from photon_ros.wav_publisher import chunk_audio
+from speech_audio import espeak_pcm
+
+SENTENCE = "Find the red ball."
+LEADING_S, TRAILING_S, CHUNK_S = 0.5, 1.0, 0.1
+FRAMES = 3
+
+
+def words(text):
+    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
+
+
+def scene(i, size=(96, 128)):
+    """A table-top frame: a red ball that moves to the right and a blue box."""
+    frame = np.full((*size, 3), (200, 190, 170), np.uint8)
+    cv2.rectangle(frame, (80, 50), (115, 85), (40, 60, 200), -1)
+    cv2.circle(frame, (20 + 15 * i, 40), 12, (220, 30, 30), -1)
+    return frame
+
+
+def record_bag(path: Path, storage: str, compressed: bool) -> dict:
+    """Speech with frames during it, stamped on one capture clock starting now; logged a few ms
+    after capture, as a recorder would. Returns what was recorded."""
+    t0 = time.time()
+    pcm, rate = espeak_pcm(SENTENCE)
+    chunks = chunk_audio(pcm, rate, CHUNK_S, LEADING_S, TRAILING_S)
+    messages, sent = [], 0
+    for chunk in chunks:
+        header = Header(stamp=seconds_to_time(t0 + sent / rate), frame_id="microphone")
+        messages.append(("/mic/audio", pcm_to_audio_chunk(chunk, rate, header=header), t0 + sent / rate))
+        sent += len(chunk)
+    frame_stamps = []
+    for i in range(FRAMES):
+        t = t0 + 0.2 + i * 0.5
+        header = Header(stamp=seconds_to_time(t), frame_id="camera")
+        msg = (rgb_to_compressed(scene(i), "jpeg", header=header) if compressed
+               else rgb_to_image(scene(i), "bgr8", header=header))
+        messages.append(("/camera/image_raw" + ("/compressed" if compressed else ""), msg, t))
+        frame_stamps.append(stamp_ns(msg))
+    with BagWriter(path, storage) as bag:
+        for topic, msg, t in sorted(messages, key=lambda m: m[2]):
+            bag.write(topic, msg, int((t + 0.003) * 1e9))
+    return {"t0": t0, "frame_stamps": frame_stamps, "chunks": len(chunks)}
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("storage,compressed", [("sqlite3", False), ("mcap", True)])
+def test_evaluate_a_recorded_bag_through_the_whole_graph(tmp_path, storage, compressed):
+    bag = tmp_path / "session"
+    recorded = record_bag(bag, storage, compressed)
+    out = tmp_path / "eval"
+    rc = evaluate.main([str(bag), "--graph", "all", "--rate", "max", "--out", str(out),
+                        "--set", f"vision.model={checkpoint()}", "--set", "vision.detect=[red ball]",
+                        "--set", "vision.point=[blue box]", "--set", "vision.max_objects=2"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["missing_results"] == []
+
+    # The results bag and the CSVs: one row per result message, topic by topic.
+    results = {}
+    for m in read_messages(out / "results", list(bag_topics(out / "results"))):
+        results.setdefault(m.topic.lstrip("/"), []).append(m.msg)
+    for topic in ("detections", "points", "caption", "transcript", "target", "cmd_vel", "status"):
+        rows = read_csv(out / f"{topic}.csv")
+        assert len(rows) == len(results.get(topic, [])) == summary["results"][topic], topic
+
+    # Every frame gives results or is counted as not processed, by the vision node or on the way.
+    vision = summary["vision"]
+    frames = set(recorded["frame_stamps"])
+    with_results = {stamp_ns(d) for d in results.get("detections", [])}
+    assert vision["frames_published"] == FRAMES
+    assert len(with_results) + vision["frames_dropped"] + vision["bad_frames"] \
+        + vision["frames_lost_in_transport"] == FRAMES
+    assert with_results, "no frame was processed"
+    # Results carry the header of the frame that produced them, and the CSV names that frame.
+    for topic in ("detections", "points"):
+        assert {stamp_ns(m) for m in results[topic]} <= frames
+        assert all(m.header.frame_id == "camera" for m in results[topic])
+        for row in read_csv(out / f"{topic}.csv"):
+            assert recorded["frame_stamps"][int(row["input_index"])] == int(row["stamp_ns"])
+            assert float(row["delay_s"]) >= 0
+    assert len(results["detections"]) == len(with_results)      # one prompt: one message per frame
+    assert all(d.prompt == "red ball" for d in results["detections"])
+
+    # The spoken sentence, stamped on the audio clock where it was said (its preroll included).
+    finals = [t for t in results["transcript"] if t.is_final]
+    assert len(finals) == 1 and words(finals[0].text) == words(SENTENCE)
+    assert finals[0].audio_complete and finals[0].header.frame_id == "microphone"
+    start = finals[0].header.stamp.sec + finals[0].header.stamp.nanosec * 1e-9
+    assert recorded["t0"] <= start <= recorded["t0"] + LEADING_S + 0.3
+    assert summary["speech"]["utterances_in_audio"] == 1
+    assert summary["speech"]["discontinuities"] == 0 and summary["speech"]["chunks_published"] == recorded["chunks"]
+    row = next(r for r in read_csv(out / "transcript.csv") if r["is_final"] == "True")
+    assert words(row["text"]) == words(SENTENCE) and int(row["stamp_ns"]) == stamp_ns(finals[0])
+    # The loop heard the command and asked the vision node about it.
+    assert any("red ball" in s.data for s in results["status"])
+
+    inputs = read_csv(out / "inputs.csv")
+    assert len(inputs) == FRAMES + recorded["chunks"]
+    with PILImage.open(out / "report.png") as png:
+        png.verify()
+    with PILImage.open(out / "report.png") as png:
+        assert png.width >= 800 and png.height >= 800
+        pixels = np.asarray(png.convert("L"))
+    assert pixels.std() > 10, "the report is blank"
+
+
+def test_bag_messages_keep_their_stamps_and_log_times(tmp_path):
+    for storage in ("sqlite3", "mcap"):
+        written = [("/audio", pcm_to_audio_chunk(np.zeros(160, np.float32), 16000,
+                                                  header=Header(stamp=seconds_to_time(1e9 + i), frame_id="m")),
+                    2_000_000_000 + i) for i in range(3)]
+        with BagWriter(tmp_path / storage, storage) as bag:
+            for topic, msg, t in written:
+                bag.write(topic, msg, t)
+        read = list(read_messages(tmp_path / storage, ["/audio"]))
+        assert [(m.log_time_ns, m.msg.header, m.msgtype) for m in read] == \
+            [(t, msg.header, "photon_ros/msg/AudioChunk") for _, msg, t in written]
+        assert isinstance(read[0].msg, AudioChunk) and read[0].msg.data == written[0][1].data
+
+
+def test_replay_keeps_the_bag_spacing_scaled_by_the_rate():
+    times = [5_000_000_000, 5_500_000_000, 7_000_000_000]
+    assert replay_offsets(times, 5_000_000_000, 1.0) == [0.0, 0.5, 2.0]
+    assert replay_offsets(times, 4_000_000_000, 2.0) == [0.5, 0.75, 1.5]
+    assert replay_offsets(times, 5_000_000_000, None) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        replay_offsets(times, 0, 0.0)
+
+
+def test_csv_has_one_row_per_message_with_flat_fields(tmp_path):
+    msgs = [Detections(header=Header(stamp=seconds_to_time(10.5), frame_id="cam"), prompt=p) for p in "ab"]
+    rows = [flatten_message(m) for m in msgs]
+    assert rows[0]["header.stamp"] == 10.5 and rows[0]["header.frame_id"] == "cam"
+    assert rows[1]["prompt"] == "b" and json.loads(rows[1]["detections"]) == []
+    write_csv(tmp_path / "d.csv", rows)
+    assert [r["prompt"] for r in read_csv(tmp_path / "d.csv")] == ["a", "b"]
+
+
+def fake_type_bag(path: Path) -> None:
+    """A bag with one topic of a type no package here defines."""
+    from rosbags.rosbag2 import Writer
+
+    with Writer(path, version=Writer.VERSION_LATEST) as writer:
+        conn = writer.add_connection("/thing", "fake_msgs/msg/Thing", msgdef="int32 x",
+                                     rihs01="RIHS01_" + "0" * 64)
+        writer.write(conn, 1, b"\x00\x01\x00\x00\x05\x00\x00\x00")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "photon_ros.evaluate", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bad_input_fails_with_its_reason(tmp_path, capsys):
+    out = run_cli(tmp_path / "nope", "--graph", "vision")
+    assert out.returncode == 2 and "no such bag" in out.stderr
+
+    unknown = tmp_path / "odd"
+    unknown.mkdir()
+    (unknown / "metadata.yaml").write_text(
+        "rosbag2_bagfile_information:\n  version: 9\n  storage_identifier: rosbag_v1\n"
+        "  relative_file_paths: [odd.bag]\n")
+    (unknown / "odd.bag").write_bytes(b"#ROSBAG V2.0\n")
+    assert evaluate.main([str(unknown), "--graph", "vision"]) == 2
+    assert "rosbag_v1" in capsys.readouterr().err
+
+    plain = tmp_path / "frame.png"
+    plain.write_bytes(b"not a bag")
+    assert evaluate.main([str(plain)]) == 2
+    assert "cannot read it as a rosbag2 bag" in capsys.readouterr().err
+
+    fake = tmp_path / "fake"
+    fake_type_bag(fake)
+    assert evaluate.main([str(fake), "--graph", "vision"]) == 2
+    err = capsys.readouterr().err
+    assert "no image topic" in err and "/thing (fake_msgs/msg/Thing)" in err
+    assert evaluate.main([str(fake), "--graph", "vision", "--image-topic", "/thing"]) == 2
+    err = capsys.readouterr().err
+    assert "/thing is fake_msgs/msg/Thing" in err and "cannot take as image" in err
+    with pytest.raises(BagError, match="not installed"):
+        list(read_messages(fake, ["/thing"]))
+    with pytest.raises(BagError, match="not installed"):
+        message_class("fake_msgs/msg/Thing")
+
+    with pytest.raises(SystemExit):
+        evaluate.main([str(fake), "--rate", "0"])
+    assert evaluate.main([str(fake), "--set", "detect=[cup]"]) == 2
+    assert "NODE.PARAM=VALUE" in capsys.readouterr().err
+    assert evaluate.main([str(fake), "--set", "visoin.detect=[cup]"]) == 2
+    assert "names no node" in capsys.readouterr().err
