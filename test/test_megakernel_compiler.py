@@ -135,16 +135,18 @@ def test_stage_shapes_narrow_tiles_first_then_split_k():
 
 
 @pytest.mark.parametrize("rotary,tiling", [(True, Tiling(16, 32, 8, 2, 2)), (False, Tiling(16, 32, 8, 2, 2)),
-                                           (False, Tiling(32, 32, 8, 1, 1))])
-def test_grouped_query_attention_equals_the_eager_graph(rotary, tiling):
-    """4 query heads over 2 K/V heads of 16 (Qwen, Gemma, Llama style), rotary or a q|k|v store,
-    RMSNorm in front: the compiled step against run_reference, which repeats K/V heads."""
+                                           (False, Tiling(32, 32, 8, 1, 1, min_tasks=40, max_split_k=3))])
+def test_a_llama_style_layer_equals_the_eager_graph(rotary, tiling):
+    """A Qwen / Gemma / Llama-style layer: RMSNorm, 4 query heads over 2 K/V heads of 16, rotary
+    (or a plain q|k|v), and a SwiGLU MLP fused into the down-projection's loads (narrow tiles and
+    split-K in the last case): the compiled step against run_reference, which repeats K/V heads."""
     g0 = torch.Generator().manual_seed(11)
     d, hq, hkv, dh, vocab, ctx = 64, 4, 2, 16, 50, 16
     w = {"tok": torch.randn(vocab, d, generator=g0) * 0.5, "n.w": torch.randn(d, generator=g0) * 0.1,
          "qkv": torch.randn((hq + 2 * hkv) * dh, d, generator=g0) / 8, "o": torch.randn(d, hq * dh, generator=g0) / 8,
          "cos": torch.cos(torch.randn(ctx, 4, generator=g0)), "sin": torch.sin(torch.randn(ctx, 4, generator=g0)),
-         "head": torch.randn(vocab, d, generator=g0) / 8}
+         "head": torch.randn(vocab, d, generator=g0) / 8, "n2.w": torch.randn(d, generator=g0) * 0.1,
+         "gu": torch.randn(2 * 96, d, generator=g0) / 8, "down": torch.randn(d, 96, generator=g0) / 10}
     g = StepGraph("gqa", {k: tuple(t.shape) for k, t in w.items()})
     kc, vc = g.cache("k", hkv, 10, dh), g.cache("v", hkv, 10, dh)
     x = g.embed("x", "tok")
@@ -152,6 +154,8 @@ def test_grouped_query_attention_equals_the_eager_graph(rotary, tiling):
     q = g.kv_append("q", g.linear("qkv", h, "qkv"), kc, vc, rotary=Rotary("cos", "sin", 8) if rotary else None,
                     q_heads=hq)
     x = g.linear("x1", g.attention("a", q, kc, vc), "o", residual=x)
+    gate_up = g.linear("gu", g.rms_norm("h2", x, "n2.w", offset=1.0), "gu")
+    x = g.linear("x2", g.glu("g", gate_up, "silu"), "down", residual=x)
     g.expose("logits", logits := g.linear("logits", x, "head"))
     g.argmax("token", logits)
     step = CompiledStep(g, w, 2, tiling)
@@ -248,6 +252,11 @@ def test_graphs_the_megakernel_cannot_run_are_refused():
     g.linear("y", g.rms_norm("h", x, "ln.w", 1e-5, offset=1.0), "out")
     g.linear("z", g.layer_norm("h2", x, "ln.w", eps=1e-5), "out")   # the stored (1 + w) would be wrong here
     with pytest.raises(ValueError, match=r"RMSNorm's \(offset \+ w\) and also read by layer_norm"):
+        plan(g, 1)
+    g = StepGraph("glu-as-residual", {"tok": (70, 96), "w": (48, 48), "v": (48, 48)})
+    gated = g.glu("g", g.embed("x", "tok"), "silu")
+    g.linear("y", g.linear("u", gated, "w"), "v", residual=gated)   # a GLU is fused into loads only
+    with pytest.raises(ValueError, match="fused GLU"):
         plan(g, 1)
     with pytest.raises(ValueError, match="takes 48 features"):
         StepGraph("bad-shape", {"a": (4, 48), "b": (4, 5)}).linear("y", Value_of(5), "a")

@@ -89,6 +89,7 @@ class Plan:
     shapes: dict[str, tuple[int, ...]]
     producer: dict[str, Node]             # value name -> the node that defines it
     norm_of: dict[str, Node]              # linear name -> the layer_norm fused in front of it
+    glu_of: dict[str, Node]               # linear name -> the glu fused into its loads of x
     qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
     logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
     shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
@@ -105,6 +106,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     bn = tiling.block_n
     producer = {n.out.name: n for n in graph.nodes if n.out is not None}
     norm_of: dict[str, Node] = {}
+    glu_of: dict[str, Node] = {}
     weight_offset: dict[str, float] = {}
     qkv_store: dict[str, Node] = {}
     logits: dict[str, int] = {}
@@ -123,6 +125,14 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
                                      "can take a fused LayerNorm")
                 norm_of[c.out.name] = node
+        elif node.op == "glu":
+            for c in graph.consumers(node.out):
+                if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out \
+                        or c.out.name in norm_of:
+                    raise ValueError(f"{graph.name}: glu {node.out.name!r} is read by {c.op} "
+                                     f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
+                                     "can take a fused GLU")
+                glu_of[c.out.name] = node
         elif node.op == "kv_append" and a["rotary"] is None and a["k"].spec.heads * a["k"].spec.head_dim == node.out.width:
             # The linear stores q|k|v itself only with as many K/V heads as query heads (the
             # kernel's q|k|v store); grouped-query K/V go through append tasks.
@@ -160,7 +170,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
         wa.alloc(k, shape[0] * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN)
     shapes: dict[str, tuple[int, ...]] = {}
     fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
-                                                                      if n.op in NORMS}
+                                                                      if n.op in NORMS or n.op == "glu"}
     for node in graph.nodes:
         if node.out is not None and node.out.name not in fused_away:
             shapes[node.out.name] = (batch, node.out.width)
@@ -192,7 +202,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
     limits += [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
                if n.op == "kv_append" and n.args["rotary"] is not None]
-    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, qkv_store, logits, shape, ldw, weight_offset,
+    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, qkv_store, logits, shape, ldw, weight_offset,
                 eps.pop() if eps else 1e-5, min(limits) if limits else 1 << 30)
 
 
@@ -222,7 +232,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
     def source(v: Value) -> Value:
         """What a read of `v` really reads: a fused LayerNorm's input."""
         n = p.producer.get(v.name)
-        return n.args["x"] if n is not None and n.op in NORMS else v
+        return n.args["x"] if n is not None and (n.op in NORMS or n.op == "glu") else v
 
     def waits(values: list[Value], head: int | None = None) -> list[tuple[str, int]]:
         stages = []
@@ -273,7 +283,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
 
     for node in nodes:
         a = node.args
-        if node.op == "input" or node.op in NORMS:
+        if node.op in ("input", "glu") or node.op in NORMS:
             continue
         if node.op == "embed":
             st = _Stage(node.out.name, g.counter(node.out.name), ancestors=frozenset({node.out.name}))
@@ -349,8 +359,8 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
     a, name = node.args, node.out.name
     N, K = graph.weight_shapes[a["w"]]
     width, splits = p.shape[name]
-    norm = p.norm_of.get(name)
-    x = a["x"] if norm is None else norm.args["x"]
+    norm, glu = p.norm_of.get(name), p.glu_of.get(name)
+    x = norm.args["x"] if norm else glu.args["x"] if glu else a["x"]
     reads_of = [a["x"]] + ([a["residual"]] if a["residual"] is not None else [])
     kv = p.qkv_store.get(name)
     out = kv.out if kv is not None else node.out          # what the tiles write
@@ -376,6 +386,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                                 w=W.off(a["w"]), ldw=p.ldw[a["w"]], lnw=W.off(norm.args["w"]) if norm else -1,
                                 lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                                 norm=NORM_CODES[norm.op] if norm else 0,
+                                xglu=activation_code(glu.args["act"]) if glu else 0,
                                 kpart=S.off(kpart), ksplit=ks),
                            list(wait), split_sig, [S.region(x.name)],
                            [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for r in range(B)]))
@@ -387,7 +398,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                     b=W.off(a["b"]) if a["b"] else -1,
                     lnw=W.off(norm.args["w"]) if norm else -1,
                     lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
-                    norm=NORM_CODES[norm.op] if norm else 0,
+                    norm=NORM_CODES[norm.op] if norm else 0, xglu=activation_code(glu.args["act"]) if glu else 0,
                     act=activation_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
                     mode=mode, out=S.off(out.name))
         reads = [S.region(x.name)]

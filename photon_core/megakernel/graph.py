@@ -39,9 +39,9 @@ LEN_SELF, LEN_CROSS = 0, 1
 FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
-          "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm")
+          "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu")
 F = {name: i for i, name in enumerate(FIELDS)}
-NUM_FIELDS = 40  # padded; rows stay 320-byte aligned
+NUM_FIELDS = 48  # padded; rows stay 128-byte aligned (384 bytes)
 
 # Layout of the int32 dynamic buffer (per-step values, written by the host or by the kernel itself):
 # [0:B] tokens, [B:2B] positions (of the token being decoded), [2B:3B] cross-attention lengths.

@@ -36,7 +36,7 @@ CG: tl.constexpr = tl.constexpr(".cg")
 assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
-                       "ksplit", "ldw", "norm")] == list(range(1, 40))
+                       "ksplit", "ldw", "norm", "xglu")] == list(range(1, 41))
 
 
 @triton.jit
@@ -122,12 +122,19 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         rstd = 1.0 / tl.sqrt(s2 / K + ln_eps)
     # Accumulate elementwise and reduce over K once after the loop: a reduction per K step costs
     # a round of shuffles across the warp for every BLOCK_K weights loaded.
+    # A gated input (SwiGLU / GeGLU fused in, code xglu = the gate's activation): each row of x is
+    # gate | up, 2K wide, and the product reads act(gate) * up.
+    xglu = tl.load(row + 40)
+    if xglu > 0:
+        x_rows = s_ptr + x_off + rows[:, None].to(tl.int64) * (2 * K)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     for kb in range(k0, k1, BLOCK_K):
         kk = kb + ks
         kmask = kk < k1
         xm = rmask[:, None] & kmask[None, :]
         x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+        if xglu > 0:
+            x = apply_activation(x, xglu) * tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
         if lnw >= 0:
             g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
             # A LayerNorm without bias has lnb = -1: load from 0 and zero it (scalar masks are awkward).

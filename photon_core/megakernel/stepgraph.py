@@ -13,6 +13,8 @@ every Value is a per-row vector with a name and a width. The ops:
     rms_norm(x, w, offset)             x / rms(x) * (offset + w) (offset 1: Gemma's and Qwen 3.5's
                                        convention); fused like layer_norm
     linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, gelu, gelu_tanh, silu)
+    glu(x, act)                        act(gate) * up of x = gate | up (SwiGLU: silu, GeGLU: gelu); only
+                                       linears may read it, so the compiler fuses it into their loads
     kv_append(qkv, k, v, rotary)       q|k|v = qkv split into heads (fewer K/V heads than query heads:
                                        grouped-query attention); q and k rotated at the row's position
                                        (optional); k, v appended to the caches there -> q
@@ -130,6 +132,11 @@ class StepGraph:
     def rms_norm(self, name: str, x: Value, w: str, eps: float = 1e-6, offset: float = 0.0) -> Value:
         self._vector(w, x.width)
         return self._add("rms_norm", name, x.width, x=x, w=w, eps=eps, offset=offset)
+
+    def glu(self, name: str, x: Value, act: str = "silu") -> Value:
+        if act not in ACTIVATIONS[1:] or x.width % 2:
+            raise ValueError(f"glu {name!r}: needs an activation of {ACTIVATIONS[1:]} and an even width")
+        return self._add("glu", name, x.width // 2, x=x, act=act)
 
     def linear(self, name: str, x: Value, w: str, b: str | None = None, act: str | None = None,
                residual: Value | None = None) -> Value:
@@ -250,6 +257,9 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
         elif node.op == "layer_norm":
             y = ref.layer_norm(vals[a["x"].name], weights[a["w"]].float(),
                                None if a["b"] is None else weights[a["b"]].float(), a["eps"])
+        elif node.op == "glu":
+            gate, up = vals[a["x"].name].chunk(2, dim=-1)
+            y = ref.glu(gate, up, a["act"])
         elif node.op == "rms_norm":
             y = ref.rms_norm(vals[a["x"].name], weights[a["w"]].float(), a["eps"], a["offset"])
         elif node.op == "linear":
