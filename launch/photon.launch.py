@@ -2,6 +2,7 @@
 
     ros2 launch photon_ros photon.launch.py namespace:=robot1 image:=/camera/color/image_raw
     ros2 launch photon_ros photon.launch.py wav_file:=command.wav     # no microphone
+    ros2 launch photon_ros photon.launch.py managed:=true    # vision and speech wait for a lifecycle manager
 Same graph without ros2 launch: python -m photon_ros.bringup --graph all
 """
 import os
@@ -26,7 +27,7 @@ def dds_profile_env(share):
 def generate_launch_description():
     share = get_package_share_directory("photon_ros")
     config = os.path.join(share, "config", "photon.yaml")
-    forwarded = {name: LaunchConfiguration(name) for name in ("namespace", "params_file")}
+    forwarded = {name: LaunchConfiguration(name) for name in ("namespace", "params_file", "managed")}
 
     def include(name, **extra):
         return IncludeLaunchDescription(
@@ -38,6 +39,8 @@ def generate_launch_description():
         DeclareLaunchArgument("params_file", default_value=config),
         DeclareLaunchArgument("image", default_value="image"),
         DeclareLaunchArgument("wav_file", default_value=""),
+        DeclareLaunchArgument("managed", default_value="false",
+                              description="true: vision and speech wait unconfigured for a lifecycle manager"),
         include("vision.launch.py", image=LaunchConfiguration("image")),
         include("speech.launch.py", wav_file=LaunchConfiguration("wav_file")),
         Node(package="photon_ros", executable="loop_node", name="loop",

@@ -1,6 +1,7 @@
 """Speech only: microphone (or `wav_file:=...`) -> speech -> transcript.
 
     ros2 launch photon_ros speech.launch.py namespace:=robot1 wav_file:=/path/to/command.wav
+    ros2 launch photon_ros speech.launch.py managed:=true    # then: ros2 lifecycle set /speech configure
 Topics are relative (audio, transcript) so a namespace or remapping moves them together.
 """
 import os
@@ -10,7 +11,7 @@ from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument
 from launch.conditions import IfCondition, UnlessCondition
 from launch.substitutions import EnvironmentVariable, LaunchConfiguration, PythonExpression
-from launch_ros.actions import Node
+from launch_ros.actions import LifecycleNode, Node
 
 
 def dds_profile_env(share):
@@ -20,6 +21,15 @@ def dds_profile_env(share):
     chosen = EnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE",
                                  default_value=EnvironmentVariable("FASTRTPS_DEFAULT_PROFILES_FILE", default_value=ours))
     return {"FASTDDS_DEFAULT_PROFILES_FILE": chosen}
+
+
+def photon_node(managed, **kwargs):
+    """The node as a plain node, or with managed:=true as a lifecycle node that starts
+    unconfigured (autostart false) and waits for a lifecycle manager to configure and activate it."""
+    parameters = kwargs.pop("parameters")
+    return [Node(condition=UnlessCondition(managed), parameters=parameters, **kwargs),
+            LifecycleNode(condition=IfCondition(managed), parameters=parameters + [{"autostart": False}],
+                          **kwargs)]
 
 
 def generate_launch_description():
@@ -33,8 +43,11 @@ def generate_launch_description():
         DeclareLaunchArgument("namespace", default_value=""),
         DeclareLaunchArgument("params_file", default_value=config),
         DeclareLaunchArgument("wav_file", default_value="", description="play this file instead of the microphone"),
-        Node(package="photon_ros", executable="speech_node", name="speech", namespace=namespace,
-             parameters=[LaunchConfiguration("params_file")], additional_env=env, output="screen"),
+        DeclareLaunchArgument("managed", default_value="false",
+                              description="true: a lifecycle node waiting unconfigured for a manager"),
+        *photon_node(LaunchConfiguration("managed"), package="photon_ros", executable="speech_node",
+                     name="speech", namespace=namespace, parameters=[LaunchConfiguration("params_file")],
+                     additional_env=env, output="screen"),
         Node(package="photon_ros", executable="microphone_node", name="microphone", namespace=namespace,
              parameters=[LaunchConfiguration("params_file")], condition=UnlessCondition(use_wav),
              additional_env=env, output="screen"),

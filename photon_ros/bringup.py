@@ -2,9 +2,11 @@
 
     python -m photon_ros.bringup --graph all --namespace robot1 -r image:=/camera/image_raw
     python -m photon_ros.bringup --graph speech --wav command.wav
+    python -m photon_ros.bringup --graph vision --managed   # then: ros2 lifecycle set /vision configure
 
 The same YAML feeds the launch files; here every node shares one process (and so one engine
-per model) and one multi-threaded executor.
+per model) and one multi-threaded executor. With --managed the vision and speech nodes start
+unconfigured (autostart false) and wait for a lifecycle manager.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "photon.yam
 LARGE_DATA_PROFILE = "fastdds_large_data.xml"
 # The first is Fast DDS 3's name; rmw_fastrtps still honours the second (deprecated).
 PROFILE_VARIABLES = ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE")
+
+# The lifecycle nodes: --managed starts them unconfigured.
+MANAGED = ("vision", "speech")
 
 GRAPHS = {
     "all": ["vision", "speech", "loop", "audio"],
@@ -91,8 +96,10 @@ def node_parameters(config: dict, node_name: str) -> list[Parameter]:
 
 
 def build_graph(config_path: Path, graph: str, namespace: str = "", remaps: list[str] = (),
-                wav: str | None = None, context=None, overrides: dict[str, dict] | None = None) -> list:
-    """The nodes of `graph`, configured from the YAML (plus `overrides`: node -> {param: value})."""
+                wav: str | None = None, context=None, overrides: dict[str, dict] | None = None,
+                managed: bool = False) -> list:
+    """The nodes of `graph`, configured from the YAML (plus `overrides`: node -> {param: value}).
+    `managed`: the lifecycle nodes wait unconfigured for a manager (an override still wins)."""
     config = yaml.safe_load(Path(config_path).read_text()) or {}
     classes = node_classes()
     cli_args = ["--ros-args"] + [arg for r in remaps for arg in ("-r", r)] if remaps else None
@@ -100,7 +107,8 @@ def build_graph(config_path: Path, graph: str, namespace: str = "", remaps: list
     for role in GRAPHS[graph]:
         name = role if role != "audio" else ("wav_publisher" if wav else "microphone")
         params = node_parameters(config, name)
-        extra = dict((overrides or {}).get(name, {}))
+        extra = {"autostart": False} if managed and name in MANAGED else {}
+        extra.update((overrides or {}).get(name, {}))
         if name == "wav_publisher":
             extra["file"] = wav
         params = [p for p in params if p.name not in extra] + [Parameter(k, value=v) for k, v in extra.items()]
@@ -116,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", default="")
     parser.add_argument("-r", "--remap", action="append", default=[], metavar="FROM:=TO")
     parser.add_argument("--wav", help="play this WAV file instead of capturing the microphone")
+    parser.add_argument("--managed", action="store_true",
+                        help="start the vision and speech nodes unconfigured, for a lifecycle manager")
     args = parser.parse_args(argv)
     use_large_data_profile()
     rclpy.init()
     try:
-        nodes = build_graph(args.config, args.graph, args.namespace, args.remap, args.wav)
+        nodes = build_graph(args.config, args.graph, args.namespace, args.remap, args.wav,
+                            managed=args.managed)
     except Exception as err:  # noqa: BLE001 - a bad config or missing device ends bring-up with its reason
         print(f"bringup: {err}", file=sys.stderr)
         rclpy.try_shutdown()

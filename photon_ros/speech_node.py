@@ -18,6 +18,13 @@ only extend. The latest decode in full, stable and tentative words, is the one s
 partial (start 0, end the audio so far). The final transcript is a fresh decode of the whole
 utterance and is the one to act on; a partial already running when the utterance ends finishes
 first (the model cannot be interrupted), so partials are only started while the speaker speaks.
+
+A managed node (photon_ros.managed): configure loads the model (`model`, `device`) and creates
+the topics, activate starts transcribing, cleanup releases the model; with `autostart` (the
+default) it configures and activates itself. Deactivate drops the utterance in progress and those
+waiting for the model, unpublished: a manager deactivates the node to stop listening (the robot
+is talking, or is busy), and half a command, or one heard before the pause, is not a command to
+act on after it.
 """
 from __future__ import annotations
 
@@ -25,15 +32,16 @@ import re
 import threading
 import time
 
-from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
-from photon_ros.run_node import run_node
+from photon_core.runtime.shared_models import SharedModel
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
+from photon_ros.managed import ManagedNode, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
+from photon_ros.run_node import run_node
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter, Utterance
 from photon_ros.stream_watch import StreamWatch
 from photon_ros.utterance_queue import UtteranceQueue
@@ -81,21 +89,31 @@ class StableText:
         return " ".join(self.committed), " ".join(words[len(self.committed):])
 
 
-def load_speech_model(name: str, device: str):
+def load_speech_model(name: str, device: str) -> SharedModel:
     """The process's shared engine for this checkpoint, of any family that transcribes (the
     registry recognises it from the files). Imported here so the node starts (and reports) even
     when the engine cannot load."""
     from photon_core.runtime.shared_models import shared_engine
 
-    return shared_engine(name, device, skills=["transcribe"]).model
+    return shared_engine(name, device, skills=["transcribe"])
 
 
-class SpeechNode(Node):
+def drain(queue: UtteranceQueue) -> list[Utterance]:
+    """Everything waiting in `queue` (final utterances and a partial request), taken out."""
+    taken = []
+    while (utterance := queue.get(timeout=0)) is not None:
+        taken.append(utterance)
+    return taken
+
+
+class SpeechNode(ManagedNode):
+    kind = "speech"
+
     def __init__(self, **kwargs) -> None:
         super().__init__("speech", **kwargs)
         p = self.declare_parameter
         self.model_name = p("model", "whisper-tiny.en").value
-        self.device = p("device", "cpu").value
+        self.device = p("device", "cpu").value   # read again at configure, with `model`
         self.input_type = p("input_type", "audio_chunk").value
         self.array_rate = p("sample_rate", 16000).value
         self.array_channels = p("channels", 1).value
@@ -120,25 +138,68 @@ class SpeechNode(Node):
         self.segmenter: SpeechSegmenter | None = None
         self.last_frame_id = self.frame_id
         self.watch = StreamWatch(self.idle_flush_s)
-        self.model = None
-        self.model_error: str | None = None
         self.skipped_chunks = 0
+        self.ignored_chunks = 0         # chunks that arrived while the node was not active
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
         self.next_partial: tuple[float | None, float] = (None, 0.0)   # (utterance, at speech_s)
         self.stable = StableText()     # worker thread only
 
-        self.publisher = self.create_publisher(Transcript, "transcript", QoSProfile(
-            depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        self.create_subscription(INPUT_TYPES[self.input_type], "audio", self.on_audio, QoSProfile(
-            depth=100, reliability=ReliabilityPolicy.RELIABLE))
+        self.publisher = self.subscription = None
         self.create_timer(0.1, self.flush_if_idle)
         self.create_timer(5.0, self.warn_on_type_mismatch)
-        self.stopping = threading.Event()
-        self.worker = threading.Thread(target=self.transcribe_loop, daemon=True)
-        self.worker.start()
+        self.start_worker()
+
+    @property
+    def model(self):
+        """The speech model while one is loaded (configured), else None."""
+        engine = self.engine
+        return engine.model if engine is not None else None
+
+    # --- lifecycle: topics and model ---------------------------------------------------------
+    def create_interfaces(self) -> None:
+        self.publisher = self.create_lifecycle_publisher(Transcript, "transcript", QoSProfile(
+            depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self.subscription = self.create_subscription(INPUT_TYPES[self.input_type], "audio", self.on_audio,
+                                                     QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+
+    def destroy_interfaces(self) -> None:
+        if self.subscription is not None:
+            self.destroy_subscription(self.subscription)
+        if self.publisher is not None:
+            self.destroy_lifecycle_publisher(self.publisher)
+        self.publisher = self.subscription = None
+
+    def load_engine(self) -> SharedModel:
+        started = time.monotonic()
+        self.device = self.get_parameter("device").value
+
+        def warm_up(engine: SharedModel) -> None:
+            # The first call of each path is slower: pay for them before speech arrives.
+            engine.model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
+
+        engine = ready_or_released(load_speech_model(self.model_name, self.device), warm_up)
+        self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
+        return engine
+
+    def drop_pending(self) -> None:
+        with self.lock:   # the callback and the idle timer feed the segmenter and the queue under it
+            in_progress = self.segmenter.current() if self.segmenter is not None else None
+            self.segmenter = None
+            self.watch = StreamWatch(self.idle_flush_s)
+            dropped = [u for u in drain(self.queue) if u.final] + ([in_progress] if in_progress else [])
+        if dropped:
+            self.get_logger().info(f"deactivated: dropped {len(dropped)} utterance(s) not yet transcribed "
+                                   f"({sum(u.duration for u in dropped):.1f} s of audio)")
 
     # --- input: callback and timer (cheap) ---------------------------------------------------
     def on_audio(self, msg) -> None:
+        with self.activity.admitting() as admitted:
+            if admitted:
+                self.take_audio(msg)
+            else:
+                self.ignored_chunks += 1
+
+    def take_audio(self, msg) -> None:
         try:
             pcm, start, stamped, frame_id = self.decode(msg)
         except ValueError as err:
@@ -246,33 +307,24 @@ class SpeechNode(Node):
         return self.get_clock().now().nanoseconds * 1e-9
 
     # --- worker: the model ----------------------------------------------------------------------
-    def transcribe_loop(self) -> None:
-        try:
-            started = time.monotonic()
-            model = load_speech_model(self.model_name, self.device)
-            # The first call of each path is slower: pay for them before speech arrives.
-            model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
-            self.model = model
-            self.get_logger().info(f"loaded {self.model.model_id} in {time.monotonic() - started:.1f} s")
-        except Exception as err:  # noqa: BLE001 - any load failure is reported, the node stays up
-            self.model_error = f"{type(err).__name__}: {err}"
-            self.get_logger().error(f"cannot load speech model {self.model_name!r}: {self.model_error}")
+    def work(self) -> None:
         # After a partial decode the worker takes no partial for as long as that one took: partials
         # use at most half of its time, and the audio callbacks and other nodes keep the rest.
         rest_until = 0.0
         while not self.stopping.is_set():
+            epoch = self.activity.wait_running(timeout=0.1)
+            if epoch is None:
+                continue
             utterance = self.queue.get(timeout=0.1, partials=time.monotonic() >= rest_until)
             if utterance is None:
                 continue
-            if self.model is None:
+            with self.activity.work(epoch) as running:
+                if not running:   # deactivated since it was taken: dropped with the rest
+                    continue
                 if utterance.final:
-                    self.get_logger().warning("dropping an utterance: no speech model "
-                                              f"({self.model_error})", throttle_duration_sec=5.0)
-                continue
-            if utterance.final:
-                self.transcribe_one(utterance)
-            elif self.partial_still_wanted(utterance):
-                rest_until = time.monotonic() + self.transcribe_partial(utterance)
+                    self.transcribe_one(utterance, epoch)
+                elif self.partial_still_wanted(utterance):
+                    rest_until = time.monotonic() + self.transcribe_partial(utterance, epoch)
 
     def run_model(self, utterance: Utterance, **options) -> tuple[dict | None, float]:
         """The model's result (None when it failed: one bad utterance must not stop the node)
@@ -287,7 +339,8 @@ class SpeechNode(Node):
             return None, time.monotonic() - started
         return result, time.monotonic() - started
 
-    def publish(self, result: dict, utterance: Utterance, processing: float) -> Transcript:
+    def publish(self, result: dict, utterance: Utterance, processing: float, epoch: int) -> Transcript | None:
+        """Publish the transcript, unless the node was deactivated since the work began (None then)."""
         header = Header(stamp=seconds_to_time(utterance.start_time), frame_id=utterance.frame_id)
         msg = transcript_message(result, header, audio_duration=utterance.duration,
                                  processing_time=processing,
@@ -295,10 +348,13 @@ class SpeechNode(Node):
                                  prompt=self.initial_prompt, model_id=self.model.model_id,
                                  is_final=utterance.final, audio_complete=utterance.complete,
                                  audio_note=utterance.note)
-        self.publisher.publish(msg)
+        with self.activity.publishing(epoch) as current:
+            if not current:
+                return None
+            self.publisher.publish(msg)
         return msg
 
-    def transcribe_partial(self, utterance: Utterance) -> float:
+    def transcribe_partial(self, utterance: Utterance, epoch: int) -> float:
         """Publish a partial transcript of the utterance so far; returns the seconds it took."""
         # Greedy at one temperature and without timestamps: a partial must cost one bounded
         # decode (no fallback retries), since a final may arrive while it runs.
@@ -309,19 +365,22 @@ class SpeechNode(Node):
         whole = " ".join(t for t in (committed, tentative) if t)
         partial = {"text": committed, "language": result["language"],
                    "segments": [{"start": 0.0, "end": utterance.duration, "text": whole}]}
-        self.publish(partial, utterance, processing)
+        if self.publish(partial, utterance, processing, epoch) is None:
+            return processing
         self.get_logger().debug(f"[partial, {utterance.duration:.1f} s audio, {processing:.2f} s] "
                                 f"{committed} | {tentative}")
         return processing
 
-    def transcribe_one(self, utterance: Utterance) -> None:
+    def transcribe_one(self, utterance: Utterance, epoch: int) -> None:
         result, processing = self.run_model(utterance)
         if result is None:
             return
         if not result["text"].strip():
             self.get_logger().debug(f"no speech in {utterance.duration:.1f} s of audio")
             return
-        msg = self.publish(result, utterance, processing)
+        msg = self.publish(result, utterance, processing, epoch)
+        if msg is None:
+            return
         line = f"[{utterance.duration:.1f} s audio, {processing:.2f} s] {msg.text}"
         if utterance.complete:
             self.get_logger().info(line)
@@ -329,10 +388,8 @@ class SpeechNode(Node):
             self.get_logger().warning(f"{line} (INCOMPLETE: {utterance.note})")
 
     def destroy_node(self) -> None:
-        # The worker publishes: stop it before the publisher goes away.
         self.stopping.set()
-        self.queue.close()
-        self.worker.join(timeout=60)
+        self.queue.close()   # wakes the worker at once
         super().destroy_node()
 
 

@@ -7,19 +7,23 @@
       -> detections, points (photon_ros), caption (VisionText), detections_2d (vision_msgs, where
          installed), image_annotated (only while someone subscribes); headers copied from the image.
     infer (photon_ros/Infer service): detect / point / caption / query on demand.
-    /diagnostics: model state, input and processed rates, drops, latency percentiles.
+    /diagnostics: lifecycle and model state, input and processed rates, drops, latency percentiles.
 Tasks (`detect`, `point`, `caption_period_s`, ...) are parameters that can change at runtime.
+
+A managed node (photon_ros.managed): configure loads the model (`model`, `device`, `dtype`,
+`backend`) and creates the topics (`input`, `reliability`, `depth`), activate starts processing,
+deactivate stops it (the model stays loaded), cleanup releases the model. With `autostart` (the
+default) it does the first two itself. The infer service and /diagnostics answer in every state:
+infer refuses with the reason while the node is not active.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
@@ -27,20 +31,25 @@ from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
 from photon_core.runtime.requests import Request
-from photon_core.runtime.shared_models import shared_engine
-from photon_ros.run_node import run_node
+from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.latest_frame import LatestFrame
+from photon_ros.managed import ManagedNode, ready_or_released
 from photon_ros.msg import Detections, Points, VisionText
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
                                         vision_text_message)
+from photon_ros.run_node import run_node
 from photon_ros.srv import Infer
 
 VISION_SKILLS = {"detect", "point", "caption", "query", "segment"}
 TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK_CAPTION,
          Infer.Request.TASK_QUERY)
 CAPTION_LENGTHS = ("short", "normal", "long")
+# What /diagnostics says of a node that is deliberately not processing (a managed node's choice,
+# so not a warning).
+IDLE_MESSAGES = {"unconfigured": "unconfigured: no model loaded",
+                 "inactive": "inactive: the model is loaded, images are not processed"}
 
 
 def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto", skills: list[str] = ()):
@@ -48,6 +57,27 @@ def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto",
     recognises the family from the files). backend "auto": our kernels and decode megakernel on
     CUDA, PyTorch on CPU (photon_core.backends.select)."""
     return shared_engine(name, device, dtype, backend, skills)
+
+
+def check_vision_model(engine: SharedModel, name: str) -> None:
+    """Refuse a model of a family without any vision skill (a speech model named by mistake)."""
+    family = engine.family
+    if not family.skills & VISION_SKILLS:
+        raise ValueError(f"{name!r} is a {family.name} model ({', '.join(sorted(family.skills))}), "
+                         "not a vision model")
+
+
+def health(state: str, loading: bool, model_error: str | None, frames_received: int) -> tuple[bytes, str]:
+    """The diagnostic level and message of a vision node in lifecycle `state`."""
+    if model_error:
+        return DiagnosticStatus.ERROR, f"model failed to load: {model_error}"
+    if loading:
+        return DiagnosticStatus.WARN, "loading model"
+    if state != "active":
+        return DiagnosticStatus.OK, IDLE_MESSAGES.get(state, state)
+    if frames_received == 0:
+        return DiagnosticStatus.WARN, "no images received"
+    return DiagnosticStatus.OK, "running"
 
 
 def skills_in_use(detect: list[str], point: list[str], caption: bool) -> list[str]:
@@ -73,17 +103,17 @@ def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str
             + ([Request("caption", rgb, caption_length)] if caption_length else []))
 
 
-class VisionNode(Node):
+class VisionNode(ManagedNode):
+    kind = "vision"
+
     def __init__(self, **kwargs) -> None:
         super().__init__("vision", **kwargs)
         p = self.declare_parameter
         self.model_name = p("model", "moondream2").value
-        self.device = p("device", "cpu").value
-        self.dtype = p("dtype", "float32").value
-        self.backend = p("backend", "auto").value
-        compressed = p("input", "raw").value == "compressed"
-        reliable = p("reliability", "best_effort").value == "reliable"
-        depth = p("depth", 1).value
+        # Read at configure: a manager may change them and configure again.
+        for name, default in (("device", "cpu"), ("dtype", "float32"), ("backend", "auto"),
+                              ("input", "raw"), ("reliability", "best_effort"), ("depth", 1)):
+            p(name, default)
         self.detect_targets = self.targets(p("detect", Parameter.Type.STRING_ARRAY).value)
         self.point_targets = self.targets(p("point", Parameter.Type.STRING_ARRAY).value)
         self.caption_period = p("caption_period_s", 0.0).value
@@ -96,33 +126,79 @@ class VisionNode(Node):
         self.frames = LatestFrame()
         self.stats = RateStats()
         self.bad_frames = 0
+        self.inactive_frames = 0   # frames not processed because the node was not active
         self.last_caption = 0.0
-        self.engine = None
-        self.model_error: str | None = None
+        self.subscription = None
+        self.pub_detections = self.pub_points = self.pub_caption = None
+        self.pub_annotated = self.pub_detection2d = None
 
-        qos = QoSProfile(depth=depth, history=HistoryPolicy.KEEP_LAST,
-                         reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT)
-        if compressed:
-            self.create_subscription(CompressedImage, "image/compressed", self.on_image, qos)
-        else:
-            self.create_subscription(Image, "image", self.on_image, qos)
+        # Diagnostics (a plain publisher, not a lifecycle one) and the service exist in every
+        # lifecycle state: a robot wants to see, and ask, an inactive or unconfigured node too.
         out = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.pub_detections = self.create_publisher(Detections, "detections", out)
-        self.pub_points = self.create_publisher(Points, "points", out)
-        self.pub_caption = self.create_publisher(VisionText, "caption", out)
-        self.pub_annotated = self.create_publisher(Image, "image_annotated", out)
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", out)
-        self.pub_detection2d = self.vision_msgs_publisher(out)
         # The service waits on the model; its own group keeps it off the timers' thread.
         self.create_service(Infer, "infer", self.on_infer, callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(1.0, self.publish_diagnostics)
-        self.stopping = threading.Event()
-        self.worker = threading.Thread(target=self.work, daemon=True)
-        self.worker.start()
+        # A group of its own too: a configure served by the lifecycle service holds the default
+        # group for as long as the model loads, and diagnostics must say "loading" meanwhile.
+        self.create_timer(1.0, self.publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
+        self.start_worker()
 
+    # --- lifecycle: topics and model ---------------------------------------------------------------
+    def create_interfaces(self) -> None:
+        param = lambda name: self.get_parameter(name).value  # noqa: E731
+        reliable = param("reliability") == "reliable"
+        qos = QoSProfile(depth=param("depth"), history=HistoryPolicy.KEEP_LAST,
+                         reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT)
+        if param("input") == "compressed":
+            self.subscription = self.create_subscription(CompressedImage, "image/compressed", self.on_image, qos)
+        else:
+            self.subscription = self.create_subscription(Image, "image", self.on_image, qos)
+        out = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.pub_detections = self.create_lifecycle_publisher(Detections, "detections", out)
+        self.pub_points = self.create_lifecycle_publisher(Points, "points", out)
+        self.pub_caption = self.create_lifecycle_publisher(VisionText, "caption", out)
+        self.pub_annotated = self.create_lifecycle_publisher(Image, "image_annotated", out)
+        self.pub_detection2d = self.vision_msgs_publisher(out)
+
+    def destroy_interfaces(self) -> None:
+        if self.subscription is not None:
+            self.destroy_subscription(self.subscription)
+        for pub in (self.pub_detections, self.pub_points, self.pub_caption, self.pub_annotated,
+                    self.pub_detection2d):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        self.subscription = self.pub_detections = self.pub_points = self.pub_caption = None
+        self.pub_annotated = self.pub_detection2d = None
+
+    def load_engine(self) -> SharedModel:
+        started = time.monotonic()
+        self.device, self.dtype, self.backend = (self.get_parameter(n).value for n in ("device", "dtype", "backend"))
+        engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend, skills_in_use(
+            self.detect_targets, self.point_targets, self.caption_period > 0))
+
+        def prepare(engine: SharedModel) -> None:
+            check_vision_model(engine, self.model_name)
+            warm_up(engine)
+
+        engine = ready_or_released(engine, prepare)
+        self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
+        return engine
+
+    def drop_pending(self) -> None:
+        # A frame waiting at deactivation is not processed after a later activate, and is no
+        # longer "the latest frame" the infer service may be asked about.
+        if self.frames.take(timeout=0) is not None:
+            self.inactive_frames += 1
+        self.frames.latest = None
+
+    # --- input ----------------------------------------------------------------------------------
     def on_image(self, msg) -> None:
-        self.stats.tick("received")
-        self.frames.put(msg)
+        with self.activity.admitting() as admitted:
+            if not admitted:
+                self.inactive_frames += 1
+                return
+            self.stats.tick("received")
+            self.frames.put(msg)
 
     @staticmethod
     def targets(values) -> list[str]:
@@ -134,7 +210,7 @@ class VisionNode(Node):
         except ImportError:
             self.get_logger().info("vision_msgs not installed: no detections_2d topic")
             return None
-        return self.create_publisher(Detection2DArray, "detections_2d", qos)
+        return self.create_lifecycle_publisher(Detection2DArray, "detections_2d", qos)
 
     def on_parameters(self, params: list[Parameter]) -> SetParametersResult:
         for param in params:
@@ -159,31 +235,23 @@ class VisionNode(Node):
 
     # --- worker ---------------------------------------------------------------------------------
     def work(self) -> None:
-        try:
-            started = time.monotonic()
-            engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend, skills_in_use(
-                self.detect_targets, self.point_targets, self.caption_period > 0))
-            if not engine.family.skills & VISION_SKILLS:
-                raise ValueError(f"{self.model_name!r} is a {engine.family.name} model "
-                                 f"({', '.join(sorted(engine.family.skills))}), not a vision model")
-            warm_up(engine)
-            self.engine = engine
-            self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
-        except Exception as err:  # noqa: BLE001 - the node stays up and reports why
-            self.model_error = f"{type(err).__name__}: {err}"
-            self.get_logger().error(f"cannot load vision model {self.model_name!r}: {self.model_error}")
-            return
         while not self.stopping.is_set():
-            frame = self.frames.take(timeout=0.1)
-            if frame is not None:
-                self.process(frame)
+            epoch = self.activity.wait_running(timeout=0.1)
+            frame = self.frames.take(timeout=0.1) if epoch is not None else None
+            if frame is None:
+                continue
+            with self.activity.work(epoch) as running:
+                if running:
+                    self.process(frame, epoch)
+                else:   # deactivated since it was taken
+                    self.inactive_frames += 1
 
     def to_rgb(self, msg):
         if isinstance(msg, CompressedImage):
             return compressed_to_rgb(msg, self.max_pixels)
         return image_to_rgb(msg, self.max_pixels)
 
-    def process(self, frame) -> None:
+    def process(self, frame, epoch: int) -> None:
         caption_due = self.caption_period > 0 and time.monotonic() - self.last_caption >= self.caption_period
         detect, point = list(self.detect_targets), list(self.point_targets)
         if not (detect or point or caption_due):
@@ -195,7 +263,6 @@ class VisionNode(Node):
             self.get_logger().warning(f"skipping frame: {err}", throttle_duration_sec=5.0)
             return
         header, (height, width) = frame.msg.header, rgb.shape[:2]
-        model = self.engine.model
         if caption_due:
             self.last_caption = time.monotonic()
         # One group per frame: its requests, and those of every other camera on this engine, are
@@ -204,30 +271,47 @@ class VisionNode(Node):
                                   self.max_objects)
         try:
             results = self.engine.batcher.submit(requests)
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - a frame the model cannot take must not stop the worker
             self.get_logger().warning(f"frame not processed: {err}", throttle_duration_sec=5.0)
             return
         latency = time.monotonic() - frame.received_at
-        boxes, points = {}, {}
+        outputs, boxes, points = self.result_messages(requests, results, header, width, height, latency)
+        annotated = None
+        if self.annotate and (boxes or points) and self.pub_annotated.get_subscription_count() > 0:
+            annotated = rgb_to_image(draw_results(rgb, boxes, points), header=header)
+        with self.activity.publishing(epoch) as current:
+            if not current:   # deactivated meanwhile: results of that activation stay unpublished
+                self.inactive_frames += 1
+                return
+            for publisher, msg in outputs:
+                publisher.publish(msg)
+            if annotated is not None:
+                self.pub_annotated.publish(annotated)
+        self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
+
+    def result_messages(self, requests: list[Request], results: list[dict], header, width: int,
+                        height: int, latency: float) -> tuple[list, dict, dict]:
+        """(publisher, message) for every result of one frame, and the boxes and points to draw."""
+        model_id = self.engine.model.model_id
+        outputs, boxes, points = [], {}, {}
         for request, result in zip(requests, results):
             if request.task == "detect":
                 boxes[request.prompt] = result["objects"]
                 msg = detections_message(result, header, prompt=request.prompt, width=width, height=height,
-                                         latency=latency, model_id=model.model_id)
-                self.pub_detections.publish(msg)
+                                         latency=latency, model_id=model_id)
+                outputs.append((self.pub_detections, msg))
                 if self.pub_detection2d is not None:
-                    self.pub_detection2d.publish(detection2d_array(msg))
+                    outputs.append((self.pub_detection2d, detection2d_array(msg)))
             elif request.task == "point":
                 points[request.prompt] = result["points"]
-                self.pub_points.publish(points_message(result, header, prompt=request.prompt, width=width,
-                                                       height=height, latency=latency, model_id=model.model_id))
+                outputs.append((self.pub_points, points_message(
+                    result, header, prompt=request.prompt, width=width, height=height, latency=latency,
+                    model_id=model_id)))
             else:
-                self.pub_caption.publish(vision_text_message(
+                outputs.append((self.pub_caption, vision_text_message(
                     result["caption"], header, task=VisionText.TASK_CAPTION, prompt=request.prompt,
-                    latency=latency, model_id=model.model_id))
-        self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
-        if self.annotate and (boxes or points) and self.pub_annotated.get_subscription_count() > 0:
-            self.pub_annotated.publish(rgb_to_image(draw_results(rgb, boxes, points), header=header))
+                    latency=latency, model_id=model_id)))
+        return outputs, boxes, points
 
     def lacks(self, skill: str | None) -> str:
         """Why the loaded model cannot do `skill` ("" when it can, or nothing is loaded yet)."""
@@ -239,22 +323,27 @@ class VisionNode(Node):
     # --- on demand ------------------------------------------------------------------------------
     def on_infer(self, request: Infer.Request, response: Infer.Response) -> Infer.Response:
         received = time.monotonic()
-        if self.engine is None:
-            response.success = False
-            response.message = f"model not loaded: {self.model_error or 'still loading'}"
-            return response
+        # Counted as work in flight: cleanup does not release the model under a request.
+        with self.activity.work() as running:
+            if not running:
+                response.success, response.message = False, self.why_not_running()
+                return response
+            return self.infer(request, response, received)
+
+    def infer(self, request: Infer.Request, response: Infer.Response, received: float) -> Infer.Response:
         if self.lacks(request.task):
             response.success, response.message = False, self.lacks(request.task)
             return response
-        source = self.frames.latest.msg if request.use_latest_frame and self.frames.latest else request.image
-        if request.use_latest_frame and self.frames.latest is None:
+        latest = self.frames.latest
+        if request.use_latest_frame and latest is None:
             response.success, response.message = False, "no frame received yet"
             return response
+        source = latest.msg if request.use_latest_frame else request.image
         try:
             rgb = self.to_rgb(source)
             task = Request(request.task, rgb, request.prompt, max_objects=self.max_objects)
             result = self.engine.batcher.submit([task])[0]
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - a bad request is answered, never fatal
             response.success, response.message = False, str(err)
             return response
         model_id, header = self.engine.model.model_id, source.header
@@ -275,22 +364,18 @@ class VisionNode(Node):
 
     # --- diagnostics ----------------------------------------------------------------------------
     def publish_diagnostics(self) -> None:
+        state = self.lifecycle_state()
         status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
                                   hardware_id=self.model_name)
-        if self.model_error:
-            status.level, status.message = DiagnosticStatus.ERROR, f"model failed to load: {self.model_error}"
-        elif self.engine is None:
-            status.level, status.message = DiagnosticStatus.WARN, "loading model"
-        elif self.frames.received == 0:
-            status.level, status.message = DiagnosticStatus.WARN, "no images received"
-        else:
-            status.level, status.message = DiagnosticStatus.OK, "running"
+        status.level, status.message = health(state, self.loading, self.model_error, self.frames.received)
         values = {
             "model": self.model_name,
             "model_loaded": str(self.engine is not None),
+            "lifecycle_state": state,
             "input_rate_hz": f"{self.stats.rate('received'):.2f}",
             "frames_received": str(self.frames.received),
             "frames_dropped": str(self.frames.dropped),
+            "frames_ignored_inactive": str(self.inactive_frames),
             "bad_frames": str(self.bad_frames),
             "processed_rate_hz": f"{self.stats.rate('processed'):.2f}",
         }
@@ -299,12 +384,6 @@ class VisionNode(Node):
         status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
         header = Header(stamp=self.get_clock().now().to_msg())
         self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
-
-    def destroy_node(self) -> None:
-        # The worker publishes: stop it before the publishers go away.
-        self.stopping.set()
-        self.worker.join(timeout=30)
-        super().destroy_node()
 
 
 def main(args=None) -> None:

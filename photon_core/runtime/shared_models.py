@@ -3,17 +3,25 @@
 Several nodes in one process (several cameras, or vision plus the on-demand service) must share
 one engine: weights are loaded once, `lock` serializes use of it so concurrent callers never
 interleave inside a forward pass, and `batcher` gathers their requests into batches.
+
+Every `shared_engine` / `shared_model` call is a hold on the engine; `release(engine)` gives one
+back, and when none is left the engine leaves the cache and its memory is freed (a managed node's
+cleanup). Callers that never release keep the engine for the life of the process, as before.
 """
 from __future__ import annotations
 
+import gc
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any, Callable
 
 
 class SharedModel:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, key: tuple | None = None) -> None:
         self.model = model
+        self.key = key
+        self.holders = 0     # shared_engine/shared_model calls not yet released
         self.lock = threading.Lock()
         self._batcher = None
         self.family = None   # the registry family, when loaded through shared_engine
@@ -28,24 +36,72 @@ class SharedModel:
                     self._batcher = Batcher(self.model.batch, self.lock)
         return self._batcher
 
+    def retire(self) -> None:
+        """Let go of the model so its memory can be freed, even while someone still holds this
+        object. The batcher's thread cannot be stopped (Batcher has no close()) and would keep
+        the model alive through `run_many`: it is pointed at a stub that refuses, and idles."""
+        if self._batcher is not None:
+            self._batcher.run_many = _released
+        self.model = None
+
+
+def _released(items: list) -> list:
+    raise RuntimeError("this engine was released (photon_core.runtime.shared_models.release)")
+
 
 _models: dict[tuple, SharedModel] = {}
 _loading = threading.Lock()
 
 
 def shared_model(key: tuple, load: Callable[[], Any]) -> SharedModel:
-    """The process's model for `key`, loading it with `load()` the first time."""
+    """The process's model for `key`, loading it with `load()` the first time. Each call is one
+    hold on it, given back with release()."""
     with _loading:
-        if key not in _models:
-            _models[key] = SharedModel(load())
-        return _models[key]
+        engine = _models.get(key)
+        if engine is None:
+            engine = _models[key] = SharedModel(load(), key)
+        engine.holders += 1
+        return engine
+
+
+def release(engine: SharedModel) -> bool:
+    """Give back one hold on `engine`. When no hold is left it leaves the cache, lets go of its
+    model and the memory is returned (garbage collection, and the CUDA caching allocator's
+    blocks); True then. A later shared_engine() loads the checkpoint afresh."""
+    with _loading:
+        if engine.holders <= 0:
+            raise ValueError("release() of an engine that is not held")
+        engine.holders -= 1
+        if engine.holders:
+            return False
+        if _models.get(engine.key) is engine:
+            del _models[engine.key]
+        engine.retire()
+    free_memory()
+    return True
+
+
+def free_memory() -> None:
+    """Collect what released engines leave behind (reference cycles inside models are common)
+    and, where CUDA is in use, hand the freed blocks back to the driver so other processes and
+    nvidia-smi see them."""
+    gc.collect()
+    torch = sys.modules.get("torch")   # never import torch just to free nothing
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def cached_engines() -> list[SharedModel]:
+    """The engines this process holds now."""
+    with _loading:
+        return list(_models.values())
 
 
 def shared_engine(name: str, device: str = "cpu", dtype: Any = None, backend: str = "auto",
                   skills: Iterable[str] = ()) -> SharedModel:
     """The process's engine for the checkpoint `name` resolves to, of whatever family recognises it
     (photon_core.registry), refused before loading if that family lacks one of `skills`. Names of the
-    same checkpoint share one engine."""
+    same checkpoint share one engine. One hold per call: release() it when done."""
     from photon_core import registry
     from photon_core.backends.select import get_backend
 

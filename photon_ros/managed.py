@@ -1,0 +1,252 @@
+"""What the vision and speech nodes share as managed (lifecycle) nodes.
+
+    unconfigured --configure--> inactive --activate--> active
+         ^                        |  ^                   |
+         +--------cleanup---------+  +----deactivate-----+
+
+configure  reads the model parameters, creates the topics (lifecycle publishers, the input
+           subscription) and loads the model through the process's shared engine cache; on
+           failure the reason is logged and kept (`model_error`), nothing is held and the node
+           stays unconfigured, so a later configure (after fixing the `model` parameter) retries.
+activate   input is taken in and processed, results are published.
+deactivate input is ignored (counted), no new inference starts, what was waiting is dropped and
+           nothing computed from before is published any more; the model stays loaded, so
+           activate resumes at once.
+cleanup    waits for inference in flight, removes the topics and releases the model: the last
+           node to release an engine frees its memory.
+
+The input subscriptions exist from configure to cleanup and are gated by activation rather than
+created at activate: a subscription made at activate must first be matched by every publisher
+(DDS discovery), and what is sent in that window is lost without a trace, such as the first words
+of a command spoken right after activation. The price is that an inactive node still receives
+(and drops) its input; cleanup removes even that.
+
+With the `autostart` parameter (default true) a node configures and activates itself from its
+worker thread, so it is up at once and reports "loading" while the model loads, as an unmanaged
+node did; input that arrives meanwhile waits for the model. With autostart false it waits,
+unconfigured, for a lifecycle manager (nav2_lifecycle_manager, `ros2 lifecycle set`).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+
+from photon_core.runtime.shared_models import SharedModel, release
+
+SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
+# How long cleanup waits for an inference in flight before releasing the model anyway (its
+# memory is then freed when that inference ends).
+IDLE_TIMEOUT_S = 60.0
+
+
+class Activity:
+    """Which input a node takes in, which work it starts, and which results it publishes, across
+    activations. Each activation has its own number (epoch): work carries the epoch it began in,
+    and its results are published only while that activation lasts. stop() takes the same lock
+    as admitting() and publishing(), so once stop() returns nothing more is admitted or published
+    until the next start()."""
+
+    def __init__(self, admitting: bool = False) -> None:
+        self._cond = threading.Condition()
+        self._admitting = admitting   # autostart: input waits for the model while it loads
+        self._running = False
+        self._epoch = 0
+        self._busy = 0
+
+    def start(self) -> None:
+        with self._cond:
+            if not self._running:
+                self._epoch += 1
+            self._admitting = self._running = True
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._admitting = self._running = False
+            self._cond.notify_all()
+
+    @property
+    def running(self) -> bool:
+        with self._cond:
+            return self._running
+
+    def wait_running(self, timeout: float) -> int | None:
+        """The current epoch once running (waiting up to `timeout`), else None."""
+        with self._cond:
+            return self._epoch if self._cond.wait_for(lambda: self._running, timeout) else None
+
+    @contextmanager
+    def admitting(self) -> Iterator[bool]:
+        """Whether input is taken in now. stop() waits for the block, so input admitted here is
+        in place before the caller of stop() clears what was waiting."""
+        with self._cond:
+            yield self._admitting
+
+    @contextmanager
+    def work(self, epoch: int | None = None) -> Iterator[bool]:
+        """Whether work may run: the node is running (in `epoch`, when given). While the block
+        lasts the work counts as in flight, and wait_idle() waits for it."""
+        with self._cond:
+            admitted = self._running and epoch in (None, self._epoch)
+            self._busy += admitted
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    @contextmanager
+    def publishing(self, epoch: int) -> Iterator[bool]:
+        """Whether results of work begun in `epoch` may be published; stop() waits for the block."""
+        with self._cond:
+            yield self._running and self._epoch == epoch
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no work is in flight; False if some still was after `timeout`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy == 0, timeout)
+
+
+class ManagedNode(LifecycleNode):
+    """Base of the vision and speech nodes. Subclasses declare a `model` parameter and provide
+    create_interfaces / destroy_interfaces (topics), load_engine (the model, checked and warmed
+    up), drop_pending (input waiting at deactivation) and work (the worker's loop), then call
+    start_worker() at the end of their __init__."""
+
+    kind = "model"   # "vision" / "speech", for log lines
+
+    def __init__(self, node_name: str, **kwargs) -> None:
+        super().__init__(node_name, **kwargs)
+        self.autostart = self.declare_parameter("autostart", True).value
+        self.activity = Activity(admitting=self.autostart)
+        self.engine: SharedModel | None = None
+        self.model_error: str | None = None
+        self.loading = self.autostart   # diagnostics and the infer service say "loading" until it ends
+        self.stopping = threading.Event()
+        self.worker: threading.Thread | None = None
+
+    def start_worker(self) -> None:
+        self.worker = threading.Thread(target=self._worker_main, daemon=True)
+        self.worker.start()
+
+    def _worker_main(self) -> None:
+        if self.autostart and not self._start_itself():
+            self.activity.stop()   # nothing will process what arrives: stop taking it in
+        self.work()
+
+    def _start_itself(self) -> bool:
+        # The model loads here, not in the constructor: the node is up (and says "loading") at once.
+        return (self.trigger_configure() == SUCCESS and not self.stopping.is_set()
+                and self.trigger_activate() == SUCCESS)
+
+    def lifecycle_state(self) -> str:
+        """The label of the current state ("unconfigured", "configuring", "inactive", "active",
+        ...). rclpy keeps it only in its state machine, which has no public getter."""
+        return self._state_machine.current_state[1]
+
+    def why_not_running(self) -> str:
+        """Why a request cannot be served now (for a node that is not active)."""
+        if self.engine is None:
+            reason = self.model_error or ("still loading" if self.loading else "the node is unconfigured")
+            return f"model not loaded: {reason}"
+        return "node is not active"
+
+    # --- transitions ----------------------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.loading, self.model_error = True, None
+        self.model_name = self.get_parameter("model").value
+        try:
+            self.create_interfaces()
+            self.engine = self.load_engine()
+        except Exception as err:  # noqa: BLE001 - the node stays up, unconfigured, and says why
+            self.model_error = f"{type(err).__name__}: {err}"
+            self.get_logger().error(f"cannot load {self.kind} model {self.model_name!r}: {self.model_error}")
+            self.destroy_interfaces()
+            return FAILURE
+        finally:
+            self.loading = False
+        return SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        result = super().on_activate(state)   # the lifecycle publishers publish from here on
+        self.activity.start()
+        return result
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.pause()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.unload()
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.pause()
+        self.unload()
+        return SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # A transition raised: rclpy goes to unconfigured on SUCCESS, so hold nothing there.
+        self.pause()
+        self.unload()
+        return SUCCESS
+
+    def pause(self) -> None:
+        self.activity.stop()
+        self.drop_pending()
+
+    def unload(self) -> None:
+        self.release_engine()
+        self.destroy_interfaces()
+
+    def release_engine(self) -> None:
+        """Give the model back once no work of this node uses it (an inference begun before
+        deactivate may still be running)."""
+        if not self.activity.wait_idle(IDLE_TIMEOUT_S):
+            self.get_logger().warning(f"an inference still runs after {IDLE_TIMEOUT_S:g} s: releasing "
+                                      "the model anyway (its memory is freed when that one ends)")
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            freed = release(engine)
+            self.get_logger().info("model released" + ("" if freed else " (other nodes still use it)"))
+
+    def destroy_node(self) -> None:
+        # The worker publishes: stop it before the publishers go away, then give the model back.
+        self.stopping.set()
+        self.activity.stop()
+        if self.worker is not None:
+            self.worker.join(timeout=60)
+        self.release_engine()
+        super().destroy_node()
+
+    # --- subclasses -----------------------------------------------------------------------------
+    def create_interfaces(self) -> None:
+        raise NotImplementedError
+
+    def destroy_interfaces(self) -> None:
+        raise NotImplementedError
+
+    def load_engine(self) -> SharedModel:
+        raise NotImplementedError
+
+    def drop_pending(self) -> None:
+        raise NotImplementedError
+
+    def work(self) -> None:
+        raise NotImplementedError
+
+
+def ready_or_released(engine: SharedModel, prepare: Callable[[SharedModel], None]) -> SharedModel:
+    """`engine` once `prepare(engine)` (checks, warm-up) has passed; if it raises, the hold on the
+    engine is given back first, so a failed configure holds nothing."""
+    try:
+        prepare(engine)
+    except BaseException:
+        release(engine)
+        raise
+    return engine
