@@ -18,6 +18,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 os.environ["PHOTON_POISON_OUTPUTS"] = "1"
 
 import math  # noqa: E402
+import zlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -46,7 +47,9 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float = RTOL) -> None:
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    torch.manual_seed(abs(hash(request.node.name)) % (2**31))
+    # crc32, not hash(): str hashes change with every process (PYTHONHASHSEED), and a test's inputs
+    # must be the same in every run.
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 # ---------------------------------------------------------------- the contract itself
@@ -353,8 +356,12 @@ def case_gated_delta_chunk(B):
         state = torch.randn(b, hv, dk, dv) if with_state else None
         o, s = B.gated_delta_chunk(q, k, v, g, beta, state, None, l2)
         want_o, want_s = ref.gated_delta_chunk(q, k, v, g, beta, state, None, l2)
-        close(o, want_o)
-        close(s, want_s)
+        # The hard cases are ill-conditioned on purpose (nearly parallel keys, beta ~ 1, no decay:
+        # the chunk's triangular solve amplifies rounding): over 24 random draws their error
+        # reached 2.3e-4, the others 7e-7.
+        tol = 1e-3 if hard else RTOL
+        close(o, want_o, tol)
+        close(s, want_s, tol)
 
 
 @case
