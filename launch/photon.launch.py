@@ -11,17 +11,9 @@ from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription
 from launch.launch_description_sources import PythonLaunchDescriptionSource
-from launch.substitutions import EnvironmentVariable, LaunchConfiguration
+from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
-
-
-def dds_profile_env(share):
-    """Our nodes' Fast DDS profile: the one the user chose, else config/fastdds_large_data.xml
-    (images over 512 KiB are lost between processes with Fast DDS's default shared memory)."""
-    ours = os.path.join(share, "config", "fastdds_large_data.xml")
-    chosen = EnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE",
-                                 default_value=EnvironmentVariable("FASTRTPS_DEFAULT_PROFILES_FILE", default_value=ours))
-    return {"FASTDDS_DEFAULT_PROFILES_FILE": chosen}
+from photon_ros.launch_helpers import dds_profile_env
 
 
 def generate_launch_description():

@@ -10,26 +10,9 @@ from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument
 from launch.conditions import IfCondition, UnlessCondition
-from launch.substitutions import EnvironmentVariable, LaunchConfiguration, PythonExpression
-from launch_ros.actions import LifecycleNode, Node
-
-
-def dds_profile_env(share):
-    """Our nodes' Fast DDS profile: the one the user chose, else config/fastdds_large_data.xml
-    (images over 512 KiB are lost between processes with Fast DDS's default shared memory)."""
-    ours = os.path.join(share, "config", "fastdds_large_data.xml")
-    chosen = EnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE",
-                                 default_value=EnvironmentVariable("FASTRTPS_DEFAULT_PROFILES_FILE", default_value=ours))
-    return {"FASTDDS_DEFAULT_PROFILES_FILE": chosen}
-
-
-def photon_node(managed, **kwargs):
-    """The node as a plain node, or with managed:=true as a lifecycle node that starts
-    unconfigured (autostart false) and waits for a lifecycle manager to configure and activate it."""
-    parameters = kwargs.pop("parameters")
-    return [Node(condition=UnlessCondition(managed), parameters=parameters, **kwargs),
-            LifecycleNode(condition=IfCondition(managed), parameters=parameters + [{"autostart": False}],
-                          **kwargs)]
+from launch.substitutions import LaunchConfiguration, PythonExpression
+from launch_ros.actions import Node
+from photon_ros.launch_helpers import dds_profile_env, photon_node
 
 
 def generate_launch_description():
