@@ -125,3 +125,27 @@ def test_one_callers_bad_request_fails_only_that_caller():
         t.join(timeout=120)
     assert isinstance(outcome["bad"], ValueError) and "non-empty" in str(outcome["bad"])
     assert outcome["good"] == [m.point(frame, "cup", max_objects=1)]
+
+
+def test_a_closed_batcher_serves_what_is_queued_then_stops():
+    entered, release = threading.Event(), threading.Event()
+
+    def run_many(items):
+        entered.set()
+        release.wait(10)
+        return [i * 2 for i in items]
+
+    batcher = Batcher(run_many, threading.Lock(), window_s=0.0)
+    results = []
+    caller = threading.Thread(target=lambda: results.append(batcher.submit([1, 2])))
+    caller.start()
+    assert entered.wait(10)                        # the caller's work is running
+    closing = threading.Thread(target=batcher.close)
+    closing.start()
+    release.set()
+    caller.join(10)
+    closing.join(10)
+    assert results == [[2, 4]]                     # work in flight is served before the stop
+    assert not batcher._thread.is_alive() and batcher.run_many is None   # nothing holds the model
+    with pytest.raises(RuntimeError, match="released"):
+        batcher.submit([3])

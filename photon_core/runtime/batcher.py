@@ -24,7 +24,9 @@ class Batcher:
         self._pending: list[tuple[list, Future]] = []
         self._cond = threading.Condition()
         self.sizes: list[int] = []        # requests per batch that ran (diagnostics, tests)
-        threading.Thread(target=self._run, daemon=True, name="batcher").start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="batcher")
+        self._thread.start()
 
     def submit(self, items: list) -> list:
         """Results of `items`, computed in a batch with whatever other callers submit meanwhile.
@@ -33,6 +35,8 @@ class Batcher:
             return []
         future: Future = Future()
         with self._cond:
+            if self._closed:
+                raise RuntimeError("this engine was released (its batcher is closed)")
             self._pending.append((list(items), future))
             self._cond.notify()
         return future.result()
@@ -47,12 +51,22 @@ class Batcher:
             count += len(groups[-1][0])
         return groups
 
+    def close(self, timeout: float = 60.0) -> None:
+        """Serve what is queued, then stop the thread (and drop run_many, and with it the model)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        self.run_many = None
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending)
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:
+                    return   # closed, nothing left to serve
                 # Give other cameras a moment to join, unless the batch is already full.
-                self._cond.wait_for(lambda: self._queued() >= self.max_batch, self.window_s)
+                self._cond.wait_for(lambda: self._queued() >= self.max_batch or self._closed, self.window_s)
                 groups = self._take()
             self._serve(groups)
 

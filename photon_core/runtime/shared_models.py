@@ -38,15 +38,10 @@ class SharedModel:
 
     def retire(self) -> None:
         """Let go of the model so its memory can be freed, even while someone still holds this
-        object. The batcher's thread cannot be stopped (Batcher has no close()) and would keep
-        the model alive through `run_many`: it is pointed at a stub that refuses, and idles."""
+        object: the batcher serves what is queued, stops its thread and drops the model."""
         if self._batcher is not None:
-            self._batcher.run_many = _released
+            self._batcher.close()
         self.model = None
-
-
-def _released(items: list) -> list:
-    raise RuntimeError("this engine was released (photon_core.runtime.shared_models.release)")
 
 
 _models: dict[tuple, SharedModel] = {}
