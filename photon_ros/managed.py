@@ -241,6 +241,27 @@ class ManagedNode(LifecycleNode):
         raise NotImplementedError
 
 
+def health(state: str, loading: bool, model_error: str | None, received: int, inputs: str) -> tuple[bytes, str]:
+    """The /diagnostics level and message of a node in lifecycle `state` that takes `inputs`
+    ("images", "audio"). Not processing by a manager's choice (unconfigured, inactive) is OK, not
+    a warning."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    if model_error:
+        return DiagnosticStatus.ERROR, f"model failed to load: {model_error}"
+    if loading:
+        return DiagnosticStatus.WARN, "loading model"
+    if state == "unconfigured":
+        return DiagnosticStatus.OK, "unconfigured: no model loaded"
+    if state == "inactive":
+        return DiagnosticStatus.OK, f"inactive: the model is loaded, {inputs} are not processed"
+    if state != "active":
+        return DiagnosticStatus.OK, state
+    if received == 0:
+        return DiagnosticStatus.WARN, f"no {inputs} received"
+    return DiagnosticStatus.OK, "running"
+
+
 def ready_or_released(engine: SharedModel, prepare: Callable[[SharedModel], None]) -> SharedModel:
     """`engine` once `prepare(engine)` (checks, warm-up) has passed; if it raises, the hold on the
     engine is given back first, so a failed configure holds nothing."""

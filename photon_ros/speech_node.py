@@ -11,6 +11,8 @@
       -> worker thread: Whisper transcribe, finals before any partial
       -> transcript (photon_ros/Transcript), header stamped at the utterance's first sample (the
          same stamp on an utterance's partials and its final: it names the utterance).
+    /diagnostics: lifecycle and model state, chunks received / bad / ignored, audio lost at jumps,
+    finals published (incomplete ones counted), utterances dropped from a backlog, audio waiting.
 
 Partial transcripts (is_final false) carry only stable text in `text`: the words that two
 partial decodes in a row agreed on (local agreement), which later partials of the utterance
@@ -32,13 +34,15 @@ import re
 import threading
 import time
 
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
 from photon_core.runtime.shared_models import SharedModel
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
-from photon_ros.managed import ManagedNode, ready_or_released
+from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
 from photon_ros.run_node import run_node
@@ -140,6 +144,9 @@ class SpeechNode(ManagedNode):
         self.watch = StreamWatch(self.idle_flush_s)
         self.skipped_chunks = 0
         self.ignored_chunks = 0         # chunks that arrived while the node was not active
+        self.chunks_received = 0
+        self.finals_published = 0
+        self.incomplete_published = 0   # finals whose audio was cut (audio_complete false)
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
         self.next_partial: tuple[float | None, float] = (None, 0.0)   # (utterance, at speech_s)
         self.stable = StableText()     # worker thread only
@@ -147,6 +154,11 @@ class SpeechNode(ManagedNode):
         self.publisher = self.subscription = None
         self.create_timer(0.1, self.flush_if_idle)
         self.create_timer(5.0, self.warn_on_type_mismatch)
+        # A plain publisher on a timer of its own group: /diagnostics speaks in every lifecycle state,
+        # also while a configure holds the default group for the whole model load.
+        self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
+            depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self.create_timer(1.0, self.publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
         self.start_worker()
 
     @property
@@ -193,6 +205,7 @@ class SpeechNode(ManagedNode):
 
     # --- input: callback and timer (cheap) ---------------------------------------------------
     def on_audio(self, msg) -> None:
+        self.chunks_received += 1
         with self.activity.admitting() as admitted:
             if admitted:
                 self.take_audio(msg)
@@ -352,7 +365,34 @@ class SpeechNode(ManagedNode):
             if not current:
                 return None
             self.publisher.publish(msg)
+        if msg.is_final:
+            self.finals_published += 1
+            self.incomplete_published += not msg.audio_complete
         return msg
+
+    def publish_diagnostics(self) -> None:
+        state = self.lifecycle_state()
+        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
+                                  hardware_id=str(self.model_name))
+        status.level, status.message = health(state, self.loading, self.model_error, self.chunks_received, "audio")
+        segmenter = self.segmenter
+        values = {
+            "model": str(self.model_name),
+            "model_loaded": str(self.model is not None),
+            "lifecycle_state": state,
+            "chunks_received": str(self.chunks_received),
+            "chunks_skipped_bad": str(self.skipped_chunks),
+            "chunks_ignored_inactive": str(self.ignored_chunks),
+            "audio_jumps": str(segmenter.discontinuities if segmenter else 0),
+            "audio_lost_s": f"{segmenter.lost_s if segmenter else 0.0:.2f}",
+            "transcripts_final": str(self.finals_published),
+            "transcripts_incomplete": str(self.incomplete_published),
+            "utterances_dropped_backlog": str(self.queue.dropped),
+            "pending_audio_s": f"{self.queue.seconds:.2f}",
+        }
+        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
+        header = Header(stamp=self.get_clock().now().to_msg())
+        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
 
     def transcribe_partial(self, utterance: Utterance, epoch: int) -> float:
         """Publish a partial transcript of the utterance so far; returns the seconds it took."""

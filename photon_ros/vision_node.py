@@ -34,7 +34,7 @@ from photon_core.runtime.requests import Request
 from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.latest_frame import LatestFrame
-from photon_ros.managed import ManagedNode, ready_or_released
+from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import Detections, Points, VisionText
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
@@ -46,10 +46,6 @@ VISION_SKILLS = {"detect", "point", "caption", "query", "segment"}
 TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK_CAPTION,
          Infer.Request.TASK_QUERY)
 CAPTION_LENGTHS = ("short", "normal", "long")
-# What /diagnostics says of a node that is deliberately not processing (a managed node's choice,
-# so not a warning).
-IDLE_MESSAGES = {"unconfigured": "unconfigured: no model loaded",
-                 "inactive": "inactive: the model is loaded, images are not processed"}
 
 
 def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto", skills: list[str] = ()):
@@ -65,19 +61,6 @@ def check_vision_model(engine: SharedModel, name: str) -> None:
     if not family.skills & VISION_SKILLS:
         raise ValueError(f"{name!r} is a {family.name} model ({', '.join(sorted(family.skills))}), "
                          "not a vision model")
-
-
-def health(state: str, loading: bool, model_error: str | None, frames_received: int) -> tuple[bytes, str]:
-    """The diagnostic level and message of a vision node in lifecycle `state`."""
-    if model_error:
-        return DiagnosticStatus.ERROR, f"model failed to load: {model_error}"
-    if loading:
-        return DiagnosticStatus.WARN, "loading model"
-    if state != "active":
-        return DiagnosticStatus.OK, IDLE_MESSAGES.get(state, state)
-    if frames_received == 0:
-        return DiagnosticStatus.WARN, "no images received"
-    return DiagnosticStatus.OK, "running"
 
 
 def skills_in_use(detect: list[str], point: list[str], caption: bool) -> list[str]:
@@ -367,7 +350,8 @@ class VisionNode(ManagedNode):
         state = self.lifecycle_state()
         status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
                                   hardware_id=self.model_name)
-        status.level, status.message = health(state, self.loading, self.model_error, self.frames.received)
+        status.level, status.message = health(state, self.loading, self.model_error, self.frames.received,
+                                              "images")
         values = {
             "model": self.model_name,
             "model_loaded": str(self.engine is not None),

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header, Int16MultiArray
@@ -73,6 +74,18 @@ def test_wav_publisher_to_transcript(graph):
     assert msg.processing_time.sec + msg.processing_time.nanosec > 0
     assert player.done or wait_for(lambda: player.done, timeout=10)
     assert node.skipped_chunks == 0
+    # /diagnostics says the same as the node's counters, at level OK.
+    statuses = []
+    graph.node("monitor").create_subscription(
+        DiagnosticArray, "/diagnostics",
+        lambda m: statuses.extend(s for s in m.status if s.name.endswith("/speech")), QOS)
+    assert wait_for(lambda: any(dict((v.key, v.value) for v in s.values)["transcripts_final"] == "1"
+                                for s in statuses), timeout=15), statuses[-1:] if statuses else "none"
+    last = dict((v.key, v.value) for v in statuses[-1].values)
+    assert statuses[-1].level == DiagnosticStatus.OK and last["model_loaded"] == "True"
+    # (chunks published before DDS matched the player may be missed: at most every chunk arrives)
+    assert last["lifecycle_state"] == "active" and 0 < int(last["chunks_received"]) <= len(player.chunks)
+    assert last["transcripts_incomplete"] == "0" and last["audio_jumps"] == "0"
 
 
 def test_one_wav_replayed_20_times_gives_the_same_utterance_every_time(graph):
