@@ -507,7 +507,9 @@ class Megakernel:
         self.num_programs = resident_programs(dev, len(graph.tasks))
         interp = dev.type == "cpu"
         # Under the interpreter any wait is satisfied at once or never: fail fast instead of hanging.
-        self.spin_limit = spin_limit if spin_limit is not None else (2 if interp else 1 << 30)
+        # On a GPU ~2^20 polls are about a second, far past any real dependency wait (microseconds
+        # to milliseconds): a lost signal becomes a reported error, not a minutes-long hang.
+        self.spin_limit = spin_limit if spin_limit is not None else (2 if interp else 1 << 20)
         self.meta = dict(NF=NUM_FIELDS, BLOCK_M=max(1, triton.next_power_of_2(graph.batch)),
                          BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
                          BLOCK_D=triton.next_power_of_2(head_dim),
