@@ -97,23 +97,29 @@ def node_parameters(config: dict, node_name: str) -> list[Parameter]:
 
 def build_graph(config_path: Path, graph: str, namespace: str = "", remaps: list[str] = (),
                 wav: str | None = None, context=None, overrides: dict[str, dict] | None = None,
-                managed: bool = False) -> list:
-    """The nodes of `graph`, configured from the YAML (plus `overrides`: node -> {param: value}).
-    `managed`: the lifecycle nodes wait unconfigured for a manager (an override still wins)."""
+                managed: bool = False, roles: list[str] | None = None) -> list:
+    """The nodes of `graph` (or of `roles`, a subset of its roles), configured from the YAML (plus
+    `overrides`: node -> {param: value}). `managed`: the lifecycle nodes wait unconfigured for a
+    manager (an override still wins). If one node cannot start, those made before it are destroyed."""
     config = yaml.safe_load(Path(config_path).read_text()) or {}
     classes = node_classes()
     cli_args = ["--ros-args"] + [arg for r in remaps for arg in ("-r", r)] if remaps else None
     nodes = []
-    for role in GRAPHS[graph]:
-        name = role if role != "audio" else ("wav_publisher" if wav else "microphone")
-        params = node_parameters(config, name)
-        extra = {"autostart": False} if managed and name in MANAGED else {}
-        extra.update((overrides or {}).get(name, {}))
-        if name == "wav_publisher":
-            extra["file"] = wav
-        params = [p for p in params if p.name not in extra] + [Parameter(k, value=v) for k, v in extra.items()]
-        nodes.append(classes[name](namespace=namespace, cli_args=cli_args, parameter_overrides=params,
-                                   context=context))
+    try:
+        for role in roles if roles is not None else GRAPHS[graph]:
+            name = role if role != "audio" else ("wav_publisher" if wav else "microphone")
+            params = node_parameters(config, name)
+            extra = {"autostart": False} if managed and name in MANAGED else {}
+            extra.update((overrides or {}).get(name, {}))
+            if name == "wav_publisher":
+                extra["file"] = wav
+            params = [p for p in params if p.name not in extra] + [Parameter(k, value=v) for k, v in extra.items()]
+            nodes.append(classes[name](namespace=namespace, cli_args=cli_args, parameter_overrides=params,
+                                       context=context))
+    except Exception:
+        for node in nodes:
+            node.destroy_node()
+        raise
     return nodes
 
 

@@ -12,15 +12,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import rclpy
-import yaml
 from rclpy.duration import Duration
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
-from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from photon_ros.bag_io import BagMessage, message_class, stamp_ns
-from photon_ros.bringup import node_classes, node_parameters
+from photon_ros.bringup import build_graph
 from photon_ros.graph_probe import (GraphError, SpeechProbe, VisionProbe, chunk_end, chunk_start,
                                     loop_statuses, predict_utterances)
 from photon_ros.replay import ChunkGate, FrameGate, Published, Stream, replay
@@ -36,21 +34,10 @@ GRACE_S = 0.5              # after the awaited results, for extras still in flig
 
 
 def graph_nodes(config_path: Path, roles: list[str], context, overrides: dict[str, dict]) -> dict[str, Any]:
-    """The graph's processing nodes, configured as bringup configures them (same YAML, same
-    parameter names); bringup.build_graph would also start an audio source."""
-    config = yaml.safe_load(Path(config_path).read_text()) or {}
-    classes, nodes = node_classes(), {}
-    try:
-        for role in roles:
-            extra = overrides.get(role, {})
-            params = [p for p in node_parameters(config, role) if p.name not in extra]
-            params += [Parameter(k, value=v) for k, v in extra.items()]
-            nodes[role] = classes[role](parameter_overrides=params, context=context)
-    except Exception:
-        for node in nodes.values():
-            node.destroy_node()
-        raise
-    return nodes
+    """The graph's processing nodes, configured as bringup configures them (its build_graph, without
+    an audio source: the bag is the source)."""
+    nodes = build_graph(config_path, "all", context=context, overrides=overrides, roles=roles)
+    return dict(zip(roles, nodes))
 
 
 @dataclass
