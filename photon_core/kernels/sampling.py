@@ -8,7 +8,8 @@
   N_BISECT bisection passes over the row (each V*4 bytes, L2-resident at decode batch sizes). Then
   target = u * kept_mass and the token is the first index, in vocabulary order, whose running kept mass
   exceeds target (tl.cumsum inside the block that crosses it). The uniform draw u per row comes from
-  device memory so the step stays capturable. `sample_reference` is the same definition in PyTorch.
+  device memory so the step stays capturable. `backends.reference.sample` is the same definition in
+  PyTorch.
 """
 from __future__ import annotations
 
@@ -132,22 +133,3 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, uniform: torc
                                       USE_TOP_P=top_p < 1.0, N_ITER=N_BISECT,
                                       BLOCK_V=min(1024, triton.next_power_of_2(v)))
     return out.view(logits.shape[:-1])
-
-
-def sample_reference(logits: torch.Tensor, temperature: float, top_p: float,
-                     uniform: torch.Tensor) -> torch.Tensor:
-    """The definition `sample` implements, in PyTorch (sort-based nucleus)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    x = _rows(logits).float()
-    e = torch.exp((x - x.max(-1, keepdim=True).values) / temperature)
-    z = e.sum(-1, keepdim=True)
-    if top_p < 1.0:
-        srt = e.sort(-1, descending=True).values
-        k = (srt.cumsum(-1) >= top_p * z).float().argmax(-1, keepdim=True)
-        theta = srt.gather(-1, k)
-        e = torch.where(e >= theta, e, torch.zeros_like(e))
-    c = e.cumsum(-1)
-    target = uniform.reshape(-1, 1).float() * e.sum(-1, keepdim=True)
-    hit = ((c > target) & (e > 0)).float().argmax(-1)
-    return hit.view(logits.shape[:-1])
