@@ -213,14 +213,21 @@ class StepGraph:
         return [n for n in self.nodes if any(a is value for a in n.args.values())]
 
     def weight_bytes(self, element_size: int = 4, skip: tuple[str, ...] = ()) -> int:
-        """Bytes of weights one step streams: every weight once (rotary tables: one row each)."""
-        rows = {r.cos for n in self.nodes if (r := n.args.get("rotary"))} | \
-               {r.sin for n in self.nodes if (r := n.args.get("rotary"))}
+        """Bytes of weights one step streams: every weight once, except tables the step only looks
+        rows up in (embedding and position tables, rotary tables), which cost one row each; a table
+        that is also a linear's weight (a tied LM head) is streamed whole."""
+        looked_up = set()
+        for n in self.nodes:
+            if n.op == "embed":
+                looked_up |= {n.args["tok"], n.args["pos"]}
+            elif (r := n.args.get("rotary")) is not None:
+                looked_up |= {r.cos, r.sin}
+        streamed = {n.args[k] for n in self.nodes if n.op != "embed" for k in ("w", "b") if n.args.get(k)}
         total = 0
         for k, shape in self.weight_shapes.items():
             if k in skip:
                 continue
-            total += shape[-1] if k in rows else math.prod(shape)
+            total += shape[-1] if k in looked_up and k not in streamed else math.prod(shape)
         return total * element_size
 
 

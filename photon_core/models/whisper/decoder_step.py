@@ -119,12 +119,10 @@ class WhisperDecoderWeights:
                                      weights.dec_ln.bias, int(weights.dims.n_text_head))
 
     def weight_bytes_per_step(self) -> int:
-        """Bytes a decode step must read (each weight once; embeddings: the LM head reads them all;
-        cross K/V projections are per utterance, not per step)."""
-        n = self.token_embedding.numel() + self.ln_w.numel() + self.ln_b.numel()
-        for lw in self.layers:
-            n += sum(getattr(lw, f.name).numel() for f in fields(lw) if not f.name.startswith("cross_kv"))
-        return n * self.token_embedding.element_size()
+        """Bytes a decode step must read: its step graph's count (the tied LM head reads the token
+        embedding whole; cross K/V projections run once per utterance, outside the step)."""
+        return step_graph(self, self.positional_embedding.shape[0], 1).weight_bytes(
+            self.token_embedding.element_size())
 
 
 # ---------------------------------------------------------------------------------------------------
