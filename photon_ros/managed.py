@@ -224,21 +224,27 @@ class ManagedNode(LifecycleNode):
         self.release_engine()
         super().destroy_node()
 
-    # --- subclasses -----------------------------------------------------------------------------
+    # --- what each managed node provides (the vision and speech nodes do; a node class that
+    # leaves one out fails at its first transition, naming the hook) -----------------------------
     def create_interfaces(self) -> None:
-        raise NotImplementedError
+        """Create the node's subscriptions, publishers and services (at configure)."""
+        raise NotImplementedError(f"{type(self).__name__} must define create_interfaces()")
 
     def destroy_interfaces(self) -> None:
-        raise NotImplementedError
+        """Destroy what create_interfaces made (at cleanup)."""
+        raise NotImplementedError(f"{type(self).__name__} must define destroy_interfaces()")
 
     def load_engine(self) -> SharedModel:
-        raise NotImplementedError
+        """Load (hold) the model through the shared engine cache (at configure)."""
+        raise NotImplementedError(f"{type(self).__name__} must define load_engine()")
 
     def drop_pending(self) -> None:
-        raise NotImplementedError
+        """Forget queued input at deactivate, so nothing begun before it is published after."""
+        raise NotImplementedError(f"{type(self).__name__} must define drop_pending()")
 
     def work(self) -> None:
-        raise NotImplementedError
+        """The worker loop: process input while active (runs on the node's worker thread)."""
+        raise NotImplementedError(f"{type(self).__name__} must define work()")
 
 
 def health(state: str, loading: bool, model_error: str | None, received: int, inputs: str) -> tuple[bytes, str]:
