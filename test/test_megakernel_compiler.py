@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from photon_core.megakernel import CompiledStep, Rotary, StepGraph, Tiling, check, lower, plan, run_reference  # noqa: E402
+from photon_core.megakernel.stepgraph import HeadNorm  # noqa: E402
 
 RTOL = 1e-4
 
@@ -180,6 +181,96 @@ def test_a_llama_style_layer_equals_the_eager_graph(rotary, tiling):
             for r, p in enumerate(positions):
                 assert rel_err(step.view(name)[r, :, p], caches[name][r, :, p]) < RTOL
         positions = [p + 1 for p in positions]
+
+
+def hybrid_graph(w, ring: bool, window: int = 5, ring_len: int = 6, full_len: int = 16):
+    """Two layers of the newer decoders: a sliding-window layer (its K/V in a ring of `ring_len`
+    positions, or in a full cache) with per-head q/k/v RMSNorm, a custom attention scale and a
+    sigmoid output gate (Qwen 3.5), then a global layer with q/k norms; rotary at an offset."""
+    hq, hkv, dh = 4, 2, 16
+    g = StepGraph("hybrid", {k: tuple(t.shape) for k, t in w.items()})
+    kc = g.cache("k0", hkv, ring_len if ring else full_len, dh, ring=ring)
+    vc = g.cache("v0", hkv, ring_len if ring else full_len, dh, ring=ring)
+    kc2, vc2 = g.cache("k1", hkv, full_len, dh), g.cache("v1", hkv, full_len, dh)
+    rot = Rotary("cos", "sin", 8)
+    x = g.embed("x", "tok")
+    h = g.rms_norm("h", x, "n.w", offset=1.0)
+    q = g.kv_append("q", g.linear("qkv", h, "qkv"), kc, vc, rotary=rot, q_heads=hq,
+                    norm=HeadNorm(q="qn", k="kn", v=True, offset=1.0))
+    a = g.attention("a", q, kc, vc, window=window, scale=0.7)
+    x = g.linear("x1", g.gate("ag", a, g.linear("gt", h, "gate")), "o", residual=x)
+    h = g.rms_norm("h2", x, "n2.w", offset=1.0)
+    q = g.kv_append("q2", g.linear("qkv2", h, "qkv2"), kc2, vc2, rotary=rot, q_heads=hq,
+                    norm=HeadNorm(q="qn2", k="kn2"))
+    x = g.linear("x2", g.attention("a2", q, kc2, vc2), "o2", residual=x)
+    g.expose("logits", logits := g.linear("logits", x, "head"))
+    g.argmax("token", logits)
+    return g
+
+
+def hybrid_weights():
+    g0 = torch.Generator().manual_seed(5)
+    d, hq, hkv, dh, vocab, ctx = 64, 4, 2, 16, 50, 24
+
+    def r(*shape, s=1.0):
+        return torch.randn(*shape, generator=g0) * s
+
+    return {"tok": r(vocab, d, s=0.5), "n.w": r(d, s=0.1), "n2.w": r(d, s=0.1),
+            "qkv": r((hq + 2 * hkv) * dh, d, s=1 / 8), "qkv2": r((hq + 2 * hkv) * dh, d, s=1 / 8),
+            "gate": r(hq * dh, d, s=1 / 8), "o": r(d, hq * dh, s=1 / 8), "o2": r(d, hq * dh, s=1 / 8),
+            "qn": r(dh, s=0.2), "kn": r(dh, s=0.2), "qn2": 1 + r(dh, s=0.2), "kn2": 1 + r(dh, s=0.2),
+            "cos": torch.cos(r(ctx, 4)), "sin": torch.sin(r(ctx, 4)), "head": r(vocab, d, s=1 / 8)}
+
+
+def test_window_ring_head_norms_gate_and_rotary_offsets_equal_the_eager_graph():
+    """The sliding window slides and its ring wraps (8 steps past a window of 5 in a ring of 6):
+    the compiled step equals run_reference step after step, and the ring graph's logits equal
+    those of the same layers over a full-length cache (the ring changes memory, not results)."""
+    w = hybrid_weights()
+    ring_graph, full_graph = hybrid_graph(w, ring=True), hybrid_graph(w, ring=False)
+    step = CompiledStep(ring_graph, w, 2, Tiling(16, 32, 8, 2, 2))
+    step.state.fill_(float("nan"))
+    g0 = torch.Generator().manual_seed(6)
+    positions, offsets = [3, 5], [0, -2]
+    caches = {"ring": {}, "full": {}}
+    for name, ring_len in (("k0", 6), ("v0", 6), ("k1", 16), ("v1", 16)):
+        hist = torch.randn(2, 2, 16, 16, generator=g0)
+        for r, p in enumerate(positions):
+            hist[r, :, p:] = 0.0
+        caches["full"][name] = hist.clone()
+        ring = torch.zeros(2, 2, ring_len, 16)
+        for r, p in enumerate(positions):
+            for t in range(p):
+                ring[r, :, t % ring_len] = hist[r, :, t]
+        caches["ring"][name] = ring
+        view = step.view(name)
+        for r, p in enumerate(positions):
+            for t in range(p):
+                view[r, :, t % ring_len] = hist[r, :, t]
+    for _ in range(8):
+        tokens = torch.randint(0, 50, (2,), generator=g0).tolist()
+        step.set_step(tokens, positions)
+        step.set_rotary_offsets(offsets)
+        step.launch()
+        want = run_reference(ring_graph, w, caches["ring"], tokens, positions, rotary_offsets=offsets)
+        full = run_reference(full_graph, w, caches["full"], tokens, positions, rotary_offsets=offsets)
+        assert rel_err(want["logits"], full["logits"]) < 1e-5
+        assert rel_err(step.view("logits"), want["logits"]) < RTOL
+        assert step.result("token").tolist() == want["results"]["token"]
+        positions = [p + 1 for p in positions]
+    with pytest.raises(ValueError, match="offsets <= 0"):
+        step.set_rotary_offsets([1, 0])
+
+
+def test_window_layers_are_checked_when_stated():
+    w = hybrid_weights()
+    g = StepGraph("bad-ring", {k: tuple(t.shape) for k, t in w.items()})
+    kc, vc = g.cache("k", 2, 4, 16, ring=True), g.cache("v", 2, 4, 16, ring=True)
+    q = g.kv_append("q", g.linear("qkv", g.embed("x", "tok"), "qkv"), kc, vc, q_heads=4)
+    with pytest.raises(ValueError, match="ring of 4 positions"):
+        g.attention("a", q, kc, vc, window=5)
+    with pytest.raises(ValueError, match="self-attention only"):
+        g.attention("a", q, kc, vc, length="cross", window=3)
 
 
 def test_advance_writes_the_next_token_and_position():

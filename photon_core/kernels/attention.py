@@ -87,9 +87,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, TQ, TK, D, PREFIX, scale, GROUP,
 
 @triton.jit
 def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
-                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = ""):
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = "", ring=0):
     """Online softmax of one query (q_ptr, D values) over keys [start, end) of a [*, D] row-major
-    K/V block. Returns (m, l, acc[BLOCK_D]); an empty range gives (-inf, 0, 0)."""
+    K/V block; with ring > 0 key t lives in row t % ring (a sliding window's ring cache). Returns
+    (m, l, acc[BLOCK_D]); an empty range gives (-inf, 0, 0)."""
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     q = tl.load(q_ptr + dd, mask=dmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
@@ -99,7 +100,8 @@ def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
     for t0 in range(start, end, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
         tmask = tt < end
-        off = tt[:, None].to(tl.int64) * D + dd[None, :]
+        slot = tl.where(ring > 0, tt % tl.maximum(ring, 1), tt)
+        off = slot[:, None].to(tl.int64) * D + dd[None, :]
         k = tl.load(k_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
                     cache_modifier=CACHE).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1) * scale

@@ -4,7 +4,9 @@ Every family's decode step goes through here; nothing here knows a model.
 
 Lowering, op by op:
   * embed       one task per BLOCK_N columns: token row (+ position row) into the value.
-  * layer_norm  no task: fused in front of every linear that reads it (only linears may read one).
+  * layer_norm  no task: fused in front of every linear that reads it (only linears may read one);
+                rms_norm, glu (act(gate) * up) and gate (x * sigmoid(g)) likewise fuse into the
+                loads of the linears that read them.
   * linear      one task per tile of output columns, bias / activation / residual fused behind. A
                 stage with fewer tiles than Tiling.min_tasks gets narrower tiles, then split-K: K
                 slices write partial products to a scratch, and one task per tile sums them in a
@@ -13,7 +15,8 @@ Lowering, op by op:
                 a q|k|v store (q into the query buffer, k and v straight into the caches at the row's
                 position: no append task); an argmax reader makes it a logits store that also writes
                 each tile's (max, first index) per row.
-  * kv_append   one task per (row, head): rotary on q and k, q out, k and v into the caches.
+  * kv_append   one task per (row, head): per-head RMSNorm and rotary on q and k, q out, k and v
+                into the caches (slot position % length for a ring cache).
   * attention   split-KV partials per (row, head, split), one merge per (row, head).
   * argmax      one task per result column, over the tiles of the columns it covers.
 
@@ -27,12 +30,13 @@ accesses follow the data flow; checker.check proves the tasks race-free before a
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from photon_core.megakernel.graph import (BATCH_BUCKETS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
+from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
                                           OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,
                                           OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
                                           StateViews, Task, TaskGraph)
@@ -43,6 +47,7 @@ from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
 WEIGHT_ROW_ALIGN = 16   # elements; kernel.py's tl.multiple_of hints rely on it
 NORMS = ("layer_norm", "rms_norm")   # fused in front of the linears that read them
+FUSED = NORMS + ("glu", "gate")       # no task of their own: a linear's loads compute them
 NORM_CODES = {"layer_norm": 1, "rms_norm": 2}
 
 
@@ -90,6 +95,7 @@ class Plan:
     producer: dict[str, Node]             # value name -> the node that defines it
     norm_of: dict[str, Node]              # linear name -> the layer_norm fused in front of it
     glu_of: dict[str, Node]               # linear name -> the glu fused into its loads of x
+    gate_of: dict[str, Node]              # linear name -> the sigmoid gate fused into its loads of x
     qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
     logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
     shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
@@ -107,7 +113,15 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     producer = {n.out.name: n for n in graph.nodes if n.out is not None}
     norm_of: dict[str, Node] = {}
     glu_of: dict[str, Node] = {}
+    gate_of: dict[str, Node] = {}
     weight_offset: dict[str, float] = {}
+    offset_readers: dict[str, set[int]] = {}   # weight -> nodes reading it as an (offset + w) scale
+
+    def fold_offset(node: Node, w: str, offset: float) -> None:
+        if weight_offset.setdefault(w, offset) != offset:
+            raise ValueError(f"{graph.name}: weight {w!r} read by norms with different offsets")
+        offset_readers.setdefault(w, set()).add(id(node))
+
     qkv_store: dict[str, Node] = {}
     logits: dict[str, int] = {}
     eps = set()
@@ -117,23 +131,34 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
             eps.add(a["eps"])
             if node.op == "rms_norm" and a["offset"]:
                 # (offset + w) is folded into the stored weight at load time.
-                if weight_offset.setdefault(a["w"], a["offset"]) != a["offset"]:
-                    raise ValueError(f"{graph.name}: weight {a['w']!r} read by norms with different offsets")
+                fold_offset(node, a["w"], a["offset"])
             for c in graph.consumers(node.out):
                 if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out:
                     raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
                                      "can take a fused LayerNorm")
                 norm_of[c.out.name] = node
-        elif node.op == "glu":
+        elif node.op in ("glu", "gate"):
+            for arg in ("x", "g") if node.op == "gate" else ("x",):
+                src = producer.get(a[arg].name)
+                if src is not None and src.op in FUSED:
+                    raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} reads {src.op} "
+                                     f"{src.out.name!r}; fused ops cannot be chained")
             for c in graph.consumers(node.out):
                 if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out \
                         or c.out.name in norm_of:
-                    raise ValueError(f"{graph.name}: glu {node.out.name!r} is read by {c.op} "
+                    raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
-                                     "can take a fused GLU")
-                glu_of[c.out.name] = node
-        elif node.op == "kv_append" and a["rotary"] is None and a["k"].spec.heads * a["k"].spec.head_dim == node.out.width:
+                                     f"can take a fused {'GLU' if node.op == 'glu' else 'sigmoid gate'}")
+                (glu_of if node.op == "glu" else gate_of)[c.out.name] = node
+        elif node.op == "kv_append" and a["norm"] is not None:
+            hn = a["norm"]
+            eps.add(hn.eps)
+            for w in (hn.q, hn.k):
+                if w is not None and hn.offset:
+                    fold_offset(node, w, hn.offset)
+        elif node.op == "kv_append" and a["rotary"] is None and a["k"].spec.heads * a["k"].spec.head_dim == node.out.width \
+                and not a["k"].spec.ring:
             # The linear stores q|k|v itself only with as many K/V heads as query heads (the
             # kernel's q|k|v store); grouped-query K/V go through append tasks.
             src = producer.get(a["qkv"].name)
@@ -152,7 +177,9 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     if len(eps) > 1:
         raise ValueError(f"{graph.name}: one LayerNorm epsilon per step, got {sorted(eps)}")
     for w in weight_offset:   # the stored weight is (offset + w): nothing else may read it
-        others = [n for n in graph.nodes if w in n.args.values() and not (n.op == "rms_norm" and n.args["offset"])]
+        others = [n for n in graph.nodes if id(n) not in offset_readers[w]
+                  and (w in n.args.values() or (n.args.get("norm") is not None
+                                                and w in (n.args["norm"].q, n.args["norm"].k)))]
         if others:
             raise ValueError(f"{graph.name}: weight {w!r} is an RMSNorm's (offset + w) and also read by "
                              f"{others[0].op} {others[0].out.name if others[0].out else ''!r}")
@@ -170,7 +197,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
         wa.alloc(k, shape[0] * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN)
     shapes: dict[str, tuple[int, ...]] = {}
     fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
-                                                                      if n.op in NORMS or n.op == "glu"}
+                                                                      if n.op in FUSED}
     for node in graph.nodes:
         if node.out is not None and node.out.name not in fused_away:
             shapes[node.out.name] = (batch, node.out.width)
@@ -198,12 +225,15 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     for k, shp in shapes.items():
         sa.alloc(k, math.prod(shp))
 
-    limits = [spec.length for n in graph.nodes if n.op == "kv_append" for spec in (n.args["k"].spec,)]
+    # Positions must stay inside the caches (a ring takes any position) and the position tables;
+    # rotary tables are checked with each row's rotary offset (set_rotary_offsets).
+    limits = [spec.length for n in graph.nodes if n.op == "kv_append" for spec in (n.args["k"].spec,)
+              if not spec.ring]
     limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
-    limits += [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
-               if n.op == "kv_append" and n.args["rotary"] is not None]
-    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, qkv_store, logits, shape, ldw, weight_offset,
-                eps.pop() if eps else 1e-5, min(limits) if limits else 1 << 30)
+    rotary = [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
+              if n.op == "kv_append" and n.args["rotary"] is not None]
+    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, gate_of, qkv_store, logits, shape,
+                ldw, weight_offset, eps.pop() if eps else 1e-5, min(limits + rotary) if limits + rotary else 1 << 30)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,12 +257,13 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
     kept = {id(n) for n in nodes}
     g = TaskGraph(model=graph.name, batch=B)
     dyn_tok, dyn_pos, dyn_xlen = Region("dyn", 0, B), Region("dyn", B, 2 * B), Region("dyn", 2 * B, 3 * B)
+    dyn_rot = Region("dyn", 3 * B, 4 * B)
     stage_of: dict[str, _Stage] = {}     # value name -> stage that wrote it
 
     def source(v: Value) -> Value:
         """What a read of `v` really reads: a fused LayerNorm's input."""
         n = p.producer.get(v.name)
-        return n.args["x"] if n is not None and (n.op in NORMS or n.op == "glu") else v
+        return n.args["x"] if n is not None and n.op in FUSED else v
 
     def waits(values: list[Value], head: int | None = None) -> list[tuple[str, int]]:
         stages = []
@@ -283,7 +314,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
 
     for node in nodes:
         a = node.args
-        if node.op in ("input", "glu") or node.op in NORMS:
+        if node.op == "input" or node.op in FUSED:
             continue
         if node.op == "embed":
             st = _Stage(node.out.name, g.counter(node.out.name), ancestors=frozenset({node.out.name}))
@@ -313,9 +344,10 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                         ancestors([a["qkv"]], node.out.name))
             wait = waits([a["qkv"]])
             qkv = a["qkv"].name
+            hn = a["norm"]
             for h in range(hq):                # query head h; K/V head h too while h < H
                 for r in range(B):
-                    reads = [S.region(qkv, r * row + h * dh, r * row + (h + 1) * dh), dyn_pos]
+                    reads = [S.region(qkv, r * row + h * dh, r * row + (h + 1) * dh), dyn_pos, dyn_rot]
                     writes = [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh)]
                     if h < H:
                         reads += [S.region(qkv, r * row + d + c * H * dh + h * dh, r * row + d + c * H * dh + (h + 1) * dh)
@@ -325,7 +357,10 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                                dict(K=rot.dims if rot else 0, N=d, x=S.off(qkv),
                                     w=W.off(rot.cos) if rot else -1, b=W.off(rot.sin) if rot else -1,
                                     out=S.off(node.out.name), kc=cache_off(k), vc=cache_off(v), H=H, Dh=dh,
-                                    Tmax=k.spec.length, bi=r, hi=h),
+                                    Tmax=k.spec.length, bi=r, hi=h, ring=int(k.spec.ring),
+                                    lnw=W.off(hn.q) if hn is not None and hn.q else -1,
+                                    lnb=W.off(hn.k) if hn is not None and hn.k else -1,
+                                    norm=0 if hn is None else (hn.q is not None) | (hn.k is not None) << 1 | hn.v << 2),
                                list(wait), st.heads[h] if st.heads else st.counter, reads, writes))
             stage_of[node.out.name] = st
         elif node.op == "attention":
@@ -359,9 +394,12 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
     a, name = node.args, node.out.name
     N, K = graph.weight_shapes[a["w"]]
     width, splits = p.shape[name]
-    norm, glu = p.norm_of.get(name), p.glu_of.get(name)
-    x = norm.args["x"] if norm else glu.args["x"] if glu else a["x"]
-    reads_of = [a["x"]] + ([a["residual"]] if a["residual"] is not None else [])
+    norm, glu, gate = p.norm_of.get(name), p.glu_of.get(name), p.gate_of.get(name)
+    x = norm.args["x"] if norm else glu.args["x"] if glu else gate.args["x"] if gate else a["x"]
+    reads_of = ([gate.args["x"], gate.args["g"]] if gate else [a["x"]]) + (
+        [a["residual"]] if a["residual"] is not None else [])
+    x_regions = [S.region(x.name)] + ([S.region(gate.args["g"].name)] if gate else [])
+    xgate = S.off(gate.args["g"].name) if gate else -1
     kv = p.qkv_store.get(name)
     out = kv.out if kv is not None else node.out          # what the tiles write
     dh = per_head(out)
@@ -386,9 +424,9 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                                 w=W.off(a["w"]), ldw=p.ldw[a["w"]], lnw=W.off(norm.args["w"]) if norm else -1,
                                 lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                                 norm=NORM_CODES[norm.op] if norm else 0,
-                                xglu=activation_code(glu.args["act"]) if glu else 0,
+                                xglu=activation_code(glu.args["act"]) if glu else 0, xgate=xgate,
                                 kpart=S.off(kpart), ksplit=ks),
-                           list(wait), split_sig, [S.region(x.name)],
+                           list(wait), split_sig, list(x_regions),
                            [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for r in range(B)]))
         n_split = g.signalers(split_sig)
         used = -(-K // step)
@@ -399,15 +437,15 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                     lnw=W.off(norm.args["w"]) if norm else -1,
                     lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                     norm=NORM_CODES[norm.op] if norm else 0, xglu=activation_code(glu.args["act"]) if glu else 0,
-                    act=activation_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
+                    xgate=xgate, act=activation_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
                     mode=mode, out=S.off(out.name))
-        reads = [S.region(x.name)]
+        reads = [] if splits > 1 else list(x_regions)
         if a["residual"] is not None:
             reads += S.columns(a["residual"].name, B, N, n0, n1)
         if splits > 1:
             args.update(kpart=S.off(kpart), ksplit=used)
             reads = [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1)
-                     for ks in range(used) for r in range(B)] + reads[1:]
+                     for ks in range(used) for r in range(B)] + reads
         writes = []
         if mode == MODE_QKV:
             kc, vc = kv.args["k"], kv.args["v"]
@@ -458,7 +496,8 @@ def _lower_attention(p: Plan, g: TaskGraph, node: Node, waits, ancestors, cache_
                 g.add(Task(f"{name}.part[b{r},h{h},s{s}]", OP_ATTN_PARTIAL,
                            dict(x=S.off(q.name), K=d, N=hq, tile=hk, kc=cache_off(k), vc=cache_off(v), H=H,
                                 Dh=dh, Tmax=k.spec.length, part=S.off(part), bi=r, hi=h, s=s, S=splits,
-                                lenkind=LEN_SELF if self_len else LEN_CROSS),
+                                lenkind=LEN_SELF if self_len else LEN_CROSS, window=a["window"] or 0,
+                                ring=int(k.spec.ring), scale=-1 if a["scale"] is None else float_bits(a["scale"])),
                            wait, sig_p,
                            [S.region(q.name, r * d + h * dh, r * d + (h + 1) * dh),
                             cache_cols(k, r, hk * dh, (hk + 1) * dh), cache_cols(v, r, hk * dh, (hk + 1) * dh),
@@ -474,6 +513,11 @@ def _lower_attention(p: Plan, g: TaskGraph, node: Node, waits, ancestors, cache_
                        [(sig_p, n_part)], st.counter, [S.region(part, p0, p0 + splits * (dh + 2))],
                        [S.region(name, r * d + h * dh, r * d + (h + 1) * dh)]))
     return st
+
+
+def float_bits(x: float) -> int:
+    """An fp32 constant as the int32 the task table carries (the kernel bitcasts it back)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def _needed(graph: StepGraph, p: Plan, results: Iterable[str] | None) -> list[Node]:
@@ -545,7 +589,7 @@ class CompiledStep(StateViews):
                     self.weights[off:off + n] = t.reshape(-1)
         self.warena, self.sarena, self.shapes = p.warena, p.sarena, p.shapes
         self.state = torch.zeros(p.sarena.size, dtype=torch.float32, device=dev)
-        self.dyn = torch.zeros(3 * batch, dtype=torch.int32, device=dev)
+        self.dyn = torch.zeros(DYN_SECTIONS * batch, dtype=torch.int32, device=dev)
         self.out = torch.zeros(batch * max(1, len(graph.results)), dtype=torch.int32, device=dev)
         self.check = check
         self._kernels: dict[frozenset[str] | None, object] = {}
@@ -601,6 +645,17 @@ class CompiledStep(StateViews):
                 raise ValueError(f"need {B} tokens")
             self.dyn[:B] = tok.to(self.dyn.device)
         self.dyn[B:2 * B] = pos.to(self.dyn.device)
+
+    def set_rotary_offsets(self, offsets: list[int] | torch.Tensor) -> None:
+        """Each row's rotary offset: rotary tables are read at position + offset (0 by default).
+        Offsets are <= 0 (multimodal positions run behind the cache position), so the range check
+        of positions (set_step, and `advance` on the device) covers the rotary tables too."""
+        B = self.batch
+        off = torch.as_tensor(offsets, dtype=torch.int32)
+        pos = self.dyn[B:2 * B].cpu()
+        if off.numel() != B or int(off.max()) > 0 or int((pos + off).min()) < 0:
+            raise ValueError(f"need {B} rotary offsets <= 0 keeping position + offset >= 0")
+        self.dyn[3 * B:4 * B] = off.to(self.dyn.device)
 
     def set_cross_len(self, lengths: list[int]) -> None:
         self.dyn[2 * self.batch:3 * self.batch] = torch.tensor(lengths, dtype=torch.int32)

@@ -39,13 +39,17 @@ LEN_SELF, LEN_CROSS = 0, 1
 FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
-          "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu")
+          "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
+          "xgate", "window", "ring", "scale")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 48  # padded; rows stay 128-byte aligned (384 bytes)
 
 # Layout of the int32 dynamic buffer (per-step values, written by the host or by the kernel itself):
-# [0:B] tokens, [B:2B] positions (of the token being decoded), [2B:3B] cross-attention lengths.
-DYN_TOKENS, DYN_POSITIONS, DYN_CROSS_LEN = 0, 1, 2
+# [0:B] tokens, [B:2B] positions (of the token being decoded), [2B:3B] cross-attention lengths,
+# [3B:4B] rotary offsets (rotary tables are read at position + offset: Qwen's multimodal positions
+# run behind the cache position after an image).
+DYN_TOKENS, DYN_POSITIONS, DYN_CROSS_LEN, DYN_ROTARY_OFFSET = 0, 1, 2, 3
+DYN_SECTIONS = 4
 # Layout of the int32 control buffer: [0] claim counter, [1] error flag (first failed task + 1),
 # [2:] dependency counters. All of it must be zero at launch.
 CTRL_CLAIM, CTRL_ERROR, CTRL_COUNTERS = 0, 1, 2

@@ -36,7 +36,7 @@ CG: tl.constexpr = tl.constexpr(".cg")
 assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
-                       "ksplit", "ldw", "norm", "xglu")] == list(range(1, 41))
+                       "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale")] == list(range(1, 45))
 
 
 @triton.jit
@@ -127,6 +127,9 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     xglu = tl.load(row + 40)
     if xglu > 0:
         x_rows = s_ptr + x_off + rows[:, None].to(tl.int64) * (2 * K)
+    # A sigmoid-gated input (Qwen 3.5's attention output gate): x * sigmoid(g), g another [M, K] value.
+    xgate = tl.load(row + 41)
+    g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     for kb in range(k0, k1, BLOCK_K):
         kk = kb + ks
@@ -135,6 +138,8 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
         if xglu > 0:
             x = apply_activation(x, xglu) * tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+        if xgate >= 0:
+            x = x * tl.sigmoid(tl.load(g_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG))
         if lnw >= 0:
             g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
             # A LayerNorm without bias has lnb = -1: load from 0 and zero it (scalar masks are awkward).
@@ -275,18 +280,26 @@ def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: t
         length = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64) + 1
     else:
         length = tl.load(dyn_ptr + 2 * B + b, cache_modifier=CG).to(tl.int64)
-    length = tl.minimum(length, Tmax)
-    chunk = tl.cdiv(tl.cdiv(length, S), BLOCK_T) * BLOCK_T
-    start = tl.minimum(s * chunk, length)
+    # Keys [lo, length): lo > 0 with a sliding window. A ring cache holds position t in slot
+    # t % Tmax (the window never exceeds the ring, so no two visible keys share a slot); a plain
+    # cache never holds more than Tmax.
+    window = tl.load(row + 42)
+    ring = tl.load(row + 43)
+    if ring == 0:
+        length = tl.minimum(length, Tmax)
+    lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(length - lo, S), BLOCK_T) * BLOCK_T
+    start = tl.minimum(lo + s * chunk, length)
     end = tl.minimum(start + chunk, length)
     # Query head h of Hq reads K/V head hk (h // (Hq / H) with grouped-query attention): the
     # compiler writes both into the row rather than have every task divide.
     Hq = tl.load(row + 8)
     hk = tl.load(row + 24)
     base = (b * H + hk) * Tmax * Dh
-    scale = 1.0 / tl.sqrt(Dh.to(tl.float32))
+    bits = tl.load(row + 44)
+    scale = tl.where(bits == -1, 1.0 / tl.sqrt(Dh.to(tl.float32)), bits.to(tl.int32).to(tl.float32, bitcast=True))
     m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, s_ptr + kc + base, s_ptr + vc + base,
-                               start, end, Dh, scale, BLOCK_T, BLOCK_D, CG)
+                               start, end, Dh, scale, BLOCK_T, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0))
     store_partial(s_ptr + part + ((b * Hq + h) * S + s) * (Dh + 2), m, l, acc, Dh, BLOCK_D)
 
 
@@ -357,10 +370,11 @@ def _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D: tl.constexpr):
-    """(row b, head h) of a fused q|k|v row: rotary on the first ROT features of q and k ("rotate
-    half" pairs (i, i + ROT/2), as backends.reference.rotary; ROT = 0 rotates nothing), then q -> the
-    q buffer, k and v -> the KV caches at the row's position. The partner of each feature is gathered
+def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr):
+    """(row b, head h) of a fused q|k|v row: optional per-head RMSNorm of q, k, v, then rotary on the
+    first ROT features of q and k ("rotate half" pairs (i, i + ROT/2), as backends.reference.rotary;
+    ROT = 0 rotates nothing) at the row's position + rotary offset, then q -> the q buffer, k and
+    v -> the KV caches at the row's position (slot position % Tmax in a ring cache). The partner of each feature is gathered
     with a second (masked) load rather than a register permutation; both loads hit the same 256 bytes.
     Bytes: 3*Dh*4 in, 3*Dh*4 out, ROT*4 of cos/sin."""
     rot = tl.load(row + 7)
@@ -377,6 +391,7 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D: tl.constexpr):
     b = tl.load(row + 28)
     h = tl.load(row + 29)
     pos = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64)
+    rpos = pos + tl.load(dyn_ptr + 3 * B + b, cache_modifier=CG).to(tl.int64)   # + rotary offset
     half = rot // 2
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < Dh
@@ -385,8 +400,8 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D: tl.constexpr):
     partner = tl.where(first, dd + half, dd - half)
     sign = tl.where(first, -1.0, 1.0)
     freq = tl.where(first, dd, dd - half)
-    c = tl.load(w_ptr + tl.maximum(cos_off, 0) + pos * half + freq, mask=in_rot, other=1.0).to(tl.float32)
-    s = tl.load(w_ptr + tl.maximum(sin_off, 0) + pos * half + freq, mask=in_rot, other=0.0).to(tl.float32)
+    c = tl.load(w_ptr + tl.maximum(cos_off, 0) + rpos * half + freq, mask=in_rot, other=1.0).to(tl.float32)
+    s = tl.load(w_ptr + tl.maximum(sin_off, 0) + rpos * half + freq, mask=in_rot, other=0.0).to(tl.float32)
     # The row is q (D = Hq*Dh) | k | v (H*Dh each). Query head h also carries K/V head h when h < H
     # (grouped-query attention has fewer K/V heads than query heads).
     row_q = s_ptr + x_off + b * (D + 2 * H * Dh)
@@ -398,11 +413,29 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D: tl.constexpr):
     k = tl.load(kv + dd, mask=has_kv, other=0.0, cache_modifier=CG)
     kp = tl.load(kv + partner, mask=has_kv & in_rot, other=0.0, cache_modifier=CG)
     v = tl.load(kv + H * Dh + dd, mask=has_kv, other=0.0, cache_modifier=CG)
+    # Per-head RMSNorm (Qwen3 / Gemma 4 q_norm, k_norm; v_norm has no scale) before rotary: one
+    # statistic per head, applied to a feature and to the copy loaded as its rotary partner alike.
+    # The stored scale already holds (offset + w) (folded at load time).
+    norm = tl.load(row + 39)
+    if (norm & 1) != 0:
+        qw = w_ptr + tl.load(row + 13)
+        rq = 1.0 / tl.sqrt(tl.sum(q * q, axis=0) / Dh + eps)
+        q = q * rq * tl.load(qw + dd, mask=dmask, other=0.0).to(tl.float32)
+        qp = qp * rq * tl.load(qw + partner, mask=dmask & in_rot, other=0.0).to(tl.float32)
+    if (norm & 2) != 0:
+        kw = w_ptr + tl.load(row + 14)
+        rk = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) / Dh + eps)
+        k = k * rk * tl.load(kw + dd, mask=has_kv, other=0.0).to(tl.float32)
+        kp = kp * rk * tl.load(kw + partner, mask=has_kv & in_rot, other=0.0).to(tl.float32)
+    if (norm & 4) != 0:
+        v = v / tl.sqrt(tl.sum(v * v, axis=0) / Dh + eps)
     q = tl.where(in_rot, q * c + (sign * qp) * s, q)
     k = tl.where(in_rot, k * c + (sign * kp) * s, k)
     tl.store(s_ptr + out + b * D + h * Dh + dd, q, mask=dmask)
-    cache = ((b * H + h) * Tmax + pos) * Dh + dd
-    ok = has_kv & ((dd.to(tl.int64) * 0 + pos) < Tmax)
+    ring = tl.load(row + 43)
+    slot = tl.where(ring != 0, pos % Tmax, pos)
+    cache = ((b * H + h) * Tmax + slot) * Dh + dd
+    ok = has_kv & ((dd.to(tl.int64) * 0 + slot) < Tmax)
     tl.store(s_ptr + kc + cache, k, mask=ok)
     tl.store(s_ptr + vc + cache, v, mask=ok)
 
@@ -425,7 +458,7 @@ def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.c
     elif op == 5:
         _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
     elif op == 6:
-        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_D)
+        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D)
     elif op == 7:
         _task_linear_split(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
     elif op == 8:

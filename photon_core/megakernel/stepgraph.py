@@ -15,11 +15,20 @@ every Value is a per-row vector with a name and a width. The ops:
     linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, gelu, gelu_tanh, silu)
     glu(x, act)                        act(gate) * up of x = gate | up (SwiGLU: silu, GeGLU: gelu); only
                                        linears may read it, so the compiler fuses it into their loads
-    kv_append(qkv, k, v, rotary)       q|k|v = qkv split into heads (fewer K/V heads than query heads:
-                                       grouped-query attention); q and k rotated at the row's position
-                                       (optional); k, v appended to the caches there -> q
-    attention(q, k, v, length)         per head, softmax(q k^T / sqrt(Dh)) v over the row's first
-                                       `length` keys: "self" = position + 1, "cross" = its cross length
+    gate(x, g)                         x * sigmoid(g) (Qwen 3.5's attention output gate); only linears
+                                       may read it, so the compiler fuses it into their loads
+    kv_append(qkv, k, v, rotary, ...)  q|k|v = qkv split into heads (fewer K/V heads than query heads:
+                                       grouped-query attention); optionally each head RMS-normalised
+                                       (Qwen3 / Gemma 4 q_norm, k_norm, v_norm); q and k rotated at the
+                                       row's rotary position (its position + its rotary offset); k, v
+                                       appended to the caches at the row's position -> q
+    attention(q, k, v, length, window, scale)
+                                       per head, softmax(scale * q k^T) v over the row's keys: "self"
+                                       = the first position + 1, "cross" = its cross length; with a
+                                       window only the last `window` of them (sliding-window layers)
+
+A cache declared `ring=True` holds only its last `length` positions (position p in slot p % length):
+a sliding-window layer's bounded cache. Only windowed attention (window <= length) may read one.
     argmax(x, name, c0, c1, advance)   int32 result column `name`: argmax of x[c0:c1] (first of ties);
                                        `advance` also makes it the row's next token and steps the position
 
@@ -51,6 +60,7 @@ class CacheSpec:
     length: int
     head_dim: int
     layers: int | None = None     # one region [L, B, H, T, Dh] instead of [B, H, T, Dh]
+    ring: bool = False            # position p lives in slot p % length (a sliding window's cache)
 
     def __getitem__(self, layer: int) -> "CacheRef":
         if self.layers is None or not 0 <= layer < self.layers:
@@ -74,6 +84,17 @@ class Rotary:
     cos: str          # weight names of [T, rot/2] tables
     sin: str
     dims: int         # rotated features per head (pairs (i, i + dims/2), "rotate half")
+
+
+@dataclass(frozen=True)
+class HeadNorm:
+    """RMSNorm of each head of q, k and/or v over its Dh features, before rotary: y = x / rms(x) *
+    (offset + w), or no scale at all where the weight is None (Gemma 4's v_norm)."""
+    q: str | None = None          # weight names of [Dh] scales
+    k: str | None = None
+    v: bool = False               # v normalised without a scale
+    eps: float = 1e-6
+    offset: float = 0.0
 
 
 @dataclass
@@ -101,10 +122,11 @@ class StepGraph:
         self.exposed: dict[str, Value] = {}   # values the host reads after a step (logits, hidden)
 
     # -- declarations --------------------------------------------------------------------------
-    def cache(self, name: str, heads: int, length: int, head_dim: int, layers: int | None = None) -> CacheSpec:
+    def cache(self, name: str, heads: int, length: int, head_dim: int, layers: int | None = None,
+              ring: bool = False) -> CacheSpec:
         if name in self.caches:
             raise ValueError(f"cache {name!r} declared twice")
-        spec = CacheSpec(name, heads, length, head_dim, layers)
+        spec = CacheSpec(name, heads, length, head_dim, layers, ring)
         self.caches[name] = spec
         return spec
 
@@ -138,6 +160,11 @@ class StepGraph:
             raise ValueError(f"glu {name!r}: needs an activation of {ACTIVATIONS[1:]} and an even width")
         return self._add("glu", name, x.width // 2, x=x, act=act)
 
+    def gate(self, name: str, x: Value, g: Value) -> Value:
+        if g.width != x.width:
+            raise ValueError(f"gate {name!r}: {g.name!r} has width {g.width}, {x.name!r} has {x.width}")
+        return self._add("gate", name, x.width, x=x, g=g)
+
     def linear(self, name: str, x: Value, w: str, b: str | None = None, act: str | None = None,
                residual: Value | None = None) -> Value:
         n, k = self._shape(w, 2)
@@ -152,9 +179,10 @@ class StepGraph:
         return self._add("linear", name, n, x=x, w=w, b=b, act=act, residual=residual)
 
     def kv_append(self, name: str, qkv: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
-                  rotary: Rotary | None = None, q_heads: int | None = None) -> Value:
+                  rotary: Rotary | None = None, q_heads: int | None = None, norm: HeadNorm | None = None) -> Value:
         """`qkv` is q (q_heads heads; default: the caches' heads) | k | v (the caches' heads each):
-        grouped-query attention when q_heads is a multiple of the K/V heads."""
+        grouped-query attention when q_heads is a multiple of the K/V heads. `norm`: per-head RMSNorm
+        of q / k / v before rotary."""
         k, v = _cache(k), _cache(v)
         h, dh = k.spec.heads, k.spec.head_dim
         hq = h if q_heads is None else q_heads
@@ -166,18 +194,32 @@ class StepGraph:
             if self._shape(rotary.sin, 2) != (t, half) or 2 * half != rotary.dims or rotary.dims > dh:
                 raise ValueError(f"kv_append {name!r}: rotary tables must be [T, {rotary.dims // 2}], "
                                  f"rotating at most the {dh} features of a head")
-        return self._add("kv_append", name, hq * dh, qkv=qkv, k=k, v=v, rotary=rotary)
+        if k.spec.ring != v.spec.ring:
+            raise ValueError(f"kv_append {name!r}: K and V caches must both be rings or neither")
+        if norm is not None:
+            for w in (norm.q, norm.k):
+                if w is not None:
+                    self._vector(w, dh)
+        return self._add("kv_append", name, hq * dh, qkv=qkv, k=k, v=v, rotary=rotary, norm=norm)
 
     def attention(self, name: str, q: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
-                  length: str = "self") -> Value:
+                  length: str = "self", window: int | None = None, scale: float | None = None) -> Value:
+        """`scale` defaults to 1/sqrt(Dh); `window`: only the last `window` keys (a ring cache needs
+        one no longer than the ring)."""
         k, v = _cache(k), _cache(v)
         if length not in LENGTHS:
             raise ValueError(f"attention {name!r}: length {length!r} is not one of {LENGTHS}")
+        if window is not None and (window < 1 or length != "self"):
+            raise ValueError(f"attention {name!r}: a window (>= 1) applies to self-attention only")
+        if k.spec.ring and (window is None or window > k.spec.length):
+            raise ValueError(f"attention {name!r}: cache {k.spec.name!r} is a ring of {k.spec.length} "
+                             f"positions; attention over it needs a window of at most that, not {window}")
         dims = (k.spec.heads, k.spec.head_dim, k.spec.length)
         hq, rest = divmod(q.width, k.spec.head_dim)
         if rest or hq % k.spec.heads or dims != (v.spec.heads, v.spec.head_dim, v.spec.length):
             raise ValueError(f"attention {name!r}: q {q.name!r} and caches disagree on heads / head size")
-        return self._add("attention", name, q.width, q=q, k=k, v=v, length=length)
+        return self._add("attention", name, q.width, q=q, k=k, v=v, length=length, window=window,
+                         scale=scale)
 
     def argmax(self, name: str, x: Value, c0: int = 0, c1: int | None = None, advance: bool = False) -> None:
         c1 = x.width if c1 is None else c1
@@ -237,15 +279,18 @@ class StepGraph:
 
 def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor],
                   tokens: list[int], positions: list[int], cross_len: list[int] | None = None,
-                  inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                  inputs: Mapping[str, torch.Tensor] | None = None,
+                  rotary_offsets: list[int] | None = None) -> dict[str, Any]:
     """One step for B = len(positions) rows. `caches` maps cache names to tensors in the layout the
-    graph declares ([B, H, T, Dh], or [L, B, H, T, Dh]); kv_append updates them in place. Returns
-    every value ([B, width]) by name, and the argmax results under "results" ({name: [B] ints})."""
+    graph declares ([B, H, T, Dh], or [L, B, H, T, Dh]); kv_append updates them in place. Rotary
+    tables are read at position + rotary offset (default 0). Returns every value ([B, width]) by
+    name, and the argmax results under "results" ({name: [B] ints})."""
     from photon_core.backends import reference as ref
 
     bsz = len(positions)
     dev = next(iter(weights.values())).device
     pos = torch.tensor(positions, device=dev)
+    rot_pos = pos + torch.tensor(rotary_offsets or [0] * bsz, device=dev)
     vals: dict[str, torch.Tensor] = {}
     results: dict[str, list[int]] = {}
 
@@ -264,6 +309,8 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
         elif node.op == "layer_norm":
             y = ref.layer_norm(vals[a["x"].name], weights[a["w"]].float(),
                                None if a["b"] is None else weights[a["b"]].float(), a["eps"])
+        elif node.op == "gate":
+            y = vals[a["x"].name] * torch.sigmoid(vals[a["g"].name])
         elif node.op == "glu":
             gate, up = vals[a["x"].name].chunk(2, dim=-1)
             y = ref.glu(gate, up, a["act"])
@@ -279,18 +326,36 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
             hq = node.out.width // dh
             q, k, v = vals[a["qkv"].name].split([hq * dh, h * dh, h * dh], dim=1)
             q, k, v = q.reshape(bsz, hq, 1, dh), k.reshape(bsz, h, 1, dh), v.reshape(bsz, h, 1, dh)
+            hn = a["norm"]
+            if hn is not None:
+                def norm(x, w):
+                    return ref.rms_norm(x, None if w is None else weights[w].float(), hn.eps, hn.offset)
+                q = q if hn.q is None else norm(q, hn.q)
+                k = k if hn.k is None else norm(k, hn.k)
+                v = norm(v, None) if hn.v else v
             rot = a["rotary"]
             if rot is not None:
-                cos = weights[rot.cos].float()[pos].view(bsz, 1, 1, -1)
-                sin = weights[rot.sin].float()[pos].view(bsz, 1, 1, -1)
+                cos = weights[rot.cos].float()[rot_pos].view(bsz, 1, 1, -1)
+                sin = weights[rot.sin].float()[rot_pos].view(bsz, 1, 1, -1)
                 q, k = ref.rotary(q, cos, sin, rot.dims), ref.rotary(k, cos, sin, rot.dims)
-            ref.kv_append(k_c, v_c, k, v, pos)
+            ref.kv_append(k_c, v_c, k, v, pos % k_c.shape[2] if a["k"].spec.ring else pos)
             y = q.reshape(bsz, hq * dh)
         elif node.op == "attention":
             k_c, v_c = cache(a["k"]), cache(a["v"])
             dh = a["k"].spec.head_dim
             lengths = pos + 1 if a["length"] == "self" else torch.tensor(cross_len, device=dev)
-            y = ref.decode_attention(vals[a["q"].name].view(bsz, -1, 1, dh), k_c, v_c, lengths)
+            q = vals[a["q"].name].view(bsz, -1, 1, dh)
+            if a["k"].spec.ring:   # unroll each row's ring into positions [n - window, n)
+                w, ring = a["window"], a["k"].spec.length
+                rows = []
+                for r in range(bsz):
+                    n = int(lengths[r])
+                    slots = torch.arange(max(0, n - w), n, device=dev) % ring
+                    rows.append(ref.decode_attention(q[r:r + 1], k_c[r:r + 1, :, slots], v_c[r:r + 1, :, slots],
+                                                     torch.tensor([len(slots)], device=dev), a["scale"]))
+                y = torch.cat(rows)
+            else:
+                y = ref.decode_attention(q, k_c, v_c, lengths, a["scale"], a["window"])
             y = y.reshape(bsz, node.out.width)
         elif node.op == "argmax":
             x = vals[a["x"].name][:, a["c0"]:a["c1"]]
