@@ -262,6 +262,49 @@ def test_window_ring_head_norms_gate_and_rotary_offsets_equal_the_eager_graph():
         step.set_rotary_offsets([1, 0])
 
 
+def test_a_gated_deltanet_layer_equals_the_eager_graph():
+    """Qwen 3.5's linear-attention layer as the compiler sees it: one projection q|k|v|z|b|a, a
+    causal conv over q|k|v with its state, the gated delta rule on a [Hv, Dk, Dv] state (2 q/k
+    heads shared by 4 value heads, Dv not a power of two), the gated RMSNorm, the output
+    projection. Compiled against run_reference for 5 steps, states included."""
+    g0 = torch.Generator().manual_seed(21)
+    d, hk, hv, dk, dv, width, vocab = 48, 2, 4, 16, 24, 4, 40
+    conv_dim = 2 * hk * dk + hv * dv
+
+    def r(*shape, s=1.0):
+        return torch.randn(*shape, generator=g0) * s
+
+    w = {"tok": r(vocab, d, s=0.5), "n.w": r(d, s=0.1), "in": r(conv_dim + hv * dv + 2 * hv, d, s=1 / 7),
+         "conv": r(conv_dim, width, s=0.5), "a_log": r(hv, s=0.5), "dt": r(hv, s=0.5), "nw": 1 + r(dv, s=0.1),
+         "out": r(d, hv * dv, s=1 / 9), "head": r(vocab, d, s=1 / 7)}
+    g = StepGraph("deltanet", {k: tuple(v.shape) for k, v in w.items()})
+    conv_state, rec = g.state("conv", conv_dim, width - 1), g.state("rec", hv, dk, dv)
+    x = g.embed("x", "tok")
+    proj = g.linear("proj", g.rms_norm("h", x, "n.w", offset=1.0), "in")
+    c = g.conv_step("c", proj, conv_state, "conv", 0, conv_dim)
+    o = g.delta_rule("o", c, proj, rec, hk, "a_log", "dt", "nw", c0=conv_dim)
+    x = g.linear("x1", o, "out", residual=x)
+    g.expose("logits", logits := g.linear("logits", x, "head"))
+    g.argmax("token", logits)
+    step = CompiledStep(g, w, 2, Tiling(16, 32, 8, 2, 2))
+    step.state.fill_(float("nan"))
+    states = {"conv": r(2, conv_dim, width - 1), "rec": r(2, hv, dk, dv, s=0.3)}
+    for name, value in states.items():
+        step.view(name).copy_(value)
+    positions = [4, 9]
+    for _ in range(5):
+        tokens = torch.randint(0, vocab, (2,), generator=g0).tolist()
+        step.set_step(tokens, positions)
+        step.launch()
+        want = run_reference(g, w, states, tokens, positions)
+        for name in ("c", "o", "logits"):
+            assert rel_err(step.view(name), want[name]) < RTOL, name
+        for name in states:
+            assert rel_err(step.view(name), states[name]) < RTOL, name
+        assert step.result("token").tolist() == want["results"]["token"]
+        positions = [p + 1 for p in positions]
+
+
 def test_window_layers_are_checked_when_stated():
     w = hybrid_weights()
     g = StepGraph("bad-ring", {k: tuple(t.shape) for k, t in w.items()})

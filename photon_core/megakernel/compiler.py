@@ -18,6 +18,9 @@ Lowering, op by op:
   * kv_append   one task per (row, head): per-head RMSNorm and rotary on q and k, q out, k and v
                 into the caches (slot position % length for a ring cache).
   * attention   split-KV partials per (row, head, split), one merge per (row, head).
+  * conv_step   one task per tile of channels (all rows): the conv and its state shift in place.
+  * delta_rule  one task per (row, value head): the state read, decayed, written and read again, then
+                the gated per-head RMSNorm of the output.
   * argmax      one task per result column, over the tiles of the columns it covers.
 
 Dependencies come from the data flow: a task waits for the stages that produce what it reads, per
@@ -37,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
-                                          OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,
+                                          OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_CONV_STEP, OP_DELTA_STEP,
+                                          OP_EMBED, OP_LINEAR,
                                           OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
                                           StateViews, Task, TaskGraph)
 from photon_core.kernels.linear import activation_code
@@ -151,6 +155,14 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
                                      f"can take a fused {'GLU' if node.op == 'glu' else 'sigmoid gate'}")
                 (glu_of if node.op == "glu" else gate_of)[c.out.name] = node
+        elif node.op in ("conv_step", "delta_rule"):
+            if node.op == "delta_rule":
+                eps.add(a["eps"])
+            for arg in ("x", "zba"):
+                src = producer.get(a[arg].name) if arg in a else None
+                if src is not None and src.op in FUSED:
+                    raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} reads {src.op} "
+                                     f"{src.out.name!r}, which is fused into linears only")
         elif node.op == "kv_append" and a["norm"] is not None:
             hn = a["norm"]
             eps.add(hn.eps)
@@ -222,6 +234,8 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     for spec in graph.caches.values():
         shapes[spec.name] = ((spec.layers,) if spec.layers is not None else ()) + (
             batch, spec.heads, spec.length, spec.head_dim)
+    for st in graph.states.values():
+        shapes[st.name] = (batch,) + st.shape
     for k, shp in shapes.items():
         sa.alloc(k, math.prod(shp))
 
@@ -362,6 +376,46 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                                     lnb=W.off(hn.k) if hn is not None and hn.k else -1,
                                     norm=0 if hn is None else (hn.q is not None) | (hn.k is not None) << 1 | hn.v << 2),
                                list(wait), st.heads[h] if st.heads else st.counter, reads, writes))
+            stage_of[node.out.name] = st
+        elif node.op == "conv_step":
+            st = _Stage(node.out.name, g.counter(node.out.name), ancestors=ancestors([a["x"]], node.out.name))
+            C, taps = graph.weight_shapes[a["w"]]
+            x, state = a["x"], a["state"].name
+            for n0 in range(0, C, bn):
+                n1 = min(C, n0 + bn)
+                regions = [S.region(state, (r * C + n0) * (taps - 1), (r * C + n1) * (taps - 1)) for r in range(B)]
+                g.add(Task(f"{node.out.name}[{n0}:{n1}]", OP_CONV_STEP,
+                           dict(M=B, K=x.width, N=C, n0=n0, n1=n1, k0=a["c0"], x=S.off(x.name), w=W.off(a["w"]),
+                                kc=S.off(state), Dh=taps, act=activation_code(a["act"]), out=S.off(node.out.name)),
+                           waits([x]), st.counter,
+                           S.columns(x.name, B, x.width, a["c0"] + n0, a["c0"] + n1) + regions,
+                           S.columns(node.out.name, B, C, n0, n1) + regions))
+            stage_of[node.out.name] = st
+        elif node.op == "delta_rule":
+            x, zba, state = a["x"], a["zba"], a["state"]
+            hv, dk, dv = state.shape
+            hk, c0 = a["k_heads"], a["c0"]
+            st = _Stage(node.out.name, g.counter(node.out.name), ancestors=ancestors([x, zba], node.out.name))
+            for r in range(B):
+                for h in range(hv):
+                    j = h // (hv // hk)
+                    s0 = (r * hv + h) * dk * dv
+                    reads = [S.region(x.name, r * x.width + j * dk, r * x.width + (j + 1) * dk),
+                             S.region(x.name, r * x.width + (hk + j) * dk, r * x.width + (hk + j + 1) * dk),
+                             S.region(x.name, r * x.width + 2 * hk * dk + h * dv, r * x.width + 2 * hk * dk + (h + 1) * dv),
+                             S.region(zba.name, r * zba.width + c0 + h * dv, r * zba.width + c0 + (h + 1) * dv),
+                             S.region(zba.name, r * zba.width + c0 + hv * dv + h, r * zba.width + c0 + hv * dv + h + 1),
+                             S.region(zba.name, r * zba.width + c0 + hv * dv + hv + h,
+                                      r * zba.width + c0 + hv * dv + hv + h + 1),
+                             S.region(state.name, s0, s0 + dk * dv)]
+                    g.add(Task(f"{node.out.name}[b{r},h{h}]", OP_DELTA_STEP,
+                               dict(K=x.width, N=zba.width, k0=c0, x=S.off(x.name), res=S.off(zba.name),
+                                    w=W.off(a["a_log"]), b=W.off(a["dt_bias"]), lnw=W.off(a["norm_w"]),
+                                    kc=S.off(state.name), H=hk, ntiles=hv, Dh=dk, Tmax=dv, bi=r, hi=h,
+                                    out=S.off(node.out.name)),
+                               waits([x, zba]), st.counter, reads,
+                               [S.region(state.name, s0, s0 + dk * dv),
+                                S.region(node.out.name, (r * hv + h) * dv, (r * hv + h + 1) * dv)]))
             stage_of[node.out.name] = st
         elif node.op == "attention":
             stage_of[node.out.name] = _lower_attention(p, g, node, waits, ancestors, cache_cols, cache_off,
@@ -616,10 +670,12 @@ class CompiledStep(StateViews):
             from photon_core.megakernel.kernel import Megakernel
             p, tl = self.plan, self.tiling
             specs = list(self.graph_def.caches.values())
+            # The delta rule holds a value head ([Dv]) in one block, like an attention head.
+            dims = [s.head_dim for s in specs] + [st.shape[-1] for st in self.graph_def.states.values()]
             self._kernels[key] = Megakernel(
                 lower(p, key), self.weights, self.state, self.dyn, self.out, block_m=self.batch,
                 block_n=tl.block_n, block_k=tl.block_k, block_t=tl.block_t,
-                head_dim=max([s.head_dim for s in specs], default=16),
+                head_dim=max(dims, default=16),
                 max_splits=max(tl.self_splits, tl.cross_splits), max_tiles=max(p.logits.values(), default=1),
                 ln_eps=p.ln_eps)
         return self._kernels[key]

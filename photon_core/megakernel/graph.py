@@ -26,9 +26,12 @@ OP_ARGMAX = 5         # merge LM-style tiles' (max, index) into a result column;
 OP_ROPE_APPEND = 6    # (row, head) of a fused q|k|v: rotary on q and k, q out, k and v into the caches
 OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product into the stage's scratch
 OP_LINEAR_REDUCE = 8  # sum a tile's K-slice partials in a fixed order, then OP_LINEAR's epilogue
+OP_CONV_STEP = 9      # a tile of channels of a causal depthwise conv, one new input; state shifted in place
+OP_DELTA_STEP = 10    # (row, value head) of the gated delta rule; state updated in place; gated RMSNorm out
 OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
             OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append",
-            OP_LINEAR_SPLIT: "linear_split", OP_LINEAR_REDUCE: "linear_reduce"}
+            OP_LINEAR_SPLIT: "linear_split", OP_LINEAR_REDUCE: "linear_reduce", OP_CONV_STEP: "conv_step",
+            OP_DELTA_STEP: "delta_step"}
 
 # Store modes of OP_LINEAR.
 MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2

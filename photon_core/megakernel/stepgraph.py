@@ -29,11 +29,17 @@ every Value is a per-row vector with a name and a width. The ops:
 
 A cache declared `ring=True` holds only its last `length` positions (position p in slot p % length):
 a sliding-window layer's bounded cache. Only windowed attention (window <= length) may read one.
+    conv_step(x, state, w, c0, c1)     causal depthwise conv of x[c0:c1] over time, one new input: the
+                                       state [C, W-1] holds the last W-1 inputs, updated in place
+    delta_rule(x, zba, state, ...)     one token of the gated delta rule (Gated DeltaNet): x = q|k|v,
+                                       zba[c0:] = z|b|a, state [Hv, Dk, Dv] updated in place; out is
+                                       the per-head gated RMSNorm of the read (rms_norm_gated)
     argmax(x, name, c0, c1, advance)   int32 result column `name`: argmax of x[c0:c1] (first of ties);
                                        `advance` also makes it the row's next token and steps the position
 
 Caches are state the graph declares ([B, H, T, Dh] per layer, or [L, B, H, T, Dh] for `layers`):
-the host fills them (prefill, cross K/V), kv_append appends to them.
+the host fills them (prefill, cross K/V), kv_append appends to them. Recurrent states ([B, *shape],
+`state()`) are fixed-size regions the host fills after prefill and conv_step / delta_rule update.
 """
 from __future__ import annotations
 
@@ -87,6 +93,13 @@ class Rotary:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """A fixed-size per-row recurrent state ([B, *shape] in the arena), kept across steps."""
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class HeadNorm:
     """RMSNorm of each head of q, k and/or v over its Dh features, before rotary: y = x / rms(x) *
     (offset + w), or no scale at all where the weight is None (Gemma 4's v_norm)."""
@@ -118,6 +131,7 @@ class StepGraph:
         self.nodes: list[Node] = []
         self.values: dict[str, Value] = {}
         self.caches: dict[str, CacheSpec] = {}
+        self.states: dict[str, StateSpec] = {}
         self.results: list[str] = []          # argmax result columns, in order
         self.exposed: dict[str, Value] = {}   # values the host reads after a step (logits, hidden)
 
@@ -128,6 +142,13 @@ class StepGraph:
             raise ValueError(f"cache {name!r} declared twice")
         spec = CacheSpec(name, heads, length, head_dim, layers, ring)
         self.caches[name] = spec
+        return spec
+
+    def state(self, name: str, *shape: int) -> StateSpec:
+        if name in self.caches or name in self.states:
+            raise ValueError(f"state {name!r} declared twice")
+        spec = StateSpec(name, tuple(shape))
+        self.states[name] = spec
         return spec
 
     def expose(self, name: str, value: Value) -> Value:
@@ -221,6 +242,38 @@ class StepGraph:
         return self._add("attention", name, q.width, q=q, k=k, v=v, length=length, window=window,
                          scale=scale)
 
+    def conv_step(self, name: str, x: Value, state: StateSpec, w: str, c0: int = 0, c1: int | None = None,
+                  act: str | None = "silu") -> Value:
+        """y[c] = act(sum_j w[c, j] * xp[c, j]), xp = the state's W-1 inputs (oldest first) then
+        x[c0 + c]; the state then drops its oldest input (ops.causal_conv1d, one step, no bias)."""
+        c1 = x.width if c1 is None else c1
+        ch, width = self._shape(w, 2)
+        if not 0 <= c0 < c1 <= x.width or c1 - c0 != ch or state.shape != (ch, width - 1) or not 2 <= width <= 8:
+            raise ValueError(f"conv_step {name!r}: {w!r} {ch}x{width} over columns [{c0}, {c1}) of "
+                             f"{x.name!r} needs a state of ({ch}, {width - 1}) and 2 <= W <= 8")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"conv_step {name!r}: activation {act!r} is not one of {ACTIVATIONS}")
+        return self._add("conv_step", name, ch, x=x, state=state, w=w, c0=c0, act=act)
+
+    def delta_rule(self, name: str, x: Value, zba: Value, state: StateSpec, k_heads: int, a_log: str,
+                   dt_bias: str, norm_w: str, c0: int = 0, eps: float = 1e-6) -> Value:
+        """Gated DeltaNet's token step. x = q (k_heads x Dk) | k (k_heads x Dk) | v (Hv x Dv), with
+        state [Hv, Dk, Dv]; zba[c0:] = z (Hv x Dv) | b (Hv) | a (Hv). q, k are L2-normalised, q
+        scaled by Dk^-0.5; beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias); value head h
+        uses q/k head h // (Hv / k_heads) (ops.gated_delta_step). Out: rms_norm_gated(o, z, norm_w)
+        per head, [Hv * Dv]."""
+        if len(state.shape) != 3:
+            raise ValueError(f"delta_rule {name!r}: state {state.name!r} must be [Hv, Dk, Dv]")
+        hv, dk, dv = state.shape
+        if hv % k_heads or x.width != 2 * k_heads * dk + hv * dv or zba.width < c0 + hv * dv + 2 * hv:
+            raise ValueError(f"delta_rule {name!r}: {x.name!r} (width {x.width}) is not q|k|v of {k_heads} "
+                             f"q/k heads of {dk} and {hv} value heads of {dv}, or {zba.name!r} lacks z|b|a at {c0}")
+        for w_name in (a_log, dt_bias):
+            self._vector(w_name, hv)
+        self._vector(norm_w, dv)
+        return self._add("delta_rule", name, hv * dv, x=x, zba=zba, state=state, k_heads=k_heads, a_log=a_log,
+                         dt_bias=dt_bias, norm_w=norm_w, c0=c0, eps=eps)
+
     def argmax(self, name: str, x: Value, c0: int = 0, c1: int | None = None, advance: bool = False) -> None:
         c1 = x.width if c1 is None else c1
         if not 0 <= c0 < c1 <= x.width:
@@ -281,8 +334,9 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
                   tokens: list[int], positions: list[int], cross_len: list[int] | None = None,
                   inputs: Mapping[str, torch.Tensor] | None = None,
                   rotary_offsets: list[int] | None = None) -> dict[str, Any]:
-    """One step for B = len(positions) rows. `caches` maps cache names to tensors in the layout the
-    graph declares ([B, H, T, Dh], or [L, B, H, T, Dh]); kv_append updates them in place. Rotary
+    """One step for B = len(positions) rows. `caches` maps cache and state names to tensors in the
+    layout the graph declares ([B, H, T, Dh], or [L, B, H, T, Dh]; states [B, *shape]); the step
+    updates them in place. Rotary
     tables are read at position + rotary offset (default 0). Returns every value ([B, width]) by
     name, and the argmax results under "results" ({name: [B] ints})."""
     from photon_core.backends import reference as ref
@@ -357,6 +411,26 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
             else:
                 y = ref.decode_attention(q, k_c, v_c, lengths, a["scale"], a["window"])
             y = y.reshape(bsz, node.out.width)
+        elif node.op == "conv_step":
+            st = caches[a["state"].name]                      # [B, C, W-1]: channel-major in the arena
+            xs = vals[a["x"].name][:, a["c0"]:a["c0"] + node.out.width]
+            y, new = ref.causal_conv1d(xs[:, None, :], weights[a["w"]].float(), None,
+                                       st.transpose(1, 2), a["act"])
+            st.copy_(new.transpose(1, 2))
+            y = y[:, 0]
+        elif node.op == "delta_rule":
+            st = caches[a["state"].name]
+            hv, dk, dv = a["state"].shape
+            hk = a["k_heads"]
+            q, k, v = vals[a["x"].name].split([hk * dk, hk * dk, hv * dv], dim=1)
+            zba = vals[a["zba"].name][:, a["c0"]:]
+            z, b_, a_ = zba[:, :hv * dv], zba[:, hv * dv:hv * dv + hv], zba[:, hv * dv + hv:hv * dv + 2 * hv]
+            g = -weights[a["a_log"]].float().exp() * torch.nn.functional.softplus(a_ + weights[a["dt_bias"]].float())
+            o, new = ref.gated_delta_step(q.reshape(bsz, hk, dk), k.reshape(bsz, hk, dk), v.reshape(bsz, hv, dv),
+                                          g, torch.sigmoid(b_), st, qk_l2norm=True)
+            st.copy_(new)
+            y = ref.rms_norm_gated(o, z.reshape(bsz, hv, dv), weights[a["norm_w"]].float(), a["eps"])
+            y = y.reshape(bsz, hv * dv)
         elif node.op == "argmax":
             x = vals[a["x"].name][:, a["c0"]:a["c1"]]
             results[a["name"]] = ref.argmax(x).tolist()
