@@ -41,8 +41,8 @@ def random_whisper():
 
 
 def test_families_declare_their_skills():
-    assert [f.name for f in registry.families()] == ["moondream", "whisper"]
-    assert [f.name for f in registry.families_with("transcribe")] == ["whisper"]
+    assert [f.name for f in registry.families()] == ["gemma4", "moondream", "qwen3_5", "qwen3_asr", "whisper"]
+    assert [f.name for f in registry.families_with("transcribe")] == ["qwen3_asr", "whisper"]
     assert [f.name for f in registry.families_with("point")] == ["moondream"]
     assert registry.families_with("segment") == []
     with pytest.raises(ValueError, match="unknown skills"):
@@ -208,7 +208,7 @@ def test_missing_skill_is_refused_before_loading(monkeypatch):
     with pytest.raises(registry.MissingSkills) as err:
         photon_core.load(mf.checkpoint(), skills=["detect", "transcribe"])
     assert "moondream model cannot transcribe" in str(err.value)
-    assert "families that can: whisper" in str(err.value)
+    assert "families that can: qwen3_asr, whisper" in str(err.value)
     registry.require_skills(registry.recognise(mf.checkpoint()).family, ["detect", "query"])
 
 
@@ -222,7 +222,7 @@ def test_command_line_comes_from_the_registry():
     # a command offered by two families is registered once
     parser = build_parser(registry.families() * 2)
     commands = parser._subparsers._group_actions[0].choices
-    assert sorted(commands) == sorted(s for f in registry.families() for s in f.skills)
+    assert sorted(commands) == sorted({s for f in registry.families() for s in f.skills})
 
 
 def test_command_line_model_decides_the_family(tmp_path):

@@ -1,0 +1,186 @@
+"""The loaded Gemma 4 model: weights laid out once, image encoding, prefill/step, and the skills
+(query, caption, batch) with Moondream's result shapes."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
+from photon_core.weights.tensor_files import parse_dtype
+
+from . import text, vision
+from . import weights as weights_io
+from .config import Gemma4Config
+from .decoding import BatchDecoder, Row, text_pieces
+from .prompt import CAPTIONS, Gemma4Prompter
+
+TASKS = ("caption", "query")
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image after the vision tower and projection: soft tokens [n, text dim]. Reusable for any
+    number of questions about the same image; read-only."""
+    tokens: torch.Tensor
+    owner: int   # id() of the model that made it
+
+
+class Gemma4Model:
+    """Gemma 4 (E2B / E4B) on one ops backend. Skills take a numpy RGB / PIL image, an EncodedImage,
+    or None (text only)."""
+
+    def __init__(self, config: Gemma4Config, state: dict[str, torch.Tensor], prompter: Gemma4Prompter,
+                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str,
+                 eos_ids: tuple[int, ...]) -> None:
+        self.config, self.w, self.prompter, self.ops = config, state, prompter, ops
+        self.device, self.dtype, self.model_id, self.eos_ids = device, dtype, model_id, frozenset(eos_ids)
+        self.rotary = text.Rotary(config.text, device)
+
+    # -- image -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_image(self, image: Any, channel_order: str = "rgb") -> EncodedImage:
+        if isinstance(image, EncodedImage):
+            if image.owner != id(self):
+                raise ValueError("this EncodedImage was made by another model; encode the image again")
+            return image
+        if self.config.vision is None:
+            raise ValueError("this Gemma 4 checkpoint has no vision tower (no vision_config); ask text-only")
+        rgb = vision.to_rgb(image, channel_order)
+        pixels, pos = vision.patchify(rgb, self.config.vision, self.prompter.max_soft_tokens)
+        soft = vision.encode(pixels.to(self.device), pos.to(self.device), self.w, self.config.vision, self.ops)
+        tokens = vision.project(soft, self.w, self.config.vision.eps, self.ops, self.dtype)
+        return EncodedImage(tokens, id(self))
+
+    # -- the decoder ---------------------------------------------------------------------------
+    def embed_prompt(self, ids: list[int], image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Input embeddings [1, T, dim] (image placeholders replaced by the soft tokens) and the
+        per-layer inputs, which see the placeholders as the pad token."""
+        cfg = self.config
+        t = torch.tensor([ids], device=self.device)
+        if int(t.max()) >= cfg.text.vocab_size or int(t.min()) < 0:
+            raise ValueError(f"token ids must be in [0, {cfg.text.vocab_size})")
+        slots = t == cfg.image_token_id
+        n = int(slots.sum())
+        if (image is None) != (n == 0) or (image is not None and image.shape[0] != n):
+            raise ValueError(f"the prompt has {n} image placeholders but "
+                             f"{0 if image is None else image.shape[0]} image soft tokens were given")
+        plain = t.masked_fill(slots, cfg.text.pad_id)
+        x = text.embed(plain, self.w, cfg.text)
+        if image is not None:
+            x = x.masked_scatter(slots[..., None], image.to(x.dtype))
+        return x, text.per_layer_inputs(plain, x, self.w, cfg.text, self.ops)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], image: torch.Tensor | None, cache: text.KVCache) -> torch.Tensor:
+        """The prompt through the decoder from position 0 into `cache` (batch 1): logits [1, vocab]
+        after its last token."""
+        x, ple = self.embed_prompt(ids, image)
+        h = text.prefill(x, ple, self.w, self.config.text, cache, self.rotary, self.ops)
+        return text.logits(h[:, -1], self.w, self.config.text, self.ops).float()
+
+    @torch.inference_mode()
+    def prefill_logits(self, ids: list[int], image: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, vocab] at every prompt position (tests, scoring)."""
+        cache = text.KVCache(self.config.text, 1, len(ids), self.dtype, self.device)
+        x, ple = self.embed_prompt(ids, image)
+        h = text.prefill(x, ple, self.w, self.config.text, cache, self.rotary, self.ops)
+        return text.logits(h[0], self.w, self.config.text, self.ops).float()
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, cache: text.KVCache) -> torch.Tensor:
+        """One token per row (ids [B, 1] at positions pos [B]) -> logits [B, vocab]."""
+        if pos.device.type == "cpu" and (int(pos.max()) >= cache.max_len or int(pos.min()) < 0):
+            raise ValueError(f"positions {pos.tolist()} are outside the cache (0..{cache.max_len - 1})")
+        x = text.embed(ids, self.w, self.config.text)
+        ple = text.per_layer_inputs(ids, x, self.w, self.config.text, self.ops)
+        h = text.decode_step(x, ple, pos, self.w, self.config.text, cache, self.rotary, self.ops)
+        return text.logits(h[:, 0], self.w, self.config.text, self.ops).float()
+
+    # -- skills --------------------------------------------------------------------------------
+    def _row(self, image: Any, question: str, max_tokens: int, temperature: float, top_p: float) -> Row:
+        enc = None if image is None else self.encode_image(image)
+        n = None if enc is None else enc.tokens.shape[0]
+        return Row(self.prompter.prompt_ids(question, n), None if enc is None else enc.tokens,
+                   max_tokens, temperature, top_p)
+
+    def _generate(self, row: Row, seed: int | None) -> Iterator[str]:
+        decoder = BatchDecoder(self, [row], seed)   # checks before the generator starts
+        tokens = (new[0] for new in decoder.run())
+        return text_pieces(self.prompter.decode, tokens)
+
+    def query(self, image: Any, question: str, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
+              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> dict:
+        """{"answer": str}, or a generator of text pieces with stream=True. image None: text only."""
+        gen = self._generate(self._row(image, question, max_tokens, temperature, top_p), seed)
+        return {"answer": gen if stream else "".join(gen)}
+
+    def caption(self, image: Any, length: str = "normal", stream: bool = False,
+                max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
+                seed: int | None = None) -> dict:
+        """{"caption": str}, or a generator of text pieces with stream=True. length: short/normal/long."""
+        if image is None:
+            raise ValueError("caption needs an image")
+        gen = self._generate(self._row(image, caption_question(length), max_tokens, temperature, top_p), seed)
+        return {"caption": gen if stream else "".join(gen)}
+
+    def batch(self, requests: list[Request], seed: int | None = None) -> list[dict]:
+        """caption/query requests decoded together (one batched forward per step); results in
+        order, shaped as the single calls return them."""
+        if not requests:
+            return []
+        rows, encoded = [], {}
+        for r in requests:
+            if r.task not in TASKS:
+                raise ValueError(f"a Gemma 4 model cannot {r.task!r}; tasks: {', '.join(TASKS)}")
+            question = caption_question(r.prompt or "normal") if r.task == "caption" else r.prompt
+            if r.task == "caption" and r.image is None:
+                raise ValueError("caption needs an image")
+            # Several tasks on one frame (the vision node's case) encode it once.
+            if r.image is not None and id(r.image) not in encoded:
+                encoded[id(r.image)] = self.encode_image(r.image)
+            image = None if r.image is None else encoded[id(r.image)]
+            rows.append(self._row(image, question, r.max_tokens, r.temperature, r.top_p))
+        for _ in BatchDecoder(self, rows, seed).run():
+            pass
+        key = {"caption": "caption", "query": "answer"}
+        return [{key[r.task]: self.prompter.decode(row.tokens)} for r, row in zip(requests, rows)]
+
+
+def caption_question(length: str) -> str:
+    if length not in CAPTIONS:
+        raise ValueError(f"caption length must be one of {sorted(CAPTIONS)}, got {length!r}")
+    return CAPTIONS[length]
+
+
+def _eos_ids(folder: Path, cfg: Gemma4Config) -> tuple[int, ...]:
+    ids = set(cfg.text.eos_ids)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except ValueError as err:
+            raise ValueError(f"{gen} is unreadable: {err}") from err
+        ids |= set(value if isinstance(value, list) else [value] if value is not None else [])
+    return tuple(sorted(int(i) for i in ids))
+
+
+def load_gemma4(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+                backend: Any = None, model_id: str | None = None) -> Gemma4Model:
+    """A Gemma 4 checkpoint folder (config.json, safetensors, tokenizer.json, chat template)."""
+    if backend is None:
+        from photon_core.backends import reference as backend
+    folder = Path(path)
+    if folder.is_file():
+        folder = folder.parent
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: a Gemma 4 checkpoint needs config.json")
+    cfg = Gemma4Config.from_dict(json.loads((folder / "config.json").read_text()))
+    dtype, device = parse_dtype(dtype), torch.device(device)
+    prompter = Gemma4Prompter(folder, cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id)
+    state = weights_io.load_state(folder, cfg, dtype, device)
+    return Gemma4Model(cfg, state, prompter, backend, device, dtype, model_id or folder.name, _eos_ids(folder, cfg))

@@ -1,0 +1,55 @@
+"""Qwen 3.5 (hybrid Gated DeltaNet / gated attention decoder + dynamic-resolution ViT): query, caption."""
+from __future__ import annotations
+
+from typing import Any
+
+from photon_core.registry import Family
+from photon_core.weights.checkpoint_files import CheckpointFiles
+from photon_core.weights.resolve import Resolved
+
+from .config import ARCHITECTURES, MODEL_TYPES, MOE_MODEL_TYPES, Qwen35Config
+from .model import EncodedImage, Qwen35Model, load_qwen3_5
+
+
+def recognise(files: CheckpointFiles) -> bool:
+    """Only config.json decides: model_type qwen3_5 (or its text-only / MoE variants), or a Qwen 3.5
+    architecture name. Qwen3-ASR, Qwen3-VL and other Qwen families carry other model types."""
+    if files.model_type in MODEL_TYPES + MOE_MODEL_TYPES:
+        return True
+    return files.model_type is None and any(a in ARCHITECTURES for a in files.architectures)
+
+
+def refuse(files: CheckpointFiles) -> str | None:
+    try:
+        Qwen35Config.from_dict(files.config or {})
+    except NotImplementedError as err:
+        return str(err)
+    except ValueError:
+        pass   # a malformed config is reported by the loader
+    return None
+
+
+def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
+    from photon_core.backends.select import get_backend
+
+    ops = get_backend(backend, device)
+    return load_qwen3_5(checkpoint.path, device=device, dtype=dtype if dtype is not None else "float32",
+                        backend=ops, model_id=checkpoint.name)
+
+
+FAMILY = Family(
+    name="qwen3_5",
+    skills=frozenset({"caption", "query"}),
+    looks_for="config.json model_type 'qwen3_5' (or 'qwen3_5_text'), or architectures "
+              "Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM",
+    recognise=recognise,
+    load=_load,
+    # caption/query on the command line are served by the first family declaring them (Moondream's
+    # cli.py), which loads whatever --model names; listing it here keeps them when alone.
+    cli="photon_core.models.moondream.cli",
+    refuse=refuse,
+    hints=("download a Qwen 3.5 checkpoint folder (e.g. `huggingface-cli download Qwen/Qwen3.5-0.8B`) "
+           "and pass its path",),
+)
+
+__all__ = ["FAMILY", "EncodedImage", "Qwen35Model", "load_qwen3_5"]

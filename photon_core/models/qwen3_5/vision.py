@@ -1,0 +1,172 @@
+"""Qwen 3.5 vision: dynamic-resolution preprocessing and the ViT with a 2x2 patch merger.
+
+An image is resized (aspect kept) to multiples of patch*merge pixels within a pixel budget, cut into
+patch x patch tiles (each repeated temporal_patch times, as a one-frame video), and the tiles are
+ordered merge-block by merge-block so that every merge x merge group is contiguous. The ViT adds a
+learned position table resampled (bilinear, corners aligned) to the image's grid and a 2-D rotary
+(height and width frequencies side by side over the whole head); attention is bidirectional over the
+image. The merger concatenates each group's features and projects them to the text width: one text
+token per group.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import VisionConfig
+
+MAX_INPUT_PIXELS = 1 << 28   # beyond this an image is refused before any resampling
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    patch: int = 16
+    temporal_patch: int = 2
+    merge: int = 2
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+
+    @classmethod
+    def from_folder(cls, folder: Path, vcfg: VisionConfig) -> "Preprocess":
+        """preprocessor_config.json where present; the vision config decides patch and merge sizes."""
+        raw: dict[str, Any] = {}
+        f = Path(folder) / "preprocessor_config.json"
+        if f.is_file():
+            raw = json.loads(f.read_text())
+        size = raw.get("size") or {}
+        base = cls()
+        return cls(patch=vcfg.patch, temporal_patch=vcfg.temporal_patch, merge=vcfg.merge,
+                   mean=tuple(raw.get("image_mean", base.mean)), std=tuple(raw.get("image_std", base.std)),
+                   min_pixels=int(size.get("shortest_edge", raw.get("min_pixels", base.min_pixels))),
+                   max_pixels=int(size.get("longest_edge", raw.get("max_pixels", base.max_pixels))))
+
+
+def target_size(height: int, width: int, pp: Preprocess) -> tuple[int, int]:
+    """The resized (height, width): multiples of patch*merge, area within [min_pixels, max_pixels],
+    aspect ratio kept as closely as the rounding allows (the Qwen2-VL processor's rule)."""
+    f = pp.patch * pp.merge
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image aspect ratio {max(height, width) / min(height, width):.0f} exceeds 200")
+    h, w = round(height / f) * f, round(width / f) * f
+    if h * w > pp.max_pixels:
+        beta = math.sqrt(height * width / pp.max_pixels)
+        h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+    elif h * w < pp.min_pixels:
+        beta = math.sqrt(pp.min_pixels / (height * width))
+        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+    return h, w
+
+
+def to_rgb(image: Any) -> np.ndarray:
+    """An RGB uint8 [H, W, 3] array from a PIL image or an array ([H, W], [H, W, 3|4], uint8 or float 0..1)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        image = np.asarray(image.convert("RGB"))
+    arr = np.asarray(image)
+    if arr.ndim == 2:
+        arr = np.repeat(arr[..., None], 3, axis=-1)
+    if arr.ndim != 3 or arr.shape[-1] not in (3, 4) or arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"image must be [H, W, 3] (RGB), got shape {arr.shape}")
+    arr = arr[..., :3]
+    if arr.dtype != np.uint8:
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise ValueError(f"image must be uint8 or float in [0, 1], got {arr.dtype}")
+        if not np.isfinite(arr).all():
+            raise ValueError("image has NaN or infinite values")
+        arr = (np.clip(arr, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    return arr
+
+
+def preprocess(image: Any, pp: Preprocess) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(patches [gh*gw, 3*temporal*patch*patch] fp32 in merge-block order, (gh, gw) in patches)."""
+    from PIL import Image
+
+    arr = to_rgb(image)
+    height, width = arr.shape[:2]
+    if height * width > MAX_INPUT_PIXELS:
+        raise ValueError(f"image too large: {width}x{height} pixels (at most {MAX_INPUT_PIXELS} pixels)")
+    h, w = target_size(height, width, pp)
+    if (h, w) != (height, width):
+        arr = np.asarray(Image.fromarray(arr).resize((w, h), Image.BICUBIC))
+    x = torch.from_numpy(arr.astype(np.float32) / 255.0)
+    x = (x - torch.tensor(pp.mean)) / torch.tensor(pp.std)                 # [h, w, 3]
+    p, m = pp.patch, pp.merge
+    gh, gw = h // p, w // p
+    x = x.permute(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
+    x = x.permute(1, 4, 2, 5, 0, 3, 6)                                    # [bh, bw, mh, mw, C, p, p]
+    x = x[..., None, :, :].expand(*x.shape[:5], pp.temporal_patch, p, p)  # one frame as a video
+    return x.reshape(gh * gw, -1).contiguous(), (gh, gw)
+
+
+class VisionWeights:
+    def __init__(self, sd: dict[str, torch.Tensor], cfg: VisionConfig) -> None:
+        g = lambda n: sd.get(f"vision.{n}")  # noqa: E731
+        w = g("patch_embed.proj.weight")
+        self.patch_w, self.patch_b = w.reshape(w.shape[0], -1), g("patch_embed.proj.bias")
+        self.pos = g("pos_embed.weight")
+        self.blocks = [{n: g(f"blocks.{i}.{n}") for n in (
+            "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.qkv.weight", "attn.qkv.bias",
+            "attn.proj.weight", "attn.proj.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+            "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")} for i in range(cfg.depth)]
+        self.merger = {n: g(f"merger.{n}") for n in ("norm.weight", "norm.bias", "linear_fc1.weight",
+                                                     "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")}
+        if math.isqrt(cfg.num_pos) ** 2 != cfg.num_pos:
+            raise ValueError(f"vision num_position_embeddings {cfg.num_pos} is not a square grid")
+        half = cfg.head_dim // 2
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+
+
+def _block_order(t: torch.Tensor, gh: int, gw: int, m: int) -> torch.Tensor:
+    """[gh, gw, ...] in raster order -> [gh*gw, ...] merge-block by merge-block."""
+    rest = t.shape[2:]
+    t = t.reshape(gh // m, m, gw // m, m, *rest).transpose(1, 2)
+    return t.reshape(gh * gw, *rest)
+
+
+def _resample_axis(n: int, side: int) -> torch.Tensor:
+    """[n, side] linear-interpolation weights, corners aligned (F.interpolate align_corners=True)."""
+    src = torch.arange(n, dtype=torch.float32) * (side - 1) / max(n - 1, 1)
+    return (1 - (src[:, None] - torch.arange(side, dtype=torch.float32)[None, :]).abs()).clamp(min=0)
+
+
+def encode(patches: torch.Tensor, grid: tuple[int, int], w: VisionWeights, cfg: VisionConfig, ops) -> torch.Tensor:
+    """Patches of one image -> its text-width features [gh*gw / merge^2, out_dim]."""
+    gh, gw = grid
+    m, d = cfg.merge, cfg.dim
+    dtype, device = w.patch_w.dtype, w.patch_w.device
+    x = ops.linear(patches.to(device, dtype), w.patch_w, w.patch_b)
+    side = math.isqrt(cfg.num_pos)
+    table = w.pos.float().reshape(side, side, d)
+    along_h, along_w = _resample_axis(gh, side).to(device), _resample_axis(gw, side).to(device)
+    pos = torch.einsum("rs,ct,std->rcd", along_h, along_w, table)             # [gh, gw, dim]
+    x = x + _block_order(pos, gh, gw, m).to(dtype)
+    rows = torch.arange(gh, device=device)[:, None].expand(gh, gw)
+    cols = torch.arange(gw, device=device)[None, :].expand(gh, gw)
+    rc = _block_order(torch.stack([rows, cols], -1), gh, gw, m).float()           # [N, 2]
+    freqs = w.inv_freq.to(device)
+    angles = torch.cat([rc[:, :1] * freqs, rc[:, 1:] * freqs], dim=-1)           # [N, head_dim/2]
+    cos, sin = angles.cos(), angles.sin()
+    n, hn, hd = x.shape[0], cfg.n_heads, cfg.head_dim
+    for b in w.blocks:
+        h = ops.layer_norm(x, b["norm1.weight"], b["norm1.bias"], 1e-6)
+        qkv = ops.linear(h, b["attn.qkv.weight"], b["attn.qkv.bias"]).view(n, 3, hn, hd).permute(1, 2, 0, 3)
+        q = ops.rotary(qkv[0].float(), cos, sin, hd).to(dtype)[None]            # [1, H, N, hd]
+        k = ops.rotary(qkv[1].float(), cos, sin, hd).to(dtype)[None]
+        a = ops.attention(q, k, qkv[2][None])
+        x = ops.linear(a[0].transpose(0, 1).reshape(n, d), b["attn.proj.weight"], b["attn.proj.bias"], residual=x)
+        h = ops.layer_norm(x, b["norm2.weight"], b["norm2.bias"], 1e-6)
+        h = ops.linear(h, b["mlp.linear_fc1.weight"], b["mlp.linear_fc1.bias"], activation=cfg.activation)
+        x = ops.linear(h, b["mlp.linear_fc2.weight"], b["mlp.linear_fc2.bias"], residual=x)
+    mw = w.merger
+    h = ops.layer_norm(x, mw["norm.weight"], mw["norm.bias"], 1e-6).reshape(n // (m * m), d * m * m)
+    h = ops.linear(h, mw["linear_fc1.weight"], mw["linear_fc1.bias"], activation="gelu")
+    return ops.linear(h, mw["linear_fc2.weight"], mw["linear_fc2.bias"])

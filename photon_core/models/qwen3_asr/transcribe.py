@@ -1,0 +1,201 @@
+"""Public Qwen3-ASR API: `load_qwen3_asr(path)` -> a model with `.transcribe(audio)`, behind the
+same interface as Whisper's (photon_core.models.whisper.transcribe)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from photon_core.backends import reference
+
+from .checkpoint import load_tensors
+from .config import Qwen3ASRConfig, load_config
+from .decoder import TextDecoder
+from .encoder import AudioEncoder
+from .frontend import SAMPLE_RATE, log_mel, prepare_audio
+from .prompt import Qwen3ASRPrompt, language_code, language_name
+from .speech_gate import GateOptions, speech_gate
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# Options of Whisper's transcribe that mean nothing here: accepted so callers (the speech node,
+# the CLI) can use one call for every family, and ignored (decoding is greedy, one pass, and
+# Qwen3-ASR has no timestamp tokens).
+_WHISPER_ONLY = {"timestamps", "temperature", "condition_on_previous_text", "beam_size"}
+
+
+def _pick_dtype(device: torch.device, dtype: torch.dtype | str | None) -> torch.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    return dtype
+
+
+class Qwen3ASRSpeech:
+    """A loaded Qwen3-ASR model. Calls must be serialized (one KV cache per call)."""
+
+    def __init__(self, folder: str | Path, model_id: str = "", device: str = "cpu",
+                 dtype: torch.dtype | str | None = None, ops: ModuleType = reference) -> None:
+        folder = Path(folder)
+        self.folder = folder
+        self.device = torch.device(device)
+        self.dtype = _pick_dtype(self.device, dtype)
+        self.config: Qwen3ASRConfig = load_config(folder)
+        self.prompt = Qwen3ASRPrompt(folder, self.config.audio_token_id)
+        sd = load_tensors(folder)
+        self.ops = ops
+        self.encoder = AudioEncoder(sd, self.config.audio, ops, self.device, self.dtype)
+        self.decoder = TextDecoder(sd, self.config.text, ops, self.device, self.dtype)
+        self.model_id = model_id or folder.name
+        self.gate_options = GateOptions()
+
+    # ---------------------------------------------------------------- the pieces, public for tests
+
+    def features(self, pcm: np.ndarray) -> tuple[torch.Tensor, int]:
+        """16 kHz float audio -> (log-mel [n_mels, frames padded to chunks], valid frames)."""
+        a = self.config.audio
+        return log_mel(pcm, a.n_mels, a.chunk_frames)
+
+    @torch.inference_mode()
+    def encode(self, mel: torch.Tensor, frames: int) -> torch.Tensor:
+        """Audio tokens [n, text hidden] in the decoder's embedding space."""
+        return self.encoder.encode(mel, frames)
+
+    def prompt_ids(self, n_audio: int, language: str | None, context: str | None) -> list[int]:
+        return self.prompt.prompt_ids(n_audio, language, context)
+
+    @torch.inference_mode()
+    def prompt_embeds(self, ids: list[int], audio: torch.Tensor) -> torch.Tensor:
+        """The prompt's embeddings with the audio tokens in the audio pads' places."""
+        tokens = torch.tensor(ids, device=self.device)
+        embeds = self.decoder.embed_tokens(tokens).clone()
+        where = tokens == self.config.audio_token_id
+        if int(where.sum()) != audio.shape[0]:
+            raise ValueError(f"{int(where.sum())} audio pads for {audio.shape[0]} audio tokens")
+        embeds[where] = audio.to(embeds.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding of several prompts' embeddings at once (one cache row each) until each
+        emits a stop token or `max_new_tokens`; the ids, stop token excluded."""
+        dec, ops = self.decoder, self.ops
+        stop = torch.tensor(self.config.eos_token_ids, device=self.device)
+        capacity = max(p.shape[0] for p in prompts) + max_new_tokens
+        cache = dec.new_cache(len(prompts), capacity)
+        first = []
+        for row, embeds in enumerate(prompts):
+            hidden = dec.prefill(embeds, cache, row)
+            first.append(ops.argmax(dec.logits(hidden[-1:]))[0])
+        tokens = torch.stack(first)
+        out: list[list[int]] = [[] for _ in prompts]
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        for step in range(max_new_tokens):
+            done |= torch.isin(tokens, stop)
+            for row, (tok, fin) in enumerate(zip(tokens.tolist(), done.tolist())):
+                if not fin:
+                    out[row].append(tok)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            tokens = ops.argmax(dec.step(tokens, cache))
+        return out
+
+    # ---------------------------------------------------------------- the face to the nodes
+
+    def _check_options(self, options: dict[str, Any]) -> tuple[int | None, bool]:
+        unknown = set(options) - _WHISPER_ONLY - {"max_new_tokens", "speech_gate"}
+        if unknown:
+            raise TypeError(f"transcribe() got unexpected options {sorted(unknown)}")
+        if options.get("beam_size", 1) != 1:
+            raise NotImplementedError("beam search is not implemented for Qwen3-ASR; use beam_size=1")
+        return options.get("max_new_tokens"), bool(options.get("speech_gate", True))
+
+    def transcribe(self, audio: np.ndarray, sample_rate: int = SAMPLE_RATE, language: str | None = None,
+                   initial_prompt: str | None = None, **options: Any) -> dict:
+        """Transcribe mono or [samples, channels] int/float PCM at any sample rate.
+
+        language: a code ("en") or name ("English") to force, None to let the model say which.
+        initial_prompt: context text (names, terms) given to the model as its system turn.
+        options: max_new_tokens (default: 12 per second of audio, at least 32), speech_gate
+        (default True: silence and noise give empty text without running the model); Whisper's
+        timestamps / temperature / condition_on_previous_text are accepted and ignored.
+        Returns text, segments (one, the whole clip: no timestamps in this model), language (a
+        code, None if undetermined), duration, processing_time, no_speech_prob (1.0 when the
+        gate found no speech, else 0.0), model_id. ValueError on empty/NaN/inf audio or a bad
+        sample rate.
+        """
+        return self.transcribe_batch([(audio, sample_rate)], language=language,
+                                     initial_prompt=initial_prompt, **options)[0]
+
+    def transcribe_batch(self, clips: Sequence[tuple[np.ndarray, int]], language: str | None = None,
+                         initial_prompt: str | None = None, **options: Any) -> list[dict]:
+        """`transcribe` for several utterances at once: each is encoded and prefilled alone, the
+        token-by-token decode runs them together (one batched step per token)."""
+        start = time.perf_counter()
+        max_new, gate = self._check_options(options)
+        if language is not None:
+            language_name(language)             # an unknown language fails before any work
+        pcms = [prepare_audio(a, r) for a, r in clips]
+        speech = [speech_gate(p, SAMPLE_RATE, self.gate_options).speech if gate else True for p in pcms]
+        prompts, budgets = [], []
+        for pcm, has_speech in zip(pcms, speech):
+            if not has_speech:
+                continue
+            mel, frames = self.features(pcm)
+            audio = self.encode(mel, frames)
+            ids = self.prompt_ids(audio.shape[0], language, initial_prompt)
+            prompts.append(self.prompt_embeds(ids, audio))
+            budgets.append(max_new or max(32, int(12 * len(pcm) / SAMPLE_RATE)))
+        outputs = self.generate(prompts, max(budgets)) if prompts else []
+        # greedy rows are independent: cutting a row at its own budget is decoding it alone
+        outputs = [ids[:budget] for ids, budget in zip(outputs, budgets)]
+        results, it = [], iter(outputs)
+        for pcm, has_speech in zip(pcms, speech):
+            duration = len(pcm) / SAMPLE_RATE
+            text, lang = "", (language_code(language_name(language)) if language else None)
+            if has_speech:
+                text, lang = self.prompt.parse(next(it), language)
+            results.append({
+                "text": text,
+                "segments": [{"start": 0.0, "end": round(duration, 3), "text": text}] if text else [],
+                "language": lang,
+                "duration": duration,
+                "processing_time": time.perf_counter() - start,
+                "no_speech_prob": 0.0 if has_speech else 1.0,
+                "model_id": self.model_id,
+            })
+        return results
+
+    def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
+        """Run every path a first command takes, once, at startup: the resampler (48 kHz input),
+        the gate, and (past the gate, on a tone burst train) the encoder, prefill and a few
+        decode steps with the prompt options later calls will use."""
+        silence = np.zeros(48_000, np.float32)
+        self.transcribe(silence, 48_000, language=language, initial_prompt=initial_prompt)
+        t = np.arange(16_000) / 16_000
+        bursts = (0.3 * np.sin(2 * np.pi * 180 * t) * (np.sin(2 * np.pi * 3 * t) > 0)).astype(np.float32)
+        self.transcribe(bursts, 16_000, language=language, initial_prompt=initial_prompt,
+                        max_new_tokens=4, speech_gate=False)
+
+
+def load_qwen3_asr(path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
+                   ops: ModuleType | None = None, backend: str = "auto") -> Qwen3ASRSpeech:
+    """Load Qwen3-ASR from a checkpoint folder (config.json, model*.safetensors, tokenizer.json,
+    chat template). backend: "reference", "triton" or "auto"; `ops` overrides it. The megakernel
+    backend runs here per-op (its decode-step graph for this family is not written yet)."""
+    from photon_core.backends.select import get_backend
+
+    chosen = ops or get_backend(backend, device)
+    return Qwen3ASRSpeech(path, device=device, dtype=dtype, ops=chosen)
+
+
+__all__ = ["Qwen3ASRSpeech", "load_qwen3_asr"]

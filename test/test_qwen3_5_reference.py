@@ -1,0 +1,212 @@
+"""Qwen 3.5 against transformers' Qwen3_5ForConditionalGeneration on the same tiny random checkpoints:
+prefill logits and 20 greedy decode steps (text-only and image prompts, two configs), vision
+preprocessing and features, recognition, and errors for bad checkpoints and inputs."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import test_qwen3_5_fixtures as fx
+from photon_core import registry
+from photon_core.models.qwen3_5 import load_qwen3_5, text, vision
+
+STEPS = 20
+TOL = 2e-4
+
+
+@pytest.fixture(scope="module", params=sorted(fx.CONFIGS))
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"qwen3_5_{request.param}")
+    hf = fx.build(folder, request.param)
+    return hf, load_qwen3_5(folder), folder
+
+
+def _hf_greedy(hf, ids: torch.Tensor, **extra):
+    with torch.no_grad():
+        full = hf(input_ids=ids, **extra).logits[0]
+        out = hf.generate(input_ids=ids, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=fx.VOCAB - 1, **extra)
+    return full, out.sequences[0, ids.shape[1]:], [lg[0] for lg in out.logits]
+
+
+def _ours(model, image, question):
+    """Prefill logits [T, V] of the chat prompt, and the prompt ids our side built."""
+    x, pos, delta = model.prompt_inputs(image, question)
+    state = text.DecodeState(model.config.text, 1, x.shape[1] + STEPS + 1, model.dtype, model.device)
+    state.rope_delta[0] = delta
+    with torch.no_grad():
+        h = text.prefill(x, pos, state, model.text_w, model.config.text, model.ops)
+    return text.logits(h[0], model.text_w, model.ops), state
+
+
+def _check_decode(model, state, last, hf_tokens, hf_logits):
+    cur, mine = last, []
+    for s in range(STEPS):
+        torch.testing.assert_close(cur, hf_logits[s], atol=TOL, rtol=0)
+        mine.append(int(model.ops.argmax(cur)))
+        cur = model.step(torch.tensor([[int(hf_tokens[s])]]), state)[0]   # teacher-forced on the reference
+    assert mine == hf_tokens.tolist()
+
+
+def test_text_prompt_matches_transformers(pair):
+    hf, model, _ = pair
+    q = "what is in the picture?"
+    ids = torch.tensor([model.prompts.chat_ids(q, with_image=False)])
+    full, toks, step_logits = _hf_greedy(hf, ids)
+    ours, state = _ours(model, None, q)
+    torch.testing.assert_close(ours, full, atol=TOL, rtol=0)
+    _check_decode(model, state, ours[-1], toks, step_logits)
+
+
+def test_long_text_prefill_crosses_chunks(pair):
+    """A prompt longer than one delta-rule chunk (64 tokens), random tokens, no chat template."""
+    hf, model, _ = pair
+    ids = torch.randint(0, 290, (1, 100), generator=torch.Generator().manual_seed(3))
+    full, toks, step_logits = _hf_greedy(hf, ids)
+    state = text.DecodeState(model.config.text, 1, 100 + STEPS + 1, torch.float32, "cpu")
+    with torch.no_grad():
+        h = text.prefill(text.embed(ids, model.text_w), torch.arange(100), state, model.text_w,
+                         model.config.text, model.ops)
+    ours = text.logits(h[0], model.text_w, model.ops)
+    torch.testing.assert_close(ours, full, atol=TOL, rtol=0)
+    _check_decode(model, state, ours[-1], toks, step_logits)
+
+
+def _hf_image_inputs(model, img):
+    from transformers import Qwen2VLImageProcessorPil
+
+    pp = model.preprocess
+    proc = Qwen2VLImageProcessorPil(patch_size=pp.patch, temporal_patch_size=pp.temporal_patch,
+                                    merge_size=pp.merge, image_mean=list(pp.mean), image_std=list(pp.std),
+                                    size={"shortest_edge": pp.min_pixels, "longest_edge": pp.max_pixels})
+    return proc(images=[img], return_tensors="pt")
+
+
+@pytest.mark.parametrize("shape", [(40, 56), (70, 33)])
+def test_image_prompt_matches_transformers(pair, shape):
+    hf, model, _ = pair
+    img = fx.image(*shape, seed=shape[0])
+    q = "describe this image"
+    inputs = _hf_image_inputs(model, img)
+    enc = model.encode_image(img)
+    ids = model.prompts.chat_ids(q, with_image=True)
+    from photon_core.models.qwen3_5 import prompt
+    ids = torch.tensor([prompt.expand_images(ids, model.config.image_token_id, [enc.grid[0] * enc.grid[1]])])
+    extra = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                 mm_token_type_ids=(ids == model.config.image_token_id).int())
+    full, toks, step_logits = _hf_greedy(hf, ids, **extra)
+    ours, state = _ours(model, img, q)
+    torch.testing.assert_close(ours, full, atol=TOL, rtol=0)
+    _check_decode(model, state, ours[-1], toks, step_logits)
+
+
+def test_preprocessing_and_vision_features_match(pair):
+    hf, model, _ = pair
+    for shape in [(40, 56), (200, 90), (9, 30)]:   # kept, shrunk to the pixel budget, enlarged to the minimum
+        img = fx.image(*shape, seed=1)
+        inputs = _hf_image_inputs(model, img)
+        patches, (gh, gw) = vision.preprocess(img, model.preprocess)
+        assert [1, gh, gw] == inputs["image_grid_thw"][0].tolist()
+        torch.testing.assert_close(patches, inputs["pixel_values"], atol=1e-6, rtol=0)
+        with torch.no_grad():
+            ref = hf.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+        torch.testing.assert_close(model.encode_image(img).features, ref, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- recognition and bad inputs
+
+def test_recognised_as_qwen3_5_only(pair, tmp_path):
+    _, model, folder = pair
+    assert registry.recognise(folder).family.name == "qwen3_5"
+    from photon_core.models.qwen3_5 import recognise
+    from photon_core.weights.checkpoint_files import CheckpointFiles
+    for other in ("moondream1", "whisper", "gemma4", "qwen3_asr", "qwen3_vl", "qwen3_next", "qwen2_vl"):
+        d = tmp_path / other
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": other, "architectures": ["X"]}))
+        assert not recognise(CheckpointFiles(d)), other
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {}}))
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        registry.recognise(moe)
+
+
+def test_missing_shard_is_named(pair, tmp_path):
+    hf, _, folder = pair
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="20KB")
+    for f in folder.iterdir():
+        if f.suffix in (".json", ".jinja") and not (sharded / f.name).exists():
+            shutil.copy(f, sharded / f.name)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    torch.testing.assert_close(load_qwen3_5(sharded).text_w.lm_head, hf.lm_head.weight)
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=shards[1].name):
+        load_qwen3_5(sharded)
+
+
+def test_bad_dtypes_and_images(pair, tmp_path):
+    _, model, folder = pair
+    with pytest.raises(ValueError, match="dtype"):
+        load_qwen3_5(folder, dtype="int8")
+    from safetensors.torch import load_file, save_file
+    quant = tmp_path / "quant"
+    shutil.copytree(folder, quant)
+    sd = load_file(str(quant / "model.safetensors"))
+    name = next(k for k in sd if k.endswith("mlp.down_proj.weight"))
+    sd[name] = sd[name].to(torch.int8)
+    save_file(sd, str(quant / "model.safetensors"))
+    with pytest.raises(ValueError, match="down_proj.*int8"):
+        load_qwen3_5(quant)
+    small = tmp_path / "small"
+    shutil.copytree(folder, small)
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = 70   # room for 6 image tokens
+    (small / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="image too large"):
+        load_qwen3_5(small).query(fx.image(64, 64), "what?")   # 16 image tokens
+    with pytest.raises(ValueError, match="aspect ratio"):
+        model.query(fx.image(2, 500), "what?")
+    with pytest.raises(ValueError, match=r"\[H, W, 3\]"):
+        model.query(torch.zeros(4, 4, 2).numpy(), "what?")
+    with pytest.raises(ValueError, match="caption length"):
+        model.caption(fx.image(), length="epic")
+
+
+def test_text_only_checkpoint(tmp_path):
+    """A Qwen3_5ForCausalLM checkpoint (model_type qwen3_5_text, tensors model.layers.*): text works,
+    an image is refused plainly."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    c = dict(fx.CONFIGS["deltas3"])
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=c.pop("partial_rotary_factor"),
+                mrope_section=c.pop("mrope_section"))
+    torch.manual_seed(4)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(vocab_size=fx.VOCAB, rope_parameters=rope, **c)).eval()
+    hf.save_pretrained(tmp_path)
+    fx.build_tokenizer(tmp_path)
+    assert registry.recognise(tmp_path).family.name == "qwen3_5"
+    model = load_qwen3_5(tmp_path)
+    ids = torch.tensor([model.prompts.chat_ids("hello there", with_image=False)])
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[0, -1]
+    _, ours = model.prefill(None, "hello there", extra=1)
+    torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="text-only"):
+        model.query(fx.image(), "what?")
+
+
+def test_bfloat16_follows_float32(pair):
+    _, model, folder = pair
+    low = load_qwen3_5(folder, dtype="bfloat16")
+    assert low.text_w.embed.dtype == torch.bfloat16
+    img = fx.image(seed=4)
+    _, a = model.prefill(img, "what?", extra=1)
+    _, b = low.prefill(img, "what?", extra=1)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert isinstance(low.query(img, "what?", max_tokens=3)["answer"], str)

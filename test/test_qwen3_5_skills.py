@@ -1,0 +1,136 @@
+"""Qwen 3.5 skills: query/caption (greedy against transformers' generate, sampled, streamed, text-only),
+batch (decoded together, same results as single calls), the command line and the shared engine the
+vision node uses."""
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import test_qwen3_5_fixtures as fx
+from photon_core.models.qwen3_5 import load_qwen3_5, prompt
+from photon_core.runtime.requests import Request
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_5_skills")
+    hf = fx.build(folder, "deltas3", seed=1)
+    return hf, load_qwen3_5(folder), folder
+
+
+def _hf_answer(hf, model, img, question, n):
+    ids = model.prompts.chat_ids(question, with_image=img is not None)
+    extra = {}
+    if img is not None:
+        from transformers import Qwen2VLImageProcessorPil
+        pp = model.preprocess
+        inputs = Qwen2VLImageProcessorPil(patch_size=pp.patch, temporal_patch_size=pp.temporal_patch,
+                                          merge_size=pp.merge, image_mean=list(pp.mean), image_std=list(pp.std),
+                                          size={"shortest_edge": pp.min_pixels, "longest_edge": pp.max_pixels})(
+            images=[img], return_tensors="pt")
+        count = int(inputs["image_grid_thw"][0].prod()) // pp.merge ** 2
+        ids = prompt.expand_images(ids, model.config.image_token_id, [count])
+        extra = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    ids = torch.tensor([ids])
+    if extra:
+        extra["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, max_new_tokens=n, do_sample=False, pad_token_id=fx.VOCAB - 1,
+                          eos_token_id=sorted(model.prompts.stop_ids), **extra)
+    toks = [t for t in out[0, ids.shape[1]:].tolist() if t not in model.prompts.stop_ids]
+    return model.prompts.decode(toks)
+
+
+def test_query_and_caption_greedy_match_transformers(setup):
+    hf, model, _ = setup
+    img = fx.image(48, 64, seed=5)
+    assert model.query(img, "what is in the picture?", max_tokens=12) == \
+        {"answer": _hf_answer(hf, model, img, "what is in the picture?", 12)}
+    assert model.query(None, "describe the fox", max_tokens=12) == \
+        {"answer": _hf_answer(hf, model, None, "describe the fox", 12)}
+    for length in ("short", "long"):
+        assert model.caption(img, length=length, max_tokens=10) == \
+            {"caption": _hf_answer(hf, model, img, prompt.CAPTION_PROMPTS[length], 10)}
+
+
+def test_streaming_yields_the_same_text(setup):
+    _, model, _ = setup
+    img = fx.image(seed=2)
+    gen = model.query(img, "what?", stream=True, max_tokens=10)["answer"]
+    assert isinstance(gen, types.GeneratorType)
+    pieces = list(gen)
+    assert len(pieces) > 1 and "".join(pieces) == model.query(img, "what?", max_tokens=10)["answer"]
+    cap = model.caption(img, stream=True, max_tokens=6)["caption"]
+    assert "".join(cap) == model.caption(img, max_tokens=6)["caption"]
+
+
+def test_sampling_goes_through_ops_sample(setup, monkeypatch):
+    _, model, _ = setup
+    calls = []
+    real = model.ops
+
+    def sample(logits, temperature, top_p, uniform):
+        calls.append((temperature, top_p))
+        return real.sample(logits, temperature, top_p, uniform)
+
+    monkeypatch.setattr(model, "ops", types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real)
+                                                                if not n.startswith("_")} | {"sample": sample}))
+    greedy = model.query(None, "hello", max_tokens=8)["answer"]
+    # A nucleus this small holds only the most likely token: sampling must then agree with greedy.
+    assert model.query(None, "hello", max_tokens=8, temperature=0.7, top_p=1e-6)["answer"] == greedy
+    assert calls and all(c == (0.7, 1e-6) for c in calls)
+    model.generator.manual_seed(123)
+    a = model.query(None, "hello", max_tokens=8, temperature=1.5)["answer"]
+    model.generator.manual_seed(123)
+    assert model.query(None, "hello", max_tokens=8, temperature=1.5)["answer"] == a
+    with pytest.raises(ValueError, match="top_p"):
+        model.query(None, "hello", top_p=0.0)
+
+
+def test_batch_decodes_together_and_matches_single_calls(setup, monkeypatch):
+    _, model, _ = setup
+    imgs = [fx.image(40, 56, seed=7), fx.image(64, 32, seed=8)]
+    reqs = [Request("query", imgs[0], "what is in the picture?", max_tokens=9),
+            Request("caption", imgs[1], "short", max_tokens=5),
+            Request("query", None, "describe the fox", max_tokens=12),
+            Request("caption", imgs[0], "normal", max_tokens=7)]
+    single = [model.query(imgs[0], "what is in the picture?", max_tokens=9),
+              model.caption(imgs[1], "short", max_tokens=5),
+              model.query(None, "describe the fox", max_tokens=12),
+              model.caption(imgs[0], "normal", max_tokens=7)]
+    rows = []
+    real_step = model.step
+    monkeypatch.setattr(model, "step", lambda ids, state: rows.append(ids.shape[0]) or real_step(ids, state))
+    assert model.batch(reqs) == single
+    assert rows[0] == 4 and max(rows) == 4 and len(rows) <= 11   # one forward per step for all rows
+    with pytest.raises(ValueError, match="cannot 'detect'"):
+        model.batch([Request("detect", imgs[0], "cup")])
+
+
+def test_cli_and_shared_engine(setup, tmp_path, capsys):
+    _, model, folder = setup
+    from PIL import Image
+
+    from photon_core.__main__ import main
+    img = fx.image(48, 48, seed=9)
+    path = tmp_path / "img.png"
+    Image.fromarray(img).save(path)
+    assert main(["query", str(path), "what?", "--model", str(folder), "--max-tokens", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["answer"] == model.query(img, "what?", max_tokens=6)["answer"]
+    assert out["model"] == model.model_id or out["model"].endswith(folder.name)
+    assert main(["caption", str(path), "--model", str(folder), "--length", "short", "--max-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["caption"] == model.caption(img, "short", max_tokens=4)["caption"]
+
+    from photon_core.runtime.shared_models import release, shared_engine
+    engine = shared_engine(str(folder), "cpu", None, "reference", skills=["caption", "query"])
+    try:
+        got = engine.batcher.submit([Request("caption", np.ascontiguousarray(img), "short", max_tokens=4)])
+        assert got == [model.caption(img, "short", max_tokens=4)]
+        assert engine.model.model_id
+    finally:
+        release(engine)
