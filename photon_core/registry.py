@@ -66,10 +66,7 @@ class NotSupportedYet:
     message: str
 
 
-NOT_SUPPORTED_YET = (
-    NotSupportedYet("parakeet", lambda files: bool(files.nemo_files),
-                    "a NeMo (.nemo) checkpoint: Parakeet is not supported yet"),
-)
+NOT_SUPPORTED_YET: tuple[NotSupportedYet, ...] = ()
 
 
 class UnknownModelFamily(ValueError):

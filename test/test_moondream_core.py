@@ -25,7 +25,7 @@ def test_config_defaults_are_moondream2_and_overrides_apply():
 def test_config_rejects_unknown_keys_and_md3():
     with pytest.raises(ValueError, match="unknown keys"):
         mdconfig.MoondreamConfig.from_dict({"text": {"dimm": 3}})
-    with pytest.raises(NotImplementedError, match="not supported yet"):
+    with pytest.raises(ValueError, match="Moondream 3 .*photon_core.models.moondream3"):
         mdconfig.MoondreamConfig.from_dict({"text": {"moe": {"num_experts": 64}}})
     with pytest.raises(ValueError, match="prefix_attn"):
         mdconfig.MoondreamConfig.from_dict({"text": {"prefix_attn": 100}})
@@ -108,7 +108,7 @@ def test_both_namings_normalize_to_the_same_tensors():
     assert set(new) == set(old) == set(sd)
     for k in sd:
         assert torch.equal(new[k], sd[k]) and torch.equal(old[k], sd[k]), k
-    with pytest.raises(NotImplementedError, match="Moondream 3"):
+    with pytest.raises(ValueError, match="Moondream 3 .*photon_core.models.moondream3"):
         weights.normalize_names({"text_model.transformer.h.4.mlp.experts.weight": torch.zeros(1)})
 
 
@@ -122,7 +122,7 @@ def test_resolution_errors_say_where_and_how(tmp_path, monkeypatch):
     assert str(tmp_path / "hf" / "hub" / "models--vikhyatk--moondream2") in str(e.value)
     with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
         weights.resolve(tmp_path)  # empty folder
-    with pytest.raises(NotImplementedError, match="not supported yet"):
+    with pytest.raises(ValueError, match="Moondream 3 .*load_moondream3"):
         weights.resolve("moondream3-preview")
     with pytest.raises(ValueError, match="dtype"):
         weights.parse_dtype("int8")

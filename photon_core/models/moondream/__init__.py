@@ -10,17 +10,23 @@ from photon_core.weights.resolve import Resolved
 
 from . import weights
 from .batch import Request
-from .config import MoondreamConfig
+from .config import MoondreamConfig, is_moondream3_config
 from .model import EncodedImage, MoondreamModel, load_moondream
 
 # Both tensor namings (see weights.py) have a vision tower, a text model and the region head;
 # the region head is what sets Moondream apart from other vision-language models.
 _NEW_PARTS = (("model.vision.", "vision."), ("model.text.", "text."), ("model.region.", "region."))
 _OLD_PARTS = (("vision_encoder.",), ("text_model.",), ("region_model.",))
-_MD3 = "Moondream 3 (MoE) is not supported yet; use moondream2"
+
+
+def is_moondream3(files: CheckpointFiles) -> bool:
+    """Moondream 3 checkpoints (config or tensor names) belong to the moondream3 family."""
+    return is_moondream3_config(files.config) or bool(weights.moondream3_markers(files.tensor_names))
 
 
 def recognise(files: CheckpointFiles) -> bool:
+    if is_moondream3(files):
+        return False
     if (files.model_type or "").startswith("moondream"):
         return True
     names = [n.replace("._orig_mod", "") for n in files.tensor_names]
@@ -29,12 +35,7 @@ def recognise(files: CheckpointFiles) -> bool:
 
 
 def refuse(files: CheckpointFiles) -> str | None:
-    """Moondream 3 and int4-quantized checkpoints: recognised here, not runnable yet."""
-    if files.model_type == "moondream3":
-        return _MD3
-    md3 = sorted(n for n in files.tensor_names if any(m in n for m in weights._MD3_MARKERS))
-    if md3:
-        return f"a Moondream 3 checkpoint ({md3[0]}, ...); {_MD3}"
+    """int4-quantized checkpoints: recognised here, not runnable yet."""
     try:
         MoondreamConfig.from_dict(files.config)
     except NotImplementedError as err:
@@ -47,8 +48,6 @@ def refuse(files: CheckpointFiles) -> str | None:
 def places(name: str) -> list[str | Path]:
     if name in weights.MD2_IDS:
         return [weights.HF_REPO]
-    if name in weights.MD3_IDS:   # found, it is then refused with the "not supported yet" error
-        return [name if "/" in name else f"moondream/{name}"]
     return []
 
 
@@ -63,8 +62,9 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
 FAMILY = Family(
     name="moondream",
     skills=frozenset({"detect", "point", "caption", "query"}),
-    looks_for="config.json model_type 'moondream*', or vision, text and region tensors "
-              "(model.vision.* / vision_encoder.*, ...) in safetensors or .pt files",
+    looks_for="config.json model_type 'moondream*' (not moondream3), or vision, text and region tensors "
+              "(model.vision.* / vision_encoder.*, ...) in safetensors or .pt files, without Moondream 3's "
+              "MoE/tau tensors",
     recognise=recognise,
     load=_load,
     cli="photon_core.models.moondream.cli",

@@ -27,7 +27,7 @@ import torch
 
 from photon_core.runtime.requests import Request
 
-from . import region, skills, text
+from . import skills, text
 
 if TYPE_CHECKING:
     from .model import EncodedImage, MoondreamModel
@@ -179,7 +179,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
                     row.phase = BOUNDARY
                 else:
                     row.phase = SIZE
-        nxt[coord_rows] = region.encode_coords(values, rw, ops)
+        nxt[coord_rows] = model.region_impl.encode_coords(values, rw, ops)
     if size_rows:
         sizes = heads.sizes(size_rows)
         for i, (w, h) in zip(size_rows, sizes):
@@ -188,10 +188,10 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
             row.objects.append({"x_min": _clamp(row.x - w / 2), "y_min": _clamp(row.y - h / 2),
                                 "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2)})
             row.phase = BOUNDARY
-        nxt[size_rows] = region.encode_sizes(sizes, rw, ops)
+        nxt[size_rows] = model.region_impl.encode_sizes(sizes, rw, ops)
     if tokens:
         ids = torch.tensor([[t] for t in tokens.values()], device=model.device)
-        nxt[list(tokens)] = text.embed(ids, model.text_w)
+        nxt[list(tokens)] = model.text_impl.embed(ids, model.text_w)
     return nxt
 
 
@@ -218,21 +218,21 @@ class OpsStepper:
 
     def start(self, rows: list[_Row], encoded: list["EncodedImage"]) -> "OpsHeads":
         m = self.model
-        self.cache = text.KVCache(m.config.text, max(r.length for r in rows), m.dtype, m.device, batch=len(rows))
+        self.cache = m.text_impl.KVCache(m.config.text, max(r.length for r in rows), m.dtype, m.device, batch=len(rows))
         boundary, answer = skills.boundary_mask(m), skills.answer_mask(m)
         self.masks = torch.stack([boundary if r.is_object else answer for r in rows])
         hidden = []
         for b, (row, enc) in enumerate(zip(rows, encoded)):
             self.cache.k[:, b:b + 1, :, :enc.pos] = enc.k
             self.cache.v[:, b:b + 1, :, :enc.pos] = enc.v
-            emb = text.embed(torch.tensor([row.prompt], device=m.device), m.text_w)
-            hidden.append(text.forward(emb, row.pos, m.text_w, m.config.text, self.cache.row(b), m.ops)[:, -1])
+            emb = m.text_impl.embed(torch.tensor([row.prompt], device=m.device), m.text_w)
+            hidden.append(m.text_impl.forward(emb, row.pos, m.text_w, m.config.text, self.cache.row(b), m.ops)[:, -1])
         return OpsHeads(m, torch.cat(hidden), self.masks)
 
     def step(self, inputs: torch.Tensor, positions: list[int]) -> "OpsHeads":
         m = self.model
         pos = torch.tensor(positions, device=m.device)
-        hidden = text.forward(inputs, pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
+        hidden = m.text_impl.forward(inputs, pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
         return OpsHeads(m, hidden, self.masks)
 
     def keep(self, rows: list[int]) -> None:
@@ -250,7 +250,7 @@ class OpsHeads:
 
     def tokens(self, rows: list[int]) -> list[int]:
         m = self.model
-        logits = text.lm_logits(self.hidden[rows], m.text_w, m.ops)
+        logits = m.text_impl.lm_logits(self.hidden[rows], m.text_w, m.ops)
         self._logits = dict(zip(rows, logits))
         return m.ops.argmax(logits, self.masks[rows]).tolist()
 
@@ -258,10 +258,10 @@ class OpsHeads:
         return self._logits[row]
 
     def coords(self, rows: list[int]) -> list[float]:
-        return region.decode_coords(self.hidden[rows], self.model.region_w, self.model.ops)
+        return self.model.region_impl.decode_coords(self.hidden[rows], self.model.region_w, self.model.ops)
 
     def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
-        return region.decode_sizes(self.hidden[rows], self.model.region_w, self.model.ops)
+        return self.model.region_impl.decode_sizes(self.hidden[rows], self.model.region_w, self.model.ops)
 
 
 def _clamp(v: float) -> float:

@@ -78,16 +78,26 @@ class TokenizerConfig:
     templates: dict = field(default_factory=_default_templates)
 
 
-# Keys that only Moondream 3 configs carry: we fail loudly rather than run a wrong model.
-_MD3_KEYS = {"moe", "n_experts", "experts_per_token", "expert_inner_dim"}
+# Keys that only Moondream 3 configs carry: that model is the moondream3 family's, never run here.
+MD3_KEYS = {"moe", "n_experts", "experts_per_token", "expert_inner_dim", "tau_attn"}
+
+
+def is_moondream3_config(d: dict | None) -> bool:
+    """A config.json (reference layout or the Hugging Face wrapper) that describes Moondream 3."""
+    d = dict(d or {})
+    if str(d.get("model_type", "")).startswith("moondream3"):
+        return True
+    if isinstance(d.get("config"), dict) and not ({"text", "vision", "region"} & set(d)):
+        d = d["config"]
+    return isinstance(d.get("text"), dict) and bool(MD3_KEYS & set(d["text"]))
 
 
 def _build(cls, d: dict, section: str):
     d = dict(d or {})
-    md3 = _MD3_KEYS & set(d)
+    md3 = MD3_KEYS & set(d)
     if md3:
-        raise NotImplementedError(
-            f"Moondream 3 (MoE) checkpoints are not supported yet (config.{section} has {sorted(md3)})")
+        raise ValueError(f"a Moondream 3 (MoE) config (config.{section} has {sorted(md3)}): load it with "
+                         "photon_core.models.moondream3, not as Moondream 2")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
     if unknown:

@@ -10,10 +10,9 @@ import torch
 from PIL import Image
 
 from . import batch as batch_decoding
-from . import image_crops, skills, text, vision
+from . import image_crops, region, skills, text, vision
 from . import weights as weights_io
 from .config import MoondreamConfig
-from .region import RegionWeights
 from .tokenizer import MoondreamTokenizer, find_tokenizer
 
 
@@ -86,7 +85,15 @@ class MoondreamModel:
 
     The backend picks the decode stepper: the ops path (batch.py's OpsStepper: every decode step a
     batched forward of `ops`) or, with the megakernel backend, `decode` (megakernel_decode.py: every
-    decode step one launch of the compiled step graph). Results are the same."""
+    decode step one launch of the compiled step graph). Results are the same.
+
+    `text_impl` and `region_impl` are the modules holding the text decoder and the region head
+    (TextWeights/KVCache/embed/forward/lm_logits; RegionWeights/encode_*/decode_*): skills.py and
+    batch.py reach them through the model, so a variant with another decoder or region head
+    (Moondream 3) reuses the skills and the batched decoding unchanged."""
+
+    text_impl: Any = text
+    region_impl: Any = region
 
     def __init__(self, config: MoondreamConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2",
@@ -94,8 +101,8 @@ class MoondreamModel:
         self.config, self.tokenizer, self.ops = config, tokenizer, ops
         self.device, self.dtype, self.model_id = device, dtype, model_id
         self.vision_w = vision.VisionWeights.from_state(state, config.vision)
-        self.text_w = text.TextWeights.from_state(state, config.text)
-        self.region_w = RegionWeights.from_state(state)
+        self.text_w = self.text_impl.TextWeights.from_state(state, config.text)
+        self.region_w = self.region_impl.RegionWeights.from_state(state)
         self.decode = None
         if getattr(ops, "NAME", "") == "megakernel":
             from photon_core.megakernel.compiler import Tiling
@@ -132,10 +139,10 @@ class MoondreamModel:
             end = start + len(own_crops)
             tokens.append(vision.project(feats[start:end], tiling, self.vision_w, cfg.vision, self.ops))
             start = end
-        bos = text.embed(torch.full((len(images), 1), cfg.tokenizer.bos_id, device=self.device), self.text_w)
+        bos = self.text_impl.embed(torch.full((len(images), 1), cfg.tokenizer.bos_id, device=self.device), self.text_w)
         x = torch.cat([bos, torch.stack(tokens)], dim=1)
-        cache = text.KVCache(cfg.text, x.shape[1], self.dtype, self.device, batch=len(images))
-        text.forward(x, 0, self.text_w, cfg.text, cache, self.ops)  # bidirectional over BOS + image
+        cache = self.text_impl.KVCache(cfg.text, x.shape[1], self.dtype, self.device, batch=len(images))
+        self.text_impl.forward(x, 0, self.text_w, cfg.text, cache, self.ops)  # bidirectional over BOS + image
         return [EncodedImage(cache.k[:, i:i + 1], cache.v[:, i:i + 1], x.shape[1], tiling, id(self))
                 for i, (_, tiling) in enumerate(prepared)]
 

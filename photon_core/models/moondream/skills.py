@@ -13,8 +13,6 @@ import torch
 
 from photon_core.runtime.requests import DEFAULT_MAX_OBJECTS, DEFAULT_MAX_TOKENS  # noqa: F401
 
-from . import text
-
 if TYPE_CHECKING:
     from .model import EncodedImage, MoondreamModel
 
@@ -25,7 +23,7 @@ class Sequence:
 
     def __init__(self, model: "MoondreamModel", enc: "EncodedImage", length: int) -> None:
         self.model = model
-        self.cache = text.KVCache(model.config.text, length, model.dtype, model.device)
+        self.cache = model.text_impl.KVCache(model.config.text, length, model.dtype, model.device)
         self.cache.k[:, :, :, :enc.pos] = enc.k
         self.cache.v[:, :, :, :enc.pos] = enc.v
         self.pos = enc.pos
@@ -34,13 +32,13 @@ class Sequence:
     def step(self, emb: torch.Tensor) -> torch.Tensor:
         """Feed input embeddings [1, T, dim]; returns the logits [1, vocab] after the last one."""
         m = self.model
-        hidden = text.forward(emb, self.pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
+        hidden = m.text_impl.forward(emb, self.pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
         self.pos += emb.shape[1]
-        return text.lm_logits(hidden, m.text_w, m.ops)
+        return m.text_impl.lm_logits(hidden, m.text_w, m.ops)
 
     @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
-        return text.embed(torch.tensor([ids], device=self.model.device), self.model.text_w)
+        return self.model.text_impl.embed(torch.tensor([ids], device=self.model.device), self.model.text_w)
 
 
 def check_prompt(model: "MoondreamModel", enc: "EncodedImage", ids: list[int]) -> None:
@@ -134,10 +132,16 @@ def _wrap(model: "MoondreamModel", skill: str, words: list[int]) -> list[int]:
 
 def query_prompt(model: "MoondreamModel", question: str) -> list[int]:
     """prefix + question + suffix + suffix. The doubled answer marker is what the public reference
-    (2025-06 tokenizer/release) sends without reasoning: Q <answer> [<thinking> ... ] <answer> answer."""
+    (2025-06 tokenizer/release) sends without reasoning: Q <answer> [<thinking> ... ] <answer> answer.
+    A template with an `answer_prefix` (Moondream 3's layout) is sent as prefix + question +
+    answer_prefix instead."""
     if not isinstance(question, str) or not question.strip():
         raise ValueError("question must be a non-empty string")
-    return _wrap(model, "query", model.tokenizer.encode(question)) + list(model.config.tokenizer.templates["query"]["suffix"])
+    t = model.config.tokenizer.templates["query"]
+    words = model.tokenizer.encode(question)
+    if "answer_prefix" in t:
+        return list(t["prefix"]) + words + list(t["answer_prefix"])
+    return _wrap(model, "query", words) + list(t["suffix"])
 
 
 def object_prompt(model: "MoondreamModel", skill: str, name: str) -> list[int]:

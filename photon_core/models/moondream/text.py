@@ -91,9 +91,29 @@ def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextC
     pos: an int when every row is at positions pos..pos+T-1; or a [B] tensor of per-row positions
     for one decode step (T = 1) of requests at different lengths, each attending to its own first
     pos[b] + 1 cache positions."""
-    bsz, t, d = x.shape
-    hq, hkv = cfg.n_heads, cfg.n_kv_heads
-    hd = d // hq
+    hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
+    at = positions(pos, x.shape[1], w, cache)
+    for i, b in enumerate(w.blocks):
+        h = ops.layer_norm(x, *b.ln)  # one norm feeds attention and MLP: the parallel block
+        q, k, v = ops.linear(h, *b.qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        a = attend(q, k, v, i, at, cfg, cache, ops)
+        mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
+        x = ops.linear(a, *b.proj, residual=x + mlp)
+    return x
+
+
+@dataclass
+class Positions:
+    """Where one forward's tokens sit: rows at pos..end-1 (an int pos), or one token per row at its
+    own position (a [B] tensor pos, `ragged`); the rotary angles of those positions."""
+    pos: int | torch.Tensor
+    ragged: bool
+    end: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def positions(pos: int | torch.Tensor, t: int, w: TextWeights, cache: KVCache) -> Positions:
     ragged = isinstance(pos, torch.Tensor)
     if ragged and t != 1:
         raise ValueError("per-row positions take one token per row")
@@ -101,31 +121,37 @@ def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextC
     if end > cache.length:
         raise RuntimeError(f"sequence of {end} tokens exceeds the KV cache ({cache.length})")
     cos, sin = (w.cos[pos], w.sin[pos]) if ragged else (w.cos[pos:end], w.sin[pos:end])
-    rot = rot_dim(cfg)
-    for i, b in enumerate(w.blocks):
-        h = ops.layer_norm(x, *b.ln)  # one norm feeds attention and MLP: the parallel block
-        q, k, v = ops.linear(h, *b.qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-        q = _rotary(q.view(bsz, t, hq, hd).transpose(1, 2), cos, sin, rot, ragged, ops)
-        k = _rotary(k.view(bsz, t, hkv, hd).transpose(1, 2), cos, sin, rot, ragged, ops)
-        v = v.view(bsz, t, hkv, hd).transpose(1, 2)
-        if ragged:
-            ops.kv_append(cache.k[i], cache.v[i], k, v, pos)
-        else:
-            cache.k[i, :, :, pos:end] = k
-            cache.v[i, :, :, pos:end] = v
-        # decode_attention reads only each row's own length: give it the whole (contiguous) cache
-        keys, values = (cache.k[i], cache.v[i]) if ragged else (cache.k[i, :, :, :end], cache.v[i, :, :, :end])
-        if hkv != hq:
-            keys = keys.repeat_interleave(hq // hkv, dim=1)
-            values = values.repeat_interleave(hq // hkv, dim=1)
-        if ragged:
-            a = ops.decode_attention(q, keys, values, pos + 1)
-        else:
-            a = ops.attention(q, keys, values, causal=True, prefix_len=cfg.prefix_attn)
-        a = a.transpose(1, 2).reshape(bsz, t, d)
-        mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
-        x = ops.linear(a, *b.proj, residual=x + mlp)
-    return x
+    return Positions(pos, ragged, end, cos, sin)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, at: Positions, cfg: TextConfig,
+           cache: KVCache, ops) -> torch.Tensor:
+    """One layer's attention from its projections q [B, T, hq*hd], k, v [B, T, hkv*hd] (before rotary):
+    partial rotary on q and k, k/v written to the cache, causal attention with the bidirectional
+    image prefix. Returns [B, T, dim] (before the output projection)."""
+    bsz, t, _ = q.shape
+    hq, hkv = cfg.n_heads, cfg.n_kv_heads
+    hd = cfg.dim // hq
+    rot, pos, ragged = rot_dim(cfg), at.pos, at.ragged
+    q = _rotary(q.reshape(bsz, t, hq, hd).transpose(1, 2), at.cos, at.sin, rot, ragged, ops)
+    k = _rotary(k.reshape(bsz, t, hkv, hd).transpose(1, 2), at.cos, at.sin, rot, ragged, ops)
+    v = v.reshape(bsz, t, hkv, hd).transpose(1, 2)
+    if ragged:
+        ops.kv_append(cache.k[layer], cache.v[layer], k, v, pos)
+    else:
+        cache.k[layer, :, :, pos:at.end] = k
+        cache.v[layer, :, :, pos:at.end] = v
+    # decode_attention reads only each row's own length: give it the whole (contiguous) cache
+    keys, values = (cache.k[layer], cache.v[layer]) if ragged else \
+        (cache.k[layer, :, :, :at.end], cache.v[layer, :, :, :at.end])
+    if hkv != hq:
+        keys = keys.repeat_interleave(hq // hkv, dim=1)
+        values = values.repeat_interleave(hq // hkv, dim=1)
+    if ragged:
+        a = ops.decode_attention(q, keys, values, pos + 1)
+    else:
+        a = ops.attention(q, keys, values, causal=True, prefix_len=cfg.prefix_attn)
+    return a.transpose(1, 2).reshape(bsz, t, hq * hd)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, ragged: bool, ops) -> torch.Tensor:

@@ -51,6 +51,12 @@ _OLD_TRANSPOSED = {"region_model.coordinate_features.weight": "region.coord_feat
 _MD3_MARKERS = ("experts", "tau_", "moe_quant", "coordinate_head", "size_head")
 
 
+def moondream3_markers(names) -> list[str]:
+    """The tensor names (sorted) that only Moondream 3 checkpoints carry (MoE experts, tau
+    attention, FP8 expert scales, the linear region heads); empty for Moondream 2."""
+    return sorted(n for n in names if any(m in n for m in _MD3_MARKERS))
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     weights: Path          # the tensor file
@@ -77,7 +83,8 @@ def resolve(path_or_id: str | Path) -> Checkpoint:
     """A local file or folder, or a model id looked up in the Hugging Face cache (never downloaded)."""
     name = str(path_or_id)
     if name in MD3_IDS or "moondream3" in name.lower() and not Path(name).exists():
-        raise NotImplementedError(f"{name}: Moondream 3 (MoE) is not supported yet; use moondream2")
+        raise ValueError(f"{name}: a Moondream 3 (MoE) model; load it with photon_core.models.moondream3 "
+                         "(load_moondream3), not as Moondream 2")
     path = Path(name).expanduser()
     if path.is_file():
         weights, folder = path, path.parent
@@ -116,10 +123,10 @@ SCHEMA = ([(pat[:-1], rep) if pat.endswith("$") else (pat + "(.*)", rep + rf"\{p
 
 def normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Either naming -> reference names, Fourier matrices as [in, features]."""
-    md3 = [k for k in tensors if any(m in k for m in _MD3_MARKERS)]
+    md3 = moondream3_markers(tensors)
     if md3:
-        raise NotImplementedError(f"this looks like a Moondream 3 (MoE) checkpoint ({md3[0]}, ...); "
-                                  "Moondream 3 is not supported yet")
+        raise ValueError(f"this is a Moondream 3 (MoE) checkpoint ({md3[0]}, ...); load it with "
+                         "photon_core.models.moondream3 (load_moondream3), not as Moondream 2")
     tensors = {k.replace("._orig_mod", ""): t for k, t in tensors.items()}  # torch.compile'd training
     out = rename(tensors, SCHEMA, keep=(r"(vision|text|region)\..*",))
     for old, new in _OLD_TRANSPOSED.items():

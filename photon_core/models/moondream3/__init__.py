@@ -1,0 +1,67 @@
+"""Moondream 3 (3.1 9B-A2B, 3-preview): MoE text decoder with tau attention on Moondream 2's vision
+tower; detect, point, caption, query (Moondream 2's skills) and segment."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from photon_core.models.moondream import is_moondream3
+from photon_core.registry import Family
+from photon_core.weights.checkpoint_files import CheckpointFiles
+from photon_core.weights.resolve import Resolved
+
+from . import weights
+from .config import Moondream3Config
+from .model import Moondream3Model, load_moondream3
+
+
+def recognise(files: CheckpointFiles) -> bool:
+    return is_moondream3(files)
+
+
+def refuse(files: CheckpointFiles) -> str | None:
+    try:
+        Moondream3Config.from_dict(files.config)
+    except NotImplementedError as err:
+        return str(err)
+    except ValueError:
+        pass   # a malformed config is reported by the loader, with the whole check
+    return None
+
+
+def places(name: str) -> list[str | Path]:
+    if name in weights.MODELS:
+        return [weights.MODELS[name][0]]
+    return []
+
+
+def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
+    from photon_core.backends.select import get_backend
+
+    if backend == "auto":   # the megakernel (auto's choice on a GPU) has no Moondream 3 step graph yet
+        backend = "triton" if str(device).startswith("cuda") else "reference"
+    ops = get_backend(backend, device)
+    dtype = dtype if dtype is not None else "float32"
+    model = load_moondream3(checkpoint.path, device=device, dtype=dtype, backend=ops)
+    if checkpoint.name in weights.IDS:
+        model.model_id = checkpoint.name
+    return model
+
+
+FAMILY = Family(
+    name="moondream3",
+    skills=frozenset({"detect", "point", "caption", "query", "segment"}),
+    looks_for="config.json model_type 'moondream3' or a text.moe config, or Moondream 3's MoE/tau tensors "
+              "(text_model.transformer.h.N.mlp.experts.weight, tau_wqwv, moe_quant.*, region_model."
+              "coordinate_head) in safetensors or model_fp8.pt",
+    recognise=recognise,
+    load=_load,
+    # Moondream 2's detect/point/caption/query commands load any family's checkpoint; there is no
+    # `segment` command yet.
+    cli="photon_core.models.moondream.cli",
+    refuse=refuse,
+    places=places,
+    hints=("`huggingface-cli download moondream/moondream3.1-9B-A2B` gives Moondream 3.1",),
+)
+
+__all__ = ["Moondream3Config", "Moondream3Model", "load_moondream3", "FAMILY"]

@@ -1,0 +1,116 @@
+"""The loaded Moondream 3 model: Moondream 2's model with Moondream 3's text decoder and region head.
+
+Everything the architectures share is Moondream 2's code: image crops, the vision encoder and
+projection, the prefill of [BOS][image tokens], the skills (detect, point, caption, query) and the
+batched decoding (moondream/batch.py), which reach the decoder and region head through
+`text_impl` / `region_impl`. Segment is Moondream 3's own (segment.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from photon_core.models.moondream.model import EncodedImage, ImageLike, MoondreamModel
+from photon_core.models.moondream.tokenizer import MoondreamTokenizer, find_tokenizer
+from photon_core.models.moondream.model import _expected_shapes as md2_expected_shapes
+
+from . import region, segment, text
+from . import weights as weights_io
+from .config import Moondream3Config
+
+
+def expected_shapes(cfg: Moondream3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor the config implies, with its shape (reference names after normalize_names)."""
+    t, r = cfg.text, cfg.region
+    hd = t.dim // t.n_heads
+    # Vision, embedding, attention and dense MLP shapes are Moondream 2's; the region head is not.
+    s = {k: v for k, v in md2_expected_shapes(_as_md2(cfg)).items()
+         if not k.startswith("region.") and not (k.startswith("text.blocks.") and ".mlp." in k)}
+    for i in range(t.n_layers):
+        p = f"text.blocks.{i}."
+        if cfg.is_moe_layer(i):
+            m = t.moe
+            s[p + "router.weight"], s[p + "router.bias"] = (m.num_experts, t.dim), (m.num_experts,)
+            s[p + "experts_gate_up"] = (m.num_experts, 2 * m.expert_inner_dim, t.dim)
+            s[p + "experts_down"] = (m.num_experts, t.dim, m.expert_inner_dim)
+        else:
+            s[p + "mlp.fc1.weight"], s[p + "mlp.fc1.bias"] = (t.ff_dim, t.dim), (t.ff_dim,)
+            s[p + "mlp.fc2.weight"], s[p + "mlp.fc2.bias"] = (t.dim, t.ff_dim), (t.dim,)
+        if t.tau_attn:
+            s[p + "tau_wqwv"] = (2 * t.n_heads, (t.n_heads + 2 * t.n_kv_heads) * hd)
+            s[p + "tau_alpha"] = (t.n_heads,)
+    s["region.coord_features"] = (1, r.coord_feat_dim // 2)
+    s["region.size_features"] = (2, r.size_feat_dim // 2)
+    s["region.coord_encoder.weight"], s["region.coord_encoder.bias"] = (r.dim, r.coord_feat_dim), (r.dim,)
+    s["region.size_encoder.weight"], s["region.size_encoder.bias"] = (r.dim, r.size_feat_dim), (r.dim,)
+    s["region.ln.weight"], s["region.ln.bias"] = (r.dim,), (r.dim,)
+    s["region.coord_head.weight"], s["region.coord_head.bias"] = (r.coord_out_dim, r.dim), (r.coord_out_dim,)
+    s["region.size_head.weight"], s["region.size_head.bias"] = (r.size_out_dim, r.dim), (r.size_out_dim,)
+    return s
+
+
+def _as_md2(cfg: Moondream3Config):
+    """The Moondream 2 config with the same vision tower and attention dimensions (for its shapes)."""
+    from photon_core.models.moondream.config import MoondreamConfig, TextConfig
+    t = cfg.text
+    return MoondreamConfig(text=TextConfig(dim=t.dim, ff_dim=t.ff_dim, n_layers=t.n_layers, vocab_size=t.vocab_size,
+                                           max_context=t.max_context, n_heads=t.n_heads, n_kv_heads=t.n_kv_heads,
+                                           prefix_attn=t.prefix_attn, rope_theta=t.rope_theta),
+                           vision=cfg.vision)
+
+
+def check_state(sd: dict[str, torch.Tensor], cfg: Moondream3Config, source: str) -> None:
+    """Every tensor the config implies is present with its shape, and nothing else; a clear error otherwise."""
+    expected = expected_shapes(cfg)
+    missing = sorted(k for k in expected if k not in sd)
+    extra = sorted(k for k in sd if k not in expected)
+    wrong = [f"{k}: {tuple(sd[k].shape)} != {v}" for k, v in expected.items() if k in sd and tuple(sd[k].shape) != v]
+    if missing or wrong or extra:
+        raise ValueError(f"{source} does not match the Moondream 3 config: "
+                         f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                         f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''} "
+                         f"wrong shapes {wrong[:5]}{'...' if len(wrong) > 5 else ''}")
+
+
+class Moondream3Model(MoondreamModel):
+    """Moondream 3 on one backend: detect, point, caption, query (Moondream 2's skills and batched
+    decoding on this decoder) and segment."""
+
+    text_impl = text
+    region_impl = region
+
+    def __init__(self, config: Moondream3Config, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
+                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream3") -> None:
+        if getattr(ops, "NAME", "") == "megakernel":
+            raise NotImplementedError("Moondream 3 on the megakernel backend is not supported yet; "
+                                      "use the reference or triton backend")
+        super().__init__(config, state, tokenizer, ops, device, dtype, model_id=model_id)
+
+    def segment(self, image: ImageLike | EncodedImage, object: str, max_tokens: int = segment.DEFAULT_MAX_TOKENS,
+                refine: bool = False) -> dict:
+        """{"path": SVG path string, "bbox": {"x_min", "y_min", "x_max", "y_max"} or None}: the outline
+        of `object`. The path's coordinates are in the bbox's unit square (0..1 across the box),
+        as the model emits them; see segment.py."""
+        return segment.segment(self, self._encoded(image), object, max_tokens, refine)
+
+
+def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str | torch.device = "cpu",
+                    dtype: torch.dtype | str = torch.float32, backend: Any = None) -> Moondream3Model:
+    """Load Moondream 3 (3.1 `model.safetensors`, or 3-preview `model_fp8.pt`) from a local file or
+    folder or the Hugging Face cache. FP8 experts are dequantized on the CPU to `dtype`.
+
+    backend: an ops module (photon_core.backends.select.get_backend: reference, the default; triton)."""
+    if backend is None:
+        from photon_core.backends import reference as backend
+    dtype = weights_io.parse_dtype(dtype)
+    device = torch.device(device)
+    ckpt = weights_io.resolve(path_or_id)
+    config = Moondream3Config.from_dict(ckpt.config)
+    tokenizer = MoondreamTokenizer(find_tokenizer(ckpt.folder))
+    layout = config.text.moe.gate_up_layout if config.text.moe is not None else "halves"
+    state = weights_io.load_tensors(ckpt.weights, dtype, device, layout)
+    check_state(state, config, str(ckpt.weights))
+    name = str(path_or_id) if str(path_or_id) in weights_io.MODELS else "moondream3"
+    return Moondream3Model(config, state, tokenizer, backend, device, dtype, model_id=name)

@@ -1,0 +1,153 @@
+"""Segment: the outline of an object as an SVG path, plus its bounding box.
+
+The prompt protocol (Moondream 3; facts from the kestrel engine's segment skill):
+- prompt: `[BOS][729 image tokens]` + segment prefix `[1, 17374, 2]` + tokens(object) + suffix `[3]`
+  (the object's text as it is, without the leading space detect/point add);
+- decoding is unconstrained and greedy; whenever the LM head picks `coord` (5) the region head
+  reads the same hidden state and the coordinate it gives is the next input embedding (encoded
+  coordinate), likewise `size` (6); any other token is a word of the path; `eos` (0) ends it;
+- the first two coordinates are the box centre, the first size its (width, height): the bbox is
+  centre +- size/2, clamped to [0, 1];
+- the path: every word token with id > 20, decoded on its own and stripped, read as SVG path
+  commands (M L H V C S Q T A Z, either case) each followed by integer arguments, a "-" token
+  negating the next number; arguments come in pairs and are divided by the 960-unit viewbox,
+  printed with up to 3 decimals, everything joined by single spaces. The coordinates are in the
+  bbox's unit square (kestrel's refiner draws the path translated to the box corner and scaled by
+  its size).
+Not done: kestrel refines the coarse path with a separate mask network over the image (not part of
+the checkpoints named here); `refine=True` raises NotImplementedError.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from photon_core.models.moondream import skills
+
+if TYPE_CHECKING:
+    from photon_core.models.moondream.model import EncodedImage
+
+    from .model import Moondream3Model
+
+DEFAULT_MAX_TOKENS = 768
+VIEWBOX = 960.0
+PATH_COMMANDS = frozenset("MmLlHhVvCcSsQqTtAaZz")
+FIRST_WORD_ID = 21   # ids up to 20 are the special/control tokens, never path words
+
+
+def segment_prompt(model: "Moondream3Model", name: str) -> list[int]:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("object must be a non-empty string")
+    t = model.config.tokenizer.templates.get("segment")
+    if t is None:
+        raise ValueError("this checkpoint's config has no segment template")
+    return list(t["prefix"]) + model.tokenizer.encode(name) + list(t["suffix"])
+
+
+@torch.inference_mode()
+def decode(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_tokens: int
+           ) -> tuple[list[int], list[float], list[tuple[float, float]]]:
+    """Greedy decode of the segment protocol: (path word ids, coordinates, sizes), in order."""
+    if max_tokens < 0:
+        raise ValueError("max_tokens must be >= 0")
+    skills.check_prompt(model, enc, prompt)
+    cfg, tx, rg, ops = model.config, model.text_impl, model.region_impl, model.ops
+    tk = cfg.tokenizer
+    length = min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens)
+    cache = tx.KVCache(cfg.text, length, model.dtype, model.device)
+    cache.k[:, :, :, :enc.pos] = enc.k
+    cache.v[:, :, :, :enc.pos] = enc.v
+    emb = tx.embed(torch.tensor([prompt], device=model.device), model.text_w)
+    hidden = tx.forward(emb, enc.pos, model.text_w, cfg.text, cache, ops)[:, -1]
+    pos = enc.pos + len(prompt)
+    words: list[int] = []
+    coords: list[float] = []
+    sizes: list[tuple[float, float]] = []
+    for _ in range(max_tokens):
+        tok = int(ops.argmax(tx.lm_logits(hidden, model.text_w, ops))[0])
+        if tok == tk.eos_id:
+            break
+        if tok == tk.coord_id:
+            coords.extend(rg.decode_coords(hidden, model.region_w, ops))
+            nxt = rg.encode_coords(coords[-1:], model.region_w, ops)
+        elif tok == tk.size_id:
+            sizes.extend(rg.decode_sizes(hidden, model.region_w, ops))
+            nxt = rg.encode_sizes(sizes[-1:], model.region_w, ops)
+        else:
+            words.append(tok)
+            nxt = tx.embed(torch.tensor([[tok]], device=model.device), model.text_w)
+        if pos >= length:
+            break
+        hidden = tx.forward(nxt, pos, model.text_w, cfg.text, cache, ops)[:, -1]
+        pos += 1
+    return words, coords, sizes
+
+
+def bbox(coords: list[float], sizes: list[tuple[float, float]]) -> dict | None:
+    """Centre (first two coordinates) +- half the first size, clamped to [0, 1]; None without them."""
+    if len(coords) < 2 or not sizes:
+        return None
+    cx, cy = _clamp(coords[0]), _clamp(coords[1])
+    w, h = _clamp(sizes[0][0]), _clamp(sizes[0][1])
+    return {"x_min": _clamp(cx - w / 2), "y_min": _clamp(cy - h / 2),
+            "x_max": _clamp(cx + w / 2), "y_max": _clamp(cy + h / 2)}
+
+
+def path_words(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each word token (id > 20) decoded on its own, stripped; empty ones dropped."""
+    words = (tokenizer.decode([i]).strip() for i in ids if i >= FIRST_WORD_ID)
+    return [w for w in words if w]
+
+
+def svg_path(words: list[str], viewbox: float = VIEWBOX) -> str:
+    """Path words -> the path string in unit coordinates. ValueError for words that are not a path."""
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        if words[i] not in PATH_COMMANDS:
+            raise ValueError(f"unexpected SVG path token {words[i]!r} (expected a command)")
+        out.append(words[i])
+        i += 1
+        numbers: list[int] = []
+        while i < len(words) and words[i] not in PATH_COMMANDS:
+            if words[i] == "-":
+                if i + 1 >= len(words):
+                    break
+                numbers.append(-_integer(words[i + 1]))
+                i += 2
+            else:
+                numbers.append(_integer(words[i]))
+                i += 1
+        for j in range(0, len(numbers) - 1, 2):   # arguments come in pairs; a lone last one is dropped
+            out.extend(_format(n / viewbox) for n in numbers[j:j + 2])
+    return " ".join(out)
+
+
+def segment(model: "Moondream3Model", enc: "EncodedImage", name: str, max_tokens: int = DEFAULT_MAX_TOKENS,
+            refine: bool = False) -> dict:
+    if refine:
+        raise NotImplementedError("segment refine (a separate mask network that sharpens the coarse path "
+                                  "over the image) is not supported yet; use refine=False for the model's path")
+    ids, coords, sizes = decode(model, enc, segment_prompt(model, name), max_tokens)
+    result: dict = {"path": "", "bbox": bbox(coords, sizes)}
+    try:
+        result["path"] = svg_path(path_words(model.tokenizer, ids))
+    except ValueError as err:   # the model's words were not a path: say so, keep the box
+        result["error"] = str(err)
+    return result
+
+
+def _integer(word: str) -> int:
+    try:
+        return int(word)
+    except ValueError:
+        raise ValueError(f"unexpected SVG path token {word!r} (expected an integer)") from None
+
+
+def _format(value: float) -> str:
+    return f"{value:.3f}".rstrip("0").rstrip(".")   # kestrel's printing (-0.0001 prints "-0")
+
+
+def _clamp(v: float) -> float:
+    return min(max(v, 0.0), 1.0)

@@ -1,0 +1,164 @@
+"""Finding and reading Moondream 3 checkpoints, without executing any code from them.
+
+Two files exist: Moondream 3.1's `model.safetensors` and Moondream 3 preview's `model_fp8.pt` (a
+plain state dict, read with torch.load(weights_only=True, mmap=True)). Both use the older Moondream
+naming (`text_model.transformer.h.{i}...`, `vision_encoder...`, `region_model...`) plus the MoE and
+tau tensors. Names are normalised to the reference module names Moondream 2's code reads
+(`text.blocks.{i}.attn.qkv.weight`, `vision.pos_emb`, ...) and these Moondream 3 ones:
+
+    text.blocks.{i}.router.{weight,bias}            <- h.{i}.gate.*                 [E, H], [E]
+    text.blocks.{i}.experts_gate_up                 <- h.{i}.mlp.experts.weight      [E, 2I, H]
+    text.blocks.{i}.experts_down                    <- h.{i}.mlp.output_experts.weight [E, H, I]
+    text.blocks.{i}.tau_wqwv                        <- h.{i}.tau_wqwv, or cat(tau_wq, tau_wv) [2*heads, qkv]
+    text.blocks.{i}.tau_alpha                       <- h.{i}.tau_alpha               [heads]
+    region.coord_head / region.size_head / region.ln <- region_model.coordinate_head / size_head / ln
+
+FP8 experts (float8_e4m3fn, with per-output-row scales `moe_quant.{up,down}_scale` [E, rows]) are
+dequantized here on the CPU, w = fp8.float() * scale[..., None], then cast to the model dtype.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from photon_core.models.moondream import weights as md2_weights
+from photon_core.weights import hf_cache
+from photon_core.weights.tensor_files import parse_dtype, read_safetensors, read_torch, rename  # noqa: F401
+
+# model id -> (Hugging Face repo, weights file in it)
+MODELS = {
+    "moondream3.1-9B-A2B": ("moondream/moondream3.1-9B-A2B", "model.safetensors"),
+    "moondream3-preview": ("moondream/moondream3-preview", "model_fp8.pt"),
+}
+IDS = set(MODELS) | {repo for repo, _ in MODELS.values()}
+WEIGHT_FILES = ("model.safetensors", "model_fp8.pt", "model.pt")
+FP8 = torch.float8_e4m3fn
+
+# Moondream 3 names first (first match wins), then Moondream 2's older-naming schema.
+_MD3_RULES = [
+    (r"text_model\.transformer\.h\.(\d+)\.gate\.(weight|bias)", r"text.blocks.\1.router.\2"),
+    (r"text_model\.transformer\.h\.(\d+)\.mlp\.experts\.weight", r"text.blocks.\1.experts_gate_up"),
+    (r"text_model\.transformer\.h\.(\d+)\.mlp\.output_experts\.weight", r"text.blocks.\1.experts_down"),
+    (r"text_model\.transformer\.h\.(\d+)\.moe_quant\.up_scale", r"text.blocks.\1.experts_gate_up_scale"),
+    (r"text_model\.transformer\.h\.(\d+)\.moe_quant\.down_scale", r"text.blocks.\1.experts_down_scale"),
+    (r"text_model\.transformer\.h\.(\d+)\.(tau_wqwv|tau_wq|tau_wv|tau_alpha)", r"text.blocks.\1.\2"),
+    (r"region_model\.coordinate_head\.(weight|bias)", r"region.coord_head.\1"),
+    (r"region_model\.size_head\.(weight|bias)", r"region.size_head.\1"),
+]
+SCHEMA = _MD3_RULES + md2_weights.SCHEMA
+# Stored transposed (old name -> reference name), as in older Moondream 2 releases.
+_TRANSPOSED = {"region_model.coordinate_features.weight": "region.coord_features",
+               "region_model.size_features.weight": "region.size_features"}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    weights: Path
+    folder: Path
+    config: dict | None
+
+
+def _how_to_get() -> str:
+    return ("Download the weights once with `huggingface-cli download moondream/moondream3.1-9B-A2B` "
+            "(or pass a folder holding model.safetensors / model_fp8.pt and tokenizer.json).")
+
+
+def _weights_in(folder: Path) -> Path | None:
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    found = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.pt"))
+    if len(found) > 1:
+        raise ValueError(f"{folder} holds several weight files ({[p.name for p in found]}); pass one of them")
+    return found[0] if found else None
+
+
+def resolve(path_or_id: str | Path) -> Checkpoint:
+    """A local file or folder, or a Moondream 3 model id looked up in the Hugging Face cache
+    (never downloaded)."""
+    name = str(path_or_id)
+    path = Path(name).expanduser()
+    if path.is_file():
+        weights, folder = path, path.parent
+    elif path.is_dir():
+        weights, folder = _weights_in(path), path
+        if weights is None:
+            raise FileNotFoundError(f"no model.safetensors or model_fp8.pt in {path}. {_how_to_get()}")
+    elif name in IDS:
+        short = next(k for k, (repo, _) in MODELS.items() if name in (k, repo))
+        repo, file = MODELS[short]
+        snap = hf_cache.find_snapshot(repo, file)
+        if snap is None:
+            raise FileNotFoundError(f"Moondream 3 weights for {name!r} not found: "
+                                    f"{hf_cache.describe_search(repo)}. {_how_to_get()}")
+        weights, folder = snap / file, snap
+    else:
+        raise FileNotFoundError(f"{name!r} is neither a file, a folder, nor a known model id "
+                                f"({sorted(MODELS)}). {_how_to_get()}")
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
+    return Checkpoint(weights, folder, config)
+
+
+def read(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
+    if path.suffix in (".pt", ".pth"):
+        state = read_torch(path)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{path}: expected a plain state dict of tensors")
+        return state
+    raise ValueError(f"unsupported weights format {path.suffix!r} ({path}); expected .safetensors or .pt")
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """FP8 e4m3 weight [E, rows, cols] with per-row scales [E, rows] -> float32 weight (CPU)."""
+    if weight.dtype != FP8:
+        raise ValueError(f"{name}: has FP8 scales but is stored as {weight.dtype}, expected float8_e4m3fn")
+    if tuple(scale.shape) != tuple(weight.shape[:2]):
+        raise ValueError(f"{name}: scale shape {tuple(scale.shape)} does not match the weight's rows "
+                         f"{tuple(weight.shape[:2])}")
+    return weight.to(torch.float32) * scale.to(torch.float32)[..., None]
+
+
+def deinterleave_rows8(gate_up: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, H] in the 8-row interleave gate[0:8], up[0:8], gate[8:16], ... -> [gate; up] halves."""
+    e, two_i = gate_up.shape[:2]
+    blocks = gate_up.reshape(e, two_i // 16, 2, 8, *gate_up.shape[2:])
+    return torch.cat([blocks[:, :, 0].reshape(e, two_i // 2, *gate_up.shape[2:]),
+                      blocks[:, :, 1].reshape(e, two_i // 2, *gate_up.shape[2:])], dim=1)
+
+
+def normalize_names(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> reference names; FP8 experts dequantized (each cast to `dtype` at once,
+    so the float32 copy of only one expert tensor exists at a time); tau_wq + tau_wv fused."""
+    tensors = {k.replace("._orig_mod", ""): t for k, t in tensors.items()}
+    out = rename(tensors, SCHEMA, keep=(r"(vision|text|region)\..*",))
+    for old, new in _TRANSPOSED.items():
+        if old in tensors:
+            out[new] = out[new].T
+    for key in [k for k in out if k.endswith(("experts_gate_up_scale", "experts_down_scale"))]:
+        name = key[:-len("_scale")]
+        if name not in out:
+            raise ValueError(f"{key}: an FP8 scale without its expert weight {name}")
+        out[name] = dequantize_fp8(out[name], out.pop(key), name).to(dtype)
+    fp8 = sorted(k for k, t in out.items() if t.dtype == FP8)
+    if fp8:
+        raise ValueError(f"FP8 tensors without their moe_quant scales: {fp8[:3]}")
+    for key in [k for k in out if k.endswith(".tau_wq")]:
+        stem = key[:-len("tau_wq")]
+        if stem + "tau_wv" not in out:
+            raise ValueError(f"{key} without {stem}tau_wv")
+        out[stem + "tau_wqwv"] = torch.cat([out.pop(key), out.pop(stem + "tau_wv")], dim=0)
+    return out
+
+
+def load_tensors(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 gate_up_layout: str = "halves") -> dict[str, torch.Tensor]:
+    tensors = normalize_names(read(path), dtype)
+    if gate_up_layout == "interleaved8":
+        for key in [k for k in tensors if k.endswith(".experts_gate_up")]:
+            tensors[key] = deinterleave_rows8(tensors[key])
+    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in tensors.items()}

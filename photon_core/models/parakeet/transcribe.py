@@ -1,0 +1,149 @@
+"""Parakeet's face to the nodes: `transcribe(samples, sample_rate, ...)` -> text, segments, words.
+
+Audio is validated and resampled to the model's rate, checked by the weight-independent speech
+gate (speech_gate.py), cut into chunks at quiet points when long (a chunk the gate finds no speech
+in is skipped), and each chunk runs front end ->
+encoder -> greedy TDT; the prediction network's state carries from one chunk to the next. Token
+times come from the durations: a token read at encoder frame t starts at t * frame_seconds and
+lasts its duration (at least one frame). Words start at tokens carrying SentencePiece's "▁";
+segments end at sentence punctuation, at a pause of more than `segment_gap` seconds, or at a
+chunk boundary.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from . import speech_gate
+from .checkpoint import ParakeetCheckpoint, load as load_checkpoint
+from .frontend import LogMel, prepare_audio
+from .model import ParakeetModel
+from .tdt import DecoderState, greedy_tdt
+
+# Options the Whisper model takes that mean nothing to a transducer: accepted and ignored, so a
+# caller can switch families without changing its calls.
+WHISPER_ONLY_OPTIONS = frozenset({
+    "timestamps", "temperature", "beam_size", "condition_on_previous_text", "no_speech_threshold",
+    "logprob_threshold", "compression_ratio_threshold", "word_timestamps", "task", "prompt",
+})
+_SENTENCE_END = (".", "?", "!", "。", "？", "！")
+
+
+class ParakeetSpeech:
+    def __init__(self, checkpoint: ParakeetCheckpoint, model_id: str, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, ops: ModuleType | None = None,
+                 chunk_seconds: float = 60.0, segment_gap: float = 1.0) -> None:
+        from photon_core.backends import reference
+
+        self.cfg = checkpoint.config
+        self.vocab = checkpoint.vocab
+        self.model_id = model_id
+        self.device = torch.device(device)
+        self.model = ParakeetModel(checkpoint.tensors, self.cfg, ops or reference, self.device, dtype)
+        self.mel = LogMel(self.cfg.frontend, checkpoint.mel_filters, checkpoint.window)
+        self.chunk_seconds = chunk_seconds
+        self.segment_gap = segment_gap
+
+    def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
+        """Run the whole path once (resampler, front end, encoder, decode loop) so the first real
+        request pays no first-call costs. The gate would stop silence before the model, so the
+        model is run directly on one second of a tone as well."""
+        self.transcribe(np.zeros(48_000, np.float32), 48_000, language=language, initial_prompt=initial_prompt)
+        tone = (0.1 * np.sin(np.arange(self.cfg.frontend.sample_rate) * 0.05)).astype(np.float32)
+        self._decode_chunk(tone, None)
+
+    @torch.inference_mode()
+    def _decode_chunk(self, pcm: np.ndarray, state: DecoderState | None):
+        mel = self.mel(pcm).to(self.device)
+        enc = self.model.encode(mel[None])
+        return greedy_tdt(self.model, self.model.project_encoder(enc)[0], state,
+                          max_symbols=self.cfg.max_symbols_per_step)
+
+    def transcribe(self, samples: np.ndarray, sample_rate: int = 16000, language: str | None = None,
+                   initial_prompt: str | None = None, **options) -> dict:
+        """Mono or [samples, channels] int/float PCM at any rate -> {"text", "segments" [{start, end,
+        text}], "words", "language", "duration", "processing_time", "model_id"}. Parakeet has no
+        prompt and no language switch (v3 recognises its 25 languages by itself): `language` is
+        reported back as given ("" when None), `initial_prompt` is ignored. ValueError on empty /
+        NaN / inf audio or a bad sample rate."""
+        unknown = set(options) - WHISPER_ONLY_OPTIONS
+        if unknown:
+            raise TypeError(f"transcribe() got unexpected options {sorted(unknown)}")
+        start = time.perf_counter()
+        sr = self.cfg.frontend.sample_rate
+        pcm = prepare_audio(samples, sample_rate, sr)
+        result = {"text": "", "segments": [], "words": [], "language": language or "",
+                  "duration": len(pcm) / sr, "model_id": self.model_id}
+        if speech_gate.has_speech(pcm, sr):
+            tokens: list[tuple[int, float, float, int]] = []   # token, start s, end s, chunk
+            state = None
+            for n, (a, b) in enumerate(speech_gate.chunk_bounds(pcm, sr, self.chunk_seconds)):
+                # a chunk of only silence or noise is not shown to the model either
+                if self.mel.frames(b - a) < 2 or not speech_gate.has_speech(pcm[a:b], sr):
+                    continue
+                steps, state = self._decode_chunk(pcm[a:b], state)
+                fs, offset = self.cfg.frame_seconds, a / sr
+                for tok, dur, frame in zip(steps.tokens, steps.durations, steps.frames):
+                    if tok != self.cfg.blank_id:
+                        tokens.append((tok, offset + frame * fs, offset + (frame + max(dur, 1)) * fs, n))
+            result.update(self._assemble(tokens))
+        result["processing_time"] = time.perf_counter() - start
+        return result
+
+    def _assemble(self, tokens: list[tuple[int, float, float, int]]) -> dict:
+        words: list[dict] = []
+        groups: list[list[tuple]] = []
+        for item in tokens:
+            if not groups or self.vocab.starts_word(item[0]) or item[3] != groups[-1][-1][3]:
+                groups.append([item])
+            else:
+                groups[-1].append(item)
+        for g in groups:
+            text = self.vocab.decode([x[0] for x in g])
+            if text:
+                words.append({"start": round(g[0][1], 3), "end": round(g[-1][2], 3), "word": text,
+                              "_tokens": [x[0] for x in g], "_chunk": g[0][3]})
+        segments: list[dict] = []
+        current: list[dict] = []
+        for w in words:
+            if current and (w["_chunk"] != current[-1]["_chunk"]
+                            or w["start"] - current[-1]["end"] > self.segment_gap):
+                segments.append(self._segment(current))
+                current = []
+            current.append(w)
+            if w["word"].endswith(_SENTENCE_END):
+                segments.append(self._segment(current))
+                current = []
+        if current:
+            segments.append(self._segment(current))
+        return {"text": self.vocab.decode([t[0] for t in tokens]),
+                "segments": [s for s in segments if s["text"]],
+                "words": [{k: w[k] for k in ("start", "end", "word")} for w in words],
+                "tokens": [t[0] for t in tokens]}
+
+    def _segment(self, words: list[dict]) -> dict:
+        ids = [i for w in words for i in w["_tokens"]]
+        return {"start": words[0]["start"], "end": words[-1]["end"], "text": self.vocab.decode(ids)}
+
+
+def load_parakeet(path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
+                  ops: ModuleType | None = None, backend: str = "auto", model_id: str | None = None,
+                  **kwargs) -> ParakeetSpeech:
+    """A transformers folder (config.json parakeet_tdt) or a .nemo file (or a folder holding one).
+    dtype: the encoder's (float32 default; the transducer heads always run in float32).
+    backend: "reference", "triton", "megakernel" or "auto" (as photon_core.backends.select picks).
+    Parakeet has no megakernel step graph yet, so under "megakernel" it runs on that module's
+    per-op kernels (the same as "triton"); `ops` overrides the choice with an ops module."""
+    from photon_core.backends.select import get_backend
+    from photon_core.weights.tensor_files import parse_dtype
+
+    if ops is None:
+        ops = get_backend(backend, device)
+    checkpoint = load_checkpoint(path)
+    name = model_id or Path(path).name
+    return ParakeetSpeech(checkpoint, name, device=device,
+                          dtype=parse_dtype(dtype) if dtype is not None else torch.float32, ops=ops, **kwargs)
