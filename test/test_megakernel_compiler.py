@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from photon_core.megakernel import CompiledStep, Rotary, StepGraph, Tiling, check, lower, plan, run_reference  # noqa: E402
-from photon_core.megakernel.stepgraph import HeadNorm  # noqa: E402
+from photon_core.megakernel.stepgraph import HeadNorm, Tau  # noqa: E402
 
 RTOL = 1e-4
 
@@ -303,6 +303,111 @@ def test_a_gated_deltanet_layer_equals_the_eager_graph():
             assert rel_err(step.view(name), states[name]) < RTOL, name
         assert step.result("token").tolist() == want["results"]["token"]
         positions = [p + 1 for p in positions]
+
+
+def run_both(g, w, states, steps, positions, seed, vocab, batch=2, tiling=Tiling(16, 32, 8, 2, 2), inputs=None,
+             check=("logits",)):
+    """Compile `g`, poison its state, load `states` (caches / recurrent states by name, laid out
+    as the graph declares), then step both the compiled graph and run_reference and compare."""
+    step = CompiledStep(g, w, batch, tiling)
+    step.state.fill_(float("nan"))
+    for name, value in states.items():
+        step.view(name).copy_(value)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (batch,), generator=gen).tolist()
+        step.set_step(tokens, positions)
+        for name, value in (inputs or {}).items():
+            step.set_input(name, value)
+        step.launch()
+        want = run_reference(g, w, states, tokens, positions, inputs=inputs)
+        for name in check:
+            assert rel_err(step.view(name), want[name]) < RTOL, name
+        assert step.result("token").tolist() == want["results"]["token"]
+        positions = [p + 1 for p in positions]
+    return step
+
+
+def test_a_gemma4_style_step_equals_the_eager_graph():
+    """Gemma 4's decoder pieces: a scaled embedding, per-layer inputs (a second scaled table plus a
+    projection, normalised in chunks of P with one weight), post-norm residuals (add_norm) with a
+    per-layer scalar, GeGLU, q/k/v head norms, attention scale 1 over a sliding window in a ring,
+    a layer that reads the previous layer's K/V (q only, no append), the input gate
+    gelu_tanh(x W) * ple[layer], and a logit bias that bars some tokens. 7 steps: the ring wraps."""
+    g0 = torch.Generator().manual_seed(31)
+    d, hq, hkv, dh, P, L, ff, vocab = 32, 2, 1, 16, 8, 2, 48, 40
+
+    def r(*shape, s=1.0):
+        return torch.randn(*shape, generator=g0) * s
+
+    w = {"tok": r(vocab, d, s=0.3), "ple_tok": r(vocab, L * P, s=0.3), "ple_proj": r(L * P, d, s=0.1),
+         "ple_norm": r(P, s=0.3), "cos": torch.cos(r(24, dh // 2)), "sin": torch.sin(r(24, dh // 2)),
+         "final": r(d, s=0.3), "n0": r(d, s=0.3), "qkv0": r((hq + 2 * hkv) * dh, d, s=0.2), "qn0": r(dh, s=0.3),
+         "kn0": r(dh, s=0.3), "o0": r(d, hq * dh, s=0.2), "post0": r(d, s=0.3), "m0": r(d, s=0.3),
+         "gu0": r(2 * ff, d, s=0.2), "down0": r(d, ff, s=0.15), "post0b": r(d, s=0.3), "g0": r(P, d, s=0.3),
+         "p0": r(d, P, s=0.3), "pn0": r(d, s=0.3), "ls0": r(1, s=0.5).abs() + 0.5,
+         "n1": r(d, s=0.3), "q1": r(hq * dh, d, s=0.2), "qn1": r(dh, s=0.3), "o1": r(d, hq * dh, s=0.2),
+         "post1": r(d, s=0.3)}
+    g = StepGraph("gemma4ish", {k: tuple(v.shape) for k, v in w.items()})
+    kc, vc = g.cache("k0", hkv, 5, dh, ring=True), g.cache("v0", hkv, 5, dh, ring=True)
+    rot = Rotary("cos", "sin", dh)
+    x = g.embed("x", "tok", scale=d ** 0.5)
+    ple = g.add_norm("ple", g.embed("t", "ple_tok", scale=P ** 0.5), g.linear("pp", x, "ple_proj"), "ple_norm",
+                     chunk=P, scale=2 ** -0.5)
+    q = g.kv_append("q0", g.linear("qkv0", g.rms_norm("h0", x, "n0"), "qkv0"), kc, vc, rot, hq,
+                    HeadNorm(q="qn0", k="kn0", v=True))
+    x = g.add_norm("x1", x, g.linear("a0o", g.attention("a0", q, kc, vc, window=4, scale=1.0), "o0"), "post0")
+    mlp = g.linear("dn0", g.glu("gl0", g.linear("gu0", g.rms_norm("h0b", x, "m0"), "gu0"), "gelu_tanh"), "down0")
+    x = g.add_norm("x2", x, mlp, "post0b")
+    gated = g.mul("m0g", ple, g.linear("g0", x, "g0"), act="gelu_tanh", c0=0)
+    x = g.add_norm("x3", x, g.linear("p0", gated, "p0"), "pn0", scale_w="ls0")
+    q = g.kv_append("q1r", g.linear("q1", g.rms_norm("h1", x, "n1"), "q1"), kc, vc, rot, hq, HeadNorm(q="qn1"),
+                    append=False)
+    x = g.add_norm("x4", x, g.linear("a1o", g.attention("a1", q, kc, vc, window=4, scale=1.0), "o1"), "post1")
+    logits = g.linear("logits", g.rms_norm("hf", x, "final"), "tok", residual=g.input("bias", vocab))
+    g.expose("logits", logits)
+    g.argmax("token", logits)
+    bias = torch.zeros(2, vocab)
+    bias[:, 3:7] = -30.0     # barred tokens (Gemma's image/audio placeholders; finite, to compare logits)
+    positions = [2, 3]
+    hist = {n: r(2, hkv, 5, dh) for n in ("k0", "v0")}
+    for n in hist:
+        for row, p in enumerate(positions):
+            hist[n][row, :, p:] = 0.0
+    run_both(g, w, hist, 7, positions, 32, vocab, inputs={"bias": bias}, check=("ple", "x1", "x3", "x4", "logits"))
+
+
+def test_a_moondream3_style_tau_layer_equals_the_eager_graph():
+    """Moondream 3's tau attention: t = tanh(gelu(qkv) W_tau) scales each query and value head by
+    t + sigmoid(alpha log(pos + 1)) + 0.5 before partial rotary and the append; a parallel block
+    (one LayerNorm feeding attention and a GELU MLP)."""
+    g0 = torch.Generator().manual_seed(41)
+    d, heads, dh, ff, vocab = 32, 2, 16, 64, 40
+
+    def r(*shape, s=1.0):
+        return torch.randn(*shape, generator=g0) * s
+
+    w = {"tok": r(vocab, d, s=0.5), "ln.w": 1 + r(d, s=0.1), "ln.b": r(d, s=0.1), "qkv": r(3 * d, d, s=0.2),
+         "qkv.b": r(3 * d, s=0.1), "tau": r(2 * heads, 3 * d, s=0.2), "alpha": r(heads), "out": r(d, d, s=0.2),
+         "fc1": r(ff, d, s=0.2), "fc2": r(d, ff, s=0.15), "cos": torch.cos(r(24, 4)), "sin": torch.sin(r(24, 4)),
+         "head": r(vocab, d, s=0.2)}
+    g = StepGraph("md3ish", {k: tuple(v.shape) for k, v in w.items()})
+    kc, vc = g.cache("k", heads, 16, dh), g.cache("v", heads, 16, dh)
+    x = g.embed("x", "tok")
+    h = g.layer_norm("h", x, "ln.w", "ln.b")
+    qkv = g.linear("qkv", h, "qkv", "qkv.b")
+    tau = g.linear("tau", g.act("gq", qkv, "gelu"), "tau", act="tanh")
+    q = g.kv_append("q", qkv, kc, vc, Rotary("cos", "sin", 8), tau=Tau(tau, "alpha"))
+    mlp = g.linear("m", g.linear("u", h, "fc1", act="gelu_tanh"), "fc2", residual=x)
+    x = g.linear("x1", g.attention("a", q, kc, vc), "out", residual=mlp)
+    g.expose("logits", logits := g.linear("logits", x, "head"))
+    g.argmax("token", logits)
+    positions = [0, 4]
+    hist = {n: r(2, heads, 16, dh) for n in ("k", "v")}
+    for n in hist:
+        for row, p in enumerate(positions):
+            hist[n][row, :, p:] = 0.0
+    run_both(g, w, hist, 4, positions, 42, vocab, check=("tau", "q", "logits"))
 
 
 def test_window_layers_are_checked_when_stated():

@@ -23,6 +23,7 @@ from photon_core.kernels import new_output
 
 ACT_NONE, ACT_GELU, ACT_GELU_TANH, ACT_SILU = 0, 1, 2, 3
 ACT_SIGMOID = 4  # a gate activation (kernels/glu.py), not one `linear` offers
+ACT_TANH = 5     # the megakernel's Moondream 3 tau projection, not one `linear` offers
 _ACTS = {None: ACT_NONE, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "silu": ACT_SILU}
 
 
@@ -46,6 +47,8 @@ def apply_activation(y, ACT):
         y = y * tl.sigmoid(y)
     elif ACT == 4:
         y = tl.sigmoid(y)
+    elif ACT == 5:
+        y = 2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0
     return y
 
 

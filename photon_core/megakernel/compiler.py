@@ -5,8 +5,9 @@ Every family's decode step goes through here; nothing here knows a model.
 Lowering, op by op:
   * embed       one task per BLOCK_N columns: token row (+ position row) into the value.
   * layer_norm  no task: fused in front of every linear that reads it (only linears may read one);
-                rms_norm, glu (act(gate) * up) and gate (x * sigmoid(g)) likewise fuse into the
-                loads of the linears that read them.
+                rms_norm, glu (act(gate) * up), mul (x * act(g)) and act likewise fuse into
+                the loads of the linears that read them.
+  * add_norm    one task per row: (x + rms_norm(z) * w) * scale, chunk by chunk.
   * linear      one task per tile of output columns, bias / activation / residual fused behind. A
                 stage with fewer tiles than Tiling.min_tasks gets narrower tiles, then split-K: K
                 slices write partial products to a scratch, and one task per tile sums them in a
@@ -40,19 +41,25 @@ from dataclasses import dataclass, field
 import torch
 
 from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
-                                          OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_CONV_STEP, OP_DELTA_STEP,
+                                          OP_ADD_NORM, OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_CONV_STEP,
+                                          OP_DELTA_STEP,
                                           OP_EMBED, OP_LINEAR,
                                           OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
                                           StateViews, Task, TaskGraph)
-from photon_core.kernels.linear import activation_code
+from photon_core.kernels.linear import ACT_SIGMOID, ACT_TANH, activation_code
 from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
 
 
 WEIGHT_ROW_ALIGN = 16   # elements; kernel.py's tl.multiple_of hints rely on it
 NORMS = ("layer_norm", "rms_norm")   # fused in front of the linears that read them
-FUSED = NORMS + ("glu", "gate")       # no task of their own: a linear's loads compute them
+FUSED = NORMS + ("glu", "mul", "act")   # no task of their own: a linear's loads compute them
 NORM_CODES = {"layer_norm": 1, "rms_norm": 2}
+
+
+def act_code(act: str | None) -> int:
+    """The kernel's activation code, including the gate-only sigmoid and tanh."""
+    return {"sigmoid": ACT_SIGMOID, "tanh": ACT_TANH}.get(act) or activation_code(act)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ class Plan:
     producer: dict[str, Node]             # value name -> the node that defines it
     norm_of: dict[str, Node]              # linear name -> the layer_norm fused in front of it
     glu_of: dict[str, Node]               # linear name -> the glu fused into its loads of x
-    gate_of: dict[str, Node]              # linear name -> the sigmoid gate fused into its loads of x
+    mul_of: dict[str, Node]               # linear name -> the mul (x * act(g)) fused into its loads of x
+    act_of: dict[str, Node]               # linear name -> the activation fused into its loads of x
     qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
     logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
     shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
@@ -117,7 +125,8 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     producer = {n.out.name: n for n in graph.nodes if n.out is not None}
     norm_of: dict[str, Node] = {}
     glu_of: dict[str, Node] = {}
-    gate_of: dict[str, Node] = {}
+    mul_of: dict[str, Node] = {}
+    act_of: dict[str, Node] = {}
     weight_offset: dict[str, float] = {}
     offset_readers: dict[str, set[int]] = {}   # weight -> nodes reading it as an (offset + w) scale
 
@@ -142,8 +151,8 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
                                      "can take a fused LayerNorm")
                 norm_of[c.out.name] = node
-        elif node.op in ("glu", "gate"):
-            for arg in ("x", "g") if node.op == "gate" else ("x",):
+        elif node.op in ("glu", "mul", "act"):
+            for arg in ("x", "g") if node.op == "mul" else ("x",):
                 src = producer.get(a[arg].name)
                 if src is not None and src.op in FUSED:
                     raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} reads {src.op} "
@@ -153,8 +162,12 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                         or c.out.name in norm_of:
                     raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
-                                     f"can take a fused {'GLU' if node.op == 'glu' else 'sigmoid gate'}")
-                (glu_of if node.op == "glu" else gate_of)[c.out.name] = node
+                                     f"can take a fused {'GLU' if node.op == 'glu' else node.op}")
+                {"glu": glu_of, "mul": mul_of, "act": act_of}[node.op][c.out.name] = node
+        elif node.op == "add_norm":
+            eps.add(a["eps"])
+            if a["offset"]:
+                fold_offset(node, a["w"], a["offset"])
         elif node.op in ("conv_step", "delta_rule"):
             if node.op == "delta_rule":
                 eps.add(a["eps"])
@@ -170,7 +183,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                 if w is not None and hn.offset:
                     fold_offset(node, w, hn.offset)
         elif node.op == "kv_append" and a["rotary"] is None and a["k"].spec.heads * a["k"].spec.head_dim == node.out.width \
-                and not a["k"].spec.ring:
+                and not a["k"].spec.ring and a["tau"] is None and a["append"]:
             # The linear stores q|k|v itself only with as many K/V heads as query heads (the
             # kernel's q|k|v store); grouped-query K/V go through append tasks.
             src = producer.get(a["qkv"].name)
@@ -186,6 +199,9 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                 raise ValueError(f"{graph.name}: argmax {a['name']!r} over columns [{a['c0']}, {a['c1']}) "
                                  f"does not fall on the {bn}-column tiles")
             logits[src.out.name] = -(-n // bn)
+    for name in set(norm_of) | set(glu_of) | set(mul_of) | set(act_of):
+        if sum(name in d for d in (norm_of, glu_of, mul_of, act_of)) > 1:
+            raise ValueError(f"{graph.name}: linear {name!r} would fuse two prologues (norm, glu, mul, act)")
     if len(eps) > 1:
         raise ValueError(f"{graph.name}: one LayerNorm epsilon per step, got {sorted(eps)}")
     for w in weight_offset:   # the stored weight is (offset + w): nothing else may read it
@@ -246,7 +262,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
     rotary = [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
               if n.op == "kv_append" and n.args["rotary"] is not None]
-    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, gate_of, qkv_store, logits, shape,
+    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, mul_of, act_of, qkv_store, logits, shape,
                 ldw, weight_offset, eps.pop() if eps else 1e-5, min(limits + rotary) if limits + rotary else 1 << 30)
 
 
@@ -337,7 +353,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                 n1 = min(d, n0 + bn)
                 g.add(Task(f"{node.out.name}[{n0}:{n1}]", OP_EMBED,
                            dict(M=B, N=d, n0=n0, w=W.off(a["tok"]), b=W.off(a["pos"]) if a["pos"] else -1,
-                                ldw=p.ldw[a["tok"]],
+                                ldw=p.ldw[a["tok"]], scale=float_bits(a["scale"]),
                                 out=S.off(node.out.name)),
                            [], st.counter, [dyn_tok, dyn_pos], S.columns(node.out.name, B, d, n0, n1)))
             stage_of[node.out.name] = st
@@ -356,14 +372,22 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
             st = _Stage(node.out.name, None if signal_heads else g.counter(node.out.name),
                         [g.counter(f"{node.out.name}.h{h}") for h in range(H)] if signal_heads else None,
                         ancestors([a["qkv"]], node.out.name))
-            wait = waits([a["qkv"]])
+            tau, append = a["tau"], a["append"]
+            wait = waits([a["qkv"]] + ([tau.value] if tau else []))
             qkv = a["qkv"].name
             hn = a["norm"]
+            if not append:
+                row = d                        # q alone: nothing goes into the (shared) caches
             for h in range(hq):                # query head h; K/V head h too while h < H
                 for r in range(B):
                     reads = [S.region(qkv, r * row + h * dh, r * row + (h + 1) * dh), dyn_pos, dyn_rot]
                     writes = [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh)]
-                    if h < H:
+                    if tau:
+                        tv = tau.value.name
+                        reads += [S.region(tv, r * 2 * hq + h, r * 2 * hq + h + 1)]
+                        if h < H:
+                            reads += [S.region(tv, r * 2 * hq + hq + h, r * 2 * hq + hq + h + 1)]
+                    if h < H and append:
                         reads += [S.region(qkv, r * row + d + c * H * dh + h * dh, r * row + d + c * H * dh + (h + 1) * dh)
                                   for c in range(2)]
                         writes += [cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh)]
@@ -374,8 +398,23 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                                     Tmax=k.spec.length, bi=r, hi=h, ring=int(k.spec.ring),
                                     lnw=W.off(hn.q) if hn is not None and hn.q else -1,
                                     lnb=W.off(hn.k) if hn is not None and hn.k else -1,
-                                    norm=0 if hn is None else (hn.q is not None) | (hn.k is not None) << 1 | hn.v << 2),
+                                    norm=0 if hn is None else (hn.q is not None) | (hn.k is not None) << 1 | hn.v << 2,
+                                    mode=0 if append else 1, tau=S.off(tau.value.name) if tau else -1,
+                                    alpha=W.off(tau.alpha) if tau else -1),
                                list(wait), st.heads[h] if st.heads else st.counter, reads, writes))
+            stage_of[node.out.name] = st
+        elif node.op == "add_norm":
+            st = _Stage(node.out.name, g.counter(node.out.name),
+                        ancestors=ancestors([a["x"], a["z"]], node.out.name))
+            d = node.out.width
+            for r in range(B):
+                g.add(Task(f"{node.out.name}[b{r}]", OP_ADD_NORM,
+                           dict(N=d, x=S.off(a["x"].name), res=S.off(a["z"].name), lnw=W.off(a["w"]),
+                                sw=W.off(a["scale_w"]) if a["scale_w"] else -1, scale=float_bits(a["scale"]),
+                                chunk=a["chunk"], bi=r, out=S.off(node.out.name)),
+                           waits([a["x"], a["z"]]), st.counter,
+                           [S.region(a["x"].name, r * d, (r + 1) * d), S.region(a["z"].name, r * d, (r + 1) * d)],
+                           [S.region(node.out.name, r * d, (r + 1) * d)]))
             stage_of[node.out.name] = st
         elif node.op == "conv_step":
             st = _Stage(node.out.name, g.counter(node.out.name), ancestors=ancestors([a["x"]], node.out.name))
@@ -448,12 +487,17 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
     a, name = node.args, node.out.name
     N, K = graph.weight_shapes[a["w"]]
     width, splits = p.shape[name]
-    norm, glu, gate = p.norm_of.get(name), p.glu_of.get(name), p.gate_of.get(name)
-    x = norm.args["x"] if norm else glu.args["x"] if glu else gate.args["x"] if gate else a["x"]
-    reads_of = ([gate.args["x"], gate.args["g"]] if gate else [a["x"]]) + (
+    norm, glu, mul, xact = p.norm_of.get(name), p.glu_of.get(name), p.mul_of.get(name), p.act_of.get(name)
+    fused = norm or glu or mul or xact
+    x = fused.args["x"] if fused else a["x"]
+    reads_of = ([mul.args["x"], mul.args["g"]] if mul else [a["x"]]) + (
         [a["residual"]] if a["residual"] is not None else [])
-    x_regions = [S.region(x.name)] + ([S.region(gate.args["g"].name)] if gate else [])
-    xgate = S.off(gate.args["g"].name) if gate else -1
+    x_regions = [S.region(x.name)] + ([S.region(mul.args["g"].name)] if mul else [])
+    # The prologue's extra fields: a mul reads x's columns [c0, c0 + K) (row stride: x's width)
+    # times act(g); an act applies its activation to the loads.
+    pro = dict(xgate=S.off(mul.args["g"].name) if mul else -1, gact=act_code(mul.args["act"]) if mul else 0,
+               xs=x.width if mul else -1, xc0=mul.args["c0"] if mul else 0,
+               xact=act_code(xact.args["act"]) if xact else 0)
     kv = p.qkv_store.get(name)
     out = kv.out if kv is not None else node.out          # what the tiles write
     dh = per_head(out)
@@ -478,7 +522,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                                 w=W.off(a["w"]), ldw=p.ldw[a["w"]], lnw=W.off(norm.args["w"]) if norm else -1,
                                 lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                                 norm=NORM_CODES[norm.op] if norm else 0,
-                                xglu=activation_code(glu.args["act"]) if glu else 0, xgate=xgate,
+                                xglu=activation_code(glu.args["act"]) if glu else 0, **pro,
                                 kpart=S.off(kpart), ksplit=ks),
                            list(wait), split_sig, list(x_regions),
                            [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for r in range(B)]))
@@ -491,7 +535,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                     lnw=W.off(norm.args["w"]) if norm else -1,
                     lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                     norm=NORM_CODES[norm.op] if norm else 0, xglu=activation_code(glu.args["act"]) if glu else 0,
-                    xgate=xgate, act=activation_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
+                    **pro, act=act_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
                     mode=mode, out=S.off(out.name))
         reads = [] if splits > 1 else list(x_regions)
         if a["residual"] is not None:

@@ -28,10 +28,11 @@ OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product in
 OP_LINEAR_REDUCE = 8  # sum a tile's K-slice partials in a fixed order, then OP_LINEAR's epilogue
 OP_CONV_STEP = 9      # a tile of channels of a causal depthwise conv, one new input; state shifted in place
 OP_DELTA_STEP = 10    # (row, value head) of the gated delta rule; state updated in place; gated RMSNorm out
+OP_ADD_NORM = 11      # one row of (x + rms_norm(z) * w) * scale, chunk by chunk
 OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
             OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append",
             OP_LINEAR_SPLIT: "linear_split", OP_LINEAR_REDUCE: "linear_reduce", OP_CONV_STEP: "conv_step",
-            OP_DELTA_STEP: "delta_step"}
+            OP_DELTA_STEP: "delta_step", OP_ADD_NORM: "add_norm"}
 
 # Store modes of OP_LINEAR.
 MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2
@@ -43,9 +44,9 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
-          "xgate", "window", "ring", "scale")
+          "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk")
 F = {name: i for i, name in enumerate(FIELDS)}
-NUM_FIELDS = 48  # padded; rows stay 128-byte aligned (384 bytes)
+NUM_FIELDS = 64  # padded; rows stay 128-byte aligned (512 bytes)
 
 # Layout of the int32 dynamic buffer (per-step values, written by the host or by the kernel itself):
 # [0:B] tokens, [B:2B] positions (of the token being decoded), [2B:3B] cross-attention lengths,

@@ -36,7 +36,14 @@ CG: tl.constexpr = tl.constexpr(".cg")
 assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
-                       "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale")] == list(range(1, 45))
+                       "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale", "xs", "xc0", "gact",
+                       "xact", "tau", "alpha", "sw", "chunk")] == list(range(1, 53))
+
+
+@triton.jit
+def _f32(bits):
+    """A float constant the compiler stored as its fp32 bit pattern in the int64 task table."""
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -65,6 +72,7 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
     pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
     ldw = tl.load(row + 38)   # the tables' padded row stride
     e = tl.load(w_ptr + tok_off + tok[:, None] * ldw + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    e = e * _f32(tl.load(row + 44))   # Gemma's sqrt(d) embedding scale (1.0 elsewhere)
     # No position table (pos_off = -1): load nothing, add zero.
     pmask = mask & ((cols[None, :].to(tl.int64) * 0 + pos_off) >= 0)   # vector mask: see _task_rope_append
     p = tl.load(w_ptr + tl.maximum(pos_off, 0) + pos[:, None] * ldw + cols[None, :], mask=pmask,
@@ -98,7 +106,9 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < n1
     ks = tl.arange(0, BLOCK_K)
-    x_rows = s_ptr + x_off + rows[:, None].to(tl.int64) * K
+    # x is [M, K] unless a fused mul reads a column slice [c0, c0 + K) of a wider value (stride xs).
+    xs = tl.load(row + 45)
+    x_rows = s_ptr + x_off + tl.load(row + 46) + rows[:, None].to(tl.int64) * tl.where(xs >= 0, xs, K)
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if lnw >= 0:
@@ -127,8 +137,11 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     xglu = tl.load(row + 40)
     if xglu > 0:
         x_rows = s_ptr + x_off + rows[:, None].to(tl.int64) * (2 * K)
-    # A sigmoid-gated input (Qwen 3.5's attention output gate): x * sigmoid(g), g another [M, K] value.
+    # A gated input x * act(g), g another [M, K] value (Qwen 3.5's attention output gate: sigmoid;
+    # Gemma 4's per-layer input: gelu_tanh), or an activation on the loads (Moondream 3's gelu(qkv)).
     xgate = tl.load(row + 41)
+    gact = tl.load(row + 47)
+    xact = tl.load(row + 48)
     g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     for kb in range(k0, k1, BLOCK_K):
@@ -138,8 +151,10 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
         if xglu > 0:
             x = apply_activation(x, xglu) * tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+        if xact > 0:
+            x = apply_activation(x, xact)
         if xgate >= 0:
-            x = x * tl.sigmoid(tl.load(g_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG))
+            x = x * apply_activation(tl.load(g_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), gact)
         if lnw >= 0:
             g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
             # A LayerNorm without bias has lnb = -1: load from 0 and zero it (scalar masks are awkward).
@@ -404,10 +419,12 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr)
     s = tl.load(w_ptr + tl.maximum(sin_off, 0) + rpos * half + freq, mask=in_rot, other=0.0).to(tl.float32)
     # The row is q (D = Hq*Dh) | k | v (H*Dh each). Query head h also carries K/V head h when h < H
     # (grouped-query attention has fewer K/V heads than query heads).
-    row_q = s_ptr + x_off + b * (D + 2 * H * Dh)
+    # q_only (mode 1): the row is q alone and nothing is appended (Gemma 4's shared-KV layers).
+    q_only = tl.load(row + 17) == 1
+    row_q = s_ptr + x_off + b * tl.where(q_only, D, D + 2 * H * Dh)
     src = row_q + h * Dh
     kv = row_q + D + h * Dh
-    has_kv = dmask & ((dd * 0 + h) < H)   # a vector mask (scalar & vector confuses the interpreter)
+    has_kv = dmask & ((dd * 0 + h) < H) & ((dd * 0 + q_only.to(tl.int32)) == 0)   # vector masks: scalar & vector confuses the interpreter
     q = tl.load(src + dd, mask=dmask, other=0.0, cache_modifier=CG)
     qp = tl.load(src + partner, mask=dmask & in_rot, other=0.0, cache_modifier=CG)
     k = tl.load(kv + dd, mask=has_kv, other=0.0, cache_modifier=CG)
@@ -429,6 +446,17 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr)
         kp = kp * rk * tl.load(kw + partner, mask=has_kv & in_rot, other=0.0).to(tl.float32)
     if (norm & 4) != 0:
         v = v / tl.sqrt(tl.sum(v * v, axis=0) / Dh + eps)
+    tau = tl.load(row + 49)
+    if tau >= 0:
+        # Moondream 3's tau: q head h times t[h] + p_h, v head h times t[Hq + h] + p_h, with
+        # p_h = sigmoid(alpha_h * log(position + 1)) + 0.5 (a feature and its partner alike).
+        Hq = D // Dh
+        p_h = tl.sigmoid(tl.load(w_ptr + tl.load(row + 50) + h).to(tl.float32) * tl.log(pos.to(tl.float32) + 1.0)) + 0.5
+        tq = tl.load(s_ptr + tau + b * 2 * Hq + h, cache_modifier=CG) + p_h
+        q = q * tq
+        qp = qp * tq
+        tv = tl.load(s_ptr + tau + b * 2 * Hq + Hq + tl.minimum(h, H - 1), cache_modifier=CG) + p_h
+        v = v * tv
     q = tl.where(in_rot, q * c + (sign * qp) * s, q)
     k = tl.where(in_rot, k * c + (sign * kp) * s, k)
     tl.store(s_ptr + out + b * D + h * Dh + dd, q, mask=dmask)
@@ -550,6 +578,39 @@ def _task_delta_step(row, w_ptr, s_ptr, eps, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _task_add_norm(row, w_ptr, s_ptr, eps, BLOCK_K: tl.constexpr):
+    """Row b: y = (x + rms_norm(z) * w) * scale (* scale weight), the norm over each `chunk`
+    columns of z with the one [chunk] weight (Gemma 4: post-norm residuals, chunk = N; per-layer
+    inputs, chunk = P). Two passes over z per chunk. Bytes: 4N*4 (x, z twice, y) + chunk*4."""
+    N = tl.load(row + 8)
+    x = s_ptr + tl.load(row + 10)
+    z = s_ptr + tl.load(row + 16)
+    w = w_ptr + tl.load(row + 13)
+    out = s_ptr + tl.load(row + 18)
+    b = tl.load(row + 28)
+    sw = tl.load(row + 51)
+    chunk = tl.load(row + 52)
+    scale = _f32(tl.load(row + 44))
+    if sw >= 0:
+        scale = scale * tl.load(w_ptr + sw).to(tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    base = b * N
+    for c0 in range(0, N, chunk):
+        ss = tl.zeros((BLOCK_K,), tl.float32)
+        for j in range(0, chunk, BLOCK_K):
+            m = (j + kk) < chunk
+            zv = tl.load(z + base + c0 + j + kk, mask=m, other=0.0, cache_modifier=CG)
+            ss += zv * zv
+        r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / chunk + eps)
+        for j in range(0, chunk, BLOCK_K):
+            m = (j + kk) < chunk
+            zv = tl.load(z + base + c0 + j + kk, mask=m, other=0.0, cache_modifier=CG)
+            xv = tl.load(x + base + c0 + j + kk, mask=m, other=0.0, cache_modifier=CG)
+            wv = tl.load(w + j + kk, mask=m, other=0.0).to(tl.float32)
+            tl.store(out + base + c0 + j + kk, (xv + zv * r * wv) * scale, mask=m)
+
+
+@triton.jit
 def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -576,6 +637,8 @@ def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.c
         _task_conv_step(row, w_ptr, s_ptr, BLOCK_M, BLOCK_N)
     elif op == 10:
         _task_delta_step(row, w_ptr, s_ptr, ln_eps, BLOCK_D)
+    elif op == 11:
+        _task_add_norm(row, w_ptr, s_ptr, ln_eps, BLOCK_K)
     else:
         ran = 0
     return ran

@@ -6,8 +6,8 @@ every Value is a per-row vector with a name and a width. The ops:
 
     input(name, width)                 a value the host writes before the step (input embeddings, a
                                        logit bias)
-    embed(tok, pos)                    tok[token] (+ pos[position]): the row's token and position come
-                                       from the step's dynamic buffer
+    embed(tok, pos, scale)             tok[token] * scale (+ pos[position]): the row's token and
+                                       position come from the step's dynamic buffer
     layer_norm(x, w, b)                statistics over x's width; only linears may read its output, so
                                        the compiler fuses it in front of them
     rms_norm(x, w, offset)             x / rms(x) * (offset + w) (offset 1: Gemma's and Qwen 3.5's
@@ -15,13 +15,21 @@ every Value is a per-row vector with a name and a width. The ops:
     linear(x, w, b, act, residual)     act(x @ w.T + b) + residual   (act: None, gelu, gelu_tanh, silu)
     glu(x, act)                        act(gate) * up of x = gate | up (SwiGLU: silu, GeGLU: gelu); only
                                        linears may read it, so the compiler fuses it into their loads
-    gate(x, g)                         x * sigmoid(g) (Qwen 3.5's attention output gate); only linears
-                                       may read it, so the compiler fuses it into their loads
+    mul(x, g, act, c0)                 x[c0:c0+w] * act(g), w = g's width (gate(x, g): act sigmoid, Qwen
+                                       3.5's attention output gate; Gemma 4's per-layer input gate)
+    act(x, act)                        act(x) (Moondream 3's gelu(qkv) into tau); mul, act, glu and the
+                                       norms are read by linears only: the compiler fuses them into
+                                       the linears' loads
+    add_norm(x, z, w, chunk, scale)    (x + rms_norm(z) * (offset + w)) * scale, the norm over each
+                                       `chunk` columns (default all): Gemma's post-norm residuals and
+                                       per-layer inputs; a row task of its own
     kv_append(qkv, k, v, rotary, ...)  q|k|v = qkv split into heads (fewer K/V heads than query heads:
                                        grouped-query attention); optionally each head RMS-normalised
-                                       (Qwen3 / Gemma 4 q_norm, k_norm, v_norm); q and k rotated at the
-                                       row's rotary position (its position + its rotary offset); k, v
-                                       appended to the caches at the row's position -> q
+                                       (Qwen3 / Gemma 4 q_norm, k_norm, v_norm) and scaled by tau
+                                       (Moondream 3); q and k rotated at the row's rotary position (its
+                                       position + its rotary offset); k, v appended to the caches at the
+                                       row's position -> q. append=False: qkv is q alone (a layer that
+                                       reads another layer's cache, Gemma 4's shared KV)
     attention(q, k, v, length, window, scale)
                                        per head, softmax(scale * q k^T) v over the row's keys: "self"
                                        = the first position + 1, "cross" = its cross length; with a
@@ -50,6 +58,8 @@ from typing import Any, Mapping
 import torch
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
+LINEAR_ACTIVATIONS = ACTIVATIONS + ("tanh",)
+GATE_ACTIVATIONS = ACTIVATIONS + ("sigmoid", "tanh")
 LENGTHS = ("self", "cross")
 
 
@@ -110,6 +120,15 @@ class HeadNorm:
     offset: float = 0.0
 
 
+@dataclass(frozen=True)
+class Tau:
+    """Moondream 3's tau attention: with t = tanh(gelu(qkv) @ W_tau.T) ([2 * Hq], the `value`) and
+    p_h = sigmoid(alpha_h * log(position + 1)) + 0.5, query head h is scaled by t[h] + p_h and
+    value head h by t[Hq + h] + p_h, before rotary and the append."""
+    value: "Value"
+    alpha: str         # weight name of [Hq]
+
+
 @dataclass
 class Node:
     op: str
@@ -160,11 +179,11 @@ class StepGraph:
     def input(self, name: str, width: int) -> Value:
         return self._add("input", name, width)
 
-    def embed(self, name: str, tok: str, pos: str | None = None) -> Value:
+    def embed(self, name: str, tok: str, pos: str | None = None, scale: float = 1.0) -> Value:
         v, d = self._shape(tok, 2)
         if pos is not None and self._shape(pos, 2)[1] != d:
             raise ValueError(f"{pos!r} width {self.weight_shapes[pos][1]} != {tok!r} width {d}")
-        return self._add("embed", name, d, tok=tok, pos=pos)
+        return self._add("embed", name, d, tok=tok, pos=pos, scale=scale)
 
     def layer_norm(self, name: str, x: Value, w: str, b: str | None = None, eps: float = 1e-5) -> Value:
         self._vector(w, x.width)
@@ -181,10 +200,38 @@ class StepGraph:
             raise ValueError(f"glu {name!r}: needs an activation of {ACTIVATIONS[1:]} and an even width")
         return self._add("glu", name, x.width // 2, x=x, act=act)
 
+    def mul(self, name: str, x: Value, g: Value, act: str | None = "sigmoid", c0: int = 0) -> Value:
+        """x[:, c0:c0 + w] * act(g), w = g.width."""
+        if not 0 <= c0 <= x.width - g.width:
+            raise ValueError(f"mul {name!r}: columns [{c0}, {c0 + g.width}) outside {x.name!r} of width {x.width}")
+        if act not in GATE_ACTIVATIONS:
+            raise ValueError(f"mul {name!r}: activation {act!r} is not one of {GATE_ACTIVATIONS}")
+        return self._add("mul", name, g.width, x=x, g=g, act=act, c0=c0)
+
     def gate(self, name: str, x: Value, g: Value) -> Value:
+        """x * sigmoid(g)."""
         if g.width != x.width:
             raise ValueError(f"gate {name!r}: {g.name!r} has width {g.width}, {x.name!r} has {x.width}")
-        return self._add("gate", name, x.width, x=x, g=g)
+        return self.mul(name, x, g, "sigmoid")
+
+    def act(self, name: str, x: Value, act: str) -> Value:
+        if act not in ACTIVATIONS[1:]:
+            raise ValueError(f"act {name!r}: activation {act!r} is not one of {ACTIVATIONS[1:]}")
+        return self._add("act", name, x.width, x=x, act=act)
+
+    def add_norm(self, name: str, x: Value, z: Value, w: str, eps: float = 1e-6, offset: float = 0.0,
+                 chunk: int | None = None, scale: float = 1.0, scale_w: str | None = None) -> Value:
+        """(x + rms_norm(z) * (offset + w)) * scale (* scale_w[0]), the norm taken over each `chunk`
+        columns of z (all of them by default) with one shared [chunk] weight."""
+        chunk = z.width if chunk is None else chunk
+        if x.width != z.width or z.width % chunk:
+            raise ValueError(f"add_norm {name!r}: {x.name!r} ({x.width}) and {z.name!r} ({z.width}) must have "
+                             f"one width, a multiple of the chunk {chunk}")
+        self._vector(w, chunk)
+        if scale_w is not None:
+            self._vector(scale_w, 1)
+        return self._add("add_norm", name, x.width, x=x, z=z, w=w, eps=eps, offset=offset, chunk=chunk,
+                         scale=scale, scale_w=scale_w)
 
     def linear(self, name: str, x: Value, w: str, b: str | None = None, act: str | None = None,
                residual: Value | None = None) -> Value:
@@ -193,21 +240,22 @@ class StepGraph:
             raise ValueError(f"linear {name!r}: {w!r} takes {k} features, {x.name!r} has {x.width}")
         if b is not None:
             self._vector(b, n)
-        if act not in ACTIVATIONS:
-            raise ValueError(f"linear {name!r}: activation {act!r} is not one of {ACTIVATIONS}")
+        if act not in LINEAR_ACTIVATIONS:
+            raise ValueError(f"linear {name!r}: activation {act!r} is not one of {LINEAR_ACTIVATIONS}")
         if residual is not None and residual.width != n:
             raise ValueError(f"linear {name!r}: residual {residual.name!r} has width {residual.width}, not {n}")
         return self._add("linear", name, n, x=x, w=w, b=b, act=act, residual=residual)
 
     def kv_append(self, name: str, qkv: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
-                  rotary: Rotary | None = None, q_heads: int | None = None, norm: HeadNorm | None = None) -> Value:
+                  rotary: Rotary | None = None, q_heads: int | None = None, norm: HeadNorm | None = None,
+                  tau: Tau | None = None, append: bool = True) -> Value:
         """`qkv` is q (q_heads heads; default: the caches' heads) | k | v (the caches' heads each):
         grouped-query attention when q_heads is a multiple of the K/V heads. `norm`: per-head RMSNorm
         of q / k / v before rotary."""
         k, v = _cache(k), _cache(v)
         h, dh = k.spec.heads, k.spec.head_dim
         hq = h if q_heads is None else q_heads
-        if (v.spec.heads, v.spec.head_dim) != (h, dh) or hq % h or qkv.width != (hq + 2 * h) * dh:
+        if (v.spec.heads, v.spec.head_dim) != (h, dh) or hq % h or qkv.width != (hq + (2 * h if append else 0)) * dh:
             raise ValueError(f"kv_append {name!r}: {qkv.name!r} of width {qkv.width} is not q|k|v of "
                              f"{hq} query and {h} key/value heads of {dh}")
         if rotary is not None:
@@ -221,7 +269,14 @@ class StepGraph:
             for w in (norm.q, norm.k):
                 if w is not None:
                     self._vector(w, dh)
-        return self._add("kv_append", name, hq * dh, qkv=qkv, k=k, v=v, rotary=rotary, norm=norm)
+        if tau is not None:
+            if norm is not None:
+                raise ValueError(f"kv_append {name!r}: tau and head norms together are not defined")
+            if not append or tau.value.width != 2 * hq:
+                raise ValueError(f"kv_append {name!r}: tau needs the append and a value of 2 x {hq} columns")
+            self._vector(tau.alpha, hq)
+        return self._add("kv_append", name, hq * dh, qkv=qkv, k=k, v=v, rotary=rotary, norm=norm, tau=tau,
+                         append=append)
 
     def attention(self, name: str, q: Value, k: CacheSpec | CacheRef, v: CacheSpec | CacheRef,
                   length: str = "self", window: int | None = None, scale: float | None = None) -> Value:
@@ -305,7 +360,8 @@ class StepGraph:
             raise ValueError(f"{self.name}: weight {w!r} has shape {self.weight_shapes[w]}, expected ({n},)")
 
     def consumers(self, value: Value) -> list[Node]:
-        return [n for n in self.nodes if any(a is value for a in n.args.values())]
+        return [n for n in self.nodes if any(a is value or (isinstance(a, Tau) and a.value is value)
+                                             for a in n.args.values())]
 
     def weight_bytes(self, element_size: int = 4, skip: tuple[str, ...] = ()) -> int:
         """Bytes of weights one step streams: every weight once, except tables the step only looks
@@ -328,6 +384,15 @@ class StepGraph:
 
 # ---------------------------------------------------------------------------------------------------
 # The eager reference: the same graph run op by op with backends.reference
+
+
+def _act(x: torch.Tensor, act: str | None) -> torch.Tensor:
+    if act is None:
+        return x
+    if act in ("sigmoid", "tanh"):
+        return getattr(torch, act)(x)
+    from photon_core.backends import reference as ref
+    return ref.glu(x, torch.ones_like(x), act)
 
 
 def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor],
@@ -357,29 +422,50 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
         if node.op == "input":
             y = inputs[node.out.name].float().reshape(bsz, node.out.width)
         elif node.op == "embed":
-            y = weights[a["tok"]][torch.tensor(tokens, device=dev)].float()
+            y = weights[a["tok"]][torch.tensor(tokens, device=dev)].float() * a["scale"]
             if a["pos"] is not None:
                 y = y + weights[a["pos"]][pos].float()
         elif node.op == "layer_norm":
             y = ref.layer_norm(vals[a["x"].name], weights[a["w"]].float(),
                                None if a["b"] is None else weights[a["b"]].float(), a["eps"])
-        elif node.op == "gate":
-            y = vals[a["x"].name] * torch.sigmoid(vals[a["g"].name])
+        elif node.op == "mul":
+            w = node.out.width
+            y = vals[a["x"].name][:, a["c0"]:a["c0"] + w] * _act(vals[a["g"].name], a["act"])
+        elif node.op == "act":
+            y = _act(vals[a["x"].name], a["act"])
+        elif node.op == "add_norm":
+            z = vals[a["z"].name]
+            zn = ref.rms_norm(z.view(bsz, -1, a["chunk"]), weights[a["w"]].float(), a["eps"], a["offset"])
+            y = (vals[a["x"].name] + zn.reshape(bsz, -1)) * a["scale"]
+            if a["scale_w"] is not None:
+                y = y * weights[a["scale_w"]].float()
         elif node.op == "glu":
             gate, up = vals[a["x"].name].chunk(2, dim=-1)
             y = ref.glu(gate, up, a["act"])
         elif node.op == "rms_norm":
             y = ref.rms_norm(vals[a["x"].name], weights[a["w"]].float(), a["eps"], a["offset"])
         elif node.op == "linear":
+            tanh = a["act"] == "tanh"    # not a linear activation of the ops contract
             y = ref.linear(vals[a["x"].name], weights[a["w"]].float(),
-                           None if a["b"] is None else weights[a["b"]].float(), activation=a["act"],
-                           residual=None if a["residual"] is None else vals[a["residual"].name])
+                           None if a["b"] is None else weights[a["b"]].float(), activation=None if tanh else a["act"])
+            y = torch.tanh(y) if tanh else y
+            if a["residual"] is not None:
+                y = y + vals[a["residual"].name]
         elif node.op == "kv_append":
             k_c, v_c = cache(a["k"]), cache(a["v"])
             h, dh = a["k"].spec.heads, a["k"].spec.head_dim
             hq = node.out.width // dh
-            q, k, v = vals[a["qkv"].name].split([hq * dh, h * dh, h * dh], dim=1)
+            append = a["append"]
+            qkv = vals[a["qkv"].name]
+            if not append:   # q alone: k, v stand-ins that are never stored
+                qkv = torch.cat([qkv, qkv.new_zeros(bsz, 2 * h * dh)], dim=1)
+            q, k, v = qkv.split([hq * dh, h * dh, h * dh], dim=1)
             q, k, v = q.reshape(bsz, hq, 1, dh), k.reshape(bsz, h, 1, dh), v.reshape(bsz, h, 1, dh)
+            if a["tau"] is not None:
+                tv = vals[a["tau"].value.name]
+                pos_f = torch.sigmoid(weights[a["tau"].alpha].float()[None] * torch.log(pos.float() + 1)[:, None]) + 0.5
+                q = q * (tv[:, :hq] + pos_f).view(bsz, hq, 1, 1)
+                v = v * (tv[:, hq:hq + h] + pos_f[:, :h]).view(bsz, h, 1, 1)
             hn = a["norm"]
             if hn is not None:
                 def norm(x, w):
@@ -392,7 +478,8 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
                 cos = weights[rot.cos].float()[rot_pos].view(bsz, 1, 1, -1)
                 sin = weights[rot.sin].float()[rot_pos].view(bsz, 1, 1, -1)
                 q, k = ref.rotary(q, cos, sin, rot.dims), ref.rotary(k, cos, sin, rot.dims)
-            ref.kv_append(k_c, v_c, k, v, pos % k_c.shape[2] if a["k"].spec.ring else pos)
+            if append:
+                ref.kv_append(k_c, v_c, k, v, pos % k_c.shape[2] if a["k"].spec.ring else pos)
             y = q.reshape(bsz, hq * dh)
         elif node.op == "attention":
             k_c, v_c = cache(a["k"]), cache(a["v"])
