@@ -410,6 +410,50 @@ def test_a_moondream3_style_tau_layer_equals_the_eager_graph():
     run_both(g, w, hist, 4, positions, 42, vocab, check=("tau", "q", "logits"))
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_a_mixture_of_experts_layer_equals_the_eager_graph(renormalize):
+    """Moondream 3's MoE MLP in a parallel block: the LayerNorm fused into the router and the
+    expert tiles, top 3 of 8 experts per row (rows choosing apart), gelu(gate) * (up + 1),
+    weighted down-projections plus the residual; the weights of experts no row chose are NaN, so
+    reading one would show."""
+    g0 = torch.Generator().manual_seed(51)
+    d, heads, dh, E, F, k, vocab = 32, 2, 16, 8, 24, 3, 40
+
+    def r(*shape, s=1.0):
+        return torch.randn(*shape, generator=g0) * s
+
+    w = {"tok": r(vocab, d, s=0.5), "ln.w": 1 + r(d, s=0.1), "ln.b": r(d, s=0.1), "qkv": r(3 * d, d, s=0.2),
+         "out": r(d, d, s=0.2), "router": r(E, d, s=0.5), "router.b": r(E, s=0.1), "gu": r(E, 2 * F, d, s=0.2),
+         "down": r(E, d, F, s=0.2), "head": r(vocab, d, s=0.2)}
+    g = StepGraph("moe", {k_: tuple(v.shape) for k_, v in w.items()})
+    kc, vc = g.cache("k", heads, 16, dh), g.cache("v", heads, 16, dh)
+    x = g.embed("x", "tok")
+    h = g.layer_norm("h", x, "ln.w", "ln.b")
+    q = g.kv_append("q", g.linear("qkv", h, "qkv"), kc, vc)
+    logits_e = g.linear("route", h, "router", "router.b")
+    mlp = g.moe("mlp", h, logits_e, "gu", "down", k, act="gelu", up_offset=1.0, renormalize=renormalize, residual=x)
+    x = g.linear("x1", g.attention("a", q, kc, vc), "out", residual=mlp)
+    g.expose("logits", logits := g.linear("logits", x, "head"))
+    g.argmax("token", logits)
+    positions = [0, 3]
+    hist = {n: r(2, heads, 16, dh) for n in ("k", "v")}
+    for n in hist:
+        for row, p in enumerate(positions):
+            hist[n][row, :, p:] = 0.0
+    step = run_both(g, w, hist, 3, positions, 52, vocab, check=("route", "mlp", "logits"))
+    # Poison the experts the last step's rows did not choose, and run that step again: same result.
+    from photon_core.backends import reference as ref
+    chosen = set(ref.moe_route(step.view("route"), k, renormalize)[1].flatten().tolist())
+    before = step.view("mlp").clone()
+    for e in set(range(E)) - chosen:
+        step.weight("gu")[e] = float("nan")
+        step.weight("down")[e] = float("nan")
+    step.set_step(step.dyn[:2].tolist(), step.dyn[2:4].tolist())   # the last step's tokens and positions
+    step.launch()
+    assert len(chosen) < E and torch.equal(step.view("mlp"), before)
+    assert step.weight_bytes_per_step() < sum(v.numel() for v in w.values()) * 4
+
+
 def test_window_layers_are_checked_when_stated():
     w = hybrid_weights()
     g = StepGraph("bad-ring", {k: tuple(t.shape) for k, t in w.items()})

@@ -42,7 +42,7 @@ import torch
 
 from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
                                           OP_ADD_NORM, OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_CONV_STEP,
-                                          OP_DELTA_STEP,
+                                          OP_DELTA_STEP, OP_MOE_DOWN, OP_MOE_ROUTE, OP_MOE_UP,
                                           OP_EMBED, OP_LINEAR,
                                           OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
                                           StateViews, Task, TaskGraph)
@@ -146,7 +146,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
                 # (offset + w) is folded into the stored weight at load time.
                 fold_offset(node, a["w"], a["offset"])
             for c in graph.consumers(node.out):
-                if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out:
+                if c.op not in ("linear", "moe") or c.args["x"] is not node.out or c.args["residual"] is node.out:
                     raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
                                      f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
                                      "can take a fused LayerNorm")
@@ -216,13 +216,13 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     # in bf16): with aligned rows and offsets every weight load can be a 128-bit vector load.
     ldw = {}
     for n in graph.nodes:
-        for key in ("w", "tok", "pos"):
-            w = n.args.get(key) if n.op in ("linear", "embed") else None
+        for key in ("w", "tok", "pos", "gate_up", "down"):
+            w = n.args.get(key) if n.op in ("linear", "embed", "moe") else None
             if w is not None:
-                ldw[w] = -(-graph.weight_shapes[w][1] // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN
+                ldw[w] = -(-graph.weight_shapes[w][-1] // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN
     wa, sa = Arena("weights"), Arena("state")
     for k, shape in graph.weight_shapes.items():
-        wa.alloc(k, shape[0] * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN)
+        wa.alloc(k, math.prod(shape[:-1]) * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN)
     shapes: dict[str, tuple[int, ...]] = {}
     fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
                                                                       if n.op in FUSED}
@@ -235,6 +235,11 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
             shapes[f"{node.out.name}.part"] = (batch, node.out.width // spec.head_dim, splits, spec.head_dim + 2)
     for name, ntiles in logits.items():
         shapes[f"{name}.part"] = (batch, ntiles, 2)
+    for node in graph.nodes:
+        if node.op == "moe":   # per row: the chosen (expert, weight) pairs, and their hidden vectors
+            k, f = node.args["top_k"], graph.weight_shapes[node.args["down"]][-1]
+            shapes[f"{node.out.name}.route"] = (batch, k, 2)
+            shapes[f"{node.out.name}.h"] = (batch, k, f)
     shape: dict[str, tuple[int, int]] = {}
     for node in graph.nodes:
         if node.op != "linear":
@@ -456,6 +461,8 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                                [S.region(state.name, s0, s0 + dk * dv),
                                 S.region(node.out.name, (r * hv + h) * dv, (r * hv + h + 1) * dv)]))
             stage_of[node.out.name] = st
+        elif node.op == "moe":
+            stage_of.update(_lower_moe(p, g, node, waits, ancestors))
         elif node.op == "attention":
             stage_of[node.out.name] = _lower_attention(p, g, node, waits, ancestors, cache_cols, cache_off,
                                                        dyn_pos, dyn_xlen)
@@ -573,6 +580,71 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
     return {out.name: st}
 
 
+def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str, _Stage]:
+    """Route tasks (one per row: top k of the logits, their weights), expert tiles (per row, slot
+    and tile of F: act(x G_e) * (x U_e + offset), reading only the chosen expert's rows), and down
+    tiles (per row and tile of D: the weighted sum over the row's slots of h_s D_e, + residual).
+    Rows choosing the same expert each read it: sharing reads across rows is not done yet."""
+    graph, B, S, W, bn = p.graph, p.batch, p.sarena, p.warena, p.tiling.block_n
+    a, name = node.args, node.out.name
+    E, F2, D = graph.weight_shapes[a["gate_up"]]
+    F, k = F2 // 2, a["top_k"]
+    norm = p.norm_of.get(name)
+    x = norm.args["x"] if norm else a["x"]
+    route, hid = Value(f"{name}.route", 2 * k), Value(f"{name}.h", k * F)
+    stages = {route.name: _Stage(route.name, g.counter(route.name), ancestors=ancestors([a["logits"]], route.name))}
+    for r in range(B):
+        g.add(Task(f"{route.name}[b{r}]", OP_MOE_ROUTE,
+                   dict(N=E, x=S.off(a["logits"].name) + r * E, out=S.off(route.name) + r * 2 * k, S=k,
+                        mode=int(a["renormalize"])),
+                   waits([a["logits"]]), stages[route.name].counter,
+                   [S.region(a["logits"].name, r * E, (r + 1) * E)], [S.region(route.name, r * 2 * k, (r + 1) * 2 * k)]))
+    # the new stages are visible to waits() only once registered
+    up = _Stage(hid.name, g.counter(hid.name), ancestors=ancestors([x], hid.name) | stages[route.name].ancestors)
+    norm_args = dict(lnw=W.off(norm.args["w"]) if norm else -1,
+                     lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
+                     norm=NORM_CODES[norm.op] if norm else 0)
+    return_stages = dict(stages)
+    route_st = stages[route.name]
+    # x is ready once the route is, when the router read x (Moondream 3): then one wait.
+    wait_up = [(route_st.counter, B)] + ([] if x.name in route_st.ancestors else waits([x]))
+    for r in range(B):
+        for s in range(k):
+            for n0 in range(0, F, bn):
+                n1 = min(F, n0 + bn)
+                h0 = (r * k + s) * F
+                g.add(Task(f"{hid.name}[b{r},s{s},{n0}:{n1}]", OP_MOE_UP,
+                           dict(M=1, K=D, N=F, n0=n0, n1=n1, k0=0, k1=D, x=S.off(x.name) + r * D, w=W.off(a["gate_up"]),
+                                ldw=p.ldw[a["gate_up"]], act=activation_code(a["act"]), scale=float_bits(a["up_offset"]),
+                                tile=s, part=S.off(route.name) + r * 2 * k, out=S.off(hid.name) + h0, xs=-1, xc0=0,
+                                xgate=-1, gact=0, xact=0, xglu=0, **norm_args),
+                           list(wait_up), up.counter,
+                           [S.region(x.name, r * D, (r + 1) * D), S.region(route.name, r * 2 * k, (r + 1) * 2 * k)],
+                           [S.region(hid.name, h0 + n0, h0 + n1)]))
+    return_stages[hid.name] = up
+    out = _Stage(name, g.counter(name), ancestors=up.ancestors | {name} | (
+        ancestors([a["residual"]], name) if a["residual"] is not None else frozenset()))
+    res = a["residual"]
+    wait_down = [(up.counter, g.signalers(up.counter))]
+    if res is not None and res.name not in up.ancestors:
+        wait_down += waits([res])
+    for r in range(B):
+        for n0 in range(0, D, bn):
+            n1 = min(D, n0 + bn)
+            reads = [S.region(hid.name, r * k * F, (r + 1) * k * F), S.region(route.name, r * 2 * k, (r + 1) * 2 * k)]
+            if res is not None:
+                reads.append(S.region(res.name, r * D + n0, r * D + n1))
+            g.add(Task(f"{name}[b{r},{n0}:{n1}]", OP_MOE_DOWN,
+                       dict(M=1, K=F, N=D, n0=n0, n1=n1, k0=0, k1=F, x=S.off(hid.name) + r * k * F, w=W.off(a["down"]),
+                            ldw=p.ldw[a["down"]], S=k, part=S.off(route.name) + r * 2 * k, b=-1, act=0,
+                            res=S.off(res.name) + r * D if res is not None else -1, mode=MODE_PLAIN,
+                            out=S.off(name) + r * D, xs=-1, xc0=0, xgate=-1, gact=0, xact=0, xglu=0, lnw=-1, lnb=-1,
+                            norm=0),
+                       list(wait_down), out.counter, reads, [S.region(name, r * D + n0, r * D + n1)]))
+    return_stages[name] = out
+    return return_stages
+
+
 def _lower_attention(p: Plan, g: TaskGraph, node: Node, waits, ancestors, cache_cols, cache_off,
                      dyn_pos: Region, dyn_xlen: Region) -> _Stage:
     B, S = p.batch, p.sarena
@@ -682,7 +754,8 @@ class CompiledStep(StateViews):
                 t = (t.detach().float() + p.weight_offset[k] if k in p.weight_offset else t.detach())
                 t = t.to(device=dev, dtype=weight_dtype)
                 if k in p.ldw:
-                    self.weights[off:off + n].view(shape[0], p.ldw[k])[:, :shape[1]] = t
+                    rows = math.prod(shape[:-1])
+                    self.weights[off:off + n].view(rows, p.ldw[k])[:, :shape[-1]] = t.reshape(rows, shape[-1])
                 else:
                     self.weights[off:off + n] = t.reshape(-1)
         self.warena, self.sarena, self.shapes = p.warena, p.sarena, p.shapes
@@ -699,7 +772,8 @@ class CompiledStep(StateViews):
         off, n = self.warena.regions[key]
         shape = self.graph_def.weight_shapes[key]
         if key in self.plan.ldw:
-            return self.weights[off:off + n].view(shape[0], self.plan.ldw[key])[:, :shape[1]]
+            rows = math.prod(shape[:-1])
+            return self.weights[off:off + n].view(rows, self.plan.ldw[key])[:, :shape[-1]].view(shape)
         return self.weights[off:off + n].view(shape)
 
     def view(self, key: str) -> torch.Tensor:
@@ -720,7 +794,9 @@ class CompiledStep(StateViews):
                 lower(p, key), self.weights, self.state, self.dyn, self.out, block_m=self.batch,
                 block_n=tl.block_n, block_k=tl.block_k, block_t=tl.block_t,
                 head_dim=max(dims, default=16),
-                max_splits=max(tl.self_splits, tl.cross_splits), max_tiles=max(p.logits.values(), default=1),
+                max_splits=max([tl.self_splits, tl.cross_splits] + [n.args["top_k"] for n in self.graph_def.nodes
+                                                                     if n.op == "moe"]),
+                max_tiles=max(p.logits.values(), default=1),
                 ln_eps=p.ln_eps)
         return self._kernels[key]
 
@@ -777,4 +853,4 @@ class CompiledStep(StateViews):
         return self.out.view(self.batch, R)[:, self.graph_def.results.index(name)]
 
     def weight_bytes_per_step(self, skip: tuple[str, ...] = ()) -> int:
-        return self.graph_def.weight_bytes(self.weights.element_size(), skip)
+        return self.graph_def.weight_bytes(self.weights.element_size(), skip, rows=self.batch)

@@ -29,10 +29,14 @@ OP_LINEAR_REDUCE = 8  # sum a tile's K-slice partials in a fixed order, then OP_
 OP_CONV_STEP = 9      # a tile of channels of a causal depthwise conv, one new input; state shifted in place
 OP_DELTA_STEP = 10    # (row, value head) of the gated delta rule; state updated in place; gated RMSNorm out
 OP_ADD_NORM = 11      # one row of (x + rms_norm(z) * w) * scale, chunk by chunk
+OP_MOE_ROUTE = 12     # one row's top-k experts by its router logits, and their weights
+OP_MOE_UP = 13        # (row, slot, tile of F) of the chosen expert: act(x G_e) * (x U_e + offset)
+OP_MOE_DOWN = 14      # (row, tile of D): sum over the row's slots of weight * h_s D_e, + residual
 OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
             OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append",
             OP_LINEAR_SPLIT: "linear_split", OP_LINEAR_REDUCE: "linear_reduce", OP_CONV_STEP: "conv_step",
-            OP_DELTA_STEP: "delta_step", OP_ADD_NORM: "add_norm"}
+            OP_DELTA_STEP: "delta_step", OP_ADD_NORM: "add_norm", OP_MOE_ROUTE: "moe_route",
+            OP_MOE_UP: "moe_up", OP_MOE_DOWN: "moe_down"}
 
 # Store modes of OP_LINEAR.
 MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2

@@ -81,17 +81,19 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                w_shift=0, x_shift=0):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
     one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
-    columns use narrower tiles (more tasks), and a split-K task sees a slice of K."""
+    columns use narrower tiles (more tasks), and a split-K task sees a slice of K. w_shift /
+    x_shift move W and x by a run-time amount (an expert's rows, a slot's hidden vector)."""
     M = tl.load(row + 6)
     K = tl.load(row + 7)
     n0 = tl.load(row + 9)
-    x_off = tl.load(row + 10)
+    x_off = tl.load(row + 10) + x_shift
     # The compiler aligns weight offsets, row strides and K slices to 16 elements (compiler.plan):
-    # saying so lets every weight load be a 128-bit vector load.
-    w_off = tl.multiple_of(tl.load(row + 11), 16)
+    # saying so lets every weight load be a 128-bit vector load (an expert's rows keep it).
+    w_off = tl.multiple_of(tl.load(row + 11) + w_shift, 16)
     lnw = tl.load(row + 13)
     lnb = tl.load(row + 14)
     n1 = tl.load(row + 33)
@@ -611,6 +613,103 @@ def _task_add_norm(row, w_ptr, s_ptr, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _task_moe_route(row, s_ptr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One row: the top S of its E router logits (descending; equal logits: lower expert first, as
+    backends.reference.moe_route), stored as S (expert id, weight) pairs. Weights: softmax over the
+    chosen logits (renormalised, mode 1) or over all E. S passes over the logits, E*4 bytes each."""
+    E = tl.load(row + 8)
+    lg = s_ptr + tl.load(row + 10)
+    renorm = tl.load(row + 17)
+    out = s_ptr + tl.load(row + 18)
+    S = tl.load(row + 31)
+    ss = tl.arange(0, BLOCK_S)
+    chosen = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    ids = tl.zeros((BLOCK_S,), tl.float32)
+    prev_v = tl.full([], float("inf"), tl.float32)
+    prev_i = tl.full([], -1, tl.int32)
+    mx = tl.full([], float("-inf"), tl.float32)
+    for s in range(0, S):
+        best = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.full([], 2147483647, tl.int32)
+        for e0 in range(0, E, BLOCK_R):
+            ee = (e0 + tl.arange(0, BLOCK_R)).to(tl.int32)
+            m = ee < E
+            l = tl.load(lg + ee, mask=m, other=float("-inf"), cache_modifier=CG)
+            if s == 0:
+                mx = tl.maximum(mx, tl.max(l, axis=0))
+            # the next in (logit descending, id ascending) order after the previous pick
+            cand = m & ((l < prev_v) | ((l == prev_v) & (ee > prev_i)))
+            lv = tl.where(cand, l, float("-inf"))
+            bm = tl.max(lv, axis=0)
+            bi = tl.min(tl.where(cand & (lv == bm), ee, 2147483647), axis=0)
+            better = (bm > best) | ((bm == best) & (bi < best_i))
+            best = tl.where(better, bm, best)
+            best_i = tl.where(better, bi, best_i)
+        chosen = tl.where(ss == s, best, chosen)
+        ids = tl.where(ss == s, best_i.to(tl.float32), ids)
+        prev_v = best
+        prev_i = best_i
+    total = tl.full([], 0.0, tl.float32)
+    for e0 in range(0, E, BLOCK_R):
+        ee = e0 + tl.arange(0, BLOCK_R)
+        l = tl.load(lg + ee, mask=ee < E, other=float("-inf"), cache_modifier=CG)
+        total += tl.sum(tl.exp(l - mx), axis=0)
+    p = tl.exp(chosen - mx)            # -inf past S: weight 0
+    w = tl.where(renorm != 0, p / tl.sum(p, axis=0), p / total)
+    sm = ss < S
+    tl.store(out + 2 * ss, ids, mask=sm)
+    tl.store(out + 2 * ss + 1, w, mask=sm)
+
+
+@triton.jit
+def _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(row, slot s, columns [n0, n1) of F): e = the slot's expert; act(x G_e) * (x U_e + offset)
+    with G_e, U_e rows e*2F + [n0, n1) and e*2F + F + [n0, n1) of the [E*2F, D] gate|up table (the
+    row's LayerNorm fused in, as in a linear). Bytes: 2*(n1-n0)*D weights of ONE expert + D x."""
+    F = tl.load(row + 8)
+    n0 = tl.load(row + 9)
+    act = tl.load(row + 15)
+    out = tl.load(row + 18)
+    s = tl.load(row + 24)
+    route = s_ptr + tl.load(row + 25)
+    ldw = tl.load(row + 38)
+    n1 = tl.load(row + 33)
+    e = tl.load(route + 2 * s, cache_modifier=CG).to(tl.int64)
+    base = e * 2 * F * ldw
+    # gate then up rows, in a loop so the product is compiled once (each inlined copy of the
+    # linear tile costs compile time and code size in the one megakernel)
+    g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for half in range(0, 2):
+        acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0)
+        g = tl.where(half == 0, acc, g)
+        u = tl.where(half == 1, acc, u)
+    h = apply_activation(g, act) * (u + _f32(tl.load(row + 44)))
+    cols = n0 + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    tl.store(s_ptr + out + rows[:, None] * 0 + cols[None, :], h, mask=(rows < 1)[:, None] & (cols < n1)[None, :])
+
+
+@triton.jit
+def _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """(row, columns [n0, n1) of D): sum over the row's S slots of weight_s * h_s D_e(s)^T (rows
+    e*D + [n0, n1) of the [E*D, F] down table), then the linear epilogue (+ residual). Bytes:
+    S*(n1-n0)*F weights (the chosen experts only) + S*F hidden."""
+    F = tl.load(row + 7)
+    D = tl.load(row + 8)
+    route = s_ptr + tl.load(row + 25)
+    ldw = tl.load(row + 38)
+    S = tl.load(row + 31)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for s in range(0, S):
+        e = tl.load(route + 2 * s, cache_modifier=CG).to(tl.int64)
+        wgt = tl.load(route + 2 * s + 1, cache_modifier=CG)
+        acc += wgt * _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, s * F)
+    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -639,6 +738,12 @@ def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.c
         _task_delta_step(row, w_ptr, s_ptr, ln_eps, BLOCK_D)
     elif op == 11:
         _task_add_norm(row, w_ptr, s_ptr, ln_eps, BLOCK_K)
+    elif op == 12:
+        _task_moe_route(row, s_ptr, BLOCK_R, BLOCK_S)
+    elif op == 13:
+        _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif op == 14:
+        _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         ran = 0
     return ran

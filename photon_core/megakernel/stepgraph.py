@@ -42,6 +42,9 @@ a sliding-window layer's bounded cache. Only windowed attention (window <= lengt
     delta_rule(x, zba, state, ...)     one token of the gated delta rule (Gated DeltaNet): x = q|k|v,
                                        zba[c0:] = z|b|a, state [Hv, Dk, Dv] updated in place; out is
                                        the per-head gated RMSNorm of the read (rms_norm_gated)
+    moe(x, logits, gate_up, down, k)   mixture of experts (ops.moe after the router's logits): the top k
+                                       experts of each row by `logits`, act(x G_e) * (x U_e + offset)
+                                       through D_e, weighted; only chosen experts' weights are read
     argmax(x, name, c0, c1, advance)   int32 result column `name`: argmax of x[c0:c1] (first of ties);
                                        `advance` also makes it the row's next token and steps the position
 
@@ -329,6 +332,19 @@ class StepGraph:
         return self._add("delta_rule", name, hv * dv, x=x, zba=zba, state=state, k_heads=k_heads, a_log=a_log,
                          dt_bias=dt_bias, norm_w=norm_w, c0=c0, eps=eps)
 
+    def moe(self, name: str, x: Value, logits: Value, gate_up: str, down: str, top_k: int, act: str = "silu",
+            up_offset: float = 0.0, renormalize: bool = True, residual: Value | None = None) -> Value:
+        """gate_up [E, 2F, D] (gate rows, then up rows), down [E, D, F]; logits [E] per row (a
+        linear's output). Out: [D] (+ residual)."""
+        e, f2, d = self._shape(gate_up, 3)
+        if self._shape(down, 3) != (e, d, f2 // 2) or x.width != d or logits.width != e or not 1 <= top_k <= e:
+            raise ValueError(f"moe {name!r}: {gate_up!r} {self.weight_shapes[gate_up]} and {down!r} "
+                             f"{self.weight_shapes[down]} do not fit x ({x.width}), logits ({logits.width}), k {top_k}")
+        if act not in ACTIVATIONS[1:] or (residual is not None and residual.width != d):
+            raise ValueError(f"moe {name!r}: activation {act!r} or residual width does not fit")
+        return self._add("moe", name, d, x=x, logits=logits, gate_up=gate_up, down=down, top_k=top_k, act=act,
+                         up_offset=up_offset, renormalize=renormalize, residual=residual)
+
     def argmax(self, name: str, x: Value, c0: int = 0, c1: int | None = None, advance: bool = False) -> None:
         c1 = x.width if c1 is None else c1
         if not 0 <= c0 < c1 <= x.width:
@@ -363,10 +379,12 @@ class StepGraph:
         return [n for n in self.nodes if any(a is value or (isinstance(a, Tau) and a.value is value)
                                              for a in n.args.values())]
 
-    def weight_bytes(self, element_size: int = 4, skip: tuple[str, ...] = ()) -> int:
+    def weight_bytes(self, element_size: int = 4, skip: tuple[str, ...] = (), rows: int = 1) -> int:
         """Bytes of weights one step streams: every weight once, except tables the step only looks
         rows up in (embedding and position tables, rotary tables), which cost one row each; a table
-        that is also a linear's weight (a tied LM head) is streamed whole."""
+        that is also a linear's weight (a tied LM head) is streamed whole; experts cost the top k
+        a row chooses (one row: k of E; `rows` rows choosing apart: up to rows * k)."""
+        experts = {n.args[k]: n.args["top_k"] for n in self.nodes if n.op == "moe" for k in ("gate_up", "down")}
         looked_up = set()
         for n in self.nodes:
             if n.op == "embed":
@@ -378,7 +396,10 @@ class StepGraph:
         for k, shape in self.weight_shapes.items():
             if k in skip:
                 continue
-            total += shape[-1] if k in looked_up and k not in streamed else math.prod(shape)
+            if k in experts:
+                total += min(shape[0], experts[k] * rows) * math.prod(shape[1:])
+            else:
+                total += shape[-1] if k in looked_up and k not in streamed else math.prod(shape)
         return total * element_size
 
 
@@ -518,6 +539,19 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
             st.copy_(new)
             y = ref.rms_norm_gated(o, z.reshape(bsz, hv, dv), weights[a["norm_w"]].float(), a["eps"])
             y = y.reshape(bsz, hv * dv)
+        elif node.op == "moe":
+            weights_k, ids = ref.moe_route(vals[a["logits"].name], a["top_k"], a["renormalize"])
+            xs = vals[a["x"].name]
+            f = weights[a["down"]].shape[-1]
+            y = torch.zeros_like(xs)
+            for r in range(bsz):
+                for s in range(a["top_k"]):
+                    e = int(ids[r, s])
+                    gu = ref.linear(xs[r:r + 1], weights[a["gate_up"]][e].float())
+                    h = ref.glu(gu[:, :f], gu[:, f:], a["act"], a["up_offset"])
+                    y[r] += weights_k[r, s] * ref.linear(h, weights[a["down"]][e].float())[0]
+            if a["residual"] is not None:
+                y = y + vals[a["residual"].name]
         elif node.op == "argmax":
             x = vals[a["x"].name][:, a["c0"]:a["c1"]]
             results[a["name"]] = ref.argmax(x).tolist()
