@@ -1,4 +1,5 @@
-"""Draw detections and points on a copy of an RGB image (the CLI's --draw, the node's image_annotated)."""
+"""Draw detections, points and segmentation masks on a copy of an RGB image (the CLI's --draw, the
+node's image_annotated)."""
 from __future__ import annotations
 
 import cv2
@@ -7,8 +8,13 @@ import numpy as np
 _COLORS = [(255, 64, 64), (64, 200, 64), (64, 128, 255), (255, 200, 0), (200, 64, 255), (0, 220, 220)]
 
 
-def draw_results(rgb: np.ndarray, detections: dict[str, list[dict]], points: dict[str, list[dict]]) -> np.ndarray:
-    """`detections` / `points`: label -> normalized boxes / points, as the engine returns them."""
+MASK_ALPHA = 0.4   # how much of a mask's colour covers the image under it
+
+
+def draw_results(rgb: np.ndarray, detections: dict[str, list[dict]], points: dict[str, list[dict]],
+                 segments: dict[str, dict] | None = None) -> np.ndarray:
+    """`detections` / `points`: label -> normalized boxes / points, as the engine returns them;
+    `segments`: label -> a segment result ({"path", "bbox"}), drawn as a filled mask with its border."""
     out = np.ascontiguousarray(rgb).copy()
     h, w = out.shape[:2]
     thickness = max(1, round(min(h, w) / 300))
@@ -27,4 +33,32 @@ def draw_results(rgb: np.ndarray, detections: dict[str, list[dict]], points: dic
             cv2.circle(out, centre, 4 * thickness, color, -1)
             cv2.putText(out, label, (centre[0] + 6, centre[1]), cv2.FONT_HERSHEY_SIMPLEX,
                         0.4 * thickness, color, thickness)
+    for i, (label, result) in enumerate((segments or {}).items()):
+        draw_segment(out, result, _COLORS[(i + len(detections) + len(points)) % len(_COLORS)], thickness)
+    return out
+
+
+def draw_segment(out: np.ndarray, result: dict, color: tuple[int, int, int], thickness: int = 1,
+                 alpha: float = MASK_ALPHA) -> np.ndarray:
+    """A segment result drawn in place on `out` (RGB): the mask (pixels whose centres the path
+    encloses) blended in with `alpha`, its border in full colour. The path lives in its bbox's unit
+    square, so without a bbox (or a path) nothing is drawn; a path the model ended mid-command is
+    drawn up to its last whole command."""
+    from photon_core import svg_path
+
+    bbox, path = result.get("bbox"), result.get("path") or ""
+    if not bbox or not path.strip():
+        return out
+    h, w = out.shape[:2]
+    mask, _ = svg_path.rasterise(path, bbox, w, h)
+    if not mask.any():
+        return out
+    blended = out[mask].astype(np.float32) * (1 - alpha) + np.asarray(color, np.float32) * alpha
+    out[mask] = np.clip(np.rint(blended), 0, 255).astype(out.dtype)
+    # The outline: the mask's own border pixels (`thickness` deep), so it never leaves the mask,
+    # hence the box, and it follows holes too.
+    m = mask.astype(np.uint8)
+    inner = cv2.erode(m, cv2.getStructuringElement(cv2.MORPH_CROSS, (3, 3)), iterations=thickness,
+                      borderType=cv2.BORDER_CONSTANT, borderValue=0)
+    out[m > inner] = color
     return out

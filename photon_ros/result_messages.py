@@ -6,8 +6,8 @@ import math
 from builtin_interfaces.msg import Duration, Time
 from std_msgs.msg import Header
 
-from photon_ros.msg import (Detection, Detections, ImagePoint, Points, Transcript, TranscriptSegment,
-                            VisionText)
+from photon_ros.msg import (Detection, Detections, ImagePoint, Points, Segmentation, Transcript,
+                            TranscriptSegment, VisionText)
 
 
 def time_to_seconds(stamp: Time) -> float:
@@ -68,6 +68,22 @@ def points_message(result: dict, header: Header, *, prompt: str, width: int, hei
                  image_height=height, latency=seconds_to_duration(latency))
     msg.points = [ImagePoint(label=prompt, x=p["x"], y=p["y"], x_px=p["x"] * width, y_px=p["y"] * height)
                   for p in result["points"]]
+    return msg
+
+
+def segmentation_message(result: dict, header: Header, *, prompt: str, width: int, height: int,
+                         latency: float, model_id: str) -> Segmentation:
+    """A Segmentation from `segment()`'s {"path", "bbox" (normalized, or None), "error" (optional)}:
+    the path as it is (in the box's unit square), the box normalized and in pixels."""
+    msg = Segmentation(header=header, prompt=prompt, model_id=model_id, image_width=width, image_height=height,
+                       path=result.get("path") or "", error=result.get("error") or "",
+                       latency=seconds_to_duration(latency))
+    box = result.get("bbox")
+    if box is not None:
+        msg.has_bbox = True
+        msg.x_min, msg.y_min, msg.x_max, msg.y_max = (float(box[k]) for k in ("x_min", "y_min", "x_max", "y_max"))
+        msg.x_min_px, msg.x_max_px = float(box["x_min"]) * width, float(box["x_max"]) * width
+        msg.y_min_px, msg.y_max_px = float(box["y_min"]) * height, float(box["y_max"]) * height
     return msg
 
 

@@ -1,14 +1,18 @@
-"""Vision node: camera in, detections / points / captions out.
+"""Vision node: camera in, detections / points / captions / segmentations out.
 
     image (sensor_msgs/Image) or image/compressed (CompressedImage), sensor-data QoS by default
       -> newest-frame mailbox (frames arriving while the model is busy are counted and dropped)
       -> worker thread: convert; every configured task on the frame goes to the engine's batcher as
-         one group (decoded in one batch with other cameras' groups, the image encoded once)
-      -> detections, points (photon_ros), caption (VisionText), detections_2d (vision_msgs, where
-         installed), image_annotated (only while someone subscribes); headers copied from the image.
+         one group (decoded in one batch with other cameras' groups, the image encoded once);
+         `segment` objects go to the model's own segment() under the engine's lock (segment is no
+         batched skill), the image encoded once for all of them
+      -> detections, points (photon_ros), caption (VisionText), segmentation (Segmentation: an SVG
+         path in its box's unit square, and the box), detections_2d (vision_msgs, where installed),
+         image_annotated (boxes, points, masks; only while someone subscribes); headers copied from
+         the image.
     infer (photon_ros/Infer service): detect / point / caption / query on demand.
     /diagnostics: lifecycle and model state, input and processed rates, drops, latency percentiles.
-Tasks (`detect`, `point`, `caption_period_s`, ...) are parameters that can change at runtime.
+Tasks (`detect`, `point`, `segment`, `caption_period_s`, ...) are parameters that can change at runtime.
 
 A managed node (photon_ros.managed): configure loads the model (`model`, `device`, `dtype`,
 `backend`) and creates the topics (`input`, `reliability`, `depth`), activate starts processing,
@@ -35,10 +39,10 @@ from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.latest_frame import LatestFrame
 from photon_ros.managed import ManagedNode, health, ready_or_released
-from photon_ros.msg import Detections, Points, VisionText
+from photon_ros.msg import Detections, Points, Segmentation, VisionText
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
-                                        vision_text_message)
+                                        segmentation_message, vision_text_message)
 from photon_ros.run_node import run_node
 from photon_ros.srv import Infer
 
@@ -63,9 +67,10 @@ def check_vision_model(engine: SharedModel, name: str) -> None:
                          "not a vision model")
 
 
-def skills_in_use(detect: list[str], point: list[str], caption: bool) -> list[str]:
+def skills_in_use(detect: list[str], point: list[str], caption: bool, segment: list[str] = ()) -> list[str]:
     """The skills the node's standing tasks need from its model."""
-    return [s for s, used in (("detect", detect), ("point", point), ("caption", caption)) if used]
+    return [s for s, used in (("detect", detect), ("point", point), ("caption", caption), ("segment", segment))
+            if used]
 
 
 def warm_up(engine) -> None:
@@ -86,6 +91,22 @@ def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str
             + ([Request("caption", rgb, caption_length)] if caption_length else []))
 
 
+def segment_frame(engine: SharedModel, rgb, targets: list[str], max_tokens: int) -> list[dict]:
+    """`segment` results for every target on one frame. Segment is not a batched skill: each call
+    goes to the model's own segment() under the engine's lock (the lock the batcher takes too), one
+    target at a time so that batched requests of other cameras run in between; the image is encoded
+    once for all targets."""
+    if not targets:
+        return []
+    with engine.lock:
+        encoded = engine.model.encode_image(rgb)
+    results = []
+    for target in targets:
+        with engine.lock:
+            results.append(engine.model.segment(encoded, target, max_tokens=max_tokens))
+    return results
+
+
 class VisionNode(ManagedNode):
     kind = "vision"
 
@@ -99,6 +120,8 @@ class VisionNode(ManagedNode):
             p(name, default)
         self.detect_targets = self.targets(p("detect", Parameter.Type.STRING_ARRAY).value)
         self.point_targets = self.targets(p("point", Parameter.Type.STRING_ARRAY).value)
+        self.segment_targets = self.targets(p("segment", Parameter.Type.STRING_ARRAY).value)
+        self.segment_max_tokens = p("segment_max_tokens", 768).value
         self.caption_period = p("caption_period_s", 0.0).value
         self.caption_length = p("caption_length", "short").value
         self.max_objects = p("max_objects", 10).value
@@ -112,7 +135,7 @@ class VisionNode(ManagedNode):
         self.inactive_frames = 0   # frames not processed because the node was not active
         self.last_caption = 0.0
         self.subscription = None
-        self.pub_detections = self.pub_points = self.pub_caption = None
+        self.pub_detections = self.pub_points = self.pub_caption = self.pub_segmentation = None
         self.pub_annotated = self.pub_detection2d = None
 
         # Diagnostics (a plain publisher, not a lifecycle one) and the service exist in every
@@ -140,24 +163,26 @@ class VisionNode(ManagedNode):
         self.pub_detections = self.create_lifecycle_publisher(Detections, "detections", out)
         self.pub_points = self.create_lifecycle_publisher(Points, "points", out)
         self.pub_caption = self.create_lifecycle_publisher(VisionText, "caption", out)
+        self.pub_segmentation = self.create_lifecycle_publisher(Segmentation, "segmentation", out)
         self.pub_annotated = self.create_lifecycle_publisher(Image, "image_annotated", out)
         self.pub_detection2d = self.vision_msgs_publisher(out)
 
     def destroy_interfaces(self) -> None:
         if self.subscription is not None:
             self.destroy_subscription(self.subscription)
-        for pub in (self.pub_detections, self.pub_points, self.pub_caption, self.pub_annotated,
-                    self.pub_detection2d):
+        for pub in (self.pub_detections, self.pub_points, self.pub_caption, self.pub_segmentation,
+                    self.pub_annotated, self.pub_detection2d):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
         self.subscription = self.pub_detections = self.pub_points = self.pub_caption = None
+        self.pub_segmentation = None
         self.pub_annotated = self.pub_detection2d = None
 
     def load_engine(self) -> SharedModel:
         started = time.monotonic()
         self.device, self.dtype, self.backend = (self.get_parameter(n).value for n in ("device", "dtype", "backend"))
         engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend, skills_in_use(
-            self.detect_targets, self.point_targets, self.caption_period > 0))
+            self.detect_targets, self.point_targets, self.caption_period > 0, self.segment_targets))
 
         def prepare(engine: SharedModel) -> None:
             check_vision_model(engine, self.model_name)
@@ -197,13 +222,19 @@ class VisionNode(ManagedNode):
 
     def on_parameters(self, params: list[Parameter]) -> SetParametersResult:
         for param in params:
-            lacking = self.lacks({"detect": "detect", "point": "point"}.get(param.name))
+            lacking = self.lacks({"detect": "detect", "point": "point", "segment": "segment"}.get(param.name))
             if lacking and self.targets(param.value):
                 return SetParametersResult(successful=False, reason=lacking)
             if param.name == "detect":
                 self.detect_targets = self.targets(param.value)
             elif param.name == "point":
                 self.point_targets = self.targets(param.value)
+            elif param.name == "segment":
+                self.segment_targets = self.targets(param.value)
+            elif param.name == "segment_max_tokens":
+                if int(param.value) < 1:
+                    return SetParametersResult(successful=False, reason="segment_max_tokens must be >= 1")
+                self.segment_max_tokens = int(param.value)
             elif param.name == "caption_period_s":
                 self.caption_period = float(param.value)
             elif param.name == "caption_length":
@@ -236,8 +267,8 @@ class VisionNode(ManagedNode):
 
     def process(self, frame, epoch: int) -> None:
         caption_due = self.caption_period > 0 and time.monotonic() - self.last_caption >= self.caption_period
-        detect, point = list(self.detect_targets), list(self.point_targets)
-        if not (detect or point or caption_due):
+        detect, point, segment = list(self.detect_targets), list(self.point_targets), list(self.segment_targets)
+        if not (detect or point or caption_due or segment):
             return
         try:
             rgb = self.to_rgb(frame.msg)
@@ -253,15 +284,18 @@ class VisionNode(ManagedNode):
         requests = frame_requests(rgb, detect, point, self.caption_length if caption_due else None,
                                   self.max_objects)
         try:
-            results = self.engine.batcher.submit(requests)
+            results = self.engine.batcher.submit(requests) if requests else []
+            segments = segment_frame(self.engine, rgb, segment, self.segment_max_tokens)
         except Exception as err:  # noqa: BLE001 - a frame the model cannot take must not stop the worker
             self.get_logger().warning(f"frame not processed: {err}", throttle_duration_sec=5.0)
             return
         latency = time.monotonic() - frame.received_at
         outputs, boxes, points = self.result_messages(requests, results, header, width, height, latency)
+        masks = dict(zip(segment, segments))
+        outputs += self.segmentation_messages(masks, header, width, height, latency)
         annotated = None
-        if self.annotate and (boxes or points) and self.pub_annotated.get_subscription_count() > 0:
-            annotated = rgb_to_image(draw_results(rgb, boxes, points), header=header)
+        if self.annotate and (boxes or points or masks) and self.pub_annotated.get_subscription_count() > 0:
+            annotated = rgb_to_image(draw_results(rgb, boxes, points, masks), header=header)
         with self.activity.publishing(epoch) as current:
             if not current:   # deactivated meanwhile: results of that activation stay unpublished
                 self.inactive_frames += 1
@@ -295,6 +329,14 @@ class VisionNode(ManagedNode):
                     result["caption"], header, task=VisionText.TASK_CAPTION, prompt=request.prompt,
                     latency=latency, model_id=model_id)))
         return outputs, boxes, points
+
+    def segmentation_messages(self, masks: dict[str, dict], header, width: int, height: int,
+                              latency: float) -> list:
+        """(publisher, Segmentation) for every segment result of one frame (object -> result)."""
+        model_id = self.engine.model.model_id
+        return [(self.pub_segmentation, segmentation_message(result, header, prompt=target, width=width,
+                                                             height=height, latency=latency, model_id=model_id))
+                for target, result in masks.items()]
 
     def lacks(self, skill: str | None) -> str:
         """Why the loaded model cannot do `skill` ("" when it can, or nothing is loaded yet)."""

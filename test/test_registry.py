@@ -227,8 +227,8 @@ def test_command_line_comes_from_the_registry():
     # a command offered by two families is registered once
     parser = build_parser(registry.families() * 2)
     commands = parser._subparsers._group_actions[0].choices
-    # (several families share skills: each command once; `segment` has no command yet, issue #15's CLI part)
-    assert set(commands) == {s for f in registry.families() for s in f.skills} - {"segment"}
+    # (several families share skills: each command once)
+    assert set(commands) == {s for f in registry.families() for s in f.skills}
 
 
 def test_command_line_model_decides_the_family(tmp_path):

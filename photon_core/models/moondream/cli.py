@@ -1,4 +1,8 @@
-"""`python -m photon_core {detect,point,caption,query} IMAGE ... --model PATH_OR_ID`, results as JSON."""
+"""`python -m photon_core {detect,point,caption,query,segment} IMAGE ... --model PATH_OR_ID`, results as JSON.
+
+The vision commands of every family: each loads whatever `--model` names through the registry
+(photon_core.load(path, skills=(command,))), so any family with the skill serves it (Moondream 2
+and 3 detect and point, Gemma 4 and Qwen 3.5 caption and answer too, Moondream 3 segments)."""
 from __future__ import annotations
 
 import argparse
@@ -19,11 +23,13 @@ def _read_image(path: str) -> np.ndarray:
 
 
 def draw(image: np.ndarray, result: dict, label: str, out_path: str) -> None:
-    """Boxes and points (normalised coordinates) drawn on the RGB image, written to out_path."""
+    """Boxes and points (normalised coordinates), or a segment's mask, drawn on the RGB image,
+    written to out_path."""
     import cv2
 
     from photon_core.draw import draw_results
-    canvas = draw_results(image, {label: result.get("objects", [])}, {label: result.get("points", [])})
+    segments = {label: result} if "path" in result else {}
+    canvas = draw_results(image, {label: result.get("objects", [])}, {label: result.get("points", [])}, segments)
     if not cv2.imwrite(out_path, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR)):
         raise SystemExit(f"cannot write {out_path}")
 
@@ -42,6 +48,8 @@ def _run(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     if args.command in ("detect", "point"):
         result = getattr(model, args.command)(image, args.object, max_objects=args.max_objects)
+    elif args.command == "segment":
+        result = model.segment(image, args.object, max_tokens=args.max_tokens)
     elif args.command == "caption":
         result = model.caption(image, length=args.length, max_tokens=args.max_tokens,
                                temperature=args.temperature, top_p=args.top_p)
@@ -58,22 +66,30 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_commands(subparsers) -> None:
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser, model: str = "moondream2") -> None:
         p.add_argument("image", help="image file (any format PIL reads)")
-        p.add_argument("--model", default="moondream2",
-                       help="checkpoint folder or file, or a model id in the Hugging Face cache (default moondream2)")
+        p.add_argument("--model", default=model,
+                       help=f"checkpoint folder or file, or a model id in the Hugging Face cache (default {model})")
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
         p.set_defaults(run=_run)
 
+    # The families with each skill are listed under the commands (--help's epilog).
     for name, what in (("detect", "bounding boxes"), ("point", "points")):
-        p = subparsers.add_parser(name, help=f"Moondream: {what} of an object, as JSON")
+        p = subparsers.add_parser(name, help=f"{what} of an object, as JSON")
         common(p)
         p.add_argument("object", help='what to look for, e.g. "cup"')
         p.add_argument("--max-objects", type=int, default=50)
         p.add_argument("--draw", metavar="OUT.png", help="also write the image with the results drawn")
+    p = subparsers.add_parser("segment", help="outline of an object (SVG path in its box's unit square, "
+                                              "and the box), as JSON")
+    common(p, model="moondream3.1-9B-A2B")
+    p.add_argument("object", help='what to outline, e.g. "cup"')
+    p.add_argument("--max-tokens", type=int, default=768)
+    p.add_argument("--draw", metavar="OUT.png",
+                   help="also write the image with the mask filled (semi-transparent) and its border drawn")
     for name in ("caption", "query"):
-        p = subparsers.add_parser(name, help=f"Moondream: {name} an image, as JSON")
+        p = subparsers.add_parser(name, help=f"{name} an image, as JSON")
         common(p)
         if name == "query":
             p.add_argument("question")

@@ -56,8 +56,7 @@ FAMILY = Family(
               "coordinate_head) in safetensors or model_fp8.pt",
     recognise=recognise,
     load=_load,
-    # Moondream 2's detect/point/caption/query commands load any family's checkpoint; there is no
-    # `segment` command yet.
+    # The vision commands (detect, point, caption, query, segment) load any family's checkpoint.
     cli="photon_core.models.moondream.cli",
     refuse=refuse,
     places=places,

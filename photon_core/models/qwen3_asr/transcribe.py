@@ -44,7 +44,11 @@ class Qwen3ASRSpeech:
     """A loaded Qwen3-ASR model. Calls must be serialized (one KV cache per call)."""
 
     def __init__(self, folder: str | Path, model_id: str = "", device: str = "cpu",
-                 dtype: torch.dtype | str | None = None, ops: ModuleType = reference) -> None:
+                 dtype: torch.dtype | str | None = None, ops: ModuleType = reference,
+                 tiling: Any = None, max_len: int | None = None) -> None:
+        """ops: the per-op backend; the megakernel backend also decodes each token as one launch
+        of the compiled step (megakernel_decode.py), with `tiling` (megakernel.compiler.Tiling,
+        None = its default) and a context of `max_len` positions (None = DEFAULT_MAX_LEN)."""
         folder = Path(folder)
         self.folder = folder
         self.device = torch.device(device)
@@ -57,6 +61,14 @@ class Qwen3ASRSpeech:
         self.decoder = TextDecoder(sd, self.config.text, ops, self.device, self.dtype)
         self.model_id = model_id or folder.name
         self.gate_options = GateOptions()
+        self.megakernel = None
+        if getattr(ops, "NAME", "") == "megakernel":
+            from photon_core.megakernel.compiler import Tiling
+
+            from .megakernel_decode import MegakernelDecode
+            self.megakernel = MegakernelDecode(self.decoder, sd, tiling or Tiling(), max_len)
+        elif tiling is not None or max_len is not None:
+            raise ValueError("tiling and max_len apply to the megakernel backend only")
 
     # ---------------------------------------------------------------- the pieces, public for tests
 
@@ -88,6 +100,8 @@ class Qwen3ASRSpeech:
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of several prompts' embeddings at once (one cache row each) until each
         emits a stop token or `max_new_tokens`; the ids, stop token excluded."""
+        if self.megakernel is not None:
+            return self.megakernel.generate(prompts, max_new_tokens, self.config.eos_token_ids)
         dec, ops = self.decoder, self.ops
         stop = torch.tensor(self.config.eos_token_ids, device=self.device)
         capacity = max(p.shape[0] for p in prompts) + max_new_tokens
@@ -188,14 +202,16 @@ class Qwen3ASRSpeech:
 
 
 def load_qwen3_asr(path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                   ops: ModuleType | None = None, backend: str = "auto") -> Qwen3ASRSpeech:
+                   ops: ModuleType | None = None, backend: str = "auto", tiling: Any = None,
+                   max_len: int | None = None) -> Qwen3ASRSpeech:
     """Load Qwen3-ASR from a checkpoint folder (config.json, model*.safetensors, tokenizer.json,
-    chat template). backend: "reference", "triton" or "auto"; `ops` overrides it. The megakernel
-    backend runs here per-op (its decode-step graph for this family is not written yet)."""
+    chat template). backend: "reference", "triton", "megakernel" or "auto"; `ops` overrides it.
+    With the megakernel, the encoder and prefill run on its per-op kernels and every decoded token
+    is one launch of the compiled step (`tiling`, context `max_len`: see Qwen3ASRSpeech)."""
     from photon_core.backends.select import get_backend
 
     chosen = ops or get_backend(backend, device)
-    return Qwen3ASRSpeech(path, device=device, dtype=dtype, ops=chosen)
+    return Qwen3ASRSpeech(path, device=device, dtype=dtype, ops=chosen, tiling=tiling, max_len=max_len)
 
 
 __all__ = ["Qwen3ASRSpeech", "load_qwen3_asr"]

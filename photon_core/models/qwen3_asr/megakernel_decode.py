@@ -1,0 +1,129 @@
+"""Qwen3-ASR's greedy decode on the megakernel: the audio encoder and each prompt's prefill run on
+the model's per-op ops (the megakernel backend's Triton kernels); every following token of every
+utterance is one launch of the compiled decode step (decoder_step.py).
+
+Utterances step together: up to 8 take rows of the smallest batch bucket (1, 2, 4, 8) that holds
+them (more are decoded 8 at a time: greedy rows are independent). Each prompt is prefilled alone
+into a temporary per-op cache, whose K/V are copied into its row of the bucket's caches; the
+prefill's last logits give the first token. The step's argmax advances each row's token and
+position on the device, so the host only reads the tokens to see the stop tokens. Padding rows
+decode a placeholder from position 0 of their own row.
+
+One call at a time per model: each bucket's state (KV caches, activations) is one arena.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from photon_core.megakernel.compiler import Tiling
+from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
+
+from .decoder import TextDecoder
+from .decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights
+
+# The megakernel's caches are fp32 per bucket row: 2 x layers x kv_heads x head_dim x 4 bytes a
+# position (229 KB for the 0.6B and 1.7B), so the default context is what a speech segment needs
+# (about 80 s of audio with its transcript), not the model's 65536 positions.
+DEFAULT_MAX_LEN = 2048
+
+
+class MegakernelDecode:
+    """The compiled decode steps of one Qwen3ASRSpeech: one per batch bucket, built on first use,
+    all streaming one shared copy of the weights."""
+
+    def __init__(self, decoder: TextDecoder, sd: dict[str, torch.Tensor], tiling: Tiling = Tiling(),
+                 max_len: int | None = None, weight_dtype: torch.dtype | None = None) -> None:
+        """sd: the checkpoint's schema-named tensors; max_len: the caches' context (prompt plus
+        generated tokens); weight_dtype: what each step streams (math is fp32), None = the model's."""
+        cfg = decoder.cfg
+        self.decoder, self.device, self.tiling = decoder, decoder.device, tiling
+        self.max_len = min(max_len or DEFAULT_MAX_LEN, cfg.max_positions)
+        if self.max_len < 2:
+            raise ValueError(f"max_len {self.max_len} leaves no room to decode")
+        self.weight_dtype = weight_dtype or decoder.dtype
+        if self.weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {self.weight_dtype}")
+        # Tied exactly when the per-op decoder ties them (decoder.TextDecoder).
+        tied = cfg.tie_embeddings or "lm_head.weight" not in sd
+        self.dims = Dims.of(cfg, tied)
+        self._weights = gather_weights(sd, self.dims, self.max_len, self.device)
+        self._steps: dict[int, Qwen3ASRDecoderMegakernel] = {}
+        self._busy = threading.Lock()
+
+    def step(self, batch: int = 1) -> Qwen3ASRDecoderMegakernel:
+        """The compiled step of one batch bucket (every bucket shares the first one's weights)."""
+        if batch not in self._steps:
+            shared = next(iter(self._steps.values())).weights if self._steps else None
+            self._steps[batch] = Qwen3ASRDecoderMegakernel(
+                self._weights, self.dims, batch, self.max_len, self.tiling, self.weight_dtype,
+                shared_weights=shared)
+        return self._steps[batch]
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                 stop: Sequence[int]) -> list[list[int]]:
+        """Qwen3ASRSpeech.generate's contract: greedy ids of each prompt's embeddings [T, hidden]
+        until a stop token (excluded) or `max_new_tokens`."""
+        if not prompts:
+            return []
+        if len(prompts) > BATCH_BUCKETS[-1]:
+            n = BATCH_BUCKETS[-1]
+            return self.generate(prompts[:n], max_new_tokens, stop) + self.generate(prompts[n:], max_new_tokens, stop)
+        longest = max(p.shape[0] for p in prompts)
+        if longest + max_new_tokens > self.max_len:
+            raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the megakernel's "
+                             f"context of {self.max_len} positions; load with a larger max_len or shorter audio")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("a Qwen3-ASR model on the megakernel decodes one call at a time (its arenas)")
+        try:
+            return self._generate(prompts, max_new_tokens, set(stop))
+        finally:
+            self._busy.release()
+
+    def start(self, prompts: Sequence[torch.Tensor]) -> tuple[Qwen3ASRDecoderMegakernel, list[int]]:
+        """Prefill each prompt (per-op) into its row of the smallest bucket that holds them and
+        set the step: each row's first token (the prefill's argmax) at its prompt length. Returns
+        the bucket's step and the first tokens."""
+        dec, n = self.decoder, len(prompts)
+        mk = self.step(bucket_for(n))
+        kc, vc = mk.view("kcache"), mk.view("vcache")
+        first, lengths = [], []
+        for row, embeds in enumerate(prompts):
+            t = embeds.shape[0]
+            if t >= self.max_len:
+                raise ValueError(f"a prompt of {t} tokens leaves no room in the megakernel's context ({self.max_len})")
+            tmp = dec.new_cache(1, t)
+            hidden = dec.prefill(embeds, tmp, 0)
+            first.append(int(dec.ops.argmax(dec.logits(hidden[-1:]))[0]))
+            for i in range(self.dims.layers):
+                kc[i, row, :, :t] = tmp.k[i][0].float()
+                vc[i, row, :, :t] = tmp.v[i][0].float()
+            lengths.append(t)
+        pad = mk.batch - n
+        mk.set_step(first + [0] * pad, lengths + [0] * pad)
+        return mk, first
+
+    def _generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int, stop: set[int]) -> list[list[int]]:
+        n = len(prompts)
+        mk, first = self.start(prompts)
+        tokens = first
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * n
+        for step in range(max_new_tokens):
+            for row, tok in enumerate(tokens):
+                done[row] = done[row] or tok in stop
+                if not done[row]:
+                    out[row].append(tok)
+            if all(done) or step == max_new_tokens - 1:
+                break
+            mk.launch()
+            tokens = mk.result("token")[:n].tolist()
+            if min(tokens) < 0:   # checked above; the device's own range check says the same
+                raise RuntimeError(f"a row reached the end of the megakernel's context ({self.max_len})")
+        return out
+
+
+__all__ = ["MegakernelDecode", "DEFAULT_MAX_LEN"]
