@@ -1,4 +1,5 @@
-"""photon_core: the inference engine (Moondream and Whisper), importable without ROS.
+"""photon_core: the inference engine, importable without ROS. Families (photon_core.registry):
+Moondream 2 and 3.1, Qwen 3.5, Gemma 4 (vision), Whisper, Parakeet TDT, Qwen3-ASR (speech).
 
     import photon_core
     speech = photon_core.load("whisper-tiny.en")
@@ -6,6 +7,7 @@
     vision = photon_core.load("vikhyatk/moondream2")
     vision.detect(image, "cup")                      # {"objects": [{x_min, y_min, x_max, y_max}]}
     vision.point(image, "cup"); vision.caption(image); vision.query(image, "what is this?")
+    photon_core.load(PATH_TO_MOONDREAM3).segment(image, "cup")   # {"path": SVG path, "bbox": {...}}
 """
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ from typing import Any
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str = "auto",
          skills: Iterable[str] = ()) -> Any:
     """A loaded model with the skills of its family, the family being recognised from the
-    checkpoint's files (photon_core.registry): Whisper (transcribe) or Moondream (detect, point,
-    caption, query). model: a local path, a package-provided name ("whisper-tiny.en") or a
+    checkpoint's files (photon_core.registry.families(): each declares its skills). model: a local path, a package-provided name ("whisper-tiny.en") or a
     Hugging Face id in the local cache. backend: "reference", "triton", "megakernel" or "auto"
     (reference on CPU, megakernel on CUDA; see photon_core.backends.select). skills: what the
     caller needs; registry.MissingSkills, before any weights are read, if the family lacks one."""

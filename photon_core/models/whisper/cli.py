@@ -27,10 +27,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("transcribe", help="speech to text with Whisper (JSON output)")
+    p = subparsers.add_parser("transcribe", help="speech to text (JSON output) with any transcribing family: Whisper, Parakeet, Qwen3-ASR")
     p.add_argument("file", help="audio file (WAV PCM 8/16/32-bit; more with soundfile)")
     p.add_argument("--model", default="whisper-tiny.en",
-                   help="model name, local path, or Hugging Face id in the local cache")
+                   help="model name, local path (folder, .nemo, ...), or Hugging Face id in the local cache")
     p.add_argument("--language", default=None, help="language code (default: detect / en)")
     p.add_argument("--no-timestamps", action="store_true", help="decode without timestamps")
     p.add_argument("--initial-prompt", default=None, help="text to condition the first window on")
