@@ -23,8 +23,13 @@ class EncodedImage:
 
 
 class Qwen35Model:
+    """Qwen 3.5 on one ops backend. With the megakernel backend, `decode` (megakernel_decode.py)
+    runs every decode step as one launch of the compiled step graph; prefill and the vision encoder
+    stay on the per-op kernels. Results are the same."""
+
     def __init__(self, folder: Path, cfg: Qwen35Config, state: dict[str, torch.Tensor], prompts: prompt.Prompts,
-                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str) -> None:
+                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str, tiling: Any = None,
+                 max_len: int | None = None) -> None:
         self.config, self.prompts, self.ops = cfg, prompts, ops
         self.device, self.dtype, self.model_id = device, dtype, model_id
         self.text_w = text.TextWeights(state, cfg.text)
@@ -32,6 +37,12 @@ class Qwen35Model:
         self.preprocess = vision.Preprocess.from_folder(folder, cfg.vision) if cfg.vision else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
+        self.decode = None
+        if getattr(ops, "NAME", "") == "megakernel":
+            from photon_core.megakernel.compiler import Tiling
+
+            from .megakernel_decode import MegakernelDecode
+            self.decode = MegakernelDecode(self, tiling or Tiling(), max_len)
 
     # ------------------------------------------------------------------ model pieces
 
@@ -85,6 +96,8 @@ class Qwen35Model:
 
     def step(self, ids: torch.Tensor, state: text.DecodeState) -> torch.Tensor:
         """One decode step for every row: ids [B, 1] -> logits [B, V]."""
+        if self.decode is not None:
+            return self.decode.step(ids, state)
         with torch.no_grad():
             h = text.decode(text.embed(ids, self.text_w), state, self.text_w, self.config.text, self.ops)
             return text.logits(h[:, 0], self.text_w, self.ops)
@@ -138,8 +151,11 @@ def _caption_question(length: str) -> str:
 
 
 def load_qwen3_5(path: str | Path, device: str | torch.device = "cpu", dtype: Any = "float32",
-                 backend: Any = None, model_id: str | None = None) -> Qwen35Model:
-    """A Qwen 3.5 checkpoint folder (config.json, safetensors shards, tokenizer.json, chat template)."""
+                 backend: Any = None, model_id: str | None = None, tiling: Any = None,
+                 max_len: int | None = None) -> Qwen35Model:
+    """A Qwen 3.5 checkpoint folder (config.json, safetensors shards, tokenizer.json, chat template).
+    With the megakernel backend: `tiling` (megakernel.compiler.Tiling) and `max_len` (positions the
+    compiled decode caches hold) shape the compiled decode steps."""
     from photon_core.backends import reference
 
     folder = Path(path)
@@ -154,4 +170,4 @@ def load_qwen3_5(path: str | Path, device: str | torch.device = "cpu", dtype: An
     eos = (raw.get("text_config") or raw).get("eos_token_id")
     prompts = prompt.Prompts(folder, eos)
     return Qwen35Model(folder, cfg, state, prompts, backend or reference, device, dtype,
-                       model_id or folder.name)
+                       model_id or folder.name, tiling, max_len)
