@@ -41,8 +41,8 @@ def places(name: str) -> list[str]:
 def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
     from photon_core.backends.select import get_backend
 
-    # The megakernel module also carries every per-op kernel: without a Gemma 4 step graph yet,
-    # each decode step runs per op there.
+    # The megakernel module also carries every per-op kernel (vision, prefill); the model then
+    # decodes each token through its compiled step graph (megakernel_decode.py).
     ops = get_backend(backend, device)
     return load_gemma4(checkpoint.path, device=device, dtype=dtype if dtype is not None else "float32", backend=ops)
 

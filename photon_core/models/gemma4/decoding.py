@@ -1,9 +1,11 @@
 """Decoding rows of Gemma 4 text together: each row is one request (its prompt, optional image soft
 tokens, limits and sampling), prefilled on its own, then joined into one batch cache where every
-decode step is one batched forward for all rows still going."""
+decode step is one batched forward for all rows still going (a stepper: OpsStepper here, or on
+the megakernel backend megakernel_decode.MegakernelStepper, one launch of the compiled step)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,10 +55,11 @@ class BatchDecoder:
         self.allowed = torch.ones(cfg.vocab_size, dtype=torch.bool, device=model.device)
         self.allowed[list(model.config.placeholder_ids)] = False
 
-    def _choose(self, r: Row, logits: torch.Tensor) -> int:
+    def _choose(self, r: Row, logits: torch.Tensor, greedy: int | None = None) -> int:
+        """`greedy`: the row's argmax already taken (the megakernel's, under the same bar)."""
         ops = self.model.ops
         if r.temperature == 0:
-            return int(ops.argmax(logits, self.allowed))
+            return greedy if greedy is not None else int(ops.argmax(logits, self.allowed))
         masked = logits.float().masked_fill(~self.allowed, float("-inf"))
         u = torch.rand(1, generator=self.gen).to(logits.device)
         return int(ops.sample(masked[None], r.temperature, r.top_p, u)[0])
@@ -71,34 +74,63 @@ class BatchDecoder:
             r.done = True
         return True
 
+    def _stepper(self) -> "OpsStepper":
+        fm = getattr(self.model, "decode", None)
+        if fm is not None and fm.fits(len(self.rows), self.max_len):
+            from .megakernel_decode import MegakernelStepper
+            return MegakernelStepper(fm, len(self.rows), self.max_len)
+        return OpsStepper(self.model, len(self.rows), self.max_len)
+
     def run(self) -> Iterator[list[int | None]]:
         """Yields, per decode round, each row's new token (None where the row produced nothing)."""
+        fm = getattr(self.model, "decode", None)
+        with fm.exclusive() if fm is not None else nullcontext():
+            yield from self._run(self._stepper())
+
+    def _run(self, stepper: "OpsStepper") -> Iterator[list[int | None]]:
         m = self.model
-        cache = text.KVCache(m.config.text, len(self.rows), self.max_len, m.dtype, m.device)
         last = []
         for b, r in enumerate(self.rows):
-            one = text.KVCache(m.config.text, 1, self.max_len, m.dtype, m.device)
-            last.append(m.prefill(r.prompt, r.image, one)[0])
-            cache.copy_row(b, one)
+            last.append(stepper.prefill(b, r))
             if r.max_tokens == 0:
                 r.done = True
-        logits = torch.stack(last)
+        logits, greedy = torch.stack(last), None
         while True:
             new: list[int | None] = []
             for b, r in enumerate(self.rows):
-                new.append(self._choose(r, logits[b]) if not r.done else None)
+                new.append(self._choose(r, logits[b], None if greedy is None else greedy[b]) if not r.done else None)
                 if new[-1] is not None and not self._accept(r, new[-1]):
                     new[-1] = None
             if any(t is not None for t in new):
                 yield new
             if all(r.done for r in self.rows):
                 return
-            ids = torch.tensor([[t if t is not None else m.config.text.pad_id] for t in new], device=m.device)
-            pos = torch.tensor([min(r.pos, self.max_len - 1) for r in self.rows], device=m.device)
-            logits = m.step(ids, pos, cache)
+            ids = [t if t is not None else m.config.text.pad_id for t in new]
+            logits, greedy = stepper.step(ids, [min(r.pos, self.max_len - 1) for r in self.rows])
             for r in self.rows:
                 if not r.done:
                     r.pos += 1
+
+
+class OpsStepper:
+    """The per-op decode: each row prefilled on its own cache, then joined into one batch cache
+    where each step is one batched forward of the model's ops."""
+
+    def __init__(self, model: "Gemma4Model", rows: int, max_len: int) -> None:
+        self.model, self.max_len = model, max_len
+        self.cache = text.KVCache(model.config.text, rows, max_len, model.dtype, model.device)
+
+    def prefill(self, b: int, row: Row) -> torch.Tensor:
+        """Row b's prompt: logits [vocab] after it."""
+        m = self.model
+        one = text.KVCache(m.config.text, 1, self.max_len, m.dtype, m.device)
+        logits = m.prefill(row.prompt, row.image, one)[0]
+        self.cache.copy_row(b, one)
+        return logits
+
+    def step(self, ids: list[int], pos: list[int]) -> tuple[torch.Tensor, None]:
+        m = self.model
+        return m.step(torch.tensor(ids, device=m.device)[:, None], torch.tensor(pos, device=m.device), self.cache), None
 
 
 def text_pieces(decode, tokens: Iterator[int]) -> Iterator[str]:

@@ -36,10 +36,18 @@ class Gemma4Model:
 
     def __init__(self, config: Gemma4Config, state: dict[str, torch.Tensor], prompter: Gemma4Prompter,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str,
-                 eos_ids: tuple[int, ...]) -> None:
+                 eos_ids: tuple[int, ...], tiling: Any = None, max_len: int | None = None) -> None:
+        """With the megakernel backend, `decode` holds the compiled decode steps (tiling, context
+        `max_len`: megakernel_decode.py) and every decode step is one launch; otherwise None."""
         self.config, self.w, self.prompter, self.ops = config, state, prompter, ops
         self.device, self.dtype, self.model_id, self.eos_ids = device, dtype, model_id, frozenset(eos_ids)
         self.rotary = text.Rotary(config.text, device)
+        self.decode = None
+        if getattr(ops, "NAME", "") == "megakernel":
+            from photon_core.megakernel.compiler import Tiling
+
+            from .megakernel_decode import MegakernelDecode
+            self.decode = MegakernelDecode(self, tiling or Tiling(), max_len)
 
     # -- image -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -145,8 +153,11 @@ class Gemma4Model:
                 encoded[id(r.image)] = self.encode_image(r.image)
             image = None if r.image is None else encoded[id(r.image)]
             rows.append(self._row(image, question, r.max_tokens, r.temperature, r.top_p))
-        for _ in BatchDecoder(self, rows, seed).run():
-            pass
+        # The compiled step holds up to 8 rows; larger batches go through it 8 rows at a time.
+        size = self.decode.max_rows if self.decode is not None else len(rows)
+        for i in range(0, len(rows), size):
+            for _ in BatchDecoder(self, rows[i:i + size], None if seed is None else seed + i).run():
+                pass
         key = {"caption": "caption", "query": "answer"}
         return [{key[r.task]: self.prompter.decode(row.tokens)} for r, row in zip(requests, rows)]
 
@@ -170,8 +181,10 @@ def _eos_ids(folder: Path, cfg: Gemma4Config) -> tuple[int, ...]:
 
 
 def load_gemma4(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
-                backend: Any = None, model_id: str | None = None) -> Gemma4Model:
-    """A Gemma 4 checkpoint folder (config.json, safetensors, tokenizer.json, chat template)."""
+                backend: Any = None, model_id: str | None = None, tiling: Any = None,
+                max_len: int | None = None) -> Gemma4Model:
+    """A Gemma 4 checkpoint folder (config.json, safetensors, tokenizer.json, chat template).
+    tiling / max_len: the megakernel backend's compiled decode step (ignored on other backends)."""
     if backend is None:
         from photon_core.backends import reference as backend
     folder = Path(path)
@@ -183,4 +196,5 @@ def load_gemma4(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     dtype, device = parse_dtype(dtype), torch.device(device)
     prompter = Gemma4Prompter(folder, cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id)
     state = weights_io.load_state(folder, cfg, dtype, device)
-    return Gemma4Model(cfg, state, prompter, backend, device, dtype, model_id or folder.name, _eos_ids(folder, cfg))
+    return Gemma4Model(cfg, state, prompter, backend, device, dtype, model_id or folder.name, _eos_ids(folder, cfg),
+                       tiling, max_len)
