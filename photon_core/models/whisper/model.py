@@ -12,7 +12,9 @@ preallocated self-attention cache; cross-attention K/V are computed once per aud
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -26,6 +28,38 @@ from .config import WhisperDims
 class _Linear:
     weight: torch.Tensor
     bias: torch.Tensor | None
+    int8: object | None = None      # packed int8 weights (quantize_int8), used instead when set
+
+
+# Activations are quantized to 7 bits where the CPU lacks VNNI (fbgemm's u8 x s8 pair products
+# then cannot saturate the 16-bit intermediate of AVX2's vpmaddubsw), to 8 bits with VNNI.
+REDUCE_RANGE = "vnni" not in open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else True
+
+
+def quantize_int8_(w: _Linear) -> None:
+    """Pack w for torch's dynamic-int8 linear (fbgemm/onednn on x86): weights int8 per output
+    channel (symmetric), activations quantized per call. CPU only."""
+    scale = (w.weight.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    with warnings.catch_warnings():   # quantized tensors are deprecated upstream; pinned torch has them
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w.weight.float(), scale, torch.zeros_like(scale, dtype=torch.long), 0,
+                                       torch.qint8)
+    w.int8 = torch.ops.quantized.linear_prepack(q, None if w.bias is None else w.bias.float())
+
+
+def linear(ops: ModuleType, x: torch.Tensor, w: _Linear, activation: str | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.linear, or the int8 product where the weights were quantized."""
+    packed = getattr(w, "int8", None)
+    if packed is None:
+        return ops.linear(x, w.weight, w.bias, activation=activation, residual=residual)
+    y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]).float().contiguous(), packed, REDUCE_RANGE)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    if activation == "gelu":
+        y = torch.nn.functional.gelu(y)
+    elif activation is not None:
+        raise ValueError(f"int8 linear: activation {activation!r}")
+    return y if residual is None else y + residual
 
 
 @dataclass
@@ -97,6 +131,19 @@ class WhisperWeights:
         self.dec_pos = t("decoder.positional_embedding")
         self.dec_blocks = [block(f"decoder.blocks.{i}", True) for i in range(dims.n_text_layer)]
         self.dec_ln = norm("decoder.ln")
+        self.lm_head = _Linear(self.tok_emb, None)   # the tied output projection, for int8 packing
+
+    def quantize_int8(self, encoder: bool = True, decoder: bool = True) -> None:
+        """Dynamic-int8 products (CPU) for the encoder's and/or the decoder's linears (decoder: the
+        tied LM head included). Accuracy is judged on the broad speech set (bench/speech.py)."""
+        blocks = (self.enc_blocks if encoder else []) + (self.dec_blocks if decoder else [])
+        layers = [self.conv1, self.conv2] if encoder else []
+        layers += [getattr(b, f) for b in blocks for f in ("qkv", "attn_out", "fc1", "fc2", "cross_q", "cross_kv",
+                                                           "cross_out") if getattr(b, f) is not None]
+        if decoder:
+            layers.append(self.lm_head)
+        for w in layers:
+            quantize_int8_(w)
 
 
 def _conv_as_linear(ops: ModuleType, x: torch.Tensor, w: _Linear, stride: int) -> torch.Tensor:
@@ -106,7 +153,7 @@ def _conv_as_linear(ops: ModuleType, x: torch.Tensor, w: _Linear, stride: int) -
     took ~4x longer for conv2: 8 ms of the encoder's ~300 ms, now 2 ms); the values are the same."""
     x = torch.nn.functional.pad(x, (0, 0, 1, 1))       # pad time by one frame on each side
     cols = x.unfold(1, 3, stride).flatten(2)           # [B, T', C*3], matches weight [out, C, 3]
-    return ops.linear(cols, w.weight, w.bias, activation="gelu")
+    return linear(ops, cols, w, activation="gelu")
 
 
 def _heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -139,13 +186,13 @@ class WhisperNet:
         x = x + w.enc_pos
         for b in w.enc_blocks:
             h = ops.layer_norm(x, b.attn_ln.weight, b.attn_ln.bias)
-            q, k, v = ops.linear(h, b.qkv.weight, b.qkv.bias).chunk(3, dim=-1)
+            q, k, v = linear(ops, h, b.qkv).chunk(3, dim=-1)
             a = ops.attention(_heads(q, d.n_audio_head), _heads(k, d.n_audio_head),
                               _heads(v, d.n_audio_head))
-            x = ops.linear(_merge(a), b.attn_out.weight, b.attn_out.bias, residual=x)
+            x = linear(ops, _merge(a), b.attn_out, residual=x)
             h = ops.layer_norm(x, b.mlp_ln.weight, b.mlp_ln.bias)
-            h = ops.linear(h, b.fc1.weight, b.fc1.bias, activation="gelu")
-            x = ops.linear(h, b.fc2.weight, b.fc2.bias, residual=x)
+            h = linear(ops, h, b.fc1, activation="gelu")
+            x = linear(ops, h, b.fc2, residual=x)
         return ops.layer_norm(x, w.enc_ln.weight, w.enc_ln.bias)
 
     def cross_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -155,7 +202,7 @@ class WhisperNet:
         features = features.to(w.tok_emb.dtype)
         cross = []
         for b in w.dec_blocks:
-            k, v = self.ops.linear(features, b.cross_kv.weight, b.cross_kv.bias).chunk(2, dim=-1)
+            k, v = linear(self.ops, features, b.cross_kv).chunk(2, dim=-1)
             cross.append((_heads(k, d.n_text_head).contiguous(),
                           _heads(v, d.n_text_head).contiguous()))
         return cross
@@ -180,25 +227,25 @@ class WhisperNet:
         x = w.tok_emb[tokens] + w.dec_pos[offset:end]
         for i, b in enumerate(w.dec_blocks):
             h = ops.layer_norm(x, b.attn_ln.weight, b.attn_ln.bias)
-            q, k, v = ops.linear(h, b.qkv.weight, b.qkv.bias).chunk(3, dim=-1)
+            q, k, v = linear(ops, h, b.qkv).chunk(3, dim=-1)
             cache.k[i, :, :, offset:end] = _heads(k, d.n_text_head)
             cache.v[i, :, :, offset:end] = _heads(v, d.n_text_head)
             a = ops.attention(_heads(q, d.n_text_head), cache.k[i, :, :, :end],
                               cache.v[i, :, :, :end], causal=n > 1)
-            x = ops.linear(_merge(a), b.attn_out.weight, b.attn_out.bias, residual=x)
+            x = linear(ops, _merge(a), b.attn_out, residual=x)
             h = ops.layer_norm(x, b.cross_ln.weight, b.cross_ln.bias)
-            q = ops.linear(h, b.cross_q.weight, b.cross_q.bias)
+            q = linear(ops, h, b.cross_q)
             ck, cv = cache.cross[i]
             a = ops.attention(_heads(q, d.n_text_head), ck, cv)
-            x = ops.linear(_merge(a), b.cross_out.weight, b.cross_out.bias, residual=x)
+            x = linear(ops, _merge(a), b.cross_out, residual=x)
             h = ops.layer_norm(x, b.mlp_ln.weight, b.mlp_ln.bias)
-            h = ops.linear(h, b.fc1.weight, b.fc1.bias, activation="gelu")
-            x = ops.linear(h, b.fc2.weight, b.fc2.bias, residual=x)
+            h = linear(ops, h, b.fc1, activation="gelu")
+            x = linear(ops, h, b.fc2, residual=x)
         return ops.layer_norm(x, w.dec_ln.weight, w.dec_ln.bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) through the tied token embedding."""
-        return self.ops.linear(hidden, self.w.tok_emb).float()
+        return linear(self.ops, hidden, self.w.lm_head).float()
 
 
 @dataclass

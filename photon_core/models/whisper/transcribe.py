@@ -57,6 +57,27 @@ def pick_encoder_dtype(device: torch.device, dtype: torch.dtype | str | None) ->
     return dtype
 
 
+QUANTIZE = (None, "int8-decoder", "int8")
+# The CPU default. A faster path is the default only where its WER on the broad speech set stays
+# within 0.5 points of float32's (bench/speech.py, 84 utterances, whisper tiny.en, AVX-512 CPU,
+# 2026-12-01): int8 decoder linears 0.270 vs float32 0.297 (passes); int8 encoder too 0.309 (fails).
+CPU_DEFAULT_QUANTIZE: str | None = "int8-decoder"
+
+
+def pick_quantize(device: torch.device, dtype: torch.dtype | str | None, ops: ModuleType,
+                  quantize: str | None) -> str | None:
+    """Which linears run as dynamic-int8 products: None, "int8-decoder" or "int8" (encoder too).
+    "auto": the CPU default on the reference backend when no dtype was asked for; an explicit dtype
+    (dtype="float32": the exact path, token-identical to openai-whisper) turns it off."""
+    if quantize == "auto":
+        return CPU_DEFAULT_QUANTIZE if device.type == "cpu" and dtype is None and ops is reference else None
+    if quantize not in QUANTIZE:
+        raise ValueError(f"unknown quantize {quantize!r}; use one of {QUANTIZE} or 'auto'")
+    if quantize is not None and (device.type != "cpu" or ops is not reference):
+        raise ValueError("int8 linears are a CPU path of the reference backend")
+    return quantize
+
+
 def _limit_threads() -> None:
     """Never use more threads than CPUs this process may run on (containers, taskset)."""
     try:
@@ -102,7 +123,8 @@ class WhisperSpeech:
     only if calls are serialized (it owns per-call state only, but shares torch threads)."""
 
     def __init__(self, checkpoint: WhisperCheckpoint, model_id: str, device: str = "cpu",
-                 dtype: torch.dtype | str | None = None, ops: ModuleType = reference):
+                 dtype: torch.dtype | str | None = None, ops: ModuleType = reference,
+                 quantize: str | None = "auto"):
         self.device = torch.device(device)
         self.dims = WhisperDims.from_state_dict(checkpoint.state_dict, checkpoint.n_audio_head,
                                                 checkpoint.n_text_head)
@@ -125,6 +147,9 @@ class WhisperSpeech:
             self.decoder_threads = min(torch.get_num_threads(),
                                        max(1, self.dims.n_text_state // 512))
         self.net = WhisperNet(WhisperWeights(checkpoint.state_dict, self.dims, self.device), ops)
+        self.quantize = pick_quantize(self.device, dtype, ops, quantize)
+        if self.quantize is not None:
+            self.net.w.quantize_int8(encoder=self.quantize == "int8", decoder=True)
         self.input_stride = N_FRAMES // self.dims.n_audio_ctx
         self.time_precision = self.input_stride * HOP_LENGTH / SAMPLE_RATE
         self.decoder = WindowDecoder(self.net, self.tokenizer, self.time_precision)
@@ -236,12 +261,14 @@ class WhisperSpeech:
 
 def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
                  dtype: torch.dtype | str | None = None,
-                 ops: ModuleType | None = None, backend: str = "auto") -> WhisperSpeech:
+                 ops: ModuleType | None = None, backend: str = "auto", quantize: str | None = "auto") -> WhisperSpeech:
     """Load Whisper from a local path, an installed weights package or the local HF cache.
 
     dtype: None picks the encoder precision for the device (float16 on CUDA, float32 on CPUs: the
     bf16 autocast, fast on CPUs with AMX/AVX512-BF16, costs WER on the broad set and must be asked
     for); float32 is the exact reference. The decoder always runs in float32.
+    quantize: "auto" (CPU_DEFAULT_QUANTIZE on the CPU reference path when dtype is None), None,
+    "int8-decoder" or "int8" (dynamic-int8 linears: decoder, or encoder and decoder).
     backend: "reference" (PyTorch), "triton" (per-op kernels; each generated token's step is one
     CUDA-graph replay on GPU), "megakernel" (per-op kernels for the encoder and prompt, one
     persistent launch per generated token) or "auto" (by device, see
@@ -252,7 +279,8 @@ def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
     chosen = ops or get_backend(backend, device)
     resolved = resolve_whisper(model)
     checkpoint = load_checkpoint_file(resolved.path)
-    speech = WhisperSpeech(checkpoint, resolved.model_id or "", device=device, dtype=dtype, ops=chosen)
+    speech = WhisperSpeech(checkpoint, resolved.model_id or "", device=device, dtype=dtype, ops=chosen,
+                           quantize=quantize)
     if ops is None and getattr(chosen, "NAME", "") == "megakernel":
         from .megakernel_steps import MegakernelSteps
         speech.decoder.steps = MegakernelSteps(speech.net)
