@@ -47,7 +47,7 @@ from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS
                                           OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
                                           StateViews, Task, TaskGraph)
 from photon_core.kernels.linear import ACT_SIGMOID, ACT_TANH, activation_code
-from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
+from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Tau, Value
 
 
 
@@ -707,6 +707,8 @@ def _needed(graph: StepGraph, p: Plan, results: Iterable[str] | None) -> list[No
             continue
         keep.add(id(n))
         for arg in n.args.values():
+            if isinstance(arg, Tau):   # kv_append's tau reads a value too
+                arg = arg.value
             if isinstance(arg, Value) and arg.name in p.producer:
                 want.append(p.producer[arg.name])
     return [n for n in graph.nodes if id(n) in keep]
