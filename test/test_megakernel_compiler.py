@@ -408,6 +408,9 @@ def test_a_moondream3_style_tau_layer_equals_the_eager_graph():
         for row, p in enumerate(positions):
             hist[n][row, :, p:] = 0.0
     run_both(g, w, hist, 4, positions, 42, vocab, check=("tau", "q", "logits"))
+    # pruning by results keeps what the append's tau reads (a Tau holds a value, not a plain arg)
+    pruned = lower(plan(g, 2, Tiling(16, 32, 8, 2, 2)), ["token"])
+    assert any(task.name.startswith("tau[") for task in pruned.tasks)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
