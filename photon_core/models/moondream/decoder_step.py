@@ -165,12 +165,21 @@ class MoondreamDecoderMegakernel(CompiledStep):
            res = mk.step(embeddings [B, D], positions, bias=None, region_heads=True)
     The launch reads every step-dependent value (input embeddings, positions, logit bias) from device
     buffers written before it, so it can be captured in a CUDA graph and replayed.
+
+    The decoder it compiles comes from the class attributes below (dims, graph, weights, the region
+    heads' weight prefixes); a variant with another decoder (Moondream 3) overrides them and keeps
+    the rest: the KV-cache rows, the logit bias, the launch and the step results.
     """
+
+    dims_of = staticmethod(dims_of)
+    step_graph = staticmethod(step_graph)
+    gather_weights = staticmethod(gather_weights)
+    region_prefixes: tuple[str, ...] = ("c_", "s_")   # weights only the region heads read
 
     def __init__(self, text_w: Any, region_w: Any, cfg: Any, batch: int, max_len: int | None = None,
                  tiling: Tiling = Tiling(), check: bool = True, weight_dtype: torch.dtype = torch.float32,
                  weights: torch.Tensor | None = None) -> None:
-        dm = dims_of(cfg)
+        dm = self.dims_of(cfg)
         max_len = dm.max_context if max_len is None else max_len
         if not 0 < max_len <= dm.max_context:
             raise ValueError(f"max_len {max_len} must be in (0, {dm.max_context}] (the rotary table)")
@@ -178,13 +187,13 @@ class MoondreamDecoderMegakernel(CompiledStep):
         if half % tiling.block_n:
             raise ValueError(f"block_n {tiling.block_n} must divide the {half} bins of each size half")
         self.dm, self.max_len = dm, max_len
-        super().__init__(step_graph(dm, max_len), gather_weights(text_w, region_w), batch, tiling, weight_dtype,
-                         shared_weights=weights, check=check)
+        super().__init__(self.step_graph(dm, max_len), self.gather_weights(text_w, region_w), batch, tiling,
+                         weight_dtype, shared_weights=weights, check=check)
 
     def weight_bytes_per_step(self, region_heads: bool = True) -> int:
         """Bytes of weights one step must stream (the roofline floor's numerator): every weight once,
         except the rotary tables (one row per step) and, for text steps, the region heads."""
-        skip = () if region_heads else tuple(k for k in self.warena.regions if k.startswith(("c_", "s_")))
+        skip = () if region_heads else tuple(k for k in self.warena.regions if k.startswith(self.region_prefixes))
         return super().weight_bytes_per_step(skip)
 
     def cache(self, row: int) -> ArenaKVCache:

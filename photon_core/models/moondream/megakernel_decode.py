@@ -12,7 +12,11 @@ its skills go through it:
 * detect, point and `batch`: batch.py's decode protocol (shared with the ops path) with a
   MegakernelStepper: up to 8 requests share each launch in the smallest batch bucket (1, 2, 4, 8)
   that holds them; every bucket's compiled step reads one shared copy of the weights.
-* caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step).
+* caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step);
+  `sequence` gives that loop's one-request decode state to other protocols (Moondream 3's segment).
+
+The compiled step class comes from the model (`model.decoder_megakernel()`), and the prefill and
+embeddings from its `text_impl`, so Moondream 3 (another decoder on the same skills) runs here too.
 
 One request or batch at a time per model: the compiled steps' state (KV cache, activations) is one
 arena per bucket. A concurrent second call raises instead of corrupting the first.
@@ -29,7 +33,7 @@ import torch
 from photon_core.megakernel.compiler import Tiling
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from photon_core.models.moondream import batch as batch_decoding
-from photon_core.models.moondream import skills, text
+from photon_core.models.moondream import skills
 from photon_core.models.moondream.batch import Request
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
 
@@ -58,6 +62,7 @@ class MegakernelDecode:
         if weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {weight_dtype}")
         self.weight_dtype = weight_dtype
+        self.step_class = model.decoder_megakernel()
         self._decoders: dict[int, MoondreamDecoderMegakernel] = {}
         self._busy = threading.Lock()
         # The two masks every skill uses; the megakernel applies them as logit biases.
@@ -69,7 +74,7 @@ class MegakernelDecode:
         heads), built on first use; every bucket shares the first one's copy of the weights."""
         if batch not in self._decoders:
             shared = next(iter(self._decoders.values())).weights if self._decoders else None
-            self._decoders[batch] = MoondreamDecoderMegakernel(
+            self._decoders[batch] = self.step_class(
                 self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
                 tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared)
         return self._decoders[batch]
@@ -104,7 +109,7 @@ class MegakernelDecode:
 
         def tokens() -> Iterator[int]:
             with self._exclusive(), torch.no_grad():
-                seq = _Request(self, enc, length, region_heads=False)
+                seq = Sequence(self, enc, length, region_heads=False)
                 res = seq.prompt(prompt, self._answer)
                 for n in range(1, max_tokens + 1):
                     if temperature == 0:
@@ -121,8 +126,14 @@ class MegakernelDecode:
 
         return skills.text_pieces(self.tokenizer, tokens())
 
+    @contextmanager
+    def sequence(self, enc: EncodedImage, length: int, region_heads: bool = True) -> Iterator["Sequence"]:
+        """One request's decode state on the batch-1 step (row 0), held exclusively while in use."""
+        with self._exclusive(), torch.no_grad():
+            yield Sequence(self, enc, length, region_heads)
 
-def _size_values(bins: tuple[int, int]) -> tuple[float, float]:
+
+def size_values(bins: tuple[int, int]) -> tuple[float, float]:
     """(width bin, height bin) -> sizes, with region.decode_sizes' exact float32 arithmetic."""
     size = torch.pow(2.0, torch.tensor(bins, dtype=torch.int64).float() / 1023.0 * 10.0 - 10.0)
     return size[0].item(), size[1].item()
@@ -133,13 +144,14 @@ def _prefill_row(fm: MegakernelDecode, cache: Any, enc: EncodedImage, ids: list[
     per-op kernels on a KV cache of the model's dtype (the per-op attention wants q, k, v alike);
     the image prefix plus the prefilled positions are then copied into the fp32 arena row."""
     m = fm.model
+    tx = m.text_impl
     k, v = enc.k, enc.v
     if ids:
-        tmp = text.KVCache(m.config.text, enc.pos + len(ids), m.dtype, m.device)
+        tmp = tx.KVCache(m.config.text, enc.pos + len(ids), m.dtype, m.device)
         tmp.k[:, :, :, :enc.pos] = k
         tmp.v[:, :, :, :enc.pos] = v
-        emb = text.embed(torch.tensor([ids], device=fm.device), m.text_w)
-        text.forward(emb, enc.pos, m.text_w, m.config.text, tmp, m.ops)
+        emb = tx.embed(torch.tensor([ids], device=fm.device), m.text_w)
+        tx.forward(emb, enc.pos, m.text_w, m.config.text, tmp, m.ops)
         k, v = tmp.k, tmp.v
     cache.k[:, :, :, :k.shape[3]] = k
     cache.v[:, :, :, :v.shape[3]] = v
@@ -170,7 +182,7 @@ class MegakernelStepper:
         for slot, (row, enc) in enumerate(zip(rows, encoded)):
             _prefill_row(fm, self.mk.cache(slot), enc, row.prompt[:-1])
         last = torch.tensor([[r.prompt[-1]] for r in rows], device=fm.device)
-        return self.step(text.embed(last, fm.model.text_w), [r.pos + len(r.prompt) - 1 for r in rows])
+        return self.step(fm.model.text_impl.embed(last, fm.model.text_w), [r.pos + len(r.prompt) - 1 for r in rows])
 
     def step(self, inputs: torch.Tensor, positions: list[int]) -> "MegakernelHeads":
         emb = torch.zeros(self.mk.batch, self.fm.config.text.dim, device=self.fm.device)
@@ -202,12 +214,12 @@ class MegakernelHeads:
         return [self.res.coord_bins[self.slots[i]] / self.n_bins for i in rows]
 
     def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
-        return [_size_values(self.res.size_bins[self.slots[i]]) for i in rows]
+        return [size_values(self.res.size_bins[self.slots[i]]) for i in rows]
 
 
-class _Request:
-    """One streaming request's decode state on the batch-1 megakernel: row 0 of its KV cache and
-    the position. Used inside MegakernelDecode._exclusive()."""
+class Sequence:
+    """One request's decode state on the batch-1 megakernel: row 0 of its KV cache and the
+    position. Used inside MegakernelDecode._exclusive() (MegakernelDecode.sequence holds it)."""
 
     def __init__(self, fm: MegakernelDecode, enc: EncodedImage, length: int, region_heads: bool) -> None:
         fm.model._check_owner(enc)
@@ -221,7 +233,7 @@ class _Request:
 
     def embed(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return text.embed(torch.tensor([ids], device=self.fm.device), self.fm.model.text_w)
+            return self.fm.model.text_impl.embed(torch.tensor([ids], device=self.fm.device), self.fm.model.text_w)
 
     def prompt(self, ids: list[int], bias: torch.Tensor) -> StepResult:
         """All prompt tokens but the last through the per-op kernels, the last one as the first

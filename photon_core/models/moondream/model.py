@@ -146,6 +146,11 @@ class MoondreamModel:
         return [EncodedImage(cache.k[:, i:i + 1], cache.v[:, i:i + 1], x.shape[1], tiling, id(self))
                 for i, (_, tiling) in enumerate(prepared)]
 
+    def decoder_megakernel(self) -> type:
+        """The compiled decode step class of this model's decoder (used by the megakernel backend)."""
+        from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel
+        return MoondreamDecoderMegakernel
+
     def _check_owner(self, enc: EncodedImage) -> None:
         if enc.owner != id(self):
             raise ValueError("this EncodedImage was made by another model; encode the image again")

@@ -38,7 +38,10 @@ def places(name: str) -> list[str | Path]:
 def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
     from photon_core.backends.select import get_backend
 
-    if backend == "auto":   # the megakernel (auto's choice on a GPU) has no Moondream 3 step graph yet
+    if backend == "auto":
+        # The megakernel (auto's choice on a GPU) is opt-in for Moondream 3 (backend="megakernel"):
+        # its weight arena is a second copy of all 64 experts (~18 GB in bf16) next to the model's
+        # own, and its MoE step has so far been proven under the Triton interpreter only.
         backend = "triton" if str(device).startswith("cuda") else "reference"
     ops = get_backend(backend, device)
     dtype = dtype if dtype is not None else "float32"

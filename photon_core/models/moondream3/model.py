@@ -4,6 +4,10 @@ Everything the architectures share is Moondream 2's code: image crops, the visio
 projection, the prefill of [BOS][image tokens], the skills (detect, point, caption, query) and the
 batched decoding (moondream/batch.py), which reach the decoder and region head through
 `text_impl` / `region_impl`. Segment is Moondream 3's own (segment.py).
+
+With the megakernel backend every decode step (detect/point/caption/query through Moondream 2's
+megakernel_decode.py, and segment) is one launch of Moondream 3's compiled step (decoder_step.py);
+the vision encoder and the prompt prefill run on the per-op Triton kernels.
 """
 from __future__ import annotations
 
@@ -19,6 +23,11 @@ from photon_core.models.moondream.model import _expected_shapes as md2_expected_
 from . import region, segment, text
 from . import weights as weights_io
 from .config import Moondream3Config
+
+# The megakernel's KV caches are fp32 per batch bucket: over Moondream 3.1's whole 32k context they
+# would take 12.9 GB per row (103 GB for the batch-8 bucket); 4096 positions hold any skill request
+# with the default token limits (730 image positions + prompt + up to 768 tokens) in 1.6 GB per row.
+MEGAKERNEL_MAX_LEN = 4096
 
 
 def expected_shapes(cfg: Moondream3Config) -> dict[str, tuple[int, ...]]:
@@ -82,11 +91,16 @@ class Moondream3Model(MoondreamModel):
     region_impl = region
 
     def __init__(self, config: Moondream3Config, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
-                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream3") -> None:
-        if getattr(ops, "NAME", "") == "megakernel":
-            raise NotImplementedError("Moondream 3 on the megakernel backend is not supported yet; "
-                                      "use the reference or triton backend")
-        super().__init__(config, state, tokenizer, ops, device, dtype, model_id=model_id)
+                 ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream3",
+                 tiling: Any = None, max_len: int | None = None) -> None:
+        if max_len is None:
+            max_len = min(config.text.max_context, MEGAKERNEL_MAX_LEN)
+        super().__init__(config, state, tokenizer, ops, device, dtype, model_id=model_id, tiling=tiling,
+                         max_len=max_len)
+
+    def decoder_megakernel(self) -> type:
+        from .decoder_step import Moondream3DecoderMegakernel
+        return Moondream3DecoderMegakernel
 
     def segment(self, image: ImageLike | EncodedImage, object: str, max_tokens: int = segment.DEFAULT_MAX_TOKENS,
                 refine: bool = False) -> dict:
@@ -97,11 +111,14 @@ class Moondream3Model(MoondreamModel):
 
 
 def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str | torch.device = "cpu",
-                    dtype: torch.dtype | str = torch.float32, backend: Any = None) -> Moondream3Model:
+                    dtype: torch.dtype | str = torch.float32, backend: Any = None, tiling: Any = None,
+                    max_len: int | None = None) -> Moondream3Model:
     """Load Moondream 3 (3.1 `model.safetensors`, or 3-preview `model_fp8.pt`) from a local file or
     folder or the Hugging Face cache. FP8 experts are dequantized on the CPU to `dtype`.
 
-    backend: an ops module (photon_core.backends.select.get_backend: reference, the default; triton)."""
+    backend: an ops module (photon_core.backends.select.get_backend: reference, the default; triton;
+    megakernel, whose decode steps are compiled launches with `tiling`, KV caches of `max_len`, default
+    min(max_context, MEGAKERNEL_MAX_LEN))."""
     if backend is None:
         from photon_core.backends import reference as backend
     dtype = weights_io.parse_dtype(dtype)
@@ -113,4 +130,5 @@ def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str 
     state = weights_io.load_tensors(ckpt.weights, dtype, device, layout)
     check_state(state, config, str(ckpt.weights))
     name = str(path_or_id) if str(path_or_id) in weights_io.MODELS else "moondream3"
-    return Moondream3Model(config, state, tokenizer, backend, device, dtype, model_id=name)
+    return Moondream3Model(config, state, tokenizer, backend, device, dtype, model_id=name, tiling=tiling,
+                           max_len=max_len)

@@ -14,6 +14,9 @@ The prompt protocol (Moondream 3; facts from the kestrel engine's segment skill)
   printed with up to 3 decimals, everything joined by single spaces. The coordinates are in the
   bbox's unit square (kestrel's refiner draws the path translated to the box corner and scaled by
   its size).
+On the megakernel backend each decode step is one launch of the compiled step (its LM argmax under
+a zero logit bias, i.e. no mask, and the region bins of the same hidden state); otherwise a forward
+of the model's ops. Both give the same tokens, coordinates and sizes.
 Not done: kestrel refines the coarse path with a separate mask network over the image (not part of
 the checkpoints named here); `refine=True` raises NotImplementedError.
 """
@@ -45,6 +48,66 @@ def segment_prompt(model: "Moondream3Model", name: str) -> list[int]:
     return list(t["prefix"]) + model.tokenizer.encode(name) + list(t["suffix"])
 
 
+class _OpsSteps:
+    """The decode steps as forwards of the model's ops: each step's hidden state, read by the LM
+    head and the region heads on demand."""
+
+    def __init__(self, model: "Moondream3Model", enc: "EncodedImage", length: int) -> None:
+        cfg, tx = model.config, model.text_impl
+        self.model = model
+        self.cache = tx.KVCache(cfg.text, length, model.dtype, model.device)
+        self.cache.k[:, :, :, :enc.pos] = enc.k
+        self.cache.v[:, :, :, :enc.pos] = enc.v
+        self.pos = enc.pos
+
+    def start(self, prompt: list[int]) -> None:
+        m = self.model
+        self.feed(m.text_impl.embed(torch.tensor([prompt], device=m.device), m.text_w))
+
+    def feed(self, emb: torch.Tensor) -> None:
+        """Input embeddings [1, T, dim] at the next T positions."""
+        m = self.model
+        self.hidden = m.text_impl.forward(emb, self.pos, m.text_w, m.config.text, self.cache, m.ops)[:, -1]
+        self.pos += emb.shape[1]
+
+    def token(self) -> int:
+        m = self.model
+        return int(m.ops.argmax(m.text_impl.lm_logits(self.hidden, m.text_w, m.ops))[0])
+
+    def coord(self) -> float:
+        return self.model.region_impl.decode_coords(self.hidden, self.model.region_w, self.model.ops)[0]
+
+    def size(self) -> tuple[float, float]:
+        return self.model.region_impl.decode_sizes(self.hidden, self.model.region_w, self.model.ops)[0]
+
+
+class _MegakernelSteps:
+    """The decode steps as launches of the compiled step (batch 1): the prompt but its last token
+    prefilled per-op, then one launch per input, which yields the token and the region bins."""
+
+    def __init__(self, seq: Any) -> None:
+        self.seq = seq
+        self.n_bins = seq.fm.config.region.coord_out_dim
+
+    def start(self, prompt: list[int]) -> None:
+        no_mask = torch.zeros(self.seq.fm.config.text.vocab_size, device=self.seq.fm.device)
+        self.res = self.seq.prompt(prompt, no_mask)
+
+    def feed(self, emb: torch.Tensor) -> None:
+        """One input embedding [1, 1, dim] at the next position."""
+        self.res = self.seq.step(emb)
+
+    def token(self) -> int:
+        return self.res.tokens[0]
+
+    def coord(self) -> float:
+        return self.res.coord_bins[0] / self.n_bins
+
+    def size(self) -> tuple[float, float]:
+        from photon_core.models.moondream.megakernel_decode import size_values
+        return size_values(self.res.size_bins[0])
+
+
 @torch.inference_mode()
 def decode(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_tokens: int
            ) -> tuple[list[int], list[float], list[tuple[float, float]]]:
@@ -52,34 +115,39 @@ def decode(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max
     if max_tokens < 0:
         raise ValueError("max_tokens must be >= 0")
     skills.check_prompt(model, enc, prompt)
-    cfg, tx, rg, ops = model.config, model.text_impl, model.region_impl, model.ops
-    tk = cfg.tokenizer
-    length = min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens)
-    cache = tx.KVCache(cfg.text, length, model.dtype, model.device)
-    cache.k[:, :, :, :enc.pos] = enc.k
-    cache.v[:, :, :, :enc.pos] = enc.v
-    emb = tx.embed(torch.tensor([prompt], device=model.device), model.text_w)
-    hidden = tx.forward(emb, enc.pos, model.text_w, cfg.text, cache, ops)[:, -1]
-    pos = enc.pos + len(prompt)
+    length = min(model.config.text.max_context, enc.pos + len(prompt) + max_tokens)
+    start = enc.pos + len(prompt)
+    if model.decode is None:
+        return _decode(model, _OpsSteps(model, enc, length), prompt, start, length, max_tokens)
+    with model.decode.sequence(enc, length) as seq:
+        return _decode(model, _MegakernelSteps(seq), prompt, start, length, max_tokens)
+
+
+def _decode(model: "Moondream3Model", steps: Any, prompt: list[int], pos: int, length: int, max_tokens: int
+            ) -> tuple[list[int], list[float], list[tuple[float, float]]]:
+    """The protocol on `steps` (start with the prompt, feed input embeddings; read the token, a
+    coordinate, a size of the last position)."""
+    tx, rg, ops, tk = model.text_impl, model.region_impl, model.ops, model.config.tokenizer
+    steps.start(prompt)
     words: list[int] = []
     coords: list[float] = []
     sizes: list[tuple[float, float]] = []
     for _ in range(max_tokens):
-        tok = int(ops.argmax(tx.lm_logits(hidden, model.text_w, ops))[0])
+        tok = steps.token()
         if tok == tk.eos_id:
             break
         if tok == tk.coord_id:
-            coords.extend(rg.decode_coords(hidden, model.region_w, ops))
+            coords.append(steps.coord())
             nxt = rg.encode_coords(coords[-1:], model.region_w, ops)
         elif tok == tk.size_id:
-            sizes.extend(rg.decode_sizes(hidden, model.region_w, ops))
+            sizes.append(steps.size())
             nxt = rg.encode_sizes(sizes[-1:], model.region_w, ops)
         else:
             words.append(tok)
             nxt = tx.embed(torch.tensor([[tok]], device=model.device), model.text_w)
         if pos >= length:
             break
-        hidden = tx.forward(nxt, pos, model.text_w, cfg.text, cache, ops)[:, -1]
+        steps.feed(nxt)
         pos += 1
     return words, coords, sizes
 

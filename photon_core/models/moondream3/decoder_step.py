@@ -1,0 +1,195 @@
+"""Moondream 3's text decode step (LM head and region heads included) as a step graph that
+megakernel.compiler lowers to ONE launch; the host side (KV-cache rows, logit bias, launch, results)
+is Moondream 2's MoondreamDecoderMegakernel, which this module feeds another decoder.
+
+Per step, for B rows (batch bucket 1/2/4/8; each row at its own position):
+
+    x = input embedding [B, D]            (a word, or an encoded coordinate / size: the host writes it)
+    per layer (Moondream 2's parallel block: one LayerNorm feeds attention and the MLP):
+        h      = LN(x)
+        qkv    = h @ Wqkv.T + b
+        t      = tanh(gelu(qkv) @ Wtau.T)                       [2H]   (exact gelu, no bias)
+        q_h   *= t[h] + p_h,  v_h *= t[H + h] + p_h,  p_h = sigmoid(alpha_h * log(pos + 1)) + 0.5
+                 (pos: the row's cache position, 0 = BOS, as text.tau_position), then partial rotary
+                 on q and k; k, v appended to the caches at pos      (one append task per row, head)
+        a      = softmax(q k^T / sqrt(Dh)) v over positions 0..pos  (grouped K/V heads allowed)
+        m      = x + GELU_tanh(h @ W1.T + b1) @ W2.T + b2           (dense layers < moe.start_layer)
+               = x + sum_top-k w_e * D_e(gelu(h G_e) * (h U_e + 1)) (MoE layers: router h @ Wr.T + br,
+                                                                   softmax over the k chosen logits)
+        x      = a @ Wo.T + bo + m
+    token      = argmax(post_ln(x) @ Wlm.T + blm + logit_bias[row])
+    coord bin  = argmax(LN_r(x) @ Wc.T + bc)                       (x BEFORE post_ln)
+    size bins  = argmax per half of LN_r(x) @ Ws.T + bs            (width, height)
+
+`reference_step` is the same step on the model's own code (text.forward / lm_logits / region
+heads) with backends.reference ops, the ground truth for tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from photon_core.backends import reference as ref
+from photon_core.megakernel.stepgraph import Rotary, StepGraph, Tau
+from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel
+
+from . import region as md3_region
+from . import text as md3_text
+
+
+@dataclass(frozen=True)
+class Dims:
+    d: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rot: int
+    ff: int              # dense layers' MLP width
+    vocab: int
+    layers: int
+    moe_start: int       # layers >= moe_start are MoE (layers when there is no MoE)
+    experts: int
+    expert_ff: int
+    top_k: int
+    tau: bool
+    coord_bins: int
+    size_bins: int       # both halves (width bins + height bins)
+    max_context: int
+
+    @property
+    def qkv(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+
+def dims_of(cfg: Any) -> Dims:
+    """Dims from a Moondream3Config."""
+    t, r, m = cfg.text, cfg.region, cfg.text.moe
+    hd = t.dim // t.n_heads
+    return Dims(t.dim, t.n_heads, t.n_kv_heads, hd, md3_text.rot_dim(t), t.ff_dim, t.vocab_size, t.n_layers,
+                m.start_layer if m is not None else t.n_layers, m.num_experts if m is not None else 0,
+                m.expert_inner_dim if m is not None else 0, m.experts_per_token if m is not None else 0,
+                t.tau_attn, r.coord_out_dim, r.size_out_dim, t.max_context)
+
+
+def weight_shapes(dm: Dims) -> dict[str, tuple[int, ...]]:
+    d = dm.d
+    s: dict[str, tuple[int, ...]] = {}
+    for li in range(dm.layers):
+        L = f"L{li}"
+        s.update({f"{L}.ln.w": (d,), f"{L}.ln.b": (d,), f"{L}.qkv_w": (dm.qkv, d), f"{L}.qkv_b": (dm.qkv,),
+                  f"{L}.proj_w": (d, d), f"{L}.proj_b": (d,)})
+        if li >= dm.moe_start:
+            s.update({f"{L}.router_w": (dm.experts, d), f"{L}.router_b": (dm.experts,),
+                      f"{L}.gate_up": (dm.experts, 2 * dm.expert_ff, d), f"{L}.down": (dm.experts, d, dm.expert_ff)})
+        else:
+            s.update({f"{L}.fc1_w": (dm.ff, d), f"{L}.fc1_b": (dm.ff,), f"{L}.fc2_w": (d, dm.ff), f"{L}.fc2_b": (d,)})
+        if dm.tau:
+            s.update({f"{L}.tau_w": (2 * dm.heads, dm.qkv), f"{L}.tau_alpha": (dm.heads,)})
+    s.update({"post_ln.w": (d,), "post_ln.b": (d,), "lm_w": (dm.vocab, d), "lm_b": (dm.vocab,),
+              "rope_cos": (dm.max_context, dm.rot // 2), "rope_sin": (dm.max_context, dm.rot // 2),
+              "r_ln.w": (d,), "r_ln.b": (d,), "r_coord_w": (dm.coord_bins, d), "r_coord_b": (dm.coord_bins,),
+              "r_size_w": (dm.size_bins, d), "r_size_b": (dm.size_bins,)})
+    return s
+
+
+def step_graph(dm: Dims, max_len: int) -> StepGraph:
+    """The decode step (module docstring) as a graph of ops, from the dims alone."""
+    d, dh = dm.d, dm.head_dim
+    g = StepGraph(f"moondream3-decoder-d{d}-L{dm.layers}-V{dm.vocab}", weight_shapes(dm))
+    kc = g.cache("kcache", dm.kv_heads, max_len, dh, layers=dm.layers)
+    vc = g.cache("vcache", dm.kv_heads, max_len, dh, layers=dm.layers)
+    rope = Rotary("rope_cos", "rope_sin", dm.rot)
+    x = g.input("x", d)
+    for li in range(dm.layers):
+        L = f"L{li}"
+        h = g.layer_norm(f"{L}.h", x, f"{L}.ln.w", f"{L}.ln.b")
+        qkv = g.linear(f"{L}.qkv", h, f"{L}.qkv_w", f"{L}.qkv_b")
+        tau = None
+        if dm.tau:
+            t = g.linear(f"{L}.tau", g.act(f"{L}.qkv_gelu", qkv, "gelu"), f"{L}.tau_w", act="tanh")
+            tau = Tau(t, f"{L}.tau_alpha")
+            # Exposed so that the pruned text graph (launch without the region heads) keeps it:
+            # compiler._needed follows Value arguments only, not the Value inside a Tau.
+            g.expose(f"{L}.tau", t)
+        q = g.kv_append(f"{L}.rope", qkv, kc[li], vc[li], rotary=rope, q_heads=dm.heads, tau=tau)
+        a = g.attention(f"{L}.attn", q, kc[li], vc[li], "self")
+        if li >= dm.moe_start:
+            route = g.linear(f"{L}.router", h, f"{L}.router_w", f"{L}.router_b")
+            m = g.moe(f"{L}.moe", h, route, f"{L}.gate_up", f"{L}.down", dm.top_k, act="gelu", up_offset=1.0,
+                      renormalize=True, residual=x)
+        else:
+            hid = g.linear(f"{L}.mlp_up", h, f"{L}.fc1_w", f"{L}.fc1_b", act="gelu_tanh")
+            m = g.linear(f"{L}.mlp_down", hid, f"{L}.fc2_w", f"{L}.fc2_b", residual=x)
+        # x + attn_out + mlp, in the reference's order: proj(a) + (x + mlp).
+        x = g.linear(f"{L}.proj", a, f"{L}.proj_w", f"{L}.proj_b", residual=m)
+    g.expose("hidden", x)
+    bias = g.input("logit_bias", dm.vocab)
+    logits = g.linear("logits", g.layer_norm("post_ln", x, "post_ln.w", "post_ln.b"), "lm_w", "lm_b",
+                      residual=bias)
+    g.expose("logits", logits)
+    g.argmax("token", logits)
+    rh = g.layer_norm("region_ln", x, "r_ln.w", "r_ln.b")
+    g.argmax("coord", g.linear("coord_logits", rh, "r_coord_w", "r_coord_b"))
+    size = g.linear("size_logits", rh, "r_size_w", "r_size_b")
+    half = dm.size_bins // 2
+    g.argmax("width", size, 0, half)
+    g.argmax("height", size, half, dm.size_bins)
+    return g
+
+
+def gather_weights(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeights) -> dict[str, torch.Tensor]:
+    """name -> tensor for the weights arena (tensors shared; the arena copies them)."""
+    t: dict[str, torch.Tensor] = {}
+    for li, b in enumerate(text_w.blocks):
+        L = f"L{li}"
+        t.update({f"{L}.ln.w": b.ln[0], f"{L}.ln.b": b.ln[1], f"{L}.qkv_w": b.qkv[0], f"{L}.qkv_b": b.qkv[1],
+                  f"{L}.proj_w": b.proj[0], f"{L}.proj_b": b.proj[1]})
+        if b.router is not None:
+            t.update({f"{L}.router_w": b.router[0], f"{L}.router_b": b.router[1], f"{L}.gate_up": b.experts_gate_up,
+                      f"{L}.down": b.experts_down})
+        else:
+            t.update({f"{L}.fc1_w": b.fc1[0], f"{L}.fc1_b": b.fc1[1], f"{L}.fc2_w": b.fc2[0], f"{L}.fc2_b": b.fc2[1]})
+        if b.tau_wqwv is not None:
+            t.update({f"{L}.tau_w": b.tau_wqwv, f"{L}.tau_alpha": b.tau_alpha})
+    t.update({"post_ln.w": text_w.post_ln[0], "post_ln.b": text_w.post_ln[1], "lm_w": text_w.lm_head[0],
+              "lm_b": text_w.lm_head[1], "rope_cos": text_w.cos, "rope_sin": text_w.sin,
+              "r_ln.w": region_w.ln[0], "r_ln.b": region_w.ln[1], "r_coord_w": region_w.coord_head[0],
+              "r_coord_b": region_w.coord_head[1], "r_size_w": region_w.size_head[0],
+              "r_size_b": region_w.size_head[1]})
+    return t
+
+
+class Moondream3DecoderMegakernel(MoondreamDecoderMegakernel):
+    """Moondream 3's decode step as one persistent launch for a fixed batch bucket; everything but
+    the decoder (cache rows, logit bias, step, the pruned text graph) is Moondream 2's class."""
+
+    dims_of = staticmethod(dims_of)
+    step_graph = staticmethod(step_graph)
+    gather_weights = staticmethod(gather_weights)
+    region_prefixes = ("r_",)
+
+
+def reference_step(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeights, cfg: Any, caches: list[Any],
+                   embeddings: torch.Tensor, positions: list[int], bias: torch.Tensor | None = None) -> dict[str, Any]:
+    """The same step with backends.reference ops, one row at a time through Moondream 3's own
+    text.forward (which appends to each row's cache) and region head. Returns hidden [B, D],
+    logits [B, V] (bias added), tokens, coord bins and size bins."""
+    hidden, logits, tokens, cbins, sbins = [], [], [], [], []
+    for r, p in enumerate(positions):
+        h = md3_text.forward(embeddings[r].view(1, 1, -1), p, text_w, cfg.text, caches[r], ref)[:, -1]
+        lg = md3_text.lm_logits(h, text_w, ref)[0]
+        if bias is not None:
+            lg = lg + (bias[r] if bias.dim() == 2 else bias)
+        rh = ref.layer_norm(h, *region_w.ln)
+        c = ref.linear(rh, *region_w.coord_head)
+        s = ref.linear(rh, *region_w.size_head)
+        hidden.append(h[0])
+        logits.append(lg)
+        tokens.append(int(lg.argmax()))
+        cbins.append(int(c.argmax()))
+        sb = s.view(2, -1).argmax(-1)
+        sbins.append((int(sb[0]), int(sb[1])))
+    return dict(hidden=torch.stack(hidden), logits=torch.stack(logits), tokens=tokens, coord_bins=cbins,
+                size_bins=sbins)

@@ -1,0 +1,234 @@
+"""Moondream 3 on the megakernel backend: its decode step (tau attention, dense and MoE layers, LM
+head under per-row logit biases, the LayerNorm'd region heads on the hidden state before post_ln)
+compiled to one launch, against
+
+* run_reference of the same step graph and Moondream 3's own text.forward / region code
+  (reference_step), for two rows at different positions over several steps: hidden state and
+  logits within 1e-4, same token / coordinate / size bins, same appended K/V;
+* the reference backend's decode after a real image + prompt prefill (8 greedy steps);
+* the reference backend's skills: detect, point, caption, query batched in one bucket, and segment.
+
+Triton runs under the CPU interpreter on a reduced checkpoint (moondream_fast_fixtures' sizes:
+vocab 1024, 126-px crops; 2 text layers: one dense, one MoE with 4 experts, top 2), written with
+Moondream 3's real tensor names and FP8 experts by test_moondream3_checkpoints' builders. The
+image is encoded once by the reference model (the vision tower and the image prefill on the per-op
+Triton kernels are Moondream 2's code, proven in test_moondream_fast.py); the megakernel model gets
+that K/V as its own EncodedImage, and prefills every prompt on its per-op Triton kernels.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import moondream_fast_fixtures as ff  # noqa: E402
+import test_moondream3_checkpoints as ck  # noqa: E402
+from photon_core.backends import reference as ref  # noqa: E402
+from photon_core.backends.select import get_backend  # noqa: E402
+from photon_core.megakernel.checker import check  # noqa: E402
+from photon_core.megakernel.compiler import Tiling, lower, plan  # noqa: E402
+from photon_core.megakernel.stepgraph import run_reference  # noqa: E402
+from photon_core.models.moondream import Request, skills  # noqa: E402
+from photon_core.models.moondream3 import decoder_step as md3  # noqa: E402
+from photon_core.models.moondream3 import load_moondream3  # noqa: E402
+from photon_core.models.moondream3 import segment as seg  # noqa: E402
+from photon_core.models.moondream3 import text as md3_text  # noqa: E402
+from photon_core.models.moondream3.config import Moondream3Config  # noqa: E402
+
+RTOL = 1e-4
+# Wide tiles for the skills: the interpreter's cost is per task, not per byte. The step test uses
+# narrower ones (several K steps, KV splits and their merge, many tiles per argmax).
+TILING = Tiling(block_n=256, block_k=128, block_t=128, self_splits=1)
+STEP_TILING = Tiling(block_n=64, block_k=64, block_t=32, self_splits=2)
+COORD_ID, SIZE_ID = 5, 6
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all() and a.shape == b.shape
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def fast_md3_config() -> dict:
+    cfg = ff.fast_config()
+    cfg["text"].update(rope_theta=1_500_000.0, tau_attn=True, n_layers=2,
+                       moe={"num_experts": ck.E, "start_layer": 1, "experts_per_token": ck.TOPK,
+                            "expert_inner_dim": ck.I})
+    del cfg["region"]["inner_dim"]
+    t = cfg["tokenizer"]["templates"]   # Moondream 3's layouts, ids below the reduced vocabulary
+    t["query"] = {"prefix": [1, 381, 2], "answer_prefix": [3], "reasoning_prefix": [4], "post_reasoning_prefix": []}
+    t["segment"] = {"prefix": [1, 374, 2], "suffix": [3]}
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(seed: int = 1, coord: float = 3.0, size: float = 4.0):
+    """LM head biases +3 on `coord` and +4 on `size` (seed 1): detect/point find objects, captions
+    mix words with region tokens, and segment emits words, coordinates and sizes, so every path of
+    every protocol runs, each a real argmax over the vocabulary."""
+    folder = ck._ROOT / f"megakernel_fast_{seed}_{coord}_{size}"
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = fast_md3_config()
+    sd = ck.random_md3_state(cfg, seed=seed, object_bias=False)
+    sd["text.lm_head.bias"][COORD_ID] += coord
+    sd["text.lm_head.bias"][SIZE_ID] += size
+    sd, fp8 = ck.quantized(sd)
+    save_file(ck.to_checkpoint_names(sd, fp8, fused_tau=True), str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ck.md3_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(reference model, megakernel model) on the same checkpoint."""
+    path = checkpoint()
+    return load_moondream3(path), load_moondream3(path, backend=get_backend("megakernel", "cpu"), tiling=TILING)
+
+
+@pytest.fixture(scope="module")
+def encoded(pair):
+    ref_e = pair[0].encode_image(ff.image(seed=0))
+    return ref_e, dataclasses.replace(ref_e, owner=id(pair[1]))
+
+
+def test_compiled_step_equals_the_eager_graph_and_the_model(pair, encoded):
+    ref_m, _ = pair
+    ref_e, _ = encoded
+    cfg, tw, rw = ref_m.config, ref_m.text_w, ref_m.region_w
+    batch, max_len = 2, 96
+    mk = md3.Moondream3DecoderMegakernel(tw, rw, cfg, batch, max_len, STEP_TILING)
+    mk.state.fill_(float("nan"))  # poison: every value a step reads must have been written first
+    g = torch.Generator().manual_seed(3)
+    positions = [ref_e.pos, ref_e.pos + 3]   # rows at different positions (tau's log(pos + 1) differs)
+    caches = []
+    for r, p in enumerate(positions):
+        c = md3_text.KVCache(cfg.text, max_len, torch.float32, "cpu")
+        c.k[:, :, :, :ref_e.pos], c.v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v
+        c.k[:, :, :, ref_e.pos:p] = torch.randn(c.k[:, :, :, ref_e.pos:p].shape, generator=g)
+        c.v[:, :, :, ref_e.pos:p] = torch.randn(c.v[:, :, :, ref_e.pos:p].shape, generator=g)
+        mk.cache(r).k[:, :, :, :p], mk.cache(r).v[:, :, :, :p] = c.k[:, :, :, :p], c.v[:, :, :, :p]
+        caches.append(c)
+    eager = {n: mk.view(n).clone() for n in ("kcache", "vcache")}
+    # Row 0: the detect boundary mask (coord or eos); row 1: a random half of the vocabulary.
+    vocab = cfg.text.vocab_size
+    bias = torch.full((batch, vocab), float("-inf"))
+    bias[0, [COORD_ID, 0]] = 0.0
+    bias[1, torch.rand(vocab, generator=g) < 0.5] = 0.0
+    mk.set_bias(bias)
+    weights = md3.gather_weights(tw, rw)
+    hidden = mk.graph_def.exposed["hidden"].name
+    for step in range(3):
+        emb = torch.randn(batch, cfg.text.dim, generator=g) * (1.0 if step != 1 else 3.0)
+        heads = step != 2   # the last step runs the pruned text graph (caption/query), no region heads
+        got = mk.step(emb, positions, region_heads=heads)
+        graph = run_reference(mk.graph_def, weights, eager, [0] * batch, positions,
+                              inputs={"x": emb, "logit_bias": bias})
+        model = md3.reference_step(tw, rw, cfg, caches, emb, positions, bias)
+        finite = torch.isfinite(model["logits"])
+        assert torch.equal(torch.isfinite(mk.logits), finite) and torch.equal(torch.isfinite(graph["logits"]), finite)
+        for want in (graph[hidden], model["hidden"]):
+            assert rel_err(got.hidden, want) < RTOL
+        for want in (graph["logits"], model["logits"]):
+            assert rel_err(mk.logits[finite], want[finite]) < RTOL
+        assert got.tokens == graph["results"]["token"] == model["tokens"]
+        if heads:
+            assert got.coord_bins == graph["results"]["coord"] == model["coord_bins"]
+            assert got.size_bins == list(zip(graph["results"]["width"], graph["results"]["height"])) \
+                == model["size_bins"]
+        else:
+            assert got.coord_bins is None
+        for n in ("kcache", "vcache"):   # every appended (tau-scaled, rotated) row; the rest untouched
+            written = torch.isfinite(eager[n])
+            assert torch.equal(torch.isfinite(mk.view(n)), written)
+            assert rel_err(mk.view(n)[written], eager[n][written]) < RTOL
+        for r, p in enumerate(positions):
+            assert rel_err(mk.view("kcache")[:, r, :, p], caches[r].k[:, 0, :, p]) < RTOL
+            assert rel_err(mk.view("vcache")[:, r, :, p], caches[r].v[:, 0, :, p]) < RTOL
+        positions = [p + 1 for p in positions]
+    # The MoE layer routes: their expert tiles are in the graph, and only top-k experts' bytes count.
+    assert any(t.name.startswith("L1.moe") for t in mk.graph.tasks)
+    assert mk.weight_bytes_per_step(False) < mk.weight_bytes_per_step(True)
+    assert not any(t.name.startswith(("coord", "size", "region")) for t in mk.kernel_for(["token"]).graph.tasks)
+
+
+def test_greedy_decode_after_a_real_prefill_matches_reference(pair, encoded):
+    """Image + caption prompt prefilled (per-op Triton kernels, then copied into the step's cache),
+    then 8 greedy steps: each step's logits and token against the reference backend's own decode."""
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    prompt = skills.caption_prompt(ref_m, "normal")
+    n = 8
+    length = ref_e.pos + len(prompt) + n
+    cache = md3_text.KVCache(ref_m.config.text, length, torch.float32, "cpu")
+    cache.k[:, :, :, :ref_e.pos], cache.v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v
+    emb = md3_text.embed(torch.tensor([prompt]), ref_m.text_w)
+    hidden = md3_text.forward(emb, ref_e.pos, ref_m.text_w, ref_m.config.text, cache, ref)[:, -1]
+    pos = ref_e.pos + len(prompt)
+    no_mask = torch.zeros(ref_m.config.text.vocab_size)
+    tokens, want_tokens = [], []
+    with fast.decode.sequence(fast_e, length, region_heads=False) as seq:
+        res = seq.prompt(prompt, no_mask)
+        for _ in range(n):
+            want = md3_text.lm_logits(hidden, ref_m.text_w, ref)
+            assert rel_err(seq.logits(), want) < RTOL
+            tokens.append(res.tokens[0])
+            want_tokens.append(int(want.argmax()))
+            assert tokens[-1] == want_tokens[-1]
+            nxt = md3_text.embed(torch.tensor([[want_tokens[-1]]]), ref_m.text_w)
+            hidden = md3_text.forward(nxt, pos, ref_m.text_w, ref_m.config.text, cache, ref)[:, -1]
+            pos += 1
+            res = seq.step(seq.embed(tokens[-1:]))
+    assert len(set(tokens)) > 2   # a real search, not one token repeated
+
+
+def test_skills_match_reference(pair, encoded):
+    """detect, point, caption and query decoded together in the batch-4 bucket (rows at different
+    positions, finishing at different steps), and segment: the reference backend's results."""
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    asks = [("detect", "cup", dict(max_objects=1)), ("point", "dog", dict(max_objects=2)),
+            ("caption", "short", dict(max_tokens=4)), ("query", "what is this ?", dict(max_tokens=3))]
+    want = ref_m.batch([Request(t, ref_e, p, **kw) for t, p, kw in asks])
+    got = fast.batch([Request(t, fast_e, p, **kw) for t, p, kw in asks])
+    assert got == want
+    assert len(want[0]["objects"]) == 1 and len(want[1]["points"]) == 2
+    assert len(set(want[2]["caption"].split())) > 2
+    assert fast.decode.decoder(4).weights is fast.decode.decoder(1).weights   # one copy of the weights
+    # segment: unmasked greedy decode with the region heads in the same launch
+    # segment (what model.segment formats): path words, coordinates and sizes, each from one launch
+    prompt = seg.segment_prompt(ref_m, "cup")
+    words, coords, sizes = seg.decode(ref_m, ref_e, prompt, 6)
+    assert words and coords and sizes    # every branch of the protocol runs in these 6 steps
+    assert seg.decode(fast, fast_e, prompt, 6) == (words, coords, sizes)
+
+
+def test_megakernel_model_rules(pair, encoded):
+    ref_m, fast = pair
+    with pytest.raises(ValueError, match="another model"):
+        fast.segment(encoded[0], "cup", max_tokens=2)   # the reference model's EncodedImage
+    assert isinstance(fast.decode.decoder(1), md3.Moondream3DecoderMegakernel)
+    assert ref_m.decode is None
+
+
+def test_real_moondream3_graph_checks():
+    """Moondream 3.1's real sizes (24 layers of dim 2048, 4 dense then 20 MoE of 64 experts top 8,
+    vocab 51200, context 4096) at batch 1 lower to tasks the checker proves race-free; the pruned
+    text graph keeps every layer's tau projection and drops the region heads; a step streams the
+    chosen experts only (about a fifth of the weights)."""
+    g = md3.step_graph(md3.dims_of(Moondream3Config()), 4096)
+    p = plan(g, 1, Tiling())
+    full = lower(p)
+    check(full)
+    text = lower(p, ["token"])
+    assert all(any(t.name.startswith(f"L{i}.tau") for t in text.tasks) for i in range(24))
+    assert any(t.name.startswith("coord") for t in full.tasks)
+    assert not any(t.name.startswith(("coord", "size")) for t in text.tasks)
+    every = sum(math.prod(s) for s in g.weight_shapes.values())
+    assert g.weight_bytes(1) < every / 4
