@@ -455,6 +455,11 @@ def test_a_mixture_of_experts_layer_equals_the_eager_graph(renormalize):
     step.launch()
     assert len(chosen) < E and torch.equal(step.view("mlp"), before)
     assert step.weight_bytes_per_step() < sum(v.numel() for v in w.values()) * 4
+    # NaN router logits choose no expert: the ids stay inside the table (the NaN shows in the output)
+    step.weight("router")[:] = float("nan")
+    step.launch()
+    ids = step.view("mlp.route")[..., 0]
+    assert ((ids >= 0) & (ids < E)).all() and torch.isnan(step.view("mlp")).all()
 
 
 def test_window_layers_are_checked_when_stated():

@@ -645,6 +645,9 @@ def _task_moe_route(row, s_ptr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
             better = (bm > best) | ((bm == best) & (bi < best_i))
             best = tl.where(better, bm, best)
             best_i = tl.where(better, bi, best_i)
+        # NaN logits match no candidate: expert 0 rather than an id past the table (the NaN then
+        # shows in the output instead of a read out of bounds)
+        best_i = tl.where(best_i < E, best_i, 0)
         chosen = tl.where(ss == s, best, chosen)
         ids = tl.where(ss == s, best_i.to(tl.float32), ids)
         prev_v = best
