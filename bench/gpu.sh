@@ -4,8 +4,10 @@
 #     BENCH_OUT=$OUT bash bench/gpu.sh --write          (device tool: timeout_s 600)
 #
 # 1. bench/gpu_proof.py proves the megakernel right, then times it: decode steps of every compiled
-#    family (Whisper tiny.en, large-v3-turbo, Moondream 2; random weights of real shapes) against
-#    the references, race stress with a positive control, stale-data poisoning, liveness, then time
+#    family (Whisper tiny.en, large-v3-turbo, Moondream 2; then, through its generic GraphFamily,
+#    Qwen3-ASR 0.6B, Qwen 3.5 0.8B, Gemma 4 E2B and Moondream 3.1 9B-A2B in bf16, steps / poison /
+#    timing only; random weights of real shapes) against the references, race stress with a
+#    positive control, stale-data poisoning, liveness, then time
 #    per step vs the HBM floor and the per-op CUDA graph. A failed check ends the script here, with
 #    the proof's non-zero exit status: nothing is timed on a kernel that is not right.
 # 2. bench/gpu_bench.py: the per-op kernels vs eager, and Whisper tiny's step (eager, per-op graph,
@@ -13,9 +15,14 @@
 # Both share one budget, GPU_SH_BUDGET_S (570 s, under the call's 600): the proof gets
 # PROOF_BUDGET_S (420 s; past it the proof skips its timing part, never a correctness part, and
 # says so) and is killed 90 s after it; the bench gets what is left (skipped, saying so, if under
-# 60 s). Expected on an H200 (estimated: nothing has run on one yet): the proof 5-7 minutes, a
-# minute or two of it CPU work (compiling the kernels; lowering and checking Moondream 2's 20-53K-task
-# graphs), the bench the rest.
+# 60 s). Expected on an H200 (estimated: nothing has run on one yet): the proof 5-7 minutes for
+# Whisper and Moondream 2, a minute or two of it CPU work (compiling the kernels; lowering and
+# checking Moondream 2's 20-53K-task graphs); the four GraphFamily families add builds of 18-90K
+# tasks each (about 5-15 s of CPU each here, per batch) and their kernels' compiles, so the whole
+# proof may run into PROOF_BUDGET_S (then timing is skipped, never a correctness part) or past it.
+# If it does, split it over two calls: PROOF_ARGS="--families whisper-tiny.en,whisper-turbo,
+# whisper-tiny.en/split,moondream2", then PROOF_ARGS="--families qwen3-asr-0.6b,qwen3.5-0.8b,
+# gemma4-e2b,moondream3" (each call with its own BENCH_OUT).
 #
 # Results go to BENCH_OUT (default bench/): gpu.log (everything printed), gpu_proof.json (rewritten
 # after every part, so a killed run keeps what it proved), gpu_bench.json and, with --write, a copy

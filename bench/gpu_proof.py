@@ -2,7 +2,8 @@
 "Proving it on a GPU" (/work/shared/specs/megakernel.md), for every compiled family's step graph,
 failing loudly (exit status 1 on any failed check).
 
-    python bench/gpu_proof.py [--write]     # a CUDA GPU: real shapes, random weights (5-7 min on an H200, est.)
+    python bench/gpu_proof.py [--write]     # a CUDA GPU: real shapes, random weights (5-7 min on an H200 for
+                                            # Whisper + Moondream 2, est.; the GraphFamily ones add more)
     python bench/gpu_proof.py --dry-run     # CPU, TRITON_INTERPRET=1, tiny shapes: every part's machinery
     BENCH_OUT=$OUT bash bench/gpu.sh --write   # in a GPU session: this proof, then bench/gpu_bench.py
 
@@ -12,6 +13,16 @@ tiling photon_core builds today (Tiling()) unless named otherwise:
   whisper-turbo          large-v3-turbo's decoder: d 1280, 20 heads, 4 layers, vocab 51866
   moondream2             MoondreamConfig(): d 2048, 32 heads, 24 layers, vocab 51200, region heads
   whisper-tiny.en/split  tiny.en with the roofline's GPU tiling (few-tile stages narrowed, split-K)
+and, through one generic GraphFamily over any step graph (random weights from graph.weight_shapes,
+run_reference the only reference; bf16 weights, batch 1 and 8, parts steps, poison and timing):
+  qwen3-asr-0.6b         Qwen3-0.6B's decoder: d 1024, 16 / 8 KV heads of 128, 28 layers, vocab
+                         151936, 1024 positions; the kernel advances rows itself
+  qwen3.5-0.8b           d 1024, 24 layers (18 Gated DeltaNet with conv / delta-rule states, 6 gated
+                         attention), vocab 248320, 1024 positions
+  gemma4-e2b             E2B's text decoder: 35 layers, 512-slot sliding-window rings (rows cross
+                         them), 20 KV-shared layers, per-layer inputs, vocab 262144, 1024 positions
+  moondream3             Moondream 3.1 9B-A2B (if its decode step exists): tau attention, 20 MoE
+                         layers of 64 experts (top 8), region heads, 1024 positions
 
 Parts (each prints its elapsed time; the JSON is rewritten after every part, so a run killed by a
 timeout still leaves what it proved):
@@ -19,8 +30,9 @@ timeout still leaves what it proved):
               weights, each step a CUDA-graph replay (Whisper: advance mode, the kernel writes the next
               token and position itself; Moondream: the host writes the next input embedding and
               positions in place). After every step: exposed values (logits, hidden), every argmax
-              result, the appended K/V and the advanced tokens/positions vs stepgraph.run_reference on
-              the same graph and the family's own reference_step; error flag and claim counter.
+              result, the appended K/V (in a ring cache: the slot its position maps to), recurrent
+              states and the advanced tokens/positions vs stepgraph.run_reference on the same graph
+              and the family's own reference_step (where it has one); error flag and claim counter.
               References use the weights as the arena holds them (bf16-rounded for bf16), so both
               dtypes must agree to fp32 rounding; caches past each row's length hold NaN.
   2 stress    fixed inputs, >= 1000 launches with 1, 3, #SMs and 2x#SMs programs while another stream
@@ -48,13 +60,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 import traceback
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -381,6 +396,204 @@ class MoondreamFamily:
         return {"logits": want["logits"], "hidden": want["hidden"]}
 
 
+class GraphFamily:
+    """Any family's step graph (`graph_fn()` -> StepGraph) compiled with CompiledStep directly, on
+    random weights generated from graph.weight_shapes by the role each weight plays in the graph, so
+    that activations stay O(1): linear / embedding / expert matrices N(0, 1) / sqrt(K) (K: the last
+    dimension), norm scales 1 + 0.1 N(0, 1) (0.1 N(0, 1) where the norm adds an offset of 1),
+    rotary tables of real angles (theta 1e4), the delta rule's A_log = log U(1, 16) and dt_bias =
+    softplus^-1 of dt log-uniform in [1e-3, 0.1] (Mamba's initialisation), conv taps N(0, 1) /
+    sqrt(W), other vectors 0.1 N(0, 1). Weights are generated one at a time straight into the
+    arena (no master copy; bf16 alone when the family is proved in bf16 only: a 9B graph in fp32
+    and bf16 besides the others would crowd an H200); the references read the arenas (bf16 rounding
+    included; folded norm offsets taken back out).
+
+    Host inputs (g.input): one added to logits an argmax reads is a per-row logit bias (~10% of the
+    columns -inf, as the skills' masks); any other is an input embedding, a fixed N(0, 1) row per
+    token. Recurrent states get random history in fill(). No own reference: run_reference on the
+    same graph is the reference. `advance` is the graph's own (an argmax(advance=True))."""
+    perop = False
+    control = False
+
+    def __init__(self, name: str, graph_fn: Callable[[], Any], tiling: Callable[[int], Any],
+                 batches: tuple[int, ...], dtypes: tuple[str, ...], stress_dtype: str, steps_rows: tuple[int, int],
+                 fixed_rows: tuple[int, int], parts: tuple[str, ...] = PARTS) -> None:
+        self.name, self.graph_fn, self.tiling, self.parts = name, graph_fn, tiling, parts
+        self.batches, self.dtypes, self.stress_dtype = batches, dtypes, stress_dtype
+        self.steps_rows, self.fixed_rows = steps_rows, fixed_rows
+        self.graph = graph_fn()
+        self.advance = any(n.op == "argmax" and n.args["advance"] for n in self.graph.nodes)
+        embeds = [n.args["tok"] for n in self.graph.nodes if n.op == "embed"]
+        argmax = next(n.args for n in self.graph.nodes if n.op == "argmax")
+        self.vocab = self.graph.weight_shapes[embeds[0]][0] if embeds else argmax["c1"] - argmax["c0"]
+        self.arena32 = None
+        self.arenas: dict = {}     # dtype -> weights arena; Build.use_dtype shares this dict
+        self._tables: dict = {}
+        self._bias: dict = {}
+
+    # -- random weights -----------------------------------------------------------------------------
+    def roles(self) -> dict[str, tuple]:
+        """weight name -> (role, detail) from the nodes that read it."""
+        r: dict[str, tuple] = {}
+
+        def scale(w, offset=0.0):
+            if w is not None:
+                r[w] = ("offset_scale",) if offset else ("scale",)
+        for n in self.graph.nodes:
+            a = n.args
+            if n.op in ("layer_norm", "rms_norm"):
+                scale(a["w"], a.get("offset", 0.0))
+            elif n.op == "add_norm":
+                scale(a["w"], a["offset"])
+                scale(a["scale_w"])
+            elif n.op == "kv_append":
+                if a["rotary"] is not None:
+                    r[a["rotary"].cos] = ("cos", a["rotary"].dims)
+                    r[a["rotary"].sin] = ("sin", a["rotary"].dims)
+                if a["norm"] is not None:
+                    scale(a["norm"].q, a["norm"].offset)
+                    scale(a["norm"].k, a["norm"].offset)
+                if a["tau"] is not None:
+                    r[a["tau"].alpha] = ("vector",)
+            elif n.op == "delta_rule":
+                r[a["a_log"]], r[a["dt_bias"]] = ("a_log",), ("dt_bias",)
+                scale(a["norm_w"])
+        return r
+
+    def _weight(self, name: str, shape: tuple[int, ...], role: tuple, gen):
+        import math
+
+        import torch
+        dev = self.dev
+
+        def randn(scale: float):
+            return torch.randn(*shape, generator=gen, device=dev) * scale
+
+        kind = role[0] if role else ("matrix" if len(shape) > 1 else "vector")
+        if kind in ("cos", "sin"):
+            half = shape[1]
+            inv = 1e4 ** (-torch.arange(half, dtype=torch.float32, device=dev) / half)
+            ang = torch.arange(shape[0], dtype=torch.float32, device=dev)[:, None] * inv[None]
+            return ang.cos() if kind == "cos" else ang.sin()
+        if kind == "scale":
+            return 1 + randn(0.1)
+        if kind == "offset_scale":
+            return randn(0.1)
+        if kind == "a_log":
+            return torch.log(1 + 15 * torch.rand(*shape, generator=gen, device=dev))
+        if kind == "dt_bias":
+            dt = torch.exp(math.log(1e-3) + (math.log(0.1) - math.log(1e-3)) * torch.rand(*shape, generator=gen,
+                                                                                             device=dev))
+            return dt + torch.log(-torch.expm1(-dt))          # softplus^-1(dt)
+        if kind == "matrix":
+            return randn(shape[-1] ** -0.5)
+        return randn(0.1)
+
+    def load(self, dev) -> None:
+        self.dev = dev
+
+    def build(self, batch: int, advance: bool, shared=None):
+        import torch
+
+        from photon_core.megakernel.compiler import CompiledStep
+        from photon_core.megakernel.stepgraph import Node
+        g = self.graph
+        if self.advance and not advance:    # the same graph, the host stepping rows instead
+            g = copy.copy(g)
+            g.nodes = [Node(n.op, n.out, dict(n.args, advance=False)) if n.op == "argmax" else n for n in g.nodes]
+        shared = shared if shared is not None else self.arena32
+        if shared is not None:
+            tensors = {k: torch.empty(0) for k in g.weight_shapes}
+        else:
+            roles = self.roles()
+            gen = torch.Generator(device=self.dev).manual_seed(0)
+            tensors = LazyWeights(g.weight_shapes, lambda k: self._weight(k, g.weight_shapes[k], roles.get(k), gen))
+        # Built in the finest dtype the family is proved in (bf16 alone: no fp32 copy of a 9B arena).
+        dtype = torch.float32 if "fp32" in self.dtypes else dtype_of(self.dtypes[0])
+        step = CompiledStep(g, tensors, batch, self.tiling(batch), dtype, shared_weights=shared, device=self.dev)
+        if self.arena32 is None:     # the first arena (fp32 unless the family is proved in bf16 only)
+            self.arena32 = self.arenas[dtype] = step.weights
+            self.plan = step.plan
+        return step
+
+    # -- rows, inputs, references ------------------------------------------------------------------
+    def rows(self, batch: int, purpose: str) -> Rows:
+        import torch
+        start, spacing = self.steps_rows if purpose == "steps" else self.fixed_rows
+        g = torch.Generator().manual_seed(batch)
+        return Rows(torch.randint(0, self.vocab, (batch,), generator=g).tolist(), spaced(batch, start, spacing),
+                    None)
+
+    def inputs(self, batch: int, tokens: list[int]) -> dict:
+        import torch
+        out = {}
+        # A logit bias: the residual of a linear an argmax reads (Moondream 3's input embedding is
+        # a residual too, of its first MLP).
+        picked = {n.args["x"].name for n in self.graph.nodes if n.op == "argmax"}
+        residuals = {n.args["residual"].name for n in self.graph.nodes
+                     if n.op == "linear" and n.args["residual"] is not None and n.out.name in picked}
+        for n in self.graph.nodes:
+            if n.op != "input":
+                continue
+            v = n.out
+            if v.name in residuals:      # a logit bias: ~10% of the columns barred, per row
+                key = (v.name, batch)
+                if key not in self._bias:
+                    g = torch.Generator().manual_seed(100 + batch)
+                    masked = torch.rand(batch, v.width, generator=g) < 0.1
+                    self._bias[key] = torch.zeros(batch, v.width).masked_fill(masked, float("-inf")).to(self.dev)
+                out[v.name] = self._bias[key]
+            else:                        # an input embedding of the row's token
+                if v.name not in self._tables:
+                    g = torch.Generator(device=self.dev).manual_seed(7)
+                    self._tables[v.name] = torch.randn(self.vocab, v.width, generator=g, device=self.dev)
+                out[v.name] = self._tables[v.name][torch.tensor(tokens, device=self.dev) % self.vocab]
+        return out
+
+    def ref_weights(self, dtype) -> dict:
+        """name -> the weight as the arena of `dtype` holds it (views; run_reference casts them to
+        fp32 per use), folded norm offsets taken back out (exactly: Sterbenz)."""
+        if dtype not in self.arenas:
+            if self.arena32.element_size() < dtype.itemsize:
+                raise ValueError(f"{self.name}: built in {self.arena32.dtype}, cannot give {dtype} weights")
+            self.arenas[dtype] = self.arena32.to(dtype)
+        arena, p = self.arenas[dtype], self.plan
+        out = {}
+        for k, shape in self.graph.weight_shapes.items():
+            off, n = p.warena.regions[k]
+            if k in p.ldw:
+                rows = math.prod(shape[:-1])
+                t = arena[off:off + n].view(rows, p.ldw[k])[:, :shape[-1]].view(shape)
+            else:
+                t = arena[off:off + n].view(shape)
+            out[k] = t.float() - p.weight_offset[k] if k in p.weight_offset else t
+        return out
+
+    def own_state(self, caches: dict) -> dict:
+        return {}
+
+    def own_reference(self, dtype, state: dict, tokens, positions, rows: Rows, inputs: dict) -> dict:
+        return {}
+
+
+class LazyWeights(Mapping):
+    """name -> tensor made on first use and not kept: CompiledStep copies each into its arena."""
+
+    def __init__(self, shapes: dict, make: Callable[[str], Any]) -> None:
+        self.shapes, self.make = shapes, make
+
+    def __getitem__(self, key: str):
+        if key not in self.shapes:
+            raise KeyError(key)
+        return self.make(key)
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 def families(dry: bool, sms: int) -> dict[str, Any]:
     from photon_core.megakernel.compiler import Tiling
     from photon_core.models.moondream.config import MoondreamConfig, RegionConfig, TextConfig
@@ -414,7 +627,76 @@ def families(dry: bool, sms: int) -> dict[str, Any]:
                               "bf16", (1, 37), (224, -9), perop=False),
                 MoondreamFamily("moondream2", cfg, cfg.text.max_context, prod, (1, 8), both, "bf16",
                                 (cfg.text.prefix_attn, 29), (cfg.text.prefix_attn + 100, 16))]
+    fams += graph_families(dry, prod)
     return {f.name: f for f in fams}
+
+
+def graph_families(dry: bool, prod: Callable[[int], Any]) -> list[GraphFamily]:
+    """The families compiled from their step graphs alone (GraphFamily): real sizes on a GPU (bf16
+    weights, parts steps / poison / timing at batch 1 and 8, to keep the whole proof near its
+    budget), tiny ones in the dry run (1-3 layers, width 64, vocabulary 96). Moondream 3 only
+    where its decode step exists."""
+    import torch
+
+    import roofline
+    from photon_core.models.gemma4 import decoder_step as gemma4
+    from photon_core.models.gemma4.config import TextConfig as GemmaText
+    from photon_core.models.qwen3_5 import decoder_step as qwen3_5
+    from photon_core.models.qwen3_asr import decoder_step as qwen3_asr
+    try:
+        from photon_core.models.moondream3 import decoder_step as moondream3
+    except ImportError:
+        moondream3 = None
+    parts = dict.fromkeys(("asr", "q35", "gem", "md3"), ("steps", "poison", "timing"))
+    if dry:
+        # Interpreter time: timing (nothing real to time) only where its byte count differs (states,
+        # windows); Qwen3-ASR (plain GQA, as Whisper and Moondream 2 poison it) only its steps.
+        parts.update(asr=("steps",), md3=("steps", "poison"))
+        batches, dtypes = (1, 2), ("fp32", "bf16")
+        asr = roofline.qwen3_asr_dims(hidden=64, intermediate=128, vocab_size=96, n_layers=1, n_heads=4,
+                                      n_kv_heads=2, head_dim=16)
+        q35 = roofline.qwen3_5_config(hidden_size=64, intermediate_size=128, vocab_size=96, num_hidden_layers=2,
+                                      layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                                      linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=16)
+        # sliding, full, and a sliding layer reading layer 0's ring (window 8: rows wrap it)
+        gem = GemmaText.from_dict(dict(
+            gemma4.E2B_TEXT, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], vocab_size_per_layer_input=96,
+            hidden_size_per_layer_input=16, num_kv_shared_layers=1, max_position_embeddings=64))
+        lens = dict(asr=32, q35=32, gem=32)
+        rows = dict(asr=((1, 2), (8, -1)), q35=((3, 5), (12, -4)), gem=((4, 9), (12, -5)), md3=((4, 3), (12, 1)))
+        md3 = None
+        if moondream3 is not None:
+            from photon_core.models.moondream3.config import Moondream3Config, MoeConfig, RegionConfig
+            from photon_core.models.moondream3.config import TextConfig as MD3Text
+            md3 = Moondream3Config(text=MD3Text(dim=64, ff_dim=128, n_layers=2, vocab_size=96, max_context=32,
+                                                n_heads=2, n_kv_heads=2, prefix_attn=4,
+                                                moe=MoeConfig(num_experts=4, start_layer=1, experts_per_token=2,
+                                                              expert_inner_dim=32)),
+                                   region=RegionConfig(dim=64, coord_out_dim=64, size_out_dim=128))
+            md3_len = 32
+    else:
+        batches, dtypes = (1, 8), ("bf16",)
+        asr, q35 = roofline.qwen3_asr_dims("Qwen3-ASR 0.6B"), roofline.qwen3_5_config("Qwen 3.5 0.8B")
+        gem = GemmaText.from_dict(gemma4.E2B_TEXT)
+        lens = dict(asr=1024, q35=1024, gem=1024)
+        # Gemma 4's rows cross its 512-slot rings during the steps (positions 500 on).
+        rows = dict(asr=((1, 37), (224, -9)), q35=((1, 37), (224, -9)), gem=((500, 37), (700, -9)),
+                    md3=((730, 29), (830, 16)))
+        md3 = roofline.moondream3_config() if moondream3 is not None else None
+        md3_len = 1024
+    fams = [GraphFamily("qwen3-asr-0.6b", lambda: qwen3_asr.step_graph(asr, lens["asr"]), prod, batches, dtypes,
+                        dtypes[-1], *rows["asr"], parts=parts["asr"]),
+            GraphFamily("qwen3.5-0.8b", lambda: qwen3_5.step_graph(q35, lens["q35"], tied=True), prod, batches,
+                        dtypes, dtypes[-1], *rows["q35"], parts=parts["q35"]),
+            GraphFamily("gemma4-e2b", lambda: gemma4.step_graph(gem, lens["gem"], torch.bfloat16), prod, batches,
+                        dtypes, dtypes[-1], *rows["gem"], parts=parts["gem"])]
+    if md3 is not None:
+        fams.append(GraphFamily("moondream3", lambda: moondream3.step_graph(moondream3.dims_of(md3), md3_len), prod,
+                                batches, dtypes, dtypes[-1], *rows["md3"], parts=parts["md3"]))
+    return fams
 
 
 def dtype_of(name: str):
@@ -469,7 +751,8 @@ class Build:
 
     def use_dtype(self, step, dtype) -> None:
         arena32 = self.fp32[id(step)]
-        arenas = self.ctx.arenas.setdefault(id(arena32), {})
+        # A family that keeps its own arenas (GraphFamily: its references read them) shares the dict.
+        arenas = self.ctx.arenas.setdefault(id(arena32), getattr(self.fam, "arenas", {}))
         if dtype not in arenas:
             arenas[dtype] = arena32 if dtype == arena32.dtype else arena32.to(dtype)
         step.weights = arenas[dtype]
@@ -487,7 +770,9 @@ def build(ctx: Ctx, fam, batch: int) -> Build:
 def fill(step, rows: Rows, seed: int) -> dict:
     """Random history in every cache of the step: each row's first `position` (self) or `cross_len`
     (cross) entries; NaN past them in the kernel's caches (never read), zeros in the copy returned
-    for the references. Sets the cross lengths."""
+    for the references. A ring cache (position p in slot p % length) is full once a row's position
+    reaches its length: the same mask. Recurrent states: random, the same in both. Sets the cross
+    lengths."""
     import torch
     g = step.graph_def
     dev = step.state.device
@@ -502,6 +787,10 @@ def fill(step, rows: Rows, seed: int) -> dict:
         hist = torch.randn(view.shape, generator=gen, device=dev) * 0.5
         view.copy_(hist.masked_fill(~valid, float("nan")))
         ref[name] = hist.masked_fill(~valid, 0.0)
+    for name in g.states:
+        view = step.view(name)
+        view.copy_(torch.randn(view.shape, generator=gen, device=dev) * 0.5)
+        ref[name] = view.clone()
     if rows.cross_len is not None:
         step.set_cross_len(rows.cross_len)
     return ref
@@ -558,7 +847,12 @@ def cache_of(tensors: Callable[[str], Any], ref) -> Any:
 
 
 def appended_refs(graph) -> list:
-    return [n.args[k] for n in graph.nodes if n.op == "kv_append" for k in ("k", "v")]
+    return [n.args[k] for n in graph.nodes if n.op == "kv_append" and n.args["append"] for k in ("k", "v")]
+
+
+def slot(ref, positions):
+    """Where a row at `positions` appends in the cache `ref`: a ring holds position p in slot p % length."""
+    return positions % ref.spec.length if ref.spec.ring else positions
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -567,7 +861,7 @@ def appended_refs(graph) -> list:
 
 def compare(step, want: dict, own: dict, positions: list[int], results: list[str], caches: dict) -> dict:
     """Errors of one step: exposed values vs run_reference and the family's reference, argmax picks,
-    and the K/V just appended at each row's position."""
+    the K/V just appended at each row's position (its slot in a ring) and the recurrent states."""
     import torch
     g = step.graph_def
     err = {"values": 0.0, "own": 0.0, "kv": 0.0}
@@ -579,8 +873,11 @@ def compare(step, want: dict, own: dict, positions: list[int], results: list[str
     at = torch.tensor(positions, device=step.state.device)
     for ref in appended_refs(g):
         # [B, H, Dh]: each row's entry at its own position (one comparison per cache, not per row).
-        got, exp = cache_of(step.view, ref)[rows, :, at], cache_of(caches.__getitem__, ref)[rows, :, at]
+        at_ = slot(ref, at)
+        got, exp = cache_of(step.view, ref)[rows, :, at_], cache_of(caches.__getitem__, ref)[rows, :, at_]
         err["kv"] = max(err["kv"], rel_err(got, exp))
+    for name in g.states:
+        err["kv"] = max(err["kv"], rel_err(step.view(name), caches[name]))
     exact = tolerated = total = 0
     for node in g.nodes:
         a = node.args
@@ -702,7 +999,9 @@ class Probe:
     Scratch: every state element outside the caches and host inputs. A launch after a NaN-fill of
     the scratch shows which elements no task writes: split-K slots a stage leaves unused are dropped
     from the scratch; any other is an unwritten value (a part 3 failure). The fingerprint of a launch
-    is the scratch, the cache slots it appends to, the results and dyn, as raw bits."""
+    is the scratch, the cache slots it appends to, the recurrent states, the results and dyn, as raw
+    bits. Recurrent states are put back before every launch (`reset`): a step updates them, so
+    fixed inputs include them."""
 
     def __init__(self, ctx: Ctx, fam, b: Build, dtype) -> None:
         import torch
@@ -716,11 +1015,13 @@ class Probe:
         caches = fill(step, rows, seed=10 + b.batch)
         inputs = apply_inputs(step, fam, rows.tokens, rows.positions)
         g = step.graph_def
-        keep = set(g.caches) | {n.out.name for n in g.nodes if n.op == "input"}
+        keep = set(g.caches) | set(g.states) | {n.out.name for n in g.nodes if n.op == "input"}
+        self.saved_states = [(step.view(k), step.view(k).clone()) for k in g.states]
         regions = [(k, off, n) for k, (off, n) in step.sarena.regions.items() if k not in keep]
         dev = step.state.device
         cand = torch.cat([torch.arange(off, off + n, device=dev) for _, off, n in regions])
         step.state.index_fill_(0, cand, float("nan"))
+        self.reset()
         self.kernel.launch()
         ctx.sync()
         left = torch.isnan(step.state[cand])
@@ -734,9 +1035,11 @@ class Probe:
                 self.unwritten[k] = cnt
             at += n
         self.scratch = cand[~left]
-        slots = [offsets(cache_of(step.view, ref)[r, :, p]) for ref in appended_refs(g)
+        slots = [offsets(cache_of(step.view, ref)[r, :, slot(ref, p)]) for ref in appended_refs(g)
                  for r, p in enumerate(rows.positions)]
+        slots += [offsets(view) for view, _ in self.saved_states]
         self.idx = torch.cat([self.scratch] + slots)
+        self.reset()
         self.kernel.launch()
         ctx.sync()
         self.launch_flags = flags(self.kernel)
@@ -755,6 +1058,10 @@ class Probe:
         import torch
         s = self.step
         return torch.cat([s.state[self.idx].view(torch.int32), s.out, s.dyn])
+
+    def reset(self) -> None:
+        for view, saved in self.saved_states:
+            view.copy_(saved)
 
     def poison(self) -> None:
         self.step.state.index_fill_(0, self.scratch, float("nan"))
@@ -828,6 +1135,7 @@ def stress(ctx: Ctx, p: Probe, kernel, programs: int, launches: int, poison_ever
             if poison_every and i % poison_every == poison_every - 1:
                 p.poison()
             ctx.noise.feed()
+            p.reset()
             kernel.launch()
             d = (p.fingerprint() != p.first).any()
             diff += d
@@ -1045,14 +1353,15 @@ def over_budget(ctx: Ctx, what: str, need_s: float = 20.0) -> bool:
 
 
 def kv_read_bytes(graph, rows: Rows) -> int:
-    """K and V bytes one step's attention reads (fp32 caches): each row's own length per node."""
+    """K and V bytes one step's attention reads (fp32 caches): each row's own length per node (a
+    window caps it); recurrent states read and written once per row."""
     n = 0
     for node in graph.nodes:
         if node.op == "attention":
-            spec = node.args["k"].spec
+            spec, window = node.args["k"].spec, node.args["window"]
             lengths = [p + 1 for p in rows.positions] if node.args["length"] == "self" else rows.cross_len
-            n += sum(lengths) * spec.heads * spec.head_dim * 2 * 4
-    return n
+            n += sum(min(x, window or x) for x in lengths) * spec.heads * spec.head_dim * 2 * 4
+    return n + sum(2 * 4 * math.prod(s.shape) for s in graph.states.values()) * len(rows.positions)
 
 
 def perop_whisper(ctx: Ctx, fam, batch: int, rows: Rows, caches: dict) -> dict:

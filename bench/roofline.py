@@ -4,10 +4,13 @@ graphs of real sizes are compiled on meta tensors (no weight memory).
 
     python bench/roofline.py [--write] [--quick]
 
-Per (model, batch): weight bytes per step (bf16, every weight once; rotary tables one row), KV
-bytes read (fp32 caches at a half-full context; cross-attention K/V over all encoder frames), the
-HBM floor (bytes / bandwidth), the task count, the widest and narrowest stage, the dependency depth
-(longest chain of waits) and the predicted time:
+Per (model, batch): weight bytes per step (bf16, every weight once; rotary tables one row; MoE
+experts: the ones the batch's rows choose, at most rows x top-k of them), KV / state bytes (fp32
+caches at a half-full context, sliding-window layers at most their window, every attention layer
+counted, KV-shared ones included; cross-attention K/V over all encoder frames; recurrent states
+(Qwen 3.5's DeltaNet conv and delta-rule states) read and written once per row), the HBM floor
+(bytes / bandwidth), the task count, the widest and narrowest stage, the dependency depth (longest
+chain of waits) and the predicted time:
 
     predicted = bytes / (bandwidth * efficiency) + depth * level_latency
 
@@ -19,6 +22,7 @@ measured numbers come from bench/gpu.sh.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,6 +73,93 @@ def moondream2() -> Model:
     return Model("Moondream 2", step_graph(dm, dm.max_context), dm.layers * 2 * dm.d * 4 * ctx // 2)
 
 
+# Real sizes of the families added with the step-graph compiler (no hub access here: the published
+# configs as bench/families.py states them). Contexts: Qwen3-ASR 1024 positions (30 s of audio is
+# 390 audio tokens + prompt + answer), Qwen 3.5 2048 (a 640x480 image is 300 tokens; room for a
+# long answer), Gemma 4 its roofline_model's 4096, Moondream 3 1024 as Moondream 2 (730-token image).
+QWEN3_ASR = {   # Qwen3-ASR's text decoders are Qwen3-0.6B / Qwen3-1.7B (tied embeddings)
+    "Qwen3-ASR 0.6B": dict(hidden=1024, intermediate=3072),
+    "Qwen3-ASR 1.7B": dict(hidden=2048, intermediate=6144),
+}
+QWEN3_5 = {     # 24 layers, 3 DeltaNet : 1 attention, 8 heads / 2 KV of 256, rotary 25%, tied
+    "Qwen 3.5 0.8B": dict(hidden_size=1024, intermediate_size=3584),
+    "Qwen 3.5 2B": dict(hidden_size=2048, intermediate_size=6144),
+}
+
+
+def qwen3_asr_dims(name: str = "Qwen3-ASR 0.6B", **override):
+    """Dims of Qwen3-ASR's text decoder at real size (`override`: TextConfig fields, e.g. tiny ones)."""
+    from photon_core.models.qwen3_asr.config import TextConfig
+    from photon_core.models.qwen3_asr.decoder_step import Dims
+    t = dict(vocab_size=151936, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, rms_eps=1e-6,
+             rope_theta=1e6, max_positions=65536, tie_embeddings=True, **QWEN3_ASR[name])
+    t.update(override)
+    return Dims.of(TextConfig(**t), t["tie_embeddings"])
+
+
+def qwen3_5_config(name: str = "Qwen 3.5 0.8B", **override):
+    """Qwen 3.5's text config at real size (`override`: config.json text fields)."""
+    from photon_core.models.qwen3_5.config import _text
+    layers = override.pop("num_hidden_layers", 24)
+    raw = dict(vocab_size=248320, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=16,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
+               + ["linear_attention"] * (layers % 4),
+               rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                    mrope_section=[11, 11, 10]), **QWEN3_5[name])
+    raw.update(override)
+    return _text(raw)
+
+
+def moondream3_config(**text_override):
+    """Moondream3Config() (Moondream 3.1 9B-A2B's real sizes), or with text fields overridden."""
+    import dataclasses
+
+    from photon_core.models.moondream3.config import Moondream3Config
+    cfg = Moondream3Config()
+    return dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, **text_override)) if text_override else cfg
+
+
+def state_bytes(graph, context: int) -> int:
+    """fp32 bytes one row moves besides the weights: each self-attention's K and V at half the
+    context (a window caps it), each recurrent state read and written. Cross attention: none here."""
+    half, n = context // 2, 0
+    for node in graph.nodes:
+        if node.op == "attention" and node.args["length"] == "self":
+            spec, window = node.args["k"].spec, node.args["window"]
+            n += 2 * spec.heads * spec.head_dim * 4 * (half if window is None else min(window, half))
+    return n + sum(2 * 4 * math.prod(s.shape) for s in graph.states.values())
+
+
+def qwen3_asr(name: str, context: int = 1024) -> Model:
+    from photon_core.models.qwen3_asr.decoder_step import step_graph
+    g = step_graph(qwen3_asr_dims(name), context)
+    return Model(name, g, state_bytes(g, context))
+
+
+def qwen3_5(name: str, context: int = 2048) -> Model:
+    from photon_core.models.qwen3_5.decoder_step import step_graph
+    g = step_graph(qwen3_5_config(name), context, tied=True)
+    return Model(name, g, state_bytes(g, context))
+
+
+def gemma4_e2b() -> Model:
+    from photon_core.models.gemma4.decoder_step import roofline_model
+    return Model(*roofline_model())
+
+
+def moondream3(context: int = 1024) -> Model | None:
+    """Moondream 3.1 9B-A2B, or None while its decode step is not in the tree."""
+    try:
+        from photon_core.models.moondream3.decoder_step import dims_of, step_graph
+    except ImportError:
+        return None
+    dm = dims_of(moondream3_config())
+    g = step_graph(dm, dm.max_context)
+    return Model("Moondream 3.1 9B-A2B", g, state_bytes(g, context))
+
+
 def depth(g) -> int:
     """Longest chain of waits through the task graph (tasks are listed in topological order)."""
     level_of_counter: dict[str, int] = {}
@@ -90,7 +181,7 @@ def stages(g) -> dict[str, int]:
 def row(model: Model, batch: int, tiling: Tiling) -> dict:
     g = lower(plan(model.graph, batch, tiling))
     per_stage = stages(g)
-    weights = model.graph.weight_bytes(2)
+    weights = model.graph.weight_bytes(2, rows=batch)
     kv = model.kv_bytes_per_row * batch
     out = dict(model=model.name, batch=batch, tasks=len(g.tasks), depth=depth(g),
                widest=max(per_stage.values()), narrowest=min(per_stage.values()),
@@ -108,7 +199,10 @@ def main() -> None:
     args = ap.parse_args()
     models = [whisper("Whisper tiny", 384, 6, 4)]
     if not args.quick:
-        models += [whisper("Whisper large-v3-turbo", 1280, 20, 4), moondream2()]
+        models += [whisper("Whisper large-v3-turbo", 1280, 20, 4), moondream2(),
+                   qwen3_asr("Qwen3-ASR 0.6B"), qwen3_asr("Qwen3-ASR 1.7B"), qwen3_5("Qwen 3.5 0.8B"),
+                   qwen3_5("Qwen 3.5 2B"), gemma4_e2b()]
+        models += [m for m in [moondream3()] if m is not None]
     batches = [1] if args.quick else [1, 8]
     # The GPU tiling: 64-column tiles, stages of few tiles narrowed / split to fill 132 SMs x 2.
     tiling = Tiling(block_n=64, block_k=64, block_t=64, self_splits=4, cross_splits=8, min_tasks=264)
@@ -121,11 +215,14 @@ def main() -> None:
                   f"{(r['weights'] + r['kv']) / 1e6:.0f} MB, predicted H200 {r['pred H200'] * 1e3:.3f} ms", flush=True)
     lines = heading("Megakernel roofline (prediction, no GPU)") + [
         "Graphs of real sizes compiled on meta tensors (tiling: 64-column tiles, few-tile stages "
-        "narrowed or split-K to 264 tasks). Bytes: bf16 weights once + fp32 KV read at half context "
-        "(Whisper: + cross K/V of 1500 frames). **Predicted** = bytes / (0.8 x bandwidth) + depth x "
+        "narrowed or split-K to 264 tasks). Bytes: bf16 weights once (MoE: the experts the batch's rows "
+        "choose, at most rows x top-k) + fp32 KV read at half context (sliding layers: at most the window; "
+        "Whisper: + cross K/V of 1500 frames; Qwen 3.5: + DeltaNet conv/delta states read and written). "
+        "Contexts: Whisper 448, Moondream 1024, Qwen3-ASR 1024, Qwen 3.5 2048, Gemma 4 4096. **Predicted** = "
+        "bytes / (0.8 x bandwidth) + depth x "
         "1.5 us; floors are bytes / bandwidth. Measured times come from bench/gpu.sh when a GPU is lent.",
         "",
-        "| model | batch | tasks | depth | stage tasks (min-max) | MB weights | MB KV | H200 floor ms | "
+        "| model | batch | tasks | depth | stage tasks (min-max) | MB weights | MB KV/state | H200 floor ms | "
         "H200 pred ms | Orin AGX pred ms | Orin NX pred ms |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -62,6 +62,12 @@ def test_proof_dry_run_runs_every_part(tmp_path):
         assert r["steps"] == out["sizes"]["steps"] and max(r["max_err"].values()) < 1e-4
         assert r["exact"] + r["tolerated"] == r["picks"] > 0
     assert any("text" in r["variants"] for r in steps)       # Moondream's pruned (caption/query) graph too
+    # The step-graph families (GraphFamily): steps at both batches, poisoning, timing where it runs.
+    graph_fams = {"qwen3-asr-0.6b", "qwen3.5-0.8b", "gemma4-e2b"} | (
+        {"moondream3"} if importlib.util.find_spec("photon_core.models.moondream3.decoder_step") else set())
+    assert {(r["family"], r["batch"]) for r in steps} >= {(f, b) for f in graph_fams for b in (1, 2)}
+    assert {r["family"] for r in parts["poison"]["results"]} >= graph_fams - {"qwen3-asr-0.6b"}
+    assert {r["family"] for r in parts["timing"]["results"]} >= {"qwen3.5-0.8b", "gemma4-e2b"}
     for r in parts["stress"]["results"]:
         assert [s["programs"] for s in r["runs"]] == [1, 3]
         assert all(s["differing"] == 0 and s["launches"] == out["sizes"]["launches"] for s in r["runs"])
