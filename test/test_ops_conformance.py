@@ -9,7 +9,8 @@ values there: reading it would make the result NaN. Triton outputs are allocated
 
 Then equation tests for the new references, each against an independent statement: chunked delta
 rule == T recurrent steps; MoE == a dense loop over all experts; sliding window == full attention
-under an explicit band mask; GQA == repeated kv heads; conv prefill == T single steps carrying the
+under an explicit band mask; attention bias == added to the scaled scores (0 == no bias, a -inf mask
+== masked attention); GQA == repeated kv heads; conv prefill == T single steps carrying the
 state (and F.conv1d); lstm_cell == torch.nn.LSTMCell.
 """
 import os
@@ -189,6 +190,24 @@ def case_attention(B):
     close(B.attention(q, k, v, True, 0, 0.3), ref.attention(q, k, v, True, 0, 0.3))  # explicit scale
     with pytest.raises(ValueError):
         B.attention(q, k, v, False, 0, None, 4)  # a window needs causal
+    for b, hq, hkv, tq, tk, d, causal, prefix, window, bias_b in [
+        (2, 2, 2, 17, 17, 32, False, 0, None, 2),  # per-batch bias, bidirectional (Parakeet's encoder)
+        (2, 4, 2, 19, 19, 24, True, 0, None, 1),   # batch-shared bias, GQA, causal
+        (1, 2, 1, 21, 40, 16, True, 5, 6, 1),      # bias + window + prefix, queries the last 21 of 40
+        (2, 2, 2, 1, 23, 16, False, 0, None, 2),   # one query with a bias: not the decode path
+    ]:
+        q, k, v = _attention_inputs(b, hq, hkv, tq, tk, d)
+        bias = 2 * torch.randn(bias_b, hq, tq, tk)
+        want = ref.attention(q, k, v, causal, prefix, None, window, bias)
+        if causal:  # bias entries of keys a query cannot see are never used
+            p = torch.arange(tk - tq, tk)[:, None]
+            j = torch.arange(tk)[None, :]
+            seen = (j <= p) & ((window is None) | (j > p - (window or 0)))
+            seen = seen | ((p < prefix) & (j < prefix))
+            bias = bias.masked_fill(~seen, NAN)
+        close(B.attention(q, k, v, causal, prefix, None, window, bias), want)
+    with pytest.raises(ValueError):
+        B.attention(q, k, v, False, 0, None, None, torch.zeros(b, hq, tq, tk + 1))  # bias of the wrong shape
 
 
 @case
@@ -475,6 +494,27 @@ def test_sliding_window_equals_full_attention_with_band_mask():
     for i, n in enumerate(lengths.tolist()):
         row_band = (torch.arange(tk) < n) & (torch.arange(tk) >= n - window)
         close(got[i:i + 1], _masked_softmax_attention(q[i:i + 1, :, -1:], k[i:i + 1], v[i:i + 1], row_band, d**-0.5))
+
+
+def test_attention_bias_is_added_to_the_scaled_scores():
+    b, h, tq, tk, d = 2, 3, 11, 11, 16
+    q, k, v = _attention_inputs(b, h, h, tq, tk, d)
+    hide = torch.rand(b, h, tq, tk) < 0.4
+    hide[..., 0] = False  # every row keeps a key
+    mask = torch.zeros(b, h, tq, tk).masked_fill(hide, float("-inf"))
+    pos = torch.randn(1, h, tq, tk)
+    for B in (ref, tri):
+        # bias = 0 is no bias, causal or not
+        close(B.attention(q, k, v, False, bias=torch.zeros(1, h, tq, tk)), ref.attention(q, k, v))
+        close(B.attention(q, k, v, True, bias=torch.zeros(b, h, tq, tk)), ref.attention(q, k, v, True))
+        # bias = a -inf mask is the masked attention (an independent softmax)
+        close(B.attention(q, k, v, False, bias=mask), _masked_softmax_attention(q, k, v, ~hide, d**-0.5))
+        # with causal the bias moves only the visible keys: causal mask AND the bias's -inf entries
+        causal = torch.ones(tq, tk, dtype=torch.bool).tril()
+        close(B.attention(q, k, v, True, bias=mask), _masked_softmax_attention(q, k, v, causal & ~hide, d**-0.5))
+        # a finite bias: softmax(scale * q k^T + bias) v, with an explicit scale
+        want = torch.softmax(0.3 * q @ k.transpose(-1, -2) + pos, dim=-1) @ v
+        close(B.attention(q, k, v, False, 0, 0.3, None, pos), want)
 
 
 def test_gqa_equals_repeated_kv_heads():

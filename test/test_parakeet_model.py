@@ -1,7 +1,9 @@
 """Parakeet TDT against transformers' ParakeetForTDT on the same tiny random weights.
 
 * front end: our log-mel equals ParakeetFeatureExtractor's on espeak-ng speech;
-* encoder: equals transformers' encoder output within fp32 tolerance;
+* encoder: equals transformers' encoder output within fp32 tolerance; its relative-position
+  attention runs as ops.attention with the position term as the bias, its depthwise conv as
+  ops.causal_conv1d;
 * greedy TDT: every step's token (blanks included) AND duration identical to transformers'
   greedy `generate` on real espeak-ng speech;
 * a .nemo built from the same weights under NeMo's names (with model_config.yaml and a
@@ -86,6 +88,34 @@ def test_encoder_matches_transformers(ours, hf, pcm, features):
     enc, _ = _steps(ours, pcm)
     assert enc.shape == (1, valid, ours.cfg.hidden_size)
     torch.testing.assert_close(enc, out.last_hidden_state[:, :valid], atol=1e-4, rtol=1e-4)
+
+
+def test_encoder_attention_and_depthwise_conv_run_on_the_ops_contract(ours, pcm, monkeypatch):
+    """The relative-position attention is ops.attention with the position term as `bias`, and the
+    conformer's depthwise conv is ops.causal_conv1d: a backend's kernels serve the whole encoder."""
+    from types import SimpleNamespace
+
+    from photon_core.backends import contract
+    from photon_core.backends import reference as ref
+
+    calls = []
+
+    def record(name):
+        def op(*args, **kwargs):
+            calls.append((name, kwargs.get("bias")))
+            return getattr(ref, name)(*args, **kwargs)
+        return op
+
+    ops = SimpleNamespace(**{n: getattr(ref, n) for n in contract.OP_NAMES})
+    ops.attention, ops.causal_conv1d = record("attention"), record("causal_conv1d")
+    monkeypatch.setattr(ours.model, "ops", ops)
+    with torch.inference_mode():
+        ours.model.encode(ours.mel(pcm[:8000])[None])
+    layers = ours.cfg.num_layers
+    attn = [b for n, b in calls if n == "attention"]
+    assert len(attn) == layers and sum(n == "causal_conv1d" for n, _ in calls) == layers
+    t = attn[0].shape[-1]
+    assert attn[0].shape == (1, ours.cfg.num_heads, t, t) and attn[0].abs().max() > 0
 
 
 def test_greedy_tdt_tokens_and_durations_match_generate(ours, pcm, reference_steps):

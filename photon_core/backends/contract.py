@@ -89,7 +89,7 @@ class Ops(Protocol):
     # ---------------------------------------------------------------- attention
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, prefix_len: int = 0,
-                  scale: float | None = None, window: int | None = None) -> Tensor:
+                  scale: float | None = None, window: int | None = None, bias: Tensor | None = None) -> Tensor:
         """Softmax attention of q [B, Hq, Tq, D] over k, v [B, Hkv, Tk, D] -> [B, Hq, Tq, D].
 
         Grouped-query attention: Hkv divides Hq and query head h uses kv head h // (Hq // Hkv) (the
@@ -102,6 +102,13 @@ class Ops(Protocol):
         scale defaults to 1/sqrt(D). Every query sees at least itself, so no row is empty.
         Never reads: keys/values before the first position any query can see (with a window,
         j <= Tk - Tq - window when prefix_len == 0).
+        bias: None, or a float tensor [B or 1, Hq, Tq, Tk] (a leading 1 broadcasts over the batch)
+        ADDED to the scaled scores before the softmax: s[i, j] = scale * q_i . k_j + bias[b, h, i, j]
+        (a position term such as Transformer-XL's relative attention, or an additive mask). It does
+        not replace the masks: with `causal`/`window`/`prefix_len` the invisible keys stay at -inf
+        whatever the bias holds (bias entries of invisible keys are never used, they may be NaN), and
+        the bias only moves the visible ones. A bias of 0 is no bias; a bias of -inf hides a key; a
+        row whose every visible score is -inf is undefined (0/0). Computed in fp32 on Triton.
         """
 
     def decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor,

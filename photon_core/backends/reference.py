@@ -94,14 +94,20 @@ def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              prefix_len: int = 0, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+              prefix_len: int = 0, scale: float | None = None, window: int | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention. With `causal`, query i (absolute position p = Tk - Tq + i) sees keys
     j <= p, and with a window only j > p - window; the first `prefix_len` positions additionally see
     each other (a bidirectional prefix block, as Moondream's image tokens need). Keys no query can
-    see are sliced away before anything reads them."""
+    see are sliced away before anything reads them. `bias` [B or 1, Hq, Tq, Tk] is added to the
+    scaled scores of the visible keys (invisible ones stay -inf)."""
     if window is not None and not causal:
         raise ValueError("attention: a window needs causal=True")
     tq, tk = q.shape[-2], k.shape[-2]
+    if bias is not None and (bias.dim() != 4 or bias.shape[0] not in (1, q.shape[0])
+                             or tuple(bias.shape[1:]) != (q.shape[1], tq, tk)):
+        raise ValueError(f"attention: bias {tuple(bias.shape)} is not [B or 1, Hq, Tq, Tk] = "
+                         f"[{q.shape[0]} or 1, {q.shape[1]}, {tq}, {tk}]")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     lo = 0
     if window is not None and tk - tq >= prefix_len:
@@ -115,6 +121,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         if window is not None:
             band = band & (kpos > qpos - window)
         mask = band | ((qpos < prefix_len) & (kpos < prefix_len))
+    if bias is not None:
+        # SDPA adds a float mask to the scaled scores; the visibility mask is folded in as -inf.
+        add = bias[..., lo:].to(q.dtype)
+        mask = add if mask is None else add.masked_fill(~mask, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 

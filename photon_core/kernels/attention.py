@@ -1,5 +1,5 @@
-"""Softmax attention: a tiled prefill kernel (causal + bidirectional prefix + sliding window) and
-split-KV decode, both with grouped-query attention.
+"""Softmax attention: a tiled prefill kernel (causal + bidirectional prefix + sliding window, optional
+additive score bias) and split-KV decode, both with grouped-query attention.
 
 Semantics are backends.reference.attention: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] with Hkv dividing Hq
 (query head h reads kv head h // G, G = Hq // Hkv; since rows are laid out b-major, the kv row of
@@ -12,7 +12,11 @@ positions also see each other (Moondream's image-prefix block).
   PV use tl.dot in fp32 "ieee" precision. Causal programs stop at the last key any of their queries (or
   the prefix) can see, and with a window start at the first key their first query can see: keys no
   query of the block can see are never loaded. Bytes: K and V re-read once per query block (and per
-  query head of a group: prefill is compute-bound); Q read and O written once.
+  query head of a group: prefill is compute-bound); Q read and O written once. With a `bias`
+  [B or 1, Hq, Tq, Tk] (HAS_BIAS) each program also reads the [BLOCK_M, BLOCK_N] bias tile of every
+  key block it visits and adds it to the scaled scores before the mask: at most Tq*Tk*4 bytes per
+  (b, h), each bias element read once (a batch-1 bias is re-read by every b through stride 0).
+  A call with a bias and Tq == 1 also runs this kernel (the decode kernels take no bias).
 * decode (Tq == 1, also cross-attention over encoder K/V): "flash decoding". Phase 1, grid (B*Hq, S):
   program (bh, s) takes keys [lo + s*chunk, min(L, lo + (s+1)*chunk)) of its row in BLOCK_T blocks,
   lo = max(0, L - window), and writes a partial (m, l, acc[D]). Phase 2, grid (B*Hq): merges the S
@@ -37,9 +41,9 @@ from photon_core.kernels import new_output
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, TQ, TK, D, PREFIX, scale, GROUP, WINDOW,
-                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bias_ptr, TQ, TK, D, PREFIX, scale, GROUP, WINDOW, HQ,
+                    BIAS_SB, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     kvh = bh // GROUP
     qb = tl.program_id(1)
@@ -67,6 +71,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, TQ, TK, D, PREFIX, scale, GROUP,
         k = tl.load(k_ptr + kv_off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if HAS_BIAS:
+            # bias row (b, h) = (bh // HQ, bh % HQ); BIAS_SB is 0 for a bias shared by the batch
+            b_off = (bh // HQ) * BIAS_SB + (bh % HQ) * TQ * TK + qi[:, None].to(tl.int64) * TK + kj[None, :]
+            s += tl.load(bias_ptr + b_off, mask=qmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         ok = kmask[None, :]
         if CAUSAL:
             band = (kj[None, :] <= qpos[:, None]) & (kj[None, :] > qpos[:, None] - WINDOW)
@@ -257,7 +265,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              prefix_len: int = 0, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+              prefix_len: int = 0, scale: float | None = None, window: int | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as backends.reference.attention (GQA when k/v have fewer heads than q)."""
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
@@ -267,16 +276,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         raise ValueError("attention: a window needs causal=True")
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1, got {window}")
+    if bias is not None and (bias.dim() != 4 or bias.shape[0] not in (1, b) or tuple(bias.shape[1:]) != (h, tq, tk)):
+        raise ValueError(f"attention: bias {tuple(bias.shape)} is not [B or 1, Hq, Tq, Tk] = "
+                         f"[{b} or 1, {h}, {tq}, {tk}]")
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    if tq == 1:
+    if tq == 1 and bias is None:
         # The single query is the last position: causal or not, it sees every key (of its window).
         lengths = torch.full((b,), tk, device=q.device, dtype=torch.int32)
         return decode_attention(q, k, v, lengths, scale, window)
     out = new_output((b, h, tq, d), q.device, torch.float32)
     bm, bn = 16, 16
     win = tk if window is None else min(int(window), tk)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    bias_sb = 0 if bias is None or bias.shape[0] == 1 else h * tq * tk
     _prefill_kernel[(b * h, triton.cdiv(tq, bm))](q.contiguous(), k.contiguous(), v.contiguous(), out,
-                                                 tq, tk, d, prefix_len, scale, h // hkv, win, CAUSAL=causal,
+                                                 out if bias is None else bias,  # unread without HAS_BIAS
+                                                 tq, tk, d, prefix_len, scale, h // hkv, win, h, bias_sb,
+                                                 CAUSAL=causal, HAS_BIAS=bias is not None,
                                                  BLOCK_M=bm, BLOCK_N=bn,
                                                  BLOCK_D=max(16, triton.next_power_of_2(d)))
     return out.to(q.dtype)

@@ -5,8 +5,8 @@ at load: q/k/v fused into one projection, the conformer's 0.5 feed-forward resid
 into the second linear, eval-mode BatchNorm folded into the depthwise conv, 1x1 convs as linears.
 
 Outside the contract, inline torch: the 3x3 depthwise convs of the 8x subsampling stem (the first
-conv runs as im2col + ops.linear), and the relative-position attention core, whose softmax takes a
-position-dependent additive term (Transformer-XL's (q+v)·R(i-j)) that ops.attention has no input for.
+conv runs as im2col + ops.linear), and the position term of the relative-position attention
+(Transformer-XL's (q+v)·R(i-j), a small einsum + gather) which ops.attention takes as its `bias`.
 """
 from __future__ import annotations
 
@@ -138,14 +138,15 @@ class ParakeetModel:
         qkv = ops.linear(x, layer.w_qkv, layer.b_qkv).float().view(B, T, 3, H, dh)
         q, k, v = qkv.unbind(2)                                            # [B, T, H, dh]
         r = ops.linear(pos, layer.w_pos).float().view(2 * T - 1, H, dh)
-        content = torch.einsum("bihd,bjhd->bhij", q + layer.bias_u, k)
+        scale = dh ** -0.5
         by_pos = torch.einsum("bihd,mhd->bhim", q + layer.bias_v, r)       # m: distance T-1-m
         # query i, key j sit at distance i - j, which is column m = T-1-i+j
         idx = (T - 1 - torch.arange(T, device=x.device)[:, None] + torch.arange(T, device=x.device))
-        by_pos = by_pos.gather(-1, idx.expand(B, H, T, T))
-        probs = torch.softmax((content + by_pos) * dh ** -0.5, dim=-1)
-        out = torch.einsum("bhij,bjhd->bihd", probs, v).reshape(B, T, D).to(x.dtype)
-        return out
+        by_pos = by_pos.gather(-1, idx.expand(B, H, T, T)) * scale
+        # softmax(scale * ((q+u)·k + (q+v)·R(i-j))): the content part is ordinary attention of q+u
+        out = ops.attention((q + layer.bias_u).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            scale=scale, bias=by_pos)                      # [B, H, T, dh]
+        return out.transpose(1, 2).reshape(B, T, D).to(x.dtype)
 
     def conv_module(self, layer: EncoderLayer, x: Tensor) -> Tensor:
         ops = self.ops
