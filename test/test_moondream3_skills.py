@@ -4,12 +4,12 @@ detect's region-head protocol written out by hand, the query prompt, and segment
 protocol (segment.py's docstring) with a scripted LM head."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import test_moondream3_checkpoints as ck
+from test_moondream_skills import check_boxes_and_points, ramp_image
 from photon_core.models.moondream import Request, skills
 from photon_core.models.moondream3 import segment as seg
 from photon_core.models.moondream3 import text as md3_text
@@ -22,8 +22,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def image():
-    y, x = np.mgrid[0:200, 0:300]
-    return np.stack([x % 256, y % 256, (2 * x + y) % 256], -1).astype(np.uint8)
+    return ramp_image(200, 300, 2)
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +30,8 @@ def enc(model, image):
     return model.encode_image(image)
 
 
-def _in_unit(*vals):
-    return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in vals)
-
-
 def test_all_skills_well_formed(model, enc):
-    det = model.detect(enc, "cup", max_objects=3)
-    assert set(det) == {"objects"} and len(det["objects"]) == 3   # the biased LM head never says eos
-    for o in det["objects"]:
-        assert set(o) == {"x_min", "y_min", "x_max", "y_max"} and _in_unit(*o.values())
-        assert o["x_min"] <= o["x_max"] and o["y_min"] <= o["y_max"]
-    pts = model.point(enc, "cup", max_objects=2)
-    assert set(pts) == {"points"} and len(pts["points"]) == 2
-    assert all(set(p) == {"x", "y"} and _in_unit(*p.values()) for p in pts["points"])
+    check_boxes_and_points(model, enc, 3, 2)
     cap = model.caption(enc, length="short", max_tokens=4)["caption"]
     assert isinstance(cap, str) and cap
     ans = model.query(enc, "what is this ?", max_tokens=4)["answer"]

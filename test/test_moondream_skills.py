@@ -22,10 +22,15 @@ def model():
     return mf.model()
 
 
+def ramp_image(h: int, w: int, k: int) -> np.ndarray:
+    """A deterministic RGB image of ramps (also Moondream 3's tests' image)."""
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([x % 256, y % 256, (k * x + y) % 256], -1).astype(np.uint8)
+
+
 @pytest.fixture(scope="module")
 def image():
-    y, x = np.mgrid[0:240, 0:320]
-    return np.stack([x % 256, y % 256, (3 * x + y) % 256], -1).astype(np.uint8)
+    return ramp_image(240, 320, 3)
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +42,21 @@ def _in_unit(*vals):
     return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in vals)
 
 
-def test_all_skills_well_formed(model, enc):
-    det = model.detect(enc, "cup", max_objects=4)
-    assert set(det) == {"objects"} and len(det["objects"]) == 4  # the biased LM head never says eos
+def check_boxes_and_points(model, enc, n_objects: int, n_points: int) -> None:
+    """detect and point give exactly n_objects boxes and n_points points (the tiny checkpoints' biased
+    LM head never says eos), ordered boxes, all values in [0, 1] (also Moondream 3's tests' check)."""
+    det = model.detect(enc, "cup", max_objects=n_objects)
+    assert set(det) == {"objects"} and len(det["objects"]) == n_objects
     for o in det["objects"]:
         assert set(o) == {"x_min", "y_min", "x_max", "y_max"} and _in_unit(*o.values())
         assert o["x_min"] <= o["x_max"] and o["y_min"] <= o["y_max"]
-    pts = model.point(enc, "cup", max_objects=3)
-    assert set(pts) == {"points"} and len(pts["points"]) == 3
+    pts = model.point(enc, "cup", max_objects=n_points)
+    assert set(pts) == {"points"} and len(pts["points"]) == n_points
     assert all(set(p) == {"x", "y"} and _in_unit(*p.values()) for p in pts["points"])
+
+
+def test_all_skills_well_formed(model, enc):
+    check_boxes_and_points(model, enc, 4, 3)
     assert model.detect(enc, "cup", max_objects=0) == {"objects": []}
     cap = model.caption(enc, length="short", max_tokens=6)["caption"]
     assert isinstance(cap, str) and len(cap.split()) == 6  # WordLevel: one word per token, no eos drawn

@@ -11,6 +11,7 @@ from photon_core.weights.resolve import Resolved
 from . import weights
 from .batch import Request
 from .config import MoondreamConfig, is_moondream3_config
+from .config import refusal as config_refusal
 from .model import EncodedImage, MoondreamModel, load_moondream
 
 # Both tensor namings (see weights.py) have a vision tower, a text model and the region head;
@@ -36,13 +37,7 @@ def recognise(files: CheckpointFiles) -> bool:
 
 def refuse(files: CheckpointFiles) -> str | None:
     """int4-quantized checkpoints: recognised here, not runnable yet."""
-    try:
-        MoondreamConfig.from_dict(files.config)
-    except NotImplementedError as err:
-        return str(err)
-    except ValueError:
-        pass   # a malformed config is reported by the loader, with the whole check
-    return None
+    return config_refusal(MoondreamConfig, files.config)
 
 
 def places(name: str) -> list[str | Path]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,17 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class RegionConfig:
+class RegionDims:
+    """The region head's sizes that Moondream 2 and 3 share (Moondream 3's RegionConfig adds its own)."""
     dim: int = 2048
     coord_feat_dim: int = 256
     coord_out_dim: int = 1024
     size_feat_dim: int = 512
     size_out_dim: int = 2048
+
+
+@dataclass(frozen=True)
+class RegionConfig(RegionDims):
     inner_dim: int = 8192
     group_size: int | None = None
 
@@ -87,9 +93,56 @@ def is_moondream3_config(d: dict | None) -> bool:
     d = dict(d or {})
     if str(d.get("model_type", "")).startswith("moondream3"):
         return True
-    if isinstance(d.get("config"), dict) and not ({"text", "vision", "region"} & set(d)):
-        d = d["config"]
+    d = unwrap(d)
     return isinstance(d.get("text"), dict) and bool(MD3_KEYS & set(d["text"]))
+
+
+def unwrap(d: dict | None) -> dict:
+    """The reference layout of a config.json: the Hugging Face wrapper keeps it under "config"."""
+    d = dict(d or {})
+    if isinstance(d.get("config"), dict) and not ({"text", "vision", "region"} & set(d)):
+        d = dict(d["config"])
+    return d
+
+
+def check_keys(cls: type, d: dict, section: str) -> None:
+    """A typo in config.json fails loudly instead of silently taking a default."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"config.json: unknown keys in '{section}': {sorted(unknown)}")
+
+
+def build_sections(d: dict | None, classes: dict[str, type], build: Callable[[type, Any, str], Any]) -> dict:
+    """section name -> that section's dataclass, each built by the family's `build`."""
+    d = unwrap(d)
+    return {name: build(c, d.get(name), name) for name, c in classes.items()}
+
+
+def check_dims(t: Any, v: VisionConfig, r: Any, vision_divides: bool = True) -> None:
+    """The checks both families' text / vision / region sections share."""
+    if t.dim % t.n_heads or t.n_heads % t.n_kv_heads:
+        raise ValueError("config.text: dim must divide into n_heads, n_heads into n_kv_heads")
+    if vision_divides and (v.crop_size % v.enc_patch_size or v.enc_dim % v.enc_n_heads):
+        raise ValueError("config.vision: crop_size / patch size or enc_dim / heads do not divide")
+    if t.prefix_attn != 1 + v.grid * v.grid:
+        raise ValueError(f"config: text.prefix_attn ({t.prefix_attn}) must be 1 + image tokens "
+                         f"({1 + v.grid * v.grid})")
+    if v.proj_out_dim != t.dim or r.dim != t.dim:
+        raise ValueError("config: vision.proj_out_dim and region.dim must equal text.dim")
+    if r.size_out_dim % 2:
+        raise ValueError("config.region.size_out_dim must be even (width and height bins)")
+
+
+def refusal(config_cls: Any, d: dict | None) -> str | None:
+    """Why a recognised checkpoint cannot run (an unsupported config), or None; a malformed config
+    is left for the loader to report, with the whole check."""
+    try:
+        config_cls.from_dict(d)
+    except NotImplementedError as err:
+        return str(err)
+    except ValueError:
+        pass
+    return None
 
 
 def _build(cls, d: dict, section: str):
@@ -98,10 +151,7 @@ def _build(cls, d: dict, section: str):
     if md3:
         raise ValueError(f"a Moondream 3 (MoE) config (config.{section} has {sorted(md3)}): load it with "
                          "photon_core.models.moondream3, not as Moondream 2")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    if unknown:
-        raise ValueError(f"config.json: unknown keys in '{section}': {sorted(unknown)}")
+    check_keys(cls, d, section)
     return cls(**d)
 
 
@@ -114,13 +164,8 @@ class MoondreamConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "MoondreamConfig":
-        d = dict(d or {})
-        if isinstance(d.get("config"), dict) and not ({"text", "vision", "region"} & set(d)):
-            d = d["config"]  # Hugging Face wrapper: the reference layout sits under "config"
-        cfg = cls(text=_build(TextConfig, d.get("text"), "text"),
-                  vision=_build(VisionConfig, d.get("vision"), "vision"),
-                  region=_build(RegionConfig, d.get("region"), "region"),
-                  tokenizer=_build(TokenizerConfig, d.get("tokenizer"), "tokenizer"))
+        cfg = cls(**build_sections(d, {"text": TextConfig, "vision": VisionConfig, "region": RegionConfig,
+                                        "tokenizer": TokenizerConfig}, _build))
         cfg.validate()
         return cfg
 
@@ -128,14 +173,4 @@ class MoondreamConfig:
         t, v, r = self.text, self.vision, self.region
         if t.group_size is not None or r.group_size is not None:
             raise NotImplementedError("int4-quantized Moondream checkpoints are not supported yet")
-        if t.dim % t.n_heads or t.n_heads % t.n_kv_heads:
-            raise ValueError("config.text: dim must divide into n_heads, n_heads into n_kv_heads")
-        if v.crop_size % v.enc_patch_size or v.enc_dim % v.enc_n_heads:
-            raise ValueError("config.vision: crop_size / patch size or enc_dim / heads do not divide")
-        if t.prefix_attn != 1 + v.grid * v.grid:
-            raise ValueError(f"config: text.prefix_attn ({t.prefix_attn}) must be 1 + image tokens "
-                             f"({1 + v.grid * v.grid})")
-        if v.proj_out_dim != t.dim or r.dim != t.dim:
-            raise ValueError("config: vision.proj_out_dim and region.dim must equal text.dim")
-        if r.size_out_dim % 2:
-            raise ValueError("config.region.size_out_dim must be even (width and height bins)")
+        check_dims(t, v, r)

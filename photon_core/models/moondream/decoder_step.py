@@ -30,7 +30,7 @@ side; `launch(region_heads=False)` runs the pruned graph without the region head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -72,17 +72,54 @@ def weight_shapes(dm: Dims) -> dict[str, tuple[int, ...]]:
     d = dm.d
     s: dict[str, tuple[int, ...]] = {}
     for li in range(dm.layers):
-        L = f"L{li}"
-        s.update({f"{L}.ln.w": (d,), f"{L}.ln.b": (d,), f"{L}.qkv_w": (3 * d, d), f"{L}.qkv_b": (3 * d,),
-                  f"{L}.proj_w": (d, d), f"{L}.proj_b": (d,), f"{L}.fc1_w": (dm.ff, d), f"{L}.fc1_b": (dm.ff,),
-                  f"{L}.fc2_w": (d, dm.ff), f"{L}.fc2_b": (d,)})
-    s.update({"post_ln.w": (d,), "post_ln.b": (d,), "lm_w": (dm.vocab, d), "lm_b": (dm.vocab,),
-              "rope_cos": (dm.max_context, dm.rot // 2), "rope_sin": (dm.max_context, dm.rot // 2),
-              "c_fc1_w": (dm.region_inner, d), "c_fc1_b": (dm.region_inner,),
+        s.update(block_shapes(f"L{li}", d, 3 * d))
+        s.update(dense_mlp_shapes(f"L{li}", d, dm.ff))
+    s.update(lm_shapes(dm))
+    s.update({"c_fc1_w": (dm.region_inner, d), "c_fc1_b": (dm.region_inner,),
               "c_fc2_w": (dm.coord_bins, dm.region_inner), "c_fc2_b": (dm.coord_bins,),
               "s_fc1_w": (dm.region_inner, d), "s_fc1_b": (dm.region_inner,),
               "s_fc2_w": (dm.size_bins, dm.region_inner), "s_fc2_b": (dm.size_bins,)})
     return s
+
+
+def block_shapes(L: str, d: int, qkv: int) -> dict[str, tuple[int, ...]]:
+    """A parallel block's LayerNorm, fused qkv and output projection (both Moondream decoders)."""
+    return {f"{L}.ln.w": (d,), f"{L}.ln.b": (d,), f"{L}.qkv_w": (qkv, d), f"{L}.qkv_b": (qkv,),
+            f"{L}.proj_w": (d, d), f"{L}.proj_b": (d,)}
+
+
+def dense_mlp_shapes(L: str, d: int, ff: int) -> dict[str, tuple[int, ...]]:
+    return {f"{L}.fc1_w": (ff, d), f"{L}.fc1_b": (ff,), f"{L}.fc2_w": (d, ff), f"{L}.fc2_b": (d,)}
+
+
+def lm_shapes(dm: Any) -> dict[str, tuple[int, ...]]:
+    """post_ln, the LM head and the rotary tables (a Dims of either Moondream decoder)."""
+    d = dm.d
+    return {"post_ln.w": (d,), "post_ln.b": (d,), "lm_w": (dm.vocab, d), "lm_b": (dm.vocab,),
+            "rope_cos": (dm.max_context, dm.rot // 2), "rope_sin": (dm.max_context, dm.rot // 2)}
+
+
+def block_input(g: StepGraph, L: str, x: Any) -> tuple[Any, Any]:
+    """h = LN(x), which feeds attention and the MLP, and qkv = h @ Wqkv.T + b."""
+    h = g.layer_norm(f"{L}.h", x, f"{L}.ln.w", f"{L}.ln.b")
+    return h, g.linear(f"{L}.qkv", h, f"{L}.qkv_w", f"{L}.qkv_b")
+
+
+def lm_head(g: StepGraph, x: Any, vocab: int) -> None:
+    """Exposes the last hidden state and the biased logits; the token is their argmax."""
+    g.expose("hidden", x)
+    bias = g.input("logit_bias", vocab)
+    logits = g.linear("logits", g.layer_norm("post_ln", x, "post_ln.w", "post_ln.b"), "lm_w", "lm_b",
+                      residual=bias)
+    g.expose("logits", logits)
+    g.argmax("token", logits)
+
+
+def size_argmax(g: StepGraph, size: Any, size_bins: int) -> None:
+    """Width and height bins: the argmax of each half of the size logits."""
+    half = size_bins // 2
+    g.argmax("width", size, 0, half)
+    g.argmax("height", size, half, size_bins)
 
 
 def step_graph(dm: Dims, max_len: int) -> StepGraph:
@@ -94,28 +131,20 @@ def step_graph(dm: Dims, max_len: int) -> StepGraph:
     x = g.input("x", d)
     for li in range(dm.layers):
         L = f"L{li}"
-        h = g.layer_norm(f"{L}.h", x, f"{L}.ln.w", f"{L}.ln.b")
-        qkv = g.linear(f"{L}.qkv", h, f"{L}.qkv_w", f"{L}.qkv_b")
+        h, qkv = block_input(g, L, x)
         hid = g.linear(f"{L}.mlp_up", h, f"{L}.fc1_w", f"{L}.fc1_b", act="gelu_tanh")
         q = g.kv_append(f"{L}.rope", qkv, kc[li], vc[li], rotary=rope)
         a = g.attention(f"{L}.attn", q, kc[li], vc[li], "self")
         m = g.linear(f"{L}.mlp_down", hid, f"{L}.fc2_w", f"{L}.fc2_b", residual=x)
         # x + attn_out + mlp, in the reference's order: proj(a) + (x + mlp).
         x = g.linear(f"{L}.proj", a, f"{L}.proj_w", f"{L}.proj_b", residual=m)
-    g.expose("hidden", x)
-    bias = g.input("logit_bias", dm.vocab)
-    logits = g.linear("logits", g.layer_norm("post_ln", x, "post_ln.w", "post_ln.b"), "lm_w", "lm_b",
-                      residual=bias)
-    g.expose("logits", logits)
-    g.argmax("token", logits)
+    lm_head(g, x, dm.vocab)
     coord = g.linear("coord_logits", g.linear("coord_hid", x, "c_fc1_w", "c_fc1_b", act="gelu_tanh"),
                      "c_fc2_w", "c_fc2_b")
     g.argmax("coord", coord)
     size = g.linear("size_logits", g.linear("size_hid", x, "s_fc1_w", "s_fc1_b", act="gelu_tanh"),
                     "s_fc2_w", "s_fc2_b")
-    half = dm.size_bins // 2
-    g.argmax("width", size, 0, half)
-    g.argmax("height", size, half, dm.size_bins)
+    size_argmax(g, size, dm.size_bins)
     return g
 
 
@@ -124,17 +153,28 @@ def gather_weights(text_w: Any, region_w: Any) -> dict[str, torch.Tensor]:
     (tensors are shared here; the arena copies them)."""
     t: dict[str, torch.Tensor] = {}
     for li, b in enumerate(text_w.blocks):
-        L = f"L{li}"
-        t.update({f"{L}.ln.w": b.ln[0], f"{L}.ln.b": b.ln[1], f"{L}.qkv_w": b.qkv[0], f"{L}.qkv_b": b.qkv[1],
-                  f"{L}.proj_w": b.proj[0], f"{L}.proj_b": b.proj[1], f"{L}.fc1_w": b.fc1[0],
-                  f"{L}.fc1_b": b.fc1[1], f"{L}.fc2_w": b.fc2[0], f"{L}.fc2_b": b.fc2[1]})
-    t.update({"post_ln.w": text_w.post_ln[0], "post_ln.b": text_w.post_ln[1], "lm_w": text_w.lm_head[0],
-              "lm_b": text_w.lm_head[1], "rope_cos": text_w.cos, "rope_sin": text_w.sin,
-              "c_fc1_w": region_w.coord_fc1[0], "c_fc1_b": region_w.coord_fc1[1],
+        t.update(block_weights(f"L{li}", b))
+        t.update(dense_mlp_weights(f"L{li}", b))
+    t.update(lm_weights(text_w))
+    t.update({"c_fc1_w": region_w.coord_fc1[0], "c_fc1_b": region_w.coord_fc1[1],
               "c_fc2_w": region_w.coord_fc2[0], "c_fc2_b": region_w.coord_fc2[1],
               "s_fc1_w": region_w.size_fc1[0], "s_fc1_b": region_w.size_fc1[1],
               "s_fc2_w": region_w.size_fc2[0], "s_fc2_b": region_w.size_fc2[1]})
     return t
+
+
+def block_weights(L: str, b: Any) -> dict[str, torch.Tensor]:
+    return {f"{L}.ln.w": b.ln[0], f"{L}.ln.b": b.ln[1], f"{L}.qkv_w": b.qkv[0], f"{L}.qkv_b": b.qkv[1],
+            f"{L}.proj_w": b.proj[0], f"{L}.proj_b": b.proj[1]}
+
+
+def dense_mlp_weights(L: str, b: Any) -> dict[str, torch.Tensor]:
+    return {f"{L}.fc1_w": b.fc1[0], f"{L}.fc1_b": b.fc1[1], f"{L}.fc2_w": b.fc2[0], f"{L}.fc2_b": b.fc2[1]}
+
+
+def lm_weights(text_w: Any) -> dict[str, torch.Tensor]:
+    return {"post_ln.w": text_w.post_ln[0], "post_ln.b": text_w.post_ln[1], "lm_w": text_w.lm_head[0],
+            "lm_b": text_w.lm_head[1], "rope_cos": text_w.cos, "rope_sin": text_w.sin}
 
 
 class ArenaKVCache:
@@ -242,14 +282,26 @@ def reference_step(text_w: Any, region_w: Any, cfg: Any, caches: list[Any], embe
     text.forward (which appends to each row's cache) and region decoders' math. Returns hidden [B, D],
     logits [B, V] (bias added), tokens, coord bins and size bins."""
     from photon_core.models.moondream import text as text_mod
+
+    def region_logits(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (ref.linear(ref.linear(h, *region_w.coord_fc1, activation="gelu_tanh"), *region_w.coord_fc2),
+                ref.linear(ref.linear(h, *region_w.size_fc1, activation="gelu_tanh"), *region_w.size_fc2))
+
+    return reference_rows(text_mod, text_w, cfg, caches, embeddings, positions, bias, region_logits)
+
+
+def reference_rows(text_mod: Any, text_w: Any, cfg: Any, caches: list[Any], embeddings: torch.Tensor,
+                   positions: list[int], bias: torch.Tensor | None,
+                   region_logits: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """reference_step of either Moondream decoder: its text module's forward and lm_logits, then its
+    region heads' (coordinate, size) logits, one row at a time."""
     hidden, logits, tokens, cbins, sbins = [], [], [], [], []
     for r, p in enumerate(positions):
         h = text_mod.forward(embeddings[r].view(1, 1, -1), p, text_w, cfg.text, caches[r], ref)[:, -1]
         lg = text_mod.lm_logits(h, text_w, ref)[0]
         if bias is not None:
             lg = lg + bias[r] if bias.dim() == 2 else lg + bias
-        c = ref.linear(ref.linear(h, *region_w.coord_fc1, activation="gelu_tanh"), *region_w.coord_fc2)
-        s = ref.linear(ref.linear(h, *region_w.size_fc1, activation="gelu_tanh"), *region_w.size_fc2)
+        c, s = region_logits(h)
         hidden.append(h[0])
         logits.append(lg)
         tokens.append(int(lg.argmax()))

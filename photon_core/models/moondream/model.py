@@ -195,6 +195,30 @@ class MoondreamModel:
         return batch_decoding.run(self, requests)
 
 
+@dataclass
+class Opened:
+    """A checkpoint found and checked, before its tensors are read."""
+    backend: Any
+    device: torch.device
+    dtype: torch.dtype
+    ckpt: Any           # weights.Checkpoint: the tensor file, its folder and config.json
+    config: Any         # the family's config dataclass, validated
+    tokenizer: MoondreamTokenizer
+
+
+def open_checkpoint(path_or_id: str | Path, device: str | torch.device, dtype: torch.dtype | str, backend: Any,
+                    weights_module: Any, config_cls: Any) -> Opened:
+    """What both Moondream loaders do first: the default backend, the dtype and device parsed, the
+    checkpoint resolved by the family's weights module, its config validated, its tokenizer read."""
+    if backend is None:
+        from photon_core.backends import reference as backend
+    dtype = weights_module.parse_dtype(dtype)
+    device = torch.device(device)
+    ckpt = weights_module.resolve(path_or_id)
+    config = config_cls.from_dict(ckpt.config)
+    return Opened(backend, device, dtype, ckpt, config, MoondreamTokenizer(find_tokenizer(ckpt.folder)))
+
+
 def load_moondream(path_or_id: str | Path = "moondream2", device: str | torch.device = "cpu",
                    dtype: torch.dtype | str = torch.float32, backend: Any = None, tiling: Any = None,
                    max_len: int | None = None) -> MoondreamModel:
@@ -202,13 +226,7 @@ def load_moondream(path_or_id: str | Path = "moondream2", device: str | torch.de
 
     backend: an ops module (photon_core.backends.select.get_backend: reference, the default; triton;
     megakernel, whose decode steps are compiled launches with `tiling`, KV caches of `max_len`)."""
-    if backend is None:
-        from photon_core.backends import reference as backend
-    dtype = weights_io.parse_dtype(dtype)
-    device = torch.device(device)
-    ckpt = weights_io.resolve(path_or_id)
-    config = MoondreamConfig.from_dict(ckpt.config)
-    tokenizer = MoondreamTokenizer(find_tokenizer(ckpt.folder))
-    state = weights_io.load_tensors(ckpt.weights, dtype, device)
-    check_state(state, config, str(ckpt.weights))
-    return MoondreamModel(config, state, tokenizer, backend, device, dtype, tiling=tiling, max_len=max_len)
+    o = open_checkpoint(path_or_id, device, dtype, backend, weights_io, MoondreamConfig)
+    state = weights_io.load_tensors(o.ckpt.weights, o.dtype, o.device)
+    check_state(state, o.config, str(o.ckpt.weights))
+    return MoondreamModel(o.config, state, o.tokenizer, o.backend, o.device, o.dtype, tiling=tiling, max_len=max_len)

@@ -26,10 +26,15 @@ class RegionWeights:
 
     @classmethod
     def from_state(cls, sd: dict[str, torch.Tensor]) -> "RegionWeights":
-        return cls(sd["region.coord_features"], take(sd, "region.coord_encoder"),
-                   take(sd, "region.coord_decoder.fc1"), take(sd, "region.coord_decoder.fc2"),
-                   sd["region.size_features"], take(sd, "region.size_encoder"),
-                   take(sd, "region.size_decoder.fc1"), take(sd, "region.size_decoder.fc2"))
+        return cls(**encoder_weights(sd), coord_fc1=take(sd, "region.coord_decoder.fc1"),
+                   coord_fc2=take(sd, "region.coord_decoder.fc2"), size_fc1=take(sd, "region.size_decoder.fc1"),
+                   size_fc2=take(sd, "region.size_decoder.fc2"))
+
+
+def encoder_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | Linear]:
+    """The Fourier encoders' fields of a RegionWeights (Moondream 3's region head has the same)."""
+    return dict(coord_features=sd["region.coord_features"], coord_encoder=take(sd, "region.coord_encoder"),
+                size_features=sd["region.size_features"], size_encoder=take(sd, "region.size_encoder"))
 
 
 def fourier(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -61,13 +66,23 @@ def encode_sizes(sizes: list[tuple[float, float]], w: RegionWeights, ops) -> tor
 
 def decode_coords(hidden: torch.Tensor, w: RegionWeights, ops) -> list[float]:
     """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1)."""
-    logits = ops.linear(ops.linear(hidden, *w.coord_fc1, activation="gelu_tanh"), *w.coord_fc2)
-    return [b / logits.shape[-1] for b in ops.argmax(logits).tolist()]
+    return coords_from_logits(ops.linear(ops.linear(hidden, *w.coord_fc1, activation="gelu_tanh"), *w.coord_fc2),
+                              ops)
 
 
 def decode_sizes(hidden: torch.Tensor, w: RegionWeights, ops) -> list[tuple[float, float]]:
     """Hidden states [n, dim] (before post_ln) -> n (width, height) pairs in (0, 1]."""
-    logits = ops.linear(ops.linear(hidden, *w.size_fc1, activation="gelu_tanh"), *w.size_fc2)
-    bins = ops.argmax(logits.view(hidden.shape[0], 2, -1)).float()
+    return sizes_from_logits(ops.linear(ops.linear(hidden, *w.size_fc1, activation="gelu_tanh"), *w.size_fc2),
+                             hidden.shape[0], ops)
+
+
+def coords_from_logits(logits: torch.Tensor, ops) -> list[float]:
+    """Coordinate logits [n, bins] -> n values argmax bin / bins."""
+    return [b / logits.shape[-1] for b in ops.argmax(logits).tolist()]
+
+
+def sizes_from_logits(logits: torch.Tensor, n: int, ops) -> list[tuple[float, float]]:
+    """Size logits [n, 2 * bins] -> n (width, height) pairs, 2 ** (bin / 1023 * 10 - 10) per axis."""
+    bins = ops.argmax(logits.view(n, 2, -1)).float()
     size = torch.pow(2.0, bins / 1023.0 * 10.0 - 10.0)
     return [(wd, ht) for wd, ht in size.tolist()]

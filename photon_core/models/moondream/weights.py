@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,8 +70,9 @@ def _how_to_get() -> str:
             f"(or pass a folder holding {WEIGHTS_FILE} and tokenizer.json).")
 
 
-def _weights_in(folder: Path) -> Path | None:
-    for name in (WEIGHTS_FILE, "model.pt"):
+def weights_in(folder: Path, names: tuple[str, ...]) -> Path | None:
+    """The first of `names` in `folder`, else its only .safetensors (or .pt) file."""
+    for name in names:
         if (folder / name).is_file():
             return folder / name
     found = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.pt"))
@@ -79,39 +81,64 @@ def _weights_in(folder: Path) -> Path | None:
     return found[0] if found else None
 
 
-def resolve(path_or_id: str | Path) -> Checkpoint:
-    """A local file or folder, or a model id looked up in the Hugging Face cache (never downloaded)."""
-    name = str(path_or_id)
-    if name in MD3_IDS or "moondream3" in name.lower() and not Path(name).exists():
-        raise ValueError(f"{name}: a Moondream 3 (MoE) model; load it with photon_core.models.moondream3 "
-                         "(load_moondream3), not as Moondream 2")
-    path = Path(name).expanduser()
+def local_weights(path: Path, names: tuple[str, ...], what: str, how_to_get: str) -> tuple[Path, Path] | None:
+    """(weights file, folder) for a local file or folder, None when `path` is neither."""
     if path.is_file():
-        weights, folder = path, path.parent
-    elif path.is_dir():
-        weights, folder = _weights_in(path), path
+        return path, path.parent
+    if path.is_dir():
+        weights = weights_in(path, names)
         if weights is None:
-            raise FileNotFoundError(f"no {WEIGHTS_FILE} (or other .safetensors/.pt) in {path}. {_how_to_get()}")
-    elif name in MD2_IDS or re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-        repo = HF_REPO if name in MD2_IDS else name
-        snap = hf_cache.find_snapshot(repo, WEIGHTS_FILE)
-        if snap is None:
-            raise FileNotFoundError(f"Moondream weights for {name!r} not found: {hf_cache.describe_search(repo)}. "
-                                    f"{_how_to_get()}")
-        weights, folder = snap / WEIGHTS_FILE, snap
-    else:
-        raise FileNotFoundError(f"{name!r} is neither a file, a folder, nor a known model id "
-                                f"({sorted(MD2_IDS)}). {_how_to_get()}")
+            raise FileNotFoundError(f"no {what} in {path}. {how_to_get}")
+        return weights, path
+    return None
+
+
+def cached_weights(repo: str, file: str, label: str, name: str, how_to_get: str) -> tuple[Path, Path]:
+    """(weights file, snapshot folder) of `repo` in the Hugging Face cache; never downloads."""
+    snap = hf_cache.find_snapshot(repo, file)
+    if snap is None:
+        raise FileNotFoundError(f"{label} weights for {name!r} not found: {hf_cache.describe_search(repo)}. "
+                                f"{how_to_get}")
+    return snap / file, snap
+
+
+def unknown_id(name: str, ids: Any, how_to_get: str) -> FileNotFoundError:
+    return FileNotFoundError(f"{name!r} is neither a file, a folder, nor a known model id ({sorted(ids)}). "
+                             f"{how_to_get}")
+
+
+def with_config(weights: Path, folder: Path) -> Checkpoint:
+    """The checkpoint, with the config.json beside it when there is one."""
     config = None
     if (folder / "config.json").is_file():
         config = json.loads((folder / "config.json").read_text())
     return Checkpoint(weights=weights, folder=folder, config=config)
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
+def resolve(path_or_id: str | Path) -> Checkpoint:
+    """A local file or folder, or a model id looked up in the Hugging Face cache (never downloaded)."""
+    name = str(path_or_id)
+    if name in MD3_IDS or "moondream3" in name.lower() and not Path(name).exists():
+        raise ValueError(f"{name}: a Moondream 3 (MoE) model; load it with photon_core.models.moondream3 "
+                         "(load_moondream3), not as Moondream 2")
+    found = local_weights(Path(name).expanduser(), (WEIGHTS_FILE, "model.pt"),
+                          f"{WEIGHTS_FILE} (or other .safetensors/.pt)", _how_to_get())
+    if found is not None:
+        weights, folder = found
+    elif name in MD2_IDS or re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        weights, folder = cached_weights(HF_REPO if name in MD2_IDS else name, WEIGHTS_FILE, "Moondream", name,
+                                         _how_to_get())
+    else:
+        raise unknown_id(name, MD2_IDS, _how_to_get())
+    return with_config(weights, folder)
+
+
+def read(path: Path, torch_suffixes: tuple[str, ...] = (".pt", ".pth", ".bin")) -> Any:
+    """The tensors of a .safetensors file, or what torch.load(weights_only=True) reads from a file
+    with one of `torch_suffixes`."""
     if path.suffix == ".safetensors":
         return read_safetensors(path)
-    if path.suffix in (".pt", ".pth", ".bin"):
+    if path.suffix in torch_suffixes:
         return read_torch(path)
     raise ValueError(f"unsupported weights format {path.suffix!r} ({path}); expected .safetensors or .pt")
 
@@ -136,5 +163,5 @@ def normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def load_tensors(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    tensors = normalize_names(_read(path))
+    tensors = normalize_names(read(path))
     return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in tensors.items()}

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from photon_core.models.moondream import is_moondream3
+from photon_core.models.moondream.config import refusal as config_refusal
 from photon_core.registry import Family
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved
@@ -20,13 +21,7 @@ def recognise(files: CheckpointFiles) -> bool:
 
 
 def refuse(files: CheckpointFiles) -> str | None:
-    try:
-        Moondream3Config.from_dict(files.config)
-    except NotImplementedError as err:
-        return str(err)
-    except ValueError:
-        pass   # a malformed config is reported by the loader, with the whole check
-    return None
+    return config_refusal(Moondream3Config, files.config)
 
 
 def places(name: str) -> list[str | Path]:

@@ -8,10 +8,11 @@ MoE layers and tau attention, and the region head is the linear one with a Layer
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from photon_core.models.moondream.config import TokenizerConfig, VisionConfig
+from photon_core.models.moondream import config as md2_config
+from photon_core.models.moondream.config import (TokenizerConfig, VisionConfig, build_sections, check_dims,
+                                                  check_keys)
 
 
 @dataclass(frozen=True)
@@ -27,28 +28,17 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
-class TextConfig:
-    dim: int = 2048
-    ff_dim: int = 8192
-    n_layers: int = 24
-    vocab_size: int = 51200
+class TextConfig(md2_config.TextConfig):
+    """Moondream 2's text sizes (same fields, same order), a longer context, another rope theta, and
+    the MoE layers and tau attention."""
     max_context: int = 32768
-    n_heads: int = 32
-    n_kv_heads: int = 32
-    prefix_attn: int = 730
     rope_theta: float = 1_500_000.0
-    group_size: int | None = None   # int4 quantized checkpoints: not supported (checked at load)
     moe: MoeConfig | None = MoeConfig()
     tau_attn: bool = True
 
 
 @dataclass(frozen=True)
-class RegionConfig:
-    dim: int = 2048
-    coord_feat_dim: int = 256
-    coord_out_dim: int = 1024
-    size_feat_dim: int = 512
-    size_out_dim: int = 2048
+class RegionConfig(md2_config.RegionDims):
     decoder_arch: str = "linear"    # Moondream 3's heads: one Linear each, after a LayerNorm
     use_ln: bool = True
 
@@ -69,10 +59,7 @@ def default_templates() -> dict:
 
 def _build(cls, d: dict | None, section: str):
     d = dict(d or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    if unknown:
-        raise ValueError(f"config.json: unknown keys in '{section}': {sorted(unknown)}")
+    check_keys(cls, d, section)
     if cls is TextConfig and isinstance(d.get("moe"), dict):
         d["moe"] = _build(MoeConfig, d["moe"], "text.moe")
     if cls is TokenizerConfig:
@@ -89,13 +76,8 @@ class Moondream3Config:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Moondream3Config":
-        d = dict(d or {})
-        if isinstance(d.get("config"), dict) and not ({"text", "vision", "region"} & set(d)):
-            d = d["config"]  # Hugging Face wrapper: the reference layout sits under "config"
-        cfg = cls(text=_build(TextConfig, d.get("text"), "text"),
-                  vision=_build(VisionConfig, d.get("vision"), "vision"),
-                  region=_build(RegionConfig, d.get("region"), "region"),
-                  tokenizer=_build(TokenizerConfig, d.get("tokenizer"), "tokenizer"))
+        cfg = cls(**build_sections(d, {"text": TextConfig, "vision": VisionConfig, "region": RegionConfig,
+                                        "tokenizer": TokenizerConfig}, _build))
         cfg.validate()
         return cfg
 
@@ -103,15 +85,7 @@ class Moondream3Config:
         t, v, r, m = self.text, self.vision, self.region, self.text.moe
         if t.group_size is not None:
             raise NotImplementedError("int4-quantized Moondream 3 checkpoints are not supported yet")
-        if t.dim % t.n_heads or t.n_heads % t.n_kv_heads:
-            raise ValueError("config.text: dim must divide into n_heads, n_heads into n_kv_heads")
-        if t.prefix_attn != 1 + v.grid * v.grid:
-            raise ValueError(f"config: text.prefix_attn ({t.prefix_attn}) must be 1 + image tokens "
-                             f"({1 + v.grid * v.grid})")
-        if v.proj_out_dim != t.dim or r.dim != t.dim:
-            raise ValueError("config: vision.proj_out_dim and region.dim must equal text.dim")
-        if r.size_out_dim % 2:
-            raise ValueError("config.region.size_out_dim must be even (width and height bins)")
+        check_dims(t, v, r, vision_divides=False)
         if r.decoder_arch != "linear" or not r.use_ln:
             raise NotImplementedError(f"config.region: only Moondream 3's linear heads after a LayerNorm are "
                                       f"supported (decoder_arch 'linear', use_ln true), got "

@@ -33,6 +33,7 @@ import torch
 
 from photon_core.backends import reference as ref
 from photon_core.megakernel.stepgraph import Rotary, StepGraph, Tau
+from photon_core.models.moondream import decoder_step as md2_step
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel
 
 from . import region as md3_region
@@ -78,18 +79,16 @@ def weight_shapes(dm: Dims) -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {}
     for li in range(dm.layers):
         L = f"L{li}"
-        s.update({f"{L}.ln.w": (d,), f"{L}.ln.b": (d,), f"{L}.qkv_w": (dm.qkv, d), f"{L}.qkv_b": (dm.qkv,),
-                  f"{L}.proj_w": (d, d), f"{L}.proj_b": (d,)})
+        s.update(md2_step.block_shapes(L, d, dm.qkv))
         if li >= dm.moe_start:
             s.update({f"{L}.router_w": (dm.experts, d), f"{L}.router_b": (dm.experts,),
                       f"{L}.gate_up": (dm.experts, 2 * dm.expert_ff, d), f"{L}.down": (dm.experts, d, dm.expert_ff)})
         else:
-            s.update({f"{L}.fc1_w": (dm.ff, d), f"{L}.fc1_b": (dm.ff,), f"{L}.fc2_w": (d, dm.ff), f"{L}.fc2_b": (d,)})
+            s.update(md2_step.dense_mlp_shapes(L, d, dm.ff))
         if dm.tau:
             s.update({f"{L}.tau_w": (2 * dm.heads, dm.qkv), f"{L}.tau_alpha": (dm.heads,)})
-    s.update({"post_ln.w": (d,), "post_ln.b": (d,), "lm_w": (dm.vocab, d), "lm_b": (dm.vocab,),
-              "rope_cos": (dm.max_context, dm.rot // 2), "rope_sin": (dm.max_context, dm.rot // 2),
-              "r_ln.w": (d,), "r_ln.b": (d,), "r_coord_w": (dm.coord_bins, d), "r_coord_b": (dm.coord_bins,),
+    s.update(md2_step.lm_shapes(dm))
+    s.update({"r_ln.w": (d,), "r_ln.b": (d,), "r_coord_w": (dm.coord_bins, d), "r_coord_b": (dm.coord_bins,),
               "r_size_w": (dm.size_bins, d), "r_size_b": (dm.size_bins,)})
     return s
 
@@ -104,8 +103,7 @@ def step_graph(dm: Dims, max_len: int) -> StepGraph:
     x = g.input("x", d)
     for li in range(dm.layers):
         L = f"L{li}"
-        h = g.layer_norm(f"{L}.h", x, f"{L}.ln.w", f"{L}.ln.b")
-        qkv = g.linear(f"{L}.qkv", h, f"{L}.qkv_w", f"{L}.qkv_b")
+        h, qkv = md2_step.block_input(g, L, x)
         tau = None
         if dm.tau:
             t = g.linear(f"{L}.tau", g.act(f"{L}.qkv_gelu", qkv, "gelu"), f"{L}.tau_w", act="tanh")
@@ -124,18 +122,10 @@ def step_graph(dm: Dims, max_len: int) -> StepGraph:
             m = g.linear(f"{L}.mlp_down", hid, f"{L}.fc2_w", f"{L}.fc2_b", residual=x)
         # x + attn_out + mlp, in the reference's order: proj(a) + (x + mlp).
         x = g.linear(f"{L}.proj", a, f"{L}.proj_w", f"{L}.proj_b", residual=m)
-    g.expose("hidden", x)
-    bias = g.input("logit_bias", dm.vocab)
-    logits = g.linear("logits", g.layer_norm("post_ln", x, "post_ln.w", "post_ln.b"), "lm_w", "lm_b",
-                      residual=bias)
-    g.expose("logits", logits)
-    g.argmax("token", logits)
+    md2_step.lm_head(g, x, dm.vocab)
     rh = g.layer_norm("region_ln", x, "r_ln.w", "r_ln.b")
     g.argmax("coord", g.linear("coord_logits", rh, "r_coord_w", "r_coord_b"))
-    size = g.linear("size_logits", rh, "r_size_w", "r_size_b")
-    half = dm.size_bins // 2
-    g.argmax("width", size, 0, half)
-    g.argmax("height", size, half, dm.size_bins)
+    md2_step.size_argmax(g, g.linear("size_logits", rh, "r_size_w", "r_size_b"), dm.size_bins)
     return g
 
 
@@ -144,18 +134,16 @@ def gather_weights(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeig
     t: dict[str, torch.Tensor] = {}
     for li, b in enumerate(text_w.blocks):
         L = f"L{li}"
-        t.update({f"{L}.ln.w": b.ln[0], f"{L}.ln.b": b.ln[1], f"{L}.qkv_w": b.qkv[0], f"{L}.qkv_b": b.qkv[1],
-                  f"{L}.proj_w": b.proj[0], f"{L}.proj_b": b.proj[1]})
+        t.update(md2_step.block_weights(L, b))
         if b.router is not None:
             t.update({f"{L}.router_w": b.router[0], f"{L}.router_b": b.router[1], f"{L}.gate_up": b.experts_gate_up,
                       f"{L}.down": b.experts_down})
         else:
-            t.update({f"{L}.fc1_w": b.fc1[0], f"{L}.fc1_b": b.fc1[1], f"{L}.fc2_w": b.fc2[0], f"{L}.fc2_b": b.fc2[1]})
+            t.update(md2_step.dense_mlp_weights(L, b))
         if b.tau_wqwv is not None:
             t.update({f"{L}.tau_w": b.tau_wqwv, f"{L}.tau_alpha": b.tau_alpha})
-    t.update({"post_ln.w": text_w.post_ln[0], "post_ln.b": text_w.post_ln[1], "lm_w": text_w.lm_head[0],
-              "lm_b": text_w.lm_head[1], "rope_cos": text_w.cos, "rope_sin": text_w.sin,
-              "r_ln.w": region_w.ln[0], "r_ln.b": region_w.ln[1], "r_coord_w": region_w.coord_head[0],
+    t.update(md2_step.lm_weights(text_w))
+    t.update({"r_ln.w": region_w.ln[0], "r_ln.b": region_w.ln[1], "r_coord_w": region_w.coord_head[0],
               "r_coord_b": region_w.coord_head[1], "r_size_w": region_w.size_head[0],
               "r_size_b": region_w.size_head[1]})
     return t
@@ -176,20 +164,8 @@ def reference_step(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeig
     """The same step with backends.reference ops, one row at a time through Moondream 3's own
     text.forward (which appends to each row's cache) and region head. Returns hidden [B, D],
     logits [B, V] (bias added), tokens, coord bins and size bins."""
-    hidden, logits, tokens, cbins, sbins = [], [], [], [], []
-    for r, p in enumerate(positions):
-        h = md3_text.forward(embeddings[r].view(1, 1, -1), p, text_w, cfg.text, caches[r], ref)[:, -1]
-        lg = md3_text.lm_logits(h, text_w, ref)[0]
-        if bias is not None:
-            lg = lg + (bias[r] if bias.dim() == 2 else bias)
+    def region_logits(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rh = ref.layer_norm(h, *region_w.ln)
-        c = ref.linear(rh, *region_w.coord_head)
-        s = ref.linear(rh, *region_w.size_head)
-        hidden.append(h[0])
-        logits.append(lg)
-        tokens.append(int(lg.argmax()))
-        cbins.append(int(c.argmax()))
-        sb = s.view(2, -1).argmax(-1)
-        sbins.append((int(sb[0]), int(sb[1])))
-    return dict(hidden=torch.stack(hidden), logits=torch.stack(logits), tokens=tokens, coord_bins=cbins,
-                size_bins=sbins)
+        return ref.linear(rh, *region_w.coord_head), ref.linear(rh, *region_w.size_head)
+
+    return md2_step.reference_rows(md3_text, text_w, cfg, caches, embeddings, positions, bias, region_logits)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from photon_core.models.moondream.model import EncodedImage, ImageLike, MoondreamModel
-from photon_core.models.moondream.tokenizer import MoondreamTokenizer, find_tokenizer
+from photon_core.models.moondream.model import EncodedImage, ImageLike, MoondreamModel, open_checkpoint
+from photon_core.models.moondream.tokenizer import MoondreamTokenizer
 from photon_core.models.moondream.model import _expected_shapes as md2_expected_shapes
 
 from . import region, segment, text
@@ -119,16 +119,10 @@ def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str 
     backend: an ops module (photon_core.backends.select.get_backend: reference, the default; triton;
     megakernel, whose decode steps are compiled launches with `tiling`, KV caches of `max_len`, default
     min(max_context, MEGAKERNEL_MAX_LEN))."""
-    if backend is None:
-        from photon_core.backends import reference as backend
-    dtype = weights_io.parse_dtype(dtype)
-    device = torch.device(device)
-    ckpt = weights_io.resolve(path_or_id)
-    config = Moondream3Config.from_dict(ckpt.config)
-    tokenizer = MoondreamTokenizer(find_tokenizer(ckpt.folder))
-    layout = config.text.moe.gate_up_layout if config.text.moe is not None else "halves"
-    state = weights_io.load_tensors(ckpt.weights, dtype, device, layout)
-    check_state(state, config, str(ckpt.weights))
+    o = open_checkpoint(path_or_id, device, dtype, backend, weights_io, Moondream3Config)
+    layout = o.config.text.moe.gate_up_layout if o.config.text.moe is not None else "halves"
+    state = weights_io.load_tensors(o.ckpt.weights, o.dtype, o.device, layout)
+    check_state(state, o.config, str(o.ckpt.weights))
     name = str(path_or_id) if str(path_or_id) in weights_io.MODELS else "moondream3"
-    return Moondream3Model(config, state, tokenizer, backend, device, dtype, model_id=name, tiling=tiling,
+    return Moondream3Model(o.config, state, o.tokenizer, o.backend, o.device, o.dtype, model_id=name, tiling=tiling,
                            max_len=max_len)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from photon_core.models.moondream.region import encode_coord, encode_coords, encode_size, encode_sizes  # noqa: F401
+from photon_core.models.moondream.region import coords_from_logits, encoder_weights, sizes_from_logits
 from photon_core.models.moondream.vision import Linear, take
 
 
@@ -28,20 +29,15 @@ class RegionWeights:
 
     @classmethod
     def from_state(cls, sd: dict[str, torch.Tensor]) -> "RegionWeights":
-        return cls(sd["region.coord_features"], take(sd, "region.coord_encoder"),
-                   sd["region.size_features"], take(sd, "region.size_encoder"),
-                   take(sd, "region.ln"), take(sd, "region.coord_head"), take(sd, "region.size_head"))
+        return cls(**encoder_weights(sd), ln=take(sd, "region.ln"), coord_head=take(sd, "region.coord_head"),
+                   size_head=take(sd, "region.size_head"))
 
 
 def decode_coords(hidden: torch.Tensor, w: RegionWeights, ops) -> list[float]:
     """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1)."""
-    logits = ops.linear(ops.layer_norm(hidden, *w.ln), *w.coord_head)
-    return [b / logits.shape[-1] for b in ops.argmax(logits).tolist()]
+    return coords_from_logits(ops.linear(ops.layer_norm(hidden, *w.ln), *w.coord_head), ops)
 
 
 def decode_sizes(hidden: torch.Tensor, w: RegionWeights, ops) -> list[tuple[float, float]]:
     """Hidden states [n, dim] (before post_ln) -> n (width, height) pairs in (0, 1]."""
-    logits = ops.linear(ops.layer_norm(hidden, *w.ln), *w.size_head)
-    bins = ops.argmax(logits.view(hidden.shape[0], 2, -1)).float()
-    size = torch.pow(2.0, bins / 1023.0 * 10.0 - 10.0)
-    return [(wd, ht) for wd, ht in size.tolist()]
+    return sizes_from_logits(ops.linear(ops.layer_norm(hidden, *w.ln), *w.size_head), hidden.shape[0], ops)

@@ -18,15 +18,12 @@ dequantized here on the CPU, w = fp8.float() * scale[..., None], then cast to th
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from photon_core.models.moondream import weights as md2_weights
-from photon_core.weights import hf_cache
-from photon_core.weights.tensor_files import parse_dtype, read_safetensors, read_torch, rename  # noqa: F401
+from photon_core.weights.tensor_files import parse_dtype, rename  # noqa: F401
 
 # model id -> (Hugging Face repo, weights file in it)
 MODELS = {
@@ -54,11 +51,7 @@ _TRANSPOSED = {"region_model.coordinate_features.weight": "region.coord_features
                "region_model.size_features.weight": "region.size_features"}
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    weights: Path
-    folder: Path
-    config: dict | None
+Checkpoint = md2_weights.Checkpoint
 
 
 def _how_to_get() -> str:
@@ -66,51 +59,28 @@ def _how_to_get() -> str:
             "(or pass a folder holding model.safetensors / model_fp8.pt and tokenizer.json).")
 
 
-def _weights_in(folder: Path) -> Path | None:
-    for name in WEIGHT_FILES:
-        if (folder / name).is_file():
-            return folder / name
-    found = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.pt"))
-    if len(found) > 1:
-        raise ValueError(f"{folder} holds several weight files ({[p.name for p in found]}); pass one of them")
-    return found[0] if found else None
-
-
 def resolve(path_or_id: str | Path) -> Checkpoint:
     """A local file or folder, or a Moondream 3 model id looked up in the Hugging Face cache
     (never downloaded)."""
     name = str(path_or_id)
-    path = Path(name).expanduser()
-    if path.is_file():
-        weights, folder = path, path.parent
-    elif path.is_dir():
-        weights, folder = _weights_in(path), path
-        if weights is None:
-            raise FileNotFoundError(f"no model.safetensors or model_fp8.pt in {path}. {_how_to_get()}")
+    found = md2_weights.local_weights(Path(name).expanduser(), WEIGHT_FILES, "model.safetensors or model_fp8.pt",
+                                      _how_to_get())
+    if found is not None:
+        weights, folder = found
     elif name in IDS:
         short = next(k for k, (repo, _) in MODELS.items() if name in (k, repo))
-        repo, file = MODELS[short]
-        snap = hf_cache.find_snapshot(repo, file)
-        if snap is None:
-            raise FileNotFoundError(f"Moondream 3 weights for {name!r} not found: "
-                                    f"{hf_cache.describe_search(repo)}. {_how_to_get()}")
-        weights, folder = snap / file, snap
+        weights, folder = md2_weights.cached_weights(*MODELS[short], "Moondream 3", name, _how_to_get())
     else:
-        raise FileNotFoundError(f"{name!r} is neither a file, a folder, nor a known model id "
-                                f"({sorted(MODELS)}). {_how_to_get()}")
-    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
-    return Checkpoint(weights, folder, config)
+        raise md2_weights.unknown_id(name, MODELS, _how_to_get())
+    return md2_weights.with_config(weights, folder)
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        return read_safetensors(path)
-    if path.suffix in (".pt", ".pth"):
-        state = read_torch(path)
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ValueError(f"{path}: expected a plain state dict of tensors")
-        return state
-    raise ValueError(f"unsupported weights format {path.suffix!r} ({path}); expected .safetensors or .pt")
+    state = md2_weights.read(path, (".pt", ".pth"))
+    if path.suffix != ".safetensors" and (not isinstance(state, dict)
+                                          or not all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise ValueError(f"{path}: expected a plain state dict of tensors")
+    return state
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
