@@ -59,8 +59,10 @@ def pick_encoder_dtype(device: torch.device, dtype: torch.dtype | str | None) ->
 
 QUANTIZE = (None, "int8-decoder", "int8")
 # The CPU default. A faster path is the default only where its WER on the broad speech set stays
-# within 0.5 points of float32's (bench/speech.py, 84 utterances, whisper tiny.en, AVX-512 CPU,
-# 2026-12-01): int8 decoder linears 0.270 vs float32 0.297 (passes); int8 encoder too 0.309 (fails).
+# within 0.5 points of float32's (bench/speech.py, 84 utterances, whisper tiny.en, AVX-512 VNNI CPU,
+# 2026-12-01): int8 decoder linears 0.296 (0.270 with 7-bit activations) vs float32 0.297, and
+# 0.73-0.84x faster-whisper int8's latency where float32 is 1.22-1.50x (passes); int8 encoder too
+# 0.305-0.311 (fails).
 CPU_DEFAULT_QUANTIZE: str | None = "int8-decoder"
 
 
