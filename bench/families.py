@@ -59,16 +59,6 @@ CASES = ["qwen3_5-0.8b", "parakeet", "qwen3_asr", "moondream3", "qwen3_5-2b", "g
 
 # ----------------------------------------------------------------------------------------- common
 
-def machine() -> str:
-    """CPU model, cores, the vector flags that matter, memory."""
-    info = Path("/proc/cpuinfo").read_text()
-    model = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
-    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
-    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    mem = int(re.search(r"MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text()).group(1)) / 2**20
-    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(vector) or 'none of avx2/avx512/amx'}, "
-            f"{mem:.0f} GiB RAM")
-
 
 def scratch(prefix: str) -> Path:
     """A temporary folder (configs, tokenizers, the speech checkpoints), removed at exit."""
@@ -636,7 +626,7 @@ def section(rows: list[dict], failed: list[str], start: float, pending: list[str
     import transformers
 
     lines = heading("New families on CPU vs transformers (random weights, real shapes)") + [
-        f"Machine: {machine()}; torch {torch.__version__}, {THREADS} threads; transformers "
+        f"torch {torch.__version__}, {THREADS} threads; transformers "
         f"{transformers.__version__}. Total {time.perf_counter() - start:.0f} s.", "",
         "Ours: the reference backend (PyTorch ops). Each case in its own process; ours and transformers "
         "on the same weights in the same process, repeats interleaved (ours, peer, peer, ours, ...); "

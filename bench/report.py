@@ -2,6 +2,8 @@
 keeps only its latest section (a rerun replaces its own; git keeps the history)."""
 from __future__ import annotations
 
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -9,10 +11,23 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
+def machine() -> str:
+    """CPU model, cores, the vector flags the engine chooses paths by, memory: machines differ
+    between sessions (AVX2 only, or AVX-512 with BF16 / VNNI), so every figure names its own."""
+    info = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
+    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
+    vector = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    mem = int(re.search(r"MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text()).group(1)) / 2**20
+    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(vector) or 'none of avx2/avx512/amx'}, "
+            f"{mem:.0f} GiB RAM")
+
+
 def heading(title: str) -> list[str]:
-    """Title with the date, and the exact command that produced the numbers."""
+    """Title with the date, the exact command that produced the numbers, and the machine."""
     command = " ".join(["python", "bench/" + Path(sys.argv[0]).name] + sys.argv[1:])
-    return [f"### {title} — {time.strftime('%Y-%m-%d')}", "", f"Command: `{command}`", ""]
+    return [f"### {title} — {time.strftime('%Y-%m-%d')}", "", f"Command: `{command}`", "",
+            f"Machine: {machine()}.", ""]
 
 
 def replace_section(text: str, section: str) -> str:

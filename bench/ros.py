@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -167,15 +166,6 @@ def _frames_per_second(graph: RosGraph, streams: int, seconds: float) -> float:
 
 # --- 5. camera in another process ----------------------------------------------------------------
 
-def machine() -> str:
-    """CPU model, cores and the vector flags that matter to the engine (as lscpu reports them)."""
-    info = Path("/proc/cpuinfo").read_text()
-    model = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
-    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
-    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, flags {' '.join(vector) or 'none of avx2/avx512/amx'}"
-
-
 def camera_process(topic: str, width: int, height: int, reliability: str, frames: int) -> int:
     """A camera driver: `frames` rgb8 frames at 30 Hz, stamped with the wall clock at publish."""
     rclpy.init()
@@ -267,8 +257,7 @@ def bench_cross_process(frames: int) -> list[tuple[str, str, str, list[float]]]:
 
 
 def cross_process_lines(rows, frames: int) -> list[str]:
-    lines = [f"Machine: {machine()}.", "",
-             f"Camera in another process: {frames} rgb8 frames at 30 Hz from a publisher process to a "
+    lines = [f"Camera in another process: {frames} rgb8 frames at 30 Hz from a publisher process to a "
              "subscriber process with the vision node's QoS (depth 1); camera stamp -> callback:", "",
              "| DDS profile | image | QoS | p50 ms | p99 ms | frames received / sent |",
              "|---|---|---|---:|---:|---:|"]
