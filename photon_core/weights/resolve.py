@@ -30,6 +30,12 @@ class Resolved:
     name: str      # what was asked for
     local: bool    # True when `name` was a path on this machine
 
+    @property
+    def model_id(self) -> str:
+        """What a model loaded from here is called: the id asked for, or the folder / file name of a
+        local path (not the whole path)."""
+        return self.path.name if self.local else self.name
+
 
 def is_hf_id(name: str) -> bool:
     """"org/name" (and nothing that looks like a relative path)."""

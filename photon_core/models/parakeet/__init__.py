@@ -27,7 +27,7 @@ def refuse(files: CheckpointFiles) -> str | None:
 
 def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> ParakeetSpeech:
     return load_parakeet(checkpoint.path, device=device, dtype=dtype, backend=backend,
-                         model_id=checkpoint.path.name if checkpoint.local else checkpoint.name)
+                         model_id=checkpoint.model_id)
 
 
 FAMILY = Family(

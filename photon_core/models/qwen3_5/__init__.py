@@ -34,7 +34,7 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
 
     ops = get_backend(backend, device)
     return load_qwen3_5(checkpoint.path, device=device, dtype=dtype if dtype is not None else "float32",
-                        backend=ops, model_id=None if checkpoint.local else checkpoint.name)
+                        backend=ops, model_id=checkpoint.model_id)
 
 
 FAMILY = Family(

@@ -44,7 +44,7 @@ def refuse(files: CheckpointFiles) -> str | None:
 def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Qwen3ASRSpeech:
     speech = load_qwen3_asr(checkpoint.path if checkpoint.path.is_dir() else checkpoint.path.parent,
                             device=device, dtype=dtype, backend=backend)
-    speech.model_id = checkpoint.name if not checkpoint.local else checkpoint.path.name
+    speech.model_id = checkpoint.model_id
     return speech
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from photon_core.backends import reference
+from photon_core.weights.tensor_files import parse_dtype
 
 from .checkpoint import load_tensors
 from .config import Qwen3ASRConfig, load_config
@@ -20,8 +21,6 @@ from .frontend import SAMPLE_RATE, log_mel, prepare_audio
 from .prompt import Qwen3ASRPrompt, language_code, language_name
 from .speech_gate import GateOptions, speech_gate
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 # Options of Whisper's transcribe that mean nothing here: accepted so callers (the speech node,
 # the CLI) can use one call for every family, and ignored (decoding is greedy, one pass, and
 # Qwen3-ASR has no timestamp tokens).
@@ -29,15 +28,10 @@ _WHISPER_ONLY = {"timestamps", "temperature", "condition_on_previous_text", "bea
 
 
 def _pick_dtype(device: torch.device, dtype: torch.dtype | str | None) -> torch.dtype:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype]
+    """bf16 on CUDA, float32 elsewhere, unless asked (weights.parse_dtype checks the choice)."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-    return dtype
+    return parse_dtype(dtype)
 
 
 class Qwen3ASRSpeech:
