@@ -10,7 +10,7 @@
          path in its box's unit square, and the box), detections_2d (vision_msgs, where installed),
          image_annotated (boxes, points, masks; only while someone subscribes); headers copied from
          the image.
-    infer (photon_ros/Infer service): detect / point / caption / query on demand.
+    infer (photon_ros/Infer service): detect / point / caption / query / segment on demand.
     /diagnostics: lifecycle and model state, input and processed rates, drops, latency percentiles.
 Tasks (`detect`, `point`, `segment`, `caption_period_s`, ...) are parameters that can change at runtime.
 
@@ -366,8 +366,11 @@ class VisionNode(ManagedNode):
         source = latest.msg if request.use_latest_frame else request.image
         try:
             rgb = self.to_rgb(source)
-            task = Request(request.task, rgb, request.prompt, max_objects=self.max_objects)
-            result = self.engine.batcher.submit([task])[0]
+            if request.task == Infer.Request.TASK_SEGMENT:   # not a batched skill (see segment_frame)
+                result = segment_frame(self.engine, rgb, [request.prompt], self.segment_max_tokens)[0]
+            else:
+                task = Request(request.task, rgb, request.prompt, max_objects=self.max_objects)
+                result = self.engine.batcher.submit([task])[0]
         except Exception as err:  # noqa: BLE001 - a bad request is answered, never fatal
             response.success, response.message = False, str(err)
             return response
@@ -380,6 +383,9 @@ class VisionNode(ManagedNode):
         elif request.task == Infer.Request.TASK_POINT:
             response.points = points_message(result, header, prompt=request.prompt, width=width,
                                              height=height, latency=latency, model_id=model_id)
+        elif request.task == Infer.Request.TASK_SEGMENT:
+            response.segmentation = segmentation_message(result, header, prompt=request.prompt, width=width,
+                                                         height=height, latency=latency, model_id=model_id)
         else:
             text = result.get("caption", result.get("answer", ""))
             response.text = vision_text_message(text, header, task=request.task, prompt=request.prompt,

@@ -1,8 +1,9 @@
 """Segmentation over ROS: the result -> message conversion (box normalized and in pixels, no box,
 the model's error), and the vision node over real DDS with the tiny random Moondream 3 checkpoint
 (its LM head scripted to say a diamond, segment_fixtures) publishing a Segmentation with the frame's
-header for a `segment` prompt, the mask drawn on image_annotated inside the box, and the prompt
-changed at runtime."""
+header for a `segment` prompt, the mask drawn on image_annotated inside the box, the prompt
+changed at runtime, and the `infer` service's segment task (on the latest frame and on an image sent
+with the request); a family without segment refuses it with the reason."""
 import numpy as np
 import pytest
 from builtin_interfaces.msg import Time
@@ -15,6 +16,7 @@ import test_moondream3_checkpoints as ck
 from photon_core import svg_path
 from photon_ros.image_conversions import image_to_rgb, rgb_to_image
 from photon_ros.msg import Segmentation
+from photon_ros.srv import Infer
 from photon_ros.result_messages import segmentation_message
 from photon_ros.vision_node import VisionNode, skills_in_use
 from ros_harness import RosGraph, wait_for, wait_for_match
@@ -100,6 +102,30 @@ def test_vision_node_publishes_segmentation(graph, monkeypatch):
     pub.publish(rgb_to_image(rgb, "rgb8", header=head(8)))
     assert wait_for(lambda: any(m.header == head(8) for m in got), timeout=60)
     assert [m.prompt for m in got if m.header == head(8)] == ["red dog"]
+    # The infer service: segment on the latest frame, then on an image sent with the request
+    node.set_parameters([Parameter("segment", value=[])])   # no frame work beside the calls
+    client = graph.node("client").create_client(Infer, "infer")
+    assert client.wait_for_service(timeout_sec=10)
+    reply = call(client, Infer.Request(task=Infer.Request.TASK_SEGMENT, prompt="mug", use_latest_frame=True))
+    assert reply.success, reply.message
+    seg = reply.segmentation
+    assert seg.header == head(8) and seg.prompt == "mug" and seg.path == DIAMOND_PATH and seg.has_bbox
+    assert (seg.image_width, seg.image_height) == (300, 200)
+    small = gradient(120, 160)
+    reply = call(client, Infer.Request(task="segment", prompt="cup", use_latest_frame=False,
+                                       image=rgb_to_image(small, "rgb8", header=head(9))))
+    assert reply.success, reply.message
+    assert reply.segmentation.header == head(9) and (reply.segmentation.image_width, reply.segmentation.image_height) == (160, 120)
+    assert reply.segmentation.path == DIAMOND_PATH
+    # A request the service cannot serve is answered, and the node goes on
+    reply = call(client, Infer.Request(task="segment", prompt="cup", use_latest_frame=False, image=Image()))
+    assert not reply.success and reply.message
+
+
+def call(client, request, timeout=60):
+    future = client.call_async(request)
+    assert wait_for(future.done, timeout=timeout)
+    return future.result()
 
 
 def test_a_family_without_segment_is_refused_with_the_reason(graph):
@@ -108,3 +134,16 @@ def test_a_family_without_segment_is_refused_with_the_reason(graph):
         Parameter("model", value=str(md2_checkpoint())), Parameter("segment", value=["cup"])]))
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
     assert node.engine is None and "moondream model cannot segment" in node.model_error
+
+
+def test_infer_segment_on_a_family_without_it_is_refused(graph):
+    from moondream_fixtures import checkpoint as md2_checkpoint
+    node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(md2_checkpoint()))]))
+    assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
+    assert node.engine is not None, node.model_error
+    client = graph.node("client").create_client(Infer, "infer")
+    assert client.wait_for_service(timeout_sec=10)
+    reply = call(client, Infer.Request(task="segment", prompt="cup", use_latest_frame=False,
+                                       image=rgb_to_image(gradient(64, 64), "rgb8", header=head(1))))
+    assert not reply.success and "moondream model cannot segment" in reply.message
