@@ -1636,7 +1636,11 @@ def main(argv: list[str] | None = None) -> dict:
             out["parts"][part] = dict(skipped=True, seconds=0.0, results=[])
             continue
         failed_before = len(ctx.checks.failed)
-        results = run_part(ctx, part, fams)
+        from photon_core.megakernel.compiler import cuda_kv_dtype
+        # The checks compare against fp32 references (fp32 caches); timing runs the production
+        # default, bf16 KV.
+        with cuda_kv_dtype(torch.bfloat16 if part == "timing" else torch.float32):
+            results = run_part(ctx, part, fams)
         secs = round(time.time() - t, 1)
         out["parts"][part] = dict(seconds=secs, results=results, failed=ctx.checks.failed[failed_before:])
         print(f"  -> {part}: {secs} s, {len(ctx.checks.failed) - failed_before} failed checks", flush=True)

@@ -5,8 +5,9 @@ graphs of real sizes are compiled on meta tensors (no weight memory).
     python bench/roofline.py [--write] [--quick]
 
 Per (model, batch): weight bytes per step (bf16, every weight once; rotary tables one row; MoE
-experts: the ones the batch's rows choose, at most rows x top-k of them), KV / state bytes (fp32
-caches at a half-full context, sliding-window layers at most their window, every attention layer
+experts: the ones the batch's rows choose, at most rows x top-k of them; FP8 experts (Moondream 3)
+one byte a weight plus their rows' fp32 scales), KV / state bytes (bf16 caches, the compiled step's
+GPU default, at a half-full context, sliding-window layers at most their window, every attention layer
 counted, KV-shared ones included; cross-attention K/V over all encoder frames; recurrent states
 (Qwen 3.5's DeltaNet conv and delta-rule states) read and written once per row), the HBM floor
 (bytes / bandwidth), the task count, the widest and narrowest stage, the dependency depth (longest
@@ -40,6 +41,7 @@ from report import heading, publish  # noqa: E402
 GPUS = {"H200": 4.8e12, "Orin AGX 64GB": 204.8e9, "Orin NX 16GB": 102.4e9}   # HBM / LPDDR5 bytes/s
 EFFICIENCY = 0.8
 LEVEL_S = 1.5e-6
+KV_BYTES = 2          # bf16 KV caches (CompiledStep's default on a GPU); recurrent states stay fp32
 
 
 @dataclass
@@ -60,7 +62,7 @@ def whisper(name: str, d: int, heads: int, layers: int, vocab: int = 51866, n_ct
                                 m(2 * d, d), m(2 * d), m(d, d), m(d), m(d), m(d), m(4 * d, d), m(4 * d),
                                 m(d, 4 * d), m(d))
     wt = WhisperDecoderWeights(m(vocab, d), m(n_ctx, d), [layer] * layers, m(d), m(d), heads)
-    kv = layers * 2 * d * 4 * (n_ctx // 2 + enc)        # self K/V at half context + cross K/V, fp32
+    kv = layers * 2 * d * KV_BYTES * (n_ctx // 2 + enc)   # self K/V at half context + cross K/V
     return Model(name, step_graph(wt, n_ctx, enc, advance=True), kv)
 
 
@@ -70,7 +72,7 @@ def moondream2() -> Model:
 
     dm = dims_of(MoondreamConfig())
     ctx = 1024                                            # image prefix (730) + prompt + answer
-    return Model("Moondream 2", step_graph(dm, dm.max_context), dm.layers * 2 * dm.d * 4 * ctx // 2)
+    return Model("Moondream 2", step_graph(dm, dm.max_context), dm.layers * 2 * dm.d * KV_BYTES * ctx // 2)
 
 
 # Real sizes of the families added with the step-graph compiler (no hub access here: the published
@@ -122,13 +124,13 @@ def moondream3_config(**text_override):
 
 
 def state_bytes(graph, context: int) -> int:
-    """fp32 bytes one row moves besides the weights: each self-attention's K and V at half the
-    context (a window caps it), each recurrent state read and written. Cross attention: none here."""
+    """Bytes one row moves besides the weights: each self-attention's bf16 K and V at half the
+    context (a window caps it), each fp32 recurrent state read and written. Cross attention: none here."""
     half, n = context // 2, 0
     for node in graph.nodes:
         if node.op == "attention" and node.args["length"] == "self":
             spec, window = node.args["k"].spec, node.args["window"]
-            n += 2 * spec.heads * spec.head_dim * 4 * (half if window is None else min(window, half))
+            n += 2 * spec.heads * spec.head_dim * KV_BYTES * (half if window is None else min(window, half))
     return n + sum(2 * 4 * math.prod(s.shape) for s in graph.states.values())
 
 
@@ -144,18 +146,20 @@ def qwen3_5(name: str, context: int = 2048) -> Model:
     return Model(name, g, state_bytes(g, context))
 
 
-def gemma4_e2b() -> Model:
+def gemma4_e2b(context: int = 4096) -> Model:
     from photon_core.models.gemma4.decoder_step import roofline_model
-    return Model(*roofline_model())
+    name, g, _ = roofline_model()   # its own KV figure counts fp32 caches; here bf16, as the others
+    return Model(name, g, state_bytes(g, context))
 
 
 def moondream3(context: int = 1024) -> Model | None:
-    """Moondream 3.1 9B-A2B, or None while its decode step is not in the tree."""
+    """Moondream 3.1 9B-A2B with its FP8 experts (as the megakernel keeps them), or None while its
+    decode step is not in the tree."""
     try:
         from photon_core.models.moondream3.decoder_step import dims_of, step_graph
     except ImportError:
         return None
-    dm = dims_of(moondream3_config())
+    dm = dims_of(moondream3_config(), fp8=True)
     g = step_graph(dm, dm.max_context)
     return Model("Moondream 3.1 9B-A2B", g, state_bytes(g, context))
 
@@ -216,7 +220,8 @@ def main() -> None:
     lines = heading("Megakernel roofline (prediction, no GPU)") + [
         "Graphs of real sizes compiled on meta tensors (tiling: 64-column tiles, few-tile stages "
         "narrowed or split-K to 264 tasks). Bytes: bf16 weights once (MoE: the experts the batch's rows "
-        "choose, at most rows x top-k) + fp32 KV read at half context (sliding layers: at most the window; "
+        "choose, at most rows x top-k; Moondream 3's FP8 experts 1 byte a weight + fp32 row scales) + bf16 KV "
+        "read at half context (sliding layers: at most the window; "
         "Whisper: + cross K/V of 1500 frames; Qwen 3.5: + DeltaNet conv/delta states read and written). "
         "Contexts: Whisper 448, Moondream 1024, Qwen3-ASR 1024, Qwen 3.5 2048, Gemma 4 4096. **Predicted** = "
         "bytes / (0.8 x bandwidth) + depth x "

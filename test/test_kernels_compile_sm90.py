@@ -99,6 +99,9 @@ for b, wdt in ((1, P), (8, P), (1, "*bf16")):
     cases[f"megakernel_b{b}_{wdt[1:]}"] = (mk._megakernel, dict(msig, w_ptr=wdt),
         dict(NF=NUM_FIELDS, BLOCK_M=b, BLOCK_N=64, BLOCK_K=max(16, 128 // b), BLOCK_T=64, BLOCK_D=64,
              BLOCK_S=8, BLOCK_R=1024, RUN_TASK=mk.step_tasks))
+# Moondream 3 on a GPU: bf16 weights and KV caches, FP8 experts (the task-table variant it compiles).
+cases["megakernel_b1_bf16_kvbf16_fp8"] = (mk._megakernel, dict(msig, w_ptr="*bf16"),
+    dict(cases["megakernel_b1_bf16"][2], RUN_TASK=mk.step_tasks_bf16_kv_fp8))
 out = {}
 for name, (fn, sig, const) in cases.items():
     sig = dict(sig)
@@ -113,12 +116,12 @@ for name, (fn, sig, const) in cases.items():
         out[name + "_sm87"] = dict(cubin=len(triton.compile(ASTSource(fn, sig, const),
                                                             target=GPUTarget("cuda", 87, 32)).asm["cubin"]), ptx="")
 # The megakernel for the Jetson Orin (sm_87) too, in bf16 at batch 1 (what a 16 GB Orin runs).
-name = "megakernel_b1_bf16"
-fn, sig, const = cases[name]
-sig = dict(sig, **{k: "constexpr" for k in const})
-ck = triton.compile(ASTSource(fn, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6)}),
-                    target=GPUTarget("cuda", 87, 32))
-out[name + "_sm87"] = dict(cubin=len(ck.asm["cubin"]), ptx=ck.asm["ptx"])
+for name in ("megakernel_b1_bf16", "megakernel_b1_bf16_kvbf16_fp8"):
+    fn, sig, const = cases[name]
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    ck = triton.compile(ASTSource(fn, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6)}),
+                        target=GPUTarget("cuda", 87, 32))
+    out[name + "_sm87"] = dict(cubin=len(ck.asm["cubin"]), ptx=ck.asm["ptx"])
 print(json.dumps(out))
 '''
 
@@ -142,7 +145,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk", "lstm_cell",
                  "attn_decode_partial_gqa_sm87", "moe_up_sm87", "causal_conv1d_sm87", "delta_step_sm87",
                  "delta_chunk_sm87", "lstm_cell_sm87",
-                 "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87"):
+                 "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87",
+                 "megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87"):
         assert compiled[name]["cubin"] > 0, name
 
 
@@ -158,8 +162,19 @@ def test_megakernel_ptx_has_acquire_waits_and_release_signals(compiled):
 def test_megakernel_streams_weights_with_vector_loads(compiled):
     # The compiler pads weight rows and aligns offsets and K slices to 16 elements, and the linear
     # task says so (tl.multiple_of): its weight loads become 128-bit loads (4 fp32 or 8 bf16).
-    for name in ("megakernel_b1_fp32", "megakernel_b1_bf16", "megakernel_b8_fp32", "megakernel_b1_bf16_sm87"):
+    for name in ("megakernel_b1_fp32", "megakernel_b1_bf16", "megakernel_b8_fp32", "megakernel_b1_bf16_sm87",
+                 "megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87"):
         assert "ld.global.v4" in compiled[name]["ptx"], name
+
+
+def test_fp8_experts_decode_with_integer_ops_on_sm87_and_sm90(compiled):
+    """The FP8 variant decodes e4m3 bytes through fp16 (cvt.f32.f16: no fp8 conversion, which Orin's
+    sm_87 lacks) and stores bf16 KV; the float variant has neither."""
+    for name in ("megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87"):
+        ptx = compiled[name]["ptx"]
+        assert "cvt.f32.f16" in ptx and "e4m3" not in ptx, name
+        assert "st.global.b16" in ptx or "st.global.u16" in ptx, name
+    assert "cvt.f32.f16" not in compiled["megakernel_b1_bf16"]["ptx"]
 
 
 def test_megakernel_registers_fit_without_spills(compiled, tmp_path):
@@ -168,7 +183,7 @@ def test_megakernel_registers_fit_without_spills(compiled, tmp_path):
 
     from triton.backends.nvidia.compiler import get_ptxas
     ptxas = get_ptxas(90).path
-    for name in ("megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16"):
+    for name in ("megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_kvbf16_fp8"):
         src = tmp_path / f"{name}.ptx"
         src.write_text(compiled[name]["ptx"])
         target = re.search(r"\.target\s+(sm_\w+)", compiled[name]["ptx"]).group(1)

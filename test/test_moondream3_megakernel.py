@@ -209,6 +209,26 @@ def test_skills_match_reference(pair, encoded):
     assert seg.decode(fast, fast_e, prompt, 6) == (words, coords, sizes)
 
 
+def test_fp8_experts_stay_fp8_on_the_megakernel(pair):
+    """Loaded for the megakernel from an FP8 checkpoint, the experts stay FP8 bytes (1 byte a weight)
+    in the compiled step's arena with fp32 row scales beside them (the reference model keeps
+    dequantizing); the per-op prefill dequantizes to the reference's exact weights; a step's bytes
+    count the chosen experts at 1 byte a weight."""
+    ref_m, fast = pair
+    fb, rb = fast.text_w.blocks[1], ref_m.text_w.blocks[1]
+    assert fb.experts_gate_up.dtype == torch.float8_e4m3fn and rb.experts_gate_up.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(md3_text.expert_weights(fb, torch.float32),
+                                                 (rb.experts_gate_up, rb.experts_down)))
+    mk = fast.decode.decoder(1)
+    assert mk.plan.fp8 == {"L1.gate_up": "L1.gate_up_scale", "L1.down": "L1.down_scale"}
+    assert torch.equal(mk.weight("L1.gate_up").view(torch.uint8), fb.experts_gate_up.view(torch.uint8))
+    assert torch.equal(mk.weight("L1.down_scale"), fb.experts_down_scale)
+    dense = md3.Moondream3DecoderMegakernel(ref_m.text_w, ref_m.region_w, ref_m.config, 1, 16, TILING)
+    d, I = ref_m.config.text.dim, ck.I
+    per_expert = 3 * I * d   # gate, up and down rows of one expert
+    assert dense.weight_bytes_per_step() - mk.weight_bytes_per_step() == ck.TOPK * (per_expert * 3 - 4 * (2 * I + d))
+
+
 def test_megakernel_model_rules(pair, encoded):
     ref_m, fast = pair
     with pytest.raises(ValueError, match="another model"):

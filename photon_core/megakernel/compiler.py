@@ -33,6 +33,8 @@ accesses follow the data flow; checker.check proves the tasks race-free before a
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 import struct
 from collections.abc import Iterable, Mapping
@@ -52,6 +54,23 @@ from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Tau, Val
 
 
 WEIGHT_ROW_ALIGN = 16   # elements; kernel.py's tl.multiple_of hints rely on it
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KV_DTYPES = (torch.float32, torch.bfloat16)
+_cuda_kv_dtype = [torch.bfloat16]   # what a CompiledStep on CUDA gets when its caller names none
+
+
+@contextlib.contextmanager
+def cuda_kv_dtype(dtype: torch.dtype):
+    """Steps built inside get KV caches in `dtype` on CUDA unless their caller names one: fidelity
+    checks of families whose step classes do not pass `kv_dtype` (bench/gpu_proof.py) use fp32."""
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV caches can be {KV_DTYPES}, not {dtype}")
+    before, _cuda_kv_dtype[0] = _cuda_kv_dtype[0], dtype
+    try:
+        yield
+    finally:
+        _cuda_kv_dtype[0] = before
+FP8 = torch.float8_e4m3fn
 NORMS = ("layer_norm", "rms_norm")   # fused in front of the linears that read them
 FUSED = NORMS + ("glu", "mul", "act")   # no task of their own: a linear's loads compute them
 NORM_CODES = {"layer_norm": 1, "rms_norm": 2}
@@ -115,10 +134,22 @@ class Plan:
     weight_offset: dict[str, float]       # weight name -> constant added when stored (RMSNorm 1 + w)
     ln_eps: float
     max_position: int                     # positions must stay below this
+    weight_dtype: torch.dtype = torch.float32
+    kv_dtype: torch.dtype = torch.float32   # the KV caches' (stores round to it; reads convert to fp32)
+    fp8: dict[str, str] = field(default_factory=dict)   # FP8 expert table -> its row scales
+    # Lookup-only tables read in place from the caller's tensor, not copied into the arena: name ->
+    # (element offset from the arena's start, row stride), set by CompiledStep (0 until bound).
+    external: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
-    """Check that the graph can be lowered and lay out its arenas (no memory is allocated)."""
+def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: torch.dtype = torch.float32,
+         kv_dtype: torch.dtype = torch.float32, external: Iterable[str] = ()) -> Plan:
+    """Check that the graph can be lowered and lay out its arenas (no memory is allocated): the
+    weights arena in `weight_dtype` units (FP8 experts as bytes, their scales fp32, inside it), the
+    fp32 state arena with the KV caches in `kv_dtype`. `external`: tables of lookup_tables(graph)
+    left out of the arena (the step reads the caller's tensor in place)."""
+    if weight_dtype not in WEIGHT_DTYPES or kv_dtype not in KV_DTYPES:
+        raise ValueError(f"weights must be one of {WEIGHT_DTYPES} and KV caches one of {KV_DTYPES}")
     if batch not in BATCH_BUCKETS:
         raise ValueError(f"batch {batch} is not a bucket {BATCH_BUCKETS}; pad rows up to the next bucket")
     bn = tiling.block_n
@@ -220,9 +251,21 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
             w = n.args.get(key) if n.op in ("linear", "embed", "moe") else None
             if w is not None:
                 ldw[w] = -(-graph.weight_shapes[w][-1] // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN
-    wa, sa = Arena("weights"), Arena("state")
+    external = set(external)
+    if external - lookup_tables(graph):
+        raise ValueError(f"{graph.name}: only token tables that embeds alone read can stay outside the arena, "
+                         f"not {sorted(external - lookup_tables(graph))}")
+    wa, sa = Arena("weights", unit=weight_dtype.itemsize), Arena("state")
+    fp8 = graph.fp8_weights()
+    if fp8 and any(not n.args["gate_up_scale"] for n in graph.nodes if n.op == "moe"):
+        # the kernel is compiled for FP8 experts or float ones (kernel.step_tasks_for), not both
+        raise ValueError(f"{graph.name}: all MoE layers of a step must have FP8 experts, or none")
+    dtypes = {k: torch.uint8 for k in fp8} | {sc: torch.float32 for sc in fp8.values()}
     for k, shape in graph.weight_shapes.items():
-        wa.alloc(k, math.prod(shape[:-1]) * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN)
+        if k not in external:
+            wa.alloc(k, math.prod(shape[:-1]) * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN,
+                     dtype=dtypes.get(k))
+    wa.size = -(-wa.size // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN   # viewable as any element size
     shapes: dict[str, tuple[int, ...]] = {}
     fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
                                                                       if n.op in FUSED}
@@ -258,7 +301,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     for st in graph.states.values():
         shapes[st.name] = (batch,) + st.shape
     for k, shp in shapes.items():
-        sa.alloc(k, math.prod(shp))
+        sa.alloc(k, math.prod(shp), dtype=kv_dtype if k in graph.caches else None)
 
     # Positions must stay inside the caches (a ring takes any position) and the position tables;
     # rotary tables are checked with each row's rotary offset (set_rotary_offsets).
@@ -268,7 +311,21 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling()) -> Plan:
     rotary = [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
               if n.op == "kv_append" and n.args["rotary"] is not None]
     return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, mul_of, act_of, qkv_store, logits, shape,
-                ldw, weight_offset, eps.pop() if eps else 1e-5, min(limits + rotary) if limits + rotary else 1 << 30)
+                ldw, weight_offset, eps.pop() if eps else 1e-5, min(limits + rotary) if limits + rotary else 1 << 30,
+                weight_dtype, kv_dtype, fp8, {k: (0, graph.weight_shapes[k][1]) for k in external})
+
+
+def lookup_tables(graph: StepGraph) -> set[str]:
+    """Token tables only embeds read (no linear reads them: not a tied LM head), whose rows the
+    step can read in place from the caller's tensor: its row stride is the table's width, so where
+    a position table shares the embed's stride the width must be the arena's 16-aligned one."""
+    embeds = [n for n in graph.nodes if n.op == "embed"]
+    toks = {n.args["tok"] for n in embeds}
+    other = {v for n in graph.nodes if n.op != "embed" for v in n.args.values() if isinstance(v, str)}
+    other |= {n.args["pos"] for n in embeds if n.args["pos"]}
+    return {t for t in toks - other
+            if all(n.args["pos"] is None or graph.weight_shapes[t][1] % WEIGHT_ROW_ALIGN == 0
+                   for n in embeds if n.args["tok"] == t)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -345,7 +402,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
     def cache_off(c: CacheRef) -> int:
         spec = c.spec
         layer = 0 if c.layer is None else c.layer * B * spec.heads * spec.length * spec.head_dim
-        return S.off(spec.name) + layer
+        return S.toff(spec.name) + layer      # in elements of the cache's dtype
 
     for node in nodes:
         a = node.args
@@ -357,8 +414,10 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
             for n0 in range(0, d, bn):
                 n1 = min(d, n0 + bn)
                 g.add(Task(f"{node.out.name}[{n0}:{n1}]", OP_EMBED,
-                           dict(M=B, N=d, n0=n0, w=W.off(a["tok"]), b=W.off(a["pos"]) if a["pos"] else -1,
-                                ldw=p.ldw[a["tok"]], scale=float_bits(a["scale"]),
+                           dict(M=B, N=d, n0=n0, w=p.external[a["tok"]][0] if a["tok"] in p.external else W.off(a["tok"]),
+                                b=W.off(a["pos"]) if a["pos"] else -1,
+                                ldw=p.external[a["tok"]][1] if a["tok"] in p.external else p.ldw[a["tok"]],
+                                scale=float_bits(a["scale"]),
                                 out=S.off(node.out.name)),
                            [], st.counter, [dyn_tok, dyn_pos], S.columns(node.out.name, B, d, n0, n1)))
             stage_of[node.out.name] = st
@@ -614,7 +673,8 @@ def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str,
                 n1 = min(F, n0 + bn)
                 h0 = (r * k + s) * F
                 g.add(Task(f"{hid.name}[b{r},s{s},{n0}:{n1}]", OP_MOE_UP,
-                           dict(M=1, K=D, N=F, n0=n0, n1=n1, k0=0, k1=D, x=S.off(x.name) + r * D, w=W.off(a["gate_up"]),
+                           dict(M=1, K=D, N=F, n0=n0, n1=n1, k0=0, k1=D, x=S.off(x.name) + r * D, w=W.toff(a["gate_up"]),
+                                wsc=W.toff(a["gate_up_scale"]) if a["gate_up_scale"] else -1,
                                 ldw=p.ldw[a["gate_up"]], act=activation_code(a["act"]), scale=float_bits(a["up_offset"]),
                                 tile=s, part=S.off(route.name) + r * 2 * k, out=S.off(hid.name) + h0, xs=-1, xc0=0,
                                 xgate=-1, gact=0, xact=0, xglu=0, **norm_args),
@@ -635,7 +695,8 @@ def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str,
             if res is not None:
                 reads.append(S.region(res.name, r * D + n0, r * D + n1))
             g.add(Task(f"{name}[b{r},{n0}:{n1}]", OP_MOE_DOWN,
-                       dict(M=1, K=F, N=D, n0=n0, n1=n1, k0=0, k1=F, x=S.off(hid.name) + r * k * F, w=W.off(a["down"]),
+                       dict(M=1, K=F, N=D, n0=n0, n1=n1, k0=0, k1=F, x=S.off(hid.name) + r * k * F, w=W.toff(a["down"]),
+                            wsc=W.toff(a["down_scale"]) if a["down_scale"] else -1,
                             ldw=p.ldw[a["down"]], S=k, part=S.off(route.name) + r * 2 * k, b=-1, act=0,
                             res=S.off(res.name) + r * D if res is not None else -1, mode=MODE_PLAIN,
                             out=S.off(name) + r * D, xs=-1, xc0=0, xgate=-1, gact=0, xact=0, xglu=0, lnw=-1, lnb=-1,
@@ -733,10 +794,26 @@ class CompiledStep(StateViews):
     def __init__(self, graph: StepGraph, weights: Mapping[str, torch.Tensor], batch: int,
                  tiling: Tiling = Tiling(), weight_dtype: torch.dtype = torch.float32,
                  shared_weights: torch.Tensor | None = None, check: bool = True,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, kv_dtype: torch.dtype | None = None,
+                 read_in_place: Iterable[str] = ()) -> None:
         self.graph_def, self.batch, self.tiling = graph, batch, tiling
-        self.plan = p = plan(graph, batch, tiling)
         dev = torch.device(device) if device is not None else next(iter(weights.values())).device
+        # bf16 KV on a GPU halves the cache bytes each step reads; fp32 elsewhere (fidelity tests)
+        kv_dtype = kv_dtype or (_cuda_kv_dtype[0] if dev.type == "cuda" else torch.float32)
+        # Tables only looked up (token embeddings, Gemma 4's per-layer inputs: 262144 x 8960) named in
+        # `read_in_place` are read from the caller's tensor, not copied: no second copy of gigabytes.
+        # The task table then holds their offsets from this arena, so the arena must not be swapped
+        # for another (e.g. a dtype-converted copy) afterwards.
+        external = set(read_in_place)
+        for k in external:
+            t = weights.get(k)
+            if k not in lookup_tables(graph) or t is None or t.dtype != weight_dtype or t.dim() != 2 \
+                    or t.stride(1) != 1 or t.device.type != dev.type or dev.index not in (None, t.device.index):
+                raise ValueError(f"{graph.name}: {k!r} can be read in place only if embeds alone read it and the "
+                                 f"caller holds it row-major on {dev} in {weight_dtype}")
+        self.plan = p = plan(graph, batch, tiling, weight_dtype, kv_dtype, external)
+        self.warena = p.warena
+        self.external = {k: weights[k] for k in external}
         missing = set(graph.weight_shapes) - set(weights)
         if missing:
             raise KeyError(f"{graph.name}: weights missing: {sorted(missing)[:8]}")
@@ -749,18 +826,24 @@ class CompiledStep(StateViews):
         else:
             self.weights = torch.zeros(p.warena.size, dtype=weight_dtype, device=dev)
             for k, shape in graph.weight_shapes.items():
+                if k in external:
+                    continue
                 t = weights[k]
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{graph.name}: weight {k!r} has shape {tuple(t.shape)}, the graph says {shape}")
-                off, n = p.warena.regions[k]
-                t = (t.detach().float() + p.weight_offset[k] if k in p.weight_offset else t.detach())
-                t = t.to(device=dev, dtype=weight_dtype)
-                if k in p.ldw:
-                    rows = math.prod(shape[:-1])
-                    self.weights[off:off + n].view(rows, p.ldw[k])[:, :shape[-1]] = t.reshape(rows, shape[-1])
-                else:
-                    self.weights[off:off + n] = t.reshape(-1)
-        self.warena, self.sarena, self.shapes = p.warena, p.sarena, p.shapes
+                if k in p.fp8 and t.dtype != FP8:
+                    raise ValueError(f"{graph.name}: {k!r} is an FP8 expert table (it has scales), got {t.dtype}")
+                t = t.detach().float() + p.weight_offset[k] if k in p.weight_offset else t.detach()
+                # copied as stored: FP8 bytes stay bytes (1 byte a weight), scales fp32
+                self.weight(k).copy_(t.to(dev))
+        # Offsets of the external tables from the arena's start (the kernel adds them to its weights
+        # pointer); the step keeps the tensors alive.
+        for k, t in self.external.items():
+            if tuple(t.shape) != graph.weight_shapes[k]:
+                raise ValueError(f"{graph.name}: weight {k!r} has shape {tuple(t.shape)}, the graph says "
+                                 f"{graph.weight_shapes[k]}")
+            p.external[k] = ((t.data_ptr() - self.weights.data_ptr()) // t.element_size(), t.stride(0))
+        self.sarena, self.shapes = p.sarena, p.shapes
         self.state = torch.zeros(p.sarena.size, dtype=torch.float32, device=dev)
         self.dyn = torch.zeros(DYN_SECTIONS * batch, dtype=torch.int32, device=dev)
         self.out = torch.zeros(batch * max(1, len(graph.results)), dtype=torch.int32, device=dev)
@@ -771,12 +854,16 @@ class CompiledStep(StateViews):
     def weight(self, key: str) -> torch.Tensor:
         """A weight as the arena holds it (matrices without their row padding): a view, so writes
         change what the next launch reads."""
-        off, n = self.warena.regions[key]
+        if key in self.external:
+            return self.external[key]
         shape = self.graph_def.weight_shapes[key]
+        flat = self.warena.typed(self.weights, key)
+        if key in self.plan.fp8:
+            flat = flat.view(FP8)
         if key in self.plan.ldw:
             rows = math.prod(shape[:-1])
-            return self.weights[off:off + n].view(rows, self.plan.ldw[key])[:, :shape[-1]].view(shape)
-        return self.weights[off:off + n].view(shape)
+            return flat[:rows * self.plan.ldw[key]].view(rows, self.plan.ldw[key])[:, :shape[-1]].view(shape)
+        return flat[:math.prod(shape)].view(shape)
 
     def view(self, key: str) -> torch.Tensor:
         """A value, cache or exposed value (by its exposed name) as a tensor view of the state."""
@@ -787,7 +874,7 @@ class CompiledStep(StateViews):
         """The megakernel of the whole step, or of the part that computes `results`."""
         key = None if results is None else frozenset(results)
         if key not in self._kernels:
-            from photon_core.megakernel.kernel import Megakernel
+            from photon_core.megakernel.kernel import Megakernel, step_tasks_for
             p, tl = self.plan, self.tiling
             specs = list(self.graph_def.caches.values())
             # The delta rule holds a value head ([Dv]) in one block, like an attention head.
@@ -799,7 +886,7 @@ class CompiledStep(StateViews):
                 max_splits=max([tl.self_splits, tl.cross_splits] + [n.args["top_k"] for n in self.graph_def.nodes
                                                                      if n.op == "moe"]),
                 max_tiles=max(p.logits.values(), default=1),
-                ln_eps=p.ln_eps)
+                ln_eps=p.ln_eps, run_task=step_tasks_for(p.kv_dtype == torch.bfloat16, bool(p.fp8)))
         return self._kernels[key]
 
     @property

@@ -48,7 +48,8 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
-          "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk")
+          "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk",
+          "wsc")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 64  # padded; rows stay 128-byte aligned (512 bytes)
 
@@ -86,21 +87,50 @@ class Task:
 
 @dataclass
 class Arena:
-    """Bump allocator of named regions inside one flat fp32 buffer."""
+    """Bump allocator of named regions inside one flat buffer of `unit`-byte elements (fp32: 4,
+    bf16: 2). A region may hold another dtype (FP8 experts as bytes, their fp32 scales in a bf16
+    arena, bf16 KV caches in the fp32 state): it spans enough units, and the kernel reads it
+    through a pointer of its own dtype at `toff` (the offset in elements of that dtype)."""
     name: str
     size: int = 0
     regions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    unit: int = 4
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)   # regions not of the arena's dtype
 
-    def alloc(self, key: str, numel: int, align: int = 16) -> int:
+    def alloc(self, key: str, numel: int, align: int = 16, dtype: torch.dtype | None = None) -> int:
         if key in self.regions:
             raise KeyError(f"{self.name}: region {key!r} allocated twice")
         off = -(-self.size // align) * align
-        self.regions[key] = (off, numel)
-        self.size = off + numel
+        units = numel
+        if dtype is not None and dtype.itemsize != self.unit:
+            if (off * self.unit) % dtype.itemsize:
+                raise ValueError(f"{self.name}: region {key!r} would not be aligned for {dtype}")
+            self.dtypes[key] = dtype
+            units = -(-numel * dtype.itemsize // self.unit)
+        self.regions[key] = (off, units)
+        self.size = off + units
         return off
 
     def off(self, key: str) -> int:
         return self.regions[key][0]
+
+    def toff(self, key: str) -> int:
+        """The region's offset in elements of its own dtype (what a task addresses it by)."""
+        dt = self.dtypes.get(key)
+        return self.regions[key][0] if dt is None else self.regions[key][0] * self.unit // dt.itemsize
+
+    def numel(self, key: str) -> int:
+        """Elements of the region's own dtype it holds."""
+        dt = self.dtypes.get(key)
+        return self.regions[key][1] if dt is None else self.regions[key][1] * self.unit // dt.itemsize
+
+    def typed(self, buf: torch.Tensor, key: str) -> torch.Tensor:
+        """The region of `buf` (this arena's flat buffer) as a flat tensor of the region's dtype."""
+        dt = self.dtypes.get(key)
+        if dt is None:
+            off, n = self.regions[key]
+            return buf[off:off + n]
+        return buf.view(dt)[self.toff(key):self.toff(key) + self.numel(key)]
 
     def region(self, key: str, start: int = 0, end: int | None = None) -> Region:
         off, numel = self.regions[key]
@@ -135,9 +165,12 @@ class StateViews:
     shapes: dict[str, tuple[int, ...]]
 
     def view(self, key: str) -> torch.Tensor:
-        """A state region as a tensor view (e.g. "logits", "x", a layer's KV cache)."""
-        off, n = self.sarena.regions[key]
-        return self.state[off:off + n].view(self.shapes[key])
+        """A state region as a tensor view (e.g. "logits", "x", a layer's KV cache, in its dtype)."""
+        shape = self.shapes[key]
+        n = 1
+        for s in shape:
+            n *= s
+        return self.sarena.typed(self.state, key)[:n].view(shape)
 
     @property
     def logits(self) -> torch.Tensor:

@@ -7,11 +7,15 @@ topological order, so a waiting program only waits on tasks already claimed by r
 no more programs than can be resident at once, that cannot deadlock; under TRITON_INTERPRET=1 (programs
 run one after another) program 0 simply runs every task in order.
 
-Data lives in three flat buffers, addressed by element offsets from the task table: the fp32 weights
-arena, the fp32 state arena (residual stream, activations, KV caches, partials, logits) and the int32
+Data lives in three flat buffers, addressed by element offsets from the task table: the weights
+arena (fp32, bf16 or fp16), the fp32 state arena (residual stream, activations, KV caches, partials, logits) and the int32
 dyn buffer of per-step values (tokens, positions, cross lengths; graph.DYN_*). Nothing step-dependent is
 a kernel argument, so the launch (plus the zeroing of the control buffer) can be captured in a CUDA
 graph and replayed; with `advance` the argmax task writes the next token and position itself.
+Regions of another dtype live inside those buffers and are read through a cast pointer, at offsets
+in their own elements: FP8 experts (bytes) and their fp32 row scales in a bf16 weights arena, bf16
+KV caches in the fp32 state; a token table only looked up may lie outside the arena altogether (its
+offset then reaches the caller's tensor from the weights pointer).
 
 What one task moves (fp32, M rows, tile width BN): linear tile N_tile*K*4 weight bytes + M*K*4
 activations (+ LN: another M*K*4 pass for the statistics); attention partial 2*chunk*Dh*4; merge
@@ -37,13 +41,39 @@ assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", 
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
                        "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale", "xs", "xc0", "gact",
-                       "xact", "tau", "alpha", "sw", "chunk")] == list(range(1, 53))
+                       "xact", "tau", "alpha", "sw", "chunk", "wsc")] == list(range(1, 54))
 
 
 @triton.jit
 def _f32(bits):
     """A float constant the compiler stored as its fp32 bit pattern in the int64 task table."""
     return bits.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+# FP8 e4m3 bytes decode to (value * 2^-8) exactly (fp8_e4m3_over_256); the scale epilogue puts it back.
+FP8_UNSCALE: tl.constexpr = tl.constexpr(256.0)
+
+
+@triton.jit
+def fp8_e4m3_over_256(b):
+    """float8_e4m3fn bytes (any integer type) -> their values times 2^-8, as fp32, with integer ops
+    and an fp16 conversion, so one path serves every GPU (Triton's fp8e4nv needs sm_89+; Orin is
+    sm_87) and the interpreter. e4m3's sign | 4-bit exponent | 3-bit mantissa placed as fp16's
+    sign | low 4 exponent bits | top 3 mantissa bits is the same number with exponent bias 15
+    instead of 7: exact for every finite value, subnormals included (NaN bytes decode as 480/256)."""
+    b = b.to(tl.uint16)
+    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def bf16_rne(x):
+    """fp32 -> bf16 rounded to nearest even, with integer ops: the GPU's conversion rounds so, the
+    interpreter's truncates; this is the same on both (NaN stays NaN; past the largest finite: inf)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    r = bits + 0x7FFF + ((bits >> 16) & 1)
+    r = tl.where(x != x, 0x7FC00000, r)
+    return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -82,11 +112,16 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                w_shift=0, x_shift=0):
+                w_shift=0, x_shift=0, FP8: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
     one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
     columns use narrower tiles (more tasks), and a split-K task sees a slice of K. w_shift /
-    x_shift move W and x by a run-time amount (an expert's rows, a slot's hidden vector)."""
+    x_shift move W and x by a run-time amount (an expert's rows, a slot's hidden vector). FP8
+    (expert tasks of FP8 experts): W is e4m3 bytes (offsets in bytes) decoded in registers, and the
+    product is 2^-8 of the true one without the row scales, which the caller's epilogue applies."""
+    # FP8 tiles take half the K step: a byte tile decoded to fp32 holds the bytes and the floats at
+    # once, and at batch 1 (BLOCK_K 128) the full step spills registers (ptxas -v).
+    BK: tl.constexpr = BLOCK_K // 2 if FP8 else BLOCK_K
     M = tl.load(row + 6)
     K = tl.load(row + 7)
     n0 = tl.load(row + 9)
@@ -107,7 +142,7 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     rmask = rows < M
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < n1
-    ks = tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BK)
     # x is [M, K] unless a fused mul reads a column slice [c0, c0 + K) of a wider value (stride xs).
     xs = tl.load(row + 45)
     x_rows = s_ptr + x_off + tl.load(row + 46) + rows[:, None].to(tl.int64) * tl.where(xs >= 0, xs, K)
@@ -119,13 +154,13 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         # RMSNorm is the same with the mean held at 0 (norm code 2).
         s1 = tl.zeros((BLOCK_M,), tl.float32)
         if tl.load(row + 39) != 2:
-            for kb in range(0, K, BLOCK_K):
+            for kb in range(0, K, BK):
                 kk = kb + ks
                 xm = rmask[:, None] & (kk[None, :] < K)
                 s1 += tl.sum(tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), axis=1)
         mean = s1 / K
         s2 = tl.zeros((BLOCK_M,), tl.float32)
-        for kb in range(0, K, BLOCK_K):
+        for kb in range(0, K, BK):
             kk = kb + ks
             xm = rmask[:, None] & (kk[None, :] < K)
             xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
@@ -145,8 +180,8 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     gact = tl.load(row + 47)
     xact = tl.load(row + 48)
     g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-    for kb in range(k0, k1, BLOCK_K):
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BK), tl.float32)
+    for kb in range(k0, k1, BK):
         kk = kb + ks
         kmask = kk < k1
         xm = rmask[:, None] & kmask[None, :]
@@ -163,14 +198,19 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
             be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
                   * tl.where(lnb >= 0, 1.0, 0.0))
             x = tl.where(xm, (x - mean[:, None]) * rstd[:, None] * g[None, :] + be[None, :], 0.0)
-        w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * ldw + kk[None, :],
-                    mask=cmask[:, None] & (kk < k1w)[None, :], other=0.0).to(tl.float32)
+        wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
+        wm = cmask[:, None] & (kk < k1w)[None, :]
+        if FP8:
+            w = fp8_e4m3_over_256(tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + w_off + wp, mask=wm, other=0))
+        else:
+            w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0).to(tl.float32)
         acc3 += x[:, None, :] * w[None, :, :]
     return tl.sum(acc3, axis=2)
 
 
 @triton.jit
-def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     KV_BF16: tl.constexpr = False):
     """Finish a tile: + bias, activation, + residual, then store by mode: plain, q|k|v (q to its
     buffer, k and v into the caches at each row's position) or logits (plus the tile's per-row
     (max, first index) for the argmax)."""
@@ -213,9 +253,15 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
         pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
         cache = ((rows[:, None].to(tl.int64) * H + h[None, :]) * Tmax + pos[:, None]) * Dh + j[None, :]
         q_addr = out + rows[:, None].to(tl.int64) * D + within[None, :]
-        addr = tl.where(sec[None, :] == 0, q_addr, tl.where(sec[None, :] == 1, kc + cache, vc + cache))
         ok = omask & ((sec[None, :] == 0) | (pos[:, None] < Tmax))
-        tl.store(s_ptr + addr, acc, mask=ok)
+        if KV_BF16:
+            # bf16 caches (offsets in bf16 elements): q to the fp32 state, k and v rounded to bf16
+            tl.store(s_ptr + q_addr, acc, mask=ok & (sec[None, :] == 0))
+            tl.store(s_ptr.to(tl.pointer_type(tl.bfloat16)) + tl.where(sec[None, :] == 1, kc + cache, vc + cache),
+                     bf16_rne(acc), mask=ok & (sec[None, :] > 0))
+        else:
+            addr = tl.where(sec[None, :] == 0, q_addr, tl.where(sec[None, :] == 1, kc + cache, vc + cache))
+            tl.store(s_ptr + addr, acc, mask=ok)
     else:
         # Logits: the tile's (max, first index) per row for the argmax reduction.
         tl.store(s_ptr + out + flat, acc, mask=omask)
@@ -234,10 +280,10 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
 
 @triton.jit
 def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False):
     """A whole tile: product over all of K, then the epilogue. Bytes: (n1-n0)*K weights + M*K x."""
     acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
-    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
 
 
 @triton.jit
@@ -259,7 +305,8 @@ def _task_linear_split(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        KV_BF16: tl.constexpr = False):
     """Sum a tile's `ksplit` partials in slot order (a fixed order: the result does not depend on
     which program finished first), then the epilogue."""
     M = tl.load(row + 6)
@@ -275,11 +322,14 @@ def _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BL
     for s in range(0, nsplit):
         acc += tl.load(s_ptr + kpart + (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :], mask=omask,
                        other=0.0, cache_modifier=CG)
-    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
 
 
 @triton.jit
-def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                       KV_BF16: tl.constexpr = False):
+    """Split s of the keys of (row b, query head h): the online-softmax partial (m, l, acc). KV_BF16:
+    the caches are bf16 (offsets in bf16 elements), read as fp32."""
     q_off = tl.load(row + 10)
     stride = tl.load(row + 7)
     kc = tl.load(row + 19)
@@ -315,7 +365,8 @@ def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: t
     base = (b * H + hk) * Tmax * Dh
     bits = tl.load(row + 44)
     scale = tl.where(bits == -1, 1.0 / tl.sqrt(Dh.to(tl.float32)), bits.to(tl.int32).to(tl.float32, bitcast=True))
-    m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, s_ptr + kc + base, s_ptr + vc + base,
+    kv_ptr = s_ptr.to(tl.pointer_type(tl.bfloat16)) if KV_BF16 else s_ptr
+    m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, kv_ptr + kc + base, kv_ptr + vc + base,
                                start, end, Dh, scale, BLOCK_T, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0))
     store_partial(s_ptr + part + ((b * Hq + h) * S + s) * (Dh + 2), m, l, acc, Dh, BLOCK_D)
 
@@ -387,7 +438,7 @@ def _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr):
+def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr, KV_BF16: tl.constexpr = False):
     """(row b, head h) of a fused q|k|v row: optional per-head RMSNorm of q, k, v, then rotary on the
     first ROT features of q and k ("rotate half" pairs (i, i + ROT/2), as backends.reference.rotary;
     ROT = 0 rotates nothing) at the row's position + rotary offset, then q -> the q buffer, k and
@@ -466,8 +517,13 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr)
     slot = tl.where(ring != 0, pos % Tmax, pos)
     cache = ((b * H + h) * Tmax + slot) * Dh + dd
     ok = has_kv & ((dd.to(tl.int64) * 0 + slot) < Tmax)
-    tl.store(s_ptr + kc + cache, k, mask=ok)
-    tl.store(s_ptr + vc + cache, v, mask=ok)
+    if KV_BF16:   # bf16 caches: stores round, offsets in bf16 elements
+        kv_ptr = s_ptr.to(tl.pointer_type(tl.bfloat16))
+        tl.store(kv_ptr + kc + cache, bf16_rne(k), mask=ok)
+        tl.store(kv_ptr + vc + cache, bf16_rne(v), mask=ok)
+    else:
+        tl.store(s_ptr + kc + cache, k, mask=ok)
+        tl.store(s_ptr + vc + cache, v, mask=ok)
 
 
 @triton.jit
@@ -665,7 +721,8 @@ def _task_moe_route(row, s_ptr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FP8: tl.constexpr = False):
     """(row, slot s, columns [n0, n1) of F): e = the slot's expert; act(x G_e) * (x U_e + offset)
     with G_e, U_e rows e*2F + [n0, n1) and e*2F + F + [n0, n1) of the [E*2F, D] gate|up table (the
     row's LayerNorm fused in, as in a linear). Bytes: 2*(n1-n0)*D weights of ONE expert + D x."""
@@ -679,23 +736,28 @@ def _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     n1 = tl.load(row + 33)
     e = tl.load(route + 2 * s, cache_modifier=CG).to(tl.int64)
     base = e * 2 * F * ldw
+    cols = n0 + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, 2F] at wsc
     # gate then up rows, in a loop so the product is compiled once (each inlined copy of the
     # linear tile costs compile time and code size in the one megakernel)
     g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for half in range(0, 2):
-        acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0)
+        acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0, FP8)
+        if FP8:   # the epilogue of an FP8 product: each output row's scale, once
+            sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * 2 * F + half * F + cols, mask=cols < n1,
+                         other=0.0)
+            acc = acc * (sc * FP8_UNSCALE)[None, :]
         g = tl.where(half == 0, acc, g)
         u = tl.where(half == 1, acc, u)
     h = apply_activation(g, act) * (u + _f32(tl.load(row + 44)))
-    cols = n0 + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
     tl.store(s_ptr + out + rows[:, None] * 0 + cols[None, :], h, mask=(rows < 1)[:, None] & (cols < n1)[None, :])
 
 
 @triton.jit
 def _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
     """(row, columns [n0, n1) of D): sum over the row's S slots of weight_s * h_s D_e(s)^T (rows
     e*D + [n0, n1) of the [E*D, F] down table), then the linear epilogue (+ residual). Bytes:
     S*(n1-n0)*F weights (the chosen experts only) + S*F hidden."""
@@ -704,25 +766,34 @@ def _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
     route = s_ptr + tl.load(row + 25)
     ldw = tl.load(row + 38)
     S = tl.load(row + 31)
+    wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, D] at wsc
+    cols = tl.load(row + 9) + tl.arange(0, BLOCK_N)
+    cmask = cols < tl.load(row + 33)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for s in range(0, S):
         e = tl.load(route + 2 * s, cache_modifier=CG).to(tl.int64)
         wgt = tl.load(route + 2 * s + 1, cache_modifier=CG)
-        acc += wgt * _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, s * F)
+        part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, s * F, FP8)
+        if FP8:
+            sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * D + cols, mask=cmask, other=0.0)
+            part = part * (sc * FP8_UNSCALE)[None, :]
+        acc += wgt * part
     _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+def _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, KV_BF16: tl.constexpr, FP8: tl.constexpr):
     """The task table of every compiled decode step (compiler.py emits only these ops): runs task
-    `op`; 0 for an unknown op (the host raises)."""
+    `op`; 0 for an unknown op (the host raises). KV_BF16 (caches in bf16) and FP8 (FP8 experts)
+    pick the variant at compile time: the one megakernel is at the edge of the register file, and
+    a run-time choice between variants would hold both and spill (ptxas -v)."""
     ran = 1
     if op == 2:
-        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
     elif op == 3:
-        _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D)
+        _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, KV_BF16)
     elif op == 4:
         _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
     elif op == 1:
@@ -730,11 +801,11 @@ def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.c
     elif op == 5:
         _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
     elif op == 6:
-        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D)
+        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D, KV_BF16)
     elif op == 7:
         _task_linear_split(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
     elif op == 8:
-        _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+        _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
     elif op == 9:
         _task_conv_step(row, w_ptr, s_ptr, BLOCK_M, BLOCK_N)
     elif op == 10:
@@ -744,12 +815,54 @@ def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.c
     elif op == 12:
         _task_moe_route(row, s_ptr, BLOCK_R, BLOCK_S)
     elif op == 13:
-        _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+        _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
     elif op == 14:
-        _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+        _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
     else:
         ran = 0
     return ran
+
+
+@triton.jit
+def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 KV caches, float experts (step_tasks_for picks the variant of a plan)."""
+    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, False)
+
+
+@triton.jit
+def step_tasks_bf16_kv(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """bf16 KV caches, float experts."""
+    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, False)
+
+
+@triton.jit
+def step_tasks_fp8(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 KV caches, FP8 experts."""
+    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, True)
+
+
+@triton.jit
+def step_tasks_bf16_kv_fp8(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """bf16 KV caches, FP8 experts (Moondream 3 on a GPU)."""
+    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, True)
+
+
+def step_tasks_for(kv_bf16: bool, fp8: bool):
+    """The task table compiled for a step's KV dtype and expert format."""
+    return {(False, False): step_tasks, (True, False): step_tasks_bf16_kv, (False, True): step_tasks_fp8,
+            (True, True): step_tasks_bf16_kv_fp8}[(kv_bf16, fp8)]
 
 
 @triton.jit
@@ -807,10 +920,12 @@ class Megakernel:
     def __init__(self, graph: TaskGraph, weights: torch.Tensor, state: torch.Tensor, dyn: torch.Tensor,
                  out: torch.Tensor, block_m: int, block_n: int, block_k: int, block_t: int,
                  head_dim: int, max_splits: int, max_tiles: int, ln_eps: float = 1e-5,
-                 spin_limit: int | None = None) -> None:
+                 spin_limit: int | None = None, run_task=None) -> None:
         from photon_core.megakernel.checker import check
         check(graph)
         self.graph = graph
+        if run_task is not None:   # a variant of the task table (step_tasks_for)
+            self.run_task = run_task
         dev = weights.device
         if state.dtype != torch.float32 or not state.is_contiguous():
             raise ValueError("megakernel state arena must be contiguous fp32")

@@ -333,17 +333,30 @@ class StepGraph:
                          dt_bias=dt_bias, norm_w=norm_w, c0=c0, eps=eps)
 
     def moe(self, name: str, x: Value, logits: Value, gate_up: str, down: str, top_k: int, act: str = "silu",
-            up_offset: float = 0.0, renormalize: bool = True, residual: Value | None = None) -> Value:
+            up_offset: float = 0.0, renormalize: bool = True, residual: Value | None = None,
+            gate_up_scale: str | None = None, down_scale: str | None = None) -> Value:
         """gate_up [E, 2F, D] (gate rows, then up rows), down [E, D, F]; logits [E] per row (a
-        linear's output). Out: [D] (+ residual)."""
+        linear's output). Out: [D] (+ residual). With scales ([E, 2F] and [E, D], both or neither)
+        the experts are FP8 e4m3 with per-output-row scales: W_e = fp8.float() * scale_e[:, None];
+        the compiled step keeps the bytes and scales each row's dot product after the K loop."""
         e, f2, d = self._shape(gate_up, 3)
         if self._shape(down, 3) != (e, d, f2 // 2) or x.width != d or logits.width != e or not 1 <= top_k <= e:
             raise ValueError(f"moe {name!r}: {gate_up!r} {self.weight_shapes[gate_up]} and {down!r} "
                              f"{self.weight_shapes[down]} do not fit x ({x.width}), logits ({logits.width}), k {top_k}")
         if act not in ACTIVATIONS[1:] or (residual is not None and residual.width != d):
             raise ValueError(f"moe {name!r}: activation {act!r} or residual width does not fit")
+        if (gate_up_scale is None) != (down_scale is None):
+            raise ValueError(f"moe {name!r}: FP8 experts need both scales (gate_up_scale and down_scale)")
+        if gate_up_scale is not None and (self._shape(gate_up_scale, 2) != (e, f2) or self._shape(down_scale, 2) != (e, d)):
+            raise ValueError(f"moe {name!r}: scales must be [{e}, {f2}] and [{e}, {d}] (one per expert output row)")
         return self._add("moe", name, d, x=x, logits=logits, gate_up=gate_up, down=down, top_k=top_k, act=act,
-                         up_offset=up_offset, renormalize=renormalize, residual=residual)
+                         up_offset=up_offset, renormalize=renormalize, residual=residual,
+                         gate_up_scale=gate_up_scale, down_scale=down_scale)
+
+    def fp8_weights(self) -> dict[str, str]:
+        """FP8 expert tables -> the name of their row scales."""
+        return {n.args[w]: n.args[f"{w}_scale"] for n in self.nodes if n.op == "moe" and n.args["gate_up_scale"]
+                for w in ("gate_up", "down")}
 
     def argmax(self, name: str, x: Value, c0: int = 0, c1: int | None = None, advance: bool = False) -> None:
         c1 = x.width if c1 is None else c1
@@ -383,8 +396,12 @@ class StepGraph:
         """Bytes of weights one step streams: every weight once, except tables the step only looks
         rows up in (embedding and position tables, rotary tables), which cost one row each; a table
         that is also a linear's weight (a tied LM head) is streamed whole; experts cost the top k
-        a row chooses (one row: k of E; `rows` rows choosing apart: up to rows * k)."""
-        experts = {n.args[k]: n.args["top_k"] for n in self.nodes if n.op == "moe" for k in ("gate_up", "down")}
+        a row chooses (one row: k of E; `rows` rows choosing apart: up to rows * k). FP8 experts
+        cost 1 byte a weight and their chosen rows' scales 4 bytes; the rest `element_size`."""
+        experts = {n.args[k]: n.args["top_k"] for n in self.nodes if n.op == "moe"
+                   for k in ("gate_up", "down", "gate_up_scale", "down_scale") if n.args.get(k)}
+        fp8 = self.fp8_weights()
+        scales = set(fp8.values())
         looked_up = set()
         for n in self.nodes:
             if n.op == "embed":
@@ -396,11 +413,12 @@ class StepGraph:
         for k, shape in self.weight_shapes.items():
             if k in skip:
                 continue
+            size = 1 if k in fp8 else 4 if k in scales else element_size
             if k in experts:
-                total += min(shape[0], experts[k] * rows) * math.prod(shape[1:])
+                total += min(shape[0], experts[k] * rows) * math.prod(shape[1:]) * size
             else:
-                total += shape[-1] if k in looked_up and k not in streamed else math.prod(shape)
-        return total * element_size
+                total += (shape[-1] if k in looked_up and k not in streamed else math.prod(shape)) * size
+        return total
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -503,7 +521,8 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
                 ref.kv_append(k_c, v_c, k, v, pos % k_c.shape[2] if a["k"].spec.ring else pos)
             y = q.reshape(bsz, hq * dh)
         elif node.op == "attention":
-            k_c, v_c = cache(a["k"]), cache(a["v"])
+            # bf16 caches hold what the compiled step stores (rounded); attention reads fp32
+            k_c, v_c = cache(a["k"]).float(), cache(a["v"]).float()
             dh = a["k"].spec.head_dim
             lengths = pos + 1 if a["length"] == "self" else torch.tensor(cross_len, device=dev)
             q = vals[a["q"].name].view(bsz, -1, 1, dh)
@@ -544,12 +563,17 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
             xs = vals[a["x"].name]
             f = weights[a["down"]].shape[-1]
             y = torch.zeros_like(xs)
+
+            def expert(w: str, e: int) -> torch.Tensor:   # FP8 experts dequantized: w * row scale
+                sc = a.get(f"{w}_scale")
+                t = weights[a[w]][e].float()
+                return t if sc is None else t * weights[sc][e].float()[:, None]
             for r in range(bsz):
                 for s in range(a["top_k"]):
                     e = int(ids[r, s])
-                    gu = ref.linear(xs[r:r + 1], weights[a["gate_up"]][e].float())
+                    gu = ref.linear(xs[r:r + 1], expert("gate_up", e))
                     h = ref.glu(gu[:, :f], gu[:, f:], a["act"], a["up_offset"])
-                    y[r] += weights_k[r, s] * ref.linear(h, weights[a["down"]][e].float())[0]
+                    y[r] += weights_k[r, s] * ref.linear(h, expert("down", e))[0]
             if a["residual"] is not None:
                 y = y + vals[a["residual"].name]
         elif node.op == "argmax":

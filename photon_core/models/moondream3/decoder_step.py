@@ -26,12 +26,14 @@ heads) with backends.reference ops, the ground truth for tests.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from photon_core.backends import reference as ref
+from photon_core.megakernel.compiler import CompiledStep
 from photon_core.megakernel.stepgraph import Rotary, StepGraph, Tau
 from photon_core.models.moondream import decoder_step as md2_step
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel
@@ -58,20 +60,21 @@ class Dims:
     coord_bins: int
     size_bins: int       # both halves (width bins + height bins)
     max_context: int
+    fp8: bool = False    # FP8 experts with per-row scales (kept FP8 in the compiled step)
 
     @property
     def qkv(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
 
-def dims_of(cfg: Any) -> Dims:
-    """Dims from a Moondream3Config."""
+def dims_of(cfg: Any, fp8: bool = False) -> Dims:
+    """Dims from a Moondream3Config (fp8: the experts are FP8 with row scales)."""
     t, r, m = cfg.text, cfg.region, cfg.text.moe
     hd = t.dim // t.n_heads
     return Dims(t.dim, t.n_heads, t.n_kv_heads, hd, md3_text.rot_dim(t), t.ff_dim, t.vocab_size, t.n_layers,
                 m.start_layer if m is not None else t.n_layers, m.num_experts if m is not None else 0,
                 m.expert_inner_dim if m is not None else 0, m.experts_per_token if m is not None else 0,
-                t.tau_attn, r.coord_out_dim, r.size_out_dim, t.max_context)
+                t.tau_attn, r.coord_out_dim, r.size_out_dim, t.max_context, fp8)
 
 
 def weight_shapes(dm: Dims) -> dict[str, tuple[int, ...]]:
@@ -83,6 +86,8 @@ def weight_shapes(dm: Dims) -> dict[str, tuple[int, ...]]:
         if li >= dm.moe_start:
             s.update({f"{L}.router_w": (dm.experts, d), f"{L}.router_b": (dm.experts,),
                       f"{L}.gate_up": (dm.experts, 2 * dm.expert_ff, d), f"{L}.down": (dm.experts, d, dm.expert_ff)})
+            if dm.fp8:
+                s.update({f"{L}.gate_up_scale": (dm.experts, 2 * dm.expert_ff), f"{L}.down_scale": (dm.experts, d)})
         else:
             s.update(md2_step.dense_mlp_shapes(L, d, dm.ff))
         if dm.tau:
@@ -115,8 +120,9 @@ def step_graph(dm: Dims, max_len: int) -> StepGraph:
         a = g.attention(f"{L}.attn", q, kc[li], vc[li], "self")
         if li >= dm.moe_start:
             route = g.linear(f"{L}.router", h, f"{L}.router_w", f"{L}.router_b")
+            scales = dict(gate_up_scale=f"{L}.gate_up_scale", down_scale=f"{L}.down_scale") if dm.fp8 else {}
             m = g.moe(f"{L}.moe", h, route, f"{L}.gate_up", f"{L}.down", dm.top_k, act="gelu", up_offset=1.0,
-                      renormalize=True, residual=x)
+                      renormalize=True, residual=x, **scales)
         else:
             hid = g.linear(f"{L}.mlp_up", h, f"{L}.fc1_w", f"{L}.fc1_b", act="gelu_tanh")
             m = g.linear(f"{L}.mlp_down", hid, f"{L}.fc2_w", f"{L}.fc2_b", residual=x)
@@ -138,6 +144,8 @@ def gather_weights(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeig
         if b.router is not None:
             t.update({f"{L}.router_w": b.router[0], f"{L}.router_b": b.router[1], f"{L}.gate_up": b.experts_gate_up,
                       f"{L}.down": b.experts_down})
+            if b.experts_gate_up_scale is not None:
+                t.update({f"{L}.gate_up_scale": b.experts_gate_up_scale, f"{L}.down_scale": b.experts_down_scale})
         else:
             t.update(md2_step.dense_mlp_weights(L, b))
         if b.tau_wqwv is not None:
@@ -149,14 +157,51 @@ def gather_weights(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeig
     return t
 
 
+def share_arena(mk: CompiledStep, text_w: md3_text.TextWeights, region_w: md3_region.RegionWeights) -> int:
+    """Rebind every tensor of text_w / region_w that the compiled step's weights arena holds as it is
+    (same dtype, same contiguous layout, no folded offset) to its view in the arena, so the per-op
+    prefill and the compiled step read ONE copy (the originals are freed once nothing else holds
+    them): on a 16 GB GPU the FP8 experts could not be held twice. Returns the bytes shared."""
+    swap: dict[int, torch.Tensor] = {}
+    for k, t in gather_weights(text_w, region_w).items():
+        v = mk.weight(k)
+        if (k not in mk.plan.weight_offset and v.dtype == t.dtype and v.device == t.device and v.is_contiguous()
+                and v.data_ptr() != t.data_ptr()):
+            swap[id(t)] = v
+
+    def rebind(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return swap.get(id(x), x)
+        if isinstance(x, tuple):
+            return type(x)(rebind(y) for y in x)
+        if isinstance(x, list):
+            x[:] = [rebind(y) for y in x]
+        elif dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                setattr(x, f.name, rebind(getattr(x, f.name)))
+        return x
+
+    rebind(text_w)
+    rebind(region_w)
+    return sum(v.numel() * v.element_size() for v in swap.values())
+
+
 class Moondream3DecoderMegakernel(MoondreamDecoderMegakernel):
     """Moondream 3's decode step as one persistent launch for a fixed batch bucket; everything but
     the decoder (cache rows, logit bias, step, the pruned text graph) is Moondream 2's class."""
 
-    dims_of = staticmethod(dims_of)
     step_graph = staticmethod(step_graph)
     gather_weights = staticmethod(gather_weights)
     region_prefixes = ("r_",)
+
+    def __init__(self, text_w: md3_text.TextWeights, region_w: md3_region.RegionWeights, cfg: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        # FP8 experts (loaded for the megakernel) stay FP8 in the arena: the graph carries their scales
+        self.fp8 = any(b.experts_gate_up_scale is not None for b in text_w.blocks)
+        super().__init__(text_w, region_w, cfg, *args, **kwargs)
+
+    def dims_of(self, cfg: Any) -> Dims:
+        return dims_of(cfg, self.fp8)
 
 
 def reference_step(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeights, cfg: Any, caches: list[Any],

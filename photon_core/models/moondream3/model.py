@@ -24,9 +24,10 @@ from . import region, segment, text
 from . import weights as weights_io
 from .config import Moondream3Config
 
-# The megakernel's KV caches are fp32 per batch bucket: over Moondream 3.1's whole 32k context they
-# would take 12.9 GB per row (103 GB for the batch-8 bucket); 4096 positions hold any skill request
-# with the default token limits (730 image positions + prompt + up to 768 tokens) in 1.6 GB per row.
+# The megakernel's KV caches are per batch bucket (bf16 on a GPU, fp32 on the CPU): over Moondream
+# 3.1's whole 32k context they would take 6.4 GB per row in bf16 (51 GB for the batch-8 bucket); 4096
+# positions hold any skill request with the default token limits (730 image positions + prompt + up
+# to 768 tokens) in 0.8 GB per row (memory.device_memory: the model fits 16 GB at batch 1).
 MEGAKERNEL_MAX_LEN = 4096
 
 
@@ -71,8 +72,11 @@ def _as_md2(cfg: Moondream3Config):
 
 
 def check_state(sd: dict[str, torch.Tensor], cfg: Moondream3Config, source: str) -> None:
-    """Every tensor the config implies is present with its shape, and nothing else; a clear error otherwise."""
+    """Every tensor the config implies is present with its shape, and nothing else (FP8 experts
+    kept as FP8 bring their row scales); a clear error otherwise."""
     expected = expected_shapes(cfg)
+    for k in [k for k in expected if k.endswith(("experts_gate_up", "experts_down")) and k + "_scale" in sd]:
+        expected[k + "_scale"] = expected[k][:2]
     missing = sorted(k for k in expected if k not in sd)
     extra = sorted(k for k in sd if k not in expected)
     wrong = [f"{k}: {tuple(sd[k].shape)} != {v}" for k, v in expected.items() if k in sd and tuple(sd[k].shape) != v]
@@ -97,6 +101,10 @@ class Moondream3Model(MoondreamModel):
             max_len = min(config.text.max_context, MEGAKERNEL_MAX_LEN)
         super().__init__(config, state, tokenizer, ops, device, dtype, model_id=model_id, tiling=tiling,
                          max_len=max_len)
+        if self.decode is not None:
+            # One copy of the text weights: the per-op prefill reads the compiled step's arena.
+            from .decoder_step import share_arena
+            share_arena(self.decode.decoder(1), self.text_w, self.region_w)
 
     def decoder_megakernel(self) -> type:
         from .decoder_step import Moondream3DecoderMegakernel
@@ -114,14 +122,18 @@ def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str 
                     dtype: torch.dtype | str = torch.float32, backend: Any = None, tiling: Any = None,
                     max_len: int | None = None) -> Moondream3Model:
     """Load Moondream 3 (3.1 `model.safetensors`, or 3-preview `model_fp8.pt`) from a local file or
-    folder or the Hugging Face cache. FP8 experts are dequantized on the CPU to `dtype`.
+    folder or the Hugging Face cache. FP8 experts are dequantized on the CPU to `dtype` (except for the
+    megakernel backend, below).
 
     backend: an ops module (photon_core.backends.select.get_backend: reference, the default; triton;
     megakernel, whose decode steps are compiled launches with `tiling`, KV caches of `max_len`, default
-    min(max_context, MEGAKERNEL_MAX_LEN))."""
+    min(max_context, MEGAKERNEL_MAX_LEN); FP8 experts stay FP8 there, scaled in the step's epilogue)."""
     o = open_checkpoint(path_or_id, device, dtype, backend, weights_io, Moondream3Config)
     layout = o.config.text.moe.gate_up_layout if o.config.text.moe is not None else "halves"
-    state = weights_io.load_tensors(o.ckpt.weights, o.dtype, o.device, layout)
+    # The megakernel's compiled step streams FP8 experts as bytes (half of bf16's, a quarter of
+    # fp32's); the per-op paths dequantize them one layer at a time (text.forward).
+    keep_fp8 = getattr(o.backend, "NAME", "") == "megakernel"
+    state = weights_io.load_tensors(o.ckpt.weights, o.dtype, o.device, layout, keep_fp8)
     check_state(state, o.config, str(o.ckpt.weights))
     name = str(path_or_id) if str(path_or_id) in weights_io.MODELS else "moondream3"
     return Moondream3Model(o.config, state, o.tokenizer, o.backend, o.device, o.dtype, model_id=name, tiling=tiling,

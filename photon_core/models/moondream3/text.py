@@ -37,6 +37,8 @@ class TextBlock:
     router: Linear | None = None       # MoE layers: [E, dim], [E]
     experts_gate_up: torch.Tensor | None = None   # [E, 2I, dim]: gate rows, then up rows
     experts_down: torch.Tensor | None = None      # [E, dim, I]
+    experts_gate_up_scale: torch.Tensor | None = None   # FP8 experts kept as FP8: row scales [E, 2I]
+    experts_down_scale: torch.Tensor | None = None      # [E, dim]
     tau_wqwv: torch.Tensor | None = None          # [2 * heads, qkv dim]
     tau_alpha: torch.Tensor | None = None         # [heads]
 
@@ -59,6 +61,8 @@ class TextWeights:
             if cfg.moe is not None and i >= cfg.moe.start_layer:
                 b.router = take(sd, p + "router")
                 b.experts_gate_up, b.experts_down = sd[p + "experts_gate_up"], sd[p + "experts_down"]
+                b.experts_gate_up_scale = sd.get(p + "experts_gate_up_scale")
+                b.experts_down_scale = sd.get(p + "experts_down_scale")
             else:
                 b.fc1, b.fc2 = take(sd, p + "mlp.fc1"), take(sd, p + "mlp.fc2")
             if cfg.tau_attn:
@@ -92,6 +96,20 @@ def tau_scale(qkv: torch.Tensor, q: torch.Tensor, v: torch.Tensor, b: TextBlock,
     return q, v
 
 
+def expert_weights(b: TextBlock, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's (gate_up, down) expert tables in `dtype`; FP8 ones (kept for the megakernel)
+    dequantized for this call only, w.float() * scale, so one layer's float copy exists at a time."""
+    if b.experts_gate_up_scale is None:
+        return b.experts_gate_up, b.experts_down
+
+    def deq(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(w.shape, dtype=dtype, device=w.device)
+        for e in range(w.shape[0]):   # one expert's float32 at a time: the transient stays small
+            out[e] = w[e].float() * scale[e, :, None]
+        return out
+    return deq(b.experts_gate_up, b.experts_gate_up_scale), deq(b.experts_down, b.experts_down_scale)
+
+
 def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextConfig, cache: KVCache,
             ops) -> torch.Tensor:
     """Input embeddings [B, T, dim] -> hidden states [B, T, dim] before post_ln; writes the KV cache.
@@ -106,7 +124,7 @@ def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextC
             q, v = tau_scale(qkv, q, v, b, pos, hq, hkv, ops)
         a = md2_text.attend(q, k, v, i, at, cfg, cache, ops)
         if b.router is not None:
-            mlp = ops.moe(h, b.router[0], b.router[1], b.experts_gate_up, b.experts_down,
+            mlp = ops.moe(h, b.router[0], b.router[1], *expert_weights(b, h.dtype),
                           cfg.moe.experts_per_token, activation="gelu", up_offset=1.0, renormalize=True)
         else:
             mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)

@@ -14,7 +14,9 @@ tau tensors. Names are normalised to the reference module names Moondream 2's co
     region.coord_head / region.size_head / region.ln <- region_model.coordinate_head / size_head / ln
 
 FP8 experts (float8_e4m3fn, with per-output-row scales `moe_quant.{up,down}_scale` [E, rows]) are
-dequantized here on the CPU, w = fp8.float() * scale[..., None], then cast to the model dtype.
+dequantized here on the CPU, w = fp8.float() * scale[..., None], then cast to the model dtype; with
+keep_fp8 (the megakernel backend) they stay FP8 bytes next to their fp32 scales
+(`...experts_gate_up_scale`, `...experts_down_scale`): the compiled step reads them as FP8.
 """
 from __future__ import annotations
 
@@ -101,9 +103,11 @@ def deinterleave_rows8(gate_up: torch.Tensor) -> torch.Tensor:
                       blocks[:, :, 1].reshape(e, two_i // 2, *gate_up.shape[2:])], dim=1)
 
 
-def normalize_names(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def normalize_names(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                    keep_fp8: bool = False) -> dict[str, torch.Tensor]:
     """Checkpoint names -> reference names; FP8 experts dequantized (each cast to `dtype` at once,
-    so the float32 copy of only one expert tensor exists at a time); tau_wq + tau_wv fused."""
+    so the float32 copy of only one expert tensor exists at a time), or with `keep_fp8` kept as
+    they are with their scales (float32) beside them; tau_wq + tau_wv fused."""
     tensors = {k.replace("._orig_mod", ""): t for k, t in tensors.items()}
     out = rename(tensors, SCHEMA, keep=(r"(vision|text|region)\..*",))
     for old, new in _TRANSPOSED.items():
@@ -113,8 +117,15 @@ def normalize_names(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch
         name = key[:-len("_scale")]
         if name not in out:
             raise ValueError(f"{key}: an FP8 scale without its expert weight {name}")
-        out[name] = dequantize_fp8(out[name], out.pop(key), name).to(dtype)
-    fp8 = sorted(k for k, t in out.items() if t.dtype == FP8)
+        if keep_fp8:
+            dequantize_fp8(out[name][:1, :1], out[key][:1, :1], name)   # the dtype check, on one row
+            if tuple(out[key].shape) != tuple(out[name].shape[:2]):
+                raise ValueError(f"{name}: scale shape {tuple(out[key].shape)} does not match the weight's rows "
+                                 f"{tuple(out[name].shape[:2])}")
+            out[key] = out[key].to(torch.float32)
+        else:
+            out[name] = dequantize_fp8(out[name], out.pop(key), name).to(dtype)
+    fp8 = sorted(k for k, t in out.items() if t.dtype == FP8 and k + "_scale" not in out)
     if fp8:
         raise ValueError(f"FP8 tensors without their moe_quant scales: {fp8[:3]}")
     for key in [k for k in out if k.endswith(".tau_wq")]:
@@ -126,9 +137,12 @@ def normalize_names(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch
 
 
 def load_tensors(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 gate_up_layout: str = "halves") -> dict[str, torch.Tensor]:
-    tensors = normalize_names(read(path), dtype)
+                 gate_up_layout: str = "halves", keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Reference-named tensors in `dtype` on `device`; with keep_fp8, FP8 experts and their fp32
+    scales as stored (rows de-interleaved alike)."""
+    tensors = normalize_names(read(path), dtype, keep_fp8)
     if gate_up_layout == "interleaved8":
-        for key in [k for k in tensors if k.endswith(".experts_gate_up")]:
+        for key in [k for k in tensors if k.endswith((".experts_gate_up", ".experts_gate_up_scale"))]:
             tensors[key] = deinterleave_rows8(tensors[key])
-    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in tensors.items()}
+    return {k: v.to(device=device, dtype=v.dtype if v.dtype == FP8 or k.endswith("_scale") else dtype).contiguous()
+            for k, v in tensors.items()}

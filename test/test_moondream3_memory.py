@@ -1,0 +1,32 @@
+"""Moondream 3.1 fits a 16 GB GPU at a 4K context: the device bytes of the megakernel backend at
+batch 1 (compiled step with FP8 experts, bf16 weights and KV caches of 4096 positions; the vision
+encoder, token embeddings and region encoders held by the per-op paths; the largest transients),
+computed from the real config's shapes without allocating anything."""
+import math
+
+import torch
+
+from photon_core.megakernel.memory import format_bytes
+from photon_core.models.moondream3.config import Moondream3Config
+from photon_core.models.moondream3.memory import device_memory
+
+
+def test_moondream3_1_fits_16_gib_at_a_4k_context():
+    cfg = Moondream3Config()          # 3.1's real sizes: 24 layers, 4 dense + 20 MoE of 64 experts, top 8
+    t, m = cfg.text, cfg.text.moe
+    assert (t.n_layers, m.start_layer, m.num_experts, m.experts_per_token, t.dim) == (24, 4, 64, 8, 2048)
+    parts = device_memory(cfg, max_len=4096, batch=1)
+    print("\nMoondream 3.1, megakernel backend, batch 1, 4096 positions:\n" + format_bytes(parts))
+    moe_layers = t.n_layers - m.start_layer
+    # experts stay FP8: one byte a weight (rows of 2048 and 1024 bytes need no padding)
+    assert parts["step: weights fp8"] == moe_layers * m.num_experts * 3 * m.expert_inner_dim * t.dim
+    assert parts["step: weights fp32"] == moe_layers * m.num_experts * (2 * m.expert_inner_dim + t.dim) * 4
+    # bf16 K and V of every layer at 4096 positions
+    assert parts["step: kv caches"] == 2 * t.n_layers * t.n_kv_heads * 4096 * (t.dim // t.n_heads) * 2
+    # the text decoder is held once (the per-op prefill reads the arena); the vision tower is counted
+    assert not any(k.startswith("per-op weights: text.blocks") for k in parts)
+    assert parts["per-op weights: vision"] > 0.8e9 and parts["per-op weights: text.wte"] == t.vocab_size * t.dim * 2
+    total = sum(parts.values())
+    assert total < 16 * 2**30, format_bytes(parts)
+    # ... where float experts (bf16) alone would not: the FP8 bytes are what makes it fit
+    assert total + parts["step: weights fp8"] > 16 * 2**30
