@@ -1,4 +1,5 @@
-"""Dynamic-int8 linears for Whisper on CPU: the product against float32 on fresh random inputs,
+"""int8 linears for Whisper on CPU: the product against float32 and against the same integer
+math in float64 on fresh random inputs, rows independent of each other,
 which paths may take it, and real tiny.en speech transcribed as well as the exact path does
 (the broad-set WER that decides the default is bench/speech.py's)."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ import types
 
 from photon_core.backends import reference
 from photon_core.models.whisper import load_whisper
-from photon_core.models.whisper.model import _Linear, linear, quantize_int8_
+from photon_core.models.whisper.model import _Linear, int8_matmul, linear, pack_dynamic_int8_, quantize_int8_
 from photon_core.models.whisper.transcribe import CPU_DEFAULT_QUANTIZE, pick_quantize
 
 from whisper_fixtures import SENTENCES, espeak
@@ -32,10 +33,44 @@ def test_int8_product_tracks_float32(activation, residual):
     quantize_int8_(w)
     got = linear(reference, x, w, activation=activation, residual=res)
     assert got.shape == want.shape
-    # 8-bit weights per output channel and 7-8-bit activations per call: about 1% of the signal
+    # 8-bit weights per output channel and 8-bit activations per row: about 1% of the signal
     assert ((got - want).norm() / want.norm()).item() < 0.03
     w.int8 = None
     assert torch.equal(linear(reference, x, w, activation=activation, residual=res), want)
+
+
+def test_int8_kernel_equals_integer_math_and_rows_are_independent():
+    """torch._int_mm (int8 x int8 -> int32, VNNI on this CPU) against the same quantized values
+    multiplied in float64; then a batch of rows against each row alone, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 200, generator=g) * torch.logspace(-2, 2, 37)[:, None]   # rows of very different scale
+    x[3] = 0.0
+    w = _Linear(torch.randn(72, 200, generator=g) / 10, torch.randn(72, generator=g))
+    quantize_int8_(w)
+    q = w.int8
+    s = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+    xi = (x / s).round()
+    assert xi.abs().max() <= 127 and q.weight_t.dtype == torch.int8
+    want = (xi.double() @ q.weight_t.double()) * (s.double() * q.scale.double()) + q.bias.double()
+    got = int8_matmul(x, q)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[3], q.bias)
+    for i in (0, 3, 20, 36):
+        assert torch.equal(int8_matmul(x[i:i + 1], q)[0], got[i])
+
+
+def test_dynamic_int8_batch_of_sequences_equals_each_alone():
+    """fbgemm's activation scale is per call: sequences of a batch go one call each, so batching
+    clips leaves every clip's decoder numbers as they are alone (and near float32)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 5, 96, generator=g) * torch.tensor([0.1, 1.0, 30.0])[:, None, None]
+    w = _Linear(torch.randn(160, 96, generator=g) / 10, torch.randn(160, generator=g))
+    want = reference.linear(x, w.weight, w.bias)
+    pack_dynamic_int8_(w)
+    got = linear(reference, x, w)
+    for i in range(3):
+        assert torch.equal(got[i], linear(reference, x[i:i + 1], w)[0])
+        assert ((got[i] - want[i]).norm() / want[i].norm()).item() < 0.03
 
 
 def test_who_gets_int8():
@@ -53,11 +88,14 @@ def test_who_gets_int8():
         pick_quantize(cpu, None, reference, "int4")
 
 
-def test_int8_decoder_transcribes_real_speech_as_well_as_float32():
+@pytest.mark.parametrize("quantize", ["auto", "int8"])
+def test_int8_transcribes_real_speech_as_well_as_float32(quantize):
     exact = load_whisper("whisper-tiny.en", dtype="float32")
-    fast = load_whisper("whisper-tiny.en", quantize="int8-decoder")
-    assert exact.quantize is None and fast.quantize == "int8-decoder"
-    assert fast.net.w.lm_head.int8 is not None and fast.net.w.enc_blocks[0].qkv.int8 is None
+    fast = load_whisper("whisper-tiny.en", quantize=quantize)
+    assert exact.quantize is None and fast.quantize == (CPU_DEFAULT_QUANTIZE if quantize == "auto" else quantize)
+    w = fast.net.w
+    assert w.lm_head.int8 is not None and w.conv1.int8 is None and w.conv2.int8 is None
+    assert (w.enc_blocks[0].qkv.int8 is not None) == (fast.quantize == "int8")
     refs, got, want = [], [], []
     for key in ("short", "medium"):
         text, speed = SENTENCES[key]

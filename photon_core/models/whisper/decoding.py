@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import WhisperNet
+from .model import DecoderCache, WhisperNet
 from .tokenizer import WhisperTokenizer
 
 MAX_INITIAL_TIMESTAMP_S = 1.0
@@ -154,3 +154,59 @@ class WindowDecoder:
         text = tok.decode(sampled).strip()
         return DecodeResult(sampled, text, sum_logprob / (len(sampled) + 1), no_speech_prob,
                             options.temperature, compression_ratio(text))
+
+    @torch.inference_mode()
+    def decode_greedy_batch(self, cross: list[tuple[torch.Tensor, torch.Tensor]],
+                            options: DecodeOptions) -> list[DecodeResult]:
+        """Greedy decoding of B windows at once from their cross K/V ([B, H, n_audio_ctx, Dh] per
+        layer), all with the same options (so the same prompt, and every row at the same
+        position at each step). Row i is what `decode` gives for row i alone: every per-row rule
+        runs on that row's logits, and a finished row leaves the batch (its cache rows dropped)."""
+        if options.temperature != 0:
+            raise ValueError("batched decoding is greedy only (temperature 0)")
+        net, tok = self.net, self.tok
+        initial, sot_index = self.initial_tokens(options)
+        sample_len = options.sample_len or self.n_ctx // 2
+        timestamps = not options.without_timestamps
+        cache = net.new_cache(cross)
+        device = cache.k.device
+        bsz = cache.k.shape[1]
+
+        hidden = net.decode(torch.tensor([initial] * bsz, device=device), 0, cache)
+        first = net.logits(hidden[:, [sot_index, -1]])
+        no_speech = ([first[i, 0].softmax(-1)[tok.no_speech].item() for i in range(bsz)]
+                     if tok.no_speech is not None else [float("nan")] * bsz)
+        logits = first[:, 1]
+
+        sampled: list[list[int]] = [[] for _ in range(bsz)]
+        sum_logprob = [0.0] * bsz
+        rows = list(range(bsz))            # request index of each row still decoding
+        n_tokens = len(initial)
+        for _ in range(sample_len):
+            nxt, keep = [], []
+            for r, i in enumerate(rows):
+                row = logits[r]
+                self._apply_rules(row, sampled[i], timestamps)
+                t = int(net.ops.argmax(row))
+                sum_logprob[i] += torch.log_softmax(row, dim=-1)[t].item()
+                if t != tok.eot:
+                    sampled[i].append(t)
+                    nxt.append(t)
+                    keep.append(r)
+            n_tokens += 1
+            if not keep or n_tokens > self.n_ctx:
+                break
+            if len(keep) < len(rows):
+                idx = torch.tensor(keep, device=device)
+                cache = DecoderCache([(k[idx], v[idx]) for k, v in cache.cross],
+                                     cache.k[:, idx], cache.v[:, idx])
+                rows = [rows[r] for r in keep]
+            step = torch.tensor(nxt, device=device)[:, None]
+            logits = net.logits(net.decode(step, n_tokens - 1, cache))[:, -1]
+
+        results = []
+        for i in range(bsz):
+            text = tok.decode(sampled[i]).strip()
+            results.append(DecodeResult(sampled[i], text, sum_logprob[i] / (len(sampled[i]) + 1),
+                                        no_speech[i], 0.0, compression_ratio(text)))
+        return results

@@ -47,13 +47,14 @@ class LongFormResult:
 
 
 def decode_with_fallback(decoder: WindowDecoder, cross: list, base: DecodeOptions,
-                         opts: LongFormOptions) -> DecodeResult:
+                         opts: LongFormOptions, first: DecodeResult | None = None) -> DecodeResult:
     """Decode at the first temperature whose result is neither a loop nor a low-confidence
-    guess; an honest "no speech" (high no-speech prob and low log-prob) is accepted as is."""
+    guess; an honest "no speech" (high no-speech prob and low log-prob) is accepted as is.
+    `first`: the first temperature's result, already decoded (in a batch)."""
     result = None
-    for t in opts.temperatures:
+    for i, t in enumerate(opts.temperatures):
         base.temperature = t
-        result = decoder.decode(None, base, cross=cross)
+        result = first if i == 0 and first is not None else decoder.decode(None, base, cross=cross)
         too_repetitive = (opts.compression_ratio_threshold is not None
                           and result.compression_ratio > opts.compression_ratio_threshold)
         low_logprob = (opts.logprob_threshold is not None
@@ -66,13 +67,21 @@ def decode_with_fallback(decoder: WindowDecoder, cross: list, base: DecodeOption
     return result
 
 
+def first_window_options(opts: LongFormOptions) -> DecodeOptions:
+    """The options `transcribe_mel` decodes its first window with, at the first temperature."""
+    return DecodeOptions(language=opts.language, without_timestamps=not opts.timestamps,
+                         prompt=list(opts.initial_prompt_tokens), temperature=opts.temperatures[0])
+
+
 def transcribe_mel(decoder: WindowDecoder, encode: Callable[[torch.Tensor], torch.Tensor],
                    mel: torch.Tensor, content_frames: int, opts: LongFormOptions,
-                   decode_context: Callable[[], ContextManager] = nullcontext) -> LongFormResult:
+                   decode_context: Callable[[], ContextManager] = nullcontext,
+                   first: tuple[list, DecodeResult] | None = None) -> LongFormResult:
     """`mel`: at least the first `content_frames` frames of
     log_mel_spectrogram(audio, padding=N_SAMPLES) (see frontend.log_mel_content).
     `decode_context` wraps each window's decoding (e.g. a thread count other than the
-    encoder's)."""
+    encoder's). `first`: the first window's cross K/V and its decode at the first temperature
+    (`first_window_options`), computed beforehand (batched with other clips)."""
     tok = decoder.tok
     n_audio_ctx = decoder.net.dims.n_audio_ctx
     input_stride = N_FRAMES // n_audio_ctx                       # mel frames per audio token
@@ -92,11 +101,12 @@ def transcribe_mel(decoder: WindowDecoder, encode: Callable[[torch.Tensor], torc
         segment_duration = segment_size * HOP_LENGTH / SAMPLE_RATE
         window = pad_or_trim(mel[:, seek:seek + segment_size], N_FRAMES)
         # encoder and cross K/V on all threads; decoding may run under `decode_context`
-        cross = decoder.net.cross_kv(encode(window[None]))
+        done = first if seek == 0 else None
+        cross = done[0] if done else decoder.net.cross_kv(encode(window[None]))
         base = DecodeOptions(language=opts.language, without_timestamps=not opts.timestamps,
                              prompt=all_tokens[prompt_reset_since:], generator=generator)
         with decode_context():
-            result = decode_with_fallback(decoder, cross, base, opts)
+            result = decode_with_fallback(decoder, cross, base, opts, done[1] if done else None)
         no_speech_probs.append(result.no_speech_prob)
         tokens = result.tokens
 

@@ -1,6 +1,7 @@
 """Public Whisper API: `load_whisper(name_or_path)` -> a model with `.transcribe(audio)`."""
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from contextlib import contextmanager
@@ -18,7 +19,8 @@ from photon_core.models.whisper.checkpoint import (
 from .config import WhisperDims, name_from_dims
 from .decoding import WindowDecoder
 from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, pad_or_trim, prepare_audio
-from .longform import DEFAULT_TEMPERATURES, LongFormOptions, LongFormResult, transcribe_mel
+from .longform import (DEFAULT_TEMPERATURES, LongFormOptions, LongFormResult, first_window_options,
+                       transcribe_mel)
 from .model import WhisperNet, WhisperWeights
 from .tokenizer import WhisperTokenizer
 
@@ -57,18 +59,21 @@ def pick_encoder_dtype(device: torch.device, dtype: torch.dtype | str | None) ->
     return dtype
 
 
+# Clips per encoder batch in `batch` (an encoder row of tiny.en holds ~60 MB of attention scores).
+MAX_BATCH = 8
 QUANTIZE = (None, "int8-decoder", "int8")
 # The CPU default. A faster path is the default only where its WER on the broad speech set stays
 # within 0.5 points of float32's (bench/speech.py, 84 utterances, whisper tiny.en, AVX-512 VNNI CPU,
-# 2026-12-01): int8 decoder linears 0.296 (0.270 with 7-bit activations) vs float32 0.297, and
-# 0.73-0.84x faster-whisper int8's latency where float32 is 1.22-1.50x (passes); int8 encoder too
-# 0.305-0.311 (fails).
+# 2026-12-01): int8 decoder linears 0.296 vs float32 0.297, and 0.73-0.84x faster-whisper int8's
+# latency where float32 is 1.22-1.50x (passes). The int8 encoder fails: with per-call activation
+# scales 0.305-0.311, with per-row scales (quantize="int8") 0.304; per-row scales in the decoder too
+# gave 0.241 but decode each token ~1.7x slower than fbgemm's dynamic linear.
 CPU_DEFAULT_QUANTIZE: str | None = "int8-decoder"
 
 
 def pick_quantize(device: torch.device, dtype: torch.dtype | str | None, ops: ModuleType,
                   quantize: str | None) -> str | None:
-    """Which linears run as dynamic-int8 products: None, "int8-decoder" or "int8" (encoder too).
+    """Which linears run as int8 products: None, "int8-decoder" or "int8" (encoder blocks too).
     "auto": the CPU default on the reference backend when no dtype was asked for; an explicit dtype
     (dtype="float32": the exact path, token-identical to openai-whisper) turns it off."""
     if quantize == "auto":
@@ -223,33 +228,88 @@ class WhisperSpeech:
         """`transcribe`, plus the raw long-form result (tokens, per-segment log-probs...).
         Extra keyword arguments override LongFormOptions fields (thresholds, guards)."""
         start = time.perf_counter()
+        pcm, mel, opts = self._prepare(audio, sample_rate, language, timestamps, initial_prompt, beam_size,
+                                       temperature, condition_on_previous_text, longform_options)
+        encode = self.encode
+        if opts.language is None:
+            # the first window's features serve both detection and decoding
+            first = [self.encode(pad_or_trim(mel, N_FRAMES)[None])]
+            opts.language = self.detect_language(first[0])
+
+            def encode(window: torch.Tensor) -> torch.Tensor:
+                return first.pop() if first else self.encode(window)
+        with torch.inference_mode():
+            raw = transcribe_mel(self.decoder, encode, mel, mel.shape[-1], opts,
+                                 decode_context=lambda: _torch_threads(self.decoder_threads))
+        return self._result(raw, pcm, opts.language, start), raw
+
+    def batch(self, requests: list[dict]) -> list[dict]:
+        """Transcribe several clips (e.g. utterances from several microphones) in one go: result i
+        is `self.transcribe(**requests[i])`, each request being transcribe's keyword arguments
+        (audio, sample_rate, language, timestamps, initial_prompt, temperature, ...). Clips of at
+        most 30 s whose first decode is greedy run their encoder as one batch and their first
+        greedy decode as rows stepping together (grouped by prompt); temperature fallback, later
+        windows, language detection and the megakernel/per-op step paths run per clip. Float32
+        products of several rows may round differently in the last bits than one row's (seen in
+        no_speech_prob at 1e-6); int8 decoder linears quantize each clip as its own call would.
+        processing_time counts from the batch's start."""
+        start = time.perf_counter()
+        results: list[dict | None] = [None] * len(requests)
+        groups: dict[tuple, list[tuple[int, np.ndarray, torch.Tensor, LongFormOptions]]] = {}
+        for i, request in enumerate(requests):
+            args = inspect.signature(self.transcribe).bind(**request)
+            args.apply_defaults()
+            pcm, mel, opts = self._prepare(*args.args, **args.kwargs, longform_options={})
+            if (self.decoder.steps is not None or opts.language is None or mel.shape[-1] > N_FRAMES
+                    or opts.temperatures[0] != 0):
+                results[i] = self.transcribe(**request)
+                continue
+            key = tuple(self.decoder.initial_tokens(first_window_options(opts))[0])
+            groups.setdefault(key, []).append((i, pcm, mel, opts))
+        for rows in groups.values():
+            for chunk in range(0, len(rows), MAX_BATCH):
+                self._batch_rows(rows[chunk:chunk + MAX_BATCH], results, start)
+        return results
+
+    @torch.inference_mode()
+    def _batch_rows(self, rows: list, results: list, start: float) -> None:
+        """One encoder batch and one greedy decode batch for clips of at most 30 s with the same
+        first-window prompt, then each clip's rest (fallback, further windows) on its own."""
+        mels = torch.stack([pad_or_trim(mel, N_FRAMES) for _, _, mel, _ in rows])
+        cross = self.net.cross_kv(self.encode(mels))
+        with _torch_threads(self.decoder_threads):
+            firsts = self.decoder.decode_greedy_batch(cross, first_window_options(rows[0][3]))
+        for j, (i, pcm, mel, opts) in enumerate(rows):
+            own = [(k[j:j + 1], v[j:j + 1]) for k, v in cross]
+            raw = transcribe_mel(self.decoder, self.encode, mel, mel.shape[-1], opts,
+                                 decode_context=lambda: _torch_threads(self.decoder_threads),
+                                 first=(own, firsts[j]))
+            results[i] = self._result(raw, pcm, opts.language, start)
+
+    def _prepare(self, audio: np.ndarray, sample_rate: int, language: str | None, timestamps: bool,
+                 initial_prompt: str | None, beam_size: int, temperature: float | Sequence[float],
+                 condition_on_previous_text: bool, longform_options: dict
+                 ) -> tuple[np.ndarray, torch.Tensor, LongFormOptions]:
+        """Checked 16 kHz PCM, its log-mel (content frames only) and the long-form options
+        (language None: still to be detected, multilingual models only)."""
         if beam_size != 1:
             raise NotImplementedError("beam search is not implemented yet; use beam_size=1")
         pcm = prepare_audio(audio, sample_rate)
         mel = log_mel_content(pcm, self.dims.n_mels)
-        content_frames = mel.shape[-1]
-        encode = self.encode
         if language is None and not self.tokenizer.multilingual:
             language = "en"
-        elif language is None:
-            # the first window's features serve both detection and decoding
-            first = [self.encode(pad_or_trim(mel, N_FRAMES)[None])]
-            language = self.detect_language(first[0])
-
-            def encode(window: torch.Tensor) -> torch.Tensor:
-                return first.pop() if first else self.encode(window)
         prompt_tokens = (self.tokenizer.encode(" " + initial_prompt.strip())
                          if initial_prompt else [])
         temps = (temperature,) if isinstance(temperature, (int, float)) else tuple(temperature)
         opts = LongFormOptions(language=language, timestamps=timestamps, temperatures=temps,
                                condition_on_previous_text=condition_on_previous_text,
                                initial_prompt_tokens=prompt_tokens, **longform_options)
-        with torch.inference_mode():
-            raw = transcribe_mel(self.decoder, encode, mel, content_frames, opts,
-                                 decode_context=lambda: _torch_threads(self.decoder_threads))
+        return pcm, mel, opts
+
+    def _result(self, raw: LongFormResult, pcm: np.ndarray, language: str, start: float) -> dict:
         segments = [{"start": round(s["start"], 3), "end": round(s["end"], 3),
                      "text": s["text"].strip()} for s in raw.segments if s["text"].strip()]
-        result = {
+        return {
             "text": self.tokenizer.decode(raw.tokens).strip(),
             "segments": segments,
             "language": language,
@@ -258,7 +318,6 @@ class WhisperSpeech:
             "no_speech_prob": min(raw.no_speech_probs) if raw.no_speech_probs else 1.0,
             "model_id": self.model_id,
         }
-        return result, raw
 
 
 def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
@@ -270,7 +329,8 @@ def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
     bf16 autocast, fast on CPUs with AMX/AVX512-BF16, costs WER on the broad set and must be asked
     for); float32 is the exact reference. The decoder always runs in float32.
     quantize: "auto" (CPU_DEFAULT_QUANTIZE on the CPU reference path when dtype is None), None,
-    "int8-decoder" or "int8" (dynamic-int8 linears: decoder, or encoder and decoder).
+    "int8-decoder" or "int8" (int8 linears, activations quantized per row: decoder, or encoder blocks
+    and decoder).
     backend: "reference" (PyTorch), "triton" (per-op kernels; each generated token's step is one
     CUDA-graph replay on GPU), "megakernel" (per-op kernels for the encoder and prompt, one
     persistent launch per generated token) or "auto" (by device, see
