@@ -9,8 +9,9 @@ converted), greedy decoding without timestamps, on the whole speech set of bench
 per minute, clean and at 10-20 dB SNR), built into its cache folder on first use. Reported: WER
 (all, clean, noisy) per engine, median latency per length band, real-time factor, ratio to
 faster-whisper int8 measured in the same run, cold start (process start -> model loaded -> first
-transcript) and peak memory. Then the ROS graph at the default end of utterance: last speech
-sample published -> final transcript, and speech onset -> first partial transcript.
+transcript) and peak memory. Then the ROS graph at the default end of utterance (a section of its
+own; `--ros-only` runs only it): last speech sample published -> final transcript, and speech
+onset -> first partial transcript, with the speculative end of utterance and without.
 """
 from __future__ import annotations
 
@@ -105,10 +106,16 @@ def worker(name: str, folder: Path, repeats: int) -> dict:
     return result
 
 
-def ros_latency(folder: Path, runs: int, partial_interval_s: float) -> dict[str, list[float]]:
-    """Over a fresh speech node, the first utterance included: seconds from publishing the chunk
-    that holds the last speech sample to the final transcript ("final"), and from publishing the
-    chunk where speech starts to the first partial transcript ("first_partial")."""
+# The ROS runs: the speech node with its defaults (speculative end of utterance on), and the same
+# node deciding the final only when the hangover ends, measured interleaved in one process.
+ROS_VARIANTS = {"speculate": True, "no-speculation": False}
+
+
+def ros_latency(folder: Path, runs: int, partial_interval_s: float) -> dict[str, dict[str, list[float]]]:
+    """Per variant (a speech node each, in one process, sharing one engine; runs interleaved
+    ABBA), over fresh nodes, the first utterance included: seconds from publishing the chunk that
+    holds the last speech sample to the final transcript ("final"), and from publishing the chunk
+    where speech starts to the first partial transcript ("first_partial")."""
     import threading
 
     import numpy as np
@@ -116,47 +123,95 @@ def ros_latency(folder: Path, runs: int, partial_interval_s: float) -> dict[str,
     from rclpy.executors import MultiThreadedExecutor
     from rclpy.parameter import Parameter
     from photon_ros.msg import Transcript
+    from photon_ros.result_messages import time_to_seconds
     from photon_ros.speech_node import SpeechNode
     from photon_ros.wav_publisher import WavPublisher
 
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     rclpy.init()
     executor = MultiThreadedExecutor(num_threads=4)
-    speech = SpeechNode(parameter_overrides=[Parameter("partial_interval_s", value=partial_interval_s)])
     listener = rclpy.create_node("bench_listener")
-    arrivals: list[tuple[float, bool]] = []
-    listener.create_subscription(Transcript, "transcript",
-                                 lambda m: arrivals.append((time.monotonic(), m.is_final)), 10)
-    executor.add_node(speech)
+    arrivals: dict[str, list[tuple[float, bool, float]]] = {v: [] for v in ROS_VARIANTS}
+    speech = {}
+    for variant, speculate in ROS_VARIANTS.items():
+        speech[variant] = SpeechNode(namespace=variant.replace("-", "_"), parameter_overrides=[
+            Parameter("partial_interval_s", value=partial_interval_s), Parameter("speculate", value=speculate)])
+        listener.create_subscription(Transcript, f"/{speech[variant].get_namespace().strip('/')}/transcript",
+                                     lambda m, v=variant: arrivals[v].append(
+                                         (time.monotonic(), m.is_final, time_to_seconds(m.processing_time))), 10)
+        executor.add_node(speech[variant])
     executor.add_node(listener)
     threading.Thread(target=executor.spin, daemon=True).start()
-    while speech.model is None:
+    while any(node.model is None for node in speech.values()):
         time.sleep(0.05)
-    out: dict[str, list[float]] = {"final": [], "first_partial": []}
+    out = {v: {"final": [], "first_partial": [], "decode": []} for v in ROS_VARIANTS}
     path = folder / f"{COMMAND_ID}.wav"
-    for _ in range(runs):
-        player = WavPublisher(parameter_overrides=[Parameter("file", value=str(path))])
-        samples = np.concatenate(player.chunks)
-        loud = np.flatnonzero(np.abs(samples) > 300)
-        chunk = len(player.chunks[0])
-        n = len(arrivals)
-        executor.add_node(player)
-        while not any(final for _, final in arrivals[n:]):
-            time.sleep(0.005)
-        final_at = next(t for t, final in arrivals[n:] if final)
-        out["final"].append(final_at - player.published_at[int(loud[-1]) // chunk])
-        partials = [t for t, final in arrivals[n:] if not final]
-        if partials:
-            out["first_partial"].append(partials[0] - player.published_at[int(loud[0]) // chunk])
-        while not player.done:
-            time.sleep(0.05)
-        executor.remove_node(player)
-        player.destroy_node()
-        time.sleep(0.5)
+    for run in range(runs):
+        order = list(ROS_VARIANTS) if run % 2 == 0 else list(reversed(ROS_VARIANTS))
+        for variant in order:
+            got = arrivals[variant]
+            player = WavPublisher(namespace=speech[variant].get_namespace(),
+                                  parameter_overrides=[Parameter("file", value=str(path))])
+            samples = np.concatenate(player.chunks)
+            loud = np.flatnonzero(np.abs(samples) > 300)
+            chunk = len(player.chunks[0])
+            n = len(got)
+            executor.add_node(player)
+            while not any(final for _, final, _ in got[n:]):
+                time.sleep(0.005)
+            final_at, decode = next((t, took) for t, final, took in got[n:] if final)
+            out[variant]["final"].append(final_at - player.published_at[int(loud[-1]) // chunk])
+            out[variant]["decode"].append(decode)
+            partials = [t for t, final, _ in got[n:] if not final]
+            if partials:
+                out[variant]["first_partial"].append(partials[0] - player.published_at[int(loud[0]) // chunk])
+            while not player.done:
+                time.sleep(0.05)
+            executor.remove_node(player)
+            player.destroy_node()
+            time.sleep(0.5)
+    for variant, node in speech.items():
+        out[variant]["decoded_ahead"] = [node.speculations.used]
     executor.shutdown()
-    speech.destroy_node()
+    for node in speech.values():
+        node.destroy_node()
     rclpy.try_shutdown()
     return out
+
+
+def ros_report(lat: dict[str, dict[str, list[float]]], runs: int, partial_interval_s: float,
+               command_s: float, load: tuple[float, float]) -> list[str]:
+    """The ROS graph's section: end of utterance and first partial, per variant."""
+    from report import heading
+
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f}" if values else "-"
+
+    def runs_of(values: list[float]) -> str:
+        return " ".join(f"{v:.2f}" for v in values) or "-"
+
+    lines = heading("Speech, ROS graph: end of utterance and first partial") + [
+        f"WAV publisher at real time (0.1 s chunks) -> speech node (Whisper tiny.en, its defaults: VAD hangover "
+        f"0.3 s, tail 0.1 s, first partial after 0.3 s of speech, then every {partial_interval_s:g} s) -> "
+        f"subscriber; {COMMAND_ID} ({command_s:.1f} s), {runs} runs per variant interleaved (ABBA), both "
+        "nodes in one process on one engine, each node's first utterance included. Seconds from publishing "
+        "the chunk with the last speech sample to the final transcript, and from publishing the chunk "
+        f"where speech starts to the first partial. Load average (1 min) {load[0]:.1f} at the start, "
+        f"{load[1]:.1f} at the end (other sessions share the 2 cores).", "",
+        "| speech node | final: median s | final: max s | first partial: median s | final's decode: median s "
+        "| finals decoded ahead | final, every run (s) | first partial, every run (s) |",
+        "|---|---:|---:|---:|---:|---:|---|---|"]
+    for variant, r in lat.items():
+        lines.append(f"| {variant} | {cell(r['final'])} | {max(r['final']):.2f} | {cell(r['first_partial'])} | "
+                     f"{cell(r['decode'])} | "
+                     f"{r['decoded_ahead'][0]} / {len(r['final'])} | {runs_of(r['final'])} | {runs_of(r['first_partial'])} |")
+    lines += ["", "Without speculation a final is decoded once the 0.3 s hangover has passed, so its latency is "
+              "at least the hangover plus the decode. With it (the default) the final's decode starts when the "
+              "pause reaches the 0.1 s tail, unless a partial's decode is running then (a decode cannot be "
+              "interrupted; that run's final waits for it): \"finals decoded ahead\" counts the finals "
+              "published from a decode started during the pause. The targets (final <= 0.5 s median, first "
+              "partial <= 1 s) assume the decode of a 4 s command takes ~0.3 s, as on an idle machine."]
+    return lines
 
 
 def band_of(seconds: float) -> str:
@@ -206,7 +261,10 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--set", dest="folder", type=Path, default=speech_set.default_folder(),
                         help="folder of the speech set (built there when missing)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every engine, in alternating order; each utterance's fastest counts")
     parser.add_argument("--ros-runs", type=int, default=5)
+    parser.add_argument("--ros-only", action="store_true", help="only the ROS graph's section (no engines)")
     parser.add_argument("--partial-interval", type=float, default=0.5,
                         help="the speech node's partial_interval_s in the ROS runs (0: no partials)")
     parser.add_argument("--write", action="store_true")
@@ -217,30 +275,35 @@ def main() -> int:
 
     rows = speech_set.build(args.folder)
     results = {}
-    for name in filter(None, args.engines.split(",")):
-        out = subprocess.run([sys.executable, __file__, "--worker", name, "--set", str(args.folder),
-                              "--repeats", str(args.repeats)], capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if out.returncode or not line:
-            print(f"{name} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-            continue
-        results[name] = json.loads(line[0][len("RESULT "):])
-        print(f"{name}: done", file=sys.stderr)
+    engines = [] if args.ros_only else list(filter(None, args.engines.split(",")))
+    # On a shared machine the load drifts between engines run one after another: rounds alternate
+    # the order (a, b, b, a) and each utterance keeps its fastest round.
+    for r in range(args.rounds):
+        for name in engines if r % 2 == 0 else engines[::-1]:
+            out = subprocess.run([sys.executable, __file__, "--worker", name, "--set", str(args.folder),
+                                  "--repeats", str(args.repeats)], capture_output=True, text=True)
+            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            if out.returncode or not line:
+                print(f"{name} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                continue
+            got = json.loads(line[0][len("RESULT "):])
+            if name in results:
+                for key, u in results[name]["utterances"].items():
+                    u["latency_s"] = min(u["latency_s"], got["utterances"][key]["latency_s"])
+            else:
+                results[name] = got
+            print(f"{name}: round {r + 1} done", file=sys.stderr)
+    results = {name: results[name] for name in engines if name in results}
 
     from report import publish
-    lines = report(results, rows) if results else []
+    if results:
+        publish(report(results, rows), args.write)
     if args.ros_runs:
+        load = os.getloadavg()[0]
         lat = ros_latency(args.folder, args.ros_runs, args.partial_interval)
         command_s = next(r["duration_s"] for r in rows if r["id"] == COMMAND_ID)
-        partial = (f"median {statistics.median(lat['first_partial']):.2f} s" if lat["first_partial"]
-                   else "none arrived")
-        lines += ["", f"ROS graph (WAV publisher at real time -> speech node with its defaults -> "
-                  f"subscriber; {args.ros_runs} runs of {COMMAND_ID}, {command_s:.1f} s, the first "
-                  f"utterance of a fresh node included, partial_interval_s {args.partial_interval:g}): last speech sample published -> final "
-                  f"transcript received, median {statistics.median(lat['final']):.2f} s (max "
-                  f"{max(lat['final']):.2f} s; includes the end of utterance, 0.3 s of silence); speech "
-                  f"onset published -> first partial transcript, {partial}."]
-    publish(lines, args.write)
+        publish(ros_report(lat, args.ros_runs, args.partial_interval, command_s, (load, os.getloadavg()[0])),
+                args.write)
     return 0
 
 

@@ -8,7 +8,11 @@
       -> bounded queue (oldest audio dropped, with a warning, when speech outruns the model), and
          beside it one slot for a partial request: the utterance so far, every
          `partial_interval_s` of its audio while the speaker is speaking
-      -> worker thread: Whisper transcribe, finals before any partial
+      -> when the speaker pauses for `vad.tail_s`, the final that pause gives if it lasts the
+         hangover (its samples fixed by the audio: up to the last speech frame plus the tail) is
+         offered for decoding ahead (`speculate`), so its transcript is ready when the hangover ends
+      -> worker thread: transcribe (through the engine's batcher when the model batches, else
+         under the engine's lock), finals before a speculation before any partial
       -> transcript (photon_ros/Transcript), header stamped at the utterance's first sample (the
          same stamp on an utterance's partials and its final: it names the utterance).
     /diagnostics: lifecycle and model state, chunks received / bad / ignored, audio lost at jumps,
@@ -20,6 +24,17 @@ only extend. The latest decode in full, stable and tentative words, is the one s
 partial (start 0, end the audio so far). The final transcript is a fresh decode of the whole
 utterance and is the one to act on; a partial already running when the utterance ends finishes
 first (the model cannot be interrupted), so partials are only started while the speaker speaks.
+The first partial comes `first_partial_s` of audio after the utterance starts, the next ones every
+`partial_interval_s`.
+
+A speculative decode is used for the final only when it was decoded on exactly the final's samples
+(speech that resumes within the hangover makes it stale: the utterance goes on and its final is
+decoded normally), so transcripts are the same with and without speculation. It is started only
+when no final is waiting and never for an utterance that has already ended.
+
+Several microphones: `python -m photon_ros.speech_node --microphones left,right` spins one speech
+node per microphone in one process (namespaces left, right: left/audio -> left/transcript, ...),
+on one executor and one shared engine, as several camera nodes share one vision engine.
 
 A managed node (photon_ros.managed): configure loads the model (`model`, `device`) and creates
 the topics, activate starts transcribing, cleanup releases the model; with `autostart` (the
@@ -30,10 +45,13 @@ act on after it.
 """
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 import threading
 import time
 
+import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -48,14 +66,15 @@ from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcr
 from photon_ros.run_node import run_node
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter, Utterance
 from photon_ros.stream_watch import StreamWatch
-from photon_ros.utterance_queue import UtteranceQueue
+from photon_ros.utterance_queue import Speculations, UtteranceQueue
 
 INPUT_TYPES = {"audio_chunk": AudioChunk, "int16": Int16MultiArray, "float32": Float32MultiArray}
 # Rates outside this range are a malformed message, not audio we can use.
 MIN_RATE, MAX_RATE = 4000, 384000
 # A partial is started only while the speaker is speaking: a pause this long may be the end of
-# the utterance, and the final must not wait behind a partial decode.
-PARTIAL_MAX_PAUSE_S = 0.1
+# the utterance, whose final is decoded ahead once the pause reaches the tail (0.1 s), and that
+# decode must not wait behind a partial's.
+PARTIAL_MAX_PAUSE_S = 0.05
 
 
 def _comparable(words: list[str]) -> list[str]:
@@ -126,12 +145,15 @@ class SpeechNode(ManagedNode):
         self.initial_prompt = p("initial_prompt", "").value
         self.idle_flush_s = p("idle_flush_s", 0.8).value
         self.partial_interval_s = p("partial_interval_s", 0.5).value
+        self.first_partial_s = p("first_partial_s", 0.3).value
+        self.speculate = p("speculate", True).value
         defaults = SegmenterConfig()
         self.vad_config = SegmenterConfig(
             threshold_db=p("vad.threshold_db", defaults.threshold_db).value,
             continue_db=p("vad.continue_db", defaults.continue_db).value,
             min_level_db=p("vad.min_level_db", defaults.min_level_db).value,
             hangover_s=p("vad.hangover_s", defaults.hangover_s).value,
+            tail_s=p("vad.tail_s", defaults.tail_s).value,
             min_speech_s=p("vad.min_speech_s", defaults.min_speech_s).value,
             max_utterance_s=p("vad.max_utterance_s", defaults.max_utterance_s).value,
             max_gap_s=p("vad.max_gap_s", defaults.max_gap_s).value)
@@ -150,6 +172,8 @@ class SpeechNode(ManagedNode):
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
         self.next_partial: tuple[float | None, float] = (None, 0.0)   # (utterance, at speech_s)
         self.stable = StableText()     # worker thread only
+        self.speculations = Speculations()   # worker thread only
+        self.speculated: tuple[float, int] | None = None   # (utterance, samples) last offered
 
         self.publisher = self.subscription = None
         self.create_timer(0.1, self.flush_if_idle)
@@ -187,7 +211,13 @@ class SpeechNode(ManagedNode):
 
         def warm_up(engine: SharedModel) -> None:
             # The first call of each path is slower: pay for them before speech arrives.
-            engine.model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
+            model = engine.model
+            model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
+            if callable(getattr(model, "batch", None)):
+                # Transcriptions go through batch() then, a path of its own: a final's and a partial's.
+                base = {"audio": np.zeros(16000, np.float32), "sample_rate": 16000,
+                        "language": self.language, "initial_prompt": self.initial_prompt or None}
+                model.batch([base, {**base, "timestamps": False, "temperature": 0.0}])
 
         engine = ready_or_released(load_speech_model(self.model_name, self.device), warm_up)
         self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
@@ -198,7 +228,8 @@ class SpeechNode(ManagedNode):
             in_progress = self.segmenter.current() if self.segmenter is not None else None
             self.segmenter = None
             self.watch = StreamWatch(self.idle_flush_s)
-            dropped = [u for u in drain(self.queue) if u.final] + ([in_progress] if in_progress else [])
+            dropped = ([u for u in drain(self.queue) if u.final and not u.speculative]
+                       + ([in_progress] if in_progress else []))
         if dropped:
             self.get_logger().info(f"deactivated: dropped {len(dropped)} utterance(s) not yet transcribed "
                                    f"({sum(u.duration for u in dropped):.1f} s of audio)")
@@ -227,6 +258,7 @@ class SpeechNode(ManagedNode):
             for utterance in self.segmenter.push(pcm.samples, start, stamped):
                 self.enqueue(utterance)
             self.request_partial_if_due()
+            self.offer_speculation_if_due()
             if self.segmenter.discontinuities > self.gaps_seen:
                 self.gaps_seen = self.segmenter.discontinuities
                 self.get_logger().warning(
@@ -268,14 +300,35 @@ class SpeechNode(ManagedNode):
         if self.partial_interval_s <= 0 or seg.utterance_start is None:
             return
         utterance, due = self.next_partial
-        if utterance != seg.utterance_start:   # a new utterance: its first partial is one interval in
-            utterance, due = seg.utterance_start, seg.speech_s + self.partial_interval_s
+        if utterance != seg.utterance_start:   # a new utterance: its first partial is first_partial_s in
+            utterance, due = seg.utterance_start, seg.speech_s + self.first_partial_s
         if seg.speech_s >= due and seg.pause_s < PARTIAL_MAX_PAUSE_S:
             partial = seg.current()
             partial.seen_at, partial.frame_id = time.monotonic(), self.last_frame_id
             self.queue.offer_partial(partial)
             due = seg.speech_s + self.partial_interval_s
         self.next_partial = (utterance, due)
+
+    def offer_speculation_if_due(self) -> None:
+        """Once the speaker's pause reaches the tail, offer the final it gives if it lasts the
+        hangover, once per pause (a pause after resumed speech is a new candidate)."""
+        if not self.speculate:
+            return
+        candidate = self.segmenter.pending_final()
+        if candidate is None or (candidate.start_time, candidate.samples.size) == self.speculated:
+            return
+        self.speculated = (candidate.start_time, candidate.samples.size)
+        candidate.speculative, candidate.frame_id = True, self.last_frame_id
+        candidate.seen_at = time.monotonic()
+        self.queue.offer_speculation(candidate)
+
+    def speculation_still_wanted(self, speculation: Utterance) -> bool:
+        """Is the pause that made `speculation` still going on (its final not yet cut)? Speech
+        that resumed makes it stale, and once the final is cut it is decoded as a final."""
+        with self.lock:
+            candidate = self.segmenter.pending_final() if self.segmenter is not None else None
+        return (candidate is not None and candidate.start_time == speculation.start_time
+                and candidate.samples.size == speculation.samples.size)
 
     def partial_still_wanted(self, partial: Utterance) -> bool:
         """Is the partial's utterance still being spoken? Once it has ended (its final is queued
@@ -334,19 +387,34 @@ class SpeechNode(ManagedNode):
             with self.activity.work(epoch) as running:
                 if not running:   # deactivated since it was taken: dropped with the rest
                     continue
-                if utterance.final:
+                if utterance.speculative:
+                    self.decode_ahead(utterance)
+                elif utterance.final:
                     self.transcribe_one(utterance, epoch)
                 elif self.partial_still_wanted(utterance):
                     rest_until = time.monotonic() + self.transcribe_partial(utterance, epoch)
 
     def run_model(self, utterance: Utterance, **options) -> tuple[dict | None, float]:
-        """The model's result (None when it failed: one bad utterance must not stop the node)
-        and the seconds it took."""
+        """The model's result (None when it failed: one bad utterance must not stop the node; or
+        for a speculation, when the engine was busy) and the seconds it took."""
         started = time.monotonic()
+        request = {"audio": utterance.samples, "sample_rate": utterance.sample_rate,
+                   "language": self.language, "initial_prompt": self.initial_prompt or None, **options}
+        engine = self.engine
         try:
-            result = self.model.transcribe(utterance.samples, utterance.sample_rate,
-                                           language=self.language,
-                                           initial_prompt=self.initial_prompt or None, **options)
+            if callable(getattr(engine.model, "batch", None)):
+                # Other speech nodes of this process (other microphones) share the engine: their
+                # utterances are decoded in one batch with this one.
+                result = engine.batcher.submit([request])[0]
+            else:
+                # Never two transcriptions at once on one engine. A speculation does not wait in
+                # line for it (another node's final may be waiting too): the final comes anyway.
+                if not engine.lock.acquire(blocking=not utterance.speculative):
+                    return None, time.monotonic() - started
+                try:
+                    result = engine.model.transcribe(**request)
+                finally:
+                    engine.lock.release()
         except Exception as err:  # noqa: BLE001
             self.get_logger().error(f"transcription failed: {type(err).__name__}: {err}")
             return None, time.monotonic() - started
@@ -389,6 +457,8 @@ class SpeechNode(ManagedNode):
             "transcripts_incomplete": str(self.incomplete_published),
             "utterances_dropped_backlog": str(self.queue.dropped),
             "pending_audio_s": f"{self.queue.seconds:.2f}",
+            "finals_decoded_ahead": str(self.speculations.used),
+            "speculations_wasted": str(self.speculations.wasted),
         }
         status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
         header = Header(stamp=self.get_clock().now().to_msg())
@@ -411,8 +481,17 @@ class SpeechNode(ManagedNode):
                                 f"{committed} | {tentative}")
         return processing
 
+    def decode_ahead(self, speculation: Utterance) -> None:
+        """Decode the final a pause will give, as a final is decoded, and keep the result for it."""
+        if not self.speculation_still_wanted(speculation):
+            return
+        result, processing = self.run_model(speculation)
+        if result is not None:
+            self.speculations.keep(speculation, result, processing)
+
     def transcribe_one(self, utterance: Utterance, epoch: int) -> None:
-        result, processing = self.run_model(utterance)
+        ahead = self.speculations.take(utterance)
+        result, processing = ahead if ahead is not None else self.run_model(utterance)
         if result is None:
             return
         if not result["text"].strip():
@@ -433,7 +512,55 @@ class SpeechNode(ManagedNode):
         super().destroy_node()
 
 
+def speech_nodes(microphones: list[str], **kwargs) -> list[SpeechNode]:
+    """One speech node per microphone, in that microphone's namespace (its audio and transcript
+    topics under it); in one process they share one engine."""
+    return [SpeechNode(namespace=name, **kwargs) for name in microphones]
+
+
+def run_speech_nodes(microphones: list[str], args: list[str] | None = None) -> int:
+    """Spin the speech nodes of `microphones` on one multi-threaded executor until shutdown."""
+    import rclpy
+    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+
+    rclpy.init(args=args)
+    nodes: list[SpeechNode] = []
+    try:
+        for name in microphones:   # one at a time: if one cannot start, the others are destroyed
+            nodes += speech_nodes([name])
+    except Exception as err:  # noqa: BLE001 - report why the nodes cannot start
+        print(f"speech_node: {err}", file=sys.stderr)
+        for node in nodes:
+            node.destroy_node()
+        rclpy.try_shutdown()
+        return 1
+    executor = MultiThreadedExecutor()
+    for node in nodes:
+        executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        executor.shutdown()
+        for node in nodes:
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+def split_microphones(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`--microphones a,b` out of a command line: the namespaces, and the rest (ROS arguments)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--microphones", default="")
+    known, rest = parser.parse_known_args(argv[1:])
+    return [m for m in known.microphones.split(",") if m], argv[:1] + rest
+
+
 def main(args=None) -> None:
+    microphones, rest = split_microphones(list(sys.argv if args is None else args))
+    if microphones:
+        sys.exit(run_speech_nodes(microphones, rest))
     run_node(SpeechNode, args)
 
 

@@ -14,7 +14,10 @@ level and ends within 0.3 s of its last sound (test_speech_segmenter.py), so a n
 
 An utterance starts after `min_speech_s` of speech (with `preroll_s` of audio before it, so the
 first syllable is not clipped) and ends after `hangover_s` of non-speech, at `max_utterance_s`, or
-when the stream stops (flush). `hangover_s` is how long the speaker must pause for the command to
+when the stream stops (flush). An utterance ended by a pause keeps only `tail_s` of that pause
+after its last speech frame (`end_cut`): its samples are defined by the audio alone, so once the
+pause reaches `tail_s` the final utterance is known if the pause goes on (`pending_final()`), and
+the node can decode it while the rest of the hangover is still being waited for. `hangover_s` is how long the speaker must pause for the command to
 count as said: a pause between words that long ends the utterance too, so it is a trade between
 latency and pauses; 0.3 s keeps pauses up to 0.2 s whole. `current()` hands out the utterance in
 progress for partial transcripts. Memory is bounded by `max_utterance_s` plus the preroll.
@@ -42,6 +45,7 @@ class SegmenterConfig:
     min_level_db: float = -55.0      # and above this absolute level (dBFS)
     min_speech_s: float = 0.12
     hangover_s: float = 0.3          # non-speech that ends an utterance
+    tail_s: float = 0.1              # of it, kept after the last speech frame (at most hangover_s)
     preroll_s: float = 0.3
     max_utterance_s: float = 28.0    # Whisper sees 30 s windows; cut before one overflows
     min_utterance_s: float = 0.3
@@ -60,10 +64,18 @@ class Utterance:
     complete: bool = True            # False when audio inside it was lost or the stream stopped
     note: str = ""                   # why it is incomplete
     final: bool = True               # False: the utterance so far, for a partial transcript
+    speculative: bool = False        # the final a pause will give if it lasts (decoded ahead)
 
     @property
     def duration(self) -> float:
         return self.samples.size / self.sample_rate
+
+
+def end_cut(frames: int, silent_run: int, tail_frames: int) -> int:
+    """Frames an utterance of `frames` frames keeps when a pause of `silent_run` frames ends it:
+    up to its last speech frame plus `tail_frames` of the pause. A function of the audio alone,
+    so the cut is the same whenever the decision is made."""
+    return frames - silent_run + min(tail_frames, silent_run)
 
 
 class SpeechSegmenter:
@@ -76,6 +88,9 @@ class SpeechSegmenter:
         self._pending = np.zeros(0, np.float32)     # samples not yet forming a whole frame
         self._pending_start = None                  # capture time of _pending[0]
         self._frame_s = self.frame / sample_rate
+        if not 0.0 <= cfg.tail_s <= cfg.hangover_s:
+            raise ValueError(f"tail_s must be within 0..hangover_s ({cfg.hangover_s}), got {cfg.tail_s}")
+        self.tail_frames = round(cfg.tail_s / self._frame_s)
         self._window = np.hanning(self.frame).astype(np.float32)
         freqs = np.fft.rfftfreq(self.frame, 1.0 / sample_rate)
         low, high = cfg.band_hz or (0.0, sample_rate / 2)
@@ -138,6 +153,15 @@ class SpeechSegmenter:
         return Utterance(np.concatenate(self._speech), self.sample_rate, self._speech_start,
                          complete=not notes, note="; ".join(notes), final=False)
 
+    def pending_final(self) -> Utterance | None:
+        """The final utterance the current pause will end, if it lasts the hangover: available
+        once the pause has reached the tail (None before, outside speech, or when too short).
+        The same samples, start and notes as the final `push` will return then."""
+        if not self._in_speech or self._silent_run < self.tail_frames:
+            return None
+        return self._cut(self._speech[:end_cut(len(self._speech), self._silent_run, self.tail_frames)],
+                         [self._start_note] if self._start_note else [])
+
     @property
     def speech_s(self) -> float:
         """Length of the utterance in progress (0 outside speech)."""
@@ -189,7 +213,7 @@ class SpeechSegmenter:
         self._silent_run = 0 if voiced else self._silent_run + 1
         duration = len(self._speech) * self._frame_s
         if self._silent_run * self._frame_s >= cfg.hangover_s:
-            return self._finish()
+            return self._finish(keep=end_cut(len(self._speech), self._silent_run, self.tail_frames))
         if duration >= cfg.max_utterance_s:
             # Speech goes on: the next utterance is its continuation, incomplete as well.
             limit = f"{cfg.max_utterance_s:g} s utterance limit"
@@ -211,15 +235,18 @@ class SpeechSegmenter:
         self._after_gap = f"{what} before it"
         return [cut] if cut is not None else []
 
-    def _finish(self, note: str = "") -> Utterance | None:
-        cfg = self.config
+    def _finish(self, note: str = "", keep: int | None = None) -> Utterance | None:
+        """End the utterance in progress with its first `keep` frames (all by default)."""
         frames, self._speech = self._speech, []
         self._in_speech = False
         self._voiced_run = self._silent_run = 0
         notes = [n for n in (self._start_note, note) if n]
         self._start_note = ""
+        return self._cut(frames if keep is None else frames[:keep], notes)
+
+    def _cut(self, frames: list[np.ndarray], notes: list[str]) -> Utterance | None:
         samples = np.concatenate(frames) if frames else np.zeros(0, np.float32)
-        if samples.size < cfg.min_utterance_s * self.sample_rate:
+        if samples.size < self.config.min_utterance_s * self.sample_rate:
             return None
         return Utterance(samples, self.sample_rate, self._speech_start, complete=not notes,
                          note="; ".join(notes))

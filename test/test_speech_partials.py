@@ -27,8 +27,12 @@ def test_current_is_the_start_of_the_utterance_that_follows():
     assert len(done) == 1 and done[0].final and len(snapshots) > 10
     final = done[0]
     for snap in snapshots:
+        # The final keeps only the tail of the pause that ended it; a snapshot taken during
+        # that pause holds more of it, the final is its start.
+        n = min(snap.samples.size, final.samples.size)
         assert snap.start_time == final.start_time
-        assert np.array_equal(snap.samples, final.samples[:snap.samples.size])
+        assert np.array_equal(snap.samples[:n], final.samples[:n])
+    assert snapshots[-1].samples.size > final.samples.size
     # Copies: the segmenter going on does not change what it handed out.
     assert snapshots[0].samples.size < snapshots[-1].samples.size
     assert segmenter.current() is None and segmenter.pause_s == 0.0

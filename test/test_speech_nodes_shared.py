@@ -1,0 +1,149 @@
+"""Speech nodes over real DDS with real Whisper tiny.en weights, beyond one node: the speculative
+end of utterance (a final decoded during the pause) gives the transcript the plain end of
+utterance gives, and several microphones in one process (one speech node each, one shared
+engine) each get their own transcripts, through the engine's batcher or under its lock."""
+import re
+import time
+
+import numpy as np
+import pytest
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from photon_ros.msg import Transcript
+from photon_ros.result_messages import time_to_seconds
+from photon_ros.speech_node import SpeechNode
+from photon_ros.wav_publisher import WavPublisher
+from ros_harness import RosGraph, wait_for
+from speech_audio import espeak_wav
+
+QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+
+
+def words(text):
+    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
+
+
+@pytest.fixture
+def graph():
+    g = RosGraph()
+    yield g
+    g.close()
+
+
+def play(graph, wav, namespace="", speed=2.0, frame_id=""):
+    return graph.add(WavPublisher(context=graph.context, namespace=namespace, parameter_overrides=[
+        Parameter("file", value=str(wav)), Parameter("speed", value=speed), Parameter("frame_id", value=frame_id)]))
+
+
+def listen_on(graph, topic):
+    received = []
+    graph.node(f"listener_{topic.replace('/', '_')}").create_subscription(
+        Transcript, topic, lambda m: received.append(m) if m.is_final else None, QOS)
+    return received
+
+
+def pauses_seen(text):
+    """How many pauses reach the tail in `text` as the WAV publisher plays it (0.5 s of silence,
+    then the speech, in 0.1 s chunks): each one is a speculation; the last one is the final's."""
+    from photon_ros.speech_segmenter import SpeechSegmenter
+    from speech_audio import espeak_pcm
+
+    speech, rate = espeak_pcm(text)
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    segmenter, seen = SpeechSegmenter(rate), set()
+    for i in range(0, audio.size, rate // 10):
+        segmenter.push(audio[i:i + rate // 10], 100.0 + i / rate)
+        if (p := segmenter.pending_final()) is not None:
+            seen.add(p.samples.size)
+    return len(seen)
+
+
+def test_a_final_decoded_ahead_is_the_final_decoded_after_the_pause(graph):
+    """Speculative end of utterance: two speech nodes in one process, one decoding the final as
+    soon as the speaker's pause reaches the tail, one only when the hangover ends, get the same
+    WAVs: the same utterances and transcripts. A command without a pause inside: the speculative
+    node published its final from the decode it started during the final pause. A command with
+    a pause inside (the speech resumes within the hangover): that speculation is not used, and
+    the transcript is still the whole command's."""
+    plain = "Please bring me the red cup from the kitchen."
+    paused = "Open the window and turn on the fan."
+    assert pauses_seen(plain) == 1 and pauses_seen(paused) == 2
+    received = {ns: listen_on(graph, f"/{ns}/transcript") for ns in ("ahead", "after")}
+    nodes = {}
+    for ns, speculate in (("ahead", True), ("after", False)):
+        nodes[ns] = graph.add(SpeechNode(context=graph.context, namespace=ns, parameter_overrides=[
+            Parameter("speculate", value=speculate), Parameter("partial_interval_s", value=0.0)]))
+    assert wait_for(lambda: all(n.model is not None for n in nodes.values()), timeout=60)
+    for k, sentence in enumerate((plain, paused)):
+        for ns in nodes:
+            play(graph, espeak_wav(sentence), ns, speed=1.0)
+        assert wait_for(lambda: all(len(r) > k for r in received.values()), timeout=60), received
+        if k == 0:
+            assert nodes["ahead"].speculations.used == 1
+    time.sleep(0.5)
+    ahead, after = received["ahead"], received["after"]
+    assert len(ahead) == len(after) == 2
+    for a, b, sentence in zip(ahead, after, (plain, paused)):
+        assert words(a.text) == words(sentence)
+        assert a.text == b.text and a.audio_duration == b.audio_duration and a.audio_complete
+        assert [(s.start, s.end, s.text) for s in a.segments] == [(s.start, s.end, s.text) for s in b.segments]
+    assert nodes["after"].speculations.used == 0 and nodes["ahead"].speculations.wasted >= 1
+
+
+@pytest.mark.parametrize("path", ["batch", "lock"])
+def test_two_microphones_two_speech_nodes_one_engine(graph, path):
+    """Two speech nodes in one process (speech_nodes: a namespace per microphone) share one
+    engine; two WAV publishers speak different commands at once on mic0/audio and mic1/audio.
+    Each transcript arrives on its own node's topic with its own frame_id and stamp and equals
+    what the node gives alone. "batch": whisper's `batch` (result i == transcribe(**requests[i]),
+    concurrent requests decoded together), through the engine's batcher; "lock": the same model
+    with its `batch` hidden, as a family without one: each transcription runs under the
+    engine's lock."""
+    from photon_ros.speech_node import speech_nodes
+
+    sentences = {"mic0": "Go to the kitchen and bring me a glass of water.",
+                 "mic1": "Turn off the lights in the living room."}
+    received = {ns: listen_on(graph, f"/{ns}/transcript") for ns in sentences}
+    nodes = dict(zip(sentences, speech_nodes(list(sentences), context=graph.context, parameter_overrides=[
+        Parameter("partial_interval_s", value=0.0)])))
+    for node in nodes.values():
+        graph.add(node)
+    assert wait_for(lambda: all(n.model is not None for n in nodes.values()), timeout=60)
+    engine = nodes["mic0"].engine
+    assert engine is nodes["mic1"].engine
+    if path == "lock":
+        engine.model.batch = None   # an instance attribute hides the method: no batch here
+
+    # Each alone first, then both at once.
+    for ns, sentence in sentences.items():
+        play(graph, espeak_wav(sentence), ns, frame_id=f"{ns}_frame")
+        assert wait_for(lambda: received[ns], timeout=60), ns
+    started = time.time()
+    for ns, sentence in sentences.items():
+        play(graph, espeak_wav(sentence), ns, frame_id=f"{ns}_frame")
+    assert wait_for(lambda: all(len(r) == 2 for r in received.values()), timeout=60), received
+    time.sleep(0.5)
+    for ns, sentence in sentences.items():
+        first, both = received[ns]
+        assert len(received[ns]) == 2
+        assert words(both.text) == words(sentence), (ns, both.text)
+        assert both.text == first.text and both.audio_duration == first.audio_duration
+        assert both.header.frame_id == f"{ns}_frame"
+        assert time_to_seconds(both.header.stamp) >= started - 0.5 > time_to_seconds(first.header.stamp)
+    assert received["mic0"][1].header.stamp != received["mic1"][1].header.stamp
+    if path == "batch":
+        # Every final of both nodes (and the finals decoded ahead) went through it.
+        assert sum(engine.batcher.sizes) >= 4
+    else:
+        del engine.model.batch
+        assert engine._batcher is None   # nothing went through a batcher
+
+
+def test_microphones_option_names_one_node_per_microphone():
+    from photon_ros.speech_node import split_microphones
+
+    argv = ["speech_node", "--microphones", "left,right", "--ros-args", "-p", "partial_interval_s:=0.7"]
+    assert split_microphones(argv) == (["left", "right"], ["speech_node", "--ros-args", "-p", "partial_interval_s:=0.7"])
+    assert split_microphones(["speech_node", "--ros-args", "-r", "__node:=speech"]) == (
+        [], ["speech_node", "--ros-args", "-r", "__node:=speech"])
