@@ -66,7 +66,10 @@ class ParakeetModel:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.ops, self.dtype = cfg, ops, dtype
         self.device = torch.device(device)
+        # in memory of its own: a safetensors tensor as loaded is a private file mapping, whose
+        # clean pages the kernel drops under memory pressure and re-reads from disk mid-utterance
         t = {k: v.to(self.device) for k, v in tensors.items()}
+        t = {k: v.clone() if v.data_ptr() == tensors[k].data_ptr() else v for k, v in t.items()}
         missing = [n for n in ("encoder.subsampling.linear.weight", "joint.head.weight",
                                "decoder.embedding.weight", "encoder_projector.weight")
                    if n not in t]
@@ -107,8 +110,18 @@ class ParakeetModel:
 
     # ------------------------------------------------------------------ encoder
 
-    def subsample(self, mel: Tensor) -> Tensor:
-        """[B, T, n_mels] -> [B, ceil(T/8), hidden]: 3x3 stride-2 convs over (time, mel)."""
+    def subsampled_lengths(self, lengths: Tensor) -> Tensor:
+        """Encoder frames of utterances of `lengths` mel frames (each stride-2 conv's output size)."""
+        cfg = self.cfg
+        k, s, pad = cfg.subsampling_kernel, cfg.subsampling_stride, (cfg.subsampling_kernel - 1) // 2
+        for _ in range(int(math.log2(cfg.subsampling_factor))):
+            lengths = (lengths + 2 * pad - k) // s + 1
+        return lengths
+
+    def subsample(self, mel: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """[B, T, n_mels] -> [B, ceil(T/8), hidden]: 3x3 stride-2 convs over (time, mel). With
+        `lengths` (mel frames per row, rows right-padded), frames past a row's end are zeroed after
+        every stage, as the zero padding of that row alone would be."""
         ops, cfg = self.ops, self.cfg
         k, s, pad = cfg.subsampling_kernel, cfg.subsampling_stride, (cfg.subsampling_kernel - 1) // 2
         x = mel.to(self.dtype)[:, None]                                    # [B, 1, T, F]
@@ -117,9 +130,19 @@ class ParakeetModel:
         cols = F.unfold(x, k, padding=pad, stride=s).transpose(1, 2)       # [B, T'F', k*k]
         x = torch.relu(ops.linear(cols, self.stem_w, self.stem_b))         # [B, T'F', C]
         x = x.reshape(B, t_out, f_out, -1).permute(0, 3, 1, 2)
+
+        def clip(x: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            if lengths is None:
+                return x, None
+            lengths = (lengths + 2 * pad - k) // s + 1
+            inside = torch.arange(x.shape[2], device=x.device)[None, :] < lengths[:, None]
+            return x * inside[:, None, :, None].to(x.dtype), lengths
+
+        x, lengths = clip(x, lengths)
         for dw_w, dw_b, pw_w, pw_b in self.stages:
             x = F.conv2d(x, dw_w, dw_b, stride=s, padding=pad, groups=x.shape[1])
             x = torch.relu(ops.linear(x.permute(0, 2, 3, 1), pw_w, pw_b)).permute(0, 3, 1, 2)
+            x, lengths = clip(x, lengths)
         B, C, T2, F2 = x.shape
         x = x.transpose(1, 2).reshape(B, T2, C * F2)
         x = ops.linear(x, self.sub_w, self.sub_b)
@@ -131,7 +154,7 @@ class ParakeetModel:
         ang = rel[:, None] * self.inv_freq
         return torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1).to(self.dtype)   # [2T-1, D]
 
-    def attention(self, layer: EncoderLayer, x: Tensor, pos: Tensor) -> Tensor:
+    def attention(self, layer: EncoderLayer, x: Tensor, pos: Tensor, pad: Tensor | None = None) -> Tensor:
         ops, cfg = self.ops, self.cfg
         B, T, D = x.shape
         H, dh = cfg.num_heads, cfg.head_dim
@@ -143,33 +166,45 @@ class ParakeetModel:
         # query i, key j sit at distance i - j, which is column m = T-1-i+j
         idx = (T - 1 - torch.arange(T, device=x.device)[:, None] + torch.arange(T, device=x.device))
         by_pos = by_pos.gather(-1, idx.expand(B, H, T, T)) * scale
+        if pad is not None:                                                # keys past a row's end
+            by_pos = by_pos.masked_fill(pad[:, None, None, :], float("-inf"))
         # softmax(scale * ((q+u)·k + (q+v)·R(i-j))): the content part is ordinary attention of q+u
         out = ops.attention((q + layer.bias_u).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                             scale=scale, bias=by_pos)                      # [B, H, T, dh]
         return out.transpose(1, 2).reshape(B, T, D).to(x.dtype)
 
-    def conv_module(self, layer: EncoderLayer, x: Tensor) -> Tensor:
+    def conv_module(self, layer: EncoderLayer, x: Tensor, pad: Tensor | None = None) -> Tensor:
         ops = self.ops
         C = x.shape[-1]
         h = ops.linear(x, layer.w_pw1, layer.b_pw1)
         h = ops.glu(h[..., C:], h[..., :C], "sigmoid")
+        if pad is not None:        # the conv reads zeros past a row's end, as alone
+            h = h.masked_fill(pad[..., None], 0.0)
         half = (layer.w_dw.shape[1] - 1) // 2
         # the centred ("same") depthwise conv as the causal op on input shifted by half a kernel
         h, _ = ops.causal_conv1d(F.pad(h, (0, 0, 0, half)), layer.w_dw, layer.b_dw, activation="silu")
         return h[:, half:]
 
-    def encode(self, mel: Tensor) -> Tensor:
-        """Normalised log-mel [B, T, n_mels] -> encoder output [B, ceil(T/8), hidden]."""
+    def encode(self, mel: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """Normalised log-mel [B, T, n_mels] -> encoder output [B, ceil(T/8), hidden]. `lengths`:
+        mel frames per row when rows are right-padded to T (None: every row is T long); a row's
+        frames up to subsampled_lengths(lengths) are then what it gives alone, the rest is padding."""
         ops = self.ops
-        x = self.subsample(mel.to(self.device))
+        if lengths is not None and bool((lengths == mel.shape[1]).all()):
+            lengths = None
+        lengths = None if lengths is None else lengths.to(self.device)
+        x = self.subsample(mel.to(self.device), lengths)
+        pad = None
+        if lengths is not None:
+            pad = torch.arange(x.shape[1], device=x.device)[None, :] >= self.subsampled_lengths(lengths)[:, None]
         pos = self.positions(x.shape[1])
         for L in self.layers:
             n = L.norms
             h = ops.linear(ops.layer_norm(x, *n["feed_forward1"]), L.ff1[0], L.ff1[1], activation="silu")
             x = ops.linear(h, L.ff1[2], L.ff1[3], residual=x)
-            a = self.attention(L, ops.layer_norm(x, *n["self_att"]), pos)
+            a = self.attention(L, ops.layer_norm(x, *n["self_att"]), pos, pad)
             x = ops.linear(a, L.w_o, L.b_o, residual=x)
-            c = self.conv_module(L, ops.layer_norm(x, *n["conv"]))
+            c = self.conv_module(L, ops.layer_norm(x, *n["conv"]), pad)
             x = ops.linear(c, L.w_pw2, L.b_pw2, residual=x)
             h = ops.linear(ops.layer_norm(x, *n["feed_forward2"]), L.ff2[0], L.ff2[1], activation="silu")
             x = ops.linear(h, L.ff2[2], L.ff2[3], residual=x)

@@ -36,27 +36,43 @@ class TdtSteps:
 def greedy_tdt(model: ParakeetModel, enc_proj: torch.Tensor, state: DecoderState | None = None,
                max_symbols: int | None = None, block: int = 32) -> tuple[TdtSteps, DecoderState]:
     """Decode one utterance: enc_proj [T, joint hidden] (model.project_encoder's rows)."""
+    return greedy_tdt_many(model, enc_proj[None], [enc_proj.shape[0]], [state], max_symbols, block)[0]
+
+
+def greedy_tdt_many(model: ParakeetModel, enc_proj: torch.Tensor, lengths: list[int],
+                    states: list[DecoderState | None], max_symbols: int | None = None,
+                    block: int = 32) -> list[tuple[TdtSteps, DecoderState]]:
+    """Decode B utterances together, each its own: enc_proj [B, T_max, joint hidden] with
+    lengths[b] real frames in row b, states[b] its prediction network's state (None: fresh). Every
+    row steps at once (one joint and one prediction step for the batch), each at its own frame;
+    a row past its end or its step limit is inactive: nothing of it is recorded or kept, so it
+    decodes as it would alone."""
     cfg, ops = model.cfg, model.ops
     dev = enc_proj.device
-    T = enc_proj.shape[0]
-    if state is None:
-        h, c, pred = model.initial_state(1)
-        state = DecoderState(h, c, pred)
-    h, c, pred = state.h, state.c, state.pred
+    B = enc_proj.shape[0]
+    fresh = model.initial_state(1)
+    h = torch.cat([(s.h if s else fresh[0]) for s in states], dim=1)
+    c = torch.cat([(s.c if s else fresh[1]) for s in states], dim=1)
+    pred = torch.cat([(s.pred if s else fresh[2]) for s in states])
     V = cfg.vocab_size
     dur_table = torch.tensor(cfg.durations, dtype=torch.long, device=dev)
-    t = torch.zeros(1, dtype=torch.long, device=dev)
-    run = torch.zeros(1, dtype=torch.long, device=dev)
-    one = torch.ones(1, dtype=torch.long, device=dev)
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    T = torch.tensor(lengths, dtype=torch.long, device=dev)
     # A step either moves t on or emits a zero-duration token; the guard bounds those per frame.
-    limit = T * ((max_symbols or 10 * T) + 1)
+    # Alone, a row runs whole blocks until its limit: the same cap keeps it in step here.
+    limits = [n * ((max_symbols or 10 * n) + 1) for n in lengths]
+    caps = torch.tensor([-(-lim // block) * block for lim in limits], dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)
+    t = torch.zeros(B, dtype=torch.long, device=dev)
+    run = torch.zeros(B, dtype=torch.long, device=dev)
+    one = torch.ones(B, dtype=torch.long, device=dev)
+    zero = torch.zeros(B, dtype=torch.long, device=dev)
+    last = (T - 1).clamp(min=0)
     records: list[torch.Tensor] = []
     steps = 0
-    while steps < limit:
-        for _ in range(block):
-            active = t < T
-            logits = model.joint(enc_proj.index_select(0, t.clamp(max=T - 1)), pred)
+    while steps < max(limits, default=0):
+        for i in range(block):
+            active = (t < T) & (caps > steps + i)
+            logits = model.joint(enc_proj[rows, torch.minimum(t, last)], pred)
             tok = ops.argmax(logits[:, :V])
             dur = dur_table[ops.argmax(logits[:, V:])]
             blank = tok == cfg.blank_id
@@ -74,9 +90,12 @@ def greedy_tdt(model: ParakeetModel, enc_proj: torch.Tensor, state: DecoderState
             records.append(torch.stack([tok, dur, t, active.long()], dim=1))
             t = t + torch.where(active, dur, zero)
         steps += block
-        if bool((t >= T).all()):   # the one host read per block
+        if bool(((t >= T) | (caps <= steps)).all()):   # the one host read per block
             break
-    rows = torch.cat(records).cpu()
-    rows = rows[rows[:, 3] == 1]
-    steps_out = TdtSteps(rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2].tolist())
-    return steps_out, DecoderState(h, c, pred)
+    table = torch.stack(records, dim=1).cpu() if records else torch.zeros(B, 0, 4, dtype=torch.long)
+    out = []
+    for b in range(B):
+        mine = table[b][table[b, :, 3] == 1]
+        out.append((TdtSteps(mine[:, 0].tolist(), mine[:, 1].tolist(), mine[:, 2].tolist()),
+                    DecoderState(h[:, b:b + 1], c[:, b:b + 1], pred[b:b + 1])))
+    return out

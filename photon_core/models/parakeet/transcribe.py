@@ -22,7 +22,7 @@ from . import speech_gate
 from .checkpoint import ParakeetCheckpoint, load as load_checkpoint
 from .frontend import LogMel, prepare_audio
 from .model import ParakeetModel
-from .tdt import DecoderState, greedy_tdt
+from .tdt import DecoderState, greedy_tdt_many
 
 # Options the Whisper model takes that mean nothing to a transducer: accepted and ignored, so a
 # caller can switch families without changing its calls.
@@ -56,43 +56,82 @@ class ParakeetSpeech:
         tone = (0.1 * np.sin(np.arange(self.cfg.frontend.sample_rate) * 0.05)).astype(np.float32)
         self._decode_chunk(tone, None)
 
-    @torch.inference_mode()
     def _decode_chunk(self, pcm: np.ndarray, state: DecoderState | None):
-        mel = self.mel(pcm).to(self.device)
-        enc = self.model.encode(mel[None])
-        return greedy_tdt(self.model, self.model.project_encoder(enc)[0], state,
-                          max_symbols=self.cfg.max_symbols_per_step)
+        return self._decode_chunks([pcm], [state])[0]
 
-    def transcribe(self, samples: np.ndarray, sample_rate: int = 16000, language: str | None = None,
+    @torch.inference_mode()
+    def _decode_chunks(self, pcms: list[np.ndarray], states: list[DecoderState | None]):
+        """Front end per clip, then the encoder over the clips right-padded together (each row
+        masked to its own length) and greedy TDT with every row stepping at once."""
+        mels = [self.mel(p) for p in pcms]
+        lengths = torch.tensor([m.shape[0] for m in mels])
+        mel = torch.nn.utils.rnn.pad_sequence(mels, batch_first=True).to(self.device)
+        enc = self.model.encode(mel, lengths)
+        frames = self.model.subsampled_lengths(lengths).tolist()
+        return greedy_tdt_many(self.model, self.model.project_encoder(enc), frames, states,
+                               max_symbols=self.cfg.max_symbols_per_step)
+
+    def transcribe(self, audio: np.ndarray, sample_rate: int = 16000, language: str | None = None,
                    initial_prompt: str | None = None, **options) -> dict:
         """Mono or [samples, channels] int/float PCM at any rate -> {"text", "segments" [{start, end,
-        text}], "words", "language", "duration", "processing_time", "model_id"}. Parakeet has no
-        prompt and no language switch (v3 recognises its 25 languages by itself): `language` is
-        reported back as given ("" when None), `initial_prompt` is ignored. ValueError on empty /
-        NaN / inf audio or a bad sample rate."""
+        text}], "words", "tokens", "language", "duration", "processing_time", "model_id"}. Parakeet
+        has no prompt and no language switch (v3 recognises its 25 languages by itself): `language`
+        is reported back as given ("" when None), `initial_prompt` is ignored, and so are Whisper's
+        decoding options (WHISPER_ONLY_OPTIONS); others are a TypeError. ValueError on empty / NaN /
+        inf audio or a bad sample rate."""
+        return self.batch([{"audio": audio, "sample_rate": sample_rate, "language": language,
+                            "initial_prompt": initial_prompt, **options}])[0]
+
+    def batch(self, requests: list[dict]) -> list[dict]:
+        """Several `transcribe` calls at once: requests[i] holds transcribe()'s keyword arguments;
+        result i is transcribe(**requests[i]). Long audio is cut into chunks as alone; round r
+        decodes the r-th speech chunk of every utterance that has one in one batch (encoder over
+        the padded chunks, TDT rows stepping together), each row carrying its own prediction state
+        from its previous chunk. The first bad request raises before any model work."""
+        start = time.perf_counter()
+        sr = self.cfg.frontend.sample_rate
+        asked = [self._request(**r) for r in requests]
+        pcms = [prepare_audio(audio, rate, sr) for audio, rate, _ in asked]
+        plans = []   # per request: the speech chunks (index, first sample, end sample); None: no speech
+        for pcm in pcms:
+            chunks = None
+            if speech_gate.has_speech(pcm, sr):
+                chunks = []
+                for n, (a, b) in enumerate(speech_gate.chunk_bounds(pcm, sr, self.chunk_seconds)):
+                    # a chunk of only silence or noise is not shown to the model either
+                    if self.mel.frames(b - a) >= 2 and speech_gate.has_speech(pcm[a:b], sr):
+                        chunks.append((n, a, b))
+            plans.append(chunks)
+        tokens: list[list[tuple[int, float, float, int]]] = [[] for _ in requests]   # token, start s, end s, chunk
+        states: list[DecoderState | None] = [None] * len(requests)
+        fs = self.cfg.frame_seconds
+        for r in range(max((len(c or ()) for c in plans), default=0)):
+            rows = [i for i, chunks in enumerate(plans) if len(chunks or ()) > r]
+            decoded = self._decode_chunks([pcms[i][plans[i][r][1]:plans[i][r][2]] for i in rows],
+                                          [states[i] for i in rows])
+            for i, (steps, state) in zip(rows, decoded):
+                n, a, _ = plans[i][r]
+                states[i] = state
+                for tok, dur, frame in zip(steps.tokens, steps.durations, steps.frames):
+                    if tok != self.cfg.blank_id:
+                        tokens[i].append((tok, a / sr + frame * fs, a / sr + (frame + max(dur, 1)) * fs, n))
+        results = []
+        for pcm, (_, _, language), chunks, toks in zip(pcms, asked, plans, tokens):
+            result = {"text": "", "segments": [], "words": [], "language": language or "",
+                      "duration": len(pcm) / sr, "model_id": self.model_id}
+            if chunks is not None:
+                result.update(self._assemble(toks))
+            result["processing_time"] = time.perf_counter() - start
+            results.append(result)
+        return results
+
+    @staticmethod
+    def _request(audio: np.ndarray, sample_rate: int = 16000, language: str | None = None,
+                 initial_prompt: str | None = None, **options) -> tuple:
         unknown = set(options) - WHISPER_ONLY_OPTIONS
         if unknown:
             raise TypeError(f"transcribe() got unexpected options {sorted(unknown)}")
-        start = time.perf_counter()
-        sr = self.cfg.frontend.sample_rate
-        pcm = prepare_audio(samples, sample_rate, sr)
-        result = {"text": "", "segments": [], "words": [], "language": language or "",
-                  "duration": len(pcm) / sr, "model_id": self.model_id}
-        if speech_gate.has_speech(pcm, sr):
-            tokens: list[tuple[int, float, float, int]] = []   # token, start s, end s, chunk
-            state = None
-            for n, (a, b) in enumerate(speech_gate.chunk_bounds(pcm, sr, self.chunk_seconds)):
-                # a chunk of only silence or noise is not shown to the model either
-                if self.mel.frames(b - a) < 2 or not speech_gate.has_speech(pcm[a:b], sr):
-                    continue
-                steps, state = self._decode_chunk(pcm[a:b], state)
-                fs, offset = self.cfg.frame_seconds, a / sr
-                for tok, dur, frame in zip(steps.tokens, steps.durations, steps.frames):
-                    if tok != self.cfg.blank_id:
-                        tokens.append((tok, offset + frame * fs, offset + (frame + max(dur, 1)) * fs, n))
-            result.update(self._assemble(tokens))
-        result["processing_time"] = time.perf_counter() - start
-        return result
+        return audio, sample_rate, language
 
     def _assemble(self, tokens: list[tuple[int, float, float, int]]) -> dict:
         words: list[dict] = []

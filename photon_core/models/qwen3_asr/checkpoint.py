@@ -57,3 +57,11 @@ def load_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     if missing:
         raise ValueError(f"{folder}: not a complete Qwen3-ASR checkpoint, missing tensors {missing}")
     return tensors
+
+
+def owned(x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """x on device in dtype, in memory of its own. A safetensors tensor already in place is a
+    private file mapping: clean pages the kernel drops under memory pressure and reads back from
+    disk on the next pass (a stall per decode step); a copy stays resident like any other."""
+    y = x.to(device, dtype)
+    return y.clone() if y.data_ptr() == x.data_ptr() else y

@@ -13,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from .checkpoint import owned
 from .config import TextConfig
 
 
@@ -45,7 +46,7 @@ class TextDecoder:
         self.cfg, self.ops, self.device, self.dtype = cfg, ops, device, dtype
 
         def t(name: str) -> torch.Tensor:
-            return sd[f"language_model.{name}"].to(device, dtype)
+            return owned(sd[f"language_model.{name}"], device, dtype)
 
         self.embed = t("embed_tokens.weight")
         self.layers = []
@@ -61,7 +62,7 @@ class TextDecoder:
                 t(p + "mlp.down_proj.weight")))
         self.norm = t("norm.weight")
         if "lm_head.weight" in sd and not cfg.tie_embeddings:
-            self.lm_head = sd["lm_head.weight"].to(device, dtype)
+            self.lm_head = owned(sd["lm_head.weight"], device, dtype)
         else:
             self.lm_head = self.embed
         d = cfg.head_dim

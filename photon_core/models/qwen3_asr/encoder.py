@@ -16,6 +16,7 @@ from types import ModuleType
 
 import torch
 
+from .checkpoint import owned
 from .config import AudioConfig
 
 
@@ -72,13 +73,11 @@ class AudioEncoder:
         self.cfg, self.ops = cfg, ops
 
         def t(name: str) -> torch.Tensor:
-            return sd[f"audio_tower.{name}"].to(device, dtype)
+            return owned(sd[f"audio_tower.{name}"], device, dtype)
 
-        # conv weights [out, in, 3, 3] -> [out, in * 9]: each conv is unfold (im2col) + linear
-        self.convs = [(t(f"conv2d{i}.weight").flatten(1).contiguous(), t(f"conv2d{i}.bias"))
-                      for i in (1, 2, 3)]
+        self.convs = [(t(f"conv2d{i}.weight").contiguous(), t(f"conv2d{i}.bias")) for i in (1, 2, 3)]
         self.conv_out = t("conv_out.weight")
-        self.conv_out_b = sd["audio_tower.conv_out.bias"].to(device, dtype) if "audio_tower.conv_out.bias" in sd else None
+        self.conv_out_b = owned(sd["audio_tower.conv_out.bias"], device, dtype) if "audio_tower.conv_out.bias" in sd else None
         self.positions = sinusoids(cfg.n_positions, cfg.d_model).to(device, dtype)
         self.layers = []
         for i in range(cfg.n_layers):
@@ -91,18 +90,16 @@ class AudioEncoder:
                 t(p + "final_layer_norm.weight"), t(p + "final_layer_norm.bias"),
                 t(p + "fc1.weight"), t(p + "fc1.bias"), t(p + "fc2.weight"), t(p + "fc2.bias")))
         self.ln_post = (t("ln_post.weight"), t("ln_post.bias"))
-        proj = lambda n: sd[f"multi_modal_projector.{n}"].to(device, dtype)  # noqa: E731
+        proj = lambda n: owned(sd[f"multi_modal_projector.{n}"], device, dtype)  # noqa: E731
         self.proj1 = (proj("linear_1.weight"), proj("linear_1.bias"))
         self.proj2 = (proj("linear_2.weight"), proj("linear_2.bias"))
         self.dtype, self.device = dtype, device
 
     def _conv(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] -> GELU(conv 3x3 stride 2 pad 1) [N, out, H', W'] as im2col + linear."""
-        n, _, h, wd = x.shape
-        h2, w2 = (h - 1) // 2 + 1, (wd - 1) // 2 + 1
-        cols = torch.nn.functional.unfold(x, 3, padding=1, stride=2)       # [N, C*9, H'*W']
-        y = self.ops.linear(cols.transpose(1, 2), w, b, activation="gelu")  # [N, H'*W', out]
-        return y.transpose(1, 2).reshape(n, -1, h2, w2)
+        """[N, C, H, W] -> GELU(conv 3x3 stride 2 pad 1) [N, out, H', W']. A direct convolution
+        (oneDNN on CPU, cuDNN on CUDA): 1.6x less CPU time than im2col + ops.linear here, whose
+        unfold copies 14 MB per chunk and whose GEMM has to read it back."""
+        return torch.nn.functional.gelu(torch.nn.functional.conv2d(x, w, b, stride=2, padding=1))
 
     def _windows(self, n_tokens: int, chunk_lengths: list[int]) -> list[int]:
         """Attention window sizes over the kept positions, as the original splits them."""
@@ -128,8 +125,8 @@ class AudioEncoder:
 
     def _stem(self, mel_chunks: torch.Tensor) -> torch.Tensor:
         """[chunks, n_mels, chunk frames] -> [chunks, steps, d]: the convolutions, conv_out and
-        the per-chunk positions, a few chunks at a time (the im2col of the second conv is about
-        14 MB per chunk at the real sizes: bounded, whatever the clip's length)."""
+        the per-chunk positions, a few chunks at a time (the first conv's output is about 6 MB
+        per chunk at the real sizes: bounded, whatever the clip's length)."""
         outs = []
         for group in mel_chunks.split(_STEM_GROUP):
             x = group[:, None]
@@ -142,16 +139,27 @@ class AudioEncoder:
         return torch.cat(outs)
 
     def encode(self, mel: torch.Tensor, frames: int) -> torch.Tensor:
+        return self.encode_many([(mel, frames)])[0]
+
+    def encode_many(self, clips: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Several clips' audio tokens in one pass: every clip's chunks go through the stem
+        together, and their kept positions are concatenated, each clip with its own attention
+        windows (windows never cross a clip, so this is each clip's own encoding)."""
         cfg, ops = self.cfg, self.ops
         chunk = cfg.chunk_frames
-        n_chunks = mel.shape[-1] // chunk
-        if mel.shape[-1] % chunk or frames > mel.shape[-1] or frames <= 0:
-            raise ValueError(f"mel of {mel.shape[-1]} frames ({frames} valid) is not whole chunks of {chunk}")
-        x = self._stem(mel.to(self.device, self.dtype).view(cfg.n_mels, n_chunks, chunk).transpose(0, 1))
-        lengths = [min(chunk, frames - i * chunk) for i in range(n_chunks)]
-        keep = [x[i, :conv_out_length(n)] for i, n in enumerate(lengths) if n > 0]
-        x = torch.cat(keep)                                                # [tokens, d]
-        sizes = self._windows(x.shape[0], lengths)
+        chunks, lengths, sizes, counts = [], [], [], []
+        for mel, frames in clips:
+            n_chunks = mel.shape[-1] // chunk
+            if mel.shape[-1] % chunk or frames > mel.shape[-1] or frames <= 0:
+                raise ValueError(f"mel of {mel.shape[-1]} frames ({frames} valid) is not whole chunks of {chunk}")
+            chunks.append(mel.to(self.device, self.dtype).view(cfg.n_mels, n_chunks, chunk).transpose(0, 1))
+            clip_lengths = [min(chunk, frames - i * chunk) for i in range(n_chunks)]
+            lengths += clip_lengths
+            n = sum(conv_out_length(c) for c in clip_lengths if c > 0)
+            sizes += self._windows(n, clip_lengths)
+            counts.append(n)
+        x = self._stem(torch.cat(chunks))
+        x = torch.cat([x[i, :conv_out_length(n)] for i, n in enumerate(lengths) if n > 0])   # [tokens, d]
         for layer in self.layers:
             h = ops.layer_norm(x, layer.ln1_w, layer.ln1_b)
             x = ops.linear(self._attend(h, layer, sizes), layer.out_w, layer.out_b, residual=x)
@@ -160,4 +168,4 @@ class AudioEncoder:
             x = ops.linear(h, layer.fc2_w, layer.fc2_b, residual=x)
         x = ops.layer_norm(x, *self.ln_post)
         x = ops.linear(x, *self.proj1, activation="gelu")
-        return ops.linear(x, *self.proj2)
+        return list(ops.linear(x, *self.proj2).split(counts))

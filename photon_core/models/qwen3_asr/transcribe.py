@@ -141,33 +141,39 @@ class Qwen3ASRSpeech:
         gate found no speech, else 0.0), model_id. ValueError on empty/NaN/inf audio or a bad
         sample rate.
         """
-        return self.transcribe_batch([(audio, sample_rate)], language=language,
-                                     initial_prompt=initial_prompt, **options)[0]
+        return self.batch([{"audio": audio, "sample_rate": sample_rate, "language": language,
+                            "initial_prompt": initial_prompt, **options}])[0]
 
     def transcribe_batch(self, clips: Sequence[tuple[np.ndarray, int]], language: str | None = None,
                          initial_prompt: str | None = None, **options: Any) -> list[dict]:
-        """`transcribe` for several utterances at once: each is encoded and prefilled alone, the
-        token-by-token decode runs them together (one batched step per token)."""
+        """`transcribe` for several utterances at once, with the same options for all."""
+        return self.batch([{"audio": a, "sample_rate": r, "language": language, "initial_prompt": initial_prompt,
+                            **options} for a, r in clips])
+
+    def batch(self, requests: list[dict]) -> list[dict]:
+        """Several `transcribe` calls at once: requests[i] holds transcribe()'s keyword arguments
+        (audio, sample_rate, language, initial_prompt, options), each its own; result i is
+        transcribe(**requests[i]). The utterances past the speech gate are encoded in one pass
+        (encoder.encode_many), prefilled one by one, then decoded together (one batched step per
+        token, each row to its own budget). The first bad request raises before any model work."""
         start = time.perf_counter()
-        max_new, gate = self._check_options(options)
-        if language is not None:
-            language_name(language)             # an unknown language fails before any work
-        pcms = [prepare_audio(a, r) for a, r in clips]
-        speech = [speech_gate(p, SAMPLE_RATE, self.gate_options).speech if gate else True for p in pcms]
+        asked = [self._request(**r) for r in requests]
+        prepared = [(prepare_audio(a, r), lang, ctx, max_new, gate) for a, r, lang, ctx, max_new, gate in asked]
+        speech = [speech_gate(pcm, SAMPLE_RATE, self.gate_options).speech if gate else True
+                  for pcm, *_, gate in prepared]
+        talking = [p for p, s in zip(prepared, speech) if s]
         prompts, budgets = [], []
-        for pcm, has_speech in zip(pcms, speech):
-            if not has_speech:
-                continue
-            mel, frames = self.features(pcm)
-            audio = self.encode(mel, frames)
-            ids = self.prompt_ids(audio.shape[0], language, initial_prompt)
-            prompts.append(self.prompt_embeds(ids, audio))
-            budgets.append(max_new or max(32, int(12 * len(pcm) / SAMPLE_RATE)))
+        if talking:
+            with torch.inference_mode():
+                audio = self.encoder.encode_many([self.features(pcm) for pcm, *_ in talking])
+            for (pcm, lang, ctx, max_new, _), tokens in zip(talking, audio):
+                prompts.append(self.prompt_embeds(self.prompt_ids(tokens.shape[0], lang, ctx), tokens))
+                budgets.append(max_new or max(32, int(12 * len(pcm) / SAMPLE_RATE)))
         outputs = self.generate(prompts, max(budgets)) if prompts else []
         # greedy rows are independent: cutting a row at its own budget is decoding it alone
         outputs = [ids[:budget] for ids, budget in zip(outputs, budgets)]
         results, it = [], iter(outputs)
-        for pcm, has_speech in zip(pcms, speech):
+        for (pcm, language, *_), has_speech in zip(prepared, speech):
             duration = len(pcm) / SAMPLE_RATE
             text, lang = "", (language_code(language_name(language)) if language else None)
             if has_speech:
@@ -182,6 +188,14 @@ class Qwen3ASRSpeech:
                 "model_id": self.model_id,
             })
         return results
+
+    def _request(self, audio: np.ndarray, sample_rate: int = SAMPLE_RATE, language: str | None = None,
+                 initial_prompt: str | None = None, **options: Any) -> tuple:
+        """transcribe()'s arguments checked (an unknown option or language fails before any work)."""
+        max_new, gate = self._check_options(options)
+        if language is not None:
+            language_name(language)
+        return audio, sample_rate, language, initial_prompt, max_new, gate
 
     def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
         """Run every path a first command takes, once, at startup: the resampler (48 kHz input),
