@@ -227,6 +227,10 @@ class Gemma4DecoderStep(CompiledStep):
         tensors = {} if weights is not None else gather_weights(w, cfg, max_len)
         if weights is not None:   # the layout is known from the graph; no tensor is read
             tensors = {k: torch.empty(0) for k in weight_shapes(cfg, max_len)}
+            # except the token tables the compiler may read in place (not in the arena): the
+            # layout depends on which are, so every bucket must offer the same ones as the first.
+            tensors.update({k: w[k] for k in ("text.embed_tokens.weight", "text.embed_tokens_per_layer.weight")
+                            if k in w})
         super().__init__(step_graph(cfg, max_len, model_dtype), tensors, batch, tiling, weight_dtype,
                          shared_weights=weights, check=check,
                          device=w["text.embed_tokens.weight"].device)

@@ -88,7 +88,7 @@ class Gemma4Model:
         """The prompt through the decoder from position 0 into `cache` (batch 1): logits [1, vocab]
         after its last token."""
         x, ple = self.embed_prompt(ids, image)
-        h = text.prefill(x, ple, self.w, self.config.text, cache, self.rotary, self.ops)
+        h = text.prefill(x, ple, self.w, self.config.text, cache, self.rotary, self.ops, last_only=True)
         return text.logits(h[:, -1], self.w, self.config.text, self.ops).float()
 
     @torch.inference_mode()

@@ -146,15 +146,21 @@ def _block_tail(x: Tensor, attn: Tensor, i: int, L: LayerSpec, w: dict, cfg: Tex
 
 
 def prefill(x: Tensor, ple: Tensor | None, w: dict, cfg: TextConfig, cache: KVCache, rotary: Rotary,
-            ops) -> Tensor:
+            ops, last_only: bool = False) -> Tensor:
     """Input embeddings x [B, T, dim] at positions 0..T-1 (every row the same length) through the
-    stack, filling `cache`; returns the final-normed hidden states [B, T, dim]."""
+    stack, filling `cache`; returns the final-normed hidden states [B, T, dim], or with `last_only`
+    [B, 1, dim] of the last position."""
     B, T, _ = x.shape
     if T > cache.max_len:
         raise ValueError(f"prompt of {T} tokens exceeds the cache ({cache.max_len})")
     tables = rotary.tables(torch.arange(T, device=x.device), x.dtype)
     full_kv: dict[int, tuple[Tensor, Tensor]] = {}
     for i, L in enumerate(cfg.layers):
+        if last_only and L.kv_source != i and x.shape[1] > 1:
+            # KV-shared layers (the last ones, config.py) write no cache, so the other positions'
+            # states past this point are never read: only the last goes on (E2B: 20 of 35 layers).
+            x, ple = x[:, -1:], None if ple is None else ple[:, -1:]
+            tables = {kind: (c[-1:], s[-1:]) for kind, (c, s) in tables.items()}
         cos, sin = tables[L.kind]
         h = ops.rms_norm(x, w[f"text.layers.{i}.input_layernorm.weight"], cfg.eps)
         q, k, v = _qkv(h, i, L, w, cfg, ops, cos, sin)

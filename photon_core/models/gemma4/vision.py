@@ -74,18 +74,20 @@ def patchify(rgb: np.ndarray, cfg: VisionConfig, max_soft_tokens: int) -> tuple[
     return pixels, torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)
 
 
-def _axial_tables(pos: Tensor, cfg: VisionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _axial_tables(pos: Tensor, cfg: VisionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [2N, head_dim / 4]: rows 2n and 2n + 1 hold patch n's x and y angles (_rope2d)."""
     half = cfg.head_dim // 2
     f = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=pos.device) / half))
-    ax, ay = pos[:, 0].float()[:, None] * f, pos[:, 1].float()[:, None] * f
-    return ax.cos().to(dtype), ax.sin().to(dtype), ay.cos().to(dtype), ay.sin().to(dtype)
+    ang = (pos.float()[:, :, None] * f).reshape(-1, f.shape[0])
+    return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
 def _rope2d(x: Tensor, tabs, ops) -> Tensor:
-    """First half of each head rotated by the x position, second half by the y position."""
-    cx, sx, cy, sy = tabs
-    half = x.shape[-1] // 2
-    return torch.cat([ops.rotary(x[..., :half], cx, sx, half), ops.rotary(x[..., half:], cy, sy, half)], dim=-1)
+    """First half of each head rotated by the x position, second half by the y position: x [1, H,
+    N, D] seen as [1, H, 2N, D/2] (each half a row of its own), so one rotary call does both."""
+    cos, sin = tabs
+    B, H, N, D = x.shape
+    return ops.rotary(x.reshape(B, H, 2 * N, D // 2), cos, sin, D // 2).view(B, H, N, D)
 
 
 def _linear(x: Tensor, w: dict, name: str, ops, activation: str | None = None) -> Tensor:
@@ -95,7 +97,7 @@ def _linear(x: Tensor, w: dict, name: str, ops, activation: str | None = None) -
     y = ops.linear(x, w[name + ".linear.weight"])
     lo, hi = w.get(name + ".output_min"), w.get(name + ".output_max")
     if lo is not None:
-        y = torch.clamp(y, lo, hi)
+        y.clamp_(lo, hi)   # in place: y is the linear's own fresh output, and no second big buffer
     return y
 
 
@@ -119,7 +121,7 @@ def encode(pixels: Tensor, pos: Tensor, w: dict, cfg: VisionConfig, ops) -> Tens
                          w[p + "self_attn.k_norm.weight"], cfg.eps)
         v = ops.rms_norm(_linear(h, w, p + "self_attn.v_proj", ops).view(1, -1, Hkv, D), None, cfg.eps)
         q, k = _rope2d(q.transpose(1, 2), tabs, ops), _rope2d(k.transpose(1, 2), tabs, ops)
-        a = ops.attention(q.contiguous(), k.contiguous(), v.transpose(1, 2).contiguous(), causal=False, scale=1.0)
+        a = ops.attention(q, k, v.transpose(1, 2).contiguous(), causal=False, scale=1.0)
         a = _linear(a.transpose(1, 2).reshape(1, -1, H * D), w, p + "self_attn.o_proj", ops)
         x = x + ops.rms_norm(a, w[p + "post_attention_layernorm.weight"], cfg.eps)
         h = ops.rms_norm(x, w[p + "pre_feedforward_layernorm.weight"], cfg.eps)
