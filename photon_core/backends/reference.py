@@ -85,12 +85,10 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", up_offse
 
 # ---------------------------------------------------------------- attention
 
-def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
-    """[B, Hkv, T, D] -> [B, Hq, T, D], query head h reading kv head h // (Hq // Hkv)."""
-    hkv = x.shape[1]
+def _check_gqa(hq: int, hkv: int) -> None:
+    """Query head h reads kv head h // (Hq // Hkv): Hq must be a multiple of Hkv."""
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
-    return x.repeat_interleave(hq // hkv, dim=1) if hq != hkv else x
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -112,7 +110,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     lo = 0
     if window is not None and tk - tq >= prefix_len:
         lo = max(0, tk - tq - window + 1)  # the first query's first key: nothing before it is visible
-    k, v = _repeat_kv(k[:, :, lo:], q.shape[1]), _repeat_kv(v[:, :, lo:], q.shape[1])
+    _check_gqa(q.shape[1], k.shape[1])
+    # GQA by SDPA itself (enable_gqa): no copy of the repeated kv heads per layer.
+    k, v, gqa = k[:, :, lo:], v[:, :, lo:], q.shape[1] != k.shape[1]
+    if causal and tq == tk and not (prefix_len or window is not None or bias is not None):
+        # the plain causal square: SDPA's own is_causal, no [Tq, Tk] mask built per layer
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     mask = None
     if causal:
         qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
@@ -125,7 +128,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         # SDPA adds a float mask to the scaled scores; the visibility mask is folded in as -inf.
         add = bias[..., lo:].to(q.dtype)
         mask = add if mask is None else add.masked_fill(~mask, float("-inf"))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -146,13 +149,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query per (b, h): q [B, Hq, 1, D] over keys [max(0, n - window), n) of k/v [B, Hkv, T_max, D],
     n = lengths[b]. Positions outside that range are never read (they may hold anything, NaN
     included: a mask would still multiply them by zero), so each row attends over its own slice."""
-    hq = q.shape[1]
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    _check_gqa(hq, hkv)
     out = []
     for b, n in enumerate(lengths.tolist()):
         lo = 0 if window is None else max(0, n - window)
-        kb = _repeat_kv(k_cache[b:b + 1, :, lo:n], hq)
-        vb = _repeat_kv(v_cache[b:b + 1, :, lo:n], hq)
-        out.append(F.scaled_dot_product_attention(q[b:b + 1], kb, vb, scale=scale))
+        out.append(F.scaled_dot_product_attention(q[b:b + 1], k_cache[b:b + 1, :, lo:n], v_cache[b:b + 1, :, lo:n],
+                                                  scale=scale, enable_gqa=hq != hkv))
     return torch.cat(out)
 
 
