@@ -4,7 +4,10 @@ For demos, tests and users without a microphone. Chunks are photon_ros/AudioChun
 own rate and channel count (the speech node resamples), stamped on the audio's own clock: start
 time + samples sent / rate, whatever the playback speed, so consecutive chunks join exactly and a
 receiver can tell lost audio from late audio. A loop continues that clock (one seamless stream).
-Silence before and after lets a VAD see the speech start and end.
+Silence before and after lets a VAD see the speech start and end. Playback starts once
+`wait_for_subscribers` subscriptions (1 by default; 0: at once) have matched: DDS drops what is
+published before a subscriber is discovered, and a file's first words lost that way would be a
+command cut short without any gap to show it.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class WavPublisher(Node):
             samples = pcm_to_float(samples)
         self.chunks = chunk_audio(samples, self.rate, chunk_s, p("leading_silence_s", 0.5).value,
                                   p("trailing_silence_s", 1.0).value)
+        self.wait_for_subscribers = p("wait_for_subscribers", 1).value
         self.index = 0
         self.sent_samples = 0
         self.done = False
@@ -59,6 +63,12 @@ class WavPublisher(Node):
         self.get_logger().info(f"playing {path}: {len(samples) / self.rate:.1f} s at {self.rate} Hz")
 
     def publish_next(self) -> None:
+        if self.index == 0 and self.sent_samples == 0:
+            if self.publisher.get_subscription_count() < self.wait_for_subscribers:
+                self.get_logger().info(f"waiting for {self.wait_for_subscribers} subscriber(s) on "
+                                       f"{self.publisher.topic_name}", once=True)
+                return   # nobody listens yet: the file's clock starts with its first chunk
+            self.t0 = time.time()
         if self.index >= len(self.chunks):
             if not self.loop:
                 self.done = True
