@@ -579,7 +579,8 @@ def fmt(x: float | None, unit: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=CASES, help="run one case (printed; not written)")
+    ap.add_argument("--only", choices=CASES, help="run one case (with --write: its rows of the section "
+                    "are replaced, each noting its own date, machine and load)")
     ap.add_argument("--repeats", type=int, help="timed repeats per side, interleaved (default 3; 2 for "
                     "qwen3_5-2b and gemma4-e2b)")
     ap.add_argument("--write", action="store_true", help="replace this benchmark's section of bench/RESULTS.md")
@@ -591,8 +592,8 @@ def main() -> None:
         rows = run_case(args.case, args.repeats, args.smoke)
         Path(args.out).write_text(json.dumps(rows))
         return
-    if args.write and (args.only or args.smoke):
-        ap.error("--write needs the full run (the section holds every case)")
+    if args.write and args.smoke:
+        ap.error("--write takes real shapes only (not --smoke)")
     from report import publish
 
     cases = [args.only] if args.only else CASES
@@ -615,7 +616,53 @@ def main() -> None:
             RESULTS_LINES[:] = section(rows, failed, start, cases[i + 1:])
             from report import RESULTS, replace_section
             RESULTS.write_text(replace_section(RESULTS.read_text(), "\n".join(RESULTS_LINES) + "\n"))
+    if args.only:
+        print("\n".join(section(rows, failed, start, [])), flush=True)
+        if args.write and rows:
+            from report import RESULTS
+            RESULTS.write_text(replace_rows(RESULTS.read_text(), rows))
+        return
     publish(section(rows, failed, start, []), args.write)
+
+
+def replace_rows(text: str, rows: list[dict]) -> str:
+    """The families section of RESULTS.md with every row of the rerun models replaced by `rows`
+    (at the place of the first old one, else at the table's end); each new row says when, where
+    and under what load it ran, since the section's heading speaks for the full run."""
+    from report import machine
+
+    title = "### New families on CPU vs transformers"
+    if title not in text:
+        raise SystemExit("bench/RESULTS.md has no families section yet: run the full benchmark with --write")
+    models = {r["model"] for r in rows}
+    when = (f"rerun {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} alone (`--only`), {machine()}, "
+            f"1-minute load {os.getloadavg()[0]:.1f} at its end")
+    new = [table_row({**r, "note": f"{r['note']}; {when}"}) for r in rows]
+    lines, out, placed, inside = text.split("\n"), [], False, False
+    for line in lines:
+        if line.startswith("### "):
+            if inside and not placed:
+                while out and not out[-1].strip():
+                    out.pop()
+                out += new + [""]
+                placed = True
+            inside = line.startswith(title)
+        if inside and line.startswith("| ") and line.split(" | ")[0][2:] in models:
+            if not placed:
+                out += new
+                placed = True
+            continue
+        out.append(line)
+    if inside and not placed:
+        out += new
+    return "\n".join(out)
+
+
+def table_row(r: dict) -> str:
+    u = " ms" if r["unit"] == "ms" else " s"
+    speed = f"{r['peer'] / r['ours']:.2f}x" if r["peer"] else "—"
+    return (f"| {r['model']} | {r['task']} | {fmt(r['ours'], r['unit'])}{u} | "
+            f"{fmt(r['peer'], r['unit'])}{u if r['peer'] else ''} | {speed} | {r['n']} | {r['note']} |")
 
 
 RESULTS_LINES: list[str] = []
@@ -637,11 +684,7 @@ def section(rows: list[dict], failed: list[str], start: float, pending: list[str
         "run): compare within a row.", "",
         "| model | task | ours | transformers | speedup | repeats | notes |",
         "|---|---|---:|---:|---:|---:|---|"]
-    for r in rows:
-        u = " ms" if r["unit"] == "ms" else " s"
-        speed = f"{r['peer'] / r['ours']:.2f}x" if r["peer"] else "—"
-        lines.append(f"| {r['model']} | {r['task']} | {fmt(r['ours'], r['unit'])}{u} | "
-                     f"{fmt(r['peer'], r['unit'])}{u if r['peer'] else ''} | {speed} | {r['n']} | {r['note']} |")
+    lines += [table_row(r) for r in rows]
     if failed:
         lines += ["", f"Failed (no figures): {', '.join(failed)}."]
     if pending:
