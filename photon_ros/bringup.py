@@ -18,8 +18,9 @@ from typing import Any, MutableMapping
 
 import rclpy
 import yaml
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.parameter import Parameter
+
+from photon_ros.run_node import spin_nodes
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "photon.yaml"
 LARGE_DATA_PROFILE = "fastdds_large_data.xml"
@@ -142,18 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bringup: {err}", file=sys.stderr)
         rclpy.try_shutdown()
         return 1
-    executor = MultiThreadedExecutor()
-    for node in nodes:
-        executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        for node in nodes:
-            node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return spin_nodes(nodes)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,21 @@ def run_node(make_node: Callable[[], object], args=None, until: Callable[[object
         executor.shutdown()
         node.destroy_node()
         rclpy.try_shutdown()
+
+
+def spin_nodes(nodes: list) -> int:
+    """Spin already-made `nodes` on one multi-threaded executor until Ctrl-C or shutdown, then
+    destroy them and shut rclpy down (several nodes in one process: bring-up, several microphones)."""
+    executor = MultiThreadedExecutor()
+    for node in nodes:
+        executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        executor.shutdown()
+        for node in nodes:
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0

@@ -63,7 +63,7 @@ from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
-from photon_ros.run_node import run_node
+from photon_ros.run_node import run_node, spin_nodes
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter, Utterance
 from photon_ros.stream_watch import StreamWatch
 from photon_ros.utterance_queue import Speculations, UtteranceQueue
@@ -521,7 +521,6 @@ def speech_nodes(microphones: list[str], **kwargs) -> list[SpeechNode]:
 def run_speech_nodes(microphones: list[str], args: list[str] | None = None) -> int:
     """Spin the speech nodes of `microphones` on one multi-threaded executor until shutdown."""
     import rclpy
-    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 
     rclpy.init(args=args)
     nodes: list[SpeechNode] = []
@@ -534,19 +533,7 @@ def run_speech_nodes(microphones: list[str], args: list[str] | None = None) -> i
             node.destroy_node()
         rclpy.try_shutdown()
         return 1
-    executor = MultiThreadedExecutor()
-    for node in nodes:
-        executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        executor.shutdown()
-        for node in nodes:
-            node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return spin_nodes(nodes)
 
 
 def split_microphones(argv: list[str]) -> tuple[list[str], list[str]]:
