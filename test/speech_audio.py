@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,11 @@ from photon_core.audio_io import read_wav
 
 _DIR = Path(tempfile.mkdtemp(prefix="photon-speech-"))
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words without punctuation: transcripts compared with the text spoken."""
+    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,6 @@ result headers naming the inputs that produced them, the spoken words transcribe
 either with results or counted as dropped, a readable report. Bad input fails with its reason."""
 import csv
 import json
-import re
 import subprocess
 import sys
 import time
@@ -28,15 +27,12 @@ from photon_ros.replay import replay_offsets
 from photon_ros.result_log import flatten_message, write_csv
 from photon_ros.result_messages import seconds_to_time
 from photon_ros.wav_publisher import chunk_audio
-from speech_audio import espeak_pcm
+from speech_audio import espeak_pcm, words
 
 SENTENCE = "Find the red ball."
 LEADING_S, TRAILING_S, CHUNK_S = 0.5, 1.0, 0.1
 FRAMES = 3
 
-
-def words(text):
-    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
 
 
 def scene(i, size=(96, 128)):

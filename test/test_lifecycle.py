@@ -6,7 +6,6 @@ releases the engine so its memory is freed, and a failed configure leaves the no
 and able to try again. Also the pieces underneath, without ROS: the shared engine cache's holds
 and release, and the Activity gate."""
 import gc
-import re
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ from photon_ros.speech_node import SpeechNode
 from photon_ros.srv import Infer
 from photon_ros.vision_node import VisionNode
 from ros_harness import RosGraph, wait_for, wait_for_match
-from speech_audio import espeak_pcm
+from speech_audio import espeak_pcm, words
 
 RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 LOAD_S = 180.0     # a configure loads and warms up a model on a busy 2-core machine
@@ -98,9 +97,6 @@ def frame(i: int) -> Image:
     rgb = np.random.default_rng(i).integers(0, 256, (96, 128, 3), dtype=np.uint8)
     return rgb_to_image(rgb, header=Header(stamp=Time(sec=1000 + i), frame_id="camera"))
 
-
-def words(text: str) -> list[str]:
-    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
 
 
 def model_is_freed(ref: weakref.ref) -> bool:

@@ -1,7 +1,6 @@
 """The speech graph over real DDS with real Whisper tiny.en weights: WAV publisher -> speech node
 -> subscriber gets the spoken sentence; bad chunks are logged and skipped without losing speech;
 partial transcripts arrive while a sentence is spoken and never contradict its final one."""
-import re
 import time
 
 import numpy as np
@@ -17,13 +16,10 @@ from photon_ros.result_messages import seconds_to_time, time_to_seconds
 from photon_ros.speech_node import SpeechNode
 from photon_ros.wav_publisher import WavPublisher
 from ros_harness import RosGraph, wait_for, wait_for_match
-from speech_audio import espeak_pcm, espeak_wav
+from speech_audio import espeak_pcm, espeak_wav, words
 
 QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 
-
-def words(text):
-    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
 
 
 @pytest.fixture

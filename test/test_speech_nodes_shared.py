@@ -2,7 +2,6 @@
 end of utterance (a final decoded during the pause) gives the transcript the plain end of
 utterance gives, and several microphones in one process (one speech node each, one shared
 engine) each get their own transcripts, through the engine's batcher or under its lock."""
-import re
 import time
 
 import numpy as np
@@ -15,7 +14,7 @@ from photon_ros.result_messages import time_to_seconds
 from photon_ros.speech_node import SpeechNode
 from photon_ros.wav_publisher import WavPublisher
 from ros_harness import RosGraph, wait_for
-from speech_audio import espeak_wav
+from speech_audio import espeak_wav, words
 
 QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 # The publishers share the process with two nodes decoding: on a loaded machine their chunks can
@@ -23,9 +22,6 @@ QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 # an utterance early; these tests compare cuts made by the samples alone.
 IDLE_FLUSH_S = 5.0
 
-
-def words(text):
-    return re.sub(r"[^a-z0-9 ]", "", text.lower()).split()
 
 
 @pytest.fixture
