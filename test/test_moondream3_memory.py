@@ -8,7 +8,7 @@ import torch
 
 from photon_core.megakernel.memory import format_bytes
 from photon_core.models.moondream3.config import Moondream3Config
-from photon_core.models.moondream3.memory import device_memory
+from photon_core.models.moondream3.memory import device_memory, load_memory
 
 
 def test_moondream3_1_fits_16_gib_at_a_4k_context():
@@ -30,3 +30,19 @@ def test_moondream3_1_fits_16_gib_at_a_4k_context():
     assert total < 16 * 2**30, format_bytes(parts)
     # ... where float experts (bf16) alone would not: the FP8 bytes are what makes it fit
     assert total + parts["step: weights fp8"] > 16 * 2**30
+
+
+def test_moondream3_1_load_peak_at_a_4k_context():
+    """The device's peak while loading on the megakernel backend (load_memory: the checkpoint read
+    to the CPU, the arena filled on the device tensor by tensor): what stays resident plus one
+    tensor in transit, the largest being an FP8 gate|up expert table of a layer; measured on a
+    reduced model in test_moondream3_load_memory.py."""
+    cfg = Moondream3Config()
+    t, m = cfg.text, cfg.text.moe
+    load = load_memory(cfg, max_len=4096, batch=1)
+    run = device_memory(cfg, max_len=4096, batch=1)
+    print("\nMoondream 3.1, megakernel backend, batch 1, 4096 positions, peak while loading:\n" + format_bytes(load))
+    assert load["load: one tensor in transit"] == m.num_experts * 2 * m.expert_inner_dim * t.dim   # FP8 bytes
+    resident = sum(load.values()) - load["load: one tensor in transit"]
+    assert resident == sum(v for k, v in run.items() if not k.startswith(("prefill: ", "vision: ")))
+    assert sum(load.values()) < 16 * 2**30

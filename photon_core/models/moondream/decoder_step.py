@@ -218,7 +218,7 @@ class MoondreamDecoderMegakernel(CompiledStep):
 
     def __init__(self, text_w: Any, region_w: Any, cfg: Any, batch: int, max_len: int | None = None,
                  tiling: Tiling = Tiling(), check: bool = True, weight_dtype: torch.dtype = torch.float32,
-                 weights: torch.Tensor | None = None) -> None:
+                 weights: torch.Tensor | None = None, device: torch.device | str | None = None) -> None:
         dm = self.dims_of(cfg)
         max_len = dm.max_context if max_len is None else max_len
         if not 0 < max_len <= dm.max_context:
@@ -228,7 +228,7 @@ class MoondreamDecoderMegakernel(CompiledStep):
             raise ValueError(f"block_n {tiling.block_n} must divide the {half} bins of each size half")
         self.dm, self.max_len = dm, max_len
         super().__init__(self.step_graph(dm, max_len), self.gather_weights(text_w, region_w), batch, tiling,
-                         weight_dtype, shared_weights=weights, check=check)
+                         weight_dtype, shared_weights=weights, check=check, device=device)
 
     def weight_bytes_per_step(self, region_heads: bool = True) -> int:
         """Bytes of weights one step must stream (the roofline floor's numerator): every weight once,

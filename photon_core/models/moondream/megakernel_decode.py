@@ -76,7 +76,7 @@ class MegakernelDecode:
             shared = next(iter(self._decoders.values())).weights if self._decoders else None
             self._decoders[batch] = self.step_class(
                 self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
-                tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared)
+                tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared, device=self.device)
         return self._decoders[batch]
 
     @contextmanager

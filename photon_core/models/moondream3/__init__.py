@@ -35,8 +35,9 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
 
     if backend == "auto":
         # The megakernel (auto's choice on a GPU) is opt-in for Moondream 3 (backend="megakernel"):
-        # its weight arena is a second copy of all 64 experts (~18 GB in bf16) next to the model's
-        # own, and its MoE step has so far been proven under the Triton interpreter only.
+        # its MoE step has so far been proven under the Triton interpreter only. (Memory is not the
+        # reason: its experts stay FP8 and are held once, and loading puts no weight on the device
+        # twice; memory.device_memory, memory.load_memory.)
         backend = "triton" if str(device).startswith("cuda") else "reference"
     ops = get_backend(backend, device)
     dtype = dtype if dtype is not None else "float32"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -157,32 +157,37 @@ def gather_weights(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeig
     return t
 
 
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """x with every tensor t inside it (dataclass fields, lists in place, tuples rebuilt) replaced by
+    fn(t); dataclasses and lists are changed in place and returned."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, tuple):
+        return type(x)(map_tensors(y, fn) for y in x)
+    if isinstance(x, list):
+        x[:] = [map_tensors(y, fn) for y in x]
+    elif dataclasses.is_dataclass(x):
+        for f in dataclasses.fields(x):
+            setattr(x, f.name, map_tensors(getattr(x, f.name), fn))
+    return x
+
+
 def share_arena(mk: CompiledStep, text_w: md3_text.TextWeights, region_w: md3_region.RegionWeights) -> int:
     """Rebind every tensor of text_w / region_w that the compiled step's weights arena holds as it is
     (same dtype, same contiguous layout, no folded offset) to its view in the arena, so the per-op
     prefill and the compiled step read ONE copy (the originals are freed once nothing else holds
-    them): on a 16 GB GPU the FP8 experts could not be held twice. Returns the bytes shared."""
+    them): on a 16 GB GPU the FP8 experts could not be held twice. The originals may be the CPU
+    copies the arena was filled from (load_moondream3 with the megakernel reads the checkpoint to
+    the CPU): the arena is on the model's device, so their views take them there. Returns the bytes
+    shared."""
     swap: dict[int, torch.Tensor] = {}
     for k, t in gather_weights(text_w, region_w).items():
         v = mk.weight(k)
-        if (k not in mk.plan.weight_offset and v.dtype == t.dtype and v.device == t.device and v.is_contiguous()
-                and v.data_ptr() != t.data_ptr()):
+        already = v.device == t.device and v.data_ptr() == t.data_ptr()
+        if k not in mk.plan.weight_offset and v.dtype == t.dtype and v.is_contiguous() and not already:
             swap[id(t)] = v
-
-    def rebind(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return swap.get(id(x), x)
-        if isinstance(x, tuple):
-            return type(x)(rebind(y) for y in x)
-        if isinstance(x, list):
-            x[:] = [rebind(y) for y in x]
-        elif dataclasses.is_dataclass(x):
-            for f in dataclasses.fields(x):
-                setattr(x, f.name, rebind(getattr(x, f.name)))
-        return x
-
-    rebind(text_w)
-    rebind(region_w)
+    map_tensors(text_w, lambda x: swap.get(id(x), x))
+    map_tensors(region_w, lambda x: swap.get(id(x), x))
     return sum(v.numel() * v.element_size() for v in swap.values())
 
 

@@ -102,9 +102,11 @@ class Moondream3Model(MoondreamModel):
         super().__init__(config, state, tokenizer, ops, device, dtype, model_id=model_id, tiling=tiling,
                          max_len=max_len)
         if self.decode is not None:
-            # One copy of the text weights: the per-op prefill reads the compiled step's arena.
+            # One copy of the text weights: the per-op prefill reads the compiled step's arena, laid
+            # out on `device` from `state` (the CPU copies load_moondream3 reads for this backend).
             from .decoder_step import share_arena
             share_arena(self.decode.decoder(1), self.text_w, self.region_w)
+        to_device(device, self.vision_w, self.text_w, self.region_w)
 
     def decoder_megakernel(self) -> type:
         from .decoder_step import Moondream3DecoderMegakernel
@@ -116,6 +118,23 @@ class Moondream3Model(MoondreamModel):
         of `object`. The path's coordinates are in the bbox's unit square (0..1 across the box),
         as the model emits them; see segment.py."""
         return segment.segment(self, self._encoded(image), object, max_tokens, refine)
+
+
+def to_device(device: torch.device, *weights: Any) -> None:
+    """Move every tensor of the weight dataclasses `weights` that is not on `device` there, one at a
+    time and each once (a tensor held in two places moves once), in place."""
+    from .decoder_step import map_tensors
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id -> (original, kept alive: ids stay unique)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device or (device.index is None and t.device.type == device.type):
+            return t
+        if id(t) not in moved:
+            moved[id(t)] = (t, t.to(device))
+        return moved[id(t)][1]
+
+    for w in weights:
+        map_tensors(w, move)
 
 
 def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str | torch.device = "cpu",
@@ -133,7 +152,11 @@ def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str 
     # The megakernel's compiled step streams FP8 experts as bytes (half of bf16's, a quarter of
     # fp32's); the per-op paths dequantize them one layer at a time (text.forward).
     keep_fp8 = getattr(o.backend, "NAME", "") == "megakernel"
-    state = weights_io.load_tensors(o.ckpt.weights, o.dtype, o.device, layout, keep_fp8)
+    # For the megakernel the tensors stay on the CPU here: Moondream3Model fills the compiled step's
+    # weights arena on the device from them and then moves the rest there, so no weight is ever on
+    # the device twice (the load's device peak is what stays resident plus one tensor in transit,
+    # memory.load_memory); on a 16 GB GPU the loaded text weights and the arena did not fit together.
+    state = weights_io.load_tensors(o.ckpt.weights, o.dtype, "cpu" if keep_fp8 else o.device, layout, keep_fp8)
     check_state(state, o.config, str(o.ckpt.weights))
     name = str(path_or_id) if str(path_or_id) in weights_io.MODELS else "moondream3"
     return Moondream3Model(o.config, state, o.tokenizer, o.backend, o.device, o.dtype, model_id=name, tiling=tiling,
