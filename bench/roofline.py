@@ -5,7 +5,8 @@ graphs of real sizes are compiled on meta tensors (no weight memory).
     python bench/roofline.py [--write] [--quick]
 
 Per (model, batch): weight bytes per step (bf16, every weight once; rotary tables one row; MoE
-experts: the ones the batch's rows choose, at most rows x top-k of them; FP8 experts (Moondream 3)
+experts: the distinct ones the batch's rows choose, each read once, E(1-(1-k/E)^rows) expected under
+uniform routing (k at batch 1, at most min(E, rows x top-k)); FP8 experts (Moondream 3)
 one byte a weight plus their rows' fp32 scales), KV / state bytes (bf16 caches, the compiled step's
 GPU default, at a half-full context, sliding-window layers at most their window, every attention layer
 counted, KV-shared ones included; cross-attention K/V over all encoder frames; recurrent states
@@ -219,8 +220,9 @@ def main() -> None:
                   f"{(r['weights'] + r['kv']) / 1e6:.0f} MB, predicted H200 {r['pred H200'] * 1e3:.3f} ms", flush=True)
     lines = heading("Megakernel roofline (prediction, no GPU)") + [
         "Graphs of real sizes compiled on meta tensors (tiling: 64-column tiles, few-tile stages "
-        "narrowed or split-K to 264 tasks). Bytes: bf16 weights once (MoE: the experts the batch's rows "
-        "choose, at most rows x top-k; Moondream 3's FP8 experts 1 byte a weight + fp32 row scales) + bf16 KV "
+        "narrowed or split-K to 264 tasks). Bytes: bf16 weights once (MoE: the distinct experts the batch's "
+        "rows choose, each read once: E(1-(1-k/E)^rows) expected under uniform routing; Moondream 3's FP8 "
+        "experts 1 byte a weight + fp32 row scales) + bf16 KV "
         "read at half context (sliding layers: at most the window; "
         "Whisper: + cross K/V of 1500 frames; Qwen 3.5: + DeltaNet conv/delta states read and written). "
         "Contexts: Whisper 448, Moondream 1024, Qwen3-ASR 1024, Qwen 3.5 2048, Gemma 4 4096. **Predicted** = "

@@ -148,12 +148,14 @@ def test_fp8_experts_stay_fp8_and_equal_the_dequantized_reference(weight_dtype):
     step.set_step(step.dyn[:2].tolist(), step.dyn[2:4].tolist())
     step.launch()
     assert len(chosen) < c["E"] and torch.equal(step.view("mlp"), before)
-    # bytes per step: dense weights at the arena's size, experts k of E per row at 1 byte a
-    # weight plus their rows' fp32 scales (batch 2: up to 2k experts)
+    # bytes per step: dense weights at the arena's size, the distinct experts the rows choose at 1
+    # byte a weight plus their rows' fp32 scales (batch 2, uniform routing: E(1 - (1 - k/E)^2)
+    # expected, each read once however many rows chose it); what this step read, by the kernel's count
     E, F, d, k = c["E"], c["F"], c["d"], c["k"]
     dense = sum(v.numel() for n, v in w.items() if n not in ("gu", "gu.s", "down", "down.s", "tok")) + d
-    experts = min(E, 2 * k) * (2 * F * d + d * F + 4 * (2 * F + d))
-    assert step.weight_bytes_per_step() == dense * unit + experts
+    per_expert = 2 * F * d + d * F + 4 * (2 * F + d)
+    assert step.weight_bytes_per_step() == round(dense * unit + E * (1 - (1 - k / E) ** 2) * per_expert)
+    assert step.expert_bytes_read() == {"mlp": len(chosen) * per_expert}
 
 
 def test_fp8_experts_must_come_as_fp8():

@@ -23,6 +23,9 @@ Lowering, op by op:
   * delta_rule  one task per (row, value head): the state read, decayed, written and read again, then
                 the gated per-head RMSNorm of the output.
   * argmax      one task per result column, over the tiles of the columns it covers.
+  * moe         route tasks per row; expert tasks per routed (row, slot) pair and tile, of which
+                only the batch's first pair choosing an expert reads it, for all rows choosing
+                it (each chosen expert read once a step); sum tasks per row and tile (_lower_moe).
 
 Dependencies come from the data flow: a task waits for the stages that produce what it reads, per
 head where the producer signals per head (q|k|v tiles or rotary tasks whose only readers are
@@ -44,7 +47,7 @@ import torch
 
 from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
                                           OP_ADD_NORM, OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_CONV_STEP,
-                                          OP_DELTA_STEP, OP_MOE_DOWN, OP_MOE_ROUTE, OP_MOE_UP,
+                                          OP_DELTA_STEP, OP_MOE_DOWN, OP_MOE_ROUTE, OP_MOE_SUM, OP_MOE_UP,
                                           OP_EMBED, OP_LINEAR,
                                           OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
                                           StateViews, Task, TaskGraph)
@@ -279,10 +282,13 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
     for name, ntiles in logits.items():
         shapes[f"{name}.part"] = (batch, ntiles, 2)
     for node in graph.nodes:
-        if node.op == "moe":   # per row: the chosen (expert, weight) pairs, and their hidden vectors
-            k, f = node.args["top_k"], graph.weight_shapes[node.args["down"]][-1]
-            shapes[f"{node.out.name}.route"] = (batch, k, 2)
-            shapes[f"{node.out.name}.h"] = (batch, k, f)
+        if node.op == "moe":   # see _lower_moe
+            k, (_, d, f) = node.args["top_k"], graph.weight_shapes[node.args["down"]]
+            shapes[f"{node.out.name}.route"] = (batch, k, 2)        # per row: chosen (expert, weight)
+            shapes[f"{node.out.name}.h"] = (batch * k, batch, f)    # pair j's expert, every row's hidden
+            shapes[f"{node.out.name}.part"] = (batch, batch * k, d)  # row r's output from pair j's expert
+            tiles = -(-f // tiling.block_n) + -(-d // tiling.block_n)
+            shapes[f"{node.out.name}.loads"] = (batch * k, tiles)     # weight elements each expert task read
     shape: dict[str, tuple[int, int]] = {}
     for node in graph.nodes:
         if node.op != "linear":
@@ -640,17 +646,28 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
 
 
 def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str, _Stage]:
-    """Route tasks (one per row: top k of the logits, their weights), expert tiles (per row, slot
-    and tile of F: act(x G_e) * (x U_e + offset), reading only the chosen expert's rows), and down
-    tiles (per row and tile of D: the weighted sum over the row's slots of h_s D_e, + residual).
-    Rows choosing the same expert each read it: sharing reads across rows is not done yet."""
+    """Four stages. Route: one task per row (top k of its logits, their weights). Up: one task per
+    routed pair j = (row, slot) and tile of F; down: one per pair and tile of D. Every row's route
+    is done before any expert task starts, so an up or down task of pair j sees the whole batch's
+    routing: only if j is the FIRST pair choosing its expert e does it read e's weight tile, once
+    per K step, for every row choosing e at once (the other tasks exit), so a step reads each
+    chosen expert once however many rows chose it. Up writes h[j, row] ([B*k, B, F]); down writes
+    the weighted partial part[row, j] ([B, B*k, D]). Sum: one task per row and tile of D adds the
+    partials of the row's slots in slot order (deterministic: no atomics), + residual. Which pair
+    writes which h / part rows depends on the routing, so each task's declared writes are its own
+    slab j (all rows) and readers declare the slabs they may read: the checker proves the graph
+    for every routing. Each expert task also writes the weight elements it loaded (0 if not the
+    first) to its cell of `{name}.loads`: CompiledStep.expert_bytes_read counts them."""
     graph, B, S, W, bn = p.graph, p.batch, p.sarena, p.warena, p.tiling.block_n
     a, name = node.args, node.out.name
     E, F2, D = graph.weight_shapes[a["gate_up"]]
     F, k = F2 // 2, a["top_k"]
+    P = B * k                                   # routed pairs
+    tiles_f, tiles_d = -(-F // bn), -(-D // bn)
     norm = p.norm_of.get(name)
     x = norm.args["x"] if norm else a["x"]
-    route, hid = Value(f"{name}.route", 2 * k), Value(f"{name}.h", k * F)
+    route, hid, part = Value(f"{name}.route", 2 * k), f"{name}.h", f"{name}.part"
+    loads = f"{name}.loads"
     stages = {route.name: _Stage(route.name, g.counter(route.name), ancestors=ancestors([a["logits"]], route.name))}
     for r in range(B):
         g.add(Task(f"{route.name}[b{r}]", OP_MOE_ROUTE,
@@ -658,50 +675,64 @@ def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str,
                         mode=int(a["renormalize"])),
                    waits([a["logits"]]), stages[route.name].counter,
                    [S.region(a["logits"].name, r * E, (r + 1) * E)], [S.region(route.name, r * 2 * k, (r + 1) * 2 * k)]))
+    all_routes = S.region(route.name)
     # the new stages are visible to waits() only once registered
-    up = _Stage(hid.name, g.counter(hid.name), ancestors=ancestors([x], hid.name) | stages[route.name].ancestors)
+    up = _Stage(hid, g.counter(hid), ancestors=ancestors([x], hid) | stages[route.name].ancestors)
     norm_args = dict(lnw=W.off(norm.args["w"]) if norm else -1,
                      lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                      norm=NORM_CODES[norm.op] if norm else 0)
+    no_prologue = dict(xs=-1, xc0=0, xgate=-1, gact=0, xact=0, xglu=0)
     return_stages = dict(stages)
     route_st = stages[route.name]
     # x is ready once the route is, when the router read x (Moondream 3): then one wait.
     wait_up = [(route_st.counter, B)] + ([] if x.name in route_st.ancestors else waits([x]))
-    for r in range(B):
-        for s in range(k):
-            for n0 in range(0, F, bn):
-                n1 = min(F, n0 + bn)
-                h0 = (r * k + s) * F
-                g.add(Task(f"{hid.name}[b{r},s{s},{n0}:{n1}]", OP_MOE_UP,
-                           dict(M=1, K=D, N=F, n0=n0, n1=n1, k0=0, k1=D, x=S.off(x.name) + r * D, w=W.toff(a["gate_up"]),
-                                wsc=W.toff(a["gate_up_scale"]) if a["gate_up_scale"] else -1,
-                                ldw=p.ldw[a["gate_up"]], act=activation_code(a["act"]), scale=float_bits(a["up_offset"]),
-                                tile=s, part=S.off(route.name) + r * 2 * k, out=S.off(hid.name) + h0, xs=-1, xc0=0,
-                                xgate=-1, gact=0, xact=0, xglu=0, **norm_args),
-                           list(wait_up), up.counter,
-                           [S.region(x.name, r * D, (r + 1) * D), S.region(route.name, r * 2 * k, (r + 1) * 2 * k)],
-                           [S.region(hid.name, h0 + n0, h0 + n1)]))
-    return_stages[hid.name] = up
-    out = _Stage(name, g.counter(name), ancestors=up.ancestors | {name} | (
-        ancestors([a["residual"]], name) if a["residual"] is not None else frozenset()))
+    for j in range(P):
+        for t, n0 in enumerate(range(0, F, bn)):
+            n1 = min(F, n0 + bn)
+            cell = j * (tiles_f + tiles_d) + t
+            g.add(Task(f"{hid}[p{j},{n0}:{n1}]", OP_MOE_UP,
+                       dict(M=B, K=D, N=F, n0=n0, n1=n1, k0=0, k1=D, x=S.off(x.name), w=W.toff(a["gate_up"]),
+                            wsc=W.toff(a["gate_up_scale"]) if a["gate_up_scale"] else -1,
+                            ldw=p.ldw[a["gate_up"]], act=activation_code(a["act"]), scale=float_bits(a["up_offset"]),
+                            tile=j, S=k, part=S.off(route.name), out=S.off(hid) + j * B * F,
+                            loads=S.off(loads) + cell, **no_prologue, **norm_args),
+                       list(wait_up), up.counter, [S.region(x.name), all_routes],
+                       [S.region(hid, (j * B + r) * F + n0, (j * B + r) * F + n1) for r in range(B)]
+                       + [S.region(loads, cell, cell + 1)]))
+    return_stages[hid] = up
+    down = _Stage(part, g.counter(part), ancestors=up.ancestors | {part})
+    n_up = g.signalers(up.counter)
+    for j in range(P):
+        for t, n0 in enumerate(range(0, D, bn)):
+            n1 = min(D, n0 + bn)
+            cell = j * (tiles_f + tiles_d) + tiles_f + t
+            g.add(Task(f"{part}[p{j},{n0}:{n1}]", OP_MOE_DOWN,
+                       dict(M=B, K=F, N=D, n0=n0, n1=n1, k0=0, k1=F, x=S.off(hid) + j * B * F, w=W.toff(a["down"]),
+                            wsc=W.toff(a["down_scale"]) if a["down_scale"] else -1, ldw=p.ldw[a["down"]],
+                            tile=j, S=k, part=S.off(route.name), out=S.off(part) + j * D, loads=S.off(loads) + cell,
+                            lnw=-1, lnb=-1, norm=0, **no_prologue),
+                       [(up.counter, n_up)], down.counter, [S.region(hid, j * B * F, (j + 1) * B * F), all_routes],
+                       [S.region(part, (r * P + j) * D + n0, (r * P + j) * D + n1) for r in range(B)]
+                       + [S.region(loads, cell, cell + 1)]))
+    return_stages[part] = down
     res = a["residual"]
-    wait_down = [(up.counter, g.signalers(up.counter))]
-    if res is not None and res.name not in up.ancestors:
-        wait_down += waits([res])
+    out = _Stage(name, g.counter(name), ancestors=down.ancestors | {name} | (
+        ancestors([res], name) if res is not None else frozenset()))
+    wait_sum = [(down.counter, g.signalers(down.counter))]
+    if res is not None and res.name not in down.ancestors:
+        wait_sum += waits([res])
     for r in range(B):
         for n0 in range(0, D, bn):
             n1 = min(D, n0 + bn)
-            reads = [S.region(hid.name, r * k * F, (r + 1) * k * F), S.region(route.name, r * 2 * k, (r + 1) * 2 * k)]
+            # any pair's partial for this row may be read (which ones: the routing's first pairs)
+            reads = [S.region(part, r * P * D, (r + 1) * P * D), all_routes]
             if res is not None:
                 reads.append(S.region(res.name, r * D + n0, r * D + n1))
-            g.add(Task(f"{name}[b{r},{n0}:{n1}]", OP_MOE_DOWN,
-                       dict(M=1, K=F, N=D, n0=n0, n1=n1, k0=0, k1=F, x=S.off(hid.name) + r * k * F, w=W.toff(a["down"]),
-                            wsc=W.toff(a["down_scale"]) if a["down_scale"] else -1,
-                            ldw=p.ldw[a["down"]], S=k, part=S.off(route.name) + r * 2 * k, b=-1, act=0,
-                            res=S.off(res.name) + r * D if res is not None else -1, mode=MODE_PLAIN,
-                            out=S.off(name) + r * D, xs=-1, xc0=0, xgate=-1, gact=0, xact=0, xglu=0, lnw=-1, lnb=-1,
-                            norm=0),
-                       list(wait_down), out.counter, reads, [S.region(name, r * D + n0, r * D + n1)]))
+            g.add(Task(f"{name}[b{r},{n0}:{n1}]", OP_MOE_SUM,
+                       dict(M=1, N=D, n0=n0, n1=n1, bi=r, S=k, part=S.off(route.name), kpart=S.off(part), b=-1,
+                            act=0, res=S.off(res.name) + r * D if res is not None else -1, mode=MODE_PLAIN,
+                            out=S.off(name) + r * D),
+                       list(wait_sum), out.counter, reads, [S.region(name, r * D + n0, r * D + n1)]))
     return_stages[name] = out
     return return_stages
 
@@ -940,6 +971,25 @@ class CompiledStep(StateViews):
         a row whose context is full (its position stayed where it was)."""
         R = len(self.graph_def.results)
         return self.out.view(self.batch, R)[:, self.graph_def.results.index(name)]
+
+    def expert_bytes_read(self) -> dict[str, int]:
+        """Per MoE layer, the expert bytes (weights, and FP8 row scales) the last launch read, from
+        the kernel's own record: every expert task writes the weight elements it loaded (0 when
+        another pair of the batch chose the same expert first). Reading each chosen expert once,
+        this is (distinct experts chosen) x (bytes of one expert)."""
+        out = {}
+        for n in self.graph_def.nodes:
+            if n.op != "moe":
+                continue
+            _, f2, d = self.graph_def.weight_shapes[n.args["gate_up"]]
+            cells = self.view(f"{n.out.name}.loads")
+            tiles_f = -(-(f2 // 2) // self.tiling.block_n)
+            up, down = cells[:, :tiles_f].sum().item(), cells[:, tiles_f:].sum().item()
+            if n.args["gate_up_scale"]:   # a byte a weight, and 4 bytes of scale per weight row
+                out[n.out.name] = round(up + down + 4 * (up / d + down / (f2 // 2)))
+            else:
+                out[n.out.name] = round((up + down) * self.weights.element_size())
+        return out
 
     def weight_bytes_per_step(self, skip: tuple[str, ...] = ()) -> int:
         return self.graph_def.weight_bytes(self.weights.element_size(), skip, rows=self.batch)

@@ -30,13 +30,16 @@ OP_CONV_STEP = 9      # a tile of channels of a causal depthwise conv, one new i
 OP_DELTA_STEP = 10    # (row, value head) of the gated delta rule; state updated in place; gated RMSNorm out
 OP_ADD_NORM = 11      # one row of (x + rms_norm(z) * w) * scale, chunk by chunk
 OP_MOE_ROUTE = 12     # one row's top-k experts by its router logits, and their weights
-OP_MOE_UP = 13        # (row, slot, tile of F) of the chosen expert: act(x G_e) * (x U_e + offset)
-OP_MOE_DOWN = 14      # (row, tile of D): sum over the row's slots of weight * h_s D_e, + residual
+# MoE expert tasks run only for the batch's first (row, slot) pair choosing their expert e, and then
+# for every row choosing e at once: each chosen expert is read once a step.
+OP_MOE_UP = 13        # (pair, tile of F): each row choosing e: act(x G_e) * (x U_e + offset)
+OP_MOE_DOWN = 14      # (pair, tile of D): each row choosing e: its weight * h D_e, a partial
+OP_MOE_SUM = 15       # (row, tile of D): the row's expert partials summed in slot order, + residual
 OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
             OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append",
             OP_LINEAR_SPLIT: "linear_split", OP_LINEAR_REDUCE: "linear_reduce", OP_CONV_STEP: "conv_step",
             OP_DELTA_STEP: "delta_step", OP_ADD_NORM: "add_norm", OP_MOE_ROUTE: "moe_route",
-            OP_MOE_UP: "moe_up", OP_MOE_DOWN: "moe_down"}
+            OP_MOE_UP: "moe_up", OP_MOE_DOWN: "moe_down", OP_MOE_SUM: "moe_sum"}
 
 # Store modes of OP_LINEAR.
 MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2
@@ -49,7 +52,7 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
           "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk",
-          "wsc")
+          "wsc", "loads")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 64  # padded; rows stay 128-byte aligned (512 bytes)
 

@@ -19,7 +19,9 @@ offset then reaches the caller's tensor from the weights pointer).
 
 What one task moves (fp32, M rows, tile width BN): linear tile N_tile*K*4 weight bytes + M*K*4
 activations (+ LN: another M*K*4 pass for the statistics); attention partial 2*chunk*Dh*4; merge
-S*(Dh+2)*4; embed 2*M*BN*4. Waits are bounded by `spin_limit` iterations: a wait that times out sets the
+S*(Dh+2)*4; embed 2*M*BN*4; MoE expert tile: the tile of ONE expert, once for all the rows that
+chose it (only the batch's first (row, slot) pair choosing the expert loads it). Waits are
+bounded by `spin_limit` iterations: a wait that times out sets the
 error flag (task index + 1) and the task is skipped rather than hanging the GPU; the host raises.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", 
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
                        "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale", "xs", "xc0", "gact",
-                       "xact", "tau", "alpha", "sw", "chunk", "wsc")] == list(range(1, 54))
+                       "xact", "tau", "alpha", "sw", "chunk", "wsc", "loads")] == list(range(1, 55))
 
 
 @triton.jit
@@ -112,11 +114,13 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                w_shift=0, x_shift=0, FP8: tl.constexpr = False):
+                w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
     one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
     columns use narrower tiles (more tasks), and a split-K task sees a slice of K. w_shift /
-    x_shift move W and x by a run-time amount (an expert's rows, a slot's hidden vector). FP8
+    x_shift move W and x by a run-time amount (an expert's rows, a slot's hidden vector); row_sel
+    is a bitmask of the rows to compute (an expert's tasks: the rows that chose it; the others'
+    x is not loaded and their output is 0). FP8
     (expert tasks of FP8 experts): W is e4m3 bytes (offsets in bytes) decoded in registers, and the
     product is 2^-8 of the true one without the row scales, which the caller's epilogue applies."""
     # FP8 tiles take half the K step: a byte tile decoded to fp32 holds the bytes and the floats at
@@ -139,7 +143,7 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # so the mask is the same for every 16 consecutive elements and does not split a vector.
     k1w = tl.multiple_of((k1 + 15) // 16 * 16, 16)
     rows = tl.arange(0, BLOCK_M)
-    rmask = rows < M
+    rmask = (rows < M) & (((row_sel >> rows) & 1) != 0)
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < n1
     ks = tl.arange(0, BK)
@@ -721,64 +725,146 @@ def _task_moe_route(row, s_ptr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FP8: tl.constexpr = False):
-    """(row, slot s, columns [n0, n1) of F): e = the slot's expert; act(x G_e) * (x U_e + offset)
-    with G_e, U_e rows e*2F + [n0, n1) and e*2F + F + [n0, n1) of the [E*2F, D] gate|up table (the
-    row's LayerNorm fused in, as in a linear). Bytes: 2*(n1-n0)*D weights of ONE expert + D x."""
+def _moe_pair(route, j, B, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pair j (= row * S + slot) of the batch's B*S routed (expert id, weight) pairs, seen against
+    all of them: its expert e; `first`: no pair before j chose e (the pair whose tasks read e's
+    weights for the whole batch); `rsel`: bitmask of the rows choosing e; `wsum`: [BLOCK_M] each
+    row's summed weight over its slots choosing e (one slot, unless NaN logits made a row choose
+    expert 0 in several). Reads the B*S*2 route floats (L2: every routing task wrote them)."""
+    rows = tl.arange(0, BLOCK_M)
+    ss = tl.arange(0, BLOCK_S)
+    pair = rows[:, None] * S + ss[None, :]
+    valid = (rows[:, None] < B) & (ss[None, :] < S)
+    ids = tl.load(route + 2 * pair, mask=valid, other=-1.0, cache_modifier=CG)
+    wts = tl.load(route + 2 * pair + 1, mask=valid, other=0.0, cache_modifier=CG)
+    e = tl.load(route + 2 * j, cache_modifier=CG)
+    match = valid & (ids == e)
+    earlier = tl.sum(tl.sum((match & (pair < j)).to(tl.int32), axis=1), axis=0)
+    chose = tl.max(match.to(tl.int32), axis=1) > 0
+    rsel = tl.sum(tl.where(chose, 1 << rows, 0), axis=0)
+    wsum = tl.sum(tl.where(match, wts, 0.0), axis=1)
+    return e.to(tl.int64), earlier == 0, rsel, wsum
+
+
+@triton.jit
+def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False):
+    """(pair j = (row, slot), columns [n0, n1) of F). e = pair j's expert. Only the FIRST pair of
+    the batch choosing e computes (the others record 0 loads and exit): for every row r choosing
+    e at once, h[j, r] = act(x_r G_e) * (x_r U_e + offset), G_e, U_e = rows e*2F + [n0, n1) and
+    e*2F + F + [n0, n1) of the [E*2F, D] gate|up table (each row's LayerNorm fused in), one
+    [BLOCK_M, BLOCK_N] product per K step (rows not choosing e masked: their x is not loaded).
+    Bytes: 2*(n1-n0)*D weights of e ONCE however many rows chose it (+ 2*(n1-n0) fp32 scales for
+    FP8) + D x per choosing row; h is [B*S, B, F] (slab j, row r). The weight elements loaded go
+    to this task's cell of the loads record (the host's count of expert bytes a step read)."""
+    D = tl.load(row + 7)
     F = tl.load(row + 8)
     n0 = tl.load(row + 9)
     act = tl.load(row + 15)
     out = tl.load(row + 18)
-    s = tl.load(row + 24)
+    j = tl.load(row + 24)
     route = s_ptr + tl.load(row + 25)
-    ldw = tl.load(row + 38)
+    S = tl.load(row + 31)
     n1 = tl.load(row + 33)
-    e = tl.load(route + 2 * s, cache_modifier=CG).to(tl.int64)
-    base = e * 2 * F * ldw
-    cols = n0 + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, 2F] at wsc
-    # gate then up rows, in a loop so the product is compiled once (each inlined copy of the
-    # linear tile costs compile time and code size in the one megakernel)
-    g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for half in range(0, 2):
-        acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0, FP8)
-        if FP8:   # the epilogue of an FP8 product: each output row's scale, once
-            sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * 2 * F + half * F + cols, mask=cols < n1,
-                         other=0.0)
-            acc = acc * (sc * FP8_UNSCALE)[None, :]
-        g = tl.where(half == 0, acc, g)
-        u = tl.where(half == 1, acc, u)
-    h = apply_activation(g, act) * (u + _f32(tl.load(row + 44)))
-    tl.store(s_ptr + out + rows[:, None] * 0 + cols[None, :], h, mask=(rows < 1)[:, None] & (cols < n1)[None, :])
+    ldw = tl.load(row + 38)
+    loads = s_ptr + tl.load(row + 54)
+    e, first, rsel, _ = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
+    if first:
+        base = e * 2 * F * ldw
+        cols = n0 + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, 2F] at wsc
+        # gate then up rows, in a loop so the product is compiled once (each inlined copy of the
+        # linear tile costs compile time and code size in the one megakernel)
+        g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for half in range(0, 2):
+            acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0, FP8,
+                              rsel)
+            if FP8:   # the epilogue of an FP8 product: each output row's scale, once
+                sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * 2 * F + half * F + cols,
+                             mask=cols < n1, other=0.0)
+                acc = acc * (sc * FP8_UNSCALE)[None, :]
+            g = tl.where(half == 0, acc, g)
+            u = tl.where(half == 1, acc, u)
+        h = apply_activation(g, act) * (u + _f32(tl.load(row + 44)))
+        chosen = ((rsel >> rows) & 1) != 0
+        tl.store(s_ptr + out + rows[:, None].to(tl.int64) * F + cols[None, :], h,
+                 mask=chosen[:, None] & (cols < n1)[None, :])
+        tl.store(loads, (2 * (n1 - n0) * D).to(tl.float32))
+    else:
+        tl.store(loads, 0.0)
 
 
 @triton.jit
-def _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
-    """(row, columns [n0, n1) of D): sum over the row's S slots of weight_s * h_s D_e(s)^T (rows
-    e*D + [n0, n1) of the [E*D, F] down table), then the linear epilogue (+ residual). Bytes:
-    S*(n1-n0)*F weights (the chosen experts only) + S*F hidden."""
+def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False):
+    """(pair j, columns [n0, n1) of D). As the up task, only the first pair of the batch choosing
+    expert e computes: for every row r choosing e, part[r, j] = wsum_r * (h[j, r] D_e^T), D_e =
+    rows e*D + [n0, n1) of the [E*D, F] down table, wsum_r the row's routing weight of e; part is
+    [B, B*S, D] (row r, pair j). Bytes: (n1-n0)*F weights of e ONCE (+ (n1-n0) fp32 scales for
+    FP8) + F hidden per choosing row. A sum task per (row, tile) adds the row's partials."""
     F = tl.load(row + 7)
     D = tl.load(row + 8)
+    out = tl.load(row + 18)
+    j = tl.load(row + 24)
     route = s_ptr + tl.load(row + 25)
-    ldw = tl.load(row + 38)
     S = tl.load(row + 31)
-    wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, D] at wsc
-    cols = tl.load(row + 9) + tl.arange(0, BLOCK_N)
-    cmask = cols < tl.load(row + 33)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for s in range(0, S):
-        e = tl.load(route + 2 * s, cache_modifier=CG).to(tl.int64)
-        wgt = tl.load(route + 2 * s + 1, cache_modifier=CG)
-        part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, s * F, FP8)
+    n1 = tl.load(row + 33)
+    ldw = tl.load(row + 38)
+    loads = s_ptr + tl.load(row + 54)
+    e, first, rsel, wsum = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
+    if first:
+        n0 = tl.load(row + 9)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < n1
+        rows = tl.arange(0, BLOCK_M)
+        wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, D] at wsc
+        part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel)
         if FP8:
             sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * D + cols, mask=cmask, other=0.0)
             part = part * (sc * FP8_UNSCALE)[None, :]
-        acc += wgt * part
-    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+        chosen = ((rsel >> rows) & 1) != 0
+        tl.store(s_ptr + out + rows[:, None].to(tl.int64) * (B * S * D) + cols[None, :], wsum[:, None] * part,
+                 mask=chosen[:, None] & cmask[None, :])
+        tl.store(loads, ((n1 - n0) * F).to(tl.float32))
+    else:
+        tl.store(loads, 0.0)
+
+
+@triton.jit
+def _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """(row r, columns [n0, n1) of D): the sum over r's slots, in slot order, of the partial its
+    slot's expert wrote for it (at pair j = the batch's first choosing that expert; a slot
+    repeating an earlier slot's expert adds nothing: that partial holds both weights), then the
+    linear epilogue (+ residual). A fixed order and no atomics: the same bits every launch.
+    Bytes: S*(n1-n0) partials + the residual tile."""
+    D = tl.load(row + 8)
+    n0 = tl.load(row + 9)
+    r = tl.load(row + 28)
+    route = s_ptr + tl.load(row + 25)
+    part = s_ptr + tl.load(row + 36)
+    S = tl.load(row + 31)
+    n1 = tl.load(row + 33)
+    rows = tl.arange(0, BLOCK_M)
+    ss = tl.arange(0, BLOCK_S)
+    pair = rows[:, None] * S + ss[None, :]
+    ids = tl.load(route + 2 * pair, mask=(rows[:, None] < B) & (ss[None, :] < S), other=-1.0, cache_modifier=CG)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < n1
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for s in range(0, S):
+        e = tl.load(route + 2 * (r * S + s), cache_modifier=CG)
+        match = ids == e
+        jf = tl.min(tl.min(tl.where(match, pair, 2147483647), axis=1), axis=0)
+        again = tl.sum(tl.sum((match & (pair >= r * S) & (pair < r * S + s)).to(tl.int32), axis=1), axis=0)
+        # a vector mask: scalar & vector confuses the interpreter
+        p = tl.load(part + (r * B * S + jf).to(tl.int64) * D + cols, mask=cmask & ((cols * 0 + again) == 0),
+                    other=0.0, cache_modifier=CG)
+        acc += p
+    _linear_epilogue(row, acc[None, :] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w_ptr, s_ptr, dyn_ptr, B,
+                     BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -815,9 +901,11 @@ def _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.
     elif op == 12:
         _task_moe_route(row, s_ptr, BLOCK_R, BLOCK_S)
     elif op == 13:
-        _task_moe_up(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
+        _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8)
     elif op == 14:
-        _task_moe_down(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
+        _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8)
+    elif op == 15:
+        _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
         ran = 0
     return ran

@@ -395,9 +395,12 @@ class StepGraph:
     def weight_bytes(self, element_size: int = 4, skip: tuple[str, ...] = (), rows: int = 1) -> int:
         """Bytes of weights one step streams: every weight once, except tables the step only looks
         rows up in (embedding and position tables, rotary tables), which cost one row each; a table
-        that is also a linear's weight (a tied LM head) is streamed whole; experts cost the top k
-        a row chooses (one row: k of E; `rows` rows choosing apart: up to rows * k). FP8 experts
-        cost 1 byte a weight and their chosen rows' scales 4 bytes; the rest `element_size`."""
+        that is also a linear's weight (a tied LM head) is streamed whole; experts cost the
+        DISTINCT experts the batch's rows choose (the compiled step reads an expert once however
+        many rows chose it): one row, its top k of E; `rows` rows routing uniformly at random, the
+        expected count E * (1 - (1 - k/E)^rows) (a row misses a given expert with probability
+        1 - k/E), between k and min(E, rows * k). FP8 experts cost 1 byte a weight and their
+        chosen rows' scales 4 bytes; the rest `element_size`. Rounded to whole bytes."""
         experts = {n.args[k]: n.args["top_k"] for n in self.nodes if n.op == "moe"
                    for k in ("gate_up", "down", "gate_up_scale", "down_scale") if n.args.get(k)}
         fp8 = self.fp8_weights()
@@ -409,16 +412,25 @@ class StepGraph:
             elif (r := n.args.get("rotary")) is not None:
                 looked_up |= {r.cos, r.sin}
         streamed = {n.args[k] for n in self.nodes if n.op != "embed" for k in ("w", "b") if n.args.get(k)}
-        total = 0
+        total = 0.0
         for k, shape in self.weight_shapes.items():
             if k in skip:
                 continue
             size = 1 if k in fp8 else 4 if k in scales else element_size
             if k in experts:
-                total += min(shape[0], experts[k] * rows) * math.prod(shape[1:]) * size
+                total += expected_experts(shape[0], experts[k], rows) * math.prod(shape[1:]) * size
             else:
                 total += (shape[-1] if k in looked_up and k not in streamed else math.prod(shape)) * size
-        return total
+        return round(total)
+
+
+def expected_experts(num_experts: int, top_k: int, rows: int) -> float:
+    """Expected number of distinct experts `rows` rows choose, each its top_k of num_experts,
+    under uniform independent routing: each expert is missed by all rows with probability
+    (1 - k/E)^rows. Exactly k for one row."""
+    if rows == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""Batched rows sharing experts read them once: a compiled mixture-of-experts layer at batch 4 (and 1),
+with router logits forced so that the rows share some, all or none of their experts, equals
+run_reference on NaN-poisoned state, for float and FP8 experts in fp32 and bf16 weight arenas; and
+the kernel's own record of the expert weight elements each task loaded shows every chosen expert
+read exactly once per step (distinct experts x expert bytes, not rows x top-k), loaded only by the
+batch's first (row, slot) pair choosing it: a non-first pair's task that still computed would
+leave a nonzero record."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from photon_core.megakernel import CompiledStep, StepGraph, Tiling, run_reference  # noqa: E402
+from photon_core.megakernel.graph import OP_MOE_DOWN, OP_MOE_SUM, OP_MOE_UP  # noqa: E402
+from photon_core.megakernel.stepgraph import expected_experts  # noqa: E402
+
+RTOL = 1e-4
+E, F, D, K, VOCAB = 8, 16, 32, 2, 20
+TILING = Tiling(block_n=16, block_k=32, block_t=8, self_splits=1, cross_splits=1)
+# Each row's chosen experts, in slot order (the forced logits make them the top k, in this order).
+ROUTINGS = {
+    "some": [[0, 1], [1, 2], [3, 4], [4, 0]],    # 5 distinct experts of 8 pairs
+    "all": [[5, 2], [2, 5], [5, 2], [2, 5]],     # 2 distinct: every row the same two, slots swapped
+    "none": [[0, 1], [2, 3], [4, 5], [6, 7]],    # 8 distinct: nothing shared
+    "one row": [[6, 3]],
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def moe_weights(fp8: bool, seed: int = 5) -> dict[str, torch.Tensor]:
+    g0 = torch.Generator().manual_seed(seed)
+    w = {"tok": torch.randn(VOCAB, D, generator=g0) * 0.5, "ln.w": 1 + torch.randn(D, generator=g0) * 0.1,
+         "ln.b": torch.randn(D, generator=g0) * 0.1}
+    for name, shape in (("gu", (E, 2 * F, D)), ("down", (E, D, F))):
+        t = torch.randn(*shape, generator=g0) * 0.3
+        if fp8:   # per-output-row scales, as checkpoints ship them
+            scale = t.abs().amax(-1) / 448.0 * (0.5 + torch.rand(shape[:2], generator=g0))
+            w[name], w[f"{name}.s"] = (t / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+        else:
+            w[name] = t
+    return w
+
+
+def moe_graph(w: dict[str, torch.Tensor], fp8: bool) -> StepGraph:
+    """Embedding -> LayerNorm fused into the experts -> MoE (+ residual); the router logits are an
+    input, so each test picks every row's experts."""
+    g = StepGraph("moe-shared", {k: tuple(v.shape) for k, v in w.items()})
+    x = g.embed("x", "tok")
+    h = g.layer_norm("h", x, "ln.w", "ln.b")
+    logits = g.input("logits", E)
+    g.expose("mlp", g.moe("mlp", h, logits, "gu", "down", K, act="silu", residual=x,
+                          gate_up_scale="gu.s" if fp8 else None, down_scale="down.s" if fp8 else None))
+    return g
+
+
+def forced_logits(routing: list[list[int]], gen: torch.Generator) -> torch.Tensor:
+    """Logits whose top k per row are the row's experts in the given order, well apart from the rest."""
+    lg = torch.rand(len(routing), E, generator=gen) - 4.0
+    for r, chosen in enumerate(routing):
+        for s, e in enumerate(chosen):
+            lg[r, e] = 2.0 - s + 0.5 * torch.rand((), generator=gen)
+    return lg
+
+
+def first_pairs(routing: list[list[int]]) -> set[int]:
+    """Pairs j = row * k + slot that are the first (lowest j) to choose their expert."""
+    seen, firsts = set(), set()
+    for j, e in enumerate(e for row in routing for e in row):
+        if e not in seen:
+            seen.add(e)
+            firsts.add(j)
+    return firsts
+
+
+def expert_bytes(fp8: bool, unit: int) -> int:
+    """One expert's gate|up and down weights (+ FP8 row scales) as the step streams them."""
+    weights = 3 * F * D
+    return weights + 4 * (2 * F + D) if fp8 else weights * unit
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_sharing_experts_read_them_once(fp8, weight_dtype):
+    w = moe_weights(fp8)
+    g = moe_graph(w, fp8)
+    ref_w = {k: (v if v.dtype == torch.float8_e4m3fn or k.endswith(".s") else v.to(weight_dtype).float())
+             for k, v in w.items()}
+    unit = weight_dtype.itemsize
+    gen = torch.Generator().manual_seed(11)
+    for batch, names in ((4, ("some", "all", "none")), (1, ("one row",))):
+        step = CompiledStep(g, w, batch, TILING, weight_dtype=weight_dtype)
+        tasks = step.graph.tasks
+        # one expert task per (pair, tile): B*k pairs, whatever the routing
+        assert sum(t.op == OP_MOE_UP for t in tasks) == batch * K * -(-F // TILING.block_n)
+        assert sum(t.op == OP_MOE_DOWN for t in tasks) == batch * K * -(-D // TILING.block_n)
+        assert sum(t.op == OP_MOE_SUM for t in tasks) == batch * -(-D // TILING.block_n)
+        for name in names:
+            routing = ROUTINGS[name]
+            lg = forced_logits(routing, gen)
+            tokens = torch.randint(0, VOCAB, (batch,), generator=gen).tolist()
+            step.state.fill_(float("nan"))     # stale data anywhere would show
+            step.set_step(tokens, [0] * batch)
+            step.set_input("logits", lg)
+            step.launch()
+            want = run_reference(g, ref_w, {}, tokens, [0] * batch, inputs={"logits": lg})
+            ids = step.view("mlp.route")[..., 0]
+            assert ids.tolist() == [[float(e) for e in row] for row in routing], name
+            assert rel_err(step.view("mlp"), want["mlp"]) < RTOL, name
+            distinct = len({e for row in routing for e in row})
+            # the kernel's own count: every chosen expert's bytes once, not once per pair
+            read = step.expert_bytes_read()["mlp"]
+            assert read == distinct * expert_bytes(fp8, unit), (name, read)
+            if name in ("some", "all"):
+                assert read < batch * K * expert_bytes(fp8, unit)
+            # ... loaded by the first pair choosing each expert only: every task of a pair that
+            # is not first recorded no load (it exited before touching the weights)
+            loads = step.view("mlp.loads")
+            firsts = first_pairs(routing)
+            for j in range(batch * K):
+                assert bool((loads[j] > 0).all()) if j in firsts else bool((loads[j] == 0).all()), (name, j)
+            # the task table agrees: the first pairs' tiles cover each chosen expert's rows exactly once
+            tiles = [(int(ids.flatten()[t.args["tile"]]), t.op, t.args["n0"]) for t in tasks
+                     if t.op in (OP_MOE_UP, OP_MOE_DOWN) and t.args["tile"] in firsts]
+            assert len(tiles) == len(set(tiles)) == distinct * (-(-F // TILING.block_n) + -(-D // TILING.block_n))
+
+
+def test_expected_expert_bytes_under_uniform_routing():
+    """The bytes model (stepgraph.weight_bytes, bench/roofline.py): one row reads its top k; B rows
+    the expected distinct count E(1-(1-k/E)^B), which a Monte Carlo of uniform top-k routing
+    matches, and which stays between k and min(E, B*k)."""
+    w = moe_weights(fp8=True)
+    g = moe_graph(w, fp8=True)
+    dense = 3 * D * 4    # one looked-up token row + the LayerNorm's weight and bias, fp32
+    for rows in (1, 2, 4, 8):
+        want = expected_experts(E, K, rows)
+        assert K <= want <= min(E, rows * K)
+        assert g.weight_bytes(4, rows=rows) == round(dense + want * expert_bytes(True, 1))
+        gen = torch.Generator().manual_seed(rows)
+        draws = torch.rand(4000, rows, E, generator=gen).topk(K, dim=-1).indices
+        seen = torch.zeros(4000, E, dtype=torch.bool).scatter_(1, draws.flatten(1), True)
+        assert abs(seen.sum(1).float().mean().item() - want) < 0.05 * want
+    assert expected_experts(E, K, 1) == K and math.isclose(expected_experts(64, 8, 8), 64 * (1 - (7 / 8) ** 8))
