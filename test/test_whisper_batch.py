@@ -10,6 +10,7 @@ import torch
 from photon_core.models.whisper import load_whisper
 from photon_core.models.whisper.decoding import DecodeOptions
 from photon_core.models.whisper.frontend import N_FRAMES, log_mel_content, pad_or_trim, prepare_audio
+from photon_core.models.whisper.longform import LongFormOptions
 
 from whisper_fixtures import SENTENCES, espeak
 
@@ -47,28 +48,43 @@ def _record_encoder_batches(model, monkeypatch) -> list[int]:
     return sizes
 
 
+def _expected_batches(model, requests: list[dict]) -> list[int]:
+    """Encoder batch sizes: clips share one when their first window has the same prompt
+    (timestamps or not) and the same encoder shape (30 s, or each clip's fitted context)."""
+    groups: dict[tuple, int] = {}
+    for r in requests:
+        ts = r.get("timestamps", True)
+        content = log_mel_content(prepare_audio(r["audio"], r["sample_rate"])).shape[-1]
+        frames = LongFormOptions(timestamps=ts, fit_context=model.audio_context == "fit").window_frames(content)
+        groups[ts, frames] = groups.get((ts, frames), 0) + 1
+    return sorted(groups.values())
+
+
 def test_batch_of_three_equals_one_at_a_time(model, clips, monkeypatch):
     requests = [{"audio": pcm, "sample_rate": rate, "timestamps": ts}
                 for (pcm, rate), ts in zip(clips, (True, False, True))]
     want = [model.transcribe(**r) for r in requests]
     sizes = _record_encoder_batches(model, monkeypatch)
     got = model.batch(requests)
-    # timestamps on and off need different prompts: two decode groups, encoded 2 + 1
-    assert sorted(sizes) == [1, 2]
+    # timestamps on and off need different prompts: two decode groups, encoded 2 + 1 (30 s
+    # windows) or 1 + 1 + 1 (fitted: the medium clip's context is longer than the silence's)
+    assert sorted(sizes) == _expected_batches(model, requests) == ([1, 2] if model.audio_context == "full"
+                                                                 else [1, 1, 1])
     for g, w in zip(got, want):
         _same(g, w)
     assert "kitchen" in got[1]["text"].lower() and got[2]["text"] == ""
     sizes.clear()
     same_options = [{"audio": pcm, "sample_rate": rate} for pcm, rate in clips]
     got = model.batch(same_options)
-    assert sizes == [3]
+    assert sorted(sizes) == _expected_batches(model, same_options) == ([3] if model.audio_context == "full"
+                                                                       else [1, 2])
     for g, r in zip(got, same_options):
         _same(g, model.transcribe(**r))
 
 
 def test_batched_greedy_tokens_equal_single_decode(model, clips):
     """The decoder rows stepping together give each row's tokens, log-prob and no-speech prob."""
-    mels = torch.stack([pad_or_trim(log_mel_content(prepare_audio(pcm, rate)), N_FRAMES)
+    mels = torch.stack([pad_or_trim(log_mel_content(prepare_audio(pcm, rate)), N_FRAMES)   # 30 s windows
                         for pcm, rate in clips])
     cross = model.net.cross_kv(model.encode(mels))
     opts = DecodeOptions(language="en")

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from photon_core.runtime.thread_tuner import ThreadTuner
 
 from .model import DecoderCache, WhisperNet
 from .tokenizer import WhisperTokenizer
@@ -52,6 +55,8 @@ class WindowDecoder:
                  steps=None):
         self.net = net
         self.steps = steps   # MegakernelSteps: per-token steps as one launch; None = the model's ops
+        # Thread count of each per-token step, chosen by timing (CPU); None: torch's setting.
+        self.threads: ThreadTuner | None = None
         self.tok = tokenizer
         self.n_ctx = net.dims.n_text_ctx
         self.n_vocab = net.dims.n_vocab
@@ -63,6 +68,13 @@ class WindowDecoder:
         self.suppress = torch.tensor(sorted(t for t in suppress if t < self.n_vocab))
         self.blank = torch.tensor(tok.encode(" ") + [tok.eot])
         self.max_initial_ts = round(MAX_INITIAL_TIMESTAMP_S / time_precision)
+
+    def _step(self, cache: DecoderCache, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One token step's forward pass, on the thread count the tuner picks for steps of this
+        shape (rows, encoder positions: a fitted context's steps cost less than a 30 s one's)."""
+        if self.threads is None:
+            return fn()
+        return self.threads.run((cache.k.shape[1], cache.cross[0][0].shape[2]), fn)
 
     def initial_tokens(self, options: DecodeOptions) -> tuple[list[int], int]:
         """Prompt tokens and the index of SOT in them."""
@@ -149,7 +161,7 @@ class WindowDecoder:
                 logits = self.steps.logits(nxt, n_tokens - 1)
                 continue
             step[0, 0] = nxt
-            logits = net.logits(net.decode(step, n_tokens - 1, cache))[0, -1]
+            logits = self._step(cache, lambda: net.logits(net.decode(step, n_tokens - 1, cache))[0, -1])
 
         text = tok.decode(sampled).strip()
         return DecodeResult(sampled, text, sum_logprob / (len(sampled) + 1), no_speech_prob,
@@ -202,7 +214,7 @@ class WindowDecoder:
                                      cache.k[:, idx], cache.v[:, idx])
                 rows = [rows[r] for r in keep]
             step = torch.tensor(nxt, device=device)[:, None]
-            logits = net.logits(net.decode(step, n_tokens - 1, cache))[:, -1]
+            logits = self._step(cache, lambda: net.logits(net.decode(step, n_tokens - 1, cache))[:, -1])
 
         results = []
         for i in range(bsz):

@@ -219,14 +219,16 @@ class WhisperNet:
         self.ops = ops
 
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
-        """[B, n_mels, 2 * n_audio_ctx] log-mel -> [B, n_audio_ctx, d] audio features."""
+        """[B, n_mels, F] log-mel -> [B, F / 2, d] audio features. F is 2 * n_audio_ctx (30 s) as
+        the model was trained, or fewer (an even count: a fitted context, longform.encoder_frames)."""
         ops, w, d = self.ops, self.w, self.dims
-        if mel.shape[1:] != (d.n_mels, 2 * d.n_audio_ctx):
-            raise ValueError(f"encoder input must be [B, {d.n_mels}, {2 * d.n_audio_ctx}], "
-                             f"got {list(mel.shape)}")
+        frames = mel.shape[-1]
+        if mel.dim() != 3 or mel.shape[1] != d.n_mels or frames % 2 or not 0 < frames <= 2 * d.n_audio_ctx:
+            raise ValueError(f"encoder input must be [B, {d.n_mels}, F] with F even and at most "
+                             f"{2 * d.n_audio_ctx}, got {list(mel.shape)}")
         x = _conv_as_linear(ops, mel.to(w.conv1.weight.dtype).transpose(1, 2), w.conv1, 1)
         x = _conv_as_linear(ops, x, w.conv2, 2)
-        x = x + w.enc_pos
+        x = x + w.enc_pos[:frames // 2]
         for b in w.enc_blocks:
             h = ops.layer_norm(x, b.attn_ln.weight, b.attn_ln.bias)
             q, k, v = linear(ops, h, b.qkv).chunk(3, dim=-1)

@@ -13,14 +13,15 @@ import numpy as np
 import torch
 
 from photon_core.backends import reference
+from photon_core.runtime.thread_tuner import ThreadTuner
 from photon_core.models.whisper.checkpoint import (
     WhisperCheckpoint, WhisperWeightsNotFound, load_checkpoint_file, resolve_whisper)
 
 from .config import WhisperDims, name_from_dims
 from .decoding import WindowDecoder
 from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, pad_or_trim, prepare_audio
-from .longform import (DEFAULT_TEMPERATURES, LongFormOptions, LongFormResult, first_window_options,
-                       transcribe_mel)
+from .longform import (DEFAULT_TEMPERATURES, FIT_STEP_FRAMES, LongFormOptions, LongFormResult,
+                       first_window_options, transcribe_mel)
 from .model import WhisperNet, WhisperWeights
 from .tokenizer import WhisperTokenizer
 
@@ -64,11 +65,34 @@ MAX_BATCH = 8
 QUANTIZE = (None, "int8-decoder", "int8")
 # The CPU default. A faster path is the default only where its WER on the broad speech set stays
 # within 0.5 points of float32's (bench/speech.py, 84 utterances, whisper tiny.en, AVX-512 VNNI CPU,
-# 2026-12-01): int8 decoder linears 0.296 vs float32 0.297, and 0.73-0.84x faster-whisper int8's
-# latency where float32 is 1.22-1.50x (passes). The int8 encoder fails: with per-call activation
+# 2026-12-01): int8 decoder linears 0.296 vs float32 0.297 decoding text only, 0.229 vs 0.227 with
+# timestamps (passes). The int8 encoder fails: with per-call activation
 # scales 0.305-0.311, with per-row scales (quantize="int8") 0.304; per-row scales in the decoder too
 # gave 0.241 but decode each token ~1.7x slower than fbgemm's dynamic linear.
 CPU_DEFAULT_QUANTIZE: str | None = "int8-decoder"
+
+
+# The CPU default encoder context: "fit" (a window with less than 30 s of audio is encoded with its
+# content + 2 s, in 5 s steps, when decoding with timestamps; longform.encoder_frames) passes the
+# accuracy rule on the broad speech set with timestamps (WER 0.219 vs the full context's 0.227,
+# bench/speech.py 2026-12-01) and cuts the encoder of a short command ~4x.
+AUDIO_CONTEXTS = ("full", "fit")
+CPU_DEFAULT_AUDIO_CONTEXT = "fit"
+
+
+def pick_audio_context(device: torch.device, dtype: torch.dtype | str | None, ops: ModuleType,
+                       audio_context: str) -> str:
+    """"full" (30 s windows, as trained: with dtype="float32" token-identical to openai-whisper) or
+    "fit". "auto": the CPU default on the reference backend when no dtype was asked for, else "full"
+    (the compiled decoder steps attend to 1500 encoder positions)."""
+    if audio_context == "auto":
+        return (CPU_DEFAULT_AUDIO_CONTEXT if device.type == "cpu" and dtype is None and ops is reference
+                else "full")
+    if audio_context not in AUDIO_CONTEXTS:
+        raise ValueError(f"unknown audio_context {audio_context!r}; use one of {AUDIO_CONTEXTS} or 'auto'")
+    if audio_context == "fit" and ops is not reference:
+        raise ValueError("audio_context='fit' is a path of the reference backend")
+    return audio_context
 
 
 def pick_quantize(device: torch.device, dtype: torch.dtype | str | None, ops: ModuleType,
@@ -131,7 +155,7 @@ class WhisperSpeech:
 
     def __init__(self, checkpoint: WhisperCheckpoint, model_id: str, device: str = "cpu",
                  dtype: torch.dtype | str | None = None, ops: ModuleType = reference,
-                 quantize: str | None = "auto"):
+                 quantize: str | None = "auto", audio_context: str = "auto"):
         self.device = torch.device(device)
         self.dims = WhisperDims.from_state_dict(checkpoint.state_dict, checkpoint.n_audio_head,
                                                 checkpoint.n_text_head)
@@ -143,23 +167,30 @@ class WhisperSpeech:
                 f"{checkpoint.source}: no tokenizer.json next to the weights; put the model's "
                 "tokenizer.json (from its Hugging Face repository) in the same folder")
         self.tokenizer = WhisperTokenizer(tok_path, self.dims.n_vocab)
-        # The decoder's per-token ops are tiny (one row through d x d matrices): splitting them
-        # across threads gains little, and with other processes on the cores (other ROS nodes,
-        # a busy robot) each op's thread barrier waits for a descheduled worker. Measured on a
-        # shared 2-core machine: 1 thread decodes 4x faster in the median, 15% slower at best.
-        # Larger decoders (d >= 1024) keep 2 threads. None leaves torch's setting alone.
+        # The decoder's window work (prompt, logit rules) is many tiny ops: splitting them across
+        # threads gains little, and with other processes on the cores (other ROS nodes, a busy
+        # robot) each op's thread barrier waits for a descheduled worker (measured on a shared
+        # 2-core machine: 1 thread decodes 4x faster in the median, 15% slower at best). Larger
+        # decoders (d >= 1024) keep 2 threads. Each token's step, whose LM head and cross-attention
+        # stream tens of MB, runs on the thread count its recent steps ran fastest on
+        # (runtime.thread_tuner). None leaves torch's setting alone.
         self.decoder_threads: int | None = None
+        step_threads = None
         if self.device.type == "cpu":
             _limit_threads()
             self.decoder_threads = min(torch.get_num_threads(),
                                        max(1, self.dims.n_text_state // 512))
+            if torch.get_num_threads() > 1:
+                step_threads = ThreadTuner((self.decoder_threads, torch.get_num_threads()))
         self.net = WhisperNet(WhisperWeights(checkpoint.state_dict, self.dims, self.device), ops)
         self.quantize = pick_quantize(self.device, dtype, ops, quantize)
         if self.quantize is not None:
             self.net.w.quantize_int8(encoder=self.quantize == "int8", decoder=True)
+        self.audio_context = pick_audio_context(self.device, dtype, ops, audio_context)
         self.input_stride = N_FRAMES // self.dims.n_audio_ctx
         self.time_precision = self.input_stride * HOP_LENGTH / SAMPLE_RATE
         self.decoder = WindowDecoder(self.net, self.tokenizer, self.time_precision)
+        self.decoder.threads = step_threads
 
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
@@ -181,6 +212,9 @@ class WhisperSpeech:
         later calls will use; do it at startup."""
         silence = np.zeros(48_000, np.float32)
         self.transcribe(silence, 48_000, language=language, initial_prompt=initial_prompt)
+        if self.audio_context == "fit":   # every fitted encoder shape a longer command may take
+            for frames in range(2 * FIT_STEP_FRAMES, N_FRAMES + 1, FIT_STEP_FRAMES):
+                self.encode(torch.zeros(1, self.dims.n_mels, frames))
         self.transcribe(silence[:24_000], 48_000, language=language, timestamps=False,
                         temperature=0.0, initial_prompt=initial_prompt)
         # The text path (decode of ordinary tokens) that silence may not reach.
@@ -233,7 +267,8 @@ class WhisperSpeech:
         encode = self.encode
         if opts.language is None:
             # the first window's features serve both detection and decoding
-            first = [self.encode(pad_or_trim(mel, N_FRAMES)[None])]
+            content = min(N_FRAMES, mel.shape[-1])
+            first = [self.encode(pad_or_trim(mel[:, :content], opts.window_frames(content))[None])]
             opts.language = self.detect_language(first[0])
 
             def encode(window: torch.Tensor) -> torch.Tensor:
@@ -264,7 +299,9 @@ class WhisperSpeech:
                     or opts.temperatures[0] != 0):
                 results[i] = self.transcribe(**request)
                 continue
-            key = tuple(self.decoder.initial_tokens(first_window_options(opts))[0])
+            # rows of one encoder batch share its shape (a fitted context is the clip's own)
+            key = (tuple(self.decoder.initial_tokens(first_window_options(opts))[0]),
+                   opts.window_frames(mel.shape[-1]))
             groups.setdefault(key, []).append((i, pcm, mel, opts))
         for rows in groups.values():
             for chunk in range(0, len(rows), MAX_BATCH):
@@ -275,7 +312,8 @@ class WhisperSpeech:
     def _batch_rows(self, rows: list, results: list, start: float) -> None:
         """One encoder batch and one greedy decode batch for clips of at most 30 s with the same
         first-window prompt, then each clip's rest (fallback, further windows) on its own."""
-        mels = torch.stack([pad_or_trim(mel, N_FRAMES) for _, _, mel, _ in rows])
+        frames = rows[0][3].window_frames(rows[0][2].shape[-1])
+        mels = torch.stack([pad_or_trim(mel, frames) for _, _, mel, _ in rows])
         cross = self.net.cross_kv(self.encode(mels))
         with _torch_threads(self.decoder_threads):
             firsts = self.decoder.decode_greedy_batch(cross, first_window_options(rows[0][3]))
@@ -303,7 +341,8 @@ class WhisperSpeech:
         temps = (temperature,) if isinstance(temperature, (int, float)) else tuple(temperature)
         opts = LongFormOptions(language=language, timestamps=timestamps, temperatures=temps,
                                condition_on_previous_text=condition_on_previous_text,
-                               initial_prompt_tokens=prompt_tokens, **longform_options)
+                               initial_prompt_tokens=prompt_tokens, fit_context=self.audio_context == "fit",
+                               **longform_options)
         return pcm, mel, opts
 
     def _result(self, raw: LongFormResult, pcm: np.ndarray, language: str, start: float) -> dict:
@@ -322,7 +361,8 @@ class WhisperSpeech:
 
 def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
                  dtype: torch.dtype | str | None = None,
-                 ops: ModuleType | None = None, backend: str = "auto", quantize: str | None = "auto") -> WhisperSpeech:
+                 ops: ModuleType | None = None, backend: str = "auto", quantize: str | None = "auto",
+                 audio_context: str = "auto") -> WhisperSpeech:
     """Load Whisper from a local path, an installed weights package or the local HF cache.
 
     dtype: None picks the encoder precision for the device (float16 on CUDA, float32 on CPUs: the
@@ -331,6 +371,9 @@ def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
     quantize: "auto" (CPU_DEFAULT_QUANTIZE on the CPU reference path when dtype is None), None,
     "int8-decoder" or "int8" (int8 linears, activations quantized per row: decoder, or encoder blocks
     and decoder).
+    audio_context: "auto" (CPU_DEFAULT_AUDIO_CONTEXT on the CPU reference path when dtype is None,
+    else "full"), "full" (30 s windows) or "fit" (a window with less than 30 s of audio is encoded
+    with its content + 2 s in 5 s steps, when decoding with timestamps).
     backend: "reference" (PyTorch), "triton" (per-op kernels; each generated token's step is one
     CUDA-graph replay on GPU), "megakernel" (per-op kernels for the encoder and prompt, one
     persistent launch per generated token) or "auto" (by device, see
@@ -342,7 +385,7 @@ def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
     resolved = resolve_whisper(model)
     checkpoint = load_checkpoint_file(resolved.path)
     speech = WhisperSpeech(checkpoint, resolved.model_id or "", device=device, dtype=dtype, ops=chosen,
-                           quantize=quantize)
+                           quantize=quantize, audio_context=audio_context)
     if ops is None and getattr(chosen, "NAME", "") == "megakernel":
         from .megakernel_steps import MegakernelSteps
         speech.decoder.steps = MegakernelSteps(speech.net)
