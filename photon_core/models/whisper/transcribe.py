@@ -283,7 +283,7 @@ class WhisperSpeech:
         is `self.transcribe(**requests[i])`, each request being transcribe's keyword arguments
         (audio, sample_rate, language, timestamps, initial_prompt, temperature, ...). Clips of at
         most 30 s whose first decode is greedy run their encoder as one batch and their first
-        greedy decode as rows stepping together (grouped by prompt); temperature fallback, later
+        greedy decode as rows stepping together (grouped by prompt and encoder shape); temperature fallback, later
         windows, language detection and the megakernel/per-op step paths run per clip. Float32
         products of several rows may round differently in the last bits than one row's (seen in
         no_speech_prob at 1e-6); int8 decoder linears quantize each clip as its own call would.
