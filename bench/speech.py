@@ -229,7 +229,8 @@ def report(results: dict, rows: list[dict], timestamps: bool) -> list[str]:
     by_id = {r["id"]: r for r in rows}
     bands = [label for _, _, label in BANDS]
     counts = {b: sum(band_of(r["duration_s"]) == b for r in rows) for b in bands}
-    lines = heading(f"Speech, Whisper tiny.en, CPU ({os.cpu_count()} cores)") + [
+    title = f"Speech, Whisper tiny.en, CPU ({os.cpu_count()} cores)" + ("" if timestamps else ", text only")
+    lines = heading(title) + [
         f"Speech set: {len(rows)} utterances ({sum(r['duration_s'] for r in rows) / 60:.1f} min), "
         "half of them with noise at 10-20 dB SNR. Greedy (temperature 0, no fallback), "
         + ("with timestamp tokens" if timestamps else "without timestamp tokens")
