@@ -1202,7 +1202,8 @@ def prove_poison(ctx: Ctx, fam, batch: int) -> dict:
 def copy_graph(g):
     from photon_core.megakernel.graph import Task, TaskGraph
     return TaskGraph(g.model, g.batch, [Task(t.name, t.op, dict(t.args), list(t.waits), t.signal, list(t.reads),
-                                             list(t.writes)) for t in g.tasks], dict(g.counters))
+                                             list(t.writes), t.ticket, list(t.last_reads), list(t.last_writes))
+                                        for t in g.tasks], dict(g.counters), dict(g.tickets))
 
 
 def unchecked_kernel(like, graph):
@@ -1211,21 +1212,21 @@ def unchecked_kernel(like, graph):
     a graph the checker rejects. Its own control buffer, sized for the graph's counters."""
     import torch
 
-    from photon_core.megakernel.graph import CTRL_COUNTERS
     from photon_core.megakernel.kernel import Megakernel
     mk = object.__new__(Megakernel)
     mk.__dict__.update(vars(like))
     mk.graph = graph
     mk.tasks = graph.encode().to(like.tasks.device)
-    mk.ctrl = torch.zeros(CTRL_COUNTERS + max(1, len(graph.counters)), dtype=torch.int32, device=like.ctrl.device)
+    mk.ctrl = torch.zeros(graph.ctrl_size(), dtype=torch.int32, device=like.ctrl.device)
     return mk
 
 
 def victim(graph) -> int:
-    """The first task that waits on an attention merge: a linear tile claimed right behind the
-    merges it reads, so without its wait it overtakes them whenever programs run side by side."""
-    from photon_core.megakernel.graph import OP_ATTN_MERGE
-    merges = {t.signal for t in graph.tasks if t.op == OP_ATTN_MERGE}
+    """The first task that waits on an attention (its partials, the last of each (row, head) merging):
+    a linear tile claimed right behind the merges it reads, so without its wait it overtakes them
+    whenever programs run side by side."""
+    from photon_core.megakernel.graph import OP_ATTN_PARTIAL
+    merges = {t.signal for t in graph.tasks if t.op == OP_ATTN_PARTIAL}
     return next(i for i, t in enumerate(graph.tasks) if any(c in merges for c, _ in t.waits))
 
 

@@ -513,8 +513,8 @@ def test_pruned_step_runs_only_what_its_results_need():
     full, side = lower(p), lower(p, ["left"])
     check(side)
     names = {t.name.split("[")[0] for t in side.tasks}
-    assert {"side", "argmax.left", "x1", "a.merge"} <= names
-    assert not names & {"logits", "c.merge", "cq", "argmax.token", "argmax.right"}
+    assert {"side", "argmax.left", "x1", "a.part"} <= names
+    assert not names & {"logits", "c.part", "cq", "argmax.token", "argmax.right"}
     assert len(side.tasks) < len(full.tasks)
     # An exposed value is computed whatever the results asked for.
     exposed = plan(toy_graph(w), 2, Tiling(16, 32, 8, 2, 2))

@@ -12,17 +12,27 @@ under the interpreter it is a hang too. So the host proves, for every graph it b
    a chain of waits. A wait orders a task after the signalers of a counter only when its target is the
    counter's total number of signalers (otherwise which ones finished is unknown), so only such
    waits count as ordering edges.
+5. tickets (graph.Task.ticket): the finale of a ticket group runs in whichever member finishes last,
+   after that member's own work and before its signal. It is checked as one more node of the
+   happens-before relation: after every member and every ancestor of one (the ticket's acq_rel
+   increments order each member's work before the last member's finale), and before exactly the
+   tasks ordered after ALL members (the only ones sure to follow whichever member was last). A
+   finale's accesses are declared by every member alike (Task.last_reads / last_writes).
 """
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
 
-from photon_core.megakernel.graph import OP_NAMES, TaskGraph
+from photon_core.megakernel.graph import OP_NAMES, Region, TaskGraph
 
 
 class GraphError(ValueError):
     pass
+
+
+def tuple_of(r: Region) -> tuple[str, int, int]:
+    return (r.buffer, r.start, r.end)
 
 
 def check(graph: TaskGraph) -> None:
@@ -101,12 +111,55 @@ def check(graph: TaskGraph) -> None:
             dsc |= desc[i] | (1 << i)
         desc[j] = dsc
 
+    # Ticket finales as nodes n, n+1, ... after the tasks (see 5. above).
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(tasks):
+        if t.ticket is not None:
+            groups[t.ticket].append(i)
+            if not t.last_reads and not t.last_writes:
+                raise GraphError(f"task {i} {t.name!r}: ticket {t.ticket!r} without a finale's accesses")
+        elif t.last_reads or t.last_writes:
+            raise GraphError(f"task {i} {t.name!r}: finale accesses declared without a ticket")
+    n = len(tasks)
+    finale: list[tuple[str, list[int]]] = []
+    for name, members in groups.items():
+        first = tasks[members[0]]
+        for j in members[1:]:
+            if (sorted(map(tuple_of, tasks[j].last_reads)) != sorted(map(tuple_of, first.last_reads))
+                    or sorted(map(tuple_of, tasks[j].last_writes)) != sorted(map(tuple_of, first.last_writes))):
+                raise GraphError(f"ticket {name!r}: tasks {first.name!r} and {tasks[j].name!r} declare different "
+                                 "finale accesses (any member may be the one that runs it)")
+        a, d = 0, -1
+        for j in members:
+            a |= anc[j] | (1 << j)
+            d &= desc[j]
+        anc.append(a)
+        desc.append(d)
+        finale.append((name, members))
+    virtual = ((1 << len(finale)) - 1) << n
+
+    def label(i: int) -> str:
+        return f"task {i} {tasks[i].name!r}" if i < n else f"the finale of ticket {finale[i - n][0]!r}"
+
+    def ordered(i: int, j: int) -> bool:
+        """Happens-before either way between nodes i and j (tasks or finales)."""
+        if i >= n and j >= n:   # a finale precedes another when a task after it precedes the other
+            return bool(desc[i] & anc[j]) or bool(desc[j] & anc[i])
+        if j >= n:
+            i, j = j, i
+        return bool((anc[i] | desc[i]) >> j & 1)
+
     accesses: dict[str, list[tuple[int, int, int, bool]]] = defaultdict(list)
     for i, t in enumerate(tasks):
         for r in t.reads:
             accesses[r.buffer].append((r.start, r.end, i, False))
         for r in t.writes:
             accesses[r.buffer].append((r.start, r.end, i, True))
+    for v, (_, members) in enumerate(finale):
+        for r in tasks[members[0]].last_reads:
+            accesses[r.buffer].append((r.start, r.end, n + v, False))
+        for r in tasks[members[0]].last_writes:
+            accesses[r.buffer].append((r.start, r.end, n + v, True))
     for buf, acc in accesses.items():
         acc.sort()
         # Sweep by start offset over the accesses still open there (heaps by end), with the open
@@ -126,13 +179,20 @@ def check(graph: TaskGraph) -> None:
                         masks[kind] &= ~(1 << bi)
             candidates = (masks[1] | (masks[0] if aw else 0)) & ~(1 << ai)
             bad = candidates & ~(anc[ai] | desc[ai])
+            # A finale's bit is in no task's anc/desc: test those pairs one by one (few overlap).
+            vb = bad & virtual
+            while vb:
+                b = (vb & -vb).bit_length() - 1
+                vb &= vb - 1
+                if ordered(ai, b):
+                    bad &= ~(1 << b)
             if bad:
                 bi = (bad & -bad).bit_length() - 1
                 b0, b1 = next((s0, e) for kind in (1, 0) for e, s0, k in heaps[kind] if k == bi)
                 i, j = min(ai, bi), max(ai, bi)
                 raise GraphError(
-                    f"race on {buf}[{max(a0, b0)}:{min(a1, b1)}]: task {i} {tasks[i].name!r} and task {j} "
-                    f"{tasks[j].name!r} access it (one writes) but no chain of waits orders them")
+                    f"race on {buf}[{max(a0, b0)}:{min(a1, b1)}]: {label(i)} and {label(j)} "
+                    f"access it (one writes) but no chain of waits orders them")
             kind = 1 if aw else 0
             heapq.heappush(heaps[kind], (a1, a0, ai))
             counts[kind][ai] = counts[kind].get(ai, 0) + 1

@@ -5,6 +5,8 @@ Every family's decode step goes through here; nothing here knows a model.
 Lowering, op by op:
   * embed       one task per BLOCK_N columns: token row (+ position row) into the value.
   * layer_norm  no task: fused in front of every linear that reads it (only linears may read one);
+                the last task of its input's producer stage writes each row's (mean, rstd) once
+                (stats_finale), or, without such a producer, every tile computes them;
                 rms_norm, glu (act(gate) * up), mul (x * act(g)) and act likewise fuse into
                 the loads of the linears that read them.
   * add_norm    one task per row: (x + rms_norm(z) * w) * scale, chunk by chunk.
@@ -18,7 +20,8 @@ Lowering, op by op:
                 each tile's (max, first index) per row.
   * kv_append   one task per (row, head): per-head RMSNorm and rotary on q and k, q out, k and v
                 into the caches (slot position % length for a ring cache).
-  * attention   split-KV partials per (row, head, split), one merge per (row, head).
+  * attention   split-KV partials per (row, head, split); the last of a (row, head)'s partials to
+                finish merges them (a ticket: no merge task, no dependency level of its own).
   * conv_step   one task per tile of channels (all rows): the conv and its state shift in place.
   * delta_rule  one task per (row, value head): the state read, decayed, written and read again, then
                 the gated per-head RMSNorm of the output.
@@ -46,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS, LEN_SELF, MODE_LOGITS, MODE_PLAIN, MODE_QKV,
-                                          OP_ADD_NORM, OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_CONV_STEP,
+                                          OP_ADD_NORM, OP_ARGMAX, OP_ATTN_PARTIAL, OP_CONV_STEP,
                                           OP_DELTA_STEP, OP_MOE_DOWN, OP_MOE_ROUTE, OP_MOE_SUM, OP_MOE_UP,
                                           OP_EMBED, OP_LINEAR,
                                           OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
@@ -143,6 +146,9 @@ class Plan:
     # Lookup-only tables read in place from the caller's tensor, not copied into the arena: name ->
     # (element offset from the arena's start, row stride), set by CompiledStep (0 until bound).
     external: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Values that feed fused norms of one kind (name -> norm code) whose producer stage's last task
+    # writes each row's (mean, rstd) to "{name}.stats" ([B, 2]); see stats_finale.
+    stats: dict[str, int] = field(default_factory=dict)
 
 
 def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: torch.dtype = torch.float32,
@@ -306,6 +312,19 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
             batch, spec.heads, spec.length, spec.head_dim)
     for st in graph.states.values():
         shapes[st.name] = (batch,) + st.shape
+    # Row statistics of normed values, written once by their producer's stage (a ticket finale)
+    # rather than by every tile of every linear reading them: produced by tiles / rows that cover
+    # the whole value (not q|k|v stores, attention, recurrent ops) and normed one way only.
+    kinds: dict[str, set[int]] = {}
+    for nrm in norm_of.values():
+        kinds.setdefault(nrm.args["x"].name, set()).add(NORM_CODES[nrm.op])
+    stats = {}
+    for v, codes in kinds.items():
+        src = producer.get(v)
+        if len(codes) == 1 and src is not None and (src.op in ("embed", "moe", "add_norm") or (
+                src.op == "linear" and src.out.name not in qkv_store)):
+            stats[v] = codes.pop()
+            shapes[f"{v}.stats"] = (batch, 2)
     for k, shp in shapes.items():
         sa.alloc(k, math.prod(shp), dtype=kv_dtype if k in graph.caches else None)
 
@@ -318,7 +337,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
               if n.op == "kv_append" and n.args["rotary"] is not None]
     return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, mul_of, act_of, qkv_store, logits, shape,
                 ldw, weight_offset, eps.pop() if eps else 1e-5, min(limits + rotary) if limits + rotary else 1 << 30,
-                weight_dtype, kv_dtype, fp8, {k: (0, graph.weight_shapes[k][1]) for k in external})
+                weight_dtype, kv_dtype, fp8, {k: (0, graph.weight_shapes[k][1]) for k in external}, stats)
 
 
 def lookup_tables(graph: StepGraph) -> set[str]:
@@ -336,6 +355,31 @@ def lookup_tables(graph: StepGraph) -> set[str]:
 
 # ---------------------------------------------------------------------------------------------------
 # Lowering
+
+
+def stats_finale(p: Plan, value: str) -> tuple[dict, dict]:
+    """(task arguments, Task keywords) for every task of the stage that writes `value` when a fused
+    norm reads it (Plan.stats), else ({}, {}). The stage's tasks share a ticket; the last of them
+    to finish computes each row's (mean, rstd) over the whole value into "{value}.stats" before it
+    signals. Chosen over a stats task per row (one more dependency level per norm) and over the
+    first reading tile publishing them (a wait inside the reading stage): the readers already wait
+    for the whole producer stage, so the statistics cost no level and no wait, only one task's
+    pass over B*K values it (or its stage) just wrote."""
+    code = p.stats.get(value)
+    if code is None:
+        return {}, {}
+    S, key = p.sarena, f"{value}.stats"
+    return (dict(stx=S.off(value), stn=p.shapes[value][1], stout=S.off(key), stkind=code),
+            dict(ticket=key, last_reads=[S.region(value)], last_writes=[S.region(key)]))
+
+
+def stats_read(p: Plan, norm: Node | None) -> tuple[dict, list[Region]]:
+    """(arguments, reads) of a linear / expert task with `norm` fused in front: where the norm's
+    input has statistics (stats_finale), the offset the task reads them at."""
+    if norm is None or norm.args["x"].name not in p.stats:
+        return dict(lnst=-1), []
+    key = f"{norm.args['x'].name}.stats"
+    return dict(lnst=p.sarena.off(key)), [p.sarena.region(key)]
 
 
 @dataclass
@@ -417,6 +461,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
         if node.op == "embed":
             st = _Stage(node.out.name, g.counter(node.out.name), ancestors=frozenset({node.out.name}))
             d = node.out.width
+            fa, fk = stats_finale(p, node.out.name)
             for n0 in range(0, d, bn):
                 n1 = min(d, n0 + bn)
                 g.add(Task(f"{node.out.name}[{n0}:{n1}]", OP_EMBED,
@@ -424,8 +469,8 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
                                 b=W.off(a["pos"]) if a["pos"] else -1,
                                 ldw=p.external[a["tok"]][1] if a["tok"] in p.external else p.ldw[a["tok"]],
                                 scale=float_bits(a["scale"]),
-                                out=S.off(node.out.name)),
-                           [], st.counter, [dyn_tok, dyn_pos], S.columns(node.out.name, B, d, n0, n1)))
+                                out=S.off(node.out.name), **fa),
+                           [], st.counter, [dyn_tok, dyn_pos], S.columns(node.out.name, B, d, n0, n1), **fk))
             stage_of[node.out.name] = st
         elif node.op == "linear":
             stage_of.update(_lower_linear(p, g, node, waits, ancestors, per_head, cache_cols, cache_off,
@@ -477,14 +522,15 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
             st = _Stage(node.out.name, g.counter(node.out.name),
                         ancestors=ancestors([a["x"], a["z"]], node.out.name))
             d = node.out.width
+            fa, fk = stats_finale(p, node.out.name)
             for r in range(B):
                 g.add(Task(f"{node.out.name}[b{r}]", OP_ADD_NORM,
                            dict(N=d, x=S.off(a["x"].name), res=S.off(a["z"].name), lnw=W.off(a["w"]),
                                 sw=W.off(a["scale_w"]) if a["scale_w"] else -1, scale=float_bits(a["scale"]),
-                                chunk=a["chunk"], bi=r, out=S.off(node.out.name)),
+                                chunk=a["chunk"], bi=r, out=S.off(node.out.name), **fa),
                            waits([a["x"], a["z"]]), st.counter,
                            [S.region(a["x"].name, r * d, (r + 1) * d), S.region(a["z"].name, r * d, (r + 1) * d)],
-                           [S.region(node.out.name, r * d, (r + 1) * d)]))
+                           [S.region(node.out.name, r * d, (r + 1) * d)], **fk))
             stage_of[node.out.name] = st
         elif node.op == "conv_step":
             st = _Stage(node.out.name, g.counter(node.out.name), ancestors=ancestors([a["x"]], node.out.name))
@@ -564,7 +610,8 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
     x = fused.args["x"] if fused else a["x"]
     reads_of = ([mul.args["x"], mul.args["g"]] if mul else [a["x"]]) + (
         [a["residual"]] if a["residual"] is not None else [])
-    x_regions = [S.region(x.name)] + ([S.region(mul.args["g"].name)] if mul else [])
+    st_args, st_reads = stats_read(p, norm)
+    x_regions = [S.region(x.name)] + ([S.region(mul.args["g"].name)] if mul else []) + st_reads
     # The prologue's extra fields: a mul reads x's columns [c0, c0 + K) (row stride: x's width)
     # times act(g); an act applies its activation to the loads.
     pro = dict(xgate=S.off(mul.args["g"].name) if mul else -1, gact=act_code(mul.args["act"]) if mul else 0,
@@ -594,7 +641,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                                 w=W.off(a["w"]), ldw=p.ldw[a["w"]], lnw=W.off(norm.args["w"]) if norm else -1,
                                 lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                                 norm=NORM_CODES[norm.op] if norm else 0,
-                                xglu=activation_code(glu.args["act"]) if glu else 0, **pro,
+                                xglu=activation_code(glu.args["act"]) if glu else 0, **pro, **st_args,
                                 kpart=S.off(kpart), ksplit=ks),
                            list(wait), split_sig, list(x_regions),
                            [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for r in range(B)]))
@@ -607,8 +654,11 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                     lnw=W.off(norm.args["w"]) if norm else -1,
                     lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
                     norm=NORM_CODES[norm.op] if norm else 0, xglu=activation_code(glu.args["act"]) if glu else 0,
-                    **pro, act=act_code(a["act"]), res=S.off(a["residual"].name) if a["residual"] is not None else -1,
+                    **pro, **st_args, act=act_code(a["act"]),
+                    res=S.off(a["residual"].name) if a["residual"] is not None else -1,
                     mode=mode, out=S.off(out.name))
+        fa, fk = stats_finale(p, out.name) if kv is None else ({}, {})
+        args.update(fa)
         reads = [] if splits > 1 else list(x_regions)
         if a["residual"] is not None:
             reads += S.columns(a["residual"].name, B, N, n0, n1)
@@ -639,9 +689,10 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
         signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
         if splits > 1:
-            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR_REDUCE, args, [(split_sig, n_split)], signal, reads, writes))
+            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR_REDUCE, args, [(split_sig, n_split)], signal, reads, writes,
+                       **fk))
         else:
-            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, reads, writes))
+            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, reads, writes, **fk))
     return {out.name: st}
 
 
@@ -678,9 +729,10 @@ def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str,
     all_routes = S.region(route.name)
     # the new stages are visible to waits() only once registered
     up = _Stage(hid, g.counter(hid), ancestors=ancestors([x], hid) | stages[route.name].ancestors)
+    st_args, st_reads = stats_read(p, norm)
     norm_args = dict(lnw=W.off(norm.args["w"]) if norm else -1,
                      lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
-                     norm=NORM_CODES[norm.op] if norm else 0)
+                     norm=NORM_CODES[norm.op] if norm else 0, **st_args)
     no_prologue = dict(xs=-1, xc0=0, xgate=-1, gact=0, xact=0, xglu=0)
     return_stages = dict(stages)
     route_st = stages[route.name]
@@ -696,7 +748,7 @@ def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str,
                             ldw=p.ldw[a["gate_up"]], act=activation_code(a["act"]), scale=float_bits(a["up_offset"]),
                             tile=j, S=k, part=S.off(route.name), out=S.off(hid) + j * B * F,
                             loads=S.off(loads) + cell, **no_prologue, **norm_args),
-                       list(wait_up), up.counter, [S.region(x.name), all_routes],
+                       list(wait_up), up.counter, [S.region(x.name), all_routes] + st_reads,
                        [S.region(hid, (j * B + r) * F + n0, (j * B + r) * F + n1) for r in range(B)]
                        + [S.region(loads, cell, cell + 1)]))
     return_stages[hid] = up
@@ -721,6 +773,7 @@ def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str,
     wait_sum = [(down.counter, g.signalers(down.counter))]
     if res is not None and res.name not in down.ancestors:
         wait_sum += waits([res])
+    fa, fk = stats_finale(p, name)
     for r in range(B):
         for n0 in range(0, D, bn):
             n1 = min(D, n0 + bn)
@@ -731,8 +784,8 @@ def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str,
             g.add(Task(f"{name}[b{r},{n0}:{n1}]", OP_MOE_SUM,
                        dict(M=1, N=D, n0=n0, n1=n1, bi=r, S=k, part=S.off(route.name), kpart=S.off(part), b=-1,
                             act=0, res=S.off(res.name) + r * D if res is not None else -1, mode=MODE_PLAIN,
-                            out=S.off(name) + r * D),
-                       list(wait_sum), out.counter, reads, [S.region(name, r * D + n0, r * D + n1)]))
+                            out=S.off(name) + r * D, **fa),
+                       list(wait_sum), out.counter, reads, [S.region(name, r * D + n0, r * D + n1)], **fk))
     return_stages[name] = out
     return return_stages
 
@@ -748,32 +801,32 @@ def _lower_attention(p: Plan, g: TaskGraph, node: Node, waits, ancestors, cache_
     self_len = a["length"] == "self"
     splits = p.tiling.self_splits if self_len else p.tiling.cross_splits
     part = f"{name}.part"
-    sig_p = g.counter(f"{name}.part")
+    # No merge tasks: the last partial of each (row, head) to finish merges (a ticket per (row,
+    # head)), so the stage's counter, which every partial signals, is complete only once every
+    # merge is done, and the attention costs one dependency level instead of two.
+    st = _Stage(name, g.counter(name), ancestors=ancestors([q], name))
     for r in range(B):
         for h in range(hq):
             hk = h // (hq // H)
             wait = waits([q], head=h)
+            b0 = (r * hq + h) * splits * (dh + 2)
+            merge_reads = [S.region(part, b0, b0 + splits * (dh + 2))]
+            merge_writes = [S.region(name, r * d + h * dh, r * d + (h + 1) * dh)]
             for s in range(splits):
-                p0 = ((r * hq + h) * splits + s) * (dh + 2)
+                p0 = b0 + s * (dh + 2)
                 g.add(Task(f"{name}.part[b{r},h{h},s{s}]", OP_ATTN_PARTIAL,
                            dict(x=S.off(q.name), K=d, N=hq, tile=hk, kc=cache_off(k), vc=cache_off(v), H=H,
                                 Dh=dh, Tmax=k.spec.length, part=S.off(part), bi=r, hi=h, s=s, S=splits,
-                                lenkind=LEN_SELF if self_len else LEN_CROSS, window=a["window"] or 0,
-                                ring=int(k.spec.ring), scale=-1 if a["scale"] is None else float_bits(a["scale"])),
-                           wait, sig_p,
+                                out=S.off(name), lenkind=LEN_SELF if self_len else LEN_CROSS,
+                                window=a["window"] or 0, ring=int(k.spec.ring),
+                                scale=-1 if a["scale"] is None else float_bits(a["scale"])),
+                           wait, st.counter,
                            [S.region(q.name, r * d + h * dh, r * d + (h + 1) * dh),
                             cache_cols(k, r, hk * dh, (hk + 1) * dh), cache_cols(v, r, hk * dh, (hk + 1) * dh),
                             dyn_pos if self_len else dyn_xlen],
-                           [S.region(part, p0, p0 + dh + 2)]))
-    st = _Stage(name, g.counter(name), ancestors=ancestors([q], name))
-    n_part = g.signalers(sig_p)
-    for r in range(B):
-        for h in range(hq):
-            p0 = (r * hq + h) * splits * (dh + 2)
-            g.add(Task(f"{name}.merge[b{r},h{h}]", OP_ATTN_MERGE,
-                       dict(K=d, out=S.off(name), H=hq, Dh=dh, part=S.off(part), bi=r, hi=h, S=splits),
-                       [(sig_p, n_part)], st.counter, [S.region(part, p0, p0 + splits * (dh + 2))],
-                       [S.region(name, r * d + h * dh, r * d + (h + 1) * dh)]))
+                           [S.region(part, p0, p0 + dh + 2)],
+                           ticket=f"{name}.merge[b{r},h{h}]", last_reads=list(merge_reads),
+                           last_writes=list(merge_writes)))
     return st
 
 

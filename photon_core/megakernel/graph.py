@@ -3,7 +3,8 @@
 A graph is one model's decode step at one batch bucket (1, 2, 4 or 8 rows), cut into tasks by
 compiler.py from the model's step graph (stepgraph.py): tiles of fused ops (e.g. "LayerNorm + QKV projection + KV-cache append for output columns 64..127"). Tasks are
 listed in a topological order. Each task may wait on up to two dependency counters (until each reaches
-its target) and increments at most one counter when done. The persistent kernel (kernel.py) claims
+its target) and increments at most one counter when done; a task may also belong to a ticket
+group, whose last member to finish runs the group's finale (Task.ticket). The persistent kernel (kernel.py) claims
 tasks in list order, so any program only ever waits on tasks claimed before its own.
 
 Every task also declares the state regions it reads and writes (buffer name, [start, end) in
@@ -20,8 +21,10 @@ import torch
 # Op codes understood by kernel.py.
 OP_EMBED = 1          # x[:, n0:n0+BN] = tok_emb[token] + pos_emb[position]
 OP_LINEAR = 2         # [LN] -> x @ W.T tile -> +bias -> act -> +residual -> plain / QKV-scatter / LM-head store
-OP_ATTN_PARTIAL = 3   # one query, keys of split s of S, for (b, h): writes (m, l, acc)
-OP_ATTN_MERGE = 4     # merge the S partials of (b, h) into the attention output
+OP_ATTN_PARTIAL = 3   # one query, keys of split s of S, for (b, h): writes (m, l, acc); the last of the
+                      # S to finish (a ticket) merges them into the attention output
+OP_ATTN_MERGE = 4     # merge the S partials of (b, h) into the attention output (hand-built graphs;
+                      # the compiler fuses the merge into the last partial)
 OP_ARGMAX = 5         # merge LM-style tiles' (max, index) into a result column; optionally advance the step
 OP_ROPE_APPEND = 6    # (row, head) of a fused q|k|v: rotary on q and k, q out, k and v into the caches
 OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product into the stage's scratch
@@ -52,7 +55,7 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
           "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk",
-          "wsc", "loads")
+          "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn", "stout", "stkind")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 64  # padded; rows stay 128-byte aligned (512 bytes)
 
@@ -63,7 +66,7 @@ NUM_FIELDS = 64  # padded; rows stay 128-byte aligned (512 bytes)
 DYN_TOKENS, DYN_POSITIONS, DYN_CROSS_LEN, DYN_ROTARY_OFFSET = 0, 1, 2, 3
 DYN_SECTIONS = 4
 # Layout of the int32 control buffer: [0] claim counter, [1] error flag (first failed task + 1),
-# [2:] dependency counters. All of it must be zero at launch.
+# [2:2+C] dependency counters, then the tickets (TaskGraph.tickets). All of it must be zero at launch.
 CTRL_CLAIM, CTRL_ERROR, CTRL_COUNTERS = 0, 1, 2
 
 
@@ -86,6 +89,13 @@ class Task:
     signal: str | None = None
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
+    # A ticket groups tasks of which whichever finishes LAST also runs a finale (the attention
+    # merge; the row statistics of a value a norm reads): each member, its own work done, takes a ticket (an acq_rel atomic increment) and the
+    # one that draws the group's size - 1 runs the finale before it signals. Every member declares
+    # the finale's accesses (any of them may be last); checker.check orders them after all members.
+    ticket: str | None = None
+    last_reads: list[Region] = field(default_factory=list)
+    last_writes: list[Region] = field(default_factory=list)
 
 
 @dataclass
@@ -187,16 +197,23 @@ class TaskGraph:
     batch: int
     tasks: list[Task] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+    tickets: dict[str, int] = field(default_factory=dict)
 
     def counter(self, name: str) -> str:
         self.counters.setdefault(name, len(self.counters))
         return name
+
+    def ctrl_size(self) -> int:
+        """int32 elements of the control buffer: claim, error, counters, tickets."""
+        return CTRL_COUNTERS + max(1, len(self.counters)) + len(self.tickets)
 
     def add(self, task: Task) -> Task:
         for c, _ in task.waits:
             self.counter(c)
         if task.signal is not None:
             self.counter(task.signal)
+        if task.ticket is not None:
+            self.tickets.setdefault(task.ticket, len(self.tickets))
         self.tasks.append(task)
         return task
 
@@ -206,6 +223,11 @@ class TaskGraph:
     def encode(self) -> torch.Tensor:
         """The int64 table the kernel reads; call checker.check(graph) first."""
         table = torch.full((len(self.tasks), NUM_FIELDS), -1, dtype=torch.int64)
+        members: dict[str, int] = {}
+        for t in self.tasks:
+            if t.ticket is not None:
+                members[t.ticket] = members.get(t.ticket, 0) + 1
+        ticket0 = CTRL_COUNTERS + max(1, len(self.counters))
         for i, t in enumerate(self.tasks):
             if len(t.waits) > 2:
                 raise ValueError(f"task {t.name}: at most two waits are encoded, got {len(t.waits)}")
@@ -216,8 +238,11 @@ class TaskGraph:
                 row[F[f"t{j}"]] = target
             if t.signal is not None:
                 row[F["sig"]] = self.counters[t.signal]
+            if t.ticket is not None:   # the ticket's index in the control buffer, and its group's size
+                row[F["ticket"]] = ticket0 + self.tickets[t.ticket]
+                row[F["tickets"]] = members[t.ticket]
             for k, v in t.args.items():
-                if k not in F or F[k] < F["M"]:
+                if k not in F or F[k] < F["M"] or k in ("ticket", "tickets"):
                     raise KeyError(f"task {t.name}: unknown argument {k!r}")
                 row[F[k]] = int(v)
         return table

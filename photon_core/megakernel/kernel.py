@@ -2,7 +2,9 @@
 
 Each program loops: claim the next task index with tl.atomic_add on the claim counter; wait until the
 task's dependency counters reach their targets (acquire loads, done as atomic_add(ptr, 0)); run the
-task; make its stores visible (barrier, then a release atomic_add on its counter). Tasks are claimed in
+task; make its stores visible (barrier, then a release atomic_add on its counter). A task of a ticket
+group (an attention partial) also takes a ticket (acq_rel atomic_add) after its own stores; the one
+that draws the last ticket of its group runs the group's finale (the merge) before it signals. Tasks are claimed in
 topological order, so a waiting program only waits on tasks already claimed by running programs: with
 no more programs than can be resident at once, that cannot deadlock; under TRITON_INTERPRET=1 (programs
 run one after another) program 0 simply runs every task in order.
@@ -18,8 +20,9 @@ KV caches in the fp32 state; a token table only looked up may lie outside the ar
 offset then reaches the caller's tensor from the weights pointer).
 
 What one task moves (fp32, M rows, tile width BN): linear tile N_tile*K*4 weight bytes + M*K*4
-activations (+ LN: another M*K*4 pass for the statistics); attention partial 2*chunk*Dh*4; merge
-S*(Dh+2)*4; embed 2*M*BN*4; MoE expert tile: the tile of ONE expert, once for all the rows that
+activations (+ a fused norm: M*2*4 of row statistics, which the last task of x's producer stage
+computed once: 2*M*K*4 read by one task instead of by every tile); attention partial 2*chunk*Dh*4, and for
+the last partial of a (row, head) to finish its merge, S*(Dh+2)*4; embed 2*M*BN*4; MoE expert tile: the tile of ONE expert, once for all the rows that
 chose it (only the batch's first (row, slot) pair choosing the expert loads it). Waits are
 bounded by `spin_limit` iterations: a wait that times out sets the
 error flag (task index + 1) and the task is skipped rather than hanging the GPU; the host raises.
@@ -32,7 +35,7 @@ import triton.language as tl
 
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
 from photon_core.kernels.linear import apply_activation
-from photon_core.megakernel.graph import (CTRL_COUNTERS, CTRL_ERROR, NUM_FIELDS, F, TaskGraph)
+from photon_core.megakernel.graph import CTRL_ERROR, NUM_FIELDS, F, TaskGraph
 
 # Loads of data other programs wrote during this launch bypass L1 (".cg": cached in L2 only), so no
 # SM can read a stale line of an activation, cache entry or partial; weights keep the default path.
@@ -43,7 +46,8 @@ assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", 
                        "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
                        "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale", "xs", "xc0", "gact",
-                       "xact", "tau", "alpha", "sw", "chunk", "wsc", "loads")] == list(range(1, 55))
+                       "xact", "tau", "alpha", "sw", "chunk", "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn",
+                       "stout", "stkind")] == list(range(1, 62))
 
 
 @triton.jit
@@ -113,6 +117,45 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _row_stats(x_rows, rmask, K, norm, eps, BLOCK_M: tl.constexpr, BK: tl.constexpr):
+    """Each row's (mean, rstd) of the [BLOCK_M, K] rows at x_rows (row pointers, [BLOCK_M, 1]):
+    LayerNorm's two passes (mean, then the variance about it), or RMSNorm's one (norm code 2:
+    the mean held at 0)."""
+    ks = tl.arange(0, BK)
+    s1 = tl.zeros((BLOCK_M,), tl.float32)
+    if norm != 2:
+        for kb in range(0, K, BK):
+            kk = kb + ks
+            xm = rmask[:, None] & (kk[None, :] < K)
+            s1 += tl.sum(tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), axis=1)
+    mean = s1 / K
+    s2 = tl.zeros((BLOCK_M,), tl.float32)
+    for kb in range(0, K, BK):
+        kk = kb + ks
+        xm = rmask[:, None] & (kk[None, :] < K)
+        xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+        xc = tl.where(xm, xv - mean[:, None], 0.0)
+        s2 += tl.sum(xc * xc, axis=1)
+    return mean, 1.0 / tl.sqrt(s2 / K + eps)
+
+
+@triton.jit
+def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The finale of a stage whose output x feeds a fused LayerNorm / RMSNorm (run by the stage's
+    last task to finish, see _step_tasks): each of the B rows' (mean, rstd) of x ([B, stn] at stx)
+    into stout ([B, 2]), so the linear's tiles read 2 floats a row instead of 2 passes over K.
+    Bytes: 2*B*K*4 read (L2: the stage just wrote x), 8*B written."""
+    K = tl.load(row + 59)
+    rows = tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    mean, rstd = _row_stats(s_ptr + tl.load(row + 58) + rows[:, None].to(tl.int64) * K, rmask, K,
+                            tl.load(row + 61), eps, BLOCK_M, BLOCK_K)
+    out = s_ptr + tl.load(row + 60) + 2 * rows
+    tl.store(out, mean, mask=rmask)
+    tl.store(out + 1, rstd, mask=rmask)
+
+
+@triton.jit
 def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
@@ -153,24 +196,16 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if lnw >= 0:
-        # LayerNorm or RMSNorm fused in: every tile recomputes its rows' statistics over all of K
-        # (M*K reads, tiny next to the N_tile*K weight bytes) instead of waiting on a norm task.
-        # RMSNorm is the same with the mean held at 0 (norm code 2).
-        s1 = tl.zeros((BLOCK_M,), tl.float32)
-        if tl.load(row + 39) != 2:
-            for kb in range(0, K, BK):
-                kk = kb + ks
-                xm = rmask[:, None] & (kk[None, :] < K)
-                s1 += tl.sum(tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), axis=1)
-        mean = s1 / K
-        s2 = tl.zeros((BLOCK_M,), tl.float32)
-        for kb in range(0, K, BK):
-            kk = kb + ks
-            xm = rmask[:, None] & (kk[None, :] < K)
-            xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
-            xc = tl.where(xm, xv - mean[:, None], 0.0)
-            s2 += tl.sum(xc * xc, axis=1)
-        rstd = 1.0 / tl.sqrt(s2 / K + ln_eps)
+        # LayerNorm or RMSNorm fused in. The last task of x's producer stage wrote each row's
+        # (mean, rstd) (field lnst, _task_row_stats): 8 bytes a row instead of two passes over K.
+        # x without such a producer (a host input) has lnst = -1: every tile computes them.
+        lnst = tl.load(row + 57)
+        if lnst >= 0:
+            st = s_ptr + lnst + 2 * rows
+            mean = tl.load(st, mask=rmask, other=0.0, cache_modifier=CG)
+            rstd = tl.load(st + 1, mask=rmask, other=1.0, cache_modifier=CG)
+        else:
+            mean, rstd = _row_stats(x_rows, rmask, K, tl.load(row + 39), ln_eps, BLOCK_M, BK)
     # Accumulate elementwise and reduce over K once after the loop: a reduction per K step costs
     # a round of shuffles across the warp for every BLOCK_K weights loaded.
     # A gated input (SwiGLU / GeGLU fused in, code xglu = the gate's activation): each row of x is
@@ -330,10 +365,13 @@ def _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                       KV_BF16: tl.constexpr = False):
-    """Split s of the keys of (row b, query head h): the online-softmax partial (m, l, acc). KV_BF16:
-    the caches are bf16 (offsets in bf16 elements), read as fp32."""
+def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_S: tl.constexpr, KV_BF16: tl.constexpr = False):
+    """Split s of the keys of (row b, query head h): the online-softmax partial (m, l, acc); then,
+    if this is the LAST of the (b, h)'s S partials to finish, their merge into the attention output
+    (the merge costs no task and no dependency level of its own). KV_BF16: the caches are bf16
+    (offsets in bf16 elements), read as fp32. Bytes: 2*chunk*Dh K/V + (Dh+2)*4 out; the last one
+    also S*(Dh+2)*4 of partials (L2) and Dh*4 of output."""
     q_off = tl.load(row + 10)
     stride = tl.load(row + 7)
     kc = tl.load(row + 19)
@@ -372,11 +410,29 @@ def _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: t
     kv_ptr = s_ptr.to(tl.pointer_type(tl.bfloat16)) if KV_BF16 else s_ptr
     m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, kv_ptr + kc + base, kv_ptr + vc + base,
                                start, end, Dh, scale, BLOCK_T, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0))
-    store_partial(s_ptr + part + ((b * Hq + h) * S + s) * (Dh + 2), m, l, acc, Dh, BLOCK_D)
+    bh = s_ptr + part + (b * Hq + h) * S * (Dh + 2)
+    store_partial(bh + s * (Dh + 2), m, l, acc, Dh, BLOCK_D)
+    ticket = tl.load(row + 55)
+    if ticket >= 0:
+        # The (b, h)'s ticket, as a signal and a wait in one: the barrier completes every thread's
+        # partial stores, the acq_rel increment (one thread) releases them and acquires the other
+        # partials released by earlier increments; the S - 1'th increment is the last partial's.
+        tl.debug_barrier()
+        drawn = tl.atomic_add(ctrl_ptr + ticket, 1, sem="acq_rel")
+        # All threads read the other partials only after the acquire (as after a wait).
+        tl.debug_barrier()
+        if drawn == tl.load(row + 56) - 1:
+            # The merge reads the S partials in split order, whichever finished last: the same
+            # bits every launch. Its stores are published by this task's signal.
+            o = decode_merge(bh, S, Dh, BLOCK_S, BLOCK_D, CG)
+            dd = tl.arange(0, BLOCK_D)
+            tl.store(s_ptr + tl.load(row + 18) + b * stride + h * Dh + dd, o, mask=dd < Dh)
 
 
 @triton.jit
 def _task_attn_merge(row, s_ptr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the S partials of (b, h) into the attention output: a task of its own, for graphs that
+    do not fuse it into the last partial (the compiler always does)."""
     stride = tl.load(row + 7)
     out = tl.load(row + 18)
     H = tl.load(row + 21)
@@ -868,7 +924,7 @@ def _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, KV_BF16: tl.constexpr, FP8: tl.constexpr):
     """The task table of every compiled decode step (compiler.py emits only these ops): runs task
@@ -879,7 +935,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.
     if op == 2:
         _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
     elif op == 3:
-        _task_attn_partial(row, s_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, KV_BF16)
+        _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, BLOCK_S, KV_BF16)
     elif op == 4:
         _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
     elif op == 1:
@@ -908,42 +964,51 @@ def _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.
         _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
         ran = 0
+    if tl.load(row + 60) >= 0:
+        # A task of a stage whose output feeds a fused norm: a ticket as the attention partial's,
+        # and the last task of the stage to finish computes the rows' statistics before it
+        # signals. The stage's readers wait for all of it, so the statistics cost no level.
+        tl.debug_barrier()
+        drawn = tl.atomic_add(ctrl_ptr + tl.load(row + 55), 1, sem="acq_rel")
+        tl.debug_barrier()
+        if drawn == tl.load(row + 56) - 1:
+            _task_row_stats(row, s_ptr, B, ln_eps, BLOCK_M, BLOCK_K)
     return ran
 
 
 @triton.jit
-def step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+def step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """fp32 KV caches, float experts (step_tasks_for picks the variant of a plan)."""
-    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+    return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
                        BLOCK_D, BLOCK_S, BLOCK_R, False, False)
 
 
 @triton.jit
-def step_tasks_bf16_kv(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+def step_tasks_bf16_kv(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """bf16 KV caches, float experts."""
-    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+    return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
                        BLOCK_D, BLOCK_S, BLOCK_R, True, False)
 
 
 @triton.jit
-def step_tasks_fp8(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+def step_tasks_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """fp32 KV caches, FP8 experts."""
-    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+    return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
                        BLOCK_D, BLOCK_S, BLOCK_R, False, True)
 
 
 @triton.jit
-def step_tasks_bf16_kv_fp8(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+def step_tasks_bf16_kv_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """bf16 KV caches, FP8 experts (Moondream 3 on a GPU)."""
-    return _step_tasks(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
+    return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
                        BLOCK_D, BLOCK_S, BLOCK_R, True, True)
 
 
@@ -975,7 +1040,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
         if ok == 0:
             tl.atomic_max(ctrl_ptr + 1, t + 1)
         else:
-            ran = RUN_TASK(op, row, w_ptr, s_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K,
+            ran = RUN_TASK(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K,
                            BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R)
             if ran == 0:
                 tl.atomic_max(ctrl_ptr + 1, t + 1)
@@ -1020,7 +1085,7 @@ class Megakernel:
         if weights.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not weights.is_contiguous():
             raise ValueError("megakernel weights arena must be contiguous fp32, bf16 or fp16")
         self.tasks = graph.encode().to(dev)
-        self.ctrl = torch.zeros(CTRL_COUNTERS + max(1, len(graph.counters)), dtype=torch.int32, device=dev)
+        self.ctrl = torch.zeros(graph.ctrl_size(), dtype=torch.int32, device=dev)
         self.weights, self.state, self.dyn, self.out = weights, state, dyn, out
         self.batch = graph.batch
         self.ln_eps = ln_eps

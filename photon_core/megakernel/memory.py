@@ -22,7 +22,7 @@ def step_memory(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_
     by part: "weights <dtype>" (FP8 experts as "weights fp8", their scales "weights fp32"; rows
     padded as the arena pads them), "kv caches", "states", "values" (activations, partials,
     scratch), "task table" (the encoded tasks, if `tasks`: lowering a real-size graph takes
-    seconds) and "control" (dyn, results, counters). The weights arena is shared by every batch
+    seconds) and "control" (dyn, results, counters, tickets). The weights arena is shared by every batch
     bucket of a model; the rest is per bucket. Tables in `external` (default: every token table
     only embeds read) are not counted: the step reads the caller's tensor in place
     (CompiledStep(read_in_place=...))."""
@@ -45,7 +45,7 @@ def step_memory(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_
     if tasks:
         g = lower(p)
         out["task table"] = len(g.tasks) * NUM_FIELDS * 8
-        counters = len(g.counters)
+        counters = g.ctrl_size() - CTRL_COUNTERS   # dependency counters and tickets
     out["control"] = 4 * (DYN_SECTIONS * batch + batch * max(1, len(graph.results)) + CTRL_COUNTERS + counters)
     return out
 

@@ -1,0 +1,203 @@
+"""Tickets: work that the LAST task of a group to finish does for the whole group.
+
+Attention: the merge runs in the last of a (row, head)'s partials, not in a task of its own. The
+checker orders a ticket's finale after all of its group and before only the tasks that follow
+every member; the compiled step has no merge tasks, one dependency level fewer per attention, and
+the same bits whichever partial happens to be last.
+
+Norms: the last task of the stage producing a normed value writes each row's (mean, rstd) once;
+the linears behind the norm read those two floats instead of every tile re-reading its rows."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from photon_core.megakernel import CompiledStep, Tiling, check, lower, plan  # noqa: E402
+from photon_core.megakernel.checker import GraphError  # noqa: E402
+from photon_core.megakernel.graph import (OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,  # noqa: E402
+                                          OP_LINEAR_REDUCE, Region, Task, TaskGraph)
+
+from test_megakernel_compiler import fill_caches, toy_graph, toy_weights  # noqa: E402
+
+
+def _members(reader_waits):
+    """Two partials of one ticket (each writes its own slot, the finale reads both and writes o),
+    a reader of o with the given waits."""
+    g = TaskGraph("toy", 1)
+    fin = dict(ticket="m", last_reads=[Region("state", 0, 8)], last_writes=[Region("state", 8, 12)])
+    g.add(Task("p0", OP_ATTN_PARTIAL, {}, [], "c0", [], [Region("state", 0, 4)], **fin))
+    g.add(Task("p1", OP_ATTN_PARTIAL, {}, [], "c1", [], [Region("state", 4, 8)], **fin))
+    g.add(Task("r", OP_LINEAR, {}, reader_waits, None, [Region("state", 8, 12)], []))
+    return g
+
+
+def test_a_finale_is_ordered_only_before_tasks_after_every_member():
+    check(_members([("c0", 1), ("c1", 1)]))
+    # After p0 only: p1 may be the last and merge after r has read o.
+    with pytest.raises(GraphError, match="finale of ticket 'm'"):
+        check(_members([("c0", 1)]))
+    # A member's own reads of the other's slot (no ticket finale) race: nothing orders them.
+    g = TaskGraph("toy", 1)
+    g.add(Task("p0", OP_ATTN_PARTIAL, {}, [], "c", [], [Region("state", 0, 4)]))
+    g.add(Task("p1", OP_ATTN_PARTIAL, {}, [], "c", [Region("state", 0, 4)], [Region("state", 4, 8)]))
+    with pytest.raises(GraphError, match="race"):
+        check(g)
+
+
+def test_finales_must_be_declared_alike_and_ordered_among_themselves():
+    g = _members([("c0", 1), ("c1", 1)])
+    g.tasks[1].last_writes = [Region("state", 8, 13)]
+    with pytest.raises(GraphError, match="different finale accesses"):
+        check(g)
+    # Two tickets whose finales write the same cell: ordered only when a task after every member
+    # of the first precedes a member of the second.
+    def two(second_waits):
+        g = TaskGraph("toy", 1)
+        a = dict(ticket="a", last_reads=[], last_writes=[Region("state", 0, 1)])
+        b = dict(ticket="b", last_reads=[], last_writes=[Region("state", 0, 1)])
+        g.add(Task("a0", OP_EMBED, {}, [], "ca", [], [Region("state", 1, 2)], **a))
+        g.add(Task("a1", OP_EMBED, {}, [], "ca", [], [Region("state", 2, 3)], **a))
+        g.add(Task("b0", OP_EMBED, {}, second_waits, "cb", [], [Region("state", 3, 4)], **b))
+        return g
+    check(two([("ca", 2)]))
+    with pytest.raises(GraphError, match="race"):
+        check(two([("ca", 1)]))
+
+
+def _step(batch=2, tiling=Tiling(16, 32, 8, 3, 4)):
+    w = toy_weights()
+    step = CompiledStep(toy_graph(w), w, batch, tiling)
+    gen = torch.Generator().manual_seed(7)
+    fill_caches(step, batch, [4, 2][:batch], 9, gen)
+    step.set_cross_len([9, 7][:batch])
+    step.set_input("bias", torch.zeros(batch, 70))
+    step.set_step([3, 5][:batch], [4, 2][:batch])
+    return step
+
+
+def test_compiled_attention_has_no_merge_tasks_and_one_level():
+    step = _step()
+    g = step.graph
+    parts = [t for t in g.tasks if t.op == OP_ATTN_PARTIAL]
+    assert parts and not any(t.op == OP_ATTN_MERGE for t in g.tasks)
+    assert all(t.ticket is not None and t.last_writes for t in parts)
+    # one ticket per (row, attention, head); 2 rows x 3 heads x (self + cross)
+    assert len({t.ticket for t in parts}) == 2 * 3 * 2
+    assert g.ctrl_size() == 2 + len(g.counters) + len(g.tickets)
+    # The attention's readers wait for every partial (each may be the last of its (row, head)).
+    reader = next(t for t in g.tasks if t.name.startswith("x1["))
+    assert ("a", sum(1 for t in parts if t.signal == "a")) in reader.waits
+
+
+def test_the_merge_is_the_same_whichever_partial_finishes_last():
+    """The interpreter runs tasks in list order: reversing each (row, head)'s partials makes split 0
+    the last one (the merger) instead of split S-1. Outputs must be bit-identical."""
+    step = _step()
+    step.launch()
+    want = {k: step.view(k).clone() for k in ("a", "c", "x1", "logits")}
+    ticks = step.kernel.ctrl[2 + len(step.graph.counters):].clone()
+    # every ticket drawn by all of its members (partials: 3 self splits, 4 cross; x0's 3 embed tiles)
+    assert [ticks[step.graph.tickets[t]].item() for t in ("a.merge[b1,h2]", "c.merge[b0,h0]", "x0.stats")] == [3, 4, 3]
+    assert sorted(set(ticks.tolist())) == [3, 4]
+    g = step.graph
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(g.tasks):
+        if t.ticket is not None:
+            groups.setdefault(t.ticket, []).append(i)
+    order = list(range(len(g.tasks)))
+    for idx in groups.values():
+        assert idx == list(range(idx[0], idx[0] + len(idx)))   # a group is listed contiguously
+        order[idx[0]:idx[-1] + 1] = idx[::-1]
+    g.tasks = [g.tasks[i] for i in order]
+    check(g)
+    mk = step.kernel
+    mk.tasks = g.encode()
+    # Poison what the first launch left: a merge that ran before all partials would read NaN.
+    for key in ("a", "a.part", "c", "c.part"):
+        step.sarena.typed(step.state, key).fill_(float("nan"))
+    step.launch()
+    for k, v in want.items():
+        assert torch.equal(step.view(k), v), k
+
+
+def test_real_whisper_tiny_graph_checks_and_loses_a_level_per_attention():
+    """Whisper tiny's real sizes at batch 1 on the GPU tiling (meta weights: nothing is allocated):
+    the checker proves the fused graph, and the longest chain of waits is 2 levels per layer
+    (self + cross attention) shorter than with merge tasks (4 layers: 66 -> 58, bench/roofline.py)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import roofline
+    m = roofline.whisper("Whisper tiny", 384, 6, 4)
+    tiling = Tiling(block_n=64, block_k=128, block_t=64, self_splits=4, cross_splits=8, min_tasks=264)
+    g = lower(plan(m.graph, 1, tiling))
+    check(g)
+    assert roofline.depth(g) == 58
+
+
+def test_norm_statistics_are_written_once_by_the_producer_stage_and_read_by_every_tile():
+    """x0 (embed tiles) feeds a LayerNorm: the embed stage's last tile writes each row's (mean, rstd)
+    and the linears behind the norm read them; hf normalises an attention output (no whole-value
+    producer): its linear still computes them itself."""
+    from photon_core.megakernel.graph import F
+    step = _step()
+    g, p = step.graph, step.plan
+    assert set(p.stats) == {"x0"}
+    embeds = [t for t in g.tasks if t.name.startswith("x0[")]
+    assert embeds and all(t.ticket == "x0.stats" for t in embeds)
+    readers = [t for t in g.tasks if t.args.get("lnw", -1) >= 0]
+    assert {t.name.split("[")[0] for t in readers if t.args["lnst"] >= 0} == {"qkv", "u"}
+    assert all(t.args["lnst"] == -1 for t in readers if t.name.startswith("logits"))
+    step.launch()
+    x = step.view("x0")
+    want = torch.stack([x.mean(1), (x.var(1, unbiased=False) + p.ln_eps).rsqrt()], 1)
+    assert torch.allclose(step.view("x0.stats"), want, rtol=1e-5, atol=1e-6)
+    qkv = step.view("q").clone()
+    # Without the finale the readers see poisoned statistics: they do read them (not recompute).
+    mk = step.kernel
+    for i, t in enumerate(g.tasks):
+        if t.ticket == "x0.stats":
+            mk.tasks[i, F["stout"]] = -1
+    step.sarena.typed(step.state, "x0.stats").fill_(float("nan"))
+    step.launch()
+    assert torch.isnan(step.view("q")).all() and not torch.isnan(qkv).any()
+
+
+@pytest.mark.parametrize("norm,tiling", [
+    ("rms", Tiling(16, 16, 8, 1, 1)),                                                 # whole-K tiles
+    ("layer", Tiling(32, 16, 8, 1, 1, min_tasks=12, min_block_n=16, max_split_k=3)),  # split-K reduce tasks
+])
+def test_statistics_of_a_linear_output_equal_the_eager_graph(norm, tiling):
+    """A norm over a residual linear's output (the last tile, or the last reduce task of a split-K
+    stage, computes the statistics), read by two linears: the step equals run_reference and the
+    statistics are the value's."""
+    from photon_core.megakernel import StepGraph, run_reference
+    gen = torch.Generator().manual_seed(11)
+    d, ff, vocab = 40, 72, 30
+    w = {"tok": torch.randn(vocab, d, generator=gen), "w1": torch.randn(d, d, generator=gen) * d ** -0.5,
+         "n.w": 1 + 0.1 * torch.randn(d, generator=gen), "n.b": 0.1 * torch.randn(d, generator=gen),
+         "w2": torch.randn(ff, d, generator=gen) * d ** -0.5, "w3": torch.randn(d, d, generator=gen) * d ** -0.5}
+    g = StepGraph("stats", {k: tuple(t.shape) for k, t in w.items()})
+    x0 = g.embed("x0", "tok")
+    y = g.linear("y", x0, "w1", residual=x0)
+    h = g.layer_norm("h", y, "n.w", "n.b") if norm == "layer" else g.rms_norm("h", y, "n.w", 1e-5)
+    g.expose("u", g.linear("u", h, "w2", act="gelu"))
+    g.expose("v", g.linear("v", h, "w3", residual=y))
+    step = CompiledStep(g, w, 2, tiling)
+    assert set(step.plan.stats) == {"y"}
+    op = {t.op for t in step.graph.tasks if t.ticket == "y.stats"}
+    assert op == ({OP_LINEAR} if tiling.min_tasks == 0 else {OP_LINEAR_REDUCE})
+    step.state.fill_(float("nan"))
+    step.set_step([3, 17], [0, 0])
+    step.launch()
+    want = run_reference(g, w, {}, [3, 17], [0, 0])
+    for k in ("u", "v"):
+        assert ((step.view(k) - want[k]).abs().max() / want[k].abs().max()).item() < 1e-4, k
+    x, st = step.view("y"), step.view("y.stats")
+    if norm == "layer":
+        ref = torch.stack([x.mean(1), (x.var(1, unbiased=False) + step.plan.ln_eps).rsqrt()], 1)
+    else:
+        ref = torch.stack([torch.zeros(2), (x.square().mean(1) + step.plan.ln_eps).rsqrt()], 1)
+    assert torch.allclose(st, ref, rtol=1e-5, atol=1e-6)
