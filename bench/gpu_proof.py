@@ -997,8 +997,10 @@ class Probe:
     """Fixed inputs on one compiled step, and what every launch must reproduce bit for bit.
 
     Scratch: every state element outside the caches and host inputs. A launch after a NaN-fill of
-    the scratch shows which elements no task writes: split-K slots a stage leaves unused are dropped
-    from the scratch; any other is an unwritten value (a part 3 failure). The fingerprint of a launch
+    the scratch shows which elements no task writes: those the step leaves unwritten by design
+    (`sparse_scratch`: unused split-K slots, MoE slabs of rows not choosing the pair's expert) are
+    dropped from the scratch (the finite outputs show they are not read); any other is an unwritten
+    value (a part 3 failure). The fingerprint of a launch
     is the scratch, the cache slots it appends to, the recurrent states, the results and dyn, as raw
     bits. Recurrent states are put back before every launch (`reset`): a step updates them, so
     fixed inputs include them."""
@@ -1026,10 +1028,11 @@ class Probe:
         ctx.sync()
         left = torch.isnan(step.state[cand])
         self.unused, self.unwritten = 0, {}
+        sparse = step.sparse_scratch()
         at = 0
         for k, _, n in regions:
             cnt = int(left[at:at + n].sum())
-            if cnt and k.endswith(".kpart"):
+            if cnt and k in sparse:
                 self.unused += cnt
             elif cnt:
                 self.unwritten[k] = cnt
@@ -1194,7 +1197,7 @@ def prove_poison(ctx: Ctx, fam, batch: int) -> dict:
     ctx.checks.expect(ok, f"poison {fam.name} B{batch}: unwritten {p.unwritten}, NaN in the first launch "
                           f"{p.first_nan}, finite pattern ok {p.finite_ok}, NaN after {nan_left}, {r}")
     print(f"  {fam.name:22s} B{batch} {programs} programs: {r.launches} poisoned launches, {r.differing} differ, "
-          f"unwritten values {p.unwritten or 'none'}, unused split-K slots {p.unused}, {r.seconds} s", flush=True)
+          f"unwritten values {p.unwritten or 'none'}, unused slots by design {p.unused}, {r.seconds} s", flush=True)
     return dict(family=fam.name, batch=batch, programs=programs, run=r.__dict__, unwritten=p.unwritten,
                 unused_split_slots=p.unused, first_has_nan=p.first_nan)
 

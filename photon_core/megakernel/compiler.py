@@ -1025,6 +1025,14 @@ class CompiledStep(StateViews):
         R = len(self.graph_def.results)
         return self.out.view(self.batch, R)[:, self.graph_def.results.index(name)]
 
+    def sparse_scratch(self) -> set[str]:
+        """State regions a launch may leave partly unwritten by design, never reading what it leaves:
+        split-K partial slots a stage does not use, and a MoE layer's per-pair slabs ({name}.h,
+        {name}.part) in the rows that did not choose that pair's expert."""
+        moe = [n.out.name for n in self.graph_def.nodes if n.op == "moe"]
+        sparse = {f"{m}.{part}" for m in moe for part in ("h", "part")}
+        return {k for k in self.sarena.regions if k.endswith(".kpart") or k in sparse}
+
     def expert_bytes_read(self) -> dict[str, int]:
         """Per MoE layer, the expert bytes (weights, and FP8 row scales) the last launch read, from
         the kernel's own record: every expert task writes the weight elements it loaded (0 when
