@@ -92,6 +92,13 @@ def decode_with_fallback(decoder: WindowDecoder, cross: list, base: DecodeOption
     return result
 
 
+def encoder_window(mel: torch.Tensor, seek: int, content_frames: int, opts: LongFormOptions) -> torch.Tensor:
+    """The encoder's input [n_mels, frames] for the window starting at frame `seek`: up to 30 s of
+    the first `content_frames` mel frames, zero-padded to 30 s or to its fitted context."""
+    content = min(N_FRAMES, content_frames - seek)
+    return pad_or_trim(mel[:, seek:seek + content], opts.window_frames(content))
+
+
 def first_window_options(opts: LongFormOptions) -> DecodeOptions:
     """The options `transcribe_mel` decodes its first window with, at the first temperature."""
     return DecodeOptions(language=opts.language, without_timestamps=not opts.timestamps,
@@ -124,7 +131,7 @@ def transcribe_mel(decoder: WindowDecoder, encode: Callable[[torch.Tensor], torc
         time_offset = seek * HOP_LENGTH / SAMPLE_RATE
         segment_size = min(N_FRAMES, content_frames - seek)
         segment_duration = segment_size * HOP_LENGTH / SAMPLE_RATE
-        window = pad_or_trim(mel[:, seek:seek + segment_size], opts.window_frames(segment_size))
+        window = encoder_window(mel, seek, content_frames, opts)
         # encoder and cross K/V on all threads; decoding may run under `decode_context`
         done = first if seek == 0 else None
         cross = done[0] if done else decoder.net.cross_kv(encode(window[None]))

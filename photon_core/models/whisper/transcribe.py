@@ -19,9 +19,9 @@ from photon_core.models.whisper.checkpoint import (
 
 from .config import WhisperDims, name_from_dims
 from .decoding import WindowDecoder
-from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, pad_or_trim, prepare_audio
+from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, prepare_audio
 from .longform import (DEFAULT_TEMPERATURES, FIT_STEP_FRAMES, LongFormOptions, LongFormResult,
-                       first_window_options, transcribe_mel)
+                       encoder_window, first_window_options, transcribe_mel)
 from .model import WhisperNet, WhisperWeights
 from .tokenizer import WhisperTokenizer
 
@@ -80,14 +80,19 @@ AUDIO_CONTEXTS = ("full", "fit")
 CPU_DEFAULT_AUDIO_CONTEXT = "fit"
 
 
+def _cpu_default_path(device: torch.device, dtype: torch.dtype | str | None, ops: ModuleType) -> bool:
+    """Whether the CPU defaults (int8 decoder, fitted context) apply: the reference backend on a CPU
+    with no dtype asked for (an explicit dtype, e.g. "float32", the exact path, turns them off)."""
+    return device.type == "cpu" and dtype is None and ops is reference
+
+
 def pick_audio_context(device: torch.device, dtype: torch.dtype | str | None, ops: ModuleType,
                        audio_context: str) -> str:
     """"full" (30 s windows, as trained: with dtype="float32" token-identical to openai-whisper) or
     "fit". "auto": the CPU default on the reference backend when no dtype was asked for, else "full"
     (the compiled decoder steps attend to 1500 encoder positions)."""
     if audio_context == "auto":
-        return (CPU_DEFAULT_AUDIO_CONTEXT if device.type == "cpu" and dtype is None and ops is reference
-                else "full")
+        return CPU_DEFAULT_AUDIO_CONTEXT if _cpu_default_path(device, dtype, ops) else "full"
     if audio_context not in AUDIO_CONTEXTS:
         raise ValueError(f"unknown audio_context {audio_context!r}; use one of {AUDIO_CONTEXTS} or 'auto'")
     if audio_context == "fit" and ops is not reference:
@@ -101,7 +106,7 @@ def pick_quantize(device: torch.device, dtype: torch.dtype | str | None, ops: Mo
     "auto": the CPU default on the reference backend when no dtype was asked for; an explicit dtype
     (dtype="float32": the exact path, token-identical to openai-whisper) turns it off."""
     if quantize == "auto":
-        return CPU_DEFAULT_QUANTIZE if device.type == "cpu" and dtype is None and ops is reference else None
+        return CPU_DEFAULT_QUANTIZE if _cpu_default_path(device, dtype, ops) else None
     if quantize not in QUANTIZE:
         raise ValueError(f"unknown quantize {quantize!r}; use one of {QUANTIZE} or 'auto'")
     if quantize is not None and (device.type != "cpu" or ops is not reference):
@@ -267,8 +272,7 @@ class WhisperSpeech:
         encode = self.encode
         if opts.language is None:
             # the first window's features serve both detection and decoding
-            content = min(N_FRAMES, mel.shape[-1])
-            first = [self.encode(pad_or_trim(mel[:, :content], opts.window_frames(content))[None])]
+            first = [self.encode(encoder_window(mel, 0, mel.shape[-1], opts)[None])]
             opts.language = self.detect_language(first[0])
 
             def encode(window: torch.Tensor) -> torch.Tensor:
@@ -312,8 +316,7 @@ class WhisperSpeech:
     def _batch_rows(self, rows: list, results: list, start: float) -> None:
         """One encoder batch and one greedy decode batch for clips of at most 30 s with the same
         first-window prompt, then each clip's rest (fallback, further windows) on its own."""
-        frames = rows[0][3].window_frames(rows[0][2].shape[-1])
-        mels = torch.stack([pad_or_trim(mel, frames) for _, _, mel, _ in rows])
+        mels = torch.stack([encoder_window(mel, 0, mel.shape[-1], opts) for _, _, mel, opts in rows])
         cross = self.net.cross_kv(self.encode(mels))
         with _torch_threads(self.decoder_threads):
             firsts = self.decoder.decode_greedy_batch(cross, first_window_options(rows[0][3]))
