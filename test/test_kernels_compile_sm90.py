@@ -154,9 +154,27 @@ def test_megakernel_ptx_has_acquire_waits_and_release_signals(compiled):
     ptx = compiled["megakernel_b1_fp32"]["ptx"]
     assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # dependency waits
     assert "red.global.gpu.release.add" in ptx or "atom.global.gpu.release.add" in ptx  # signals
-    assert "atom.global.gpu.acq_rel.add" in ptx  # task claims
     assert "bar.sync" in ptx
     assert "ld.global.cg" in ptx  # activations written by other SMs are read past L1
+
+
+def test_megakernel_claims_are_relaxed_and_the_header_is_read_before_any_branch(compiled):
+    """Per-task overhead sits on the dependency chain: a claim only hands out an index (its
+    ordering comes from the waits), so it is a relaxed atomic, no fence; the task header (op,
+    two waits, the signal) is read as one group of loads before the first branch on it, one
+    round trip to L2 instead of one per branch. Tickets (last partial merges, last tile computes
+    row statistics) keep acq_rel: they order data."""
+    import re
+    for name in ("megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87"):
+        ptx = compiled[name]["ptx"]
+        adds = re.findall(r"atom\.global\.gpu\.(\w+)\.add\.u32", ptx)
+        assert adds.count("relaxed") == 2, (name, adds)    # the first claim and the loop's claim
+        # The claim loop: from its header label to the first acquire poll.
+        head = ptx.index("// =>This Loop Header: Depth=1")
+        body = ptx[head:ptx.index("acquire", head)]
+        loads = [m.start() for m in re.finditer(r"ld\.global\.b64", body)]
+        assert len(loads) >= 6, (name, len(loads))
+        assert "bra" not in body[:loads[5]], name
 
 
 def test_megakernel_streams_weights_with_vector_loads(compiled):

@@ -169,6 +169,8 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # FP8 tiles take half the K step: a byte tile decoded to fp32 holds the bytes and the floats at
     # once, and at batch 1 (BLOCK_K 128) the full step spills registers (ptxas -v).
     BK: tl.constexpr = BLOCK_K // 2 if FP8 else BLOCK_K
+    # Every field first, before any branch on one: independent loads issue together (one trip to
+    # L2 for the task row) where a load behind each branch would wait for the one before.
     M = tl.load(row + 6)
     K = tl.load(row + 7)
     n0 = tl.load(row + 9)
@@ -178,6 +180,14 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     w_off = tl.multiple_of(tl.load(row + 11) + w_shift, 16)
     lnw = tl.load(row + 13)
     lnb = tl.load(row + 14)
+    lnst = tl.load(row + 57)
+    norm = tl.load(row + 39)
+    xglu = tl.load(row + 40)
+    xgate = tl.load(row + 41)
+    xs = tl.load(row + 45)
+    xc0 = tl.load(row + 46)
+    gact = tl.load(row + 47)
+    xact = tl.load(row + 48)
     n1 = tl.load(row + 33)
     k0 = tl.multiple_of(tl.load(row + 34), 16)
     k1 = tl.load(row + 35)
@@ -191,33 +201,27 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     cmask = cols < n1
     ks = tl.arange(0, BK)
     # x is [M, K] unless a fused mul reads a column slice [c0, c0 + K) of a wider value (stride xs).
-    xs = tl.load(row + 45)
-    x_rows = s_ptr + x_off + tl.load(row + 46) + rows[:, None].to(tl.int64) * tl.where(xs >= 0, xs, K)
+    x_rows = s_ptr + x_off + xc0 + rows[:, None].to(tl.int64) * tl.where(xs >= 0, xs, K)
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if lnw >= 0:
         # LayerNorm or RMSNorm fused in. The last task of x's producer stage wrote each row's
         # (mean, rstd) (field lnst, _task_row_stats): 8 bytes a row instead of two passes over K.
         # x without such a producer (a host input) has lnst = -1: every tile computes them.
-        lnst = tl.load(row + 57)
         if lnst >= 0:
             st = s_ptr + lnst + 2 * rows
             mean = tl.load(st, mask=rmask, other=0.0, cache_modifier=CG)
             rstd = tl.load(st + 1, mask=rmask, other=1.0, cache_modifier=CG)
         else:
-            mean, rstd = _row_stats(x_rows, rmask, K, tl.load(row + 39), ln_eps, BLOCK_M, BK)
+            mean, rstd = _row_stats(x_rows, rmask, K, norm, ln_eps, BLOCK_M, BK)
     # Accumulate elementwise and reduce over K once after the loop: a reduction per K step costs
     # a round of shuffles across the warp for every BLOCK_K weights loaded.
     # A gated input (SwiGLU / GeGLU fused in, code xglu = the gate's activation): each row of x is
     # gate | up, 2K wide, and the product reads act(gate) * up.
-    xglu = tl.load(row + 40)
     if xglu > 0:
         x_rows = s_ptr + x_off + rows[:, None].to(tl.int64) * (2 * K)
     # A gated input x * act(g), g another [M, K] value (Qwen 3.5's attention output gate: sigmoid;
     # Gemma 4's per-layer input: gelu_tanh), or an activation on the loads (Moondream 3's gelu(qkv)).
-    xgate = tl.load(row + 41)
-    gact = tl.load(row + 47)
-    xact = tl.load(row + 48)
     g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BK), tl.float32)
     for kb in range(k0, k1, BK):
@@ -1023,18 +1027,27 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr):
-    """Claim, wait, run (RUN_TASK: the task table, resolved at compile time), release."""
-    t = tl.atomic_add(ctrl_ptr, 1)
+    """Claim, wait, run (RUN_TASK: the task table, resolved at compile time), release.
+
+    The claim is a relaxed atomic: it only hands out indices, and every ordering a task needs comes
+    from its acquire waits and its producers' release signals (an acq_rel claim would add a fence
+    per task on the dependency chain). The header (op, two waits, signal) is read in one group of
+    independent loads before any branch on it: one round trip to L2 instead of one per branch (the
+    acquire polls invalidate L1, so a field read after a wait goes to L2 again)."""
+    t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
     while t < num_tasks:
         row = tasks_ptr + t.to(tl.int64) * NF
         op = tl.load(row)
-        ok = tl.full([], 1, tl.int32)
         c0 = tl.load(row + 1)
-        if c0 >= 0:
-            ok = _wait(ctrl_ptr + 2 + c0, tl.load(row + 2), spin_limit).to(tl.int32)
+        t0 = tl.load(row + 2)
         c1 = tl.load(row + 3)
+        t1 = tl.load(row + 4)
+        sig = tl.load(row + 5)
+        ok = tl.full([], 1, tl.int32)
+        if c0 >= 0:
+            ok = _wait(ctrl_ptr + 2 + c0, t0, spin_limit).to(tl.int32)
         if c1 >= 0:
-            ok = ok * _wait(ctrl_ptr + 2 + c1, tl.load(row + 4), spin_limit).to(tl.int32)
+            ok = ok * _wait(ctrl_ptr + 2 + c1, t1, spin_limit).to(tl.int32)
         # All threads must see the producers' data before any of them reads it.
         tl.debug_barrier()
         if ok == 0:
@@ -1046,10 +1059,9 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
                 tl.atomic_max(ctrl_ptr + 1, t + 1)
         # Every thread's stores must be done before the release that publishes them.
         tl.debug_barrier()
-        sig = tl.load(row + 5)
         if sig >= 0:
             tl.atomic_add(ctrl_ptr + 2 + sig, 1, sem="release")
-        t = tl.atomic_add(ctrl_ptr, 1)
+        t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
 
 
 def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int = 2) -> int:
@@ -1112,11 +1124,13 @@ class Megakernel:
 
     def raise_on_error(self) -> None:
         """Synchronising check of the error flag (a timed-out wait skipped that task)."""
-        err = int(self.ctrl[CTRL_ERROR].item())
+        self.raise_for(int(self.ctrl[CTRL_ERROR].item()), int(self.ctrl[0].item()))
+
+    def raise_for(self, err: int, claimed: int) -> None:
+        """Raise for a launch's error flag and claim count, as read from its control buffer."""
         if err:
             t = self.graph.tasks[err - 1]
             raise RuntimeError(f"megakernel: task {err - 1} {t.name!r} gave up waiting on {t.waits} "
                                "(a dependency was never signalled) or has an unknown op")
-        done = int(self.ctrl[0].item())
-        if done < len(self.graph.tasks):
-            raise RuntimeError(f"megakernel: only {done} of {len(self.graph.tasks)} tasks were claimed")
+        if claimed < len(self.graph.tasks):
+            raise RuntimeError(f"megakernel: only {claimed} of {len(self.graph.tasks)} tasks were claimed")
