@@ -6,8 +6,9 @@ Utterances step together: up to 8 take rows of the smallest batch bucket (1, 2, 
 them (more are decoded 8 at a time: greedy rows are independent). Each prompt is prefilled alone
 into a temporary per-op cache, whose K/V are copied into its row of the bucket's caches; the
 prefill's last logits give the first token. The step's argmax advances each row's token and
-position on the device, so the host only reads the tokens to see the stop tokens. Padding rows
-decode a placeholder from position 0 of their own row.
+position on the device, so the steps run in rounds (megakernel.decode_loop: one CUDA-graph replay
+and one read of the device per round of up to 8 tokens); the host reads the tokens to see the stop
+tokens. Padding rows decode a placeholder from position 0 of their own row.
 
 One call at a time per model: each bucket's state (KV caches, activations) is one arena.
 """
@@ -19,6 +20,7 @@ from typing import Sequence
 import torch
 
 from photon_core.megakernel.compiler import Tiling
+from photon_core.megakernel.decode_loop import DeviceDecode
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 
 from .decoder import TextDecoder
@@ -51,6 +53,7 @@ class MegakernelDecode:
         self.dims = Dims.of(cfg, tied)
         self._weights = gather_weights(sd, self.dims, self.max_len, self.device)
         self._steps: dict[int, Qwen3ASRDecoderMegakernel] = {}
+        self._loops: dict[int, DeviceDecode] = {}
         self._busy = threading.Lock()
 
     def step(self, batch: int = 1) -> Qwen3ASRDecoderMegakernel:
@@ -60,6 +63,8 @@ class MegakernelDecode:
             self._steps[batch] = Qwen3ASRDecoderMegakernel(
                 self._weights, self.dims, batch, self.max_len, self.tiling, self.weight_dtype,
                 shared_weights=shared)
+            # Built with the step, before any request writes its caches: on CUDA it captures (runs) rounds.
+            self._loops[batch] = DeviceDecode(self._steps[batch])
         return self._steps[batch]
 
     @torch.inference_mode()
@@ -107,23 +112,8 @@ class MegakernelDecode:
         return mk, first
 
     def _generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int, stop: set[int]) -> list[list[int]]:
-        n = len(prompts)
         mk, first = self.start(prompts)
-        tokens = first
-        out: list[list[int]] = [[] for _ in prompts]
-        done = [False] * n
-        for step in range(max_new_tokens):
-            for row, tok in enumerate(tokens):
-                done[row] = done[row] or tok in stop
-                if not done[row]:
-                    out[row].append(tok)
-            if all(done) or step == max_new_tokens - 1:
-                break
-            mk.launch()
-            tokens = mk.result("token")[:n].tolist()
-            if min(tokens) < 0:   # checked above; the device's own range check says the same
-                raise RuntimeError(f"a row reached the end of the megakernel's context ({self.max_len})")
-        return out
+        return self._loops[mk.batch].generate(first, max_new_tokens, stop)
 
 
 __all__ = ["MegakernelDecode", "DEFAULT_MAX_LEN"]

@@ -1,0 +1,183 @@
+"""Greedy decoding that stays on the device: a round of compiled steps per host round trip.
+
+A step graph whose argmax has `advance` writes each row's next token and position itself (and
+range-checks the position: a row at the last position of its cache reports -1 in the result column
+and stays there), so step n + 1 needs nothing from the host. DeviceDecode runs such steps back to
+back. After each launch it records each row's token (the one fed next) and whether the row is now
+full in a device history ([chunk, B] int32 each), and folds the launch's control buffer
+into two device accumulators, because the next launch zeroes it: the highest error flag (a wait
+that gave up, an unknown op) and the fewest tasks claimed. The host reads history, flag and count
+in one copy per round (pick's scores, below, in a second): one synchronisation per round of up to `chunk` tokens, where a step that
+the host drives costs three per token (the token, the error flag, the claim count).
+
+A family whose next token is not a plain argmax (Whisper's timestamp grammar) passes `pick`: a
+function of the step's outputs, made of device ops (no host reads), giving each row's next token
+(and optionally a score per row, e.g. its log-probability); the loop then feeds the token and steps
+the position itself, with the kernel's range rule. A full row's token is still valid (it came from
+the last position); the host raises only if that row needs another step.
+
+On CUDA each round is one CUDA-graph replay: rounds of 1, 2, 4, ... chunk steps are captured once,
+when the loop is built (capture runs the steps, so build the loop before writing a request's
+state), and a request of n tokens replays the largest that fits what is left. The host learns of a
+stop token at the end of its round: a row that stopped decodes on to the round's end and those
+tokens are dropped. That costs steps, never tokens: each row's tokens are the per-token loop's.
+The rows' caches and recurrent states then hold those extra steps: a request's decode state is
+spent when its loop ends (as every family here uses it).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, ContextManager
+
+import torch
+
+from .graph import CTRL_CLAIM, CTRL_ERROR
+
+if TYPE_CHECKING:
+    from .compiler import CompiledStep
+
+NEVER = 2 ** 31 - 1
+
+
+class DeviceDecode:
+    """Greedy rounds of one compiled step (its full graph): `result` an advancing argmax, or the
+    tokens that `pick` computes after each launch."""
+
+    def __init__(self, step: "CompiledStep", result: str = "token", chunk: int = 8,
+                 cuda_graphs: bool | None = None,
+                 pick: Callable[[], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """chunk: the most steps per round (a power of two); cuda_graphs: replay captured rounds
+        (default: on CUDA); pick: () -> next tokens [B] (or (tokens, scores [B])) from the step's
+        outputs, by device ops only."""
+        if chunk < 1 or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two, got {chunk}")
+        gd = step.graph_def
+        node = next((n for n in gd.nodes if n.op == "argmax" and n.args["name"] == result), None)
+        if pick is None and (node is None or not node.args["advance"]):
+            raise ValueError(f"{gd.name}: result {result!r} is not an advancing argmax: the host would have "
+                             "to feed every token (or pass `pick`)")
+        self.step, self.chunk, self._pick = step, chunk, pick
+        self.kernel = step.kernel_for(None)
+        B, dev = step.batch, step.out.device
+        if pick is None:
+            self._token = step.out.view(B, max(1, len(gd.results)))[:, gd.results.index(result)]
+        self.history = torch.zeros(chunk, B, dtype=torch.int32, device=dev)
+        self.full = torch.zeros(chunk, B, dtype=torch.int32, device=dev)
+        self.score_history = torch.zeros(chunk, B, dtype=torch.float64, device=dev)
+        self.scores: list[list[float]] = []   # per row, the score of each step it consumed (last generate)
+        self._err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._claimed = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.rounds = 0   # host round trips so far (each one read of the device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if cuda_graphs if cuda_graphs is not None else dev.type == "cuda":
+            from photon_core.runtime.cuda_graph import capture
+            n = 1
+            while n <= chunk:
+                self._graphs[n], _ = capture(lambda n=n: self._round(n), warmup=1)
+                n *= 2
+
+    def _round(self, n: int) -> None:
+        """n launches, each recorded (capturable: fixed shapes, no host reads)."""
+        ctrl = self.kernel.ctrl
+        self._err.zero_()
+        self._claimed.fill_(NEVER)
+        for i in range(n):
+            self.kernel.launch()
+            if self._pick is None:
+                # The argmax fed its token to the next step (dyn) even for a full row, whose
+                # result column says -1.
+                self.history[i].copy_(self.step.dyn[:self.step.batch])
+                self.full[i].copy_(self._token < 0)
+            else:
+                self._feed(i)
+            torch.maximum(self._err, ctrl[CTRL_ERROR:CTRL_ERROR + 1], out=self._err)
+            torch.minimum(self._claimed, ctrl[CTRL_CLAIM:CTRL_CLAIM + 1], out=self._claimed)
+
+    def _feed(self, i: int) -> None:
+        """Record pick's tokens and make them the next step's, stepping positions as the advancing
+        argmax does: a row whose next position would pass the caches stays there, marked full."""
+        picked = self._pick()
+        tok, score = picked if isinstance(picked, tuple) else (picked, None)
+        B, dyn = self.step.batch, self.step.dyn
+        pos = dyn[B:2 * B]
+        full = pos >= self.step.plan.max_position - 1
+        self.history[i].copy_(tok)
+        self.full[i].copy_(full)
+        if score is not None:
+            self.score_history[i].copy_(score)
+        dyn[:B].copy_(tok)
+        pos.copy_(torch.where(full, pos, pos + 1))
+
+    def _run(self, n: int) -> list[list[int]]:
+        """One round of n steps; the tokens [n][B] after checking the launches' flags (one read)."""
+        if n in self._graphs:
+            self._graphs[n].replay()
+        else:
+            self._round(n)
+        flat = torch.cat([self.history[:n].flatten(), self.full[:n].flatten(), self._err, self._claimed]).tolist()
+        self.rounds += 1
+        self.kernel.raise_for(flat[-2], flat[-1])
+        B = self.step.batch
+        self._round_scores = self.score_history[:n].tolist() if self._pick is not None else None
+        self._round_full = [flat[(n + i) * B:(n + i + 1) * B] for i in range(n)]
+        return [flat[i * B:(i + 1) * B] for i in range(n)]
+
+    def generate(self, first: Sequence[int], max_new: int | Sequence[int],
+                 stop: Collection[int]) -> list[list[int]]:
+        """Each row's tokens from its first one (the prefill's; rows past len(first) are padding),
+        until a stop token (excluded) or its max_new tokens: the loop that launches one step per
+        token and reads each token back gives the same lists. The step's tokens and positions must
+        be set (set_step) to the first tokens at the rows' prompt lengths. With `pick` giving
+        scores, `scores[r]` then holds the score of each step row r consumed (its stop token's too)."""
+        out: list[list[int]] = [[] for _ in first]
+        for row, token in self.stream(first, max_new, stop):
+            out[row].append(token)
+        return out
+
+    def stream(self, first: Sequence[int], max_new: int | Sequence[int], stop: Collection[int],
+               each_round: Callable[[list[int], int], ContextManager] | None = None) -> Iterator[tuple[int, int]]:
+        """generate's tokens as (row, token) pairs as they come: the first tokens, then a round's
+        worth at a time (a row's tokens in order). each_round(tokens, n): a context each round of n
+        steps runs in, given the tokens the round starts from (one per row of the step), e.g. to
+        hold a lock and to restore a step another request used between rounds."""
+        limit = [max_new] * len(first) if isinstance(max_new, int) else list(max_new)
+        if len(limit) != len(first):
+            raise ValueError(f"need one max_new per row ({len(first)}), got {len(limit)}")
+        self.scores = [[] for _ in first]
+        count = [0] * len(first)
+        full = [False] * len(first)
+        live = []
+        for r, t in enumerate(first):
+            if t not in stop and limit[r] > 0:
+                count[r] = 1
+                yield r, t
+                if limit[r] > 1:
+                    live.append(r)
+        left = max((limit[r] for r in live), default=1) - 1   # launches the longest row may still need
+        current = list(first) + [0] * (self.step.batch - len(first))
+        while live and left > 0:
+            n = min(self.chunk, 1 << (left.bit_length() - 1))
+            with each_round(current, n) if each_round is not None else contextlib.nullcontext():
+                rounds = self._run(n)
+            current = rounds[-1]
+            for i, tokens in enumerate(rounds):
+                for r in list(live):
+                    t = tokens[r]
+                    if full[r]:   # this step re-ran the row's last position: it had no room left
+                        raise RuntimeError(f"row {r} reached the end of the megakernel's context "
+                                           f"({self.step.plan.max_position} positions)")
+                    full[r] = bool(self._round_full[i][r])
+                    if self._round_scores is not None:
+                        self.scores[r].append(self._round_scores[i][r])
+                    if t in stop:
+                        live.remove(r)
+                        continue
+                    count[r] += 1
+                    yield r, t
+                    if count[r] == limit[r]:
+                        live.remove(r)
+            left -= n
+
+
+__all__ = ["DeviceDecode"]

@@ -1,0 +1,113 @@
+"""Greedy decoding in rounds on the device (photon_core.megakernel.decode_loop), on Qwen3-ASR's
+compiled step (tiny random checkpoint, Triton's interpreter): the same tokens as the loop that
+launches one step per token and reads each token back, with one read of the device per round;
+a wait that gave up in the middle of a round is still reported (the next launch zeroes the control
+buffer); a row reaching the end of its cache raises instead of decoding on."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from test_qwen3_asr_megakernel import INTERPRETER_TILING, MAX_LEN, tensors  # noqa: E402
+from test_qwen3_asr_reference import ours  # noqa: E402
+
+from photon_core.megakernel.decode_loop import DeviceDecode  # noqa: E402
+from photon_core.models.qwen3_asr.decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights  # noqa: E402
+from photon_core.models.qwen3_asr.megakernel_decode import MegakernelDecode  # noqa: E402
+
+
+def prompts(model) -> list[torch.Tensor]:
+    """Three text prompts of different lengths (rows at their own positions; bucket 4, one padding row)."""
+    return [model.decoder.embed_tokens(torch.tensor(model.prompt.encode(t)))
+            for t in ("turn on the lights", "stop", "pick up the red cup and bring it here")]
+
+
+def per_token(mkd: MegakernelDecode, ps, max_new: int, stop: set[int]) -> list[list[int]]:
+    """The host-driven loop: one launch per token, each token read back (the old production path)."""
+    mk, tokens = mkd.start(ps)
+    out: list[list[int]] = [[] for _ in ps]
+    done = [False] * len(ps)
+    for step in range(max_new):
+        for r, t in enumerate(tokens):
+            done[r] = done[r] or t in stop
+            if not done[r]:
+                out[r].append(t)
+        if all(done) or step == max_new - 1:
+            break
+        mk.launch()
+        tokens = mk.result("token")[:len(ps)].tolist()
+    return out
+
+
+def test_rounds_give_the_per_token_tokens_with_one_read_per_round():
+    model = ours()
+    mkd = MegakernelDecode(model.decoder, tensors(), INTERPRETER_TILING, MAX_LEN)
+    ps = prompts(model)
+    want = per_token(mkd, ps, 12, set())
+    assert all(len(w) == 12 for w in want) and len({t for w in want for t in w}) >= 4
+    loop = mkd._loops[4]
+    before = loop.rounds
+    assert mkd.generate(ps, 12, []) == want
+    assert loop.rounds - before == 3   # 11 steps: rounds of 8, 2 and 1
+    # A row stopping in the middle of a round: its later tokens in that round are dropped, the
+    # others decode on; the same lists as the per-token loop.
+    stop = {want[1][3]}
+    want_stop = per_token(mkd, ps, 12, stop)
+    assert len(want_stop[1]) == want[1].index(want[1][3]) and len(want_stop[0]) >= 4
+    assert mkd.generate(ps, 12, stop) == want_stop
+    # A prefill that already gives a stop token: that row is empty, the others unchanged.
+    assert mkd.generate(ps, 5, {want[0][0]}) == per_token(mkd, ps, 5, {want[0][0]})
+
+
+def test_a_wait_that_gave_up_mid_round_is_reported_with_its_task():
+    model = ours()
+    mkd = MegakernelDecode(model.decoder, tensors(), INTERPRETER_TILING, MAX_LEN)
+    mkd.start(prompts(model))
+    loop = mkd._loops[4]
+    kernel = loop.kernel
+    victim = next(i for i, t in enumerate(kernel.graph.tasks) if t.waits)
+    launch, calls = kernel.launch, []
+
+    def third_launch_never_satisfied():
+        # Launch 3 of the round waits for a count no task reaches; launches 4.. are sound and
+        # zero the control buffer again, so only the loop's own record still shows the error.
+        calls.append(1)
+        if len(calls) == 3:
+            saved = kernel.tasks[victim, 2].clone()
+            kernel.tasks[victim, 2] = 1 << 40
+            launch()
+            kernel.tasks[victim, 2] = saved
+        else:
+            launch()
+    kernel.launch = third_launch_never_satisfied
+    try:
+        with pytest.raises(RuntimeError, match=f"task {victim} "):
+            loop.generate([1, 2, 3], 9, [])
+        assert len(calls) == 8 and kernel.ctrl[1].item() == 0   # the last launch's own flag is clear
+    finally:
+        kernel.launch = launch
+
+
+def test_a_row_at_the_end_of_its_cache_raises():
+    model = ours()
+    dm = Dims.of(model.config.text, False)
+    step = Qwen3ASRDecoderMegakernel(gather_weights(tensors(), dm, 16, torch.device("cpu")), dm, 1, 16,
+                                     INTERPRETER_TILING)
+    loop = DeviceDecode(step, chunk=4)
+    step.set_step([5], [12])      # positions 12..15 are left: 4 steps, the 4th one's token the last
+    fits = loop.generate([5], 5, [])
+    assert len(fits) == 1 and len(fits[0]) == 5 and fits[0][-1] == step.dyn[0].item()
+    step.set_step([5], [12])
+    with pytest.raises(RuntimeError, match="row 0 reached the end of the megakernel's context"):
+        loop.generate([5], 6, [])
+    assert step.dyn[1].item() == 15   # the device kept the row inside its cache
+    with pytest.raises(ValueError, match="power of two"):
+        DeviceDecode(step, chunk=3)
+    host_fed = Qwen3ASRDecoderMegakernel(gather_weights(tensors(), dm, 16, torch.device("cpu")), dm, 1, 16,
+                                         INTERPRETER_TILING, advance=False)
+    with pytest.raises(ValueError, match="not an advancing argmax"):
+        DeviceDecode(host_fed)
