@@ -136,6 +136,12 @@ class WindowDecoder:
         if tok.no_speech is not None:
             no_speech_prob = first[0].softmax(-1)[tok.no_speech].item()
         logits = first[1]
+        # Greedy windows on the megakernel decode every token after the first in rounds on the
+        # device (the same rules as device ops): no host read per token.
+        rounds = (self.steps is not None and hasattr(self.steps, "greedy") and options.temperature == 0
+                  and len(initial) + sample_len <= self.n_ctx)
+        if rounds:
+            self.steps.prepare(self)
         if self.steps is not None:
             self.steps.start(cache, len(initial))
 
@@ -156,6 +162,11 @@ class WindowDecoder:
             sampled.append(nxt)
             n_tokens += 1
             if n_tokens > self.n_ctx:
+                break
+            if rounds:
+                sampled, scores = self.steps.greedy(nxt, n_tokens - 1, timestamps, sample_len, tok.eot)
+                for lp in scores:
+                    sum_logprob += lp
                 break
             if self.steps is not None:
                 logits = self.steps.logits(nxt, n_tokens - 1)
