@@ -204,3 +204,44 @@ def test_bucket_padding_rebinding_and_interleaved_states(pairs):
             ids = torch.randint(0, fx.VOCAB, (1, 1), generator=gen)
             assert rel_err(mk.step(ids, s), ref.step(ids, s_ref)) < RTOL
     assert mk.decode.decoder(1).holds(b) and not mk.decode.decoder(1).holds(a)
+
+
+def test_greedy_rounds_on_the_device_equal_the_per_token_decode(pairs):
+    """Greedy requests on the megakernel decode in rounds on the device (the host reads tokens once
+    per round, no logits): a streamed answer of 11 tokens comes in rounds of 8 and 2 with the
+    reference backend's tokens; a request stepped on the same arena between two rounds is moved out
+    and back without changing either; in a batch a row that stops inside a round ends there."""
+    from photon_core.models.qwen3_5 import generate
+
+    ref, mk = pairs["deltas3"]
+    q = "what is in the picture?"
+    s = generate.Sampling(max_tokens=11)
+    st1, lg1 = ref.prefill(None, q, extra=11)
+    want = list(generate.tokens(ref, st1, lg1, s))
+    assert len(want) == 11 and len(set(want)) >= 5   # no stop token: every round is used
+    mk.decode.decoder(1)
+    loop = mk.decode._loops[1]
+    before = loop.rounds
+    st2, lg2 = mk.prefill(None, q, extra=11)
+    assert list(generate.tokens(mk, st2, lg2, s)) == want
+    assert loop.rounds - before == 2
+
+    st3, lg3 = mk.prefill(None, q, extra=11)
+    stream = generate.tokens(mk, st3, lg3, s)
+    got = [next(stream) for _ in range(9)]            # the first token and round one (8 steps)
+    other, other_ref = mk.prefill(None, "a cat", extra=2)[0], ref.prefill(None, "a cat", extra=2)[0]
+    ids = torch.tensor([[3]])
+    assert rel_err(mk.step(ids, other), ref.step(ids, other_ref)) < RTOL   # takes the batch-1 rows
+    got += list(stream)                                # round two moves this request back first
+    assert got == want
+    assert torch.equal(st3.length, st1.length)         # 10 steps each, no step past the answer
+    for i in st1.rec:   # the recurrent states went on from this request's own, not the other's
+        assert rel_err(st3.rec[i], st1.rec[i].float()) < RTOL
+        assert rel_err(st3.conv[i], st1.conv[i].float()) < RTOL
+
+    reqs = [Request(task="query", image=None, prompt=q, max_tokens=11),
+            Request(task="query", image=None, prompt="the quick brown fox", max_tokens=11)]   # stops at 6
+    mk.decode.decoder(2)
+    before = mk.decode._loops[2].rounds
+    assert mk.batch(reqs) == ref.batch(reqs)
+    assert mk.decode._loops[2].rounds - before == 2

@@ -21,7 +21,10 @@ memory, and its own rotary offset, the M-RoPE delta after an image):
         x      = (a * sigmoid(g)) @ W_o.T (+ b) + x
       MLP: x = glu_silu(RMSNorm(x) * (1 + w_post) @ [W_gate | W_up].T) @ W_down.T + x
     logits = RMSNorm(x) * (1 + w_norm) @ W_lm.T        (exposed; W_lm is embed_tokens when tied)
-    token  = argmax(logits)                            (result column; the host may sample instead)
+    token  = argmax(logits)                            (result column, `advance`: it becomes the row's next
+                                                        token and the position steps, so greedy requests
+                                                        decode in rounds on the device; the host may
+                                                        sample from the logits instead)
 
 Weights keep the checkpoint's names (without the "text." prefix) where they are used as stored;
 re-laid ones get their own names (in_proj, qkv_proj, gate_proj, gate_up_proj). The (1 + w) norm
@@ -114,7 +117,7 @@ def step_graph(cfg: TextConfig, max_len: int, tied: bool) -> StepGraph:
     g.expose("hidden", x)
     logits = g.linear("logits", g.rms_norm("final_norm", x, "norm.weight", eps, offset=1.0), lm_head_name(tied))
     g.expose("logits", logits)
-    g.argmax("token", logits)
+    g.argmax("token", logits, advance=True)
     return g
 
 

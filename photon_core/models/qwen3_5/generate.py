@@ -37,7 +37,14 @@ def choose(model: "Qwen35Model", logits: torch.Tensor, s: Sampling) -> int:
 
 def tokens(model: "Qwen35Model", state: "text.DecodeState", logits: torch.Tensor, s: Sampling) -> Iterator[int]:
     """The answer's token ids after a prefilled prompt (its last logits), decoded lazily as the caller
-    iterates (stop tokens not yielded)."""
+    iterates (stop tokens not yielded). Greedy on the megakernel: the tokens after the first come in
+    rounds decoded on the device (MegakernelDecode.stream_greedy), the same tokens."""
+    if s.temperature == 0 and model.decode is not None and s.max_tokens > 0:
+        first = choose(model, logits, s)
+        limit = min(s.max_tokens, state.max_len - int(state.length[0]) + 1)
+        for _, tok in model.decode.stream_greedy(state, [first], [limit], model.prompts.stop_ids):
+            yield tok
+        return
     for n in range(s.max_tokens):
         tok = choose(model, logits, s)
         if tok in model.prompts.stop_ids:
@@ -82,6 +89,12 @@ def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]
     max_len = max(st.max_len for st in states)
     limits = [st.max_len for st in states]
     state = text.DecodeState.merge(states, max_len)
+    if model.decode is not None and all(s.temperature == 0 for _, _, s in jobs):
+        # Greedy on the megakernel: rounds decoded on the device, the host reads tokens, no logits.
+        first = [choose(model, lg, s) for lg, (_, _, s) in zip(logits, jobs)]
+        cap = [min(s.max_tokens, lim - int(st.length[0]) + 1) for (_, _, s), lim, st in zip(jobs, limits, states)]
+        out = model.decode.greedy(state, first, cap, model.prompts.stop_ids)
+        return [model.prompts.decode(r) for r in out]
     results: list[list[int]] = [[] for _ in jobs]
     active = list(range(len(jobs)))   # job index of each state row
     cur = torch.stack(logits)

@@ -6,6 +6,10 @@ A Qwen35Model loaded with the "megakernel" backend holds one MegakernelDecode (`
 `model.step(ids, state)` goes through it, so generate.py's loops (streaming, sampling, batches of up
 to 8 rows) run unchanged: the host picks each token from the exposed logits as on the per-op path.
 
+Greedy requests (`greedy`, `stream_greedy`) decode in rounds on the device instead
+(megakernel.decode_loop): the step's argmax feeds each row's next token and position itself, and the
+host reads the tokens once per round of up to 8 (on CUDA one CUDA-graph replay), no logits.
+
 A DecodeState is bound to the compiled step of the smallest bucket (1, 2, 4, 8) holding its rows on
 its first step: its caches and states are copied into the bucket's arena (the conv state transposed
 to the arena's channel-major layout) and its tensors become views of those rows, so later steps copy
@@ -14,13 +18,16 @@ its own copies back before another state takes the rows, so interleaved requests
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from photon_core.megakernel.compiler import Tiling
+from photon_core.megakernel.decode_loop import DeviceDecode
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 
 from . import text
@@ -55,6 +62,7 @@ class MegakernelDecode:
             raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {weight_dtype}")
         self.model, self.tiling, self.weight_dtype = model, tiling, weight_dtype
         self._steps: dict[int, Qwen35DecoderStep] = {}
+        self._loops: dict[int, DeviceDecode] = {}
         self._owner: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
 
@@ -64,25 +72,73 @@ class MegakernelDecode:
             shared = next(iter(self._steps.values())).weights if self._steps else None
             self._steps[batch] = Qwen35DecoderStep(self.model.text_w, self.model.config, batch, self.max_len,
                                                    self.tiling, self.weight_dtype, weights=shared)
+            # With the step, before any state is bound to its rows: on CUDA it captures (runs) rounds.
+            self._loops[batch] = DeviceDecode(self._steps[batch])
         return self._steps[batch]
 
-    def step(self, ids: torch.Tensor, state: text.DecodeState) -> torch.Tensor:
-        """model.step on the megakernel: ids [B, 1] -> logits [B, V] (fp32); state.length advances."""
+    def _bind(self, state: text.DecodeState) -> Qwen35DecoderStep:
+        """The bucket's step with `state` bound to its rows (call under self._lock)."""
         if state.batch > BATCH_BUCKETS[-1]:
             raise ValueError(f"{state.batch} rows exceed the largest megakernel batch ({BATCH_BUCKETS[-1]})")
         if state.max_len > self.max_len:
             raise ValueError(f"a request of {state.max_len} positions exceeds the megakernel's caches "
                              f"({self.max_len}); load the model with a larger max_len")
         bucket = bucket_for(state.batch)
+        mk = self.decoder(bucket)
+        if not mk.holds(state):
+            ref = self._owner.get(bucket)
+            owner = ref() if ref is not None else None
+            if owner is not None and owner is not state and mk.holds(owner):
+                mk.release(owner)
+            with torch.no_grad():
+                mk.load_state(state)
+            self._owner[bucket] = weakref.ref(state)
+        return mk
+
+    def step(self, ids: torch.Tensor, state: text.DecodeState) -> torch.Tensor:
+        """model.step on the megakernel: ids [B, 1] -> logits [B, V] (fp32); state.length advances."""
         with self._lock:   # one arena per bucket: steps on it run one at a time
-            mk = self.decoder(bucket)
-            if not mk.holds(state):
-                ref = self._owner.get(bucket)
-                owner = ref() if ref is not None else None
-                if owner is not None and owner is not state and mk.holds(owner):
-                    mk.release(owner)
-                with torch.no_grad():
-                    mk.load_state(state)
-                self._owner[bucket] = weakref.ref(state)
+            mk = self._bind(state)
             with torch.no_grad():
                 return mk.step(ids, state)
+
+    def stream_greedy(self, state: text.DecodeState, first: Sequence[int], max_new: Sequence[int],
+                      stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        """Greedy tokens of every row of a prefilled state as (row, token) pairs, from each row's
+        first token (chosen from the prefill's logits) until a stop token (excluded) or its max_new
+        tokens; the same tokens as model.step fed one at a time. Each round holds the bucket; a
+        request that used it in between is moved out and this state moved back. The state is spent
+        afterwards (its rows decode on to the end of the last round)."""
+        if state.batch != len(first) or state.batch != len(max_new):
+            raise ValueError(f"need one first token and one max_new per row ({state.batch})")
+        V = self.model.config.text.vocab_size
+        if any(not 0 <= t < V for t in first):
+            raise ValueError(f"token ids must be in [0, {V})")
+        if int(state.length.max()) + max(max_new, default=0) - 1 > state.max_len:
+            raise ValueError(f"{max(max_new)} new tokens do not fit the state's {state.max_len} positions")
+        with self._lock:
+            loop = self._loops[self._bind(state).batch]
+
+        @contextlib.contextmanager
+        def each_round(tokens: list[int], n: int):
+            with self._lock, torch.no_grad():
+                mk = self._bind(state)
+                pad = mk.batch - state.batch
+                # Tokens and positions as this state left them (another request's steps may have
+                # set others since); both are in range (prefill, and the kernel's own check).
+                # (A row that stopped at the end of the caches has no valid position left; it is
+                # done, so it decodes on from the last one.)
+                last = mk.plan.max_position - 1
+                mk.set_step(tokens, [min(p, last) for p in state.length.tolist()] + [0] * pad)
+                mk.set_rotary_offsets(state.rope_delta.tolist() + [0] * pad)
+                yield
+                state.length += n
+        yield from loop.stream(first, max_new, stop, each_round)
+
+    def greedy(self, state: text.DecodeState, first: Sequence[int], max_new: Sequence[int],
+               stop: Collection[int]) -> list[list[int]]:
+        """stream_greedy's tokens as one list per row."""
+        out: list[list[int]] = [[] for _ in first]
+        for row, token in self.stream_greedy(state, first, max_new, stop):
+            out[row].append(token)
+        return out
