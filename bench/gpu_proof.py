@@ -47,7 +47,13 @@ timeout still leaves what it proved):
               worst-case interleaving the stress must catch, on the GPU and under the interpreter.
   5 liveness  a wait nobody signals, small spin limit: in a subprocess with a timeout, the launch
               must return and raise_on_error must name that task (a hang fails instead of hanging).
-  6 timing    CUDA events, warm-up, median of many replays of the step's CUDA graph: time per step,
+  6 rounds    the production decode loop (photon_core.megakernel.decode_loop) of every family whose
+              step advances itself, in the stress dtype from the same random state three ways: the
+              host driving each step (launch, error flag, claim count and token read back: the old
+              path), one captured step replayed per token with one read each, and rounds of up to 8
+              steps per CUDA-graph replay with one read per round. Tokens identical all three ways;
+              time per token of each (host clock around whole requests, median).
+  7 timing    CUDA events, warm-up, median of many replays of the step's CUDA graph: time per step,
               bytes / time, time / HBM floor (bytes = weights once + K/V read), the ratio to Whisper's
               per-op Triton step in a CUDA graph, and batch 8 vs 1. Only after every correctness
               check passed (--time-anyway overrides); --budget-s skips timing (never the
@@ -81,7 +87,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_common import graphed, timer  # noqa: E402
 
-PARTS = ("steps", "stress", "poison", "control", "liveness", "timing")
+PARTS = ("steps", "stress", "poison", "control", "liveness", "rounds", "timing")
 TOL = 1e-3            # max |mk - ref| / max |ref|, both dtypes (the references use the arena's weights)
 # Polls before a wait gives up (~1 s; the longest legitimate wait, 3 programs behind a whole LM
 # head, is milliseconds): a lost signal becomes an error, not a hang that eats the GPU session.
@@ -104,10 +110,12 @@ class Sizes:
     iters: int
     warmup: int
     liveness_timeout_s: float
+    round_tokens: int         # tokens per request in part 6 (launches: one fewer)
+    round_repeats: int        # timed requests per way of decoding (median)
 
 
-GPU_SIZES = Sizes(64, 1000, 10, 3.0, 30.0, 100, 1000, 200, 20, 180.0)
-DRY_SIZES = Sizes(2, 2, 2, float("inf"), float("inf"), 2, 2, 1, 0, 120.0)
+GPU_SIZES = Sizes(64, 1000, 10, 3.0, 30.0, 100, 1000, 200, 20, 180.0, 33, 5)
+DRY_SIZES = Sizes(2, 2, 2, float("inf"), float("inf"), 2, 2, 1, 0, 120.0, 4, 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -647,11 +655,12 @@ def graph_families(dry: bool, prod: Callable[[int], Any]) -> list[GraphFamily]:
         from photon_core.models.moondream3 import decoder_step as moondream3
     except ImportError:
         moondream3 = None
-    parts = dict.fromkeys(("asr", "q35", "gem", "md3"), ("steps", "poison", "timing"))
+    parts = dict.fromkeys(("asr", "q35", "gem", "md3"), ("steps", "poison", "rounds", "timing"))
     if dry:
         # Interpreter time: timing (nothing real to time) only where its byte count differs (states,
         # windows); Qwen3-ASR (plain GQA, as Whisper and Moondream 2 poison it) only its steps.
-        parts.update(asr=("steps",), md3=("steps", "poison"))
+        parts.update(asr=("steps", "rounds"), q35=("steps", "poison", "timing"), gem=("steps", "poison", "timing"),
+                     md3=("steps", "poison"))
         batches, dtypes = (1, 2), ("fp32", "bf16")
         asr = roofline.qwen3_asr_dims(hidden=64, intermediate=128, vocab_size=96, n_layers=1, n_heads=4,
                                       n_kv_heads=2, head_dim=16)
@@ -1455,6 +1464,60 @@ def prove_timing(ctx: Ctx, fams: dict) -> list[dict]:
     return out
 
 
+def prove_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
+    """Part 6: the production decode loop's three ways give the same tokens; time per token each."""
+    import statistics
+
+    from photon_core.megakernel.decode_loop import DeviceDecode
+    b = build(ctx, fam, batch)
+    step = b.step(advance=True)
+    kernel = b.kernel(step)
+    b.use_dtype(step, dtype_of(fam.stress_dtype))   # before capture: graphs keep the arena they saw
+    g = step.graph_def
+    result = next((n.args["name"] for n in g.nodes if n.op == "argmax" and n.args["advance"]), None)
+    if result is None or any(n.op == "input" for n in g.nodes):
+        return None   # the host must write something every step: nothing to run in rounds
+    # Built before the state is filled: on a GPU building captures the rounds, which runs steps.
+    loops = {"replay": DeviceDecode(step, result, chunk=1), "rounds": DeviceDecode(step, result, chunk=8)}
+    rows = fam.rows(batch, "fixed")
+    fill(step, rows, seed=60 + batch)
+    step.set_step(rows.tokens, rows.positions)
+    n, B = ctx.sizes.round_tokens, batch
+    col = g.results.index(result)
+
+    def host_driven() -> list[list[int]]:
+        out = [[t] for t in rows.tokens]
+        for _ in range(n - 1):
+            kernel.launch()
+            kernel.raise_on_error()                        # two reads: the error flag, the claim count
+            step.out.view(B, -1)[:, col].tolist()          # the token column, as the old loop read it
+            for r, t in enumerate(step.dyn[:B].tolist()):
+                out[r].append(t)
+        return out
+
+    ways = {"host": host_driven, **{k: (lambda lp=lp: lp.generate(rows.tokens, n, ())) for k, lp in loops.items()}}
+    tokens, secs = {}, {k: [] for k in ways}
+    for _ in range(ctx.sizes.round_repeats):
+        for k, fn in ways.items():
+            with preserved(step):
+                ctx.sync()
+                t = time.perf_counter()
+                tokens[k] = fn()
+                ctx.sync()
+                secs[k].append(time.perf_counter() - t)
+    same = tokens["replay"] == tokens["host"] == tokens["rounds"]
+    varied = len({t for row in tokens["host"] for t in row}) > 1
+    ctx.checks.expect(same and varied, f"rounds {fam.name} B{batch}: tokens differ between the ways of decoding "
+                                       f"({ {k: v[0][:6] for k, v in tokens.items()} }) or never change")
+    us = {k: statistics.median(v) / (n - 1) * 1e6 for k, v in secs.items()}
+    res = dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tokens=n, same=same,
+               us_per_token=us, rounds_read=loops["rounds"].rounds, x_host=us["rounds"] / us["host"])
+    print(f"  {fam.name:22s} B{batch} {fam.stress_dtype}: {n - 1} steps, tokens identical {same}; us/token "
+          f"host-driven {us['host']:.1f}, replay + read per token {us['replay']:.1f}, rounds of 8 "
+          f"{us['rounds']:.1f} ({res['x_host']:.2f}x host-driven)", flush=True)
+    return res
+
+
 # ---------------------------------------------------------------------------------------------------
 # Driver
 
@@ -1507,6 +1570,14 @@ def run_part(ctx: Ctx, part: str, fams: dict) -> Any:
             if f.control:
                 for batch in batches(ctx, f, part):
                     results.append(guarded(ctx, f"control {f.name} B{batch}", lambda: prove_control(ctx, f, batch)))
+    elif part == "rounds":
+        for f in selected:
+            if f.advance:
+                for batch in batches(ctx, f, part):
+                    # Its tokens are also proven on the CPU (test_megakernel_decode_loop.py): under a
+                    # short budget it yields to the timing part, saying so.
+                    if not over_budget(ctx, f"rounds {f.name} B{batch}"):
+                        results.append(guarded(ctx, f"rounds {f.name} B{batch}", lambda: prove_rounds(ctx, f, batch)))
     elif part == "liveness":
         results.append(guarded(ctx, "liveness", lambda: prove_liveness(ctx)))
     elif part == "timing":
@@ -1558,6 +1629,11 @@ def summary_lines(ctx: Ctx) -> list[str]:
     for r in parts.get("liveness", {}).get("results", []):
         lines.append(f"Liveness: a never-signalled wait (spin limit {r.get('spin_limit')}) returned in "
                      f"{r.get('launch_s')} s and raised: {bool(r.get('ok'))}.")
+    for r in parts.get("rounds", {}).get("results", []):
+        us = r["us_per_token"]
+        lines.append(f"Decode loop ({r['family']} B{r['batch']} {r['dtype']}, {r['tokens'] - 1} steps): tokens "
+                     f"identical {r['same']}; us/token host-driven {us['host']:.1f}, one replay + read per token "
+                     f"{us['replay']:.1f}, rounds of 8 {us['rounds']:.1f} ({r['x_host']:.2f}x).")
     for msg in ctx.out.get("skipped", []):
         lines.append(f"Skipped: {msg}.")
     failed = ctx.checks.failed

@@ -52,7 +52,7 @@ def test_proof_dry_run_runs_every_part(tmp_path):
     assert out["passed"], out["checks"]["failed"]
     assert json.loads((tmp_path / "p.json").read_text())["checks"] == out["checks"]
     parts = out["parts"]
-    assert list(parts) == ["steps", "stress", "poison", "control", "liveness", "timing"]
+    assert list(parts) == ["steps", "stress", "poison", "control", "liveness", "rounds", "timing"]
     assert not out.get("skipped")
     steps = parts["steps"]["results"]
     assert {(r["family"], r["batch"], r["dtype"]) for r in steps} >= {
@@ -79,6 +79,10 @@ def test_proof_dry_run_runs_every_part(tmp_path):
     assert control["forced"]["differing"] > 0
     (live,) = parts["liveness"]["results"]
     assert live["ok"] and "gave up waiting" in live["message"]
+    # The production decode loop: host-driven, replay per token and rounds give the same tokens.
+    rounds = parts["rounds"]["results"]
+    assert {r["family"] for r in rounds} == {"whisper-tiny.en", "qwen3-asr-0.6b"}
+    assert all(r["same"] and r["tokens"] == out["sizes"]["round_tokens"] and r["rounds_read"] > 0 for r in rounds)
     timing = parts["timing"]["results"]
     assert all(r["us"] > 0 and r["x_floor"] > 0 for r in timing)
     assert any("x_perop" in r for r in timing) and any("x_batch1" in r for r in timing)
