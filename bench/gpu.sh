@@ -7,8 +7,9 @@
 #    family (Whisper tiny.en, large-v3-turbo, Moondream 2; then, through its generic GraphFamily,
 #    Qwen3-ASR 0.6B, Qwen 3.5 0.8B, Gemma 4 E2B and Moondream 3.1 9B-A2B in bf16, steps / poison /
 #    timing only; random weights of real shapes) against the references, race stress with a
-#    positive control, stale-data poisoning, liveness, then time
-#    per step vs the HBM floor and the per-op CUDA graph. A failed check ends the script here, with
+#    positive control, stale-data poisoning, liveness, the production decode loop (host-driven
+#    steps vs one replay per token vs rounds of 8 steps per replay: same tokens, time per token),
+#    then time per step vs the HBM floor and the per-op CUDA graph. A failed check ends the script here, with
 #    the proof's non-zero exit status: nothing is timed on a kernel that is not right.
 # 2. bench/gpu_bench.py: the per-op kernels vs eager, and Whisper tiny's step (eager, per-op graph,
 #    megakernel at gpu_bench's tilings), in the time the proof left.
