@@ -389,6 +389,16 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     s = tl.load(row + 30)
     S = tl.load(row + 31)
     kind = tl.load(row + 32)
+    # The rest of the row now too, before the first branch on a field (one trip to L2), and the
+    # merge's fields before the ticket's acquire (which would send them to L2 again).
+    window = tl.load(row + 42)
+    ring = tl.load(row + 43)
+    Hq = tl.load(row + 8)
+    hk = tl.load(row + 24)
+    bits = tl.load(row + 44)
+    ticket = tl.load(row + 55)
+    tickets = tl.load(row + 56)
+    out = tl.load(row + 18)
     if kind == 0:
         length = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64) + 1
     else:
@@ -396,8 +406,6 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     # Keys [lo, length): lo > 0 with a sliding window. A ring cache holds position t in slot
     # t % Tmax (the window never exceeds the ring, so no two visible keys share a slot); a plain
     # cache never holds more than Tmax.
-    window = tl.load(row + 42)
-    ring = tl.load(row + 43)
     if ring == 0:
         length = tl.minimum(length, Tmax)
     lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
@@ -406,17 +414,13 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     end = tl.minimum(start + chunk, length)
     # Query head h of Hq reads K/V head hk (h // (Hq / H) with grouped-query attention): the
     # compiler writes both into the row rather than have every task divide.
-    Hq = tl.load(row + 8)
-    hk = tl.load(row + 24)
     base = (b * H + hk) * Tmax * Dh
-    bits = tl.load(row + 44)
     scale = tl.where(bits == -1, 1.0 / tl.sqrt(Dh.to(tl.float32)), bits.to(tl.int32).to(tl.float32, bitcast=True))
     kv_ptr = s_ptr.to(tl.pointer_type(tl.bfloat16)) if KV_BF16 else s_ptr
     m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, kv_ptr + kc + base, kv_ptr + vc + base,
                                start, end, Dh, scale, BLOCK_T, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0))
     bh = s_ptr + part + (b * Hq + h) * S * (Dh + 2)
     store_partial(bh + s * (Dh + 2), m, l, acc, Dh, BLOCK_D)
-    ticket = tl.load(row + 55)
     if ticket >= 0:
         # The (b, h)'s ticket, as a signal and a wait in one: the barrier completes every thread's
         # partial stores, the acq_rel increment (one thread) releases them and acquires the other
@@ -425,12 +429,12 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
         drawn = tl.atomic_add(ctrl_ptr + ticket, 1, sem="acq_rel")
         # All threads read the other partials only after the acquire (as after a wait).
         tl.debug_barrier()
-        if drawn == tl.load(row + 56) - 1:
+        if drawn == tickets - 1:
             # The merge reads the S partials in split order, whichever finished last: the same
             # bits every launch. Its stores are published by this task's signal.
             o = decode_merge(bh, S, Dh, BLOCK_S, BLOCK_D, CG)
             dd = tl.arange(0, BLOCK_D)
-            tl.store(s_ptr + tl.load(row + 18) + b * stride + h * Dh + dd, o, mask=dd < Dh)
+            tl.store(s_ptr + out + b * stride + h * Dh + dd, o, mask=dd < Dh)
 
 
 @triton.jit
@@ -972,10 +976,13 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
         # A task of a stage whose output feeds a fused norm: a ticket as the attention partial's,
         # and the last task of the stage to finish computes the rows' statistics before it
         # signals. The stage's readers wait for all of it, so the statistics cost no level.
+        # (Both fields before the acquire, which would send a later read of them to L2.)
+        ticket = tl.load(row + 55)
+        tickets = tl.load(row + 56)
         tl.debug_barrier()
-        drawn = tl.atomic_add(ctrl_ptr + tl.load(row + 55), 1, sem="acq_rel")
+        drawn = tl.atomic_add(ctrl_ptr + ticket, 1, sem="acq_rel")
         tl.debug_barrier()
-        if drawn == tl.load(row + 56) - 1:
+        if drawn == tickets - 1:
             _task_row_stats(row, s_ptr, B, ln_eps, BLOCK_M, BLOCK_K)
     return ran
 
