@@ -153,3 +153,64 @@ def test_batch_on_the_megakernel_backend_answers_as_the_reference(ref, mk_model)
     want = ref.batch(reqs, seed=3)
     assert mk_model.batch(reqs, seed=3) == want
     assert 4 in mk_model.decode._steps
+
+
+
+def _rounds_for(max_new: list[int], launches: int, chunk: int = 8) -> int:
+    """DeviceDecode.stream's rounds until `launches` steps have run: the launches the longest row
+    may need (max_new - 1) taken greedily in powers of two up to `chunk`."""
+    left, done, rounds = max(max_new) - 1, 0, 0
+    while done < launches:
+        n = min(chunk, 1 << (left.bit_length() - 1))
+        left, done, rounds = left - n, done + n, rounds + 1
+    return rounds
+
+
+def test_greedy_batch_decodes_in_rounds_on_the_device(ref, mk_model):
+    """Three greedy rows in the 4-row bucket (one padding slot), prompts of 22, 21 and 24 tokens
+    (past the window of 6: the sliding layers' rings wrap while positions advance on the device),
+    with the model's context cut to 30 positions: row 0 meets a stop token after 7 tokens (inside
+    the first round of 8), row 1 ends at its position limit (30 - 21 + 1 = 10 tokens, before its
+    max_tokens of 14), row 2 at max_tokens (3). The rounds give the tokens, and the per-step lists
+    run() yields, of the per-token megakernel path and of the reference backend, with one read of
+    the device per round: 2 rounds (8 + 1) for 9 launches; each slot's position advanced once per launch."""
+    from photon_core.models.gemma4.decoding import BatchDecoder
+
+    asks = [("and detail", 10), ("hello world", 14), ("the cat sat on the mat", 3)]
+    context = 30
+    loop = mk_model.decode.loop(4)    # built before the context is cut (the step checks its max_len)
+
+    def run(model, **kw):
+        rows = [ref._row(None, q, n, 0.0, 1.0) for q, n in asks]
+        cfg, full = model.config.text, model.config.text.max_context
+        object.__setattr__(cfg, "max_context", context)   # BatchDecoder reads it when built
+        try:
+            decoder = BatchDecoder(model, rows, **kw)
+        finally:
+            object.__setattr__(cfg, "max_context", full)
+        steps = list(decoder.run())
+        return [r.tokens for r in rows], steps, [len(r.prompt) for r in rows]
+
+    want, want_steps, lengths = run(ref)
+    assert [len(t) for t in want] == [7, 10, 3] and lengths == [22, 21, 24]
+    before = loop.rounds
+    got, got_steps, _ = run(mk_model)
+    rounds = loop.rounds - before
+    B = loop.step.batch
+    positions = loop.step.dyn[B:2 * B].tolist()
+    per_token, per_token_steps, _ = run(mk_model, device_rounds=False)
+    assert loop.rounds - before == rounds     # the per-token path launches the step itself
+    assert got == per_token == want
+    assert got_steps == per_token_steps == want_steps
+    launches = 9     # row 1's tokens after its first (row 0's stop token came at launch 7)
+    assert rounds == _rounds_for([10, 10, 3], launches) == 2
+    assert positions == [p + launches for p in lengths] + [launches]
+
+
+def test_the_host_driven_step_reads_its_token_at_the_last_position(mk_model):
+    """The argmax advances, so at the last compiled position its result column says -1 (no room
+    for a next step); the per-token path still gets the row's greedy token (the one fed next)."""
+    mk = mk_model.decode.decoder(1)
+    out = mk.step([17], [MAX_LEN - 1])
+    assert mk.result("token").tolist() == [-1]
+    assert out.tokens == [int(out.logits[0].argmax())] and out.tokens[0] >= 0

@@ -20,7 +20,9 @@ Per step, for B rows (batch bucket 1/2/4/8; each row at its own position, read f
         x      = (x + rms_norm((gelu_tanh(x Wgate) * ple[i]) Wproj, post_per_layer_input_norm))
                  * layer_scalar                        (without per-layer inputs: the scalar on the MLP's)
     logits     = rms_norm(x, norm) @ E.T + logit_bias     (tied head; the bias bars placeholder ids)
-    token      = argmax(logits)
+    token      = argmax(logits)    (`advance`: it becomes the row's next token and the position steps,
+                                    so greedy rows decode in rounds on the device, megakernel.decode_loop;
+                                    the host-driven step sets both anyway)
 
 The final logit softcap c * tanh(l / c) is monotone, so the in-kernel argmax is the greedy token;
 the host applies the cap to the exposed logits when it samples.
@@ -168,7 +170,7 @@ def step_graph(cfg: TextConfig, max_len: int, dtype: torch.dtype = torch.float32
     bias = g.input("logit_bias", cfg.vocab_size)
     logits = g.linear("logits", g.rms_norm("final", x, "text.norm.weight", eps), head, residual=bias)
     g.expose("logits", logits)
-    g.argmax("token", logits)
+    g.argmax("token", logits, advance=True)
     return g
 
 
@@ -259,7 +261,9 @@ class Gemma4DecoderStep(CompiledStep):
             c = float(self.cfg.final_softcap)
             logits = torch.tanh(logits / c) * c
         logits.masked_fill_(~self.allowed, float("-inf"))
-        return StepOut(logits, self.result("token").tolist())
+        # The argmax advances: it wrote each row's token into the next step's input, also for a row at
+        # the last compiled position, whose result column says -1 (no room for a next step).
+        return StepOut(logits, self.dyn[:self.batch].tolist())
 
 
 # google/gemma-4-E2B-it's text config (as bench/families.py states it): 35 layers x 1536, 8 heads /

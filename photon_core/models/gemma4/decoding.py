@@ -1,7 +1,10 @@
 """Decoding rows of Gemma 4 text together: each row is one request (its prompt, optional image soft
 tokens, limits and sampling), prefilled on its own, then joined into one batch cache where every
 decode step is one batched forward for all rows still going (a stepper: OpsStepper here, or on
-the megakernel backend megakernel_decode.MegakernelStepper, one launch of the compiled step)."""
+the megakernel backend megakernel_decode.MegakernelStepper, one launch of the compiled step).
+When every row is greedy on the megakernel, the tokens after each row's first decode in rounds on
+the device instead (MegakernelStepper.rounds: up to 8 launches per read, no logits read): the same
+tokens, rows and stops; `run()` yields a round's tokens step by step."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ import torch
 from . import text
 
 if TYPE_CHECKING:
+    from .megakernel_decode import MegakernelStepper
     from .model import Gemma4Model
 
 
@@ -37,9 +41,12 @@ def check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
 
 
 class BatchDecoder:
-    def __init__(self, model: "Gemma4Model", rows: list[Row], seed: int | None = None) -> None:
+    def __init__(self, model: "Gemma4Model", rows: list[Row], seed: int | None = None,
+                 device_rounds: bool = True) -> None:
+        """device_rounds: greedy batches on the megakernel decode in rounds on the device (False:
+        one launch per token, the host reading each token)."""
         cfg = model.config.text
-        self.model, self.rows = model, rows
+        self.model, self.rows, self.device_rounds = model, rows, device_rounds
         for r in rows:
             check_sampling(r.max_tokens, r.temperature, r.top_p)
             if len(r.prompt) >= cfg.max_context:
@@ -94,6 +101,9 @@ class BatchDecoder:
             last.append(stepper.prefill(b, r))
             if r.max_tokens == 0:
                 r.done = True
+        if self.device_rounds and hasattr(stepper, "rounds") and all(r.temperature == 0 for r in self.rows):
+            yield from self._run_rounds(stepper, last)
+            return
         logits, greedy = torch.stack(last), None
         while True:
             new: list[int | None] = []
@@ -110,6 +120,47 @@ class BatchDecoder:
             for r in self.rows:
                 if not r.done:
                     r.pos += 1
+
+    def _run_rounds(self, stepper: "MegakernelStepper", last: list[torch.Tensor]) -> Iterator[list[int | None]]:
+        """_run's tokens for greedy rows, decoded in rounds on the device. Each row's first token
+        comes from its prefill's logits as in _run; the device then decodes up to max_new tokens
+        in all: _accept finishes a row of prompt length P after its k-th token (k >= 1, taken at
+        position P + k - 1) once k >= max_tokens or P + k - 1 >= limit, so
+        max_new = min(max_tokens, limit - P + 1); a stop token ends it sooner (not recorded).
+        The loop yields (row, token) pairs step by step; a step's list goes out once every row
+        still going has its token, or once a later step's token (or the end) shows that the rows
+        without one stopped."""
+        pad = self.model.config.text.pad_id
+        max_new = [0 if r.done else min(r.max_tokens, r.limit - r.pos + 1) for r in self.rows]
+        first = [self._choose(r, logits) if n else pad for r, logits, n in zip(self.rows, last, max_new)]
+        pending: dict[int, int] = {}
+        step = 0          # the step (0: the first tokens) of the pending tokens
+
+        def flush() -> list[int | None]:
+            for b, r in enumerate(self.rows):
+                if b not in pending:
+                    r.done = True    # still going before this step and no token: a stop token
+            new = [pending.get(b) for b in range(len(self.rows))]
+            pending.clear()
+            return new
+
+        for b, tok in stepper.rounds(first, [r.pos for r in self.rows], max_new, self.model.eos_ids):
+            r = self.rows[b]
+            if pending and len(r.tokens) != step:
+                yield flush()
+            step = len(r.tokens)
+            if step:
+                r.pos += 1
+            r.tokens.append(tok)
+            pending[b] = tok
+            if len(r.tokens) == max_new[b]:
+                r.done = True
+            if all(row.done or i in pending for i, row in enumerate(self.rows)):
+                yield flush()
+        if pending:
+            yield flush()
+        for r in self.rows:
+            r.done = True
 
 
 class OpsStepper:

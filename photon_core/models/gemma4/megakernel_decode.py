@@ -9,19 +9,26 @@ cache and copied into its slot of the compiled step's caches, and every later to
 for all slots. Greedy rows take the in-kernel argmax; sampling rows the exposed logits (softcapped
 on the host). A request longer than the compiled context (`max_len`) decodes per op instead.
 
+When every row is greedy, the tokens after each row's first decode in rounds on the device
+(`MegakernelStepper.rounds`, megakernel.decode_loop): the step's argmax advances each row's token and
+position itself, so up to 8 launches (on CUDA one CUDA-graph replay) run per read of the device, and
+no logits are read. Each bucket's DeviceDecode is built with its compiled step, before any request
+writes the step's caches (on CUDA building it captures, so runs, the rounds).
+
 One request or batch at a time per model (the compiled steps' arenas): a concurrent second call
 raises instead of corrupting the first.
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
 from photon_core.megakernel.compiler import Tiling
+from photon_core.megakernel.decode_loop import DeviceDecode
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 
 from . import text
@@ -55,6 +62,7 @@ class MegakernelDecode:
             raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {weight_dtype}")
         self.weight_dtype = weight_dtype
         self._steps: dict[int, Gemma4DecoderStep] = {}
+        self._loops: dict[int, DeviceDecode] = {}
         self._busy = threading.Lock()
 
     def decoder(self, batch: int) -> Gemma4DecoderStep:
@@ -66,7 +74,14 @@ class MegakernelDecode:
             self._steps[batch] = Gemma4DecoderStep(
                 m.w, m.config.text, batch, self.max_len, self.tiling, self.weight_dtype, weights=shared,
                 barred=m.config.placeholder_ids, model_dtype=m.dtype)
+            # With the step, before any row is loaded into its caches: on CUDA it captures (runs) rounds.
+            self._loops[batch] = DeviceDecode(self._steps[batch])
         return self._steps[batch]
+
+    def loop(self, batch: int) -> DeviceDecode:
+        """The greedy rounds of one batch bucket's compiled step (built with it)."""
+        self.decoder(batch)
+        return self._loops[batch]
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -92,6 +107,7 @@ class MegakernelStepper:
                              f"({fm.max_rows} rows, {fm.max_len} positions)")
         self.fm, self.rows, self.max_len = fm, rows, max_len
         self.mk = fm.decoder(bucket_for(rows))
+        self.loop = fm.loop(self.mk.batch)
 
     def prefill(self, b: int, row: "Row") -> torch.Tensor:
         """Row b's prompt per op on its own cache, copied into slot b: logits [vocab] after it."""
@@ -106,3 +122,19 @@ class MegakernelStepper:
         pad = self.mk.batch - self.rows
         out = self.mk.step(ids + [self.fm.model.config.text.pad_id] * pad, pos + [0] * pad)
         return out.logits[:self.rows], out.tokens[:self.rows]
+
+    def rounds(self, first: Sequence[int], positions: Sequence[int], max_new: Sequence[int],
+               stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        """Greedy decode of every row in rounds on the device (DeviceDecode.stream): (row, token)
+        pairs, each row's first token (the prefill's, fed at its position, the prompt length), then
+        its next ones until a stop token (excluded) or its max_new tokens; a round's tokens step by
+        step. The same tokens as `step` fed one per launch. Padding slots decode from the pad token
+        at position 0 of their own caches. The rows' caches are spent afterwards (they decode on to
+        the end of the last round)."""
+        if len(first) != self.rows or len(positions) != self.rows or len(max_new) != self.rows:
+            raise ValueError(f"need one first token, position and max_new per row ({self.rows})")
+        if any(p + n - 1 > self.max_len for p, n in zip(positions, max_new)):
+            raise ValueError(f"{max(max_new)} new tokens do not fit the rows' {self.max_len} positions")
+        pad = self.mk.batch - self.rows
+        self.mk.set_step(list(first) + [self.fm.model.config.text.pad_id] * pad, list(positions) + [0] * pad)
+        return self.loop.stream(first, max_new, stop)
