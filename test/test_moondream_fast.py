@@ -242,6 +242,24 @@ def test_caption_and_query_match_reference():
     assert "".join(fast.query(fast_e, "what is this ?", max_tokens=3, stream=True)["answer"]) == want["answer"]
 
 
+def test_greedy_caption_decodes_in_rounds_on_the_device():
+    """A greedy caption of 11 tokens on the megakernel: the tokens after the first come in rounds of
+    8 and 2 steps (the masked argmax's token embedded into the next input on the device), one read
+    each, and the text is the reference's."""
+    ckpt = ff.checkpoint(seed=1, object_bias=False)
+    ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
+    img = ff.image(seed=1)
+    ref_e, fast_e = ref_m.encode_image(img), fast.encode_image(img)
+    want = ref_m.caption(ref_e, "normal", max_tokens=11)
+    n = len(fast.tokenizer.encode(want["caption"]))
+    fast.decode.decoder(1)
+    loop = fast.decode._text_loop
+    before = loop.rounds
+    assert fast.caption(fast_e, "normal", max_tokens=11) == want
+    assert n >= 9 and len(set(want["caption"].split())) > 3
+    assert loop.rounds - before == 2
+
+
 def test_fast_model_rules(pair, encoded):
     ref_m, fast = pair
     ref_e, _ = encoded

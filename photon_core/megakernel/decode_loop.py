@@ -13,7 +13,8 @@ the host drives costs three per token (the token, the error flag, the claim coun
 A family whose next token is not a plain argmax (Whisper's timestamp grammar) passes `pick`: a
 function of the step's outputs, made of device ops (no host reads), giving each row's next token
 (and optionally a score per row, e.g. its log-probability); the loop then feeds the token and steps
-the position itself, with the kernel's range rule. A full row's token is still valid (it came from
+the position itself, with the kernel's range rule; a graph that takes its token as an input vector
+(Moondream's embeddings) also passes `feed`, device ops writing that input from the tokens. A full row's token is still valid (it came from
 the last position); the host raises only if that row needs another step.
 
 On CUDA each round is one CUDA-graph replay: rounds of 1, 2, 4, ... chunk steps are captured once,
@@ -46,10 +47,13 @@ class DeviceDecode:
 
     def __init__(self, step: "CompiledStep", result: str = "token", chunk: int = 8,
                  cuda_graphs: bool | None = None,
-                 pick: Callable[[], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 pick: Callable[[], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 results: Collection[str] | None = None,
+                 feed: Callable[[torch.Tensor], None] | None = None) -> None:
         """chunk: the most steps per round (a power of two); cuda_graphs: replay captured rounds
         (default: on CUDA); pick: () -> next tokens [B] (or (tokens, scores [B])) from the step's
-        outputs, by device ops only."""
+        outputs, by device ops only; results: run the graph pruned to these result columns (None:
+        all of it); feed: tokens [B] -> None, writing the next step's inputs on the device."""
         if chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk}")
         gd = step.graph_def
@@ -57,8 +61,8 @@ class DeviceDecode:
         if pick is None and (node is None or not node.args["advance"]):
             raise ValueError(f"{gd.name}: result {result!r} is not an advancing argmax: the host would have "
                              "to feed every token (or pass `pick`)")
-        self.step, self.chunk, self._pick = step, chunk, pick
-        self.kernel = step.kernel_for(None)
+        self.step, self.chunk, self._pick, self._write = step, chunk, pick, feed
+        self.kernel = step.kernel_for(results)
         B, dev = step.batch, step.out.device
         if pick is None:
             self._token = step.out.view(B, max(1, len(gd.results)))[:, gd.results.index(result)]
@@ -108,6 +112,8 @@ class DeviceDecode:
             self.score_history[i].copy_(score)
         dyn[:B].copy_(tok)
         pos.copy_(torch.where(full, pos, pos + 1))
+        if self._write is not None:
+            self._write(tok)
 
     def _run(self, n: int) -> list[list[int]]:
         """One round of n steps; the tokens [n][B] after checking the launches' flags (one read)."""

@@ -13,7 +13,10 @@ its skills go through it:
   MegakernelStepper: up to 8 requests share each launch in the smallest batch bucket (1, 2, 4, 8)
   that holds them; every bucket's compiled step reads one shared copy of the weights.
 * caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step);
-  `sequence` gives that loop's one-request decode state to other protocols (Moondream 3's segment).
+  greedy ones decode in rounds on the device (megakernel.decode_loop: the masked argmax's token is
+  embedded into the next step's input by device ops; on CUDA one CUDA-graph replay and one read per
+  round of up to 8 tokens). `sequence` gives that loop's one-request decode state to other
+  protocols (Moondream 3's segment).
 
 The compiled step class comes from the model (`model.decoder_megakernel()`), and the prefill and
 embeddings from its `text_impl`, so Moondream 3 (another decoder on the same skills) runs here too.
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from photon_core.megakernel.compiler import Tiling
+from photon_core.megakernel.decode_loop import DeviceDecode
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from photon_core.models.moondream import batch as batch_decoding
 from photon_core.models.moondream import skills
@@ -64,6 +68,7 @@ class MegakernelDecode:
         self.weight_dtype = weight_dtype
         self.step_class = model.decoder_megakernel()
         self._decoders: dict[int, MoondreamDecoderMegakernel] = {}
+        self._text_loop: DeviceDecode | None = None
         self._busy = threading.Lock()
         # The two masks every skill uses; the megakernel applies them as logit biases.
         self._answer, self._boundary = skills.answer_mask(model), skills.boundary_mask(model)
@@ -77,7 +82,21 @@ class MegakernelDecode:
             self._decoders[batch] = self.step_class(
                 self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
                 tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared, device=self.device)
+            if batch == 1:
+                # With the step, before any request writes its caches: on CUDA it captures (runs) rounds.
+                self._text_loop = self._rounds(self._decoders[1])
         return self._decoders[batch]
+
+    def _rounds(self, mk: MoondreamDecoderMegakernel) -> DeviceDecode:
+        """Greedy caption/query rounds on the batch-1 step's text graph: the masked argmax picks the
+        token, and its embedding becomes the next step's input, both on the device."""
+        m = self.model
+        token = mk.out.view(mk.batch, -1)[:, 0]
+        x = mk.view("x")
+
+        def feed(tok: torch.Tensor) -> None:
+            x.copy_(m.text_impl.embed(tok.long()[:, None], m.text_w).reshape(x.shape))
+        return DeviceDecode(mk, pick=lambda: token, results=("token",), feed=feed)
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -111,6 +130,16 @@ class MegakernelDecode:
             with self._exclusive(), torch.no_grad():
                 seq = Sequence(self, enc, length, region_heads=False)
                 res = seq.prompt(prompt, self._answer)
+                if temperature == 0 and max_tokens > 0:
+                    # The per-token loop below ends a row after its n-th token once n == max_tokens
+                    # or the position reached (seq.pos + n - 1) is the request's length.
+                    first = res.tokens[0]
+                    seq.mk.set_step(None, [seq.pos])
+                    seq.mk.view("x").copy_(seq.embed([first]).reshape(1, -1))
+                    limit = min(max_tokens, length - seq.pos + 1)
+                    for _, tok in self._text_loop.stream([first], [limit], {cfg.tokenizer.eos_id}):
+                        yield tok
+                    return
                 for n in range(1, max_tokens + 1):
                     if temperature == 0:
                         tok = res.tokens[0]  # the in-kernel masked argmax
