@@ -42,8 +42,8 @@ NEVER = 2 ** 31 - 1
 
 
 class DeviceDecode:
-    """Greedy rounds of one compiled step (its full graph): `result` an advancing argmax, or the
-    tokens that `pick` computes after each launch."""
+    """Greedy rounds of one compiled step (its whole graph, or the part computing `results`):
+    `result` an advancing argmax, or the tokens that `pick` computes after each launch."""
 
     def __init__(self, step: "CompiledStep", result: str = "token", chunk: int = 8,
                  cuda_graphs: bool | None = None,
@@ -160,9 +160,9 @@ class DeviceDecode:
                 yield r, t
                 if limit[r] > 1:
                     live.append(r)
-        left = max((limit[r] for r in live), default=1) - 1   # launches the longest row may still need
         current = list(first) + [0] * (self.step.batch - len(first))
-        while live and left > 0:
+        while live:
+            left = max(limit[r] - count[r] for r in live)   # launches the longest live row may still need
             n = min(self.chunk, 1 << (left.bit_length() - 1))
             with each_round(current, n) if each_round is not None else contextlib.nullcontext():
                 rounds = self._run(n)
@@ -183,7 +183,6 @@ class DeviceDecode:
                     yield r, t
                     if count[r] == limit[r]:
                         live.remove(r)
-            left -= n
 
 
 __all__ = ["DeviceDecode"]
