@@ -84,3 +84,25 @@ def test_megakernel_window_reads_the_device_once_per_round(model):
         [s["avg_logprob"] for s in want_raw.segments], rel=1e-6, abs=1e-6)
     n = len(want_raw.tokens)            # tokens after the first (host-chosen) one, plus EOT: n launches
     assert n >= 6 and steps.loop.rounds <= n // 8 + 3 and steps.loop.rounds < n
+
+
+def test_megakernel_batch_of_windows_decodes_as_rows_of_a_bucket(model):
+    """Two clips through WhisperSpeech.batch on the megakernel: their first windows decode as the
+    rows of the 2-row bucket in rounds on the device (rows finishing at different steps), and each
+    clip's transcript is the reference path's for that clip alone."""
+    from test_whisper_megakernel import INTERPRETER_TILING
+    from speech_audio import espeak_pcm
+    from photon_core.models.whisper.megakernel_steps import MegakernelSteps
+
+    clips = [espeak_pcm(t) for t in ("Stop right there.", "Turn left.")]
+    want = [model.transcribe(pcm, rate) for pcm, rate in clips]
+    steps = MegakernelSteps(model.net, tiling=INTERPRETER_TILING)
+    model.decoder.steps = steps
+    try:
+        got = model.batch([dict(audio=pcm, sample_rate=rate) for pcm, rate in clips])
+    finally:
+        model.decoder.steps = None
+    for g, w in zip(got, want):
+        assert g["text"] == w["text"] and g["segments"] == w["segments"]
+    assert len({len(w["text"]) for w in want}) == 2
+    assert steps._rounds[2][1].rounds > 0 and 1 not in steps._rounds   # one batch, no window alone

@@ -256,7 +256,9 @@ class WhisperDecoderMegakernel(CompiledStep):
 
     def __init__(self, wt: WhisperDecoderWeights, batch: int, max_len: int, enc_len: int,
                  tiling: Tiling = Tiling(), advance: bool = False, logit_bias: bool = False,
-                 check: bool = True, weight_dtype: torch.dtype = torch.float32) -> None:
+                 check: bool = True, weight_dtype: torch.dtype = torch.float32,
+                 shared_weights: torch.Tensor | None = None) -> None:
+        """shared_weights: another bucket's weights arena (one copy of the weights for all)."""
         d, h = wt.d_model, wt.n_heads
         if d % h:
             raise ValueError(f"d_model {d} not divisible by {h} heads")
@@ -264,7 +266,7 @@ class WhisperDecoderMegakernel(CompiledStep):
             raise ValueError(f"max_len {max_len} exceeds the {wt.positional_embedding.shape[0]} learned positions")
         self.wt, self.max_len, self.enc_len = wt, max_len, enc_len
         super().__init__(step_graph(wt, max_len, enc_len, advance, logit_bias), step_weights(wt), batch,
-                         tiling, weight_dtype, check=check)
+                         tiling, weight_dtype, check=check, shared_weights=shared_weights)
 
     def set_encoder_output(self, enc: torch.Tensor, lengths: list[int] | None = None) -> None:
         """Cross-attention K/V for all layers from the encoder output [B, T, D], T <= enc_len."""

@@ -195,11 +195,30 @@ class WindowDecoder:
         device = cache.k.device
         bsz = cache.k.shape[1]
 
+        # On the megakernel the rows take a batch bucket and every token after the first decodes
+        # in rounds on the device (as `decode` does for one window).
+        rounds = (self.steps is not None and hasattr(self.steps, "greedy_rows") and bsz <= self.steps.max_rows
+                  and len(initial) + sample_len <= self.n_ctx)
+        if rounds:
+            self.steps.prepare(self, bsz)
         hidden = net.decode(torch.tensor([initial] * bsz, device=device), 0, cache)
         first = net.logits(hidden[:, [sot_index, -1]])
         no_speech = ([first[i, 0].softmax(-1)[tok.no_speech].item() for i in range(bsz)]
                      if tok.no_speech is not None else [float("nan")] * bsz)
         logits = first[:, 1]
+        if rounds:
+            self.steps.start(cache, len(initial))
+            firsts, sum_logprob = [], []
+            for i in range(bsz):
+                self._apply_rules(logits[i], [], timestamps)
+                t = int(net.ops.argmax(logits[i]))
+                firsts.append(t)
+                sum_logprob.append(torch.log_softmax(logits[i], dim=-1)[t].item())
+            sampled, scores = self.steps.greedy_rows(firsts, len(initial), timestamps, sample_len, tok.eot)
+            for i in range(bsz):
+                for lp in scores[i]:
+                    sum_logprob[i] += lp
+            return [self._result(sampled[i], sum_logprob[i], no_speech[i]) for i in range(bsz)]
 
         sampled: list[list[int]] = [[] for _ in range(bsz)]
         sum_logprob = [0.0] * bsz
@@ -227,9 +246,9 @@ class WindowDecoder:
             step = torch.tensor(nxt, device=device)[:, None]
             logits = self._step(cache, lambda: net.logits(net.decode(step, n_tokens - 1, cache))[:, -1])
 
-        results = []
-        for i in range(bsz):
-            text = tok.decode(sampled[i]).strip()
-            results.append(DecodeResult(sampled[i], text, sum_logprob[i] / (len(sampled[i]) + 1),
-                                        no_speech[i], 0.0, compression_ratio(text)))
-        return results
+        return [self._result(sampled[i], sum_logprob[i], no_speech[i]) for i in range(bsz)]
+
+    def _result(self, sampled: list[int], sum_logprob: float, no_speech: float) -> DecodeResult:
+        """A greedy window's result from its tokens (EOT excluded) and their summed log-probability."""
+        text = self.tok.decode(sampled).strip()
+        return DecodeResult(sampled, text, sum_logprob / (len(sampled) + 1), no_speech, 0.0, compression_ratio(text))

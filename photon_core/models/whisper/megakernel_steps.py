@@ -4,8 +4,9 @@ The prompt is prefilled by the model's own ops (many tokens at once is not what 
 for); each following token is one persistent launch that runs every decoder layer, the
 cross-attention and the LM head. Greedy windows decode in rounds on the device (`greedy`: the
 logit rules as device ops, device_rules.py, and megakernel.decode_loop: on CUDA one CUDA-graph
-replay and one read of the device per round of up to 8 tokens); sampling (temperature fallback)
-reads each step's logits for the host's rules (`logits`).
+replay and one read of the device per round of up to 8 tokens); several windows at once take
+the rows of a batch bucket (1, 2, 4, 8; every bucket streams one copy of the weights); sampling
+(temperature fallback) reads each step's logits for the host's rules (`logits`, one window).
 """
 from __future__ import annotations
 
@@ -16,50 +17,98 @@ import torch
 from .model import DecoderCache, WhisperNet
 
 if TYPE_CHECKING:
+    from photon_core.megakernel.decode_loop import DeviceDecode
+
+    from .decoder_step import WhisperDecoderMegakernel
     from .decoding import WindowDecoder
+    from .device_rules import DeviceRules
+
+
+def bucket_for(rows: int) -> int:
+    from photon_core.megakernel.graph import bucket_for as bucket   # the megakernel imports triton
+    return bucket(rows)
 
 
 class MegakernelSteps:
+    max_rows = 8   # the largest batch bucket (megakernel.graph.BATCH_BUCKETS)
+
     def __init__(self, net: WhisperNet, weight_dtype: torch.dtype = torch.float32,
                  tiling=None) -> None:
         """tiling: photon_core.models.whisper.decoder_step.Tiling; None = the GPU default."""
-        from photon_core.models.whisper.decoder_step import (Tiling, WhisperDecoderMegakernel,
-                                                            WhisperDecoderWeights)
+        from photon_core.models.whisper.decoder_step import Tiling, WhisperDecoderWeights
         d = net.dims
-        self.n_layers = d.n_text_layer
+        self.n_layers, self.dims, self.weight_dtype = d.n_text_layer, d, weight_dtype
+        self.tiling = tiling or Tiling()
         # Built once per model: weight re-layout and graph building are load-time work.
-        self.mk = WhisperDecoderMegakernel(WhisperDecoderWeights.from_whisper(net.w), batch=1,
-                                           max_len=d.n_text_ctx, enc_len=d.n_audio_ctx,
-                                           tiling=tiling or Tiling(), weight_dtype=weight_dtype)
-        self.rules = self.loop = None
+        self.wt = WhisperDecoderWeights.from_whisper(net.w)
+        self._steps: dict[int, "WhisperDecoderMegakernel"] = {}
+        self._rounds: dict[int, tuple["DeviceRules", "DeviceDecode"]] = {}
+        self.mk = self.step(1)
+        self.rows = 1   # the rows (windows) the last `start` loaded
 
-    def prepare(self, decoder: "WindowDecoder") -> None:
-        """Build the device rules and the round loop once, before `start` writes a window's caches
-        (on CUDA building the loop captures rounds, which runs steps)."""
-        if self.loop is None:
+    def step(self, batch: int) -> "WhisperDecoderMegakernel":
+        """The compiled step of one batch bucket (all buckets share the first one's weights)."""
+        if batch not in self._steps:
+            from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel
+            shared = self._steps[1].weights if 1 in self._steps else None
+            d = self.dims
+            self._steps[batch] = WhisperDecoderMegakernel(self.wt, batch=batch, max_len=d.n_text_ctx,
+                                                          enc_len=d.n_audio_ctx, tiling=self.tiling,
+                                                          weight_dtype=self.weight_dtype, shared_weights=shared)
+        return self._steps[batch]
+
+    @property
+    def loop(self) -> "DeviceDecode":
+        """The batch-1 bucket's round loop (built by `prepare`)."""
+        return self._rounds[1][1]
+
+    def prepare(self, decoder: "WindowDecoder", rows: int = 1) -> None:
+        """Build the device rules and the round loop of the bucket holding `rows` once, before
+        `start` writes a window's caches (on CUDA building the loop captures rounds, which runs
+        steps)."""
+        bucket = bucket_for(rows)
+        if bucket not in self._rounds:
             from photon_core.megakernel.decode_loop import DeviceDecode
 
             from .device_rules import DeviceRules
-            self.rules = DeviceRules(decoder, self.mk.logits)
-            self.loop = DeviceDecode(self.mk, pick=self.rules)
+            mk = self.step(bucket)
+            rules = DeviceRules(decoder, mk.logits)
+            self._rounds[bucket] = (rules, DeviceDecode(mk, pick=rules))
 
     def start(self, cache: DecoderCache, length: int) -> None:
-        """Continue from a prefilled cache: its cross K/V and its first `length` positions."""
-        self.mk.set_cross_kv(cache.cross)
+        """Continue from a prefilled cache of B windows (its cross K/V and first `length`
+        positions) in rows 0..B-1 of the bucket holding them; padding rows repeat the last window."""
+        rows = cache.k.shape[1]
+        mk = self.step(bucket_for(rows))
+        pad = mk.batch - rows
+        mk.set_cross_kv([(torch.cat([k, k[-1:].expand(pad, *k.shape[1:])]),
+                          torch.cat([v, v[-1:].expand(pad, *v.shape[1:])])) for k, v in cache.cross])
         for i in range(self.n_layers):
-            self.mk.view(f"L{i}.kcache")[:, :, :length] = cache.k[i, :, :, :length].float()
-            self.mk.view(f"L{i}.vcache")[:, :, :length] = cache.v[i, :, :, :length].float()
+            mk.view(f"L{i}.kcache")[:rows, :, :length] = cache.k[i, :, :, :length].float()
+            mk.view(f"L{i}.vcache")[:rows, :, :length] = cache.v[i, :, :, :length].float()
+        self.rows = rows
 
     def logits(self, token: int, position: int) -> torch.Tensor:
-        """Logits [vocab] after feeding `token` at `position`."""
+        """Logits [vocab] after feeding `token` at `position` (one window, the batch-1 step)."""
         self.mk.step([token], [position])
         return self.mk.logits[0].clone()
 
+    def greedy_rows(self, first: list[int], position: int, timestamps: bool, max_new: int,
+                    eot: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Each started window's greedy tokens from its first one (the host's choice, fed at
+        `position`; EOT there: no tokens), up to max_new or EOT (excluded), and the log-probability
+        of each token the steps chose for it (EOT's too)."""
+        bucket = bucket_for(self.rows)
+        mk, (rules, loop) = self.step(bucket), self._rounds[bucket]
+        pad = bucket - len(first)
+        live = [t if t != eot else 0 for t in first]   # a finished row still needs a token to feed
+        mk.set_step(live + live[-1:] * pad, [position] * bucket)
+        rules.reset([[t] for t in live + live[-1:] * pad], timestamps)
+        tokens = loop.generate(first, max_new, {eot})
+        return tokens, loop.scores
+
     def greedy(self, first: int, position: int, timestamps: bool, max_new: int,
                eot: int) -> tuple[list[int], list[float]]:
-        """Greedy tokens from `first` (the host's choice, fed at `position`), up to max_new of them
-        or EOT (excluded), and the log-probability of each token the steps chose (EOT's too)."""
-        self.mk.set_step([first], [position])
-        self.rules.reset([[first]], timestamps)
-        tokens = self.loop.generate([first], max_new, {eot})[0]
-        return tokens, self.loop.scores[0]
+        """greedy_rows for one window."""
+        tokens, scores = self.greedy_rows([first], position, timestamps, max_new, eot)
+        return tokens[0], scores[0]

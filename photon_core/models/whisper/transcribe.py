@@ -287,8 +287,9 @@ class WhisperSpeech:
         is `self.transcribe(**requests[i])`, each request being transcribe's keyword arguments
         (audio, sample_rate, language, timestamps, initial_prompt, temperature, ...). Clips of at
         most 30 s whose first decode is greedy run their encoder as one batch and their first
-        greedy decode as rows stepping together (grouped by prompt and encoder shape); temperature fallback, later
-        windows, language detection and the megakernel/per-op step paths run per clip. Float32
+        greedy decode as rows stepping together (grouped by prompt and encoder shape; on the
+        megakernel the rows of a batch bucket, decoding in rounds on the device); temperature
+        fallback, later windows, language detection and the per-op step path run per clip. Float32
         products of several rows may round differently in the last bits than one row's (seen in
         no_speech_prob at 1e-6); int8 decoder linears quantize each clip as its own call would.
         processing_time counts from the batch's start."""
@@ -299,7 +300,8 @@ class WhisperSpeech:
             args = inspect.signature(self.transcribe).bind(**request)
             args.apply_defaults()
             pcm, mel, opts = self._prepare(*args.args, **args.kwargs, longform_options={})
-            if (self.decoder.steps is not None or opts.language is None or mel.shape[-1] > N_FRAMES
+            per_op_steps = self.decoder.steps is not None and not hasattr(self.decoder.steps, "greedy_rows")
+            if (per_op_steps or opts.language is None or mel.shape[-1] > N_FRAMES
                     or opts.temperatures[0] != 0):
                 results[i] = self.transcribe(**request)
                 continue
