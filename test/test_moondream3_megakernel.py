@@ -209,6 +209,19 @@ def test_skills_match_reference(pair, encoded):
     assert seg.decode(fast, fast_e, prompt, 6) == (words, coords, sizes)
 
 
+def test_greedy_caption_decodes_in_rounds_on_the_device(pair, encoded):
+    """A streamed greedy caption on the megakernel: rounds on the device (FP8 experts, tau attention)
+    give the reference's text."""
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    want = ref_m.caption(ref_e, "short", max_tokens=6)
+    fast.decode.decoder(1)
+    loop = fast.decode._text_loop
+    before = loop.rounds
+    assert "".join(fast.caption(fast_e, "short", max_tokens=6, stream=True)["caption"]) == want["caption"]
+    assert len(set(want["caption"].split())) > 2 and loop.rounds - before >= 1
+
+
 def test_fp8_experts_stay_fp8_on_the_megakernel(pair):
     """Loaded for the megakernel from an FP8 checkpoint, the experts stay FP8 bytes (1 byte a weight)
     in the compiled step's arena with fp32 row scales beside them (the reference model keeps

@@ -91,7 +91,7 @@ class MegakernelDecode:
         """Greedy caption/query rounds on the batch-1 step's text graph: the masked argmax picks the
         token, and its embedding becomes the next step's input, both on the device."""
         m = self.model
-        token = mk.out.view(mk.batch, -1)[:, 0]
+        token = mk.out.view(mk.batch, -1)[:, mk.graph_def.results.index("token")]
         x = mk.view("x")
 
         def feed(tok: torch.Tensor) -> None:
