@@ -50,8 +50,9 @@ timeout still leaves what it proved):
   6 rounds    the production decode loop (photon_core.megakernel.decode_loop) of every family whose
               step advances itself, in the stress dtype from the same random state three ways: the
               host driving each step (launch, error flag, claim count and token read back: the old
-              path), one captured step replayed per token with one read each, and rounds of up to 8
-              steps per CUDA-graph replay with one read per round. Tokens identical all three ways;
+              path), one captured step replayed per token with one read each, rounds of up to 8
+              steps per CUDA-graph replay with one read per round, and the same rounds with the
+              token picked by torch ops on the exposed logits (Whisper's path). Tokens identical;
               time per token of each (host clock around whole requests, median).
   7 timing    CUDA events, warm-up, median of many replays of the step's CUDA graph: time per step,
               bytes / time, time / HBM floor (bytes = weights once + K/V read), the ratio to Whisper's
@@ -1465,24 +1466,36 @@ def prove_timing(ctx: Ctx, fams: dict) -> list[dict]:
 
 
 def prove_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
-    """Part 6: the production decode loop's three ways give the same tokens; time per token each."""
+    """Part 6: the production decode loop's ways give the same tokens; time per token each."""
     import statistics
+
+    import torch
 
     from photon_core.megakernel.decode_loop import DeviceDecode
     b = build(ctx, fam, batch)
     step = b.step(advance=True)
-    kernel = b.kernel(step)
-    b.use_dtype(step, dtype_of(fam.stress_dtype))   # before capture: graphs keep the arena they saw
     g = step.graph_def
     result = next((n.args["name"] for n in g.nodes if n.op == "argmax" and n.args["advance"]), None)
     if result is None or any(n.op == "input" for n in g.nodes):
         return None   # the host must write something every step: nothing to run in rounds
-    # Built before the state is filled: on a GPU building captures the rounds, which runs steps.
-    loops = {"replay": DeviceDecode(step, result, chunk=1), "rounds": DeviceDecode(step, result, chunk=8)}
+    # "pick": rounds whose token device torch ops choose after each launch (the path Whisper's
+    # logit rules take): torch's argmax of the exposed logits, on the same graph without advance
+    # (the loop steps positions itself), its own arena filled with the same history.
+    plain = b.step(advance=False) if "logits" in g.exposed else None
+    dtype, B = dtype_of(fam.stress_dtype), batch
+    for s in filter(None, (step, plain)):
+        b.kernel(s)
+        b.use_dtype(s, dtype)   # before capture: graphs keep the arena they saw
+    # Built before the states are filled: on a GPU building captures the rounds, which runs steps.
+    loops = {"replay": (step, DeviceDecode(step, result, chunk=1)), "rounds": (step, DeviceDecode(step, result))}
+    if plain is not None:
+        logits = plain.view("logits")
+        loops["pick"] = (plain, DeviceDecode(plain, pick=lambda: torch.argmax(logits[:B], dim=-1)))
     rows = fam.rows(batch, "fixed")
-    fill(step, rows, seed=60 + batch)
-    step.set_step(rows.tokens, rows.positions)
-    n, B = ctx.sizes.round_tokens, batch
+    for s in filter(None, (step, plain)):
+        fill(s, rows, seed=60 + batch)
+        s.set_step(rows.tokens, rows.positions)
+    n, kernel = ctx.sizes.round_tokens, b.kernel(step)
     col = g.results.index(result)
 
     def host_driven() -> list[list[int]]:
@@ -1495,26 +1508,28 @@ def prove_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
                 out[r].append(t)
         return out
 
-    ways = {"host": host_driven, **{k: (lambda lp=lp: lp.generate(rows.tokens, n, ())) for k, lp in loops.items()}}
+    ways = {"host": (step, host_driven),
+            **{k: (s, lambda lp=lp: lp.generate(rows.tokens, n, ())) for k, (s, lp) in loops.items()}}
     tokens, secs = {}, {k: [] for k in ways}
     for _ in range(ctx.sizes.round_repeats):
-        for k, fn in ways.items():
-            with preserved(step):
+        for k, (s, fn) in ways.items():
+            with preserved(s):
                 ctx.sync()
                 t = time.perf_counter()
                 tokens[k] = fn()
                 ctx.sync()
                 secs[k].append(time.perf_counter() - t)
-    same = tokens["replay"] == tokens["host"] == tokens["rounds"]
+    same = all(t == tokens["host"] for t in tokens.values())
     varied = len({t for row in tokens["host"] for t in row}) > 1
     ctx.checks.expect(same and varied, f"rounds {fam.name} B{batch}: tokens differ between the ways of decoding "
                                        f"({ {k: v[0][:6] for k, v in tokens.items()} }) or never change")
     us = {k: statistics.median(v) / (n - 1) * 1e6 for k, v in secs.items()}
-    res = dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tokens=n, same=same,
-               us_per_token=us, rounds_read=loops["rounds"].rounds, x_host=us["rounds"] / us["host"])
+    pick = f", rounds picking by torch ops {us['pick']:.1f}" if "pick" in us else ""
+    res = dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tokens=n, same=same, ways=list(ways),
+               us_per_token=us, rounds_read=loops["rounds"][1].rounds, x_host=us["rounds"] / us["host"])
     print(f"  {fam.name:22s} B{batch} {fam.stress_dtype}: {n - 1} steps, tokens identical {same}; us/token "
           f"host-driven {us['host']:.1f}, replay + read per token {us['replay']:.1f}, rounds of 8 "
-          f"{us['rounds']:.1f} ({res['x_host']:.2f}x host-driven)", flush=True)
+          f"{us['rounds']:.1f} ({res['x_host']:.2f}x host-driven){pick}", flush=True)
     return res
 
 
@@ -1633,7 +1648,8 @@ def summary_lines(ctx: Ctx) -> list[str]:
         us = r["us_per_token"]
         lines.append(f"Decode loop ({r['family']} B{r['batch']} {r['dtype']}, {r['tokens'] - 1} steps): tokens "
                      f"identical {r['same']}; us/token host-driven {us['host']:.1f}, one replay + read per token "
-                     f"{us['replay']:.1f}, rounds of 8 {us['rounds']:.1f} ({r['x_host']:.2f}x).")
+                     f"{us['replay']:.1f}, rounds of 8 {us['rounds']:.1f} ({r['x_host']:.2f}x)"
+                     + (f", rounds picking by torch ops {us['pick']:.1f}" if "pick" in us else "") + ".")
     for msg in ctx.out.get("skipped", []):
         lines.append(f"Skipped: {msg}.")
     failed = ctx.checks.failed

@@ -120,6 +120,8 @@ def test_a_row_at_the_end_of_its_cache_raises():
     assert step.dyn[1].item() == 15   # the device kept the row inside its cache
     with pytest.raises(ValueError, match="power of two"):
         DeviceDecode(step, chunk=3)
+    with pytest.raises(ValueError, match="advances the rows itself"):   # positions would step twice
+        DeviceDecode(step, pick=lambda: step.dyn[:1])
     host_fed = Qwen3ASRDecoderMegakernel(gather_weights(tensors(), dm, 16, torch.device("cpu")), dm, 1, 16,
                                          INTERPRETER_TILING, advance=False)
     with pytest.raises(ValueError, match="not an advancing argmax"):

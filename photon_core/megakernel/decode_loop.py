@@ -61,6 +61,9 @@ class DeviceDecode:
         if pick is None and (node is None or not node.args["advance"]):
             raise ValueError(f"{gd.name}: result {result!r} is not an advancing argmax: the host would have "
                              "to feed every token (or pass `pick`)")
+        if pick is not None and any(n.op == "argmax" and n.args["advance"] for n in gd.nodes):
+            raise ValueError(f"{gd.name}: its argmax advances the rows itself; with `pick` the loop steps "
+                             "them, so it needs the graph without advance")
         self.step, self.chunk, self._pick, self._write = step, chunk, pick, feed
         self.kernel = step.kernel_for(results)
         B, dev = step.batch, step.out.device
