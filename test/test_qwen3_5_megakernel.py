@@ -239,9 +239,12 @@ def test_greedy_rounds_on_the_device_equal_the_per_token_decode(pairs):
         assert rel_err(st3.rec[i], st1.rec[i].float()) < RTOL
         assert rel_err(st3.conv[i], st1.conv[i].float()) < RTOL
 
+    # (A longer prompt asking for fewer tokens: rows fit their own lengths, not the longest prompt
+    # plus the most tokens.)
     reqs = [Request(task="query", image=None, prompt=q, max_tokens=11),
-            Request(task="query", image=None, prompt="the quick brown fox", max_tokens=11)]   # stops at 6
-    mk.decode.decoder(2)
-    before = mk.decode._loops[2].rounds
+            Request(task="query", image=None, prompt="the quick brown fox", max_tokens=11),   # stops at 6
+            Request(task="query", image=None, prompt=q + " say it", max_tokens=2)]
+    mk.decode.decoder(4)
+    before = mk.decode._loops[4].rounds
     assert mk.batch(reqs) == ref.batch(reqs)
-    assert mk.decode._loops[2].rounds - before == 2
+    assert mk.decode._loops[4].rounds - before == 2

@@ -114,8 +114,9 @@ class MegakernelDecode:
         V = self.model.config.text.vocab_size
         if any(not 0 <= t < V for t in first):
             raise ValueError(f"token ids must be in [0, {V})")
-        if int(state.length.max()) + max(max_new, default=0) - 1 > state.max_len:
-            raise ValueError(f"{max(max_new)} new tokens do not fit the state's {state.max_len} positions")
+        if any(n > 0 and length + n - 1 > state.max_len for length, n in zip(state.length.tolist(), max_new)):
+            raise ValueError(f"new tokens {list(max_new)} do not fit the state's {state.max_len} positions "
+                             f"after {state.length.tolist()}")
         with self._lock:
             loop = self._loops[self._bind(state).batch]
 
