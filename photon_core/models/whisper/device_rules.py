@@ -38,6 +38,7 @@ class DeviceRules:
         ts = text.clone()
         ts[tok.no_timestamps] = float("-inf")
         self.bias = torch.stack([text, ts])        # row 0: without timestamps, row 1: with
+        self.window_bias = torch.zeros(V, device=dev)   # the window's row of `bias` (reset)
         self.col = torch.arange(V, device=dev)
         self.timestamps = torch.zeros(1, dtype=torch.long, device=dev)
         self.last = torch.zeros(B, dtype=torch.long, device=dev)
@@ -57,10 +58,11 @@ class DeviceRules:
         self.last_ts.copy_(torch.tensor([next((t for t in reversed(s) if t >= self.tb), -1) for s in sampled],
                                         device=dev))
         self.timestamps.fill_(int(timestamps))
+        self.window_bias.copy_(self.bias[int(timestamps)])   # once a window, not every step
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         tb, col, neg = self.tb, self.col, float("-inf")
-        x = self.logits + torch.index_select(self.bias, 0, self.timestamps)   # no host read of the mode
+        x = self.logits + self.window_bias
         on = self.timestamps.bool()
         last_is_ts = self.last >= tb
         penult_is_ts = (self.count < 2) | (self.penult >= tb)

@@ -81,8 +81,10 @@ class MegakernelSteps:
         rows = cache.k.shape[1]
         mk = self.step(bucket_for(rows))
         pad = mk.batch - rows
-        mk.set_cross_kv([(torch.cat([k, k[-1:].expand(pad, *k.shape[1:])]),
-                          torch.cat([v, v[-1:].expand(pad, *v.shape[1:])])) for k, v in cache.cross])
+        cross = cache.cross if not pad else [(torch.cat([k, k[-1:].expand(pad, *k.shape[1:])]),
+                                               torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]))
+                                              for k, v in cache.cross]   # padding only: no extra copy of a full bucket
+        mk.set_cross_kv(cross)
         for i in range(self.n_layers):
             mk.view(f"L{i}.kcache")[:rows, :, :length] = cache.k[i, :, :, :length].float()
             mk.view(f"L{i}.vcache")[:rows, :, :length] = cache.v[i, :, :, :length].float()
