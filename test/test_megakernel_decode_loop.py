@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from test_qwen3_asr_megakernel import INTERPRETER_TILING, MAX_LEN, tensors  # noqa: E402
 from test_qwen3_asr_reference import ours  # noqa: E402
 
-from photon_core.megakernel.decode_loop import DeviceDecode  # noqa: E402
+from photon_core.megakernel.decode_loop import DeviceDecode, _parts_to_capture  # noqa: E402
 from photon_core.models.qwen3_asr.decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights  # noqa: E402
 from photon_core.models.qwen3_asr.megakernel_decode import MegakernelDecode  # noqa: E402
 
@@ -73,6 +73,25 @@ def test_rounds_give_the_per_token_tokens_with_one_read_per_round():
     # A prefill that already gives a stop token: that row is empty, the others unchanged.
     restored()
     assert loop.generate(first, 5, {want[0][0]}) == cut(want, {want[0][0]}, 5)
+    # On CUDA a round of 7 steps is the replays of its captured parts, 4, 2 and 1 steps at offsets
+    # 0, 4 and 6 of the history, then one read. Each part stands in here for its graph by running
+    # the same round (what capture records), so the offsets and the accumulators are what is tested.
+    replayed = []
+
+    class Part:
+        def __init__(self, n: int, at: int) -> None:
+            self.n, self.at = n, at
+
+        def replay(self) -> None:
+            replayed.append((self.n, self.at))
+            loop._round(self.n, self.at)
+    restored()
+    loop._graphs = {(n, at): Part(n, at) for n, at in _parts_to_capture(loop.chunk)}
+    try:
+        assert loop.generate(first, 8, []) == cut(want, set(), 8)
+    finally:
+        loop._graphs = {}
+    assert replayed == [(4, 0), (2, 4), (1, 6)]
     # (The model's own entry, prefill then rounds, is test_qwen3_asr_megakernel's transcribe test.)
 
 

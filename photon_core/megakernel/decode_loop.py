@@ -17,13 +17,19 @@ the position itself, with the kernel's range rule; a graph that takes its token 
 (Moondream's embeddings) also passes `feed`, device ops writing that input from the tokens. A full row's token is still valid (it came from
 the last position); the host raises only if that row needs another step.
 
-On CUDA each round is one CUDA-graph replay: rounds of 1, 2, 4, ... chunk steps are captured once,
-when the loop is built (capture runs the steps, so build the loop before writing a request's
-state), and a request of n tokens replays the largest that fits what is left. The host learns of a
-stop token at the end of its round: a row that stopped decodes on to the round's end and those
-tokens are dropped. That costs steps, never tokens: each row's tokens are the per-token loop's.
-The rows' caches and recurrent states then hold those extra steps: a request's decode state is
-spent when its loop ends (as every family here uses it).
+On CUDA each round is CUDA-graph replays and one read: rounds of 1, 2, 4, ... chunk steps are
+captured when the loop is built (capture runs the steps, so build the loop before writing a
+request's state), the smaller ones also at the offsets where they continue a larger one, so a round
+of any n <= chunk steps is the replays of n's binary digits, largest first (7 = 4 + 2 + 1), each
+writing its part of the history, then one read. The host learns of a stop token at the end of its
+round: a row that stopped decodes on to the round's end and those tokens are dropped. That costs
+steps, never tokens: each row's tokens are the per-token loop's. The rows' caches and recurrent
+states then hold those extra steps: a request's decode state is spent when its loop ends (as every
+family here uses it).
+
+`pick` may record more than the token: a [B, width] int32 record per row and step (column 0 the
+token fed on), e.g. Moondream's token, coordinate bin and size bins; a family with its own stopping
+protocol drives `run_round` and reads the records itself.
 """
 from __future__ import annotations
 
@@ -49,11 +55,12 @@ class DeviceDecode:
                  cuda_graphs: bool | None = None,
                  pick: Callable[[], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None,
                  results: Collection[str] | None = None,
-                 feed: Callable[[torch.Tensor], None] | None = None) -> None:
+                 feed: Callable[[torch.Tensor], None] | None = None, width: int = 1) -> None:
         """chunk: the most steps per round (a power of two); cuda_graphs: replay captured rounds
-        (default: on CUDA); pick: () -> next tokens [B] (or (tokens, scores [B])) from the step's
-        outputs, by device ops only; results: run the graph pruned to these result columns (None:
-        all of it); feed: tokens [B] -> None, writing the next step's inputs on the device."""
+        (default: on CUDA); pick: () -> next tokens [B] (or [B, width] records whose column 0 is
+        the token; or (tokens, scores [B])) from the step's outputs, by device ops only; results:
+        run the graph pruned to these result columns (None: all of it); feed: tokens [B] (pick's
+        whole records when width > 1) -> None, writing the next step's inputs on the device."""
         if chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk}")
         gd = step.graph_def
@@ -64,37 +71,39 @@ class DeviceDecode:
         if pick is not None and any(n.op == "argmax" and n.args["advance"] for n in gd.nodes):
             raise ValueError(f"{gd.name}: its argmax advances the rows itself; with `pick` the loop steps "
                              "them, so it needs the graph without advance")
-        self.step, self.chunk, self._pick, self._write = step, chunk, pick, feed
+        if width != 1 and pick is None:
+            raise ValueError("records wider than the token need `pick`")
+        self.step, self.chunk, self.width, self._pick, self._write = step, chunk, width, pick, feed
         self.kernel = step.kernel_for(results)
         B, dev = step.batch, step.out.device
         if pick is None:
             self._token = step.out.view(B, max(1, len(gd.results)))[:, gd.results.index(result)]
-        self.history = torch.zeros(chunk, B, dtype=torch.int32, device=dev)
+        self.history = torch.zeros(chunk, B, width, dtype=torch.int32, device=dev)
         self.full = torch.zeros(chunk, B, dtype=torch.int32, device=dev)
         self.score_history = torch.zeros(chunk, B, dtype=torch.float64, device=dev)
         self.scores: list[list[float]] = []   # per row, the score of each step it consumed (last generate)
         self._err = torch.zeros(1, dtype=torch.int32, device=dev)
         self._claimed = torch.zeros(1, dtype=torch.int32, device=dev)
         self.rounds = 0   # host round trips so far (each one read of the device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if cuda_graphs if cuda_graphs is not None else dev.type == "cuda":
             from photon_core.runtime.cuda_graph import capture
-            n = 1
-            while n <= chunk:
-                self._graphs[n], _ = capture(lambda n=n: self._round(n), warmup=1)
-                n *= 2
+            for n, at in _parts_to_capture(chunk):
+                self._graphs[n, at], _ = capture(lambda n=n, at=at: self._round(n, at), warmup=1)
 
-    def _round(self, n: int) -> None:
-        """n launches, each recorded (capturable: fixed shapes, no host reads)."""
+    def _round(self, n: int, at: int = 0) -> None:
+        """n launches recorded at history[at:at + n] (capturable: fixed shapes, no host reads); a
+        round's first part (at 0) starts the error and claim accumulators afresh."""
         ctrl = self.kernel.ctrl
-        self._err.zero_()
-        self._claimed.fill_(NEVER)
-        for i in range(n):
+        if at == 0:
+            self._err.zero_()
+            self._claimed.fill_(NEVER)
+        for i in range(at, at + n):
             self.kernel.launch()
             if self._pick is None:
                 # The argmax fed its token to the next step (dyn) even for a full row, whose
                 # result column says -1.
-                self.history[i].copy_(self.step.dyn[:self.step.batch])
+                self.history[i, :, 0].copy_(self.step.dyn[:self.step.batch])
                 self.full[i].copy_(self._token < 0)
             else:
                 self._feed(i)
@@ -105,32 +114,46 @@ class DeviceDecode:
         """Record pick's tokens and make them the next step's, stepping positions as the advancing
         argmax does: a row whose next position would pass the caches stays there, marked full."""
         picked = self._pick()
-        tok, score = picked if isinstance(picked, tuple) else (picked, None)
+        rec, score = picked if isinstance(picked, tuple) else (picked, None)
         B, dyn = self.step.batch, self.step.dyn
         pos = dyn[B:2 * B]
         full = pos >= self.step.plan.max_position - 1
-        self.history[i].copy_(tok)
+        self.history[i].copy_(rec.view(B, self.width))
         self.full[i].copy_(full)
         if score is not None:
             self.score_history[i].copy_(score)
-        dyn[:B].copy_(tok)
+        dyn[:B].copy_(rec.view(B, self.width)[:, 0])
         pos.copy_(torch.where(full, pos, pos + 1))
         if self._write is not None:
-            self._write(tok)
+            self._write(rec)
 
-    def _run(self, n: int) -> list[list[int]]:
-        """One round of n steps; the tokens [n][B] after checking the launches' flags (one read)."""
-        if n in self._graphs:
-            self._graphs[n].replay()
+    def run_round(self, n: int) -> tuple[list[list], list[list[int]]]:
+        """One round of 1 <= n <= chunk steps from the step's current state, after checking the
+        launches' flags (one read): (records [n][B], each a token or a list of `width` ints;
+        full [n][B], 1 where that step left the row at the last position of its cache). pick's
+        scores, if any, are in `round_scores` [n][B] after it (a second read)."""
+        if not 1 <= n <= self.chunk:
+            raise ValueError(f"a round is 1..{self.chunk} steps, not {n}")
+        if self._graphs:
+            at = 0
+            for bit in reversed(range(n.bit_length())):
+                if n >> bit & 1:
+                    self._graphs[1 << bit, at].replay()
+                    at += 1 << bit
         else:
             self._round(n)
+        B, W = self.step.batch, self.width
         flat = torch.cat([self.history[:n].flatten(), self.full[:n].flatten(), self._err, self._claimed]).tolist()
         self.rounds += 1
         self.kernel.raise_for(flat[-2], flat[-1])
-        B = self.step.batch
-        self._round_scores = self.score_history[:n].tolist() if self._pick is not None else None
-        self._round_full = [flat[(n + i) * B:(n + i + 1) * B] for i in range(n)]
-        return [flat[i * B:(i + 1) * B] for i in range(n)]
+        self.round_scores = self.score_history[:n].tolist() if self._pick is not None else None
+        hist = flat[:n * B * W]
+        if W == 1:
+            records = [hist[i * B:(i + 1) * B] for i in range(n)]
+        else:
+            records = [[hist[(i * B + r) * W:(i * B + r + 1) * W] for r in range(B)] for i in range(n)]
+        full = [flat[n * B * W + i * B:n * B * W + (i + 1) * B] for i in range(n)]
+        return records, full
 
     def generate(self, first: Sequence[int], max_new: int | Sequence[int],
                  stop: Collection[int]) -> list[list[int]]:
@@ -165,10 +188,10 @@ class DeviceDecode:
                     live.append(r)
         current = list(first) + [0] * (self.step.batch - len(first))
         while live:
-            left = max(limit[r] - count[r] for r in live)   # launches the longest live row may still need
-            n = min(self.chunk, 1 << (left.bit_length() - 1))
+            # The launches the longest live row may still need, up to a chunk.
+            n = min(self.chunk, max(limit[r] - count[r] for r in live))
             with each_round(current, n) if each_round is not None else contextlib.nullcontext():
-                rounds = self._run(n)
+                rounds, round_full = self.run_round(n)
             current = rounds[-1]
             for i, tokens in enumerate(rounds):
                 for r in list(live):
@@ -176,9 +199,9 @@ class DeviceDecode:
                     if full[r]:   # this step re-ran the row's last position: it had no room left
                         raise RuntimeError(f"row {r} reached the end of the megakernel's context "
                                            f"({self.step.plan.max_position} positions)")
-                    full[r] = bool(self._round_full[i][r])
-                    if self._round_scores is not None:
-                        self.scores[r].append(self._round_scores[i][r])
+                    full[r] = bool(round_full[i][r])
+                    if self.round_scores is not None:
+                        self.scores[r].append(self.round_scores[i][r])
                     if t in stop:
                         live.remove(r)
                         continue
@@ -186,6 +209,16 @@ class DeviceDecode:
                     yield r, t
                     if count[r] == limit[r]:
                         live.remove(r)
+
+
+def _parts_to_capture(chunk: int) -> list[tuple[int, int]]:
+    """(steps, offset) of every captured part: size m at each offset where it can follow larger
+    parts of a round of at most `chunk` steps (the multiples of 2m below chunk)."""
+    parts, m = [], chunk
+    while m >= 1:
+        parts += [(m, at) for at in range(0, chunk - m + 1, 2 * m)]
+        m //= 2
+    return parts
 
 
 __all__ = ["DeviceDecode"]
