@@ -190,14 +190,17 @@ def test_greedy_decode_after_a_real_prefill_matches_reference(pair, encoded):
 
 def test_skills_match_reference(pair, encoded):
     """detect, point, caption and query decoded together in the batch-4 bucket (rows at different
-    positions, finishing at different steps), and segment: the reference backend's results."""
+    positions, finishing at different steps; the steps after the prompt's in rounds on the device),
+    and segment: the reference backend's results."""
     ref_m, fast = pair
     ref_e, fast_e = encoded
     asks = [("detect", "cup", dict(max_objects=1)), ("point", "dog", dict(max_objects=2)),
             ("caption", "short", dict(max_tokens=4)), ("query", "what is this ?", dict(max_tokens=3))]
     want = ref_m.batch([Request(t, ref_e, p, **kw) for t, p, kw in asks])
+    loop = fast.decode.object_rounds(fast.decode.decoder(4)).loop
+    before = loop.rounds
     got = fast.batch([Request(t, fast_e, p, **kw) for t, p, kw in asks])
-    assert got == want
+    assert got == want and loop.rounds - before >= 1    # decoded in rounds on the device
     assert len(want[0]["objects"]) == 1 and len(want[1]["points"]) == 2
     assert len(set(want[2]["caption"].split())) > 2
     assert fast.decode.decoder(4).weights is fast.decode.decoder(1).weights   # one copy of the weights

@@ -219,14 +219,20 @@ def test_dropped_dependency_is_caught():
 
 
 def test_detect_and_point_match_reference(pair, encoded):
+    """Host-driven megakernel steps (one read per step: the path of batches with a sampled answer);
+    the rounds on the device are test_megakernel_batch_matches_reference's."""
     ref_m, fast = pair
     ref_e, fast_e = encoded
-    got = fast.detect(fast_e, "cup", max_objects=2)
-    want = ref_m.detect(ref_e, "cup", max_objects=2)
-    assert len(want["objects"]) == 2 and got == want
-    got = fast.point(fast_e, "dog", max_objects=2)
-    want = ref_m.point(ref_e, "dog", max_objects=2)
-    assert len(want["points"]) == 2 and got == want
+    fast.decode.device_rounds = False
+    try:
+        got = fast.detect(fast_e, "cup", max_objects=2)
+        want = ref_m.detect(ref_e, "cup", max_objects=2)
+        assert len(want["objects"]) == 2 and got == want
+        got = fast.point(fast_e, "dog", max_objects=2)
+        want = ref_m.point(ref_e, "dog", max_objects=2)
+        assert len(want["points"]) == 2 and got == want
+    finally:
+        fast.decode.device_rounds = True
 
 
 def test_caption_and_query_match_reference():
@@ -273,14 +279,74 @@ def test_fast_model_rules(pair, encoded):
 
 def test_megakernel_batch_matches_reference(pair, encoded):
     """Three requests in the batch-4 bucket (one idle slot), rows at different positions and
-    finishing at different steps: each result equals the reference's own single call."""
+    finishing at different steps, decoded in rounds on the device after the prompt step (the
+    protocol's inputs chosen by device ops): each result equals the reference's own single call."""
     ref_m, fast = pair
     ref_e, fast_e = encoded
-    asks = [("detect", "cup", 1), ("point", "dog", 3), ("point", "person", 2)]
+    asks = [("detect", "cup", 2), ("point", "dog", 3), ("point", "person", 2)]
+    loop = fast.decode.object_rounds(fast.decode.decoder(4)).loop
+    before = loop.rounds
     got = fast.batch([Request(t, fast_e, p, max_objects=n) for t, p, n in asks])
     want = [getattr(ref_m, t)(ref_e, p, max_objects=n) for t, p, n in asks]
-    assert got == want and [len(r.get("points", r.get("objects"))) for r in got] == [1, 3, 2]
+    assert got == want and [len(r.get("points", r.get("objects"))) for r in got] == [2, 3, 2]
+    # Two rounds of 3 steps: each row through its next boundary, then through the objects left to it.
+    assert loop.rounds - before == 2
     assert fast.decode.decoder(4).weights is fast.decode.decoder(1).weights     # one copy of the weights
+
+
+def test_rounds_feed_the_inputs_the_host_would(pair):
+    """The device's choice of each row's next input, what batch._advance computes from the same
+    results: the encoded x at a boundary whose token is `coord`, the token's embedding at one
+    that ends, the encoded size, an answer token's embedding; and the phases after them."""
+    from photon_core.models.moondream.megakernel_decode import size_values
+    from photon_core.models.moondream.object_rounds import PHASE
+    _, fast = pair
+    m, tk = fast, fast.config.tokenizer
+    dev = fast.decode.object_rounds(fast.decode.decoder(4))
+    x = dev.mk.view("x")
+    with torch.no_grad():
+        for phases, detect, want_phase in (([0, 2, 0, 3], [True, True, False, False], [1, 0, 0, 3]),
+                                           ([1, 1, 0, 2], [True, False, True, False], [2, 0, 1, 0])):
+            rec = torch.tensor([[tk.coord_id, 517, 3, 9], [tk.eos_id, 12, 300, 701],
+                                [tk.eos_id if phases[2] == 0 and not detect[2] else tk.coord_id, 1000, 5, 6],
+                                [42, 7, 1020, 2]], dtype=torch.int32)
+            dev.phase.copy_(torch.tensor(phases))
+            dev.detect.copy_(torch.tensor(detect))
+            dev._feed(rec)
+            for r, (ph, (tok, coord, wb, hb)) in enumerate(zip(phases, rec.tolist())):
+                if (ph == 0 and tok == tk.coord_id) or ph == 1:
+                    want = m.region_impl.encode_coords([coord / fast.config.region.coord_out_dim], m.region_w, m.ops)
+                elif ph == 2:
+                    want = m.region_impl.encode_sizes([size_values((wb, hb))], m.region_w, m.ops)
+                else:
+                    want = m.text_impl.embed(torch.tensor([[tok]]), m.text_w)
+                    assert torch.equal(x[r], want.reshape(-1).float()), (phases, r)
+                # The encoders' batched matmuls round by the number of rows (as a host-driven batch's do).
+                torch.testing.assert_close(x[r], want.reshape(-1).float(), rtol=1e-5, atol=1e-5, msg=f"{phases} {r}")
+            assert dev.phase.tolist() == want_phase
+    assert PHASE == {"boundary": 0, "y": 1, "size": 2, "token": 3}
+
+
+def test_round_sizes_follow_the_protocol():
+    """Each object row through its next boundary, plus as many objects as it has found (within its
+    max_objects); answer rows their tokens left; at most CHUNK."""
+    from photon_core.models.moondream.batch import BOUNDARY, COORD_Y, SIZE, TOKEN, _Row
+    from photon_core.models.moondream.object_rounds import CHUNK, round_size
+
+    def row(task, phase, found=0, max_objects=50, tokens=0, max_tokens=20):
+        r = _Row(Request(task, None, "x", max_objects=max_objects, max_tokens=max_tokens), [], 999, 0, phase)
+        r.objects, r.tokens = [{}] * found, [0] * tokens
+        return r
+    assert round_size([row("detect", COORD_Y)], [0]) == 3          # a first object: no step wasted
+    assert round_size([row("point", COORD_Y)], [0]) == 2
+    assert round_size([row("detect", COORD_Y, found=1)], [0]) == 6
+    assert round_size([row("detect", SIZE, found=2)], [0]) == 8
+    assert round_size([row("detect", BOUNDARY, found=2, max_objects=3)], [0]) == 4
+    assert round_size([row("detect", COORD_Y, found=1, max_objects=2)], [0]) == 3
+    assert round_size([row("point", BOUNDARY, found=40)], [0]) == CHUNK
+    assert round_size([row("caption", TOKEN, tokens=15)], [0]) == 5
+    assert round_size([row("point", COORD_Y), row("caption", TOKEN, tokens=16)], [0, 1]) == 4
+    assert round_size([row("point", COORD_Y), row("caption", TOKEN, tokens=16)], [0]) == 2
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -87,18 +87,22 @@ def _new_row(model: "MoondreamModel", r: Request, prompt: list[int], enc: "Encod
     return _Row(r, prompt, min(limit, enc.pos + len(prompt) + r.max_tokens), enc.pos, TOKEN)
 
 
-def run(model: "MoondreamModel", requests: list[Request], stepper: Any = None) -> list[dict]:
+def run(model: "MoondreamModel", requests: list[Request], decode: Any = None) -> list[dict]:
     """Results of `requests`, each shaped as the matching single call returns it (text not
     streamed). A request that is invalid (empty object, unknown task...) raises ValueError before
-    any image is encoded (one whose prompt does not fit the context, before any decoding). `stepper` runs the forward passes (default: OpsStepper, the model's own ops;
-    megakernel_decode passes its megakernel stepper)."""
+    any image is encoded (one whose prompt does not fit the context, before any decoding).
+    `decode(rows, encoded)` decodes the rows (default: _decode with OpsStepper, the model's own ops;
+    megakernel_decode passes its own, on megakernel steps)."""
     if not requests:
         return []
     prompts = [_prompt(model, r) for r in requests]
     encoded = _encode_distinct(model, [r.image for r in requests])
     rows = [_new_row(model, r, p, enc) for r, p, enc in zip(requests, prompts, encoded)]
     with torch.inference_mode():
-        _decode(model, rows, encoded, stepper or OpsStepper(model))
+        if decode is None:
+            _decode(model, rows, encoded, OpsStepper(model))
+        else:
+            decode(rows, encoded)
     return [_result(model, row) for row in rows]
 
 
@@ -137,12 +141,14 @@ def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedIma
         nxt = _advance(model, live, heads, answer)
 
 
-def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor) -> torch.Tensor:
+def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,
+             embed: bool = True) -> torch.Tensor | None:
     """Each row reads what its phase needs from the step's heads and gets its next input
     embedding; rows that finish are marked done (their embedding row is a placeholder). Every head
-    is asked once, for all the rows that need it. Returns the next inputs [rows, 1, dim]."""
+    is asked once, for all the rows that need it. Returns the next inputs [rows, 1, dim] (None
+    without `embed`: the device feeds them, object_rounds.py)."""
     ops, rw, tk = model.ops, model.region_w, model.config.tokenizer
-    nxt = torch.zeros(len(rows), 1, model.config.text.dim, dtype=model.dtype, device=model.device)
+    nxt = torch.zeros(len(rows), 1, model.config.text.dim, dtype=model.dtype, device=model.device) if embed else None
     asks = [i for i, r in enumerate(rows) if r.phase in (BOUNDARY, TOKEN)]
     greedy = dict(zip(asks, heads.tokens(asks))) if asks else {}
 
@@ -179,7 +185,8 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
                     row.phase = BOUNDARY
                 else:
                     row.phase = SIZE
-        nxt[coord_rows] = model.region_impl.encode_coords(values, rw, ops)
+        if embed:
+            nxt[coord_rows] = model.region_impl.encode_coords(values, rw, ops)
     if size_rows:
         sizes = heads.sizes(size_rows)
         for i, (w, h) in zip(size_rows, sizes):
@@ -188,8 +195,9 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
             row.objects.append({"x_min": _clamp(row.x - w / 2), "y_min": _clamp(row.y - h / 2),
                                 "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2)})
             row.phase = BOUNDARY
-        nxt[size_rows] = model.region_impl.encode_sizes(sizes, rw, ops)
-    if tokens:
+        if embed:
+            nxt[size_rows] = model.region_impl.encode_sizes(sizes, rw, ops)
+    if tokens and embed:
         ids = torch.tensor([[t] for t in tokens.values()], device=model.device)
         nxt[list(tokens)] = model.text_impl.embed(ids, model.text_w)
     return nxt

@@ -11,7 +11,9 @@ its skills go through it:
   size bins, all read from the last hidden state before post_ln.
 * detect, point and `batch`: batch.py's decode protocol (shared with the ops path) with a
   MegakernelStepper: up to 8 requests share each launch in the smallest batch bucket (1, 2, 4, 8)
-  that holds them; every bucket's compiled step reads one shared copy of the weights.
+  that holds them; every bucket's compiled step reads one shared copy of the weights. Greedy
+  batches decode the steps after the prompt's in rounds on the device (object_rounds.py: the
+  protocol's next inputs chosen by device ops, the host reading a round of results at once).
 * caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step);
   greedy ones decode in rounds on the device (megakernel.decode_loop: the masked argmax's token is
   embedded into the next step's input by device ops; on CUDA one CUDA-graph replay and one read per
@@ -37,7 +39,7 @@ from photon_core.megakernel.compiler import Tiling
 from photon_core.megakernel.decode_loop import DeviceDecode
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from photon_core.models.moondream import batch as batch_decoding
-from photon_core.models.moondream import skills
+from photon_core.models.moondream import object_rounds, skills
 from photon_core.models.moondream.batch import Request
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
 
@@ -69,6 +71,8 @@ class MegakernelDecode:
         self.step_class = model.decoder_megakernel()
         self._decoders: dict[int, MoondreamDecoderMegakernel] = {}
         self._text_loop: DeviceDecode | None = None
+        self._object_rounds: dict[int, object_rounds.ObjectRounds] = {}
+        self.device_rounds = True   # greedy batches (detect, point...) in rounds; False: host-driven steps
         self._busy = threading.Lock()
         # The two masks every skill uses; the megakernel applies them as logit biases.
         self._answer, self._boundary = skills.answer_mask(model), skills.boundary_mask(model)
@@ -82,10 +86,15 @@ class MegakernelDecode:
             self._decoders[batch] = self.step_class(
                 self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
                 tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared, device=self.device)
+            # With the step, before any request writes its caches: on CUDA they capture (run) rounds.
             if batch == 1:
-                # With the step, before any request writes its caches: on CUDA it captures (runs) rounds.
                 self._text_loop = self._rounds(self._decoders[1])
+            self._object_rounds[batch] = object_rounds.ObjectRounds(self, self._decoders[batch])
         return self._decoders[batch]
+
+    def object_rounds(self, mk: MoondreamDecoderMegakernel) -> "object_rounds.ObjectRounds":
+        """The device side of batch rounds on `mk`'s bucket (object_rounds.py)."""
+        return self._object_rounds[mk.batch]
 
     def _rounds(self, mk: MoondreamDecoderMegakernel) -> DeviceDecode:
         """Greedy caption/query rounds on the batch-1 step's text graph: the masked argmax picks the
@@ -115,7 +124,13 @@ class MegakernelDecode:
         if len(requests) > BATCH_BUCKETS[-1]:
             return self.batch(requests[:BATCH_BUCKETS[-1]]) + self.batch(requests[BATCH_BUCKETS[-1]:])
         with self._exclusive():
-            return batch_decoding.run(self.model, requests, MegakernelStepper(self))
+            return batch_decoding.run(self.model, requests, self._decode_rows)
+
+    def _decode_rows(self, rows: list, encoded: list[EncodedImage]) -> None:
+        if self.device_rounds and object_rounds.greedy(rows):
+            object_rounds.decode(self, rows, encoded)
+        else:
+            batch_decoding._decode(self.model, rows, encoded, MegakernelStepper(self))
 
     def generate_text(self, enc: EncodedImage, prompt: list[int], max_tokens: int, temperature: float,
                        top_p: float) -> Iterator[str]:

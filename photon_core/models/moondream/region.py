@@ -49,7 +49,12 @@ def encode_coord(value: float, w: RegionWeights, ops) -> torch.Tensor:
 
 def encode_coords(values: list[float], w: RegionWeights, ops) -> torch.Tensor:
     """n coordinates in [0, 1] -> input embeddings [n, 1, dim] (one per request of a batch)."""
-    x = torch.tensor(values, dtype=w.coord_features.dtype, device=w.coord_features.device)
+    return encode_coord_tensor(torch.tensor(values, dtype=w.coord_features.dtype, device=w.coord_features.device),
+                               w, ops)
+
+
+def encode_coord_tensor(x: torch.Tensor, w: RegionWeights, ops) -> torch.Tensor:
+    """encode_coords of a device tensor [n] (no host values: capturable)."""
     return ops.linear(fourier(x[:, None, None], w.coord_features), *w.coord_encoder)
 
 
@@ -60,7 +65,12 @@ def encode_size(width: float, height: float, w: RegionWeights, ops) -> torch.Ten
 
 def encode_sizes(sizes: list[tuple[float, float]], w: RegionWeights, ops) -> torch.Tensor:
     """n (width, height) pairs in [0, 1] -> input embeddings [n, 1, dim]."""
-    x = torch.tensor(sizes, dtype=w.size_features.dtype, device=w.size_features.device)
+    return encode_size_tensor(torch.tensor(sizes, dtype=w.size_features.dtype, device=w.size_features.device),
+                              w, ops)
+
+
+def encode_size_tensor(x: torch.Tensor, w: RegionWeights, ops) -> torch.Tensor:
+    """encode_sizes of a device tensor [n, 2] (no host values: capturable)."""
     return ops.linear(fourier(x[:, None], w.size_features), *w.size_encoder)
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from photon_core.models.moondream.region import encode_coord, encode_coords, encode_size, encode_sizes  # noqa: F401
+from photon_core.models.moondream.region import (encode_coord, encode_coord_tensor, encode_coords, encode_size,  # noqa: F401
+                                                 encode_size_tensor, encode_sizes)
 from photon_core.models.moondream.region import coords_from_logits, encoder_weights, sizes_from_logits
 from photon_core.models.moondream.vision import Linear, take
 

@@ -1,0 +1,176 @@
+"""batch.py's decode protocol on the megakernel with the steps after the first in rounds on the device.
+
+Host-driven (megakernel_decode.MegakernelStepper), every step ends in a read: the host learns each
+row's token and bins, runs the protocol (batch._advance) and writes the next input embeddings.
+Here the protocol's input side runs on the device. Each row's phase is a device value:
+
+    phase 0  boundary   the token says whether another object follows (`coord`: the x comes from
+                        this same launch) or not; next input: the encoded x, else the token's embedding
+    phase 1  y          next input: the encoded y; then the size (detect) or the next boundary (point)
+    phase 2  size       next input: the encoded (width, height); then the next boundary
+    phase 3  answer     next input: the token's embedding (caption/query rows of a mixed batch)
+
+After each launch device ops choose that input from the launch's results (token, coordinate bin,
+width and height bins) and advance the phase; the results are recorded per step (decode_loop), and
+the host reads a round of them at once and runs batch._advance on each step's record, as it runs
+on the heads of a host-driven step. The encoders get the values the host's heads would give them
+(tables of bin / bins and of the size rule, computed by the host's own arithmetic); they encode all
+rows at once, so their matmuls round as a batch of B rows does (a host-driven step encodes the rows
+that need it: the last bit can differ, as it does between a request alone and in a batch). The
+objects and text are the host-driven path's (bins are argmaxes; the tests compare them exactly).
+
+A round runs to the next decision point of the object rows: a row inside an object needs its
+remaining steps for sure, and only a boundary step can end it. The first round after the prompt
+finishes the first object; later ones expect as many more objects as the row has found (rounds of
+3, 6, 12, ... steps for detect), so a one-object detect costs two reads (the prompt's and one
+round) and no wasted step, and n objects about log2(n) reads. A row that ended mid-round decodes on
+to the round's end on the device; those records are ignored (its slot is its own).
+Greedy answers only: a sampled caption/query in a batch needs logits, so such a batch stays
+host-driven.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from photon_core.megakernel.decode_loop import DeviceDecode
+
+from . import batch as batch_decoding
+from . import skills
+from .batch import BOUNDARY, COORD_Y, SIZE, TOKEN
+
+if TYPE_CHECKING:
+    from .batch import _Row
+    from .decoder_step import MoondreamDecoderMegakernel
+    from .megakernel_decode import MegakernelDecode
+    from .model import EncodedImage
+
+PHASE = {BOUNDARY: 0, COORD_Y: 1, SIZE: 2, TOKEN: 3}
+CHUNK = 16   # the most steps per round: five objects of a detect
+
+
+class ObjectRounds:
+    """The device side for one batch bucket: phases, the input choice, the recorded results."""
+
+    def __init__(self, fm: "MegakernelDecode", mk: "MoondreamDecoderMegakernel") -> None:
+        from .megakernel_decode import size_values
+        m = fm.model
+        B, dev = mk.batch, mk.out.device
+        self.fm, self.mk = fm, mk
+        self.phase = torch.full((B,), PHASE[TOKEN], dtype=torch.int32, device=dev)
+        self.detect = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.n_bins = fm.config.region.coord_out_dim
+        rw, cols = m.region_w, mk.graph_def.results
+        # The values the host-driven heads hand the encoders: bin / bins (in double, then the
+        # encoder's dtype) and size_values' float32 rule.
+        self.coord_table = torch.tensor([b / self.n_bins for b in range(mk.dm.coord_bins)],
+                                        dtype=rw.coord_features.dtype, device=dev)
+        self.size_table = torch.tensor([size_values((b, b))[0] for b in range(mk.dm.size_bins // 2)],
+                                       dtype=rw.size_features.dtype, device=dev)
+        order = [cols.index(c) for c in ("token", "coord", "width", "height")]
+        out = mk.out.view(B, len(cols))
+        self.loop = DeviceDecode(mk, pick=lambda: out[:, order], feed=self._feed, width=4, chunk=CHUNK)
+
+    def _feed(self, rec: torch.Tensor) -> None:
+        """The next input of every row and its next phase, from this launch's results (device ops)."""
+        m, fm = self.fm.model, self.fm
+        tok, coord, width, height = rec.long().unbind(1)
+        ph = self.phase
+        starts = (ph == 0) & (tok == fm.config.tokenizer.coord_id)
+        coord_in = (starts | (ph == 1))[:, None, None]
+        size_in = (ph == 2)[:, None, None]
+        e_coord = m.region_impl.encode_coord_tensor(self.coord_table[coord.clamp(min=0)], m.region_w, m.ops)
+        sizes = torch.stack([self.size_table[width.clamp(min=0)], self.size_table[height.clamp(min=0)]], dim=1)
+        e_size = m.region_impl.encode_size_tensor(sizes, m.region_w, m.ops)
+        e_tok = m.text_impl.embed(tok.clamp(min=0)[:, None], m.text_w)
+        emb = torch.where(coord_in, e_coord.to(e_tok.dtype), torch.where(size_in, e_size.to(e_tok.dtype), e_tok))
+        self.mk.view("x").copy_(emb.reshape(self.mk.batch, -1))
+        after_y = torch.where(self.detect, 2, 0).to(ph.dtype)
+        ph.copy_(torch.where(starts, 1, torch.where(ph == 1, after_y, torch.where(ph == 2, 0, ph))))
+
+    def begin(self, rows: list["_Row"], nxt: torch.Tensor) -> None:
+        """The device state of the host's after the first (prompt) step: each slot's next input,
+        position and phase (slot = row index; idle slots decode answers at position 0)."""
+        B = self.mk.batch
+        emb = torch.zeros(B, self.fm.config.text.dim, device=self.mk.out.device)
+        emb[:len(rows)] = nxt.reshape(len(rows), -1).to(emb.dtype)
+        self.mk.set_step(None, [r.pos for r in rows] + [0] * (B - len(rows)))
+        self.mk.view("x").copy_(emb)
+        self.phase.copy_(torch.tensor([PHASE[r.phase] for r in rows] + [PHASE[TOKEN]] * (B - len(rows))))
+        self.detect.copy_(torch.tensor([r.request.task == "detect" for r in rows] + [False] * (B - len(rows))))
+
+
+class RecordedHeads:
+    """One recorded step's results, answering batch._advance as a host-driven step's heads do."""
+
+    def __init__(self, records: list[list[int]], slots: list[int], n_bins: int) -> None:
+        self.records, self.slots, self.n_bins = records, slots, n_bins
+
+    def tokens(self, rows: list[int]) -> list[int]:
+        return [self.records[self.slots[i]][0] for i in rows]
+
+    def coords(self, rows: list[int]) -> list[float]:
+        return [self.records[self.slots[i]][1] / self.n_bins for i in rows]
+
+    def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
+        from .megakernel_decode import size_values
+        return [size_values((self.records[self.slots[i]][2], self.records[self.slots[i]][3])) for i in rows]
+
+    def logits(self, row: int) -> torch.Tensor:
+        raise RuntimeError("rounds decode greedy answers only; a sampled one is host-driven")
+
+
+def round_size(rows: list["_Row"], live: list[int]) -> int:
+    """Steps of the next round: each object row through its next boundary plus as many objects as
+    it has found (within its max_objects), each answer row its tokens left; the most of them."""
+    want = 1
+    for s in live:
+        r = rows[s]
+        if r.phase == TOKEN:
+            w = r.request.max_tokens - len(r.tokens)
+        else:
+            in_object = r.phase in (COORD_Y, SIZE)
+            to_boundary = {BOUNDARY: 1, COORD_Y: r.steps, SIZE: 2}[r.phase]
+            more = min(len(r.objects), r.request.max_objects - len(r.objects) - in_object)
+            w = to_boundary + r.steps * max(more, 0)
+        want = max(want, w)
+    return min(CHUNK, want)
+
+
+def greedy(rows: list["_Row"]) -> bool:
+    """Whether rounds can decode these rows (no sampled answer)."""
+    return all(r.is_object or r.request.temperature == 0 for r in rows)
+
+
+def decode(fm: "MegakernelDecode", rows: list["_Row"], encoded: list["EncodedImage"]) -> None:
+    """batch._decode's results for greedy rows: the prompt step host-driven (MegakernelStepper),
+    then rounds on the device, batch._advance run on each recorded step."""
+    from .megakernel_decode import MegakernelStepper
+    model = fm.model
+    answer = skills.answer_mask(model)
+    stepper = MegakernelStepper(fm)
+    heads = stepper.start(rows, encoded)
+    for row in rows:
+        row.pos += len(row.prompt)
+    nxt = batch_decoding._advance(model, rows, heads, answer)
+    live = [s for s, r in enumerate(rows) if not r.done]
+    if not live:
+        return
+    dev = fm.object_rounds(stepper.mk)
+    dev.begin(rows, nxt)
+    full = [False] * len(rows)
+    while live:
+        records, round_full = dev.loop.run_round(round_size(rows, live))
+        for rec, step_full in zip(records, round_full):
+            for s in live:
+                if full[s]:   # the last step re-ran the row's last position
+                    raise RuntimeError(f"a {rows[s].request.task} request reached the end of the megakernel's "
+                                       f"context ({stepper.mk.max_len} positions)")
+                full[s] = bool(step_full[s])
+                rows[s].pos += 1
+            batch_decoding._advance(model, [rows[s] for s in live], RecordedHeads(rec, live, dev.n_bins),
+                                    answer, embed=False)
+            live = [s for s in live if not rows[s].done]
+            if not live:
+                break
