@@ -52,8 +52,10 @@ timeout still leaves what it proved):
               host driving each step (launch, error flag, claim count and token read back: the old
               path), one captured step replayed per token with one read each, rounds of up to 8
               steps per CUDA-graph replay with one read per round, and the same rounds with the
-              token picked by torch ops on the exposed logits (Whisper's path). Tokens identical;
-              time per token of each (host clock around whole requests, median).
+              token picked by torch ops on the exposed logits (Whisper's path); and of Moondream 2,
+              whose step is fed embeddings, host-driven vs rounds whose device ops embed each token
+              into the next input (`feed`). Tokens identical; time per token of each (host clock
+              around whole requests, median).
   7 timing    CUDA events, warm-up, median of many replays of the step's CUDA graph: time per step,
               bytes / time, time / HBM floor (bytes = weights once + K/V read), the ratio to Whisper's
               per-op Triton step in a CUDA graph, and batch 8 vs 1. Only after every correctness
@@ -293,11 +295,74 @@ class WhisperFamily:
                                          state["cross_kv"], rows.cross_len)}
 
 
+def prove_feed_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
+    """Part 6 for a step fed input embeddings (Moondream 2's caption/query): the host driving each
+    step (launch, flags, the token column read, its embedding and the next positions written) vs
+    rounds whose token column's embedding device ops write into the next input (decode_loop's
+    `feed`), captured as CUDA graphs. Tokens identical; time per token of each."""
+    import statistics
+
+    import torch
+
+    from photon_core.megakernel.decode_loop import DeviceDecode
+    b = build(ctx, fam, batch)
+    step = b.step(advance=False)
+    g, B = step.graph_def, batch
+    text = ("token",)
+    kernel = b.kernel(step, text)
+    b.use_dtype(step, dtype_of(fam.stress_dtype))   # before capture: graphs keep the arena they saw
+    x, col = step.view("x"), step.out.view(B, -1)[:, g.results.index("token")]
+
+    def feed(tok) -> None:
+        x.copy_(fam.emb[tok.long()])
+    # Built before the state is filled: on a GPU building captures the rounds, which runs steps.
+    loop = DeviceDecode(step, pick=lambda: col, results=text, feed=feed)
+    rows = fam.rows(batch, "fixed")
+    fill(step, rows, seed=60 + batch)
+    apply_inputs(step, fam, rows.tokens, rows.positions)
+    n = ctx.sizes.round_tokens
+
+    def host_driven() -> list[list[int]]:
+        out, pos = [[t] for t in rows.tokens], list(rows.positions)
+        for _ in range(n - 1):
+            kernel.launch()
+            kernel.raise_on_error()
+            toks = col.tolist()
+            for r, t in enumerate(toks):
+                out[r].append(t)
+            pos = [p + 1 for p in pos]
+            step.set_step(None, pos)
+            x.copy_(fam.emb[torch.tensor(toks, device=x.device)])
+        return out
+
+    ways = {"host": host_driven, "rounds": lambda: loop.generate(rows.tokens, n, ())}
+    tokens, secs = {}, {k: [] for k in ways}
+    for _ in range(ctx.sizes.round_repeats):
+        for k, fn in ways.items():
+            with preserved(step):
+                ctx.sync()
+                t = time.perf_counter()
+                tokens[k] = fn()
+                ctx.sync()
+                secs[k].append(time.perf_counter() - t)
+    same = tokens["rounds"] == tokens["host"]
+    varied = len({t for row in tokens["host"] for t in row}) > 1
+    ctx.checks.expect(same and varied, f"rounds {fam.name} B{batch} (feed): tokens differ between the ways of "
+                                       f"decoding ({ {k: v[0][:6] for k, v in tokens.items()} }) or never change")
+    us = {k: statistics.median(v) / (n - 1) * 1e6 for k, v in secs.items()}
+    res = dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tokens=n, same=same, ways=list(ways),
+               us_per_token=us, rounds_read=loop.rounds, x_host=us["rounds"] / us["host"], feed=True)
+    print(f"  {fam.name:22s} B{batch} {fam.stress_dtype}: {n - 1} steps fed embeddings, tokens identical {same}; "
+          f"us/token host-driven {us['host']:.1f}, rounds of 8 {us['rounds']:.1f} ({res['x_host']:.2f}x)", flush=True)
+    return res
+
+
 class MoondreamFamily:
     """Moondream 2's decode step (models/moondream/decoder_step.py) on random weights of the config's
     dims, built through MoondreamDecoderMegakernel from text/region weight objects of the model's
     layout (so gather_weights is on the path too)."""
     advance = False
+    feeds_embeddings = True   # its step reads an input embedding (`x`), from the token table `emb`
     perop = False      # no per-op step function exists for this family (decoder_step has none)
     parts = PARTS
     control = False    # checking its 20-53K-task graphs again takes the checker tens of seconds
@@ -1587,12 +1652,14 @@ def run_part(ctx: Ctx, part: str, fams: dict) -> Any:
                     results.append(guarded(ctx, f"control {f.name} B{batch}", lambda: prove_control(ctx, f, batch)))
     elif part == "rounds":
         for f in selected:
-            if f.advance:
+            # A step that advances itself, or one fed embeddings (Moondream 2's).
+            prove = prove_rounds if f.advance else prove_feed_rounds if getattr(f, "feeds_embeddings", False) else None
+            if prove is not None:
                 for batch in batches(ctx, f, part):
                     # Its tokens are also proven on the CPU (test_megakernel_decode_loop.py): under a
                     # short budget it yields to the timing part, saying so.
                     if not over_budget(ctx, f"rounds {f.name} B{batch}"):
-                        results.append(guarded(ctx, f"rounds {f.name} B{batch}", lambda: prove_rounds(ctx, f, batch)))
+                        results.append(guarded(ctx, f"rounds {f.name} B{batch}", lambda: prove(ctx, f, batch)))
     elif part == "liveness":
         results.append(guarded(ctx, "liveness", lambda: prove_liveness(ctx)))
     elif part == "timing":
@@ -1646,6 +1713,11 @@ def summary_lines(ctx: Ctx) -> list[str]:
                      f"{r.get('launch_s')} s and raised: {bool(r.get('ok'))}.")
     for r in parts.get("rounds", {}).get("results", []):
         us = r["us_per_token"]
+        if r.get("feed"):
+            lines.append(f"Decode loop ({r['family']} B{r['batch']} {r['dtype']}, {r['tokens'] - 1} steps fed "
+                         f"embeddings): tokens identical {r['same']}; us/token host-driven {us['host']:.1f}, "
+                         f"rounds of 8 {us['rounds']:.1f} ({r['x_host']:.2f}x).")
+            continue
         lines.append(f"Decode loop ({r['family']} B{r['batch']} {r['dtype']}, {r['tokens'] - 1} steps): tokens "
                      f"identical {r['same']}; us/token host-driven {us['host']:.1f}, one replay + read per token "
                      f"{us['replay']:.1f}, rounds of 8 {us['rounds']:.1f} ({r['x_host']:.2f}x)"
