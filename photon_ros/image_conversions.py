@@ -12,6 +12,8 @@ Every malformed message raises ValueError naming the problem, so a node can log 
 from __future__ import annotations
 
 import io
+import struct
+import warnings
 from typing import NamedTuple
 
 import cv2
@@ -93,7 +95,9 @@ def compressed_to_rgb(msg: CompressedImage, max_pixels: int = DEFAULT_MAX_PIXELS
         raise ValueError("compressed image has no data")
     width, height = _peek_size(data)
     _check_size(width, height, max_pixels)
-    image = cv2.imdecode(data, cv2.IMREAD_COLOR_RGB)
+    # The stored orientation: the camera frame (and its camera_info) is that one, and the size
+    # checked above is too; OpenCV would otherwise apply an EXIF rotation.
+    image = cv2.imdecode(data, cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION)
     if image is None:
         raise ValueError(f"corrupt compressed image ({msg.format!r}, {data.size} bytes): "
                          "OpenCV could not decode it")
@@ -105,9 +109,15 @@ def _peek_size(data: np.ndarray) -> tuple[int, int]:
     from PIL import Image as PILImage, UnidentifiedImageError
 
     try:
-        with PILImage.open(io.BytesIO(data.tobytes())) as im:
-            return im.size
-    except (UnidentifiedImageError, OSError) as err:
+        with warnings.catch_warnings():
+            # Pillow warns past ~89 MP; the size check after this call speaks for the node.
+            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+            with PILImage.open(io.BytesIO(data.tobytes())) as im:
+                return im.size
+    except PILImage.DecompressionBombError as err:
+        # Past ~179 MP Pillow refuses before we see the size (not an OSError).
+        raise ValueError(f"compressed image too large ({data.size} bytes): {err}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error) as err:
         raise ValueError(f"corrupt compressed image ({data.size} bytes): {err}") from None
 
 

@@ -1,8 +1,13 @@
 """Image messages <-> RGB arrays: every encoding round-trips, padded rows and both byte orders
 work, and each malformed message raises a ValueError that names the problem."""
+import io
+import struct
+import zlib
+
 import cv2
 import numpy as np
 import pytest
+from PIL import Image as PILImage
 from sensor_msgs.msg import CompressedImage, Image
 
 from photon_ros.image_conversions import (SUPPORTED_ENCODINGS, compressed_to_rgb, image_to_rgb,
@@ -104,6 +109,31 @@ def test_huge_compressed_header_is_rejected_before_decoding():
     assert compressed_to_rgb(msg).shape == (3000, 4000, 3)   # 12 MP is fine
     with pytest.raises(ValueError, match="too large"):
         compressed_to_rgb(msg, max_pixels=1_000_000)
+
+
+def _png(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height (its data is a few bytes)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("side", [10_000, 20_000])
+def test_decompression_bomb_header_is_a_clear_error(side):
+    # 100 MP: past our limit; 400 MP: past Pillow's own, which raises its own error (not an
+    # OSError) before the size is known. Both must be the ValueError the nodes log and survive.
+    with pytest.raises(ValueError, match="too large"):
+        compressed_to_rgb(CompressedImage(format="png", data=_png(side, side)))
+
+
+def test_exif_orientation_is_not_applied():
+    # The pixels as stored, as the camera frame and the size check see them (100 wide, 40 high).
+    exif = PILImage.Exif()
+    exif[0x0112] = 6    # "rotate 90 degrees to display"
+    buf = io.BytesIO()
+    PILImage.fromarray(np.zeros((40, 100, 3), np.uint8)).save(buf, "JPEG", exif=exif.tobytes())
+    assert compressed_to_rgb(CompressedImage(format="jpeg", data=buf.getvalue())).shape == (40, 100, 3)
 
 
 def test_bad_arrays_raise():
