@@ -25,9 +25,11 @@ progress for partial transcripts. Memory is bounded by `max_utterance_s` plus th
 Every decision is counted in samples, never read from a clock, so the same audio is cut the same
 way however it is chunked and however late it arrives. Lost audio is the one thing samples cannot
 show: the chunks' capture stamps can. A chunk that does not start where the previous one ended
-(more than `max_gap_s` later, or earlier) ends the utterance in progress as incomplete, and an
-utterance that begins in speech right after such a jump is incomplete too: a planner must not act
-on half a command as if it were the whole one.
+(later or earlier by more than half a chunk, or than `max_gap_s`) ends the utterance in progress
+as incomplete, and speech after such a jump is incomplete too until a pause of `hangover_s` (one
+that would end an utterance) shows the speaker stopped: a planner must not act on half a command
+as if it were the whole one. Half a chunk, because losing one chunk moves the stamps by a whole
+one (at `max_gap_s` = the chunk, one lost chunk would pass unseen); stamps may jitter up to that.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class SegmenterConfig:
     max_utterance_s: float = 28.0    # Whisper sees 30 s windows; cut before one overflows
     min_utterance_s: float = 0.3
     noise_adapt_s: float = 2.0       # time constant of the noise-floor tracker
-    max_gap_s: float = 0.1           # stamps may jitter this much between chunks; more is lost audio
+    max_gap_s: float = 0.1           # stamps may jitter this much (and < half a chunk) between chunks; more is lost audio
     band_hz: tuple[float, float] | None = (250.0, 4000.0)   # None: the whole spectrum
 
 
@@ -106,7 +108,9 @@ class SpeechSegmenter:
         self._voiced_run = 0
         self._silent_run = 0
         self._noise_db: float | None = None
-        self._after_gap = ""                        # set by lost audio until a non-speech frame
+        self._after_gap = ""                        # set by lost audio until a pause of hangover_s
+        self._quiet_run = 0                         # non-speech frames in a row outside an utterance
+        self._chunk_s = 0.0                         # duration of the last pushed chunk
         self._start_note = ""                       # why the current utterance began incomplete
         self.last_time = None                       # capture time after the last pushed sample
         self.discontinuities = 0                    # jumps in the stamps seen so far
@@ -116,10 +120,13 @@ class SpeechSegmenter:
         """Add a chunk whose first sample was captured at `start_time` (seconds). `stamped=False`
         says the time is only an arrival estimate: the chunk is taken as continuing the stream."""
         done = []
+        chunk_s = samples.size / self.sample_rate
         if stamped and self.last_time is not None:
             jump = start_time - self.last_time
-            if abs(jump) > self.config.max_gap_s:
+            # One lost chunk moves the stamps by one chunk: tolerate less than half of it.
+            if abs(jump) > min(self.config.max_gap_s, 0.5 * max(chunk_s, self._chunk_s)):
                 done += self._discontinuity(jump)
+        self._chunk_s = chunk_s
         if self._pending.size == 0:
             self._pending_start = start_time
         self._pending = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
@@ -198,8 +205,11 @@ class SpeechSegmenter:
         if not self._in_speech:
             self._preroll.append(frame)
             self._voiced_run = self._voiced_run + 1 if voiced else 0
-            if not voiced:
-                self._after_gap = ""   # speech after this frame began after the gap, whole
+            self._quiet_run = 0 if voiced else self._quiet_run + 1
+            if self._quiet_run * self._frame_s >= cfg.hangover_s:
+                # A pause that would end an utterance: speech after it is a new one, whole. (One
+                # quiet frame is not: a plosive or a word boundary right after the gap.)
+                self._after_gap = ""
             if self._voiced_run * self._frame_s >= cfg.min_speech_s:
                 self._in_speech = True
                 self._start_note, self._after_gap = self._after_gap, ""
@@ -231,7 +241,7 @@ class SpeechSegmenter:
         cut = self._finish(f"{what} after it") if self._in_speech else None
         self._pending = np.zeros(0, np.float32)
         self._preroll.clear()
-        self._voiced_run = 0
+        self._voiced_run = self._quiet_run = 0
         self._after_gap = f"{what} before it"
         return [cut] if cut is not None else []
 

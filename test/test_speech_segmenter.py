@@ -140,28 +140,49 @@ def push_all(segmenter, audio, rate, chunk, stamp):
     return out
 
 
-def test_lost_audio_mid_speech_ends_the_utterance_incomplete_on_both_sides():
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_lost_audio_mid_speech_ends_the_utterance_incomplete_on_both_sides(chunks):
+    # One lost chunk (0.1 s, the microphone node's chunk) moves the stamps by exactly a chunk.
     audio, rate = sentence_with_silence()
     chunk = rate // 10
     middle = (audio.size // 2) // chunk * chunk
-    lost = slice(middle, middle + 4 * chunk)          # 0.4 s of speech never arrives
+    lost = slice(middle, middle + chunks * chunk)          # speech that never arrives
     kept = np.concatenate([audio[:lost.start], audio[lost.stop:]])
     segmenter = SpeechSegmenter(rate)
 
-    def stamp(k, i):   # true capture times: the chunks after the loss start 0.4 s later
-        return 100.0 + (i if i < lost.start else i + 4 * chunk) / rate
+    def stamp(k, i):   # capture times (epoch seconds): after the loss that much later, 4 ms early
+        return 1_764_600_000.0 + (i / rate if i < lost.start else (i + chunks * chunk) / rate - 0.004)
 
     out = push_all(segmenter, kept, rate, chunk, stamp)
     assert len(out) == 2
-    assert not out[0].complete and "0.40 s of audio lost after it" in out[0].note
+    assert not out[0].complete and "s of audio lost after it" in out[0].note
+    assert not out[1].complete and "s of audio lost before it" in out[1].note
+    assert segmenter.discontinuities == 1 and abs(segmenter.lost_s - (chunks / 10 - 0.004)) < 1e-5
+
+
+def test_speech_resuming_after_a_gap_with_a_short_dip_is_still_incomplete():
+    # The speaker talks on through lost audio, and the first frames after the gap are quiet (a
+    # plosive, a word boundary): shorter than a pause that ends an utterance, so what follows is
+    # still the rest of a command whose middle is missing.
+    audio, rate = sentence_with_silence()
+    chunk = rate // 10
+    middle = (audio.size // 2) // chunk * chunk
+    resume = middle + 4 * chunk
+    dip = np.zeros(int(0.09 * rate), np.float32)
+    kept = np.concatenate([audio[:middle], dip, audio[resume:]])
+    segmenter = SpeechSegmenter(rate)
+    out = []
+    for i in range(0, kept.size, chunk):    # stamps: 0.4 s missing at `middle`
+        out += segmenter.push(kept[i:i + chunk], 100.0 + (i if i < middle else i + 4 * chunk) / rate)
+    assert len(out) == 2 and segmenter.discontinuities == 1
     assert not out[1].complete and "0.40 s of audio lost before it" in out[1].note
-    assert segmenter.discontinuities == 1 and abs(segmenter.lost_s - 0.4) < 1e-6
 
 
 def test_stamp_jitter_within_tolerance_is_not_a_gap():
+    # Up to a quarter chunk each way: two stamps differ by less than half a chunk.
     audio, rate = sentence_with_silence()
     rng = np.random.default_rng()
-    jitter = rng.uniform(-0.03, 0.03, size=audio.size // 1600 + 1)
+    jitter = rng.uniform(-0.024, 0.024, size=audio.size // 1600 + 1)
     segmenter = SpeechSegmenter(rate)
     out = push_all(segmenter, audio, rate, 2205, lambda k, i: 100.0 + i / rate + jitter[k])
     assert cuts(out)[0][2:] == (True, "") and len(out) == 1 and segmenter.discontinuities == 0
