@@ -127,6 +127,7 @@ class VisionNode(ManagedNode):
         self.max_objects = p("max_objects", 10).value
         self.annotate = p("publish_annotated", True).value
         self.max_pixels = p("max_pixels", 64_000_000).value
+        self.max_frame_age = p("max_frame_age_s", 5.0).value
         self.add_on_set_parameters_callback(self.on_parameters)
 
         self.frames = LatestFrame()
@@ -245,6 +246,8 @@ class VisionNode(ManagedNode):
                 self.max_objects = int(param.value)
             elif param.name == "publish_annotated":
                 self.annotate = bool(param.value)
+            elif param.name == "max_frame_age_s":
+                self.max_frame_age = float(param.value)
         return SetParametersResult(successful=True)
 
     # --- worker ---------------------------------------------------------------------------------
@@ -256,9 +259,19 @@ class VisionNode(ManagedNode):
                 continue
             with self.activity.work(epoch) as running:
                 if running:
-                    self.process(frame, epoch)
+                    self.process_guarded(frame, epoch)
                 else:   # deactivated since it was taken
                     self.inactive_frames += 1
+
+    def process_guarded(self, frame, epoch: int) -> None:
+        """process, surviving what it did not foresee: this thread is the node's only worker, and
+        if it died the node would go on receiving frames and never publish again."""
+        try:
+            self.process(frame, epoch)
+        except Exception as err:  # noqa: BLE001 - one frame, not the node
+            self.bad_frames += 1
+            self.get_logger().error(f"frame failed unexpectedly ({type(err).__name__}: {err}); skipped",
+                                    throttle_duration_sec=5.0)
 
     def to_rgb(self, msg):
         if isinstance(msg, CompressedImage):
@@ -363,6 +376,11 @@ class VisionNode(ManagedNode):
         if request.use_latest_frame and latest is None:
             response.success, response.message = False, "no frame received yet"
             return response
+        if request.use_latest_frame:
+            refusal = stale_frame(received - latest.received_at, self.max_frame_age)
+            if refusal:
+                response.success, response.message = False, refusal
+                return response
         source = latest.msg if request.use_latest_frame else request.image
         try:
             rgb = self.to_rgb(source)
@@ -416,6 +434,16 @@ class VisionNode(ManagedNode):
         status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
         header = Header(stamp=self.get_clock().now().to_msg())
         self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+
+
+def stale_frame(age: float, max_age: float) -> str:
+    """Why the latest frame must not answer a request ("" when it may): a camera that stopped
+    leaves its last frame behind, and a robot pointed where the cup was minutes ago acts on wrong
+    data. max_age <= 0: any age."""
+    if max_age <= 0 or age <= max_age:
+        return ""
+    return (f"the latest frame arrived {age:.1f} s ago, more than max_frame_age_s ({max_age:g} s): "
+            "is the camera still publishing?")
 
 
 def main(args=None) -> None:

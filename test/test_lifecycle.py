@@ -112,7 +112,7 @@ def test_vision_node_through_its_lifecycle(graph):
     # bringup --managed: the node waits, unconfigured, for the manager.
     [node] = build_graph(DEFAULT_CONFIG, "vision", context=graph.context, managed=True, overrides={"vision": {
         "model": str(checkpoint(seed=SEED)), "detect": ["cup"], "max_objects": 1,
-        "reliability": "reliable", "depth": 10}})
+        "reliability": "reliable", "depth": 10, "max_frame_age_s": 600.0}})
     graph.add(node)
     assert manager.state("vision") == "unconfigured" and node.engine is None
     assert wait_for(lambda: "unconfigured" in diagnostic_states(diagnostics), timeout=10)

@@ -67,7 +67,8 @@ def test_vision_node_publishes_segmentation(graph, monkeypatch):
     folder = ck.checkpoint("safetensors")[0]
     node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
         Parameter("model", value=str(folder)), Parameter("segment", value=["cup"]),
-        Parameter("segment_max_tokens", value=40), Parameter("reliability", value="reliable")]))
+        Parameter("segment_max_tokens", value=40), Parameter("reliability", value="reliable"),
+        Parameter("max_frame_age_s", value=600.0)]))   # its last frame is asked about after inference
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
     assert node.engine is not None, node.model_error
     assert node.engine.family.name == "moondream3"

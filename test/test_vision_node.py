@@ -2,6 +2,8 @@
 compressed input, newest-frame-wins under a burst, bad frames survived, runtime parameters, the
 on-demand service, diagnostics, and the transcript -> loop -> vision -> target loop."""
 
+import time
+
 import numpy as np
 import pytest
 from builtin_interfaces.msg import Time
@@ -13,11 +15,12 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header, String
 
 from moondream_fixtures import checkpoint
+from test_image_conversions import _png
 from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
 from photon_ros.loop_node import LoopNode
 from photon_ros.msg import Detections, Points, Transcript
 from photon_ros.srv import Infer
-from photon_ros.vision_node import VisionNode
+from photon_ros.vision_node import VisionNode, stale_frame
 from ros_harness import RosGraph, wait_for, wait_for_match
 
 RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -42,6 +45,9 @@ def vision_node(graph, **params):
     params.setdefault("model", str(checkpoint()))
     params.setdefault("max_objects", 2)
     params.setdefault("reliability", "reliable")
+    # One frame answers several requests here, after inference that a slow machine takes seconds
+    # for: its age is test_stale_latest_frame_is_refused's subject, not these tests'.
+    params.setdefault("max_frame_age_s", 600.0)
     node = graph.add(VisionNode(context=graph.context,
                                 parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
@@ -73,13 +79,25 @@ def test_detections_carry_the_image_header(graph):
 
 
 def test_compressed_input(graph):
-    vision_node(graph, input="compressed", detect=["cup"])
+    node = vision_node(graph, input="compressed", detect=["cup"])
     detections = collect(graph, Detections, "detections")
     pub = graph.node("camera").create_publisher(CompressedImage, "image/compressed", RELIABLE)
     wait_for_match(pub)
+    # A PNG whose header claims 400 MP (Pillow refuses it with its own error, not an OSError), then
+    # a frame whose decoding fails in a way nothing foresaw: both skipped, the worker lives on.
+    pub.publish(CompressedImage(header=header(1), format="png", data=_png(20_000, 20_000)))
+    assert wait_for(lambda: node.bad_frames == 1, timeout=30)
+    to_rgb = node.to_rgb
+
+    def fails_once(msg):
+        node.to_rgb = to_rgb
+        raise RuntimeError("decoder crashed")
+    node.to_rgb = fails_once
+    pub.publish(rgb_to_compressed(image(1), "jpeg", header=header(2)))
+    assert wait_for(lambda: node.bad_frames == 2, timeout=30)
     pub.publish(rgb_to_compressed(image(1), "jpeg", header=header(3)))
     assert wait_for(lambda: detections, timeout=60)
-    assert detections[0].header == header(3)
+    assert [d.header for d in detections] == [header(3)]
 
 
 def test_burst_drops_frames_and_bad_frames_do_not_stop_the_node(graph):
@@ -138,6 +156,30 @@ def test_runtime_parameter_changes_the_prompt(graph):
     pub.publish(rgb_to_image(image(), header=header(2)))
     assert wait_for(lambda: any(d.prompt == "red dog" for d in detections), timeout=60)
     assert [d.prompt for d in detections if d.header == header(2)] == ["red dog"]
+
+
+def test_stale_latest_frame_is_refused(graph):
+    """A camera that stopped leaves its last frame: infer on the latest frame refuses one older than
+    max_frame_age_s (the robot would act on where things were), and answers again once frames come."""
+    node = vision_node(graph)
+    camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
+    wait_for_match(camera)
+    camera.publish(rgb_to_image(image(5), header=header(5)))
+    assert wait_for(lambda: node.frames.latest is not None, timeout=10)
+    node.set_parameters([Parameter("max_frame_age_s", value=0.2)])
+    time.sleep(0.3)                                    # older than the limit, whatever the machine
+    client = graph.node("client").create_client(Infer, "infer")
+    assert client.wait_for_service(timeout_sec=10)
+    ask = Infer.Request(task="point", prompt="cup", use_latest_frame=True)
+    future = client.call_async(ask)
+    assert wait_for(future.done, timeout=30)
+    assert not future.result().success and "max_frame_age_s" in future.result().message
+    assert "is the camera still publishing" in future.result().message
+    node.set_parameters([Parameter("max_frame_age_s", value=0.0)])   # 0: any age
+    future = client.call_async(ask)
+    assert wait_for(future.done, timeout=60)
+    assert future.result().success and future.result().points.header == header(5)
+    assert stale_frame(1.0, 2.0) == "" and stale_frame(2.5, 2.0) and stale_frame(1e6, 0.0) == ""
 
 
 def test_missing_model_reports_error_and_stays_up(graph, tmp_path):

@@ -24,7 +24,8 @@ RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 def caption_query_round_trip(graph: RosGraph, folder: Path, family: str) -> None:
     node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
         Parameter("model", value=str(folder)), Parameter("caption_period_s", value=0.01),
-        Parameter("caption_length", value="short"), Parameter("reliability", value="reliable")]))
+        Parameter("caption_length", value="short"), Parameter("reliability", value="reliable"),
+        Parameter("max_frame_age_s", value=600.0)]))   # one frame, queried after slow captions
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
     assert node.engine is not None, node.model_error
     assert node.engine.family.name == family
