@@ -149,3 +149,24 @@ def test_a_closed_batcher_serves_what_is_queued_then_stops():
     assert not batcher._thread.is_alive() and batcher.run_many is None   # nothing holds the model
     with pytest.raises(RuntimeError, match="released"):
         batcher.submit([3])
+
+
+def test_a_short_result_list_fails_its_callers_instead_of_shifting_results():
+    # A family's batch() that loses a result (a bug no family here has) must not hand one camera
+    # another camera's results: sliced by position, caller 1 would get caller 2's first one.
+    batcher = Batcher(lambda items: [i * 2 for i in items][:-1], threading.Lock(), max_batch=4, window_s=120)
+    outcome = {}
+
+    def ask(name, items):
+        try:
+            outcome[name] = batcher.submit(items)
+        except RuntimeError as err:
+            outcome[name] = err
+
+    threads = [threading.Thread(target=ask, args=(n, items)) for n, items in (("a", [1, 2]), ("b", [3, 4]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(outcome[n], RuntimeError) and "1 results for 2 requests" in str(outcome[n]) for n in "ab")
+    batcher.close()

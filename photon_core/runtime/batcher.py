@@ -75,6 +75,9 @@ class Batcher:
         try:
             with self.lock:
                 results = self.run_many(items)
+            if len(results) != len(items):
+                # Sliced by position, a short list would hand one caller (camera) another's results.
+                raise RuntimeError(f"the model returned {len(results)} results for {len(items)} requests")
         except Exception as err:  # noqa: BLE001 - handed to the callers
             if len(groups) == 1:
                 groups[0][1].set_exception(err)
