@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .decoding import Row
     from .model import Gemma4Model
 
-DEFAULT_MAX_LEN = 4096   # compiled context: the full layers' caches are fp32 [bucket, Hkv, max_len, Dh]
+DEFAULT_MAX_LEN = 4096   # compiled context: the full layers' caches are [bucket, Hkv, max_len, Dh] (bf16 on a GPU)
 
 
 class MegakernelDecode:

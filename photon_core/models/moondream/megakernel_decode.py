@@ -53,8 +53,8 @@ class MegakernelDecode:
 
     def __init__(self, model: "MoondreamModel", tiling: Tiling = Tiling(), max_len: int | None = None,
                  weight_dtype: torch.dtype | None = None) -> None:
-        """max_len: the KV caches' context (a smaller one fits a smaller GPU: the caches are fp32 per
-        bucket); weight_dtype: what each step streams, None = bfloat16 on CUDA (half the bytes, math
+        """max_len: the KV caches' context (a smaller one fits a smaller GPU: the caches, bf16 on a
+        GPU and fp32 on the CPU, are per bucket); weight_dtype: what each step streams, None = bfloat16 on CUDA (half the bytes, math
         still fp32) and the model's dtype elsewhere (the fidelity tests' fp32)."""
         if getattr(model.ops, "NAME", None) not in ("triton", "megakernel"):
             raise ValueError("the decode megakernel needs a MoondreamModel on the Triton ops "
@@ -186,7 +186,7 @@ def size_values(bins: tuple[int, int]) -> tuple[float, float]:
 def _prefill_row(fm: MegakernelDecode, cache: Any, enc: EncodedImage, ids: list[int]) -> None:
     """The image prefix and `ids` into one row of a megakernel KV cache. The prompt runs through the
     per-op kernels on a KV cache of the model's dtype (the per-op attention wants q, k, v alike);
-    the image prefix plus the prefilled positions are then copied into the fp32 arena row."""
+    the image prefix plus the prefilled positions are then copied into the arena row (its KV dtype)."""
     m = fm.model
     tx = m.text_impl
     k, v = enc.k, enc.v

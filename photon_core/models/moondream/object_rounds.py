@@ -26,7 +26,9 @@ finishes the first object; later ones expect as many more objects as the row has
 round) and no wasted step, and n objects about log2(n) reads. A row that ended mid-round decodes on
 to the round's end on the device; those records are ignored (its slot is its own).
 Greedy answers only: a sampled caption/query in a batch needs logits, so such a batch stays
-host-driven.
+host-driven. The rounds run the whole step graph, so a batch of captions alone streams the region
+heads' weights too (their results unused), which the host-driven text graph skips; one request's
+caption or query has its own rounds on the text graph (megakernel_decode.generate_text).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from .decoder_step import Qwen35DecoderStep
 if TYPE_CHECKING:
     from .model import Qwen35Model
 
-# Compiled caches are fp32 per bucket and layer: the checkpoint's full context (262144 on the
+# Compiled caches are per bucket and layer (bf16 on a GPU, fp32 on the CPU): the checkpoint's full context (262144 on the
 # released models) would not fit; requests beyond this get a clear error (load with max_len=...).
 DEFAULT_MAX_LEN = 8192
 

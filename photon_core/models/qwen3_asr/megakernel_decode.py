@@ -26,8 +26,8 @@ from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from .decoder import TextDecoder
 from .decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights
 
-# The megakernel's caches are fp32 per bucket row: 2 x layers x kv_heads x head_dim x 4 bytes a
-# position (229 KB for the 0.6B and 1.7B), so the default context is what a speech segment needs
+# The megakernel's caches are per bucket row: 2 x layers x kv_heads x head_dim x 2 bytes a
+# position on a GPU (bf16: 115 KB for the 0.6B and 1.7B; 4 bytes, fp32, on the CPU), so the default context is what a speech segment needs
 # (about 80 s of audio with its transcript), not the model's 65536 positions.
 DEFAULT_MAX_LEN = 2048
 
