@@ -220,9 +220,14 @@ def test_dropped_dependency_is_caught():
 
 def test_detect_and_point_match_reference(pair, encoded):
     """Host-driven megakernel steps (one read per step: the path of batches with a sampled answer);
-    the rounds on the device are test_megakernel_batch_matches_reference's."""
+    the rounds on the device are test_megakernel_batch_matches_reference's. Then a caption on the
+    same steps."""
     ref_m, fast = pair
     ref_e, fast_e = encoded
+    # The steps are built afresh by the detect below, inside the batch's inference mode; the caption
+    # after it (outside that mode) writes their arenas in place, so they must be ordinary tensors.
+    fast.decode._decoders.clear()
+    fast.decode._object_rounds.clear()
     fast.decode.device_rounds = False
     try:
         got = fast.detect(fast_e, "cup", max_objects=2)
@@ -233,6 +238,7 @@ def test_detect_and_point_match_reference(pair, encoded):
         assert len(want["points"]) == 2 and got == want
     finally:
         fast.decode.device_rounds = True
+    assert fast.caption(fast_e, "short", max_tokens=2) == ref_m.caption(ref_e, "short", max_tokens=2)
 
 
 def test_caption_and_query_match_reference():

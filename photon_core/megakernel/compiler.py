@@ -875,6 +875,10 @@ class CompiledStep(StateViews):
     `launch(results=(...))` runs the pruned task graph that computes only those result columns.
     """
 
+    # A step is often built lazily inside a request run under torch.inference_mode (a batch's first
+    # use of a bucket): its arenas must still be ordinary tensors, which requests outside that mode
+    # (a streamed caption) write in place. So are the buffers of the kernels built on first use.
+    @torch.inference_mode(False)
     def __init__(self, graph: StepGraph, weights: Mapping[str, torch.Tensor], batch: int,
                  tiling: Tiling = Tiling(), weight_dtype: torch.dtype = torch.float32,
                  shared_weights: torch.Tensor | None = None, check: bool = True,
@@ -954,6 +958,7 @@ class CompiledStep(StateViews):
         exposed = self.graph_def.exposed.get(key)
         return super().view(exposed.name if exposed is not None else key)
 
+    @torch.inference_mode(False)
     def kernel_for(self, results: Iterable[str] | None = None):
         """The megakernel of the whole step, or of the part that computes `results`."""
         key = None if results is None else frozenset(results)

@@ -51,6 +51,7 @@ class DeviceDecode:
     """Greedy rounds of one compiled step (its whole graph, or the part computing `results`):
     `result` an advancing argmax, or the tokens that `pick` computes after each launch."""
 
+    @torch.inference_mode(False)   # ordinary buffers, whichever mode builds the loop (CompiledStep's)
     def __init__(self, step: "CompiledStep", result: str = "token", chunk: int = 8,
                  cuda_graphs: bool | None = None,
                  pick: Callable[[], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None,

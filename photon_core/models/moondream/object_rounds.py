@@ -55,6 +55,7 @@ CHUNK = 16   # the most steps per round: five objects of a detect
 class ObjectRounds:
     """The device side for one batch bucket: phases, the input choice, the recorded results."""
 
+    @torch.inference_mode(False)   # ordinary buffers, whichever mode builds them (CompiledStep's)
     def __init__(self, fm: "MegakernelDecode", mk: "MoondreamDecoderMegakernel") -> None:
         from .megakernel_decode import size_values
         m = fm.model

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 class DeviceRules:
     """Callable: () -> (next tokens [B] int64, their log-probabilities [B] float64) from `logits`."""
 
+    @torch.inference_mode(False)   # ordinary buffers, whichever mode builds them (CompiledStep's)
     def __init__(self, decoder: "WindowDecoder", logits: torch.Tensor) -> None:
         """logits: the step's [B, V] logits (a view the step rewrites each launch)."""
         tok = decoder.tok
