@@ -333,6 +333,20 @@ def test_rounds_feed_the_inputs_the_host_would(pair):
     assert PHASE == {"boundary": 0, "y": 1, "size": 2, "token": 3}
 
 
+def test_a_row_the_prompt_step_ends_may_sit_at_the_end_of_the_caches(pair, encoded):
+    """A detect with max_objects=0 ends in its prompt step at position max_len (its request fills
+    the caches exactly): the rounds of the row beside it must not hand that position to the step."""
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    det = Request("detect", fast_e, "red cup on the kitchen table", max_objects=0)
+    pt = Request("point", fast_e, "cup", max_objects=1)
+    lengths = [len(batch_decoding._prompt(fast, r)) for r in (det, pt)]
+    assert lengths[0] - lengths[1] >= 2                       # the point's 2 steps fit too
+    fm = MegakernelDecode(fast, TILING, max_len=fast_e.pos + lengths[0])
+    assert fm.batch([det, pt]) == [{"objects": []}, ref_m.point(ref_e, "cup", max_objects=1)]
+    assert fm.object_rounds(fm.decoder(2)).loop.rounds == 1
+
+
 def test_round_sizes_follow_the_protocol():
     """Each object row through its next boundary, plus as many objects as it has found (within its
     max_objects); answer rows their tokens left; at most CHUNK."""

@@ -83,13 +83,15 @@ class MegakernelDecode:
         heads), built on first use; every bucket shares the first one's copy of the weights."""
         if batch not in self._decoders:
             shared = next(iter(self._decoders.values())).weights if self._decoders else None
-            self._decoders[batch] = self.step_class(
+            mk = self.step_class(
                 self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
                 tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared, device=self.device)
             # With the step, before any request writes its caches: on CUDA they capture (run) rounds.
+            # Kept only once all of them are built (a failed capture leaves no half-built bucket).
+            rounds = object_rounds.ObjectRounds(self, mk)
             if batch == 1:
-                self._text_loop = self._rounds(self._decoders[1])
-            self._object_rounds[batch] = object_rounds.ObjectRounds(self, self._decoders[batch])
+                self._text_loop = self._rounds(mk)
+            self._object_rounds[batch], self._decoders[batch] = rounds, mk
         return self._decoders[batch]
 
     def object_rounds(self, mk: MoondreamDecoderMegakernel) -> "object_rounds.ObjectRounds":

@@ -71,9 +71,12 @@ class ObjectRounds:
                                         dtype=rw.coord_features.dtype, device=dev)
         self.size_table = torch.tensor([size_values((b, b))[0] for b in range(mk.dm.size_bins // 2)],
                                        dtype=rw.size_features.dtype, device=dev)
-        order = [cols.index(c) for c in ("token", "coord", "width", "height")]
+        # A device index: a Python list would be copied to the GPU in every pick, which a CUDA
+        # graph's capture forbids.
+        order = torch.tensor([cols.index(c) for c in ("token", "coord", "width", "height")], device=dev)
         out = mk.out.view(B, len(cols))
-        self.loop = DeviceDecode(mk, pick=lambda: out[:, order], feed=self._feed, width=4, chunk=CHUNK)
+        self.loop = DeviceDecode(mk, pick=lambda: out.index_select(1, order), feed=self._feed, width=4,
+                                 chunk=CHUNK)
 
     def _feed(self, rec: torch.Tensor) -> None:
         """The next input of every row and its next phase, from this launch's results (device ops)."""
@@ -94,11 +97,12 @@ class ObjectRounds:
 
     def begin(self, rows: list["_Row"], nxt: torch.Tensor) -> None:
         """The device state of the host's after the first (prompt) step: each slot's next input,
-        position and phase (slot = row index; idle slots decode answers at position 0)."""
+        position and phase (slot = row index; idle slots, and rows the prompt step finished, whose
+        position may be past the caches, decode answers at position 0)."""
         B = self.mk.batch
         emb = torch.zeros(B, self.fm.config.text.dim, device=self.mk.out.device)
         emb[:len(rows)] = nxt.reshape(len(rows), -1).to(emb.dtype)
-        self.mk.set_step(None, [r.pos for r in rows] + [0] * (B - len(rows)))
+        self.mk.set_step(None, [0 if r.done else r.pos for r in rows] + [0] * (B - len(rows)))
         self.mk.view("x").copy_(emb)
         self.phase.copy_(torch.tensor([PHASE[r.phase] for r in rows] + [PHASE[TOKEN]] * (B - len(rows))))
         self.detect.copy_(torch.tensor([r.request.task == "detect" for r in rows] + [False] * (B - len(rows))))
