@@ -25,7 +25,8 @@ progress for partial transcripts. Memory is bounded by `max_utterance_s` plus th
 Every decision is counted in samples, never read from a clock, so the same audio is cut the same
 way however it is chunked and however late it arrives. Lost audio is the one thing samples cannot
 show: the chunks' capture stamps can. A chunk that does not start where the previous one ended
-(later or earlier by more than half a chunk, or than `max_gap_s`) ends the utterance in progress
+(later or earlier by more than half a chunk, or than `max_gap_s`; jumps within `min_gap_s` are
+jitter even between tiny chunks) ends the utterance in progress
 as incomplete, and speech after such a jump is incomplete too until a pause of `hangover_s` (one
 that would end an utterance) shows the speaker stopped: a planner must not act on half a command
 as if it were the whole one. Half a chunk, because losing one chunk moves the stamps by a whole
@@ -53,6 +54,7 @@ class SegmenterConfig:
     min_utterance_s: float = 0.3
     noise_adapt_s: float = 2.0       # time constant of the noise-floor tracker
     max_gap_s: float = 0.1           # stamps may jitter this much (and < half a chunk) between chunks; more is lost audio
+    min_gap_s: float = 0.02          # ... and always this much (chunks of a few ms stamped on arrival)
     band_hz: tuple[float, float] | None = (250.0, 4000.0)   # None: the whole spectrum
 
 
@@ -123,8 +125,10 @@ class SpeechSegmenter:
         chunk_s = samples.size / self.sample_rate
         if stamped and self.last_time is not None:
             jump = start_time - self.last_time
-            # One lost chunk moves the stamps by one chunk: tolerate less than half of it.
-            if abs(jump) > min(self.config.max_gap_s, 0.5 * max(chunk_s, self._chunk_s)):
+            # One lost chunk moves the stamps by one chunk, as long as those the stream has been
+            # sending: tolerate less than half of the last one, but at least min_gap_s of jitter.
+            tolerance = max(self.config.min_gap_s, 0.5 * self._chunk_s)
+            if abs(jump) > min(self.config.max_gap_s, tolerance):
                 done += self._discontinuity(jump)
         self._chunk_s = chunk_s
         if self._pending.size == 0:

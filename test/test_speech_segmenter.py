@@ -188,6 +188,18 @@ def test_stamp_jitter_within_tolerance_is_not_a_gap():
     assert cuts(out)[0][2:] == (True, "") and len(out) == 1 and segmenter.discontinuities == 0
 
 
+def test_tiny_chunks_stamped_with_jitter_are_not_gaps():
+    # 10 ms chunks whose stamps jitter by up to 8 ms (arrival times): half a chunk would call every
+    # other one a gap; min_gap_s keeps them one stream.
+    audio, rate = sentence_with_silence()
+    rng = np.random.default_rng()
+    chunk = rate // 100
+    jitter = rng.uniform(-0.008, 0.008, size=audio.size // chunk + 1)
+    segmenter = SpeechSegmenter(rate)
+    out = push_all(segmenter, audio, rate, chunk, lambda k, i: 100.0 + i / rate + jitter[k])
+    assert segmenter.discontinuities == 0 and len(out) == 1 and out[0].complete
+
+
 def test_a_gap_in_silence_leaves_the_next_utterance_whole():
     audio, rate = sentence_with_silence()
     segmenter = SpeechSegmenter(rate)
