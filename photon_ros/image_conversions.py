@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import struct
-import warnings
 from typing import NamedTuple
 
 import cv2
@@ -109,11 +108,8 @@ def _peek_size(data: np.ndarray) -> tuple[int, int]:
     from PIL import Image as PILImage, UnidentifiedImageError
 
     try:
-        with warnings.catch_warnings():
-            # Pillow warns past ~89 MP; the size check after this call speaks for the node.
-            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
-            with PILImage.open(io.BytesIO(data.tobytes())) as im:
-                return im.size
+        with PILImage.open(io.BytesIO(data.tobytes())) as im:
+            return im.size
     except PILImage.DecompressionBombError as err:
         # Past ~179 MP Pillow refuses before we see the size (not an OSError).
         raise ValueError(f"compressed image too large ({data.size} bytes): {err}") from None
