@@ -15,6 +15,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
+from photon_ros.params import declarer
 from photon_ros.run_node import run_node
 from photon_ros.commands import VisionRequest, parse_command
 from photon_ros.msg import Transcript
@@ -45,7 +46,7 @@ def incomplete_reason(msg: Transcript) -> str:
 class LoopNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("loop", **kwargs)
-        p = self.declare_parameter
+        p = declarer(self)   # a float parameter also takes a whole number
         self.pixels = p("coordinates", "normalized").value == "pixels"
         self.gain = p("turn_gain", 1.5).value
         self.max_rate = p("max_turn_rate", 0.8).value

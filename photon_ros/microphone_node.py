@@ -13,6 +13,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
+from photon_ros.params import declarer
 from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
@@ -54,7 +55,7 @@ class SampleClock:
 class MicrophoneNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("microphone", **kwargs)
-        p = self.declare_parameter
+        p = declarer(self)   # a float parameter also takes a whole number
         device = p("device", "").value or None         # name or index; default input when empty
         self.rate = p("sample_rate", 16000).value
         channels = p("channels", 1).value

@@ -62,6 +62,7 @@ from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array
                                           int16_array_to_pcm)
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
+from photon_ros.params import declarer
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
 from photon_ros.run_node import run_node, spin_nodes
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter, Utterance
@@ -134,7 +135,7 @@ class SpeechNode(ManagedNode):
 
     def __init__(self, **kwargs) -> None:
         super().__init__("speech", **kwargs)
-        p = self.declare_parameter
+        p = declarer(self)   # a float parameter also takes a whole number
         self.model_name = p("model", "whisper-tiny.en").value
         self.device = p("device", "cpu").value   # read again at configure, with `model`
         self.input_type = p("input_type", "audio_chunk").value

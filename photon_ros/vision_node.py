@@ -40,6 +40,7 @@ from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to
 from photon_ros.latest_frame import LatestFrame
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import Detections, Points, Segmentation, VisionText
+from photon_ros.params import declarer, number
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
                                         segmentation_message, vision_text_message)
@@ -112,7 +113,7 @@ class VisionNode(ManagedNode):
 
     def __init__(self, **kwargs) -> None:
         super().__init__("vision", **kwargs)
-        p = self.declare_parameter
+        p = declarer(self)   # a float parameter also takes a whole number
         self.model_name = p("model", "moondream2").value
         # Read at configure: a manager may change them and configure again.
         for name, default in (("device", "cpu"), ("dtype", "float32"), ("backend", "auto"),
@@ -236,8 +237,10 @@ class VisionNode(ManagedNode):
                 if int(param.value) < 1:
                     return SetParametersResult(successful=False, reason="segment_max_tokens must be >= 1")
                 self.segment_max_tokens = int(param.value)
+            elif param.name in ("caption_period_s", "max_frame_age_s") and number(param.value) is None:
+                return SetParametersResult(successful=False, reason=f"{param.name} must be a number")
             elif param.name == "caption_period_s":
-                self.caption_period = float(param.value)
+                self.caption_period = number(param.value)
             elif param.name == "caption_length":
                 if param.value not in CAPTION_LENGTHS:
                     return SetParametersResult(successful=False, reason=f"one of {CAPTION_LENGTHS}")
@@ -247,7 +250,7 @@ class VisionNode(ManagedNode):
             elif param.name == "publish_annotated":
                 self.annotate = bool(param.value)
             elif param.name == "max_frame_age_s":
-                self.max_frame_age = float(param.value)
+                self.max_frame_age = number(param.value)
         return SetParametersResult(successful=True)
 
     # --- worker ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
 from photon_core.audio_io import pcm_to_float, read_wav
+from photon_ros.params import declarer
 from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
@@ -37,7 +38,7 @@ def chunk_audio(samples: np.ndarray, rate: int, chunk_s: float, leading_s: float
 class WavPublisher(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("wav_publisher", **kwargs)
-        p = self.declare_parameter
+        p = declarer(self)   # a float parameter also takes a whole number
         path = p("file", "").value
         self.speed = p("speed", 1.0).value            # 1.0 = real time; 2.0 = twice as fast
         self.loop = p("loop", False).value

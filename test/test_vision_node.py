@@ -161,7 +161,12 @@ def test_runtime_parameter_changes_the_prompt(graph):
 def test_stale_latest_frame_is_refused(graph):
     """A camera that stopped leaves its last frame: infer on the latest frame refuses one older than
     max_frame_age_s (the robot would act on where things were), and answers again once frames come."""
-    node = vision_node(graph)
+    # Whole numbers for float parameters (YAML `0`, `ros2 param set ... 1`) are taken, at start
+    # and at runtime; rclpy alone would refuse them (and the node would not start).
+    node = vision_node(graph, caption_period_s=0, max_frame_age_s=600)
+    assert node.caption_period == 0.0 and node.max_frame_age == 600.0
+    assert node.set_parameters([Parameter("caption_period_s", value=0)])[0].successful
+    assert not node.set_parameters([Parameter("max_frame_age_s", value="soon")])[0].successful
     camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
     wait_for_match(camera)
     camera.publish(rgb_to_image(image(5), header=header(5)))
@@ -175,7 +180,7 @@ def test_stale_latest_frame_is_refused(graph):
     assert wait_for(future.done, timeout=30)
     assert not future.result().success and "max_frame_age_s" in future.result().message
     assert "is the camera still publishing" in future.result().message
-    node.set_parameters([Parameter("max_frame_age_s", value=0.0)])   # 0: any age
+    assert node.set_parameters([Parameter("max_frame_age_s", value=0)])[0].successful   # 0: any age
     future = client.call_async(ask)
     assert wait_for(future.done, timeout=60)
     assert future.result().success and future.result().points.header == header(5)
