@@ -300,8 +300,6 @@ def prove_feed_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
     step (launch, flags, the token column read, its embedding and the next positions written) vs
     rounds whose token column's embedding device ops write into the next input (decode_loop's
     `feed`), captured as CUDA graphs. Tokens identical; time per token of each."""
-    import statistics
-
     import torch
 
     from photon_core.megakernel.decode_loop import DeviceDecode
@@ -335,21 +333,8 @@ def prove_feed_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
             x.copy_(fam.emb[torch.tensor(toks, device=x.device)])
         return out
 
-    ways = {"host": host_driven, "rounds": lambda: loop.generate(rows.tokens, n, ())}
-    tokens, secs = {}, {k: [] for k in ways}
-    for _ in range(ctx.sizes.round_repeats):
-        for k, fn in ways.items():
-            with preserved(step):
-                ctx.sync()
-                t = time.perf_counter()
-                tokens[k] = fn()
-                ctx.sync()
-                secs[k].append(time.perf_counter() - t)
-    same = tokens["rounds"] == tokens["host"]
-    varied = len({t for row in tokens["host"] for t in row}) > 1
-    ctx.checks.expect(same and varied, f"rounds {fam.name} B{batch} (feed): tokens differ between the ways of "
-                                       f"decoding ({ {k: v[0][:6] for k, v in tokens.items()} }) or never change")
-    us = {k: statistics.median(v) / (n - 1) * 1e6 for k, v in secs.items()}
+    ways = {"host": (step, host_driven), "rounds": (step, lambda: loop.generate(rows.tokens, n, ()))}
+    same, us = compare_ways(ctx, ways, n, f"rounds {fam.name} B{batch} (feed)")
     res = dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tokens=n, same=same, ways=list(ways),
                us_per_token=us, rounds_read=loop.rounds, x_host=us["rounds"] / us["host"], feed=True)
     print(f"  {fam.name:22s} B{batch} {fam.stress_dtype}: {n - 1} steps fed embeddings, tokens identical {same}; "
@@ -1530,10 +1515,29 @@ def prove_timing(ctx: Ctx, fams: dict) -> list[dict]:
     return out
 
 
+def compare_ways(ctx: Ctx, ways: dict, n: int, what: str) -> tuple[bool, dict[str, float]]:
+    """Each way of decoding ({name: (step, () -> tokens per row)}, "host" first) run round_repeats
+    times from the same state (restored after each): whether all give host's tokens (a check, which
+    also fails if the tokens never change), and each way's median time per token in us."""
+    import statistics
+    tokens, secs = {}, {k: [] for k in ways}
+    for _ in range(ctx.sizes.round_repeats):
+        for k, (s, fn) in ways.items():
+            with preserved(s):
+                ctx.sync()
+                t = time.perf_counter()
+                tokens[k] = fn()
+                ctx.sync()
+                secs[k].append(time.perf_counter() - t)
+    same = all(t == tokens["host"] for t in tokens.values())
+    varied = len({t for row in tokens["host"] for t in row}) > 1
+    ctx.checks.expect(same and varied, f"{what}: tokens differ between the ways of decoding "
+                                       f"({ {k: v[0][:6] for k, v in tokens.items()} }) or never change")
+    return same, {k: statistics.median(v) / (n - 1) * 1e6 for k, v in secs.items()}
+
+
 def prove_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
     """Part 6: the production decode loop's ways give the same tokens; time per token each."""
-    import statistics
-
     import torch
 
     from photon_core.megakernel.decode_loop import DeviceDecode
@@ -1575,20 +1579,7 @@ def prove_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
 
     ways = {"host": (step, host_driven),
             **{k: (s, lambda lp=lp: lp.generate(rows.tokens, n, ())) for k, (s, lp) in loops.items()}}
-    tokens, secs = {}, {k: [] for k in ways}
-    for _ in range(ctx.sizes.round_repeats):
-        for k, (s, fn) in ways.items():
-            with preserved(s):
-                ctx.sync()
-                t = time.perf_counter()
-                tokens[k] = fn()
-                ctx.sync()
-                secs[k].append(time.perf_counter() - t)
-    same = all(t == tokens["host"] for t in tokens.values())
-    varied = len({t for row in tokens["host"] for t in row}) > 1
-    ctx.checks.expect(same and varied, f"rounds {fam.name} B{batch}: tokens differ between the ways of decoding "
-                                       f"({ {k: v[0][:6] for k, v in tokens.items()} }) or never change")
-    us = {k: statistics.median(v) / (n - 1) * 1e6 for k, v in secs.items()}
+    same, us = compare_ways(ctx, ways, n, f"rounds {fam.name} B{batch}")
     pick = f", rounds picking by torch ops {us['pick']:.1f}" if "pick" in us else ""
     res = dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tokens=n, same=same, ways=list(ways),
                us_per_token=us, rounds_read=loops["rounds"][1].rounds, x_host=us["rounds"] / us["host"])
