@@ -155,3 +155,22 @@ def test_select_triton_and_megakernel_modules():
     assert hasattr(mega, "CompiledStep") and hasattr(mega, "StepGraph")
     with pytest.raises(RuntimeError, match="CUDA"):
         get_backend("triton", "mps")
+
+
+@pytest.mark.parametrize("m", [1, 37])   # the GEMV path and the tiled one
+def test_bfloat16_inputs(m):
+    """A model loaded in bfloat16 (the vision node's `dtype: bfloat16`) hands these kernels bf16
+    tensors: they must take them, accumulate in fp32 and return bf16 within bf16's rounding of the
+    fp32 reference on the same (bf16) values."""
+    bf = torch.bfloat16
+
+    def both(*ts):
+        return [t.to(bf) for t in ts], [t.to(bf).float() for t in ts]
+    (x, w, b), (x32, w32, b32) = both(torch.randn(m, 96), torch.randn(80, 96) / 96 ** 0.5, torch.randn(80))
+    got = tri.linear(x, w, b, "gelu_tanh")
+    assert got.dtype == bf
+    close(got.float(), ref.linear(x32, w32, b32, "gelu_tanh"), tol=1e-2)
+    (h, g, c), (h32, g32, c32) = both(torch.randn(m, 96) * 3 + 1, torch.randn(96), torch.randn(96))
+    close(tri.layer_norm(h, g, c, 1e-5).float(), ref.layer_norm(h32, g32, c32, 1e-5), tol=1e-2)
+    (q, k, v), (q32, k32, v32) = both(*(torch.randn(1, 2, t, 32) for t in (5, 9, 9)))
+    close(tri.attention(q, k, v, True, 4).float(), ref.attention(q32, k32, v32, True, 4), tol=1e-2)
