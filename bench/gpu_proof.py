@@ -54,8 +54,9 @@ timeout still leaves what it proved):
               steps per CUDA-graph replay with one read per round, and the same rounds with the
               token picked by torch ops on the exposed logits (Whisper's path); and of Moondream 2,
               whose step is fed embeddings, host-driven vs rounds whose device ops embed each token
-              into the next input (`feed`). Tokens identical; time per token of each (host clock
-              around whole requests, median).
+              into the next input (`feed`), and its detect/point rounds (object_rounds.py: device
+              ops choose encoded coordinates, sizes or embeddings) captured vs launched eagerly.
+              Tokens identical; time per token of each (host clock around whole requests, median).
   7 timing    CUDA events, warm-up, median of many replays of the step's CUDA graph: time per step,
               bytes / time, time / HBM floor (bytes = weights once + K/V read), the ratio to Whisper's
               per-op Triton step in a CUDA graph, and batch 8 vs 1. Only after every correctness
@@ -342,6 +343,59 @@ def prove_feed_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
     return res
 
 
+def prove_object_rounds(ctx: Ctx, fam, batch: int) -> dict:
+    """Part 6 for Moondream 2's detect/point rounds (models/moondream/object_rounds.py): rounds of
+    captured CUDA graphs whose device ops choose each row's next input (the encoded coordinate or
+    size, or the token's embedding) and its next phase, against the same rounds run launch by
+    launch without graphs, from the same state: records, phases and inputs identical (the CPU tests
+    prove the eager rounds equal to the host's protocol); time per step of each."""
+    import torch
+
+    from photon_core.models.moondream.object_rounds import ObjectRounds
+    b = build(ctx, fam, batch)
+    step = b.step(advance=False)
+    b.kernel(step)
+    b.use_dtype(step, dtype_of(fam.stress_dtype))   # before capture: graphs keep the arena they saw
+    fm = fam.object_decode(ctx.dev)
+    # Built before the state is filled: on a GPU building captures the rounds, which runs steps.
+    ways = {"graphs": ObjectRounds(fm, step), "eager": ObjectRounds(fm, step, cuda_graphs=False)}
+    rows = fam.rows(batch, "fixed")
+    fill(step, rows, seed=70 + batch)
+    tk, B = fam.cfg.tokenizer, batch
+    phases = [r % 4 for r in range(B)]                      # boundary, y, size, answer rows
+    detect = [r % 3 != 1 for r in range(B)]                 # detect rows and point rows
+    bias = torch.zeros(B, fam.dm.vocab, device=ctx.dev)
+    # Object rows choose between coord and eos at a boundary, so rows both start objects and stop.
+    bias[[r for r in range(B) if phases[r] != 3]] = float("-inf")
+    bias[[r for r in range(B) if phases[r] != 3], tk.coord_id] = 2.0     # objects more often than not
+    bias[[r for r in range(B) if phases[r] != 3], tk.eos_id] = 0.0
+    x0 = fam.emb[torch.tensor(rows.tokens, device=ctx.dev)]
+    sizes, got, secs = (3, 5, 8), {}, {}
+    for name, dev_rounds in ways.items():
+        with preserved(step):
+            step.set_step(None, rows.positions)
+            step.set_input("logit_bias", bias)
+            step.view("x").copy_(x0)
+            dev_rounds.phase.copy_(torch.tensor(phases))
+            dev_rounds.detect.copy_(torch.tensor(detect))
+            ctx.sync()
+            t = time.perf_counter()
+            records = [dev_rounds.loop.run_round(n)[0] for n in sizes]   # 3 and 5: several graphs a round
+            ctx.sync()
+            secs[name] = time.perf_counter() - t
+            got[name] = (records, dev_rounds.phase.tolist(), step.view("x").clone())
+    (rg, pg, xg), (re, pe, xe) = got["graphs"], got["eager"]
+    same = rg == re and pg == pe and bool(torch.equal(xg, xe))
+    starts = sum(rec[r][0] == tk.coord_id for rnd in re for rec in rnd for r in range(B) if phases[r] != 3)
+    ctx.checks.expect(same and starts > 0, f"object rounds {fam.name} B{batch}: captured rounds differ from the "
+                                           f"same rounds launched eagerly, or no row started an object ({starts})")
+    us = {k: v / sum(sizes) * 1e6 for k, v in secs.items()}
+    print(f"  {fam.name:22s} B{batch} {fam.stress_dtype}: detect/point rounds of {sizes}, captured == eager "
+          f"{same}; us/step captured {us['graphs']:.1f}, eager {us['eager']:.1f}", flush=True)
+    return dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, steps=sum(sizes), same=same,
+                objects_started=starts, ways=["graphs", "eager"], us_per_token=us, objects=True)
+
+
 class MoondreamFamily:
     """Moondream 2's decode step (models/moondream/decoder_step.py) on random weights of the config's
     dims, built through MoondreamDecoderMegakernel from text/region weight objects of the model's
@@ -406,6 +460,26 @@ class MoondreamFamily:
         region_w = SimpleNamespace(coord_fc1=(w["c_fc1_w"], w["c_fc1_b"]), coord_fc2=(w["c_fc2_w"], w["c_fc2_b"]),
                                    size_fc1=(w["s_fc1_w"], w["s_fc1_b"]), size_fc2=(w["s_fc2_w"], w["s_fc2_b"]))
         return text_w, region_w
+
+    def object_decode(self, dev) -> Any:
+        """What object_rounds.ObjectRounds reads of a MegakernelDecode: the model's token table
+        (`emb`), random region encoders of the config's shapes, the Triton ops, the config."""
+        import torch
+
+        from photon_core.backends.select import get_backend
+        from photon_core.models.moondream import region, text
+        r, d = self.cfg.region, self.dm.d
+        g = torch.Generator(device=dev).manual_seed(1)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, device=dev) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.1)
+        encoders = SimpleNamespace(coord_features=randn(1, r.coord_feat_dim // 2) * 10,
+                                   coord_encoder=(randn(d, r.coord_feat_dim), randn(d)),
+                                   size_features=randn(2, r.size_feat_dim // 2) * 10,
+                                   size_encoder=(randn(d, r.size_feat_dim), randn(d)))
+        model = SimpleNamespace(region_w=encoders, region_impl=region, text_impl=text,
+                                text_w=SimpleNamespace(wte=self.emb), ops=get_backend("triton", dev))
+        return SimpleNamespace(model=model, config=self.cfg)
 
     def build(self, batch: int, advance: bool, shared=None):
         from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel
@@ -1643,9 +1717,11 @@ def run_part(ctx: Ctx, part: str, fams: dict) -> Any:
                     results.append(guarded(ctx, f"control {f.name} B{batch}", lambda: prove_control(ctx, f, batch)))
     elif part == "rounds":
         for f in selected:
-            # A step that advances itself, or one fed embeddings (Moondream 2's).
-            prove = prove_rounds if f.advance else prove_feed_rounds if getattr(f, "feeds_embeddings", False) else None
-            if prove is not None:
+            # A step that advances itself, or one fed embeddings (Moondream 2's: its caption/query
+            # rounds, and its detect/point rounds).
+            proofs = ([prove_rounds] if f.advance else
+                      [prove_feed_rounds, prove_object_rounds] if getattr(f, "feeds_embeddings", False) else [])
+            for prove in proofs:
                 for batch in batches(ctx, f, part):
                     # Its tokens are also proven on the CPU (test_megakernel_decode_loop.py): under a
                     # short budget it yields to the timing part, saying so.
@@ -1704,6 +1780,10 @@ def summary_lines(ctx: Ctx) -> list[str]:
                      f"{r.get('launch_s')} s and raised: {bool(r.get('ok'))}.")
     for r in parts.get("rounds", {}).get("results", []):
         us = r["us_per_token"]
+        if r.get("objects"):
+            lines.append(f"Detect/point rounds ({r['family']} B{r['batch']} {r['dtype']}, rounds of 3, 5, 8): "
+                         f"captured == eager {r['same']}; us/step captured {us['graphs']:.1f}, eager {us['eager']:.1f}.")
+            continue
         if r.get("feed"):
             lines.append(f"Decode loop ({r['family']} B{r['batch']} {r['dtype']}, {r['tokens'] - 1} steps fed "
                          f"embeddings): tokens identical {r['same']}; us/token host-driven {us['host']:.1f}, "

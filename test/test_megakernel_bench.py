@@ -81,7 +81,11 @@ def test_proof_dry_run_runs_every_part(tmp_path):
     assert live["ok"] and "gave up waiting" in live["message"]
     # The production decode loop: host-driven, replay per token and rounds give the same tokens.
     rounds = parts["rounds"]["results"]
-    # Moondream 2's step is fed embeddings: host-driven vs rounds whose device ops embed the token.
+    # Moondream 2's step is fed embeddings: host-driven vs rounds whose device ops embed the token,
+    # and its detect/point rounds captured vs launched eagerly.
+    objects = [r for r in rounds if r.get("objects")]
+    assert [(r["family"], r["same"]) for r in objects] == [("moondream2", True)] and objects[0]["objects_started"] > 0
+    rounds = [r for r in rounds if not r.get("objects")]
     assert {r["family"] for r in rounds} == {"whisper-tiny.en", "qwen3-asr-0.6b", "moondream2"}
     assert all(r["same"] and r["tokens"] == out["sizes"]["round_tokens"] and r["rounds_read"] > 0 for r in rounds)
     assert all(r["ways"] == (["host", "rounds"] if r["family"] == "moondream2" else ["host", "replay", "rounds", "pick"])

@@ -56,7 +56,10 @@ class ObjectRounds:
     """The device side for one batch bucket: phases, the input choice, the recorded results."""
 
     @torch.inference_mode(False)   # ordinary buffers, whichever mode builds them (CompiledStep's)
-    def __init__(self, fm: "MegakernelDecode", mk: "MoondreamDecoderMegakernel") -> None:
+    def __init__(self, fm: "MegakernelDecode", mk: "MoondreamDecoderMegakernel",
+                 cuda_graphs: bool | None = None) -> None:
+        """fm: the MegakernelDecode (its model's encoders, embeddings and ops, and config);
+        cuda_graphs: capture the rounds (default: on CUDA)."""
         from .megakernel_decode import size_values
         m = fm.model
         B, dev = mk.batch, mk.out.device
@@ -76,7 +79,7 @@ class ObjectRounds:
         order = torch.tensor([cols.index(c) for c in ("token", "coord", "width", "height")], device=dev)
         out = mk.out.view(B, len(cols))
         self.loop = DeviceDecode(mk, pick=lambda: out.index_select(1, order), feed=self._feed, width=4,
-                                 chunk=CHUNK)
+                                 chunk=CHUNK, cuda_graphs=cuda_graphs)
 
     def _feed(self, rec: torch.Tensor) -> None:
         """The next input of every row and its next phase, from this launch's results (device ops)."""
