@@ -53,7 +53,7 @@ TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK
 CAPTION_LENGTHS = ("short", "normal", "long")
 
 
-def load_vision_model(name: str, device: str, dtype: str, backend: str = "auto", skills: list[str] = ()):
+def load_vision_model(name: str, device: str, dtype: str | None, backend: str = "auto", skills: list[str] = ()):
     """The process's shared engine for this checkpoint, of any family with `skills` (the registry
     recognises the family from the files). backend "auto": our kernels and decode megakernel on
     CUDA, PyTorch on CPU (photon_core.backends.select)."""
@@ -116,7 +116,7 @@ class VisionNode(ManagedNode):
         p = declarer(self)   # a float parameter also takes a whole number
         self.model_name = p("model", "moondream2").value
         # Read at configure: a manager may change them and configure again.
-        for name, default in (("device", "cpu"), ("dtype", "float32"), ("backend", "auto"),
+        for name, default in (("device", "cpu"), ("dtype", "auto"), ("backend", "auto"),
                               ("input", "raw"), ("reliability", "best_effort"), ("depth", 1)):
             p(name, default)
         self.detect_targets = self.targets(p("detect", Parameter.Type.STRING_ARRAY).value)
@@ -183,7 +183,9 @@ class VisionNode(ManagedNode):
     def load_engine(self) -> SharedModel:
         started = time.monotonic()
         self.device, self.dtype, self.backend = (self.get_parameter(n).value for n in ("device", "dtype", "backend"))
-        engine = load_vision_model(self.model_name, self.device, self.dtype, self.backend, skills_in_use(
+        # auto: the family's default for the device (bfloat16 on a GPU, float32 on the CPU)
+        dtype = None if self.dtype == "auto" else self.dtype
+        engine = load_vision_model(self.model_name, self.device, dtype, self.backend, skills_in_use(
             self.detect_targets, self.point_targets, self.caption_period > 0, self.segment_targets))
 
         def prepare(engine: SharedModel) -> None:

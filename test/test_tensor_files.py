@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from photon_core.weights.tensor_files import (parse_dtype, read_folder, read_nemo, read_safetensors, read_torch,
-                                              rename)
+from photon_core.weights.tensor_files import (default_dtype, parse_dtype, read_folder, read_nemo, read_safetensors,
+                                              read_torch, rename)
 
 
 def test_sharded_safetensors_read_whole_and_a_missing_shard_is_named(tmp_path):
@@ -69,3 +69,5 @@ def test_dtype_names():
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError):
         parse_dtype("int8")
+    # Named none: bfloat16 on a GPU (the vision node's `dtype: auto`), float32 on the CPU.
+    assert default_dtype("cuda:1") == "bfloat16" and default_dtype(torch.device("cpu")) == "float32"

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from geometry_msgs.msg import PointStamped, Twist
@@ -70,6 +71,7 @@ def test_detections_carry_the_image_header(graph):
     assert wait_for(lambda: detections and points, timeout=60)
     d = detections[0]
     assert d.header == header(7) and d.prompt == "cup" and (d.image_width, d.image_height) == (128, 96)
+    assert node.engine.model.dtype == torch.float32       # dtype auto, on the CPU
     assert len(d.detections) == 2   # the test checkpoint is biased to emit objects up to max_objects
     for box in d.detections:
         assert 0 <= box.x_min <= box.x_max <= 1 and 0 <= box.y_min <= box.y_max <= 1

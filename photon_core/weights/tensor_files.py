@@ -22,6 +22,13 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def default_dtype(device: torch.device | str) -> str:
+    """The dtype a model loads in when the caller names none: bfloat16 on a GPU (half the bytes of
+    float32, tensor cores; what a 16 GB Jetson needs to hold a vision model with its compiled
+    step), float32 on the CPU (the exact path the reference tests run)."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():

@@ -6,6 +6,7 @@ from typing import Any
 from photon_core.registry import Family
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved
+from photon_core.weights.tensor_files import default_dtype
 
 from .config import Gemma4Config
 from .model import EncodedImage, Gemma4Model, load_gemma4
@@ -44,7 +45,7 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
     # The megakernel module also carries every per-op kernel (vision, prefill); the model then
     # decodes each token through its compiled step graph (megakernel_decode.py).
     ops = get_backend(backend, device)
-    return load_gemma4(checkpoint.path, device=device, dtype=dtype if dtype is not None else "float32", backend=ops)
+    return load_gemma4(checkpoint.path, device=device, dtype=dtype if dtype is not None else default_dtype(device), backend=ops)
 
 
 FAMILY = Family(

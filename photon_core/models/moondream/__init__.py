@@ -7,6 +7,7 @@ from typing import Any
 from photon_core.registry import Family
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved
+from photon_core.weights.tensor_files import default_dtype
 
 from . import weights
 from .batch import Request
@@ -50,7 +51,7 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
     from photon_core.backends.select import get_backend
 
     ops = get_backend(backend, device)
-    dtype = dtype if dtype is not None else "float32"
+    dtype = dtype if dtype is not None else default_dtype(device)
     return load_moondream(checkpoint.path, device=device, dtype=dtype, backend=ops)
 
 

@@ -71,7 +71,8 @@ def add_commands(subparsers) -> None:
         p.add_argument("--model", default=model,
                        help=f"checkpoint folder or file, or a model id in the Hugging Face cache (default {model})")
         p.add_argument("--device", default="cpu")
-        p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+        p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                       help="default: bfloat16 on a GPU, float32 on the CPU")
         p.set_defaults(run=_run)
 
     # The families with each skill are listed under the commands (--help's epilog).

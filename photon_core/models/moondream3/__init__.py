@@ -10,6 +10,7 @@ from photon_core.models.moondream.config import refusal as config_refusal
 from photon_core.registry import Family
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved
+from photon_core.weights.tensor_files import default_dtype
 
 from . import weights
 from .config import Moondream3Config
@@ -40,7 +41,7 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
         # twice; memory.device_memory, memory.load_memory.)
         backend = "triton" if str(device).startswith("cuda") else "reference"
     ops = get_backend(backend, device)
-    dtype = dtype if dtype is not None else "float32"
+    dtype = dtype if dtype is not None else default_dtype(device)
     model = load_moondream3(checkpoint.path, device=device, dtype=dtype, backend=ops)
     if checkpoint.name in weights.IDS:
         model.model_id = checkpoint.name

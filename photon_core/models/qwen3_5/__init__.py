@@ -6,6 +6,7 @@ from typing import Any
 from photon_core.registry import Family
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved
+from photon_core.weights.tensor_files import default_dtype
 
 from .config import ARCHITECTURES, MODEL_TYPES, MOE_MODEL_TYPES, Qwen35Config
 from .model import EncodedImage, Qwen35Model, load_qwen3_5
@@ -33,7 +34,7 @@ def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
     from photon_core.backends.select import get_backend
 
     ops = get_backend(backend, device)
-    return load_qwen3_5(checkpoint.path, device=device, dtype=dtype if dtype is not None else "float32",
+    return load_qwen3_5(checkpoint.path, device=device, dtype=dtype if dtype is not None else default_dtype(device),
                         backend=ops, model_id=checkpoint.model_id)
 
 
