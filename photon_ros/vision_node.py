@@ -74,14 +74,16 @@ def skills_in_use(detect: list[str], point: list[str], caption: bool, segment: l
             if used]
 
 
-def warm_up(engine) -> None:
-    """One tiny request through the engine, so that kernel compilation (Triton, on a GPU), first
-    allocations and lazy imports happen at startup instead of on the first camera frame."""
+def warm_up(engine, per_frame: int = 1) -> None:
+    """A batch of tiny requests through the engine, as many as a frame of this node's standing tasks
+    makes (at least one), so that kernel compilation (Triton, on a GPU), first allocations, lazy
+    imports and the compiled decode step of that batch size (built per batch bucket on first use:
+    seconds to tens of seconds at real sizes on a GPU) happen at startup, not on the first frame."""
     image = np.zeros((32, 32, 3), np.uint8)
     skills = engine.family.skills if engine.family is not None else {"detect"}
     request = (Request("detect", image, "object", max_objects=1) if "detect" in skills
                else Request("caption", image, "short", max_tokens=2))
-    engine.batcher.submit([request])
+    engine.batcher.submit([request] * max(1, per_frame))
 
 
 def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str | None,
@@ -190,7 +192,8 @@ class VisionNode(ManagedNode):
 
         def prepare(engine: SharedModel) -> None:
             check_vision_model(engine, self.model_name)
-            warm_up(engine)
+            caption = self.caption_period > 0
+            warm_up(engine, len(self.detect_targets) + len(self.point_targets) + caption)
 
         engine = ready_or_released(engine, prepare)
         self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")

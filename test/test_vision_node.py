@@ -16,12 +16,13 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header, String
 
 from moondream_fixtures import checkpoint
+from photon_core.runtime.shared_models import release
 from test_image_conversions import _png
 from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
 from photon_ros.loop_node import LoopNode
 from photon_ros.msg import Detections, Points, Transcript
 from photon_ros.srv import Infer
-from photon_ros.vision_node import VisionNode, stale_frame
+from photon_ros.vision_node import VisionNode, load_vision_model, stale_frame, warm_up
 from ros_harness import RosGraph, wait_for, wait_for_match
 
 RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -78,6 +79,18 @@ def test_detections_carry_the_image_header(graph):
         assert box.x_max_px == pytest.approx(box.x_max * 128, rel=1e-5)
     assert points[0].header == header(7) and points[0].prompt == "dog"
     assert d.latency.sec + d.latency.nanosec > 0
+
+
+def test_warm_up_runs_a_frame_of_the_standing_tasks_as_one_batch():
+    """Startup decodes one batch the size of a frame's requests, so the compiled step of that batch
+    size (built on first use, seconds at real sizes on a GPU) is not built on the first frame."""
+    engine = load_vision_model(str(checkpoint()), "cpu", None, "reference")
+    try:
+        warm_up(engine, 3)
+        warm_up(engine, 0)                              # no standing task: one request still
+        assert engine.batcher.sizes[-2:] == [3, 1]
+    finally:
+        release(engine)
 
 
 def test_compressed_input(graph):
