@@ -192,8 +192,9 @@ class VisionNode(ManagedNode):
 
         def prepare(engine: SharedModel) -> None:
             check_vision_model(engine, self.model_name)
-            caption = self.caption_period > 0
-            warm_up(engine, len(self.detect_targets) + len(self.point_targets) + caption)
+            per_frame = frame_requests(None, self.detect_targets, self.point_targets,
+                                       self.caption_length if self.caption_period > 0 else None, self.max_objects)
+            warm_up(engine, len(per_frame))
 
         engine = ready_or_released(engine, prepare)
         self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
