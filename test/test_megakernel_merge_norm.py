@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from photon_core.megakernel import CompiledStep, Tiling, check, lower, plan  # noqa: E402
 from photon_core.megakernel.checker import GraphError  # noqa: E402
 from photon_core.megakernel.graph import (OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,  # noqa: E402
-                                          OP_LINEAR_REDUCE, Region, Task, TaskGraph)
+                                          OP_LINEAR_SPLIT, Region, Task, TaskGraph)
 
 from test_megakernel_compiler import fill_caches, toy_graph, toy_weights  # noqa: E402
 
@@ -122,10 +122,11 @@ def test_the_merge_is_the_same_whichever_partial_finishes_last():
         assert torch.equal(step.view(k), v), k
 
 
-def test_real_whisper_tiny_graph_checks_and_loses_a_level_per_attention():
+def test_real_whisper_tiny_graph_checks_and_loses_a_level_per_attention_and_split_stage():
     """Whisper tiny's real sizes at batch 1 on the GPU tiling (meta weights: nothing is allocated):
     the checker proves the fused graph, and the longest chain of waits is 2 levels per layer
-    (self + cross attention) shorter than with merge tasks (4 layers: 66 -> 58, bench/roofline.py)."""
+    (self + cross attention) shorter than with merge tasks (4 layers: 66 -> 58, bench/roofline.py),
+    and 6 more per layer shorter than with a reduce task behind each split-K stage (58 -> 34)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -134,7 +135,7 @@ def test_real_whisper_tiny_graph_checks_and_loses_a_level_per_attention():
     tiling = Tiling(block_n=64, block_k=128, block_t=64, self_splits=4, cross_splits=8, min_tasks=264)
     g = lower(plan(m.graph, 1, tiling))
     check(g)
-    assert roofline.depth(g) == 58
+    assert roofline.depth(g) == 34
 
 
 def test_norm_statistics_are_written_once_by_the_producer_stage_and_read_by_every_tile():
@@ -165,15 +166,9 @@ def test_norm_statistics_are_written_once_by_the_producer_stage_and_read_by_ever
     assert torch.isnan(step.view("q")).all() and not torch.isnan(qkv).any()
 
 
-@pytest.mark.parametrize("norm,tiling", [
-    ("rms", Tiling(16, 16, 8, 1, 1)),                                                 # whole-K tiles
-    ("layer", Tiling(32, 16, 8, 1, 1, min_tasks=12, min_block_n=16, max_split_k=3)),  # split-K reduce tasks
-])
-def test_statistics_of_a_linear_output_equal_the_eager_graph(norm, tiling):
-    """A norm over a residual linear's output (the last tile, or the last reduce task of a split-K
-    stage, computes the statistics), read by two linears: the step equals run_reference and the
-    statistics are the value's."""
-    from photon_core.megakernel import StepGraph, run_reference
+def _stats_step(norm, tiling):
+    """y = x0 @ w1 + x0, a norm over y read by two linears (u, v); batch 2."""
+    from photon_core.megakernel import StepGraph
     gen = torch.Generator().manual_seed(11)
     d, ff, vocab = 40, 72, 30
     w = {"tok": torch.randn(vocab, d, generator=gen), "w1": torch.randn(d, d, generator=gen) * d ** -0.5,
@@ -188,7 +183,20 @@ def test_statistics_of_a_linear_output_equal_the_eager_graph(norm, tiling):
     step = CompiledStep(g, w, 2, tiling)
     assert set(step.plan.stats) == {"y"}
     op = {t.op for t in step.graph.tasks if t.ticket == "y.stats"}
-    assert op == ({OP_LINEAR} if tiling.min_tasks == 0 else {OP_LINEAR_REDUCE})
+    assert op == ({OP_LINEAR} if tiling.min_tasks == 0 else {OP_LINEAR_SPLIT})
+    return g, w, step
+
+
+@pytest.mark.parametrize("norm,tiling", [
+    ("rms", Tiling(16, 16, 8, 1, 1)),                                                 # whole-K tiles
+    ("layer", Tiling(32, 16, 8, 1, 1, min_tasks=12, min_block_n=16, max_split_k=3)),  # split-K slices
+])
+def test_statistics_of_a_linear_output_equal_the_eager_graph(norm, tiling):
+    """A norm over a residual linear's output (the last tile, or the last slice of a split-K stage,
+    after the sums of its tiles, computes the statistics), read by two linears: the step equals
+    run_reference and the statistics are the value's."""
+    from photon_core.megakernel import run_reference
+    g, w, step = _stats_step(norm, tiling)
     step.state.fill_(float("nan"))
     step.set_step([3, 17], [0, 0])
     step.launch()
@@ -201,3 +209,65 @@ def test_statistics_of_a_linear_output_equal_the_eager_graph(norm, tiling):
     else:
         ref = torch.stack([torch.zeros(2), (x.square().mean(1) + step.plan.ln_eps).rsqrt()], 1)
     assert torch.allclose(st, ref, rtol=1e-5, atol=1e-6)
+
+
+SPLIT = Tiling(32, 16, 8, 1, 1, min_tasks=12, min_block_n=16, max_split_k=3)
+
+
+def test_split_k_sums_are_the_same_whichever_slice_finishes_last():
+    """Split-K without reduce tasks: the last slice of each tile to finish sums the tile's slots in
+    slot order and runs the epilogue. Reversing each tile's slices in the list (the interpreter then
+    runs slice 0 last) gives the same bits; without the tile tickets no slice sums (y stays NaN)."""
+    from photon_core.megakernel.graph import F
+    _, _, step = _stats_step("layer", SPLIT)
+    g = step.graph
+    assert not any(t.op == 8 for t in g.tasks)          # the retired reduce op
+    step.state.fill_(float("nan"))
+    step.set_step([3, 17], [0, 0])
+    step.launch()
+    keys = ("y", "y.stats", "u", "v")
+    want = {k: step.view(k).clone() for k in keys}
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(g.tasks):
+        if t.kticket is not None:
+            groups.setdefault(t.kticket, []).append(i)
+    assert groups and all(len(idx) > 1 for idx in groups.values())
+    order = list(range(len(g.tasks)))
+    for idx in groups.values():
+        assert idx == list(range(idx[0], idx[0] + len(idx)))   # a tile's slices are listed together
+        order[idx[0]:idx[-1] + 1] = idx[::-1]
+    g.tasks = [g.tasks[i] for i in order]
+    check(g)
+    mk = step.kernel
+    mk.tasks = g.encode()
+    for k in keys + ("y.kpart",):
+        step.sarena.typed(step.state, k).fill_(float("nan"))
+    step.launch()
+    for k, v in want.items():
+        assert torch.equal(step.view(k), v), k
+    mk.tasks[:, F["kticket"]] = -1
+    step.sarena.typed(step.state, "y").fill_(float("nan"))
+    step.launch()
+    assert torch.isnan(step.view("y")).all()
+
+
+def test_a_stage_finale_follows_only_tile_sums_whose_slices_all_draw_its_ticket():
+    """Two tiles of two slices each; the stage's ticket (row statistics over both tiles' outputs)
+    is ordered after a tile's sum only when every slice of that tile takes the stage's ticket after
+    its tile's: drop one slice from the stage's group and the statistics race with that tile's sum."""
+    def graph(stage_members):
+        g = TaskGraph("toy", 1)
+        stage = dict(ticket="st", last_reads=[Region("state", 16, 24)], last_writes=[Region("state", 24, 26)])
+        for tile in (0, 1):
+            slots = [Region("state", tile * 8, tile * 8 + 4), Region("state", tile * 8 + 4, tile * 8 + 8)]
+            for k in (0, 1):
+                name = f"s{tile}{k}"
+                g.add(Task(name, OP_LINEAR_SPLIT, {}, [], "y", [], [slots[k]], kticket=f"t{tile}",
+                           ksum_reads=list(slots), ksum_writes=[Region("state", 16 + tile * 4, 20 + tile * 4)],
+                           **(stage if name in stage_members else {})))
+        g.add(Task("r", OP_LINEAR, {}, [("y", 4)], None, [Region("state", 16, 26)], []))
+        return g
+    check(graph({"s00", "s01", "s10", "s11"}))
+    with pytest.raises(GraphError, match="finale of ticket 't1'.*finale of ticket 'st'|"
+                                         "finale of ticket 'st'.*finale of ticket 't1'"):
+        check(graph({"s00", "s01", "s10"}))

@@ -79,7 +79,7 @@ def test_batch2_ragged_positions_and_cross_lengths(small):
 
 def test_narrow_tiles_and_split_k(small):
     # Stages of few tiles as the compiler shapes them for a GPU: narrower tiles, then K slices
-    # whose partials reduce tasks sum in a fixed order.
+    # whose partials the last slice of each tile sums in a fixed order.
     run_steps(small, 2, 8, 20, Tiling(32, 16, 16, 2, 3, min_tasks=24, min_block_n=16, max_split_k=3), [0, 3], 2,
               cross_lens=[20, 13])
 

@@ -18,6 +18,9 @@ under the interpreter it is a hang too. So the host proves, for every graph it b
    increments order each member's work before the last member's finale), and before exactly the
    tasks ordered after ALL members (the only ones sure to follow whichever member was last). A
    finale's accesses are declared by every member alike (Task.last_reads / last_writes).
+   A split-K slice also draws a tile ticket (Task.kticket) BEFORE its stage's ticket, so a tile's
+   finale (the sum and epilogue) precedes the finale of any ticket whose group holds all the tile's
+   slices (the stage's row statistics): its last slice ran it before taking that ticket.
 """
 from __future__ import annotations
 
@@ -111,31 +114,42 @@ def check(graph: TaskGraph) -> None:
             dsc |= desc[i] | (1 << i)
         desc[j] = dsc
 
-    # Ticket finales as nodes n, n+1, ... after the tasks (see 5. above).
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(tasks):
-        if t.ticket is not None:
-            groups[t.ticket].append(i)
-            if not t.last_reads and not t.last_writes:
-                raise GraphError(f"task {i} {t.name!r}: ticket {t.ticket!r} without a finale's accesses")
-        elif t.last_reads or t.last_writes:
-            raise GraphError(f"task {i} {t.name!r}: finale accesses declared without a ticket")
+    # Ticket finales as nodes n, n+1, ... after the tasks (see 5. above): tile tickets (kticket)
+    # first, so a stage ticket's node can name the tile finales it follows.
+    def accesses_of(t, kind):
+        return (t.ksum_reads, t.ksum_writes) if kind == "kticket" else (t.last_reads, t.last_writes)
+
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for kind in ("kticket", "ticket"):
+        for i, t in enumerate(tasks):
+            reads, writes = accesses_of(t, kind)
+            if getattr(t, kind) is not None:
+                groups[(kind, getattr(t, kind))].append(i)
+                if not reads and not writes:
+                    raise GraphError(f"task {i} {t.name!r}: {kind} {getattr(t, kind)!r} without a finale's accesses")
+            elif reads or writes:
+                raise GraphError(f"task {i} {t.name!r}: finale accesses declared without a {kind}")
     n = len(tasks)
-    finale: list[tuple[str, list[int]]] = []
-    for name, members in groups.items():
-        first = tasks[members[0]]
+    finale: list[tuple[str, list[int], tuple[list[Region], list[Region]]]] = []
+    for (kind, name), members in groups.items():
+        first = accesses_of(tasks[members[0]], kind)
         for j in members[1:]:
-            if (sorted(map(tuple_of, tasks[j].last_reads)) != sorted(map(tuple_of, first.last_reads))
-                    or sorted(map(tuple_of, tasks[j].last_writes)) != sorted(map(tuple_of, first.last_writes))):
-                raise GraphError(f"ticket {name!r}: tasks {first.name!r} and {tasks[j].name!r} declare different "
-                                 "finale accesses (any member may be the one that runs it)")
+            if any(sorted(map(tuple_of, x)) != sorted(map(tuple_of, y))
+                   for x, y in zip(accesses_of(tasks[j], kind), first)):
+                raise GraphError(f"ticket {name!r}: tasks {tasks[members[0]].name!r} and {tasks[j].name!r} declare "
+                                 "different finale accesses (any member may be the one that runs it)")
         a, d = 0, -1
         for j in members:
             a |= anc[j] | (1 << j)
             d &= desc[j]
+        if kind == "ticket":
+            inside = set(members)
+            for v, (_, earlier, _) in enumerate(finale):
+                if tasks[earlier[0]].kticket is not None and set(earlier) <= inside:
+                    a |= 1 << (n + v)
         anc.append(a)
         desc.append(d)
-        finale.append((name, members))
+        finale.append((name, members, first))
     virtual = ((1 << len(finale)) - 1) << n
 
     def label(i: int) -> str:
@@ -143,8 +157,10 @@ def check(graph: TaskGraph) -> None:
 
     def ordered(i: int, j: int) -> bool:
         """Happens-before either way between nodes i and j (tasks or finales)."""
-        if i >= n and j >= n:   # a finale precedes another when a task after it precedes the other
-            return bool(desc[i] & anc[j]) or bool(desc[j] & anc[i])
+        if i >= n and j >= n:   # a finale precedes another when a task after it precedes the other,
+            # or when it is a tile's sum and the other a ticket all of the tile's slices draw after it
+            return (bool(desc[i] & anc[j]) or bool(desc[j] & anc[i]) or bool(anc[j] >> i & 1)
+                    or bool(anc[i] >> j & 1))
         if j >= n:
             i, j = j, i
         return bool((anc[i] | desc[i]) >> j & 1)
@@ -155,10 +171,10 @@ def check(graph: TaskGraph) -> None:
             accesses[r.buffer].append((r.start, r.end, i, False))
         for r in t.writes:
             accesses[r.buffer].append((r.start, r.end, i, True))
-    for v, (_, members) in enumerate(finale):
-        for r in tasks[members[0]].last_reads:
+    for v, (_, _, (reads, writes)) in enumerate(finale):
+        for r in reads:
             accesses[r.buffer].append((r.start, r.end, n + v, False))
-        for r in tasks[members[0]].last_writes:
+        for r in writes:
             accesses[r.buffer].append((r.start, r.end, n + v, True))
     for buf, acc in accesses.items():
         acc.sort()

@@ -12,8 +12,9 @@ Lowering, op by op:
   * add_norm    one task per row: (x + rms_norm(z) * w) * scale, chunk by chunk.
   * linear      one task per tile of output columns, bias / activation / residual fused behind. A
                 stage with fewer tiles than Tiling.min_tasks gets narrower tiles, then split-K: K
-                slices write partial products to a scratch, and one task per tile sums them in a
-                fixed order and runs the epilogue (stage_shape decides, per stage). The
+                slices write partial products to a scratch, and the last slice of each tile to
+                finish (a ticket) sums them in a fixed order and runs the epilogue: no reduce
+                task, no dependency level of its own (stage_shape decides, per stage). The
                 store depends on the readers: a kv_append without rotary as the only reader makes it
                 a q|k|v store (q into the query buffer, k and v straight into the caches at the row's
                 position: no append task); an argmax reader makes it a logits store that also writes
@@ -52,7 +53,7 @@ from photon_core.megakernel.graph import (BATCH_BUCKETS, DYN_SECTIONS, LEN_CROSS
                                           OP_ADD_NORM, OP_ARGMAX, OP_ATTN_PARTIAL, OP_CONV_STEP,
                                           OP_DELTA_STEP, OP_MOE_DOWN, OP_MOE_ROUTE, OP_MOE_SUM, OP_MOE_UP,
                                           OP_EMBED, OP_LINEAR,
-                                          OP_LINEAR_REDUCE, OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
+                                          OP_LINEAR_SPLIT, OP_ROPE_APPEND, Arena, Region,
                                           StateViews, Task, TaskGraph)
 from photon_core.kernels.linear import ACT_SIGMOID, ACT_TANH, activation_code
 from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Tau, Value
@@ -600,7 +601,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
 def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head, cache_cols, cache_off,
                   dyn_pos: Region) -> dict[str, _Stage]:
     """Tiles of the stage's width; with K slices, split tasks (partial products into the stage's
-    scratch) then one reduce task per tile that sums them in a fixed order and runs the epilogue."""
+    scratch) of which the last of each tile sums them in a fixed order and runs the epilogue."""
     graph, B, S, W = p.graph, p.batch, p.sarena, p.warena
     a, name = node.args, node.out.name
     N, K = graph.weight_shapes[a["w"]]
@@ -631,21 +632,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
     ntiles = -(-N // width)
     kpart = f"{name}.kpart"
     if splits > 1:
-        split_sig = g.counter(f"{name}.split")
         step = -(-K // splits // p.tiling.block_k) * p.tiling.block_k   # slices on the K-step grid
-        for i, n0 in enumerate(range(0, N, width)):
-            n1 = min(N, n0 + width)
-            for ks, k0 in enumerate(range(0, K, step)):
-                g.add(Task(f"{name}.split[{n0}:{n1},k{k0}]", OP_LINEAR_SPLIT,
-                           dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=k0, k1=min(K, k0 + step), x=S.off(x.name),
-                                w=W.off(a["w"]), ldw=p.ldw[a["w"]], lnw=W.off(norm.args["w"]) if norm else -1,
-                                lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
-                                norm=NORM_CODES[norm.op] if norm else 0,
-                                xglu=activation_code(glu.args["act"]) if glu else 0, **pro, **st_args,
-                                kpart=S.off(kpart), ksplit=ks),
-                           list(wait), split_sig, list(x_regions),
-                           [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for r in range(B)]))
-        n_split = g.signalers(split_sig)
         used = -(-K // step)
     for i, n0 in enumerate(range(0, N, width)):
         n1 = min(N, n0 + width)
@@ -659,13 +646,10 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                     mode=mode, out=S.off(out.name))
         fa, fk = stats_finale(p, out.name) if kv is None else ({}, {})
         args.update(fa)
-        reads = [] if splits > 1 else list(x_regions)
+        # The epilogue's accesses: the whole tile's, or the finale of the slices' ticket.
+        reads = []
         if a["residual"] is not None:
             reads += S.columns(a["residual"].name, B, N, n0, n1)
-        if splits > 1:
-            args.update(kpart=S.off(kpart), ksplit=used)
-            reads = [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1)
-                     for ks in range(used) for r in range(B)] + reads
         writes = []
         if mode == MODE_QKV:
             kc, vc = kv.args["k"], kv.args["v"]
@@ -688,11 +672,18 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             args.update(tile=i, part=S.off(part), ntiles=ntiles, rb=-1)
             writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
         signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
-        if splits > 1:
-            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR_REDUCE, args, [(split_sig, n_split)], signal, reads, writes,
+        if splits == 1:
+            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, list(x_regions) + reads, writes,
                        **fk))
-        else:
-            g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, reads, writes, **fk))
+            continue
+        # Split-K: the tile's slices, each a partial product into its slot of the scratch; the last
+        # of them to finish (the tile's ticket) sums the slots and runs the epilogue above.
+        slots = [S.region(kpart, (ks * B + r) * N + n0, (ks * B + r) * N + n1) for ks in range(used) for r in range(B)]
+        for ks, k0 in enumerate(range(0, K, step)):
+            g.add(Task(f"{name}.split[{n0}:{n1},k{k0}]", OP_LINEAR_SPLIT,
+                       dict(args, k0=k0, k1=min(K, k0 + step), kpart=S.off(kpart), ksplit=ks),
+                       list(wait), signal, list(x_regions), slots[ks * B:(ks + 1) * B],
+                       kticket=f"{name}.sum[{n0}:{n1}]", ksum_reads=slots + reads, ksum_writes=list(writes), **fk))
     return {out.name: st}
 
 

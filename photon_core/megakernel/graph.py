@@ -27,8 +27,9 @@ OP_ATTN_MERGE = 4     # merge the S partials of (b, h) into the attention output
                       # the compiler fuses the merge into the last partial)
 OP_ARGMAX = 5         # merge LM-style tiles' (max, index) into a result column; optionally advance the step
 OP_ROPE_APPEND = 6    # (row, head) of a fused q|k|v: rotary on q and k, q out, k and v into the caches
-OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product into the stage's scratch
-OP_LINEAR_REDUCE = 8  # sum a tile's K-slice partials in a fixed order, then OP_LINEAR's epilogue
+OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product into the stage's scratch; the
+                      # last of the tile's slices to finish (a ticket) sums them in slot order and runs
+                      # OP_LINEAR's epilogue (op 8, a reduce task of its own, is retired)
 OP_CONV_STEP = 9      # a tile of channels of a causal depthwise conv, one new input; state shifted in place
 OP_DELTA_STEP = 10    # (row, value head) of the gated delta rule; state updated in place; gated RMSNorm out
 OP_ADD_NORM = 11      # one row of (x + rms_norm(z) * w) * scale, chunk by chunk
@@ -40,7 +41,7 @@ OP_MOE_DOWN = 14      # (pair, tile of D): each row choosing e: its weight * h D
 OP_MOE_SUM = 15       # (row, tile of D): the row's expert partials summed in slot order, + residual
 OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
             OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append",
-            OP_LINEAR_SPLIT: "linear_split", OP_LINEAR_REDUCE: "linear_reduce", OP_CONV_STEP: "conv_step",
+            OP_LINEAR_SPLIT: "linear_split", OP_CONV_STEP: "conv_step",
             OP_DELTA_STEP: "delta_step", OP_ADD_NORM: "add_norm", OP_MOE_ROUTE: "moe_route",
             OP_MOE_UP: "moe_up", OP_MOE_DOWN: "moe_down", OP_MOE_SUM: "moe_sum"}
 
@@ -55,9 +56,10 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
           "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk",
-          "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn", "stout", "stkind")
+          "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn", "stout", "stkind", "kticket", "ktickets")
 F = {name: i for i, name in enumerate(FIELDS)}
-NUM_FIELDS = 64  # padded; rows stay 128-byte aligned (512 bytes)
+NUM_FIELDS = 64  # rows stay 128-byte aligned (512 bytes)
+assert len(FIELDS) <= NUM_FIELDS
 
 # Layout of the int32 dynamic buffer (per-step values, written by the host or by the kernel itself):
 # [0:B] tokens, [B:2B] positions (of the token being decoded), [2B:3B] cross-attention lengths,
@@ -96,6 +98,13 @@ class Task:
     ticket: str | None = None
     last_reads: list[Region] = field(default_factory=list)
     last_writes: list[Region] = field(default_factory=list)
+    # A second ticket, drawn BEFORE `ticket`: the K slices of one split-K tile, whose last to finish
+    # sums the slices and runs the tile's epilogue (its accesses: ksum_reads / ksum_writes). A
+    # member that ran it has done so before it takes the stage's `ticket`, so the stage's finale
+    # (row statistics) follows every tile's sum.
+    kticket: str | None = None
+    ksum_reads: list[Region] = field(default_factory=list)
+    ksum_writes: list[Region] = field(default_factory=list)
 
 
 @dataclass
@@ -212,8 +221,9 @@ class TaskGraph:
             self.counter(c)
         if task.signal is not None:
             self.counter(task.signal)
-        if task.ticket is not None:
-            self.tickets.setdefault(task.ticket, len(self.tickets))
+        for ticket in (task.kticket, task.ticket):
+            if ticket is not None:
+                self.tickets.setdefault(ticket, len(self.tickets))
         self.tasks.append(task)
         return task
 
@@ -225,8 +235,9 @@ class TaskGraph:
         table = torch.full((len(self.tasks), NUM_FIELDS), -1, dtype=torch.int64)
         members: dict[str, int] = {}
         for t in self.tasks:
-            if t.ticket is not None:
-                members[t.ticket] = members.get(t.ticket, 0) + 1
+            for ticket in (t.kticket, t.ticket):
+                if ticket is not None:
+                    members[ticket] = members.get(ticket, 0) + 1
         ticket0 = CTRL_COUNTERS + max(1, len(self.counters))
         for i, t in enumerate(self.tasks):
             if len(t.waits) > 2:
@@ -238,11 +249,12 @@ class TaskGraph:
                 row[F[f"t{j}"]] = target
             if t.signal is not None:
                 row[F["sig"]] = self.counters[t.signal]
-            if t.ticket is not None:   # the ticket's index in the control buffer, and its group's size
-                row[F["ticket"]] = ticket0 + self.tickets[t.ticket]
-                row[F["tickets"]] = members[t.ticket]
+            for key, ticket in (("ticket", t.ticket), ("kticket", t.kticket)):
+                if ticket is not None:   # the ticket's index in the control buffer, and its group's size
+                    row[F[key]] = ticket0 + self.tickets[ticket]
+                    row[F[key + "s"]] = members[ticket]
             for k, v in t.args.items():
-                if k not in F or F[k] < F["M"] or k in ("ticket", "tickets"):
+                if k not in F or F[k] < F["M"] or k in ("ticket", "tickets", "kticket", "ktickets"):
                     raise KeyError(f"task {t.name}: unknown argument {k!r}")
                 row[F[k]] = int(v)
         return table

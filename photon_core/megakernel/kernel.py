@@ -3,8 +3,9 @@
 Each program loops: claim the next task index with tl.atomic_add on the claim counter; wait until the
 task's dependency counters reach their targets (acquire loads, done as atomic_add(ptr, 0)); run the
 task; make its stores visible (barrier, then a release atomic_add on its counter). A task of a ticket
-group (an attention partial) also takes a ticket (acq_rel atomic_add) after its own stores; the one
-that draws the last ticket of its group runs the group's finale (the merge) before it signals. Tasks are claimed in
+group (an attention partial, a split-K slice) also takes a ticket (acq_rel atomic_add) after its own
+stores; the one that draws the last ticket of its group runs the group's finale (the merge, the
+slices' sum and epilogue) before it signals. Tasks are claimed in
 topological order, so a waiting program only waits on tasks already claimed by running programs: with
 no more programs than can be resident at once, that cannot deadlock; under TRITON_INTERPRET=1 (programs
 run one after another) program 0 simply runs every task in order.
@@ -47,7 +48,7 @@ assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", 
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
                        "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale", "xs", "xc0", "gact",
                        "xact", "tau", "alpha", "sw", "chunk", "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn",
-                       "stout", "stkind")] == list(range(1, 62))
+                       "stout", "stkind", "kticket", "ktickets")] == list(range(1, 64))
 
 
 @triton.jit
@@ -330,42 +331,40 @@ def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
 
 
 @triton.jit
-def _task_linear_split(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False):
     """One K slice of a tile (split-K, for stages with too few tiles to fill the GPU): the raw
-    partial product into slot `ks` of the stage's [splits, M, N] scratch, no epilogue."""
+    partial product into slot `ks` of the stage's [splits, M, N] scratch. Then the tile's ticket:
+    the LAST of its slices to finish sums the slots in slot order (a fixed order: the same bits
+    whichever slice is last) and runs the epilogue, so the reduction costs no task and no
+    dependency level of its own. Bytes: (n1-n0)*(k1-k0) weights + M*(k1-k0) x + M*BN*4 out; the
+    last slice also reads the tile's slices*M*BN*4 of partials (L2)."""
     M = tl.load(row + 6)
     N = tl.load(row + 8)
     n0 = tl.load(row + 9)
     n1 = tl.load(row + 33)
     kpart = tl.load(row + 36)
     ks = tl.load(row + 37)
+    # The ticket's fields before the acquire, which would send a later read of them to L2.
+    kticket = tl.load(row + 62)
+    nslices = tl.load(row + 63)
     acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     omask = (rows < M)[:, None] & (cols < n1)[None, :]
-    tl.store(s_ptr + kpart + (ks * M + rows[:, None]).to(tl.int64) * N + cols[None, :], acc, mask=omask)
-
-
-@triton.jit
-def _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        KV_BF16: tl.constexpr = False):
-    """Sum a tile's `ksplit` partials in slot order (a fixed order: the result does not depend on
-    which program finished first), then the epilogue."""
-    M = tl.load(row + 6)
-    N = tl.load(row + 8)
-    n0 = tl.load(row + 9)
-    n1 = tl.load(row + 33)
-    kpart = tl.load(row + 36)
-    nsplit = tl.load(row + 37)
-    rows = tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    omask = (rows < M)[:, None] & (cols < n1)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for s in range(0, nsplit):
-        acc += tl.load(s_ptr + kpart + (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :], mask=omask,
-                       other=0.0, cache_modifier=CG)
-    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
+    tile = s_ptr + kpart + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(tile + ks * M * N, acc, mask=omask)
+    if kticket >= 0:
+        # As the attention partial's ticket: the barrier completes every thread's stores, the
+        # acq_rel increment releases them and acquires the slices released before it.
+        tl.debug_barrier()
+        drawn = tl.atomic_add(ctrl_ptr + kticket, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if drawn == nslices - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(0, nslices):
+                total += tl.load(tile + s * M * N, mask=omask, other=0.0, cache_modifier=CG)
+            _linear_epilogue(row, total, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
 
 
 @triton.jit
@@ -953,9 +952,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == 6:
         _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D, KV_BF16)
     elif op == 7:
-        _task_linear_split(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
-    elif op == 8:
-        _task_linear_reduce(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
+        _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
     elif op == 9:
         _task_conv_step(row, w_ptr, s_ptr, BLOCK_M, BLOCK_N)
     elif op == 10:
