@@ -228,8 +228,8 @@ def main() -> None:
         "Contexts: Whisper 448, Moondream 1024, Qwen3-ASR 1024, Qwen 3.5 2048, Gemma 4 4096. **Predicted** = "
         "bytes / (0.8 x bandwidth) + depth x "
         "1.5 us; floors are bytes / bandwidth. Measured times come from bench/gpu.sh when a GPU is lent. "
-        "Depth: attention merges and split-K sums run in the last task of their group (tickets), so "
-        "neither adds a level. Targets (#11, batch 1 on H200): Moondream 2 within 1.5x of the floor, "
+        "Depth: attention merges, split-K sums and (at batch 1) rotary appends run in the last task of "
+        "their group (tickets), so none adds a level. Targets (#11, batch 1 on H200): Moondream 2 within 1.5x of the floor, "
         "Whisper large-v3-turbo within 2x; batch 8 at most 1.5x batch 1.",
         "",
         "| model | batch | tasks | depth | stage tasks (min-max) | MB weights | MB KV/state | H200 floor ms | "

@@ -84,15 +84,18 @@ def fill_caches(step, batch, positions, enc_len, gen):
 @pytest.mark.parametrize("batch,rotary,tiling,norm", [
     (1, True, Tiling(16, 32, 8, 2, 3), "rms"),
     (2, False, Tiling(16, 32, 8, 3, 2), "layer"),      # no rotary: q|k|v stored by the linear itself
-    (4, True, Tiling(32, 64, 16, 1, 1), "layer"),      # tiles straddle heads: whole-stage waits
+    # tiles straddle heads: whole-stage waits; straddling tiles join all 3 heads in one group,
+    # whose finale runs their 12 appends (batch 1's run as finales of one row each by default)
+    (4, True, Tiling(32, 64, 16, 1, 1, rope_finale_rows=12), "layer"),
     # Few-tile stages get narrower tiles and split-K (partials summed by the last slice of each tile).
-    (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=12, min_block_n=8, max_split_k=3), "rms"),
+    (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=12, min_block_n=8, max_split_k=3, rope_finale_rows=4), "rms"),
     (1, False, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=16, max_split_k=4), "layer"),
 ])
 def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling, norm):
     w = toy_weights()
     g = toy_graph(w, rotary=rotary, norm=norm)
     step = CompiledStep(g, w, batch, tiling)
+    assert bool(step.graph.rows) == rotary   # every rotary case runs its appends as finales
     step.state.fill_(float("nan"))
     gen = torch.Generator().manual_seed(batch)
     positions = [1 + 2 * r for r in range(batch)]
@@ -140,7 +143,7 @@ def test_stage_shapes_narrow_tiles_first_then_split_k():
     check(g)
 
 
-@pytest.mark.parametrize("rotary,tiling", [(True, Tiling(16, 32, 8, 2, 2)), (False, Tiling(16, 32, 8, 2, 2)),
+@pytest.mark.parametrize("rotary,tiling", [(True, Tiling(16, 32, 8, 2, 2, rope_finale_rows=2)), (False, Tiling(16, 32, 8, 2, 2)),
                                            (False, Tiling(32, 32, 8, 1, 1, min_tasks=40, max_split_k=3))])
 def test_a_llama_style_layer_equals_the_eager_graph(rotary, tiling):
     """A Qwen / Gemma / Llama-style layer: RMSNorm, 4 query heads over 2 K/V heads of 16, rotary
@@ -233,7 +236,8 @@ def test_window_ring_head_norms_gate_and_rotary_offsets_equal_the_eager_graph():
     those of the same layers over a full-length cache (the ring changes memory, not results)."""
     w = hybrid_weights()
     ring_graph, full_graph = hybrid_graph(w, ring=True), hybrid_graph(w, ring=False)
-    step = CompiledStep(ring_graph, w, 2, Tiling(16, 32, 8, 2, 2))
+    step = CompiledStep(ring_graph, w, 2, Tiling(16, 32, 8, 2, 2, rope_finale_rows=2))   # appends as finales
+    assert step.plan.rope_groups and step.graph.rows
     step.state.fill_(float("nan"))
     g0 = torch.Generator().manual_seed(6)
     positions, offsets = [3, 5], [0, -2]

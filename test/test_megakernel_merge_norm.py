@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from photon_core.megakernel import CompiledStep, Tiling, check, lower, plan  # noqa: E402
 from photon_core.megakernel.checker import GraphError  # noqa: E402
 from photon_core.megakernel.graph import (OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,  # noqa: E402
-                                          OP_LINEAR_SPLIT, Region, Task, TaskGraph)
+                                          OP_LINEAR_SPLIT, OP_ROPE_APPEND, Region, Task, TaskGraph)
 
 from test_megakernel_compiler import fill_caches, toy_graph, toy_weights  # noqa: E402
 
@@ -271,3 +271,42 @@ def test_a_stage_finale_follows_only_tile_sums_whose_slices_all_draw_its_ticket(
     with pytest.raises(GraphError, match="finale of ticket 't1'.*finale of ticket 'st'|"
                                          "finale of ticket 'st'.*finale of ticket 't1'"):
         check(graph({"s00", "s01", "s10"}))
+
+
+def test_appends_run_as_finales_of_their_qkv_tiles_whichever_tile_is_last():
+    """At batch 1 the rotary append of each head runs in the last of that head's q, k and v tiles
+    to finish (finale rows, no append tasks, no level of their own). Reversing the q|k|v stage in
+    the list changes which tile is last: the same bits. Without the finale rows q is never written."""
+    from photon_core.megakernel.compiler import head_groups
+    from photon_core.megakernel.graph import F
+    step = _step(batch=1)
+    g = step.graph
+    node, groups = step.plan.rope_groups["qkv"]
+    assert groups == [[0], [1], [2]] and head_groups(node, 32) == [[0, 1, 2]]   # 32 columns straddle 16-wide heads
+    assert not any(t.op == OP_ROPE_APPEND for t in g.tasks)
+    assert [t.name for t in g.rows] == ["q[b0,h0]", "q[b0,h1]", "q[b0,h2]"]
+    tiles = [i for i, t in enumerate(g.tasks) if t.name.startswith("qkv[")]
+    assert len(tiles) == 9 and {g.tasks[i].ticket for i in tiles} == {"q.g0", "q.g1", "q.g2"}
+    step.launch()
+    keys = ("q", "a", "logits")
+    want = {k: step.view(k).clone() for k in keys}
+    kv = {k: step.view(k)[0, :, 4].clone() for k in ("k", "v")}   # this step's position
+    order = list(range(len(g.tasks)))
+    order[tiles[0]:tiles[-1] + 1] = tiles[::-1]
+    g.tasks = [g.tasks[i] for i in order]
+    check(g)
+    mk = step.kernel
+    mk.tasks = g.encode()
+    for k in keys:
+        step.sarena.typed(step.state, k).fill_(float("nan"))
+    for k in ("k", "v"):
+        step.view(k)[0, :, 4] = float("nan")
+    step.launch()
+    for k, v in want.items():
+        assert torch.equal(step.view(k), v), k
+    for k, v in kv.items():
+        assert torch.equal(step.view(k)[0, :, 4], v), k
+    mk.tasks[:, F["fin"]] = -1
+    step.sarena.typed(step.state, "q").fill_(float("nan"))
+    step.launch()
+    assert torch.isnan(step.view("q")).all()

@@ -20,7 +20,11 @@ Lowering, op by op:
                 position: no append task); an argmax reader makes it a logits store that also writes
                 each tile's (max, first index) per row.
   * kv_append   one task per (row, head): per-head RMSNorm and rotary on q and k, q out, k and v
-                into the caches (slot position % length for a ring cache).
+                into the caches (slot position % length for a ring cache). Where each group of
+                heads sharing q|k|v tiles has at most Tiling.rope_finale_rows of them (batch 1),
+                they are not tasks: the last of the group's q|k|v tiles to finish runs them (a
+                ticket finale over rows of the task table that are never claimed), so the append
+                costs no dependency level.
   * attention   split-KV partials per (row, head, split); the last of a (row, head)'s partials to
                 finish merges them (a ticket: no merge task, no dependency level of its own).
   * conv_step   one task per tile of channels (all rows): the conv and its state shift in place.
@@ -101,6 +105,11 @@ class Tiling:
     min_tasks: int = 0
     min_block_n: int = 16
     max_split_k: int = 8
+    # A q|k|v linear runs its rotary / per-head-norm append's (row, head) tasks as finales of its
+    # own tiles (the last tile of a head's q, k and v to finish does that head: no level of its
+    # own) when each finale is at most this many (row, head) tasks (0: never). Larger batches keep
+    # the append tasks, which run in parallel rather than one after another in one program.
+    rope_finale_rows: int = 1
 
 
 def stage_shape(n: int, k: int, tiling: Tiling, align: int | None = None, narrow: bool = True) -> tuple[int, int]:
@@ -150,6 +159,39 @@ class Plan:
     # Values that feed fused norms of one kind (name -> norm code) whose producer stage's last task
     # writes each row's (mean, rstd) to "{name}.stats" ([B, 2]); see stats_finale.
     stats: dict[str, int] = field(default_factory=dict)
+    # q|k|v linear name -> (its kv_append, that append's query heads grouped by the tiles they share):
+    # the linear's tiles run the append's (row, head) tasks as ticket finales (Tiling.rope_finale_rows).
+    rope_groups: dict[str, tuple[Node, list[list[int]]]] = field(default_factory=dict)
+
+
+def qkv_head(node: Node, c: int) -> int:
+    """The query head whose append task (kv_append `node`) reads column c of its q|k|v input."""
+    dh, H, d = node.args["k"].spec.head_dim, node.args["k"].spec.heads, node.out.width
+    return c // dh if c < d else (c - d) % (H * dh) // dh
+
+
+def head_groups(node: Node, width: int) -> list[list[int]]:
+    """The query heads of kv_append `node` joined by the `width`-column tiles of its q|k|v input:
+    an append task (row, head h) reads q head h and, while h < K/V heads, k and v head h; a tile
+    whose columns reach two heads joins their groups."""
+    a = node.args
+    parent = list(range(node.out.width // a["k"].spec.head_dim))
+
+    def root(h: int) -> int:
+        while parent[h] != h:
+            h = parent[h]
+        return h
+
+    n = a["qkv"].width
+    for n0 in range(0, n, width):
+        heads = {qkv_head(node, c) for c in range(n0, min(n, n0 + width))}
+        first = root(min(heads))
+        for h in heads:
+            parent[root(h)] = first
+    groups: dict[int, list[int]] = {}
+    for h in range(len(parent)):
+        groups.setdefault(root(h), []).append(h)
+    return sorted(groups.values())
 
 
 def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: torch.dtype = torch.float32,
@@ -308,6 +350,15 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
         shape[name] = stage_shape(n, k, tiling, align, narrow=name not in logits)
         if shape[name][1] > 1:
             shapes[f"{name}.kpart"] = (shape[name][1], batch, n)
+    rope_groups = {}
+    for node in graph.nodes:
+        src = producer.get(node.args["qkv"].name) if node.op == "kv_append" else None
+        if (src is None or src.op != "linear" or src.out.name in qkv_store or node.args["tau"] is not None
+                or [id(c) for c in graph.consumers(src.out)] != [id(node)]):
+            continue
+        groups = head_groups(node, shape[src.out.name][0])
+        if batch * max(map(len, groups)) <= tiling.rope_finale_rows:
+            rope_groups[src.out.name] = (node, groups)
     for spec in graph.caches.values():
         shapes[spec.name] = ((spec.layers,) if spec.layers is not None else ()) + (
             batch, spec.heads, spec.length, spec.head_dim)
@@ -338,7 +389,8 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
               if n.op == "kv_append" and n.args["rotary"] is not None]
     return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, mul_of, act_of, qkv_store, logits, shape,
                 ldw, weight_offset, eps.pop() if eps else 1e-5, min(limits + rotary) if limits + rotary else 1 << 30,
-                weight_dtype, kv_dtype, fp8, {k: (0, graph.weight_shapes[k][1]) for k in external}, stats)
+                weight_dtype, kv_dtype, fp8, {k: (0, graph.weight_shapes[k][1]) for k in external}, stats,
+                rope_groups)
 
 
 def lookup_tables(graph: StepGraph) -> set[str]:
@@ -475,49 +527,20 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
             stage_of[node.out.name] = st
         elif node.op == "linear":
             stage_of.update(_lower_linear(p, g, node, waits, ancestors, per_head, cache_cols, cache_off,
-                                          dyn_pos))
+                                          dyn_pos, dyn_rot))
         elif node.op == "kv_append":
-            if node.out.name in stage_of:      # stored by its q|k|v linear
+            if node.out.name in stage_of:      # stored by its q|k|v linear, or run as its tiles' finales
                 continue
-            k, v = a["k"], a["v"]
-            H, dh = k.spec.heads, k.spec.head_dim
-            d = node.out.width                 # Hq * dh: query heads may outnumber K/V heads
-            hq, row = d // dh, d + 2 * H * dh
-            rot = a["rotary"]
+            H = a["k"].spec.heads
+            tau = a["tau"]
             signal_heads = per_head(node.out) is not None
             st = _Stage(node.out.name, None if signal_heads else g.counter(node.out.name),
                         [g.counter(f"{node.out.name}.h{h}") for h in range(H)] if signal_heads else None,
                         ancestors([a["qkv"]], node.out.name))
-            tau, append = a["tau"], a["append"]
             wait = waits([a["qkv"]] + ([tau.value] if tau else []))
-            qkv = a["qkv"].name
-            hn = a["norm"]
-            if not append:
-                row = d                        # q alone: nothing goes into the (shared) caches
-            for h in range(hq):                # query head h; K/V head h too while h < H
-                for r in range(B):
-                    reads = [S.region(qkv, r * row + h * dh, r * row + (h + 1) * dh), dyn_pos, dyn_rot]
-                    writes = [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh)]
-                    if tau:
-                        tv = tau.value.name
-                        reads += [S.region(tv, r * 2 * hq + h, r * 2 * hq + h + 1)]
-                        if h < H:
-                            reads += [S.region(tv, r * 2 * hq + hq + h, r * 2 * hq + hq + h + 1)]
-                    if h < H and append:
-                        reads += [S.region(qkv, r * row + d + c * H * dh + h * dh, r * row + d + c * H * dh + (h + 1) * dh)
-                                  for c in range(2)]
-                        writes += [cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh)]
-                    g.add(Task(f"{node.out.name}[b{r},h{h}]", OP_ROPE_APPEND,
-                               dict(K=rot.dims if rot else 0, N=d, x=S.off(qkv),
-                                    w=W.off(rot.cos) if rot else -1, b=W.off(rot.sin) if rot else -1,
-                                    out=S.off(node.out.name), kc=cache_off(k), vc=cache_off(v), H=H, Dh=dh,
-                                    Tmax=k.spec.length, bi=r, hi=h, ring=int(k.spec.ring),
-                                    lnw=W.off(hn.q) if hn is not None and hn.q else -1,
-                                    lnb=W.off(hn.k) if hn is not None and hn.k else -1,
-                                    norm=0 if hn is None else (hn.q is not None) | (hn.k is not None) << 1 | hn.v << 2,
-                                    mode=0 if append else 1, tau=S.off(tau.value.name) if tau else -1,
-                                    alpha=W.off(tau.alpha) if tau else -1),
-                               list(wait), st.heads[h] if st.heads else st.counter, reads, writes))
+            for (r, h), t in _append_tasks(p, node, cache_cols, cache_off, dyn_pos, dyn_rot).items():
+                t.waits, t.signal = list(wait), st.heads[h] if st.heads else st.counter
+                g.add(t)
             stage_of[node.out.name] = st
         elif node.op == "add_norm":
             st = _Stage(node.out.name, g.counter(node.out.name),
@@ -598,8 +621,74 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
     return g
 
 
+def _append_tasks(p: Plan, node: Node, cache_cols, cache_off, dyn_pos: Region,
+                  dyn_rot: Region) -> dict[tuple[int, int], Task]:
+    """kv_append's task per (row, query head), without waits or signal: per-head norms and rotary
+    on q (and k), q out, k and v of K/V head h (h < K/V heads) into the caches."""
+    S, W, B, a = p.sarena, p.warena, p.batch, node.args
+    k, v = a["k"], a["v"]
+    H, dh = k.spec.heads, k.spec.head_dim
+    d = node.out.width                 # Hq * dh: query heads may outnumber K/V heads
+    hq, row = d // dh, d + 2 * H * dh
+    rot, tau, append, hn = a["rotary"], a["tau"], a["append"], a["norm"]
+    qkv = a["qkv"].name
+    if not append:
+        row = d                        # q alone: nothing goes into the (shared) caches
+    tasks = {}
+    for h in range(hq):                # query head h; K/V head h too while h < H
+        for r in range(B):
+            reads = [S.region(qkv, r * row + h * dh, r * row + (h + 1) * dh), dyn_pos, dyn_rot]
+            writes = [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh)]
+            if tau:
+                tv = tau.value.name
+                reads += [S.region(tv, r * 2 * hq + h, r * 2 * hq + h + 1)]
+                if h < H:
+                    reads += [S.region(tv, r * 2 * hq + hq + h, r * 2 * hq + hq + h + 1)]
+            if h < H and append:
+                reads += [S.region(qkv, r * row + d + c * H * dh + h * dh, r * row + d + c * H * dh + (h + 1) * dh)
+                          for c in range(2)]
+                writes += [cache_cols(k, r, h * dh, (h + 1) * dh), cache_cols(v, r, h * dh, (h + 1) * dh)]
+            tasks[(r, h)] = Task(f"{node.out.name}[b{r},h{h}]", OP_ROPE_APPEND,
+                                 dict(K=rot.dims if rot else 0, N=d, x=S.off(qkv),
+                                      w=W.off(rot.cos) if rot else -1, b=W.off(rot.sin) if rot else -1,
+                                      out=S.off(node.out.name), kc=cache_off(k), vc=cache_off(v), H=H, Dh=dh,
+                                      Tmax=k.spec.length, bi=r, hi=h, ring=int(k.spec.ring),
+                                      lnw=W.off(hn.q) if hn is not None and hn.q else -1,
+                                      lnb=W.off(hn.k) if hn is not None and hn.k else -1,
+                                      norm=0 if hn is None else (hn.q is not None) | (hn.k is not None) << 1 | hn.v << 2,
+                                      mode=0 if append else 1, tau=S.off(tau.value.name) if tau else -1,
+                                      alpha=W.off(tau.alpha) if tau else -1),
+                                 [], None, reads, writes)
+    return tasks
+
+
+def _append_finales(p: Plan, g: TaskGraph, name: str, ancestors: frozenset[str], per_head, cache_cols,
+                    cache_off, dyn_pos: Region, dyn_rot: Region) -> tuple[_Stage, dict[int, tuple]]:
+    """For a q|k|v linear in Plan.rope_groups: its append's stage, and per query head, what the
+    tiles producing that head's columns carry: (task arguments, Task keywords, counter to signal).
+    A group of heads shares a ticket whose finale runs the group's append rows (rows of the task
+    table after the tasks, never claimed themselves)."""
+    node, groups = p.rope_groups[name]
+    tasks = _append_tasks(p, node, cache_cols, cache_off, dyn_pos, dyn_rot)
+    out = node.out.name
+    heads = per_head(node.out) is not None
+    counters = [g.counter(f"{out}.g{i}") for i in range(len(groups))] if heads else None
+    group_of = {h: i for i, grp in enumerate(groups) for h in grp}
+    rst = _Stage(out, None if heads else g.counter(out),
+                 [counters[group_of[h]] for h in sorted(group_of)] if heads else None, ancestors | {out})
+    per_group = []
+    for i, grp in enumerate(groups):
+        rows = [tasks[(r, h)] for h in grp for r in range(p.batch)]
+        per_group.append((dict(fin=len(g.rows), nfin=len(rows)),
+                          dict(ticket=f"{out}.g{i}", last_reads=[x for t in rows for x in t.reads],
+                               last_writes=[x for t in rows for x in t.writes]),
+                          counters[i] if heads else rst.counter))
+        g.rows += rows
+    return rst, {h: per_group[group_of[h]] for h in group_of}
+
+
 def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head, cache_cols, cache_off,
-                  dyn_pos: Region) -> dict[str, _Stage]:
+                  dyn_pos: Region, dyn_rot: Region) -> dict[str, _Stage]:
     """Tiles of the stage's width; with K slices, split tasks (partial products into the stage's
     scratch) of which the last of each tile sums them in a fixed order and runs the epilogue."""
     graph, B, S, W = p.graph, p.batch, p.sarena, p.warena
@@ -624,9 +713,14 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
     signal_heads = dh is not None and dh % width == 0
     d = out.width
     heads = -(-d // dh) if signal_heads else 0
-    st = _Stage(out.name, None if signal_heads else g.counter(out.name),
-                [g.counter(f"{out.name}.h{h}") for h in range(heads)] if signal_heads else None,
-                ancestors(reads_of, out.name))
+    finales, rope = None, p.rope_groups.get(name, (None,))[0]
+    if rope is not None:   # the append's rows run as finales of these tiles (it alone reads them)
+        st, finales = _append_finales(p, g, name, ancestors(reads_of, out.name), per_head, cache_cols, cache_off,
+                                      dyn_pos, dyn_rot)
+    else:
+        st = _Stage(out.name, None if signal_heads else g.counter(out.name),
+                    [g.counter(f"{out.name}.h{h}") for h in range(heads)] if signal_heads else None,
+                    ancestors(reads_of, out.name))
     wait = waits(reads_of)
     mode = MODE_QKV if kv is not None else MODE_LOGITS if name in p.logits else MODE_PLAIN
     ntiles = -(-N // width)
@@ -671,7 +765,11 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             part = f"{name}.part"
             args.update(tile=i, part=S.off(part), ntiles=ntiles, rb=-1)
             writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
-        signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
+        if finales is not None:
+            fa, fk, signal = finales[qkv_head(rope, n0)]
+            args.update(fa)
+        else:
+            signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
         if splits == 1:
             g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, list(x_regions) + reads, writes,
                        **fk))
@@ -684,7 +782,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
                        dict(args, k0=k0, k1=min(K, k0 + step), kpart=S.off(kpart), ksplit=ks),
                        list(wait), signal, list(x_regions), slots[ks * B:(ks + 1) * B],
                        kticket=f"{name}.sum[{n0}:{n1}]", ksum_reads=slots + reads, ksum_writes=list(writes), **fk))
-    return {out.name: st}
+    return {st.name: st}
 
 
 def _lower_moe(p: Plan, g: TaskGraph, node: Node, waits, ancestors) -> dict[str, _Stage]:

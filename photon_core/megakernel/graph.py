@@ -56,9 +56,10 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
           "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk",
-          "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn", "stout", "stkind", "kticket", "ktickets")
+          "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn", "stout", "stkind", "kticket", "ktickets",
+          "fin", "nfin")
 F = {name: i for i, name in enumerate(FIELDS)}
-NUM_FIELDS = 64  # rows stay 128-byte aligned (512 bytes)
+NUM_FIELDS = 80  # rows stay 128-byte aligned (640 bytes)
 assert len(FIELDS) <= NUM_FIELDS
 
 # Layout of the int32 dynamic buffer (per-step values, written by the host or by the kernel itself):
@@ -207,6 +208,11 @@ class TaskGraph:
     tasks: list[Task] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     tickets: dict[str, int] = field(default_factory=dict)
+    # Finale rows: work a ticket's last member runs (a kv_append's (row, head) tasks behind their
+    # q|k|v tiles), encoded after the tasks and never claimed. A member's arguments `fin` (index
+    # here of the first) and `nfin` (how many) name them; their waits, signal and accesses are the
+    # members' (the accesses declared as the ticket's finale's).
+    rows: list[Task] = field(default_factory=list)
 
     def counter(self, name: str) -> str:
         self.counters.setdefault(name, len(self.counters))
@@ -232,7 +238,7 @@ class TaskGraph:
 
     def encode(self) -> torch.Tensor:
         """The int64 table the kernel reads; call checker.check(graph) first."""
-        table = torch.full((len(self.tasks), NUM_FIELDS), -1, dtype=torch.int64)
+        table = torch.full((len(self.tasks) + len(self.rows), NUM_FIELDS), -1, dtype=torch.int64)
         members: dict[str, int] = {}
         for t in self.tasks:
             for ticket in (t.kticket, t.ticket):
@@ -253,11 +259,23 @@ class TaskGraph:
                 if ticket is not None:   # the ticket's index in the control buffer, and its group's size
                     row[F[key]] = ticket0 + self.tickets[ticket]
                     row[F[key + "s"]] = members[ticket]
-            for k, v in t.args.items():
-                if k not in F or F[k] < F["M"] or k in ("ticket", "tickets", "kticket", "ktickets"):
-                    raise KeyError(f"task {t.name}: unknown argument {k!r}")
-                row[F[k]] = int(v)
+            self._encode_args(t, row, i)
+        for i, t in enumerate(self.rows, len(self.tasks)):
+            if t.waits or t.signal is not None or t.ticket is not None or t.kticket is not None:
+                raise ValueError(f"finale row {t.name}: waits, signals and tickets are its task's")
+            table[i, F["op"]] = t.op
+            self._encode_args(t, table[i], i)
         return table
+
+    def _encode_args(self, t: Task, row: torch.Tensor, i: int) -> None:
+        for k, v in t.args.items():
+            if k not in F or F[k] < F["M"] or k in ("ticket", "tickets", "kticket", "ktickets"):
+                raise KeyError(f"task {t.name}: unknown argument {k!r}")
+            if k == "fin":   # finale rows are addressed from the row that runs them, in elements
+                if not 0 <= v < len(self.rows) or not 0 < t.args["nfin"] <= len(self.rows) - v:
+                    raise ValueError(f"task {t.name}: finale rows [{v}, +{t.args['nfin']}) of {len(self.rows)}")
+                v = (len(self.tasks) + v - i) * NUM_FIELDS
+            row[F[k]] = int(v)
 
     def summary(self) -> str:
         by_op: dict[str, int] = {}

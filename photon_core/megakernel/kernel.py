@@ -41,6 +41,8 @@ from photon_core.megakernel.graph import CTRL_ERROR, NUM_FIELDS, F, TaskGraph
 # Loads of data other programs wrote during this launch bypass L1 (".cg": cached in L2 only), so no
 # SM can read a stale line of an activation, cache entry or partial; weights keep the default path.
 CG: tl.constexpr = tl.constexpr(".cg")
+# Elements per task-table row: finale rows are addressed from the row of the task that runs them.
+NF_ROW: tl.constexpr = tl.constexpr(NUM_FIELDS)
 
 # The jit code reads fields by literal column; this pins those literals to graph.FIELDS.
 assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
@@ -48,7 +50,7 @@ assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", 
                        "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
                        "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale", "xs", "xc0", "gact",
                        "xact", "tau", "alpha", "sw", "chunk", "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn",
-                       "stout", "stkind", "kticket", "ktickets")] == list(range(1, 64))
+                       "stout", "stkind", "kticket", "ktickets", "fin", "nfin")] == list(range(1, 66))
 
 
 @triton.jit
@@ -950,7 +952,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == 5:
         _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
     elif op == 6:
-        _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D, KV_BF16)
+        pass   # below, where finale rows run it too: one inlined copy (the kernel is at the edge of the register file)
     elif op == 7:
         _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
     elif op == 9:
@@ -969,18 +971,32 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
         _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
         ran = 0
-    if tl.load(row + 60) >= 0:
-        # A task of a stage whose output feeds a fused norm: a ticket as the attention partial's,
-        # and the last task of the stage to finish computes the rows' statistics before it
-        # signals. The stage's readers wait for all of it, so the statistics cost no level.
-        # (Both fields before the acquire, which would send a later read of them to L2.)
+    stout = tl.load(row + 60)
+    fin = tl.load(row + 64)
+    # The append rows to run: this task's own (op 6), or the finale rows of a q|k|v tile that
+    # drew its heads' last ticket.
+    arow = row
+    napp = tl.where(op == 6, 1, 0).to(tl.int64)
+    if (stout >= 0) | (fin >= 0):
+        # A task of a stage whose output feeds a fused norm, or of the q|k|v tiles of a group of
+        # heads: a ticket as the attention partial's, and the last task of the group to finish
+        # computes the rows' statistics, or runs the heads' append rows (finale rows `fin`
+        # elements from this row), before it signals. The readers wait for the whole group, so
+        # neither costs a level. (The fields before the acquire, which would send them to L2 again.)
         ticket = tl.load(row + 55)
         tickets = tl.load(row + 56)
+        nfin = tl.load(row + 65)
         tl.debug_barrier()
         drawn = tl.atomic_add(ctrl_ptr + ticket, 1, sem="acq_rel")
         tl.debug_barrier()
         if drawn == tickets - 1:
-            _task_row_stats(row, s_ptr, B, ln_eps, BLOCK_M, BLOCK_K)
+            if stout >= 0:
+                _task_row_stats(row, s_ptr, B, ln_eps, BLOCK_M, BLOCK_K)
+            else:
+                arow = row + fin
+                napp = nfin
+    for j in range(0, napp):
+        _task_rope_append(arow + j * NF_ROW, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D, KV_BF16)
     return ran
 
 
