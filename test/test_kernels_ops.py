@@ -174,3 +174,57 @@ def test_bfloat16_inputs(m):
     close(tri.layer_norm(h, g, c, 1e-5).float(), ref.layer_norm(h32, g32, c32, 1e-5), tol=1e-2)
     (q, k, v), (q32, k32, v32) = both(*(torch.randn(1, 2, t, 32) for t in (5, 9, 9)))
     close(tri.attention(q, k, v, True, 4).float(), ref.attention(q32, k32, v32, True, 4), tol=1e-2)
+
+
+def test_bfloat16_inputs_of_the_other_per_op_kernels():
+    """The rest of what a bf16 model's prefill and per-op decode hand the kernels (Moondream, Qwen 3.5,
+    Gemma 4 load bf16 on a GPU): bf16 in, bf16 out (the caches keep their own dtype), within bf16's
+    rounding of the fp32 reference on the same bf16 values."""
+    bf = torch.bfloat16
+
+    def both(*ts):
+        return [t.to(bf) for t in ts], [t.to(bf).float() for t in ts]
+
+    def check(got, want):
+        assert got.dtype == bf
+        close(got.float(), want.float(), tol=2e-2)
+    (x, r, w, b, gate), (x32, r32, w32, b32, gate32) = both(
+        torch.randn(3, 96), torch.randn(3, 96), torch.randn(96), torch.randn(96), torch.randn(3, 96))
+    check(tri.rms_norm(x, w, 1e-6, 1.0), ref.rms_norm(x32, w32, 1e-6, 1.0))
+    check(tri.rms_norm_gated(x, gate, w, 1e-6), ref.rms_norm_gated(x32, gate32, w32, 1e-6))
+    y, s = tri.add_layer_norm(x, r, w, b, 1e-5)
+    y32, s32 = ref.add_layer_norm(x32, r32, w32, b32, 1e-5)
+    check(y, y32)
+    check(s, s32)
+    check(tri.glu(x, r, "gelu_tanh", 1.0), ref.glu(x32, r32, "gelu_tanh", 1.0))
+    (q,), (q32,) = both(torch.randn(1, 2, 5, 32))
+    ang = torch.randn(5, 8)
+    check(tri.rotary(q, ang.cos().to(bf), ang.sin().to(bf), 16), ref.rotary(q32, ang.cos().to(bf).float(),
+                                                                        ang.sin().to(bf).float(), 16))
+    # bf16 K/V appended into bf16 caches, then one decode query over them (grouped heads).
+    kc, vc = torch.zeros(2, 2, 12, 32, dtype=bf), torch.zeros(2, 2, 12, 32, dtype=bf)
+    (k, v), _ = both(torch.randn(2, 2, 9, 32), torch.randn(2, 2, 9, 32))
+    tri.kv_append(kc, vc, k, v, torch.tensor([0, 3], dtype=torch.int32))
+    assert torch.equal(kc[0, :, :9], k[0]) and torch.equal(vc[1, :, 3:12], v[1])
+    (qd,), (qd32,) = both(torch.randn(2, 4, 1, 32))
+    lengths = torch.tensor([9, 12], dtype=torch.int32)
+    check(tri.decode_attention(qd, kc, vc, lengths, num_splits=2, block_t=16),
+          ref.decode_attention(qd32, kc.float(), vc.float(), lengths))
+    # Qwen 3.5's linear-attention layers: the causal conv and one gated delta-rule step.
+    (xc, wc, bc, st), (xc32, wc32, bc32, st32) = both(torch.randn(1, 3, 40), torch.randn(40, 4), torch.randn(40),
+                                                      torch.randn(1, 3, 40))
+    yc, sc = tri.causal_conv1d(xc, wc, bc, st, "silu")
+    yc32, sc32 = ref.causal_conv1d(xc32, wc32, bc32, st32, "silu")
+    check(yc, yc32)
+    check(sc, sc32)
+    (dq, dk, dv, g, beta), ins32 = both(torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.randn(2, 4, 24),
+                                        -torch.rand(2, 4), torch.rand(2, 4))
+    state = torch.randn(2, 4, 16, 24)
+    o, s_new = tri.gated_delta_step(dq, dk, dv, g, beta, state, None, True)
+    o32, s32 = ref.gated_delta_step(*ins32, state, None, True)
+    check(o, o32)
+    close(s_new.float(), s32, tol=2e-2)
+    # Moondream 3's experts.
+    (xm, rw, gu, dn), (xm32, rw32, gu32, dn32) = both(torch.randn(3, 32), torch.randn(6, 32) / 6,
+                                                      torch.randn(6, 48, 32) / 6, torch.randn(6, 32, 24) / 5)
+    check(tri.moe(xm, rw, None, gu, dn, 2, "gelu", 1.0, True), ref.moe(xm32, rw32, None, gu32, dn32, 2, "gelu", 1.0, True))

@@ -88,7 +88,8 @@ def fill_caches(step, batch, positions, enc_len, gen):
     # whose finale runs their 12 appends (batch 1's run as finales of one row each by default)
     (4, True, Tiling(32, 64, 16, 1, 1, rope_finale_rows=12), "layer"),
     # Few-tile stages get narrower tiles and split-K (partials summed by the last slice of each tile).
-    (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=12, min_block_n=8, max_split_k=3, rope_finale_rows=4), "rms"),
+    # ... here the q|k|v stage too: its slices draw the tile's ticket, then their heads' (the appends)
+    (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=8, max_split_k=3, rope_finale_rows=4), "rms"),
     (1, False, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=16, max_split_k=4), "layer"),
 ])
 def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling, norm):
@@ -96,6 +97,8 @@ def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling, norm):
     g = toy_graph(w, rotary=rotary, norm=norm)
     step = CompiledStep(g, w, batch, tiling)
     assert bool(step.graph.rows) == rotary   # every rotary case runs its appends as finales
+    if tiling.min_tasks == 40 and rotary:
+        assert all(t.kticket and t.ticket.startswith("q.g") for t in step.graph.tasks if t.name.startswith("qkv."))
     step.state.fill_(float("nan"))
     gen = torch.Generator().manual_seed(batch)
     positions = [1 + 2 * r for r in range(batch)]
@@ -139,7 +142,7 @@ def test_stage_shapes_narrow_tiles_first_then_split_k():
     tiles: dict[str, int] = {}
     for t in splits:
         tiles[t.kticket] = tiles.get(t.kticket, 0) + 1
-    assert min(tiles.values()) >= 2 and {t.op for t in g.tasks} & {8} == set()
+    assert min(tiles.values()) >= 2
     check(g)
 
 

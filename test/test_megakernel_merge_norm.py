@@ -221,10 +221,18 @@ def test_split_k_sums_are_the_same_whichever_slice_finishes_last():
     from photon_core.megakernel.graph import F
     _, _, step = _stats_step("layer", SPLIT)
     g = step.graph
-    assert not any(t.op == 8 for t in g.tasks)          # the retired reduce op
     step.state.fill_(float("nan"))
     step.set_step([3, 17], [0, 0])
     step.launch()
+    # every tile's ticket drawn by each of its slices, the stage's by every slice of the stage
+    ticks = step.kernel.ctrl[2 + len(g.counters):]
+    members: dict[str, int] = {}
+    for t in g.tasks:
+        for name in (t.kticket, t.ticket):
+            if name is not None:
+                members[name] = members.get(name, 0) + 1
+    assert any(k.startswith("y.sum") for k in members) and members["y.stats"] > 2
+    assert {k: ticks[g.tickets[k]].item() for k in members} == members
     keys = ("y", "y.stats", "u", "v")
     want = {k: step.view(k).clone() for k in keys}
     groups: dict[str, list[int]] = {}
@@ -268,6 +276,10 @@ def test_a_stage_finale_follows_only_tile_sums_whose_slices_all_draw_its_ticket(
         g.add(Task("r", OP_LINEAR, {}, [("y", 4)], None, [Region("state", 16, 26)], []))
         return g
     check(graph({"s00", "s01", "s10", "s11"}))
+    g = graph({"s00", "s01", "s10", "s11"})
+    g.tasks[0].kticket = "st"      # one counter per name: the tile's and the stage's would share it
+    with pytest.raises(GraphError, match="name both"):
+        check(g)
     with pytest.raises(GraphError, match="finale of ticket 't1'.*finale of ticket 'st'|"
                                          "finale of ticket 'st'.*finale of ticket 't1'"):
         check(graph({"s00", "s01", "s10"}))
@@ -288,6 +300,8 @@ def test_appends_run_as_finales_of_their_qkv_tiles_whichever_tile_is_last():
     tiles = [i for i, t in enumerate(g.tasks) if t.name.startswith("qkv[")]
     assert len(tiles) == 9 and {g.tasks[i].ticket for i in tiles} == {"q.g0", "q.g1", "q.g2"}
     step.launch()
+    ticks = step.kernel.ctrl[2 + len(g.counters):]
+    assert [ticks[g.tickets[f"q.g{h}"]].item() for h in range(3)] == [3, 3, 3]   # q, k and v tile of each head
     keys = ("q", "a", "logits")
     want = {k: step.view(k).clone() for k in keys}
     kv = {k: step.view(k)[0, :, 4].clone() for k in ("k", "v")}   # this step's position

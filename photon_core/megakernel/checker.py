@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, deque
 
-from photon_core.megakernel.graph import OP_NAMES, Region, TaskGraph
+from photon_core.megakernel.graph import OP_LINEAR_SPLIT, OP_NAMES, Region, TaskGraph
 
 
 class GraphError(ValueError):
@@ -124,13 +124,19 @@ def check(graph: TaskGraph) -> None:
         for i, t in enumerate(tasks):
             reads, writes = accesses_of(t, kind)
             if getattr(t, kind) is not None:
+                if kind == "kticket" and t.op != OP_LINEAR_SPLIT:
+                    raise GraphError(f"task {i} {t.name!r}: only split-K slices run a tile's sum (kticket)")
                 groups[(kind, getattr(t, kind))].append(i)
                 if not reads and not writes:
                     raise GraphError(f"task {i} {t.name!r}: {kind} {getattr(t, kind)!r} without a finale's accesses")
             elif reads or writes:
                 raise GraphError(f"task {i} {t.name!r}: finale accesses declared without a {kind}")
+    both = {name for kind, name in groups if kind == "kticket"} & {name for kind, name in groups if kind == "ticket"}
+    if both:   # one control-buffer counter per name: the two groups would draw from one count
+        raise GraphError(f"tickets {sorted(both)[:3]} name both a tile's sum and a stage's finale")
     n = len(tasks)
     finale: list[tuple[str, list[int], tuple[list[Region], list[Region]]]] = []
+    sum_of: dict[int, int] = {}   # task -> the node of its tile sum's finale (kticket groups come first)
     for (kind, name), members in groups.items():
         first = accesses_of(tasks[members[0]], kind)
         for j in members[1:]:
@@ -142,11 +148,13 @@ def check(graph: TaskGraph) -> None:
         for j in members:
             a |= anc[j] | (1 << j)
             d &= desc[j]
-        if kind == "ticket":
+        if kind == "kticket":
+            sum_of.update((j, n + len(finale)) for j in members)
+        else:
             inside = set(members)
-            for v, (_, earlier, _) in enumerate(finale):
-                if tasks[earlier[0]].kticket is not None and set(earlier) <= inside:
-                    a |= 1 << (n + v)
+            for v in {sum_of[j] for j in members if j in sum_of}:
+                if all(m in inside for m in finale[v - n][1]):
+                    a |= 1 << v
         anc.append(a)
         desc.append(d)
         finale.append((name, members, first))

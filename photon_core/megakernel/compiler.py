@@ -767,6 +767,7 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
         if finales is not None:
             fa, fk, signal = finales[qkv_head(rope, n0)]
+            fk = {k: list(v) if isinstance(v, list) else v for k, v in fk.items()}   # each task its own lists
             args.update(fa)
         else:
             signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter

@@ -9,8 +9,8 @@ tasks in list order, so any program only ever waits on tasks claimed before its 
 
 Every task also declares the state regions it reads and writes (buffer name, [start, end) in
 elements), so checker.py can prove that every pair of conflicting accesses is ordered by the counters.
-The host encodes the graph as an int64 table [num_tasks, NUM_FIELDS], one row per task; unused fields
-hold -1.
+The host encodes the graph as an int64 table [num_tasks + finale rows, NUM_FIELDS], one row per task
+(then the finale rows: TaskGraph.rows); unused fields hold -1.
 """
 from __future__ import annotations
 
@@ -268,6 +268,8 @@ class TaskGraph:
         return table
 
     def _encode_args(self, t: Task, row: torch.Tensor, i: int) -> None:
+        if t.args.get("stout", -1) >= 0 and "fin" in t.args:
+            raise ValueError(f"task {t.name}: one finale per ticket (row statistics or finale rows)")
         for k, v in t.args.items():
             if k not in F or F[k] < F["M"] or k in ("ticket", "tickets", "kticket", "ktickets"):
                 raise KeyError(f"task {t.name}: unknown argument {k!r}")
@@ -281,5 +283,6 @@ class TaskGraph:
         by_op: dict[str, int] = {}
         for t in self.tasks:
             by_op[OP_NAMES.get(t.op, str(t.op))] = by_op.get(OP_NAMES.get(t.op, str(t.op)), 0) + 1
-        return (f"{self.model} batch {self.batch}: {len(self.tasks)} tasks, {len(self.counters)} counters, "
+        return (f"{self.model} batch {self.batch}: {len(self.tasks)} tasks (+ {len(self.rows)} finale rows), "
+                f"{len(self.counters)} counters, "
                 + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items())))

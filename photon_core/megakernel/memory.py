@@ -44,7 +44,7 @@ def step_memory(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_
     counters = 0
     if tasks:
         g = lower(p)
-        out["task table"] = len(g.tasks) * NUM_FIELDS * 8
+        out["task table"] = (len(g.tasks) + len(g.rows)) * NUM_FIELDS * 8
         counters = g.ctrl_size() - CTRL_COUNTERS   # dependency counters and tickets
     out["control"] = 4 * (DYN_SECTIONS * batch + batch * max(1, len(graph.results)) + CTRL_COUNTERS + counters)
     return out
