@@ -157,15 +157,17 @@ def test_select_triton_and_megakernel_modules():
         get_backend("triton", "mps")
 
 
+def both(*ts: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors in bf16, and the same bf16 values in fp32 (the reference's inputs)."""
+    return [t.to(torch.bfloat16) for t in ts], [t.to(torch.bfloat16).float() for t in ts]
+
+
 @pytest.mark.parametrize("m", [1, 37])   # the GEMV path and the tiled one
 def test_bfloat16_inputs(m):
     """A model loaded in bfloat16 (the vision node's `dtype: bfloat16`) hands these kernels bf16
     tensors: they must take them, accumulate in fp32 and return bf16 within bf16's rounding of the
     fp32 reference on the same (bf16) values."""
     bf = torch.bfloat16
-
-    def both(*ts):
-        return [t.to(bf) for t in ts], [t.to(bf).float() for t in ts]
     (x, w, b), (x32, w32, b32) = both(torch.randn(m, 96), torch.randn(80, 96) / 96 ** 0.5, torch.randn(80))
     got = tri.linear(x, w, b, "gelu_tanh")
     assert got.dtype == bf
@@ -181,9 +183,6 @@ def test_bfloat16_inputs_of_the_other_per_op_kernels():
     Gemma 4 load bf16 on a GPU): bf16 in, bf16 out (the caches keep their own dtype), within bf16's
     rounding of the fp32 reference on the same bf16 values."""
     bf = torch.bfloat16
-
-    def both(*ts):
-        return [t.to(bf) for t in ts], [t.to(bf).float() for t in ts]
 
     def check(got, want):
         assert got.dtype == bf

@@ -621,6 +621,12 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
     return g
 
 
+def _own_lists(kw: dict) -> dict:
+    """Task keywords whose access lists the task owns: a ticket's finale accesses are shared by its
+    group's members (the tiles of a head group, the slices of a tile) and must not alias."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in kw.items()}
+
+
 def _append_tasks(p: Plan, node: Node, cache_cols, cache_off, dyn_pos: Region,
                   dyn_rot: Region) -> dict[tuple[int, int], Task]:
     """kv_append's task per (row, query head), without waits or signal: per-head norms and rotary
@@ -767,13 +773,12 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
         if finales is not None:
             fa, fk, signal = finales[qkv_head(rope, n0)]
-            fk = {k: list(v) if isinstance(v, list) else v for k, v in fk.items()}   # each task its own lists
             args.update(fa)
         else:
             signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
         if splits == 1:
             g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, list(x_regions) + reads, writes,
-                       **fk))
+                       **_own_lists(fk)))
             continue
         # Split-K: the tile's slices, each a partial product into its slot of the scratch; the last
         # of them to finish (the tile's ticket) sums the slots and runs the epilogue above.
@@ -782,7 +787,8 @@ def _lower_linear(p: Plan, g: TaskGraph, node: Node, waits, ancestors, per_head,
             g.add(Task(f"{name}.split[{n0}:{n1},k{k0}]", OP_LINEAR_SPLIT,
                        dict(args, k0=k0, k1=min(K, k0 + step), kpart=S.off(kpart), ksplit=ks),
                        list(wait), signal, list(x_regions), slots[ks * B:(ks + 1) * B],
-                       kticket=f"{name}.sum[{n0}:{n1}]", ksum_reads=slots + reads, ksum_writes=list(writes), **fk))
+                       kticket=f"{name}.sum[{n0}:{n1}]", ksum_reads=slots + reads, ksum_writes=list(writes),
+                       **_own_lists(fk)))
     return {st.name: st}
 
 
