@@ -125,7 +125,7 @@ def test_burst_drops_frames_and_bad_frames_do_not_stop_the_node(graph):
     # Bad frames first: zero size, short data, unknown encoding, then a 12-megapixel frame.
     bad = [Image(header=header(0), encoding="rgb8", width=0, height=0, step=0),
            Image(header=header(1), encoding="rgb8", width=64, height=64, step=192, data=bytes(100)),
-           Image(header=header(2), encoding="yuv422", width=4, height=4, step=8, data=bytes(32))]
+           Image(header=header(2), encoding="yuv420p", width=4, height=4, step=8, data=bytes(32))]
     for i, msg in enumerate(bad):   # one at a time: a newer frame would replace a waiting one
         pub.publish(msg)
         assert wait_for(lambda: node.bad_frames == i + 1, timeout=30)
