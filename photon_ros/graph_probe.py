@@ -97,8 +97,9 @@ class SpeechProbe:
         """The PCM the node makes of `msg` (same conversion and parameters)."""
         if isinstance(msg, AudioChunk):
             return audio_chunk_to_pcm(msg)
-        convert = int16_array_to_pcm if self.node.input_type == "int16" else float32_array_to_pcm
-        return convert(msg, self.node.array_rate, self.node.array_channels)
+        params = self.node.params
+        convert = int16_array_to_pcm if params["input_type"] == "int16" else float32_array_to_pcm
+        return convert(msg, params["sample_rate"], params["channels"])
 
     @property
     def vad_config(self) -> SegmenterConfig:

@@ -1,38 +1,63 @@
-"""The observe -> infer -> act loop: a spoken command becomes a target and a turn toward it.
+"""The observe -> infer -> act loop: a spoken command becomes a target and a bounded turn toward it.
 
     transcript (photon_ros/Transcript), e.g. "point at the red cup"; only final transcripts of
                complete audio are acted on (half a command must not move the robot)
       -> commands.parse_command -> VisionRequest("point", "red cup")
       -> infer service of the vision node, on its latest frame
-      -> target (geometry_msgs/PointStamped, image-normalized or pixel coordinates, the frame's header)
-         cmd_vel (geometry_msgs/Twist turning toward the target)
-         status (std_msgs/String, for people: what was understood and what was found)
+      -> image_target (photon_ros/ImageTarget: where the target is in the image, pixels and
+                       normalized, the frame's header); never a PointStamped: a PointStamped is
+                       metres in its frame, and the vision node gives no depth yet, so the loop has
+                       no 3D position and says so on status
+         cmd_vel (geometry_msgs/Twist, when `turn` is on): a bounded turn that faces the target,
+                  its angle read off the image through `horizontal_fov_deg`, at most `max_turn_s`
+                  long, streamed at 10 Hz and always ended by a zero Twist (steering.py)
+         status (std_msgs/String, for people: what was understood, what was found, what was not done)
 """
 from __future__ import annotations
 
-from geometry_msgs.msg import PointStamped, Twist
+import math
+import time
+
+from geometry_msgs.msg import Twist
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
-from photon_ros.params import declarer
-from photon_ros.run_node import run_node
 from photon_ros.commands import VisionRequest, parse_command
-from photon_ros.msg import Transcript
+from photon_ros.msg import ImageTarget, Transcript
+from photon_ros.params import NodeParams, Param
+from photon_ros.run_node import run_node
 from photon_ros.srv import Infer
-from photon_ros.steering import turn_towards
+from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
+
+TICK_S = 0.1   # cmd_vel is streamed at 10 Hz while a turn lasts
+
+LOOP_PARAMS = [
+    Param("turn", True, "publish a bounded turn toward each target on cmd_vel; false: no motion at all"),
+    Param("horizontal_fov_deg", 60.0, "the camera's horizontal field of view: a turn's angle comes from it",
+          positive=True, high=179.0),
+    Param("max_turn_rate", 0.5, "rad/s of a turn", positive=True),
+    Param("max_turn_s", 3.0, "no turn lasts longer", positive=True),
+    Param("deadband_deg", 2.0, "a target this close to the image centre needs no turn", low=0.0),
+]
+
+NO_3D = "no 3D position (the vision node gives no depth): image coordinates on image_target only"
 
 
-def target_from_response(request: VisionRequest, response: Infer.Response) -> tuple[float, float, float, float] | None:
-    """(x, y) normalized and (x, y) in pixels of the first object found, or None."""
+def target_from_response(request: VisionRequest, response: Infer.Response) -> ImageTarget | None:
+    """The first object found, as an image target (a point, or a box's centre), or None."""
     if request.task == "point" and response.points.points:
-        p = response.points.points[0]
-        return p.x, p.y, p.x_px, p.y_px
-    if request.task == "detect" and response.detections.detections:
-        d = response.detections.detections[0]
-        return ((d.x_min + d.x_max) / 2, (d.y_min + d.y_max) / 2,
-                (d.x_min_px + d.x_max_px) / 2, (d.y_min_px + d.y_max_px) / 2)
-    return None
+        result, p = response.points, response.points.points[0]
+        x, y, x_px, y_px = p.x, p.y, p.x_px, p.y_px
+    elif request.task == "detect" and response.detections.detections:
+        result, d = response.detections, response.detections.detections[0]
+        x, y = (d.x_min + d.x_max) / 2, (d.y_min + d.y_max) / 2
+        x_px, y_px = (d.x_min_px + d.x_max_px) / 2, (d.y_min_px + d.y_max_px) / 2
+    else:
+        return None
+    return ImageTarget(header=result.header, task=request.task, label=request.target,
+                       image_width=result.image_width, image_height=result.image_height,
+                       x_px=x_px, y_px=y_px, x=x, y=y)
 
 
 def incomplete_reason(msg: Transcript) -> str:
@@ -43,23 +68,34 @@ def incomplete_reason(msg: Transcript) -> str:
     return f"not acting on {msg.text!r}: part of the command was lost ({msg.audio_note or 'no reason given'})"
 
 
+def describe_turn(turn: Turn | None) -> str:
+    if turn is None:
+        return "already facing it: no turn"
+    side = "left" if turn.rate > 0 else "right"
+    return f"turning {math.degrees(abs(turn.angle)):.0f} deg {side} for {turn.duration:.1f} s, then stopping"
+
+
 class LoopNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("loop", **kwargs)
-        p = declarer(self)   # a float parameter also takes a whole number
-        self.pixels = p("coordinates", "normalized").value == "pixels"
-        self.gain = p("turn_gain", 1.5).value
-        self.max_rate = p("max_turn_rate", 0.8).value
+        self.params = NodeParams(self, LOOP_PARAMS)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.pub_target = self.create_publisher(PointStamped, "target", reliable)
+        self.pub_target = self.create_publisher(ImageTarget, "image_target", reliable)
         self.pub_cmd = self.create_publisher(Twist, "cmd_vel", reliable)
         self.pub_status = self.create_publisher(String, "status", reliable)
+        self.turns = TurnCommands()
+        self.create_timer(TICK_S, self.send_turn)
         self.client = self.create_client(Infer, "infer")
         self.create_subscription(Transcript, "transcript", self.on_transcript, reliable)
 
     def say(self, text: str) -> None:
         self.get_logger().info(text)
         self.pub_status.publish(String(data=text))
+
+    def send_turn(self) -> None:
+        twist = self.turns.tick(time.monotonic())
+        if twist is not None:
+            self.pub_cmd.publish(twist)
 
     def on_transcript(self, msg: Transcript) -> None:
         if not msg.is_final:
@@ -89,17 +125,28 @@ class LoopNode(Node):
         if not response.success:
             self.say(f"vision request failed: {response.message}")
             return
-        found = target_from_response(request, response)
-        if found is None:
+        target = target_from_response(request, response)
+        if target is None:
             self.say(f"no {request.target} in view")
             return
-        x, y, x_px, y_px = found
-        header = (response.points if request.task == "point" else response.detections).header
-        target = PointStamped(header=header)
-        target.point.x, target.point.y = (x_px, y_px) if self.pixels else (x, y)
         self.pub_target.publish(target)
-        self.pub_cmd.publish(turn_towards(x, self.gain, self.max_rate))
-        self.say(f"found {request.target} at ({x:.2f}, {y:.2f}) of the image")
+        found = (f"found {request.target} at pixel ({target.x_px:.0f}, {target.y_px:.0f}) of the "
+                 f"{target.image_width}x{target.image_height} image; {NO_3D}")
+        if not self.params["turn"]:
+            self.say(f"{found}; turning is off")
+            return
+        p = self.params
+        turn = plan_turn(bearing(target.x, math.radians(p["horizontal_fov_deg"])), p["max_turn_rate"],
+                         p["max_turn_s"], math.radians(p["deadband_deg"]))
+        if turn is not None:
+            self.turns.start(turn, time.monotonic())
+            self.send_turn()
+        self.say(f"{found}; {describe_turn(turn)}")
+
+    def destroy_node(self) -> None:
+        if self.turns.active:   # a turn in progress ends here, not when the base's timeout (if any) fires
+            self.pub_cmd.publish(Twist())
+        super().destroy_node()
 
 
 def main(args=None) -> None:

@@ -13,7 +13,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
-from photon_ros.params import declarer
+from photon_ros.params import NodeParams, Param
 from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
@@ -52,15 +52,23 @@ class SampleClock:
         return start
 
 
+# All read once, when the audio stream opens.
+MICROPHONE_PARAMS = [
+    Param("device", "", "PortAudio input device, by name or index; empty: the default input", applies="restart"),
+    Param("sample_rate", 16000, "Hz to capture at", low=4000, high=384000, applies="restart"),
+    Param("channels", 1, "channels to capture (interleaved in each chunk)", low=1, high=64, applies="restart"),
+    Param("frame_id", "microphone", "frame id of the audio chunks", applies="restart"),
+    Param("chunk_ms", 100.0, "milliseconds of audio per chunk", low=1.0, high=1000.0, applies="restart"),
+]
+
+
 class MicrophoneNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("microphone", **kwargs)
-        p = declarer(self)   # a float parameter also takes a whole number
-        device = p("device", "").value or None         # name or index; default input when empty
-        self.rate = p("sample_rate", 16000).value
-        channels = p("channels", 1).value
-        self.frame_id = p("frame_id", "microphone").value
-        block = int(self.rate * p("chunk_ms", 100).value / 1000)
+        p = NodeParams(self, MICROPHONE_PARAMS)
+        device = p["device"] or None         # name or index; default input when empty
+        self.rate, channels, self.frame_id = p["sample_rate"], p["channels"], p["frame_id"]
+        block = max(1, int(self.rate * p["chunk_ms"] / 1000))
         sd = open_sounddevice()
         if device is not None and str(device).isdigit():
             device = int(device)

@@ -1,18 +1,32 @@
-"""Declaring node parameters so that a whole number given for a float parameter is taken.
+"""Node parameters declared once, each with its descriptor, and checked by one rule at startup and
+on every change.
 
-rclpy types a parameter by its default: one declared 5.0 refuses 0 (`max_frame_age_s: 0` in a
-YAML file, `-p caption_period_s:=0`, `ros2 param set ... 1`), and a refused override at declare
-time stops the node from starting. Float parameters are declared with dynamic typing instead and
-their value checked to be a number here (and, for those changed at runtime, by the node's
-parameter callback: `number`).
+A node lists its parameters as `Param`s: default, description, allowed values or range, and when a
+change takes effect (`applies`):
+    "now"        the node takes the new value at once (its `apply` callback is told);
+    "configure"  read when a managed node configures: a change waits for the next configure
+                 (`ros2 lifecycle set /vision cleanup` then `configure`), and the node logs so;
+    "restart"    read once at startup: declared read-only, so ROS itself refuses a change.
+`NodeParams(node, specs)` declares them all, refuses out-of-range values at startup with one
+ValueError naming every parameter at fault (the node does not start, and says why), and refuses
+an out-of-range change with the reason in the `set_parameters` result; nothing is accepted and
+then ignored. A set of several parameters is checked as a whole before any of them is taken.
+
+Float parameters are declared with dynamic typing: rclpy types a parameter by its default, so one
+declared 5.0 would refuse `0` (`max_frame_age_s: 0` in a YAML file, `ros2 param set ... 1`); any
+whole number is taken as a float here, and anything that is not a number is refused.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rcl_interfaces.msg import ParameterDescriptor
+from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+
+APPLIES = ("now", "configure", "restart")
 
 
 def number(value: Any) -> float | None:
@@ -22,9 +36,132 @@ def number(value: Any) -> float | None:
     return float(value)
 
 
+@dataclass(frozen=True)
+class Param:
+    """One node parameter. `default` gives its type (a float also takes whole numbers); a
+    Parameter.Type default (STRING_ARRAY) declares an empty list of that type. `low` / `high`
+    bound numbers (inclusive; `positive` makes the lower bound exclusive at 0); `choices` lists
+    the values a string may take; `check(value)` adds a rule of its own, returning the reason a
+    value is refused or "" when it is fine."""
+    name: str
+    default: Any
+    description: str
+    applies: str = "now"
+    low: float | None = None
+    high: float | None = None
+    positive: bool = False
+    choices: tuple[str, ...] = ()
+    check: Callable[[Any], str] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.applies not in APPLIES:
+            raise ValueError(f"{self.name}: applies must be one of {APPLIES}, got {self.applies!r}")
+
+    @property
+    def is_float(self) -> bool:
+        return isinstance(self.default, float)
+
+    def constraints(self) -> str:
+        """The rule in words, as `ros2 param describe` shows it."""
+        parts = []
+        if self.positive:
+            parts.append("> 0")
+        if self.low is not None:
+            parts.append(f">= {self.low:g}")
+        if self.high is not None:
+            parts.append(f"<= {self.high:g}")
+        if self.choices:
+            parts.append("one of " + ", ".join(self.choices))
+        when = {"now": "", "configure": "takes effect at the next configure",
+                "restart": "read at startup only"}[self.applies]
+        return "; ".join(p for p in (" and ".join(parts), when) if p)
+
+    def descriptor(self) -> ParameterDescriptor:
+        # The range is stated in words, not as a ROS range: rclpy would refuse an out-of-range
+        # override at declare time with its own message before this module could name the
+        # parameter and its rule, and a ROS range is a closed interval (no "> 0").
+        return ParameterDescriptor(name=self.name, description=self.description,
+                                   additional_constraints=self.constraints(),
+                                   read_only=self.applies == "restart", dynamic_typing=self.is_float)
+
+    def refusal(self, value: Any) -> tuple[Any, str]:
+        """(the value as the node takes it, "") or (None, why it is refused)."""
+        if self.is_float:
+            value = number(value)
+            if value is None or math.isnan(value):
+                return None, "must be a number"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.positive and not value > 0:
+                return None, f"must be > 0, got {value:g}"
+            if self.low is not None and not value >= self.low:
+                return None, f"must be >= {self.low:g}, got {value:g}"
+            if self.high is not None and not value <= self.high:
+                return None, f"must be <= {self.high:g}, got {value:g}"
+        if self.choices and value not in self.choices:
+            return None, f"must be one of {', '.join(self.choices)}, got {value!r}"
+        reason = self.check(value) if self.check is not None else ""
+        return (None, reason) if reason else (value, "")
+
+
+class NodeParams:
+    """The declared parameters of `node` and their current values (`params["name"]`).
+
+    `apply(changes)` is called with the changed values of "now" parameters once a change has been
+    accepted; `check_all(values)` judges rules across parameters (every value, as it would be
+    after the change) and returns the reason to refuse, or ""."""
+
+    def __init__(self, node: Node, specs: list[Param], apply: Callable[[dict[str, Any]], None] | None = None,
+                 check_all: Callable[[dict[str, Any]], str] | None = None) -> None:
+        self.node, self.specs = node, {s.name: s for s in specs}
+        self.apply, self.check_all = apply, check_all
+        self.values: dict[str, Any] = {}
+        problems = []
+        for spec in specs:
+            value = node.declare_parameter(spec.name, spec.default, spec.descriptor()).value
+            value = [] if value is None and isinstance(spec.default, Parameter.Type) else value
+            taken, reason = spec.refusal(value)
+            if reason:
+                problems.append(f"{spec.name} {reason}")
+            self.values[spec.name] = taken
+        if not problems and check_all is not None and (reason := check_all(dict(self.values))):
+            problems.append(reason)
+        if problems:
+            raise ValueError("invalid parameters: " + "; ".join(problems))
+        node.add_on_set_parameters_callback(self._on_set)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def _on_set(self, params: list[Parameter]) -> SetParametersResult:
+        changes: dict[str, Any] = {}
+        for param in params:
+            spec = self.specs.get(param.name)
+            if spec is None:   # not ours (use_sim_time, autostart, ...): rclpy's rules apply
+                continue
+            value, reason = spec.refusal(param.value)
+            if reason:
+                return SetParametersResult(successful=False, reason=f"{param.name} {reason}")
+            changes[param.name] = value
+        if changes and self.check_all is not None:
+            reason = self.check_all({**self.values, **changes})
+            if reason:
+                return SetParametersResult(successful=False, reason=reason)
+        self.values.update(changes)
+        now = {k: v for k, v in changes.items() if self.specs[k].applies == "now"}
+        later = sorted(k for k in changes if self.specs[k].applies == "configure")
+        if now and self.apply is not None:
+            self.apply(now)
+        if later:
+            note = f"{', '.join(later)} take(s) effect at the next configure"
+            self.node.get_logger().info(note)
+            return SetParametersResult(successful=True, reason=note)
+        return SetParametersResult(successful=True)
+
+
 def declarer(node: Node) -> Callable[..., Parameter]:
-    """node.declare_parameter, except that a float default also takes an integer (returned as a
-    float); anything else but a number raises ValueError, naming the parameter."""
+    """node.declare_parameter for nodes not yet moved to NodeParams (the WAV publisher): a float
+    default also takes an integer (returned as a float); anything else but a number raises
+    ValueError, naming the parameter."""
     def declare(name: str, value: Any = None, *args: Any, **kwargs: Any) -> Parameter:
         if not isinstance(value, float) or args or kwargs:
             return node.declare_parameter(name, value, *args, **kwargs)

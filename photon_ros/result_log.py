@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from builtin_interfaces.msg import Duration, Time
-from geometry_msgs.msg import PointStamped, Twist
+from geometry_msgs.msg import Twist
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
 from photon_ros.bag_io import BagWriter, stamp_ns
-from photon_ros.msg import Detections, Points, Transcript, VisionText
+from photon_ros.msg import Detections, ImageTarget, Points, Transcript, VisionText
 from photon_ros.replay import Published
 from photon_ros.result_messages import time_to_seconds
 
@@ -42,7 +42,7 @@ def role_outputs(role: str) -> list[Output]:
         "vision": [Output("detections", Detections, "frame"), Output("points", Points, "frame"),
                    Output("caption", VisionText, "frame")] + _detection2d_output(),
         "speech": [Output("transcript", Transcript, "utterance")],
-        "loop": [Output("target", PointStamped, None), Output("cmd_vel", Twist, None),
+        "loop": [Output("image_target", ImageTarget, None), Output("cmd_vel", Twist, None),
                  Output("status", String, None)],
     }
     return outputs.get(role, [])

@@ -54,24 +54,26 @@ import time
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
 from photon_core.runtime.shared_models import SharedModel
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
+from photon_ros.input_health import InputHealth
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
-from photon_ros.params import declarer
+from photon_ros.params import NodeParams
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
 from photon_ros.run_node import run_node, spin_nodes
-from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter, Utterance
+from photon_ros.speech_params import MAX_RATE, MIN_RATE, check_vad, speech_params, vad_config
+from photon_ros.speech_segmenter import SpeechSegmenter, Utterance
 from photon_ros.stream_watch import StreamWatch
 from photon_ros.utterance_queue import Speculations, UtteranceQueue
 
 INPUT_TYPES = {"audio_chunk": AudioChunk, "int16": Int16MultiArray, "float32": Float32MultiArray}
-# Rates outside this range are a malformed message, not audio we can use.
-MIN_RATE, MAX_RATE = 4000, 384000
+RELIABILITIES = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": ReliabilityPolicy.RELIABLE}
 # A partial is started only while the speaker is speaking: a pause this long may be the end of
 # the utterance, whose final is decoded ahead once the pause reaches the tail (0.1 s), and that
 # decode must not wait behind a partial's.
@@ -113,6 +115,17 @@ class StableText:
         return " ".join(self.committed), " ".join(words[len(self.committed):])
 
 
+def audio_qos(reliability: str) -> QoSProfile:
+    """The audio subscription's QoS. Best effort by default: a best-effort reader matches
+    best-effort publishers (microphone drivers publish with sensor-data QoS) and reliable ones
+    alike, where a reliable reader never matches the former; audio lost on the way then shows as
+    a jump in the chunks' stamps, which the segmenter reports. Deep enough for a second of 10 ms
+    chunks arriving while a callback runs late."""
+    if reliability not in RELIABILITIES:
+        raise ValueError(f"reliability must be one of {sorted(RELIABILITIES)}, got {reliability!r}")
+    return QoSProfile(depth=100, reliability=RELIABILITIES[reliability])
+
+
 def load_speech_model(name: str, device: str) -> SharedModel:
     """The process's shared engine for this checkpoint, of any family that transcribes (the
     registry recognises it from the files). Imported here so the node starts (and reports) even
@@ -135,40 +148,21 @@ class SpeechNode(ManagedNode):
 
     def __init__(self, **kwargs) -> None:
         super().__init__("speech", **kwargs)
-        p = declarer(self)   # a float parameter also takes a whole number
-        self.model_name = p("model", "whisper-tiny.en").value
-        self.device = p("device", "cpu").value   # read again at configure, with `model`
-        self.input_type = p("input_type", "audio_chunk").value
-        self.array_rate = p("sample_rate", 16000).value
-        self.array_channels = p("channels", 1).value
-        self.frame_id = p("frame_id", "").value
-        self.language = p("language", "").value or None
-        self.initial_prompt = p("initial_prompt", "").value
-        self.idle_flush_s = p("idle_flush_s", 0.8).value
-        self.partial_interval_s = p("partial_interval_s", 0.5).value
-        self.first_partial_s = p("first_partial_s", 0.3).value
-        self.speculate = p("speculate", True).value
-        defaults = SegmenterConfig()
-        self.vad_config = SegmenterConfig(
-            threshold_db=p("vad.threshold_db", defaults.threshold_db).value,
-            continue_db=p("vad.continue_db", defaults.continue_db).value,
-            min_level_db=p("vad.min_level_db", defaults.min_level_db).value,
-            hangover_s=p("vad.hangover_s", defaults.hangover_s).value,
-            tail_s=p("vad.tail_s", defaults.tail_s).value,
-            min_speech_s=p("vad.min_speech_s", defaults.min_speech_s).value,
-            max_utterance_s=p("vad.max_utterance_s", defaults.max_utterance_s).value,
-            max_gap_s=p("vad.max_gap_s", defaults.max_gap_s).value)
-        if self.input_type not in INPUT_TYPES:
-            raise ValueError(f"input_type must be one of {sorted(INPUT_TYPES)}, got {self.input_type!r}")
-
-        self.queue = UtteranceQueue(p("max_pending_s", 60.0).value)
+        # Checked at startup (a bad value stops the node with the reason, rather than the first
+        # audio callback that builds the segmenter) and on every change.
+        self.params = NodeParams(self, speech_params(), apply=self.apply_params, check_all=check_vad)
+        self.vad_config = vad_config(self.params.values)
+        self.model_name = self.params["model"]   # the one loaded: read again at configure
+        self.queue = UtteranceQueue(self.params["max_pending_s"])
         self.segmenter: SpeechSegmenter | None = None
-        self.last_frame_id = self.frame_id
-        self.watch = StreamWatch(self.idle_flush_s)
+        self.last_frame_id = self.params["frame_id"]
+        self.watch = StreamWatch(self.params["idle_flush_s"])
         self.skipped_chunks = 0
+        self.health = InputHealth()     # chunks lost on the way, chunks failing in a row
         self.ignored_chunks = 0         # chunks that arrived while the node was not active
         self.chunks_received = 0
         self.finals_published = 0
+        self.incompatible_qos = ""      # the last publisher QoS that could not be matched, and why
         self.incomplete_published = 0   # finals whose audio was cut (audio_complete false)
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
         self.next_partial: tuple[float | None, float] = (None, 0.0)   # (utterance, at speech_s)
@@ -187,6 +181,25 @@ class SpeechNode(ManagedNode):
         self.start_worker()
 
     @property
+    def language(self) -> str | None:
+        return self.params["language"] or None
+
+    @property
+    def initial_prompt(self) -> str:
+        return self.params["initial_prompt"]
+
+    def apply_params(self, changes: dict) -> None:
+        """Changes that take effect at once (called once they are accepted)."""
+        with self.lock:
+            if any(name.startswith("vad.") for name in changes):
+                # The next utterance is cut by the new rules (take_audio swaps them in between
+                # utterances: one utterance, one set of rules).
+                self.vad_config = vad_config({**self.params.values, **changes})
+            if "idle_flush_s" in changes:
+                self.watch.idle_s = changes["idle_flush_s"]
+        self.get_logger().info("parameters changed: " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+
+    @property
     def model(self):
         """The speech model while one is loaded (configured), else None."""
         engine = self.engine
@@ -196,8 +209,9 @@ class SpeechNode(ManagedNode):
     def create_interfaces(self) -> None:
         self.publisher = self.create_lifecycle_publisher(Transcript, "transcript", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        self.subscription = self.create_subscription(INPUT_TYPES[self.input_type], "audio", self.on_audio,
-                                                     QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+        self.subscription = self.create_subscription(
+            INPUT_TYPES[self.params["input_type"]], "audio", self.on_audio, audio_qos(self.params["reliability"]),
+            event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self.on_incompatible_qos))
 
     def destroy_interfaces(self) -> None:
         if self.subscription is not None:
@@ -208,7 +222,6 @@ class SpeechNode(ManagedNode):
 
     def load_engine(self) -> SharedModel:
         started = time.monotonic()
-        self.device = self.get_parameter("device").value
 
         def warm_up(engine: SharedModel) -> None:
             # The first call of each path is slower: pay for them before speech arrives.
@@ -220,15 +233,21 @@ class SpeechNode(ManagedNode):
                         "language": self.language, "initial_prompt": self.initial_prompt or None}
                 model.batch([base, {**base, "timestamps": False, "temperature": 0.0}])
 
-        engine = ready_or_released(load_speech_model(self.model_name, self.device), warm_up)
+        engine = ready_or_released(load_speech_model(self.model_name, self.params["device"]), warm_up)
         self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
         return engine
+
+    def on_incompatible_qos(self, event) -> None:
+        policy = getattr(event.last_policy_kind, "name", str(event.last_policy_kind))
+        self.incompatible_qos = (f"a publisher on {self.resolve_topic_name('audio')} offers QoS this "
+                                 f"node cannot match ({policy}); its audio never arrives")
+        self.get_logger().warning(self.incompatible_qos, throttle_duration_sec=30.0)
 
     def drop_pending(self) -> None:
         with self.lock:   # the callback and the idle timer feed the segmenter and the queue under it
             in_progress = self.segmenter.current() if self.segmenter is not None else None
             self.segmenter = None
-            self.watch = StreamWatch(self.idle_flush_s)
+            self.watch = StreamWatch(self.params["idle_flush_s"])
             dropped = ([u for u in drain(self.queue) if u.final and not u.speculative]
                        + ([in_progress] if in_progress else []))
         if dropped:
@@ -236,8 +255,9 @@ class SpeechNode(ManagedNode):
                                    f"({sum(u.duration for u in dropped):.1f} s of audio)")
 
     # --- input: callback and timer (cheap) ---------------------------------------------------
-    def on_audio(self, msg) -> None:
+    def on_audio(self, msg, info) -> None:
         self.chunks_received += 1
+        self.health.arrived(info)
         with self.activity.admitting() as admitted:
             if admitted:
                 self.take_audio(msg)
@@ -249,11 +269,15 @@ class SpeechNode(ManagedNode):
             pcm, start, stamped, frame_id = self.decode(msg)
         except ValueError as err:
             self.skipped_chunks += 1
+            self.health.failed(str(err))
             self.get_logger().warning(f"skipping audio chunk: {err}", throttle_duration_sec=5.0)
             return
+        self.health.succeeded()
         with self.lock:
             if self.segmenter is None or self.segmenter.sample_rate != pcm.sample_rate:
                 self.restart_segmenter(pcm.sample_rate)
+            elif self.segmenter.config is not self.vad_config and not self.segmenter.in_speech:
+                self.segmenter.reconfigure(self.vad_config)
             self.last_frame_id = frame_id
             self.watch.chunk(time.monotonic())
             for utterance in self.segmenter.push(pcm.samples, start, stamped):
@@ -272,12 +296,12 @@ class SpeechNode(ManagedNode):
         if isinstance(msg, AudioChunk):
             pcm = audio_chunk_to_pcm(msg)
             start = time_to_seconds(msg.header.stamp)
-            frame_id = self.frame_id or msg.header.frame_id
+            frame_id = self.params["frame_id"] or msg.header.frame_id
         else:
             convert = int16_array_to_pcm if isinstance(msg, Int16MultiArray) else float32_array_to_pcm
-            pcm = convert(msg, self.array_rate, self.array_channels)
+            pcm = convert(msg, self.params["sample_rate"], self.params["channels"])
             start = 0.0   # no header on these
-            frame_id = self.frame_id
+            frame_id = self.params["frame_id"]
         if not MIN_RATE <= pcm.sample_rate <= MAX_RATE:
             raise ValueError(f"sample rate {pcm.sample_rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
         stamped = start > 0.0
@@ -288,32 +312,38 @@ class SpeechNode(ManagedNode):
     def restart_segmenter(self, sample_rate: int) -> None:
         if self.segmenter is not None:
             self.get_logger().info(f"sample rate changed {self.segmenter.sample_rate} -> {sample_rate} Hz")
-            tail = self.segmenter.flush("the sample rate changed mid-utterance")
+            changed = f"the sample rate changed {self.segmenter.sample_rate} -> {sample_rate} Hz"
+            tail = self.segmenter.flush(f"{changed} mid-utterance")
             if tail is not None:
                 self.enqueue(tail)
-        self.segmenter = SpeechSegmenter(sample_rate, self.vad_config)
+            self.segmenter = SpeechSegmenter(sample_rate, self.vad_config)
+            # Speech going on across the change is the rest of a command whose start is in the
+            # utterance just cut: incomplete too, until a pause shows the speaker stopped.
+            self.segmenter.continues_after(f"{changed} before it")
+        else:
+            self.segmenter = SpeechSegmenter(sample_rate, self.vad_config)
         self.gaps_seen = 0
 
     def request_partial_if_due(self) -> None:
         """Every `partial_interval_s` of an utterance's audio (counted in samples, like the cuts),
         while the speaker is speaking, offer the audio so far for a partial transcript."""
         seg = self.segmenter
-        if self.partial_interval_s <= 0 or seg.utterance_start is None:
+        if self.params["partial_interval_s"] <= 0 or seg.utterance_start is None:
             return
         utterance, due = self.next_partial
         if utterance != seg.utterance_start:   # a new utterance: its first partial is first_partial_s in
-            utterance, due = seg.utterance_start, seg.speech_s + self.first_partial_s
+            utterance, due = seg.utterance_start, seg.speech_s + self.params["first_partial_s"]
         if seg.speech_s >= due and seg.pause_s < PARTIAL_MAX_PAUSE_S:
             partial = seg.current()
             partial.seen_at, partial.frame_id = time.monotonic(), self.last_frame_id
             self.queue.offer_partial(partial)
-            due = seg.speech_s + self.partial_interval_s
+            due = seg.speech_s + self.params["partial_interval_s"]
         self.next_partial = (utterance, due)
 
     def offer_speculation_if_due(self) -> None:
         """Once the speaker's pause reaches the tail, offer the final it gives if it lasts the
         hangover, once per pause (a pause after resumed speech is a new candidate)."""
-        if not self.speculate:
+        if not self.params["speculate"]:
             return
         candidate = self.segmenter.pending_final()
         if candidate is None or (candidate.start_time, candidate.samples.size) == self.speculated:
@@ -343,7 +373,7 @@ class SpeechNode(ManagedNode):
         with self.lock:
             if self.watch.stopped(time.monotonic()) and self.segmenter is not None:
                 utterance = self.segmenter.flush(
-                    f"the audio stream stopped mid-utterance (no audio for {self.idle_flush_s:g} s)")
+                    f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
                 if utterance is not None:
                     self.enqueue(utterance)
 
@@ -351,13 +381,13 @@ class SpeechNode(ManagedNode):
         """Publishers of another type on our topic never reach us (DDS does not match them):
         say so, since a silent speech node is the hardest failure to debug."""
         expected = {"audio_chunk": "photon_ros/msg/AudioChunk", "int16": "std_msgs/msg/Int16MultiArray",
-                    "float32": "std_msgs/msg/Float32MultiArray"}[self.input_type]
+                    "float32": "std_msgs/msg/Float32MultiArray"}[self.params["input_type"]]
         topic = self.resolve_topic_name("audio")
         for info in self.get_publishers_info_by_topic(topic):
             if info.topic_type != expected:
                 self.get_logger().warning(
                     f"{info.node_name} publishes {info.topic_type} on {topic}, but this node takes "
-                    f"{expected} (parameter input_type={self.input_type!r}); its audio is ignored",
+                    f"{expected} (parameter input_type={self.params['input_type']!r}); its audio is ignored",
                     throttle_duration_sec=30.0)
 
     def enqueue(self, utterance: Utterance) -> None:
@@ -444,13 +474,20 @@ class SpeechNode(ManagedNode):
         status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
                                   hardware_id=str(self.model_name))
         status.level, status.message = health(state, self.loading, self.model_error, self.chunks_received, "audio")
+        if self.incompatible_qos and self.chunks_received == 0 and status.level < DiagnosticStatus.ERROR:
+            status.level, status.message = DiagnosticStatus.WARN, self.incompatible_qos
+        failing = self.health.failing("audio chunks")
+        if failing and state == "active":
+            status.level, status.message = DiagnosticStatus.ERROR, failing
         segmenter = self.segmenter
         values = {
             "model": str(self.model_name),
             "model_loaded": str(self.model is not None),
             "lifecycle_state": state,
             "chunks_received": str(self.chunks_received),
+            "audio_qos": self.params["reliability"],
             "chunks_skipped_bad": str(self.skipped_chunks),
+            "chunks_lost_in_transport": str(self.health.lost_in_transport),
             "chunks_ignored_inactive": str(self.ignored_chunks),
             "audio_jumps": str(segmenter.discontinuities if segmenter else 0),
             "audio_lost_s": f"{segmenter.lost_s if segmenter else 0.0:.2f}",
@@ -509,7 +546,8 @@ class SpeechNode(ManagedNode):
 
     def destroy_node(self) -> None:
         self.stopping.set()
-        self.queue.close()   # wakes the worker at once
+        if hasattr(self, "queue"):   # absent when __init__ refused a parameter
+            self.queue.close()   # wakes the worker at once
         super().destroy_node()
 
 

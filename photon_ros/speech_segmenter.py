@@ -58,6 +58,25 @@ class SegmenterConfig:
     band_hz: tuple[float, float] | None = (250.0, 4000.0)   # None: the whole spectrum
 
 
+    def check(self) -> None:
+        """ValueError naming the first setting out of its range (a node checks at startup)."""
+        positive = ("frame_s", "min_speech_s", "hangover_s", "max_utterance_s", "noise_adapt_s", "max_gap_s")
+        for name in positive:
+            value = getattr(self, name)
+            if not value > 0:   # NaN too
+                raise ValueError(f"vad.{name} must be > 0, got {value}")
+        for name in ("preroll_s", "min_utterance_s", "min_gap_s", "continue_db", "threshold_db"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"vad.{name} must be >= 0, got {value}")
+        if not self.min_level_db <= 0:
+            raise ValueError(f"vad.min_level_db must be <= 0 dBFS, got {self.min_level_db}")
+        if not 0.0 <= self.tail_s <= self.hangover_s:
+            raise ValueError(f"vad.tail_s must be within 0..vad.hangover_s ({self.hangover_s}), got {self.tail_s}")
+        if self.band_hz is not None and not 0 <= self.band_hz[0] < self.band_hz[1]:
+            raise ValueError(f"band_hz must be (low, high) with 0 <= low < high, got {self.band_hz}")
+
+
 @dataclass
 class Utterance:
     samples: np.ndarray              # float32 mono
@@ -92,9 +111,8 @@ class SpeechSegmenter:
         self._pending = np.zeros(0, np.float32)     # samples not yet forming a whole frame
         self._pending_start = None                  # capture time of _pending[0]
         self._frame_s = self.frame / sample_rate
-        if not 0.0 <= cfg.tail_s <= cfg.hangover_s:
-            raise ValueError(f"tail_s must be within 0..hangover_s ({cfg.hangover_s}), got {cfg.tail_s}")
-        self.tail_frames = round(cfg.tail_s / self._frame_s)
+        cfg.check()
+        self.tail_frames = self._tail_frames(cfg)
         self._window = np.hanning(self.frame).astype(np.float32)
         freqs = np.fft.rfftfreq(self.frame, 1.0 / sample_rate)
         low, high = cfg.band_hz or (0.0, sample_rate / 2)
@@ -102,8 +120,7 @@ class SpeechSegmenter:
         # Parseval: the band's share of the frame's mean square, so levels stay in dBFS.
         self._band_scale = 2.0 / (self.frame * float(np.sum(np.square(self._window))))
         # The frames that trigger the start belong to the utterance too, so keep them with the preroll.
-        self._preroll: deque[np.ndarray] = deque(
-            maxlen=round((cfg.preroll_s + cfg.min_speech_s) / self._frame_s) + 1)
+        self._preroll: deque[np.ndarray] = deque(maxlen=self._preroll_frames(cfg))
         self._speech: list[np.ndarray] = []         # frames of the current utterance
         self._speech_start = 0.0
         self._in_speech = False
@@ -150,6 +167,30 @@ class SpeechSegmenter:
     def flush(self, note: str = "the audio stream stopped mid-utterance") -> Utterance | None:
         """End the current utterance now (the stream stopped); it is marked incomplete with `note`."""
         return self._finish(note) if self._in_speech else None
+
+    def _tail_frames(self, cfg: SegmenterConfig) -> int:
+        return round(cfg.tail_s / self._frame_s)
+
+    def _preroll_frames(self, cfg: SegmenterConfig) -> int:
+        return round((cfg.preroll_s + cfg.min_speech_s) / self._frame_s) + 1
+
+    def reconfigure(self, config: SegmenterConfig) -> None:
+        """New settings from the next frame on, keeping the noise floor and the stream's clock
+        (lost audio is still seen across the change). Only between utterances: an utterance is cut
+        by one set of rules. The frame and the band are fixed for a segmenter's life."""
+        if self._in_speech:
+            raise RuntimeError("reconfigure between utterances only")
+        config.check()
+        if (config.frame_s, config.band_hz) != (self.config.frame_s, self.config.band_hz):
+            raise ValueError("frame_s and band_hz cannot change: make a new segmenter")
+        self.config = config
+        self.tail_frames = self._tail_frames(config)
+        self._preroll = deque(self._preroll, maxlen=self._preroll_frames(config))
+
+    def continues_after(self, note: str) -> None:
+        """The stream was cut before this segmenter's first sample (a format change): speech from
+        here on is incomplete with `note`, as after lost audio, until a pause of `hangover_s`."""
+        self._after_gap = note
 
     @property
     def in_speech(self) -> bool:

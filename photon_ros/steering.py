@@ -1,13 +1,72 @@
-"""Target position in the image -> a turn command that centres it (a proportional controller)."""
+"""A target's place in the image -> a bounded turn that faces it, ending in a stop.
+
+The turn is open loop: the angle to the target is read off the image once (through the camera's
+horizontal field of view, the camera looking along the base's heading), then the base turns at a
+fixed rate for as long as that angle takes and is told to stop. Every turn ends in a zero Twist,
+and none lasts longer than `max_turn_s`, so a base without a command timeout never keeps turning.
+"""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 from geometry_msgs.msg import Twist
 
 
-def turn_towards(x_normalized: float, gain: float, max_rate: float, deadband: float = 0.02) -> Twist:
-    """Positive angular.z turns left (REP 103), toward a target left of centre (x < 0.5)."""
-    error = 0.5 - x_normalized
-    twist = Twist()
-    if abs(error) > deadband:
-        twist.angular.z = max(-max_rate, min(max_rate, gain * error))
-    return twist
+def bearing(x_normalized: float, horizontal_fov_rad: float) -> float:
+    """Angle (rad) from the camera's optical axis to a point at `x_normalized` of the image width,
+    positive to the left (REP 103: a positive yaw turns left), for a pinhole camera."""
+    if not 0.0 < horizontal_fov_rad < math.pi:
+        raise ValueError(f"horizontal field of view must be within (0, pi) rad, got {horizontal_fov_rad}")
+    return math.atan((0.5 - x_normalized) * 2.0 * math.tan(horizontal_fov_rad / 2.0))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Turn at `rate` rad/s (positive: left) for `duration` s, then stop."""
+    rate: float
+    duration: float
+
+    @property
+    def angle(self) -> float:
+        return self.rate * self.duration
+
+
+def plan_turn(angle: float, max_rate: float, max_turn_s: float, deadband: float) -> Turn | None:
+    """The turn through `angle` rad at up to `max_rate`, cut at `max_turn_s`; None within the deadband."""
+    if max_rate <= 0.0 or max_turn_s <= 0.0:
+        raise ValueError(f"max_rate and max_turn_s must be > 0, got {max_rate}, {max_turn_s}")
+    if abs(angle) <= deadband:
+        return None
+    return Turn(math.copysign(max_rate, angle), min(abs(angle) / max_rate, max_turn_s))
+
+
+class TurnCommands:
+    """The Twists a turn publishes, one per tick of a steady timer: the turn's rate until its
+    duration has passed (bases with a command timeout need a steady stream), then one zero Twist.
+    A new turn replaces the one in progress. The angle turned is the plan's to within one tick of
+    the timer (the zero Twist comes at the first tick past the duration)."""
+
+    def __init__(self) -> None:
+        self._turn: Turn | None = None
+        self._started = 0.0
+        self._stop_due = False
+
+    def start(self, turn: Turn, now: float) -> None:
+        self._turn, self._started, self._stop_due = turn, now, True
+
+    @property
+    def active(self) -> bool:
+        return self._turn is not None or self._stop_due
+
+    def tick(self, now: float) -> Twist | None:
+        """What to publish at `now`: the turn's Twist, the final zero Twist, or None (idle)."""
+        twist = Twist()
+        if self._turn is not None and now - self._started < self._turn.duration:
+            twist.angular.z = self._turn.rate
+            return twist
+        self._turn = None
+        if self._stop_due:
+            self._stop_due = False
+            return twist
+        return None

@@ -26,9 +26,7 @@ import time
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.parameter import Parameter
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header
@@ -37,10 +35,12 @@ from photon_core.draw import draw_results
 from photon_core.runtime.requests import Request
 from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
+from photon_ros.input_health import InputHealth
 from photon_ros.latest_frame import LatestFrame
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import Detections, Points, Segmentation, VisionText
-from photon_ros.params import declarer, number
+from photon_ros.params import NodeParams
+from photon_ros.vision_params import targets, vision_params
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
                                         segmentation_message, vision_text_message)
@@ -50,7 +50,6 @@ from photon_ros.srv import Infer
 VISION_SKILLS = {"detect", "point", "caption", "query", "segment"}
 TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK_CAPTION,
          Infer.Request.TASK_QUERY)
-CAPTION_LENGTHS = ("short", "normal", "long")
 
 
 def load_vision_model(name: str, device: str, dtype: str | None, backend: str = "auto", skills: list[str] = ()):
@@ -115,27 +114,14 @@ class VisionNode(ManagedNode):
 
     def __init__(self, **kwargs) -> None:
         super().__init__("vision", **kwargs)
-        p = declarer(self)   # a float parameter also takes a whole number
-        self.model_name = p("model", "moondream2").value
-        # Read at configure: a manager may change them and configure again.
-        for name, default in (("device", "cpu"), ("dtype", "auto"), ("backend", "auto"),
-                              ("input", "raw"), ("reliability", "best_effort"), ("depth", 1)):
-            p(name, default)
-        self.detect_targets = self.targets(p("detect", Parameter.Type.STRING_ARRAY).value)
-        self.point_targets = self.targets(p("point", Parameter.Type.STRING_ARRAY).value)
-        self.segment_targets = self.targets(p("segment", Parameter.Type.STRING_ARRAY).value)
-        self.segment_max_tokens = p("segment_max_tokens", 768).value
-        self.caption_period = p("caption_period_s", 0.0).value
-        self.caption_length = p("caption_length", "short").value
-        self.max_objects = p("max_objects", 10).value
-        self.annotate = p("publish_annotated", True).value
-        self.max_pixels = p("max_pixels", 64_000_000).value
-        self.max_frame_age = p("max_frame_age_s", 5.0).value
-        self.add_on_set_parameters_callback(self.on_parameters)
+        self.params = NodeParams(self, vision_params(), apply=self.apply_params, check_all=self.check_params)
+        self.model_name = self.params["model"]   # the one loaded: read again at configure
+        self.apply_params(self.params.values)
 
         self.frames = LatestFrame()
         self.stats = RateStats()
         self.bad_frames = 0
+        self.health = InputHealth()   # frames lost on the way, frames failing in a row
         self.inactive_frames = 0   # frames not processed because the node was not active
         self.last_caption = 0.0
         self.subscription = None
@@ -155,7 +141,7 @@ class VisionNode(ManagedNode):
 
     # --- lifecycle: topics and model ---------------------------------------------------------------
     def create_interfaces(self) -> None:
-        param = lambda name: self.get_parameter(name).value  # noqa: E731
+        param = self.params.__getitem__
         reliable = param("reliability") == "reliable"
         qos = QoSProfile(depth=param("depth"), history=HistoryPolicy.KEEP_LAST,
                          reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT)
@@ -184,7 +170,7 @@ class VisionNode(ManagedNode):
 
     def load_engine(self) -> SharedModel:
         started = time.monotonic()
-        self.device, self.dtype, self.backend = (self.get_parameter(n).value for n in ("device", "dtype", "backend"))
+        self.device, self.dtype, self.backend = (self.params[n] for n in ("device", "dtype", "backend"))
         # auto: the family's default for the device (bfloat16 on a GPU, float32 on the CPU)
         dtype = None if self.dtype == "auto" else self.dtype
         engine = load_vision_model(self.model_name, self.device, dtype, self.backend, skills_in_use(
@@ -208,17 +194,14 @@ class VisionNode(ManagedNode):
         self.frames.latest = None
 
     # --- input ----------------------------------------------------------------------------------
-    def on_image(self, msg) -> None:
+    def on_image(self, msg, info) -> None:
+        self.health.arrived(info)
         with self.activity.admitting() as admitted:
             if not admitted:
                 self.inactive_frames += 1
                 return
             self.stats.tick("received")
             self.frames.put(msg)
-
-    @staticmethod
-    def targets(values) -> list[str]:
-        return [v.strip() for v in (values or []) if v and v.strip()]
 
     def vision_msgs_publisher(self, qos):
         try:
@@ -228,36 +211,24 @@ class VisionNode(ManagedNode):
             return None
         return self.create_lifecycle_publisher(Detection2DArray, "detections_2d", qos)
 
-    def on_parameters(self, params: list[Parameter]) -> SetParametersResult:
-        for param in params:
-            lacking = self.lacks({"detect": "detect", "point": "point", "segment": "segment"}.get(param.name))
-            if lacking and self.targets(param.value):
-                return SetParametersResult(successful=False, reason=lacking)
-            if param.name == "detect":
-                self.detect_targets = self.targets(param.value)
-            elif param.name == "point":
-                self.point_targets = self.targets(param.value)
-            elif param.name == "segment":
-                self.segment_targets = self.targets(param.value)
-            elif param.name == "segment_max_tokens":
-                if int(param.value) < 1:
-                    return SetParametersResult(successful=False, reason="segment_max_tokens must be >= 1")
-                self.segment_max_tokens = int(param.value)
-            elif param.name in ("caption_period_s", "max_frame_age_s") and number(param.value) is None:
-                return SetParametersResult(successful=False, reason=f"{param.name} must be a number")
-            elif param.name == "caption_period_s":
-                self.caption_period = number(param.value)
-            elif param.name == "caption_length":
-                if param.value not in CAPTION_LENGTHS:
-                    return SetParametersResult(successful=False, reason=f"one of {CAPTION_LENGTHS}")
-                self.caption_length = param.value
-            elif param.name == "max_objects":
-                self.max_objects = int(param.value)
-            elif param.name == "publish_annotated":
-                self.annotate = bool(param.value)
-            elif param.name == "max_frame_age_s":
-                self.max_frame_age = number(param.value)
-        return SetParametersResult(successful=True)
+    def check_params(self, values: dict) -> str:
+        """Why the tasks cannot run on the loaded model ("" when they can, or none is loaded)."""
+        for task in ("detect", "point", "segment"):
+            if targets(values[task]) and self.lacks(task):
+                return self.lacks(task)
+        return ""
+
+    def apply_params(self, values: dict) -> None:
+        """Take the values of parameters that change at once (all of them at startup)."""
+        for task in ("detect", "point", "segment"):
+            if task in values:
+                setattr(self, f"{task}_targets", targets(values[task]))
+        for name, attr in (("segment_max_tokens", "segment_max_tokens"), ("caption_period_s", "caption_period"),
+                           ("caption_length", "caption_length"), ("max_objects", "max_objects"),
+                           ("publish_annotated", "annotate"), ("max_pixels", "max_pixels"),
+                           ("max_frame_age_s", "max_frame_age")):
+            if name in values:
+                setattr(self, attr, values[name])
 
     # --- worker ---------------------------------------------------------------------------------
     def work(self) -> None:
@@ -279,6 +250,7 @@ class VisionNode(ManagedNode):
             self.process(frame, epoch)
         except Exception as err:  # noqa: BLE001 - one frame, not the node
             self.bad_frames += 1
+            self.health.failed(f"{type(err).__name__}: {err}")
             self.get_logger().error(f"frame failed unexpectedly ({type(err).__name__}: {err}); skipped",
                                     throttle_duration_sec=5.0)
 
@@ -296,6 +268,7 @@ class VisionNode(ManagedNode):
             rgb = self.to_rgb(frame.msg)
         except ValueError as err:
             self.bad_frames += 1
+            self.health.failed(str(err))
             self.get_logger().warning(f"skipping frame: {err}", throttle_duration_sec=5.0)
             return
         header, (height, width) = frame.msg.header, rgb.shape[:2]
@@ -309,6 +282,8 @@ class VisionNode(ManagedNode):
             results = self.engine.batcher.submit(requests) if requests else []
             segments = segment_frame(self.engine, rgb, segment, self.segment_max_tokens)
         except Exception as err:  # noqa: BLE001 - a frame the model cannot take must not stop the worker
+            self.bad_frames += 1
+            self.health.failed(f"the model failed: {err}")
             self.get_logger().warning(f"frame not processed: {err}", throttle_duration_sec=5.0)
             return
         latency = time.monotonic() - frame.received_at
@@ -326,6 +301,7 @@ class VisionNode(ManagedNode):
                 publisher.publish(msg)
             if annotated is not None:
                 self.pub_annotated.publish(annotated)
+        self.health.succeeded()
         self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
 
     def result_messages(self, requests: list[Request], results: list[dict], header, width: int,
@@ -427,6 +403,9 @@ class VisionNode(ManagedNode):
                                   hardware_id=self.model_name)
         status.level, status.message = health(state, self.loading, self.model_error, self.frames.received,
                                               "images")
+        failing = self.health.failing("frames")
+        if failing and state == "active":
+            status.level, status.message = DiagnosticStatus.ERROR, failing
         values = {
             "model": self.model_name,
             "model_loaded": str(self.engine is not None),
@@ -436,6 +415,7 @@ class VisionNode(ManagedNode):
             "frames_dropped": str(self.frames.dropped),
             "frames_ignored_inactive": str(self.inactive_frames),
             "bad_frames": str(self.bad_frames),
+            "frames_lost_in_transport": str(self.health.lost_in_transport),
             "processed_rate_hz": f"{self.stats.rate('processed'):.2f}",
         }
         for q, v in self.stats.latency_percentiles().items():

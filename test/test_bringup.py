@@ -1,5 +1,5 @@
 """The whole graph from config/photon.yaml without ros2 launch, namespaced and remapped, closing
-the loop from speech to a target: spoken WAV -> speech -> loop -> vision (infer) -> PointStamped.
+the loop from speech to a target: spoken WAV -> speech -> loop -> vision (infer) -> ImageTarget.
 Also checks that the launch files name only executables we install and configs we ship."""
 import ast
 import re
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from geometry_msgs.msg import PointStamped
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 from std_msgs.msg import String
@@ -16,7 +15,7 @@ from std_msgs.msg import String
 from moondream_fixtures import checkpoint
 from photon_ros.bringup import DEFAULT_CONFIG, build_graph, flatten
 from photon_ros.image_conversions import rgb_to_image
-from photon_ros.msg import Transcript
+from photon_ros.msg import ImageTarget, Transcript
 from ros_harness import RosGraph, wait_for, wait_for_match
 from speech_audio import espeak_wav
 
@@ -66,7 +65,7 @@ def test_spoken_command_to_target_through_bringup(graph):
     targets = []
     transcripts, status = [], []
     listener = graph.node("listener")
-    listener.create_subscription(PointStamped, "/robot1/target", targets.append, RELIABLE)
+    listener.create_subscription(ImageTarget, "/robot1/image_target", targets.append, RELIABLE)
     listener.create_subscription(Transcript, "/robot1/transcript", transcripts.append, RELIABLE)
     listener.create_subscription(String, "/robot1/status", status.append, RELIABLE)
     camera = graph.node("camera").create_publisher(Image, "/camera/image_raw", RELIABLE)
@@ -85,4 +84,6 @@ def test_spoken_command_to_target_through_bringup(graph):
     assert finals[0].text.lower().strip(".") == "find the red ball"
     # status is another topic: it may arrive a moment after the target
     assert wait_for(lambda: any("found red ball" in s.data for s in status), timeout=10), [s.data for s in status]
-    assert 0.0 <= targets[0].point.x <= 1.0 and 0.0 <= targets[0].point.y <= 1.0   # normalized by default
+    t = targets[0]
+    assert (t.image_width, t.image_height) == (128, 96)
+    assert 0.0 <= t.x <= 1.0 and 0.0 <= t.y <= 1.0 and 0.0 <= t.x_px <= 128 and 0.0 <= t.y_px <= 96

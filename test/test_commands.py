@@ -1,8 +1,10 @@
-"""Transcripts -> vision requests, and the turn controller."""
+"""Transcripts -> vision requests, and the bounded turn toward a target."""
+import math
+
 import pytest
 
 from photon_ros.commands import VisionRequest, parse_command
-from photon_ros.steering import turn_towards
+from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -24,8 +26,32 @@ def test_other_sentences_ask_for_nothing(text):
     assert parse_command(text) is None
 
 
-def test_turn_towards_a_target():
-    assert turn_towards(0.2, gain=2.0, max_rate=1.0).angular.z == pytest.approx(0.6)   # left of centre: turn left
-    assert turn_towards(0.9, gain=2.0, max_rate=1.0).angular.z == pytest.approx(-0.8)
-    assert turn_towards(1.0, gain=4.0, max_rate=1.0).angular.z == -1.0                # clipped
-    assert turn_towards(0.51, gain=2.0, max_rate=1.0).angular.z == 0.0                 # deadband
+def test_bearing_of_a_point_in_the_image():
+    fov = math.radians(60)
+    assert bearing(0.5, fov) == 0.0
+    assert bearing(0.0, fov) == pytest.approx(fov / 2)          # the left edge: half the field of view, left
+    assert bearing(1.0, fov) == pytest.approx(-fov / 2)
+    # pinhole, not linear: a quarter of the width is less than a quarter of the field of view
+    assert bearing(0.25, fov) == pytest.approx(math.atan(0.5 * math.tan(fov / 2)))
+    with pytest.raises(ValueError, match="field of view"):
+        bearing(0.2, 0.0)
+
+
+def test_a_turn_is_bounded_and_ends_in_a_stop():
+    turn = plan_turn(0.4, max_rate=0.5, max_turn_s=3.0, deadband=0.02)
+    assert turn.rate == 0.5 and turn.duration == pytest.approx(0.8) and turn.angle == pytest.approx(0.4)
+    assert plan_turn(-2.0, max_rate=0.5, max_turn_s=3.0, deadband=0.02) == Turn(-0.5, 3.0)   # cut at max_turn_s
+    assert plan_turn(0.01, max_rate=0.5, max_turn_s=3.0, deadband=0.02) is None
+    with pytest.raises(ValueError):
+        plan_turn(0.4, max_rate=0.0, max_turn_s=3.0, deadband=0.0)
+    commands = TurnCommands()
+    assert commands.tick(0.0) is None                              # idle: nothing published
+    commands.start(turn, now=10.0)
+    sent = [commands.tick(10.05 + 0.1 * i) for i in range(12)]
+    rates = [t.angular.z if t is not None else None for t in sent]
+    assert rates == [0.5] * 8 + [0.0] + [None] * 3                  # 0.8 s of turning, one stop, then quiet
+    assert all(t.linear.x == 0.0 for t in sent if t is not None)
+    commands.start(Turn(0.5, 1.0), now=20.0)
+    commands.start(Turn(-0.5, 0.2), now=20.1)                       # a new target replaces the turn
+    assert [commands.tick(20.15 + 0.1 * i).angular.z for i in range(3)] == [-0.5, -0.5, 0.0]
+    assert commands.tick(20.5) is None and not commands.active

@@ -1,12 +1,22 @@
-"""Float parameters take whole numbers (photon_ros.params): rclpy types a parameter by its default
-and refuses `0` for one declared 5.0, which stopped a node configured with `caption_period_s: 0`
-from starting. Real rclpy nodes, no DDS traffic needed."""
+"""Node parameters through one mechanism (photon_ros.params): declared with descriptors, checked at
+startup and on every change, changes that take effect at once applied, the others said to wait for
+a configure or refused as read-only; float parameters take whole numbers (rclpy types a parameter by
+its default and refused `0` for one declared 5.0). Real rclpy nodes, no DDS traffic needed."""
+import math
+
 import pytest
 import rclpy
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from photon_ros.params import declarer, number
+from photon_ros.params import NodeParams, Param, number
+
+SPECS = [Param("gain", 1.5, "how much", low=0.0, high=10.0),
+         Param("period_s", 1.0, "how often", positive=True),
+         Param("mode", "fast", "how", choices=("fast", "slow"), applies="configure"),
+         Param("count", 3, "how many", low=0),
+         Param("names", Parameter.Type.STRING_ARRAY, "what"),
+         Param("size", 8, "fixed", applies="restart")]
 
 
 @pytest.fixture
@@ -17,27 +27,111 @@ def context():
     rclpy.shutdown(context=ctx)
 
 
-def test_a_float_parameter_takes_a_whole_number(context):
-    node = Node("params_test", context=context, parameter_overrides=[
-        Parameter("gain", value=2), Parameter("period", value=0.5), Parameter("name", value="x")])
+def make(context, name, overrides=(), **kwargs):
+    node = Node(name, context=context, parameter_overrides=[Parameter(k, value=v) for k, v in overrides])
     try:
-        p = declarer(node)
-        assert p("gain", 1.5).value == 2.0 and isinstance(p("gain2", 1.5).value, float)
-        assert p("period", 1.0).value == 0.5
-        assert p("name", "y").value == "x" and p("count", 3).value == 3   # other types as rclpy has them
-        assert node.set_parameters([Parameter("gain", value=4)])[0].successful
-        # Plain rclpy, for the record: the refusal the helper avoids.
-        with pytest.raises(Exception, match="INTEGER"):
-            Node("plain", context=context, parameter_overrides=[Parameter("gain", value=2)]).declare_parameter("gain", 1.5)
+        return node, NodeParams(node, SPECS, **kwargs)
+    except Exception:
+        node.destroy_node()
+        raise
+
+
+def test_declared_with_descriptors_and_whole_numbers_taken_as_floats(context):
+    node, params = make(context, "p_ok", [("gain", 2), ("names", ["a", "b"])])
+    try:
+        assert params["gain"] == 2.0 and isinstance(params["gain"], float) and params["names"] == ["a", "b"]
+        assert params["period_s"] == 1.0 and params["count"] == 3 and params["mode"] == "fast"
+        d = node.describe_parameter("gain")
+        assert d.description == "how much" and d.additional_constraints == ">= 0 and <= 10"
+        assert "one of fast, slow" in node.describe_parameter("mode").additional_constraints
+        assert "next configure" in node.describe_parameter("mode").additional_constraints
+        assert node.describe_parameter("size").read_only
     finally:
         node.destroy_node()
 
 
-def test_a_float_parameter_refuses_what_is_not_a_number(context):
-    node = Node("params_bad", context=context, parameter_overrides=[Parameter("gain", value="fast")])
+@pytest.mark.parametrize("name, value, reason", [
+    ("gain", -1.0, "gain must be >= 0"), ("gain", "loud", "gain must be a number"),
+    ("gain", math.nan, "gain must be a number"), ("period_s", 0, "period_s must be > 0"),
+    ("mode", "fsat", "mode must be one of fast, slow"), ("count", -5, "count must be >= 0")])
+def test_a_bad_value_at_startup_stops_the_node_with_the_reason(context, name, value, reason):
+    with pytest.raises(ValueError, match=reason):
+        make(context, "p_bad", [(name, value)])
+
+
+def test_changes_checked_applied_or_deferred_and_never_ignored(context):
+    applied = []
+    node, params = make(context, "p_set", [("gain", 4)], apply=applied.append,
+                        check_all=lambda v: "count must not exceed gain" if v["count"] > v["gain"] else "")
     try:
-        with pytest.raises(ValueError, match="'gain' must be a number"):
-            declarer(node)("gain", 1.5)
+        result = node.set_parameters([Parameter("gain", value=5)])[0]
+        assert result.successful and params["gain"] == 5.0 and applied == [{"gain": 5.0}]
+        refused = node.set_parameters([Parameter("period_s", value=-1.0)])[0]
+        assert not refused.successful and "period_s must be > 0" in refused.reason
+        assert params["period_s"] == 1.0 and node.get_parameter("period_s").value == 1.0
+        # A set is judged whole: nothing of it is taken when one part is refused.
+        refused = node.set_parameters_atomically([Parameter("gain", value=1.0), Parameter("count", value=2)])
+        assert not refused.successful and "count must not exceed gain" in refused.reason
+        assert (params["gain"], params["count"]) == (5.0, 3) and len(applied) == 1
+        later = node.set_parameters([Parameter("mode", value="slow")])[0]
+        assert later.successful and params["mode"] == "slow"      # logged: "... at the next configure"
+        assert len(applied) == 1                       # not applied now: read at configure
+        assert not node.set_parameters([Parameter("size", value=4)])[0].successful   # read-only
+        assert params["size"] == 8
     finally:
         node.destroy_node()
+
+
+def test_number():
     assert number(True) is None and number("1") is None and number(3) == 3.0
+
+
+def test_the_shipped_config_sets_every_declared_parameter_and_no_other():
+    """config/photon.yaml documents every parameter: one it names that no node declares would be
+    silently unused, one it lacks would be undocumented."""
+    from pathlib import Path
+
+    import yaml
+
+    from photon_ros.bringup import flatten
+    from photon_ros.loop_node import LOOP_PARAMS
+    from photon_ros.microphone_node import MICROPHONE_PARAMS
+    from photon_ros.speech_params import speech_params
+    from photon_ros.vision_params import vision_params
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "photon.yaml").read_text())
+    for node, specs in (("speech", speech_params()), ("vision", vision_params()), ("loop", LOOP_PARAMS),
+                        ("microphone", MICROPHONE_PARAMS)):
+        named = set(flatten(config[node]["ros__parameters"])) - {"autostart"}   # the lifecycle base's
+        assert named == {s.name for s in specs}, node
+
+
+@pytest.mark.parametrize("name, value, reason", [
+    ("input", "compresed", "input must be one of raw, compressed"),
+    ("reliability", "bogus", "reliability must be one of best_effort, reliable"),
+    ("max_objects", -1, "max_objects must be >= 0"), ("max_frame_age_s", math.nan, "max_frame_age_s must be a number")])
+def test_the_vision_node_refuses_bad_values_at_startup(context, name, value, reason):
+    from photon_ros.vision_node import VisionNode
+
+    with pytest.raises(ValueError, match=reason):
+        VisionNode(context=context, parameter_overrides=[Parameter("autostart", value=False), Parameter(name, value=value)])
+
+
+def test_the_vision_node_refuses_bad_changes_and_takes_the_others(context):
+    from photon_ros.vision_node import VisionNode
+
+    node = VisionNode(context=context, parameter_overrides=[Parameter("autostart", value=False)])
+    try:
+        for name, value in (("max_objects", -5), ("max_frame_age_s", math.nan), ("caption_length", "huge"),
+                            ("max_pixels", 0), ("segment_max_tokens", 0)):
+            result = node.set_parameters([Parameter(name, value=value)])[0]
+            assert not result.successful and name in result.reason, (name, result.reason)
+        assert node.max_objects == 10 and node.max_frame_age == 5.0
+        changes = [Parameter("max_pixels", value=1000), Parameter("max_objects", value=3),
+                   Parameter("detect", value=[" cup ", ""]), Parameter("max_frame_age_s", value=0)]
+        assert all(r.successful for r in node.set_parameters(changes))
+        assert (node.max_pixels, node.max_objects, node.detect_targets, node.max_frame_age) == (1000, 3, ["cup"], 0.0)
+        later = node.set_parameters([Parameter("input", value="compressed")])[0]
+        assert later.successful and node.params["input"] == "compressed"   # used at the next configure
+    finally:
+        node.destroy_node()

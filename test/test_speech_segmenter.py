@@ -249,3 +249,28 @@ def test_speech_cut_at_the_limit_is_incomplete_on_both_sides():
     assert len(out) >= 2
     assert "cut at the 3 s utterance limit" in out[0].note and not out[0].complete
     assert "continues speech cut" in out[1].note
+
+
+@pytest.mark.parametrize("setting, value", [("hangover_s", -1.0), ("tail_s", 0.5), ("max_utterance_s", 0.0),
+                                            ("hangover_s", float("nan")), ("min_speech_s", 0.0),
+                                            ("preroll_s", -0.1), ("min_level_db", 3.0), ("max_gap_s", 0.0)])
+def test_settings_out_of_range_are_refused_naming_the_parameter(setting, value):
+    with pytest.raises(ValueError, match=rf"vad\.{setting} must be"):
+        SegmenterConfig(**{setting: value}).check()
+    with pytest.raises(ValueError, match=rf"vad\.{setting}"):
+        SpeechSegmenter(16000, SegmenterConfig(**{setting: value}))
+    SegmenterConfig().check()
+
+
+def test_speech_after_a_format_change_is_incomplete_until_a_pause():
+    """A stream cut by a format change (the node starts a new segmenter at the new rate): the
+    speech going on across it is the rest of a command, incomplete; speech after a pause is whole."""
+    speech, rate = espeak_pcm("Go to the kitchen.")
+    rest = SpeechSegmenter(rate)
+    rest.continues_after("the sample rate changed before it")
+    cut = run(rest, np.concatenate([speech, np.zeros(rate, np.float32)]), 1600)
+    assert len(cut) == 1 and not cut[0].complete and "sample rate changed" in cut[0].note
+    later = SpeechSegmenter(rate)
+    later.continues_after("the sample rate changed before it")
+    whole = run(later, np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)]), 1600)
+    assert len(whole) == 1 and whole[0].complete

@@ -20,7 +20,7 @@ from photon_core.runtime.shared_models import release
 from test_image_conversions import _png
 from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
 from photon_ros.loop_node import LoopNode
-from photon_ros.msg import Detections, Points, Transcript
+from photon_ros.msg import Detections, ImageTarget, Points, Transcript
 from photon_ros.srv import Infer
 from photon_ros.vision_node import VisionNode, load_vision_model, stale_frame, warm_up
 from ros_harness import RosGraph, wait_for, wait_for_match
@@ -150,10 +150,11 @@ def test_burst_drops_frames_and_bad_frames_do_not_stop_the_node(graph):
     assert len(processed) + node.frames.dropped == 100           # processed or counted dropped
     assert node.frames.taken + node.frames.dropped == node.frames.received == 104
     assert node.bad_frames == 3
+    own = lambda: [a for a in diagnostics if a.status[0].name.endswith(node.get_fully_qualified_name())]  # noqa: E731
     assert wait_for(lambda: any(diagnostic_values(a)["frames_dropped"] == str(node.frames.dropped)
-                                and diagnostic_values(a)["frames_received"] == "104" for a in diagnostics),
+                                and diagnostic_values(a)["frames_received"] == "104" for a in own()),
                     timeout=10)
-    assert diagnostics[-1].status[0].level == DiagnosticStatus.OK
+    assert own()[-1].status[0].level == DiagnosticStatus.OK
 
 
 def diagnostic_values(array: DiagnosticArray) -> dict[str, str]:
@@ -229,9 +230,13 @@ def test_unusable_backend_reports_why(graph, monkeypatch, backend, reason):
 
 
 def test_transcript_to_target(graph):
+    """The loop's target is image coordinates on a topic whose type says so; nothing is published
+    as a position (no depth: no metres), and its turn is bounded and ends in a zero Twist."""
     vision = vision_node(graph)        # no standing tasks: the loop asks on demand
-    graph.add(LoopNode(context=graph.context, parameter_overrides=[Parameter("coordinates", value="pixels")]))
-    targets, turns, status = collect(graph, PointStamped, "target"), collect(graph, Twist, "cmd_vel"), collect(graph, String, "status")
+    loop = graph.add(LoopNode(context=graph.context, parameter_overrides=[
+        Parameter("max_turn_s", value=0.3), Parameter("deadband_deg", value=0.0)]))
+    targets, turns, status = collect(graph, ImageTarget, "image_target"), collect(graph, Twist, "cmd_vel"), collect(graph, String, "status")
+    positions = collect(graph, PointStamped, "target")
     camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
     speaker = graph.node("speaker").create_publisher(Transcript, "transcript", RELIABLE)
     wait_for_match(camera), wait_for_match(speaker)
@@ -244,12 +249,25 @@ def test_transcript_to_target(graph):
     speaker.publish(Transcript(text="Point at the red cup.", is_final=True, audio_complete=True))
     assert wait_for(lambda: targets, timeout=60), [s.data for s in status]
     assert len(targets) == 1
-    assert targets[0].header == header(42, "head_camera")
-    assert 0 <= targets[0].point.x <= 128 and 0 <= targets[0].point.y <= 96
-    # cmd_vel and status are other topics: they may arrive a moment after the target
-    assert wait_for(lambda: turns and any("red cup" in s.data for s in status), timeout=10), [s.data for s in status]
+    t = targets[0]
+    assert t.header == header(42, "head_camera") and (t.task, t.label) == ("point", "red cup")
+    assert (t.image_width, t.image_height) == (128, 96)
+    assert 0 <= t.x_px <= 128 and 0 <= t.y_px <= 96
+    assert t.x_px == pytest.approx(t.x * 128, abs=1e-3) and t.y_px == pytest.approx(t.y * 96, abs=1e-3)
+    # The turn: max_turn_rate until at most max_turn_s has passed, then one zero Twist, then nothing.
+    assert wait_for(lambda: turns and turns[-1].angular.z == 0.0, timeout=10), [m.angular.z for m in turns]
+    moving = [m.angular.z for m in turns[:-1]]
+    assert moving and all(abs(z) == 0.5 for z in moving) and len(set(moving)) == 1
+    assert len(moving) <= 0.3 / 0.1 + 2
+    assert (moving[0] > 0) == (t.x < 0.5)       # REP 103: a target left of centre turns left
+    assert wait_for(lambda: any("red cup" in s.data and "no 3D position" in s.data for s in status),
+                    timeout=10), [s.data for s in status]
+    count = len(turns)
+    time.sleep(0.5)
+    assert len(turns) == count                  # the stop is the last command
     speaker.publish(Transcript(text="What a lovely day.", is_final=True, audio_complete=True))
     assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
+    assert positions == [] and loop.count_publishers("target") == 0
 
 
 def test_two_cameras_share_one_engine(graph):
@@ -270,3 +288,35 @@ def test_two_cameras_share_one_engine(graph):
     for ns in got:
         assert all(d.header.frame_id == ns for d in got[ns])
     assert sum(nodes[0].engine.batcher.sizes) >= 6
+
+
+def test_diagnostics_count_frames_lost_on_the_way_and_say_when_every_frame_fails(graph):
+    """A best-effort, depth-1 subscription (the default) loses frames a busy node cannot take: each
+    is counted from the publisher's sequence numbers. A camera whose every frame fails turns the
+    node's diagnostics ERROR with the reason, and a good frame brings them back to OK."""
+    node = vision_node(graph, detect=["cup"], reliability="best_effort")
+    detections = collect(graph, Detections, "detections")
+    diagnostics = collect(graph, DiagnosticArray, "/diagnostics")
+    own = lambda: [a.status[0] for a in diagnostics if a.status[0].name.endswith(node.get_fully_qualified_name())]  # noqa: E731
+    pub = graph.node("camera").create_publisher(Image, "image", QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+    wait_for_match(pub)
+    frame = rgb_to_image(image(3, size=(24, 32)), "rgb8", header=header(0))
+    pub.publish(frame)
+    assert wait_for(lambda: node.frames.received == 1, timeout=30)
+    with node.engine.lock:   # inference held up: the node's callbacks fall behind the burst
+        for i in range(1, 201):
+            frame.header = header(i)
+            pub.publish(frame)
+        assert wait_for(lambda: any(d.header == header(200) for d in detections) or node.frames.received > 1, timeout=30)
+    assert wait_for(lambda: any(d.header == header(200) for d in detections), timeout=60)
+    assert node.frames.received + node.health.lost_in_transport == 201
+    assert wait_for(lambda: any(dict((v.key, v.value) for v in s.values)["frames_lost_in_transport"]
+                                == str(node.health.lost_in_transport) for s in own()), timeout=10)
+    for i in range(4):    # frames it cannot convert, one at a time
+        pub.publish(Image(header=header(300 + i), encoding="yuv420p", width=4, height=4, step=8, data=bytes(32)))
+        assert wait_for(lambda: node.bad_frames == i + 1, timeout=30)
+    assert wait_for(lambda: own() and own()[-1].level == DiagnosticStatus.ERROR, timeout=10), own()[-1]
+    assert "the last 4 frames all failed" in own()[-1].message and "yuv420p" in own()[-1].message
+    pub.publish(rgb_to_image(image(3, size=(24, 32)), "rgb8", header=header(400)))
+    assert wait_for(lambda: any(d.header == header(400) for d in detections), timeout=60)
+    assert wait_for(lambda: own()[-1].level == DiagnosticStatus.OK, timeout=10), own()[-1]

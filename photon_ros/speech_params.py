@@ -1,0 +1,64 @@
+"""The speech node's parameters: each declared once, with its meaning, range and when a change
+takes effect (photon_ros.params). The VAD's are checked together (tail_s within hangover_s)."""
+from __future__ import annotations
+
+from typing import Any
+
+from photon_ros.params import Param
+from photon_ros.speech_segmenter import SegmenterConfig
+
+INPUT_TYPES = ("audio_chunk", "int16", "float32")
+RELIABILITIES = ("best_effort", "reliable")
+# Rates outside this range are a malformed message, not audio we can use.
+MIN_RATE, MAX_RATE = 4000, 384000
+# vad.<name> parameter -> SegmenterConfig field: the settings a user tunes.
+VAD_SETTINGS = ("threshold_db", "continue_db", "min_level_db", "hangover_s", "tail_s", "min_speech_s",
+                "max_utterance_s", "max_gap_s")
+
+
+def speech_params() -> list[Param]:
+    vad = SegmenterConfig()
+    return [
+        Param("model", "whisper-tiny.en", "checkpoint: a known name, a folder or a file; any family that "
+              "transcribes (Whisper, Parakeet TDT, Qwen3-ASR)", applies="configure"),
+        Param("device", "cpu", "cpu, cuda or cuda:N", applies="configure"),
+        Param("input_type", "audio_chunk", "message type on `audio`: photon_ros/AudioChunk, or "
+              "std_msgs Int16MultiArray / Float32MultiArray", choices=INPUT_TYPES, applies="configure"),
+        Param("reliability", "best_effort", "QoS of the audio subscription: best_effort matches best-effort "
+              "(microphone drivers) and reliable publishers alike", choices=RELIABILITIES, applies="configure"),
+        Param("sample_rate", 16000, "Hz of std_msgs array input (the arrays carry none)", low=MIN_RATE, high=MAX_RATE),
+        Param("channels", 1, "channels of std_msgs array input, interleaved", low=1, high=64),
+        Param("frame_id", "", "frame id of the transcripts; empty keeps the audio's"),
+        Param("language", "", "language code for multilingual models (en, de, ...); empty: detect it"),
+        Param("initial_prompt", "", "text given to the model before each utterance (names, jargon)"),
+        Param("idle_flush_s", 0.8, "no audio for this long ends the utterance in progress (incomplete)", positive=True),
+        Param("partial_interval_s", 0.5, "seconds of speech between partial transcripts; 0: none", low=0.0),
+        Param("first_partial_s", 0.3, "seconds of speech before the first partial transcript", low=0.0),
+        Param("speculate", True, "decode the final ahead while the hangover is waited for"),
+        Param("max_pending_s", 60.0, "audio waiting for the model beyond this drops the oldest utterances",
+              positive=True, applies="restart"),
+        Param("vad.threshold_db", vad.threshold_db, "speech starts this far above the noise floor (dB)", low=0.0),
+        Param("vad.continue_db", vad.continue_db, "and, once started, goes on while this far above it (dB)", low=0.0),
+        Param("vad.min_level_db", vad.min_level_db, "and above this absolute level (dBFS)", high=0.0),
+        Param("vad.hangover_s", vad.hangover_s, "a pause this long ends an utterance", positive=True),
+        Param("vad.tail_s", vad.tail_s, "of that pause, kept after the last speech (at most vad.hangover_s)", low=0.0),
+        Param("vad.min_speech_s", vad.min_speech_s, "speech this long starts an utterance", positive=True),
+        Param("vad.max_utterance_s", vad.max_utterance_s, "longer speech is cut here (marked incomplete)",
+              positive=True),
+        Param("vad.max_gap_s", vad.max_gap_s, "stamp jitter tolerated between chunks; more is lost audio",
+              positive=True),
+    ]
+
+
+def vad_config(values: dict[str, Any]) -> SegmenterConfig:
+    """The segmenter's settings from the node's parameter values."""
+    return SegmenterConfig(**{name: values[f"vad.{name}"] for name in VAD_SETTINGS})
+
+
+def check_vad(values: dict[str, Any]) -> str:
+    """Why the VAD settings cannot work together ("" when they can)."""
+    try:
+        vad_config(values).check()
+    except ValueError as err:
+        return str(err)
+    return ""

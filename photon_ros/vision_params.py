@@ -1,0 +1,43 @@
+"""The vision node's parameters: each declared once, with its meaning, range and when a change
+takes effect (photon_ros.params). Tasks, limits and the caption change at runtime; the model, its
+device and the input topic at the next configure."""
+from __future__ import annotations
+
+from rclpy.parameter import Parameter
+
+from photon_ros.params import Param
+
+CAPTION_LENGTHS = ("short", "normal", "long")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def vision_params() -> list[Param]:
+    return [
+        Param("model", "moondream2", "checkpoint: a known name, a folder or a file (Moondream 2 / 3.1, "
+              "Qwen 3.5, Gemma 4)", applies="configure"),
+        Param("device", "cpu", "cpu, cuda or cuda:N", applies="configure"),
+        Param("dtype", "auto", "weights' dtype; auto: bfloat16 on a GPU, float32 on the CPU", choices=DTYPES,
+              applies="configure"),
+        Param("backend", "auto", "auto, reference, triton or megakernel (checked when the model loads)",
+              applies="configure"),
+        Param("input", "raw", "subscribe to `image` (raw) or `image/compressed`", choices=("raw", "compressed"),
+              applies="configure"),
+        Param("reliability", "best_effort", "QoS of the image subscription (camera drivers: best_effort)",
+              choices=("best_effort", "reliable"), applies="configure"),
+        Param("depth", 1, "image subscription queue depth (1: the newest frame wins)", low=1, applies="configure"),
+        Param("detect", Parameter.Type.STRING_ARRAY, "objects to detect on every frame"),
+        Param("point", Parameter.Type.STRING_ARRAY, "objects to point at on every frame"),
+        Param("segment", Parameter.Type.STRING_ARRAY, "objects to segment on every frame (Moondream 3)"),
+        Param("segment_max_tokens", 768, "the longest path a segment may take, in tokens", low=1),
+        Param("caption_period_s", 0.0, "caption a frame every this many seconds; 0: never", low=0.0),
+        Param("caption_length", "short", "length of those captions", choices=CAPTION_LENGTHS),
+        Param("max_objects", 10, "most objects per prompt and frame", low=0),
+        Param("publish_annotated", True, "publish image_annotated (drawn only while someone subscribes)"),
+        Param("max_pixels", 64_000_000, "larger frames are refused before they are decoded", low=1),
+        Param("max_frame_age_s", 5.0, "infer on the latest frame refuses one older than this; 0: any age", low=0.0),
+    ]
+
+
+def targets(values: list[str] | None) -> list[str]:
+    """The non-empty prompts of a task parameter, stripped."""
+    return [v.strip() for v in (values or []) if v and v.strip()]
