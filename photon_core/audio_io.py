@@ -1,12 +1,32 @@
-"""Audio files and PCM sample formats, with the standard library (and soundfile where installed)."""
+"""Audio files and PCM sample formats, with the standard library (and soundfile where installed).
+
+WAV files are read here, chunk by chunk, rather than with the `wave` module: it refuses
+WAVE_FORMAT_EXTENSIBLE (what sox and most tools write for 24-bit, float or more than 2 channels)
+and IEEE float data, and it fails without the file's name on damaged headers.
+"""
 from __future__ import annotations
 
+import logging
+import struct
 import wave
 from pathlib import Path
 
 import numpy as np
 
-_WAV_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4")}
+_log = logging.getLogger(__name__)
+
+_PCM, _FLOAT, _EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
+_PCM_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4")}   # 3 bytes: see _int24
+_FLOAT_DTYPES = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
+
+# Float samples are nominally within [-1, 1]. Up to 2**15 is still taken (files written on the
+# int16 scale exist, and the mel front ends are scale-free); beyond that the values are not audio,
+# and their squares overflow float32 inside the models.
+MAX_FLOAT_SAMPLE = 32768.0
+
+
+class AudioFileError(ValueError):
+    """An audio file that cannot be read; the message names the file and says why."""
 
 
 def pcm_to_float(samples: np.ndarray) -> np.ndarray:
@@ -22,24 +42,141 @@ def pcm_to_float(samples: np.ndarray) -> np.ndarray:
     raise ValueError(f"unsupported audio dtype {samples.dtype}")
 
 
+def check_float_samples(samples: np.ndarray, source: str) -> None:
+    """AudioFileError naming `source` when float samples hold NaN, infinities or values no audio
+    has (beyond MAX_FLOAT_SAMPLE); integer PCM always passes."""
+    samples = np.asarray(samples)
+    if not np.issubdtype(samples.dtype, np.floating) or samples.size == 0:
+        return
+    finite = np.isfinite(samples)
+    if not finite.all():
+        bad = int(np.argmin(finite.reshape(len(samples), -1).all(axis=1)))
+        raise AudioFileError(f"{source}: holds NaN or infinite samples ({int((~finite).sum())} of "
+                             f"them, the first in frame {bad}): not audio")
+    peak = float(np.abs(samples).max())
+    if peak > MAX_FLOAT_SAMPLE:
+        raise AudioFileError(f"{source}: float samples up to {peak:.3g}, where audio lies within "
+                             f"[-1, 1] (at most {MAX_FLOAT_SAMPLE:g} is taken): not audio")
+
+
 def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
-    """PCM samples as stored ([n] mono or [n, channels]; uint8, int16 or int32 for PCM WAV) and
-    the sample rate. Other formats (24-bit or float WAV, FLAC, ...) go through soundfile when it is
-    installed and come back as float32."""
+    """Samples ([n] mono or [n, channels]) and the sample rate of a WAV file: PCM as uint8
+    (8-bit), int16, int32 (24-bit samples scaled to the int32 range, and 32-bit), IEEE float as
+    float32; plain or WAVE_FORMAT_EXTENSIBLE headers, any channel count. Other files (FLAC, OGG,
+    compressed WAV, ...) go through soundfile when it is installed and come back as float32.
+    AudioFileError (a ValueError) names the file and the reason when it cannot be read. A data
+    chunk the file cuts short (a recording that ended abruptly) is read to its last whole frame,
+    with a warning."""
+    path = Path(path)
+    if path.is_dir():
+        raise AudioFileError(f"{path}: is a directory, not an audio file")
     try:
-        with wave.open(str(path), "rb") as f:
-            width, channels, rate = f.getsampwidth(), f.getnchannels(), f.getframerate()
-            if width in _WAV_DTYPES:
-                samples = np.frombuffer(f.readframes(f.getnframes()), dtype=_WAV_DTYPES[width])
-                return (samples.reshape(-1, channels) if channels > 1 else samples), rate
-    except (wave.Error, EOFError):
-        pass
+        with open(path, "rb") as f:
+            head = f.read(12)
+            if len(head) == 12 and head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+                samples, rate = _read_riff_wave(f, path)
+                check_float_samples(samples, str(path))
+                return samples, rate
+    except FileNotFoundError:
+        raise AudioFileError(f"{path}: no such file") from None
+    except OSError as err:
+        raise AudioFileError(f"{path}: cannot read it ({err.strerror or err})") from None
+    samples, rate = _read_with_soundfile(path, "not a RIFF/WAVE file")
+    check_float_samples(samples, str(path))
+    return samples, rate
+
+
+class _Unsupported(Exception):
+    """A well-formed WAV whose encoding this reader does not decode (soundfile may)."""
+
+
+def _read_riff_wave(f, path: Path) -> tuple[np.ndarray, int]:
+    fmt = None
+    while True:
+        header = f.read(8)
+        if len(header) < 8:
+            what = "no data chunk" if fmt is not None else "no fmt chunk"
+            raise AudioFileError(f"{path}: a damaged WAV file ({what})")
+        chunk_id, size = header[:4], struct.unpack("<I", header[4:])[0]
+        if chunk_id == b"fmt ":
+            fmt = f.read(size)
+            if len(fmt) < 16:
+                raise AudioFileError(f"{path}: a damaged WAV file (its fmt chunk is {len(fmt)} bytes)")
+            f.seek(size & 1, 1)   # chunks are padded to an even size
+        elif chunk_id == b"data":
+            if fmt is None:
+                raise AudioFileError(f"{path}: a damaged WAV file (data before the fmt chunk)")
+            try:
+                dtype, width, channels, rate = _parse_fmt(fmt, path)
+            except _Unsupported as err:
+                return _read_with_soundfile(path, str(err))
+            return _read_data(f, size, dtype, width, channels, path), rate
+        else:
+            f.seek(size + (size & 1), 1)
+
+
+def _parse_fmt(fmt: bytes, path: Path) -> tuple[np.dtype | None, int, int, int]:
+    """(dtype or None for 24-bit, bytes per sample, channels, rate) of a fmt chunk."""
+    tag, channels, rate, _, block_align, bits = struct.unpack("<HHIIHH", fmt[:16])
+    if tag == _EXTENSIBLE:
+        if len(fmt) < 26:
+            raise AudioFileError(f"{path}: a damaged WAV file (WAVE_FORMAT_EXTENSIBLE without its subformat)")
+        tag = struct.unpack("<H", fmt[24:26])[0]   # the subformat GUID starts with the format tag
+    if channels == 0:
+        raise AudioFileError(f"{path}: declares 0 channels: a damaged WAV file")
+    if rate == 0:
+        raise AudioFileError(f"{path}: declares a sample rate of 0 Hz: a damaged WAV file")
+    width = block_align // channels if block_align else 0
+    if width == 0 or block_align != width * channels or bits > 8 * width:
+        raise AudioFileError(f"{path}: inconsistent fmt chunk ({channels} channels of {bits} bits "
+                             f"in {block_align}-byte frames): a damaged WAV file")
+    if tag == _PCM and (width in _PCM_DTYPES or width == 3):
+        return _PCM_DTYPES.get(width), width, channels, rate
+    if tag == _FLOAT and width in _FLOAT_DTYPES:
+        return _FLOAT_DTYPES[width], width, channels, rate
+    kind = {_PCM: "PCM", _FLOAT: "float"}.get(tag, f"format tag 0x{tag:04x}")
+    raise _Unsupported(f"{kind} samples of {8 * width} bits are not read here (PCM 8/16/24/32-bit "
+                       f"and float 32/64-bit are)")
+
+
+def _read_data(f, declared: int, dtype: np.dtype | None, width: int, channels: int,
+               path: Path) -> np.ndarray:
+    raw = f.read(declared)
+    frame = width * channels
+    whole = len(raw) // frame * frame
+    if whole < declared:
+        # Streaming writers leave a placeholder size; recordings cut short end mid-frame. What is
+        # there is read; a result from part of a file is said, not silent.
+        _log.warning("%s: the audio data ends after %d of the %d bytes its header declares "
+                     "(%d byte(s) of a partial frame dropped): read %d whole frames",
+                     path, len(raw), declared, len(raw) - whole, whole // frame)
+    raw = raw[:whole]
+    if dtype is None:
+        samples = _int24(raw)
+    else:
+        samples = np.frombuffer(raw, dtype=dtype)
+        if dtype.kind == "f":
+            samples = samples.astype(np.float32, copy=False)
+    return samples.reshape(-1, channels) if channels > 1 else samples
+
+
+def _int24(raw: bytes) -> np.ndarray:
+    """Little-endian 24-bit samples as int32, scaled to the int32 range (low byte zero)."""
+    wide = np.zeros((len(raw) // 3, 4), np.uint8)
+    wide[:, 1:] = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
+    return wide.view("<i4").reshape(-1).astype(np.int32, copy=False)
+
+
+def _read_with_soundfile(path: Path, why: str) -> tuple[np.ndarray, int]:
     try:
         import soundfile
     except ImportError:
-        raise ValueError(f"{path}: not a PCM 8/16/32-bit WAV file; install soundfile to read other "
-                         f"formats, or convert it with `sox {path} -b 16 out.wav`") from None
-    samples, rate = soundfile.read(str(path), dtype="float32", always_2d=False)
+        raise AudioFileError(f"{path}: {why}; install soundfile to read other formats, or convert "
+                             f"it with `sox {path} -e signed-integer -b 16 out.wav`") from None
+    try:
+        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=False)
+    except RuntimeError as err:   # soundfile's errors for files it cannot read derive from it
+        raise AudioFileError(f"{path}: {why}, and soundfile cannot read it either ({err})") from None
     return samples, rate
 
 

@@ -58,8 +58,20 @@ def bag_topics(path: str | Path) -> dict[str, str]:
         return {c.topic: c.msgtype for c in reader.connections}
 
 
-def read_messages(path: str | Path, topics: list[str]) -> Iterator[BagMessage]:
-    """The messages of `topics` in the bag's order (log time), deserialized by rclpy."""
+@dataclass
+class Undecodable:
+    """A recorded message rclpy cannot deserialize (a damaged record)."""
+    topic: str
+    msgtype: str
+    log_time_ns: int
+    error: str
+
+
+def read_messages(path: str | Path, topics: list[str],
+                  undecodable: list[Undecodable] | None = None) -> Iterator[BagMessage]:
+    """The messages of `topics` in the bag's order (log time), deserialized by rclpy. A message
+    that cannot be deserialized is appended to `undecodable` and skipped when that list is given;
+    without it, BagError names the message."""
     with _open_reader(path) as reader:
         connections = [c for c in reader.connections if c.topic in topics]
         missing = set(topics) - {c.topic for c in connections}
@@ -68,8 +80,16 @@ def read_messages(path: str | Path, topics: list[str]) -> Iterator[BagMessage]:
                            f"(it has {', '.join(sorted(c.topic for c in reader.connections))})")
         classes = {c.id: message_class(c.msgtype) for c in connections}
         for connection, log_time, raw in reader.messages(connections=connections):
-            yield BagMessage(connection.topic, connection.msgtype, log_time,
-                             deserialize_message(bytes(raw), classes[connection.id]))
+            try:
+                msg = deserialize_message(bytes(raw), classes[connection.id])
+            except Exception as err:  # noqa: BLE001 - rclpy's RMWError, or anything bad bytes cause
+                bad = Undecodable(connection.topic, connection.msgtype, log_time, " ".join(str(err).split()))
+                if undecodable is None:
+                    raise BagError(f"{path}: the {connection.msgtype} message on {connection.topic} "
+                                   f"logged at {log_time} ns cannot be decoded ({bad.error})") from None
+                undecodable.append(bad)
+                continue
+            yield BagMessage(connection.topic, connection.msgtype, log_time, msg)
 
 
 def _open_reader(path: str | Path):
@@ -179,13 +199,16 @@ class BagWriter:
 
     def write(self, topic: str, msg: Any, time_ns: int) -> None:
         """Append `msg` on `topic` at log time `time_ns`; its type is taken from the message."""
-        msgtype = msgtype_of(msg)
+        self.write_serialized(topic, msgtype_of(msg), time_ns, serialize_message(msg))
+
+    def write_serialized(self, topic: str, msgtype: str, time_ns: int, data: bytes) -> None:
+        """Append a message already serialized (CDR bytes, as recorded) on `topic` at `time_ns`."""
         key = (topic, msgtype)
         if key not in self._connections:
             if msgtype not in self._store.types:
                 _register_installed(self._store, msgtype)
             self._connections[key] = self._writer.add_connection(topic, msgtype, typestore=self._store)
-        self._writer.write(self._connections[key], int(time_ns), serialize_message(msg))
+        self._writer.write(self._connections[key], int(time_ns), bytes(data))
 
 
 def msgtype_of(msg: Any) -> str:

@@ -13,7 +13,8 @@ types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArra
   inputs.csv       every input published, and whether each frame gave results
   report.png       latency over time, detections per frame, transcripts over the audio, frames
                    without results
-  summary.json     counts, the nodes' own drop counters, and any result that never came
+  summary.json     counts, the nodes' own drop counters, any result that never came, and the
+                   bag's messages that could not be decoded (skipped, counted per topic)
 
 Replay at a rate keeps the bag's timing; at max, each stream goes as fast as the graph takes it
 (photon_ros.replay). The evaluation ends when every result the inputs call for has arrived
@@ -35,7 +36,8 @@ from typing import Any
 import yaml
 from rclpy.exceptions import ParameterException
 
-from photon_ros.bag_io import STORAGES, BagError, BagMessage, bag_storage, bag_topics, read_messages
+from photon_ros.bag_io import (STORAGES, BagError, BagMessage, Undecodable, bag_storage, bag_topics,
+                               read_messages)
 from photon_ros.bringup import DEFAULT_CONFIG, use_large_data_profile
 from photon_ros.eval_graph import ROLES, GraphRun, Run
 from photon_ros.eval_report import ReportData, audio_envelope, plot_report
@@ -58,6 +60,14 @@ class Inputs:
     types: dict[str, str] = field(default_factory=dict)            # stream -> message type
     messages: dict[str, list[BagMessage]] = field(default_factory=dict)
     ignored: dict[str, str] = field(default_factory=dict)          # bag topic -> type, not replayed
+    undecodable: list[Undecodable] = field(default_factory=list)   # damaged records, skipped
+
+    def undecodable_counts(self) -> dict[str, int]:
+        """bag topic -> how many of its messages could not be decoded (and were not replayed)."""
+        counts: dict[str, int] = {}
+        for bad in self.undecodable:
+            counts[bad.topic] = counts.get(bad.topic, 0) + 1
+        return counts
 
 
 def choose_topic(topics: dict[str, str], accepted: dict[str, str], wanted: str | None, what: str) -> str | None:
@@ -93,8 +103,15 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
         inputs.topics[stream] = chosen[stream]
         inputs.types[stream] = topics[chosen[stream]]
     for stream, topic in inputs.topics.items():
-        inputs.messages[stream] = list(read_messages(bag, [topic]))
+        # A damaged record is skipped and counted (summary.json, the report): one bad message
+        # should not cost the evaluation of a whole recording.
+        skipped: list[Undecodable] = []
+        inputs.messages[stream] = list(read_messages(bag, [topic], skipped))
+        inputs.undecodable += skipped
         if not inputs.messages[stream]:
+            if skipped:
+                raise BagError(f"{bag}: none of the {len(skipped)} messages on {topic} can be decoded "
+                               f"(the first: {skipped[0].error})")
             raise BagError(f"{bag}: topic {topic} holds no messages")
     inputs.ignored = {t: k for t, k in topics.items() if t not in inputs.topics.values()}
     return inputs
@@ -165,6 +182,7 @@ def write_outputs(out: Path, storage: str, inputs: Inputs, run: Run, title: str)
         frame_has_result=[p.stamp_ns in with_results for p in frames], frame_note=note,
         audio_times=times, audio_low=low, audio_high=high))
     summary = {"bag": str(inputs.bag), "inputs": inputs.topics, "ignored_topics": inputs.ignored,
+               "undecodable_messages": inputs.undecodable_counts(),
                "results": {topic: len(r) for topic, r in rows.items()}, **run.counters,
                "missing_results": run.pending}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -227,6 +245,8 @@ def evaluate(bag: Path, graph: str = "all", rate: float | None = 1.0, out: Path 
     out.mkdir(parents=True, exist_ok=True)
     rate_text = "max" if rate is None else f"{rate:g}x"
     title = f"{bag.name}: {graph} graph, replayed at {rate_text}"
+    if inputs.undecodable:
+        title += f"; {len(inputs.undecodable)} undecodable message(s) skipped"
     return write_outputs(out, storage, inputs, run, title)
 
 
@@ -261,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: {err}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2))
+    for topic, count in summary["undecodable_messages"].items():
+        print(f"evaluate: skipped {count} undecodable message(s) on {topic}", file=sys.stderr)
     for missing in summary["missing_results"]:
         print(f"evaluate: never came: {missing}", file=sys.stderr)
     return 0

@@ -11,6 +11,7 @@ command cut short without any gap to show it.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -44,15 +45,26 @@ class WavPublisher(Node):
         self.loop = p("loop", False).value
         self.frame_id = p("frame_id", "microphone").value
         self.sample_format = p("sample_format", AudioChunk.FORMAT_S16LE).value
-        chunk_s = p("chunk_ms", 100).value / 1000.0
+        chunk_ms = p("chunk_ms", 100).value
+        leading_s = p("leading_silence_s", 0.5).value
+        trailing_s = p("trailing_silence_s", 1.0).value
+        self.wait_for_subscribers = p("wait_for_subscribers", 1).value
+        # Checked before the file is read: a zero speed divides the timer period by zero, a zero
+        # chunk makes a timer of period 0 that spins a core.
+        _require(math.isfinite(self.speed) and self.speed > 0, "speed", self.speed,
+                 "a number above 0 (1.0 = real time)")
+        _require(chunk_ms > 0, "chunk_ms", chunk_ms, "at least 1 (milliseconds of audio per chunk)")
+        _require(math.isfinite(leading_s) and leading_s >= 0, "leading_silence_s", leading_s, "seconds, at least 0")
+        _require(math.isfinite(trailing_s) and trailing_s >= 0, "trailing_silence_s", trailing_s, "seconds, at least 0")
+        _require(self.wait_for_subscribers >= 0, "wait_for_subscribers", self.wait_for_subscribers,
+                 "a count, at least 0 (0: start at once)")
         if not path:
             raise ValueError("parameter 'file' (a WAV file to play) is required")
-        samples, self.rate = read_wav(path)
+        chunk_s = chunk_ms / 1000.0
+        samples, self.rate = read_wav(path)   # its errors name the file
         if samples.dtype != np.int16:   # 8-bit silence is 128, not 0: pad and send floats instead
             samples = pcm_to_float(samples)
-        self.chunks = chunk_audio(samples, self.rate, chunk_s, p("leading_silence_s", 0.5).value,
-                                  p("trailing_silence_s", 1.0).value)
-        self.wait_for_subscribers = p("wait_for_subscribers", 1).value
+        self.chunks = chunk_audio(samples, self.rate, chunk_s, leading_s, trailing_s)
         self.index = 0
         self.sent_samples = 0
         self.done = False
@@ -84,6 +96,11 @@ class WavPublisher(Node):
         self.index += 1
         self.sent_samples += len(chunk)
         self.published_at.append(time.monotonic())
+
+
+def _require(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"parameter {name!r} must be {expected}, got {value!r}")
 
 
 def main(args=None) -> None:

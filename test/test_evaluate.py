@@ -1,9 +1,11 @@
 """Evaluation on a recorded bag: a bag of camera frames with drawn objects and espeak-ng speech as
 AudioChunks at real capture stamps (sqlite3 with raw Images, mcap with JPEG CompressedImages) is
 replayed at max rate through the whole graph (the small random Moondream checkpoint, real Whisper
-tiny.en), and the outputs hold together: one CSV row per result message in the results bag,
-result headers naming the inputs that produced them, the spoken words transcribed, every frame
-either with results or counted as dropped, a readable report. Bad input fails with its reason."""
+tiny.en), with one damaged record among them, and the outputs hold together: one CSV row per
+result message in the results bag, result headers naming the inputs that produced them, the
+spoken words transcribed, every frame either with results or counted as dropped, the damaged
+record skipped and counted, a readable report. Bad input fails with its reason; a bag with nothing
+decodable is refused."""
 import csv
 import json
 import subprocess
@@ -15,6 +17,7 @@ import cv2
 import numpy as np
 import pytest
 from PIL import Image as PILImage
+from rclpy.serialization import serialize_message
 from std_msgs.msg import Header
 
 from moondream_fixtures import checkpoint
@@ -65,6 +68,9 @@ def record_bag(path: Path, storage: str, compressed: bool) -> dict:
     with BagWriter(path, storage) as bag:
         for topic, msg, t in sorted(messages, key=lambda m: m[2]):
             bag.write(topic, msg, int((t + 0.003) * 1e9))
+        # A damaged record among the chunks: skipped and counted, nothing else changes.
+        bag.write_serialized("/mic/audio", "photon_ros/msg/AudioChunk", int((t0 + 0.25) * 1e9),
+                             serialize_message(messages[0][1])[:40])
     return {"t0": t0, "frame_stamps": frame_stamps, "chunks": len(chunks)}
 
 
@@ -84,6 +90,7 @@ def test_evaluate_a_recorded_bag_through_the_whole_graph(tmp_path, storage, comp
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["missing_results"] == []
+    assert summary["undecodable_messages"] == {"/mic/audio": 1}
 
     # The results bag and the CSVs: one row per result message, topic by topic.
     results = {}
@@ -146,6 +153,39 @@ def test_bag_messages_keep_their_stamps_and_log_times(tmp_path):
         assert [(m.log_time_ns, m.msg.header, m.msgtype) for m in read] == \
             [(t, msg.header, "photon_ros/msg/AudioChunk") for _, msg, t in written]
         assert isinstance(read[0].msg, AudioChunk) and read[0].msg.data == written[0][1].data
+
+
+def test_undecodable_messages_are_skipped_and_counted(tmp_path, capsys):
+    def chunk(i):
+        return pcm_to_audio_chunk(np.full(160, 0.1 * i, np.float32), 16000,
+                                  header=Header(stamp=seconds_to_time(1e9 + i), frame_id="m"))
+    audio = "photon_ros/msg/AudioChunk"
+    for storage in ("sqlite3", "mcap"):
+        bag_path = tmp_path / storage
+        with BagWriter(bag_path, storage) as bag:
+            bag.write("/audio", chunk(0), 1_000)
+            bag.write_serialized("/audio", audio, 2_000, serialize_message(chunk(1))[:30])   # cut short
+            bag.write("/audio", chunk(2), 3_000)
+            bag.write_serialized("/audio", audio, 4_000, b"\x00\x01\x00\x00" + b"\xff" * 12)  # garbage
+        skipped = []
+        read = list(read_messages(bag_path, ["/audio"], skipped))
+        assert [(m.log_time_ns, m.msg.data) for m in read] == [(1_000, chunk(0).data), (3_000, chunk(2).data)]
+        assert [(s.topic, s.msgtype, s.log_time_ns) for s in skipped] == [("/audio", audio, 2_000),
+                                                                          ("/audio", audio, 4_000)]
+        assert all("failed to deserialize" in s.error for s in skipped)
+        with pytest.raises(BagError, match="AudioChunk message on /audio logged at 2000 ns cannot be decoded"):
+            list(read_messages(bag_path, ["/audio"]))
+        inputs = evaluate.load_inputs(bag_path, "speech")
+        assert len(inputs.messages["audio"]) == 2 and inputs.undecodable_counts() == {"/audio": 2}
+
+    # Nothing readable: a clear error, before any node starts.
+    only_bad = tmp_path / "only_bad"
+    with BagWriter(only_bad) as bag:
+        for t in (1, 2, 3):
+            bag.write_serialized("/audio", audio, t, b"\x00\x01")
+    assert evaluate.main([str(only_bad), "--graph", "speech"]) == 2
+    err = capsys.readouterr().err
+    assert "none of the 3 messages on /audio can be decoded (the first: failed to deserialize" in err
 
 
 def test_replay_keeps_the_bag_spacing_scaled_by_the_rate():

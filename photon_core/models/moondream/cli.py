@@ -12,14 +12,12 @@ import time
 
 import numpy as np
 
+from photon_core import cli_checks
+from photon_core.cli_checks import UserError
+from photon_core.image_io import ImageFileError, read_image
 
-def _read_image(path: str) -> np.ndarray:
-    from PIL import Image
-    try:
-        with Image.open(path) as im:
-            return np.asarray(im.convert("RGB"))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"cannot read image {path}: {e}")
+# The argument holding each command's text, which the model may refuse (too long for its context).
+_TEXT_ARG = {"detect": "object", "point": "object", "segment": "object", "query": "question"}
 
 
 def draw(image: np.ndarray, result: dict, label: str, out_path: str) -> None:
@@ -30,38 +28,46 @@ def draw(image: np.ndarray, result: dict, label: str, out_path: str) -> None:
     from photon_core.draw import draw_results
     segments = {label: result} if "path" in result else {}
     canvas = draw_results(image, {label: result.get("objects", [])}, {label: result.get("points", [])}, segments)
-    if not cv2.imwrite(out_path, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR)):
-        raise SystemExit(f"cannot write {out_path}")
+    try:
+        written = cv2.imwrite(out_path, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
+    except cv2.error as err:
+        raise ImageFileError(f"--draw {out_path}: cannot write it ({' '.join(str(err).split())})") from None
+    if not written:
+        raise ImageFileError(f"--draw {out_path}: cannot write it")
+
+
+def _infer(model, args: argparse.Namespace, image: np.ndarray) -> dict:
+    if args.command in ("detect", "point"):
+        return getattr(model, args.command)(image, args.object, max_objects=args.max_objects)
+    if args.command == "segment":
+        return model.segment(image, args.object, max_tokens=args.max_tokens)
+    if args.command == "caption":
+        return model.caption(image, length=args.length, max_tokens=args.max_tokens,
+                             temperature=args.temperature, top_p=args.top_p)
+    return model.query(image, args.question, max_tokens=args.max_tokens,
+                       temperature=args.temperature, top_p=args.top_p)
 
 
 def _run(args: argparse.Namespace) -> int:
-    import photon_core
-    image = _read_image(args.image)
+    image = read_image(args.image)
     t0 = time.perf_counter()
-    try:
-        # Any family with this skill: the checkpoint given with --model decides which.
-        model = photon_core.load(args.model, device=args.device, dtype=args.dtype,
-                                 backend="reference", skills=(args.command,))
-    except (FileNotFoundError, NotImplementedError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # Any family with this skill: the checkpoint given with --model decides which.
+    model = cli_checks.load_model(args.model, args.device, args.dtype, (args.command,), backend="reference")
     t1 = time.perf_counter()
-    if args.command in ("detect", "point"):
-        result = getattr(model, args.command)(image, args.object, max_objects=args.max_objects)
-    elif args.command == "segment":
-        result = model.segment(image, args.object, max_tokens=args.max_tokens)
-    elif args.command == "caption":
-        result = model.caption(image, length=args.length, max_tokens=args.max_tokens,
-                               temperature=args.temperature, top_p=args.top_p)
-    else:
-        result = model.query(image, args.question, max_tokens=args.max_tokens,
-                             temperature=args.temperature, top_p=args.top_p)
+    try:
+        result = _infer(model, args, image)
+    except ValueError as err:   # the model's own checks of what it was asked
+        arg = _TEXT_ARG.get(args.command)
+        what = f" the {arg} {cli_checks.shorten(getattr(args, arg))}" if arg else ""
+        raise UserError(f"{args.command}{what} on {args.image}: {err}") from err
     t2 = time.perf_counter()
-    if args.draw:
-        draw(image, result, args.object, args.draw)
     result = {**result, "model": model.model_id, "load_s": round(t1 - t0, 3), "infer_s": round(t2 - t1, 3)}
+    # The result goes out first: a drawing that fails after all cannot lose it.
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.draw:
+        draw(image, result, args.object, args.draw)
     return 0
 
 
@@ -70,7 +76,7 @@ def add_commands(subparsers) -> None:
         p.add_argument("image", help="image file (any format PIL reads)")
         p.add_argument("--model", default=model,
                        help=f"checkpoint folder or file, or a model id in the Hugging Face cache (default {model})")
-        p.add_argument("--device", default="cpu")
+        p.add_argument("--device", default="cpu", type=cli_checks.device, help="cpu, cuda or cuda:N")
         p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                        help="default: bfloat16 on a GPU, float32 on the CPU")
         p.set_defaults(run=_run)
@@ -79,24 +85,26 @@ def add_commands(subparsers) -> None:
     for name, what in (("detect", "bounding boxes"), ("point", "points")):
         p = subparsers.add_parser(name, help=f"{what} of an object, as JSON")
         common(p)
-        p.add_argument("object", help='what to look for, e.g. "cup"')
-        p.add_argument("--max-objects", type=int, default=50)
-        p.add_argument("--draw", metavar="OUT.png", help="also write the image with the results drawn")
+        p.add_argument("object", type=cli_checks.non_empty, help='what to look for, e.g. "cup"')
+        p.add_argument("--max-objects", type=cli_checks.int_at_least(0), default=50)
+        # Checked when the command line is read: a bad path is refused before the work.
+        p.add_argument("--draw", metavar="OUT.png", type=cli_checks.image_out_path,
+                       help="also write the image with the results drawn")
     p = subparsers.add_parser("segment", help="outline of an object (SVG path in its box's unit square, "
                                               "and the box), as JSON")
     common(p, model="moondream3.1-9B-A2B")
-    p.add_argument("object", help='what to outline, e.g. "cup"')
-    p.add_argument("--max-tokens", type=int, default=768)
-    p.add_argument("--draw", metavar="OUT.png",
+    p.add_argument("object", type=cli_checks.non_empty, help='what to outline, e.g. "cup"')
+    p.add_argument("--max-tokens", type=cli_checks.int_at_least(0), default=768)
+    p.add_argument("--draw", metavar="OUT.png", type=cli_checks.image_out_path,
                    help="also write the image with the mask filled (semi-transparent) and its border drawn")
     for name in ("caption", "query"):
         p = subparsers.add_parser(name, help=f"{name} an image, as JSON")
         common(p)
         if name == "query":
-            p.add_argument("question")
+            p.add_argument("question", type=cli_checks.non_empty)
         else:
             p.add_argument("--length", default="normal", choices=["short", "normal", "long"])
-        p.add_argument("--max-tokens", type=int, default=768)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--max-tokens", type=cli_checks.int_at_least(0), default=768)
+        p.add_argument("--temperature", type=cli_checks.non_negative_float, default=0.0)
+        p.add_argument("--top-p", type=cli_checks.top_p, default=1.0, help="above 0, at most 1")
         p.set_defaults(draw=None)

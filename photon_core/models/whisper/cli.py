@@ -5,22 +5,21 @@ import argparse
 import json
 import sys
 
+from photon_core import cli_checks
 from photon_core.audio_io import read_wav
+from photon_core.cli_checks import UserError
+
 
 def _run(args: argparse.Namespace) -> int:
-    import photon_core
-
+    audio, rate = read_wav(args.file)   # its errors name the file
+    # Any family that transcribes: the checkpoint given with --model decides which.
+    model = cli_checks.load_model(args.model, args.device, args.dtype, ("transcribe",))
     try:
-        audio, rate = read_wav(args.file)
-        # Any family that transcribes: the checkpoint given with --model decides which.
-        model = photon_core.load(args.model, device=args.device, dtype=args.dtype,
-                                 skills=("transcribe",))
         result = model.transcribe(audio, rate, language=args.language,
                                   timestamps=not args.no_timestamps,
                                   initial_prompt=args.initial_prompt)
-    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as err:   # the model's own checks: the audio, --language, --initial-prompt
+        raise UserError(f"transcribe {args.file}: {err}") from err
     json.dump(result, sys.stdout, ensure_ascii=False, indent=2)
     sys.stdout.write("\n")
     return 0
@@ -28,13 +27,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("transcribe", help="speech to text (JSON output) with any transcribing family: Whisper, Parakeet, Qwen3-ASR")
-    p.add_argument("file", help="audio file (WAV PCM 8/16/32-bit; more with soundfile)")
+    p.add_argument("file", help="audio file (WAV: PCM 8/16/24/32-bit or float, any channel count; "
+                                "more formats with soundfile)")
     p.add_argument("--model", default="whisper-tiny.en",
                    help="model name, local path (folder, .nemo, ...), or Hugging Face id in the local cache")
     p.add_argument("--language", default=None, help="language code (default: detect / en)")
     p.add_argument("--no-timestamps", action="store_true", help="decode without timestamps")
     p.add_argument("--initial-prompt", default=None, help="text to condition the first window on")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=cli_checks.device, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="encoder precision (default: float32 on CPU, float16 on CUDA; bfloat16 is faster "
                         "on CPUs with AMX/AVX512-BF16 at some WER cost)")

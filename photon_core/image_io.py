@@ -1,0 +1,98 @@
+"""Image files in and out for the command line: any format PIL reads, as 8-bit RGB.
+
+Sizes are checked from the header, before a pixel is decoded (a small file can declare a huge
+image), and deep images are scaled to 8 bits rather than clipped: PIL's own RGB conversion clips
+16-bit and float pixels, which turns a 16-bit PNG white.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+# PIL's own threshold for a suspected decompression bomb (it errors at twice this): 89 Mpixel,
+# far above any camera frame (the models resize to well under 1 Mpixel anyway).
+MAX_PIXELS = 89_478_485
+
+
+class ImageFileError(ValueError):
+    """An image file that cannot be read or written as asked; the message names the file."""
+
+
+def read_image(path: str | Path, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """The image at `path` as an [H, W, 3] uint8 RGB array. 16-bit images are scaled by
+    255/65535, float images from [0, 1] (clipped there), alpha is dropped. ImageFileError for a
+    missing, unreadable or larger-than-`max_pixels` file, before the pixels are decoded."""
+    from PIL import Image
+
+    path = Path(path)
+    if path.is_dir():
+        raise ImageFileError(f"{path}: is a directory, not an image file")
+    if not path.exists():
+        raise ImageFileError(f"{path}: no such file")
+    try:
+        with warnings.catch_warnings():
+            # Sizes are refused below, with the limit; PIL's warning for them would only repeat it.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                _check_size(path, im.size, max_pixels)
+                return _to_rgb8(im)
+    except Image.DecompressionBombError as err:
+        # PIL refuses on its own at twice its threshold, in open(), before we see the size.
+        found = re.search(r"\((\d+) pixels\)", str(err))
+        raise _too_large(path, f"{int(found.group(1)) / 1e6:.0f} Mpixel" if found else "too large",
+                         max_pixels) from None
+    except (OSError, ValueError, SyntaxError) as err:
+        if isinstance(err, ImageFileError):
+            raise
+        raise ImageFileError(f"{path}: cannot read it as an image ({err})") from None
+
+
+def _check_size(path: Path, size: tuple[int, int], max_pixels: int) -> None:
+    width, height = size
+    if width * height > max_pixels:
+        raise _too_large(path, f"{width}x{height}, {width * height / 1e6:.0f} Mpixel", max_pixels)
+    if width == 0 or height == 0:
+        raise ImageFileError(f"{path}: an empty image ({width}x{height})")
+
+
+def _too_large(path: Path, size: str, max_pixels: int) -> ImageFileError:
+    return ImageFileError(f"{path}: {size}, over the limit of {max_pixels / 1e6:.0f} Mpixel: "
+                          f"refused before decoding (scale it down)")
+
+
+def _to_rgb8(im) -> np.ndarray:
+    mode = im.mode
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        # Single-channel deep images: 16-bit PNG / TIFF ("I;16*"; older PIL and some TIFFs give
+        # "I" holding 16-bit values) and float TIFF ("F", nominally 0..1).
+        x = np.asarray(im).astype(np.float32)
+        if mode == "F":
+            x = np.nan_to_num(x, nan=0.0) * 255.0
+        elif mode == "I" and x.size and x.max() > 65535:
+            x = x / 16843009.0   # a genuine 32-bit integer image: (2**32 - 1) / 255
+        else:
+            x = x / 257.0        # 65535 / 255
+        gray = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+        return np.repeat(gray[..., None], 3, axis=-1)
+    # Every other mode (palette, grey, grey+alpha, CMYK, YCbCr, 16-bit RGB which PIL already
+    # reduces to 8 bits per channel) converts to RGB without loss of scale.
+    return np.asarray(im.convert("RGB"))
+
+
+def check_writable_image(path: str | Path) -> Path:
+    """`path` if an image can be written there (a format OpenCV writes, by its extension, in a
+    folder that exists); ImageFileError saying what is wrong, so it is refused before any work."""
+    import cv2
+
+    path = Path(path)
+    if path.is_dir():
+        raise ImageFileError(f"{path}: is a directory; give a file name such as out.png")
+    if not path.suffix or not cv2.haveImageWriter(str(path)):
+        raise ImageFileError(f"{path}: cannot write an image with extension {path.suffix or '(none)'!r}; "
+                             f"use .png or .jpg")
+    if not path.parent.is_dir():
+        raise ImageFileError(f"{path}: the folder {path.parent} does not exist")
+    return path
