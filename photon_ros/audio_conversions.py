@@ -4,7 +4,8 @@ Accepted inputs: our `photon_ros/AudioChunk` (format and rate travel with the da
 `std_msgs/Int16MultiArray` and `std_msgs/Float32MultiArray` (the rate and channel count cannot
 travel with these, so the caller states them; a two-dimensional `layout` [samples, channels]
 overrides the channel count). Multi-channel audio is averaged to mono, since speech models take
-one channel. Malformed chunks raise ValueError naming the problem.
+one channel. Malformed chunks raise ValueError naming the problem. `bytes_to_samples` and
+`samples_to_pcm` are the decoding steps, shared with photon_ros.audio_common_conversions.
 """
 from __future__ import annotations
 
@@ -50,21 +51,30 @@ def _check(samples: np.ndarray, sample_rate: int) -> Pcm:
     return Pcm(samples.astype(np.float32, copy=False), int(sample_rate))
 
 
+def bytes_to_samples(data, dtype: str | np.dtype, sample_format: str) -> np.ndarray:
+    """Raw sample bytes (bytes, or a uint8 array such as a message's uint8[] field) viewed as
+    interleaved samples of `dtype`; `sample_format` names the format in the error."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    width = np.dtype(dtype).itemsize
+    if raw.size % width:
+        raise ValueError(f"audio data has {raw.size} bytes, not a whole number of "
+                         f"{sample_format} samples")
+    return raw.view(dtype)
+
+
+def samples_to_pcm(values: np.ndarray, channels: int, sample_rate: int) -> Pcm:
+    """Interleaved samples of any PCM dtype (8-bit unsigned with silence at 128, wider signed
+    integers, floats in [-1, 1]; see photon_core.audio_io.pcm_to_float) as mono float32 Pcm."""
+    return _check(_to_mono(pcm_to_float(values), int(channels)), sample_rate)
+
+
 def audio_chunk_to_pcm(msg: AudioChunk) -> Pcm:
     spec = _FORMATS.get(msg.sample_format)
     if spec is None:
         raise ValueError(f"unsupported sample format {msg.sample_format!r}; "
                          f"supported: {', '.join(_FORMATS)}")
-    dtype, scale, offset = spec
-    raw = np.frombuffer(msg.data, dtype=np.uint8)
-    width = np.dtype(dtype).itemsize
-    if raw.size % width:
-        raise ValueError(f"audio data has {raw.size} bytes, not a whole number of "
-                         f"{msg.sample_format} samples")
-    values = raw.view(dtype)
-    if offset or scale != 1.0:
-        values = (values.astype(np.float32) - offset) / scale
-    return _check(_to_mono(values, int(msg.channels)), msg.sample_rate)
+    return samples_to_pcm(bytes_to_samples(msg.data, spec[0], msg.sample_format),
+                          msg.channels, msg.sample_rate)
 
 
 def _channels_from_layout(msg, default: int) -> int:

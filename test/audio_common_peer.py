@@ -1,0 +1,219 @@
+"""The other side of test_audio_common_conversions.py, run in a subprocess whose environment
+(audio_common_workspaces.workspace_env) makes one family's `audio_common_msgs` importable:
+
+  cases              stdin: pickled cases; each built as the family's real generated message,
+                     serialized to CDR and back, converted; stdout: pickled results.
+  publish WAV        a driver of the family publishing the WAV (16-bit mono) over DDS, as the
+                     real driver does: topics, message types, QoS, stamps on the sample clock.
+  subscribe N OUT    a node receiving the family's audio topics, converting every message with
+                     photon_ros.audio_common_conversions; stops once N samples came on each topic
+                     (or after 30 s) and writes what it got to OUT (.npz)."""
+from __future__ import annotations
+
+import array
+import pickle
+import sys
+import time
+
+import numpy as np
+
+from photon_ros.audio_common_conversions import (MGONZS13, AudioInfoFormat, audio_common_to_pcm,
+                                                 audio_common_types, family_of)
+
+CHUNK = 512            # frames per message, both drivers' default size
+START = 1_700_000_000  # the sample clock's first stamp, seconds
+PORTAUDIO_INT16 = 8
+_TYPECODES = {"float32_data": "f", "int32_data": "i", "int16_data": "h", "int8_data": "b", "uint8_data": "B"}
+
+
+def types() -> tuple[str, dict[str, type]]:
+    found = {name.rsplit("/", 1)[1]: cls for name, cls in audio_common_types().items()}
+    if not found:
+        raise SystemExit("audio_common_msgs is not importable in this environment")
+    return family_of(next(iter(found.values()))), found
+
+
+def _typed(field: str, values) -> array.array:
+    out = array.array(_TYPECODES[field])
+    out.frombytes(np.asarray(values, dtype=out.typecode).tobytes())
+    return out
+
+
+def build(family: str, t: dict[str, type], case: dict):
+    """A case ({"kind": "audio" | "info", ...fields}) as the family's generated message."""
+    if family == MGONZS13:
+        msg = t["AudioStamped"]()
+        msg.header.stamp.sec, msg.header.stamp.nanosec = case.get("stamp", (0, 0))
+        msg.header.frame_id = case.get("frame_id", "")
+        for field, values in case["arrays"].items():
+            setattr(msg.audio.audio_data, field, _typed(field, values))
+        for field in ("format", "channels", "rate", "chunk"):
+            setattr(msg.audio.info, field, case["info"][field])
+        return msg
+    if case["kind"] == "info":
+        msg = t["AudioInfo"]()
+        for field in ("channels", "sample_rate", "sample_format", "bitrate", "coding_format"):
+            setattr(msg, field, case[field])
+        return msg
+    msg = t["AudioDataStamped"]() if case.get("stamped") else t["AudioData"]()
+    body = msg.audio if case.get("stamped") else msg
+    body.data = case["data"]
+    if case.get("stamped"):
+        msg.header.stamp.sec, msg.header.stamp.nanosec = case.get("stamp", (0, 0))
+        msg.header.frame_id = case.get("frame_id", "")
+    return msg
+
+
+def run_cases() -> None:
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    family, t = types()
+    cases = pickle.loads(sys.stdin.buffer.read())
+    info = AudioInfoFormat()
+    results = []
+    for case in cases:
+        msg = build(family, t, case)
+        msg = deserialize_message(serialize_message(msg), type(msg))   # through the wire format
+        if case["kind"] == "info":
+            info.update(msg)
+            results.append(("info", info.ready, info.reason))
+            continue
+        try:
+            out = audio_common_to_pcm(msg, info)
+            stamp = None if out.stamp is None else (out.stamp.sec, out.stamp.nanosec)
+            results.append(("pcm", out.pcm.samples, out.pcm.sample_rate, stamp, out.frame_id))
+        except ValueError as err:
+            results.append(("error", str(err)))
+    sys.stdout.buffer.write(pickle.dumps({"family": family, "types": sorted(t), "results": results}))
+
+
+def _stamp(first_frame: int, rate: int):
+    """The capture time of a chunk's first frame, in integer nanoseconds (a float of seconds
+    since 1970 is only good to a few hundred)."""
+    from builtin_interfaces.msg import Time
+    sec, nanosec = divmod(START * 10**9 + round(first_frame * 10**9 / rate), 10**9)
+    return Time(sec=sec, nanosec=nanosec)
+
+
+def publish(wav: str) -> None:
+    import rclpy
+    from rclpy.qos import QoSProfile, qos_profile_sensor_data
+
+    from photon_core.audio_io import read_wav
+
+    samples, rate = read_wav(wav)
+    assert samples.dtype == np.int16 and samples.ndim == 1, "a 16-bit mono WAV"
+    family, t = types()
+    rclpy.init()
+    node = rclpy.create_node("audio_driver")
+    if family == MGONZS13:   # audio_capturer_node: one topic, sensor-data QoS
+        pubs = {"audio": node.create_publisher(t["AudioStamped"], "audio", qos_profile_sensor_data)}
+    else:                    # audio_capture_node: two audio topics (depth 10), info apart (depth 1)
+        pubs = {"audio": node.create_publisher(t["AudioData"], "audio", 10),
+                "audio_stamped": node.create_publisher(t["AudioDataStamped"], "audio_stamped", 10),
+                "audio_info": node.create_publisher(t["AudioInfo"], "audio_info", QoSProfile(depth=1))}
+    deadline = time.monotonic() + 30
+    while any(p.get_subscription_count() == 0 for p in pubs.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)   # discovery both ways before the first message
+
+    def send(chunk: np.ndarray, first_frame: int) -> None:
+        stamp = _stamp(first_frame, rate)
+        if family == MGONZS13:
+            msg = t["AudioStamped"]()
+            msg.header.stamp, msg.header.frame_id = stamp, "mic"
+            msg.audio.audio_data.int16_data = _typed("int16_data", chunk)
+            msg.audio.info.format, msg.audio.info.channels = PORTAUDIO_INT16, 1
+            msg.audio.info.rate, msg.audio.info.chunk = rate, CHUNK
+            pubs["audio"].publish(msg)
+            return
+        data = chunk.astype("<i2").tobytes()
+        pubs["audio"].publish(t["AudioData"](data=data))
+        stamped = t["AudioDataStamped"]()
+        stamped.header.stamp, stamped.header.frame_id = stamp, "mic"
+        stamped.audio.data = data
+        pubs["audio_stamped"].publish(stamped)
+
+    def send_info() -> None:
+        pubs["audio_info"].publish(t["AudioInfo"](channels=1, sample_rate=rate, sample_format="S16LE",
+                                                  bitrate=0, coding_format="wave"))
+
+    if family != MGONZS13:
+        # The driver's first chunks can precede its first AudioInfo: the receiver must refuse
+        # them. They are silence at a stamp before the speech, so they can be told apart.
+        send(np.zeros(CHUNK, np.int16), -4 * CHUNK)
+        time.sleep(0.5)
+        send_info()
+        time.sleep(0.5)
+    for k, i in enumerate(range(0, samples.size, CHUNK)):
+        send(samples[i:i + CHUNK], i)
+        if family != MGONZS13 and k % 20 == 19:
+            send_info()   # the driver repeats it (every 5 s), as a late subscriber needs it
+        time.sleep(0.005)
+    time.sleep(0.5)
+    node.destroy_node()
+    rclpy.shutdown()
+
+
+def subscribe(expected: int, out: str) -> None:
+    import rclpy
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+    family, t = types()
+    rclpy.init()
+    node = rclpy.create_node("audio_listener")
+    # As the speech node should: best-effort readers (they match best-effort and reliable
+    # writers), volatile depth 1 for the repeated AudioInfo.
+    audio_qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.BEST_EFFORT)
+    info = AudioInfoFormat()
+    got: dict[str, list] = {}
+    refused: list[str] = []
+
+    def take(topic: str):
+        def callback(msg) -> None:
+            try:
+                out = audio_common_to_pcm(msg, info)
+            except ValueError as err:
+                refused.append(f"{topic}: {err}")
+                return
+            stamp = -1 if out.stamp is None else out.stamp.sec * 10**9 + out.stamp.nanosec
+            got.setdefault(topic, []).append((stamp, out.pcm, out.frame_id))
+        return callback
+
+    if family == MGONZS13:
+        topics = {"audio": t["AudioStamped"]}
+    else:
+        topics = {"audio": t["AudioData"], "audio_stamped": t["AudioDataStamped"]}
+        node.create_subscription(t["AudioInfo"], "audio_info", info.update,
+                                 QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
+    for topic, cls in topics.items():
+        node.create_subscription(cls, topic, take(topic), audio_qos)
+
+    def done() -> bool:
+        return all(sum(p.samples.size for _, p, _ in got.get(topic, [])) >= expected for topic in topics)
+
+    deadline = time.monotonic() + 30
+    while not done() and time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.05)
+    result = {"family": np.array(family), "refused": np.array(refused, dtype=object)}
+    for topic in topics:
+        chunks = got.get(topic, [])
+        result[f"{topic}.samples"] = np.concatenate([p.samples for _, p, _ in chunks] or [np.zeros(0)])
+        result[f"{topic}.rates"] = np.array([p.sample_rate for _, p, _ in chunks])
+        result[f"{topic}.stamps"] = np.array([s for s, _, _ in chunks], dtype=np.int64)
+        result[f"{topic}.frame_ids"] = np.array([f for _, _, f in chunks])
+    np.savez(out, **result)
+    node.destroy_node()
+    rclpy.shutdown()
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "cases":
+        run_cases()
+    elif mode == "publish":
+        publish(args[0])
+    elif mode == "subscribe":
+        subscribe(int(args[0]), args[1])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
