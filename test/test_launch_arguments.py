@@ -1,0 +1,161 @@
+"""The launch files' arguments: every one declared is used, one left unset keeps config/photon.yaml's
+value, and set ones give the vision and speech nodes the parameters and remaps they name.
+
+`launch` and `launch_ros` are not installed here (ROS 2's PyPI wheels do not include them), so the
+launch files are read with ast: declarations and LaunchConfiguration uses off the tree, and the
+functions that turn argument values into parameters, remaps and nodes to start (vision_settings,
+speech_settings, refuse_ambiguous: plain Python, no launch import) run as written, lifted out of
+the file with the module-level tables and standard-library imports they use."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch"
+SHARE_CONFIG = "/opt/ros/share/photon_ros/config/photon.yaml"   # stands for the computed params_file default
+
+
+def tree_of(name: str) -> ast.Module:
+    return ast.parse((LAUNCH / name).read_text(), filename=name)
+
+
+def calls_named(tree: ast.AST, func: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and getattr(n.func, "id", getattr(n.func, "attr", None)) == func]
+
+
+def declared(name: str) -> dict[str, ast.expr]:
+    """Each DeclareLaunchArgument's name -> its default_value expression."""
+    found = {}
+    for call in calls_named(tree_of(name), "DeclareLaunchArgument"):
+        assert isinstance(call.args[0], ast.Constant), f"{name}: declare arguments by a literal name"
+        default = next(k.value for k in call.keywords if k.arg == "default_value")
+        assert call.args[0].value not in found, f"{name} declares {call.args[0].value} twice"
+        found[call.args[0].value] = default
+    return found
+
+
+def configured(name: str) -> set[str]:
+    """The names read with LaunchConfiguration("...") literally."""
+    return {c.args[0].value for c in calls_named(tree_of(name), "LaunchConfiguration")
+            if c.args and isinstance(c.args[0], ast.Constant)}
+
+
+def defaults(name: str) -> dict[str, str]:
+    """What the arguments are when none is given (a computed default, the params file's path,
+    stands as an installed path would)."""
+    return {arg: d.value if isinstance(d, ast.Constant) else SHARE_CONFIG for arg, d in declared(name).items()}
+
+
+def plain_part(name: str) -> dict:
+    """The file's module-level tables and functions, run without launch: everything but the
+    imports of non-standard modules and generate_launch_description (which builds launch actions)."""
+    def keep(node: ast.stmt) -> bool:
+        if isinstance(node, ast.Import):
+            return all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names)
+        if isinstance(node, ast.ImportFrom):
+            return node.module.split(".")[0] in sys.stdlib_module_names
+        if isinstance(node, ast.FunctionDef):
+            return node.name != "generate_launch_description"
+        return isinstance(node, (ast.Assign, ast.Expr))
+    tree = tree_of(name)
+    module = ast.Module(body=[n for n in tree.body if keep(n)], type_ignores=[])
+    namespace: dict = {}
+    exec(compile(module, str(LAUNCH / name), "exec"), namespace)
+    return namespace
+
+
+def yaml_parameters(node: str) -> dict:
+    return yaml.safe_load((ROOT / "config" / "photon.yaml").read_text())[node]["ros__parameters"]
+
+
+SETTINGS = {"vision.launch.py": ("vision_settings", "vision"), "speech.launch.py": ("speech_settings", "speech")}
+
+
+def changed(value: str) -> str:
+    return {"true": "false", "false": "true"}.get(value, value + "x")
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_every_argument_is_declared_once_and_used(name):
+    args = defaults(name)
+    direct = configured(name)
+    assert direct <= set(args), f"{name} reads undeclared {sorted(direct - set(args))}"
+    settings = plain_part(name)[SETTINGS[name][0]]
+    before = settings(args)
+    for arg in sorted(set(args) - direct):   # the rest are used by the settings function, or by nothing
+        assert settings({**args, arg: changed(args[arg])}) != before, f"{name}: {arg}:= changes nothing"
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_unset_arguments_keep_the_params_file_values(name):
+    function, node = SETTINGS[name]
+    part = plain_part(name)
+    parameters = part["PARAMETERS"]
+    args = defaults(name)
+    assert parameters and all(args[p] == "" for p in parameters), "a parameter argument's default must be unset"
+    assert set(parameters) <= set(yaml_parameters(node)), "config/photon.yaml must hold each one's default"
+    settings = part[function](args)
+    assert settings["parameters"] == {}
+    assert all(topic == target for topic, target in settings["remappings"] if topic != "image/compressed")
+
+
+def test_vision_arguments_give_its_parameters_and_remaps():
+    settings = plain_part("vision.launch.py")["vision_settings"]
+    camera = "/camera/camera"   # realsense2_camera's topics
+    given = {**defaults("vision.launch.py"), "model": "vikhyatk/moondream2", "device": "cuda", "dtype": "bfloat16",
+             "input": "compressed", "image": f"{camera}/color/image_raw",
+             "depth_image": f"{camera}/aligned_depth_to_color/image_raw", "camera_info": f"{camera}/color/camera_info"}
+    assert settings(given) == {
+        "parameters": {"model": "vikhyatk/moondream2", "device": "cuda", "dtype": "bfloat16", "input": "compressed"},
+        "remappings": [("image", f"{camera}/color/image_raw"),
+                       ("depth", f"{camera}/aligned_depth_to_color/image_raw"),
+                       ("camera_info", f"{camera}/color/camera_info"),
+                       ("image/compressed", f"{camera}/color/image_raw/compressed")]}
+    only_device = settings({**defaults("vision.launch.py"), "device": "cuda"})
+    assert only_device["parameters"] == {"device": "cuda"}   # the rest stay the params file's
+    with pytest.raises(ValueError, match="image:="):
+        settings({**defaults("vision.launch.py"), "image": ""})
+
+
+def test_speech_arguments_give_its_parameters_remaps_and_audio_source():
+    settings = plain_part("speech.launch.py")["speech_settings"]
+    base = defaults("speech.launch.py")
+    assert settings(base)["source"] == "microphone_node"
+    driver = settings({**base, "microphone": "false", "audio": "/audio/audio_stamped", "input_type": "int16",
+                       "audio_info": "/audio/audio_info", "model": "openai/whisper-small", "device": "cuda"})
+    assert driver == {"parameters": {"model": "openai/whisper-small", "device": "cuda", "input_type": "int16"},
+                      "remappings": [("audio", "/audio/audio_stamped"), ("audio_info", "/audio/audio_info")],
+                      "source": None}
+    assert settings({**base, "wav_file": "/tmp/command.wav"})["source"] == "wav_publisher"
+    assert settings({**base, "wav_file": "/tmp/command.wav", "microphone": "False"})["source"] == "wav_publisher"
+    with pytest.raises(ValueError, match="microphone:= takes true or false"):
+        settings({**base, "microphone": "maybe"})
+    with pytest.raises(ValueError, match="audio:="):
+        settings({**base, "audio": ""})
+
+
+def test_photon_launch_forwards_every_argument_of_both():
+    part = plain_part("photon.launch.py")
+    ours = declared("photon.launch.py")
+    for included, forwarded in (("vision.launch.py", part["VISION"]), ("speech.launch.py", part["SPEECH"])):
+        theirs = declared(included)
+        assert set(forwarded) == set(theirs), f"{included}'s arguments not all reachable from photon.launch.py"
+        for their_name, our_name in forwarded.items():
+            assert our_name in ours, f"photon.launch.py forwards undeclared {our_name}"
+            assert ast.dump(ours[our_name]) == ast.dump(theirs[their_name]), \
+                f"photon.launch.py {our_name} and {included} {their_name} default differently"
+    used = set(part["VISION"].values()) | set(part["SPEECH"].values()) | configured("photon.launch.py")
+    assert set(ours) == used, f"photon.launch.py declares unused {sorted(set(ours) - used)}"
+
+
+def test_photon_launch_refuses_model_which_would_be_overwritten():
+    refuse = plain_part("photon.launch.py")["refuse_ambiguous"]
+    refuse({"vision_model": "m", "model": ""})
+    with pytest.raises(ValueError, match="vision_model:= and speech_model:="):
+        refuse({"model": "vikhyatk/moondream2"})
