@@ -67,7 +67,10 @@ from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.params import NodeParams
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
 from photon_ros.run_node import run_node, spin_nodes
-from photon_ros.speech_params import MAX_RATE, MIN_RATE, check_vad, speech_params, vad_config
+from photon_ros.audio_common_conversions import (MGONZS13, ROS_DRIVERS, AudioInfoFormat, audio_common_to_pcm,
+                                                 audio_common_types)
+from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, MAX_RATE, MIN_RATE, audio_common_input, check_vad,
+                                      speech_params, vad_config)
 from photon_ros.speech_segmenter import SpeechSegmenter, Utterance
 from photon_ros.stream_watch import StreamWatch
 from photon_ros.utterance_queue import Speculations, UtteranceQueue
@@ -171,6 +174,8 @@ class SpeechNode(ManagedNode):
         self.speculated: tuple[float, int] | None = None   # (utterance, samples) last offered
 
         self.publisher = self.subscription = None
+        self.info_subscription = None
+        self.audio_info: AudioInfoFormat | None = None   # ros-drivers input: the latest AudioInfo
         self.create_timer(0.1, self.flush_if_idle)
         self.create_timer(5.0, self.warn_on_type_mismatch)
         # A plain publisher on a timer of its own group: /diagnostics speaks in every lifecycle state,
@@ -209,11 +214,25 @@ class SpeechNode(ManagedNode):
     def create_interfaces(self) -> None:
         self.publisher = self.create_lifecycle_publisher(Transcript, "transcript", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        input_type = self.params["input_type"]
+        qos = audio_qos(self.params["reliability"])
+        if input_type in AUDIO_COMMON_INPUTS:
+            msg_type = audio_common_input(input_type)
+            if AUDIO_COMMON_INPUTS[input_type][1] == ROS_DRIVERS:   # its format comes apart, repeated
+                self.audio_info = AudioInfoFormat()
+                self.info_subscription = self.create_subscription(
+                    audio_common_types()["audio_common_msgs/msg/AudioInfo"], "audio_info",
+                    self.audio_info.update, QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
+        else:
+            msg_type = INPUT_TYPES[input_type]
         self.subscription = self.create_subscription(
-            INPUT_TYPES[self.params["input_type"]], "audio", self.on_audio, audio_qos(self.params["reliability"]),
+            msg_type, "audio", self.on_audio, qos,
             event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self.on_incompatible_qos))
 
     def destroy_interfaces(self) -> None:
+        if self.info_subscription is not None:
+            self.destroy_subscription(self.info_subscription)
+        self.info_subscription = self.audio_info = None
         if self.subscription is not None:
             self.destroy_subscription(self.subscription)
         if self.publisher is not None:
@@ -297,6 +316,13 @@ class SpeechNode(ManagedNode):
             pcm = audio_chunk_to_pcm(msg)
             start = time_to_seconds(msg.header.stamp)
             frame_id = self.params["frame_id"] or msg.header.frame_id
+        elif self.params["input_type"] in AUDIO_COMMON_INPUTS:
+            decoded = audio_common_to_pcm(msg, self.audio_info)
+            pcm = decoded.pcm
+            start = time_to_seconds(decoded.stamp) if decoded.stamp is not None else 0.0
+            if start > 0.0 and AUDIO_COMMON_INPUTS[self.params["input_type"]][1] == MGONZS13:
+                start -= pcm.samples.size / pcm.sample_rate   # its capturer stamps a chunk's last sample
+            frame_id = self.params["frame_id"] or decoded.frame_id
         else:
             convert = int16_array_to_pcm if isinstance(msg, Int16MultiArray) else float32_array_to_pcm
             pcm = convert(msg, self.params["sample_rate"], self.params["channels"])
@@ -380,14 +406,16 @@ class SpeechNode(ManagedNode):
     def warn_on_type_mismatch(self) -> None:
         """Publishers of another type on our topic never reach us (DDS does not match them):
         say so, since a silent speech node is the hardest failure to debug."""
+        input_type = self.params["input_type"]
         expected = {"audio_chunk": "photon_ros/msg/AudioChunk", "int16": "std_msgs/msg/Int16MultiArray",
-                    "float32": "std_msgs/msg/Float32MultiArray"}[self.params["input_type"]]
+                    "float32": "std_msgs/msg/Float32MultiArray",
+                    **{k: name for k, (name, _) in AUDIO_COMMON_INPUTS.items()}}[input_type]
         topic = self.resolve_topic_name("audio")
         for info in self.get_publishers_info_by_topic(topic):
             if info.topic_type != expected:
                 self.get_logger().warning(
                     f"{info.node_name} publishes {info.topic_type} on {topic}, but this node takes "
-                    f"{expected} (parameter input_type={self.params['input_type']!r}); its audio is ignored",
+                    f"{expected} (parameter input_type={input_type!r}); its audio is ignored",
                     throttle_duration_sec=30.0)
 
     def enqueue(self, utterance: Utterance) -> None:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from photon_ros.audio_common_conversions import MGONZS13, ROS_DRIVERS, audio_common_types, family_of
 from photon_ros.params import Param
 from photon_ros.speech_segmenter import SegmenterConfig
 
-INPUT_TYPES = ("audio_chunk", "int16", "float32")
+# input_type -> (ROS type of the audio messages, family) for the two audio_common_msgs packages
+# (photon_ros/audio_common_conversions.py); usable where that family's package is installed.
+AUDIO_COMMON_INPUTS = {
+    "audio_stamped": ("audio_common_msgs/msg/AudioStamped", MGONZS13),
+    "audio_data_stamped": ("audio_common_msgs/msg/AudioDataStamped", ROS_DRIVERS),
+    "audio_data": ("audio_common_msgs/msg/AudioData", ROS_DRIVERS),
+}
+INPUT_TYPES = ("audio_chunk", "int16", "float32", *AUDIO_COMMON_INPUTS)
 RELIABILITIES = ("best_effort", "reliable")
 # Rates outside this range are a malformed message, not audio we can use.
 MIN_RATE, MAX_RATE = 4000, 384000
@@ -22,8 +30,10 @@ def speech_params() -> list[Param]:
         Param("model", "whisper-tiny.en", "checkpoint: a known name, a folder or a file; any family that "
               "transcribes (Whisper, Parakeet TDT, Qwen3-ASR)", applies="configure"),
         Param("device", "cpu", "cpu, cuda or cuda:N", applies="configure"),
-        Param("input_type", "audio_chunk", "message type on `audio`: photon_ros/AudioChunk, or "
-              "std_msgs Int16MultiArray / Float32MultiArray", choices=INPUT_TYPES, applies="configure"),
+        Param("input_type", "audio_chunk", "message type on `audio`: photon_ros/AudioChunk; std_msgs "
+              "Int16MultiArray / Float32MultiArray; audio_common_msgs AudioStamped (mgonzs13), or "
+              "AudioDataStamped / AudioData with AudioInfo on `audio_info` (ros-drivers)",
+              choices=INPUT_TYPES, applies="configure", check=input_unavailable),
         Param("reliability", "best_effort", "QoS of the audio subscription: best_effort matches best-effort "
               "(microphone drivers) and reliable publishers alike", choices=RELIABILITIES, applies="configure"),
         Param("sample_rate", 16000, "Hz of std_msgs array input (the arrays carry none)", low=MIN_RATE, high=MAX_RATE),
@@ -48,6 +58,29 @@ def speech_params() -> list[Param]:
         Param("vad.max_gap_s", vad.max_gap_s, "stamp jitter tolerated between chunks; more is lost audio",
               positive=True),
     ]
+
+
+def audio_common_input(input_type: str) -> type:
+    """The message class an audio_common input_type subscribes to; ValueError saying what to
+    install when its family's audio_common_msgs is not importable here."""
+    name, family = AUDIO_COMMON_INPUTS[input_type]
+    found = audio_common_types().get(name)
+    if found is None or family_of(found) != family:
+        where = {MGONZS13: "mgonzs13/audio_common", ROS_DRIVERS: "ros-drivers/audio_common (apt)"}[family]
+        raise ValueError(f"input_type {input_type} needs the audio_common_msgs of {where} ({name}), "
+                         "which is not installed here")
+    return found
+
+
+def input_unavailable(input_type: str) -> str:
+    """Why `input_type` cannot be subscribed to here ("" when it can)."""
+    if input_type not in AUDIO_COMMON_INPUTS:
+        return ""
+    try:
+        audio_common_input(input_type)
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def vad_config(values: dict[str, Any]) -> SegmenterConfig:

@@ -3,8 +3,9 @@
 
   cases              stdin: pickled cases; each built as the family's real generated message,
                      serialized to CDR and back, converted; stdout: pickled results.
-  publish WAV        a driver of the family publishing the WAV (16-bit mono) over DDS, as the
-                     real driver does: topics, message types, QoS, stamps on the sample clock.
+  publish WAV [T,..] a driver of the family publishing the WAV (16-bit mono) over DDS, as the
+                     real driver does: topics, message types, QoS, stamps on the sample clock;
+                     it starts once the topics T (default: all of them) have a subscriber.
   subscribe N OUT    a node receiving the family's audio topics, converting every message with
                      photon_ros.audio_common_conversions; stops once N samples came on each topic
                      (or after 30 s) and writes what it got to OUT (.npz)."""
@@ -95,7 +96,7 @@ def _stamp(first_frame: int, rate: int):
     return Time(sec=sec, nanosec=nanosec)
 
 
-def publish(wav: str) -> None:
+def publish(wav: str, wait_for: list[str] | None = None) -> None:
     import rclpy
     from rclpy.qos import QoSProfile, qos_profile_sensor_data
 
@@ -113,7 +114,8 @@ def publish(wav: str) -> None:
                 "audio_stamped": node.create_publisher(t["AudioDataStamped"], "audio_stamped", 10),
                 "audio_info": node.create_publisher(t["AudioInfo"], "audio_info", QoSProfile(depth=1))}
     deadline = time.monotonic() + 30
-    while any(p.get_subscription_count() == 0 for p in pubs.values()) and time.monotonic() < deadline:
+    awaited = [pubs[name] for name in (wait_for or pubs)]
+    while any(p.get_subscription_count() == 0 for p in awaited) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)   # discovery both ways before the first message
 
@@ -212,7 +214,7 @@ if __name__ == "__main__":
     if mode == "cases":
         run_cases()
     elif mode == "publish":
-        publish(args[0])
+        publish(args[0], args[1].split(",") if len(args) > 1 else None)
     elif mode == "subscribe":
         subscribe(int(args[0]), args[1])
     else:

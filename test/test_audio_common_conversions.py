@@ -359,3 +359,36 @@ def test_espeak_command_over_dds(family, tmp_path):
             expected_ns = 1_700_000_000 * 10**9 + np.round(first / rate * 1e9).astype(np.int64)
             assert np.abs(stamps - expected_ns).max() <= 1
             assert set(got[f"{topic}.frame_ids"]) == {"mic"}
+
+
+@pytest.mark.parametrize("family, input_type", [(MGONZS13, "audio_stamped"), (ROS_DRIVERS, "audio_data_stamped")])
+def test_the_speech_node_transcribes_each_driver(family, input_type):
+    """The speech node in a process of its own, subscribed as its input_type says (for ros-drivers
+    AudioDataStamped remapped from the driver's audio_stamped, and its AudioInfo), hears a driver
+    process of the family say a command."""
+    from photon_ros.msg import Transcript
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from ros_harness import RosGraph, wait_for
+
+    finals = []
+    graph = RosGraph()
+    graph.node("listener").create_subscription(
+        Transcript, "/transcript", lambda m: m.is_final and finals.append(m),
+        QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    env = workspace_env(family)
+    remap = ["-r", "audio:=/audio_stamped"] if family == ROS_DRIVERS else []
+    node = subprocess.Popen([sys.executable, "-m", "photon_ros.speech_node", "--ros-args", "-p",
+                             f"input_type:={input_type}", "-p", "partial_interval_s:=0.0", *remap],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait = ["audio_stamped", "audio_info"] if family == ROS_DRIVERS else ["audio"]
+        driver = subprocess.run([sys.executable, str(PEER), "publish", str(espeak_wav("Find the red ball.")),
+                                 ",".join(wait)], env=env, capture_output=True, timeout=120)
+        assert driver.returncode == 0, driver.stderr.decode()[-3000:]
+        assert wait_for(lambda: finals, timeout=120), "no transcript"
+    finally:
+        node.terminate()
+        log = node.communicate(timeout=30)[0]
+        graph.close()
+    assert [w.strip(".,").lower() for w in finals[0].text.split()] == ["find", "the", "red", "ball"], log[-3000:]
+    assert finals[0].audio_complete and finals[0].header.frame_id == "mic", finals[0].audio_note

@@ -35,7 +35,9 @@ def unconfigured(context, **params):
     ({"input_type": "bogus"}, "input_type must be one of audio_chunk, int16, float32"),
     ({"reliability": "bogus"}, "reliability must be one of best_effort, reliable"),
     ({"sample_rate": 0}, "sample_rate must be >= 4000"),
-    ({"partial_interval_s": float("nan")}, "partial_interval_s must be a number")])
+    ({"partial_interval_s": float("nan")}, "partial_interval_s must be a number"),
+    ({"input_type": "audio_stamped"}, "needs the audio_common_msgs of mgonzs13/audio_common"),
+    ({"input_type": "audio_data"}, "needs the audio_common_msgs of ros-drivers/audio_common")])
 def test_a_bad_parameter_stops_the_node_at_startup(context, params, reason):
     with pytest.raises(ValueError, match=reason):
         unconfigured(context, **params)
