@@ -66,7 +66,8 @@ def points_message(result: dict, header: Header, *, prompt: str, width: int, hei
                    latency: float, model_id: str) -> Points:
     msg = Points(header=header, prompt=prompt, model_id=model_id, image_width=width,
                  image_height=height, latency=seconds_to_duration(latency))
-    msg.points = [ImagePoint(label=prompt, x=p["x"], y=p["y"], x_px=p["x"] * width, y_px=p["y"] * height)
+    msg.points = [ImagePoint(label=prompt, x=p["x"], y=p["y"], x_px=p["x"] * width, y_px=p["y"] * height,
+                             score=float(p.get("score", math.nan)))
                   for p in result["points"]]
     return msg
 
@@ -102,7 +103,7 @@ def detection2d_array(msg: Detections):
         return None
     out = Detection2DArray(header=msg.header)
     for d in msg.detections:
-        det = Detection2D(header=msg.header)
+        det = Detection2D(header=msg.header, id=str(d.track_id) if d.track_id else "")
         det.bbox.center.position.x = (d.x_min_px + d.x_max_px) / 2.0
         det.bbox.center.position.y = (d.y_min_px + d.y_max_px) / 2.0
         det.bbox.size_x = float(d.x_max_px - d.x_min_px)

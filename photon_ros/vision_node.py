@@ -37,13 +37,14 @@ from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.input_health import InputHealth
 from photon_ros.latest_frame import LatestFrame
+from photon_ros.tracking import IdSource, StreamTrackers
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import Detections, Points, Segmentation, VisionText
 from photon_ros.params import NodeParams
 from photon_ros.vision_params import targets, vision_params
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
-                                        segmentation_message, vision_text_message)
+                                        segmentation_message, time_to_seconds, vision_text_message)
 from photon_ros.run_node import run_node
 from photon_ros.srv import Infer
 
@@ -114,6 +115,7 @@ class VisionNode(ManagedNode):
 
     def __init__(self, **kwargs) -> None:
         super().__init__("vision", **kwargs)
+        self.track_ids = IdSource()   # ids unique across this node's prompts, never reused
         self.params = NodeParams(self, vision_params(), apply=self.apply_params, check_all=self.check_params)
         self.model_name = self.params["model"]   # the one loaded: read again at configure
         self.apply_params(self.params.values)
@@ -220,15 +222,20 @@ class VisionNode(ManagedNode):
 
     def apply_params(self, values: dict) -> None:
         """Take the values of parameters that change at once (all of them at startup)."""
-        for task in ("detect", "point", "segment"):
-            if task in values:
-                setattr(self, f"{task}_targets", targets(values[task]))
         for name, attr in (("segment_max_tokens", "segment_max_tokens"), ("caption_period_s", "caption_period"),
                            ("caption_length", "caption_length"), ("max_objects", "max_objects"),
                            ("publish_annotated", "annotate"), ("max_pixels", "max_pixels"),
                            ("max_frame_age_s", "max_frame_age")):
             if name in values:
                 setattr(self, attr, values[name])
+        if "track_max_missed" in values or "tracking" in values:   # new settings: tracks start over
+            self.trackers = StreamTrackers(ids=self.track_ids, max_missed=self.params["track_max_missed"])
+        for task in ("detect", "point", "segment"):
+            if task in values:
+                setattr(self, f"{task}_targets", targets(values[task]))
+        if "detect" in values or "point" in values:   # a prompt asked again later gets new ids
+            self.trackers.retain([("detect", t) for t in self.detect_targets]
+                                 + [("point", t) for t in self.point_targets])
 
     # --- worker ---------------------------------------------------------------------------------
     def work(self) -> None:
@@ -314,19 +321,34 @@ class VisionNode(ManagedNode):
                 boxes[request.prompt] = result["objects"]
                 msg = detections_message(result, header, prompt=request.prompt, width=width, height=height,
                                          latency=latency, model_id=model_id)
+                self.track("detect", request.prompt, msg.detections, header, width, height)
                 outputs.append((self.pub_detections, msg))
                 if self.pub_detection2d is not None:
                     outputs.append((self.pub_detection2d, detection2d_array(msg)))
             elif request.task == "point":
                 points[request.prompt] = result["points"]
-                outputs.append((self.pub_points, points_message(
-                    result, header, prompt=request.prompt, width=width, height=height, latency=latency,
-                    model_id=model_id)))
+                msg = points_message(result, header, prompt=request.prompt, width=width, height=height,
+                                     latency=latency, model_id=model_id)
+                self.track("point", request.prompt, msg.points, header, width, height)
+                outputs.append((self.pub_points, msg))
             else:
                 outputs.append((self.pub_caption, vision_text_message(
                     result["caption"], header, task=VisionText.TASK_CAPTION, prompt=request.prompt,
                     latency=latency, model_id=model_id)))
         return outputs, boxes, points
+
+    def track(self, task: str, prompt: str, items: list, header, width: int, height: int) -> None:
+        """Give each detection or point of one frame's result its track id (in place)."""
+        if not self.params["tracking"]:
+            return
+        tracker = self.trackers.get(task, prompt)
+        rows = ([(d.x_min_px, d.y_min_px, d.x_max_px, d.y_max_px) for d in items] if task == "detect"
+                else [(p.x_px, p.y_px) for p in items])
+        stamp = time_to_seconds(header.stamp)
+        if tracker.last_result_stamp is not None and stamp < tracker.last_result_stamp:
+            tracker.reset()   # the stream went back in time (a bag played again): new tracks
+        for item, tracked in zip(items, tracker.update(rows, stamp, (width, height))):
+            item.track_id = tracked.track_id
 
     def segmentation_messages(self, masks: dict[str, dict], header, width: int, height: int,
                               latency: float) -> list:

@@ -35,6 +35,8 @@ def vision_params() -> list[Param]:
         Param("publish_annotated", True, "publish image_annotated (drawn only while someone subscribes)"),
         Param("max_pixels", 64_000_000, "larger frames are refused before they are decoded", low=1),
         Param("max_frame_age_s", 5.0, "infer on the latest frame refuses one older than this; 0: any age", low=0.0),
+        Param("tracking", True, "give each detect / point result an id that follows the object across frames"),
+        Param("track_max_missed", 5, "a track ends after this many model results in a row without it", low=1),
     ]
 
 

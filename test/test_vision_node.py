@@ -79,6 +79,14 @@ def test_detections_carry_the_image_header(graph):
         assert box.x_max_px == pytest.approx(box.x_max * 128, rel=1e-5)
     assert points[0].header == header(7) and points[0].prompt == "dog"
     assert d.latency.sec + d.latency.nanosec > 0
+    # Tracked: the same objects in the next frame keep their ids; ids are never shared between
+    # objects or prompts, and 0 (not tracked) is never one.
+    pub.publish(rgb_to_image(image(), "bgr8", header=header(8)))
+    assert wait_for(lambda: len(detections) == 2 and len(points) == 2, timeout=60)
+    first = [b.track_id for b in detections[0].detections] + [p.track_id for p in points[0].points]
+    assert 0 not in first and len(set(first)) == len(first)
+    assert [b.track_id for b in detections[1].detections] == first[:2]
+    assert [p.track_id for p in points[1].points] == first[2:]
 
 
 def test_warm_up_runs_a_frame_of_the_standing_tasks_as_one_batch():
