@@ -1,16 +1,21 @@
-"""The observe -> infer -> act loop: a spoken command becomes a target and a bounded turn toward it.
+"""The observe -> infer -> act loop: a spoken command becomes a target, placed in 3D where the
+vision node has depth, and a bounded turn toward it.
 
     transcript (photon_ros/Transcript), e.g. "point at the red cup"; only final transcripts of
                complete audio are acted on (half a command must not move the robot)
       -> commands.parse_command -> VisionRequest("point", "red cup")
       -> infer service of the vision node, on its latest frame
       -> image_target (photon_ros/ImageTarget: where the target is in the image, pixels and
-                       normalized, the frame's header); never a PointStamped: a PointStamped is
-                       metres in its frame, and the vision node gives no depth yet, so the loop has
-                       no 3D position and says so on status
+                       normalized, the frame's header): always
+         target (geometry_msgs/PointStamped): only a position in metres, in the frame the vision
+                  node placed it in (its optical frame or target_frame), when it has one; without
+                  depth, status says why there is none and nothing is published here
+         goal_pose (geometry_msgs/PoseStamped, with `publish_goal`): a planner goal short of a
+                  target placed in the robot's frame, facing it
          cmd_vel (geometry_msgs/Twist, when `turn` is on): a bounded turn that faces the target,
-                  its angle read off the image through `horizontal_fov_deg`, at most `max_turn_s`
-                  long, streamed at 10 Hz and always ended by a zero Twist (steering.py)
+                  its angle from the 3D position in the optical frame or read off the image
+                  through `horizontal_fov_deg`, at most `max_turn_s` long, streamed at 10 Hz and
+                  always ended by a zero Twist (steering.py)
          status (std_msgs/String, for people: what was understood, what was found, what was not done)
 """
 from __future__ import annotations
@@ -18,13 +23,13 @@ from __future__ import annotations
 import math
 import time
 
-from geometry_msgs.msg import Twist
+from geometry_msgs.msg import PointStamped, PoseStamped, Twist
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
 from photon_ros.commands import VisionRequest, parse_command
-from photon_ros.msg import ImageTarget, Transcript
+from photon_ros.msg import ImageTarget, Object3D, Transcript
 from photon_ros.params import NodeParams, Param
 from photon_ros.run_node import run_node
 from photon_ros.srv import Infer
@@ -39,9 +44,10 @@ LOOP_PARAMS = [
     Param("max_turn_rate", 0.5, "rad/s of a turn", positive=True),
     Param("max_turn_s", 3.0, "no turn lasts longer", positive=True),
     Param("deadband_deg", 2.0, "a target this close to the image centre needs no turn", low=0.0),
+    Param("publish_goal", False, "publish a planner goal on goal_pose (nav2) for a target placed in 3D in "
+          "the robot's frame (the vision node's target_frame)"),
+    Param("goal_standoff_m", 0.5, "the goal stops this far short of the object", low=0.0),
 ]
-
-NO_3D = "no 3D position (the vision node gives no depth): image coordinates on image_target only"
 
 
 def target_from_response(request: VisionRequest, response: Infer.Response) -> ImageTarget | None:
@@ -58,6 +64,27 @@ def target_from_response(request: VisionRequest, response: Infer.Response) -> Im
     return ImageTarget(header=result.header, task=request.task, label=request.target,
                        image_width=result.image_width, image_height=result.image_height,
                        x_px=x_px, y_px=y_px, x=x, y=y)
+
+
+def position_from_response(response: Infer.Response) -> tuple[Object3D | None, str]:
+    """The first object's 3D position, or None and why there is none."""
+    placed = response.objects_3d
+    if not placed.task:
+        return None, "the vision node does not use depth"
+    if not placed.objects:
+        return None, "no object"
+    first = placed.objects[0]
+    return (first, "") if first.has_position else (None, first.reason or placed.depth_note)
+
+
+def approach_goal(x: float, y: float, standoff: float) -> tuple[float, float, float] | None:
+    """(x, y, yaw) `standoff` metres short of (x, y) on the line from the origin, facing it; None
+    when the object is that close already."""
+    distance = math.hypot(x, y)
+    if distance <= standoff:
+        return None
+    yaw = math.atan2(y, x)
+    return (x - standoff * math.cos(yaw), y - standoff * math.sin(yaw), yaw)
 
 
 def incomplete_reason(msg: Transcript) -> str:
@@ -80,7 +107,9 @@ class LoopNode(Node):
         super().__init__("loop", **kwargs)
         self.params = NodeParams(self, LOOP_PARAMS)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.pub_target = self.create_publisher(ImageTarget, "image_target", reliable)
+        self.pub_image_target = self.create_publisher(ImageTarget, "image_target", reliable)
+        self.pub_target = self.create_publisher(PointStamped, "target", reliable)     # metres only
+        self.pub_goal = self.create_publisher(PoseStamped, "goal_pose", reliable)
         self.pub_cmd = self.create_publisher(Twist, "cmd_vel", reliable)
         self.pub_status = self.create_publisher(String, "status", reliable)
         self.turns = TurnCommands()
@@ -129,19 +158,50 @@ class LoopNode(Node):
         if target is None:
             self.say(f"no {request.target} in view")
             return
-        self.pub_target.publish(target)
+        self.pub_image_target.publish(target)
         found = (f"found {request.target} at pixel ({target.x_px:.0f}, {target.y_px:.0f}) of the "
-                 f"{target.image_width}x{target.image_height} image; {NO_3D}")
+                 f"{target.image_width}x{target.image_height} image")
+        placed, why_not = position_from_response(response)
+        if placed is None:
+            found += f"; no 3D position ({why_not}): image coordinates on image_target only"
+            heading = bearing(target.x, math.radians(self.params["horizontal_fov_deg"]))
+        else:
+            p = placed.pose.position
+            frame = response.objects_3d.header.frame_id
+            self.pub_target.publish(PointStamped(header=response.objects_3d.header, point=p))
+            found += f"; at ({p.x:.2f}, {p.y:.2f}, {p.z:.2f}) m in {frame} on target"
+            # In the camera's optical frame (z forward, x right) the bearing is exact; in another
+            # frame its axes are not known here, so the image's field of view gives it.
+            optical = frame == target.header.frame_id
+            heading = (math.atan2(-p.x, p.z) if optical
+                       else bearing(target.x, math.radians(self.params["horizontal_fov_deg"])))
+            if self.params["publish_goal"]:
+                found += "; " + self.send_goal(response.objects_3d.header, p, optical)
         if not self.params["turn"]:
             self.say(f"{found}; turning is off")
             return
         p = self.params
-        turn = plan_turn(bearing(target.x, math.radians(p["horizontal_fov_deg"])), p["max_turn_rate"],
-                         p["max_turn_s"], math.radians(p["deadband_deg"]))
+        turn = plan_turn(heading, p["max_turn_rate"], p["max_turn_s"], math.radians(p["deadband_deg"]))
         if turn is not None:
             self.turns.start(turn, time.monotonic())
             self.send_turn()
         self.say(f"{found}; {describe_turn(turn)}")
+
+    def send_goal(self, header, position, optical: bool) -> str:
+        """A planner goal `goal_standoff_m` short of the object, facing it, on goal_pose; what was
+        done, for status. The goal is placed from the frame's origin, so the frame must be the
+        robot's (the vision node's target_frame, e.g. base_link): nav2 transforms it from there."""
+        if optical:
+            return "no goal: positions are in the camera's optical frame (set the vision node's target_frame)"
+        goal = approach_goal(position.x, position.y, self.params["goal_standoff_m"])
+        if goal is None:
+            return f"no goal: already within {self.params['goal_standoff_m']:g} m"
+        x, y, yaw = goal
+        msg = PoseStamped(header=header)
+        msg.pose.position.x, msg.pose.position.y = x, y
+        msg.pose.orientation.z, msg.pose.orientation.w = math.sin(yaw / 2), math.cos(yaw / 2)
+        self.pub_goal.publish(msg)
+        return f"goal ({x:.2f}, {y:.2f}) m in {header.frame_id} on goal_pose"
 
     def destroy_node(self) -> None:
         if self.turns.active:   # a turn in progress ends here, not when the base's timeout (if any) fires

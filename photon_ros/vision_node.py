@@ -26,27 +26,31 @@ import time
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from geometry_msgs.msg import PointStamped
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
-from sensor_msgs.msg import CompressedImage, Image
+from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
 from photon_core.runtime.requests import Request
 from photon_core.runtime.shared_models import SharedModel, shared_engine
+from photon_ros.depth_projection import DepthPairing, DepthSettings, NoDepth, frame_depth
+from photon_ros.frames import tf2_lookup
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.input_health import InputHealth
 from photon_ros.latest_frame import LatestFrame
-from photon_ros.tracking import IdSource, StreamTrackers
 from photon_ros.managed import ManagedNode, health, ready_or_released
-from photon_ros.msg import Detections, Points, Segmentation, VisionText
+from photon_ros.msg import Detections, Objects3D, Points, Segmentation, VisionText
 from photon_ros.params import NodeParams
-from photon_ros.vision_params import targets, vision_params
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
                                         segmentation_message, time_to_seconds, vision_text_message)
 from photon_ros.run_node import run_node
+from photon_ros.spatial import detection3d_array, objects_3d, point_positions
+from photon_ros.tracking import IdSource, StreamTrackers
 from photon_ros.srv import Infer
+from photon_ros.vision_params import targets, vision_params
 
 VISION_SKILLS = {"detect", "point", "caption", "query", "segment"}
 TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK_CAPTION,
@@ -129,6 +133,11 @@ class VisionNode(ManagedNode):
         self.subscription = None
         self.pub_detections = self.pub_points = self.pub_caption = self.pub_segmentation = None
         self.pub_annotated = self.pub_detection2d = None
+        self.depth_subscriptions: list = []
+        self.pub_objects_3d = self.pub_point_positions = self.pub_detection3d = None
+        self.lookup = None   # tf2 into target_frame (configure), None: the optical frame
+        self.pairing, self.camera_info = DepthPairing(1.0), None
+        self.frames_without_depth, self.depth_note = 0, ""
 
         # Diagnostics (a plain publisher, not a lifecycle one) and the service exist in every
         # lifecycle state: a robot wants to see, and ask, an inactive or unconfigured node too.
@@ -158,8 +167,39 @@ class VisionNode(ManagedNode):
         self.pub_segmentation = self.create_lifecycle_publisher(Segmentation, "segmentation", out)
         self.pub_annotated = self.create_lifecycle_publisher(Image, "image_annotated", out)
         self.pub_detection2d = self.vision_msgs_publisher(out)
+        if param("use_depth"):
+            self.create_depth_interfaces(out)
+
+    def create_depth_interfaces(self, out: QoSProfile) -> None:
+        """depth + camera_info in, objects_3d (and point_positions, vision_msgs detections_3d) out;
+        a target_frame this machine cannot serve (no tf2_ros) fails the configure with the reason."""
+        self.lookup = tf2_lookup(self) if self.params["target_frame"] else None
+        self.pairing, self.camera_info = DepthPairing(self.params["depth_tolerance_s"]), None
+        sensor = QoSProfile(depth=5, history=HistoryPolicy.KEEP_LAST, reliability=ReliabilityPolicy.BEST_EFFORT)
+        self.depth_subscriptions = [
+            self.create_subscription(Image, "depth", self.on_depth, sensor),
+            self.create_subscription(CameraInfo, "camera_info", self.on_camera_info, sensor)]
+        self.pub_objects_3d = self.create_lifecycle_publisher(Objects3D, "objects_3d", out)
+        self.pub_point_positions = self.create_lifecycle_publisher(PointStamped, "point_positions", out)
+        self.pub_detection3d = None
+        if detection3d_array(Objects3D()) is not None:   # vision_msgs installed
+            from vision_msgs.msg import Detection3DArray
+            self.pub_detection3d = self.create_lifecycle_publisher(Detection3DArray, "detections_3d", out)
+
+    def on_depth(self, msg: Image) -> None:
+        self.pairing.add(time_to_seconds(msg.header.stamp), msg)
+
+    def on_camera_info(self, msg: CameraInfo) -> None:
+        self.camera_info = msg
 
     def destroy_interfaces(self) -> None:
+        for sub in self.depth_subscriptions:
+            self.destroy_subscription(sub)
+        for pub in (self.pub_objects_3d, self.pub_point_positions, self.pub_detection3d):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        self.depth_subscriptions, self.lookup = [], None
+        self.pub_objects_3d = self.pub_point_positions = self.pub_detection3d = None
         if self.subscription is not None:
             self.destroy_subscription(self.subscription)
         for pub in (self.pub_detections, self.pub_points, self.pub_caption, self.pub_segmentation,
@@ -214,7 +254,10 @@ class VisionNode(ManagedNode):
         return self.create_lifecycle_publisher(Detection2DArray, "detections_2d", qos)
 
     def check_params(self, values: dict) -> str:
-        """Why the tasks cannot run on the loaded model ("" when they can, or none is loaded)."""
+        """Why the tasks cannot run on the loaded model ("" when they can, or none is loaded), or
+        why the depth range is empty."""
+        if not values["depth_min_m"] < values["depth_max_m"]:
+            return f"depth_min_m ({values['depth_min_m']:g}) must be below depth_max_m ({values['depth_max_m']:g})"
         for task in ("detect", "point", "segment"):
             if targets(values[task]) and self.lacks(task):
                 return self.lacks(task)
@@ -279,6 +322,7 @@ class VisionNode(ManagedNode):
             self.get_logger().warning(f"skipping frame: {err}", throttle_duration_sec=5.0)
             return
         header, (height, width) = frame.msg.header, rgb.shape[:2]
+        space = self.space(header, width, height)   # paired now: the depth of this moment
         if caption_due:
             self.last_caption = time.monotonic()
         # One group per frame: its requests, and those of every other camera on this engine, are
@@ -294,7 +338,7 @@ class VisionNode(ManagedNode):
             self.get_logger().warning(f"frame not processed: {err}", throttle_duration_sec=5.0)
             return
         latency = time.monotonic() - frame.received_at
-        outputs, boxes, points = self.result_messages(requests, results, header, width, height, latency)
+        outputs, boxes, points = self.result_messages(requests, results, header, width, height, latency, space)
         masks = dict(zip(segment, segments))
         outputs += self.segmentation_messages(masks, header, width, height, latency)
         annotated = None
@@ -311,8 +355,41 @@ class VisionNode(ManagedNode):
         self.health.succeeded()
         self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
 
+    def space(self, header, width: int, height: int) -> tuple | None:
+        """Where a frame's results go in 3D: (depth view or why there is none, the frame the
+        positions are in, the transform there or why there is none); None without use_depth."""
+        if self.pub_objects_3d is None:
+            return None
+        settings = DepthSettings(min_depth_m=self.params["depth_min_m"], max_depth_m=self.params["depth_max_m"])
+        camera = self.camera_info
+        depth = frame_depth(self.pairing, time_to_seconds(header.stamp), camera, width, height, settings,
+                            rectified=self.params["rectified"])
+        optical = (camera.header.frame_id if camera is not None else "") or header.frame_id
+        transform = None
+        if self.lookup is not None and not isinstance(depth, NoDepth):
+            try:
+                transform = self.lookup(self.params["target_frame"], optical, time_to_seconds(header.stamp))
+            except LookupError as err:
+                transform = err
+        if isinstance(depth, NoDepth) or isinstance(transform, LookupError):
+            self.frames_without_depth += 1
+            self.depth_note = str(transform) if isinstance(transform, LookupError) else depth.reason
+        frame_id = self.params["target_frame"] if self.lookup is not None else optical
+        return depth, frame_id, transform
+
+    def placed(self, task: str, prompt: str, msg, space: tuple, model_id: str, latency: float) -> list:
+        """(publisher, message) for one 2D result's objects in 3D."""
+        o3 = objects_3d(task, prompt, msg.detections if task == "detect" else msg.points, msg.header, *space)
+        o3.model_id, o3.latency = model_id, msg.latency
+        outputs = [(self.pub_objects_3d, o3)]
+        if task == "point":
+            outputs += [(self.pub_point_positions, p) for p in point_positions(o3)]
+        elif self.pub_detection3d is not None:
+            outputs.append((self.pub_detection3d, detection3d_array(o3)))
+        return outputs
+
     def result_messages(self, requests: list[Request], results: list[dict], header, width: int,
-                        height: int, latency: float) -> tuple[list, dict, dict]:
+                        height: int, latency: float, space: tuple | None = None) -> tuple[list, dict, dict]:
         """(publisher, message) for every result of one frame, and the boxes and points to draw."""
         model_id = self.engine.model.model_id
         outputs, boxes, points = [], {}, {}
@@ -323,6 +400,8 @@ class VisionNode(ManagedNode):
                                          latency=latency, model_id=model_id)
                 self.track("detect", request.prompt, msg.detections, header, width, height)
                 outputs.append((self.pub_detections, msg))
+                if space is not None:
+                    outputs += self.placed("detect", request.prompt, msg, space, model_id, latency)
                 if self.pub_detection2d is not None:
                     outputs.append((self.pub_detection2d, detection2d_array(msg)))
             elif request.task == "point":
@@ -331,6 +410,8 @@ class VisionNode(ManagedNode):
                                      latency=latency, model_id=model_id)
                 self.track("point", request.prompt, msg.points, header, width, height)
                 outputs.append((self.pub_points, msg))
+                if space is not None:
+                    outputs += self.placed("point", request.prompt, msg, space, model_id, latency)
             else:
                 outputs.append((self.pub_caption, vision_text_message(
                     result["caption"], header, task=VisionText.TASK_CAPTION, prompt=request.prompt,
@@ -391,6 +472,7 @@ class VisionNode(ManagedNode):
         source = latest.msg if request.use_latest_frame else request.image
         try:
             rgb = self.to_rgb(source)
+            space = self.space(source.header, rgb.shape[1], rgb.shape[0])
             if request.task == Infer.Request.TASK_SEGMENT:   # not a batched skill (see segment_frame)
                 result = segment_frame(self.engine, rgb, [request.prompt], self.segment_max_tokens)[0]
             else:
@@ -405,9 +487,15 @@ class VisionNode(ManagedNode):
         if request.task == Infer.Request.TASK_DETECT:
             response.detections = detections_message(result, header, prompt=request.prompt, width=width,
                                                      height=height, latency=latency, model_id=model_id)
+            if space is not None:
+                response.objects_3d = self.placed("detect", request.prompt, response.detections, space,
+                                                  model_id, latency)[0][1]
         elif request.task == Infer.Request.TASK_POINT:
             response.points = points_message(result, header, prompt=request.prompt, width=width,
                                              height=height, latency=latency, model_id=model_id)
+            if space is not None:
+                response.objects_3d = self.placed("point", request.prompt, response.points, space,
+                                                  model_id, latency)[0][1]
         elif request.task == Infer.Request.TASK_SEGMENT:
             response.segmentation = segmentation_message(result, header, prompt=request.prompt, width=width,
                                                          height=height, latency=latency, model_id=model_id)
@@ -437,6 +525,8 @@ class VisionNode(ManagedNode):
             "frames_dropped": str(self.frames.dropped),
             "frames_ignored_inactive": str(self.inactive_frames),
             "bad_frames": str(self.bad_frames),
+            "frames_without_depth": str(self.frames_without_depth),
+            "last_depth_note": self.depth_note,
             "frames_lost_in_transport": str(self.health.lost_in_transport),
             "processed_rate_hz": f"{self.stats.rate('processed'):.2f}",
         }

@@ -35,6 +35,17 @@ def vision_params() -> list[Param]:
         Param("publish_annotated", True, "publish image_annotated (drawn only while someone subscribes)"),
         Param("max_pixels", 64_000_000, "larger frames are refused before they are decoded", low=1),
         Param("max_frame_age_s", 5.0, "infer on the latest frame refuses one older than this; 0: any age", low=0.0),
+        Param("use_depth", False, "also subscribe to `depth` (aligned to the colour image: 16UC1 mm or 32FC1 m) "
+              "and `camera_info`, and publish detect / point results in metres on objects_3d",
+              applies="configure"),
+        Param("depth_tolerance_s", 0.05, "a depth image pairs with the colour frame nearest in stamp within "
+              "this many seconds", positive=True, applies="configure"),
+        Param("depth_min_m", 0.1, "depths nearer than this are invalid (sensor minimum)", positive=True),
+        Param("depth_max_m", 10.0, "depths farther than this are invalid (sensor range)", positive=True),
+        Param("rectified", False, "the colour image is rectified (image_rect_color): camera_info's P, "
+              "no distortion; false: K and the distortion (plumb_bob or none)"),
+        Param("target_frame", "", "publish 3D results in this frame through tf2 (e.g. base_link, map); "
+              "empty: the camera's optical frame", applies="configure"),
         Param("tracking", True, "give each detect / point result an id that follows the object across frames"),
         Param("track_max_missed", 5, "a track ends after this many model results in a row without it", low=1),
     ]

@@ -69,7 +69,7 @@ set +u  # the ROS setup scripts read unset variables
 . scripts/dev_env.sh
 build_stamp=build/.photon-build.sha256
 # Python files are hashed too: colcon installs copies of them.
-want_build=$(find package.xml CMakeLists.txt requirements.txt msg srv launch config nodes photon_ros photon_core \
+want_build=$(find package.xml CMakeLists.txt requirements.txt msg srv action launch config nodes photon_ros photon_core \
   -type f \( -name '*.py' -o -name '*.msg' -o -name '*.srv' -o -name '*.yaml' -o -name '*.xml' \
   -o -name '*.txt' -o -path 'nodes/*' \) -not -path '*/__pycache__/*' | sort | xargs cat | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$build_stamp" 2>/dev/null)" != "$want_build" ] || [ ! -f install/setup.bash ]; then

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from photon_ros.commands import VisionRequest, parse_command
+from photon_ros.loop_node import approach_goal
 from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
 
 
@@ -55,3 +56,8 @@ def test_a_turn_is_bounded_and_ends_in_a_stop():
     commands.start(Turn(-0.5, 0.2), now=20.1)                       # a new target replaces the turn
     assert [commands.tick(20.15 + 0.1 * i).angular.z for i in range(3)] == [-0.5, -0.5, 0.0]
     assert commands.tick(20.5) is None and not commands.active
+
+def test_an_approach_goal_stops_short_and_faces_the_object():
+    x, y, yaw = approach_goal(3.0, 4.0, standoff=1.0)
+    assert (x, y) == pytest.approx((2.4, 3.2)) and yaw == pytest.approx(math.atan2(4, 3))
+    assert approach_goal(0.3, 0.0, standoff=0.5) is None

@@ -41,6 +41,8 @@ DECLARED = {
     "sensor_msgs": Declared("sensor_msgs", None),
     "geometry_msgs": Declared("geometry_msgs", None),
     "diagnostic_msgs": Declared("diagnostic_msgs", None),
+    # target_frame (photon_ros/frames.py); the Python tf2_ros is geometry2's tf2_ros_py package
+    "tf2_ros": Declared("tf2_ros_py", None, feature="tf2"),
     "ament_index_python": Declared("ament_index_python", None),
     "launch": Declared("launch", None),
     "launch_ros": Declared("launch_ros", None),
@@ -68,7 +70,8 @@ DECLARED = {
     "whisper": Declared(None, "openai-whisper", feature="bench"),
 }
 # Declared in package.xml though no Python file imports it, and why.
-NOT_IMPORTED = {"rosidl_default_runtime": "the generated photon_ros.msg / .srv modules load its type support"}
+NOT_IMPORTED = {"rosidl_default_runtime": "the generated photon_ros.msg / .srv modules load its type support",
+                "action_msgs": "the generated photon_ros.action modules are built on its GoalInfo / GoalStatus"}
 
 
 @dataclass(frozen=True)
@@ -175,8 +178,11 @@ def test_package_xml_declares_exactly_the_table():
 
 
 def test_package_xml_builds_against_what_the_interfaces_use():
-    used = {m.group(1) for p in [*ROOT.glob("msg/*.msg"), *ROOT.glob("srv/*.srv")]
+    interfaces = [*ROOT.glob("msg/*.msg"), *ROOT.glob("srv/*.srv"), *ROOT.glob("action/*.action")]
+    used = {m.group(1) for p in interfaces
             for m in re.finditer(r"^\s*([a-z_]+)/[A-Z]\w*", p.read_text(), re.MULTILINE)}
+    if any(p.suffix == ".action" for p in interfaces):
+        used.add("action_msgs")   # actions are built on its GoalInfo / GoalStatus
     root = ElementTree.parse(ROOT / "package.xml").getroot()
     assert {e.text.strip() for e in root.iter("depend")} == used
 

@@ -2,6 +2,7 @@
 compressed input, newest-frame-wins under a burst, bad frames survived, runtime parameters, the
 on-demand service, diagnostics, and the transcript -> loop -> vision -> target loop."""
 
+import math
 import time
 
 import numpy as np
@@ -9,10 +10,10 @@ import pytest
 import torch
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from geometry_msgs.msg import PointStamped, Twist
+from geometry_msgs.msg import PointStamped, PoseStamped, Twist
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from sensor_msgs.msg import CompressedImage, Image
+from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 from std_msgs.msg import Header, String
 
 from moondream_fixtures import checkpoint
@@ -20,7 +21,7 @@ from photon_core.runtime.shared_models import release
 from test_image_conversions import _png
 from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
 from photon_ros.loop_node import LoopNode
-from photon_ros.msg import Detections, ImageTarget, Points, Transcript
+from photon_ros.msg import Detections, ImageTarget, Objects3D, Points, Transcript
 from photon_ros.srv import Infer
 from photon_ros.vision_node import VisionNode, load_vision_model, stale_frame, warm_up
 from ros_harness import RosGraph, wait_for, wait_for_match
@@ -77,7 +78,9 @@ def test_detections_carry_the_image_header(graph):
     for box in d.detections:
         assert 0 <= box.x_min <= box.x_max <= 1 and 0 <= box.y_min <= box.y_max <= 1
         assert box.x_max_px == pytest.approx(box.x_max * 128, rel=1e-5)
+        assert 0.5 <= box.score <= 1     # the model's probability of the object (greedy: >= 0.5), not NaN
     assert points[0].header == header(7) and points[0].prompt == "dog"
+    assert all(0.5 <= p.score <= 1 for p in points[0].points)
     assert d.latency.sec + d.latency.nanosec > 0
     # Tracked: the same objects in the next frame keep their ids; ids are never shared between
     # objects or prompts, and 0 (not tracked) is never one.
@@ -268,14 +271,15 @@ def test_transcript_to_target(graph):
     assert moving and all(abs(z) == 0.5 for z in moving) and len(set(moving)) == 1
     assert len(moving) <= 0.3 / 0.1 + 2
     assert (moving[0] > 0) == (t.x < 0.5)       # REP 103: a target left of centre turns left
-    assert wait_for(lambda: any("red cup" in s.data and "no 3D position" in s.data for s in status),
+    assert wait_for(lambda: any("red cup" in s.data and "no 3D position (the vision node does not use depth)" in s.data
+                                for s in status),
                     timeout=10), [s.data for s in status]
     count = len(turns)
     time.sleep(0.5)
     assert len(turns) == count                  # the stop is the last command
     speaker.publish(Transcript(text="What a lovely day.", is_final=True, audio_complete=True))
     assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
-    assert positions == [] and loop.count_publishers("target") == 0
+    assert positions == []                      # no depth: nothing on target
 
 
 def test_two_cameras_share_one_engine(graph):
@@ -328,3 +332,152 @@ def test_diagnostics_count_frames_lost_on_the_way_and_say_when_every_frame_fails
     pub.publish(rgb_to_image(image(3, size=(24, 32)), "rgb8", header=header(400)))
     assert wait_for(lambda: any(d.header == header(400) for d in detections), timeout=60)
     assert wait_for(lambda: own()[-1].level == DiagnosticStatus.OK, timeout=10), own()[-1]
+
+
+def camera_info(stamp_header, fx=100.0, width=128, height=96):
+    return CameraInfo(header=stamp_header, width=width, height=height, distortion_model="plumb_bob",
+                      d=[0.0] * 5, k=[fx, 0.0, 64.0, 0.0, fx, 48.0, 0.0, 0.0, 1.0],
+                      r=[1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0], p=[fx, 0.0, 64.0, 0.0, 0.0, fx, 48.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+
+
+def wall_depth(stamp_header, metres=2.0, seed=0):
+    """A flat wall `metres` away as 16UC1 millimetres, with 1% noise and 10% holes (zeros)."""
+    rng = np.random.default_rng(seed)
+    mm = metres * 1000 * (1 + 0.01 * rng.standard_normal((96, 128)))
+    mm[rng.random((96, 128)) < 0.1] = 0
+    return Image(header=stamp_header, height=96, width=128, encoding="16UC1", step=256,
+                 data=mm.astype("<u2").tobytes())
+
+
+def test_results_in_metres_from_an_aligned_depth_image(graph):
+    """use_depth: each detection and point is placed in the camera's optical frame from the depth
+    image paired by stamp (within 2% of the truth for a wall with noise and holes); a frame whose
+    depth is stale, or a camera_info that cannot be used, gives results without positions and the
+    reason, never 0 m; a target_frame without tf2_ros is a configure error."""
+    node = vision_node(graph, detect=["cup"], point=["dog"], use_depth=True, tracking=False)
+    placed, positions = collect(graph, Objects3D, "objects_3d"), collect(graph, PointStamped, "point_positions")
+    detections, points = collect(graph, Detections, "detections"), collect(graph, Points, "points")
+    camera = graph.node("camera")
+    pubs = {name: camera.create_publisher(t, name, RELIABLE) for name, t in
+            (("image", Image), ("depth", Image), ("camera_info", CameraInfo))}
+    for pub in pubs.values():
+        wait_for_match(pub)
+    optical = header(1, "camera_color_optical_frame")
+    pubs["camera_info"].publish(camera_info(optical))
+    pubs["depth"].publish(wall_depth(optical))
+    time.sleep(0.3)
+    pubs["image"].publish(rgb_to_image(image(5), header=optical))
+    assert wait_for(lambda: len(placed) == 2 and detections and points, timeout=60)
+    for o3, flat in ((next(m for m in placed if m.task == "detect"), detections[0].detections),
+                     (next(m for m in placed if m.task == "point"), points[0].points)):
+        assert o3.header == optical and o3.depth_note == "" and len(o3.objects) == len(flat) > 0
+        for obj, item in zip(o3.objects, flat):
+            assert obj.has_position, obj.reason
+            u = (obj.x_min_px + obj.x_max_px) / 2 - 0.5     # pixel centres sit at integers
+            v = (obj.y_min_px + obj.y_max_px) / 2 - 0.5
+            truth = np.array([(u - 64) / 100 * 2.0, (v - 48) / 100 * 2.0, 2.0])
+            got = np.array([obj.pose.position.x, obj.pose.position.y, obj.pose.position.z])
+            assert np.abs(got - truth).max() <= 0.02 * 2.0, (got, truth)
+            assert obj.label == item.label
+    assert wait_for(lambda: len(positions) == len(points[0].points), timeout=10)
+    assert all(p.header == optical for p in positions)
+    # Depth 1 s older than the colour frame: outside the 0.05 s tolerance.
+    pubs["image"].publish(rgb_to_image(image(5), header=header(2, "camera_color_optical_frame")))
+    assert wait_for(lambda: len(placed) == 4, timeout=60)
+    stale = placed[2:]
+    assert all("stale depth" in m.depth_note for m in stale)
+    assert all(not o.has_position and "stale depth" in o.reason and o.pose.position.z == 0 for m in stale for o in m.objects)
+    # A camera_info with no focal length: reasons, still no 0 m, and the node goes on.
+    pubs["camera_info"].publish(camera_info(header(3, "camera_color_optical_frame"), fx=0.0))
+    pubs["depth"].publish(wall_depth(header(3, "camera_color_optical_frame")))
+    time.sleep(0.3)
+    pubs["image"].publish(rgb_to_image(image(5), header=header(3, "camera_color_optical_frame")))
+    assert wait_for(lambda: len(placed) == 6, timeout=60)
+    assert all(m.depth_note and not any(o.has_position for o in m.objects) for m in placed[4:]), placed[4].depth_note
+    assert node.frames_without_depth == 2
+
+
+def test_target_frame_needs_tf2(graph):
+    node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(checkpoint())), Parameter("use_depth", value=True),
+        Parameter("target_frame", value="base_link")]))
+    assert wait_for(lambda: node.model_error is not None, timeout=60)
+    assert "tf2_ros" in node.model_error and node.engine is None
+
+
+def test_target_frame_through_a_tf2_lookup(graph, monkeypatch):
+    """With target_frame, positions are moved there by the transform tf2 gives (a test double for
+    the tf2 lookup only: tf2_ros cannot be installed here); a failed lookup leaves the objects
+    without positions and says why."""
+    from photon_ros import frames, vision_node as vision_module
+
+    # base_link <- camera_color_optical_frame: the camera 1 m ahead and 0.5 m up, looking along x
+    # (optical z forward, x right, y down -> base x forward, y left, z up).
+    mount = frames.Transform(np.array([1.0, 0.0, 0.5]), np.array([-0.5, 0.5, -0.5, 0.5]))
+    calls = []
+
+    def lookup(target, source, stamp):
+        calls.append((target, source, stamp))
+        if stamp > 1001.5:
+            raise LookupError(f"no transform {source} -> {target} at {stamp:.3f} s: extrapolation")
+        return mount
+    monkeypatch.setattr(vision_module, "tf2_lookup", lambda node: lookup)
+    vision_node(graph, point=["dog"], use_depth=True, target_frame="base_link")
+    placed = collect(graph, Objects3D, "objects_3d")
+    camera = graph.node("camera")
+    pubs = {name: camera.create_publisher(t, name, RELIABLE) for name, t in
+            (("image", Image), ("depth", Image), ("camera_info", CameraInfo))}
+    for pub in pubs.values():
+        wait_for_match(pub)
+    for i in (1, 2):
+        optical = header(i, "camera_color_optical_frame")
+        pubs["camera_info"].publish(camera_info(optical))
+        pubs["depth"].publish(wall_depth(optical))
+        time.sleep(0.3)
+        pubs["image"].publish(rgb_to_image(image(5), header=optical))
+        assert wait_for(lambda: len(placed) == i, timeout=60)
+    moved, failed = placed
+    assert calls[0][:2] == ("base_link", "camera_color_optical_frame") and calls[0][2] == pytest.approx(1001, abs=1e-3)
+    assert moved.header.frame_id == "base_link" and moved.objects
+    for obj in moved.objects:
+        u, v = obj.x_min_px - 0.5, obj.y_min_px - 0.5
+        optical_xyz = np.array([(u - 64) / 100 * 2.0, (v - 48) / 100 * 2.0, 2.0])
+        truth = np.array([1.0 + optical_xyz[2], -optical_xyz[0], 0.5 - optical_xyz[1]])
+        got = np.array([obj.pose.position.x, obj.pose.position.y, obj.pose.position.z])
+        assert np.abs(got - truth).max() <= 0.04, (got, truth)
+    assert failed.objects and all(not o.has_position and "extrapolation" in o.reason for o in failed.objects)
+
+
+def test_spoken_command_to_a_3d_target_and_a_goal(graph, monkeypatch):
+    """The loop with a vision node that has depth and a target frame: the target is a PointStamped
+    in metres in that frame, and a goal for a planner stops short of it, facing it."""
+    from photon_ros import frames, vision_node as vision_module
+
+    mount = frames.Transform(np.array([0.2, 0.0, 0.5]), np.array([-0.5, 0.5, -0.5, 0.5]))
+    monkeypatch.setattr(vision_module, "tf2_lookup", lambda node: (lambda target, source, stamp: mount))
+    vision_node(graph, use_depth=True, target_frame="base_link")
+    graph.add(LoopNode(context=graph.context, parameter_overrides=[
+        Parameter("publish_goal", value=True), Parameter("turn", value=False)]))
+    targets, goals = collect(graph, PointStamped, "target"), collect(graph, PoseStamped, "goal_pose")
+    images, status = collect(graph, ImageTarget, "image_target"), collect(graph, String, "status")
+    camera, speaker = graph.node("camera"), graph.node("speaker").create_publisher(Transcript, "transcript", RELIABLE)
+    pubs = {name: camera.create_publisher(t, name, RELIABLE) for name, t in
+            (("image", Image), ("depth", Image), ("camera_info", CameraInfo))}
+    for pub in [*pubs.values(), speaker]:
+        wait_for_match(pub)
+    optical = header(1, "camera_color_optical_frame")
+    pubs["camera_info"].publish(camera_info(optical))
+    pubs["depth"].publish(wall_depth(optical, metres=2.5))
+    time.sleep(0.3)
+    pubs["image"].publish(rgb_to_image(image(6), header=optical))
+    time.sleep(0.5)
+    speaker.publish(Transcript(text="Point at the red cup.", is_final=True, audio_complete=True))
+    assert wait_for(lambda: targets and goals and images, timeout=60), [s.data for s in status]
+    t, g = targets[0], goals[0]
+    assert t.header.frame_id == g.header.frame_id == "base_link"
+    assert images[0].header.frame_id == "camera_color_optical_frame"   # the 2D result keeps the image's frame
+    assert t.point.x == pytest.approx(0.2 + 2.5, abs=0.06)          # 2.5 m ahead of a camera 0.2 m forward
+    yaw = 2 * math.atan2(g.pose.orientation.z, g.pose.orientation.w)
+    assert yaw == pytest.approx(math.atan2(t.point.y, t.point.x), abs=1e-3)
+    assert math.hypot(t.point.x - g.pose.position.x, t.point.y - g.pose.position.y) == pytest.approx(0.5, abs=1e-3)
+    assert wait_for(lambda: any("m in base_link on target" in s.data and "goal" in s.data for s in status), timeout=10)

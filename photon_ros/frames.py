@@ -1,0 +1,72 @@
+"""Moving 3D results from the camera's optical frame into another frame (`target_frame`) with tf2.
+
+tf2_ros comes with ROS from apt (robots); it is not on PyPI. `tf2_lookup` gives a lookup function
+over a tf2 buffer fed by the node's /tf subscription, or raises ValueError saying so where tf2_ros
+is missing: a node asked for a target_frame it cannot serve refuses to configure rather than
+publish in the wrong frame. The math (a rigid transform applied to poses) is plain numpy here.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+
+class Transform(NamedTuple):
+    """Where the source frame is in the target frame: translation (m) and rotation (x, y, z, w)."""
+    translation: np.ndarray
+    rotation: np.ndarray
+
+
+# (target frame, source frame, stamp in seconds) -> Transform; LookupError with the reason.
+Lookup = Callable[[str, str, float], Transform]
+
+
+def tf2_lookup(node, timeout_s: float = 0.05) -> Lookup:
+    """A lookup over tf2 (a buffer and a listener on `node`, kept alive by the closure)."""
+    try:
+        import tf2_ros
+    except ImportError:
+        raise ValueError("target_frame needs tf2_ros, which is not installed here (on a robot it comes "
+                         "with ROS: apt install ros-$ROS_DISTRO-tf2-ros); leave target_frame empty for "
+                         "positions in the camera's optical frame") from None
+    from rclpy.duration import Duration
+    from rclpy.time import Time
+
+    buffer = tf2_ros.Buffer()
+    listener = tf2_ros.TransformListener(buffer, node)
+    failures = (tf2_ros.LookupException, tf2_ros.ConnectivityException, tf2_ros.ExtrapolationException)
+
+    def lookup(target: str, source: str, stamp: float) -> Transform:
+        _ = listener   # the listener feeds the buffer for as long as the lookup lives
+        try:
+            t = buffer.lookup_transform(target, source, Time(nanoseconds=round(stamp * 1e9)),
+                                        Duration(seconds=timeout_s)).transform
+        except failures as err:
+            raise LookupError(f"no transform {source} -> {target} at {stamp:.3f} s: {err}") from None
+        return Transform(np.array([t.translation.x, t.translation.y, t.translation.z]),
+                         np.array([t.rotation.x, t.rotation.y, t.rotation.z, t.rotation.w]))
+    return lookup
+
+
+def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a * b (Hamilton product): rotating by b, then by a; quaternions as (x, y, z, w)."""
+    ax, ay, az, aw = a
+    bx, by, bz, bw = b
+    return np.array([aw * bx + ax * bw + ay * bz - az * by,
+                     aw * by - ax * bz + ay * bw + az * bx,
+                     aw * bz + ax * by - ay * bx + az * bw,
+                     aw * bw - ax * bx - ay * by - az * bz])
+
+
+def rotate(q: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Vector v rotated by the unit quaternion q = (x, y, z, w)."""
+    u, w = np.asarray(q[:3], dtype=float), float(q[3])
+    v = np.asarray(v, dtype=float)
+    return v + 2.0 * np.cross(u, np.cross(u, v) + w * v)
+
+
+def apply(transform: Transform, position: np.ndarray, orientation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A pose (position, orientation x y z w) of the source frame expressed in the target frame."""
+    return (rotate(transform.rotation, position) + transform.translation,
+            quaternion_multiply(transform.rotation, orientation))
