@@ -3,10 +3,19 @@
     python -m photon_ros.bringup --graph all --namespace robot1 -r image:=/camera/image_raw
     python -m photon_ros.bringup --graph speech --wav command.wav
     python -m photon_ros.bringup --graph vision --managed   # then: ros2 lifecycle set /vision configure
+    python -m photon_ros.bringup --graph vision --namespaces r1,r2,r3,r4 -r image:=camera/image_raw
 
 The same YAML feeds the launch files; here every node shares one process (and so one engine
 per model) and one multi-threaded executor. With --managed the vision and speech nodes start
 unconfigured (autostart false) and wait for a lifecycle manager.
+
+--namespaces serves several robots from one machine (a GPU workstation; DDS carries each robot's
+topics): the graph once per namespace, every copy on the same engines, so the robots' requests
+are decoded in shared batches while each robot's topics stay under its own namespace. Remaps
+apply in every namespace, a relative target resolving inside each; one that would send every
+robot's topic to the same absolute name is refused. The robots' microphones are theirs: no
+microphone node is started (each robot's driver publishes its <namespace>/audio); --wav plays
+the file into every namespace.
 """
 from __future__ import annotations
 
@@ -18,7 +27,9 @@ from typing import Any, MutableMapping
 
 import rclpy
 import yaml
+from rclpy.exceptions import InvalidNamespaceException
 from rclpy.parameter import Parameter
+from rclpy.validate_namespace import validate_namespace
 
 from photon_ros.run_node import spin_nodes
 
@@ -96,27 +107,96 @@ def node_parameters(config: dict, node_name: str) -> list[Parameter]:
     return [Parameter(name, value=value) for name, value in flatten(section).items()]
 
 
+def check_namespaces(namespaces: list[str]) -> list[str]:
+    """The robots' namespaces, absolute ("r1" -> "/r1"); empty, invalid or repeated ones refused."""
+    checked: list[str] = []
+    for given in namespaces:
+        name = "/" + given.strip().lstrip("/")
+        if name == "/":
+            raise ValueError(f"namespaces {','.join(namespaces)!r}: every robot needs a namespace of its own "
+                             "(an empty name or '/' would put its topics at the root)")
+        try:
+            validate_namespace(name)
+        except InvalidNamespaceException as err:
+            raise ValueError(f"namespace {given!r}: {str(err).splitlines()[0]}") from None
+        if name in checked:
+            raise ValueError(f"namespace {name} is given twice: two robots would share its topics")
+        checked.append(name)
+    if not checked:
+        raise ValueError("no namespace given (e.g. r1,r2,r3,r4)")
+    return checked
+
+
+def check_remaps(remaps: list[str], namespaces: list[str] | None) -> None:
+    """Refuse remaps that would merge robots: with several namespaces a relative name remapped to
+    an absolute one is the same topic for every robot (one camera for all of them, or every
+    robot's results on one topic), and __ns would move every node into one namespace."""
+    for rule in remaps:
+        if ":=" not in rule:
+            raise ValueError(f"remap {rule!r}: expected FROM:=TO (e.g. image:=camera/image_raw)")
+        source, target = rule.split(":=", 1)
+        source = source.rsplit(":", 1)[-1]   # without a "node:" prefix, which limits a rule to one node
+        if namespaces is None:
+            continue
+        if source == "__ns":
+            raise ValueError(f"remap {rule!r}: the namespaces come from --namespaces, one per robot")
+        if len(namespaces) > 1 and not source.startswith("/") and target.startswith("/"):
+            raise ValueError(f"remap {rule!r} would give every robot the one topic {target}; name it "
+                             f"relative ({source}:={target.lstrip('/')}) to resolve it in each namespace")
+
+
+def node_overrides(overrides: dict[str, dict], namespace: str, name: str) -> dict:
+    """The overrides of node `name` in `namespace`: those keyed by the node's name (every
+    namespace), then those keyed "namespace/name" (that namespace's only, e.g. "r2/vision")."""
+    merged = dict(overrides.get(name, {}))
+    if namespace.strip("/"):
+        merged.update(overrides.get(f"{namespace.strip('/')}/{name}", {}))
+    return merged
+
+
+def check_override_keys(overrides: dict[str, dict], namespaces: list[str]) -> None:
+    for key in overrides:
+        if "/" in key and "/" + key.rsplit("/", 1)[0].strip("/") not in namespaces:
+            raise ValueError(f"overrides for {key!r}: {key.rsplit('/', 1)[0]} is none of the namespaces "
+                             f"served ({', '.join(namespaces) or 'none'})")
+
+
 def build_graph(config_path: Path, graph: str, namespace: str = "", remaps: list[str] = (),
                 wav: str | None = None, context=None, overrides: dict[str, dict] | None = None,
-                managed: bool = False, roles: list[str] | None = None) -> list:
+                managed: bool = False, roles: list[str] | None = None,
+                namespaces: list[str] | None = None) -> list:
     """The nodes of `graph` (or of `roles`, a subset of its roles), configured from the YAML (plus
-    `overrides`: node -> {param: value}). `managed`: the lifecycle nodes wait unconfigured for a
-    manager (an override still wins). If one node cannot start, those made before it are destroyed."""
+    `overrides`: node -> {param: value}, or "namespace/node" -> {param: value} for one namespace's).
+    `managed`: the lifecycle nodes wait unconfigured for a manager (an override still wins).
+    `namespaces`: the graph once in each (instead of `namespace`), every copy on the same engines;
+    no microphone node then (each robot publishes its own audio), the WAV played into each.
+    If one node cannot start, those made before it are destroyed."""
+    if namespaces is not None and namespace:
+        raise ValueError(f"namespace {namespace!r} and namespaces {','.join(namespaces)!r} together: "
+                         "give one namespace, or the list of them")
+    served = check_namespaces(namespaces) if namespaces is not None else None
+    check_remaps(list(remaps), served)
+    overrides = overrides or {}
+    check_override_keys(overrides, served if served is not None else
+                        (["/" + namespace.strip("/")] if namespace.strip("/") else []))
     config = yaml.safe_load(Path(config_path).read_text()) or {}
     classes = node_classes()
     cli_args = ["--ros-args"] + [arg for r in remaps for arg in ("-r", r)] if remaps else None
     nodes = []
     try:
-        for role in roles if roles is not None else GRAPHS[graph]:
-            name = role if role != "audio" else ("wav_publisher" if wav else "microphone")
-            params = node_parameters(config, name)
-            extra = {"autostart": False} if managed and name in MANAGED else {}
-            extra.update((overrides or {}).get(name, {}))
-            if name == "wav_publisher":
-                extra["file"] = wav
-            params = [p for p in params if p.name not in extra] + [Parameter(k, value=v) for k, v in extra.items()]
-            nodes.append(classes[name](namespace=namespace, cli_args=cli_args, parameter_overrides=params,
-                                       context=context))
+        for ns in served if served is not None else [namespace]:
+            for role in roles if roles is not None else GRAPHS[graph]:
+                name = role if role != "audio" else ("wav_publisher" if wav else "microphone")
+                if name == "microphone" and served is not None:
+                    continue   # a robot's microphone is on the robot: its driver publishes <ns>/audio
+                params = node_parameters(config, name)
+                extra = {"autostart": False} if managed and name in MANAGED else {}
+                extra.update(node_overrides(overrides, ns, name))
+                if name == "wav_publisher":
+                    extra["file"] = wav
+                params = [p for p in params if p.name not in extra] + [Parameter(k, value=v) for k, v in extra.items()]
+                nodes.append(classes[name](namespace=ns, cli_args=cli_args, parameter_overrides=params,
+                                           context=context))
     except Exception:
         for node in nodes:
             node.destroy_node()
@@ -128,21 +208,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graph", choices=sorted(GRAPHS), default="all")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--namespace", default="")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--namespace", default="", help="the nodes' namespace, e.g. robot1")
+    where.add_argument("--namespaces", type=lambda text: text.split(","), metavar="NS,NS,...",
+                       help="serve several robots: the graph once per namespace (e.g. r1,r2,r3,r4), "
+                            "all on one engine per model")
     parser.add_argument("-r", "--remap", action="append", default=[], metavar="FROM:=TO")
     parser.add_argument("--wav", help="play this WAV file instead of capturing the microphone")
     parser.add_argument("--managed", action="store_true",
                         help="start the vision and speech nodes unconfigured, for a lifecycle manager")
     args = parser.parse_args(argv)
     use_large_data_profile()
-    rclpy.init()
+    # Not sys.argv: rcl would take our -r rules for global ones (its deprecated syntax) and apply
+    # them to every node, beside the per-node rules build_graph gives.
+    rclpy.init(args=[])
     try:
         nodes = build_graph(args.config, args.graph, args.namespace, args.remap, args.wav,
-                            managed=args.managed)
+                            managed=args.managed, namespaces=args.namespaces)
     except Exception as err:  # noqa: BLE001 - a bad config or missing device ends bring-up with its reason
         print(f"bringup: {err}", file=sys.stderr)
         rclpy.try_shutdown()
         return 1
+    if args.namespaces is not None and "audio" in GRAPHS[args.graph] and not args.wav:
+        audio = ", ".join(node.resolve_topic_name("audio") for node in nodes if node.get_name() == "speech")
+        print(f"bringup: no microphone node with --namespaces: each robot's driver publishes on {audio}",
+              file=sys.stderr)
     return spin_nodes(nodes)
 
 

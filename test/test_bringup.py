@@ -1,9 +1,12 @@
 """The whole graph from config/photon.yaml without ros2 launch, namespaced and remapped, closing
 the loop from speech to a target: spoken WAV -> speech -> loop -> vision (infer) -> ImageTarget.
-Also checks that the launch files name only executables we install and configs we ship."""
+Also checks that the launch files name only executables we install and configs we ship, and that
+--namespaces builds the graph once per robot and refuses what would mix robots (the robots'
+traffic itself: test_multi_robot.py)."""
 import ast
 import re
 import time
+import wave
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +16,7 @@ from sensor_msgs.msg import Image
 from std_msgs.msg import String
 
 from moondream_fixtures import checkpoint
-from photon_ros.bringup import DEFAULT_CONFIG, build_graph, flatten
+from photon_ros.bringup import DEFAULT_CONFIG, build_graph, flatten, main
 from photon_ros.image_conversions import rgb_to_image
 from photon_ros.msg import ImageTarget, Transcript
 from ros_harness import RosGraph, wait_for, wait_for_match
@@ -87,3 +90,57 @@ def test_spoken_command_to_target_through_bringup(graph):
     t = targets[0]
     assert (t.image_width, t.image_height) == (128, 96)
     assert 0.0 <= t.x <= 1.0 and 0.0 <= t.y <= 1.0 and 0.0 <= t.x_px <= 128 and 0.0 <= t.y_px <= 96
+
+
+# --- several robots: --namespaces ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"namespace": "robot1", "namespaces": ["r1", "r2"]}, "together"),
+    ({"namespaces": ["r1", "/r1"]}, "given twice"),
+    ({"namespaces": ["r1", ""]}, "namespace of its own"),
+    ({"namespaces": ["1r"]}, "must not have a token that starts with a number"),
+    ({"namespaces": ["r1", "r2"], "remaps": ["image:=/camera/image_raw"]}, "every robot the one topic /camera"),
+    ({"namespaces": ["r1"], "remaps": ["__ns:=/shared"]}, "one per robot"),
+    ({"namespaces": ["r1"], "remaps": ["image"]}, "expected FROM:=TO"),
+    ({"namespaces": ["r1", "r2"], "overrides": {"r9/vision": {"max_objects": 1}}}, "none of the namespaces"),
+])
+def test_namespaces_that_would_mix_robots_are_refused(kwargs, reason):
+    # Refused before any node exists, so no ROS context is needed.
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        build_graph(DEFAULT_CONFIG, "vision", **kwargs)
+
+
+def test_namespace_and_namespaces_on_the_command_line_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--graph", "vision", "--namespace", "robot1", "--namespaces", "r1,r2"])
+    assert exit_info.value.code == 2
+    assert "--namespaces: not allowed with argument --namespace" in capsys.readouterr().err
+
+
+def test_namespaces_build_the_graph_once_in_each(graph, tmp_path):
+    """Managed nodes (no model loaded): every role per namespace, the WAV played into each, no
+    microphone (a robot's is on the robot), remaps and overrides applied per namespace."""
+    wav = tmp_path / "quiet.wav"
+    with wave.open(str(wav), "wb") as out:
+        out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000)
+        out.writeframes(bytes(3200))
+    nodes = build_graph(DEFAULT_CONFIG, "all", namespaces=["r1", "site/r2"], wav=str(wav), managed=True,
+                        remaps=["audio:=mic/audio", "/diagnostics:=/fleet/diagnostics"], context=graph.context,
+                        overrides={"vision": {"max_objects": 3}, "site/r2/vision": {"max_objects": 5}})
+    for node in nodes:
+        graph.add(node)
+    assert sorted(n.get_fully_qualified_name() for n in nodes) == [
+        f"{ns}/{name}" for ns in ("/r1", "/site/r2") for name in ("loop", "speech", "vision", "wav_publisher")]
+    by_name = {n.get_fully_qualified_name(): n for n in nodes}
+    assert by_name["/r1/speech"].resolve_topic_name("audio") == "/r1/mic/audio"
+    assert by_name["/site/r2/wav_publisher"].resolve_topic_name("audio") == "/site/r2/mic/audio"
+    assert by_name["/site/r2/loop"].resolve_topic_name("infer") == "/site/r2/infer"
+    assert by_name["/r1/vision"].resolve_topic_name("/diagnostics") == "/fleet/diagnostics"
+    assert by_name["/r1/vision"].get_parameter("max_objects").value == 3
+    assert by_name["/site/r2/vision"].get_parameter("max_objects").value == 5
+    assert all(n.get_parameter("autostart").value is False for n in nodes if n.get_name() in ("vision", "speech"))
+
+    speech_only = build_graph(DEFAULT_CONFIG, "speech", namespaces=["r3", "r4"], managed=True, context=graph.context)
+    for node in speech_only:
+        graph.add(node)
+    assert sorted(n.get_fully_qualified_name() for n in speech_only) == ["/r3/speech", "/r4/speech"]
