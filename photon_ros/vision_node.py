@@ -49,6 +49,7 @@ from photon_ros.result_messages import (detection2d_array, detections_message, p
 from photon_ros.run_node import run_node
 from photon_ros.spatial import detection3d_array, objects_3d, point_positions
 from photon_ros.tracking import IdSource, StreamTrackers
+from photon_ros.vision_actions import VisionActions
 from photon_ros.srv import Infer
 from photon_ros.vision_params import targets, vision_params
 
@@ -145,6 +146,7 @@ class VisionNode(ManagedNode):
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", out)
         # The service waits on the model; its own group keeps it off the timers' thread.
         self.create_service(Infer, "infer", self.on_infer, callback_group=MutuallyExclusiveCallbackGroup())
+        self.actions = VisionActions(self)   # find / ask, with feedback and cancel
         # A group of its own too: a configure served by the lifecycle service holds the default
         # group for as long as the model loads, and diagnostics must say "loading" meanwhile.
         self.create_timer(1.0, self.publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
@@ -505,6 +507,10 @@ class VisionNode(ManagedNode):
                                                 latency=latency, model_id=model_id)
         response.success = True
         return response
+
+    def destroy_node(self) -> None:
+        self.actions.destroy()
+        super().destroy_node()
 
     # --- diagnostics ----------------------------------------------------------------------------
     def publish_diagnostics(self) -> None:

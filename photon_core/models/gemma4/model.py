@@ -155,10 +155,17 @@ class Gemma4Model:
             rows.append(self._row(image, question, r.max_tokens, r.temperature, r.top_p))
         # The compiled step holds up to 8 rows; larger batches go through it 8 rows at a time.
         size = self.decode.max_rows if self.decode is not None else len(rows)
-        for i in range(0, len(rows), size):
-            for _ in BatchDecoder(self, rows[i:i + size], None if seed is None else seed + i).run():
-                pass
         key = {"caption": "caption", "query": "answer"}
+        for i in range(0, len(rows), size):
+            group, asked = rows[i:i + size], requests[i:i + size]
+            for new in BatchDecoder(self, group, None if seed is None else seed + i).run():
+                # Between steps: a canceled request's row stops (the decoder skips done rows), and
+                # each row that grew tells its caller (on device rounds: as each round is read).
+                for r, row, tok in zip(asked, group, new):
+                    if r.canceled:
+                        row.done = True
+                    elif tok is not None and r.progress is not None:
+                        r.progress({key[r.task]: self.prompter.decode(row.tokens)})
         return [{key[r.task]: self.prompter.decode(row.tokens)} for r, row in zip(requests, rows)]
 
 

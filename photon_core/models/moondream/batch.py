@@ -50,6 +50,7 @@ class _Row:
     x: float = 0.0
     y: float = 0.0
     done: bool = False
+    reported: int = 0                    # objects or tokens the caller's progress has heard of
 
     @property
     def steps(self) -> int:
@@ -129,6 +130,7 @@ def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedIma
     live = list(rows)
     nxt = _advance(model, live, heads, answer)
     while True:
+        watch(model, live)
         keep = [i for i, row in enumerate(live) if not row.done]
         if not keep:
             return
@@ -139,6 +141,19 @@ def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedIma
         for row in live:
             row.pos += 1
         nxt = _advance(model, live, heads, answer)
+
+
+def watch(model: "MoondreamModel", rows: list[_Row]) -> None:
+    """Between steps: a canceled request's row is done (the next keep drops it from the batch,
+    freeing its slot; its result is what it has so far), and each row whose result grew (an
+    object found, a token more) tells its caller (Request.progress)."""
+    for row in rows:
+        if row.request.canceled:
+            row.done = True
+        grown = len(row.objects) if row.is_object else len(row.tokens)
+        if row.request.progress is not None and grown > row.reported:
+            row.reported = grown
+            row.request.progress(_result(model, row))
 
 
 def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,

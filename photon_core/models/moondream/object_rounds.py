@@ -181,6 +181,9 @@ def decode(fm: "MegakernelDecode", rows: list["_Row"], encoded: list["EncodedIma
                 rows[s].pos += 1
             batch_decoding._advance(model, [rows[s] for s in live], RecordedHeads(rec, live, dev.n_bins),
                                     answer, embed=False)
+            # Cancels and progress as on the host path, read step by step (the device has run the
+            # round: a canceled row stops within it, at most round_size steps late).
+            batch_decoding.watch(model, [rows[s] for s in live])
             live = [s for s in live if not rows[s].done]
             if not live:
                 break

@@ -70,15 +70,20 @@ def text_pieces(model: "Qwen35Model", toks: Iterator[int]) -> Iterator[str]:
         yield txt[len(shown):]
 
 
-def run_batch(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]) -> list[str]:
-    """Texts for (image, question, sampling) jobs, at most MAX_BATCH at a time decoded together."""
+def run_batch(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]],
+              requests: list | None = None) -> list[str]:
+    """Texts for (image, question, sampling) jobs, at most MAX_BATCH at a time decoded together.
+    `requests` (runtime.requests.Request, one per job): a canceled one stops at its next step,
+    and each one's `progress` hears its text as it grows (host-driven decoding; on the
+    megakernel's device rounds, greedy batches are decoded whole)."""
     out: list[str] = []
     for i in range(0, len(jobs), MAX_BATCH):
-        out += _decode_group(model, jobs[i:i + MAX_BATCH])
+        out += _decode_group(model, jobs[i:i + MAX_BATCH], None if requests is None else requests[i:i + MAX_BATCH])
     return out
 
 
-def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]) -> list[str]:
+def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]],
+                  requests: list | None = None) -> list[str]:
     for _, _, s in jobs:
         s.check()
     states, logits = [], []
@@ -89,7 +94,8 @@ def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]
     max_len = max(st.max_len for st in states)
     limits = [st.max_len for st in states]
     state = text.DecodeState.merge(states, max_len)
-    if model.decode is not None and all(s.temperature == 0 for _, _, s in jobs):
+    watched = requests is not None and any(r.cancel is not None or r.progress is not None for r in requests)
+    if model.decode is not None and all(s.temperature == 0 for _, _, s in jobs) and not watched:
         # Greedy on the megakernel: rounds decoded on the device, the host reads tokens, no logits.
         first = [choose(model, lg, s) for lg, (_, _, s) in zip(logits, jobs)]
         cap = [min(s.max_tokens, lim - int(st.length[0]) + 1) for (_, _, s), lim, st in zip(jobs, limits, states)]
@@ -102,13 +108,16 @@ def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]
         next_tokens, keep = [], []
         for row, j in enumerate(active):
             s = jobs[j][2]
-            done = len(results[j]) >= s.max_tokens
+            done = len(results[j]) >= s.max_tokens or (requests is not None and requests[j].canceled)
             if not done:
                 tok = choose(model, cur[row], s)
                 done = tok in model.prompts.stop_ids
                 if not done:
                     results[j].append(tok)
                     done = len(results[j]) >= s.max_tokens or int(state.length[row]) >= limits[j]
+                    if requests is not None and requests[j].progress is not None:
+                        key = "answer" if requests[j].task == "query" else "caption"
+                        requests[j].progress({key: model.prompts.decode(results[j])})
             if not done:
                 keep.append(row)
                 next_tokens.append(results[j][-1])

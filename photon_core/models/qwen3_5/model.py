@@ -140,7 +140,7 @@ class Qwen35Model:
                              generate.Sampling(r.max_tokens, r.temperature, r.top_p)))
             else:
                 raise ValueError(f"a qwen3_5 model cannot {r.task!r}; it offers caption and query")
-        texts = generate.run_batch(self, jobs) if jobs else []
+        texts = generate.run_batch(self, jobs, requests) if jobs else []
         return [{"answer": t} if r.task == "query" else {"caption": t} for r, t in zip(requests, texts)]
 
 

@@ -1,0 +1,202 @@
+"""The vision node's actions: `find` (photon_ros/action/Find: detect, point, segment) and `ask`
+(photon_ros/action/Ask: query, caption) on one frame, with feedback while the model decodes and a
+cancel that stops the decode.
+
+    goal -> the frame: the latest one (refused when older than max_frame_age_s) or the next one
+            to arrive (feedback state waiting_for_frame)
+         -> one engine request, batched with every other camera's and caller's (state decoding);
+            its decode reports each object found and the answer's text as it grows (feedback)
+         -> result: the same messages the topics carry (2D, and 3D with use_depth)
+
+A cancel, or the goal's timeout, sets the request's cancel event: the decode loop drops the row
+at its next step, which frees its batch slot for the next request (Request.cancel). The goal then
+ends canceled (or aborted, for a timeout) with what was found so far. Segment (Moondream 3) runs
+its own decode loop outside the batch: a cancel takes effect when that decode ends.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import ReentrantCallbackGroup
+
+from photon_core.runtime.requests import Request
+from photon_ros.action import Ask, Find
+from photon_ros.result_messages import (detections_message, points_message, segmentation_message,
+                                        vision_text_message)
+
+if TYPE_CHECKING:
+    from photon_ros.vision_node import VisionNode
+
+FRAME_POLL_S = 0.02
+
+
+class VisionActions:
+    def __init__(self, node: "VisionNode") -> None:
+        self.node = node
+        self._cancels: dict[bytes, threading.Event] = {}
+        self._lock = threading.Lock()
+        group = ReentrantCallbackGroup()   # goals block while they decode: several at once
+        self.servers = [
+            ActionServer(node, Find, "find", lambda h: self.execute(h, find=True), callback_group=group,
+                         goal_callback=self.on_find_goal, cancel_callback=self.on_cancel),
+            ActionServer(node, Ask, "ask", lambda h: self.execute(h, find=False), callback_group=group,
+                         goal_callback=self.on_ask_goal, cancel_callback=self.on_cancel)]
+
+    def destroy(self) -> None:
+        for server in self.servers:
+            server.destroy()
+
+    # --- goals ----------------------------------------------------------------------------------
+    def refusal(self, task: str, prompt: str, tasks: tuple[str, ...], timeout_s: float) -> str:
+        """Why a goal cannot be taken ("" when it can)."""
+        if task not in tasks:
+            return f"task must be one of {', '.join(tasks)}, got {task!r}"
+        if task != "caption" and not prompt.strip():
+            return "an empty prompt"
+        if not timeout_s >= 0:
+            return f"timeout_s must be >= 0, got {timeout_s}"
+        return self.node.lacks(task)
+
+    def on_find_goal(self, goal: Find.Goal) -> GoalResponse:
+        reason = self.refusal(goal.task, goal.prompt, ("detect", "point", "segment"), goal.timeout_s)
+        return self._answer(reason, "find")
+
+    def on_ask_goal(self, goal: Ask.Goal) -> GoalResponse:
+        reason = self.refusal(goal.task, goal.prompt, ("query", "caption"), goal.timeout_s)
+        return self._answer(reason, "ask")
+
+    def _answer(self, reason: str, action: str) -> GoalResponse:
+        if reason:
+            self.node.get_logger().warning(f"{action} goal refused: {reason}")
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def on_cancel(self, goal_handle) -> CancelResponse:
+        with self._lock:
+            cancel = self._cancels.get(bytes(goal_handle.goal_id.uuid))
+        if cancel is not None:
+            cancel.set()
+        return CancelResponse.ACCEPT
+
+    # --- execution ------------------------------------------------------------------------------
+    def execute(self, goal_handle, find: bool) -> Any:
+        action = Find if find else Ask
+        goal, result = goal_handle.request, action.Result()
+        key, cancel = bytes(goal_handle.goal_id.uuid), threading.Event()
+        with self._lock:
+            self._cancels[key] = cancel
+        timer = threading.Timer(goal.timeout_s, cancel.set) if goal.timeout_s > 0 else None
+        if timer is not None:
+            timer.start()
+        started = time.monotonic()
+        try:
+            with self.node.activity.work() as running:
+                if not running:
+                    result.message = self.node.why_not_running()
+                else:
+                    self.run(goal_handle, goal, result, cancel, find)
+        except Exception as err:  # noqa: BLE001 - a goal that fails is answered, never fatal
+            result.success, result.message = False, f"{type(err).__name__}: {err}"
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with self._lock:
+                self._cancels.pop(key, None)
+        if result.success:
+            goal_handle.succeed()
+        elif goal_handle.is_cancel_requested:
+            result.message = result.message or "canceled"
+            goal_handle.canceled()
+        else:
+            if cancel.is_set() and not result.message:
+                result.message = f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})"
+            goal_handle.abort()
+        return result
+
+    def run(self, goal_handle, goal, result, cancel: threading.Event, find: bool) -> None:
+        action = Find if find else Ask
+        frame = self.frame(goal_handle, goal.use_latest_frame, cancel, action)
+        if isinstance(frame, str):
+            result.message = frame
+            return
+        node = self.node
+        rgb = node.to_rgb(frame.msg)
+        header, (height, width) = frame.msg.header, rgb.shape[:2]
+        space = node.space(header, width, height)
+        model_id = node.engine.model.model_id
+        feedback = action.Feedback(state=action.Feedback.STATE_DECODING)
+        goal_handle.publish_feedback(feedback)
+
+        def latency() -> float:
+            return time.monotonic() - frame.received_at
+
+        if find and goal.task == "segment":
+            from photon_ros.vision_node import segment_frame   # not a batched skill
+
+            # Segment decodes on its own loop, not the batch's: a cancel takes effect when it ends.
+            segment = segment_frame(node.engine, rgb, [goal.prompt], node.segment_max_tokens)[0]
+            result.segmentation = segmentation_message(segment, header, prompt=goal.prompt, width=width,
+                                                       height=height, latency=latency(), model_id=model_id)
+            result.success = not cancel.is_set()
+            return
+        if find:
+            def report(partial: dict) -> None:
+                self.find_feedback(feedback, goal, partial, header, width, height, model_id)
+                goal_handle.publish_feedback(feedback)
+            request = Request(goal.task, rgb, goal.prompt, max_objects=goal.max_objects or node.max_objects,
+                              cancel=cancel, progress=report)
+        else:
+            def report(partial: dict) -> None:
+                feedback.text = partial.get("answer", partial.get("caption", ""))
+                goal_handle.publish_feedback(feedback)
+            prompt = goal.prompt or ("short" if goal.task == "caption" else "")
+            extra = {"max_tokens": goal.max_tokens} if goal.max_tokens else {}
+            request = Request(goal.task, rgb, prompt, cancel=cancel, progress=report, **extra)
+        answer = node.engine.batcher.submit([request])[0]
+        if find and goal.task == "detect":
+            result.detections = detections_message(answer, header, prompt=goal.prompt, width=width, height=height,
+                                                   latency=latency(), model_id=model_id)
+            if space is not None:
+                result.objects_3d = node.placed("detect", goal.prompt, result.detections, space, model_id,
+                                                latency())[0][1]
+        elif find:
+            result.points = points_message(answer, header, prompt=goal.prompt, width=width, height=height,
+                                           latency=latency(), model_id=model_id)
+            if space is not None:
+                result.objects_3d = node.placed("point", goal.prompt, result.points, space, model_id, latency())[0][1]
+        else:
+            text = answer.get("answer", answer.get("caption", ""))
+            result.text = vision_text_message(text, header, task=goal.task, prompt=goal.prompt,
+                                              latency=latency(), model_id=model_id)
+        result.success = not cancel.is_set()
+
+    def find_feedback(self, feedback, goal, partial: dict, header, width: int, height: int, model_id: str) -> None:
+        if goal.task == "detect":
+            feedback.detections = detections_message(partial, header, prompt=goal.prompt, width=width,
+                                                      height=height, latency=0.0, model_id=model_id)
+            feedback.objects_found = len(feedback.detections.detections)
+        else:
+            feedback.points = points_message(partial, header, prompt=goal.prompt, width=width, height=height,
+                                             latency=0.0, model_id=model_id)
+            feedback.objects_found = len(feedback.points.points)
+
+    def frame(self, goal_handle, latest: bool, cancel: threading.Event, action) -> Any:
+        """The frame to use, or why there is none (a string)."""
+        frames, node = self.node.frames, self.node
+        if latest:
+            if frames.latest is None:
+                return "no frame received yet"
+            from photon_ros.vision_node import stale_frame
+
+            refusal = stale_frame(time.monotonic() - frames.latest.received_at, node.max_frame_age)
+            return refusal or frames.latest
+        asked = time.monotonic()
+        goal_handle.publish_feedback(action.Feedback(state=action.Feedback.STATE_WAITING_FOR_FRAME))
+        while not cancel.wait(FRAME_POLL_S):
+            current = frames.latest
+            if current is not None and current.received_at > asked:
+                return current
+        return "canceled" if goal_handle.is_cancel_requested else "no frame arrived before the timeout"

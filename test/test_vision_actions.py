@@ -1,0 +1,102 @@
+"""The vision node's actions over DDS: find (detect / point) and ask (query / caption) with feedback
+while the model decodes, results like the topics', a cancel that stops the decode at once and frees
+the engine for the next goal, a timeout, and refusals. The tests' small random Moondream checkpoint."""
+import time
+
+import numpy as np
+import pytest
+from action_msgs.msg import GoalStatus
+from rclpy.action import ActionClient
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import Image
+
+from moondream_fixtures import checkpoint
+from photon_ros.action import Ask, Find
+from photon_ros.image_conversions import rgb_to_image
+from photon_ros.vision_node import VisionNode
+from rclpy.parameter import Parameter
+from ros_harness import RosGraph, wait_for, wait_for_match
+
+RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+
+
+@pytest.fixture
+def graph():
+    g = RosGraph()
+    yield g
+    g.close()
+
+
+def send(client, goal, feedback: list):
+    """The goal handle (accepted or not) of `goal`, its feedback collected into `feedback`."""
+    future = client.send_goal_async(goal, feedback_callback=lambda f: feedback.append(f.feedback))
+    assert wait_for(future.done, timeout=30)
+    return future.result()
+
+
+def outcome(handle, timeout=120):
+    future = handle.get_result_async()
+    assert wait_for(future.done, timeout=timeout)
+    return future.result()
+
+
+def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
+    node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(checkpoint())), Parameter("max_objects", value=3),
+        Parameter("max_frame_age_s", value=600.0)]))
+    assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
+    client_node = graph.node("client")
+    find, ask = ActionClient(client_node, Find, "find"), ActionClient(client_node, Ask, "ask")
+    assert find.wait_for_server(timeout_sec=30) and ask.wait_for_server(timeout_sec=30)
+    camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
+    wait_for_match(camera)
+
+    # The next frame: the goal waits for it.
+    feedback = []
+    future = find.send_goal_async(Find.Goal(task="detect", prompt="cup", use_latest_frame=False, timeout_s=60.0),
+                                  feedback_callback=lambda f: feedback.append(f.feedback))
+    assert wait_for(future.done, timeout=30) and future.result().accepted
+    assert wait_for(lambda: any(f.state == Find.Feedback.STATE_WAITING_FOR_FRAME for f in feedback), timeout=10)
+    frame = np.random.default_rng(1).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+    camera.publish(rgb_to_image(frame))
+    done = outcome(future.result())
+    assert done.status == GoalStatus.STATUS_SUCCEEDED and done.result.success, done.result.message
+    found = done.result.detections.detections
+    assert len(found) == 3 and done.result.detections.prompt == "cup"
+    # Feedback as the objects came: 1, 2, 3 found, each with the objects so far.
+    counts = [f.objects_found for f in feedback if f.state == Find.Feedback.STATE_DECODING and f.objects_found]
+    assert counts == [1, 2, 3]
+    last = [f for f in feedback if f.objects_found == 3][-1].detections.detections
+    assert [(d.x_min, d.y_max) for d in last] == [(d.x_min, d.y_max) for d in found]
+
+    # ask: the answer's text streamed as feedback, each longer, the last one the answer.
+    texts = []
+    handle = send(ask, Ask.Goal(task="query", prompt="What is this?", use_latest_frame=True, max_tokens=12), texts)
+    done = outcome(handle)
+    assert done.status == GoalStatus.STATUS_SUCCEEDED and done.result.text.text
+    streamed = [f.text for f in texts if f.state == Ask.Feedback.STATE_DECODING and f.text]
+    assert streamed and streamed[-1] == done.result.text.text
+    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))
+
+    # A cancel mid-decode stops it within a step; the next goal is served at once after it.
+    texts = []
+    handle = send(ask, Ask.Goal(task="query", prompt="Describe everything.", use_latest_frame=True,
+                                max_tokens=2000), texts)
+    assert wait_for(lambda: len([f for f in texts if f.text]) >= 3, timeout=60)
+    steps_at_cancel = node.engine.batcher.sizes[:]
+    cancel = handle.cancel_goal_async()
+    assert wait_for(cancel.done, timeout=10)
+    done = outcome(handle, timeout=30)
+    assert done.status == GoalStatus.STATUS_CANCELED and not done.result.success
+    assert len(done.result.text.text) < len(texts[-1].text) + 200          # not decoded on to 2000 tokens
+    handle = send(find, Find.Goal(task="point", prompt="dog", use_latest_frame=True), [])
+    done = outcome(handle, timeout=60)
+    assert done.status == GoalStatus.STATUS_SUCCEEDED and len(done.result.points.points) == 3
+    assert node.engine.batcher.sizes[len(steps_at_cancel):] == [1, 1]      # the canceled goal's batch, then this one
+
+    # A timeout ends the goal aborted, with the reason; bad goals are refused.
+    handle = send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=False, timeout_s=0.3), [])
+    done = outcome(handle, timeout=30)
+    assert done.status == GoalStatus.STATUS_ABORTED and "no frame arrived" in done.result.message
+    assert not send(find, Find.Goal(task="caption", prompt="x"), []).accepted
+    assert not send(ask, Ask.Goal(task="query", prompt="  "), []).accepted
