@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -130,6 +132,16 @@ def test_batch_matches_single_calls(model, image):
     assert out[2] == model.query(image, "how many people are there?", max_tokens=3)
     assert out[3] == model.caption(other, "normal", max_tokens=4)
     assert model.batch([]) == []
+    # progress hears each row's text as it grows; a canceled row stops at its next step, the others go on.
+    heard, stop = [], threading.Event()
+
+    def progress(partial):
+        heard.append(partial["answer"])
+        stop.set()   # cancel after the first token
+    reqs[1].progress, reqs[1].cancel = progress, stop
+    again = model.batch(reqs)
+    assert heard == [out[1]["answer"][:len(heard[0])]] and again[1] == {"answer": heard[0]}
+    assert len(heard[0]) < len(out[1]["answer"]) and again[0] == out[0] and again[2:] == out[2:]
 
 
 def test_bad_inputs_are_refused(model, image):

@@ -4,6 +4,7 @@ vision node uses."""
 from __future__ import annotations
 
 import json
+import threading
 import types
 
 import numpy as np
@@ -107,6 +108,17 @@ def test_batch_decodes_together_and_matches_single_calls(setup, monkeypatch):
     monkeypatch.setattr(model, "step", lambda ids, state: rows.append(ids.shape[0]) or real_step(ids, state))
     assert model.batch(reqs) == single
     assert rows[0] == 4 and max(rows) == 4 and len(rows) <= 11   # one forward per step for all rows
+    # progress hears each row's text as it grows; a canceled row stops at its next step, the others go on.
+    heard, stop = [], threading.Event()
+
+    def progress(partial):
+        heard.append(partial["answer"])
+        stop.set()   # cancel after the first token
+    reqs[2].progress, reqs[2].cancel = progress, stop
+    again = model.batch(reqs)
+    assert heard and single[2]["answer"].startswith(heard[0]) and again[2] == {"answer": heard[0]}
+    assert len(heard) == 1 and len(heard[0]) < len(single[2]["answer"])
+    assert [again[i] for i in (0, 1, 3)] == [single[i] for i in (0, 1, 3)]
     with pytest.raises(ValueError, match="cannot 'detect'"):
         model.batch([Request("detect", imgs[0], "cup")])
 

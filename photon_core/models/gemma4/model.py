@@ -162,10 +162,10 @@ class Gemma4Model:
                 # Between steps: a canceled request's row stops (the decoder skips done rows), and
                 # each row that grew tells its caller (on device rounds: as each round is read).
                 for r, row, tok in zip(asked, group, new):
+                    if tok is not None and r.progress is not None:
+                        r.progress({key[r.task]: self.prompter.decode(row.tokens)})
                     if r.canceled:
                         row.done = True
-                    elif tok is not None and r.progress is not None:
-                        r.progress({key[r.task]: self.prompter.decode(row.tokens)})
         return [{key[r.task]: self.prompter.decode(row.tokens)} for r, row in zip(requests, rows)]
 
 
