@@ -157,16 +157,3 @@ class NodeParams:
             return SetParametersResult(successful=True, reason=note)
         return SetParametersResult(successful=True)
 
-
-def declarer(node: Node) -> Callable[..., Parameter]:
-    """node.declare_parameter for nodes not yet moved to NodeParams (the WAV publisher): a float
-    default also takes an integer (returned as a float); anything else but a number raises
-    ValueError, naming the parameter."""
-    def declare(name: str, value: Any = None, *args: Any, **kwargs: Any) -> Parameter:
-        if not isinstance(value, float) or args or kwargs:
-            return node.declare_parameter(name, value, *args, **kwargs)
-        got = node.declare_parameter(name, value, ParameterDescriptor(dynamic_typing=True)).value
-        if number(got) is None:
-            raise ValueError(f"parameter {name!r} must be a number, got {got!r}")
-        return Parameter(name, value=number(got))
-    return declare

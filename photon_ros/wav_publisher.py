@@ -11,7 +11,6 @@ command cut short without any gap to show it.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -20,7 +19,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
 from photon_core.audio_io import pcm_to_float, read_wav
-from photon_ros.params import declarer
+from photon_ros.params import NodeParams, Param
 from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
@@ -36,28 +35,33 @@ def chunk_audio(samples: np.ndarray, rate: int, chunk_s: float, leading_s: float
     return [padded[i:i + step] for i in range(0, len(padded), step)]
 
 
+# All read once: the node plays one file.
+WAV_PUBLISHER_PARAMS = [
+    Param("file", "", "the WAV file to play (required)", applies="restart"),
+    Param("speed", 1.0, "1.0 = real time; 2.0 = twice as fast", positive=True, high=1000.0, applies="restart"),
+    Param("loop", False, "play the file again and again", applies="restart"),
+    Param("frame_id", "microphone", "frame id of the audio chunks", applies="restart"),
+    Param("sample_format", AudioChunk.FORMAT_S16LE, "sample format of the chunks",
+          choices=(AudioChunk.FORMAT_S16LE, AudioChunk.FORMAT_S32LE, AudioChunk.FORMAT_F32LE, AudioChunk.FORMAT_U8),
+          applies="restart"),
+    Param("chunk_ms", 100.0, "milliseconds of audio per chunk", low=1.0, high=10000.0, applies="restart"),
+    Param("leading_silence_s", 0.5, "silence played before the file", low=0.0, high=3600.0, applies="restart"),
+    Param("trailing_silence_s", 1.0, "silence played after the file", low=0.0, high=3600.0, applies="restart"),
+    Param("wait_for_subscribers", 1, "start once this many subscribers are matched (0: at once)", low=0,
+          applies="restart"),
+]
+
+
 class WavPublisher(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("wav_publisher", **kwargs)
-        p = declarer(self)   # a float parameter also takes a whole number
-        path = p("file", "").value
-        self.speed = p("speed", 1.0).value            # 1.0 = real time; 2.0 = twice as fast
-        self.loop = p("loop", False).value
-        self.frame_id = p("frame_id", "microphone").value
-        self.sample_format = p("sample_format", AudioChunk.FORMAT_S16LE).value
-        chunk_ms = p("chunk_ms", 100).value
-        leading_s = p("leading_silence_s", 0.5).value
-        trailing_s = p("trailing_silence_s", 1.0).value
-        self.wait_for_subscribers = p("wait_for_subscribers", 1).value
         # Checked before the file is read: a zero speed divides the timer period by zero, a zero
         # chunk makes a timer of period 0 that spins a core.
-        _require(math.isfinite(self.speed) and self.speed > 0, "speed", self.speed,
-                 "a number above 0 (1.0 = real time)")
-        _require(chunk_ms > 0, "chunk_ms", chunk_ms, "at least 1 (milliseconds of audio per chunk)")
-        _require(math.isfinite(leading_s) and leading_s >= 0, "leading_silence_s", leading_s, "seconds, at least 0")
-        _require(math.isfinite(trailing_s) and trailing_s >= 0, "trailing_silence_s", trailing_s, "seconds, at least 0")
-        _require(self.wait_for_subscribers >= 0, "wait_for_subscribers", self.wait_for_subscribers,
-                 "a count, at least 0 (0: start at once)")
+        p = NodeParams(self, WAV_PUBLISHER_PARAMS)
+        path, self.speed, self.loop, self.frame_id = p["file"], p["speed"], p["loop"], p["frame_id"]
+        self.sample_format, chunk_ms = p["sample_format"], p["chunk_ms"]
+        leading_s, trailing_s = p["leading_silence_s"], p["trailing_silence_s"]
+        self.wait_for_subscribers = p["wait_for_subscribers"]
         if not path:
             raise ValueError("parameter 'file' (a WAV file to play) is required")
         chunk_s = chunk_ms / 1000.0
@@ -96,11 +100,6 @@ class WavPublisher(Node):
         self.index += 1
         self.sent_samples += len(chunk)
         self.published_at.append(time.monotonic())
-
-
-def _require(ok: bool, name: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"parameter {name!r} must be {expected}, got {value!r}")
 
 
 def main(args=None) -> None:

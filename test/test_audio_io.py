@@ -131,6 +131,6 @@ def test_wav_publisher_refuses_a_zero_speed_or_chunk_at_startup(tmp_path):
                               "-p", f"file:={wav}", "-p", setting], stderr=subprocess.PIPE, text=True)
             for setting in ("speed:=0", "chunk_ms:=0")]
     results = [(run.wait(timeout=60), run.stderr.read()) for run in runs]
-    assert results[0][0] == 1 and "parameter 'speed' must be a number above 0" in results[0][1]
-    assert results[1][0] == 1 and "parameter 'chunk_ms' must be at least 1" in results[1][1]
+    assert results[0][0] == 1 and "speed must be > 0, got 0" in results[0][1]
+    assert results[1][0] == 1 and "chunk_ms must be >= 1, got 0" in results[1][1]
     assert "Traceback" not in results[0][1] + results[1][1]

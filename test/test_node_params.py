@@ -98,10 +98,11 @@ def test_the_shipped_config_sets_every_declared_parameter_and_no_other():
     from photon_ros.microphone_node import MICROPHONE_PARAMS
     from photon_ros.speech_params import speech_params
     from photon_ros.vision_params import vision_params
+    from photon_ros.wav_publisher import WAV_PUBLISHER_PARAMS
 
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "photon.yaml").read_text())
     for node, specs in (("speech", speech_params()), ("vision", vision_params()), ("loop", LOOP_PARAMS),
-                        ("microphone", MICROPHONE_PARAMS)):
+                        ("microphone", MICROPHONE_PARAMS), ("wav_publisher", WAV_PUBLISHER_PARAMS)):
         named = set(flatten(config[node]["ros__parameters"])) - {"autostart"}   # the lifecycle base's
         assert named == {s.name for s in specs}, node
 
