@@ -4,7 +4,8 @@ vision node has depth, and a bounded turn toward it.
     transcript (photon_ros/Transcript), e.g. "point at the red cup"; only final transcripts of
                complete audio are acted on (half a command must not move the robot)
       -> commands.parse_command -> VisionRequest("point", "red cup")
-      -> infer service of the vision node, on its latest frame
+      -> the vision node's find action on its latest frame (a newer command cancels a goal still
+         decoding: the robot acts on what it was told last)
       -> image_target (photon_ros/ImageTarget: where the target is in the image, pixels and
                        normalized, the frame's header): always
          target (geometry_msgs/PointStamped): only a position in metres, in the frame the vision
@@ -23,7 +24,9 @@ from __future__ import annotations
 import math
 import time
 
+from action_msgs.msg import GoalStatus
 from geometry_msgs.msg import PointStamped, PoseStamped, Twist
+from rclpy.action import ActionClient
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
@@ -32,7 +35,7 @@ from photon_ros.commands import VisionRequest, parse_command
 from photon_ros.msg import ImageTarget, Object3D, Transcript
 from photon_ros.params import NodeParams, Param
 from photon_ros.run_node import run_node
-from photon_ros.srv import Infer
+from photon_ros.action import Find
 from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
 
 TICK_S = 0.1   # cmd_vel is streamed at 10 Hz while a turn lasts
@@ -50,7 +53,7 @@ LOOP_PARAMS = [
 ]
 
 
-def target_from_response(request: VisionRequest, response: Infer.Response) -> ImageTarget | None:
+def target_from_response(request: VisionRequest, response: Find.Result) -> ImageTarget | None:
     """The first object found, as an image target (a point, or a box's centre), or None."""
     if request.task == "point" and response.points.points:
         result, p = response.points, response.points.points[0]
@@ -66,7 +69,7 @@ def target_from_response(request: VisionRequest, response: Infer.Response) -> Im
                        x_px=x_px, y_px=y_px, x=x, y=y)
 
 
-def position_from_response(response: Infer.Response) -> tuple[Object3D | None, str]:
+def position_from_response(response: Find.Result) -> tuple[Object3D | None, str]:
     """The first object's 3D position, or None and why there is none."""
     placed = response.objects_3d
     if not placed.task:
@@ -114,7 +117,8 @@ class LoopNode(Node):
         self.pub_status = self.create_publisher(String, "status", reliable)
         self.turns = TurnCommands()
         self.create_timer(TICK_S, self.send_turn)
-        self.client = self.create_client(Infer, "infer")
+        self.find = ActionClient(self, Find, "find")
+        self.goal = None   # the find goal in progress
         self.create_subscription(Transcript, "transcript", self.on_transcript, reliable)
 
     def say(self, text: str) -> None:
@@ -137,20 +141,35 @@ class LoopNode(Node):
         if request is None:
             self.say(f"no vision command in {msg.text!r}")
             return
-        if not self.client.service_is_ready():
-            self.say(f"cannot {request.task} at {request.target!r}: the vision service is not available")
+        if not self.find.server_is_ready():
+            self.say(f"cannot {request.task} at {request.target!r}: the vision node's find action is not available")
             return
+        if self.goal is not None:
+            self.goal.cancel_goal_async()   # what it was looking for is no longer wanted
+            self.say("canceled the previous search: a new command came")
         self.say(f"{request.task}: looking for {request.target!r}")
-        future = self.client.call_async(Infer.Request(task=request.task, prompt=request.target,
-                                                      use_latest_frame=True))
-        future.add_done_callback(lambda f: self.on_result(request, f))
+        sent = self.find.send_goal_async(Find.Goal(task=request.task, prompt=request.target, use_latest_frame=True))
+        sent.add_done_callback(lambda f: self.on_accepted(request, f))
 
-    def on_result(self, request: VisionRequest, future) -> None:
+    def on_accepted(self, request: VisionRequest, future) -> None:
+        handle = future.result()
+        if not handle.accepted:
+            self.say(f"the vision node refused to {request.task} at {request.target!r}")
+            return
+        self.goal = handle
+        handle.get_result_async().add_done_callback(lambda f: self.on_result(request, f, handle))
+
+    def on_result(self, request: VisionRequest, future, handle) -> None:
+        if self.goal is handle:
+            self.goal = None
         try:
-            response = future.result()
+            outcome = future.result()
         except Exception as err:  # noqa: BLE001 - a failed call is reported, not raised into the executor
             self.say(f"vision request failed: {err}")
             return
+        response = outcome.result
+        if outcome.status == GoalStatus.STATUS_CANCELED:
+            return   # replaced by a newer command (said when it was canceled)
         if not response.success:
             self.say(f"vision request failed: {response.message}")
             return

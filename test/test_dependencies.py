@@ -41,6 +41,7 @@ DECLARED = {
     "sensor_msgs": Declared("sensor_msgs", None),
     "geometry_msgs": Declared("geometry_msgs", None),
     "diagnostic_msgs": Declared("diagnostic_msgs", None),
+    "action_msgs": Declared("action_msgs", None),
     # target_frame (photon_ros/frames.py); the Python tf2_ros is geometry2's tf2_ros_py package
     "tf2_ros": Declared("tf2_ros_py", None, feature="tf2"),
     "ament_index_python": Declared("ament_index_python", None),
@@ -70,8 +71,7 @@ DECLARED = {
     "whisper": Declared(None, "openai-whisper", feature="bench"),
 }
 # Declared in package.xml though no Python file imports it, and why.
-NOT_IMPORTED = {"rosidl_default_runtime": "the generated photon_ros.msg / .srv modules load its type support",
-                "action_msgs": "the generated photon_ros.action modules are built on its GoalInfo / GoalStatus"}
+NOT_IMPORTED = {"rosidl_default_runtime": "the generated photon_ros.msg / .srv modules load its type support"}
 
 
 @dataclass(frozen=True)

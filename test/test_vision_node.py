@@ -280,6 +280,16 @@ def test_transcript_to_target(graph):
     speaker.publish(Transcript(text="What a lovely day.", is_final=True, audio_complete=True))
     assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
     assert positions == []                      # no depth: nothing on target
+    # A newer command while the first is still being decoded (the engine held up): the first goal
+    # is canceled, and only the newer one's target comes.
+    with vision.engine.lock:
+        speaker.publish(Transcript(text="Point at the blue box.", is_final=True, audio_complete=True))
+        assert wait_for(lambda: loop.goal is not None, timeout=10)
+        speaker.publish(Transcript(text="Point at the green ball.", is_final=True, audio_complete=True))
+        assert wait_for(lambda: any("canceled the previous search" in s.data for s in status), timeout=10)
+    assert wait_for(lambda: len(targets) == 2, timeout=60)
+    time.sleep(0.5)
+    assert [t.label for t in targets] == ["red cup", "green ball"]
 
 
 def test_two_cameras_share_one_engine(graph):
