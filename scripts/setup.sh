@@ -85,11 +85,11 @@ fi
 . install/setup.bash
 set -u
 python -c 'import photon_ros.msg' || { say "generated interfaces do not import"; exit 1; }
-# The tests' stand-ins for the two audio_common_msgs packages (test/workspaces: robots install the
-# real ones), each in an install space of its own under ~/.cache/photon; built once, here rather
-# than in the first test that needs them.
-python -c 'import sys; sys.path.insert(0, "test"); import audio_common_workspaces as w
-for family in w.FAMILIES: w.build_workspace(family)' || { say "building the audio_common test packages failed"; exit 1; }
+# The tests' stand-ins for the two audio_common_msgs packages and vision_msgs (test/workspaces:
+# robots install the real ones), each in an install space of its own under ~/.cache/photon; built
+# once, here rather than in the first test that needs them.
+python -c 'import sys; sys.path.insert(0, "test"); import interface_workspaces as w
+for name in w.PACKAGES: w.build_workspace(name)' || { say "building the test interface packages failed"; exit 1; }
 say "ready: . scripts/dev_env.sh to enter the environment"
 
 # 5. The main job.

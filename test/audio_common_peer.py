@@ -1,5 +1,5 @@
 """The other side of test_audio_common_conversions.py, run in a subprocess whose environment
-(audio_common_workspaces.workspace_env) makes one family's `audio_common_msgs` importable:
+(interface_workspaces.workspace_env) makes one family's `audio_common_msgs` importable:
 
   cases              stdin: pickled cases; each built as the family's real generated message,
                      serialized to CDR and back, converted; stdout: pickled results.

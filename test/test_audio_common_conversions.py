@@ -3,7 +3,7 @@
 In this process, messages are plain objects with the generated classes' attributes and array
 types (array.array for numeric sequences); every sample format, channel count and mismatch.
 In subprocesses with the test-only workspace packages (test/workspaces, built once into
-~/.cache/photon by audio_common_workspaces): the same formats through the real generated classes
+~/.cache/photon by interface_workspaces): the same formats through the real generated classes
 and their CDR serialization, and an espeak-ng command published over DDS by a driver process
 of each family and converted by a listener process, compared with the WAV sample for sample."""
 from __future__ import annotations
@@ -21,7 +21,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from audio_common_workspaces import FAMILIES, install_dir, package_dir, workspace_env
+from interface_workspaces import AUDIO_COMMON_FAMILIES as FAMILIES
+from interface_workspaces import install_dir, package_dir, workspace_env
 from photon_core.audio_io import read_wav
 from photon_ros.audio_common_conversions import (FLOAT_PEAK_LIMIT, MGONZS13, ROS_DRIVERS,
                                                  AudioInfoFormat, audio_common_to_pcm, audio_common_types,

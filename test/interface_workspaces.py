@@ -1,11 +1,12 @@
-"""The test-only `audio_common_msgs` packages (test/workspaces/), built and made importable.
+"""The test-only interface packages (test/workspaces/), built and made importable.
 
-Both packages are named `audio_common_msgs`, so each gets an install space of its own and is used
-only in a subprocess: `workspace_env(family)` builds the family's package with colcon into
-~/.cache/photon/ws-<family>-<hash> once (tens of seconds; the hash covers the package's files and
-the ROS wheels it is built against, so an edit or a new venv rebuilds) and returns an environment
-in which `import audio_common_msgs.msg` gives that family. A lock makes parallel test processes
-wait for one build instead of racing it."""
+Each workspace is one package: the two `audio_common_msgs` families (same package name, so they
+cannot share an install space) and `vision_msgs`. `workspace_env(name)` builds the package with
+colcon into ~/.cache/photon/ws-<name>-<hash> once (tens of seconds; the hash covers the package's
+files and the ROS wheels it is built against, so an edit or a new venv rebuilds) and returns an
+environment in which the package imports; for subprocesses only, since the dynamic loader reads
+LD_LIBRARY_PATH at process start. A lock makes parallel test processes wait for one build
+instead of racing it."""
 from __future__ import annotations
 
 import fcntl
@@ -18,8 +19,14 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-FAMILIES = ("mgonzs13", "ros_drivers")
-WORKSPACES = Path(__file__).resolve().parent / "workspaces"
+SOURCES = Path(__file__).resolve().parent / "workspaces"
+# workspace name -> its package's folder under SOURCES (the folder's name is the package's name)
+PACKAGES = {
+    "mgonzs13": "mgonzs13/audio_common_msgs",
+    "ros_drivers": "ros_drivers/audio_common_msgs",
+    "vision_msgs": "vision_msgs/vision_msgs",
+}
+AUDIO_COMMON_FAMILIES = ("mgonzs13", "ros_drivers")
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "photon"
 _DONE = ".photon-complete"
@@ -27,29 +34,35 @@ _DONE = ".photon-complete"
 _NUMPY_INCLUDE = "/opt/python/cp311-cp311/lib/python3.11/site-packages/numpy/_core/include"
 
 
-def package_dir(family: str) -> Path:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown audio_common family {family!r}; known: {', '.join(FAMILIES)}")
-    return WORKSPACES / family / "audio_common_msgs"
+def package_dir(name: str) -> Path:
+    """The source folder of workspace `name`'s package."""
+    if name not in PACKAGES:
+        raise ValueError(f"unknown test workspace {name!r}; known: {', '.join(PACKAGES)}")
+    return SOURCES / PACKAGES[name]
 
 
-def _fingerprint(family: str) -> str:
+def package_name(name: str) -> str:
+    return package_dir(name).name
+
+
+def _fingerprint(name: str) -> str:
+    package = package_dir(name)
     digest = hashlib.sha256()
-    for path in sorted(p for p in package_dir(family).rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(package_dir(family))).encode() + b"\0" + path.read_bytes())
+    for path in sorted(p for p in package.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     digest.update(f"{sys.prefix}\0{metadata.version('rclpy')}".encode())
     return digest.hexdigest()[:16]
 
 
-def install_dir(family: str) -> Path:
-    """Where the family's built package is installed (it may not be built yet)."""
-    return CACHE / f"ws-{family}-{_fingerprint(family)}" / "install"
+def install_dir(name: str) -> Path:
+    """Where workspace `name`'s package is installed (it may not be built yet)."""
+    return CACHE / f"ws-{name}-{_fingerprint(name)}" / "install"
 
 
-def build_workspace(family: str) -> Path:
-    """The family's install dir, built with colcon first when it is not there. Raises
+def build_workspace(name: str) -> Path:
+    """Workspace `name`'s install dir, built with colcon first when it is not there. Raises
     RuntimeError with the end of colcon's log when the build fails."""
-    install = install_dir(family)
+    install = install_dir(name)
     root = install.parent
     if (root / _DONE).exists():
         return install
@@ -60,8 +73,8 @@ def build_workspace(family: str) -> Path:
             return install
         shutil.rmtree(root, ignore_errors=True)   # an interrupted build starts over
         root.mkdir()
-        _colcon_build(package_dir(family), root)
-        (root / _DONE).write_text(family)
+        _colcon_build(package_dir(name), root)
+        (root / _DONE).write_text(name)
     return install
 
 
@@ -82,24 +95,23 @@ def _colcon_build(package: Path, root: Path) -> None:
            "--cmake-args", f"-DPython3_EXECUTABLE={sys.executable}",
            f"-DPython3_NumPy_INCLUDE_DIR={_NUMPY_INCLUDE}", "-DBUILD_TESTING=OFF"]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    built = (root / "install" / "share" / "audio_common_msgs" / "package.xml").exists()
+    built = (root / "install" / "share" / package.name / "package.xml").exists()
     if done.returncode != 0 or not built:
         raise RuntimeError(f"colcon build of {package} failed (rc {done.returncode}, log in "
                            f"{root / 'log'}):\n{(done.stdout + done.stderr)[-3000:]}")
     shutil.rmtree(root / "build", ignore_errors=True)   # only install/ is used
 
 
-def workspace_env(family: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """`base` (default: this process's environment) with the family's audio_common_msgs
-    importable, the repository and test/ on PYTHONPATH; for subprocesses only, since the
-    dynamic loader reads LD_LIBRARY_PATH at process start."""
-    install = build_workspace(family)
+def workspace_env(name: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) with workspace `name`'s package importable,
+    the repository and test/ on PYTHONPATH; for subprocesses only."""
+    install = build_workspace(name)
     env = dict(os.environ if base is None else base)
     py_version = sysconfig.get_python_version()
     site = install / "lib" / f"python{py_version}" / "site-packages"
 
-    def prepend(name: str, *paths: Path) -> None:
-        env[name] = os.pathsep.join([*map(str, paths), *filter(None, [env.get(name, "")])])
+    def prepend(var: str, *paths: Path) -> None:
+        env[var] = os.pathsep.join([*map(str, paths), *filter(None, [env.get(var, "")])])
 
     prepend("AMENT_PREFIX_PATH", install)
     prepend("LD_LIBRARY_PATH", install / "lib")
