@@ -5,7 +5,7 @@ Moondream 2 and 3.1, Qwen 3.5, Gemma 4 (vision), Whisper, Parakeet TDT, Qwen3-AS
     speech = photon_core.load("whisper-tiny.en")
     speech.transcribe(samples, sample_rate=16000)   # {"text", "segments", "language", "duration", ...}
     vision = photon_core.load("vikhyatk/moondream2")
-    vision.detect(image, "cup")                      # {"objects": [{x_min, y_min, x_max, y_max}]}
+    vision.detect(image, "cup")                      # {"objects": [{x_min, y_min, x_max, y_max, score}]}
     vision.point(image, "cup"); vision.caption(image); vision.query(image, "what is this?")
     photon_core.load(PATH_TO_MOONDREAM3).segment(image, "cup")   # {"path": SVG path, "bbox": {...}}
 """

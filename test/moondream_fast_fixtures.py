@@ -13,11 +13,14 @@ Region bins stay real (1024 coordinate bins, 2 x 1024 size bins) so the bin arit
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 import moondream_fixtures as mf
+from moondream_fixtures import assert_same_results, split_scores  # noqa: F401  (the fast tests' too)
 
 FAST_VOCAB = 1024
 
@@ -44,3 +47,31 @@ def checkpoint(seed: int = 0, object_bias: bool = True) -> Path:
 def image(height: int = 100, width: int = 120, seed: int = 0) -> np.ndarray:
     """An image no bigger than one crop: tiling (1, 1), i.e. the global crop + one local crop."""
     return (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
+
+
+@contextmanager
+def coord_margin(margin: float, *models) -> Iterator[None]:
+    """For the duration, each model's LM-head bias of `coord` is eos's + `margin` (instead of the
+    fixtures' +100, which puts every object's score at exactly 1.0), so scores are probabilities
+    strictly inside (0, 1). The hidden states do not depend on the LM head, so while every boundary
+    still continues, the boxes and points are those of the unchanged checkpoint. Written into the
+    megakernel's weight arena too (all its buckets share one), restored afterwards."""
+    saved = []
+    for m in models:
+        bias = m.text_w.lm_head[1]
+        saved.append((m, bias[mf.COORD_ID].item()))
+        value = bias[mf.EOS_ID].item() + margin
+        _set_coord_bias(m, value)
+    try:
+        yield
+    finally:
+        for m, value in saved:
+            _set_coord_bias(m, value)
+
+
+def _set_coord_bias(model, value: float) -> None:
+    model.text_w.lm_head[1][mf.COORD_ID] = value
+    decoders = getattr(model.decode, "_decoders", {}) if model.decode is not None else {}
+    for mk in decoders.values():
+        mk.weight("lm_b")[mf.COORD_ID] = value
+

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -168,3 +169,28 @@ def checkpoint(naming: str = "new", seed: int = 0, object_bias: bool = True, vis
 def model(naming: str = "new", seed: int = 0, object_bias: bool = True, vision_layers: int = 2):
     from photon_core.models.moondream import load_moondream
     return load_moondream(checkpoint(naming, seed, object_bias, vision_layers))
+
+
+def split_scores(results: list[dict]) -> tuple[list[dict], list[list[float]]]:
+    """Results without their objects' scores, and the scores (per result, per object)."""
+    plain, scores = [], []
+    for r in results:
+        key = "objects" if "objects" in r else "points" if "points" in r else None
+        if key is None:
+            plain.append(r)
+            scores.append([])
+            continue
+        plain.append({**r, key: [{k: v for k, v in o.items() if k != "score"} for o in r[key]]})
+        scores.append([o["score"] for o in r[key]])
+    return plain, scores
+
+
+def assert_same_results(got: list[dict], want: list[dict], score_atol: float) -> list[list[float]]:
+    """Equal results (boxes, points, text exactly) with every object's score within `score_atol`
+    of the wanted one; returns the wanted scores."""
+    got_plain, got_scores = split_scores(got)
+    want_plain, want_scores = split_scores(want)
+    assert got_plain == want_plain
+    for g, w in zip(got_scores, want_scores):
+        assert g == pytest.approx(w, abs=score_atol, rel=0)
+    return want_scores

@@ -6,7 +6,9 @@ compiled to one launch, against
   (reference_step), for two rows at different positions over several steps: hidden state and
   logits within 1e-4, same token / coordinate / size bins, same appended K/V;
 * the reference backend's decode after a real image + prompt prefill (8 greedy steps);
-* the reference backend's skills: detect, point, caption, query batched in one bucket, and segment.
+* the reference backend's skills: detect, point, caption, query batched in one bucket, and segment;
+  each object's score within SCORE_ATOL (the checkpoint's +3 coord bias makes the scores
+  probabilities inside (0.5, 1), not 1.0).
 
 Triton runs under the CPU interpreter on a reduced checkpoint (moondream_fast_fixtures' sizes:
 vocab 1024, 126-px crops; 2 text layers: one dense, one MoE with 4 experts, top 2), written with
@@ -43,6 +45,7 @@ from photon_core.models.moondream3 import text as md3_text  # noqa: E402
 from photon_core.models.moondream3.config import Moondream3Config  # noqa: E402
 
 RTOL = 1e-4
+SCORE_ATOL = 2e-5   # a sigmoid of a logit difference: measured within 1.5e-6 of the reference's (FP8 experts)
 # Wide tiles for the skills: the interpreter's cost is per task, not per byte. The step test uses
 # narrower ones (several K steps, KV splits and their merge, many tiles per argmax).
 TILING = Tiling(block_n=256, block_k=128, block_t=128, self_splits=1)
@@ -200,8 +203,10 @@ def test_skills_match_reference(pair, encoded):
     loop = fast.decode.object_rounds(fast.decode.decoder(4)).loop
     before = loop.rounds
     got = fast.batch([Request(t, fast_e, p, **kw) for t, p, kw in asks])
-    assert got == want and loop.rounds - before >= 1    # decoded in rounds on the device
+    scores = ff.assert_same_results(got, want, SCORE_ATOL)
+    assert loop.rounds - before >= 1    # decoded in rounds on the device
     assert len(want[0]["objects"]) == 1 and len(want[1]["points"]) == 2
+    assert all(0.5 <= p < 0.999 for row in scores for p in row)
     assert len(set(want[2]["caption"].split())) > 2
     assert fast.decode.decoder(4).weights is fast.decode.decoder(1).weights   # one copy of the weights
     # segment: unmasked greedy decode with the region heads in the same launch

@@ -68,13 +68,17 @@ def _plain_encode(sd, values: list[float], kind: str) -> torch.Tensor:
 
 def test_detect_follows_the_region_protocol(model, enc):
     """One box by hand: x from the region head on the prompt's last hidden state, fed back as an
-    encoded coordinate; y from the next; then the size (log-scale bins); box = centre +- size/2."""
+    encoded coordinate; y from the next; then the size (log-scale bins); box = centre +- size/2;
+    score = P(coord) among {coord, eos} of the LM head on that first hidden state."""
     sd = ck.checkpoint("safetensors")[1]
     prompt = skills.object_prompt(model, "detect", "cup")
     cache = md3_text.KVCache(model.config.text, enc.pos + len(prompt) + 3, torch.float32, "cpu")
     cache.k[:, :, :, :enc.pos], cache.v[:, :, :, :enc.pos] = enc.k, enc.v
     fwd = lambda emb, p: md3_text.forward(emb, p, model.text_w, model.config.text, cache, model.ops)[0, -1]  # noqa: E731
     h = fwd(md3_text.embed(torch.tensor([prompt]), model.text_w), enc.pos)
+    lm = F.layer_norm(h, (h.shape[-1],), sd["text.post_ln.weight"], sd["text.post_ln.bias"]) @ sd["text.lm_head.weight"].T
+    lm = lm + sd["text.lm_head.bias"]
+    score = torch.softmax(lm[[model.config.tokenizer.coord_id, model.config.tokenizer.eos_id]].double(), 0)[0].item()
     x = int(_plain_region(model, h, "coord_head").argmax()) / 1024
     h = fwd(_plain_encode(sd, [x], "coord")[None], enc.pos + len(prompt))
     y = int(_plain_region(model, h, "coord_head").argmax()) / 1024
@@ -83,7 +87,8 @@ def test_detect_follows_the_region_protocol(model, enc):
     w, hh = (2.0 ** (b / 1023 * 10 - 10) for b in bins)
     box = model.detect(enc, "cup", max_objects=1)["objects"][0]
     want = {"x_min": x - w / 2, "y_min": y - hh / 2, "x_max": x + w / 2, "y_max": y + hh / 2}
-    assert box == pytest.approx({k: min(max(v, 0.0), 1.0) for k, v in want.items()}, abs=1e-6)
+    want = {k: min(max(v, 0.0), 1.0) for k, v in want.items()}
+    assert box == pytest.approx({**want, "score": score}, abs=1e-6)
 
 
 def test_segment_follows_its_prompt_protocol(model, enc, monkeypatch):

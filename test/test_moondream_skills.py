@@ -44,15 +44,17 @@ def _in_unit(*vals):
 
 def check_boxes_and_points(model, enc, n_objects: int, n_points: int) -> None:
     """detect and point give exactly n_objects boxes and n_points points (the tiny checkpoints' biased
-    LM head never says eos), ordered boxes, all values in [0, 1] (also Moondream 3's tests' check)."""
+    LM head never says eos), ordered boxes, all values in [0, 1], each object with its score, a
+    probability (at least 0.5: greedy decoding went on) (also Moondream 3's tests' check)."""
     det = model.detect(enc, "cup", max_objects=n_objects)
     assert set(det) == {"objects"} and len(det["objects"]) == n_objects
     for o in det["objects"]:
-        assert set(o) == {"x_min", "y_min", "x_max", "y_max"} and _in_unit(*o.values())
-        assert o["x_min"] <= o["x_max"] and o["y_min"] <= o["y_max"]
+        assert set(o) == {"x_min", "y_min", "x_max", "y_max", "score"} and _in_unit(*o.values())
+        assert o["x_min"] <= o["x_max"] and o["y_min"] <= o["y_max"] and o["score"] >= 0.5
     pts = model.point(enc, "cup", max_objects=n_points)
     assert set(pts) == {"points"} and len(pts["points"]) == n_points
-    assert all(set(p) == {"x", "y"} and _in_unit(*p.values()) for p in pts["points"])
+    assert all(set(p) == {"x", "y", "score"} and _in_unit(*p.values()) and p["score"] >= 0.5
+               for p in pts["points"])
 
 
 def test_all_skills_well_formed(model, enc):
@@ -176,6 +178,41 @@ def test_hidden_before_post_ln(model, enc):
     lm_w, lm_b = model.text_w.lm_head
     expect = torch.nn.functional.layer_norm(h, (h.shape[-1],), ln_w, ln_b) @ lm_w.T + lm_b
     torch.testing.assert_close(text.lm_logits(h, model.text_w, model.ops), expect, rtol=1e-4, atol=1e-4)
+
+
+def test_scores_are_the_probability_of_another_object(model, enc, monkeypatch):
+    """An object's score is P(coord) among {coord, eos} at its boundary, computed here by hand from
+    each boundary's hidden state and the checkpoint file's post_ln and LM head. Setting coord's LM
+    bias to eos's + margin moves every score to sigmoid(hidden-state gap + margin) and leaves the
+    points as they were (the hidden states do not depend on the LM head); a margin below every
+    boundary's gap ends the list at its first boundary."""
+    n = 3
+    spy = Spy(monkeypatch)
+    base = model.point(enc, "cup", max_objects=n)["points"]
+    hidden = torch.cat([args[0] for name, args, _ in spy.events if name == "lm_logits"]).double()
+    assert hidden.shape[0] == n + 1                        # n boundaries that went on, and the budget's
+    sd = _region_weights(mf.checkpoint())
+    h = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), sd["text.post_ln.weight"].double(),
+                                       sd["text.post_ln.bias"].double())
+    w, b = sd["text.lm_head.weight"].double(), sd["text.lm_head.bias"].double()
+    gap = h @ (w[mf.COORD_ID] - w[mf.EOS_ID])             # l_coord - l_eos without the biases
+
+    def expected(bias_gap: float) -> list[float]:
+        return torch.sigmoid(gap + bias_gap)[:n].tolist()
+
+    assert [p["score"] for p in base] == pytest.approx(expected(float(b[mf.COORD_ID] - b[mf.EOS_ID])), abs=1e-6)
+    weight, bias = model.text_w.lm_head
+    for margin in (1.0, 2.5):
+        shifted = bias.clone()
+        shifted[mf.COORD_ID] = bias[mf.EOS_ID] + margin
+        monkeypatch.setattr(model.text_w, "lm_head", (weight, shifted))
+        got = model.point(enc, "cup", max_objects=n)["points"]
+        assert [(p["x"], p["y"]) for p in got] == [(p["x"], p["y"]) for p in base]
+        scores = [p["score"] for p in got]
+        assert scores == pytest.approx(expected(margin), abs=1e-5)
+        assert 0.5 <= min(scores) and max(scores) < 0.999 and max(scores) - min(scores) > 0.05
+    shifted[mf.COORD_ID] = bias[mf.EOS_ID] - gap.max().item() - 0.5
+    assert model.point(enc, "cup", max_objects=n) == {"points": []}
 
 
 @pytest.mark.parametrize("skill,steps", [("detect", 3), ("point", 2)])

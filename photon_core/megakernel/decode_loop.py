@@ -28,8 +28,9 @@ states then hold those extra steps: a request's decode state is spent when its l
 family here uses it).
 
 `pick` may record more than the token: a [B, width] int32 record per row and step (column 0 the
-token fed on), e.g. Moondream's token, coordinate bin and size bins; a family with its own stopping
-protocol drives `run_round` and reads the records itself.
+token fed on), e.g. Moondream's token, coordinate bin, size bins and its object score (a float32's
+bits, so the round stays one read); a family with its own stopping protocol drives `run_round` and
+reads the records itself.
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ The object protocol (detect, point): at an object boundary the LM head only deci
 another object follows (coord or eos); the coordinates and sizes come from the region heads reading
 the same last hidden state, and are fed back as the next input embedding: 3 decode steps per box
 (x, y, size), 2 per point. Inside an object the tokens are fixed, so the LM head is skipped there.
+Each object's "score" is the probability the LM head gave to `coord` at its boundary
+(object_score.py), read from the same logits on every stepper.
 
     images -> model.encode_images (distinct images once, together)
     each request: its image's K/V copied into its row of one batch cache, its prompt prefilled
@@ -27,7 +29,7 @@ import torch
 
 from photon_core.runtime.requests import Request
 
-from . import skills, text
+from . import object_score, skills, text
 
 if TYPE_CHECKING:
     from .model import EncodedImage, MoondreamModel
@@ -49,6 +51,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     x: float = 0.0
     y: float = 0.0
+    score: float = 0.0                   # the object in progress: P(coord) at its boundary
     done: bool = False
     reported: int = 0                    # objects or tokens the caller's progress has heard of
 
@@ -167,7 +170,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
     asks = [i for i, r in enumerate(rows) if r.phase in (BOUNDARY, TOKEN)]
     greedy = dict(zip(asks, heads.tokens(asks))) if asks else {}
 
-    coord_rows, tokens = [], {}
+    coord_rows, tokens, starts = [], {}, []
     for i, row in enumerate(rows):
         if row.phase == BOUNDARY:
             if (len(row.objects) >= row.request.max_objects or row.pos + row.steps > row.length
@@ -175,6 +178,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
                 row.done = True
             else:
                 coord_rows.append(i)          # x from this same hidden state
+                starts.append(i)
         elif row.phase == COORD_Y:
             coord_rows.append(i)
         elif row.phase == TOKEN:
@@ -186,6 +190,9 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
             else:
                 tokens[i] = tok
 
+    if starts:
+        for i, p in zip(starts, heads.boundary_scores(starts)):
+            rows[i].score = p
     size_rows = [i for i, r in enumerate(rows) if r.phase == SIZE]
     if coord_rows:
         values = heads.coords(coord_rows)
@@ -196,7 +203,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
             else:
                 row.y = v
                 if row.request.task == "point":
-                    row.objects.append({"x": _clamp(row.x), "y": _clamp(v)})
+                    row.objects.append({"x": _clamp(row.x), "y": _clamp(v), "score": row.score})
                     row.phase = BOUNDARY
                 else:
                     row.phase = SIZE
@@ -208,7 +215,8 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
             row = rows[i]
             # The reference leaves boxes unclamped; ours are clamped to the image.
             row.objects.append({"x_min": _clamp(row.x - w / 2), "y_min": _clamp(row.y - h / 2),
-                                "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2)})
+                                "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2),
+                                "score": row.score})
             row.phase = BOUNDARY
         if embed:
             nxt[size_rows] = model.region_impl.encode_sizes(sizes, rw, ops)
@@ -265,7 +273,7 @@ class OpsStepper:
 
 class OpsHeads:
     """What one step's hidden states [rows, dim] (before post_ln) say, each head run once for the
-    rows that ask: the masked greedy token, the logits, a coordinate, a size."""
+    rows that ask: the masked greedy token, the logits, an object's score, a coordinate, a size."""
 
     def __init__(self, model: "MoondreamModel", hidden: torch.Tensor, masks: torch.Tensor) -> None:
         self.model, self.hidden, self.masks = model, hidden, masks
@@ -279,6 +287,12 @@ class OpsHeads:
 
     def logits(self, row: int) -> torch.Tensor:
         return self._logits[row]
+
+    def boundary_scores(self, rows: list[int]) -> list[float]:
+        """P(coord) at the boundaries of `rows` (object_score), from the logits tokens() made."""
+        tk = self.model.config.tokenizer
+        logits = torch.stack([self._logits[i] for i in rows])
+        return object_score.continue_probability(logits, tk.coord_id, tk.eos_id).tolist()
 
     def coords(self, rows: list[int]) -> list[float]:
         return self.model.region_impl.decode_coords(self.hidden[rows], self.model.region_w, self.model.ops)

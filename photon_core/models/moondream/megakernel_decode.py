@@ -39,7 +39,7 @@ from photon_core.megakernel.compiler import Tiling
 from photon_core.megakernel.decode_loop import DeviceDecode
 from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from photon_core.models.moondream import batch as batch_decoding
-from photon_core.models.moondream import object_rounds, skills
+from photon_core.models.moondream import object_rounds, object_score, skills
 from photon_core.models.moondream.batch import Request
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
 
@@ -237,24 +237,32 @@ class MegakernelStepper:
         for slot, p in zip(self.slots, positions):
             pos[slot] = p
         res = self.mk.step(emb, pos, region_heads=self.region_heads)
-        return MegakernelHeads(res, list(self.slots), self.mk, self.n_bins)
+        return MegakernelHeads(res, list(self.slots), self.mk, self.n_bins, self.fm.config.tokenizer)
 
     def keep(self, rows: list[int]) -> None:
         self.slots = [self.slots[i] for i in rows]
 
 
 class MegakernelHeads:
-    """One launch's results, by request row: the in-kernel masked argmax, the biased logits, and the
-    coordinate/size bins turned into values with the region heads' exact arithmetic."""
+    """One launch's results, by request row: the in-kernel masked argmax, the biased logits (and the
+    objects' scores from them), and the coordinate/size bins turned into values with the region
+    heads' exact arithmetic."""
 
-    def __init__(self, res: StepResult, slots: list[int], mk: MoondreamDecoderMegakernel, n_bins: int) -> None:
-        self.res, self.slots, self.mk, self.n_bins = res, slots, mk, n_bins
+    def __init__(self, res: StepResult, slots: list[int], mk: MoondreamDecoderMegakernel, n_bins: int,
+                 tokenizer: Any) -> None:
+        self.res, self.slots, self.mk, self.n_bins, self.tk = res, slots, mk, n_bins, tokenizer
 
     def tokens(self, rows: list[int]) -> list[int]:
         return [self.res.tokens[self.slots[i]] for i in rows]
 
     def logits(self, row: int) -> torch.Tensor:
         return self.mk.logits[self.slots[row]].clone()
+
+    def boundary_scores(self, rows: list[int]) -> list[float]:
+        """P(coord) at the boundaries of `rows` (object_score) from this launch's biased logits
+        (read before the next launch overwrites them)."""
+        logits = self.mk.logits[[self.slots[i] for i in rows]]
+        return object_score.continue_probability(logits, self.tk.coord_id, self.tk.eos_id).tolist()
 
     def coords(self, rows: list[int]) -> list[float]:
         return [self.res.coord_bins[self.slots[i]] / self.n_bins for i in rows]

@@ -160,11 +160,12 @@ class MoondreamModel:
 
     # -- skills ------------------------------------------------------------------------------
     def detect(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
-        """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max"}]}, normalised to [0, 1]."""
+        """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max", "score"}]}, normalised to
+        [0, 1]; score: the model's probability of this object (object_score.py), in [0, 1]."""
         return self.batch([batch_decoding.Request("detect", image, object, max_objects)])[0]
 
     def point(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
-        """Points on `object`: {"points": [{"x", "y"}]}, normalised to [0, 1]."""
+        """Points on `object`: {"points": [{"x", "y", "score"}]}, normalised to [0, 1]; score as detect's."""
         return self.batch([batch_decoding.Request("point", image, object, max_objects)])[0]
 
     def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,

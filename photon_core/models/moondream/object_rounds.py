@@ -13,11 +13,15 @@ Here the protocol's input side runs on the device. Each row's phase is a device 
 After each launch device ops choose that input from the launch's results (token, coordinate bin,
 width and height bins) and advance the phase; the results are recorded per step (decode_loop), and
 the host reads a round of them at once and runs batch._advance on each step's record, as it runs
-on the heads of a host-driven step. The encoders get the values the host's heads would give them
-(tables of bin / bins and of the size rule, computed by the host's own arithmetic); they encode all
-rows at once, so their matmuls round as a batch of B rows does (a host-driven step encodes the rows
-that need it: the last bit can differ, as it does between a request alone and in a batch). The
-objects and text are the host-driven path's (bins are argmaxes; the tests compare them exactly).
+on the heads of a host-driven step. Each record also carries the step's object score (P(coord)
+among {coord, eos} of the launch's logits, object_score.py) as its float32 bits in a fifth int32
+column: computed on the device by the host-driven heads' own function, and read in the round's
+one read, where a separate float history would cost a second. The encoders get the values the
+host's heads would give them (tables of bin / bins and of the size rule, computed by the host's
+own arithmetic); they encode all rows at once, so their matmuls round as a batch of B rows does (a
+host-driven step encodes the rows that need it: the last bit can differ, as it does between a
+request alone and in a batch). The objects and text are the host-driven path's (bins are argmaxes;
+the tests compare them exactly); the scores agree to float rounding.
 
 A round runs to the next decision point of the object rows: a row inside an object needs its
 remaining steps for sure, and only a boundary step can end it. The first round after the prompt
@@ -39,7 +43,7 @@ import torch
 from photon_core.megakernel.decode_loop import DeviceDecode
 
 from . import batch as batch_decoding
-from . import skills
+from . import object_score, skills
 from .batch import BOUNDARY, COORD_Y, SIZE, TOKEN
 
 if TYPE_CHECKING:
@@ -78,13 +82,18 @@ class ObjectRounds:
         # graph's capture forbids.
         order = torch.tensor([cols.index(c) for c in ("token", "coord", "width", "height")], device=dev)
         out = mk.out.view(B, len(cols))
-        self.loop = DeviceDecode(mk, pick=lambda: out.index_select(1, order), feed=self._feed, width=4,
-                                 chunk=CHUNK, cuda_graphs=cuda_graphs)
+        logits, tk = mk.logits, fm.config.tokenizer
+
+        def pick() -> torch.Tensor:
+            score = object_score.continue_probability(logits, tk.coord_id, tk.eos_id)
+            return torch.cat([out.index_select(1, order), object_score.to_bits(score)[:, None]], dim=1)
+        self.loop = DeviceDecode(mk, pick=pick, feed=self._feed, width=5, chunk=CHUNK, cuda_graphs=cuda_graphs)
 
     def _feed(self, rec: torch.Tensor) -> None:
-        """The next input of every row and its next phase, from this launch's results (device ops)."""
+        """The next input of every row and its next phase, from this launch's results (device ops):
+        rec [B, 4 or more], its columns token, coordinate bin, width bin, height bin (then the score)."""
         m, fm = self.fm.model, self.fm
-        tok, coord, width, height = rec.long().unbind(1)
+        tok, coord, width, height = rec[:, :4].long().unbind(1)
         ph = self.phase
         starts = (ph == 0) & (tok == fm.config.tokenizer.coord_id)
         coord_in = (starts | (ph == 1))[:, None, None]
@@ -112,13 +121,17 @@ class ObjectRounds:
 
 
 class RecordedHeads:
-    """One recorded step's results, answering batch._advance as a host-driven step's heads do."""
+    """One recorded step's results (token, coordinate bin, size bins, score bits), answering
+    batch._advance as a host-driven step's heads do."""
 
     def __init__(self, records: list[list[int]], slots: list[int], n_bins: int) -> None:
         self.records, self.slots, self.n_bins = records, slots, n_bins
 
     def tokens(self, rows: list[int]) -> list[int]:
         return [self.records[self.slots[i]][0] for i in rows]
+
+    def boundary_scores(self, rows: list[int]) -> list[float]:
+        return [object_score.from_bits(self.records[self.slots[i]][4]) for i in rows]
 
     def coords(self, rows: list[int]) -> list[float]:
         return [self.records[self.slots[i]][1] / self.n_bins for i in rows]
