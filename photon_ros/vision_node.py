@@ -509,7 +509,8 @@ class VisionNode(ManagedNode):
         return response
 
     def destroy_node(self) -> None:
-        self.actions.destroy()
+        if hasattr(self, "actions"):   # absent when __init__ refused a parameter
+            self.actions.destroy()
         super().destroy_node()
 
     # --- diagnostics ----------------------------------------------------------------------------
