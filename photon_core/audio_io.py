@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import struct
 import wave
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -42,15 +44,16 @@ def pcm_to_float(samples: np.ndarray) -> np.ndarray:
     raise ValueError(f"unsupported audio dtype {samples.dtype}")
 
 
-def check_float_samples(samples: np.ndarray, source: str) -> None:
+def check_float_samples(samples: np.ndarray, source: str, first_frame: int = 0) -> None:
     """AudioFileError naming `source` when float samples hold NaN, infinities or values no audio
-    has (beyond MAX_FLOAT_SAMPLE); integer PCM always passes."""
+    has (beyond MAX_FLOAT_SAMPLE); integer PCM always passes. `first_frame`: the file's frame
+    number of samples[0] (a block of a longer file), so the message points into the file."""
     samples = np.asarray(samples)
     if not np.issubdtype(samples.dtype, np.floating) or samples.size == 0:
         return
     finite = np.isfinite(samples)
     if not finite.all():
-        bad = int(np.argmin(finite.reshape(len(samples), -1).all(axis=1)))
+        bad = first_frame + int(np.argmin(finite.reshape(len(samples), -1).all(axis=1)))
         raise AudioFileError(f"{source}: holds NaN or infinite samples ({int((~finite).sum())} of "
                              f"them, the first in frame {bad}): not audio")
     peak = float(np.abs(samples).max())
@@ -91,6 +94,17 @@ class _Unsupported(Exception):
 
 
 def _read_riff_wave(f, path: Path) -> tuple[np.ndarray, int]:
+    fmt, size = _seek_data(f, path)
+    try:
+        dtype, width, channels, rate = _parse_fmt(fmt, path)
+    except _Unsupported as err:
+        return _read_with_soundfile(path, str(err))
+    return _read_data(f, size, dtype, width, channels, path), rate
+
+
+def _seek_data(f, path: Path) -> tuple[bytes, int]:
+    """Walks the chunks after "RIFF....WAVE" to the data chunk: (the fmt chunk's bytes, the data
+    size its header declares), the file positioned at the first sample."""
     fmt = None
     while True:
         header = f.read(8)
@@ -106,11 +120,7 @@ def _read_riff_wave(f, path: Path) -> tuple[np.ndarray, int]:
         elif chunk_id == b"data":
             if fmt is None:
                 raise AudioFileError(f"{path}: a damaged WAV file (data before the fmt chunk)")
-            try:
-                dtype, width, channels, rate = _parse_fmt(fmt, path)
-            except _Unsupported as err:
-                return _read_with_soundfile(path, str(err))
-            return _read_data(f, size, dtype, width, channels, path), rate
+            return fmt, size
         else:
             f.seek(size + (size & 1), 1)
 
@@ -191,3 +201,121 @@ def write_wav(path: str | Path, samples: np.ndarray, rate: int) -> None:
         f.setsampwidth(2)
         f.setframerate(int(rate))
         f.writeframes(samples.astype("<i2").tobytes())
+
+
+# Frames per block when a stream's caller does not say: 2**16 (4 s at 16 kHz, 0.34 s at 192 kHz),
+# a few MB at most for any channel count a file is likely to hold.
+STREAM_BLOCK_FRAMES = 1 << 16
+
+
+class AudioStream(ABC):
+    """An audio file read block by block, for files too long to hold whole: each `blocks()` call
+    reads it from the start again (a caller may make two passes), each block as `read_wav` would
+    give that stretch of the file ([n] mono or [n, channels], the same dtypes), float blocks
+    checked as read_wav checks the whole file. Open one with `open_audio_stream`."""
+
+    def __init__(self, path: Path, rate: int, channels: int, frames: int):
+        self.path = path
+        self.rate = rate
+        self.channels = channels
+        self.frames = frames   # whole frames that will be read
+
+    @abstractmethod
+    def blocks(self, frames: int = STREAM_BLOCK_FRAMES) -> Iterator[np.ndarray]:
+        """The file's samples from its start, `frames` frames a block (the last one shorter)."""
+
+
+class _RiffStream(AudioStream):
+    def __init__(self, path: Path, rate: int, channels: int, frames: int, offset: int,
+                 dtype: np.dtype | None, width: int):
+        super().__init__(path, rate, channels, frames)
+        self._offset, self._dtype, self._width = offset, dtype, width
+
+    def blocks(self, frames: int = STREAM_BLOCK_FRAMES) -> Iterator[np.ndarray]:
+        if frames <= 0:
+            raise ValueError(f"frames per block must be positive, got {frames}")
+        frame_bytes = self._width * self.channels
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                done = 0
+                while done < self.frames:
+                    n = min(frames, self.frames - done)
+                    raw = f.read(n * frame_bytes)
+                    if len(raw) < n * frame_bytes:   # the file changed since it was opened
+                        raise AudioFileError(f"{self.path}: ended after {done + len(raw) // frame_bytes} "
+                                             f"of its {self.frames} frames while being read")
+                    samples = (_int24(raw) if self._dtype is None
+                               else np.frombuffer(raw, dtype=self._dtype))
+                    if self._dtype is not None and self._dtype.kind == "f":
+                        samples = samples.astype(np.float32, copy=False)
+                    if self.channels > 1:
+                        samples = samples.reshape(-1, self.channels)
+                    check_float_samples(samples, str(self.path), first_frame=done)
+                    yield samples
+                    done += n
+        except OSError as err:
+            raise AudioFileError(f"{self.path}: cannot read it ({err.strerror or err})") from None
+
+
+class _SoundfileStream(AudioStream):
+    def blocks(self, frames: int = STREAM_BLOCK_FRAMES) -> Iterator[np.ndarray]:
+        if frames <= 0:
+            raise ValueError(f"frames per block must be positive, got {frames}")
+        import soundfile
+        done = 0
+        try:
+            with soundfile.SoundFile(str(self.path)) as f:
+                while done < self.frames:
+                    samples = f.read(min(frames, self.frames - done), dtype="float32", always_2d=False)
+                    if len(samples) == 0:
+                        break
+                    check_float_samples(samples, str(self.path), first_frame=done)
+                    yield samples
+                    done += len(samples)
+        except RuntimeError as err:   # soundfile's errors derive from it
+            raise AudioFileError(f"{self.path}: cannot read it ({err})") from None
+
+
+def open_audio_stream(path: str | Path) -> AudioStream:
+    """`read_wav`'s files (the same formats, errors and warnings) as an AudioStream: the header is
+    read and checked now, the samples only as blocks are asked for, so memory does not grow with
+    the file's length."""
+    path = Path(path)
+    if path.is_dir():
+        raise AudioFileError(f"{path}: is a directory, not an audio file")
+    why = "not a RIFF/WAVE file"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+            if len(head) == 12 and head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+                fmt, declared = _seek_data(f, path)
+                try:
+                    dtype, width, channels, rate = _parse_fmt(fmt, path)
+                except _Unsupported as err:
+                    why = str(err)
+                else:
+                    offset = f.tell()
+                    available = f.seek(0, 2) - offset
+                    frame = width * channels
+                    whole = min(declared, available) // frame * frame
+                    if whole < declared:   # read_wav's warning for a file cut short
+                        _log.warning("%s: the audio data ends after %d of the %d bytes its header "
+                                     "declares (%d byte(s) of a partial frame dropped): read %d whole "
+                                     "frames", path, min(declared, available), declared,
+                                     min(declared, available) - whole, whole // frame)
+                    return _RiffStream(path, rate, channels, whole // frame, offset, dtype, width)
+    except FileNotFoundError:
+        raise AudioFileError(f"{path}: no such file") from None
+    except OSError as err:
+        raise AudioFileError(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        import soundfile
+    except ImportError:
+        raise AudioFileError(f"{path}: {why}; install soundfile to read other formats, or convert "
+                             f"it with `sox {path} -e signed-integer -b 16 out.wav`") from None
+    try:
+        info = soundfile.info(str(path))
+    except RuntimeError as err:
+        raise AudioFileError(f"{path}: {why}, and soundfile cannot read it either ({err})") from None
+    return _SoundfileStream(path, int(info.samplerate), int(info.channels), int(info.frames))

@@ -6,18 +6,24 @@ import json
 import sys
 
 from photon_core import cli_checks
-from photon_core.audio_io import read_wav
+from photon_core.audio_io import AudioFileError, open_audio_stream, read_wav
 from photon_core.cli_checks import UserError
 
 
 def _run(args: argparse.Namespace) -> int:
-    audio, rate = read_wav(args.file)   # its errors name the file
+    stream = open_audio_stream(args.file)   # the header now: its errors name the file
     # Any family that transcribes: the checkpoint given with --model decides which.
     model = cli_checks.load_model(args.model, args.device, args.dtype, ("transcribe",))
+    options = {"language": args.language, "timestamps": not args.no_timestamps,
+               "initial_prompt": args.initial_prompt}
     try:
-        result = model.transcribe(audio, rate, language=args.language,
-                                  timestamps=not args.no_timestamps,
-                                  initial_prompt=args.initial_prompt)
+        if hasattr(model, "transcribe_stream"):   # memory independent of the file's length
+            result = model.transcribe_stream(stream, **options)
+        else:
+            audio, rate = read_wav(args.file)
+            result = model.transcribe(audio, rate, **options)
+    except AudioFileError:   # a bad sample found while streaming: its message names the file
+        raise
     except ValueError as err:   # the model's own checks: the audio, --language, --initial-prompt
         raise UserError(f"transcribe {args.file}: {err}") from err
     json.dump(result, sys.stdout, ensure_ascii=False, indent=2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -27,6 +27,22 @@ DEFAULT_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 # utterances, tiny.en, greedy with timestamps): WER 0.219 against the full context's 0.227
 # (2026-12-01); with a 1 s margin and 2 s steps 0.229. Without timestamp tokens the same cut lets
 # the decoder loop on short noisy clips (WER 0.72), so it applies to timestamped decoding only.
+#
+# The model was trained on 30 s contexts only: on a shortened one it can lose track of where the
+# audio ends. On some short commands its greedy decode then closes the text with a timestamp far
+# past the audio (18 s for a 1.2 s command in a 5 s context), never closes it (a repetition loop),
+# or reads the right words at a log-prob just under the fallback threshold. Any of these used to
+# send the window into temperature fallback on the same shortened context, where sampling at
+# temperatures up to 1.0 turns differences in the last bits of the features (the 16 kHz samples of
+# the same speech resampled from 16, 44.1, 48 or 192 kHz) into different words ("Go to the rent
+# up." / "Go turn the h blind") and segments ending past the audio. So a fitted window's first
+# decode is kept only when it is one the 30 s path would keep too (`fit_trusted`); otherwise the
+# window is encoded again on 30 s and decoded as openai-whisper would. On the speech set
+# (2026-12-02, 2-core CPU) 19 of its 82 fitted windows go back to 30 s; segments ending more than
+# 0.5 s past the audio went from 12 of 84 utterances to the 30 s path's own 3 (clipped in the
+# result); WER greedy 0.237 (0.242 before, full context 0.269), with temperature fallback 0.251
+# (0.246 before, full context 0.272; means of the set at 22.05 and 48 kHz, between which each
+# path's WER moves by 1-3 points).
 FIT_MARGIN_FRAMES = 200     # 2 s after the content: room for the closing timestamp
 FIT_STEP_FRAMES = 500       # 5 s steps: six encoder shapes in all (warm-up runs each)
 
@@ -71,32 +87,74 @@ class LongFormResult:
     no_speech_probs: list[float]
 
 
+def accepted(result: DecodeResult, opts: LongFormOptions) -> bool:
+    """Whether a window's decode is final: neither a loop nor a low-confidence guess, or an honest
+    "no speech" (high no-speech prob and low log-prob)."""
+    too_repetitive = (opts.compression_ratio_threshold is not None
+                      and result.compression_ratio > opts.compression_ratio_threshold)
+    low_logprob = opts.logprob_threshold is not None and result.avg_logprob < opts.logprob_threshold
+    silence = (opts.no_speech_threshold is not None and low_logprob
+               and result.no_speech_prob > opts.no_speech_threshold)
+    return silence or not (too_repetitive or low_logprob)
+
+
+def fit_trusted(result: DecodeResult, opts: LongFormOptions, content_frames: int,
+                timestamp_begin: int, input_stride: int) -> bool:
+    """Whether a fitted window's first decode stands: accepted at the first temperature, and no
+    timestamp past the window's audio by more than the fitted margin (one there means the
+    model lost track of where the audio ends)."""
+    last = (content_frames + FIT_MARGIN_FRAMES) // input_stride
+    return accepted(result, opts) and all(t - timestamp_begin <= last
+                                          for t in result.tokens if t >= timestamp_begin)
+
+
 def decode_with_fallback(decoder: WindowDecoder, cross: list, base: DecodeOptions,
                          opts: LongFormOptions, first: DecodeResult | None = None) -> DecodeResult:
-    """Decode at the first temperature whose result is neither a loop nor a low-confidence
-    guess; an honest "no speech" (high no-speech prob and low log-prob) is accepted as is.
+    """Decode at the first temperature whose result is `accepted`.
     `first`: the first temperature's result, already decoded (in a batch)."""
     result = None
     for i, t in enumerate(opts.temperatures):
         base.temperature = t
         result = first if i == 0 and first is not None else decoder.decode(None, base, cross=cross)
-        too_repetitive = (opts.compression_ratio_threshold is not None
-                          and result.compression_ratio > opts.compression_ratio_threshold)
-        low_logprob = (opts.logprob_threshold is not None
-                       and result.avg_logprob < opts.logprob_threshold)
-        silence = (opts.no_speech_threshold is not None and low_logprob
-                   and result.no_speech_prob > opts.no_speech_threshold)
-        if silence or not (too_repetitive or low_logprob):
+        if accepted(result, opts):
             break
     assert result is not None, "temperatures must not be empty"
     return result
 
 
-def encoder_window(mel: torch.Tensor, seek: int, content_frames: int, opts: LongFormOptions) -> torch.Tensor:
+class MelFrames(Protocol):
+    """Log-mel frames computed as they are asked for (stream_frontend.StreamedLogMel): `start`
+    never goes back from one call to the next."""
+
+    def frames(self, start: int, stop: int) -> torch.Tensor: ...
+
+
+def encoder_window(mel: torch.Tensor | MelFrames, seek: int, content_frames: int,
+                   opts: LongFormOptions) -> torch.Tensor:
     """The encoder's input [n_mels, frames] for the window starting at frame `seek`: up to 30 s of
     the first `content_frames` mel frames, zero-padded to 30 s or to its fitted context."""
     content = min(N_FRAMES, content_frames - seek)
-    return pad_or_trim(mel[:, seek:seek + content], opts.window_frames(content))
+    frames = mel[:, seek:seek + content] if isinstance(mel, torch.Tensor) else mel.frames(seek, seek + content)
+    return pad_or_trim(frames, opts.window_frames(content))
+
+
+class _LastEncoded:
+    """Cross-attention K/V of windows, remembering the last one: a window equal to the last one
+    encoded reuses its K/V (the encoder is a function of its input alone). Digital silence (a
+    muted microphone, a recording padded with zeros) gives the same window for as long as it
+    lasts, which then costs a decode each instead of a 30 s encode each."""
+
+    def __init__(self, net, encode: Callable[[torch.Tensor], torch.Tensor]):
+        self._net, self._encode = net, encode
+        self._window: torch.Tensor | None = None
+        self._cross: list = []
+
+    def cross(self, window: torch.Tensor) -> list:
+        last = self._window
+        if last is None or last.shape != window.shape or not torch.equal(last, window):
+            self._cross = self._net.cross_kv(self._encode(window[None]))
+            self._window = window
+        return self._cross
 
 
 def first_window_options(opts: LongFormOptions) -> DecodeOptions:
@@ -106,11 +164,13 @@ def first_window_options(opts: LongFormOptions) -> DecodeOptions:
 
 
 def transcribe_mel(decoder: WindowDecoder, encode: Callable[[torch.Tensor], torch.Tensor],
-                   mel: torch.Tensor, content_frames: int, opts: LongFormOptions,
+                   mel: torch.Tensor | MelFrames, content_frames: int, opts: LongFormOptions,
                    decode_context: Callable[[], ContextManager] = nullcontext,
                    first: tuple[list, DecodeResult] | None = None) -> LongFormResult:
     """`mel`: at least the first `content_frames` frames of
-    log_mel_spectrogram(audio, padding=N_SAMPLES) (see frontend.log_mel_content).
+    log_mel_spectrogram(audio, padding=N_SAMPLES) (see frontend.log_mel_content), whole or as
+    MelFrames (read window by window, in order: nothing kept but the current window's frames,
+    the segments and the tokens).
     `decode_context` wraps each window's decoding (e.g. a thread count other than the
     encoder's). `first`: the first window's cross K/V and its decode at the first temperature
     (`first_window_options`), computed beforehand (batched with other clips)."""
@@ -127,6 +187,7 @@ def transcribe_mel(decoder: WindowDecoder, encode: Callable[[torch.Tensor], torc
     segments: list[dict] = []
     no_speech_probs: list[float] = []
     seek = 0
+    encoded = _LastEncoded(decoder.net, encode)
     while seek < content_frames:
         time_offset = seek * HOP_LENGTH / SAMPLE_RATE
         segment_size = min(N_FRAMES, content_frames - seek)
@@ -134,11 +195,20 @@ def transcribe_mel(decoder: WindowDecoder, encode: Callable[[torch.Tensor], torc
         window = encoder_window(mel, seek, content_frames, opts)
         # encoder and cross K/V on all threads; decoding may run under `decode_context`
         done = first if seek == 0 else None
-        cross = done[0] if done else decoder.net.cross_kv(encode(window[None]))
+        cross = done[0] if done else encoded.cross(window)
+        first_result = done[1] if done else None
         base = DecodeOptions(language=opts.language, without_timestamps=not opts.timestamps,
                              prompt=all_tokens[prompt_reset_since:], generator=generator)
+        if window.shape[-1] < N_FRAMES:   # a fitted context: its first decode must earn its place
+            if first_result is None:
+                base.temperature = opts.temperatures[0]
+                with decode_context():
+                    first_result = decoder.decode(None, base, cross=cross)
+            if not fit_trusted(first_result, opts, segment_size, tb, input_stride):
+                cross = encoded.cross(pad_or_trim(window, N_FRAMES))
+                first_result = None
         with decode_context():
-            result = decode_with_fallback(decoder, cross, base, opts, done[1] if done else None)
+            result = decode_with_fallback(decoder, cross, base, opts, first_result)
         no_speech_probs.append(result.no_speech_prob)
         tokens = result.tokens
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from photon_core.audio_io import AudioStream
 from photon_core.backends import reference
 from photon_core.runtime.thread_tuner import ThreadTuner
 from photon_core.models.whisper.checkpoint import (
@@ -21,8 +23,9 @@ from .config import WhisperDims, name_from_dims
 from .decoding import WindowDecoder
 from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, prepare_audio
 from .longform import (DEFAULT_TEMPERATURES, FIT_STEP_FRAMES, LongFormOptions, LongFormResult,
-                       encoder_window, first_window_options, transcribe_mel)
+                       MelFrames, encoder_window, first_window_options, transcribe_mel)
 from .model import WhisperNet, WhisperWeights
+from .stream_frontend import StreamedLogMel, pcm_16k_blocks
 from .tokenizer import WhisperTokenizer
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -75,7 +78,9 @@ CPU_DEFAULT_QUANTIZE: str | None = "int8-decoder"
 # The CPU default encoder context: "fit" (a window with less than 30 s of audio is encoded with its
 # content + 2 s, in 5 s steps, when decoding with timestamps; longform.encoder_frames) passes the
 # accuracy rule on the broad speech set with timestamps (WER 0.219 vs the full context's 0.227,
-# bench/speech.py 2026-12-01) and cuts the encoder of a short command ~4x.
+# bench/speech.py 2026-12-01) and cuts the encoder of a short command ~4x. A fitted window whose
+# first decode the 30 s path would not keep is decoded on 30 s (longform.fit_trusted); with that
+# rule, 0.237 vs 0.269 greedy and 0.251 vs 0.272 with temperature fallback (2026-12-02, 2 cores).
 AUDIO_CONTEXTS = ("full", "fit")
 CPU_DEFAULT_AUDIO_CONTEXT = "fit"
 
@@ -269,18 +274,40 @@ class WhisperSpeech:
         start = time.perf_counter()
         pcm, mel, opts = self._prepare(audio, sample_rate, language, timestamps, initial_prompt, beam_size,
                                        temperature, condition_on_previous_text, longform_options)
+        raw = self._transcribe_frames(mel, mel.shape[-1], opts)
+        return self._result(raw, len(pcm) / SAMPLE_RATE, opts.language, start), raw
+
+    def transcribe_stream(self, stream: AudioStream, *, language: str | None = None,
+                          timestamps: bool = True, initial_prompt: str | None = None,
+                          beam_size: int = 1,
+                          temperature: float | Sequence[float] = DEFAULT_TEMPERATURES,
+                          condition_on_previous_text: bool = True) -> dict:
+        """`transcribe` of an audio file of any length opened with audio_io.open_audio_stream, with
+        the same result, in memory that does not grow with the file's length (beyond the
+        transcript): the file is read twice in blocks (once for its length and the log-mel floor,
+        once window by window) and only the current 30 s window's frames are held
+        (stream_frontend)."""
+        start = time.perf_counter()
+        opts = self._options(language, timestamps, initial_prompt, beam_size, temperature,
+                             condition_on_previous_text, {})
+        mel = StreamedLogMel(lambda: pcm_16k_blocks(stream), self.dims.n_mels)
+        raw = self._transcribe_frames(mel, mel.content_frames, opts)
+        return self._result(raw, mel.n_samples / SAMPLE_RATE, opts.language, start)
+
+    def _transcribe_frames(self, mel: torch.Tensor | MelFrames, content_frames: int,
+                           opts: LongFormOptions) -> LongFormResult:
+        """The long-form loop over the log-mel, after language detection where it is needed."""
         encode = self.encode
         if opts.language is None:
             # the first window's features serve both detection and decoding
-            first = [self.encode(encoder_window(mel, 0, mel.shape[-1], opts)[None])]
+            first = [self.encode(encoder_window(mel, 0, content_frames, opts)[None])]
             opts.language = self.detect_language(first[0])
 
             def encode(window: torch.Tensor) -> torch.Tensor:
                 return first.pop() if first else self.encode(window)
         with torch.inference_mode():
-            raw = transcribe_mel(self.decoder, encode, mel, mel.shape[-1], opts,
-                                 decode_context=lambda: _torch_threads(self.decoder_threads))
-        return self._result(raw, pcm, opts.language, start), raw
+            return transcribe_mel(self.decoder, encode, mel, content_frames, opts,
+                                  decode_context=lambda: _torch_threads(self.decoder_threads))
 
     def batch(self, requests: list[dict]) -> list[dict]:
         """Transcribe several clips (e.g. utterances from several microphones) in one go: result i
@@ -327,7 +354,7 @@ class WhisperSpeech:
             raw = transcribe_mel(self.decoder, self.encode, mel, mel.shape[-1], opts,
                                  decode_context=lambda: _torch_threads(self.decoder_threads),
                                  first=(own, firsts[j]))
-            results[i] = self._result(raw, pcm, opts.language, start)
+            results[i] = self._result(raw, len(pcm) / SAMPLE_RATE, opts.language, start)
 
     def _prepare(self, audio: np.ndarray, sample_rate: int, language: str | None, timestamps: bool,
                  initial_prompt: str | None, beam_size: int, temperature: float | Sequence[float],
@@ -335,29 +362,37 @@ class WhisperSpeech:
                  ) -> tuple[np.ndarray, torch.Tensor, LongFormOptions]:
         """Checked 16 kHz PCM, its log-mel (content frames only) and the long-form options
         (language None: still to be detected, multilingual models only)."""
+        opts = self._options(language, timestamps, initial_prompt, beam_size, temperature,
+                             condition_on_previous_text, longform_options)
+        pcm = prepare_audio(audio, sample_rate)
+        return pcm, log_mel_content(pcm, self.dims.n_mels), opts
+
+    def _options(self, language: str | None, timestamps: bool, initial_prompt: str | None,
+                 beam_size: int, temperature: float | Sequence[float], condition_on_previous_text: bool,
+                 longform_options: dict) -> LongFormOptions:
         if beam_size != 1:
             raise NotImplementedError("beam search is not implemented yet; use beam_size=1")
-        pcm = prepare_audio(audio, sample_rate)
-        mel = log_mel_content(pcm, self.dims.n_mels)
         if language is None and not self.tokenizer.multilingual:
             language = "en"
         prompt_tokens = (self.tokenizer.encode(" " + initial_prompt.strip())
                          if initial_prompt else [])
         temps = (temperature,) if isinstance(temperature, (int, float)) else tuple(temperature)
-        opts = LongFormOptions(language=language, timestamps=timestamps, temperatures=temps,
+        return LongFormOptions(language=language, timestamps=timestamps, temperatures=temps,
                                condition_on_previous_text=condition_on_previous_text,
                                initial_prompt_tokens=prompt_tokens, fit_context=self.audio_context == "fit",
                                **longform_options)
-        return pcm, mel, opts
 
-    def _result(self, raw: LongFormResult, pcm: np.ndarray, language: str, start: float) -> dict:
-        segments = [{"start": round(s["start"], 3), "end": round(s["end"], 3),
+    def _result(self, raw: LongFormResult, duration: float, language: str, start: float) -> dict:
+        # A timestamp token can point past the audio's end (the window's padding): segment times
+        # are kept within the audio (in whole ms, so rounding cannot pass its end either).
+        end_ms = math.floor(duration * 1000) / 1000
+        segments = [{"start": min(round(s["start"], 3), end_ms), "end": min(round(s["end"], 3), end_ms),
                      "text": s["text"].strip()} for s in raw.segments if s["text"].strip()]
         return {
             "text": self.tokenizer.decode(raw.tokens).strip(),
             "segments": segments,
             "language": language,
-            "duration": len(pcm) / SAMPLE_RATE,
+            "duration": duration,
             "processing_time": time.perf_counter() - start,
             "no_speech_prob": min(raw.no_speech_probs) if raw.no_speech_probs else 1.0,
             "model_id": self.model_id,

@@ -1,0 +1,99 @@
+"""`python -m photon_core transcribe` streams long files (issue 26, item 8): its peak memory does not
+grow with the file's length. Two runs of the CLI, each in its own process, on WAVs written here
+block by block: 1 minute and 10 minutes of silence with a spoken command near the start and one
+near the end. The 10-minute run's peak RSS may exceed the 1-minute run's by less than
+STREAM_BOUND_MB; reading the whole file grew it by ~30 MB per minute (270 MB over these 9 minutes).
+Also checked: both commands read, at their places, and no segment past the audio."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+
+from photon_core.audio_io import read_wav
+
+from speech_audio import espeak_wav, words
+
+ROOT = Path(__file__).resolve().parents[1]
+RATE = 16000
+# What the streamed path holds besides the model, the same at any length: a read block (65536
+# frames), the resampler's piece (10 s of input with its filter's reach either side), up to two
+# 30 s pieces of 16 kHz samples and of mel frames, one window's features and cross K/V; under
+# 32 MB for any rate and channel count up to 192 kHz x 8 channels of float64. The other 32 MB is
+# for what differs between two runs of the same work (allocator, thread pools: 635-655 MB peaks
+# measured for 1 to 20 minutes of audio with tiny.en, 2026-12-02).
+STREAM_BOUND_MB = 64
+COMMANDS = ("Go to the kitchen.", "Turn left at the door.")
+
+
+def _command_16k(text: str, tmp_path: Path) -> np.ndarray:
+    out = tmp_path / f"{abs(hash(text))}.wav"
+    subprocess.run(["sox", str(espeak_wav(text, voice=None, speed=160)), "-r", str(RATE), str(out)], check=True)
+    return read_wav(out)[0]
+
+
+def _write_long_wav(path: Path, minutes: int, placed: list[tuple[float, np.ndarray]]) -> None:
+    """16-bit mono silence of `minutes`, with int16 clips at the given seconds, written a minute
+    at a time (never the whole file in memory)."""
+    total = minutes * 60 * RATE
+    silence = np.zeros(60 * RATE, np.int16)
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(RATE)
+        pos = 0
+        for at, clip in sorted(placed, key=lambda p: p[0]):
+            start = int(at * RATE)
+            while pos < start:
+                n = min(start - pos, len(silence))
+                f.writeframes(silence[:n].tobytes())
+                pos += n
+            f.writeframes(clip.tobytes())
+            pos += len(clip)
+        while pos < total:
+            n = min(total - pos, len(silence))
+            f.writeframes(silence[:n].tobytes())
+            pos += n
+
+
+def _start_cli(wav: Path) -> subprocess.Popen:
+    """The CLI on `wav`, its JSON into wav + .json, its stderr into wav + .err."""
+    with open(f"{wav}.json", "wb") as out, open(f"{wav}.err", "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "photon_core", "transcribe", str(wav)],
+                                cwd=ROOT, stdout=out, stderr=err)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, float]:
+    """(exit code, peak RSS in MB) of one CLI process: wait4 reports that child's own peak,
+    whatever else this test process started."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss / 1024
+
+
+def test_cli_peak_memory_does_not_grow_with_length(tmp_path):
+    first, last = (_command_16k(text, tmp_path) for text in COMMANDS)
+    runs = {}
+    for minutes in (1, 10):
+        wav = tmp_path / f"{minutes}min.wav"
+        _write_long_wav(wav, minutes, [(20.0, first), (minutes * 60 - 20.0, last)])
+        assert wav.stat().st_size == 44 + 2 * minutes * 60 * RATE
+        runs[minutes] = _start_cli(wav)   # both at once, to save time
+    peaks = {}
+    for minutes, proc in runs.items():
+        rc, peaks[minutes] = _finish(proc)
+        assert rc == 0, (tmp_path / f"{minutes}min.wav.err").read_text()
+        result = json.loads((tmp_path / f"{minutes}min.wav.json").read_text())
+        assert result["duration"] == minutes * 60
+        heard = words(result["text"])
+        assert {"kitchen", "left", "door"} <= set(heard), result["text"]
+        segments = result["segments"]
+        assert all(0 <= s["start"] <= s["end"] <= result["duration"] for s in segments), segments
+        # the last command's segment lies in the last window, the first in the first
+        assert segments[0]["end"] <= 30 + 2 and segments[-1]["start"] >= minutes * 60 - 30 - 2, segments
+    assert peaks[10] - peaks[1] < STREAM_BOUND_MB, peaks
