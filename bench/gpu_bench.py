@@ -1,7 +1,7 @@
 """GPU benchmark of the Triton kernels and the Whisper decode megakernel (random weights, real shapes).
 
-    bench/gpu.sh                      # H200/H100: gpu_proof.py, then this (--batches 1,8), in one 10-min call
-    python bench/gpu_bench.py --dry-run   # CPU, TRITON_INTERPRET=1, tiny shapes: checks the plumbing only
+    BENCH_OUT=$OUT bash bench/gpu.sh bench   # H200/H100: this with --batches 1,8 (device tool timeout_s 300)
+    python bench/gpu_bench.py --dry-run      # CPU, TRITON_INTERPRET=1, tiny shapes: checks the plumbing only
 
 Part 1, per-op: each Triton kernel against the PyTorch eager op at decode shapes.
 Part 2, per decode step of Whisper tiny.en's decoder (d 384, 6 heads, 4 layers, vocab 51864, fp32):
@@ -23,8 +23,6 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-
-from gpu_common import graphed, timer  # noqa: E402  (shared with gpu_proof.py)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -66,6 +64,7 @@ def bench_ops(args, dev, cuda: bool, d: int, vocab: int, t_self: int, t_enc: int
 
     from photon_core.backends import reference as ref
     from photon_core.backends.select import get_backend
+    from photon_core.gpu_proof.checks import timer
     tri = get_backend("triton", dev)
     eager = eager_ops()
     rows = []
@@ -105,6 +104,7 @@ def bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int, 
     import torch
 
     from photon_core.backends.select import get_backend
+    from photon_core.gpu_proof.checks import graphed, timer
     from photon_core.models.whisper.decoder_step import (WhisperDecoderMegakernel, reference_cross_kv,
                                                         reference_step, triton_perop_step)
     d, h = wt.d_model, wt.n_heads
@@ -130,7 +130,7 @@ def bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int, 
     for li, (k, v) in enumerate(kv):
         mk.view(f"L{li}.kcache").copy_(k)
         mk.view(f"L{li}.vcache").copy_(v)
-    got = mk.step(toks, pos)
+    mk.step(toks, pos)
     mk.kernel.raise_on_error()
     mk_err = ((mk.logits - want).abs().max() / want.abs().max()).item()
     mk_same = mk.out.tolist() == want.argmax(-1).tolist()

@@ -1,6 +1,6 @@
 """Latency of our Whisper against openai-whisper on the same weights, in one process.
 
-    python -m photon_core.models.whisper.bench [--runs 7] [--model whisper-tiny.en]
+    python bench/whisper_latency.py [--runs 7] [--model whisper-tiny.en]
 
 Speech comes from espeak-ng (~3 s and ~10 s commands). Runs are interleaved so that load from
 other processes hits every engine alike; medians (and minima, the better estimate on a machine
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import wave
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CLIPS = {
     "3s": ("Robot, please turn on the kitchen lights now.", 150),
@@ -36,9 +39,9 @@ def espeak(folder: Path, name: str, text: str, speed: int) -> tuple[np.ndarray, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import load_whisper
-    from .frontend import prepare_audio
-    from .transcribe import cpu_has_fast_bf16
+    from photon_core.models.whisper import load_whisper
+    from photon_core.models.whisper.frontend import prepare_audio
+    from photon_core.models.whisper.transcribe import cpu_has_fast_bf16
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=7)
