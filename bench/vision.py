@@ -51,14 +51,14 @@ def real_size_model(device: str, dtype: str):
     import moondream_fixtures
     from photon_core.backends import reference
     from photon_core.models.moondream.config import MoondreamConfig
-    from photon_core.models.moondream.model import MoondreamModel, _expected_shapes
+    from photon_core.models.moondream.model import MoondreamModel, expected_shapes
     from photon_core.models.moondream.tokenizer import MoondreamTokenizer
     from photon_core.models.moondream.weights import parse_dtype
 
     config = MoondreamConfig.from_dict({})
     torch_dtype = parse_dtype(dtype)
     state = {name: torch.randn(shape, device=device, dtype=torch_dtype) * 0.02
-             for name, shape in _expected_shapes(config).items()}
+             for name, shape in expected_shapes(config).items()}
     tokenizer_path = Path(tempfile.mkdtemp()) / "tokenizer.json"
     moondream_fixtures.build_tokenizer().save(str(tokenizer_path))
     return MoondreamModel(config, state, MoondreamTokenizer(tokenizer_path), reference,

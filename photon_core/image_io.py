@@ -1,8 +1,8 @@
 """Image files in and out for the command line: any format PIL reads, as 8-bit RGB.
 
 Sizes are checked from the header, before a pixel is decoded (a small file can declare a huge
-image), and deep images are scaled to 8 bits rather than clipped: PIL's own RGB conversion clips
-16-bit and float pixels, which turns a 16-bit PNG white.
+image); the pixels then become RGB as runtime.image_input converts any PIL image (deep images
+scaled to 8 bits rather than clipped).
 """
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-# PIL's own threshold for a suspected decompression bomb (it errors at twice this): 89 Mpixel,
-# far above any camera frame (the models resize to well under 1 Mpixel anyway).
-MAX_PIXELS = 89_478_485
+# The limit on pixels an image may have (PIL's decompression-bomb threshold; it errors at twice this).
+from photon_core.runtime.image_input import MAX_PIXELS, pil_to_rgb
 
 
 class ImageFileError(ValueError):
@@ -38,7 +37,7 @@ def read_image(path: str | Path, max_pixels: int = MAX_PIXELS) -> np.ndarray:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as im:
                 _check_size(path, im.size, max_pixels)
-                return _to_rgb8(im)
+                return pil_to_rgb(im)
     except Image.DecompressionBombError as err:
         # PIL refuses on its own at twice its threshold, in open(), before we see the size.
         found = re.search(r"\((\d+) pixels\)", str(err))
@@ -61,25 +60,6 @@ def _check_size(path: Path, size: tuple[int, int], max_pixels: int) -> None:
 def _too_large(path: Path, size: str, max_pixels: int) -> ImageFileError:
     return ImageFileError(f"{path}: {size}, over the limit of {max_pixels / 1e6:.0f} Mpixel: "
                           f"refused before decoding (scale it down)")
-
-
-def _to_rgb8(im) -> np.ndarray:
-    mode = im.mode
-    if mode.startswith("I;16") or mode in ("I", "F"):
-        # Single-channel deep images: 16-bit PNG / TIFF ("I;16*"; older PIL and some TIFFs give
-        # "I" holding 16-bit values) and float TIFF ("F", nominally 0..1).
-        x = np.asarray(im).astype(np.float32)
-        if mode == "F":
-            x = np.nan_to_num(x, nan=0.0) * 255.0
-        elif mode == "I" and x.size and x.max() > 65535:
-            x = x / 16843009.0   # a genuine 32-bit integer image: (2**32 - 1) / 255
-        else:
-            x = x / 257.0        # 65535 / 255
-        gray = np.clip(np.rint(x), 0, 255).astype(np.uint8)
-        return np.repeat(gray[..., None], 3, axis=-1)
-    # Every other mode (palette, grey, grey+alpha, CMYK, YCbCr, 16-bit RGB which PIL already
-    # reduces to 8 bits per channel) converts to RGB without loss of scale.
-    return np.asarray(im.convert("RGB"))
 
 
 def check_writable_image(path: str | Path) -> Path:

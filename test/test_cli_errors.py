@@ -116,7 +116,7 @@ def test_a_failed_drawing_keeps_the_result(image, tmp_path, capsys, monkeypatch)
 
 
 def test_an_internal_error_is_one_line_unless_debug(image, capsys, monkeypatch):
-    from photon_core.models.moondream import cli
+    from photon_core import cli_vision as cli
 
     def broken(*args):
         raise RuntimeError("shape mismatch\nin layer 3")

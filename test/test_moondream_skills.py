@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import moondream_fixtures as mf
 from photon_core.models.moondream import load_moondream, region, text
-from photon_core.models.moondream import cli as mdcli
+from photon_core import cli_vision as mdcli
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,9 @@ def test_reused_encoding_and_input_kinds_agree(model, image, enc):
 
 
 def test_bad_images_raise_value_error(model):
-    for bad in (np.zeros((0, 5, 3), np.uint8), np.zeros((5, 5, 3), np.float32), np.zeros((5, 5, 5), np.uint8), "x.png"):
+    # float32 0..255 (float images hold 0..1: runtime.image_input)
+    for bad in (np.zeros((0, 5, 3), np.uint8), np.full((5, 5, 3), 255, np.float32), np.zeros((5, 5, 5), np.uint8),
+                "x.png"):
         with pytest.raises(ValueError):
             model.detect(bad, "cup")
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from photon_core.runtime.chat_template import stop_ids
+from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
 from photon_core.weights.tensor_files import parse_dtype
 
@@ -51,14 +53,16 @@ class Gemma4Model:
 
     # -- image -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def encode_image(self, image: Any, channel_order: str = "rgb") -> EncodedImage:
+    def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
+        """Vision tower and projection (image input: runtime.image_input; BGR arrays need
+        channel_order="bgr")."""
         if isinstance(image, EncodedImage):
             if image.owner != id(self):
                 raise ValueError("this EncodedImage was made by another model; encode the image again")
             return image
         if self.config.vision is None:
             raise ValueError("this Gemma 4 checkpoint has no vision tower (no vision_config); ask text-only")
-        rgb = vision.to_rgb(image, channel_order)
+        rgb = to_rgb(image, channel_order)
         pixels, pos = vision.patchify(rgb, self.config.vision, self.prompter.max_soft_tokens)
         soft = vision.encode(pixels.to(self.device), pos.to(self.device), self.w, self.config.vision, self.ops)
         tokens = vision.project(soft, self.w, self.config.vision.eps, self.ops, self.dtype)
@@ -175,18 +179,6 @@ def caption_question(length: str) -> str:
     return CAPTIONS[length]
 
 
-def _eos_ids(folder: Path, cfg: Gemma4Config) -> tuple[int, ...]:
-    ids = set(cfg.text.eos_ids)
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        try:
-            value = json.loads(gen.read_text()).get("eos_token_id")
-        except ValueError as err:
-            raise ValueError(f"{gen} is unreadable: {err}") from err
-        ids |= set(value if isinstance(value, list) else [value] if value is not None else [])
-    return tuple(sorted(int(i) for i in ids))
-
-
 def load_gemma4(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                 backend: Any = None, model_id: str | None = None, tiling: Any = None,
                 max_len: int | None = None) -> Gemma4Model:
@@ -203,5 +195,6 @@ def load_gemma4(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     dtype, device = parse_dtype(dtype), torch.device(device)
     prompter = Gemma4Prompter(folder, cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id)
     state = weights_io.load_state(folder, cfg, dtype, device)
-    return Gemma4Model(cfg, state, prompter, backend, device, dtype, model_id or folder.name, _eos_ids(folder, cfg),
+    return Gemma4Model(cfg, state, prompter, backend, device, dtype, model_id or folder.name,
+                       tuple(sorted(stop_ids(folder, cfg.text.eos_ids))),
                        tiling, max_len)

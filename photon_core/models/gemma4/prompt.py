@@ -1,34 +1,18 @@
-"""Gemma 4 tokenizer and prompts: the checkpoint's tokenizer.json and chat template (rendered with
-jinja2 as transformers does); the image placeholder in the rendered text becomes
-[begin-of-image] + soft-token placeholders + [end-of-image] ids."""
+"""Gemma 4 tokenizer and prompts: the checkpoint's tokenizer.json and chat template
+(runtime.chat_template renders it as transformers does); the image placeholder in the rendered
+text becomes [begin-of-image] + soft-token placeholders + [end-of-image] ids."""
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from photon_core.runtime.chat_template import ChatTemplate, read_json, token_text
 
 CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
             "long": "Describe this image in detail."}
 DEFAULT_IMAGE_TOKEN = "<|image|>"
 DEFAULT_MAX_SOFT_TOKENS = 280
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path} is unreadable: {err}") from err
-    return data if isinstance(data, dict) else {}
-
-
-def _special_text(value) -> str | None:
-    if isinstance(value, dict):   # AddedToken as saved: {"content": ...}
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 class Gemma4Prompter:
@@ -39,25 +23,17 @@ class Gemma4Prompter:
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder}: a Gemma 4 checkpoint needs tokenizer.json next to its weights")
         self.tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        tc = _read_json(folder / "tokenizer_config.json")
-        proc = _read_json(folder / "processor_config.json")
-        template = None
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
-        elif isinstance(tc.get("chat_template"), str):
-            template = tc["chat_template"]
-        elif isinstance(proc.get("chat_template"), str):
-            template = proc["chat_template"]
-        if template is None:
-            raise FileNotFoundError(f"{folder}: no chat template (chat_template.jinja or tokenizer_config.json)")
-        self.template = _compile(template)
+        tc = read_json(folder / "tokenizer_config.json")
+        proc = read_json(folder / "processor_config.json")
+        self.template = ChatTemplate.from_folder(folder)
         extra = tc.get("extra_special_tokens") if isinstance(tc.get("extra_special_tokens"), dict) else {}
-        self.bos_token = _special_text(tc.get("bos_token")) or "<bos>"
-        self.image_token = (_special_text(tc.get("image_token")) or _special_text(extra.get("image_token"))
+        # Gemma's tokenizer class names <bos> when tokenizer_config.json does not.
+        self.template.special_tokens.setdefault("bos_token", "<bos>")
+        self.image_token = (token_text(tc.get("image_token")) or token_text(extra.get("image_token"))
                             or DEFAULT_IMAGE_TOKEN)
         # The image processor's settings: in processor_config.json (newer exports) or
         # preprocessor_config.json (older ones).
-        image_proc = proc.get("image_processor") or _read_json(folder / "preprocessor_config.json")
+        image_proc = proc.get("image_processor") or read_json(folder / "preprocessor_config.json")
         self.max_soft_tokens = int(image_proc.get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS))
         self.image_token_id, self.boi_id, self.eoi_id = image_token_id, boi_id, eoi_id
 
@@ -69,8 +45,7 @@ class Gemma4Prompter:
 
     def render(self, question: str, with_image: bool) -> str:
         content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": question}]
-        return self.template.render(messages=[{"role": "user", "content": content}], bos_token=self.bos_token,
-                                    add_generation_prompt=True, strftime_now=lambda f: datetime.now().strftime(f))
+        return self.template.render([{"role": "user", "content": content}], add_generation_prompt=True)
 
     def prompt_ids(self, question: str, n_image_tokens: int | None) -> list[int]:
         """The chat prompt for one user turn; with an image, its placeholder expanded to n soft tokens."""
@@ -86,16 +61,3 @@ class Gemma4Prompter:
         image = [self.boi_id] + [self.image_token_id] * n_image_tokens + [self.eoi_id]
         return self.encode(parts[0]) + image + self.encode(parts[1])
 
-
-def _compile(source: str):
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)

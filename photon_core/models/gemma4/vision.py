@@ -4,7 +4,6 @@ GELU MLP), k x k average pooling to soft tokens, and the projection into the tex
 from __future__ import annotations
 
 import math
-from typing import Union
 
 import numpy as np
 import torch
@@ -13,31 +12,8 @@ from PIL import Image
 from .config import VisionConfig
 
 Tensor = torch.Tensor
-ImageLike = Union[np.ndarray, Image.Image]
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 MAX_IMAGE_SIDE = 16384
-
-
-def to_rgb(image: ImageLike, channel_order: str = "rgb") -> np.ndarray:
-    """HxWx3 uint8 RGB from numpy (RGB/BGR, gray, RGBA) or PIL; clear errors otherwise."""
-    if isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))
-    if not isinstance(image, np.ndarray):
-        raise TypeError(f"image must be a numpy array or a PIL image, got {type(image).__name__}")
-    if image.dtype != np.uint8:
-        raise ValueError(f"image must be uint8, got {image.dtype}")
-    if image.ndim == 2:
-        image = np.repeat(image[:, :, None], 3, axis=2)
-    if image.ndim != 3 or image.shape[2] not in (3, 4):
-        raise ValueError(f"image must be HxW, HxWx3 or HxWx4, got shape {image.shape}")
-    if min(image.shape[:2]) < 1 or max(image.shape[:2]) > MAX_IMAGE_SIDE:
-        raise ValueError(f"image size {image.shape[1]}x{image.shape[0]} is outside 1..{MAX_IMAGE_SIDE} pixels a side")
-    image = image[:, :, :3]
-    if channel_order == "bgr":
-        image = image[:, :, ::-1]
-    elif channel_order != "rgb":
-        raise ValueError(f"channel_order must be 'rgb' or 'bgr', got {channel_order!r}")
-    return np.ascontiguousarray(image)
 
 
 def target_size(height: int, width: int, patch: int, max_patches: int, pool: int) -> tuple[int, int]:
@@ -63,6 +39,8 @@ def patchify(rgb: np.ndarray, cfg: VisionConfig, max_soft_tokens: int) -> tuple[
     """(pixels [N, 3 * p * p] in [0, 1], positions [N, 2] as (x, y)) of the resized image."""
     if max_soft_tokens not in SOFT_TOKEN_BUDGETS:
         raise ValueError(f"max_soft_tokens must be one of {SOFT_TOKEN_BUDGETS}, got {max_soft_tokens}")
+    if max(rgb.shape[:2]) > MAX_IMAGE_SIDE:
+        raise ValueError(f"image size {rgb.shape[1]}x{rgb.shape[0]} is over {MAX_IMAGE_SIDE} pixels a side")
     p = cfg.patch_size
     h, w = target_size(rgb.shape[0], rgb.shape[1], p, max_soft_tokens * cfg.pool ** 2, cfg.pool)
     if (h, w) != rgb.shape[:2]:

@@ -63,7 +63,7 @@ FAMILY = Family(
               "MoE/tau tensors",
     recognise=recognise,
     load=_load,
-    cli="photon_core.models.moondream.cli",
+    cli="photon_core.cli_vision",
     refuse=refuse,
     places=places,
     hints=(f"`huggingface-cli download {weights.HF_REPO}` gives moondream2",),

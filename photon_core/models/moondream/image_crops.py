@@ -12,10 +12,9 @@ import math
 import cv2
 import numpy as np
 
-try:  # PIL is optional for callers that only pass numpy arrays
-    from PIL import Image as _PILImage
-except ImportError:  # pragma: no cover
-    _PILImage = None
+# Image input (any array / PIL image -> [H, W, 3] uint8 RGB) is runtime.image_input's; the name
+# stays importable here for the tests written against it.
+from photon_core.runtime.image_input import to_rgb as to_rgb_array  # noqa: F401
 
 
 def select_tiling(height: int, width: int, crop_size: int, max_crops: int) -> tuple[int, int]:
@@ -35,35 +34,6 @@ def select_tiling(height: int, width: int, crop_size: int, max_crops: int) -> tu
         else:
             h_tiles = math.floor(max_crops / w_tiles)
     return (max(1, h_tiles), max(1, w_tiles))
-
-
-def to_rgb_array(image, channel_order: str = "rgb") -> np.ndarray:
-    """Any accepted image -> contiguous HxWx3 uint8 RGB. Raises ValueError for anything else."""
-    if _PILImage is not None and isinstance(image, _PILImage.Image):
-        if image.width == 0 or image.height == 0:
-            raise ValueError(f"image has zero size ({image.width}x{image.height})")
-        if channel_order != "rgb":
-            raise ValueError("channel_order applies to numpy arrays only; PIL images are RGB")
-        return np.asarray(image.convert("RGB"))
-    if not isinstance(image, np.ndarray):
-        raise ValueError(f"image must be a numpy array (HxWx3 uint8 RGB) or a PIL image, "
-                         f"got {type(image).__name__}")
-    if image.dtype != np.uint8:
-        raise ValueError(f"image must have dtype uint8, got {image.dtype}")
-    if image.ndim == 3 and image.shape[2] == 1:
-        image = image[:, :, 0]
-    if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
-        raise ValueError(f"image must be HxW (gray), HxWx3 (RGB) or HxWx4 (RGBA), got shape {image.shape}")
-    if image.shape[0] == 0 or image.shape[1] == 0:
-        raise ValueError(f"image has zero size (shape {image.shape})")
-    if channel_order not in ("rgb", "bgr"):
-        raise ValueError(f"channel_order must be 'rgb' or 'bgr', got {channel_order!r}")
-    if image.ndim == 2:
-        return np.ascontiguousarray(np.repeat(image[:, :, None], 3, axis=2))
-    bgr = channel_order == "bgr"
-    if image.shape[2] == 4:  # alpha is dropped, as PIL's convert("RGB") does
-        return cv2.cvtColor(image, cv2.COLOR_BGRA2RGB if bgr else cv2.COLOR_RGBA2RGB)
-    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB) if bgr else np.ascontiguousarray(image)
 
 
 def _resize(image: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+
+from photon_core.runtime.image_input import ImageLike, to_rgb
 
 from . import batch as batch_decoding
 from . import image_crops, region, skills, text, vision
@@ -28,10 +29,8 @@ class EncodedImage:
     owner: int  # id() of the model that made it: another model's cache would be meaningless
 
 
-ImageLike = Union[np.ndarray, Image.Image]  # HxWx3 uint8 RGB, HxW gray, HxWx4 RGBA, or PIL
-
-
-def _expected_shapes(cfg: MoondreamConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: MoondreamConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the config implies, with its shape (reference names)."""
     t, v, r = cfg.text, cfg.vision, cfg.region
     hd = t.dim // t.n_heads
     s: dict[str, tuple[int, ...]] = {}
@@ -71,7 +70,7 @@ def _expected_shapes(cfg: MoondreamConfig) -> dict[str, tuple[int, ...]]:
 
 def check_state(sd: dict[str, torch.Tensor], cfg: MoondreamConfig, source: str) -> None:
     """Every tensor the config implies is present with its shape; a clear error otherwise."""
-    expected = _expected_shapes(cfg)
+    expected = expected_shapes(cfg)
     missing = [k for k in expected if k not in sd]
     wrong = [f"{k}: {tuple(sd[k].shape)} != {v}" for k, v in expected.items() if k in sd and tuple(sd[k].shape) != v]
     if missing or wrong:
@@ -113,19 +112,19 @@ class MoondreamModel:
     def preprocess(self, image: ImageLike, channel_order: str = "rgb") -> tuple[np.ndarray, tuple[int, int]]:
         """Image -> (uint8 crops [1 + rows*cols, S, S, 3], tiling). Cheap: one resize per crop set."""
         v = self.config.vision
-        rgb = image_crops.to_rgb_array(image, channel_order)
+        rgb = to_rgb(image, channel_order)
         return image_crops.make_crops(rgb, v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops)
 
-    def encode_image(self, image, channel_order: str = "rgb") -> EncodedImage:
-        """numpy HxWx3 uint8 RGB (also HxW gray, HxWx4 RGBA, or a PIL image) -> EncodedImage.
-        BGR arrays (OpenCV, ROS bgr8) need channel_order="bgr"."""
+    def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
+        """Image (runtime.image_input: arrays, PIL) -> EncodedImage. BGR arrays (OpenCV, ROS bgr8)
+        need channel_order="bgr"."""
         if isinstance(image, EncodedImage):
             self._check_owner(image)
             return image
         return self.encode_images([image], channel_order)[0]
 
     @torch.inference_mode()
-    def encode_images(self, images: list, channel_order: str = "rgb") -> list[EncodedImage]:
+    def encode_images(self, images: list[ImageLike], channel_order: str = "rgb") -> list[EncodedImage]:
         """Several images in one pass, as serving several cameras wants: all their crops go through
         the vision encoder together and their [BOS][image] prefixes are prefilled as one batch."""
         if not images:

@@ -57,7 +57,7 @@ FAMILY = Family(
     recognise=recognise,
     load=_load,
     # The vision commands (detect, point, caption, query, segment) load any family's checkpoint.
-    cli="photon_core.models.moondream.cli",
+    cli="photon_core.cli_vision",
     refuse=refuse,
     places=places,
     hints=("`huggingface-cli download moondream/moondream3.1-9B-A2B` gives Moondream 3.1",),

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from photon_core.models.moondream.model import EncodedImage, ImageLike, MoondreamModel, open_checkpoint
+from photon_core.models.moondream import model as md2_model
+from photon_core.models.moondream.model import EncodedImage, MoondreamModel, open_checkpoint
 from photon_core.models.moondream.tokenizer import MoondreamTokenizer
-from photon_core.models.moondream.model import _expected_shapes as md2_expected_shapes
+from photon_core.runtime.image_input import ImageLike
 
 from . import region, segment, text
 from . import weights as weights_io
@@ -36,7 +37,7 @@ def expected_shapes(cfg: Moondream3Config) -> dict[str, tuple[int, ...]]:
     t, r = cfg.text, cfg.region
     hd = t.dim // t.n_heads
     # Vision, embedding, attention and dense MLP shapes are Moondream 2's; the region head is not.
-    s = {k: v for k, v in md2_expected_shapes(_as_md2(cfg)).items()
+    s = {k: v for k, v in md2_model.expected_shapes(_as_md2(cfg)).items()
          if not k.startswith("region.") and not (k.startswith("text.blocks.") and ".mlp." in k)}
     for i in range(t.n_layers):
         p = f"text.blocks.{i}."

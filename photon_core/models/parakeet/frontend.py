@@ -1,4 +1,5 @@
-"""Parakeet's audio front end: user PCM -> model-rate mono float32 -> normalised log-mel frames.
+"""Parakeet's audio front end: user PCM -> model-rate mono float32 (runtime.audio_frontend) ->
+normalised log-mel frames.
 
 The log-mel is NeMo's AudioToMelSpectrogramPreprocessor at inference (transformers'
 ParakeetFeatureExtractor computes the same): pre-emphasis, centred STFT with zero padding and a
@@ -12,19 +13,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from photon_core.models.whisper.frontend import mel_filterbank, resample, to_float_mono
+from photon_core.runtime.audio_frontend import mel_filterbank, prepare_audio
 
 from .config import FrontendConfig
 
-
-def prepare_audio(samples: np.ndarray, sample_rate: int, target: int) -> np.ndarray:
-    """Validated mono float32 at `target` Hz; ValueError naming what is wrong."""
-    valid = (isinstance(sample_rate, (int, float, np.integer, np.floating))
-             and not isinstance(sample_rate, bool) and np.isfinite(sample_rate)
-             and sample_rate > 0 and float(sample_rate).is_integer())
-    if not valid:
-        raise ValueError(f"sample_rate must be a positive whole number of Hz, got {sample_rate!r}")
-    return resample(to_float_mono(samples), int(sample_rate), target)
+__all__ = ["LogMel", "prepare_audio"]   # prepare_audio(samples, rate, target): the shared one
 
 
 class LogMel:

@@ -45,9 +45,9 @@ FAMILY = Family(
               "Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM",
     recognise=recognise,
     load=_load,
-    # caption/query on the command line are served by the first family declaring them (Moondream's
-    # cli.py), which loads whatever --model names; listing it here keeps them when alone.
-    cli="photon_core.models.moondream.cli",
+    # The vision commands are shared: the first family naming them registers them, and they load
+    # whatever --model names; naming them here keeps caption/query when this family is alone.
+    cli="photon_core.cli_vision",
     refuse=refuse,
     hints=("download a Qwen 3.5 checkpoint folder (e.g. `huggingface-cli download Qwen/Qwen3.5-0.8B`) "
            "and pass its path",),

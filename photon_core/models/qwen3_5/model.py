@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from photon_core.runtime.image_input import ImageLike
 from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
 from photon_core.weights.tensor_files import parse_dtype
 
@@ -46,13 +47,14 @@ class Qwen35Model:
 
     # ------------------------------------------------------------------ model pieces
 
-    def encode_image(self, image: Any) -> EncodedImage:
-        """Preprocess and run the vision encoder. ValueError for an unusable or too large image."""
+    def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
+        """Preprocess and run the vision encoder (image input: runtime.image_input; BGR arrays need
+        channel_order="bgr"). ValueError for an unusable or too large image."""
         if isinstance(image, EncodedImage):
             return image
         if self.vision_w is None:
             raise ValueError(f"{self.model_id} is a text-only Qwen 3.5 checkpoint: it cannot take images")
-        patches, (gh, gw) = vision.preprocess(image, self.preprocess)
+        patches, (gh, gw) = vision.preprocess(image, self.preprocess, channel_order)
         m = self.config.vision.merge
         n = gh * gw // (m * m)
         room = self.config.text.max_context - 64   # the chat turn around the image needs some tokens

@@ -1,36 +1,24 @@
 """Tokenizer, chat template and prompt layout from the checkpoint's own files.
 
-tokenizer.json is read with the `tokenizers` library; the chat template (chat_template.jinja,
-chat_template.json or tokenizer_config.json's "chat_template") is rendered with jinja2 the way
-transformers renders it. One <|image_pad|> placeholder per image is expanded to as many tokens as the
-merger gives, and the 3-D rotary positions of the prompt are laid out as the model was trained:
+tokenizer.json is read with the `tokenizers` library; the chat template is the checkpoint's own
+(runtime.chat_template renders it as transformers does). One <|image_pad|> placeholder per image is
+expanded to as many tokens as the merger gives, and the 3-D rotary positions of the prompt are laid out as the model was trained:
 text tokens advance all three axes together; an image's tokens sit at (start, start + row,
 start + col) and the text after it resumes at start + max(rows, cols).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from photon_core.runtime.chat_template import ChatTemplate, stop_ids
+
 CAPTION_PROMPTS = {"short": "Describe this image in one sentence.",
                    "normal": "Describe this image.",
                    "long": "Describe this image in detail."}
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
-
-
-def _read_template(folder: Path) -> str | None:
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        f = folder / name
-        if f.is_file():
-            template = json.loads(f.read_text()).get("chat_template")
-            if isinstance(template, str):
-                return template
-    return None
 
 
 class Prompts:
@@ -41,50 +29,19 @@ class Prompts:
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder}: no tokenizer.json (the Qwen 3.5 tokenizer is read from it)")
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.template_text = _read_template(folder)
-        if self.template_text is None:
-            raise FileNotFoundError(f"{folder}: no chat template (chat_template.jinja, chat_template.json or "
-                                    f"tokenizer_config.json 'chat_template')")
-        self.template = _compile(self.template_text)
-        self.stop_ids = self._stop_ids(folder, eos_from_config)
-
-    def _stop_ids(self, folder: Path, eos_from_config: Any) -> frozenset[int]:
-        ids: set[int] = set()
-        gen = folder / "generation_config.json"
-        for source in (json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None, eos_from_config):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, list):
-                ids.update(int(i) for i in source)
-        for tok in _STOP_TOKENS:
-            tid = self.tokenizer.token_to_id(tok)
-            if tid is not None:
-                ids.add(tid)
-        return frozenset(ids)
+        self.template = ChatTemplate.from_folder(folder)
+        self.stop_ids = stop_ids(folder, eos_from_config, self.tokenizer, _STOP_TOKENS)
 
     def chat_ids(self, question: str, with_image: bool) -> list[int]:
         """The user turn (an image first when given, then the question) and the assistant's opening,
         thinking switched off, as token ids with one placeholder per image."""
         content: Any = ([{"type": "image"}, {"type": "text", "text": question}] if with_image else question)
-        text = self.template.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True,
-                                    enable_thinking=False, tools=None, documents=None)
+        text = self.template.render([{"role": "user", "content": content}], add_generation_prompt=True,
+                                    enable_thinking=False)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _compile(source: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
 
 
 def expand_images(ids: list[int], image_token: int, counts: list[int]) -> list[int]:

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import VisionConfig
+from photon_core.runtime.image_input import ImageLike, to_rgb
 
-MAX_INPUT_PIXELS = 1 << 28   # beyond this an image is refused before any resampling
+from .config import VisionConfig
 
 
 @dataclass(frozen=True)
@@ -65,35 +65,12 @@ def target_size(height: int, width: int, pp: Preprocess) -> tuple[int, int]:
     return h, w
 
 
-def to_rgb(image: Any) -> np.ndarray:
-    """An RGB uint8 [H, W, 3] array from a PIL image or an array ([H, W], [H, W, 3|4], uint8 or float 0..1)."""
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        image = np.asarray(image.convert("RGB"))
-    arr = np.asarray(image)
-    if arr.ndim == 2:
-        arr = np.repeat(arr[..., None], 3, axis=-1)
-    if arr.ndim != 3 or arr.shape[-1] not in (3, 4) or arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise ValueError(f"image must be [H, W, 3] (RGB), got shape {arr.shape}")
-    arr = arr[..., :3]
-    if arr.dtype != np.uint8:
-        if not np.issubdtype(arr.dtype, np.floating):
-            raise ValueError(f"image must be uint8 or float in [0, 1], got {arr.dtype}")
-        if not np.isfinite(arr).all():
-            raise ValueError("image has NaN or infinite values")
-        arr = (np.clip(arr, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-    return arr
-
-
-def preprocess(image: Any, pp: Preprocess) -> tuple[torch.Tensor, tuple[int, int]]:
+def preprocess(image: ImageLike, pp: Preprocess, channel_order: str = "rgb") -> tuple[torch.Tensor, tuple[int, int]]:
     """(patches [gh*gw, 3*temporal*patch*patch] fp32 in merge-block order, (gh, gw) in patches)."""
     from PIL import Image
 
-    arr = to_rgb(image)
+    arr = to_rgb(image, channel_order)
     height, width = arr.shape[:2]
-    if height * width > MAX_INPUT_PIXELS:
-        raise ValueError(f"image too large: {width}x{height} pixels (at most {MAX_INPUT_PIXELS} pixels)")
     h, w = target_size(height, width, pp)
     if (h, w) != (height, width):
         arr = np.asarray(Image.fromarray(arr).resize((w, h), Image.BICUBIC))

@@ -1,7 +1,7 @@
 """Audio front end: any PCM -> 16 kHz mono float32 -> Qwen3-ASR's 128-bin log-mel.
 
-Qwen3-ASR's feature extractor is Whisper's log-mel (n_fft 400, hop 160, Slaney filterbank,
-log10 floored at max - 8, (x + 4) / 4) over the clip itself, not a 30 s window: clips shorter
+Qwen3-ASR's feature extractor is Whisper's log-mel (runtime.audio_frontend: n_fft 400, hop 160,
+Slaney filterbank, log10 floored at max - 8, (x + 4) / 4) over the clip itself, not a 30 s window: clips shorter
 than 0.5 s are zero-padded to 0.5 s first, the last STFT frame is dropped (len // 160 frames),
 and the frame axis is right-padded with zeros to whole 100-frame chunks (the encoder's unit).
 """
@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from photon_core.models.whisper.frontend import (HOP_LENGTH, SAMPLE_RATE, log_mel_spectrogram,
-                                                 prepare_audio)
+from photon_core.runtime.audio_frontend import HOP_LENGTH, SAMPLE_RATE, log_mel_spectrogram, prepare_audio
 
 MIN_SAMPLES = 8000   # the original library pads shorter clips to half a second
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from photon_core.runtime.chat_template import ChatTemplate
+
 AUDIO_PAD, AUDIO_START, AUDIO_END = "<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"
 ASR_TEXT = "<asr_text>"
 
@@ -40,8 +42,6 @@ _FALLBACK_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
 
 def language_name(language: str) -> str:
     """A code ("en") or a name ("English", any case) -> the name the model reads; ValueError."""
@@ -57,20 +57,6 @@ def language_name(language: str) -> str:
 def language_code(name: str) -> str | None:
     """"English" -> "en"; "None" or an unknown name -> None."""
     return _BY_NAME.get(name.strip().lower())
-
-
-def _read_template(folder: Path) -> str | None:
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    for name, key in (("chat_template.json", "chat_template"), ("tokenizer_config.json", "chat_template"),
-                      ("processor_config.json", "chat_template")):
-        path = folder / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get(key)
-            if isinstance(value, str):
-                return value
-    return None
 
 
 # Qwen2's pre-tokenizer split (its tokenizer class builds the same from vocab.json + merges.txt).
@@ -114,10 +100,6 @@ def load_tokenizer(folder: Path) -> Tokenizer:
     return tok
 
 
-def _raise(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
-
-
 class Qwen3ASRPrompt:
     """Token ids in and text out for one checkpoint folder."""
 
@@ -129,14 +111,7 @@ class Qwen3ASRPrompt:
             raise ValueError(f"{folder}: tokenizer's {AUDIO_PAD} is {pad}, config's audio_token_id "
                              f"is {audio_token_id}")
         self.audio_token_id = audio_token_id
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        # The environment transformers renders chat templates in (sandboxed, trimmed blocks).
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        source = _read_template(folder)
-        self.template_source = "checkpoint" if source else "built-in ChatML"
-        self.template = env.from_string(source or _FALLBACK_TEMPLATE)
+        self.template = ChatTemplate.from_folder(folder, fallback=_FALLBACK_TEMPLATE)
 
     def render(self, language: str | None, context: str | None) -> str:
         """The prompt text, one audio pad, continued from the language prefix (if given)."""
@@ -145,13 +120,9 @@ class Qwen3ASRPrompt:
             messages.append({"role": "system", "content": [{"type": "text", "text": context}]})
         messages.append({"role": "user", "content": [{"type": "audio"}]})
         prefill = f"language {language_name(language)}{ASR_TEXT}" if language else ""
-        messages.append({"role": "assistant",
-                         "content": [{"type": "text", "text": prefill + _CONTINUE_TAG}]})
-        text = self.template.render(messages=messages, add_generation_prompt=False)
-        # The assistant turn is continued, not closed: cut where its text ends, as transformers'
-        # continue_final_message does.
-        at = text.rindex(_CONTINUE_TAG.strip())
-        return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": prefill}]})
+        # The assistant turn is continued, not closed.
+        return self.template.render(messages, continue_final_message=True)
 
     def prompt_ids(self, n_audio: int, language: str | None, context: str | None) -> list[int]:
         """Token ids of the prompt with the audio pad repeated `n_audio` times."""

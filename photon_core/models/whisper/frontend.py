@@ -1,117 +1,25 @@
-"""Audio front end: any PCM array -> 16 kHz mono float32 -> Whisper log-mel spectrogram.
+"""Whisper's audio front end: 16 kHz mono float32 (runtime.audio_frontend) -> log-mel over the
+30 s windows the encoder reads.
 
-The log-mel follows openai-whisper exactly (STFT n_fft 400, hop 160, periodic Hann window,
-centered with reflect padding, last frame dropped, power spectrum, Slaney mel filterbank, log10
-clamped at 1e-10, floored at max - 8, then (x + 4) / 4), so the model sees the features it was
-trained on. The filterbank is computed here rather than loaded from a file.
+The log-mel is openai-whisper's (runtime.audio_frontend.log_mel_spectrogram), so the model sees
+the features it was trained on; here are Whisper's own pieces: the 30 s window and the frames
+openai-whisper's transcribe reads of a longer clip.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from math import gcd
-
 import numpy as np
-
-from photon_core.audio_io import pcm_to_float
 import torch
 
-SAMPLE_RATE = 16000
-N_FFT = 400
-HOP_LENGTH = 160
+from photon_core.runtime.audio_frontend import (HOP_LENGTH, N_FFT, SAMPLE_RATE, log_mel_spectrogram,
+                                                mel_filterbank, prepare_audio, resample, to_float_mono)
+
+# The shared front end's names are Whisper's front end too (its users and tests read them here).
+__all__ = ["SAMPLE_RATE", "N_FFT", "HOP_LENGTH", "CHUNK_SECONDS", "N_SAMPLES", "N_FRAMES", "mel_filterbank",
+           "to_float_mono", "resample", "prepare_audio", "log_mel_spectrogram", "log_mel_content", "pad_or_trim"]
+
 CHUNK_SECONDS = 30
 N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE    # 480000 samples in a 30 s window
 N_FRAMES = N_SAMPLES // HOP_LENGTH         # 3000 mel frames in a 30 s window
-
-
-def _hz_to_mel(f: np.ndarray) -> np.ndarray:
-    """Slaney mel scale: linear below 1 kHz, logarithmic above (librosa's default, htk=False)."""
-    f = np.asarray(f, dtype=np.float64)
-    f_sp = 200.0 / 3
-    mels = f / f_sp
-    min_log_hz, min_log_mel, logstep = 1000.0, 1000.0 / f_sp, np.log(6.4) / 27.0
-    log_part = min_log_mel + np.log(np.maximum(f, 1e-10) / min_log_hz) / logstep
-    return np.where(f >= min_log_hz, log_part, mels)
-
-
-def _mel_to_hz(m: np.ndarray) -> np.ndarray:
-    m = np.asarray(m, dtype=np.float64)
-    f_sp = 200.0 / 3
-    min_log_hz, min_log_mel, logstep = 1000.0, 1000.0 / f_sp, np.log(6.4) / 27.0
-    return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
-
-
-@lru_cache(maxsize=4)
-def mel_filterbank(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
-    """Slaney-normalized triangular mel filters [n_mels, 1 + n_fft // 2], float32, from 0 to
-    Nyquist; the bank librosa.filters.mel(sr, n_fft, n_mels) gives, which Whisper was trained on."""
-    fft_freqs = np.linspace(0, sample_rate / 2, 1 + n_fft // 2)
-    mel_pts = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(sample_rate / 2), n_mels + 2))
-    fdiff = np.diff(mel_pts)
-    ramps = mel_pts[:, None] - fft_freqs[None, :]
-    lower = -ramps[:-2] / fdiff[:-1, None]
-    upper = ramps[2:] / fdiff[1:, None]
-    weights = np.maximum(0.0, np.minimum(lower, upper))
-    weights *= (2.0 / (mel_pts[2:] - mel_pts[:-2]))[:, None]   # equal area per filter (Slaney)
-    return weights.astype(np.float32)
-
-
-@lru_cache(maxsize=4)
-def _filters_tensor(n_mels: int) -> torch.Tensor:
-    return torch.from_numpy(mel_filterbank(n_mels))
-
-
-def to_float_mono(audio: np.ndarray) -> np.ndarray:
-    """PCM of any common dtype, [samples] or [samples, channels] -> float32 mono in [-1, 1]."""
-    audio = np.asarray(audio)
-    if audio.ndim not in (1, 2):
-        raise ValueError(f"audio must be [samples] or [samples, channels], got shape {audio.shape}")
-    if audio.size == 0:
-        raise ValueError("audio is empty")
-    x = pcm_to_float(audio)
-    if not np.isfinite(x).all():
-        raise ValueError("audio contains NaN or infinite samples")
-    if x.ndim == 2:   # mixed down after scaling, so integer sums cannot overflow
-        x = x.mean(axis=1, dtype=np.float32)
-    return np.ascontiguousarray(x)
-
-
-def resample(audio: np.ndarray, sample_rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
-    """Polyphase resampling (anti-aliased) from any integer rate to `target`."""
-    if sample_rate == target:
-        return audio
-    from scipy.signal import resample_poly
-
-    g = gcd(int(sample_rate), target)
-    return resample_poly(audio, target // g, int(sample_rate) // g).astype(np.float32)
-
-
-def prepare_audio(audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Validate and convert user audio to 16 kHz mono float32; ValueError on bad input."""
-    valid = (isinstance(sample_rate, (int, float, np.integer, np.floating))
-             and not isinstance(sample_rate, bool) and np.isfinite(sample_rate)
-             and sample_rate > 0 and float(sample_rate).is_integer())
-    if not valid:
-        raise ValueError(f"sample_rate must be a positive whole number of Hz, got {sample_rate!r}")
-    return resample(to_float_mono(audio), int(sample_rate))
-
-
-def log_mel_spectrogram(audio: np.ndarray | torch.Tensor, n_mels: int = 80,
-                        padding: int = 0) -> torch.Tensor:
-    """[n_mels, frames] log-mel of 16 kHz float audio, after appending `padding` zero samples.
-
-    The max - 8 floor is taken over the whole (padded) input, as openai-whisper does; feeding a
-    30 s window gives exactly the 3000 frames the encoder expects.
-    """
-    x = torch.as_tensor(audio, dtype=torch.float32)
-    if padding > 0:
-        x = torch.nn.functional.pad(x, (0, padding))
-    window = torch.hann_window(N_FFT)
-    stft = torch.stft(x, N_FFT, HOP_LENGTH, window=window, return_complex=True)
-    power = stft[..., :-1].abs() ** 2
-    mel = _filters_tensor(n_mels) @ power
-    log_spec = torch.clamp(mel, min=1e-10).log10()
-    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
-    return (log_spec + 4.0) / 4.0
 
 
 def log_mel_content(audio: np.ndarray | torch.Tensor, n_mels: int = 80) -> torch.Tensor:

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from photon_core.audio_io import AudioStream
+from photon_core.runtime.audio_frontend import HOP_LENGTH, N_FFT, SAMPLE_RATE, mel_filters_tensor, to_float_mono
 
-from .frontend import HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, _filters_tensor, to_float_mono
+from .frontend import N_FRAMES
 
 # Mel frames computed at a time: 30 s, one window's worth.
 MEL_PIECE_FRAMES = N_FRAMES
@@ -106,7 +107,7 @@ def _log10_mel(samples: torch.Tensor, n_mels: int) -> torch.Tensor:
     start every 160 samples of `samples`: log_mel_spectrogram's frames, without its padding."""
     stft = torch.stft(samples, N_FFT, HOP_LENGTH, window=torch.hann_window(N_FFT), center=False,
                       return_complex=True)
-    return torch.clamp(_filters_tensor(n_mels) @ (stft.abs() ** 2), min=1e-10).log10()
+    return torch.clamp(mel_filters_tensor(n_mels) @ (stft.abs() ** 2), min=1e-10).log10()
 
 
 class _PaddedAudio:

@@ -1,6 +1,6 @@
 """`python -m photon_core {detect,point,caption,query,segment} IMAGE ... --model PATH_OR_ID`, results as JSON.
 
-The vision commands of every family: each loads whatever `--model` names through the registry
+The vision commands, shared by every vision family (each names this module as its `cli`): each loads whatever `--model` names through the registry
 (photon_core.load(path, skills=(command,))), so any family with the skill serves it (Moondream 2
 and 3 detect and point, Gemma 4 and Qwen 3.5 caption and answer too, Moondream 3 segments)."""
 from __future__ import annotations

@@ -1,0 +1,111 @@
+"""runtime.chat_template renders what transformers' apply_chat_template renders: the test
+checkpoints' templates (Qwen 3.5, Gemma 4, Qwen3-ASR) and one using every helper transformers
+gives a template; the template files are found where transformers finds them; stop ids."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from photon_core.runtime.chat_template import ChatTemplate, read_template, stop_ids
+from test_gemma4_fixtures import TEMPLATE as GEMMA4
+from test_qwen3_5_fixtures import CHAT_TEMPLATE as QWEN3_5
+from test_qwen3_asr_reference import TEMPLATE as QWEN3_ASR
+
+# Every helper: tojson with its options (non-ASCII and HTML characters kept), strftime_now,
+# loopcontrols, trimmed and left-stripped blocks, special tokens, a template variable.
+HELPERS = """{{ bos_token }}
+{% for m in messages %}
+    {% if loop.index > 3 %}{% break %}{% endif %}
+    <{{ m.role }}>{{ m.content | tojson }}|{{ m | tojson(indent=2, sort_keys=true) }}
+    {% if m.role == 'system' %}{% continue %}{% endif %}
+    [{{ m.content | tojson(separators=(',', ':'), ensure_ascii=true) }}]
+{% endfor %}
+year {{ strftime_now('%Y')[:2] }} {{ extra | default('none') }}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+
+CHATS = [
+    [{"role": "user", "content": "What is in <this> image & why? ça va"}],
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+     {"role": "assistant", "content": "A cup."}, {"role": "user", "content": "Colour?"}],
+]
+SPECIAL = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+
+
+def _transformers(source: str, chat: list[dict], **kwargs) -> str:
+    rendered, _ = render_jinja_template(conversations=[chat], chat_template=source, **SPECIAL, **kwargs)
+    return rendered[0]
+
+
+@pytest.mark.parametrize("source", [QWEN3_5, GEMMA4, QWEN3_ASR, HELPERS], ids=["qwen3_5", "gemma4", "qwen3_asr", "helpers"])
+@pytest.mark.parametrize("chat", CHATS, ids=["one_turn", "four_turns"])
+@pytest.mark.parametrize("generation", [False, True])
+def test_renders_as_transformers(source, chat, generation):
+    ours = ChatTemplate(source, SPECIAL)
+    for extra in ({}, {"enable_thinking": False, "extra": "x"}):
+        want = _transformers(source, chat, add_generation_prompt=generation, **extra)
+        assert ours.render(chat, add_generation_prompt=generation, **extra) == want
+
+
+@pytest.mark.parametrize("source", [QWEN3_ASR, GEMMA4], ids=["qwen3_asr", "gemma4"])
+@pytest.mark.parametrize("last", ["language English<asr_text>", "", [{"type": "text", "text": "language "}]])
+def test_continue_final_message_as_transformers(source, last):
+    chat = [{"role": "user", "content": [{"type": "audio"}]}, {"role": "assistant", "content": last}]
+    want = _transformers(source, chat, continue_final_message=True)
+    assert ChatTemplate(source, SPECIAL).render(chat, continue_final_message=True) == want
+    assert chat[-1]["content"] == last   # the caller's messages are left as they were
+
+
+def test_raise_exception_is_a_value_error():
+    template = ChatTemplate("{% if messages | length > 1 %}{{ raise_exception('one turn only') }}{% endif %}ok")
+    assert template.render(CHATS[0]) == "ok"
+    with pytest.raises(ValueError, match="chat template: one turn only"):
+        template.render(CHATS[1])
+    with pytest.raises(ValueError, match="no text to continue"):
+        ChatTemplate(QWEN3_5).render([{"role": "user", "content": [{"type": "image"}]}], continue_final_message=True)
+
+
+def test_the_sandbox_holds():
+    from jinja2.exceptions import SecurityError
+
+    with pytest.raises(SecurityError):
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render(CHATS[0])
+
+
+def test_template_files_in_transformers_order(tmp_path):
+    assert read_template(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="no chat template"):
+        ChatTemplate.from_folder(tmp_path)
+    fallback = ChatTemplate.from_folder(tmp_path, fallback="F")
+    assert fallback.source == "F" and not fallback.from_checkpoint
+    (tmp_path / "processor_config.json").write_text(json.dumps({"chat_template": "processor"}))
+    assert read_template(tmp_path) == "processor"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "tokenizer {{ bos_token }}{{ eos_token }}", "bos_token": {"content": "<s>"},
+         "eos_token": "</s>", "model_max_length": 8}))
+    template = ChatTemplate.from_folder(tmp_path, fallback="F")
+    assert template.from_checkpoint and template.render([]) == "tokenizer <s></s>"
+    assert template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "json"}))
+    assert read_template(tmp_path) == "json"
+    (tmp_path / "chat_template.jinja").write_text("jinja")
+    assert read_template(tmp_path) == "jinja"
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json is unreadable"):
+        ChatTemplate.from_folder(tmp_path)
+
+
+class _Tokenizer:
+    def token_to_id(self, token: str) -> int | None:
+        return {"<|im_end|>": 7}.get(token)
+
+
+def test_stop_ids(tmp_path):
+    assert stop_ids(tmp_path) == frozenset()
+    assert stop_ids(tmp_path, 2, _Tokenizer(), ("<|im_end|>", "<|missing|>")) == {2, 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    assert stop_ids(tmp_path, [1, 3]) == {1, 3, 106}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert stop_ids(tmp_path, None, _Tokenizer(), ("<|im_end|>",)) == {5, 7}
