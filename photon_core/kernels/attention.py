@@ -93,9 +93,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bias_ptr, TQ, TK, D, PREFIX, sca
              mask=qmask[:, None] & dmask[None, :])
 
 
+# The cache modifier of a plain load, as the helpers' default. A constexpr, not a bare "": Triton 3.6
+# does not make a str default a constexpr, and a call that leaves the argument out fails to compile.
+NO_CACHE_HINT: tl.constexpr = tl.constexpr("")
+
+
 @triton.jit
 def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
-                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = "", ring=0):
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = NO_CACHE_HINT, ring=0):
     """Online softmax of one query (q_ptr, D values) over keys [start, end) of a [*, D] row-major
     K/V block; with ring > 0 key t lives in row t % ring (a sliding window's ring cache). Returns
     (m, l, acc[BLOCK_D]); an empty range gives (-inf, 0, 0)."""
@@ -126,7 +131,7 @@ def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
 
 
 @triton.jit
-def decode_merge(part_ptr, S, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = ""):
+def decode_merge(part_ptr, S, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = NO_CACHE_HINT):
     """Merge S partials stored as rows [m, l, acc[0:D]] of stride D + 2; returns out[BLOCK_D]."""
     ss = tl.arange(0, BLOCK_S)
     dd = tl.arange(0, BLOCK_D)

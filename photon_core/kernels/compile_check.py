@@ -1,0 +1,228 @@
+"""Compile every kernel and the megakernel for a GPU, without one: PTX, cubin and ptxas's register report.
+
+Triton's NVIDIA backend and its bundled ptxas need no device, so this runs on any machine with the
+Triton a user has (their torch's): `python -m photon_core.kernels.compile_check --arch 87 --report`
+answers "does this Triton build every kernel for my Orin, and does the megakernel stay in registers".
+TRITON_INTERPRET must be off (the kernels must be defined compiled). The tests compile through here
+under the pinned Triton (test_kernels_compile_sm90.py) and under the older supported ones
+(test_triton_versions.py), and bench/triton_versions.py prints the full matrix.
+
+Case names: the per-op kernels by PER_OP's names; megakernel variants as
+"megakernel_b<batch>_<fp32|bf16>[_kvbf16][_fp8][_n<BLOCK_N>][_k<BLOCK_K>][_t<BLOCK_T>][_d<BLOCK_D>]",
+defaults the roofline's GPU tiling (BLOCK_N 64, BLOCK_K 128 / batch (>= 16), BLOCK_T 64, BLOCK_D 64),
+BLOCK_S 8 and BLOCK_R 1024 (what a real vocabulary compiles).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+P = "*fp32"
+# Every megakernel buffer argument a launch gets from torch (16-byte aligned) is specialised so.
+MEGAKERNEL_ALIGNED = (0, 2, 3, 4, 5, 6)
+
+
+def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
+    """name -> (kernel, signature of its run-time arguments, constexpr values), at production tilings."""
+    from photon_core.kernels import (attention, conv, delta_rule, glu, kv_cache, linear, lstm, moe, norm, rotary,
+                                     sampling)
+    norm_sig = dict(x_ptr=P, res_ptr=P, sum_ptr=P, w_ptr=P, b_ptr=P, gate_ptr=P, y_ptr=P, N="i32", eps="fp32",
+                    offset="fp32")
+    lin_sig = dict(x_ptr=P, w_ptr=P, b_ptr=P, r_ptr=P, y_ptr=P, M="i32", N="i32", K="i32")
+    pre_sig = dict(q_ptr=P, k_ptr=P, v_ptr=P, o_ptr=P, bias_ptr=P, TQ="i32", TK="i32", D="i32", PREFIX="i32",
+                   scale="fp32", GROUP="i32", WINDOW="i32", HQ="i32", BIAS_SB="i32")
+    delta_sig = dict(q_ptr=P, k_ptr=P, v_ptr=P, g_ptr=P, beta_ptr=P, s_ptr=P, o_ptr=P, ns_ptr=P)
+    return {
+        "norm": (norm._norm_kernel, norm_sig,
+                 dict(HAS_RES=True, HAS_BIAS=True, HAS_WEIGHT=True, HAS_GATE=False, RMS=False, BLOCK_N=512)),
+        "norm_rms_gated": (norm._norm_kernel, norm_sig,
+                           dict(HAS_RES=False, HAS_BIAS=False, HAS_WEIGHT=True, HAS_GATE=True, RMS=True,
+                                BLOCK_N=128)),
+        "linear_gemv": (linear._linear_gemv_kernel, lin_sig,
+                        dict(HAS_BIAS=True, HAS_RES=True, ACT=1, BLOCK_M=8, BLOCK_N=32, BLOCK_K=32)),
+        "linear_tiled": (linear._linear_tiled_kernel, lin_sig,
+                         dict(HAS_BIAS=True, HAS_RES=True, ACT=2, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)),
+        "rotary": (rotary._rotary_kernel, dict(x_ptr=P, cos_ptr=P, sin_ptr=P, y_ptr=P, T="i32", D="i32", HALF="i32"),
+                   dict(BLOCK_R=16, BLOCK_D=64)),
+        "kv_append": (kv_cache._append_kernel, dict(k_ptr=P, v_ptr=P, kc_ptr=P, vc_ptr=P, pos_ptr="*i32", H="i32",
+                                                   T_NEW="i32", T_MAX="i32", D="i32"), dict(BLOCK_D=64)),
+        "attn_prefill": (attention._prefill_kernel, pre_sig,
+                         dict(CAUSAL=True, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=16, BLOCK_D=64)),
+        "attn_prefill_bias": (attention._prefill_kernel, pre_sig,
+                              dict(CAUSAL=False, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=16, BLOCK_D=64)),
+        "attn_decode_partial": (attention._decode_partial_kernel,
+                                dict(q_ptr=P, k_ptr=P, v_ptr=P, len_ptr="*i32", part_ptr=P, H="i32", T_MAX="i32",
+                                     D="i32", S="i32", scale="fp32", WINDOW="i32"), dict(BLOCK_T=32, BLOCK_D=64)),
+        "attn_decode_partial_gqa": (attention._decode_partial_group_kernel,
+                                    dict(q_ptr=P, k_ptr=P, v_ptr=P, len_ptr="*i32", part_ptr=P, HKV="i32",
+                                         T_MAX="i32", D="i32", S="i32", scale="fp32", WINDOW="i32", GROUP="i32"),
+                                    dict(BLOCK_G=16, BLOCK_T=32, BLOCK_D=128)),
+        "attn_decode_merge": (attention._decode_merge_kernel, dict(part_ptr=P, o_ptr=P, S="i32", D="i32"),
+                              dict(BLOCK_S=8, BLOCK_D=64)),
+        "argmax": (sampling._argmax_kernel, dict(x_ptr=P, m_ptr="*u8", out_ptr="*i64", V="i32"),
+                   dict(HAS_MASK=True, BLOCK_V=1024)),
+        "sample": (sampling._sample_kernel,
+                   dict(x_ptr=P, u_ptr=P, out_ptr="*i64", V="i32", inv_t="fp32", top_p="fp32"),
+                   dict(USE_TOP_P=True, N_ITER=sampling.N_BISECT, BLOCK_V=1024)),
+        "glu": (glu._glu_kernel,
+                dict(g_ptr=P, u_ptr=P, y_ptr=P, F="i32", stride_g="i32", stride_u="i32", up_offset="fp32"),
+                dict(ACT=2, BLOCK_F=1024)),
+        "moe_route": (moe._route_kernel, dict(logit_ptr=P, w_ptr=P, id_ptr="*i64", E="i32", K="i32"),
+                      dict(RENORM=True, BLOCK_E=64, BLOCK_K=8)),
+        "moe_up": (moe._experts_up_kernel, dict(x_ptr=P, wgu_ptr=P, id_ptr="*i64", h_ptr=P, D="i32", F="i32",
+                                                K="i32", up_offset="fp32"),
+                   dict(ACT=1, BLOCK_F=moe.UP_BLOCK_F, BLOCK_D=moe.UP_BLOCK_D)),
+        "moe_down": (moe._experts_down_kernel, dict(h_ptr=P, wd_ptr=P, id_ptr="*i64", w_ptr=P, y_ptr=P, D="i32",
+                                                    F="i32", K="i32"),
+                     dict(BLOCK_N=moe.DOWN_BLOCK_N, BLOCK_F=moe.DOWN_BLOCK_F)),
+        "causal_conv1d": (conv._causal_conv1d_kernel, dict(x_ptr=P, w_ptr=P, b_ptr=P, s_ptr=P, y_ptr=P, ns_ptr=P,
+                                                           T="i32", C="i32"),
+                          dict(W=4, HAS_BIAS=True, HAS_STATE=True, SILU=True, BLOCK_T=conv.CONV_BLOCK_T,
+                               BLOCK_C=conv.CONV_BLOCK_C, BLOCK_S=4)),
+        "delta_step": (delta_rule._delta_step_kernel, dict(delta_sig, DK="i32", DV="i32", GROUP="i32", scale="fp32"),
+                       dict(L2=True, BLOCK_K=128, BLOCK_V=delta_rule.DELTA_BLOCK_V)),
+        "delta_chunk": (delta_rule._delta_chunk_kernel,
+                        dict(delta_sig, T="i32", HK="i32", HV="i32", DK="i32", DV="i32", GROUP="i32", scale="fp32"),
+                        dict(HAS_STATE=True, L2=True, CHUNK=delta_rule.DELTA_CHUNK,
+                             LOG_CHUNK=delta_rule.DELTA_CHUNK.bit_length() - 1, BLOCK_K=128,
+                             BLOCK_V=delta_rule.DELTA_BLOCK_V)),
+        "lstm_cell": (lstm._lstm_cell_kernel, dict(x_ptr=P, h_ptr=P, c_ptr=P, wih_ptr=P, whh_ptr=P, bih_ptr=P,
+                                                   bhh_ptr=P, h_out_ptr=P, c_out_ptr=P, B="i32", I="i32", H="i32"),
+                      dict(HAS_BIH=True, HAS_BHH=True, BLOCK_B=1, BLOCK_H=lstm.LSTM_BLOCK_H,
+                           BLOCK_K=lstm.LSTM_BLOCK_K)),
+    }
+
+
+PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv_append", "attn_prefill",
+          "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax",
+          "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
+          "lstm_cell")
+_MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_[ntdk]\d+)*)$")
+
+
+def megakernel_case(name: str) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    """The megakernel compiled as a launch of the named variant would compile it (module docstring)."""
+    from photon_core.megakernel import kernel as mk
+    from photon_core.megakernel.graph import NUM_FIELDS
+    m = _MK.match(name)
+    if m is None:
+        raise ValueError(f"not a megakernel variant name: {name!r} (e.g. megakernel_b8_bf16_kvbf16_d128)")
+    batch, wdt, opts = int(m.group(1)), m.group(2), m.group(3)
+    tiles = {k: int(v) for k, v in re.findall(r"_([ntdk])(\d+)", opts)}
+    block_m = 1 << max(0, batch - 1).bit_length()
+    sig = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", w_ptr="*" + wdt, s_ptr=P,
+               out_ptr="*i32", B="i32", ln_eps="fp32", spin_limit="i32")
+    const = dict(NF=NUM_FIELDS, BLOCK_M=block_m, BLOCK_N=tiles.get("n", 64),
+                 BLOCK_K=tiles.get("k", max(16, 128 // block_m)), BLOCK_T=tiles.get("t", 64),
+                 BLOCK_D=tiles.get("d", 64), BLOCK_S=8, BLOCK_R=1024,
+                 RUN_TASK=mk.step_tasks_for("_kvbf16" in opts, "_fp8" in opts))
+    return mk._megakernel, sig, const
+
+
+def compile_case(name: str, arch: int) -> tuple[Any, float]:
+    """(Triton's compiled kernel, seconds) of one case for sm_<arch>. The megakernel gets the launch
+    options the running Triton needs (triton_versions.megakernel_options)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from photon_core.kernels import triton_versions
+    mega = name.startswith("megakernel")
+    if not mega and name not in PER_OP:
+        raise ValueError(f"unknown case {name!r}: a per-op kernel ({', '.join(PER_OP)}) or a megakernel variant "
+                         "(megakernel_b<batch>_<fp32|bf16|fp16>...)")
+    fn, sig, const = megakernel_case(name) if mega else per_op_cases()[name]
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in MEGAKERNEL_ALIGNED} if mega else None
+    options = triton_versions.megakernel_options() if mega else {}
+    t0 = time.perf_counter()
+    ck = triton.compile(ASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                        options=options or None)
+    return ck, time.perf_counter() - t0
+
+
+def ptxas_path(arch: int) -> str:
+    """The ptxas the running Triton assembles sm_<arch> with (its API differs between versions)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    tool = get_ptxas(arch)
+    return tool[0] if isinstance(tool, tuple) else tool.path
+
+
+def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
+    """ptxas -v on the PTX: registers per thread, bytes of spill stores / loads, stack frame."""
+    target = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([ptxas_path(arch), f"-arch={target}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                           capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed on {target}: {r.stderr[-2000:]}")
+    text = r.stdout + r.stderr
+
+    def total(pattern: str) -> int:
+        found = re.findall(pattern, text)
+        if not found:
+            raise RuntimeError(f"no {pattern!r} in ptxas's report: {text[-1000:]}")
+        return max(int(n) for n in found)
+    return dict(registers=total(r"Used (\d+) registers"), spill_stores=total(r"(\d+) bytes spill stores"),
+                spill_loads=total(r"(\d+) bytes spill loads"), stack=total(r"(\d+) bytes stack frame"))
+
+
+def resource_usage(cubin: bytes, arch: int) -> dict[str, int]:
+    """Registers per thread and stack bytes of a cubin (cuobjdump -res-usage, next to the ptxas):
+    a cheaper check than ptxas -v (no second assembly). A stack of 0 means no spill and no local array."""
+    tool = Path(ptxas_path(arch)).parent / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        r = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, timeout=120)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", r.stdout)
+    if r.returncode != 0 or m is None:
+        raise RuntimeError(f"cuobjdump -res-usage failed: {r.stdout[-1000:]}{r.stderr[-1000:]}")
+    return dict(registers=int(m.group(1)), stack=int(m.group(2)))
+
+
+def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool = False) -> dict[str, Any]:
+    """{"triton": version, "cases": {"<case>@sm_<arch>": {seconds, cubin, [ptx], [registers, ...]}}}:
+    report adds ptxas -v's figures, usage cuobjdump's (registers, stack)."""
+    import triton
+    out: dict[str, Any] = {}
+    for arch in archs:
+        for name in cases:
+            ck, seconds = compile_case(name, arch)
+            rec: dict[str, Any] = dict(seconds=round(seconds, 2), cubin=len(ck.asm["cubin"]))
+            if report:
+                t0 = time.perf_counter()
+                rec.update(ptxas_report(ck.asm["ptx"], arch), ptxas_seconds=round(time.perf_counter() - t0, 2))
+            if usage:
+                rec.update(resource_usage(ck.asm["cubin"], arch))
+            if ptx:
+                rec["ptx"] = ck.asm["ptx"]
+            out[f"{name}@sm_{arch}"] = rec
+            print(f"{name}@sm_{arch}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return {"triton": triton.__version__, "cases": out}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, nargs="+", default=[90], help="compute capabilities, e.g. 80 87 90")
+    p.add_argument("--cases", nargs="+", default=None,
+                   help="case names (default: every per-op kernel and megakernel_b1_fp32, _b8_fp32, _b1_bf16)")
+    p.add_argument("--report", action="store_true", help="ptxas -v: registers and spills of each case")
+    p.add_argument("--usage", action="store_true", help="cuobjdump -res-usage: registers and stack of each case")
+    p.add_argument("--ptx", action="store_true", help="include each case's PTX in the JSON")
+    args = p.parse_args(argv)
+    cases = args.cases or list(PER_OP) + ["megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16"]
+    print(json.dumps(run(cases, args.arch, args.report, args.ptx, args.usage)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The kernels under the older Tritons users have, not only the pinned one: the oldest supported
+(3.3.1, torch 2.7's) and the GPU machine's (3.6.0, torch 2.10 / 2.11).
+
+Each version is installed from the package registry into a directory of its own (~/.cache/photon,
+reused when present; bench/triton_versions.side_install) and put first on PYTHONPATH of a
+subprocess, so it shadows the venv's Triton while torch stays the venv's CPU build. A failed
+install fails the test: it needs the registry, as scripts/setup.sh does.
+
+A megakernel compile takes 15-60 s on 2 cores, so each version compiles a representative subset
+(the whole matrix, every variant x sm_80/87/90, is bench/triton_versions.py):
+* 3.6.0, sm_90 (the H200 machine): the per-op decode attention kernels (3.6 does not make a str
+  default a constexpr: their CACHE argument) and the megakernel at batch 8 (roofline tiling, fp32
+  weights: the variant that spilled most there before the per-version launch options).
+* 3.3.1, sm_87 (a Jetson Orin on an older torch): the same per-op kernels and the megakernel in bf16
+  at batch 1 (what a 16 GB Orin runs; where 3.3 needs triton_versions' narrower weight tile).
+  sm_80 compiles the per-op kernels.
+Each megakernel build must show the PTX properties test_kernels_compile_sm90.py checks under the
+pinned version and keep every value in registers (no stack: no spill). The CPU interpreter runs a
+compiled step under each version too (before 3.7 it needs photon_core's fix for NumPy >= 2.4).
+"""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_kernels_compile_sm90 import (assert_claims_relaxed_and_header_before_branches,
+                                       assert_vector_weight_loads, assert_waits_acquire_and_signals_release)
+
+ROOT = Path(__file__).resolve().parents[1]
+PER_OP = ["attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge"]
+PLAN = {   # version -> [(cases, targets)]
+    "3.6.0": [(PER_OP + ["megakernel_b8_fp32"], [90])],
+    "3.3.1": [(PER_OP + ["megakernel_b1_bf16"], [87]), (PER_OP, [80])],
+}
+INTERPRETED = "test/test_megakernel_compiler.py::test_compiled_step_equals_the_eager_graph[1-True-tiling0-rms]"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("triton_versions_bench", ROOT / "bench" / "triton_versions.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per version: (imported version, compile JSON, interpreter run's return code and output). The
+    compiles and interpreter runs of both versions go side by side (one core each), in a fresh
+    kernel cache (3.3's cache key misses the megakernel's per-version tile budgets)."""
+    bench = _bench()
+    cache = tmp_path_factory.mktemp("triton-cache")
+    sides = {v: bench.side_install(v) for v in PLAN}
+    imported = {v: bench.imported_triton(side) for v, side in sides.items()}
+    procs = {v: [bench.compile_cases(sides[v], cases, archs, cache / v, report=False, ptx=True, usage=True)
+                 for cases, archs in PLAN[v]]
+             for v in PLAN}
+    env = {v: dict(bench.side_env(sides[v], cache / v), TRITON_INTERPRET="1") for v in PLAN}
+    interp = {v: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", INTERPRETED],
+                                  env=env[v], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for v in PLAN}
+    out = {}
+    try:
+        for v in PLAN:
+            cases = {}
+            for p in procs[v]:
+                cases.update(bench.finish(p, 900)["cases"])
+            text, _ = interp[v].communicate(timeout=900)
+            out[v] = dict(side=sides[v], imported=imported[v], cases=cases, interp=(interp[v].returncode, text))
+    finally:   # a failure or the test timeout leaves nothing running
+        for p in [p for ps in procs.values() for p in ps] + list(interp.values()):
+            p.kill()
+    return out
+
+
+@pytest.mark.parametrize("version", list(PLAN))
+def test_the_side_install_shadows_the_pinned_triton(runs, version):
+    got, path = runs[version]["imported"]
+    assert got == version and Path(path).is_relative_to(runs[version]["side"]), (got, path)
+
+
+@pytest.mark.parametrize("version", list(PLAN))
+def test_every_planned_kernel_compiles(runs, version):
+    cases = runs[version]["cases"]
+    for names, archs in PLAN[version]:
+        for name in names:
+            for arch in archs:
+                assert cases[f"{name}@sm_{arch}"]["cubin"] > 0, (version, name, arch)
+
+
+@pytest.mark.parametrize("version", list(PLAN))
+def test_megakernel_ptx_properties_hold(runs, version):
+    mega = {k: r for k, r in runs[version]["cases"].items() if k.startswith("megakernel")}
+    assert mega
+    for key, rec in mega.items():
+        ptx = rec["ptx"]
+        assert_waits_acquire_and_signals_release(key, ptx)
+        assert_claims_relaxed_and_header_before_branches(key, ptx)
+        assert_vector_weight_loads(key, ptx)
+
+
+@pytest.mark.parametrize("version", list(PLAN))
+def test_megakernel_keeps_every_value_in_registers(runs, version):
+    mega = {k: r for k, r in runs[version]["cases"].items() if k.startswith("megakernel")}
+    assert mega
+    for key, rec in mega.items():
+        assert rec["stack"] == 0 and 0 < rec["registers"] <= 255, (version, key, rec["registers"], rec["stack"])
+
+
+@pytest.mark.parametrize("version", list(PLAN))
+def test_the_interpreter_runs_a_compiled_step(runs, version):
+    code, text = runs[version]["interp"]
+    assert code == 0 and "1 passed" in text, text[-4000:]
