@@ -27,7 +27,8 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, deque
 
-from photon_core.megakernel.graph import OP_LINEAR_SPLIT, OP_NAMES, Region, TaskGraph
+from photon_core.megakernel.graph import Region, TaskGraph
+from photon_core.megakernel.ops import KTICKET_OPS, OP_NAMES
 
 
 class GraphError(ValueError):
@@ -124,7 +125,7 @@ def check(graph: TaskGraph) -> None:
         for i, t in enumerate(tasks):
             reads, writes = accesses_of(t, kind)
             if getattr(t, kind) is not None:
-                if kind == "kticket" and t.op != OP_LINEAR_SPLIT:
+                if kind == "kticket" and t.op not in KTICKET_OPS:
                     raise GraphError(f"task {i} {t.name!r}: only split-K slices run a tile's sum (kticket)")
                 groups[(kind, getattr(t, kind))].append(i)
                 if not reads and not writes:

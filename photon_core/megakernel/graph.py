@@ -18,39 +18,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Op codes understood by kernel.py.
-OP_EMBED = 1          # x[:, n0:n0+BN] = tok_emb[token] + pos_emb[position]
-OP_LINEAR = 2         # [LN] -> x @ W.T tile -> +bias -> act -> +residual -> plain / QKV-scatter / LM-head store
-OP_ATTN_PARTIAL = 3   # one query, keys of split s of S, for (b, h): writes (m, l, acc); the last of the
-                      # S to finish (a ticket) merges them into the attention output
-OP_ATTN_MERGE = 4     # merge the S partials of (b, h) into the attention output (hand-built graphs;
-                      # the compiler fuses the merge into the last partial)
-OP_ARGMAX = 5         # merge LM-style tiles' (max, index) into a result column; optionally advance the step
-OP_ROPE_APPEND = 6    # (row, head) of a fused q|k|v: rotary on q and k, q out, k and v into the caches
-OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product into the stage's scratch; the
-                      # last of the tile's slices to finish (a ticket) sums them in slot order and runs
-                      # OP_LINEAR's epilogue (op 8, a reduce task of its own, is retired)
-OP_CONV_STEP = 9      # a tile of channels of a causal depthwise conv, one new input; state shifted in place
-OP_DELTA_STEP = 10    # (row, value head) of the gated delta rule; state updated in place; gated RMSNorm out
-OP_ADD_NORM = 11      # one row of (x + rms_norm(z) * w) * scale, chunk by chunk
-OP_MOE_ROUTE = 12     # one row's top-k experts by its router logits, and their weights
-# MoE expert tasks run only for the batch's first (row, slot) pair choosing their expert e, and then
-# for every row choosing e at once: each chosen expert is read once a step.
-OP_MOE_UP = 13        # (pair, tile of F): each row choosing e: act(x G_e) * (x U_e + offset)
-OP_MOE_DOWN = 14      # (pair, tile of D): each row choosing e: its weight * h D_e, a partial
-OP_MOE_SUM = 15       # (row, tile of D): the row's expert partials summed in slot order, + residual
-OP_NAMES = {OP_EMBED: "embed", OP_LINEAR: "linear", OP_ATTN_PARTIAL: "attn_partial",
-            OP_ATTN_MERGE: "attn_merge", OP_ARGMAX: "argmax", OP_ROPE_APPEND: "rope_append",
-            OP_LINEAR_SPLIT: "linear_split", OP_CONV_STEP: "conv_step",
-            OP_DELTA_STEP: "delta_step", OP_ADD_NORM: "add_norm", OP_MOE_ROUTE: "moe_route",
-            OP_MOE_UP: "moe_up", OP_MOE_DOWN: "moe_down", OP_MOE_SUM: "moe_sum"}
+# The op codes of the task table's "op" column are declared by the op modules that emit them
+# (ops/<op>.py: OP_EMBED, OP_LINEAR, ...; ops.OP_NAMES lists them all), and so are the store modes
+# of OP_LINEAR (MODE_*) and the length sources of OP_ATTN_PARTIAL (LEN_*). They stay importable
+# from here (module __getattr__, so that ops/ can import this module without a cycle).
+_FROM_OPS = ("OP_NAMES", "MODE_PLAIN", "MODE_QKV", "MODE_LOGITS", "LEN_SELF", "LEN_CROSS")
 
-# Store modes of OP_LINEAR.
-MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2
-# Sequence-length sources of OP_ATTN_PARTIAL.
-LEN_SELF, LEN_CROSS = 0, 1
 
-# Column of each field in the encoded task table. kernel.py uses the same indices.
+def __getattr__(name: str):
+    if name.startswith("OP_") or name in _FROM_OPS:
+        from photon_core.megakernel import ops
+        if hasattr(ops, name):
+            return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Column of each field in the encoded task table: the one layout. kernel.py reads each field at its
+# named offset (kernel.F_<field>, made from F); the op modules write them by name (Task.args).
 FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb", "act", "res", "mode", "out",
           "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb", "ntiles", "bi", "hi", "s", "S",
@@ -280,6 +264,7 @@ class TaskGraph:
             row[F[k]] = int(v)
 
     def summary(self) -> str:
+        from photon_core.megakernel.ops import OP_NAMES
         by_op: dict[str, int] = {}
         for t in self.tasks:
             by_op[OP_NAMES.get(t.op, str(t.op))] = by_op.get(OP_NAMES.get(t.op, str(t.op)), 0) + 1

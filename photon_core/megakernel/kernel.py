@@ -36,6 +36,8 @@ import triton.language as tl
 
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
 from photon_core.kernels.linear import apply_activation
+from photon_core.kernels.triton_versions import MegakernelTuning, check_supported, interpreting, megakernel_tuning
+from photon_core.megakernel import ops
 from photon_core.megakernel.graph import CTRL_ERROR, NUM_FIELDS, F, TaskGraph
 
 # Loads of data other programs wrote during this launch bypass L1 (".cg": cached in L2 only), so no
@@ -43,14 +45,100 @@ from photon_core.megakernel.graph import CTRL_ERROR, NUM_FIELDS, F, TaskGraph
 CG: tl.constexpr = tl.constexpr(".cg")
 # Elements per task-table row: finale rows are addressed from the row of the task that runs them.
 NF_ROW: tl.constexpr = tl.constexpr(NUM_FIELDS)
+# Register budget of the largest tiles, per the running Triton (triton_versions.megakernel_tuning):
+# the most elements of a linear task's [M, N, K step] product and [N, K step] weight tile, and of
+# an attention task's [keys, head] K / V tile. A wider tiling (batch 8 at 32 columns, 512-wide
+# heads) runs more, shorter steps. The interpreter has no registers to spare: there the tiles stay
+# as tiled (a shorter step only costs it time; test_megakernel_tile_budgets.py sets small budgets).
+_BUDGET = megakernel_tuning() if not interpreting() else MegakernelTuning(linear_tile=1 << 30, weight_tile=1 << 30,
+                                                                          attn_tile=1 << 30)
+LINEAR_TILE: tl.constexpr = tl.constexpr(_BUDGET.linear_tile)
+WEIGHT_TILE: tl.constexpr = tl.constexpr(_BUDGET.weight_tile)
+ATTN_TILE: tl.constexpr = tl.constexpr(_BUDGET.attn_tile)
 
-# The jit code reads fields by literal column; this pins those literals to graph.FIELDS.
-assert [F[k] for k in ("w0", "t0", "w1", "t1", "sig", "M", "K", "N", "n0", "x", "w", "b", "lnw", "lnb",
-                       "act", "res", "mode", "out", "kc", "vc", "H", "Dh", "Tmax", "tile", "part", "rb",
-                       "ntiles", "bi", "hi", "s", "S", "lenkind", "n1", "k0", "k1", "kpart",
-                       "ksplit", "ldw", "norm", "xglu", "xgate", "window", "ring", "scale", "xs", "xc0", "gact",
-                       "xact", "tau", "alpha", "sw", "chunk", "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn",
-                       "stout", "stkind", "kticket", "ktickets", "fin", "nfin")] == list(range(1, 66))
+# Task-table fields by name: one constant per field of graph.FIELDS (the one layout), so a task
+# body reads `tl.load(row + F_M)`, never a literal column.
+F_op: tl.constexpr = tl.constexpr(F["op"])
+F_w0: tl.constexpr = tl.constexpr(F["w0"])
+F_t0: tl.constexpr = tl.constexpr(F["t0"])
+F_w1: tl.constexpr = tl.constexpr(F["w1"])
+F_t1: tl.constexpr = tl.constexpr(F["t1"])
+F_sig: tl.constexpr = tl.constexpr(F["sig"])
+F_M: tl.constexpr = tl.constexpr(F["M"])
+F_K: tl.constexpr = tl.constexpr(F["K"])
+F_N: tl.constexpr = tl.constexpr(F["N"])
+F_n0: tl.constexpr = tl.constexpr(F["n0"])
+F_x: tl.constexpr = tl.constexpr(F["x"])
+F_w: tl.constexpr = tl.constexpr(F["w"])
+F_b: tl.constexpr = tl.constexpr(F["b"])
+F_lnw: tl.constexpr = tl.constexpr(F["lnw"])
+F_lnb: tl.constexpr = tl.constexpr(F["lnb"])
+F_act: tl.constexpr = tl.constexpr(F["act"])
+F_res: tl.constexpr = tl.constexpr(F["res"])
+F_mode: tl.constexpr = tl.constexpr(F["mode"])
+F_out: tl.constexpr = tl.constexpr(F["out"])
+F_kc: tl.constexpr = tl.constexpr(F["kc"])
+F_vc: tl.constexpr = tl.constexpr(F["vc"])
+F_H: tl.constexpr = tl.constexpr(F["H"])
+F_Dh: tl.constexpr = tl.constexpr(F["Dh"])
+F_Tmax: tl.constexpr = tl.constexpr(F["Tmax"])
+F_tile: tl.constexpr = tl.constexpr(F["tile"])
+F_part: tl.constexpr = tl.constexpr(F["part"])
+F_rb: tl.constexpr = tl.constexpr(F["rb"])
+F_ntiles: tl.constexpr = tl.constexpr(F["ntiles"])
+F_bi: tl.constexpr = tl.constexpr(F["bi"])
+F_hi: tl.constexpr = tl.constexpr(F["hi"])
+F_s: tl.constexpr = tl.constexpr(F["s"])
+F_S: tl.constexpr = tl.constexpr(F["S"])
+F_lenkind: tl.constexpr = tl.constexpr(F["lenkind"])
+F_n1: tl.constexpr = tl.constexpr(F["n1"])
+F_k0: tl.constexpr = tl.constexpr(F["k0"])
+F_k1: tl.constexpr = tl.constexpr(F["k1"])
+F_kpart: tl.constexpr = tl.constexpr(F["kpart"])
+F_ksplit: tl.constexpr = tl.constexpr(F["ksplit"])
+F_ldw: tl.constexpr = tl.constexpr(F["ldw"])
+F_norm: tl.constexpr = tl.constexpr(F["norm"])
+F_xglu: tl.constexpr = tl.constexpr(F["xglu"])
+F_xgate: tl.constexpr = tl.constexpr(F["xgate"])
+F_window: tl.constexpr = tl.constexpr(F["window"])
+F_ring: tl.constexpr = tl.constexpr(F["ring"])
+F_scale: tl.constexpr = tl.constexpr(F["scale"])
+F_xs: tl.constexpr = tl.constexpr(F["xs"])
+F_xc0: tl.constexpr = tl.constexpr(F["xc0"])
+F_gact: tl.constexpr = tl.constexpr(F["gact"])
+F_xact: tl.constexpr = tl.constexpr(F["xact"])
+F_tau: tl.constexpr = tl.constexpr(F["tau"])
+F_alpha: tl.constexpr = tl.constexpr(F["alpha"])
+F_sw: tl.constexpr = tl.constexpr(F["sw"])
+F_chunk: tl.constexpr = tl.constexpr(F["chunk"])
+F_wsc: tl.constexpr = tl.constexpr(F["wsc"])
+F_loads: tl.constexpr = tl.constexpr(F["loads"])
+F_ticket: tl.constexpr = tl.constexpr(F["ticket"])
+F_tickets: tl.constexpr = tl.constexpr(F["tickets"])
+F_lnst: tl.constexpr = tl.constexpr(F["lnst"])
+F_stx: tl.constexpr = tl.constexpr(F["stx"])
+F_stn: tl.constexpr = tl.constexpr(F["stn"])
+F_stout: tl.constexpr = tl.constexpr(F["stout"])
+F_stkind: tl.constexpr = tl.constexpr(F["stkind"])
+F_kticket: tl.constexpr = tl.constexpr(F["kticket"])
+F_ktickets: tl.constexpr = tl.constexpr(F["ktickets"])
+F_fin: tl.constexpr = tl.constexpr(F["fin"])
+F_nfin: tl.constexpr = tl.constexpr(F["nfin"])
+# Kernel op codes, as the op modules declare them (ops/<op>.py; ops.OP_NAMES).
+OP_EMBED: tl.constexpr = tl.constexpr(ops.OP_EMBED)
+OP_LINEAR: tl.constexpr = tl.constexpr(ops.OP_LINEAR)
+OP_ATTN_PARTIAL: tl.constexpr = tl.constexpr(ops.OP_ATTN_PARTIAL)
+OP_ATTN_MERGE: tl.constexpr = tl.constexpr(ops.OP_ATTN_MERGE)
+OP_ARGMAX: tl.constexpr = tl.constexpr(ops.OP_ARGMAX)
+OP_ROPE_APPEND: tl.constexpr = tl.constexpr(ops.OP_ROPE_APPEND)
+OP_LINEAR_SPLIT: tl.constexpr = tl.constexpr(ops.OP_LINEAR_SPLIT)
+OP_CONV_STEP: tl.constexpr = tl.constexpr(ops.OP_CONV_STEP)
+OP_DELTA_STEP: tl.constexpr = tl.constexpr(ops.OP_DELTA_STEP)
+OP_ADD_NORM: tl.constexpr = tl.constexpr(ops.OP_ADD_NORM)
+OP_MOE_ROUTE: tl.constexpr = tl.constexpr(ops.OP_MOE_ROUTE)
+OP_MOE_UP: tl.constexpr = tl.constexpr(ops.OP_MOE_UP)
+OP_MOE_DOWN: tl.constexpr = tl.constexpr(ops.OP_MOE_DOWN)
+OP_MOE_SUM: tl.constexpr = tl.constexpr(ops.OP_MOE_SUM)
 
 
 @triton.jit
@@ -97,21 +185,21 @@ def _wait(ctr_ptr, target, spin_limit):
 
 @triton.jit
 def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    M = tl.load(row + 6)
-    N = tl.load(row + 8)
-    n0 = tl.load(row + 9)
-    tok_off = tl.load(row + 11)
-    pos_off = tl.load(row + 12)
-    out = tl.load(row + 18)
+    M = tl.load(row + F_M)
+    N = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    tok_off = tl.load(row + F_w)
+    pos_off = tl.load(row + F_b)
+    out = tl.load(row + F_out)
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     rmask = rows < M
     mask = rmask[:, None] & (cols[None, :] < N)
     tok = tl.load(dyn_ptr + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
     pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
-    ldw = tl.load(row + 38)   # the tables' padded row stride
+    ldw = tl.load(row + F_ldw)   # the tables' padded row stride
     e = tl.load(w_ptr + tok_off + tok[:, None] * ldw + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    e = e * _f32(tl.load(row + 44))   # Gemma's sqrt(d) embedding scale (1.0 elsewhere)
+    e = e * _f32(tl.load(row + F_scale))   # Gemma's sqrt(d) embedding scale (1.0 elsewhere)
     # No position table (pos_off = -1): load nothing, add zero.
     pmask = mask & ((cols[None, :].to(tl.int64) * 0 + pos_off) >= 0)   # vector mask: see _task_rope_append
     p = tl.load(w_ptr + tl.maximum(pos_off, 0) + pos[:, None] * ldw + cols[None, :], mask=pmask,
@@ -148,12 +236,12 @@ def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.const
     last task to finish, see _step_tasks): each of the B rows' (mean, rstd) of x ([B, stn] at stx)
     into stout ([B, 2]), so the linear's tiles read 2 floats a row instead of 2 passes over K.
     Bytes: 2*B*K*4 read (L2: the stage just wrote x), 8*B written."""
-    K = tl.load(row + 59)
+    K = tl.load(row + F_stn)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < B
-    mean, rstd = _row_stats(s_ptr + tl.load(row + 58) + rows[:, None].to(tl.int64) * K, rmask, K,
-                            tl.load(row + 61), eps, BLOCK_M, BLOCK_K)
-    out = s_ptr + tl.load(row + 60) + 2 * rows
+    mean, rstd = _row_stats(s_ptr + tl.load(row + F_stx) + rows[:, None].to(tl.int64) * K, rmask, K,
+                            tl.load(row + F_stkind), eps, BLOCK_M, BLOCK_K)
+    out = s_ptr + tl.load(row + F_stout) + 2 * rows
     tl.store(out, mean, mask=rmask)
     tl.store(out + 1, rstd, mask=rmask)
 
@@ -170,31 +258,37 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     (expert tasks of FP8 experts): W is e4m3 bytes (offsets in bytes) decoded in registers, and the
     product is 2^-8 of the true one without the row scales, which the caller's epilogue applies."""
     # FP8 tiles take half the K step: a byte tile decoded to fp32 holds the bytes and the floats at
-    # once, and at batch 1 (BLOCK_K 128) the full step spills registers (ptxas -v).
-    BK: tl.constexpr = BLOCK_K // 2 if FP8 else BLOCK_K
+    # once, and at batch 1 (BLOCK_K 128) the full step spills registers (ptxas -v); for the same
+    # reason they get half of the budgets. A step keeps the product and the weight tile within
+    # them, and at least 16 elements (the weights' alignment, see k1w).
+    BK0: tl.constexpr = BLOCK_K // 2 if FP8 else BLOCK_K
+    FIT_MNK: tl.constexpr = LINEAR_TILE // (BLOCK_M * BLOCK_N) // (2 if FP8 else 1)
+    FIT_NK: tl.constexpr = WEIGHT_TILE // BLOCK_N // (2 if FP8 else 1)
+    FIT: tl.constexpr = FIT_MNK if FIT_MNK <= FIT_NK else FIT_NK
+    BK: tl.constexpr = BK0 if BK0 <= FIT else (FIT if FIT >= 16 else 16)
     # Every field first, before any branch on one: independent loads issue together (one trip to
     # L2 for the task row) where a load behind each branch would wait for the one before.
-    M = tl.load(row + 6)
-    K = tl.load(row + 7)
-    n0 = tl.load(row + 9)
-    x_off = tl.load(row + 10) + x_shift
+    M = tl.load(row + F_M)
+    K = tl.load(row + F_K)
+    n0 = tl.load(row + F_n0)
+    x_off = tl.load(row + F_x) + x_shift
     # The compiler aligns weight offsets, row strides and K slices to 16 elements (compiler.plan):
     # saying so lets every weight load be a 128-bit vector load (an expert's rows keep it).
-    w_off = tl.multiple_of(tl.load(row + 11) + w_shift, 16)
-    lnw = tl.load(row + 13)
-    lnb = tl.load(row + 14)
-    lnst = tl.load(row + 57)
-    norm = tl.load(row + 39)
-    xglu = tl.load(row + 40)
-    xgate = tl.load(row + 41)
-    xs = tl.load(row + 45)
-    xc0 = tl.load(row + 46)
-    gact = tl.load(row + 47)
-    xact = tl.load(row + 48)
-    n1 = tl.load(row + 33)
-    k0 = tl.multiple_of(tl.load(row + 34), 16)
-    k1 = tl.load(row + 35)
-    ldw = tl.multiple_of(tl.load(row + 38), 16)
+    w_off = tl.multiple_of(tl.load(row + F_w) + w_shift, 16)
+    lnw = tl.load(row + F_lnw)
+    lnb = tl.load(row + F_lnb)
+    lnst = tl.load(row + F_lnst)
+    norm = tl.load(row + F_norm)
+    xglu = tl.load(row + F_xglu)
+    xgate = tl.load(row + F_xgate)
+    xs = tl.load(row + F_xs)
+    xc0 = tl.load(row + F_xc0)
+    gact = tl.load(row + F_gact)
+    xact = tl.load(row + F_xact)
+    n1 = tl.load(row + F_n1)
+    k0 = tl.multiple_of(tl.load(row + F_k0), 16)
+    k1 = tl.load(row + F_k1)
+    ldw = tl.multiple_of(tl.load(row + F_ldw), 16)
     # Weights are masked at k1 rounded up into the row padding (zeros, multiplied by x masked to 0),
     # so the mask is the same for every 16 consecutive elements and does not split a vector.
     k1w = tl.multiple_of((k1 + 15) // 16 * 16, 16)
@@ -260,15 +354,15 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
     """Finish a tile: + bias, activation, + residual, then store by mode: plain, q|k|v (q to its
     buffer, k and v into the caches at each row's position) or logits (plus the tile's per-row
     (max, first index) for the argmax)."""
-    M = tl.load(row + 6)
-    N = tl.load(row + 8)
-    n0 = tl.load(row + 9)
-    b_off = tl.load(row + 12)
-    act = tl.load(row + 15)
-    res = tl.load(row + 16)
-    mode = tl.load(row + 17)
-    out = tl.load(row + 18)
-    n1 = tl.load(row + 33)
+    M = tl.load(row + F_M)
+    N = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    b_off = tl.load(row + F_b)
+    act = tl.load(row + F_act)
+    res = tl.load(row + F_res)
+    mode = tl.load(row + F_mode)
+    out = tl.load(row + F_out)
+    n1 = tl.load(row + F_n1)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < M
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -285,11 +379,11 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
     elif mode == 1:
         # QKV: columns [0, D) are q (row-major [M, D] at out), [D, 2D) / [2D, 3D) go straight into the
         # K / V caches [B, H, Tmax, Dh] at each row's position: the cache append costs no extra task.
-        kc = tl.load(row + 19)
-        vc = tl.load(row + 20)
-        H = tl.load(row + 21)
-        Dh = tl.load(row + 22)
-        Tmax = tl.load(row + 23)
+        kc = tl.load(row + F_kc)
+        vc = tl.load(row + F_vc)
+        H = tl.load(row + F_H)
+        Dh = tl.load(row + F_Dh)
+        Tmax = tl.load(row + F_Tmax)
         # Equal q, k and v heads only (the compiler stores grouped-query q|k|v with rope tasks).
         D = N // 3
         sec = cols // D
@@ -311,9 +405,9 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
     else:
         # Logits: the tile's (max, first index) per row for the argmax reduction.
         tl.store(s_ptr + out + flat, acc, mask=omask)
-        tile = tl.load(row + 24)
-        part = tl.load(row + 25)
-        ntiles = tl.load(row + 27)
+        tile = tl.load(row + F_tile)
+        part = tl.load(row + F_part)
+        ntiles = tl.load(row + F_ntiles)
         vals = tl.where(omask, acc, float("-inf"))
         tmax = tl.max(vals, axis=1)
         tidx = tl.min(tl.where(vals == tmax[:, None], cols[None, :], 2147483647), axis=1)
@@ -341,15 +435,15 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
     whichever slice is last) and runs the epilogue, so the reduction costs no task and no
     dependency level of its own. Bytes: (n1-n0)*(k1-k0) weights + M*(k1-k0) x + M*BN*4 out; the
     last slice also reads the tile's slices*M*BN*4 of partials (L2)."""
-    M = tl.load(row + 6)
-    N = tl.load(row + 8)
-    n0 = tl.load(row + 9)
-    n1 = tl.load(row + 33)
-    kpart = tl.load(row + 36)
-    ks = tl.load(row + 37)
+    M = tl.load(row + F_M)
+    N = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    n1 = tl.load(row + F_n1)
+    kpart = tl.load(row + F_kpart)
+    ks = tl.load(row + F_ksplit)
     # The ticket's fields before the acquire, which would send a later read of them to L2.
-    kticket = tl.load(row + 62)
-    nslices = tl.load(row + 63)
+    kticket = tl.load(row + F_kticket)
+    nslices = tl.load(row + F_ktickets)
     acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -377,29 +471,29 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     (the merge costs no task and no dependency level of its own). KV_BF16: the caches are bf16
     (offsets in bf16 elements), read as fp32. Bytes: 2*chunk*Dh K/V + (Dh+2)*4 out; the last one
     also S*(Dh+2)*4 of partials (L2) and Dh*4 of output."""
-    q_off = tl.load(row + 10)
-    stride = tl.load(row + 7)
-    kc = tl.load(row + 19)
-    vc = tl.load(row + 20)
-    H = tl.load(row + 21)
-    Dh = tl.load(row + 22)
-    Tmax = tl.load(row + 23)
-    part = tl.load(row + 25)
-    b = tl.load(row + 28)
-    h = tl.load(row + 29)
-    s = tl.load(row + 30)
-    S = tl.load(row + 31)
-    kind = tl.load(row + 32)
+    q_off = tl.load(row + F_x)
+    stride = tl.load(row + F_K)
+    kc = tl.load(row + F_kc)
+    vc = tl.load(row + F_vc)
+    H = tl.load(row + F_H)
+    Dh = tl.load(row + F_Dh)
+    Tmax = tl.load(row + F_Tmax)
+    part = tl.load(row + F_part)
+    b = tl.load(row + F_bi)
+    h = tl.load(row + F_hi)
+    s = tl.load(row + F_s)
+    S = tl.load(row + F_S)
+    kind = tl.load(row + F_lenkind)
     # The rest of the row now too, before the first branch on a field (one trip to L2), and the
     # merge's fields before the ticket's acquire (which would send them to L2 again).
-    window = tl.load(row + 42)
-    ring = tl.load(row + 43)
-    Hq = tl.load(row + 8)
-    hk = tl.load(row + 24)
-    bits = tl.load(row + 44)
-    ticket = tl.load(row + 55)
-    tickets = tl.load(row + 56)
-    out = tl.load(row + 18)
+    window = tl.load(row + F_window)
+    ring = tl.load(row + F_ring)
+    Hq = tl.load(row + F_N)
+    hk = tl.load(row + F_tile)
+    bits = tl.load(row + F_scale)
+    ticket = tl.load(row + F_ticket)
+    tickets = tl.load(row + F_tickets)
+    out = tl.load(row + F_out)
     if kind == 0:
         length = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64) + 1
     else:
@@ -418,8 +512,11 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     base = (b * H + hk) * Tmax * Dh
     scale = tl.where(bits == -1, 1.0 / tl.sqrt(Dh.to(tl.float32)), bits.to(tl.int32).to(tl.float32, bitcast=True))
     kv_ptr = s_ptr.to(tl.pointer_type(tl.bfloat16)) if KV_BF16 else s_ptr
+    # Keys per step: BLOCK_T, fewer for a head so wide that the K / V tile would pass ATTN_TILE.
+    BT: tl.constexpr = BLOCK_T if BLOCK_T * BLOCK_D <= ATTN_TILE else (
+        ATTN_TILE // BLOCK_D if ATTN_TILE >= 2 * BLOCK_D else 2)
     m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, kv_ptr + kc + base, kv_ptr + vc + base,
-                               start, end, Dh, scale, BLOCK_T, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0))
+                               start, end, Dh, scale, BT, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0))
     bh = s_ptr + part + (b * Hq + h) * S * (Dh + 2)
     store_partial(bh + s * (Dh + 2), m, l, acc, Dh, BLOCK_D)
     if ticket >= 0:
@@ -442,14 +539,14 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
 def _task_attn_merge(row, s_ptr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merge the S partials of (b, h) into the attention output: a task of its own, for graphs that
     do not fuse it into the last partial (the compiler always does)."""
-    stride = tl.load(row + 7)
-    out = tl.load(row + 18)
-    H = tl.load(row + 21)
-    Dh = tl.load(row + 22)
-    part = tl.load(row + 25)
-    b = tl.load(row + 28)
-    h = tl.load(row + 29)
-    S = tl.load(row + 31)
+    stride = tl.load(row + F_K)
+    out = tl.load(row + F_out)
+    H = tl.load(row + F_H)
+    Dh = tl.load(row + F_Dh)
+    part = tl.load(row + F_part)
+    b = tl.load(row + F_bi)
+    h = tl.load(row + F_hi)
+    S = tl.load(row + F_S)
     o = decode_merge(s_ptr + part + (b * H + h) * S * (Dh + 2), S, Dh, BLOCK_S, BLOCK_D, CG)
     dd = tl.arange(0, BLOCK_D)
     tl.store(s_ptr + out + b * stride + h * Dh + dd, o, mask=dd < Dh)
@@ -481,15 +578,15 @@ def _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
     """Per row m < M: argmax over the (max, index) pairs of LM-style tiles [tile0, tile0 + S) (row
     stride `ntiles`), minus the column offset n0, stored as int32 at out[m * K + out_col]. With
     mode 1 ("advance") it also becomes the row's next token and the position steps by one."""
-    M = tl.load(row + 6)
-    K = tl.load(row + 7)
-    n0 = tl.load(row + 9)
-    advance = tl.load(row + 17)
-    col = tl.load(row + 18)
-    tile0 = tl.load(row + 24)
-    part = tl.load(row + 25)
-    ntiles = tl.load(row + 27)
-    S = tl.load(row + 31)
+    M = tl.load(row + F_M)
+    K = tl.load(row + F_K)
+    n0 = tl.load(row + F_n0)
+    advance = tl.load(row + F_mode)
+    col = tl.load(row + F_out)
+    tile0 = tl.load(row + F_tile)
+    part = tl.load(row + F_part)
+    ntiles = tl.load(row + F_ntiles)
+    S = tl.load(row + F_S)
     for m in range(0, M):
         best_i = argmax_of_tiles(s_ptr + part + (m * ntiles + tile0).to(tl.int64) * 2, S, BLOCK_R) - n0.to(tl.int32)
         tl.store(out_ptr + m * K + col, best_i)
@@ -500,7 +597,7 @@ def _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
             # would pass the caches (Tmax) keeps its position and reports token -1 (the host raises)
             # instead of a later launch writing and reading past its cache.
             nxt = tl.load(dyn_ptr + B + m, cache_modifier=CG) + 1
-            full = nxt >= tl.load(row + 23)
+            full = nxt >= tl.load(row + F_Tmax)
             tl.store(out_ptr + m * K + col, tl.where(full, -1, best_i))
             tl.store(dyn_ptr + m, best_i)
             tl.store(dyn_ptr + B + m, tl.where(full, nxt - 1, nxt))
@@ -514,19 +611,19 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
     v -> the KV caches at the row's position (slot position % Tmax in a ring cache). The partner of each feature is gathered
     with a second (masked) load rather than a register permutation; both loads hit the same 256 bytes.
     Bytes: 3*Dh*4 in, 3*Dh*4 out, ROT*4 of cos/sin."""
-    rot = tl.load(row + 7)
-    D = tl.load(row + 8)
-    x_off = tl.load(row + 10)
-    cos_off = tl.load(row + 11)
-    sin_off = tl.load(row + 12)
-    out = tl.load(row + 18)
-    kc = tl.load(row + 19)
-    vc = tl.load(row + 20)
-    H = tl.load(row + 21)
-    Dh = tl.load(row + 22)
-    Tmax = tl.load(row + 23)
-    b = tl.load(row + 28)
-    h = tl.load(row + 29)
+    rot = tl.load(row + F_K)
+    D = tl.load(row + F_N)
+    x_off = tl.load(row + F_x)
+    cos_off = tl.load(row + F_w)
+    sin_off = tl.load(row + F_b)
+    out = tl.load(row + F_out)
+    kc = tl.load(row + F_kc)
+    vc = tl.load(row + F_vc)
+    H = tl.load(row + F_H)
+    Dh = tl.load(row + F_Dh)
+    Tmax = tl.load(row + F_Tmax)
+    b = tl.load(row + F_bi)
+    h = tl.load(row + F_hi)
     pos = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64)
     rpos = pos + tl.load(dyn_ptr + 3 * B + b, cache_modifier=CG).to(tl.int64)   # + rotary offset
     half = rot // 2
@@ -542,7 +639,7 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
     # The row is q (D = Hq*Dh) | k | v (H*Dh each). Query head h also carries K/V head h when h < H
     # (grouped-query attention has fewer K/V heads than query heads).
     # q_only (mode 1): the row is q alone and nothing is appended (Gemma 4's shared-KV layers).
-    q_only = tl.load(row + 17) == 1
+    q_only = tl.load(row + F_mode) == 1
     row_q = s_ptr + x_off + b * tl.where(q_only, D, D + 2 * H * Dh)
     src = row_q + h * Dh
     kv = row_q + D + h * Dh
@@ -555,25 +652,25 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
     # Per-head RMSNorm (Qwen3 / Gemma 4 q_norm, k_norm; v_norm has no scale) before rotary: one
     # statistic per head, applied to a feature and to the copy loaded as its rotary partner alike.
     # The stored scale already holds (offset + w) (folded at load time).
-    norm = tl.load(row + 39)
+    norm = tl.load(row + F_norm)
     if (norm & 1) != 0:
-        qw = w_ptr + tl.load(row + 13)
+        qw = w_ptr + tl.load(row + F_lnw)
         rq = 1.0 / tl.sqrt(tl.sum(q * q, axis=0) / Dh + eps)
         q = q * rq * tl.load(qw + dd, mask=dmask, other=0.0).to(tl.float32)
         qp = qp * rq * tl.load(qw + partner, mask=dmask & in_rot, other=0.0).to(tl.float32)
     if (norm & 2) != 0:
-        kw = w_ptr + tl.load(row + 14)
+        kw = w_ptr + tl.load(row + F_lnb)
         rk = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) / Dh + eps)
         k = k * rk * tl.load(kw + dd, mask=has_kv, other=0.0).to(tl.float32)
         kp = kp * rk * tl.load(kw + partner, mask=has_kv & in_rot, other=0.0).to(tl.float32)
     if (norm & 4) != 0:
         v = v / tl.sqrt(tl.sum(v * v, axis=0) / Dh + eps)
-    tau = tl.load(row + 49)
+    tau = tl.load(row + F_tau)
     if tau >= 0:
         # Moondream 3's tau: q head h times t[h] + p_h, v head h times t[Hq + h] + p_h, with
         # p_h = sigmoid(alpha_h * log(position + 1)) + 0.5 (a feature and its partner alike).
         Hq = D // Dh
-        p_h = tl.sigmoid(tl.load(w_ptr + tl.load(row + 50) + h).to(tl.float32) * tl.log(pos.to(tl.float32) + 1.0)) + 0.5
+        p_h = tl.sigmoid(tl.load(w_ptr + tl.load(row + F_alpha) + h).to(tl.float32) * tl.log(pos.to(tl.float32) + 1.0)) + 0.5
         tq = tl.load(s_ptr + tau + b * 2 * Hq + h, cache_modifier=CG) + p_h
         q = q * tq
         qp = qp * tq
@@ -582,7 +679,7 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
     q = tl.where(in_rot, q * c + (sign * qp) * s, q)
     k = tl.where(in_rot, k * c + (sign * kp) * s, k)
     tl.store(s_ptr + out + b * D + h * Dh + dd, q, mask=dmask)
-    ring = tl.load(row + 43)
+    ring = tl.load(row + F_ring)
     slot = tl.where(ring != 0, pos % Tmax, pos)
     cache = ((b * H + h) * Tmax + slot) * Dh + dd
     ok = has_kv & ((dd.to(tl.int64) * 0 + slot) < Tmax)
@@ -601,18 +698,18 @@ def _task_conv_step(row, w_ptr, s_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     inputs (oldest first) then x; y = act(sum_j w[c, j] * xp[c, j]); the state becomes xp[1:].
     The state is channel-major [B, C, W-1], so a tile's state is one contiguous span per row.
     Bytes: C_tile*W weights, M*C_tile*(2W-1) state and values."""
-    M = tl.load(row + 6)
-    K = tl.load(row + 7)
-    C = tl.load(row + 8)
-    n0 = tl.load(row + 9)
-    x_off = tl.load(row + 10)
-    w_off = tl.load(row + 11)
-    act = tl.load(row + 15)
-    out = tl.load(row + 18)
-    st = tl.load(row + 19)
-    W = tl.load(row + 22)
-    n1 = tl.load(row + 33)
-    c0 = tl.load(row + 34)
+    M = tl.load(row + F_M)
+    K = tl.load(row + F_K)
+    C = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    x_off = tl.load(row + F_x)
+    w_off = tl.load(row + F_w)
+    act = tl.load(row + F_act)
+    out = tl.load(row + F_out)
+    st = tl.load(row + F_kc)
+    W = tl.load(row + F_Dh)
+    n1 = tl.load(row + F_n1)
+    c0 = tl.load(row + F_k0)
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < n1
     jj = tl.arange(0, 8)[None, :]     # W <= 8 (stepgraph.conv_step)
@@ -638,23 +735,24 @@ def _task_delta_step(row, w_ptr, s_ptr, eps, BLOCK_V: tl.constexpr):
     state and read o = S^T q from it; each slab is loaded and stored by the same threads, so no
     barrier is needed. A slab is 1024 elements (8 per thread): the task shares the kernel's register
     budget with the linear tiles. Bytes: 3*Dk*Dv*4 of state, (2Dk + 2Dv)*4 of values."""
-    BLOCK_K: tl.constexpr = max(1, 1024 // BLOCK_V)
-    K = tl.load(row + 7)
-    N = tl.load(row + 8)
-    x_off = tl.load(row + 10)
-    a_log = tl.load(row + 11)
-    dt_bias = tl.load(row + 12)
-    norm_w = tl.load(row + 13)
-    zba = tl.load(row + 16)
-    out = tl.load(row + 18)
-    st = tl.load(row + 19)
-    Hk = tl.load(row + 21)
-    Dk = tl.load(row + 22)
-    Dv = tl.load(row + 23)
-    Hv = tl.load(row + 27)
-    b = tl.load(row + 28)
-    h = tl.load(row + 29)
-    c0 = tl.load(row + 34)
+    # Not max(): Triton 3.3 compiles max() in a kernel to tl.maximum, a tensor, not a constexpr.
+    BLOCK_K: tl.constexpr = 1024 // BLOCK_V if BLOCK_V <= 1024 else 1
+    K = tl.load(row + F_K)
+    N = tl.load(row + F_N)
+    x_off = tl.load(row + F_x)
+    a_log = tl.load(row + F_w)
+    dt_bias = tl.load(row + F_b)
+    norm_w = tl.load(row + F_lnw)
+    zba = tl.load(row + F_res)
+    out = tl.load(row + F_out)
+    st = tl.load(row + F_kc)
+    Hk = tl.load(row + F_H)
+    Dk = tl.load(row + F_Dh)
+    Dv = tl.load(row + F_Tmax)
+    Hv = tl.load(row + F_ntiles)
+    b = tl.load(row + F_bi)
+    h = tl.load(row + F_hi)
+    c0 = tl.load(row + F_k0)
     j = h // (Hv // Hk)
     xr = s_ptr + x_off + b * K
     qp = xr + j * Dk
@@ -709,15 +807,15 @@ def _task_add_norm(row, w_ptr, s_ptr, eps, BLOCK_K: tl.constexpr):
     """Row b: y = (x + rms_norm(z) * w) * scale (* scale weight), the norm over each `chunk`
     columns of z with the one [chunk] weight (Gemma 4: post-norm residuals, chunk = N; per-layer
     inputs, chunk = P). Two passes over z per chunk. Bytes: 4N*4 (x, z twice, y) + chunk*4."""
-    N = tl.load(row + 8)
-    x = s_ptr + tl.load(row + 10)
-    z = s_ptr + tl.load(row + 16)
-    w = w_ptr + tl.load(row + 13)
-    out = s_ptr + tl.load(row + 18)
-    b = tl.load(row + 28)
-    sw = tl.load(row + 51)
-    chunk = tl.load(row + 52)
-    scale = _f32(tl.load(row + 44))
+    N = tl.load(row + F_N)
+    x = s_ptr + tl.load(row + F_x)
+    z = s_ptr + tl.load(row + F_res)
+    w = w_ptr + tl.load(row + F_lnw)
+    out = s_ptr + tl.load(row + F_out)
+    b = tl.load(row + F_bi)
+    sw = tl.load(row + F_sw)
+    chunk = tl.load(row + F_chunk)
+    scale = _f32(tl.load(row + F_scale))
     if sw >= 0:
         scale = scale * tl.load(w_ptr + sw).to(tl.float32)
     kk = tl.arange(0, BLOCK_K)
@@ -742,11 +840,11 @@ def _task_moe_route(row, s_ptr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """One row: the top S of its E router logits (descending; equal logits: lower expert first, as
     backends.reference.moe_route), stored as S (expert id, weight) pairs. Weights: softmax over the
     chosen logits (renormalised, mode 1) or over all E. S passes over the logits, E*4 bytes each."""
-    E = tl.load(row + 8)
-    lg = s_ptr + tl.load(row + 10)
-    renorm = tl.load(row + 17)
-    out = s_ptr + tl.load(row + 18)
-    S = tl.load(row + 31)
+    E = tl.load(row + F_N)
+    lg = s_ptr + tl.load(row + F_x)
+    renorm = tl.load(row + F_mode)
+    out = s_ptr + tl.load(row + F_out)
+    S = tl.load(row + F_S)
     ss = tl.arange(0, BLOCK_S)
     chosen = tl.full((BLOCK_S,), float("-inf"), tl.float32)
     ids = tl.zeros((BLOCK_S,), tl.float32)
@@ -822,23 +920,23 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     Bytes: 2*(n1-n0)*D weights of e ONCE however many rows chose it (+ 2*(n1-n0) fp32 scales for
     FP8) + D x per choosing row; h is [B*S, B, F] (slab j, row r). The weight elements loaded go
     to this task's cell of the loads record (the host's count of expert bytes a step read)."""
-    D = tl.load(row + 7)
-    F = tl.load(row + 8)
-    n0 = tl.load(row + 9)
-    act = tl.load(row + 15)
-    out = tl.load(row + 18)
-    j = tl.load(row + 24)
-    route = s_ptr + tl.load(row + 25)
-    S = tl.load(row + 31)
-    n1 = tl.load(row + 33)
-    ldw = tl.load(row + 38)
-    loads = s_ptr + tl.load(row + 54)
+    D = tl.load(row + F_K)
+    F = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    act = tl.load(row + F_act)
+    out = tl.load(row + F_out)
+    j = tl.load(row + F_tile)
+    route = s_ptr + tl.load(row + F_part)
+    S = tl.load(row + F_S)
+    n1 = tl.load(row + F_n1)
+    ldw = tl.load(row + F_ldw)
+    loads = s_ptr + tl.load(row + F_loads)
     e, first, rsel, _ = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
     if first:
         base = e * 2 * F * ldw
         cols = n0 + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
-        wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, 2F] at wsc
+        wsc = tl.load(row + F_wsc)   # FP8 experts: fp32 row scales [E, 2F] at wsc
         # gate then up rows, in a loop so the product is compiled once (each inlined copy of the
         # linear tile costs compile time and code size in the one megakernel)
         g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -852,7 +950,7 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
                 acc = acc * (sc * FP8_UNSCALE)[None, :]
             g = tl.where(half == 0, acc, g)
             u = tl.where(half == 1, acc, u)
-        h = apply_activation(g, act) * (u + _f32(tl.load(row + 44)))
+        h = apply_activation(g, act) * (u + _f32(tl.load(row + F_scale)))
         chosen = ((rsel >> rows) & 1) != 0
         tl.store(s_ptr + out + rows[:, None].to(tl.int64) * F + cols[None, :], h,
                  mask=chosen[:, None] & (cols < n1)[None, :])
@@ -869,22 +967,22 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
     rows e*D + [n0, n1) of the [E*D, F] down table, wsum_r the row's routing weight of e; part is
     [B, B*S, D] (row r, pair j). Bytes: (n1-n0)*F weights of e ONCE (+ (n1-n0) fp32 scales for
     FP8) + F hidden per choosing row. A sum task per (row, tile) adds the row's partials."""
-    F = tl.load(row + 7)
-    D = tl.load(row + 8)
-    out = tl.load(row + 18)
-    j = tl.load(row + 24)
-    route = s_ptr + tl.load(row + 25)
-    S = tl.load(row + 31)
-    n1 = tl.load(row + 33)
-    ldw = tl.load(row + 38)
-    loads = s_ptr + tl.load(row + 54)
+    F = tl.load(row + F_K)
+    D = tl.load(row + F_N)
+    out = tl.load(row + F_out)
+    j = tl.load(row + F_tile)
+    route = s_ptr + tl.load(row + F_part)
+    S = tl.load(row + F_S)
+    n1 = tl.load(row + F_n1)
+    ldw = tl.load(row + F_ldw)
+    loads = s_ptr + tl.load(row + F_loads)
     e, first, rsel, wsum = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
     if first:
-        n0 = tl.load(row + 9)
+        n0 = tl.load(row + F_n0)
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < n1
         rows = tl.arange(0, BLOCK_M)
-        wsc = tl.load(row + 53)   # FP8 experts: fp32 row scales [E, D] at wsc
+        wsc = tl.load(row + F_wsc)   # FP8 experts: fp32 row scales [E, D] at wsc
         part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel)
         if FP8:
             sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * D + cols, mask=cmask, other=0.0)
@@ -905,13 +1003,13 @@ def _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N:
     repeating an earlier slot's expert adds nothing: that partial holds both weights), then the
     linear epilogue (+ residual). A fixed order and no atomics: the same bits every launch.
     Bytes: S*(n1-n0) partials + the residual tile."""
-    D = tl.load(row + 8)
-    n0 = tl.load(row + 9)
-    r = tl.load(row + 28)
-    route = s_ptr + tl.load(row + 25)
-    part = s_ptr + tl.load(row + 36)
-    S = tl.load(row + 31)
-    n1 = tl.load(row + 33)
+    D = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    r = tl.load(row + F_bi)
+    route = s_ptr + tl.load(row + F_part)
+    part = s_ptr + tl.load(row + F_kpart)
+    S = tl.load(row + F_S)
+    n1 = tl.load(row + F_n1)
     rows = tl.arange(0, BLOCK_M)
     ss = tl.arange(0, BLOCK_S)
     pair = rows[:, None] * S + ss[None, :]
@@ -941,51 +1039,51 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
     a run-time choice between variants would hold both and spill (ptxas -v)."""
     ran = 1
-    if op == 2:
+    if op == OP_LINEAR:
         _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
-    elif op == 3:
+    elif op == OP_ATTN_PARTIAL:
         _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, BLOCK_S, KV_BF16)
-    elif op == 4:
+    elif op == OP_ATTN_MERGE:
         _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
-    elif op == 1:
+    elif op == OP_EMBED:
         _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
-    elif op == 5:
+    elif op == OP_ARGMAX:
         _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
-    elif op == 6:
+    elif op == OP_ROPE_APPEND:
         pass   # below, where finale rows run it too: one inlined copy (the kernel is at the edge of the register file)
-    elif op == 7:
+    elif op == OP_LINEAR_SPLIT:
         _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
-    elif op == 9:
+    elif op == OP_CONV_STEP:
         _task_conv_step(row, w_ptr, s_ptr, BLOCK_M, BLOCK_N)
-    elif op == 10:
+    elif op == OP_DELTA_STEP:
         _task_delta_step(row, w_ptr, s_ptr, ln_eps, BLOCK_D)
-    elif op == 11:
+    elif op == OP_ADD_NORM:
         _task_add_norm(row, w_ptr, s_ptr, ln_eps, BLOCK_K)
-    elif op == 12:
+    elif op == OP_MOE_ROUTE:
         _task_moe_route(row, s_ptr, BLOCK_R, BLOCK_S)
-    elif op == 13:
+    elif op == OP_MOE_UP:
         _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8)
-    elif op == 14:
+    elif op == OP_MOE_DOWN:
         _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8)
-    elif op == 15:
+    elif op == OP_MOE_SUM:
         _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
         ran = 0
-    stout = tl.load(row + 60)
-    fin = tl.load(row + 64)
+    stout = tl.load(row + F_stout)
+    fin = tl.load(row + F_fin)
     # The append rows to run: this task's own (op 6), or the finale rows of a q|k|v tile that
     # drew its heads' last ticket.
     arow = row
-    napp = tl.where(op == 6, 1, 0).to(tl.int64)
+    napp = tl.where(op == OP_ROPE_APPEND, 1, 0).to(tl.int64)
     if (stout >= 0) | (fin >= 0):
         # A task of a stage whose output feeds a fused norm, or of the q|k|v tiles of a group of
         # heads: a ticket as the attention partial's, and the last task of the group to finish
         # computes the rows' statistics, or runs the heads' append rows (finale rows `fin`
         # elements from this row), before it signals. The readers wait for the whole group, so
         # neither costs a level. (The fields before the acquire, which would send them to L2 again.)
-        ticket = tl.load(row + 55)
-        tickets = tl.load(row + 56)
-        nfin = tl.load(row + 65)
+        ticket = tl.load(row + F_ticket)
+        tickets = tl.load(row + F_tickets)
+        nfin = tl.load(row + F_nfin)
         tl.debug_barrier()
         drawn = tl.atomic_add(ctrl_ptr + ticket, 1, sem="acq_rel")
         tl.debug_barrier()
@@ -1057,12 +1155,12 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
     t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
     while t < num_tasks:
         row = tasks_ptr + t.to(tl.int64) * NF
-        op = tl.load(row)
-        c0 = tl.load(row + 1)
-        t0 = tl.load(row + 2)
-        c1 = tl.load(row + 3)
-        t1 = tl.load(row + 4)
-        sig = tl.load(row + 5)
+        op = tl.load(row + F_op)
+        c0 = tl.load(row + F_w0)
+        t0 = tl.load(row + F_t0)
+        c1 = tl.load(row + F_w1)
+        t1 = tl.load(row + F_t1)
+        sig = tl.load(row + F_sig)
         ok = tl.full([], 1, tl.int32)
         if c0 >= 0:
             ok = _wait(ctrl_ptr + 2 + c0, t0, spin_limit).to(tl.int32)
@@ -1084,12 +1182,16 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
         t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
 
 
-def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int = 2) -> int:
+def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int | None = None) -> int:
     """How many programs to launch: no more than can be resident at once. (Tasks are claimed when a
     program starts running, so a program that is not yet resident holds no task and cannot block
-    anyone; staying within residency keeps every claimed task on an SM all the same.) Compiled for
-    sm_90 the kernel needs <= 234 registers x 128 threads and ~0.5 KB shared memory, so two programs
-    fit on every SM; more in-flight loads per SM is what a bandwidth-bound step needs."""
+    anyone; staying within residency keeps every claimed task on an SM all the same.) Under the
+    pinned Triton, compiled for sm_90, the kernel needs <= 255 registers x 128 threads and ~1 KB
+    shared memory, so two programs fit on every SM; more in-flight loads per SM is what a
+    bandwidth-bound step needs. Older Tritons build it with 8 warps, one program an SM
+    (triton_versions.megakernel_tuning, the default here)."""
+    if programs_per_sm is None:
+        programs_per_sm = megakernel_tuning().programs_per_sm
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(sms * programs_per_sm, num_tasks))
@@ -1101,6 +1203,7 @@ class Megakernel:
     """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
 
     run_task = step_tasks
+    tuning = megakernel_tuning()   # warps and programs an SM under the running Triton
 
     def __init__(self, graph: TaskGraph, weights: torch.Tensor, state: torch.Tensor, dyn: torch.Tensor,
                  out: torch.Tensor, block_m: int, block_n: int, block_k: int, block_t: int,
@@ -1121,7 +1224,8 @@ class Megakernel:
         self.weights, self.state, self.dyn, self.out = weights, state, dyn, out
         self.batch = graph.batch
         self.ln_eps = ln_eps
-        self.num_programs = resident_programs(dev, len(graph.tasks))
+        check_supported()
+        self.num_programs = resident_programs(dev, len(graph.tasks), self.tuning.programs_per_sm)
         interp = dev.type == "cpu"
         # Under the interpreter any wait is satisfied at once or never: fail fast instead of hanging.
         # On a GPU ~2^20 polls are about a second, far past any real dependency wait (microseconds
@@ -1140,7 +1244,8 @@ class Megakernel:
         self.ctrl.zero_()
         _megakernel[(self.num_programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
                                           self.weights, self.state, self.out, self.batch, self.ln_eps,
-                                          self.spin_limit, RUN_TASK=self.run_task, **self.meta)
+                                          self.spin_limit, RUN_TASK=self.run_task, num_warps=self.tuning.num_warps,
+                                          maxnreg=self.tuning.maxnreg, **self.meta)
 
     def raise_on_error(self) -> None:
         """Synchronising check of the error flag (a timed-out wait skipped that task)."""

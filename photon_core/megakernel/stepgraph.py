@@ -434,16 +434,8 @@ def expected_experts(num_experts: int, top_k: int, rows: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The eager reference: the same graph run op by op with backends.reference
-
-
-def _act(x: torch.Tensor, act: str | None) -> torch.Tensor:
-    if act is None:
-        return x
-    if act in ("sigmoid", "tanh"):
-        return getattr(torch, act)(x)
-    from photon_core.backends import reference as ref
-    return ref.glu(x, torch.ones_like(x), act)
+# The eager reference: the same graph run op by op with backends.reference (each op's reference is
+# in its module under ops/)
 
 
 def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor],
@@ -455,145 +447,16 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
     updates them in place. Rotary
     tables are read at position + rotary offset (default 0). Returns every value ([B, width]) by
     name, and the argmax results under "results" ({name: [B] ints})."""
-    from photon_core.backends import reference as ref
+    from photon_core.megakernel.ops import Eager, rule
 
     bsz = len(positions)
     dev = next(iter(weights.values())).device
     pos = torch.tensor(positions, device=dev)
     rot_pos = pos + torch.tensor(rotary_offsets or [0] * bsz, device=dev)
-    vals: dict[str, torch.Tensor] = {}
-    results: dict[str, list[int]] = {}
-
-    def cache(c: CacheRef) -> torch.Tensor:
-        t = caches[c.spec.name]
-        return t if c.layer is None else t[c.layer]
-
+    e = Eager(bsz, dev, pos, rot_pos, tokens, cross_len, weights, caches, inputs)
     for node in graph.nodes:
-        a = node.args
-        if node.op == "input":
-            y = inputs[node.out.name].float().reshape(bsz, node.out.width)
-        elif node.op == "embed":
-            y = weights[a["tok"]][torch.tensor(tokens, device=dev)].float() * a["scale"]
-            if a["pos"] is not None:
-                y = y + weights[a["pos"]][pos].float()
-        elif node.op == "layer_norm":
-            y = ref.layer_norm(vals[a["x"].name], weights[a["w"]].float(),
-                               None if a["b"] is None else weights[a["b"]].float(), a["eps"])
-        elif node.op == "mul":
-            w = node.out.width
-            y = vals[a["x"].name][:, a["c0"]:a["c0"] + w] * _act(vals[a["g"].name], a["act"])
-        elif node.op == "act":
-            y = _act(vals[a["x"].name], a["act"])
-        elif node.op == "add_norm":
-            z = vals[a["z"].name]
-            zn = ref.rms_norm(z.view(bsz, -1, a["chunk"]), weights[a["w"]].float(), a["eps"], a["offset"])
-            y = (vals[a["x"].name] + zn.reshape(bsz, -1)) * a["scale"]
-            if a["scale_w"] is not None:
-                y = y * weights[a["scale_w"]].float()
-        elif node.op == "glu":
-            gate, up = vals[a["x"].name].chunk(2, dim=-1)
-            y = ref.glu(gate, up, a["act"])
-        elif node.op == "rms_norm":
-            y = ref.rms_norm(vals[a["x"].name], weights[a["w"]].float(), a["eps"], a["offset"])
-        elif node.op == "linear":
-            tanh = a["act"] == "tanh"    # not a linear activation of the ops contract
-            y = ref.linear(vals[a["x"].name], weights[a["w"]].float(),
-                           None if a["b"] is None else weights[a["b"]].float(), activation=None if tanh else a["act"])
-            y = torch.tanh(y) if tanh else y
-            if a["residual"] is not None:
-                y = y + vals[a["residual"].name]
-        elif node.op == "kv_append":
-            k_c, v_c = cache(a["k"]), cache(a["v"])
-            h, dh = a["k"].spec.heads, a["k"].spec.head_dim
-            hq = node.out.width // dh
-            append = a["append"]
-            qkv = vals[a["qkv"].name]
-            if not append:   # q alone: k, v stand-ins that are never stored
-                qkv = torch.cat([qkv, qkv.new_zeros(bsz, 2 * h * dh)], dim=1)
-            q, k, v = qkv.split([hq * dh, h * dh, h * dh], dim=1)
-            q, k, v = q.reshape(bsz, hq, 1, dh), k.reshape(bsz, h, 1, dh), v.reshape(bsz, h, 1, dh)
-            if a["tau"] is not None:
-                tv = vals[a["tau"].value.name]
-                pos_f = torch.sigmoid(weights[a["tau"].alpha].float()[None] * torch.log(pos.float() + 1)[:, None]) + 0.5
-                q = q * (tv[:, :hq] + pos_f).view(bsz, hq, 1, 1)
-                v = v * (tv[:, hq:hq + h] + pos_f[:, :h]).view(bsz, h, 1, 1)
-            hn = a["norm"]
-            if hn is not None:
-                def norm(x, w):
-                    return ref.rms_norm(x, None if w is None else weights[w].float(), hn.eps, hn.offset)
-                q = q if hn.q is None else norm(q, hn.q)
-                k = k if hn.k is None else norm(k, hn.k)
-                v = norm(v, None) if hn.v else v
-            rot = a["rotary"]
-            if rot is not None:
-                cos = weights[rot.cos].float()[rot_pos].view(bsz, 1, 1, -1)
-                sin = weights[rot.sin].float()[rot_pos].view(bsz, 1, 1, -1)
-                q, k = ref.rotary(q, cos, sin, rot.dims), ref.rotary(k, cos, sin, rot.dims)
-            if append:
-                ref.kv_append(k_c, v_c, k, v, pos % k_c.shape[2] if a["k"].spec.ring else pos)
-            y = q.reshape(bsz, hq * dh)
-        elif node.op == "attention":
-            # bf16 caches hold what the compiled step stores (rounded); attention reads fp32
-            k_c, v_c = cache(a["k"]).float(), cache(a["v"]).float()
-            dh = a["k"].spec.head_dim
-            lengths = pos + 1 if a["length"] == "self" else torch.tensor(cross_len, device=dev)
-            q = vals[a["q"].name].view(bsz, -1, 1, dh)
-            if a["k"].spec.ring:   # unroll each row's ring into positions [n - window, n)
-                w, ring = a["window"], a["k"].spec.length
-                rows = []
-                for r in range(bsz):
-                    n = int(lengths[r])
-                    slots = torch.arange(max(0, n - w), n, device=dev) % ring
-                    rows.append(ref.decode_attention(q[r:r + 1], k_c[r:r + 1, :, slots], v_c[r:r + 1, :, slots],
-                                                     torch.tensor([len(slots)], device=dev), a["scale"]))
-                y = torch.cat(rows)
-            else:
-                y = ref.decode_attention(q, k_c, v_c, lengths, a["scale"], a["window"])
-            y = y.reshape(bsz, node.out.width)
-        elif node.op == "conv_step":
-            st = caches[a["state"].name]                      # [B, C, W-1]: channel-major in the arena
-            xs = vals[a["x"].name][:, a["c0"]:a["c0"] + node.out.width]
-            y, new = ref.causal_conv1d(xs[:, None, :], weights[a["w"]].float(), None,
-                                       st.transpose(1, 2), a["act"])
-            st.copy_(new.transpose(1, 2))
-            y = y[:, 0]
-        elif node.op == "delta_rule":
-            st = caches[a["state"].name]
-            hv, dk, dv = a["state"].shape
-            hk = a["k_heads"]
-            q, k, v = vals[a["x"].name].split([hk * dk, hk * dk, hv * dv], dim=1)
-            zba = vals[a["zba"].name][:, a["c0"]:]
-            z, b_, a_ = zba[:, :hv * dv], zba[:, hv * dv:hv * dv + hv], zba[:, hv * dv + hv:hv * dv + 2 * hv]
-            g = -weights[a["a_log"]].float().exp() * torch.nn.functional.softplus(a_ + weights[a["dt_bias"]].float())
-            o, new = ref.gated_delta_step(q.reshape(bsz, hk, dk), k.reshape(bsz, hk, dk), v.reshape(bsz, hv, dv),
-                                          g, torch.sigmoid(b_), st, qk_l2norm=True)
-            st.copy_(new)
-            y = ref.rms_norm_gated(o, z.reshape(bsz, hv, dv), weights[a["norm_w"]].float(), a["eps"])
-            y = y.reshape(bsz, hv * dv)
-        elif node.op == "moe":
-            weights_k, ids = ref.moe_route(vals[a["logits"].name], a["top_k"], a["renormalize"])
-            xs = vals[a["x"].name]
-            f = weights[a["down"]].shape[-1]
-            y = torch.zeros_like(xs)
-
-            def expert(w: str, e: int) -> torch.Tensor:   # FP8 experts dequantized: w * row scale
-                sc = a.get(f"{w}_scale")
-                t = weights[a[w]][e].float()
-                return t if sc is None else t * weights[sc][e].float()[:, None]
-            for r in range(bsz):
-                for s in range(a["top_k"]):
-                    e = int(ids[r, s])
-                    gu = ref.linear(xs[r:r + 1], expert("gate_up", e))
-                    h = ref.glu(gu[:, :f], gu[:, f:], a["act"], a["up_offset"])
-                    y[r] += weights_k[r, s] * ref.linear(h, expert("down", e))[0]
-            if a["residual"] is not None:
-                y = y + vals[a["residual"].name]
-        elif node.op == "argmax":
-            x = vals[a["x"].name][:, a["c0"]:a["c1"]]
-            results[a["name"]] = ref.argmax(x).tolist()
-            continue
-        else:
-            raise ValueError(f"unknown op {node.op!r}")
-        vals[node.out.name] = y
-    vals["results"] = results
-    return vals
+        y = rule(node.op).reference(e, node)
+        if node.out is not None:
+            e.vals[node.out.name] = y
+    e.vals["results"] = e.results
+    return e.vals

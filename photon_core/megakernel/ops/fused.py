@@ -1,0 +1,82 @@
+"""Ops with no task of their own: a host input, and the prologues fused into the loads of the
+linears (and MoE experts) that read them: layer_norm / rms_norm (row statistics, then the affine),
+glu (act(gate) * up), mul (x * act(g)) and act. Their rules check that only such readers read them
+and record, per reading linear, what it fuses (Planning.norm_of / glu_of / mul_of / act_of); the
+linear's lowering writes the prologue's fields."""
+from __future__ import annotations
+
+import torch
+
+from photon_core.megakernel.ops.base import FUSED, Eager, OpRule, Planning, eager_act
+from photon_core.megakernel.stepgraph import Node
+
+
+def input_reference(e: Eager, node: Node) -> torch.Tensor:
+    return e.inputs[node.out.name].float().reshape(e.bsz, node.out.width)
+
+
+def layer_norm_reference(e: Eager, node: Node) -> torch.Tensor:
+    from photon_core.backends import reference as ref
+    a = node.args
+    return ref.layer_norm(e.val(a["x"]), e.w(a["w"]), e.w(a["b"]), a["eps"])
+
+
+def rms_norm_reference(e: Eager, node: Node) -> torch.Tensor:
+    from photon_core.backends import reference as ref
+    a = node.args
+    return ref.rms_norm(e.val(a["x"]), e.w(a["w"]), a["eps"], a["offset"])
+
+
+def glu_reference(e: Eager, node: Node) -> torch.Tensor:
+    from photon_core.backends import reference as ref
+    gate, up = e.val(node.args["x"]).chunk(2, dim=-1)
+    return ref.glu(gate, up, node.args["act"])
+
+
+def mul_reference(e: Eager, node: Node) -> torch.Tensor:
+    a, w = node.args, node.out.width
+    return e.val(a["x"])[:, a["c0"]:a["c0"] + w] * eager_act(e.val(a["g"]), a["act"])
+
+
+def act_reference(e: Eager, node: Node) -> torch.Tensor:
+    return eager_act(e.val(node.args["x"]), node.args["act"])
+
+
+def norm_plan(pl: Planning, node: Node) -> None:
+    """Only a linear's (or MoE's) input, not its residual, can take a fused norm."""
+    a, graph = node.args, pl.graph
+    pl.eps.add(a["eps"])
+    if node.op == "rms_norm" and a["offset"]:
+        # (offset + w) is folded into the stored weight at load time.
+        pl.fold_offset(node, a["w"], a["offset"])
+    for c in graph.consumers(node.out):
+        if c.op not in ("linear", "moe") or c.args["x"] is not node.out or c.args["residual"] is node.out:
+            raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
+                             f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
+                             "can take a fused LayerNorm")
+        pl.norm_of[c.out.name] = node
+
+
+def prologue_plan(pl: Planning, node: Node) -> None:
+    """glu, mul and act: read by a linear's input only (one prologue a linear), never chained."""
+    a, graph = node.args, pl.graph
+    for arg in ("x", "g") if node.op == "mul" else ("x",):
+        src = pl.producer.get(a[arg].name)
+        if src is not None and src.op in FUSED:
+            raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} reads {src.op} "
+                             f"{src.out.name!r}; fused ops cannot be chained")
+    for c in graph.consumers(node.out):
+        if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out \
+                or c.out.name in pl.norm_of:
+            raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
+                             f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
+                             f"can take a fused {'GLU' if node.op == 'glu' else node.op}")
+        {"glu": pl.glu_of, "mul": pl.mul_of, "act": pl.act_of}[node.op][c.out.name] = node
+
+
+RULES = (OpRule("input", input_reference),
+         OpRule("layer_norm", layer_norm_reference, plan=norm_plan),
+         OpRule("rms_norm", rms_norm_reference, plan=norm_plan),
+         OpRule("glu", glu_reference, plan=prologue_plan),
+         OpRule("mul", mul_reference, plan=prologue_plan),
+         OpRule("act", act_reference, plan=prologue_plan))
