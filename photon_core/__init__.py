@@ -13,16 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from photon_core.contracts import SpeechModel, VisionModel
 
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str = "auto",
-         skills: Iterable[str] = ()) -> Any:
+         skills: Iterable[str] = ()) -> VisionModel | SpeechModel:
     """A loaded model with the skills of its family, the family being recognised from the
     checkpoint's files (photon_core.registry.families(): each declares its skills). model: a local path, a package-provided name ("whisper-tiny.en") or a
     Hugging Face id in the local cache. backend: "reference", "triton", "megakernel" or "auto"
     (reference on CPU, megakernel on CUDA; see photon_core.backends.select). skills: what the
-    caller needs; registry.MissingSkills, before any weights are read, if the family lacks one."""
+    caller needs; registry.MissingSkills, before any weights are read, if the family lacks one.
+    The model meets photon_core.contracts (VisionModel or SpeechModel)."""
     from photon_core import registry
     from photon_core.backends.select import get_backend
 

@@ -18,8 +18,8 @@ import numpy as np
 _log = logging.getLogger(__name__)
 
 _PCM, _FLOAT, _EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
-_PCM_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4")}   # 3 bytes: see _int24
-_FLOAT_DTYPES = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
+_PCM_DTYPES: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4")}   # 3 bytes: see _int24
+_FLOAT_DTYPES: dict[int, np.dtype] = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
 
 # Float samples are nominally within [-1, 1]. Up to 2**15 is still taken (files written on the
 # int16 scale exist, and the mel front ends are scale-free); beyond that the values are not audio,

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from photon_core import cli_checks
+from photon_core.contracts import Answerer, Captioner, ContractError, Detector, Segmenter, VisionModel, check_model
 from photon_core.cli_checks import UserError
 from photon_core.image_io import ImageFileError, read_image
 
@@ -36,23 +37,30 @@ def draw(image: np.ndarray, result: dict, label: str, out_path: str) -> None:
         raise ImageFileError(f"--draw {out_path}: cannot write it")
 
 
-def _infer(model, args: argparse.Namespace, image: np.ndarray) -> dict:
-    if args.command in ("detect", "point"):
-        return getattr(model, args.command)(image, args.object, max_objects=args.max_objects)
-    if args.command == "segment":
+def _infer(model: VisionModel, args: argparse.Namespace, image: np.ndarray) -> dict:
+    # check_model made sure the model has the command's skill; isinstance tells the type checker.
+    if args.command == "detect" and isinstance(model, Detector):
+        return model.detect(image, args.object, max_objects=args.max_objects)
+    if args.command == "point" and isinstance(model, Detector):
+        return model.point(image, args.object, max_objects=args.max_objects)
+    if args.command == "segment" and isinstance(model, Segmenter):
         return model.segment(image, args.object, max_tokens=args.max_tokens)
-    if args.command == "caption":
+    if args.command == "caption" and isinstance(model, Captioner):
         return model.caption(image, length=args.length, max_tokens=args.max_tokens,
                              temperature=args.temperature, top_p=args.top_p)
-    return model.query(image, args.question, max_tokens=args.max_tokens,
-                       temperature=args.temperature, top_p=args.top_p)
+    if args.command == "query" and isinstance(model, Answerer):
+        return model.query(image, args.question, max_tokens=args.max_tokens,
+                           temperature=args.temperature, top_p=args.top_p)
+    raise ContractError(f"{type(model).__name__} cannot {args.command}")
 
 
 def _run(args: argparse.Namespace) -> int:
     image = read_image(args.image)
     t0 = time.perf_counter()
     # Any family with this skill: the checkpoint given with --model decides which.
-    model = cli_checks.load_model(args.model, args.device, args.dtype, (args.command,), backend="reference")
+    model = check_model(cli_checks.load_model(args.model, args.device, args.dtype, (args.command,),
+                                              backend="reference"), {args.command})
+    assert isinstance(model, VisionModel)   # check_model made sure: this tells the type checker
     t1 = time.perf_counter()
     try:
         result = _infer(model, args, image)
@@ -71,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(subparsers) -> None:
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, model: str = "moondream2") -> None:
         p.add_argument("image", help="image file (any format PIL reads)")
         p.add_argument("--model", default=model,

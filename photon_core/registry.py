@@ -3,7 +3,9 @@
 A family lives in `photon_core/models/<family>/` and declares itself there with a module-level
 `FAMILY = Family(...)`: the skills it offers, a probe over the checkpoint's files, its load entry
 and its command-line module. The registry finds families by importing every package under
-`photon_core.models`, so adding a family means adding its folder and nothing else.
+`photon_core.models`, so adding a family means adding its folder and nothing else. Packages
+named in $PHOTON_EXTRA_FAMILIES (comma-separated module names) are asked too: families that must
+not ship, such as the test suite's toy family.
 
 A model name is first resolved to files (photon_core.weights.resolve); then every family's probe
 looks at those files (config.json, CTranslate2 header, tensor names; never a full weight load,
@@ -13,12 +15,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
+import os
 import pkgutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from photon_core.contracts import SpeechModel, VisionModel
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved, resolve as resolve_files
 
@@ -40,7 +45,8 @@ class Family:
     skills: frozenset[str]
     looks_for: str                                   # what `recognise` checks, said in errors
     recognise: Callable[[CheckpointFiles], bool]
-    load: Callable[[Resolved, str, Any, str], Any]   # (checkpoint, device, dtype, backend) -> model
+    # (checkpoint, device, dtype, backend) -> model, meeting photon_core.contracts
+    load: Callable[[Resolved, str, Any, str], VisionModel | SpeechModel]
     cli: str | None = None                           # module with add_commands(subparsers)
     # A checkpoint this family recognises but cannot run yet, and why (e.g. Moondream 3).
     refuse: Callable[[CheckpointFiles], str | None] = _never
@@ -77,6 +83,39 @@ class MissingSkills(ValueError):
     pass
 
 
+class BadCheckpointConfig(ValueError):
+    """A checkpoint's config.json that cannot be what a config is; the message names the file."""
+
+
+def check_config(files: CheckpointFiles) -> None:
+    """BadCheckpointConfig when the checkpoint's config.json is there but not a JSON object. Checked
+    here, before any family's probe reads it, so that the Python API, the nodes and the command line
+    all refuse it with the same message (a probe would otherwise see "no config")."""
+    path = files.folder / "config.json"
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise BadCheckpointConfig(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise BadCheckpointConfig(f"{path}: holds a JSON {type(data).__name__}, where a checkpoint's config "
+                                  f"is an object of settings ({{\"key\": value, ...}})")
+
+
+def _asking(family: Family, files: CheckpointFiles, question: Callable[[CheckpointFiles], Any]) -> Any:
+    """A family's probe or refusal on `files`. Probes read config.json's sections as the format
+    defines them; one of the wrong type (`"text_config": 5`) makes them fail, and that is the
+    config's fault, said naming the file rather than raised from inside the probe."""
+    try:
+        return question(files)
+    except (AttributeError, TypeError, KeyError, ValueError) as err:
+        if files.config is None:
+            raise
+        raise BadCheckpointConfig(f"{files.folder / 'config.json'}: not a {family.name} config as its "
+                                  f"format defines one ({type(err).__name__}: {err})") from err
+
+
 @dataclass(frozen=True)
 class Recognised:
     family: Family
@@ -84,17 +123,27 @@ class Recognised:
     files: CheckpointFiles
 
 
-@functools.cache
+EXTRA_FAMILIES = "PHOTON_EXTRA_FAMILIES"
+
+
 def families() -> tuple[Family, ...]:
-    """Every family declared under photon_core.models, in package-name order."""
+    """Every family declared under photon_core.models, in package-name order, then those of the
+    packages named in $PHOTON_EXTRA_FAMILIES, in the order named."""
+    extra = os.environ.get(EXTRA_FAMILIES, "")
+    return _families(tuple(name.strip() for name in extra.split(",") if name.strip()))
+
+
+@functools.cache
+def _families(extra: tuple[str, ...]) -> tuple[Family, ...]:
     import photon_core.models as models
 
     found: dict[str, Family] = {}
-    for info in pkgutil.iter_modules(models.__path__, models.__name__ + "."):
-        if not info.ispkg:
-            continue
-        family = getattr(importlib.import_module(info.name), "FAMILY", None)
+    ours = [info.name for info in pkgutil.iter_modules(models.__path__, models.__name__ + ".") if info.ispkg]
+    for name in ours + list(extra):
+        family = getattr(importlib.import_module(name), "FAMILY", None)
         if not isinstance(family, Family):
+            if name in extra:   # named on purpose: a typo must not pass as "no such family"
+                raise ValueError(f"${EXTRA_FAMILIES}: package {name!r} declares no FAMILY = Family(...)")
             continue
         if family.name in found:
             raise ValueError(f"two packages declare the model family {family.name!r}")
@@ -136,15 +185,17 @@ def resolve(name: str | Path) -> Resolved:
 
 def recognise(name: str | Path) -> Recognised:
     """Resolve `name` and find its family from the files. UnknownModelFamily lists what was found
-    and what each family looks for; NotImplementedError for checkpoints known but not runnable."""
+    and what each family looks for; BadCheckpointConfig names a config.json that is not one;
+    NotImplementedError for checkpoints known but not runnable."""
     checkpoint = resolve(name)
     files = CheckpointFiles(checkpoint.path)
-    claims = [family for family in families() if family.recognise(files)]
+    check_config(files)
+    claims = [family for family in families() if _asking(family, files, family.recognise)]
     if len(claims) > 1:   # a probe too loose: better loud than the first one silently winning
         raise UnknownModelFamily(f"{checkpoint.path}: claimed by several families "
                                  f"({', '.join(f.name for f in claims)}); found {files.describe()}")
     if claims:
-        reason = claims[0].refuse(files)
+        reason = _asking(claims[0], files, claims[0].refuse)
         if reason:
             raise NotImplementedError(f"{checkpoint.path}: {reason}")
         return Recognised(claims[0], checkpoint, files)

@@ -58,6 +58,7 @@ from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
+from photon_core.runtime.requests import TranscribeRequest
 from photon_core.runtime.shared_models import SharedModel
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
@@ -248,9 +249,11 @@ class SpeechNode(ManagedNode):
             model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
             if callable(getattr(model, "batch", None)):
                 # Transcriptions go through batch() then, a path of its own: a final's and a partial's.
-                base = {"audio": np.zeros(16000, np.float32), "sample_rate": 16000,
-                        "language": self.language, "initial_prompt": self.initial_prompt or None}
-                model.batch([base, {**base, "timestamps": False, "temperature": 0.0}])
+                silence = np.zeros(16000, np.float32)
+                prompt = self.initial_prompt or None
+                model.batch([TranscribeRequest(silence, 16000, self.language, prompt),
+                             TranscribeRequest(silence, 16000, self.language, prompt,
+                                               {"timestamps": False, "temperature": 0.0})])
 
         engine = ready_or_released(load_speech_model(self.model_name, self.params["device"]), warm_up)
         self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
@@ -457,8 +460,8 @@ class SpeechNode(ManagedNode):
         """The model's result (None when it failed: one bad utterance must not stop the node; or
         for a speculation, when the engine was busy) and the seconds it took."""
         started = time.monotonic()
-        request = {"audio": utterance.samples, "sample_rate": utterance.sample_rate,
-                   "language": self.language, "initial_prompt": self.initial_prompt or None, **options}
+        request = TranscribeRequest(utterance.samples, utterance.sample_rate, self.language,
+                                    self.initial_prompt or None, options)
         engine = self.engine
         try:
             if callable(getattr(engine.model, "batch", None)):
@@ -471,7 +474,7 @@ class SpeechNode(ManagedNode):
                 if not engine.lock.acquire(blocking=not utterance.speculative):
                     return None, time.monotonic() - started
                 try:
-                    result = engine.model.transcribe(**request)
+                    result = engine.model.transcribe(**request.kwargs())
                 finally:
                     engine.lock.release()
         except Exception as err:  # noqa: BLE001

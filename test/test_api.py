@@ -6,6 +6,7 @@ import sys
 import numpy as np
 
 import photon_core
+import photon_core.registry
 from moondream_fixtures import checkpoint
 
 

@@ -171,7 +171,7 @@ def test_bf16_encoder_gives_fp32_tokens(model, speech):
 
 
 def test_cli_prints_json(tmp_path, speech):
-    from photon_core.models.whisper import cli
+    from photon_core import cli_speech as cli
     wav = tmp_path / "short.wav"
     import wave
     pcm, sr = speech["short"]

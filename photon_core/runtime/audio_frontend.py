@@ -25,7 +25,7 @@ N_FFT = 400
 HOP_LENGTH = 160
 
 
-def _hz_to_mel(f: np.ndarray) -> np.ndarray:
+def _hz_to_mel(f: np.ndarray | float) -> np.ndarray:
     """Slaney mel scale: linear below 1 kHz, logarithmic above (librosa's default, htk=False)."""
     f = np.asarray(f, dtype=np.float64)
     f_sp = 200.0 / 3

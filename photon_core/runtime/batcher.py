@@ -15,9 +15,9 @@ from typing import Callable
 
 
 class Batcher:
-    def __init__(self, run_many: Callable[[list], list], lock: threading.Lock, max_batch: int = 8,
+    def __init__(self, run_many: Callable[[list], list] | None, lock: threading.Lock, max_batch: int = 8,
                  window_s: float = 0.005) -> None:
-        self.run_many = run_many          # items -> results, in order
+        self.run_many = run_many          # items -> results, in order (None once closed)
         self.lock = lock                  # the engine's lock: a batch runs while nothing else does
         self.max_batch = max_batch
         self.window_s = window_s
@@ -45,7 +45,8 @@ class Batcher:
         return sum(len(items) for items, _ in self._pending)
 
     def _take(self) -> list[tuple[list, Future]]:
-        groups, count = [], 0
+        groups: list[tuple[list, Future]] = []
+        count = 0
         while self._pending and (not groups or count + len(self._pending[0][0]) <= self.max_batch):
             groups.append(self._pending.pop(0))
             count += len(groups[-1][0])
@@ -74,6 +75,8 @@ class Batcher:
         items = [item for group, _ in groups for item in group]
         try:
             with self.lock:
+                if self.run_many is None:
+                    raise RuntimeError("this engine was released (its batcher is closed)")
                 results = self.run_many(items)
             if len(results) != len(items):
                 # Sliced by position, a short list would hand one caller (camera) another's results.
@@ -88,7 +91,7 @@ class Batcher:
             return
         self.sizes.append(len(items))
         start = 0
-        for group, future in groups:
-            future.set_result(results[start:start + len(group)])
-            start += len(group)
+        for items_of, future in groups:
+            future.set_result(results[start:start + len(items_of)])
+            start += len(items_of)
 

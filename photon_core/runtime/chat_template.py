@@ -105,7 +105,9 @@ class ChatTemplate:
                                     f"{', '.join(_TEMPLATE_FILES)})")
         config = read_json(folder / "tokenizer_config.json")
         special = {k: t for k in _SPECIAL_TOKENS if (t := token_text(config.get(k))) is not None}
-        return cls(source if source is not None else fallback, special, source is not None)
+        text = source if source is not None else fallback
+        assert text is not None   # refused above
+        return cls(text, special, source is not None)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
                continue_final_message: bool = False, **variables: Any) -> str:

@@ -14,7 +14,11 @@ import gc
 import sys
 import threading
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from photon_core.registry import Family
+    from photon_core.runtime.batcher import Batcher
 
 
 class SharedModel:
@@ -23,11 +27,11 @@ class SharedModel:
         self.key = key
         self.holders = 0     # shared_engine/shared_model calls not yet released
         self.lock = threading.Lock()
-        self._batcher = None
-        self.family = None   # the registry family, when loaded through shared_engine
+        self._batcher: Batcher | None = None
+        self.family: Family | None = None   # the registry family, when loaded through shared_engine
 
     @property
-    def batcher(self):
+    def batcher(self) -> Batcher:
         """A Batcher over the model's `batch` (requests -> results; made on first use)."""
         if self._batcher is None:
             from photon_core.runtime.batcher import Batcher
@@ -69,7 +73,7 @@ def release(engine: SharedModel) -> bool:
         engine.holders -= 1
         if engine.holders:
             return False
-        if _models.get(engine.key) is engine:
+        if engine.key is not None and _models.get(engine.key) is engine:
             del _models[engine.key]
         engine.retire()
     free_memory()

@@ -78,7 +78,7 @@ class ThreadTuner:
         if retry:
             # if it did not win, wait twice as long before the next one
             w.interval = self.retry_every if after != before else min(self.max_retry_every, 2 * w.interval)
-        self._preferred = after
+        self._preferred = after if after is not None else self._preferred
 
     def run(self, key: Hashable, fn: Callable[[], T]) -> T:
         threads = self.choose(key)

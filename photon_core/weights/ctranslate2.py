@@ -47,7 +47,7 @@ class CT2Model:
 
 
 class _Reader:
-    def __init__(self, buf: memoryview | bytes):
+    def __init__(self, buf: memoryview | bytes | bytearray) -> None:
         self.buf = buf
         self.view = memoryview(buf)
         self.pos = 0

@@ -92,11 +92,13 @@ def read_nemo(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     with tarfile.open(path) as tar:
         for member in tar.getmembers():
             name = Path(member.name).name
+            data = tar.extractfile(member) if name in ("model_config.yaml", "model_weights.ckpt") else None
+            if data is None:   # another member, or one that is not a regular file
+                continue
             if name == "model_config.yaml":
-                config = yaml.safe_load(tar.extractfile(member).read())
-            elif name == "model_weights.ckpt":
-                state = torch.load(io.BytesIO(tar.extractfile(member).read()), map_location="cpu",
-                                   weights_only=True)
+                config = yaml.safe_load(data.read())
+            else:
+                state = torch.load(io.BytesIO(data.read()), map_location="cpu", weights_only=True)
     if config is None or state is None:
         raise ValueError(f"{path}: a .nemo needs model_config.yaml and model_weights.ckpt")
     return config, state
@@ -108,18 +110,18 @@ def rename(tensors: dict[str, torch.Tensor], rules: Sequence[tuple[str, str]], k
     matches it whole; names matching a `keep` pattern pass unchanged, `drop` patterns are left out,
     and any other name is an error (a tensor nobody expects means the wrong checkpoint)."""
     compiled = [(re.compile(p), r) for p, r in rules]
-    keep = [re.compile(p) for p in keep]
-    drop = [re.compile(p) for p in drop]
+    kept = [re.compile(p) for p in keep]
+    dropped = [re.compile(p) for p in drop]
     out: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
-        if any(d.fullmatch(key) for d in drop):
+        if any(d.fullmatch(key) for d in dropped):
             continue
         for pat, rep in compiled:
             if pat.fullmatch(key):
                 out[pat.sub(rep, key)] = t
                 break
         else:
-            if not any(k.fullmatch(key) for k in keep):
+            if not any(k.fullmatch(key) for k in kept):
                 raise ValueError(f"unexpected tensor {key!r} for this model's schema")
             out[key] = t
     return out

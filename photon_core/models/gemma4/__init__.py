@@ -39,7 +39,7 @@ def places(name: str) -> list[str]:
     return [] if repo is None else [repo, repo.lower()]
 
 
-def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
+def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Gemma4Model:
     from photon_core.backends.select import get_backend
 
     # The megakernel module also carries every per-op kernel (vision, prefill); the model then

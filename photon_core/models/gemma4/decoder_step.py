@@ -73,7 +73,8 @@ def _qkv_name(i: int, cfg: TextConfig) -> str:
 
 def weight_shapes(cfg: TextConfig, max_len: int) -> dict[str, tuple[int, ...]]:
     """Every weight the step reads, by name, with its shape (from the config alone)."""
-    d, s = cfg.dim, {}
+    d = cfg.dim
+    s: dict[str, tuple[int, ...]] = {}
     s["text.embed_tokens.weight"] = (cfg.vocab_size, d)
     s["text.norm.weight"] = (d,)
     if not cfg.tie_embeddings:

@@ -4,20 +4,23 @@ decode step is one batched forward for all rows still going (a stepper: OpsStepp
 the megakernel backend megakernel_decode.MegakernelStepper, one launch of the compiled step).
 When every row is greedy on the megakernel, the tokens after each row's first decode in rounds on
 the device instead (MegakernelStepper.rounds: up to 8 launches per read, no logits read): the same
-tokens, rows and stops; `run()` yields a round's tokens step by step."""
+tokens, rows and stops; `run()` yields a round's tokens step by step (runtime.generate's loop)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from photon_core.runtime.generate import generate, room
+from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.text_stream import text_pieces  # noqa: F401  (model.py streams with it)
+
 from . import text
 
 if TYPE_CHECKING:
-    from .megakernel_decode import MegakernelStepper
     from .model import Gemma4Model
 
 
@@ -34,12 +37,6 @@ class Row:
     done: bool = False
 
 
-def check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
-    if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 "
-                         f"(got {max_tokens}, {temperature}, {top_p})")
-
-
 class BatchDecoder:
     def __init__(self, model: "Gemma4Model", rows: list[Row], seed: int | None = None,
                  device_rounds: bool = True) -> None:
@@ -47,8 +44,8 @@ class BatchDecoder:
         one launch per token, the host reading each token)."""
         cfg = model.config.text
         self.model, self.rows, self.device_rounds = model, rows, device_rounds
+        self.sampling = [Sampling(r.max_tokens, r.temperature, r.top_p) for r in rows]
         for r in rows:
-            check_sampling(r.max_tokens, r.temperature, r.top_p)
             if len(r.prompt) >= cfg.max_context:
                 raise ValueError(f"prompt of {len(r.prompt)} tokens does not fit the context ({cfg.max_context})")
             r.limit = min(cfg.max_context, len(r.prompt) + r.max_tokens)
@@ -62,24 +59,12 @@ class BatchDecoder:
         self.allowed = torch.ones(cfg.vocab_size, dtype=torch.bool, device=model.device)
         self.allowed[list(model.config.placeholder_ids)] = False
 
-    def _choose(self, r: Row, logits: torch.Tensor, greedy: int | None = None) -> int:
-        """`greedy`: the row's argmax already taken (the megakernel's, under the same bar)."""
-        ops = self.model.ops
-        if r.temperature == 0:
-            return greedy if greedy is not None else int(ops.argmax(logits, self.allowed))
-        masked = logits.float().masked_fill(~self.allowed, float("-inf"))
-        u = torch.rand(1, generator=self.gen).to(logits.device)
-        return int(ops.sample(masked[None], r.temperature, r.top_p, u)[0])
-
-    def _accept(self, r: Row, tok: int) -> bool:
-        """Record the token; False once the row is finished."""
-        if tok in self.model.eos_ids:
-            r.done = True
-            return False
-        r.tokens.append(tok)
-        if len(r.tokens) >= r.max_tokens or r.pos >= r.limit:
-            r.done = True
-        return True
+    def _choose(self, b: int, logits: torch.Tensor, greedy: int | None = None) -> int:
+        """Row b's next token; `greedy`: its argmax already taken (the megakernel's, under the same bar)."""
+        s = self.sampling[b]
+        if s.greedy and greedy is not None:
+            return greedy
+        return pick(logits, s, self.model.ops, self.allowed, self.gen)
 
     def _stepper(self) -> "OpsStepper":
         fm = getattr(self.model, "decode", None)
@@ -89,78 +74,49 @@ class BatchDecoder:
         return OpsStepper(self.model, len(self.rows), self.max_len)
 
     def run(self) -> Iterator[list[int | None]]:
-        """Yields, per decode round, each row's new token (None where the row produced nothing)."""
+        """Yields, per decode step, each row's new token (None where the row produced nothing),
+        recorded in the rows' tokens first. A row marked done between steps stops there."""
         fm = getattr(self.model, "decode", None)
         with fm.exclusive() if fm is not None else nullcontext():
-            yield from self._run(self._stepper())
-
-    def _run(self, stepper: "OpsStepper") -> Iterator[list[int | None]]:
-        m = self.model
-        last = []
-        for b, r in enumerate(self.rows):
-            last.append(stepper.prefill(b, r))
-            if r.max_tokens == 0:
-                r.done = True
-        if self.device_rounds and hasattr(stepper, "rounds") and all(r.temperature == 0 for r in self.rows):
-            yield from self._run_rounds(stepper, last)
-            return
-        logits, greedy = torch.stack(last), None
-        while True:
-            new: list[int | None] = []
-            for b, r in enumerate(self.rows):
-                new.append(self._choose(r, logits[b], None if greedy is None else greedy[b]) if not r.done else None)
-                if new[-1] is not None and not self._accept(r, new[-1]):
-                    new[-1] = None
-            if any(t is not None for t in new):
+            stepper = self._stepper()
+            rooms = [room(r.max_tokens, r.pos, r.limit) for r in self.rows]
+            rounds = self.device_rounds and hasattr(stepper, "rounds")
+            for new in generate(Session(self, stepper), self.sampling, rooms, self.model.eos_ids, self._choose,
+                                canceled=lambda b: self.rows[b].done, device_rounds=rounds):
+                for r, tok in zip(self.rows, new):
+                    if tok is not None:
+                        r.tokens.append(tok)
                 yield new
-            if all(r.done for r in self.rows):
-                return
-            ids = [t if t is not None else m.config.text.pad_id for t in new]
-            logits, greedy = stepper.step(ids, [min(r.pos, self.max_len - 1) for r in self.rows])
-            for r in self.rows:
-                if not r.done:
-                    r.pos += 1
-
-    def _run_rounds(self, stepper: "MegakernelStepper", last: list[torch.Tensor]) -> Iterator[list[int | None]]:
-        """_run's tokens for greedy rows, decoded in rounds on the device. Each row's first token
-        comes from its prefill's logits as in _run; the device then decodes up to max_new tokens
-        in all: _accept finishes a row of prompt length P after its k-th token (k >= 1, taken at
-        position P + k - 1) once k >= max_tokens or P + k - 1 >= limit, so
-        max_new = min(max_tokens, limit - P + 1); a stop token ends it sooner (not recorded).
-        The loop yields (row, token) pairs step by step; a step's list goes out once every row
-        still going has its token, or once a later step's token (or the end) shows that the rows
-        without one stopped."""
-        pad = self.model.config.text.pad_id
-        max_new = [0 if r.done else min(r.max_tokens, r.limit - r.pos + 1) for r in self.rows]
-        first = [self._choose(r, logits) if n else pad for r, logits, n in zip(self.rows, last, max_new)]
-        pending: dict[int, int] = {}
-        step = 0          # the step (0: the first tokens) of the pending tokens
-
-        def flush() -> list[int | None]:
-            for b, r in enumerate(self.rows):
-                if b not in pending:
-                    r.done = True    # still going before this step and no token: a stop token
-            new = [pending.get(b) for b in range(len(self.rows))]
-            pending.clear()
-            return new
-
-        for b, tok in stepper.rounds(first, [r.pos for r in self.rows], max_new, self.model.eos_ids):
-            r = self.rows[b]
-            if pending and len(r.tokens) != step:
-                yield flush()
-            step = len(r.tokens)
-            if step:
-                r.pos += 1
-            r.tokens.append(tok)
-            pending[b] = tok
-            if len(r.tokens) == max_new[b]:
-                r.done = True
-            if all(row.done or i in pending for i, row in enumerate(self.rows)):
-                yield flush()
-        if pending:
-            yield flush()
         for r in self.rows:
             r.done = True
+
+
+class Session:
+    """runtime.generate's session on a stepper's slots: every step feeds all of them (a slot
+    whose row finished decodes the pad token at its last position)."""
+
+    def __init__(self, dec: BatchDecoder, stepper: "OpsStepper") -> None:
+        self.dec, self.stepper = dec, stepper
+        self.live = list(range(len(dec.rows)))
+        self.pos = [r.pos for r in dec.rows]   # each slot's next input position
+
+    def prefill(self) -> tuple[torch.Tensor, None]:
+        return torch.stack([self.stepper.prefill(b, r) for b, r in enumerate(self.dec.rows)]), None
+
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, list[int] | None]:
+        ids = [self.dec.model.config.text.pad_id] * len(self.pos)
+        for b, tok in zip(self.live, tokens):
+            ids[b] = tok
+        logits, greedy = self.stepper.step(ids, [min(p, self.dec.max_len - 1) for p in self.pos])
+        for b in self.live:
+            self.pos[b] += 1
+        return logits[self.live], None if greedy is None else [greedy[b] for b in self.live]
+
+    def keep(self, rows: list[int]) -> None:
+        self.live = [self.live[i] for i in rows]
+
+    def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        return self.stepper.rounds(first, self.pos, max_new, stop)
 
 
 class OpsStepper:
@@ -182,19 +138,3 @@ class OpsStepper:
     def step(self, ids: list[int], pos: list[int]) -> tuple[torch.Tensor, None]:
         m = self.model
         return m.step(torch.tensor(ids, device=m.device)[:, None], torch.tensor(pos, device=m.device), self.cache), None
-
-
-def text_pieces(decode, tokens: Iterator[int]) -> Iterator[str]:
-    """The decoded text of `tokens` piece by piece as they arrive; a piece ending in an incomplete
-    UTF-8 sequence waits for the token that completes it."""
-    ids: list[int] = []
-    shown = ""
-    for tok in tokens:
-        ids.append(tok)
-        txt = decode(ids)
-        if txt.startswith(shown) and not txt.endswith("\ufffd") and len(txt) > len(shown):
-            yield txt[len(shown):]
-            shown = txt
-    txt = decode(ids)
-    if txt != shown:
-        yield txt[len(shown):]

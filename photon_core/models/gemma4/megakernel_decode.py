@@ -20,16 +20,13 @@ raises instead of corrupting the first.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
 from photon_core.megakernel.compiler import Tiling
-from photon_core.megakernel.decode_loop import DeviceDecode
-from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
+from photon_core.runtime.decode import CompiledSteps, decode_length, require_triton_ops, resolve_weight_dtype
 
 from . import text
 from .decoder_step import Gemma4DecoderStep
@@ -41,60 +38,24 @@ if TYPE_CHECKING:
 DEFAULT_MAX_LEN = 4096   # compiled context: the full layers' caches are [bucket, Hkv, max_len, Dh] (bf16 on a GPU)
 
 
-class MegakernelDecode:
+class MegakernelDecode(CompiledSteps[Gemma4DecoderStep]):
     """The compiled decode steps of one Gemma4Model, one per batch bucket, sharing one weights arena."""
 
-    max_rows = BATCH_BUCKETS[-1]
+    family = "A Gemma 4 model"
 
     def __init__(self, model: "Gemma4Model", tiling: Tiling = Tiling(), max_len: int | None = None,
                  weight_dtype: torch.dtype | None = None) -> None:
         """max_len: the compiled context (default min(model context, 4096)); weight_dtype: what
         each step streams, None = bfloat16 on CUDA (math stays fp32) and the model's dtype elsewhere."""
-        if getattr(model.ops, "NAME", None) not in ("triton", "megakernel"):
-            raise ValueError("the Gemma 4 decode megakernel needs a model on the Triton ops "
-                             "(load_gemma4(..., backend=get_backend('megakernel', device)))")
-        cfg = model.config.text
+        require_triton_ops(model.ops, "Gemma 4", "load_gemma4")
+        super().__init__(decode_length(max_len, model.config.text.max_context, DEFAULT_MAX_LEN),
+                         resolve_weight_dtype(weight_dtype, model.dtype, model.device))
         self.model, self.tiling = model, tiling
-        self.max_len = min(cfg.max_context, max_len or DEFAULT_MAX_LEN)
-        if weight_dtype is None:
-            weight_dtype = torch.bfloat16 if model.device.type == "cuda" else model.dtype
-        if weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {weight_dtype}")
-        self.weight_dtype = weight_dtype
-        self._steps: dict[int, Gemma4DecoderStep] = {}
-        self._loops: dict[int, DeviceDecode] = {}
-        self._busy = threading.Lock()
 
-    def decoder(self, batch: int) -> Gemma4DecoderStep:
-        """The compiled step of one batch bucket, built on first use (every bucket shares the
-        first one's weights arena)."""
-        if batch not in self._steps:
-            m = self.model
-            shared = next(iter(self._steps.values())).weights if self._steps else None
-            self._steps[batch] = Gemma4DecoderStep(
-                m.w, m.config.text, batch, self.max_len, self.tiling, self.weight_dtype, weights=shared,
-                barred=m.config.placeholder_ids, model_dtype=m.dtype)
-            # With the step, before any row is loaded into its caches: on CUDA it captures (runs) rounds.
-            self._loops[batch] = DeviceDecode(self._steps[batch])
-        return self._steps[batch]
-
-    def loop(self, batch: int) -> DeviceDecode:
-        """The greedy rounds of one batch bucket's compiled step (built with it)."""
-        self.decoder(batch)
-        return self._loops[batch]
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("a Gemma 4 model on the megakernel decodes one request or batch at a time (its "
-                               "compiled steps' arenas); finish or close the running one (e.g. a stream) first")
-        try:
-            yield
-        finally:
-            self._busy.release()
-
-    def fits(self, rows: int, max_len: int) -> bool:
-        return rows <= self.max_rows and max_len <= self.max_len
+    def build_step(self, batch: int, weights: object | None) -> Gemma4DecoderStep:
+        m = self.model
+        return Gemma4DecoderStep(m.w, m.config.text, batch, self.max_len, self.tiling, self.weight_dtype,
+                                 weights=weights, barred=m.config.placeholder_ids, model_dtype=m.dtype)
 
 
 class MegakernelStepper:
@@ -102,11 +63,9 @@ class MegakernelStepper:
     slots without a row decode the pad token at position 0 of their own caches."""
 
     def __init__(self, fm: MegakernelDecode, rows: int, max_len: int) -> None:
-        if not fm.fits(rows, max_len):
-            raise ValueError(f"{rows} rows of up to {max_len} positions do not fit the compiled step "
-                             f"({fm.max_rows} rows, {fm.max_len} positions)")
+        fm.check_fits(rows, max_len)
         self.fm, self.rows, self.max_len = fm, rows, max_len
-        self.mk = fm.decoder(bucket_for(rows))
+        self.mk = fm.for_rows(rows)
         self.loop = fm.loop(self.mk.batch)
 
     def prefill(self, b: int, row: "Row") -> torch.Tensor:

@@ -26,7 +26,8 @@ class Gemma4Prompter:
         tc = read_json(folder / "tokenizer_config.json")
         proc = read_json(folder / "processor_config.json")
         self.template = ChatTemplate.from_folder(folder)
-        extra = tc.get("extra_special_tokens") if isinstance(tc.get("extra_special_tokens"), dict) else {}
+        extra = tc.get("extra_special_tokens")
+        extra = extra if isinstance(extra, dict) else {}
         # Gemma's tokenizer class names <bos> when tokenizer_config.json does not.
         self.template.special_tokens.setdefault("bos_token", "<bos>")
         self.image_token = (token_text(tc.get("image_token")) or token_text(extra.get("image_token"))

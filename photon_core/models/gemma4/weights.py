@@ -24,7 +24,8 @@ DROP = [r"(?:model\.)?audio_tower\..*", r"(?:model\.)?embed_audio\..*"]
 
 
 def expected_shapes(cfg: Gemma4Config) -> dict[str, tuple[int, ...]]:
-    t, s = cfg.text, {}
+    t = cfg.text
+    s: dict[str, tuple[int, ...]] = {}
     s["text.embed_tokens.weight"] = (t.vocab_size, t.dim)
     s["text.norm.weight"] = (t.dim,)
     if t.ple_dim:

@@ -47,7 +47,7 @@ def places(name: str) -> list[str | Path]:
     return []
 
 
-def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
+def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> MoondreamModel:
     from photon_core.backends.select import get_backend
 
     ops = get_backend(backend, device)

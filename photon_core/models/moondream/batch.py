@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from photon_core.runtime.requests import Request
+from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.text_stream import text_pieces
 
 from . import object_score, skills, text
 
@@ -73,8 +75,7 @@ def _prompt(model: "MoondreamModel", r: Request) -> list[int]:
         if r.max_objects < 0:
             raise ValueError("max_objects must be >= 0")
         return skills.object_prompt(model, r.task, r.prompt)
-    if r.max_tokens < 0 or r.temperature < 0 or not 0 < r.top_p <= 1:
-        raise ValueError("need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+    Sampling(r.max_tokens, r.temperature, r.top_p)   # (checked before any image is encoded)
     if r.task == "caption":
         return skills.caption_prompt(model, r.prompt or "normal")
     if r.task == "query":
@@ -233,7 +234,7 @@ def _answer_token(model: "MoondreamModel", r: Request, greedy: int, logits, allo
         return None
     tok = greedy
     if r.temperature > 0:
-        tok = skills.sample_token(logits(), allowed, r.temperature, r.top_p, model.ops)
+        tok = pick(logits(), Sampling(r.max_tokens, r.temperature, r.top_p), model.ops, allowed)
     return None if tok == model.config.tokenizer.eos_id else tok
 
 
@@ -311,5 +312,5 @@ def _result(model: "MoondreamModel", row: _Row) -> dict:
         return {"objects": row.objects}
     if task == "point":
         return {"points": row.objects}
-    answer = "".join(skills.text_pieces(model.tokenizer, iter(row.tokens)))
+    answer = "".join(text_pieces(model.tokenizer.decode, row.tokens))
     return {"caption": answer} if task == "caption" else {"answer": answer}

@@ -28,8 +28,7 @@ arena per bucket. A concurrent second call raises instead of corrupting the firs
 """
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -37,66 +36,63 @@ import torch
 
 from photon_core.megakernel.compiler import Tiling
 from photon_core.megakernel.decode_loop import DeviceDecode
-from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
 from photon_core.models.moondream import batch as batch_decoding
 from photon_core.models.moondream import object_rounds, object_score, skills
 from photon_core.models.moondream.batch import Request
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
+from photon_core.runtime.decode import CompiledSteps, decode_length, require_triton_ops, resolve_weight_dtype
+from photon_core.runtime.sampling import Sampling, pick
 
 if TYPE_CHECKING:
     from photon_core.models.moondream.model import EncodedImage, MoondreamModel
 
 
-class MegakernelDecode:
+class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
     """The decode megakernels of one MoondreamModel (whose ops module is the megakernel backend's
     per-op Triton kernels): one compiled step per batch bucket, all sharing one copy of the weights."""
+
+    family = "A Moondream model"
 
     def __init__(self, model: "MoondreamModel", tiling: Tiling = Tiling(), max_len: int | None = None,
                  weight_dtype: torch.dtype | None = None) -> None:
         """max_len: the KV caches' context (a smaller one fits a smaller GPU: the caches, bf16 on a
         GPU and fp32 on the CPU, are per bucket); weight_dtype: what each step streams, None = bfloat16 on CUDA (half the bytes, math
         still fp32) and the model's dtype elsewhere (the fidelity tests' fp32)."""
-        if getattr(model.ops, "NAME", None) not in ("triton", "megakernel"):
-            raise ValueError("the decode megakernel needs a MoondreamModel on the Triton ops "
-                             "(load_moondream(..., backend=get_backend('megakernel', device)))")
+        require_triton_ops(model.ops, "Moondream", "load_moondream")
+        super().__init__(decode_length(max_len, model.config.text.max_context),
+                         resolve_weight_dtype(weight_dtype, model.dtype, model.device))
         self.model, self.config, self.tokenizer = model, model.config, model.tokenizer
         self.device, self.dtype = model.device, model.dtype
         self.tiling = tiling
-        self.max_len = max_len or model.config.text.max_context
-        if weight_dtype is None:
-            weight_dtype = torch.bfloat16 if self.device.type == "cuda" else self.dtype
-        if weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {weight_dtype}")
-        self.weight_dtype = weight_dtype
         self.step_class = model.decoder_megakernel()
-        self._decoders: dict[int, MoondreamDecoderMegakernel] = {}
-        self._text_loop: DeviceDecode | None = None
-        self._object_rounds: dict[int, object_rounds.ObjectRounds] = {}
+        self._decoders = self._steps   # (the name the tests' fixtures reach for)
         self.device_rounds = True   # greedy batches (detect, point...) in rounds; False: host-driven steps
-        self._busy = threading.Lock()
         # The two masks every skill uses; the megakernel applies them as logit biases.
         self._answer, self._boundary = skills.answer_mask(model), skills.boundary_mask(model)
 
     # -- the megakernels -------------------------------------------------------------------------
-    def decoder(self, batch: int = 1) -> MoondreamDecoderMegakernel:
-        """The decode megakernel of one batch bucket (both graphs: with and without the region
-        heads), built on first use; every bucket shares the first one's copy of the weights."""
-        if batch not in self._decoders:
-            shared = next(iter(self._decoders.values())).weights if self._decoders else None
-            mk = self.step_class(
-                self.model.text_w, self.model.region_w, self.config, batch=batch, max_len=self.max_len,
-                tiling=self.tiling, weight_dtype=self.weight_dtype, weights=shared, device=self.device)
-            # With the step, before any request writes its caches: on CUDA they capture (run) rounds.
-            # Kept only once all of them are built (a failed capture leaves no half-built bucket).
-            rounds = object_rounds.ObjectRounds(self, mk)
-            if batch == 1:
-                self._text_loop = self._rounds(mk)
-            self._object_rounds[batch], self._decoders[batch] = rounds, mk
-        return self._decoders[batch]
+    def build_step(self, batch: int, weights: Any | None) -> MoondreamDecoderMegakernel:
+        """Both graphs of one bucket: with and without the region heads."""
+        return self.step_class(self.model.text_w, self.model.region_w, self.config, batch=batch,
+                               max_len=self.max_len, tiling=self.tiling, weight_dtype=self.weight_dtype,
+                               weights=weights, device=self.device)
+
+    def build_loop(self, mk: MoondreamDecoderMegakernel) -> tuple["object_rounds.ObjectRounds", DeviceDecode | None]:
+        """Every bucket's object rounds; the batch-1 bucket's caption/query rounds too."""
+        rounds = object_rounds.ObjectRounds(self, mk)
+        return rounds, self._rounds(mk) if mk.batch == 1 else None
 
     def object_rounds(self, mk: MoondreamDecoderMegakernel) -> "object_rounds.ObjectRounds":
         """The device side of batch rounds on `mk`'s bucket (object_rounds.py)."""
-        return self._object_rounds[mk.batch]
+        return self.loop(mk.batch)[0]
+
+    @property
+    def _object_rounds(self) -> dict[int, "object_rounds.ObjectRounds"]:
+        return {b: loops[0] for b, loops in self._loops.items()}
+
+    @property
+    def _text_loop(self) -> DeviceDecode | None:
+        return self._loops[1][1] if 1 in self._loops else None
 
     def _rounds(self, mk: MoondreamDecoderMegakernel) -> DeviceDecode:
         """Greedy caption/query rounds on the batch-1 step's text graph: the masked argmax picks the
@@ -109,23 +105,12 @@ class MegakernelDecode:
             x.copy_(m.text_impl.embed(tok.long()[:, None], m.text_w).reshape(x.shape))
         return DeviceDecode(mk, pick=lambda: token, results=("token",), feed=feed)
 
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """The megakernels' arenas hold one request (or one batch) at a time."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("A Moondream model on the megakernel runs one request or batch at a time (its megakernel arenas); "
-                               "finish or close the running request (e.g. a streaming caption) first")
-        try:
-            yield
-        finally:
-            self._busy.release()
-
     def batch(self, requests: list[Request]) -> list[dict]:
         """Up to 8 requests (any skills) decoded together: each step is one megakernel launch of the
         smallest batch bucket that holds them (batch.py's protocol and results)."""
-        if len(requests) > BATCH_BUCKETS[-1]:
-            return self.batch(requests[:BATCH_BUCKETS[-1]]) + self.batch(requests[BATCH_BUCKETS[-1]:])
-        with self._exclusive():
+        if len(requests) > self.max_rows:
+            return self.batch(requests[:self.max_rows]) + self.batch(requests[self.max_rows:])
+        with self.exclusive():
             return batch_decoding.run(self.model, requests, self._decode_rows)
 
     def _decode_rows(self, rows: list, encoded: list[EncodedImage]) -> None:
@@ -135,47 +120,27 @@ class MegakernelDecode:
             batch_decoding._decode(self.model, rows, encoded, MegakernelStepper(self))
 
     def generate_text(self, enc: EncodedImage, prompt: list[int], max_tokens: int, temperature: float,
-                       top_p: float) -> Iterator[str]:
-        """skills.generate_text with megakernel steps; yields text pieces."""
-        if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+                      top_p: float) -> Iterator[str]:
+        """skills.generate_text with megakernel steps; yields text pieces. Greedy: the tokens after
+        the first decode in rounds on the device."""
+        s = Sampling(max_tokens, temperature, top_p)
         skills.check_prompt(self.model, enc, prompt)
-        cfg = self.config
-        length = min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens)
+        length = min(self.config.text.max_context, enc.pos + len(prompt) + max_tokens)
 
-        def tokens() -> Iterator[int]:
-            with self._exclusive(), torch.no_grad():
-                seq = Sequence(self, enc, length, region_heads=False)
-                res = seq.prompt(prompt, self._answer)
-                if temperature == 0 and max_tokens > 0:
-                    # The per-token loop below ends a row after its n-th token once n == max_tokens
-                    # or the position reached (seq.pos + n - 1) is the request's length.
-                    first = res.tokens[0]
-                    seq.mk.set_step(None, [seq.pos])
-                    seq.mk.view("x").copy_(seq.embed([first]).reshape(1, -1))
-                    limit = min(max_tokens, length - seq.pos + 1)
-                    for _, tok in self._text_loop.stream([first], [limit], {cfg.tokenizer.eos_id}):
-                        yield tok
-                    return
-                for n in range(1, max_tokens + 1):
-                    if temperature == 0:
-                        tok = res.tokens[0]  # the in-kernel masked argmax
-                    else:
-                        tok = skills.sample_token(seq.logits()[0].clone(), self._answer, temperature, top_p,
-                                                 self.model.ops)
-                    if tok == cfg.tokenizer.eos_id:
-                        return
-                    yield tok
-                    if n == max_tokens or seq.pos >= length:
-                        return
-                    res = seq.step(seq.embed([tok]))
+        def choose(row: int, logits: torch.Tensor, greedy: int | None) -> int:
+            # Greedy: the step's own masked argmax.
+            return greedy if s.greedy and greedy is not None else pick(logits, s, self.model.ops, self._answer)
 
-        return skills.text_pieces(self.tokenizer, tokens())
+        def pieces() -> Iterator[str]:
+            with self.sequence(enc, length, region_heads=False) as seq:
+                yield from skills.text_tokens(self.model, TextSession(self, seq, prompt), s, enc.pos + len(prompt),
+                                              length, choose, device_rounds=True)
+        return pieces()
 
     @contextmanager
     def sequence(self, enc: EncodedImage, length: int, region_heads: bool = True) -> Iterator["Sequence"]:
         """One request's decode state on the batch-1 step (row 0), held exclusively while in use."""
-        with self._exclusive(), torch.no_grad():
+        with self.exclusive(), torch.no_grad():
             yield Sequence(self, enc, length, region_heads)
 
 
@@ -216,7 +181,7 @@ class MegakernelStepper:
 
     def start(self, rows: list, encoded: list[EncodedImage]) -> "MegakernelHeads":
         fm = self.fm
-        self.mk = fm.decoder(bucket_for(len(rows)))
+        self.mk = fm.for_rows(len(rows))
         longest = max(r.length for r in rows)
         if longest > self.mk.max_len:
             raise ValueError(f"request of {longest} positions exceeds the megakernel's KV cache ({self.mk.max_len})")
@@ -273,7 +238,7 @@ class MegakernelHeads:
 
 class Sequence:
     """One request's decode state on the batch-1 megakernel: row 0 of its KV cache and the
-    position. Used inside MegakernelDecode._exclusive() (MegakernelDecode.sequence holds it)."""
+    position. Used inside MegakernelDecode.exclusive() (MegakernelDecode.sequence holds it)."""
 
     def __init__(self, fm: MegakernelDecode, enc: EncodedImage, length: int, region_heads: bool) -> None:
         fm.model._check_owner(enc)
@@ -313,3 +278,29 @@ class Sequence:
 
     def logits(self) -> torch.Tensor:
         return self.mk.logits
+
+
+class TextSession:
+    """runtime.generate's session on the batch-1 step (a caption or query): the in-kernel masked
+    argmax comes with each step; greedy rounds run on the text graph (`_text_loop`)."""
+
+    def __init__(self, fm: MegakernelDecode, seq: Sequence, prompt: list[int]) -> None:
+        self.fm, self.seq, self.prompt = fm, seq, prompt
+
+    def prefill(self) -> tuple[torch.Tensor, list[int]]:
+        res = self.seq.prompt(self.prompt, self.fm._answer)
+        return self.seq.logits(), res.tokens
+
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+        res = self.seq.step(self.seq.embed(tokens))
+        return self.seq.logits(), res.tokens
+
+    def keep(self, rows: list[int]) -> None:
+        pass   # one row: it either goes on or the loop ends
+
+    def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        seq = self.seq
+        seq.mk.set_step(None, [seq.pos])
+        seq.mk.view("x").copy_(seq.embed(first).reshape(1, -1))
+        return self.fm._text_loop.stream(first, max_new, stop)
+

@@ -212,11 +212,11 @@ def open_checkpoint(path_or_id: str | Path, device: str | torch.device, dtype: t
     checkpoint resolved by the family's weights module, its config validated, its tokenizer read."""
     if backend is None:
         from photon_core.backends import reference as backend
-    dtype = weights_module.parse_dtype(dtype)
+    torch_dtype: torch.dtype = weights_module.parse_dtype(dtype)
     device = torch.device(device)
     ckpt = weights_module.resolve(path_or_id)
     config = config_cls.from_dict(ckpt.config)
-    return Opened(backend, device, dtype, ckpt, config, MoondreamTokenizer(find_tokenizer(ckpt.folder)))
+    return Opened(backend, device, torch_dtype, ckpt, config, MoondreamTokenizer(find_tokenizer(ckpt.folder)))
 
 
 def load_moondream(path_or_id: str | Path = "moondream2", device: str | torch.device = "cpu",

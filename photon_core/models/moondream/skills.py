@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from photon_core.runtime.requests import DEFAULT_MAX_OBJECTS, DEFAULT_MAX_TOKENS  # noqa: F401
+from photon_core.runtime.generate import Choose, Session, generate, room
+from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.text_stream import text_pieces
 
 if TYPE_CHECKING:
     from .model import EncodedImage, MoondreamModel
@@ -66,56 +69,42 @@ def allowed_mask(vocab: int, ids: list[int], device) -> torch.Tensor:
     return mask
 
 
-def sample_token(logits: torch.Tensor, allowed: torch.Tensor, temperature: float, top_p: float, ops) -> int:
-    if temperature == 0:
-        return int(ops.argmax(logits, allowed).item())
-    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")) / temperature, dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0.0  # keep the smallest set reaching top_p
-    choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1)
-    return int(order.gather(-1, choice).item())
-
-
 def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int], max_tokens: int,
                   temperature: float, top_p: float) -> Iterator[str]:
     """Yields the answer text in pieces as tokens are decoded (caption and query)."""
-    if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError("need max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+    s = Sampling(max_tokens, temperature, top_p)
     check_prompt(model, enc, prompt)
-    cfg = model.config
-    seq = Sequence(model, enc, min(cfg.text.max_context, enc.pos + len(prompt) + max_tokens))
+    length = min(model.config.text.max_context, enc.pos + len(prompt) + max_tokens)
+    session = TextSession(Sequence(model, enc, length), prompt)
     allowed = answer_mask(model)
-
-    def tokens() -> Iterator[int]:
-        logits = seq.step(seq.embed(prompt))
-        for n in range(1, max_tokens + 1):
-            tok = sample_token(logits[0], allowed, temperature, top_p, model.ops)
-            if tok == cfg.tokenizer.eos_id:
-                return
-            yield tok
-            if n == max_tokens or seq.pos >= seq.cache.length:
-                return
-            logits = seq.step(seq.embed([tok]))
-
-    return text_pieces(model.tokenizer, tokens())
+    return text_tokens(model, session, s, enc.pos + len(prompt), length,
+                       lambda _, logits, greedy: pick(logits, s, model.ops, allowed))
 
 
-def text_pieces(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
-    """The decoded text of `tokens`, piece by piece as they arrive (lazily: a token is decoded only
-    when the caller asks for more text)."""
-    ids: list[int] = []
-    shown = ""
-    for tok in tokens:
-        ids.append(tok)
-        # Re-decode everything so multi-token characters come out whole; hold back a piece that
-        # ends in an incomplete UTF-8 sequence until the next token completes it.
-        txt = tokenizer.decode(ids)
-        if txt.startswith(shown) and not txt.endswith("\ufffd") and len(txt) > len(shown):
-            yield txt[len(shown):]
-            shown = txt
-    txt = tokenizer.decode(ids)
-    if txt != shown:
-        yield txt[len(shown):]
+class TextSession:
+    """runtime.generate's session on one request's Sequence (a caption or query)."""
+
+    def __init__(self, seq: Sequence, prompt: list[int]) -> None:
+        self.seq, self.prompt = seq, prompt
+
+    def prefill(self) -> tuple[torch.Tensor, None]:
+        return self.seq.step(self.seq.embed(self.prompt)), None
+
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, None]:
+        return self.seq.step(self.seq.embed(tokens)), None
+
+    def keep(self, rows: list[int]) -> None:
+        pass   # one row: it either goes on or the loop ends
+
+
+def text_tokens(model: "MoondreamModel", session: Session, s: Sampling, prompt_end: int, length: int,
+                choose: Choose, device_rounds: bool = False) -> Iterator[str]:
+    """The answer of a one-row session (its prompt ending at `prompt_end`, `length` positions) as
+    text pieces, decoded lazily as the caller reads."""
+    eos = {model.config.tokenizer.eos_id}
+    steps = generate(session, [s], [room(s.max_tokens, prompt_end, length)], eos, choose,
+                     device_rounds=device_rounds)
+    return text_pieces(model.tokenizer.decode, (new[0] for new in steps))
 
 
 def caption_prompt(model: "MoondreamModel", length: str) -> list[int]:

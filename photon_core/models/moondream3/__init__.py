@@ -31,7 +31,7 @@ def places(name: str) -> list[str | Path]:
     return []
 
 
-def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
+def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Moondream3Model:
     from photon_core.backends.select import get_backend
 
     if backend == "auto":

@@ -43,6 +43,7 @@ def expected_shapes(cfg: Moondream3Config) -> dict[str, tuple[int, ...]]:
         p = f"text.blocks.{i}."
         if cfg.is_moe_layer(i):
             m = t.moe
+            assert m is not None   # is_moe_layer: there is a MoE config
             s[p + "router.weight"], s[p + "router.bias"] = (m.num_experts, t.dim), (m.num_experts,)
             s[p + "experts_gate_up"] = (m.num_experts, 2 * m.expert_inner_dim, t.dim)
             s[p + "experts_down"] = (m.num_experts, t.dim, m.expert_inner_dim)

@@ -37,7 +37,7 @@ FAMILY = Family(
               ".nemo archive",
     recognise=recognise,
     load=_load,
-    cli=None,   # `transcribe` is the whisper family's command, which loads any transcribing family
+    cli="photon_core.cli_speech",   # `transcribe`, shared by every transcribing family
     refuse=refuse,
 )
 

@@ -106,7 +106,8 @@ def _nemo_vocabulary(path: Path, yaml_cfg: dict) -> Vocabulary:
         members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
 
         def read(name: str) -> bytes | None:
-            return tar.extractfile(members[name]).read() if name in members else None
+            data = tar.extractfile(members[name]) if name in members else None   # members are files
+            return None if data is None else data.read()
 
         def by_suffix(suffix: str) -> str:
             return next((n for n in sorted(members) if n.endswith(suffix)), "")

@@ -150,7 +150,10 @@ def from_nemo(yaml_cfg: dict[str, Any]) -> ParakeetConfig:
     _check(pre.get("log", True), "a linear (non-log) mel")
     sr = int(pre.get("sample_rate", 16000))
     d_model = int(enc["d_model"])
-    n_classes = int(joint.get("num_classes", dec.get("vocab_size")))
+    classes = joint.get("num_classes", dec.get("vocab_size"))
+    if classes is None:
+        raise ValueError("model_config.yaml: neither joint.num_classes nor decoder.vocab_size (the vocabulary size)")
+    n_classes = int(classes)
     normalize = pre.get("normalize", "per_feature")
     _check(normalize in ("per_feature", None, "None"), f"preprocessor normalize {normalize!r}")
     frontend = FrontendConfig(
@@ -173,7 +176,7 @@ def from_nemo(yaml_cfg: dict[str, Any]) -> ParakeetConfig:
         subsampling_stride=int(enc.get("subsampling_conv_stride", 2)),
         num_mel_bins=int(enc.get("feat_in", frontend.n_mels)), scale_input=bool(enc.get("xscaling", True)),
         vocab_size=n_classes + 1, blank_id=n_classes,
-        durations=tuple(int(d) for d in durations),
+        durations=tuple(int(d) for d in durations or ()),   # never empty: checked above
         decoder_hidden=int((dec.get("prednet") or {}).get("pred_hidden", 640)),
         decoder_layers=int((dec.get("prednet") or {}).get("pred_rnn_layers", 1)),
         max_symbols_per_step=greedy.get("max_symbols", 10),

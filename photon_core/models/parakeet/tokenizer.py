@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 _BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPACE = "\u2581"
@@ -73,9 +75,10 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
             return value, pos
 
 
-def _fields(buf: bytes):
+def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of a protobuf message; nested messages stay bytes."""
     pos = 0
+    value: int | bytes | float
     while pos < len(buf):
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7

@@ -14,9 +14,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from photon_core.runtime.requests import TranscribeRequest
 
 from . import speech_gate
 from .checkpoint import ParakeetCheckpoint, load as load_checkpoint
@@ -79,18 +82,18 @@ class ParakeetSpeech:
         is reported back as given ("" when None), `initial_prompt` is ignored, and so are Whisper's
         decoding options (WHISPER_ONLY_OPTIONS); others are a TypeError. ValueError on empty / NaN /
         inf audio or a bad sample rate."""
-        return self.batch([{"audio": audio, "sample_rate": sample_rate, "language": language,
-                            "initial_prompt": initial_prompt, **options}])[0]
+        return self.batch([TranscribeRequest(audio, sample_rate, language, initial_prompt, options)])[0]
 
-    def batch(self, requests: list[dict]) -> list[dict]:
-        """Several `transcribe` calls at once: requests[i] holds transcribe()'s keyword arguments;
-        result i is transcribe(**requests[i]). Long audio is cut into chunks as alone; round r
-        decodes the r-th speech chunk of every utterance that has one in one batch (encoder over
-        the padded chunks, TDT rows stepping together), each row carrying its own prediction state
-        from its previous chunk. The first bad request raises before any model work."""
+    def batch(self, requests: Sequence[TranscribeRequest | dict]) -> list[dict]:
+        """Several `transcribe` calls at once (runtime.requests.TranscribeRequest, or dicts of
+        transcribe()'s keyword arguments); result i is transcribe(**requests[i].kwargs()). Long audio
+        is cut into chunks as alone; round r decodes the r-th speech chunk of every utterance that
+        has one in one batch (encoder over the padded chunks, TDT rows stepping together), each row
+        carrying its own prediction state from its previous chunk. The first bad request raises
+        before any model work."""
         start = time.perf_counter()
         sr = self.cfg.frontend.sample_rate
-        asked = [self._request(**r) for r in requests]
+        asked = [self._request(**TranscribeRequest.of(r).kwargs()) for r in requests]
         pcms = [prepare_audio(audio, rate, sr) for audio, rate, _ in asked]
         plans = []   # per request: the speech chunks (index, first sample, end sample); None: no speech
         for pcm in pcms:
@@ -112,12 +115,16 @@ class ParakeetSpeech:
             for i, (steps, state) in zip(rows, decoded):
                 n, a, _ = plans[i][r]
                 states[i] = state
+                # A token's duration can reach past the audio's end (the last frame's padding):
+                # its times are kept within the audio, as Whisper's are.
+                end_s = len(pcms[i]) / sr
                 for tok, dur, frame in zip(steps.tokens, steps.durations, steps.frames):
                     if tok != self.cfg.blank_id:
-                        tokens[i].append((tok, a / sr + frame * fs, a / sr + (frame + max(dur, 1)) * fs, n))
+                        tokens[i].append((tok, min(a / sr + frame * fs, end_s),
+                                          min(a / sr + (frame + max(dur, 1)) * fs, end_s), n))
         results = []
         for pcm, (_, _, language), chunks, toks in zip(pcms, asked, plans, tokens):
-            result = {"text": "", "segments": [], "words": [], "language": language or "",
+            result: dict[str, Any] = {"text": "", "segments": [], "words": [], "language": language or "",
                       "duration": len(pcm) / sr, "model_id": self.model_id}
             if chunks is not None:
                 result.update(self._assemble(toks))

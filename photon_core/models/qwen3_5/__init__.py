@@ -30,7 +30,7 @@ def refuse(files: CheckpointFiles) -> str | None:
     return None
 
 
-def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Any:
+def _load(checkpoint: Resolved, device: str, dtype: Any, backend: str) -> Qwen35Model:
     from photon_core.backends.select import get_backend
 
     ops = get_backend(backend, device)

@@ -19,16 +19,13 @@ its own copies back before another state takes the rows, so interleaved requests
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from photon_core.megakernel.compiler import Tiling
-from photon_core.megakernel.decode_loop import DeviceDecode
-from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
+from photon_core.runtime.decode import CompiledSteps, decode_length, require_triton_ops, resolve_weight_dtype
 
 from . import text
 from .decoder_step import Qwen35DecoderStep
@@ -41,63 +38,32 @@ if TYPE_CHECKING:
 DEFAULT_MAX_LEN = 8192
 
 
-class MegakernelDecode:
+class MegakernelDecode(CompiledSteps[Qwen35DecoderStep]):
     """The compiled decode steps of one Qwen35Model, one per batch bucket, sharing one weight arena."""
+
+    family = "A Qwen 3.5 model"
 
     def __init__(self, model: "Qwen35Model", tiling: Tiling = Tiling(), max_len: int | None = None,
                  weight_dtype: torch.dtype | None = None) -> None:
         """max_len: positions the compiled caches hold (default min(context, DEFAULT_MAX_LEN));
         weight_dtype: what each step streams, None = bfloat16 on CUDA (math stays fp32) and the
         model's dtype elsewhere."""
-        if getattr(model.ops, "NAME", None) not in ("triton", "megakernel"):
-            raise ValueError("the decode megakernel needs a Qwen35Model on the Triton ops "
-                             "(load_qwen3_5(..., backend=get_backend('megakernel', device)))")
-        ctx = model.config.text.max_context
-        self.max_len = min(ctx, DEFAULT_MAX_LEN) if max_len is None else max_len
-        if not 0 < self.max_len <= ctx:
-            raise ValueError(f"max_len {self.max_len} must be in (0, {ctx}] (the model's context)")
-        if weight_dtype is None:
-            weight_dtype = torch.bfloat16 if model.device.type == "cuda" else model.dtype
-        if weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {weight_dtype}")
-        self.model, self.tiling, self.weight_dtype = model, tiling, weight_dtype
-        self._steps: dict[int, Qwen35DecoderStep] = {}
-        self._loops: dict[int, DeviceDecode] = {}
-        self._owner: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()
+        require_triton_ops(model.ops, "Qwen 3.5", "load_qwen3_5")
+        super().__init__(decode_length(max_len, model.config.text.max_context, DEFAULT_MAX_LEN),
+                         resolve_weight_dtype(weight_dtype, model.dtype, model.device))
+        self.model, self.tiling = model, tiling
 
-    def decoder(self, batch: int = 1) -> Qwen35DecoderStep:
-        """The compiled step of one batch bucket, built on first use on the first bucket's weights."""
-        if batch not in self._steps:
-            shared = next(iter(self._steps.values())).weights if self._steps else None
-            self._steps[batch] = Qwen35DecoderStep(self.model.text_w, self.model.config, batch, self.max_len,
-                                                   self.tiling, self.weight_dtype, weights=shared)
-            # With the step, before any state is bound to its rows: on CUDA it captures (runs) rounds.
-            self._loops[batch] = DeviceDecode(self._steps[batch])
-        return self._steps[batch]
+    def build_step(self, batch: int, weights: object | None) -> Qwen35DecoderStep:
+        return Qwen35DecoderStep(self.model.text_w, self.model.config, batch, self.max_len,
+                                 self.tiling, self.weight_dtype, weights=weights)
 
     def _bind(self, state: text.DecodeState) -> Qwen35DecoderStep:
-        """The bucket's step with `state` bound to its rows (call under self._lock)."""
-        if state.batch > BATCH_BUCKETS[-1]:
-            raise ValueError(f"{state.batch} rows exceed the largest megakernel batch ({BATCH_BUCKETS[-1]})")
-        if state.max_len > self.max_len:
-            raise ValueError(f"a request of {state.max_len} positions exceeds the megakernel's caches "
-                             f"({self.max_len}); load the model with a larger max_len")
-        bucket = bucket_for(state.batch)
-        mk = self.decoder(bucket)
-        if not mk.holds(state):
-            ref = self._owner.get(bucket)
-            owner = ref() if ref is not None else None
-            if owner is not None and owner is not state and mk.holds(owner):
-                mk.release(owner)
-            with torch.no_grad():
-                mk.load_state(state)
-            self._owner[bucket] = weakref.ref(state)
-        return mk
+        """The bucket's step with `state` bound to its rows (call inside self.turn())."""
+        return self.bind(state, state.batch, state.max_len)
 
     def step(self, ids: torch.Tensor, state: text.DecodeState) -> torch.Tensor:
         """model.step on the megakernel: ids [B, 1] -> logits [B, V] (fp32); state.length advances."""
-        with self._lock:   # one arena per bucket: steps on it run one at a time
+        with self.turn():   # one arena per bucket: steps on it run one at a time
             mk = self._bind(state)
             with torch.no_grad():
                 return mk.step(ids, state)
@@ -117,12 +83,12 @@ class MegakernelDecode:
         if any(n > 0 and length + n - 1 > state.max_len for length, n in zip(state.length.tolist(), max_new)):
             raise ValueError(f"new tokens {list(max_new)} do not fit the state's {state.max_len} positions "
                              f"after {state.length.tolist()}")
-        with self._lock:
-            loop = self._loops[self._bind(state).batch]
+        with self.turn():
+            loop = self.loop(self._bind(state).batch)
 
         @contextlib.contextmanager
         def each_round(tokens: list[int], n: int):
-            with self._lock, torch.no_grad():
+            with self.turn(), torch.no_grad():
                 mk = self._bind(state)
                 pad = mk.batch - state.batch
                 # Tokens and positions as this state left them (another request's steps may have

@@ -52,7 +52,7 @@ class Qwen35Model:
         channel_order="bgr"). ValueError for an unusable or too large image."""
         if isinstance(image, EncodedImage):
             return image
-        if self.vision_w is None:
+        if self.vision_w is None or self.preprocess is None or self.config.vision is None:
             raise ValueError(f"{self.model_id} is a text-only Qwen 3.5 checkpoint: it cannot take images")
         patches, (gh, gw) = vision.preprocess(image, self.preprocess, channel_order)
         m = self.config.vision.merge

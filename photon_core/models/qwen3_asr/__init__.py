@@ -55,9 +55,9 @@ FAMILY = Family(
               "conv2d1 + multi_modal_projector + language_model q_norm tensors without a config",
     recognise=recognise,
     load=_load,
-    # `transcribe` on the command line is one command for every family that transcribes; the
-    # whisper family's module defines it and loads whatever --model names.
-    cli="photon_core.models.whisper.cli",
+    # `transcribe` on the command line is one command for every family that transcribes: it
+    # loads whatever --model names.
+    cli="photon_core.cli_speech",
     refuse=refuse,
 )
 

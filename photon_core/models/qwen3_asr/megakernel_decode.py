@@ -14,14 +14,12 @@ One call at a time per model: each bucket's state (KV caches, activations) is on
 """
 from __future__ import annotations
 
-import threading
 from typing import Sequence
 
 import torch
 
 from photon_core.megakernel.compiler import Tiling
-from photon_core.megakernel.decode_loop import DeviceDecode
-from photon_core.megakernel.graph import BATCH_BUCKETS, bucket_for
+from photon_core.runtime.decode import CompiledSteps, decode_length, resolve_weight_dtype
 
 from .decoder import TextDecoder
 from .decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights
@@ -32,40 +30,28 @@ from .decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights
 DEFAULT_MAX_LEN = 2048
 
 
-class MegakernelDecode:
+class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
     """The compiled decode steps of one Qwen3ASRSpeech: one per batch bucket, built on first use,
     all streaming one shared copy of the weights."""
+
+    family = "A Qwen3-ASR model"
 
     def __init__(self, decoder: TextDecoder, sd: dict[str, torch.Tensor], tiling: Tiling = Tiling(),
                  max_len: int | None = None, weight_dtype: torch.dtype | None = None) -> None:
         """sd: the checkpoint's schema-named tensors; max_len: the caches' context (prompt plus
         generated tokens); weight_dtype: what each step streams (math is fp32), None = the model's."""
         cfg = decoder.cfg
-        self.decoder, self.device, self.tiling = decoder, decoder.device, tiling
-        self.max_len = min(max_len or DEFAULT_MAX_LEN, cfg.max_positions)
-        if self.max_len < 2:
-            raise ValueError(f"max_len {self.max_len} leaves no room to decode")
-        self.weight_dtype = weight_dtype or decoder.dtype
-        if self.weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {self.weight_dtype}")
+        super().__init__(decode_length(max_len, cfg.max_positions, DEFAULT_MAX_LEN),
+                         resolve_weight_dtype(weight_dtype, decoder.dtype))
+        self.text, self.device, self.tiling = decoder, decoder.device, tiling   # the per-op decoder
         # Tied exactly when the per-op decoder ties them (decoder.TextDecoder).
         tied = cfg.tie_embeddings or "lm_head.weight" not in sd
         self.dims = Dims.of(cfg, tied)
         self._weights = gather_weights(sd, self.dims, self.max_len, self.device)
-        self._steps: dict[int, Qwen3ASRDecoderMegakernel] = {}
-        self._loops: dict[int, DeviceDecode] = {}
-        self._busy = threading.Lock()
 
-    def step(self, batch: int = 1) -> Qwen3ASRDecoderMegakernel:
-        """The compiled step of one batch bucket (every bucket shares the first one's weights)."""
-        if batch not in self._steps:
-            shared = next(iter(self._steps.values())).weights if self._steps else None
-            self._steps[batch] = Qwen3ASRDecoderMegakernel(
-                self._weights, self.dims, batch, self.max_len, self.tiling, self.weight_dtype,
-                shared_weights=shared)
-            # Built with the step, before any request writes its caches: on CUDA it captures (runs) rounds.
-            self._loops[batch] = DeviceDecode(self._steps[batch])
-        return self._steps[batch]
+    def build_step(self, batch: int, weights: object | None) -> Qwen3ASRDecoderMegakernel:
+        return Qwen3ASRDecoderMegakernel(self._weights, self.dims, batch, self.max_len, self.tiling,
+                                         self.weight_dtype, shared_weights=weights)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,
@@ -74,26 +60,22 @@ class MegakernelDecode:
         until a stop token (excluded) or `max_new_tokens`."""
         if not prompts:
             return []
-        if len(prompts) > BATCH_BUCKETS[-1]:
-            n = BATCH_BUCKETS[-1]
+        if len(prompts) > self.max_rows:
+            n = self.max_rows
             return self.generate(prompts[:n], max_new_tokens, stop) + self.generate(prompts[n:], max_new_tokens, stop)
         longest = max(p.shape[0] for p in prompts)
         if longest + max_new_tokens > self.max_len:
             raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the megakernel's "
                              f"context of {self.max_len} positions; load with a larger max_len or shorter audio")
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("a Qwen3-ASR model on the megakernel decodes one call at a time (its arenas)")
-        try:
+        with self.exclusive():
             return self._generate(prompts, max_new_tokens, set(stop))
-        finally:
-            self._busy.release()
 
     def start(self, prompts: Sequence[torch.Tensor]) -> tuple[Qwen3ASRDecoderMegakernel, list[int]]:
         """Prefill each prompt (per-op) into its row of the smallest bucket that holds them and
         set the step: each row's first token (the prefill's argmax) at its prompt length. Returns
         the bucket's step and the first tokens."""
-        dec, n = self.decoder, len(prompts)
-        mk = self.step(bucket_for(n))
+        dec, n = self.text, len(prompts)
+        mk = self.for_rows(n)
         kc, vc = mk.view("kcache"), mk.view("vcache")
         first, lengths = [], []
         for row, embeds in enumerate(prompts):
@@ -113,7 +95,7 @@ class MegakernelDecode:
 
     def _generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int, stop: set[int]) -> list[list[int]]:
         mk, first = self.start(prompts)
-        return self._loops[mk.batch].generate(first, max_new_tokens, stop)
+        return self.loop(mk.batch).generate(first, max_new_tokens, stop)
 
 
 __all__ = ["MegakernelDecode", "DEFAULT_MAX_LEN"]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from photon_core.backends import reference
+from photon_core.runtime.requests import TranscribeRequest
 from photon_core.weights.tensor_files import parse_dtype
 
 from .checkpoint import load_tensors
@@ -141,23 +142,21 @@ class Qwen3ASRSpeech:
         gate found no speech, else 0.0), model_id. ValueError on empty/NaN/inf audio or a bad
         sample rate.
         """
-        return self.batch([{"audio": audio, "sample_rate": sample_rate, "language": language,
-                            "initial_prompt": initial_prompt, **options}])[0]
+        return self.batch([TranscribeRequest(audio, sample_rate, language, initial_prompt, options)])[0]
 
     def transcribe_batch(self, clips: Sequence[tuple[np.ndarray, int]], language: str | None = None,
                          initial_prompt: str | None = None, **options: Any) -> list[dict]:
         """`transcribe` for several utterances at once, with the same options for all."""
-        return self.batch([{"audio": a, "sample_rate": r, "language": language, "initial_prompt": initial_prompt,
-                            **options} for a, r in clips])
+        return self.batch([TranscribeRequest(a, r, language, initial_prompt, options) for a, r in clips])
 
-    def batch(self, requests: list[dict]) -> list[dict]:
-        """Several `transcribe` calls at once: requests[i] holds transcribe()'s keyword arguments
-        (audio, sample_rate, language, initial_prompt, options), each its own; result i is
-        transcribe(**requests[i]). The utterances past the speech gate are encoded in one pass
+    def batch(self, requests: Sequence[TranscribeRequest | dict]) -> list[dict]:
+        """Several `transcribe` calls at once: runtime.requests.TranscribeRequest (or dicts of
+        transcribe()'s keyword arguments: audio, sample_rate, language, initial_prompt, options), each
+        its own; result i is transcribe(**requests[i].kwargs()). The utterances past the speech gate are encoded in one pass
         (encoder.encode_many), prefilled one by one, then decoded together (one batched step per
         token, each row to its own budget). The first bad request raises before any model work."""
         start = time.perf_counter()
-        asked = [self._request(**r) for r in requests]
+        asked = [self._request(**TranscribeRequest.of(r).kwargs()) for r in requests]
         prepared = [(prepare_audio(a, r), lang, ctx, max_new, gate) for a, r, lang, ctx, max_new, gate in asked]
         speech = [speech_gate(pcm, SAMPLE_RATE, self.gate_options).speech if gate else True
                   for pcm, *_, gate in prepared]

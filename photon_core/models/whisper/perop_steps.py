@@ -32,7 +32,7 @@ class PerOpSteps:
         self.cross_kv = [(torch.zeros(1, h, d.n_audio_ctx, dh, device=dev),
                           torch.zeros(1, h, d.n_audio_ctx, dh, device=dev)) for _ in range(d.n_text_layer)]
         self.cross_len = torch.full((1,), d.n_audio_ctx, dtype=torch.int32, device=dev)
-        self._graph = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
 
     def start(self, cache: DecoderCache, length: int) -> None:

@@ -1,4 +1,7 @@
-"""`python -m photon_core transcribe FILE.wav [--model whisper-tiny.en]`: the result as JSON."""
+"""`python -m photon_core transcribe FILE.wav [--model whisper-tiny.en]`: the result as JSON.
+
+The speech command, shared by every transcribing family (each names this module as its `cli`): it
+loads whatever `--model` names through the registry, so Whisper, Parakeet and Qwen3-ASR all serve it."""
 from __future__ import annotations
 
 import argparse
@@ -8,20 +11,24 @@ import sys
 from photon_core import cli_checks
 from photon_core.audio_io import AudioFileError, open_audio_stream, read_wav
 from photon_core.cli_checks import UserError
+from photon_core.contracts import SpeechModel, StreamingSpeechModel, check_model
 
 
 def _run(args: argparse.Namespace) -> int:
     stream = open_audio_stream(args.file)   # the header now: its errors name the file
     # Any family that transcribes: the checkpoint given with --model decides which.
-    model = cli_checks.load_model(args.model, args.device, args.dtype, ("transcribe",))
-    options = {"language": args.language, "timestamps": not args.no_timestamps,
-               "initial_prompt": args.initial_prompt}
+    model = check_model(cli_checks.load_model(args.model, args.device, args.dtype, ("transcribe",)),
+                        {"transcribe"})
+    assert isinstance(model, SpeechModel)   # check_model made sure: this tells the type checker
     try:
-        if hasattr(model, "transcribe_stream"):   # memory independent of the file's length
-            result = model.transcribe_stream(stream, **options)
+        if isinstance(model, StreamingSpeechModel):   # memory independent of the file's length
+            result = model.transcribe_stream(stream, language=args.language,
+                                             timestamps=not args.no_timestamps,
+                                             initial_prompt=args.initial_prompt)
         else:
             audio, rate = read_wav(args.file)
-            result = model.transcribe(audio, rate, **options)
+            result = model.transcribe(audio, rate, language=args.language, timestamps=not args.no_timestamps,
+                                      initial_prompt=args.initial_prompt)
     except AudioFileError:   # a bad sample found while streaming: its message names the file
         raise
     except ValueError as err:   # the model's own checks: the audio, --language, --initial-prompt
@@ -32,7 +39,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("transcribe", help="speech to text (JSON output) with any transcribing family: Whisper, Parakeet, Qwen3-ASR")
+    p = subparsers.add_parser("transcribe", help="speech to text (JSON output) with any transcribing family: "
+                                                 "Whisper, Parakeet, Qwen3-ASR")
     p.add_argument("file", help="audio file (WAV: PCM 8/16/24/32-bit or float, any channel count; "
                                 "more formats with soundfile)")
     p.add_argument("--model", default="whisper-tiny.en",

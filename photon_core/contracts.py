@@ -1,0 +1,264 @@
+"""The model contract: what a loaded model offers the nodes and the command line, and what it returns.
+
+`Family.load` (photon_core.registry) returns a `VisionModel` or a `SpeechModel`; the nodes
+(photon_ros) and the command line (photon_core.cli_*) call nothing else on a model. The protocols
+below carry the signatures; their docstrings and the result TypedDicts carry the semantics every
+family must reproduce. test/test_model_contract.py loads every family's small test checkpoint and
+checks both (`check_model`, `check_result`), as test/test_ops_conformance.py does for backends
+(photon_core.backends.contract).
+
+Rules shared by every model:
+
+* `model_id` names the checkpoint (a Hugging Face id, a package name, or the folder's name).
+* Skills: a model offers exactly the skills its family declares (`Family.skills`); each skill is a
+  method of that name with the signature below, and `batch` takes any mix of them.
+* `batch(requests)` runs several calls at once and returns their results in order, each shaped as
+  the single call returns it. A bad request raises ValueError (TypeError for an unknown option)
+  before any model work. Results never depend on what else is in the batch, except for the last
+  bits of float rounding.
+* Images are numpy arrays (uint8 HxWx3 or HxW, RGB unless `channel_order="bgr"`), PIL images, or
+  what `encode_image` returned (reusable for any number of calls on the same model; another
+  model's is refused with ValueError).
+* Coordinates are normalised to [0, 1] of the image's width and height; scores are
+  probabilities in [0, 1].
+* Audio is mono or [samples, channels] int/float PCM at any sample rate; empty, NaN or inf audio
+  and a non-positive sample rate are a ValueError.
+"""
+# No `from __future__ import annotations`: TypedDict must see NotRequired[...] as an object to
+# leave those keys out of __required_keys__ (check_result reads them).
+from collections.abc import Iterator, Sequence
+from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
+
+from photon_core.runtime.requests import DEFAULT_MAX_OBJECTS, DEFAULT_MAX_TOKENS, Request, TranscribeRequest
+
+# ---------------------------------------------------------------------------------- result shapes
+
+
+class Box(TypedDict):
+    """A box in normalised image coordinates, x_min <= x_max and y_min <= y_max."""
+    x_min: float
+    y_min: float
+    x_max: float
+    y_max: float
+
+
+class ScoredBox(Box):
+    score: float
+
+
+class Point(TypedDict):
+    x: float
+    y: float
+    score: float
+
+
+class Detections(TypedDict):
+    """detect(): every box found, at most max_objects, in the order the model found them."""
+    objects: list[ScoredBox]
+
+
+class Points(TypedDict):
+    """point(): every point found, at most max_objects."""
+    points: list[Point]
+
+
+class Caption(TypedDict):
+    """caption(): the text, or with stream=True an iterator of its pieces (never from batch)."""
+    caption: str | Iterator[str]
+
+
+class Answer(TypedDict):
+    """query(): the answer, or with stream=True an iterator of its pieces (never from batch)."""
+    answer: str | Iterator[str]
+
+
+class Outline(TypedDict):
+    """segment(): an SVG path in the box's unit square (0..1 across the box), and the box (None
+    when the model found no object; the path is "" then)."""
+    path: str
+    bbox: Box | None
+
+
+class TranscriptSegment(TypedDict):
+    start: float    # seconds from the audio's start, within the audio
+    end: float
+    text: str
+
+
+class Transcript(TypedDict):
+    """transcribe(): the text and its segments (a family without timestamps gives one segment, the
+    whole clip; none when the text is empty), the language code (None when the model could not
+    tell; "" when the family cannot tell and none was given), the audio's duration and the call's
+    processing time in seconds, and the model's id."""
+    text: str
+    segments: list[TranscriptSegment]
+    language: str | None
+    duration: float
+    processing_time: float
+    model_id: str
+    no_speech_prob: NotRequired[float]   # Whisper, Qwen3-ASR: the chance the clip holds no speech
+    words: NotRequired[list[dict[str, Any]]]   # Parakeet: {start, end, word}
+    tokens: NotRequired[list[int]]             # Parakeet: the decoded token ids
+
+
+# The result of each skill, by the skill's name (registry.SKILLS).
+RESULTS: dict[str, type] = {"detect": Detections, "point": Points, "caption": Caption, "query": Answer,
+                            "segment": Outline, "transcribe": Transcript}
+
+# ---------------------------------------------------------------------------------- protocols
+
+
+@runtime_checkable
+class VisionModel(Protocol):
+    """Every vision family: images encoded once for several calls, and `batch`. Its skills come as
+    the protocols below (`Captioner`, `Answerer`, `Detector`, `Segmenter`), one per skill pair."""
+    model_id: str
+
+    def encode_image(self, image: Any, channel_order: str = "rgb") -> Any:
+        """The image encoded once, for several skill calls on it (an opaque object of the family).
+        channel_order "bgr" for OpenCV / ROS bgr8 arrays. An encoded image passes through."""
+
+    def batch(self, requests: list[Request]) -> list[dict[str, Any]]:
+        """Results of `requests` (runtime.requests.Request: task, image, prompt, ...) in order.
+        prompt is the object for detect/point/segment, the question for query, the length for
+        caption ("" = "normal"). A request's `cancel` stops its row at the next step (its result
+        holds what was decoded); `progress` is called with the result so far as it grows. A task
+        the family does not offer is a ValueError."""
+
+
+@runtime_checkable
+class Captioner(VisionModel, Protocol):
+    """The caption skill (every vision family of the package)."""
+
+    def caption(self, image: Any, length: str = "normal", stream: bool = False,
+                max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
+        """`Caption`. length: "short", "normal" or "long" (ValueError otherwise). temperature 0 is
+        greedy; otherwise nucleus sampling with top_p in (0, 1]."""
+
+
+@runtime_checkable
+class Answerer(VisionModel, Protocol):
+    """The query skill."""
+
+    def query(self, image: Any, question: str, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
+              temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
+        """`Answer` to `question` about the image (image None: text only, where the family allows);
+        sampling as caption's."""
+
+
+@runtime_checkable
+class Detector(VisionModel, Protocol):
+    """The detect and point skills (Moondream 2 and 3)."""
+
+    def detect(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS) -> dict[str, Any]:
+        """`Detections` of `object` (a non-empty description)."""
+
+    def point(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS) -> dict[str, Any]:
+        """`Points` on `object`."""
+
+
+@runtime_checkable
+class Segmenter(VisionModel, Protocol):
+    """The segment skill (Moondream 3)."""
+
+    def segment(self, image: Any, object: str, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
+        """`Outline` of `object`."""
+
+
+@runtime_checkable
+class SpeechModel(Protocol):
+    """Every speech family: transcribe, one clip or a batch."""
+    model_id: str
+
+    def transcribe(self, audio: Any, sample_rate: int = 16000, *, language: str | None = None,
+                   initial_prompt: str | None = None, timestamps: bool = True,
+                   temperature: float | Sequence[float] = ...) -> dict[str, Any]:
+        """`Transcript` of the clip. language: a code to force, None to let the model decide.
+        initial_prompt: context text (names, terms), ignored by families without prompts.
+        timestamps: segment times from the model (False: one segment for the clip, or none);
+        temperature: decoding temperature(s), the fallback sequence by default. A family without
+        timestamps or sampling accepts both and ignores them. Further keyword options are the
+        family's own (Whisper's beam_size, Qwen3-ASR's max_new_tokens); an option no family has
+        is a TypeError."""
+
+    def batch(self, requests: Sequence[TranscribeRequest]) -> list[dict[str, Any]]:
+        """`Transcript`s of `requests` (runtime.requests.TranscribeRequest), in order: result i is
+        transcribe(**requests[i].kwargs())."""
+
+    def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
+        """Run every path a first call takes, with the options later calls will use."""
+
+
+@runtime_checkable
+class StreamingSpeechModel(SpeechModel, Protocol):
+    """A speech model that transcribes a file of any length in bounded memory (Whisper)."""
+
+    def transcribe_stream(self, stream: Any, *, language: str | None = None, timestamps: bool = True,
+                          initial_prompt: str | None = None) -> dict[str, Any]:
+        """`transcribe` of an audio_io.open_audio_stream, with the same result."""
+
+
+# The protocol each skill's method belongs to.
+SKILL_PROTOCOLS: dict[str, type] = {"caption": Captioner, "query": Answerer, "detect": Detector,
+                                    "point": Detector, "segment": Segmenter, "transcribe": SpeechModel}
+
+
+class ContractError(TypeError):
+    """A model or a result that breaks this contract: a fault of the family, not of the caller."""
+
+
+def check_model(model: object, skills: frozenset[str] | set[str]) -> VisionModel | SpeechModel:
+    """`model`, checked to offer `skills` (a family's declared skills) through the protocols above;
+    ContractError naming what is missing otherwise."""
+    missing = sorted(skill for skill in skills if not isinstance(model, SKILL_PROTOCOLS[skill]))
+    if missing:
+        raise ContractError(f"{type(model).__name__} does not meet the contract for {', '.join(missing)}")
+    if isinstance(model, VisionModel):
+        return model
+    if isinstance(model, SpeechModel):
+        return model
+    raise ContractError(f"{type(model).__name__} is neither a VisionModel nor a SpeechModel")
+
+
+def check_result(skill: str, result: object) -> None:
+    """ContractError unless `result` has the shape of `skill`'s result (keys, value types, ranges)."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ContractError(f"{skill} result {what}: {result!r}"[:400])
+
+    need(isinstance(result, dict), "is not a dict")
+    assert isinstance(result, dict)
+    shape = RESULTS[skill]
+    required = set(getattr(shape, "__required_keys__", ()))
+    allowed = set(shape.__annotations__)
+    need(required <= set(result) <= allowed | required, f"has keys {sorted(result)}, not {sorted(required)} "
+                                                        f"(+ optional {sorted(allowed - required)})")
+
+    def unit(value: object) -> bool:
+        return isinstance(value, (int, float)) and 0.0 <= value <= 1.0
+
+    def box(b: object, scored: bool) -> bool:
+        keys = {"x_min", "y_min", "x_max", "y_max"} | ({"score"} if scored else set())
+        return (isinstance(b, dict) and set(b) == keys and all(unit(b[k]) for k in keys)
+                and b["x_min"] <= b["x_max"] and b["y_min"] <= b["y_max"])
+
+    if skill == "detect":
+        need(isinstance(result["objects"], list) and all(box(b, True) for b in result["objects"]), "objects")
+    elif skill == "point":
+        need(isinstance(result["points"], list) and all(
+            isinstance(p, dict) and set(p) == {"x", "y", "score"} and all(unit(v) for v in p.values())
+            for p in result["points"]), "points")
+    elif skill in ("caption", "query"):
+        need(all(isinstance(v, str) for v in result.values()), "text")
+    elif skill == "segment":
+        need(isinstance(result["path"], str) and (result["bbox"] is None or box(result["bbox"], False)), "outline")
+    elif skill == "transcribe":
+        need(isinstance(result["text"], str) and isinstance(result["model_id"], str), "text / model_id")
+        need(result["language"] is None or isinstance(result["language"], str), "language")
+        need(isinstance(result["duration"], float) and result["duration"] >= 0, "duration")
+        need(isinstance(result["processing_time"], float) and result["processing_time"] >= 0, "processing_time")
+        need(isinstance(result["segments"], list) and all(
+            isinstance(s, dict) and set(s) == {"start", "end", "text"} and isinstance(s["text"], str)
+            and 0 <= s["start"] <= s["end"] <= result["duration"] + 1e-6 for s in result["segments"]), "segments")
+        if "no_speech_prob" in result:
+            need(unit(result["no_speech_prob"]), "no_speech_prob")

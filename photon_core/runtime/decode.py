@@ -1,0 +1,176 @@
+"""A family's compiled decode steps, one per batch bucket, written once for every family.
+
+A family's decode on the megakernel is a compiled step graph (its decoder_step.py) for each batch
+bucket (1, 2, 4, 8) a request or batch lands in. CompiledSteps holds them: each bucket's step is
+built on first use and streams the first bucket's weights arena (one copy of the weights however
+many buckets run), and is built together with its device rounds (megakernel.decode_loop's
+DeviceDecode), before any request writes the step's state: on CUDA building the rounds captures
+(so runs) them. A step's arena (caches, activations) holds one request or batch at a time, so a
+model decodes under `exclusive()` (a second caller gets a clear error) or, for a family that
+interleaves requests step by step, under `turn()` with each request's state `bind`-ed to the rows
+before its step.
+
+A family subclasses it with what is its own: how a bucket's step is built (`build_step`), what
+is built with it (`build_loop`), how a row is prefilled and how the heads are read.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from photon_core.megakernel.compiler import CompiledStep
+
+# megakernel.graph.BATCH_BUCKETS, kept here so this module imports without Triton (the megakernel
+# package imports its Triton kernels); test_decode_runtime checks the two agree.
+BATCH_BUCKETS = (1, 2, 4, 8)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def bucket_for(rows: int) -> int:
+    """The smallest batch bucket holding `rows` (1..8); the rows past `rows` are padding."""
+    if rows < 1 or rows > BATCH_BUCKETS[-1]:
+        raise ValueError(f"{rows} rows: a compiled step holds 1 to {BATCH_BUCKETS[-1]}; split the batch")
+    return next(b for b in BATCH_BUCKETS if rows <= b)
+
+
+def resolve_weight_dtype(requested: torch.dtype | None, model_dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> torch.dtype:
+    """What each compiled step streams (the math stays fp32): `requested`, or by default bfloat16
+    on CUDA (half the bytes) and the model's dtype elsewhere (device None: always the model's)."""
+    if requested is None:
+        requested = torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else model_dtype
+    if requested not in WEIGHT_DTYPES:
+        raise ValueError(f"megakernel weights must be float32, bfloat16 or float16, not {requested}")
+    return requested
+
+
+def decode_length(requested: int | None, context: int, default: int | None = None) -> int:
+    """The positions the compiled caches hold: `requested`, or min(context, default) (the caches
+    are per bucket and layer, so a model's full context rarely fits). At least 2: a prompt token
+    and one decoded after it."""
+    n = min(context, default or context) if requested is None else requested
+    if not 2 <= n <= context:
+        raise ValueError(f"max_len {n} must be in [2, {context}] (the model's context)")
+    return n
+
+
+def require_triton_ops(ops: Any, family: str, loader: str) -> None:
+    """The compiled steps decode after a prefill on the per-op Triton kernels (the megakernel
+    backend re-exports them)."""
+    if getattr(ops, "NAME", None) not in ("triton", "megakernel"):
+        raise ValueError(f"the {family} decode megakernel needs a model on the Triton ops "
+                         f"({loader}(..., backend=get_backend('megakernel', device)))")
+
+
+class Bindable(Protocol):
+    """A compiled step that takes a request's decode state into its rows (Qwen 3.5's)."""
+
+    batch: int
+
+    def holds(self, state: Any) -> bool: ...
+    def load_state(self, state: Any) -> None: ...
+    def release(self, state: Any) -> None: ...
+
+
+S = TypeVar("S", bound="CompiledStep")
+
+
+class CompiledSteps(Generic[S]):
+    """The compiled decode steps of one model by batch bucket, sharing the first one's weights."""
+
+    family = "This model"   # for messages: "<family> on the megakernel decodes ..."
+    max_rows = BATCH_BUCKETS[-1]
+
+    def __init__(self, max_len: int, weight_dtype: torch.dtype) -> None:
+        self.max_len, self.weight_dtype = max_len, weight_dtype
+        self._steps: dict[int, S] = {}
+        self._loops: dict[int, Any] = {}
+        self._owner: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+
+    # -- what a family supplies ------------------------------------------------------------------
+    def build_step(self, batch: int, weights: Any | None) -> S:
+        """The compiled step of one bucket; weights: the arena to share (None: the first bucket)."""
+        raise NotImplementedError
+
+    def build_loop(self, step: S) -> Any:
+        """What is built with each step, before anything writes its state (default: its greedy
+        rounds on the device; None: nothing)."""
+        from photon_core.megakernel.decode_loop import DeviceDecode
+        return DeviceDecode(step)
+
+    # -- the steps ---------------------------------------------------------------------------------
+    def decoder(self, batch: int = 1) -> S:
+        """The compiled step of one batch bucket, built on first use (with its loop) on the first
+        bucket's weights arena; a failed build keeps no half-built bucket."""
+        if batch not in BATCH_BUCKETS:
+            raise ValueError(f"batch {batch} is not a bucket {BATCH_BUCKETS}")
+        if batch not in self._steps:
+            shared = next(iter(self._steps.values())).weights if self._steps else None
+            step = self.build_step(batch, shared)
+            self._loops[batch] = self.build_loop(step)
+            self._steps[batch] = step
+        return self._steps[batch]
+
+    def loop(self, batch: int) -> Any:
+        """What build_loop made for one bucket (its device rounds by default)."""
+        self.decoder(batch)
+        return self._loops[batch]
+
+    def for_rows(self, rows: int) -> S:
+        """The step of the smallest bucket holding `rows`."""
+        return self.decoder(bucket_for(rows))
+
+    def fits(self, rows: int, length: int) -> bool:
+        return 1 <= rows <= self.max_rows and length <= self.max_len
+
+    def check_fits(self, rows: int, length: int) -> None:
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows exceed the largest megakernel batch ({self.max_rows})")
+        if length > self.max_len:
+            raise ValueError(f"a request of {length} positions exceeds the megakernel's caches "
+                             f"({self.max_len}); load the model with a larger max_len")
+
+    # -- one user at a time --------------------------------------------------------------------
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the steps' arenas for one request or batch; a second caller meanwhile raises
+        instead of corrupting the first."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"{self.family} on the megakernel decodes one request or batch at a time (its "
+                               "compiled steps' arenas); finish or close the running one (e.g. a stream) first")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Wait for the arenas (requests interleaving step by step, each bound before its step)."""
+        with self._lock:
+            yield
+
+    def bind(self, state: Any, rows: int, length: int) -> S:
+        """The step of the bucket holding `rows` with `state` (`length` positions) in its rows
+        (call inside `turn()`): a state bound there before gets its own copies back first, so
+        interleaved requests stay correct; a state already bound costs nothing."""
+        self.check_fits(rows, length)
+        step: Bindable = self.for_rows(rows)   # type: ignore[assignment]
+        if not step.holds(state):
+            ref = self._owner.get(step.batch)
+            owner = ref() if ref is not None else None
+            if owner is not None and owner is not state and step.holds(owner):
+                step.release(owner)
+            with torch.no_grad():
+                step.load_state(state)
+            self._owner[step.batch] = weakref.ref(state)
+        return step   # type: ignore[return-value]
+
+
+__all__ = ["BATCH_BUCKETS", "CompiledSteps", "bucket_for", "decode_length", "require_triton_ops", "resolve_weight_dtype"]

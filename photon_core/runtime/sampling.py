@@ -1,0 +1,56 @@
+"""Sampling settings of a text request and the pick of its next token, for every family.
+
+Greedy (temperature 0) is the ops' argmax; otherwise temperature and nucleus (top_p) sampling by
+the ops' `sample`, with one uniform drawn from the caller's generator, so a seeded request gives
+the same tokens on every backend. `allowed` bars tokens (an answer marker, image placeholders).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Sampling:
+    """How many tokens a text request may decode and how each is chosen."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming every setting out of range."""
+        wrong = []
+        if not self.max_tokens >= 0:
+            wrong.append(f"max_tokens must be >= 0, got {self.max_tokens!r}")
+        if not self.temperature >= 0:   # (NaN too)
+            wrong.append(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            wrong.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if wrong:
+            raise ValueError("; ".join(wrong))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | None = None,
+         generator: torch.Generator | None = None) -> int:
+    """The next token of one row from its logits [V]; allowed: bool [V] (None: every token);
+    generator: the uniform's source (None: torch's default, seeded by torch.manual_seed)."""
+    if s.greedy:
+        return int(ops.argmax(logits) if allowed is None else ops.argmax(logits, allowed))
+    if allowed is not None:
+        logits = logits.float().masked_fill(~allowed, float("-inf"))
+    where = generator.device if generator is not None else logits.device
+    u = torch.rand(1, generator=generator, device=where).to(logits.device)
+    return int(ops.sample(logits[None], s.temperature, s.top_p, u)[0])
+
+
+__all__ = ["Sampling", "pick"]

@@ -1,0 +1,31 @@
+"""A stream of token ids as text pieces, for every family that decodes text.
+
+Tokenizers spread one character over several tokens (byte-level BPE, byte fallback), so decoding
+token by token would show broken characters. The ids so far are decoded again at each token and
+only the new text goes out; a piece that ends in an unfinished character (U+FFFD) waits for the
+token completing it. Lazy: a token is pulled only when the caller asks for more text.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+def text_pieces(decode: Callable[[Sequence[int]], str], tokens: Iterable[int]) -> Iterator[str]:
+    """Pieces of `decode(all tokens)`, in order, as the tokens arrive; joined they are that text.
+    decode: ids -> text (a tokenizer's decode)."""
+    ids: list[int] = []
+    shown = ""
+    for tok in tokens:
+        ids.append(tok)
+        txt = decode(ids)
+        if txt.startswith(shown) and len(txt) > len(shown) and not txt.endswith(REPLACEMENT):
+            yield txt[len(shown):]
+            shown = txt
+    txt = decode(ids)
+    if txt.startswith(shown) and len(txt) > len(shown):   # what was held back (an unfinished character)
+        yield txt[len(shown):]
+
+
+__all__ = ["text_pieces"]

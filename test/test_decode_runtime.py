@@ -1,0 +1,288 @@
+"""photon_core.runtime's decode pieces on their own (no model, no Triton launch): the compiled
+steps by bucket (dtype, length, one weights arena, built once, exclusive use, state binding),
+sampling settings and the next-token pick, and text streaming over split UTF-8."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from photon_core.backends import reference
+from photon_core.runtime import decode
+from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.text_stream import text_pieces
+
+
+class FakeStep:
+    """A compiled step's face as CompiledSteps sees it: batch, weights, and the binding protocol."""
+
+    def __init__(self, batch: int, weights: object | None) -> None:
+        self.batch, self.weights = batch, weights if weights is not None else object()
+        self.bound: object | None = None
+        self.events: list[tuple[str, int]] = []
+
+    def holds(self, state: object) -> bool:
+        return self.bound is state
+
+    def load_state(self, state: object) -> None:
+        self.events.append(("load", id(state)))
+        self.bound = state
+
+    def release(self, state: object) -> None:
+        self.events.append(("release", id(state)))
+        self.bound = None
+
+
+class Steps(decode.CompiledSteps[FakeStep]):
+    family = "A toy model"
+
+    def __init__(self) -> None:
+        super().__init__(decode.decode_length(None, 64, 32), decode.resolve_weight_dtype(None, torch.float32, "cpu"))
+        self.built: list[int] = []
+
+    def build_step(self, batch: int, weights: object | None) -> FakeStep:
+        self.built.append(batch)
+        return FakeStep(batch, weights)
+
+    def build_loop(self, step: FakeStep) -> str:
+        return f"rounds of {step.batch}"
+
+
+class State:
+    pass
+
+
+def test_buckets_agree_with_the_megakernel():
+    graph = pytest.importorskip("photon_core.megakernel.graph")
+    assert decode.BATCH_BUCKETS == graph.BATCH_BUCKETS
+    assert [decode.bucket_for(n) for n in range(1, 9)] == [graph.bucket_for(n) for n in range(1, 9)]
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="1 to 8"):
+            decode.bucket_for(bad)
+
+
+def test_weight_dtype_default_and_refusal():
+    assert decode.resolve_weight_dtype(None, torch.float32, "cuda") is torch.bfloat16
+    assert decode.resolve_weight_dtype(None, torch.float32, "cpu") is torch.float32
+    assert decode.resolve_weight_dtype(None, torch.float16) is torch.float16   # no device: the model's
+    assert decode.resolve_weight_dtype(torch.float16, torch.float32, "cuda") is torch.float16
+    for bad in (torch.int8, torch.float64):
+        with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+            decode.resolve_weight_dtype(bad, torch.float32, "cpu")
+
+
+def test_decode_length():
+    assert decode.decode_length(None, 1000, 256) == 256
+    assert decode.decode_length(None, 100, 256) == 100
+    assert decode.decode_length(None, 100) == 100
+    assert decode.decode_length(50, 100, 256) == 50
+    for bad in (1, 101):
+        with pytest.raises(ValueError, match=r"max_len .* \[2, 100\]"):
+            decode.decode_length(bad, 100, 256)
+
+
+def test_triton_ops_required():
+    decode.require_triton_ops(type("Ops", (), {"NAME": "megakernel"}), "Toy", "load_toy")
+    with pytest.raises(ValueError, match="Toy decode megakernel needs a model on the Triton ops"):
+        decode.require_triton_ops(reference, "Toy", "load_toy")
+
+
+def test_steps_built_once_per_bucket_on_the_first_weights():
+    s = Steps()
+    assert s.max_len == 32 and s.weight_dtype is torch.float32
+    one = s.for_rows(1)
+    four = s.for_rows(3)
+    assert four.batch == 4 and four.weights is one.weights
+    assert s.for_rows(4) is four and s.loop(4) == "rounds of 4"
+    assert s.built == [1, 4]
+    with pytest.raises(ValueError, match="not a bucket"):
+        s.decoder(3)
+    assert s.fits(8, 32) and not s.fits(9, 32) and not s.fits(1, 33)
+    with pytest.raises(ValueError, match="exceeds the megakernel's caches"):
+        s.check_fits(2, 33)
+
+
+def test_a_failed_build_keeps_no_half_built_bucket():
+    s = Steps()
+    s.build_loop = lambda step: (_ for _ in ()).throw(RuntimeError("capture failed"))
+    with pytest.raises(RuntimeError, match="capture failed"):
+        s.decoder(2)
+    assert 2 not in s._steps and 2 not in s._loops
+
+
+def test_exclusive_use_refuses_a_second_caller():
+    s = Steps()
+    with s.exclusive():
+        with pytest.raises(RuntimeError, match="A toy model on the megakernel decodes one request or batch at a time"):
+            with s.exclusive():
+                pass
+        # another thread too (the arenas are the model's, not a thread's)
+        seen: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                with s.exclusive():
+                    pass
+            except RuntimeError as e:
+                seen.append(e)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert len(seen) == 1
+    with s.exclusive():   # released after the first
+        pass
+
+
+def test_binding_moves_the_previous_state_out_first():
+    s = Steps()
+    a, b = State(), State()
+    with s.turn():
+        step = s.bind(a, 1, 10)
+        assert s.bind(a, 1, 10) is step and step.events == [("load", id(a))]   # already bound: nothing
+        s.bind(b, 1, 10)
+        s.bind(a, 1, 10)
+    assert step.events == [("load", id(a)), ("release", id(a)), ("load", id(b)),
+                           ("release", id(b)), ("load", id(a))]
+    with pytest.raises(ValueError, match="9 rows exceed"):
+        s.bind(State(), 9, 10)
+    with pytest.raises(ValueError, match="40 positions exceeds"):
+        s.bind(State(), 1, 40)
+
+
+def test_sampling_settings_refused_with_reasons():
+    assert Sampling(5).greedy and not Sampling(5, 0.7, 0.9).greedy
+    with pytest.raises(ValueError) as err:
+        Sampling(-1, -0.5, 0.0)
+    msg = str(err.value)
+    assert "max_tokens must be >= 0" in msg and "temperature must be >= 0" in msg and "top_p must be in (0, 1]" in msg
+    for bad in ({"top_p": 1.5}, {"temperature": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Sampling(4, **bad)
+
+
+def test_pick_greedy_masked_and_seeded():
+    logits = torch.tensor([0.0, 5.0, 1.0, 4.0])
+    allowed = torch.tensor([True, False, True, True])
+    assert pick(logits, Sampling(1), reference) == 1
+    assert pick(logits, Sampling(1), reference, allowed) == 3
+    s = Sampling(1, temperature=1.0, top_p=1.0)
+    draws = [pick(logits, s, reference, allowed, torch.Generator().manual_seed(i)) for i in range(200)]
+    assert 1 not in draws and set(draws) <= {0, 2, 3} and len(set(draws)) >= 2
+    again = [pick(logits, s, reference, allowed, torch.Generator().manual_seed(i)) for i in range(200)]
+    assert draws == again
+    # top_p small enough: only the most likely allowed token
+    assert {pick(logits, Sampling(1, 1.0, 0.01), reference, allowed, torch.Generator().manual_seed(i))
+            for i in range(20)} == {3}
+
+
+def test_text_pieces_holds_back_a_character_split_across_tokens():
+    # A byte-level vocabulary: "é" (C3 A9) and "😀" (F0 9F 98 80) span tokens.
+    vocab = {0: b"caf", 1: b"\xc3", 2: b"\xa9", 3: b" ", 4: b"\xf0\x9f", 5: b"\x98", 6: b"\x80", 7: b"!"}
+
+    def dec(ids):
+        return b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+    pieces = list(text_pieces(dec, [0, 1, 2, 3, 4, 5, 6, 7]))
+    assert pieces == ["caf", "é", " ", "😀", "!"]
+    assert all("\ufffd" not in p for p in pieces)
+    # A stream ending inside a character gives what the tokenizer says for it.
+    assert "".join(text_pieces(dec, [0, 1])) == dec([0, 1])
+    assert list(text_pieces(dec, [])) == []
+
+
+def test_text_pieces_is_lazy():
+    pulled: list[int] = []
+
+    def tokens():
+        for t in (0, 3, 7):
+            pulled.append(t)
+            yield t
+    it = text_pieces(lambda ids: "".join("abc"[i % 3] for i in ids), tokens())
+    assert next(it) == "a" and pulled == [0]
+
+
+class ScriptSession:
+    """A session whose rows follow fixed token scripts (row r's k-th greedy token is script[r][k]):
+    the logits put all mass on that token; `rounds` replays the scripts as device rounds would."""
+
+    V = 16
+
+    def __init__(self, scripts: list[list[int]]) -> None:
+        self.scripts, self.live = scripts, list(range(len(scripts)))
+        self.fed = [0] * len(scripts)
+        self.kept: list[list[int]] = []
+
+    def _logits(self) -> torch.Tensor:
+        out = torch.full((len(self.live), self.V), -10.0)
+        for i, r in enumerate(self.live):
+            out[i, self.scripts[r][self.fed[r]]] = 10.0
+        return out
+
+    def prefill(self):
+        return self._logits(), None
+
+    def step(self, tokens):
+        assert len(tokens) == len(self.live)
+        for r, t in zip(self.live, tokens):
+            assert t == self.scripts[r][self.fed[r]]   # each row is fed its own last token
+            self.fed[r] += 1
+        return self._logits(), None
+
+    def keep(self, rows):
+        self.kept.append(rows)
+        self.live = [self.live[i] for i in rows]
+
+
+class RoundSession(ScriptSession):
+    def rounds(self, first, max_new, stop):
+        for r, t in enumerate(first):   # step-major, as DeviceDecode.stream yields
+            assert t == self.scripts[r][0]
+        k, going = 0, [n > 0 and first[r] not in stop for r, n in enumerate(max_new)]
+        while any(going):
+            for r in range(len(first)):
+                if going[r]:
+                    t = self.scripts[r][k]
+                    if t in stop:
+                        going[r] = False
+                        continue
+                    yield r, t
+                    if k + 1 == max_new[r]:
+                        going[r] = False
+            k += 1
+
+
+def _greedy(r, logits, greedy):
+    return pick(logits, Sampling(1), reference)
+
+
+def test_generate_stops_rooms_keep_and_cancel():
+    from photon_core.runtime.generate import generate, room
+    assert room(10, 20, 25) == 6 and room(3, 20, 25) == 3 and room(5, 30, 25) == 0
+    scripts = [[1, 2, 0, 9], [3, 4, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10]]
+    s = ScriptSession(scripts)
+    settings = [Sampling(10), Sampling(10), Sampling(2)]
+    steps = list(generate(s, settings, [10, 4, 2], {0}, _greedy))
+    assert steps == [[1, 3, 5], [2, 4, 6], [None, 5, None], [None, 6, None]]
+    assert s.kept == [[0, 1], [1]]   # row 2 leaves at its max_tokens, then row 0 at its stop token
+    # a canceled row stops before its next token; nothing left: no step at all
+    s = ScriptSession(scripts)
+    steps = list(generate(s, settings, [10, 4, 2], {0}, _greedy, canceled=lambda r: r == 1 and s.fed[1] >= 1))
+    assert steps == [[1, 3, 5], [2, None, 6]]
+    assert list(generate(ScriptSession(scripts), settings, [0, 0, 0], {0}, _greedy)) == []
+    with pytest.raises(ValueError, match="one room per row"):
+        list(generate(ScriptSession(scripts), settings, [1, 1], {0}, _greedy))
+
+
+def test_generate_on_device_rounds_gives_the_host_loops_steps():
+    from photon_core.runtime.generate import generate
+    scripts = [[1, 2, 0, 9], [3, 4, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1, 1]]
+    settings = [Sampling(10)] * 4
+    rooms = [10, 4, 2, 3]
+    host = list(generate(ScriptSession(scripts), settings, rooms, {0}, _greedy, device_rounds=True))
+    device = list(generate(RoundSession(scripts), settings, rooms, {0}, _greedy, device_rounds=True))
+    assert device == host == [[1, 3, 5, None], [2, 4, 6, None], [None, 5, None, None], [None, 6, None, None]]
+    # sampled rows never take the rounds
+    sampled = [Sampling(10, 0.5, 1.0)] * 4
+    s = RoundSession(scripts)
+    s.rounds = None
+    assert list(generate(s, sampled, rooms, {0}, _greedy)) == host
