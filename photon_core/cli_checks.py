@@ -2,14 +2,12 @@
 before any work, in one line naming the option or file at fault.
 
 Argument types (`type=` of argparse) check values when the command line is parsed; `load_model`
-checks what a checkpoint's config.json holds before a family's loader meets it.
+names the checkpoint in a loader's failure.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 
@@ -97,29 +95,13 @@ def shorten(text: str, width: int = 40) -> str:
     return repr(text) if len(text) <= width else f"{text[:width]!r}... ({len(text)} characters)"
 
 
-def check_config_json(folder: Path) -> None:
-    """UserError naming config.json in `folder` when it is there but not a JSON object."""
-    path = folder / "config.json"
-    if not path.is_file():
-        return
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise UserError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: holds a JSON {type(data).__name__}, where a checkpoint's config "
-                        f"is an object of settings ({{\"key\": value, ...}})")
-
-
 def load_model(model: str, device: str, dtype: Any, skills: Iterable[str], backend: str = "auto") -> Any:
-    """photon_core.load, with the checkpoint's config.json checked first; any other failure of a
-    loader is put down to the checkpoint, naming it (--debug shows where it happened)."""
+    """photon_core.load (the registry refuses a config.json that is not one, naming it); any other
+    failure of a loader is put down to the checkpoint, naming it (--debug shows where it happened)."""
     import photon_core
     from photon_core import registry
 
     checkpoint = registry.resolve(model)   # ModelNotFound says where it looked
-    folder = checkpoint.path if checkpoint.path.is_dir() else checkpoint.path.parent
-    check_config_json(folder)
     try:
         return photon_core.load(model, device=device, dtype=dtype, backend=backend, skills=tuple(skills))
     except (FileNotFoundError, NotImplementedError, ValueError):

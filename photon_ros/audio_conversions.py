@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 from std_msgs.msg import Float32MultiArray, Int16MultiArray, MultiArrayDimension
 
-from photon_core.audio_io import pcm_to_float
+from photon_core.audio_io import check_float_samples, pcm_to_float
 from photon_ros.msg import AudioChunk
 
 # dtype of one sample, and the scale that maps it to [-1, 1]
@@ -46,8 +46,9 @@ def _to_mono(interleaved: np.ndarray, channels: int) -> np.ndarray:
 def _check(samples: np.ndarray, sample_rate: int) -> Pcm:
     if sample_rate <= 0:
         raise ValueError(f"sample rate must be positive, got {sample_rate}")
-    if not np.isfinite(samples).all():
-        raise ValueError("audio contains NaN or infinite samples")
+    # The file readers' rule: NaN, infinities and values no audio has (1e30) are refused here, not
+    # left to overflow the VAD and turn the model's probabilities into NaN.
+    check_float_samples(samples, "audio")
     return Pcm(samples.astype(np.float32, copy=False), int(sample_rate))
 
 

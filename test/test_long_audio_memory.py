@@ -1,9 +1,11 @@
-"""`python -m photon_core transcribe` streams long files (issue 26, item 8): its peak memory does not
-grow with the file's length. Two runs of the CLI, each in its own process, on WAVs written here
-block by block: 1 minute and 10 minutes of silence with a spoken command near the start and one
-near the end. The 10-minute run's peak RSS may exceed the 1-minute run's by less than
-STREAM_BOUND_MB; reading the whole file grew it by ~30 MB per minute (270 MB over these 9 minutes).
-Also checked: both commands read, at their places, and no segment past the audio."""
+"""`python -m photon_core transcribe` streams long files (issue 26, item 8): its peak memory is
+bounded by a stated figure, MEMORY_BOUND_MB, at any length. Two runs of the CLI, each in its own
+process, on WAVs written here block by block: 1 minute and 1 hour of silence with a spoken
+command near the start and one near the end. Both peaks stay under MEMORY_BOUND_MB, and the hour's
+exceeds the minute's by less than STREAM_BOUND_MB; reading the whole file grew it by ~30 MB per
+minute (an hour peaked at 2.45 GB). Also checked: both commands read, at their places, and no
+segment past the audio. (An hour of silence is ~46 s of CPU on this 2-core machine: most windows
+hold no speech and decode a few tokens.)"""
 from __future__ import annotations
 
 import json
@@ -28,6 +30,11 @@ RATE = 16000
 # for what differs between two runs of the same work (allocator, thread pools: 635-655 MB peaks
 # measured for 1 to 20 minutes of audio with tiny.en, 2026-12-02).
 STREAM_BOUND_MB = 64
+# The stated bound for whisper tiny.en (README): the model, torch's thread pools and allocator, and
+# the streamed path. Measured peaks on a 2-core AVX2 machine, 2026-12-02: 538 MB for 1 minute and
+# 550 MB for 1 hour with the float32 decoder (this CPU's default), 635-655 MB for 1 to 20 minutes
+# with int8 decoder linears (their packed weights come on top of the float ones).
+MEMORY_BOUND_MB = 800
 COMMANDS = ("Go to the kitchen.", "Turn left at the door.")
 
 
@@ -76,10 +83,10 @@ def _finish(proc: subprocess.Popen) -> tuple[int, float]:
     return proc.returncode, usage.ru_maxrss / 1024
 
 
-def test_cli_peak_memory_does_not_grow_with_length(tmp_path):
+def test_cli_peak_memory_is_bounded_at_any_length(tmp_path):
     first, last = (_command_16k(text, tmp_path) for text in COMMANDS)
     runs = {}
-    for minutes in (1, 10):
+    for minutes in (1, 60):
         wav = tmp_path / f"{minutes}min.wav"
         _write_long_wav(wav, minutes, [(20.0, first), (minutes * 60 - 20.0, last)])
         assert wav.stat().st_size == 44 + 2 * minutes * 60 * RATE
@@ -96,4 +103,5 @@ def test_cli_peak_memory_does_not_grow_with_length(tmp_path):
         assert all(0 <= s["start"] <= s["end"] <= result["duration"] for s in segments), segments
         # the last command's segment lies in the last window, the first in the first
         assert segments[0]["end"] <= 30 + 2 and segments[-1]["start"] >= minutes * 60 - 30 - 2, segments
-    assert peaks[10] - peaks[1] < STREAM_BOUND_MB, peaks
+    assert max(peaks.values()) < MEMORY_BOUND_MB, peaks
+    assert peaks[60] - peaks[1] < STREAM_BOUND_MB, peaks

@@ -145,6 +145,28 @@ def test_unknown_checkpoint_lists_what_was_found_and_the_families(tmp_path):
         registry.recognise(tmp_path / "ct2")
 
 
+def test_a_config_json_that_is_not_one_is_refused_naming_it(tmp_path):
+    """The same refusal for the Python API and the nodes' shared engines (and so the command line):
+    invalid JSON, a JSON list, and a section of the wrong type that a family's probe reads."""
+    from photon_core.runtime.shared_models import shared_engine
+
+    cases = {"broken": ('{"text": ', "not valid JSON"),
+             "listed": ("[1, 2]", "holds a JSON list, where a checkpoint's config is an object"),
+             "typed": (json.dumps({"model_type": "qwen3_5", "text_config": 5}),
+                       "not a qwen3_5 config as its format defines one (AttributeError")}
+    for name, (text, said) in cases.items():
+        folder = tmp_path / name
+        if name == "typed":   # Qwen 3.5's probe goes by config.json alone
+            folder.mkdir()
+        else:                 # real weights: only the config is at fault
+            shutil.copytree(mf.checkpoint(), folder)
+        (folder / "config.json").write_text(text)
+        for load in (registry.recognise, photon_core.load, shared_engine):
+            with pytest.raises(registry.BadCheckpointConfig) as err:
+                load(folder)
+            assert str(err.value).startswith(f"{folder / 'config.json'}: {said}"), (load, str(err.value))
+
+
 def test_missing_model_says_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError) as err:

@@ -105,9 +105,11 @@ def test_unbatchable_requests_fall_back_one_by_one(model, clips, monkeypatch):
     long = np.concatenate([medium] * 4)
     assert len(long) / rate > 30
     requests = [{"audio": short, "sample_rate": rate, "temperature": 0.5},
-                {"audio": long, "sample_rate": rate, "timestamps": False},
+                {"audio": long, "sample_rate": rate},
                 {"audio": short, "sample_rate": rate, "initial_prompt": "Kitchen lights."},
-                {"audio": medium, "sample_rate": rate}]
+                # Text only over > 30 s keeps little of the audio (the exact path, as openai-whisper
+                # decodes it, reads one sentence of this clip), so the long clip keeps timestamps.
+                {"audio": medium, "sample_rate": rate, "timestamps": False}]
     want = [model.transcribe(**r) for r in requests]
     sizes = _record_encoder_batches(model, monkeypatch)
     got = model.batch(requests)

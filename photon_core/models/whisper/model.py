@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -60,9 +59,27 @@ def int8_matmul(x: torch.Tensor, q: _Int8) -> torch.Tensor:
     return y if q.bias is None else y.add_(q.bias)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them in /proc/cpuinfo (empty where it is missing)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_vnni() -> bool:
+    """AVX-512 VNNI, the flag fbgemm's 8-bit kernels and torch.cpu._is_vnni_supported look for.
+    AVX-VNNI alone (256-bit, e.g. Alder Lake) is not it: fbgemm then runs its AVX2 kernels."""
+    return "avx512_vnni" in cpu_flags()
+
+
 # Activations are quantized to 7 bits where the CPU lacks VNNI (fbgemm's u8 x s8 pair products
 # then cannot saturate the 16-bit intermediate of AVX2's vpmaddubsw), to 8 bits with VNNI.
-REDUCE_RANGE = "vnni" not in open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else True
+REDUCE_RANGE = not cpu_has_vnni()
 
 
 def pack_dynamic_int8_(w: _Linear) -> None:

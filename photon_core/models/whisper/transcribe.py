@@ -15,6 +15,7 @@ import torch
 
 from photon_core.audio_io import AudioStream
 from photon_core.backends import reference
+from photon_core.runtime.requests import TranscribeRequest
 from photon_core.runtime.thread_tuner import ThreadTuner
 from photon_core.models.whisper.checkpoint import (
     WhisperCheckpoint, WhisperWeightsNotFound, load_checkpoint_file, resolve_whisper)
@@ -24,7 +25,7 @@ from .decoding import WindowDecoder
 from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, prepare_audio
 from .longform import (DEFAULT_TEMPERATURES, FIT_STEP_FRAMES, LongFormOptions, LongFormResult,
                        MelFrames, encoder_window, first_window_options, transcribe_mel)
-from .model import WhisperNet, WhisperWeights
+from .model import REDUCE_RANGE, WhisperNet, WhisperWeights, cpu_flags
 from .stream_frontend import StreamedLogMel, pcm_16k_blocks
 from .tokenizer import WhisperTokenizer
 
@@ -35,15 +36,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def cpu_has_fast_bf16() -> bool:
     """True on CPUs with native bf16 matrix math (AMX or AVX512-BF16). Elsewhere bf16 is emulated
     and slower than fp32, so the fast path must not be the default there."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def pick_encoder_dtype(device: torch.device, dtype: torch.dtype | str | None) -> torch.dtype:
@@ -66,13 +59,18 @@ def pick_encoder_dtype(device: torch.device, dtype: torch.dtype | str | None) ->
 # Clips per encoder batch in `batch` (an encoder row of tiny.en holds ~60 MB of attention scores).
 MAX_BATCH = 8
 QUANTIZE = (None, "int8-decoder", "int8")
-# The CPU default. A faster path is the default only where its WER on the broad speech set stays
-# within 0.5 points of float32's (bench/speech.py, 84 utterances, whisper tiny.en, AVX-512 VNNI CPU,
-# 2026-12-01): int8 decoder linears 0.296 vs float32 0.297 decoding text only, 0.229 vs 0.227 with
-# timestamps (passes). The int8 encoder fails: with per-call activation
-# scales 0.305-0.311, with per-row scales (quantize="int8") 0.304; per-row scales in the decoder too
-# gave 0.241 but decode each token ~1.7x slower than fbgemm's dynamic linear.
-CPU_DEFAULT_QUANTIZE: str | None = "int8-decoder"
+# The CPU default: int8 decoder linears only on CPUs with AVX-512 VNNI, float32 elsewhere. A faster
+# path is the default only where its WER on the broad speech set (bench/speech.py, 84 utterances,
+# whisper tiny.en) stays within 0.5 points of float32's. With VNNI (activations keep 8 bits,
+# model.REDUCE_RANGE) int8 decoder linears pass: 0.296 vs float32 0.297 text only, 0.229 vs 0.227
+# with timestamps (2026-12-01). Without it (AVX2 only: fbgemm quantizes activations to 7 bits)
+# they fail: 0.237 greedy with the fitted context, where the float32 decoder gives 0.212 and the
+# exact path 0.227, and they alone made words depend on the input's sample rate (24 of 84
+# utterances read differently at 22.05 and 48 kHz, 0 with a float32 decoder; 2026-12-02).
+# The int8 encoder fails everywhere: per-call activation scales 0.305-0.311, per-row scales
+# (quantize="int8") 0.304; per-row scales in the decoder gave 0.241 but decode each token ~1.7x
+# slower than fbgemm's dynamic linear.
+CPU_DEFAULT_QUANTIZE: str | None = None if REDUCE_RANGE else "int8-decoder"
 
 
 # The CPU default encoder context: "fit" (a window with less than 30 s of audio is encoded with its
@@ -309,21 +307,23 @@ class WhisperSpeech:
             return transcribe_mel(self.decoder, encode, mel, content_frames, opts,
                                   decode_context=lambda: _torch_threads(self.decoder_threads))
 
-    def batch(self, requests: list[dict]) -> list[dict]:
+    def batch(self, requests: Sequence[TranscribeRequest | dict]) -> list[dict]:
         """Transcribe several clips (e.g. utterances from several microphones) in one go: result i
-        is `self.transcribe(**requests[i])`, each request being transcribe's keyword arguments
-        (audio, sample_rate, language, timestamps, initial_prompt, temperature, ...). Clips of at
-        most 30 s whose first decode is greedy run their encoder as one batch and their first
-        greedy decode as rows stepping together (grouped by prompt and encoder shape; on the
-        megakernel the rows of a batch bucket, decoding in rounds on the device); temperature
+        is `self.transcribe(**requests[i].kwargs())`, each request a runtime.requests.TranscribeRequest
+        (or a dict of transcribe's keyword arguments: audio, sample_rate, language, timestamps,
+        initial_prompt, temperature, ...). Clips of at most 30 s whose first decode is greedy run
+        their encoder as one batch and their first greedy decode as rows stepping together
+        (grouped by prompt and encoder shape; on the megakernel the rows of a batch bucket,
+        decoding in rounds on the device); temperature
         fallback, later windows, language detection and the per-op step path run per clip. Float32
         products of several rows may round differently in the last bits than one row's (seen in
         no_speech_prob at 1e-6); int8 decoder linears quantize each clip as its own call would.
         processing_time counts from the batch's start."""
         start = time.perf_counter()
-        results: list[dict | None] = [None] * len(requests)
+        calls = [TranscribeRequest.of(r).kwargs() for r in requests]
+        results: list[dict | None] = [None] * len(calls)
         groups: dict[tuple, list[tuple[int, np.ndarray, torch.Tensor, LongFormOptions]]] = {}
-        for i, request in enumerate(requests):
+        for i, request in enumerate(calls):
             args = inspect.signature(self.transcribe).bind(**request)
             args.apply_defaults()
             pcm, mel, opts = self._prepare(*args.args, **args.kwargs, longform_options={})
