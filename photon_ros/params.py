@@ -90,6 +90,9 @@ class Param:
             value = number(value)
             if value is None or math.isnan(value):
                 return None, "must be a number"
+            # No parameter means "never" by infinity: idle_flush_s=inf would hold an utterance forever.
+            if math.isinf(value):
+                return None, f"must be finite, got {value:g}"
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if self.positive and not value > 0:
                 return None, f"must be > 0, got {value:g}"

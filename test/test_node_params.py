@@ -52,7 +52,8 @@ def test_declared_with_descriptors_and_whole_numbers_taken_as_floats(context):
 
 @pytest.mark.parametrize("name, value, reason", [
     ("gain", -1.0, "gain must be >= 0"), ("gain", "loud", "gain must be a number"),
-    ("gain", math.nan, "gain must be a number"), ("period_s", 0, "period_s must be > 0"),
+    ("gain", math.nan, "gain must be a number"), ("gain", math.inf, "gain must be finite"),
+    ("period_s", 0, "period_s must be > 0"),
     ("mode", "fsat", "mode must be one of fast, slow"), ("count", -5, "count must be >= 0")])
 def test_a_bad_value_at_startup_stops_the_node_with_the_reason(context, name, value, reason):
     with pytest.raises(ValueError, match=reason):
