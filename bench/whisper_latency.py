@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import wave
 from pathlib import Path
 
-import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "test"))
 
 CLIPS = {
     "3s": ("Robot, please turn on the kitchen lights now.", 150),
@@ -30,18 +28,12 @@ CLIPS = {
 }
 
 
-def espeak(folder: Path, name: str, text: str, speed: int) -> tuple[np.ndarray, int]:
-    path = folder / f"{name}.wav"
-    subprocess.run(["espeak-ng", "-s", str(speed), "-w", str(path), text], check=True,
-                   capture_output=True)
-    with wave.open(str(path)) as w:
-        return np.frombuffer(w.readframes(w.getnframes()), np.int16), w.getframerate()
-
-
 def main(argv: list[str] | None = None) -> int:
+    from photon_core.audio_io import read_wav
     from photon_core.models.whisper import load_whisper
     from photon_core.models.whisper.frontend import prepare_audio
     from photon_core.models.whisper.transcribe import cpu_has_fast_bf16
+    from speech_audio import espeak_wav
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=7)
@@ -65,29 +57,28 @@ def main(argv: list[str] | None = None) -> int:
         print("openai-whisper not installed: timing ours only")
 
     print(f"threads {torch.get_num_threads()}, fast bf16 CPU: {cpu_has_fast_bf16()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for key, (text, speed) in CLIPS.items():
-            pcm, sr = espeak(Path(tmp), key, text, speed)
-            x = prepare_audio(pcm, sr)
-            calls = {name: (lambda m=m: m.transcribe(pcm, sr, timestamps=False))
-                     for name, m in engines.items()}
-            if reference is not None:
-                calls["openai_fp32"] = lambda: whisper.transcribe(
-                    reference, x, temperature=0.0, fp16=False, language="en",
-                    without_timestamps=True, verbose=None)
-            times: dict[str, list[float]] = {name: [] for name in calls}
-            for fn in calls.values():   # warm-up
+    for key, (text, speed) in CLIPS.items():
+        pcm, sr = read_wav(espeak_wav(text, voice=None, speed=speed))   # int16, espeak-ng's default voice
+        x = prepare_audio(pcm, sr)
+        calls = {name: (lambda m=m: m.transcribe(pcm, sr, timestamps=False))
+                 for name, m in engines.items()}
+        if reference is not None:
+            calls["openai_fp32"] = lambda: whisper.transcribe(
+                reference, x, temperature=0.0, fp16=False, language="en",
+                without_timestamps=True, verbose=None)
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for fn in calls.values():   # warm-up
+            fn()
+        for _ in range(args.runs):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
                 fn()
-            for _ in range(args.runs):
-                for name, fn in calls.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-            med = {name: statistics.median(v) for name, v in times.items()}
-            line = ", ".join(f"{n} {med[n]:.3f}s (min {min(v):.3f})" for n, v in times.items())
-            if "openai_fp32" in med:
-                line += f"; ours_fp32/openai {med['ours_fp32'] / med['openai_fp32']:.2f}"
-            print(f"{key} ({len(x) / 16000:.2f} s audio): {line}")
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        line = ", ".join(f"{n} {med[n]:.3f}s (min {min(v):.3f})" for n, v in times.items())
+        if "openai_fp32" in med:
+            line += f"; ours_fp32/openai {med['ours_fp32'] / med['openai_fp32']:.2f}"
+        print(f"{key} ({len(x) / 16000:.2f} s audio): {line}")
     return 0
 
 

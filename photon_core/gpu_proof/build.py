@@ -23,17 +23,16 @@ class Build:
         self.steps: dict[bool, Any] = {}
         self.kernels: dict[int, dict] = {}
         self.fp32: dict[int, Any] = {}
+        self.takes_tokens: dict[int, bool] = {}    # id(step) -> its graph embeds the row's token
 
     def step(self, advance: bool):
         advance = advance and self.fam.advance
         if advance not in self.steps:
             self.fam.load(self.ctx.dev)
             t = time.time()
-            shared = getattr(self.fam, "arena32", None)
-            step = self.fam.build(self.batch, advance, shared)
-            if shared is None and not self.fam.advance:
-                self.fam.arena32 = step.weights
+            step = self.fam.build(self.batch, advance)
             self.steps[advance] = step
+            self.takes_tokens[id(step)] = any(n.op == "embed" for n in step.graph_def.nodes)
             self.fp32[id(step)] = step.weights
             self.kernels[id(step)] = {}
             self.kernel(step)
@@ -62,6 +61,14 @@ class Build:
                     print(f"  no parallel compile for {self.fam.name} B{self.batch}{pruned}: "
                           f"{type(e).__name__}: {e}", flush=True)
         return kernels[results]
+
+    def apply_inputs(self, step, tokens: list[int], positions: list[int]) -> dict:
+        """Write one step's tokens, positions and host inputs where the kernel reads them."""
+        step.set_step(tokens if self.takes_tokens[id(step)] else None, positions)
+        inputs = self.fam.inputs(step.batch, tokens)
+        for name, value in inputs.items():
+            step.set_input(name, value)
+        return inputs
 
     def use_dtype(self, step, dtype) -> None:
         arena32 = self.fp32[id(step)]
@@ -108,16 +115,6 @@ def fill(step, rows: Rows, seed: int) -> dict:
     if rows.cross_len is not None:
         step.set_cross_len(rows.cross_len)
     return ref
-
-
-def apply_inputs(step, fam, tokens: list[int], positions: list[int]) -> dict:
-    """Write one step's tokens, positions and host inputs where the kernel reads them."""
-    has_embed = any(n.op == "embed" for n in step.graph_def.nodes)
-    step.set_step(tokens if has_embed else None, positions)
-    inputs = fam.inputs(step.batch, tokens)
-    for name, value in inputs.items():
-        step.set_input(name, value)
-    return inputs
 
 
 @contextlib.contextmanager

@@ -3,9 +3,10 @@ shapes, built through their families' own megakernel classes (so each family's w
 on the path), with the rows and inputs a step runs at and each family's own reference_step. (Families
 compiled from their step graph alone use photon_core.megakernel.graph_family.GraphFamily.)
 
-A family here answers what the parts ask: load(dev), build(batch, advance, shared) -> a compiled
-step, rows(batch, purpose), inputs(batch, tokens), ref_weights(dtype) (the weights as the arena of
-that dtype holds them, for run_reference), own_state(caches) and own_reference(...); and says
+A family here answers what the parts ask: load(dev), build(batch, advance) -> a compiled step (a
+family whose buckets share one weights arena keeps the first it builds), rows(batch, purpose),
+inputs(batch, tokens), ref_weights(dtype) (the weights as the arena of that dtype holds them, for
+run_reference), own_state(caches) and own_reference(...); and says
 advance (its step writes the next token and position itself), perop (a per-op step exists to
 time against), batches, dtypes and stress_dtype.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from photon_core.megakernel.graph_family import Rows, spaced
+from photon_core.megakernel.graph_family import Rows, logit_bias, make_rows
 
 
 class WhisperFamily:
@@ -38,18 +39,14 @@ class WhisperFamily:
             d, h, layers, vocab = self.shape
             self.wt = WhisperDecoderWeights.random(d, h, layers, vocab, n_ctx=self.max_len, seed=0, device=dev)
 
-    def build(self, batch: int, advance: bool, shared=None):
+    def build(self, batch: int, advance: bool):
         from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel
         return WhisperDecoderMegakernel(self.wt, batch, self.max_len, self.enc_len, self.tiling(batch),
                                         advance=advance)
 
     def rows(self, batch: int, purpose: str) -> Rows:
-        import torch
-        start, spacing = self.steps_rows if purpose == "steps" else self.fixed_rows
-        g = torch.Generator().manual_seed(batch)
-        tokens = torch.randint(0, self.shape[3], (batch,), generator=g).tolist()
-        return Rows(tokens, spaced(batch, start, spacing),
-                    [self.enc_len - max(1, self.enc_len // 30) * r for r in range(batch)])
+        return make_rows(batch, self.shape[3], self.steps_rows if purpose == "steps" else self.fixed_rows,
+                         [self.enc_len - max(1, self.enc_len // 30) * r for r in range(batch)])
 
     def inputs(self, batch: int, tokens: list[int]) -> dict:
         return {}
@@ -77,7 +74,8 @@ class WhisperFamily:
         return self._ref[dtype]
 
     def own_state(self, caches: dict) -> dict:
-        """Separate copies of the caches for decoder_step.reference_step (it appends in place)."""
+        """Separate copies of the self-attention caches for decoder_step.reference_step (it appends
+        in place) and the cross caches (read only)."""
         n = self.shape[2]
         return dict(self_kv=[(caches[f"L{i}.kcache"].clone(), caches[f"L{i}.vcache"].clone()) for i in range(n)],
                     cross_kv=[(caches[f"L{i}.xk"], caches[f"L{i}.xv"]) for i in range(n)])
@@ -103,6 +101,7 @@ class MoondreamFamily:
         self.batches, self.dtypes, self.stress_dtype = batches, dtypes, stress_dtype
         self.steps_rows, self.fixed_rows = steps_rows, fixed_rows
         self.master: dict | None = None
+        self.arena32 = None        # the first bucket's weights arena, which later buckets share
         self._ref: dict = {}
         self._bias: dict = {}
 
@@ -171,27 +170,23 @@ class MoondreamFamily:
                                 text_w=SimpleNamespace(wte=self.emb), ops=get_backend("triton", dev))
         return SimpleNamespace(model=model, config=self.cfg)
 
-    def build(self, batch: int, advance: bool, shared=None):
+    def build(self, batch: int, advance: bool):
         from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel
         text_w, region_w = self._objects(self.master)
         # Every bucket streams one copy of the weights, as MegakernelDecode does.
-        return MoondreamDecoderMegakernel(text_w, region_w, self.cfg, batch, self.max_len, self.tiling(batch),
-                                          weights=shared)
+        step = MoondreamDecoderMegakernel(text_w, region_w, self.cfg, batch, self.max_len, self.tiling(batch),
+                                          weights=self.arena32)
+        if self.arena32 is None:
+            self.arena32 = step.weights
+        return step
 
     def rows(self, batch: int, purpose: str) -> Rows:
-        import torch
-        start, spacing = self.steps_rows if purpose == "steps" else self.fixed_rows
-        g = torch.Generator().manual_seed(batch)
-        return Rows(torch.randint(0, self.dm.vocab, (batch,), generator=g).tolist(), spaced(batch, start, spacing),
-                    None)
+        return make_rows(batch, self.dm.vocab, self.steps_rows if purpose == "steps" else self.fixed_rows)
 
     def bias(self, batch: int):
-        """Per-row logit bias: ~10% of the vocabulary masked with -inf, as the skills' masks do."""
-        import torch
+        """Per-row logit bias over the vocabulary (graph_family.logit_bias), made once per batch."""
         if batch not in self._bias:
-            g = torch.Generator().manual_seed(100 + batch)
-            masked = torch.rand(batch, self.dm.vocab, generator=g) < 0.1
-            self._bias[batch] = torch.zeros(batch, self.dm.vocab).masked_fill(masked, float("-inf")).to(self.dev)
+            self._bias[batch] = logit_bias(batch, self.dm.vocab, self.dev)
         return self._bias[batch]
 
     def inputs(self, batch: int, tokens: list[int]) -> dict:

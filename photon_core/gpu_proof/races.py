@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 
 from photon_core.gpu_proof import checks
-from photon_core.gpu_proof.build import (Build, appended_refs, apply_inputs, build, cache_of, copy_graph, fill,
-                                         flags, offsets, slot, unchecked_kernel)
+from photon_core.gpu_proof.build import (Build, appended_refs, build, cache_of, copy_graph, fill, flags, offsets,
+                                         slot, unchecked_kernel)
 from photon_core.gpu_proof.checks import Ctx, argmax_ok, rel_err, timer
 from photon_core.megakernel.graph_family import dtype_of
 
@@ -76,7 +76,7 @@ class Probe:
         b.use_dtype(step, dtype)
         self.rows = rows = fam.rows(b.batch, "fixed")
         caches = fill(step, rows, seed=10 + b.batch)
-        inputs = apply_inputs(step, fam, rows.tokens, rows.positions)
+        inputs = b.apply_inputs(step, rows.tokens, rows.positions)
         g = step.graph_def
         keep = set(g.caches) | set(g.states) | {n.out.name for n in g.nodes if n.op == "input"}
         self.saved_states = [(step.view(k), step.view(k).clone()) for k in g.states]
@@ -268,7 +268,7 @@ def victim(graph) -> int:
     """The first task that waits on an attention (its partials, the last of each (row, head) merging):
     a linear tile claimed right behind the merges it reads, so without its wait it overtakes them
     whenever programs run side by side."""
-    from photon_core.megakernel.graph import OP_ATTN_PARTIAL
+    from photon_core.megakernel.ops import OP_ATTN_PARTIAL
     merges = {t.signal for t in graph.tasks if t.op == OP_ATTN_PARTIAL}
     return next(i for i, t in enumerate(graph.tasks) if any(c in merges for c, _ in t.waits))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from photon_core.gpu_proof.build import apply_inputs, build, fill, preserved
+from photon_core.gpu_proof.build import build, fill, preserved
 from photon_core.gpu_proof.checks import Ctx
 from photon_core.megakernel.graph_family import dtype_of
 
@@ -109,7 +109,7 @@ def prove_feed_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
     loop = DeviceDecode(step, pick=lambda: col, results=text, feed=feed)
     rows = fam.rows(batch, "fixed")
     fill(step, rows, seed=60 + batch)
-    apply_inputs(step, fam, rows.tokens, rows.positions)
+    b.apply_inputs(step, rows.tokens, rows.positions)
     n = ctx.sizes.round_tokens
 
     def host_driven() -> list[list[int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from photon_core.gpu_proof import checks
-from photon_core.gpu_proof.build import apply_inputs, appended_refs, build, cache_of, fill, flags, preserved, slot
+from photon_core.gpu_proof.build import appended_refs, build, cache_of, fill, flags, preserved, slot
 from photon_core.gpu_proof.checks import FP32_NOTE, Ctx, argmax_ok, graphed, rel_err
 from photon_core.megakernel.graph_family import dtype_of
 
@@ -60,7 +60,7 @@ def prove_steps(ctx: Ctx, fam, batch: int, dtype_name: str) -> dict:
     own_state = fam.own_state(caches)
     ref_w = fam.ref_weights(dtype)
     tokens, positions = list(rows.tokens), list(rows.positions)
-    apply_inputs(step, fam, tokens, positions)
+    b.apply_inputs(step, tokens, positions)
     with preserved(step):
         replay = {v: graphed(k.launch, ctx.cuda) for v, k in kernels.items()}
     worst = {"values": 0.0, "own": 0.0, "kv": 0.0}
@@ -70,7 +70,7 @@ def prove_steps(ctx: Ctx, fam, batch: int, dtype_name: str) -> dict:
     for s in range(ctx.sizes.steps):
         variant = "text" if "text" in variants and s % 2 == 1 else "full"
         results = ["token"] if variant == "text" else list(step.graph_def.results)
-        inputs = fam.inputs(batch, tokens) if fam.advance else apply_inputs(step, fam, tokens, positions)
+        inputs = fam.inputs(batch, tokens) if fam.advance else b.apply_inputs(step, tokens, positions)
         want = run_reference(step.graph_def, ref_w, caches, tokens, positions, rows.cross_len, inputs)
         own = fam.own_reference(dtype, own_state, tokens, positions, rows, inputs)
         replay[variant]()

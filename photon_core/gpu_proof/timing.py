@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from photon_core.gpu_proof import checks
-from photon_core.gpu_proof.build import apply_inputs, build, fill, flags
+from photon_core.gpu_proof.build import build, fill, flags
 from photon_core.gpu_proof.checks import Ctx, graphed, guarded, over_budget, rel_err, timer
 from photon_core.megakernel.graph_family import Rows, dtype_of
 
@@ -33,23 +33,20 @@ def perop_whisper(ctx: Ctx, fam, batch: int, rows: Rows, caches: dict) -> dict:
     from photon_core.megakernel.stepgraph import run_reference
     from photon_core.models.whisper.decoder_step import triton_perop_step
     tri = get_backend("triton", ctx.dev)
-    dev, n = ctx.dev, fam.shape[2]
+    dev = ctx.dev
     toks = torch.tensor(rows.tokens, device=dev, dtype=torch.int32)
     pos = torch.tensor(rows.positions, device=dev, dtype=torch.int32)
     xlen = torch.tensor(rows.cross_len, device=dev, dtype=torch.int32)
-    cross = [(caches[f"L{i}.xk"], caches[f"L{i}.xv"]) for i in range(n)]
-
-    def kv():
-        return [(caches[f"L{i}.kcache"].clone(), caches[f"L{i}.vcache"].clone()) for i in range(n)]
-
     g = build(ctx, fam, batch).step(advance=False).graph_def
     want = run_reference(g, fam.ref_weights(torch.float32), {k: v.clone() for k, v in caches.items()},
                          rows.tokens, rows.positions, rows.cross_len)
-    logits, _ = triton_perop_step(tri, fam.wt, toks, pos, kv(), cross, xlen)
+    checked = fam.own_state(caches)     # cache copies of its own: the step appends in place
+    logits, _ = triton_perop_step(tri, fam.wt, toks, pos, checked["self_kv"], checked["cross_kv"], xlen)
     err = rel_err(logits, want["logits"])
     ctx.checks.expect(err <= checks.TOL, f"timing {fam.name} B{batch}: per-op step logits err {err:.1e}")
-    state = kv()
-    t = timer(graphed(lambda: triton_perop_step(tri, fam.wt, toks, pos, state, cross, xlen), ctx.cuda),
+    state = fam.own_state(caches)
+    t = timer(graphed(lambda: triton_perop_step(tri, fam.wt, toks, pos, state["self_kv"], state["cross_kv"], xlen),
+                      ctx.cuda),
               ctx.sizes.iters, ctx.sizes.warmup, ctx.cuda)
     return dict(us=t * 1e6, rel_err=err)
 
@@ -88,7 +85,7 @@ def time_step(ctx: Ctx, fam, batch: int, dtype_name: str, perop: dict | None) ->
     b.use_dtype(step, dtype_of(dtype_name))
     rows = fam.rows(batch, "fixed")
     fill(step, rows, seed=20 + batch)
-    apply_inputs(step, fam, rows.tokens, rows.positions)
+    b.apply_inputs(step, rows.tokens, rows.positions)
     kernel.launch()
     ctx.sync()
     problem = flags(kernel)

@@ -29,13 +29,28 @@ def spaced(batch: int, start: int, spacing: int) -> list[int]:
     return [start + spacing * r for r in range(batch)]
 
 
-def dtype_of(name: str) -> Any:
-    """torch dtype of a weight dtype's short name ("fp32", "bf16")."""
+def make_rows(batch: int, vocab: int, start_spacing: tuple[int, int], cross_len: list[int] | None = None) -> Rows:
+    """Random tokens (seeded by the batch, so every part sees the same rows) at spaced positions."""
     import torch
-    try:
-        return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-    except KeyError:
-        raise ValueError(f"unknown weight dtype {name!r}: fp32 or bf16") from None
+    start, spacing = start_spacing
+    g = torch.Generator().manual_seed(batch)
+    return Rows(torch.randint(0, vocab, (batch,), generator=g).tolist(), spaced(batch, start, spacing), cross_len)
+
+
+def logit_bias(batch: int, width: int, dev: Any) -> Any:
+    """Per-row logit bias: ~10% of the columns barred with -inf, as the skills' masks do."""
+    import torch
+    g = torch.Generator().manual_seed(100 + batch)
+    masked = torch.rand(batch, width, generator=g) < 0.1
+    return torch.zeros(batch, width).masked_fill(masked, float("-inf")).to(dev)
+
+
+def dtype_of(name: str) -> Any:
+    """torch dtype of a weight dtype's short name: the proof runs fp32 and bf16 only."""
+    from photon_core.weights.tensor_files import DTYPES
+    if name not in ("fp32", "bf16"):
+        raise ValueError(f"unknown weight dtype {name!r}: fp32 or bf16")
+    return DTYPES[name]
 
 
 class GraphFamily:
@@ -67,6 +82,12 @@ class GraphFamily:
         embeds = [n.args["tok"] for n in self.graph.nodes if n.op == "embed"]
         argmax = next(n.args for n in self.graph.nodes if n.op == "argmax")
         self.vocab = self.graph.weight_shapes[embeds[0]][0] if embeds else argmax["c1"] - argmax["c0"]
+        # Host inputs that are a logit bias: the residual of a linear an argmax reads (Moondream 3's
+        # input embedding is a residual too, of its first MLP).
+        picked = {n.args["x"].name for n in self.graph.nodes if n.op == "argmax"}
+        self.biases = {n.args["residual"].name for n in self.graph.nodes
+                       if n.op == "linear" and n.args["residual"] is not None and n.out.name in picked}
+        self.host_inputs = [n.out for n in self.graph.nodes if n.op == "input"]
         self.arena32 = None
         self.arenas: dict = {}     # dtype -> weights arena; Build.use_dtype shares this dict
         self._tables: dict = {}
@@ -131,7 +152,7 @@ class GraphFamily:
     def load(self, dev) -> None:
         self.dev = dev
 
-    def build(self, batch: int, advance: bool, shared=None):
+    def build(self, batch: int, advance: bool):
         import torch
 
         from photon_core.megakernel.compiler import CompiledStep
@@ -140,7 +161,7 @@ class GraphFamily:
         if self.advance and not advance:    # the same graph, the host stepping rows instead
             g = copy.copy(g)
             g.nodes = [Node(n.op, n.out, dict(n.args, advance=False)) if n.op == "argmax" else n for n in g.nodes]
-        shared = shared if shared is not None else self.arena32
+        shared = self.arena32      # every bucket streams one copy of the weights
         if shared is not None:
             tensors = {k: torch.empty(0) for k in g.weight_shapes}
         else:
@@ -157,30 +178,16 @@ class GraphFamily:
 
     # -- rows, inputs, references ------------------------------------------------------------------
     def rows(self, batch: int, purpose: str) -> Rows:
-        import torch
-        start, spacing = self.steps_rows if purpose == "steps" else self.fixed_rows
-        g = torch.Generator().manual_seed(batch)
-        return Rows(torch.randint(0, self.vocab, (batch,), generator=g).tolist(), spaced(batch, start, spacing),
-                    None)
+        return make_rows(batch, self.vocab, self.steps_rows if purpose == "steps" else self.fixed_rows)
 
     def inputs(self, batch: int, tokens: list[int]) -> dict:
         import torch
         out = {}
-        # A logit bias: the residual of a linear an argmax reads (Moondream 3's input embedding is
-        # a residual too, of its first MLP).
-        picked = {n.args["x"].name for n in self.graph.nodes if n.op == "argmax"}
-        residuals = {n.args["residual"].name for n in self.graph.nodes
-                     if n.op == "linear" and n.args["residual"] is not None and n.out.name in picked}
-        for n in self.graph.nodes:
-            if n.op != "input":
-                continue
-            v = n.out
-            if v.name in residuals:      # a logit bias: ~10% of the columns barred, per row
+        for v in self.host_inputs:
+            if v.name in self.biases:
                 key = (v.name, batch)
                 if key not in self._bias:
-                    g = torch.Generator().manual_seed(100 + batch)
-                    masked = torch.rand(batch, v.width, generator=g) < 0.1
-                    self._bias[key] = torch.zeros(batch, v.width).masked_fill(masked, float("-inf")).to(self.dev)
+                    self._bias[key] = logit_bias(batch, v.width, self.dev)
                 out[v.name] = self._bias[key]
             else:                        # an input embedding of the row's token
                 if v.name not in self._tables:
