@@ -26,11 +26,13 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str
     Hugging Face id in the local cache. backend: "reference", "triton", "megakernel" or "auto"
     (reference on CPU, megakernel on CUDA; see photon_core.backends.select). skills: what the
     caller needs; registry.MissingSkills, before any weights are read, if the family lacks one.
-    The model meets photon_core.contracts (VisionModel or SpeechModel)."""
+    The model meets photon_core.contracts (VisionModel or SpeechModel, with the protocol of each
+    skill its family declares; contracts.ContractError otherwise, the family's fault)."""
     from photon_core import registry
     from photon_core.backends.select import get_backend
+    from photon_core.contracts import check_model
 
     get_backend(backend, device)   # an unusable backend is reported before any file is read
     found = registry.recognise(model)
     registry.require_skills(found.family, skills)
-    return found.family.load(found.checkpoint, device, dtype, backend)
+    return check_model(found.family.load(found.checkpoint, device, dtype, backend), found.family.skills)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+if TYPE_CHECKING:
+    from photon_core.contracts import SpeechModel, VisionModel
 
 
 class UserError(Exception):
@@ -95,17 +98,20 @@ def shorten(text: str, width: int = 40) -> str:
     return repr(text) if len(text) <= width else f"{text[:width]!r}... ({len(text)} characters)"
 
 
-def load_model(model: str, device: str, dtype: Any, skills: Iterable[str], backend: str = "auto") -> Any:
+def load_model(model: str, device: str, dtype: Any, skills: Iterable[str],
+               backend: str = "auto") -> VisionModel | SpeechModel:
     """photon_core.load (the registry refuses a config.json that is not one, naming it); any other
     failure of a loader is put down to the checkpoint, naming it (--debug shows where it happened)."""
     import photon_core
     from photon_core import registry
+    from photon_core.contracts import ContractError
 
     checkpoint = registry.resolve(model)   # ModelNotFound says where it looked
     try:
         return photon_core.load(model, device=device, dtype=dtype, backend=backend, skills=tuple(skills))
-    except (FileNotFoundError, NotImplementedError, ValueError):
-        raise   # the registry's and loaders' own messages name the checkpoint and the reason
+    except (FileNotFoundError, NotImplementedError, ValueError, ContractError):
+        raise   # the registry's and loaders' own messages name the checkpoint and the reason; a
+        # model short of its family's contract is the family's fault, not the checkpoint's
     except Exception as err:  # noqa: BLE001 - a malformed checkpoint can fail anywhere in a loader
         raise UserError(f"cannot load the model {model!r} ({checkpoint.path}): "
                         f"{type(err).__name__}: {err}") from err

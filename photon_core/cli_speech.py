@@ -11,15 +11,14 @@ import sys
 from photon_core import cli_checks
 from photon_core.audio_io import AudioFileError, open_audio_stream, read_wav
 from photon_core.cli_checks import UserError
-from photon_core.contracts import SpeechModel, StreamingSpeechModel, check_model
+from photon_core.contracts import SpeechModel, StreamingSpeechModel
 
 
 def _run(args: argparse.Namespace) -> int:
     stream = open_audio_stream(args.file)   # the header now: its errors name the file
     # Any family that transcribes: the checkpoint given with --model decides which.
-    model = check_model(cli_checks.load_model(args.model, args.device, args.dtype, ("transcribe",)),
-                        {"transcribe"})
-    assert isinstance(model, SpeechModel)   # check_model made sure: this tells the type checker
+    model = cli_checks.load_model(args.model, args.device, args.dtype, ("transcribe",))
+    assert isinstance(model, SpeechModel)   # a family that transcribes: this tells the type checker
     try:
         if isinstance(model, StreamingSpeechModel):   # memory independent of the file's length
             result = model.transcribe_stream(stream, language=args.language,

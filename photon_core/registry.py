@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import os
 import pkgutil
 from collections.abc import Callable, Iterable, Sequence
@@ -91,16 +90,8 @@ def check_config(files: CheckpointFiles) -> None:
     """BadCheckpointConfig when the checkpoint's config.json is there but not a JSON object. Checked
     here, before any family's probe reads it, so that the Python API, the nodes and the command line
     all refuse it with the same message (a probe would otherwise see "no config")."""
-    path = files.folder / "config.json"
-    if not path.is_file():
-        return
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise BadCheckpointConfig(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise BadCheckpointConfig(f"{path}: holds a JSON {type(data).__name__}, where a checkpoint's config "
-                                  f"is an object of settings ({{\"key\": value, ...}})")
+    if files.config_error is not None:
+        raise BadCheckpointConfig(files.config_error)
 
 
 def _asking(family: Family, files: CheckpointFiles, question: Callable[[CheckpointFiles], Any]) -> Any:

@@ -71,7 +71,7 @@ def coord_margin(margin: float, *models) -> Iterator[None]:
 
 def _set_coord_bias(model, value: float) -> None:
     model.text_w.lm_head[1][mf.COORD_ID] = value
-    decoders = getattr(model.decode, "_decoders", {}) if model.decode is not None else {}
+    decoders = model.decode._steps if model.decode is not None else {}
     for mk in decoders.values():
         mk.weight("lm_b")[mf.COORD_ID] = value
 

@@ -27,7 +27,7 @@ import moondream_fast_fixtures as ff  # noqa: E402
 from photon_core.backends import reference as ref  # noqa: E402
 from photon_core.models.moondream import decoder_step as md  # noqa: E402
 from photon_core.megakernel.compiler import Tiling, lower, plan  # noqa: E402
-from photon_core.megakernel.graph import OP_ARGMAX, OP_ROPE_APPEND  # noqa: E402
+from photon_core.megakernel.ops import OP_ARGMAX, OP_ROPE_APPEND  # noqa: E402
 from photon_core.megakernel.checker import GraphError, check  # noqa: E402
 from photon_core.models.moondream import Request, load_moondream, text, vision  # noqa: E402
 from photon_core.models.moondream.config import MoondreamConfig  # noqa: E402
@@ -242,8 +242,7 @@ def test_detect_and_point_match_reference(pair, encoded):
     ref_e, fast_e = encoded
     # The steps are built afresh by the detect below, inside the batch's inference mode; the caption
     # after it (outside that mode) writes their arenas in place, so they must be ordinary tensors.
-    fast.decode._decoders.clear()
-    fast.decode._object_rounds.clear()
+    fast.decode.reset()
     fast.decode.device_rounds = False
     try:
         with ff.coord_margin(MARGIN, ref_m, fast):

@@ -105,4 +105,4 @@ def test_megakernel_batch_of_windows_decodes_as_rows_of_a_bucket(model):
     for g, w in zip(got, want):
         assert g["text"] == w["text"] and g["segments"] == w["segments"]
     assert len({len(w["text"]) for w in want}) == 2
-    assert steps._rounds[2][1].rounds > 0 and 1 not in steps._rounds   # one batch, no window alone
+    assert steps._loops[2][1].rounds > 0 and steps._loops[1] is None   # one batch, no window alone

@@ -26,8 +26,8 @@ import torch
 if TYPE_CHECKING:
     from photon_core.megakernel.compiler import CompiledStep
 
-# megakernel.graph.BATCH_BUCKETS, kept here so this module imports without Triton (the megakernel
-# package imports its Triton kernels); test_decode_runtime checks the two agree.
+# Declared here, where they import without Triton (the megakernel package imports its Triton
+# kernels); megakernel.graph and megakernel.compiler take them from here.
 BATCH_BUCKETS = (1, 2, 4, 8)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -117,6 +117,13 @@ class CompiledSteps(Generic[S]):
             self._loops[batch] = self.build_loop(step)
             self._steps[batch] = step
         return self._steps[batch]
+
+    def reset(self) -> None:
+        """Drop every bucket's step and loop (and which state each held): the next use builds them
+        afresh."""
+        self._steps.clear()
+        self._loops.clear()
+        self._owner.clear()
 
     def loop(self, batch: int) -> Any:
         """What build_loop made for one bucket (its device rounds by default)."""

@@ -43,16 +43,30 @@ class CheckpointFiles:
         return [self.folder / name for name in self.files if Path(name).suffix in _WEIGHT_SUFFIXES]
 
     @cached_property
-    def config(self) -> dict | None:
+    def _config_json(self) -> tuple[dict | None, str | None]:
+        """config.json's settings and, where it is there but not a JSON object, why (naming it)."""
         cfg = self.folder / "config.json"
         if not cfg.is_file():
-            return None
+            return None, None
         try:
-            data = json.loads(cfg.read_text())
-        except (OSError, ValueError) as err:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
             self.notes.append(f"config.json unreadable ({err})")
-            return None
-        return data if isinstance(data, dict) else None
+            return None, f"{cfg}: not valid JSON ({err})"
+        if not isinstance(data, dict):
+            return None, (f"{cfg}: holds a JSON {type(data).__name__}, where a checkpoint's config "
+                          f"is an object of settings ({{\"key\": value, ...}})")
+        return data, None
+
+    @property
+    def config(self) -> dict | None:
+        """config.json's settings; None when there is none or it is not one (`config_error`)."""
+        return self._config_json[0]
+
+    @property
+    def config_error(self) -> str | None:
+        """Why the config.json here is not a config, naming the file; None when it is one or is absent."""
+        return self._config_json[1]
 
     @property
     def model_type(self) -> str | None:

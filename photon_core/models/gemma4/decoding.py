@@ -16,7 +16,6 @@ import torch
 
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.sampling import Sampling, pick
-from photon_core.runtime.text_stream import text_pieces  # noqa: F401  (model.py streams with it)
 
 from . import text
 
@@ -32,7 +31,6 @@ class Row:
     temperature: float = 0.0
     top_p: float = 1.0
     limit: int = 0                  # last usable position + 1
-    pos: int = 0                    # position of the next input token
     tokens: list[int] = field(default_factory=list)
     done: bool = False
 
@@ -49,7 +47,6 @@ class BatchDecoder:
             if len(r.prompt) >= cfg.max_context:
                 raise ValueError(f"prompt of {len(r.prompt)} tokens does not fit the context ({cfg.max_context})")
             r.limit = min(cfg.max_context, len(r.prompt) + r.max_tokens)
-            r.pos = len(r.prompt)
         self.max_len = max(r.limit for r in rows)
         self.gen = torch.Generator(device="cpu")
         if seed is not None:
@@ -79,7 +76,7 @@ class BatchDecoder:
         fm = getattr(self.model, "decode", None)
         with fm.exclusive() if fm is not None else nullcontext():
             stepper = self._stepper()
-            rooms = [room(r.max_tokens, r.pos, r.limit) for r in self.rows]
+            rooms = [room(r.max_tokens, len(r.prompt), r.limit) for r in self.rows]
             rounds = self.device_rounds and hasattr(stepper, "rounds")
             for new in generate(Session(self, stepper), self.sampling, rooms, self.model.eos_ids, self._choose,
                                 canceled=lambda b: self.rows[b].done, device_rounds=rounds):
@@ -98,7 +95,7 @@ class Session:
     def __init__(self, dec: BatchDecoder, stepper: "OpsStepper") -> None:
         self.dec, self.stepper = dec, stepper
         self.live = list(range(len(dec.rows)))
-        self.pos = [r.pos for r in dec.rows]   # each slot's next input position
+        self.pos = [len(r.prompt) for r in dec.rows]   # each slot's next input position
 
     def prefill(self) -> tuple[torch.Tensor, None]:
         return torch.stack([self.stepper.prefill(b, r) for b, r in enumerate(self.dec.rows)]), None

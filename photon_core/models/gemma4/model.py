@@ -13,12 +13,13 @@ import torch
 from photon_core.runtime.chat_template import stop_ids
 from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
+from photon_core.runtime.text_stream import text_pieces
 from photon_core.weights.tensor_files import parse_dtype
 
 from . import text, vision
 from . import weights as weights_io
 from .config import Gemma4Config
-from .decoding import BatchDecoder, Row, text_pieces
+from .decoding import BatchDecoder, Row
 from .prompt import CAPTIONS, Gemma4Prompter
 
 TASKS = ("caption", "query")

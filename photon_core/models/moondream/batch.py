@@ -56,6 +56,7 @@ class _Row:
     score: float = 0.0                   # the object in progress: P(coord) at its boundary
     done: bool = False
     reported: int = 0                    # objects or tokens the caller's progress has heard of
+    sampling: Sampling | None = None     # how a caption/query row picks its tokens (None: detect/point)
 
     @property
     def steps(self) -> int:
@@ -75,7 +76,6 @@ def _prompt(model: "MoondreamModel", r: Request) -> list[int]:
         if r.max_objects < 0:
             raise ValueError("max_objects must be >= 0")
         return skills.object_prompt(model, r.task, r.prompt)
-    Sampling(r.max_tokens, r.temperature, r.top_p)   # (checked before any image is encoded)
     if r.task == "caption":
         return skills.caption_prompt(model, r.prompt or "normal")
     if r.task == "query":
@@ -83,13 +83,19 @@ def _prompt(model: "MoondreamModel", r: Request) -> list[int]:
     raise ValueError(f"unknown task {r.task!r}; one of {', '.join(TASKS)}")
 
 
-def _new_row(model: "MoondreamModel", r: Request, prompt: list[int], enc: "EncodedImage") -> _Row:
+def _sampling(r: Request) -> Sampling | None:
+    """A caption/query request's Sampling (ValueError for a setting out of range); None for detect/point."""
+    return None if r.task in ("detect", "point") else Sampling(r.max_tokens, r.temperature, r.top_p)
+
+
+def _new_row(model: "MoondreamModel", r: Request, prompt: list[int], enc: "EncodedImage",
+             sampling: Sampling | None) -> _Row:
     skills.check_prompt(model, enc, prompt)
     limit = model.config.text.max_context
     if r.task in ("detect", "point"):
         need = _steps_per_object(r.task) * r.max_objects
         return _Row(r, prompt, min(limit, enc.pos + len(prompt) + need), enc.pos, BOUNDARY)
-    return _Row(r, prompt, min(limit, enc.pos + len(prompt) + r.max_tokens), enc.pos, TOKEN)
+    return _Row(r, prompt, min(limit, enc.pos + len(prompt) + r.max_tokens), enc.pos, TOKEN, sampling=sampling)
 
 
 def run(model: "MoondreamModel", requests: list[Request], decode: Any = None) -> list[dict]:
@@ -100,9 +106,12 @@ def run(model: "MoondreamModel", requests: list[Request], decode: Any = None) ->
     megakernel_decode passes its own, on megakernel steps)."""
     if not requests:
         return []
-    prompts = [_prompt(model, r) for r in requests]
+    samplings, prompts = [], []
+    for r in requests:   # every request checked before any image is encoded
+        samplings.append(_sampling(r))
+        prompts.append(_prompt(model, r))
     encoded = _encode_distinct(model, [r.image for r in requests])
-    rows = [_new_row(model, r, p, enc) for r, p, enc in zip(requests, prompts, encoded)]
+    rows = [_new_row(model, r, p, enc, s) for r, p, enc, s in zip(requests, prompts, encoded, samplings)]
     with torch.inference_mode():
         if decode is None:
             _decode(model, rows, encoded, OpsStepper(model))
@@ -183,7 +192,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
         elif row.phase == COORD_Y:
             coord_rows.append(i)
         elif row.phase == TOKEN:
-            tok = _answer_token(model, row.request, greedy[i], lambda i=i: heads.logits(i), answer)
+            tok = _answer_token(model, row, greedy[i], lambda i=i: heads.logits(i), answer)
             if tok is not None:
                 row.tokens.append(tok)
             if tok is None or len(row.tokens) >= row.request.max_tokens or row.pos >= row.length:
@@ -227,14 +236,16 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
     return nxt
 
 
-def _answer_token(model: "MoondreamModel", r: Request, greedy: int, logits, allowed: torch.Tensor) -> int | None:
+def _answer_token(model: "MoondreamModel", row: _Row, greedy: int, logits, allowed: torch.Tensor) -> int | None:
     """The next answer token (the greedy one, or sampled from logits() over `allowed`), or None
     when the answer ends (eos, or max_tokens == 0)."""
-    if r.max_tokens == 0:
+    s = row.sampling
+    assert s is not None, "an answer row gets its Sampling from _new_row"
+    if s.max_tokens == 0:
         return None
     tok = greedy
-    if r.temperature > 0:
-        tok = pick(logits(), Sampling(r.max_tokens, r.temperature, r.top_p), model.ops, allowed)
+    if not s.greedy:
+        tok = pick(logits(), s, model.ops, allowed)
     return None if tok == model.config.tokenizer.eos_id else tok
 
 

@@ -65,7 +65,6 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
         self.device, self.dtype = model.device, model.dtype
         self.tiling = tiling
         self.step_class = model.decoder_megakernel()
-        self._decoders = self._steps   # (the name the tests' fixtures reach for)
         self.device_rounds = True   # greedy batches (detect, point...) in rounds; False: host-driven steps
         # The two masks every skill uses; the megakernel applies them as logit biases.
         self._answer, self._boundary = skills.answer_mask(model), skills.boundary_mask(model)
@@ -85,10 +84,6 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
     def object_rounds(self, mk: MoondreamDecoderMegakernel) -> "object_rounds.ObjectRounds":
         """The device side of batch rounds on `mk`'s bucket (object_rounds.py)."""
         return self.loop(mk.batch)[0]
-
-    @property
-    def _object_rounds(self) -> dict[int, "object_rounds.ObjectRounds"]:
-        return {b: loops[0] for b, loops in self._loops.items()}
 
     @property
     def _text_loop(self) -> DeviceDecode | None:

@@ -11,7 +11,6 @@ import torch
 
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.sampling import Sampling, pick
-from photon_core.runtime.text_stream import text_pieces as stream_text
 
 from . import text
 
@@ -19,11 +18,6 @@ if TYPE_CHECKING:
     from .model import Qwen35Model
 
 MAX_BATCH = 8
-
-
-def choose(model: "Qwen35Model", logits: torch.Tensor, s: Sampling) -> int:
-    """The next token of one row from its logits [V], sampled from the model's seeded generator."""
-    return pick(logits, s, model.ops, generator=model.generator)
 
 
 class Session:
@@ -52,7 +46,7 @@ def _decode(model: "Qwen35Model", state: "text.DecodeState", logits: list[torch.
     watched = requests is not None and any(r.cancel is not None or r.progress is not None for r in requests)
     canceled = None if requests is None else (lambda r: requests[r].canceled)
     return generate(Session(model, state, logits), jobs, rooms, model.prompts.stop_ids,
-                    lambda r, lg, _: choose(model, lg, jobs[r]), canceled,
+                    lambda r, lg, _: pick(lg, jobs[r], model.ops, generator=model.generator), canceled,
                     device_rounds=model.decode is not None and not watched)
 
 
@@ -61,11 +55,6 @@ def tokens(model: "Qwen35Model", state: "text.DecodeState", logits: torch.Tensor
     iterates (stop tokens not yielded)."""
     for new in _decode(model, state, [logits], [s], [state.max_len]):
         yield new[0]   # type: ignore[misc]   (one row: a step's list has its token)
-
-
-def text_pieces(model: "Qwen35Model", toks: Iterator[int]) -> Iterator[str]:
-    """The answer's text piece by piece (runtime.text_stream)."""
-    return stream_text(model.prompts.decode, toks)
 
 
 def run_batch(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]],

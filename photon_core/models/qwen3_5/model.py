@@ -10,6 +10,7 @@ import torch
 
 from photon_core.runtime.image_input import ImageLike
 from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
+from photon_core.runtime.text_stream import text_pieces
 from photon_core.weights.tensor_files import parse_dtype
 
 from . import generate, prompt, text, vision, weights
@@ -123,10 +124,9 @@ class Qwen35Model:
         return {"caption": gen if stream else "".join(gen)}
 
     def _text(self, image: Any, question: str, s: generate.Sampling):
-        s.check()
         # Prefilled now, so that a bad image or prompt fails at the call even when streaming.
         state, logits = self.prefill(image, question, extra=s.max_tokens)
-        return generate.text_pieces(self, generate.tokens(self, state, logits, s))
+        return text_pieces(self.prompts.decode, generate.tokens(self, state, logits, s))
 
     def batch(self, requests: list[Request]) -> list[dict]:
         """caption/query requests decoded together (up to 8 rows, each decode step one batched

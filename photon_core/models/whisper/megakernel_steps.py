@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
     from .decoder_step import WhisperDecoderMegakernel
     from .decoding import WindowDecoder
-    from .device_rules import DeviceRules
 
 
 class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
@@ -42,7 +41,6 @@ class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
         self.tiling = tiling or Tiling()
         # Built once per model: weight re-layout and graph building are load-time work.
         self.wt = WhisperDecoderWeights.from_whisper(net.w)
-        self._rounds: dict[int, tuple["DeviceRules", "DeviceDecode"]] = {}
         self.mk = self.decoder(1)
         self.rows = 1   # the rows (windows) the last `start` loaded
 
@@ -53,26 +51,27 @@ class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
                                         tiling=self.tiling, weight_dtype=self.weight_dtype, shared_weights=weights)
 
     def build_loop(self, step: "WhisperDecoderMegakernel") -> None:
-        """Nothing yet: the rounds pick tokens by the decoder's logit rules (`prepare`)."""
+        """Nothing yet: the rounds pick tokens by the decoder's logit rules, so `prepare` puts a
+        bucket's (rules, rounds) in its place."""
         return None
 
     @property
     def loop(self) -> "DeviceDecode":   # type: ignore[override]
         """The batch-1 bucket's round loop (built by `prepare`)."""
-        return self._rounds[1][1]
+        return self._loops[1][1]
 
     def prepare(self, decoder: "WindowDecoder", rows: int = 1) -> None:
         """Build the device rules and the round loop of the bucket holding `rows` once, before
         `start` writes a window's caches (on CUDA building the loop captures rounds, which runs
         steps)."""
         bucket = bucket_for(rows)
-        if bucket not in self._rounds:
+        mk = self.decoder(bucket)
+        if self._loops[bucket] is None:
             from photon_core.megakernel.decode_loop import DeviceDecode
 
             from .device_rules import DeviceRules
-            mk = self.decoder(bucket)
             rules = DeviceRules(decoder, mk.logits)
-            self._rounds[bucket] = (rules, DeviceDecode(mk, pick=rules))
+            self._loops[bucket] = (rules, DeviceDecode(mk, pick=rules))
 
     def start(self, cache: DecoderCache, length: int) -> None:
         """Continue from a prefilled cache of B windows (its cross K/V and first `length`
@@ -100,7 +99,8 @@ class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
         `position`; EOT there: no tokens), up to max_new or EOT (excluded), and the log-probability
         of each token the steps chose for it (EOT's too)."""
         bucket = bucket_for(self.rows)
-        mk, (rules, loop) = self.decoder(bucket), self._rounds[bucket]
+        mk = self.decoder(bucket)
+        rules, loop = self._loops[bucket]
         pad = bucket - len(first)
         live = [t if t != eot else 0 for t in first]   # a finished row still needs a token to feed
         mk.set_step(live + live[-1:] * pad, [position] * bucket)
