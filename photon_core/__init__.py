@@ -30,9 +30,8 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str
     skill its family declares; contracts.ContractError otherwise, the family's fault)."""
     from photon_core import registry
     from photon_core.backends.select import get_backend
-    from photon_core.contracts import check_model
 
     get_backend(backend, device)   # an unusable backend is reported before any file is read
     found = registry.recognise(model)
     registry.require_skills(found.family, skills)
-    return check_model(found.family.load(found.checkpoint, device, dtype, backend), found.family.skills)
+    return found.load(device, dtype, backend)

@@ -113,6 +113,12 @@ class Recognised:
     checkpoint: Resolved
     files: CheckpointFiles
 
+    def load(self, device: str, dtype: Any, backend: str) -> VisionModel | SpeechModel:
+        """The family's model on these files, checked against photon_core.contracts (the protocol
+        of every skill the family declares): the one place the API, the CLI and the nodes load."""
+        from photon_core.contracts import check_model
+        return check_model(self.family.load(self.checkpoint, device, dtype, backend), self.family.skills)
+
 
 EXTRA_FAMILIES = "PHOTON_EXTRA_FAMILIES"
 

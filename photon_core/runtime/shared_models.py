@@ -108,6 +108,6 @@ def shared_engine(name: str, device: str = "cpu", dtype: Any = None, backend: st
     found = registry.recognise(name)
     registry.require_skills(found.family, skills)
     key = (found.family.name, str(found.checkpoint.path.resolve()), device, str(dtype), backend)
-    engine = shared_model(key, lambda: found.family.load(found.checkpoint, device, dtype, backend))
+    engine = shared_model(key, lambda: found.load(device, dtype, backend))
     engine.family = found.family
     return engine
