@@ -35,7 +35,7 @@ from photon_core.audio_io import read_wav
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
 from photon_ros.msg import AudioChunk, Detections, Transcript
-from photon_ros.result_messages import seconds_to_time
+from photon_ros.result_messages import seconds_to_time, time_to_seconds
 from photon_ros.srv import Infer
 from ros_harness import RosGraph, wait_for, wait_for_match
 from speech_audio import espeak_wav, words
@@ -190,10 +190,14 @@ class Battery:
     def speech_serves(self, rate: int = 16000) -> Transcript:
         """Alive, and a spoken command transcribed: complete, the words said, /diagnostics OK."""
         assert self.speech.alive(), self.speech.tail()
-        heard = len(self.finals)
+        # This command's final is the first one stamped on its own audio: a late part of earlier
+        # audio, published meanwhile, is not it.
+        said_at = self.audio_clock
         self.say(rate)
-        assert wait_for(lambda: len(self.finals) > heard, SERVE_S), (self.status("speech"), self.speech.tail())
-        final = self.finals[-1]
+        ours = lambda: next((f for f in self.finals if time_to_seconds(f.header.stamp) >= said_at - 1e-6),  # noqa: E731
+                            None)
+        assert wait_for(lambda: ours() is not None, SERVE_S), (self.status("speech"), self.speech.tail())
+        final = ours()
         assert words(final.text) == words(COMMAND), final.text
         assert final.audio_complete and final.audio_note == "" and final.header.frame_id == "mic"
         self.says("speech", lambda s, v: s.level == DiagnosticStatus.OK)
@@ -290,10 +294,17 @@ def test_burst_of_frames_every_one_counted(battery):
     for i in range(300):
         frame.header = stamp(400 + i)
         battery.send_frame(frame)
-    assert wait_for(lambda: any(d.header == stamp(699) for d in battery.detections), SERVE_S)
+    # The burst's last frame may itself be lost on the way (a full receive buffer drops the tail of
+    # a burst): it is sent again, as a camera's next frame would follow, until one copy is processed.
+    newest = lambda: any(d.header == stamp(699) for d in battery.detections)  # noqa: E731
+    deadline = time.monotonic() + SERVE_S
+    while not wait_for(newest, 5) and time.monotonic() < deadline:
+        battery.send_frame(frame)
+    assert newest()
+    battery.vision_serves(seed=50)
+    # Losses show as gaps in the sequence: after vision_serves' frame, a lost tail of the burst too.
     battery.says("vision", lambda s, v: int(v["frames_received"]) + int(v["frames_lost_in_transport"])
                  == battery.frames_sent, timeout=30)
-    battery.vision_serves(seed=50)
 
 
 def bad_chunks(battery, chunks: list[AudioChunk]) -> DiagnosticStatus:
@@ -309,26 +320,21 @@ def bad_chunks(battery, chunks: list[AudioChunk]) -> DiagnosticStatus:
 
 def test_malformed_audio_chunks(battery):
     """Unknown format, a byte count that is no whole sample, no channels, rates 0 and 1 GHz, NaN
-    samples: each skipped and counted, ERROR with the reason while they go on."""
+    samples, float samples no audio has (1e30, refused like a file's): each skipped and counted,
+    ERROR with the reason while they go on."""
     before = int(battery.value("speech", "chunks_skipped_bad"))
     bad = [AudioChunk(sample_rate=16000, channels=1, sample_format="MP3", data=bytes(3200)),
            AudioChunk(sample_rate=16000, channels=1, sample_format="S16LE", data=bytes(3201)),
            AudioChunk(sample_rate=16000, channels=0, sample_format="S16LE", data=bytes(3200)),
            AudioChunk(sample_rate=0, channels=1, sample_format="S16LE", data=bytes(3200)),
            AudioChunk(sample_rate=1_000_000_000, channels=1, sample_format="S16LE", data=bytes(3200)),
-           AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=np.full(1600, np.nan, "<f4").tobytes())]
+           AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=np.full(1600, np.nan, "<f4").tobytes()),
+           AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=np.full(1600, 1e30, "<f4").tobytes())]
     bad_chunks(battery, bad)
     assert int(battery.value("speech", "chunks_skipped_bad")) == before + len(bad)
     status = battery.says("speech", lambda s, v: s.level == DiagnosticStatus.ERROR)
     assert "audio chunks all failed" in status.message
     battery.speech_serves()
-
-
-def test_absurd_float_samples_are_refused_like_a_files(battery):
-    before = int(battery.value("speech", "chunks_skipped_bad"))
-    bad_chunks(battery, [AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE",
-                                    data=np.full(1600, 1e30, "<f4").tobytes())])   # 0.1 s: too short to be speech
-    assert int(battery.value("speech", "chunks_skipped_bad")) == before + 1
 
 
 def test_bad_speech_parameters_are_refused_with_the_reason(battery):
@@ -346,9 +352,10 @@ def test_burst_of_audio_every_chunk_counted(battery):
     """1000 chunks of 10 ms silence as fast as DDS takes them into the best-effort subscription:
     each one received or counted lost, and a lost stretch of silence marks no later command."""
     battery.send_audio(np.zeros(16000 * 10, np.float32), 16000, fast=True, chunk_s=0.01)
+    battery.speech_serves()
+    # Losses show as gaps in the sequence: after speech_serves' chunks, a lost tail of the burst too.
     battery.says("speech", lambda s, v: int(v["chunks_received"]) + int(v["chunks_lost_in_transport"])
                  == battery.chunks_sent, timeout=30)
-    battery.speech_serves()
 
 
 def test_rate_change_mid_utterance_marks_every_part_incomplete(battery):
@@ -362,7 +369,11 @@ def test_rate_change_mid_utterance_marks_every_part_incomplete(battery):
     battery.send_audio(np.concatenate([rest, np.zeros(48000, np.float32)]), 48000)
     assert wait_for(lambda: len(battery.finals) > heard
                     and int(battery.value("speech", "transcripts_incomplete") or 0) >= 1, SERVE_S)
-    time.sleep(1.0)   # any later part of the same command
+    # Any later part of the same command: the node has every chunk sent, nothing waits for the
+    # model, and every final it counted has arrived here.
+    battery.says("speech", lambda s, v: int(v["chunks_received"]) + int(v["chunks_lost_in_transport"])
+                 == battery.chunks_sent and v["pending_audio_s"] == "0.00"
+                 and int(v["transcripts_final"]) == len(battery.finals), timeout=SERVE_S)
     parts = battery.finals[heard:]
     assert parts and all(not p.audio_complete and "sample rate changed" in p.audio_note for p in parts), \
         [(p.text, p.audio_complete, p.audio_note) for p in parts]

@@ -75,9 +75,8 @@ def test_refusals_say_why(image, order, message):
         to_rgb(image, order)
 
 
-def test_the_pixel_limit_is_the_image_files_one():
-    from photon_core import image_io
-    assert image_io.MAX_PIXELS == MAX_PIXELS
+def test_the_pixel_limit_is_pils_decompression_bomb_threshold():
+    assert MAX_PIXELS == Image.MAX_IMAGE_PIXELS
 
 
 def test_every_vision_family_takes_images_the_same_way():

@@ -89,13 +89,12 @@ def test_proof_core_dry_run(tmp_path):
 def test_proof_others_dry_run(tmp_path):
     """The second GPU call on the interpreter: the step-graph families (GraphFamily) and Whisper's
     GPU tiling, the production decode loop three ways, liveness."""
-    import importlib.util as util
     out = _load("gpu_proof").main(["--dry-run", "--profile", "others", "--json", str(tmp_path / "p.json")])
     assert out["passed"], out["checks"]["failed"]
     parts = out["parts"]
     assert list(parts) == ["steps", "poison", "liveness", "rounds", "timing"] and not out.get("skipped")
     graph_fams = {"qwen3-asr-0.6b", "qwen3.5-0.8b", "gemma4-e2b"} | (
-        {"moondream3"} if util.find_spec("photon_core.models.moondream3.decoder_step") else set())
+        {"moondream3"} if importlib.util.find_spec("photon_core.models.moondream3.decoder_step") else set())
     steps = parts["steps"]["results"]
     assert {(r["family"], r["batch"]) for r in steps} == {(f, 1) for f in graph_fams | {"whisper-tiny.en/split"}}
     _steps_ok(out, steps)

@@ -54,10 +54,13 @@ def _qwen3_asr(tmp: Path) -> Path:
 CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     "moondream": _moondream, "moondream3": _moondream3, "qwen3_5": _qwen3_5, "gemma4": _gemma4,
     "whisper": _whisper, "parakeet": _parakeet, "qwen3_asr": _qwen3_asr}
+VISION = ["moondream", "moondream3", "qwen3_5", "gemma4"]
+SPEECH = ["whisper", "parakeet", "qwen3_asr"]
 
 
 def test_every_family_is_checked_here():
     assert {f.name for f in registry.families()} <= set(CHECKPOINTS)
+    assert set(VISION) | set(SPEECH) == set(CHECKPOINTS)
 
 
 def _loaded(name: str, tmp: Path):
@@ -70,7 +73,7 @@ def _image() -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("name", ["moondream", "moondream3", "qwen3_5", "gemma4"])
+@pytest.mark.parametrize("name", VISION)
 def test_vision_family_meets_the_contract(name, tmp_path):
     family, model = _loaded(name, tmp_path)
     model = contracts.check_model(model, family.skills)
@@ -105,7 +108,7 @@ def _speech() -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * 180 * t) * (np.sin(2 * np.pi * 3 * t) > 0)).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["whisper", "parakeet", "qwen3_asr"])
+@pytest.mark.parametrize("name", SPEECH)
 def test_speech_family_meets_the_contract(name, tmp_path):
     family, model = _loaded(name, tmp_path)
     model = contracts.check_model(model, family.skills)

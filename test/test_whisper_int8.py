@@ -14,7 +14,7 @@ import types
 
 from photon_core.backends import reference
 from photon_core.models.whisper import load_whisper
-from photon_core.models.whisper.model import (REDUCE_RANGE, _Linear, cpu_has_vnni, int8_matmul, linear,
+from photon_core.models.whisper.model import (_Linear, cpu_has_vnni, int8_matmul, linear,
                                                pack_dynamic_int8_, quantize_int8_)
 from photon_core.models.whisper.transcribe import CPU_DEFAULT_QUANTIZE, pick_quantize
 
@@ -74,13 +74,11 @@ def test_dynamic_int8_batch_of_sequences_equals_each_alone():
         assert ((got[i] - want[i]).norm() / want[i].norm()).item() < 0.03
 
 
-def test_int8_decoder_is_the_default_only_where_activations_keep_8_bits():
+def test_our_vnni_reading_agrees_with_torchs():
     """Without AVX-512 VNNI fbgemm quantizes activations to 7 bits and the int8 decoder fails the
-    accuracy rule (transcribe.CPU_DEFAULT_QUANTIZE); our reading of the CPU's flags agrees with
-    torch's own (cpuinfo's) VNNI detection."""
+    accuracy rule, so model.REDUCE_RANGE and transcribe.CPU_DEFAULT_QUANTIZE follow our reading of
+    the CPU's flags: it agrees with torch's own (cpuinfo's) VNNI detection."""
     assert cpu_has_vnni() == torch.cpu._is_vnni_supported()
-    assert REDUCE_RANGE == (not cpu_has_vnni())
-    assert CPU_DEFAULT_QUANTIZE == ("int8-decoder" if cpu_has_vnni() else None)
 
 
 def test_who_gets_int8():

@@ -15,6 +15,8 @@ Weights keep Llama's names; the re-layouts are the stacked q|k|v and gate|up und
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from photon_core.megakernel.compiler import CompiledStep, Tiling
@@ -22,6 +24,9 @@ from photon_core.megakernel.stepgraph import Rotary, StepGraph
 
 from .config import ToyConfig
 from .weights import layer_tensors
+
+if TYPE_CHECKING:
+    from .model import ToyLlama
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
@@ -66,17 +71,19 @@ def step_graph(cfg: ToyConfig, max_len: int) -> StepGraph:
     return g
 
 
-def gather_weights(sd: dict[str, torch.Tensor], cfg: ToyConfig, max_len: int,
-                   device: torch.device) -> dict[str, torch.Tensor]:
-    """name -> tensor for the weight arena from Llama-named tensors (weights.load_tensors)."""
-    t = {k: sd[k] for k in weight_shapes(cfg, max_len) if k in sd}
-    for i in range(cfg.n_layers):
+def gather_weights(model: "ToyLlama", max_len: int) -> dict[str, torch.Tensor]:
+    """name -> tensor for the weight arena: the per-op model's own prepared tensors (q|k|v and
+    gate|up already stacked) and rotary tables from its inverse frequencies."""
+    cfg = model.config
+    t = {EMBED: model.embed, FINAL_NORM: model.norm}
+    if not cfg.tie_embeddings:
+        t[LM_HEAD] = model.lm_head
+    for i, layer in enumerate(model.layers):
         n, j = layer_tensors(i), fused(i)
-        t[j["qkv"]] = torch.cat([sd[n["q"]], sd[n["k"]], sd[n["v"]]])
-        t[j["gate_up"]] = torch.cat([sd[n["gate"]], sd[n["up"]]])
-    d = cfg.head_dim   # the per-op path's arithmetic: fp32 positions x inverse frequencies
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-    angles = torch.arange(max_len, device=device).to(torch.float32)[:, None] * inv_freq[None, :]
+        t.update({n["in_norm"]: layer["in_norm"], j["qkv"]: layer["qkv"], n["o"]: layer["o"],
+                  n["post_norm"]: layer["post_norm"], j["gate_up"]: layer["gate_up"], n["down"]: layer["down"]})
+    # the per-op path's arithmetic (fp32 positions x inverse frequencies), kept in fp32
+    angles = torch.arange(max_len, device=model.device).to(torch.float32)[:, None] * model.inv_freq[None, :]
     t[ROPE_COS], t[ROPE_SIN] = angles.cos(), angles.sin()
     return t
 

@@ -23,11 +23,11 @@ TILING = Tiling(block_n=512, block_k=64, block_t=32, self_splits=1, cross_splits
 class MegakernelDecode(CompiledSteps[ToyStep]):
     family = "A toy Llama model"
 
-    def __init__(self, model: "ToyLlama", sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model: "ToyLlama") -> None:
         super().__init__(decode_length(model.max_len, model.config.max_positions),
                          resolve_weight_dtype(None, model.dtype, model.device))
         self.model = model
-        self._weights = gather_weights(sd, model.config, self.max_len, model.device)
+        self._weights = gather_weights(model, self.max_len)
 
     def build_step(self, batch: int, weights: object | None) -> ToyStep:
         return ToyStep(self._weights, self.model.config, batch, self.max_len, TILING, self.weight_dtype,

@@ -67,7 +67,7 @@ class ToyLlama:
         self.decode = None
         if getattr(self.ops, "NAME", None) == "megakernel":
             from .megakernel_decode import MegakernelDecode
-            self.decode = MegakernelDecode(self, sd)
+            self.decode = MegakernelDecode(self)
 
     # ---------------------------------------------------------------- the decoder
 
