@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from photon_core.megakernel.compiler import Tiling, lower, plan  # noqa: E402
-from photon_core.megakernel.graph import OP_ATTN_PARTIAL  # noqa: E402
+from photon_core.megakernel.ops import OP_ATTN_PARTIAL  # noqa: E402
 from report import heading, publish  # noqa: E402
 
 GPUS = {"H200": 4.8e12, "Orin AGX 64GB": 204.8e9, "Orin NX 16GB": 102.4e9}   # HBM / LPDDR5 bytes/s

@@ -31,6 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "test"))
+
+from side_install import side_install as install  # noqa: E402  (test/: the one side-install mechanism)
+
+from photon_core.kernels.compile_check import compile_env  # noqa: E402
 
 # Oldest supported (torch 2.7's) and the GPU machine's (torch 2.10 / 2.11); "pinned" is the venv's own.
 VERSIONS = ("3.3.1", "3.6.0")
@@ -46,52 +51,15 @@ QUICK = {90: ("megakernel_b1_fp32", "megakernel_b8_bf16_kvbf16_n32_k64_t32_d64")
 
 
 def side_install(version: str, cache: Path = CACHE) -> Path:
-    """A directory holding triton==version alone, installed from the registry on first use. --no-deps:
-    nothing else may land there and shadow the venv's packages (Triton needs none of its own at
-    compile time). A stamp marks a finished install; a half-done one is redone. A lock file makes
-    concurrent callers (parallel test runs) wait for one install instead of replacing each other's."""
-    import fcntl
-    target = cache / f"triton-{version}"
-    stamp = target / ".photon-complete"
-    if stamp.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"triton-{version}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.exists():   # another process finished it while this one waited
-            return target
-        partial = cache / f"triton-{version}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                            "--no-deps", "--target", str(partial), f"triton=={version}"],
-                           capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise RuntimeError(f"pip could not install triton=={version} into {partial} (is the package registry "
-                               f"reachable?):\n{r.stdout[-1500:]}{r.stderr[-3000:]}")
-        (partial / ".photon-complete").write_text(version + "\n")
-        shutil.rmtree(target, ignore_errors=True)
-        partial.rename(target)
-    return target
-
-
-def side_env(side: Path | None, cache_dir: Path | None = None) -> dict[str, str]:
-    """The environment of a compile under the side Triton (None: the venv's): it first on PYTHONPATH,
-    the project next; the interpreter off (kernels must be defined compiled). cache_dir: Triton's
-    kernel cache; give a fresh one to measure or check a build. (Triton 3.3's cache key leaves out
-    global constexprs, such as the megakernel's per-version tile budgets: an old entry would answer.)"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if cache_dir is not None:
-        env["TRITON_CACHE_DIR"] = str(cache_dir)
-    env["PYTHONPATH"] = os.pathsep.join([str(side)] * (side is not None) + [str(ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    return env
+    """A directory holding triton==version alone (test/side_install.py). --no-deps: nothing else may
+    land there and shadow the venv's packages (Triton needs none of its own at compile time)."""
+    return install(f"triton-{version}", [f"triton=={version}"], pip_args=("--no-deps",), cache=cache)
 
 
 def imported_triton(side: Path | None) -> tuple[str, str]:
-    """(version, file) of the triton a subprocess with side_env(side) imports."""
+    """(version, file) of the triton a subprocess with compile_env(side) imports."""
     r = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__); print(triton.__file__)"],
-                       env=side_env(side), capture_output=True, text=True, timeout=120, check=True)
+                       env=compile_env(side), capture_output=True, text=True, timeout=120, check=True)
     version, path = r.stdout.split()[-2:]
     return version, path
 
@@ -102,7 +70,7 @@ def compile_cases(side: Path | None, cases: list[str], archs: list[int], cache_d
     (options as compile_check's flags); its stdout is the JSON (finish)."""
     cmd = [sys.executable, "-m", "photon_core.kernels.compile_check", "--arch", *map(str, archs), "--cases", *cases]
     cmd += ["--report"] * report + ["--ptx"] * ptx + ["--usage"] * usage
-    return subprocess.Popen(cmd, env=side_env(side, cache_dir), cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, env=compile_env(side, cache_dir), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -156,13 +124,14 @@ def main() -> None:
     args = ap.parse_args()
     matrix = {a: cases for a, cases in (QUICK if args.quick else MATRIX).items() if a in args.arch}
     load = os.getloadavg()[0]
-    sides, results = {}, {}
+    sides, names, results = {}, {}, {}
     for v in args.versions:
         t0 = time.perf_counter()
         sides[v] = None if v == "pinned" else side_install(v)
         got, where = imported_triton(sides[v])
         if v != "pinned" and got != v:
             raise RuntimeError(f"PYTHONPATH={sides[v]} imported triton {got} from {where}, not {v}")
+        names[v] = got
         results[v] = {}
         print(f"triton {got} from {where} (install or reuse: {time.perf_counter() - t0:.0f} s)", flush=True)
     # Jobs of a few variants each, --jobs at a time: Triton compiles one kernel at a time.
@@ -181,7 +150,7 @@ def main() -> None:
             print(f"  triton {got['triton']} {k}: {r['registers']} registers, {r['spill_stores']} B spilled, "
                   f"compile {r['seconds']:.1f} s, ptxas -v {r['ptxas_seconds']:.1f} s", flush=True)
     shutil.rmtree(cache, ignore_errors=True)
-    results = {(imported_triton(sides[v])[0] if v == "pinned" else v): r for v, r in results.items()}
+    results = {names[v]: r for v, r in results.items()}
     graphs = graph_times(args.quick)
 
     from photon_core.kernels import triton_versions
@@ -191,7 +160,7 @@ def main() -> None:
         "Variants: roofline GPU tiling (64-column tiles, K step 128 / batch, 64 keys, head 64) and Tiling() "
         "(32 columns, K step 64, 32 keys) at head sizes 64-512, bf16 weights and KV; `_fp8`: FP8 experts. "
         "Launch options per version (photon_core/kernels/triton_versions.py): "
-        + "; ".join(f"{v}: {triton_versions.megakernel_options(v) or 'defaults'}" for v in results) + ". "
+        + "; ".join(f"{v}: {triton_versions.megakernel_options(v)}" for v in results) + ". "
         f"Compile s: Triton's whole pipeline to a cubin, {args.jobs} compiles at once (load average "
         f"{load:.1f} when this run began: a shared machine; a GPU host's 16 cores compile variants in parallel).",
         "",

@@ -11,37 +11,22 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-SIDE_DIR = Path.home() / ".cache" / "photon" / "opencv-4.6"
+from side_install import CACHE
+from side_install import side_install as _install
+
+SIDE_DIR = CACHE / "opencv-4.6"
 REQUIREMENTS = ("opencv-python-headless==4.6.*", "numpy<2")
-_DONE = ".photon-complete"
 REPO = Path(__file__).resolve().parent.parent
 
 
 def side_install() -> Path:
-    """The side install's folder, installed by pip on first use. Raises RuntimeError with pip's
-    message when pip cannot install it (no index reachable)."""
-    marker = SIDE_DIR / _DONE
-    if marker.exists() and marker.read_text() == " ".join(REQUIREMENTS):
-        return SIDE_DIR
-    staging = SIDE_DIR.with_name(f"{SIDE_DIR.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-         "--only-binary=:all:", "--target", str(staging), *REQUIREMENTS],
-        capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError(f"pip install --target {staging} {' '.join(REQUIREMENTS)} failed: "
-                           f"{done.stderr.strip()[-800:]}")
-    (staging / _DONE).write_text(" ".join(REQUIREMENTS))
-    shutil.rmtree(SIDE_DIR, ignore_errors=True)
-    staging.rename(SIDE_DIR)   # whole or absent: an interrupted install is redone
-    return SIDE_DIR
+    """The side install's folder, installed by pip on first use (side_install.side_install). Raises
+    RuntimeError with pip's message when pip cannot install it (no index reachable)."""
+    return _install(SIDE_DIR.name, REQUIREMENTS, pip_args=("--only-binary=:all:",))
 
 
 def decode_in_side_opencv(cases: list[dict]) -> dict:

@@ -8,7 +8,6 @@ checked for the intended synchronisation: acquire loads for waits, a release red
 CTA barriers around both.
 """
 import json
-import os
 import re
 import subprocess
 import sys
@@ -30,35 +29,18 @@ MEGA87 = ("megakernel_b1_bf16", "megakernel_b1_bf16_kvbf16_fp8")
 # ptxas spilled this build (triton_versions.MegakernelTuning.maxnreg).
 MEGA80 = ("megakernel_b1_bf16_kvbf16_n32_k64_t32_d64",)
 
-SCRIPT = r'''
-import json, sys
-from photon_core.kernels import compile_check as cc
-out = {}
-for arg in sys.argv[1:]:   # "<arch>:<case>"; results keyed "<case>" for sm_90, "<case>_sm<arch>" otherwise
-    arch, name = int(arg.split(":")[0]), arg.split(":")[1]
-    ck, _ = cc.compile_case(name, arch)
-    rec = dict(cubin=len(ck.asm["cubin"]), ptx="")
-    if name.startswith("megakernel"):
-        # Registers and stack of the cubin Triton built (cuobjdump): a stack of 0 means no spill.
-        rec.update(ptx=ck.asm["ptx"], **cc.resource_usage(ck.asm["cubin"], arch))
-    out[name + ("" if arch == 90 else f"_sm{arch}")] = rec
-print(json.dumps(out))
-'''
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    """Three compile processes side by side (a compile uses one core), about equal in work: a
-    megakernel build takes 20-30 s on an idle core, the per-op kernels a few seconds each."""
-    from photon_core.kernels.compile_check import PER_OP
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    groups = [[f"90:{n}" for n in PER_OP + MEGA90[:2]],
-              [f"90:{n}" for n in MEGA90[2:]] + [f"80:{n}" for n in MEGA80],
-              [f"87:{n}" for n in SM87 + MEGA87]]
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, *g], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for g in groups]
+    """compile_check in a process per target group, side by side (a compile uses one core), about
+    equal in work: a megakernel build takes 20-30 s on an idle core, the per-op kernels a few seconds
+    each. Results keyed "<case>" for sm_90, "<case>_sm<arch>" otherwise; --usage: registers and
+    stack of each cubin Triton built (cuobjdump), a stack of 0 meaning no spill."""
+    from photon_core.kernels.compile_check import PER_OP, compile_env
+    groups = [(90, PER_OP + MEGA90[:2]), (90, MEGA90[2:]), (80, MEGA80), (87, SM87 + MEGA87)]
+    procs = [subprocess.Popen([sys.executable, "-m", "photon_core.kernels.compile_check", "--arch", str(arch),
+                               "--cases", *cases, "--ptx", "--usage"],
+                              env=compile_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for arch, cases in groups]
     out = {}
     try:
         for p in procs:
@@ -66,7 +48,9 @@ def compiled():
             if p.returncode != 0 and ("ptxas" in stderr and "not found" in stderr):
                 pytest.skip("triton's NVIDIA backend (ptxas) is not available here")
             assert p.returncode == 0, stderr[-4000:]
-            out.update(json.loads(stdout.strip().splitlines()[-1]))
+            for key, rec in json.loads(stdout.strip().splitlines()[-1])["cases"].items():
+                name, arch = key.split("@sm_")
+                out[name + ("" if arch == "90" else f"_sm{arch}")] = rec
     finally:   # a failure or the test timeout leaves no compile running
         for p in procs:
             p.kill()

@@ -11,7 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from photon_core.megakernel.checker import GraphError, check  # noqa: E402
-from photon_core.megakernel.graph import OP_EMBED, OP_LINEAR, Region, Task, TaskGraph  # noqa: E402
+from photon_core.megakernel.graph import Region, Task, TaskGraph  # noqa: E402
+from photon_core.megakernel.ops import OP_EMBED, OP_LINEAR  # noqa: E402
 from photon_core.models.whisper.decoder_step import (Tiling, WhisperDecoderMegakernel,  # noqa: E402
                                                     WhisperDecoderWeights)
 

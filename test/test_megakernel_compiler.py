@@ -135,7 +135,7 @@ def test_stage_shapes_narrow_tiles_first_then_split_k():
     assert stage_shape(128, 4096, t, align=48) == (64, 4)                 # 32 would straddle 48-wide heads
     assert stage_shape(64, 48, t) == (16, 1)                              # K too short to split
     g = lower(plan(toy_graph(toy_weights()), 1, Tiling(32, 16, 8, 2, 2, min_tasks=40, max_split_k=4)))
-    from photon_core.megakernel.graph import OP_LINEAR_SPLIT
+    from photon_core.megakernel.ops import OP_LINEAR_SPLIT
     splits = [t for t in g.tasks if t.op == OP_LINEAR_SPLIT]
     assert splits and all(t.kticket is not None and t.ksum_writes for t in splits)
     # no reduce tasks: the slices of a tile share its ticket, and their stage's readers wait for all

@@ -16,8 +16,9 @@ import torch  # noqa: E402
 
 from photon_core.megakernel import CompiledStep, Tiling, check, lower, plan  # noqa: E402
 from photon_core.megakernel.checker import GraphError  # noqa: E402
-from photon_core.megakernel.graph import (OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,  # noqa: E402
-                                          OP_LINEAR_SPLIT, OP_ROPE_APPEND, Region, Task, TaskGraph)
+from photon_core.megakernel.graph import Region, Task, TaskGraph  # noqa: E402
+from photon_core.megakernel.ops import (OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,  # noqa: E402
+                                        OP_LINEAR_SPLIT, OP_ROPE_APPEND)
 
 from test_megakernel_compiler import fill_caches, toy_graph, toy_weights  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from photon_core.megakernel import CompiledStep, StepGraph, Tiling, run_reference  # noqa: E402
-from photon_core.megakernel.graph import OP_MOE_DOWN, OP_MOE_SUM, OP_MOE_UP  # noqa: E402
+from photon_core.megakernel.ops import OP_MOE_DOWN, OP_MOE_SUM, OP_MOE_UP  # noqa: E402
 from photon_core.megakernel.stepgraph import expected_experts  # noqa: E402
 
 RTOL = 1e-4

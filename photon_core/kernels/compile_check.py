@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[2]
 P = "*fp32"
 # Every megakernel buffer argument a launch gets from torch (16-byte aligned) is specialised so.
 MEGAKERNEL_ALIGNED = (0, 2, 3, 4, 5, 6)
@@ -107,21 +109,38 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
 _MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_[ntdk]\d+)*)$")
 
 
+def compile_env(first: Path | None = None, cache_dir: Path | None = None) -> dict[str, str]:
+    """The environment of a `python -m photon_core.kernels.compile_check` subprocess: `first` (a side
+    install of another Triton) first on PYTHONPATH, the project next; the interpreter off (kernels
+    must be defined compiled). cache_dir: Triton's kernel cache; give a fresh one to measure or check
+    a build. (Triton 3.3's cache key leaves out global constexprs, such as the megakernel's
+    per-version tile budgets: an old entry would answer.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if cache_dir is not None:
+        env["TRITON_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(first)] * (first is not None) + [str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return env
+
+
 def megakernel_case(name: str) -> tuple[Any, dict[str, str], dict[str, Any]]:
-    """The megakernel compiled as a launch of the named variant would compile it (module docstring)."""
+    """The megakernel compiled as a launch of the named variant would compile it (module docstring):
+    its constexprs from kernel.megakernel_meta, as Megakernel's."""
+    import triton
+
     from photon_core.megakernel import kernel as mk
-    from photon_core.megakernel.graph import NUM_FIELDS
     m = _MK.match(name)
     if m is None:
         raise ValueError(f"not a megakernel variant name: {name!r} (e.g. megakernel_b8_bf16_kvbf16_d128)")
     batch, wdt, opts = int(m.group(1)), m.group(2), m.group(3)
     tiles = {k: int(v) for k, v in re.findall(r"_([ntdk])(\d+)", opts)}
-    block_m = 1 << max(0, batch - 1).bit_length()
     sig = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", w_ptr="*" + wdt, s_ptr=P,
                out_ptr="*i32", B="i32", ln_eps="fp32", spin_limit="i32")
-    const = dict(NF=NUM_FIELDS, BLOCK_M=block_m, BLOCK_N=tiles.get("n", 64),
-                 BLOCK_K=tiles.get("k", max(16, 128 // block_m)), BLOCK_T=tiles.get("t", 64),
-                 BLOCK_D=tiles.get("d", 64), BLOCK_S=8, BLOCK_R=1024,
+    # The roofline tiling's K step is 128 / the batch's row block (>= 16); 8 decode splits and 1024
+    # tiles (BLOCK_R's cap) are what a real context and vocabulary compile.
+    block_k = tiles.get("k", max(16, 128 // triton.next_power_of_2(batch)))
+    const = dict(mk.megakernel_meta(batch, tiles.get("n", 64), block_k, tiles.get("t", 64), tiles.get("d", 64),
+                                    max_splits=8, max_tiles=1024),
                  RUN_TASK=mk.step_tasks_for("_kvbf16" in opts, "_fp8" in opts))
     return mk._megakernel, sig, const
 

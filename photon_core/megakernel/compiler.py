@@ -26,18 +26,18 @@ import torch
 
 from photon_core.megakernel import ops
 from photon_core.megakernel.graph import BATCH_BUCKETS, DYN_SECTIONS, Arena, StateViews, TaskGraph
-from photon_core.megakernel.ops.base import FUSED, NORM_CODES, NORMS, Lowering, Planning, act_code, float_bits
-from photon_core.megakernel.ops.kv_append import head_groups, qkv_head
+from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Planning
+from photon_core.megakernel.ops.kv_append import head_groups
 from photon_core.megakernel.ops.linear import stage_shape
 from photon_core.megakernel.stepgraph import Node, StepGraph, Tau, Value
+from photon_core.runtime.decode import WEIGHT_DTYPES
 
 # Kept importable from here: what callers (tests, bench) name the compiler's helpers by.
 __all__ = ["Tiling", "Plan", "plan", "lower", "lookup_tables", "CompiledStep", "cuda_kv_dtype", "stage_shape",
-           "head_groups", "qkv_head", "act_code", "float_bits", "NORMS", "FUSED", "NORM_CODES", "FP8",
+           "head_groups", "FUSED", "NORM_CODES", "FP8",
            "WEIGHT_ROW_ALIGN", "WEIGHT_DTYPES", "KV_DTYPES"]
 
 WEIGHT_ROW_ALIGN = 16   # elements; kernel.py's tl.multiple_of hints rely on it
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KV_DTYPES = (torch.float32, torch.bfloat16)
 _cuda_kv_dtype = [torch.bfloat16]   # what a CompiledStep on CUDA gets when its caller names none
 
@@ -233,10 +233,12 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
     limits += [graph.weight_shapes[n.args["pos"]][0] for n in graph.nodes if n.op == "embed" and n.args["pos"]]
     rotary = [graph.weight_shapes[n.args["rotary"].cos][0] for n in graph.nodes
               if n.op == "kv_append" and n.args["rotary"] is not None]
-    return Plan(graph, batch, tiling, wa, sa, shapes, producer, norm_of, glu_of, mul_of, act_of, qkv_store, logits, shape,
-                ldw, weight_offset, eps.pop() if eps else 1e-5, min(limits + rotary) if limits + rotary else 1 << 30,
-                weight_dtype, kv_dtype, fp8, {k: (0, graph.weight_shapes[k][1]) for k in external}, stats,
-                rope_groups)
+    return Plan(graph=graph, batch=batch, tiling=tiling, warena=wa, sarena=sa, shapes=shapes, producer=producer,
+                norm_of=norm_of, glu_of=glu_of, mul_of=mul_of, act_of=act_of, qkv_store=qkv_store, logits=logits,
+                shape=shape, ldw=ldw, weight_offset=weight_offset, ln_eps=eps.pop() if eps else 1e-5,
+                max_position=min(limits + rotary) if limits + rotary else 1 << 30, weight_dtype=weight_dtype,
+                kv_dtype=kv_dtype, fp8=fp8, external={k: (0, graph.weight_shapes[k][1]) for k in external},
+                stats=stats, rope_groups=rope_groups)
 
 
 def lookup_tables(graph: StepGraph) -> set[str]:

@@ -18,20 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Batch sizes a decode graph is built for, declared once with the decode runtime (which imports
+# without Triton); a batch of other size runs in the next bucket up.
+from photon_core.runtime.decode import BATCH_BUCKETS, bucket_for  # noqa: F401  (re-exported)
+
 # The op codes of the task table's "op" column are declared by the op modules that emit them
-# (ops/<op>.py: OP_EMBED, OP_LINEAR, ...; ops.OP_NAMES lists them all), and so are the store modes
-# of OP_LINEAR (MODE_*) and the length sources of OP_ATTN_PARTIAL (LEN_*). They stay importable
-# from here (module __getattr__, so that ops/ can import this module without a cycle).
-_FROM_OPS = ("OP_NAMES", "MODE_PLAIN", "MODE_QKV", "MODE_LOGITS", "LEN_SELF", "LEN_CROSS")
-
-
-def __getattr__(name: str):
-    if name.startswith("OP_") or name in _FROM_OPS:
-        from photon_core.megakernel import ops
-        if hasattr(ops, name):
-            return getattr(ops, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# (photon_core.megakernel.ops: OP_EMBED, OP_LINEAR, ..., OP_NAMES), and so are the store modes of
+# OP_LINEAR (MODE_*) and the length sources of OP_ATTN_PARTIAL (LEN_*).
 
 # Column of each field in the encoded task table: the one layout. kernel.py reads each field at its
 # named offset (kernel.F_<field>, made from F); the op modules write them by name (Task.args).
@@ -149,18 +142,6 @@ class Arena:
     def columns(self, key: str, batch: int, width: int, c0: int, c1: int) -> list[Region]:
         """Columns [c0, c1) of every row of a row-major [batch, width] region."""
         return [self.region(key, r * width + c0, r * width + c1) for r in range(batch)]
-
-
-# Batch sizes a decode graph is built for; a batch of other size runs in the next bucket up.
-BATCH_BUCKETS = (1, 2, 4, 8)
-
-
-def bucket_for(rows: int) -> int:
-    """The batch bucket (one graph each) that holds `rows` concurrent requests; pad the rest."""
-    for b in BATCH_BUCKETS:
-        if rows <= b:
-            return b
-    raise ValueError(f"{rows} rows exceed the largest batch bucket {BATCH_BUCKETS[-1]}; split the batch")
 
 
 class StateViews:

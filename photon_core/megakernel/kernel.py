@@ -36,7 +36,8 @@ import triton.language as tl
 
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
 from photon_core.kernels.linear import apply_activation
-from photon_core.kernels.triton_versions import MegakernelTuning, check_supported, interpreting, megakernel_tuning
+from photon_core.kernels.triton_versions import (MegakernelTuning, check_supported, interpreting, megakernel_options,
+                                                 megakernel_tuning)
 from photon_core.megakernel import ops
 from photon_core.megakernel.graph import CTRL_ERROR, NUM_FIELDS, F, TaskGraph
 
@@ -1182,16 +1183,14 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
         t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
 
 
-def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int | None = None) -> int:
+def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int) -> int:
     """How many programs to launch: no more than can be resident at once. (Tasks are claimed when a
     program starts running, so a program that is not yet resident holds no task and cannot block
     anyone; staying within residency keeps every claimed task on an SM all the same.) Under the
     pinned Triton, compiled for sm_90, the kernel needs <= 255 registers x 128 threads and ~1 KB
     shared memory, so two programs fit on every SM; more in-flight loads per SM is what a
     bandwidth-bound step needs. Older Tritons build it with 8 warps, one program an SM
-    (triton_versions.megakernel_tuning, the default here)."""
-    if programs_per_sm is None:
-        programs_per_sm = megakernel_tuning().programs_per_sm
+    (triton_versions.megakernel_tuning)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(sms * programs_per_sm, num_tasks))
@@ -1199,11 +1198,23 @@ def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int
     return max(1, min(4, num_tasks))
 
 
+def megakernel_meta(batch: int, block_n: int, block_k: int, block_t: int, head_dim: int, max_splits: int,
+                    max_tiles: int) -> dict[str, int]:
+    """The megakernel's constexprs for a graph of `batch` rows at a tiling: what a launch compiles
+    (Megakernel) and what compile_check compiles without a GPU. BLOCK_S holds a step's most decode
+    splits, BLOCK_R its most tiles of one linear (an argmax's partials; capped at 1024)."""
+    return dict(NF=NUM_FIELDS, BLOCK_M=max(1, triton.next_power_of_2(batch)), BLOCK_N=block_n, BLOCK_K=block_k,
+                BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(head_dim),
+                BLOCK_S=triton.next_power_of_2(max(1, max_splits)),
+                BLOCK_R=min(1024, triton.next_power_of_2(max(1, max_tiles))))
+
+
 class Megakernel:
     """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
 
     run_task = step_tasks
-    tuning = megakernel_tuning()   # warps and programs an SM under the running Triton
+    tuning = megakernel_tuning()   # programs an SM under the running Triton
+    options = megakernel_options()   # its launch options (num_warps, maxnreg): those compile_check compiles with
 
     def __init__(self, graph: TaskGraph, weights: torch.Tensor, state: torch.Tensor, dyn: torch.Tensor,
                  out: torch.Tensor, block_m: int, block_n: int, block_k: int, block_t: int,
@@ -1231,11 +1242,7 @@ class Megakernel:
         # On a GPU ~2^20 polls are about a second, far past any real dependency wait (microseconds
         # to milliseconds): a lost signal becomes a reported error, not a minutes-long hang.
         self.spin_limit = spin_limit if spin_limit is not None else (2 if interp else 1 << 20)
-        self.meta = dict(NF=NUM_FIELDS, BLOCK_M=max(1, triton.next_power_of_2(graph.batch)),
-                         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-                         BLOCK_D=triton.next_power_of_2(head_dim),
-                         BLOCK_S=triton.next_power_of_2(max(1, max_splits)),
-                         BLOCK_R=min(1024, triton.next_power_of_2(max(1, max_tiles))))
+        self.meta = megakernel_meta(graph.batch, block_n, block_k, block_t, head_dim, max_splits, max_tiles)
         if block_m and block_m < self.meta["BLOCK_M"]:
             raise ValueError(f"block_m {block_m} < batch {graph.batch}")
 
@@ -1244,8 +1251,7 @@ class Megakernel:
         self.ctrl.zero_()
         _megakernel[(self.num_programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
                                           self.weights, self.state, self.out, self.batch, self.ln_eps,
-                                          self.spin_limit, RUN_TASK=self.run_task, num_warps=self.tuning.num_warps,
-                                          maxnreg=self.tuning.maxnreg, **self.meta)
+                                          self.spin_limit, RUN_TASK=self.run_task, **self.options, **self.meta)
 
     def raise_on_error(self) -> None:
         """Synchronising check of the error flag (a timed-out wait skipped that task)."""
