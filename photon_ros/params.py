@@ -12,9 +12,11 @@ ValueError naming every parameter at fault (the node does not start, and says wh
 an out-of-range change with the reason in the `set_parameters` result; nothing is accepted and
 then ignored. A set of several parameters is checked as a whole before any of them is taken.
 
-Float parameters are declared with dynamic typing: rclpy types a parameter by its default, so one
-declared 5.0 would refuse `0` (`max_frame_age_s: 0` in a YAML file, `ros2 param set ... 1`); any
-whole number is taken as a float here, and anything that is not a number is refused.
+Scalar parameters are declared with dynamic typing and their type is checked here: rclpy types a
+parameter by its default, so one declared 5.0 would refuse `0` (`max_frame_age_s: 0` in a YAML file,
+`ros2 param set ... 1`), and its own refusal of a wrong type ("Wrong parameter type, expected '2' got
+'4'") names neither the parameter nor the types. Here any whole number is taken as a float, and a
+value of another type is refused with the parameter's name and the type it needs.
 """
 from __future__ import annotations
 
@@ -61,6 +63,23 @@ class Param:
     def is_float(self) -> bool:
         return isinstance(self.default, float)
 
+    @property
+    def is_array(self) -> bool:
+        return isinstance(self.default, Parameter.Type)
+
+    def type_refusal(self, value: Any) -> str:
+        """Why `value` is not of this parameter's type, or "" (floats: see `refusal`)."""
+        if self.is_array or self.is_float:
+            return ""   # arrays keep rclpy's static typing; floats take any number
+        if isinstance(self.default, bool):
+            return "" if isinstance(value, bool) else f"must be true or false, got {value!r}"
+        if isinstance(self.default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            return "" if ok else f"must be an integer, got {value!r}"
+        if isinstance(self.default, str):
+            return "" if isinstance(value, str) else f"must be a string, got {value!r}"
+        return ""
+
     def constraints(self) -> str:
         """The rule in words, as `ros2 param describe` shows it."""
         parts = []
@@ -82,10 +101,12 @@ class Param:
         # parameter and its rule, and a ROS range is a closed interval (no "> 0").
         return ParameterDescriptor(name=self.name, description=self.description,
                                    additional_constraints=self.constraints(),
-                                   read_only=self.applies == "restart", dynamic_typing=self.is_float)
+                                   read_only=self.applies == "restart", dynamic_typing=not self.is_array)
 
     def refusal(self, value: Any) -> tuple[Any, str]:
         """(the value as the node takes it, "") or (None, why it is refused)."""
+        if reason := self.type_refusal(value):
+            return None, reason
         if self.is_float:
             value = number(value)
             if value is None or math.isnan(value):

@@ -54,7 +54,10 @@ def test_declared_with_descriptors_and_whole_numbers_taken_as_floats(context):
     ("gain", -1.0, "gain must be >= 0"), ("gain", "loud", "gain must be a number"),
     ("gain", math.nan, "gain must be a number"), ("gain", math.inf, "gain must be finite"),
     ("period_s", 0, "period_s must be > 0"),
-    ("mode", "fsat", "mode must be one of fast, slow"), ("count", -5, "count must be >= 0")])
+    ("mode", "fsat", "mode must be one of fast, slow"), ("count", -5, "count must be >= 0"),
+    # wrong types are named with the parameter (rclpy's own refusal names neither)
+    ("mode", 3, "mode must be a string, got 3"), ("count", 2.5, "count must be an integer, got 2.5"),
+    ("count", True, "count must be an integer, got True"), ("size", "big", "size must be an integer")])
 def test_a_bad_value_at_startup_stops_the_node_with_the_reason(context, name, value, reason):
     with pytest.raises(ValueError, match=reason):
         make(context, "p_bad", [(name, value)])
@@ -77,6 +80,9 @@ def test_changes_checked_applied_or_deferred_and_never_ignored(context):
         later = node.set_parameters([Parameter("mode", value="slow")])[0]
         assert later.successful and params["mode"] == "slow"      # logged: "... at the next configure"
         assert len(applied) == 1                       # not applied now: read at configure
+        wrong = node.set_parameters([Parameter("count", value="many")])[0]
+        assert not wrong.successful and wrong.reason == "count must be an integer, got 'many'"
+        assert params["count"] == 3 and node.get_parameter("count").value == 3
         assert not node.set_parameters([Parameter("size", value=4)])[0].successful   # read-only
         assert params["size"] == 8
     finally:
