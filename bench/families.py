@@ -296,7 +296,8 @@ def gemma4(repeats: int, smoke: bool) -> list[dict]:
                               min_new_tokens=n_tok, do_sample=False, pad_token_id=fx.PAD)
         return out[0, pids.shape[1]:].tolist(), pids.shape[1]
 
-    a, b = interleaved(lambda: ours.caption(img, max_tokens=n_tok), peer, repeats, warm=False)
+    a, b = interleaved(lambda: ours.caption(img, settings={"temperature": 0, "max_tokens": n_tok}), peer, repeats,
+                       warm=False)
     peer_toks, prompt_len = FIRST["peer"]
     print(f"  prompt {prompt_len} tokens; transformers decoded {len(peer_toks)} tokens", flush=True)
     note = (f"{n_params / 1e9:.2f} B params bf16 (no audio tower) on both sides; prompt {prompt_len} tokens "

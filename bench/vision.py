@@ -124,10 +124,10 @@ def main() -> int:
     med, best = timed(encode, args.repeats)
     rows.append(("encode_image 640x480 (vision + prefill)", med, best))
     enc = encode()
-    for skill, call in [("detect (max 5)", lambda: model.detect(enc, "cup", max_objects=5)),
-                        ("point (max 5)", lambda: model.point(enc, "cup", max_objects=5)),
-                        ("caption (16 tokens)", lambda: model.caption(enc, max_tokens=16)),
-                        ("query (16 tokens)", lambda: model.query(enc, "what is this?", max_tokens=16))]:
+    for skill, call in [("detect (max 5)", lambda: model.detect(enc, "cup", settings={"max_objects": 5})),
+                        ("point (max 5)", lambda: model.point(enc, "cup", settings={"max_objects": 5})),
+                        ("caption (16 tokens)", lambda: model.caption(enc, settings={"temperature": 0, "max_tokens": 16})),
+                        ("query (16 tokens)", lambda: model.query(enc, "what is this?", settings={"temperature": 0, "max_tokens": 16}))]:
         def run(call=call):
             call()
             synchronize(args.device)

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from photon_core.contracts import SpeechModel, VisionModel
+    from photon_core.contracts import Model
 
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str = "auto",
-         skills: Iterable[str] = ()) -> VisionModel | SpeechModel:
+         skills: Iterable[str] = ()) -> Model:
     """A loaded model with the skills of its family, the family being recognised from the
     checkpoint's files (photon_core.registry.families(): each declares its skills). model: a local path, a package-provided name ("whisper-tiny.en") or a
     Hugging Face id in the local cache. backend: "reference", "triton", "megakernel" or "auto"
     (reference on CPU, megakernel on CUDA; see photon_core.backends.select). skills: what the
     caller needs; registry.MissingSkills, before any weights are read, if the family lacks one.
-    The model meets photon_core.contracts (VisionModel or SpeechModel, with the protocol of each
+    The model meets photon_core.contracts (VisionModel, SpeechModel or TextModel, with the protocol of each
     skill its family declares; contracts.ContractError otherwise, the family's fault)."""
     from photon_core import registry
     from photon_core.backends.select import get_backend
@@ -35,3 +35,15 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str
     found = registry.recognise(model)
     registry.require_skills(found.family, skills)
     return found.load(device, dtype, backend)
+
+
+# The moondream client's local mode (photon_core.client): photon_core.vl(local=True, model=...),
+# photon_core.photon(model), photon_core.photon_models(); imported on first use.
+_CLIENT_NAMES = ("vl", "photon", "photon_models")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLIENT_NAMES:
+        from photon_core import client
+        return getattr(client, name)
+    raise AttributeError(f"module 'photon_core' has no attribute {name!r}")

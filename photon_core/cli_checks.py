@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 if TYPE_CHECKING:
-    from photon_core.contracts import SpeechModel, VisionModel
+    from photon_core.contracts import Model
 
 
 class UserError(Exception):
@@ -99,7 +99,7 @@ def shorten(text: str, width: int = 40) -> str:
 
 
 def load_model(model: str, device: str, dtype: Any, skills: Iterable[str],
-               backend: str = "auto") -> VisionModel | SpeechModel:
+               backend: str = "auto") -> Model:
     """photon_core.load (the registry refuses a config.json that is not one, naming it); any other
     failure of a loader is put down to the checkpoint, naming it (--debug shows where it happened)."""
     import photon_core

@@ -40,14 +40,16 @@ def draw(image: np.ndarray, result: dict, label: str, out_path: str) -> None:
 def _infer(model: VisionModel, args: argparse.Namespace, image: np.ndarray) -> dict:
     # The skill's method by the command's name: photon_core.load checked that the model offers it.
     skill = getattr(model, args.command)
+    # Every family takes the reference's `settings` dict (photon_core.contracts).
     if args.command in ("detect", "point"):
-        return skill(image, args.object, max_objects=args.max_objects)
+        return skill(image, args.object, settings={"max_objects": args.max_objects})
     if args.command == "segment":
-        return skill(image, args.object, max_tokens=args.max_tokens)
+        return skill(image, args.object, settings={"max_tokens": args.max_tokens})
+    # temperature/top_p: the CLI's own options (default greedy: deterministic runs)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
     if args.command == "caption":
-        return skill(image, length=args.length, **sampling)
-    return skill(image, args.question, **sampling)
+        return skill(image, length=args.length, settings=sampling)
+    return skill(image, args.question, settings=sampling)
 
 
 def _run(args: argparse.Namespace) -> int:

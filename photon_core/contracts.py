@@ -1,7 +1,8 @@
 """The model contract: what a loaded model offers the nodes and the command line, and what it returns.
 
-`Family.load` (photon_core.registry) returns a `VisionModel` or a `SpeechModel`; the nodes
-(photon_ros) and the command line (photon_core.cli_*) call nothing else on a model. The protocols
+`Family.load` (photon_core.registry) returns a `VisionModel`, a `SpeechModel` or a text-only
+`TextModel` (together: `Model`); the nodes (photon_ros) and the command line (photon_core.cli_*)
+call nothing else on a model. The protocols
 below carry the signatures; their docstrings and the result TypedDicts carry the semantics every
 family must reproduce. test/test_model_contract.py loads every family's small test checkpoint and
 checks both (`check_model`, `check_result`), as test/test_ops_conformance.py does for backends
@@ -29,7 +30,7 @@ Rules shared by every model:
 from collections.abc import Iterator, Sequence
 from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
-from photon_core.runtime.requests import DEFAULT_MAX_OBJECTS, DEFAULT_MAX_TOKENS, Request, TranscribeRequest
+from photon_core.runtime.requests import DEFAULT_MAX_OBJECTS, Request, TranscribeRequest
 
 # ---------------------------------------------------------------------------------- result shapes
 
@@ -67,9 +68,25 @@ class Caption(TypedDict):
     caption: str | Iterator[str]
 
 
+class Grounding(TypedDict):
+    """A span of the reasoning text (character offsets) and the points (x, y), normalised, that it
+    is grounded on."""
+    start_idx: int
+    end_idx: int
+    points: list[tuple[float, float]]
+
+
+class Reasoning(TypedDict):
+    """query(reasoning=True)'s reasoning, decoded before the answer."""
+    text: str
+    grounding: list[Grounding]
+
+
 class Answer(TypedDict):
-    """query(): the answer, or with stream=True an iterator of its pieces (never from batch)."""
+    """query(): the answer, or with stream=True an iterator of its pieces (never from batch); with
+    reasoning=True also the reasoning (complete before the answer's first piece)."""
     answer: str | Iterator[str]
+    reasoning: NotRequired[Reasoning]
 
 
 class Outline(TypedDict):
@@ -114,9 +131,10 @@ class VisionModel(Protocol):
     the protocols below (`Captioner`, `Answerer`, `Detector`, `Segmenter`), one per skill pair."""
     model_id: str
 
-    def encode_image(self, image: Any, channel_order: str = "rgb") -> Any:
+    def encode_image(self, image: Any, *, channel_order: str = "rgb") -> Any:
         """The image encoded once, for several skill calls on it (an opaque object of the family).
-        channel_order "bgr" for OpenCV / ROS bgr8 arrays. An encoded image passes through."""
+        channel_order "bgr" for OpenCV / ROS bgr8 arrays (a keyword: Moondream's second argument is
+        the reference's settings, {"variant": ...}). An encoded image passes through."""
 
     def batch(self, requests: list[Request]) -> list[dict[str, Any]]:
         """Results of `requests` (runtime.requests.Request: task, image, prompt, ...) in order.
@@ -131,38 +149,49 @@ class Captioner(VisionModel, Protocol):
     """The caption skill (every vision family of the package)."""
 
     def caption(self, image: Any, length: str = "normal", stream: bool = False,
-                max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
-        """`Caption`. length: "short", "normal" or "long" (ValueError otherwise). temperature 0 is
-        greedy; otherwise nucleus sampling with top_p in (0, 1]."""
+                settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`Caption`. length: "short", "normal" or "long" (ValueError otherwise). settings (the
+        public Moondream API's; runtime.requests.Settings): temperature (0: greedy; default 0.5),
+        top_p in (0, 1] (0.3), max_tokens (768), max_objects (50), variant (None); an unknown key
+        is a TypeError; a setting the family cannot honour (variant: Moondream's adapters) is a
+        NotImplementedError saying so. Every vision family takes this signature and these
+        defaults; max_objects is accepted and unused by text skills."""
 
 
 @runtime_checkable
 class Answerer(VisionModel, Protocol):
     """The query skill."""
 
-    def query(self, image: Any, question: str, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
-              temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
+    def query(self, image: Any = None, question: str | None = None, reasoning: bool = False,
+              spatial_refs: list[Sequence[float]] | None = None, stream: bool = False,
+              settings: dict[str, Any] | None = None) -> dict[str, Any]:
         """`Answer` to `question` about the image (image None: text only, where the family allows);
-        sampling as caption's."""
+        reasoning: grounded reasoning first (Moondream's; elsewhere NotImplementedError, as for
+        spatial_refs, which Moondream's region encoder reads); spatial_refs: points (x, y)
+        and boxes (x_min, y_min, x_max, y_max), normalised, that the question refers to; settings
+        as caption's."""
 
 
 @runtime_checkable
 class Detector(VisionModel, Protocol):
     """The detect and point skills (Moondream 2 and 3)."""
 
-    def detect(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS) -> dict[str, Any]:
-        """`Detections` of `object` (a non-empty description)."""
+    def detect(self, image: Any, object: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`Detections` of `object` (a non-empty description); settings["max_objects"] (default
+        DEFAULT_MAX_OBJECTS) bounds them."""
 
-    def point(self, image: Any, object: str, max_objects: int = DEFAULT_MAX_OBJECTS) -> dict[str, Any]:
-        """`Points` on `object`."""
+    def point(self, image: Any, object: str, settings: dict[str, Any] | None = None,
+              spatial_refs: list[Sequence[float]] | None = None) -> dict[str, Any]:
+        """`Points` on `object`, which may refer to `spatial_refs` (as query's)."""
 
 
 @runtime_checkable
 class Segmenter(VisionModel, Protocol):
     """The segment skill (Moondream 3)."""
 
-    def segment(self, image: Any, object: str, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
-        """`Outline` of `object`."""
+    def segment(self, image: Any, object: str, spatial_refs: list[Sequence[float]] | None = None,
+                settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`Outline` of `object`; settings["max_tokens"] bounds the path's tokens."""
 
 
 @runtime_checkable
@@ -198,26 +227,47 @@ class StreamingSpeechModel(SpeechModel, Protocol):
         """`transcribe` of an audio_io.open_audio_stream, with the same result."""
 
 
-# The protocol each skill's method belongs to.
+@runtime_checkable
+class TextModel(Protocol):
+    """A family that reads text only (a language model without a vision encoder): the query skill
+    with image None, and `batch` of such query requests. It has no `encode_image`, so it is not a
+    VisionModel, and an image is a ValueError saying the model reads text only."""
+    model_id: str
+
+    def query(self, image: None = None, question: str | None = None, reasoning: bool = False,
+              spatial_refs: list[Sequence[float]] | None = None, stream: bool = False,
+              settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`Answer`: the model's continuation of `question`; Answerer.query's signature and
+        settings (reasoning and spatial_refs: NotImplementedError)."""
+
+    def batch(self, requests: list[Request]) -> list[dict[str, Any]]:
+        """Results of query `requests` (image None) in order, as VisionModel.batch."""
+
+
+# The protocol each skill's method belongs to (TEXT_SKILL_PROTOCOLS: for a TextModel).
 SKILL_PROTOCOLS: dict[str, type] = {"caption": Captioner, "query": Answerer, "detect": Detector,
                                     "point": Detector, "segment": Segmenter, "transcribe": SpeechModel}
+TEXT_SKILL_PROTOCOLS: dict[str, type] = {"query": TextModel}
+
+# What Family.load returns.
+Model = VisionModel | SpeechModel | TextModel
 
 
 class ContractError(TypeError):
     """A model or a result that breaks this contract: a fault of the family, not of the caller."""
 
 
-def check_model(model: object, skills: frozenset[str] | set[str]) -> VisionModel | SpeechModel:
+def check_model(model: object, skills: frozenset[str] | set[str]) -> Model:
     """`model`, checked to offer `skills` (a family's declared skills) through the protocols above;
     ContractError naming what is missing otherwise."""
-    missing = sorted(skill for skill in skills if not isinstance(model, SKILL_PROTOCOLS[skill]))
+    text_only = isinstance(model, TextModel) and not isinstance(model, VisionModel)
+    protocols = TEXT_SKILL_PROTOCOLS if text_only else SKILL_PROTOCOLS
+    missing = sorted(skill for skill in skills if skill not in protocols or not isinstance(model, protocols[skill]))
     if missing:
         raise ContractError(f"{type(model).__name__} does not meet the contract for {', '.join(missing)}")
-    if isinstance(model, VisionModel):
+    if isinstance(model, (VisionModel, SpeechModel, TextModel)):
         return model
-    if isinstance(model, SpeechModel):
-        return model
-    raise ContractError(f"{type(model).__name__} is neither a VisionModel nor a SpeechModel")
+    raise ContractError(f"{type(model).__name__} is neither a VisionModel, a SpeechModel nor a TextModel")
 
 
 def check_result(skill: str, result: object) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from photon_core.contracts import SpeechModel, VisionModel
+from photon_core.contracts import Model
 from photon_core.weights.checkpoint_files import CheckpointFiles
 from photon_core.weights.resolve import Resolved, resolve as resolve_files
 
@@ -45,7 +45,7 @@ class Family:
     looks_for: str                                   # what `recognise` checks, said in errors
     recognise: Callable[[CheckpointFiles], bool]
     # (checkpoint, device, dtype, backend) -> model, meeting photon_core.contracts
-    load: Callable[[Resolved, str, Any, str], VisionModel | SpeechModel]
+    load: Callable[[Resolved, str, Any, str], Model]
     cli: str | None = None                           # module with add_commands(subparsers)
     # A checkpoint this family recognises but cannot run yet, and why (e.g. Moondream 3).
     refuse: Callable[[CheckpointFiles], str | None] = _never
@@ -113,7 +113,7 @@ class Recognised:
     checkpoint: Resolved
     files: CheckpointFiles
 
-    def load(self, device: str, dtype: Any, backend: str) -> VisionModel | SpeechModel:
+    def load(self, device: str, dtype: Any, backend: str) -> Model:
         """The family's model on these files, checked against photon_core.contracts (the protocol
         of every skill the family declares): the one place the API, the CLI and the nodes load."""
         from photon_core.contracts import check_model

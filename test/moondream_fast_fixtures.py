@@ -75,3 +75,20 @@ def _set_coord_bias(model, value: float) -> None:
     for mk in decoders.values():
         mk.weight("lm_b")[mf.COORD_ID] = value
 
+
+
+def device_coords(model, bins: list[int]) -> list[list[float]]:
+    """The coordinates the megakernel's device decode paths give `bins`: the batched stepper's
+    heads, the device rounds' recorded heads, and the rounds' table of encoder inputs (in the
+    encoder's dtype, as float)."""
+    import torch
+
+    from photon_core.models.moondream.decoder_step import StepResult
+    from photon_core.models.moondream.megakernel_decode import MegakernelHeads, MegakernelStepper
+    from photon_core.models.moondream.object_rounds import RecordedHeads
+    fm, rows = model.decode, list(range(len(bins)))
+    res = StepResult([0] * len(bins), bins, [(0, 0)] * len(bins), torch.zeros(len(bins), 1))
+    heads = MegakernelHeads(res, rows, fm.decoder(1), MegakernelStepper(fm).n_bins, model.config.tokenizer)
+    dev = fm.object_rounds(fm.decoder(4))
+    recorded = RecordedHeads([[0, b, 0, 0, 0] for b in bins], rows, dev.n_bins)
+    return [heads.coords(rows), recorded.coords(rows), dev.coord_table[bins].float().tolist()]

@@ -194,3 +194,23 @@ def assert_same_results(got: list[dict], want: list[dict], score_atol: float) ->
     for g, w in zip(got_scores, want_scores):
         assert g == pytest.approx(w, abs=score_atol, rel=0)
     return want_scores
+
+
+# The training code's module names (as in a Moondream final.pt); lora.py and the reference rename them.
+TRAINED_NAMES = {"attn.qkv": "mixer.Wqkv", "attn.proj": "mixer.out_proj", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+
+
+def lora_adapter(cfg, rank: int = 4, seed: int = 0, zero_b: bool = False, trained_names: bool = True) -> dict:
+    """A random adapter for the text config `cfg` (config.TextConfig)."""
+    g = torch.Generator().manual_seed(seed)
+    hd = cfg.dim // cfg.n_heads
+    dims = {"attn.qkv": (cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd), "attn.proj": (cfg.dim, cfg.dim),
+            "mlp.fc1": (cfg.dim, cfg.ff_dim), "mlp.fc2": (cfg.ff_dim, cfg.dim)}
+    sd = {}
+    for i in range(cfg.n_layers):
+        for lin, (n_in, n_out) in dims.items():
+            key = (f"text_model.transformer.h.{i}.{TRAINED_NAMES[lin]}.parametrizations.weight.0" if trained_names
+                   else f"text.blocks.{i}.{lin}")
+            sd[key + ".A"] = torch.randn(rank, n_in, generator=g) * 0.2
+            sd[key + ".B"] = torch.zeros(n_out, rank) if zero_b else torch.randn(n_out, rank, generator=g) * 0.1
+    return sd

@@ -15,7 +15,7 @@ def test_load_picks_the_family():
     assert photon_core.registry.recognise(checkpoint()).family.name == "moondream"
     vision = photon_core.load(checkpoint())
     image = np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)
-    result = vision.detect(image, "cup", max_objects=1)
+    result = vision.detect(image, "cup", settings={"max_objects": 1})
     assert set(result) == {"objects"} and len(result["objects"]) == 1
     speech = photon_core.load("whisper-tiny.en")
     assert speech.transcribe(np.zeros(16000, np.float32), sample_rate=16000)["text"] == ""

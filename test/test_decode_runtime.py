@@ -80,9 +80,10 @@ def test_decode_length():
 
 
 def test_triton_ops_required():
-    decode.require_triton_ops(type("Ops", (), {"NAME": "megakernel"}), "Toy", "load_toy")
-    with pytest.raises(ValueError, match="Toy decode megakernel needs a model on the Triton ops"):
-        decode.require_triton_ops(reference, "Toy", "load_toy")
+    decode.require_triton_ops(type("Ops", (), {"COMPILES_STEPS": True}), "Toy", "load_toy")
+    for ops in (reference, type("Ops", (), {"NAME": "megakernel"})):   # by capability, not by name
+        with pytest.raises(ValueError, match="Toy decode megakernel needs a model on the Triton ops"):
+            decode.require_triton_ops(ops, "Toy", "load_toy")
 
 
 def test_steps_built_once_per_bucket_on_the_first_weights():
@@ -283,3 +284,30 @@ def test_generate_on_device_rounds_gives_the_host_loops_steps():
     s = RoundSession(scripts)
     s.rounds = None
     assert list(generate(s, sampled, rooms, {0}, _greedy)) == host
+
+
+def test_prefilled_kv_lands_in_its_rows_and_positions_only():
+    """copy_prefilled_kv into a layered region (kcache [L, B, H, T, D]) and into per-layer caches
+    of their own lengths: the rows and positions asked for take the prefill (cast to the step's
+    dtype), everything else keeps its NaN; what does not fit is refused before anything is written."""
+    L, B, H, T, D = 2, 4, 2, 8, 3
+    views = {"kcache": torch.full((L, B, H, T, D), float("nan")), "vcache": torch.full((L, B, H, T, D), float("nan")),
+             "L0.k": torch.full((B, H, T, D), float("nan")), "L0.v": torch.full((B, H, T, D), float("nan")),
+             "L1.k": torch.full((B, H, 4, D), float("nan")), "L1.v": torch.full((B, H, 4, D), float("nan"))}
+    step = type("Step", (), {"view": lambda self, name: views[name]})()
+    kv = [(torch.randn(2, H, T, D, dtype=torch.float64), torch.randn(2, H, T, D, dtype=torch.float64))
+          for _ in range(L)]
+    decode.copy_prefilled_kv(step, ("kcache", "vcache"), kv, slice(1, 3), 5)
+    for i in range(L):
+        assert torch.equal(views["kcache"][i, 1:3, :, :5], kv[i][0][:, :, :5].float())
+        assert torch.equal(views["vcache"][i, 1:3, :, :5], kv[i][1][:, :, :5].float())
+    assert views["kcache"][:, 1:3, :, 5:].isnan().all() and views["kcache"][:, [0, 3]].isnan().all()
+    short = {0: (torch.ones(1, H, 6, D), 2 * torch.ones(1, H, 6, D)), 1: (torch.ones(1, H, 4, D), torch.ones(1, H, 4, D))}
+    decode.copy_prefilled_kv(step, lambda i: (f"L{i}.k", f"L{i}.v"), short, slice(2, 3))   # every position held
+    assert (views["L0.v"][2, :, :6] == 2).all() and views["L0.v"][2, :, 6:].isnan().all()
+    assert (views["L1.k"][2] == 1).all() and views["L1.k"][[0, 1, 3]].isnan().all()
+    too_long = {1: (torch.ones(1, H, 5, D), torch.ones(1, H, 5, D))}
+    with pytest.raises(ValueError, match=r"1 rows x 5 positions do not fit .* layer 1's cache \[4 rows, 4 positions\]"):
+        decode.copy_prefilled_kv(step, lambda i: (f"L{i}.k", f"L{i}.v"), too_long, slice(0, 1))
+    with pytest.raises(ValueError, match="2 rows"):
+        decode.copy_prefilled_kv(step, ("kcache", "vcache"), kv, slice(3, 4))

@@ -21,6 +21,7 @@ from photon_core.megakernel import Tiling, plan, run_reference  # noqa: E402
 from photon_core.models.gemma4 import decoder_step, load_gemma4, text  # noqa: E402
 from photon_core.models.gemma4.megakernel_decode import MegakernelStepper  # noqa: E402
 from photon_core.runtime.requests import Request  # noqa: E402
+from photon_core.runtime.sampling import Sampling  # noqa: E402
 
 RTOL = 1e-4
 MAX_LEN = 96            # the image prompt is 84 tokens
@@ -105,8 +106,8 @@ def test_decode_after_prefill_equals_the_reference_backend(ref, mk_model):
     backend, then 6 decode steps: the compiled step's logits (softcapped) and greedy tokens equal
     the reference's batched decode step for step."""
     img = np.random.default_rng(1).integers(0, 256, (16, 24, 3), dtype=np.uint8)
-    rows = [ref._row(None, "describe this image in detail.", 8, 0.0, 1.0),
-            ref._row(img, "what is in this image?", 8, 0.0, 1.0)]
+    rows = [ref._row(None, "describe this image in detail.", Sampling(8)),
+            ref._row(img, "what is in this image?", Sampling(8))]
     assert len(rows[0].prompt) > WINDOW and rows[1].image is not None
     cfg = ref.config.text
     stepper = MegakernelStepper(mk_model.decode, 2, MAX_LEN)
@@ -133,12 +134,13 @@ def test_decode_after_prefill_equals_the_reference_backend(ref, mk_model):
 
 def test_query_on_the_megakernel_backend_answers_as_the_reference(ref, mk_model):
     question = "what is in this image?"
-    want = ref.query(None, question, max_tokens=4)["answer"]
+    greedy = {"temperature": 0, "max_tokens": 4}
+    want = ref.query(None, question, settings=greedy)["answer"]
     assert want    # a non-empty answer: the stream below has a first piece
-    stream = mk_model.query(None, question, stream=True, max_tokens=4)["answer"]
+    stream = mk_model.query(None, question, stream=True, settings=greedy)["answer"]
     first = next(stream)
     with pytest.raises(RuntimeError, match="one request or batch at a time"):
-        next(mk_model.query(None, "hello world", stream=True, max_tokens=1)["answer"])
+        next(mk_model.query(None, "hello world", stream=True, settings=greedy)["answer"])
     assert first + "".join(stream) == want
     assert 1 in mk_model.decode._steps
 
@@ -181,7 +183,7 @@ def test_greedy_batch_decodes_in_rounds_on_the_device(ref, mk_model):
     loop = mk_model.decode.loop(4)    # built before the context is cut (the step checks its max_len)
 
     def run(model, **kw):
-        rows = [ref._row(None, q, n, 0.0, 1.0) for q, n in asks]
+        rows = [ref._row(None, q, Sampling(n)) for q, n in asks]
         cfg, full = model.config.text, model.config.text.max_context
         object.__setattr__(cfg, "max_context", context)   # BatchDecoder reads it when built
         try:

@@ -23,6 +23,10 @@ ATOL = 2e-4
 STEPS = 20
 
 
+def greedy(n: int) -> dict:
+    return {"temperature": 0, "max_tokens": n}
+
+
 @pytest.fixture(scope="module")
 def model(gemma4_dir):
     return load_gemma4(gemma4_dir)
@@ -105,20 +109,25 @@ def test_image_prompt_logits_and_decode_match_transformers(model, gemma4_hf, ima
 def test_query_caption_stream_and_text_only(model, image):
     enc = model.encode_image(image)
     assert isinstance(enc, EncodedImage) and model.encode_image(enc) is enc
-    answer = model.query(image, "what is in this image?", max_tokens=8)
+    answer = model.query(image, "what is in this image?", settings=greedy(8))
     assert set(answer) == {"answer"} and isinstance(answer["answer"], str)
-    assert model.query(enc, "what is in this image?", max_tokens=8) == answer
-    pieces = model.query(enc, "what is in this image?", stream=True, max_tokens=8)["answer"]
+    assert model.query(enc, "what is in this image?", settings=greedy(8)) == answer
+    pieces = model.query(enc, "what is in this image?", stream=True, settings=greedy(8))["answer"]
     assert not isinstance(pieces, str) and "".join(pieces) == answer["answer"]
-    cap = model.caption(image, length="short", max_tokens=6)
-    streamed = model.caption(enc, "short", stream=True, max_tokens=6)["caption"]
+    cap = model.caption(image, length="short", settings=greedy(6))
+    streamed = model.caption(enc, "short", stream=True, settings=greedy(6))["caption"]
     assert set(cap) == {"caption"} and "".join(streamed) == cap["caption"]
-    text_only = model.query(None, "hello world", max_tokens=6)
+    text_only = model.query(None, "hello world", settings=greedy(6))
     assert isinstance(text_only["answer"], str)
     # Sampling is seeded and goes through ops.sample; temperature 0 is greedy.
-    a = model.query(enc, "hello", max_tokens=8, temperature=1.0, top_p=0.9, seed=4)
-    assert a == model.query(enc, "hello", max_tokens=8, temperature=1.0, top_p=0.9, seed=4)
-    assert model.query(enc, "hello", max_tokens=8, temperature=0.0, seed=4) == model.query(enc, "hello", max_tokens=8)
+    a = model.query(enc, "hello", settings={"max_tokens": 8, "temperature": 1.0, "top_p": 0.9}, seed=4)
+    assert a == model.query(enc, "hello", settings={"max_tokens": 8, "temperature": 1.0, "top_p": 0.9}, seed=4)
+    assert model.query(enc, "hello", settings=greedy(8), seed=4) == model.query(enc, "hello", settings=greedy(8))
+    # Settings left out are the reference's (temperature 0.5, top_p 0.3); max_tokens bounds the answer.
+    assert model.query(enc, "hello", settings={"max_tokens": 4}, seed=3) == \
+        model.query(enc, "hello", settings={"max_tokens": 4, "temperature": 0.5, "top_p": 0.3}, seed=3)
+    short = model.query(None, "hello world", settings=greedy(2))["answer"]
+    assert text_only["answer"].startswith(short) and len(short) < len(text_only["answer"])
 
 
 def test_batch_matches_single_calls(model, image):
@@ -127,10 +136,10 @@ def test_batch_matches_single_calls(model, image):
             Request("query", image, "how many people are there?", max_tokens=3),
             Request("caption", other, "", max_tokens=4)]
     out = model.batch(reqs)
-    assert out[0] == model.caption(image, "short", max_tokens=5)
-    assert out[1] == model.query(other, "what is this?", max_tokens=7)
-    assert out[2] == model.query(image, "how many people are there?", max_tokens=3)
-    assert out[3] == model.caption(other, "normal", max_tokens=4)
+    assert out[0] == model.caption(image, "short", settings=greedy(5))
+    assert out[1] == model.query(other, "what is this?", settings=greedy(7))
+    assert out[2] == model.query(image, "how many people are there?", settings=greedy(3))
+    assert out[3] == model.caption(other, "normal", settings=greedy(4))
     assert model.batch([]) == []
     # progress hears each row's text as it grows; a canceled row stops at its next step, the others go on.
     heard, stop = [], threading.Event()
@@ -154,7 +163,15 @@ def test_bad_inputs_are_refused(model, image):
     with pytest.raises(ValueError, match="caption length"):
         model.caption(image, length="huge")
     with pytest.raises(ValueError, match="top_p"):
-        model.query(image, "what?", top_p=0.0)
+        model.query(image, "what?", settings={"top_p": 0.0})
+    with pytest.raises(TypeError, match="unknown settings"):
+        model.caption(image, settings={"max_token": 4})
+    with pytest.raises(NotImplementedError, match="variants are Moondream's"):
+        model.caption(image, settings={"variant": "ft@1"})
+    with pytest.raises(NotImplementedError, match="reasoning"):
+        model.batch([Request("query", image, "what?", reasoning=True)])
+    with pytest.raises(NotImplementedError, match="spatial_refs"):
+        model.query(image, "what is here?", spatial_refs=[(0.1, 0.2, 0.3, 0.4)])
     with pytest.raises(ValueError, match="cannot 'detect'"):
         model.batch([Request("detect", image, "cup")])
     with pytest.raises(ValueError, match="image placeholders"):
@@ -173,6 +190,6 @@ def test_registry_load_and_command_line(gemma4_dir, image, tmp_path, capsys):
     assert main(["query", str(path), "what is in this image?", "--model", str(gemma4_dir), "--max-tokens", "4"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == gemma4_dir.name
-    assert out["answer"] == m.query(image, "what is in this image?", max_tokens=4)["answer"]
+    assert out["answer"] == m.query(image, "what is in this image?", settings=greedy(4))["answer"]
     assert main(["caption", str(path), "--model", str(gemma4_dir), "--max-tokens", "3", "--length", "short"]) == 0
-    assert json.loads(capsys.readouterr().out)["caption"] == m.caption(image, "short", max_tokens=3)["caption"]
+    assert json.loads(capsys.readouterr().out)["caption"] == m.caption(image, "short", settings=greedy(3))["caption"]

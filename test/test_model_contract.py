@@ -3,6 +3,8 @@ results of the documented shapes from the single calls and from batch(), on each
 test checkpoint loaded through photon_core.load (the path the nodes and the CLI take)."""
 from __future__ import annotations
 
+import inspect
+
 from pathlib import Path
 from typing import Callable
 
@@ -83,11 +85,19 @@ def test_vision_family_meets_the_contract(name, tmp_path):
     assert isinstance(model.model_id, str) and model.model_id
     enc = model.encode_image(_image())
     assert model.encode_image(enc) is enc
-    calls = {"caption": lambda: model.caption(enc, length="short", max_tokens=3),
-             "query": lambda: model.query(enc, "what is this?", max_tokens=3),
-             "detect": lambda: model.detect(enc, "cup", max_objects=2),
-             "point": lambda: model.point(enc, "cup", max_objects=2),
-             "segment": lambda: model.segment(enc, "cup", max_tokens=4)}
+    # caption and query have the contract's signature in every family (names, order, defaults; a
+    # family may add keywords after them), so one call runs on any of them.
+    for skill in sorted(family.skills & {"caption", "query"}):
+        want = list(inspect.signature(getattr(contracts.SKILL_PROTOCOLS[skill], skill)).parameters.values())[1:]
+        got = list(inspect.signature(getattr(model, skill)).parameters.values())[:len(want)]
+        assert [(p.name, p.default) for p in got] == [(p.name, p.default) for p in want], skill
+    # Every family takes the reference's `settings` dicts.
+    text = {"max_tokens": 3, "temperature": 0}
+    calls = {"caption": lambda: model.caption(enc, length="short", settings=text),
+             "query": lambda: model.query(enc, "what is this?", settings=text),
+             "detect": lambda: model.detect(enc, "cup", settings={"max_objects": 2}),
+             "point": lambda: model.point(enc, "cup", settings={"max_objects": 2}),
+             "segment": lambda: model.segment(enc, "cup", settings={"max_tokens": 4})}
     for skill in sorted(family.skills):
         contracts.check_result(skill, calls[skill]())
     # batch: any mix of the family's batchable skills, results in order with the single calls' shapes

@@ -28,6 +28,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import moondream_fast_fixtures as ff  # noqa: E402
@@ -45,6 +46,7 @@ from photon_core.models.moondream3 import text as md3_text  # noqa: E402
 from photon_core.models.moondream3.config import Moondream3Config  # noqa: E402
 
 RTOL = 1e-4
+TAU_ATOL = 1e-5     # layer 0's tau vector t in (-1, 1), fp32: compiled within 1.5e-6 of the formula
 SCORE_ATOL = 2e-5   # a sigmoid of a logit difference: measured within 1.5e-6 of the reference's (FP8 experts)
 # Wide tiles for the skills: the interpreter's cost is per task, not per byte. The step test uses
 # narrower ones (several K steps, KV splits and their merge, many tiles per argmax).
@@ -141,6 +143,15 @@ def test_compiled_step_equals_the_eager_graph_and_the_model(pair, encoded):
         for want in (graph["logits"], model["logits"]):
             assert rel_err(mk.logits[finite], want[finite]) < RTOL
         assert got.tokens == graph["results"]["token"] == model["tokens"]
+        # Tau's GELU is the tanh approximation (m87-labs/kestrel PR #162), seen where it acts:
+        # layer 0's t = tanh(gelu(qkv) @ Wtau.T) from this step's input, within ~1.5e-6; the exact
+        # erf's t is 1.2e-4 or more away (the residual stream dilutes that below RTOL's reach).
+        b0 = tw.blocks[0]
+        qkv0 = ref.linear(ref.layer_norm(emb, *b0.ln), *b0.qkv)
+        tau0 = {a: torch.tanh(F.gelu(qkv0, approximate=a) @ b0.tau_wqwv.T) for a in ("tanh", "none")}
+        for t0 in (mk.view("L0.tau"), graph[mk.graph_def.exposed["L0.tau"].name]):
+            assert (t0 - tau0["tanh"]).abs().max() < TAU_ATOL
+        assert (tau0["none"] - tau0["tanh"]).abs().max() > 5 * TAU_ATOL
         if heads:
             assert got.coord_bins == graph["results"]["coord"] == model["coord_bins"]
             assert got.size_bins == list(zip(graph["results"]["width"], graph["results"]["height"])) \
@@ -222,11 +233,11 @@ def test_greedy_caption_decodes_in_rounds_on_the_device(pair, encoded):
     give the reference's text."""
     ref_m, fast = pair
     ref_e, fast_e = encoded
-    want = ref_m.caption(ref_e, "short", max_tokens=6)
+    want = ref_m.caption(ref_e, "short", settings={"temperature": 0, "max_tokens": 6})
     fast.decode.decoder(1)
     loop = fast.decode._text_loop
     before = loop.rounds
-    assert "".join(fast.caption(fast_e, "short", max_tokens=6, stream=True)["caption"]) == want["caption"]
+    assert "".join(fast.caption(fast_e, "short", stream=True, settings={"temperature": 0, "max_tokens": 6})["caption"]) == want["caption"]
     assert len(set(want["caption"].split())) > 2 and loop.rounds - before >= 1
 
 
@@ -250,10 +261,28 @@ def test_fp8_experts_stay_fp8_on_the_megakernel(pair):
     assert dense.weight_bytes_per_step() - mk.weight_bytes_per_step() == ck.TOPK * (per_expert * 3 - 4 * (2 * I + d))
 
 
+def test_device_paths_decode_coordinate_bins_as_moondream3_1(pair, encoded):
+    """bin / 1023, the last bin exactly 1.0 (the makers' engine: m87-labs/kestrel,
+    kestrel/models/moondream/region.py, linspace(0, 1, 1024)[bin]) on every device path: the batched
+    stepper's heads, the device rounds (recorded heads, the encoder-input table) and segment's
+    launches. Moondream 2 keeps bin / 1024 (test_moondream_fast)."""
+    from photon_core.models.moondream.decoder_step import StepResult
+    _, fast = pair
+    bins = [1023, 512, 0]
+    want = [1.0, 512 / 1023, 0.0]
+    heads, recorded, table = ff.device_coords(fast, bins)
+    assert heads == recorded == want
+    assert table == torch.tensor(want, dtype=fast.region_w.coord_features.dtype).tolist() and table[0] == 1.0
+    with fast.decode.sequence(encoded[1], encoded[1].pos + 1) as s:
+        steps = seg._MegakernelSteps(s)
+        steps.res = StepResult([0], [1023], [(0, 0)], torch.zeros(1, 1))
+        assert steps.coord() == 1.0
+
+
 def test_megakernel_model_rules(pair, encoded):
     ref_m, fast = pair
     with pytest.raises(ValueError, match="another model"):
-        fast.segment(encoded[0], "cup", max_tokens=2)   # the reference model's EncodedImage
+        fast.segment(encoded[0], "cup", settings={"max_tokens": 2})   # the reference model's EncodedImage
     assert isinstance(fast.decode.decoder(1), md3.Moondream3DecoderMegakernel)
     assert ref_m.decode is None
 

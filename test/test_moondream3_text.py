@@ -2,7 +2,11 @@
 public reference): the whole decoder (tau attention, partial rotary, the prefix-bidirectional mask,
 dense and MoE layers) written out from the facts, token by token for the experts; tau against its
 formula; MoE against a loop over experts; and the all-dense, tau-free configuration against
-Moondream 2's decoder (proven against the public reference in test_moondream_reference.py)."""
+Moondream 2's decoder (proven against the public reference in test_moondream_reference.py).
+
+Tau's GELU is the tanh approximation, the makers' engine's (m87-labs/kestrel PR #162, "Fix Moondream
+tau GELU semantics"), not the exact erf of vLLM and the 3-preview code: TAU_GELU below, and
+test_tau_gelu_is_the_makers_tanh_approximation shows the choice is visible in the output."""
 from __future__ import annotations
 
 import math
@@ -20,6 +24,7 @@ from photon_core.models.moondream3 import text as md3_text
 from photon_core.models.moondream3.config import Moondream3Config, TextConfig
 
 PREFIX = 730
+TAU_GELU = "tanh"   # F.gelu's `approximate` for tau (module docstring)
 
 
 def plain_moe(h: torch.Tensor, rw, rb, gate_up, down, top_k: int) -> torch.Tensor:
@@ -40,8 +45,9 @@ def plain_moe(h: torch.Tensor, rw, rb, gate_up, down, top_k: int) -> torch.Tenso
     return out
 
 
-def plain_decoder(sd: dict, cfg: dict, x: torch.Tensor) -> torch.Tensor:
-    """[T, dim] input embeddings at positions 0..T-1 -> hidden states before post_ln, [T, dim]."""
+def plain_decoder(sd: dict, cfg: dict, x: torch.Tensor, tau_gelu: str = TAU_GELU) -> torch.Tensor:
+    """[T, dim] input embeddings at positions 0..T-1 -> hidden states before post_ln, [T, dim];
+    tau_gelu: F.gelu's `approximate` in tau ("none": the exact erf, for contrast)."""
     t = cfg["text"]
     d, nh = t["dim"], t["n_heads"]
     hd, n = d // t["n_heads"], x.shape[0]
@@ -67,7 +73,7 @@ def plain_decoder(sd: dict, cfg: dict, x: torch.Tensor) -> torch.Tensor:
         qkv = h @ w["attn.qkv.weight"].T + w["attn.qkv.bias"]
         q, k, v = (z.reshape(n, nh, hd) for z in qkv.split(d, dim=-1))
         if t.get("tau_attn"):
-            tok = torch.tanh(F.gelu(qkv) @ w["tau_wqwv"].T)
+            tok = torch.tanh(F.gelu(qkv, approximate=tau_gelu) @ w["tau_wqwv"].T)
             where = torch.sigmoid(w["tau_alpha"][None] * torch.log(pos[:, None] + 1)) + 0.5
             q = q * (tok[:, :nh] + where)[..., None]
             v = v * (tok[:, nh:] + where)[..., None]
@@ -130,6 +136,18 @@ def test_the_layers_really_differ(tiny):
     assert (plain_decoder(sd2, cfg, x) - base).abs().max() > 1e-2
 
 
+def test_tau_gelu_is_the_makers_tanh_approximation(tiny):
+    """The decoder follows the tanh-GELU equations within 1e-4 (above); with tau's exact erf GELU
+    instead they move by far more than that, so reverting the choice fails these tests."""
+    cfg, sd, config, _ = tiny
+    w = md3_text.TextWeights.from_state({k: v.double() for k, v in sd.items()}, config.text)
+    x = torch.randn(PREFIX + 4, cfg["text"]["dim"], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    cache = md3_text.KVCache(config.text, x.shape[0], torch.float64, "cpu")
+    got = md3_text.forward(x[None], 0, w, config.text, cache, ref_ops)[0]
+    tanh, erf = plain_decoder(sd, cfg, x), plain_decoder(sd, cfg, x, tau_gelu="none")
+    assert (got - tanh).abs().max() < 1e-4 < 1e-2 < (got - erf).abs().max()
+
+
 def test_tau_position_is_the_formula():
     alpha = torch.tensor([-2.0, 0.0, 0.5, 3.0])
     positions = torch.tensor([0, 1, 7, 49, 32767])
@@ -151,7 +169,7 @@ def test_tau_scale_is_the_formula(tiny):
     for bb in range(2):
         for t in range(3):
             for h in range(nh):
-                z = F.gelu(qkv[bb, t])
+                z = F.gelu(qkv[bb, t], approximate=TAU_GELU)
                 where = 1 / (1 + math.exp(-float(b.tau_alpha[h]) * math.log(10 + t + 1))) + 0.5
                 tq = math.tanh(float(z @ b.tau_wqwv[h])) + where
                 tv = math.tanh(float(z @ b.tau_wqwv[nh + h])) + where

@@ -1,6 +1,8 @@
 """Moondream 3's text decoder (tau attention, dense and MoE layers, the region head) on the per-op
 Triton backend, under the CPU interpreter, against the reference backend on the same small weights:
-a prefill with a bidirectional prefix, then batched decode steps of two rows at different positions."""
+a prefill with a bidirectional prefix, then batched decode steps of two rows at different positions;
+the prefill also against the decoder's equations (test_moondream3_text.plain_decoder, tau's tanh GELU).
+Coordinate bins on both host backends: Moondream 3.1's bin / 1023, Moondream 2's bin / 1024."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
@@ -9,7 +11,10 @@ import dataclasses  # noqa: E402
 
 import torch  # noqa: E402
 
+import moondream_fixtures as mf  # noqa: E402
 import test_moondream3_checkpoints as ck  # noqa: E402
+from test_moondream3_text import plain_decoder  # noqa: E402
+from photon_core.models.moondream import region as md2_region  # noqa: E402
 from photon_core.backends import reference as ref  # noqa: E402
 from photon_core.backends.select import get_backend  # noqa: E402
 from photon_core.models.moondream3 import region as md3_region  # noqa: E402
@@ -52,3 +57,26 @@ def test_decoder_on_triton_matches_reference():
     assert rel_err(k_tri[:, :1, :, :8], k_ref[:, :1, :, :8]) < 1e-4 and rel_err(k_tri[:, 1:], k_ref[:, 1:]) < 1e-4
     assert torch.equal(l_tri.argmax(-1), l_ref.argmax(-1))
     assert c_tri == c_ref and s_tri == s_ref
+    # Each row's prefill (positions 0..5) against the equations in float64: close with tau's tanh
+    # GELU, far from them with the exact erf one.
+    plain_cfg = dict(cfg, text=dict(cfg["text"], prefix_attn=4))
+    got = h_tri[:12].double()
+    tanh, erf = (torch.cat([plain_decoder(sd, plain_cfg, xr, tau_gelu=a) for xr in x]) for a in ("tanh", "none"))
+    assert rel_err(got, tanh) < 1e-5 < 1e-4 < rel_err(got, erf)       # measured 5e-7 and 3e-4
+
+
+def test_coordinate_bins_decode_by_each_model_rule():
+    """The host region heads on both backends: Moondream 3.1's bin / 1023, the last bin exactly 1.0
+    (the makers' engine: m87-labs/kestrel, kestrel/models/moondream/region.py, linspace(0, 1, 1024));
+    Moondream 2's bin / 1024 (its public code). The bins are forced by the heads' biases."""
+    cfg = ck.md3_config(text_layers=1, start_layer=1)
+    sd3 = ck.random_md3_state(cfg, seed=12, object_bias=False)
+    sd2 = mf.random_state(mf.small_config(text_layers=1), seed=12, object_bias=False)
+    hidden = torch.randn(2, cfg["text"]["dim"], generator=torch.Generator().manual_seed(2))
+    want = {3: {1023: 1.0, 512: 512 / 1023}, 2: {1023: 1023 / 1024, 512: 0.5}}
+    for ops in (ref, get_backend("triton", "cpu")):
+        for b in (1023, 512):
+            sd3["region.coord_head.bias"] = torch.zeros(1024).index_fill_(0, torch.tensor([b]), 1e4)
+            sd2["region.coord_decoder.fc2.bias"] = torch.zeros(1024).index_fill_(0, torch.tensor([b]), 1e4)
+            assert md3_region.decode_coords(hidden, md3_region.RegionWeights.from_state(sd3), ops) == [want[3][b]] * 2
+            assert md2_region.decode_coords(hidden, md2_region.RegionWeights.from_state(sd2), ops) == [want[2][b]] * 2

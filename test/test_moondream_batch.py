@@ -26,7 +26,7 @@ def test_batched_encoding_equals_single():
         assert enc.tiling == single.tiling and enc.pos == single.pos
         torch.testing.assert_close(enc.k, single.k, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(enc.v, single.v, rtol=1e-4, atol=1e-5)
-        assert m.detect(enc, "cup", max_objects=2) == m.detect(single, "cup", max_objects=2)
+        assert m.detect(enc, "cup", settings={"max_objects": 2}) == m.detect(single, "cup", settings={"max_objects": 2})
 
 
 def test_decode_step_with_per_row_positions_equals_each_row_alone():
@@ -63,10 +63,10 @@ def test_batched_requests_equal_single_calls(object_bias):
                 Request("caption", a, "short", max_tokens=6), Request("query", c, "what is this?", max_tokens=5),
                 Request("detect", enc_a, "person", max_objects=2), Request("point", c, "cup", max_objects=0),
                 Request("caption", c, "normal", max_tokens=0)]
-    want = [m.detect(a, "cup", max_objects=3), m.point(b, "dog", max_objects=4),
-            m.caption(a, "short", max_tokens=6), m.query(c, "what is this?", max_tokens=5),
-            m.detect(enc_a, "person", max_objects=2), m.point(c, "cup", max_objects=0),
-            m.caption(c, "normal", max_tokens=0)]
+    want = [m.detect(a, "cup", settings={"max_objects": 3}), m.point(b, "dog", settings={"max_objects": 4}),
+            m.caption(a, "short", settings={"temperature": 0, "max_tokens": 6}), m.query(c, "what is this?", settings={"temperature": 0, "max_tokens": 5}),
+            m.detect(enc_a, "person", settings={"max_objects": 2}), m.point(c, "cup", settings={"max_objects": 0}),
+            m.caption(c, "normal", settings={"temperature": 0, "max_tokens": 0})]
     got = m.batch(requests)
     # Objects and text equal; scores to float rounding (a batch's LM head is one matmul of all rows).
     scores = assert_same_results(got, want, score_atol=1e-5)
@@ -106,7 +106,7 @@ def test_batcher_gathers_concurrent_requests():
         t.join(timeout=120)
     assert batcher.sizes == [8]
     for frame, result in zip(frames, results):
-        assert result == [m.detect(frame, "cup", max_objects=2), m.point(frame, "dog", max_objects=1)]
+        assert result == [m.detect(frame, "cup", settings={"max_objects": 2}), m.point(frame, "dog", settings={"max_objects": 1})]
 
 
 def test_one_callers_bad_request_fails_only_that_caller():
@@ -127,7 +127,7 @@ def test_one_callers_bad_request_fails_only_that_caller():
     for t in threads:
         t.join(timeout=120)
     assert isinstance(outcome["bad"], ValueError) and "non-empty" in str(outcome["bad"])
-    assert outcome["good"] == [m.point(frame, "cup", max_objects=1)]
+    assert outcome["good"] == [m.point(frame, "cup", settings={"max_objects": 1})]
 
 
 def test_a_closed_batcher_serves_what_is_queued_then_stops():

@@ -246,17 +246,17 @@ def test_detect_and_point_match_reference(pair, encoded):
     fast.decode.device_rounds = False
     try:
         with ff.coord_margin(MARGIN, ref_m, fast):
-            got = fast.detect(fast_e, "cup", max_objects=2)
-            want = ref_m.detect(ref_e, "cup", max_objects=2)
+            got = fast.detect(fast_e, "cup", settings={"max_objects": 2})
+            want = ref_m.detect(ref_e, "cup", settings={"max_objects": 2})
             assert len(want["objects"]) == 2
             ff.assert_same_results([got], [want], SCORE_ATOL)
-            got = fast.point(fast_e, "dog", max_objects=2)
-            want = ref_m.point(ref_e, "dog", max_objects=2)
+            got = fast.point(fast_e, "dog", settings={"max_objects": 2})
+            want = ref_m.point(ref_e, "dog", settings={"max_objects": 2})
             assert len(want["points"]) == 2 and max(p["score"] for p in want["points"]) < 0.999
             ff.assert_same_results([got], [want], SCORE_ATOL)
     finally:
         fast.decode.device_rounds = True
-    assert fast.caption(fast_e, "short", max_tokens=2) == ref_m.caption(ref_e, "short", max_tokens=2)
+    assert fast.caption(fast_e, "short", settings={"temperature": 0, "max_tokens": 2}) == ref_m.caption(ref_e, "short", settings={"temperature": 0, "max_tokens": 2})
 
 
 def test_caption_and_query_match_reference():
@@ -265,11 +265,40 @@ def test_caption_and_query_match_reference():
     ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
     img = ff.image(seed=1)
     ref_e, fast_e = ref_m.encode_image(img), fast.encode_image(img)
-    want = ref_m.caption(ref_e, "short", max_tokens=4)
-    assert fast.caption(fast_e, "short", max_tokens=4) == want
+    want = ref_m.caption(ref_e, "short", settings={"temperature": 0, "max_tokens": 4})
+    assert fast.caption(fast_e, "short", settings={"temperature": 0, "max_tokens": 4}) == want
     assert len(set(want["caption"].split())) > 1  # not one token repeated
-    want = ref_m.query(ref_e, "what is this ?", max_tokens=3)
-    assert "".join(fast.query(fast_e, "what is this ?", max_tokens=3, stream=True)["answer"]) == want["answer"]
+    want = ref_m.query(ref_e, "what is this ?", settings={"temperature": 0, "max_tokens": 3})
+    assert "".join(fast.query(fast_e, "what is this ?", settings={"temperature": 0, "max_tokens": 3}, stream=True)["answer"]) == want["answer"]
+
+
+def test_query_features_match_across_backends(pair, encoded):
+    """Reasoning (its coordinates decoded by the region heads inside the text), spatial refs on
+    query and point, and a text-only query (causal from BOS): greedy results identical on the
+    reference ops, the per-op Triton kernels (batch.run's OpsStepper) and the megakernel (single
+    calls, streamed, and batched). A variant on the megakernel is refused."""
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    g = {"temperature": 0, "max_tokens": 3}
+    refs = [(0.25, 0.5), (0.1, 0.2, 0.6, 0.7)]
+
+    def asks(enc):
+        return [Request("query", enc, "what is this ?", settings=g, reasoning=True, spatial_refs=refs),
+                Request("point", enc, "cup", settings={"max_objects": 2}, spatial_refs=refs)]
+    want = ref_m.batch(asks(ref_e))
+    assert len(want[0]["reasoning"]["grounding"][0]["points"]) == 1   # the biased head: coords
+    ff.assert_same_results(batch_decoding.run(fast, asks(fast_e)), want, SCORE_ATOL)
+    ff.assert_same_results(fast.batch(asks(fast_e)), want, SCORE_ATOL)
+    streamed = fast.query(fast_e, "what is this ?", reasoning=True, spatial_refs=refs, stream=True, settings=g)
+    assert streamed["reasoning"] == want[0]["reasoning"] and "".join(streamed["answer"]) == want[0]["answer"]
+    with ff.coord_margin(-50.0, ref_m, fast):   # ordinary words
+        for image, kw in ((None, {}), (ref_e, {"spatial_refs": refs})):
+            ours = fast_e if image is not None else None
+            want_text = ref_m.query(image, "what is this ?", settings=g, **kw)
+            assert fast.query(ours, "what is this ?", settings=g, **kw) == want_text
+            assert batch_decoding.run(fast, [Request("query", ours, "what is this ?", settings=g, **kw)]) == [want_text]
+    with pytest.raises(NotImplementedError, match="variant"):
+        fast.detect(fast_e, "cup", settings={"variant": "any"})
 
 
 def test_greedy_caption_decodes_in_rounds_on_the_device():
@@ -280,12 +309,12 @@ def test_greedy_caption_decodes_in_rounds_on_the_device():
     ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
     img = ff.image(seed=1)
     ref_e, fast_e = ref_m.encode_image(img), fast.encode_image(img)
-    want = ref_m.caption(ref_e, "normal", max_tokens=11)
+    want = ref_m.caption(ref_e, "normal", settings={"temperature": 0, "max_tokens": 11})
     n = len(fast.tokenizer.encode(want["caption"]))
     fast.decode.decoder(1)
     loop = fast.decode._text_loop
     before = loop.rounds
-    assert fast.caption(fast_e, "normal", max_tokens=11) == want
+    assert fast.caption(fast_e, "normal", settings={"temperature": 0, "max_tokens": 11}) == want
     assert n >= 9 and len(set(want["caption"].split())) > 3
     assert loop.rounds - before == 2
 
@@ -294,11 +323,11 @@ def test_fast_model_rules(pair, encoded):
     ref_m, fast = pair
     ref_e, _ = encoded
     with pytest.raises(ValueError, match="another model"):
-        fast.detect(ref_e, "cup", max_objects=1)  # an EncodedImage of the reference model
+        fast.detect(ref_e, "cup", settings={"max_objects": 1})  # an EncodedImage of the reference model
     with pytest.raises(ValueError, match="Triton ops"):
         MegakernelDecode(ref_m)
     with pytest.raises(ValueError, match="max_objects"):
-        fast.point(encoded[1], "cup", max_objects=-1)
+        fast.point(encoded[1], "cup", settings={"max_objects": -1})
 
 
 def test_megakernel_batch_matches_reference(pair, encoded):
@@ -312,7 +341,7 @@ def test_megakernel_batch_matches_reference(pair, encoded):
     before = loop.rounds
     with ff.coord_margin(MARGIN, ref_m, fast):
         got = fast.batch([Request(t, fast_e, p, max_objects=n) for t, p, n in asks])
-        want = [getattr(ref_m, t)(ref_e, p, max_objects=n) for t, p, n in asks]
+        want = [getattr(ref_m, t)(ref_e, p, settings={"max_objects": n}) for t, p, n in asks]
     # The scores came from the rounds' records (the prompt step's first ones from the host's read).
     scores = ff.assert_same_results(got, want, SCORE_ATOL)
     assert [len(r.get("points", r.get("objects"))) for r in got] == [2, 3, 2]
@@ -362,10 +391,10 @@ def test_a_row_the_prompt_step_ends_may_sit_at_the_end_of_the_caches(pair, encod
     ref_e, fast_e = encoded
     det = Request("detect", fast_e, "red cup on the kitchen table", max_objects=0)
     pt = Request("point", fast_e, "cup", max_objects=1)
-    lengths = [len(batch_decoding._prompt(fast, r)) for r in (det, pt)]
+    lengths = [len(batch_decoding._prompt(fast, r, r.options())[0]) for r in (det, pt)]
     assert lengths[0] - lengths[1] >= 2                       # the point's 2 steps fit too
     fm = MegakernelDecode(fast, TILING, max_len=fast_e.pos + lengths[0])
-    assert fm.batch([det, pt]) == [{"objects": []}, ref_m.point(ref_e, "cup", max_objects=1)]
+    assert fm.batch([det, pt]) == [{"objects": []}, ref_m.point(ref_e, "cup", settings={"max_objects": 1})]
     assert fm.object_rounds(fm.decoder(2)).loop.rounds == 1
 
 
@@ -436,3 +465,13 @@ def test_megakernel_compiles_for_sm90():
         assert out[name]["cubin"] > 0
         assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # dependency waits
         assert "red.global.gpu.release.add" in ptx or "atom.global.gpu.release.add" in ptx  # signals
+
+
+def test_device_paths_decode_coordinate_bins_as_moondream2(pair):
+    """bin / 1024 (Moondream 2's public code) on every device path (Moondream 3.1: bin / 1023,
+    test_moondream3_megakernel)."""
+    _, fast = pair
+    want = [1023 / 1024, 0.5, 0.0]
+    heads, recorded, table = ff.device_coords(fast, [1023, 512, 0])
+    assert heads == recorded == want
+    assert table == torch.tensor(want, dtype=fast.region_w.coord_features.dtype).tolist()

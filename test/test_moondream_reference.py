@@ -130,14 +130,14 @@ def test_detect_and_point_match(pair, picture):
     # Encode first: the reference's encode_image reads settings["variant"] unguarded.
     pil = ref.encode_image(Image.fromarray(picture))
     r = ref.detect(pil, "cup", settings={"max_objects": 4})["objects"]
-    o = ours.detect(picture, "cup", max_objects=4)["objects"]
+    o = ours.detect(picture, "cup", settings={"max_objects": 4})["objects"]
     assert len(o) == len(r) == 4
     for a, b in zip(o, r):
         assert set(a) == set(b) | {"score"}     # the reference gives no score; ours is checked elsewhere
         for key in b:
             assert a[key] == pytest.approx(_clamp(b[key]), abs=1e-6)
     rp = ref.point(pil, "cup", settings={"max_objects": 3})["points"]
-    op = ours.point(picture, "cup", max_objects=3)["points"]
+    op = ours.point(picture, "cup", settings={"max_objects": 3})["points"]
     assert [{k: v for k, v in p.items() if k != "score"} for p in op] == [
         {"x": pytest.approx(p["x"], abs=1e-6), "y": pytest.approx(p["y"], abs=1e-6)} for p in rp]
     # Something actually varied: not all boxes identical.
@@ -154,10 +154,10 @@ def test_caption_and_query_match(pair, picture):
         pil = ref.encode_image(Image.fromarray(picture))
         settings = {"temperature": 0, "max_tokens": 8}
         rc = ref.caption(pil, length="normal", settings=settings)["caption"]
-        oc = ours.caption(picture, length="normal", max_tokens=8)["caption"]
+        oc = ours.caption(picture, length="normal", settings={"temperature": 0, "max_tokens": 8})["caption"]
         assert oc == rc and len(oc.split()) == 8
         rq = ref.query(pil, "what is this ?", settings=settings)["answer"]
-        oq = ours.query(picture, "what is this ?", max_tokens=8)["answer"]
+        oq = ours.query(picture, "what is this ?", settings={"temperature": 0, "max_tokens": 8})["answer"]
         assert oq == rq and len(oq.split()) == 8
     finally:
         ours.text_w.lm_head[1][mf.COORD_ID] += 100.0

@@ -46,12 +46,12 @@ def check_boxes_and_points(model, enc, n_objects: int, n_points: int) -> None:
     """detect and point give exactly n_objects boxes and n_points points (the tiny checkpoints' biased
     LM head never says eos), ordered boxes, all values in [0, 1], each object with its score, a
     probability (at least 0.5: greedy decoding went on) (also Moondream 3's tests' check)."""
-    det = model.detect(enc, "cup", max_objects=n_objects)
+    det = model.detect(enc, "cup", settings={"max_objects": n_objects})
     assert set(det) == {"objects"} and len(det["objects"]) == n_objects
     for o in det["objects"]:
         assert set(o) == {"x_min", "y_min", "x_max", "y_max", "score"} and _in_unit(*o.values())
         assert o["x_min"] <= o["x_max"] and o["y_min"] <= o["y_max"] and o["score"] >= 0.5
-    pts = model.point(enc, "cup", max_objects=n_points)
+    pts = model.point(enc, "cup", settings={"max_objects": n_points})
     assert set(pts) == {"points"} and len(pts["points"]) == n_points
     assert all(set(p) == {"x", "y", "score"} and _in_unit(*p.values()) and p["score"] >= 0.5
                for p in pts["points"])
@@ -59,19 +59,19 @@ def check_boxes_and_points(model, enc, n_objects: int, n_points: int) -> None:
 
 def test_all_skills_well_formed(model, enc):
     check_boxes_and_points(model, enc, 4, 3)
-    assert model.detect(enc, "cup", max_objects=0) == {"objects": []}
-    cap = model.caption(enc, length="short", max_tokens=6)["caption"]
+    assert model.detect(enc, "cup", settings={"max_objects": 0}) == {"objects": []}
+    cap = model.caption(enc, length="short", settings={"temperature": 0, "max_tokens": 6})["caption"]
     assert isinstance(cap, str) and len(cap.split()) == 6  # WordLevel: one word per token, no eos drawn
-    ans = model.query(enc, "what is this ?", max_tokens=5)["answer"]
+    ans = model.query(enc, "what is this ?", settings={"temperature": 0, "max_tokens": 5})["answer"]
     assert isinstance(ans, str) and len(ans.split()) == 5
     assert model.model_id == "moondream2"
 
 
 def test_streaming_matches_plain(model, enc):
     for skill, kw in (("caption", {"length": "long"}), ("query", {"question": "what is the robot ?"})):
-        plain = getattr(model, skill)(enc, max_tokens=7, **kw)
+        plain = getattr(model, skill)(enc, settings={"temperature": 0, "max_tokens": 7}, **kw)
         key = "caption" if skill == "caption" else "answer"
-        gen = getattr(model, skill)(enc, max_tokens=7, stream=True, **kw)[key]
+        gen = getattr(model, skill)(enc, settings={"temperature": 0, "max_tokens": 7}, stream=True, **kw)[key]
         assert not isinstance(gen, str)
         pieces = list(gen)
         assert len(pieces) > 1 and "".join(pieces) == plain[key]
@@ -79,11 +79,11 @@ def test_streaming_matches_plain(model, enc):
 
 def test_sampling_settings(model, enc):
     torch.manual_seed(0)
-    out = model.caption(enc, max_tokens=4, temperature=0.8, top_p=0.5)["caption"]
+    out = model.caption(enc, settings={"max_tokens": 4, "temperature": 0.8, "top_p": 0.5})["caption"]
     assert len(out.split()) == 4
     for bad in ({"top_p": 0.0}, {"temperature": -1.0}, {"max_tokens": -1}):
         with pytest.raises(ValueError):
-            model.caption(enc, **bad)
+            model.caption(enc, settings=bad)
     with pytest.raises(ValueError, match="length"):
         model.caption(enc, length="huge")
     with pytest.raises(ValueError):
@@ -133,7 +133,7 @@ def _size_embedding(sd, w, h):
 def test_decode_protocol(model, enc, monkeypatch, skill, steps):
     n = 3
     spy = Spy(monkeypatch)
-    result = getattr(model, skill)(enc, "cup", max_objects=n)
+    result = getattr(model, skill)(enc, "cup", settings={"max_objects": n})
     objs = result["objects" if skill == "detect" else "points"]
     assert len(objs) == n
     ev = spy.events
@@ -188,7 +188,7 @@ def test_scores_are_the_probability_of_another_object(model, enc, monkeypatch):
     boundary's gap ends the list at its first boundary."""
     n = 3
     spy = Spy(monkeypatch)
-    base = model.point(enc, "cup", max_objects=n)["points"]
+    base = model.point(enc, "cup", settings={"max_objects": n})["points"]
     hidden = torch.cat([args[0] for name, args, _ in spy.events if name == "lm_logits"]).double()
     assert hidden.shape[0] == n + 1                        # n boundaries that went on, and the budget's
     sd = _region_weights(mf.checkpoint())
@@ -206,13 +206,13 @@ def test_scores_are_the_probability_of_another_object(model, enc, monkeypatch):
         shifted = bias.clone()
         shifted[mf.COORD_ID] = bias[mf.EOS_ID] + margin
         monkeypatch.setattr(model.text_w, "lm_head", (weight, shifted))
-        got = model.point(enc, "cup", max_objects=n)["points"]
+        got = model.point(enc, "cup", settings={"max_objects": n})["points"]
         assert [(p["x"], p["y"]) for p in got] == [(p["x"], p["y"]) for p in base]
         scores = [p["score"] for p in got]
         assert scores == pytest.approx(expected(margin), abs=1e-5)
         assert 0.5 <= min(scores) and max(scores) < 0.999 and max(scores) - min(scores) > 0.05
     shifted[mf.COORD_ID] = bias[mf.EOS_ID] - gap.max().item() - 0.5
-    assert model.point(enc, "cup", max_objects=n) == {"points": []}
+    assert model.point(enc, "cup", settings={"max_objects": n}) == {"points": []}
 
 
 @pytest.mark.parametrize("skill,steps", [("detect", 3), ("point", 2)])
@@ -234,7 +234,7 @@ def test_eos_only_at_object_boundary(model, enc, monkeypatch, skill, steps):
     steps_seen = []
     real_forward = text.forward
     monkeypatch.setattr(text, "forward", lambda x, *a, **kw: steps_seen.append(x.shape[1]) or real_forward(x, *a, **kw))
-    out = getattr(model, skill)(enc, "cup", max_objects=10)
+    out = getattr(model, skill)(enc, "cup", settings={"max_objects": 10})
     assert len(next(iter(out.values()))) == k
     assert len(calls) == k + 1
     assert steps_seen[1:] == [1] * (steps * k)
@@ -254,19 +254,19 @@ def test_text_never_emits_answer_token_and_stops_at_eos(model, enc, monkeypatch)
         return logits
 
     monkeypatch.setattr(text, "lm_logits", scripted)
-    assert model.query(enc, "what is this ?", max_tokens=50)["answer"] == "cup cup cup"
+    assert model.query(enc, "what is this ?", settings={"temperature": 0, "max_tokens": 50})["answer"] == "cup cup cup"
 
 
 def test_reused_encoding_and_input_kinds_agree(model, image, enc):
-    fresh = model.detect(image, "dog", max_objects=3)
-    assert model.detect(enc, "dog", max_objects=3) == fresh
-    assert model.detect(Image.fromarray(image), "dog", max_objects=3) == fresh
-    assert model.detect(np.ascontiguousarray(image[:, :, ::-1]), "dog", max_objects=3) != fresh  # BGR read as RGB
+    fresh = model.detect(image, "dog", settings={"max_objects": 3})
+    assert model.detect(enc, "dog", settings={"max_objects": 3}) == fresh
+    assert model.detect(Image.fromarray(image), "dog", settings={"max_objects": 3}) == fresh
+    assert model.detect(np.ascontiguousarray(image[:, :, ::-1]), "dog", settings={"max_objects": 3}) != fresh  # BGR read as RGB
     bgr_enc = model.encode_image(np.ascontiguousarray(image[:, :, ::-1]), channel_order="bgr")
-    assert model.detect(bgr_enc, "dog", max_objects=3) == fresh
+    assert model.detect(bgr_enc, "dog", settings={"max_objects": 3}) == fresh
     rgba = np.concatenate([image, np.full(image.shape[:2] + (1,), 255, np.uint8)], -1)
-    assert model.point(rgba, "dog", max_objects=2) == model.point(enc, "dog", max_objects=2)
-    gray = model.point(image[:, :, 1].copy(), "dog", max_objects=2)["points"]
+    assert model.point(rgba, "dog", settings={"max_objects": 2}) == model.point(enc, "dog", settings={"max_objects": 2})
+    gray = model.point(image[:, :, 1].copy(), "dog", settings={"max_objects": 2})["points"]
     assert len(gray) == 2
     torch.testing.assert_close(model.encode_image(image).k, enc.k, rtol=0, atol=0)
 
@@ -283,15 +283,15 @@ def test_large_frame(model):
     img = np.random.default_rng(2).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
     enc = model.encode_image(img)
     assert enc.tiling == (2, 4) and enc.pos == 730
-    assert len(model.detect(enc, "cup", max_objects=2)["objects"]) == 2
+    assert len(model.detect(enc, "cup", settings={"max_objects": 2})["objects"]) == 2
 
 
 def test_both_namings_load_to_identical_outputs(model, image, enc):
     old = load_moondream(mf.checkpoint("old"))
     enc_old = old.encode_image(image)
     assert torch.equal(enc_old.k, enc.k) and torch.equal(enc_old.v, enc.v)
-    assert old.detect(enc_old, "cup", max_objects=3) == model.detect(enc, "cup", max_objects=3)
-    assert old.caption(enc_old, max_tokens=5) == model.caption(enc, max_tokens=5)
+    assert old.detect(enc_old, "cup", settings={"max_objects": 3}) == model.detect(enc, "cup", settings={"max_objects": 3})
+    assert old.caption(enc_old, settings={"temperature": 0, "max_tokens": 5}) == model.caption(enc, settings={"temperature": 0, "max_tokens": 5})
     with pytest.raises(ValueError, match="another model"):
         old.detect(enc, "cup")
 
@@ -304,7 +304,7 @@ def test_config_json_overrides_dims(tmp_path, image):
     m = load_moondream(folder)
     assert (m.config.text.n_layers, m.config.text.ff_dim, m.config.vision.enc_n_layers) == (3, 96, 1)
     assert len(m.text_w.blocks) == 3 and m.text_w.blocks[0].fc1[0].shape == (96, 128)
-    assert len(m.point(image, "cup", max_objects=2)["points"]) == 2
+    assert len(m.point(image, "cup", settings={"max_objects": 2})["points"]) == 2
     # A config that disagrees with the tensors is refused with the offending names.
     cfg["text"]["n_layers"] = 4
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -316,7 +316,7 @@ def test_config_json_overrides_dims(tmp_path, image):
 def test_half_precision_loads_and_runs(image, dtype):
     m = load_moondream(mf.checkpoint(), dtype=dtype)
     assert m.text_w.wte.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)
-    out = m.detect(image, "cup", max_objects=2)["objects"]
+    out = m.detect(image, "cup", settings={"max_objects": 2})["objects"]
     assert len(out) == 2 and all(_in_unit(*o.values()) for o in out)
 
 

@@ -209,4 +209,4 @@ def test_bfloat16_follows_float32(pair):
     _, a = model.prefill(img, "what?", extra=1)
     _, b = low.prefill(img, "what?", extra=1)
     assert (a - b).abs().max() < 0.05 * a.abs().max()
-    assert isinstance(low.query(img, "what?", max_tokens=3)["answer"], str)
+    assert isinstance(low.query(img, "what?", settings={"max_tokens": 3})["answer"], str)

@@ -16,6 +16,10 @@ from photon_core.models.qwen3_5 import load_qwen3_5, prompt
 from photon_core.runtime.requests import Request
 
 
+def greedy(n: int) -> dict:
+    return {"temperature": 0, "max_tokens": n}
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_skills")
@@ -49,24 +53,24 @@ def _hf_answer(hf, model, img, question, n):
 def test_query_and_caption_greedy_match_transformers(setup):
     hf, model, _ = setup
     img = fx.image(48, 64, seed=5)
-    assert model.query(img, "what is in the picture?", max_tokens=12) == \
+    assert model.query(img, "what is in the picture?", settings=greedy(12)) == \
         {"answer": _hf_answer(hf, model, img, "what is in the picture?", 12)}
-    assert model.query(None, "describe the fox", max_tokens=12) == \
+    assert model.query(None, "describe the fox", settings=greedy(12)) == \
         {"answer": _hf_answer(hf, model, None, "describe the fox", 12)}
     for length in ("short", "long"):
-        assert model.caption(img, length=length, max_tokens=10) == \
+        assert model.caption(img, length=length, settings=greedy(10)) == \
             {"caption": _hf_answer(hf, model, img, prompt.CAPTION_PROMPTS[length], 10)}
 
 
 def test_streaming_yields_the_same_text(setup):
     _, model, _ = setup
     img = fx.image(seed=2)
-    gen = model.query(img, "what?", stream=True, max_tokens=10)["answer"]
+    gen = model.query(img, "what?", stream=True, settings=greedy(10))["answer"]
     assert isinstance(gen, types.GeneratorType)
     pieces = list(gen)
-    assert len(pieces) > 1 and "".join(pieces) == model.query(img, "what?", max_tokens=10)["answer"]
-    cap = model.caption(img, stream=True, max_tokens=6)["caption"]
-    assert "".join(cap) == model.caption(img, max_tokens=6)["caption"]
+    assert len(pieces) > 1 and "".join(pieces) == model.query(img, "what?", settings=greedy(10))["answer"]
+    cap = model.caption(img, stream=True, settings=greedy(6))["caption"]
+    assert "".join(cap) == model.caption(img, settings=greedy(6))["caption"]
 
 
 def test_sampling_goes_through_ops_sample(setup, monkeypatch):
@@ -80,16 +84,47 @@ def test_sampling_goes_through_ops_sample(setup, monkeypatch):
 
     monkeypatch.setattr(model, "ops", types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real)
                                                                 if not n.startswith("_")} | {"sample": sample}))
-    greedy = model.query(None, "hello", max_tokens=8)["answer"]
+    want = model.query(None, "hello", settings=greedy(8))["answer"]
     # A nucleus this small holds only the most likely token: sampling must then agree with greedy.
-    assert model.query(None, "hello", max_tokens=8, temperature=0.7, top_p=1e-6)["answer"] == greedy
+    assert model.query(None, "hello", settings={"max_tokens": 8, "temperature": 0.7, "top_p": 1e-6})["answer"] == want
     assert calls and all(c == (0.7, 1e-6) for c in calls)
     model.generator.manual_seed(123)
-    a = model.query(None, "hello", max_tokens=8, temperature=1.5)["answer"]
+    a = model.query(None, "hello", settings={"max_tokens": 8, "temperature": 1.5})["answer"]
     model.generator.manual_seed(123)
-    assert model.query(None, "hello", max_tokens=8, temperature=1.5)["answer"] == a
+    assert model.query(None, "hello", settings={"max_tokens": 8, "temperature": 1.5})["answer"] == a
+    # No settings: the reference's defaults (temperature 0.5, top_p 0.3), as Moondream samples.
+    calls.clear()
+    model.query(None, "hello", settings={"max_tokens": 2})
+    assert calls and all(c == (0.5, 0.3) for c in calls)
+    # A batch request's settings dict is read as the single call's.
+    calls.clear()
+    model.batch([Request("query", None, "hello", settings={"max_tokens": 2, "temperature": 0.9})])
+    assert calls and all(c == (0.9, 0.3) for c in calls)
     with pytest.raises(ValueError, match="top_p"):
-        model.query(None, "hello", top_p=0.0)
+        model.query(None, "hello", settings={"top_p": 0.0})
+
+
+def test_settings_are_moondreams_and_what_it_alone_has_is_refused(setup):
+    _, model, _ = setup
+    img = fx.image(seed=2)
+    long = model.query(None, "describe the fox", settings=greedy(12))["answer"]
+    short = model.query(None, "describe the fox", settings={**greedy(3), "max_objects": 1})["answer"]
+    assert len(model.prompts.tokenizer.encode(short, add_special_tokens=False).ids) <= 3
+    assert long.startswith(short) and len(short) < len(long)
+    with pytest.raises(TypeError, match="unknown settings.*'temprature'"):
+        model.caption(img, settings={"temprature": 0})
+    with pytest.raises(TypeError, match="max_tokens"):
+        model.query(None, "hi", settings={"max_tokens": "5"})
+    with pytest.raises(NotImplementedError, match="variants are Moondream's"):
+        model.query(img, "what?", settings={"variant": "ft@1"})
+    with pytest.raises(NotImplementedError, match="reasoning"):
+        model.query(img, "what?", reasoning=True)
+    with pytest.raises(NotImplementedError, match="spatial_refs"):
+        model.query(img, "what is here?", spatial_refs=[(0.5, 0.5)])
+    with pytest.raises(NotImplementedError, match="variants"):
+        model.batch([Request("caption", img, "short", settings={"variant": "ft@1"})])
+    with pytest.raises(ValueError, match="question"):
+        model.query(img)
 
 
 def test_batch_decodes_together_and_matches_single_calls(setup, monkeypatch):
@@ -99,10 +134,10 @@ def test_batch_decodes_together_and_matches_single_calls(setup, monkeypatch):
             Request("caption", imgs[1], "short", max_tokens=5),
             Request("query", None, "describe the fox", max_tokens=12),
             Request("caption", imgs[0], "normal", max_tokens=7)]
-    single = [model.query(imgs[0], "what is in the picture?", max_tokens=9),
-              model.caption(imgs[1], "short", max_tokens=5),
-              model.query(None, "describe the fox", max_tokens=12),
-              model.caption(imgs[0], "normal", max_tokens=7)]
+    single = [model.query(imgs[0], "what is in the picture?", settings=greedy(9)),
+              model.caption(imgs[1], "short", settings=greedy(5)),
+              model.query(None, "describe the fox", settings=greedy(12)),
+              model.caption(imgs[0], "normal", settings=greedy(7))]
     rows = []
     real_step = model.step
     monkeypatch.setattr(model, "step", lambda ids, state: rows.append(ids.shape[0]) or real_step(ids, state))
@@ -133,16 +168,16 @@ def test_cli_and_shared_engine(setup, tmp_path, capsys):
     Image.fromarray(img).save(path)
     assert main(["query", str(path), "what?", "--model", str(folder), "--max-tokens", "6"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["answer"] == model.query(img, "what?", max_tokens=6)["answer"]
+    assert out["answer"] == model.query(img, "what?", settings=greedy(6))["answer"]
     assert out["model"] == model.model_id or out["model"].endswith(folder.name)
     assert main(["caption", str(path), "--model", str(folder), "--length", "short", "--max-tokens", "4"]) == 0
-    assert json.loads(capsys.readouterr().out)["caption"] == model.caption(img, "short", max_tokens=4)["caption"]
+    assert json.loads(capsys.readouterr().out)["caption"] == model.caption(img, "short", settings=greedy(4))["caption"]
 
     from photon_core.runtime.shared_models import release, shared_engine
     engine = shared_engine(str(folder), "cpu", None, "reference", skills=["caption", "query"])
     try:
         got = engine.batcher.submit([Request("caption", np.ascontiguousarray(img), "short", max_tokens=4)])
-        assert got == [model.caption(img, "short", max_tokens=4)]
+        assert got == [model.caption(img, "short", settings=greedy(4))]
         assert engine.model.model_id
     finally:
         release(engine)

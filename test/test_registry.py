@@ -66,7 +66,7 @@ def test_moondream_under_a_whisper_name(tmp_path):
     assert family_of(misleading) == "moondream"
     vision = photon_core.load(misleading)
     image = np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)
-    assert len(vision.detect(image, "cup", max_objects=1)["objects"]) == 1
+    assert len(vision.detect(image, "cup", settings={"max_objects": 1})["objects"]) == 1
     # the older tensor naming, and a single weights file named like a Whisper checkpoint
     old = tmp_path / "openai-whisper-tiny.en"
     shutil.copytree(mf.checkpoint("old"), old)

@@ -102,11 +102,16 @@ def test_reference_greedy_equals_transformers_llama(folders, tied):
         want.append([t for t in out[0, len(ids):].tolist() if t != raw["eos_token_id"]])
     assert max(len(set(w)) for w in want) > 3   # weights that decode more than a repeated token
     ours = model(folders[tied], "reference")
+    assert isinstance(ours, contracts.TextModel) and not isinstance(ours, contracts.VisionModel)
+    assert contracts.check_model(ours, {"query"}) is ours
+    with pytest.raises(contracts.ContractError, match="caption"):   # a text model has no image skills
+        contracts.check_model(ours, {"query", "caption"})
     assert greedy(ours) == want
     # the query skill: one call, streamed, and a batch, shaped as photon_core.contracts says
     text = [ours.tokenizer.decode(w) for w in want]
-    assert ours.query(None, PROMPTS[1], max_tokens=NEW) == {"answer": text[1]}
-    assert "".join(ours.query(None, PROMPTS[1], stream=True, max_tokens=NEW)["answer"]) == text[1]
+    settings = {"temperature": 0, "max_tokens": NEW}
+    assert ours.query(None, PROMPTS[1], settings=settings) == {"answer": text[1]}
+    assert "".join(ours.query(None, PROMPTS[1], stream=True, settings=settings)["answer"]) == text[1]
     answers = ours.batch([Request("query", None, p, max_tokens=NEW) for p in PROMPTS])
     assert answers == [{"answer": t} for t in text]
     for answer in answers:

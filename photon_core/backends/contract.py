@@ -239,6 +239,16 @@ def _contract_functions() -> dict[str, inspect.Signature]:
 SIGNATURES: dict[str, inspect.Signature] = _contract_functions()
 OP_NAMES: tuple[str, ...] = tuple(SIGNATURES)
 
+# What a backend module declares beside its ops: how a family may run its per-token decode step on
+# it. Model code chooses its decode path by these (`getattr(ops, "COMPILES_STEPS", False)`: an ops
+# module from elsewhere declares nothing), never by a backend's name.
+CAPABILITIES: dict[str, str] = {
+    "CAPTURES_STEPS": "the ops a decode step calls never wait on the host, so a family may capture its "
+                      "per-token step of op calls once as a CUDA graph and replay it (Whisper's per-op steps)",
+    "COMPILES_STEPS": "the module also compiles a family's decode step graph (megakernel.stepgraph) into one "
+                      "persistent launch (the family's megakernel_decode.py)",
+}
+
 
 class ContractError(TypeError):
     """A backend module misses ops of the contract or implements them with other signatures."""
@@ -277,13 +287,16 @@ def _signature_problems(name: str, want: inspect.Signature, fn: object) -> list[
 def check_backend(module: ModuleType) -> None:
     """Raise ContractError naming every op `module` lacks or implements with another signature
     (parameter names, order, kinds and defaults must match the contract; extra trailing parameters
-    need defaults)."""
+    need defaults), and every capability it does not declare."""
     problems = []
     for name, want in SIGNATURES.items():
         if not hasattr(module, name):
             problems.append(f"{name}: missing")
         else:
             problems += _signature_problems(name, want, getattr(module, name))
+    for name in CAPABILITIES:
+        if not isinstance(getattr(module, name, None), bool):
+            problems.append(f"{name}: not declared (a bool: {CAPABILITIES[name]})")
     if problems:
         label = getattr(module, "__name__", repr(module))
         raise ContractError(f"backend {label} does not implement the ops contract:\n  " + "\n  ".join(problems))

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 NAME = "reference"
+# contract.CAPABILITIES: plain PyTorch, op by op; a decode step is the model's own code.
+CAPTURES_STEPS = False
+COMPILES_STEPS = False
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:

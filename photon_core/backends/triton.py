@@ -21,7 +21,11 @@ from photon_core.kernels.rotary import rotary
 from photon_core.kernels.sampling import argmax, sample
 
 NAME = "triton"
+# contract.CAPABILITIES: kernels launched on device tensors only (positions, lengths), so a step
+# of them replays as one CUDA graph; no compiled steps.
+CAPTURES_STEPS = True
+COMPILES_STEPS = False
 
-__all__ = ["NAME", "linear", "layer_norm", "rms_norm", "rms_norm_gated", "add_layer_norm", "glu", "attention",
-           "decode_attention", "kv_append", "rotary", "argmax", "sample", "moe_route", "moe", "causal_conv1d",
+__all__ = ["NAME", "CAPTURES_STEPS", "COMPILES_STEPS", "linear", "layer_norm", "rms_norm", "rms_norm_gated",
+           "add_layer_norm", "glu", "attention", "decode_attention", "kv_append", "rotary", "argmax", "sample", "moe_route", "moe", "causal_conv1d",
            "gated_delta_step", "gated_delta_chunk", "lstm_cell"]

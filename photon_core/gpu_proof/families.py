@@ -13,9 +13,14 @@ time against), batches, dtypes and stress_dtype.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from photon_core.megakernel.graph_family import Rows, logit_bias, make_rows
+
+if TYPE_CHECKING:
+    import torch
+
+    from photon_core.models.whisper.decoder_step import WhisperDecoderWeights
 
 
 class WhisperFamily:
@@ -30,7 +35,7 @@ class WhisperFamily:
         self.max_len, self.enc_len, self.tiling = max_len, enc_len, tiling
         self.batches, self.dtypes, self.stress_dtype = batches, dtypes, stress_dtype
         self.steps_rows, self.fixed_rows, self.perop = steps_rows, fixed_rows, perop
-        self.wt = None
+        self.wt: WhisperDecoderWeights | None = None
         self._ref: dict = {}
 
     def load(self, dev) -> None:
@@ -41,6 +46,8 @@ class WhisperFamily:
 
     def build(self, batch: int, advance: bool):
         from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel
+        if self.wt is None:
+            raise RuntimeError(f"{self.name}: load() the weights before building a step")
         return WhisperDecoderMegakernel(self.wt, batch, self.max_len, self.enc_len, self.tiling(batch),
                                         advance=advance)
 
@@ -101,7 +108,7 @@ class MoondreamFamily:
         self.batches, self.dtypes, self.stress_dtype = batches, dtypes, stress_dtype
         self.steps_rows, self.fixed_rows = steps_rows, fixed_rows
         self.master: dict | None = None
-        self.arena32 = None        # the first bucket's weights arena, which later buckets share
+        self.arena32: torch.Tensor | None = None   # the first bucket's weights arena, which later buckets share
         self._ref: dict = {}
         self._bias: dict = {}
 
@@ -170,9 +177,14 @@ class MoondreamFamily:
                                 text_w=SimpleNamespace(wte=self.emb), ops=get_backend("triton", dev))
         return SimpleNamespace(model=model, config=self.cfg)
 
+    def _master(self) -> dict:
+        if self.master is None:
+            raise RuntimeError(f"{self.name}: load() the weights first")
+        return self.master
+
     def build(self, batch: int, advance: bool):
         from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel
-        text_w, region_w = self._objects(self.master)
+        text_w, region_w = self._objects(self._master())
         # Every bucket streams one copy of the weights, as MegakernelDecode does.
         step = MoondreamDecoderMegakernel(text_w, region_w, self.cfg, batch, self.max_len, self.tiling(batch),
                                           weights=self.arena32)
@@ -196,9 +208,9 @@ class MoondreamFamily:
     def ref_weights(self, dtype) -> dict:
         import torch
         if dtype == torch.float32:
-            return self.master
+            return self._master()
         if dtype not in self._ref:
-            self._ref[dtype] = {k: v.to(dtype).float() for k, v in self.master.items()}
+            self._ref[dtype] = {k: v.to(dtype).float() for k, v in self._master().items()}
         return self._ref[dtype]
 
     def own_state(self, caches: dict) -> dict:

@@ -78,7 +78,7 @@ class Probe:
         caches = fill(step, rows, seed=10 + b.batch)
         inputs = b.apply_inputs(step, rows.tokens, rows.positions)
         g = step.graph_def
-        keep = set(g.caches) | set(g.states) | {n.out.name for n in g.nodes if n.op == "input"}
+        keep = set(g.caches) | set(g.states) | {n.value.name for n in g.nodes if n.op == "input"}
         self.saved_states = [(step.view(k), step.view(k).clone()) for k in g.states]
         regions = [(k, off, n) for k, (off, n) in step.sarena.regions.items() if k not in keep]
         dev = step.state.device

@@ -6,6 +6,7 @@ logits); for a step fed embeddings (Moondream 2), host-driven vs rounds whose de
 token, and its detect/point rounds captured vs launched eagerly. Tokens identical; time per token."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -18,7 +19,8 @@ def compare_ways(ctx: Ctx, ways: dict, n: int, what: str) -> tuple[bool, dict[st
     """Each way of decoding ({name: (step, () -> tokens per row)}, "host" first) run round_repeats
     times from the same state (restored after each): whether all give host's tokens (a check, which
     also fails if the tokens never change), and each way's median time per token in us."""
-    tokens, secs = {}, {k: [] for k in ways}
+    tokens: dict[str, list[list[int]]] = {}
+    secs: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(ctx.sizes.round_repeats):
         for k, (s, fn) in ways.items():
             with preserved(s):
@@ -76,7 +78,7 @@ def prove_rounds(ctx: Ctx, fam, batch: int) -> dict | None:
         return out
 
     ways = {"host": (step, host_driven),
-            **{k: (s, lambda lp=lp: lp.generate(rows.tokens, n, ())) for k, (s, lp) in loops.items()}}
+            **{k: (s, functools.partial(lp.generate, rows.tokens, n, ())) for k, (s, lp) in loops.items()}}
     same, us = compare_ways(ctx, ways, n, f"rounds {fam.name} B{batch}")
     pick = f", rounds picking by torch ops {us['pick']:.1f}" if "pick" in us else ""
     res = dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tokens=n, same=same, ways=list(ways),

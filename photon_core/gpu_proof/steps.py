@@ -50,7 +50,7 @@ def prove_steps(ctx: Ctx, fam, batch: int, dtype_name: str) -> dict:
     b = build(ctx, fam, batch)
     step = b.step(advance=True)
     # Moondream's text-only graph (caption / query) is a second kernel over the same state.
-    variants = {"full": None}
+    variants: dict[str, tuple[str, ...] | None] = {"full": None}
     if not fam.advance and batch == 1:
         variants["text"] = ("token",)
     kernels = {v: b.kernel(step, r) for v, r in variants.items()}

@@ -20,6 +20,8 @@ def kv_read_bytes(graph, rows: Rows, kv_bytes: int = 4) -> int:
         if node.op == "attention":
             spec, window = node.args["k"].spec, node.args["window"]
             lengths = [p + 1 for p in rows.positions] if node.args["length"] == "self" else rows.cross_len
+            if lengths is None:
+                raise ValueError(f"{graph.name}: cross-attention needs the rows' cross lengths")
             n += sum(min(x, window or x) for x in lengths) * spec.heads * spec.head_dim * 2 * kv_bytes
     return n + sum(2 * 4 * math.prod(s.shape) for s in graph.states.values()) * len(rows.positions)
 

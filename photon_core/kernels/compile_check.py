@@ -176,7 +176,10 @@ def ptxas_path(arch: int) -> str:
 
 def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
     """ptxas -v on the PTX: registers per thread, bytes of spill stores / loads, stack frame."""
-    target = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    found = re.search(r"\.target\s+(sm_\w+)", ptx)
+    if found is None:
+        raise ValueError("no .target line in the PTX")
+    target = found.group(1)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)

@@ -59,9 +59,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     y = new_output(x2.shape, x2.device, x2.dtype)
     res2 = residual.reshape(-1, n).contiguous() if residual is not None else None
     s = new_output(x2.shape, x2.device, x2.dtype) if residual is not None else None
-    g2 = gate.reshape(-1, n).contiguous() if gate is not None else None
-    if g2 is not None and g2.shape != x2.shape:
-        raise ValueError(f"gated norm: gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
+    g2 = None
+    if gate is not None:
+        g2 = gate.reshape(-1, n).contiguous()
+        if g2.shape != x2.shape:
+            raise ValueError(f"gated norm: gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
     if x2.shape[0] > 0:
         w = weight.contiguous() if weight is not None else x2
         _norm_kernel[(x2.shape[0],)](

@@ -110,7 +110,7 @@ def _fix_interpreter_index() -> None:
         # Set after the interpreter's own: 3.6's scope has already saved the compiled __index__ to restore.
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
 
-    patch_with_index_fix.photon_index_fix = True
+    setattr(patch_with_index_fix, "photon_index_fix", True)   # read above: patch once
     interpreter._patch_lang_tensor = patch_with_index_fix
 
 

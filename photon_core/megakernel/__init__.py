@@ -16,9 +16,12 @@ from photon_core.megakernel.graph import BATCH_BUCKETS, Task, TaskGraph, bucket_
 from photon_core.megakernel.stepgraph import Rotary, StepGraph, run_reference
 
 NAME = "megakernel"
+# contract.CAPABILITIES: the per-op Triton kernels above, and a family's step graph compiled to one launch.
+CAPTURES_STEPS = True
+COMPILES_STEPS = True
 
-__all__ = ["NAME", "linear", "layer_norm", "rms_norm", "rms_norm_gated", "add_layer_norm", "attention",
-           "decode_attention", "rotary", "kv_append", "argmax", "sample", "glu", "moe_route", "moe",
+__all__ = ["NAME", "CAPTURES_STEPS", "COMPILES_STEPS", "linear", "layer_norm", "rms_norm", "rms_norm_gated",
+           "add_layer_norm", "attention", "decode_attention", "rotary", "kv_append", "argmax", "sample", "glu", "moe_route", "moe",
            "causal_conv1d", "gated_delta_step", "gated_delta_chunk", "lstm_cell", "GraphError", "check", "Task", "TaskGraph", "Tiling",
            "CompiledStep", "StepGraph", "Rotary", "run_reference", "lower", "plan", "BATCH_BUCKETS",
            "bucket_for"]

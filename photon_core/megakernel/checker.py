@@ -121,17 +121,17 @@ def check(graph: TaskGraph) -> None:
         return (t.ksum_reads, t.ksum_writes) if kind == "kticket" else (t.last_reads, t.last_writes)
 
     groups: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for kind in ("kticket", "ticket"):
+    for ticket in ("kticket", "ticket"):
         for i, t in enumerate(tasks):
-            reads, writes = accesses_of(t, kind)
-            if getattr(t, kind) is not None:
-                if kind == "kticket" and t.op not in KTICKET_OPS:
+            reads, writes = accesses_of(t, ticket)
+            if getattr(t, ticket) is not None:
+                if ticket == "kticket" and t.op not in KTICKET_OPS:
                     raise GraphError(f"task {i} {t.name!r}: only split-K slices run a tile's sum (kticket)")
-                groups[(kind, getattr(t, kind))].append(i)
+                groups[(ticket, getattr(t, ticket))].append(i)
                 if not reads and not writes:
-                    raise GraphError(f"task {i} {t.name!r}: {kind} {getattr(t, kind)!r} without a finale's accesses")
+                    raise GraphError(f"task {i} {t.name!r}: {ticket} {getattr(t, ticket)!r} without a finale's accesses")
             elif reads or writes:
-                raise GraphError(f"task {i} {t.name!r}: finale accesses declared without a {kind}")
+                raise GraphError(f"task {i} {t.name!r}: finale accesses declared without a {ticket}")
     both = {name for kind, name in groups if kind == "kticket"} & {name for kind, name in groups if kind == "ticket"}
     if both:   # one control-buffer counter per name: the two groups would draw from one count
         raise GraphError(f"tickets {sorted(both)[:3]} name both a tile's sum and a stage's finale")
@@ -195,13 +195,13 @@ def check(graph: TaskGraph) -> None:
         counts: tuple[dict[int, int], dict[int, int]] = ({}, {})
         masks = [0, 0]
         for a0, a1, ai, aw in acc:
-            for kind in (0, 1):
-                heap, cnt = heaps[kind], counts[kind]
+            for side in (0, 1):
+                heap, cnt = heaps[side], counts[side]
                 while heap and heap[0][0] <= a0:
                     _, _, bi = heapq.heappop(heap)
                     cnt[bi] -= 1
                     if cnt[bi] == 0:
-                        masks[kind] &= ~(1 << bi)
+                        masks[side] &= ~(1 << bi)
             candidates = (masks[1] | (masks[0] if aw else 0)) & ~(1 << ai)
             bad = candidates & ~(anc[ai] | desc[ai])
             # A finale's bit is in no task's anc/desc: test those pairs one by one (few overlap).
@@ -213,12 +213,12 @@ def check(graph: TaskGraph) -> None:
                     bad &= ~(1 << b)
             if bad:
                 bi = (bad & -bad).bit_length() - 1
-                b0, b1 = next((s0, e) for kind in (1, 0) for e, s0, k in heaps[kind] if k == bi)
+                b0, b1 = next((s0, e) for side in (1, 0) for e, s0, k in heaps[side] if k == bi)
                 i, j = min(ai, bi), max(ai, bi)
                 raise GraphError(
                     f"race on {buf}[{max(a0, b0)}:{min(a1, b1)}]: {label(i)} and {label(j)} "
                     f"access it (one writes) but no chain of waits orders them")
-            kind = 1 if aw else 0
-            heapq.heappush(heaps[kind], (a1, a0, ai))
-            counts[kind][ai] = counts[kind].get(ai, 0) + 1
-            masks[kind] |= 1 << ai
+            side = 1 if aw else 0
+            heapq.heappush(heaps[side], (a1, a0, ai))
+            counts[side][ai] = counts[side].get(ai, 0) + 1
+            masks[side] |= 1 << ai

@@ -124,7 +124,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
     if batch not in BATCH_BUCKETS:
         raise ValueError(f"batch {batch} is not a bucket {BATCH_BUCKETS}; pad rows up to the next bucket")
     bn = tiling.block_n
-    producer = {n.out.name: n for n in graph.nodes if n.out is not None}
+    producer = {n.value.name: n for n in graph.nodes if n.out is not None}
     pl = Planning(graph, bn, producer)
     for node in graph.nodes:
         rule = ops.RULES.get(node.op)
@@ -149,12 +149,12 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
     # Matrices that linear and embed tasks read get rows padded to 16 elements (64 B in fp32, 32 B
     # in bf16): with aligned rows and offsets every weight load can be a 128-bit vector load.
     ldw = {}
-    for n in graph.nodes:
-        rule = ops.RULES.get(n.op)
+    for nd in graph.nodes:
+        rule = ops.RULES.get(nd.op)
         for key in rule.matrices if rule is not None else ():
-            w = n.args.get(key)
-            if w is not None:
-                ldw[w] = -(-graph.weight_shapes[w][-1] // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN
+            matrix = nd.args.get(key)
+            if matrix is not None:
+                ldw[matrix] = -(-graph.weight_shapes[matrix][-1] // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN
     external = set(external)
     if external - lookup_tables(graph):
         raise ValueError(f"{graph.name}: only token tables that embeds alone read can stay outside the arena, "
@@ -165,17 +165,17 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
         # the kernel is compiled for FP8 experts or float ones (kernel.step_tasks_for), not both
         raise ValueError(f"{graph.name}: all MoE layers of a step must have FP8 experts, or none")
     dtypes = {k: torch.uint8 for k in fp8} | {sc: torch.float32 for sc in fp8.values()}
-    for k, shape in graph.weight_shapes.items():
+    for k, wshape in graph.weight_shapes.items():
         if k not in external:
-            wa.alloc(k, math.prod(shape[:-1]) * ldw[k] if k in ldw else math.prod(shape), align=WEIGHT_ROW_ALIGN,
+            wa.alloc(k, math.prod(wshape[:-1]) * ldw[k] if k in ldw else math.prod(wshape), align=WEIGHT_ROW_ALIGN,
                      dtype=dtypes.get(k))
     wa.size = -(-wa.size // WEIGHT_ROW_ALIGN) * WEIGHT_ROW_ALIGN   # viewable as any element size
     shapes: dict[str, tuple[int, ...]] = {}
-    fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.out.name for n in graph.nodes
+    fused_away = {n.args["qkv"].name for n in qkv_store.values()} | {n.value.name for n in graph.nodes
                                                                       if n.op in FUSED}
     for node in graph.nodes:
-        if node.out is not None and node.out.name not in fused_away:
-            shapes[node.out.name] = (batch, node.out.width)
+        if node.out is not None and node.value.name not in fused_away:
+            shapes[node.value.name] = (batch, node.value.width)
         rule = ops.RULES.get(node.op)
         if rule is not None and rule.scratch is not None:
             shapes.update(rule.scratch(graph, node, batch, tiling))
@@ -189,23 +189,23 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
     for node in graph.nodes:
         if node.op != "linear":
             continue
-        n, k = graph.weight_shapes[node.args["w"]]
-        name = node.out.name
-        written = qkv_store[name].out if name in qkv_store else node.out
+        rows, cols = graph.weight_shapes[node.args["w"]]
+        name = node.value.name
+        written = qkv_store[name].value if name in qkv_store else node.value
         readers = [c for c in graph.consumers(written) if c.op == "attention"]
         align = readers[0].args["k"].spec.head_dim if readers else None
-        shape[name] = stage_shape(n, k, tiling, align, narrow=name not in logits)
+        shape[name] = stage_shape(rows, cols, tiling, align, narrow=name not in logits)
         if shape[name][1] > 1:
-            shapes[f"{name}.kpart"] = (shape[name][1], batch, n)
+            shapes[f"{name}.kpart"] = (shape[name][1], batch, rows)
     rope_groups = {}
     for node in graph.nodes:
         src = producer.get(node.args["qkv"].name) if node.op == "kv_append" else None
-        if (src is None or src.op != "linear" or src.out.name in qkv_store or node.args["tau"] is not None
-                or [id(c) for c in graph.consumers(src.out)] != [id(node)]):
+        if (src is None or src.op != "linear" or src.value.name in qkv_store or node.args["tau"] is not None
+                or [id(c) for c in graph.consumers(src.value)] != [id(node)]):
             continue
-        groups = head_groups(node, shape[src.out.name][0])
+        groups = head_groups(node, shape[src.value.name][0])
         if batch * max(map(len, groups)) <= tiling.rope_finale_rows:
-            rope_groups[src.out.name] = (node, groups)
+            rope_groups[src.value.name] = (node, groups)
     for spec in graph.caches.values():
         shapes[spec.name] = ((spec.layers,) if spec.layers is not None else ()) + (
             batch, spec.heads, spec.length, spec.head_dim)
@@ -220,7 +220,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
     stats = {}
     for v, codes in kinds.items():
         src = producer.get(v)
-        if len(codes) == 1 and src is not None and ops.rule(src.op).stats_finale and src.out.name not in qkv_store:
+        if len(codes) == 1 and src is not None and ops.rule(src.op).stats_finale and src.value.name not in qkv_store:
             stats[v] = codes.pop()
             shapes[f"{v}.stats"] = (batch, 2)
     for k, shp in shapes.items():
@@ -472,7 +472,7 @@ class CompiledStep(StateViews):
         """State regions a launch may leave partly unwritten by design, never reading what it leaves:
         split-K partial slots a stage does not use, and a MoE layer's per-pair slabs ({name}.h,
         {name}.part) in the rows that did not choose that pair's expert."""
-        moe = [n.out.name for n in self.graph_def.nodes if n.op == "moe"]
+        moe = [n.value.name for n in self.graph_def.nodes if n.op == "moe"]
         sparse = {f"{m}.{part}" for m in moe for part in ("h", "part")}
         return {k for k in self.sarena.regions if k.endswith(".kpart") or k in sparse}
 
@@ -486,13 +486,13 @@ class CompiledStep(StateViews):
             if n.op != "moe":
                 continue
             _, f2, d = self.graph_def.weight_shapes[n.args["gate_up"]]
-            cells = self.view(f"{n.out.name}.loads")
+            cells = self.view(f"{n.value.name}.loads")
             tiles_f = -(-(f2 // 2) // self.tiling.block_n)
             up, down = cells[:, :tiles_f].sum().item(), cells[:, tiles_f:].sum().item()
             if n.args["gate_up_scale"]:   # a byte a weight, and 4 bytes of scale per weight row
-                out[n.out.name] = round(up + down + 4 * (up / d + down / (f2 // 2)))
+                out[n.value.name] = round(up + down + 4 * (up / d + down / (f2 // 2)))
             else:
-                out[n.out.name] = round((up + down) * self.weights.element_size())
+                out[n.value.name] = round((up + down) * self.weights.element_size())
         return out
 
     def weight_bytes_per_step(self, skip: tuple[str, ...] = ()) -> int:

@@ -35,8 +35,9 @@ reads the records itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
@@ -91,7 +92,7 @@ class DeviceDecode:
         if cuda_graphs if cuda_graphs is not None else dev.type == "cuda":
             from photon_core.runtime.cuda_graph import capture
             for n, at in _parts_to_capture(chunk):
-                self._graphs[n, at], _ = capture(lambda n=n, at=at: self._round(n, at), warmup=1)
+                self._graphs[n, at], _ = capture(functools.partial(self._round, n, at), warmup=1)
 
     def _round(self, n: int, at: int = 0) -> None:
         """n launches recorded at history[at:at + n] (capturable: fixed shapes, no host reads); a
@@ -108,14 +109,14 @@ class DeviceDecode:
                 self.history[i, :, 0].copy_(self.step.dyn[:self.step.batch])
                 self.full[i].copy_(self._token < 0)
             else:
-                self._feed(i)
+                self._feed(i, self._pick)
             torch.maximum(self._err, ctrl[CTRL_ERROR:CTRL_ERROR + 1], out=self._err)
             torch.minimum(self._claimed, ctrl[CTRL_CLAIM:CTRL_CLAIM + 1], out=self._claimed)
 
-    def _feed(self, i: int) -> None:
+    def _feed(self, i: int, pick: Callable[[], Any]) -> None:
         """Record pick's tokens and make them the next step's, stepping positions as the advancing
         argmax does: a row whose next position would pass the caches stays there, marked full."""
-        picked = self._pick()
+        picked = pick()
         rec, score = picked if isinstance(picked, tuple) else (picked, None)
         B, dyn = self.step.batch, self.step.dyn
         pos = dyn[B:2 * B]

@@ -13,7 +13,12 @@ import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+    from photon_core.megakernel.compiler import Plan
 
 
 @dataclass
@@ -86,9 +91,10 @@ class GraphFamily:
         # input embedding is a residual too, of its first MLP).
         picked = {n.args["x"].name for n in self.graph.nodes if n.op == "argmax"}
         self.biases = {n.args["residual"].name for n in self.graph.nodes
-                       if n.op == "linear" and n.args["residual"] is not None and n.out.name in picked}
-        self.host_inputs = [n.out for n in self.graph.nodes if n.op == "input"]
-        self.arena32 = None
+                       if n.op == "linear" and n.args["residual"] is not None and n.value.name in picked}
+        self.host_inputs = [n.value for n in self.graph.nodes if n.op == "input"]
+        self.arena32: torch.Tensor | None = None   # the first bucket's weights arena, once built
+        self.plan: Plan | None = None
         self.arenas: dict = {}     # dtype -> weights arena; Build.use_dtype shares this dict
         self._tables: dict = {}
         self._bias: dict = {}
@@ -162,12 +168,13 @@ class GraphFamily:
             g = copy.copy(g)
             g.nodes = [Node(n.op, n.out, dict(n.args, advance=False)) if n.op == "argmax" else n for n in g.nodes]
         shared = self.arena32      # every bucket streams one copy of the weights
+        tensors: Mapping[str, Any]
         if shared is not None:
             tensors = {k: torch.empty(0) for k in g.weight_shapes}
         else:
             roles = self.roles()
             gen = torch.Generator(device=self.dev).manual_seed(0)
-            tensors = LazyWeights(g.weight_shapes, lambda k: self._weight(k, g.weight_shapes[k], roles.get(k), gen))
+            tensors = LazyWeights(g.weight_shapes, lambda k: self._weight(k, g.weight_shapes[k], roles.get(k, ()), gen))
         # Built in the finest dtype the family is proved in (bf16 alone: no fp32 copy of a 9B arena).
         dtype = torch.float32 if "fp32" in self.dtypes else dtype_of(self.dtypes[0])
         step = CompiledStep(g, tensors, batch, self.tiling(batch), dtype, shared_weights=shared, device=self.dev)
@@ -199,6 +206,8 @@ class GraphFamily:
     def ref_weights(self, dtype) -> dict:
         """name -> the weight as the arena of `dtype` holds it (views; run_reference casts them to
         fp32 per use), folded norm offsets taken back out (exactly: Sterbenz)."""
+        if self.arena32 is None or self.plan is None:
+            raise ValueError(f"{self.name}: no step built yet, so no weights")
         if dtype not in self.arenas:
             if self.arena32.element_size() < dtype.itemsize:
                 raise ValueError(f"{self.name}: built in {self.arena32.dtype}, cannot give {dtype} weights")

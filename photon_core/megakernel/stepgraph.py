@@ -135,8 +135,15 @@ class Tau:
 @dataclass
 class Node:
     op: str
-    out: Value | None
+    out: Value | None          # None for argmax only (it writes a result column, not a value)
     args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def value(self) -> Value:
+        """The value this node defines (every op but argmax)."""
+        if self.out is None:
+            raise ValueError(f"a {self.op} node defines no value")
+        return self.out
 
 
 def _cache(c: CacheSpec | CacheRef) -> CacheRef:
@@ -347,7 +354,8 @@ class StepGraph:
             raise ValueError(f"moe {name!r}: activation {act!r} or residual width does not fit")
         if (gate_up_scale is None) != (down_scale is None):
             raise ValueError(f"moe {name!r}: FP8 experts need both scales (gate_up_scale and down_scale)")
-        if gate_up_scale is not None and (self._shape(gate_up_scale, 2) != (e, f2) or self._shape(down_scale, 2) != (e, d)):
+        if gate_up_scale is not None and down_scale is not None and (
+                self._shape(gate_up_scale, 2) != (e, f2) or self._shape(down_scale, 2) != (e, d)):
             raise ValueError(f"moe {name!r}: scales must be [{e}, {f2}] and [{e}, {d}] (one per expert output row)")
         return self._add("moe", name, d, x=x, logits=logits, gate_up=gate_up, down=down, top_k=top_k, act=act,
                          up_offset=up_offset, renormalize=renormalize, residual=residual,
@@ -457,6 +465,7 @@ def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches:
     for node in graph.nodes:
         y = rule(node.op).reference(e, node)
         if node.out is not None:
-            e.vals[node.out.name] = y
-    e.vals["results"] = e.results
-    return e.vals
+            if y is None:
+                raise ValueError(f"{graph.name}: the reference of {node.op} {node.value.name!r} gave no value")
+            e.vals[node.value.name] = y
+    return {**e.vals, "results": e.results}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -61,11 +61,37 @@ def decode_length(requested: int | None, context: int, default: int | None = Non
 
 
 def require_triton_ops(ops: Any, family: str, loader: str) -> None:
-    """The compiled steps decode after a prefill on the per-op Triton kernels (the megakernel
-    backend re-exports them)."""
-    if getattr(ops, "NAME", None) not in ("triton", "megakernel"):
+    """The compiled steps need a backend that compiles them (backends.contract.CAPABILITIES); the
+    prefill before them runs on its per-op Triton kernels."""
+    if not getattr(ops, "COMPILES_STEPS", False):
         raise ValueError(f"the {family} decode megakernel needs a model on the Triton ops "
                          f"({loader}(..., backend=get_backend('megakernel', device)))")
+
+
+# Where a step keeps its K/V: one layered region (("kcache", "vcache"), views [L, B, H, T, D]) or,
+# per layer, layer -> the names of its own [B, H, T, D] caches (layers of different lengths).
+KVNames = tuple[str, str] | Callable[[int], tuple[str, str]]
+
+
+def copy_prefilled_kv(step: "CompiledStep", names: KVNames,
+                      kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | Sequence[tuple[torch.Tensor, torch.Tensor]],
+                      rows: slice, length: int | None = None) -> None:
+    """A per-op prefill's keys and values into `rows` of a compiled step's caches, positions
+    [0, length) (None: every position the source holds): how a decode continues on the megakernel
+    after its prompt ran per op. kv: layer -> (k, v) [rows, H, >= length, D], by layer index or in
+    layer order; cast to the step's KV dtype. ValueError when they do not fit."""
+    for i, (k, v) in (kv.items() if isinstance(kv, Mapping) else enumerate(kv)):
+        if callable(names):
+            kn, vn = names(i)
+            dk, dv = step.view(kn), step.view(vn)
+        else:
+            dk, dv = step.view(names[0])[i], step.view(names[1])[i]
+        n = k.shape[2] if length is None else length
+        if n > dk.shape[2] or len(range(*rows.indices(dk.shape[0]))) != k.shape[0]:
+            raise ValueError(f"prefilled K/V of {k.shape[0]} rows x {n} positions do not fit rows {rows.start}:"
+                             f"{rows.stop} of layer {i}'s cache [{dk.shape[0]} rows, {dk.shape[2]} positions]")
+        dk[rows, :, :n] = k[:, :, :n]
+        dv[rows, :, :n] = v[:, :, :n]
 
 
 class Bindable(Protocol):
@@ -95,8 +121,9 @@ class CompiledSteps(Generic[S]):
         self._lock = threading.Lock()
 
     # -- what a family supplies ------------------------------------------------------------------
-    def build_step(self, batch: int, weights: Any | None) -> S:
-        """The compiled step of one bucket; weights: the arena to share (None: the first bucket)."""
+    def build_step(self, batch: int, weights: torch.Tensor | None) -> S:
+        """The compiled step of one bucket; weights: the weights arena to share (None: the first
+        bucket's step makes its own)."""
         raise NotImplementedError
 
     def build_loop(self, step: S) -> Any:
@@ -180,4 +207,5 @@ class CompiledSteps(Generic[S]):
         return step   # type: ignore[return-value]
 
 
-__all__ = ["BATCH_BUCKETS", "CompiledSteps", "bucket_for", "decode_length", "require_triton_ops", "resolve_weight_dtype"]
+__all__ = ["BATCH_BUCKETS", "CompiledSteps", "KVNames", "bucket_for", "copy_prefilled_kv", "decode_length",
+           "require_triton_ops", "resolve_weight_dtype"]

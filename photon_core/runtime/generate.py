@@ -17,12 +17,12 @@ the rows without one stopped).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from .sampling import Sampling
+from .sampling import Sampling, pick
 
 
 class Session(Protocol):
@@ -96,6 +96,25 @@ def generate(session: Session, sampling: Sequence[Sampling], rooms: Sequence[int
             session.keep(keep)
             live = [live[i] for i in keep]
         logits, greedy = session.step([new[r] for r in live])   # type: ignore[misc]
+
+
+def token_lists(steps: Iterable[list[int | None]], rows: int) -> list[list[int]]:
+    """Each row's tokens from generate's steps (stop tokens excluded, as generate gives them)."""
+    out: list[list[int]] = [[] for _ in range(rows)]
+    for new in steps:
+        for r, tok in enumerate(new):
+            if tok is not None:
+                out[r].append(tok)
+    return out
+
+
+def greedy_tokens(session: Session, rows: int, max_tokens: int, stop: Collection[int], ops: Any) -> list[list[int]]:
+    """Each row's greedy tokens (the ops' argmax; stop tokens excluded, at most max_tokens) from a
+    prefilled session, in rounds on the device where the session has them."""
+    greedy = Sampling(max_tokens)
+    steps = generate(session, [greedy] * rows, [max_tokens] * rows, stop,
+                     lambda r, logits, _: pick(logits, greedy, ops))
+    return token_lists(steps, rows)
 
 
 def _rounds(session: DeviceSession, logits: torch.Tensor, greedy: list[int] | None, rooms: Sequence[int],

@@ -4,18 +4,100 @@ model's `batch(requests)`, so they never import a family. `Request` is a vision 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
 from typing import Any, Callable
 
 DEFAULT_MAX_OBJECTS = 50
 DEFAULT_MAX_TOKENS = 768
+# The public Moondream reference's sampling defaults (moondream/torch/moondream.py): a `settings`
+# dict that leaves them out samples with these, as the reference and Moondream Cloud do.
+DEFAULT_TEMPERATURE = 0.5
+DEFAULT_TOP_P = 0.3
+
+SpatialRef = tuple[float, float] | tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A skill call's `settings` dict, checked, with the reference's defaults filled in.
+    temperature 0 decodes greedily; max_objects bounds detect/point, max_tokens text (a reasoning
+    query spends up to max_tokens on its reasoning and again on its answer, as the reference does);
+    variant: the fine-tuned adapter (LoRA) to decode with, None for the base model."""
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_objects: int = DEFAULT_MAX_OBJECTS
+    variant: str | None = None
+
+    @classmethod
+    def of(cls, settings: "Mapping[str, Any] | Settings | None") -> "Settings":
+        """TypeError naming keys that are not settings (or a value of the wrong type), ValueError
+        naming values out of range."""
+        if isinstance(settings, Settings):
+            return settings
+        if settings is None:
+            return cls()
+        if not isinstance(settings, Mapping):
+            raise TypeError(f"settings must be a dict, not {type(settings).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in settings if k not in known)
+        if unknown:
+            raise TypeError(f"unknown settings {unknown}; known: {sorted(known)}")
+        for key in ("max_tokens", "max_objects"):
+            if key in settings and (isinstance(settings[key], bool) or not isinstance(settings[key], int)):
+                raise TypeError(f"settings[{key!r}] must be an int, got {settings[key]!r}")
+        for key in ("temperature", "top_p"):
+            if key in settings and (isinstance(settings[key], bool) or not isinstance(settings[key], (int, float))):
+                raise TypeError(f"settings[{key!r}] must be a number, got {settings[key]!r}")
+        if settings.get("variant") is not None and not isinstance(settings["variant"], str):
+            raise TypeError(f"settings['variant'] must be a str or None, got {settings['variant']!r}")
+        s = cls(**{k: settings[k] for k in settings})
+        wrong = []
+        if not s.temperature >= 0:   # (NaN too)
+            wrong.append(f"temperature must be >= 0 (0: greedy), got {s.temperature!r}")
+        if not 0 < s.top_p <= 1:
+            wrong.append(f"top_p must be in (0, 1], got {s.top_p!r}")
+        if s.max_tokens < 0:
+            wrong.append(f"max_tokens must be >= 0, got {s.max_tokens!r}")
+        if s.max_objects < 0:
+            wrong.append(f"max_objects must be >= 0, got {s.max_objects!r}")
+        if wrong:
+            raise ValueError("settings: " + "; ".join(wrong))
+        return s
+
+
+def check_spatial_refs(refs: Any) -> list[SpatialRef]:
+    """Points (x, y) and boxes (x_min, y_min, x_max, y_max), normalised to [0, 1] of the image;
+    ValueError saying which one is wrong and why."""
+    if refs is None:
+        return []
+    if isinstance(refs, (str, bytes)) or not isinstance(refs, (list, tuple)):
+        raise ValueError(f"spatial_refs must be a list of points (x, y) or boxes (x_min, y_min, x_max, y_max), "
+                         f"not {type(refs).__name__}")
+    out: list[SpatialRef] = []
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, (list, tuple)) or len(ref) not in (2, 4):
+            raise ValueError(f"spatial_refs[{i}] must be a point (x, y) or a box (x_min, y_min, x_max, y_max), "
+                             f"got {ref!r}")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in ref):
+            raise ValueError(f"spatial_refs[{i}] = {ref!r}: every value must be a number in [0, 1] (normalised)")
+        if len(ref) == 4 and (ref[0] > ref[2] or ref[1] > ref[3]):
+            raise ValueError(f"spatial_refs[{i}] = {ref!r}: a box needs x_min <= x_max and y_min <= y_max")
+        out.append(tuple(float(v) for v in ref))  # type: ignore[arg-type]
+    return out
 
 
 @dataclass
 class Request:
     """One skill call: task (detect, point, caption, query, segment), image (array, PIL or the
-    family's encoded image) and the task's argument (the object, the question, or the caption length)."""
+    family's encoded image; None: a text-only query) and the task's argument (the object, the
+    question, or the caption length).
+
+    Every family reads `options()`: `settings` (the skills' settings dict: Settings.of) or, without
+    one, the fields max_objects..top_p (greedy, as the nodes have always asked). Moondream also
+    reads `spatial_refs` (query and point: points and boxes the prompt refers to) and `reasoning`
+    (query); the other families refuse them."""
     task: str
     image: Any
     prompt: str = ""
@@ -23,6 +105,9 @@ class Request:
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
+    settings: Mapping[str, Any] | None = None
+    spatial_refs: list[SpatialRef] | None = None
+    reasoning: bool = False
     # Set by another thread (a canceled action goal, a timeout): the decode drops this request at
     # its next step, freeing its batch slot; its result holds what was decoded until then.
     cancel: threading.Event | None = field(default=None, compare=False, repr=False)
@@ -33,6 +118,14 @@ class Request:
     @property
     def canceled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
+
+    def options(self) -> Settings:
+        """The settings this request decodes with: `settings` checked (the reference's defaults for
+        keys left out), or without a dict the fields above (greedy unless temperature says not)."""
+        if self.settings is not None:
+            return Settings.of(self.settings)
+        return Settings.of({"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+                            "max_objects": self.max_objects})
 
 
 # transcribe()'s own arguments; anything else in a request is a family's decoding option.

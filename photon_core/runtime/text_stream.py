@@ -7,12 +7,12 @@ token completing it. Lazy: a token is pulled only when the caller asks for more 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 REPLACEMENT = "\ufffd"
 
 
-def text_pieces(decode: Callable[[Sequence[int]], str], tokens: Iterable[int]) -> Iterator[str]:
+def text_pieces(decode: Callable[[list[int]], str], tokens: Iterable[int]) -> Iterator[str]:
     """Pieces of `decode(all tokens)`, in order, as the tokens arrive; joined they are that text.
     decode: ids -> text (a tokenizer's decode)."""
     ids: list[int] = []

@@ -3,8 +3,7 @@ grouped-query attention, SwiGLU, tied or untied LM head) on random weights, writ
 the way photon_core/README.md's "Adding a family" says. It is not shipped: the registry offers it
 only when $PHOTON_EXTRA_FAMILIES names this package (test/test_toy_family.py does).
 
-Its skill is `query` without an image (photon_core.contracts: "image None: text only, where the
-family allows")."""
+Its skill is `query` without an image: it meets photon_core.contracts.TextModel."""
 from __future__ import annotations
 
 from typing import Any

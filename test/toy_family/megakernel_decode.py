@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from photon_core.megakernel.compiler import Tiling
-from photon_core.runtime.decode import CompiledSteps, decode_length, resolve_weight_dtype
+from photon_core.runtime.decode import CompiledSteps, copy_prefilled_kv, decode_length, resolve_weight_dtype
 
 from .decoder_step import ToyStep, gather_weights
 
@@ -29,9 +29,9 @@ class MegakernelDecode(CompiledSteps[ToyStep]):
         self.model = model
         self._weights = gather_weights(model, self.max_len)
 
-    def build_step(self, batch: int, weights: object | None) -> ToyStep:
+    def build_step(self, batch: int, weights: torch.Tensor | None) -> ToyStep:
         return ToyStep(self._weights, self.model.config, batch, self.max_len, TILING, self.weight_dtype,
-                       shared_weights=weights)   # type: ignore[arg-type]
+                       shared_weights=weights)
 
     def session(self, prompts: Sequence[Sequence[int]]) -> "StepSession":
         """The prompts prefilled into the rows of the smallest bucket holding them (call under
@@ -40,8 +40,7 @@ class MegakernelDecode(CompiledSteps[ToyStep]):
         model, step = self.model, self.for_rows(len(prompts))
         tmp = model.new_cache(len(prompts), self.max_len)
         first = torch.stack([model.prefill(p, tmp, r) for r, p in enumerate(prompts)])
-        for name, per_layer in (("kcache", tmp.k), ("vcache", tmp.v)):
-            step.view(name)[:, :len(prompts)] = torch.stack(per_layer).to(step.view(name).dtype)
+        copy_prefilled_kv(step, ("kcache", "vcache"), list(zip(tmp.k, tmp.v)), slice(0, len(prompts)))
         return StepSession(self, step, first, [len(p) for p in prompts])
 
 

@@ -18,9 +18,10 @@ import torch
 
 from photon_core.backends.select import get_backend
 from photon_core.runtime.decode import BATCH_BUCKETS
-from photon_core.runtime.generate import generate, room
-from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
+from photon_core.runtime.generate import generate, room, token_lists
+from photon_core.runtime.requests import Request
 from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.text_settings import text_sampling
 from photon_core.runtime.text_stream import text_pieces
 from photon_core.weights.tensor_files import default_dtype, parse_dtype
 
@@ -65,7 +66,7 @@ class ToyLlama:
         self.generator = torch.Generator(self.device)
         self.model_id = Path(folder).name
         self.decode = None
-        if getattr(self.ops, "NAME", None) == "megakernel":
+        if getattr(self.ops, "COMPILES_STEPS", False):
             from .megakernel_decode import MegakernelDecode
             self.decode = MegakernelDecode(self)
 
@@ -143,26 +144,21 @@ class ToyLlama:
     def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling],
                      canceled: Callable[[int], bool] | None = None) -> list[list[int]]:
         """Each prompt's new ids (EOS excluded), the prompts decoded together as one batch."""
-        out: list[list[int]] = [[] for _ in prompts]
-        for new in self._tokens(prompts, sampling, canceled):
-            for r, tok in enumerate(new):
-                if tok is not None:
-                    out[r].append(tok)
-        return out
+        return token_lists(self._tokens(prompts, sampling, canceled), len(prompts))
 
-    def encode_image(self, image: Any, channel_order: str = "rgb") -> Any:
-        raise ValueError(TEXT_ONLY)
-
-    def query(self, image: Any, question: str, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
-              temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
-        """The continuation of `question` (image None: the family reads text only). stream: the
-        answer as text pieces, a character split over tokens held back. Seeded sampling: seed
-        `self.generator`."""
+    def query(self, image: Any = None, question: str | None = None, reasoning: bool = False,
+              spatial_refs: list[Any] | None = None, stream: bool = False,
+              settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The continuation of `question` (image None: the family reads text only); settings as
+        every family's (runtime.text_settings). stream: the answer as text pieces, a character
+        split over tokens held back. Seeded sampling: seed `self.generator`."""
+        s = text_sampling("the toy Llama", settings, reasoning, spatial_refs)
         if image is not None:
             raise ValueError(TEXT_ONLY)
-        s = Sampling(max_tokens, temperature, top_p)
-        toks = (new[0] for new in self._tokens([self.tokenizer.encode(question)], [s]))
-        pieces = text_pieces(self.tokenizer.decode, toks)   # type: ignore[arg-type]
+        if not isinstance(question, str):
+            raise ValueError("query needs a question")
+        toks = (new[0] for new in self._tokens([self.tokenizer.encode(question)], [s]) if new[0] is not None)
+        pieces = text_pieces(self.tokenizer.decode, toks)
         return {"answer": pieces if stream else "".join(pieces)}
 
     def batch(self, requests: list[Request]) -> list[dict[str, Any]]:
@@ -171,11 +167,12 @@ class ToyLlama:
             if r.task != "query" or r.image is not None:
                 raise ValueError(f"a toy Llama model answers text-only query requests, not {r.task!r}"
                                  f"{' with an image' if r.image is not None else ''}")
+        sampling = [text_sampling("the toy Llama", r.options(), r.reasoning, r.spatial_refs) for r in requests]
         out = []
         for at in range(0, len(requests), MAX_ROWS):   # a compiled step holds at most MAX_ROWS rows
             part = requests[at:at + MAX_ROWS]
             ids = self.generate_ids([self.tokenizer.encode(r.prompt) for r in part],
-                                    [Sampling(r.max_tokens, r.temperature, r.top_p) for r in part],
+                                    sampling[at:at + MAX_ROWS],
                                     lambda i: part[i].canceled)
             out += [{"answer": self.tokenizer.decode(t)} for t in ids]
         return out

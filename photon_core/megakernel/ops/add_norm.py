@@ -30,18 +30,18 @@ def plan(pl: Planning, node: Node) -> None:
 
 def lower(lo: Lowering, node: Node) -> None:
     g, a, B, S, W = lo.g, node.args, lo.B, lo.S, lo.W
-    st = Stage(node.out.name, g.counter(node.out.name), ancestors=lo.ancestors([a["x"], a["z"]], node.out.name))
-    d = node.out.width
-    fa, fk = lo.stats_finale(node.out.name)
+    st = Stage(node.value.name, g.counter(node.value.name), ancestors=lo.ancestors([a["x"], a["z"]], node.value.name))
+    d = node.value.width
+    fa, fk = lo.stats_finale(node.value.name)
     for r in range(B):
-        g.add(Task(f"{node.out.name}[b{r}]", OP_ADD_NORM,
+        g.add(Task(f"{node.value.name}[b{r}]", OP_ADD_NORM,
                    dict(N=d, x=S.off(a["x"].name), res=S.off(a["z"].name), lnw=W.off(a["w"]),
                         sw=W.off(a["scale_w"]) if a["scale_w"] else -1, scale=float_bits(a["scale"]),
-                        chunk=a["chunk"], bi=r, out=S.off(node.out.name), **fa),
+                        chunk=a["chunk"], bi=r, out=S.off(node.value.name), **fa),
                    lo.waits([a["x"], a["z"]]), st.counter,
                    [S.region(a["x"].name, r * d, (r + 1) * d), S.region(a["z"].name, r * d, (r + 1) * d)],
-                   [S.region(node.out.name, r * d, (r + 1) * d)], **fk))
-    lo.stage_of[node.out.name] = st
+                   [S.region(node.value.name, r * d, (r + 1) * d)], **fk))
+    lo.stage_of[node.value.name] = st
 
 
 RULE = OpRule("add_norm", reference, lower, plan, codes={OP_ADD_NORM: "add_norm"}, stats_finale=True)

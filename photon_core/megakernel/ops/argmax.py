@@ -23,11 +23,11 @@ def plan(pl: Planning, node: Node) -> None:
     src = pl.producer.get(a["x"].name)
     if src is None or src.op != "linear":
         raise ValueError(f"{pl.graph.name}: argmax {a['name']!r} must read a linear's output")
-    n = src.out.width
+    n = src.value.width
     if a["c0"] % bn or (a["c1"] % bn and a["c1"] != n):
         raise ValueError(f"{pl.graph.name}: argmax {a['name']!r} over columns [{a['c0']}, {a['c1']}) "
                          f"does not fall on the {bn}-column tiles")
-    pl.logits[src.out.name] = -(-n // bn)
+    pl.logits[src.value.name] = -(-n // bn)
 
 
 def lower(lo: Lowering, node: Node) -> None:

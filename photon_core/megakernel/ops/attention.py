@@ -35,22 +35,22 @@ def reference(e: Eager, node: Node) -> torch.Tensor:
         y = torch.cat(rows)
     else:
         y = ref.decode_attention(q, k_c, v_c, lengths, a["scale"], a["window"])
-    return y.reshape(bsz, node.out.width)
+    return y.reshape(bsz, node.value.width)
 
 
 def scratch(graph: StepGraph, node: Node, batch: int, tiling) -> dict[str, tuple[int, ...]]:
     """Each (row, head, split)'s partial (m, l, acc[Dh])."""
     spec = node.args["k"].spec
     splits = tiling.self_splits if node.args["length"] == "self" else tiling.cross_splits
-    return {f"{node.out.name}.part": (batch, node.out.width // spec.head_dim, splits, spec.head_dim + 2)}
+    return {f"{node.value.name}.part": (batch, node.value.width // spec.head_dim, splits, spec.head_dim + 2)}
 
 
 def lower(lo: Lowering, node: Node) -> None:
     p, g, B, S = lo.p, lo.g, lo.B, lo.S
-    a, name = node.args, node.out.name
+    a, name = node.args, node.value.name
     k, v, q = a["k"], a["v"], a["q"]
     H, dh = k.spec.heads, k.spec.head_dim
-    d = node.out.width
+    d = node.value.width
     hq = d // dh                         # query heads; head h reads K/V head h // (hq / H)
     self_len = a["length"] == "self"
     splits = p.tiling.self_splits if self_len else p.tiling.cross_splits

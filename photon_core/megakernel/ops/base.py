@@ -26,7 +26,7 @@ NORM_CODES = {"layer_norm": 1, "rms_norm": 2}
 
 def act_code(act: str | None) -> int:
     """The kernel's activation code, including the gate-only sigmoid and tanh."""
-    return {"sigmoid": ACT_SIGMOID, "tanh": ACT_TANH}.get(act) or activation_code(act)
+    return {"sigmoid": ACT_SIGMOID, "tanh": ACT_TANH}.get(act or "") or activation_code(act)
 
 
 def float_bits(x: float) -> int:
@@ -190,6 +190,10 @@ class Eager:
     def w(self, name: str | None) -> torch.Tensor | None:
         """A weight as fp32 (None for an absent optional weight)."""
         return None if name is None else self.weights[name].float()
+
+    def weight(self, name: str) -> torch.Tensor:
+        """A weight the op always has, as fp32."""
+        return self.weights[name].float()
 
 
 def eager_act(x: torch.Tensor, act: str | None) -> torch.Tensor:

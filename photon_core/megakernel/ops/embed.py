@@ -20,19 +20,19 @@ def reference(e: Eager, node: Node) -> torch.Tensor:
 
 def lower(lo: Lowering, node: Node) -> None:
     p, g, a, B, S, W = lo.p, lo.g, node.args, lo.B, lo.S, lo.W
-    st = Stage(node.out.name, g.counter(node.out.name), ancestors=frozenset({node.out.name}))
-    d = node.out.width
-    fa, fk = lo.stats_finale(node.out.name)
+    st = Stage(node.value.name, g.counter(node.value.name), ancestors=frozenset({node.value.name}))
+    d = node.value.width
+    fa, fk = lo.stats_finale(node.value.name)
     for n0 in range(0, d, lo.bn):
         n1 = min(d, n0 + lo.bn)
-        g.add(Task(f"{node.out.name}[{n0}:{n1}]", OP_EMBED,
+        g.add(Task(f"{node.value.name}[{n0}:{n1}]", OP_EMBED,
                    dict(M=B, N=d, n0=n0, w=p.external[a["tok"]][0] if a["tok"] in p.external else W.off(a["tok"]),
                         b=W.off(a["pos"]) if a["pos"] else -1,
                         ldw=p.external[a["tok"]][1] if a["tok"] in p.external else p.ldw[a["tok"]],
                         scale=float_bits(a["scale"]),
-                        out=S.off(node.out.name), **fa),
-                   [], st.counter, [lo.dyn_tok, lo.dyn_pos], S.columns(node.out.name, B, d, n0, n1), **fk))
-    lo.stage_of[node.out.name] = st
+                        out=S.off(node.value.name), **fa),
+                   [], st.counter, [lo.dyn_tok, lo.dyn_pos], S.columns(node.value.name, B, d, n0, n1), **fk))
+    lo.stage_of[node.value.name] = st
 
 
 RULE = OpRule("embed", reference, lower, codes={OP_EMBED: "embed"}, matrices=("tok", "pos"), stats_finale=True)

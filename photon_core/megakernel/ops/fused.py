@@ -12,13 +12,15 @@ from photon_core.megakernel.stepgraph import Node
 
 
 def input_reference(e: Eager, node: Node) -> torch.Tensor:
-    return e.inputs[node.out.name].float().reshape(e.bsz, node.out.width)
+    if e.inputs is None or node.value.name not in e.inputs:
+        raise ValueError(f"the step's input {node.value.name!r} was not given")
+    return e.inputs[node.value.name].float().reshape(e.bsz, node.value.width)
 
 
 def layer_norm_reference(e: Eager, node: Node) -> torch.Tensor:
     from photon_core.backends import reference as ref
     a = node.args
-    return ref.layer_norm(e.val(a["x"]), e.w(a["w"]), e.w(a["b"]), a["eps"])
+    return ref.layer_norm(e.val(a["x"]), e.weight(a["w"]), e.w(a["b"]), a["eps"])
 
 
 def rms_norm_reference(e: Eager, node: Node) -> torch.Tensor:
@@ -34,7 +36,7 @@ def glu_reference(e: Eager, node: Node) -> torch.Tensor:
 
 
 def mul_reference(e: Eager, node: Node) -> torch.Tensor:
-    a, w = node.args, node.out.width
+    a, w = node.args, node.value.width
     return e.val(a["x"])[:, a["c0"]:a["c0"] + w] * eager_act(e.val(a["g"]), a["act"])
 
 
@@ -49,12 +51,12 @@ def norm_plan(pl: Planning, node: Node) -> None:
     if node.op == "rms_norm" and a["offset"]:
         # (offset + w) is folded into the stored weight at load time.
         pl.fold_offset(node, a["w"], a["offset"])
-    for c in graph.consumers(node.out):
+    for c in graph.consumers(node.value):
         if c.op not in ("linear", "moe") or c.args["x"] is not node.out or c.args["residual"] is node.out:
-            raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
-                             f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
+            raise ValueError(f"{graph.name}: {node.op} {node.value.name!r} is read by {c.op} "
+                             f"{c.value.name if c.out else c.args.get('name')!r}: only a linear's input "
                              "can take a fused LayerNorm")
-        pl.norm_of[c.out.name] = node
+        pl.norm_of[c.value.name] = node
 
 
 def prologue_plan(pl: Planning, node: Node) -> None:
@@ -63,15 +65,15 @@ def prologue_plan(pl: Planning, node: Node) -> None:
     for arg in ("x", "g") if node.op == "mul" else ("x",):
         src = pl.producer.get(a[arg].name)
         if src is not None and src.op in FUSED:
-            raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} reads {src.op} "
-                             f"{src.out.name!r}; fused ops cannot be chained")
-    for c in graph.consumers(node.out):
+            raise ValueError(f"{graph.name}: {node.op} {node.value.name!r} reads {src.op} "
+                             f"{src.value.name!r}; fused ops cannot be chained")
+    for c in graph.consumers(node.value):
         if c.op != "linear" or c.args["x"] is not node.out or c.args["residual"] is node.out \
-                or c.out.name in pl.norm_of:
-            raise ValueError(f"{graph.name}: {node.op} {node.out.name!r} is read by {c.op} "
-                             f"{c.out.name if c.out else c.args.get('name')!r}: only a linear's input "
+                or c.value.name in pl.norm_of:
+            raise ValueError(f"{graph.name}: {node.op} {node.value.name!r} is read by {c.op} "
+                             f"{c.value.name if c.out else c.args.get('name')!r}: only a linear's input "
                              f"can take a fused {'GLU' if node.op == 'glu' else node.op}")
-        {"glu": pl.glu_of, "mul": pl.mul_of, "act": pl.act_of}[node.op][c.out.name] = node
+        {"glu": pl.glu_of, "mul": pl.mul_of, "act": pl.act_of}[node.op][c.value.name] = node
 
 
 RULES = (OpRule("input", input_reference),

@@ -17,7 +17,7 @@ OP_ROPE_APPEND = 6    # (row, head) of a fused q|k|v: rotary on q and k, q out, 
 
 def qkv_head(node: Node, c: int) -> int:
     """The query head whose append task (kv_append `node`) reads column c of its q|k|v input."""
-    dh, H, d = node.args["k"].spec.head_dim, node.args["k"].spec.heads, node.out.width
+    dh, H, d = node.args["k"].spec.head_dim, node.args["k"].spec.heads, node.value.width
     return c // dh if c < d else (c - d) % (H * dh) // dh
 
 
@@ -26,7 +26,7 @@ def head_groups(node: Node, width: int) -> list[list[int]]:
     an append task (row, head h) reads q head h and, while h < K/V heads, k and v head h; a tile
     whose columns reach two heads joins their groups."""
     a = node.args
-    parent = list(range(node.out.width // a["k"].spec.head_dim))
+    parent = list(range(node.value.width // a["k"].spec.head_dim))
 
     def root(h: int) -> int:
         while parent[h] != h:
@@ -50,7 +50,7 @@ def reference(e: Eager, node: Node) -> torch.Tensor:
     a, bsz, pos, weights = node.args, e.bsz, e.pos, e.weights
     k_c, v_c = e.cache(a["k"]), e.cache(a["v"])
     h, dh = a["k"].spec.heads, a["k"].spec.head_dim
-    hq = node.out.width // dh
+    hq = node.value.width // dh
     append = a["append"]
     qkv = e.val(a["qkv"])
     if not append:   # q alone: k, v stand-ins that are never stored
@@ -87,14 +87,14 @@ def plan(pl: Planning, node: Node) -> None:
         for w in (hn.q, hn.k):
             if w is not None and hn.offset:
                 pl.fold_offset(node, w, hn.offset)
-    elif a["rotary"] is None and a["k"].spec.heads * a["k"].spec.head_dim == node.out.width \
+    elif a["rotary"] is None and a["k"].spec.heads * a["k"].spec.head_dim == node.value.width \
             and not a["k"].spec.ring and a["tau"] is None and a["append"]:
         # The linear stores q|k|v itself only with as many K/V heads as query heads (the
         # kernel's q|k|v store); grouped-query K/V go through append tasks.
         src = pl.producer.get(a["qkv"].name)
-        readers = graph.consumers(src.out) if src is not None else []
+        readers = graph.consumers(src.value) if src is not None else []
         if src is not None and src.op == "linear" and len(readers) == 1 and readers[0] is node:
-            pl.qkv_store[src.out.name] = node
+            pl.qkv_store[src.value.name] = node
 
 
 def append_tasks(lo: Lowering, node: Node) -> dict[tuple[int, int], Task]:
@@ -103,7 +103,7 @@ def append_tasks(lo: Lowering, node: Node) -> dict[tuple[int, int], Task]:
     S, W, B, a = lo.S, lo.W, lo.B, node.args
     k, v = a["k"], a["v"]
     H, dh = k.spec.heads, k.spec.head_dim
-    d = node.out.width                 # Hq * dh: query heads may outnumber K/V heads
+    d = node.value.width                 # Hq * dh: query heads may outnumber K/V heads
     hq, row = d // dh, d + 2 * H * dh
     rot, tau, append, hn = a["rotary"], a["tau"], a["append"], a["norm"]
     qkv = a["qkv"].name
@@ -113,7 +113,7 @@ def append_tasks(lo: Lowering, node: Node) -> dict[tuple[int, int], Task]:
     for h in range(hq):                # query head h; K/V head h too while h < H
         for r in range(B):
             reads = [S.region(qkv, r * row + h * dh, r * row + (h + 1) * dh), lo.dyn_pos, lo.dyn_rot]
-            writes = [S.region(node.out.name, r * d + h * dh, r * d + (h + 1) * dh)]
+            writes = [S.region(node.value.name, r * d + h * dh, r * d + (h + 1) * dh)]
             if tau:
                 tv = tau.value.name
                 reads += [S.region(tv, r * 2 * hq + h, r * 2 * hq + h + 1)]
@@ -123,10 +123,10 @@ def append_tasks(lo: Lowering, node: Node) -> dict[tuple[int, int], Task]:
                 reads += [S.region(qkv, r * row + d + c * H * dh + h * dh, r * row + d + c * H * dh + (h + 1) * dh)
                           for c in range(2)]
                 writes += [lo.cache_cols(k, r, h * dh, (h + 1) * dh), lo.cache_cols(v, r, h * dh, (h + 1) * dh)]
-            tasks[(r, h)] = Task(f"{node.out.name}[b{r},h{h}]", OP_ROPE_APPEND,
+            tasks[(r, h)] = Task(f"{node.value.name}[b{r},h{h}]", OP_ROPE_APPEND,
                                  dict(K=rot.dims if rot else 0, N=d, x=S.off(qkv),
                                       w=W.off(rot.cos) if rot else -1, b=W.off(rot.sin) if rot else -1,
-                                      out=S.off(node.out.name), kc=lo.cache_off(k), vc=lo.cache_off(v), H=H, Dh=dh,
+                                      out=S.off(node.value.name), kc=lo.cache_off(k), vc=lo.cache_off(v), H=H, Dh=dh,
                                       Tmax=k.spec.length, bi=r, hi=h, ring=int(k.spec.ring),
                                       lnw=W.off(hn.q) if hn is not None and hn.q else -1,
                                       lnb=W.off(hn.k) if hn is not None and hn.k else -1,
@@ -145,9 +145,9 @@ def append_finales(lo: Lowering, name: str, ancestors: frozenset[str]) -> tuple[
     g: TaskGraph = lo.g
     node, groups = lo.p.rope_groups[name]
     tasks = append_tasks(lo, node)
-    out = node.out.name
-    heads = lo.per_head(node.out) is not None
-    counters = [g.counter(f"{out}.g{i}") for i in range(len(groups))] if heads else None
+    out = node.value.name
+    heads = lo.per_head(node.value) is not None
+    counters = [g.counter(f"{out}.g{i}") for i in range(len(groups))] if heads else []
     group_of = {h: i for i, grp in enumerate(groups) for h in grp}
     rst = Stage(out, None if heads else g.counter(out),
                 [counters[group_of[h]] for h in sorted(group_of)] if heads else None, ancestors | {out})
@@ -165,19 +165,19 @@ def append_finales(lo: Lowering, name: str, ancestors: frozenset[str]) -> tuple[
 def lower(lo: Lowering, node: Node) -> None:
     """One task per (row, query head), unless its q|k|v linear stored it or runs it as finales."""
     g, a = lo.g, node.args
-    if node.out.name in lo.stage_of:      # stored by its q|k|v linear, or run as its tiles' finales
+    if node.value.name in lo.stage_of:      # stored by its q|k|v linear, or run as its tiles' finales
         return
     H = a["k"].spec.heads
     tau = a["tau"]
-    signal_heads = lo.per_head(node.out) is not None
-    st = Stage(node.out.name, None if signal_heads else g.counter(node.out.name),
-               [g.counter(f"{node.out.name}.h{h}") for h in range(H)] if signal_heads else None,
-               lo.ancestors([a["qkv"]], node.out.name))
+    signal_heads = lo.per_head(node.value) is not None
+    st = Stage(node.value.name, None if signal_heads else g.counter(node.value.name),
+               [g.counter(f"{node.value.name}.h{h}") for h in range(H)] if signal_heads else None,
+               lo.ancestors([a["qkv"]], node.value.name))
     wait = lo.waits([a["qkv"]] + ([tau.value] if tau else []))
     for (r, h), t in append_tasks(lo, node).items():
         t.waits, t.signal = list(wait), st.heads[h] if st.heads else st.counter
         g.add(t)
-    lo.stage_of[node.out.name] = st
+    lo.stage_of[node.value.name] = st
 
 
 RULE = OpRule("kv_append", reference, lower, plan, codes={OP_ROPE_APPEND: "rope_append"})

@@ -46,7 +46,7 @@ def reference(e: Eager, node: Node) -> torch.Tensor:
     from photon_core.backends import reference as ref
     a = node.args
     tanh = a["act"] == "tanh"    # not a linear activation of the ops contract
-    y = ref.linear(e.val(a["x"]), e.w(a["w"]), e.w(a["b"]), activation=None if tanh else a["act"])
+    y = ref.linear(e.val(a["x"]), e.weight(a["w"]), e.w(a["b"]), activation=None if tanh else a["act"])
     y = torch.tanh(y) if tanh else y
     if a["residual"] is not None:
         y = y + e.val(a["residual"])
@@ -57,7 +57,7 @@ def lower(lo: Lowering, node: Node) -> None:
     """Tiles of the stage's width; with K slices, split tasks (partial products into the stage's
     scratch) of which the last of each tile sums them in a fixed order and runs the epilogue."""
     p, g, graph, B, S, W = lo.p, lo.g, lo.graph, lo.B, lo.S, lo.W
-    a, name = node.args, node.out.name
+    a, name = node.args, node.value.name
     N, K = graph.weight_shapes[a["w"]]
     width, splits = p.shape[name]
     norm, glu, mul, xact = p.norm_of.get(name), p.glu_of.get(name), p.mul_of.get(name), p.act_of.get(name)
@@ -73,11 +73,12 @@ def lower(lo: Lowering, node: Node) -> None:
                xs=x.width if mul else -1, xc0=mul.args["c0"] if mul else 0,
                xact=act_code(xact.args["act"]) if xact else 0)
     kv = p.qkv_store.get(name)
-    out = kv.out if kv is not None else node.out          # what the tiles write
+    out = kv.value if kv is not None else node.value      # what the tiles write
     dh = lo.per_head(out)
-    signal_heads = dh is not None and dh % width == 0
+    head_dim = dh if dh is not None and dh % width == 0 else 0   # 0: one counter for the stage
+    signal_heads = head_dim > 0
     d = out.width
-    heads = -(-d // dh) if signal_heads else 0
+    heads = -(-d // head_dim) if signal_heads else 0
     finales, rope = None, p.rope_groups.get(name, (None,))[0]
     if rope is not None:   # the append's rows run as finales of these tiles (it alone reads them)
         st, finales = append_finales(lo, name, lo.ancestors(reads_of, out.name))
@@ -109,7 +110,7 @@ def lower(lo: Lowering, node: Node) -> None:
         if a["residual"] is not None:
             reads += S.columns(a["residual"].name, B, N, n0, n1)
         writes = []
-        if mode == MODE_QKV:
+        if kv is not None:   # MODE_QKV
             kc, vc = kv.args["k"], kv.args["v"]
             H, hd = kc.spec.heads, kc.spec.head_dim
             kvw = H * hd                       # d (the query width) may be a multiple of it
@@ -129,11 +130,11 @@ def lower(lo: Lowering, node: Node) -> None:
             part = f"{name}.part"
             args.update(tile=i, part=S.off(part), ntiles=ntiles, rb=-1)
             writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
-        if finales is not None:
+        if finales is not None and rope is not None:
             fa, fk, signal = finales[qkv_head(rope, n0)]
             args.update(fa)
         else:
-            signal = st.heads[(n0 % d) // dh] if signal_heads else st.counter
+            signal = st.heads[(n0 % d) // head_dim] if st.heads is not None else st.counter
         if splits == 1:
             g.add(Task(f"{name}[{n0}:{n1}]", OP_LINEAR, args, list(wait), signal, list(x_regions) + reads, writes,
                        **own_lists(fk)))

@@ -47,10 +47,10 @@ def tail_scratch(graph: StepGraph, node: Node, batch: int, tiling) -> dict[str, 
     weight elements each expert task loaded (see lower)."""
     k, (_, d, f) = node.args["top_k"], graph.weight_shapes[node.args["down"]]
     tiles = -(-f // tiling.block_n) + -(-d // tiling.block_n)
-    return {f"{node.out.name}.route": (batch, k, 2),          # per row: chosen (expert, weight)
-            f"{node.out.name}.h": (batch * k, batch, f),      # pair j's expert, every row's hidden
-            f"{node.out.name}.part": (batch, batch * k, d),   # row r's output from pair j's expert
-            f"{node.out.name}.loads": (batch * k, tiles)}     # weight elements each expert task read
+    return {f"{node.value.name}.route": (batch, k, 2),          # per row: chosen (expert, weight)
+            f"{node.value.name}.h": (batch * k, batch, f),      # pair j's expert, every row's hidden
+            f"{node.value.name}.part": (batch, batch * k, d),   # row r's output from pair j's expert
+            f"{node.value.name}.loads": (batch * k, tiles)}     # weight elements each expert task read
 
 
 def lower(lo: Lowering, node: Node) -> None:
@@ -68,7 +68,7 @@ def lower(lo: Lowering, node: Node) -> None:
     first) to its cell of `{name}.loads`: CompiledStep.expert_bytes_read counts them."""
     p, g, graph, B, S, W, bn = lo.p, lo.g, lo.graph, lo.B, lo.S, lo.W, lo.bn
     waits, ancestors = lo.waits, lo.ancestors
-    a, name = node.args, node.out.name
+    a, name = node.args, node.value.name
     E, F2, D = graph.weight_shapes[a["gate_up"]]
     F, k = F2 // 2, a["top_k"]
     P = B * k                                   # routed pairs
@@ -77,16 +77,17 @@ def lower(lo: Lowering, node: Node) -> None:
     x = norm.args["x"] if norm else a["x"]
     route, hid, part = Value(f"{name}.route", 2 * k), f"{name}.h", f"{name}.part"
     loads = f"{name}.loads"
-    stages = {route.name: Stage(route.name, g.counter(route.name), ancestors=ancestors([a["logits"]], route.name))}
+    route_counter, up_counter, down_counter = g.counter(route.name), g.counter(hid), g.counter(part)
+    stages = {route.name: Stage(route.name, route_counter, ancestors=ancestors([a["logits"]], route.name))}
     for r in range(B):
         g.add(Task(f"{route.name}[b{r}]", OP_MOE_ROUTE,
                    dict(N=E, x=S.off(a["logits"].name) + r * E, out=S.off(route.name) + r * 2 * k, S=k,
                         mode=int(a["renormalize"])),
-                   waits([a["logits"]]), stages[route.name].counter,
+                   waits([a["logits"]]), route_counter,
                    [S.region(a["logits"].name, r * E, (r + 1) * E)], [S.region(route.name, r * 2 * k, (r + 1) * 2 * k)]))
     all_routes = S.region(route.name)
     # the new stages are visible to waits() only once registered
-    up = Stage(hid, g.counter(hid), ancestors=ancestors([x], hid) | stages[route.name].ancestors)
+    up = Stage(hid, up_counter, ancestors=ancestors([x], hid) | stages[route.name].ancestors)
     st_args, st_reads = lo.stats_read(norm)
     norm_args = dict(lnw=W.off(norm.args["w"]) if norm else -1,
                      lnb=W.off(norm.args["b"]) if norm and norm.args.get("b") else -1,
@@ -95,7 +96,7 @@ def lower(lo: Lowering, node: Node) -> None:
     return_stages = dict(stages)
     route_st = stages[route.name]
     # x is ready once the route is, when the router read x (Moondream 3): then one wait.
-    wait_up = [(route_st.counter, B)] + ([] if x.name in route_st.ancestors else waits([x]))
+    wait_up = [(route_counter, B)] + ([] if x.name in route_st.ancestors else waits([x]))
     for j in range(P):
         for t, n0 in enumerate(range(0, F, bn)):
             n1 = min(F, n0 + bn)
@@ -110,8 +111,8 @@ def lower(lo: Lowering, node: Node) -> None:
                        [S.region(hid, (j * B + r) * F + n0, (j * B + r) * F + n1) for r in range(B)]
                        + [S.region(loads, cell, cell + 1)]))
     return_stages[hid] = up
-    down = Stage(part, g.counter(part), ancestors=up.ancestors | {part})
-    n_up = g.signalers(up.counter)
+    down = Stage(part, down_counter, ancestors=up.ancestors | {part})
+    n_up = g.signalers(up_counter)
     for j in range(P):
         for t, n0 in enumerate(range(0, D, bn)):
             n1 = min(D, n0 + bn)
@@ -121,14 +122,14 @@ def lower(lo: Lowering, node: Node) -> None:
                             wsc=W.toff(a["down_scale"]) if a["down_scale"] else -1, ldw=p.ldw[a["down"]],
                             tile=j, S=k, part=S.off(route.name), out=S.off(part) + j * D, loads=S.off(loads) + cell,
                             lnw=-1, lnb=-1, norm=0, **no_prologue),
-                       [(up.counter, n_up)], down.counter, [S.region(hid, j * B * F, (j + 1) * B * F), all_routes],
+                       [(up_counter, n_up)], down_counter, [S.region(hid, j * B * F, (j + 1) * B * F), all_routes],
                        [S.region(part, (r * P + j) * D + n0, (r * P + j) * D + n1) for r in range(B)]
                        + [S.region(loads, cell, cell + 1)]))
     return_stages[part] = down
     res = a["residual"]
     out = Stage(name, g.counter(name), ancestors=down.ancestors | {name} | (
         ancestors([res], name) if res is not None else frozenset()))
-    wait_sum = [(down.counter, g.signalers(down.counter))]
+    wait_sum = [(down_counter, g.signalers(down_counter))]
     if res is not None and res.name not in down.ancestors:
         wait_sum += waits([res])
     fa, fk = lo.stats_finale(name)

@@ -40,6 +40,7 @@ import torch
 
 from photon_core.megakernel.compiler import CompiledStep, Tiling
 from photon_core.megakernel.stepgraph import HeadNorm, Rotary, StepGraph
+from photon_core.runtime.decode import copy_prefilled_kv
 
 from . import text
 from .config import TextConfig
@@ -244,14 +245,9 @@ class Gemma4DecoderStep(CompiledStep):
 
     def load_row(self, row: int, cache: text.KVCache, cache_row: int = 0) -> None:
         """Copy one row of a prefilled text.KVCache (any max_len up to this step's) into row `row`."""
-        for i, k in cache.k.items():
-            kn, vn = cache_names(i)
-            dst_k, dst_v = self.view(kn), self.view(vn)
-            n = cache.slots(i)
-            if n > dst_k.shape[2]:
-                raise ValueError(f"a cache of {n} slots does not fit layer {i}'s {dst_k.shape[2]}")
-            dst_k[row, :, :n] = k[cache_row]
-            dst_v[row, :, :n] = cache.v[i][cache_row]
+        one = slice(cache_row, cache_row + 1)
+        copy_prefilled_kv(self, cache_names, {i: (k[one], cache.v[i][one]) for i, k in cache.k.items()},
+                          slice(row, row + 1))
 
     def step(self, tokens: list[int], positions: list[int]) -> StepOut:
         """Decode one position per row (all B rows of the bucket)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -63,7 +63,7 @@ class BatchDecoder:
             return greedy
         return pick(logits, s, self.model.ops, self.allowed, self.gen)
 
-    def _stepper(self) -> "OpsStepper":
+    def _stepper(self) -> "Stepper":
         fm = getattr(self.model, "decode", None)
         if fm is not None and fm.fits(len(self.rows), self.max_len):
             from .megakernel_decode import MegakernelStepper
@@ -88,11 +88,19 @@ class BatchDecoder:
             r.done = True
 
 
+class Stepper(Protocol):
+    """Rows' decode on one backend: OpsStepper below, megakernel_decode.MegakernelStepper (which
+    also decodes greedy rows in rounds on the device)."""
+
+    def prefill(self, b: int, row: Row) -> torch.Tensor: ...
+    def step(self, ids: list[int], pos: list[int]) -> tuple[torch.Tensor, list[int] | None]: ...
+
+
 class Session:
     """runtime.generate's session on a stepper's slots: every step feeds all of them (a slot
     whose row finished decodes the pad token at its last position)."""
 
-    def __init__(self, dec: BatchDecoder, stepper: "OpsStepper") -> None:
+    def __init__(self, dec: BatchDecoder, stepper: Stepper) -> None:
         self.dec, self.stepper = dec, stepper
         self.live = list(range(len(dec.rows)))
         self.pos = [len(r.prompt) for r in dec.rows]   # each slot's next input position
@@ -113,7 +121,10 @@ class Session:
         self.live = [self.live[i] for i in rows]
 
     def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
-        return self.stepper.rounds(first, self.pos, max_new, stop)
+        rounds = getattr(self.stepper, "rounds", None)   # run() offers rounds only where it exists
+        if rounds is None:
+            raise RuntimeError("decoding in rounds needs the compiled steps (the megakernel backend)")
+        return rounds(first, self.pos, max_new, stop)
 
 
 class OpsStepper:

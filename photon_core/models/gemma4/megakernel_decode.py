@@ -52,7 +52,7 @@ class MegakernelDecode(CompiledSteps[Gemma4DecoderStep]):
                          resolve_weight_dtype(weight_dtype, model.dtype, model.device))
         self.model, self.tiling = model, tiling
 
-    def build_step(self, batch: int, weights: object | None) -> Gemma4DecoderStep:
+    def build_step(self, batch: int, weights: torch.Tensor | None) -> Gemma4DecoderStep:
         m = self.model
         return Gemma4DecoderStep(m.w, m.config.text, batch, self.max_len, self.tiling, self.weight_dtype,
                                  weights=weights, barred=m.config.placeholder_ids, model_dtype=m.dtype)

@@ -10,9 +10,13 @@ from typing import Any
 
 import torch
 
+from photon_core.runtime import chat_messages
 from photon_core.runtime.chat_template import stop_ids
+from photon_core.runtime.generate import room
 from photon_core.runtime.image_input import ImageLike, to_rgb
-from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
+from photon_core.runtime.requests import Request
+from photon_core.runtime.sampling import Sampling
+from photon_core.runtime.text_settings import text_sampling
 from photon_core.runtime.text_stream import text_pieces
 from photon_core.weights.tensor_files import parse_dtype
 
@@ -22,7 +26,9 @@ from .config import Gemma4Config
 from .decoding import BatchDecoder, Row
 from .prompt import CAPTIONS, Gemma4Prompter
 
+FAMILY = "Gemma 4"
 TASKS = ("caption", "query")
+THOUGHT_END = "<channel|>"   # ends the thought channel that thinking mode opens
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Gemma4Model:
         self.device, self.dtype, self.model_id, self.eos_ids = device, dtype, model_id, frozenset(eos_ids)
         self.rotary = text.Rotary(config.text, device)
         self.decode = None
-        if getattr(ops, "NAME", "") == "megakernel":
+        if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
 
             from .megakernel_decode import MegakernelDecode
@@ -115,31 +121,66 @@ class Gemma4Model:
         return text.logits(h[:, 0], self.w, self.config.text, self.ops).float()
 
     # -- skills --------------------------------------------------------------------------------
-    def _row(self, image: Any, question: str, max_tokens: int, temperature: float, top_p: float) -> Row:
+    def _row(self, image: Any, question: str, s: Sampling) -> Row:
         enc = None if image is None else self.encode_image(image)
         n = None if enc is None else enc.tokens.shape[0]
         return Row(self.prompter.prompt_ids(question, n), None if enc is None else enc.tokens,
-                   max_tokens, temperature, top_p)
+                   s.max_tokens, s.temperature, s.top_p)
 
     def _generate(self, row: Row, seed: int | None) -> Iterator[str]:
         decoder = BatchDecoder(self, [row], seed)   # checks before the generator starts
-        tokens = (new[0] for new in decoder.run())
+        tokens = (new[0] for new in decoder.run() if new[0] is not None)   # one row: always there
         return text_pieces(self.prompter.decode, tokens)
 
-    def query(self, image: Any, question: str, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
-              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> dict:
-        """{"answer": str}, or a generator of text pieces with stream=True. image None: text only."""
-        gen = self._generate(self._row(image, question, max_tokens, temperature, top_p), seed)
+    # Moondream's signatures (photon_core.contracts): settings as runtime.requests.Settings reads
+    # them, the reference's defaults included (temperature 0.5, top_p 0.3, max_tokens 768); seed:
+    # the sampler's, for repeatable sampled answers.
+    def query(self, image: Any = None, question: str | None = None, reasoning: bool = False,
+              spatial_refs: list[Any] | None = None, stream: bool = False, settings: dict | None = None,
+              seed: int | None = None) -> dict:
+        """{"answer": str}, or a generator of text pieces with stream=True. image None: text only.
+        reasoning and spatial_refs are Moondream's (NotImplementedError); thinking is chat's."""
+        s = text_sampling(FAMILY, settings, reasoning, spatial_refs)
+        gen = self._generate(self._row(image, question or "", s), seed)
         return {"answer": gen if stream else "".join(gen)}
 
-    def caption(self, image: Any, length: str = "normal", stream: bool = False,
-                max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
+    def caption(self, image: Any, length: str = "normal", stream: bool = False, settings: dict | None = None,
                 seed: int | None = None) -> dict:
         """{"caption": str}, or a generator of text pieces with stream=True. length: short/normal/long."""
+        s = text_sampling(FAMILY, settings)
         if image is None:
             raise ValueError("caption needs an image")
-        gen = self._generate(self._row(image, caption_question(length), max_tokens, temperature, top_p), seed)
+        gen = self._generate(self._row(image, caption_question(length), s), seed)
         return {"caption": gen if stream else "".join(gen)}
+
+    def chat(self, messages: list[dict], stream: bool = False, settings: dict | None = None,
+             reasoning: bool | None = None, seed: int | None = None) -> dict:
+        """The moondream client's chat (runtime.chat_messages): the conversation through the
+        checkpoint's chat template. reasoning (default off): the template's thinking mode; the
+        thought channel, up to its end token, comes back as the message's "reasoning"."""
+        conversation, s = chat_messages.parse(messages), chat_messages.sampling(settings)
+        end = None
+        if reasoning:
+            end = self.prompter.tok.token_to_id(THOUGHT_END)
+            if end is None:
+                raise ValueError(f"{self.model_id}: its tokenizer has no {THOUGHT_END!r} token, so there is "
+                                 "no thinking mode to ask for (reasoning=False)")
+        encs = [self.encode_image(image) for image in conversation.images]
+        rendered = self.prompter.template.render(conversation.turns, add_generation_prompt=True,
+                                                 enable_thinking=bool(reasoning))
+        parts = rendered.split(self.prompter.image_token)
+        if len(parts) != len(encs) + 1:
+            raise ValueError(f"the chat template put {len(parts) - 1} image placeholders in the prompt "
+                             f"for {len(encs)} images")
+        ids = self.prompter.encode(parts[0])
+        for enc, after in zip(encs, parts[1:]):
+            ids += ([self.prompter.boi_id] + [self.prompter.image_token_id] * enc.tokens.shape[0]
+                    + [self.prompter.eoi_id] + self.prompter.encode(after))
+        row = Row(ids, torch.cat([e.tokens for e in encs]) if encs else None, s.max_tokens, s.temperature, s.top_p)
+        decoder = BatchDecoder(self, [row], seed)   # checks the prompt before the generator starts
+        limit = room(row.max_tokens, len(row.prompt), row.limit)
+        tokens = (new[0] for new in decoder.run() if new[0] is not None)
+        return chat_messages.reply(tokens, self.prompter.decode, limit, stream, end)
 
     def batch(self, requests: list[Request], seed: int | None = None) -> list[dict]:
         """caption/query requests decoded together (one batched forward per step); results in
@@ -150,6 +191,7 @@ class Gemma4Model:
         for r in requests:
             if r.task not in TASKS:
                 raise ValueError(f"a Gemma 4 model cannot {r.task!r}; tasks: {', '.join(TASKS)}")
+            s = text_sampling(FAMILY, r.options(), r.reasoning, r.spatial_refs)
             question = caption_question(r.prompt or "normal") if r.task == "caption" else r.prompt
             if r.task == "caption" and r.image is None:
                 raise ValueError("caption needs an image")
@@ -157,7 +199,7 @@ class Gemma4Model:
             if r.image is not None and id(r.image) not in encoded:
                 encoded[id(r.image)] = self.encode_image(r.image)
             image = None if r.image is None else encoded[id(r.image)]
-            rows.append(self._row(image, question, r.max_tokens, r.temperature, r.top_p))
+            rows.append(self._row(image, question, s))
         # The compiled step holds up to 8 rows; larger batches go through it 8 rows at a time.
         size = self.decode.max_rows if self.decode is not None else len(rows)
         key = {"caption": "caption", "query": "answer"}

@@ -112,15 +112,23 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
         if self.device_rounds and object_rounds.greedy(rows):
             object_rounds.decode(self, rows, encoded)
         else:
-            batch_decoding._decode(self.model, rows, encoded, MegakernelStepper(self))
+            for _ in batch_decoding._decode(self.model, rows, encoded, MegakernelStepper(self)):
+                pass
 
-    def generate_text(self, enc: EncodedImage, prompt: list[int], max_tokens: int, temperature: float,
-                      top_p: float) -> Iterator[str]:
+    def stream(self, request: Request) -> dict:
+        """batch.stream on megakernel steps (a reasoning query streamed), holding the steps'
+        state from the first step to the answer's last piece (or until the caller drops it)."""
+        def steps(rows: list, encoded: list[EncodedImage]) -> Iterator[None]:
+            with self.exclusive(), torch.no_grad():
+                yield from batch_decoding._decode(self.model, rows, encoded, MegakernelStepper(self))
+        return batch_decoding.stream(self.model, request, steps)
+
+    def generate_text(self, enc: EncodedImage, prompt: list[int], s: Sampling,
+                      refs: list | None = None) -> Iterator[str]:
         """skills.generate_text with megakernel steps; yields text pieces. Greedy: the tokens after
         the first decode in rounds on the device."""
-        s = Sampling(max_tokens, temperature, top_p)
         skills.check_prompt(self.model, enc, prompt)
-        length = min(self.config.text.max_context, enc.pos + len(prompt) + max_tokens)
+        length = min(self.config.text.max_context, enc.pos + len(prompt) + s.max_tokens)
 
         def choose(row: int, logits: torch.Tensor, greedy: int | None) -> int:
             # Greedy: the step's own masked argmax.
@@ -128,8 +136,8 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
 
         def pieces() -> Iterator[str]:
             with self.sequence(enc, length, region_heads=False) as seq:
-                yield from skills.text_tokens(self.model, TextSession(self, seq, prompt), s, enc.pos + len(prompt),
-                                              length, choose, device_rounds=True)
+                yield from skills.text_tokens(self.model, TextSession(self, seq, prompt, refs), s,
+                                              enc.pos + len(prompt), length, choose, device_rounds=True)
         return pieces()
 
     @contextmanager
@@ -145,19 +153,19 @@ def size_values(bins: tuple[int, int]) -> tuple[float, float]:
     return size[0].item(), size[1].item()
 
 
-def _prefill_row(fm: MegakernelDecode, cache: Any, enc: EncodedImage, ids: list[int]) -> None:
-    """The image prefix and `ids` into one row of a megakernel KV cache. The prompt runs through the
-    per-op kernels on a KV cache of the model's dtype (the per-op attention wants q, k, v alike);
-    the image prefix plus the prefilled positions are then copied into the arena row (its KV dtype)."""
+def _prefill_row(fm: MegakernelDecode, cache: Any, enc: EncodedImage, emb: torch.Tensor) -> None:
+    """The image prefix and the prompt inputs `emb` [1, T, dim] into one row of a megakernel KV
+    cache. The prompt runs through the per-op kernels on a KV cache of the model's dtype (the
+    per-op attention wants q, k, v alike); the image prefix plus the prefilled positions are then
+    copied into the arena row (its KV dtype). An empty prefix (a text-only query): causal."""
     m = fm.model
     tx = m.text_impl
     k, v = enc.k, enc.v
-    if ids:
-        tmp = tx.KVCache(m.config.text, enc.pos + len(ids), m.dtype, m.device)
+    if emb.shape[1]:
+        tmp = tx.KVCache(m.config.text, enc.pos + emb.shape[1], m.dtype, m.device)
         tmp.k[:, :, :, :enc.pos] = k
         tmp.v[:, :, :, :enc.pos] = v
-        emb = tx.embed(torch.tensor([ids], device=fm.device), m.text_w)
-        tx.forward(emb, enc.pos, m.text_w, m.config.text, tmp, m.ops)
+        skills.forward(m, emb, enc.pos, tmp, text_only=enc.pos == 0 or enc.causal)
         k, v = tmp.k, tmp.v
     cache.k[:, :, :, :k.shape[3]] = k
     cache.v[:, :, :, :v.shape[3]] = v
@@ -172,7 +180,8 @@ class MegakernelStepper:
 
     def __init__(self, fm: MegakernelDecode) -> None:
         self.fm = fm
-        self.n_bins = fm.config.region.coord_out_dim
+        # coordinate = bin / n_bins: the model's rule (region_impl.coord_divisor)
+        self.n_bins = fm.model.region_impl.coord_divisor(fm.config.region.coord_out_dim)
 
     def start(self, rows: list, encoded: list[EncodedImage]) -> "MegakernelHeads":
         fm = self.fm
@@ -181,14 +190,17 @@ class MegakernelStepper:
         if longest > self.mk.max_len:
             raise ValueError(f"request of {longest} positions exceeds the megakernel's KV cache ({self.mk.max_len})")
         self.slots = list(range(len(rows)))
-        objects = [r.is_object for r in rows]
         idle = [fm._answer] * (self.mk.batch - len(rows))
-        self.mk.set_bias(torch.stack([fm._boundary if o else fm._answer for o in objects] + idle))
-        self.region_heads = any(objects)
+        self.masks = batch_decoding.row_masks(fm.model, rows) + idle
+        self.mk.set_bias(torch.stack(self.masks))
+        # region heads: objects' coordinates and sizes, a reasoning's grounding coordinates
+        self.region_heads = any(r.is_object or r.request.reasoning for r in rows)
+        last = []
         for slot, (row, enc) in enumerate(zip(rows, encoded)):
-            _prefill_row(fm, self.mk.cache(slot), enc, row.prompt[:-1])
-        last = torch.tensor([[r.prompt[-1]] for r in rows], device=fm.device)
-        return self.step(fm.model.text_impl.embed(last, fm.model.text_w), [r.pos + len(r.prompt) - 1 for r in rows])
+            emb = skills.prompt_embeddings(fm.model, row.prompt, row.refs)
+            _prefill_row(fm, self.mk.cache(slot), enc, emb[:, :-1])
+            last.append(emb[:, -1:])
+        return self.step(torch.cat(last), [r.pos + len(r.prompt) - 1 for r in rows])
 
     def step(self, inputs: torch.Tensor, positions: list[int]) -> "MegakernelHeads":
         emb = torch.zeros(self.mk.batch, self.fm.config.text.dim, device=self.fm.device)
@@ -201,6 +213,10 @@ class MegakernelStepper:
 
     def keep(self, rows: list[int]) -> None:
         self.slots = [self.slots[i] for i in rows]
+
+    def set_mask(self, row: int, allowed: torch.Tensor) -> None:
+        self.masks[self.slots[row]] = allowed
+        self.mk.set_bias(torch.stack(self.masks))
 
 
 class MegakernelHeads:
@@ -249,15 +265,16 @@ class Sequence:
         with torch.no_grad():
             return self.fm.model.text_impl.embed(torch.tensor([ids], device=self.fm.device), self.fm.model.text_w)
 
-    def prompt(self, ids: list[int], bias: torch.Tensor) -> StepResult:
+    def prompt(self, ids: list[int], bias: torch.Tensor, refs: list | None = None) -> StepResult:
         """All prompt tokens but the last through the per-op kernels, the last one as the first
-        megakernel step."""
+        megakernel step; `refs` fill the prompt's spatial placeholders (skills.prompt_embeddings)."""
         if self.pos + len(ids) > self.length:
             raise RuntimeError(f"sequence of {self.pos + len(ids)} tokens exceeds the KV cache ({self.length})")
         with torch.no_grad():
-            _prefill_row(self.fm, self.mk.cache(0), self.enc, ids[:-1])
+            emb = skills.prompt_embeddings(self.fm.model, ids, refs)
+            _prefill_row(self.fm, self.mk.cache(0), self.enc, emb[:, :-1])
         self.pos += len(ids) - 1
-        return self.step(self.embed(ids[-1:]), bias)
+        return self.step(emb[:, -1:], bias)
 
     def step(self, emb: torch.Tensor, bias: torch.Tensor | None = None) -> StepResult:
         """One megakernel launch at the current position; emb [1, 1, D] (or [1, D])."""
@@ -279,11 +296,11 @@ class TextSession:
     """runtime.generate's session on the batch-1 step (a caption or query): the in-kernel masked
     argmax comes with each step; greedy rounds run on the text graph (`_text_loop`)."""
 
-    def __init__(self, fm: MegakernelDecode, seq: Sequence, prompt: list[int]) -> None:
-        self.fm, self.seq, self.prompt = fm, seq, prompt
+    def __init__(self, fm: MegakernelDecode, seq: Sequence, prompt: list[int], refs: list | None = None) -> None:
+        self.fm, self.seq, self.prompt, self.refs = fm, seq, prompt, refs
 
     def prefill(self) -> tuple[torch.Tensor, list[int]]:
-        res = self.seq.prompt(self.prompt, self.fm._answer)
+        res = self.seq.prompt(self.prompt, self.fm._answer, self.refs)
         return self.seq.logits(), res.tokens
 
     def step(self, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from photon_core.runtime.image_input import ImageLike, to_rgb
+from photon_core.runtime.requests import Request, Settings, SpatialRef
+from photon_core.runtime.sampling import Sampling
 
 from . import batch as batch_decoding
 from . import image_crops, region, skills, text, vision
@@ -27,6 +29,9 @@ class EncodedImage:
     pos: int
     tiling: tuple[int, int]
     owner: int  # id() of the model that made it: another model's cache would be meaningless
+    # No image block at its start (a chat's text-only history, chat.py): what continues it attends
+    # causally, as a text-only query does, instead of seeing the first prefix_attn positions whole.
+    causal: bool = False
 
 
 def expected_shapes(cfg: MoondreamConfig) -> dict[str, tuple[int, ...]]:
@@ -93,6 +98,9 @@ class MoondreamModel:
 
     text_impl: Any = text
     region_impl: Any = region
+    # Tokens a reasoning may not pick from its second token on (TokenizerConfig field names): the
+    # public reference's, as kestrel keeps them for Moondream 2 only.
+    reasoning_barred: tuple[str, ...] = ("eos_id", "size_id")
 
     def __init__(self, config: MoondreamConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2",
@@ -103,7 +111,7 @@ class MoondreamModel:
         self.text_w = self.text_impl.TextWeights.from_state(state, config.text)
         self.region_w = self.region_impl.RegionWeights.from_state(state)
         self.decode = None
-        if getattr(ops, "NAME", "") == "megakernel":
+        if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
             from photon_core.models.moondream.megakernel_decode import MegakernelDecode
             self.decode = MegakernelDecode(self, tiling or Tiling(), max_len)
@@ -115,20 +123,45 @@ class MoondreamModel:
         rgb = to_rgb(image, channel_order)
         return image_crops.make_crops(rgb, v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops)
 
-    def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
+    def encode_image(self, image: ImageLike | EncodedImage, settings: dict | None = None,
+                     channel_order: str = "rgb") -> EncodedImage:
         """Image (runtime.image_input: arrays, PIL) -> EncodedImage. BGR arrays (OpenCV, ROS bgr8)
-        need channel_order="bgr"."""
+        need channel_order="bgr". settings: {"variant": ...} prefills with that adapter (as the
+        reference does); an EncodedImage comes back as it is."""
         if isinstance(image, EncodedImage):
             self._check_owner(image)
             return image
-        return self.encode_images([image], channel_order)[0]
+        name = Settings.of(settings).variant
+        return self.encode_images([image], channel_order, lora=skills.variant(self, name))[0]
+
+    def empty_prefix(self) -> EncodedImage:
+        """What a text-only query continues from: no positions (its prompt starts with BOS)."""
+        t = self.config.text
+        shape = (t.n_layers, 1, t.n_kv_heads, 0, t.dim // t.n_heads)
+        empty = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return EncodedImage(empty, empty, 0, (0, 0), id(self), causal=True)
 
     @torch.inference_mode()
-    def encode_images(self, images: list[ImageLike], channel_order: str = "rgb") -> list[EncodedImage]:
+    def encode_images(self, images: list[ImageLike], channel_order: str = "rgb", lora: Any = None) -> list[EncodedImage]:
         """Several images in one pass, as serving several cameras wants: all their crops go through
-        the vision encoder together and their [BOS][image] prefixes are prefilled as one batch."""
+        the vision encoder together and their [BOS][image] prefixes are prefilled as one batch
+        (with the variant adapter `lora`, skills.variant)."""
         if not images:
             return []
+        cfg = self.config
+        tokens, tilings = self.image_tokens(images, channel_order)
+        bos = self.text_impl.embed(torch.full((len(images), 1), cfg.tokenizer.bos_id, device=self.device), self.text_w)
+        x = torch.cat([bos, torch.stack(tokens)], dim=1)
+        cache = self.text_impl.KVCache(cfg.text, x.shape[1], self.dtype, self.device, batch=len(images))
+        skills.forward(self, x, 0, cache, lora)  # bidirectional over BOS + image
+        return [EncodedImage(cache.k[:, i:i + 1], cache.v[:, i:i + 1], x.shape[1], tiling, id(self))
+                for i, tiling in enumerate(tilings)]
+
+    @torch.inference_mode()
+    def image_tokens(self, images: list[ImageLike], channel_order: str = "rgb"
+                     ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """The images' input embeddings for the text decoder ([image tokens, dim] each, all crops
+        through the vision encoder together) and their tilings."""
         cfg = self.config
         prepared = [self.preprocess(image, channel_order) for image in images]
         crops = np.concatenate([c for c, _ in prepared])
@@ -138,12 +171,7 @@ class MoondreamModel:
             end = start + len(own_crops)
             tokens.append(vision.project(feats[start:end], tiling, self.vision_w, cfg.vision, self.ops))
             start = end
-        bos = self.text_impl.embed(torch.full((len(images), 1), cfg.tokenizer.bos_id, device=self.device), self.text_w)
-        x = torch.cat([bos, torch.stack(tokens)], dim=1)
-        cache = self.text_impl.KVCache(cfg.text, x.shape[1], self.dtype, self.device, batch=len(images))
-        self.text_impl.forward(x, 0, self.text_w, cfg.text, cache, self.ops)  # bidirectional over BOS + image
-        return [EncodedImage(cache.k[:, i:i + 1], cache.v[:, i:i + 1], x.shape[1], tiling, id(self))
-                for i, (_, tiling) in enumerate(prepared)]
+        return tokens, [tiling for _, tiling in prepared]
 
     def decoder_megakernel(self) -> type:
         """The compiled decode step class of this model's decoder (used by the megakernel backend)."""
@@ -158,33 +186,73 @@ class MoondreamModel:
         return self.encode_image(image)
 
     # -- skills ------------------------------------------------------------------------------
-    def detect(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
+    # The public reference's signatures, defaults and result shapes (moondream/torch/moondream.py);
+    # settings: runtime.requests.Settings (temperature 0.5, top_p 0.3, max_tokens 768, max_objects
+    # 50, variant None when left out).
+    def detect(self, image: ImageLike | EncodedImage, object: str, settings: dict | None = None) -> dict:
         """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max", "score"}]}, normalised to
-        [0, 1]; score: the model's probability of this object (object_score.py), in [0, 1]."""
-        return self.batch([batch_decoding.Request("detect", image, object, max_objects)])[0]
+        [0, 1]; score: the model's probability of this object (object_score.py), in [0, 1]. Greedy,
+        as the reference's (temperature and top_p are not used)."""
+        return self.batch([Request("detect", image, object, settings={} if settings is None else settings)])[0]
 
-    def point(self, image: ImageLike | EncodedImage, object: str, max_objects: int = skills.DEFAULT_MAX_OBJECTS) -> dict:
-        """Points on `object`: {"points": [{"x", "y", "score"}]}, normalised to [0, 1]; score as detect's."""
-        return self.batch([batch_decoding.Request("point", image, object, max_objects)])[0]
+    def point(self, image: ImageLike | EncodedImage, object: str, settings: dict | None = None,
+              spatial_refs: list[SpatialRef] | None = None) -> dict:
+        """Points on `object`: {"points": [{"x", "y", "score"}]}, normalised to [0, 1]; score as
+        detect's. spatial_refs: points/boxes the object is relative to, placed after the prompt's
+        prefix as a query's are (skills.object_prompt)."""
+        return self.batch([Request("point", image, object, settings={} if settings is None else settings,
+                                   spatial_refs=spatial_refs)])[0]
 
     def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,
-                max_tokens: int = skills.DEFAULT_MAX_TOKENS, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+                settings: dict | None = None) -> dict:
         """{"caption": str}, or a generator of text pieces with stream=True. length: short/normal/long."""
-        gen = self._generate_text(image, skills.caption_prompt(self, length), max_tokens, temperature, top_p)
-        return {"caption": gen if stream else "".join(gen)}  # str, or Iterator[str] when streaming
+        return self._text(Request("caption", image, length, settings={} if settings is None else settings), stream)
 
-    def query(self, image: ImageLike | EncodedImage, question: str, stream: bool = False, max_tokens: int = skills.DEFAULT_MAX_TOKENS,
-              temperature: float = 0.0, top_p: float = 1.0) -> dict:
-        """{"answer": str}, or a generator of text pieces with stream=True."""
-        gen = self._generate_text(image, skills.query_prompt(self, question), max_tokens, temperature, top_p)
-        return {"answer": gen if stream else "".join(gen)}
+    def query(self, image: ImageLike | EncodedImage | None = None, question: str | None = None,
+              reasoning: bool = False, spatial_refs: list[SpatialRef] | None = None, stream: bool = False,
+              settings: dict | None = None) -> dict:
+        """{"answer": str} (a generator of text pieces with stream=True); with reasoning, also
+        {"reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points": [(x, y), ...]}]}},
+        decoded before the answer. image None: a text-only question. spatial_refs: points (x, y) and
+        boxes (x_min, y_min, x_max, y_max), normalised, that the question refers to."""
+        if question is None:
+            raise ValueError("question must be provided")
+        return self._text(Request("query", image, question, settings={} if settings is None else settings,
+                                  spatial_refs=spatial_refs, reasoning=reasoning), stream)
 
-    def _generate_text(self, image: ImageLike | EncodedImage, prompt: list[int], max_tokens: int,
-                       temperature: float, top_p: float):
-        enc = self._encoded(image)
+    def _text(self, r: Request, stream: bool) -> dict:
+        """A caption or query: reasoning through the batched protocol (its phases), the rest on the
+        text loop (device rounds on the megakernel)."""
+        key = "caption" if r.task == "caption" else "answer"
+        if r.reasoning:
+            if stream:
+                return self.decode.stream(r) if self.decode is not None else batch_decoding.stream(self, r)
+            return self.batch([r])[0]
+        opts = r.options()
+        prompt, refs = batch_decoding._prompt(self, r, opts)
+        s = Sampling(opts.max_tokens, opts.temperature, opts.top_p)
+        lora = skills.variant(self, opts.variant)
+        if r.image is None:
+            enc = self.empty_prefix()
+        elif isinstance(r.image, EncodedImage):
+            enc = self.encode_image(r.image)
+        else:
+            enc = self.encode_images([r.image], lora=lora)[0]
         if self.decode is not None:
-            return self.decode.generate_text(enc, prompt, max_tokens, temperature, top_p)
-        return skills.generate_text(self, enc, prompt, max_tokens, temperature, top_p)
+            gen = self.decode.generate_text(enc, prompt, s, refs)
+        else:
+            gen = skills.generate_text(self, enc, prompt, s, refs, lora)
+        return {key: gen if stream else "".join(gen)}
+
+    def chat(self, messages: list[dict], stream: bool = False, settings: dict | None = None,
+             reasoning: bool | None = None) -> dict:
+        """A conversation (runtime.chat_messages' messages) answered as kestrel's Moondream chat
+        does: the turns run as a chain of query prompts, each user turn's images at its start;
+        reasoning defaults to on (settings["reasoning"] as kestrel reads it). {"message":
+        {"role": "assistant", "content", "reasoning"?, "reasoning_details"?}, "finish_reason"},
+        or with stream=True {"message": an iterator of the content's pieces}. See chat.py."""
+        from . import chat
+        return chat.chat(self, messages, stream, settings, reasoning)
 
     def batch(self, requests: list[batch_decoding.Request]) -> list[dict]:
         """Several requests (any mix of skills, images and prompts) decoded together: each decode

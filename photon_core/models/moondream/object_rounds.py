@@ -17,7 +17,7 @@ on the heads of a host-driven step. Each record also carries the step's object s
 among {coord, eos} of the launch's logits, object_score.py) as its float32 bits in a fifth int32
 column: computed on the device by the host-driven heads' own function, and read in the round's
 one read, where a separate float history would cost a second. The encoders get the values the
-host's heads would give them (tables of bin / bins and of the size rule, computed by the host's
+host's heads would give them (tables of bin / divisor and of the size rule, computed by the host's
 own arithmetic); they encode all rows at once, so their matmuls round as a batch of B rows does (a
 host-driven step encodes the rows that need it: the last bit can differ, as it does between a
 request alone and in a batch). The objects and text are the host-driven path's (bins are argmaxes;
@@ -70,9 +70,9 @@ class ObjectRounds:
         self.fm, self.mk = fm, mk
         self.phase = torch.full((B,), PHASE[TOKEN], dtype=torch.int32, device=dev)
         self.detect = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.n_bins = fm.config.region.coord_out_dim
+        self.n_bins = m.region_impl.coord_divisor(fm.config.region.coord_out_dim)   # the model's rule
         rw, cols = m.region_w, mk.graph_def.results
-        # The values the host-driven heads hand the encoders: bin / bins (in double, then the
+        # The values the host-driven heads hand the encoders: bin / n_bins (in double, then the
         # encoder's dtype) and size_values' float32 rule.
         self.coord_table = torch.tensor([b / self.n_bins for b in range(mk.dm.coord_bins)],
                                         dtype=rw.coord_features.dtype, device=dev)
@@ -151,19 +151,20 @@ def round_size(rows: list["_Row"], live: list[int]) -> int:
     for s in live:
         r = rows[s]
         if r.phase == TOKEN:
-            w = r.request.max_tokens - len(r.tokens)
+            w = r.opts.max_tokens - len(r.tokens)
         else:
             in_object = r.phase in (COORD_Y, SIZE)
             to_boundary = {BOUNDARY: 1, COORD_Y: r.steps, SIZE: 2}[r.phase]
-            more = min(len(r.objects), r.request.max_objects - len(r.objects) - in_object)
+            more = min(len(r.objects), r.opts.max_objects - len(r.objects) - in_object)
             w = to_boundary + r.steps * max(more, 0)
         want = max(want, w)
     return min(CHUNK, want)
 
 
 def greedy(rows: list["_Row"]) -> bool:
-    """Whether rounds can decode these rows (no sampled answer)."""
-    return all(r.is_object or r.request.temperature == 0 for r in rows)
+    """Whether rounds can decode these rows (no sampled answer, no reasoning: its coordinates are
+    fed back host-driven)."""
+    return all(r.is_object or (r.sampling.greedy and not r.request.reasoning) for r in rows)
 
 
 def decode(fm: "MegakernelDecode", rows: list["_Row"], encoded: list["EncodedImage"]) -> None:

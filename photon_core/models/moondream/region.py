@@ -86,6 +86,13 @@ def decode_sizes(hidden: torch.Tensor, w: RegionWeights, ops) -> list[tuple[floa
                              hidden.shape[0], ops)
 
 
+def coord_divisor(bins: int) -> int:
+    """A coordinate bin's divisor, value = bin / coord_divisor(bins): bins, the public reference's
+    rule (Moondream 3.1's region module has its own); the device decode paths read it through the
+    model's region_impl."""
+    return bins
+
+
 def coords_from_logits(logits: torch.Tensor, ops) -> list[float]:
     """Coordinate logits [n, bins] -> n values argmax bin / bins."""
     return [b / logits.shape[-1] for b in ops.argmax(logits).tolist()]

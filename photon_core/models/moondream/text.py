@@ -9,11 +9,15 @@ model's output is identical (test_moondream_reference checks this against the re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import TextConfig
 from .vision import Linear, take
+
+if TYPE_CHECKING:
+    from .lora import LoraPair, Variant
 
 
 @dataclass
@@ -84,22 +88,42 @@ def embed(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
 
 
 def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextConfig, cache: KVCache,
-            ops) -> torch.Tensor:
+            ops, lora: Variant | None = None) -> torch.Tensor:
     """Input embeddings [B, T, dim] -> hidden states [B, T, dim] *before* post_ln (the region heads
     read them; lm_logits applies post_ln). Writes k/v into the cache.
 
     pos: an int when every row is at positions pos..pos+T-1; or a [B] tensor of per-row positions
     for one decode step (T = 1) of requests at different lengths, each attending to its own first
-    pos[b] + 1 cache positions."""
+    pos[b] + 1 cache positions.
+    lora: a fine-tuned variant (lora.py) applied to every row, or None for the base model."""
     hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
     at = positions(pos, x.shape[1], w, cache)
+    if lora is not None and len(lora.layers) != len(w.blocks):
+        raise ValueError(f"variant {lora.name!r} has {len(lora.layers)} layers, the model {len(w.blocks)}")
     for i, b in enumerate(w.blocks):
         h = ops.layer_norm(x, *b.ln)  # one norm feeds attention and MLP: the parallel block
-        q, k, v = ops.linear(h, *b.qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        d = lora.layers[i] if lora is not None else None
+        qkv = ops.linear(h, *b.qkv) if d is None else ops.linear(h, *b.qkv, residual=_delta(h, d.qkv, ops))
+        q, k, v = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
         a = attend(q, k, v, i, at, cfg, cache, ops)
-        mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
-        x = ops.linear(a, *b.proj, residual=x + mlp)
+        if d is None:
+            mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
+            x = ops.linear(a, *b.proj, residual=x + mlp)
+            continue
+        # The delta joins fc1's output before the activation, which ops.linear applies before its
+        # residual: take the activation apart. glu with up = 0 and offset 1 is exactly act(gate).
+        pre = ops.linear(h, *b.fc1, residual=_delta(h, d.fc1, ops))
+        mid = ops.glu(pre, torch.zeros_like(pre), "gelu_tanh", up_offset=1.0)
+        mlp = ops.linear(mid, *b.fc2, residual=_delta(mid, d.fc2, ops))
+        # The reference feeds the output projection's delta the block's normed input h, not the
+        # attention output the base projection reads; adapters are trained against that code.
+        x = ops.linear(a, *b.proj, residual=x + mlp + _delta(h, d.proj, ops))
     return x
+
+
+def _delta(x: torch.Tensor, pair: LoraPair, ops) -> torch.Tensor:
+    """A LoRA's contribution B (A x), unscaled as the reference adds it."""
+    return ops.linear(ops.linear(x, pair.a), pair.b)
 
 
 @dataclass

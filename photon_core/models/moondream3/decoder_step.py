@@ -8,7 +8,7 @@ Per step, for B rows (batch bucket 1/2/4/8; each row at its own position):
     per layer (Moondream 2's parallel block: one LayerNorm feeds attention and the MLP):
         h      = LN(x)
         qkv    = h @ Wqkv.T + b
-        t      = tanh(gelu(qkv) @ Wtau.T)                       [2H]   (exact gelu, no bias)
+        t      = tanh(gelu_tanh(qkv) @ Wtau.T)                  [2H]   (no bias; tanh GELU as text.py)
         q_h   *= t[h] + p_h,  v_h *= t[H + h] + p_h,  p_h = sigmoid(alpha_h * log(pos + 1)) + 0.5
                  (pos: the row's cache position, 0 = BOS, as text.tau_position), then partial rotary
                  on q and k; k, v appended to the caches at pos      (one append task per row, head)
@@ -111,7 +111,8 @@ def step_graph(dm: Dims, max_len: int) -> StepGraph:
         h, qkv = md2_step.block_input(g, L, x)
         tau = None
         if dm.tau:
-            t = g.linear(f"{L}.tau", g.act(f"{L}.qkv_gelu", qkv, "gelu"), f"{L}.tau_w", act="tanh")
+            # tanh GELU, as the makers' engine (m87-labs/kestrel PR #162; text.py's docstring)
+            t = g.linear(f"{L}.tau", g.act(f"{L}.qkv_gelu", qkv, "gelu_tanh"), f"{L}.tau_w", act="tanh")
             tau = Tau(t, f"{L}.tau_alpha")
             # Exposed so that the pruned text graph (launch without the region heads) keeps it:
             # compiler._needed follows Value arguments only, not the Value inside a Tau.

@@ -20,6 +20,7 @@ from photon_core.models.moondream import model as md2_model
 from photon_core.models.moondream.model import EncodedImage, MoondreamModel, open_checkpoint
 from photon_core.models.moondream.tokenizer import MoondreamTokenizer
 from photon_core.runtime.image_input import ImageLike
+from photon_core.runtime.requests import Settings, check_spatial_refs
 
 from . import region, segment, text
 from . import weights as weights_io
@@ -95,6 +96,9 @@ class Moondream3Model(MoondreamModel):
 
     text_impl = text
     region_impl = region
+    # kestrel bars no token while Moondream 3 reasons (its query skill's suppressed_token_ids are
+    # Moondream 2's only): eos there ends the request (batch.py).
+    reasoning_barred = ()
 
     def __init__(self, config: Moondream3Config, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream3",
@@ -114,12 +118,23 @@ class Moondream3Model(MoondreamModel):
         from .decoder_step import Moondream3DecoderMegakernel
         return Moondream3DecoderMegakernel
 
-    def segment(self, image: ImageLike | EncodedImage, object: str, max_tokens: int = segment.DEFAULT_MAX_TOKENS,
-                refine: bool = False) -> dict:
+    def segment(self, image: ImageLike | EncodedImage, object: str, spatial_refs: list | None = None,
+                stream: bool = False, settings: dict | None = None, refine: bool = False) -> Any:
         """{"path": SVG path string, "bbox": {"x_min", "y_min", "x_max", "y_max"} or None}: the outline
         of `object`. The path's coordinates are in the bbox's unit square (0..1 across the box),
-        as the model emits them; see segment.py."""
-        return segment.segment(self, self._encoded(image), object, max_tokens, refine)
+        as the model emits them; see segment.py. spatial_refs: points (x, y) / boxes the object is
+        relative to, in the prompt as kestrel places them. stream=True: an iterator of the
+        client's updates ({"bbox"}, {"chunk"}..., {"path", "bbox", "completed": True};
+        segment.segment_stream). settings: max_tokens (default segment.DEFAULT_MAX_TOKENS);
+        decoded greedily (temperature and top_p are not used)."""
+        opts = Settings.of(settings)
+        refs = check_spatial_refs(spatial_refs)
+        if opts.variant is not None:
+            raise NotImplementedError(f"settings['variant'] ({opts.variant!r}) is not supported by segment yet "
+                                      "(its decode does not take an adapter)")
+        max_tokens = opts.max_tokens if settings and "max_tokens" in settings else segment.DEFAULT_MAX_TOKENS
+        run = segment.segment_stream if stream else segment.segment
+        return run(self, self._encoded(image), object, max_tokens, refine, refs)
 
 
 def to_device(device: torch.device, *weights: Any) -> None:
@@ -153,7 +168,7 @@ def load_moondream3(path_or_id: str | Path = "moondream3.1-9B-A2B", device: str 
     layout = o.config.text.moe.gate_up_layout if o.config.text.moe is not None else "halves"
     # The megakernel's compiled step streams FP8 experts as bytes (half of bf16's, a quarter of
     # fp32's); the per-op paths dequantize them one layer at a time (text.forward).
-    keep_fp8 = getattr(o.backend, "NAME", "") == "megakernel"
+    keep_fp8 = getattr(o.backend, "COMPILES_STEPS", False)
     # For the megakernel the tensors stay on the CPU here: Moondream3Model fills the compiled step's
     # weights arena on the device from them and then moves the rest there, so no weight is ever on
     # the device twice (the load's device peak is what stays resident plus one tensor in transit,

@@ -1,7 +1,13 @@
 """Moondream 3's region head: Moondream 2's Fourier encoders, and linear decoders after a LayerNorm.
 
-    coordinate logits = coord_head(LN(hidden))   [.., 1024 bins]      value = bin / 1024
+    coordinate logits = coord_head(LN(hidden))   [.., 1024 bins]      value = bin / 1023
     size logits       = size_head(LN(hidden))    [.., 2 x 1024 bins]  value = 2 ** (bin / 1023 * 10 - 10)
+
+The coordinate's divisor is bins - 1 (the last bin is 1.0), as the makers' engine decodes it:
+m87-labs/kestrel, kestrel/models/moondream/region.py `build_spatial_decode_tables`, a lookup table
+linspace(0, 1, bins). Moondream 2's public code (and so Moondream 2 here) divides by bins. Every
+decode path takes the divisor from the model's region module (`coord_divisor`): the host heads
+below, and Moondream 2's megakernel heads / device rounds and segment's launches.
 
 `hidden` is the decoder's last hidden state before post_ln (the region head has its own LayerNorm).
 The encoders (coordinate / size -> next input embedding) are Moondream 2's, reused as they are.
@@ -14,7 +20,7 @@ import torch
 
 from photon_core.models.moondream.region import (encode_coord, encode_coord_tensor, encode_coords, encode_size,  # noqa: F401
                                                  encode_size_tensor, encode_sizes)
-from photon_core.models.moondream.region import coords_from_logits, encoder_weights, sizes_from_logits
+from photon_core.models.moondream.region import encoder_weights, sizes_from_logits
 from photon_core.models.moondream.vision import Linear, take
 
 
@@ -34,9 +40,15 @@ class RegionWeights:
                    size_head=take(sd, "region.size_head"))
 
 
+def coord_divisor(bins: int) -> int:
+    """A coordinate bin's divisor: value = bin / coord_divisor(bins), in [0, 1] (module docstring)."""
+    return bins - 1
+
+
 def decode_coords(hidden: torch.Tensor, w: RegionWeights, ops) -> list[float]:
-    """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1)."""
-    return coords_from_logits(ops.linear(ops.layer_norm(hidden, *w.ln), *w.coord_head), ops)
+    """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1]."""
+    logits = ops.linear(ops.layer_norm(hidden, *w.ln), *w.coord_head)
+    return [b / coord_divisor(logits.shape[-1]) for b in ops.argmax(logits).tolist()]
 
 
 def decode_sizes(hidden: torch.Tensor, w: RegionWeights, ops) -> list[tuple[float, float]]:

@@ -22,6 +22,7 @@ the checkpoints named here); `refine=True` raises NotImplementedError.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,13 +40,16 @@ PATH_COMMANDS = frozenset("MmLlHhVvCcSsQqTtAaZz")
 FIRST_WORD_ID = 21   # ids up to 20 are the special/control tokens, never path words
 
 
-def segment_prompt(model: "Moondream3Model", name: str) -> list[int]:
+def segment_prompt(model: "Moondream3Model", name: str, refs: list | None = None) -> list[int]:
+    """prefix + the spatial references' placeholders + tokens(object) + suffix: kestrel's segment
+    skill places its spatial tokens where a query's go, after the prefix (skills.ref_placeholders;
+    their embeddings: skills.prompt_embeddings)."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("object must be a non-empty string")
     t = model.config.tokenizer.templates.get("segment")
     if t is None:
         raise ValueError("this checkpoint's config has no segment template")
-    return list(t["prefix"]) + model.tokenizer.encode(name) + list(t["suffix"])
+    return list(t["prefix"]) + skills.ref_placeholders(model, refs) + model.tokenizer.encode(name) + list(t["suffix"])
 
 
 class _OpsSteps:
@@ -60,9 +64,8 @@ class _OpsSteps:
         self.cache.v[:, :, :, :enc.pos] = enc.v
         self.pos = enc.pos
 
-    def start(self, prompt: list[int]) -> None:
-        m = self.model
-        self.feed(m.text_impl.embed(torch.tensor([prompt], device=m.device), m.text_w))
+    def start(self, prompt: list[int], refs: list | None = None) -> None:
+        self.feed(skills.prompt_embeddings(self.model, prompt, refs))
 
     def feed(self, emb: torch.Tensor) -> None:
         """Input embeddings [1, T, dim] at the next T positions."""
@@ -87,11 +90,11 @@ class _MegakernelSteps:
 
     def __init__(self, seq: Any) -> None:
         self.seq = seq
-        self.n_bins = seq.fm.config.region.coord_out_dim
+        self.n_bins = seq.fm.model.region_impl.coord_divisor(seq.fm.config.region.coord_out_dim)
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], refs: list | None = None) -> None:
         no_mask = torch.zeros(self.seq.fm.config.text.vocab_size, device=self.seq.fm.device)
-        self.res = self.seq.prompt(prompt, no_mask)
+        self.res = self.seq.prompt(prompt, no_mask, refs)
 
     def feed(self, emb: torch.Tensor) -> None:
         """One input embedding [1, 1, dim] at the next position."""
@@ -108,48 +111,68 @@ class _MegakernelSteps:
         return size_values(self.res.size_bins[0])
 
 
-@torch.inference_mode()
-def decode(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_tokens: int
-           ) -> tuple[list[int], list[float], list[tuple[float, float]]]:
+class Decoded:
+    """What the protocol has decoded so far: path word ids, coordinates, sizes, in order."""
+
+    def __init__(self) -> None:
+        self.words: list[int] = []
+        self.coords: list[float] = []
+        self.sizes: list[tuple[float, float]] = []
+
+
+def decode(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_tokens: int,
+           refs: list | None = None) -> tuple[list[int], list[float], list[tuple[float, float]]]:
     """Greedy decode of the segment protocol: (path word ids, coordinates, sizes), in order."""
+    out = Decoded()
+    for _ in steps(model, enc, prompt, max_tokens, refs, out):
+        pass
+    return out.words, out.coords, out.sizes
+
+
+def steps(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_tokens: int,
+          refs: list | None, out: Decoded) -> Iterator[None]:
+    """The decode, yielding after each token it adds to `out` (checks done before the first step);
+    on the megakernel the batch-1 step is held until the generator ends or is dropped."""
     if max_tokens < 0:
         raise ValueError("max_tokens must be >= 0")
     skills.check_prompt(model, enc, prompt)
     length = min(model.config.text.max_context, enc.pos + len(prompt) + max_tokens)
     start = enc.pos + len(prompt)
-    if model.decode is None:
-        return _decode(model, _OpsSteps(model, enc, length), prompt, start, length, max_tokens)
-    with model.decode.sequence(enc, length) as seq:
-        return _decode(model, _MegakernelSteps(seq), prompt, start, length, max_tokens)
+
+    def run() -> Iterator[None]:
+        with torch.inference_mode():
+            if model.decode is None:
+                yield from _decode(model, _OpsSteps(model, enc, length), prompt, refs, start, length, max_tokens, out)
+                return
+            with model.decode.sequence(enc, length) as seq:
+                yield from _decode(model, _MegakernelSteps(seq), prompt, refs, start, length, max_tokens, out)
+    return run()
 
 
-def _decode(model: "Moondream3Model", steps: Any, prompt: list[int], pos: int, length: int, max_tokens: int
-            ) -> tuple[list[int], list[float], list[tuple[float, float]]]:
+def _decode(model: "Moondream3Model", steps: Any, prompt: list[int], refs: list | None, pos: int, length: int,
+            max_tokens: int, out: Decoded) -> Iterator[None]:
     """The protocol on `steps` (start with the prompt, feed input embeddings; read the token, a
     coordinate, a size of the last position)."""
     tx, rg, ops, tk = model.text_impl, model.region_impl, model.ops, model.config.tokenizer
-    steps.start(prompt)
-    words: list[int] = []
-    coords: list[float] = []
-    sizes: list[tuple[float, float]] = []
+    steps.start(prompt, refs)
     for _ in range(max_tokens):
         tok = steps.token()
         if tok == tk.eos_id:
             break
         if tok == tk.coord_id:
-            coords.append(steps.coord())
-            nxt = rg.encode_coords(coords[-1:], model.region_w, ops)
+            out.coords.append(steps.coord())
+            nxt = rg.encode_coords(out.coords[-1:], model.region_w, ops)
         elif tok == tk.size_id:
-            sizes.append(steps.size())
-            nxt = rg.encode_sizes(sizes[-1:], model.region_w, ops)
+            out.sizes.append(steps.size())
+            nxt = rg.encode_sizes(out.sizes[-1:], model.region_w, ops)
         else:
-            words.append(tok)
+            out.words.append(tok)
             nxt = tx.embed(torch.tensor([[tok]], device=model.device), model.text_w)
+        yield None
         if pos >= length:
             break
         steps.feed(nxt)
         pos += 1
-    return words, coords, sizes
 
 
 def bbox(coords: list[float], sizes: list[tuple[float, float]]) -> dict | None:
@@ -193,17 +216,79 @@ def svg_path(words: list[str], viewbox: float = VIEWBOX) -> str:
 
 
 def segment(model: "Moondream3Model", enc: "EncodedImage", name: str, max_tokens: int = DEFAULT_MAX_TOKENS,
-            refine: bool = False) -> dict:
-    if refine:
-        raise NotImplementedError("segment refine (a separate mask network that sharpens the coarse path "
-                                  "over the image) is not supported yet; use refine=False for the model's path")
-    ids, coords, sizes = decode(model, enc, segment_prompt(model, name), max_tokens)
+            refine: bool = False, refs: list | None = None) -> dict:
+    _refuse_refine(refine)
+    ids, coords, sizes = decode(model, enc, segment_prompt(model, name, refs), max_tokens, refs)
+    return _result(model, ids, coords, sizes)
+
+
+def _result(model: "Moondream3Model", ids: list[int], coords: list[float], sizes: list[tuple[float, float]]) -> dict:
     result: dict = {"path": "", "bbox": bbox(coords, sizes)}
     try:
         result["path"] = svg_path(path_words(model.tokenizer, ids))
     except ValueError as err:   # the model's words were not a path: say so, keep the box
         result["error"] = str(err)
     return result
+
+
+def _refuse_refine(refine: bool) -> None:
+    if refine:
+        raise NotImplementedError("segment refine (a separate mask network that sharpens the coarse path "
+                                  "over the image) is not supported yet; use refine=False for the model's path")
+
+
+def segment_stream(model: "Moondream3Model", enc: "EncodedImage", name: str, max_tokens: int = DEFAULT_MAX_TOKENS,
+                   refine: bool = False, refs: list | None = None) -> Iterator[dict]:
+    """The client's SegmentStreamChunk updates as the decode goes: {"bbox"} once it is known (the
+    first coordinates and size; or None before anything else when the decode gave none), then
+    {"chunk"} per path command once the next one begins (kestrel's streaming: one command with its
+    arguments, a space before every chunk but the first), then {"path", "bbox", "completed": True}
+    as segment() returns it. The chunks joined are the path, unless the words stop being one: no
+    chunk is sent from there, and the last update carries segment()'s "error"."""
+    _refuse_refine(refine)
+    out = Decoded()
+    decoding = steps(model, enc, segment_prompt(model, name, refs), max_tokens, refs, out)  # checks now
+
+    def updates() -> Iterator[dict]:
+        sent_box, sent_words, broken = False, 0, False
+        words: list[str] = []          # the path words of out.words[:n_ids]
+        n_ids = 0
+        for _ in decoding:
+            if not sent_box and bbox(out.coords, out.sizes) is not None:
+                sent_box = True
+                yield {"bbox": bbox(out.coords, out.sizes)}
+            if len(out.words) > n_ids:
+                words += path_words(model.tokenizer, out.words[n_ids:])
+                n_ids = len(out.words)
+            # A command is complete when the word after its arguments is the next command.
+            done = max((i for i, w in enumerate(words) if i > sent_words and w in PATH_COMMANDS), default=0)
+            if done > sent_words and not broken:
+                chunk, broken = _chunk(words[sent_words:done], first=sent_words == 0)
+                if chunk:
+                    if not sent_box:
+                        sent_box = True
+                        yield {"bbox": None}
+                    yield {"chunk": chunk}
+                    sent_words = done
+        final = _result(model, out.words, out.coords, out.sizes)
+        if not sent_box:
+            yield {"bbox": final["bbox"]}
+        if not broken and sent_words < len(words):
+            chunk, broken = _chunk(words[sent_words:], first=sent_words == 0)
+            if chunk:
+                yield {"chunk": chunk}
+        yield {**final, "completed": True}
+    return updates()
+
+
+def _chunk(words: list[str], first: bool) -> tuple[str, bool]:
+    """(the path text of `words`, a run of whole commands, with its leading space; whether they are
+    not a path)."""
+    try:
+        text = svg_path(words)
+    except ValueError:
+        return "", True
+    return (text if first or not text else " " + text), False
 
 
 def _integer(word: str) -> int:

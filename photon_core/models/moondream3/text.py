@@ -11,7 +11,11 @@ Per layer, h = LayerNorm(x) feeds both branches and x <- x + proj(attn(h)) + mlp
       p = sigmoid(tau_alpha * log(position + 1)) + 0.5       [n], position 0 for BOS
       q_h <- q_h * (t_q,h + p_h),  v_h <- v_h * (t_v,h + p_h)  (before rotary; v uses the first
                                                                  kv-heads entries)
-  gelu here is the exact (erf) one; the dense MLP's is the tanh approximation, as in Moondream 2.
+  tau's gelu is the tanh approximation, as the makers' engine computes it (m87-labs/kestrel,
+  kestrel/models/moondream/text.py `attn`, PR #162 "Fix Moondream tau GELU semantics"; vLLM and the
+  3-preview code use the exact erf GELU here, and the two differ enough to flip greedy tokens). The
+  dense MLP's gelu is the tanh approximation too, as in Moondream 2; the experts' stays the exact
+  one (kestrel's MoE spec names activation "gelu"; its kernels' source is not public).
 """
 from __future__ import annotations
 
@@ -86,7 +90,7 @@ def tau_scale(qkv: torch.Tensor, q: torch.Tensor, v: torch.Tensor, b: TextBlock,
               n_heads: int, n_kv_heads: int, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, n*hd], v [B, T, kv*hd] scaled per head by tau (see the module docstring)."""
     bsz, t, _ = q.shape
-    tok = torch.tanh(ops.linear(F.gelu(qkv), b.tau_wqwv))                 # [B, T, 2n]
+    tok = torch.tanh(ops.linear(F.gelu(qkv, approximate="tanh"), b.tau_wqwv))   # [B, T, 2n]
     at = pos[:, None] if isinstance(pos, torch.Tensor) else torch.arange(pos, pos + t, device=q.device)[None]
     where = tau_position(b.tau_alpha, at).to(tok.dtype)                   # [B or 1, T, n]
     tau_q = tok[..., :n_heads] + where                                     # [B, T, n]
@@ -111,9 +115,12 @@ def expert_weights(b: TextBlock, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextConfig, cache: KVCache,
-            ops) -> torch.Tensor:
+            ops, lora: object = None) -> torch.Tensor:
     """Input embeddings [B, T, dim] -> hidden states [B, T, dim] before post_ln; writes the KV cache.
-    pos as in Moondream 2's text.forward (an int, or [B] per-row positions for one decode step)."""
+    pos as in Moondream 2's text.forward (an int, or [B] per-row positions for one decode step).
+    lora: only None (Moondream 2's signature; moondream/lora.py variant_for says why)."""
+    if lora is not None:
+        raise NotImplementedError("fine-tuned variants (LoRA) are not supported on Moondream 3 yet")
     hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
     at = md2_text.positions(pos, x.shape[1], w, cache)
     for i, b in enumerate(w.blocks):

@@ -36,6 +36,8 @@ class Session:
         self.state.keep(rows)
 
     def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        if self.model.decode is None:
+            raise RuntimeError("decoding in rounds needs the compiled steps (the megakernel backend)")
         return self.model.decode.stream_greedy(self.state, first, max_new, stop)
 
 
@@ -54,7 +56,8 @@ def tokens(model: "Qwen35Model", state: "text.DecodeState", logits: torch.Tensor
     """The answer's token ids after a prefilled prompt (its last logits), decoded lazily as the caller
     iterates (stop tokens not yielded)."""
     for new in _decode(model, state, [logits], [s], [state.max_len]):
-        yield new[0]   # type: ignore[misc]   (one row: a step's list has its token)
+        if new[0] is not None:   # always, with one row: a step's list is yielded for its token
+            yield new[0]
 
 
 def run_batch(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]],

@@ -53,7 +53,7 @@ class MegakernelDecode(CompiledSteps[Qwen35DecoderStep]):
                          resolve_weight_dtype(weight_dtype, model.dtype, model.device))
         self.model, self.tiling = model, tiling
 
-    def build_step(self, batch: int, weights: object | None) -> Qwen35DecoderStep:
+    def build_step(self, batch: int, weights: torch.Tensor | None) -> Qwen35DecoderStep:
         return Qwen35DecoderStep(self.model.text_w, self.model.config, batch, self.max_len,
                                  self.tiling, self.weight_dtype, weights=weights)
 

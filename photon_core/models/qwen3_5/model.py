@@ -8,13 +8,18 @@ from typing import Any
 
 import torch
 
+from photon_core.runtime import chat_messages
+from photon_core.runtime.generate import room
 from photon_core.runtime.image_input import ImageLike
-from photon_core.runtime.requests import DEFAULT_MAX_TOKENS, Request
+from photon_core.runtime.requests import Request
+from photon_core.runtime.text_settings import text_sampling
 from photon_core.runtime.text_stream import text_pieces
 from photon_core.weights.tensor_files import parse_dtype
 
 from . import generate, prompt, text, vision, weights
 from .config import Qwen35Config
+
+FAMILY = "Qwen 3.5"
 
 
 @dataclass
@@ -40,7 +45,7 @@ class Qwen35Model:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
         self.decode = None
-        if getattr(ops, "NAME", "") == "megakernel":
+        if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
 
             from .megakernel_decode import MegakernelDecode
@@ -72,8 +77,8 @@ class Qwen35Model:
         enc = self.encode_image(image) if image is not None else None
         ids = self.prompts.chat_ids(question, with_image=enc is not None)
         img_tok = self.config.image_token_id
-        counts = [enc.grid[0] * enc.grid[1]] if enc is not None else []
-        ids = prompt.expand_images(ids, img_tok, counts) if enc is not None else ids
+        if enc is not None and img_tok is not None:   # (encode_image refuses images without one)
+            ids = prompt.expand_images(ids, img_tok, [enc.grid[0] * enc.grid[1]])
         if enc is None and img_tok is not None and img_tok in ids:
             raise ValueError("the question holds an image placeholder token but no image was given")
         pos, delta = prompt.positions(ids, img_tok, [enc.grid] if enc else [])
@@ -86,7 +91,11 @@ class Qwen35Model:
 
     def prefill(self, image: Any, question: str, extra: int) -> tuple[text.DecodeState, torch.Tensor]:
         """A fresh one-row state holding the prompt, room for `extra` more tokens; the last logits [V]."""
-        x, pos, delta = self.prompt_inputs(image, question)
+        return self.prefill_embedded(*self.prompt_inputs(image, question), extra)
+
+    def prefill_embedded(self, x: torch.Tensor, pos: torch.Tensor, delta: int,
+                         extra: int) -> tuple[text.DecodeState, torch.Tensor]:
+        """`prefill` of a prompt already embedded (prompt_inputs' or chat_inputs' result)."""
         t = x.shape[1]
         limit = self.config.text.max_context
         if t >= limit:
@@ -107,21 +116,59 @@ class Qwen35Model:
 
     # ------------------------------------------------------------------ skills
 
-    def query(self, image: Any, question: str, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
-              temperature: float = 0.0, top_p: float = 1.0) -> dict:
-        """{"answer": str}, or a generator of text pieces with stream=True. image None: text only."""
+    # Moondream's signatures (photon_core.contracts): settings as runtime.requests.Settings reads
+    # them, the reference's defaults included (temperature 0.5, top_p 0.3, max_tokens 768).
+    def query(self, image: Any = None, question: str | None = None, reasoning: bool = False,
+              spatial_refs: list[Any] | None = None, stream: bool = False, settings: dict | None = None) -> dict:
+        """{"answer": str}, or a generator of text pieces with stream=True. image None: text only.
+        reasoning and spatial_refs are Moondream's (NotImplementedError); thinking is chat's."""
+        s = text_sampling(FAMILY, settings, reasoning, spatial_refs)
         if not isinstance(question, str) or not question.strip():
             raise ValueError("query needs a non-empty question")
-        gen = self._text(image, question, generate.Sampling(max_tokens, temperature, top_p))
+        gen = self._text(image, question, s)
         return {"answer": gen if stream else "".join(gen)}
 
-    def caption(self, image: Any, length: str = "normal", stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
-                temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    def caption(self, image: Any, length: str = "normal", stream: bool = False, settings: dict | None = None) -> dict:
         """{"caption": str}, or a generator of text pieces with stream=True. length: short/normal/long."""
+        s = text_sampling(FAMILY, settings)
         if image is None:
             raise ValueError("caption needs an image")
-        gen = self._text(image, _caption_question(length), generate.Sampling(max_tokens, temperature, top_p))
+        gen = self._text(image, _caption_question(length), s)
         return {"caption": gen if stream else "".join(gen)}
+
+    def chat_inputs(self, conversation: chat_messages.Conversation,
+                    thinking: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """prompt_inputs for a whole conversation (runtime.chat_messages), its images in order."""
+        encs = [self.encode_image(image) for image in conversation.images]
+        rendered = self.prompts.template.render(conversation.turns, add_generation_prompt=True,
+                                                enable_thinking=thinking)
+        ids = self.prompts.tokenizer.encode(rendered, add_special_tokens=False).ids
+        img_tok = self.config.image_token_id
+        if img_tok is None and encs:
+            raise ValueError(f"{self.model_id} is a text-only Qwen 3.5 checkpoint: it cannot take images")
+        if img_tok is not None:
+            ids = prompt.expand_images(ids, img_tok, [e.grid[0] * e.grid[1] for e in encs])
+        pos, delta = prompt.positions(ids, img_tok, [e.grid for e in encs])
+        ids_t = torch.tensor(ids, device=self.device)
+        x = text.embed(ids_t, self.text_w)
+        if encs:
+            x = x.clone()
+            x[ids_t == img_tok] = torch.cat([e.features for e in encs]).to(x.dtype)
+        return x[None], pos.to(self.device), delta
+
+    def chat(self, messages: list[dict], stream: bool = False, settings: dict | None = None,
+             reasoning: bool | None = None) -> dict:
+        """The moondream client's chat (runtime.chat_messages): the conversation through the
+        checkpoint's chat template. reasoning (default on, as Qwen 3.5 thinks by default): the
+        thinking before "</think>" comes back as the message's "reasoning"."""
+        conversation, s = chat_messages.parse(messages), chat_messages.sampling(settings)
+        thinking = True if reasoning is None else bool(reasoning)
+        state, logits = self.prefill_embedded(*self.chat_inputs(conversation, thinking), s.max_tokens)
+        limit = room(s.max_tokens, int(state.length[0]), state.max_len)
+        # Split at the token where the tokenizer has one (decoding may drop it as special), else at the text.
+        end_id = self.prompts.tokenizer.token_to_id("</think>")
+        end = None if not thinking else "</think>" if end_id is None else end_id
+        return chat_messages.reply(generate.tokens(self, state, logits, s), self.prompts.decode, limit, stream, end)
 
     def _text(self, image: Any, question: str, s: generate.Sampling):
         # Prefilled now, so that a bad image or prompt fails at the call even when streaming.
@@ -133,15 +180,15 @@ class Qwen35Model:
         forward); results in order, shaped as the single calls return them (not streamed)."""
         jobs = []
         for r in requests:
+            if r.task not in ("query", "caption"):
+                raise ValueError(f"a qwen3_5 model cannot {r.task!r}; it offers caption and query")
+            s = text_sampling(FAMILY, r.options(), r.reasoning, r.spatial_refs)
             if r.task == "query":
-                jobs.append((r.image, r.prompt, generate.Sampling(r.max_tokens, r.temperature, r.top_p)))
-            elif r.task == "caption":
+                jobs.append((r.image, r.prompt, s))
+            else:
                 if r.image is None:
                     raise ValueError("caption needs an image")
-                jobs.append((r.image, _caption_question(r.prompt or "normal"),
-                             generate.Sampling(r.max_tokens, r.temperature, r.top_p)))
-            else:
-                raise ValueError(f"a qwen3_5 model cannot {r.task!r}; it offers caption and query")
+                jobs.append((r.image, _caption_question(r.prompt or "normal"), s))
         texts = generate.run_batch(self, jobs, requests) if jobs else []
         return [{"answer": t} if r.task == "query" else {"caption": t} for r, t in zip(requests, texts)]
 

@@ -73,7 +73,8 @@ def preprocess(image: ImageLike, pp: Preprocess, channel_order: str = "rgb") -> 
     height, width = arr.shape[:2]
     h, w = target_size(height, width, pp)
     if (h, w) != (height, width):
-        arr = np.asarray(Image.fromarray(arr).resize((w, h), Image.BICUBIC))
+        # Image.Resampling since Pillow 9.1; the constant sat on Image before (Ubuntu 22.04's 9.0).
+        arr = np.asarray(Image.fromarray(arr).resize((w, h), getattr(Image, "Resampling", Image).BICUBIC))
     x = torch.from_numpy(arr.astype(np.float32) / 255.0)
     x = (x - torch.tensor(pp.mean)) / torch.tensor(pp.std)                 # [h, w, 3]
     p, m = pp.patch, pp.merge
@@ -87,9 +88,9 @@ def preprocess(image: ImageLike, pp: Preprocess, channel_order: str = "rgb") -> 
 class VisionWeights:
     def __init__(self, sd: dict[str, torch.Tensor], cfg: VisionConfig) -> None:
         g = lambda n: sd.get(f"vision.{n}")  # noqa: E731
-        w = g("patch_embed.proj.weight")
+        w = sd["vision.patch_embed.proj.weight"]
         self.patch_w, self.patch_b = w.reshape(w.shape[0], -1), g("patch_embed.proj.bias")
-        self.pos = g("pos_embed.weight")
+        self.pos = sd["vision.pos_embed.weight"]
         self.blocks = [{n: g(f"blocks.{i}.{n}") for n in (
             "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.qkv.weight", "attn.qkv.bias",
             "attn.proj.weight", "attn.proj.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",

@@ -33,7 +33,8 @@ def load_state(folder: str | Path, cfg: Qwen35Config, dtype: torch.dtype,
     if "text.lm_head.weight" not in state:
         if not cfg.tie_embeddings:
             raise ValueError(f"{folder}: no lm_head.weight and tie_word_embeddings is false")
-        state["text.lm_head.weight"] = state.get("text.embed_tokens.weight")
+        if "text.embed_tokens.weight" in state:
+            state["text.lm_head.weight"] = state["text.embed_tokens.weight"]
     missing = [n for n in expected_names(cfg) if n not in state or state[n] is None]
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} "

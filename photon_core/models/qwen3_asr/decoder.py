@@ -8,6 +8,7 @@ utterances: each is prefilled alone, then all step together, each at its own pos
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -150,3 +151,28 @@ class TextDecoder:
             x = self._mlp(x, layer)
         cache.lengths.copy_(lengths)
         return self.logits(x[:, 0])
+
+
+class OpsSession:
+    """runtime.generate's session on the per-op decoder: each prompt's embeddings [T, hidden]
+    prefilled alone into its row of one cache, then every row stepped together, each at its own
+    position. A finished row keeps stepping (on its last token, which no live row reads), so the
+    batch keeps the shape it started with."""
+
+    def __init__(self, dec: TextDecoder, prompts: Sequence[torch.Tensor], capacity: int) -> None:
+        self.dec, self.cache = dec, dec.new_cache(len(prompts), capacity)
+        self.first = torch.cat([dec.logits(dec.prefill(p, self.cache, r)[-1:]) for r, p in enumerate(prompts)])
+        self.live = list(range(len(prompts)))
+        self.fed = [0] * len(prompts)
+
+    def prefill(self) -> tuple[torch.Tensor, None]:
+        return self.first, None
+
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, None]:
+        for r, tok in zip(self.live, tokens):
+            self.fed[r] = tok
+        logits = self.dec.step(torch.tensor(self.fed, device=self.dec.device), self.cache)
+        return logits[self.live], None
+
+    def keep(self, rows: list[int]) -> None:
+        self.live = [self.live[i] for i in rows]

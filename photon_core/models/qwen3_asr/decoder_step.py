@@ -119,12 +119,17 @@ def gather_weights(sd: dict[str, torch.Tensor], dm: Dims, max_len: int,
                    device: torch.device) -> dict[str, torch.Tensor]:
     """name -> tensor for the weight arena from the checkpoint's schema-named tensors
     (checkpoint.load_tensors): q|k|v and gate|up stacked, rotary tables computed."""
-    missing = [k for k in (EMBED, FINAL_NORM) if k not in sd]
-    if not dm.tied and LM_HEAD not in sd:
-        missing.append(LM_HEAD)
-    t: dict[str, torch.Tensor] = {EMBED: sd.get(EMBED), FINAL_NORM: sd.get(FINAL_NORM)}
-    if not dm.tied:
-        t[LM_HEAD] = sd.get(LM_HEAD)
+    missing: list[str] = []
+    t: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> None:
+        if name in sd:
+            t[name] = sd[name]
+        else:
+            missing.append(name)
+
+    for name in (EMBED, FINAL_NORM) + (() if dm.tied else (LM_HEAD,)):
+        take(name)
     for i in range(dm.layers):
         p, n = f"{PREFIX}layers.{i}.", layer_names(i)
         a, m = p + "self_attn.", p + "mlp."
@@ -135,9 +140,7 @@ def gather_weights(sd: dict[str, torch.Tensor], dm: Dims, max_len: int,
             if all(k in sd for k in names):
                 t[n[key]] = torch.cat([sd[k] for k in names])
         for key in ("in_norm", "q_norm", "k_norm", "o", "post_norm", "down"):
-            if n[key] not in sd:
-                missing.append(n[key])
-            t[n[key]] = sd.get(n[key])
+            take(n[key])
     if missing:
         raise ValueError(f"Qwen3-ASR decode step: checkpoint lacks tensors {missing[:6]}")
     t[ROPE_COS], t[ROPE_SIN] = rope_tables(dm, max_len, device)

@@ -14,12 +14,13 @@ One call at a time per model: each bucket's state (KV caches, activations) is on
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
 from photon_core.megakernel.compiler import Tiling
-from photon_core.runtime.decode import CompiledSteps, decode_length, resolve_weight_dtype
+from photon_core.runtime.decode import CompiledSteps, copy_prefilled_kv, decode_length, resolve_weight_dtype
+from photon_core.runtime.generate import greedy_tokens
 
 from .decoder import TextDecoder
 from .decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights
@@ -49,7 +50,7 @@ class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
         self.dims = Dims.of(cfg, tied)
         self._weights = gather_weights(sd, self.dims, self.max_len, self.device)
 
-    def build_step(self, batch: int, weights: object | None) -> Qwen3ASRDecoderMegakernel:
+    def build_step(self, batch: int, weights: torch.Tensor | None) -> Qwen3ASRDecoderMegakernel:
         return Qwen3ASRDecoderMegakernel(self._weights, self.dims, batch, self.max_len, self.tiling,
                                          self.weight_dtype, shared_weights=weights)
 
@@ -68,34 +69,62 @@ class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
             raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the megakernel's "
                              f"context of {self.max_len} positions; load with a larger max_len or shorter audio")
         with self.exclusive():
-            return self._generate(prompts, max_new_tokens, set(stop))
+            return greedy_tokens(self.session(prompts), len(prompts), max_new_tokens, stop, self.text.ops)
+
+    def session(self, prompts: Sequence[torch.Tensor]) -> "StepSession":
+        """runtime.generate's session on the smallest bucket holding the prompts, prefilled
+        (call under `exclusive()`)."""
+        return StepSession(self, *self._prefill(prompts))
 
     def start(self, prompts: Sequence[torch.Tensor]) -> tuple[Qwen3ASRDecoderMegakernel, list[int]]:
-        """Prefill each prompt (per-op) into its row of the smallest bucket that holds them and
-        set the step: each row's first token (the prefill's argmax) at its prompt length. Returns
-        the bucket's step and the first tokens."""
-        dec, n = self.text, len(prompts)
-        mk = self.for_rows(n)
-        kc, vc = mk.view("kcache"), mk.view("vcache")
-        first, lengths = [], []
+        """The prompts prefilled and the step set to each row's first token (the prefill's argmax)
+        at its prompt length: the bucket's step and the first tokens (for driving it by hand)."""
+        mk, logits, lengths = self._prefill(prompts)
+        first = [int(t) for t in self.text.ops.argmax(logits)]
+        pad = mk.batch - len(prompts)
+        mk.set_step(first + [0] * pad, lengths + [0] * pad)
+        return mk, first
+
+    def _prefill(self, prompts: Sequence[torch.Tensor]) -> tuple[Qwen3ASRDecoderMegakernel, torch.Tensor, list[int]]:
+        """Each prompt prefilled per-op alone, its K/V copied into its row of the smallest bucket
+        holding them: (that bucket's step, the logits [rows, V] after each prompt, their lengths)."""
+        dec = self.text
+        mk = self.for_rows(len(prompts))
+        logits, lengths = [], []
         for row, embeds in enumerate(prompts):
             t = embeds.shape[0]
             if t >= self.max_len:
                 raise ValueError(f"a prompt of {t} tokens leaves no room in the megakernel's context ({self.max_len})")
             tmp = dec.new_cache(1, t)
-            hidden = dec.prefill(embeds, tmp, 0)
-            first.append(int(dec.ops.argmax(dec.logits(hidden[-1:]))[0]))
-            for i in range(self.dims.layers):
-                kc[i, row, :, :t] = tmp.k[i][0].float()
-                vc[i, row, :, :t] = tmp.v[i][0].float()
+            logits.append(dec.logits(dec.prefill(embeds, tmp, 0)[-1:]))
+            copy_prefilled_kv(mk, ("kcache", "vcache"), list(zip(tmp.k, tmp.v)), slice(row, row + 1), t)
             lengths.append(t)
-        pad = mk.batch - n
-        mk.set_step(first + [0] * pad, lengths + [0] * pad)
-        return mk, first
-
-    def _generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int, stop: set[int]) -> list[list[int]]:
-        mk, first = self.start(prompts)
-        return self.loop(mk.batch).generate(first, max_new_tokens, stop)
+        return mk, torch.cat(logits), lengths
 
 
-__all__ = ["MegakernelDecode", "DEFAULT_MAX_LEN"]
+class StepSession:
+    """runtime.generate's session on a bucket's compiled step, for greedy rows: `rounds` decodes
+    them on the device (the step's argmax advances each row's token and position), each row
+    from the first token the loop chose at its prompt length; padding rows decode a placeholder
+    from position 0 of their own row. Qwen3-ASR decodes greedily only, so the host never steps."""
+
+    def __init__(self, decode: MegakernelDecode, mk: Qwen3ASRDecoderMegakernel, first: torch.Tensor,
+                 lengths: list[int]) -> None:
+        self.decode, self.mk, self.first, self.lengths = decode, mk, first, lengths
+
+    def prefill(self) -> tuple[torch.Tensor, None]:
+        return self.first, None
+
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, None]:
+        raise NotImplementedError("Qwen3-ASR's compiled step decodes greedy rows in rounds only")
+
+    def keep(self, rows: list[int]) -> None:
+        raise NotImplementedError("Qwen3-ASR's compiled step decodes greedy rows in rounds only")
+
+    def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        pad = self.mk.batch - len(first)
+        self.mk.set_step(first + [0] * pad, self.lengths + [0] * pad)
+        return self.decode.loop(self.mk.batch).stream(first, max_new, stop)
+
+
+__all__ = ["MegakernelDecode", "DEFAULT_MAX_LEN", "StepSession"]

@@ -11,12 +11,13 @@ import numpy as np
 import torch
 
 from photon_core.backends import reference
+from photon_core.runtime.generate import greedy_tokens
 from photon_core.runtime.requests import TranscribeRequest
 from photon_core.weights.tensor_files import parse_dtype
 
 from .checkpoint import load_tensors
 from .config import Qwen3ASRConfig, load_config
-from .decoder import TextDecoder
+from .decoder import OpsSession, TextDecoder
 from .encoder import AudioEncoder
 from .frontend import SAMPLE_RATE, log_mel, prepare_audio
 from .prompt import Qwen3ASRPrompt, language_code, language_name
@@ -57,7 +58,7 @@ class Qwen3ASRSpeech:
         self.model_id = model_id or folder.name
         self.gate_options = GateOptions()
         self.megakernel = None
-        if getattr(ops, "NAME", "") == "megakernel":
+        if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
 
             from .megakernel_decode import MegakernelDecode
@@ -94,29 +95,14 @@ class Qwen3ASRSpeech:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of several prompts' embeddings at once (one cache row each) until each
-        emits a stop token or `max_new_tokens`; the ids, stop token excluded."""
+        emits a stop token or `max_new_tokens`; the ids, stop token excluded (runtime.generate's
+        loop; on the megakernel in rounds on the device)."""
         if self.megakernel is not None:
             return self.megakernel.generate(prompts, max_new_tokens, self.config.eos_token_ids)
-        dec, ops = self.decoder, self.ops
-        stop = torch.tensor(self.config.eos_token_ids, device=self.device)
-        capacity = max(p.shape[0] for p in prompts) + max_new_tokens
-        cache = dec.new_cache(len(prompts), capacity)
-        first = []
-        for row, embeds in enumerate(prompts):
-            hidden = dec.prefill(embeds, cache, row)
-            first.append(ops.argmax(dec.logits(hidden[-1:]))[0])
-        tokens = torch.stack(first)
-        out: list[list[int]] = [[] for _ in prompts]
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
-        for step in range(max_new_tokens):
-            done |= torch.isin(tokens, stop)
-            for row, (tok, fin) in enumerate(zip(tokens.tolist(), done.tolist())):
-                if not fin:
-                    out[row].append(tok)
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            tokens = ops.argmax(dec.step(tokens, cache))
-        return out
+        if not prompts:
+            return []
+        session = OpsSession(self.decoder, prompts, max(p.shape[0] for p in prompts) + max_new_tokens)
+        return greedy_tokens(session, len(prompts), max_new_tokens, self.config.eos_token_ids, self.ops)
 
     # ---------------------------------------------------------------- the face to the nodes
 

@@ -9,11 +9,14 @@ token). The no-speech probability is read at the SOT position of the first forwa
 from __future__ import annotations
 
 import zlib
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from photon_core.runtime.generate import generate, room, token_lists
+from photon_core.runtime.sampling import Sampling
 from photon_core.runtime.thread_tuner import ThreadTuner
 
 from .model import DecoderCache, WhisperNet
@@ -123,11 +126,14 @@ class WindowDecoder:
         """Decode one window from its encoder output [1, n_audio_ctx, d], or from its
         precomputed cross-attention K/V (`cross`, from net.cross_kv) when given."""
         net, tok = self.net, self.tok
-        ops = net.ops
         initial, sot_index = self.initial_tokens(options)
         sample_len = options.sample_len or self.n_ctx // 2
         timestamps = not options.without_timestamps
-        cache = net.new_cache(cross if cross is not None else net.cross_kv(features))
+        if cross is None:
+            if features is None:
+                raise ValueError("decode needs the window's encoder output or its cross-attention K/V")
+            cross = net.cross_kv(features)
+        cache = net.new_cache(cross)
         device = cache.k.device
 
         hidden = net.decode(torch.tensor([initial], device=device), 0, cache)
@@ -135,47 +141,19 @@ class WindowDecoder:
         no_speech_prob = float("nan")
         if tok.no_speech is not None:
             no_speech_prob = first[0].softmax(-1)[tok.no_speech].item()
-        logits = first[1]
         # Greedy windows on the megakernel decode every token after the first in rounds on the
         # device (the same rules as device ops): no host read per token.
-        rounds = (self.steps is not None and hasattr(self.steps, "greedy") and options.temperature == 0
+        rounds = (self.steps is not None and hasattr(self.steps, "greedy_rows") and options.temperature == 0
                   and len(initial) + sample_len <= self.n_ctx)
         if rounds:
             self.steps.prepare(self)
         if self.steps is not None:
             self.steps.start(cache, len(initial))
-
-        sampled: list[int] = []
-        sum_logprob = 0.0
-        n_tokens = len(initial)
-        step = torch.empty(1, 1, dtype=torch.long, device=device)
-        for _ in range(sample_len):
-            self._apply_rules(logits, sampled, timestamps)
-            if options.temperature == 0:
-                nxt = int(ops.argmax(logits))
-            else:
-                probs = torch.softmax(logits / options.temperature, dim=-1)
-                nxt = int(torch.multinomial(probs, 1, generator=options.generator))
-            sum_logprob += torch.log_softmax(logits, dim=-1)[nxt].item()
-            if nxt == tok.eot:
-                break
-            sampled.append(nxt)
-            n_tokens += 1
-            if n_tokens > self.n_ctx:
-                break
-            if rounds:
-                sampled, scores = self.steps.greedy(nxt, n_tokens - 1, timestamps, sample_len, tok.eot)
-                for lp in scores:
-                    sum_logprob += lp
-                break
-            if self.steps is not None:
-                logits = self.steps.logits(nxt, n_tokens - 1)
-                continue
-            step[0, 0] = nxt
-            logits = self._step(cache, lambda: net.logits(net.decode(step, n_tokens - 1, cache))[0, -1])
-
+        session = WindowSession(self, cache, first[1][None], len(initial), timestamps, on_steps=self.steps is not None)
+        chooser = TokenChooser(self, 1, timestamps, options.temperature, options.generator)
+        sampled = self._generate(session, chooser, sample_len, len(initial), options.temperature, rounds)[0]
         text = tok.decode(sampled).strip()
-        return DecodeResult(sampled, text, sum_logprob / (len(sampled) + 1), no_speech_prob,
+        return DecodeResult(sampled, text, chooser.sum_logprob[0] / (len(sampled) + 1), no_speech_prob,
                             options.temperature, compression_ratio(text))
 
     @torch.inference_mode()
@@ -205,50 +183,89 @@ class WindowDecoder:
         first = net.logits(hidden[:, [sot_index, -1]])
         no_speech = ([first[i, 0].softmax(-1)[tok.no_speech].item() for i in range(bsz)]
                      if tok.no_speech is not None else [float("nan")] * bsz)
-        logits = first[:, 1]
         if rounds:
             self.steps.start(cache, len(initial))
-            firsts, sum_logprob = [], []
-            for i in range(bsz):
-                self._apply_rules(logits[i], [], timestamps)
-                t = int(net.ops.argmax(logits[i]))
-                firsts.append(t)
-                sum_logprob.append(torch.log_softmax(logits[i], dim=-1)[t].item())
-            sampled, scores = self.steps.greedy_rows(firsts, len(initial), timestamps, sample_len, tok.eot)
-            for i in range(bsz):
-                for lp in scores[i]:
-                    sum_logprob[i] += lp
-            return [self._result(sampled[i], sum_logprob[i], no_speech[i]) for i in range(bsz)]
+        session = WindowSession(self, cache, first[:, 1], len(initial), timestamps)
+        chooser = TokenChooser(self, bsz, timestamps, 0.0, None)
+        sampled = self._generate(session, chooser, sample_len, len(initial), 0.0, rounds)
+        return [self._result(sampled[i], chooser.sum_logprob[i], no_speech[i]) for i in range(bsz)]
 
-        sampled: list[list[int]] = [[] for _ in range(bsz)]
-        sum_logprob = [0.0] * bsz
-        rows = list(range(bsz))            # request index of each row still decoding
-        n_tokens = len(initial)
-        for _ in range(sample_len):
-            nxt, keep = [], []
-            for r, i in enumerate(rows):
-                row = logits[r]
-                self._apply_rules(row, sampled[i], timestamps)
-                t = int(net.ops.argmax(row))
-                sum_logprob[i] += torch.log_softmax(row, dim=-1)[t].item()
-                if t != tok.eot:
-                    sampled[i].append(t)
-                    nxt.append(t)
-                    keep.append(r)
-            n_tokens += 1
-            if not keep or n_tokens > self.n_ctx:
-                break
-            if len(keep) < len(rows):
-                idx = torch.tensor(keep, device=device)
-                cache = DecoderCache([(k[idx], v[idx]) for k, v in cache.cross],
-                                     cache.k[:, idx], cache.v[:, idx])
-                rows = [rows[r] for r in keep]
-            step = torch.tensor(nxt, device=device)[:, None]
-            logits = self._step(cache, lambda: net.logits(net.decode(step, n_tokens - 1, cache))[:, -1])
-
-        return [self._result(sampled[i], sum_logprob[i], no_speech[i]) for i in range(bsz)]
+    def _generate(self, session: "WindowSession", chooser: "TokenChooser", sample_len: int, prompt_len: int,
+                  temperature: float, rounds: bool) -> list[list[int]]:
+        """Each row's tokens (EOT excluded) by runtime.generate's loop: at most sample_len, and no
+        more than the context holds (a row's k-th token is fed at prompt_len + k - 1)."""
+        rows = len(chooser.sampled)
+        space = room(sample_len, prompt_len, self.n_ctx)
+        steps = generate(session, [Sampling(sample_len, temperature)] * rows, [space] * rows, {self.tok.eot},
+                         chooser, device_rounds=rounds)
+        tokens = token_lists(steps, rows)
+        if rounds:   # the steps' tokens' log-probabilities, in order
+            for i, scores in enumerate(self.steps.scores):
+                for lp in scores:
+                    chooser.sum_logprob[i] += lp
+        return tokens
 
     def _result(self, sampled: list[int], sum_logprob: float, no_speech: float) -> DecodeResult:
         """A greedy window's result from its tokens (EOT excluded) and their summed log-probability."""
         text = self.tok.decode(sampled).strip()
         return DecodeResult(sampled, text, sum_logprob / (len(sampled) + 1), no_speech, 0.0, compression_ratio(text))
+
+
+class TokenChooser:
+    """runtime.generate's choice of each row's next token by Whisper's rules: the logit rules on
+    the row's tokens so far, then the argmax (temperature 0) or a draw from the softmax at the
+    temperature (openai-whisper's categorical sampling, not the ops' nucleus sampling); every
+    chosen token's log-probability (EOT's too) summed per row."""
+
+    def __init__(self, dec: WindowDecoder, rows: int, timestamps: bool, temperature: float,
+                 generator: torch.Generator | None) -> None:
+        self.dec, self.timestamps, self.temperature, self.generator = dec, timestamps, temperature, generator
+        self.sampled: list[list[int]] = [[] for _ in range(rows)]
+        self.sum_logprob = [0.0] * rows
+
+    def __call__(self, row: int, logits: torch.Tensor, greedy: int | None) -> int:
+        self.dec._apply_rules(logits, self.sampled[row], self.timestamps)
+        if self.temperature == 0:
+            t = int(self.dec.net.ops.argmax(logits))
+        else:
+            probs = torch.softmax(logits / self.temperature, dim=-1)
+            t = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.sum_logprob[row] += torch.log_softmax(logits, dim=-1)[t].item()
+        if t != self.dec.tok.eot:
+            self.sampled[row].append(t)
+        return t
+
+
+class WindowSession:
+    """runtime.generate's session on B windows decoded with one prompt (so every row at the same
+    position): after the prompt's pass, each token is one step of the decoder's `steps` (one
+    window: a per-op CUDA-graph replay or a compiled step) or of the model's ops on the cache
+    (whose rows leave with their windows); `rounds`: greedy rows on the megakernel, the logit
+    rules applied on the device, the log-probabilities added to the chooser's sums afterwards."""
+
+    def __init__(self, dec: WindowDecoder, cache: DecoderCache, first: torch.Tensor, prompt_len: int,
+                 timestamps: bool, on_steps: bool = False) -> None:
+        """first: the logits [B, vocab] after the prompt; on_steps: one window started on the
+        decoder's `steps` (their `start`), which then take every step."""
+        self.dec, self.cache, self.first, self.timestamps = dec, cache, first, timestamps
+        self.on_steps = on_steps
+        self.pos = prompt_len   # the next token's position
+
+    def prefill(self) -> tuple[torch.Tensor, None]:
+        return self.first, None
+
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, None]:
+        dec, net, pos = self.dec, self.dec.net, self.pos
+        self.pos += 1
+        if self.on_steps:
+            return dec.steps.logits(tokens[0], pos)[None], None
+        step = torch.tensor(tokens, device=self.cache.k.device)[:, None]
+        return dec._step(self.cache, lambda: net.logits(net.decode(step, pos, self.cache))[:, -1]), None
+
+    def keep(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, device=self.cache.k.device)
+        c = self.cache
+        self.cache = DecoderCache([(k[idx], v[idx]) for k, v in c.cross], c.k[:, idx], c.v[:, idx])
+
+    def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        return self.dec.steps.stream_rows(first, self.pos, self.timestamps, max_new, self.dec.tok.eot)

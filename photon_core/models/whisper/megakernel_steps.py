@@ -10,11 +10,12 @@ the rows of a batch bucket (1, 2, 4, 8; every bucket streams one copy of the wei
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from photon_core.runtime.decode import CompiledSteps, bucket_for, resolve_weight_dtype
+from photon_core.runtime.decode import CompiledSteps, bucket_for, copy_prefilled_kv, resolve_weight_dtype
 
 from .model import DecoderCache, WhisperNet
 
@@ -43,8 +44,9 @@ class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
         self.wt = WhisperDecoderWeights.from_whisper(net.w)
         self.mk = self.decoder(1)
         self.rows = 1   # the rows (windows) the last `start` loaded
+        self._scored: DeviceDecode | None = None   # the loop of the last stream_rows
 
-    def build_step(self, batch: int, weights: object | None) -> "WhisperDecoderMegakernel":
+    def build_step(self, batch: int, weights: torch.Tensor | None) -> "WhisperDecoderMegakernel":
         from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel
         d = self.dims
         return WhisperDecoderMegakernel(self.wt, batch=batch, max_len=d.n_text_ctx, enc_len=d.n_audio_ctx,
@@ -83,9 +85,8 @@ class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
                                                torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]))
                                               for k, v in cache.cross]   # padding only: no extra copy of a full bucket
         mk.set_cross_kv(cross)
-        for i in range(self.n_layers):
-            mk.view(f"L{i}.kcache")[:rows, :, :length] = cache.k[i, :, :, :length].float()
-            mk.view(f"L{i}.vcache")[:rows, :, :length] = cache.v[i, :, :, :length].float()
+        copy_prefilled_kv(mk, lambda i: (f"L{i}.kcache", f"L{i}.vcache"), list(zip(cache.k, cache.v)),
+                          slice(0, rows), length)
         self.rows = rows
 
     def logits(self, token: int, position: int) -> torch.Tensor:
@@ -98,6 +99,15 @@ class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
         """Each started window's greedy tokens from its first one (the host's choice, fed at
         `position`; EOT there: no tokens), up to max_new or EOT (excluded), and the log-probability
         of each token the steps chose for it (EOT's too)."""
+        out: list[list[int]] = [[] for _ in first]
+        for row, token in self.stream_rows(first, position, timestamps, max_new, eot):
+            out[row].append(token)
+        return out, self.scores
+
+    def stream_rows(self, first: list[int], position: int, timestamps: bool, max_new: int | Sequence[int],
+                    eot: int) -> Iterator[tuple[int, int]]:
+        """greedy_rows' tokens as (row, token) pairs as the rounds give them (DeviceDecode.stream);
+        `scores` holds the log-probabilities once they are all out."""
         bucket = bucket_for(self.rows)
         mk = self.decoder(bucket)
         rules, loop = self._loops[bucket]
@@ -105,11 +115,12 @@ class MegakernelSteps(CompiledSteps["WhisperDecoderMegakernel"]):
         live = [t if t != eot else 0 for t in first]   # a finished row still needs a token to feed
         mk.set_step(live + live[-1:] * pad, [position] * bucket)
         rules.reset([[t] for t in live + live[-1:] * pad], timestamps)
-        tokens = loop.generate(first, max_new, {eot})
-        return tokens, loop.scores
+        self._scored = loop
+        return loop.stream(first, max_new, {eot})
 
-    def greedy(self, first: int, position: int, timestamps: bool, max_new: int,
-               eot: int) -> tuple[list[int], list[float]]:
-        """greedy_rows for one window."""
-        tokens, scores = self.greedy_rows([first], position, timestamps, max_new, eot)
-        return tokens[0], scores[0]
+    @property
+    def scores(self) -> list[list[float]]:
+        """The log-probability of each token the last stream_rows' steps chose, per row (EOT's too)."""
+        if self._scored is None:
+            raise RuntimeError("no rounds have run yet")
+        return self._scored.scores

@@ -133,10 +133,14 @@ class _Block:
     mlp_ln: _Norm
     fc1: _Linear
     fc2: _Linear
-    cross_ln: _Norm | None = None
-    cross_q: _Linear | None = None
-    cross_kv: _Linear | None = None   # fused [key; value], key bias zero
-    cross_out: _Linear | None = None
+
+
+@dataclass
+class _DecoderBlock(_Block):
+    cross_ln: _Norm
+    cross_q: _Linear
+    cross_kv: _Linear   # fused [key; value], key bias zero
+    cross_out: _Linear
 
 
 class WhisperWeights:
@@ -159,17 +163,16 @@ class WhisperWeights:
                   else torch.zeros(ws[0].shape[0], device=device, dtype=dtype) for n in names]
             return _Linear(torch.cat(ws).contiguous(), torch.cat(bs).contiguous())
 
-        def block(prefix: str, cross: bool) -> _Block:
-            b = _Block(norm(f"{prefix}.attn_ln"),
-                       fused(f"{prefix}.attn", ("query", "key", "value")),
-                       lin(f"{prefix}.attn.out"), norm(f"{prefix}.mlp_ln"),
-                       lin(f"{prefix}.mlp.0"), lin(f"{prefix}.mlp.2"))
-            if cross:
-                b.cross_ln = norm(f"{prefix}.cross_attn_ln")
-                b.cross_q = lin(f"{prefix}.cross_attn.query")
-                b.cross_kv = fused(f"{prefix}.cross_attn", ("key", "value"))
-                b.cross_out = lin(f"{prefix}.cross_attn.out")
-            return b
+        def block(prefix: str) -> _Block:
+            return _Block(norm(f"{prefix}.attn_ln"), fused(f"{prefix}.attn", ("query", "key", "value")),
+                          lin(f"{prefix}.attn.out"), norm(f"{prefix}.mlp_ln"),
+                          lin(f"{prefix}.mlp.0"), lin(f"{prefix}.mlp.2"))
+
+        def decoder_block(prefix: str) -> _DecoderBlock:
+            return _DecoderBlock(**vars(block(prefix)), cross_ln=norm(f"{prefix}.cross_attn_ln"),
+                                 cross_q=lin(f"{prefix}.cross_attn.query"),
+                                 cross_kv=fused(f"{prefix}.cross_attn", ("key", "value")),
+                                 cross_out=lin(f"{prefix}.cross_attn.out"))
 
         self.dims = dims
         self.device = torch.device(device)
@@ -178,7 +181,7 @@ class WhisperWeights:
         self.conv1 = _Linear(t("encoder.conv1.weight").flatten(1), t("encoder.conv1.bias"))
         self.conv2 = _Linear(t("encoder.conv2.weight").flatten(1), t("encoder.conv2.bias"))
         self.enc_pos = t("encoder.positional_embedding")
-        self.enc_blocks = [block(f"encoder.blocks.{i}", False) for i in range(dims.n_audio_layer)]
+        self.enc_blocks = [block(f"encoder.blocks.{i}") for i in range(dims.n_audio_layer)]
         self.enc_ln = norm("encoder.ln_post")
         # Stored [d, vocab] and used through a transposed view: the per-token logits product
         # (a matrix-vector product over the whole vocabulary, the decoder's largest) runs ~2x
@@ -186,7 +189,7 @@ class WhisperWeights:
         self.tok_emb_t = t("decoder.token_embedding.weight").t().contiguous()
         self.tok_emb = self.tok_emb_t.t()
         self.dec_pos = t("decoder.positional_embedding")
-        self.dec_blocks = [block(f"decoder.blocks.{i}", True) for i in range(dims.n_text_layer)]
+        self.dec_blocks = [decoder_block(f"decoder.blocks.{i}") for i in range(dims.n_text_layer)]
         self.dec_ln = norm("decoder.ln")
         self.lm_head = _Linear(self.tok_emb, None)   # the tied output projection, for int8 packing
 

@@ -64,4 +64,5 @@ class PerOpSteps:
             # again on replay rewrites the same cache entries with the same values.
             self._graph, self._logits = capture(self._step)
         self._graph.replay()
+        assert self._logits is not None   # captured with the graph
         return self._logits[0].clone()

@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -295,14 +295,15 @@ class WhisperSpeech:
     def _transcribe_frames(self, mel: torch.Tensor | MelFrames, content_frames: int,
                            opts: LongFormOptions) -> LongFormResult:
         """The long-form loop over the log-mel, after language detection where it is needed."""
-        encode = self.encode
+        encode: Callable[[torch.Tensor], torch.Tensor] = self.encode
         if opts.language is None:
             # the first window's features serve both detection and decoding
             first = [self.encode(encoder_window(mel, 0, content_frames, opts)[None])]
             opts.language = self.detect_language(first[0])
 
-            def encode(window: torch.Tensor) -> torch.Tensor:
+            def encode_first_once(window: torch.Tensor) -> torch.Tensor:
                 return first.pop() if first else self.encode(window)
+            encode = encode_first_once
         with torch.inference_mode():
             return transcribe_mel(self.decoder, encode, mel, content_frames, opts,
                                   decode_context=lambda: _torch_threads(self.decoder_threads))
@@ -326,7 +327,7 @@ class WhisperSpeech:
         for i, request in enumerate(calls):
             args = inspect.signature(self.transcribe).bind(**request)
             args.apply_defaults()
-            pcm, mel, opts = self._prepare(*args.args, **args.kwargs, longform_options={})
+            pcm, mel, opts = self._prepare(**args.arguments, longform_options={})
             per_op_steps = self.decoder.steps is not None and not hasattr(self.decoder.steps, "greedy_rows")
             if (per_op_steps or opts.language is None or mel.shape[-1] > N_FRAMES
                     or opts.temperatures[0] != 0):
@@ -339,7 +340,10 @@ class WhisperSpeech:
         for rows in groups.values():
             for chunk in range(0, len(rows), MAX_BATCH):
                 self._batch_rows(rows[chunk:chunk + MAX_BATCH], results, start)
-        return results
+        done = [r for r in results if r is not None]
+        if len(done) != len(results):
+            raise RuntimeError("a request of the batch was left without a result")
+        return done
 
     @torch.inference_mode()
     def _batch_rows(self, rows: list, results: list, start: float) -> None:
@@ -382,7 +386,7 @@ class WhisperSpeech:
                                initial_prompt_tokens=prompt_tokens, fit_context=self.audio_context == "fit",
                                **longform_options)
 
-    def _result(self, raw: LongFormResult, duration: float, language: str, start: float) -> dict:
+    def _result(self, raw: LongFormResult, duration: float, language: str | None, start: float) -> dict:
         # A timestamp token can point past the audio's end (the window's padding): segment times
         # are kept within the audio (in whole ms, so rounding cannot pass its end either).
         end_ms = math.floor(duration * 1000) / 1000
@@ -426,10 +430,10 @@ def load_whisper(model: str | Path = "whisper-tiny.en", device: str = "cpu",
     checkpoint = load_checkpoint_file(resolved.path)
     speech = WhisperSpeech(checkpoint, resolved.model_id or "", device=device, dtype=dtype, ops=chosen,
                            quantize=quantize, audio_context=audio_context)
-    if ops is None and getattr(chosen, "NAME", "") == "megakernel":
+    if ops is None and getattr(chosen, "COMPILES_STEPS", False):
         from .megakernel_steps import MegakernelSteps
         speech.decoder.steps = MegakernelSteps(speech.net)
-    elif ops is None and getattr(chosen, "NAME", "") == "triton":
+    elif ops is None and getattr(chosen, "CAPTURES_STEPS", False):
         from .perop_steps import PerOpSteps
         speech.decoder.steps = PerOpSteps(speech.net, chosen)
     speech.model_id = resolved.model_id or name_from_dims(speech.dims)

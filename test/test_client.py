@@ -1,0 +1,187 @@
+"""photon_core.client: the moondream client's local mode on Photon. A tiny random Moondream 2 checkpoint
+and Whisper tiny.en through vl(local=True, model=...): each call's result has the client's shape
+(moondream.types) and is the model's own result; streaming gives the same text; model names,
+variants and the errors."""
+from __future__ import annotations
+
+import base64
+import io
+import inspect
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import moondream_fixtures as mdfx
+import photon_core
+from photon_core import client as md
+
+# moondream.types, as key sets: (required, optional).
+CAPTION = ({"caption"}, set())
+QUERY = ({"answer"}, {"reasoning"})
+REGION = {"x_min", "y_min", "x_max", "y_max"}
+
+
+@dataclass
+class Base64EncodedImage:   # moondream.types.Base64EncodedImage's shape
+    image_url: str
+
+
+def _keys(result: dict, shape: tuple[set, set]) -> None:
+    required, optional = shape
+    assert required <= set(result) <= required | optional, result
+
+
+@pytest.fixture(scope="module")
+def vision():
+    return md.vl(local=True, model=str(mdfx.checkpoint()), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def picture():
+    return np.random.default_rng(3).integers(0, 256, (60, 80, 3), dtype=np.uint8)
+
+
+def test_vision_calls_have_the_client_shapes_and_the_models_results(vision, picture):
+    model = vision.model
+    assert vision.model_id == model.model_id and vision.family == "moondream"
+    assert set(vision.tasks) == {"caption", "query", "chat", "detect", "point"} and vision.supports("point")
+    assert not vision.supports("segment") and not vision.supports("transcribe")
+
+    enc = vision.encode_image(picture)   # the model's EncodedImage, reusable for every call below
+    cap = vision.caption(enc, length="short", settings={"max_tokens": 6})
+    _keys(cap, CAPTION)
+    assert isinstance(cap["caption"], str)
+    ans = vision.query(picture, "what is this?", settings={"max_tokens": 6})
+    _keys(ans, QUERY)
+    assert "reasoning" not in ans and isinstance(ans["answer"], str)
+    thought = vision.query(enc, "what is this?", reasoning=True, settings={"max_tokens": 4})
+    assert set(thought) == {"answer", "reasoning"} and set(thought["reasoning"]) == {"text", "grounding"}
+
+    found = vision.detect(enc, "cup", settings={"max_objects": 2})
+    assert set(found) == {"objects"} and 0 < len(found["objects"]) <= 2
+    assert all(REGION <= set(o) for o in found["objects"])
+    pts = vision.point(enc, "cup", settings={"max_objects": 3})
+    assert set(pts) == {"points"} and 0 < len(pts["points"]) <= 3
+    assert all({"x", "y"} <= set(p) for p in pts["points"])
+
+    # The client hands the call to the model: the same results as calling it directly.
+    direct = inspect.signature(model.detect).parameters
+    kw = {"settings": {"max_objects": 2}} if "settings" in direct else {"max_objects": 2}
+    assert found == model.detect(enc, "cup", **kw)
+    assert vision.query(enc, "what is this?", settings={"max_tokens": 6}) == ans
+    # The client's Base64EncodedImage (a data: URL) is read too.
+    buf = io.BytesIO()
+    Image.fromarray(picture).save(buf, format="PNG")
+    b64 = Base64EncodedImage("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    assert vision.detect(b64, "cup", settings={"max_objects": 2}) == found
+
+
+def test_streaming_gives_the_same_text(vision, picture):
+    enc = vision.encode_image(picture)
+    for call, key, args in ((vision.caption, "caption", (enc,)),
+                            (vision.query, "answer", (enc, "what is this?"))):
+        streamed = call(*args, stream=True, settings={"max_tokens": 8})
+        assert set(streamed) == {key} and isinstance(streamed[key], types.GeneratorType)
+        assert "".join(streamed[key]) == call(*args, settings={"max_tokens": 8})[key]
+
+
+def test_moondream_chat(vision, picture):
+    """Moondream's chat (moondream/chat.py) through the client: the model's reply, the client's shape."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "hi"}]}]
+    settings = {"temperature": 0, "max_tokens": 4}
+    out = vision.chat(messages, settings=settings)
+    assert out == vision.model.chat(messages, settings=settings)
+    assert set(out) == {"message", "finish_reason"} and out["message"]["role"] == "assistant"
+    assert "".join(vision.chat(messages, stream=True, settings=settings)["message"]) == out["message"]["content"]
+
+
+def test_moondream3_segment_and_its_stream(monkeypatch):
+    import test_moondream3_checkpoints as ck
+    from segment_fixtures import DIAMOND_PATH, script_segment
+
+    folder = ck.checkpoint("safetensors")[0]
+    md3 = md.vl(local=True, model=str(folder), device="cpu")
+    assert md3.family == "moondream3" and md3.supports("segment")
+    picture = np.random.default_rng(4).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    enc = md3.encode_image(picture)
+    script_segment(monkeypatch, folder)
+    out = md3.segment(enc, "cup", settings={"max_tokens": 40})
+    assert set(out) == {"path", "bbox"} and out["path"] == DIAMOND_PATH and REGION == set(out["bbox"])
+    updates = list(md3.segment(enc, "cup", stream=True, settings={"max_tokens": 40}))
+    assert updates[0] == {"bbox": out["bbox"]}
+    assert "".join(u["chunk"] for u in updates[1:-1]) == DIAMOND_PATH
+    assert updates[-1] == {"path": DIAMOND_PATH, "bbox": out["bbox"], "completed": True}
+
+
+def test_calls_the_family_lacks_say_so(vision, picture):
+    with pytest.raises(NotImplementedError, match="does not segment"):
+        vision.segment(picture, "cup")
+    with pytest.raises(NotImplementedError, match="does not transcribe"):
+        vision.transcribe(audio=np.zeros(1600, np.float32))
+    with pytest.raises(ValueError, match="question parameter is required"):
+        vision.query(picture)
+    with pytest.raises(ValueError, match="data: URL"):
+        vision.caption(Base64EncodedImage("https://example.com/cat.jpg"))
+
+
+def test_model_names_variants_and_factory_errors(vision, picture, monkeypatch):
+    assert md.parse_model_name("moondream3.1-9B-A2B/01HXYZ@1000") == ("moondream3.1-9B-A2B", "01HXYZ@1000")
+    assert md.parse_model_name("vikhyatk/moondream2") == ("vikhyatk/moondream2", None)
+    assert md.parse_model_name("moondream2/ft@x") == ("moondream2/ft@x", None)
+    assert md.parse_model_name("moondream3-preview") == ("moondream3-preview", None)
+    assert md.parse_model_name("moondream3-preview/01HXYZ@1000") == ("moondream3-preview", "01HXYZ@1000")
+    assert md.parse_model_name("Qwen/Qwen3.5-4B") == ("Qwen/Qwen3.5-4B", None)
+    assert md.parse_model_name("vikhyatk/moondream2/ft@7") == ("vikhyatk/moondream2", "ft@7")
+    assert md.parse_model_name("moondream2/ft@latest") == ("moondream2/ft@latest", None)   # step: digits
+    assert md.parse_model_name("moondream2/@7") == ("moondream2/@7", None)                # no finetune id
+    assert md.parse_model_name("ft@7") == ("ft@7", None)                                  # no base
+    folder = str(mdfx.checkpoint())
+    assert md.parse_model_name(folder) == (folder, None)
+    assert set(md.photon_models()) == {"moondream2", "moondream3-preview", "moondream3.1-9B-A2B"}
+    assert photon_core.vl is md.vl and photon_core.photon is md.photon
+
+    # A variant travels to the model as settings["variant"] on every call, with the caller's settings.
+    tuned = md.photon(f"{folder}/ft1@5", device="cpu")
+    assert tuned.variant == "ft1@5" and tuned.model_id == vision.model_id
+    heard = []
+
+    def detect(image, object, settings=None):
+        heard.append(settings)
+        return {"objects": []}
+    monkeypatch.setattr(tuned._model, "detect", detect)
+    assert tuned.detect(picture, "cup", settings={"max_objects": 1}) == {"objects": []}
+    assert heard == [{"max_objects": 1, "variant": "ft1@5"}]
+    # A model without settings cannot take a variant.
+    monkeypatch.setattr(tuned._model, "detect", lambda image, object, max_objects=50: {"objects": []})
+    with pytest.raises(NotImplementedError, match="variants"):
+        tuned.detect(picture, "cup")
+
+    with pytest.raises(ValueError, match="locally only"):
+        md.vl(api_key="k", model="moondream2")
+    with pytest.raises(TypeError, match="requires model"):
+        md.vl(local=True)
+    with pytest.raises(TypeError, match="runtime options"):
+        md.vl(local=True, model=folder, devcie="cpu")
+    with pytest.raises(FileNotFoundError):
+        md.vl(local=True, model="/no/such/model/folder")
+
+
+def test_whisper_transcribes_through_the_client():
+    from speech_audio import espeak_pcm
+    from whisper_fixtures import tiny_en_path
+
+    pcm, rate = espeak_pcm("the quick brown fox")
+    speech = md.vl(local=True, model=str(tiny_en_path()), device="cpu")
+    assert speech.tasks == ("transcribe",) and speech.supports("transcribe")
+    got = speech.transcribe(audio=pcm, sample_rate=rate)
+    assert {"text", "segments", "language", "duration"} <= set(got)
+    assert "fox" in got["text"].lower() and speech.model_id == speech.model.model_id
+    with pytest.raises(NotImplementedError, match="does not caption"):
+        speech.caption(np.zeros((8, 8, 3), np.uint8))
+    with pytest.raises(NotImplementedError, match="streamed"):
+        speech.transcribe(audio=pcm, sample_rate=rate, stream=True)
+    with pytest.raises(TypeError, match="audio"):
+        speech.transcribe(sample_rate=rate)
