@@ -6,7 +6,7 @@ import math
 from builtin_interfaces.msg import Duration, Time
 from std_msgs.msg import Header
 
-from photon_ros.msg import (Detection, Detections, ImagePoint, Points, Segmentation, Transcript,
+from photon_ros.msg import (Detection, Detections, GroundedSpan, ImagePoint, Points, Segmentation, Transcript,
                             TranscriptSegment, VisionText)
 
 
@@ -89,9 +89,29 @@ def segmentation_message(result: dict, header: Header, *, prompt: str, width: in
 
 
 def vision_text_message(text: str, header: Header, *, task: str, prompt: str, latency: float,
-                        model_id: str) -> VisionText:
-    return VisionText(header=header, task=task, prompt=prompt, text=text.strip(), model_id=model_id,
-                      latency=seconds_to_duration(latency))
+                        model_id: str, reasoning: dict | None = None, width: int = 0,
+                        height: int = 0) -> VisionText:
+    """A VisionText; `reasoning`: query()'s {"text", "grounding"} when it was asked with reasoning
+    (its points placed in the `width` x `height` source image too)."""
+    msg = VisionText(header=header, task=task, prompt=prompt, text=text.strip(), model_id=model_id,
+                     latency=seconds_to_duration(latency))
+    if reasoning is not None:
+        msg.reasoning = reasoning["text"]
+        msg.grounding = grounded_spans(reasoning, width, height)
+    return msg
+
+
+def grounded_spans(reasoning: dict, width: int, height: int) -> list[GroundedSpan]:
+    """query()'s reasoning grounding [{"start_idx", "end_idx", "points": [(x, y), ...]}] (character
+    offsets into the reasoning text, normalized points) as GroundedSpans, points also in pixels."""
+    text, spans = reasoning["text"], []
+    for g in reasoning.get("grounding", []):
+        start, end = int(g["start_idx"]), int(g["end_idx"])
+        piece = text[start:end]
+        spans.append(GroundedSpan(start=start, end=end, text=piece, points=[
+            ImagePoint(label=piece, score=math.nan, x=float(x), y=float(y), x_px=float(x) * width,
+                       y_px=float(y) * height) for x, y in g["points"]]))
+    return spans
 
 
 def detection2d_array(msg: Detections):

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 
-from photon_core.runtime.requests import Request
 from photon_ros.action import Ask, Find
 from photon_ros.result_messages import (detections_message, points_message, segmentation_message,
                                         vision_text_message)
+from photon_ros.vision_requests import engine_request, missing_reasoning, request_options
 
 if TYPE_CHECKING:
     from photon_ros.vision_node import VisionNode
@@ -98,8 +98,11 @@ class VisionActions:
                     result.message = self.node.why_not_running()
                 else:
                     self.run(goal_handle, goal, result, cancel, find)
+        except ValueError as err:   # an option the task does not take, or the model refused
+            result.success, result.message = False, self.node.refused("find" if find else "ask", str(err))
         except Exception as err:  # noqa: BLE001 - a goal that fails is answered, never fatal
-            result.success, result.message = False, f"{type(err).__name__}: {err}"
+            result.success = False
+            result.message = self.node.refused("find" if find else "ask", f"{type(err).__name__}: {err}")
         finally:
             if timer is not None:
                 timer.cancel()
@@ -118,6 +121,7 @@ class VisionActions:
 
     def run(self, goal_handle, goal, result, cancel: threading.Event, find: bool) -> None:
         action = Find if find else Ask
+        request_options(goal.task, goal, self.node.max_objects)   # refused before waiting for a frame
         frame = self.frame(goal_handle, goal.use_latest_frame, cancel, action)
         if isinstance(frame, str):
             result.message = frame
@@ -146,16 +150,18 @@ class VisionActions:
             def report(partial: dict) -> None:
                 self.find_feedback(feedback, goal, partial, header, width, height, model_id)
                 goal_handle.publish_feedback(feedback)
-            request = Request(goal.task, rgb, goal.prompt, max_objects=goal.max_objects or node.max_objects,
-                              cancel=cancel, progress=report)
+            request = engine_request(goal.task, rgb, goal.prompt, goal, node.max_objects, cancel=cancel,
+                                     progress=report)
         else:
             def report(partial: dict) -> None:
                 feedback.text = partial.get("answer", partial.get("caption", ""))
                 goal_handle.publish_feedback(feedback)
             prompt = goal.prompt or ("short" if goal.task == "caption" else "")
-            extra = {"max_tokens": goal.max_tokens} if goal.max_tokens else {}
-            request = Request(goal.task, rgb, prompt, cancel=cancel, progress=report, **extra)
+            request = engine_request(goal.task, rgb, prompt, goal, node.max_objects, cancel=cancel,
+                                     progress=report)
         answer = node.engine.batcher.submit([request])[0]
+        if not find:
+            missing_reasoning(goal.reasoning, answer)
         if find and goal.task == "detect":
             result.detections = detections_message(answer, header, prompt=goal.prompt, width=width, height=height,
                                                    latency=latency(), model_id=model_id)
@@ -170,7 +176,8 @@ class VisionActions:
         else:
             text = answer.get("answer", answer.get("caption", ""))
             result.text = vision_text_message(text, header, task=goal.task, prompt=goal.prompt,
-                                              latency=latency(), model_id=model_id)
+                                              latency=latency(), model_id=model_id,
+                                              reasoning=answer.get("reasoning"), width=width, height=height)
         result.success = not cancel.is_set()
 
     def find_feedback(self, feedback, goal, partial: dict, header, width: int, height: int, model_id: str) -> None:

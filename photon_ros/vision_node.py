@@ -50,6 +50,7 @@ from photon_ros.run_node import run_node
 from photon_ros.spatial import detection3d_array, objects_3d, point_positions
 from photon_ros.tracking import IdSource, StreamTrackers
 from photon_ros.vision_actions import VisionActions
+from photon_ros.vision_requests import engine_request, missing_reasoning, request_options
 from photon_ros.srv import Infer
 from photon_ros.vision_params import targets, vision_params
 
@@ -111,7 +112,7 @@ def segment_frame(engine: SharedModel, rgb, targets: list[str], max_tokens: int)
     results = []
     for target in targets:
         with engine.lock:
-            results.append(engine.model.segment(encoded, target, max_tokens=max_tokens))
+            results.append(engine.model.segment(encoded, target, settings={"max_tokens": max_tokens}))
     return results
 
 
@@ -139,6 +140,8 @@ class VisionNode(ManagedNode):
         self.lookup = None   # tf2 into target_frame (configure), None: the optical frame
         self.pairing, self.camera_info = DepthPairing(1.0), None
         self.frames_without_depth, self.depth_note = 0, ""
+        # infer / find / ask requests the node or the model refused (a task, an option) or failed on
+        self.requests_failed, self.last_request_error = 0, ""
 
         # Diagnostics (a plain publisher, not a lifecycle one) and the service exist in every
         # lifecycle state: a robot wants to see, and ask, an inactive or unconfigured node too.
@@ -460,7 +463,7 @@ class VisionNode(ManagedNode):
 
     def infer(self, request: Infer.Request, response: Infer.Response, received: float) -> Infer.Response:
         if self.lacks(request.task):
-            response.success, response.message = False, self.lacks(request.task)
+            response.success, response.message = False, self.refused("infer", self.lacks(request.task))
             return response
         latest = self.frames.latest
         if request.use_latest_frame and latest is None:
@@ -473,15 +476,17 @@ class VisionNode(ManagedNode):
                 return response
         source = latest.msg if request.use_latest_frame else request.image
         try:
+            request_options(request.task, request, self.max_objects)   # checked before the image is read
             rgb = self.to_rgb(source)
             space = self.space(source.header, rgb.shape[1], rgb.shape[0])
             if request.task == Infer.Request.TASK_SEGMENT:   # not a batched skill (see segment_frame)
                 result = segment_frame(self.engine, rgb, [request.prompt], self.segment_max_tokens)[0]
             else:
-                task = Request(request.task, rgb, request.prompt, max_objects=self.max_objects)
+                task = engine_request(request.task, rgb, request.prompt, request, self.max_objects)
                 result = self.engine.batcher.submit([task])[0]
+            missing_reasoning(request.reasoning, result)
         except Exception as err:  # noqa: BLE001 - a bad request is answered, never fatal
-            response.success, response.message = False, str(err)
+            response.success, response.message = False, self.refused("infer", str(err) or type(err).__name__)
             return response
         model_id, header = self.engine.model.model_id, source.header
         height, width = rgb.shape[:2]
@@ -504,9 +509,18 @@ class VisionNode(ManagedNode):
         else:
             text = result.get("caption", result.get("answer", ""))
             response.text = vision_text_message(text, header, task=request.task, prompt=request.prompt,
-                                                latency=latency, model_id=model_id)
+                                                latency=latency, model_id=model_id,
+                                                reasoning=result.get("reasoning"), width=width, height=height)
         response.success = True
         return response
+
+    def refused(self, what: str, reason: str) -> str:
+        """`reason` (why an on-demand request failed: an option it may not take, a model that refused
+        it or failed on it), logged and counted for /diagnostics."""
+        self.requests_failed += 1
+        self.last_request_error = f"{what}: {reason}"
+        self.get_logger().warning(f"{what} refused: {reason}", throttle_duration_sec=1.0)
+        return reason
 
     def destroy_node(self) -> None:
         if hasattr(self, "actions"):   # absent when __init__ refused a parameter
@@ -536,6 +550,8 @@ class VisionNode(ManagedNode):
             "last_depth_note": self.depth_note,
             "frames_lost_in_transport": str(self.health.lost_in_transport),
             "processed_rate_hz": f"{self.stats.rate('processed'):.2f}",
+            "requests_failed": str(self.requests_failed),
+            "last_request_error": self.last_request_error,
         }
         for q, v in self.stats.latency_percentiles().items():
             values[f"latency_p{q}_ms"] = f"{v * 1000:.1f}"

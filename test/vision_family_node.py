@@ -1,6 +1,6 @@
 """One round trip of the vision node with a caption/query family (Gemma 4, Qwen 3.5, ...) over real
 DDS: a periodic caption stamped with the frame's header, the infer service's query on the latest
-frame, and detect refused with the family's reason."""
+frame, and detect and Moondream's query options refused with the family's reason."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from sensor_msgs.msg import Image
 from std_msgs.msg import Header
 
 from photon_ros.image_conversions import rgb_to_image
-from photon_ros.msg import VisionText
+from photon_ros.msg import SpatialRef, VisionText
 from photon_ros.srv import Infer
 from photon_ros.vision_node import VisionNode
 from ros_harness import RosGraph, wait_for, wait_for_match
@@ -50,3 +50,12 @@ def caption_query_round_trip(graph: RosGraph, folder: Path, family: str) -> None
     future = client.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True))
     assert wait_for(future.done, timeout=30)
     assert not future.result().success and "cannot detect" in future.result().message
+    # What only Moondream has (grounded reasoning, spatial references, variants): refused with the
+    # reason, never answered as if the option had been used.
+    here = SpatialRef(kind=SpatialRef.KIND_POINT, x=0.5, y=0.5)
+    for option, value in (("reasoning", True), ("spatial_refs", [here]), ("variant", "adapter")):
+        future = client.call_async(Infer.Request(task="query", prompt="what is this?", use_latest_frame=True,
+                                                 max_tokens=4, **{option: value}))
+        assert wait_for(future.done, timeout=60)
+        assert not future.result().success and option in future.result().message
+    assert node.requests_failed == 4 and "variant" in node.last_request_error
