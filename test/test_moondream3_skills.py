@@ -106,17 +106,8 @@ def test_segment_follows_its_prompt_protocol(model, enc, monkeypatch):
     tok = model.tokenizer
     words = ["M", "96", "192", "L", "-", "48", "960", "C", "1", "2", "3", "4", "5", "6", "z"]
     word_ids = [tok.encode(wd)[0] for wd in words]
-    script = iter([5, 5, 6] + word_ids + [0])
-    hiddens = []
     real = md3_text.lm_logits
-
-    def scripted(hidden, w, ops):
-        hiddens.append(hidden.clone())
-        logits = torch.full((hidden.shape[0], model.config.text.vocab_size), -1e9)
-        logits[:, next(script)] = 0.0
-        return logits
-
-    monkeypatch.setattr(md3_text, "lm_logits", scripted)
+    hiddens = _script(monkeypatch, model, [5, 5, 6] + word_ids + [0])
     out = model.segment(enc, "robot", settings={"max_tokens": 50})
     monkeypatch.setattr(md3_text, "lm_logits", real)
     assert out["path"] == "M 0.1 0.2 L -0.05 1 C 0.001 0.002 0.003 0.004 0.005 0.006 z"
