@@ -168,7 +168,7 @@ def test_compiled_step_equals_the_eager_graph_and_the_model(pair, encoded):
         positions = [p + 1 for p in positions]
     # The MoE layer routes: their expert tiles are in the graph, and only top-k experts' bytes count.
     assert any(t.name.startswith("L1.moe") for t in mk.graph.tasks)
-    assert mk.weight_bytes_per_step(False) < mk.weight_bytes_per_step(True)
+    assert mk.weight_bytes_per_step(region_heads=False) < mk.weight_bytes_per_step()
     assert not any(t.name.startswith(("coord", "size", "region")) for t in mk.kernel_for(["token"]).graph.tasks)
 
 

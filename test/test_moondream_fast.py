@@ -168,7 +168,7 @@ def test_text_graph_without_region_heads(pair, encoded):
     cfg = ref_m.config
     mk = md.MoondreamDecoderMegakernel(ref_m.text_w, ref_m.region_w, cfg, 1, 90, TILING)
     assert not any(t.name.startswith(("coord", "size")) for t in mk.kernel_for(["token"]).graph.tasks)
-    assert mk.weight_bytes_per_step(False) < mk.weight_bytes_per_step(True)
+    assert mk.weight_bytes_per_step(region_heads=False) < mk.weight_bytes_per_step()
     cache = text.KVCache(cfg.text, 90, torch.float32, "cpu")
     cache.k[:, :, :, :ref_e.pos], cache.v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v
     mk.cache(0).k[:, :, :, :ref_e.pos], mk.cache(0).v[:, :, :, :ref_e.pos] = ref_e.k, ref_e.v

@@ -1,8 +1,7 @@
 """The type checker over photon_core, as configured in pyproject.toml ([tool.mypy]): no errors.
 
 Among what it checks is the model contract: every family's `load` must return a class that meets
-photon_core.contracts.VisionModel or SpeechModel. The modules still listed there with
-ignore_errors are the ones left to clean."""
+photon_core.contracts.VisionModel or SpeechModel. No module is exempt (no ignore_errors override)."""
 import subprocess
 import sys
 from pathlib import Path

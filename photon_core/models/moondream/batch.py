@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -230,6 +230,16 @@ def watch(model: "MoondreamModel", rows: list[_Row]) -> None:
             row.request.progress(_result(model, row))
 
 
+@overload
+def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,
+             embed: Literal[True] = ..., think: torch.Tensor | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,
+             embed: Literal[False], think: torch.Tensor | None = ...) -> None: ...
+
+
 def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,
              embed: bool = True, think: torch.Tensor | None = None) -> torch.Tensor | None:
     """Each row reads what its phase needs from the step's heads and gets its next input
@@ -299,7 +309,7 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
                     row.phase = BOUNDARY
                 else:
                     row.phase = SIZE
-        if embed:
+        if nxt is not None:
             nxt[coord_rows] = model.region_impl.encode_coords(values, rw, ops)
     if size_rows:
         sizes = heads.sizes(size_rows)
@@ -310,15 +320,15 @@ def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torc
                                 "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2),
                                 "score": row.score})
             row.phase = BOUNDARY
-        if embed:
+        if nxt is not None:
             nxt[size_rows] = model.region_impl.encode_sizes(sizes, rw, ops)
     if grounded:
         values = heads.coords(grounded)
         for i, v in zip(grounded, values):
             rows[i].think_coords.append(v)
-        if embed:
+        if nxt is not None:
             nxt[grounded] = model.region_impl.encode_coords(values, rw, ops)
-    if tokens and embed:
+    if tokens and nxt is not None:
         ids = torch.tensor([[t] for t in tokens.values()], device=model.device)
         nxt[list(tokens)] = model.text_impl.embed(ids, model.text_w)
     return nxt
@@ -360,28 +370,37 @@ class OpsStepper:
 
     def start(self, rows: list[_Row], encoded: list["EncodedImage"]) -> "OpsHeads":
         m = self.model
-        self.cache = m.text_impl.KVCache(m.config.text, max(r.length for r in rows), m.dtype, m.device, batch=len(rows))
-        self.masks = torch.stack(row_masks(m, rows))
+        self.cache = cache = m.text_impl.KVCache(m.config.text, max(r.length for r in rows), m.dtype, m.device,
+                                                 batch=len(rows))
+        self.masks = masks = torch.stack(row_masks(m, rows))
         hidden = []
         for b, (row, enc) in enumerate(zip(rows, encoded)):
-            self.cache.k[:, b:b + 1, :, :enc.pos] = enc.k
-            self.cache.v[:, b:b + 1, :, :enc.pos] = enc.v
+            cache.k[:, b:b + 1, :, :enc.pos] = enc.k
+            cache.v[:, b:b + 1, :, :enc.pos] = enc.v
             emb = skills.prompt_embeddings(m, row.prompt, row.refs)
-            hidden.append(skills.forward(m, emb, row.pos, self.cache.row(b), self.lora, enc.pos == 0 or enc.causal)[:, -1])
-        return OpsHeads(m, torch.cat(hidden), self.masks)
+            hidden.append(skills.forward(m, emb, row.pos, cache.row(b), self.lora, enc.pos == 0 or enc.causal)[:, -1])
+        return OpsHeads(m, torch.cat(hidden), masks)
+
+    def _started(self) -> tuple[text.KVCache, torch.Tensor]:
+        """The batch's KV cache and masks, made by start()."""
+        if self.cache is None or self.masks is None:
+            raise RuntimeError("OpsStepper: start() the rows before stepping them")
+        return self.cache, self.masks
 
     def step(self, inputs: torch.Tensor, positions: list[int]) -> "OpsHeads":
         m = self.model
+        cache, masks = self._started()
         pos = torch.tensor(positions, device=m.device)
-        hidden = skills.forward(m, inputs, pos, self.cache, self.lora)[:, -1]
-        return OpsHeads(m, hidden, self.masks)
+        hidden = skills.forward(m, inputs, pos, cache, self.lora)[:, -1]
+        return OpsHeads(m, hidden, masks)
 
     def keep(self, rows: list[int]) -> None:
-        self.cache.keep(rows)
-        self.masks = self.masks[rows]
+        cache, masks = self._started()
+        cache.keep(rows)
+        self.masks = masks[rows]
 
     def set_mask(self, row: int, allowed: torch.Tensor) -> None:
-        self.masks[row] = allowed
+        self._started()[1][row] = allowed
 
 
 def row_masks(model: "MoondreamModel", rows: list[_Row]) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,20 @@ def _build(cls, d: dict, section: str):
                          "photon_core.models.moondream3, not as Moondream 2")
     check_keys(cls, d, section)
     return cls(**d)
+
+
+class ModelConfig(Protocol):
+    """What the code both Moondream versions share (model, skills, batched and megakernel decoding)
+    reads of a config: MoondreamConfig below and moondream3's Moondream3Config, whose sections are
+    subclasses of these."""
+    @property
+    def text(self) -> TextConfig: ...
+    @property
+    def vision(self) -> VisionConfig: ...
+    @property
+    def region(self) -> RegionDims: ...
+    @property
+    def tokenizer(self) -> TokenizerConfig: ...
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ so one launch yields the token, the coordinate bin and the two size bins of ever
 `x` (the last hidden state before post_ln) stays in the state arena for the caller.
 
 The LM head and both region heads read only the last hidden state, so their tiles run side by
-side; `launch(region_heads=False)` runs the pruned graph without the region heads (caption, query).
+side; `launch_step(region_heads=False)` runs the pruned graph without the region heads (caption, query).
 
 `reference_step` is the same step with backends.reference ops on the model's own code paths
 (text.forward / lm_logits / region heads), the ground truth for tests.
@@ -30,7 +30,7 @@ side; `launch(region_heads=False)` runs the pruned graph without the region head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -38,6 +38,8 @@ from photon_core.backends import reference as ref
 from photon_core.megakernel.compiler import CompiledStep, Tiling
 from photon_core.megakernel.graph import BATCH_BUCKETS, TaskGraph  # noqa: F401  (re-exported for callers)
 from photon_core.megakernel.stepgraph import Rotary, StepGraph
+
+from .vision import Linear
 
 # Result columns of a step: the LM token, the coordinate bin, the width and height bins.
 RESULTS = ("token", "coord", "width", "height")
@@ -56,6 +58,27 @@ class Dims:
     coord_bins: int
     size_bins: int  # both halves (width bins + height bins)
     max_context: int
+
+
+class DecoderDims(Protocol):
+    """What the shared host side (MoondreamDecoderMegakernel, object rounds) reads of a decoder's
+    dims: Moondream 2's Dims above and Moondream 3's both have it."""
+    @property
+    def d(self) -> int: ...
+    @property
+    def coord_bins(self) -> int: ...
+    @property
+    def size_bins(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+
+
+class MlpRegionHeads(Protocol):
+    """Moondream 2's region heads (region.RegionWeights, or an object with its fields)."""
+    coord_fc1: Linear
+    coord_fc2: Linear
+    size_fc1: Linear
+    size_fc2: Linear
 
 
 def dims_of(cfg: Any) -> Dims:
@@ -206,15 +229,19 @@ class MoondreamDecoderMegakernel(CompiledStep):
     The launch reads every step-dependent value (input embeddings, positions, logit bias) from device
     buffers written before it, so it can be captured in a CUDA graph and replayed.
 
-    The decoder it compiles comes from the class attributes below (dims, graph, weights, the region
-    heads' weight prefixes); a variant with another decoder (Moondream 3) overrides them and keeps
-    the rest: the KV-cache rows, the logit bias, the launch and the step results.
+    The decoder it compiles comes from the members below (dims_of, graph_of, gather_weights, the
+    region heads' weight prefixes); a variant with another decoder (Moondream 3) overrides them and
+    keeps the rest: the KV-cache rows, the logit bias, the launch and the step results.
     """
 
-    dims_of = staticmethod(dims_of)
-    step_graph = staticmethod(step_graph)
     gather_weights = staticmethod(gather_weights)
     region_prefixes: tuple[str, ...] = ("c_", "s_")   # weights only the region heads read
+
+    def dims_of(self, cfg: Any) -> DecoderDims:
+        return dims_of(cfg)
+
+    def graph_of(self, cfg: Any, max_len: int) -> StepGraph:
+        return step_graph(dims_of(cfg), max_len)
 
     def __init__(self, text_w: Any, region_w: Any, cfg: Any, batch: int, max_len: int | None = None,
                  tiling: Tiling = Tiling(), check: bool = True, weight_dtype: torch.dtype = torch.float32,
@@ -227,13 +254,14 @@ class MoondreamDecoderMegakernel(CompiledStep):
         if half % tiling.block_n:
             raise ValueError(f"block_n {tiling.block_n} must divide the {half} bins of each size half")
         self.dm, self.max_len = dm, max_len
-        super().__init__(self.step_graph(dm, max_len), self.gather_weights(text_w, region_w), batch, tiling,
+        super().__init__(self.graph_of(cfg, max_len), self.gather_weights(text_w, region_w), batch, tiling,
                          weight_dtype, shared_weights=weights, check=check, device=device)
 
-    def weight_bytes_per_step(self, region_heads: bool = True) -> int:
+    def weight_bytes_per_step(self, skip: tuple[str, ...] = (), *, region_heads: bool = True) -> int:
         """Bytes of weights one step must stream (the roofline floor's numerator): every weight once,
-        except the rotary tables (one row per step) and, for text steps, the region heads."""
-        skip = () if region_heads else tuple(k for k in self.warena.regions if k.startswith(self.region_prefixes))
+        except the rotary tables (one row per step), `skip` and, for text steps, the region heads."""
+        if not region_heads:
+            skip += tuple(k for k in self.warena.regions if k.startswith(self.region_prefixes))
         return super().weight_bytes_per_step(skip)
 
     def cache(self, row: int) -> ArenaKVCache:
@@ -251,8 +279,8 @@ class MoondreamDecoderMegakernel(CompiledStep):
             bias = torch.zeros(bias.shape, device=lb.device).masked_fill(~bias, float("-inf"))
         lb.copy_(bias.to(torch.float32).expand_as(lb))
 
-    def launch(self, embeddings: torch.Tensor, positions: list[int] | torch.Tensor,
-               region_heads: bool = True) -> None:
+    def launch_step(self, embeddings: torch.Tensor, positions: list[int] | torch.Tensor,
+                    region_heads: bool = True) -> None:
         """Write the inputs and run one step (no host sync unless `check`)."""
         B, d = self.batch, self.dm.d
         if tuple(embeddings.shape) != (B, d):
@@ -267,7 +295,7 @@ class MoondreamDecoderMegakernel(CompiledStep):
         `region_heads` the text graph runs and the bins are None."""
         if bias is not None:
             self.set_bias(bias)
-        self.launch(embeddings, positions, region_heads)
+        self.launch_step(embeddings, positions, region_heads)
         out = self.out.view(self.batch, len(RESULTS)).tolist()
         return StepResult([o[0] for o in out],
                           [o[1] for o in out] if region_heads else None,
@@ -275,7 +303,7 @@ class MoondreamDecoderMegakernel(CompiledStep):
                           self.view("hidden").clone())
 
 
-def reference_step(text_w: Any, region_w: Any, cfg: Any, caches: list[Any], embeddings: torch.Tensor,
+def reference_step(text_w: Any, region_w: MlpRegionHeads, cfg: Any, caches: list[Any], embeddings: torch.Tensor,
                    positions: list[int],
                    bias: torch.Tensor | None = None) -> dict[str, Any]:
     """The same step with backends.reference ops, one row at a time through the model's own

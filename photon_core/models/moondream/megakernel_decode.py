@@ -40,7 +40,8 @@ from photon_core.models.moondream import batch as batch_decoding
 from photon_core.models.moondream import object_rounds, object_score, skills
 from photon_core.models.moondream.batch import Request
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
-from photon_core.runtime.decode import CompiledSteps, decode_length, require_triton_ops, resolve_weight_dtype
+from photon_core.runtime.decode import (CompiledSteps, copy_prefilled_kv, decode_length, require_triton_ops,
+                                       resolve_weight_dtype)
 from photon_core.runtime.sampling import Sampling, pick
 
 if TYPE_CHECKING:
@@ -86,8 +87,9 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
         return self.loop(mk.batch)[0]
 
     @property
-    def _text_loop(self) -> DeviceDecode | None:
-        return self._loops[1][1] if 1 in self._loops else None
+    def _text_loop(self) -> DeviceDecode:
+        """The caption/query rounds, built with the batch-1 bucket (build_loop)."""
+        return self.loop(1)[1]
 
     def _rounds(self, mk: MoondreamDecoderMegakernel) -> DeviceDecode:
         """Greedy caption/query rounds on the batch-1 step's text graph: the masked argmax picks the
@@ -153,11 +155,12 @@ def size_values(bins: tuple[int, int]) -> tuple[float, float]:
     return size[0].item(), size[1].item()
 
 
-def _prefill_row(fm: MegakernelDecode, cache: Any, enc: EncodedImage, emb: torch.Tensor) -> None:
-    """The image prefix and the prompt inputs `emb` [1, T, dim] into one row of a megakernel KV
-    cache. The prompt runs through the per-op kernels on a KV cache of the model's dtype (the
-    per-op attention wants q, k, v alike); the image prefix plus the prefilled positions are then
-    copied into the arena row (its KV dtype). An empty prefix (a text-only query): causal."""
+def _prefill_row(fm: MegakernelDecode, mk: MoondreamDecoderMegakernel, slot: int, enc: EncodedImage,
+                 emb: torch.Tensor) -> None:
+    """The image prefix and the prompt inputs `emb` [1, T, dim] into row `slot` of mk's KV caches.
+    The prompt runs through the per-op kernels on a KV cache of the model's dtype (the per-op
+    attention wants q, k, v alike); the image prefix plus the prefilled positions are then copied
+    into the arena row (its KV dtype). An empty prefix (a text-only query): causal."""
     m = fm.model
     tx = m.text_impl
     k, v = enc.k, enc.v
@@ -167,8 +170,7 @@ def _prefill_row(fm: MegakernelDecode, cache: Any, enc: EncodedImage, emb: torch
         tmp.v[:, :, :, :enc.pos] = v
         skills.forward(m, emb, enc.pos, tmp, text_only=enc.pos == 0 or enc.causal)
         k, v = tmp.k, tmp.v
-    cache.k[:, :, :, :k.shape[3]] = k
-    cache.v[:, :, :, :v.shape[3]] = v
+    copy_prefilled_kv(mk, ("kcache", "vcache"), list(zip(k, v)), slice(slot, slot + 1))
 
 
 class MegakernelStepper:
@@ -198,7 +200,7 @@ class MegakernelStepper:
         last = []
         for slot, (row, enc) in enumerate(zip(rows, encoded)):
             emb = skills.prompt_embeddings(fm.model, row.prompt, row.refs)
-            _prefill_row(fm, self.mk.cache(slot), enc, emb[:, :-1])
+            _prefill_row(fm, self.mk, slot, enc, emb[:, :-1])
             last.append(emb[:, -1:])
         return self.step(torch.cat(last), [r.pos + len(r.prompt) - 1 for r in rows])
 
@@ -241,10 +243,16 @@ class MegakernelHeads:
         return object_score.continue_probability(logits, self.tk.coord_id, self.tk.eos_id).tolist()
 
     def coords(self, rows: list[int]) -> list[float]:
-        return [self.res.coord_bins[self.slots[i]] / self.n_bins for i in rows]
+        bins = self.res.coord_bins
+        if bins is None:
+            raise RuntimeError("this step ran without the region heads: it has no coordinates")
+        return [bins[self.slots[i]] / self.n_bins for i in rows]
 
     def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
-        return [size_values(self.res.size_bins[self.slots[i]]) for i in rows]
+        bins = self.res.size_bins
+        if bins is None:
+            raise RuntimeError("this step ran without the region heads: it has no sizes")
+        return [size_values(bins[self.slots[i]]) for i in rows]
 
 
 class Sequence:
@@ -272,7 +280,7 @@ class Sequence:
             raise RuntimeError(f"sequence of {self.pos + len(ids)} tokens exceeds the KV cache ({self.length})")
         with torch.no_grad():
             emb = skills.prompt_embeddings(self.fm.model, ids, refs)
-            _prefill_row(self.fm, self.mk.cache(0), self.enc, emb[:, :-1])
+            _prefill_row(self.fm, self.mk, 0, self.enc, emb[:, :-1])
         self.pos += len(ids) - 1
         return self.step(emb[:, -1:], bias)
 

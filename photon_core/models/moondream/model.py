@@ -15,7 +15,7 @@ from photon_core.runtime.sampling import Sampling
 from . import batch as batch_decoding
 from . import image_crops, region, skills, text, vision
 from . import weights as weights_io
-from .config import MoondreamConfig
+from .config import ModelConfig, MoondreamConfig
 from .tokenizer import MoondreamTokenizer, find_tokenizer
 
 
@@ -102,7 +102,7 @@ class MoondreamModel:
     # public reference's, as kestrel keeps them for Moondream 2 only.
     reasoning_barred: tuple[str, ...] = ("eos_id", "size_id")
 
-    def __init__(self, config: MoondreamConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2",
                  tiling: Any = None, max_len: int | None = None) -> None:
         self.config, self.tokenizer, self.ops = config, tokenizer, ops

@@ -164,7 +164,8 @@ def round_size(rows: list["_Row"], live: list[int]) -> int:
 def greedy(rows: list["_Row"]) -> bool:
     """Whether rounds can decode these rows (no sampled answer, no reasoning: its coordinates are
     fed back host-driven)."""
-    return all(r.is_object or (r.sampling.greedy and not r.request.reasoning) for r in rows)
+    return all(r.is_object or (r.sampling is not None and r.sampling.greedy and not r.request.reasoning)
+               for r in rows)
 
 
 def decode(fm: "MegakernelDecode", rows: list["_Row"], encoded: list["EncodedImage"]) -> None:

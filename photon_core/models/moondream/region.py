@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -31,9 +32,17 @@ class RegionWeights:
                    size_fc2=take(sd, "region.size_decoder.fc2"))
 
 
-def encoder_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | Linear]:
+class EncoderWeights(TypedDict):
+    """The Fourier encoders' fields, shared by Moondream 2's and Moondream 3's RegionWeights."""
+    coord_features: torch.Tensor
+    coord_encoder: Linear
+    size_features: torch.Tensor
+    size_encoder: Linear
+
+
+def encoder_weights(sd: dict[str, torch.Tensor]) -> EncoderWeights:
     """The Fourier encoders' fields of a RegionWeights (Moondream 3's region head has the same)."""
-    return dict(coord_features=sd["region.coord_features"], coord_encoder=take(sd, "region.coord_encoder"),
+    return EncoderWeights(coord_features=sd["region.coord_features"], coord_encoder=take(sd, "region.coord_encoder"),
                 size_features=sd["region.size_features"], size_encoder=take(sd, "region.size_encoder"))
 
 

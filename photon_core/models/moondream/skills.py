@@ -131,7 +131,8 @@ def text_tokens(model: "MoondreamModel", session: Session, s: Sampling, prompt_e
     eos = {model.config.tokenizer.eos_id}
     steps = generate(session, [s], [room(s.max_tokens, prompt_end, length)], eos, choose,
                      device_rounds=device_rounds)
-    return text_pieces(model.tokenizer.decode, (new[0] for new in steps))
+    # One row: every step's list holds its token (generate yields a step only when a row has one).
+    return text_pieces(model.tokenizer.decode, (tok for new in steps for tok in new if tok is not None))
 
 
 def caption_prompt(model: "MoondreamModel", length: str) -> list[int]:

@@ -9,7 +9,7 @@ model's output is identical (test_moondream_reference checks this against the re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -126,6 +126,13 @@ def _delta(x: torch.Tensor, pair: LoraPair, ops) -> torch.Tensor:
     return ops.linear(ops.linear(x, pair.a), pair.b)
 
 
+class RotaryTables(Protocol):
+    """The rotary angle tables [max_context, rot_dim/2] positions() reads: Moondream 2's TextWeights
+    and Moondream 3's both hold them."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 @dataclass
 class Positions:
     """Where one forward's tokens sit: rows at pos..end-1 (an int pos), or one token per row at its
@@ -137,11 +144,11 @@ class Positions:
     sin: torch.Tensor
 
 
-def positions(pos: int | torch.Tensor, t: int, w: TextWeights, cache: KVCache) -> Positions:
+def positions(pos: int | torch.Tensor, t: int, w: RotaryTables, cache: KVCache) -> Positions:
     ragged = isinstance(pos, torch.Tensor)
     if ragged and t != 1:
         raise ValueError("per-row positions take one token per row")
-    end = int(pos.max()) + 1 if ragged else pos + t
+    end = int(pos.max()) + 1 if isinstance(pos, torch.Tensor) else pos + t
     if end > cache.length:
         raise RuntimeError(f"sequence of {end} tokens exceeds the KV cache ({cache.length})")
     cos, sin = (w.cos[pos], w.sin[pos]) if ragged else (w.cos[pos:end], w.sin[pos:end])

@@ -143,14 +143,17 @@ def gather_weights(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeig
         L = f"L{li}"
         t.update(md2_step.block_weights(L, b))
         if b.router is not None:
-            t.update({f"{L}.router_w": b.router[0], f"{L}.router_b": b.router[1], f"{L}.gate_up": b.experts_gate_up,
-                      f"{L}.down": b.experts_down})
-            if b.experts_gate_up_scale is not None:
-                t.update({f"{L}.gate_up_scale": b.experts_gate_up_scale, f"{L}.down_scale": b.experts_down_scale})
+            router, gate_up, down = b.experts()
+            t.update({f"{L}.router_w": router[0], f"{L}.router_b": router[1], f"{L}.gate_up": gate_up,
+                      f"{L}.down": down})
+            scales = b.expert_scales()
+            if scales is not None:
+                t.update({f"{L}.gate_up_scale": scales[0], f"{L}.down_scale": scales[1]})
         else:
             t.update(md2_step.dense_mlp_weights(L, b))
         if b.tau_wqwv is not None:
-            t.update({f"{L}.tau_w": b.tau_wqwv, f"{L}.tau_alpha": b.tau_alpha})
+            tau_w, tau_alpha = b.tau()
+            t.update({f"{L}.tau_w": tau_w, f"{L}.tau_alpha": tau_alpha})
     t.update(md2_step.lm_weights(text_w))
     t.update({"r_ln.w": region_w.ln[0], "r_ln.b": region_w.ln[1], "r_coord_w": region_w.coord_head[0],
               "r_coord_b": region_w.coord_head[1], "r_size_w": region_w.size_head[0],
@@ -196,7 +199,6 @@ class Moondream3DecoderMegakernel(MoondreamDecoderMegakernel):
     """Moondream 3's decode step as one persistent launch for a fixed batch bucket; everything but
     the decoder (cache rows, logit bias, step, the pruned text graph) is Moondream 2's class."""
 
-    step_graph = staticmethod(step_graph)
     gather_weights = staticmethod(gather_weights)
     region_prefixes = ("r_",)
 
@@ -208,6 +210,9 @@ class Moondream3DecoderMegakernel(MoondreamDecoderMegakernel):
 
     def dims_of(self, cfg: Any) -> Dims:
         return dims_of(cfg, self.fp8)
+
+    def graph_of(self, cfg: Any, max_len: int) -> StepGraph:
+        return step_graph(self.dims_of(cfg), max_len)
 
 
 def reference_step(text_w: md3_text.TextWeights, region_w: md3_region.RegionWeights, cfg: Any, caches: list[Any],

@@ -46,6 +46,34 @@ class TextBlock:
     tau_wqwv: torch.Tensor | None = None          # [2 * heads, qkv dim]
     tau_alpha: torch.Tensor | None = None         # [heads]
 
+    # Which fields a layer has follows from the config (TextWeights.from_state); these give a
+    # layer's group of weights, or a clear error where a caller asks a layer for what it lacks.
+    def dense_mlp(self) -> tuple[Linear, Linear]:
+        """(fc1, fc2) of a dense layer."""
+        if self.fc1 is None or self.fc2 is None:
+            raise ValueError("this layer has no dense MLP (it is a mixture-of-experts layer)")
+        return self.fc1, self.fc2
+
+    def experts(self) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+        """(router, gate_up, down) of a mixture-of-experts layer, the expert tables as stored."""
+        if self.router is None or self.experts_gate_up is None or self.experts_down is None:
+            raise ValueError("this layer has no experts (it is a dense layer)")
+        return self.router, self.experts_gate_up, self.experts_down
+
+    def expert_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up, down) row scales of FP8 experts kept as FP8; None for float experts."""
+        if self.experts_gate_up_scale is None and self.experts_down_scale is None:
+            return None
+        if self.experts_gate_up_scale is None or self.experts_down_scale is None:
+            raise ValueError("FP8 experts need both row scales (gate_up and down), got one")
+        return self.experts_gate_up_scale, self.experts_down_scale
+
+    def tau(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tau_wqwv, tau_alpha) of a layer with tau attention."""
+        if self.tau_wqwv is None or self.tau_alpha is None:
+            raise ValueError("this layer has no tau attention weights (config.text.tau_attn is false)")
+        return self.tau_wqwv, self.tau_alpha
+
 
 @dataclass
 class TextWeights:
@@ -90,9 +118,10 @@ def tau_scale(qkv: torch.Tensor, q: torch.Tensor, v: torch.Tensor, b: TextBlock,
               n_heads: int, n_kv_heads: int, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, n*hd], v [B, T, kv*hd] scaled per head by tau (see the module docstring)."""
     bsz, t, _ = q.shape
-    tok = torch.tanh(ops.linear(F.gelu(qkv, approximate="tanh"), b.tau_wqwv))   # [B, T, 2n]
+    wqwv, alpha = b.tau()
+    tok = torch.tanh(ops.linear(F.gelu(qkv, approximate="tanh"), wqwv))   # [B, T, 2n]
     at = pos[:, None] if isinstance(pos, torch.Tensor) else torch.arange(pos, pos + t, device=q.device)[None]
-    where = tau_position(b.tau_alpha, at).to(tok.dtype)                   # [B or 1, T, n]
+    where = tau_position(alpha, at).to(tok.dtype)                   # [B or 1, T, n]
     tau_q = tok[..., :n_heads] + where                                     # [B, T, n]
     tau_v = tok[..., n_heads:n_heads + n_kv_heads] + where[..., :n_kv_heads]
     q = (q.view(bsz, t, n_heads, -1) * tau_q[..., None]).view(bsz, t, -1)
@@ -103,15 +132,17 @@ def tau_scale(qkv: torch.Tensor, q: torch.Tensor, v: torch.Tensor, b: TextBlock,
 def expert_weights(b: TextBlock, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's (gate_up, down) expert tables in `dtype`; FP8 ones (kept for the megakernel)
     dequantized for this call only, w.float() * scale, so one layer's float copy exists at a time."""
-    if b.experts_gate_up_scale is None:
-        return b.experts_gate_up, b.experts_down
+    _, gate_up, down = b.experts()
+    scales = b.expert_scales()
+    if scales is None:
+        return gate_up, down
 
     def deq(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         out = torch.empty(w.shape, dtype=dtype, device=w.device)
         for e in range(w.shape[0]):   # one expert's float32 at a time: the transient stays small
             out[e] = w[e].float() * scale[e, :, None]
         return out
-    return deq(b.experts_gate_up, b.experts_gate_up_scale), deq(b.experts_down, b.experts_down_scale)
+    return deq(gate_up, scales[0]), deq(down, scales[1])
 
 
 def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextConfig, cache: KVCache,
@@ -131,9 +162,12 @@ def forward(x: torch.Tensor, pos: int | torch.Tensor, w: TextWeights, cfg: TextC
             q, v = tau_scale(qkv, q, v, b, pos, hq, hkv, ops)
         a = md2_text.attend(q, k, v, i, at, cfg, cache, ops)
         if b.router is not None:
+            if cfg.moe is None:
+                raise ValueError(f"layer {i} has experts but config.text.moe is None")
             mlp = ops.moe(h, b.router[0], b.router[1], *expert_weights(b, h.dtype),
                           cfg.moe.experts_per_token, activation="gelu", up_offset=1.0, renormalize=True)
         else:
-            mlp = ops.linear(ops.linear(h, *b.fc1, activation="gelu_tanh"), *b.fc2)
+            fc1, fc2 = b.dense_mlp()
+            mlp = ops.linear(ops.linear(h, *fc1, activation="gelu_tanh"), *fc2)
         x = ops.linear(a, *b.proj, residual=x + mlp)
     return x
