@@ -174,15 +174,17 @@ def test_greedy_batch_decodes_in_rounds_on_the_device(ref, mk_model):
     with the model's context cut to 30 positions: row 0 meets a stop token after 7 tokens (inside
     the first round of 8), row 1 ends at its position limit (30 - 21 + 1 = 10 tokens, before its
     max_tokens of 14), row 2 at max_tokens (3). The rounds give the tokens, and the per-step lists
-    run() yields, of the per-token megakernel path and of the reference backend, with one read of
-    the device per round: 2 rounds (8 + 1) for 9 launches; each slot's position advanced once per launch."""
+    run() yields, of the reference backend, with one read of the device per round: 2 rounds (8 + 1)
+    for 9 launches; each slot's position advanced once per launch. The per-token megakernel path
+    (device_rounds=False) gives the reference's tokens too, on the same rows cut to 3 tokens each
+    (2 launches: each launch costs seconds under the interpreter)."""
     from photon_core.models.gemma4.decoding import BatchDecoder
 
     asks = [("and detail", 10), ("hello world", 14), ("the cat sat on the mat", 3)]
     context = 30
     loop = mk_model.decode.loop(4)    # built before the context is cut (the step checks its max_len)
 
-    def run(model, **kw):
+    def run(model, asks=asks, **kw):
         rows = [ref._row(None, q, Sampling(n)) for q, n in asks]
         cfg, full = model.config.text, model.config.text.max_context
         object.__setattr__(cfg, "max_context", context)   # BatchDecoder reads it when built
@@ -200,10 +202,12 @@ def test_greedy_batch_decodes_in_rounds_on_the_device(ref, mk_model):
     rounds = loop.rounds - before
     B = loop.step.batch
     positions = loop.step.dyn[B:2 * B].tolist()
-    per_token, per_token_steps, _ = run(mk_model, device_rounds=False)
+    short = [(q, 3) for q, _ in asks]
+    per_token, per_token_steps, _ = run(mk_model, short, device_rounds=False)
     assert loop.rounds - before == rounds     # the per-token path launches the step itself
-    assert got == per_token == want
-    assert got_steps == per_token_steps == want_steps
+    assert got == want and got_steps == want_steps
+    assert (per_token, per_token_steps) == run(ref, short)[:2]
+    assert per_token == [w[:3] for w in want]
     launches = 9     # row 1's tokens after its first (row 0's stop token came at launch 7)
     assert rounds == _rounds_for([10, 10, 3], launches) == 2
     assert positions == [p + launches for p in lengths] + [launches]
