@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
+from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
 
@@ -45,8 +46,10 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
         Parameter("model", value=str(checkpoint())), Parameter("max_objects", value=3),
         Parameter("max_frame_age_s", value=600.0)]))
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
-    client_node = graph.node("client")
+    # Clients made before the node joins the spinning executor (see test_vision_reasoning).
+    client_node = Node("client", context=graph.context)
     find, ask = ActionClient(client_node, Find, "find"), ActionClient(client_node, Ask, "ask")
+    graph.add(client_node)
     assert find.wait_for_server(timeout_sec=30) and ask.wait_for_server(timeout_sec=30)
     camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
     wait_for_match(camera)

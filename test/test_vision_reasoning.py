@@ -10,6 +10,7 @@ from action_msgs.msg import GoalStatus
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.action import ActionClient
+from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image
@@ -65,9 +66,12 @@ def test_reasoning_spatial_references_and_variants_over_dds(graph, tmp_path):
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
     diagnostics = []
     graph.node("listen").create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, RELIABLE)
-    client_node = graph.node("client")
+    # The clients are made before the node joins the spinning executor: an ActionClient made on a
+    # node being spun can be waited on before its __init__ has finished (rclpy: no `_lock` yet).
+    client_node = Node("client", context=graph.context)
     infer = client_node.create_client(Infer, "infer")
     find, ask = ActionClient(client_node, Find, "find"), ActionClient(client_node, Ask, "ask")
+    graph.add(client_node)
     assert infer.wait_for_service(timeout_sec=10)
     assert find.wait_for_server(timeout_sec=30) and ask.wait_for_server(timeout_sec=30)
     camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
