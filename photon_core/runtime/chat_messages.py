@@ -111,7 +111,7 @@ def sampling(settings: Mapping[str, Any] | None) -> Sampling:
         raise TypeError(f"chat settings are {', '.join(SETTINGS)}; got {', '.join(map(str, unknown))}")
     # Checked as every skill's settings are (types and ranges); chat keeps greedy as its default.
     opts = Settings.of({"temperature": 0.0, "top_p": 1.0, **settings})
-    return Sampling(opts.max_tokens, opts.temperature, opts.top_p)
+    return opts.sampling()
 
 
 def reply(tokens: Iterable[int], decode: Callable[[list[int]], str], room: int, stream: bool,

@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from photon_core.runtime.sampling import Sampling
 
 DEFAULT_MAX_OBJECTS = 50
 DEFAULT_MAX_TOKENS = 768
@@ -29,6 +32,11 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_objects: int = DEFAULT_MAX_OBJECTS
     variant: str | None = None
+
+    def sampling(self) -> "Sampling":
+        """How a text decode with these settings picks its tokens (runtime.sampling)."""
+        from photon_core.runtime.sampling import Sampling   # torch: only where text is decoded
+        return Sampling(self.max_tokens, self.temperature, self.top_p)
 
     @classmethod
     def of(cls, settings: "Mapping[str, Any] | Settings | None") -> "Settings":

@@ -25,4 +25,4 @@ def text_sampling(family: str, settings: Mapping[str, Any] | Settings | None, re
     if spatial_refs:
         raise NotImplementedError(f"spatial_refs: Moondream's region encoder puts them in the prompt; "
                                   f"{family} has none (say where in the question instead)")
-    return Sampling(opts.max_tokens, opts.temperature, opts.top_p)
+    return opts.sampling()

@@ -104,7 +104,7 @@ def _prompt(model: "MoondreamModel", r: Request, opts: Settings) -> tuple[list[i
 def _sampling(r: Request, opts: Settings) -> Sampling | None:
     """A caption/query request's Sampling; None for detect/point (which decode greedily, as the
     reference's do: their temperature and top_p are not used)."""
-    return None if r.task in ("detect", "point") else Sampling(opts.max_tokens, opts.temperature, opts.top_p)
+    return None if r.task in ("detect", "point") else opts.sampling()
 
 
 def _new_row(model: "MoondreamModel", r: Request, prompt: list[int], enc: "EncodedImage",

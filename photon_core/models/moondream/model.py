@@ -10,7 +10,6 @@ import torch
 
 from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import Request, Settings, SpatialRef
-from photon_core.runtime.sampling import Sampling
 
 from . import batch as batch_decoding
 from . import image_crops, region, skills, text, vision
@@ -230,7 +229,7 @@ class MoondreamModel:
             return self.batch([r])[0]
         opts = r.options()
         prompt, refs = batch_decoding._prompt(self, r, opts)
-        s = Sampling(opts.max_tokens, opts.temperature, opts.top_p)
+        s = opts.sampling()
         lora = skills.variant(self, opts.variant)
         if r.image is None:
             enc = self.empty_prefix()
