@@ -352,7 +352,7 @@ def test_megakernel_batch_matches_reference(pair, encoded):
 
 
 def test_rounds_feed_the_inputs_the_host_would(pair):
-    """The device's choice of each row's next input, what batch._advance computes from the same
+    """The device's choice of each row's next input, what BatchSession computes from the same
     results: the encoded x at a boundary whose token is `coord`, the token's embedding at one
     that ends, the encoded size, an answer token's embedding; and the phases after them."""
     from photon_core.models.moondream.megakernel_decode import size_values

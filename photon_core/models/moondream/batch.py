@@ -15,19 +15,22 @@ Each object's "score" is the probability the LM head gave to `coord` at its boun
 
     images -> model.encode_images (distinct images once, together)
     each request: its image's K/V copied into its row of one batch cache, its prompt prefilled
-    loop: every live row feeds one input embedding at its own position (text.forward with per-row
-          positions); rows then read what their protocol needs from the new hidden states:
-          LM logits (next token, or coord-vs-eos at an object boundary), a coordinate, or a size.
+    loop (runtime.generate over a BatchSession): every live row feeds one input embedding at its
+          own position (text.forward with per-row positions); rows then read what their protocol
+          needs from the new hidden states: LM logits (next token, or coord-vs-eos at an object
+          boundary), a coordinate, or a size. A row's tokens are the reference's sequence (a box
+          is `coord coord size`), so stop tokens, room, cancels and device rounds are the loop's.
     finished rows leave the batch (the cache is compacted) so later steps stop paying for them.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from photon_core.runtime.generate import generate, room
 from photon_core.runtime.requests import Request, Settings, SpatialRef, check_spatial_refs
 from photon_core.runtime.sampling import Sampling, pick
 from photon_core.runtime.text_stream import text_pieces
@@ -63,6 +66,8 @@ class _Row:
     think: list[int] = field(default_factory=list)       # a reasoning query's reasoning tokens
     think_coords: list[float] = field(default_factory=list)  # the coordinates at its coord tokens
     remask: torch.Tensor | None = None   # the tokens it may pick from its next step on, when they change
+    value: Any = None                    # the region heads' coordinate or (w, h) at its last step
+    feed: tuple[str, Any] | None = None  # ("coord" | "size", value) its next input encodes; None: a token
 
     def __post_init__(self) -> None:
         if self.opts is None:
@@ -143,7 +148,7 @@ def run(model: "MoondreamModel", requests: list[Request], decode: Any = None) ->
     any image is encoded (one whose prompt does not fit the context, before any decoding).
     Requests with different settings["variant"] decode in one batch per variant (each variant's
     adapter applies to its rows' whole sequence, image prefill included).
-    `decode(rows, encoded)` decodes the rows (default: _decode with OpsStepper, the model's own ops;
+    `decode(rows, encoded)` decodes the rows (default: ops_steps, the model's own ops;
     megakernel_decode passes its own, on megakernel steps)."""
     if not requests:
         return []
@@ -159,7 +164,7 @@ def run(model: "MoondreamModel", requests: list[Request], decode: Any = None) ->
     rows, encoded = prepare(model, requests)
     with torch.inference_mode():
         if decode is None:
-            for _ in _decode(model, rows, encoded, OpsStepper(model, skills.variant(model, rows[0].opts.variant))):
+            for _ in ops_steps(model, rows, encoded):
                 pass
         else:
             decode(rows, encoded)
@@ -182,156 +187,198 @@ def _encode_distinct(model: "MoondreamModel", images: list, lora: Any = None) ->
             for image in images]
 
 
-def _decode(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"],
-            stepper: Any) -> Iterator[None]:
-    """Decodes the rows, yielding after each step (stream() reads a row's text as it grows)."""
-    answer = skills.answer_mask(model)       # for sampled answers; built once, not per token
-    think = skills.reasoning_mask(model)
-    heads = stepper.start(rows, encoded)
-    for row in rows:
-        row.pos += len(row.prompt)
-    live = list(rows)
-    nxt = _advance(model, live, heads, answer, think=think)
-    while True:
-        _remask(stepper, live)
-        watch(model, live)
+def ops_steps(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"]) -> Iterator[None]:
+    """decode's steps on the model's own ops (OpsStepper, with the rows' variant)."""
+    stepper = OpsStepper(model, skills.variant(model, rows[0].opts.variant))
+    return decode(model, BatchSession(model, rows, encoded, stepper))
+
+
+def decode(model: "MoondreamModel", session: "BatchSession", device_rounds: bool = False) -> Iterator[None]:
+    """Decodes the session's rows through runtime.generate, yielding after each step (stream()
+    reads a row's text as it grows; each request's `progress` hears its result grow). A canceled
+    request stops at its next step (in device rounds, within the round) with what it has so far.
+    device_rounds: greedy rows in rounds on the device, where the session has them."""
+    rows = session.rows
+    steps = generate(session, [row.sampling or _OBJECTS for row in rows], session.rooms,
+                     {model.config.tokenizer.eos_id}, session.choose,
+                     canceled=lambda r: rows[r].request.canceled, device_rounds=device_rounds)
+    for _ in steps:
+        watch(model, rows)
         yield None
-        keep = [i for i, row in enumerate(live) if not row.done]
-        if not keep:
-            return
-        if len(keep) < len(live):
-            stepper.keep(keep)
-            live, nxt = [live[i] for i in keep], nxt[keep]
-        heads = stepper.step(nxt, [row.pos for row in live])
-        for row in live:
-            row.pos += 1
-        nxt = _advance(model, live, heads, answer, think=think)
 
 
-def _remask(stepper: Any, live: list[_Row]) -> None:
-    """Rows whose allowed tokens change (a reasoning after its first token, an answer after its
-    reasoning) pick under their new mask from the next step on."""
-    for i, row in enumerate(live):
-        if row.remask is not None:
-            stepper.set_mask(i, row.remask)
-            row.remask = None
+_OBJECTS = Sampling(0)   # detect and point decide greedily (the reference's do; temperature and top_p unused)
 
 
 def watch(model: "MoondreamModel", rows: list[_Row]) -> None:
-    """Between steps: a canceled request's row is done (the next keep drops it from the batch,
-    freeing its slot; its result is what it has so far), and each row whose result grew (an
-    object found, a token more) tells its caller (Request.progress)."""
+    """Between steps: each request whose result grew (an object found, a token more) hears it
+    (Request.progress)."""
     for row in rows:
-        if row.request.canceled:
-            row.done = True
         grown = len(row.objects) if row.is_object else len(row.tokens)
         if row.request.progress is not None and grown > row.reported:
             row.reported = grown
             row.request.progress(_result(model, row))
 
 
-@overload
-def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,
-             embed: Literal[True] = ..., think: torch.Tensor | None = ...) -> torch.Tensor: ...
+class BatchSession:
+    """runtime.generate's session on Moondream's rows. A row's tokens are its protocol's, as the
+    reference lays a sequence out: an answer's tokens; per box of a detect `coord coord size`, per
+    point `coord coord` (tokens whose inputs are the region encoder's values, not embeddings),
+    then eos; a reasoning's tokens (a `coord` among them fed its coordinate), the answer marker,
+    the answer's. Each step reads the heads its rows need, each head once for all of them (_read):
+    the masked LM argmax at an answer token or an object boundary, the region heads' coordinate
+    or size inside an object; choose() runs the row's protocol on what was read (its objects, its
+    text, the value its next input encodes) and step() feeds the next inputs.
 
+    stepper: start(rows, encoded) / step(inputs, positions) -> heads, keep(rows), set_mask(row,
+    allowed) (OpsStepper below, megakernel_decode.MegakernelStepper)."""
 
-@overload
-def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,
-             embed: Literal[False], think: torch.Tensor | None = ...) -> None: ...
+    def __init__(self, model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"], stepper: Any) -> None:
+        self.model, self.rows, self.encoded, self.stepper = model, rows, encoded, stepper
+        self.live = list(range(len(rows)))   # request rows, by the session's (live) row
+        self.answer = skills.answer_mask(model)       # built once, not per token
+        self.think = skills.reasoning_mask(model)
+        # A row's room: its objects' steps, its answer's tokens (a reasoning's is set when its
+        # answer starts, choose()), within its cache.
+        self.rooms = [room(_need(row), row.pos + len(row.prompt), row.length) for row in rows]
 
+    def prefill(self) -> tuple[torch.Tensor, list[int]]:
+        heads = self.stepper.start(self.rows, self.encoded)
+        for row in self.rows:
+            row.pos += len(row.prompt)
+        return self._read(heads, self.rows)
 
-def _advance(model: "MoondreamModel", rows: list[_Row], heads: Any, answer: torch.Tensor,
-             embed: bool = True, think: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Each row reads what its phase needs from the step's heads and gets its next input
-    embedding; rows that finish are marked done (their embedding row is a placeholder). Every head
-    is asked once, for all the rows that need it. Returns the next inputs [rows, 1, dim] (None
-    without `embed`: the device feeds them, object_rounds.py)."""
-    ops, rw, tk = model.ops, model.region_w, model.config.tokenizer
-    nxt = torch.zeros(len(rows), 1, model.config.text.dim, dtype=model.dtype, device=model.device) if embed else None
-    asks = [i for i, r in enumerate(rows) if r.phase in (BOUNDARY, TOKEN, THINK)]
-    greedy = dict(zip(asks, heads.tokens(asks))) if asks else {}
+    def step(self, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+        live = [self.rows[r] for r in self.live]
+        nxt = self.inputs(live, tokens)
+        for i, row in enumerate(live):
+            # a reasoning after its first token, an answer after its reasoning: a new mask from now
+            if row.remask is not None:
+                self.stepper.set_mask(i, row.remask)
+                row.remask = None
+        heads = self.stepper.step(nxt, [row.pos for row in live])
+        for row in live:
+            row.pos += 1
+        return self._read(heads, live)
 
-    coord_rows, tokens, starts, grounded = [], {}, [], []
-    for i, row in enumerate(rows):
-        if row.phase == THINK:
-            # The reference picks the first reasoning token from the prompt's logits unmasked.
-            tok = _reasoning_token(model, row, greedy[i], lambda i=i: heads.logits(i), think if row.think else None)
-            if tok == tk.eos_id and "eos_id" not in model.reasoning_barred:
-                # Where reasoning may pick eos (Moondream 3: kestrel bars nothing there), it ends
-                # the request with its reasoning and no answer, as kestrel's stop does. (Moondream
-                # 2's first reasoning token is unmasked, and the reference feeds an eos there on.)
-                row.done = True
-            elif tok is None or row.pos >= row.length:
-                # The reasoning ends (the answer marker, or max_tokens): the marker is fed next
-                # and the answer follows, as the reference prefills its suffix after reasoning.
-                row.phase, row.remask = TOKEN, answer
-                tokens[i] = tk.answer_id
+    def keep(self, rows: list[int]) -> None:
+        self.stepper.keep(rows)
+        self.live = [self.live[i] for i in rows]
+
+    def _read(self, heads: Any, rows: list[_Row]) -> tuple[torch.Tensor, list[int]]:
+        """What this step's heads say to each of `rows` (heads' rows, in order): the greedy token
+        (the masked argmax where the row asks the LM head; inside an object its protocol's fixed
+        token), the value a coordinate or size step reads (row.value) and an object's score, and
+        the logits of rows that sample ([rows, 0] when none does)."""
+        tk = self.model.config.tokenizer
+        asks = [i for i, r in enumerate(rows) if r.phase in (BOUNDARY, TOKEN, THINK)]
+        greedy = [tk.size_id if r.phase == SIZE else tk.coord_id for r in rows]
+        for i, tok in zip(asks, heads.tokens(asks) if asks else []):
+            greedy[i] = tok
+        starts = [i for i in asks if rows[i].phase == BOUNDARY and greedy[i] == tk.coord_id]
+        sampled = [i for i in asks if not (rows[i].sampling or _OBJECTS).greedy]
+        # a reasoning's coord token is fed the coordinate read from the same hidden state
+        coord = starts + [i for i, r in enumerate(rows) if r.phase == COORD_Y or
+                          (r.phase == THINK and (greedy[i] == tk.coord_id or i in sampled))]
+        size = [i for i, r in enumerate(rows) if r.phase == SIZE]
+        if starts:
+            for i, p in zip(starts, heads.boundary_scores(starts)):
+                rows[i].score = p
+        if coord:
+            for i, v in zip(coord, heads.coords(coord)):
+                rows[i].value = v
+        if size:
+            for i, wh in zip(size, heads.sizes(size)):
+                rows[i].value = wh
+        logits = torch.zeros(len(rows), self.model.config.text.vocab_size if sampled else 0, device=self.model.device)
+        for i in sampled:
+            logits[i] = heads.logits(i)
+        return logits, greedy
+
+    def choose(self, r: int, logits: torch.Tensor, greedy: int | None) -> int:
+        """Request row r's next token by its protocol (its greedy one, or sampled from `logits`),
+        kept in its result; eos when the row ends (max_objects, no room for another object, its
+        answer or reasoning done)."""
+        row, tk, model = self.rows[r], self.model.config.tokenizer, self.model
+        assert greedy is not None, "every step reads each row's greedy token (_read)"
+        row.feed = None
+        if row.phase == BOUNDARY:
+            if len(row.objects) >= row.opts.max_objects or row.pos + row.steps > row.length or greedy != tk.coord_id:
+                return self._end(row)
+            row.x, row.phase, row.feed = row.value, COORD_Y, ("coord", row.value)
+            return tk.coord_id
+        if row.phase == COORD_Y:
+            row.y, row.feed = row.value, ("coord", row.value)
+            if row.request.task == "point":
+                row.objects.append({"x": _clamp(row.x), "y": _clamp(row.y), "score": row.score})
+                row.phase = BOUNDARY
             else:
-                if not row.think:
-                    row.remask = think    # eos and size barred from the second token on
-                row.think.append(tok)
-                if tok == tk.coord_id:
-                    grounded.append(i)    # a coordinate from this same hidden state, fed as the input
-                else:
-                    tokens[i] = tok
-        elif row.phase == BOUNDARY:
-            if (len(row.objects) >= row.opts.max_objects or row.pos + row.steps > row.length
-                    or greedy[i] != tk.coord_id):
-                row.done = True
-            else:
-                coord_rows.append(i)          # x from this same hidden state
-                starts.append(i)
-        elif row.phase == COORD_Y:
-            coord_rows.append(i)
-        elif row.phase == TOKEN:
-            tok = _answer_token(model, row, greedy[i], lambda i=i: heads.logits(i), answer)
-            if tok is not None:
-                row.tokens.append(tok)
-            if tok is None or len(row.tokens) >= row.opts.max_tokens or row.pos >= row.length:
-                row.done = True
-            else:
-                tokens[i] = tok
-
-    if starts:
-        for i, p in zip(starts, heads.boundary_scores(starts)):
-            rows[i].score = p
-    size_rows = [i for i, r in enumerate(rows) if r.phase == SIZE]
-    if coord_rows:
-        values = heads.coords(coord_rows)
-        for i, v in zip(coord_rows, values):
-            row = rows[i]
-            if row.phase == BOUNDARY:
-                row.x, row.phase = v, COORD_Y
-            else:
-                row.y = v
-                if row.request.task == "point":
-                    row.objects.append({"x": _clamp(row.x), "y": _clamp(v), "score": row.score})
-                    row.phase = BOUNDARY
-                else:
-                    row.phase = SIZE
-        if nxt is not None:
-            nxt[coord_rows] = model.region_impl.encode_coords(values, rw, ops)
-    if size_rows:
-        sizes = heads.sizes(size_rows)
-        for i, (w, h) in zip(size_rows, sizes):
-            row = rows[i]
+                row.phase = SIZE
+            return tk.coord_id
+        if row.phase == SIZE:
+            w, h = row.value
+            row.feed = ("size", row.value)
             # The reference leaves boxes unclamped; ours are clamped to the image.
             row.objects.append({"x_min": _clamp(row.x - w / 2), "y_min": _clamp(row.y - h / 2),
                                 "x_max": _clamp(row.x + w / 2), "y_max": _clamp(row.y + h / 2),
                                 "score": row.score})
             row.phase = BOUNDARY
-        if nxt is not None:
-            nxt[size_rows] = model.region_impl.encode_sizes(sizes, rw, ops)
-    if grounded:
-        values = heads.coords(grounded)
-        for i, v in zip(grounded, values):
-            rows[i].think_coords.append(v)
-        if nxt is not None:
-            nxt[grounded] = model.region_impl.encode_coords(values, rw, ops)
-    if tokens and nxt is not None:
-        ids = torch.tensor([[t] for t in tokens.values()], device=model.device)
-        nxt[list(tokens)] = model.text_impl.embed(ids, model.text_w)
-    return nxt
+            return tk.size_id
+        if row.phase == TOKEN:
+            tok = _answer_token(model, row, greedy, lambda: logits, self.answer)
+            if tok is None:
+                return self._end(row)
+            row.tokens.append(tok)
+            return tok
+        # THINK. The reference picks the first reasoning token from the prompt's logits unmasked.
+        tok = _reasoning_token(model, row, greedy, lambda: logits, self.think if row.think else None)
+        if tok == tk.eos_id and "eos_id" not in model.reasoning_barred:
+            # Where reasoning may pick eos (Moondream 3: kestrel bars nothing there), it ends the
+            # request with its reasoning and no answer, as kestrel's stop does. (Moondream 2's
+            # first reasoning token is unmasked, and the reference feeds an eos there on.)
+            return self._end(row)
+        if tok is None or row.pos >= row.length:
+            # The reasoning ends (the answer marker, or max_tokens): the marker is fed next and
+            # the answer follows, as the reference prefills its suffix after reasoning.
+            row.phase, row.remask = TOKEN, self.answer
+            self.rooms[r] = min(self.rooms[r], len(row.think) + 1 + row.opts.max_tokens)
+            return tk.answer_id
+        if not row.think:
+            row.remask = self.think   # eos and size barred from the second token on
+        row.think.append(tok)
+        if tok == tk.coord_id:
+            row.think_coords.append(row.value)
+            row.feed = ("coord", row.value)
+        return tok
+
+    def _end(self, row: _Row) -> int:
+        row.done = True
+        return self.model.config.tokenizer.eos_id
+
+    def inputs(self, rows: list[_Row], tokens: list[int]) -> torch.Tensor:
+        """The next input of each of `rows` [rows, 1, dim]: the encoded coordinate or size its
+        token stands for, else the token's embedding; each encoder once for all rows."""
+        m = self.model
+        nxt = torch.zeros(len(rows), 1, m.config.text.dim, dtype=m.dtype, device=m.device)
+        coord = [i for i, r in enumerate(rows) if r.feed is not None and r.feed[0] == "coord"]
+        size = [i for i, r in enumerate(rows) if r.feed is not None and r.feed[0] == "size"]
+        plain = [i for i, r in enumerate(rows) if r.feed is None]
+        if coord:
+            nxt[coord] = m.region_impl.encode_coords([rows[i].feed[1] for i in coord], m.region_w, m.ops)  # type: ignore[index]
+        if size:
+            nxt[size] = m.region_impl.encode_sizes([rows[i].feed[1] for i in size], m.region_w, m.ops)  # type: ignore[index]
+        if plain:
+            ids = torch.tensor([[tokens[i]] for i in plain], device=m.device)
+            nxt[plain] = m.text_impl.embed(ids, m.text_w)
+        return nxt
+
+
+def _need(row: _Row) -> int:
+    """The tokens a row may take: its objects' steps, its answer's (a reasoning's and its answer's
+    with the marker between)."""
+    if row.is_object:
+        return row.steps * row.opts.max_objects
+    return 2 * row.opts.max_tokens + 1 if row.request.reasoning else row.opts.max_tokens
 
 
 def _reasoning_token(model: "MoondreamModel", row: _Row, greedy: int, logits, allowed: torch.Tensor | None) -> int | None:
@@ -464,12 +511,12 @@ def _reasoning(model: "MoondreamModel", row: _Row) -> dict:
 def stream(model: "MoondreamModel", request: Request, decode: Any = None) -> dict:
     """One caption/query request as the single call returns it with stream=True: its text as an
     iterator of pieces, read as the decode goes (a reasoning query decodes its reasoning first:
-    {"reasoning": ..., "answer": pieces}). decode(rows, encoded): a generator of _decode's steps
+    {"reasoning": ..., "answer": pieces}). decode(rows, encoded): a generator of decode's steps
     (default: on OpsStepper); it runs only while the caller reads."""
     rows, encoded = prepare(model, [request])
     row = rows[0]
     if decode is None:
-        steps = _decode(model, rows, encoded, OpsStepper(model, skills.variant(model, row.opts.variant)))
+        steps = ops_steps(model, rows, encoded)
     else:
         steps = decode(rows, encoded)
     reasoning = {}

@@ -150,8 +150,7 @@ def _decode(model: "MoondreamModel", request: Request) -> tuple[dict, Any]:
         if model.decode is not None:
             model.decode._decode_rows(rs, encoded)
             return
-        stepper = batch_decoding.OpsStepper(model, skills.variant(model, rs[0].opts.variant))
-        for _ in batch_decoding._decode(model, rs, encoded, stepper):
+        for _ in batch_decoding.ops_steps(model, rs, encoded):
             pass
 
     if model.decode is not None:

@@ -111,18 +111,19 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
             return batch_decoding.run(self.model, requests, self._decode_rows)
 
     def _decode_rows(self, rows: list, encoded: list[EncodedImage]) -> None:
-        if self.device_rounds and object_rounds.greedy(rows):
-            object_rounds.decode(self, rows, encoded)
-        else:
-            for _ in batch_decoding._decode(self.model, rows, encoded, MegakernelStepper(self)):
-                pass
+        rounds = self.device_rounds and object_rounds.greedy(rows)
+        session = (object_rounds.RoundsSession(self, rows, encoded) if rounds
+                   else batch_decoding.BatchSession(self.model, rows, encoded, MegakernelStepper(self)))
+        for _ in batch_decoding.decode(self.model, session, device_rounds=rounds):
+            pass
 
     def stream(self, request: Request) -> dict:
         """batch.stream on megakernel steps (a reasoning query streamed), holding the steps'
         state from the first step to the answer's last piece (or until the caller drops it)."""
         def steps(rows: list, encoded: list[EncodedImage]) -> Iterator[None]:
             with self.exclusive(), torch.no_grad():
-                yield from batch_decoding._decode(self.model, rows, encoded, MegakernelStepper(self))
+                session = batch_decoding.BatchSession(self.model, rows, encoded, MegakernelStepper(self))
+                yield from batch_decoding.decode(self.model, session)
         return batch_decoding.stream(self.model, request, steps)
 
     def generate_text(self, enc: EncodedImage, prompt: list[int], s: Sampling,

@@ -1,7 +1,7 @@
 """batch.py's decode protocol on the megakernel with the steps after the first in rounds on the device.
 
 Host-driven (megakernel_decode.MegakernelStepper), every step ends in a read: the host learns each
-row's token and bins, runs the protocol (batch._advance) and writes the next input embeddings.
+row's token and bins, runs the protocol (batch.BatchSession.choose) and writes the next input embeddings.
 Here the protocol's input side runs on the device. Each row's phase is a device value:
 
     phase 0  boundary   the token says whether another object follows (`coord`: the x comes from
@@ -12,8 +12,9 @@ Here the protocol's input side runs on the device. Each row's phase is a device 
 
 After each launch device ops choose that input from the launch's results (token, coordinate bin,
 width and height bins) and advance the phase; the results are recorded per step (decode_loop), and
-the host reads a round of them at once and runs batch._advance on each step's record, as it runs
-on the heads of a host-driven step. Each record also carries the step's object score (P(coord)
+the host reads a round of them at once and runs the protocol (BatchSession._read and choose) on
+each step's record, as on the heads of a host-driven step; runtime.generate drives it
+(RoundsSession.rounds). Each record also carries the step's object score (P(coord)
 among {coord, eos} of the launch's logits, object_score.py) as its float32 bits in a fifth int32
 column: computed on the device by the host-driven heads' own function, and read in the round's
 one read, where a separate float history would cost a second. The encoders get the values the
@@ -36,6 +37,7 @@ caption or query has its own rounds on the text graph (megakernel_decode.generat
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +45,7 @@ import torch
 from photon_core.megakernel.decode_loop import DeviceDecode
 
 from . import batch as batch_decoding
-from . import object_score, skills
+from . import object_score
 from .batch import BOUNDARY, COORD_Y, SIZE, TOKEN
 
 if TYPE_CHECKING:
@@ -122,7 +124,7 @@ class ObjectRounds:
 
 class RecordedHeads:
     """One recorded step's results (token, coordinate bin, size bins, score bits), answering
-    batch._advance as a host-driven step's heads do."""
+    BatchSession._read as a host-driven step's heads do."""
 
     def __init__(self, records: list[list[int]], slots: list[int], n_bins: int) -> None:
         self.records, self.slots, self.n_bins = records, slots, n_bins
@@ -168,37 +170,57 @@ def greedy(rows: list["_Row"]) -> bool:
                for r in rows)
 
 
-def decode(fm: "MegakernelDecode", rows: list["_Row"], encoded: list["EncodedImage"]) -> None:
-    """batch._decode's results for greedy rows: the prompt step host-driven (MegakernelStepper),
-    then rounds on the device, batch._advance run on each recorded step."""
-    from .megakernel_decode import MegakernelStepper
-    model = fm.model
-    answer = skills.answer_mask(model)
-    stepper = MegakernelStepper(fm)
-    heads = stepper.start(rows, encoded)
-    for row in rows:
-        row.pos += len(row.prompt)
-    nxt = batch_decoding._advance(model, rows, heads, answer)
-    live = [s for s, r in enumerate(rows) if not r.done]
-    if not live:
-        return
-    dev = fm.object_rounds(stepper.mk)
-    dev.begin(rows, nxt)
-    full = [False] * len(rows)
-    while live:
-        records, round_full = dev.loop.run_round(round_size(rows, live))
-        for rec, step_full in zip(records, round_full):
-            for s in live:
-                if full[s]:   # the last step re-ran the row's last position
-                    raise RuntimeError(f"a {rows[s].request.task} request reached the end of the megakernel's "
-                                       f"context ({stepper.mk.max_len} positions)")
-                full[s] = bool(step_full[s])
-                rows[s].pos += 1
-            batch_decoding._advance(model, [rows[s] for s in live], RecordedHeads(rec, live, dev.n_bins),
-                                    answer, embed=False)
-            # Cancels and progress as on the host path, read step by step (the device has run the
-            # round: a canceled row stops within it, at most round_size steps late).
-            batch_decoding.watch(model, [rows[s] for s in live])
-            live = [s for s in live if not rows[s].done]
-            if not live:
-                break
+class RoundsSession(batch_decoding.BatchSession):
+    """batch.BatchSession on megakernel steps whose greedy rows decode in rounds on the device
+    after the prompt's (host-driven) step: runtime.generate's device rounds."""
+
+    def __init__(self, fm: "MegakernelDecode", rows: list["_Row"], encoded: list["EncodedImage"]) -> None:
+        from .megakernel_decode import MegakernelStepper
+        super().__init__(fm.model, rows, encoded, MegakernelStepper(fm))
+        self.fm = fm
+
+    def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
+        """(row, token) of each row from its first token (chosen from the prompt's step) on, the
+        steps after it in rounds: the device feeds each step's inputs, the host reads a round of
+        records and runs choose() on each step's (a canceled row stops within the round)."""
+        rows, n = self.rows, len(self.rows)
+        count = [0] * n
+        for s, tok in enumerate(first):
+            if tok in stop or max_new[s] == 0:
+                rows[s].done = True
+            else:
+                yield s, tok
+                count[s] = 1
+                rows[s].done = count[s] >= max_new[s]
+        live = [s for s in range(n) if not rows[s].done]
+        if not live:
+            return
+        dev = self.fm.object_rounds(self.stepper.mk)
+        dev.begin(rows, self.inputs(rows, first))
+        full = [False] * n
+        while live:
+            records, round_full = dev.loop.run_round(round_size(rows, live))
+            for rec, step_full in zip(records, round_full):
+                for s in live:
+                    if full[s]:   # the last step re-ran the row's last position
+                        raise RuntimeError(f"a {rows[s].request.task} request reached the end of the megakernel's "
+                                           f"context ({self.stepper.mk.max_len} positions)")
+                    full[s] = bool(step_full[s])
+                    rows[s].pos += 1
+                _, greedy = self._read(RecordedHeads(rec, live, dev.n_bins), [rows[s] for s in live])
+                for s, g in zip(live, greedy):
+                    if rows[s].request.canceled:
+                        rows[s].done = True
+                        continue
+                    tok = self.choose(s, _NO_LOGITS, g)
+                    if tok in stop:
+                        continue
+                    yield s, tok
+                    count[s] += 1
+                    rows[s].done = count[s] >= max_new[s]
+                live = [s for s in live if not rows[s].done]
+                if not live:
+                    break
+
+
+_NO_LOGITS = torch.zeros(0)   # rounds decode greedy rows: choose() never samples there
