@@ -360,13 +360,15 @@ class BatchSession:
         token stands for, else the token's embedding; each encoder once for all rows."""
         m = self.model
         nxt = torch.zeros(len(rows), 1, m.config.text.dim, dtype=m.dtype, device=m.device)
-        coord = [i for i, r in enumerate(rows) if r.feed is not None and r.feed[0] == "coord"]
-        size = [i for i, r in enumerate(rows) if r.feed is not None and r.feed[0] == "size"]
+        fed: dict[str, dict[int, Any]] = {"coord": {}, "size": {}}
+        for i, r in enumerate(rows):
+            if r.feed is not None:
+                fed[r.feed[0]][i] = r.feed[1]
         plain = [i for i, r in enumerate(rows) if r.feed is None]
-        if coord:
-            nxt[coord] = m.region_impl.encode_coords([rows[i].feed[1] for i in coord], m.region_w, m.ops)  # type: ignore[index]
-        if size:
-            nxt[size] = m.region_impl.encode_sizes([rows[i].feed[1] for i in size], m.region_w, m.ops)  # type: ignore[index]
+        if fed["coord"]:
+            nxt[list(fed["coord"])] = m.region_impl.encode_coords(list(fed["coord"].values()), m.region_w, m.ops)
+        if fed["size"]:
+            nxt[list(fed["size"])] = m.region_impl.encode_sizes(list(fed["size"].values()), m.region_w, m.ops)
         if plain:
             ids = torch.tensor([[tokens[i]] for i in plain], device=m.device)
             nxt[plain] = m.text_impl.embed(ids, m.text_w)
