@@ -269,6 +269,18 @@ def test_generate_stops_rooms_keep_and_cancel():
     assert list(generate(ScriptSession(scripts), settings, [0, 0, 0], {0}, _greedy)) == []
     with pytest.raises(ValueError, match="one room per row"):
         list(generate(ScriptSession(scripts), settings, [1, 1], {0}, _greedy))
+    # rooms are read at each step: a choice may shorten its row's (Moondream: a reasoning's answer
+    # gets its own max_tokens when it starts); the row ends once it has taken the new room
+    rooms = [10, 10, 10]
+
+    def shorten(r, logits, greedy):
+        tok = _greedy(r, logits, greedy)
+        if r == 1 and tok == 4:
+            rooms[1] = 3
+        return tok
+    scripts = [[1, 2, 0], [3, 4, 5, 6, 7, 8, 9, 10, 11], [0]]
+    steps = list(generate(ScriptSession(scripts), [Sampling(10)] * 3, rooms, {0}, shorten))
+    assert steps == [[1, 3, None], [2, 4, None], [None, 5, None]]
 
 
 def test_generate_on_device_rounds_gives_the_host_loops_steps():
