@@ -1,7 +1,8 @@
 """A whole transcription with every generated token decoded by our kernels gives the reference
 path's tokens, on real tiny.en weights and real speech (under TRITON_INTERPRET=1 here): by the
-megakernel (one persistent launch per token), and by the per-op kernels of the "triton" backend
-(the step that is one CUDA-graph replay on a GPU)."""
+megakernel (greedy rounds on the device: one read of the device per round, not per token; with
+timestamps the rounds' log-probabilities are the host's), and by the per-op kernels of the "triton"
+backend (the step that is one CUDA-graph replay on a GPU)."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
@@ -25,11 +26,19 @@ def test_megakernel_transcription_matches_reference(timestamps):
     model = load_whisper("whisper-tiny.en", dtype="float32", backend="reference")
     pcm, rate = espeak_pcm("Stop right there.")
     want, want_raw = model.transcribe_detailed(pcm, rate, timestamps=timestamps)
-    model.decoder.steps = MegakernelSteps(model.net, tiling=INTERPRETER_TILING)
+    steps = MegakernelSteps(model.net, tiling=INTERPRETER_TILING)
+    model.decoder.steps = steps
     got, got_raw = model.transcribe_detailed(pcm, rate, timestamps=timestamps)
     assert got_raw.tokens == want_raw.tokens and len(want_raw.tokens) >= 4
     assert got["text"] == want["text"] == "Stop right there."
     assert got["segments"] == want["segments"]
+    # (test_whisper_device_rules checks the rules themselves, and a batch of windows as rows of a bucket.)
+    n = len(want_raw.tokens)            # tokens after the first (host-chosen) one, plus EOT: n launches
+    assert steps.loop.rounds <= n // 8 + 3 and steps.loop.rounds < n
+    if timestamps:   # with timestamps the rounds' log-probabilities are the host's within 1e-6
+        assert n >= 6
+        assert [s["avg_logprob"] for s in got_raw.segments] == pytest.approx(
+            [s["avg_logprob"] for s in want_raw.segments], rel=1e-6, abs=1e-6)
 
 
 def test_perop_step_transcription_matches_reference(monkeypatch):
