@@ -61,8 +61,9 @@ def generate(session: Session, sampling: Sequence[Sampling], rooms: Sequence[int
     """Each step's new tokens, one entry per row. choose(row, logits [V], greedy | None) picks a
     row's token (runtime.sampling.pick with the family's mask and generator); canceled(row): the
     row stops before its next token. `rooms` are read at each step: a family may shorten a row's
-    while it decodes (Moondream: a reasoning's answer gets its own max_tokens once it starts). Greedy batches decode on the device when the session has
-    rounds and `device_rounds` (a canceled row is then noticed only at the end)."""
+    while it decodes (Moondream: a reasoning's answer gets its own max_tokens once it starts).
+    Greedy batches decode on the device when the session has rounds and `device_rounds` (a
+    canceled row is then noticed only at the end)."""
     n = len(sampling)
     if len(rooms) != n:
         raise ValueError(f"need one room per row ({n}), got {len(rooms)}")

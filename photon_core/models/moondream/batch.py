@@ -115,14 +115,18 @@ def _sampling(r: Request, opts: Settings) -> Sampling | None:
 def _new_row(model: "MoondreamModel", r: Request, prompt: list[int], enc: "EncodedImage",
              sampling: Sampling | None, opts: Settings, refs: list[SpatialRef]) -> _Row:
     skills.check_prompt(model, enc, prompt)
-    limit = model.config.text.max_context
+    length = min(model.config.text.max_context, enc.pos + len(prompt) + _need(r, opts))
     if r.task in ("detect", "point"):
-        need = _steps_per_object(r.task) * opts.max_objects
-        return _Row(r, prompt, min(limit, enc.pos + len(prompt) + need), enc.pos, BOUNDARY, opts=opts, refs=refs)
-    # reasoning: its tokens, the answer marker, then the answer's
-    need = 2 * opts.max_tokens + 1 if r.reasoning else opts.max_tokens
-    return _Row(r, prompt, min(limit, enc.pos + len(prompt) + need), enc.pos, THINK if r.reasoning else TOKEN,
-                sampling=sampling, opts=opts, refs=refs)
+        return _Row(r, prompt, length, enc.pos, BOUNDARY, opts=opts, refs=refs)
+    return _Row(r, prompt, length, enc.pos, THINK if r.reasoning else TOKEN, sampling=sampling, opts=opts, refs=refs)
+
+
+def _need(r: Request, opts: Settings) -> int:
+    """The tokens a request may take: its objects' steps, its answer's (a reasoning's tokens, the
+    answer marker, then the answer's)."""
+    if r.task in ("detect", "point"):
+        return _steps_per_object(r.task) * opts.max_objects
+    return 2 * opts.max_tokens + 1 if r.reasoning else opts.max_tokens
 
 
 def prepare(model: "MoondreamModel", requests: list[Request]) -> tuple[list[_Row], list["EncodedImage"]]:
@@ -190,24 +194,24 @@ def _encode_distinct(model: "MoondreamModel", images: list, lora: Any = None) ->
 def ops_steps(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedImage"]) -> Iterator[None]:
     """decode's steps on the model's own ops (OpsStepper, with the rows' variant)."""
     stepper = OpsStepper(model, skills.variant(model, rows[0].opts.variant))
-    return decode(model, BatchSession(model, rows, encoded, stepper))
+    return decode(BatchSession(model, rows, encoded, stepper))
 
 
-def decode(model: "MoondreamModel", session: "BatchSession", device_rounds: bool = False) -> Iterator[None]:
+_OBJECTS = Sampling(0)   # detect and point decide greedily (the reference's do; temperature and top_p unused)
+
+
+def decode(session: "BatchSession", device_rounds: bool = False) -> Iterator[None]:
     """Decodes the session's rows through runtime.generate, yielding after each step (stream()
     reads a row's text as it grows; each request's `progress` hears its result grow). A canceled
     request stops at its next step (in device rounds, within the round) with what it has so far.
     device_rounds: greedy rows in rounds on the device, where the session has them."""
-    rows = session.rows
+    model, rows = session.model, session.rows
     steps = generate(session, [row.sampling or _OBJECTS for row in rows], session.rooms,
                      {model.config.tokenizer.eos_id}, session.choose,
                      canceled=lambda r: rows[r].request.canceled, device_rounds=device_rounds)
     for _ in steps:
         watch(model, rows)
         yield None
-
-
-_OBJECTS = Sampling(0)   # detect and point decide greedily (the reference's do; temperature and top_p unused)
 
 
 def watch(model: "MoondreamModel", rows: list[_Row]) -> None:
@@ -240,7 +244,7 @@ class BatchSession:
         self.think = skills.reasoning_mask(model)
         # A row's room: its objects' steps, its answer's tokens (a reasoning's is set when its
         # answer starts, choose()), within its cache.
-        self.rooms = [room(_need(row), row.pos + len(row.prompt), row.length) for row in rows]
+        self.rooms = [room(_need(row.request, row.opts), row.pos + len(row.prompt), row.length) for row in rows]
 
     def prefill(self) -> tuple[torch.Tensor, list[int]]:
         heads = self.stepper.start(self.rows, self.encoded)
@@ -373,14 +377,6 @@ class BatchSession:
             ids = torch.tensor([[tokens[i]] for i in plain], device=m.device)
             nxt[plain] = m.text_impl.embed(ids, m.text_w)
         return nxt
-
-
-def _need(row: _Row) -> int:
-    """The tokens a row may take: its objects' steps, its answer's (a reasoning's and its answer's
-    with the marker between)."""
-    if row.is_object:
-        return row.steps * row.opts.max_objects
-    return 2 * row.opts.max_tokens + 1 if row.request.reasoning else row.opts.max_tokens
 
 
 def _reasoning_token(model: "MoondreamModel", row: _Row, greedy: int, logits, allowed: torch.Tensor | None) -> int | None:

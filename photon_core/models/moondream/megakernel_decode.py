@@ -114,7 +114,7 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
         rounds = self.device_rounds and object_rounds.greedy(rows)
         session = (object_rounds.RoundsSession(self, rows, encoded) if rounds
                    else batch_decoding.BatchSession(self.model, rows, encoded, MegakernelStepper(self)))
-        for _ in batch_decoding.decode(self.model, session, device_rounds=rounds):
+        for _ in batch_decoding.decode(session, device_rounds=rounds):
             pass
 
     def stream(self, request: Request) -> dict:
@@ -123,7 +123,7 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
         def steps(rows: list, encoded: list[EncodedImage]) -> Iterator[None]:
             with self.exclusive(), torch.no_grad():
                 session = batch_decoding.BatchSession(self.model, rows, encoded, MegakernelStepper(self))
-                yield from batch_decoding.decode(self.model, session)
+                yield from batch_decoding.decode(session)
         return batch_decoding.stream(self.model, request, steps)
 
     def generate_text(self, enc: EncodedImage, prompt: list[int], s: Sampling,
