@@ -95,6 +95,22 @@ def test_kernel_reports_a_wait_that_is_never_signalled(small_mk):
         Megakernel(g, mk.weights, mk.state, mk.dyn, mk.out, 1, 32, 64, 16, 16, 1, 1)
 
 
+def test_a_cascade_of_waits_that_gave_up_names_its_root(small_mk):
+    # On the GPU a never-signalled wait makes its waiters give up too (they poll as long); the
+    # error must name the root, the task of lowest index, not the last waiter to time out.
+    from photon_core.gpu_proof.build import copy_graph, unchecked_kernel
+    g = copy_graph(small_mk.graph)
+    waiting = [i for i, t in enumerate(g.tasks) if t.waits]
+    root, later = waiting[1], waiting[-1]
+    for i, name in ((root, "never-root"), (later, "never-later")):
+        g.counter(name)
+        g.tasks[i].waits = [(name, 1)]
+    mk = unchecked_kernel(small_mk.kernel, g)
+    mk.launch()
+    with pytest.raises(RuntimeError, match=rf"task {root} .*gave up waiting"):
+        mk.raise_on_error()
+
+
 def test_batch_buckets():
     from photon_core.megakernel import bucket_for
     assert [bucket_for(n) for n in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]

@@ -431,11 +431,11 @@ from triton.compiler import ASTSource
 from photon_core.megakernel import kernel
 from photon_core.megakernel.graph import NUM_FIELDS
 sig0 = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", w_ptr="*fp32", s_ptr="*fp32",
-            out_ptr="*i32", B="i32", ln_eps="fp32", spin_limit="i32")
+            out_ptr="*i32", B="i32", ln_eps="fp32", spin_limit="i32", trace_ptr="*i64")
 out = {}
 for b, wdt in ((1, "*bf16"), (8, "*fp32")):
     const = dict(NF=NUM_FIELDS, BLOCK_M=b, BLOCK_N=32, BLOCK_K=64, BLOCK_T=32, BLOCK_D=64, BLOCK_S=4, BLOCK_R=1024,
-                 RUN_TASK=kernel.step_tasks)
+                 RUN_TASK=kernel.step_tasks, TRACE=0, **kernel.KernelVariant().constexprs())
     sig = dict(sig0, w_ptr=wdt)
     sig.update({k: "constexpr" for k in const})
     ck = triton.compile(ASTSource(kernel._megakernel, sig, const), target=GPUTarget("cuda", 90, 32))

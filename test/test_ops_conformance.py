@@ -217,6 +217,7 @@ def case_decode_attention(B):
         (3, 6, 2, 45, 24, [45, 3, 20], None),     # GQA, D not a power of 2
         (2, 8, 1, 50, 16, [50, 17], 7),           # multi-query + window
         (2, 2, 2, 33, 16, [5, 33], 40),           # window longer than the cache
+        (2, 2, 2, 20, 16, [0, 12], None),         # a row with no keys (all NaN): zeros
     ]:
         q = torch.randn(b, hq, 1, d)
         kc, vc = torch.randn(b, hkv, t_max, d), torch.randn(b, hkv, t_max, d)
@@ -228,7 +229,10 @@ def case_decode_attention(B):
             if window is not None:
                 kp[i, :, :max(0, n - window)] = vp[i, :, :max(0, n - window)] = NAN
         assert torch.isnan(kp).any()
-        close(B.decode_attention(q, kp, vp, lens, None, window), want)
+        got = B.decode_attention(q, kp, vp, lens, None, window)
+        empty = [i for i, n in enumerate(lengths) if n == 0]
+        assert torch.equal(got[empty], torch.zeros_like(got[empty])) and torch.equal(want[empty], got[empty])
+        close(got, want)
         if B is tri:  # several KV splits, some of them empty, through both phase-1 kernels
             close(tri.decode_attention(q, kp, vp, lens, None, window, num_splits=5, block_t=16), want)
 

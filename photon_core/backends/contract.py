@@ -115,9 +115,11 @@ class Ops(Protocol):
                          scale: float | None = None, window: int | None = None) -> Tensor:
         """One query per row: q [B, Hq, 1, D] over a KV cache k/v [B, Hkv, T_max, D] -> [B, Hq, 1, D].
 
-        Row b's query sits at position lengths[b] - 1 (int tensor [B] on q's device, 1 <= lengths[b]
+        Row b's query sits at position lengths[b] - 1 (int tensor [B] on q's device, 0 <= lengths[b]
         <= T_max) and sees keys [lengths[b] - window, lengths[b]) clipped at 0 (all of [0, lengths[b])
-        without a window). GQA as in `attention`. Also serves cross-attention (lengths = encoder length).
+        without a window). A row of length 0 sees no key and its output is zeros (a padding row, or
+        a cross-attention state not yet filled: never 0 / 0, whose NaN would reach the logits).
+        GQA as in `attention`. Also serves cross-attention (lengths = encoder length).
         Never reads: cache positions >= lengths[b], or before the window; they may hold NaN.
         """
 

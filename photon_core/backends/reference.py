@@ -156,6 +156,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _check_gqa(hq, hkv)
     out = []
     for b, n in enumerate(lengths.tolist()):
+        if n <= 0:   # no keys: zeros (the contract), where SDPA would give NaN
+            out.append(torch.zeros_like(q[b:b + 1]))
+            continue
         lo = 0 if window is None else max(0, n - window)
         out.append(F.scaled_dot_product_attention(q[b:b + 1], k_cache[b:b + 1, :, lo:n], v_cache[b:b + 1, :, lo:n],
                                                   scale=scale, enable_gqa=hq != hkv))

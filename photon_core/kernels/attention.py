@@ -132,7 +132,8 @@ def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
 
 @triton.jit
 def decode_merge(part_ptr, S, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = NO_CACHE_HINT):
-    """Merge S partials stored as rows [m, l, acc[0:D]] of stride D + 2; returns out[BLOCK_D]."""
+    """Merge S partials stored as rows [m, l, acc[0:D]] of stride D + 2; returns out[BLOCK_D]. No
+    keys at all (every partial empty: l = 0) gives zeros, not 0 / 0 (decode_attention's contract)."""
     ss = tl.arange(0, BLOCK_S)
     dd = tl.arange(0, BLOCK_D)
     smask = ss < S
@@ -144,7 +145,7 @@ def decode_merge(part_ptr, S, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, C
     m_all = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
     l_all = tl.sum(l * w, axis=0)
-    return tl.sum(acc * w[:, None], axis=0) / l_all
+    return tl.where(l_all > 0, tl.sum(acc * w[:, None], axis=0) / tl.where(l_all > 0, l_all, 1.0), 0.0)
 
 
 @triton.jit
@@ -235,7 +236,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      lengths: torch.Tensor, scale: float | None = None, window: int | None = None,
                      num_splits: int | None = None, block_t: int | None = None) -> torch.Tensor:
     """One query per (b, h): q [B, Hq, 1, D] over keys [max(0, n - window), n) of k/v [B, Hkv, T_max, D],
-    n = lengths[b]. Every row must have lengths[b] >= 1 (an empty softmax is undefined)."""
+    n = lengths[b]. A row of length 0 gives zeros (decode_merge)."""
     b, h, tq, d = q.shape
     if tq != 1:
         raise ValueError("decode_attention takes exactly one query per row")

@@ -435,6 +435,10 @@ class CompiledStep(StateViews):
             tok = torch.as_tensor(tokens, dtype=torch.int32)
             if tok.numel() != B:
                 raise ValueError(f"need {B} tokens")
+            vocab = min((self.graph_def.weight_shapes[n.args["tok"]][0] for n in self.graph_def.nodes
+                         if n.op == "embed"), default=None)
+            if vocab is not None and (int(tok.min()) < 0 or int(tok.max()) >= vocab):
+                raise ValueError(f"need {B} tokens in [0, {vocab}), got {tok.tolist()}")
             self.dyn[:B] = tok.to(self.dyn.device)
         self.dyn[B:2 * B] = pos.to(self.dyn.device)
 
@@ -463,8 +467,9 @@ class CompiledStep(StateViews):
             kernel.raise_on_error()
 
     def result(self, name: str) -> torch.Tensor:
-        """Result column `name` of the last step, [B] int32 on the device. With `advance`, -1 marks
-        a row whose context is full (its position stayed where it was)."""
+        """Result column `name` of the last step, [B] int32 on the device. -2 marks a row whose
+        logits held NaN (no argmax; decode_loop.NON_FINITE); with `advance`, -1 marks a row whose
+        context is full (its position stayed where it was)."""
         R = len(self.graph_def.results)
         return self.out.view(self.batch, R)[:, self.graph_def.results.index(name)]
 

@@ -41,12 +41,16 @@ from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
+from photon_core.runtime.sampling import NonFiniteLogits
+
 from .graph import CTRL_CLAIM, CTRL_ERROR
 
 if TYPE_CHECKING:
     from .compiler import CompiledStep
 
 NEVER = 2 ** 31 - 1
+# What the advancing argmax writes in a row's result column besides a token (kernel._task_argmax).
+FULL, NON_FINITE = -1, -2
 
 
 class DeviceDecode:
@@ -91,8 +95,15 @@ class DeviceDecode:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if cuda_graphs if cuda_graphs is not None else dev.type == "cuda":
             from photon_core.runtime.cuda_graph import capture
+            # Capture runs the steps (a warm-up launch each), advancing tokens and positions: they
+            # run from a valid state (the step's own, in-range tokens and positions; attention over
+            # an unfilled cross cache reads no key and gives zeros) and the step's inputs are put
+            # back after, so building the loop leaves the next request's inputs as they were.
+            saved = step.dyn.clone(), step.out.clone()
             for n, at in _parts_to_capture(chunk):
                 self._graphs[n, at], _ = capture(functools.partial(self._round, n, at), warmup=1)
+            step.dyn.copy_(saved[0])
+            step.out.copy_(saved[1])
 
     def _round(self, n: int, at: int = 0) -> None:
         """n launches recorded at history[at:at + n] (capturable: fixed shapes, no host reads); a
@@ -107,7 +118,7 @@ class DeviceDecode:
                 # The argmax fed its token to the next step (dyn) even for a full row, whose
                 # result column says -1.
                 self.history[i, :, 0].copy_(self.step.dyn[:self.step.batch])
-                self.full[i].copy_(self._token < 0)
+                self.full[i].copy_(-self._token.clamp(NON_FINITE, 0))   # 0 / 1 full / 2 non-finite
             else:
                 self._feed(i, self._pick)
             torch.maximum(self._err, ctrl[CTRL_ERROR:CTRL_ERROR + 1], out=self._err)
@@ -133,8 +144,9 @@ class DeviceDecode:
     def run_round(self, n: int) -> tuple[list[list], list[list[int]]]:
         """One round of 1 <= n <= chunk steps from the step's current state, after checking the
         launches' flags (one read): (records [n][B], each a token or a list of `width` ints;
-        full [n][B], 1 where that step left the row at the last position of its cache). pick's
-        scores, if any, are in `round_scores` [n][B] after it (a second read)."""
+        full [n][B], 1 where that step left the row at the last position of its cache, 2 where the
+        row's logits held NaN and it has no token). pick's scores, if any, are in `round_scores`
+        [n][B] after it (a second read)."""
         if not 1 <= n <= self.chunk:
             raise ValueError(f"a round is 1..{self.chunk} steps, not {n}")
         if self._graphs:
@@ -199,6 +211,9 @@ class DeviceDecode:
             for i, tokens in enumerate(rounds):
                 for r in list(live):
                     t = tokens[r]
+                    if round_full[i][r] == -NON_FINITE:
+                        raise NonFiniteLogits(f"row {r}: the model's logits held NaN at its token {count[r] + 1}: "
+                                              "no token can be chosen; the request is refused")
                     if full[r]:   # this step re-ran the row's last position: it had no room left
                         raise RuntimeError(f"row {r} reached the end of the megakernel's context "
                                            f"({self.step.plan.max_position} positions)")

@@ -34,7 +34,7 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
           "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk",
           "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn", "stout", "stkind", "kticket", "ktickets",
-          "fin", "nfin")
+          "fin", "nfin", "rows", "prows")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 80  # rows stay 128-byte aligned (640 bytes)
 assert len(FIELDS) <= NUM_FIELDS
@@ -45,9 +45,34 @@ assert len(FIELDS) <= NUM_FIELDS
 # run behind the cache position after an image).
 DYN_TOKENS, DYN_POSITIONS, DYN_CROSS_LEN, DYN_ROTARY_OFFSET = 0, 1, 2, 3
 DYN_SECTIONS = 4
-# Layout of the int32 control buffer: [0] claim counter, [1] error flag (first failed task + 1),
-# [2:2+C] dependency counters, then the tickets (TaskGraph.tickets). All of it must be zero at launch.
+# Layout of the int32 control buffer: [0] claim counter, [1] error flag (error_code: the failed task
+# of lowest index and what failed), [2:2+C] dependency counters, then the tickets
+# (TaskGraph.tickets). All of it must be zero at launch.
 CTRL_CLAIM, CTRL_ERROR, CTRL_COUNTERS = 0, 1, 2
+# What a task can fail at (the error flag's low bits). A task whose wait gave up is skipped; one that
+# met an index out of its table's range (a token, a position) read a clamped one instead; either
+# way the launch's results are refused by the host (Megakernel.raise_for).
+ERR_WAIT, ERR_OP, ERR_RANGE = 1, 2, 3
+ERR_KINDS = {ERR_WAIT: "gave up waiting on its dependencies (a dependency was never signalled)",
+             ERR_OP: "has an unknown op", ERR_RANGE: "read a token or position outside its table (clamped)"}
+
+
+# A traced launch's row per task (Megakernel.traced_launch, timeline.py), in the kernel's order, in
+# rows of TRACE_WIDTH int64 (the rest spare); after the rows, the interpreter's logical clock.
+TRACE_COLUMNS = ("program", "sm", "claimed", "waited", "ran", "released", "status")
+TRACE_WIDTH = 8
+
+
+def error_code(num_tasks: int, task: int, kind: int) -> int:
+    """The error flag a failing task raises the flag to (atomic max): the LOWEST failing task wins,
+    because tasks run in a topological order, so a failure's root has a lower index than every
+    task it made fail in turn (a wait that gave up makes its waiters' waits give up too)."""
+    return (num_tasks - task) * 4 + kind
+
+
+def decode_error(num_tasks: int, flag: int) -> tuple[int, int]:
+    """(task, kind) of an error flag (0: none, not to be decoded)."""
+    return num_tasks - flag // 4, flag % 4
 
 
 @dataclass(frozen=True)

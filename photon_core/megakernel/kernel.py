@@ -30,6 +30,8 @@ error flag (task index + 1) and the task is skipped rather than hanging the GPU;
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -39,13 +41,21 @@ from photon_core.kernels.linear import apply_activation
 from photon_core.kernels.triton_versions import (MegakernelTuning, check_supported, interpreting, megakernel_options,
                                                  megakernel_tuning)
 from photon_core.megakernel import ops
-from photon_core.megakernel.graph import CTRL_ERROR, NUM_FIELDS, F, TaskGraph
+from photon_core.megakernel.graph import (CTRL_CLAIM, CTRL_ERROR, ERR_KINDS, NUM_FIELDS, TRACE_COLUMNS, TRACE_WIDTH, F,
+                                          TaskGraph, decode_error)
+from photon_core.megakernel.graph import ERR_OP as _ERR_OP
+from photon_core.megakernel.graph import ERR_RANGE as _ERR_RANGE
+from photon_core.megakernel.graph import ERR_WAIT as _ERR_WAIT
 
 # Loads of data other programs wrote during this launch bypass L1 (".cg": cached in L2 only), so no
 # SM can read a stale line of an activation, cache entry or partial; weights keep the default path.
 CG: tl.constexpr = tl.constexpr(".cg")
 # Elements per task-table row: finale rows are addressed from the row of the task that runs them.
 NF_ROW: tl.constexpr = tl.constexpr(NUM_FIELDS)
+TW: tl.constexpr = tl.constexpr(TRACE_WIDTH)
+ERR_WAIT: tl.constexpr = tl.constexpr(_ERR_WAIT)
+ERR_OP: tl.constexpr = tl.constexpr(_ERR_OP)
+ERR_RANGE: tl.constexpr = tl.constexpr(_ERR_RANGE)
 # Register budget of the largest tiles, per the running Triton (triton_versions.megakernel_tuning):
 # the most elements of a linear task's [M, N, K step] product and [N, K step] weight tile, and of
 # an attention task's [keys, head] K / V tile. A wider tiling (batch 8 at 32 columns, 512-wide
@@ -125,6 +135,8 @@ F_kticket: tl.constexpr = tl.constexpr(F["kticket"])
 F_ktickets: tl.constexpr = tl.constexpr(F["ktickets"])
 F_fin: tl.constexpr = tl.constexpr(F["fin"])
 F_nfin: tl.constexpr = tl.constexpr(F["nfin"])
+F_rows: tl.constexpr = tl.constexpr(F["rows"])
+F_prows: tl.constexpr = tl.constexpr(F["prows"])
 # Kernel op codes, as the op modules declare them (ops/<op>.py; ops.OP_NAMES).
 OP_EMBED: tl.constexpr = tl.constexpr(ops.OP_EMBED)
 OP_LINEAR: tl.constexpr = tl.constexpr(ops.OP_LINEAR)
@@ -198,6 +210,14 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
     mask = rmask[:, None] & (cols[None, :] < N)
     tok = tl.load(dyn_ptr + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
     pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
+    # Tokens and positions are values of this launch (the host's, or the previous step's argmax):
+    # one outside its table is read as row 0 and reported (the caller's results are then refused),
+    # never used as an address. No position table (pos_off = -1): positions are not read.
+    tok_ok = (tok >= 0) & (tok < tl.load(row + F_rows))
+    pos_ok = ((pos * 0 + pos_off) < 0) | ((pos >= 0) & (pos < tl.load(row + F_prows)))
+    bad = tl.max(tl.where(rmask & ~(tok_ok & pos_ok), 1, 0), axis=0)
+    tok = tl.where(tok_ok, tok, 0)
+    pos = tl.where(pos_ok, pos, 0)
     ldw = tl.load(row + F_ldw)   # the tables' padded row stride
     e = tl.load(w_ptr + tok_off + tok[:, None] * ldw + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     e = e * _f32(tl.load(row + F_scale))   # Gemma's sqrt(d) embedding scale (1.0 elsewhere)
@@ -206,6 +226,7 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
     p = tl.load(w_ptr + tl.maximum(pos_off, 0) + pos[:, None] * ldw + cols[None, :], mask=pmask,
                 other=0.0).to(tl.float32)
     tl.store(s_ptr + out + rows[:, None].to(tl.int64) * N + cols[None, :], e + p, mask=mask)
+    return bad
 
 
 @triton.jit
@@ -249,7 +270,7 @@ def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1):
+                w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1, PIPE: tl.constexpr = 0):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
     one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
     columns use narrower tiles (more tasks), and a split-K task sees a slice of K. w_shift /
@@ -322,31 +343,48 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # Gemma 4's per-layer input: gelu_tanh), or an activation on the loads (Moondream 3's gelu(qkv)).
     g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BK), tl.float32)
-    for kb in range(k0, k1, BK):
-        kk = kb + ks
-        kmask = kk < k1
-        xm = rmask[:, None] & kmask[None, :]
-        x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
-        if xglu > 0:
-            x = apply_activation(x, xglu) * tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
-        if xact > 0:
-            x = apply_activation(x, xact)
-        if xgate >= 0:
-            x = x * apply_activation(tl.load(g_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), gact)
-        if lnw >= 0:
-            g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
-            # A LayerNorm without bias has lnb = -1: load from 0 and zero it (scalar masks are awkward).
-            be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
-                  * tl.where(lnb >= 0, 1.0, 0.0))
-            x = tl.where(xm, (x - mean[:, None]) * rstd[:, None] * g[None, :] + be[None, :], 0.0)
-        wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
-        wm = cmask[:, None] & (kk < k1w)[None, :]
-        if FP8:
-            w = fp8_e4m3_over_256(tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + w_off + wp, mask=wm, other=0))
-        else:
-            w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0).to(tl.float32)
-        acc3 += x[:, None, :] * w[None, :, :]
+    if PIPE > 0:
+        # Software-pipelined: the loads of PIPE - 1 later K steps are in flight while one is
+        # consumed (Triton's pipeliner stages them through shared memory), so a tile streams with
+        # several steps' weights outstanding instead of one.
+        for kb in tl.range(k0, k1, BK, num_stages=PIPE):
+            acc3 = _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb,
+                                  mean, rstd, w_ptr, w_off, cols, cmask, ldw, FP8)
+    else:
+        for kb in range(k0, k1, BK):
+            acc3 = _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb,
+                                  mean, rstd, w_ptr, w_off, cols, cmask, ldw, FP8)
     return tl.sum(acc3, axis=2)
+
+
+@triton.jit
+def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
+                   w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
+    """One K step of _linear_acc: x's [M, BK] (its fused norm, gate or activation applied as it
+    loads) times the [BN, BK] weight tile, accumulated elementwise."""
+    kk = kb + ks
+    kmask = kk < k1
+    xm = rmask[:, None] & kmask[None, :]
+    x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+    if xglu > 0:
+        x = apply_activation(x, xglu) * tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
+    if xact > 0:
+        x = apply_activation(x, xact)
+    if xgate >= 0:
+        x = x * apply_activation(tl.load(g_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG), gact)
+    if lnw >= 0:
+        g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
+        # A LayerNorm without bias has lnb = -1: load from 0 and zero it (scalar masks are awkward).
+        be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
+              * tl.where(lnb >= 0, 1.0, 0.0))
+        x = tl.where(xm, (x - mean[:, None]) * rstd[:, None] * g[None, :] + be[None, :], 0.0)
+    wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
+    wm = cmask[:, None] & (kk < k1w)[None, :]
+    if FP8:
+        w = fp8_e4m3_over_256(tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + w_off + wp, mask=wm, other=0))
+    else:
+        w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0).to(tl.float32)
+    return acc3 + x[:, None, :] * w[None, :, :]
 
 
 @triton.jit
@@ -394,7 +432,7 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
         pos = tl.load(dyn_ptr + B + rows, mask=rmask, other=0, cache_modifier=CG).to(tl.int64)
         cache = ((rows[:, None].to(tl.int64) * H + h[None, :]) * Tmax + pos[:, None]) * Dh + j[None, :]
         q_addr = out + rows[:, None].to(tl.int64) * D + within[None, :]
-        ok = omask & ((sec[None, :] == 0) | (pos[:, None] < Tmax))
+        ok = omask & ((sec[None, :] == 0) | ((pos[:, None] >= 0) & (pos[:, None] < Tmax)))
         if KV_BF16:
             # bf16 caches (offsets in bf16 elements): q to the fp32 state, k and v rounded to bf16
             tl.store(s_ptr + q_addr, acc, mask=ok & (sec[None, :] == 0))
@@ -414,6 +452,9 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
         tidx = tl.min(tl.where(vals == tmax[:, None], cols[None, :], 2147483647), axis=1)
         # An all -inf tile reports its first column, so an all-masked row still yields index 0.
         tidx = tl.where(tidx == 2147483647, n0, tidx)
+        # A NaN logit makes the tile's max NaN whatever max() does with NaN (the GPU's ignores it,
+        # NumPy's keeps it), so the argmax sees the row as non-finite (argmax_of_tiles).
+        tmax = tl.where(tl.max(tl.where(omask & (acc != acc), 1, 0), axis=1) > 0, float("nan"), tmax)
         p = s_ptr + part + (rows.to(tl.int64) * ntiles + tile) * 2
         tl.store(p, tmax, mask=rmask)
         tl.store(p + 1, tidx.to(tl.float32), mask=rmask)
@@ -421,15 +462,17 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
 
 @triton.jit
 def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False,
+                 PIPE: tl.constexpr = 0):
     """A whole tile: product over all of K, then the epilogue. Bytes: (n1-n0)*K weights + M*K x."""
-    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, PIPE=PIPE)
     _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
 
 
 @triton.jit
 def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False,
+                       PIPE: tl.constexpr = 0):
     """One K slice of a tile (split-K, for stages with too few tiles to fill the GPU): the raw
     partial product into slot `ks` of the stage's [splits, M, N] scratch. Then the tile's ticket:
     the LAST of its slices to finish sums the slots in slot order (a fixed order: the same bits
@@ -445,7 +488,7 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
     # The ticket's fields before the acquire, which would send a later read of them to L2.
     kticket = tl.load(row + F_kticket)
     nslices = tl.load(row + F_ktickets)
-    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, PIPE=PIPE)
     rows = tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     omask = (rows < M)[:, None] & (cols < n1)[None, :]
@@ -504,6 +547,8 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     # cache never holds more than Tmax.
     if ring == 0:
         length = tl.minimum(length, Tmax)
+    # A negative position or length (a state not yet written) reads no keys: the output is zeros.
+    length = tl.maximum(length, 0)
     lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
     chunk = tl.cdiv(tl.cdiv(length - lo, S), BLOCK_T) * BLOCK_T
     start = tl.minimum(lo + s * chunk, length)
@@ -555,23 +600,30 @@ def _task_attn_merge(row, s_ptr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def argmax_of_tiles(p, count, BLOCK_R: tl.constexpr):
-    """Index of the largest of `count` (max, index) fp32 pairs at p, which linear tiles of this
-    launch wrote (read past L1). Ties keep the lowest index (each tile reports its first maximal
-    column; a later block must be strictly greater), like torch.argmax; all -inf gives the first
-    pair's index."""
+    """(index, non-finite) of the largest of `count` (max, index) fp32 pairs at p, which linear
+    tiles of this launch wrote (read past L1). Ties keep the lowest index (each tile reports its
+    first maximal column; a later block must be strictly greater), like torch.argmax; all -inf
+    gives the first pair's index. A NaN max (a tile with a NaN logit) sets `non-finite` (1) and
+    the index is then the first pair's: always one of the tiles' columns, never past them."""
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], 0, tl.int32)
+    first_i = tl.full([], 0, tl.int32)
+    nan = tl.full([], 0, tl.int32)
     for t0 in range(0, count, BLOCK_R):
         tt = t0 + tl.arange(0, BLOCK_R)
         ok = tt < count
         v = tl.load(p + tt.to(tl.int64) * 2, mask=ok, other=float("-inf"), cache_modifier=CG)
         i = tl.load(p + tt.to(tl.int64) * 2 + 1, mask=ok, other=0.0, cache_modifier=CG).to(tl.int32)
+        nan = tl.maximum(nan, tl.max(tl.where(ok & (v != v), 1, 0), axis=0))
+        v = tl.where(v != v, float("-inf"), v)
         bmax = tl.max(v, axis=0)
         bi = tl.min(tl.where(ok & (v == bmax), i, 2147483647), axis=0)
+        if t0 == 0:
+            first_i = tl.min(tl.where(tt == 0, i, 2147483647), axis=0)
         better = (bmax > best) | (t0 == 0)
         best_i = tl.where(better, bi, best_i)
         best = tl.where(better, bmax, best)
-    return best_i
+    return tl.where(nan > 0, first_i, best_i), nan
 
 
 @triton.jit
@@ -589,19 +641,24 @@ def _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R: tl.constexpr):
     ntiles = tl.load(row + F_ntiles)
     S = tl.load(row + F_S)
     for m in range(0, M):
-        best_i = argmax_of_tiles(s_ptr + part + (m * ntiles + tile0).to(tl.int64) * 2, S, BLOCK_R) - n0.to(tl.int32)
-        tl.store(out_ptr + m * K + col, best_i)
+        best_i, nan = argmax_of_tiles(s_ptr + part + (m * ntiles + tile0).to(tl.int64) * 2, S, BLOCK_R)
+        best_i = best_i - n0.to(tl.int32)
+        # A row with a NaN logit has no argmax: its result is NON_FINITE (-2: the host refuses the
+        # row with that reason) and the token it feeds on is the first column's, which every
+        # table holds: a NaN never becomes an address.
+        tl.store(out_ptr + m * K + col, tl.where(nan > 0, -2, best_i))
         if advance != 0:
             # Every reader of this step's token/position is ordered before this task (checker-proven),
             # so the next step's values can be written in place: a replayed launch decodes onwards.
             # Positions advance on the device, so the range check is here: a row whose next position
             # would pass the caches (Tmax) keeps its position and reports token -1 (the host raises)
-            # instead of a later launch writing and reading past its cache.
+            # instead of a later launch writing and reading past its cache. A non-finite row stays
+            # where it is too.
             nxt = tl.load(dyn_ptr + B + m, cache_modifier=CG) + 1
             full = nxt >= tl.load(row + F_Tmax)
-            tl.store(out_ptr + m * K + col, tl.where(full, -1, best_i))
+            tl.store(out_ptr + m * K + col, tl.where(nan > 0, -2, tl.where(full, -1, best_i)))
             tl.store(dyn_ptr + m, best_i)
-            tl.store(dyn_ptr + B + m, tl.where(full, nxt - 1, nxt))
+            tl.store(dyn_ptr + B + m, tl.where(full | (nan > 0), nxt - 1, nxt))
 
 
 @triton.jit
@@ -627,6 +684,10 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
     h = tl.load(row + F_hi)
     pos = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64)
     rpos = pos + tl.load(dyn_ptr + 3 * B + b, cache_modifier=CG).to(tl.int64)   # + rotary offset
+    # A rotary position outside the tables (rows of them) reads row 0 and is reported; a position
+    # outside the cache is not stored (below): no device value becomes an address unchecked.
+    bad = tl.where((rot > 0) & ((rpos < 0) | (rpos >= tl.load(row + F_rows))), 1, 0)
+    rpos = tl.where(bad > 0, 0, rpos)
     half = rot // 2
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < Dh
@@ -683,7 +744,7 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
     ring = tl.load(row + F_ring)
     slot = tl.where(ring != 0, pos % Tmax, pos)
     cache = ((b * H + h) * Tmax + slot) * Dh + dd
-    ok = has_kv & ((dd.to(tl.int64) * 0 + slot) < Tmax)
+    ok = has_kv & ((dd.to(tl.int64) * 0 + slot) < Tmax) & ((dd.to(tl.int64) * 0 + slot) >= 0)
     if KV_BF16:   # bf16 caches: stores round, offsets in bf16 elements
         kv_ptr = s_ptr.to(tl.pointer_type(tl.bfloat16))
         tl.store(kv_ptr + kc + cache, bf16_rne(k), mask=ok)
@@ -691,6 +752,7 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
     else:
         tl.store(s_ptr + kc + cache, k, mask=ok)
         tl.store(s_ptr + vc + cache, v, mask=ok)
+    return bad
 
 
 @triton.jit
@@ -1034,26 +1096,28 @@ def _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N:
 @triton.jit
 def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, KV_BF16: tl.constexpr, FP8: tl.constexpr):
+                BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, KV_BF16: tl.constexpr, FP8: tl.constexpr,
+                PIPE: tl.constexpr):
     """The task table of every compiled decode step (compiler.py emits only these ops): runs task
     `op`; 0 for an unknown op (the host raises). KV_BF16 (caches in bf16) and FP8 (FP8 experts)
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
-    a run-time choice between variants would hold both and spill (ptxas -v)."""
-    ran = 1
+    a run-time choice between variants would hold both and spill (ptxas -v). Returns 0, or the
+    task's failure (graph.ERR_OP, ERR_RANGE)."""
+    status = tl.full([], 0, tl.int32)
     if op == OP_LINEAR:
-        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
+        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, PIPE)
     elif op == OP_ATTN_PARTIAL:
         _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, BLOCK_S, KV_BF16)
     elif op == OP_ATTN_MERGE:
         _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
     elif op == OP_EMBED:
-        _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N)
+        status = (_task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N) * ERR_RANGE).to(tl.int32)
     elif op == OP_ARGMAX:
         _task_argmax(row, s_ptr, dyn_ptr, out_ptr, B, BLOCK_R)
     elif op == OP_ROPE_APPEND:
         pass   # below, where finale rows run it too: one inlined copy (the kernel is at the edge of the register file)
     elif op == OP_LINEAR_SPLIT:
-        _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16)
+        _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, PIPE)
     elif op == OP_CONV_STEP:
         _task_conv_step(row, w_ptr, s_ptr, BLOCK_M, BLOCK_N)
     elif op == OP_DELTA_STEP:
@@ -1069,7 +1133,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == OP_MOE_SUM:
         _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
-        ran = 0
+        status = tl.full([], ERR_OP, tl.int32)
     stout = tl.load(row + F_stout)
     fin = tl.load(row + F_fin)
     # The append rows to run: this task's own (op 6), or the finale rows of a q|k|v tile that
@@ -1095,44 +1159,46 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
                 arow = row + fin
                 napp = nfin
     for j in range(0, napp):
-        _task_rope_append(arow + j * NF_ROW, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D, KV_BF16)
-    return ran
+        if _task_rope_append(arow + j * NF_ROW, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_D, KV_BF16) != 0:
+            status = tl.full([], ERR_RANGE, tl.int32)
+    return status
 
 
 @triton.jit
 def step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PIPE: tl.constexpr = 0):
     """fp32 KV caches, float experts (step_tasks_for picks the variant of a plan)."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, False, False)
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, False, PIPE)
 
 
 @triton.jit
 def step_tasks_bf16_kv(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PIPE: tl.constexpr = 0):
     """bf16 KV caches, float experts."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, True, False)
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, False, PIPE)
 
 
 @triton.jit
 def step_tasks_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PIPE: tl.constexpr = 0):
     """fp32 KV caches, FP8 experts."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, False, True)
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, True, PIPE)
 
 
 @triton.jit
 def step_tasks_bf16_kv_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                           PIPE: tl.constexpr = 0):
     """bf16 KV caches, FP8 experts (Moondream 3 on a GPU)."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, True, True)
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, True, PIPE)
 
 
 def step_tasks_for(kv_bf16: bool, fp8: bool):
@@ -1142,19 +1208,85 @@ def step_tasks_for(kv_bf16: bool, fp8: bool):
 
 
 @triton.jit
-def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, B, ln_eps, spin_limit,
+def _now(clock_ptr, GPU_CLOCK: tl.constexpr):
+    """A trace timestamp: the GPU's global nanosecond timer, or under the interpreter (no inline
+    assembly there) a logical clock, one tick per reading, which orders events as they happened."""
+    if GPU_CLOCK:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    else:
+        t = tl.atomic_add(clock_ptr, 1)
+    return t
+
+
+@triton.jit
+def _sm_id(GPU_CLOCK: tl.constexpr):
+    """The SM running this program (-1 under the interpreter)."""
+    if GPU_CLOCK:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        sm = tl.full([], -1, tl.int32)
+    return sm
+
+
+@triton.jit
+def _prefetch_weights(row, w_ptr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    """Start moving a linear task's weight tile, rows [n0, n1) x K range [k0, k1), from HBM into L2
+    before the task waits on its inputs: weights never depend on activations, so the task's first
+    K steps find them in L2 instead of paying a miss each, and the SM's few loads in flight no
+    longer bound the stream. PREFETCH 2 (sm_90): one bulk prefetch per row (cp.async.bulk.prefetch.L2,
+    the copy engine walks the row); 1 (sm_80 / sm_87): prefetch.global.L2 per 128-byte line, 32
+    lines of each row per trip. Nothing waits for them: a prefetch that has not landed only costs
+    the miss the load would have paid anyway."""
+    ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    n0 = tl.load(row + F_n0)
+    n1 = tl.load(row + F_n1)
+    k0 = tl.load(row + F_k0)
+    k1 = tl.load(row + F_k1)
+    ldw = tl.load(row + F_ldw)
+    w_off = tl.load(row + F_w)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.where(cols < n1, cols, n0)   # rows past the tile repeat its first (no mask on asm)
+    first = w_ptr + w_off + cols.to(tl.int64) * ldw + k0
+    nbytes = ((k1 - k0 + 15) // 16 * 16) * ELT   # the row's K slice, padded as the arena pads it
+    if PREFETCH == 2:
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [first.to(tl.int64, bitcast=True), nbytes + cols * 0], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        lines = tl.arange(0, 32)
+        for c0 in range(0, nbytes, 32 * 128):
+            at = first.to(tl.pointer_type(tl.int8))[:, None] + (c0 + lines * 128)[None, :]
+            at = tl.where((c0 + lines * 128)[None, :] < nbytes, at, first.to(tl.pointer_type(tl.int8))[:, None])
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [at.to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, B, ln_eps, spin_limit, trace_ptr,
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr):
+                BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr, TRACE: tl.constexpr = 0,
+                PREFETCH: tl.constexpr = 0, PIPE: tl.constexpr = 0):
     """Claim, wait, run (RUN_TASK: the task table, resolved at compile time), release.
 
     The claim is a relaxed atomic: it only hands out indices, and every ordering a task needs comes
     from its acquire waits and its producers' release signals (an acq_rel claim would add a fence
     per task on the dependency chain). The header (op, two waits, signal) is read in one group of
     independent loads before any branch on it: one round trip to L2 instead of one per branch (the
-    acquire polls invalidate L1, so a field read after a wait goes to L2 again)."""
+    acquire polls invalidate L1, so a field read after a wait goes to L2 again).
+
+    A failing task raises the error flag to graph.error_code(num_tasks, task, kind) (atomic max:
+    the lowest failing task, the root of a cascade, wins). TRACE (1: GPU timer, 2: the
+    interpreter's logical clock; 0 compiles it out) writes each task's row of the trace buffer
+    (timeline.TRACE_COLUMNS): program, SM, claimed, waited, ran, released, status. PREFETCH: see
+    _prefetch_weights (0: none). PIPE: the stages of a dense linear task's K loop (_linear_acc; 0:
+    a plain loop)."""
+    GPU_CLOCK: tl.constexpr = TRACE == 1
     t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
     while t < num_tasks:
+        if TRACE:
+            claimed = _now(trace_ptr + num_tasks * TW, GPU_CLOCK)
         row = tasks_ptr + t.to(tl.int64) * NF
         op = tl.load(row + F_op)
         c0 = tl.load(row + F_w0)
@@ -1162,6 +1294,9 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
         c1 = tl.load(row + F_w1)
         t1 = tl.load(row + F_t1)
         sig = tl.load(row + F_sig)
+        if PREFETCH > 0:
+            if (op == OP_LINEAR) | (op == OP_LINEAR_SPLIT):
+                _prefetch_weights(row, w_ptr, BLOCK_N, PREFETCH)
         ok = tl.full([], 1, tl.int32)
         if c0 >= 0:
             ok = _wait(ctrl_ptr + 2 + c0, t0, spin_limit).to(tl.int32)
@@ -1169,17 +1304,31 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
             ok = ok * _wait(ctrl_ptr + 2 + c1, t1, spin_limit).to(tl.int32)
         # All threads must see the producers' data before any of them reads it.
         tl.debug_barrier()
+        if TRACE:
+            waited = _now(trace_ptr + num_tasks * TW, GPU_CLOCK)
+        status = tl.full([], 0, tl.int32)
         if ok == 0:
-            tl.atomic_max(ctrl_ptr + 1, t + 1)
+            status = tl.full([], ERR_WAIT, tl.int32)
         else:
-            ran = RUN_TASK(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K,
-                           BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R)
-            if ran == 0:
-                tl.atomic_max(ctrl_ptr + 1, t + 1)
+            status = RUN_TASK(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N,
+                              BLOCK_K, BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R, PIPE).to(tl.int32)
+        if status != 0:
+            tl.atomic_max(ctrl_ptr + 1, (num_tasks - t) * 4 + status)
         # Every thread's stores must be done before the release that publishes them.
         tl.debug_barrier()
+        if TRACE:
+            ran = _now(trace_ptr + num_tasks * TW, GPU_CLOCK)
         if sig >= 0:
             tl.atomic_add(ctrl_ptr + 2 + sig, 1, sem="release")
+        if TRACE:
+            tr = trace_ptr + t.to(tl.int64) * TW
+            tl.store(tr, tl.program_id(0).to(tl.int64))
+            tl.store(tr + 1, _sm_id(GPU_CLOCK).to(tl.int64))
+            tl.store(tr + 2, claimed)
+            tl.store(tr + 3, waited)
+            tl.store(tr + 4, ran)
+            tl.store(tr + 5, _now(trace_ptr + num_tasks * TW, GPU_CLOCK))
+            tl.store(tr + 6, status.to(tl.int64))
         t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
 
 
@@ -1198,6 +1347,16 @@ def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int
     return max(1, min(4, num_tasks))
 
 
+def linear_k_step(meta: dict[str, int], fp8: bool = False, tuning: MegakernelTuning | None = None) -> int:
+    """The K step _linear_acc takes at a launch's constexprs (BLOCK_K, shrunk to the register
+    budgets of `tuning`: the running Triton's, none under the interpreter), for the timeline."""
+    budget = tuning or _BUDGET
+    bk0 = meta["BLOCK_K"] // 2 if fp8 else meta["BLOCK_K"]
+    fit = min(budget.linear_tile // (meta["BLOCK_M"] * meta["BLOCK_N"]) // (2 if fp8 else 1),
+              budget.weight_tile // meta["BLOCK_N"] // (2 if fp8 else 1))
+    return bk0 if bk0 <= fit else max(fit, 16)
+
+
 def megakernel_meta(batch: int, block_n: int, block_k: int, block_t: int, head_dim: int, max_splits: int,
                     max_tiles: int) -> dict[str, int]:
     """The megakernel's constexprs for a graph of `batch` rows at a tiling: what a launch compiles
@@ -1209,10 +1368,29 @@ def megakernel_meta(batch: int, block_n: int, block_k: int, block_t: int, head_d
                 BLOCK_R=min(1024, triton.next_power_of_2(max(1, max_tiles))))
 
 
+@dataclass(frozen=True)
+class KernelVariant:
+    """How the one megakernel is built beyond its tiling: choices measured against each other on a
+    GPU (bench/gpu_timeline.py) before one becomes the default. pipeline: stages of a dense linear
+    task's K loop (0: a plain loop); prefetch: its weight tile into L2 before its dependency wait
+    (0: off; 1: a prefetch per 128-byte line, sm_80+; 2: one bulk prefetch per row, sm_90+)."""
+    pipeline: int = 0
+    prefetch: int = 0
+
+    def constexprs(self) -> dict[str, int]:
+        return dict(PIPE=self.pipeline, PREFETCH=self.prefetch)
+
+    def name(self) -> str:
+        return "+".join([f"pipe{self.pipeline}"] * bool(self.pipeline) + [f"prefetch{self.prefetch}"] * bool(self.prefetch)) \
+            or "plain"
+
+
+
 class Megakernel:
     """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
 
     run_task = step_tasks
+    variant = KernelVariant()
     tuning = megakernel_tuning()   # programs an SM under the running Triton
     options = megakernel_options()   # its launch options (num_warps, maxnreg): those compile_check compiles with
 
@@ -1246,22 +1424,42 @@ class Megakernel:
         if block_m and block_m < self.meta["BLOCK_M"]:
             raise ValueError(f"block_m {block_m} < batch {graph.batch}")
 
-    def launch(self) -> None:
-        """Zero the control buffer and run the graph once (both capturable in a CUDA graph)."""
+    def launch(self, trace: torch.Tensor | None = None) -> None:
+        """Zero the control buffer and run the graph once (both capturable in a CUDA graph). With
+        `trace` (trace_buffer()), the traced build runs and writes each task's row into it."""
+        if self.variant.prefetch and self.weights.device.type != "cuda":
+            raise ValueError("the prefetch variant is GPU code (inline PTX): the interpreter cannot run it")
         self.ctrl.zero_()
+        mode = 0 if trace is None else (1 if self.weights.device.type == "cuda" else 2)
         _megakernel[(self.num_programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
                                           self.weights, self.state, self.out, self.batch, self.ln_eps,
-                                          self.spin_limit, RUN_TASK=self.run_task, **self.options, **self.meta)
+                                          self.spin_limit, self.ctrl if trace is None else trace,
+                                          RUN_TASK=self.run_task, TRACE=mode, **self.variant.constexprs(),
+                                          **self.options, **self.meta)
+
+    def trace_buffer(self) -> torch.Tensor:
+        """Zeros for a traced launch: a row of TRACE_WIDTH int64 per task, then the interpreter's clock."""
+        return torch.zeros((len(self.graph.tasks) + 1) * TRACE_WIDTH, dtype=torch.int64, device=self.ctrl.device)
+
+    def traced_launch(self) -> torch.Tensor:
+        """One launch of the traced build; [tasks, len(TRACE_COLUMNS)] int64 on the host (times in ns
+        on a GPU, ticks of a logical clock under the interpreter). Not for CUDA-graph capture."""
+        buf = self.trace_buffer()
+        self.launch(buf)
+        return buf.view(-1, TRACE_WIDTH)[:len(self.graph.tasks), :len(TRACE_COLUMNS)].cpu()
 
     def raise_on_error(self) -> None:
-        """Synchronising check of the error flag (a timed-out wait skipped that task)."""
-        self.raise_for(int(self.ctrl[CTRL_ERROR].item()), int(self.ctrl[0].item()))
+        """Synchronising check of the error flag (a failed task: see raise_for)."""
+        self.raise_for(int(self.ctrl[CTRL_ERROR].item()), int(self.ctrl[CTRL_CLAIM].item()))
 
     def raise_for(self, err: int, claimed: int) -> None:
-        """Raise for a launch's error flag and claim count, as read from its control buffer."""
+        """Raise for a launch's error flag and claim count, as read from its control buffer: the
+        failed task of lowest index (the root of a cascade of waits that gave up) and what failed."""
         if err:
-            t = self.graph.tasks[err - 1]
-            raise RuntimeError(f"megakernel: task {err - 1} {t.name!r} gave up waiting on {t.waits} "
-                               "(a dependency was never signalled) or has an unknown op")
+            task, kind = decode_error(len(self.graph.tasks), err)
+            if not 0 <= task < len(self.graph.tasks) or kind not in ERR_KINDS:
+                raise RuntimeError(f"megakernel: error flag {err} names no task of this graph")
+            t = self.graph.tasks[task]
+            raise RuntimeError(f"megakernel: task {task} {t.name!r} (waits {t.waits}) {ERR_KINDS[kind]}")
         if claimed < len(self.graph.tasks):
             raise RuntimeError(f"megakernel: only {claimed} of {len(self.graph.tasks)} tasks were claimed")

@@ -40,10 +40,19 @@ class Sampling:
         return self.temperature == 0
 
 
+class NonFiniteLogits(RuntimeError):
+    """A row's logits hold NaN: it has no next token, and its request is refused with this reason
+    rather than decoding on from a token the NaN chose (an index nobody checked)."""
+
+
 def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | None = None,
          generator: torch.Generator | None = None) -> int:
     """The next token of one row from its logits [V]; allowed: bool [V] (None: every token);
-    generator: the uniform's source (None: torch's default, seeded by torch.manual_seed)."""
+    generator: the uniform's source (None: torch's default, seeded by torch.manual_seed).
+    Raises NonFiniteLogits for logits with a NaN."""
+    if bool(torch.isnan(logits).any()):
+        raise NonFiniteLogits(f"the model's logits hold NaN ({int(torch.isnan(logits).sum())} of "
+                              f"{logits.numel()}): no token can be chosen; the request is refused")
     if s.greedy:
         return int(ops.argmax(logits) if allowed is None else ops.argmax(logits, allowed))
     if allowed is not None:
@@ -53,4 +62,4 @@ def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | No
     return int(ops.sample(logits[None], s.temperature, s.top_p, u)[0])
 
 
-__all__ = ["Sampling", "pick"]
+__all__ = ["NonFiniteLogits", "Sampling", "pick"]

@@ -8,6 +8,7 @@ from photon_core.megakernel.ops.base import Eager, Lowering, OpRule, Stage, floa
 from photon_core.megakernel.stepgraph import Node
 
 OP_EMBED = 1          # x[:, n0:n0+BN] = tok_emb[token] * scale + pos_emb[position]
+# (rows / prows: the tables' row counts, so the kernel reads no row outside them, whatever the token)
 
 
 def reference(e: Eager, node: Node) -> torch.Tensor:
@@ -29,7 +30,8 @@ def lower(lo: Lowering, node: Node) -> None:
                    dict(M=B, N=d, n0=n0, w=p.external[a["tok"]][0] if a["tok"] in p.external else W.off(a["tok"]),
                         b=W.off(a["pos"]) if a["pos"] else -1,
                         ldw=p.external[a["tok"]][1] if a["tok"] in p.external else p.ldw[a["tok"]],
-                        scale=float_bits(a["scale"]),
+                        scale=float_bits(a["scale"]), rows=lo.graph.weight_shapes[a["tok"]][0],
+                        prows=lo.graph.weight_shapes[a["pos"]][0] if a["pos"] else 0,
                         out=S.off(node.value.name), **fa),
                    [], st.counter, [lo.dyn_tok, lo.dyn_pos], S.columns(node.value.name, B, d, n0, n1), **fk))
     lo.stage_of[node.value.name] = st

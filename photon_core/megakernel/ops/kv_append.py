@@ -128,6 +128,7 @@ def append_tasks(lo: Lowering, node: Node) -> dict[tuple[int, int], Task]:
                                       w=W.off(rot.cos) if rot else -1, b=W.off(rot.sin) if rot else -1,
                                       out=S.off(node.value.name), kc=lo.cache_off(k), vc=lo.cache_off(v), H=H, Dh=dh,
                                       Tmax=k.spec.length, bi=r, hi=h, ring=int(k.spec.ring),
+                                      rows=lo.graph.weight_shapes[rot.cos][0] if rot else 0,
                                       lnw=W.off(hn.q) if hn is not None and hn.q else -1,
                                       lnb=W.off(hn.k) if hn is not None and hn.k else -1,
                                       norm=0 if hn is None else (hn.q is not None) | (hn.k is not None) << 1 | hn.v << 2,

@@ -1,0 +1,392 @@
+"""Where a decode step's time goes on a GPU, and what the megakernel's build variants change: one
+prepared run (<= ~4 minutes on an H200) for the device tool, results written as each part finishes.
+
+    BENCH_OUT=$OUT python bench/gpu_timeline.py --out $OUT          (device tool, timeout_s ~300)
+    python bench/gpu_timeline.py --dry-run --out /tmp/tl           (CPU: tiny shapes, the interpreter)
+
+Parts, in this order (the first ones are what the next design step needs most):
+1. builds: Moondream 2's text decoder and Whisper tiny.en's decoder at batch 1 on random weights of
+   the real shapes (gpu_proof.families), bf16 weights, fp32 caches filled with history at the
+   positions the first run timed (Moondream 2: 830; Whisper: 224, cross length 1491); each kernel
+   variant handed to a pool of compile processes as soon as its step is built.
+2. peers, while the pool compiles: transformers in one CUDA graph, the same shapes (Phi with
+   Moondream 2's text dims, a StaticCache with the same prefix; Whisper tiny.en's decoder with self
+   and cross StaticCaches), one decode forward + argmax per replay.
+3. per configuration (model, batch, tiling): each variant's logits against the plain build's at the
+   same state (they must agree to rounding: only load scheduling differs), one traced launch of the
+   plain build (and of prefetch, on Moondream 2) analysed by photon_core.megakernel.timeline, then
+   the median CUDA-graph replay of every variant.
+4. Moondream 2 at batch 8 (plain and prefetch), if the budget is left (its build takes ~25 s).
+
+Variants (kernel.KernelVariant): plain (today's build), pipe3 (a 3-stage K loop), prefetch1 / 2
+(each linear task's weight tile into L2 before its dependency wait, per line / one bulk copy per
+row). Tilings: prod (compiler.Tiling(), what photon_core builds) and split (64-column tiles; stages
+with fewer tiles than programs narrowed, then split along K).
+
+Outputs in --out: gpu_timeline.json (rewritten after every part), traces.npz (every trace), and
+what this prints (redirect to gpu_timeline.log). The floor is the step's bytes (weights once,
+K/V read) at the H200's nominal 4.8 TB/s (as the first run's tables); x_copy_rate is the same
+against the device-to-device copy rate measured at the start.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The floor's rate: the H200's nominal HBM bandwidth, as the first run's tables (x floor) used it;
+# the measured copy rate (read + write) is recorded beside it.
+HBM_BYTES_PER_S = 4.8e12
+RESULTS: dict[str, Any] = {}
+TRACES: dict[str, Any] = {}
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f} s] {msg}", flush=True)
+
+
+def save(out: Path) -> None:
+    import numpy as np
+    (out / "gpu_timeline.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    if TRACES:
+        np.savez_compressed(out / "traces.npz", **TRACES)
+
+
+def guarded(name: str, fn: Callable[[], Any]) -> Any:
+    """Run one part; a failure is recorded and the run goes on (a CUDA error that poisons the
+    context fails the parts after it too, each saying so)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001  the run must record every part it can
+        import traceback
+        log(f"{name} FAILED: {type(e).__name__}: {e}")
+        RESULTS.setdefault("failures", []).append(dict(part=name, error=f"{type(e).__name__}: {e}"[:500],
+                                                       trace=traceback.format_exc()[-1500:]))
+        return None
+
+
+# ---------------------------------------------------------------- the steps
+
+
+def families(dry: bool, sms: int) -> dict[str, Any]:
+    """name -> (family, batch, tiling) at real sizes, or tiny ones for the dry run."""
+    from photon_core.gpu_proof.families import MoondreamFamily, WhisperFamily
+    from photon_core.megakernel.compiler import Tiling
+    from photon_core.models.moondream.config import MoondreamConfig, RegionConfig, TextConfig
+    if dry:
+        prod = lambda b: Tiling(64, 64, 16, 2, 1)  # noqa: E731
+        split = lambda b: Tiling(32, 32, 16, 2, 2, min_tasks=4, min_block_n=16, max_split_k=2)  # noqa: E731
+        cfg = MoondreamConfig(text=TextConfig(dim=64, ff_dim=128, n_layers=1, vocab_size=96, max_context=32,
+                                              n_heads=2, n_kv_heads=2, prefix_attn=4),
+                              region=RegionConfig(dim=64, coord_out_dim=64, size_out_dim=128, inner_dim=64))
+        md = dict(cfg=cfg, max_len=32, fixed=(12, 1))
+        wh = dict(shape=(64, 2, 1, 96), max_len=16, enc=8, fixed=(8, -1))
+    else:
+        prod = lambda b: Tiling()  # noqa: E731
+        split = lambda b: Tiling(block_n=64, block_k=max(16, 128 // b), block_t=64, self_splits=4,  # noqa: E731
+                                 cross_splits=8, min_tasks=sms)
+        cfg = MoondreamConfig()
+        md = dict(cfg=cfg, max_len=cfg.text.max_context, fixed=(cfg.text.prefix_attn + 100, 16))
+        wh = dict(shape=(384, 6, 4, 51864), max_len=448, enc=1500, fixed=(224, -9))
+
+    def moondream(tiling: Callable) -> Any:
+        return MoondreamFamily("moondream2", md["cfg"], md["max_len"], tiling, (1, 8), ("bf16",), "bf16",
+                               md["fixed"], md["fixed"])
+
+    def whisper(tiling: Callable) -> Any:
+        return WhisperFamily("whisper-tiny.en", *wh["shape"], wh["max_len"], wh["enc"], tiling, (1, 8), ("bf16",),
+                             "bf16", wh["fixed"], wh["fixed"])
+    return {"moondream2": (moondream, prod, split), "whisper-tiny.en": (whisper, prod, split)}
+
+
+class Config:
+    """One compiled step (model, batch, tiling) at its timed state, and its kernel per variant."""
+
+    def __init__(self, name: str, fam: Any, batch: int, dev: Any) -> None:
+        import torch
+
+        from photon_core.gpu_proof.build import fill
+        self.name, self.fam, self.batch = name, fam, batch
+        t = time.time()
+        fam.load(dev)
+        self.step = step = fam.build(batch, False)
+        w16 = step.weights.to(torch.bfloat16)
+        step.weights = w16
+        self.rows = fam.rows(batch, "timing")
+        fill(step, self.rows, seed=7)
+        takes_tokens = any(n.op == "embed" for n in step.graph_def.nodes)
+        step.set_step(self.rows.tokens if takes_tokens else None, self.rows.positions)
+        for key, value in fam.inputs(batch, self.rows.tokens).items():
+            step.set_input(key, value)
+        self.saved = [x.clone() for x in (step.state, step.dyn, step.out)]
+        self.kernels: dict[str, Any] = {}
+        self.build_s = round(time.time() - t, 1)
+        log(f"built {name}: {len(step.graph.tasks)} tasks, {self.build_s} s (lower + check + encode + fill)")
+
+    def restore(self) -> None:
+        for x, s in zip((self.step.state, self.step.dyn, self.step.out), self.saved):
+            x.copy_(s)
+
+    def kernel(self, variant: Any) -> Any:
+        """The step's whole-graph kernel built as `variant` (its own Megakernel object: the task
+        table and buffers are the step's)."""
+        import copy
+        name = variant.name()
+        if name not in self.kernels:
+            base = self.step.kernel
+            base.weights = self.step.weights
+            k = copy.copy(base)
+            k.variant = variant
+            self.kernels[name] = k
+        return self.kernels[name]
+
+
+def submit_compiles(pool: Any, cfg: Config, variants: list, traced: list) -> None:
+    """Each variant's launch (and each traced launch) compiled in a worker process."""
+    import torch
+    for v in variants:
+        pool.submit(cfg.kernel(v), [torch.bfloat16], f"{cfg.name} {v.name()}")
+    for v in traced:
+        k = cfg.kernel(v)
+
+        class Traced:   # what Prewarm.submit reads of a kernel, launching the traced build
+            weights, graph = k.weights, k.graph
+
+            def launch(self) -> None:
+                k.launch(k.trace_buffer())
+        pool.submit(Traced(), [torch.bfloat16], f"{cfg.name} {v.name()} traced")
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def copy_rate(dev: Any, cuda: bool) -> float:
+    """Bytes per second of a 512 MB device-to-device copy (read + write), the floor's rate."""
+    import torch
+    if not cuda:
+        return 4.0e12
+    a = torch.empty(256 << 20, dtype=torch.int16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 2 * 10 / (time.perf_counter() - t)
+
+
+def replay_us(fn: Callable[[], Any], cuda: bool, iters: int) -> float:
+    from photon_core.gpu_proof.checks import graphed, timer
+    return timer(graphed(fn, cuda), iters, max(3, iters // 10), cuda) * 1e6
+
+
+def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, iters: int) -> None:
+    import torch
+
+    from photon_core.gpu_proof.checks import rel_err
+    from photon_core.gpu_proof.timing import kv_read_bytes
+    from photon_core.megakernel import timeline
+    from photon_core.megakernel.kernel import linear_k_step
+    step = cfg.step
+    logits_name = "logits"
+    floor_bytes = step.weight_bytes_per_step() + kv_read_bytes(step.graph_def, cfg.rows)
+    floor_us = floor_bytes / HBM_BYTES_PER_S * 1e6
+    rows = []
+    plain_logits = None
+    for v in variants:
+        k = cfg.kernel(v)
+        cfg.restore()
+        k.launch()
+        k.raise_on_error()
+        got = step.view(logits_name).clone()
+        if plain_logits is None:
+            plain_logits = got
+        err = rel_err(got, plain_logits)
+        cfg.restore()
+        us = replay_us(k.launch, cuda, iters)
+        k.raise_on_error()
+        rows.append(dict(config=cfg.name, variant=v.name(), us=round(us, 1), rel_err_vs_plain=err,
+                         floor_us=round(floor_us, 1), x_floor=round(us / floor_us, 2),
+                         x_copy_rate=round(us / (floor_bytes / rate * 1e6), 2),
+                         tasks=len(k.graph.tasks), programs=k.num_programs, bytes=floor_bytes))
+        log(f"{cfg.name} {v.name():18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
+        RESULTS.setdefault("timing", []).append(rows[-1])
+    for v in traced:
+        k = cfg.kernel(v)
+        cfg.restore()
+        k.launch()            # warm (the compiled traced build is another kernel)
+        cfg.restore()
+        tr = k.traced_launch()
+        k.raise_on_error()
+        a = timeline.analyse(k.graph, tr, linear_k_step(k.meta))
+        key = f"{cfg.name}.{v.name()}"
+        TRACES[key] = tr.numpy()
+        RESULTS.setdefault("timelines", {})[key] = a
+        print(timeline.report(key, a, unit="ns" if cuda else "ticks"), flush=True)
+    cfg.restore()
+
+
+def peer_phi(dev: Any, cuda: bool, dry: bool, batch: int, prefix: int, iters: int) -> dict:
+    """transformers' Phi (Moondream 2's text decoder) decode step + argmax in one CUDA graph."""
+    import torch
+    from transformers import PhiConfig, PhiForCausalLM, StaticCache
+    if dry:
+        cfg = PhiConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=2, partial_rotary_factor=0.5, max_position_embeddings=64)
+    else:
+        cfg = PhiConfig(vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                        num_attention_heads=32, partial_rotary_factor=0.5, max_position_embeddings=2048)
+    dtype = torch.bfloat16
+    with torch.device(dev):
+        model = PhiForCausalLM(cfg).to(dtype).eval()
+    cache = StaticCache(config=cfg, max_cache_len=prefix + 16)
+    with torch.inference_mode():
+        ids = torch.randint(0, cfg.vocab_size, (batch, prefix), device=dev)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(prefix, device=dev))
+        tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        pos = torch.tensor([prefix], device=dev)
+        nxt = torch.zeros(batch, dtype=torch.long, device=dev)
+
+        def step() -> None:
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+            nxt.copy_(out.logits[:, -1].argmax(-1))
+        us = replay_us(step, cuda, iters)
+    return dict(peer="transformers Phi, one CUDA graph", batch=batch, prefix=prefix, us=round(us, 1))
+
+
+def peer_whisper(dev: Any, cuda: bool, dry: bool, batch: int, position: int, enc: int, iters: int) -> dict:
+    """transformers' Whisper decoder step (tiny.en shapes) + proj_out + argmax in one CUDA graph."""
+    import torch
+    from transformers import EncoderDecoderCache, StaticCache, WhisperConfig, WhisperForConditionalGeneration
+    if dry:
+        cfg = WhisperConfig(vocab_size=96, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                            decoder_attention_heads=2, decoder_ffn_dim=256, encoder_ffn_dim=256,
+                            max_target_positions=16, max_source_positions=enc, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, decoder_start_token_id=1)
+    else:
+        cfg = WhisperConfig(vocab_size=51864, d_model=384, encoder_layers=4, decoder_layers=4,
+                            encoder_attention_heads=6, decoder_attention_heads=6, decoder_ffn_dim=1536,
+                            encoder_ffn_dim=1536, max_target_positions=448, max_source_positions=1500)
+    dtype = torch.bfloat16
+    with torch.device(dev):
+        model = WhisperForConditionalGeneration(cfg).to(dtype).eval()
+    dec = model.model.decoder
+    cache = EncoderDecoderCache(StaticCache(config=cfg, max_cache_len=position + 16),
+                                StaticCache(config=cfg, max_cache_len=enc))
+    enc_out = torch.randn(batch, enc, cfg.d_model, device=dev, dtype=dtype)
+    with torch.inference_mode():
+        ids = torch.randint(0, cfg.vocab_size, (batch, position), device=dev)
+        dec(input_ids=ids, encoder_hidden_states=enc_out, past_key_values=cache, use_cache=True,
+            cache_position=torch.arange(position, device=dev))
+        tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        pos = torch.tensor([position], device=dev)
+        nxt = torch.zeros(batch, dtype=torch.long, device=dev)
+
+        def step() -> None:
+            h = dec(input_ids=tok, encoder_hidden_states=enc_out, past_key_values=cache, use_cache=True,
+                    cache_position=pos).last_hidden_state
+            nxt.copy_(model.proj_out(h[:, -1]).argmax(-1))
+        us = replay_us(step, cuda, iters)
+    return dict(peer="transformers Whisper decoder, one CUDA graph", batch=batch, position=position, us=round(us, 1))
+
+
+# ---------------------------------------------------------------- the run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("BENCH_OUT", ROOT / "bench")))
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes under Triton's interpreter")
+    p.add_argument("--budget-s", type=float, default=240.0, help="skip the optional parts past this")
+    p.add_argument("--iters", type=int, default=100, help="CUDA-graph replays timed per variant")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton
+
+    from photon_core.megakernel.kernel import KernelVariant
+    args.out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    dev = torch.device("cuda" if cuda else "cpu")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 4
+    RESULTS["machine"] = dict(device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)", sms=sms,
+                              python=sys.version.split()[0], torch=torch.__version__, triton=triton.__version__)
+    iters = args.iters if cuda else 2
+    rate = copy_rate(dev, cuda)
+    RESULTS["machine"]["copy_rate_tbps"] = round(rate / 1e12, 2)
+    log(f"{RESULTS['machine']}")
+    save(args.out)
+
+    plain, pipe3 = KernelVariant(), KernelVariant(pipeline=3)
+    pre1, pre2 = KernelVariant(prefetch=1), KernelVariant(prefetch=2)
+    variants = [plain, pipe3, pre1, pre2] if cuda else [plain, pipe3]
+    fams = families(args.dry_run, sms)
+    pool = None
+    if cuda:
+        from photon_core.gpu_proof.prewarm import Prewarm
+        pool = Prewarm()
+
+    # name, family maker, tiling, batch, variants, traced variants
+    plan = [("moondream2 B1 prod", "moondream2", 1, 1, variants, [plain] + [pre2] * cuda),
+            ("whisper-tiny.en B1 prod", "whisper-tiny.en", 1, 1, variants, [plain]),
+            ("moondream2 B1 split", "moondream2", 2, 1, [plain] + [pre2] * cuda, []),
+            ("whisper-tiny.en B1 split", "whisper-tiny.en", 2, 1, [plain] + [pre2] * cuda, [])]
+    configs: list[tuple[Config, list, list]] = []
+    for name, fam_name, tiling_at, batch, vs, tr in plan:
+        make, *tilings = fams[fam_name]
+        cfg = guarded(f"build {name}", lambda: Config(name, make(tilings[tiling_at - 1]), batch, dev))
+        if cfg is None:
+            continue
+        configs.append((cfg, vs, tr))
+        RESULTS.setdefault("builds", {})[name] = dict(tasks=len(cfg.step.graph.tasks), build_s=cfg.build_s)
+        if pool is not None:
+            guarded(f"compile {name}", lambda: submit_compiles(pool, cfg, vs, tr))
+    save(args.out)
+
+    if not args.dry_run or os.environ.get("GPU_TIMELINE_PEERS", "1") == "1":
+        rows = {cfg.name: cfg.rows for cfg, _, _ in configs}
+        md = rows.get("moondream2 B1 prod")
+        wh = rows.get("whisper-tiny.en B1 prod")
+        for label, fn in (("peer phi B1", lambda: peer_phi(dev, cuda, args.dry_run, 1, md.positions[0], iters)),
+                          ("peer whisper B1", lambda: peer_whisper(dev, cuda, args.dry_run, 1, wh.positions[0],
+                                                                    wh.cross_len[0], iters))):
+            r = guarded(label, fn)
+            if r is not None:
+                RESULTS.setdefault("peers", {})[label] = r
+                log(f"{label}: {r['us']} us/step")
+            save(args.out)
+    if pool is not None:
+        RESULTS["compiles"] = pool.wait(max(5.0, args.budget_s - 60 - (time.time() - T0)))
+
+    for cfg, vs, tr in configs:
+        guarded(f"measure {cfg.name}", lambda: measure(cfg, vs, tr, rate, cuda, iters))
+        save(args.out)
+
+    if cuda and time.time() - T0 < args.budget_s - 60:
+        make, prod, _ = fams["moondream2"]
+        cfg = guarded("build moondream2 B8 prod", lambda: Config("moondream2 B8 prod", make(prod), 8, dev))
+        if cfg is not None:
+            guarded("measure moondream2 B8 prod", lambda: measure(cfg, [plain, pre2], [], rate, cuda, iters // 2))
+    else:
+        RESULTS["skipped"] = "moondream2 B8 (budget)"
+    RESULTS["seconds"] = round(time.time() - T0, 1)
+    save(args.out)
+    log(f"done: {len(RESULTS.get('failures', []))} failed parts")
+    if pool is not None:
+        pool.close()
+    return 1 if RESULTS.get("failures") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The traced build of the megakernel and the timeline analysis (Triton's interpreter, Whisper's
+compiled step on tiny random weights; the interpreter's trace counts ticks of a logical clock,
+which orders events as they happened, so the trace's order invariants hold as on a GPU)."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from photon_core.megakernel import timeline  # noqa: E402
+from photon_core.megakernel.compiler import Tiling  # noqa: E402
+from photon_core.megakernel.kernel import linear_k_step  # noqa: E402
+from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel, WhisperDecoderWeights  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def traced():
+    wt = WhisperDecoderWeights.random(64, 2, 1, 96, n_ctx=16, seed=3)
+    step = WhisperDecoderMegakernel(wt, 2, 16, 8, Tiling(32, 64, 16, 2, 2), advance=False)
+    g = torch.Generator().manual_seed(0)
+    step.set_cross_kv([(torch.randn(2, 2, 8, 32, generator=g), torch.randn(2, 2, 8, 32, generator=g))])
+    step.set_step([5, 7], [3, 6])
+    saved = step.state.clone()
+    step.launch()
+    plain = step.view("logits").clone()
+    step.state.copy_(saved)
+    trace = step.kernel.traced_launch()
+    step.kernel.raise_on_error()
+    return step, trace, plain
+
+
+def test_the_traced_build_computes_what_the_plain_one_does(traced):
+    step, _, plain = traced
+    assert torch.equal(step.view("logits"), plain)
+
+
+def test_every_task_has_its_row_in_order(traced):
+    step, trace, _ = traced
+    graph = step.graph
+    col = {name: trace[:, i].numpy() for i, name in enumerate(timeline.COLUMNS)}
+    assert trace.shape == (len(graph.tasks), len(timeline.COLUMNS))
+    assert (col["claimed"] < col["waited"]).all() and (col["waited"] < col["ran"]).all()
+    assert (col["ran"] < col["released"]).all() and (col["status"] == 0).all()
+    assert set(col["program"]) <= set(range(step.kernel.num_programs))
+    # A task sees its inputs only after every producer finished: its wait ended after their bodies.
+    signalers = {}
+    for i, t in enumerate(graph.tasks):
+        signalers.setdefault(t.signal, []).append(i)
+    for i, t in enumerate(graph.tasks):
+        for counter, _ in t.waits:
+            assert all(col["waited"][i] > col["ran"][j] for j in signalers[counter]), (t.name, counter)
+
+
+def test_the_analysis_accounts_for_every_task(traced):
+    step, trace, _ = traced
+    graph = step.graph
+    a = timeline.analyse(graph, trace, linear_k_step(step.kernel.meta))
+    lv = timeline.levels(graph)
+    assert a["tasks"] == len(graph.tasks) and a["levels"] == max(lv) + 1
+    assert sum(r["tasks"] for r in a["level_rows"]) == len(graph.tasks)
+    assert sum(r["tasks"] for r in a["program_rows"]) == len(graph.tasks)
+    assert a["linear_step"]["count"] == sum(t.op in (2, 7) for t in graph.tasks) > 0
+    # Level 0 waits on nothing; every later task waits on a task one level down.
+    assert all(not graph.tasks[i].waits for i, level in enumerate(lv) if level == 0)
+    assert a["failed"] == 0
+    text = timeline.report("whisper", a, unit="ticks")
+    assert "levels" in text and "linear K step" in text
+
+
+def test_a_trace_missing_tasks_is_refused(traced):
+    step, trace, _ = traced
+    cut = trace.clone()
+    cut[3] = 0
+    with pytest.raises(ValueError, match="no trace row"):
+        timeline.analyse(step.graph, cut, 16)
+    with pytest.raises(ValueError, match="does not match"):
+        timeline.analyse(step.graph, np.zeros((2, 7)), 16)
