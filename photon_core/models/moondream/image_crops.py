@@ -1,20 +1,66 @@
-"""Image -> one global crop + overlapping local crops (uint8, RGB), the way Moondream was trained.
+"""Image -> one global crop + overlapping local crops (uint8, RGB), as Moondream's makers make them.
 
 The local crops tile a resized copy of the image; neighbouring crops overlap by `overlap_margin`
 patches on each side so that every kept patch had context (the margins are dropped again when the
-features are stitched, see vision.py). Big frames are shrunk with one cv2.resize (INTER_AREA) to the
-tiling's target size first, so a 12-megapixel frame costs a few milliseconds, not a slow path.
+features are stitched, see vision.py).
+
+Why the pipeline is what it is. The encoder was trained on crops made one way, and the decoder
+amplifies small input differences: with crops from another resampler (cv2 INTER_AREA/INTER_CUBIC,
+the global crop taken from the resized copy) a Moondream 2 checkpoint's logits were ~4e-3 off the
+public reference's and a greedy caption took another word after a dozen tokens (issue 41). So:
+
+- Both resizes start from the ORIGINAL image, each with Lanczos-3: the canvas the local crops tile
+  (`target_size`) and the global crop (crop_size x crop_size). The public reference (vikhyat/moondream
+  moondream/torch/image_crops.py) does this with PIL `Image.resize(..., LANCZOS)` when pyvips is not
+  installed; `resampler="pil"` gives PIL's output byte for byte (Moondream 2). pyvips is not used:
+  its resize does not give PIL's bytes (libvips 8.18, measured: 5-25 levels apart shrinking, most
+  pixels and up to ~200 levels apart enlarging, since it places samples differently), so crops do
+  not depend on what else is installed.
+- Moondream 3 follows the makers' engine (m87-labs/kestrel, kestrel/models/moondream/image_crops.py):
+  the same two resizes from the original, with its native Lanczos-3 (kestrel_native.resize_lanczos3,
+  the PyPI package kestrel-native). `resampler="kestrel"` uses that function when it is installed and
+  PIL's Lanczos-3 otherwise: the same filter from the same image, but not the same bytes (measured
+  with kestrel-native 0.1.9: mean difference about one level, at most ~13 on smooth pictures and
+  ~45 on noise, heavy shrinking the largest).
+- Lanczos-3 costs more than the cv2 path did (bench/RESULTS.md, "Moondream crops"): the model lets
+  a caller make the crops ahead, off the batch's critical path (MoondreamModel.prepare in a camera's
+  own thread; a Crops goes into any skill as its image). PIL releases the GIL while it resizes, and
+  the two resizes of one image run on two threads.
+- Normalisation to [-1, 1] is vision.normalize's (through bfloat16 for Moondream 2, as the
+  reference's prepare_crops; in the model's dtype for Moondream 3, as kestrel's).
 """
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
-import cv2
 import numpy as np
+from PIL import Image
 
 # Image input (any array / PIL image -> [H, W, 3] uint8 RGB) is runtime.image_input's; the name
 # stays importable here for the tests written against it.
 from photon_core.runtime.image_input import to_rgb as to_rgb_array  # noqa: F401
+
+RESAMPLERS = ("pil", "kestrel")
+# Below this many source pixels the second thread costs about what it saves.
+_PARALLEL_MIN_PIXELS = 200_000
+_pool: ThreadPoolExecutor | None = None
+
+
+@dataclass(frozen=True)
+class Crops:
+    """An image made into the encoder's crops ahead of a request (MoondreamModel.prepare): any
+    skill takes it as its image and skips the resizing. `resampler`, `crop_size`, `patch_size`,
+    `overlap_margin` and `max_crops`: how it was made, checked against the model that reads it."""
+    crops: np.ndarray              # [1 + rows*cols, crop, crop, 3] uint8, crops[0] the global one
+    tiling: tuple[int, int]        # (rows, cols)
+    resampler: str
+    crop_size: int
+    patch_size: int
+    overlap_margin: int
+    max_crops: int
 
 
 def select_tiling(height: int, width: int, crop_size: int, max_crops: int) -> tuple[int, int]:
@@ -36,37 +82,67 @@ def select_tiling(height: int, width: int, crop_size: int, max_crops: int) -> tu
     return (max(1, h_tiles), max(1, w_tiles))
 
 
-def _resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    if image.shape[0] == height and image.shape[1] == width:
-        return image
-    # Shrinking: INTER_AREA averages the source pixels (no aliasing). Its exact-2x case is several
-    # times faster than a general ratio, so big frames are first halved (dropping at most one odd
-    # row/column) while both sides stay >= 2x the target, then resized once.
-    while image.shape[0] >= 2 * height and image.shape[1] >= 2 * width:
-        h, w = image.shape[0] // 2, image.shape[1] // 2
-        image = cv2.resize(image[:2 * h, :2 * w], (w, h), interpolation=cv2.INTER_AREA)
-    shrink = height <= image.shape[0] and width <= image.shape[1]
-    return cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
+def target_size(height: int, width: int, crop_size: int = 378, patch_size: int = 14, overlap_margin: int = 4,
+                max_crops: int = 12) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((rows, cols), (canvas height, canvas width)): the tiling of an image of this size and the size
+    the image is resized to for its local crops (rows x cols kept windows plus one margin each side)."""
+    margin = patch_size * overlap_margin
+    window = crop_size - 2 * margin  # the part of each local crop that is kept after stitching
+    rows, cols = select_tiling(height - 2 * margin, width - 2 * margin, window, max_crops)
+    return (rows, cols), (rows * window + 2 * margin, cols * window + 2 * margin)
+
+
+def kestrel_native() -> Any:
+    """The kestrel-native module (the makers' engine's native resize) when installed, else None."""
+    try:
+        import kestrel_native as kn  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return kn
+
+
+def resize_lanczos3(image: np.ndarray, height: int, width: int, resampler: str = "pil") -> np.ndarray:
+    """[H, W, 3] uint8 RGB -> [height, width, 3] uint8 with Lanczos-3: PIL's `Image.resize(..., LANCZOS)`
+    ("pil"), or kestrel's native resize where installed ("kestrel"; PIL's otherwise)."""
+    if resampler not in RESAMPLERS:
+        raise ValueError(f"resampler must be one of {RESAMPLERS}, not {resampler!r}")
+    image = np.ascontiguousarray(image)
+    if resampler == "kestrel":
+        kn = kestrel_native()
+        if kn is not None:
+            return np.asarray(kn.resize_lanczos3(image, height, width))
+    if image.shape[:2] == (height, width):
+        return image   # PIL returns such an image unchanged
+    return np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.LANCZOS))
+
+
+def _in_background(fn: Any, *args: Any) -> Future:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moondream-crops")
+    return _pool.submit(fn, *args)
 
 
 def make_crops(image: np.ndarray, crop_size: int = 378, patch_size: int = 14, overlap_margin: int = 4,
-               max_crops: int = 12) -> tuple[np.ndarray, tuple[int, int]]:
+               max_crops: int = 12, resampler: str = "pil") -> tuple[np.ndarray, tuple[int, int]]:
     """HxWx3 uint8 RGB -> (crops [1 + rows*cols, crop, crop, 3] uint8, (rows, cols)).
 
-    crops[0] is the whole image squashed to crop x crop; crops[1:] are the local crops in row-major order.
-    """
+    crops[0] is the whole image resized to crop x crop; crops[1:] are the local crops in row-major
+    order, cut from the image resized to target_size. Both resizes start from `image` (see the
+    module docstring for why, and for `resampler`)."""
     h, w = image.shape[:2]
-    margin = patch_size * overlap_margin
-    window = crop_size - 2 * margin  # the part of each local crop that is kept after stitching
-    rows, cols = select_tiling(h - 2 * margin, w - 2 * margin, window, max_crops)
-    target_h, target_w = rows * window + 2 * margin, cols * window + 2 * margin
-
+    (rows, cols), (target_h, target_w) = target_size(h, w, crop_size, patch_size, overlap_margin, max_crops)
+    window = crop_size - 2 * patch_size * overlap_margin
     crops = np.empty((1 + rows * cols, crop_size, crop_size, 3), dtype=np.uint8)
-    resized = _resize(image, target_h, target_w)
-    # The global view comes from the already-reduced copy: same picture, a fraction of the pixels.
-    crops[0] = _resize(resized, crop_size, crop_size)
+    if h * w >= _PARALLEL_MIN_PIXELS:
+        pending = _in_background(resize_lanczos3, image, crop_size, crop_size, resampler)
+        canvas = resize_lanczos3(image, target_h, target_w, resampler)
+        crops[0] = pending.result()
+    else:
+        canvas = resize_lanczos3(image, target_h, target_w, resampler)
+        crops[0] = resize_lanczos3(image, crop_size, crop_size, resampler)
     for i in range(rows):
         for j in range(cols):
             y0, x0 = i * window, j * window
-            crops[1 + i * cols + j] = resized[y0:y0 + crop_size, x0:x0 + crop_size]
+            crops[1 + i * cols + j] = canvas[y0:y0 + crop_size, x0:x0 + crop_size]
     return crops, (rows, cols)

@@ -100,6 +100,10 @@ class MoondreamModel:
     # Tokens a reasoning may not pick from its second token on (TokenizerConfig field names): the
     # public reference's, as kestrel keeps them for Moondream 2 only.
     reasoning_barred: tuple[str, ...] = ("eos_id", "size_id")
+    # How an image becomes the encoder's input (image_crops.py's docstring says why): Moondream 2's
+    # as the public reference makes it (PIL's Lanczos-3, normalised through bfloat16).
+    resampler: str = "pil"
+    normalize_via: torch.dtype | None = torch.bfloat16
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2",
@@ -116,11 +120,27 @@ class MoondreamModel:
             self.decode = MegakernelDecode(self, tiling or Tiling(), max_len)
 
     # -- image -------------------------------------------------------------------------------
-    def preprocess(self, image: ImageLike, channel_order: str = "rgb") -> tuple[np.ndarray, tuple[int, int]]:
-        """Image -> (uint8 crops [1 + rows*cols, S, S, 3], tiling). Cheap: one resize per crop set."""
+    def prepare(self, image: ImageLike, channel_order: str = "rgb") -> image_crops.Crops:
+        """Image -> its crops, made ahead of a request (a few to tens of ms of CPU, see bench/RESULTS.md):
+        call it in the caller's own thread (a camera's worker) and pass the Crops as the image of any
+        skill, so that the model's batch does not wait on the resizing."""
         v = self.config.vision
-        rgb = to_rgb(image, channel_order)
-        return image_crops.make_crops(rgb, v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops)
+        crops, tiling = image_crops.make_crops(to_rgb(image, channel_order), v.crop_size, v.enc_patch_size,
+                                               v.overlap_margin, v.max_crops, self.resampler)
+        return image_crops.Crops(crops, tiling, self.resampler, v.crop_size, v.enc_patch_size,
+                                 v.overlap_margin, v.max_crops)
+
+    def preprocess(self, image: ImageLike | image_crops.Crops, channel_order: str = "rgb"
+                   ) -> tuple[np.ndarray, tuple[int, int]]:
+        """Image -> (uint8 crops [1 + rows*cols, S, S, 3], tiling); a Crops (prepare) as it is."""
+        if not isinstance(image, image_crops.Crops):
+            image = self.prepare(image, channel_order)
+        v = self.config.vision
+        made = (image.resampler, image.crop_size, image.patch_size, image.overlap_margin, image.max_crops)
+        if made != (self.resampler, v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops):
+            raise ValueError(f"these crops were made for another model (resampler, crop, patch, margin, "
+                             f"max crops {made}); prepare the image with this one")
+        return image.crops, image.tiling
 
     def encode_image(self, image: ImageLike | EncodedImage, settings: dict | None = None,
                      channel_order: str = "rgb") -> EncodedImage:
@@ -141,7 +161,8 @@ class MoondreamModel:
         return EncodedImage(empty, empty, 0, (0, 0), id(self), causal=True)
 
     @torch.inference_mode()
-    def encode_images(self, images: list[ImageLike], channel_order: str = "rgb", lora: Any = None) -> list[EncodedImage]:
+    def encode_images(self, images: list[ImageLike | image_crops.Crops], channel_order: str = "rgb",
+                      lora: Any = None) -> list[EncodedImage]:
         """Several images in one pass, as serving several cameras wants: all their crops go through
         the vision encoder together and their [BOS][image] prefixes are prefilled as one batch
         (with the variant adapter `lora`, skills.variant)."""
@@ -157,14 +178,15 @@ class MoondreamModel:
                 for i, tiling in enumerate(tilings)]
 
     @torch.inference_mode()
-    def image_tokens(self, images: list[ImageLike], channel_order: str = "rgb"
+    def image_tokens(self, images: list[ImageLike | image_crops.Crops], channel_order: str = "rgb"
                      ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
         """The images' input embeddings for the text decoder ([image tokens, dim] each, all crops
         through the vision encoder together) and their tilings."""
         cfg = self.config
         prepared = [self.preprocess(image, channel_order) for image in images]
         crops = np.concatenate([c for c, _ in prepared])
-        feats = vision.encode_crops(vision.normalize(crops, self.dtype, self.device), self.vision_w, cfg.vision, self.ops)
+        x = vision.normalize(crops, self.dtype, self.device, self.normalize_via)
+        feats = vision.encode_crops(x, self.vision_w, cfg.vision, self.ops)
         tokens, start = [], 0
         for own_crops, tiling in prepared:
             end = start + len(own_crops)

@@ -1,9 +1,10 @@
 """The loaded Moondream 3 model: Moondream 2's model with Moondream 3's text decoder and region head.
 
-Everything the architectures share is Moondream 2's code: image crops, the vision encoder and
-projection, the prefill of [BOS][image tokens], the skills (detect, point, caption, query) and the
-batched decoding (moondream/batch.py), which reach the decoder and region head through
-`text_impl` / `region_impl`. Segment is Moondream 3's own (segment.py).
+Everything the architectures share is Moondream 2's code: image crops (made and normalised as
+kestrel makes them: `resampler`, `normalize_via`), the vision encoder and projection, the prefill
+of [BOS][image tokens], the skills (detect, point, caption, query) and the batched decoding
+(moondream/batch.py), which reach the decoder and region head through `text_impl` / `region_impl`.
+Segment is Moondream 3's own (segment.py).
 
 With the megakernel backend every decode step (detect/point/caption/query through Moondream 2's
 megakernel_decode.py, and segment) is one launch of Moondream 3's compiled step (decoder_step.py);
@@ -99,6 +100,11 @@ class Moondream3Model(MoondreamModel):
     # kestrel bars no token while Moondream 3 reasons (its query skill's suppressed_token_ids are
     # Moondream 2's only): eos there ends the request (batch.py).
     reasoning_barred = ()
+    # Crops as kestrel makes them (its image_crops.py / vision.py prepare_crops): the reference's
+    # two Lanczos-3 resizes from the original with its native resize (kestrel-native, where
+    # installed; PIL's Lanczos-3 otherwise), normalised in the model's dtype.
+    resampler = "kestrel"
+    normalize_via = None
 
     def __init__(self, config: Moondream3Config, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream3",
