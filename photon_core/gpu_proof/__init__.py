@@ -3,7 +3,10 @@ parts a driver runs per family, batch and weight dtype; bench/gpu_proof.py is th
 `--dry-run` runs the same parts on the CPU interpreter at tiny shapes (the tests do).
 
     checks      bookkeeping: Sizes, Checks, Ctx (results written after every configuration),
-                error measures, CUDA-event timing
+                error measures, the rule a step's values are judged by (judge_profile),
+                CUDA-event timing
+    float64     the fp32 reference run in float64 (the truth of that rule)
+    profile     a launched step's per-layer errors against float64, beside the fp32 reference's
     families    Whisper's and Moondream 2's decode steps on random weights of real shapes
                 (families compiled from their step graph alone: megakernel.graph_family)
     build       compiled steps shared by every part, and what the parts do to their buffers

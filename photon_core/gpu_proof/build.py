@@ -117,6 +117,23 @@ def fill(step, rows: Rows, seed: int) -> dict:
     return ref
 
 
+def adopt_history(step, caches: dict, positions: list[int]) -> None:
+    """Make the references' history the megakernel's own (in place in `caches`): each row's valid
+    entries of the caches the step appends to (below its position; a ring's every slot once full)
+    and the recurrent states. Steps apart, the two histories differ by their rounding, which a
+    recurrent state accumulates step after step: a step judged against float64 starts from one."""
+    import torch
+    g = step.graph_def
+    dev = step.state.device
+    appended = {n.args[k].spec.name for n in g.nodes if n.op == "kv_append" for k in ("k", "v")}
+    for name in appended:
+        spec = g.caches[name]
+        valid = torch.arange(spec.length, device=dev)[None, :] < torch.tensor(positions, device=dev)[:, None]
+        caches[name].copy_(torch.where(valid[:, None, :, None], step.view(name).float(), caches[name]))
+    for name in g.states:
+        caches[name].copy_(step.view(name))
+
+
 @contextlib.contextmanager
 def preserved(step) -> Iterator[None]:
     """Restore the step's state, dyn and results afterwards (CUDA-graph capture runs the launch a

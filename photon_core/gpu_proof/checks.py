@@ -12,11 +12,104 @@ from pathlib import Path
 from typing import Any, Callable
 
 PARTS = ("steps", "stress", "poison", "control", "liveness", "rounds", "timing")
-TOL = 1e-3            # max |mk - ref| / max |ref|, both dtypes (the references use the arena's weights)
+# The floor of the tolerance against the fp32 reference at the steps not run in float64 (max |mk -
+# ref| / max |ref|, both weight dtypes: the references use the arena's weights); above it the
+# tolerance follows the noise the configuration's float64 steps measured (tolerance()).
+TOL = 1e-3
 # Polls before a wait gives up (~1 s; the longest legitimate wait, 3 programs behind a whole LM
 # head, is milliseconds): a lost signal becomes an error, not a hang that eats the GPU session.
 GPU_SPIN_LIMIT = 1 << 20
 FP32_NOTE = 1e-4      # fp32 errors above this are flagged in the summary (expected: ~1e-6)
+
+# ---------------------------------------------------------------------------------------------------
+# The rule a step's values are judged by (issue 37, item 2)
+#
+# The megakernel and stepgraph.run_reference are two fp32 computations of the same math; neither is
+# the truth. At two steps of every configuration (the first, and the last that runs the whole
+# graph, from the megakernel's own history: profile.float64_steps, build.adopt_history) and at the
+# stress probe's fixed inputs, the reference is also run in float64 on the same weights (as the
+# arena holds them), history and inputs (gpu_proof.float64), and both are measured against it: per value
+# e = max |x - x64| / max |x64|; per layer (the values named L<i>., the K/V that layer appends and
+# the states it updates; "in" before the first layer, "out" after the last) the worst of them, in
+# graph order: the error profile (gpu_proof.profile).
+#
+# fp32 rounding grows smoothly with depth in both profiles alike (Gemma 4 E2B's 35 layers at real
+# shapes: ~1.2x a layer, to ~1e-3 at the logits, which a fixed 1e-3 tolerance judged a failure). A
+# defect (a wrong tile, a stale read, a perturbed weight) is an error the fp32 reference does not
+# make: the megakernel's profile steps up at the layer it sits in and stays up. So a profile passes
+# when at every layer
+#     mk <= NOISE_RATIO * max(envelope, NOISE_FLOOR),  envelope = max of ref32 up to this layer
+# and the first layer that breaks it is where the defect is (later ones inherit it). The envelope
+# (a running maximum) because noise only accumulates with depth, while one value's error at one
+# layer rises and falls with its magnitude (Gemma 4 E2B at real shapes on the CPU: ref32 2e-4 at
+# one layer after 9e-4 at the one before). NOISE_FLOOR keeps layers the fp32 reference computes
+# almost exactly (an embedding lookup: 0) from demanding exactness. NOISE_RATIO leaves room for
+# another summation order (split-K, tiles, online softmax): a third fp32 computation with rounding
+# of its own (every op's result moved by a random ulp) stayed within 3.7x of the reference's
+# envelope at every layer of Gemma 4 E2B (35 layers, 4 seeds) and 1.4x of Qwen 3.5 0.8B's (24
+# layers; 3 seeds), measured on the CPU at real shapes (bf16 weights); a defect is orders of
+# magnitude above it. A profile whose fp32 reference is itself off by more than REF_NOISE_LIMIT is
+# refused: there, noise would hide a defect.
+#
+# The other steps have only the fp32 reference; they are held to tolerance(profile): CAL times the
+# largest error the float64 steps measured (mk or ref32, any layer), never less than TOL, i.e. the
+# noise this very configuration showed, with room for the steps' other positions. Argmax picks
+# that differ must be near-ties within the same tolerance.
+NOISE_RATIO = 8.0
+NOISE_FLOOR = 1e-6
+REF_NOISE_LIMIT = 1e-2
+CAL = 4.0
+
+
+@dataclass
+class Profile:
+    """One step's per-layer errors against the float64 reference, in graph order: the megakernel's
+    (`mk`) and the fp32 reference's (`ref32`) worst relative error over each layer's entries."""
+    layers: list[str]
+    mk: list[float]
+    ref32: list[float]
+
+    def envelope(self) -> list[float]:
+        """The fp32 reference's error as noise accumulates: its running maximum over the layers."""
+        out, m = [], 0.0
+        for r in self.ref32:
+            m = max(m, r)
+            out.append(m)
+        return out
+
+    def bound(self, i: int) -> float:
+        return NOISE_RATIO * max(self.envelope()[i], NOISE_FLOOR)
+
+    def worst_ratio(self) -> tuple[float, str]:
+        """The largest mk / max(envelope, floor) over the layers, and its layer."""
+        env = self.envelope()
+        ratios = [(self.mk[i] / max(env[i], NOISE_FLOOR), self.layers[i]) for i in range(len(self.layers))]
+        return max(ratios, default=(0.0, "-"))
+
+    def summary(self) -> dict:
+        ratio, where = self.worst_ratio()
+        return dict(layers=self.layers, mk=self.mk, ref32=self.ref32, worst_ratio=ratio, worst_layer=where)
+
+
+def judge_profile(p: Profile) -> str | None:
+    """None when the profile is fp32 noise by the rule above, else why not (naming the layer)."""
+    worst_ref = max(p.ref32, default=0.0)
+    if not worst_ref <= REF_NOISE_LIMIT:     # inf / NaN too: finite patterns that disagree
+        at = p.layers[p.ref32.index(worst_ref)] if worst_ref in p.ref32 else "?"
+        return (f"the fp32 reference itself is off by {worst_ref:.1e} from float64 at layer {at} "
+                f"(limit {REF_NOISE_LIMIT:.0e}): noise this large would hide a defect")
+    for i, layer in enumerate(p.layers):
+        if not p.mk[i] <= p.bound(i):
+            return (f"layer {layer}: megakernel error {p.mk[i]:.1e} against float64, fp32 reference "
+                    f"{p.ref32[i]:.1e} (bound {p.bound(i):.1e} = {NOISE_RATIO:g} x max(its envelope, "
+                    f"{NOISE_FLOOR:.0e})): a step in the profile, not fp32 noise")
+    return None
+
+
+def tolerance(profiles: list[Profile]) -> float:
+    """The tolerance against the fp32 reference at the other steps (the rule above)."""
+    noise = max((max(p.mk + p.ref32, default=0.0) for p in profiles), default=0.0)
+    return max(TOL, CAL * noise)
 
 
 @dataclass(frozen=True)
@@ -139,9 +232,11 @@ def over_budget(ctx: Ctx, what: str, need_s: float = 20.0) -> bool:
 
 def rel_err(got, want) -> float:
     """max |got - want| / max |want| over the entries where `want` is finite; inf when the two
-    disagree on which entries are finite (a NaN or a lost -inf mask)."""
+    disagree on which entries are finite (a NaN or a lost -inf mask). In float64 when `want` is
+    (the float64 reference), else in fp32."""
     import torch
-    got, want = got.float(), want.float()
+    dt = torch.float64 if want.dtype == torch.float64 else torch.float32
+    got, want = got.to(dt), want.to(dt)
     finite = torch.isfinite(want)
     if not torch.equal(torch.isfinite(got), finite) or not bool(
             torch.equal(got[~finite], want[~finite]) if (~finite).any() else True):
