@@ -222,7 +222,9 @@ def test_skills_match_reference(pair, encoded):
     assert fast.decode.decoder(4).weights is fast.decode.decoder(1).weights   # one copy of the weights
     # segment: unmasked greedy decode with the region heads in the same launch
     # segment (what model.segment formats): path words, coordinates and sizes, each from one launch
-    prompt = seg.segment_prompt(ref_m, "cup")
+    # "dog": on this image's crops (Lanczos-3, issue 41) the random model reaches every branch of
+    # the protocol within 6 steps for it ("cup" takes 12).
+    prompt = seg.segment_prompt(ref_m, "dog")
     words, coords, sizes = seg.decode(ref_m, ref_e, prompt, 6)
     assert words and coords and sizes    # every branch of the protocol runs in these 6 steps
     assert seg.decode(fast, fast_e, prompt, 6) == (words, coords, sizes)

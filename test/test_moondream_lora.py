@@ -28,7 +28,7 @@ from safetensors.torch import save_file  # noqa: E402
 import moondream_fixtures as mf  # noqa: E402
 from photon_core.backends import reference as ref_ops  # noqa: E402
 from photon_core.backends.select import get_backend  # noqa: E402
-from photon_core.models.moondream import image_crops, load_moondream, lora, text, vision  # noqa: E402
+from photon_core.models.moondream import load_moondream, lora, text  # noqa: E402
 from photon_core.models.moondream.config import MoondreamConfig  # noqa: E402
 
 REF = os.environ.get("MOONDREAM_REF_SRC")
@@ -87,6 +87,7 @@ def ref_model(model):
     pkg = types.ModuleType("moondream")  # bypass the package __init__; load moondream.torch.* only
     pkg.__path__ = [str(Path(REF) / "moondream")]
     sys.modules["moondream"] = pkg
+    import moondream.torch.image_crops as ric
     import moondream.torch.lora as rlora
     import moondream.torch.moondream as rmd
     import moondream.torch.text as rtext
@@ -95,9 +96,15 @@ def ref_model(model):
     mp = pytest.MonkeyPatch()
     mp.setattr(rmd, "Tokenizer", types.SimpleNamespace(from_pretrained=lambda name: mf.build_tokenizer()))
 
-    def prepare_crops(image, config, device):   # ours, so both models see identical pixels
-        crops, tiling = image_crops.make_crops(np.asarray(image.convert("RGB")))
-        return vision.normalize(crops, torch.float32, device), tiling
+    # The reference's own crops, as in test_moondream_reference: PIL's resize (not pyvips), its
+    # bfloat16-normalised crops cast for the float32 model.
+    mp.setattr(ric, "HAS_VIPS", False)
+    mp.setattr(ric, "Image", Image, raising=False)
+    ref_prepare = rmd.prepare_crops
+
+    def prepare_crops(image, config, device):
+        crops, tiling = ref_prepare(image, config, device)
+        return crops.to(torch.float32), tiling
 
     mp.setattr(rmd, "prepare_crops", prepare_crops)
     ref = rmd.MoondreamModel(RConfig.from_dict(mf.small_config(vision_layers=27)), dtype=torch.float32)

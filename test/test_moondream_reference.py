@@ -1,11 +1,13 @@
 """Our Moondream 2 against the public reference implementation (vikhyat/moondream, moondream/torch),
 on the same small random weights, in float32.
 
-Needs a checkout of that repository: set MOONDREAM_REF_SRC to the folder holding `moondream/torch/`.
-Skipped otherwise (nothing is downloaded). The reference is used as-is except for two things it would
-otherwise fetch or fix: its tokenizer (Tokenizer.from_pretrained, a download) is replaced by our test
-tokenizer, and its crop preparation (which hard-codes bfloat16 and PIL/pyvips resampling) by ours, so
-both models see identical pixels; the crop *layout* rule is compared separately.
+Needs a checkout of that repository: set MOONDREAM_REF_SRC to the folder holding `moondream/torch/`
+(e.g. `git archive 44146f1 moondream` of github.com/vikhyat/moondream, unpacked). Skipped otherwise
+(nothing is downloaded). The reference is used as-is except for its tokenizer (Tokenizer.from_pretrained,
+a download), replaced by our test tokenizer, and two pins on its crop preparation: PIL's resize (the
+reference takes pyvips when that is installed, whose bytes differ: image_crops.py's docstring), and
+its bfloat16-normalised crops cast to float32 (its float32 encoder would refuse bfloat16 input), as
+ours are. Each model makes its own crops from the same picture.
 
 The reference hard-codes a 27x27 crop grid via `enc_n_layers` and a 2048 context, and its rotary code
 assumes head_dim 64; the checkpoint here therefore keeps 27 vision layers (tiny width) and head_dim 64.
@@ -54,9 +56,14 @@ def pair(ref_modules):
     mp = pytest.MonkeyPatch()
     mp.setattr(ref_modules.moondream, "Tokenizer", types.SimpleNamespace(from_pretrained=lambda name: tok))
 
-    def prepare_crops(image, config, device):
-        crops, tiling = image_crops.make_crops(np.asarray(image.convert("RGB")))
-        return vision.normalize(crops, torch.float32, device), tiling
+    mp.setattr(ref_modules.image_crops, "HAS_VIPS", False)
+    mp.setattr(ref_modules.image_crops, "Image", Image, raising=False)   # imported only without pyvips
+    ref_prepare = ref_modules.moondream.prepare_crops
+
+    def prepare_crops(image, config, device):   # the reference's own, cast as the float32 model needs
+        crops, tiling = ref_prepare(image, config, device)
+        assert crops.dtype == torch.bfloat16
+        return crops.to(torch.float32), tiling
 
     mp.setattr(ref_modules.moondream, "prepare_crops", prepare_crops)
     ref = ref_modules.moondream.MoondreamModel(ref_modules.Config.from_dict(mf.small_config(vision_layers=27)),
@@ -76,6 +83,17 @@ def test_tiling_rule_matches(ref_modules):
     for h in range(100, 4200, 97):
         for w in range(100, 4200, 131):
             assert image_crops.select_tiling(h, w, 266, 12) == ref_modules.image_crops.select_tiling(h, w, 266, 12), (h, w)
+
+
+@pytest.mark.parametrize("h,w", [(50, 60), (250, 300), (300, 520), (600, 800), (1080, 1440), (3000, 400)])
+def test_crops_and_normalisation_equal_the_references(pair, ref_modules, h, w):
+    """Byte for byte, and the normalised tensors bit for bit (the reference's, pinned to PIL)."""
+    picture = _frame(h, w, seed=w)
+    ours, tiling = image_crops.make_crops(picture)
+    want = ref_modules.image_crops.overlap_crop_image(picture, overlap_margin=4, max_crops=12)
+    assert tiling == want["tiling"] and np.array_equal(ours, want["crops"])
+    x, ref_tiling = ref_modules.moondream.prepare_crops(Image.fromarray(picture), pair[1].config.vision, "cpu")
+    assert ref_tiling == tiling and torch.equal(vision.normalize(ours, torch.float32, "cpu"), x)
 
 
 def test_vision_encoder_matches(pair, picture):
@@ -163,3 +181,87 @@ def test_caption_and_query_match(pair, picture):
         ours.text_w.lm_head[1][mf.COORD_ID] += 100.0
         with torch.no_grad():
             ref.text["lm_head"].bias[mf.COORD_ID] += 100.0
+
+
+# -- every logit of long greedy answers, each model making its own crops (issue 41) ---------------
+
+def _frame(h: int, w: int, seed: int) -> np.ndarray:
+    """A fixed picture: smooth shapes plus noise (where resamplers' details show)."""
+    y, x = np.mgrid[0:h, 0:w]
+    smooth = np.stack([128 + 100 * np.sin(x / 9 + c) * np.cos(y / 13 - c) for c in range(3)], -1)
+    noise = np.random.default_rng(seed).normal(0, 25, smooth.shape)
+    return np.clip(smooth + noise, 0, 255).astype(np.uint8)
+
+
+def _record_logits(mp: pytest.MonkeyPatch, module, name: str, log: list) -> None:
+    """Every call of module.name (hidden -> logits) appends the last row's logits, as computed."""
+    original = getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        out = original(*args, **kwargs)
+        log.append(out.detach().reshape(-1, out.shape[-1])[-1].float().clone())
+        return out
+    mp.setattr(module, name, recorded)
+
+
+@pytest.mark.parametrize("h,w,tiling", [(250, 300, (1, 1)),      # smaller than a crop: enlarged
+                                        (1080, 1440, (3, 3))])   # larger than its canvas: shrunk
+def test_long_greedy_answers_match_logit_for_logit(pair, ref_modules, h, w, tiling):
+    """Prefill and every step of a 64-token greedy caption and of two spatial-reference queries (a
+    point, a box): logits within 1e-5 of the reference's (float32 both), the same 64 tokens. Each
+    model makes its crops from the picture itself, so crops or normalisation that are not the
+    reference's show here (the prefill's logits were ~8e-3 apart, and a caption took another word
+    after a dozen tokens)."""
+    from photon_core.models.moondream import text as our_text
+    ours, ref = pair
+    picture = _frame(h, w, seed=h)
+    assert image_crops.target_size(h, w)[0] == tiling
+    answer_id = ours.config.tokenizer.answer_id
+    mp = pytest.MonkeyPatch()
+    # Ordinary words, never eos: all 64 tokens are decoded (the checkpoint favours coord tokens by
+    # +100). Eos only by -20: a logit near 100 would be 1e-5 off from one float32 rounding alone.
+    biases = [(mf.COORD_ID, -100.0), (mf.EOS_ID, -20.0)]
+    for token, delta in biases:
+        ours.text_w.lm_head[1][token] += delta
+        with torch.no_grad():
+            ref.text["lm_head"].bias[token] += delta
+    try:
+        pil = Image.fromarray(picture)
+        renc = ref.encode_image(pil)
+        assert renc.pos == 730
+        greedy = {"temperature": 0, "max_tokens": 64}
+        calls = [("caption", lambda m, img: m.caption(img, "normal", settings=greedy)["caption"]),
+                 ("point ref", lambda m, img: m.query(img, "what is this ?", spatial_refs=[(0.3, 0.6)],
+                                                      settings=greedy)["answer"]),
+                 ("box ref", lambda m, img: m.query(img, "what is this ?", spatial_refs=[(0.1, 0.2, 0.7, 0.9)],
+                                                    settings=greedy)["answer"])]
+        for name, call in calls:
+            ref_log: list[torch.Tensor] = []
+            our_log: list[torch.Tensor] = []
+            _record_logits(mp, ref_modules.moondream, "lm_head", ref_log)
+            _record_logits(mp, our_text, "lm_logits", our_log)
+            try:
+                r = call(ref, renc)
+                o = call(ours, picture)
+            finally:
+                mp.undo()
+            assert len(ref_log) >= 64 and len(our_log) >= 64, (name, len(ref_log), len(our_log))
+            worst = max(float((a - b).abs().max()) for a, b in zip(our_log[:64], ref_log[:64]))
+            print(f"{h}x{w} {name}: logits at most {worst:.2e} from the reference's over 64 steps")
+            assert worst <= 1e-5, f"{name}: logits {worst:.2e} from the reference's"
+
+            def tokens(log):   # the greedy picks (the reference bars the answer token after the prefill)
+                picks = []
+                for i, logits in enumerate(log[:64]):
+                    logits = logits.clone()
+                    if i:
+                        logits[answer_id] = float("-inf")
+                    picks.append(int(logits.argmax()))
+                return picks
+            assert tokens(our_log) == tokens(ref_log), name
+            assert o == r and len(r.split()) == 64, (name, o, r)
+    finally:
+        for token, delta in biases:
+            ours.text_w.lm_head[1][token] -= delta
+            with torch.no_grad():
+                ref.text["lm_head"].bias[token] -= delta
