@@ -1,0 +1,251 @@
+"""A colour frame and the depth image (or camera_info) of its own instant, paired by stamp the way
+message_filters' ApproximateTime pairs them, inside the node and without ROS.
+
+Depth-aligning drivers (realsense2_camera's aligned_depth_to_color, ...) compute the aligned depth
+after the colour image and publish it later, with the colour image's stamp. So a colour frame does
+not take whatever depth is there when it arrives; it waits for its own:
+
+- A colour frame asks when it arrives (`StampPairing.wait_for(stamp, arrived_at)`) and may wait
+  `tolerance_s`, measured from its arrival (its deadline).
+- It pairs with the message whose stamp is nearest its own, among those stamped within
+  `tolerance_s` of it that were there when it arrived or came by its deadline. A message with the
+  frame's own stamp is always taken over any other.
+- The wait ends as soon as nothing nearer can come: at once with the frame's own stamp; when a
+  message stamped after the frame arrives (a stream's stamps rise, so nothing nearer follows); or
+  when the nearest one is within half the stream's spacing of the frame (the smallest gap between
+  the stamps of the last messages: the next one cannot be nearer).
+- At the deadline without a message within the tolerance the frame has none, with the reason; a
+  neighbour's message outside the tolerance is never used. A message arriving after the deadline
+  does not change an outcome: a frame's pairing is the same whenever it is read.
+- Nothing here blocks a callback: a message's arrival (`add`) and a frame's (`wait_for`) only note
+  them. Only a reader of the outcome (`Wait.result()`) waits, and at most until the deadline.
+  Bounded: the last `keep` messages are kept, and at most `max_waiting` frames wait at once; past
+  that the oldest is decided early with what it has (counted in `given_up`).
+
+camera_info (`fallback_newest=True`): a driver that publishes it with every frame is paired as
+depth is; when none within the tolerance comes, the newest one received is used (a camera's model
+does not change from one frame to the next). A latched camera_info (published once: no new one for
+`STREAM_GAP_S`) is used at once, whatever its stamp.
+
+Stamps are integer nanoseconds (`stamp_ns(header.stamp)`), so equal stamps compare equal.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
+NS = 1_000_000_000
+JUMP_BACK_NS = NS          # stamps going back this far: the stream started over (a bag played again)
+STREAM_GAP_S = 0.5         # camera_info with no new stamp for this long is latched (published once)
+
+
+def stamp_ns(stamp: Any) -> int:
+    """A builtin_interfaces/Time (anything with sec and nanosec) as integer nanoseconds."""
+    return int(stamp.sec) * NS + int(stamp.nanosec)
+
+
+@dataclass(frozen=True)
+class Match(Generic[T]):
+    """The message a frame paired with."""
+    msg: T
+    stamp_ns: int
+    offset_s: float      # the message's stamp - the frame's
+    waited_s: float      # from the frame's arrival to the decision (0: it was there)
+    rule: str            # "exact", "nearest" (within the tolerance) or "newest" (camera_info fallback)
+
+
+@dataclass(frozen=True)
+class NoMatch:
+    """No message for this frame, and why."""
+    reason: str
+    waited_s: float = 0.0
+
+
+def _seconds(ns: int) -> float:
+    return ns / NS
+
+
+class Wait(Generic[T]):
+    """One frame's pairing in one stream: pending until decided, then fixed."""
+
+    def __init__(self, pairing: "StampPairing[T]", stamp: int, arrived_at: float) -> None:
+        self.stamp, self.arrived_at = stamp, arrived_at
+        self.deadline = arrived_at + pairing.tolerance_s
+        self._pairing = pairing
+        self._best: tuple[int, int, Any] | None = None       # (|offset|, stamp, msg) within tolerance
+        self._outside: int | None = None                     # nearest offset outside it (for the reason)
+        self._newest: tuple[int, Any] | None = None          # the last one offered: camera_info's fallback
+        self._outcome: Match[T] | NoMatch | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def result(self, timeout: float | None = None) -> Match[T] | NoMatch:
+        """The outcome, waiting for it until the deadline at most (and `timeout`, when given: then
+        an undecided wait is decided early with what it has)."""
+        pairing = self._pairing
+        with pairing._cond:
+            give_up_at = None if timeout is None else pairing.clock() + timeout
+            while self._outcome is None:
+                now = pairing.clock()
+                left = self.deadline - now
+                if give_up_at is not None:
+                    left = min(left, give_up_at - now)
+                if left <= 0:
+                    pairing._decide(self, min(now, self.deadline))
+                    break
+                pairing._cond.wait(left)
+            assert self._outcome is not None
+            return self._outcome
+
+    def poll(self) -> Match[T] | NoMatch | None:
+        """The outcome if decided (past the deadline it is, now), else None; never waits."""
+        with self._pairing._cond:
+            if self._outcome is None and self._pairing.clock() >= self.deadline:
+                self._pairing._decide(self, self.deadline)
+            return self._outcome
+
+    # called under the pairing's lock
+    def _offer(self, stamp: int, msg: Any, gap: int | None) -> bool:
+        """Note one message; True when nothing nearer can come."""
+        tolerance = self._pairing.tolerance_ns
+        offset = stamp - self.stamp
+        self._newest = (stamp, msg)          # offered in the order they arrived
+        if offset > JUMP_BACK_NS:
+            return False                     # from before the frames' stamps went back (a bag played again)
+        if abs(offset) <= tolerance:
+            if self._best is None or abs(offset) < self._best[0]:
+                self._best = (abs(offset), stamp, msg)
+        elif self._outside is None or abs(offset) < abs(self._outside):
+            self._outside = offset
+        if self._best is not None and self._best[0] == 0:
+            return True                      # its own stamp
+        if offset > 0:
+            return True                      # stamped after the frame: none nearer follows
+        return self._best is not None and gap is not None and 2 * self._best[0] <= gap
+
+    def _outcome_now(self, decided_at: float, given_up: bool) -> Match[T] | NoMatch:
+        pairing = self._pairing
+        waited = max(decided_at - self.arrived_at, 0.0)
+        if self._best is not None:
+            distance, stamp, msg = self._best
+            return Match(msg, stamp, _seconds(stamp - self.stamp), waited, "exact" if distance == 0 else "nearest")
+        if pairing.fallback_newest and self._newest is not None:
+            stamp, msg = self._newest
+            return Match(msg, stamp, _seconds(stamp - self.stamp), waited, "newest")
+        if given_up:
+            return NoMatch(f"gave up waiting for a {pairing.what}: more than {pairing.max_waiting} frames were "
+                           "waiting at once", waited)
+        if pairing.received == 0:
+            return NoMatch(f"no {pairing.what} received yet", waited)
+        nearest = ""
+        if self._outside is not None:
+            side = "after" if self._outside > 0 else "before"
+            nearest = f"; the nearest was stamped {abs(_seconds(self._outside)):.3f} s {side} it"
+        return NoMatch(f"no {pairing.what} stamped within {pairing.tolerance_s:g} s of this frame arrived within "
+                       f"{pairing.tolerance_s:g} s of it (depth_tolerance_s){nearest}", waited)
+
+
+class StampPairing(Generic[T]):
+    """One stream (depth images, or camera_info): its last messages by stamp, and the frames
+    waiting for theirs. Thread-safe: subscriptions add while the worker and requests read."""
+
+    def __init__(self, what: str, tolerance_s: float, *, keep: int = 10, max_waiting: int = 16,
+                 fallback_newest: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (tolerance_s >= 0 and tolerance_s < float("inf")):
+            raise ValueError(f"pairing tolerance {tolerance_s} s must be finite and >= 0")
+        if keep < 1 or max_waiting < 1:
+            raise ValueError(f"keep ({keep}) and max_waiting ({max_waiting}) must be at least 1")
+        self.what, self.tolerance_s = what, float(tolerance_s)
+        self.tolerance_ns = round(self.tolerance_s * NS)
+        self.keep, self.max_waiting, self.fallback_newest, self.clock = keep, max_waiting, fallback_newest, clock
+        self._cond = threading.Condition()
+        self._kept: deque[tuple[int, float, Any]] = deque(maxlen=keep)   # (stamp, arrived, msg), in arrival order
+        self._waiting: list[Wait[T]] = []
+        self._last_new: float | None = None                              # when the last new stamp arrived
+        self.received = 0
+        self.given_up = 0
+        self.outcomes = {"exact": 0, "nearest": 0, "newest": 0, "none": 0}
+        self.waited_s: deque[float] = deque(maxlen=200)                  # per decided frame
+
+    # --- arrivals ---------------------------------------------------------------------------
+    def add(self, stamp: int, msg: T) -> str:
+        """A message arrived. Returns a warning for the log ("" normally)."""
+        stamp, note = int(stamp), ""
+        with self._cond:
+            now = self.clock()
+            self._expire(now)
+            self.received += 1
+            if self._kept and stamp < self._kept[-1][0] - JUMP_BACK_NS:
+                note = (f"{self.what} stamps went back {_seconds(self._kept[-1][0] - stamp):.3f} s (a bag "
+                        "played again, a driver restarted?): the earlier ones are forgotten")
+                self._kept.clear()
+            if self._kept and self._kept[-1][0] == stamp:
+                self._kept.pop()     # the same message again (a latched one through two subscriptions)
+            else:
+                self._last_new = now
+            self._kept.append((stamp, now, msg))
+            gap = self._gap()
+            for wait in list(self._waiting):
+                if wait._offer(stamp, msg, gap):
+                    self._decide(wait, now)
+            self._cond.notify_all()
+        return note
+
+    def wait_for(self, stamp: int, arrived_at: float | None = None) -> Wait[T]:
+        """A frame stamped `stamp` arrived (at `arrived_at`, this pairing's clock; now if None):
+        its pairing, decided now if it can be."""
+        with self._cond:
+            now = self.clock()
+            arrived = now if arrived_at is None else arrived_at
+            self._expire(now)
+            wait: Wait[T] = Wait(self, int(stamp), arrived)
+            gap, end = self._gap(), False
+            for kept_stamp, kept_at, msg in self._kept:
+                if kept_at <= wait.deadline:
+                    end = wait._offer(kept_stamp, msg, gap) or end
+            if end or (self.fallback_newest and wait._newest is not None and self._latched(now)):
+                self._decide(wait, max(now, arrived))
+            elif now >= wait.deadline:
+                self._decide(wait, wait.deadline)
+            else:
+                while len(self._waiting) >= self.max_waiting:
+                    self.given_up += 1
+                    self._decide(self._waiting[0], now, given_up=True)
+                self._waiting.append(wait)
+            return wait
+
+    # --- state, under the lock --------------------------------------------------------------
+    def _gap(self) -> int | None:
+        """The smallest positive gap between consecutive kept stamps (None with fewer than two)."""
+        stamps = [s for s, _, _ in self._kept]
+        gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
+        return min(gaps) if gaps else None
+
+    def _latched(self, now: float) -> bool:
+        """No message with a new stamp for STREAM_GAP_S: a latched camera_info, published once
+        (one published with every frame would have come meanwhile)."""
+        return self._last_new is not None and now - self._last_new > STREAM_GAP_S
+
+    def _expire(self, now: float) -> None:
+        for wait in [w for w in self._waiting if w.deadline <= now]:
+            self._decide(wait, wait.deadline)
+
+    def _decide(self, wait: Wait[T], at: float, given_up: bool = False) -> None:
+        if wait._outcome is not None:
+            return
+        wait._outcome = wait._outcome_now(at, given_up)
+        if wait in self._waiting:
+            self._waiting.remove(wait)
+        self.outcomes[wait._outcome.rule if isinstance(wait._outcome, Match) else "none"] += 1
+        self.waited_s.append(wait._outcome.waited_s)
+        self._cond.notify_all()
+
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)

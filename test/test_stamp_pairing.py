@@ -1,0 +1,200 @@
+"""Pairing a colour frame with the depth image and camera_info of its own stamp
+(photon_ros/stamp_pairing.py), without ROS: on a clock the test moves, messages arriving in the
+order drivers send them; and on the real clock, a reader waiting while another thread adds."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from photon_ros.stamp_pairing import NS, Match, NoMatch, StampPairing
+
+MS = NS // 1000
+T0 = 1_700_000_000 * NS       # a realistic stamp: float seconds would lose its nanoseconds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stream(rate_hz: float, lag_s: float, frames: int, skip=(), tolerance=0.05, depth_offset_ns=0):
+    """Colour frames at `rate_hz`, each one's depth arriving `lag_s` after it (stamped as the frame,
+    plus depth_offset_ns), none for the frames in `skip`. Returns each frame's outcome as decided
+    by its deadline."""
+    clock = Clock()
+    pairing = StampPairing("depth image", tolerance, clock=clock)
+    events = []
+    for i in range(frames):
+        at = 100.0 + i / rate_hz
+        stamp = T0 + round(i * NS / rate_hz)
+        events.append((at, 1, "colour", i, stamp))
+        if i not in skip:
+            events.append((at + lag_s, 0, "depth", i, stamp + depth_offset_ns))
+    waits = {}
+    for at, _, kind, i, stamp in sorted(events):
+        clock.now = at
+        if kind == "colour":
+            waits[i] = pairing.wait_for(stamp)
+        else:
+            pairing.add(stamp, f"depth {i}")
+    clock.now += 1.0
+    return [waits[i].result() for i in range(frames)], pairing
+
+
+@pytest.mark.parametrize("rate_hz", [15, 30])
+@pytest.mark.parametrize("lag_ms", [0, 10, 30, 40])
+def test_every_frame_waits_for_its_own_depth(rate_hz, lag_ms):
+    """Depth 0-40 ms after its colour frame: each frame pairs with its own stamp, having waited
+    the lag (at 30 Hz the previous depth, 33 ms older, is within the 50 ms tolerance: not taken)."""
+    outcomes, pairing = stream(rate_hz, lag_ms / 1000, 12)
+    assert [o.msg for o in outcomes] == [f"depth {i}" for i in range(12)]
+    assert all(o.rule == "exact" and o.offset_s == 0 for o in outcomes)
+    assert all(o.waited_s == pytest.approx(lag_ms / 1000, abs=1e-9) for o in outcomes)
+    assert pairing.outcomes["exact"] == 12 and pairing.waiting() == 0
+
+
+def test_depth_that_never_comes_gives_the_reason_never_a_neighbour_outside_the_tolerance():
+    """15 Hz: neighbours are 67 ms away, outside 50 ms: frames 3 and 7 have no depth, and why."""
+    outcomes, _ = stream(15, 0.03, 10, skip={3, 7})
+    for i, outcome in enumerate(outcomes):
+        if i in (3, 7):
+            assert isinstance(outcome, NoMatch), outcome
+            assert outcome.reason == ("no depth image stamped within 0.05 s of this frame arrived within 0.05 s "
+                                      "of it (depth_tolerance_s); the nearest was stamped 0.067 s before it")
+            assert outcome.waited_s == pytest.approx(0.05)
+        else:
+            assert isinstance(outcome, Match) and outcome.msg == f"depth {i}"
+
+
+def test_at_30_hz_a_missing_depth_takes_the_nearest_within_the_tolerance():
+    outcomes, pairing = stream(30, 0.03, 6, skip={3})
+    assert outcomes[3].msg == "depth 2" and outcomes[3].rule == "nearest"
+    assert outcomes[3].offset_s == pytest.approx(-1 / 30, abs=1e-6)
+    assert pairing.outcomes == {"exact": 5, "nearest": 1, "newest": 0, "none": 0}
+
+
+def test_depth_later_than_the_tolerance_is_not_waited_for():
+    """Depth 60 ms late at 15 Hz: the deadline (50 ms after arrival) passes first; the depth that
+    comes afterwards does not change the outcome read later."""
+    outcomes, _ = stream(15, 0.06, 4)
+    assert all(isinstance(o, NoMatch) and o.waited_s == pytest.approx(0.05) for o in outcomes)
+
+
+def test_unsynchronised_stamps_end_the_wait_when_nothing_nearer_can_come():
+    """A depth stream stamped 2 ms before its colour frame: pairs as soon as that depth arrives
+    (the next is a frame's spacing later, farther); stamped 10 ms after: as soon as it arrives."""
+    for offset_ms in (-2, 10):
+        outcomes, _ = stream(30, 0.02, 8, depth_offset_ns=offset_ms * MS)
+        assert all(o.rule == "nearest" and o.offset_s == pytest.approx(offset_ms / 1000) for o in outcomes[1:])
+        assert all(o.waited_s == pytest.approx(0.02) for o in outcomes[1:]), [o.waited_s for o in outcomes]
+
+
+def test_depth_before_its_colour_frame_pairs_at_once_and_nothing_is_kept_forever():
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, keep=3, clock=clock)
+    for i in range(10):
+        pairing.add(T0 + i * 66 * MS, f"depth {i}")
+        outcome = pairing.wait_for(T0 + i * 66 * MS).poll()
+        assert outcome.msg == f"depth {i}" and outcome.waited_s == 0
+        clock.now += 0.066
+    assert len(pairing._kept) == 3 and pairing.waiting() == 0
+
+
+def test_nothing_received_and_bounded_waiting():
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, max_waiting=2, clock=clock)
+    waits = [pairing.wait_for(T0 + i * MS) for i in range(3)]   # three frames within 2 ms
+    assert waits[0].done and not waits[1].done and pairing.given_up == 1
+    assert waits[0].result().reason == ("gave up waiting for a depth image: more than 2 frames were waiting at "
+                                        "once")
+    clock.now += 0.05
+    assert waits[2].result().reason == "no depth image received yet"
+
+
+def test_stamps_going_back_start_over():
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock)
+    pairing.add(T0 + 10 * NS, "later")
+    note = pairing.add(T0, "replayed")
+    assert note.startswith("depth image stamps went back 10.000 s")
+    assert pairing.wait_for(T0).poll().msg == "replayed"
+    assert pairing.add(T0 + NS // 2, "fine") == ""
+    # A colour frame of the replay before its depth: what is kept from before does not end its wait.
+    pairing.add(T0 + 20 * NS, "before the replay")
+    replay = pairing.wait_for(T0 + NS)
+    assert not replay.done
+    pairing.add(T0 + NS, "replayed depth")
+    assert replay.poll().msg == "replayed depth"
+
+
+def test_a_reader_waits_for_a_depth_another_thread_adds():
+    """On the real clock: result() blocks until the depth comes (30 ms), or returns at the
+    deadline with the reason when it does not."""
+    pairing = StampPairing("depth image", 0.2)
+    wait = pairing.wait_for(T0)
+    adder = threading.Timer(0.03, pairing.add, (T0, "own"))
+    started = time.monotonic()
+    adder.start()
+    outcome = wait.result()
+    took = time.monotonic() - started
+    adder.join()
+    assert outcome.msg == "own" and 0.02 <= took < 0.19, took
+    started = time.monotonic()
+    lonely = pairing.wait_for(T0 + NS)
+    assert isinstance(lonely.result(), NoMatch) and time.monotonic() - started >= 0.19
+
+
+def camera_info_pairing(clock):
+    return StampPairing("camera_info", 0.05, keep=4, fallback_newest=True, clock=clock)
+
+
+def test_latched_camera_info_is_used_whatever_its_stamp_and_at_once_when_known_latched():
+    """Published once, stamped an hour later than the frames: a frame within STREAM_GAP_S of it waits the tolerance (another
+    might be on its way), later ones take it at once."""
+    clock = Clock()
+    info = camera_info_pairing(clock)
+    info.add(T0 + 3600 * NS, "latched")
+    info.add(T0 + 3600 * NS, "latched")    # delivered again by the second subscription: the same one
+    first = info.wait_for(T0)
+    clock.now += 0.05
+    assert first.result().msg == "latched" and first.result().waited_s == pytest.approx(0.05)
+    clock.now += 0.5
+    for i in range(5):
+        clock.now += 1 / 30
+        outcome = info.wait_for(T0 + i * 33 * MS).poll()
+        assert outcome.msg == "latched" and outcome.rule == "newest" and outcome.waited_s == 0
+    assert info.received == 2 and len(info._kept) == 1
+    # Frames stamped long before it (a bag played at its own stamps, the camera_info live): still it.
+    assert info.wait_for(T0 - 3600 * NS).poll().msg == "latched"
+
+
+def test_camera_info_with_every_frame_pairs_by_stamp_and_falls_back_to_the_newest():
+    """Published with each frame's depth, 30 ms after the colour frame: each frame waits for its
+    own (the first one too, with none received before); one that never comes: the newest."""
+    clock = Clock()
+    info = camera_info_pairing(clock)
+    for i in range(6):
+        stamp = T0 + i * 66 * MS
+        wait = info.wait_for(stamp)
+        assert not wait.done
+        clock.now += 0.03
+        if i != 4:
+            info.add(stamp, f"info {i}")
+        clock.now += 0.036
+        outcome = wait.result()
+        if i == 4:
+            assert outcome.msg == "info 3" and outcome.rule == "newest" and outcome.waited_s == pytest.approx(0.05)
+        else:
+            assert outcome.msg == f"info {i}" and outcome.rule == "exact" and outcome.waited_s == pytest.approx(0.03)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="tolerance"):
+        StampPairing("depth image", float("nan"))
+    with pytest.raises(ValueError, match="keep"):
+        StampPairing("depth image", 0.05, keep=0)
