@@ -62,8 +62,10 @@ def test_12_megapixel_preprocessing_is_fast():
     crops, tiling = image_crops.make_crops(img)
     elapsed = time.perf_counter() - t
     assert tiling == (2, 4)
-    assert elapsed < 0.5, f"4000x3000 preprocessing took {elapsed:.3f}s"
-    # Shrinking averages: a uniform region stays uniform, no ringing.
+    # Lanczos-3 of the original (issue 41): ~0.14 s on 2 idle EPYC cores (bench/RESULTS.md), so
+    # room for a loaded machine.
+    assert elapsed < 1.0, f"4000x3000 preprocessing took {elapsed:.3f}s"
+    # Lanczos' weights sum to one: a uniform region stays uniform, no ringing.
     flat = np.full((3000, 4000, 3), 77, np.uint8)
     assert np.all(image_crops.make_crops(flat)[0] == 77)
 

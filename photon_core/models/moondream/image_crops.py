@@ -12,22 +12,24 @@ public reference's and a greedy caption took another word after a dozen tokens (
 - Both resizes start from the ORIGINAL image, each with Lanczos-3: the canvas the local crops tile
   (`target_size`) and the global crop (crop_size x crop_size). The public reference (vikhyat/moondream
   moondream/torch/image_crops.py) does this with PIL `Image.resize(..., LANCZOS)` when pyvips is not
-  installed; `resampler="pil"` gives PIL's output byte for byte (Moondream 2). pyvips is not used:
-  its resize does not give PIL's bytes (libvips 8.18, measured: 5-25 levels apart shrinking, most
-  pixels and up to ~200 levels apart enlarging, since it places samples differently), so crops do
-  not depend on what else is installed.
+  installed; `resampler="pil"` gives PIL's output byte for byte (Moondream 2). pyvips is not used
+  even where installed: its resize does not give PIL's bytes (libvips 8.18, measured: up to 5-25
+  levels apart shrinking, and nearly every pixel, up to ~200 levels, enlarging), and crops should not
+  depend on what else happens to be installed.
 - Moondream 3 follows the makers' engine (m87-labs/kestrel, kestrel/models/moondream/image_crops.py):
   the same two resizes from the original, with its native Lanczos-3 (kestrel_native.resize_lanczos3,
-  the PyPI package kestrel-native). `resampler="kestrel"` uses that function when it is installed and
-  PIL's Lanczos-3 otherwise: the same filter from the same image, but not the same bytes (measured
-  with kestrel-native 0.1.9: mean difference about one level, at most ~13 on smooth pictures and
-  ~45 on noise, heavy shrinking the largest).
-- Lanczos-3 costs more than the cv2 path did (bench/RESULTS.md, "Moondream crops"): the model lets
-  a caller make the crops ahead, off the batch's critical path (MoondreamModel.prepare in a camera's
-  own thread; a Crops goes into any skill as its image). PIL releases the GIL while it resizes, and
-  the two resizes of one image run on two threads.
-- Normalisation to [-1, 1] is vision.normalize's (through bfloat16 for Moondream 2, as the
-  reference's prepare_crops; in the model's dtype for Moondream 3, as kestrel's).
+  PyPI package kestrel-native). `resampler="kestrel"` calls that function where it is installed (it
+  is no dependency of ours: its wheel names no licence) and PIL's Lanczos-3 otherwise: the same
+  filter on the same image, not the same bytes (kestrel-native 0.1.9, measured on pictures: a mean
+  0.1-0.3 levels apart, at most 2-16; 1-3 levels on average for a 5x shrink, a 1920x1080 frame's
+  global crop; up to ~46 on pure noise).
+- Lanczos-3 costs more than the cv2 path did (bench/RESULTS.md, "Moondream crops": on 2 EPYC cores
+  640x480 14 ms instead of 2, 1920x1080 25 ms instead of 5). So the two resizes of a frame run on two
+  threads (PIL lets go of the GIL while it resizes), and the model lets a caller make the crops
+  ahead, off the batch's critical path: MoondreamModel.prepare in a camera's own thread, the Crops
+  then given to any skill as its image.
+- Normalisation to [-1, 1] is vision.normalize's: through bfloat16 for Moondream 2, as the reference's
+  prepare_crops; in the model's dtype for Moondream 3, as kestrel's.
 """
 from __future__ import annotations
 
