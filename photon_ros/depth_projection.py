@@ -24,21 +24,23 @@ Pieces, in the order a frame goes through them:
   whole image to metres when that is what is wanted. Zero, negative, NaN, inf and values outside [min_depth_m, max_depth_m] are
   invalid (NaN in `depth_to_metres`'s output).
 - `DepthPairing`: the last few depth frames by stamp; the one nearest a colour frame's stamp
-  within a tolerance, or the reason there is none. Pair when the colour frame is taken for
-  inference (the paired depth travels with the request): then a short history suffices however
-  long the model takes.
+  within a tolerance, or the reason there is none, with what is there now. The vision node pairs
+  with `photon_ros.stamp_pairing` instead: a colour frame waits there for a depth image that
+  comes after it (depth-aligning drivers publish the aligned depth after the colour image), and
+  the paired depth travels with the frame however long the model takes.
 - `DepthView`: one colour frame's depth, camera model and image size, checked against each other;
   `boxes_3d` / `points_3d` give a `Box3D` / `Point3D` per input or a `NoDepth` with the reason.
   `frame_depth(...)` does pairing, decoding and checks in one call and never raises: it returns a
-  `DepthView` or a `NoDepth` for the whole frame.
+  `DepthView` or a `NoDepth` for the whole frame; `depth_view(...)` does the same for a frame
+  already paired.
 
-In a node:
+In a node (photon_ros/vision_node.py; stamp_pairing's module doc gives the pairing's rules):
 
-    pairing = DepthPairing(tolerance_s)                       # at configure
-    on depth:        pairing.add(stamp_s(msg.header), msg)    # the message; decoded when paired
-    on camera_info:  camera = msg                             # or its Intrinsics / NoDepth, once
-    colour frame taken for inference:
-                     view = frame_depth(pairing, stamp_s(header), camera, width, height, settings)
+    depth, info = StampPairing("depth image", tol), StampPairing("camera_info", tol, fallback_newest=True)
+    on depth / camera_info:  depth.add(stamp_ns(msg.header.stamp), msg)   # info.add(...) alike
+    on a colour frame:       waits = depth.wait_for(stamp, now), info.wait_for(stamp, now)
+    after its inference:     d, c = waits[0].result(), waits[1].result()   # waits until decided
+                             view = depth_view(d.msg or NoDepth(d.reason), c.msg or NoDepth(c.reason), ...)
     results:         view.boxes_3d([(x_min_px, y_min_px, x_max_px, y_max_px), ...]),
                      view.points_3d([(x_px, y_px), ...]); or view.reason for the whole frame
 
@@ -614,13 +616,25 @@ def frame_depth(pairing: DepthPairing, stamp: float, camera: Any, image_width: i
     if isinstance(camera, NoDepth):
         return camera
     paired = pairing.nearest(stamp)
-    if isinstance(paired, NoDepth):
-        return paired
+    return depth_view(paired if isinstance(paired, NoDepth) else paired.frame, camera, image_width,
+                      image_height, settings, rectified=rectified)
+
+
+def depth_view(depth: Any, camera: Any, image_width: int, image_height: int,
+               settings: DepthSettings = DepthSettings(), *, rectified: bool = False) -> DepthView | NoDepth:
+    """`frame_depth` for a frame already paired (photon_ros.stamp_pairing): `depth` is its depth
+    image (a DepthImage or a sensor_msgs/Image) or a NoDepth, `camera` as in frame_depth. Never
+    raises for bad input. A missing camera_info is the reason given first."""
+    if camera is None:
+        return NoDepth("no camera_info received yet")
+    if isinstance(camera, NoDepth):
+        return camera
+    if isinstance(depth, NoDepth):
+        return depth
     try:
         model = camera if isinstance(camera, Intrinsics) else intrinsics_from_camera_info(
             camera, rectified=rectified)
-        depth = (paired.frame if isinstance(paired.frame, DepthImage)
-                 else depth_image_from_msg(paired.frame))
-        return DepthView(depth, model, image_width, image_height, settings)
+        image = depth if isinstance(depth, DepthImage) else depth_image_from_msg(depth)
+        return DepthView(image, model, image_width, image_height, settings)
     except DepthError as err:
         return NoDepth(str(err))

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 class Frame(NamedTuple):
     msg: Any               # sensor_msgs/Image or CompressedImage, unconverted (conversion is the worker's job)
     received_at: float     # time.monotonic() at arrival: latency is measured from here
+    extra: Any = None      # what travels with the frame (the vision node: its depth pairing)
 
 
 class LatestFrame:
@@ -24,8 +25,8 @@ class LatestFrame:
         self.dropped = 0
         self.taken = 0       # received == taken + dropped, plus one while a frame waits
 
-    def put(self, msg: Any) -> None:
-        frame = Frame(msg, time.monotonic())
+    def put(self, msg: Any, extra: Any = None, received_at: float | None = None) -> None:
+        frame = Frame(msg, time.monotonic() if received_at is None else received_at, extra)
         with self._cond:
             if self._waiting is not None:
                 self.dropped += 1

@@ -129,7 +129,6 @@ class VisionActions:
         node = self.node
         rgb = node.to_rgb(frame.msg)
         header, (height, width) = frame.msg.header, rgb.shape[:2]
-        space = node.space(header, width, height)
         model_id = node.engine.model.model_id
         feedback = action.Feedback(state=action.Feedback.STATE_DECODING)
         goal_handle.publish_feedback(feedback)
@@ -160,6 +159,8 @@ class VisionActions:
             request = engine_request(goal.task, rgb, prompt, goal, node.max_objects, cancel=cancel,
                                      progress=report)
         answer = node.engine.batcher.submit([request])[0]
+        # The frame's depth pairing began at its arrival and went on while the model ran.
+        space = node.space(header, width, height, frame.extra) if find else None
         if not find:
             missing_reasoning(goal.reasoning, answer)
         if find and goal.task == "detect":

@@ -23,22 +23,25 @@ infer refuses with the reason while the node is not active.
 from __future__ import annotations
 
 import time
+from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PointStamped
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.event_handler import SubscriptionEventCallbacks
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
 from photon_core.runtime.requests import Request
 from photon_core.runtime.shared_models import SharedModel, shared_engine
-from photon_ros.depth_projection import DepthPairing, DepthSettings, NoDepth, frame_depth
+from photon_ros.depth_projection import DepthSettings, NoDepth, depth_view
 from photon_ros.frames import tf2_lookup
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
-from photon_ros.input_health import InputHealth
+from photon_ros.input_health import FAILING_IN_A_ROW, InputHealth
 from photon_ros.latest_frame import LatestFrame
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import Detections, Objects3D, Points, Segmentation, VisionText
@@ -48,6 +51,7 @@ from photon_ros.result_messages import (detection2d_array, detections_message, p
                                         segmentation_message, time_to_seconds, vision_text_message)
 from photon_ros.run_node import run_node
 from photon_ros.spatial import detection3d_array, objects_3d, point_positions
+from photon_ros.stamp_pairing import Match, StampPairing, Wait, stamp_ns
 from photon_ros.tracking import IdSource, StreamTrackers
 from photon_ros.vision_actions import VisionActions
 from photon_ros.vision_requests import engine_request, missing_reasoning, request_options
@@ -136,10 +140,13 @@ class VisionNode(ManagedNode):
         self.pub_detections = self.pub_points = self.pub_caption = self.pub_segmentation = None
         self.pub_annotated = self.pub_detection2d = None
         self.depth_subscriptions: list = []
+        self.watch_info_timer = self.latched_info = None
         self.pub_objects_3d = self.pub_point_positions = self.pub_detection3d = None
         self.lookup = None   # tf2 into target_frame (configure), None: the optical frame
-        self.pairing, self.camera_info = DepthPairing(1.0), None
-        self.frames_without_depth, self.depth_note = 0, ""
+        self.depth_stream: StampPairing | None = None    # depth images by stamp, and frames waiting
+        self.info_stream: StampPairing | None = None     # camera_info alike (use_depth, at configure)
+        self.frames_without_depth, self.without_depth_in_a_row, self.depth_note = 0, 0, ""
+        self.depth_waits_s: deque[float] = deque(maxlen=200)   # results held back for depth, per frame
         # infer / find / ask requests the node or the model refused (a task, an option) or failed on
         self.requests_failed, self.last_request_error = 0, ""
 
@@ -177,13 +184,22 @@ class VisionNode(ManagedNode):
 
     def create_depth_interfaces(self, out: QoSProfile) -> None:
         """depth + camera_info in, objects_3d (and point_positions, vision_msgs detections_3d) out;
-        a target_frame this machine cannot serve (no tf2_ros) fails the configure with the reason."""
+        a target_frame this machine cannot serve (no tf2_ros) fails the configure with the reason.
+        camera_info comes as sensor data (drivers that publish it with every frame); a driver that
+        latches it (published once, transient local) gets a latched subscription too, once it is
+        seen (watch_camera_info), so that the one it published before this node subscribed comes.
+        Not before: a volatile publisher would log each such subscription as incompatible."""
         self.lookup = tf2_lookup(self) if self.params["target_frame"] else None
-        self.pairing, self.camera_info = DepthPairing(self.params["depth_tolerance_s"]), None
+        tolerance = self.params["depth_tolerance_s"]
+        self.depth_stream = StampPairing("depth image", tolerance)
+        self.info_stream = StampPairing("camera_info", tolerance, keep=4, fallback_newest=True)
         sensor = QoSProfile(depth=5, history=HistoryPolicy.KEEP_LAST, reliability=ReliabilityPolicy.BEST_EFFORT)
         self.depth_subscriptions = [
             self.create_subscription(Image, "depth", self.on_depth, sensor),
             self.create_subscription(CameraInfo, "camera_info", self.on_camera_info, sensor)]
+        self.latched_info = None
+        self.watch_info_timer = self.create_timer(1.0, self.watch_camera_info)
+        self.watch_camera_info()
         self.pub_objects_3d = self.create_lifecycle_publisher(Objects3D, "objects_3d", out)
         self.pub_point_positions = self.create_lifecycle_publisher(PointStamped, "point_positions", out)
         self.pub_detection3d = None
@@ -191,19 +207,54 @@ class VisionNode(ManagedNode):
             from vision_msgs.msg import Detection3DArray
             self.pub_detection3d = self.create_lifecycle_publisher(Detection3DArray, "detections_3d", out)
 
+    def watch_camera_info(self) -> None:
+        """Subscribe latched (reliable, transient local) once a publisher on camera_info offers it."""
+        if self.latched_info is not None or self.info_stream is None:
+            return
+        publishers = self.get_publishers_info_by_topic(self.resolve_topic_name("camera_info"))
+        if not offers_latched(p.qos_profile for p in publishers):
+            return
+        latched = QoSProfile(depth=1, history=HistoryPolicy.KEEP_LAST, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        # Volatile publishers on the same topic cannot match it; they are served by the other one.
+        self.latched_info = self.create_subscription(
+            CameraInfo, "camera_info", self.on_camera_info, latched,
+            event_callbacks=SubscriptionEventCallbacks(incompatible_qos=lambda event: None))
+        self.depth_subscriptions.append(self.latched_info)
+        self.get_logger().info(f"{self.resolve_topic_name('camera_info')} is latched: subscribed to it latched")
+
     def on_depth(self, msg: Image) -> None:
-        self.pairing.add(time_to_seconds(msg.header.stamp), msg)
+        self.note_input(self.depth_stream, msg)
 
     def on_camera_info(self, msg: CameraInfo) -> None:
-        self.camera_info = msg
+        self.note_input(self.info_stream, msg)
+
+    def note_input(self, stream: StampPairing | None, msg) -> None:
+        if stream is not None:   # None: arrived while the interfaces were being destroyed
+            note = stream.add(stamp_ns(msg.header.stamp), msg)
+            if note:
+                self.get_logger().warning(note, throttle_duration_sec=5.0)
+
+    def depth_waits(self, header, received_at: float | None = None) -> "DepthWaits | None":
+        """A colour frame's pairings with depth and camera_info, from its arrival (None without
+        use_depth). Never waits: the frame's results wait for them (space), not its arrival."""
+        depth, info = self.depth_stream, self.info_stream
+        if depth is None or info is None:
+            return None
+        stamp = stamp_ns(header.stamp)
+        return DepthWaits(depth.wait_for(stamp, received_at), info.wait_for(stamp, received_at))
 
     def destroy_interfaces(self) -> None:
+        if self.watch_info_timer is not None:
+            self.destroy_timer(self.watch_info_timer)
         for sub in self.depth_subscriptions:
             self.destroy_subscription(sub)
+        self.watch_info_timer = self.latched_info = None
         for pub in (self.pub_objects_3d, self.pub_point_positions, self.pub_detection3d):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
         self.depth_subscriptions, self.lookup = [], None
+        self.depth_stream = self.info_stream = None
         self.pub_objects_3d = self.pub_point_positions = self.pub_detection3d = None
         if self.subscription is not None:
             self.destroy_subscription(self.subscription)
@@ -248,7 +299,8 @@ class VisionNode(ManagedNode):
                 self.inactive_frames += 1
                 return
             self.stats.tick("received")
-            self.frames.put(msg)
+            received_at = time.monotonic()
+            self.frames.put(msg, self.depth_waits(msg.header, received_at), received_at)
 
     def vision_msgs_publisher(self, qos):
         try:
@@ -327,7 +379,6 @@ class VisionNode(ManagedNode):
             self.get_logger().warning(f"skipping frame: {err}", throttle_duration_sec=5.0)
             return
         header, (height, width) = frame.msg.header, rgb.shape[:2]
-        space = self.space(header, width, height)   # paired now: the depth of this moment
         if caption_due:
             self.last_caption = time.monotonic()
         # One group per frame: its requests, and those of every other camera on this engine, are
@@ -342,6 +393,8 @@ class VisionNode(ManagedNode):
             self.health.failed(f"the model failed: {err}")
             self.get_logger().warning(f"frame not processed: {err}", throttle_duration_sec=5.0)
             return
+        # The frame's depth was waited for while the model ran: its pairing began at its arrival.
+        space = self.space(header, width, height, frame.extra) if (detect or point) else None
         latency = time.monotonic() - frame.received_at
         outputs, boxes, points = self.result_messages(requests, results, header, width, height, latency, space)
         masks = dict(zip(segment, segments))
@@ -360,16 +413,25 @@ class VisionNode(ManagedNode):
         self.health.succeeded()
         self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
 
-    def space(self, header, width: int, height: int) -> tuple | None:
+    def space(self, header, width: int, height: int, waits: "DepthWaits | None" = None) -> tuple | None:
         """Where a frame's results go in 3D: (depth view or why there is none, the frame the
-        positions are in, the transform there or why there is none); None without use_depth."""
+        positions are in, the transform there or why there is none); None without use_depth.
+        `waits`: the frame's pairings, begun at its arrival (depth_waits); None: begun now (an
+        image sent with a request). Waits for them to be decided: the tolerance from the frame's
+        arrival at most."""
         if self.pub_objects_3d is None:
             return None
+        waits = waits or self.depth_waits(header)
+        if waits is None:
+            return None
+        started = time.monotonic()
+        paired, info = waits.depth.result(), waits.camera_info.result()
+        self.depth_waits_s.append(time.monotonic() - started)
         settings = DepthSettings(min_depth_m=self.params["depth_min_m"], max_depth_m=self.params["depth_max_m"])
-        camera = self.camera_info
-        depth = frame_depth(self.pairing, time_to_seconds(header.stamp), camera, width, height, settings,
-                            rectified=self.params["rectified"])
-        optical = (camera.header.frame_id if camera is not None else "") or header.frame_id
+        camera = info.msg if isinstance(info, Match) else NoDepth(info.reason)
+        depth = depth_view(paired.msg if isinstance(paired, Match) else NoDepth(paired.reason), camera, width,
+                           height, settings, rectified=self.params["rectified"])
+        optical = (camera.header.frame_id if isinstance(info, Match) else "") or header.frame_id
         transform = None
         if self.lookup is not None and not isinstance(depth, NoDepth):
             try:
@@ -378,7 +440,11 @@ class VisionNode(ManagedNode):
                 transform = err
         if isinstance(depth, NoDepth) or isinstance(transform, LookupError):
             self.frames_without_depth += 1
+            self.without_depth_in_a_row += 1
             self.depth_note = str(transform) if isinstance(transform, LookupError) else depth.reason
+            self.get_logger().warning(f"results without 3D: {self.depth_note}", throttle_duration_sec=5.0)
+        else:
+            self.without_depth_in_a_row = 0
         frame_id = self.params["target_frame"] if self.lookup is not None else optical
         return depth, frame_id, transform
 
@@ -478,13 +544,16 @@ class VisionNode(ManagedNode):
         try:
             request_options(request.task, request, self.max_objects)   # checked before the image is read
             rgb = self.to_rgb(source)
-            space = self.space(source.header, rgb.shape[1], rgb.shape[0])
             if request.task == Infer.Request.TASK_SEGMENT:   # not a batched skill (see segment_frame)
                 result = segment_frame(self.engine, rgb, [request.prompt], self.segment_max_tokens)[0]
             else:
                 task = engine_request(request.task, rgb, request.prompt, request, self.max_objects)
                 result = self.engine.batcher.submit([task])[0]
             missing_reasoning(request.reasoning, result)
+            # Paired from the frame's arrival (the request's, for an image it carries), while the model ran.
+            space = (self.space(source.header, rgb.shape[1], rgb.shape[0], latest.extra if request.use_latest_frame
+                                else None) if request.task in (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT)
+                     else None)
         except Exception as err:  # noqa: BLE001 - a bad request is answered, never fatal
             response.success, response.message = False, self.refused("infer", str(err) or type(err).__name__)
             return response
@@ -528,6 +597,26 @@ class VisionNode(ManagedNode):
         super().destroy_node()
 
     # --- diagnostics ----------------------------------------------------------------------------
+    def depth_diagnostics(self) -> dict[str, str]:
+        """How colour frames paired with depth and camera_info (every frame that arrived, processed
+        or not), and how long results were held back for depth; empty without use_depth."""
+        depth, info = self.depth_stream, self.info_stream
+        if depth is None or info is None:
+            return {}
+        held = sorted(self.depth_waits_s) or [0.0]
+        return {
+            "depth_images_received": str(depth.received),
+            "camera_info_received": str(info.received),
+            "depth_paired_exact": str(depth.outcomes["exact"]),
+            "depth_paired_nearest": str(depth.outcomes["nearest"]),
+            "depth_unpaired": str(depth.outcomes["none"]),
+            "camera_info_paired_exact": str(info.outcomes["exact"]),
+            "camera_info_latched_or_newest": str(info.outcomes["newest"] + info.outcomes["nearest"]),
+            "depth_waits_given_up": str(depth.given_up + info.given_up),
+            "depth_hold_p50_ms": f"{held[len(held) // 2] * 1000:.1f}",
+            "depth_hold_max_ms": f"{held[-1] * 1000:.1f}",
+        }
+
     def publish_diagnostics(self) -> None:
         state = self.lifecycle_state()
         status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
@@ -537,6 +626,10 @@ class VisionNode(ManagedNode):
         failing = self.health.failing("frames")
         if failing and state == "active":
             status.level, status.message = DiagnosticStatus.ERROR, failing
+        elif (self.without_depth_in_a_row >= FAILING_IN_A_ROW and state == "active"
+              and status.level < DiagnosticStatus.WARN):
+            status.level = DiagnosticStatus.WARN
+            status.message = f"the last {self.without_depth_in_a_row} frames had no 3D (last: {self.depth_note})"
         values = {
             "model": self.model_name,
             "model_loaded": str(self.engine is not None),
@@ -548,6 +641,7 @@ class VisionNode(ManagedNode):
             "bad_frames": str(self.bad_frames),
             "frames_without_depth": str(self.frames_without_depth),
             "last_depth_note": self.depth_note,
+            **self.depth_diagnostics(),
             "frames_lost_in_transport": str(self.health.lost_in_transport),
             "processed_rate_hz": f"{self.stats.rate('processed'):.2f}",
             "requests_failed": str(self.requests_failed),
@@ -558,6 +652,18 @@ class VisionNode(ManagedNode):
         status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
         header = Header(stamp=self.get_clock().now().to_msg())
         self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+
+
+def offers_latched(profiles) -> bool:
+    """Whether any of these publisher QoS profiles is latched (transient local: a late subscriber
+    gets what was published before it)."""
+    return any(p.durability == DurabilityPolicy.TRANSIENT_LOCAL for p in profiles)
+
+
+class DepthWaits(NamedTuple):
+    """A colour frame's pairings (photon_ros.stamp_pairing), begun when it arrived."""
+    depth: Wait
+    camera_info: Wait
 
 
 def stale_frame(age: float, max_age: float) -> str:

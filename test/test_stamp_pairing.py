@@ -154,8 +154,8 @@ def camera_info_pairing(clock):
 
 
 def test_latched_camera_info_is_used_whatever_its_stamp_and_at_once_when_known_latched():
-    """Published once, stamped an hour later than the frames: a frame within STREAM_GAP_S of it waits the tolerance (another
-    might be on its way), later ones take it at once."""
+    """Published once, stamped an hour later than the frames: a frame within STREAM_GAP_S of it
+    waits the tolerance (another might be on its way), later ones take it at once."""
     clock = Clock()
     info = camera_info_pairing(clock)
     info.add(T0 + 3600 * NS, "latched")

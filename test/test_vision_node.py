@@ -375,7 +375,6 @@ def test_results_in_metres_from_an_aligned_depth_image(graph):
     optical = header(1, "camera_color_optical_frame")
     pubs["camera_info"].publish(camera_info(optical))
     pubs["depth"].publish(wall_depth(optical))
-    time.sleep(0.3)
     pubs["image"].publish(rgb_to_image(image(5), header=optical))
     assert wait_for(lambda: len(placed) == 2 and detections and points, timeout=60)
     for o3, flat in ((next(m for m in placed if m.task == "detect"), detections[0].detections),
@@ -391,20 +390,56 @@ def test_results_in_metres_from_an_aligned_depth_image(graph):
             assert obj.label == item.label
     assert wait_for(lambda: len(positions) == len(points[0].points), timeout=10)
     assert all(p.header == optical for p in positions)
-    # Depth 1 s older than the colour frame: outside the 0.05 s tolerance.
+    # Depth 1 s older than the colour frame, outside the 0.05 s tolerance, and none of its own comes.
     pubs["image"].publish(rgb_to_image(image(5), header=header(2, "camera_color_optical_frame")))
     assert wait_for(lambda: len(placed) == 4, timeout=60)
     stale = placed[2:]
-    assert all("stale depth" in m.depth_note for m in stale)
-    assert all(not o.has_position and "stale depth" in o.reason and o.pose.position.z == 0 for m in stale for o in m.objects)
+    why = "the nearest was stamped 1.000 s before it"
+    assert all(why in m.depth_note for m in stale)
+    assert all(not o.has_position and why in o.reason and o.pose.position.z == 0 for m in stale for o in m.objects)
     # A camera_info with no focal length: reasons, still no 0 m, and the node goes on.
     pubs["camera_info"].publish(camera_info(header(3, "camera_color_optical_frame"), fx=0.0))
     pubs["depth"].publish(wall_depth(header(3, "camera_color_optical_frame")))
-    time.sleep(0.3)
     pubs["image"].publish(rgb_to_image(image(5), header=header(3, "camera_color_optical_frame")))
     assert wait_for(lambda: len(placed) == 6, timeout=60)
     assert all(m.depth_note and not any(o.has_position for o in m.objects) for m in placed[4:]), placed[4].depth_note
     assert node.frames_without_depth == 2
+
+
+def test_bad_depth_input_is_said_and_survived(graph):
+    """Depth the node cannot use (an image encoding that is not depth, then depth stamps that jump
+    back, as a bag played again) gives frames without positions and the reason, a WARN on
+    /diagnostics once three frames in a row had none, and /diagnostics counts every frame's pairing;
+    the node goes on and a good frame is placed again (diagnostics back to OK)."""
+    node = vision_node(graph, point=["dog"], use_depth=True, tracking=False)
+    placed, diagnostics = collect(graph, Objects3D, "objects_3d"), collect(graph, DiagnosticArray, "/diagnostics")
+    own = lambda: [a.status[0] for a in diagnostics if a.status[0].name.endswith(node.get_fully_qualified_name())]  # noqa: E731
+    camera = graph.node("camera")
+    pubs = {name: camera.create_publisher(t, name, RELIABLE) for name, t in
+            (("image", Image), ("depth", Image), ("camera_info", CameraInfo))}
+    for pub in pubs.values():
+        wait_for_match(pub)
+    for i in range(1, 4):
+        optical = header(i, "camera_color_optical_frame")
+        pubs["camera_info"].publish(camera_info(optical))
+        pubs["depth"].publish(Image(header=optical, height=96, width=128, encoding="mono8", step=128,
+                                    data=bytes(96 * 128)))
+        pubs["image"].publish(rgb_to_image(image(5), header=optical))
+        assert wait_for(lambda: len(placed) == i, timeout=60)
+    assert all(m.depth_note == "depth image encoding 'mono8' is not a depth encoding; supported: 16UC1, 32FC1"
+               and m.objects and not any(o.has_position for o in m.objects) for m in placed), placed[0].depth_note
+    assert wait_for(lambda: own() and own()[-1].level == DiagnosticStatus.WARN, timeout=10)
+    assert own()[-1].message.startswith("the last 3 frames had no 3D (last: depth image encoding 'mono8'")
+    values = diagnostic_values(next(a for a in reversed(diagnostics) if a.status[0] is own()[-1]))
+    assert values["depth_images_received"] == "3" and values["depth_paired_exact"] == "3"
+    # Stamps back by about 999 s: the earlier depth images are forgotten, and this one is used.
+    optical = Header(stamp=Time(sec=4), frame_id="camera_color_optical_frame")
+    pubs["camera_info"].publish(camera_info(optical))
+    pubs["depth"].publish(wall_depth(optical))
+    pubs["image"].publish(rgb_to_image(image(5), header=optical))
+    assert wait_for(lambda: len(placed) == 4, timeout=60)
+    assert placed[3].depth_note == "" and all(o.has_position for o in placed[3].objects), placed[3].depth_note
+    assert wait_for(lambda: own()[-1].level == DiagnosticStatus.OK, timeout=10), own()[-1]
 
 
 def test_target_frame_needs_tf2(graph):
@@ -443,7 +478,6 @@ def test_target_frame_through_a_tf2_lookup(graph, monkeypatch):
         optical = header(i, "camera_color_optical_frame")
         pubs["camera_info"].publish(camera_info(optical))
         pubs["depth"].publish(wall_depth(optical))
-        time.sleep(0.3)
         pubs["image"].publish(rgb_to_image(image(5), header=optical))
         assert wait_for(lambda: len(placed) == i, timeout=60)
     moved, failed = placed
@@ -465,7 +499,7 @@ def test_spoken_command_to_a_3d_target_and_a_goal(graph, monkeypatch):
 
     mount = frames.Transform(np.array([0.2, 0.0, 0.5]), np.array([-0.5, 0.5, -0.5, 0.5]))
     monkeypatch.setattr(vision_module, "tf2_lookup", lambda node: (lambda target, source, stamp: mount))
-    vision_node(graph, use_depth=True, target_frame="base_link")
+    vision = vision_node(graph, use_depth=True, target_frame="base_link")
     graph.add(LoopNode(context=graph.context, parameter_overrides=[
         Parameter("publish_goal", value=True), Parameter("turn", value=False)]))
     targets, goals = collect(graph, PointStamped, "target"), collect(graph, PoseStamped, "goal_pose")
@@ -478,9 +512,8 @@ def test_spoken_command_to_a_3d_target_and_a_goal(graph, monkeypatch):
     optical = header(1, "camera_color_optical_frame")
     pubs["camera_info"].publish(camera_info(optical))
     pubs["depth"].publish(wall_depth(optical, metres=2.5))
-    time.sleep(0.3)
     pubs["image"].publish(rgb_to_image(image(6), header=optical))
-    time.sleep(0.5)
+    assert wait_for(lambda: vision.frames.latest is not None, timeout=10)   # the loop asks for the latest frame
     speaker.publish(Transcript(text="Point at the red cup.", is_final=True, audio_complete=True))
     assert wait_for(lambda: targets and goals and images, timeout=60), [s.data for s in status]
     t, g = targets[0], goals[0]
