@@ -4,6 +4,8 @@
     ros2 launch photon_ros photon.launch.py device:=cuda vision_model:=vikhyatk/moondream2   # on a GPU
     ros2 launch photon_ros photon.launch.py wav_file:=command.wav     # no microphone
     ros2 launch photon_ros photon.launch.py managed:=true    # vision and speech wait for a lifecycle manager
+    ros2 launch photon_ros photon.launch.py image:=/camera/camera/color/image_raw use_depth:=true \
+        depth_image:=/camera/camera/aligned_depth_to_color/image_raw camera_info:=/camera/camera/color/camera_info
 Same graph without ros2 launch: python -m photon_ros.bringup --graph all
 vision.launch.py and speech.launch.py take the arguments of their own node; here the two models
 are vision_model and speech_model, device applies to both. Unset arguments keep the params file's values.
@@ -22,7 +24,8 @@ from photon_ros.launch_helpers import dds_profile_env
 # Each included file's arguments -> the argument of this file that sets it.
 SHARED = {"namespace": "namespace", "params_file": "params_file", "managed": "managed", "device": "device"}
 VISION = {**SHARED, "model": "vision_model", "dtype": "dtype", "input": "input", "image": "image",
-          "depth_image": "depth_image", "camera_info": "camera_info"}
+          "depth_image": "depth_image", "camera_info": "camera_info", "use_depth": "use_depth",
+          "depth_tolerance_s": "depth_tolerance_s", "target_frame": "target_frame"}
 SPEECH = {**SHARED, "model": "speech_model", "input_type": "input_type", "audio": "audio",
           "audio_info": "audio_info", "wav_file": "wav_file", "microphone": "microphone"}
 
@@ -62,10 +65,18 @@ def generate_launch_description():
         DeclareLaunchArgument("input_type", default_value="",
                               description="the message type on the audio topic (see config/photon.yaml)" + unset),
         DeclareLaunchArgument("image", default_value="image", description="the camera's image topic"),
+        DeclareLaunchArgument("use_depth", default_value="",
+                              description="true: the vision node reads depth_image and camera_info and publishes "
+                                          "results in metres" + unset),
         DeclareLaunchArgument("depth_image", default_value="depth",
-                              description="the depth image topic (a remap only for now: not read yet)"),
+                              description="the depth image topic (with use_depth), aligned to the camera image"),
         DeclareLaunchArgument("camera_info", default_value="camera_info",
-                              description="the CameraInfo topic (a remap only for now: not read yet)"),
+                              description="the camera's CameraInfo topic (with use_depth)"),
+        DeclareLaunchArgument("depth_tolerance_s", default_value="",
+                              description="seconds: a frame pairs with the depth nearest its stamp within this, "
+                                          "waiting this long for it" + unset),
+        DeclareLaunchArgument("target_frame", default_value="",
+                              description="3D results in this frame through tf2, e.g. base_link" + unset),
         DeclareLaunchArgument("audio", default_value="audio", description="the audio topic"),
         DeclareLaunchArgument("audio_info", default_value="audio_info",
                               description="ros-drivers/audio_common's AudioInfo topic"),

@@ -3,8 +3,12 @@
     ros2 launch photon_ros vision.launch.py namespace:=robot1 image:=/camera/color/image_raw
     ros2 launch photon_ros vision.launch.py device:=cuda model:=vikhyatk/moondream2
     ros2 launch photon_ros vision.launch.py managed:=true    # then: ros2 lifecycle set /vision configure
-model, device, dtype and input left unset keep the params file's values (config/photon.yaml).
+    ros2 launch photon_ros vision.launch.py image:=/camera/camera/color/image_raw use_depth:=true \
+        depth_image:=/camera/camera/aligned_depth_to_color/image_raw camera_info:=/camera/camera/color/camera_info
+model, device, dtype, input, use_depth, depth_tolerance_s and target_frame left unset keep the params
+file's values (config/photon.yaml).
 """
+import math
 import os
 from collections.abc import Mapping
 
@@ -16,9 +20,27 @@ from photon_ros.launch_helpers import dds_profile_env, photon_node
 
 # Arguments that set the vision node's parameter of the same name. Their default is "" (unset),
 # which passes nothing: the params file stays the one place that holds the defaults.
-PARAMETERS = ("model", "device", "dtype", "input")
+PARAMETERS = ("model", "device", "dtype", "input", "use_depth", "depth_tolerance_s", "target_frame")
 # Topic arguments -> the node's relative topic they remap (the default remaps it to itself).
 TOPICS = {"image": "image", "depth_image": "depth", "camera_info": "camera_info"}
+
+
+def parameter_value(name: str, text: str):
+    """A launch argument's text as its parameter's type (use_depth: bool, depth_tolerance_s: float);
+    ValueError with the reason for text that is not one."""
+    if name == "use_depth":
+        if text.strip().lower() not in ("true", "false"):
+            raise ValueError(f"use_depth:= takes true or false, not {text!r}")
+        return text.strip().lower() == "true"
+    if name == "depth_tolerance_s":
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (0 < value < math.inf):
+            raise ValueError(f"depth_tolerance_s:= takes a positive number of seconds (e.g. 0.05), not {text!r}")
+        return value
+    return text
 
 
 def vision_settings(args: Mapping[str, str]) -> dict:
@@ -30,7 +52,8 @@ def vision_settings(args: Mapping[str, str]) -> dict:
     remappings = [(topic, args[arg]) for arg, topic in TOPICS.items()]
     # input:=compressed subscribes `image/compressed`: it follows the image topic as image_transport's does
     remappings.append(("image/compressed", args["image"] + "/compressed"))
-    return {"parameters": {name: args[name] for name in PARAMETERS if args[name]}, "remappings": remappings}
+    return {"parameters": {name: parameter_value(name, args[name]) for name in PARAMETERS if args[name]},
+            "remappings": remappings}
 
 
 def generate_launch_description():
@@ -62,11 +85,21 @@ def generate_launch_description():
                               description="raw (sensor_msgs/Image on the image topic) or compressed "
                                           "(CompressedImage on <image>/compressed)" + unset),
         DeclareLaunchArgument("image", default_value="image", description="the camera's image topic"),
+        DeclareLaunchArgument("use_depth", default_value="",
+                              description="true: read depth_image and camera_info and publish detect / point "
+                                          "results in metres (objects_3d, point_positions)" + unset),
         DeclareLaunchArgument("depth_image", default_value="depth",
-                              description="the depth image topic, aligned to the camera image. A remap only "
-                                          "for now: the vision node does not subscribe to depth yet"),
+                              description="the depth image topic (with use_depth), aligned to the camera image: "
+                                          "16UC1 millimetres or 32FC1 metres, stamped as its colour image"),
         DeclareLaunchArgument("camera_info", default_value="camera_info",
-                              description="the camera's CameraInfo topic. A remap only for now: the vision "
-                                          "node does not subscribe to camera_info yet"),
+                              description="the camera's CameraInfo topic (with use_depth): published with every "
+                                          "frame, or once, latched"),
+        DeclareLaunchArgument("depth_tolerance_s", default_value="",
+                              description="seconds: a colour frame pairs with the depth image (and camera_info) "
+                                          "nearest its stamp within this, preferring its own stamp, and waits "
+                                          "this long after it arrived for one" + unset),
+        DeclareLaunchArgument("target_frame", default_value="",
+                              description="3D results in this frame through tf2, e.g. base_link (needs tf2_ros); "
+                                          "the params file's empty value: the camera's optical frame" + unset),
         OpaqueFunction(function=vision_nodes),
     ])

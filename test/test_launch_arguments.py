@@ -77,8 +77,12 @@ def yaml_parameters(node: str) -> dict:
 SETTINGS = {"vision.launch.py": ("vision_settings", "vision"), "speech.launch.py": ("speech_settings", "speech")}
 
 
-def changed(value: str) -> str:
-    return {"true": "false", "false": "true"}.get(value, value + "x")
+# Arguments whose parameter is not a string: a value of its type to change them to.
+TYPED = {"use_depth": "true", "depth_tolerance_s": "0.08"}
+
+
+def changed(arg: str, value: str) -> str:
+    return TYPED.get(arg) or {"true": "false", "false": "true"}.get(value, value + "x")
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -89,7 +93,7 @@ def test_every_argument_is_declared_once_and_used(name):
     settings = plain_part(name)[SETTINGS[name][0]]
     before = settings(args)
     for arg in sorted(set(args) - direct):   # the rest are used by the settings function, or by nothing
-        assert settings({**args, arg: changed(args[arg])}) != before, f"{name}: {arg}:= changes nothing"
+        assert settings({**args, arg: changed(arg, args[arg])}) != before, f"{name}: {arg}:= changes nothing"
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -121,6 +125,58 @@ def test_vision_arguments_give_its_parameters_and_remaps():
     assert only_device["parameters"] == {"device": "cuda"}   # the rest stay the params file's
     with pytest.raises(ValueError, match="image:="):
         settings({**defaults("vision.launch.py"), "image": ""})
+
+
+def test_depth_arguments_are_typed_and_checked():
+    settings = plain_part("vision.launch.py")["vision_settings"]
+    base = defaults("vision.launch.py")
+    depth = settings({**base, "use_depth": "True", "depth_tolerance_s": "0.1", "target_frame": "base_link"})
+    assert depth["parameters"] == {"use_depth": True, "depth_tolerance_s": 0.1, "target_frame": "base_link"}
+    assert type(depth["parameters"]["depth_tolerance_s"]) is float      # "1" too: the parameter is a double
+    assert settings({**base, "depth_tolerance_s": "1"})["parameters"] == {"depth_tolerance_s": 1.0}
+    assert settings({**base, "use_depth": "false"})["parameters"] == {"use_depth": False}
+    with pytest.raises(ValueError, match="use_depth:= takes true or false, not 'yes'"):
+        settings({**base, "use_depth": "yes"})
+    for bad in ("0", "-0.05", "nan", "inf", "50ms"):
+        with pytest.raises(ValueError, match="depth_tolerance_s:= takes a positive number of seconds"):
+            settings({**base, "depth_tolerance_s": bad})
+
+
+def test_depth_arguments_reach_the_vision_node(tmp_path, monkeypatch):
+    """What vision.launch.py makes of use_depth, depth_tolerance_s, target_frame and the topic
+    arguments, given to a vision node as launch_ros gives it (the params file, then the arguments'
+    parameters as a second params file, and the remaps): the node subscribes to the remapped depth
+    and camera_info topics and pairs with that tolerance in that frame."""
+    from moondream_fixtures import checkpoint
+    from photon_ros import vision_node as vision_module
+    from ros_harness import RosGraph, wait_for
+
+    monkeypatch.setattr(vision_module, "tf2_lookup", lambda node: (lambda target, source, stamp: None))
+    camera = "/camera/camera"
+    args = {**defaults("vision.launch.py"), "model": str(checkpoint()), "use_depth": "true",
+            "depth_tolerance_s": "0.08", "target_frame": "base_link", "image": f"{camera}/color/image_raw",
+            "depth_image": f"{camera}/aligned_depth_to_color/image_raw",
+            "camera_info": f"{camera}/color/camera_info"}
+    settings = plain_part("vision.launch.py")["vision_settings"](args)
+    given = tmp_path / "arguments.yaml"
+    given.write_text(yaml.safe_dump({"/**": {"ros__parameters": settings["parameters"]}}))
+    cli = ["--ros-args", "--params-file", str(ROOT / "config" / "photon.yaml"), "--params-file", str(given)]
+    for topic, target in settings["remappings"]:
+        cli += ["-r", f"{topic}:={target}"]
+    graph = RosGraph()
+    try:
+        node = graph.add(vision_module.VisionNode(context=graph.context, cli_args=cli))
+        assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
+        assert node.engine is not None, node.model_error
+        assert (node.params["use_depth"], node.params["depth_tolerance_s"], node.params["target_frame"]) == \
+            (True, 0.08, "base_link")
+        assert node.depth_stream.tolerance_s == node.info_stream.tolerance_s == 0.08 and node.lookup is not None
+        assert [s.topic_name for s in node.depth_subscriptions] == [
+            f"{camera}/aligned_depth_to_color/image_raw", f"{camera}/color/camera_info"]
+        assert node.subscription.topic_name == f"{camera}/color/image_raw"
+        assert node.params["depth_min_m"] == yaml_parameters("vision")["depth_min_m"]   # unset: the file's
+    finally:
+        graph.close()
 
 
 def test_speech_arguments_give_its_parameters_remaps_and_audio_source():
