@@ -10,6 +10,10 @@ from pathlib import Path
 
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ.setdefault("ROS_DOMAIN_ID", str(100 + os.getpid() % 100))
+# No test reads or writes the user's megakernel build cache (megakernel/build_cache.py): a stored
+# table would skip the builds tests make on purpose (and their checks). test_megakernel_build_cache
+# turns it on in a temporary folder; child processes (nodes under test) inherit this.
+os.environ["PHOTON_BUILD_CACHE"] = "0"
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "test"))

@@ -14,6 +14,8 @@ attention, tiles never straddling a head), so a head's attention starts as soon 
 are done. A wait already implied by another is dropped; at most two remain per task. Values are
 single-assignment (each has its own region), so the only shared state is the KV caches, whose
 accesses follow the data flow; checker.check proves the tasks race-free before anything runs.
+A kernel's proven graph and encoded table are kept on disk (build_cache.py): a later start of the
+same step reads them instead of lowering, checking and encoding again.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import contextlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -297,6 +300,29 @@ def _needed(graph: StepGraph, p: Plan, results: Iterable[str] | None) -> list[No
     return [n for n in graph.nodes if id(n) in keep]
 
 
+def _proven_kernel(graph: TaskGraph, table: torch.Tensor, weights: torch.Tensor, state: torch.Tensor,
+                   dyn: torch.Tensor, out: torch.Tensor, *, block_m: int, block_n: int, block_k: int, block_t: int,
+                   head_dim: int, max_splits: int, max_tiles: int, ln_eps: float, run_task: Any) -> Any:
+    """Megakernel(graph, ...) for a graph checker.check proved when it was built, with the table
+    TaskGraph.encode gave then (build_cache): the constructor's work without the proof and the
+    encoding. It mirrors Megakernel.__init__ (test_megakernel_build_cache compares the objects)."""
+    from photon_core.megakernel import kernel
+    mk = object.__new__(kernel.Megakernel)
+    dev = weights.device
+    mk.graph, mk.run_task = graph, run_task
+    mk.tasks = table.to(dev)
+    mk.ctrl = torch.zeros(graph.ctrl_size(), dtype=torch.int32, device=dev)
+    mk.weights, mk.state, mk.dyn, mk.out = weights, state, dyn, out
+    mk.batch, mk.ln_eps = graph.batch, ln_eps
+    kernel.check_supported()
+    mk.num_programs = kernel.resident_programs(dev, len(graph.tasks), mk.tuning.programs_per_sm)
+    mk.spin_limit = 2 if dev.type == "cpu" else 1 << 20
+    mk.meta = kernel.megakernel_meta(graph.batch, block_n, block_k, block_t, head_dim, max_splits, max_tiles)
+    if block_m and block_m < mk.meta["BLOCK_M"]:
+        raise ValueError(f"block_m {block_m} < batch {graph.batch}")
+    return mk
+
+
 # ---------------------------------------------------------------------------------------------------
 # The host object
 
@@ -401,19 +427,30 @@ class CompiledStep(StateViews):
         """The megakernel of the whole step, or of the part that computes `results`."""
         key = None if results is None else frozenset(results)
         if key not in self._kernels:
+            from photon_core.megakernel import build_cache
             from photon_core.megakernel.kernel import Megakernel, step_tasks_for
             p, tl = self.plan, self.tiling
             specs = list(self.graph_def.caches.values())
             # The delta rule holds a value head ([Dv]) in one block, like an attention head.
             dims = [s.head_dim for s in specs] + [st.shape[-1] for st in self.graph_def.states.values()]
-            self._kernels[key] = Megakernel(
-                lower(p, key), self.weights, self.state, self.dyn, self.out, block_m=self.batch,
-                block_n=tl.block_n, block_k=tl.block_k, block_t=tl.block_t,
+            kw: dict[str, Any] = dict(
+                block_m=self.batch, block_n=tl.block_n, block_k=tl.block_k, block_t=tl.block_t,
                 head_dim=max(dims, default=16),
                 max_splits=max([tl.self_splits, tl.cross_splits] + [n.args["top_k"] for n in self.graph_def.nodes
                                                                      if n.op == "moe"]),
                 max_tiles=max(p.logits.values(), default=1),
                 ln_eps=p.ln_eps, run_task=step_tasks_for(p.kv_dtype == torch.bfloat16, bool(p.fp8)))
+            # A table holding the addresses of tables read in place is this process's alone: not cached.
+            entry = None if p.external else build_cache.entry_key(
+                self.graph_def, self.batch, tl, p.weight_dtype, p.kv_dtype, key, self.weights.device)
+            stored = build_cache.load(entry) if entry is not None else None
+            if stored is not None:
+                self._kernels[key] = _proven_kernel(*stored, self.weights, self.state, self.dyn, self.out, **kw)
+            else:
+                mk = Megakernel(lower(p, key), self.weights, self.state, self.dyn, self.out, **kw)
+                if entry is not None:
+                    build_cache.store(entry, mk.graph, mk.tasks)
+                self._kernels[key] = mk
         return self._kernels[key]
 
     @property
