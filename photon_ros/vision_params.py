@@ -38,8 +38,9 @@ def vision_params() -> list[Param]:
         Param("use_depth", False, "also subscribe to `depth` (aligned to the colour image: 16UC1 mm or 32FC1 m) "
               "and `camera_info`, and publish detect / point results in metres on objects_3d",
               applies="configure"),
-        Param("depth_tolerance_s", 0.05, "a depth image pairs with the colour frame nearest in stamp within "
-              "this many seconds", positive=True, applies="configure"),
+        Param("depth_tolerance_s", 0.05, "a colour frame pairs with the depth image and camera_info of its own "
+              "stamp, else the nearest within this many seconds, waiting this long after its arrival for one",
+              positive=True, applies="configure"),
         Param("depth_min_m", 0.1, "depths nearer than this are invalid (sensor minimum)", positive=True),
         Param("depth_max_m", 10.0, "depths farther than this are invalid (sensor range)", positive=True),
         Param("rectified", False, "the colour image is rectified (image_rect_color): camera_info's P, "
