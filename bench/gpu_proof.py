@@ -4,36 +4,48 @@
 
     python bench/gpu_proof.py --profile core      # Whisper tiny.en + Moondream 2: the core verdicts
     python bench/gpu_proof.py --profile others    # the other families, the decode loop, liveness
+    python bench/gpu_proof.py --plan --profile core    # CPU: the time plan on an H200, part by part
     python bench/gpu_proof.py --dry-run [...]     # CPU, TRITON_INTERPRET=1, tiny shapes: every part's machinery
 
-On a lent GPU session run it through bench/gpu.sh (`core`, then `others`: one call of <= 5 minutes
-each; the header there has the commands and the time estimate).
+On a lent GPU session run it through bench/gpu.sh (`core`, then `others`: one call of <= 240 s
+each; the header there has the commands). Every run prints its time plan first (gpu_proof.plan:
+seconds per part predicted from the costs the first GPU run measured, gpu_proof.costs), so a log
+shows predicted and actual side by side; tests hold each profile's plan to 240 s.
 
 Profiles (families: random weights of the real shapes, no checkpoint travels; Tiling() unless /split):
   core    whisper-tiny.en (d 384, 4 layers, vocab 51864, 448 positions, 1500 frames) and moondream2
           (MoondreamConfig(): d 2048, 24 layers, vocab 51200, region heads) at batch 1 and 8, fp32 and
-          bf16 weights: steps, stress, poison, timing; Whisper's positive control.
+          bf16 weights: steps, timing, stress, poison; Whisper's positive control.
   others  whisper-turbo (large-v3-turbo's decoder) and whisper-tiny.en/split (the roofline's GPU
           tiling) at batch 1 and 8; through GraphFamily (bf16) at batch 1: qwen3-asr-0.6b,
           qwen3.5-0.8b, gemma4-e2b (its rows cross the 512-slot rings) and moondream3 (9B-A2B, if its
           decode step exists); the production decode loop (rounds) of Qwen3-ASR, Whisper tiny.en and
-          Moondream 2 at batch 1; liveness.
+          Moondream 2 at batch 1, each in a child process; liveness.
   all     the union, every family at batch 1 and 8 (more than one GPU call holds).
 
-Parts (photon_core.gpu_proof.<module>; every configuration's result is written to --json
-as soon as it is done, so a run killed by a timeout keeps everything it finished):
+Parts, in the order they run (photon_core.gpu_proof.<module>; every configuration's result is
+written to --json as soon as it is done, so a run killed by a timeout keeps everything it finished):
   steps     consecutive decode steps, each a CUDA-graph replay, vs stepgraph.run_reference and the
-            family's reference_step: exposed values, argmax picks, appended K/V, states, advanced rows.
+            family's reference_step: exposed values, argmax picks, appended K/V, states, advanced rows;
+            the first and last full step also against a float64 reference, by their per-layer error
+            profile (checks.judge_profile: fp32 noise passes, a step in the profile fails).
+  timing    CUDA-graph replay, median: time per step vs the HBM floor and the per-op CUDA graph,
+            batch 8 vs 1. Right after the steps, so a kill in a later part leaves it; a configuration
+            whose steps failed is not timed (--time-anyway overrides), one is skipped (saying so)
+            when --budget-s runs short. Under the GPU lock: no child process launches meanwhile.
   stress    fixed inputs, 1000 launches at 1, 3, #SMs and 2 x #SMs programs beside a 512 MB copy
-            stream: every launch bit-identical to the first (every other after a NaN-fill of scratch).
+            stream, each program count cut to a time cap by its first launch's time (checks.launch_plan:
+            Moondream 2's slow launches): every launch bit-identical to the first (every other after
+            a NaN-fill of scratch).
   poison    scratch NaN-filled before every launch: nothing unwritten, outputs unchanged.
   control   one wait dropped: the checker rejects it and the stress must see outputs differ; the task
             moved before its producer must be caught (also under the interpreter).
   liveness  a never-signalled wait returns and names its task (child process, started first).
-  rounds    the production decode loop: host-driven, replay per token and device rounds agree.
-  timing    CUDA-graph replay, median: time per step vs the HBM floor and the per-op CUDA graph,
-            batch 8 vs 1. Only after every correctness check passed (--time-anyway overrides); a
-            configuration is skipped (saying so) when --budget-s runs short.
+  rounds    the production decode loop: host-driven, replay per token and device rounds agree. Each
+            family in a child process (gpu_proof.children: a sticky CUDA error ends that child, not
+            the run), started with the run beside the builds and merged when it ends.
+After a configuration leaves this process's CUDA context unusable, the rest of the process's
+configurations are skipped (saying why); the children's parts go on.
 
 Before any part, every step the profile needs is built (lower + check, host work) and each kernel
 variant is compiled in a pool of worker processes (proof.prewarm) while the next one builds.
@@ -41,6 +53,7 @@ variant is compiled in a pool of worker processes (proof.prewarm) while the next
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -89,6 +102,9 @@ PROFILES["all"] = {name: Plan(tuple(p for p in PARTS if any(p in pr[name].parts 
                                                               if name in pr)))
                    for name in dict.fromkeys(n for pr in list(PROFILES.values()) for n in pr)}
 TITLES = dict(core="Whisper tiny.en and Moondream 2", others="the other families", all="every family")
+# What each profile's call may take, bench/gpu.sh's start to its end (its GPU_SH_LIMIT_S): the plan
+# of `core` and of `others` must fit (test_megakernel_bench).
+PLAN_LIMIT_S = 240.0
 # The interpreter runs ~10 ms of Python per task: in the dry run these families run fewer parts
 # (their other parts exercise nothing the rest do not: timing where the byte count differs, i.e.
 # recurrent states and windows; Qwen3-ASR's plain GQA poisoned as Whisper's and Moondream 2's are).
@@ -203,22 +219,22 @@ def graph_families(dry: bool, prod: Callable[[int], Any]) -> list[GraphFamily]:
 # Which configurations a profile runs
 
 
-def plan_of(ctx: Ctx, fam, plan: Plan) -> Plan:
+def plan_of(cuda: bool, fam, plan: Plan) -> Plan:
     """The family's plan with its batches resolved (dry-run families have batches (1, 2)) and the
     dry run's part limits applied."""
     batches = tuple(b for b in fam.batches if plan.batches is None or b in plan.batches) or fam.batches[:1]
-    parts = plan.parts if ctx.cuda else tuple(p for p in plan.parts if p in DRY_PARTS.get(fam.name, PARTS))
+    parts = plan.parts if cuda else tuple(p for p in plan.parts if p in DRY_PARTS.get(fam.name, PARTS))
     return Plan(parts, batches)
 
 
-def configs(ctx: Ctx, fam, plan: Plan, part: str) -> list[tuple[int, str]]:
+def configs(cuda: bool, fam, plan: Plan, part: str) -> list[tuple[int, str]]:
     """(batch, weight dtype) pairs a part runs for a family: every pair on a GPU. In the dry run,
     where each launch is a fraction of a second of Python, fewer: the steps pair each batch with one
     dtype (both batches and both dtypes still run), the stress-type parts take the largest batch in
     the stress dtype, timing (which times nothing real there) every batch in the stress dtype."""
     if part not in plan.parts:
         return []
-    if ctx.cuda:
+    if cuda:
         return [(b, dt) for b in plan.batches for dt in fam.dtypes]
     if part == "steps":
         return [(b, fam.dtypes[i % len(fam.dtypes)]) for i, b in enumerate(plan.batches)]
@@ -227,8 +243,55 @@ def configs(ctx: Ctx, fam, plan: Plan, part: str) -> list[tuple[int, str]]:
     return [(plan.batches[-1], fam.stress_dtype)]
 
 
-def batches(ctx: Ctx, fam, plan: Plan, part: str) -> list[int]:
-    return list(dict.fromkeys(b for b, _ in configs(ctx, fam, plan, part)))
+def batches(cuda: bool, fam, plan: Plan, part: str) -> list[int]:
+    return list(dict.fromkeys(b for b, _ in configs(cuda, fam, plan, part)))
+
+
+def select(cuda: bool, profile: str, all_fams: dict, families_arg: str, parts_arg: str
+           ) -> tuple[dict, dict[str, Plan], list[str], list[str]]:
+    """(families, their plans, the parts run, families named but absent here) of a run."""
+    pr = PROFILES[profile]
+    wanted = families_arg.split(",") if families_arg else list(pr)
+    unknown = set(wanted) - set(pr)
+    if unknown:
+        raise SystemExit(f"unknown families {sorted(unknown)} for profile {profile}; choose from {list(pr)}")
+    fams = {k: all_fams[k] for k in pr if k in wanted and k in all_fams}
+    absent = [k for k in pr if k in wanted and k not in all_fams]
+    chosen = [p for p in PARTS if p in parts_arg.split(",")]
+    plans = {k: (lambda pl: Plan(tuple(p for p in pl.parts if p in chosen), pl.batches))(plan_of(cuda, f, pr[k]))
+             for k, f in fams.items()}
+    fams = {k: f for k, f in fams.items() if plans[k].parts}
+    parts = [p for p in chosen if any(p in pl.parts for pl in plans.values())]
+    return fams, plans, parts, absent
+
+
+def build_list(cuda: bool, fam, plan: Plan) -> list[tuple[int, str]]:
+    """What the parts need built for a family, (batch, kind), in build order (largest batch first):
+    "advance" / "plain" steps (a step that cannot advance itself is its own plain step) and "token",
+    Moondream's pruned caption/query kernel at batch 1 (steps' "text" variant; rounds fed embeddings)."""
+    out: list[tuple[int, str]] = []
+    for batch in reversed(sorted({b for p in plan.parts for b in batches(cuda, fam, plan, p)})):
+        parts = {p for p in plan.parts if batch in batches(cuda, fam, plan, p)}
+        want: list[str] = []
+        if "steps" in parts:
+            want += ["advance"] if fam.advance else ["plain"] + (["token"] if batch == 1 else [])
+        if {"stress", "poison", "control", "timing"} & parts:
+            want.append("plain")
+        if "rounds" in parts:
+            if fam.advance:
+                want += ["advance"] + (["plain"] if "logits" in fam_exposed(fam, batch) else [])
+            elif getattr(fam, "feeds_embeddings", False):
+                want += ["plain", "token"]
+        out += [(batch, k) for k in dict.fromkeys(want)]
+    return out
+
+
+def fam_exposed(fam, batch: int) -> set[str]:
+    """The exposed values of the family's step graph (the rounds' "pick" way needs logits)."""
+    graph = getattr(fam, "graph", None)
+    if graph is not None:
+        return set(graph.exposed)
+    return {"logits"}          # Whisper's and Moondream 2's steps expose logits
 
 
 def prepare(ctx: Ctx, fams: dict, plans: dict[str, Plan]) -> None:
@@ -240,29 +303,19 @@ def prepare(ctx: Ctx, fams: dict, plans: dict[str, Plan]) -> None:
     from photon_core.gpu_proof.timing import warm_perop_whisper
     for name, fam in fams.items():     # per-op kernels first: they need no build
         if ctx.warm is not None and fam.perop and "timing" in plans[name].parts:
-            for batch in batches(ctx, fam, plans[name], "timing"):
+            for batch in batches(ctx.cuda, fam, plans[name], "timing"):
                 ctx.warm.run(f"per-op {name} B{batch}", warm_perop_whisper, fam.shape, fam.max_len, fam.enc_len,
                              batch)
     for name in reversed(list(fams)):
-        fam, plan = fams[name], plans[name]
-        for batch in reversed(sorted({b for p in plan.parts for b in batches(ctx, fam, plan, p)})):
+        fam = fams[name]
+        for batch, kind in build_list(ctx.cuda, fam, plans[name]):
             def need() -> None:
                 b = build(ctx, fam, batch)
-                parts = [p for p in plan.parts if batch in batches(ctx, fam, plan, p)]
-                if "steps" in parts:
-                    step = b.step(advance=True)
-                    if not fam.advance and batch == 1:
-                        b.kernel(step, ("token",))     # Moondream's caption/query graph (steps' "text")
-                if {"stress", "poison", "control", "timing"} & set(parts):
-                    b.step(advance=False)
-                if "rounds" in parts:
-                    if fam.advance:
-                        step = b.step(advance=True)
-                        if "logits" in step.graph_def.exposed:
-                            b.step(advance=False)
-                    elif getattr(fam, "feeds_embeddings", False):
-                        b.kernel(b.step(advance=False), ("token",))
-            guarded(ctx, f"build {name} B{batch}", need)
+                if kind == "token":
+                    b.kernel(b.step(advance=False), ("token",))
+                else:
+                    b.step(advance=kind == "advance")
+            guarded(ctx, f"build {name} B{batch} {kind}", need)
     if ctx.warm is not None:
         t = time.time()
         print(f"  built everything at {ctx.elapsed():.0f} s; waiting for {len(ctx.warm.jobs)} compile jobs "
@@ -271,15 +324,22 @@ def prepare(ctx: Ctx, fams: dict, plans: dict[str, Plan]) -> None:
             ctx.warm.wait(max(10.0, ctx.left() - 60))
         except Exception as e:  # noqa: BLE001  the pool only saves time: launches compile what they need
             print(f"  compile pool failed ({type(e).__name__}: {e}): variants compile at first launch", flush=True)
-        ctx.out["compiles"] = ctx.warm.done
+        ctx.out["compiles"] = ctx.warm.done + ctx.out.get("compiles", [])
         print(f"  compiles done {time.time() - t:.0f} s after the builds (at {ctx.elapsed():.0f} s)", flush=True)
     ctx.save()
 
 
-def run_part(ctx: Ctx, part: str, fams: dict, plans: dict[str, Plan], liveness: Any) -> None:
+def steps_failed(ctx: Ctx, name: str, batch: int, dtype: str) -> bool:
+    """Whether this configuration's steps ran and failed (then it is not timed)."""
+    return any(r["family"] == name and r["batch"] == batch and r["dtype"] == dtype and not r.get("passed", True)
+               for r in ctx.out.get("parts", {}).get("steps", {}).get("results", []))
+
+
+def run_part(ctx: Ctx, part: str, fams: dict, plans: dict[str, Plan], liveness: Any, time_anyway: bool = False
+             ) -> None:
     """Every configuration of one part, each recorded (and the results file written) when done."""
     from photon_core.gpu_proof import liveness as live
-    from photon_core.gpu_proof.checks import guarded, over_budget
+    from photon_core.gpu_proof.checks import guarded, over_budget, skip
     from photon_core.gpu_proof.races import prove_control, prove_poison, prove_stress
     from photon_core.gpu_proof.rounds import prove_feed_rounds, prove_object_rounds, prove_rounds
     from photon_core.gpu_proof.steps import prove_steps
@@ -288,11 +348,11 @@ def run_part(ctx: Ctx, part: str, fams: dict, plans: dict[str, Plan], liveness: 
     for name, fam in fams.items():
         plan = plans[name]
         if part == "steps":
-            for batch, dt in configs(ctx, fam, plan, part):
+            for batch, dt in configs(ctx.cuda, fam, plan, part):
                 ctx.record(part, guarded(ctx, f"steps {name} B{batch} {dt}", lambda: prove_steps(ctx, fam, batch, dt)))
         elif part in ("stress", "poison", "control"):
             fn = dict(stress=prove_stress, poison=prove_poison, control=prove_control)[part]
-            for batch in batches(ctx, fam, plan, part):
+            for batch in batches(ctx.cuda, fam, plan, part):
                 ctx.record(part, guarded(ctx, f"{part} {name} B{batch}", lambda: fn(ctx, fam, batch)))
         elif part == "rounds":
             # A step that advances itself, or one fed embeddings (Moondream 2's: its caption/query
@@ -300,15 +360,24 @@ def run_part(ctx: Ctx, part: str, fams: dict, plans: dict[str, Plan], liveness: 
             proofs = ([prove_rounds] if fam.advance else
                       [prove_feed_rounds, prove_object_rounds] if getattr(fam, "feeds_embeddings", False) else [])
             for prove in proofs:
-                for batch in batches(ctx, fam, plan, part):
+                for batch in batches(ctx.cuda, fam, plan, part):
                     if not over_budget(ctx, f"rounds {name} B{batch}"):
                         ctx.record(part, guarded(ctx, f"rounds {name} B{batch}", lambda: prove(ctx, fam, batch)))
         elif part == "liveness" and part in plan.parts:
             ctx.record(part, guarded(ctx, "liveness", lambda: live.finish(ctx, liveness)))
         elif part == "timing":
-            for batch in batches(ctx, fam, plan, part):
-                dts = [d for b, d in configs(ctx, fam, plan, part) if b == batch]
-                ctx.record(part, guarded(ctx, f"timing {name} B{batch}", lambda: prove_timing(ctx, fam, batch, dts)))
+            for batch in batches(ctx.cuda, fam, plan, part):
+                # Timing runs right after the steps (a kill later still leaves it): a configuration
+                # whose steps failed is not timed (--time-anyway overrides).
+                dts = []
+                for b, d in configs(ctx.cuda, fam, plan, part):
+                    if b == batch and steps_failed(ctx, name, b, d) and not time_anyway:
+                        skip(ctx, f"timing {name} B{b} {d} SKIPPED: its steps failed")
+                    elif b == batch:
+                        dts.append(d)
+                if dts:
+                    ctx.record(part, guarded(ctx, f"timing {name} B{batch}",
+                                             lambda: prove_timing(ctx, fam, batch, dts)))
 
 
 def summary_lines(ctx: Ctx, profile: str) -> list[str]:
@@ -392,6 +461,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=list(PROFILES), default="all", help="which families and parts (above)")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, a few steps/launches")
+    p.add_argument("--plan", action="store_true", help="print the time plan on an H200 (gpu_proof.plan) and exit")
     p.add_argument("--json", default="", help="write the results here (rewritten after every configuration)")
     p.add_argument("--write", action="store_true", help="put the summary table into bench/RESULTS.md")
     p.add_argument("--budget-s", type=float, default=None,
@@ -403,14 +473,77 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launches", type=int, default=0, help="override the launches per stress")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8)")
     p.add_argument("--time-anyway", action="store_true", help="time even after a failed correctness check")
-    p.add_argument("--workers", type=int, default=0, help="compile processes (default: CPU cores - 2, at most 14; "
-                                                          "1 compiles in one worker, in order)")
+    p.add_argument("--workers", type=int, default=0, help="compile processes (default: CPU cores - 2, at most 14, "
+                                                          "fewer beside child processes; 1 compiles in order)")
+    p.add_argument("--in-child", action="store_true",
+                   help="(internal) run as one family's child process: rounds in this process, under the GPU lock")
     return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Child processes and the time plan
+
+
+def child_builds(fam, plan: Plan) -> list[tuple[int, str]]:
+    """What a family's rounds child builds."""
+    return build_list(True, fam, Plan(("rounds",), plan.batches))
+
+
+def rounds_children(args: argparse.Namespace, fams: dict, plans: dict[str, Plan], budget_s: float) -> list:
+    """One child process per family with rounds: this driver, for that family's rounds alone."""
+    import tempfile
+
+    from photon_core.gpu_proof.children import Child
+    base = Path(args.json) if args.json else Path(tempfile.mkdtemp(prefix="gpu_proof_")) / "proof.json"
+    out = []
+    for name in fams:
+        if "rounds" not in plans[name].parts:
+            continue
+        tag = name.replace("/", "-")
+        json_path = base.with_name(f"{base.stem}.rounds-{tag}.json")
+        argv = [sys.executable, str(Path(__file__).resolve()), "--profile", args.profile, "--parts", "rounds",
+                "--families", name, "--json", str(json_path), "--budget-s", f"{budget_s:.0f}", "--workers", "1",
+                "--in-child"] + (["--dry-run"] if args.dry_run else [])
+        out.append(Child(f"rounds {name}", argv, json_path, json_path.with_suffix(".log"), timeout_s=budget_s))
+    return out
+
+
+def gpu_work(profile: str, families_arg: str = "", parts_arg: str = ",".join(PARTS), sms: int = 132):
+    """What `profile` runs on a GPU, for the time plan (real-size families; nothing is built)."""
+    from photon_core.gpu_proof.plan import Work
+    fams, plans, parts, _ = select(True, profile, families(False, sms), families_arg, parts_arg)
+    children = {k: [(b, kind) for b, kind in child_builds(f, plans[k])] for k, f in fams.items()
+                if "rounds" in plans[k].parts}
+    parent = {k: Plan(tuple(p for p in pl.parts if p != "rounds"), pl.batches) for k, pl in plans.items()}
+    configs_ = [(part, k, b, dt) for part in parts for k, f in fams.items()
+                for b, dt in (configs(True, f, parent[k], part) if part in ("steps", "timing") else
+                              [(b, f.stress_dtype) for b in batches(True, f, parent[k], part)])]
+    builds = [(k, b, kind) for k in reversed(list(fams)) for b, kind in build_list(True, fams[k], parent[k])]
+    return Work(parts=parts, configs=configs_, builds=builds,
+                children={k: [(k, b, kind) for b, kind in v] for k, v in children.items()},
+                stress_dtype={k: f.stress_dtype for k, f in fams.items()},
+                perop={k for k, f in fams.items() if f.perop}, liveness="liveness" in parts)
+
+
+def time_plan(args: argparse.Namespace):
+    """The prediction for this run's profile (and --families / --parts) at the GPU's sizes."""
+    from photon_core.gpu_proof.checks import GPU_SIZES
+    from photon_core.gpu_proof.plan import predict
+    sizes = replace(GPU_SIZES, steps=args.steps or GPU_SIZES.steps, launches=args.launches or GPU_SIZES.launches)
+    return predict(gpu_work(args.profile, args.families, args.parts), sizes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the proof; returns the results (also written with --json). The exit status is cli()'s."""
     args = parse(argv)
+    if args.plan:
+        pred = time_plan(args)
+        print("\n".join(pred.lines(limit_s=PLAN_LIMIT_S, details=True)), flush=True)
+        return dict(passed=True, plan=dict(seconds=pred.seconds, total=pred.total, beside=pred.beside))
     if args.budget_s is None:
         args.budget_s = float("inf") if args.dry_run else 540.0
     if args.dry_run:
@@ -431,6 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from photon_core.gpu_proof import liveness as live
     from photon_core.gpu_proof.checks import DRY_SIZES, GPU_SIZES, Ctx
+    from photon_core.gpu_proof.children import Children, gpu_lock, merge
     from photon_core.gpu_proof.races import Noise
     from photon_core.megakernel.compiler import cuda_kv_dtype
     dev = torch.device("cuda" if cuda else "cpu")
@@ -441,36 +575,53 @@ def main(argv: list[str] | None = None) -> dict:
                profile=args.profile, dry_run=args.dry_run, torch=torch.__version__, triton=triton.__version__,
                python=sys.version.split()[0], budget_s=args.budget_s, sizes=sizes.__dict__, parts={})
     ctx = Ctx(dev, cuda, sizes, sms, budget_s=args.budget_s, json_path=args.json, hbm_tbps=args.hbm_tbps, out=out)
-    all_fams = families(args.dry_run, sms)
-    profile = PROFILES[args.profile]
-    wanted = args.families.split(",") if args.families else list(profile)
-    unknown = set(wanted) - set(profile)
-    if unknown:
-        raise SystemExit(f"unknown families {sorted(unknown)} for profile {args.profile}; choose from {list(profile)}")
-    fams = {k: all_fams[k] for k in profile if k in wanted and k in all_fams}
-    absent = [k for k in profile if k in wanted and k not in all_fams]
+    fams, plans, parts, absent = select(cuda, args.profile, families(args.dry_run, sms), args.families, args.parts)
     if absent:   # moondream3 without its decode step; whisper-turbo has no dry-run size (tiny.en's shapes)
         print(f"not run here: {absent}", flush=True)
         out["absent"] = absent
-    chosen = [p for p in PARTS if p in args.parts.split(",")]
-    plans = {k: (lambda pl: Plan(tuple(p for p in pl.parts if p in chosen), pl.batches))(plan_of(ctx, f, profile[k]))
-             for k, f in fams.items()}
-    fams = {k: f for k, f in fams.items() if plans[k].parts}
-    parts = [p for p in chosen if any(p in pl.parts for pl in plans.values())]
     mode = "" if cuda else ", interpreter: programs run one after another"
     print(f"megakernel proof ({args.profile}) on {out['device']} ({sms} SMs{mode}); Python {out['python']}, torch "
           f"{out['torch']}, Triton {out['triton']}; families {list(fams)}; parts {parts}; budget {args.budget_s:.0f} s",
           flush=True)
+    if not args.in_child:
+        pred = time_plan(args)
+        out["plan"] = dict(seconds=pred.seconds, total=pred.total, beside=pred.beside)
+        print("\n".join(pred.lines(limit_s=PLAN_LIMIT_S)), flush=True)
     # The liveness child compiles and launches a tiny kernel of its own: started first, it runs
     # beside the builds and is collected in its part.
-    liveness = live.start(ctx) if "liveness" in parts else None
+    liveness = live.start(ctx) if "liveness" in parts and not args.in_child else None
+    # Each family's rounds in a child process of its own (gpu_proof.children), started now: they
+    # build beside this process's builds and take the GPU lock for their launches, which this
+    # process holds until the liveness child has exited.
+    children, lock = None, None
+    if "rounds" in parts and not args.in_child:
+        import tempfile
+        kids = rounds_children(args, fams, plans, max(10.0, args.budget_s - 10))
+        lock = str(Path(tempfile.gettempdir()) / f"gpu_proof.{os.getpid()}.lock")
+        hold = (lambda: liveness[0].poll() is None and time.time() - liveness[1] < sizes.liveness_timeout_s
+                ) if liveness is not None else None
+        children = Children(kids, parallel=cuda, lock_path=lock, hold=hold)
+        children.start()
+        plans = {k: Plan(tuple(p for p in pl.parts if p != "rounds"), pl.batches) for k, pl in plans.items()}
+
+        def collect() -> None:
+            for c in children.done():
+                merge(out, ctx.checks, c, "rounds")
+                print(f"  ({c.label}: child process ended, exit {c.rc}; results merged)", flush=True)
+        ctx.on_record = collect
+    run_fams = {k: f for k, f in fams.items() if plans[k].parts}
     if cuda:
         from photon_core.gpu_proof.prewarm import Prewarm
+        # Beside child processes (each builds on a core and compiles in a worker of its own) fewer
+        # compile workers, so the builds on this process's core keep theirs.
+        workers = args.workers or max(2, min(14, (os.cpu_count() or 2) - 2) - 2 * len(children.children if children
+                                                                                   else []))
         try:
-            ctx.warm = Prewarm(args.workers or None)
+            ctx.warm = Prewarm(workers)
         except Exception as e:  # noqa: BLE001  without the pool every variant compiles at first launch
             print(f"compile pool not started ({type(e).__name__}: {e}): variants compile at first launch", flush=True)
-    ctx.noise = Noise(ctx)
+    # The noise stream only beside the race parts (a child running rounds does not need its 1 GB).
+    ctx.noise = Noise(ctx, active=bool({"stress", "poison", "control"} & set(parts)))
     if ctx.noise.gbps:
         out["noise_copy_gbps"] = ctx.noise.gbps
         print(f"noise stream: 512 MB device copies at {ctx.noise.gbps:.0f} GB/s (read + write)", flush=True)
@@ -479,21 +630,32 @@ def main(argv: list[str] | None = None) -> dict:
     with cuda_kv_dtype(torch.float32):
         t = time.time()
         print(f"\n[build] every step the parts need (at {ctx.elapsed():.0f} s)", flush=True)
-        prepare(ctx, fams, plans)
+        prepare(ctx, run_fams, plans)
         out["build_seconds"] = round(time.time() - t, 1)
         for n, part in enumerate(parts, 1):
             t = time.time()
             print(f"\n[{n}/{len(parts)}] {part}  (at {ctx.elapsed():.0f} s)", flush=True)
-            if part == "timing" and ctx.checks.failed and not args.time_anyway:
-                # A kernel that failed a check is not timed (and one whose waits time out would spend
-                # the session's minutes doing it); --time-anyway overrides.
-                msg = f"timing SKIPPED: {len(ctx.checks.failed)} correctness checks failed"
-                print(f"  {msg}", flush=True)
-                out.setdefault("skipped", []).append(msg)
-                out["parts"][part] = dict(skipped=True, seconds=0.0, results=[], failed=[])
-                continue
             failed_before = len(ctx.checks.failed)
-            run_part(ctx, part, fams, plans, liveness)
+            if part == "rounds" and children is not None:
+                ctx.record(part, None)
+                children.wait(max(5.0, ctx.left()))
+                collect()
+                for c in children.children:
+                    print(f"  [{c.label}: child process, exit {c.rc}{', killed' if c.killed else ''}, "
+                          f"{c.ended - c.started:.1f} s; its log {c.log_path}]", flush=True)
+                    lines = c.log_path.read_text(errors="replace").splitlines() if c.log_path.exists() else []
+                    print("\n".join(f"  | {line}" for line in lines), flush=True)
+            else:
+                # Timing, and a child's rounds, on a GPU nothing else of this run uses (the lock: a
+                # child finds its path in its environment); timing waits for it at most 30 s.
+                quiet = (gpu_lock(lock, wait_s=30.0 if part == "timing" else None)
+                         if part in ("timing", "rounds") else contextlib.nullcontext(True))
+                with quiet as alone:
+                    if not alone:
+                        note = f"{part}: the GPU lock was not free after 30 s; timed beside a child process"
+                        print(f"  {note}", flush=True)
+                        out.setdefault("notes", []).append(note)
+                    run_part(ctx, part, run_fams, plans, liveness, args.time_anyway)
             if part == "timing":
                 from photon_core.gpu_proof.timing import batch_ratios
                 batch_ratios(out["parts"][part]["results"])
@@ -504,11 +666,12 @@ def main(argv: list[str] | None = None) -> dict:
     if ctx.warm is not None:
         ctx.warm.close()
     ctx.save()
-    lines = summary_lines(ctx, args.profile)
-    from report import publish
-    if args.write and args.dry_run:
-        print("(--write ignored: a dry run's numbers do not belong in bench/RESULTS.md)", flush=True)
-    publish(lines, args.write and not args.dry_run)
+    if not args.in_child:       # a child's results are in its parent's table
+        lines = summary_lines(ctx, args.profile)
+        from report import publish
+        if args.write and args.dry_run:
+            print("(--write ignored: a dry run's numbers do not belong in bench/RESULTS.md)", flush=True)
+        publish(lines, args.write and not args.dry_run)
     print(f"build {out.get('build_seconds')} s; part seconds: "
           + ", ".join(f"{k} {v['seconds']}" for k, v in out["parts"].items()) + f"; total {ctx.elapsed():.0f} s",
           flush=True)

@@ -61,7 +61,7 @@ def test_proof_core_dry_run(tmp_path):
     assert out["passed"], out["checks"]["failed"]
     assert json.loads((tmp_path / "p.json").read_text())["checks"] == out["checks"]
     parts = out["parts"]
-    assert list(parts) == ["steps", "stress", "poison", "control", "timing"] and not out.get("skipped")
+    assert list(parts) == ["steps", "timing", "stress", "poison", "control"] and not out.get("skipped")
     steps = parts["steps"]["results"]
     assert {(r["family"], r["batch"], r["dtype"]) for r in steps} == {
         ("whisper-tiny.en", 1, "fp32"), ("whisper-tiny.en", 2, "bf16"), ("moondream2", 1, "fp32"),
@@ -92,7 +92,7 @@ def test_proof_others_dry_run(tmp_path):
     out = _load("gpu_proof").main(["--dry-run", "--profile", "others", "--json", str(tmp_path / "p.json")])
     assert out["passed"], out["checks"]["failed"]
     parts = out["parts"]
-    assert list(parts) == ["steps", "poison", "liveness", "rounds", "timing"] and not out.get("skipped")
+    assert list(parts) == ["steps", "timing", "poison", "liveness", "rounds"] and not out.get("skipped")
     graph_fams = {"qwen3-asr-0.6b", "qwen3.5-0.8b", "gemma4-e2b"} | (
         {"moondream3"} if importlib.util.find_spec("photon_core.models.moondream3.decoder_step") else set())
     steps = parts["steps"]["results"]
@@ -114,6 +114,13 @@ def test_proof_others_dry_run(tmp_path):
     assert all(r["same"] and r["tokens"] == out["sizes"]["round_tokens"] and r["rounds_read"] > 0 for r in rounds)
     assert all(r["ways"] == (["host", "rounds"] if r["family"] == "moondream2" else ["host", "replay", "rounds", "pick"])
                for r in rounds)
+    # Each family's rounds ran in a child process of its own (a sticky CUDA error ends that child
+    # alone), its results file and log beside the parent's.
+    kids = out["children"]
+    families = ("moondream2", "qwen3-asr-0.6b", "whisper-tiny.en")
+    assert sorted(c["label"] for c in kids) == [f"rounds {f}" for f in families]
+    assert all(c["exit"] == 0 and not c["killed"] and Path(c["log"]).exists() for c in kids)
+    assert out["plan"]["total"] <= 240
 
 
 def test_proof_fails_loudly(monkeypatch, tmp_path):

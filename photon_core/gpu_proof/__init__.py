@@ -16,6 +16,9 @@ parts a driver runs per family, batch and weight dtype; bench/gpu_proof.py is th
     rounds      the production decode loop: host-driven, replayed and device rounds agree
     timing      time per step against the HBM floor and the per-op step in a CUDA graph
     prewarm     Triton compiles in worker processes while the host builds
+    children    parts in child processes (each family's rounds) and the GPU lock
+    costs       what each part cost on the first GPU run (H200), for the plan
+    plan        a profile's seconds per part, predicted from those costs
 
 It imports model code (Whisper's and Moondream 2's steps as fixtures), so it lives outside
 photon_core.megakernel, which imports none; nothing in the runtime imports it.

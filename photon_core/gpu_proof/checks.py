@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-PARTS = ("steps", "stress", "poison", "control", "liveness", "rounds", "timing")
+# The parts in the order they run: timing right after the steps (which prove what it times), so a
+# run killed in a later part still has its times; rounds last (they run in child processes beside
+# the rest and are collected there).
+PARTS = ("steps", "timing", "stress", "poison", "control", "liveness", "rounds")
 # The floor of the tolerance against the fp32 reference at the steps not run in float64 (max |mk -
 # ref| / max |ref|, both weight dtypes: the references use the arena's weights); above it the
 # tolerance follows the noise the configuration's float64 steps measured (tolerance()).
@@ -118,7 +121,7 @@ class Sizes:
     caps bound what an estimate cannot); dry-run ones a fraction of a second of the interpreter."""
     steps: int
     launches: int             # race stress per program count
-    min_launches: int         # what a time cap may reduce a slow (few-program) stress to
+    min_launches: int         # what a time cap may reduce a stress to (one plain, one after a NaN-fill)
     cap_few_s: float          # time cap per stress with fewer programs than SMs (they cannot race much)
     cap_many_s: float         # time cap per stress with >= #SMs programs
     poison_launches: int
@@ -130,12 +133,26 @@ class Sizes:
     round_repeats: int        # timed requests per way of decoding (median)
 
 
-GPU_SIZES = Sizes(steps=64, launches=1000, min_launches=10, cap_few_s=3.0, cap_many_s=10.0, poison_launches=100,
+# The stress caps fit the proof's call (gpu_proof.plan): 1000 launches where a launch takes up to
+# 4 ms (Whisper's steps); Moondream 2's steps (8-18 ms a launch at #SMs, each 19-47K tasks where
+# Whisper's has 2.5-4.5K) get 4 s per program count, and with 1 or 3 programs (0.4-3.1 s a launch:
+# one SM streams the whole model) a plain launch and a poisoned one.
+GPU_SIZES = Sizes(steps=64, launches=1000, min_launches=2, cap_few_s=1.0, cap_many_s=4.0, poison_launches=100,
                   control_launches=1000, iters=200, warmup=20, liveness_timeout_s=120.0, round_tokens=33,
                   round_repeats=5)
 DRY_SIZES = Sizes(steps=2, launches=2, min_launches=2, cap_few_s=float("inf"), cap_many_s=float("inf"),
                   poison_launches=2, control_launches=2, iters=1, warmup=0, liveness_timeout_s=120.0,
                   round_tokens=4, round_repeats=1)
+
+
+def launch_plan(per_launch_s: float, programs: int, sms: int, sizes: Sizes) -> tuple[int, bool]:
+    """(launches, capped) of one stress: the target, unless that passes the time cap for this
+    program count, then as many as the cap holds but at least min_launches. The stress sizes
+    itself by this from its first launch, and the time plan predicts it from the measured costs."""
+    cap = sizes.cap_many_s if programs >= sms else sizes.cap_few_s
+    if per_launch_s * sizes.launches <= cap:
+        return sizes.launches, False
+    return max(sizes.min_launches, int(cap / per_launch_s)), True
 
 
 class Checks:
@@ -175,6 +192,11 @@ class Ctx:
     probes: dict = field(default_factory=dict)
     noise: Any = None
     warm: Any = None
+    # Set when a configuration left this process's CUDA context unusable (a sticky error such as an
+    # illegal memory access): the configurations after it are skipped, saying why, instead of each
+    # failing with the same error; parts in child processes are not affected (gpu_proof.children).
+    broken: str | None = None
+    on_record: Callable[[], None] | None = None     # called before each record (the children's results)
 
     def elapsed(self) -> float:
         return time.time() - self.t0
@@ -192,18 +214,24 @@ class Ctx:
 
     def record(self, part: str, result: Any) -> None:
         """Add one configuration's result to its part and write the results file."""
+        if self.on_record is not None:
+            self.on_record()
         entry = self.out.setdefault("parts", {}).setdefault(part, dict(seconds=0.0, results=[], failed=[]))
         if result is not None:
             entry["results"].extend(result if isinstance(result, list) else [result])
         self.save()
 
     def save(self) -> None:
+        # Parts in run order (a child's rounds are merged whenever the child ends).
+        parts = self.out.get("parts", {})
+        self.out["parts"] = {k: parts[k] for k in sorted(parts, key=lambda k: PARTS.index(k) if k in PARTS else 99)}
         self.out["seconds"] = round(self.elapsed(), 1)
         self.out["checks"] = dict(passed=self.checks.passed, failed=self.checks.failed)
         self.out["passed"] = not self.checks.failed
         if self.json_path:
             # Written whole to a side file, then renamed: a kill mid-write leaves the previous file.
             path = Path(self.json_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_text(json.dumps(self.out, indent=1, default=str))
             tmp.replace(path)
@@ -211,22 +239,44 @@ class Ctx:
 
 def guarded(ctx: Ctx, what: str, fn: Callable[[], Any]) -> Any:
     """Run one configuration; an exception is a failed check (with its traceback), not the end of the
-    proof, so one broken configuration does not hide the others."""
+    proof, so one broken configuration does not hide the others. After one that broke the CUDA
+    context, the rest are skipped (saying so): they could only fail with its error."""
+    if ctx.broken is not None:
+        skip(ctx, f"{what} SKIPPED: this process's CUDA context is unusable since {ctx.broken}")
+        return None
     try:
         return fn()
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         ctx.checks.expect(False, f"{what}: {type(e).__name__}: {e}")
+        if ctx.cuda and not cuda_usable():
+            ctx.broken = what
         return None
+
+
+def cuda_usable() -> bool:
+    """Whether this process can still run CUDA work (after a sticky error it cannot: every call
+    raises the error again)."""
+    import torch
+    try:
+        (torch.ones(1, device="cuda") + 1).item()
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def skip(ctx: Ctx, msg: str) -> None:
+    """Record (and print) a configuration not run, and why."""
+    print(f"  {msg}", flush=True)
+    ctx.out.setdefault("skipped", []).append(msg)
 
 
 def over_budget(ctx: Ctx, what: str, need_s: float = 20.0) -> bool:
     """Whether the run's budget leaves too little for one more configuration of `what` (then say so)."""
     if ctx.left() >= need_s:
         return False
-    msg = f"{what} SKIPPED: {ctx.left():.0f} s left of the budget {ctx.budget_s:.0f} s"
-    print(f"  {msg}", flush=True)
-    ctx.out.setdefault("skipped", []).append(msg)
+    skip(ctx, f"{what} SKIPPED: {ctx.left():.0f} s left of the budget {ctx.budget_s:.0f} s")
     return True
 
 

@@ -82,7 +82,7 @@ def profile_launch(step: Any, weights: Mapping[str, Any], caches64: Mapping[str,
     return step_profile(step, want32, want64, caches32, caches64, positions)
 
 
-def float64_steps(steps: int, full_at: list[int]) -> set[int]:
+def float64_steps(full_at: list[int]) -> set[int]:
     """The steps run in float64: the first and the last that runs the whole graph (`full_at`: the
     steps whose kernel computes every value; a pruned one leaves the others stale)."""
     return {full_at[0], full_at[-1]} if full_at else set()

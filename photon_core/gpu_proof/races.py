@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from photon_core.gpu_proof.build import (Build, appended_refs, build, cache_of, copy_graph, fill, flags, offsets,
                                          slot, unchecked_kernel)
-from photon_core.gpu_proof.checks import Ctx, argmax_ok, judge_profile, rel_err, timer, tolerance
+from photon_core.gpu_proof.checks import Ctx, argmax_ok, judge_profile, launch_plan, rel_err, timer, tolerance
 from photon_core.gpu_proof.float64 import widened
 from photon_core.gpu_proof.profile import profile_launch
 from photon_core.megakernel.graph_family import dtype_of
@@ -25,11 +25,11 @@ class Noise:
     stress launch (about as long as the launch), so the megakernel runs against HBM and L2 traffic
     and SMs taken by someone else. Nothing on the CPU."""
 
-    def __init__(self, ctx: Ctx, mb: int = 512) -> None:
+    def __init__(self, ctx: Ctx, mb: int = 512, active: bool = True) -> None:
         self.stream = None
         self.per_launch = 1
         self.gbps = None
-        if not ctx.cuda:
+        if not ctx.cuda or not active:
             return
         import torch
         n = mb << 20
@@ -187,11 +187,12 @@ class Stress:
 
 
 def stress(ctx: Ctx, p: Probe, kernel, programs: int, launches: int, poison_every: int,
-           stop_on_diff: bool = False, capped: bool = False, launch_s: float | None = None) -> Stress:
+           stop_on_diff: bool = False, sized: bool = False) -> Stress:
     """`launches` launches of `kernel` (the probe's, or a mutated one on the same buffers) with
     `programs` programs, the noise stream busy beside them; after every `poison_every`-th launch
     the next one starts from NaN-filled scratch. Counted on the device, synchronised at the end (and
-    every 25 launches with stop_on_diff)."""
+    every 25 launches with stop_on_diff). `sized`: `launches` is the target, cut to the time cap
+    by the first launch's time (checks.launch_plan, as the time plan predicts it)."""
     import torch
     dev = p.step.state.device
     saved = kernel.num_programs
@@ -202,11 +203,13 @@ def stress(ctx: Ctx, p: Probe, kernel, programs: int, launches: int, poison_ever
     err = torch.zeros((), dtype=torch.int32, device=dev)
     claims = torch.zeros((), dtype=torch.int32, device=dev)
     if ctx.cuda:
-        ctx.noise.pace(launch_s if launch_s is not None else measure_launch(ctx, kernel, programs, 1))
+        # Until the first launch is timed: the probe's launch, spread over fewer programs.
+        ctx.noise.pace(p.launch_s * max(1.0, ctx.sms / programs))
     t = time.time()
-    done = 0
+    done, capped = 0, False
     try:
-        for i in range(launches):
+        while done < launches:
+            i = done
             if poison_every and i % poison_every == poison_every - 1:
                 p.poison()
             ctx.noise.feed()
@@ -218,6 +221,12 @@ def stress(ctx: Ctx, p: Probe, kernel, programs: int, launches: int, poison_ever
             err = torch.maximum(err, kernel.ctrl[1])
             claims += kernel.ctrl[0] != expected
             done += 1
+            if sized and done == 1:
+                ctx.sync()
+                one = time.time() - t
+                launches, capped = launch_plan(one, programs, ctx.sms, ctx.sizes)
+                if ctx.cuda:
+                    ctx.noise.pace(one)
             if stop_on_diff and done % 25 == 0 and int(diff) > 0:
                 break
         ctx.sync()
@@ -227,31 +236,16 @@ def stress(ctx: Ctx, p: Probe, kernel, programs: int, launches: int, poison_ever
     return Stress(programs, done, int(diff), int(first), int(err), int(claims), round(time.time() - t, 2), capped)
 
 
-def sized(ctx: Ctx, p: Probe, programs: int) -> tuple[int, bool, float | None]:
-    """(launches, capped, seconds per launch) for one stress: the target, unless that would pass
-    the time cap for this program count (1 or 3 programs of Moondream 2 stream 2.7 GB each launch
-    through a few SMs)."""
-    s = ctx.sizes
-    cap = s.cap_many_s if programs >= ctx.sms else s.cap_few_s
-    if not ctx.cuda:
-        return s.launches, False, None
-    t = measure_launch(ctx, p.kernel, programs, 1)
-    if t * s.launches <= cap:
-        return s.launches, False, t
-    return max(s.min_launches, int(cap / t)), True, t
-
-
 def prove_stress(ctx: Ctx, fam, batch: int) -> dict:
     p = probe(ctx, fam, batch)
     runs = []
     for programs in ctx.programs():
-        n, capped, launch_s = sized(ctx, p, programs)
-        r = stress(ctx, p, p.kernel, programs, n, poison_every=2, capped=capped, launch_s=launch_s)
+        r = stress(ctx, p, p.kernel, programs, ctx.sizes.launches, poison_every=2, sized=True)
         runs.append(r.__dict__)
         ok = r.differing == 0 and r.error_flag == 0 and r.bad_claims == 0
         ctx.checks.expect(ok, f"stress {fam.name} B{batch} {programs} programs: {r}")
         print(f"  {fam.name:22s} B{batch} {fam.stress_dtype} {programs:4d} programs: {r.launches} launches"
-              f"{' (time cap)' if capped else ''}, {r.differing} differ, error flag {r.error_flag}, "
+              f"{' (time cap)' if r.capped else ''}, {r.differing} differ, error flag {r.error_flag}, "
               f"bad claim counts {r.bad_claims}, {r.seconds} s", flush=True)
     return dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, tasks=len(p.kernel.graph.tasks),
                 fingerprint=p.idx.numel(), launch_ms=round(p.launch_s * 1e3, 3), runs=runs,

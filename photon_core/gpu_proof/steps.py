@@ -77,7 +77,7 @@ def prove_steps(ctx: Ctx, fam, batch: int, dtype_name: str) -> dict:
     at64: list[int] = []
     tol = checks.TOL
     which = ["text" if "text" in variants and s % 2 == 1 else "full" for s in range(ctx.sizes.steps)]
-    in64 = float64_steps(ctx.sizes.steps, [s for s, v in enumerate(which) if v == "full"])
+    in64 = float64_steps([s for s, v in enumerate(which) if v == "full"])
     t = time.time()
     for s in range(ctx.sizes.steps):
         variant = which[s]
@@ -124,7 +124,7 @@ def prove_steps(ctx: Ctx, fam, batch: int, dtype_name: str) -> dict:
         tokens, positions = chosen, nxt
     res = dict(family=fam.name, batch=batch, dtype=dtype_name, steps=s + 1, variants=list(variants),
                tasks=len(step.graph.tasks), programs=kernels["full"].num_programs, max_err=worst, **picks,
-               tolerance=tol, float64={str(at): p.summary() for at, p in zip(at64, profiles)},
+               tolerance=tol, float64={str(at): p.summary() for at, p in zip(at64, profiles)}, passed=not bad,
                seconds=round(time.time() - t, 1))
     ctx.checks.expect(not bad, f"steps {fam.name} B{batch} {dtype_name}: {bad[:1]}")
     note = "  (fp32 error above 1e-4: look closer)" if dtype == torch.float32 and max(worst.values()) > FP32_NOTE else ""
