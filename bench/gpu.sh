@@ -1,52 +1,52 @@
 #!/usr/bin/env bash
 # The decode megakernel proved right on a GPU, then timed: two calls of the device tool, each at
-# most 5 minutes, the second issued as soon as the first returns (a machine left idle goes back
-# after ~30 s, and a fresh one costs 1-2 of the 15 minutes in all to start: 1-2 + 5 + 5 <= 12):
+# most 240 s, the second issued as soon as the first returns (a machine left idle goes back after
+# ~30 s, and a fresh one costs 1-2 of the 15 minutes in all to start: 2 + 2 x 4.3 <= 11, a rerun
+# of one call still fits):
 #
-#   1. BENCH_OUT=$OUT bash bench/gpu.sh core --write      device tool timeout_s 300
+#   1. BENCH_OUT=$OUT bash bench/gpu.sh core --write      device tool timeout_s 260
 #      Whisper tiny.en and Moondream 2 at batch 1 and 8, fp32 and bf16 weights: decode steps vs
-#      their references, race stress with its positive control (Whisper), NaN poisoning, time per
-#      step vs the HBM floor and vs the same step as per-op kernels in one CUDA graph (Whisper).
-#   2. BENCH_OUT=$OUT bash bench/gpu.sh others --write    device tool timeout_s 300
+#      their references (the first and last step also vs float64, by per-layer error profile),
+#      time per step vs the HBM floor and vs the same step as per-op kernels in one CUDA graph
+#      (Whisper), race stress with its positive control (Whisper), NaN poisoning.
+#   2. BENCH_OUT=$OUT bash bench/gpu.sh others --write    device tool timeout_s 260
 #      Whisper large-v3-turbo and tiny.en/split at batch 1 and 8; Qwen3-ASR 0.6B, Qwen 3.5 0.8B,
-#      Gemma 4 E2B and Moondream 3.1 at batch 1 (bf16); the production decode loop (rounds) of
-#      Qwen3-ASR, Whisper tiny.en and Moondream 2; liveness.
+#      Gemma 4 E2B and Moondream 3.1 at batch 1 (bf16): steps, timing, stress (turbo), poisoning;
+#      the production decode loop (rounds) of Qwen3-ASR, Whisper tiny.en and Moondream 2, each
+#      family in a child process of its own beside the builds; liveness (a child too).
 #   Optional, if device time is left: BENCH_OUT=$OUT bash bench/gpu.sh bench --write (timeout_s 300):
 #      bench/gpu_bench.py, the per-op kernels vs eager and Whisper tiny's step at gpu_bench's tilings.
 #
 # Each mode runs bench/gpu_proof.py --profile <mode> (the bench mode gpu_bench.py) under a kill at
-# GPU_SH_LIMIT_S (285 s from this script's start, inside the tool's 300), with --budget-s 30 s under
-# it: past the budget, the timing and rounds configurations left are skipped (saying so), never a
-# correctness one. The results file is rewritten after every configuration, so a killed run keeps
-# everything it finished.
+# GPU_SH_LIMIT_S (240 s from this script's start), with --budget-s 20 s under it: past the budget,
+# the timing and rounds configurations left are skipped (saying so), never a correctness one.
+# The results file is rewritten after every configuration, so a killed run keeps everything it
+# finished; timing runs right after the steps, so a kill in a later part keeps the times too.
 #
-# Time of the core call, estimated (nothing has run on a GPU yet) from times measured on the 2-core
-# development machine (bench/RESULTS.md, "Megakernel under each supported Triton": lower + check at
-# real sizes; one megakernel compile 13-22 s under Triton 3.6):
-#   start: Python, torch, CUDA, the 512 MB noise buffers                                    ~15 s
-#   builds, host work in one process, largest first: Moondream 2 B8 14.1 + 18.1 = 32 s, B1 1.2 +
-#     3.7 = 5 s and its text graph ~3 s, weights ~2 s, Whisper tiny B8 + B1 (advance and plain)
-#     2 x (0.8 + 0.2) = 2 s                                                                  ~44 s
-#   compiles: 14 megakernel variants + 2 per-op warm-ups on 14 worker processes, each submitted as
-#     its kernel is built, so they overlap the builds: the critical path adds one compile  ~30 s
-#   checks: steps 8 configurations x 64 steps (~10-40 ms each with the references) ~16 s; stress
-#     2 families x 2 batches x 4 program counts (1000 launches, 1-3 programs capped at 3 s, #SMs
-#     and 2 x #SMs at 10 s) ~30 s (at most ~90 s); poison ~2 s; control ~4 s                 ~52 s
-#   timing: 8 megakernel configurations + 2 per-op graphs, 220 replays each                 ~12 s
-#   total ~15 + 44 + 30 + 52 + 12 = ~153 s expected; ~200 s with every stress at its cap. If the
-#   compile pool failed, the 16 variants would compile one after another at first launch
-#   (~16 x 20 = 320 s): timing would be skipped and the kill would end the correctness parts.
-# Time of the others call: start ~15 s; builds ~65 s (Qwen 3.5 and Gemma 4 B1 6.5 + 7 s, each
-#   twice: advance and plain steps; Moondream 3.1 B1 12 s; Qwen3-ASR B1 2 x 2.7 s; Whisper turbo
-#   B1 + B8 2 x 2.6 s; tiny.en/split ~3 s; Moondream 2 B1 ~8 s; random weights, 9B of them for
-#   Moondream 3.1, ~5 s); ~27 compile jobs on 14 workers beside them, tail ~30 s; checks, rounds,
-#   timing ~60 s: ~170 s expected. (Batch 8 of the step-graph families is left out: lowering and
-#   checking Qwen3-ASR's 33K-task batch-8 graph alone took minutes here; `all` has it.)
+# The time plan (python bench/gpu_proof.py --plan --profile core|others, on any CPU; every run
+# prints it first): seconds on an H200 from the costs the first GPU run measured
+# (photon_core/gpu_proof/costs.py: the run of 2026-12-04, ../shared/gpu-runs/h200-2026-12-04/),
+# estimates where that run never got (float64 steps, core's poison and control, the others'
+# timing, the child processes), tested to fit 240 s (test/test_gpu_proof_plan.py):
+#                 start  build  compiles  steps  timing  stress  poison  control  total
+#   core            16     47      17       56      15      42       6        9    208 s
+#   others          16     70      17       44      16      19      13        -    195 s
+#   start: gpu.sh's version line, imports, the compile pool (measured: 16 s). build: lower + check
+#   + encode of every step, largest first (Moondream 2 B8 28.6 s). compiles: the last variant's
+#   compile after the builds (the pool compiles beside them; 12-17 s each). stress: 1000 launches
+#   per program count, cut by checks.launch_plan to 1 s with 1 or 3 programs (at least a plain
+#   and a poisoned launch: Moondream 2 B8 takes 3.1 s a launch on one SM) and 4 s with #SMs or
+#   2 x #SMs (Moondream 2: 94-314 launches; Whisper: the full 1000). others' rounds and liveness
+#   children (30-40 s each) end long before the parent reaches them (0 s on its path). With a warm
+#   Triton cache (a second call on the same machine) the compiles take ~4 s. If the compile pool
+#   failed, each variant would compile at its first launch (12-17 s each): the kill would end the
+#   run in its later parts, with everything before them written.
 #
 # Results go to BENCH_OUT (default bench/): gpu.log (everything printed), gpu_proof_<mode>.json
-# (gpu_bench.json) and, with --write, a copy of bench/RESULTS.md holding the mode's table (the
-# device's working tree does not come back: take the section from that copy). More arguments:
-# PROOF_ARGS (e.g. "--parts steps,stress --families moondream2"), BENCH_ARGS (default "--batches 1,8").
+# (gpu_bench.json), each rounds child's gpu_proof_<mode>.rounds-<family>.{json,log} and, with
+# --write, a copy of bench/RESULTS.md holding the mode's table (the device's working tree does not
+# come back: take the section from that copy). More arguments: PROOF_ARGS (e.g. "--parts
+# steps,stress --families moondream2"), BENCH_ARGS (default "--batches 1,8").
 set -uo pipefail
 start=$SECONDS
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -74,7 +74,7 @@ if [ -z "$mode" ]; then
   echo "gpu.sh: name a mode: core (first call), others (second call) or bench (optional); see the header"
   exit 2
 fi
-limit=${GPU_SH_LIMIT_S:-285}   # for the whole script, from its start
+limit=${GPU_SH_LIMIT_S:-240}   # for the whole script, from its start
 
 finish() {
   if [ ${#write[@]} -gt 0 ] && [ "$out" != "$root/bench" ]; then
@@ -93,7 +93,7 @@ if [ "$mode" = bench ]; then
   rc=$?
 else
   # shellcheck disable=SC2086  # PROOF_ARGS is a word list on purpose
-  timeout --kill-after=5 "$left" "$py" "$root/bench/gpu_proof.py" --profile "$mode" --budget-s $((left - 30)) \
+  timeout --kill-after=5 "$left" "$py" "$root/bench/gpu_proof.py" --profile "$mode" --budget-s $((left - 20)) \
     --json "$out/gpu_proof_$mode.json" ${write[@]+"${write[@]}"} ${PROOF_ARGS:-}
   rc=$?
 fi
