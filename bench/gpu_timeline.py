@@ -18,10 +18,14 @@ Parts, in this order (the first ones are what the next design step needs most):
    the median CUDA-graph replay of every variant.
 4. Moondream 2 at batch 8 (plain and prefetch), if the budget is left (its build takes ~25 s).
 
-Variants (kernel.KernelVariant): plain (today's build), pipe3 (a 3-stage K loop), prefetch1 / 2
-(each linear task's weight tile into L2 before its dependency wait, per line / one bulk copy per
-row). Tilings: prod (compiler.Tiling(), what photon_core builds) and split (64-column tiles; stages
-with fewer tiles than programs narrowed, then split along K).
+Variants (kernel.KernelVariant): plain (today's build), prefetch2 / 1 (each linear task's weight
+tile into L2 before its dependency wait, one bulk copy per row / per line), pipe3 (a 3-stage K loop:
+under Triton 3.6-3.9 only x's loads are staged, 4 bytes each), dot64+pipe4 (the K loop on the
+tensor cores, x split into two bf16 terms; ptxas: ~200 B of spills at batch 1 under 3.9), wide256
+(256-element steps reduced as they come; its weight loads compile to 2-byte loads and it spills
+~500 B: measured to see what the trip count alone is worth). Tilings: prod (compiler.Tiling(),
+what photon_core builds) and split (64-column tiles; stages with fewer tiles than programs
+narrowed, then split along K).
 
 Outputs in --out: gpu_timeline.json (rewritten after every part), traces.npz (every trace), and
 what this prints (redirect to gpu_timeline.log). The floor is the step's bytes (weights once,
@@ -330,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plain, pipe3 = KernelVariant(), KernelVariant(pipeline=3)
     pre1, pre2 = KernelVariant(prefetch=1), KernelVariant(prefetch=2)
-    variants = [plain, pipe3, pre1, pre2] if cuda else [plain, pipe3]
+    dot, wide = KernelVariant(dot=64, pipeline=4), KernelVariant(wide=256)
+    variants = [plain, pre2, pre1, pipe3, dot, wide] if cuda else [plain, pipe3, dot, wide]
     fams = families(args.dry_run, sms)
     pool = None
     if cuda:

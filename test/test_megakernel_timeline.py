@@ -79,3 +79,23 @@ def test_a_trace_missing_tasks_is_refused(traced):
         timeline.analyse(step.graph, cut, 16)
     with pytest.raises(ValueError, match="does not match"):
         timeline.analyse(step.graph, np.zeros((2, 7)), 16)
+
+
+def test_the_prepared_gpu_run_runs_whole_on_the_cpu(tmp_path):
+    # bench/gpu_timeline.py is the next GPU session's first call: its dry run (tiny shapes, the
+    # interpreter, the peers' code on the CPU) must go through every part without a failure.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "gpu_timeline.py"), "--dry-run", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    out = json.loads((tmp_path / "gpu_timeline.json").read_text())
+    assert r.returncode == 0 and not out.get("failures"), (r.stdout[-3000:], r.stderr[-3000:])
+    assert set(out["peers"]) == {"peer phi B1", "peer whisper B1"}
+    rows = {(t["config"], t["variant"]) for t in out["timing"]}
+    assert ("moondream2 B1 prod", "plain") in rows and ("whisper-tiny.en B1 prod", "dot64+pipe4") in rows
+    assert all(t["rel_err_vs_plain"] < 1e-4 for t in out["timing"])
+    assert set(out["timelines"]) == {"moondream2 B1 prod.plain", "whisper-tiny.en B1 prod.plain"}
+    assert (tmp_path / "traces.npz").exists()

@@ -53,6 +53,8 @@ CG: tl.constexpr = tl.constexpr(".cg")
 # Elements per task-table row: finale rows are addressed from the row of the task that runs them.
 NF_ROW: tl.constexpr = tl.constexpr(NUM_FIELDS)
 TW: tl.constexpr = tl.constexpr(TRACE_WIDTH)
+# The interpreter multiplies dot operands in fp32 (it has no bf16 dot): see _linear_dot_steps.
+INTERP: tl.constexpr = tl.constexpr(interpreting())
 ERR_WAIT: tl.constexpr = tl.constexpr(_ERR_WAIT)
 ERR_OP: tl.constexpr = tl.constexpr(_ERR_OP)
 ERR_RANGE: tl.constexpr = tl.constexpr(_ERR_RANGE)
@@ -270,7 +272,7 @@ def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1, PIPE: tl.constexpr = 0):
+                w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1, LOOP: tl.constexpr = 0):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
     one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
     columns use narrower tiles (more tasks), and a split-K task sees a slice of K. w_shift /
@@ -278,7 +280,13 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     is a bitmask of the rows to compute (an expert's tasks: the rows that chose it; the others'
     x is not loaded and their output is 0). FP8
     (expert tasks of FP8 experts): W is e4m3 bytes (offsets in bytes) decoded in registers, and the
-    product is 2^-8 of the true one without the row scales, which the caller's epilogue applies."""
+    product is 2^-8 of the true one without the row scales, which the caller's epilogue applies.
+    LOOP: the K loop's build (KernelVariant.loop): pipelined stages; DOT > 0 (bf16 weights;
+    BLOCK_M >= 16, rows past M masked): steps of DOT on the tensor cores, see _linear_dot_steps;
+    WIDE > 0: steps of WIDE reduced as they come, see _linear_wide_steps."""
+    PIPE: tl.constexpr = LOOP % 16
+    DOT: tl.constexpr = (LOOP // 16) % 4096
+    WIDE: tl.constexpr = LOOP // 65536
     # FP8 tiles take half the K step: a byte tile decoded to fp32 holds the bytes and the floats at
     # once, and at batch 1 (BLOCK_K 128) the full step spills registers (ptxas -v); for the same
     # reason they get half of the budgets. A step keeps the product and the weight tile within
@@ -342,6 +350,13 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # A gated input x * act(g), g another [M, K] value (Qwen 3.5's attention output gate: sigmoid;
     # Gemma 4's per-layer input: gelu_tanh), or an activation on the loads (Moondream 3's gelu(qkv)).
     g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
+    if WIDE > 0:
+        return _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
+                                  rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M, BLOCK_N, WIDE)
+    if DOT > 0:
+        return _linear_dot_steps(k0, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
+                                 rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M, BLOCK_N, DOT,
+                                 PIPE if PIPE > 0 else 3)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BK), tl.float32)
     if PIPE > 0:
         # Software-pipelined: the loads of PIPE - 1 later K steps are in flight while one is
@@ -358,12 +373,9 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
-                   w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
-    """One K step of _linear_acc: x's [M, BK] (its fused norm, gate or activation applied as it
-    loads) times the [BN, BK] weight tile, accumulated elementwise."""
-    kk = kb + ks
-    kmask = kk < k1
+def _x_tile(kk, kmask, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr):
+    """x's [M, BK] at K columns kk, with its fused norm, gate or activation applied as it loads
+    (0 past K and in masked rows)."""
     xm = rmask[:, None] & kmask[None, :]
     x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=CG)
     if xglu > 0:
@@ -378,6 +390,16 @@ def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, 
         be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
               * tl.where(lnb >= 0, 1.0, 0.0))
         x = tl.where(xm, (x - mean[:, None]) * rstd[:, None] * g[None, :] + be[None, :], 0.0)
+    return x
+
+
+@triton.jit
+def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
+                   w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
+    """One K step of _linear_acc: x's [M, BK] times the [BN, BK] weight tile, accumulated
+    elementwise."""
+    kk = kb + ks
+    x = _x_tile(kk, kk < k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr)
     wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
     wm = cmask[:, None] & (kk < k1w)[None, :]
     if FP8:
@@ -385,6 +407,73 @@ def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, 
     else:
         w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0).to(tl.float32)
     return acc3 + x[:, None, :] * w[None, :, :]
+
+
+@triton.jit
+def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
+                       w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BK: tl.constexpr):
+    """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (BK of 256-512: 16-32
+    KB of bf16 at 32 columns, issued at once as 16-byte loads, so a step has that much in flight
+    where the elementwise loop has one BLOCK_K tile), then each row's x slice, and reduces
+    w * x_row over K into the row's outputs at once. The tile is used in the layout it was loaded
+    in (x's slice is loaded in the matching one): no shared-memory layout change and no barrier
+    in the loop. The per-step reduction is a few shuffles a row, against a memory trip of a
+    microsecond. Bytes a step: BLOCK_N * BK weights + M * BK x (L2)."""
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(k0, k1, BK):
+        kk = tl.multiple_of(kb, 16) + ks
+        kmask = kk < k1
+        wm = cmask[:, None] & (kk < k1w)[None, :]
+        w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * ldw + kk[None, :], mask=wm, other=0.0)
+        w = w.to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            one = rows == m
+            x = _x_tile(kk, kmask, K, rmask & one, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
+                        w_ptr)
+            xm = tl.sum(x, axis=0)            # row m's slice (the other rows are masked to 0)
+            part = tl.sum(w * xm[None, :], axis=1)
+            acc = tl.where(one[:, None], acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _linear_dot_steps(k0, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr,
+                      w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """The K loop on the tensor cores: [BLOCK_M (>= 16), BK] of x times the [BK, BLOCK_N] weight
+    tile per step, tl.dot accumulating in fp32, the loop pipelined over STAGES (the weight tiles
+    of STAGES - 1 later steps in flight through shared memory while one is multiplied: with BK 256
+    and 32 bf16 columns, 16 KB a step, 32 KB ahead).
+
+    The weights are 16-bit and exact as MMA operands; x is fp32, so it is split into two bf16
+    terms, x = hi + lo + r with |r| <= 2^-17 |x| (round to nearest even both times, bf16_rne), and
+    each term is multiplied exactly: the product is x @ W to about fp32's accuracy (the dropped r,
+    2^-17 relative, is below the fp32 accumulation's own error over K of a few thousand), not
+    bf16's. Rows past M are zero (masked loads) and cost only tensor-core time, of which a
+    decode step has plenty. Under the interpreter (no bf16 dot there) the same two terms are
+    multiplied in fp32, exactly as the tensor cores multiply them."""
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in tl.range(k0, k1, BK, num_stages=STAGES):
+        # k0 and BK are multiples of 16 (compiler.plan): said again for the loop variable, so the
+        # weight tile's mask (constant over 16 elements, see k1w) keeps its copies 16 bytes wide.
+        kk = tl.multiple_of(kb, 16) + ks
+        x = _x_tile(kk, kk < k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr)
+        wm = cmask[:, None] & (kk < k1w)[None, :]
+        w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * ldw + kk[None, :], mask=wm, other=0.0)
+        hi = bf16_rne(x)
+        lo = bf16_rne(x - hi.to(tl.float32))
+        if INTERP:
+            wt = tl.trans(w.to(tl.float32))
+            acc = tl.dot(hi.to(tl.float32), wt, acc, input_precision="ieee")
+            acc = tl.dot(lo.to(tl.float32), wt, acc, input_precision="ieee")
+        else:
+            wt = tl.trans(w.to(tl.bfloat16))
+            acc = tl.dot(hi, wt, acc)
+            acc = tl.dot(lo, wt, acc)
+    return acc
 
 
 @triton.jit
@@ -463,16 +552,19 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
 @triton.jit
 def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False,
-                 PIPE: tl.constexpr = 0):
+                 LOOP: tl.constexpr = 0):
     """A whole tile: product over all of K, then the epilogue. Bytes: (n1-n0)*K weights + M*K x."""
-    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, PIPE=PIPE)
-    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
+    # The tensor-core loop over bf16 weights only: fp32 and fp16 arenas keep the exact loop.
+    LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 16 * ((LOOP // 16) % 4096)
+    BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 16) % 4096 > 0 else BLOCK_M
+    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP)
+    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16)
 
 
 @triton.jit
 def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False,
-                       PIPE: tl.constexpr = 0):
+                       LOOP: tl.constexpr = 0):
     """One K slice of a tile (split-K, for stages with too few tiles to fill the GPU): the raw
     partial product into slot `ks` of the stage's [splits, M, N] scratch. Then the tile's ticket:
     the LAST of its slices to finish sums the slots in slot order (a fixed order: the same bits
@@ -488,8 +580,11 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
     # The ticket's fields before the acquire, which would send a later read of them to L2.
     kticket = tl.load(row + F_kticket)
     nslices = tl.load(row + F_ktickets)
-    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, PIPE=PIPE)
-    rows = tl.arange(0, BLOCK_M)
+    # The tensor-core loop over bf16 weights only: fp32 and fp16 arenas keep the exact loop.
+    LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 16 * ((LOOP // 16) % 4096)
+    BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 16) % 4096 > 0 else BLOCK_M
+    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP)
+    rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BLOCK_N)
     omask = (rows < M)[:, None] & (cols < n1)[None, :]
     tile = s_ptr + kpart + rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -501,10 +596,10 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
         drawn = tl.atomic_add(ctrl_ptr + kticket, 1, sem="acq_rel")
         tl.debug_barrier()
         if drawn == nslices - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            total = tl.zeros((BM, BLOCK_N), tl.float32)
             for s in range(0, nslices):
                 total += tl.load(tile + s * M * N, mask=omask, other=0.0, cache_modifier=CG)
-            _linear_epilogue(row, total, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, KV_BF16)
+            _linear_epilogue(row, total, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16)
 
 
 @triton.jit
@@ -1097,7 +1192,7 @@ def _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N:
 def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, KV_BF16: tl.constexpr, FP8: tl.constexpr,
-                PIPE: tl.constexpr):
+                LOOP: tl.constexpr):
     """The task table of every compiled decode step (compiler.py emits only these ops): runs task
     `op`; 0 for an unknown op (the host raises). KV_BF16 (caches in bf16) and FP8 (FP8 experts)
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
@@ -1105,7 +1200,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     task's failure (graph.ERR_OP, ERR_RANGE)."""
     status = tl.full([], 0, tl.int32)
     if op == OP_LINEAR:
-        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, PIPE)
+        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LOOP)
     elif op == OP_ATTN_PARTIAL:
         _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, BLOCK_S, KV_BF16)
     elif op == OP_ATTN_MERGE:
@@ -1117,7 +1212,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == OP_ROPE_APPEND:
         pass   # below, where finale rows run it too: one inlined copy (the kernel is at the edge of the register file)
     elif op == OP_LINEAR_SPLIT:
-        _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, PIPE)
+        _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LOOP)
     elif op == OP_CONV_STEP:
         _task_conv_step(row, w_ptr, s_ptr, BLOCK_M, BLOCK_N)
     elif op == OP_DELTA_STEP:
@@ -1167,38 +1262,38 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
 @triton.jit
 def step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PIPE: tl.constexpr = 0):
+               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0):
     """fp32 KV caches, float experts (step_tasks_for picks the variant of a plan)."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, False, False, PIPE)
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, False, LOOP)
 
 
 @triton.jit
 def step_tasks_bf16_kv(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PIPE: tl.constexpr = 0):
+                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0):
     """bf16 KV caches, float experts."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, True, False, PIPE)
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, False, LOOP)
 
 
 @triton.jit
 def step_tasks_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PIPE: tl.constexpr = 0):
+                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0):
     """fp32 KV caches, FP8 experts."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, False, True, PIPE)
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, True, LOOP)
 
 
 @triton.jit
 def step_tasks_bf16_kv_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                           PIPE: tl.constexpr = 0):
+                           LOOP: tl.constexpr = 0):
     """bf16 KV caches, FP8 experts (Moondream 3 on a GPU)."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, True, True, PIPE)
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, True, LOOP)
 
 
 def step_tasks_for(kv_bf16: bool, fp8: bool):
@@ -1267,7 +1362,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr, TRACE: tl.constexpr = 0,
-                PREFETCH: tl.constexpr = 0, PIPE: tl.constexpr = 0):
+                PREFETCH: tl.constexpr = 0, LOOP: tl.constexpr = 0):
     """Claim, wait, run (RUN_TASK: the task table, resolved at compile time), release.
 
     The claim is a relaxed atomic: it only hands out indices, and every ordering a task needs comes
@@ -1280,8 +1375,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
     the lowest failing task, the root of a cascade, wins). TRACE (1: GPU timer, 2: the
     interpreter's logical clock; 0 compiles it out) writes each task's row of the trace buffer
     (timeline.TRACE_COLUMNS): program, SM, claimed, waited, ran, released, status. PREFETCH: see
-    _prefetch_weights (0: none). PIPE: the stages of a dense linear task's K loop (_linear_acc; 0:
-    a plain loop)."""
+    _prefetch_weights (0: none). LOOP: how a dense linear task's K loop is built (KernelVariant.loop)."""
     GPU_CLOCK: tl.constexpr = TRACE == 1
     t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
     while t < num_tasks:
@@ -1311,7 +1405,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
             status = tl.full([], ERR_WAIT, tl.int32)
         else:
             status = RUN_TASK(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N,
-                              BLOCK_K, BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R, PIPE).to(tl.int32)
+                              BLOCK_K, BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R, LOOP).to(tl.int32)
         if status != 0:
             tl.atomic_max(ctrl_ptr + 1, (num_tasks - t) * 4 + status)
         # Every thread's stores must be done before the release that publishes them.
@@ -1372,17 +1466,32 @@ def megakernel_meta(batch: int, block_n: int, block_k: int, block_t: int, head_d
 class KernelVariant:
     """How the one megakernel is built beyond its tiling: choices measured against each other on a
     GPU (bench/gpu_timeline.py) before one becomes the default. pipeline: stages of a dense linear
-    task's K loop (0: a plain loop); prefetch: its weight tile into L2 before its dependency wait
-    (0: off; 1: a prefetch per 128-byte line, sm_80+; 2: one bulk prefetch per row, sm_90+)."""
+    task's K loop (0: a plain loop; 3 with dot); prefetch: its weight tile into L2 before its
+    dependency wait (0: off; 1: a prefetch per 128-byte line, sm_80+; 2: one bulk prefetch per row,
+    sm_90+); dot: its K loop on the tensor cores, `dot` elements a step (bf16 weights; 0: the
+    elementwise loop; see _linear_dot_steps); wide: steps of `wide` elements reduced as they come
+    (_linear_wide_steps)."""
     pipeline: int = 0
     prefetch: int = 0
+    dot: int = 0
+    wide: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pipeline < 16 or self.dot % 16 or self.wide % 16 or (self.dot and self.wide):
+            raise ValueError(f"not a K loop: {self} (pipeline < 16; dot, wide multiples of 16, not both)")
+
+    @property
+    def loop(self) -> int:
+        """The K loop's build as one constexpr (the kernel decodes it: _linear_acc)."""
+        return self.pipeline + 16 * self.dot + 65536 * self.wide
 
     def constexprs(self) -> dict[str, int]:
-        return dict(PIPE=self.pipeline, PREFETCH=self.prefetch)
+        return dict(LOOP=self.loop, PREFETCH=self.prefetch)
 
     def name(self) -> str:
-        return "+".join([f"pipe{self.pipeline}"] * bool(self.pipeline) + [f"prefetch{self.prefetch}"] * bool(self.prefetch)) \
-            or "plain"
+        parts = [f"dot{self.dot}"] * bool(self.dot) + [f"wide{self.wide}"] * bool(self.wide)
+        parts += [f"pipe{self.pipeline}"] * bool(self.pipeline) + [f"prefetch{self.prefetch}"] * bool(self.prefetch)
+        return "+".join(parts) or "plain"
 
 
 

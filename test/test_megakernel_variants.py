@@ -1,0 +1,96 @@
+"""The megakernel's build variants (kernel.KernelVariant) compute what the plain build does: the
+pipelined, tensor-core and wide K loops on Whisper's compiled step (tiny random weights, bf16
+arena, Triton's interpreter), and the variants compile for sm_90 with what each is for visible in
+the PTX (the prefetch instructions, the tensor-core multiplies, the traced build's timer reads).
+
+What the variants are worth is measured on a GPU (bench/gpu_timeline.py), not asserted here."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import copy  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from photon_core.megakernel.compiler import Tiling  # noqa: E402
+from photon_core.megakernel.kernel import KernelVariant  # noqa: E402
+from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel, WhisperDecoderWeights  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def step():
+    wt = WhisperDecoderWeights.random(64, 2, 1, 96, n_ctx=16, seed=3)
+    # 16-column tiles, K steps of 16: several steps per task, and split-K slices (min_tasks)
+    s = WhisperDecoderMegakernel(wt, 2, 16, 8, Tiling(16, 16, 16, 2, 2, min_tasks=12, min_block_n=16, max_split_k=2),
+                                 advance=False)
+    s.weights = s.weights.to(torch.bfloat16)
+    s.kernel.weights = s.weights
+    g = torch.Generator().manual_seed(0)
+    s.set_cross_kv([(torch.randn(2, 2, 8, 32, generator=g), torch.randn(2, 2, 8, 32, generator=g))])
+    s.set_step([5, 7], [3, 6])
+    return s
+
+
+def run(step, variant: KernelVariant) -> torch.Tensor:
+    saved = step.state.clone()
+    k = copy.copy(step.kernel)
+    k.variant = variant
+    k.launch()
+    k.raise_on_error()
+    out = step.view("logits").clone()
+    step.state.copy_(saved)
+    return out
+
+
+@pytest.mark.parametrize("variant", [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2),
+                                     KernelVariant(wide=32)], ids=lambda v: v.name())
+def test_a_variant_computes_what_the_plain_build_does(step, variant):
+    assert any(t.op == 7 for t in step.graph.tasks)          # split-K slices are on the path too
+    plain = run(step, KernelVariant())
+    got = run(step, variant)
+    err = ((got - plain).abs().max() / plain.abs().max()).item()
+    # The elementwise loops sum in another order at most; the tensor-core loop drops x's third
+    # bf16 term (2^-17 relative): both far inside the steps' 1e-3.
+    assert err < (2e-5 if variant.dot else 1e-6), err
+    assert torch.equal(got.argmax(-1), plain.argmax(-1))
+
+
+def test_a_variant_that_is_no_k_loop_is_refused():
+    with pytest.raises(ValueError, match="not a K loop"):
+        KernelVariant(dot=32, wide=32)
+    with pytest.raises(ValueError, match="not a K loop"):
+        KernelVariant(wide=24)
+
+
+_PTX = r'''
+import json, re, sys
+from photon_core.kernels import compile_check as cc
+out = {}
+for name in sys.argv[1:]:
+    ck, _ = cc.compile_case(name, 90)
+    ptx = ck.asm["ptx"]
+    out[name] = {k: len(re.findall(p, ptx)) for k, p in (("bulk_prefetch", r"cp\.async\.bulk\.prefetch\.L2"),
+                 ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
+                 ("smid", r"%smid"))}
+print(json.dumps(out))
+'''
+
+
+def test_variants_compile_for_sm90_with_their_instructions():
+    from photon_core.kernels.compile_check import compile_env
+    names = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "megakernel_b1_bf16_n32_k64_prefetch1",
+             "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace"]
+    r = subprocess.run([sys.executable, "-c", _PTX, *names], capture_output=True, text=True, env=compile_env(),
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    plain, bulk, line, dot, trace = (got[n] for n in names)
+    assert not any(plain.values())                       # the default build has none of them
+    assert bulk["bulk_prefetch"] >= 1 and line["line_prefetch"] >= 1 and dot["mma"] >= 2
+    assert trace["timer"] >= 4 and trace["smid"] >= 1
