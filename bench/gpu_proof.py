@@ -594,6 +594,7 @@ def main(argv: list[str] | None = None) -> dict:
     # build beside this process's builds and take the GPU lock for their launches, which this
     # process holds until the liveness child has exited.
     children, lock = None, None
+    from_children: list[str] = []      # failed checks merged from the children (the rounds part's)
     if "rounds" in parts and not args.in_child:
         import tempfile
         kids = rounds_children(args, fams, plans, max(10.0, args.budget_s - 10))
@@ -606,7 +607,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         def collect() -> None:
             for c in children.done():
+                before = len(ctx.checks.failed)
                 merge(out, ctx.checks, c, "rounds")
+                from_children.extend(ctx.checks.failed[before:])
                 print(f"  ({c.label}: child process ended, exit {c.rc}; results merged)", flush=True)
         ctx.on_record = collect
     run_fams = {k: f for k, f in fams.items() if plans[k].parts}
@@ -659,12 +662,16 @@ def main(argv: list[str] | None = None) -> dict:
             if part == "timing":
                 from photon_core.gpu_proof.timing import batch_ratios
                 batch_ratios(out["parts"][part]["results"])
-            out["parts"][part].update(seconds=round(time.time() - t, 1), failed=ctx.checks.failed[failed_before:])
-            print(f"  -> {part}: {out['parts'][part]['seconds']} s, {len(ctx.checks.failed) - failed_before} failed "
-                  f"checks", flush=True)
+            # A child's failures belong to the rounds part, whichever part was running when it ended.
+            failed = ([f for f in ctx.checks.failed[failed_before:] if f not in from_children]
+                      if part != "rounds" else list(from_children))
+            out["parts"][part].update(seconds=round(time.time() - t, 1), failed=failed)
+            print(f"  -> {part}: {out['parts'][part]['seconds']} s, {len(failed)} failed checks", flush=True)
             ctx.save()
     if ctx.warm is not None:
         ctx.warm.close()
+    if lock is not None:
+        Path(lock).unlink(missing_ok=True)
     ctx.save()
     if not args.in_child:       # a child's results are in its parent's table
         lines = summary_lines(ctx, args.profile)

@@ -4,17 +4,21 @@ call of the device tool: its predicted seconds, from what the first GPU run meas
 from its first launch as the plan predicts. Each family's device rounds run in a child process:
 a child that crashes or hangs fails its own check only, and the GPU lock keeps timing off a GPU
 that others use. No GPU and no Triton launch here."""
-import importlib.util
-import sys
-import threading
-import time
-from dataclasses import replace
-from pathlib import Path
+import os
 
-import pytest
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton (the families import it)
 
-from photon_core.gpu_proof import costs
-from photon_core.gpu_proof.checks import GPU_SIZES, Checks, launch_plan
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from photon_core.gpu_proof import costs  # noqa: E402
+from photon_core.gpu_proof.checks import GPU_SIZES, Checks, launch_plan  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
