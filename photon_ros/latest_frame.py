@@ -25,8 +25,8 @@ class LatestFrame:
         self.dropped = 0
         self.taken = 0       # received == taken + dropped, plus one while a frame waits
 
-    def put(self, msg: Any, extra: Any = None, received_at: float | None = None) -> None:
-        frame = Frame(msg, time.monotonic() if received_at is None else received_at, extra)
+    def put(self, msg: Any, extra: Any = None) -> None:
+        frame = Frame(msg, time.monotonic(), extra)
         with self._cond:
             if self._waiting is not None:
                 self.dropped += 1

@@ -17,8 +17,16 @@ not take whatever depth is there when it arrives; it waits for its own:
 - At the deadline without a message within the tolerance the frame has none, with the reason; a
   neighbour's message outside the tolerance is never used. A message arriving after the deadline
   does not change an outcome: a frame's pairing is the same whenever it is read.
+- Arrival is when a message reached the process (the middleware's reception time, rclpy's
+  MessageInfo `received_timestamp`, wall clock), not when its callback ran: a busy executor (a
+  model on the CPU of the same process) runs callbacks tens of milliseconds late, the colour
+  frame's and the depth's by different amounts. So past its deadline a frame still waits for the
+  callbacks of what reached the process by then: until a message received later has been seen (all
+  before it have, then), at most `grace_s` (CALLBACK_GRACE_S) past its deadline, or past its own
+  callback when that ran later still.
 - Nothing here blocks a callback: a message's arrival (`add`) and a frame's (`wait_for`) only note
-  them. Only a reader of the outcome (`Wait.result()`) waits, and at most until the deadline.
+  them. Only a reader of the outcome (`Wait.result()`) waits, and at most until the deadline plus
+  the grace.
   Bounded: the last `keep` messages are kept, and at most `max_waiting` frames wait at once; past
   that the oldest is decided early with what it has (counted in `given_up`).
 
@@ -41,6 +49,8 @@ T = TypeVar("T")
 NS = 1_000_000_000
 JUMP_BACK_NS = NS          # stamps going back this far: the stream started over (a bag played again)
 STREAM_GAP_S = 0.5         # camera_info with no new stamp for this long is latched (published once)
+CALLBACK_GRACE_S = 0.1     # past its deadline, a frame waits this long at most for the callbacks of
+                           # messages that reached the process by then (a busy executor runs them late)
 
 
 def stamp_ns(stamp: Any) -> int:
@@ -72,9 +82,12 @@ def _seconds(ns: int) -> float:
 class Wait(Generic[T]):
     """One frame's pairing in one stream: pending until decided, then fixed."""
 
-    def __init__(self, pairing: "StampPairing[T]", stamp: int, arrived_at: float) -> None:
+    def __init__(self, pairing: "StampPairing[T]", stamp: int, arrived_at: float, now: float) -> None:
         self.stamp, self.arrived_at = stamp, arrived_at
         self.deadline = arrived_at + pairing.tolerance_s
+        # Waiting ends then at the latest: the grace past the deadline, or past this frame's own
+        # callback when that ran later still (the callbacks behind it have not run either).
+        self.last_call = max(self.deadline, now) + pairing.grace_s
         self._pairing = pairing
         self._best: tuple[int, int, Any] | None = None       # (|offset|, stamp, msg) within tolerance
         self._outside: int | None = None                     # nearest offset outside it (for the reason)
@@ -86,33 +99,34 @@ class Wait(Generic[T]):
         return self._outcome is not None
 
     def result(self, timeout: float | None = None) -> Match[T] | NoMatch:
-        """The outcome, waiting for it until the deadline at most (and `timeout`, when given: then
-        an undecided wait is decided early with what it has)."""
+        """The outcome, waiting for it: until the deadline, and past it for the callbacks of what
+        arrived by then (grace_s at most; less when a message received later shows they have run).
+        `timeout`, when given, bounds the wait too: then an undecided wait is decided with what it has."""
         pairing = self._pairing
         with pairing._cond:
             give_up_at = None if timeout is None else pairing.clock() + timeout
             while self._outcome is None:
                 now = pairing.clock()
-                left = self.deadline - now
+                end = self.last_call
                 if give_up_at is not None:
-                    left = min(left, give_up_at - now)
-                if left <= 0:
+                    end = min(end, give_up_at)
+                if now >= end:
                     pairing._decide(self, min(now, self.deadline))
                     break
-                pairing._cond.wait(left)
+                pairing._cond.wait(end - now)
             assert self._outcome is not None
             return self._outcome
 
     def poll(self) -> Match[T] | NoMatch | None:
-        """The outcome if decided (past the deadline it is, now), else None; never waits."""
+        """The outcome if decided (past the deadline and its grace it is, now), else None; never waits."""
         with self._pairing._cond:
-            if self._outcome is None and self._pairing.clock() >= self.deadline:
+            if self._outcome is None and self._pairing.clock() >= self.last_call:
                 self._pairing._decide(self, self.deadline)
             return self._outcome
 
     # called under the pairing's lock
     def _offer(self, stamp: int, msg: Any, gap: int | None) -> bool:
-        """Note one message; True when nothing nearer can come."""
+        """Note one message, received by the deadline; True when nothing nearer can come."""
         tolerance = self._pairing.tolerance_ns
         offset = stamp - self.stamp
         self._newest = (stamp, msg)          # offered in the order they arrived
@@ -156,7 +170,8 @@ class StampPairing(Generic[T]):
     waiting for theirs. Thread-safe: subscriptions add while the worker and requests read."""
 
     def __init__(self, what: str, tolerance_s: float, *, keep: int = 10, max_waiting: int = 16,
-                 fallback_newest: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 fallback_newest: bool = False, clock: Callable[[], float] = time.time,
+                 grace_s: float = CALLBACK_GRACE_S) -> None:
         if not (tolerance_s >= 0 and tolerance_s < float("inf")):
             raise ValueError(f"pairing tolerance {tolerance_s} s must be finite and >= 0")
         if keep < 1 or max_waiting < 1:
@@ -164,6 +179,7 @@ class StampPairing(Generic[T]):
         self.what, self.tolerance_s = what, float(tolerance_s)
         self.tolerance_ns = round(self.tolerance_s * NS)
         self.keep, self.max_waiting, self.fallback_newest, self.clock = keep, max_waiting, fallback_newest, clock
+        self.grace_s = grace_s
         self._cond = threading.Condition()
         self._kept: deque[tuple[int, float, Any]] = deque(maxlen=keep)   # (stamp, arrived, msg), in arrival order
         self._waiting: list[Wait[T]] = []
@@ -174,11 +190,13 @@ class StampPairing(Generic[T]):
         self.waited_s: deque[float] = deque(maxlen=200)                  # per decided frame
 
     # --- arrivals ---------------------------------------------------------------------------
-    def add(self, stamp: int, msg: T) -> str:
-        """A message arrived. Returns a warning for the log ("" normally)."""
+    def add(self, stamp: int, msg: T, received_at: float | None = None) -> str:
+        """A message arrived (`received_at`: when it reached this process, this pairing's clock; now
+        if None). Returns a warning for the log ("" normally)."""
         stamp, note = int(stamp), ""
         with self._cond:
             now = self.clock()
+            received = now if received_at is None else received_at
             self._expire(now)
             self.received += 1
             if self._kept and stamp < self._kept[-1][0] - JUMP_BACK_NS:
@@ -188,30 +206,36 @@ class StampPairing(Generic[T]):
             if self._kept and self._kept[-1][0] == stamp:
                 self._kept.pop()     # the same message again (a latched one through two subscriptions)
             else:
-                self._last_new = now
-            self._kept.append((stamp, now, msg))
+                self._last_new = received
+            self._kept.append((stamp, received, msg))
             gap = self._gap()
             for wait in list(self._waiting):
-                if wait._offer(stamp, msg, gap):
-                    self._decide(wait, now)
+                if received > wait.deadline:
+                    self._decide(wait, wait.deadline)     # what came by its deadline has all been seen
+                elif wait._offer(stamp, msg, gap):
+                    self._decide(wait, max(received, wait.arrived_at))
             self._cond.notify_all()
         return note
 
     def wait_for(self, stamp: int, arrived_at: float | None = None) -> Wait[T]:
-        """A frame stamped `stamp` arrived (at `arrived_at`, this pairing's clock; now if None):
-        its pairing, decided now if it can be."""
+        """A frame stamped `stamp` arrived (`arrived_at`: when it reached this process, this
+        pairing's clock; now if None): its pairing, decided now if it can be."""
         with self._cond:
             now = self.clock()
             arrived = now if arrived_at is None else arrived_at
             self._expire(now)
-            wait: Wait[T] = Wait(self, int(stamp), arrived)
-            gap, end = self._gap(), False
+            wait: Wait[T] = Wait(self, int(stamp), arrived, now)
+            gap, end_at, seen_all = self._gap(), None, False
             for kept_stamp, kept_at, msg in self._kept:
-                if kept_at <= wait.deadline:
-                    end = wait._offer(kept_stamp, msg, gap) or end
-            if end or (self.fallback_newest and wait._newest is not None and self._latched(now)):
-                self._decide(wait, max(now, arrived))
-            elif now >= wait.deadline:
+                if kept_at > wait.deadline:
+                    seen_all = True
+                elif wait._offer(kept_stamp, msg, gap) and end_at is None:
+                    end_at = max(kept_at, arrived)
+            if end_at is not None:
+                self._decide(wait, end_at)
+            elif self.fallback_newest and wait._newest is not None and self._latched(arrived):
+                self._decide(wait, arrived)
+            elif seen_all:
                 self._decide(wait, wait.deadline)
             else:
                 while len(self._waiting) >= self.max_waiting:
@@ -233,7 +257,7 @@ class StampPairing(Generic[T]):
         return self._last_new is not None and now - self._last_new > STREAM_GAP_S
 
     def _expire(self, now: float) -> None:
-        for wait in [w for w in self._waiting if w.deadline <= now]:
+        for wait in [w for w in self._waiting if w.last_call <= now]:
             self._decide(wait, wait.deadline)
 
     def _decide(self, wait: Wait[T], at: float, given_up: bool = False) -> None:

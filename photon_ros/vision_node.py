@@ -223,26 +223,27 @@ class VisionNode(ManagedNode):
         self.depth_subscriptions.append(self.latched_info)
         self.get_logger().info(f"{self.resolve_topic_name('camera_info')} is latched: subscribed to it latched")
 
-    def on_depth(self, msg: Image) -> None:
-        self.note_input(self.depth_stream, msg)
+    def on_depth(self, msg: Image, info) -> None:
+        self.note_input(self.depth_stream, msg, info)
 
-    def on_camera_info(self, msg: CameraInfo) -> None:
-        self.note_input(self.info_stream, msg)
+    def on_camera_info(self, msg: CameraInfo, info) -> None:
+        self.note_input(self.info_stream, msg, info)
 
-    def note_input(self, stream: StampPairing | None, msg) -> None:
+    def note_input(self, stream: StampPairing | None, msg, info) -> None:
         if stream is not None:   # None: arrived while the interfaces were being destroyed
-            note = stream.add(stamp_ns(msg.header.stamp), msg)
+            note = stream.add(stamp_ns(msg.header.stamp), msg, reception_time(info))
             if note:
                 self.get_logger().warning(note, throttle_duration_sec=5.0)
 
-    def depth_waits(self, header, received_at: float | None = None) -> "DepthWaits | None":
-        """A colour frame's pairings with depth and camera_info, from its arrival (None without
-        use_depth). Never waits: the frame's results wait for them (space), not its arrival."""
+    def depth_waits(self, header, arrived_at: float | None = None) -> "DepthWaits | None":
+        """A colour frame's pairings with depth and camera_info, from its arrival (`arrived_at`:
+        reception_time; None: now, as for an image sent with a request); None without use_depth.
+        Never waits: the frame's results wait for them (space), not its arrival."""
         depth, info = self.depth_stream, self.info_stream
         if depth is None or info is None:
             return None
         stamp = stamp_ns(header.stamp)
-        return DepthWaits(depth.wait_for(stamp, received_at), info.wait_for(stamp, received_at))
+        return DepthWaits(depth.wait_for(stamp, arrived_at), info.wait_for(stamp, arrived_at))
 
     def destroy_interfaces(self) -> None:
         if self.watch_info_timer is not None:
@@ -299,8 +300,7 @@ class VisionNode(ManagedNode):
                 self.inactive_frames += 1
                 return
             self.stats.tick("received")
-            received_at = time.monotonic()
-            self.frames.put(msg, self.depth_waits(msg.header, received_at), received_at)
+            self.frames.put(msg, self.depth_waits(msg.header, reception_time(info)))
 
     def vision_msgs_publisher(self, qos):
         try:
@@ -652,6 +652,14 @@ class VisionNode(ManagedNode):
         status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
         header = Header(stamp=self.get_clock().now().to_msg())
         self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+
+
+def reception_time(info) -> float | None:
+    """When a message reached this process (the middleware's reception time, wall clock seconds,
+    the pairings' clock), from rclpy's MessageInfo; None where the middleware gives none (then:
+    when the callback runs)."""
+    received = info.get("received_timestamp") if info else None
+    return received / 1e9 if received else None
 
 
 def offers_latched(profiles) -> bool:
