@@ -382,6 +382,7 @@ def run_part(ctx: Ctx, part: str, fams: dict, plans: dict[str, Plan], liveness: 
 
 def summary_lines(ctx: Ctx, profile: str) -> list[str]:
     """One Markdown table (per family, batch and weight dtype), then the control and liveness."""
+    from photon_core.gpu_proof.checks import NOISE_RATIO
     from report import heading
     parts = ctx.out.get("parts", {})
     title = f"Megakernel proof on GPU: {TITLES[profile]}" + (" (dry run: CPU interpreter, tiny shapes)"
@@ -389,7 +390,9 @@ def summary_lines(ctx: Ctx, profile: str) -> list[str]:
     lines = heading(title) + [
         f"{ctx.out['device']}, {ctx.sms} SMs; random weights of the real shapes; Tiling() unless /split. Steps: "
         "max rel. error vs stepgraph.run_reference and the family's reference_step (weights as the arena holds "
-        "them), argmax picks identical (+ near-ties). Stress: launches per program count, outputs that differed "
+        "them), argmax picks identical (+ near-ties); f64: the worst layer's megakernel error against a float64 "
+        "reference over the fp32 reference's (its running maximum), first and last step (checks.judge_profile: "
+        f"fp32 noise up to {NOISE_RATIO:g}). Stress: launches per program count, outputs that differed "
         "from the first (every other launch after a NaN-fill of the scratch, a 512 MB copy loop on another "
         "stream). Timing: CUDA-graph replay, median; floor = (weights + K/V read) / "
         f"{ctx.hbm_tbps} TB/s (fp32 caches, as checked); per-op = Whisper's per-op Triton step in a CUDA graph "
@@ -411,6 +414,7 @@ def summary_lines(ctx: Ctx, profile: str) -> list[str]:
         po = poison.get((f, batch)) if dt == (poison.get((f, batch)) or {}).get("dtype") else None
         cells = [f, str(batch), dt,
                  f"{s['max_err']['values']:.0e} / {s['max_err']['kv']:.0e}, {s['exact']}+{s['tolerated']}/{s['picks']}"
+                 + (f", f64 x{max(v['worst_ratio'] for v in s['float64'].values()):.1f}" if s.get("float64") else "")
                  if s else "-",
                  ", ".join(f"{r['launches']}x{r['programs']}: {r['differing']}" for r in st["runs"]) if st else "-",
                  f"{po['run']['launches']}: {po['run']['differing']}" if po else "-",
