@@ -259,3 +259,21 @@ def test_another_process_stores_the_table_this_one_builds(cache, tmp_path):
     w = toy_weights()
     built = lower(plan(toy_graph(w), 2, TILING))
     assert graph == built and torch.equal(table, built.encode())
+
+
+def test_every_family_states_its_step_graph_the_same_in_every_process():
+    """A graph whose weights or nodes come out in another order in another process (a set iterated:
+    string hashing differs per process) has another arena layout there, so another key: its entry
+    would never be read. Each family's graph at real sizes (bench/start.py's), in two processes."""
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/bench']; import start; "
+            "from photon_core.megakernel.build_cache import graph_fingerprint; "
+            "print(json.dumps({k: graph_fingerprint(g()) for k, g in start.graphs().items()}))")
+    root = str(Path(__file__).resolve().parents[1])
+    seen = []
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code, root], env=dict(os.environ, PYTHONHASHSEED=seed),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert len(seen[0]) >= 7
+    assert {k for k in seen[0] if seen[0][k] != seen[1][k]} == set()

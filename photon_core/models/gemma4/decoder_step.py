@@ -84,7 +84,9 @@ def weight_shapes(cfg: TextConfig, max_len: int) -> dict[str, tuple[int, ...]]:
         s["text.embed_tokens_per_layer.weight"] = (cfg.ple_vocab, cfg.n_layers * cfg.ple_dim)
         s[PLE_PROJ] = (cfg.n_layers * cfg.ple_dim, d)
         s["text.per_layer_projection_norm.weight"] = (cfg.ple_dim,)
-    for kind in {L.kind for L in cfg.layers}:
+    # In the layers' order: a set's order changes with the process's string hashing, and the weights'
+    # order is the arena's layout (another one in every process: the build cache never read).
+    for kind in dict.fromkeys(L.kind for L in cfg.layers):
         hd = next(L.head_dim for L in cfg.layers if L.kind == kind)
         for name in rope_names(kind):
             s[name] = (max_len, hd // 2)
