@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# The decode megakernel proved right on a GPU, then timed: two calls of the device tool, each at
-# most 240 s, the second issued as soon as the first returns (a machine left idle goes back after
-# ~30 s, and a fresh one costs 1-2 of the 15 minutes in all to start: 2 + 2 x 4.3 <= 11, a rerun
-# of one call still fits):
+# The decode megakernel on a GPU: where its time goes, then proved right and timed. Three calls of
+# the device tool, each issued as soon as the one before returns (a machine left idle goes back
+# after ~30 s; a fresh one costs 1-2 of the 15 minutes in all to start):
 #
+#   0. BENCH_OUT=$OUT bash bench/gpu.sh timeline          device tool timeout_s 280
+#      bench/gpu_timeline.py: one traced launch of Moondream 2 and Whisper tiny.en at batch 1
+#      (bf16), analysed by photon_core/megakernel/timeline.py (levels, per-program time,
+#      signal-to-observe, the linear K step: the cost model's constants measured); every
+#      KernelVariant and the split tiling timed, each checked against the plain build's logits;
+#      transformers in one CUDA graph timed in the same run; Moondream 2 batch 8 if time is left.
+#      Writes gpu_timeline.json (after every part), traces.npz and gpu.log. Run it first: the
+#      next design step waits on it. Its CPU dry run: python bench/gpu_timeline.py --dry-run.
 #   1. BENCH_OUT=$OUT bash bench/gpu.sh core --write      device tool timeout_s 260
 #      Whisper tiny.en and Moondream 2 at batch 1 and 8, fp32 and bf16 weights: decode steps vs
 #      their references (the first and last step also vs float64, by per-layer error profile),
@@ -65,16 +72,17 @@ mode=""
 write=()
 for a in "$@"; do
   case "$a" in
-    core|others|all|bench) mode="$a" ;;
+    core|others|all|bench|timeline) mode="$a" ;;
     --write) write=(--write) ;;
-    *) echo "gpu.sh: unknown argument $a (modes: core, others, bench; flag --write; PROOF_ARGS / BENCH_ARGS)"; exit 2 ;;
+    *) echo "gpu.sh: unknown argument $a (modes: timeline, core, others, bench; flag --write; PROOF_ARGS / BENCH_ARGS)"; exit 2 ;;
   esac
 done
 if [ -z "$mode" ]; then
-  echo "gpu.sh: name a mode: core (first call), others (second call) or bench (optional); see the header"
+  echo "gpu.sh: name a mode: timeline (first call), core, others, or bench (optional); see the header"
   exit 2
 fi
 limit=${GPU_SH_LIMIT_S:-240}   # for the whole script, from its start
+if [ "$mode" = timeline ]; then limit=${GPU_SH_LIMIT_S:-265}; fi
 
 finish() {
   if [ ${#write[@]} -gt 0 ] && [ "$out" != "$root/bench" ]; then
@@ -86,7 +94,10 @@ finish() {
 
 echo "gpu.sh $mode: limit ${limit} s; $($py -c 'import sys, torch, triton; print("Python", sys.version.split()[0], "torch", torch.__version__, "Triton", triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")' 2>&1 | tail -1)"
 left=$((limit - (SECONDS - start)))
-if [ "$mode" = bench ]; then
+if [ "$mode" = timeline ]; then
+  timeout --kill-after=5 "$left" "$py" "$root/bench/gpu_timeline.py" --out "$out" --budget-s $((left - 30))
+  rc=$?
+elif [ "$mode" = bench ]; then
   # shellcheck disable=SC2086  # BENCH_ARGS is a word list on purpose
   timeout --kill-after=5 "$left" "$py" "$root/bench/gpu_bench.py" --json "$out/gpu_bench.json" \
     ${write[@]+"${write[@]}"} ${BENCH_ARGS---batches 1,8}

@@ -133,3 +133,23 @@ def test_a_rotary_position_outside_the_tables_is_reported():
     guarded.launch()
     with pytest.raises(RuntimeError, match="outside its table"):
         step.kernel.raise_on_error()
+
+
+def test_what_capture_warm_ups_write_is_put_back():
+    # DeviceDecode's CUDA-graph capture runs its rounds once to warm up: on a session whose
+    # caches and states hold a request's history, everything those launches write must be put back
+    # (restoring), or building a loop would corrupt the request. Real launches here, as capture's.
+    from photon_core.megakernel.decode_loop import restoring
+    _, step = whisper_step()
+    g = torch.Generator().manual_seed(5)
+    for name in step.graph_def.caches:
+        view = step.view(name)
+        view.copy_(torch.randn(view.shape, generator=g))
+    kept = [step.view(n) for n in list(step.graph_def.caches) + list(step.graph_def.states)] + [step.dyn, step.out]
+    before = [t.clone() for t in kept]
+    with restoring(step, 3):
+        for _ in range(3):
+            step.kernel.launch()
+        assert sum(not torch.equal(t, b) for t, b in zip(kept, before)) >= 3   # caches, tokens, results
+    for t, b in zip(kept, before):   # the rest of the arena is scratch each launch rewrites first
+        assert torch.equal(t, b)

@@ -95,15 +95,13 @@ class DeviceDecode:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if cuda_graphs if cuda_graphs is not None else dev.type == "cuda":
             from photon_core.runtime.cuda_graph import capture
-            # Capture runs the steps (a warm-up launch each), advancing tokens and positions: they
-            # run from a valid state (the step's own, in-range tokens and positions; attention over
-            # an unfilled cross cache reads no key and gives zeros) and the step's inputs are put
-            # back after, so building the loop leaves the next request's inputs as they were.
-            saved = step.dyn.clone(), step.out.clone()
-            for n, at in _parts_to_capture(chunk):
-                self._graphs[n, at], _ = capture(functools.partial(self._round, n, at), warmup=1)
-            step.dyn.copy_(saved[0])
-            step.out.copy_(saved[1])
+            # Capture runs the steps (a warm-up launch each): from a valid state (the step's own,
+            # in-range tokens and positions; attention over an unfilled cross cache reads no key
+            # and gives zeros), and everything they write is put back after (restoring).
+            parts = _parts_to_capture(chunk)
+            with restoring(step, sum(n for n, _ in parts)):
+                for n, at in parts:
+                    self._graphs[n, at], _ = capture(functools.partial(self._round, n, at), warmup=1)
 
     def _round(self, n: int, at: int = 0) -> None:
         """n launches recorded at history[at:at + n] (capturable: fixed shapes, no host reads); a
@@ -227,6 +225,34 @@ class DeviceDecode:
                     yield r, t
                     if count[r] == limit[r]:
                         live.remove(r)
+
+
+@contextlib.contextmanager
+def restoring(step: "CompiledStep", launches: int) -> Iterator[None]:
+    """Put back what up to `launches` steps from the current positions write: tokens, positions
+    and results, every recurrent state, and each cache's slots at positions p .. p + launches of
+    every row (where the steps append; a ring's slots modulo its length, which may hold live
+    history). Not the whole arena: a batch's caches can be gigabytes, the slots kilobytes."""
+    B = step.batch
+    pos = step.dyn[B:2 * B].to(torch.int64).cpu()
+    saved: list[tuple[torch.Tensor, Any, torch.Tensor]] = [(step.dyn, slice(None), step.dyn.clone()),
+                                                           (step.out, slice(None), step.out.clone())]
+    for name in step.graph_def.states:
+        view = step.view(name)
+        saved.append((view, slice(None), view.clone()))
+    for name, spec in step.graph_def.caches.items():
+        view = step.view(name)       # [(layers,) B, H, T, Dh]
+        for r in range(B):
+            slots = torch.arange(int(pos[r]), int(pos[r]) + launches + 1)
+            slots = slots % spec.length if spec.ring else slots[slots < spec.length]
+            if slots.numel():
+                idx = (..., r, slice(None), slots.to(view.device), slice(None))
+                saved.append((view, idx, view[idx].clone()))
+    try:
+        yield
+    finally:
+        for t, idx, value in saved:
+            t[idx] = value
 
 
 def _parts_to_capture(chunk: int) -> list[tuple[int, int]]:

@@ -351,8 +351,12 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # Gemma 4's per-layer input: gelu_tanh), or an activation on the loads (Moondream 3's gelu(qkv)).
     g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
     if WIDE > 0:
-        return _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
-                                  rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M, BLOCK_N, WIDE)
+        # Row m of x at x_base + m * x_stride (the same rows as x_rows, by base and stride).
+        x_base = s_ptr + x_off + tl.where(xglu > 0, 0, xc0)
+        x_stride = tl.where(xglu > 0, 2 * K, tl.where(xs >= 0, xs, K)).to(tl.int64)
+        return _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, s_ptr + tl.maximum(xgate, 0), xglu,
+                                  xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M,
+                                  BLOCK_N, WIDE)
     if DOT > 0:
         return _linear_dot_steps(k0, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
                                  rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M, BLOCK_N, DOT,
@@ -410,30 +414,51 @@ def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, 
 
 
 @triton.jit
-def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
-                       w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr):
+    """One row of x at K columns kk ([BK]), as _x_tile makes a tile's (x_row: the row's start;
+    g_row: its gate's; mean, rstd: its statistics)."""
+    x = tl.load(x_row + kk, mask=kmask, other=0.0, cache_modifier=CG)
+    if xglu > 0:
+        x = apply_activation(x, xglu) * tl.load(x_row + K + kk, mask=kmask, other=0.0, cache_modifier=CG)
+    if xact > 0:
+        x = apply_activation(x, xact)
+    if xgate >= 0:
+        x = x * apply_activation(tl.load(g_row + kk, mask=kmask, other=0.0, cache_modifier=CG), gact)
+    if lnw >= 0:
+        g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
+        be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
+              * tl.where(lnb >= 0, 1.0, 0.0))
+        x = tl.where(kmask, (x - mean) * rstd * g + be, 0.0)
+    return x
+
+
+@triton.jit
+def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean,
+                       rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BK: tl.constexpr):
     """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (BK of 256-512: 16-32
     KB of bf16 at 32 columns, issued at once as 16-byte loads, so a step has that much in flight
-    where the elementwise loop has one BLOCK_K tile), then each row's x slice, and reduces
-    w * x_row over K into the row's outputs at once. The tile is used in the layout it was loaded
-    in (x's slice is loaded in the matching one): no shared-memory layout change and no barrier
-    in the loop. The per-step reduction is a few shuffles a row, against a memory trip of a
-    microsecond. Bytes a step: BLOCK_N * BK weights + M * BK x (L2)."""
+    where the elementwise loop has one BLOCK_K tile), then each row's x slice as a [BK] vector (in
+    the weight tile's column layout: no layout change, no barrier in the loop), and reduces
+    w * x_row over K into the row's outputs at once: a few shuffles a row, against a memory trip
+    of a microsecond. Bytes a step: BLOCK_N * BK weights + M * BK x (L2)."""
     ks = tl.arange(0, BK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(k0, k1, BK):
-        kk = tl.multiple_of(kb, 16) + ks
+        kk = kb + ks
         kmask = kk < k1
         wm = cmask[:, None] & (kk < k1w)[None, :]
         w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * ldw + kk[None, :], mask=wm, other=0.0)
         w = w.to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             one = rows == m
-            x = _x_tile(kk, kmask, K, rmask & one, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
-                        w_ptr)
-            xm = tl.sum(x, axis=0)            # row m's slice (the other rows are masked to 0)
-            part = tl.sum(w * xm[None, :], axis=1)
+            ok = tl.sum(tl.where(one & rmask, 1, 0), axis=0)
+            mean_m = tl.sum(tl.where(one, mean, 0.0), axis=0)
+            rstd_m = tl.sum(tl.where(one, rstd, 0.0), axis=0)
+            # a vector mask: scalar & vector confuses the interpreter
+            x = _x_row(kk, kmask & ((kk * 0 + ok) > 0), K, x_base + m * x_stride, g_base + m * K, xglu, xact, xgate, gact, lnw, lnb,
+                       mean_m, rstd_m, w_ptr)
+            part = tl.sum(w * x[None, :], axis=1)
             acc = tl.where(one[:, None], acc + part[None, :], acc)
     return acc
 
