@@ -10,6 +10,9 @@
          path in its box's unit square, and the box), detections_2d (vision_msgs, where installed),
          image_annotated (boxes, points, masks; only while someone subscribes); headers copied from
          the image.
+    with use_depth: depth (aligned to the image) and camera_info; each colour frame's pairing with the
+      depth image and camera_info of its own stamp starts when it arrives and goes on while the model
+      runs (photon_ros.stamp_pairing) -> objects_3d, point_positions, detections_3d (metres)
     infer (photon_ros/Infer service): detect / point / caption / query / segment on demand.
     /diagnostics: lifecycle and model state, input and processed rates, drops, latency percentiles.
 Tasks (`detect`, `point`, `segment`, `caption_period_s`, ...) are parameters that can change at runtime.
