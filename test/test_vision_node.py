@@ -524,3 +524,19 @@ def test_spoken_command_to_a_3d_target_and_a_goal(graph, monkeypatch):
     assert yaw == pytest.approx(math.atan2(t.point.y, t.point.x), abs=1e-3)
     assert math.hypot(t.point.x - g.pose.position.x, t.point.y - g.pose.position.y) == pytest.approx(0.5, abs=1e-3)
     assert wait_for(lambda: any("m in base_link on target" in s.data and "goal" in s.data for s in status), timeout=10)
+
+
+def test_a_frame_is_cropped_in_the_camera_worker_before_the_batch():
+    # Moondream makes its crops ahead (prepare): the node does it in its own worker thread, so the
+    # batch that every camera on the engine waits on gets crops, not frames to resize.
+    from types import SimpleNamespace
+
+    from moondream_fixtures import model as moondream
+
+    from photon_core.models.moondream.image_crops import Crops
+    from photon_core.runtime.shared_models import SharedModel
+    from photon_ros.vision_node import prepared_image
+    rgb = np.random.default_rng(0).integers(0, 255, (120, 160, 3), dtype=np.uint8)
+    assert isinstance(prepared_image(SharedModel(moondream()), rgb), Crops)
+    other = SimpleNamespace()                      # a family that makes no crops ahead
+    assert prepared_image(SharedModel(other), rgb) is rgb
