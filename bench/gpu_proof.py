@@ -25,7 +25,7 @@ Profiles (families: random weights of the real shapes, no checkpoint travels; Ti
 
 Parts, in the order they run (photon_core.gpu_proof.<module>; every configuration's result is
 written to --json as soon as it is done, so a run killed by a timeout keeps everything it finished):
-  steps     consecutive decode steps, each a CUDA-graph replay, vs stepgraph.run_reference and the
+  steps     consecutive decode steps, each a CUDA-graph replay, vs eager.run_reference and the
             family's reference_step: exposed values, argmax picks, appended K/V, states, advanced rows;
             the first and last full step also against a float64 reference, by their per-layer error
             profile (checks.judge_profile: fp32 noise passes, a step in the profile fails).
@@ -389,7 +389,7 @@ def summary_lines(ctx: Ctx, profile: str) -> list[str]:
                                                              if not ctx.cuda else "")
     lines = heading(title) + [
         f"{ctx.out['device']}, {ctx.sms} SMs; random weights of the real shapes; Tiling() unless /split. Steps: "
-        "max rel. error vs stepgraph.run_reference and the family's reference_step (weights as the arena holds "
+        "max rel. error vs eager.run_reference and the family's reference_step (weights as the arena holds "
         "them), argmax picks identical (+ near-ties); f64: the worst layer's megakernel error against a float64 "
         "reference over the fp32 reference's (its running maximum), first and last step (checks.judge_profile: "
         f"fp32 noise up to {NOISE_RATIO:g}). Stress: launches per program count, outputs that differed "

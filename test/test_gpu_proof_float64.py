@@ -106,7 +106,7 @@ def test_float64_reference_resolves_what_fp32_cannot(name):
 
     from photon_core.gpu_proof.checks import rel_err
     from photon_core.gpu_proof.float64 import reference64, widened
-    from photon_core.megakernel.stepgraph import run_reference
+    from photon_core.megakernel.eager import run_reference
     if name == "moondream3" and importlib.util.find_spec("photon_core.models.moondream3.decoder_step") is None:
         pytest.skip("Moondream 3's decode step is not here")
     _, _, step, rows, caches, inputs, w = _family_step(name)
@@ -126,7 +126,7 @@ def test_float64_reference_resolves_what_fp32_cannot(name):
 def _launch_profile(step, kernel, rows, caches, inputs, w):
     from photon_core.gpu_proof.float64 import widened
     from photon_core.gpu_proof.profile import profile_launch
-    from photon_core.megakernel.stepgraph import run_reference
+    from photon_core.megakernel.eager import run_reference
     c32 = {k: v.clone() for k, v in caches.items()}
     c64 = widened(caches)
     want = run_reference(step.graph_def, w, c32, rows.tokens, rows.positions, rows.cross_len, inputs)

@@ -16,7 +16,8 @@ from photon_core.megakernel import kernel, ops, stepgraph  # noqa: E402
 from photon_core.megakernel.compiler import Tiling, lower, plan  # noqa: E402
 from photon_core.megakernel.graph import FIELDS, F, Task  # noqa: E402
 from photon_core.megakernel.ops.base import OpRule, Stage  # noqa: E402
-from photon_core.megakernel.stepgraph import Node, StepGraph, Value, run_reference  # noqa: E402
+from photon_core.megakernel.eager import run_reference  # noqa: E402
+from photon_core.megakernel.stepgraph import Node, StepGraph, Value  # noqa: E402
 
 
 def test_every_step_graph_op_has_exactly_one_rule():
@@ -53,7 +54,7 @@ def test_the_kernel_reads_every_field_by_its_name():
 
 def test_a_new_op_is_a_rule_the_compiler_and_the_reference_reach(monkeypatch):
     """A toy op ("double": 2x, lowered as add_norm tasks of its own) registered as a rule, with no
-    change to compiler.py or stepgraph.run_reference: plan, lower and the eager run all use it."""
+    change to compiler.py or eager.run_reference: plan, lower and the eager run all use it."""
     def reference(e, node):
         return 2 * e.val(node.args["x"])
 

@@ -37,7 +37,7 @@ from photon_core.backends import reference as ref  # noqa: E402
 from photon_core.backends.select import get_backend  # noqa: E402
 from photon_core.megakernel.checker import check  # noqa: E402
 from photon_core.megakernel.compiler import Tiling, lower, plan  # noqa: E402
-from photon_core.megakernel.stepgraph import run_reference  # noqa: E402
+from photon_core.megakernel.eager import run_reference  # noqa: E402
 from photon_core.models.moondream import Request, skills  # noqa: E402
 from photon_core.models.moondream3 import decoder_step as md3  # noqa: E402
 from photon_core.models.moondream3 import load_moondream3  # noqa: E402

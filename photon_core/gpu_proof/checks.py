@@ -27,7 +27,7 @@ FP32_NOTE = 1e-4      # fp32 errors above this are flagged in the summary (expec
 # ---------------------------------------------------------------------------------------------------
 # The rule a step's values are judged by (issue 37, item 2)
 #
-# The megakernel and stepgraph.run_reference are two fp32 computations of the same math; neither is
+# The megakernel and eager.run_reference are two fp32 computations of the same math; neither is
 # the truth. At two steps of every configuration (the first, and the last that runs the whole
 # graph, from the megakernel's own history: profile.float64_steps, build.adopt_history) and at the
 # stress probe's fixed inputs, the reference is also run in float64 on the same weights (as the

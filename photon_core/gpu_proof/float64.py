@@ -1,4 +1,4 @@
-"""The step's reference (stepgraph.run_reference) run in float64: the truth the megakernel and the
+"""The step's reference (eager.run_reference) run in float64: the truth the megakernel and the
 fp32 reference are both judged against (checks.judge_profile).
 
 run_reference and the reference ops it calls are written for fp32: they cast weights, caches and
@@ -73,7 +73,7 @@ def reference64(graph: Any, weights: Mapping[str, torch.Tensor], caches64: Mappi
                 inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """run_reference in float64. `caches64`: float64 copies of the history (updated in place, as
     run_reference updates its caches); weights and inputs as the fp32 reference gets them."""
-    from photon_core.megakernel.stepgraph import run_reference
+    from photon_core.megakernel.eager import run_reference
     for name, t in caches64.items():
         if t.dtype != torch.float64:
             raise ValueError(f"reference64: cache {name!r} is {t.dtype}; pass float64 copies")

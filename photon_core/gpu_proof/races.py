@@ -70,7 +70,7 @@ class Probe:
     def __init__(self, ctx: Ctx, fam, b: Build, dtype) -> None:
         import torch
 
-        from photon_core.megakernel.stepgraph import run_reference
+        from photon_core.megakernel.eager import run_reference
         self.fam, self.batch = fam, b.batch
         self.step = step = b.step(advance=False)
         self.kernel = b.kernel(step)

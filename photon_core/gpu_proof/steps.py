@@ -1,4 +1,4 @@
-"""Part "steps": consecutive decode steps, each a CUDA-graph replay, against stepgraph.run_reference
+"""Part "steps": consecutive decode steps, each a CUDA-graph replay, against eager.run_reference
 on the same graph and the family's own reference_step: exposed values, argmax picks, the K/V just
 appended (its slot in a ring), recurrent states and, where the step advances itself, the next
 tokens and positions it wrote. The first and the last full step are also judged against the
@@ -52,7 +52,7 @@ def compare(step, want: dict, own: dict, positions: list[int], results: list[str
 def prove_steps(ctx: Ctx, fam, batch: int, dtype_name: str) -> dict:
     import torch
 
-    from photon_core.megakernel.stepgraph import run_reference
+    from photon_core.megakernel.eager import run_reference
     dtype = dtype_of(dtype_name)
     b = build(ctx, fam, batch)
     step = b.step(advance=True)

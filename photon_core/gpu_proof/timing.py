@@ -32,7 +32,7 @@ def perop_whisper(ctx: Ctx, fam, batch: int, rows: Rows, caches: dict) -> dict:
     import torch
 
     from photon_core.backends.select import get_backend
-    from photon_core.megakernel.stepgraph import run_reference
+    from photon_core.megakernel.eager import run_reference
     from photon_core.models.whisper.decoder_step import triton_perop_step
     tri = get_backend("triton", ctx.dev)
     dev = ctx.dev

@@ -13,7 +13,8 @@ from photon_core.backends.triton import (add_layer_norm, argmax, attention, caus
 from photon_core.megakernel.checker import GraphError, check
 from photon_core.megakernel.compiler import CompiledStep, Tiling, lower, plan
 from photon_core.megakernel.graph import BATCH_BUCKETS, Task, TaskGraph, bucket_for
-from photon_core.megakernel.stepgraph import Rotary, StepGraph, run_reference
+from photon_core.megakernel.eager import run_reference
+from photon_core.megakernel.stepgraph import Rotary, StepGraph
 
 NAME = "megakernel"
 # contract.CAPABILITIES: the per-op Triton kernels above, and a family's step graph compiled to one launch.

@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from photon_core.megakernel import ops
 from photon_core.megakernel.graph import BATCH_BUCKETS, DYN_SECTIONS, Arena, StateViews, TaskGraph
+from photon_core.megakernel.layout import Plan, Tiling
 from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Planning
 from photon_core.megakernel.ops.kv_append import head_groups
 from photon_core.megakernel.ops.linear import stage_shape
@@ -61,59 +61,6 @@ def cuda_kv_dtype(dtype: torch.dtype):
 FP8 = torch.float8_e4m3fn
 
 
-@dataclass(frozen=True)
-class Tiling:
-    block_n: int = 32        # output columns per linear / embed task (the widest tile)
-    block_k: int = 64        # K step inside a linear task
-    block_t: int = 32        # keys per attention inner step
-    self_splits: int = 4     # KV splits of self-attention (per row and head)
-    cross_splits: int = 8    # KV splits of attention over host-filled ("cross") caches
-    # A linear stage with fewer tiles than `min_tasks` (0: never) gets narrower tiles (down to
-    # `min_block_n` columns), then splits K into up to `max_split_k` slices, so that every program
-    # has work: on a GPU, min_tasks is about the number of programs (2 per SM).
-    min_tasks: int = 0
-    min_block_n: int = 16
-    max_split_k: int = 8
-    # A q|k|v linear runs its rotary / per-head-norm append's (row, head) tasks as finales of its
-    # own tiles (the last tile of a head's q, k and v to finish does that head: no level of its
-    # own) when each finale is at most this many (row, head) tasks (0: never). Larger batches keep
-    # the append tasks, which run in parallel rather than one after another in one program.
-    rope_finale_rows: int = 1
-
-
-@dataclass
-class Plan:
-    """Where everything lives and how each node is lowered, for one graph, batch and tiling."""
-    graph: StepGraph
-    batch: int
-    tiling: Tiling
-    warena: Arena
-    sarena: Arena
-    shapes: dict[str, tuple[int, ...]]
-    producer: dict[str, Node]             # value name -> the node that defines it
-    norm_of: dict[str, Node]              # linear name -> the layer_norm fused in front of it
-    glu_of: dict[str, Node]               # linear name -> the glu fused into its loads of x
-    mul_of: dict[str, Node]               # linear name -> the mul (x * act(g)) fused into its loads of x
-    act_of: dict[str, Node]               # linear name -> the activation fused into its loads of x
-    qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
-    logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
-    shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
-    ldw: dict[str, int]                   # weight name -> padded row stride (matrices tasks stream)
-    weight_offset: dict[str, float]       # weight name -> constant added when stored (RMSNorm 1 + w)
-    ln_eps: float
-    max_position: int                     # positions must stay below this
-    weight_dtype: torch.dtype = torch.float32
-    kv_dtype: torch.dtype = torch.float32   # the KV caches' (stores round to it; reads convert to fp32)
-    fp8: dict[str, str] = field(default_factory=dict)   # FP8 expert table -> its row scales
-    # Lookup-only tables read in place from the caller's tensor, not copied into the arena: name ->
-    # (element offset from the arena's start, row stride), set by CompiledStep (0 until bound).
-    external: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # Values that feed fused norms of one kind (name -> norm code) whose producer stage's last task
-    # writes each row's (mean, rstd) to "{name}.stats" ([B, 2]); see ops.base.Lowering.stats_finale.
-    stats: dict[str, int] = field(default_factory=dict)
-    # q|k|v linear name -> (its kv_append, that append's query heads grouped by the tiles they share):
-    # the linear's tiles run the append's (row, head) tasks as ticket finales (Tiling.rope_finale_rows).
-    rope_groups: dict[str, tuple[Node, list[list[int]]]] = field(default_factory=dict)
 
 
 def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: torch.dtype = torch.float32,

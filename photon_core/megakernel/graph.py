@@ -26,6 +26,10 @@ from photon_core.runtime.decode import BATCH_BUCKETS, bucket_for  # noqa: F401  
 # (photon_core.megakernel.ops: OP_EMBED, OP_LINEAR, ..., OP_NAMES), and so are the store modes of
 # OP_LINEAR (MODE_*) and the length sources of OP_ATTN_PARTIAL (LEN_*).
 
+# Kernel op code -> name, filled by the op modules' rules when ops/ is imported (ops.OP_NAMES is
+# this dict): the task table's op column, named without this module importing the ops.
+OP_NAMES: dict[int, str] = {}
+
 # Column of each field in the encoded task table: the one layout. kernel.py reads each field at its
 # named offset (kernel.F_<field>, made from F); the op modules write them by name (Task.args).
 FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
@@ -270,7 +274,6 @@ class TaskGraph:
             row[F[k]] = int(v)
 
     def summary(self) -> str:
-        from photon_core.megakernel.ops import OP_NAMES
         by_op: dict[str, int] = {}
         for t in self.tasks:
             by_op[OP_NAMES.get(t.op, str(t.op))] = by_op.get(OP_NAMES.get(t.op, str(t.op)), 0) + 1

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import torch
 
-    from photon_core.megakernel.compiler import Plan
+    from photon_core.megakernel.layout import Plan
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A model's decode step stated once, as a graph of ops: what a family writes, what `run_reference`
+"""A model's decode step stated once, as a graph of ops: what a family writes, what `eager.run_reference`
 runs eagerly and what compiler.py lowers to megakernel tasks. Nothing here knows a model.
 
 A step decodes one position for each of B rows (the batch belongs to the compiler, not the graph);
@@ -58,7 +58,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import torch
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 LINEAR_ACTIVATIONS = ACTIVATIONS + ("tanh",)
@@ -439,33 +438,3 @@ def expected_experts(num_experts: int, top_k: int, rows: int) -> float:
     if rows == 1:
         return float(top_k)
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The eager reference: the same graph run op by op with backends.reference (each op's reference is
-# in its module under ops/)
-
-
-def run_reference(graph: StepGraph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor],
-                  tokens: list[int], positions: list[int], cross_len: list[int] | None = None,
-                  inputs: Mapping[str, torch.Tensor] | None = None,
-                  rotary_offsets: list[int] | None = None) -> dict[str, Any]:
-    """One step for B = len(positions) rows. `caches` maps cache and state names to tensors in the
-    layout the graph declares ([B, H, T, Dh], or [L, B, H, T, Dh]; states [B, *shape]); the step
-    updates them in place. Rotary
-    tables are read at position + rotary offset (default 0). Returns every value ([B, width]) by
-    name, and the argmax results under "results" ({name: [B] ints})."""
-    from photon_core.megakernel.ops import Eager, rule
-
-    bsz = len(positions)
-    dev = next(iter(weights.values())).device
-    pos = torch.tensor(positions, device=dev)
-    rot_pos = pos + torch.tensor(rotary_offsets or [0] * bsz, device=dev)
-    e = Eager(bsz, dev, pos, rot_pos, tokens, cross_len, weights, caches, inputs)
-    for node in graph.nodes:
-        y = rule(node.op).reference(e, node)
-        if node.out is not None:
-            if y is None:
-                raise ValueError(f"{graph.name}: the reference of {node.op} {node.value.name!r} gave no value")
-            e.vals[node.value.name] = y
-    return {**e.vals, "results": e.results}

@@ -10,6 +10,7 @@ fields by the named offsets (kernel.F_*; fields are graph.FIELDS).
 """
 from __future__ import annotations
 
+from photon_core.megakernel.graph import OP_NAMES
 from photon_core.megakernel.ops import add_norm, argmax, attention, embed, fused, kv_append, linear, moe, recurrent
 from photon_core.megakernel.ops.add_norm import OP_ADD_NORM
 from photon_core.megakernel.ops.argmax import OP_ARGMAX
@@ -28,14 +29,16 @@ for _rule in (*fused.RULES, embed.RULE, linear.RULE, kv_append.RULE, attention.R
         raise ValueError(f"op {_rule.op!r} declared twice")
     RULES[_rule.op] = _rule
 
-# Kernel op code -> name, over every rule (the task table's op column; kernel._step_tasks).
-OP_NAMES: dict[int, str] = {}
+# Kernel op code -> name, over every rule (the task table's op column; kernel._step_tasks), kept in
+# graph.OP_NAMES (graph.py names ops without importing them).
+_names: dict[int, str] = {}
 for _rule in RULES.values():
     for _code, _name in _rule.codes.items():
-        if _code in OP_NAMES or _code <= 0:
+        if _code in _names or _code <= 0:
             raise ValueError(f"kernel op code {_code} ({_name}) declared twice or not positive")
-        OP_NAMES[_code] = _name
-OP_NAMES = dict(sorted(OP_NAMES.items()))
+        _names[_code] = _name
+OP_NAMES.clear()
+OP_NAMES.update(sorted(_names.items()))
 # Kernel ops whose tasks may draw a tile ticket (split-K slices).
 KTICKET_OPS = frozenset(c for r in RULES.values() for c in r.kticket_codes)
 

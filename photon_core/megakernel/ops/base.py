@@ -17,7 +17,7 @@ from photon_core.megakernel.graph import Region, TaskGraph
 from photon_core.megakernel.stepgraph import CacheRef, Node, StepGraph, Value
 
 if TYPE_CHECKING:
-    from photon_core.megakernel.compiler import Plan
+    from photon_core.megakernel.layout import Plan
 
 NORMS = ("layer_norm", "rms_norm")   # fused in front of the linears that read them
 FUSED = NORMS + ("glu", "mul", "act")   # no task of their own: a linear's loads compute them
