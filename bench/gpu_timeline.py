@@ -35,6 +35,7 @@ against the device-to-device copy rate measured at the start.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -44,6 +45,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 # The floor's rate: the H200's nominal HBM bandwidth, as the first run's tables (x floor) used it;
 # the measured copy rate (read + write) is recorded beside it.
@@ -80,35 +82,21 @@ def guarded(name: str, fn: Callable[[], Any]) -> Any:
 # ---------------------------------------------------------------- the steps
 
 
-def families(dry: bool, sms: int) -> dict[str, Any]:
-    """name -> (family, batch, tiling) at real sizes, or tiny ones for the dry run."""
-    from photon_core.gpu_proof.families import MoondreamFamily, WhisperFamily
-    from photon_core.megakernel.compiler import Tiling
-    from photon_core.models.moondream.config import MoondreamConfig, RegionConfig, TextConfig
-    if dry:
-        prod = lambda b: Tiling(64, 64, 16, 2, 1)  # noqa: E731
-        split = lambda b: Tiling(32, 32, 16, 2, 2, min_tasks=4, min_block_n=16, max_split_k=2)  # noqa: E731
-        cfg = MoondreamConfig(text=TextConfig(dim=64, ff_dim=128, n_layers=1, vocab_size=96, max_context=32,
-                                              n_heads=2, n_kv_heads=2, prefix_attn=4),
-                              region=RegionConfig(dim=64, coord_out_dim=64, size_out_dim=128, inner_dim=64))
-        md = dict(cfg=cfg, max_len=32, fixed=(12, 1))
-        wh = dict(shape=(64, 2, 1, 96), max_len=16, enc=8, fixed=(8, -1))
-    else:
-        prod = lambda b: Tiling()  # noqa: E731
-        split = lambda b: Tiling(block_n=64, block_k=max(16, 128 // b), block_t=64, self_splits=4,  # noqa: E731
-                                 cross_splits=8, min_tasks=sms)
-        cfg = MoondreamConfig()
-        md = dict(cfg=cfg, max_len=cfg.text.max_context, fixed=(cfg.text.prefix_attn + 100, 16))
-        wh = dict(shape=(384, 6, 4, 51864), max_len=448, enc=1500, fixed=(224, -9))
+def families(dry: bool, programs: int) -> dict[str, Any]:
+    """name -> (make a family at a tiling, the prod tiling, the split tiling): the proof's own
+    Moondream 2 and Whisper tiny.en (bench/gpu_proof.py: real sizes, or tiny ones for the dry run),
+    each tiling a family object of its own (its own weights: an arena is laid out per build)."""
+    import gpu_proof
+    fams = gpu_proof.families(dry, max(1, programs // 2))   # its split tiling: stages of >= 2 x that
+    split = fams["whisper-tiny.en/split"].tiling
 
-    def moondream(tiling: Callable) -> Any:
-        return MoondreamFamily("moondream2", md["cfg"], md["max_len"], tiling, (1, 8), ("bf16",), "bf16",
-                               md["fixed"], md["fixed"])
-
-    def whisper(tiling: Callable) -> Any:
-        return WhisperFamily("whisper-tiny.en", *wh["shape"], wh["max_len"], wh["enc"], tiling, (1, 8), ("bf16",),
-                             "bf16", wh["fixed"], wh["fixed"])
-    return {"moondream2": (moondream, prod, split), "whisper-tiny.en": (whisper, prod, split)}
+    def at(name: str) -> Callable[[Callable], Any]:
+        def make(tiling: Callable) -> Any:
+            fam = copy.copy(fams[name])
+            fam.tiling = tiling
+            return fam
+        return make
+    return {name: (at(name), fams[name].tiling, split) for name in ("moondream2", "whisper-tiny.en")}
 
 
 class Config:
@@ -142,7 +130,6 @@ class Config:
     def kernel(self, variant: Any) -> Any:
         """The step's whole-graph kernel built as `variant` (its own Megakernel object: the task
         table and buffers are the step's)."""
-        import copy
         name = variant.name()
         if name not in self.kernels:
             base = self.step.kernel
@@ -336,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     pre1, pre2 = KernelVariant(prefetch=1), KernelVariant(prefetch=2)
     dot, wide = KernelVariant(dot=64, pipeline=4), KernelVariant(wide=256)
     variants = [plain, pre2, pre1, pipe3, dot, wide] if cuda else [plain, pipe3, dot, wide]
-    fams = families(args.dry_run, sms)
+    from photon_core.megakernel.kernel import Megakernel
+    fams = families(args.dry_run, sms * Megakernel.tuning.programs_per_sm)
     pool = None
     if cuda:
         from photon_core.gpu_proof.prewarm import Prewarm
