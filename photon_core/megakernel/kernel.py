@@ -68,6 +68,10 @@ _BUDGET = megakernel_tuning() if not interpreting() else MegakernelTuning(linear
 LINEAR_TILE: tl.constexpr = tl.constexpr(_BUDGET.linear_tile)
 WEIGHT_TILE: tl.constexpr = tl.constexpr(_BUDGET.weight_tile)
 ATTN_TILE: tl.constexpr = tl.constexpr(_BUDGET.attn_tile)
+# Elements of x a batch-1 row-statistics finale reads a trip. Larger batches keep BLOCK_K-wide
+# trips, and 1024, not 2048: wider ones tipped builds at the edge of the register file into
+# spilling (ptxas -v: Triton 3.6 batch 8 fp32 4-40 B, 3.9 batch 1 FP8 experts 24 B).
+STATS_TILE: tl.constexpr = tl.constexpr(1024)
 
 # Task-table fields by name: one constant per field of graph.FIELDS (the one layout), so a task
 # body reads `tl.load(row + F_M)`, never a literal column.
@@ -217,7 +221,8 @@ def _task_embed(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: t
     # never used as an address. No position table (pos_off = -1): positions are not read.
     tok_ok = (tok >= 0) & (tok < tl.load(row + F_rows))
     pos_ok = ((pos * 0 + pos_off) < 0) | ((pos >= 0) & (pos < tl.load(row + F_prows)))
-    bad = tl.max(tl.where(rmask & ~(tok_ok & pos_ok), 1, 0), axis=0)
+    # (no ~ on the masks: Triton 3.3's interpreter lacks it for booleans)
+    bad = tl.max(tl.where(rmask, tl.where(tok_ok & pos_ok, 0, 1), 0), axis=0)
     tok = tl.where(tok_ok, tok, 0)
     pos = tl.where(pos_ok, pos, 0)
     ldw = tl.load(row + F_ldw)   # the tables' padded row stride
@@ -259,12 +264,15 @@ def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.const
     """The finale of a stage whose output x feeds a fused LayerNorm / RMSNorm (run by the stage's
     last task to finish, see _step_tasks): each of the B rows' (mean, rstd) of x ([B, stn] at stx)
     into stout ([B, 2]), so the linear's tiles read 2 floats a row instead of 2 passes over K.
-    Bytes: 2*B*K*4 read (L2: the stage just wrote x), 8*B written."""
+    It is its level's one task (every reader waits on it), so at batch 1 each pass reads
+    STATS_TILE elements a trip, not BLOCK_K (Moondream 2: 4 trips instead of 64). Bytes: 2*B*K*4
+    read (L2: the stage just wrote x), 8*B written."""
+    CH: tl.constexpr = STATS_TILE if BLOCK_M == 1 else BLOCK_K
     K = tl.load(row + F_stn)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < B
     mean, rstd = _row_stats(s_ptr + tl.load(row + F_stx) + rows[:, None].to(tl.int64) * K, rmask, K,
-                            tl.load(row + F_stkind), eps, BLOCK_M, BLOCK_K)
+                            tl.load(row + F_stkind), eps, BLOCK_M, CH)
     out = s_ptr + tl.load(row + F_stout) + 2 * rows
     tl.store(out, mean, mask=rmask)
     tl.store(out + 1, rstd, mask=rmask)
