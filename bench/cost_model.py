@@ -98,7 +98,8 @@ def changes(m: cm.Machine) -> list[tuple[str, cm.Machine, dict]]:
     return [
         ("the measured build (2026-12-04)", m, {}),
         ("batch-1 row statistics in 1024-wide trips (kernel.STATS_TILE, built)", m, dict(stats_chunk=1024)),
-        ("K loop 4 tiles in flight (pipelined loads)", replace(m, tiles_in_flight=4), {}),
+        ("K loop 4 tiles in flight (KernelVariant(unroll=4, aligned=True), built, to measure)",
+         replace(m, tiles_in_flight=4), {}),
         ("weights prefetched to L2 before the waits (K step at L2 latency)", replace(m, k_step=m.l2), {}),
         ("4 tiles in flight + K step 4x wider (tl.dot tiles, 16 KB a step)", replace(m, tiles_in_flight=4), dict(k_step_scale=4)),
         ("... + two programs an SM (Triton 3.8+: 264 programs)", replace(m, tiles_in_flight=4, programs=264), dict(k_step_scale=4)),

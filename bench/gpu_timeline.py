@@ -23,7 +23,9 @@ tile into L2 before its dependency wait, one bulk copy per row / per line), pipe
 under Triton 3.6-3.9 only x's loads are staged, 4 bytes each), dot64+pipe4 (the K loop on the
 tensor cores, x split into two bf16 terms; ptxas: ~200 B of spills at batch 1 under 3.9), wide256
 (256-element steps reduced as they come; its weight loads compile to 2-byte loads and it spills
-~500 B: measured to see what the trip count alone is worth). Tilings: prod (compiler.Tiling(),
+~500 B: measured to see what the trip count alone is worth), aligned (the dense tasks' weights in
+16-byte loads: the default build's are 2-byte loads, PTX), unroll4+aligned (four weight tiles
+issued before the first is multiplied). Tilings: prod (compiler.Tiling(),
 what photon_core builds) and split (64-column tiles; stages with fewer tiles than programs
 narrowed, then split along K).
 
@@ -322,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     plain, pipe3 = KernelVariant(), KernelVariant(pipeline=3)
     pre1, pre2 = KernelVariant(prefetch=1), KernelVariant(prefetch=2)
     dot, wide = KernelVariant(dot=64, pipeline=4), KernelVariant(wide=256)
-    variants = [plain, pre2, pre1, pipe3, dot, wide] if cuda else [plain, pipe3, dot, wide]
+    aligned, unrolled = KernelVariant(aligned=True), KernelVariant(unroll=4, aligned=True)
+    variants = ([plain, aligned, unrolled, pre2, pre1, pipe3, dot, wide] if cuda
+                else [plain, aligned, unrolled, pipe3, dot, wide])
     from photon_core.megakernel.kernel import Megakernel
     fams = families(args.dry_run, sms * Megakernel.tuning.programs_per_sm)
     pool = None

@@ -92,8 +92,28 @@ def assert_claims_relaxed_and_header_before_branches(name: str, ptx: str) -> Non
 
 def assert_vector_weight_loads(name: str, ptx: str) -> None:
     # The compiler pads weight rows and aligns offsets and K slices to 16 elements, and the linear
-    # task says so (tl.multiple_of): its weight loads become 128-bit loads (4 fp32 or 8 bf16).
+    # task says so (tl.multiple_of): weight loads become 128-bit loads (4 fp32 or 8 bf16) where
+    # Triton keeps the hint. It does not at every site: weight_loads counts them.
     assert "ld.global.v4" in ptx, name
+
+
+def weight_loads(ptx: str) -> dict[str, int]:
+    """The PTX's global loads attributed (its .loc lines) to kernel.py's weight-tile loads (every
+    K loop's), by instruction: how many bytes each load site moves at a time."""
+    src = (ROOT / "photon_core" / "megakernel" / "kernel.py").read_text().splitlines()
+    lines = {i + 1 for i, line in enumerate(src) if "tl.load(w_ptr" in line and "w_off + wp" in line}
+    files = dict(re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx))
+    kernel = {k for k, v in files.items() if v.endswith("megakernel/kernel.py")}
+    at, out = None, {}
+    for line in ptx.splitlines():
+        loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", line)
+        if loc:
+            at = (loc.group(1), int(loc.group(2)))
+            continue
+        op = re.search(r"\bld\.global[.\w:]*", line)
+        if op and at is not None and at[0] in kernel and at[1] in lines:
+            out[op.group(0)] = out.get(op.group(0), 0) + 1
+    return out
 
 
 def assert_fp8_decoded_with_integer_ops(name: str, ptx: str) -> None:

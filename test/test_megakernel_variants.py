@@ -1,5 +1,5 @@
 """The megakernel's build variants (kernel.KernelVariant) compute what the plain build does: the
-pipelined, tensor-core and wide K loops on Whisper's compiled step (tiny random weights, bf16
+pipelined, tensor-core, wide and unrolled K loops on Whisper's compiled step (tiny random weights, bf16
 arena, Triton's interpreter), and the variants compile for sm_90 with what each is for visible in
 the PTX (the prefetch instructions, the tensor-core multiplies, the traced build's timer reads).
 
@@ -49,7 +49,8 @@ def run(step, variant: KernelVariant) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("variant", [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2),
-                                     KernelVariant(wide=32)], ids=lambda v: v.name())
+                                     KernelVariant(wide=32), KernelVariant(unroll=4, aligned=True)],
+                         ids=lambda v: v.name())
 def test_a_variant_computes_what_the_plain_build_does(step, variant):
     assert any(t.op == 7 for t in step.graph.tasks)          # split-K slices are on the path too
     plain = run(step, KernelVariant())
@@ -66,15 +67,19 @@ def test_a_variant_that_is_no_k_loop_is_refused():
         KernelVariant(dot=32, wide=32)
     with pytest.raises(ValueError, match="not a K loop"):
         KernelVariant(wide=24)
+    with pytest.raises(ValueError, match="not a K loop"):
+        KernelVariant(unroll=3)
 
 
 _PTX = r'''
 import json, re, sys
+from pathlib import Path
 from photon_core.kernels import compile_check as cc
 out = {}
-for name in sys.argv[1:]:
+for name in sys.argv[2:]:
     ck, _ = cc.compile_case(name, 90)
     ptx = ck.asm["ptx"]
+    (Path(sys.argv[1]) / (name + ".ptx")).write_text(ptx)
     out[name] = {k: len(re.findall(p, ptx)) for k, p in (("bulk_prefetch", r"cp\.async\.bulk\.prefetch\.L2"),
                  ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
                  ("smid", r"%smid"))}
@@ -82,15 +87,22 @@ print(json.dumps(out))
 '''
 
 
-def test_variants_compile_for_sm90_with_their_instructions():
+def test_variants_compile_for_sm90_with_their_instructions(tmp_path):
+    from test_kernels_compile_sm90 import weight_loads
+
     from photon_core.kernels.compile_check import compile_env
     names = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "megakernel_b1_bf16_n32_k64_prefetch1",
-             "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace"]
-    r = subprocess.run([sys.executable, "-c", _PTX, *names], capture_output=True, text=True, env=compile_env(),
-                       timeout=900)
+             "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace",
+             "megakernel_b1_bf16_n32_k64_aligned"]
+    r = subprocess.run([sys.executable, "-c", _PTX, str(tmp_path), *names], capture_output=True, text=True,
+                       env=compile_env(), timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    plain, bulk, line, dot, trace = (got[n] for n in names)
+    plain, bulk, line, dot, trace, _ = (got[n] for n in names)
     assert not any(plain.values())                       # the default build has none of them
     assert bulk["bulk_prefetch"] >= 1 and line["line_prefetch"] >= 1 and dot["mma"] >= 2
     assert trace["timer"] >= 4 and trace["smid"] >= 1
+    # aligned: the dense tasks' weight tiles load 16 bytes at a time (the default build: 2)
+    vectors = {n: weight_loads((tmp_path / f"{n}.ptx").read_text()).get("ld.global.v4.b32", 0)
+               for n in (names[0], names[-1])}
+    assert vectors[names[-1]] >= 2 * vectors[names[0]] > 0, vectors

@@ -289,12 +289,15 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     x is not loaded and their output is 0). FP8
     (expert tasks of FP8 experts): W is e4m3 bytes (offsets in bytes) decoded in registers, and the
     product is 2^-8 of the true one without the row scales, which the caller's epilogue applies.
-    LOOP: the K loop's build (KernelVariant.loop): pipelined stages; DOT > 0 (bf16 weights;
+    LOOP: the K loop's build (KernelVariant.loop): pipelined stages; UNROLL: weight tiles loaded
+    before the first is multiplied (several steps' bytes in flight); DOT > 0 (bf16 weights;
     BLOCK_M >= 16, rows past M masked): steps of DOT on the tensor cores, see _linear_dot_steps;
     WIDE > 0: steps of WIDE reduced as they come, see _linear_wide_steps."""
     PIPE: tl.constexpr = LOOP % 16
-    DOT: tl.constexpr = (LOOP // 16) % 4096
-    WIDE: tl.constexpr = LOOP // 65536
+    UNROLL: tl.constexpr = (LOOP // 16) % 16
+    DOT: tl.constexpr = (LOOP // 256) % 256 * 16
+    WIDE: tl.constexpr = LOOP // 65536 % 256 * 16
+    ALIGNED: tl.constexpr = LOOP // 16777216 % 2
     # FP8 tiles take half the K step: a byte tile decoded to fp32 holds the bytes and the floats at
     # once, and at batch 1 (BLOCK_K 128) the full step spills registers (ptxas -v); for the same
     # reason they get half of the budgets. A step keeps the product and the weight tile within
@@ -311,8 +314,16 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     n0 = tl.load(row + F_n0)
     x_off = tl.load(row + F_x) + x_shift
     # The compiler aligns weight offsets, row strides and K slices to 16 elements (compiler.plan):
-    # saying so lets every weight load be a 128-bit vector load (an expert's rows keep it).
-    w_off = tl.multiple_of(tl.load(row + F_w) + w_shift, 16)
+    # saying so is meant to make every weight load a 128-bit vector load. Said of `offset +
+    # w_shift` (the default build), a dense task's shift of 0 folds the add away and the hint with
+    # it: its weights stream as 2-byte loads (PTX, Triton 3.9 and 3.6; only MoE tasks, whose shift
+    # is real, load 16 bytes). ALIGNED says it of the loaded offset itself: the dense tasks load 16
+    # bytes, the MoE tasks then 2, and the FP8-expert build spills (328 B at batch 1): a variant
+    # for the GPU to measure (KernelVariant.aligned), not yet the default.
+    if ALIGNED:
+        w_off = tl.multiple_of(tl.load(row + F_w), 16) + w_shift
+    else:
+        w_off = tl.multiple_of(tl.load(row + F_w) + w_shift, 16)
     lnw = tl.load(row + F_lnw)
     lnb = tl.load(row + F_lnb)
     lnst = tl.load(row + F_lnst)
@@ -370,7 +381,25 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
                                  rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M, BLOCK_N, DOT,
                                  PIPE if PIPE > 0 else 3)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BK), tl.float32)
-    if PIPE > 0:
+    if UNROLL > 1:
+        # UNROLL weight tiles issued before the first is used (independent loads: all in flight
+        # at once, where the plain loop has one), then each multiplied as the plain loop does.
+        for kb in range(k0, k1, BK * UNROLL):
+            w0 = _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+            w1 = _w_tile(kb + BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+            if UNROLL == 4:
+                w2 = _w_tile(kb + 2 * BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+                w3 = _w_tile(kb + 3 * BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+            acc3 = _xw_step(acc3, w0, kb, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
+                            rstd, w_ptr, FP8)
+            acc3 = _xw_step(acc3, w1, kb + BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb,
+                            mean, rstd, w_ptr, FP8)
+            if UNROLL == 4:
+                acc3 = _xw_step(acc3, w2, kb + 2 * BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw,
+                                lnb, mean, rstd, w_ptr, FP8)
+                acc3 = _xw_step(acc3, w3, kb + 3 * BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw,
+                                lnb, mean, rstd, w_ptr, FP8)
+    elif PIPE > 0:
         # Software-pipelined: the loads of PIPE - 1 later K steps are in flight while one is
         # consumed (Triton's pipeliner stages them through shared memory), so a tile streams with
         # several steps' weights outstanding instead of one.
@@ -419,6 +448,32 @@ def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, 
     else:
         w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0).to(tl.float32)
     return acc3 + x[:, None, :] * w[None, :, :]
+
+
+@triton.jit
+def _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
+    """The [BN, BK] weight tile at K columns kb + ks, as loaded (bf16, fp16, fp32 or FP8 bytes)."""
+    kk = kb + ks
+    wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
+    wm = cmask[:, None] & (kk < k1w)[None, :]
+    if FP8:
+        w = tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + w_off + wp, mask=wm, other=0)
+    else:
+        w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0)
+    return w
+
+
+@triton.jit
+def _xw_step(acc3, w, kb, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr,
+             FP8: tl.constexpr):
+    """acc3 + x's [M, BK] at kb times a loaded weight tile (_w_tile), elementwise."""
+    kk = kb + ks
+    x = _x_tile(kk, kk < k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr)
+    if FP8:
+        wf = fp8_e4m3_over_256(w)
+    else:
+        wf = w.to(tl.float32)
+    return acc3 + x[:, None, :] * wf[None, :, :]
 
 
 @triton.jit
@@ -588,8 +643,8 @@ def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
                  LOOP: tl.constexpr = 0):
     """A whole tile: product over all of K, then the epilogue. Bytes: (n1-n0)*K weights + M*K x."""
     # The tensor-core loop over bf16 weights only: fp32 and fp16 arenas keep the exact loop.
-    LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 16 * ((LOOP // 16) % 4096)
-    BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 16) % 4096 > 0 else BLOCK_M
+    LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 256 * ((LOOP // 256) % 256)
+    BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 256) % 256 > 0 else BLOCK_M
     acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP)
     _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16)
 
@@ -614,8 +669,8 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
     kticket = tl.load(row + F_kticket)
     nslices = tl.load(row + F_ktickets)
     # The tensor-core loop over bf16 weights only: fp32 and fp16 arenas keep the exact loop.
-    LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 16 * ((LOOP // 16) % 4096)
-    BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 16) % 4096 > 0 else BLOCK_M
+    LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 256 * ((LOOP // 256) % 256)
+    BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 256) % 256 > 0 else BLOCK_M
     acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP)
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -1503,26 +1558,35 @@ class KernelVariant:
     dependency wait (0: off; 1: a prefetch per 128-byte line, sm_80+; 2: one bulk prefetch per row,
     sm_90+); dot: its K loop on the tensor cores, `dot` elements a step (bf16 weights; 0: the
     elementwise loop; see _linear_dot_steps); wide: steps of `wide` elements reduced as they come
-    (_linear_wide_steps)."""
+    (_linear_wide_steps); unroll: 2 or 4 weight tiles loaded before the first is multiplied;
+    aligned: the weight offsets' alignment said so that the dense tasks' loads are 16 bytes (see
+    _linear_acc)."""
     pipeline: int = 0
     prefetch: int = 0
     dot: int = 0
     wide: int = 0
+    unroll: int = 0
+    aligned: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.pipeline < 16 or self.dot % 16 or self.wide % 16 or (self.dot and self.wide):
-            raise ValueError(f"not a K loop: {self} (pipeline < 16; dot, wide multiples of 16, not both)")
+        one_loop = sum(bool(v) for v in (self.dot, self.wide, self.unroll)) <= 1
+        if (not 0 <= self.pipeline < 16 or self.unroll not in (0, 2, 4) or not one_loop
+                or any(v % 16 or not 0 <= v < 4096 for v in (self.dot, self.wide))):
+            raise ValueError(f"not a K loop: {self} (pipeline < 16; unroll 2 or 4; dot, wide multiples of 16 "
+                             "below 4096; one of dot, wide, unroll)")
 
     @property
     def loop(self) -> int:
         """The K loop's build as one constexpr (the kernel decodes it: _linear_acc)."""
-        return self.pipeline + 16 * self.dot + 65536 * self.wide
+        return (self.pipeline + 16 * self.unroll + 256 * (self.dot // 16) + 65536 * (self.wide // 16)
+                + 16777216 * int(self.aligned))
 
     def constexprs(self) -> dict[str, int]:
         return dict(LOOP=self.loop, PREFETCH=self.prefetch)
 
     def name(self) -> str:
         parts = [f"dot{self.dot}"] * bool(self.dot) + [f"wide{self.wide}"] * bool(self.wide)
+        parts += [f"unroll{self.unroll}"] * bool(self.unroll) + ["aligned"] * self.aligned
         parts += [f"pipe{self.pipeline}"] * bool(self.pipeline) + [f"prefetch{self.prefetch}"] * bool(self.prefetch)
         return "+".join(parts) or "plain"
 
