@@ -102,7 +102,8 @@ def body(t, launch: Launch, m: Machine) -> float:
         steps = math.ceil((a["k1"] - a["k0"]) / launch.k_step)
         tile = (a["n1"] - a["n0"]) * launch.k_step * launch.weight_bytes
         per = max(m.k_step / m.tiles_in_flight, tile * m.programs / m.bandwidth)
-        own_stats = 2 * math.ceil(a["K"] / launch.k_step) * m.l2 if a.get("lnw", -1) >= 0 and a.get("lnst", -1) < 0 else 0
+        fused_norm_without_stats = a.get("lnw", -1) >= 0 and a.get("lnst", -1) < 0
+        own_stats = 2 * math.ceil(a["K"] / launch.k_step) * m.l2 if fused_norm_without_stats else 0
         return m.k_step + (steps - 1) * per + own_stats + 2 * m.l2
     if op == OP_ATTN_PARTIAL:
         return _keys(t, launch) * m.k_step + 2 * m.l2
