@@ -5,8 +5,8 @@
 
 Per camera frame size: the cv2 path as it was (INTER_AREA halvings then INTER_AREA / INTER_CUBIC to
 the tiles' canvas, the global crop from that canvas), the two Lanczos-3 resizes of today's
-make_crops on one thread and on two (its default for frames of 200k pixels and more), kestrel's
-native resize where kestrel-native is installed, the normalisation of the frame's crops (bfloat16
+make_crops on one thread and on two (its default for frames of 200k pixels and more), the
+normalisation of the frame's crops (bfloat16
 round trip vs the model's dtype), and what a request's batch spends encoding one frame (small random
 checkpoint, CPU) when it resizes itself vs when the crops were made ahead (MoondreamModel.prepare,
 in the camera's own thread).
@@ -80,16 +80,12 @@ def main() -> int:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     frames = {name: rng.integers(0, 256, (*hw, 3), dtype=np.uint8) for name, hw in SIZES.items()}
-    kn = image_crops.kestrel_native()
     rows = []
     for name, frame in frames.items():
         tiling, canvas = image_crops.target_size(*frame.shape[:2])
         cases = [("cv2 path (before)", lambda: cv2_crops(frame)),
                  ("Lanczos-3 (PIL), one thread", lambda: lanczos_one_thread(frame)),
                  ("Lanczos-3 (PIL), make_crops", lambda: image_crops.make_crops(frame))]
-        if kn is not None:
-            cases.append(("Lanczos-3 (kestrel-native), make_crops",
-                          lambda: image_crops.make_crops(frame, resampler="kestrel")))
         crops = image_crops.make_crops(frame)[0]
         cases += [("normalise, via bfloat16 (Moondream 2)", lambda: vision.normalize(crops, torch.float32, "cpu")),
                   ("normalise, in float32 (Moondream 3)",
@@ -110,8 +106,7 @@ def main() -> int:
                             timed(lambda: model.prepare(frame), args.repeats)[0]))
 
     lines = heading("Moondream crops: Lanczos-3 of the original vs the cv2 path (CPU)")
-    lines += [f"torch threads {torch.get_num_threads()}; kestrel-native "
-              f"{'installed' if kn is not None else 'not installed'}; random uint8 frames (the resize's "
+    lines += [f"torch threads {torch.get_num_threads()}; random uint8 frames (the resize's "
               "cost does not depend on the content); ms.", "",
               "| frame | step | median ms | best ms |", "|---|---|---:|---:|"]
     lines += [f"| {frame} | {label} | {med * 1e3:.1f} | {best * 1e3:.1f} |" for frame, label, med, best in rows]

@@ -17,12 +17,11 @@ public reference's and a greedy caption took another word after a dozen tokens (
   levels apart shrinking, and nearly every pixel, up to ~200 levels, enlarging), and crops should not
   depend on what else happens to be installed.
 - Moondream 3 follows the makers' engine (m87-labs/kestrel, kestrel/models/moondream/image_crops.py):
-  the same two resizes from the original, with its native Lanczos-3 (kestrel_native.resize_lanczos3,
-  PyPI package kestrel-native). `resampler="kestrel"` calls that function where it is installed (it
-  is no dependency of ours: its wheel names no licence) and PIL's Lanczos-3 otherwise: the same
-  filter on the same image, not the same bytes (kestrel-native 0.1.9, measured on pictures: a mean
-  0.1-0.3 levels apart, at most 2-16; 1-3 levels on average for a 5x shrink, a 1920x1080 frame's
-  global crop; up to ~46 on pure noise).
+  the same two resizes from the original, Lanczos-3. kestrel runs them with its own native resize
+  (PyPI kestrel-native), which is not used here: its wheel names no licence. So Moondream 3's crops
+  are PIL's Lanczos-3 too: kestrel's filter on the same image, not its exact bytes (kestrel-native
+  0.1.9, measured on pictures: a mean 0.1-0.3 levels apart, at most 2-16; 1-3 levels on average for
+  a 5x shrink, a 1920x1080 frame's global crop; up to ~46 on pure noise).
 - Lanczos-3 costs more than the cv2 path did (bench/RESULTS.md, "Moondream crops": on 2 EPYC cores
   640x480 14 ms instead of 2, 1920x1080 25 ms instead of 5). So the two resizes of a frame run on two
   threads (PIL lets go of the GIL while it resizes), and the model lets a caller make the crops
@@ -45,7 +44,7 @@ from PIL import Image
 # stays importable here for the tests written against it.
 from photon_core.runtime.image_input import to_rgb as to_rgb_array  # noqa: F401
 
-RESAMPLERS = ("pil", "kestrel")
+RESAMPLERS = ("pil",)
 # Below this many source pixels the second thread costs about what it saves.
 _PARALLEL_MIN_PIXELS = 200_000
 _pool: ThreadPoolExecutor | None = None
@@ -94,25 +93,12 @@ def target_size(height: int, width: int, crop_size: int = 378, patch_size: int =
     return (rows, cols), (rows * window + 2 * margin, cols * window + 2 * margin)
 
 
-def kestrel_native() -> Any:
-    """The kestrel-native module (the makers' engine's native resize) when installed, else None."""
-    try:
-        import kestrel_native as kn  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return kn
-
-
 def resize_lanczos3(image: np.ndarray, height: int, width: int, resampler: str = "pil") -> np.ndarray:
     """[H, W, 3] uint8 RGB -> [height, width, 3] uint8 with Lanczos-3: PIL's `Image.resize(..., LANCZOS)`
-    ("pil"), or kestrel's native resize where installed ("kestrel"; PIL's otherwise)."""
+    ("pil", the one resampler: the module docstring says why)."""
     if resampler not in RESAMPLERS:
         raise ValueError(f"resampler must be one of {RESAMPLERS}, not {resampler!r}")
     image = np.ascontiguousarray(image)
-    if resampler == "kestrel":
-        kn = kestrel_native()
-        if kn is not None:
-            return np.asarray(kn.resize_lanczos3(image, height, width))
     if image.shape[:2] == (height, width):
         return image   # PIL returns such an image unchanged
     return np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.LANCZOS))

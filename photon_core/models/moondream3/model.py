@@ -101,9 +101,9 @@ class Moondream3Model(MoondreamModel):
     # Moondream 2's only): eos there ends the request (batch.py).
     reasoning_barred = ()
     # Crops as kestrel makes them (its image_crops.py / vision.py prepare_crops): the reference's
-    # two Lanczos-3 resizes from the original with its native resize (kestrel-native, where
-    # installed; PIL's Lanczos-3 otherwise), normalised in the model's dtype.
-    resampler = "kestrel"
+    # two Lanczos-3 resizes from the original (PIL's: kestrel's native resize is unlicensed, see
+    # image_crops), normalised in the model's dtype.
+    resampler = "pil"
     normalize_via = None
 
     def __init__(self, config: Moondream3Config, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
