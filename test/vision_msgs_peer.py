@@ -3,8 +3,8 @@
 
   listen NAMESPACE TIMEOUT_S  subscribes to NAMESPACE/detections_2d (Detection2DArray) and
                               NAMESPACE/detections_3d (Detection3DArray), reliable as the vision
-                              node publishes them, until one message of each came (or TIMEOUT_S
-                              passed); exits 0 when both came, 1 otherwise.
+                              node publishes them, until a 2D array and a 3D array that placed
+                              something came (or TIMEOUT_S passed); exits 0 then, 1 otherwise.
   convert                     stdin: JSON {"detections": ..., "objects_3d": ...}, our Detections
                               and Objects3D field by field (see `detections` and `objects_3d`);
                               converted with photon_ros's detection2d_array / detection3d_array
@@ -60,14 +60,17 @@ def listen(namespace: str, timeout_s: float) -> int:
     node.create_subscription(Detection3DArray, "detections_3d",
                              lambda m: got["detections_3d"].append(detection3d_array(m)), qos)
     deadline = time.monotonic() + timeout_s
+
+    def done() -> bool:   # a 2D array, and a 3D one that placed something (a frame may have no 3D)
+        return bool(got["detections_2d"]) and any(a["detections"] for a in got["detections_3d"])
     try:
-        while not all(got.values()) and time.monotonic() < deadline:
+        while not done() and time.monotonic() < deadline:
             rclpy.spin_once(node, timeout_sec=0.1)
     finally:
         node.destroy_node()
         rclpy.try_shutdown()
     print(json.dumps(got))
-    return 0 if all(got.values()) else 1
+    return 0 if done() else 1
 
 
 def _std_header(fields: dict):
