@@ -90,6 +90,16 @@ class Family:
         steps.decoder(batch)
         return {"built": batch}
 
+    @classmethod
+    def cpu_refusal(cls) -> str | None:
+        """Why this family's real shapes cannot run on this machine's CPU (None: they can)."""
+        return None
+
+    @classmethod
+    def cpu_dtype(cls) -> str | None:
+        """The dtype its real shapes take on the CPU when not the run's (None: the run's)."""
+        return None
+
     def compile_peer(self) -> None:
         """The peer with torch.compile from now on (transformers: generate's own compilation of
         its step on a static cache)."""

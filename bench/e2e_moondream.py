@@ -85,6 +85,9 @@ class Moondream2(Family):
         from photon_core.models.moondream.config import MoondreamConfig
         if not self.tiny:
             return MoondreamConfig()
+        if self.compiled():   # Triton's interpreter: the tests' fast config (126-px crops, vocab 1024)
+            import moondream_fast_fixtures as ff
+            return MoondreamConfig.from_dict(ff.fast_config())
         import moondream_fixtures as mf
         return MoondreamConfig.from_dict(mf.small_config(vision_layers=27))
 
@@ -119,6 +122,11 @@ class Moondream2(Family):
 
     def build_peer(self) -> None:
         src = self.ref_src
+        if self.cfg.vision.grid != self.cfg.vision.enc_n_layers:
+            v = self.cfg.vision
+            self.skip_peer(f"the reference reads its crop grid off its vision layer count ({v.enc_n_layers}); "
+                           f"these crops have a {v.grid} x {v.grid} grid")
+            return
         if not src or not (Path(src) / "moondream" / "torch" / "moondream.py").is_file():
             self.skip_peer(f"no reference source: --moondream-ref / MOONDREAM_REF_SRC "
                            f"({src or 'unset'}) holds no moondream/torch/moondream.py")
@@ -158,7 +166,7 @@ class Moondream2(Family):
         self.peer_compiled = True
 
     def inputs(self, task: Task, n: int) -> list[bytes]:
-        h, w = SIZES[task.input] if not self.tiny else _tiny_size(task.input)
+        h, w = SIZES[task.input] if not self.tiny else _tiny_size(task.input, self.cfg.vision.crop_size)
         return e2e_inputs.frames(h, w, n)
 
     def ours(self, task: Task, inputs: list[bytes]) -> list[int]:
@@ -227,6 +235,14 @@ class Moondream3(Moondream2):
         self.model = Moondream3Model(cfg, state, MoondreamTokenizer(self.tok_folder / "tokenizer.json"),
                                      self.ops(), self.device, self.dtype, tiling=tiling)
 
+    @classmethod
+    def cpu_refusal(cls) -> str | None:
+        import os
+        need = 9.3e9 * 4 + 4e9    # 9.3 B parameters in float32 (the per-op paths dequantize the FP8 experts)
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return None if have > need else (f"9.3 B parameters in float32 ({need / 2**30:.0f} GiB with the rest) do "
+                                         f"not fit this machine's {have / 2**30:.0f} GiB")
+
     def build_peer(self) -> None:
         self.skip_peer("no runnable public reference of Moondream 3 (the public torch code is Moondream 2's; "
                        "the makers' engine, kestrel, is not at hand)")
@@ -254,7 +270,7 @@ def _as_dict(cfg: Any) -> dict:
     return {"text": t, "vision": v, "region": r}
 
 
-def _tiny_size(name: str) -> tuple[int, int]:
-    """The dry run's images: the same aspects, smaller (the crops are 378 px whatever the image, so
-    these give one and two local crops)."""
-    return {"756x756": (300, 300), "1920x1080": (300, 534)}[name]
+def _tiny_size(name: str, crop: int) -> tuple[int, int]:
+    """The dry run's images: the same aspects, smaller (about one and two local crops' worth)."""
+    side = crop * 300 // 378
+    return {"756x756": (side, side), "1920x1080": (side, side * 16 // 9)}[name]

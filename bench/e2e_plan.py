@@ -147,6 +147,21 @@ class Budget:
             self.scale[key] = ratio if key not in self.scale else 0.5 * (self.scale[key] + ratio)
 
 
+def family_starts(plan: list[Config], repeats: int, setups: dict[str, float]) -> dict[str, float]:
+    """When each family's setup is expected to start (seconds from the run's start)."""
+    starts: dict[str, float] = {}
+    total = START_S
+    seen: set[tuple[str, str, str]] = set()
+    for cfg in plan:
+        if cfg.family not in starts:
+            starts[cfg.family] = total
+            total += setups.get(cfg.family, 0.0)
+        shape = (cfg.family, cfg.task.input, cfg.side)
+        total += config_s(cfg, repeats, shape not in seen)
+        seen.add(shape)
+    return starts
+
+
 def table(plan: list[Config], repeats: int, setups: dict[str, float]) -> list[str]:
     """The plan as printed lines: per family its setup, configurations and cumulative seconds."""
     lines, total = [], START_S

@@ -81,7 +81,9 @@ def section(out: dict[str, Any], args: Any) -> list[str]:
     lines += [""] + goals(out.get("rows", []))
     notes = []
     for name, f in fams.items():
-        bits = [f"set up in {f.get('setup_s', '?')} s"]
+        bits = [f"set up in {f.get('setup_s', '?')} s"] if "setup_s" in f else []
+        if f.get("dtype"):
+            bits.append(f"{f['dtype']} on both sides")
         if f.get("peer_skip"):
             bits.append(f"no peer: {f['peer_skip']}")
         bits += f.get("notes", [])

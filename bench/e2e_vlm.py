@@ -189,6 +189,12 @@ class Qwen35(HFVision):
 class Gemma4(HFVision):
     name = "gemma4-e2b"
 
+    @classmethod
+    def cpu_dtype(cls) -> str | None:
+        # 4.6 B parameters without the audio tower: in float32 both sides' copies would not fit a
+        # 24 GB machine (bench/families.py measures it in bfloat16 too).
+        return "bf16"
+
     def setup(self) -> None:
         from transformers import Gemma4Config, Gemma4ForConditionalGeneration
         from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil

@@ -158,6 +158,8 @@ class Run:
         families = a.only or list(ORDER)
         classes = {f: family_class(f) for f in families}
         tasks = {f: classes[f].tasks() for f in families}
+        if a.tasks:
+            tasks = {f: [t for t in ts if any(w in t.name for w in a.tasks)] for f, ts in tasks.items()}
         if a.dry_run:   # a quarter of each budget: the dry run checks the paths, it measures nothing
             tasks = {f: [dataclasses.replace(t, tokens=max(2, t.tokens // 4)) for t in ts] for f, ts in tasks.items()}
         serial = {"moondream2"}
@@ -176,7 +178,10 @@ class Run:
         self.save()
         if a.plan:
             return 0
-        prewarm = self.start_prewarm(families, buckets) if a.prewarm > 0 else None
+        # Children only for the families the plan expects to reach within the budget.
+        starts = plan_mod.family_starts(cfgs, a.repeats, setups)
+        reached = [f for f in families if starts.get(f, 0.0) < a.budget_s]
+        prewarm = self.start_prewarm(reached, buckets) if a.prewarm > 0 else None
         try:
             for f in families:
                 self.family(f, [c for c in cfgs if c.family == f], prewarm, buckets[f])
@@ -207,6 +212,7 @@ class Run:
         return pw
 
     def family(self, name: str, cfgs: list[plan_mod.Config], prewarm: Any, buckets: tuple[int, ...]) -> None:
+        import torch
         a = self.args
         info: dict[str, Any] = self.out["families"].setdefault(name, {})
         est = plan_mod.family_setup_s(name, buckets, prewarm is not None)
@@ -217,11 +223,24 @@ class Run:
             log(f"{name}: skipped (budget)")
             self.save()
             return
+        cls = family_class(name)
+        refusal = cls.cpu_refusal() if self.device.type == "cpu" and not a.dry_run else None
+        if refusal:
+            for c in cfgs:
+                self.out["skipped"].append(dict(config=c.key, reason=refusal))
+            info.update(peer_skip=refusal, notes=[])
+            log(f"{name}: skipped ({refusal})")
+            self.save()
+            return
+        dtype = self.dtype
+        if self.device.type == "cpu" and not a.dry_run and cls.cpu_dtype():
+            dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cls.cpu_dtype()]
+            info["dtype"] = cls.cpu_dtype()
         if prewarm is not None:
             prewarm.wait(name, (1,), timeout_s=max(0.0, self.budget.left(time.time()) - 60))
         t = time.time()
         try:
-            fam = family_class(name)(self.device, self.dtype, a.dry_run, a.backend, a.moondream_ref)
+            fam = cls(self.device, dtype, a.dry_run, a.backend, a.moondream_ref)
             fam.setup()
         except Exception as e:  # noqa: BLE001  one family's failure must not end the run
             self.fail(f"setup {name}", e)
@@ -268,6 +287,8 @@ class Run:
             if cfg.concurrency == 1:
                 ones[(cfg.task.name, cfg.side)] = r
             self.add_row(fam, cfg, r, prewarm)
+            if prewarm is not None:
+                prewarm.pump()     # start the next children as earlier ones end
             if fam.sides[side].serial and cfg.concurrency == 1 and not a.measure_serial:
                 for c in sorted({*a.levels} - {1}):
                     self.add_row(fam, plan_mod.Config(name, cfg.task, c, cfg.side), derived(r, c), prewarm)
@@ -333,6 +354,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "reference, triton or megakernel (on the CPU: Triton's interpreter, tiny shapes only)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (on the CPU unless --device says)")
     ap.add_argument("--only", nargs="*", choices=ORDER, help="families (default: all, in run order)")
+    ap.add_argument("--tasks", nargs="*", help="only tasks whose name holds one of these (e.g. 'detect 756', '30 s')")
     ap.add_argument("--levels", default=None, help="concurrency levels (default 1,8,4; dry run 1,2)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per configuration, fewer for slow "
                     "calls (default 3; dry run 1)")

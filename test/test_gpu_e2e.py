@@ -119,6 +119,9 @@ def test_budget_learns_and_the_real_plan_is_long():
     cfgs = plan.configs(fams, tasks, (1, 8, 4), {"moondream2"}, {"moondream3"}, False, False)
     total = sum(plan.config_s(c, 3, True) for c in cfgs)
     assert total > 300
+    starts = plan.family_starts(cfgs, 3, {f: 10.0 for f in fams})   # prewarm children only for these
+    assert list(starts) == fams and all(a < b for a, b in zip(list(starts.values()), list(starts.values())[1:]))
+    assert starts[fams[0]] == plan.START_S and starts[fams[-1]] > 270
 
 
 def test_serial_peer_rows_are_derived_from_one_request():
