@@ -3,7 +3,10 @@ one prepared run of <= 5 minutes for the device tool, random weights of the real
 downloaded. Also its CPU dry run (tiny shapes, every phase timed, the peers' code run on the CPU) and
 the CPU figures (real shapes on the CPU).
 
-    BENCH_OUT=$OUT python bench/gpu_e2e.py --moondream-ref shared/moondream-ref --write   (device tool)
+    timeout 300 python3 bench/gpu_e2e.py --out $OUT --moondream-ref .moondream-ref --write   (device tool,
+        timeout_s 330, carry [".moondream-ref"]: the reference's checkout copied into the repository
+        beforehand, ignored by git: cp -r $MOONDREAM_REF_SRC .moondream-ref; echo /.moondream-ref/ >>
+        .git/info/exclude); a later call: the same with --only <the families it skipped>
     python bench/gpu_e2e.py --plan                         (the plan and its estimates; no model built)
     python bench/gpu_e2e.py --dry-run --out /tmp/e2e       (CPU: tiny shapes, reference backend)
     python bench/gpu_e2e.py --device cpu --only moondream2 --levels 1 --write   (CPU figures)
@@ -38,6 +41,7 @@ import dataclasses
 import gc
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -189,7 +193,7 @@ class Run:
             if prewarm is not None:
                 prewarm.close()
                 self.out["prewarm"] = prewarm.results
-        self.save()
+            self.save()
         if a.write:
             self.write()
         log(f"done: {len(self.out['rows'])} rows, {len(self.out['skipped'])} skipped, "
@@ -404,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         pass
     if a.child:
         return child(a)
+    # A kill (the device tool's timeout, `timeout`) unwinds like an error: the prewarm children are
+    # ended and the results saved (Run.main's finally) instead of outliving the run.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return Run(a).main()
 
 
