@@ -117,7 +117,11 @@ class Recognised:
         """The family's model on these files, checked against photon_core.contracts (the protocol
         of every skill the family declares): the one place the API, the CLI and the nodes load."""
         from photon_core.contracts import check_model
-        return check_model(self.family.load(self.checkpoint, device, dtype, backend), self.family.skills)
+        from photon_core.runtime.decode import engine_policy
+        # "auto" on CUDA: each compiled decode step runs on the faster of the megakernel and the
+        # per-op engine on this GPU (megakernel/engine_choice.py); "megakernel" asks for it alone.
+        with engine_policy("auto" if backend == "auto" else "megakernel"):
+            return check_model(self.family.load(self.checkpoint, device, dtype, backend), self.family.skills)
 
 
 EXTRA_FAMILIES = "PHOTON_EXTRA_FAMILIES"

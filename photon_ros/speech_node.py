@@ -58,6 +58,7 @@ from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
+from photon_core.runtime.decode import engine_diagnostics
 from photon_core.runtime.requests import TranscribeRequest
 from photon_core.runtime.shared_models import SharedModel
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
@@ -528,6 +529,8 @@ class SpeechNode(ManagedNode):
             "pending_audio_s": f"{self.queue.seconds:.2f}",
             "finals_decoded_ahead": str(self.speculations.used),
             "speculations_wasted": str(self.speculations.wasted),
+            # which engine decodes each bucket on this GPU, and both times where measured (issue 38)
+            **engine_diagnostics(),
         }
         status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
         header = Header(stamp=self.get_clock().now().to_msg())

@@ -39,6 +39,7 @@ from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
+from photon_core.runtime.decode import engine_diagnostics
 from photon_core.runtime.requests import Request
 from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.depth_projection import DepthSettings, NoDepth, depth_view
@@ -660,6 +661,8 @@ class VisionNode(ManagedNode):
             "processed_rate_hz": f"{self.stats.rate('processed'):.2f}",
             "requests_failed": str(self.requests_failed),
             "last_request_error": self.last_request_error,
+            # which engine decodes each bucket on this GPU, and both times where measured (issue 38)
+            **engine_diagnostics(),
         }
         for q, v in self.stats.latency_percentiles().items():
             values[f"latency_p{q}_ms"] = f"{v * 1000:.1f}"

@@ -1,6 +1,8 @@
 """Choosing a backend: "reference" (PyTorch), "triton" (per-op kernels) or "megakernel".
 
-"auto" picks reference on CPU and the megakernel on CUDA. Triton code on a CPU device runs only under
+"auto" picks reference on CPU and the megakernel on CUDA, where a model loaded through
+photon_core.load runs each compiled decode step on the faster of the megakernel and the per-op
+engine on that GPU (megakernel/engine_choice.py; "megakernel" named: the megakernel alone). Triton code on a CPU device runs only under
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is first imported): that is a test mode,
 hundreds of times slower than PyTorch, so it is never chosen implicitly.
 """

@@ -28,7 +28,7 @@ import torch
 
 from photon_core.megakernel import ops
 from photon_core.megakernel.graph import BATCH_BUCKETS, DYN_SECTIONS, Arena, StateViews, TaskGraph
-from photon_core.megakernel.layout import Plan, Tiling
+from photon_core.megakernel.layout import Plan, Tiling, needed_nodes
 from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Planning
 from photon_core.megakernel.ops.kv_append import head_groups
 from photon_core.megakernel.ops.linear import stage_shape
@@ -37,12 +37,31 @@ from photon_core.runtime.decode import WEIGHT_DTYPES
 
 # Kept importable from here: what callers (tests, bench) name the compiler's helpers by.
 __all__ = ["Tiling", "Plan", "plan", "lower", "lookup_tables", "CompiledStep", "cuda_kv_dtype", "stage_shape",
+           "ENGINES", "first_engine", "needed_nodes",
            "head_groups", "FUSED", "NORM_CODES", "FP8",
            "WEIGHT_ROW_ALIGN", "WEIGHT_DTYPES", "KV_DTYPES"]
 
 WEIGHT_ROW_ALIGN = 16   # elements; kernel.py's tl.multiple_of hints rely on it
 KV_DTYPES = (torch.float32, torch.bfloat16)
 _cuda_kv_dtype = [torch.bfloat16]   # what a CompiledStep on CUDA gets when its caller names none
+# How a step runs: one persistent megakernel launch, or its graph op by op with torch's kernels
+# (perop_engine.py); engine_choice.py picks between them by measuring both on the GPU.
+ENGINES = ("megakernel", "perop")
+_first_engine = ["megakernel"]   # what a CompiledStep starts on (first_engine)
+
+
+@contextlib.contextmanager
+def first_engine(engine: str):
+    """Steps built inside start on `engine` (CompiledStep.set_engine). Started on "perop", a step
+    lowers, checks and compiles no megakernel unless it is switched to one: what a start whose
+    recorded choice is the per-op engine saves."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {ENGINES}")
+    before, _first_engine[0] = _first_engine[0], engine
+    try:
+        yield
+    finally:
+        _first_engine[0] = before
 
 
 @contextlib.contextmanager
@@ -212,7 +231,7 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
     """The task graph of one step; with `results`, only the tasks those result columns (and the
     graph's exposed values) need, over the same arenas. Each node's tasks are its op's lowering
     rule's (ops/); ops without one are fused into their readers."""
-    nodes = _needed(p.graph, p, results)
+    nodes = needed_nodes(p.graph, p, results)
     lo = Lowering(p, nodes)
     for node in nodes:
         rule = ops.RULES.get(node.op)
@@ -221,30 +240,6 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
         if rule.lower is not None:
             rule.lower(lo, node)
     return lo.g
-
-
-def _needed(graph: StepGraph, p: Plan, results: Iterable[str] | None) -> list[Node]:
-    """The nodes the chosen results and the exposed values depend on, in graph order."""
-    if results is None:
-        return list(graph.nodes)
-    results = set(results)
-    unknown = results - set(graph.results)
-    if unknown:
-        raise KeyError(f"{graph.name}: no results {sorted(unknown)}; it has {graph.results}")
-    want = [n for n in graph.nodes if n.op == "argmax" and n.args["name"] in results]
-    want += [p.producer[v.name] for v in graph.exposed.values()]
-    keep: set[int] = set()
-    while want:
-        n = want.pop()
-        if id(n) in keep:
-            continue
-        keep.add(id(n))
-        for arg in n.args.values():
-            if isinstance(arg, Tau):   # kv_append's tau reads a value too
-                arg = arg.value
-            if isinstance(arg, Value) and arg.name in p.producer:
-                want.append(p.producer[arg.name])
-    return [n for n in graph.nodes if id(n) in keep]
 
 
 def _proven_kernel(graph: TaskGraph, table: torch.Tensor, weights: torch.Tensor, state: torch.Tensor,
@@ -347,8 +342,25 @@ class CompiledStep(StateViews):
         self.dyn = torch.zeros(DYN_SECTIONS * batch, dtype=torch.int32, device=dev)
         self.out = torch.zeros(batch * max(1, len(graph.results)), dtype=torch.int32, device=dev)
         self.check = check
-        self._kernels: dict[frozenset[str] | None, object] = {}
-        self.kernel_for(None)   # build and prove the full graph at load time
+        self._kernels: dict[tuple[str, frozenset[str] | None], object] = {}
+        self.engine = _first_engine[0]
+        self.kernel_for(None)   # build (and prove) the full graph at load time
+
+    def scrub_nonfinite(self) -> None:
+        """Zero every non-finite entry of the caches and recurrent states. The per-op engine's
+        attention reads every slot under a mask, so NaN that a refused request left past a later
+        request's keys would poison that request too (the megakernel never reads those slots)."""
+        for name in (*self.graph_def.caches, *self.graph_def.states):
+            self.view(name).nan_to_num_(0.0, 0.0, 0.0)
+
+    def set_engine(self, engine: str) -> None:
+        """Run the following launches on `engine` ("megakernel" or "perop"): both read and write the
+        same buffers, so a step may switch between launches. A loop built on the step before
+        (DeviceDecode) keeps the kernel it took."""
+        if engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: one of {ENGINES}")
+        self.engine = engine
+        self.kernel_for(None)
 
     def weight(self, key: str) -> torch.Tensor:
         """A weight as the arena holds it (matrices without their row padding): a view, so writes
@@ -371,9 +383,15 @@ class CompiledStep(StateViews):
 
     @torch.inference_mode(False)
     def kernel_for(self, results: Iterable[str] | None = None):
-        """The megakernel of the whole step, or of the part that computes `results`."""
+        """The megakernel of the whole step, or of the part that computes `results` (under the
+        per-op engine, perop_engine.PerOpKernel of those nodes)."""
         key = None if results is None else frozenset(results)
-        if key not in self._kernels:
+        if self.engine == "perop":
+            if ("perop", key) not in self._kernels:
+                from photon_core.megakernel.perop_engine import PerOpKernel
+                self._kernels["perop", key] = PerOpKernel(self, key)
+            return self._kernels["perop", key]
+        if ("megakernel", key) not in self._kernels:
             from photon_core.megakernel import build_cache
             from photon_core.megakernel.kernel import Megakernel, step_tasks_for
             p, tl = self.plan, self.tiling
@@ -392,13 +410,14 @@ class CompiledStep(StateViews):
                 self.graph_def, self.batch, tl, p.weight_dtype, p.kv_dtype, key, self.weights.device)
             stored = build_cache.load(entry) if entry is not None else None
             if stored is not None:
-                self._kernels[key] = _proven_kernel(*stored, self.weights, self.state, self.dyn, self.out, **kw)
+                self._kernels["megakernel", key] = _proven_kernel(*stored, self.weights, self.state, self.dyn,
+                                                                  self.out, **kw)
             else:
                 mk = Megakernel(lower(p, key), self.weights, self.state, self.dyn, self.out, **kw)
                 if entry is not None:
                     build_cache.store(entry, mk.graph, mk.tasks)
-                self._kernels[key] = mk
-        return self._kernels[key]
+                self._kernels["megakernel", key] = mk
+        return self._kernels["megakernel", key]
 
     @property
     def kernel(self):

@@ -210,6 +210,7 @@ class DeviceDecode:
                 for r in list(live):
                     t = tokens[r]
                     if round_full[i][r] == -NON_FINITE:
+                        self.step.scrub_nonfinite()   # the next request must not read this one's NaN
                         raise NonFiniteLogits(f"row {r}: the model's logits held NaN at its token {count[r] + 1}: "
                                               "no token can be chosen; the request is refused")
                     if full[r]:   # this step re-ran the row's last position: it had no room left

@@ -4,12 +4,13 @@ so that the op rules (ops/) that read a plan and the compiler that makes one bot
 and on nothing of each other's."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from photon_core.megakernel.graph import Arena
-from photon_core.megakernel.stepgraph import Node, StepGraph
+from photon_core.megakernel.stepgraph import Node, StepGraph, Tau, Value
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,27 @@ class Plan:
     # q|k|v linear name -> (its kv_append, that append's query heads grouped by the tiles they share):
     # the linear's tiles run the append's (row, head) tasks as ticket finales (Tiling.rope_finale_rows).
     rope_groups: dict[str, tuple[Node, list[list[int]]]] = field(default_factory=dict)
+
+
+def needed_nodes(graph: StepGraph, p: Plan, results: Iterable[str] | None) -> list[Node]:
+    """The nodes the chosen results and the exposed values depend on, in graph order."""
+    if results is None:
+        return list(graph.nodes)
+    results = set(results)
+    unknown = results - set(graph.results)
+    if unknown:
+        raise KeyError(f"{graph.name}: no results {sorted(unknown)}; it has {graph.results}")
+    want = [n for n in graph.nodes if n.op == "argmax" and n.args["name"] in results]
+    want += [p.producer[v.name] for v in graph.exposed.values()]
+    keep: set[int] = set()
+    while want:
+        n = want.pop()
+        if id(n) in keep:
+            continue
+        keep.add(id(n))
+        for arg in n.args.values():
+            if isinstance(arg, Tau):   # kv_append's tau reads a value too
+                arg = arg.value
+            if isinstance(arg, Value) and arg.name in p.producer:
+                want.append(p.producer[arg.name])
+    return [n for n in graph.nodes if id(n) in keep]

@@ -12,13 +12,22 @@ before its step.
 
 A family subclasses it with what is its own: how a bucket's step is built (`build_step`), what
 is built with it (`build_loop`), how a row is prefilled and how the heads are read.
+
+Which engine runs a bucket's step (the megakernel, or its graph op by op with torch's kernels:
+megakernel/perop_engine.py) is the steps' `engine_policy`, taken when they are made from
+`engine_policy(...)` (photon_core.load with backend "auto" makes a model's steps under "auto") or
+$PHOTON_DECODE_ENGINE: "megakernel", "perop", or "auto" (on CUDA both measured when a bucket is
+built and the faster kept: megakernel/engine_choice.py). Every choice is recorded in
+`engine_choices()` for the nodes' /diagnostics.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
@@ -30,6 +39,67 @@ if TYPE_CHECKING:
 # kernels); megakernel.graph and megakernel.compiler take them from here.
 BATCH_BUCKETS = (1, 2, 4, 8)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+ENGINE_POLICIES = ("megakernel", "perop", "auto")
+ENGINE_ENV = "PHOTON_DECODE_ENGINE"
+_policy = ["megakernel"]   # what steps made outside engine_policy() get: the backend asked for
+
+
+@contextmanager
+def engine_policy(policy: str) -> Iterator[None]:
+    """Compiled steps made inside run on `policy`'s engine (ENGINE_POLICIES) unless
+    $PHOTON_DECODE_ENGINE names one."""
+    if policy not in ENGINE_POLICIES:
+        raise ValueError(f"decode engine {policy!r}: one of {ENGINE_POLICIES}")
+    before, _policy[0] = _policy[0], policy
+    try:
+        yield
+    finally:
+        _policy[0] = before
+
+
+def current_engine_policy() -> str:
+    env = os.environ.get(ENGINE_ENV, "").strip()
+    if env and env not in ENGINE_POLICIES:
+        raise ValueError(f"${ENGINE_ENV}={env!r}: one of {ENGINE_POLICIES}")
+    return env or _policy[0]
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine runs one model's step of one bucket, and why: "measured" (both timed as
+    CUDA-graph replays, ms a step), "recorded" (a measurement of an earlier start), "asked" (the
+    policy named it) or "fallback" (the other engine failed: `note` says how)."""
+    model: str
+    batch: int
+    engine: str
+    how: str
+    megakernel_ms: float | None = None
+    perop_ms: float | None = None
+    note: str = ""
+
+    def line(self) -> str:
+        times = ", ".join(f"{k} {v:.3f} ms" for k, v in (("megakernel", self.megakernel_ms),
+                                                          ("per-op", self.perop_ms)) if v is not None)
+        return f"{self.engine} ({self.how}{': ' + times if times else ''}{'; ' + self.note if self.note else ''})"
+
+
+_choices: dict[tuple[str, int], EngineChoice] = {}
+
+
+def record_engine_choice(choice: EngineChoice) -> None:
+    _choices[choice.model, choice.batch] = choice
+
+
+def engine_choices() -> list[EngineChoice]:
+    """The latest choice per (model, bucket) in this process."""
+    return list(_choices.values())
+
+
+def engine_diagnostics() -> dict[str, str]:
+    """/diagnostics values: one per model and bucket whose step was built in this process."""
+    return {f"decode_engine {c.model} B{c.batch}": c.line() for c in engine_choices()}
 
 
 def bucket_for(rows: int) -> int:
@@ -119,6 +189,7 @@ class CompiledSteps(Generic[S]):
         self._loops: dict[int, Any] = {}
         self._owner: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
+        self.engine_policy = current_engine_policy()
 
     # -- what a family supplies ------------------------------------------------------------------
     def build_step(self, batch: int, weights: torch.Tensor | None) -> S:
@@ -140,10 +211,27 @@ class CompiledSteps(Generic[S]):
             raise ValueError(f"batch {batch} is not a bucket {BATCH_BUCKETS}")
         if batch not in self._steps:
             shared = next(iter(self._steps.values())).weights if self._steps else None
-            step = self.build_step(batch, shared)
+            step = self._build_on_engine(batch, shared)
             self._loops[batch] = self.build_loop(step)
             self._steps[batch] = step
         return self._steps[batch]
+
+    def _build_on_engine(self, batch: int, shared: torch.Tensor | None) -> S:
+        """build_step on the policy's engine: "auto" builds the step without a megakernel, then lets
+        engine_choice pick (a recorded choice, or both measured on CUDA)."""
+        if self.engine_policy == "megakernel":
+            step = self.build_step(batch, shared)
+            record_engine_choice(EngineChoice(step.graph_def.name, batch, "megakernel", "asked"))
+            return step
+        from photon_core.megakernel.compiler import first_engine
+        with first_engine("perop"):
+            step = self.build_step(batch, shared)
+        if self.engine_policy == "auto":
+            from photon_core.megakernel.engine_choice import choose
+            record_engine_choice(choose(step))
+        else:
+            record_engine_choice(EngineChoice(step.graph_def.name, batch, "perop", "asked"))
+        return step
 
     def reset(self) -> None:
         """Drop every bucket's step and loop (and which state each held): the next use builds them
@@ -207,5 +295,6 @@ class CompiledSteps(Generic[S]):
         return step   # type: ignore[return-value]
 
 
-__all__ = ["BATCH_BUCKETS", "CompiledSteps", "KVNames", "bucket_for", "copy_prefilled_kv", "decode_length",
+__all__ = ["BATCH_BUCKETS", "CompiledSteps", "ENGINE_POLICIES", "EngineChoice", "engine_policy", "engine_choices",
+           "engine_diagnostics", "current_engine_policy", "record_engine_choice", "KVNames", "bucket_for", "copy_prefilled_kv", "decode_length",
            "require_triton_ops", "resolve_weight_dtype"]

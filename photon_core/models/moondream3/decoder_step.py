@@ -115,7 +115,7 @@ def step_graph(dm: Dims, max_len: int) -> StepGraph:
             t = g.linear(f"{L}.tau", g.act(f"{L}.qkv_gelu", qkv, "gelu_tanh"), f"{L}.tau_w", act="tanh")
             tau = Tau(t, f"{L}.tau_alpha")
             # Exposed so that the pruned text graph (launch without the region heads) keeps it:
-            # compiler._needed follows Value arguments only, not the Value inside a Tau.
+            # layout.needed_nodes follows Value arguments only, not the Value inside a Tau.
             g.expose(f"{L}.tau", t)
         q = g.kv_append(f"{L}.rope", qkv, kc[li], vc[li], rotary=rope, q_heads=dm.heads, tau=tau)
         a = g.attention(f"{L}.attn", q, kc[li], vc[li], "self")

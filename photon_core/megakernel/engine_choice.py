@@ -1,0 +1,144 @@
+"""Which engine runs a compiled step on this GPU: the megakernel or the per-op engine, by measurement.
+
+Issue 38.4: on CUDA, backend "auto" must never decode slower than the simple path. The first GPU run
+measured the megakernel 1.6-5.3x slower than transformers in one CUDA graph, which is what the per-op
+engine (perop_engine.py) runs. So when a bucket's step is built under the "auto" policy
+(runtime.decode.CompiledSteps), both engines are timed as decode runs them: a CUDA graph of
+`LAUNCHES` launches, captured after a warm-up and replayed `REPEATS` times (median), every row at
+half the caches' length (where attention costs what a typical request's does), all of it
+restored after. Moondream 2 B8's megakernel at 17.5 ms a step costs ~0.25 s; builds aside, well
+under a second. The faster engine runs the step. An engine that fails to build or launch (a Triton
+that cannot compile the megakernel, a CUDA error) is not chosen, with the reason in the record;
+both failing raise.
+
+The choice is kept beside the build cache (build_cache.py: same folder, same key, i.e. graph,
+bucket, tiling, dtypes, code, Triton and torch versions, GPU) as `<key>.engine.json`, written
+atomically; the next start reads it and builds only the chosen engine (a per-op choice lowers and
+compiles no megakernel). An unreadable record is measured again with a warning. Off the GPU nothing
+is measured (the interpreter is a test mode): "auto" runs the megakernel there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from photon_core.megakernel import build_cache
+from photon_core.megakernel.compiler import ENGINES
+from photon_core.runtime.decode import EngineChoice
+
+if TYPE_CHECKING:
+    from photon_core.megakernel.compiler import CompiledStep
+
+log = logging.getLogger(__name__)
+
+LAUNCHES, REPEATS = 2, 5
+Timer = Callable[["CompiledStep"], float]   # ms per step of the step's current engine
+
+
+def replay_ms(step: "CompiledStep", launches: int = LAUNCHES, repeats: int = REPEATS) -> float:
+    """Median ms per launch of the step's current engine, as CUDA-graph replays of `launches`
+    launches at rows in the middle of the caches; the step's state is restored after."""
+    from photon_core.megakernel.decode_loop import restoring
+    from photon_core.runtime.cuda_graph import capture
+    kernel, B = step.kernel_for(None), step.batch
+    dyn = step.dyn.clone()
+    step.dyn[B:2 * B] = step.plan.max_position // 2
+    try:
+        with restoring(step, launches * (repeats + 2)):
+            def run() -> None:
+                for _ in range(launches):
+                    kernel.launch()
+            graph, _ = capture(run, warmup=1)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(repeats):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / launches)
+            kernel.raise_on_error()
+    finally:
+        step.dyn.copy_(dyn)
+    return statistics.median(times)
+
+
+def record_path(step: "CompiledStep") -> Path | None:
+    folder = build_cache.cache_dir()
+    key = build_cache.entry_key(step.graph_def, step.batch, step.tiling, step.plan.weight_dtype, step.plan.kv_dtype,
+                                None, step.state.device)
+    return None if folder is None or key is None else folder / f"{key}.engine.json"
+
+
+def _read(path: Path | None) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+        if rec.get("engine") not in ENGINES:
+            raise ValueError(f"engine {rec.get('engine')!r}")
+        return rec
+    except Exception as e:  # noqa: BLE001  whatever is wrong with it, a measurement replaces it
+        log.warning("decode engine record %s unreadable (%s: %s); measuring again", path, type(e).__name__, e)
+        return None
+
+
+def _write(path: Path | None, rec: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, path)
+    except OSError as e:   # the choice stands; only the next start measures again
+        log.warning("decode engine record %s not written (%s)", path, e)
+
+
+def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
+    """Put `step` on the faster engine for this GPU (recorded, or measured now by `timer`,
+    default replay_ms) and say which and why."""
+    name, B = step.graph_def.name, step.batch
+    if timer is None and step.state.device.type != "cuda":
+        step.set_engine("megakernel")
+        return EngineChoice(name, B, "megakernel", "asked", note="nothing measured off a GPU")
+    path = record_path(step)
+    rec = _read(path)
+    if rec is not None:
+        step.set_engine(rec["engine"])
+        return EngineChoice(name, B, rec["engine"], "recorded", rec.get("megakernel_ms"), rec.get("perop_ms"),
+                            rec.get("note", ""))
+    times: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for engine in ENGINES:
+        try:
+            step.set_engine(engine)
+            times[engine] = (timer or replay_ms)(step)
+        except Exception as e:  # noqa: BLE001  the other engine may still run the step
+            failed[engine] = f"{type(e).__name__}: {e}"
+            log.warning("%s B%d: the %s engine failed (%s)", name, B, engine, failed[engine])
+    if not times:
+        raise RuntimeError(f"{name} B{B}: no decode engine runs here: {failed}")
+    best = min(times, key=times.__getitem__)
+    step.set_engine(best)
+    note = "; ".join(f"{k} failed: {v}"[:300] for k, v in failed.items())
+    rec = dict(engine=best, megakernel_ms=times.get("megakernel"), perop_ms=times.get("perop"), note=note)
+    choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", rec["megakernel_ms"],
+                          rec["perop_ms"], note)
+    log.info("%s B%d decodes on %s", name, B, choice.line())
+    if not failed:       # a failure may be passing (memory, a busy GPU): measure again next start
+        _write(path, rec)
+    return choice
+
+
+__all__ = ["choose", "replay_ms", "record_path", "LAUNCHES", "REPEATS"]

@@ -1,0 +1,234 @@
+"""A compiled step's graph run op by op with torch's own kernels: the per-op engine.
+
+The megakernel runs a step as one persistent launch. This runs the same step graph as a few torch
+kernels an op (the vendor's GEMV/GEMM for linears, scaled_dot_product_attention over the caches)
+on the very same buffers: the weights arena, the state arena's values, caches and states, the dyn
+buffer and the results. So a CompiledStep can switch engines between launches and everything around
+it (prefill copies into its caches, DeviceDecode's rounds, `restoring`, a family's logit rules
+reading `logits`) works unchanged. Captured in a CUDA graph (DeviceDecode does that), a step is one
+replay of those kernels: that is how transformers decodes Moondream 2 in 2.98 ms on an H200 where
+the megakernel took 7.67 ms (../shared/gpu-runs/h200-2026-12-04). engine_choice.py measures both
+on the user's GPU and keeps the faster.
+
+Capture-safe: fixed shapes, no host reads. A row's token and position come from dyn; attention
+reads every slot of its caches under a mask of the row's keys (self: positions [0, position] or
+the last `window` of them, a ring cache's slots holding those; cross: [0, cross length)), so a
+step costs the caches' whole length, as a static-cache transformers step does; a row with no keys
+gets zeros.
+
+Numerics: linears and MoE experts run in the weights' dtype (bf16 weights: bf16 inputs, fp32
+accumulation, as transformers runs them; FP8 experts dequantized by their row scales), attention
+in the caches' dtype; norms, activations, rotary, recurrences and the argmax in fp32 through the
+ops' eager references (ops/*.py `reference`). With fp32 weights and caches a step equals
+eager.run_reference (test_perop_engine).
+
+Guards as the megakernel's (issue 37): a token, position or rotary position outside its table
+is clamped and flags the launch (raise_for names it); a row whose logits hold NaN reports
+NON_FINITE (-2) and keeps its position; a row whose next position would pass its caches reports
+FULL (-1) and keeps it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from photon_core.megakernel.graph import CTRL_CLAIM, CTRL_COUNTERS, CTRL_ERROR
+from photon_core.megakernel.ops import rule
+from photon_core.megakernel.ops.base import Eager, eager_act
+from photon_core.megakernel.stepgraph import Node
+
+# Ops whose eager reference is capture-safe and cheap (fp32 work on vectors): run as they are.
+REFERENCE_OPS = frozenset({"input", "layer_norm", "rms_norm", "glu", "mul", "act", "add_norm", "conv_step",
+                           "delta_rule", "kv_append"})
+# Weights streamed by rows in the weights' dtype; every other weight (norms, biases of norms,
+# rotary tables, recurrent parameters) is held once in fp32.
+_MATRIX_ARGS = {"linear": ("w", "b"), "embed": ("tok", "pos"), "moe": ("gate_up", "down")}
+
+
+class PerOpKernel:
+    """What CompiledStep.kernel_for gives under the "perop" engine: `launch()` runs the graph's nodes
+    (all, or those computing `results`) on the step's buffers. Its control buffer reads as a
+    megakernel's: one task, always claimed; the error word set when a launch clamped an index."""
+
+    def __init__(self, step: Any, results: Iterable[str] | None = None) -> None:
+        """step: the compiler.CompiledStep whose buffers it runs on (the compiler makes this
+        kernel, so this module does not import it)."""
+        from photon_core.megakernel.layout import needed_nodes
+        g, p, dev = step.graph_def, step.plan, step.state.device
+        self.step, self.nodes = step, needed_nodes(g, p, results)
+        unknown = {n.op for n in self.nodes} - REFERENCE_OPS - set(OWN) - {"argmax"}
+        if unknown:
+            raise ValueError(f"{g.name}: the per-op engine does not run ops {sorted(unknown)}")
+        self.ctrl = torch.zeros(CTRL_COUNTERS, dtype=torch.int32, device=dev)
+        self.ctrl[CTRL_CLAIM] = 1
+        matrices = {n.args[k] for n in g.nodes for k in _MATRIX_ARGS.get(n.op, ()) if n.args.get(k)}
+        self.weights: dict[str, torch.Tensor] = {}
+        for k in g.weight_shapes:
+            w = step.weight(k)
+            if k in p.weight_offset:            # stored as (offset + w): the references add it
+                w = w.float() - p.weight_offset[k]
+            self.weights[k] = w if k in matrices else w.float().clone()
+        self.caches = {name: step.view(name) for name in (*g.caches, *g.states)}
+        self.inputs = {n.value.name: step.view(n.value.name) for n in g.nodes if n.op == "input"}
+        self.results = step.out.view(step.batch, max(1, len(g.results)))
+        self.bad = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def raise_for(self, err: int, claimed: int) -> None:
+        """Raise for a launch's error word (as DeviceDecode reads it from `ctrl`)."""
+        if err:
+            raise RuntimeError(f"{self.step.graph_def.name} per-op step: a token, position or rotary position "
+                               "was outside its table (clamped)")
+
+    def raise_on_error(self) -> None:
+        self.raise_for(int(self.ctrl[CTRL_ERROR].item()), 1)
+
+    @property
+    def graph(self):
+        raise AttributeError("the per-op engine runs the step graph op by op: it has no task graph "
+                             "(step.set_engine('megakernel') for the megakernel's)")
+
+    def launch(self) -> None:
+        step, B = self.step, self.step.batch
+        dyn = step.dyn
+        self.bad.zero_()
+        limit = step.plan.max_position
+        pos = self._clamped(dyn[B:2 * B].long(), limit)
+        rot = dyn[B:2 * B].long() + dyn[3 * B:4 * B].long()
+        e = _Run(B, dyn.device, pos, rot, dyn[:B].long(), dyn[2 * B:3 * B].long(), self.weights, self.caches,
+                 self.inputs, kernel=self)
+        advance: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for node in self.nodes:
+            if node.op == "kv_append" and node.args["rotary"] is not None:
+                rows = self.weights[node.args["rotary"].cos].shape[0]
+                e.rot_pos = self._clamped(rot, rows)
+            if node.op == "argmax":
+                advance += self._argmax(e, node)
+                continue
+            y = OWN[node.op](e, node) if node.op in OWN else rule(node.op).reference(e, node)
+            assert y is not None, node.op
+            name = node.value.name
+            if name in step.shapes:          # a value with a region: what the host may read
+                view = step.view(name)
+                view.copy_(y.reshape(view.shape))
+                y = view
+            e.vals[name] = y
+        for token, nxt in advance:           # after every reader of this step's tokens and positions
+            dyn[:B].copy_(token)
+            dyn[B:2 * B].copy_(nxt)
+        self.ctrl[CTRL_ERROR:CTRL_ERROR + 1].copy_(self.bad)
+
+    def _clamped(self, index: torch.Tensor, rows: int) -> torch.Tensor:
+        """index clamped into [0, rows), flagging the launch where it was not: a device value never
+        becomes an address unchecked."""
+        out = index.clamp(0, rows - 1)
+        self.bad.copy_(torch.maximum(self.bad, (out != index).any().to(torch.int32)))
+        return out
+
+    def _argmax(self, e: "_Run", node: Node) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The result column (-2 for a row with NaN logits, whose fed token is column 0); with
+        `advance`, (next tokens, next positions) for the end of the launch: a row whose next position
+        would pass the caches reports -1 and keeps its position, as a NaN row does."""
+        a, B = node.args, e.bsz
+        x = e.val(a["x"])[:, a["c0"]:a["c1"]]
+        nan = torch.isnan(x).any(1)
+        best = torch.where(nan, 0, x.argmax(1))
+        col = self.results[:, self.step.graph_def.results.index(a["name"])]
+        if not a["advance"]:
+            col.copy_(torch.where(nan, -2, best))
+            return []
+        pos = self.step.dyn[B:2 * B].long()
+        full = pos + 1 >= self.step.plan.max_position
+        col.copy_(torch.where(nan, -2, torch.where(full, -1, best)))
+        return [(best, torch.where(full | nan, pos, pos + 1))]
+
+
+class _Run(Eager):
+    """One launch's values: Eager (what the ops' references read) with the rows' tokens and cross
+    lengths as device tensors."""
+
+    def __init__(self, bsz: int, dev: torch.device, pos: torch.Tensor, rot_pos: torch.Tensor, tokens: torch.Tensor,
+                 cross_len: torch.Tensor, weights: dict, caches: dict, inputs: dict | None,
+                 kernel: PerOpKernel | None) -> None:
+        super().__init__(bsz, dev, pos, rot_pos, [], None, weights, caches, inputs)
+        self.token_ids, self.lengths, self.kernel = tokens, cross_len, kernel
+        self.masks: dict[tuple, torch.Tensor] = {}
+
+    def keys(self, lengths: str, window: int | None, length: int, ring: bool) -> torch.Tensor:
+        """[B, T] which slots of a T-slot cache hold the row's keys (computed once a launch)."""
+        key = (lengths, window, length, ring)
+        if key not in self.masks:
+            n = self.pos + 1 if lengths == "self" else self.lengths
+            t = torch.arange(length, device=self.dev)[None, :]
+            last = (n - 1)[:, None]
+            # a ring slot holds the latest position <= last congruent to it (none: negative)
+            at = last - torch.remainder(last - t, length) if ring else t
+            valid = (at >= 0) & (at <= last)
+            if window is not None:
+                valid &= at >= (n - window)[:, None]
+            self.masks[key] = valid
+        return self.masks[key]
+
+
+def _embed(e: _Run, node: Node) -> torch.Tensor:
+    a = node.args
+    table = e.weights[a["tok"]]
+    assert e.kernel is not None
+    y = table[e.kernel._clamped(e.token_ids, table.shape[0])].float() * a["scale"]
+    if a["pos"] is not None:
+        y = y + e.weights[a["pos"]][e.pos].float()
+    return y
+
+
+def _linear(e: _Run, node: Node) -> torch.Tensor:
+    a = node.args
+    w = e.weights[a["w"]]
+    y = F.linear(e.val(a["x"]).to(w.dtype), w).float()
+    if a["b"] is not None:
+        y = y + e.weights[a["b"]].float()
+    y = torch.tanh(y) if a["act"] == "tanh" else eager_act(y, a["act"])
+    return y if a["residual"] is None else y + e.val(a["residual"])
+
+
+def _attention(e: _Run, node: Node) -> torch.Tensor:
+    a = node.args
+    k, v = e.cache(a["k"]), e.cache(a["v"])       # [B, Hkv, T, Dh] in the caches' dtype
+    spec = a["k"].spec
+    valid = e.keys(a["length"], a["window"], k.shape[2], spec.ring)
+    q = e.val(a["q"]).view(e.bsz, -1, 1, spec.head_dim).to(k.dtype)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=a["scale"],
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    # a row without keys: zeros (the ops contract), where softmax over nothing is NaN
+    y = torch.where(valid.any(1)[:, None, None, None], y.float(), 0.0)
+    return y.reshape(e.bsz, node.value.width)
+
+
+def _moe(e: _Run, node: Node) -> torch.Tensor:
+    """Every (row, slot)'s expert gathered and applied by batched GEMVs: reads the chosen experts
+    (once per pair choosing them), never the others."""
+    from photon_core.backends import reference as ref
+    a = node.args
+    gate_w, ids = ref.moe_route(e.val(a["logits"]), a["top_k"], a["renormalize"])
+    pairs = ids.reshape(-1)
+    xs = e.val(a["x"]).repeat_interleave(a["top_k"], 0)[:, :, None]      # [B*k, D, 1]
+
+    def expert(w: str, x: torch.Tensor) -> torch.Tensor:
+        t = e.weights[a[w]][pairs]
+        scale = a.get(f"{w}_scale")
+        if scale is not None:             # FP8 bytes times their row scale
+            t = t.float() * e.weights[scale][pairs][:, :, None]
+        return torch.bmm(t, x.to(t.dtype)).float()[:, :, 0]
+    f = e.weights[a["down"]].shape[-1]
+    gu = expert("gate_up", xs)
+    h = ref.glu(gu[:, :f], gu[:, f:], a["act"], a["up_offset"])
+    y = (expert("down", h[:, :, None]) * gate_w.reshape(-1, 1)).view(e.bsz, a["top_k"], -1).sum(1)
+    return y if a["residual"] is None else y + e.val(a["residual"])
+
+
+# Ops run here rather than by their eager reference (which reads the host or upcasts whole tables).
+OWN = {"embed": _embed, "linear": _linear, "attention": _attention, "moe": _moe}
+
+
+__all__ = ["PerOpKernel", "REFERENCE_OPS", "OWN"]

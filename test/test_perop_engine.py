@@ -1,0 +1,195 @@
+"""The per-op engine (photon_core/megakernel/perop_engine.py): a CompiledStep's graph run op by op with
+torch's kernels on the step's own buffers.
+
+(1) Every family's step graph (Whisper, Moondream 2 and 3.1, Qwen3-ASR, Qwen 3.5, Gemma 4: the GPU
+proof's tiny shapes, fresh random weights, two rows at different positions, random cache history, a
+Gemma ring that has wrapped, recurrent states, MoE) equals eager.run_reference: exposed values, every
+cache and state after the step, the argmax results, the next tokens and positions it writes.
+(2) The guards of issue 37: NaN logits -> NON_FINITE and the position kept, a full row -> FULL, a
+row with no cross keys -> zeros, a token outside the table -> clamped and the launch refused.
+(3) A step started on the per-op engine builds no megakernel; switched to the megakernel, the same
+step on the same state gives the same values and the same greedy tokens through DeviceDecode's
+rounds (Triton's interpreter).
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from photon_core.gpu_proof.build import fill  # noqa: E402
+from photon_core.megakernel.compiler import first_engine  # noqa: E402
+from photon_core.megakernel.decode_loop import FULL, NON_FINITE, DeviceDecode, restoring  # noqa: E402
+from photon_core.megakernel.eager import run_reference  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+_spec = importlib.util.spec_from_file_location("gpu_proof_bench", BENCH / "gpu_proof.py")
+gpu_proof = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_proof_bench"] = gpu_proof
+_spec.loader.exec_module(gpu_proof)
+
+FAMILIES = gpu_proof.families(dry=True, sms=4)
+NAMES = [n for n in FAMILIES if not n.endswith("/split")]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max error relative to b's largest; -inf (a logit bias's barred columns) must match exactly."""
+    assert not a.isnan().any() and not b.isnan().any()
+    inf = b.isinf()
+    assert torch.equal(a[inf], b[inf]) and a[~inf].isfinite().all()
+    a, b = a[~inf], b[~inf]
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def perop_step(name: str, batch: int = 2, advance: bool = True):
+    fam = FAMILIES[name]
+    fam.load(torch.device("cpu"))
+    with first_engine("perop"):
+        step = fam.build(batch, advance and fam.advance)
+    return fam, step
+
+
+def start(fam, step, seed: int = 3):
+    """Random history (finite everywhere: a real cache past a row's keys holds zeros or an earlier
+    request's values), inputs, tokens and positions; returns what run_reference needs."""
+    B = step.batch
+    rows = fam.rows(B, "steps")
+    caches = fill(step, rows, seed=seed)
+    for name in step.graph_def.caches:
+        step.view(name).nan_to_num_(0.0)
+    inputs = fam.inputs(B, rows.tokens)
+    for k, v in inputs.items():
+        step.set_input(k, v)
+    takes_tokens = any(n.op == "embed" for n in step.graph_def.nodes)
+    step.set_step(rows.tokens if takes_tokens else None, rows.positions)
+    return rows, caches, inputs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_perop_step_equals_the_eager_graph(name):
+    fam, step = perop_step(name)
+    assert all(engine == "perop" for engine, _ in step._kernels), "a megakernel was built"
+    g, B = step.graph_def, step.batch
+    rows, caches, inputs = start(fam, step)
+    want = run_reference(g, fam.ref_weights(torch.float32), caches, rows.tokens, rows.positions,
+                         rows.cross_len, inputs)
+    step.launch()
+    for key, value in g.exposed.items():
+        assert rel_err(step.view(key), want[value.name]) < 1e-5, key
+    for cache in (*g.caches, *g.states):        # appended entries, ring slots, recurrent states
+        assert rel_err(step.view(cache), caches[cache]) < 1e-5, cache
+    for result, picks in want["results"].items():
+        got = step.result(result).tolist()
+        advancing = any(n.op == "argmax" and n.args["name"] == result and n.args["advance"] for n in g.nodes)
+        assert got == picks, result
+        if advancing:
+            assert step.dyn[:B].tolist() == picks
+            assert step.dyn[B:2 * B].tolist() == [p + 1 for p in rows.positions]
+
+
+def test_the_guards_of_the_device_values():
+    fam, step = perop_step("whisper-tiny.en", batch=2)
+    B, max_pos = step.batch, step.plan.max_position
+    rows, _, _ = start(fam, step)
+    # row 0 at the last position (full), row 1 with no cross keys (attention over nothing: zeros)
+    step.set_step([5, 6], [max_pos - 1, 3])
+    step.set_cross_len([4, 0])
+    step.launch()
+    assert step.result("token")[0].item() == FULL and step.dyn[B].item() == max_pos - 1
+    assert step.dyn[B + 1].item() == 4
+    assert torch.isfinite(step.view("logits")).all()
+    # NaN in a row's logits: NON_FINITE, the fed token is column 0's, the position stays
+    step.set_step([5, 6], [2, 3])
+    step.set_cross_len([4, 4])
+    table = next(n for n in step.graph_def.nodes if n.op == "embed").args["tok"]
+    step.kernel.weights[table][6] = float("nan")     # an arena view: row 1's token embeds NaN
+    step.launch()
+    assert step.result("token").tolist()[1] == NON_FINITE
+    assert step.dyn[:B].tolist()[1] == 0 and step.dyn[B + 1].item() == 3
+    # a token outside the table: clamped, and the launch is refused with the reason
+    step.dyn[0] = 10 ** 6
+    with pytest.raises(RuntimeError, match="outside its table"):
+        step.launch()
+
+
+def test_switching_engines_gives_the_same_step_and_the_same_greedy_rounds():
+    fam, step = perop_step("whisper-tiny.en", batch=1)
+    rows, _, _ = start(fam, step)
+    with restoring(step, 1):
+        step.launch()
+        perop = step.view("logits").clone()
+    step.set_engine("megakernel")
+    assert any(engine == "megakernel" for engine, _ in step._kernels)
+    with restoring(step, 1):
+        step.launch()
+        mega = step.view("logits").clone()
+    assert rel_err(perop, mega) < 1e-4
+    tokens = {}
+    for engine in ("megakernel", "perop"):
+        step.set_engine(engine)
+        with restoring(step, 6):
+            tokens[engine] = DeviceDecode(step, chunk=4).generate([rows.tokens[0]], 6, stop=())
+    assert tokens["perop"] == tokens["megakernel"] and len(tokens["perop"][0]) == 6
+
+
+def test_nan_left_in_a_cache_refuses_that_request_only():
+    """A NaN past a row's keys (what a refused request can leave) is masked by the megakernel's
+    reads but poisons the per-op engine's: that request is refused and the caches scrubbed, so the
+    next one decodes."""
+    from photon_core.runtime.sampling import NonFiniteLogits
+    fam, step = perop_step("whisper-tiny.en", batch=1)
+    rows, _, _ = start(fam, step)
+    cache = next(n for n in step.graph_def.nodes if n.op == "kv_append").args["k"]
+    view = step.view(cache.spec.name)
+    view[(cache.layer,) if cache.layer is not None else ()][0, :, rows.positions[0] + 8] = float("nan")
+    state = step.dyn.clone()
+    with pytest.raises(NonFiniteLogits):
+        DeviceDecode(step, chunk=2).generate([rows.tokens[0]], 4, stop=())
+    assert all(torch.isfinite(step.view(n)).all() for n in step.graph_def.caches)
+    step.dyn.copy_(state)
+    assert len(DeviceDecode(step, chunk=2).generate([rows.tokens[0]], 4, stop=())[0]) == 4
+
+
+def test_a_real_transcription_on_the_perop_engine_matches_the_reference():
+    """Whisper tiny.en's real weights and real speech: every generated token by the per-op engine's
+    steps (the compiled steps of the "megakernel" backend under the "perop" policy, the device
+    rounds included), the reference backend's tokens and segments."""
+    from speech_audio import espeak_pcm
+
+    from photon_core.models.whisper import load_whisper
+    from photon_core.models.whisper.megakernel_steps import MegakernelSteps
+    from photon_core.runtime.decode import engine_choices, engine_policy
+    model = load_whisper("whisper-tiny.en", dtype="float32", backend="reference")
+    pcm, rate = espeak_pcm("Stop right there.")
+    want, want_raw = model.transcribe_detailed(pcm, rate, timestamps=True)
+    with engine_policy("perop"):
+        steps = MegakernelSteps(model.net)
+    assert steps.mk.engine == "perop" and not any(e == "megakernel" for e, _ in steps.mk._kernels)
+    model.decoder.steps = steps
+    got, got_raw = model.transcribe_detailed(pcm, rate, timestamps=True)
+    assert got_raw.tokens == want_raw.tokens and len(want_raw.tokens) >= 4
+    assert got["text"] == want["text"] and got["segments"] == want["segments"]
+    assert any(c.engine == "perop" and c.how == "asked" for c in engine_choices())
+
+
+def test_which_slots_hold_a_rows_keys():
+    """The attention mask, slot by slot: a plain cache's first n (its last `window` of them), a
+    ring's slots holding the last positions once it has wrapped, cross keys up to the cross length."""
+    from photon_core.megakernel.perop_engine import _Run
+    pos, cross = torch.tensor([0, 4, 9]), torch.tensor([3, 0, 6])
+    e = _Run(3, torch.device("cpu"), pos, pos, pos, cross, {}, {}, None, kernel=None)
+
+    def rows(mask):
+        return [[t for t, v in enumerate(r) if v] for r in mask.tolist()]
+    assert rows(e.keys("self", None, 12, False)) == [[0], [0, 1, 2, 3, 4], list(range(10))]
+    assert rows(e.keys("self", 3, 12, False)) == [[0], [2, 3, 4], [7, 8, 9]]
+    # a 4-slot ring: position p in slot p % 4; row 2 (positions 0..9) holds 6..9 in slots 2, 3, 0, 1
+    assert rows(e.keys("self", 4, 4, True)) == [[0], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert rows(e.keys("self", 3, 4, True)) == [[0], [0, 2, 3], [0, 1, 3]]
+    assert rows(e.keys("cross", None, 8, False)) == [[0, 1, 2], [], [0, 1, 2, 3, 4, 5]]
