@@ -15,7 +15,9 @@ Parts, in this order (the first ones are what the next design step needs most):
 3. per configuration (model, batch, tiling): each variant's logits against the plain build's at the
    same state (they must agree to rounding: only load scheduling differs), one traced launch of the
    plain build (and of prefetch, on Moondream 2) analysed by photon_core.megakernel.timeline, then
-   the median CUDA-graph replay of every variant.
+   the median CUDA-graph replay of every variant; on the prod tiling also the per-op engine
+   (megakernel/perop_engine.py: the same step graph op by op with torch's kernels, on the same
+   buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
 4. Moondream 2 at batch 8 (plain and prefetch), if the budget is left (its build takes ~25 s).
 
 Variants (kernel.KernelVariant): plain (today's build), prefetch2 / 1 (each linear task's weight
@@ -116,6 +118,7 @@ class Config:
         step.weights = w16
         self.rows = fam.rows(batch, "timing")
         fill(step, self.rows, seed=7)
+        step.scrub_nonfinite()   # fill's NaN past the rows' keys: the per-op engine's masked reads see them
         takes_tokens = any(n.op == "embed" for n in step.graph_def.nodes)
         step.set_step(self.rows.tokens if takes_tokens else None, self.rows.positions)
         for key, value in fam.inputs(batch, self.rows.tokens).items():
@@ -214,6 +217,30 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
                          tasks=len(k.graph.tasks), programs=k.num_programs, bytes=floor_bytes))
         log(f"{cfg.name} {v.name():18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
         RESULTS.setdefault("timing", []).append(rows[-1])
+    if "prod" in cfg.name:     # the per-op engine on the same step (perop_engine.py; issue 38.4)
+        step.set_engine("perop")
+        k = step.kernel
+        cfg.restore()
+        k.launch()
+        k.raise_on_error()
+        err = rel_err(step.view(logits_name), plain_logits)
+        cfg.restore()
+        us = replay_us(k.launch, cuda, iters)
+        k.raise_on_error()
+        rows.append(dict(config=cfg.name, variant="per-op engine", us=round(us, 1), rel_err_vs_plain=err,
+                         floor_us=round(floor_us, 1), x_floor=round(us / floor_us, 2),
+                         x_copy_rate=round(us / (floor_bytes / rate * 1e6), 2), bytes=floor_bytes))
+        log(f"{cfg.name} {'per-op engine':18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
+        RESULTS.setdefault("timing", []).append(rows[-1])
+        # what backend "auto" decides at load (engine_choice.choose: its own replays, nothing recorded)
+        from photon_core.megakernel import engine_choice
+        cfg.restore()
+        os.environ["PHOTON_BUILD_CACHE"] = "0"
+        c = engine_choice.choose(step) if cuda else engine_choice.choose(step, lambda s: 1.0)
+        RESULTS.setdefault("engine_choice", {})[cfg.name] = dict(engine=c.engine, how=c.how, megakernel_ms=c.megakernel_ms,
+                                                                 perop_ms=c.perop_ms, note=c.note)
+        log(f"{cfg.name}: auto chooses {c.line()}")
+        step.set_engine("megakernel")
     for v in traced:
         k = cfg.kernel(v)
         cfg.restore()
