@@ -42,7 +42,11 @@ from wer import wer  # noqa: E402
 PHOTON = {"photon": {}, "photon-fp32": {"dtype": "float32"}, "photon-bf16": {"dtype": "bfloat16"},
           "photon-int8-decoder": {"quantize": "int8-decoder"}, "photon-int8": {"quantize": "int8"},
           "photon-full-context": {"audio_context": "full"}}
-ENGINES = [*PHOTON, "faster-whisper-int8", "faster-whisper-float32", "openai-whisper"]
+# The decode steps on the per-op engine (megakernel/perop_engine.py: what backend "auto" may pick on
+# a GPU), its weights in float32 (the exact path's values) or bfloat16 (what it streams on a GPU:
+# its linears take bf16 inputs), the rest of the model the exact path's: its accuracy margin.
+PEROP = {"photon-perop-fp32": "float32", "photon-perop-bf16": "bfloat16"}
+ENGINES = [*PHOTON, *PEROP, "faster-whisper-int8", "faster-whisper-float32", "openai-whisper"]
 # Length bands for the latency table: voice commands, long commands, dictation.
 BANDS = ((0.0, 3.0, "1-3 s"), (3.0, 6.0, "3-6 s"), (6.0, 30.0, "6-30 s"), (30.0, 61.0, "30-60 s"))
 # The utterance the cold start and the ROS graph use: a 4 s command in the default voice.
@@ -65,6 +69,16 @@ def make_engine(name: str, timestamps: bool):
     if name in PHOTON:
         from photon_core.models.whisper import load_whisper
         model = load_whisper("whisper-tiny.en", **PHOTON[name])
+        return lambda pcm: model.transcribe(pcm, 16000, timestamps=timestamps, temperature=0.0)["text"]
+    if name in PEROP:
+        import torch
+
+        from photon_core.models.whisper import load_whisper
+        from photon_core.models.whisper.megakernel_steps import MegakernelSteps
+        from photon_core.runtime.decode import engine_policy
+        model = load_whisper("whisper-tiny.en", dtype="float32")
+        with engine_policy("perop"):
+            model.decoder.steps = MegakernelSteps(model.net, weight_dtype=getattr(torch, PEROP[name]))
         return lambda pcm: model.transcribe(pcm, 16000, timestamps=timestamps, temperature=0.0)["text"]
     if name.startswith("faster-whisper"):
         from faster_whisper import WhisperModel

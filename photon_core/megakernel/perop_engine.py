@@ -37,12 +37,12 @@ import torch.nn.functional as F
 
 from photon_core.megakernel.graph import CTRL_CLAIM, CTRL_COUNTERS, CTRL_ERROR
 from photon_core.megakernel.ops import rule
-from photon_core.megakernel.ops.base import Eager, eager_act
+from photon_core.megakernel.ops.base import Eager
 from photon_core.megakernel.stepgraph import Node
 
 # Ops whose eager reference is capture-safe and cheap (fp32 work on vectors): run as they are.
 REFERENCE_OPS = frozenset({"input", "layer_norm", "rms_norm", "glu", "mul", "act", "add_norm", "conv_step",
-                           "delta_rule", "kv_append"})
+                           "delta_rule"})
 # Weights streamed by rows in the weights' dtype; every other weight (norms, biases of norms,
 # rotary tables, recurrent parameters) is held once in fp32.
 _MATRIX_ARGS = {"linear": ("w", "b"), "embed": ("tok", "pos"), "moe": ("gate_up", "down")}
@@ -74,6 +74,9 @@ class PerOpKernel:
         self.caches = {name: step.view(name) for name in (*g.caches, *g.states)}
         self.inputs = {n.value.name: step.view(n.value.name) for n in g.nodes if n.op == "input"}
         self.results = step.out.view(step.batch, max(1, len(g.results)))
+        # Values written to their regions: those the host reads (exposed: logits, hidden). The rest
+        # live in the launch only; a copy each would be a kernel each (~2 us in a replay).
+        self.observed = {v.name for v in g.exposed.values()}
         self.bad = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def raise_for(self, err: int, claimed: int) -> None:
@@ -100,17 +103,18 @@ class PerOpKernel:
         e = _Run(B, dyn.device, pos, rot, dyn[:B].long(), dyn[2 * B:3 * B].long(), self.weights, self.caches,
                  self.inputs, kernel=self)
         advance: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tables = {self.weights[n.args["rotary"].cos].shape[0] for n in self.nodes
+                  if n.op == "kv_append" and n.args["rotary"] is not None}
+        if tables:          # one length of rotary tables per graph (every layer reads the same)
+            e.rot_pos = self._clamped(rot, min(tables))
         for node in self.nodes:
-            if node.op == "kv_append" and node.args["rotary"] is not None:
-                rows = self.weights[node.args["rotary"].cos].shape[0]
-                e.rot_pos = self._clamped(rot, rows)
             if node.op == "argmax":
                 advance += self._argmax(e, node)
                 continue
             y = OWN[node.op](e, node) if node.op in OWN else rule(node.op).reference(e, node)
             assert y is not None, node.op
             name = node.value.name
-            if name in step.shapes:          # a value with a region: what the host may read
+            if name in self.observed:
                 view = step.view(name)
                 view.copy_(y.reshape(view.shape))
                 y = view
@@ -154,7 +158,14 @@ class _Run(Eager):
                  kernel: PerOpKernel | None) -> None:
         super().__init__(bsz, dev, pos, rot_pos, [], None, weights, caches, inputs)
         self.token_ids, self.lengths, self.kernel = tokens, cross_len, kernel
-        self.masks: dict[tuple, torch.Tensor] = {}
+        self.masks: dict[tuple, Any] = {}      # what a launch computes once: key masks, rotary rows
+
+    def rotary(self, rot) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, dims / 2] at the rows' rotary positions (gathered once a launch)."""
+        key = ("rotary", rot.cos, rot.sin)
+        if key not in self.masks:
+            self.masks[key] = tuple(self.weights[t][self.rot_pos][:, None, :] for t in (rot.cos, rot.sin))
+        return self.masks[key]
 
     def keys(self, lengths: str, window: int | None, length: int, ring: bool) -> torch.Tensor:
         """[B, T] which slots of a T-slot cache hold the row's keys (computed once a launch)."""
@@ -185,11 +196,42 @@ def _embed(e: _Run, node: Node) -> torch.Tensor:
 def _linear(e: _Run, node: Node) -> torch.Tensor:
     a = node.args
     w = e.weights[a["w"]]
-    y = F.linear(e.val(a["x"]).to(w.dtype), w).float()
-    if a["b"] is not None:
-        y = y + e.weights[a["b"]].float()
-    y = torch.tanh(y) if a["act"] == "tanh" else eager_act(y, a["act"])
+    b = None if a["b"] is None else e.weights[a["b"]]
+    y = F.linear(e.val(a["x"]).to(w.dtype), w, b).float()     # the bias in the GEMM's epilogue
+    if a["act"] is not None:
+        y = _ACT[a["act"]](y)
     return y if a["residual"] is None else y + e.val(a["residual"])
+
+
+_ACT = {"gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu, "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid}
+
+
+def _kv_append(e: _Run, node: Node) -> torch.Tensor:
+    """q and k rotated together (adjacent heads of q|k|v), k and v written at each row's slot.
+    A per-head norm or tau (Qwen3's, Gemma 4's, Moondream 3's) takes the eager reference."""
+    a = node.args
+    if a["tau"] is not None or a["norm"] is not None:
+        q = rule("kv_append").reference(e, node)
+        assert q is not None
+        return q
+    spec, B = a["k"].spec, e.bsz
+    dh, h = spec.head_dim, spec.heads
+    hq = node.value.width // dh
+    qk = e.val(a["qkv"]).view(B, -1, dh)[:, :hq + h if a["append"] else hq]
+    rot = a["rotary"]
+    if rot is not None:
+        cos, sin = e.rotary(rot)                           # [B, 1, dims / 2]
+        half = rot.dims // 2
+        x1, x2 = qk[..., :half], qk[..., half:rot.dims]
+        qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, qk[..., rot.dims:]], dim=-1)
+    if a["append"]:
+        k_c, v_c = e.cache(a["k"]), e.cache(a["v"])     # [B, H, T, Dh]
+        slot = e.pos % k_c.shape[2] if spec.ring else e.pos
+        rows = torch.arange(B, device=e.dev)
+        k_c[rows, :, slot] = qk[:, hq:].to(k_c.dtype)
+        v_c[rows, :, slot] = e.val(a["qkv"]).view(B, -1, dh)[:, hq + h:].to(v_c.dtype)
+    return qk[:, :hq].reshape(B, hq * dh)
 
 
 def _attention(e: _Run, node: Node) -> torch.Tensor:
@@ -228,7 +270,7 @@ def _moe(e: _Run, node: Node) -> torch.Tensor:
 
 
 # Ops run here rather than by their eager reference (which reads the host or upcasts whole tables).
-OWN = {"embed": _embed, "linear": _linear, "attention": _attention, "moe": _moe}
+OWN = {"embed": _embed, "linear": _linear, "kv_append": _kv_append, "attention": _attention, "moe": _moe}
 
 
 __all__ = ["PerOpKernel", "REFERENCE_OPS", "OWN"]
