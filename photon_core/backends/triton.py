@@ -8,12 +8,13 @@ TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
-from photon_core.kernels.attention import attention, decode_attention
+# linear and attention: for many rows, our kernel or torch's by measurement on the GPU (fastest.py)
+from photon_core.backends.fastest import attention, linear
+from photon_core.kernels.attention import decode_attention
 from photon_core.kernels.conv import causal_conv1d
 from photon_core.kernels.delta_rule import gated_delta_chunk, gated_delta_step
 from photon_core.kernels.glu import glu
 from photon_core.kernels.kv_cache import append as kv_append
-from photon_core.kernels.linear import linear
 from photon_core.kernels.lstm import lstm_cell
 from photon_core.kernels.moe import moe, moe_route
 from photon_core.kernels.norm import add_layer_norm, layer_norm, rms_norm, rms_norm_gated
