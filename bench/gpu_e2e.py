@@ -297,6 +297,14 @@ class Run:
                 for c in sorted({*a.levels} - {1}):
                     self.add_row(fam, plan_mod.Config(name, cfg.task, c, cfg.side), derived(r, c), prewarm)
             self.save()
+        # what backend "auto" chose on this GPU: each decode bucket's engine, each many-row shape's
+        # linear / attention (issues 38.4 and 39.2)
+        from photon_core.runtime.decode import engine_choices
+        from photon_core.runtime.measured import choices
+        info["decode_engines"] = {f"{c.model} B{c.batch}": c.line() for c in engine_choices()}
+        info["op_choices"] = {" ".join(map(str, k)): dict(chosen=v, ms={n: round(t * 1e3, 3) for n, t in ts.items()})
+                              for k, (v, ts) in choices().items()}
+        self.save()
         del fam
         gc.collect()
         if self.device.type == "cuda":
