@@ -5,8 +5,8 @@ measured the megakernel 1.6-5.3x slower than transformers in one CUDA graph, whi
 engine (perop_engine.py) runs. So when a bucket's step is built under the "auto" policy
 (runtime.decode.CompiledSteps), both engines are timed as decode runs them: a CUDA graph of
 `LAUNCHES` launches, captured after a warm-up and replayed `REPEATS` times (median), every row at
-half the caches' length (where attention costs what a typical request's does), all of it
-restored after. Moondream 2 B8's megakernel at 17.5 ms a step costs ~0.25 s; builds aside, well
+half the caches' length (where attention costs what a typical request's does) and cross attention
+over its whole cache, all of it restored after. Moondream 2 B8's megakernel at 17.5 ms a step costs ~0.25 s; builds aside, well
 under a second. The faster engine runs the step. An engine that fails to build or launch (a Triton
 that cannot compile the megakernel, a CUDA error) is not chosen, with the reason in the record;
 both failing raise.
@@ -48,9 +48,14 @@ def replay_ms(step: "CompiledStep", launches: int = LAUNCHES, repeats: int = REP
     launches at rows in the middle of the caches; the step's state is restored after."""
     from photon_core.megakernel.decode_loop import restoring
     from photon_core.runtime.cuda_graph import capture
-    kernel, B = step.kernel_for(None), step.batch
+    kernel, B, g = step.kernel_for(None), step.batch, step.graph_def
     dyn = step.dyn.clone()
     step.dyn[B:2 * B] = step.plan.max_position // 2
+    # cross attention over its whole cache (an encoder's output fills it): the megakernel reads
+    # only a row's keys, the per-op engine every slot, so zero keys would flatter the megakernel
+    cross = [n.args["k"].spec.length for n in g.nodes if n.op == "attention" and n.args["length"] == "cross"]
+    if cross:
+        step.dyn[2 * B:3 * B] = min(cross)
     try:
         with restoring(step, launches * (repeats + 2)):
             def run() -> None:
