@@ -235,8 +235,14 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
         # what backend "auto" decides at load (engine_choice.choose: its own replays, nothing recorded)
         from photon_core.megakernel import engine_choice
         cfg.restore()
-        os.environ["PHOTON_BUILD_CACHE"] = "0"
-        c = engine_choice.choose(step) if cuda else engine_choice.choose(step, lambda s: 1.0)
+        cache, os.environ["PHOTON_BUILD_CACHE"] = os.environ.get("PHOTON_BUILD_CACHE"), "0"   # measure, not read
+        try:
+            c = engine_choice.choose(step) if cuda else engine_choice.choose(step, lambda s: 1.0)
+        finally:
+            if cache is None:
+                os.environ.pop("PHOTON_BUILD_CACHE")
+            else:
+                os.environ["PHOTON_BUILD_CACHE"] = cache
         RESULTS.setdefault("engine_choice", {})[cfg.name] = dict(engine=c.engine, how=c.how, megakernel_ms=c.megakernel_ms,
                                                                  perop_ms=c.perop_ms, note=c.note)
         log(f"{cfg.name}: auto chooses {c.line()}")

@@ -77,6 +77,30 @@ def test_a_failing_engine_is_not_chosen_and_not_recorded(cache):
         engine_choice.choose(build(), Timer(megakernel=RuntimeError("a"), perop=RuntimeError("b")))
 
 
+def test_a_recorded_engine_that_no_longer_builds_is_measured_again(cache, monkeypatch):
+    step = build()
+    engine_choice.choose(step, Timer(megakernel=2.0, perop=1.0))            # records perop
+    from photon_core.megakernel import perop_engine
+
+    def refuse(*a, **k):
+        raise ValueError("no per-op engine here")
+    monkeypatch.setattr(perop_engine, "PerOpKernel", refuse)
+    again = build()
+    choice = engine_choice.choose(again, Timer(megakernel=2.0, perop=1.0))
+    assert (choice.engine, choice.how, again.engine) == ("megakernel", "fallback", "megakernel")
+
+
+def test_policies_are_per_thread():
+    import threading
+    seen = []
+    with decode.engine_policy("auto"):
+        t = threading.Thread(target=lambda: seen.append(decode.current_engine_policy()))
+        t.start()
+        t.join()
+        assert decode.current_engine_policy() == "auto"
+    assert seen == ["megakernel"]
+
+
 def test_an_unreadable_record_is_measured_again(cache, caplog):
     step = build()
     path = engine_choice.record_path(step)

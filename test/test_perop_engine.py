@@ -154,6 +154,37 @@ def test_nan_left_in_a_cache_refuses_that_request_only():
     assert all(torch.isfinite(step.view(n)).all() for n in step.graph_def.caches)
     step.dyn.copy_(state)
     assert len(DeviceDecode(step, chunk=2).generate([rows.tokens[0]], 4, stop=())[0]) == 4
+    # a loop whose tokens a family's rules pick (Whisper's) refuses a NaN row the same way
+    fam, step = perop_step("whisper-tiny.en", batch=1, advance=False)
+    rows, _, _ = start(fam, step)
+    view = step.view(cache.spec.name)
+    view[(cache.layer,) if cache.layer is not None else ()][0, :, rows.positions[0] + 8] = float("nan")
+    logits = step.view("logits")
+    loop = DeviceDecode(step, pick=lambda: logits.argmax(-1).to(torch.int32), chunk=2)
+    with pytest.raises(NonFiniteLogits):
+        loop.generate([rows.tokens[0]], 4, stop=())
+    assert all(torch.isfinite(step.view(n)).all() for n in step.graph_def.caches)
+
+
+def test_what_the_engine_holds_follows_the_step():
+    """An arena swapped for another (a dtype's copy) is what the next per-op launch reads; weights
+    written in place are read after the engine is set again; float16 arenas are refused."""
+    fam, step = perop_step("whisper-tiny.en", batch=1)
+    start(fam, step)
+    with restoring(step, 1):
+        step.launch()
+        before = step.view("logits").clone()
+    step.weights = step.weights * 2          # another arena (every weight doubled)
+    with restoring(step, 1):
+        step.launch()
+        assert not torch.allclose(step.view("logits"), before)
+    norm = next(k for k in step.graph_def.weight_shapes if k.endswith(".w") and len(step.graph_def.weight_shapes[k]) == 1)
+    step.weight(norm).mul_(3)
+    step.set_engine("perop")
+    assert torch.equal(step.kernel.weights[norm], step.weight(norm).float())
+    step.weights = step.weights.half()
+    with pytest.raises(ValueError, match="not float16"):
+        step.launch()
 
 
 def test_a_real_transcription_on_the_perop_engine_matches_the_reference():

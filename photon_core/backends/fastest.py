@@ -58,7 +58,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if q.shape[2] == 1:
         return triton_attention.attention(q, k, v, causal, prefix_len, scale, window, bias)
     key = ("attention", q.shape[0], q.shape[1], k.shape[1], _rows_bucket(q.shape[2]), _rows_bucket(k.shape[2]),
-           q.shape[3], q.dtype, causal, prefix_len > 0, window is not None, bias is not None, str(q.device))
+           q.shape[3], q.dtype, k.dtype, v.dtype, causal, prefix_len > 0, window is not None, bias is not None, str(q.device))
     args = (q, k, v, causal, prefix_len, scale, window, bias)
     return CHOICES.run(key, {"triton": lambda: triton_attention.attention(*args),
                              "torch": lambda: reference.attention(*args)}, measurable(q))

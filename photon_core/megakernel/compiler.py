@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -47,7 +48,7 @@ _cuda_kv_dtype = [torch.bfloat16]   # what a CompiledStep on CUDA gets when its 
 # How a step runs: one persistent megakernel launch, or its graph op by op with torch's kernels
 # (perop_engine.py); engine_choice.py picks between them by measuring both on the GPU.
 ENGINES = ("megakernel", "perop")
-_first_engine = ["megakernel"]   # what a CompiledStep starts on (first_engine)
+_first_engine = threading.local()   # .engine: what a CompiledStep built in this thread starts on
 
 
 @contextlib.contextmanager
@@ -57,11 +58,12 @@ def first_engine(engine: str):
     recorded choice is the per-op engine saves."""
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: one of {ENGINES}")
-    before, _first_engine[0] = _first_engine[0], engine
+    before = getattr(_first_engine, "engine", "megakernel")
+    _first_engine.engine = engine
     try:
         yield
     finally:
-        _first_engine[0] = before
+        _first_engine.engine = before
 
 
 @contextlib.contextmanager
@@ -343,8 +345,9 @@ class CompiledStep(StateViews):
         self.out = torch.zeros(batch * max(1, len(graph.results)), dtype=torch.int32, device=dev)
         self.check = check
         self._kernels: dict[tuple[str, frozenset[str] | None], object] = {}
-        self.engine = _first_engine[0]
-        self.kernel_for(None)   # build (and prove) the full graph at load time
+        self.engine = getattr(_first_engine, "engine", "megakernel")
+        if self.engine == "megakernel":
+            self.kernel_for(None)   # build and prove the full graph at load time
 
     def scrub_nonfinite(self) -> None:
         """Zero every non-finite entry of the caches and recurrent states. The per-op engine's
@@ -356,9 +359,13 @@ class CompiledStep(StateViews):
     def set_engine(self, engine: str) -> None:
         """Run the following launches on `engine` ("megakernel" or "perop"): both read and write the
         same buffers, so a step may switch between launches. A loop built on the step before
-        (DeviceDecode) keeps the kernel it took."""
+        (DeviceDecode) keeps the kernel it took. The per-op engine holds the small weights (norms,
+        rotary tables) as fp32 copies made with its kernel: after writing weights in place, set the
+        engine again to make them anew."""
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: one of {ENGINES}")
+        for k in [k for k in self._kernels if k[0] == "perop"]:
+            del self._kernels[k]
         self.engine = engine
         self.kernel_for(None)
 
@@ -387,7 +394,8 @@ class CompiledStep(StateViews):
         per-op engine, perop_engine.PerOpKernel of those nodes)."""
         key = None if results is None else frozenset(results)
         if self.engine == "perop":
-            if ("perop", key) not in self._kernels:
+            k = self._kernels.get(("perop", key))
+            if k is None or getattr(k, "arena", None) != self.weights.data_ptr():   # built on an arena since swapped
                 from photon_core.megakernel.perop_engine import PerOpKernel
                 self._kernels["perop", key] = PerOpKernel(self, key)
             return self._kernels["perop", key]

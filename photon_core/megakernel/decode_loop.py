@@ -124,14 +124,19 @@ class DeviceDecode:
 
     def _feed(self, i: int, pick: Callable[[], Any]) -> None:
         """Record pick's tokens and make them the next step's, stepping positions as the advancing
-        argmax does: a row whose next position would pass the caches stays there, marked full."""
+        argmax does: a row whose next position would pass the caches stays there, marked full; a row
+        whose logits hold NaN stays too, marked non-finite (2), as the advancing argmax marks it."""
         picked = pick()
         rec, score = picked if isinstance(picked, tuple) else (picked, None)
         B, dyn = self.step.batch, self.step.dyn
         pos = dyn[B:2 * B]
         full = pos >= self.step.plan.max_position - 1
+        mark = full.to(torch.int32)
+        if "logits" in self.step.graph_def.exposed:
+            nan = torch.isnan(self.step.view("logits")).any(1)
+            full, mark = full | nan, torch.where(nan, -NON_FINITE, mark)
         self.history[i].copy_(rec.view(B, self.width))
-        self.full[i].copy_(full)
+        self.full[i].copy_(mark)
         if score is not None:
             self.score_history[i].copy_(score)
         dyn[:B].copy_(rec.view(B, self.width)[:, 0])

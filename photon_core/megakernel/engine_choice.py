@@ -24,6 +24,7 @@ import logging
 import os
 import statistics
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAUNCHES, REPEATS = 2, 5
+_measuring = threading.Lock()   # one measurement at a time: two at once would time each other
 Timer = Callable[["CompiledStep"], float]   # ms per step of the step's current engine
 
 
@@ -120,9 +122,19 @@ def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
     path = record_path(step)
     rec = _read(path)
     if rec is not None:
-        step.set_engine(rec["engine"])
-        return EngineChoice(name, B, rec["engine"], "recorded", rec.get("megakernel_ms"), rec.get("perop_ms"),
-                            rec.get("note", ""))
+        try:
+            step.set_engine(rec["engine"])
+            return EngineChoice(name, B, rec["engine"], "recorded", rec.get("megakernel_ms"), rec.get("perop_ms"),
+                                rec.get("note", ""))
+        except Exception as e:  # noqa: BLE001  what ran before no longer builds: measure both again
+            log.warning("%s B%d: the recorded %s engine failed (%s: %s); measuring again", name, B, rec["engine"],
+                        type(e).__name__, e)
+    with _measuring:
+        return _measure(step, path, timer)
+
+
+def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> EngineChoice:
+    name, B = step.graph_def.name, step.batch
     times: dict[str, float] = {}
     failed: dict[str, str] = {}
     for engine in ENGINES:
@@ -137,9 +149,9 @@ def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
     best = min(times, key=times.__getitem__)
     step.set_engine(best)
     note = "; ".join(f"{k} failed: {v}"[:300] for k, v in failed.items())
-    rec = dict(engine=best, megakernel_ms=times.get("megakernel"), perop_ms=times.get("perop"), note=note)
-    choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", rec["megakernel_ms"],
-                          rec["perop_ms"], note)
+    choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", times.get("megakernel"),
+                          times.get("perop"), note)
+    rec = dict(engine=best, megakernel_ms=choice.megakernel_ms, perop_ms=choice.perop_ms, note=note)
     log.info("%s B%d decodes on %s", name, B, choice.line())
     if not failed:       # a failure may be passing (memory, a busy GPU): measure again next start
         _write(path, rec)

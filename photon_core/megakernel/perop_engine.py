@@ -62,6 +62,9 @@ class PerOpKernel:
         unknown = {n.op for n in self.nodes} - REFERENCE_OPS - set(OWN) - {"argmax"}
         if unknown:
             raise ValueError(f"{g.name}: the per-op engine does not run ops {sorted(unknown)}")
+        if step.weights.dtype == torch.float16:   # fp16 inputs to its GEMMs could overflow
+            raise ValueError(f"{g.name}: the per-op engine runs float32 or bfloat16 weights, not float16")
+        self.arena = step.weights.data_ptr()   # the arena its views are of (CompiledStep.kernel_for)
         self.ctrl = torch.zeros(CTRL_COUNTERS, dtype=torch.int32, device=dev)
         self.ctrl[CTRL_CLAIM] = 1
         matrices = {n.args[k] for n in g.nodes for k in _MATRIX_ARGS.get(n.op, ()) if n.args.get(k)}
@@ -195,12 +198,29 @@ def _embed(e: _Run, node: Node) -> torch.Tensor:
 
 def _linear(e: _Run, node: Node) -> torch.Tensor:
     a = node.args
-    w = e.weights[a["w"]]
     b = None if a["b"] is None else e.weights[a["b"]]
-    y = F.linear(e.val(a["x"]).to(w.dtype), w, b).float()     # the bias in the GEMM's epilogue
+    y = gemm(e.val(a["x"]), e.weights[a["w"]], b)
     if a["act"] is not None:
         y = _ACT[a["act"]](y)
     return y if a["residual"] is None else y + e.val(a["residual"])
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + b in fp32 from x rounded to w's dtype: on CUDA the GEMM writes fp32 itself
+    (torch.addmm's out_dtype; a bf16 output would round logits to 8 bits of mantissa, flipping
+    near-ties), elsewhere or on a torch without it the bf16 output is widened."""
+    if x.is_cuda and w.dtype != torch.float32 and _FP32_OUT.get(x.device, True):
+        try:
+            bias = torch.zeros(w.shape[0], device=x.device, dtype=torch.float32) if b is None else b.float()
+            y = torch.addmm(bias, x.to(w.dtype), w.t(), out_dtype=torch.float32)
+            _FP32_OUT[x.device] = True
+            return y
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT[x.device] = False
+    return F.linear(x.to(w.dtype), w, b).float()     # the bias in the GEMM's epilogue
+
+
+_FP32_OUT: dict[torch.device, bool] = {}   # whether addmm(out_dtype=float32) runs on a device
 
 
 _ACT = {"gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu, "tanh": torch.tanh,
@@ -214,6 +234,11 @@ def _kv_append(e: _Run, node: Node) -> torch.Tensor:
     if a["tau"] is not None or a["norm"] is not None:
         q = rule("kv_append").reference(e, node)
         assert q is not None
+        if a["append"]:        # what it appended, NaN made 0 (below)
+            for c in (e.cache(a["k"]), e.cache(a["v"])):
+                slot = e.pos % c.shape[2] if a["k"].spec.ring else e.pos
+                rows = torch.arange(e.bsz, device=e.dev)
+                c[rows, :, slot] = c[rows, :, slot].nan_to_num(0.0, 0.0, 0.0)
         return q
     spec, B = a["k"].spec, e.bsz
     dh, h = spec.head_dim, spec.heads
@@ -229,8 +254,11 @@ def _kv_append(e: _Run, node: Node) -> torch.Tensor:
         k_c, v_c = e.cache(a["k"]), e.cache(a["v"])     # [B, H, T, Dh]
         slot = e.pos % k_c.shape[2] if spec.ring else e.pos
         rows = torch.arange(B, device=e.dev)
-        k_c[rows, :, slot] = qk[:, hq:].to(k_c.dtype)
-        v_c[rows, :, slot] = e.val(a["qkv"]).view(B, -1, dh)[:, hq + h:].to(v_c.dtype)
+        # NaN stored as 0: attention here reads every slot under a mask, and NaN survives masking,
+        # so a refused row's NaN would poison the next request that leaves the slot unread (the
+        # row itself still ends with NaN logits through its residual stream, and is refused)
+        k_c[rows, :, slot] = qk[:, hq:].nan_to_num(0.0, 0.0, 0.0).to(k_c.dtype)
+        v_c[rows, :, slot] = e.val(a["qkv"]).view(B, -1, dh)[:, hq + h:].nan_to_num(0.0, 0.0, 0.0).to(v_c.dtype)
     return qk[:, :hq].reshape(B, hq * dh)
 
 

@@ -43,7 +43,7 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 ENGINE_POLICIES = ("megakernel", "perop", "auto")
 ENGINE_ENV = "PHOTON_DECODE_ENGINE"
-_policy = ["megakernel"]   # what steps made outside engine_policy() get: the backend asked for
+_policy = threading.local()   # .name: this thread's policy (loads run in their own threads)
 
 
 @contextmanager
@@ -52,18 +52,19 @@ def engine_policy(policy: str) -> Iterator[None]:
     $PHOTON_DECODE_ENGINE names one."""
     if policy not in ENGINE_POLICIES:
         raise ValueError(f"decode engine {policy!r}: one of {ENGINE_POLICIES}")
-    before, _policy[0] = _policy[0], policy
+    before = getattr(_policy, "name", "megakernel")
+    _policy.name = policy
     try:
         yield
     finally:
-        _policy[0] = before
+        _policy.name = before
 
 
 def current_engine_policy() -> str:
     env = os.environ.get(ENGINE_ENV, "").strip()
     if env and env not in ENGINE_POLICIES:
         raise ValueError(f"${ENGINE_ENV}={env!r}: one of {ENGINE_POLICIES}")
-    return env or _policy[0]
+    return env or getattr(_policy, "name", "megakernel")
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,10 @@ def copy_prefilled_kv(step: "CompiledStep", names: KVNames,
         if n > dk.shape[2] or len(range(*rows.indices(dk.shape[0]))) != k.shape[0]:
             raise ValueError(f"prefilled K/V of {k.shape[0]} rows x {n} positions do not fit rows {rows.start}:"
                              f"{rows.stop} of layer {i}'s cache [{dk.shape[0]} rows, {dk.shape[2]} positions]")
-        dk[rows, :, :n] = k[:, :, :n]
-        dv[rows, :, :n] = v[:, :, :n]
+        # NaN stored as 0 (a NaN prefill is refused by its logits anyway): the per-op engine reads
+        # every slot under a mask, and NaN left past a later request's keys would survive it
+        dk[rows, :, :n] = k[:, :, :n].nan_to_num(0.0, 0.0, 0.0)
+        dv[rows, :, :n] = v[:, :, :n].nan_to_num(0.0, 0.0, 0.0)
 
 
 class Bindable(Protocol):

@@ -75,7 +75,7 @@ class Choices:
         if not times:
             raise RuntimeError(f"{key}: every implementation failed: {list(candidates)}")
         best = min(times, key=times.__getitem__)
-        self.chosen[key], self.seconds[key] = best, times
+        self.seconds[key], self.chosen[key] = times, best
         log.info("%s: %s (%s)", key, best, ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in times.items()))
         return best
 
@@ -85,7 +85,8 @@ CHOICES = Choices()
 
 def choices() -> dict[Hashable, tuple[str, dict[str, float]]]:
     """What this process chose per key, with each candidate's seconds."""
-    return {k: (v, CHOICES.seconds[k]) for k, v in CHOICES.chosen.items()}
+    with CHOICES._lock:
+        return {k: (v, CHOICES.seconds[k]) for k, v in CHOICES.chosen.items()}
 
 
 __all__ = ["Choices", "CHOICES", "choices", "cuda_seconds", "measurable", "REPEATS"]

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from photon_core.megakernel.decode_loop import DeviceDecode
+from photon_core.runtime.sampling import NonFiniteLogits
 
 from . import batch as batch_decoding
 from . import object_score
@@ -205,6 +206,9 @@ class RoundsSession(batch_decoding.BatchSession):
                     if full[s]:   # the last step re-ran the row's last position
                         raise RuntimeError(f"a {rows[s].request.task} request reached the end of the megakernel's "
                                            f"context ({self.stepper.mk.max_len} positions)")
+                    if step_full[s] == 2:    # decode_loop's non-finite mark: no token to choose
+                        self.stepper.mk.scrub_nonfinite()
+                        raise NonFiniteLogits(f"row {s}: the model's logits held NaN: the request is refused")
                     full[s] = bool(step_full[s])
                     rows[s].pos += 1
                 _, greedy = self._read(RecordedHeads(rec, live, dev.n_bins), [rows[s] for s in live])
