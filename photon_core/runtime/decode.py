@@ -224,7 +224,7 @@ class CompiledSteps(Generic[S]):
         engine_choice pick (a recorded choice, or both measured on CUDA)."""
         if self.engine_policy == "megakernel":
             step = self.build_step(batch, shared)
-            record_engine_choice(EngineChoice(step.graph_def.name, batch, "megakernel", "asked"))
+            record_engine_choice(EngineChoice(self._model_name(step), batch, "megakernel", "asked"))
             return step
         from photon_core.megakernel.compiler import first_engine
         with first_engine("perop"):
@@ -233,8 +233,12 @@ class CompiledSteps(Generic[S]):
             from photon_core.megakernel.engine_choice import choose
             record_engine_choice(choose(step))
         else:
-            record_engine_choice(EngineChoice(step.graph_def.name, batch, "perop", "asked"))
+            record_engine_choice(EngineChoice(self._model_name(step), batch, "perop", "asked"))
         return step
+
+    def _model_name(self, step: Any) -> str:
+        graph = getattr(step, "graph_def", None)
+        return graph.name if graph is not None else self.family
 
     def reset(self) -> None:
         """Drop every bucket's step and loop (and which state each held): the next use builds them
