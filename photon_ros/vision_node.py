@@ -147,6 +147,7 @@ class VisionNode(ManagedNode):
         self.stats = RateStats()
         self.bad_frames = 0
         self.health = InputHealth()   # frames lost on the way, frames failing in a row
+        self.depth_health = InputHealth()   # depth images lost on the way (best-effort QoS drops them)
         self.inactive_frames = 0   # frames not processed because the node was not active
         self.last_caption = 0.0
         self.subscription = None
@@ -237,6 +238,9 @@ class VisionNode(ManagedNode):
         self.get_logger().info(f"{self.resolve_topic_name('camera_info')} is latched: subscribed to it latched")
 
     def on_depth(self, msg: Image, info) -> None:
+        # a frame whose own depth was lost takes the nearest within the tolerance: counted, so
+        # /diagnostics says why frames were paired with a neighbour's depth
+        self.depth_health.arrived(info)
         self.note_input(self.depth_stream, msg, info)
 
     def on_camera_info(self, msg: CameraInfo, info) -> None:
@@ -621,6 +625,7 @@ class VisionNode(ManagedNode):
         held = sorted(self.depth_waits_s) or [0.0]
         return {
             "depth_images_received": str(depth.received),
+            "depth_images_lost_in_transport": str(self.depth_health.lost_in_transport),
             "camera_info_received": str(info.received),
             "depth_paired_exact": str(depth.outcomes["exact"]),
             "depth_paired_nearest": str(depth.outcomes["nearest"]),
