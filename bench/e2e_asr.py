@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 import e2e_inputs
-from e2e_family import Family, Task, hf_random, hf_state
+from e2e_family import Family, Task, hf_random
+from families import hf_state, reading
 from e2e_phases import by_length
-from e2e_vlm import reading
 
 SECONDS = {"5 s": 5.0, "30 s": 30.0}
 FRONT_END = {"feature_size": 128, "sampling_rate": 16000, "padding_value": 0.0, "padding_side": "right",
@@ -115,37 +115,17 @@ class Qwen3ASR(Family):
         return [Task("transcribe", "5 s", 32), Task("transcribe", "30 s", 96)]
 
     def setup(self) -> None:
-        from transformers import (PreTrainedTokenizerFast, Qwen3ASRConfig, Qwen3ASRFeatureExtractor,
-                                  Qwen3ASRForConditionalGeneration, Qwen3ASRProcessor)
+        from transformers import Qwen3ASRForConditionalGeneration
 
-        import test_qwen3_asr_reference as ref
+        from families import qwen3_asr_parts
         from photon_core.models.qwen3_asr import checkpoint as qckpt
         from photon_core.models.qwen3_asr import decoder as qdecoder
         from photon_core.models.qwen3_asr import load_qwen3_asr
-        tok = ref._tokenizer()
-        ids = {s: tok.token_to_id(s) for s in ref.SPECIALS}
         # bench/families.py's Qwen3-ASR 0.6B (its sources there); tiny: its smoke sizes
-        audio = dict(num_mel_bins=128, encoder_layers=18, encoder_attention_heads=14, encoder_ffn_dim=3584,
-                     d_model=896, output_dim=1024, n_window=50, n_window_infer=800, downsample_hidden_size=480)
-        text = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
-                    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-        if self.tiny:
-            audio.update(encoder_layers=2, d_model=64, encoder_attention_heads=2, encoder_ffn_dim=128, output_dim=64)
-            text.update(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-        cfg = Qwen3ASRConfig(audio_config=audio, text_config=text, audio_token_id=ids["<|audio_pad|>"],
-                             pad_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|endoftext|>"], ids["<|im_end|>"]],
-                             tie_word_embeddings=True)
+        cfg, self.processor = qwen3_asr_parts(smoke=self.tiny)
         self.hf = hf = hf_random(Qwen3ASRForConditionalGeneration, cfg, self.dtype, self.device)
         folder = Path(tempfile.mkdtemp(prefix="e2e-qwen3-asr-"))
         cfg.save_pretrained(folder)
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-            extra_special_tokens={"audio_token": "<|audio_pad|>", "audio_bos_token": "<|audio_start|>",
-                                  "audio_eos_token": "<|audio_end|>"})
-        self.processor = Qwen3ASRProcessor(feature_extractor=Qwen3ASRFeatureExtractor(), tokenizer=fast,
-                                           chat_template=ref.TEMPLATE)
         self.processor.save_pretrained(folder)
         with reading(qckpt, hf_state(hf)):
             self.model = load_qwen3_asr(folder, device=str(self.device), dtype=self.dtype, backend=self.backend_name)

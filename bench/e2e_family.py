@@ -11,6 +11,7 @@ can show that both sides did the same work.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ class Side:
     notes: list[str] = field(default_factory=list)
 
 
-class Family:
+class Family(ABC):
     """Base of a family's benchmark; subclasses fill in the rest."""
     name = "?"
     kind = "vision"       # "vision" or "speech"
@@ -58,26 +59,27 @@ class Family:
         self.notes: list[str] = []
 
     # -- what a family provides -----------------------------------------------------------------
+    # (abstract: a family class that leaves one out cannot be made)
     @classmethod
+    @abstractmethod
     def tasks(cls) -> list[Task]:
         """Its tasks, in the order a run takes them (known without building anything)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def setup(self) -> None:
         """Build our model and the peer on the same weights, and put their hooks on the clocks."""
-        raise NotImplementedError
 
+    @abstractmethod
     def inputs(self, task: Task, n: int) -> list[Any]:
         """n requests' raw inputs (JPEG bytes or 16 kHz PCM), one per camera or microphone."""
-        raise NotImplementedError
 
+    @abstractmethod
     def ours(self, task: Task, inputs: list[Any]) -> list[int]:
         """Our engine on the requests at once; tokens decoded per request."""
-        raise NotImplementedError
 
+    @abstractmethod
     def peer(self, task: Task, inputs: list[Any]) -> list[int]:
         """The peer on the requests (batched, or one after another when serial); tokens per request."""
-        raise NotImplementedError
 
     def warm_bucket(self, batch: int) -> dict:
         """Build (or read from the build cache) our compiled step of one bucket with what is built
@@ -115,16 +117,6 @@ class Family:
 
     def skip_peer(self, reason: str) -> None:
         self.sides["peer"].skip = reason
-
-
-def hf_state(model: Any) -> dict:
-    """What save_pretrained would write: the state dict without tied copies (our loaders refuse
-    names they do not expect)."""
-    sd = model.state_dict()
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)
-    return sd
 
 
 def hf_random(cls: Any, cfg: Any, dtype: Any, device: Any, seed: int = 0) -> Any:

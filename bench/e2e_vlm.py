@@ -19,14 +19,16 @@ import contextlib
 import json
 import tempfile
 from pathlib import Path
+from abc import abstractmethod
 from typing import Any
 
 import torch
 
 import e2e_inputs
-from e2e_family import Family, Task, hf_random, hf_state
+from e2e_family import Family, Task, hf_random
 from e2e_moondream import SIZES
 from e2e_phases import by_length
+from families import hf_state, reading
 
 SKILLS = (("caption", 32), ("query", 16))
 QUESTION = "What is the robot holding?"
@@ -34,18 +36,6 @@ QUESTION = "What is the robot holding?"
 
 def tasks() -> list[Task]:
     return [Task(skill, size, n) for size in SIZES for skill, n in SKILLS]
-
-
-@contextlib.contextmanager
-def reading(module: Any, state: dict) -> Any:
-    """Our loader's `read_folder` answering with an in-memory state dict (the peer's tensors): the
-    rest of the loader (renaming, checks, casts, fusions) runs as on a checkpoint folder."""
-    real = module.read_folder
-    module.read_folder = lambda folder, *a, **k: dict(state)
-    try:
-        yield
-    finally:
-        module.read_folder = real
 
 
 class HFVision(Family):
@@ -61,9 +51,6 @@ class HFVision(Family):
     def inputs(self, task: Task, n: int) -> list[bytes]:
         h, w = SIZES[task.input] if not self.tiny else (96, 96) if task.input == "756x756" else (72, 128)
         return e2e_inputs.frames(h, w, n)
-
-    def question(self, task: Task) -> str:
-        raise NotImplementedError
 
     def hook_peer(self, vision_modules: list[Any]) -> None:
         c = self.sides["peer"].clock
@@ -101,8 +88,26 @@ class HFVision(Family):
         reqs = [Request(task.skill, rgb, arg, max_tokens=task.tokens, temperature=0.0) for rgb in rgbs]
         return [self.count(r["caption" if task.skill == "caption" else "answer"]) for r in self.model.batch(reqs)]
 
+    def peer(self, task: Task, inputs: list[bytes]) -> list[int]:
+        kwargs, n = self.peer_inputs(task, inputs)
+        out = self.generate(kwargs, task.tokens)
+        return [int(x) for x in (out[:, n:] != -1).sum(1)]
+
+    def pixels(self, inputs: list[bytes]) -> Any:
+        """The peer's side of an image: JPEG decoded, then its processor, each phase on its clock."""
+        c = self.sides["peer"].clock
+        with c.phase("decode_image"):
+            rgbs = [e2e_inputs.decode_jpeg(b) for b in inputs]
+        with c.phase("preprocess"):
+            return self.processor(images=rgbs, return_tensors="pt")
+
+    @abstractmethod
+    def peer_inputs(self, task: Task, inputs: list[bytes]) -> tuple[dict, int]:
+        """generate's keyword arguments for the requests, and the prompt's length."""
+
+    @abstractmethod
     def count(self, text: str) -> int:
-        raise NotImplementedError
+        """Tokens of an answer, by our tokenizer."""
 
 
 class Qwen35(HFVision):
@@ -161,11 +166,7 @@ class Qwen35(HFVision):
 
     def peer_inputs(self, task: Task, inputs: list[bytes]) -> tuple[dict, int]:
         from photon_core.models.qwen3_5 import prompt
-        c = self.sides["peer"].clock
-        with c.phase("decode_image"):
-            rgbs = [e2e_inputs.decode_jpeg(b) for b in inputs]
-        with c.phase("preprocess"):
-            px = self.processor(images=rgbs, return_tensors="pt")
+        px = self.pixels(inputs)
         count = int(px["image_grid_thw"][0].prod()) // 4
         q = prompt.CAPTION_PROMPTS["normal"] if task.skill == "caption" else QUESTION
         one = prompt.expand_images(self.model.prompts.chat_ids(q, with_image=True), self.cfg.image_token_id, [count])
@@ -176,11 +177,6 @@ class Qwen35(HFVision):
         if _takes(self.hf, "mm_token_type_ids"):
             kwargs["mm_token_type_ids"] = (ids == self.cfg.image_token_id).int()
         return kwargs, ids.shape[1]
-
-    def peer(self, task: Task, inputs: list[bytes]) -> list[int]:
-        kwargs, n = self.peer_inputs(task, inputs)
-        out = self.generate(kwargs, task.tokens)
-        return [int(x) for x in (out[:, n:] != -1).sum(1)]
 
     def count(self, text: str) -> int:
         return len(self.model.prompts.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -254,22 +250,13 @@ class Gemma4(HFVision):
 
     def peer_inputs(self, task: Task, inputs: list[bytes]) -> tuple[dict, int]:
         from photon_core.models.gemma4.model import caption_question
-        c = self.sides["peer"].clock
-        with c.phase("decode_image"):
-            rgbs = [e2e_inputs.decode_jpeg(b) for b in inputs]
-        with c.phase("preprocess"):
-            px = self.processor(images=rgbs, return_tensors="pt")
+        px = self.pixels(inputs)
         n_soft = int(px["num_soft_tokens_per_image"][0])
         q = caption_question("normal") if task.skill == "caption" else QUESTION
         ids = torch.tensor([self.model.prompter.prompt_ids(q, n_soft)] * len(inputs), device=self.device)
         kwargs = dict(input_ids=ids, pixel_values=px["pixel_values"].to(self.device, self.dtype),
                       image_position_ids=px["image_position_ids"].to(self.device), pad_token_id=self.pad)
         return kwargs, ids.shape[1]
-
-    def peer(self, task: Task, inputs: list[bytes]) -> list[int]:
-        kwargs, n = self.peer_inputs(task, inputs)
-        out = self.generate(kwargs, task.tokens)
-        return [int(x) for x in (out[:, n:] != -1).sum(1)]
 
     def count(self, text: str) -> int:
         return len(self.model.prompter.encode(text))

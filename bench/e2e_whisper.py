@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 import e2e_inputs
-from e2e_family import Family, Task, hf_random, hf_state
+from e2e_family import Family, Task, hf_random
 from e2e_phases import by_length, first_call
-from e2e_vlm import reading
+from families import hf_state, reading
 
 AUDIO = (("5 s", 5.0, 16), ("30 s", 30.0, 96))    # input, seconds, transcript tokens
 LANGUAGES = ("en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr "

@@ -124,8 +124,8 @@ def reading(module, state: dict):
 def hf_state(model) -> dict:
     """What save_pretrained would write: the state dict without the tied copies."""
     sd = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(
-            model.config.get_text_config(), "tie_word_embeddings", False):
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(model.config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     return sd
 
@@ -398,12 +398,12 @@ def parakeet(repeats: int, smoke: bool) -> list[dict]:
     return rows
 
 
-def qwen3_asr(repeats: int, smoke: bool) -> list[dict]:
-    from transformers import (PreTrainedTokenizerFast, Qwen3ASRConfig, Qwen3ASRFeatureExtractor,
-                              Qwen3ASRForConditionalGeneration, Qwen3ASRProcessor)
+def qwen3_asr_parts(smoke: bool) -> tuple:
+    """(transformers config, processor) of Qwen3-ASR 0.6B (smoke: tiny sizes), with the test
+    tokenizer's special ids; what this benchmark and bench/e2e_asr.py build their models on."""
+    from transformers import PreTrainedTokenizerFast, Qwen3ASRConfig, Qwen3ASRFeatureExtractor, Qwen3ASRProcessor
 
     import test_qwen3_asr_reference as ref
-    from photon_core.models.qwen3_asr import load_qwen3_asr
 
     # Qwen/Qwen3-ASR-0.6B as published to our best knowledge (no hub access here): audio encoder 18
     # x 896, 14 heads, ffn 3584, output 1024 (other encoder fields: transformers' defaults); decoder
@@ -422,15 +422,24 @@ def qwen3_asr(repeats: int, smoke: bool) -> list[dict]:
     cfg = Qwen3ASRConfig(audio_config=audio, text_config=text, audio_token_id=ids["<|audio_pad|>"],
                          pad_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|endoftext|>"], ids["<|im_end|>"]],
                          tie_word_embeddings=True)
-    hf, n_params = hf_random(Qwen3ASRForConditionalGeneration, cfg)
-    folder = scratch("bench-qwen3-asr-")
-    hf.save_pretrained(folder)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         extra_special_tokens={"audio_token": "<|audio_pad|>", "audio_bos_token": "<|audio_start|>",
                               "audio_eos_token": "<|audio_end|>"})
     processor = Qwen3ASRProcessor(feature_extractor=Qwen3ASRFeatureExtractor(), tokenizer=fast,
                                   chat_template=ref.TEMPLATE)
+    return cfg, processor
+
+
+def qwen3_asr(repeats: int, smoke: bool) -> list[dict]:
+    from transformers import Qwen3ASRForConditionalGeneration
+
+    from photon_core.models.qwen3_asr import load_qwen3_asr
+
+    cfg, processor = qwen3_asr_parts(smoke)
+    hf, n_params = hf_random(Qwen3ASRForConditionalGeneration, cfg)
+    folder = scratch("bench-qwen3-asr-")
+    hf.save_pretrained(folder)
     processor.save_pretrained(folder)
     ours = load_qwen3_asr(folder, backend="reference", dtype=torch.float32)
     # decode the full budget, as min_new_tokens does: a stop id no token has

@@ -18,16 +18,13 @@ from photon_core.kernels import attention as triton_attention
 from photon_core.kernels import linear as triton_linear
 from photon_core.runtime.measured import CHOICES, measurable
 
-_ACT = {None: lambda y: y, "gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu}
-
-
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The contract's linear by torch's GEMM in the weights' dtype; epilogue in fp32."""
-    if activation not in _ACT:
-        raise ValueError(f"linear: unknown activation {activation!r}")
-    y = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).float()
-    y = _ACT[activation](y)
+    if activation == "sigmoid":   # a gate's activation, not a linear's (as reference.linear says)
+        raise ValueError("linear: unknown activation 'sigmoid'")
+    y = reference.activate(F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).float(),
+                           activation)
     if residual is not None:
         y = y + residual.float()
     return y.to(torch.result_type(x, weight))
@@ -45,7 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m <= triton_linear.SMALL_M_MAX:
         return triton_linear.linear(x, weight, bias, activation, residual)
     key = ("linear", _rows_bucket(m), weight.shape[0], weight.shape[1], x.dtype, weight.dtype, activation,
-           bias is not None, residual is not None, str(x.device))
+           bias is not None, residual is not None, x.device)
     return CHOICES.run(key, {"triton": lambda: triton_linear.linear(x, weight, bias, activation, residual),
                              "torch": lambda: torch_linear(x, weight, bias, activation, residual)}, measurable(x))
 
@@ -58,7 +55,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if q.shape[2] == 1:
         return triton_attention.attention(q, k, v, causal, prefix_len, scale, window, bias)
     key = ("attention", q.shape[0], q.shape[1], k.shape[1], _rows_bucket(q.shape[2]), _rows_bucket(k.shape[2]),
-           q.shape[3], q.dtype, k.dtype, v.dtype, causal, prefix_len > 0, window is not None, bias is not None, str(q.device))
+           q.shape[3], q.dtype, k.dtype, v.dtype, causal, prefix_len > 0, window is not None, bias is not None, q.device)
     args = (q, k, v, causal, prefix_len, scale, window, bias)
     return CHOICES.run(key, {"triton": lambda: triton_attention.attention(*args),
                              "torch": lambda: reference.attention(*args)}, measurable(q))

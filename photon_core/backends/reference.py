@@ -18,7 +18,8 @@ CAPTURES_STEPS = False
 COMPILES_STEPS = False
 
 
-def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The contract's activations (None, "gelu" (erf), "gelu_tanh", "silu", "sigmoid") in y's dtype."""
     if activation is None:
         return y
     if activation == "gelu":
@@ -39,7 +40,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """act(x @ weight.T + bias) + residual; activation is None, "gelu" (erf), "gelu_tanh" or "silu"."""
     if activation == "sigmoid":
         raise ValueError("linear: unknown activation 'sigmoid'")
-    y = _activate(F.linear(x, weight, bias), activation)
+    y = activate(F.linear(x, weight, bias), activation)
     return y if residual is None else y + residual
 
 
@@ -83,7 +84,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", up_offse
     """act(gate) * (up + up_offset)."""
     if activation is None:
         raise ValueError("glu needs an activation")
-    return (_activate(gate.float(), activation) * (up.float() + up_offset)).to(gate.dtype)
+    return (activate(gate.float(), activation) * (up.float() + up_offset)).to(gate.dtype)
 
 
 # ---------------------------------------------------------------- attention
@@ -252,7 +253,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         y += weight[:, j].float() * xp[:, j:j + t]
     if bias is not None:
         y += bias.float()
-    y = _activate(y, activation)
+    y = activate(y, activation)
     return y.to(x.dtype), xp[:, xp.shape[1] - (w - 1):].to(x.dtype)
 
 

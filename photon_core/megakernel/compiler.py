@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -33,8 +32,8 @@ from photon_core.megakernel.layout import Plan, Tiling, needed_nodes
 from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Planning
 from photon_core.megakernel.ops.kv_append import head_groups
 from photon_core.megakernel.ops.linear import stage_shape
-from photon_core.megakernel.stepgraph import Node, StepGraph, Tau, Value
-from photon_core.runtime.decode import WEIGHT_DTYPES
+from photon_core.megakernel.stepgraph import StepGraph, Value
+from photon_core.runtime.decode import WEIGHT_DTYPES, ThreadSetting
 
 # Kept importable from here: what callers (tests, bench) name the compiler's helpers by.
 __all__ = ["Tiling", "Plan", "plan", "lower", "lookup_tables", "CompiledStep", "cuda_kv_dtype", "stage_shape",
@@ -48,22 +47,14 @@ _cuda_kv_dtype = [torch.bfloat16]   # what a CompiledStep on CUDA gets when its 
 # How a step runs: one persistent megakernel launch, or its graph op by op with torch's kernels
 # (perop_engine.py); engine_choice.py picks between them by measuring both on the GPU.
 ENGINES = ("megakernel", "perop")
-_first_engine = threading.local()   # .engine: what a CompiledStep built in this thread starts on
+_first_engine = ThreadSetting("engine", ENGINES, "megakernel")   # what a CompiledStep starts on
 
 
-@contextlib.contextmanager
-def first_engine(engine: str):
+def first_engine(engine: str) -> ContextManager[None]:
     """Steps built inside start on `engine` (CompiledStep.set_engine). Started on "perop", a step
     lowers, checks and compiles no megakernel unless it is switched to one: what a start whose
     recorded choice is the per-op engine saves."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r}: one of {ENGINES}")
-    before = getattr(_first_engine, "engine", "megakernel")
-    _first_engine.engine = engine
-    try:
-        yield
-    finally:
-        _first_engine.engine = before
+    return _first_engine.scope(engine)
 
 
 @contextlib.contextmanager
@@ -345,7 +336,7 @@ class CompiledStep(StateViews):
         self.out = torch.zeros(batch * max(1, len(graph.results)), dtype=torch.int32, device=dev)
         self.check = check
         self._kernels: dict[tuple[str, frozenset[str] | None], object] = {}
-        self.engine = getattr(_first_engine, "engine", "megakernel")
+        self.engine = _first_engine.get()
         if self.engine == "megakernel":
             self.kernel_for(None)   # build and prove the full graph at load time
 

@@ -171,6 +171,10 @@ class DeviceDecode:
         else:
             records = [[hist[(i * B + r) * W:(i * B + r + 1) * W] for r in range(B)] for i in range(n)]
         full = [flat[n * B * W + i * B:n * B * W + (i + 1) * B] for i in range(n)]
+        if any(-NON_FINITE in f for f in full):
+            # that row is refused (stream, or the family's own protocol); the next request must
+            # not read its NaN (the per-op engine reads every cache slot under a mask)
+            self.step.scrub_nonfinite()
         return records, full
 
     def generate(self, first: Sequence[int], max_new: int | Sequence[int],
@@ -215,7 +219,6 @@ class DeviceDecode:
                 for r in list(live):
                     t = tokens[r]
                     if round_full[i][r] == -NON_FINITE:
-                        self.step.scrub_nonfinite()   # the next request must not read this one's NaN
                         raise NonFiniteLogits(f"row {r}: the model's logits held NaN at its token {count[r] + 1}: "
                                               "no token can be chosen; the request is refused")
                     if full[r]:   # this step re-ran the row's last position: it had no room left

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from photon_core.megakernel.graph import CTRL_CLAIM, CTRL_COUNTERS, CTRL_ERROR
 from photon_core.megakernel.ops import rule
-from photon_core.megakernel.ops.base import Eager
+from photon_core.megakernel.ops.base import Eager, eager_act
 from photon_core.megakernel.stepgraph import Node
 
 # Ops whose eager reference is capture-safe and cheap (fp32 work on vectors): run as they are.
@@ -74,6 +74,9 @@ class PerOpKernel:
             if k in p.weight_offset:            # stored as (offset + w): the references add it
                 w = w.float() - p.weight_offset[k]
             self.weights[k] = w if k in matrices else w.float().clone()
+        # the rows of the rotary tables (every layer reads tables of one length): the clamp's bound
+        self.rotary_rows = min((self.weights[n.args["rotary"].cos].shape[0] for n in self.nodes
+                                if n.op == "kv_append" and n.args["rotary"] is not None), default=0)
         self.caches = {name: step.view(name) for name in (*g.caches, *g.states)}
         self.inputs = {n.value.name: step.view(n.value.name) for n in g.nodes if n.op == "input"}
         self.results = step.out.view(step.batch, max(1, len(g.results)))
@@ -106,10 +109,8 @@ class PerOpKernel:
         e = _Run(B, dyn.device, pos, rot, dyn[:B].long(), dyn[2 * B:3 * B].long(), self.weights, self.caches,
                  self.inputs, kernel=self)
         advance: list[tuple[torch.Tensor, torch.Tensor]] = []
-        tables = {self.weights[n.args["rotary"].cos].shape[0] for n in self.nodes
-                  if n.op == "kv_append" and n.args["rotary"] is not None}
-        if tables:          # one length of rotary tables per graph (every layer reads the same)
-            e.rot_pos = self._clamped(rot, min(tables))
+        if self.rotary_rows:
+            e.rot_pos = self._clamped(rot, self.rotary_rows)
         for node in self.nodes:
             if node.op == "argmax":
                 advance += self._argmax(e, node)
@@ -199,9 +200,7 @@ def _embed(e: _Run, node: Node) -> torch.Tensor:
 def _linear(e: _Run, node: Node) -> torch.Tensor:
     a = node.args
     b = None if a["b"] is None else e.weights[a["b"]]
-    y = gemm(e.val(a["x"]), e.weights[a["w"]], b)
-    if a["act"] is not None:
-        y = _ACT[a["act"]](y)
+    y = eager_act(gemm(e.val(a["x"]), e.weights[a["w"]], b), a["act"])
     return y if a["residual"] is None else y + e.val(a["residual"])
 
 
@@ -223,10 +222,6 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
 _FP32_OUT: dict[torch.device, bool] = {}   # whether addmm(out_dtype=float32) runs on a device
 
 
-_ACT = {"gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu, "tanh": torch.tanh,
-        "sigmoid": torch.sigmoid}
-
-
 def _kv_append(e: _Run, node: Node) -> torch.Tensor:
     """q and k rotated together (adjacent heads of q|k|v), k and v written at each row's slot.
     A per-head norm or tau (Qwen3's, Gemma 4's, Moondream 3's) takes the eager reference."""
@@ -235,9 +230,9 @@ def _kv_append(e: _Run, node: Node) -> torch.Tensor:
         q = rule("kv_append").reference(e, node)
         assert q is not None
         if a["append"]:        # what it appended, NaN made 0 (below)
+            rows = torch.arange(e.bsz, device=e.dev)
             for c in (e.cache(a["k"]), e.cache(a["v"])):
                 slot = e.pos % c.shape[2] if a["k"].spec.ring else e.pos
-                rows = torch.arange(e.bsz, device=e.dev)
                 c[rows, :, slot] = c[rows, :, slot].nan_to_num(0.0, 0.0, 0.0)
         return q
     spec, B = a["k"].spec, e.bsz

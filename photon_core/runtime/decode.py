@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ContextManager, Generic, Protocol, TypeVar
 
 import torch
 
@@ -43,28 +43,44 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 ENGINE_POLICIES = ("megakernel", "perop", "auto")
 ENGINE_ENV = "PHOTON_DECODE_ENGINE"
-_policy = threading.local()   # .name: this thread's policy (loads run in their own threads)
 
 
-@contextmanager
-def engine_policy(policy: str) -> Iterator[None]:
+class ThreadSetting:
+    """A setting that what a thread builds inside `scope(value)` reads (`get()`), `default` outside
+    any scope: per thread, because models load and buckets build in the nodes' own threads."""
+
+    def __init__(self, what: str, choices: tuple[str, ...], default: str) -> None:
+        self.what, self.choices, self.default = what, choices, default
+        self._local = threading.local()
+
+    def get(self) -> str:
+        return getattr(self._local, "value", self.default)
+
+    @contextmanager
+    def scope(self, value: str) -> Iterator[None]:
+        if value not in self.choices:
+            raise ValueError(f"{self.what} {value!r}: one of {self.choices}")
+        before, self._local.value = self.get(), value
+        try:
+            yield
+        finally:
+            self._local.value = before
+
+
+_policy = ThreadSetting("decode engine", ENGINE_POLICIES, "megakernel")
+
+
+def engine_policy(policy: str) -> ContextManager[None]:
     """Compiled steps made inside run on `policy`'s engine (ENGINE_POLICIES) unless
     $PHOTON_DECODE_ENGINE names one."""
-    if policy not in ENGINE_POLICIES:
-        raise ValueError(f"decode engine {policy!r}: one of {ENGINE_POLICIES}")
-    before = getattr(_policy, "name", "megakernel")
-    _policy.name = policy
-    try:
-        yield
-    finally:
-        _policy.name = before
+    return _policy.scope(policy)
 
 
 def current_engine_policy() -> str:
     env = os.environ.get(ENGINE_ENV, "").strip()
     if env and env not in ENGINE_POLICIES:
         raise ValueError(f"${ENGINE_ENV}={env!r}: one of {ENGINE_POLICIES}")
-    return env or getattr(_policy, "name", "megakernel")
+    return env or _policy.get()
 
 
 @dataclass(frozen=True)

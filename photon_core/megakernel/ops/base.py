@@ -199,10 +199,10 @@ class Eager:
 def eager_act(x: torch.Tensor, act: str | None) -> torch.Tensor:
     if act is None:
         return x
-    if act in ("sigmoid", "tanh"):
-        return getattr(torch, act)(x)
+    if act == "tanh":        # the megakernel's Moondream 3 tau projection; not a contract activation
+        return torch.tanh(x)
     from photon_core.backends import reference as ref
-    return ref.glu(x, torch.ones_like(x), act)
+    return ref.activate(x, act)
 
 
 @dataclass(frozen=True)

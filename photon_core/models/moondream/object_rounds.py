@@ -207,7 +207,6 @@ class RoundsSession(batch_decoding.BatchSession):
                         raise RuntimeError(f"a {rows[s].request.task} request reached the end of the megakernel's "
                                            f"context ({self.stepper.mk.max_len} positions)")
                     if step_full[s] == 2:    # decode_loop's non-finite mark: no token to choose
-                        self.stepper.mk.scrub_nonfinite()
                         raise NonFiniteLogits(f"row {s}: the model's logits held NaN: the request is refused")
                     full[s] = bool(step_full[s])
                     rows[s].pos += 1
