@@ -148,6 +148,7 @@ class VisionNode(ManagedNode):
         self.bad_frames = 0
         self.health = InputHealth()   # frames lost on the way, frames failing in a row
         self.depth_health = InputHealth()   # depth images lost on the way (best-effort QoS drops them)
+        self.info_health = InputHealth()    # camera_info messages lost on the way
         self.inactive_frames = 0   # frames not processed because the node was not active
         self.last_caption = 0.0
         self.subscription = None
@@ -244,6 +245,7 @@ class VisionNode(ManagedNode):
         self.note_input(self.depth_stream, msg, info)
 
     def on_camera_info(self, msg: CameraInfo, info) -> None:
+        self.info_health.arrived(info)
         self.note_input(self.info_stream, msg, info)
 
     def note_input(self, stream: StampPairing | None, msg, info) -> None:
@@ -626,6 +628,7 @@ class VisionNode(ManagedNode):
         return {
             "depth_images_received": str(depth.received),
             "depth_images_lost_in_transport": str(self.depth_health.lost_in_transport),
+            "camera_info_lost_in_transport": str(self.info_health.lost_in_transport),
             "camera_info_received": str(info.received),
             "depth_paired_exact": str(depth.outcomes["exact"]),
             "depth_paired_nearest": str(depth.outcomes["nearest"]),
