@@ -18,16 +18,18 @@ Parts, in this order (the first ones are what the next design step needs most):
    the median CUDA-graph replay of every variant; on the prod tiling also the per-op engine
    (megakernel/perop_engine.py: the same step graph op by op with torch's kernels, on the same
    buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
-4. Moondream 2 at batch 8 (plain and prefetch), if the budget is left (its build takes ~25 s).
+4. Moondream 2 at batch 8 (plain, unroll4+aligned and prefetch), if the budget is left (its build
+   takes ~25 s).
 
 Variants (kernel.KernelVariant): plain (today's build), prefetch2 / 1 (each linear task's weight
 tile into L2 before its dependency wait, one bulk copy per row / per line), pipe3 (a 3-stage K loop:
 under Triton 3.6-3.9 only x's loads are staged, 4 bytes each), dot64+pipe4 (the K loop on the
-tensor cores, x split into two bf16 terms; ptxas: ~200 B of spills at batch 1 under 3.9), wide256
-(256-element steps reduced as they come; its weight loads compile to 2-byte loads and it spills
-~500 B: measured to see what the trip count alone is worth), aligned (the dense tasks' weights in
-16-byte loads: the default build's are 2-byte loads, PTX), unroll4+aligned (four weight tiles
-issued before the first is multiplied). Tilings: prod (compiler.Tiling(),
+tensor cores, x split into two bf16 terms; its weights in 2-byte loads and 104-184 B of spills at
+batch 1, SASS), wide512+aligned / wide256+aligned (512- / 256-element steps reduced as they come:
+32 / 16 KB of weights in flight a program a trip as 16-byte loads, no spill under 3.6 or 3.9, the
+cost model's best builds: bench/RESULTS.md "Megakernel K loop from the SASS"), aligned (the dense
+tasks' weights in 16-byte loads: the default build's are 2-byte loads, the same 4 KB a trip),
+unroll4+aligned (four weight tiles issued before the first is multiplied: 16 KB). Tilings: prod (compiler.Tiling(),
 what photon_core builds) and split (64-column tiles; stages with fewer tiles than programs
 narrowed, then split along K).
 
@@ -356,10 +358,11 @@ def main(argv: list[str] | None = None) -> int:
 
     plain, pipe3 = KernelVariant(), KernelVariant(pipeline=3)
     pre1, pre2 = KernelVariant(prefetch=1), KernelVariant(prefetch=2)
-    dot, wide = KernelVariant(dot=64, pipeline=4), KernelVariant(wide=256)
+    dot = KernelVariant(dot=64, pipeline=4)
+    wide, wider = KernelVariant(wide=256, aligned=True), KernelVariant(wide=512, aligned=True)
     aligned, unrolled = KernelVariant(aligned=True), KernelVariant(unroll=4, aligned=True)
-    variants = ([plain, aligned, unrolled, pre2, pre1, pipe3, dot, wide] if cuda
-                else [plain, aligned, unrolled, pipe3, dot, wide])
+    variants = ([plain, aligned, unrolled, wider, wide, pre2, pre1, pipe3, dot] if cuda
+                else [plain, aligned, unrolled, wider, wide, pipe3, dot])
     from photon_core.megakernel.kernel import Megakernel
     fams = families(args.dry_run, sms * Megakernel.tuning.programs_per_sm)
     pool = None
@@ -407,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         make, prod, _ = fams["moondream2"]
         cfg = guarded("build moondream2 B8 prod", lambda: Config("moondream2 B8 prod", make(prod), 8, dev))
         if cfg is not None:
-            guarded("measure moondream2 B8 prod", lambda: measure(cfg, [plain, pre2], [], rate, cuda, iters // 2))
+            guarded("measure moondream2 B8 prod", lambda: measure(cfg, [plain, unrolled, pre2], [], rate, cuda,
+                                                                  iters // 2))
     else:
         RESULTS["skipped"] = "moondream2 B8 (budget)"
     RESULTS["seconds"] = round(time.time() - T0, 1)

@@ -65,11 +65,11 @@ def imported_triton(side: Path | None) -> tuple[str, str]:
 
 
 def compile_cases(side: Path | None, cases: list[str], archs: list[int], cache_dir: Path, report: bool = True,
-                  ptx: bool = False, usage: bool = False) -> subprocess.Popen:
+                  ptx: bool = False, usage: bool = False, loops: bool = False) -> subprocess.Popen:
     """Start compile_check on `cases` x `archs` under the side Triton, its kernel cache in cache_dir
     (options as compile_check's flags); its stdout is the JSON (finish)."""
     cmd = [sys.executable, "-m", "photon_core.kernels.compile_check", "--arch", *map(str, archs), "--cases", *cases]
-    cmd += ["--report"] * report + ["--ptx"] * ptx + ["--usage"] * usage
+    cmd += ["--report"] * report + ["--ptx"] * ptx + ["--usage"] * usage + ["--loops"] * loops
     return subprocess.Popen(cmd, env=compile_env(side, cache_dir), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -1,7 +1,8 @@
 """The megakernel's build variants (kernel.KernelVariant) compute what the plain build does: the
 pipelined, tensor-core, wide and unrolled K loops on Whisper's compiled step (tiny random weights, bf16
 arena, Triton's interpreter), and the variants compile for sm_90 with what each is for visible in
-the PTX (the prefetch instructions, the tensor-core multiplies, the traced build's timer reads).
+the PTX (the prefetch instructions, the tensor-core multiplies, the traced build's timer reads) and
+in the SASS (the weight bytes the K loop has in flight, sass_loops).
 
 What the variants are worth is measured on a GPU (bench/gpu_timeline.py), not asserted here."""
 from __future__ import annotations
@@ -49,7 +50,8 @@ def run(step, variant: KernelVariant) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("variant", [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2),
-                                     KernelVariant(wide=32), KernelVariant(unroll=4, aligned=True)],
+                                     KernelVariant(wide=32), KernelVariant(wide=32, aligned=True),
+                                     KernelVariant(unroll=4, aligned=True)],
                          ids=lambda v: v.name())
 def test_a_variant_computes_what_the_plain_build_does(step, variant):
     assert any(t.op == 7 for t in step.graph.tasks)          # split-K slices are on the path too
@@ -80,25 +82,43 @@ for name in sys.argv[2:]:
     ck, _ = cc.compile_case(name, 90)
     ptx = ck.asm["ptx"]
     (Path(sys.argv[1]) / (name + ".ptx")).write_text(ptx)
-    out[name] = {k: len(re.findall(p, ptx)) for k, p in (("bulk_prefetch", r"cp\.async\.bulk\.prefetch\.L2"),
+    out[name] = {}
+    out[name]["ptx"] = {k: len(re.findall(p, ptx)) for k, p in (("bulk_prefetch", r"cp\.async\.bulk\.prefetch\.L2"),
                  ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
                  ("smid", r"%smid"))}
+    dense = [lp for lp in cc.k_loops(ck.asm["cubin"], 90) if lp["task"] in ("_task_linear", "_task_linear_split")]
+    out[name].update(dense=dense, threads=32 * ck.metadata.num_warps, **cc.resource_usage(ck.asm["cubin"], 90))
 print(json.dumps(out))
 '''
 
 
-def test_variants_compile_for_sm90_with_their_instructions(tmp_path):
-    from test_kernels_compile_sm90 import weight_loads
-
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Each variant compiled for sm_90 under the pinned Triton (two compile processes side by side):
+    name -> PTX instruction counts ("ptx"), the dense linear K loops (sass_loops), threads, registers, stack."""
     from photon_core.kernels.compile_check import compile_env
-    names = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "megakernel_b1_bf16_n32_k64_prefetch1",
-             "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace",
-             "megakernel_b1_bf16_n32_k64_aligned"]
-    r = subprocess.run([sys.executable, "-c", _PTX, str(tmp_path), *names], capture_output=True, text=True,
-                       env=compile_env(), timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    plain, bulk, line, dot, trace, _ = (got[n] for n in names)
+    out = tmp_path_factory.mktemp("variants")
+    halves = [NAMES[0::2], NAMES[1::2]]
+    procs = [subprocess.Popen([sys.executable, "-c", _PTX, str(out), *h], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=compile_env()) for h in halves]
+    got = {}
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=1200)
+        assert p.returncode == 0, stderr[-3000:]
+        got.update(json.loads(stdout.strip().splitlines()[-1]))
+    return out, got
+
+
+NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "megakernel_b1_bf16_n32_k64_prefetch1",
+         "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace", "megakernel_b1_bf16_n32_k64_aligned",
+         "megakernel_b1_bf16_n32_k64_unroll4_aligned", "megakernel_b1_bf16_n32_k64_wide512_aligned"]
+
+
+def test_variants_compile_for_sm90_with_their_instructions(compiled):
+    from test_kernels_compile_sm90 import weight_loads
+    tmp_path, got = compiled
+    names = NAMES[:6]
+    plain, bulk, line, dot, trace, _ = (got[n]["ptx"] for n in names)
     assert not any(plain.values())                       # the default build has none of them
     assert bulk["bulk_prefetch"] >= 1 and line["line_prefetch"] >= 1 and dot["mma"] >= 2
     assert trace["timer"] >= 4 and trace["smid"] >= 1
@@ -106,3 +126,22 @@ def test_variants_compile_for_sm90_with_their_instructions(tmp_path):
     vectors = {n: weight_loads((tmp_path / f"{n}.ptx").read_text()).get("ld.global.v4.b32", 0)
                for n in (names[0], names[-1])}
     assert vectors[names[-1]] >= 2 * vectors[names[0]] > 0, vectors
+
+
+def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
+    """The dense linear tasks' K loop as ptxas scheduled it (photon_core/kernels/sass_loops.py): the
+    plain build has one K step's tile in flight (4 KB a program: what the first GPU run's build
+    streamed, issue 38); unroll4+aligned issues four steps' tiles as 16-byte loads before using the
+    first; wide512+aligned 32 KB a program a trip (the issue's >= 32 KB per SM), all in registers."""
+    _, got = compiled
+
+    def loop(name):
+        dense = got[name]["dense"]
+        assert dense, name
+        return min(dense, key=lambda lp: lp["in_flight_bytes"]), got[name]["threads"]
+    (plain, threads), (unrolled, _), (wide, _) = (loop(f"megakernel_b1_bf16_n32_k64{v}")
+                                                  for v in ("", "_unroll4_aligned", "_wide512_aligned"))
+    assert plain["in_flight_bytes"] * threads == 4096, plain
+    assert unrolled["in_flight_bytes"] >= 4 * plain["in_flight_bytes"] and set(unrolled["loads"]) == {"LDG.E.128"}
+    assert wide["in_flight_bytes"] * threads >= 32 * 1024 and set(wide["loads"]) == {"LDG.E.128"}, wide
+    assert got["megakernel_b1_bf16_n32_k64_wide512_aligned"]["stack"] == 0

@@ -9,8 +9,9 @@ install fails the test: it needs the registry, as scripts/setup.sh does.
 A megakernel compile takes 15-60 s on 2 cores, so each version compiles a representative subset
 (the whole matrix, every variant x sm_80/87/90, is bench/triton_versions.py):
 * 3.6.0, sm_90 (the H200 machine): the per-op decode attention kernels (3.6 does not make a str
-  default a constexpr: their CACHE argument) and the megakernel at batch 8 (roofline tiling, fp32
-  weights: the variant that spilled most there before the per-version launch options).
+  default a constexpr: their CACHE argument), the megakernel at batch 8 (roofline tiling, fp32
+  weights: the variant that spilled most there before the per-version launch options) and the
+  wide512+aligned build at batch 1 (its K loop's bytes in flight, from the SASS).
 * 3.3.1, sm_87 (a Jetson Orin on an older torch): the same per-op kernels and the megakernel in bf16
   at batch 1 (what a 16 GB Orin runs; where 3.3 needs triton_versions' narrower weight tile).
   sm_80 compiles the per-op kernels.
@@ -33,7 +34,7 @@ from photon_core.kernels.compile_check import compile_env
 ROOT = Path(__file__).resolve().parents[1]
 PER_OP = ["attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge"]
 PLAN = {   # version -> [(cases, targets)]
-    "3.6.0": [(PER_OP + ["megakernel_b8_fp32"], [90])],
+    "3.6.0": [(PER_OP + ["megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned"], [90])],
     "3.3.1": [(PER_OP + ["megakernel_b1_bf16"], [87]), (PER_OP, [80])],
 }
 INTERPRETED = "test/test_megakernel_compiler.py::test_compiled_step_equals_the_eager_graph[1-True-tiling0-rms]"
@@ -55,7 +56,7 @@ def runs(tmp_path_factory):
     cache = tmp_path_factory.mktemp("triton-cache")
     sides = {v: bench.side_install(v) for v in PLAN}
     imported = {v: bench.imported_triton(side) for v, side in sides.items()}
-    procs = {v: [bench.compile_cases(sides[v], cases, archs, cache / v, report=False, ptx=True, usage=True)
+    procs = {v: [bench.compile_cases(sides[v], cases, archs, cache / v, report=False, ptx=True, usage=True, loops=True)
                  for cases, archs in PLAN[v]]
              for v in PLAN}
     env = {v: dict(compile_env(sides[v], cache / v), TRITON_INTERPRET="1") for v in PLAN}
@@ -108,6 +109,17 @@ def test_megakernel_keeps_every_value_in_registers(runs, version):
     assert mega
     for key, rec in mega.items():
         assert_no_spills(f"triton {version} {key}", rec)
+
+
+def test_the_streaming_build_keeps_32_kb_in_flight_under_the_gpu_machines_triton(runs):
+    """Triton 3.6 (the H200 machine's; 8 warps, one program an SM): the wide512+aligned build's dense
+    K loop issues 32 KB of weights a program as 16-byte loads before it uses the first (its SASS,
+    sass_loops), as under the pinned version (test_megakernel_variants.py)."""
+    rec = runs["3.6.0"]["cases"]["megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned@sm_90"]
+    dense = [lp for lp in rec["k_loops"] if lp["task"] in ("_task_linear", "_task_linear_split")]
+    assert dense, rec["k_loops"]
+    worst = min(dense, key=lambda lp: lp["in_flight_bytes"])
+    assert worst["in_flight_bytes"] * rec["threads"] >= 32 * 1024 and set(worst["loads"]) == {"LDG.E.128"}, worst
 
 
 @pytest.mark.parametrize("version", list(PLAN))

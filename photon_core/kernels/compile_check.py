@@ -217,9 +217,23 @@ def resource_usage(cubin: bytes, arch: int) -> dict[str, int]:
     return dict(registers=int(m.group(1)), stack=int(m.group(2)))
 
 
-def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool = False) -> dict[str, Any]:
+def k_loops(cubin: bytes, arch: int) -> list[dict[str, Any]]:
+    """The megakernel's weight-streaming loops, per trip and thread, read from the cubin's SASS
+    (sass_loops): one dict per loop (task, loads by width, weight and in-flight bytes, barriers,
+    shared-memory instructions), with the disassembler next to the running Triton's ptxas."""
+    from photon_core.kernels import sass_loops
+    nvdisasm = str(Path(ptxas_path(arch)).parent / "nvdisasm")
+    found = sass_loops.analyse(cubin, nvdisasm, ROOT / "photon_core" / "megakernel" / "kernel.py",
+                               sass_loops.WEIGHT_LOAD)
+    return [dict(task=lp.task, loads=lp.loads, weight_bytes=lp.weight_bytes, in_flight_bytes=lp.in_flight_bytes,
+                 barriers=lp.barriers, shared=lp.shared) for lp in found]
+
+
+def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool = False,
+        loops: bool = False) -> dict[str, Any]:
     """{"triton": version, "cases": {"<case>@sm_<arch>": {seconds, cubin, [ptx], [registers, ...]}}}:
-    report adds ptxas -v's figures, usage cuobjdump's (registers, stack)."""
+    report adds ptxas -v's figures, usage cuobjdump's (registers, stack), loops (megakernel cases)
+    the K loops' figures from the SASS (k_loops) and the threads of a program."""
     import triton
     out: dict[str, Any] = {}
     for arch in archs:
@@ -231,6 +245,8 @@ def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool
                 rec.update(ptxas_report(ck.asm["ptx"], arch), ptxas_seconds=round(time.perf_counter() - t0, 2))
             if usage:
                 rec.update(resource_usage(ck.asm["cubin"], arch))
+            if loops and name.startswith("megakernel"):
+                rec.update(k_loops=k_loops(ck.asm["cubin"], arch), threads=32 * ck.metadata.num_warps)
             if ptx:
                 rec["ptx"] = ck.asm["ptx"]
             out[f"{name}@sm_{arch}"] = rec
@@ -246,9 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report", action="store_true", help="ptxas -v: registers and spills of each case")
     p.add_argument("--usage", action="store_true", help="cuobjdump -res-usage: registers and stack of each case")
     p.add_argument("--ptx", action="store_true", help="include each case's PTX in the JSON")
+    p.add_argument("--loops", action="store_true", help="the megakernel's weight loops per trip, from its SASS")
     args = p.parse_args(argv)
     cases = args.cases or list(PER_OP) + ["megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16"]
-    print(json.dumps(run(cases, args.arch, args.report, args.ptx, args.usage)))
+    print(json.dumps(run(cases, args.arch, args.report, args.ptx, args.usage, args.loops)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""The megakernel's weight-streaming K loop as compiled, per build variant and Triton version, read
+from the SASS (no GPU), and what the cost model predicts each would take on the H200.
+
+    python bench/k_loops.py [--versions 3.6.0 pinned] [--write]
+
+Each variant is compiled for sm_90 in a subprocess under that Triton (`python -m
+photon_core.kernels.compile_check --loops --usage`, side installs as bench/triton_versions.py);
+photon_core/kernels/sass_loops.py reads the dense linear tasks' K loop (`_task_linear`) out of the
+cubin: its weight loads by width, bytes a trip, bytes issued before the first of them is used (in
+flight), barriers and shared-memory instructions inside a trip; a program moves `threads` times
+the per-thread figures.
+
+Predictions: the cost model (photon_core/megakernel/cost_model.py, fitted to the first H200 run,
+whose build is the plain variant under Triton 3.6) with each variant's trip in its own terms: a
+trip moves W bytes a program with F of them in flight at once, so it covers W / W0 of the measured
+build's K step (W0: the plain build's bytes a trip under 3.6) and takes W / F latencies
+(k_step_scale = W / W0, tiles_in_flight = F / W); the programs per version as each launches them
+(one an SM under 3.6, two under 3.9); batch-1 row statistics 1024 elements a trip, as every build
+since that run reads them (kernel.STATS_TILE: the plain rows are today's default build, not the
+measured one). The model's other constants are unchanged, so the rows
+differ only by what the K loop does; read them as +-15% and as the model's, until a GPU measures
+the variants (bench/gpu_timeline.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# Tiling() at head 64 (Moondream 2, Whisper), bf16 weights, fp32 KV: the builds the first run timed.
+BASE = {1: "megakernel_b1_bf16_n32_k64_t32_d64", 8: "megakernel_b8_bf16_n32_k64_t32_d64"}
+VARIANTS = {1: ("", "_aligned", "_unroll4_aligned", "_wide256_aligned", "_wide512_aligned", "_dot64_pipe4"),
+            8: ("", "_unroll4_aligned", "_wide256_aligned")}
+MEASURED = "3.6.0"     # the Triton of the run the model is fitted to
+# Every build since that run reads batch-1 row statistics STATS_TILE elements a trip (kernel.py).
+STATS_TILE = 1024
+
+
+def compile_all(versions: list[str]) -> dict[str, dict]:
+    """version -> compile_check's JSON for every case, both versions compiling side by side."""
+    import triton_versions as tv
+    cases = [BASE[b] + v for b in VARIANTS for v in VARIANTS[b]]
+    cache = Path(tempfile.mkdtemp(prefix="photon-kloops-"))
+    procs = {}
+    for v in versions:
+        side = None if v == "pinned" else tv.side_install(v)
+        cmd_cases = list(cases)
+        procs[v] = tv.compile_cases(side, cmd_cases, [90], cache / v, report=False, usage=True, loops=True)
+    return {v: tv.finish(p, 4 * 3600) for v, p in procs.items()}
+
+
+def dense_loop(rec: dict) -> dict:
+    """The dense linear tasks' K loop (_task_linear and _task_linear_split inline the same loop;
+    without inlining records sass_loops names both by the task laid out after them)."""
+    loops = [lp for lp in rec["k_loops"] if lp["task"] in ("_task_linear", "_task_linear_split")]
+    if not loops or any(lp["loads"] != loops[0]["loads"] for lp in loops):
+        raise RuntimeError(f"expected the dense linear K loops, with the same loads: {rec['k_loops']}")
+    # ptxas may schedule the two inlined copies differently: the one with less in flight stands.
+    return min(loops, key=lambda lp: lp["in_flight_bytes"])
+
+
+def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], programs: dict[str, int]) -> dict:
+    """(version, batch, variant) -> {model: us} from each build's (W, F) bytes a program a trip."""
+    import cost_model as cmb
+
+    from photon_core.megakernel import cost_model as cm
+    gs = cmb.graphs()
+    out = {}
+    for (version, batch, variant), (w, f) in per_program.items():
+        w0 = per_program[(MEASURED, batch, "")][0]
+        m = replace(cm.FITTED, tiles_in_flight=f / w, programs=programs[version])
+        row = {}
+        for name in ("moondream2", "whisper-tiny.en"):
+            graph, tiling = gs[name, batch]
+            launch = cmb.launch(name, batch, "bf16", graph, tiling, k_step_scale=w / w0, stats_chunk=STATS_TILE)
+            row[name] = cm.simulate(graph, launch, m)["seconds"] * 1e6
+        out[version, batch, variant] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from report import heading, publish
+
+    from photon_core.kernels.triton_versions import megakernel_tuning
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--versions", nargs="+", default=[MEASURED, "pinned"], help="Triton versions ('pinned': the venv's)")
+    p.add_argument("--write", action="store_true", help="replace this benchmark's section of bench/RESULTS.md")
+    p.add_argument("--compiled", type=Path, default=None,
+                   help="a JSON of an earlier run's compiles: read if it exists (no compiling), else written")
+    args = p.parse_args(argv)
+    if MEASURED not in args.versions:
+        raise SystemExit(f"the predictions are relative to Triton {MEASURED}'s plain build: keep it in --versions")
+    t0 = time.time()
+    if args.compiled is not None and args.compiled.exists():
+        got = json.loads(args.compiled.read_text())
+    else:
+        got = compile_all(args.versions)
+        got["seconds"] = round(time.time() - t0)
+        if args.compiled is not None:
+            args.compiled.write_text(json.dumps(got))
+    names = {v: got[v]["triton"] for v in args.versions}
+    programs = {names[v]: 132 * megakernel_tuning(names[v]).programs_per_sm for v in args.versions}
+    table, per_program = [], {}
+    for v in args.versions:
+        version = names[v]
+        for b in VARIANTS:
+            for variant in VARIANTS[b]:
+                rec = got[v]["cases"][f"{BASE[b]}{variant}@sm_90"]
+                lp = dense_loop(rec)
+                w, f = lp["weight_bytes"] * rec["threads"], lp["in_flight_bytes"] * rec["threads"]
+                per_program[version, b, variant] = (w, f)
+                table.append((version, b, variant, rec, lp, w, f))
+    pred = predictions(per_program, programs)
+    floor = {1: 7670 / 11.99, 8: 17543 / 15.21}
+    peer = {("moondream2", 1): 2981, ("moondream2", 8): 3316, ("whisper-tiny.en", 1): 365, ("whisper-tiny.en", 8): 382}
+    lines = heading("Megakernel K loop from the SASS, and the cost model's prediction per build (no GPU)") + [
+        __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "",
+        f"Compiled for sm_90 ({got['seconds']} s for all, two compiles at once). Per build: threads a "
+        "program; registers / stack bytes (cuobjdump); the dense linear task's K loop: weight loads a trip per "
+        "thread by width; KB of weights a trip and KB in flight (issued before the first is used), a program; "
+        "barriers and shared-memory instructions a trip. Predicted: the cost model's step (us) at the first "
+        "run's rows, bf16 weights, against the floor and the peer that run measured (transformers in one CUDA "
+        "graph).", "",
+        "| Triton | batch | variant | threads | regs / stack | weight loads a trip (per thread) | KB a trip | "
+        "KB in flight | barriers | shared | Moondream 2 us | x floor | / peer | Whisper tiny.en us | / peer |",
+        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for version, b, variant, rec, lp, w, f in table:
+        pr = pred[version, b, variant]
+        loads = ", ".join(f"{n} x {op.removeprefix('LDG.E.') if op != 'LDG.E' else '32'}"
+                          for op, n in sorted(lp["loads"].items()))
+        md, wh = pr["moondream2"], pr["whisper-tiny.en"]
+        lines.append(f"| {version} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | {rec['registers']} / "
+                     f"{rec['stack']} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
+                     f"{md:.0f} | {md / floor[b]:.1f} | {md / peer['moondream2', b]:.2f} | {wh:.0f} | "
+                     f"{wh / peer['whisper-tiny.en', b]:.2f} |")
+    lines += ["", f"Load average {os.getloadavg()[0]:.1f} at the end (compile times are not the point here)."]
+    publish(lines, args.write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

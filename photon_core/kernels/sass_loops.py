@@ -1,0 +1,219 @@
+"""What a compiled kernel's weight-streaming loops do, read from its SASS (compile-only evidence).
+
+A decode step streams weights; how fast a K loop can pull them is set by how many bytes each of
+its trips has in flight before it must wait for the first of them (Little's law: bytes in flight /
+latency). That is visible without a GPU in the machine code ptxas emitted: this module
+disassembles a cubin (`nvdisasm -gi`, next to Triton's ptxas), finds the loops (a backward branch
+and its target) that hold weight loads (global loads whose source line is one of `sites`), and
+reports per loop and trip, per thread:
+
+* `weight_bytes`: bytes the weight loads move (LDG.E.128 16, .64 8, plain 4, .U16 2, .U8 1);
+* `in_flight_bytes`: of those, the bytes issued before the first instruction that reads a register
+  any of them loaded (in SASS order: what the scheduler can have outstanding at once, trip by trip);
+* `loads`: weight loads by width; `barriers`: BAR instructions; `shared`: LDS/STS/LDSM (a layout
+  change through shared memory shows as stores, a barrier and loads inside the loop).
+
+The figures are per thread; a program moves `threads` (num_warps x 32) times them. Loads ptxas
+hoisted out of a loop (a pipelined loop's prologue) are not in its trips; copies into shared memory
+(cp.async: LDGSTS) count as weight loads, in flight until the first wait on them (DEPBAR). Each loop
+is named by the task function its weight loads were inlined from (the -gi records); a ptxas that
+keeps none (Triton 3.6's 12.8) leaves only line numbers, and the loop is named by the nearest task
+function laid out after it, which tells dense linear loops from MoE ones but not _task_linear's
+from _task_linear_split's (the same loop, inlined twice).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The megakernel's weight loads: the lines of kernel.py that hold both strings.
+WEIGHT_LOAD = ("tl.load(w_ptr", "w_off")
+_WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+_LOC = re.compile(r'//## File "([^"]+)", line (\d+)')
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_REG = re.compile(r"\bR(\d+)(?:\.64)?\b")
+
+
+@dataclass
+class Insn:
+    address: int
+    opcode: str
+    operands: list[str]
+    file: str
+    line: int                # the innermost source line (an inlined function's own)
+    chain: tuple[int, ...]   # that line, then each line it was inlined at, outwards
+
+
+@dataclass
+class Loop:
+    """One loop's trip (per thread)."""
+    start: int
+    end: int
+    lines: tuple[int, ...]                    # weight-load source lines inside
+    callers: tuple[str, ...] = ()             # the functions its first weight load was inlined through, inwards
+    loads: dict[str, int] = field(default_factory=dict)
+    weight_bytes: int = 0
+    in_flight_bytes: int = 0
+    barriers: int = 0
+    shared: int = 0
+
+    @property
+    def task(self) -> str:
+        """The task function the loop belongs to (kernel.py's `_task_<op>`), or its outermost caller."""
+        return next((c for c in self.callers if c.startswith("_task_")), self.callers[0] if self.callers else "?")
+
+
+def disassemble(cubin: bytes, nvdisasm: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        r = subprocess.run([nvdisasm, "-gi", "-c", str(path)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {r.stderr[-2000:]}")
+    return r.stdout
+
+
+def instructions(sass: str) -> tuple[list[Insn], dict[str, int]]:
+    """The instructions, each with its source location (nvdisasm -gi prints, before a run of
+    instructions, the innermost line first, then the lines it was inlined at), and the labels'
+    addresses."""
+    out: list[Insn] = []
+    labels: dict[str, int] = {}
+    where: tuple[str, tuple[int, ...]] = ("", (0,))
+    group: list[tuple[str, int]] = []
+    pending: list[str] = []
+    for text in sass.splitlines():
+        loc = _LOC.search(text)
+        if loc:
+            group.append((loc.group(1), int(loc.group(2))))
+            continue
+        if group:
+            where, group = (group[0][0], tuple(line for _, line in group)), []
+        label = re.match(r"\s*(\.L_x_\d+):", text)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = _INSN.search(text)
+        if m:
+            address = int(m.group(1), 16)
+            labels.update((p, address) for p in pending)
+            pending = []
+            ops = [o.strip() for o in m.group(4).split(",")] if m.group(4).strip() else []
+            out.append(Insn(address, m.group(3), ops, where[0], where[1][0], where[1]))
+    return out, labels
+
+
+def _load_bytes(opcode: str) -> int:
+    for part in opcode.split(".")[1:]:
+        if part in _WIDTH:
+            return _WIDTH[part]
+    return 4
+
+
+def _dest_regs(insn: Insn) -> set[int]:
+    m = _REG.search(insn.operands[0]) if insn.operands else None
+    if m is None:
+        return set()
+    first, count = int(m.group(1)), max(1, _load_bytes(insn.opcode) // 4)
+    return set(range(first, first + count))
+
+
+def _source_regs(insn: Insn) -> set[int]:
+    stores = insn.opcode.startswith(("ST", "RED", "ATOM"))
+    regs: set[int] = set()
+    for op in insn.operands[0 if stores else 1:]:
+        for m in _REG.finditer(op):
+            first = int(m.group(1))
+            regs.update((first, first + 1) if ".64" in m.group(0) else (first,))
+    return regs
+
+
+def is_weight_load(insn: Insn, file_suffix: str, sites: set[int]) -> bool:
+    return insn.opcode.startswith("LDG") and not insn.opcode.startswith("LDGDEPBAR") and (
+        insn.file.endswith(file_suffix) and insn.line in sites)
+
+
+def loops(insns: list[Insn], labels: dict[str, int], file_suffix: str, sites: set[int],
+          names: dict[int, str] | None = None) -> list[Loop]:
+    """The innermost loops holding weight loads, in address order, with their trips' figures: a
+    loop is a branch back to a label at or before it."""
+    index = {i.address: n for n, i in enumerate(insns)}
+    found = []
+    for n, branch in enumerate(insns):
+        if not branch.opcode.startswith("BRA") or not branch.operands:
+            continue
+        name = re.search(r"\.L_x_\d+", branch.operands[-1])
+        start = labels.get(name.group(0)) if name else None
+        if start is None or start > branch.address:
+            continue
+        body = insns[index[start]:n + 1]
+        if any(is_weight_load(i, file_suffix, sites) for i in body):
+            found.append(body)
+    innermost = [b for b in found
+                 if not any(o is not b and b[0].address <= o[0].address and o[-1].address <= b[-1].address
+                            and (o[0].address, o[-1].address) != (b[0].address, b[-1].address) for o in found)]
+    names = names or {}
+    out = []
+    for body in innermost:
+        loop = _trip(body, file_suffix, sites, names)
+        if not any(c.startswith("_task_") for c in loop.callers):
+            # No inlining records (older ptxas): the task is the nearest one after the loop.
+            after = (names.get(i.line, "") for i in insns[index[body[-1].address]:] if i.file.endswith(file_suffix))
+            task = next((n for n in after if n.startswith("_task_")), None)
+            if task is not None:
+                loop.callers = (task,) + loop.callers
+        out.append(loop)
+    return out
+
+
+def _trip(body: list[Insn], file_suffix: str, sites: set[int], names: dict[int, str]) -> Loop:
+    first = next(i for i in body if is_weight_load(i, file_suffix, sites))
+    callers = tuple(dict.fromkeys(names.get(line, "?") for line in reversed(first.chain)))
+    loop = Loop(body[0].address, body[-1].address,
+                tuple(sorted({i.line for i in body if is_weight_load(i, file_suffix, sites)})), callers)
+    pending: set[int] = set()
+    waiting = False
+    for i in body:
+        if is_weight_load(i, file_suffix, sites):
+            size = _load_bytes(i.opcode)
+            loop.loads[i.opcode] = loop.loads.get(i.opcode, 0) + 1
+            loop.weight_bytes += size
+            if not waiting:
+                loop.in_flight_bytes += size
+                pending |= _dest_regs(i) if not i.opcode.startswith("LDGSTS") else {-1}
+            continue
+        # The first reader of a loaded register (or, for cp.async copies into shared memory, the
+        # first wait on them) ends what the trip has in flight at once.
+        if not waiting and pending and (_source_regs(i) & pending or i.opcode.startswith("DEPBAR")):
+            waiting = True
+        if i.opcode.startswith("BAR"):
+            loop.barriers += 1
+        if i.opcode.startswith(("LDS", "STS", "LDSM")):
+            loop.shared += 1
+    return loop
+
+
+def analyse(cubin: bytes, nvdisasm: str, source: Path, marker: tuple[str, ...]) -> list[Loop]:
+    """The weight loops of a cubin whose weight loads are the lines of `source` containing every
+    string of `marker` (e.g. ("tl.load(w_ptr", "w_off")): the sites are found in the source, so
+    an edit that moves them moves nothing here."""
+    text = source.read_text().splitlines()
+    sites = {n + 1 for n, line in enumerate(text) if all(m in line for m in marker)}
+    insns, labels = instructions(disassemble(cubin, nvdisasm))
+    return loops(insns, labels, source.name, sites, enclosing_functions(text))
+
+
+def enclosing_functions(lines: list[str]) -> dict[int, str]:
+    """Source line (1-based) -> the name of the top-level function it lies in."""
+    out, name = {}, "?"
+    for n, line in enumerate(lines, 1):
+        m = re.match(r"def (\w+)", line)
+        if m:
+            name = m.group(1)
+        elif line and not line[0].isspace() and not line.startswith(("@", "#", ")")):
+            name = "?"
+        out[n] = name
+    return out

@@ -1,0 +1,94 @@
+"""photon_core/kernels/sass_loops.py: reading a K loop's trip out of SASS (compile-only evidence for
+issue 38: bytes in flight, vector widths, barriers and shared-memory traffic inside the loop).
+
+The parser runs on a hand-written listing in nvdisasm -gi's format (no GPU, no compile); the
+compiled megakernel builds are read by test_megakernel_variants.py."""
+from photon_core.kernels import sass_loops as sl
+
+K = "/src/photon_core/megakernel/kernel.py"
+
+# A task loop (label .L_x_1, closed by the branch at 0x0100) around a K loop (.L_x_2 .. 0x00c0):
+# two 16-byte weight loads from line 449 (inlined at 411, inside _task_linear at 30), one 2-byte
+# load from 449 after the first use, a shared-memory layout change with a barrier, the multiply.
+LISTING = f"""
+_megakernel:
+.L_x_1:
+	//## File "{K}", line 20
+        /*0000*/                   LDG.E.STRONG.GPU R2, desc[UR4][R40.64] ;
+.L_x_2:
+	//## File "{K}", line 449 inlined at "{K}", line 411
+	//## File "{K}", line 411 inlined at "{K}", line 30
+	//## File "{K}", line 30
+        /*0010*/                   LDG.E.128 R12, desc[UR4][R4.64] ;
+        /*0020*/               @P1 LDG.E.128 R16, desc[UR4][R6.64] ;
+	//## File "{K}", line 445 inlined at "{K}", line 30
+	//## File "{K}", line 30
+        /*0030*/                   IADD3 R4, P0, R4, 0x80, RZ ;
+        /*0040*/                   FFMA R20, R13, R8, R20 ;
+	//## File "{K}", line 449 inlined at "{K}", line 30
+	//## File "{K}", line 30
+        /*0050*/                   LDG.E.U16 R22, desc[UR4][R6.64+0x100] ;
+        /*0060*/                   STS.128 [R9], R16 ;
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0080*/                   LDSM.16.M88.4 R24, [R9] ;
+        /*0090*/                   FFMA R20, R24, R22, R20 ;
+        /*00a0*/                   ISETP.GE.AND P0, PT, R4, R5, PT ;
+        /*00c0*/              @!P0 BRA `(.L_x_2) ;
+	//## File "{K}", line 20
+        /*00d0*/                   RED.E.ADD.STRONG.GPU desc[UR4][R40.64], R3 ;
+        /*0100*/                   BRA `(.L_x_1) ;
+"""
+
+SOURCE = ["def _task_linear(row):"] * 40 + ["def _linear_acc(row):"] * 460
+
+
+def _loops():
+    insns, labels = sl.instructions(LISTING)
+    names = sl.enclosing_functions(["def _megakernel():"] * 25 + SOURCE[25:])
+    return insns, labels, sl.loops(insns, labels, "kernel.py", {449}, names)
+
+
+def test_instructions_carry_their_innermost_line_and_the_lines_they_were_inlined_at():
+    insns, labels, _ = _loops()
+    first = next(i for i in insns if i.address == 0x10)
+    assert (first.opcode, first.line, first.chain) == ("LDG.E.128", 449, (449, 411, 30))
+    assert first.operands[0] == "R12"
+    predicated = next(i for i in insns if i.address == 0x20)
+    assert predicated.opcode == "LDG.E.128" and predicated.line == 449
+    assert labels == {".L_x_1": 0x0, ".L_x_2": 0x10}
+
+
+def test_the_innermost_weight_loop_and_its_trip():
+    _, _, found = _loops()
+    assert len(found) == 1                        # the task loop holds it: only the K loop is innermost
+    loop = found[0]
+    assert (loop.start, loop.end, loop.lines) == (0x10, 0xc0, (449,))
+    assert loop.loads == {"LDG.E.128": 2, "LDG.E.U16": 1}
+    assert loop.weight_bytes == 16 + 16 + 2
+    # R13 (the first load's second word) is read at 0x40: the 2-byte load after it is not in flight
+    assert loop.in_flight_bytes == 32
+    assert (loop.barriers, loop.shared) == (1, 2)
+    assert loop.task == "_task_linear"
+
+
+def test_a_load_that_is_not_a_weight_site_is_not_counted():
+    insns, labels = sl.instructions(LISTING)
+    assert sl.loops(insns, labels, "kernel.py", {450}) == []
+    assert sl.loops(insns, labels, "other.py", {449}) == []
+
+
+def test_async_copies_stay_in_flight_until_their_wait():
+    listing = f"""
+.L_x_5:
+	//## File "{K}", line 553
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R3+0x10], desc[UR4][R6.64] ;
+        /*0020*/                   LDGDEPBAR ;
+        /*0030*/                   FFMA R20, R3, R8, R20 ;
+        /*0040*/                   DEPBAR.LE SB0, 0x1 ;
+        /*0050*/                   LDGSTS.E.BYPASS.128 [R3+0x20], desc[UR4][R6.64] ;
+        /*0060*/              @!P0 BRA `(.L_x_5) ;
+"""
+    insns, labels = sl.instructions(listing)
+    (loop,) = sl.loops(insns, labels, "kernel.py", {553})
+    assert loop.weight_bytes == 48 and loop.in_flight_bytes == 32
