@@ -477,9 +477,10 @@ def _xw_step(acc3, w, kb, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, g
 
 
 @triton.jit
-def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr):
+def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, gn, be, mean, rstd):
     """One row of x at K columns kk ([BK]), as _x_tile makes a tile's (x_row: the row's start;
-    g_row: its gate's; mean, rstd: its statistics)."""
+    g_row: its gate's; gn, be: the fused norm's weight and bias at kk, loaded once for every row;
+    mean, rstd: the row's statistics)."""
     x = tl.load(x_row + kk, mask=kmask, other=0.0, cache_modifier=CG)
     if xglu > 0:
         x = apply_activation(x, xglu) * tl.load(x_row + K + kk, mask=kmask, other=0.0, cache_modifier=CG)
@@ -488,10 +489,7 @@ def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, lnb, mean, 
     if xgate >= 0:
         x = x * apply_activation(tl.load(g_row + kk, mask=kmask, other=0.0, cache_modifier=CG), gact)
     if lnw >= 0:
-        g = tl.load(w_ptr + lnw + kk, mask=kmask, other=0.0).to(tl.float32)
-        be = (tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask, other=0.0).to(tl.float32)
-              * tl.where(lnb >= 0, 1.0, 0.0))
-        x = tl.where(kmask, (x - mean) * rstd * g + be, 0.0)
+        x = tl.where(kmask, (x - mean) * rstd * gn + be, 0.0)
     return x
 
 
@@ -513,14 +511,18 @@ def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xg
         wm = cmask[:, None] & (kk < k1w)[None, :]
         w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * ldw + kk[None, :], mask=wm, other=0.0)
         w = w.to(tl.float32)
+        # The fused norm's weight and bias are the same for every row: loaded (and moved into the
+        # rows' layout) once a step, not once a row (8 layout changes a step at batch 8, SASS).
+        gn = tl.load(w_ptr + tl.maximum(lnw, 0) + kk, mask=kmask & ((kk * 0 + lnw) >= 0), other=0.0).to(tl.float32)
+        be = tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask & ((kk * 0 + lnb) >= 0), other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             one = rows == m
             ok = tl.sum(tl.where(one & rmask, 1, 0), axis=0)
             mean_m = tl.sum(tl.where(one, mean, 0.0), axis=0)
             rstd_m = tl.sum(tl.where(one, rstd, 0.0), axis=0)
             # a vector mask: scalar & vector confuses the interpreter
-            x = _x_row(kk, kmask & ((kk * 0 + ok) > 0), K, x_base + m * x_stride, g_base + m * K, xglu, xact, xgate, gact, lnw, lnb,
-                       mean_m, rstd_m, w_ptr)
+            x = _x_row(kk, kmask & ((kk * 0 + ok) > 0), K, x_base + m * x_stride, g_base + m * K, xglu, xact, xgate, gact, lnw,
+                       gn, be, mean_m, rstd_m)
             part = tl.sum(w * x[None, :], axis=1)
             acc = tl.where(one[:, None], acc + part[None, :], acc)
     return acc
