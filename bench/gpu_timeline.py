@@ -245,8 +245,10 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
                 os.environ.pop("PHOTON_BUILD_CACHE")
             else:
                 os.environ["PHOTON_BUILD_CACHE"] = cache
-        RESULTS.setdefault("engine_choice", {})[cfg.name] = dict(engine=c.engine, how=c.how, megakernel_ms=c.megakernel_ms,
-                                                                 perop_ms=c.perop_ms, note=c.note)
+        RESULTS.setdefault("engine_choice", {})[cfg.name] = dict(engine=c.engine, variant=c.variant, how=c.how,
+                                                                 megakernel_ms=c.megakernel_ms, perop_ms=c.perop_ms,
+                                                                 variant_ms=c.variant_ms, timed_variant=c.timed_variant,
+                                                                 note=c.note)
         log(f"{cfg.name}: auto chooses {c.line()}")
         step.set_engine("megakernel")
     for v in traced:

@@ -22,20 +22,23 @@ from photon_core.runtime import decode  # noqa: E402
 WT = WhisperDecoderWeights.random(64, 2, 1, 96, n_ctx=16, seed=0)
 
 
-def build(batch: int = 1):
+def build(batch: int = 1, weight_dtype: torch.dtype = torch.float32):
     with first_engine("perop"):
-        return WhisperDecoderMegakernel(WT, batch, 16, 8, advance=True)
+        return WhisperDecoderMegakernel(WT, batch, 16, 8, advance=True, weight_dtype=weight_dtype)
 
 
 class Timer:
-    """ms per engine, counting the measurements."""
+    """ms per engine (and megakernel variant: "megakernel wide512+aligned"), counting the
+    measurements and keeping which kernel variant each megakernel measurement would launch."""
 
-    def __init__(self, **ms: float) -> None:
-        self.ms, self.calls = ms, 0
+    def __init__(self, ms: dict | None = None, **kw: float) -> None:
+        self.ms, self.calls, self.launched = dict(ms or {}, **kw), 0, []
 
     def __call__(self, step) -> float:
         self.calls += 1
-        value = self.ms[step.engine]
+        if step.engine == "megakernel":
+            self.launched.append(step.kernel_for(None).variant.name())
+        value = self.ms[step.engine_label]
         if isinstance(value, Exception):
             raise value
         return value
@@ -148,3 +151,67 @@ def test_policies_reach_the_steps_and_the_diagnostics(monkeypatch):
         with pytest.raises(Seen, match=f"^{policy}$"):
             found.load("cuda", None, backend)
     assert decode.current_engine_policy() == "megakernel"    # restored after
+
+
+@pytest.mark.parametrize("batch, streaming", [(1, "wide512+aligned"), (2, "unroll4+aligned")])
+def test_a_bf16_step_also_times_the_streaming_megakernel_and_keeps_the_fastest(cache, batch, streaming):
+    """16-bit weights: the megakernel's streaming build is a third candidate (the same task table,
+    its K loops compiled to keep more weights in flight); the fastest of the three runs and is
+    recorded with its variant, which the next start's megakernel is built as."""
+    label = f"megakernel {streaming}"
+    step = build(batch, torch.bfloat16)
+    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("megakernel", streaming), ("perop", "plain")]
+    timer = Timer({"megakernel": 7.2, label: 1.9, "perop": 2.98})
+    choice = engine_choice.choose(step, timer)
+    assert (choice.engine, choice.variant, choice.how, step.engine_label) == ("megakernel", streaming, "measured", label)
+    assert timer.launched == ["plain", streaming] and timer.calls == 3
+    assert step.kernel_for(None).variant.name() == streaming        # what decode launches now
+    if batch == 1:   # the streaming build launches and computes the plain build's logits (Triton's interpreter)
+        step.set_step([5], [3])
+        logits = {}
+        for variant in (streaming, "plain"):
+            saved = step.state.clone(), step.dyn.clone()   # the launch advances the row's token and position
+            step.set_engine("megakernel", variant)
+            step.kernel_for(None).launch()
+            step.kernel_for(None).raise_on_error()
+            logits[variant] = step.view("logits").clone()
+            step.state.copy_(saved[0])
+            step.dyn.copy_(saved[1])
+        torch.testing.assert_close(logits[streaming], logits["plain"], rtol=1e-4, atol=1e-4)
+        step.set_engine("megakernel", streaming)
+    assert choice.line() == (f"megakernel {streaming} (measured: megakernel 7.200 ms, {label} 1.900 ms, "
+                             "per-op 2.980 ms)")
+    record = json.loads(engine_choice.record_path(step).read_text())
+    assert (record["engine"], record["variant"]) == ("megakernel", streaming)
+    again = build(batch, torch.bfloat16)
+    choice = engine_choice.choose(again, Timer())
+    assert (choice.how, choice.variant, again.kernel_for(None).variant.name()) == ("recorded", streaming, streaming)
+    # where the plain build is faster, it stays plain; where the per-op engine is, that runs
+    for times, want in (({"megakernel": 1.0, label: 1.9, "perop": 2.98}, "megakernel"),
+                        ({"megakernel": 7.2, label: 3.1, "perop": 2.98}, "perop")):
+        step = build(batch, torch.bfloat16)
+        engine_choice.record_path(step).unlink()
+        choice = engine_choice.choose(step, Timer(times))
+        assert (step.engine_label, choice.variant) == (want, "plain")
+
+
+def test_fp32_weights_time_no_streaming_build_and_old_records_read_as_plain(cache):
+    step = build()
+    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("perop", "plain")]
+    engine_choice.choose(step, Timer(megakernel=1.0, perop=2.0))
+    path = engine_choice.record_path(step)
+    path.write_text(json.dumps(dict(engine="megakernel", megakernel_ms=1.0, perop_ms=2.0)))   # written before variants
+    choice = engine_choice.choose(build(), Timer())
+    assert (choice.how, choice.variant) == ("recorded", "plain")
+    path.write_text(json.dumps(dict(engine="megakernel", variant="wide3+nonsense")))
+    assert engine_choice.choose(build(), Timer(megakernel=1.0, perop=2.0)).how == "measured"
+
+
+def test_variant_names_round_trip():
+    from photon_core.megakernel.kernel import KernelVariant
+    for v in (KernelVariant(), KernelVariant(wide=512, aligned=True), KernelVariant(unroll=4, aligned=True),
+              KernelVariant(dot=64, pipeline=4), KernelVariant(prefetch=2)):
+        assert KernelVariant.parse(v.name()) == v
+    for bad in ("wide", "aligned1", "wide512+bogus", "unroll3"):
+        with pytest.raises(ValueError):
+            KernelVariant.parse(bad)

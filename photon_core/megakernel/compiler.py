@@ -337,6 +337,7 @@ class CompiledStep(StateViews):
         self.check = check
         self._kernels: dict[tuple[str, frozenset[str] | None], object] = {}
         self.engine = _first_engine.get()
+        self.variant = "plain"     # how the megakernel's K loops are built (kernel.KernelVariant.name())
         if self.engine == "megakernel":
             self.kernel_for(None)   # build and prove the full graph at load time
 
@@ -347,18 +348,30 @@ class CompiledStep(StateViews):
         for name in (*self.graph_def.caches, *self.graph_def.states):
             self.view(name).nan_to_num_(0.0, 0.0, 0.0)
 
-    def set_engine(self, engine: str) -> None:
-        """Run the following launches on `engine` ("megakernel" or "perop"): both read and write the
-        same buffers, so a step may switch between launches. A loop built on the step before
-        (DeviceDecode) keeps the kernel it took. The per-op engine holds the small weights (norms,
-        rotary tables) as fp32 copies made with its kernel: after writing weights in place, set the
-        engine again to make them anew."""
+    def set_engine(self, engine: str, variant: str = "plain") -> None:
+        """Run the following launches on `engine` ("megakernel" or "perop"), the megakernel built as
+        `variant` (kernel.KernelVariant's name: the same task table, another compile of its K
+        loops): every engine reads and writes the same buffers, so a step may switch between
+        launches. A loop built on the step before (DeviceDecode) keeps the kernel object it took
+        (and a megakernel's variant follows this call). The per-op engine holds the small weights
+        (norms, rotary tables) as fp32 copies made with its kernel: after writing weights in place,
+        set the engine again to make them anew."""
+        from photon_core.megakernel.kernel import KernelVariant
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: one of {ENGINES}")
+        built = KernelVariant.parse(variant)       # a bad name fails before anything changes
         for k in [k for k in self._kernels if k[0] == "perop"]:
             del self._kernels[k]
-        self.engine = engine
+        self.engine, self.variant = engine, variant
+        for k, kernel in self._kernels.items():
+            if k[0] == "megakernel":
+                kernel.variant = built  # type: ignore[attr-defined]
         self.kernel_for(None)
+
+    @property
+    def engine_label(self) -> str:
+        """The engine and, for the megakernel, its variant where it is not the plain build."""
+        return self.engine if self.engine == "perop" or self.variant == "plain" else f"megakernel {self.variant}"
 
     def weight(self, key: str) -> torch.Tensor:
         """A weight as the arena holds it (matrices without their row padding): a view, so writes
@@ -392,7 +405,7 @@ class CompiledStep(StateViews):
             return self._kernels["perop", key]
         if ("megakernel", key) not in self._kernels:
             from photon_core.megakernel import build_cache
-            from photon_core.megakernel.kernel import Megakernel, step_tasks_for
+            from photon_core.megakernel.kernel import KernelVariant, Megakernel, step_tasks_for
             p, tl = self.plan, self.tiling
             specs = list(self.graph_def.caches.values())
             # The delta rule holds a value head ([Dv]) in one block, like an attention head.
@@ -409,13 +422,14 @@ class CompiledStep(StateViews):
                 self.graph_def, self.batch, tl, p.weight_dtype, p.kv_dtype, key, self.weights.device)
             stored = build_cache.load(entry) if entry is not None else None
             if stored is not None:
-                self._kernels["megakernel", key] = _proven_kernel(*stored, self.weights, self.state, self.dyn,
-                                                                  self.out, **kw)
+                mk = _proven_kernel(*stored, self.weights, self.state, self.dyn, self.out, **kw)
             else:
                 mk = Megakernel(lower(p, key), self.weights, self.state, self.dyn, self.out, **kw)
                 if entry is not None:
                     build_cache.store(entry, mk.graph, mk.tasks)
-                self._kernels["megakernel", key] = mk
+            if self.variant != "plain":
+                mk.variant = KernelVariant.parse(self.variant)
+            self._kernels["megakernel", key] = mk
         return self._kernels["megakernel", key]
 
     @property

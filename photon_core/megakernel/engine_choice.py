@@ -11,6 +11,14 @@ under a second. The faster engine runs the step. An engine that fails to build o
 that cannot compile the megakernel, a CUDA error) is not chosen, with the reason in the record;
 both failing raise.
 
+Besides the plain megakernel, a step with bf16 (or fp16) weights and no FP8 experts also times the
+megakernel's streaming build for its batch (STREAMING: wide512+aligned at batch 1, unroll4+aligned
+above): the same task table, K loops compiled to keep 32 / 8-16 KB of weights in flight a program
+where the plain build keeps 4 / 2 KB (their SASS: bench/RESULTS.md "Megakernel K loop from the
+SASS"; the cost model predicts 1.9 ms for Moondream 2 at batch 1 against the plain build's 7.2).
+Which is faster on a given GPU is measured, never assumed: the variant costs one more Triton compile
+(12-16 s on an H200's host) at the first start only, and is chosen only where it wins.
+
 The choice is kept beside the build cache (build_cache.py: same folder, same key, i.e. graph,
 bucket, tiling, dtypes, code, Triton and torch versions, GPU) as `<key>.engine.json`, written
 atomically; the next start reads it and builds only the chosen engine (a per-op choice lowers and
@@ -33,6 +41,7 @@ import torch
 
 from photon_core.megakernel import build_cache
 from photon_core.megakernel.compiler import ENGINES
+from photon_core.megakernel.kernel import KernelVariant
 from photon_core.runtime.decode import EngineChoice
 
 if TYPE_CHECKING:
@@ -41,8 +50,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAUNCHES, REPEATS = 2, 5
+# The megakernel's streaming build per batch (kernel.KernelVariant names), timed beside the plain one.
+STREAMING = {1: "wide512+aligned"}
+STREAMING_ABOVE_1 = "unroll4+aligned"
 _measuring = threading.Lock()   # one measurement at a time: two at once would time each other
-Timer = Callable[["CompiledStep"], float]   # ms per step of the step's current engine
+Timer = Callable[["CompiledStep"], float]   # ms per step of the step's current engine (and variant)
+
+
+def candidates(step: "CompiledStep") -> list[tuple[str, str]]:
+    """(engine, variant) pairs to time for `step`: the plain megakernel and the per-op engine, and
+    for 16-bit weights without FP8 experts the megakernel's streaming build (the aligned builds'
+    16-byte loads make FP8 expert builds spill, kernel._linear_acc)."""
+    out = [("megakernel", "plain"), ("perop", "plain")]
+    if step.plan.weight_dtype in (torch.bfloat16, torch.float16) and not step.plan.fp8:
+        out.insert(1, ("megakernel", STREAMING.get(step.batch, STREAMING_ABOVE_1)))
+    return out
 
 
 def replay_ms(step: "CompiledStep", launches: int = LAUNCHES, repeats: int = REPEATS) -> float:
@@ -93,6 +115,7 @@ def _read(path: Path | None) -> dict | None:
         rec = json.loads(path.read_text())
         if rec.get("engine") not in ENGINES:
             raise ValueError(f"engine {rec.get('engine')!r}")
+        KernelVariant.parse(rec.setdefault("variant", "plain"))   # a record before variants: the plain build
         return rec
     except Exception as e:  # noqa: BLE001  whatever is wrong with it, a measurement replaces it
         log.warning("decode engine record %s unreadable (%s: %s); measuring again", path, type(e).__name__, e)
@@ -123,9 +146,9 @@ def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
     rec = _read(path)
     if rec is not None:
         try:
-            step.set_engine(rec["engine"])
+            step.set_engine(rec["engine"], rec["variant"])
             return EngineChoice(name, B, rec["engine"], "recorded", rec.get("megakernel_ms"), rec.get("perop_ms"),
-                                rec.get("note", ""))
+                                rec.get("note", ""), rec["variant"], rec.get("variant_ms"), rec.get("timed_variant", ""))
         except Exception as e:  # noqa: BLE001  what ran before no longer builds: measure both again
             log.warning("%s B%d: the recorded %s engine failed (%s: %s); measuring again", name, B, rec["engine"],
                         type(e).__name__, e)
@@ -135,27 +158,30 @@ def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
 
 def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> EngineChoice:
     name, B = step.graph_def.name, step.batch
-    times: dict[str, float] = {}
+    times: dict[tuple[str, str], float] = {}
     failed: dict[str, str] = {}
-    for engine in ENGINES:
+    for engine, variant in candidates(step):
         try:
-            step.set_engine(engine)
-            times[engine] = (timer or replay_ms)(step)
-        except Exception as e:  # noqa: BLE001  the other engine may still run the step
-            failed[engine] = f"{type(e).__name__}: {e}"
-            log.warning("%s B%d: the %s engine failed (%s)", name, B, engine, failed[engine])
+            step.set_engine(engine, variant)
+            times[engine, variant] = (timer or replay_ms)(step)
+        except Exception as e:  # noqa: BLE001  another engine may still run the step
+            failed[step.engine_label] = f"{type(e).__name__}: {e}"
+            log.warning("%s B%d: the %s engine failed (%s)", name, B, step.engine_label, failed[step.engine_label])
     if not times:
         raise RuntimeError(f"{name} B{B}: no decode engine runs here: {failed}")
-    best = min(times, key=times.__getitem__)
-    step.set_engine(best)
+    best, variant = min(times, key=times.__getitem__)
+    step.set_engine(best, variant)
+    streaming = next((v for (e, v) in candidates(step) if e == "megakernel" and v != "plain"), "plain")
     note = "; ".join(f"{k} failed: {v}"[:300] for k, v in failed.items())
-    choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", times.get("megakernel"),
-                          times.get("perop"), note)
-    rec = dict(engine=best, megakernel_ms=choice.megakernel_ms, perop_ms=choice.perop_ms, note=note)
+    choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", times.get(("megakernel", "plain")),
+                          times.get(("perop", "plain")), note, variant, times.get(("megakernel", streaming)),
+                          streaming)
+    rec = dict(engine=best, variant=variant, megakernel_ms=choice.megakernel_ms, perop_ms=choice.perop_ms,
+               variant_ms=choice.variant_ms, timed_variant=streaming, note=note)
     log.info("%s B%d decodes on %s", name, B, choice.line())
     if not failed:       # a failure may be passing (memory, a busy GPU): measure again next start
         _write(path, rec)
     return choice
 
 
-__all__ = ["choose", "replay_ms", "record_path", "LAUNCHES", "REPEATS"]
+__all__ = ["choose", "candidates", "replay_ms", "record_path", "LAUNCHES", "REPEATS", "STREAMING", "STREAMING_ABOVE_1"]

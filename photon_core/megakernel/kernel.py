@@ -30,6 +30,7 @@ error flag (task index + 1) and the task is skipped rather than hanging the GPU;
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -1591,6 +1592,22 @@ class KernelVariant:
         parts += [f"unroll{self.unroll}"] * bool(self.unroll) + ["aligned"] * self.aligned
         parts += [f"pipe{self.pipeline}"] * bool(self.pipeline) + [f"prefetch{self.prefetch}"] * bool(self.prefetch)
         return "+".join(parts) or "plain"
+
+    @classmethod
+    def parse(cls, name: str) -> "KernelVariant":
+        """The variant `name()` names (e.g. "wide512+aligned"; "plain": the default build)."""
+        fields = {"dot": "dot", "wide": "wide", "unroll": "unroll", "pipe": "pipeline", "prefetch": "prefetch"}
+        kw: dict = {}
+        for part in ([] if name == "plain" else name.split("+")):
+            m = re.fullmatch(r"([a-z]+?)(\d*)", part)
+            if m is None or (m.group(1) != "aligned" and (m.group(1) not in fields or not m.group(2))) \
+                    or (m.group(1) == "aligned" and m.group(2)):
+                raise ValueError(f"not a kernel variant: {name!r} (e.g. 'plain', 'wide512+aligned')")
+            if m.group(1) == "aligned":
+                kw["aligned"] = True
+            else:
+                kw[fields[m.group(1)]] = int(m.group(2))
+        return cls(**kw)
 
 
 

@@ -85,9 +85,10 @@ def current_engine_policy() -> str:
 
 @dataclass(frozen=True)
 class EngineChoice:
-    """Which engine runs one model's step of one bucket, and why: "measured" (both timed as
-    CUDA-graph replays, ms a step), "recorded" (a measurement of an earlier start), "asked" (the
-    policy named it) or "fallback" (the other engine failed: `note` says how)."""
+    """Which engine runs one model's step of one bucket, and why: "measured" (each timed as
+    CUDA-graph replays, ms a step: the plain megakernel, its streaming build where one was timed,
+    the per-op engine), "recorded" (a measurement of an earlier start), "asked" (the policy named
+    it) or "fallback" (another engine failed: `note` says how)."""
     model: str
     batch: int
     engine: str
@@ -95,11 +96,17 @@ class EngineChoice:
     megakernel_ms: float | None = None
     perop_ms: float | None = None
     note: str = ""
+    variant: str = "plain"             # the megakernel's build (kernel.KernelVariant name) where it runs
+    variant_ms: float | None = None    # the streaming build's time, where it was timed
+    timed_variant: str = ""            # which build that was
 
     def line(self) -> str:
+        runs = self.engine if self.engine == "perop" or self.variant == "plain" else f"megakernel {self.variant}"
         times = ", ".join(f"{k} {v:.3f} ms" for k, v in (("megakernel", self.megakernel_ms),
+                                                          (f"megakernel {self.timed_variant or self.variant}",
+                                                           self.variant_ms),
                                                           ("per-op", self.perop_ms)) if v is not None)
-        return f"{self.engine} ({self.how}{': ' + times if times else ''}{'; ' + self.note if self.note else ''})"
+        return f"{runs} ({self.how}{': ' + times if times else ''}{'; ' + self.note if self.note else ''})"
 
 
 _choices: dict[tuple[str, int], EngineChoice] = {}
