@@ -145,3 +145,56 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     assert unrolled["in_flight_bytes"] >= 4 * plain["in_flight_bytes"] and set(unrolled["loads"]) == {"LDG.E.128"}
     assert wide["in_flight_bytes"] * threads >= 32 * 1024 and set(wide["loads"]) == {"LDG.E.128"}, wide
     assert got["megakernel_b1_bf16_n32_k64_wide512_aligned"]["stack"] == 0
+
+
+def _proof_families():
+    import importlib.util
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("gpu_proof_bench", bench / "gpu_proof.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_proof_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod.families(dry=True, sms=4)
+
+
+FAMILIES = _proof_families()
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if not n.endswith("/split")])
+def test_the_streaming_builds_compute_what_the_plain_build_does_for_every_family(name):
+    """The builds engine_choice may pick on a GPU (wide512+aligned at batch 1, unroll4+aligned at
+    batch 2) on each family's step graph (the GPU proof's tiny shapes: GLU, gated, activated and
+    column-sliced inputs, RMS and LayerNorm, MoE, recurrent states), bf16 weights: the exposed
+    values equal the plain build's up to the summation order, the picks are the same."""
+    from photon_core.gpu_proof.build import fill
+    from photon_core.megakernel.compiler import first_engine
+    from photon_core.megakernel.decode_loop import restoring
+    fam = FAMILIES[name]
+    fam.load(torch.device("cpu"))
+    for batch, streaming in ((1, "wide512+aligned"), (2, "unroll4+aligned")):
+        with first_engine("perop"):
+            step = fam.build(batch, False)
+        step.weights = step.weights.to(torch.bfloat16)
+        rows = fam.rows(batch, "steps")
+        fill(step, rows, seed=5)
+        step.scrub_nonfinite()
+        takes_tokens = any(n.op == "embed" for n in step.graph_def.nodes)
+        step.set_step(rows.tokens if takes_tokens else None, rows.positions)
+        for key, value in fam.inputs(batch, rows.tokens).items():
+            step.set_input(key, value)
+        got = {}
+        for variant in ("plain", streaming):
+            step.set_engine("megakernel", variant)
+            assert step.kernel_for(None).variant.name() == variant
+            with restoring(step, 1):
+                step.launch()
+                got[variant] = ({k: step.view(k).clone() for k in step.graph_def.exposed},
+                                {r: step.result(r).tolist() for r in step.graph_def.results})
+        for key, plain in got["plain"][0].items():
+            mine, barred = got[streaming][0][key], plain.isinf()    # a logit rule's -inf columns: exactly
+            assert torch.equal(mine[barred], plain[barred]) and mine[~barred].isfinite().all(), (name, batch, key)
+            err = ((mine[~barred] - plain[~barred]).abs().max() / plain[~barred].abs().max().clamp_min(1e-12)).item()
+            assert err < 1e-5, (name, batch, key, err)
+        assert got[streaming][1] == got["plain"][1], (name, batch)
