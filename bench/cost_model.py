@@ -50,7 +50,8 @@ def graphs(tiling: Any = None) -> dict[tuple[str, int], tuple[Any, Any]]:
 
 def launch(name: str, batch: int, weights: str, graph: Any, tiling: Any, k_step_scale: float = 1.0,
            stats_chunk: int = 0) -> cm.Launch:
-    """The launch the run timed: Triton 3.6's K step (its register budgets), the run's rows."""
+    """The launch the run timed: Triton 3.6's K step (its register budgets), the run's rows;
+    stats_chunk: the build's STATS_TILE (0: the run's build, BLOCK_K a row)."""
     from photon_core.kernels.triton_versions import megakernel_tuning
     from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
     r = ROWS[name]
@@ -58,7 +59,8 @@ def launch(name: str, batch: int, weights: str, graph: Any, tiling: Any, k_step_
     meta = megakernel_meta(batch, tiling.block_n, tiling.block_k, tiling.block_t, 64, 8, tiles)
     k = int(linear_k_step(meta, tuning=megakernel_tuning("3.6.0")) * k_step_scale)
     return cm.launch_of(graph, tiling, batch, [r["start"] + r["spacing"] * i for i in range(batch)], r["cross"](batch),
-                        4 if weights == "fp32" else 2, k, meta["BLOCK_R"], stats_chunk if batch == 1 else 0)
+                        4 if weights == "fp32" else 2, k, meta["BLOCK_R"],
+                        cm.stats_row_chunk(batch, tiling.block_k, stats_chunk) if stats_chunk else 0)
 
 
 def predict(m: cm.Machine, gs: dict, **launch_kw: Any) -> dict[tuple[str, int, str], float]:
@@ -97,7 +99,8 @@ def fit(gs: dict) -> cm.Machine:
 def changes(m: cm.Machine) -> list[tuple[str, cm.Machine, dict]]:
     return [
         ("the measured build (2026-12-04)", m, {}),
-        ("batch-1 row statistics in 1024-wide trips (kernel.STATS_TILE, built)", m, dict(stats_chunk=1024)),
+        ("row statistics 1024 elements a trip (kernel.STATS_TILE: batch 1 built, batch 8 too since)", m,
+         dict(stats_chunk=1024)),
         ("K loop 4 tiles in flight (KernelVariant(unroll=4, aligned=True), built, to measure)",
          replace(m, tiles_in_flight=4), {}),
         ("weights prefetched to L2 before the waits (K step at L2 latency)", replace(m, k_step=m.l2), {}),

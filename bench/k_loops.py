@@ -15,8 +15,8 @@ whose build is the plain variant under Triton 3.6) with each variant's trip in i
 trip moves W bytes a program with F of them in flight at once, so it covers W / W0 of the measured
 build's K step (W0: the plain build's bytes a trip under 3.6) and takes W / F latencies
 (k_step_scale = W / W0, tiles_in_flight = F / W); the programs per version as each launches them
-(one an SM under 3.6, two under 3.9); batch-1 row statistics 1024 elements a trip, as every build
-since that run reads them (kernel.STATS_TILE: the plain rows are today's default build, not the
+(one an SM under 3.6, two under 3.9); row statistics STATS_TILE elements a trip, as the builds
+since that run read them (kernel.STATS_TILE: the plain rows are today's default build, not the
 measured one). The model's other constants are unchanged, so the rows
 differ only by what the K loop does; read them as +-15% and as the model's, until a GPU measures
 the variants (bench/gpu_timeline.py).
@@ -41,7 +41,7 @@ BASE = {1: "megakernel_b1_bf16_n32_k64_t32_d64", 8: "megakernel_b8_bf16_n32_k64_
 VARIANTS = {1: ("", "_aligned", "_unroll4_aligned", "_wide256_aligned", "_wide512_aligned", "_dot64_pipe4"),
             8: ("", "_unroll4_aligned", "_wide256_aligned")}
 MEASURED = "3.6.0"     # the Triton of the run the model is fitted to
-# Every build since that run reads batch-1 row statistics STATS_TILE elements a trip (kernel.py).
+# The builds since that run read row statistics STATS_TILE elements a trip (kernel.py).
 STATS_TILE = 1024
 
 

@@ -76,7 +76,7 @@ class Launch:
     positions: tuple[int, ...]
     cross_len: tuple[int, ...] | None
     weight_bytes: int
-    stats_chunk: int = 0     # elements of x a statistics finale reads a trip (0: block_k, as measured)
+    stats_chunk: int = 0     # elements of a row a statistics finale reads a trip (0: block_k, as measured)
 
 
 def _keys(t, launch: Launch) -> int:
@@ -180,6 +180,16 @@ def simulate(graph: TaskGraph, launch: Launch, m: Machine) -> dict[str, Any]:
                 wait_share=waited / (total * m.programs) if total else 0.0)
 
 
+def stats_row_chunk(batch: int, block_k: int, tile: int) -> int:
+    """Elements of each row a statistics finale reads a trip in a build whose STATS_TILE is `tile`
+    (kernel._task_row_stats; 0: the first GPU run's build, BLOCK_K a row)."""
+    if not tile:
+        return block_k
+    if batch == 1:
+        return tile
+    return max(block_k, min(tile // batch, 2 * block_k))
+
+
 def launch_of(plan_graph: Any, tiling: Any, batch: int, positions: list[int], cross_len: list[int] | None,
               weight_bytes: int, k_step: int, block_r: int, stats_chunk: int = 0) -> Launch:
     return Launch(k_step=k_step, block_k=tiling.block_k, block_t=tiling.block_t, block_r=block_r,
@@ -192,4 +202,5 @@ def with_changes(m: Machine, **changes: Any) -> Machine:
     return replace(m, **changes)
 
 
-__all__ = ["Machine", "FITTED", "MEASURED_US", "Launch", "body", "finale", "simulate", "launch_of", "with_changes"]
+__all__ = ["Machine", "FITTED", "MEASURED_US", "Launch", "body", "finale", "simulate", "launch_of", "with_changes",
+           "stats_row_chunk"]

@@ -69,9 +69,10 @@ _BUDGET = megakernel_tuning() if not interpreting() else MegakernelTuning(linear
 LINEAR_TILE: tl.constexpr = tl.constexpr(_BUDGET.linear_tile)
 WEIGHT_TILE: tl.constexpr = tl.constexpr(_BUDGET.weight_tile)
 ATTN_TILE: tl.constexpr = tl.constexpr(_BUDGET.attn_tile)
-# Elements of x a batch-1 row-statistics finale reads a trip. Larger batches keep BLOCK_K-wide
-# trips, and 1024, not 2048: wider ones tipped builds at the edge of the register file into
-# spilling (ptxas -v: Triton 3.6 batch 8 fp32 4-40 B, 3.9 batch 1 FP8 experts 24 B).
+# Elements of x a row-statistics finale reads a trip, all rows together: batch 1 reads 1024 of
+# its row, batch 8 128 of each (never fewer than BLOCK_K). 1024, not 2048: wider tiles tipped
+# builds at the edge of the register file into spilling (ptxas -v: Triton 3.6 batch 8 fp32 4-40 B,
+# 3.9 batch 1 FP8 experts 24 B).
 STATS_TILE: tl.constexpr = tl.constexpr(1024)
 
 # Task-table fields by name: one constant per field of graph.FIELDS (the one layout), so a task
@@ -265,10 +266,13 @@ def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.const
     """The finale of a stage whose output x feeds a fused LayerNorm / RMSNorm (run by the stage's
     last task to finish, see _step_tasks): each of the B rows' (mean, rstd) of x ([B, stn] at stx)
     into stout ([B, 2]), so the linear's tiles read 2 floats a row instead of 2 passes over K.
-    It is its level's one task (every reader waits on it), so at batch 1 each pass reads
-    STATS_TILE elements a trip, not BLOCK_K (Moondream 2: 4 trips instead of 64). Bytes: 2*B*K*4
-    read (L2: the stage just wrote x), 8*B written."""
-    CH: tl.constexpr = STATS_TILE if BLOCK_M == 1 else BLOCK_K
+    It is its level's one task (every reader waits on it), so each pass reads STATS_TILE elements
+    a trip over the rows, not BLOCK_K a row (Moondream 2, K 2048, BLOCK_K 64: 2 trips a pass instead
+    of 32 at batch 1, 16 instead of 32 at batch 8). Bytes: 2*B*K*4 read (L2: the stage just wrote x), 8*B written."""
+    # Above batch 1 at most twice BLOCK_K a row: a wider tile spilled the roofline tiling's batch-8
+    # fp32 build under Triton 3.6 (40 B; BLOCK_K 16 there, 64 in Tiling()).
+    WIDE_CH: tl.constexpr = STATS_TILE // BLOCK_M if STATS_TILE // BLOCK_M <= 2 * BLOCK_K else 2 * BLOCK_K
+    CH: tl.constexpr = STATS_TILE if BLOCK_M == 1 else (WIDE_CH if WIDE_CH >= BLOCK_K else BLOCK_K)
     K = tl.load(row + F_stn)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < B
