@@ -41,8 +41,6 @@ BASE = {1: "megakernel_b1_bf16_n32_k64_t32_d64", 8: "megakernel_b8_bf16_n32_k64_
 VARIANTS = {1: ("", "_aligned", "_unroll4_aligned", "_wide256_aligned", "_wide512_aligned", "_dot64_pipe4"),
             8: ("", "_unroll4_aligned", "_wide256_aligned")}
 MEASURED = "3.6.0"     # the Triton of the run the model is fitted to
-# The builds since that run read row statistics STATS_TILE elements a trip (kernel.py).
-STATS_TILE = 1024
 
 
 def compile_all(versions: list[str]) -> dict[str, dict]:
@@ -58,14 +56,8 @@ def compile_all(versions: list[str]) -> dict[str, dict]:
     return {v: tv.finish(p, 4 * 3600) for v, p in procs.items()}
 
 
-def dense_loop(rec: dict) -> dict:
-    """The dense linear tasks' K loop (_task_linear and _task_linear_split inline the same loop;
-    without inlining records sass_loops names both by the task laid out after them)."""
-    loops = [lp for lp in rec["k_loops"] if lp["task"] in ("_task_linear", "_task_linear_split")]
-    if not loops or any(lp["loads"] != loops[0]["loads"] for lp in loops):
-        raise RuntimeError(f"expected the dense linear K loops, with the same loads: {rec['k_loops']}")
-    # ptxas may schedule the two inlined copies differently: the one with less in flight stands.
-    return min(loops, key=lambda lp: lp["in_flight_bytes"])
+from photon_core.kernels.sass_loops import dense_loop  # noqa: E402
+from photon_core.megakernel.kernel import STATS_TILE  # noqa: E402  (the builds since that run read statistics so)
 
 
 def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], programs: dict[str, int]) -> dict:
@@ -81,7 +73,8 @@ def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], progra
         row = {}
         for name in ("moondream2", "whisper-tiny.en"):
             graph, tiling = gs[name, batch]
-            launch = cmb.launch(name, batch, "bf16", graph, tiling, k_step_scale=w / w0, stats_chunk=STATS_TILE)
+            launch = cmb.launch(name, batch, "bf16", graph, tiling, k_step_scale=w / w0,
+                                stats_chunk=STATS_TILE.value)
             row[name] = cm.simulate(graph, launch, m)["seconds"] * 1e6
         out[version, batch, variant] = row
     return out
@@ -115,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         for b in VARIANTS:
             for variant in VARIANTS[b]:
                 rec = got[v]["cases"][f"{BASE[b]}{variant}@sm_90"]
-                lp = dense_loop(rec)
+                lp = dense_loop(rec["k_loops"])
                 w, f = lp["weight_bytes"] * rec["threads"], lp["in_flight_bytes"] * rec["threads"]
                 per_program[version, b, variant] = (w, f)
                 table.append((version, b, variant, rec, lp, w, f))
     pred = predictions(per_program, programs)
-    floor = {1: 7670 / 11.99, 8: 17543 / 15.21}
-    peer = {("moondream2", 1): 2981, ("moondream2", 8): 3316, ("whisper-tiny.en", 1): 365, ("whisper-tiny.en", 8): 382}
+    import cost_model as cmb
+    floor = {b: cmb.FLOOR_US["moondream2", b, "bf16"] for b in VARIANTS}
+    peer = cmb.PEER_US
     lines = heading("Megakernel K loop from the SASS, and the cost model's prediction per build (no GPU)") + [
         __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "",
         f"Compiled for sm_90 ({got['seconds']} s for all, two compiles at once). Per build: threads a "

@@ -198,7 +198,8 @@ def test_a_bf16_step_also_times_the_streaming_megakernel_and_keeps_the_fastest(c
 def test_fp32_weights_time_no_streaming_build_and_old_records_read_as_plain(cache):
     step = build()
     assert engine_choice.candidates(step) == [("megakernel", "plain"), ("perop", "plain")]
-    engine_choice.choose(step, Timer(megakernel=1.0, perop=2.0))
+    choice = engine_choice.choose(step, Timer(megakernel=1.0, perop=2.0))
+    assert choice.line() == "megakernel (measured: megakernel 1.000 ms, per-op 2.000 ms)"
     path = engine_choice.record_path(step)
     path.write_text(json.dumps(dict(engine="megakernel", megakernel_ms=1.0, perop_ms=2.0)))   # written before variants
     choice = engine_choice.choose(build(), Timer())
@@ -212,6 +213,51 @@ def test_variant_names_round_trip():
     for v in (KernelVariant(), KernelVariant(wide=512, aligned=True), KernelVariant(unroll=4, aligned=True),
               KernelVariant(dot=64, pipeline=4), KernelVariant(prefetch=2)):
         assert KernelVariant.parse(v.name()) == v
-    for bad in ("wide", "aligned1", "wide512+bogus", "unroll3"):
+    for bad in ("wide", "aligned1", "wide512+bogus", "unroll3", "wide0", "aligned+wide512", "wide512+wide512", ""):
         with pytest.raises(ValueError):
             KernelVariant.parse(bad)
+
+
+def test_a_streaming_build_that_computes_otherwise_is_refused_and_not_tried_again(cache, monkeypatch):
+    def differs(step, variant, tolerance=1e-3):
+        raise RuntimeError(f"the {variant} build's logits differs from the plain build's (3.1e-01 of its largest)")
+    monkeypatch.setattr(engine_choice, "same_as_plain", differs)
+    step = build(1, torch.bfloat16)
+    timer = Timer({"megakernel": 7.2, "megakernel wide512+aligned": 1.9, "perop": 2.98})
+    choice = engine_choice.choose(step, timer)
+    assert (choice.engine, choice.variant, choice.how) == ("perop", "plain", "fallback")
+    assert "megakernel wide512+aligned failed: RuntimeError: the wide512+aligned build's logits differs" in choice.note
+    assert timer.calls == 2                      # never timed
+    choice = engine_choice.choose(build(1, torch.bfloat16), Timer())   # recorded: nothing measured or compiled
+    assert (choice.engine, choice.how) == ("perop", "recorded")
+
+
+def test_the_streaming_check_compares_a_launch_of_each_build():
+    """same_as_plain itself (the interpreter): the streaming build passes; a plain build whose
+    weights change between the two launches does not."""
+    step = build(1, torch.bfloat16)
+    step.set_step([5], [3])
+    engine_choice.same_as_plain(step, "wide512+aligned")
+    assert step.engine_label == "megakernel wide512+aligned"
+    launch = type(step.kernel_for(None)).launch
+
+    def drifting(kernel, *a, **k):
+        if kernel.variant.name() != "plain":
+            step.weights.mul_(1.5)
+        return launch(kernel, *a, **k)
+    import unittest.mock
+    with unittest.mock.patch.object(type(step.kernel_for(None)), "launch", drifting):
+        with pytest.raises(RuntimeError, match="differs from the plain build's|picks"):
+            engine_choice.same_as_plain(step, "wide512+aligned")
+
+
+def test_a_new_variant_is_a_new_kernel_object_and_the_per_op_engine_has_none():
+    """A loop holding the step's kernel (DeviceDecode: its CUDA graphs captured it) keeps its build."""
+    step = build(1, torch.bfloat16)
+    step.set_engine("megakernel")
+    held = step.kernel_for(None)
+    step.set_engine("megakernel", "unroll4+aligned")
+    assert held.variant.name() == "plain" and step.kernel_for(None) is not held
+    assert step.kernel_for(None).variant.name() == "unroll4+aligned" and step.kernel_for(None).tasks is held.tasks
+    with pytest.raises(ValueError, match="no megakernel variants"):
+        step.set_engine("perop", "unroll4+aligned")

@@ -10,24 +10,17 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
 import importlib.util  # noqa: E402
 import random  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from proof_bench import gpu_proof  # noqa: E402
 
 from photon_core.gpu_proof.checks import (NOISE_RATIO, TOL, Profile, judge_profile,  # noqa: E402
                                           tolerance)
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _proof():
-    if "gpu_proof" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_proof", BENCH / "gpu_proof.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_proof"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["gpu_proof"]
+    return gpu_proof()
 
 
 def _noise(layers: int, first: float, growth: float, seed: int) -> tuple[list[str], list[float], list[float]]:

@@ -18,6 +18,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from proof_bench import gpu_proof  # noqa: E402
 
 from photon_core.megakernel.compiler import Tiling  # noqa: E402
 from photon_core.megakernel.kernel import KernelVariant  # noqa: E402
@@ -86,8 +87,8 @@ for name in sys.argv[2:]:
     out[name]["ptx"] = {k: len(re.findall(p, ptx)) for k, p in (("bulk_prefetch", r"cp\.async\.bulk\.prefetch\.L2"),
                  ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
                  ("smid", r"%smid"))}
-    dense = [lp for lp in cc.k_loops(ck.asm["cubin"], 90) if lp["task"] in ("_task_linear", "_task_linear_split")]
-    out[name].update(dense=dense, threads=32 * ck.metadata.num_warps, **cc.resource_usage(ck.asm["cubin"], 90))
+    out[name].update(k_loops=cc.k_loops(ck.asm["cubin"], 90), threads=32 * ck.metadata.num_warps,
+                     **cc.resource_usage(ck.asm["cubin"], 90))
 print(json.dumps(out))
 '''
 
@@ -133,12 +134,11 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     plain build has one K step's tile in flight (4 KB a program: what the first GPU run's build
     streamed, issue 38); unroll4+aligned issues four steps' tiles as 16-byte loads before using the
     first; wide512+aligned 32 KB a program a trip (the issue's >= 32 KB per SM), all in registers."""
+    from photon_core.kernels.sass_loops import dense_loop
     _, got = compiled
 
     def loop(name):
-        dense = got[name]["dense"]
-        assert dense, name
-        return min(dense, key=lambda lp: lp["in_flight_bytes"]), got[name]["threads"]
+        return dense_loop(got[name]["k_loops"]), got[name]["threads"]
     (plain, threads), (unrolled, _), (wide, _) = (loop(f"megakernel_b1_bf16_n32_k64{v}")
                                                   for v in ("", "_unroll4_aligned", "_wide512_aligned"))
     assert plain["in_flight_bytes"] * threads == 4096, plain
@@ -147,19 +147,7 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     assert got["megakernel_b1_bf16_n32_k64_wide512_aligned"]["stack"] == 0
 
 
-def _proof_families():
-    import importlib.util
-    from pathlib import Path
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    sys.path.insert(0, str(bench))
-    spec = importlib.util.spec_from_file_location("gpu_proof_bench", bench / "gpu_proof.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_proof_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod.families(dry=True, sms=4)
-
-
-FAMILIES = _proof_families()
+FAMILIES = gpu_proof().families(dry=True, sms=4)
 
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if not n.endswith("/split")])

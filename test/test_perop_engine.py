@@ -15,26 +15,17 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
-import importlib.util  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from proof_bench import gpu_proof  # noqa: E402
 
 from photon_core.gpu_proof.build import fill  # noqa: E402
 from photon_core.megakernel.compiler import first_engine  # noqa: E402
 from photon_core.megakernel.decode_loop import FULL, NON_FINITE, DeviceDecode, restoring  # noqa: E402
 from photon_core.megakernel.eager import run_reference  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-_spec = importlib.util.spec_from_file_location("gpu_proof_bench", BENCH / "gpu_proof.py")
-gpu_proof = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_proof_bench"] = gpu_proof
-_spec.loader.exec_module(gpu_proof)
-
-FAMILIES = gpu_proof.families(dry=True, sms=4)
+FAMILIES = gpu_proof().families(dry=True, sms=4)
 NAMES = [n for n in FAMILIES if not n.endswith("/split")]
 
 

@@ -3,7 +3,11 @@ issue 38: bytes in flight, vector widths, barriers and shared-memory traffic ins
 
 The parser runs on a hand-written listing in nvdisasm -gi's format (no GPU, no compile); the
 compiled megakernel builds are read by test_megakernel_variants.py."""
-from photon_core.kernels import sass_loops as sl
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # photon_core.kernels imports Triton: as every other test module has it
+
+from photon_core.kernels import sass_loops as sl  # noqa: E402
 
 K = "/src/photon_core/megakernel/kernel.py"
 
@@ -92,3 +96,63 @@ def test_async_copies_stay_in_flight_until_their_wait():
     insns, labels = sl.instructions(listing)
     (loop,) = sl.loops(insns, labels, "kernel.py", {553})
     assert loop.weight_bytes == 48 and loop.in_flight_bytes == 32
+
+
+def test_a_wide_read_of_a_loaded_register_ends_what_is_in_flight():
+    """STS.128 R12 reads R12..R15: the 8-byte load into R14 is used there, so the later load is
+    not in flight with it."""
+    listing = f"""
+.L_x_3:
+	//## File "{K}", line 449
+        /*0000*/                   LDG.E.64 R14, desc[UR4][R4.64] ;
+        /*0010*/                   STS.128 [R9], R12 ;
+        /*0020*/                   LDG.E.128 R20, desc[UR4][R6.64] ;
+        /*0030*/              @!P0 BRA `(.L_x_3) ;
+"""
+    insns, labels = sl.instructions(listing)
+    (loop,) = sl.loops(insns, labels, "kernel.py", {449})
+    assert (loop.weight_bytes, loop.in_flight_bytes) == (24, 8)
+
+
+def test_a_loop_with_a_continue_is_one_loop_to_its_last_branch_back():
+    listing = f"""
+.L_x_4:
+	//## File "{K}", line 449
+        /*0000*/                   LDG.E.128 R20, desc[UR4][R6.64] ;
+        /*0010*/               @P1 BRA `(.L_x_4) ;
+        /*0020*/                   LDG.E.128 R24, desc[UR4][R6.64+0x10] ;
+        /*0030*/              @!P0 BRA `(.L_x_4) ;
+"""
+    insns, labels = sl.instructions(listing)
+    (loop,) = sl.loops(insns, labels, "kernel.py", {449})
+    assert (loop.start, loop.end, loop.weight_bytes) == (0x0, 0x30, 32)
+
+
+def test_without_inlining_records_a_loop_is_named_by_the_task_laid_out_after_it():
+    """Triton 3.6's ptxas keeps only line numbers: the loop (lines of _linear_acc) is named by the
+    nearest task function whose lines follow it."""
+    listing = f"""
+	//## File "{K}", line 10
+        /*0000*/                   LDG.E.STRONG.GPU R2, desc[UR4][R40.64] ;
+.L_x_6:
+	//## File "{K}", line 449
+        /*0010*/                   LDG.E.128 R20, desc[UR4][R6.64] ;
+        /*0020*/              @!P0 BRA `(.L_x_6) ;
+	//## File "{K}", line 35
+        /*0030*/                   STG.E [R2.64], R20 ;
+"""
+    insns, labels = sl.instructions(listing)
+    names = sl.enclosing_functions(["def _task_attn_partial():"] * 20 + ["def _task_linear():"] * 20
+                                   + ["def _linear_acc():"] * 460)
+    (loop,) = sl.loops(insns, labels, "kernel.py", {449}, names)
+    assert loop.task == "_task_linear"
+
+
+def test_the_dense_loop_of_a_build_is_its_linear_tasks_with_the_least_in_flight():
+    loops = [dict(task="_task_moe_up", loads={"LDG.E.128": 1}, in_flight_bytes=16),
+             dict(task="_task_linear", loads={"LDG.E.128": 8}, in_flight_bytes=128),
+             dict(task="_task_linear_split", loads={"LDG.E.128": 8}, in_flight_bytes=96)]
+    assert sl.dense_loop(loops)["in_flight_bytes"] == 96
+    import pytest
+    with pytest.raises(ValueError):
+        sl.dense_loop(loops[:1])

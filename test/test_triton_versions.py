@@ -116,9 +116,8 @@ def test_the_streaming_build_keeps_32_kb_in_flight_under_the_gpu_machines_triton
     K loop issues 32 KB of weights a program as 16-byte loads before it uses the first (its SASS,
     sass_loops), as under the pinned version (test_megakernel_variants.py)."""
     rec = runs["3.6.0"]["cases"]["megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned@sm_90"]
-    dense = [lp for lp in rec["k_loops"] if lp["task"] in ("_task_linear", "_task_linear_split")]
-    assert dense, rec["k_loops"]
-    worst = min(dense, key=lambda lp: lp["in_flight_bytes"])
+    from photon_core.kernels.sass_loops import dense_loop
+    worst = dense_loop(rec["k_loops"])
     assert worst["in_flight_bytes"] * rec["threads"] >= 32 * 1024 and set(worst["loads"]) == {"LDG.E.128"}, worst
 
 

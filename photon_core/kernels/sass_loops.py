@@ -122,12 +122,19 @@ def _dest_regs(insn: Insn) -> set[int]:
 
 
 def _source_regs(insn: Insn) -> set[int]:
+    """Registers an instruction reads, counted wide where it may read several from one name (a
+    vector store's data, a tensor-core multiply's fragments): overcounting reads can only shorten
+    what is counted in flight."""
     stores = insn.opcode.startswith(("ST", "RED", "ATOM"))
+    mma = insn.opcode.startswith(("HMMA", "IMMA", "HGMMA", "DMMA"))
+    vector = max(1, _load_bytes(insn.opcode) // 4) if stores or insn.opcode.startswith("LD") else 1
     regs: set[int] = set()
     for op in insn.operands[0 if stores else 1:]:
         for m in _REG.finditer(op):
             first = int(m.group(1))
-            regs.update((first, first + 1) if ".64" in m.group(0) else (first,))
+            inside_address = "[" in op
+            count = 4 if mma else (2 if ".64" in m.group(0) else (1 if inside_address else vector))
+            regs.update(range(first, first + count))
     return regs
 
 
@@ -141,14 +148,16 @@ def loops(insns: list[Insn], labels: dict[str, int], file_suffix: str, sites: se
     """The innermost loops holding weight loads, in address order, with their trips' figures: a
     loop is a branch back to a label at or before it."""
     index = {i.address: n for n, i in enumerate(insns)}
-    found = []
+    last_back: dict[int, int] = {}       # loop head -> the furthest branch back to it (a continue is nearer)
     for n, branch in enumerate(insns):
         if not branch.opcode.startswith("BRA") or not branch.operands:
             continue
         name = re.search(r"\.L_x_\d+", branch.operands[-1])
         start = labels.get(name.group(0)) if name else None
-        if start is None or start > branch.address:
-            continue
+        if start is not None and start <= branch.address:
+            last_back[start] = max(last_back.get(start, n), n)
+    found = []
+    for start, n in last_back.items():
         body = insns[index[start]:n + 1]
         if any(is_weight_load(i, file_suffix, sites) for i in body):
             found.append(body)
@@ -194,6 +203,16 @@ def _trip(body: list[Insn], file_suffix: str, sites: set[int], names: dict[int, 
         if i.opcode.startswith(("LDS", "STS", "LDSM")):
             loop.shared += 1
     return loop
+
+
+def dense_loop(loops: list[dict]) -> dict:
+    """Of compile_check's loop records (k_loops), the dense linear tasks' K loop: _task_linear and
+    _task_linear_split inline the same loop (without inlining records both are named by the task
+    laid out after them), which ptxas may schedule differently: the copy with less in flight."""
+    dense = [lp for lp in loops if lp["task"] in ("_task_linear", "_task_linear_split")]
+    if not dense or any(lp["loads"] != dense[0]["loads"] for lp in dense):
+        raise ValueError(f"expected the dense linear K loops, with the same loads: {loops}")
+    return min(dense, key=lambda lp: lp["in_flight_bytes"])
 
 
 def analyse(cubin: bytes, nvdisasm: str, source: Path, marker: tuple[str, ...]) -> list[Loop]:

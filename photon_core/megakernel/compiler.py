@@ -352,20 +352,27 @@ class CompiledStep(StateViews):
         """Run the following launches on `engine` ("megakernel" or "perop"), the megakernel built as
         `variant` (kernel.KernelVariant's name: the same task table, another compile of its K
         loops): every engine reads and writes the same buffers, so a step may switch between
-        launches. A loop built on the step before (DeviceDecode) keeps the kernel object it took
-        (and a megakernel's variant follows this call). The per-op engine holds the small weights
-        (norms, rotary tables) as fp32 copies made with its kernel: after writing weights in place,
-        set the engine again to make them anew."""
+        launches. A loop built on the step before (DeviceDecode, whose CUDA graphs hold the kernel
+        they captured) keeps the kernel object it took, and its build: a new variant is a new
+        object. The per-op engine holds the small weights (norms, rotary tables) as fp32 copies
+        made with its kernel: after writing weights in place, set the engine again to make them
+        anew."""
+        import copy
+
         from photon_core.megakernel.kernel import KernelVariant
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: one of {ENGINES}")
+        if engine == "perop" and variant != "plain":
+            raise ValueError(f"the per-op engine has no megakernel variants (asked for {variant!r})")
         built = KernelVariant.parse(variant)       # a bad name fails before anything changes
         for k in [k for k in self._kernels if k[0] == "perop"]:
             del self._kernels[k]
-        self.engine, self.variant = engine, variant
-        for k, kernel in self._kernels.items():
-            if k[0] == "megakernel":
-                kernel.variant = built  # type: ignore[attr-defined]
+        if engine == "megakernel" and variant != self.variant:
+            for k, kernel in list(self._kernels.items()):
+                self._kernels[k] = copy.copy(kernel)   # shares the table and buffers, not the build
+                self._kernels[k].variant = built  # type: ignore[attr-defined]
+            self.variant = variant
+        self.engine = engine
         self.kernel_for(None)
 
     @property

@@ -182,7 +182,8 @@ def simulate(graph: TaskGraph, launch: Launch, m: Machine) -> dict[str, Any]:
 
 def stats_row_chunk(batch: int, block_k: int, tile: int) -> int:
     """Elements of each row a statistics finale reads a trip in a build whose STATS_TILE is `tile`
-    (kernel._task_row_stats; 0: the first GPU run's build, BLOCK_K a row)."""
+    (kernel._task_row_stats, whose BLOCK_M is the batch: buckets are powers of two; 0: the first
+    GPU run's build, BLOCK_K a row)."""
     if not tile:
         return block_k
     if batch == 1:

@@ -16,8 +16,11 @@ megakernel's streaming build for its batch (STREAMING: wide512+aligned at batch 
 above): the same task table, K loops compiled to keep 32 / 8-16 KB of weights in flight a program
 where the plain build keeps 4 / 2 KB (their SASS: bench/RESULTS.md "Megakernel K loop from the
 SASS"; the cost model predicts 1.9 ms for Moondream 2 at batch 1 against the plain build's 7.2).
-Which is faster on a given GPU is measured, never assumed: the variant costs one more Triton compile
-(12-16 s on an H200's host) at the first start only, and is chosen only where it wins.
+Which is faster on a given GPU is measured, never assumed, and the streaming build must first compute
+what the plain build does from the same state (same_as_plain: one launch each); it costs one more
+Triton compile (12-16 s on an H200's host) at the first start only, and is chosen only where it
+wins. A streaming build that fails (no compile, other values) while both engines run is recorded
+as failed, so no later start compiles it again.
 
 The choice is kept beside the build cache (build_cache.py: same folder, same key, i.e. graph,
 bucket, tiling, dtypes, code, Triton and torch versions, GPU) as `<key>.engine.json`, written
@@ -156,32 +159,65 @@ def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
         return _measure(step, path, timer)
 
 
+def same_as_plain(step: "CompiledStep", variant: str, tolerance: float = 1e-3) -> None:
+    """Raise unless one launch of the megakernel built as `variant` computes what the plain build
+    does from the same state (every exposed value within `tolerance` of its largest, the same
+    picks): a build that only its timing would judge could be fast and wrong on a Triton or GPU
+    the tests never compiled it for. The state is restored after both launches."""
+    from photon_core.megakernel.decode_loop import restoring
+    got = []
+    for v in ("plain", variant):
+        step.set_engine("megakernel", v)
+        with restoring(step, 1):
+            step.kernel_for(None).launch()
+            step.kernel_for(None).raise_on_error()
+            got.append(({k: step.view(k).clone() for k in step.graph_def.exposed},
+                        {r: step.result(r).tolist() for r in step.graph_def.results}))
+    (plain, plain_picks), (mine, picks) = got
+    for key, want in plain.items():
+        barred = ~torch.isfinite(want)       # a logit rule's -inf columns: the same, exactly
+        ok = torch.equal(mine[key][barred].nan_to_num(), want[barred].nan_to_num())
+        err = ((mine[key][~barred] - want[~barred]).abs().max() / want[~barred].abs().max().clamp_min(1e-12)).item() \
+            if (~barred).any() else 0.0
+        if not ok or not err <= tolerance:
+            raise RuntimeError(f"the {variant} build's {key} differs from the plain build's ({err:.1e} of its largest)")
+    if picks != plain_picks:
+        raise RuntimeError(f"the {variant} build picks {picks}, the plain build {plain_picks}")
+
+
 def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> EngineChoice:
     name, B = step.graph_def.name, step.batch
     times: dict[tuple[str, str], float] = {}
     failed: dict[str, str] = {}
     for engine, variant in candidates(step):
         try:
+            if variant != "plain":
+                same_as_plain(step, variant)
             step.set_engine(engine, variant)
             times[engine, variant] = (timer or replay_ms)(step)
         except Exception as e:  # noqa: BLE001  another engine may still run the step
-            failed[step.engine_label] = f"{type(e).__name__}: {e}"
-            log.warning("%s B%d: the %s engine failed (%s)", name, B, step.engine_label, failed[step.engine_label])
+            label = engine if variant == "plain" else f"{engine} {variant}"
+            failed[label] = f"{type(e).__name__}: {e}"
+            log.warning("%s B%d: the %s engine failed (%s)", name, B, label, failed[label])
     if not times:
         raise RuntimeError(f"{name} B{B}: no decode engine runs here: {failed}")
     best, variant = min(times, key=times.__getitem__)
     step.set_engine(best, variant)
-    streaming = next((v for (e, v) in candidates(step) if e == "megakernel" and v != "plain"), "plain")
+    streaming = next((v for (e, v) in candidates(step) if e == "megakernel" and v != "plain"), None)
     note = "; ".join(f"{k} failed: {v}"[:300] for k, v in failed.items())
     choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", times.get(("megakernel", "plain")),
-                          times.get(("perop", "plain")), note, variant, times.get(("megakernel", streaming)),
-                          streaming)
+                          times.get(("perop", "plain")), note, variant,
+                          times.get(("megakernel", streaming)) if streaming else None, streaming or "")
     rec = dict(engine=best, variant=variant, megakernel_ms=choice.megakernel_ms, perop_ms=choice.perop_ms,
-               variant_ms=choice.variant_ms, timed_variant=streaming, note=note)
+               variant_ms=choice.variant_ms, timed_variant=choice.timed_variant, note=note)
     log.info("%s B%d decodes on %s", name, B, choice.line())
-    if not failed:       # a failure may be passing (memory, a busy GPU): measure again next start
+    # A failure may be passing (memory, a busy GPU): measured again at the next start. Not so a
+    # streaming build alone failing while both engines ran: a build that does not compile or
+    # computes otherwise here will not next time either, and retrying costs a compile a start.
+    if not failed or set(failed) == {f"megakernel {streaming}"}:
         _write(path, rec)
     return choice
 
 
-__all__ = ["choose", "candidates", "replay_ms", "record_path", "LAUNCHES", "REPEATS", "STREAMING", "STREAMING_ABOVE_1"]
+__all__ = ["choose", "candidates", "same_as_plain", "replay_ms", "record_path", "LAUNCHES", "REPEATS", "STREAMING",
+           "STREAMING_ABOVE_1"]

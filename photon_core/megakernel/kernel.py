@@ -69,8 +69,9 @@ _BUDGET = megakernel_tuning() if not interpreting() else MegakernelTuning(linear
 LINEAR_TILE: tl.constexpr = tl.constexpr(_BUDGET.linear_tile)
 WEIGHT_TILE: tl.constexpr = tl.constexpr(_BUDGET.weight_tile)
 ATTN_TILE: tl.constexpr = tl.constexpr(_BUDGET.attn_tile)
-# Elements of x a row-statistics finale reads a trip, all rows together: batch 1 reads 1024 of
-# its row, batch 8 128 of each (never fewer than BLOCK_K). 1024, not 2048: wider tiles tipped
+# Elements of x a batch-1 row-statistics finale reads a trip; above batch 1 each row reads
+# STATS_TILE / BLOCK_M, at most 2 x BLOCK_K, at least BLOCK_K (Tiling(): 128 a row at batch 2-8;
+# _task_row_stats). 1024, not 2048: wider tiles tipped
 # builds at the edge of the register file into spilling (ptxas -v: Triton 3.6 batch 8 fp32 4-40 B,
 # 3.9 batch 1 FP8 experts 24 B).
 STATS_TILE: tl.constexpr = tl.constexpr(1024)
@@ -503,11 +504,13 @@ def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xg
                        rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BK: tl.constexpr):
     """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (BK of 256-512: 16-32
-    KB of bf16 at 32 columns, issued at once as 16-byte loads, so a step has that much in flight
-    where the elementwise loop has one BLOCK_K tile), then each row's x slice as a [BK] vector (in
-    the weight tile's column layout: no layout change, no barrier in the loop), and reduces
-    w * x_row over K into the row's outputs at once: a few shuffles a row, against a memory trip
-    of a microsecond. Bytes a step: BLOCK_N * BK weights + M * BK x (L2)."""
+    KB of bf16 at 32 columns, issued at once as 16-byte loads (aligned builds), so a step has that
+    much in flight where the elementwise loop has one BLOCK_K tile), then each row's x slice as a
+    [BK] vector, and reduces w * x_row over K into the row's outputs at once: a few shuffles a row,
+    against a memory trip of a microsecond. Each row's x still moves into the weight tile's layout
+    through shared memory (SASS: 10 barriers a step at batch 1, 64 at batch 8; bench/RESULTS.md
+    "Megakernel K loop from the SASS"), after the step's weight loads are issued. Bytes a step:
+    BLOCK_N * BK weights + M * BK x (L2)."""
     ks = tl.arange(0, BK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(k0, k1, BK):
@@ -1602,16 +1605,20 @@ class KernelVariant:
         """The variant `name()` names (e.g. "wide512+aligned"; "plain": the default build)."""
         fields = {"dot": "dot", "wide": "wide", "unroll": "unroll", "pipe": "pipeline", "prefetch": "prefetch"}
         kw: dict = {}
+        bad = ValueError(f"not a kernel variant: {name!r} (e.g. 'plain', 'wide512+aligned')")
         for part in ([] if name == "plain" else name.split("+")):
             m = re.fullmatch(r"([a-z]+?)(\d*)", part)
             if m is None or (m.group(1) != "aligned" and (m.group(1) not in fields or not m.group(2))) \
                     or (m.group(1) == "aligned" and m.group(2)):
-                raise ValueError(f"not a kernel variant: {name!r} (e.g. 'plain', 'wide512+aligned')")
+                raise bad
             if m.group(1) == "aligned":
                 kw["aligned"] = True
             else:
                 kw[fields[m.group(1)]] = int(m.group(2))
-        return cls(**kw)
+        variant = cls(**kw)
+        if variant.name() != name:      # "wide0", parts repeated or out of order: not a name name() gives
+            raise bad
+        return variant
 
 
 
