@@ -81,10 +81,16 @@ def test_a_load_that_is_not_a_weight_site_is_not_counted():
     assert sl.loops(insns, labels, "other.py", {449}) == []
 
 
+def only_loop(body: str, line: int = 449, names: dict | None = None) -> sl.Loop:
+    """The one weight loop of a listing: `body` (instructions, labels) under one location line."""
+    insns, labels = sl.instructions(f'\t//## File "{K}", line {line}\n' + body)
+    (loop,) = sl.loops(insns, labels, "kernel.py", {line}, names)
+    return loop
+
+
 def test_async_copies_stay_in_flight_until_their_wait():
-    listing = f"""
+    loop = only_loop("""
 .L_x_5:
-	//## File "{K}", line 553
         /*0000*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
         /*0010*/                   LDGSTS.E.BYPASS.128 [R3+0x10], desc[UR4][R6.64] ;
         /*0020*/                   LDGDEPBAR ;
@@ -92,39 +98,31 @@ def test_async_copies_stay_in_flight_until_their_wait():
         /*0040*/                   DEPBAR.LE SB0, 0x1 ;
         /*0050*/                   LDGSTS.E.BYPASS.128 [R3+0x20], desc[UR4][R6.64] ;
         /*0060*/              @!P0 BRA `(.L_x_5) ;
-"""
-    insns, labels = sl.instructions(listing)
-    (loop,) = sl.loops(insns, labels, "kernel.py", {553})
+""", 553)
     assert loop.weight_bytes == 48 and loop.in_flight_bytes == 32
 
 
 def test_a_wide_read_of_a_loaded_register_ends_what_is_in_flight():
     """STS.128 R12 reads R12..R15: the 8-byte load into R14 is used there, so the later load is
     not in flight with it."""
-    listing = f"""
+    loop = only_loop("""
 .L_x_3:
-	//## File "{K}", line 449
         /*0000*/                   LDG.E.64 R14, desc[UR4][R4.64] ;
         /*0010*/                   STS.128 [R9], R12 ;
         /*0020*/                   LDG.E.128 R20, desc[UR4][R6.64] ;
         /*0030*/              @!P0 BRA `(.L_x_3) ;
-"""
-    insns, labels = sl.instructions(listing)
-    (loop,) = sl.loops(insns, labels, "kernel.py", {449})
+""")
     assert (loop.weight_bytes, loop.in_flight_bytes) == (24, 8)
 
 
 def test_a_loop_with_a_continue_is_one_loop_to_its_last_branch_back():
-    listing = f"""
+    loop = only_loop("""
 .L_x_4:
-	//## File "{K}", line 449
         /*0000*/                   LDG.E.128 R20, desc[UR4][R6.64] ;
         /*0010*/               @P1 BRA `(.L_x_4) ;
         /*0020*/                   LDG.E.128 R24, desc[UR4][R6.64+0x10] ;
         /*0030*/              @!P0 BRA `(.L_x_4) ;
-"""
-    insns, labels = sl.instructions(listing)
-    (loop,) = sl.loops(insns, labels, "kernel.py", {449})
+""")
     assert (loop.start, loop.end, loop.weight_bytes) == (0x0, 0x30, 32)
 
 
