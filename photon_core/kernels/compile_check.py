@@ -206,10 +206,9 @@ def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
 def resource_usage(cubin: bytes, arch: int) -> dict[str, int]:
     """Registers per thread and stack bytes of a cubin (cuobjdump -res-usage, next to the ptxas):
     a cheaper check than ptxas -v (no second assembly). A stack of 0 means no spill and no local array."""
+    from photon_core.kernels.sass_loops import on_disk
     tool = Path(ptxas_path(arch)).parent / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
+    with on_disk(cubin) as path:
         r = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, timeout=120)
     m = re.search(r"REG:(\d+) STACK:(\d+)", r.stdout)
     if r.returncode != 0 or m is None:

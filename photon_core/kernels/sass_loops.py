@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,10 +68,17 @@ class Loop:
         return next((c for c in self.callers if c.startswith("_task_")), self.callers[0] if self.callers else "?")
 
 
-def disassemble(cubin: bytes, nvdisasm: str) -> str:
+@contextmanager
+def on_disk(cubin: bytes) -> Iterator[Path]:
+    """A cubin as a file, for the CUDA tools that read only files (nvdisasm, cuobjdump)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
+        yield path
+
+
+def disassemble(cubin: bytes, nvdisasm: str) -> str:
+    with on_disk(cubin) as path:
         r = subprocess.run([nvdisasm, "-gi", "-c", str(path)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"nvdisasm failed: {r.stderr[-2000:]}")

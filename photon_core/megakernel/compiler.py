@@ -33,7 +33,7 @@ from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Plannin
 from photon_core.megakernel.ops.kv_append import head_groups
 from photon_core.megakernel.ops.linear import stage_shape
 from photon_core.megakernel.stepgraph import StepGraph, Value
-from photon_core.runtime.decode import WEIGHT_DTYPES, ThreadSetting
+from photon_core.runtime.decode import WEIGHT_DTYPES, ThreadSetting, engine_label
 
 # Kept importable from here: what callers (tests, bench) name the compiler's helpers by.
 __all__ = ["Tiling", "Plan", "plan", "lower", "lookup_tables", "CompiledStep", "cuda_kv_dtype", "stage_shape",
@@ -378,7 +378,7 @@ class CompiledStep(StateViews):
     @property
     def engine_label(self) -> str:
         """The engine and, for the megakernel, its variant where it is not the plain build."""
-        return self.engine if self.engine == "perop" or self.variant == "plain" else f"megakernel {self.variant}"
+        return engine_label(self.engine, self.variant)
 
     def weight(self, key: str) -> torch.Tensor:
         """A weight as the arena holds it (matrices without their row padding): a view, so writes

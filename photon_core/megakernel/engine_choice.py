@@ -45,7 +45,7 @@ import torch
 from photon_core.megakernel import build_cache
 from photon_core.megakernel.compiler import ENGINES
 from photon_core.megakernel.kernel import KernelVariant
-from photon_core.runtime.decode import EngineChoice
+from photon_core.runtime.decode import EngineChoice, engine_label
 
 if TYPE_CHECKING:
     from photon_core.megakernel.compiler import CompiledStep
@@ -189,21 +189,22 @@ def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> En
     name, B = step.graph_def.name, step.batch
     times: dict[tuple[str, str], float] = {}
     failed: dict[str, str] = {}
-    for engine, variant in candidates(step):
+    tried = candidates(step)
+    streaming = next((v for (e, v) in tried if e == "megakernel" and v != "plain"), None)
+    for engine, variant in tried:
         try:
             if variant != "plain":
                 same_as_plain(step, variant)
             step.set_engine(engine, variant)
             times[engine, variant] = (timer or replay_ms)(step)
         except Exception as e:  # noqa: BLE001  another engine may still run the step
-            label = engine if variant == "plain" else f"{engine} {variant}"
+            label = engine_label(engine, variant)
             failed[label] = f"{type(e).__name__}: {e}"
             log.warning("%s B%d: the %s engine failed (%s)", name, B, label, failed[label])
     if not times:
         raise RuntimeError(f"{name} B{B}: no decode engine runs here: {failed}")
     best, variant = min(times, key=times.__getitem__)
     step.set_engine(best, variant)
-    streaming = next((v for (e, v) in candidates(step) if e == "megakernel" and v != "plain"), None)
     note = "; ".join(f"{k} failed: {v}"[:300] for k, v in failed.items())
     choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", times.get(("megakernel", "plain")),
                           times.get(("perop", "plain")), note, variant,
@@ -214,7 +215,7 @@ def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> En
     # A failure may be passing (memory, a busy GPU): measured again at the next start. Not so a
     # streaming build alone failing while both engines ran: a build that does not compile or
     # computes otherwise here will not next time either, and retrying costs a compile a start.
-    if not failed or set(failed) == {f"megakernel {streaming}"}:
+    if not failed or streaming is not None and set(failed) == {engine_label("megakernel", streaming)}:
         _write(path, rec)
     return choice
 

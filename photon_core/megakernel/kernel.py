@@ -1607,11 +1607,10 @@ class KernelVariant:
         kw: dict = {}
         bad = ValueError(f"not a kernel variant: {name!r} (e.g. 'plain', 'wide512+aligned')")
         for part in ([] if name == "plain" else name.split("+")):
-            m = re.fullmatch(r"([a-z]+?)(\d*)", part)
-            if m is None or (m.group(1) != "aligned" and (m.group(1) not in fields or not m.group(2))) \
-                    or (m.group(1) == "aligned" and m.group(2)):
+            m = re.fullmatch(r"(dot|wide|unroll|pipe|prefetch)(\d+)|aligned", part)
+            if m is None:
                 raise bad
-            if m.group(1) == "aligned":
+            if part == "aligned":
                 kw["aligned"] = True
             else:
                 kw[fields[m.group(1)]] = int(m.group(2))

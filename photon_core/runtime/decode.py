@@ -83,6 +83,12 @@ def current_engine_policy() -> str:
     return env or _policy.get()
 
 
+def engine_label(engine: str, variant: str = "plain") -> str:
+    """How an engine is named in logs, records and /diagnostics: the megakernel with its build
+    where that is not the plain one ("megakernel wide512+aligned")."""
+    return engine if engine == "perop" or variant == "plain" else f"{engine} {variant}"
+
+
 @dataclass(frozen=True)
 class EngineChoice:
     """Which engine runs one model's step of one bucket, and why: "measured" (each timed as
@@ -101,12 +107,11 @@ class EngineChoice:
     timed_variant: str = ""            # which build that was
 
     def line(self) -> str:
-        runs = self.engine if self.engine == "perop" or self.variant == "plain" else f"megakernel {self.variant}"
         times = ", ".join(f"{k} {v:.3f} ms" for k, v in (("megakernel", self.megakernel_ms),
-                                                          (f"megakernel {self.timed_variant or self.variant}",
+                                                          (engine_label("megakernel", self.timed_variant),
                                                            self.variant_ms),
                                                           ("per-op", self.perop_ms)) if v is not None)
-        return f"{runs} ({self.how}{': ' + times if times else ''}{'; ' + self.note if self.note else ''})"
+        return f"{engine_label(self.engine, self.variant)} ({self.how}{': ' + times if times else ''}{'; ' + self.note if self.note else ''})"
 
 
 _choices: dict[tuple[str, int], EngineChoice] = {}
@@ -325,6 +330,6 @@ class CompiledSteps(Generic[S]):
         return step   # type: ignore[return-value]
 
 
-__all__ = ["BATCH_BUCKETS", "CompiledSteps", "ENGINE_POLICIES", "EngineChoice", "engine_policy", "engine_choices",
+__all__ = ["BATCH_BUCKETS", "CompiledSteps", "ENGINE_POLICIES", "EngineChoice", "engine_label", "engine_policy", "engine_choices",
            "engine_diagnostics", "current_engine_policy", "record_engine_choice", "KVNames", "bucket_for", "copy_prefilled_kv", "decode_length",
            "require_triton_ops", "resolve_weight_dtype"]
