@@ -22,8 +22,13 @@ not take whatever depth is there when it arrives; it waits for its own:
   model on the CPU of the same process) runs callbacks tens of milliseconds late, the colour
   frame's and the depth's by different amounts. So past its deadline a frame still waits for the
   callbacks of what reached the process by then: until a message received later has been seen (all
-  before it have, then), at most `grace_s` (CALLBACK_GRACE_S) past its deadline, or past its own
-  callback when that ran later still.
+  before it have, then), at most `grace_s` (CALLBACK_GRACE_S) past its deadline, past its own
+  callback when that ran later still, or past the first read of its outcome when that came later
+  (a reader busy past the deadline, a long inference, may itself have kept the callbacks waiting).
+- A frame's own message that comes after the frame was decided without it is counted: `late`
+  when it reached the process after the frame's deadline (the depth_tolerance_s is too short for
+  this driver), `seen_late` when it reached it in time but its callback ran after the decision
+  (the process was too busy to run callbacks).
 - Nothing here blocks a callback: a message's arrival (`add`) and a frame's (`wait_for`) only note
   them. Only a reader of the outcome (`Wait.result()`) waits, and at most until the deadline plus
   the grace.
@@ -100,11 +105,17 @@ class Wait(Generic[T]):
 
     def result(self, timeout: float | None = None) -> Match[T] | NoMatch:
         """The outcome, waiting for it: until the deadline, and past it for the callbacks of what
-        arrived by then (grace_s at most; less when a message received later shows they have run).
+        arrived by then (grace_s at most, from this first read when it came later; less when a message
+        received later shows they have run).
         `timeout`, when given, bounds the wait too: then an undecided wait is decided with what it has."""
         pairing = self._pairing
         with pairing._cond:
-            give_up_at = None if timeout is None else pairing.clock() + timeout
+            first_read = pairing.clock()
+            give_up_at = None if timeout is None else first_read + timeout
+            if self._outcome is None and first_read > self.last_call:
+                # callbacks the busy reader held up get the grace from now (ended early, as ever, by
+                # a message received after the deadline)
+                self.last_call = first_read + pairing.grace_s
             while self._outcome is None:
                 now = pairing.clock()
                 end = self.last_call
@@ -187,6 +198,9 @@ class StampPairing(Generic[T]):
         self.received = 0
         self.given_up = 0
         self.outcomes = {"exact": 0, "nearest": 0, "newest": 0, "none": 0}
+        self.late = 0           # frames' own messages that reached the process after their deadline
+        self.seen_late = 0      # ... in time, but whose callback ran after the frame was decided
+        self._without_own: deque[Wait[T]] = deque(maxlen=4 * max_waiting)   # decided, not exact
         self.waited_s: deque[float] = deque(maxlen=200)                  # per decided frame
 
     # --- arrivals ---------------------------------------------------------------------------
@@ -208,6 +222,7 @@ class StampPairing(Generic[T]):
             else:
                 self._last_new = received
             self._kept.append((stamp, received, msg))
+            self._count_late(stamp, received)
             gap = self._gap()
             for wait in list(self._waiting):
                 if received > wait.deadline:
@@ -260,10 +275,22 @@ class StampPairing(Generic[T]):
         for wait in [w for w in self._waiting if w.last_call <= now]:
             self._decide(wait, wait.deadline)
 
+    def _count_late(self, stamp: int, received: float) -> None:
+        for wait in self._without_own:
+            if wait.stamp == stamp:
+                self._without_own.remove(wait)
+                if received > wait.deadline:
+                    self.late += 1
+                else:
+                    self.seen_late += 1
+                return
+
     def _decide(self, wait: Wait[T], at: float, given_up: bool = False) -> None:
         if wait._outcome is not None:
             return
         wait._outcome = wait._outcome_now(at, given_up)
+        if not (isinstance(wait._outcome, Match) and wait._outcome.rule == "exact"):
+            self._without_own.append(wait)
         if wait in self._waiting:
             self._waiting.remove(wait)
         self.outcomes[wait._outcome.rule if isinstance(wait._outcome, Match) else "none"] += 1

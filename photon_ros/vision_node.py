@@ -636,6 +636,13 @@ class VisionNode(ManagedNode):
             "camera_info_paired_exact": str(info.outcomes["exact"]),
             "camera_info_latched_or_newest": str(info.outcomes["newest"] + info.outcomes["nearest"]),
             "depth_waits_given_up": str(depth.given_up + info.given_up),
+            # a frame's own message after the frame was decided: reached the process past the
+            # deadline (depth_tolerance_s too short for the driver), or in time but its callback ran
+            # late (the process too busy to run callbacks)
+            "depth_images_too_late": str(depth.late),
+            "depth_images_seen_too_late": str(depth.seen_late),
+            "camera_info_too_late": str(info.late),
+            "camera_info_seen_too_late": str(info.seen_late),
             "depth_hold_p50_ms": f"{held[len(held) // 2] * 1000:.1f}",
             "depth_hold_max_ms": f"{held[-1] * 1000:.1f}",
         }

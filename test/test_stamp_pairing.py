@@ -42,8 +42,8 @@ def stream(rate_hz: float, lag_s: float, frames: int, skip=(), tolerance=0.05, d
             waits[i] = pairing.wait_for(stamp)
         else:
             pairing.add(stamp, f"depth {i}")
-    clock.now += 1.0
-    return [waits[i].result() for i in range(frames)], pairing
+    clock.now += 1.0                   # read well after every deadline: what each was decided with
+    return [waits[i].poll() for i in range(frames)], pairing
 
 
 @pytest.mark.parametrize("rate_hz", [15, 30])
@@ -113,7 +113,7 @@ def test_nothing_received_and_bounded_waiting():
     assert waits[0].result().reason == ("gave up waiting for a depth image: more than 2 frames were waiting at "
                                         "once")
     clock.now += 0.15                  # its deadline and the callbacks' grace past it
-    assert waits[2].result().reason == "no depth image received yet"
+    assert waits[2].poll().reason == "no depth image received yet"
 
 
 def test_stamps_going_back_start_over():
@@ -179,6 +179,49 @@ def test_what_counts_is_when_a_message_reached_the_process_not_when_its_callback
     assert starved.poll().msg == "own 4"
 
 
+
+def test_a_reader_busy_past_the_deadline_still_sees_the_callbacks_it_held_up():
+    """On the real clock: the frame's depth reached the process in time, but its callback runs
+    only after the reader (a long inference that held the interpreter) comes for the outcome,
+    well past the deadline and its grace: the reader still waits the grace for it. Without it,
+    the reader gets the reason after the grace from its first read, not at once."""
+    pairing = StampPairing("depth image", 0.05)
+    arrived = time.time()
+    wait = pairing.wait_for(T0, arrived_at=arrived)
+    time.sleep(0.2)                                            # the reader is busy
+    adder = threading.Timer(0.03, pairing.add, (T0, "own"), {"received_at": arrived + 0.02})
+    adder.start()
+    outcome = wait.result()
+    adder.join()
+    assert isinstance(outcome, Match) and outcome.msg == "own", outcome
+    assert pairing.late == pairing.seen_late == 0
+    lonely = pairing.wait_for(T0 + NS, arrived_at=time.time())
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert isinstance(lonely.result(), NoMatch) and time.monotonic() - started >= 0.09
+
+
+def test_own_messages_after_the_decision_are_counted_late_or_seen_late():
+    """A frame decided without its own depth: when that depth comes after all, it is counted as
+    late (it reached the process after the frame's deadline) or seen late (it reached it in time,
+    its callback ran after the decision), once; a frame paired with its own is never counted."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.1, clock=clock)
+    first = pairing.wait_for(T0, arrived_at=100.0)
+    clock.now = 100.3
+    assert isinstance(first.poll(), NoMatch)
+    pairing.add(T0, "late", received_at=100.15)
+    assert (pairing.late, pairing.seen_late) == (1, 0)
+    second = pairing.wait_for(T0 + 66 * MS, arrived_at=100.3)
+    clock.now = 100.6
+    assert isinstance(second.poll(), Match) and second.poll().rule == "nearest"
+    pairing.add(T0 + 66 * MS, "held up", received_at=100.32)
+    pairing.add(T0 + 66 * MS, "held up", received_at=100.32)  # the same again: counted once
+    assert (pairing.late, pairing.seen_late) == (1, 1)
+    third = pairing.wait_for(T0 + 133 * MS, arrived_at=100.6)
+    pairing.add(T0 + 133 * MS, "own", received_at=100.61)
+    assert third.poll().rule == "exact" and (pairing.late, pairing.seen_late) == (1, 1)
+
 def camera_info_pairing(clock):
     return StampPairing("camera_info", 0.05, keep=4, fallback_newest=True, clock=clock)
 
@@ -192,7 +235,7 @@ def test_latched_camera_info_is_used_whatever_its_stamp_and_at_once_when_known_l
     info.add(T0 + 3600 * NS, "latched")    # delivered again by the second subscription: the same one
     first = info.wait_for(T0)
     clock.now += 0.15
-    assert first.result().msg == "latched" and first.result().waited_s == pytest.approx(0.05)
+    assert first.poll().msg == "latched" and first.poll().waited_s == pytest.approx(0.05)
     clock.now += 0.5
     for i in range(5):
         clock.now += 1 / 30
@@ -216,7 +259,7 @@ def test_camera_info_with_every_frame_pairs_by_stamp_and_falls_back_to_the_newes
         if i != 4:
             info.add(stamp, f"info {i}")
         clock.now += 0.036 if i != 4 else 0.2
-        outcome = wait.result()
+        outcome = wait.poll()
         if i == 4:
             assert outcome.msg == "info 3" and outcome.rule == "newest" and outcome.waited_s == pytest.approx(0.05)
         else:
