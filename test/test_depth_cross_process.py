@@ -114,6 +114,9 @@ def run_camera(prefix: str, rate_hz: float, lag_ms: float, info_mode: str, skip_
             if info_mode == "per_frame":
                 infos.publish(camera_info(index, t))
         lines.wait("done")
+        # The last frame's best-effort messages may still be on their way: a writer destroyed at
+        # once can drop them, and that frame would read as paired with a neighbour's.
+        time.sleep(0.5)
         return 0
     finally:
         node.destroy_node()
@@ -227,21 +230,26 @@ def test_every_frame_is_placed_with_its_own_depth_and_camera_info(graph, tmp_pat
     loaded test machine holding a message back by 100 ms or more.) Checked on every processed
     frame's positions, and on every frame that arrived by the node's pairing counts (all exact)."""
     seen, problems, node = run(graph, tmp_path, rate_hz, 30, "per_frame", 0, tolerance=0.25, enough=6)
-    # A depth image lost in transport (best-effort QoS, a loaded machine) leaves its frame the
-    # nearest within the tolerance, as ApproximateTime would: allowed only for as many frames as
-    # the node counted depth images lost (publication sequence gaps), never otherwise.
+    # A frame whose own depth image never came in time (lost in transport: best-effort QoS, a
+    # loaded machine; or late: it reached the node after the frame's deadline, or its callback
+    # ran after the decision) takes the nearest within the tolerance, as ApproximateTime would, or
+    # none: allowed only for as many frames as the node counted such depth images, never otherwise.
     # The same for camera_info.
-    lost, info_lost = node.depth_health.lost_in_transport, node.info_health.lost_in_transport
-    neighbour = [p for p in problems if "depth, not its own" in p]
-    other_info = [p for p in problems if "not from its own camera_info" in p]
-    assert len({p.split(":")[0] for p in neighbour}) <= lost, (problems[:5], lost)
-    assert len({p.split(":")[0] for p in other_info}) <= info_lost, (problems[:5], info_lost)
+    depth, info = node.depth_stream, node.info_stream
+    depth_excused = node.depth_health.lost_in_transport + depth.late + depth.seen_late
+    info_excused = node.info_health.lost_in_transport + info.late + info.seen_late
+    counts = {"depth": (node.depth_health.lost_in_transport, depth.late, depth.seen_late, depth.outcomes),
+              "camera_info": (node.info_health.lost_in_transport, info.late, info.seen_late, info.outcomes)}
+    neighbour = [p for p in problems if "depth, not its own" in p or "no depth image" in p]
+    other_info = [p for p in problems if "not from its own camera_info" in p or "camera_info" in p.split(":", 1)[1]]
+    assert len({p.split(":")[0] for p in neighbour}) <= depth_excused, (problems[:5], counts)
+    assert len({p.split(":")[0] for p in other_info}) <= info_excused, (problems[:5], counts)
     assert [p for p in problems if p not in neighbour + other_info] == [], problems[:5]
     assert seen["placed"] >= 6, seen
-    depth, info = node.depth_stream.outcomes, node.info_stream.outcomes
-    assert depth["exact"] >= seen["placed"] // 2 and depth["nearest"] <= lost and depth["none"] == 0, depth
-    assert info["exact"] >= seen["placed"] // 2 and info["nearest"] <= info_lost, (info, info_lost)
-    assert info["none"] == info["newest"] == 0, info
+    assert depth.outcomes["exact"] >= seen["placed"] // 2, counts
+    assert depth.outcomes["nearest"] + depth.outcomes["none"] <= depth_excused, counts
+    assert info.outcomes["exact"] >= seen["placed"] // 2, counts
+    assert info.outcomes["nearest"] + info.outcomes["none"] + info.outcomes["newest"] <= info_excused, counts
 
 
 def test_latched_camera_info_and_depth_that_never_comes(graph, tmp_path):
