@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from diagnostic_msgs.msg import DiagnosticArray
 from sensor_msgs.msg import CameraInfo, Image
 
 from interface_workspaces import install_dir, package_dir, workspace_env
@@ -155,8 +156,10 @@ def test_detections_2d_and_3d_say_what_our_messages_say(graph, tmp_path):
         cmd += ["-p", f"{name}:={value}"]
     log = tmp_path / "vision_node.log"
     camera, listen = graph.node("camera", namespace=ns), graph.node("photon_side", namespace=ns)
-    detections, placed = [], []
+    detections, placed, states = [], [], []
     listen.create_subscription(Detections, "detections", detections.append, RELIABLE)
+    listen.create_subscription(DiagnosticArray, "/diagnostics", lambda m: states.extend(
+        kv.value for s in m.status if ns in s.name for kv in s.values if kv.key == "lifecycle_state"), 10)
     listen.create_subscription(Objects3D, "objects_3d", placed.append, RELIABLE)
     pubs = {name: camera.create_publisher(t, name, RELIABLE) for name, t in
             (("image", Image), ("depth", Image), ("camera_info", CameraInfo))}
@@ -168,6 +171,10 @@ def test_detections_2d_and_3d_say_what_our_messages_say(graph, tmp_path):
         assert wait_for(lambda: node.poll() is not None or all(p.get_subscription_count() >= 1
                                                                 for p in pubs.values()), timeout=NODE_START_S)
         assert node.poll() is None, log.read_text()[-3000:]
+        # Its subscriptions exist from configure on, but frames before activation are ignored
+        # (counted, not queued): the first frame goes to an active node.
+        assert wait_for(lambda: "active" in states or node.poll() is not None, timeout=NODE_START_S), \
+            log.read_text()[-3000:]
         # The listener's subscriptions are known (its node matches the node's publishers long
         # before the frame's inference ends).
         assert wait_for(lambda: all(listen.count_subscribers(f"{ns}/{t}") >= 1
