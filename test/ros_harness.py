@@ -18,6 +18,7 @@ class RosGraph:
         rclpy.init(context=self.context)
         self.executor = MultiThreadedExecutor(num_threads=4, context=self.context)
         self.nodes: list[Node] = []
+        self._closing = False
         self._thread = threading.Thread(target=self._spin, daemon=True)
         self._thread.start()
 
@@ -25,8 +26,8 @@ class RosGraph:
         while self.context.ok():
             try:
                 self.executor.spin_once(timeout_sec=0.05)
-            except Exception:  # shutdown races end the loop
-                if self.context.ok():
+            except Exception:  # shutdown races end the loop (nodes destroyed under a spin_once)
+                if self.context.ok() and not self._closing:
                     raise
                 return
 
@@ -39,6 +40,7 @@ class RosGraph:
         return node
 
     def close(self) -> None:
+        self._closing = True
         for node in self.nodes:
             self.executor.remove_node(node)
             node.destroy_node()
