@@ -251,6 +251,17 @@ def test_the_streaming_check_compares_a_launch_of_each_build():
             engine_choice.same_as_plain(step, "wide512+aligned")
 
 
+
+def test_picks_that_differ_agree_only_on_a_near_tie_in_the_plain_builds_scores():
+    scores = torch.tensor([[0.0, 5.0, 5.0 + 1e-4, -float("inf")], [1.0, 2.0, 3.0, 0.5]])
+    assert engine_choice.picks_agree([2, 2], [2, 2], None, 1e-3)
+    assert engine_choice.picks_agree([2, 2], [1, 2], scores, 1e-3)          # 1e-4 apart, the largest 5
+    assert not engine_choice.picks_agree([2, 2], [1, 2], scores, 1e-6)
+    assert not engine_choice.picks_agree([2, 2], [1, 2], None, 1e-3)        # scores not exposed
+    assert not engine_choice.picks_agree([2, 2], [2, 1], scores, 1e-3)      # 3 against 2: no tie
+    assert not engine_choice.picks_agree([-2, 2], [1, 2], scores, 1e-3)     # a NaN row's marker
+    assert not engine_choice.picks_agree([2, 2], [3, 2], scores, 1e-3)      # a barred column
+
 def test_a_new_variant_is_a_new_kernel_object_and_the_per_op_engine_has_none():
     """A loop holding the step's kernel (DeviceDecode: its CUDA graphs captured it) keeps its build."""
     step = build(1, torch.bfloat16)
