@@ -109,7 +109,17 @@ def changes(m: cm.Machine) -> list[tuple[str, cm.Machine, dict]]:
         ("... + claim/observe at half the trips (static lists, flags)", replace(m, tiles_in_flight=4, programs=264,
                                                                                 task=m.task / 2, observe=m.observe / 2),
          dict(k_step_scale=4)),
+        # The builds auto times now, each trip in its own terms from the 3.6 SASS (bench/k_loops.py):
+        # B1 wide512+aligned 32 KB a trip, all in flight (8x the measured build's 4 KB); B8
+        # unroll4+aligned 8 KB (4x its 2 KB).
+        ("streaming builds (B1 wide512+aligned, B8 unroll4+aligned; built, auto times them)", m, STREAMING_KW),
+        ("... + static shares, the next task's header loaded while one runs (KernelVariant static, built, to "
+         "measure; guess: the claim's and the header's trips leave each task's path, task x 3/5)",
+         replace(m, task=m.task * 3 / 5, static=True), STREAMING_KW),
     ]
+
+
+STREAMING_KW = {"by_batch": {1: dict(k_step_scale=8, stats_chunk=1024), 8: dict(k_step_scale=4, stats_chunk=1024)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         pr = {}
         for name, b in (("moondream2", 1), ("moondream2", 8), ("whisper-tiny.en", 1)):
             graph, tiling = gs[name, b]
-            pr[name, b] = cm.simulate(graph, launch(name, b, "bf16", graph, tiling, **kw), mm)["seconds"] * 1e6
+            at = kw["by_batch"][b] if "by_batch" in kw else kw
+            pr[name, b] = cm.simulate(graph, launch(name, b, "bf16", graph, tiling, **at), mm)["seconds"] * 1e6
         md1, md8, wh1 = pr["moondream2", 1], pr["moondream2", 8], pr["whisper-tiny.en", 1]
         lines.append(f"| {label} | {md1:.0f} | {md1 / FLOOR_US['moondream2', 1, 'bf16']:.1f} | "
                      f"{md1 / PEER_US['moondream2', 1]:.2f} | {md8:.0f} | {md8 / md1:.2f} | {wh1:.0f} | "

@@ -52,7 +52,8 @@ def run(step, variant: KernelVariant) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2),
                                      KernelVariant(wide=32), KernelVariant(wide=32, aligned=True),
-                                     KernelVariant(unroll=4, aligned=True)],
+                                     KernelVariant(unroll=4, aligned=True), KernelVariant(static=True),
+                                     KernelVariant(wide=32, aligned=True, static=True)],
                          ids=lambda v: v.name())
 def test_a_variant_computes_what_the_plain_build_does(step, variant):
     assert any(t.op == 7 for t in step.graph.tasks)          # split-K slices are on the path too
@@ -64,6 +65,22 @@ def test_a_variant_computes_what_the_plain_build_does(step, variant):
     assert err < (2e-5 if variant.dot else 1e-6), err
     assert torch.equal(got.argmax(-1), plain.argmax(-1))
 
+
+
+def test_the_static_build_claims_nothing_and_counts_every_task_it_ran(step):
+    """The claimed build's counter ends at tasks + programs (each program's last claim finds none);
+    the static build's at the tasks its programs ran, each exactly once (one program under the
+    interpreter: a share waiting on another program's task would never see it run)."""
+    from photon_core.megakernel.kernel import CTRL_CLAIM
+    saved = step.state.clone()
+    for variant, extra in ((KernelVariant(), step.kernel.num_programs), (KernelVariant(static=True), 0)):
+        k = copy.copy(step.kernel)
+        k.variant = variant
+        k.launch()
+        k.raise_on_error()
+        assert int(k.ctrl[CTRL_CLAIM]) == len(step.graph.tasks) + extra, variant.name()
+        step.state.copy_(saved)
+    assert KernelVariant.parse("wide512+aligned+static") == KernelVariant(wide=512, aligned=True, static=True)
 
 def test_a_variant_that_is_no_k_loop_is_refused():
     with pytest.raises(ValueError, match="not a K loop"):
@@ -112,7 +129,8 @@ def compiled(tmp_path_factory):
 
 NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "megakernel_b1_bf16_n32_k64_prefetch1",
          "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace", "megakernel_b1_bf16_n32_k64_aligned",
-         "megakernel_b1_bf16_n32_k64_unroll4_aligned", "megakernel_b1_bf16_n32_k64_wide512_aligned"]
+         "megakernel_b1_bf16_n32_k64_unroll4_aligned", "megakernel_b1_bf16_n32_k64_wide512_aligned",
+         "megakernel_b1_bf16_n32_k64_wide512_aligned_static"]
 
 
 def test_variants_compile_for_sm90_with_their_instructions(compiled):
@@ -145,6 +163,9 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     assert unrolled["in_flight_bytes"] >= 4 * plain["in_flight_bytes"] and set(unrolled["loads"]) == {"LDG.E.128"}
     assert wide["in_flight_bytes"] * threads >= 32 * 1024 and set(wide["loads"]) == {"LDG.E.128"}, wide
     assert got["megakernel_b1_bf16_n32_k64_wide512_aligned"]["stack"] == 0
+    # the static schedule (its next header held across a task) leaves the K loop as it was, unspilled
+    static = got["megakernel_b1_bf16_n32_k64_wide512_aligned_static"]
+    assert dense_loop(static["k_loops"]) == wide and static["stack"] == 0, static
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)

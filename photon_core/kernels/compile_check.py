@@ -8,8 +8,8 @@ under the pinned Triton (test_kernels_compile_sm90.py) and under the older suppo
 (test_triton_versions.py), and bench/triton_versions.py prints the full matrix.
 
 Case names: the per-op kernels by PER_OP's names; megakernel variants as
-"megakernel_b<batch>_<fp32|bf16>[_kvbf16][_fp8][_trace][_pipe<N>][_prefetch<N>][_dot<N>][_wide<N>][_unroll<N>][_aligned][_n<BLOCK_N>][_k<BLOCK_K>][_t<BLOCK_T>][_d<BLOCK_D>]"
-(_trace: the traced build; _pipe / _prefetch / _dot / _wide / _unroll / _aligned: kernel.KernelVariant),
+"megakernel_b<batch>_<fp32|bf16>[_kvbf16][_fp8][_trace][_pipe<N>][_prefetch<N>][_dot<N>][_wide<N>][_unroll<N>][_aligned][_static][_n<BLOCK_N>][_k<BLOCK_K>][_t<BLOCK_T>][_d<BLOCK_D>]"
+(_trace: the traced build; _pipe / _prefetch / _dot / _wide / _unroll / _aligned / _static: kernel.KernelVariant),
 defaults the roofline's GPU tiling (BLOCK_N 64, BLOCK_K 128 / batch (>= 16), BLOCK_T 64, BLOCK_D 64),
 BLOCK_S 8 and BLOCK_R 1024 (what a real vocabulary compiles).
 """
@@ -107,7 +107,7 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax",
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
           "lstm_cell")
-_MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_[ntdk]\d+)*)$")
+_MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_[ntdk]\d+)*)$")
 
 
 def compile_env(first: Path | None = None, cache_dir: Path | None = None) -> dict[str, str]:
@@ -137,7 +137,8 @@ def megakernel_case(name: str) -> tuple[Any, dict[str, str], dict[str, Any]]:
     tiles = {k: int(v) for k, v in re.findall(r"_([ntdk])(\d+)", opts)}
     build = {k: int(v) for k, v in re.findall(r"_(pipe|prefetch|dot|wide|unroll)(\d+)", opts)}
     variant = mk.KernelVariant(pipeline=build.get("pipe", 0), prefetch=build.get("prefetch", 0), dot=build.get("dot", 0),
-                               wide=build.get("wide", 0), unroll=build.get("unroll", 0), aligned="_aligned" in opts)
+                               wide=build.get("wide", 0), unroll=build.get("unroll", 0), aligned="_aligned" in opts,
+                               static="_static" in opts)
     sig = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", w_ptr="*" + wdt, s_ptr=P,
                out_ptr="*i32", B="i32", ln_eps="fp32", spin_limit="i32", trace_ptr="*i64")
     # The roofline tiling's K step is 128 / the batch's row block (>= 16); 8 decode splits and 1024

@@ -6,7 +6,8 @@ Moondream 2 at batch 1, 7.67 ms measured): fp32 weights took the time bf16 ones 
 about twice batch 1, whose K step is half as wide. A step is not moving bytes; it is waiting. So
 this model is a simulation of the persistent kernel's schedule, in which time is round trips:
 
-* P programs (one an SM under Triton 3.4-3.7, two under 3.8+) claim tasks in the table's order;
+* P programs (one an SM under Triton 3.4-3.7, two under 3.8+) claim tasks in the table's order
+  (the static build: task i is program i mod P's, in order);
   a claimed task pays `task` (the claim, its header and fields: dependent loads from L2), waits
   until each counter it needs reaches its target, plus `observe` (the release seen by the poll),
   then runs its body and releases. A ticket group's last finisher also runs the group's finale.
@@ -47,6 +48,7 @@ class Machine:
     programs: int = 132    # resident programs (H200, Triton 3.6: 8 warps, one an SM)
     bandwidth: float = 4.8e12
     tiles_in_flight: float = 1.0    # weight tiles a linear task's loop keeps outstanding
+    static: bool = False            # task i runs on program i % programs (KernelVariant.static), not the first free
 
 
 # Fitted to the 2026-12-04 H200 run (Triton 3.6, 132 programs) by `bench/cost_model.py --fit`
@@ -146,8 +148,13 @@ def simulate(graph: TaskGraph, launch: Launch, m: Machine) -> dict[str, Any]:
     prog = [0] * len(graph.tasks)
     waited = 0.0
     ran = 0.0
+    free_at = [0.0] * m.programs
     for i, t in enumerate(graph.tasks):
-        at, p = heapq.heappop(free)
+        if m.static:
+            p = i % m.programs
+            at = free_at[p]
+        else:
+            at, p = heapq.heappop(free)
         start = at + m.task
         ready = start
         for counter, target in t.waits:
@@ -173,7 +180,10 @@ def simulate(graph: TaskGraph, launch: Launch, m: Machine) -> dict[str, Any]:
         release[i] = done
         if t.signal is not None:
             signalers.setdefault(t.signal, []).append(i)
-        heapq.heappush(free, (done, p))
+        if m.static:
+            free_at[p] = done
+        else:
+            heapq.heappush(free, (done, p))
     total = (max(end) if end else 0.0) + m.launch
     return dict(seconds=total, tasks=len(graph.tasks), programs=m.programs,
                 run_share=ran / (total * m.programs) if total else 0.0,

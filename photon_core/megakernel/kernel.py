@@ -1460,7 +1460,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr, TRACE: tl.constexpr = 0,
-                PREFETCH: tl.constexpr = 0, LOOP: tl.constexpr = 0):
+                PREFETCH: tl.constexpr = 0, LOOP: tl.constexpr = 0, STATIC: tl.constexpr = 0):
     """Claim, wait, run (RUN_TASK: the task table, resolved at compile time), release.
 
     The claim is a relaxed atomic: it only hands out indices, and every ordering a task needs comes
@@ -1473,19 +1473,50 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
     the lowest failing task, the root of a cascade, wins). TRACE (1: GPU timer, 2: the
     interpreter's logical clock; 0 compiles it out) writes each task's row of the trace buffer
     (timeline.TRACE_COLUMNS): program, SM, claimed, waited, ran, released, status. PREFETCH: see
-    _prefetch_weights (0: none). LOOP: how a dense linear task's K loop is built (KernelVariant.loop)."""
+    _prefetch_weights (0: none). LOOP: how a dense linear task's K loop is built (KernelVariant.loop).
+
+    STATIC (KernelVariant.static): no claims; program p runs tasks p, p + P, p + 2P, ... (P
+    programs), and the next one's header is loaded while this one waits and runs, so neither the
+    claim's round trip nor the header's sits before a task's waits. Tasks stay in topological
+    order, so by induction on the index every task's producers finish, provided all P programs are
+    resident at once (the launch keeps to residency; a program held off the GPU by other work
+    holds its tasks up until it starts, where a claimed schedule would hand them to others). Each
+    program adds the tasks it ran to the claim counter as it leaves (raise_for's count)."""
     GPU_CLOCK: tl.constexpr = TRACE == 1
-    t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
+    if STATIC:
+        t = tl.program_id(0)
+        ran_here = 0
+        more = t < num_tasks
+        nrow = tasks_ptr + t.to(tl.int64) * NF
+        h_op = tl.load(nrow + F_op, mask=more, other=0)
+        h_c0 = tl.load(nrow + F_w0, mask=more, other=-1)
+        h_t0 = tl.load(nrow + F_t0, mask=more, other=0)
+        h_c1 = tl.load(nrow + F_w1, mask=more, other=-1)
+        h_t1 = tl.load(nrow + F_t1, mask=more, other=0)
+        h_sig = tl.load(nrow + F_sig, mask=more, other=-1)
+    else:
+        t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
     while t < num_tasks:
         if TRACE:
             claimed = _now(trace_ptr + num_tasks * TW, GPU_CLOCK)
         row = tasks_ptr + t.to(tl.int64) * NF
-        op = tl.load(row + F_op)
-        c0 = tl.load(row + F_w0)
-        t0 = tl.load(row + F_t0)
-        c1 = tl.load(row + F_w1)
-        t1 = tl.load(row + F_t1)
-        sig = tl.load(row + F_sig)
+        if STATIC:
+            op, c0, t0, c1, t1, sig = h_op, h_c0, h_t0, h_c1, h_t1, h_sig
+            more = t + tl.num_programs(0) < num_tasks
+            nrow = row + tl.num_programs(0).to(tl.int64) * NF
+            h_op = tl.load(nrow + F_op, mask=more, other=0)
+            h_c0 = tl.load(nrow + F_w0, mask=more, other=-1)
+            h_t0 = tl.load(nrow + F_t0, mask=more, other=0)
+            h_c1 = tl.load(nrow + F_w1, mask=more, other=-1)
+            h_t1 = tl.load(nrow + F_t1, mask=more, other=0)
+            h_sig = tl.load(nrow + F_sig, mask=more, other=-1)
+        else:
+            op = tl.load(row + F_op)
+            c0 = tl.load(row + F_w0)
+            t0 = tl.load(row + F_t0)
+            c1 = tl.load(row + F_w1)
+            t1 = tl.load(row + F_t1)
+            sig = tl.load(row + F_sig)
         if PREFETCH > 0:
             if (op == OP_LINEAR) | (op == OP_LINEAR_SPLIT):
                 _prefetch_weights(row, w_ptr, BLOCK_N, PREFETCH)
@@ -1521,7 +1552,13 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
             tl.store(tr + 4, ran)
             tl.store(tr + 5, _now(trace_ptr + num_tasks * TW, GPU_CLOCK))
             tl.store(tr + 6, status.to(tl.int64))
-        t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
+        if STATIC:
+            t += tl.num_programs(0)
+            ran_here += 1
+        else:
+            t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
+    if STATIC:
+        tl.atomic_add(ctrl_ptr, ran_here, sem="relaxed")
 
 
 def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int) -> int:
@@ -1570,13 +1607,15 @@ class KernelVariant:
     elementwise loop; see _linear_dot_steps); wide: steps of `wide` elements reduced as they come
     (_linear_wide_steps); unroll: 2 or 4 weight tiles loaded before the first is multiplied;
     aligned: the weight offsets' alignment said so that the dense tasks' loads are 16 bytes (see
-    _linear_acc)."""
+    _linear_acc); static: each program runs a fixed share of the tasks, the next one's header
+    loaded while this one runs (no claims; see _megakernel: every program must be resident)."""
     pipeline: int = 0
     prefetch: int = 0
     dot: int = 0
     wide: int = 0
     unroll: int = 0
     aligned: bool = False
+    static: bool = False
 
     def __post_init__(self) -> None:
         one_loop = sum(bool(v) for v in (self.dot, self.wide, self.unroll)) <= 1
@@ -1592,12 +1631,13 @@ class KernelVariant:
                 + 16777216 * int(self.aligned))
 
     def constexprs(self) -> dict[str, int]:
-        return dict(LOOP=self.loop, PREFETCH=self.prefetch)
+        return dict(LOOP=self.loop, PREFETCH=self.prefetch, STATIC=int(self.static))
 
     def name(self) -> str:
         parts = [f"dot{self.dot}"] * bool(self.dot) + [f"wide{self.wide}"] * bool(self.wide)
         parts += [f"unroll{self.unroll}"] * bool(self.unroll) + ["aligned"] * self.aligned
         parts += [f"pipe{self.pipeline}"] * bool(self.pipeline) + [f"prefetch{self.prefetch}"] * bool(self.prefetch)
+        parts += ["static"] * self.static
         return "+".join(parts) or "plain"
 
     @classmethod
@@ -1607,11 +1647,11 @@ class KernelVariant:
         kw: dict = {}
         bad = ValueError(f"not a kernel variant: {name!r} (e.g. 'plain', 'wide512+aligned')")
         for part in ([] if name == "plain" else name.split("+")):
-            m = re.fullmatch(r"(dot|wide|unroll|pipe|prefetch)(\d+)|aligned", part)
+            m = re.fullmatch(r"(dot|wide|unroll|pipe|prefetch)(\d+)|aligned|static", part)
             if m is None:
                 raise bad
-            if part == "aligned":
-                kw["aligned"] = True
+            if part in ("aligned", "static"):
+                kw[part] = True
             else:
                 kw[fields[m.group(1)]] = int(m.group(2))
         variant = cls(**kw)
@@ -1665,8 +1705,12 @@ class Megakernel:
         if self.variant.prefetch and self.weights.device.type != "cuda":
             raise ValueError("the prefetch variant is GPU code (inline PTX): the interpreter cannot run it")
         self.ctrl.zero_()
-        mode = 0 if trace is None else (1 if self.weights.device.type == "cuda" else 2)
-        _megakernel[(self.num_programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
+        cuda = self.weights.device.type == "cuda"
+        mode = 0 if trace is None else (1 if cuda else 2)
+        # The interpreter runs programs one after another: a static share waiting on another
+        # program's task would never see it run, so there one program runs them all.
+        programs = self.num_programs if cuda or not self.variant.static else 1
+        _megakernel[(programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
                                           self.weights, self.state, self.out, self.batch, self.ln_eps,
                                           self.spin_limit, self.ctrl if trace is None else trace,
                                           RUN_TASK=self.run_task, TRACE=mode, **self.variant.constexprs(),
