@@ -1456,6 +1456,15 @@ def _prefetch_weights(row, w_ptr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr)
 
 
 @triton.jit
+def _header(row, live):
+    """A task's header (op, two waits, signal) as independent loads, one round trip; where `live`
+    is false (past the last task) it reads as no task: op 0, no waits, no signal."""
+    return (tl.load(row + F_op, mask=live, other=0), tl.load(row + F_w0, mask=live, other=-1),
+            tl.load(row + F_t0, mask=live, other=0), tl.load(row + F_w1, mask=live, other=-1),
+            tl.load(row + F_t1, mask=live, other=0), tl.load(row + F_sig, mask=live, other=-1))
+
+
+@triton.jit
 def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, B, ln_eps, spin_limit, trace_ptr,
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -1486,14 +1495,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
     if STATIC:
         t = tl.program_id(0)
         ran_here = 0
-        more = t < num_tasks
-        nrow = tasks_ptr + t.to(tl.int64) * NF
-        h_op = tl.load(nrow + F_op, mask=more, other=0)
-        h_c0 = tl.load(nrow + F_w0, mask=more, other=-1)
-        h_t0 = tl.load(nrow + F_t0, mask=more, other=0)
-        h_c1 = tl.load(nrow + F_w1, mask=more, other=-1)
-        h_t1 = tl.load(nrow + F_t1, mask=more, other=0)
-        h_sig = tl.load(nrow + F_sig, mask=more, other=-1)
+        h_op, h_c0, h_t0, h_c1, h_t1, h_sig = _header(tasks_ptr + t.to(tl.int64) * NF, t < num_tasks)
     else:
         t = tl.atomic_add(ctrl_ptr, 1, sem="relaxed")
     while t < num_tasks:
@@ -1502,14 +1504,8 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
         row = tasks_ptr + t.to(tl.int64) * NF
         if STATIC:
             op, c0, t0, c1, t1, sig = h_op, h_c0, h_t0, h_c1, h_t1, h_sig
-            more = t + tl.num_programs(0) < num_tasks
-            nrow = row + tl.num_programs(0).to(tl.int64) * NF
-            h_op = tl.load(nrow + F_op, mask=more, other=0)
-            h_c0 = tl.load(nrow + F_w0, mask=more, other=-1)
-            h_t0 = tl.load(nrow + F_t0, mask=more, other=0)
-            h_c1 = tl.load(nrow + F_w1, mask=more, other=-1)
-            h_t1 = tl.load(nrow + F_t1, mask=more, other=0)
-            h_sig = tl.load(nrow + F_sig, mask=more, other=-1)
+            h_op, h_c0, h_t0, h_c1, h_t1, h_sig = _header(row + tl.num_programs(0).to(tl.int64) * NF,
+                                                          t + tl.num_programs(0) < num_tasks)
         else:
             op = tl.load(row + F_op)
             c0 = tl.load(row + F_w0)
