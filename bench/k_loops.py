@@ -19,7 +19,7 @@ build's K step (W0: the plain build's bytes a trip under 3.6) and takes W / F la
 since that run read them (kernel.STATS_TILE: the plain rows are today's default build, not the
 measured one). The model's other constants are unchanged, so the rows
 differ only by what the K loop does (the static builds' rows also by their schedule, and by a
-guessed per-task time: STATIC_TASK); read them as +-15% and as the model's, until a GPU measures
+guessed per-task time: cost_model.STATIC_TASK); read them as +-15% and as the model's, until a GPU measures
 the variants (bench/gpu_timeline.py).
 """
 from __future__ import annotations
@@ -42,7 +42,6 @@ BASE = {1: "megakernel_b1_bf16_n32_k64_t32_d64", 8: "megakernel_b8_bf16_n32_k64_
 VARIANTS = {1: ("", "_aligned", "_unroll4_aligned", "_wide256_aligned", "_wide512_aligned", "_wide512_aligned_static",
                 "_dot64_pipe4"),
             8: ("", "_unroll4_aligned", "_unroll4_aligned_static", "_wide256_aligned")}
-STATIC_TASK = 3 / 5    # a static build's per-task fixed time, of the fitted one: a guess (cost_model.py's row)
 MEASURED = "3.6.0"     # the Triton of the run the model is fitted to
 
 
@@ -74,7 +73,7 @@ def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], progra
         w0 = per_program[(MEASURED, batch, "")][0]
         m = replace(cm.FITTED, tiles_in_flight=f / w, programs=programs[version])
         if variant.endswith("_static"):   # its K loop is the same build's; claims and headers leave the path
-            m = replace(m, static=True, task=m.task * STATIC_TASK)
+            m = replace(m, static=True, task=m.task * cmb.STATIC_TASK)
         row = {}
         for name in ("moondream2", "whisper-tiny.en"):
             graph, tiling = gs[name, batch]
