@@ -99,18 +99,24 @@ class Wait(Generic[T]):
         self._newest: tuple[int, Any] | None = None          # the last one offered: camera_info's fallback
         self._outcome: Match[T] | NoMatch | None = None
 
+    def clock(self) -> float:
+        """Now, on the pairing's clock (for `result(read_from=...)`)."""
+        return self._pairing.clock()
+
     @property
     def done(self) -> bool:
         return self._outcome is not None
 
-    def result(self, timeout: float | None = None) -> Match[T] | NoMatch:
+    def result(self, timeout: float | None = None, read_from: float | None = None) -> Match[T] | NoMatch:
         """The outcome, waiting for it: until the deadline, and past it for the callbacks of what
         arrived by then (grace_s at most, from this first read when it came later; less when a message
         received later shows they have run).
-        `timeout`, when given, bounds the wait too: then an undecided wait is decided with what it has."""
+        `timeout`, when given, bounds the wait too: then an undecided wait is decided with what it has.
+        `read_from`: when the reader began reading (this pairing's clock; now if None), so that a
+        frame's reads one after another (depth, then camera_info) share one grace."""
         pairing = self._pairing
         with pairing._cond:
-            first_read = pairing.clock()
+            first_read = pairing.clock() if read_from is None else read_from
             give_up_at = None if timeout is None else first_read + timeout
             if self._outcome is None and first_read > self.last_call:
                 # callbacks the busy reader held up get the grace from now (ended early, as ever, by
@@ -217,18 +223,19 @@ class StampPairing(Generic[T]):
                 note = (f"{self.what} stamps went back {_seconds(self._kept[-1][0] - stamp):.3f} s (a bag "
                         "played again, a driver restarted?): the earlier ones are forgotten")
                 self._kept.clear()
+                self._without_own.clear()
             if self._kept and self._kept[-1][0] == stamp:
                 self._kept.pop()     # the same message again (a latched one through two subscriptions)
             else:
                 self._last_new = received
             self._kept.append((stamp, received, msg))
-            self._count_late(stamp, received)
             gap = self._gap()
             for wait in list(self._waiting):
                 if received > wait.deadline:
                     self._decide(wait, wait.deadline)     # what came by its deadline has all been seen
                 elif wait._offer(stamp, msg, gap):
                     self._decide(wait, max(received, wait.arrived_at))
+            self._count_late(stamp, received)             # after: its own frame may just have been decided
             self._cond.notify_all()
         return note
 
@@ -291,6 +298,9 @@ class StampPairing(Generic[T]):
         wait._outcome = wait._outcome_now(at, given_up)
         if not (isinstance(wait._outcome, Match) and wait._outcome.rule == "exact"):
             self._without_own.append(wait)
+            own = next(((s, at) for s, at, _ in self._kept if s == wait.stamp), None)
+            if own is not None:      # already here, received after the deadline (or not seen by then)
+                self._count_late(*own)
         if wait in self._waiting:
             self._waiting.remove(wait)
         self.outcomes[wait._outcome.rule if isinstance(wait._outcome, Match) else "none"] += 1

@@ -446,7 +446,8 @@ class VisionNode(ManagedNode):
         if waits is None:
             return None
         started = time.monotonic()
-        paired, info = waits.depth.result(), waits.camera_info.result()
+        read_from = waits.depth.clock()
+        paired, info = waits.depth.result(read_from=read_from), waits.camera_info.result(read_from=read_from)
         self.depth_waits_s.append(time.monotonic() - started)
         settings = DepthSettings(min_depth_m=self.params["depth_min_m"], max_depth_m=self.params["depth_max_m"])
         camera = info.msg if isinstance(info, Match) else NoDepth(info.reason)

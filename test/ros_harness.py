@@ -6,7 +6,8 @@ import time
 from typing import Callable
 
 import rclpy
-from rclpy.executors import MultiThreadedExecutor
+from rclpy._rclpy_pybind11 import InvalidHandle
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
 
 
@@ -26,8 +27,12 @@ class RosGraph:
         while self.context.ok():
             try:
                 self.executor.spin_once(timeout_sec=0.05)
-            except Exception:  # shutdown races end the loop (nodes destroyed under a spin_once)
-                if self.context.ok() and not self._closing:
+            except (InvalidHandle, ExternalShutdownException):
+                if self.context.ok() and not self._closing:   # close() destroys nodes under a spin_once
+                    raise
+                return
+            except Exception:
+                if self.context.ok():
                     raise
                 return
 

@@ -221,6 +221,24 @@ def test_own_messages_after_the_decision_are_counted_late_or_seen_late():
     third = pairing.wait_for(T0 + 133 * MS, arrived_at=100.6)
     pairing.add(T0 + 133 * MS, "own", received_at=100.61)
     assert third.poll().rule == "exact" and (pairing.late, pairing.seen_late) == (1, 1)
+    # past the deadline but inside the callbacks' grace: the frame is decided by it, and it counts
+    fourth = pairing.wait_for(T0 + 200 * MS, arrived_at=100.6)
+    clock.now = 100.75
+    pairing.add(T0 + 200 * MS, "past the deadline", received_at=100.75)
+    assert fourth.poll().rule != "exact" and (pairing.late, pairing.seen_late) == (2, 1)
+    # already here, received after the deadline, when the frame's own callback runs
+    clock.now = 100.96
+    pairing.add(T0 + 300 * MS, "before its frame's callback", received_at=100.95)
+    clock.now = 101.0
+    assert pairing.wait_for(T0 + 300 * MS, arrived_at=100.8).poll().rule != "exact"
+    assert (pairing.late, pairing.seen_late) == (3, 1)
+    # a bag played again: the stamps start over, and a frame decided before counts nothing
+    fifth = pairing.wait_for(T0 + 400 * MS, arrived_at=101.0)
+    clock.now = 101.3
+    assert fifth.poll().rule != "exact"
+    pairing.add(T0 + 2 * NS, "on", received_at=101.3)
+    pairing.add(T0 + 400 * MS, "replayed", received_at=101.31)
+    assert (pairing.late, pairing.seen_late) == (3, 1)
 
 def camera_info_pairing(clock):
     return StampPairing("camera_info", 0.05, keep=4, fallback_newest=True, clock=clock)
