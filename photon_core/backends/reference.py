@@ -218,20 +218,25 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tup
 def moe(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor | None, experts_gate_up: torch.Tensor,
         experts_down: torch.Tensor, top_k: int, activation: str = "silu", up_offset: float = 0.0,
         renormalize: bool = True) -> torch.Tensor:
-    """Router, top-k, and the weighted sum of the chosen experts' gated MLPs, token by token: only
-    the chosen experts' weights are touched."""
+    """Router, top-k, and the weighted sum of the chosen experts' gated MLPs: only the chosen
+    experts' weights are touched. Each expert runs once over the (token, slot) pairs routed to it (a
+    prefill's hundreds of tokens are a few matrix products, not a Python loop per token); a token's
+    slots are then summed in slot order."""
     d = x.shape[-1]
     f = experts_down.shape[-1]
     xs = x.reshape(-1, d).float()
     weights, ids = moe_route(F.linear(xs, router_w.float(), None if router_b is None else router_b.float()),
                              top_k, renormalize)
+    per_slot = xs.new_zeros(xs.shape[0] * top_k, d)          # row t * top_k + slot
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        gate_up = xs[pairs // top_k] @ experts_gate_up[e].float().T
+        h = glu(gate_up[:, :f], gate_up[:, f:], activation, up_offset)
+        per_slot[pairs] = weights.reshape(-1)[pairs, None] * (h @ experts_down[e].float().T)
     y = torch.zeros_like(xs)
-    for t in range(xs.shape[0]):
-        for slot in range(top_k):
-            e = int(ids[t, slot])
-            gate_up = experts_gate_up[e].float() @ xs[t]
-            h = glu(gate_up[:f], gate_up[f:], activation, up_offset)
-            y[t] += weights[t, slot] * (experts_down[e].float() @ h)
+    for slot in range(top_k):
+        y += per_slot.view(-1, top_k, d)[:, slot]
     return y.to(x.dtype).view(x.shape)
 
 
