@@ -79,6 +79,7 @@ def test_the_static_build_claims_nothing_and_counts_every_task_it_ran(step):
         k.launch()
         k.raise_on_error()
         assert int(k.ctrl[CTRL_CLAIM]) == len(step.graph.tasks) + extra, variant.name()
+        assert k.claims_at_exit() == int(k.ctrl[CTRL_CLAIM]), variant.name()   # what gpu_proof checks
         step.state.copy_(saved)
     assert KernelVariant.parse("wide512+aligned+static") == KernelVariant(wide=512, aligned=True, static=True)
 

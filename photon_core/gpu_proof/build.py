@@ -148,9 +148,9 @@ def preserved(step) -> Iterator[None]:
 
 def flags(kernel) -> str | None:
     """What is wrong with the last launch's control buffer (None: nothing): the error flag, and the
-    claim counter, which ends at #tasks + #programs (each program's last claim finds no task)."""
+    claim counter, which ends where the build says (kernel.claims_at_exit)."""
     claims, err = kernel.ctrl[:2].tolist()     # graph.CTRL_CLAIM, graph.CTRL_ERROR
-    want = len(kernel.graph.tasks) + kernel.num_programs
+    want = kernel.claims_at_exit()
     try:
         kernel.raise_on_error()
     except RuntimeError as e:

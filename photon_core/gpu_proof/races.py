@@ -197,7 +197,7 @@ def stress(ctx: Ctx, p: Probe, kernel, programs: int, launches: int, poison_ever
     dev = p.step.state.device
     saved = kernel.num_programs
     kernel.num_programs = programs
-    expected = len(kernel.graph.tasks) + programs
+    expected = kernel.claims_at_exit(programs)
     diff = torch.zeros((), dtype=torch.int32, device=dev)
     first = torch.full((), -1, dtype=torch.int64, device=dev)
     err = torch.zeros((), dtype=torch.int32, device=dev)

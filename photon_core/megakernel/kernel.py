@@ -1723,6 +1723,13 @@ class Megakernel:
         self.launch(buf)
         return buf.view(-1, TRACE_WIDTH)[:len(self.graph.tasks), :len(TRACE_COLUMNS)].cpu()
 
+    def claims_at_exit(self, programs: int | None = None) -> int:
+        """The claim counter after a whole launch with `programs` programs (this kernel's if None): the
+        plain build's programs each end on one claim that finds no task; a static build adds exactly
+        its task count."""
+        return len(self.graph.tasks) + (0 if self.variant.static else
+                                        (self.num_programs if programs is None else programs))
+
     def raise_on_error(self) -> None:
         """Synchronising check of the error flag (a failed task: see raise_for)."""
         self.raise_for(int(self.ctrl[CTRL_ERROR].item()), int(self.ctrl[CTRL_CLAIM].item()))
