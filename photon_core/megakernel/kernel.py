@@ -285,8 +285,20 @@ def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
+def _sixteens(v):
+    """v, a multiple of 16 by construction (compiler.plan: weight offsets, row strides, K slices),
+    said in arithmetic that the alignment analysis keeps. tl.multiple_of on a load is an attribute
+    of that load, which passes that rebuild it drop: in the MoE tasks' inlined copies of _linear_acc
+    (Triton 3.9 TTGIR) k0 and ldw lost theirs, and FP8 experts loaded their weights a byte at a
+    time. Only the FP8 expert tasks use it: said this way elsewhere the fp32 build spills (152 B at
+    batch 1, 3.9), and the other tasks keep their hints."""
+    return v // 16 * 16
+
+
+@triton.jit
 def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1, LOOP: tl.constexpr = 0):
+                w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1, LOOP: tl.constexpr = 0,
+                EXPERT: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
     one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
     columns use narrower tiles (more tasks), and a split-K task sees a slice of K. w_shift /
@@ -298,7 +310,8 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     LOOP: the K loop's build (KernelVariant.loop): pipelined stages; UNROLL: weight tiles loaded
     before the first is multiplied (several steps' bytes in flight); DOT > 0 (bf16 weights;
     BLOCK_M >= 16, rows past M masked): steps of DOT on the tensor cores, see _linear_dot_steps;
-    WIDE > 0: steps of WIDE reduced as they come, see _linear_wide_steps."""
+    WIDE > 0: steps of WIDE reduced as they come, see _linear_wide_steps. EXPERT: an FP8 expert
+    task's call (see _sixteens)."""
     PIPE: tl.constexpr = LOOP % 16
     UNROLL: tl.constexpr = (LOOP // 16) % 16
     DOT: tl.constexpr = (LOOP // 256) % 256 * 16
@@ -324,9 +337,11 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # w_shift` (the default build), a dense task's shift of 0 folds the add away and the hint with
     # it: its weights stream as 2-byte loads (PTX, Triton 3.9 and 3.6; only MoE tasks, whose shift
     # is real, load 16 bytes). ALIGNED says it of the loaded offset itself: the dense tasks load 16
-    # bytes, the MoE tasks then 2, and the FP8-expert build spills (328 B at batch 1): a variant
-    # for the GPU to measure (KernelVariant.aligned), not yet the default.
-    if ALIGNED:
+    # bytes, the bf16 MoE tasks then 2 (the FP8 expert tasks keep theirs either way: EXPERT): a variant for
+    # the GPU to measure (KernelVariant.aligned), not yet the default.
+    if EXPERT:
+        w_off = _sixteens(tl.load(row + F_w)) + w_shift
+    elif ALIGNED:
         w_off = tl.multiple_of(tl.load(row + F_w), 16) + w_shift
     else:
         w_off = tl.multiple_of(tl.load(row + F_w) + w_shift, 16)
@@ -344,6 +359,9 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     k0 = tl.multiple_of(tl.load(row + F_k0), 16)
     k1 = tl.load(row + F_k1)
     ldw = tl.multiple_of(tl.load(row + F_ldw), 16)
+    if EXPERT:
+        k0 = _sixteens(k0)
+        ldw = _sixteens(ldw)
     # Weights are masked at k1 rounded up into the row padding (zeros, multiplied by x masked to 0),
     # so the mask is the same for every 16 consecutive elements and does not split a vector.
     k1w = tl.multiple_of((k1 + 15) // 16 * 16, 16)
@@ -1186,6 +1204,8 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     S = tl.load(row + F_S)
     n1 = tl.load(row + F_n1)
     ldw = tl.load(row + F_ldw)
+    if FP8:
+        ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
     loads = s_ptr + tl.load(row + F_loads)
     e, first, rsel, _ = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
     if first:
@@ -1199,7 +1219,7 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
         u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for half in range(0, 2):
             acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0, FP8,
-                              rsel)
+                              rsel, EXPERT=FP8)
             if FP8:   # the epilogue of an FP8 product: each output row's scale, once
                 sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * 2 * F + half * F + cols,
                              mask=cols < n1, other=0.0)
@@ -1231,6 +1251,8 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
     S = tl.load(row + F_S)
     n1 = tl.load(row + F_n1)
     ldw = tl.load(row + F_ldw)
+    if FP8:
+        ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
     loads = s_ptr + tl.load(row + F_loads)
     e, first, rsel, wsum = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
     if first:
@@ -1239,7 +1261,8 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
         cmask = cols < n1
         rows = tl.arange(0, BLOCK_M)
         wsc = tl.load(row + F_wsc)   # FP8 experts: fp32 row scales [E, D] at wsc
-        part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel)
+        part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel,
+                           EXPERT=FP8)
         if FP8:
             sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * D + cols, mask=cmask, other=0.0)
             part = part * (sc * FP8_UNSCALE)[None, :]
