@@ -228,15 +228,16 @@ def moe(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor | None, 
     weights, ids = moe_route(F.linear(xs, router_w.float(), None if router_b is None else router_b.float()),
                              top_k, renormalize)
     per_slot = xs.new_zeros(xs.shape[0] * top_k, d)          # row t * top_k + slot
-    flat = ids.reshape(-1)
-    for e in torch.unique(flat).tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
+    flat_ids, flat_weights = ids.reshape(-1), weights.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
         gate_up = xs[pairs // top_k] @ experts_gate_up[e].float().T
         h = glu(gate_up[:, :f], gate_up[:, f:], activation, up_offset)
-        per_slot[pairs] = weights.reshape(-1)[pairs, None] * (h @ experts_down[e].float().T)
+        per_slot[pairs] = flat_weights[pairs, None] * (h @ experts_down[e].float().T)
+    slots = per_slot.view(-1, top_k, d)
     y = torch.zeros_like(xs)
     for slot in range(top_k):
-        y += per_slot.view(-1, top_k, d)[:, slot]
+        y += slots[:, slot]
     return y.to(x.dtype).view(x.shape)
 
 
