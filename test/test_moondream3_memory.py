@@ -3,12 +3,15 @@ batch 1 (compiled step with FP8 experts, bf16 weights and KV caches of 4096 posi
 encoder, token embeddings and region encoders held by the per-op paths; the largest transients),
 computed from the real config's shapes without allocating anything."""
 import math
+import os
 
-import torch
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton (the kernels it defines)
 
-from photon_core.megakernel.memory import format_bytes
-from photon_core.models.moondream3.config import Moondream3Config
-from photon_core.models.moondream3.memory import device_memory, load_memory
+import torch  # noqa: E402
+
+from photon_core.megakernel.memory import format_bytes  # noqa: E402
+from photon_core.models.moondream3.config import Moondream3Config  # noqa: E402
+from photon_core.models.moondream3.memory import device_memory, load_memory  # noqa: E402
 
 
 def test_moondream3_1_fits_16_gib_at_a_4k_context():

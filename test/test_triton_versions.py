@@ -20,16 +20,21 @@ pinned version and keep every value in registers (no stack: no spill). The CPU i
 compiled step under each version too (before 3.7 it needs photon_core's fix for NumPy >= 2.4).
 """
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# Compiles and interpreter runs go to subprocesses with their own environments; in this process
+# triton is only imported, as an interpreter, like the other test modules import it.
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton (the kernels it defines)
 
-from test_kernels_compile_sm90 import (assert_claims_relaxed_and_header_before_branches, assert_no_spills,
+import pytest  # noqa: E402
+
+from test_kernels_compile_sm90 import (assert_claims_relaxed_and_header_before_branches, assert_no_spills,  # noqa: E402
                                        assert_vector_weight_loads, assert_waits_acquire_and_signals_release)
 
-from photon_core.kernels.compile_check import compile_env
+from photon_core.kernels.compile_check import compile_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_OP = ["attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge"]
