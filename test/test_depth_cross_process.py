@@ -33,6 +33,7 @@ T0 = 1_700_000_000                  # the first frame's stamp, s
 WIDTH, HEIGHT, FX = 128, 96, 100.0
 MAX_FRAMES = 600                    # the camera stops by itself after this many
 LINE_TIMEOUT_S = 60.0
+PRIMING_MM, PRIMING_CX = 500, 70.0  # the early depth and camera_info: no frame's wall or principal point
 
 
 def stamp(index: int, rate_hz: float) -> Time:
@@ -59,14 +60,15 @@ def colour(index: int, stamp_: Time) -> Image:
                  encoding="rgb8", step=WIDTH * 3, data=rgb.tobytes())
 
 
-def depth(index: int, stamp_: Time) -> Image:
-    mm = np.full((HEIGHT, WIDTH), wall_mm(index), "<u2")
+def depth(index: int | None, stamp_: Time) -> Image:
+    """index None: the early depth image, a wall no frame has (PRIMING_MM)."""
+    mm = np.full((HEIGHT, WIDTH), PRIMING_MM if index is None else wall_mm(index), "<u2")
     return Image(header=Header(stamp=stamp_, frame_id="camera_color_optical_frame"), height=HEIGHT, width=WIDTH,
                  encoding="16UC1", step=WIDTH * 2, data=mm.tobytes())
 
 
-def camera_info(index: int | None, stamp_: Time) -> CameraInfo:
-    cx, cy = cx_of(index), 48.0
+def camera_info(index: int | None, stamp_: Time, cx: float | None = None) -> CameraInfo:
+    cx, cy = cx_of(index) if cx is None else cx, 48.0
     return CameraInfo(header=Header(stamp=stamp_, frame_id="camera_color_optical_frame"), width=WIDTH,
                       height=HEIGHT, distortion_model="plumb_bob", d=[0.0] * 5,
                       k=[FX, 0.0, cx, 0.0, FX, cy, 0.0, 0.0, 1.0], r=[1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0],
@@ -95,10 +97,24 @@ def run_camera(prefix: str, rate_hz: float, lag_ms: float, info_mode: str, skip_
     try:
         # camera_info per frame too: a first frame sent before its subscription matched would pair
         # with no camera_info of its own (a latched one is delivered on matching, whenever that is)
-        if not (wait_for(lambda: images.get_subscription_count() >= 1 and depths.get_subscription_count() >= 1
-                         and (info_mode == "latched" or infos.get_subscription_count() >= 1), LINE_TIMEOUT_S)
-                and lines.wait("go")):
+        if not wait_for(lambda: images.get_subscription_count() >= 1 and depths.get_subscription_count() >= 1
+                        and (info_mode == "latched" or infos.get_subscription_count() >= 1), LINE_TIMEOUT_S):
             print("camera: the vision node never matched", file=sys.stderr)
+            return 2
+        # The graph's counts say both ends are known, not that the reader has matched this writer
+        # yet: a message sent in between is dropped before the node can number it (its first
+        # frame's depth and camera_info paired with frame 1's, 1 CI run in ~10). So depth and
+        # camera_info stamped long before the first frame (outside any tolerance, never paired) go
+        # out until the test has seen the node receive both and says "go".
+        deadline, priming = time.monotonic() + LINE_TIMEOUT_S, 0
+        while not lines.wait("go", 0.05) and not lines.done and time.monotonic() < deadline:
+            early = Time(sec=T0 - 200 + priming // 20, nanosec=priming % 20 * 50_000_000)
+            depths.publish(depth(None, early))
+            if info_mode == "per_frame":
+                infos.publish(camera_info(None, early, PRIMING_CX))
+            priming += 1
+        if "go" not in lines.seen:
+            print("camera: the test never said go", file=sys.stderr)
             return 2
         start = time.monotonic() + 0.05
         for index in range(MAX_FRAMES):
@@ -206,8 +222,10 @@ def run(graph, tmp_path, rate_hz: float, lag_ms: float, info_mode: str, skip_eve
         assert wait_for(lambda: all(s.get_publisher_count() >= 1 for s in subs) or camera.poll() is not None, 60)
         assert wait_for(lambda: node.pub_objects_3d.get_subscription_count() >= 1 and listener.get_publisher_count()
                         >= 1, 10)
-        if info_mode == "latched":   # sent before anything matched: it comes through the latched subscription
-            assert wait_for(lambda: node.info_stream.received >= 1 or camera.poll() is not None, 30)
+        # the camera's early depth and camera_info (a latched one: sent before anything matched, it
+        # comes through the latched subscription) have reached the node: every later loss is numbered
+        assert wait_for(lambda: node.depth_stream.received >= 1 and node.info_stream.received >= 1
+                        or camera.poll() is not None, 30)
         tell("go")
         wants = {"placed": enough, "no depth": enough if skip_every else 0}
         wait_for(lambda: all(seen[k] >= n for k, n in wants.items()) or problems or camera.poll() is not None,
@@ -228,7 +246,7 @@ def test_every_frame_is_placed_with_its_own_depth_and_camera_info(graph, tmp_pat
     neighbours of each frame (3 each side at 15 Hz, 7 at 30 Hz), and the previous depth image is
     there when the frame arrives; still each frame pairs with its own. (It also leaves room for a
     loaded test machine holding a message back by 100 ms or more.) Checked on every processed
-    frame's positions, and on every frame that arrived by the node's pairing counts (all exact)."""
+    frame's positions, and on every frame that arrived by the node's pairing counts (exact but the excused)."""
     seen, problems, node = run(graph, tmp_path, rate_hz, 30, "per_frame", 0, tolerance=0.25, enough=6)
     # A frame whose own depth image never came in time (lost in transport: best-effort QoS, a
     # loaded machine; or late: it reached the node after the frame's deadline, or its callback
@@ -246,9 +264,10 @@ def test_every_frame_is_placed_with_its_own_depth_and_camera_info(graph, tmp_pat
     assert len({p.split(":")[0] for p in other_info}) <= info_excused, (problems[:5], counts)
     assert [p for p in problems if p not in neighbour + other_info] == [], problems[:5]
     assert seen["placed"] >= 6, seen
-    assert depth.outcomes["exact"] >= seen["placed"] // 2, counts
+    frames = seen["placed"] // 2     # each frame's detect and point results
+    assert depth.outcomes["exact"] >= frames - depth_excused, counts
     assert depth.outcomes["nearest"] + depth.outcomes["none"] <= depth_excused, counts
-    assert info.outcomes["exact"] >= seen["placed"] // 2, counts
+    assert info.outcomes["exact"] >= frames - info_excused, counts
     assert info.outcomes["nearest"] + info.outcomes["none"] + info.outcomes["newest"] <= info_excused, counts
 
 
