@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 BASE = {1: "megakernel_b1_bf16_n32_k64_t32_d64", 8: "megakernel_b8_bf16_n32_k64_t32_d64"}
 VARIANTS = {1: ("", "_aligned", "_unroll4_aligned", "_wide256_aligned", "_wide512_aligned", "_wide512_aligned_static",
                 "_dot64_pipe4"),
-            8: ("", "_unroll4_aligned", "_unroll4_aligned_static", "_wide256_aligned")}
+            8: ("", "_unroll4_aligned", "_unroll4_aligned_static", "_unroll8_aligned", "_wide256_aligned")}
 MEASURED = "3.6.0"     # the Triton of the run the model is fitted to
 
 
@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         f"Compiled for sm_90 ({got['seconds']} s for all, two compiles at once). Per build: threads a "
         "program; registers / stack bytes (cuobjdump); the dense linear task's K loop: weight loads a trip per "
         "thread by width; KB of weights a trip and KB in flight (issued before the first is used), a program; "
-        "barriers and shared-memory instructions a trip. Predicted: the cost model's step (us) at the first "
+        "barriers, shared-memory instructions and spill loads / stores (local) a trip. Predicted: the cost model's step (us) at the first "
         "run's rows, bf16 weights, against the floor and the peer that run measured (transformers in one CUDA "
         "graph).", "",
         "| Triton | batch | variant | threads | regs / stack | weight loads a trip (per thread) | KB a trip | "
-        "KB in flight | barriers | shared | Moondream 2 us | x floor | / peer | Whisper tiny.en us | / peer |",
-        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        "KB in flight | barriers | shared | local | Moondream 2 us | x floor | / peer | Whisper tiny.en us | / peer |",
+        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for version, b, variant, rec, lp, w, f in table:
         pr = pred[version, b, variant]
         loads = ", ".join(f"{n} x {op.removeprefix('LDG.E.') if op != 'LDG.E' else '32'}"
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         md, wh = pr["moondream2"], pr["whisper-tiny.en"]
         lines.append(f"| {version} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | {rec['registers']} / "
                      f"{rec['stack']} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
+                     f"{lp.get('local', '?')} | "
                      f"{md:.0f} | {md / floor[b]:.1f} | {md / peer['moondream2', b]:.2f} | {wh:.0f} | "
                      f"{wh / peer['whisper-tiny.en', b]:.2f} |")
     lines += ["", f"Load average {os.getloadavg()[0]:.1f} at the end (compile times are not the point here)."]

@@ -52,7 +52,8 @@ def run(step, variant: KernelVariant) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2),
                                      KernelVariant(wide=32), KernelVariant(wide=32, aligned=True),
-                                     KernelVariant(unroll=4, aligned=True), KernelVariant(static=True),
+                                     KernelVariant(unroll=4, aligned=True), KernelVariant(unroll=8, aligned=True),
+                                     KernelVariant(static=True),
                                      KernelVariant(wide=32, aligned=True, static=True)],
                          ids=lambda v: v.name())
 def test_a_variant_computes_what_the_plain_build_does(step, variant):
@@ -131,7 +132,7 @@ def compiled(tmp_path_factory):
 NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "megakernel_b1_bf16_n32_k64_prefetch1",
          "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace", "megakernel_b1_bf16_n32_k64_aligned",
          "megakernel_b1_bf16_n32_k64_unroll4_aligned", "megakernel_b1_bf16_n32_k64_wide512_aligned",
-         "megakernel_b1_bf16_n32_k64_wide512_aligned_static"]
+         "megakernel_b1_bf16_n32_k64_wide512_aligned_static", "megakernel_b8_bf16_n32_k64_unroll8_aligned"]
 
 
 def test_variants_compile_for_sm90_with_their_instructions(compiled):
@@ -167,6 +168,12 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     # the static schedule (its next header held across a task) leaves the K loop as it was, unspilled
     static = got["megakernel_b1_bf16_n32_k64_wide512_aligned_static"]
     assert dense_loop(static["k_loops"]) == wide and static["stack"] == 0, static
+    # batch 8, unroll8+aligned: eight K steps' tiles (16 KB a program) issued as 16-byte loads before the
+    # first is used, no spill traffic inside the loop (the pinned Triton spills 24 B around it)
+    b8 = got["megakernel_b8_bf16_n32_k64_unroll8_aligned"]
+    b8_loop = dense_loop(b8["k_loops"])
+    assert b8_loop["in_flight_bytes"] * b8["threads"] >= 16 * 1024 and set(b8_loop["loads"]) == {"LDG.E.128"}, b8_loop
+    assert b8_loop["local"] == 0, b8_loop
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)

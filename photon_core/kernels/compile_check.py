@@ -226,7 +226,7 @@ def k_loops(cubin: bytes, arch: int) -> list[dict[str, Any]]:
     found = sass_loops.analyse(cubin, nvdisasm, ROOT / "photon_core" / "megakernel" / "kernel.py",
                                sass_loops.WEIGHT_LOAD)
     return [dict(task=lp.task, loads=lp.loads, weight_bytes=lp.weight_bytes, in_flight_bytes=lp.in_flight_bytes,
-                 barriers=lp.barriers, shared=lp.shared) for lp in found]
+                 barriers=lp.barriers, shared=lp.shared, local=lp.local) for lp in found]
 
 
 def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool = False,

@@ -11,7 +11,8 @@ reports per loop and trip, per thread:
 * `in_flight_bytes`: of those, the bytes issued before the first instruction that reads a register
   any of them loaded (in SASS order: what the scheduler can have outstanding at once, trip by trip);
 * `loads`: weight loads by width; `barriers`: BAR instructions; `shared`: LDS/STS/LDSM (a layout
-  change through shared memory shows as stores, a barrier and loads inside the loop).
+  change through shared memory shows as stores, a barrier and loads inside the loop); `local`:
+  LDL/STL, a spill's traffic inside the trip (a kernel's stack may be spilled off the loops).
 
 The figures are per thread; a program moves `threads` (num_warps x 32) times them. Loads ptxas
 hoisted out of a loop (a pipelined loop's prologue) are not in its trips; copies into shared memory
@@ -61,6 +62,7 @@ class Loop:
     in_flight_bytes: int = 0
     barriers: int = 0
     shared: int = 0
+    local: int = 0                            # local-memory loads and stores (spills) inside a trip
 
     @property
     def task(self) -> str:
@@ -211,6 +213,8 @@ def _trip(body: list[Insn], file_suffix: str, sites: set[int], names: dict[int, 
             loop.barriers += 1
         if i.opcode.startswith(("LDS", "STS", "LDSM")):
             loop.shared += 1
+        if i.opcode.startswith(("LDL", "STL")):
+            loop.local += 1
     return loop
 
 

@@ -405,24 +405,27 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
                                  rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M, BLOCK_N, DOT,
                                  PIPE if PIPE > 0 else 3)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BK), tl.float32)
-    if UNROLL > 1:
+    if UNROLL == 2:
         # UNROLL weight tiles issued before the first is used (independent loads: all in flight
         # at once, where the plain loop has one), then each multiplied as the plain loop does.
-        for kb in range(k0, k1, BK * UNROLL):
+        for kb in range(k0, k1, BK * 2):
             w0 = _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
             w1 = _w_tile(kb + BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
-            if UNROLL == 4:
-                w2 = _w_tile(kb + 2 * BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
-                w3 = _w_tile(kb + 3 * BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
             acc3 = _xw_step(acc3, w0, kb, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
                             rstd, w_ptr, FP8)
             acc3 = _xw_step(acc3, w1, kb + BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb,
                             mean, rstd, w_ptr, FP8)
-            if UNROLL == 4:
-                acc3 = _xw_step(acc3, w2, kb + 2 * BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw,
-                                lnb, mean, rstd, w_ptr, FP8)
-                acc3 = _xw_step(acc3, w3, kb + 3 * BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw,
-                                lnb, mean, rstd, w_ptr, FP8)
+    elif UNROLL > 2:
+        # 4 or 8 tiles, in groups of 4: every group's loads issue before the first tile is used.
+        for kb in range(k0, k1, BK * UNROLL):
+            w0, w1, w2, w3 = _w_tiles4(kb, BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+            if UNROLL == 8:
+                w4, w5, w6, w7 = _w_tiles4(kb + 4 * BK, BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+            acc3 = _xw_steps4(acc3, w0, w1, w2, w3, kb, BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact,
+                              lnw, lnb, mean, rstd, w_ptr, FP8)
+            if UNROLL == 8:
+                acc3 = _xw_steps4(acc3, w4, w5, w6, w7, kb + 4 * BK, BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact,
+                                  xgate, gact, lnw, lnb, mean, rstd, w_ptr, FP8)
     elif PIPE > 0:
         # Software-pipelined: the loads of PIPE - 1 later K steps are in flight while one is
         # consumed (Triton's pipeliner stages them through shared memory), so a tile streams with
@@ -485,6 +488,29 @@ def _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
     else:
         w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0)
     return w
+
+
+@triton.jit
+def _w_tiles4(kb, BK: tl.constexpr, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
+    """Four consecutive weight tiles from K column kb (_w_tile), loaded before any is used."""
+    return (_w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8),
+            _w_tile(kb + BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8),
+            _w_tile(kb + 2 * BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8),
+            _w_tile(kb + 3 * BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8))
+
+
+@triton.jit
+def _xw_steps4(acc3, w0, w1, w2, w3, kb, BK: tl.constexpr, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact,
+               lnw, lnb, mean, rstd, w_ptr, FP8: tl.constexpr):
+    """_xw_step over four loaded tiles (_w_tiles4) from K column kb."""
+    acc3 = _xw_step(acc3, w0, kb, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
+                    w_ptr, FP8)
+    acc3 = _xw_step(acc3, w1, kb + BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
+                    rstd, w_ptr, FP8)
+    acc3 = _xw_step(acc3, w2, kb + 2 * BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
+                    rstd, w_ptr, FP8)
+    return _xw_step(acc3, w3, kb + 3 * BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
+                    rstd, w_ptr, FP8)
 
 
 @triton.jit
@@ -1624,7 +1650,7 @@ class KernelVariant:
     dependency wait (0: off; 1: a prefetch per 128-byte line, sm_80+; 2: one bulk prefetch per row,
     sm_90+); dot: its K loop on the tensor cores, `dot` elements a step (bf16 weights; 0: the
     elementwise loop; see _linear_dot_steps); wide: steps of `wide` elements reduced as they come
-    (_linear_wide_steps); unroll: 2 or 4 weight tiles loaded before the first is multiplied;
+    (_linear_wide_steps); unroll: 2, 4 or 8 weight tiles loaded before the first is multiplied;
     aligned: the weight offsets' alignment said so that the dense tasks' loads are 16 bytes (see
     _linear_acc); static: each program runs a fixed share of the tasks, the next one's header
     loaded while this one runs (no claims; see _megakernel: every program must be resident)."""
@@ -1638,9 +1664,9 @@ class KernelVariant:
 
     def __post_init__(self) -> None:
         one_loop = sum(bool(v) for v in (self.dot, self.wide, self.unroll)) <= 1
-        if (not 0 <= self.pipeline < 16 or self.unroll not in (0, 2, 4) or not one_loop
+        if (not 0 <= self.pipeline < 16 or self.unroll not in (0, 2, 4, 8) or not one_loop
                 or any(v % 16 or not 0 <= v < 4096 for v in (self.dot, self.wide))):
-            raise ValueError(f"not a K loop: {self} (pipeline < 16; unroll 2 or 4; dot, wide multiples of 16 "
+            raise ValueError(f"not a K loop: {self} (pipeline < 16; unroll 2, 4 or 8; dot, wide multiples of 16 "
                              "below 4096; one of dot, wide, unroll)")
 
     @property
