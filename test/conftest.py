@@ -14,6 +14,11 @@ os.environ.setdefault("ROS_DOMAIN_ID", str(100 + os.getpid() % 100))
 # table would skip the builds tests make on purpose (and their checks). test_megakernel_build_cache
 # turns it on in a temporary folder; child processes (nodes under test) inherit this.
 os.environ["PHOTON_BUILD_CACHE"] = "0"
+# Kernels run on Triton's interpreter here, and Triton reads this when a kernel is defined: a module
+# that imported Triton before saying so defined compiled kernels for every module after it (an
+# order-dependent error, 2026-12-05). Set once before any test module is imported; the compile-only
+# tests compile in subprocesses whose environment drops it (compile_check.compile_env).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "test"))
