@@ -173,7 +173,7 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     b8 = got["megakernel_b8_bf16_n32_k64_unroll8_aligned"]
     b8_loop = dense_loop(b8["k_loops"])
     assert b8_loop["in_flight_bytes"] * b8["threads"] >= 16 * 1024 and set(b8_loop["loads"]) == {"LDG.E.128"}, b8_loop
-    assert b8_loop["local"] == 0, b8_loop
+    assert all(lp["local"] == 0 for lp in b8["k_loops"] if lp["task"] in ("_task_linear", "_task_linear_split")), b8
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)
@@ -181,7 +181,7 @@ FAMILIES = gpu_proof().families(dry=True, sms=4)
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if not n.endswith("/split")])
 def test_the_streaming_builds_compute_what_the_plain_build_does_for_every_family(name):
-    """The builds engine_choice may pick on a GPU (wide512+aligned at batch 1, unroll4+aligned at
+    """The builds engine_choice may pick on a GPU (wide512+aligned at batch 1, unroll8+aligned at
     batch 2) on each family's step graph (the GPU proof's tiny shapes: GLU, gated, activated and
     column-sliced inputs, RMS and LayerNorm, MoE, recurrent states), bf16 weights: the exposed
     values equal the plain build's up to the summation order, the picks are the same."""
@@ -190,7 +190,7 @@ def test_the_streaming_builds_compute_what_the_plain_build_does_for_every_family
     from photon_core.megakernel.decode_loop import restoring
     fam = FAMILIES[name]
     fam.load(torch.device("cpu"))
-    for batch, streaming in ((1, "wide512+aligned"), (2, "unroll4+aligned")):
+    for batch, streaming in ((1, "wide512+aligned"), (2, "unroll8+aligned")):
         with first_engine("perop"):
             step = fam.build(batch, False)
         step.weights = step.weights.to(torch.bfloat16)

@@ -13,7 +13,8 @@ K = "/src/photon_core/megakernel/kernel.py"
 
 # A task loop (label .L_x_1, closed by the branch at 0x0100) around a K loop (.L_x_2 .. 0x00c0):
 # two 16-byte weight loads from line 449 (inlined at 411, inside _task_linear at 30), one 2-byte
-# load from 449 after the first use, a shared-memory layout change with a barrier, the multiply.
+# load from 449 after the first use, a shared-memory layout change with a barrier, the multiply, a
+# spill store (its reload is outside the K loop).
 LISTING = f"""
 _megakernel:
 .L_x_1:
@@ -37,9 +38,11 @@ _megakernel:
         /*0080*/                   LDSM.16.M88.4 R24, [R9] ;
         /*0090*/                   FFMA R20, R24, R22, R20 ;
         /*00a0*/                   ISETP.GE.AND P0, PT, R4, R5, PT ;
+        /*00b0*/                   STL [R1+0x8], R20 ;
         /*00c0*/              @!P0 BRA `(.L_x_2) ;
 	//## File "{K}", line 20
         /*00d0*/                   RED.E.ADD.STRONG.GPU desc[UR4][R40.64], R3 ;
+        /*00e0*/                   LDL R20, [R1+0x8] ;
         /*0100*/                   BRA `(.L_x_1) ;
 """
 
@@ -71,7 +74,7 @@ def test_the_innermost_weight_loop_and_its_trip():
     assert loop.weight_bytes == 16 + 16 + 2
     # R13 (the first load's second word) is read at 0x40: the 2-byte load after it is not in flight
     assert loop.in_flight_bytes == 32
-    assert (loop.barriers, loop.shared) == (1, 2)
+    assert (loop.barriers, loop.shared, loop.local) == (1, 2, 1)
     assert loop.task == "_task_linear"
 
 

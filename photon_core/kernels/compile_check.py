@@ -220,7 +220,8 @@ def resource_usage(cubin: bytes, arch: int) -> dict[str, int]:
 def k_loops(cubin: bytes, arch: int) -> list[dict[str, Any]]:
     """The megakernel's weight-streaming loops, per trip and thread, read from the cubin's SASS
     (sass_loops): one dict per loop (task, loads by width, weight and in-flight bytes, barriers,
-    shared-memory instructions), with the disassembler next to the running Triton's ptxas."""
+    shared-memory instructions, spill loads and stores: local), with the disassembler next to the
+    running Triton's ptxas."""
     from photon_core.kernels import sass_loops
     nvdisasm = str(Path(ptxas_path(arch)).parent / "nvdisasm")
     found = sass_loops.analyse(cubin, nvdisasm, ROOT / "photon_core" / "megakernel" / "kernel.py",

@@ -417,6 +417,7 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
                             mean, rstd, w_ptr, FP8)
     elif UNROLL > 2:
         # 4 or 8 tiles, in groups of 4: every group's loads issue before the first tile is used.
+        tl.static_assert(UNROLL == 4 or UNROLL == 8, "unroll 2, 4 or 8 (KernelVariant)")
         for kb in range(k0, k1, BK * UNROLL):
             w0, w1, w2, w3 = _w_tiles4(kb, BK, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
             if UNROLL == 8:
