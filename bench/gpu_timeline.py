@@ -18,7 +18,7 @@ Parts, in this order (the first ones are what the next design step needs most):
    the median CUDA-graph replay of every variant; on the prod tiling also the per-op engine
    (megakernel/perop_engine.py: the same step graph op by op with torch's kernels, on the same
    buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
-4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll4+aligned+static and
+4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static and
    prefetch), if the budget is left (its build takes ~25 s).
 
 Variants (kernel.KernelVariant): plain (today's build), prefetch2 / 1 (each linear task's weight
@@ -30,7 +30,8 @@ batch 1, SASS), wide512+aligned / wide256+aligned (512- / 256-element steps redu
 cost model's best builds: bench/RESULTS.md "Megakernel K loop from the SASS"), aligned (the dense
 tasks' weights in 16-byte loads: the default build's are 2-byte loads, the same 4 KB a trip),
 unroll4+aligned (four weight tiles issued before the first is multiplied: 16 KB at batch 1, 8 KB at
-batch 8; unroll8+aligned: eight, 16 KB at batch 8 without a spill under 3.6), +static (no claims:
+batch 8; unroll8+aligned: eight, 16 KB at batch 8 without a spill under 3.6, auto's candidate above
+batch 1), +static (no claims:
 program p runs tasks p, p + P, ..., the next one's header loaded while one runs; the cost model
 guesses 12% off Moondream 2 B1's streaming build). Tilings: prod (compiler.Tiling(),
 what photon_core builds) and split (64-column tiles; stages with fewer tiles than programs
@@ -369,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     aligned, unrolled = KernelVariant(aligned=True), KernelVariant(unroll=4, aligned=True)
     # static: no claims, the next task's header loaded while one runs (per-task fixed time, issue 38.3)
     wider_static = KernelVariant(wide=512, aligned=True, static=True)
-    unrolled_static = KernelVariant(unroll=4, aligned=True, static=True)
     unrolled8 = KernelVariant(unroll=8, aligned=True)
+    unrolled8_static = KernelVariant(unroll=8, aligned=True, static=True)
     variants = ([plain, aligned, unrolled, wider, wider_static, wide, pre2, pre1, pipe3, dot] if cuda
                 else [plain, aligned, unrolled, wider, wider_static, wide, pipe3, dot])
     from photon_core.megakernel.kernel import Megakernel
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         make, prod, _ = fams["moondream2"]
         cfg = guarded("build moondream2 B8 prod", lambda: Config("moondream2 B8 prod", make(prod), 8, dev))
         if cfg is not None:
-            b8_variants = [plain, unrolled, unrolled8, unrolled_static, pre2]
+            b8_variants = [plain, unrolled, unrolled8, unrolled8_static, pre2]
             guarded("measure moondream2 B8 prod", lambda: measure(cfg, b8_variants, [], rate, cuda, iters // 2))
     else:
         RESULTS["skipped"] = "moondream2 B8 (budget)"

@@ -304,3 +304,26 @@ def test_real_moondream3_graph_checks():
     assert not any(t.name.startswith(("coord", "size")) for t in text.tasks)
     every = sum(math.prod(s) for s in g.weight_shapes.values())
     assert g.weight_bytes(1) < every / 4
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fp8_experts_in_a_bf16_step_time_the_streaming_build_which_computes_the_plain_builds_values(pair, batch):
+    """Backend auto on a GPU times the megakernel's streaming build for FP8-expert steps too (their
+    expert tasks keep the plain loop; the dense tasks stream): that build, bf16 weights and FP8
+    experts, must compute what the plain build does from the same state (engine_choice.same_as_plain,
+    which auto runs before timing it), here at 1e-5 of each value's largest, the same picks."""
+    from photon_core.gpu_proof.build import fill
+    from photon_core.megakernel import engine_choice
+    from photon_core.megakernel.graph_family import make_rows
+    _, fast = pair
+    step = md3.Moondream3DecoderMegakernel(fast.text_w, fast.region_w, fast.config, batch, 32, STEP_TILING,
+                                           weight_dtype=torch.bfloat16)
+    assert step.plan.fp8 and step.plan.weight_dtype == torch.bfloat16
+    streaming = engine_choice.STREAMING.get(batch, engine_choice.STREAMING_ABOVE_1)
+    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("megakernel", streaming), ("perop", "plain")]
+    rows = make_rows(batch, fast.config.text.vocab_size, (4, 3))
+    fill(step, rows, seed=5)
+    step.scrub_nonfinite()
+    step.set_step(rows.tokens, rows.positions)
+    engine_choice.same_as_plain(step, streaming, tolerance=1e-5)
+    assert step.kernel_for(None).variant.name() == streaming

@@ -11,9 +11,9 @@ under a second. The faster engine runs the step. An engine that fails to build o
 that cannot compile the megakernel, a CUDA error) is not chosen, with the reason in the record;
 both failing raise.
 
-Besides the plain megakernel, a step with bf16 (or fp16) weights and no FP8 experts also times the
-megakernel's streaming build for its batch (STREAMING: wide512+aligned at batch 1, unroll4+aligned
-above): the same task table, K loops compiled to keep 32 / 8-16 KB of weights in flight a program
+Besides the plain megakernel, a step with bf16 (or fp16) weights (FP8 experts or not) also times the
+megakernel's streaming build for its batch (STREAMING: wide512+aligned at batch 1, unroll8+aligned
+above): the same task table, K loops compiled to keep 32 / 16-32 KB of weights in flight a program
 where the plain build keeps 4 / 2 KB (their SASS: bench/RESULTS.md "Megakernel K loop from the
 SASS"; the cost model predicts 1.9 ms for Moondream 2 at batch 1 against the plain build's 7.2).
 Which is faster on a given GPU is measured, never assumed, and the streaming build must first compute
@@ -55,17 +55,20 @@ log = logging.getLogger(__name__)
 LAUNCHES, REPEATS = 2, 5
 # The megakernel's streaming build per batch (kernel.KernelVariant names), timed beside the plain one.
 STREAMING = {1: "wide512+aligned"}
-STREAMING_ABOVE_1 = "unroll4+aligned"
+STREAMING_ABOVE_1 = "unroll8+aligned"
 _measuring = threading.Lock()   # one measurement at a time: two at once would time each other
 Timer = Callable[["CompiledStep"], float]   # ms per step of the step's current engine (and variant)
 
 
 def candidates(step: "CompiledStep") -> list[tuple[str, str]]:
     """(engine, variant) pairs to time for `step`: the plain megakernel and the per-op engine, and
-    for 16-bit weights without FP8 experts the megakernel's streaming build (the aligned builds'
-    16-byte loads make FP8 expert builds spill, kernel._linear_acc)."""
+    for 16-bit weights the megakernel's streaming build. FP8 experts included: their tasks keep the
+    plain build's loop and alignment (kernel._linear_acc, EXPERT), and with them the streaming
+    builds spill as the bf16 ones do (sm_90: none at batch 1-2 under Triton 3.6 and 3.9; 24 B of
+    stack at batch 4-8 under 3.9; at batch 8 under 3.6 the plain FP8 build's 56 B; none of it
+    inside a K loop)."""
     out = [("megakernel", "plain"), ("perop", "plain")]
-    if step.plan.weight_dtype in (torch.bfloat16, torch.float16) and not step.plan.fp8:
+    if step.plan.weight_dtype in (torch.bfloat16, torch.float16):
         out.insert(1, ("megakernel", STREAMING.get(step.batch, STREAMING_ABOVE_1)))
     return out
 
