@@ -119,10 +119,9 @@ def family_setup_s(family: str, buckets: tuple[int, ...], prewarmed: bool) -> fl
     k = GPU_COSTS[family]
     s = k["setup"]
     # backend auto's engine choice compiles the megakernel's streaming build beside the plain one
-    # (engine_choice.candidates), except where the experts are FP8 (Moondream 3)
-    compiles = 1 if family == "moondream3" else 2
+    # (engine_choice.candidates: every family's 16-bit weights, FP8 experts or not)
     if not prewarmed:
-        s += sum((2 * k["build"] * BUCKET_FACTOR.get(b, 1.0) + compiles * k["compile"]) for b in buckets)
+        s += sum((2 * k["build"] * BUCKET_FACTOR.get(b, 1.0) + 2 * k["compile"]) for b in buckets)
     else:
         s += 3 * len(buckets)    # g: the entries read and the rounds captured
     return s
