@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Compiled for sm_90 ({got['seconds']} s for all, two compiles at once). Per build: threads a "
         "program; registers / stack bytes (cuobjdump); the dense linear task's K loop: weight loads a trip per "
         "thread by width; KB of weights a trip and KB in flight (issued before the first is used), a program; "
-        "barriers, shared-memory instructions and spill loads / stores (local) a trip. Predicted: the cost model's step (us) at the first "
-        "run's rows, bf16 weights, against the floor and the peer that run measured (transformers in one CUDA "
+        "barriers, shared-memory instructions and spill loads / stores (local) a trip. Predicted: the cost "
+        "model's step (us) at the first run's rows, bf16 weights, against the floor and the peer that run measured (transformers in one CUDA "
         "graph).", "",
         "| Triton | batch | variant | threads | regs / stack | weight loads a trip (per thread) | KB a trip | "
         "KB in flight | barriers | shared | local | Moondream 2 us | x floor | / peer | Whisper tiny.en us | / peer |",
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         md, wh = pr["moondream2"], pr["whisper-tiny.en"]
         lines.append(f"| {version} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | {rec['registers']} / "
                      f"{rec['stack']} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
-                     f"{lp.get('local', '?')} | "
+                     f"{lp['local']} | "
                      f"{md:.0f} | {md / floor[b]:.1f} | {md / peer['moondream2', b]:.2f} | {wh:.0f} | "
                      f"{wh / peer['whisper-tiny.en', b]:.2f} |")
     lines += ["", f"Load average {os.getloadavg()[0]:.1f} at the end (compile times are not the point here)."]

@@ -218,11 +218,16 @@ def _trip(body: list[Insn], file_suffix: str, sites: set[int], names: dict[int, 
     return loop
 
 
+def dense_loops(loops: list[dict]) -> list[dict]:
+    """Of compile_check's loop records (k_loops), every copy of the dense linear tasks' K loop."""
+    return [lp for lp in loops if lp["task"] in ("_task_linear", "_task_linear_split")]
+
+
 def dense_loop(loops: list[dict]) -> dict:
     """Of compile_check's loop records (k_loops), the dense linear tasks' K loop: _task_linear and
     _task_linear_split inline the same loop (without inlining records both are named by the task
     laid out after them), which ptxas may schedule differently: the copy with less in flight."""
-    dense = [lp for lp in loops if lp["task"] in ("_task_linear", "_task_linear_split")]
+    dense = dense_loops(loops)
     if not dense or any(lp["loads"] != dense[0]["loads"] for lp in dense):
         raise ValueError(f"expected the dense linear K loops, with the same loads: {loops}")
     return min(dense, key=lambda lp: lp["in_flight_bytes"])
