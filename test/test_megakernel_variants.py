@@ -154,7 +154,7 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     plain build has one K step's tile in flight (4 KB a program: what the first GPU run's build
     streamed, issue 38); unroll4+aligned issues four steps' tiles as 16-byte loads before using the
     first; wide512+aligned 32 KB a program a trip (the issue's >= 32 KB per SM), all in registers."""
-    from photon_core.kernels.sass_loops import dense_loop
+    from photon_core.kernels.sass_loops import dense_loop, dense_loops
     _, got = compiled
 
     def loop(name):
@@ -168,12 +168,14 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     # the static schedule (its next header held across a task) leaves the K loop as it was, unspilled
     static = got["megakernel_b1_bf16_n32_k64_wide512_aligned_static"]
     assert dense_loop(static["k_loops"]) == wide and static["stack"] == 0, static
-    # batch 8, unroll8+aligned: eight K steps' tiles (16 KB a program) issued as 16-byte loads before the
-    # first is used, no spill traffic inside the loop (the pinned Triton spills 24 B around it)
+    # batch 8, unroll8+aligned: eight K steps' tiles (16 KB a program) issued as vector loads before the
+    # first is used (16 bytes under 3.9's 128 threads; 8 under 3.6's 256, which cover the 32 x 32 tile
+    # 4 elements each), no spill traffic inside the loop (3.9 spills 24 B around it)
     b8 = got["megakernel_b8_bf16_n32_k64_unroll8_aligned"]
     b8_loop = dense_loop(b8["k_loops"])
-    assert b8_loop["in_flight_bytes"] * b8["threads"] >= 16 * 1024 and set(b8_loop["loads"]) == {"LDG.E.128"}, b8_loop
-    assert all(lp["local"] == 0 for lp in b8["k_loops"] if lp["task"] in ("_task_linear", "_task_linear_split")), b8
+    wide_loads = {"LDG.E.128"} if b8["threads"] == 128 else {"LDG.E.64", "LDG.E.128"}
+    assert b8_loop["in_flight_bytes"] * b8["threads"] >= 16 * 1024 and set(b8_loop["loads"]) <= wide_loads, b8_loop
+    assert all(lp["local"] == 0 for lp in dense_loops(b8["k_loops"])), b8
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)
