@@ -278,3 +278,52 @@ def test_lookup_only_tables_are_read_in_place():
             CompiledStep(g, bad, 2, TILING, read_in_place=["ple"])
     with pytest.raises(ValueError, match="read in place"):
         CompiledStep(g, w, 2, TILING, read_in_place=["tok"])      # the tied LM head reads it too
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_the_wide_build_streams_experts_over_several_steps(fp8):
+    """The wide build (wide512+aligned, what backend auto times at batch 1) runs the expert tasks'
+    K loop in wide steps too: FP8 experts 512 bytes a row a step, loaded as two halves before either
+    is decoded; 16-bit ones 256 elements. K spans several steps and ends inside one (D = 1360: FP8
+    2 x 512 + a step whose second half is partly past K; F = 600: the down task's last step
+    partial), bf16 arena, one row choosing 2 of 4 experts: the MoE output equals run_reference's
+    (the plain build's is held to it above); the experts no row chose are NaN (16-bit) or 448 (FP8)
+    and change nothing."""
+    g0 = torch.Generator().manual_seed(71)
+    d, E, F, k, vocab = 1360, 4, 600, 2, 40
+
+    def r(*shape, s=1.0):
+        return torch.randn(*shape, generator=g0) * s
+    w = {"tok": r(vocab, d, s=0.5), "ln.w": 1 + r(d, s=0.1), "ln.b": r(d, s=0.1), "router": r(E, d, s=0.5),
+         "head": r(vocab, d, s=0.05)}
+    if fp8:
+        w["gu"], gus = fp8_experts(E, 2 * F, d, g0)
+        w["down"], dns = fp8_experts(E, d, F, g0)
+        w["gu.s"], w["down.s"] = gus * 0.05, dns * 0.05
+    else:
+        w["gu"], w["down"] = r(E, 2 * F, d, s=0.03), r(E, d, F, s=0.04)
+    g = StepGraph("moe-wide", {k_: tuple(v.shape) for k_, v in w.items()})
+    x = g.embed("x", "tok")
+    h = g.layer_norm("h", x, "ln.w", "ln.b")
+    mlp = g.moe("mlp", h, g.linear("route", h, "router"), "gu", "down", k, act="gelu", up_offset=1.0, residual=x,
+                **(dict(gate_up_scale="gu.s", down_scale="down.s") if fp8 else {}))
+    g.expose("logits", logits := g.linear("logits", mlp, "head"))
+    g.argmax("token", logits)
+    step = CompiledStep(g, w, 1, Tiling(), weight_dtype=torch.bfloat16)
+    ref_w = {k_: (v if v.dtype == torch.float8_e4m3fn or k_.endswith(".s") else v.to(torch.bfloat16).float())
+             for k_, v in w.items()}
+    step.set_step([7], [0])
+    want = run_reference(g, ref_w, {}, [7], [0])
+    from photon_core.backends import reference as ref
+    chosen = set(ref.moe_route(want["route"], k, True)[1].flatten().tolist())
+    for e in set(range(E)) - chosen:
+        if fp8:
+            step.weight("gu")[e].view(torch.uint8).fill_(0x7E)
+            step.weight("down")[e].view(torch.uint8).fill_(0x7E)
+        else:
+            step.weight("gu")[e] = float("nan")
+            step.weight("down")[e] = float("nan")
+    step.set_engine("megakernel", "wide512+aligned")
+    assert step.kernel_for(None).variant.name() == "wide512+aligned"
+    step.launch()
+    assert len(chosen) < E and rel_err(step.view("mlp"), want["mlp"]) < RTOL

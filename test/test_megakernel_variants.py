@@ -132,7 +132,8 @@ def compiled(tmp_path_factory):
 NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "megakernel_b1_bf16_n32_k64_prefetch1",
          "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace", "megakernel_b1_bf16_n32_k64_aligned",
          "megakernel_b1_bf16_n32_k64_unroll4_aligned", "megakernel_b1_bf16_n32_k64_wide512_aligned",
-         "megakernel_b1_bf16_n32_k64_wide512_aligned_static", "megakernel_b8_bf16_n32_k64_unroll8_aligned"]
+         "megakernel_b1_bf16_n32_k64_wide512_aligned_static", "megakernel_b8_bf16_n32_k64_unroll8_aligned",
+         "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned"]
 
 
 def test_variants_compile_for_sm90_with_their_instructions(compiled):
@@ -176,6 +177,21 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     wide_loads = {"LDG.E.128"} if b8["threads"] == 128 else {"LDG.E.64", "LDG.E.128"}
     assert b8_loop["in_flight_bytes"] * b8["threads"] >= 16 * 1024 and set(b8_loop["loads"]) <= wide_loads, b8_loop
     assert all(lp["local"] == 0 for lp in dense_loops(b8["k_loops"])), b8
+
+
+def test_the_wide_build_streams_the_experts_16_kb_a_trip(compiled):
+    """The expert tasks' K loops (MoE up and down) in the wide build: 16 KB a program a trip, all
+    issued before the first is used, as 16-byte loads, no spill traffic inside a trip, for 16-bit
+    experts (256 elements a row a step) and FP8 ones (512 bytes, two halves); the plain build's FP8
+    experts stream 1 KB a trip (Triton 3.6)."""
+    from photon_core.kernels.sass_loops import expert_loops
+    _, got = compiled
+    for name in ("megakernel_b1_bf16_n32_k64_wide512_aligned", "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned"):
+        loops, threads = expert_loops(got[name]["k_loops"]), got[name]["threads"]
+        assert {lp["task"] for lp in loops} == {"_task_moe_up", "_task_moe_down"}, (name, got[name]["k_loops"])
+        for lp in loops:
+            assert lp["in_flight_bytes"] * threads == 16 * 1024 and set(lp["loads"]) == {"LDG.E.128"}, (name, lp)
+            assert lp["local"] == 0, (name, lp)
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)

@@ -308,8 +308,8 @@ def test_real_moondream3_graph_checks():
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fp8_experts_in_a_bf16_step_time_the_streaming_build_which_computes_the_plain_builds_values(pair, batch):
-    """Backend auto on a GPU times the megakernel's streaming build for FP8-expert steps too (their
-    expert tasks keep the plain loop; the dense tasks stream): that build, bf16 weights and FP8
+    """Backend auto on a GPU times the megakernel's streaming build for FP8-expert steps too (the
+    dense tasks stream; the expert tasks too at batch 1, in wide steps): that build, bf16 weights and FP8
     experts, must compute what the plain build does from the same state (engine_choice.same_as_plain,
     which auto runs before timing it), here at 1e-5 of each value's largest, the same picks."""
     from photon_core.gpu_proof.build import fill

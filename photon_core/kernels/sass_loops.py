@@ -223,6 +223,11 @@ def dense_loops(loops: list[dict]) -> list[dict]:
     return [lp for lp in loops if lp["task"] in ("_task_linear", "_task_linear_split")]
 
 
+def expert_loops(loops: list[dict]) -> list[dict]:
+    """Of compile_check's loop records (k_loops), the expert tasks' K loops (MoE up and down)."""
+    return [lp for lp in loops if lp["task"] in ("_task_moe_up", "_task_moe_down")]
+
+
 def dense_loop(loops: list[dict]) -> dict:
     """Of compile_check's loop records (k_loops), the dense linear tasks' K loop: _task_linear and
     _task_linear_split inline the same loop (without inlining records both are named by the task
@@ -238,9 +243,23 @@ def analyse(cubin: bytes, nvdisasm: str, source: Path, marker: tuple[str, ...]) 
     string of `marker` (e.g. ("tl.load(w_ptr", "w_off")): the sites are found in the source, so
     an edit that moves them moves nothing here."""
     text = source.read_text().splitlines()
-    sites = {n + 1 for n, line in enumerate(text) if all(m in line for m in marker)}
+    names = enclosing_functions(text)
     insns, labels = instructions(disassemble(cubin, nvdisasm))
-    return loops(insns, labels, source.name, sites, enclosing_functions(text))
+    return loops(insns, labels, source.name, load_sites(text, marker, names), names)
+
+
+def load_sites(text: list[str], marker: tuple[str, ...], names: dict[int, str]) -> set[int]:
+    """The source lines whose global loads are weight loads: each line holding every string of
+    `marker`, and every line of a function whose loads are all such lines. ptxas's line records
+    can name a line after the load's own (Triton 3.9 put the FP8 experts' byte loads in _w_tile
+    three lines down, on a blank line): within such a function no other load can be meant."""
+    sites = {n + 1 for n, line in enumerate(text) if all(m in line for m in marker)}
+    loads: dict[str, list[bool]] = {}
+    for n, line in enumerate(text, 1):
+        if "tl.load(" in line:
+            loads.setdefault(names[n], []).append(n in sites)
+    only = {f for f, weight in loads.items() if all(weight) and f != "?"}
+    return sites | {n for n, f in names.items() if f in only}
 
 
 def enclosing_functions(lines: list[str]) -> dict[int, str]:

@@ -290,8 +290,9 @@ def _sixteens(v):
     said in arithmetic that the alignment analysis keeps. tl.multiple_of on a load is an attribute
     of that load, which passes that rebuild it drop: in the MoE tasks' inlined copies of _linear_acc
     (Triton 3.9 TTGIR) k0 and ldw lost theirs, and FP8 experts loaded their weights a byte at a
-    time. Only the FP8 expert tasks use it: said this way elsewhere the fp32 build spills (152 B at
-    batch 1, 3.9), and the other tasks keep their hints."""
+    time. Only the expert tasks use it (FP8 ones, and all in the wide builds, where the 16-bit ones
+    otherwise loaded 2 bytes): said this way elsewhere the fp32 build spills (152 B at batch 1,
+    3.9), and the other tasks keep their hints."""
     return v // 16 * 16
 
 
@@ -310,8 +311,8 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     LOOP: the K loop's build (KernelVariant.loop): pipelined stages; UNROLL: weight tiles loaded
     before the first is multiplied (several steps' bytes in flight); DOT > 0 (bf16 weights;
     BLOCK_M >= 16, rows past M masked): steps of DOT on the tensor cores, see _linear_dot_steps;
-    WIDE > 0: steps of WIDE reduced as they come, see _linear_wide_steps. EXPERT: an FP8 expert
-    task's call (see _sixteens)."""
+    WIDE > 0: steps of WIDE reduced as they come, see _linear_wide_steps. EXPERT: an expert task's
+    call that says its alignment in arithmetic (see _sixteens)."""
     PIPE: tl.constexpr = LOOP % 16
     UNROLL: tl.constexpr = (LOOP // 16) % 16
     DOT: tl.constexpr = (LOOP // 256) % 256 * 16
@@ -399,7 +400,7 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         x_stride = tl.where(xglu > 0, 2 * K, tl.where(xs >= 0, xs, K)).to(tl.int64)
         return _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, s_ptr + tl.maximum(xgate, 0), xglu,
                                   xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M,
-                                  BLOCK_N, WIDE)
+                                  BLOCK_N, WIDE, FP8)
     if DOT > 0:
         return _linear_dot_steps(k0, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean,
                                  rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M, BLOCK_N, DOT,
@@ -484,11 +485,10 @@ def _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
     kk = kb + ks
     wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
     wm = cmask[:, None] & (kk < k1w)[None, :]
-    if FP8:
-        w = tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + w_off + wp, mask=wm, other=0)
-    else:
-        w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0)
-    return w
+    # One load for either element type: ptxas (Triton 3.9) placed the FP8 branch's load at the
+    # `return` after it, where sass_loops, which finds weight loads by their source line, missed it.
+    w_ptr_as = w_ptr.to(tl.pointer_type(tl.uint8)) if FP8 else w_ptr
+    return tl.load(w_ptr_as + w_off + wp, mask=wm, other=0)
 
 
 @triton.jit
@@ -547,7 +547,7 @@ def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, gn, be, mea
 @triton.jit
 def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean,
                        rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BK: tl.constexpr):
+                       BK: tl.constexpr, FP8: tl.constexpr = False):
     """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (BK of 256-512: 16-32
     KB of bf16 at 32 columns, issued at once as 16-byte loads (aligned builds), so a step has that
     much in flight where the elementwise loop has one BLOCK_K tile), then each row's x slice as a
@@ -555,29 +555,47 @@ def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xg
     against a memory trip of a microsecond. Each row's x still moves into the weight tile's layout
     through shared memory (SASS: 10 barriers a step at batch 1, 64 at batch 8; bench/RESULTS.md
     "Megakernel K loop from the SASS"), after the step's weight loads are issued. Bytes a step:
-    BLOCK_N * BK weights + M * BK x (L2)."""
-    ks = tl.arange(0, BK)
+    BLOCK_N * BK weights + M * BK x (L2). FP8 (an FP8 expert's bytes): the step's two halves are
+    loaded before either is decoded, and each is decoded and reduced in turn: the step's bytes in
+    flight at once, its fp32 values half a step at a time (a whole step's, 128 a thread under Triton
+    3.9, spilled 216 B)."""
+    HALF: tl.constexpr = BK // 2 if FP8 else BK
+    ks = tl.arange(0, HALF)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(k0, k1, BK):
-        kk = kb + ks
-        kmask = kk < k1
-        wm = cmask[:, None] & (kk < k1w)[None, :]
-        w = tl.load(w_ptr + w_off + cols[:, None].to(tl.int64) * ldw + kk[None, :], mask=wm, other=0.0)
-        w = w.to(tl.float32)
-        # The fused norm's weight and bias are the same for every row: loaded (and moved into the
-        # rows' layout) once a step, not once a row (8 layout changes a step at batch 8, SASS).
-        gn = tl.load(w_ptr + tl.maximum(lnw, 0) + kk, mask=kmask & ((kk * 0 + lnw) >= 0), other=0.0).to(tl.float32)
-        be = tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask & ((kk * 0 + lnb) >= 0), other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            one = rows == m
-            ok = tl.sum(tl.where(one & rmask, 1, 0), axis=0)
-            mean_m = tl.sum(tl.where(one, mean, 0.0), axis=0)
-            rstd_m = tl.sum(tl.where(one, rstd, 0.0), axis=0)
-            # a vector mask: scalar & vector confuses the interpreter
-            x = _x_row(kk, kmask & ((kk * 0 + ok) > 0), K, x_base + m * x_stride, g_base + m * K, xglu, xact, xgate, gact, lnw,
-                       gn, be, mean_m, rstd_m)
-            part = tl.sum(w * x[None, :], axis=1)
-            acc = tl.where(one[:, None], acc + part[None, :], acc)
+        w = _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+        if FP8:
+            w2 = _w_tile(kb + HALF, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+            acc = _wide_rows(acc, fp8_e4m3_over_256(w), kb + ks, k1, K, rows, rmask, x_base, x_stride, g_base, xglu,
+                             xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr, BLOCK_M)
+            acc = _wide_rows(acc, fp8_e4m3_over_256(w2), kb + HALF + ks, k1, K, rows, rmask, x_base, x_stride, g_base,
+                             xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr, BLOCK_M)
+        else:
+            acc = _wide_rows(acc, w.to(tl.float32), kb + ks, k1, K, rows, rmask, x_base, x_stride, g_base, xglu, xact,
+                             xgate, gact, lnw, lnb, mean, rstd, w_ptr, BLOCK_M)
+    return acc
+
+
+@triton.jit
+def _wide_rows(acc, w, kk, k1, K, rows, rmask, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
+               w_ptr, BLOCK_M: tl.constexpr):
+    """acc + each row's x at K columns kk times the loaded tile w ([BLOCK_N, len(kk)], fp32), reduced
+    over K (one wide step of _linear_wide_steps)."""
+    kmask = kk < k1
+    # The fused norm's weight and bias are the same for every row: loaded (and moved into the
+    # rows' layout) once a step, not once a row (8 layout changes a step at batch 8, SASS).
+    gn = tl.load(w_ptr + tl.maximum(lnw, 0) + kk, mask=kmask & ((kk * 0 + lnw) >= 0), other=0.0).to(tl.float32)
+    be = tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask & ((kk * 0 + lnb) >= 0), other=0.0).to(tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        one = rows == m
+        ok = tl.sum(tl.where(one & rmask, 1, 0), axis=0)
+        mean_m = tl.sum(tl.where(one, mean, 0.0), axis=0)
+        rstd_m = tl.sum(tl.where(one, rstd, 0.0), axis=0)
+        # a vector mask: scalar & vector confuses the interpreter
+        x = _x_row(kk, kmask & ((kk * 0 + ok) > 0), K, x_base + m * x_stride, g_base + m * K, xglu, xact, xgate, gact,
+                   lnw, gn, be, mean_m, rstd_m)
+        part = tl.sum(w * x[None, :], axis=1)
+        acc = tl.where(one[:, None], acc + part[None, :], acc)
     return acc
 
 
@@ -1212,7 +1230,7 @@ def _moe_pair(route, j, B, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False, LOOP: tl.constexpr = 0):
     """(pair j = (row, slot), columns [n0, n1) of F). e = pair j's expert. Only the FIRST pair of
     the batch choosing e computes (the others record 0 loads and exit): for every row r choosing
     e at once, h[j, r] = act(x_r G_e) * (x_r U_e + offset), G_e, U_e = rows e*2F + [n0, n1) and
@@ -1221,6 +1239,17 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     Bytes: 2*(n1-n0)*D weights of e ONCE however many rows chose it (+ 2*(n1-n0) fp32 scales for
     FP8) + D x per choosing row; h is [B*S, B, F] (slab j, row r). The weight elements loaded go
     to this task's cell of the loads record (the host's count of expert bytes a step read)."""
+    # The experts' K loop in a build whose dense loop is LOOP: its wide steps (with the alignment
+    # said), else the plain loop. A wide step has 16 KB in flight at 32 columns (FP8: 512 bytes a
+    # row; 16-bit experts half the dense step, 256 elements: a whole one spilled, 368 B under
+    # Triton 3.9) where the plain loop's 1 KB a trip (FP8) waits a memory latency each (SASS,
+    # Triton 3.6). Unrolled loops passed here loaded narrower and spilled (3.6: 4 x 4 B a thread,
+    # 336 B of stack at batch 8).
+    XWIDE: tl.constexpr = LOOP // 65536 % 256
+    XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
+    # Alignment said in arithmetic (_sixteens) for FP8 experts, and for 16-bit ones in wide steps
+    # (their loads were 2 bytes and the build spilled: Triton 3.9, 32 B); elsewhere as it was.
+    XALIGN: tl.constexpr = True if FP8 else XLOOP > 0
     D = tl.load(row + F_K)
     F = tl.load(row + F_N)
     n0 = tl.load(row + F_n0)
@@ -1231,7 +1260,7 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     S = tl.load(row + F_S)
     n1 = tl.load(row + F_n1)
     ldw = tl.load(row + F_ldw)
-    if FP8:
+    if XALIGN:
         ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
     loads = s_ptr + tl.load(row + F_loads)
     e, first, rsel, _ = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
@@ -1246,7 +1275,7 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
         u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for half in range(0, 2):
             acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0, FP8,
-                              rsel, EXPERT=FP8)
+                              rsel, LOOP=XLOOP, EXPERT=XALIGN)
             if FP8:   # the epilogue of an FP8 product: each output row's scale, once
                 sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * 2 * F + half * F + cols,
                              mask=cols < n1, other=0.0)
@@ -1264,12 +1293,15 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False):
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False, LOOP: tl.constexpr = 0):
     """(pair j, columns [n0, n1) of D). As the up task, only the first pair of the batch choosing
     expert e computes: for every row r choosing e, part[r, j] = wsum_r * (h[j, r] D_e^T), D_e =
     rows e*D + [n0, n1) of the [E*D, F] down table, wsum_r the row's routing weight of e; part is
     [B, B*S, D] (row r, pair j). Bytes: (n1-n0)*F weights of e ONCE (+ (n1-n0) fp32 scales for
     FP8) + F hidden per choosing row. A sum task per (row, tile) adds the row's partials."""
+    XWIDE: tl.constexpr = LOOP // 65536 % 256   # the experts' K loop as _task_moe_up's
+    XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
+    XALIGN: tl.constexpr = True if FP8 else XLOOP > 0
     F = tl.load(row + F_K)
     D = tl.load(row + F_N)
     out = tl.load(row + F_out)
@@ -1278,7 +1310,7 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
     S = tl.load(row + F_S)
     n1 = tl.load(row + F_n1)
     ldw = tl.load(row + F_ldw)
-    if FP8:
+    if XALIGN:
         ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
     loads = s_ptr + tl.load(row + F_loads)
     e, first, rsel, wsum = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
@@ -1289,7 +1321,7 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
         rows = tl.arange(0, BLOCK_M)
         wsc = tl.load(row + F_wsc)   # FP8 experts: fp32 row scales [E, D] at wsc
         part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel,
-                           EXPERT=FP8)
+                           LOOP=XLOOP, EXPERT=XALIGN)
         if FP8:
             sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * D + cols, mask=cmask, other=0.0)
             part = part * (sc * FP8_UNSCALE)[None, :]
@@ -1370,9 +1402,9 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == OP_MOE_ROUTE:
         _task_moe_route(row, s_ptr, BLOCK_R, BLOCK_S)
     elif op == OP_MOE_UP:
-        _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8)
+        _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, LOOP)
     elif op == OP_MOE_DOWN:
-        _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8)
+        _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, LOOP)
     elif op == OP_MOE_SUM:
         _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
