@@ -4,10 +4,11 @@ sensor-data QoS camera drivers use) and reliable. The other tests run every node
 where DDS delivers in-process and never touches the shared-memory transport this needs
 (config/fastdds_large_data.xml; both processes get it as scripts/dev_env.sh sets it).
 
-The camera first sends frames one at a time, each after the previous one arrived, so none can be
-lost for lack of time: every one of them must arrive (with Fast DDS's default 512 KiB segment,
-best-effort 640x480 frames mostly do not). Then it streams at 30 Hz until the test has seen
-enough frames. Run as a script, this file is the camera."""
+The camera first sends early frames (stamped before any real one, which the test ignores) until
+the test has received one, then frames one at a time, each after the previous one arrived, so none
+can be lost for lack of time: every one of them must arrive (with Fast DDS's default 512 KiB
+segment, best-effort 640x480 frames mostly do not). Then it streams at 30 Hz until the test has
+seen enough frames. Run as a script, this file is the camera."""
 from __future__ import annotations
 
 import os
@@ -35,6 +36,7 @@ STREAM_MIN = 10        # streamed frames the test waits for
 STREAM_MAX = 200       # the camera stops by itself after this many (frame indices stay below 256)
 LINE_TIMEOUT_S = 30.0  # the camera gives up waiting for a line from the test after this,
 ACK_TIMEOUT_S = 15.0   # and counts a stepped frame lost after this (arrival takes milliseconds)
+PRIMING_SEC = 500      # the early frames' stamps: seconds before every real frame's (1000 + index)
 
 
 def frame(index: int, height: int, width: int) -> np.ndarray:
@@ -47,6 +49,10 @@ def frame(index: int, height: int, width: int) -> np.ndarray:
 
 def header(index: int) -> Header:
     return Header(stamp=Time(sec=1000 + index, nanosec=index), frame_id="camera")
+
+
+def priming_header(count: int) -> Header:
+    return Header(stamp=Time(sec=PRIMING_SEC, nanosec=count), frame_id="camera")
 
 
 # --- the camera process ----------------------------------------------------------------------
@@ -94,9 +100,21 @@ def run_camera(topic: str, width: int, height: int, reliability: str) -> int:
     pub = node.create_publisher(Image, topic, camera_qos(reliability))
     lines = Lines()
     try:
-        # Both sides matched before the first frame: a reader drops data from writers it does not know yet.
-        if not (wait_for(lambda: pub.get_subscription_count() >= 1, LINE_TIMEOUT_S) and lines.wait("go")):
+        if not wait_for(lambda: pub.get_subscription_count() >= 1, LINE_TIMEOUT_S):
             print("camera: the test's subscriber never matched", file=sys.stderr)
+            return 2
+        # The graph's counts say both ends are known, not that the reader has matched this writer
+        # yet: a frame sent in between is dropped unseen (stepped frame 0 would be counted lost).
+        # So early frames (stamped before every real one; the test ignores them) go out until the
+        # test has received one and says "go".
+        early = rgb_to_image(frame(0, height, width), "rgb8", header=priming_header(0))
+        deadline, priming = time.monotonic() + LINE_TIMEOUT_S, 0
+        while not lines.wait("go", 0.05) and not lines.done and time.monotonic() < deadline:
+            early.header = priming_header(priming)
+            pub.publish(early)
+            priming += 1
+        if "go" not in lines.seen:
+            print("camera: the test never said go (no early frame arrived)", file=sys.stderr)
             return 2
         lost = []
         for index in range(STEPPED):
@@ -138,10 +156,14 @@ class Received:
         self.height, self.width = height, width
         self.indices: list[int] = []
         self.bad: list[str] = []
+        self.primed = 0                    # the camera's early frames received (not checked, not counted)
         self.camera: subprocess.Popen | None = None
         self._telling = threading.Lock()   # the executor's threads and the test's all write lines
 
     def __call__(self, msg: Image) -> None:
+        if msg.header.stamp.sec == PRIMING_SEC:
+            self.primed += 1
+            return
         index = msg.header.stamp.sec - 1000
         if msg.header != header(index):
             self.bad.append(f"frame {index}: header {msg.header}")
@@ -191,7 +213,9 @@ def test_frames_from_a_camera_process_arrive_intact(graph, tmp_path, width, heig
             stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True, env=camera_env())
     camera = received.camera
     try:
-        assert wait_for(lambda: sub.get_publisher_count() >= 1 or camera.poll() is not None, timeout=60)
+        # the camera's early frames reach us: its writer and our reader have matched each other
+        assert wait_for(lambda: received.primed >= 1 or camera.poll() is not None, timeout=60), \
+            "no early frame arrived"
         received.tell("go")
         wait_for(lambda: received.streamed() >= STREAM_MIN or camera.poll() is not None, timeout=120)
         received.tell("done")
