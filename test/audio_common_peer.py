@@ -3,16 +3,22 @@
 
   cases              stdin: pickled cases; each built as the family's real generated message,
                      serialized to CDR and back, converted; stdout: pickled results.
-  publish WAV [T,..] a driver of the family publishing the WAV (16-bit mono) over DDS, as the
+  publish WAV [T,..] [--prime]
+                     a driver of the family publishing the WAV (16-bit mono) over DDS, as the
                      real driver does: topics, message types, QoS, stamps on the sample clock;
-                     it starts once the topics T (default: all of them) have a subscriber.
+                     it starts once the topics T (default: all of them) have a subscriber. With
+                     --prime, early messages first (chunks of PRIMING_FRAMES, an AudioInfo at
+                     PRIMING_RATE: no real message's) on every topic, until "go" on stdin.
   subscribe N OUT    a node receiving the family's audio topics, converting every message with
                      photon_ros.audio_common_conversions; stops once N samples came on each topic
-                     (or after 30 s) and writes what it got to OUT (.npz)."""
+                     (or after 30 s) and writes what it got to OUT (.npz). It ignores the early
+                     messages, and says "primed" on stdout once one came on every topic."""
 from __future__ import annotations
 
 import array
+import os
 import pickle
+import select
 import sys
 import time
 
@@ -24,6 +30,8 @@ from photon_ros.audio_common_conversions import (MGONZS13, AudioInfoFormat, audi
 CHUNK = 512            # frames per message, both drivers' default size
 START = 1_700_000_000  # the sample clock's first stamp, seconds
 PORTAUDIO_INT16 = 8
+PRIMING_FRAMES = CHUNK + 1   # the early chunks' length: longer than every real chunk
+PRIMING_RATE = 1             # the early AudioInfo's sample rate: no real one's
 _TYPECODES = {"float32_data": "f", "int32_data": "i", "int16_data": "h", "int8_data": "b", "uint8_data": "B"}
 
 
@@ -96,7 +104,14 @@ def _stamp(first_frame: int, rate: int):
     return Time(sec=sec, nanosec=nanosec)
 
 
-def publish(wav: str, wait_for: list[str] | None = None) -> None:
+def early(family: str, msg) -> bool:
+    """Is this audio message one of the driver's early ones (publish --prime)?"""
+    if family == MGONZS13:
+        return len(msg.audio.audio_data.int16_data) == PRIMING_FRAMES
+    return len(getattr(msg, "audio", msg).data) == 2 * PRIMING_FRAMES   # AudioDataStamped or AudioData
+
+
+def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False) -> None:
     import rclpy
     from rclpy.qos import QoSProfile, qos_profile_sensor_data
 
@@ -117,7 +132,6 @@ def publish(wav: str, wait_for: list[str] | None = None) -> None:
     awaited = [pubs[name] for name in (wait_for or pubs)]
     while any(p.get_subscription_count() == 0 for p in awaited) and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)   # discovery both ways before the first message
 
     def send(chunk: np.ndarray, first_frame: int) -> None:
         stamp = _stamp(first_frame, rate)
@@ -136,10 +150,30 @@ def publish(wav: str, wait_for: list[str] | None = None) -> None:
         stamped.audio.data = data
         pubs["audio_stamped"].publish(stamped)
 
-    def send_info() -> None:
-        pubs["audio_info"].publish(t["AudioInfo"](channels=1, sample_rate=rate, sample_format="S16LE",
+    def send_info(sample_rate: int = rate) -> None:
+        pubs["audio_info"].publish(t["AudioInfo"](channels=1, sample_rate=sample_rate, sample_format="S16LE",
                                                   bitrate=0, coding_format="wave"))
 
+    if prime:
+        # The graph's counts say both ends are known, not that the listener's readers have matched
+        # these writers yet: a message sent in between is dropped unseen, and a stream's first one
+        # has no predecessor to show it missing. So early messages (100 s before the sample clock's
+        # start; the listener ignores them) go out until it has had one on every topic and the
+        # test says "go".
+        said, deadline = b"", time.monotonic() + 30
+        while b"go" not in said.split() and time.monotonic() < deadline:
+            send(np.zeros(PRIMING_FRAMES, np.int16), -100 * rate)
+            if family != MGONZS13:
+                send_info(PRIMING_RATE)
+            if select.select([0], [], [], 0.05)[0]:
+                chunk = os.read(0, 64)
+                if not chunk:
+                    break
+                said += chunk
+        if b"go" not in said.split():
+            raise SystemExit("driver: no 'go' on stdin (the listener never had an early message on every topic)")
+    else:
+        time.sleep(0.5)   # discovery both ways before the first message
     if family != MGONZS13:
         # The driver's first chunks can precede its first AudioInfo: the receiver must refuse
         # them. They are silence at a stamp before the speech, so they can be told apart.
@@ -170,9 +204,25 @@ def subscribe(expected: int, out: str) -> None:
     info = AudioInfoFormat()
     got: dict[str, list] = {}
     refused: list[str] = []
+    primed: set[str] = set()
+
+    def early_came(topic: str) -> None:
+        if topic not in primed:
+            primed.add(topic)
+            if primed == set(topics) | ({"audio_info"} if family != MGONZS13 else set()):
+                print("primed", flush=True)
+
+    def take_info(msg) -> None:
+        if msg.sample_rate == PRIMING_RATE:
+            early_came("audio_info")
+        else:
+            info.update(msg)
 
     def take(topic: str):
         def callback(msg) -> None:
+            if early(family, msg):
+                early_came(topic)
+                return
             try:
                 out = audio_common_to_pcm(msg, info)
             except ValueError as err:
@@ -186,7 +236,7 @@ def subscribe(expected: int, out: str) -> None:
         topics = {"audio": t["AudioStamped"]}
     else:
         topics = {"audio": t["AudioData"], "audio_stamped": t["AudioDataStamped"]}
-        node.create_subscription(t["AudioInfo"], "audio_info", info.update,
+        node.create_subscription(t["AudioInfo"], "audio_info", take_info,
                                  QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
     for topic, cls in topics.items():
         node.create_subscription(cls, topic, take(topic), audio_qos)
@@ -214,7 +264,9 @@ if __name__ == "__main__":
     if mode == "cases":
         run_cases()
     elif mode == "publish":
-        publish(args[0], args[1].split(",") if len(args) > 1 else None)
+        prime = "--prime" in args
+        args = [a for a in args if a != "--prime"]
+        publish(args[0], args[1].split(",") if len(args) > 1 else None, prime)
     elif mode == "subscribe":
         subscribe(int(args[0]), args[1])
     else:

@@ -13,8 +13,10 @@ import importlib.util
 import json
 import os
 import pickle
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -322,6 +324,19 @@ def test_generated_classes_through_cdr(family, make_cases):
             assert want[1] in got[1]
 
 
+def said(proc: subprocess.Popen, line: bytes, timeout: float) -> bool:
+    """Whether `proc` wrote `line` on its stdout within `timeout` s (read from the descriptor, so
+    nothing stays in a buffer that communicate() would not see)."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while line not in seen.split(b"\n") and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+    return line in seen.split(b"\n")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_espeak_command_over_dds(family, tmp_path):
     """A driver process of the family publishes a spoken command; a listener process converts
@@ -332,10 +347,15 @@ def test_espeak_command_over_dds(family, tmp_path):
     env = workspace_env(family)
     listener = subprocess.Popen([sys.executable, str(PEER), "subscribe", str(samples.size), str(out)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    driver = subprocess.run([sys.executable, str(PEER), "publish", str(wav)], env=env,
-                            capture_output=True, timeout=90)
+    # The driver's first messages must all arrive (the chunk before any AudioInfo, the first
+    # AudioInfo, the WAV's first chunk): it sends early ones until the listener has had one on
+    # every topic, then the WAV after "go".
+    driver = subprocess.Popen([sys.executable, str(PEER), "publish", str(wav), "--prime"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    primed = said(listener, b"primed", 60)
+    driver_err = driver.communicate(b"go\n" if primed else b"", timeout=90)[1]
     listener_out, listener_err = listener.communicate(timeout=60)
-    assert driver.returncode == 0, driver.stderr.decode()[-3000:]
+    assert primed and driver.returncode == 0, driver_err.decode()[-3000:] + listener_err.decode()[-3000:]
     assert listener.returncode == 0, listener_err.decode()[-3000:]
     got = np.load(out, allow_pickle=True)
     assert str(got["family"]) == family
