@@ -119,6 +119,55 @@ def changes(m: cm.Machine) -> list[tuple[str, cm.Machine, dict]]:
     ]
 
 
+def moondream3_table(m: cm.Machine) -> list[str]:
+    """Moondream 3.1's step at batch 1 and 8, bf16 weights, its experts bf16 (3.1's safetensors) or
+    FP8 (3 preview's, kept FP8 on the megakernel), per build: no GPU has run it, so these are the
+    model's alone. The experts' K loop in each build's own terms (bench/k_loops.py's SASS): the plain
+    loop, one tile in flight a trip (FP8: BLOCK_K / 2 bytes a row, 1 KB at 32 columns); the
+    wide build's expert tasks (batch 1, since 2026-12-05) in wide steps, every trip's tile in flight
+    at once: FP8 512 bytes a row, 16-bit 256 elements. Routing uniform: the first distinct-experts
+    pairs compute (cost_model.body)."""
+    import roofline
+
+    from photon_core.kernels.triton_versions import megakernel_tuning
+    from photon_core.megakernel.compiler import Tiling, lower, plan
+    from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
+    from photon_core.models.moondream3.decoder_step import dims_of, step_graph
+    tiling = Tiling()
+    cfg = roofline.moondream3_config()
+    experts, top_k = cfg.text.moe.num_experts, cfg.text.moe.experts_per_token
+    lines = ["| Moondream 3.1 build (bf16 weights) | experts | batch | model us | floor us | x floor |",
+             "|---|---|---:|---:|---:|---:|"]
+    for fp8 in (False, True):
+        dm = dims_of(cfg, fp8=fp8)
+        g = step_graph(dm, dm.max_context)
+        for b in (1, 8):
+            graph = lower(plan(g, b, tiling))
+            floor = (g.weight_bytes(2, rows=b) + roofline.state_bytes(g, 1024) * b) / roofline.GPUS["H200"]
+            tiles = max((t.args.get("S", 1) for t in graph.tasks if t.op == cm.OP_ARGMAX), default=1)
+            meta = megakernel_meta(b, tiling.block_n, tiling.block_k, tiling.block_t, 64, 8, tiles)
+            tuning = megakernel_tuning("3.6.0")
+            k = linear_k_step(meta, tuning=tuning)
+            plain_experts = dict(expert_k_step=linear_k_step(meta, fp8=fp8, tuning=tuning), expert_bytes=1 if fp8 else 2,
+                                 expert_pairs=cm.distinct_experts(experts, top_k, b))
+            wide_experts = dict(plain_experts, expert_k_step=512 if fp8 else 256)
+            positions = [830 + 16 * i for i in range(b)]
+            stream = int(k * STREAMING_KW["by_batch"][b]["k_step_scale"])
+            stats = dict(stats_chunk=cm.stats_row_chunk(b, tiling.block_k, 1024))
+            name = "wide512+aligned" if b == 1 else "unroll8+aligned"
+            builds = [("plain", k, {}, plain_experts),
+                      (f"{name}, experts in the plain loop" + (" (until 2026-12-05)" if b == 1 else ""), stream, stats,
+                       plain_experts)]
+            if b == 1:   # above batch 1 the experts keep the plain loop (wide steps spilled there)
+                builds.append((f"{name}, experts in wide steps", stream, stats, wide_experts))
+            for label, kk, extra, ex in builds:
+                la = cm.launch_of(graph, tiling, b, positions, None, 2, kk, meta["BLOCK_R"], **extra, **ex)
+                us = cm.simulate(graph, la, m)["seconds"] * 1e6
+                lines.append(f"| {label} | {'FP8' if fp8 else 'bf16'} | {b} | {us:.0f} | {floor * 1e6:.0f} | "
+                             f"{us / (floor * 1e6):.1f} |")
+    return lines
+
+
 STATIC_TASK = 3 / 5    # a static build's per-task fixed time, of the fitted one: a guess until a timeline measures it
 STREAMING_KW = {"by_batch": {1: dict(k_step_scale=8, stats_chunk=1024), 8: dict(k_step_scale=8, stats_chunk=1024)}}
 
@@ -152,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {label} | {md1:.0f} | {md1 / FLOOR_US['moondream2', 1, 'bf16']:.1f} | "
                      f"{md1 / PEER_US['moondream2', 1]:.2f} | {md8:.0f} | {md8 / md1:.2f} | {wh1:.0f} | "
                      f"{wh1 / PEER_US['whisper-tiny.en', 1]:.2f} |")
+    lines += ["", "Moondream 3.1 (no GPU has run it: the model's alone; the experts' K loops per build in their own terms, "
+              "from the SASS: see moondream3_table). Floor: bf16 weights, the experts the rows choose (uniform "
+              "routing) once, bf16 KV at context 1024, at 4.8 TB/s.", ""] + moondream3_table(m)
     from report import heading, publish
     intro = ["The first GPU run's eight steps (../shared/gpu-runs/h200-2026-12-04) against the model "
              "(photon_core/megakernel/cost_model.py: the persistent kernel's schedule simulated over the task graph, "

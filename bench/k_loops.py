@@ -42,13 +42,17 @@ BASE = {1: "megakernel_b1_bf16_n32_k64_t32_d64", 8: "megakernel_b8_bf16_n32_k64_
 VARIANTS = {1: ("", "_aligned", "_unroll4_aligned", "_wide256_aligned", "_wide512_aligned", "_wide512_aligned_static",
                 "_dot64_pipe4"),
             8: ("", "_unroll4_aligned", "_unroll8_aligned", "_unroll8_aligned_static", "_wide256_aligned")}
+# Builds with FP8 experts (Moondream 3 preview's), bf16 KV: their expert loops and what they cost the kernel.
+FP8_BASE = {1: "megakernel_b1_bf16_kvbf16_fp8_n32_k64_t32_d64", 8: "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64"}
+FP8_VARIANTS = {1: ("", "_wide512_aligned"), 8: ("", "_unroll8_aligned")}
 MEASURED = "3.6.0"     # the Triton of the run the model is fitted to
 
 
 def compile_all(versions: list[str]) -> dict[str, dict]:
     """version -> compile_check's JSON for every case, both versions compiling side by side."""
     import triton_versions as tv
-    cases = [BASE[b] + v for b in VARIANTS for v in VARIANTS[b]]
+    cases = [BASE[b] + v for b in VARIANTS for v in VARIANTS[b]] + [FP8_BASE[b] + v for b in FP8_VARIANTS
+                                                                    for v in FP8_VARIANTS[b]]
     cache = Path(tempfile.mkdtemp(prefix="photon-kloops-"))
     procs = {}
     for v in versions:
@@ -58,7 +62,7 @@ def compile_all(versions: list[str]) -> dict[str, dict]:
     return {v: tv.finish(p, 4 * 3600) for v, p in procs.items()}
 
 
-from photon_core.kernels.sass_loops import dense_loop  # noqa: E402
+from photon_core.kernels.sass_loops import dense_loop, dense_loops, expert_loops  # noqa: E402
 from photon_core.megakernel.kernel import STATS_TILE  # noqa: E402  (the builds since that run read statistics so)
 
 
@@ -82,6 +86,12 @@ def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], progra
             row[name] = cm.simulate(graph, launch, m)["seconds"] * 1e6
         out[version, batch, variant] = row
     return out
+
+
+def experts_kb(rec: dict) -> str:
+    """KB a program the expert tasks' K loops have in flight a trip (the least of their copies)."""
+    loops = expert_loops(rec["k_loops"])
+    return f"{min(lp['in_flight_bytes'] for lp in loops) * rec['threads'] / 1024:.1f}" if loops else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         f"Compiled for sm_90 ({got['seconds']} s for all, two compiles at once). Per build: threads a "
         "program; registers / stack bytes (cuobjdump); the dense linear task's K loop: weight loads a trip per "
         "thread by width; KB of weights a trip and KB in flight (issued before the first is used), a program; "
-        "barriers, shared-memory instructions and spill loads / stores (local) a trip. Predicted: the cost "
+        "barriers, shared-memory instructions and spill loads / stores (local) a trip; the expert tasks' K loops "
+        "(MoE up and down, 16-bit experts: every build holds them): KB in flight a program a trip, the least of "
+        "their copies. Predicted: the cost "
         "model's step (us) at the first run's rows, bf16 weights, against the floor and the peer that run measured (transformers in one CUDA "
         "graph).", "",
         "| Triton | batch | variant | threads | regs / stack | weight loads a trip (per thread) | KB a trip | "
-        "KB in flight | barriers | shared | local | Moondream 2 us | x floor | / peer | Whisper tiny.en us | / peer |",
-        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        "KB in flight | barriers | shared | local | experts KB in flight | Moondream 2 us | x floor | / peer | "
+        "Whisper tiny.en us | / peer |",
+        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for version, b, variant, rec, lp, w, f in table:
         pr = pred[version, b, variant]
         loads = ", ".join(f"{n} x {op.removeprefix('LDG.E.') if op != 'LDG.E' else '32'}"
@@ -138,9 +151,26 @@ def main(argv: list[str] | None = None) -> int:
         md, wh = pr["moondream2"], pr["whisper-tiny.en"]
         lines.append(f"| {version} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | {rec['registers']} / "
                      f"{rec['stack']} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
-                     f"{lp['local']} | "
+                     f"{lp['local']} | {experts_kb(rec)} | "
                      f"{md:.0f} | {md / floor[b]:.1f} | {md / peer['moondream2', b]:.2f} | {wh:.0f} | "
                      f"{wh / peer['whisper-tiny.en', b]:.2f} |")
+    lines += ["", "Builds with FP8 experts (bf16 weights and KV, as Moondream 3 preview runs): registers / stack, spill "
+              "loads / stores inside the dense K loop (the most of its copies), and the expert tasks' K loops (MoE up "
+              "and down; the least of their copies): weight loads a trip per thread, KB in flight a program, local.", "",
+              "| Triton | batch | variant | threads | regs / stack | dense loop local | expert loads a trip | "
+              "experts KB in flight | experts local |", "|---|---:|---|---:|---|---:|---|---:|---:|"]
+    for v in args.versions:
+        for b in FP8_VARIANTS:
+            for variant in FP8_VARIANTS[b]:
+                rec = got[v]["cases"][f"{FP8_BASE[b]}{variant}@sm_90"]
+                ex = expert_loops(rec["k_loops"])
+                least = min(ex, key=lambda lp: lp["in_flight_bytes"]) if ex else None
+                loads = ", ".join(f"{n} x {op.removeprefix('LDG.E.') if op != 'LDG.E' else '32'}"
+                                  for op, n in sorted(least["loads"].items())) if least else "-"
+                lines.append(f"| {names[v]} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | "
+                             f"{rec['registers']} / {rec['stack']} | "
+                             f"{max(lp['local'] for lp in dense_loops(rec['k_loops']))} | {loads} | "
+                             f"{experts_kb(rec)} | {max((lp['local'] for lp in ex), default=0)} |")
     lines += ["", f"Load average {os.getloadavg()[0]:.1f} at the end (compile times are not the point here)."]
     publish(lines, args.write)
     return 0

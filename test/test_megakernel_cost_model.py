@@ -53,3 +53,30 @@ def test_the_static_schedule_is_the_claimed_one_on_one_program_and_near_it_on_ma
     claimed = cm.simulate(graph, launch, cm.FITTED)["seconds"]
     static = cm.simulate(graph, launch, replace(cm.FITTED, static=True))["seconds"]
     assert claimed <= static < 1.05 * claimed, (claimed, static)
+
+
+def test_expert_tasks_cost_their_trips_and_only_their_experts_first_pairs_compute():
+    """An MoE layer's up and down tasks: a routed pair that is not its expert's first exits after
+    two L2 trips; the first pairs' tasks take a trip per expert K step (up: gate and up rows, one
+    after the other), so wider expert steps (the wide build's) shorten the step; distinct experts
+    under uniform routing as the roofline counts them."""
+    from photon_core.megakernel import StepGraph, Tiling
+    from photon_core.megakernel.compiler import lower, plan
+    from photon_core.megakernel.ops import OP_MOE_DOWN, OP_MOE_UP
+    d, E, F, k = 1024, 8, 512, 2
+    g = StepGraph("moe", {"tok": (40, d), "router": (E, d), "gu": (E, 2 * F, d), "down": (E, d, F), "head": (40, d)})
+    x = g.embed("x", "tok")
+    mlp = g.moe("mlp", x, g.linear("route", x, "router"), "gu", "down", k, residual=x)
+    g.argmax("token", g.linear("logits", mlp, "head"))
+    graph = lower(plan(g, 1, Tiling()))
+    up = next(t for t in graph.tasks if t.op == OP_MOE_UP and t.args["tile"] == 0)
+    down = next(t for t in graph.tasks if t.op == OP_MOE_DOWN and t.args["tile"] == 1)
+    m = cm.FITTED
+    la = cm.launch_of(graph, Tiling(), 1, [5], None, 2, 64, 64, expert_k_step=32, expert_bytes=1, expert_pairs=2)
+    assert cm.body(up, la, m) == pytest.approx(2 * (d // 32) * m.k_step + 4 * m.l2)
+    assert cm.body(down, la, m) == pytest.approx((F // 32) * m.k_step + 4 * m.l2)
+    assert cm.body(down, replace(la, expert_pairs=1), m) == 2 * m.l2
+    wide = replace(la, expert_k_step=512)
+    assert cm.body(up, wide, m) == pytest.approx(2 * 2 * m.k_step + 4 * m.l2)
+    assert cm.simulate(graph, wide, m)["seconds"] < cm.simulate(graph, la, m)["seconds"]
+    assert [cm.distinct_experts(64, 8, b) for b in (1, 2, 8)] == [8, 15, 42]

@@ -15,6 +15,10 @@ this model is a simulation of the persistent kernel's schedule, in which time is
   the loop keeps one tile in flight, so the trip's latency, not its bytes, sets the step. With
   `tiles_in_flight` > 1 (a pipelined loop, a prefetch) a step costs k_step / tiles_in_flight, but
   never less than its bytes at the program's share of `bandwidth`.
+* An expert task (MoE up or down) of a routed pair that is the first to choose its expert streams
+  that expert's tile (Launch.expert_pairs of the pairs, the first ones: uniform routing's count of
+  distinct experts; the others exit): a trip per expert K step (Launch.expert_k_step, FP8 experts
+  1 byte a weight), every trip's tile in flight at once (the plain loop and the wide steps alike).
 * An attention partial's body is its key blocks, one trip each (`k_step`: the caches are in HBM);
   the last partial of a head merges (`l2` per partial read). Statistics finales read the stage's
   output twice in BLOCK_K chunks, one L2 trip each (`l2`); append rows, argmax blocks, embeds and
@@ -34,7 +38,7 @@ from typing import Any
 
 from photon_core.megakernel.graph import TaskGraph
 from photon_core.megakernel.ops import (OP_ARGMAX, OP_ATTN_MERGE, OP_ATTN_PARTIAL, OP_EMBED, OP_LINEAR,
-                                        OP_LINEAR_SPLIT, OP_ROPE_APPEND)
+                                        OP_LINEAR_SPLIT, OP_MOE_DOWN, OP_MOE_UP, OP_ROPE_APPEND)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ class Launch:
     cross_len: tuple[int, ...] | None
     weight_bytes: int
     stats_chunk: int = 0     # elements of a row a statistics finale reads a trip (0: block_k, as measured)
+    expert_k_step: int = 0   # elements an expert task's K loop reads a trip (0: k_step)
+    expert_bytes: int = 0    # bytes an expert weight (0: weight_bytes; FP8 experts 1)
+    expert_pairs: int = 0    # routed pairs whose expert tasks compute (the first pair choosing each expert)
 
 
 def _keys(t, launch: Launch) -> int:
@@ -107,6 +114,15 @@ def body(t, launch: Launch, m: Machine) -> float:
         fused_norm_without_stats = a.get("lnw", -1) >= 0 and a.get("lnst", -1) < 0
         own_stats = 2 * math.ceil(a["K"] / launch.k_step) * m.l2 if fused_norm_without_stats else 0
         return m.k_step + (steps - 1) * per + own_stats + 2 * m.l2
+    if op in (OP_MOE_UP, OP_MOE_DOWN):
+        if a["tile"] >= launch.expert_pairs:  # not its expert's first pair: reads the routes, exits
+            return 2 * m.l2
+        # Every trip's tile in flight at once (plain loop, wide steps), one latency each; up reads
+        # its gate and up rows one after the other.
+        step = launch.expert_k_step or launch.k_step
+        trips = math.ceil((a["k1"] - a["k0"]) / step) * (2 if op == OP_MOE_UP else 1)
+        tile = (a["n1"] - a["n0"]) * step * (launch.expert_bytes or launch.weight_bytes)
+        return trips * max(m.k_step, tile * m.programs / m.bandwidth) + 4 * m.l2
     if op == OP_ATTN_PARTIAL:
         return _keys(t, launch) * m.k_step + 2 * m.l2
     if op == OP_ARGMAX:
@@ -202,10 +218,16 @@ def stats_row_chunk(batch: int, block_k: int, tile: int) -> int:
 
 
 def launch_of(plan_graph: Any, tiling: Any, batch: int, positions: list[int], cross_len: list[int] | None,
-              weight_bytes: int, k_step: int, block_r: int, stats_chunk: int = 0) -> Launch:
+              weight_bytes: int, k_step: int, block_r: int, stats_chunk: int = 0, **experts: int) -> Launch:
+    """experts: expert_k_step, expert_bytes, expert_pairs (Launch), for graphs with MoE layers."""
     return Launch(k_step=k_step, block_k=tiling.block_k, block_t=tiling.block_t, block_r=block_r,
                   positions=tuple(positions), cross_len=None if cross_len is None else tuple(cross_len),
-                  weight_bytes=weight_bytes, stats_chunk=stats_chunk)
+                  weight_bytes=weight_bytes, stats_chunk=stats_chunk, **experts)
+
+
+def distinct_experts(experts: int, top_k: int, rows: int) -> int:
+    """Distinct experts `rows` rows choose, expected under uniform routing (each row top_k distinct)."""
+    return min(rows * top_k, round(experts * (1 - (1 - top_k / experts) ** rows)))
 
 
 def with_changes(m: Machine, **changes: Any) -> Machine:
@@ -214,4 +236,4 @@ def with_changes(m: Machine, **changes: Any) -> Machine:
 
 
 __all__ = ["Machine", "FITTED", "MEASURED_US", "Launch", "body", "finale", "simulate", "launch_of", "with_changes",
-           "stats_row_chunk"]
+           "stats_row_chunk", "distinct_experts"]

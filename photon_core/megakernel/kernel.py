@@ -1239,13 +1239,14 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     Bytes: 2*(n1-n0)*D weights of e ONCE however many rows chose it (+ 2*(n1-n0) fp32 scales for
     FP8) + D x per choosing row; h is [B*S, B, F] (slab j, row r). The weight elements loaded go
     to this task's cell of the loads record (the host's count of expert bytes a step read)."""
-    # The experts' K loop in a build whose dense loop is LOOP: its wide steps (with the alignment
-    # said), else the plain loop. A wide step has 16 KB in flight at 32 columns (FP8: 512 bytes a
-    # row; 16-bit experts half the dense step, 256 elements: a whole one spilled, 368 B under
-    # Triton 3.9) where the plain loop's 1 KB a trip (FP8) waits a memory latency each (SASS,
-    # Triton 3.6). Unrolled loops passed here loaded narrower and spilled (3.6: 4 x 4 B a thread,
-    # 336 B of stack at batch 8).
-    XWIDE: tl.constexpr = LOOP // 65536 % 256
+    # The experts' K loop in a build whose dense loop is LOOP: at batch 1 its wide steps (with the
+    # alignment said), else the plain loop. A wide step has 16 KB in flight at 32 columns (FP8:
+    # 512 bytes a row; 16-bit experts half the dense step, 256 elements: a whole one spilled, 368 B
+    # under Triton 3.9) where the plain loop's FP8 trip is 1 KB, a memory latency each (SASS,
+    # Triton 3.6). Above batch 1 wide steps spilled (batch 8: 688 B under 3.6, 800-1344 B under
+    # 3.9; with a loop over the rows instead of a copy a row, spill traffic in some loops at batch 2
+    # to 8), and unrolled loops loaded narrower (3.6: 4 x 4 B a thread, 336 B of stack at batch 8).
+    XWIDE: tl.constexpr = LOOP // 65536 % 256 if BLOCK_M == 1 else 0
     XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
     # Alignment said in arithmetic (_sixteens) for FP8 experts, and for 16-bit ones in wide steps
     # (their loads were 2 bytes and the build spilled: Triton 3.9, 32 B); elsewhere as it was.
@@ -1299,7 +1300,7 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
     rows e*D + [n0, n1) of the [E*D, F] down table, wsum_r the row's routing weight of e; part is
     [B, B*S, D] (row r, pair j). Bytes: (n1-n0)*F weights of e ONCE (+ (n1-n0) fp32 scales for
     FP8) + F hidden per choosing row. A sum task per (row, tile) adds the row's partials."""
-    XWIDE: tl.constexpr = LOOP // 65536 % 256   # the experts' K loop as _task_moe_up's
+    XWIDE: tl.constexpr = LOOP // 65536 % 256 if BLOCK_M == 1 else 0   # the experts' K loop as _task_moe_up's
     XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
     XALIGN: tl.constexpr = True if FP8 else XLOOP > 0
     F = tl.load(row + F_K)
