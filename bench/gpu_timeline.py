@@ -20,6 +20,8 @@ Parts, in this order (the first ones are what the next design step needs most):
    buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
 4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static and
    prefetch), if the budget is left (its build takes ~25 s).
+5. Moondream 3.1 at batch 1 (its bf16 experts; plain and wide512+aligned, whose expert tasks stream
+   16 KB a trip where the plain loop's stream 4 KB), if 45 s of the budget are left.
 
 Variants (kernel.KernelVariant): plain (today's build), prefetch2 / 1 (each linear task's weight
 tile into L2 before its dependency wait, one bulk copy per row / per line), pipe3 (a 3-stage K loop:
@@ -106,7 +108,8 @@ def families(dry: bool, programs: int) -> dict[str, Any]:
             fam.tiling = tiling
             return fam
         return make
-    return {name: (at(name), fams[name].tiling, split) for name in ("moondream2", "whisper-tiny.en")}
+    return {name: (at(name), fams[name].tiling, split) for name in ("moondream2", "whisper-tiny.en", "moondream3")
+            if name in fams}
 
 
 class Config:
@@ -425,6 +428,16 @@ def main(argv: list[str] | None = None) -> int:
             guarded("measure moondream2 B8 prod", lambda: measure(cfg, b8_variants, [], rate, cuda, iters // 2))
     else:
         RESULTS["skipped"] = "moondream2 B8 (budget)"
+    save(args.out)
+
+    if cuda and "moondream3" in fams and time.time() - T0 < args.budget_s - 45:
+        make, prod, _ = fams["moondream3"]
+        name = "moondream3 B1 bf16 experts"
+        cfg = guarded(f"build {name}", lambda: Config(name, make(prod), 1, dev))
+        if cfg is not None:   # the wide build streams the experts in wide steps (16 KB a trip, issue 38.3)
+            guarded(f"measure {name}", lambda: measure(cfg, [plain, wider], [], rate, cuda, iters // 2))
+    else:
+        RESULTS["skipped_moondream3"] = "moondream3 B1 (budget, or no decode step)"
     RESULTS["seconds"] = round(time.time() - T0, 1)
     save(args.out)
     log(f"done: {len(RESULTS.get('failures', []))} failed parts")
