@@ -3,12 +3,13 @@
 
   cases              stdin: pickled cases; each built as the family's real generated message,
                      serialized to CDR and back, converted; stdout: pickled results.
-  publish WAV [T,..] [--prime]
+  publish WAV [T,..] [--prime | --lead-in]
                      a driver of the family publishing the WAV (16-bit mono) over DDS, as the
                      real driver does: topics, message types, QoS, stamps on the sample clock;
                      it starts once the topics T (default: all of them) have a subscriber. With
                      --prime, early messages first (chunks of PRIMING_FRAMES, an AudioInfo at
-                     PRIMING_RATE: no real message's) on every topic, until "go" on stdin.
+                     PRIMING_RATE: no real message's) on every topic, until "go" on stdin; with
+                     --lead-in, silence on the sample clock at real time until "go", then the WAV.
   subscribe N OUT    a node receiving the family's audio topics, converting every message with
                      photon_ros.audio_common_conversions; stops once N samples came on each topic
                      (or after 30 s) and writes what it got to OUT (.npz). It ignores the early
@@ -104,6 +105,20 @@ def _stamp(first_frame: int, rate: int):
     return Time(sec=sec, nanosec=nanosec)
 
 
+class _Stdin:
+    """What the test says on stdin ("go"), read without waiting longer than asked."""
+
+    def __init__(self) -> None:
+        self.said, self.closed = b"", False
+
+    def go(self, timeout: float) -> bool:
+        if not self.closed and select.select([0], [], [], timeout)[0]:
+            chunk = os.read(0, 64)
+            self.closed = not chunk
+            self.said += chunk
+        return b"go" in self.said.split()
+
+
 def early(family: str, msg) -> bool:
     """Is this audio message one of the driver's early ones (publish --prime)?"""
     if family == MGONZS13:
@@ -111,7 +126,7 @@ def early(family: str, msg) -> bool:
     return len(getattr(msg, "audio", msg).data) == 2 * PRIMING_FRAMES   # AudioDataStamped or AudioData
 
 
-def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False) -> None:
+def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False, lead_in: bool = False) -> None:
     import rclpy
     from rclpy.qos import QoSProfile, qos_profile_sensor_data
 
@@ -160,19 +175,14 @@ def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False) ->
         # has no predecessor to show it missing. So early messages (100 s before the sample clock's
         # start; the listener ignores them) go out until it has had one on every topic and the
         # test says "go".
-        said, deadline = b"", time.monotonic() + 30
-        while b"go" not in said.split() and time.monotonic() < deadline:
+        stdin, deadline = _Stdin(), time.monotonic() + 30
+        while not stdin.go(0.05) and not stdin.closed and time.monotonic() < deadline:
             send(np.zeros(PRIMING_FRAMES, np.int16), -100 * rate)
             if family != MGONZS13:
                 send_info(PRIMING_RATE)
-            if select.select([0], [], [], 0.05)[0]:
-                chunk = os.read(0, 64)
-                if not chunk:
-                    break
-                said += chunk
-        if b"go" not in said.split():
+        if not stdin.go(0):
             raise SystemExit("driver: no 'go' on stdin (the listener never had an early message on every topic)")
-    else:
+    elif not lead_in:
         time.sleep(0.5)   # discovery both ways before the first message
     if family != MGONZS13:
         # The driver's first chunks can precede its first AudioInfo: the receiver must refuse
@@ -181,8 +191,21 @@ def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False) ->
         time.sleep(0.5)
         send_info()
         time.sleep(0.5)
+    lead = 0   # frames of silence before the WAV
+    if lead_in:
+        # As a microphone does before anyone speaks: silence, at real time, until the receiver
+        # has decoded some of it and the test says "go" (the graph's counts can come before the
+        # readers have matched these writers: the WAV's first chunks would be dropped unseen).
+        stdin, deadline = _Stdin(), time.monotonic() + 120
+        while not stdin.go(CHUNK / rate) and not stdin.closed and time.monotonic() < deadline:
+            send(np.zeros(CHUNK, np.int16), lead)
+            lead += CHUNK
+            if family != MGONZS13 and lead % (20 * CHUNK) == 0:
+                send_info()
+        if not stdin.go(0):
+            raise SystemExit("driver: no 'go' on stdin (the receiver never decoded the lead-in)")
     for k, i in enumerate(range(0, samples.size, CHUNK)):
-        send(samples[i:i + CHUNK], i)
+        send(samples[i:i + CHUNK], lead + i)
         if family != MGONZS13 and k % 20 == 19:
             send_info()   # the driver repeats it (every 5 s), as a late subscriber needs it
         time.sleep(0.005)
@@ -264,9 +287,10 @@ if __name__ == "__main__":
     if mode == "cases":
         run_cases()
     elif mode == "publish":
-        prime = "--prime" in args
-        args = [a for a in args if a != "--prime"]
-        publish(args[0], args[1].split(",") if len(args) > 1 else None, prime)
+        flags = {"--prime", "--lead-in"}
+        prime, lead_in = "--prime" in args, "--lead-in" in args
+        args = [a for a in args if a not in flags]
+        publish(args[0], args[1].split(",") if len(args) > 1 else None, prime, lead_in)
     elif mode == "subscribe":
         subscribe(int(args[0]), args[1])
     else:

@@ -387,15 +387,24 @@ def test_the_speech_node_transcribes_each_driver(family, input_type):
     """The speech node in a process of its own, subscribed as its input_type says (for ros-drivers
     AudioDataStamped remapped from the driver's audio_stamped, and its AudioInfo), hears a driver
     process of the family say a command."""
+    from diagnostic_msgs.msg import DiagnosticArray
     from photon_ros.msg import Transcript
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from ros_harness import RosGraph, wait_for
 
-    finals = []
+    finals, decoded = [], []
+    reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
     graph = RosGraph()
-    graph.node("listener").create_subscription(
-        Transcript, "/transcript", lambda m: m.is_final and finals.append(m),
-        QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    listener = graph.node("listener")
+    listener.create_subscription(Transcript, "/transcript", lambda m: m.is_final and finals.append(m), reliable)
+
+    def on_diagnostics(array) -> None:   # chunks the node decoded (received, neither bad nor ignored)
+        for status in array.status:
+            v = {kv.key: kv.value for kv in status.values}
+            if status.name.startswith("photon_ros: ") and "chunks_received" in v:
+                decoded.append(int(v["chunks_received"]) - int(v["chunks_skipped_bad"])
+                               - int(v["chunks_ignored_inactive"]))
+    listener.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, reliable)
     env = workspace_env(family)
     remap = ["-r", "audio:=/audio_stamped"] if family == ROS_DRIVERS else []
     node = subprocess.Popen([sys.executable, "-m", "photon_ros.speech_node", "--ros-args", "-p",
@@ -403,9 +412,15 @@ def test_the_speech_node_transcribes_each_driver(family, input_type):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait = ["audio_stamped", "audio_info"] if family == ROS_DRIVERS else ["audio"]
-        driver = subprocess.run([sys.executable, str(PEER), "publish", str(espeak_wav("Find the red ball.")),
-                                 ",".join(wait)], env=env, capture_output=True, timeout=120)
-        assert driver.returncode == 0, driver.stderr.decode()[-3000:]
+        # The command's first chunk carries speech, and ros-drivers' needs an AudioInfo before it:
+        # the driver sends silence until the node has decoded some (so its readers have matched
+        # the driver's writers, audio_info's included), then the command on "go".
+        driver = subprocess.Popen([sys.executable, str(PEER), "publish", str(espeak_wav("Find the red ball.")),
+                                   ",".join(wait), "--lead-in"], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        heard = wait_for(lambda: max(decoded, default=0) >= 1 or driver.poll() is not None, timeout=110)
+        driver_err = driver.communicate(b"go\n" if heard else b"", timeout=120)[1]
+        assert heard and driver.returncode == 0, driver_err.decode()[-3000:]
         assert wait_for(lambda: finals, timeout=120), "no transcript"
     finally:
         node.terminate()
