@@ -123,7 +123,8 @@ def moondream3_table(m: cm.Machine) -> list[str]:
     """Moondream 3.1's step at batch 1 and 8, bf16 weights, its experts bf16 (3.1's safetensors) or
     FP8 (3 preview's, kept FP8 on the megakernel), per build: no GPU has run it, so these are the
     model's alone. The experts' K loop in each build's own terms (bench/k_loops.py's SASS): the plain
-    loop, one tile in flight a trip (FP8: BLOCK_K / 2 bytes a row, 1 KB at 32 columns); the
+    loop, one tile in flight a trip (FP8 at batch 1: BLOCK_K / 2 bytes a row, 1 KB at 32 columns;
+    at batch 8 16 bytes, 0.5 KB); the
     wide build's expert tasks (batch 1, since 2026-12-05) in wide steps, every trip's tile in flight
     at once: FP8 512 bytes a row, 16-bit 256 elements. Routing uniform: the first distinct-experts
     pairs compute (cost_model.body)."""

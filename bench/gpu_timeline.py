@@ -96,8 +96,9 @@ def guarded(name: str, fn: Callable[[], Any]) -> Any:
 
 def families(dry: bool, programs: int) -> dict[str, Any]:
     """name -> (make a family at a tiling, the prod tiling, the split tiling): the proof's own
-    Moondream 2 and Whisper tiny.en (bench/gpu_proof.py: real sizes, or tiny ones for the dry run),
-    each tiling a family object of its own (its own weights: an arena is laid out per build)."""
+    Moondream 2, Whisper tiny.en and (where its decode step is in the tree) Moondream 3.1
+    (bench/gpu_proof.py: real sizes, or tiny ones for the dry run), each tiling a family object of
+    its own (its own weights: an arena is laid out per build)."""
     import gpu_proof
     fams = gpu_proof.families(dry, max(1, programs // 2))   # its split tiling: stages of >= 2 x that
     split = fams["whisper-tiny.en/split"].tiling

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{wh / peer['whisper-tiny.en', b]:.2f} |")
     lines += ["", "Builds with FP8 experts (bf16 weights and KV, as Moondream 3 preview runs): registers / stack, spill "
               "loads / stores inside the dense K loop (the most of its copies), and the expert tasks' K loops (MoE up "
-              "and down; the least of their copies): weight loads a trip per thread, KB in flight a program, local.", "",
+              "and down): weight loads a trip per thread and KB in flight a program (the copy with the least in flight), "
+              "spill loads / stores a trip (the most of their copies).", "",
               "| Triton | batch | variant | threads | regs / stack | dense loop local | expert loads a trip | "
               "experts KB in flight | experts local |", "|---|---:|---|---:|---|---:|---|---:|---:|"]
     for v in args.versions:

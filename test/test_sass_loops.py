@@ -160,11 +160,13 @@ def test_the_dense_loop_of_a_build_is_its_linear_tasks_with_the_least_in_flight(
 
 
 def test_weight_sites_are_marked_lines_and_every_line_of_a_load_only_function():
-    """A function whose every load is a weight load lends all its lines (ptxas may record a load on
-    a later line of it: Triton 3.9 put the FP8 expert loads three lines down); a function that also
-    loads something else lends only its marked lines."""
+    """A leaf function whose every load is a weight load lends all its lines (ptxas may record a
+    load on a later line of it: Triton 3.9 put the FP8 expert loads three lines down); a function
+    that also loads something else, or calls another (whose loads the text does not show), lends
+    only its marked lines."""
     text = ["def _w_tile(w_ptr, w_off):", "    p = w_ptr", "    return tl.load(w_ptr + w_off)", "", "",
             "@triton.jit", "def _mixed(w_ptr, w_off, x_ptr):", "    w = tl.load(w_ptr + w_off)",
-            "    x = tl.load(x_ptr)", "    return w * x", "", "def _none(x_ptr):", "    return tl.load(x_ptr)"]
+            "    x = tl.load(x_ptr)", "    return w * x", "", "def _none(x_ptr):", "    return tl.load(x_ptr)",
+            "def _step(w_ptr, w_off, x_ptr):", "    x = _none(x_ptr)", "    return tl.load(w_ptr + w_off) * x"]
     sites = sl.load_sites(text, sl.WEIGHT_LOAD, sl.enclosing_functions(text))
-    assert sites == {1, 2, 3, 4, 5, 6, 8}
+    assert sites == {1, 2, 3, 4, 5, 6, 8, 16}

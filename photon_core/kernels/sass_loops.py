@@ -250,15 +250,21 @@ def analyse(cubin: bytes, nvdisasm: str, source: Path, marker: tuple[str, ...]) 
 
 def load_sites(text: list[str], marker: tuple[str, ...], names: dict[int, str]) -> set[int]:
     """The source lines whose global loads are weight loads: each line holding every string of
-    `marker`, and every line of a function whose loads are all such lines. ptxas's line records
-    can name a line after the load's own (Triton 3.9 put the FP8 experts' byte loads in _w_tile
-    three lines down, on a blank line): within such a function no other load can be meant."""
+    `marker`, and every line of a leaf function (one calling no other function of `text`) whose
+    loads are all such lines. ptxas's line records can name a line after the load's own (Triton
+    3.9 put the FP8 experts' byte loads in _w_tile three lines down, past its last line): within
+    such a function no other load can be meant."""
     sites = {n + 1 for n, line in enumerate(text) if all(m in line for m in marker)}
+    defined = {f for f in names.values() if f != "?"}
+    calls = re.compile(r"\b(" + "|".join(map(re.escape, sorted(defined))) + r")\(") if defined else None
     loads: dict[str, list[bool]] = {}
+    callers: set[str] = set()
     for n, line in enumerate(text, 1):
         if "tl.load(" in line:
             loads.setdefault(names[n], []).append(n in sites)
-    only = {f for f, weight in loads.items() if all(weight) and f != "?"}
+        if calls is not None and not line.lstrip().startswith("def ") and calls.search(line):
+            callers.add(names[n])
+    only = {f for f, weight in loads.items() if all(weight) and f != "?" and f not in callers}
     return sites | {n for n, f in names.items() if f in only}
 
 

@@ -18,7 +18,8 @@ this model is a simulation of the persistent kernel's schedule, in which time is
 * An expert task (MoE up or down) of a routed pair that is the first to choose its expert streams
   that expert's tile (Launch.expert_pairs of the pairs, the first ones: uniform routing's count of
   distinct experts; the others exit): a trip per expert K step (Launch.expert_k_step, FP8 experts
-  1 byte a weight), every trip's tile in flight at once (the plain loop and the wide steps alike).
+  1 byte a weight), each trip's whole tile in flight at once, trip after trip (the plain loop and
+  the wide steps alike).
 * An attention partial's body is its key blocks, one trip each (`k_step`: the caches are in HBM);
   the last partial of a head merges (`l2` per partial read). Statistics finales read the stage's
   output twice in BLOCK_K chunks, one L2 trip each (`l2`); append rows, argmax blocks, embeds and
@@ -85,7 +86,8 @@ class Launch:
     stats_chunk: int = 0     # elements of a row a statistics finale reads a trip (0: block_k, as measured)
     expert_k_step: int = 0   # elements an expert task's K loop reads a trip (0: k_step)
     expert_bytes: int = 0    # bytes an expert weight (0: weight_bytes; FP8 experts 1)
-    expert_pairs: int = 0    # routed pairs whose expert tasks compute (the first pair choosing each expert)
+    expert_pairs: int | None = None   # routed pairs whose expert tasks compute (the first pair choosing each
+                                      # expert; None: every pair)
 
 
 def _keys(t, launch: Launch) -> int:
@@ -115,10 +117,10 @@ def body(t, launch: Launch, m: Machine) -> float:
         own_stats = 2 * math.ceil(a["K"] / launch.k_step) * m.l2 if fused_norm_without_stats else 0
         return m.k_step + (steps - 1) * per + own_stats + 2 * m.l2
     if op in (OP_MOE_UP, OP_MOE_DOWN):
-        if a["tile"] >= launch.expert_pairs:  # not its expert's first pair: reads the routes, exits
+        if launch.expert_pairs is not None and a["tile"] >= launch.expert_pairs:   # not its expert's first pair: exits
             return 2 * m.l2
-        # Every trip's tile in flight at once (plain loop, wide steps), one latency each; up reads
-        # its gate and up rows one after the other.
+        # Each trip's whole tile in flight at once (plain loop, wide steps), a latency a trip; up
+        # reads its gate and up rows one after the other.
         step = launch.expert_k_step or launch.k_step
         trips = math.ceil((a["k1"] - a["k0"]) / step) * (2 if op == OP_MOE_UP else 1)
         tile = (a["n1"] - a["n0"]) * step * (launch.expert_bytes or launch.weight_bytes)

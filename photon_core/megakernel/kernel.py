@@ -290,8 +290,8 @@ def _sixteens(v):
     said in arithmetic that the alignment analysis keeps. tl.multiple_of on a load is an attribute
     of that load, which passes that rebuild it drop: in the MoE tasks' inlined copies of _linear_acc
     (Triton 3.9 TTGIR) k0 and ldw lost theirs, and FP8 experts loaded their weights a byte at a
-    time. Only the expert tasks use it (FP8 ones, and all in the wide builds, where the 16-bit ones
-    otherwise loaded 2 bytes): said this way elsewhere the fp32 build spills (152 B at batch 1,
+    time. Only the expert tasks use it (FP8 ones, and all at batch 1 in the wide builds, where the
+    16-bit ones otherwise loaded 2 bytes): said this way elsewhere the fp32 build spills (152 B at batch 1,
     3.9), and the other tasks keep their hints."""
     return v // 16 * 16
 
@@ -338,7 +338,7 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # w_shift` (the default build), a dense task's shift of 0 folds the add away and the hint with
     # it: its weights stream as 2-byte loads (PTX, Triton 3.9 and 3.6; only MoE tasks, whose shift
     # is real, load 16 bytes). ALIGNED says it of the loaded offset itself: the dense tasks load 16
-    # bytes, the bf16 MoE tasks then 2 (the FP8 expert tasks keep theirs either way: EXPERT): a variant for
+    # bytes (the expert tasks say theirs in arithmetic where they stream: EXPERT): a variant for
     # the GPU to measure (KernelVariant.aligned), not yet the default.
     if EXPERT:
         w_off = _sixteens(tl.load(row + F_w)) + w_shift
@@ -485,8 +485,9 @@ def _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8: tl.constexpr):
     kk = kb + ks
     wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
     wm = cmask[:, None] & (kk < k1w)[None, :]
-    # One load for either element type: ptxas (Triton 3.9) placed the FP8 branch's load at the
-    # `return` after it, where sass_loops, which finds weight loads by their source line, missed it.
+    # One load for either element type. ptxas (Triton 3.9) records the FP8 loads a few lines after
+    # the load (the `return` when the load sat in an if/else, now past the function's last line):
+    # sass_loops counts every line of a leaf function whose loads are all weight loads.
     w_ptr_as = w_ptr.to(tl.pointer_type(tl.uint8)) if FP8 else w_ptr
     return tl.load(w_ptr_as + w_off + wp, mask=wm, other=0)
 
@@ -580,7 +581,7 @@ def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xg
 def _wide_rows(acc, w, kk, k1, K, rows, rmask, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
                w_ptr, BLOCK_M: tl.constexpr):
     """acc + each row's x at K columns kk times the loaded tile w ([BLOCK_N, len(kk)], fp32), reduced
-    over K (one wide step of _linear_wide_steps)."""
+    over K (one wide step of _linear_wide_steps; for FP8, half of one)."""
     kmask = kk < k1
     # The fused norm's weight and bias are the same for every row: loaded (and moved into the
     # rows' layout) once a step, not once a row (8 layout changes a step at batch 8, SASS).
@@ -1240,9 +1241,9 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     FP8) + D x per choosing row; h is [B*S, B, F] (slab j, row r). The weight elements loaded go
     to this task's cell of the loads record (the host's count of expert bytes a step read)."""
     # The experts' K loop in a build whose dense loop is LOOP: at batch 1 its wide steps (with the
-    # alignment said), else the plain loop. A wide step has 16 KB in flight at 32 columns (FP8:
-    # 512 bytes a row; 16-bit experts half the dense step, 256 elements: a whole one spilled, 368 B
-    # under Triton 3.9) where the plain loop's FP8 trip is 1 KB, a memory latency each (SASS,
+    # alignment said), else the plain loop. Wide512's step has 16 KB in flight at 32 columns (FP8:
+    # 512 bytes a row; other experts half the dense step, 256 elements: a whole one spilled, 368 B
+    # under Triton 3.9; an fp32 arena's too, 32 KB, which engine choice never builds wide) where the plain loop's FP8 trip is 1 KB, a memory latency each (SASS,
     # Triton 3.6). Above batch 1 wide steps spilled (batch 8: 688 B under 3.6, 800-1344 B under
     # 3.9; with a loop over the rows instead of a copy a row, spill traffic in some loops at batch 2
     # to 8), and unrolled loops loaded narrower (3.6: 4 x 4 B a thread, 336 B of stack at batch 8).
