@@ -27,7 +27,8 @@ from photon_core.megakernel import cost_model as cm  # noqa: E402
 
 # The run's rows: positions, cross lengths (gpu_proof's fixed rows) and transformers' step (us).
 ROWS = {"whisper-tiny.en": dict(start=224, spacing=-9, cross=lambda b: [1500 - 50 * r for r in range(b)]),
-        "moondream2": dict(start=830, spacing=16, cross=lambda b: None)}
+        "moondream2": dict(start=830, spacing=16, cross=lambda b: None),
+        "moondream3": dict(start=830, spacing=16, cross=lambda b: None)}
 PEER_US = {("whisper-tiny.en", 1): 365, ("whisper-tiny.en", 8): 382, ("moondream2", 1): 2981, ("moondream2", 8): 3316}
 FLOOR_US = {("whisper-tiny.en", 1, "bf16"): 587 / 36.33, ("whisper-tiny.en", 8, "bf16"): 1060 / 24.74,
             ("moondream2", 1, "bf16"): 7670 / 11.99, ("moondream2", 8, "bf16"): 17543 / 15.21}
@@ -49,18 +50,26 @@ def graphs(tiling: Any = None) -> dict[tuple[str, int], tuple[Any, Any]]:
 
 
 def launch(name: str, batch: int, weights: str, graph: Any, tiling: Any, k_step_scale: float = 1.0,
-           stats_chunk: int = 0) -> cm.Launch:
+           stats_chunk: int = 0, expert_fp8: bool | None = None, expert_wide: int = 0,
+           expert_pairs: int | None = None) -> cm.Launch:
     """The launch the run timed: Triton 3.6's K step (its register budgets), the run's rows;
-    stats_chunk: the build's STATS_TILE (0: the run's build, BLOCK_K a row)."""
+    stats_chunk: the build's STATS_TILE (0: the run's build, BLOCK_K a row). A graph with MoE
+    layers: expert_fp8 (its experts FP8, else in the arena's dtype), expert_wide (their wide step's
+    elements; 0: the plain loop's step) and expert_pairs (cost_model.Launch)."""
     from photon_core.kernels.triton_versions import megakernel_tuning
     from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
     r = ROWS[name]
     tiles = max((t.args.get("S", 1) for t in graph.tasks if t.op == cm.OP_ARGMAX), default=1)
     meta = megakernel_meta(batch, tiling.block_n, tiling.block_k, tiling.block_t, 64, 8, tiles)
-    k = int(linear_k_step(meta, tuning=megakernel_tuning("3.6.0")) * k_step_scale)
+    tuning = megakernel_tuning("3.6.0")
+    k = int(linear_k_step(meta, tuning=tuning) * k_step_scale)
+    unit = 4 if weights == "fp32" else 2
+    experts = {} if expert_fp8 is None else dict(
+        expert_k_step=expert_wide or linear_k_step(meta, fp8=expert_fp8, tuning=tuning),
+        expert_bytes=1 if expert_fp8 else unit, expert_pairs=expert_pairs)
     return cm.launch_of(graph, tiling, batch, [r["start"] + r["spacing"] * i for i in range(batch)], r["cross"](batch),
-                        4 if weights == "fp32" else 2, k, meta["BLOCK_R"],
-                        cm.stats_row_chunk(batch, tiling.block_k, stats_chunk) if stats_chunk else 0)
+                        unit, k, meta["BLOCK_R"],
+                        cm.stats_row_chunk(batch, tiling.block_k, stats_chunk) if stats_chunk else 0, **experts)
 
 
 def predict(m: cm.Machine, gs: dict, **launch_kw: Any) -> dict[tuple[str, int, str], float]:
@@ -130,9 +139,7 @@ def moondream3_table(m: cm.Machine) -> list[str]:
     pairs compute (cost_model.body)."""
     import roofline
 
-    from photon_core.kernels.triton_versions import megakernel_tuning
     from photon_core.megakernel.compiler import Tiling, lower, plan
-    from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
     from photon_core.models.moondream3.decoder_step import dims_of, step_graph
     tiling = Tiling()
     cfg = roofline.moondream3_config()
@@ -145,24 +152,15 @@ def moondream3_table(m: cm.Machine) -> list[str]:
         for b in (1, 8):
             graph = lower(plan(g, b, tiling))
             floor = (g.weight_bytes(2, rows=b) + roofline.state_bytes(g, 1024) * b) / roofline.GPUS["H200"]
-            tiles = max((t.args.get("S", 1) for t in graph.tasks if t.op == cm.OP_ARGMAX), default=1)
-            meta = megakernel_meta(b, tiling.block_n, tiling.block_k, tiling.block_t, 64, 8, tiles)
-            tuning = megakernel_tuning("3.6.0")
-            k = linear_k_step(meta, tuning=tuning)
-            plain_experts = dict(expert_k_step=linear_k_step(meta, fp8=fp8, tuning=tuning), expert_bytes=1 if fp8 else 2,
-                                 expert_pairs=cm.distinct_experts(experts, top_k, b))
-            wide_experts = dict(plain_experts, expert_k_step=512 if fp8 else 256)
-            positions = [830 + 16 * i for i in range(b)]
-            stream = int(k * STREAMING_KW["by_batch"][b]["k_step_scale"])
-            stats = dict(stats_chunk=cm.stats_row_chunk(b, tiling.block_k, 1024))
             name = "wide512+aligned" if b == 1 else "unroll8+aligned"
-            builds = [("plain", k, {}, plain_experts),
-                      (f"{name}, experts in the plain loop" + (" (until 2026-12-05)" if b == 1 else ""), stream, stats,
-                       plain_experts)]
+            stream = dict(k_step_scale=STREAMING_KW["by_batch"][b]["k_step_scale"], stats_chunk=1024)
+            builds = [("plain", {}, 0),
+                      (f"{name}, experts in the plain loop" + (" (until 2026-12-05)" if b == 1 else ""), stream, 0)]
             if b == 1:   # above batch 1 the experts keep the plain loop (wide steps spilled there)
-                builds.append((f"{name}, experts in wide steps", stream, stats, wide_experts))
-            for label, kk, extra, ex in builds:
-                la = cm.launch_of(graph, tiling, b, positions, None, 2, kk, meta["BLOCK_R"], **extra, **ex)
+                builds.append((f"{name}, experts in wide steps", stream, 512 if fp8 else 256))
+            for label, kw, wide in builds:
+                la = launch("moondream3", b, "bf16", graph, tiling, **kw, expert_fp8=fp8, expert_wide=wide,
+                            expert_pairs=cm.distinct_experts(experts, top_k, b))
                 us = cm.simulate(graph, la, m)["seconds"] * 1e6
                 lines.append(f"| {label} | {'FP8' if fp8 else 'bf16'} | {b} | {us:.0f} | {floor * 1e6:.0f} | "
                              f"{us / (floor * 1e6):.1f} |")

@@ -291,8 +291,8 @@ def _sixteens(v):
     of that load, which passes that rebuild it drop: in the MoE tasks' inlined copies of _linear_acc
     (Triton 3.9 TTGIR) k0 and ldw lost theirs, and FP8 experts loaded their weights a byte at a
     time. Only the expert tasks use it (FP8 ones, and all at batch 1 in the wide builds, where the
-    16-bit ones otherwise loaded 2 bytes): said this way elsewhere the fp32 build spills (152 B at batch 1,
-    3.9), and the other tasks keep their hints."""
+    16-bit ones otherwise loaded 2 bytes): said this way elsewhere the fp32 build spills (152 B at
+    batch 1, 3.9), and the other tasks keep their hints."""
     return v // 16 * 16
 
 
@@ -1240,18 +1240,10 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     Bytes: 2*(n1-n0)*D weights of e ONCE however many rows chose it (+ 2*(n1-n0) fp32 scales for
     FP8) + D x per choosing row; h is [B*S, B, F] (slab j, row r). The weight elements loaded go
     to this task's cell of the loads record (the host's count of expert bytes a step read)."""
-    # The experts' K loop in a build whose dense loop is LOOP: at batch 1 its wide steps (with the
-    # alignment said), else the plain loop. Wide512's step has 16 KB in flight at 32 columns (FP8:
-    # 512 bytes a row; other experts half the dense step, 256 elements: a whole one spilled, 368 B
-    # under Triton 3.9; an fp32 arena's too, 32 KB, which engine choice never builds wide) where the plain loop's FP8 trip is 1 KB, a memory latency each (SASS,
-    # Triton 3.6). Above batch 1 wide steps spilled (batch 8: 688 B under 3.6, 800-1344 B under
-    # 3.9; with a loop over the rows instead of a copy a row, spill traffic in some loops at batch 2
-    # to 8), and unrolled loops loaded narrower (3.6: 4 x 4 B a thread, 336 B of stack at batch 8).
-    XWIDE: tl.constexpr = LOOP // 65536 % 256 if BLOCK_M == 1 else 0
-    XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
-    # Alignment said in arithmetic (_sixteens) for FP8 experts, and for 16-bit ones in wide steps
-    # (their loads were 2 bytes and the build spilled: Triton 3.9, 32 B); elsewhere as it was.
-    XALIGN: tl.constexpr = True if FP8 else XLOOP > 0
+    # LOOP: the experts' K loop (_step_tasks' XLOOP). Alignment said in arithmetic (_sixteens) for
+    # FP8 experts, and for 16-bit ones in wide steps (their loads were 2 bytes and the build
+    # spilled: Triton 3.9, 32 B); elsewhere as it was.
+    XALIGN: tl.constexpr = True if FP8 else LOOP > 0
     D = tl.load(row + F_K)
     F = tl.load(row + F_N)
     n0 = tl.load(row + F_n0)
@@ -1277,7 +1269,7 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
         u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for half in range(0, 2):
             acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, base + half * F * ldw, 0, FP8,
-                              rsel, LOOP=XLOOP, EXPERT=XALIGN)
+                              rsel, LOOP=LOOP, EXPERT=XALIGN)
             if FP8:   # the epilogue of an FP8 product: each output row's scale, once
                 sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * 2 * F + half * F + cols,
                              mask=cols < n1, other=0.0)
@@ -1301,9 +1293,7 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
     rows e*D + [n0, n1) of the [E*D, F] down table, wsum_r the row's routing weight of e; part is
     [B, B*S, D] (row r, pair j). Bytes: (n1-n0)*F weights of e ONCE (+ (n1-n0) fp32 scales for
     FP8) + F hidden per choosing row. A sum task per (row, tile) adds the row's partials."""
-    XWIDE: tl.constexpr = LOOP // 65536 % 256 if BLOCK_M == 1 else 0   # the experts' K loop as _task_moe_up's
-    XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
-    XALIGN: tl.constexpr = True if FP8 else XLOOP > 0
+    XALIGN: tl.constexpr = True if FP8 else LOOP > 0   # as _task_moe_up's
     F = tl.load(row + F_K)
     D = tl.load(row + F_N)
     out = tl.load(row + F_out)
@@ -1323,7 +1313,7 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
         rows = tl.arange(0, BLOCK_M)
         wsc = tl.load(row + F_wsc)   # FP8 experts: fp32 row scales [E, D] at wsc
         part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel,
-                           LOOP=XLOOP, EXPERT=XALIGN)
+                           LOOP=LOOP, EXPERT=XALIGN)
         if FP8:
             sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + wsc + e * D + cols, mask=cmask, other=0.0)
             part = part * (sc * FP8_UNSCALE)[None, :]
@@ -1380,6 +1370,16 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
     a run-time choice between variants would hold both and spill (ptxas -v). Returns 0, or the
     task's failure (graph.ERR_OP, ERR_RANGE)."""
+    # The expert tasks' K loop, given the dense tasks' LOOP: at batch 1 its wide steps (alignment
+    # said), else the plain loop. Wide512's step has 16 KB in flight at 32 columns (FP8: 512 bytes
+    # a row; other experts half the dense step, 256 elements: a whole one spilled, 368 B under
+    # Triton 3.9; an fp32 arena's too, 32 KB, which engine choice never builds wide) where the
+    # plain loop's FP8 trip is 1 KB, a memory latency each (SASS, Triton 3.6). Above batch 1 wide
+    # steps spilled (batch 8: 688 B under 3.6, 800-1344 B under 3.9; with a loop over the rows
+    # instead of a copy a row, spill traffic in some loops at batch 2 to 8), and unrolled loops
+    # loaded narrower (3.6: 4 x 4 B a thread, 336 B of stack at batch 8).
+    XWIDE: tl.constexpr = LOOP // 65536 % 256 if BLOCK_M == 1 else 0
+    XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
     status = tl.full([], 0, tl.int32)
     if op == OP_LINEAR:
         _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LOOP)
@@ -1404,9 +1404,9 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == OP_MOE_ROUTE:
         _task_moe_route(row, s_ptr, BLOCK_R, BLOCK_S)
     elif op == OP_MOE_UP:
-        _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, LOOP)
+        _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XLOOP)
     elif op == OP_MOE_DOWN:
-        _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, LOOP)
+        _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XLOOP)
     elif op == OP_MOE_SUM:
         _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
