@@ -134,12 +134,15 @@ def moondream3_table(m: cm.Machine) -> list[str]:
     model's alone. The experts' K loop in each build's own terms (bench/k_loops.py's SASS): the plain
     loop, one tile in flight a trip (FP8 at batch 1: BLOCK_K / 2 bytes a row, 1 KB at 32 columns;
     at batch 8 16 bytes, 0.5 KB); the
-    wide build's expert tasks (batch 1, since 2026-12-05) in wide steps, every trip's tile in flight
-    at once: FP8 512 bytes a row, 16-bit 256 elements. Routing uniform: the first distinct-experts
-    pairs compute (cost_model.body)."""
+    streaming builds' expert tasks in wide steps (kernel.expert_loop, at batch 1 since 2026-12-05,
+    above since later that day), every trip's tile in flight at once: under 3.6 512 bytes a row
+    (FP8 512 elements, 16-bit 256). Routing uniform: the first distinct-experts pairs compute
+    (cost_model.body)."""
     import roofline
 
+    from photon_core.kernels.triton_versions import megakernel_tuning
     from photon_core.megakernel.compiler import Tiling, lower, plan
+    from photon_core.megakernel.kernel import KernelVariant, expert_loop
     from photon_core.models.moondream3.decoder_step import dims_of, step_graph
     tiling = Tiling()
     cfg = roofline.moondream3_config()
@@ -154,10 +157,10 @@ def moondream3_table(m: cm.Machine) -> list[str]:
             floor = (g.weight_bytes(2, rows=b) + roofline.state_bytes(g, 1024) * b) / roofline.GPUS["H200"]
             name = "wide512+aligned" if b == 1 else "unroll8+aligned"
             stream = dict(k_step_scale=STREAMING_KW["by_batch"][b]["k_step_scale"], stats_chunk=1024)
-            builds = [("plain", {}, 0),
-                      (f"{name}, experts in the plain loop" + (" (until 2026-12-05)" if b == 1 else ""), stream, 0)]
-            if b == 1:   # above batch 1 the experts keep the plain loop (wide steps spilled there)
-                builds.append((f"{name}, experts in wide steps", stream, 512 if fp8 else 256))
+            # the streaming build's expert step under 3.6 (the fitted run's Triton), as the kernel derives it
+            wide = expert_loop(KernelVariant.parse(name), b, 1 if fp8 else 2, megakernel_tuning("3.6.0")) // 65536 % 256
+            builds = [("plain", {}, 0), (f"{name}, experts in the plain loop (until 2026-12-05)", stream, 0),
+                      (f"{name}, experts in wide steps", stream, 16 * wide)]
             for label, kw, wide in builds:
                 la = launch("moondream3", b, "bf16", graph, tiling, **kw, expert_fp8=fp8, expert_wide=wide,
                             expert_pairs=cm.distinct_experts(experts, top_k, b))

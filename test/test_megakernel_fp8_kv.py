@@ -280,17 +280,21 @@ def test_lookup_only_tables_are_read_in_place():
         CompiledStep(g, w, 2, TILING, read_in_place=["tok"])      # the tied LM head reads it too
 
 
+@pytest.mark.parametrize("batch,variant", [(1, "wide512+aligned"), (4, "unroll8+aligned")])
 @pytest.mark.parametrize("fp8", [True, False])
-def test_the_wide_build_streams_experts_over_several_steps(fp8):
-    """The wide build (wide512+aligned, what backend auto times at batch 1) runs the expert tasks'
-    K loop in wide steps too: FP8 experts 512 bytes a row a step, loaded as two halves before either
-    is decoded; 16-bit ones 256 elements. K spans several steps and ends inside one (D = 1104: FP8
-    2 x 512 + a step whose first half is partly past K; F = 344: the FP8 down task's second half
-    partial), bf16 arena, one row choosing 2 of 4 experts: the MoE output equals run_reference's
-    (the plain build's is held to it above); the experts no row chose are NaN (16-bit) or 448 (FP8)
-    and change nothing."""
+def test_the_streaming_builds_stream_experts_over_several_steps(fp8, batch, variant):
+    """The streaming builds (what backend auto times: wide512+aligned at batch 1, unroll8+aligned
+    above) run the expert tasks' K loop in wide steps (kernel.expert_loop: the tuning's bytes of an
+    expert row a step at the batch; FP8 loaded as two halves before either is decoded), each step
+    reduced by the rows that chose the expert, the others skipped. K spans several steps and ends
+    inside one (D = 1104: FP8 2 x 512 + a step whose first half is partly past K; F = 344: the FP8
+    down task's second half partial), bf16 arena, rows choosing 2 of 8 experts (at batch 4 some
+    expert by several rows): the MoE output equals run_reference's (the plain build's is held to
+    it above); the experts no row chose are NaN (16-bit) or 448 (FP8) and change nothing."""
+    from photon_core.backends import reference as ref
+    from photon_core.megakernel.kernel import KernelVariant, expert_loop
     g0 = torch.Generator().manual_seed(71)
-    d, E, F, k, vocab = 1104, 4, 344, 2, 40
+    d, E, F, k, vocab = 1104, 8, 344, 2, 40
 
     def r(*shape, s=1.0):
         return torch.randn(*shape, generator=g0) * s
@@ -309,13 +313,14 @@ def test_the_wide_build_streams_experts_over_several_steps(fp8):
                 **(dict(gate_up_scale="gu.s", down_scale="down.s") if fp8 else {}))
     g.expose("logits", logits := g.linear("logits", mlp, "head"))
     g.argmax("token", logits)
-    step = CompiledStep(g, w, 1, Tiling(), weight_dtype=torch.bfloat16)
+    step = CompiledStep(g, w, batch, Tiling(), weight_dtype=torch.bfloat16)
     ref_w = {k_: (v if v.dtype == torch.float8_e4m3fn or k_.endswith(".s") else v.to(torch.bfloat16).float())
              for k_, v in w.items()}
-    step.set_step([7], [0])
-    want = run_reference(g, ref_w, {}, [7], [0])
-    from photon_core.backends import reference as ref
-    chosen = set(ref.moe_route(want["route"], k, True)[1].flatten().tolist())
+    tokens, positions = [7, 3, 11, 20][:batch], [0] * batch
+    step.set_step(tokens, positions)
+    want = run_reference(g, ref_w, {}, tokens, positions)
+    picks = ref.moe_route(want["route"], k, True)[1]
+    chosen = set(picks.flatten().tolist())
     for e in set(range(E)) - chosen:
         if fp8:
             step.weight("gu")[e].view(torch.uint8).fill_(0x7E)
@@ -323,7 +328,14 @@ def test_the_wide_build_streams_experts_over_several_steps(fp8):
         else:
             step.weight("gu")[e] = float("nan")
             step.weight("down")[e] = float("nan")
-    step.set_engine("megakernel", "wide512+aligned")
-    assert step.kernel_for(None).variant.name() == "wide512+aligned"
+    step.set_engine("megakernel", variant)
+    kern = step.kernel_for(None)
+    assert kern.variant.name() == variant
+    table = kern.tuning.fp8_expert_bytes if fp8 else kern.tuning.expert_bytes
+    wide = table[batch.bit_length() - 1] // (1 if fp8 else 2)
+    assert wide >= 16 and kern.expert_loop() == KernelVariant(wide=wide, aligned=True).loop
+    assert expert_loop(KernelVariant(), kern.meta["BLOCK_M"], 1, kern.tuning) == 0     # the plain build's plain loop
     step.launch()
     assert len(chosen) < E and rel_err(step.view("mlp"), want["mlp"]) < RTOL
+    if batch > 1:   # some expert's tile reduced by several rows, others skipped
+        assert max(int((picks == e).any(dim=1).sum()) for e in chosen) > 1

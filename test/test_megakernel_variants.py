@@ -133,7 +133,8 @@ NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "
          "megakernel_b1_bf16_n32_k64_dot64_pipe3", "megakernel_b1_bf16_n32_k64_trace", "megakernel_b1_bf16_n32_k64_aligned",
          "megakernel_b1_bf16_n32_k64_unroll4_aligned", "megakernel_b1_bf16_n32_k64_wide512_aligned",
          "megakernel_b1_bf16_n32_k64_wide512_aligned_static", "megakernel_b8_bf16_n32_k64_unroll8_aligned",
-         "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned"]
+         "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned",
+         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned"]
 
 
 def test_variants_compile_for_sm90_with_their_instructions(compiled):
@@ -179,20 +180,29 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     assert all(lp["local"] == 0 for lp in dense_loops(b8["k_loops"])), b8
 
 
-def test_the_wide_build_streams_the_experts_16_kb_a_trip(compiled):
-    """The expert tasks' K loops (MoE up and down) in the wide build: 16 KB a program a trip, all
-    issued before the first is used, as 16-byte loads, no spill traffic inside a trip, for 16-bit
-    experts (256 elements a row a step) and FP8 ones (512 bytes, two halves), where the plain
-    build's FP8 trip is 1 KB (bench/RESULTS.md "Megakernel K loop", FP8 table)."""
-    from photon_core.kernels.sass_loops import expert_loops
+def test_the_streaming_builds_stream_the_experts_in_wide_steps(compiled):
+    """The expert tasks' K loops (MoE up and down) in the streaming builds: at batch 1 (wide512+aligned)
+    16 KB a program a trip, at batch 8 (unroll8+aligned) the tuning's bytes of an expert row a step
+    at 32 columns (kernel.expert_loop: 16 or 8 KB), all issued before the first is used, as 16-byte
+    loads, no spill traffic inside a trip (nor in the dense loop beside them), for 16-bit experts
+    and FP8 ones (two halves), where the plain build's FP8 trip is 1 KB at batch 1 and 0.5 KB at
+    batch 8 (bench/RESULTS.md "Megakernel K loop", FP8 table)."""
+    from photon_core.kernels.sass_loops import dense_loops, expert_loops
+    from photon_core.kernels.triton_versions import megakernel_tuning
     _, got = compiled
-    for name in ("megakernel_b1_bf16_n32_k64_wide512_aligned", "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned"):
+    tuning = megakernel_tuning()
+    for name, table, at in (("megakernel_b1_bf16_n32_k64_wide512_aligned", tuning.expert_bytes, 0),
+                            ("megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned", tuning.fp8_expert_bytes, 0),
+                            ("megakernel_b8_bf16_n32_k64_unroll8_aligned", tuning.expert_bytes, 3),
+                            ("megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned", tuning.fp8_expert_bytes, 3)):
         loops, threads = expert_loops(got[name]["k_loops"]), got[name]["threads"]
         assert {lp["task"] for lp in loops} == {"_task_moe_up", "_task_moe_down"}, (name, got[name]["k_loops"])
+        assert table[0] == 512 and table[at] >= 256
         for lp in loops:
             assert lp["in_flight_bytes"] == lp["weight_bytes"] and set(lp["loads"]) == {"LDG.E.128"}, (name, lp)
-            assert lp["in_flight_bytes"] * threads == 16 * 1024, (name, lp)
+            assert lp["in_flight_bytes"] * threads == 32 * table[at], (name, lp)
             assert lp["local"] == 0, (name, lp)
+        assert all(lp["local"] == 0 for lp in dense_loops(got[name]["k_loops"])), name
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)

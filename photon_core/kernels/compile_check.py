@@ -148,6 +148,8 @@ def megakernel_case(name: str) -> tuple[Any, dict[str, str], dict[str, Any]]:
                                     max_splits=8, max_tiles=1024),
                  RUN_TASK=mk.step_tasks_for("_kvbf16" in opts, "_fp8" in opts), TRACE=int("_trace" in opts),
                  **variant.constexprs())
+    const["XLOOP"] = mk.expert_loop(variant, const["BLOCK_M"], 1 if "_fp8" in opts else 4 if wdt == "fp32" else 2,
+                                    mk.Megakernel.tuning)
     return mk._megakernel, sig, const
 
 

@@ -60,6 +60,13 @@ class MegakernelTuning:
     linear_tile: int = 8192
     weight_tile: int = 8192
     attn_tile: int = 4096
+    # Bytes of an expert's weight row an expert task's K loop streams a step in the streaming
+    # builds (aligned variants), at batch 1, 2, 4 and 8, for 16-bit experts and for FP8 ones (0:
+    # the plain loop; kernel.expert_loop). At 32 columns 512 bytes a row is 16 KB a program a trip.
+    # Measured per version with ptxas and the K loops' SASS (bench/k_loops.py): the widest step with
+    # no spill inside any K loop, dense or expert.
+    expert_bytes: tuple[int, int, int, int] = (512, 512, 256, 512)
+    fp8_expert_bytes: tuple[int, int, int, int] = (512, 512, 256, 256)
 
 
 # (oldest version a row applies to, its tuning), newest first. Measured with ptxas -v; the
@@ -74,12 +81,14 @@ _MEGAKERNEL: tuple[tuple[tuple[int, int], MegakernelTuning], ...] = (
     # one program an SM, the same 8 warps an SM as two programs of 4. At 8 warps the batch-1 weight
     # tile of the roofline tiling (64 x 128) still spilled on sm_87 (bf16 16 B, FP8 experts 72 B):
     # 64 x 64 fits. (3.4 and 3.5 not measured.)
-    ((3, 4), MegakernelTuning(num_warps=8, programs_per_sm=1, weight_tile=4096)),
+    ((3, 4), MegakernelTuning(num_warps=8, programs_per_sm=1, weight_tile=4096, expert_bytes=(512,) * 4,
+                               fp8_expert_bytes=(512,) * 4)),
     # 3.3 as 3.4-3.7 (there the 64 x 128 weight tile spilled on sm_90 too: fp32 ~290 B, bf16 160 B,
     # FP8 experts 520 B; a 4K-element product at batch 8 instead of 8K spilled 4-40 B), and 64 keys
     # x 64 left bf16 at batch 1 on the edge (0 or 8 B, by what the process compiled before): 32 keys
     # leave room. The roofline tiling at batch 8 still spills (fp32: 80 B).
-    (OLDEST, MegakernelTuning(num_warps=8, programs_per_sm=1, weight_tile=4096, attn_tile=2048)),
+    (OLDEST, MegakernelTuning(num_warps=8, programs_per_sm=1, weight_tile=4096, attn_tile=2048,
+                              expert_bytes=(512,) * 4, fp8_expert_bytes=(512,) * 4)),
 )
 
 

@@ -62,13 +62,12 @@ Timer = Callable[["CompiledStep"], float]   # ms per step of the step's current 
 
 def candidates(step: "CompiledStep") -> list[tuple[str, str]]:
     """(engine, variant) pairs to time for `step`: the plain megakernel and the per-op engine, and
-    for 16-bit weights the megakernel's streaming build. FP8 experts included. At batch 1 (wide
-    steps) the expert tasks stream 16 KB a trip too (FP8: two halves of 256 bytes a row loaded
-    before either is decoded; 16-bit: 256 elements; kernel._task_moe_up), where the plain loop's
-    FP8 trip is 1 KB (sm_90: no spill under Triton 3.9; with FP8 experts 24 B of stack under 3.6,
-    none in a loop); above batch 1 they keep the plain build's loop (unrolled, they loaded
-    narrower and spilled), and those builds spill as the bf16 ones do (24 B of stack at batch 4-8
-    under 3.9; at batch 8 under 3.6 the plain FP8 build's 56 B; none of it inside a K loop)."""
+    for 16-bit weights the megakernel's streaming build. FP8 experts included. The streaming builds
+    stream the expert tasks in wide steps too (kernel.expert_loop: the running Triton's bytes of an
+    expert row a step per batch, 16 KB a program a trip at batch 1; FP8 two halves loaded before
+    either is decoded; each step reduced only by the rows that chose the expert), where the plain
+    build's FP8 trip is 1 KB at batch 1 and 0.5 KB at batch 8 (sm_90, bench/RESULTS.md "Megakernel
+    K loop from the SASS": no spill inside any K loop under Triton 3.6 or 3.9)."""
     out = [("megakernel", "plain"), ("perop", "plain")]
     if step.plan.weight_dtype in (torch.bfloat16, torch.float16):
         out.insert(1, ("megakernel", STREAMING.get(step.batch, STREAMING_ABOVE_1)))

@@ -395,10 +395,12 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # Gemma 4's per-layer input: gelu_tanh), or an activation on the loads (Moondream 3's gelu(qkv)).
     g_rows = s_ptr + tl.maximum(xgate, 0) + rows[:, None].to(tl.int64) * K
     if WIDE > 0:
-        # Row m of x at x_base + m * x_stride (the same rows as x_rows, by base and stride).
+        # Row m of x at x_base + m * x_stride (the same rows as x_rows, by base and stride); the
+        # rows to compute as bits of one scalar (rmask's), which a loop over the rows can branch on.
+        rbits = row_sel & ((1 << M) - 1)
         x_base = s_ptr + x_off + tl.where(xglu > 0, 0, xc0)
         x_stride = tl.where(xglu > 0, 2 * K, tl.where(xs >= 0, xs, K)).to(tl.int64)
-        return _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, s_ptr + tl.maximum(xgate, 0), xglu,
+        return _linear_wide_steps(k0, k1, k1w, K, rows, rbits, x_base, x_stride, s_ptr + tl.maximum(xgate, 0), xglu,
                                   xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M,
                                   BLOCK_N, WIDE, FP8)
     if DOT > 0:
@@ -546,7 +548,7 @@ def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, gn, be, mea
 
 
 @triton.jit
-def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean,
+def _linear_wide_steps(k0, k1, k1w, K, rows, rbits, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean,
                        rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BK: tl.constexpr, FP8: tl.constexpr = False):
     """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (BK of 256-512: 16-32
@@ -559,7 +561,8 @@ def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xg
     BLOCK_N * BK weights + M * BK x (L2). FP8 (an FP8 expert's bytes): the step's two halves are
     loaded before either is decoded, and each is decoded and reduced in turn: the step's bytes in
     flight at once, its fp32 values half a step at a time (a whole step's, 128 a thread under Triton
-    3.9, spilled 216 B)."""
+    3.9, spilled 216 B). Above batch 1 the rows take turns in a loop (_wide_rows), skipping those
+    not in rbits: an expert task's tile is reduced by the rows that chose the expert."""
     HALF: tl.constexpr = BK // 2 if FP8 else BK
     ks = tl.arange(0, HALF)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -567,37 +570,54 @@ def _linear_wide_steps(k0, k1, k1w, K, rows, rmask, x_base, x_stride, g_base, xg
         w = _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
         if FP8:
             w2 = _w_tile(kb + HALF, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
-            acc = _wide_rows(acc, fp8_e4m3_over_256(w), kb + ks, k1, K, rows, rmask, x_base, x_stride, g_base, xglu,
+            acc = _wide_rows(acc, fp8_e4m3_over_256(w), kb + ks, k1, K, rows, rbits, x_base, x_stride, g_base, xglu,
                              xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr, BLOCK_M)
-            acc = _wide_rows(acc, fp8_e4m3_over_256(w2), kb + HALF + ks, k1, K, rows, rmask, x_base, x_stride, g_base,
+            acc = _wide_rows(acc, fp8_e4m3_over_256(w2), kb + HALF + ks, k1, K, rows, rbits, x_base, x_stride, g_base,
                              xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr, BLOCK_M)
         else:
-            acc = _wide_rows(acc, w.to(tl.float32), kb + ks, k1, K, rows, rmask, x_base, x_stride, g_base, xglu, xact,
+            acc = _wide_rows(acc, w.to(tl.float32), kb + ks, k1, K, rows, rbits, x_base, x_stride, g_base, xglu, xact,
                              xgate, gact, lnw, lnb, mean, rstd, w_ptr, BLOCK_M)
     return acc
 
 
 @triton.jit
-def _wide_rows(acc, w, kk, k1, K, rows, rmask, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
+def _wide_rows(acc, w, kk, k1, K, rows, rbits, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean, rstd,
                w_ptr, BLOCK_M: tl.constexpr):
     """acc + each row's x at K columns kk times the loaded tile w ([BLOCK_N, len(kk)], fp32), reduced
-    over K (one wide step of _linear_wide_steps; for FP8, half of one)."""
+    over K (one wide step of _linear_wide_steps; for FP8, half of one), for the rows set in rbits
+    (bit m: row m is live and, in an expert task, chose the expert)."""
     kmask = kk < k1
     # The fused norm's weight and bias are the same for every row: loaded (and moved into the
     # rows' layout) once a step, not once a row (8 layout changes a step at batch 8, SASS).
     gn = tl.load(w_ptr + tl.maximum(lnw, 0) + kk, mask=kmask & ((kk * 0 + lnw) >= 0), other=0.0).to(tl.float32)
     be = tl.load(w_ptr + tl.maximum(lnb, 0) + kk, mask=kmask & ((kk * 0 + lnb) >= 0), other=0.0).to(tl.float32)
-    for m in tl.static_range(BLOCK_M):
-        one = rows == m
-        ok = tl.sum(tl.where(one & rmask, 1, 0), axis=0)
-        mean_m = tl.sum(tl.where(one, mean, 0.0), axis=0)
-        rstd_m = tl.sum(tl.where(one, rstd, 0.0), axis=0)
-        # a vector mask: scalar & vector confuses the interpreter
-        x = _x_row(kk, kmask & ((kk * 0 + ok) > 0), K, x_base + m * x_stride, g_base + m * K, xglu, xact, xgate, gact,
-                   lnw, gn, be, mean_m, rstd_m)
-        part = tl.sum(w * x[None, :], axis=1)
-        acc = tl.where(one[:, None], acc + part[None, :], acc)
+    if BLOCK_M == 1:
+        acc = _wide_row(acc, w, 0, rbits & 1, kk, kmask, K, rows, x_base, x_stride, g_base, xglu, xact, xgate, gact,
+                        lnw, gn, be, mean, rstd)
+    else:
+        # A loop over the rows, not a copy of the row's code for each: eight copies each held their
+        # x and product and spilled (batch 8: 688 B under Triton 3.6, 800-1344 B under 3.9). Rows
+        # not in rbits are skipped: in an expert task most are (an expert is chosen by ~1.6 of 8
+        # rows under uniform routing), and each costs a layout change and a reduction.
+        for m in range(0, BLOCK_M):
+            if ((rbits >> m) & 1) != 0:
+                acc = _wide_row(acc, w, m, 1, kk, kmask, K, rows, x_base, x_stride, g_base, xglu, xact, xgate, gact,
+                                lnw, gn, be, mean, rstd)
     return acc
+
+
+@triton.jit
+def _wide_row(acc, w, m, ok, kk, kmask, K, rows, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, gn, be, mean,
+              rstd):
+    """acc with row m's x at kk times w added to its row m (x not loaded where ok is 0)."""
+    one = rows == m
+    mean_m = tl.sum(tl.where(one, mean, 0.0), axis=0)
+    rstd_m = tl.sum(tl.where(one, rstd, 0.0), axis=0)
+    # a vector mask: scalar & vector confuses the interpreter
+    x = _x_row(kk, kmask & ((kk * 0 + ok) > 0), K, x_base + m * x_stride, g_base + m * K, xglu, xact, xgate, gact,
+               lnw, gn, be, mean_m, rstd_m)
+    part = tl.sum(w * x[None, :], axis=1)
+    return tl.where(one[:, None], acc + part[None, :], acc)
 
 
 @triton.jit
@@ -1240,8 +1260,8 @@ def _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: t
     Bytes: 2*(n1-n0)*D weights of e ONCE however many rows chose it (+ 2*(n1-n0) fp32 scales for
     FP8) + D x per choosing row; h is [B*S, B, F] (slab j, row r). The weight elements loaded go
     to this task's cell of the loads record (the host's count of expert bytes a step read)."""
-    # LOOP: the experts' K loop (_step_tasks' XLOOP). Alignment said in arithmetic (_sixteens) for
-    # FP8 experts, and for 16-bit ones in wide steps (their loads were 2 bytes and the build
+    # LOOP: the experts' K loop (expert_loop, on the host). Alignment said in arithmetic (_sixteens)
+    # for FP8 experts, and for 16-bit ones in wide steps (their loads were 2 bytes and the build
     # spilled: Triton 3.9, 32 B); elsewhere as it was.
     XALIGN: tl.constexpr = True if FP8 else LOOP > 0
     D = tl.load(row + F_K)
@@ -1364,22 +1384,13 @@ def _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N:
 def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, KV_BF16: tl.constexpr, FP8: tl.constexpr,
-                LOOP: tl.constexpr):
+                LOOP: tl.constexpr, XLOOP: tl.constexpr = 0):
     """The task table of every compiled decode step (compiler.py emits only these ops): runs task
     `op`; 0 for an unknown op (the host raises). KV_BF16 (caches in bf16) and FP8 (FP8 experts)
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
     a run-time choice between variants would hold both and spill (ptxas -v). Returns 0, or the
-    task's failure (graph.ERR_OP, ERR_RANGE)."""
-    # The expert tasks' K loop, given the dense tasks' LOOP: at batch 1 its wide steps (alignment
-    # said), else the plain loop. Wide512's step has 16 KB in flight at 32 columns (FP8: 512 bytes
-    # a row; other experts half the dense step, 256 elements: a whole one spilled, 368 B under
-    # Triton 3.9; an fp32 arena's too, 32 KB, which engine choice never builds wide) where the
-    # plain loop's FP8 trip is 1 KB, a memory latency each (SASS, Triton 3.6). Above batch 1 wide
-    # steps spilled (batch 8: 688 B under 3.6, 800-1344 B under 3.9; with a loop over the rows
-    # instead of a copy a row, spill traffic in some loops at batch 2 to 8), and unrolled loops
-    # loaded narrower (3.6: 4 x 4 B a thread, 336 B of stack at batch 8).
-    XWIDE: tl.constexpr = LOOP // 65536 % 256 if BLOCK_M == 1 else 0
-    XLOOP: tl.constexpr = LOOP - LOOP % 65536 - (0 if FP8 else XWIDE // 2 * 65536) if XWIDE > 0 else 0
+    task's failure (graph.ERR_OP, ERR_RANGE). LOOP: the dense linear tasks' K loop; XLOOP: the
+    expert tasks' (expert_loop, chosen on the host)."""
     status = tl.full([], 0, tl.int32)
     if op == OP_LINEAR:
         _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LOOP)
@@ -1444,38 +1455,41 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
 @triton.jit
 def step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0):
+               BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0,
+               XLOOP: tl.constexpr = 0):
     """fp32 KV caches, float experts (step_tasks_for picks the variant of a plan)."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, False, False, LOOP)
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, False, LOOP, XLOOP)
 
 
 @triton.jit
 def step_tasks_bf16_kv(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0):
+                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0,
+                       XLOOP: tl.constexpr = 0):
     """bf16 KV caches, float experts."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, True, False, LOOP)
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, False, LOOP, XLOOP)
 
 
 @triton.jit
 def step_tasks_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0):
+                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, LOOP: tl.constexpr = 0,
+                   XLOOP: tl.constexpr = 0):
     """fp32 KV caches, FP8 experts."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, False, True, LOOP)
+                       BLOCK_D, BLOCK_S, BLOCK_R, False, True, LOOP, XLOOP)
 
 
 @triton.jit
 def step_tasks_bf16_kv_fp8(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                           LOOP: tl.constexpr = 0):
+                           LOOP: tl.constexpr = 0, XLOOP: tl.constexpr = 0):
     """bf16 KV caches, FP8 experts (Moondream 3 on a GPU)."""
     return _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T,
-                       BLOCK_D, BLOCK_S, BLOCK_R, True, True, LOOP)
+                       BLOCK_D, BLOCK_S, BLOCK_R, True, True, LOOP, XLOOP)
 
 
 def step_tasks_for(kv_bf16: bool, fp8: bool):
@@ -1553,7 +1567,8 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
                 NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_R: tl.constexpr, RUN_TASK: tl.constexpr, TRACE: tl.constexpr = 0,
-                PREFETCH: tl.constexpr = 0, LOOP: tl.constexpr = 0, STATIC: tl.constexpr = 0):
+                PREFETCH: tl.constexpr = 0, LOOP: tl.constexpr = 0, STATIC: tl.constexpr = 0,
+                XLOOP: tl.constexpr = 0):
     """Claim, wait, run (RUN_TASK: the task table, resolved at compile time), release.
 
     The claim is a relaxed atomic: it only hands out indices, and every ordering a task needs comes
@@ -1566,7 +1581,8 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
     the lowest failing task, the root of a cascade, wins). TRACE (1: GPU timer, 2: the
     interpreter's logical clock; 0 compiles it out) writes each task's row of the trace buffer
     (timeline.TRACE_COLUMNS): program, SM, claimed, waited, ran, released, status. PREFETCH: see
-    _prefetch_weights (0: none). LOOP: how a dense linear task's K loop is built (KernelVariant.loop).
+    _prefetch_weights (0: none). LOOP: how a dense linear task's K loop is built (KernelVariant.loop);
+    XLOOP: an expert task's (expert_loop).
 
     STATIC (KernelVariant.static): no claims; program p runs tasks p, p + P, p + 2P, ... (P
     programs), and the next one's header is loaded while this one waits and runs, so neither the
@@ -1614,7 +1630,7 @@ def _megakernel(tasks_ptr, num_tasks, ctrl_ptr, dyn_ptr, w_ptr, s_ptr, out_ptr, 
             status = tl.full([], ERR_WAIT, tl.int32)
         else:
             status = RUN_TASK(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BLOCK_M, BLOCK_N,
-                              BLOCK_K, BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R, LOOP).to(tl.int32)
+                              BLOCK_K, BLOCK_T, BLOCK_D, BLOCK_S, BLOCK_R, LOOP, XLOOP).to(tl.int32)
         if status != 0:
             tl.atomic_max(ctrl_ptr + 1, (num_tasks - t) * 4 + status)
         # Every thread's stores must be done before the release that publishes them.
@@ -1741,6 +1757,20 @@ class KernelVariant:
 
 
 
+
+def expert_loop(variant: KernelVariant, block_m: int, weight_bytes: int, tuning: MegakernelTuning) -> int:
+    """The expert tasks' K loop (XLOOP, in KernelVariant.loop's terms) of a build: in the streaming
+    builds (aligned) wide steps of tuning.expert_bytes bytes of an expert row at this row block
+    (weight_bytes a weight: 1 for FP8 experts, else the arena's), alignment said; elsewhere, or
+    where the table says 0, the plain loop. Experts are sparse in a batch (at batch 8 under uniform
+    routing each expert is chosen by ~1.6 of the rows), so a wide step's tile is reduced only by
+    the rows that chose its expert (_wide_rows)."""
+    if not variant.aligned:
+        return 0
+    table = tuning.fp8_expert_bytes if weight_bytes == 1 else tuning.expert_bytes
+    step = table[min(3, max(1, block_m).bit_length() - 1)] // weight_bytes
+    return KernelVariant(wide=step, aligned=True).loop if step >= 16 else 0
+
 class Megakernel:
     """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
 
@@ -1794,7 +1824,12 @@ class Megakernel:
                                           self.weights, self.state, self.out, self.batch, self.ln_eps,
                                           self.spin_limit, self.ctrl if trace is None else trace,
                                           RUN_TASK=self.run_task, TRACE=mode, **self.variant.constexprs(),
-                                          **self.options, **self.meta)
+                                          XLOOP=self.expert_loop(), **self.options, **self.meta)
+
+    def expert_loop(self) -> int:
+        """This launch's expert K loop (expert_loop: the variant's, at this batch and expert format)."""
+        fp8 = self.run_task in (step_tasks_fp8, step_tasks_bf16_kv_fp8)
+        return expert_loop(self.variant, self.meta["BLOCK_M"], 1 if fp8 else self.weights.element_size(), self.tuning)
 
     def trace_buffer(self) -> torch.Tensor:
         """Zeros for a traced launch: a row of TRACE_WIDTH int64 per task, then the interpreter's clock."""
