@@ -18,8 +18,8 @@ Parts, in this order (the first ones are what the next design step needs most):
    the median CUDA-graph replay of every variant; on the prod tiling also the per-op engine
    (megakernel/perop_engine.py: the same step graph op by op with torch's kernels, on the same
    buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
-4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static and
-   prefetch), if the budget is left (its build takes ~25 s).
+4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static,
+   wide256+aligned and prefetch), if the budget is left (its build takes ~25 s).
 5. Moondream 3.1 at batch 1 (its bf16 experts; plain and wide512+aligned, whose expert tasks stream
    16 KB a trip where the plain loop's stream 4 KB), if 45 s of the budget are left.
 
@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         make, prod, _ = fams["moondream2"]
         cfg = guarded("build moondream2 B8 prod", lambda: Config("moondream2 B8 prod", make(prod), 8, dev))
         if cfg is not None:
-            b8_variants = [plain, unrolled, unrolled8, unrolled8_static, pre2]
+            # wide256+aligned: its rows take turns in a loop since 2026-12-05 (no stack at batch 8, SASS)
+            b8_variants = [plain, unrolled, unrolled8, unrolled8_static, wide, pre2]
             guarded("measure moondream2 B8 prod", lambda: measure(cfg, b8_variants, [], rate, cuda, iters // 2))
     else:
         RESULTS["skipped"] = "moondream2 B8 (budget)"
