@@ -472,12 +472,10 @@ def _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, 
     elementwise."""
     kk = kb + ks
     x = _x_tile(kk, kk < k1, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb, mean, rstd, w_ptr)
-    wp = cols[:, None].to(tl.int64) * ldw + kk[None, :]
-    wm = cmask[:, None] & (kk < k1w)[None, :]
-    if FP8:
-        w = fp8_e4m3_over_256(tl.load(w_ptr.to(tl.pointer_type(tl.uint8)) + w_off + wp, mask=wm, other=0))
-    else:
-        w = tl.load(w_ptr + w_off + wp, mask=wm, other=0.0).to(tl.float32)
+    # the load in _w_tile, whose lines sass_loops counts whole (ptxas 3.9 recorded this loop's FP8
+    # byte loads past the marked line when it was written here)
+    w = _w_tile(kb, ks, k1w, w_ptr, w_off, cols, cmask, ldw, FP8)
+    w = fp8_e4m3_over_256(w) if FP8 else w.to(tl.float32)
     return acc3 + x[:, None, :] * w[None, :, :]
 
 
