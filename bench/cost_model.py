@@ -139,6 +139,7 @@ def moondream3_table(m: cm.Machine) -> list[str]:
     (FP8 512 elements, 16-bit 256). Routing uniform: the first distinct-experts pairs compute
     (cost_model.body)."""
     import roofline
+    import triton
 
     from photon_core.kernels.triton_versions import megakernel_tuning
     from photon_core.megakernel.compiler import Tiling, lower, plan
@@ -158,7 +159,8 @@ def moondream3_table(m: cm.Machine) -> list[str]:
             name = "wide512+aligned" if b == 1 else "unroll8+aligned"
             stream = dict(k_step_scale=STREAMING_KW["by_batch"][b]["k_step_scale"], stats_chunk=1024)
             # the streaming build's expert step under 3.6 (the fitted run's Triton), as the kernel derives it
-            wide = expert_loop(KernelVariant.parse(name), b, 1 if fp8 else 2, megakernel_tuning("3.6.0")) // 65536 % 256
+            wide = expert_loop(KernelVariant.parse(name), triton.next_power_of_2(b), 1 if fp8 else 2,
+                               megakernel_tuning("3.6.0")) // 65536 % 256
             builds = [("plain", {}, 0), (f"{name}, experts in the plain loop (until 2026-12-05)", stream, 0),
                       (f"{name}, experts in wide steps", stream, 16 * wide)]
             for label, kw, wide in builds:

@@ -148,15 +148,18 @@ def test_the_key_holds_everything_the_table_depends_on(cache, monkeypatch, caplo
     src = tmp_path / "src"
     shutil.copytree(build_cache.PACKAGE, src / "megakernel", ignore=shutil.ignore_patterns("__pycache__"))
     (src / "kernels").mkdir()
-    shutil.copy(build_cache.EXTRA_SOURCES[0], src / "kernels")
+    extra = tuple(src / "kernels" / p.name for p in build_cache.EXTRA_SOURCES)
+    for p in build_cache.EXTRA_SOURCES:
+        shutil.copy(p, src / "kernels")
     try:
         with monkeypatch.context() as m:
             m.setattr(build_cache, "PACKAGE", src / "megakernel")
-            m.setattr(build_cache, "EXTRA_SOURCES", (src / "kernels" / "linear.py",))
+            m.setattr(build_cache, "EXTRA_SOURCES", extra)
             build_cache.code_version.cache_clear()
             assert key() == base   # the same sources elsewhere: the same code
             for rule, what in ((src / "megakernel" / "ops" / "linear.py", "the lowering's source"),
-                               (src / "kernels" / "linear.py", "the activation codes' source")):
+                               (src / "kernels" / "linear.py", "the activation codes' source"),
+                               (src / "kernels" / "triton_versions.py", "the kernel's tuning (its expert steps)")):
                 rule.write_text(rule.read_text() + "\n")
                 build_cache.code_version.cache_clear()
                 variants[what] = key()

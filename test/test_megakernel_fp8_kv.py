@@ -286,15 +286,17 @@ def test_the_streaming_builds_stream_experts_over_several_steps(fp8, batch, vari
     """The streaming builds (what backend auto times: wide512+aligned at batch 1, unroll8+aligned
     above) run the expert tasks' K loop in wide steps (kernel.expert_loop: the tuning's bytes of an
     expert row a step at the batch; FP8 loaded as two halves before either is decoded), each step
-    reduced by the rows that chose the expert, the others skipped. K spans several steps and ends
-    inside one (D = 1104: FP8 2 x 512 + a step whose first half is partly past K; F = 344: the FP8
-    down task's second half partial), bf16 arena, rows choosing 2 of 8 experts (at batch 4 some
-    expert by several rows): the MoE output equals run_reference's (the plain build's is held to
-    it above); the experts no row chose are NaN (16-bit) or 448 (FP8) and change nothing."""
+    reduced by the rows that chose the expert in a loop over the rows (the others are skipped,
+    which the values cannot show: their stores are masked either way). K spans several steps and
+    ends inside one at every step width the tables hold (D = 1104: a step whose first half is
+    partly past K; F = 432: the down task's last half partial), bf16 arena, rows choosing 2 of 8
+    experts (at batch 4 some expert by several rows): the MoE output equals run_reference's (the
+    plain build's is held to it above); the experts no row chose are NaN (16-bit) or 448 (FP8) and
+    change nothing."""
     from photon_core.backends import reference as ref
     from photon_core.megakernel.kernel import KernelVariant, expert_loop
     g0 = torch.Generator().manual_seed(71)
-    d, E, F, k, vocab = 1104, 8, 344, 2, 40
+    d, E, F, k, vocab = 1104, 8, 432, 2, 40
 
     def r(*shape, s=1.0):
         return torch.randn(*shape, generator=g0) * s

@@ -435,7 +435,7 @@ sig0 = dict(tasks_ptr="*i64", num_tasks="i32", ctrl_ptr="*i32", dyn_ptr="*i32", 
 out = {}
 for b, wdt in ((1, "*bf16"), (8, "*fp32")):
     const = dict(NF=NUM_FIELDS, BLOCK_M=b, BLOCK_N=32, BLOCK_K=64, BLOCK_T=32, BLOCK_D=64, BLOCK_S=4, BLOCK_R=1024,
-                 RUN_TASK=kernel.step_tasks, TRACE=0, **kernel.KernelVariant().constexprs())
+                 RUN_TASK=kernel.step_tasks, TRACE=0, XLOOP=0, **kernel.KernelVariant().constexprs())
     sig = dict(sig0, w_ptr=wdt)
     sig.update({k: "constexpr" for k in const})
     ck = triton.compile(ASTSource(kernel._megakernel, sig, const), target=GPUTarget("cuda", 90, 32))

@@ -17,8 +17,10 @@ The key is everything the table is a function of:
   constant the tasks carry (epsilons, scales, windows: floats by their exact bits);
 - the batch bucket, the tiling, the weights' and KV caches' dtypes, the results a pruned kernel
   computes;
-- the code: a hash of the sources of this package and of kernels/linear.py (whose activation codes
-  lowering writes into the table), so an edited lowering never reads a stale table;
+- the code: a hash of the sources of this package, of kernels/linear.py (whose activation codes
+  lowering writes into the table) and of kernels/triton_versions.py (the tuning the kernel is built
+  with, its expert steps among it: an engine choice recorded beside the entry timed that build), so
+  an edited lowering or tuning never reads a stale table or choice;
 - Triton's and torch's versions and the device (a GPU by name and compute capability, or the
   CPU's interpreter), which the table does not depend on today but a kernel built for another
   one has no business reading it.
@@ -55,8 +57,10 @@ from photon_core.megakernel.stepgraph import StepGraph, Value
 log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parent
-# What lowering runs besides this package: the activation codes it writes into tasks.
-EXTRA_SOURCES = (PACKAGE.parent / "kernels" / "linear.py",)
+# What lowering runs besides this package: the activation codes it writes into tasks; and the
+# per-Triton tuning the kernel is built with (its expert steps among it), which an engine choice
+# recorded beside an entry was measured on.
+EXTRA_SOURCES = (PACKAGE.parent / "kernels" / "linear.py", PACKAGE.parent / "kernels" / "triton_versions.py")
 
 
 def cache_dir() -> Path | None:

@@ -290,8 +290,8 @@ def _sixteens(v):
     said in arithmetic that the alignment analysis keeps. tl.multiple_of on a load is an attribute
     of that load, which passes that rebuild it drop: in the MoE tasks' inlined copies of _linear_acc
     (Triton 3.9 TTGIR) k0 and ldw lost theirs, and FP8 experts loaded their weights a byte at a
-    time. Only the expert tasks use it (FP8 ones, and all at batch 1 in the wide builds, where the
-    16-bit ones otherwise loaded 2 bytes): said this way elsewhere the fp32 build spills (152 B at
+    time. Only the expert tasks use it (FP8 ones, and all in the streaming builds' wide steps, where
+    the 16-bit ones otherwise loaded 2 bytes): said this way elsewhere the fp32 build spills (152 B at
     batch 1, 3.9), and the other tasks keep their hints."""
     return v // 16 * 16
 
@@ -549,8 +549,8 @@ def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, gn, be, mea
 def _linear_wide_steps(k0, k1, k1w, K, rows, rbits, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean,
                        rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BK: tl.constexpr, FP8: tl.constexpr = False):
-    """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (BK of 256-512: 16-32
-    KB of bf16 at 32 columns, issued at once as 16-byte loads (aligned builds), so a step has that
+    """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (dense BK of 256-512: 16-32
+    KB of bf16 at 32 columns; an expert's step is kernel.expert_loop's, 128-512 elements, issued at once as 16-byte loads (aligned builds), so a step has that
     much in flight where the elementwise loop has one BLOCK_K tile), then each row's x slice as a
     [BK] vector, and reduces w * x_row over K into the row's outputs at once: a few shuffles a row,
     against a memory trip of a microsecond. Each row's x still moves into the weight tile's layout
