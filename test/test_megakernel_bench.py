@@ -180,6 +180,14 @@ def test_prewarm_records_the_launch_it_compiles():
     assert named["RUN_TASK"] == ("jit", "step_tasks") and named["num_warps"] == ("value", kwargs["num_warps"])
     assert {k: v for k, (kind, v) in spec[1] if kind == "value"} == {k: v for k, v in kwargs.items()
                                                                      if k != "RUN_TASK"}
+    # a streaming build's expert step is in bytes of an expert row: its elements follow the arena's dtype
+    step.kernel.variant = mk.KernelVariant(wide=512, aligned=True)
+    loops = set()
+    for dt, size in ((torch.bfloat16, 2), (torch.float32, 4)):
+        want = mk.expert_loop(step.kernel.variant, step.kernel.meta["BLOCK_M"], size, step.kernel.tuning)
+        assert dict(warmup_spec(step.kernel, dt)[1])["XLOOP"] == ("value", want) and want > 0
+        loops.add(want)
+    assert len(loops) == 2
 
 
 def test_prewarm_pool_reports_each_job():

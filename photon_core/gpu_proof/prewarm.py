@@ -63,6 +63,8 @@ def warmup_spec(kernel: Any, weight_dtype: Any) -> tuple:
     from photon_core.megakernel import kernel as mk
     names = {id(v): k for k, v in vars(mk).items()}
     args, kwargs = launch_args(kernel)
+    if "XLOOP" in kwargs:   # the expert step depends on the arena's dtype (kernel.expert_loop)
+        kwargs = dict(kwargs, XLOOP=kernel.expert_loop(torch.empty(0, dtype=weight_dtype).element_size()))
 
     def enc(v: Any) -> tuple:
         if isinstance(v, torch.Tensor):

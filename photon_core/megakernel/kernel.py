@@ -1824,10 +1824,12 @@ class Megakernel:
                                           RUN_TASK=self.run_task, TRACE=mode, **self.variant.constexprs(),
                                           XLOOP=self.expert_loop(), **self.options, **self.meta)
 
-    def expert_loop(self) -> int:
-        """This launch's expert K loop (expert_loop: the variant's, at this batch and expert format)."""
+    def expert_loop(self, weight_bytes: int | None = None) -> int:
+        """This launch's expert K loop (expert_loop: the variant's, at this batch and expert format;
+        weight_bytes: an arena of another dtype's, default this one's)."""
         fp8 = self.run_task in (step_tasks_fp8, step_tasks_bf16_kv_fp8)
-        return expert_loop(self.variant, self.meta["BLOCK_M"], 1 if fp8 else self.weights.element_size(), self.tuning)
+        size = weight_bytes or self.weights.element_size()
+        return expert_loop(self.variant, self.meta["BLOCK_M"], 1 if fp8 else size, self.tuning)
 
     def trace_buffer(self) -> torch.Tensor:
         """Zeros for a traced launch: a row of TRACE_WIDTH int64 per task, then the interpreter's clock."""
