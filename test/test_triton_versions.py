@@ -11,7 +11,9 @@ A megakernel compile takes 15-60 s on 2 cores, so each version compiles a repres
 * 3.6.0, sm_90 (the H200 machine): the per-op decode attention kernels (3.6 does not make a str
   default a constexpr: their CACHE argument), the megakernel at batch 8 (roofline tiling, fp32
   weights: the variant that spilled most there before the per-version launch options) and the
-  wide512+aligned build at batch 1 (its K loop's bytes in flight, from the SASS).
+  wide512+aligned build at batch 1 (its K loop's bytes in flight, from the SASS) and the
+  unroll8+aligned build with FP8 experts at batch 8 (Moondream 3's streaming build: its expert
+  steps, the tuning table's for 3.4-3.7).
 * 3.3.1, sm_87 (a Jetson Orin on an older torch): the same per-op kernels and the megakernel in bf16
   at batch 1 (what a 16 GB Orin runs; where 3.3 needs triton_versions' narrower weight tile).
   sm_80 compiles the per-op kernels.
@@ -39,7 +41,8 @@ from photon_core.kernels.compile_check import compile_env  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PER_OP = ["attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge"]
 PLAN = {   # version -> [(cases, targets)]
-    "3.6.0": [(PER_OP + ["megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned"], [90])],
+    "3.6.0": [(PER_OP + ["megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned",
+                         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned"], [90])],
     "3.3.1": [(PER_OP + ["megakernel_b1_bf16"], [87]), (PER_OP, [80])],
 }
 INTERPRETED = "test/test_megakernel_compiler.py::test_compiled_step_equals_the_eager_graph[1-True-tiling0-rms]"
@@ -124,6 +127,23 @@ def test_the_streaming_build_keeps_32_kb_in_flight_under_the_gpu_machines_triton
     from photon_core.kernels.sass_loops import dense_loop
     worst = dense_loop(rec["k_loops"])
     assert worst["in_flight_bytes"] * rec["threads"] >= 32 * 1024 and set(worst["loads"]) == {"LDG.E.128"}, worst
+
+
+def test_the_experts_stream_in_the_tables_steps_under_the_gpu_machines_triton(runs):
+    """Triton 3.6, batch 8, FP8 experts (unroll8+aligned, what backend auto times above batch 1): the
+    expert tasks' K loops (MoE up and down) issue the tuning's bytes of an expert row a step at 32
+    columns (kernel.expert_loop; 512: 16 KB a program) as 16-byte loads before using the first, and
+    no K loop, dense or expert, spills inside a trip (the plain loop's FP8 trip is 0.5 KB)."""
+    from photon_core.kernels.sass_loops import dense_loops, expert_loops
+    from photon_core.kernels.triton_versions import megakernel_tuning
+    rec = runs["3.6.0"]["cases"]["megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned@sm_90"]
+    loops = expert_loops(rec["k_loops"])
+    assert {lp["task"] for lp in loops} == {"_task_moe_up", "_task_moe_down"}, rec["k_loops"]
+    step = megakernel_tuning("3.6.0").fp8_expert_bytes[3]
+    for lp in loops:
+        assert lp["in_flight_bytes"] == lp["weight_bytes"] and set(lp["loads"]) == {"LDG.E.128"}, lp
+        assert lp["in_flight_bytes"] * rec["threads"] == 32 * step, lp
+    assert all(lp["local"] == 0 for lp in loops + dense_loops(rec["k_loops"])), rec["k_loops"]
 
 
 @pytest.mark.parametrize("version", list(PLAN))
