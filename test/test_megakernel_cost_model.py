@@ -80,3 +80,46 @@ def test_expert_tasks_cost_their_trips_and_only_their_experts_first_pairs_comput
     assert cm.body(up, wide, m) == pytest.approx(2 * 2 * m.k_step + 4 * m.l2)
     assert cm.simulate(graph, wide, m)["seconds"] < cm.simulate(graph, la, m)["seconds"]
     assert [cm.distinct_experts(64, 8, b) for b in (1, 2, 8)] == [8, 15, 42]
+
+
+def test_expert_tasks_of_several_column_tiles_keep_the_graphs_work_and_waits():
+    """with_expert_tiles (a design change predicted, not built): each MoE up / down task spans up to
+    `tiles` consecutive column tiles of its pair; the columns each pair covers are the same, a merged
+    task takes its tiles' trips one after another, every counter's waiters wait for all of its
+    (fewer) signalers, and one tile a task is the graph itself."""
+    from collections import Counter
+
+    from photon_core.megakernel import StepGraph, Tiling
+    from photon_core.megakernel.compiler import lower, plan
+    from photon_core.megakernel.ops import OP_MOE_DOWN, OP_MOE_UP
+    d, E, F, k = 1024, 8, 512, 2
+    g = StepGraph("moe", {"tok": (40, d), "router": (E, d), "gu": (E, 2 * F, d), "down": (E, d, F), "head": (40, d)})
+    x = g.embed("x", "tok")
+    mlp = g.moe("mlp", x, g.linear("route", x, "router"), "gu", "down", k, residual=x)
+    g.argmax("token", g.linear("logits", mlp, "head"))
+    graph = lower(plan(g, 2, Tiling()))
+    m = cm.FITTED
+    la = cm.launch_of(graph, Tiling(), 2, [5, 9], None, 2, 64, 64, expert_k_step=512, expert_bytes=1, expert_pairs=3)
+    assert cm.simulate(cm.with_expert_tiles(graph, 1), la, m) == cm.simulate(graph, la, m)
+    merged = cm.with_expert_tiles(graph, 4)
+
+    def columns(gr):
+        out = Counter()
+        for t in gr.tasks:
+            if t.op in (OP_MOE_UP, OP_MOE_DOWN):
+                out[t.op, t.args["tile"]] += t.args["n1"] - t.args["n0"]
+        return out
+    moe = [t for t in merged.tasks if t.op in (OP_MOE_UP, OP_MOE_DOWN)]
+    assert columns(merged) == columns(graph) and max(t.args["xtiles"] for t in moe) == 4
+    assert len(merged.tasks) < len(graph.tasks)
+    signalers = Counter(t.signal for t in merged.tasks if t.signal is not None)
+    assert all(0 < target <= signalers[c] for t in merged.tasks for c, target in t.waits)
+    first = next(t for t in moe if t.op == OP_MOE_DOWN and t.args["tile"] == 0 and t.args["xtiles"] == 4)
+    one = replace(first, args=dict(first.args, n1=first.args["n0"] + (first.args["n1"] - first.args["n0"]) // 4,
+                                   xtiles=1))
+    assert cm.body(first, la, m) - 4 * m.l2 == pytest.approx(4 * (cm.body(one, la, m) - 4 * m.l2))
+    # fewer programs than tasks: the fixed time saved wins; 132 programs on this small layer: the
+    # parallelism lost does (what the model weighs for Moondream 3, bench/cost_model.py)
+    few = replace(m, programs=4)
+    assert cm.simulate(merged, la, few)["seconds"] < cm.simulate(graph, la, few)["seconds"]
+    assert cm.simulate(merged, la, m)["seconds"] > cm.simulate(graph, la, m)["seconds"]

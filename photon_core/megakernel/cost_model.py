@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -120,10 +121,12 @@ def body(t, launch: Launch, m: Machine) -> float:
         if launch.expert_pairs is not None and a["tile"] >= launch.expert_pairs:   # not its expert's first pair: exits
             return 2 * m.l2
         # Each trip's whole tile in flight at once (plain loop, wide steps), a latency a trip; up
-        # reads its gate and up rows one after the other.
+        # reads its gate and up rows one after the other; a task of several column tiles
+        # (with_expert_tiles) one tile after another.
         step = launch.expert_k_step or launch.k_step
-        trips = math.ceil((a["k1"] - a["k0"]) / step) * (2 if op == OP_MOE_UP else 1)
-        tile = (a["n1"] - a["n0"]) * step * (launch.expert_bytes or launch.weight_bytes)
+        tiles = a.get("xtiles", 1)
+        trips = math.ceil((a["k1"] - a["k0"]) / step) * (2 if op == OP_MOE_UP else 1) * tiles
+        tile = (a["n1"] - a["n0"]) // tiles * step * (launch.expert_bytes or launch.weight_bytes)
         return trips * max(m.k_step, tile * m.programs / m.bandwidth) + 4 * m.l2
     if op == OP_ATTN_PARTIAL:
         return _keys(t, launch) * m.k_step + 2 * m.l2
@@ -232,10 +235,32 @@ def distinct_experts(experts: int, top_k: int, rows: int) -> int:
     return min(rows * top_k, round(experts * (1 - (1 - top_k / experts) ** rows)))
 
 
+def with_expert_tiles(graph: TaskGraph, tiles: int) -> TaskGraph:
+    """The graph with each MoE up / down task spanning `tiles` consecutive column tiles of its pair
+    (a loop over them inside the task), for the simulation only (not a graph the kernel runs): fewer
+    tasks, each paying the fixed per-task time once. Counters' targets shrink with their signalers."""
+    out: list = []
+    for t in graph.tasks:
+        last = out[-1] if out else None
+        if (t.op in (OP_MOE_UP, OP_MOE_DOWN) and last is not None and last.op == t.op
+                and last.args["tile"] == t.args["tile"] and last.args.get("xtiles", 1) < tiles
+                and last.args["n1"] == t.args["n0"] and last.waits == t.waits and last.signal == t.signal):
+            out[-1] = replace(last, args=dict(last.args, n1=t.args["n1"], xtiles=last.args.get("xtiles", 1) + 1))
+        else:
+            out.append(t)
+    before = Counter(t.signal for t in graph.tasks if t.signal is not None)
+    after = Counter(t.signal for t in out if t.signal is not None)
+    for i, t in enumerate(out):
+        if any(before[c] != after[c] and target != before[c] for c, target in t.waits):
+            raise ValueError(f"{t.name}: waits for part of a merged stage")
+        out[i] = replace(t, waits=[(c, after[c] if before[c] != after[c] else target) for c, target in t.waits])
+    return replace(graph, tasks=out)
+
+
 def with_changes(m: Machine, **changes: Any) -> Machine:
     """A machine with some of its constants changed (a design change's prediction)."""
     return replace(m, **changes)
 
 
 __all__ = ["Machine", "FITTED", "MEASURED_US", "Launch", "body", "finale", "simulate", "launch_of", "with_changes",
-           "stats_row_chunk", "distinct_experts"]
+           "stats_row_chunk", "distinct_experts", "with_expert_tiles"]
