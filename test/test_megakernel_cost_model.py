@@ -55,20 +55,29 @@ def test_the_static_schedule_is_the_claimed_one_on_one_program_and_near_it_on_ma
     assert claimed <= static < 1.05 * claimed, (claimed, static)
 
 
+MOE_D, MOE_F = 1024, 512
+
+
+def moe_graph(batch: int):
+    """A lowered step of one MoE layer (8 experts of d 1024, F 512, top 2) between an embed and a head."""
+    from photon_core.megakernel import StepGraph, Tiling
+    from photon_core.megakernel.compiler import lower, plan
+    d, E, F, k = MOE_D, 8, MOE_F, 2
+    g = StepGraph("moe", {"tok": (40, d), "router": (E, d), "gu": (E, 2 * F, d), "down": (E, d, F), "head": (40, d)})
+    x = g.embed("x", "tok")
+    mlp = g.moe("mlp", x, g.linear("route", x, "router"), "gu", "down", k, residual=x)
+    g.argmax("token", g.linear("logits", mlp, "head"))
+    return lower(plan(g, batch, Tiling()))
+
 def test_expert_tasks_cost_their_trips_and_only_their_experts_first_pairs_compute():
     """An MoE layer's up and down tasks: a routed pair that is not its expert's first exits after
     two L2 trips; the first pairs' tasks take a trip per expert K step (up: gate and up rows, one
     after the other), so wider expert steps (the wide build's) shorten the step; distinct experts
     under uniform routing as the roofline counts them."""
-    from photon_core.megakernel import StepGraph, Tiling
-    from photon_core.megakernel.compiler import lower, plan
+    from photon_core.megakernel import Tiling
     from photon_core.megakernel.ops import OP_MOE_DOWN, OP_MOE_UP
-    d, E, F, k = 1024, 8, 512, 2
-    g = StepGraph("moe", {"tok": (40, d), "router": (E, d), "gu": (E, 2 * F, d), "down": (E, d, F), "head": (40, d)})
-    x = g.embed("x", "tok")
-    mlp = g.moe("mlp", x, g.linear("route", x, "router"), "gu", "down", k, residual=x)
-    g.argmax("token", g.linear("logits", mlp, "head"))
-    graph = lower(plan(g, 1, Tiling()))
+    d, F = MOE_D, MOE_F
+    graph = moe_graph(1)
     up = next(t for t in graph.tasks if t.op == OP_MOE_UP and t.args["tile"] == 0)
     down = next(t for t in graph.tasks if t.op == OP_MOE_DOWN and t.args["tile"] == 1)
     m = cm.FITTED
@@ -89,15 +98,9 @@ def test_expert_tasks_of_several_column_tiles_keep_the_graphs_work_and_waits():
     (fewer) signalers, and one tile a task is the graph itself."""
     from collections import Counter
 
-    from photon_core.megakernel import StepGraph, Tiling
-    from photon_core.megakernel.compiler import lower, plan
+    from photon_core.megakernel import Tiling
     from photon_core.megakernel.ops import OP_MOE_DOWN, OP_MOE_UP
-    d, E, F, k = 1024, 8, 512, 2
-    g = StepGraph("moe", {"tok": (40, d), "router": (E, d), "gu": (E, 2 * F, d), "down": (E, d, F), "head": (40, d)})
-    x = g.embed("x", "tok")
-    mlp = g.moe("mlp", x, g.linear("route", x, "router"), "gu", "down", k, residual=x)
-    g.argmax("token", g.linear("logits", mlp, "head"))
-    graph = lower(plan(g, 2, Tiling()))
+    graph = moe_graph(2)
     m = cm.FITTED
     la = cm.launch_of(graph, Tiling(), 2, [5, 9], None, 2, 64, 64, expert_k_step=512, expert_bytes=1, expert_pairs=3)
     assert cm.simulate(cm.with_expert_tiles(graph, 1), la, m) == cm.simulate(graph, la, m)
