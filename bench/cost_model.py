@@ -145,7 +145,7 @@ def moondream3_table(m: cm.Machine) -> list[str]:
 
     from photon_core.kernels.triton_versions import megakernel_tuning
     from photon_core.megakernel.compiler import Tiling, lower, plan
-    from photon_core.megakernel.kernel import KernelVariant, expert_loop
+    from photon_core.megakernel.kernel import KernelVariant, expert_step
     from photon_core.models.moondream3.decoder_step import dims_of, step_graph
     tiling = Tiling()
     cfg = roofline.moondream3_config()
@@ -161,11 +161,11 @@ def moondream3_table(m: cm.Machine) -> list[str]:
             name = "wide512+aligned" if b == 1 else "unroll8+aligned"
             stream = dict(k_step_scale=STREAMING_KW["by_batch"][b]["k_step_scale"], stats_chunk=1024)
             # the streaming build's expert step under 3.6 (the fitted run's Triton), as the kernel derives it
-            wide = expert_loop(KernelVariant.parse(name), triton.next_power_of_2(b), 1 if fp8 else 2,
-                               megakernel_tuning("3.6.0")) // 65536 % 256
+            wide = expert_step(KernelVariant.parse(name), triton.next_power_of_2(b), 1 if fp8 else 2,
+                               megakernel_tuning("3.6.0"))
             builds = [("plain", {}, 0, 1), (f"{name}, experts in the plain loop (until 2026-12-05)", stream, 0, 1),
-                      (f"{name}, experts in wide steps", stream, 16 * wide, 1),
-                      ("... + 4 column tiles an expert task (not built)", stream, 16 * wide, 4)]
+                      (f"{name}, experts in wide steps", stream, wide, 1),
+                      ("... + 4 column tiles an expert task (not built)", stream, wide, 4)]
             for label, kw, wide, tiles in builds:
                 la = launch("moondream3", b, "bf16", graph, tiling, **kw, expert_fp8=fp8, expert_wide=wide,
                             expert_pairs=cm.distinct_experts(experts, top_k, b))

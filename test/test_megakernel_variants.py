@@ -187,7 +187,8 @@ def test_the_streaming_builds_stream_the_experts_in_wide_steps(compiled):
     loads, no spill traffic inside a trip (nor in the dense loop beside them), for 16-bit experts
     and FP8 ones (two halves), where the plain build's FP8 trip is 1 KB at batch 1 and 0.5 KB at
     batch 8 (bench/RESULTS.md "Megakernel K loop", FP8 table)."""
-    from photon_core.kernels.sass_loops import dense_loops, expert_loops
+    from test_kernels_compile_sm90 import assert_experts_stream
+
     from photon_core.kernels.triton_versions import megakernel_tuning
     _, got = compiled
     tuning = megakernel_tuning()
@@ -195,14 +196,8 @@ def test_the_streaming_builds_stream_the_experts_in_wide_steps(compiled):
                             ("megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned", tuning.fp8_expert_bytes, 0),
                             ("megakernel_b8_bf16_n32_k64_unroll8_aligned", tuning.expert_bytes, 3),
                             ("megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned", tuning.fp8_expert_bytes, 3)):
-        loops, threads = expert_loops(got[name]["k_loops"]), got[name]["threads"]
-        assert {lp["task"] for lp in loops} == {"_task_moe_up", "_task_moe_down"}, (name, got[name]["k_loops"])
         assert table[0] == 512 and table[at] >= 256
-        for lp in loops:
-            assert lp["in_flight_bytes"] == lp["weight_bytes"] and set(lp["loads"]) == {"LDG.E.128"}, (name, lp)
-            assert lp["in_flight_bytes"] * threads == 32 * table[at], (name, lp)
-            assert lp["local"] == 0, (name, lp)
-        assert all(lp["local"] == 0 for lp in dense_loops(got[name]["k_loops"])), name
+        assert_experts_stream(name, got[name], table[at])
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)

@@ -33,8 +33,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton 
 
 import pytest  # noqa: E402
 
-from test_kernels_compile_sm90 import (assert_claims_relaxed_and_header_before_branches, assert_no_spills,  # noqa: E402
-                                       assert_vector_weight_loads, assert_waits_acquire_and_signals_release)
+from test_kernels_compile_sm90 import (assert_claims_relaxed_and_header_before_branches,  # noqa: E402
+                                       assert_experts_stream, assert_no_spills, assert_vector_weight_loads,
+                                       assert_waits_acquire_and_signals_release)
 
 from photon_core.kernels.compile_check import compile_env  # noqa: E402
 
@@ -134,16 +135,9 @@ def test_the_experts_stream_in_the_tables_steps_under_the_gpu_machines_triton(ru
     expert tasks' K loops (MoE up and down) issue the tuning's bytes of an expert row a step at 32
     columns (kernel.expert_loop; 512: 16 KB a program) as 16-byte loads before using the first, and
     no K loop, dense or expert, spills inside a trip (the plain loop's FP8 trip is 0.5 KB)."""
-    from photon_core.kernels.sass_loops import dense_loops, expert_loops
     from photon_core.kernels.triton_versions import megakernel_tuning
-    rec = runs["3.6.0"]["cases"]["megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned@sm_90"]
-    loops = expert_loops(rec["k_loops"])
-    assert {lp["task"] for lp in loops} == {"_task_moe_up", "_task_moe_down"}, rec["k_loops"]
-    step = megakernel_tuning("3.6.0").fp8_expert_bytes[3]
-    for lp in loops:
-        assert lp["in_flight_bytes"] == lp["weight_bytes"] and set(lp["loads"]) == {"LDG.E.128"}, lp
-        assert lp["in_flight_bytes"] * rec["threads"] == 32 * step, lp
-    assert all(lp["local"] == 0 for lp in loops + dense_loops(rec["k_loops"])), rec["k_loops"]
+    name = "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned@sm_90"
+    assert_experts_stream(name, runs["3.6.0"]["cases"][name], megakernel_tuning("3.6.0").fp8_expert_bytes[3])
 
 
 @pytest.mark.parametrize("version", list(PLAN))

@@ -30,6 +30,7 @@ error flag (task index + 1) and the task is skipped rather than hanging the GPU;
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -1756,18 +1757,27 @@ class KernelVariant:
 
 
 
-def expert_loop(variant: KernelVariant, block_m: int, weight_bytes: int, tuning: MegakernelTuning) -> int:
-    """The expert tasks' K loop (XLOOP, in KernelVariant.loop's terms) of a build: in the streaming
-    builds (aligned) wide steps of tuning.expert_bytes bytes of an expert row at this row block
-    (weight_bytes a weight: 1 for FP8 experts, else the arena's), alignment said; elsewhere, or
-    where the table says 0, the plain loop. Experts are sparse in a batch (at batch 8 under uniform
-    routing each expert is chosen by ~1.6 of the rows), so a wide step's tile is reduced only by
-    the rows that chose its expert (_wide_rows)."""
+def expert_step(variant: KernelVariant, block_m: int, weight_bytes: int, tuning: MegakernelTuning) -> int:
+    """Elements of an expert row the expert tasks' K loop reads a wide step in a build (0: the plain
+    loop): in the streaming builds (aligned) tuning.expert_bytes bytes at this row block
+    (weight_bytes a weight: 1 for FP8 experts, else the arena's); elsewhere, or where the table
+    says 0, none. Experts are sparse in a batch (at batch 8 under uniform routing each expert is
+    chosen by ~1.6 of the rows), so a wide step's tile is reduced only by the rows that chose its
+    expert (_wide_rows)."""
     if not variant.aligned:
         return 0
     table = tuning.fp8_expert_bytes if weight_bytes == 1 else tuning.expert_bytes
     step = table[min(3, max(1, block_m).bit_length() - 1)] // weight_bytes
-    return KernelVariant(wide=step, aligned=True).loop if step >= 16 else 0
+    return step if step >= 16 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def expert_loop(variant: KernelVariant, block_m: int, weight_bytes: int, tuning: MegakernelTuning) -> int:
+    """The expert tasks' K loop (XLOOP, in KernelVariant.loop's terms): wide steps of expert_step's
+    elements with the alignment said, or the plain loop (0). Cached: every launch asks."""
+    step = expert_step(variant, block_m, weight_bytes, tuning)
+    return KernelVariant(wide=step, aligned=True).loop if step else 0
+
 
 class Megakernel:
     """A checked, encoded graph bound to its buffers; `launch()` runs one decode step."""
