@@ -133,13 +133,13 @@ def moondream3_table(m: cm.Machine) -> list[str]:
     FP8 (3 preview's, kept FP8 on the megakernel), per build: no GPU has run it, so these are the
     model's alone. The experts' K loop in each build's own terms (bench/k_loops.py's SASS): the plain
     loop, one tile in flight a trip (FP8 at batch 1: BLOCK_K / 2 bytes a row, 1 KB at 32 columns;
-    at batch 8 16 bytes, 0.5 KB); the
-    streaming builds' expert tasks in wide steps (kernel.expert_loop, at batch 1 since 2026-12-05,
-    above since later that day), every trip's tile in flight at once: under 3.6 512 bytes a row
-    (FP8 512 elements, 16-bit 256). Routing uniform: the first distinct-experts pairs compute
-    (cost_model.body). The last row, a change not built: each expert task looping over 4 column
-    tiles of its pair (cost_model.with_expert_tiles), the fixed per-task time paid a quarter as
-    often (the expert tasks' fixed time was about half their modelled cost)."""
+    at batch 8 16 bytes, 0.5 KB); the streaming builds' expert tasks in wide steps
+    (kernel.expert_loop), every trip's tile in flight at once: under 3.6 512 bytes a row (FP8 512
+    elements, 16-bit 256). Routing uniform: the first distinct-experts pairs compute
+    (cost_model.body). Span: the column tiles an up / down task computes one after another, its
+    fixed per-task time paid once for them (Tiling.expert_span; kernel.XTILES builds the loop):
+    1 by default; fixed spans (expert_min_tasks 0), then span 4 halved while a stage would have
+    under 128 tasks (Tiling(expert_span=4), built, for a GPU to measure against span 1)."""
     import roofline
     import triton
 
@@ -147,30 +147,36 @@ def moondream3_table(m: cm.Machine) -> list[str]:
     from photon_core.megakernel.compiler import Tiling, lower, plan
     from photon_core.megakernel.kernel import KernelVariant, expert_step
     from photon_core.models.moondream3.decoder_step import dims_of, step_graph
-    tiling = Tiling()
     cfg = roofline.moondream3_config()
     experts, top_k = cfg.text.moe.num_experts, cfg.text.moe.experts_per_token
-    lines = ["| Moondream 3.1 build (bf16 weights) | experts | batch | model us | floor us | x floor |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| Moondream 3.1 build (bf16 weights) | experts | span (up/down tiles) | batch | model us | floor us | "
+             "x floor |", "|---|---|---:|---:|---:|---:|---:|"]
     for fp8 in (False, True):
         dm = dims_of(cfg, fp8=fp8)
         g = step_graph(dm, dm.max_context)
         for b in (1, 8):
-            graph = lower(plan(g, b, tiling))
             floor = (g.weight_bytes(2, rows=b) + roofline.state_bytes(g, 1024) * b) / roofline.GPUS["H200"]
             name = "wide512+aligned" if b == 1 else "unroll8+aligned"
             stream = dict(k_step_scale=STREAMING_KW["by_batch"][b]["k_step_scale"], stats_chunk=1024)
             # the streaming build's expert step under 3.6 (the fitted run's Triton), as the kernel derives it
             wide = expert_step(KernelVariant.parse(name), triton.next_power_of_2(b), 1 if fp8 else 2,
                                megakernel_tuning("3.6.0"))
-            builds = [("plain", {}, 0, 1), (f"{name}, experts in the plain loop (until 2026-12-05)", stream, 0, 1),
-                      (f"{name}, experts in wide steps", stream, wide, 1),
-                      ("... + 4 column tiles an expert task (not built)", stream, wide, 4)]
-            for label, kw, wide, tiles in builds:
+            fixed = [Tiling(expert_span=span, expert_min_tasks=0) for span in (1, 2, 4, 8)]
+            builds = [("plain", {}, 0, Tiling()), (f"{name}, experts in the plain loop", stream, 0, fixed[0])]
+            builds += [(f"{name}, experts in wide steps", stream, wide, t) for t in fixed]
+            builds += [(f"{name}, experts in wide steps, Tiling(expert_span=4) (built, the GPU to measure)", stream,
+                        wide, Tiling(expert_span=4))]
+            graphs = {}
+            for label, kw, wide, tiling in builds:
+                if tiling not in graphs:
+                    graphs[tiling] = lower(plan(g, b, tiling))
+                graph = graphs[tiling]
                 la = launch("moondream3", b, "bf16", graph, tiling, **kw, expert_fp8=fp8, expert_wide=wide,
                             expert_pairs=cm.distinct_experts(experts, top_k, b))
-                us = cm.simulate(cm.with_expert_tiles(graph, tiles), la, m)["seconds"] * 1e6
-                lines.append(f"| {label} | {'FP8' if fp8 else 'bf16'} | {b} | {us:.0f} | {floor * 1e6:.0f} | "
+                us = cm.simulate(graph, la, m)["seconds"] * 1e6
+                span = "/".join(str(max(t.args["n1"] - t.args["n0"] for t in graph.tasks if t.op == op)
+                                    // tiling.block_n) for op in (cm.OP_MOE_UP, cm.OP_MOE_DOWN))
+                lines.append(f"| {label} | {'FP8' if fp8 else 'bf16'} | {span} | {b} | {us:.0f} | {floor * 1e6:.0f} | "
                              f"{us / (floor * 1e6):.1f} |")
     return lines
 
@@ -211,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Moondream 3.1 (no GPU has run it: the model's alone; the experts' K loops per build in their own terms, "
               "from the SASS: see moondream3_table). Floor: bf16 weights, the experts the rows choose (uniform "
               "routing) once, bf16 KV at context 1024, at 4.8 TB/s.", ""] + moondream3_table(m)
+    lines += ["", "Span 4 is built (expert tasks that loop over their tiles: kernel.XTILES, _task_moe_up_tiles) but "
+              "not the default: those builds hold more registers (sm_90 SASS, 2026-12-05: no spill inside any K loop, "
+              "but stack outside the loops of 8-136 B where the one-tile builds have 0-32: Triton 3.9 batch-1 "
+              "wide512+aligned FP8 8 B (0), batch-8 unroll8+aligned FP8 16 (32), bf16 96 (40), plain FP8 batch 1 32 "
+              "(0); Triton 3.6 batch 1 FP8 32 (24), batch 8 FP8 136 (0), bf16 0 (0)). bench/gpu_timeline.py times "
+              "Moondream 3.1 at span 4 beside span 1 on the next GPU."]
     from report import heading, publish
     intro = ["The first GPU run's eight steps (../shared/gpu-runs/h200-2026-12-04) against the model "
              "(photon_core/megakernel/cost_model.py: the persistent kernel's schedule simulated over the task graph, "

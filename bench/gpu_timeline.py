@@ -21,7 +21,8 @@ Parts, in this order (the first ones are what the next design step needs most):
 4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static,
    wide256+aligned and prefetch), if the budget is left (its build takes ~25 s).
 5. Moondream 3.1 at batch 1 (its bf16 experts; plain and wide512+aligned, whose expert tasks stream
-   16 KB a trip where the plain loop's stream 4 KB), if 45 s of the budget are left.
+   16 KB a trip where the plain loop's stream 4 KB), if 45 s of the budget are left; then the same
+   with expert tasks of 4 column tiles (Tiling.expert_span), if 45 s are still left.
 
 Variants (kernel.KernelVariant): plain (today's build), prefetch2 / 1 (each linear task's weight
 tile into L2 before its dependency wait, one bulk copy per row / per line), pipe3 (a 3-stage K loop:
@@ -52,6 +53,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -438,6 +440,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = guarded(f"build {name}", lambda: Config(name, make(prod), 1, dev))
         if cfg is not None:   # the wide build streams the experts in wide steps (16 KB a trip, issue 38.3)
             guarded(f"measure {name}", lambda: measure(cfg, [plain, wider], [], rate, cuda, iters // 2))
+        if time.time() - T0 < args.budget_s - 45:
+            # expert tasks of several column tiles (Tiling.expert_span 4, kernel.XTILES): the cost model
+            # predicts ~1.3x on this step; span 1 above is the default until this measures it
+            name = "moondream3 B1 bf16 experts span4"
+            cfg = guarded(f"build {name}", lambda: Config(name, make(replace(prod, expert_span=4)), 1, dev))
+            if cfg is not None:
+                guarded(f"measure {name}", lambda: measure(cfg, [plain, wider], [], rate, cuda, iters // 2))
+        else:
+            RESULTS["skipped_moondream3_span4"] = "moondream3 B1 span4 (budget)"
     else:
         RESULTS["skipped_moondream3"] = "moondream3 B1 (budget, or no decode step)"
     RESULTS["seconds"] = round(time.time() - T0, 1)

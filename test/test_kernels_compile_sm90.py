@@ -129,13 +129,15 @@ def assert_no_spills(name: str, usage: dict) -> None:
     assert usage["stack"] == 0 and 0 < usage["registers"] <= 255, (name, usage)
 
 
-def assert_experts_stream(name: str, rec: dict, step_bytes: int) -> None:
-    """A build's expert tasks' K loops (MoE up and down, from its SASS: compile_check --loops) stream
-    `step_bytes` of an expert row a trip at 32 columns, all issued before the first is used, as
-    16-byte loads, and no K loop, expert or dense, spills inside a trip."""
+def assert_experts_stream(name: str, rec: dict, step_bytes: int, tiles: bool = False) -> None:
+    """A build's expert tasks' K loops (MoE up and down, from its SASS: compile_check --loops; `tiles`:
+    the tasks of several column tiles, kernel.XTILES) stream `step_bytes` of an expert row a trip at
+    32 columns, all issued before the first is used, as 16-byte loads, and no K loop, expert or
+    dense, spills inside a trip."""
     from photon_core.kernels.sass_loops import dense_loops, expert_loops
     loops = expert_loops(rec["k_loops"])
-    assert {lp["task"] for lp in loops} == {"_task_moe_up", "_task_moe_down"}, (name, rec["k_loops"])
+    want = {"_task_moe_up", "_task_moe_down"}
+    assert {lp["task"] for lp in loops} == {t + "_tiles" * tiles for t in want}, (name, rec["k_loops"])
     for lp in loops:
         assert lp["in_flight_bytes"] == lp["weight_bytes"] and set(lp["loads"]) == {"LDG.E.128"}, (name, lp)
         assert lp["in_flight_bytes"] * rec["threads"] == 32 * step_bytes, (name, lp)

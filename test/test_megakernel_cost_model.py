@@ -58,8 +58,9 @@ def test_the_static_schedule_is_the_claimed_one_on_one_program_and_near_it_on_ma
 MOE_D, MOE_F = 1024, 512
 
 
-def moe_graph(batch: int):
-    """A lowered step of one MoE layer (8 experts of d 1024, F 512, top 2) between an embed and a head."""
+def moe_graph(batch: int, span: int = 1):
+    """A lowered step of one MoE layer (8 experts of d 1024, F 512, top 2) between an embed and a
+    head, each expert task `span` column tiles of its pair."""
     from photon_core.megakernel import StepGraph, Tiling
     from photon_core.megakernel.compiler import lower, plan
     d, E, F, k = MOE_D, 8, MOE_F, 2
@@ -67,7 +68,7 @@ def moe_graph(batch: int):
     x = g.embed("x", "tok")
     mlp = g.moe("mlp", x, g.linear("route", x, "router"), "gu", "down", k, residual=x)
     g.argmax("token", g.linear("logits", mlp, "head"))
-    return lower(plan(g, batch, Tiling()))
+    return lower(plan(g, batch, Tiling(expert_span=span, expert_min_tasks=0)))
 
 def test_expert_tasks_cost_their_trips_and_only_their_experts_first_pairs_compute():
     """An MoE layer's up and down tasks: a routed pair that is not its expert's first exits after
@@ -91,20 +92,20 @@ def test_expert_tasks_cost_their_trips_and_only_their_experts_first_pairs_comput
     assert [cm.distinct_experts(64, 8, b) for b in (1, 2, 8)] == [8, 15, 42]
 
 
-def test_expert_tasks_of_several_column_tiles_keep_the_graphs_work_and_waits():
-    """with_expert_tiles (a design change predicted, not built): each MoE up / down task spans up to
-    `tiles` consecutive column tiles of its pair; the columns each pair covers are the same, a merged
-    task takes its tiles' trips one after another, every counter's waiters wait for all of its
-    (fewer) signalers, and one tile a task is the graph itself."""
+def test_expert_tasks_of_several_column_tiles_cost_their_tiles_and_less_fixed_time():
+    """Tiling.expert_span: each MoE up / down task computes up to `span` consecutive column tiles of
+    its pair; the columns each pair covers are the same as at one tile a task, a task takes its
+    tiles' trips one after another (its body at 4 tiles = 4 one-tile bodies, the fixed trips once),
+    and with fewer programs than tasks the fixed time saved wins, while 132 programs on this small
+    layer lose more parallelism than they save (what the model weighs for Moondream 3,
+    bench/cost_model.py)."""
     from collections import Counter
 
     from photon_core.megakernel import Tiling
     from photon_core.megakernel.ops import OP_MOE_DOWN, OP_MOE_UP
-    graph = moe_graph(2)
+    one, four = moe_graph(2, span=1), moe_graph(2, span=4)
     m = cm.FITTED
-    la = cm.launch_of(graph, Tiling(), 2, [5, 9], None, 2, 64, 64, expert_k_step=512, expert_bytes=1, expert_pairs=3)
-    assert cm.simulate(cm.with_expert_tiles(graph, 1), la, m) == cm.simulate(graph, la, m)
-    merged = cm.with_expert_tiles(graph, 4)
+    la = cm.launch_of(one, Tiling(), 2, [5, 9], None, 2, 64, 64, expert_k_step=512, expert_bytes=1, expert_pairs=3)
 
     def columns(gr):
         out = Counter()
@@ -112,17 +113,13 @@ def test_expert_tasks_of_several_column_tiles_keep_the_graphs_work_and_waits():
             if t.op in (OP_MOE_UP, OP_MOE_DOWN):
                 out[t.op, t.args["tile"]] += t.args["n1"] - t.args["n0"]
         return out
-    moe = [t for t in merged.tasks if t.op in (OP_MOE_UP, OP_MOE_DOWN)]
-    assert columns(merged) == columns(graph) and max(t.args["xtiles"] for t in moe) == 4
-    assert len(merged.tasks) < len(graph.tasks)
-    signalers = Counter(t.signal for t in merged.tasks if t.signal is not None)
-    assert all(0 < target <= signalers[c] for t in merged.tasks for c, target in t.waits)
-    first = next(t for t in moe if t.op == OP_MOE_DOWN and t.args["tile"] == 0 and t.args["xtiles"] == 4)
-    one = replace(first, args=dict(first.args, n1=first.args["n0"] + (first.args["n1"] - first.args["n0"]) // 4,
-                                   xtiles=1))
-    assert cm.body(first, la, m) - 4 * m.l2 == pytest.approx(4 * (cm.body(one, la, m) - 4 * m.l2))
-    # fewer programs than tasks: the fixed time saved wins; 132 programs on this small layer: the
-    # parallelism lost does (what the model weighs for Moondream 3, bench/cost_model.py)
+    moe = [t for t in four.tasks if t.op in (OP_MOE_UP, OP_MOE_DOWN)]
+    assert columns(four) == columns(one)
+    assert max(t.args["n1"] - t.args["n0"] for t in moe) == 4 * Tiling().block_n
+    assert len(moe) * 4 == sum(t.op in (OP_MOE_UP, OP_MOE_DOWN) for t in one.tasks)
+    wide = next(t for t in moe if t.op == OP_MOE_DOWN and t.args["tile"] == 0)
+    narrow = next(t for t in one.tasks if t.op == OP_MOE_DOWN and t.args["tile"] == 0)
+    assert cm.body(wide, la, m) - 4 * m.l2 == pytest.approx(4 * (cm.body(narrow, la, m) - 4 * m.l2))
     few = replace(m, programs=4)
-    assert cm.simulate(merged, la, few)["seconds"] < cm.simulate(graph, la, few)["seconds"]
-    assert cm.simulate(merged, la, m)["seconds"] > cm.simulate(graph, la, m)["seconds"]
+    assert cm.simulate(four, la, few)["seconds"] < cm.simulate(one, la, few)["seconds"]
+    assert cm.simulate(four, la, m)["seconds"] > cm.simulate(one, la, m)["seconds"]

@@ -292,9 +292,10 @@ def test_the_streaming_builds_stream_experts_over_several_steps(fp8, batch, vari
     partly past K; F = 432: the down task's last half partial), bf16 arena, rows choosing 2 of 8
     experts (at batch 4 some expert by several rows): the MoE output equals run_reference's (the
     plain build's is held to it above); the experts no row chose are NaN (16-bit) or 448 (FP8) and
-    change nothing."""
+    change nothing. Each expert task spans 4 column tiles (Tiling.expert_span, the last span
+    partial), one after another (one tile a task: the every-family test in test_megakernel_variants)."""
     from photon_core.backends import reference as ref
-    from photon_core.megakernel.kernel import KernelVariant, expert_loop
+    from photon_core.megakernel.kernel import XTILES, KernelVariant, expert_loop
     g0 = torch.Generator().manual_seed(71)
     d, E, F, k, vocab = 1104, 8, 432, 2, 40
 
@@ -315,7 +316,9 @@ def test_the_streaming_builds_stream_experts_over_several_steps(fp8, batch, vari
                 **(dict(gate_up_scale="gu.s", down_scale="down.s") if fp8 else {}))
     g.expose("logits", logits := g.linear("logits", mlp, "head"))
     g.argmax("token", logits)
-    step = CompiledStep(g, w, batch, Tiling(), weight_dtype=torch.bfloat16)
+    # every expert task 4 tiles of its pair however few pairs (F's 14 tiles: 4 + 4 + 4 + 2, the last
+    # partial; D's 35: 8 x 4 + 3): the build that loops over them (kernel.XTILES)
+    step = CompiledStep(g, w, batch, Tiling(expert_span=4, expert_min_tasks=0), weight_dtype=torch.bfloat16)
     ref_w = {k_: (v if v.dtype == torch.float8_e4m3fn or k_.endswith(".s") else v.to(torch.bfloat16).float())
              for k_, v in w.items()}
     tokens, positions = [7, 3, 11, 20][:batch], [0] * batch
@@ -335,8 +338,12 @@ def test_the_streaming_builds_stream_experts_over_several_steps(fp8, batch, vari
     assert kern.variant.name() == variant
     table = kern.tuning.fp8_expert_bytes if fp8 else kern.tuning.expert_bytes
     wide = table[batch.bit_length() - 1] // (1 if fp8 else 2)
-    assert wide >= 16 and kern.expert_loop() == KernelVariant(wide=wide, aligned=True).loop
+    assert wide >= 16 and kern.expert_loop() == KernelVariant(wide=wide, aligned=True).loop + XTILES
     assert expert_loop(KernelVariant(), kern.meta["BLOCK_M"], 1, kern.tuning) == 0     # the plain build's plain loop
+    from photon_core.megakernel.ops import OP_MOE_DOWN, OP_MOE_UP
+    widths = {op: sorted({t.args["n1"] - t.args["n0"] for t in step.graph.tasks if t.op == op})
+              for op in (OP_MOE_UP, OP_MOE_DOWN)}
+    assert widths == {OP_MOE_UP: [F % 128, 128], OP_MOE_DOWN: [d % 128, 128]}
     step.launch()
     assert len(chosen) < E and rel_err(step.view("mlp"), want["mlp"]) < RTOL
     if batch > 1:   # some expert's tile reduced by several rows, others skipped

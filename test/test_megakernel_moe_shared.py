@@ -21,6 +21,9 @@ from photon_core.megakernel.stepgraph import expected_experts  # noqa: E402
 RTOL = 1e-4
 E, F, D, K, VOCAB = 8, 16, 32, 2, 20
 TILING = Tiling(block_n=16, block_k=32, block_t=8, self_splits=1, cross_splits=1)
+# expert tasks of 4 tiles however few pairs (expert_min_tasks 0): D's 2 tiles one task, the kernel's
+# tile loop (kernel.XTILES)
+SPANS = {"one tile": TILING, "spans": Tiling(16, 32, 8, 1, 1, expert_span=4, expert_min_tasks=0)}
 # Each row's chosen experts, in slot order (the forced logits make them the top k, in this order).
 ROUTINGS = {
     "some": [[0, 1], [1, 2], [3, 4], [4, 0]],    # 5 distinct experts of 8 pairs
@@ -86,9 +89,11 @@ def expert_bytes(fp8: bool, unit: int) -> int:
     return weights + 4 * (2 * F + D) if fp8 else weights * unit
 
 
+@pytest.mark.parametrize("tiling", SPANS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_sharing_experts_read_them_once(fp8, weight_dtype):
+def test_rows_sharing_experts_read_them_once(fp8, weight_dtype, tiling):
+    tiling = SPANS[tiling]
     w = moe_weights(fp8)
     g = moe_graph(w, fp8)
     ref_w = {k: (v if v.dtype == torch.float8_e4m3fn or k.endswith(".s") else v.to(weight_dtype).float())
@@ -96,11 +101,13 @@ def test_rows_sharing_experts_read_them_once(fp8, weight_dtype):
     unit = weight_dtype.itemsize
     gen = torch.Generator().manual_seed(11)
     for batch, names in ((4, ("some", "all", "none")), (1, ("one row",))):
-        step = CompiledStep(g, w, batch, TILING, weight_dtype=weight_dtype)
+        step = CompiledStep(g, w, batch, tiling, weight_dtype=weight_dtype)
         tasks = step.graph.tasks
-        # one expert task per (pair, tile): B*k pairs, whatever the routing
-        assert sum(t.op == OP_MOE_UP for t in tasks) == batch * K * -(-F // TILING.block_n)
-        assert sum(t.op == OP_MOE_DOWN for t in tasks) == batch * K * -(-D // TILING.block_n)
+        # one expert task per (pair, span of expert_span tiles): B*k pairs, whatever the routing
+        span = tiling.block_n * tiling.expert_span
+        assert sum(t.op == OP_MOE_UP for t in tasks) == batch * K * -(-F // span)
+        assert sum(t.op == OP_MOE_DOWN for t in tasks) == batch * K * -(-D // span)
+        assert step.kernel_for(None).expert_tiles == (tiling.expert_span > 1)
         assert sum(t.op == OP_MOE_SUM for t in tasks) == batch * -(-D // TILING.block_n)
         for name in names:
             routing = ROUTINGS[name]
@@ -127,9 +134,34 @@ def test_rows_sharing_experts_read_them_once(fp8, weight_dtype):
             for j in range(batch * K):
                 assert bool((loads[j] > 0).all()) if j in firsts else bool((loads[j] == 0).all()), (name, j)
             # the task table agrees: the first pairs' tiles cover each chosen expert's rows exactly once
-            tiles = [(int(ids.flatten()[t.args["tile"]]), t.op, t.args["n0"]) for t in tasks
-                     if t.op in (OP_MOE_UP, OP_MOE_DOWN) and t.args["tile"] in firsts]
-            assert len(tiles) == len(set(tiles)) == distinct * (-(-F // TILING.block_n) + -(-D // TILING.block_n))
+            covered: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for t in tasks:
+                if t.op in (OP_MOE_UP, OP_MOE_DOWN) and t.args["tile"] in firsts:
+                    key = (int(ids.flatten()[t.args["tile"]]), t.op)
+                    covered.setdefault(key, []).append((t.args["n0"], t.args["n1"]))
+            assert len(covered) == 2 * distinct
+            for (_, op), spans in covered.items():
+                ends = [0] + [n1 for _, n1 in sorted(spans)]
+                assert [n0 for n0, _ in sorted(spans)] == ends[:-1] and ends[-1] == (F if op == OP_MOE_UP else D)
+
+
+def test_expert_tasks_span_several_tiles_while_the_stage_keeps_enough_tasks():
+    """Tiling.expert_span: a pair's expert tasks cover its columns in contiguous ranges of up to
+    expert_span tiles, halved while the stage (pairs x ranges) would have fewer tasks than
+    expert_min_tasks: Moondream 3.1's shapes (F 1024, D 2048, top 8, 32-column tiles) at batch 1
+    take 2 tiles an up task (128 tasks) and 4 a down task; at batch 8 4 each."""
+    from photon_core.megakernel.ops.moe import expert_spans
+    t = Tiling(expert_span=4)
+
+    def widths(n, pairs, tiling=t):
+        spans = expert_spans(n, pairs, tiling)
+        assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        return {b - a for a, b in spans}
+    assert (widths(1024, 8), widths(2048, 8)) == ({64}, {128})
+    assert (widths(1024, 64), widths(2048, 64)) == ({128}, {128})
+    assert widths(1024, 1) == {32}                       # one pair: every tile its own task
+    assert widths(432, 2, Tiling(expert_span=4, expert_min_tasks=0)) == {128, 48}
+    assert widths(1024, 64, Tiling()) == {32}            # the default: one tile a task
 
 
 def test_expected_expert_bytes_under_uniform_routing():

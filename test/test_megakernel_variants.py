@@ -134,7 +134,8 @@ NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "
          "megakernel_b1_bf16_n32_k64_unroll4_aligned", "megakernel_b1_bf16_n32_k64_wide512_aligned",
          "megakernel_b1_bf16_n32_k64_wide512_aligned_static", "megakernel_b8_bf16_n32_k64_unroll8_aligned",
          "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned",
-         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned"]
+         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned",
+         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned_tiles"]
 
 
 def test_variants_compile_for_sm90_with_their_instructions(compiled):
@@ -186,7 +187,9 @@ def test_the_streaming_builds_stream_the_experts_in_wide_steps(compiled):
     at 32 columns (kernel.expert_loop: 16 or 8 KB), all issued before the first is used, as 16-byte
     loads, no spill traffic inside a trip (nor in the dense loop beside them), for 16-bit experts
     and FP8 ones (two halves), where the plain build's FP8 trip is 1 KB at batch 1 and 0.5 KB at
-    batch 8 (bench/RESULTS.md "Megakernel K loop", FP8 table)."""
+    batch 8 (bench/RESULTS.md "Megakernel K loop", FP8 table). The batch-8 FP8 build whose expert
+    tasks span several column tiles (kernel.XTILES, Tiling.expert_span) streams the same way from
+    its own loops over the tiles."""
     from test_kernels_compile_sm90 import assert_experts_stream
 
     from photon_core.kernels.triton_versions import megakernel_tuning
@@ -195,9 +198,10 @@ def test_the_streaming_builds_stream_the_experts_in_wide_steps(compiled):
     for name, table, at in (("megakernel_b1_bf16_n32_k64_wide512_aligned", tuning.expert_bytes, 0),
                             ("megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned", tuning.fp8_expert_bytes, 0),
                             ("megakernel_b8_bf16_n32_k64_unroll8_aligned", tuning.expert_bytes, 3),
-                            ("megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned", tuning.fp8_expert_bytes, 3)):
+                            ("megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned", tuning.fp8_expert_bytes, 3),
+                            ("megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned_tiles", tuning.fp8_expert_bytes, 3)):
         assert table[0] == 512 and table[at] >= 256
-        assert_experts_stream(name, got[name], table[at])
+        assert_experts_stream(name, got[name], table[at], tiles=name.endswith("_tiles"))
 
 
 FAMILIES = gpu_proof().families(dry=True, sms=4)

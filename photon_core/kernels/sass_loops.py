@@ -224,8 +224,10 @@ def dense_loops(loops: list[dict]) -> list[dict]:
 
 
 def expert_loops(loops: list[dict]) -> list[dict]:
-    """Of compile_check's loop records (k_loops), the expert tasks' K loops (MoE up and down)."""
-    return [lp for lp in loops if lp["task"] in ("_task_moe_up", "_task_moe_down")]
+    """Of compile_check's loop records (k_loops), the expert tasks' K loops (MoE up and down, of one
+    column tile a task or several: _task_moe_up_tiles, _task_moe_down_tiles)."""
+    return [lp for lp in loops if lp["task"] in ("_task_moe_up", "_task_moe_down", "_task_moe_up_tiles",
+                                                 "_task_moe_down_tiles")]
 
 
 def dense_loop(loops: list[dict]) -> dict:

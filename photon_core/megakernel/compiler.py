@@ -32,6 +32,7 @@ from photon_core.megakernel.layout import Plan, Tiling, needed_nodes
 from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Planning
 from photon_core.megakernel.ops.kv_append import head_groups
 from photon_core.megakernel.ops.linear import stage_shape
+from photon_core.megakernel.ops.moe import expert_spans
 from photon_core.megakernel.stepgraph import StepGraph, Value
 from photon_core.runtime.decode import WEIGHT_DTYPES, ThreadSetting, engine_label
 
@@ -245,6 +246,7 @@ def _proven_kernel(graph: TaskGraph, table: torch.Tensor, weights: torch.Tensor,
     mk = object.__new__(kernel.Megakernel)
     dev = weights.device
     mk.graph, mk.run_task = graph, run_task
+    mk.expert_tiles = kernel.spans_expert_tiles(graph, block_n)
     mk.tasks = table.to(dev)
     mk.ctrl = torch.zeros(graph.ctrl_size(), dtype=torch.int32, device=dev)
     mk.weights, mk.state, mk.dyn, mk.out = weights, state, dyn, out
@@ -515,7 +517,7 @@ class CompiledStep(StateViews):
                 continue
             _, f2, d = self.graph_def.weight_shapes[n.args["gate_up"]]
             cells = self.view(f"{n.value.name}.loads")
-            tiles_f = -(-(f2 // 2) // self.tiling.block_n)
+            tiles_f = len(expert_spans(f2 // 2, self.batch * n.args["top_k"], self.tiling))
             up, down = cells[:, :tiles_f].sum().item(), cells[:, tiles_f:].sum().item()
             if n.args["gate_up_scale"]:   # a byte a weight, and 4 bytes of scale per weight row
                 out[n.value.name] = round(up + down + 4 * (up / d + down / (f2 // 2)))

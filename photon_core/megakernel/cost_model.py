@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -89,6 +88,7 @@ class Launch:
     expert_bytes: int = 0    # bytes an expert weight (0: weight_bytes; FP8 experts 1)
     expert_pairs: int | None = None   # routed pairs whose expert tasks compute (the first pair choosing each
                                       # expert; None: every pair)
+    block_n: int = 32        # columns of a tile (an expert task computes its span a tile after another)
 
 
 def _keys(t, launch: Launch) -> int:
@@ -122,11 +122,11 @@ def body(t, launch: Launch, m: Machine) -> float:
             return 2 * m.l2
         # Each trip's whole tile in flight at once (plain loop, wide steps), a latency a trip; up
         # reads its gate and up rows one after the other; a task of several column tiles
-        # (with_expert_tiles) one tile after another.
+        # (Tiling.expert_span) one tile after another.
         step = launch.expert_k_step or launch.k_step
-        tiles = a.get("xtiles", 1)
+        tiles = math.ceil((a["n1"] - a["n0"]) / launch.block_n)
         trips = math.ceil((a["k1"] - a["k0"]) / step) * (2 if op == OP_MOE_UP else 1) * tiles
-        tile = (a["n1"] - a["n0"]) // tiles * step * (launch.expert_bytes or launch.weight_bytes)
+        tile = (a["n1"] - a["n0"]) / tiles * step * (launch.expert_bytes or launch.weight_bytes)
         return trips * max(m.k_step, tile * m.programs / m.bandwidth) + 4 * m.l2
     if op == OP_ATTN_PARTIAL:
         return _keys(t, launch) * m.k_step + 2 * m.l2
@@ -227,34 +227,12 @@ def launch_of(plan_graph: Any, tiling: Any, batch: int, positions: list[int], cr
     """experts: expert_k_step, expert_bytes, expert_pairs (Launch), for graphs with MoE layers."""
     return Launch(k_step=k_step, block_k=tiling.block_k, block_t=tiling.block_t, block_r=block_r,
                   positions=tuple(positions), cross_len=None if cross_len is None else tuple(cross_len),
-                  weight_bytes=weight_bytes, stats_chunk=stats_chunk, **experts)
+                  weight_bytes=weight_bytes, stats_chunk=stats_chunk, block_n=tiling.block_n, **experts)
 
 
 def distinct_experts(experts: int, top_k: int, rows: int) -> int:
     """Distinct experts `rows` rows choose, expected under uniform routing (each row top_k distinct)."""
     return min(rows * top_k, round(experts * (1 - (1 - top_k / experts) ** rows)))
-
-
-def with_expert_tiles(graph: TaskGraph, tiles: int) -> TaskGraph:
-    """The graph with each MoE up / down task spanning `tiles` consecutive column tiles of its pair
-    (a loop over them inside the task), for the simulation only (not a graph the kernel runs): fewer
-    tasks, each paying the fixed per-task time once. Counters' targets shrink with their signalers."""
-    out: list = []
-    for t in graph.tasks:
-        last = out[-1] if out else None
-        if (t.op in (OP_MOE_UP, OP_MOE_DOWN) and last is not None and last.op == t.op
-                and last.args["tile"] == t.args["tile"] and last.args.get("xtiles", 1) < tiles
-                and last.args["n1"] == t.args["n0"] and last.waits == t.waits and last.signal == t.signal):
-            out[-1] = replace(last, args=dict(last.args, n1=t.args["n1"], xtiles=last.args.get("xtiles", 1) + 1))
-        else:
-            out.append(t)
-    before = Counter(t.signal for t in graph.tasks if t.signal is not None)
-    after = Counter(t.signal for t in out if t.signal is not None)
-    for i, t in enumerate(out):
-        if any(before[c] != after[c] and target != before[c] for c, target in t.waits):
-            raise ValueError(f"{t.name}: waits for part of a merged stage")
-        out[i] = replace(t, waits=[(c, after[c] if before[c] != after[c] else target) for c, target in t.waits])
-    return replace(graph, tasks=out)
 
 
 def with_changes(m: Machine, **changes: Any) -> Machine:
@@ -263,4 +241,4 @@ def with_changes(m: Machine, **changes: Any) -> Machine:
 
 
 __all__ = ["Machine", "FITTED", "MEASURED_US", "Launch", "body", "finale", "simulate", "launch_of", "with_changes",
-           "stats_row_chunk", "distinct_experts", "with_expert_tiles"]
+           "stats_row_chunk", "distinct_experts"]

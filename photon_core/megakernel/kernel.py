@@ -162,6 +162,10 @@ OP_MOE_ROUTE: tl.constexpr = tl.constexpr(ops.OP_MOE_ROUTE)
 OP_MOE_UP: tl.constexpr = tl.constexpr(ops.OP_MOE_UP)
 OP_MOE_DOWN: tl.constexpr = tl.constexpr(ops.OP_MOE_DOWN)
 OP_MOE_SUM: tl.constexpr = tl.constexpr(ops.OP_MOE_SUM)
+# XLOOP's flag (above KernelVariant.loop's fields): the expert tasks span several column tiles
+# (_task_moe_up_tiles); without it the build keeps the one-tile tasks, their registers unchanged.
+# (_step_tasks says it as 33554432: the interpreter takes no constexpr in constexpr arithmetic.)
+XTILES = 1 << 25
 
 
 @triton.jit
@@ -264,6 +268,24 @@ def _row_stats(x_rows, rmask, K, norm, eps, BLOCK_M: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
+def _norm_stats(s_ptr, lnw, lnst, norm, x_rows, rmask, K, eps, BLOCK_M: tl.constexpr, BK: tl.constexpr):
+    """The (mean, rstd) a fused norm applies to each of a task's rows (0 and 1 without one). The
+    last task of x's producer stage wrote them (field lnst, _task_row_stats): 8 bytes a row instead
+    of two passes over K; x without such a producer (a host input) has lnst = -1: computed here."""
+    rows = tl.arange(0, BLOCK_M)
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if lnw >= 0:
+        if lnst >= 0:
+            st = s_ptr + lnst + 2 * rows
+            mean = tl.load(st, mask=rmask, other=0.0, cache_modifier=CG)
+            rstd = tl.load(st + 1, mask=rmask, other=1.0, cache_modifier=CG)
+        else:
+            mean, rstd = _row_stats(x_rows, rmask, K, norm, eps, BLOCK_M, BK)
+    return mean, rstd
+
+
+@triton.jit
 def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The finale of a stage whose output x feeds a fused LayerNorm / RMSNorm (run by the stage's
     last task to finish, see _step_tasks): each of the B rows' (mean, rstd) of x ([B, stn] at stx)
@@ -300,7 +322,7 @@ def _sixteens(v):
 @triton.jit
 def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 w_shift=0, x_shift=0, FP8: tl.constexpr = False, row_sel=-1, LOOP: tl.constexpr = 0,
-                EXPERT: tl.constexpr = False):
+                EXPERT: tl.constexpr = False, n_shift=0, mean_in=0.0, rstd_in=1.0, STATS: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] fp32 product of this task's rows of x (LayerNorm'd when the task fuses
     one) with its tile of W, over K range [k0, k1). The tile is columns [n0, n1): stages of few
     columns use narrower tiles (more tasks), and a split-K task sees a slice of K. w_shift /
@@ -313,7 +335,10 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     before the first is multiplied (several steps' bytes in flight); DOT > 0 (bf16 weights;
     BLOCK_M >= 16, rows past M masked): steps of DOT on the tensor cores, see _linear_dot_steps;
     WIDE > 0: steps of WIDE reduced as they come, see _linear_wide_steps. EXPERT: an expert task's
-    call that says its alignment in arithmetic (see _sixteens)."""
+    call that says its alignment in arithmetic (see _sixteens). n_shift: the tile starts that many
+    columns past the task's n0 (an expert task's tiles, one after another; masked at its n1).
+    STATS: the fused norm's row statistics are the caller's (mean_in, rstd_in: _norm_stats, read
+    once for all of its tiles)."""
     PIPE: tl.constexpr = LOOP % 16
     UNROLL: tl.constexpr = (LOOP // 16) % 16
     DOT: tl.constexpr = (LOOP // 256) % 256 * 16
@@ -332,7 +357,7 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # L2 for the task row) where a load behind each branch would wait for the one before.
     M = tl.load(row + F_M)
     K = tl.load(row + F_K)
-    n0 = tl.load(row + F_n0)
+    n0 = tl.load(row + F_n0) + n_shift
     x_off = tl.load(row + F_x) + x_shift
     # The compiler aligns weight offsets, row strides and K slices to 16 elements (compiler.plan):
     # saying so is meant to make every weight load a 128-bit vector load. Said of `offset +
@@ -374,18 +399,10 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     ks = tl.arange(0, BK)
     # x is [M, K] unless a fused mul reads a column slice [c0, c0 + K) of a wider value (stride xs).
     x_rows = s_ptr + x_off + xc0 + rows[:, None].to(tl.int64) * tl.where(xs >= 0, xs, K)
-    mean = tl.zeros((BLOCK_M,), tl.float32)
-    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
-    if lnw >= 0:
-        # LayerNorm or RMSNorm fused in. The last task of x's producer stage wrote each row's
-        # (mean, rstd) (field lnst, _task_row_stats): 8 bytes a row instead of two passes over K.
-        # x without such a producer (a host input) has lnst = -1: every tile computes them.
-        if lnst >= 0:
-            st = s_ptr + lnst + 2 * rows
-            mean = tl.load(st, mask=rmask, other=0.0, cache_modifier=CG)
-            rstd = tl.load(st + 1, mask=rmask, other=1.0, cache_modifier=CG)
-        else:
-            mean, rstd = _row_stats(x_rows, rmask, K, norm, ln_eps, BLOCK_M, BK)
+    if STATS:      # the caller read them once for all its tiles
+        mean, rstd = mean_in, rstd_in
+    else:
+        mean, rstd = _norm_stats(s_ptr, lnw, lnst, norm, x_rows, rmask, K, ln_eps, BLOCK_M, BK)
     # Accumulate elementwise and reduce over K once after the loop: a reduction per K step costs
     # a round of shuffles across the warp for every BLOCK_K weights loaded.
     # A gated input (SwiGLU / GeGLU fused in, code xglu = the gate's activation): each row of x is
@@ -1345,6 +1362,94 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
+def _task_moe_up_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False,
+                       LOOP: tl.constexpr = 0):
+    """_task_moe_up over a span of columns [n0, n1) of any width (Tiling.expert_span > 1: XTILES),
+    one BLOCK_N tile after another, gate rows then up rows of each, in one loop: the task's claim,
+    header, waits and routing read are paid once for all of its tiles (the cost model's expert
+    tasks spent about half their time on them). Bytes as _task_moe_up's over the whole span."""
+    # LOOP: the experts' K loop (expert_loop, on the host). Alignment said in arithmetic (_sixteens)
+    # for FP8 experts, and for 16-bit ones in wide steps (their loads were 2 bytes and the build
+    # spilled: Triton 3.9, 32 B); elsewhere as it was.
+    XALIGN: tl.constexpr = True if FP8 else LOOP > 0
+    D = tl.load(row + F_K)
+    F = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    j = tl.load(row + F_tile)
+    route = s_ptr + tl.load(row + F_part)
+    S = tl.load(row + F_S)
+    n1 = tl.load(row + F_n1)
+    ldw = tl.load(row + F_ldw)
+    if XALIGN:
+        ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
+    e, first, rsel, _ = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
+    if first:
+        rows = tl.arange(0, BLOCK_M)
+        # The rows' norm statistics are read once, before the loop, and the epilogue's fields
+        # after each product, not held across its K loop (which takes every register): held, or
+        # the statistics read by each product, they spilled more of the kernel (Triton 3.9, sm_90).
+        # Only the gate product is carried to its tile's up product.
+        rmask = (rows < tl.load(row + F_M)) & (((rsel >> rows) & 1) != 0)
+        mean, rstd = _norm_stats(s_ptr, tl.load(row + F_lnw), tl.load(row + F_lnst), tl.load(row + F_norm),
+                                 s_ptr + tl.load(row + F_x) + rows[:, None].to(tl.int64) * D, rmask, D, ln_eps,
+                                 BLOCK_M, BLOCK_K)
+        g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for it in range(0, 2 * tl.cdiv(n1 - n0, BLOCK_N)):
+            half = it % 2
+            c = it // 2 * BLOCK_N
+            acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * 2 * F * ldw + half * F * ldw,
+                              0, FP8, rsel, LOOP=LOOP, EXPERT=XALIGN, n_shift=c, mean_in=mean, rstd_in=rstd, STATS=True)
+            cols = n0 + c + tl.arange(0, BLOCK_N)
+            if FP8:   # each output row's scale (fp32 [E, 2F] at wsc), once a tile
+                sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + tl.load(row + F_wsc) + e * 2 * F + half * F
+                             + cols, mask=cols < n1, other=0.0)
+                acc = acc * (sc * FP8_UNSCALE)[None, :]
+            if half == 1:
+                h = apply_activation(g, tl.load(row + F_act)) * (acc + _f32(tl.load(row + F_scale)))
+                chosen = ((rsel >> rows) & 1) != 0
+                tl.store(s_ptr + tl.load(row + F_out) + rows[:, None].to(tl.int64) * F + cols[None, :], h,
+                         mask=chosen[:, None] & (cols < n1)[None, :])
+            g = acc
+    tl.store(s_ptr + tl.load(row + F_loads), tl.where(first, 2 * (n1 - n0) * D, 0).to(tl.float32))
+
+
+@triton.jit
+def _task_moe_down_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False,
+                         LOOP: tl.constexpr = 0):
+    """_task_moe_down over a span of columns [n0, n1) of any width, one BLOCK_N tile after another
+    (as _task_moe_up_tiles)."""
+    XALIGN: tl.constexpr = True if FP8 else LOOP > 0   # as _task_moe_up's
+    D = tl.load(row + F_N)
+    j = tl.load(row + F_tile)
+    route = s_ptr + tl.load(row + F_part)
+    S = tl.load(row + F_S)
+    n1 = tl.load(row + F_n1)
+    ldw = tl.load(row + F_ldw)
+    if XALIGN:
+        ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
+    e, first, rsel, wsum = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
+    n0 = tl.load(row + F_n0)
+    if first:
+        rows = tl.arange(0, BLOCK_M)
+        for c in range(0, n1 - n0, BLOCK_N):    # the task's tiles, as the up task's
+            part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel,
+                               LOOP=LOOP, EXPERT=XALIGN, n_shift=c)
+            # the epilogue's fields read here, not held across the K loop (see _task_moe_up_tiles)
+            cols = n0 + c + tl.arange(0, BLOCK_N)
+            cmask = cols < n1
+            if FP8:   # FP8 experts: fp32 row scales [E, D] at wsc
+                sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + tl.load(row + F_wsc) + e * D + cols, mask=cmask,
+                             other=0.0)
+                part = part * (sc * FP8_UNSCALE)[None, :]
+            chosen = ((rsel >> rows) & 1) != 0
+            tl.store(s_ptr + tl.load(row + F_out) + rows[:, None].to(tl.int64) * (B * S * D) + cols[None, :],
+                     wsum[:, None] * part, mask=chosen[:, None] & cmask[None, :])
+    tl.store(s_ptr + tl.load(row + F_loads), tl.where(first, (n1 - n0) * tl.load(row + F_K), 0).to(tl.float32))
+
+
+@triton.jit
 def _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_S: tl.constexpr):
     """(row r, columns [n0, n1) of D): the sum over r's slots, in slot order, of the partial its
@@ -1389,7 +1494,9 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
     a run-time choice between variants would hold both and spill (ptxas -v). Returns 0, or the
     task's failure (graph.ERR_OP, ERR_RANGE). LOOP: the dense linear tasks' K loop; XLOOP: the
-    expert tasks' (expert_loop, chosen on the host)."""
+    expert tasks' (expert_loop, chosen on the host), + XTILES where they span several tiles."""
+    XTILED: tl.constexpr = XLOOP // 33554432 % 2
+    XK: tl.constexpr = XLOOP % 33554432
     status = tl.full([], 0, tl.int32)
     if op == OP_LINEAR:
         _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LOOP)
@@ -1414,9 +1521,15 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == OP_MOE_ROUTE:
         _task_moe_route(row, s_ptr, BLOCK_R, BLOCK_S)
     elif op == OP_MOE_UP:
-        _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XLOOP)
+        if XTILED:   # tasks of several column tiles (a build of a table that has them)
+            _task_moe_up_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XK)
+        else:
+            _task_moe_up(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XK)
     elif op == OP_MOE_DOWN:
-        _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XLOOP)
+        if XTILED:
+            _task_moe_down_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XK)
+        else:
+            _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_S, FP8, XK)
     elif op == OP_MOE_SUM:
         _task_moe_sum(row, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M, BLOCK_N, BLOCK_S)
     else:
@@ -1772,11 +1885,21 @@ def expert_step(variant: KernelVariant, block_m: int, weight_bytes: int, tuning:
 
 
 @functools.lru_cache(maxsize=None)
-def expert_loop(variant: KernelVariant, block_m: int, weight_bytes: int, tuning: MegakernelTuning) -> int:
-    """The expert tasks' K loop (XLOOP, in KernelVariant.loop's terms): wide steps of expert_step's
-    elements with the alignment said, or the plain loop (0). Cached: every launch asks."""
+def expert_loop(variant: KernelVariant, block_m: int, weight_bytes: int, tuning: MegakernelTuning,
+                tiles: bool = False) -> int:
+    """The expert tasks' loops (XLOOP): their K loop in KernelVariant.loop's terms (wide steps of
+    expert_step's elements with the alignment said, or the plain loop: 0), + XTILES where a task
+    spans several column tiles (`tiles`: its table has such tasks, Tiling.expert_span). Cached:
+    every launch asks."""
     step = expert_step(variant, block_m, weight_bytes, tuning)
-    return KernelVariant(wide=step, aligned=True).loop if step else 0
+    return (KernelVariant(wide=step, aligned=True).loop if step else 0) + (XTILES if tiles else 0)
+
+
+def spans_expert_tiles(graph: TaskGraph, block_n: int) -> bool:
+    """Whether some expert task spans several column tiles (Tiling.expert_span > 1): its build
+    must loop over them (XTILES)."""
+    return any(t.op in (ops.OP_MOE_UP, ops.OP_MOE_DOWN) and t.args["n1"] - t.args["n0"] > block_n
+               for t in graph.tasks)
 
 
 class Megakernel:
@@ -1794,6 +1917,7 @@ class Megakernel:
         from photon_core.megakernel.checker import check
         check(graph)
         self.graph = graph
+        self.expert_tiles = spans_expert_tiles(graph, block_n)
         if run_task is not None:   # a variant of the task table (step_tasks_for)
             self.run_task = run_task
         dev = weights.device
@@ -1839,7 +1963,7 @@ class Megakernel:
         weight_bytes: an arena of another dtype's, default this one's)."""
         fp8 = self.run_task in (step_tasks_fp8, step_tasks_bf16_kv_fp8)
         size = weight_bytes or self.weights.element_size()
-        return expert_loop(self.variant, self.meta["BLOCK_M"], 1 if fp8 else size, self.tuning)
+        return expert_loop(self.variant, self.meta["BLOCK_M"], 1 if fp8 else size, self.tuning, self.expert_tiles)
 
     def trace_buffer(self) -> torch.Tensor:
         """Zeros for a traced launch: a row of TRACE_WIDTH int64 per task, then the interpreter's clock."""

@@ -31,6 +31,17 @@ class Tiling:
     # own) when each finale is at most this many (row, head) tasks (0: never). Larger batches keep
     # the append tasks, which run in parallel rather than one after another in one program.
     rope_finale_rows: int = 1
+    # An MoE expert task computes up to `expert_span` block_n column tiles of its pair, one after
+    # another: its fixed cost (claim, header, waits, the routing read), about half of an expert
+    # task's modelled time at one tile, is paid once for all of them. The span halves while a
+    # stage would have fewer than `expert_min_tasks` tasks (the routed pairs' tasks: an H100 /
+    # H200 has 132 SMs, one program each under Triton 3.3-3.7), so that every SM still has an
+    # expert tile to stream. 1 (one tile a task) until a GPU measures 4: the cost model predicts
+    # Moondream 3.1 at 4 ~1.3x faster at batch 1 and 8 (bench/RESULTS.md), but the builds that
+    # loop over tiles hold more registers (kernel.XTILES; sm_90 SASS: no spill inside a K loop,
+    # 8-100 B of stack outside them where the one-tile builds have 0-40).
+    expert_span: int = 1
+    expert_min_tasks: int = 128
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """moe: a mixture of experts after the router's logits. Route tasks per row; expert tasks per
-routed (row, slot) pair and tile, of which only the batch's first pair choosing an expert reads it,
-for all rows choosing it (each chosen expert read once a step); sum tasks per row and tile."""
+routed (row, slot) pair and span of column tiles, of which only the batch's first pair choosing an
+expert reads it, for all rows choosing it (each chosen expert read once a step); sum tasks per row
+and tile."""
 from __future__ import annotations
 
 import torch
@@ -42,11 +43,21 @@ def reference(e: Eager, node: Node) -> torch.Tensor:
     return y
 
 
+def expert_spans(n: int, pairs: int, tiling) -> list[tuple[int, int]]:
+    """The column ranges of one pair's expert tasks over a stage of n columns: Tiling.expert_span
+    tiles each, halved while the stage's `pairs` x ranges would fall under expert_min_tasks."""
+    tiles, span = -(-n // tiling.block_n), max(1, tiling.expert_span)
+    while span > 1 and pairs * -(-tiles // span) < tiling.expert_min_tasks:
+        span //= 2
+    width = tiling.block_n * span
+    return [(n0, min(n, n0 + width)) for n0 in range(0, n, width)]
+
+
 def tail_scratch(graph: StepGraph, node: Node, batch: int, tiling) -> dict[str, tuple[int, ...]]:
     """Per layer: the routing, every pair's hidden, every row's partial from every pair, and the
     weight elements each expert task loaded (see lower)."""
     k, (_, d, f) = node.args["top_k"], graph.weight_shapes[node.args["down"]]
-    tiles = -(-f // tiling.block_n) + -(-d // tiling.block_n)
+    tiles = len(expert_spans(f, batch * k, tiling)) + len(expert_spans(d, batch * k, tiling))
     return {f"{node.value.name}.route": (batch, k, 2),          # per row: chosen (expert, weight)
             f"{node.value.name}.h": (batch * k, batch, f),      # pair j's expert, every row's hidden
             f"{node.value.name}.part": (batch, batch * k, d),   # row r's output from pair j's expert
@@ -55,7 +66,8 @@ def tail_scratch(graph: StepGraph, node: Node, batch: int, tiling) -> dict[str, 
 
 def lower(lo: Lowering, node: Node) -> None:
     """Four stages. Route: one task per row (top k of its logits, their weights). Up: one task per
-    routed pair j = (row, slot) and tile of F; down: one per pair and tile of D. Every row's route
+    routed pair j = (row, slot) and span of F (Tiling.expert_span tiles, computed one after
+    another); down: one per pair and span of D. Every row's route
     is done before any expert task starts, so an up or down task of pair j sees the whole batch's
     routing: only if j is the FIRST pair choosing its expert e does it read e's weight tile, once
     per K step, for every row choosing e at once (the other tasks exit), so a step reads each
@@ -72,7 +84,8 @@ def lower(lo: Lowering, node: Node) -> None:
     E, F2, D = graph.weight_shapes[a["gate_up"]]
     F, k = F2 // 2, a["top_k"]
     P = B * k                                   # routed pairs
-    tiles_f, tiles_d = -(-F // bn), -(-D // bn)
+    spans_f, spans_d = expert_spans(F, P, lo.p.tiling), expert_spans(D, P, lo.p.tiling)
+    tiles_f, tiles_d = len(spans_f), len(spans_d)
     norm = p.norm_of.get(name)
     x = norm.args["x"] if norm else a["x"]
     route, hid, part = Value(f"{name}.route", 2 * k), f"{name}.h", f"{name}.part"
@@ -98,8 +111,7 @@ def lower(lo: Lowering, node: Node) -> None:
     # x is ready once the route is, when the router read x (Moondream 3): then one wait.
     wait_up = [(route_counter, B)] + ([] if x.name in route_st.ancestors else waits([x]))
     for j in range(P):
-        for t, n0 in enumerate(range(0, F, bn)):
-            n1 = min(F, n0 + bn)
+        for t, (n0, n1) in enumerate(spans_f):
             cell = j * (tiles_f + tiles_d) + t
             g.add(Task(f"{hid}[p{j},{n0}:{n1}]", OP_MOE_UP,
                        dict(M=B, K=D, N=F, n0=n0, n1=n1, k0=0, k1=D, x=S.off(x.name), w=W.toff(a["gate_up"]),
@@ -114,8 +126,7 @@ def lower(lo: Lowering, node: Node) -> None:
     down = Stage(part, down_counter, ancestors=up.ancestors | {part})
     n_up = g.signalers(up_counter)
     for j in range(P):
-        for t, n0 in enumerate(range(0, D, bn)):
-            n1 = min(D, n0 + bn)
+        for t, (n0, n1) in enumerate(spans_d):
             cell = j * (tiles_f + tiles_d) + tiles_f + t
             g.add(Task(f"{part}[p{j},{n0}:{n1}]", OP_MOE_DOWN,
                        dict(M=B, K=F, N=D, n0=n0, n1=n1, k0=0, k1=F, x=S.off(hid) + j * B * F, w=W.toff(a["down"]),
