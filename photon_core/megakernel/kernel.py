@@ -1362,6 +1362,23 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
+def _moe_span(row, s_ptr, B, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, XALIGN: tl.constexpr):
+    """An expert task of several tiles: its K, N, columns [n0, n1), the expert's row stride (XALIGN:
+    said aligned in arithmetic, as the one-tile tasks say it), S slots, and its pair seen against
+    the batch's routing (_moe_pair: expert, first, rows choosing it, their weights)."""
+    K = tl.load(row + F_K)
+    N = tl.load(row + F_N)
+    n0 = tl.load(row + F_n0)
+    n1 = tl.load(row + F_n1)
+    S = tl.load(row + F_S)
+    ldw = tl.load(row + F_ldw)
+    if XALIGN:
+        ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
+    e, first, rsel, wsum = _moe_pair(s_ptr + tl.load(row + F_part), tl.load(row + F_tile), B, S, BLOCK_M, BLOCK_S)
+    return K, N, n0, n1, ldw, S, e, first, rsel, wsum
+
+
+@triton.jit
 def _task_moe_up_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr = False,
                        LOOP: tl.constexpr = 0):
@@ -1369,21 +1386,8 @@ def _task_moe_up_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOC
     one BLOCK_N tile after another, gate rows then up rows of each, in one loop: the task's claim,
     header, waits and routing read are paid once for all of its tiles (the cost model's expert
     tasks spent about half their time on them). Bytes as _task_moe_up's over the whole span."""
-    # LOOP: the experts' K loop (expert_loop, on the host). Alignment said in arithmetic (_sixteens)
-    # for FP8 experts, and for 16-bit ones in wide steps (their loads were 2 bytes and the build
-    # spilled: Triton 3.9, 32 B); elsewhere as it was.
-    XALIGN: tl.constexpr = True if FP8 else LOOP > 0
-    D = tl.load(row + F_K)
-    F = tl.load(row + F_N)
-    n0 = tl.load(row + F_n0)
-    j = tl.load(row + F_tile)
-    route = s_ptr + tl.load(row + F_part)
-    S = tl.load(row + F_S)
-    n1 = tl.load(row + F_n1)
-    ldw = tl.load(row + F_ldw)
-    if XALIGN:
-        ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
-    e, first, rsel, _ = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
+    XALIGN: tl.constexpr = True if FP8 else LOOP > 0   # as _task_moe_up's
+    D, F, n0, n1, ldw, _, e, first, rsel, _ = _moe_span(row, s_ptr, B, BLOCK_M, BLOCK_S, XALIGN)
     if first:
         rows = tl.arange(0, BLOCK_M)
         # The rows' norm statistics are read once, before the loop, and the epilogue's fields
@@ -1399,7 +1403,8 @@ def _task_moe_up_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOC
             half = it % 2
             c = it // 2 * BLOCK_N
             acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * 2 * F * ldw + half * F * ldw,
-                              0, FP8, rsel, LOOP=LOOP, EXPERT=XALIGN, n_shift=c, mean_in=mean, rstd_in=rstd, STATS=True)
+                              0, FP8, rsel, LOOP=LOOP, EXPERT=XALIGN, n_shift=c, mean_in=mean, rstd_in=rstd,
+                              STATS=True)
             cols = n0 + c + tl.arange(0, BLOCK_N)
             if FP8:   # each output row's scale (fp32 [E, 2F] at wsc), once a tile
                 sc = tl.load(w_ptr.to(tl.pointer_type(tl.float32)) + tl.load(row + F_wsc) + e * 2 * F + half * F
@@ -1421,19 +1426,10 @@ def _task_moe_down_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BL
     """_task_moe_down over a span of columns [n0, n1) of any width, one BLOCK_N tile after another
     (as _task_moe_up_tiles)."""
     XALIGN: tl.constexpr = True if FP8 else LOOP > 0   # as _task_moe_up's
-    D = tl.load(row + F_N)
-    j = tl.load(row + F_tile)
-    route = s_ptr + tl.load(row + F_part)
-    S = tl.load(row + F_S)
-    n1 = tl.load(row + F_n1)
-    ldw = tl.load(row + F_ldw)
-    if XALIGN:
-        ldw = _sixteens(ldw)      # the expert's shift e * rows * ldw then known aligned
-    e, first, rsel, wsum = _moe_pair(route, j, B, S, BLOCK_M, BLOCK_S)
-    n0 = tl.load(row + F_n0)
+    F, D, n0, n1, ldw, S, e, first, rsel, wsum = _moe_span(row, s_ptr, B, BLOCK_M, BLOCK_S, XALIGN)
     if first:
         rows = tl.arange(0, BLOCK_M)
-        for c in range(0, n1 - n0, BLOCK_N):    # the task's tiles, as the up task's
+        for c in range(0, n1 - n0, BLOCK_N):
             part = _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, e * D * ldw, 0, FP8, rsel,
                                LOOP=LOOP, EXPERT=XALIGN, n_shift=c)
             # the epilogue's fields read here, not held across the K loop (see _task_moe_up_tiles)
@@ -1446,7 +1442,7 @@ def _task_moe_down_tiles(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BL
             chosen = ((rsel >> rows) & 1) != 0
             tl.store(s_ptr + tl.load(row + F_out) + rows[:, None].to(tl.int64) * (B * S * D) + cols[None, :],
                      wsum[:, None] * part, mask=chosen[:, None] & cmask[None, :])
-    tl.store(s_ptr + tl.load(row + F_loads), tl.where(first, (n1 - n0) * tl.load(row + F_K), 0).to(tl.float32))
+    tl.store(s_ptr + tl.load(row + F_loads), tl.where(first, (n1 - n0) * F, 0).to(tl.float32))
 
 
 @triton.jit
