@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
               "routing) once, bf16 KV at context 1024, at 4.8 TB/s.", ""] + moondream3_table(m)
     lines += ["", "Span 4 is built (expert tasks that loop over their tiles: kernel.XTILES, _task_moe_up_tiles) but "
               "not the default: those builds hold more registers (sm_90 SASS, 2026-12-05: no spill inside any K loop, "
-              "but stack outside the loops of 8-136 B where the one-tile builds have 0-32: Triton 3.9 batch-1 "
+              "but stack outside the loops of 0-136 B where the one-tile builds have 0-40: Triton 3.9 batch-1 "
               "wide512+aligned FP8 8 B (0), batch-8 unroll8+aligned FP8 16 (32), bf16 96 (40), plain FP8 batch 1 32 "
               "(0); Triton 3.6 batch 1 FP8 32 (24), batch 8 FP8 136 (0), bf16 0 (0)). bench/gpu_timeline.py times "
               "Moondream 3.1 at span 4 beside span 1 on the next GPU."]

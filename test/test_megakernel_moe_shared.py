@@ -21,9 +21,9 @@ from photon_core.megakernel.stepgraph import expected_experts  # noqa: E402
 RTOL = 1e-4
 E, F, D, K, VOCAB = 8, 16, 32, 2, 20
 TILING = Tiling(block_n=16, block_k=32, block_t=8, self_splits=1, cross_splits=1)
-# expert tasks of 4 tiles however few pairs (expert_min_tasks 0): D's 2 tiles one task, the kernel's
-# tile loop (kernel.XTILES)
-SPANS = {"one tile": TILING, "spans": Tiling(16, 32, 8, 1, 1, expert_span=4, expert_min_tasks=0)}
+# expert tasks of 4 tiles however few pairs (expert_min_tasks 0), 8 columns a tile: F's 2 tiles one
+# up task, D's 4 one down task, the kernel's tile loop (kernel.XTILES)
+SPANS = {"one tile": TILING, "spans": Tiling(8, 32, 8, 1, 1, expert_span=4, expert_min_tasks=0)}
 # Each row's chosen experts, in slot order (the forced logits make them the top k, in this order).
 ROUTINGS = {
     "some": [[0, 1], [1, 2], [3, 4], [4, 0]],    # 5 distinct experts of 8 pairs
@@ -108,7 +108,7 @@ def test_rows_sharing_experts_read_them_once(fp8, weight_dtype, tiling):
         assert sum(t.op == OP_MOE_UP for t in tasks) == batch * K * -(-F // span)
         assert sum(t.op == OP_MOE_DOWN for t in tasks) == batch * K * -(-D // span)
         assert step.kernel_for(None).expert_tiles == (tiling.expert_span > 1)
-        assert sum(t.op == OP_MOE_SUM for t in tasks) == batch * -(-D // TILING.block_n)
+        assert sum(t.op == OP_MOE_SUM for t in tasks) == batch * -(-D // tiling.block_n)
         for name in names:
             routing = ROUTINGS[name]
             lg = forced_logits(routing, gen)
@@ -162,6 +162,29 @@ def test_expert_tasks_span_several_tiles_while_the_stage_keeps_enough_tasks():
     assert widths(1024, 1) == {32}                       # one pair: every tile its own task
     assert widths(432, 2, Tiling(expert_span=4, expert_min_tasks=0)) == {128, 48}
     assert widths(1024, 64, Tiling()) == {32}            # the default: one tile a task
+
+
+@pytest.mark.parametrize("tiling", SPANS)
+def test_experts_normalize_a_host_input_themselves(tiling):
+    """x from the host (no producer stage to write its rows' norm statistics, lnst = -1): the expert
+    tasks compute the LayerNorm's statistics themselves, the span tasks once for all their tiles
+    (kernel._norm_stats before the tile loop), and the layer equals run_reference's."""
+    w = moe_weights(fp8=False)
+    g = StepGraph("moe-host-x", {k: tuple(v.shape) for k, v in w.items()})
+    h = g.layer_norm("h", g.input("x", D), "ln.w", "ln.b")
+    g.expose("mlp", g.moe("mlp", h, g.input("logits", E), "gu", "down", K, act="silu"))
+    gen = torch.Generator().manual_seed(23)
+    routing = ROUTINGS["some"][:2]
+    xs, lg = torch.randn(2, D, generator=gen) * 2 + 0.5, forced_logits(routing, gen)
+    step = CompiledStep(g, w, 2, SPANS[tiling])
+    assert all(t.args.get("lnst", -1) < 0 for t in step.graph.tasks if t.op == OP_MOE_UP)
+    step.state.fill_(float("nan"))
+    step.set_step([0, 0], [0, 0])
+    step.set_input("x", xs)
+    step.set_input("logits", lg)
+    step.launch()
+    want = run_reference(g, w, {}, [0, 0], [0, 0], inputs={"x": xs, "logits": lg})
+    assert rel_err(step.view("mlp"), want["mlp"]) < RTOL
 
 
 def test_expected_expert_bytes_under_uniform_routing():

@@ -1903,6 +1903,7 @@ class Megakernel:
 
     run_task = step_tasks
     variant = KernelVariant()
+    expert_tiles = False           # the table's expert tasks span several tiles (spans_expert_tiles)
     tuning = megakernel_tuning()   # programs an SM under the running Triton
     options = megakernel_options()   # its launch options (num_warps, maxnreg): those compile_check compiles with
 

@@ -37,9 +37,9 @@ class Tiling:
     # stage would have fewer than `expert_min_tasks` tasks (the routed pairs' tasks: an H100 /
     # H200 has 132 SMs, one program each under Triton 3.3-3.7), so that every SM still has an
     # expert tile to stream. 1 (one tile a task) until a GPU measures 4: the cost model predicts
-    # Moondream 3.1 at 4 ~1.3x faster at batch 1 and 8 (bench/RESULTS.md), but the builds that
+    # Moondream 3.1 at 4 1.2-1.6x faster at batch 1 and 8 (bench/RESULTS.md), but the builds that
     # loop over tiles hold more registers (kernel.XTILES; sm_90 SASS: no spill inside a K loop,
-    # 8-100 B of stack outside them where the one-tile builds have 0-40).
+    # 0-136 B of stack outside them where the one-tile builds have 0-40).
     expert_span: int = 1
     expert_min_tasks: int = 128
 
