@@ -567,9 +567,10 @@ def _x_row(kk, kmask, K, x_row, g_row, xglu, xact, xgate, gact, lnw, gn, be, mea
 def _linear_wide_steps(k0, k1, k1w, K, rows, rbits, x_base, x_stride, g_base, xglu, xact, xgate, gact, lnw, lnb, mean,
                        rstd, w_ptr, w_off, cols, cmask, ldw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BK: tl.constexpr, FP8: tl.constexpr = False):
-    """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (dense BK of 256-512: 16-32
-    KB of bf16 at 32 columns; an expert's step is kernel.expert_loop's, 128-512 elements, issued at once as 16-byte loads (aligned builds), so a step has that
-    much in flight where the elementwise loop has one BLOCK_K tile), then each row's x slice as a
+    """The K loop with wide steps: each step loads a [BLOCK_N, BK] weight tile (dense BK of 256-512:
+    16-32 KB of bf16 at 32 columns; an expert's step is expert_step's, 128-512 elements), issued at
+    once as 16-byte loads (aligned builds), so a step has that much in flight where the elementwise
+    loop has one BLOCK_K tile, then each row's x slice as a
     [BK] vector, and reduces w * x_row over K into the row's outputs at once: a few shuffles a row,
     against a memory trip of a microsecond. Each row's x still moves into the weight tile's layout
     through shared memory (SASS: 10 barriers a step at batch 1, 64 at batch 8; bench/RESULTS.md
@@ -1365,7 +1366,8 @@ def _task_moe_down(row, w_ptr, s_ptr, B, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N:
 def _moe_span(row, s_ptr, B, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, XALIGN: tl.constexpr):
     """An expert task of several tiles: its K, N, columns [n0, n1), the expert's row stride (XALIGN:
     said aligned in arithmetic, as the one-tile tasks say it), S slots, and its pair seen against
-    the batch's routing (_moe_pair: expert, first, rows choosing it, their weights)."""
+    the batch's routing (_moe_pair: expert, first, rows choosing it, their weights). The one-tile
+    tasks keep their own field loads, in their own order: their builds' registers stay as measured."""
     K = tl.load(row + F_K)
     N = tl.load(row + F_N)
     n0 = tl.load(row + F_n0)
