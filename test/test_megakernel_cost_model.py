@@ -123,3 +123,23 @@ def test_expert_tasks_of_several_column_tiles_cost_their_tiles_and_less_fixed_ti
     few = replace(m, programs=4)
     assert cm.simulate(four, la, few)["seconds"] < cm.simulate(one, la, few)["seconds"]
     assert cm.simulate(four, la, m)["seconds"] > cm.simulate(one, la, m)["seconds"]
+
+
+def test_attention_splits_follow_the_batch_on_the_real_shapes(graphs):
+    """Tiling() splits each (row, head)'s keys only while the stage would otherwise have too few
+    tasks for the GPU (Tiling.attn_min_tasks): Moondream 2 (32 heads, 24 layers) keeps 4 splits at
+    batch 1 and takes one at batch 8; Whisper tiny.en (6 heads) keeps its 4 self splits at batch 8
+    and halves its 8 cross splits. The model sees the batch-8 step shorter than the run's build."""
+    from photon_core.megakernel import Tiling
+    from photon_core.megakernel.ops import OP_ATTN_PARTIAL
+    today = bench.graphs(Tiling())
+
+    def partials(g):
+        return sum(t.op == OP_ATTN_PARTIAL for t in g.tasks)
+    assert partials(today["moondream2", 1][0]) == partials(graphs["moondream2", 1][0]) == 24 * 32 * 4
+    assert partials(graphs["moondream2", 8][0]) == 24 * 8 * 32 * 4
+    assert partials(today["moondream2", 8][0]) == 24 * 8 * 32
+    assert partials(today["whisper-tiny.en", 8][0]) == 4 * 8 * 6 * (4 + 4)
+    run, now = (cm.simulate(g, bench.launch("moondream2", 8, "bf16", g, t), cm.FITTED)["seconds"]
+                for g, t in (graphs["moondream2", 8], today["moondream2", 8]))
+    assert now < run, (now, run)

@@ -325,3 +325,36 @@ def test_appends_run_as_finales_of_their_qkv_tiles_whichever_tile_is_last():
     step.sarena.typed(step.state, "q").fill_(float("nan"))
     step.launch()
     assert torch.isnan(step.view("q")).all()
+
+
+
+@pytest.mark.parametrize("min_tasks, splits", [(0, (3, 4)), (12, (3, 2)), (6, (1, 1))])
+def test_attention_splits_follow_the_batch(min_tasks, splits):
+    """Tiling.attn_min_tasks: a split count halves while the stage keeps that many tasks (2 rows x 3
+    heads here; 0 never halves). The step equals run_reference whatever the splits (one split: a
+    ticket of one, its partial merged alone), and a row without cross keys reads zeros."""
+    from dataclasses import replace
+
+    from photon_core.megakernel import run_reference
+    from test_megakernel_compiler import RTOL, rel_err
+    w = toy_weights()
+    g = toy_graph(w)
+    step = CompiledStep(g, w, 2, replace(Tiling(16, 32, 8, 3, 4), attn_min_tasks=min_tasks))
+    for name, want in zip(("a", "c"), splits):
+        parts = [t for t in step.graph.tasks if t.name.startswith(f"{name}.part[")]
+        assert len(parts) == 2 * 3 * want and all(t.args["S"] == want for t in parts)
+        assert step.plan.sarena.numel(f"{name}.part") == 2 * 3 * want * (16 + 2)   # head_dim 16
+    check(step.graph)
+    step.state.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(3)
+    positions, cross = [4, 2], [9, 0]
+    caches = fill_caches(step, 2, positions, 9, gen)
+    step.set_cross_len(cross)
+    bias = torch.zeros(2, 70)
+    step.set_input("bias", bias)
+    step.set_step([5, 7], positions)
+    step.launch()
+    want = run_reference(g, w, caches, [5, 7], positions, cross, {"bias": bias})
+    for name in ("a", "c", "logits"):
+        assert rel_err(step.view(name), want[name]) < RTOL, name
+    assert torch.equal(step.view("c")[1], torch.zeros_like(step.view("c")[1]))

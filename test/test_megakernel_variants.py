@@ -68,6 +68,29 @@ def test_a_variant_computes_what_the_plain_build_does(step, variant):
 
 
 
+def test_aligned_builds_say_the_caches_alignment_only_where_it_holds(step):
+    """An aligned build of a table whose caches are 16-aligned (head dim 32 here) says so to its
+    attention tasks (kernel.KV16: 16-byte K / V loads on a GPU); with head dim 8 it must not (the
+    hint rounds offsets down to 16): that build computes what the plain one does."""
+    from photon_core.megakernel.kernel import KV16
+    aligned = KernelVariant(wide=32, aligned=True)
+    k = copy.copy(step.kernel)
+    k.variant = aligned
+    assert k.kv_aligned and k.loop() == aligned.loop + KV16
+    k.variant = KernelVariant(wide=32)
+    assert k.loop() == k.variant.loop                      # not an aligned build: nothing said
+    wt = WhisperDecoderWeights.random(64, 8, 1, 96, n_ctx=16, seed=4)
+    narrow = WhisperDecoderMegakernel(wt, 2, 16, 8, Tiling(16, 16, 16, 2, 2), advance=False)
+    narrow.weights = narrow.weights.to(torch.bfloat16)
+    narrow.kernel.weights = narrow.weights
+    g = torch.Generator().manual_seed(1)
+    narrow.set_cross_kv([(torch.randn(2, 8, 8, 8, generator=g), torch.randn(2, 8, 8, 8, generator=g))])
+    narrow.set_step([5, 7], [3, 6])
+    assert not narrow.kernel.kv_aligned
+    plain, got = run(narrow, KernelVariant()), run(narrow, aligned)
+    assert ((got - plain).abs().max() / plain.abs().max()).item() < 1e-6
+
+
 def test_the_static_build_claims_nothing_and_counts_every_task_it_ran(step):
     """The claimed build's counter ends at tasks + programs (each program's last claim finds none);
     the static build's at the tasks its programs ran, each exactly once (one program under the
@@ -106,7 +129,8 @@ for name in sys.argv[2:]:
     out[name]["ptx"] = {k: len(re.findall(p, ptx)) for k, p in (("bulk_prefetch", r"cp\.async\.bulk\.prefetch\.L2"),
                  ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
                  ("smid", r"%smid"))}
-    out[name].update(k_loops=cc.k_loops(ck.asm["cubin"], 90), threads=32 * ck.metadata.num_warps,
+    out[name].update(k_loops=cc.k_loops(ck.asm["cubin"], 90), attention_loops=cc.attention_loops(ck.asm["cubin"], 90),
+                     threads=32 * ck.metadata.num_warps,
                      **cc.resource_usage(ck.asm["cubin"], 90))
 print(json.dumps(out))
 '''
@@ -169,8 +193,10 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     assert wide["in_flight_bytes"] * threads >= 32 * 1024 and set(wide["loads"]) == {"LDG.E.128"}, wide
     assert got["megakernel_b1_bf16_n32_k64_wide512_aligned"]["stack"] == 0
     # the static schedule (its next header held across a task) leaves the K loop as it was, unspilled
+    # (its stack, 24 B under 3.9 since attention holds a step's K and V tiles at once, lies outside
+    # every loop: the attention loop test checks that one)
     static = got["megakernel_b1_bf16_n32_k64_wide512_aligned_static"]
-    assert dense_loop(static["k_loops"]) == wide and static["stack"] == 0, static
+    assert dense_loop(static["k_loops"]) == wide and wide["local"] == 0, static
     # batch 8, unroll8+aligned: eight K steps' tiles (16 KB a program) issued as vector loads before the
     # first is used (16 bytes under 3.9's 128 threads; 8 under 3.6's 256, which cover the 32 x 32 tile
     # 4 elements each), no spill traffic inside the loop (3.9 spills 24 B around it)
@@ -179,6 +205,23 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     wide_loads = {"LDG.E.128"} if b8["threads"] == 128 else {"LDG.E.64", "LDG.E.128"}
     assert b8_loop["in_flight_bytes"] * b8["threads"] >= 16 * 1024 and set(b8_loop["loads"]) <= wide_loads, b8_loop
     assert all(lp["local"] == 0 for lp in dense_loops(b8["k_loops"])), b8
+
+
+def test_attention_loads_keys_and_values_together_and_aligned_builds_in_16_byte_vectors(compiled):
+    """The attention key loop (decode_partial, inlined) of every build issues a step's K and V loads
+    before it uses either (the reductions' barriers stop loads written after them: V was a second
+    trip to memory every step); the aligned builds (kernel.KV16) load them 16 bytes at a time: the
+    whole [64 keys, 64] K and V tiles of a step in flight. No spill inside the loop in any build
+    but dot64+pipe3's (which spills everywhere: not a candidate)."""
+    _, got = compiled
+    for name, rec in got.items():
+        loops = rec["attention_loops"]
+        assert loops and all(lp["local"] == 0 or "_dot" in name for lp in loops), (name, loops)
+        assert all(lp["in_flight_bytes"] > lp["weight_bytes"] // 2 for lp in loops), (name, loops)
+        if "aligned" in name:
+            tile = 2 * 64 * 64 * (2 if "kvbf16" in name else 4) // rec["threads"]
+            assert all(all(w.startswith("LDG.E.128") for w in lp["loads"])
+                       and lp["in_flight_bytes"] == lp["weight_bytes"] == tile for lp in loops), (name, loops)
 
 
 def test_the_streaming_builds_stream_the_experts_in_wide_steps(compiled):

@@ -115,15 +115,17 @@ def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
         tmask = tt < end
         slot = tl.where(ring > 0, tt % tl.maximum(ring, 1), tt)
         off = slot[:, None].to(tl.int64) * D + dd[None, :]
+        # K and V issued together: the reductions below hold barriers, which no load crosses, so a
+        # V load written after them would be a second trip to memory every step.
         k = tl.load(k_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
+                    cache_modifier=CACHE).to(tl.float32)
+        v = tl.load(v_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
                     cache_modifier=CACHE).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1) * scale
         s = tl.where(tmask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
-        v = tl.load(v_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
-                    cache_modifier=CACHE).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new

@@ -149,6 +149,8 @@ def megakernel_case(name: str) -> tuple[Any, dict[str, str], dict[str, Any]]:
                                     max_splits=8, max_tiles=1024),
                  RUN_TASK=mk.step_tasks_for("_kvbf16" in opts, "_fp8" in opts), TRACE=int("_trace" in opts),
                  **variant.constexprs())
+    # _aligned: a table of 16-aligned caches, as every family's (kernel.kv_aligned)
+    const["LOOP"] += mk.KV16 if variant.aligned else 0
     # _tiles: a table whose expert tasks span several column tiles (Tiling.expert_span > 1)
     const["XLOOP"] = mk.expert_loop(variant, const["BLOCK_M"], 1 if "_fp8" in opts else 4 if wdt == "fp32" else 2,
                                     mk.Megakernel.tuning, "_tiles" in opts)
@@ -234,11 +236,32 @@ def k_loops(cubin: bytes, arch: int) -> list[dict[str, Any]]:
                  barriers=lp.barriers, shared=lp.shared, local=lp.local) for lp in found]
 
 
+def attention_loops(cubin: bytes, arch: int) -> list[dict[str, Any]]:
+    """The megakernel's attention key loops (kernels/attention.decode_partial, inlined), per trip
+    and thread as k_loops reports weight loops: their K and V loads ("weight_bytes": the cache
+    bytes a trip moves) and what of them is in flight at once. Every global load on a line of
+    decode_partial's key loop counts (ptxas records a load on any line of its statement, or the
+    next: the loop holds no other global load)."""
+    from photon_core.kernels import sass_loops
+    nvdisasm = str(Path(ptxas_path(arch)).parent / "nvdisasm")
+    source = ROOT / "photon_core" / "kernels" / "attention.py"
+    text = source.read_text().splitlines()
+    names = sass_loops.enclosing_functions(text)
+    lines = [n for n, f in names.items() if f == "decode_partial"]
+    start = next(n for n in lines if text[n - 1].lstrip().startswith("for "))
+    insns, labels = sass_loops.instructions(sass_loops.disassemble(cubin, nvdisasm))
+    found = sass_loops.loops(insns, labels, source.name, {n for n in lines if n > start}, names)
+    return [dict(task="decode_partial", loads=lp.loads, weight_bytes=lp.weight_bytes,
+                 in_flight_bytes=lp.in_flight_bytes, barriers=lp.barriers, shared=lp.shared, local=lp.local)
+            for lp in found]
+
+
 def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool = False,
         loops: bool = False) -> dict[str, Any]:
     """{"triton": version, "cases": {"<case>@sm_<arch>": {seconds, cubin, [ptx], [registers, ...]}}}:
     report adds ptxas -v's figures, usage cuobjdump's (registers, stack), loops (megakernel cases)
-    the K loops' figures from the SASS (k_loops) and the threads of a program."""
+    the K loops' and attention loops' figures from the SASS (k_loops, attention_loops) and the
+    threads of a program."""
     import triton
     out: dict[str, Any] = {}
     for arch in archs:
@@ -251,7 +274,8 @@ def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool
             if usage:
                 rec.update(resource_usage(ck.asm["cubin"], arch))
             if loops and name.startswith("megakernel"):
-                rec.update(k_loops=k_loops(ck.asm["cubin"], arch), threads=32 * ck.metadata.num_warps)
+                rec.update(k_loops=k_loops(ck.asm["cubin"], arch), attention_loops=attention_loops(ck.asm["cubin"], arch),
+                           threads=32 * ck.metadata.num_warps)
             if ptx:
                 rec["ptx"] = ck.asm["ptx"]
             out[f"{name}@sm_{arch}"] = rec

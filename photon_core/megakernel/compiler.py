@@ -247,6 +247,7 @@ def _proven_kernel(graph: TaskGraph, table: torch.Tensor, weights: torch.Tensor,
     dev = weights.device
     mk.graph, mk.run_task = graph, run_task
     mk.expert_tiles = kernel.spans_expert_tiles(graph, block_n)
+    mk.kv_aligned = kernel.kv_aligned(graph)
     mk.tasks = table.to(dev)
     mk.ctrl = torch.zeros(graph.ctrl_size(), dtype=torch.int32, device=dev)
     mk.weights, mk.state, mk.dyn, mk.out = weights, state, dyn, out

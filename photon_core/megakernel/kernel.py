@@ -166,6 +166,11 @@ OP_MOE_SUM: tl.constexpr = tl.constexpr(ops.OP_MOE_SUM)
 # (_task_moe_up_tiles); without it the build keeps the one-tile tasks, their registers unchanged.
 # (_step_tasks says it as 33554432: the interpreter takes no constexpr in constexpr arithmetic.)
 XTILES = 1 << 25
+# LOOP's flag (above KernelVariant.loop's fields), set by the host for an aligned build of a table
+# whose caches have head dims and offsets that are multiples of 16 elements (kv_aligned): the
+# attention tasks say so, and their K / V loads become 16-byte vectors (scalar 2- or 4-byte loads
+# without it: the offsets are loaded fields). _step_tasks says it as 33554432, as XTILES.
+KV16 = 1 << 25
 
 
 @triton.jit
@@ -803,12 +808,14 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
 
 @triton.jit
 def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_S: tl.constexpr, KV_BF16: tl.constexpr = False):
+                       BLOCK_S: tl.constexpr, KV_BF16: tl.constexpr = False, KV_ALIGNED: tl.constexpr = False):
     """Split s of the keys of (row b, query head h): the online-softmax partial (m, l, acc); then,
     if this is the LAST of the (b, h)'s S partials to finish, their merge into the attention output
     (the merge costs no task and no dependency level of its own). KV_BF16: the caches are bf16
-    (offsets in bf16 elements), read as fp32. Bytes: 2*chunk*Dh K/V + (Dh+2)*4 out; the last one
-    also S*(Dh+2)*4 of partials (L2) and Dh*4 of output."""
+    (offsets in bf16 elements), read as fp32. KV_ALIGNED (KV16): the head dim and the cache offsets
+    are multiples of 16, said in arithmetic (_sixteens), so each key's row loads as 16-byte vectors.
+    Bytes: 2*chunk*Dh K/V + (Dh+2)*4 out; the last one also S*(Dh+2)*4 of partials (L2) and Dh*4
+    of output."""
     q_off = tl.load(row + F_x)
     stride = tl.load(row + F_K)
     kc = tl.load(row + F_kc)
@@ -832,6 +839,10 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     ticket = tl.load(row + F_ticket)
     tickets = tl.load(row + F_tickets)
     out = tl.load(row + F_out)
+    if KV_ALIGNED:
+        Dh = _sixteens(Dh)
+        kc = _sixteens(kc)
+        vc = _sixteens(vc)
     if kind == 0:
         length = tl.load(dyn_ptr + B + b, cache_modifier=CG).to(tl.int64) + 1
     else:
@@ -1491,15 +1502,18 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     `op`; 0 for an unknown op (the host raises). KV_BF16 (caches in bf16) and FP8 (FP8 experts)
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
     a run-time choice between variants would hold both and spill (ptxas -v). Returns 0, or the
-    task's failure (graph.ERR_OP, ERR_RANGE). LOOP: the dense linear tasks' K loop; XLOOP: the
-    expert tasks' (expert_loop, chosen on the host), + XTILES where they span several tiles."""
+    task's failure (graph.ERR_OP, ERR_RANGE). LOOP: the dense linear tasks' K loop, + KV16 where
+    the caches are aligned; XLOOP: the expert tasks' (expert_loop, chosen on the host), + XTILES
+    where they span several tiles."""
     XTILED: tl.constexpr = XLOOP // 33554432 % 2
     XK: tl.constexpr = XLOOP % 33554432
+    KVA: tl.constexpr = LOOP // 33554432 % 2
+    LK: tl.constexpr = LOOP % 33554432
     status = tl.full([], 0, tl.int32)
     if op == OP_LINEAR:
-        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LOOP)
+        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LK)
     elif op == OP_ATTN_PARTIAL:
-        _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, BLOCK_S, KV_BF16)
+        _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, BLOCK_S, KV_BF16, KVA)
     elif op == OP_ATTN_MERGE:
         _task_attn_merge(row, s_ptr, BLOCK_S, BLOCK_D)
     elif op == OP_EMBED:
@@ -1509,7 +1523,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     elif op == OP_ROPE_APPEND:
         pass   # below, where finale rows run it too: one inlined copy (the kernel is at the edge of the register file)
     elif op == OP_LINEAR_SPLIT:
-        _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LOOP)
+        _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LK)
     elif op == OP_CONV_STEP:
         _task_conv_step(row, w_ptr, s_ptr, BLOCK_M, BLOCK_N)
     elif op == OP_DELTA_STEP:
@@ -1893,6 +1907,14 @@ def expert_loop(variant: KernelVariant, block_m: int, weight_bytes: int, tuning:
     return (KernelVariant(wide=step, aligned=True).loop if step else 0) + (XTILES if tiles else 0)
 
 
+def kv_aligned(graph: TaskGraph) -> bool:
+    """Whether every attention task's head dim and cache offsets are multiples of 16 elements (the
+    arena aligns every region to 16 units; head dims are the model's: 64, 128, 256 in every family
+    here), so an aligned build may say so to its K / V loads (KV16)."""
+    return all(t.args["Dh"] % 16 == 0 and t.args["kc"] % 16 == 0 and t.args["vc"] % 16 == 0
+               for t in graph.tasks if t.op == ops.OP_ATTN_PARTIAL)
+
+
 def spans_expert_tiles(graph: TaskGraph, block_n: int) -> bool:
     """Whether some expert task spans several column tiles (Tiling.expert_span > 1): its build
     must loop over them (XTILES)."""
@@ -1906,6 +1928,7 @@ class Megakernel:
     run_task = step_tasks
     variant = KernelVariant()
     expert_tiles = False           # the table's expert tasks span several tiles (spans_expert_tiles)
+    kv_aligned = False             # the table's caches are 16-aligned (kv_aligned)
     tuning = megakernel_tuning()   # programs an SM under the running Triton
     options = megakernel_options()   # its launch options (num_warps, maxnreg): those compile_check compiles with
 
@@ -1917,6 +1940,7 @@ class Megakernel:
         check(graph)
         self.graph = graph
         self.expert_tiles = spans_expert_tiles(graph, block_n)
+        self.kv_aligned = kv_aligned(graph)
         if run_task is not None:   # a variant of the task table (step_tasks_for)
             self.run_task = run_task
         dev = weights.device
@@ -1954,8 +1978,14 @@ class Megakernel:
         _megakernel[(programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
                                           self.weights, self.state, self.out, self.batch, self.ln_eps,
                                           self.spin_limit, self.ctrl if trace is None else trace,
-                                          RUN_TASK=self.run_task, TRACE=mode, **self.variant.constexprs(),
+                                          RUN_TASK=self.run_task, TRACE=mode,
+                                          **dict(self.variant.constexprs(), LOOP=self.loop()),
                                           XLOOP=self.expert_loop(), **self.options, **self.meta)
+
+    def loop(self) -> int:
+        """This launch's LOOP: the variant's dense K loop, + KV16 where an aligned build's caches
+        are aligned."""
+        return self.variant.loop + (KV16 if self.variant.aligned and self.kv_aligned else 0)
 
     def expert_loop(self, weight_bytes: int | None = None) -> int:
         """This launch's expert K loop (expert_loop: the variant's, at this batch and expert format;

@@ -17,9 +17,14 @@ from photon_core.megakernel.stepgraph import Node, StepGraph, Tau, Value
 class Tiling:
     block_n: int = 32        # output columns per linear / embed task (the widest tile)
     block_k: int = 64        # K step inside a linear task
-    block_t: int = 32        # keys per attention inner step
+    block_t: int = 64        # keys per attention inner step (a step's K and V tiles are in flight at
+                             # once: 16 KB at head dim 64 in bf16; kernel.ATTN_TILE caps it for wide heads)
     self_splits: int = 4     # KV splits of self-attention (per row and head)
     cross_splits: int = 8    # KV splits of attention over host-filled ("cross") caches
+    # Either split count halves while the attention stage keeps at least this many (row, head,
+    # split) tasks (ops.attention.attention_splits; 0: never): at batch 8 the (row, head) pairs
+    # alone fill the GPU, and a split only adds a task's fixed cost and a merge.
+    attn_min_tasks: int = 128
     # A linear stage with fewer tiles than `min_tasks` (0: never) gets narrower tiles (down to
     # `min_block_n` columns), then splits K into up to `max_split_k` slices, so that every program
     # has work: on a GPU, min_tasks is about the number of programs (2 per SM).

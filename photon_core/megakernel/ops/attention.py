@@ -38,10 +38,26 @@ def reference(e: Eager, node: Node) -> torch.Tensor:
     return y.reshape(bsz, node.value.width)
 
 
+def attention_splits(node: Node, batch: int, tiling) -> int:
+    """KV splits a (row, query head) of this attention gets: the tiling's (self or cross), halved
+    while the stage would keep at least Tiling.attn_min_tasks tasks (0: never). Splits exist to
+    give every program work when (row, head) pairs are few (batch 1); once the pairs alone fill
+    the GPU, a split only adds a task's fixed cost (claim, header, waits: ~5 us on the first GPU
+    run) and a share of a merge (Moondream 2 at batch 8: 256 pairs x 4 splits = 1024 tasks a
+    layer, where 256 fill 132 SMs). One split still stores its partial and merges it (the
+    kernel's one path; the direct store it could make moved ptxas's allocation at the 255-register
+    edge: 8 B of stack in the batch-1 FP8 streaming build under 3.9)."""
+    splits = max(1, tiling.self_splits if node.args["length"] == "self" else tiling.cross_splits)
+    pairs = batch * (node.value.width // node.args["k"].spec.head_dim)
+    while splits > 1 and tiling.attn_min_tasks and pairs * (splits // 2) >= tiling.attn_min_tasks:
+        splits //= 2
+    return splits
+
+
 def scratch(graph: StepGraph, node: Node, batch: int, tiling) -> dict[str, tuple[int, ...]]:
     """Each (row, head, split)'s partial (m, l, acc[Dh])."""
     spec = node.args["k"].spec
-    splits = tiling.self_splits if node.args["length"] == "self" else tiling.cross_splits
+    splits = attention_splits(node, batch, tiling)
     return {f"{node.value.name}.part": (batch, node.value.width // spec.head_dim, splits, spec.head_dim + 2)}
 
 
@@ -53,7 +69,7 @@ def lower(lo: Lowering, node: Node) -> None:
     d = node.value.width
     hq = d // dh                         # query heads; head h reads K/V head h // (hq / H)
     self_len = a["length"] == "self"
-    splits = p.tiling.self_splits if self_len else p.tiling.cross_splits
+    splits = attention_splits(node, B, p.tiling)
     part = f"{name}.part"
     # No merge tasks: the last partial of each (row, head) to finish merges (a ticket per (row,
     # head)), so the stage's counter, which every partial signals, is complete only once every
