@@ -100,36 +100,61 @@ NO_CACHE_HINT: tl.constexpr = tl.constexpr("")
 
 @triton.jit
 def decode_partial(q_ptr, k_ptr, v_ptr, start, end, D, scale,
-                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = NO_CACHE_HINT, ring=0):
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr = NO_CACHE_HINT, ring=0,
+                   LANES: tl.constexpr = True):
     """Online softmax of one query (q_ptr, D values) over keys [start, end) of a [*, D] row-major
     K/V block; with ring > 0 key t lives in row t % ring (a sliding window's ring cache). Returns
-    (m, l, acc[BLOCK_D]); an empty range gives (-inf, 0, 0)."""
+    (m, l, acc[BLOCK_D]); an empty range gives (-inf, 0, 0). A step's K and V loads are both
+    issued before either is used: one trip to memory a step.
+
+    LANES: each of the BLOCK_T key lanes keeps its own running (m, l, acc[D]) over the keys lane,
+    lane + BLOCK_T, ...; the lanes merge once at the end. A step then reduces only over D (within
+    a warp): no reduction over the keys, which crosses warps (shared memory and barriers every
+    step). It holds a [BLOCK_T, BLOCK_D] accumulator: the megakernel's builds that stream scalar
+    loads keep the running (m, l, acc) of the whole block instead (LANES False: their registers
+    would spill, sm_90 ptxas)."""
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     q = tl.load(q_ptr + dd, mask=dmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    if LANES:
+        m_i = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_T,), tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    else:
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
     for t0 in range(start, end, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
         tmask = tt < end
         slot = tl.where(ring > 0, tt % tl.maximum(ring, 1), tt)
         off = slot[:, None].to(tl.int64) * D + dd[None, :]
-        # K and V issued together: the reductions below hold barriers, which no load crosses, so a
-        # V load written after them would be a second trip to memory every step.
         k = tl.load(k_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
                     cache_modifier=CACHE).to(tl.float32)
         v = tl.load(v_ptr + off, mask=tmask[:, None] & dmask[None, :], other=0.0,
                     cache_modifier=CACHE).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
-        s = tl.where(tmask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        s = tl.where(tmask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        if LANES:
+            m_new = tl.maximum(m_i, s)
+            # A lane that has seen no key yet stays at -inf: scale by 0, not by exp(-inf + inf).
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - base)
+            p = tl.exp(s - base)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
-    return m_i, l_i, acc
+    if LANES:
+        m = tl.max(m_i, axis=0)
+        w = tl.exp(m_i - tl.where(m == float("-inf"), 0.0, m))
+        return m, tl.sum(l_i * w, axis=0), tl.sum(acc * w[:, None], axis=0)
+    else:
+        return m_i, l_i, acc
 
 
 @triton.jit

@@ -866,8 +866,10 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     # Keys per step: BLOCK_T, fewer for a head so wide that the K / V tile would pass ATTN_TILE.
     BT: tl.constexpr = BLOCK_T if BLOCK_T * BLOCK_D <= ATTN_TILE else (
         ATTN_TILE // BLOCK_D if ATTN_TILE >= 2 * BLOCK_D else 2)
+    # Key lanes of their own (no barrier a step) where the loads are vectors: the builds of scalar
+    # loads would spill their accumulators (decode_partial's LANES).
     m, l, acc = decode_partial(s_ptr + q_off + b * stride + h * Dh, kv_ptr + kc + base, kv_ptr + vc + base,
-                               start, end, Dh, scale, BT, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0))
+                               start, end, Dh, scale, BT, BLOCK_D, CG, tl.where(ring != 0, Tmax, 0), KV_ALIGNED)
     bh = s_ptr + part + (b * Hq + h) * S * (Dh + 2)
     store_partial(bh + s * (Dh + 2), m, l, acc, Dh, BLOCK_D)
     if ticket >= 0:
