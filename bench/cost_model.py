@@ -35,10 +35,11 @@ FLOOR_US = {("whisper-tiny.en", 1, "bf16"): 587 / 36.33, ("whisper-tiny.en", 8, 
 
 
 def measured_tiling() -> Any:
-    """The tiling the run's builds had: Tiling() of 2026-12-04, before the attention's splits
-    followed the batch (Tiling.attn_min_tasks: 4 self / 8 cross splits at every batch then)."""
+    """The tiling the run's builds had: Tiling() of 2026-12-04, before the attention followed the
+    batch (Tiling.attn_min_tasks: 4 self / 8 cross splits at every batch then) and took 64 keys a
+    step (32 then)."""
     from photon_core.megakernel.compiler import Tiling
-    return Tiling(attn_min_tasks=0)
+    return Tiling(block_t=32, attn_min_tasks=0)
 
 
 def graphs(tiling: Any = None) -> dict[tuple[str, int], tuple[Any, Any]]:
@@ -134,7 +135,8 @@ def changes(m: cm.Machine) -> list[tuple[str, cm.Machine, dict]]:
          replace(m, task=m.task * STATIC_TASK, static=True), STREAMING_KW),
         ("streaming builds + today's attention (built, the default): splits that follow the batch (Tiling."
          "attn_min_tasks 128: B8 one split a (row, head)), 64 keys a step, a step's K and V loads in flight "
-         "together (16-byte loads in the aligned builds: kernel.KV16)", m, dict(STREAMING_KW, tiling=None)),
+         "together (16-byte loads and a softmax per key lane, no barrier a step, in the aligned builds; the "
+         "model counts a step as one trip either way)", m, dict(STREAMING_KW, tiling=None)),
     ]
 
 
@@ -237,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
               "not the default: those builds hold more registers (sm_90 SASS, 2026-12-05: no spill inside any K loop, "
               "but stack outside the loops of 0-136 B where the one-tile builds have 0-40: Triton 3.9 batch-1 "
               "wide512+aligned FP8 8 B (0), batch-8 unroll8+aligned FP8 16 (32), bf16 96 (40), plain FP8 batch 1 32 "
-              "(0); Triton 3.6 batch 1 FP8 32 (24), batch 8 FP8 136 (0), bf16 0 (0)). bench/gpu_timeline.py times "
-              "Moondream 3.1 at span 4 beside span 1 on the next GPU."]
+              "(0); Triton 3.6 batch 1 FP8 32 (24), batch 8 FP8 136 (0), bf16 0 (0); measured before the attention of "
+              "2026-12-06, which moved the one-tile builds' stacks: see the K-loop section). bench/gpu_timeline.py "
+              "times Moondream 3.1 at span 4 beside span 1 on the next GPU."]
     from report import heading, publish
     intro = ["The first GPU run's eight steps (../shared/gpu-runs/h200-2026-12-04) against the model "
              "(photon_core/megakernel/cost_model.py: the persistent kernel's schedule simulated over the task graph, "

@@ -45,14 +45,18 @@ VARIANTS = {1: ("", "_aligned", "_unroll4_aligned", "_wide256_aligned", "_wide51
 # Builds with FP8 experts (Moondream 3 preview's), bf16 KV: their expert loops and what they cost the kernel.
 FP8_BASE = {1: "megakernel_b1_bf16_kvbf16_fp8_n32_k64_t32_d64", 8: "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64"}
 FP8_VARIANTS = {1: ("", "_wide512_aligned"), 8: ("", "_unroll8_aligned")}
+# Today's Tiling() (64 keys a step) with bf16 KV (CUDA's default): the attention key loop per build.
+ATTN_BASE = {1: "megakernel_b1_bf16_kvbf16_n32_k64_t64_d64", 8: "megakernel_b8_bf16_kvbf16_n32_k64_t64_d64"}
+ATTN_VARIANTS = {1: ("", "_wide512_aligned"), 8: ("", "_unroll8_aligned")}
 MEASURED = "3.6.0"     # the Triton of the run the model is fitted to
 
 
 def compile_all(versions: list[str]) -> dict[str, dict]:
     """version -> compile_check's JSON for every case, both versions compiling side by side."""
     import triton_versions as tv
-    cases = [BASE[b] + v for b in VARIANTS for v in VARIANTS[b]] + [FP8_BASE[b] + v for b in FP8_VARIANTS
-                                                                    for v in FP8_VARIANTS[b]]
+    cases = ([BASE[b] + v for b in VARIANTS for v in VARIANTS[b]] + [FP8_BASE[b] + v for b in FP8_VARIANTS
+                                                                     for v in FP8_VARIANTS[b]]
+             + [ATTN_BASE[b] + v for b in ATTN_VARIANTS for v in ATTN_VARIANTS[b]])
     cache = Path(tempfile.mkdtemp(prefix="photon-kloops-"))
     procs = {}
     for v in versions:
@@ -86,6 +90,19 @@ def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], progra
             row[name] = cm.simulate(graph, launch, m)["seconds"] * 1e6
         out[version, batch, variant] = row
     return out
+
+
+def loads_text(loads: dict[str, int]) -> str:
+    """Loads a trip by width as the tables write them (e.g. "8 x 128"; a 4-byte load is "32")."""
+    return ", ".join(f"{n} x {op.removeprefix('LDG.E.') if op != 'LDG.E' else '32'}" for op, n in sorted(loads.items()))
+
+
+def builds(got: dict, versions: list[str], base: dict[int, str], variants: dict[int, tuple[str, ...]]):
+    """(Triton version, batch, variant name, compile record) of each build of a table, in order."""
+    for v in versions:
+        for b in variants:
+            for variant in variants[b]:
+                yield got[v]["triton"], b, variant.lstrip("_") or "plain", got[v]["cases"][f"{base[b]}{variant}@sm_90"]
 
 
 def experts_kb(rec: dict) -> str:
@@ -146,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for version, b, variant, rec, lp, w, f in table:
         pr = pred[version, b, variant]
-        loads = ", ".join(f"{n} x {op.removeprefix('LDG.E.') if op != 'LDG.E' else '32'}"
-                          for op, n in sorted(lp["loads"].items()))
+        loads = loads_text(lp["loads"])
         md, wh = pr["moondream2"], pr["whisper-tiny.en"]
         lines.append(f"| {version} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | {rec['registers']} / "
                      f"{rec['stack']} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
@@ -160,18 +176,26 @@ def main(argv: list[str] | None = None) -> int:
               "spill loads / stores a trip (the most of their copies).", "",
               "| Triton | batch | variant | threads | regs / stack | dense loop local | expert loads a trip | "
               "experts KB in flight | experts local |", "|---|---:|---|---:|---|---:|---|---:|---:|"]
-    for v in args.versions:
-        for b in FP8_VARIANTS:
-            for variant in FP8_VARIANTS[b]:
-                rec = got[v]["cases"][f"{FP8_BASE[b]}{variant}@sm_90"]
-                ex = expert_loops(rec["k_loops"])
-                least = min(ex, key=lambda lp: lp["in_flight_bytes"]) if ex else None
-                loads = ", ".join(f"{n} x {op.removeprefix('LDG.E.') if op != 'LDG.E' else '32'}"
-                                  for op, n in sorted(least["loads"].items())) if least else "-"
-                lines.append(f"| {names[v]} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | "
-                             f"{rec['registers']} / {rec['stack']} | "
-                             f"{max(lp['local'] for lp in dense_loops(rec['k_loops']))} | {loads} | "
-                             f"{experts_kb(rec)} | {max((lp['local'] for lp in ex), default=0)} |")
+    for version, b, variant, rec in builds(got, args.versions, FP8_BASE, FP8_VARIANTS):
+        ex = expert_loops(rec["k_loops"])
+        least = min(ex, key=lambda lp: lp["in_flight_bytes"]) if ex else None
+        lines.append(f"| {version} | {b} | {variant} | {rec['threads']} | {rec['registers']} / {rec['stack']} | "
+                     f"{max(lp['local'] for lp in dense_loops(rec['k_loops']))} | "
+                     f"{loads_text(least['loads']) if least else '-'} | "
+                     f"{experts_kb(rec)} | {max((lp['local'] for lp in ex), default=0)} |")
+    lines += ["", "Attention (decode_partial inlined in _task_attn_partial) in today's builds: Tiling() (64 keys a "
+              "step, head 64), bf16 KV as on CUDA by default. Per step and thread: K / V loads by width; KB a step and "
+              "KB in flight a program; barriers, shared-memory instructions and spill loads / stores a step. The "
+              "aligned builds say the caches' alignment (kernel.KV16: 16-byte loads) and keep a softmax per key lane "
+              "(no reduction across warps a step); the plain build keeps the block's.", "",
+              "| Triton | batch | variant | threads | regs / stack | K / V loads a step (per thread) | KB a step | "
+              "KB in flight | barriers | shared | local |", "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    for version, b, variant, rec in builds(got, args.versions, ATTN_BASE, ATTN_VARIANTS):
+        for lp in rec["attention_loops"]:
+            lines.append(f"| {version} | {b} | {variant} | {rec['threads']} | {rec['registers']} / {rec['stack']} | "
+                         f"{loads_text(lp['loads'])} | {lp['weight_bytes'] * rec['threads'] / 1024:.1f} | "
+                         f"{lp['in_flight_bytes'] * rec['threads'] / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
+                         f"{lp['local']} |")
     lines += ["", f"Load average {os.getloadavg()[0]:.1f} at the end (compile times are not the point here)."]
     publish(lines, args.write)
     return 0

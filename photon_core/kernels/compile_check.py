@@ -274,7 +274,8 @@ def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool
             if usage:
                 rec.update(resource_usage(ck.asm["cubin"], arch))
             if loops and name.startswith("megakernel"):
-                rec.update(k_loops=k_loops(ck.asm["cubin"], arch), attention_loops=attention_loops(ck.asm["cubin"], arch),
+                cubin = ck.asm["cubin"]
+                rec.update(k_loops=k_loops(cubin, arch), attention_loops=attention_loops(cubin, arch),
                            threads=32 * ck.metadata.num_warps)
             if ptx:
                 rec["ptx"] = ck.asm["ptx"]

@@ -169,7 +169,8 @@ XTILES = 1 << 25
 # LOOP's flag (above KernelVariant.loop's fields), set by the host for an aligned build of a table
 # whose caches have head dims and offsets that are multiples of 16 elements (kv_aligned): the
 # attention tasks say so, and their K / V loads become 16-byte vectors (scalar 2- or 4-byte loads
-# without it: the offsets are loaded fields). _step_tasks says it as 33554432, as XTILES.
+# without it: the offsets are loaded fields) with a softmax per key lane (decode_partial's LANES:
+# no barrier a step). _step_tasks says it as 33554432, as XTILES.
 KV16 = 1 << 25
 
 
@@ -813,7 +814,8 @@ def _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T: tl.constexpr, 
     if this is the LAST of the (b, h)'s S partials to finish, their merge into the attention output
     (the merge costs no task and no dependency level of its own). KV_BF16: the caches are bf16
     (offsets in bf16 elements), read as fp32. KV_ALIGNED (KV16): the head dim and the cache offsets
-    are multiples of 16, said in arithmetic (_sixteens), so each key's row loads as 16-byte vectors.
+    are multiples of 16, said in arithmetic (_sixteens), so each key's row loads as 16-byte vectors,
+    and the keys are reduced per lane (decode_partial's LANES).
     Bytes: 2*chunk*Dh K/V + (Dh+2)*4 out; the last one also S*(Dh+2)*4 of partials (L2) and Dh*4
     of output."""
     q_off = tl.load(row + F_x)
