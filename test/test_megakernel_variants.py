@@ -129,8 +129,7 @@ for name in sys.argv[2:]:
     out[name]["ptx"] = {k: len(re.findall(p, ptx)) for k, p in (("bulk_prefetch", r"cp\.async\.bulk\.prefetch\.L2"),
                  ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
                  ("smid", r"%smid"))}
-    out[name].update(k_loops=cc.k_loops(ck.asm["cubin"], 90), attention_loops=cc.attention_loops(ck.asm["cubin"], 90),
-                     threads=32 * ck.metadata.num_warps,
+    out[name].update(cc.sass_loops_of(ck.asm["cubin"], 90), threads=32 * ck.metadata.num_warps,
                      **cc.resource_usage(ck.asm["cubin"], 90))
 print(json.dumps(out))
 '''

@@ -223,45 +223,46 @@ def resource_usage(cubin: bytes, arch: int) -> dict[str, int]:
     return dict(registers=int(m.group(1)), stack=int(m.group(2)))
 
 
-def k_loops(cubin: bytes, arch: int) -> list[dict[str, Any]]:
-    """The megakernel's weight-streaming loops, per trip and thread, read from the cubin's SASS
-    (sass_loops): one dict per loop (task, loads by width, weight and in-flight bytes, barriers,
-    shared-memory instructions, spill loads and stores: local), with the disassembler next to the
-    running Triton's ptxas."""
-    from photon_core.kernels import sass_loops
-    nvdisasm = str(Path(ptxas_path(arch)).parent / "nvdisasm")
-    found = sass_loops.analyse(cubin, nvdisasm, ROOT / "photon_core" / "megakernel" / "kernel.py",
-                               sass_loops.WEIGHT_LOAD)
-    return [dict(task=lp.task, loads=lp.loads, weight_bytes=lp.weight_bytes, in_flight_bytes=lp.in_flight_bytes,
-                 barriers=lp.barriers, shared=lp.shared, local=lp.local) for lp in found]
-
-
-def attention_loops(cubin: bytes, arch: int) -> list[dict[str, Any]]:
-    """The megakernel's attention key loops (kernels/attention.decode_partial, inlined), per trip
-    and thread as k_loops reports weight loops: their K and V loads ("weight_bytes": the cache
-    bytes a trip moves) and what of them is in flight at once. Every global load on a line of
+def sass_loops_of(cubin: bytes, arch: int) -> dict[str, list[dict[str, Any]]]:
+    """The megakernel's loops per trip and thread, read from one disassembly of the cubin's SASS
+    (sass_loops, with the disassembler next to the running Triton's ptxas), one dict per loop
+    (task, loads by width, weight and in-flight bytes, barriers, shared-memory instructions,
+    spill loads and stores: local). "k_loops": the weight-streaming loops, whose loads are the
+    lines of kernel.py holding sass_loops.WEIGHT_LOAD (found in the source: an edit that moves
+    them moves nothing here). "attention_loops": the attention key loops (decode_partial,
+    inlined), "weight_bytes" being the K and V bytes a step moves: every global load on a line of
     decode_partial's key loop counts (ptxas records a load on any line of its statement, or the
-    next: the loop holds no other global load)."""
+    next; the loop holds no other global load)."""
     from photon_core.kernels import sass_loops
     nvdisasm = str(Path(ptxas_path(arch)).parent / "nvdisasm")
-    source = ROOT / "photon_core" / "kernels" / "attention.py"
-    text = source.read_text().splitlines()
-    names = sass_loops.enclosing_functions(text)
-    lines = [n for n, f in names.items() if f == "decode_partial"]
-    start = next(n for n in lines if text[n - 1].lstrip().startswith("for "))
     insns, labels = sass_loops.instructions(sass_loops.disassemble(cubin, nvdisasm))
-    found = sass_loops.loops(insns, labels, source.name, {n for n in lines if n > start}, names)
-    return [dict(task="decode_partial", loads=lp.loads, weight_bytes=lp.weight_bytes,
-                 in_flight_bytes=lp.in_flight_bytes, barriers=lp.barriers, shared=lp.shared, local=lp.local)
-            for lp in found]
+
+    def found(source: Path, sites: Any) -> list[sass_loops.Loop]:
+        text = source.read_text().splitlines()
+        names = sass_loops.enclosing_functions(text)
+        return sass_loops.loops(insns, labels, source.name, sites(text, names), names)
+
+    def key_loop_lines(text: list[str], names: dict[int, str]) -> set[int]:
+        lines = [n for n, f in names.items() if f == "decode_partial"]
+        start = next(n for n in lines if text[n - 1].lstrip().startswith("for "))
+        return {n for n in lines if n > start}
+
+    def record(lp: Any, task: str) -> dict[str, Any]:
+        return dict(task=task, loads=lp.loads, weight_bytes=lp.weight_bytes, in_flight_bytes=lp.in_flight_bytes,
+                    barriers=lp.barriers, shared=lp.shared, local=lp.local)
+    dense = found(ROOT / "photon_core" / "megakernel" / "kernel.py",
+                  lambda text, names: sass_loops.load_sites(text, sass_loops.WEIGHT_LOAD, names))
+    keys = found(ROOT / "photon_core" / "kernels" / "attention.py", key_loop_lines)
+    return dict(k_loops=[record(lp, lp.task) for lp in dense],
+                attention_loops=[record(lp, "decode_partial") for lp in keys])
 
 
 def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool = False,
         loops: bool = False) -> dict[str, Any]:
     """{"triton": version, "cases": {"<case>@sm_<arch>": {seconds, cubin, [ptx], [registers, ...]}}}:
     report adds ptxas -v's figures, usage cuobjdump's (registers, stack), loops (megakernel cases)
-    the K loops' and attention loops' figures from the SASS (k_loops, attention_loops) and the
-    threads of a program."""
+    the K loops' and attention loops' figures from the SASS (sass_loops_of) and the threads of a
+    program."""
     import triton
     out: dict[str, Any] = {}
     for arch in archs:
@@ -274,9 +275,7 @@ def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool
             if usage:
                 rec.update(resource_usage(ck.asm["cubin"], arch))
             if loops and name.startswith("megakernel"):
-                cubin = ck.asm["cubin"]
-                rec.update(k_loops=k_loops(cubin, arch), attention_loops=attention_loops(cubin, arch),
-                           threads=32 * ck.metadata.num_warps)
+                rec.update(sass_loops_of(ck.asm["cubin"], arch), threads=32 * ck.metadata.num_warps)
             if ptx:
                 rec["ptx"] = ck.asm["ptx"]
             out[f"{name}@sm_{arch}"] = rec

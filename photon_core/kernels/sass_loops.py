@@ -240,16 +240,6 @@ def dense_loop(loops: list[dict]) -> dict:
     return min(dense, key=lambda lp: lp["in_flight_bytes"])
 
 
-def analyse(cubin: bytes, nvdisasm: str, source: Path, marker: tuple[str, ...]) -> list[Loop]:
-    """The weight loops of a cubin whose weight loads are the lines of `source` containing every
-    string of `marker` (e.g. ("tl.load(w_ptr", "w_off")): the sites are found in the source, so
-    an edit that moves them moves nothing here."""
-    text = source.read_text().splitlines()
-    names = enclosing_functions(text)
-    insns, labels = instructions(disassemble(cubin, nvdisasm))
-    return loops(insns, labels, source.name, load_sites(text, marker, names), names)
-
-
 def load_sites(text: list[str], marker: tuple[str, ...], names: dict[int, str]) -> set[int]:
     """The source lines whose global loads are weight loads: each line holding every string of
     `marker`, and every line of a leaf function (one calling no other function of `text`) whose
