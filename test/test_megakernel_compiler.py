@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from photon_core.megakernel import CompiledStep, Rotary, StepGraph, Tiling, check, lower, plan, run_reference  # noqa: E402
+from photon_core.megakernel.ops import OP_LINEAR, OP_LINEAR_SPLIT  # noqa: E402
 from photon_core.megakernel.stepgraph import HeadNorm, Tau  # noqa: E402
 
 RTOL = 1e-4
@@ -91,12 +92,20 @@ def fill_caches(step, batch, positions, enc_len, gen):
     # ... here the q|k|v stage too: its slices draw the tile's ticket, then their heads' (the appends)
     (2, True, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=8, max_split_k=3, rope_finale_rows=4), "rms"),
     (1, False, Tiling(32, 16, 8, 2, 2, min_tasks=40, min_block_n=16, max_split_k=4), "layer"),
+    # Tasks of several tiles (Tiling.linear_span), one after another: spans that join heads into one
+    # append group (rotary), that keep to a head its attention waits on alone (q|k|v stored), that end
+    # short (a stage of 3 tiles in spans of 2), and the logits' spans writing each tile's argmax partial.
+    (1, True, Tiling(16, 32, 8, 2, 3, linear_span=4, linear_min_tasks=1), "rms"),
+    (2, False, Tiling(16, 32, 8, 3, 2, linear_span=2, linear_min_tasks=1), "layer"),
+    (4, True, Tiling(16, 64, 16, 1, 1, linear_span=8, linear_min_tasks=2, rope_finale_rows=12), "layer"),
 ])
 def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling, norm):
     w = toy_weights()
     g = toy_graph(w, rotary=rotary, norm=norm)
     step = CompiledStep(g, w, batch, tiling)
     assert bool(step.graph.rows) == rotary   # every rotary case runs its appends as finales
+    widths = {t.args["n1"] - t.args["n0"] for t in step.graph.tasks if t.op in (OP_LINEAR, OP_LINEAR_SPLIT)}
+    assert (max(widths) > tiling.block_n) == (tiling.linear_span > 1)
     if tiling.min_tasks == 40 and rotary:
         assert all(t.kticket and t.ticket.startswith("q.g") for t in step.graph.tasks if t.name.startswith("qkv."))
     step.state.fill_(float("nan"))
@@ -125,6 +134,19 @@ def test_compiled_step_equals_the_eager_graph(batch, rotary, tiling, norm):
         positions = [p + 1 for p in positions]
 
 
+def test_stage_spans_keep_enough_tasks_and_whole_heads():
+    """Tiling.linear_span tiles a task, halved while the stage would have too few tasks or a task would
+    reach past a head its readers wait on alone; narrowed or split stages keep one tile a task."""
+    from photon_core.megakernel.ops.linear import stage_span
+    t = Tiling(block_n=32, linear_span=4, linear_min_tasks=64)
+    assert stage_span(8192, 32, 1, Tiling(block_n=32)) == 1             # linear_span 1: one tile
+    assert stage_span(8192, 32, 1, t) == 4                                # 256 tiles: 64 tasks of 4
+    assert stage_span(6144, 32, 1, t) == 2                                # 192 tiles: 96 tasks of 2
+    assert stage_span(2048, 32, 1, t) == 1                                # 64 tiles: one each
+    assert stage_span(8192, 32, 1, t, align=64) == 2                      # 4 tiles would pass a 64-wide head
+    assert stage_span(8192, 16, 1, t) == 1 and stage_span(8192, 32, 2, t) == 1   # narrowed, split
+
+
 def test_stage_shapes_narrow_tiles_first_then_split_k():
     from photon_core.megakernel.compiler import stage_shape
     t = Tiling(block_n=64, block_k=32, min_tasks=16, min_block_n=16, max_split_k=4)
@@ -135,7 +157,6 @@ def test_stage_shapes_narrow_tiles_first_then_split_k():
     assert stage_shape(128, 4096, t, align=48) == (64, 4)                 # 32 would straddle 48-wide heads
     assert stage_shape(64, 48, t) == (16, 1)                              # K too short to split
     g = lower(plan(toy_graph(toy_weights()), 1, Tiling(32, 16, 8, 2, 2, min_tasks=40, max_split_k=4)))
-    from photon_core.megakernel.ops import OP_LINEAR_SPLIT
     splits = [t for t in g.tasks if t.op == OP_LINEAR_SPLIT]
     assert splits and all(t.kticket is not None and t.ksum_writes for t in splits)
     # no reduce tasks: the slices of a tile share its ticket, and their stage's readers wait for all

@@ -67,7 +67,8 @@ def test_finales_must_be_declared_alike_and_ordered_among_themselves():
         check(two([("ca", 1)]))
 
 
-def _step(batch=2, tiling=Tiling(16, 32, 8, 3, 4)):
+# Append tasks (rope_finale_rows 1): the step's tickets are its attention merges and x0's statistics.
+def _step(batch=2, tiling=Tiling(16, 32, 8, 3, 4, rope_finale_rows=1)):
     w = toy_weights()
     step = CompiledStep(toy_graph(w), w, batch, tiling)
     gen = torch.Generator().manual_seed(7)
@@ -167,12 +168,14 @@ def test_norm_statistics_are_written_once_by_the_producer_stage_and_read_by_ever
     assert torch.isnan(step.view("q")).all() and not torch.isnan(qkv).any()
 
 
-def _stats_step(norm, tiling):
-    """y = x0 @ w1 + x0, a norm over y read by two linears (u, v); batch 2."""
+def _stats_step(norm, tiling, offset=0.0):
+    """y = x0 @ w1 + x0, a norm over y read by two linears (u, v); batch 2. offset: added to every
+    embedding, w1 made small, so y's rows have mean ~offset and spread ~1."""
     from photon_core.megakernel import StepGraph
     gen = torch.Generator().manual_seed(11)
     d, ff, vocab = 40, 72, 30
-    w = {"tok": torch.randn(vocab, d, generator=gen), "w1": torch.randn(d, d, generator=gen) * d ** -0.5,
+    w = {"tok": torch.randn(vocab, d, generator=gen) + offset,
+         "w1": torch.randn(d, d, generator=gen) * d ** -0.5 * (1e-4 if offset else 1),
          "n.w": 1 + 0.1 * torch.randn(d, generator=gen), "n.b": 0.1 * torch.randn(d, generator=gen),
          "w2": torch.randn(ff, d, generator=gen) * d ** -0.5, "w3": torch.randn(d, d, generator=gen) * d ** -0.5}
     g = StepGraph("stats", {k: tuple(t.shape) for k, t in w.items()})
@@ -188,28 +191,84 @@ def _stats_step(norm, tiling):
     return g, w, step
 
 
-@pytest.mark.parametrize("norm,tiling", [
-    ("rms", Tiling(16, 16, 8, 1, 1)),                                                 # whole-K tiles
-    ("layer", Tiling(32, 16, 8, 1, 1, min_tasks=12, min_block_n=16, max_split_k=3)),  # split-K slices
-])
-def test_statistics_of_a_linear_output_equal_the_eager_graph(norm, tiling):
-    """A norm over a residual linear's output (the last tile, or the last slice of a split-K stage,
-    after the sums of its tiles, computes the statistics), read by two linears: the step equals
-    run_reference and the statistics are the value's."""
-    from photon_core.megakernel import run_reference
-    g, w, step = _stats_step(norm, tiling)
+def _row_stats_of(x, norm, eps):
+    """(mean, rstd) per row in float64, as the step's statistics should hold them."""
+    x = x.double()
+    if norm == "layer":
+        return torch.stack([x.mean(1), (x.var(1, unbiased=False) + eps).rsqrt()], 1)
+    return torch.stack([torch.zeros(len(x), dtype=x.dtype), (x.square().mean(1) + eps).rsqrt()], 1)
+
+
+def _launch(step, variant):
+    from photon_core.megakernel.kernel import KernelVariant
+    step.kernel.variant = KernelVariant.parse(variant)
     step.state.fill_(float("nan"))
     step.set_step([3, 17], [0, 0])
     step.launch()
+
+
+@pytest.mark.parametrize("norm,tiling,offset", [
+    ("rms", Tiling(16, 16, 8, 1, 1), 0.0),                                                 # whole-K tiles
+    ("layer", Tiling(32, 16, 8, 1, 1, min_tasks=12, min_block_n=16, max_split_k=3), 0.0),  # split-K slices
+    ("layer", Tiling(16, 16, 8, 1, 1), 1000.0),     # rows of mean 1000 and spread 1: no cancellation
+    ("rms", Tiling(16, 16, 8, 1, 1), 1000.0),
+    ("layer", Tiling(16, 16, 8, 1, 1, linear_span=2, linear_min_tasks=1), 0.0),   # tasks of tiles 0-1 and 2
+])
+def test_statistics_of_a_linear_output_equal_the_eager_graph(norm, tiling, offset):
+    """A norm over a residual linear's output, read by two linears. The plain build's finale (the
+    stage's last task; of a split-K stage, after the sums of its tiles) reads the value; in an aligned
+    build every tile (of a split-K stage, the last slice of each tile) leaves its rows' count, mean
+    and M2 and the finale merges them. Both: the step equals run_reference and the statistics are
+    the value's (float64), for rows far from zero too (mean 1000, spread 1: a variance from sums of
+    squares about zero would lose ~10% there in fp32)."""
+    from photon_core.megakernel import run_reference
+    g, w, step = _stats_step(norm, tiling, offset)
     want = run_reference(g, w, {}, [3, 17], [0, 0])
-    for k in ("u", "v"):
-        assert ((step.view(k) - want[k]).abs().max() / want[k].abs().max()).item() < 1e-4, k
-    x, st = step.view("y"), step.view("y.stats")
-    if norm == "layer":
-        ref = torch.stack([x.mean(1), (x.var(1, unbiased=False) + step.plan.ln_eps).rsqrt()], 1)
-    else:
-        ref = torch.stack([torch.zeros(2), (x.square().mean(1) + step.plan.ln_eps).rsqrt()], 1)
-    assert torch.allclose(st, ref, rtol=1e-5, atol=1e-6)
+    width = tiling.block_n if tiling.min_tasks == 0 else step.plan.shape["y"][0]
+    for variant in ("plain", "aligned"):
+        _launch(step, variant)
+        for k in ("u", "v"):
+            assert ((step.view(k) - want[k]).abs().max() / want[k].abs().max()).item() < 1e-4, (variant, k)
+        x, st = step.view("y"), step.view("y.stats")
+        if offset:
+            assert (x.mean(1) - offset).abs().max() < 5 and (x.std(1) - 1).abs().max() < 0.5
+        assert torch.allclose(st.double(), _row_stats_of(x, norm, step.plan.ln_eps), rtol=1e-5, atol=1e-6), variant
+        parts = step.view("y.tstats")
+        assert parts.shape == (2, -(-x.shape[1] // width), 3)
+        if variant == "plain":
+            assert torch.isnan(parts).all()      # the plain build leaves none: its finale reads y
+            continue
+        # the tiles' partials: count, mean and M2 of each row's columns in each tile, in tile order
+        for i, c0 in enumerate(range(0, x.shape[1], width)):
+            cols = x[:, c0:c0 + width].double()
+            m2 = (cols - cols.mean(1, keepdim=True)).square().sum(1)
+            assert torch.equal(parts[:, i, 0], torch.full((2,), float(cols.shape[1])))
+            assert torch.allclose(parts[:, i, 1].double(), cols.mean(1), rtol=1e-6, atol=1e-6)
+            assert torch.allclose(parts[:, i, 2].double(), m2, rtol=1e-4, atol=1e-6)
+
+
+def test_the_aligned_finale_reads_the_tiles_partials_and_a_wide_stage_leaves_none(monkeypatch):
+    """It is the partials the aligned build's finale merges: with every tile writing slot 0, the
+    other slots keep their NaN and so do the statistics, while y is right. A stage of more tiles
+    than one trip merges (ops.linear.STATS_TILES; 2 here) gets no partials, and its aligned finale
+    reads the value."""
+    from photon_core.megakernel.graph import F
+    from photon_core.megakernel.ops import linear
+    _, _, step = _stats_step("layer", Tiling(16, 16, 8, 1, 1))
+    _launch(step, "aligned")
+    x = step.view("y").clone()
+    want = _row_stats_of(x, "layer", step.plan.ln_eps)
+    tiles = step.kernel.tasks[:, F["sttile"]]
+    assert sorted(tiles[tiles >= 0].tolist()) == [0, 1, 2]
+    tiles[tiles > 0] = 0
+    _launch(step, "aligned")
+    assert torch.equal(step.view("y"), x) and torch.isnan(step.view("y.stats")).all()
+    monkeypatch.setattr(linear, "STATS_TILES", 2)
+    _, _, wide = _stats_step("layer", Tiling(16, 16, 8, 1, 1))
+    assert "y.tstats" not in wide.plan.shapes
+    assert all(t.args.get("stpart", -1) == -1 and t.args.get("sttile", -1) == -1 for t in wide.graph.tasks)
+    _launch(wide, "aligned")
+    assert torch.allclose(wide.view("y.stats").double(), want, rtol=1e-5, atol=1e-6)
 
 
 SPLIT = Tiling(32, 16, 8, 1, 1, min_tasks=12, min_block_n=16, max_split_k=3)

@@ -25,18 +25,27 @@ from photon_core.megakernel.kernel import KernelVariant  # noqa: E402
 from photon_core.models.whisper.decoder_step import WhisperDecoderMegakernel, WhisperDecoderWeights  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def step():
+def _whisper_step(tiling: Tiling):
     wt = WhisperDecoderWeights.random(64, 2, 1, 96, n_ctx=16, seed=3)
-    # 16-column tiles, K steps of 16: several steps per task, and split-K slices (min_tasks)
-    s = WhisperDecoderMegakernel(wt, 2, 16, 8, Tiling(16, 16, 16, 2, 2, min_tasks=12, min_block_n=16, max_split_k=2),
-                                 advance=False)
+    s = WhisperDecoderMegakernel(wt, 2, 16, 8, tiling, advance=False)
     s.weights = s.weights.to(torch.bfloat16)
     s.kernel.weights = s.weights
     g = torch.Generator().manual_seed(0)
     s.set_cross_kv([(torch.randn(2, 2, 8, 32, generator=g), torch.randn(2, 2, 8, 32, generator=g))])
     s.set_step([5, 7], [3, 6])
     return s
+
+
+@pytest.fixture(scope="module")
+def step():
+    # 16-column tiles, K steps of 16: several steps per task, and split-K slices (min_tasks)
+    return _whisper_step(Tiling(16, 16, 16, 2, 2, min_tasks=12, min_block_n=16, max_split_k=2))
+
+
+@pytest.fixture(scope="module")
+def span_step():
+    # tasks of up to 4 tiles, one after another (Tiling.linear_span), where `step` splits K
+    return _whisper_step(Tiling(16, 16, 16, 2, 2, linear_span=4, linear_min_tasks=1))
 
 
 def run(step, variant: KernelVariant) -> torch.Tensor:
@@ -50,14 +59,13 @@ def run(step, variant: KernelVariant) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("variant", [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2),
-                                     KernelVariant(wide=32), KernelVariant(wide=32, aligned=True),
-                                     KernelVariant(unroll=4, aligned=True), KernelVariant(unroll=8, aligned=True),
-                                     KernelVariant(static=True),
-                                     KernelVariant(wide=32, aligned=True, static=True)],
-                         ids=lambda v: v.name())
-def test_a_variant_computes_what_the_plain_build_does(step, variant):
-    assert any(t.op == 7 for t in step.graph.tasks)          # split-K slices are on the path too
+VARIANTS = [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2), KernelVariant(wide=32),
+            KernelVariant(wide=32, aligned=True), KernelVariant(unroll=4, aligned=True),
+            KernelVariant(unroll=8, aligned=True), KernelVariant(static=True),
+            KernelVariant(wide=32, aligned=True, static=True)]
+
+
+def _same_as_plain(step, variant: KernelVariant) -> None:
     plain = run(step, KernelVariant())
     got = run(step, variant)
     err = ((got - plain).abs().max() / plain.abs().max()).item()
@@ -65,6 +73,21 @@ def test_a_variant_computes_what_the_plain_build_does(step, variant):
     # bf16 term (2^-17 relative): both far inside the steps' 1e-3.
     assert err < (2e-5 if variant.dot else 1e-6), err
     assert torch.equal(got.argmax(-1), plain.argmax(-1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name())
+def test_a_variant_computes_what_the_plain_build_does(step, variant):
+    assert any(t.op == 7 for t in step.graph.tasks)          # split-K slices are on the path too
+    _same_as_plain(step, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[2:], ids=lambda v: v.name())
+def test_a_variant_computes_what_the_plain_build_does_in_tasks_of_several_tiles(span_step, variant):
+    """The streaming loops, the aligned builds' tile statistics and the static schedule over tasks
+    of several tiles (Tiling.linear_span) compute what the plain build does (which equals the eager
+    graph: test_megakernel_compiler's span cases)."""
+    assert any(t.op == 2 and t.args["n1"] - t.args["n0"] > 16 for t in span_step.graph.tasks)
+    _same_as_plain(span_step, variant)
 
 
 
@@ -158,7 +181,8 @@ NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "
          "megakernel_b1_bf16_n32_k64_wide512_aligned_static", "megakernel_b8_bf16_n32_k64_unroll8_aligned",
          "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned",
          "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned",
-         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned_tiles"]
+         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned_tiles",
+         "megakernel_b1_bf16_n32_k64_wide512_aligned_lspans"]
 
 
 def test_variants_compile_for_sm90_with_their_instructions(compiled):
@@ -204,6 +228,12 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     wide_loads = {"LDG.E.128"} if b8["threads"] == 128 else {"LDG.E.64", "LDG.E.128"}
     assert b8_loop["in_flight_bytes"] * b8["threads"] >= 16 * 1024 and set(b8_loop["loads"]) <= wide_loads, b8_loop
     assert all(lp["local"] == 0 for lp in dense_loops(b8["k_loops"])), b8
+    # dense tasks of several column tiles (kernel.LTILES, Tiling.linear_span): each tile's K loop the
+    # one-tile build's, unspilled (the span loop's stack, 240 B under 3.9, lies outside it)
+    spans = got["megakernel_b1_bf16_n32_k64_wide512_aligned_lspans"]
+    keys = ("loads", "weight_bytes", "in_flight_bytes", "local")
+    span_loops = [lp for lp in dense_loops(spans["k_loops"]) if lp["task"] == "_task_linear"]
+    assert span_loops and all({k: lp[k] for k in keys} == {k: wide[k] for k in keys} for lp in span_loops), spans
 
 
 def test_attention_loads_keys_and_values_together_and_aligned_builds_in_16_byte_vectors(compiled):

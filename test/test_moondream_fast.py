@@ -200,11 +200,11 @@ def test_graphs_check_for_every_bucket(batch):
     # Every row's output is produced: one reduction per output column.
     assert sorted(t.name for t in g.tasks if t.op == OP_ARGMAX) == sorted(
         ["argmax.token", "argmax.coord", "argmax.width", "argmax.height"])
-    # One rotary append per (layer, head, row): at batch 1 each runs as the finale of its head's
-    # q|k|v tiles (a finale row, no task of its own), at larger batches as a task.
+    # One rotary append per (layer, head, row), each run as a finale of its head's q|k|v tiles (a
+    # finale row, no task of its own): a head's rows at every bucket up to Tiling.rope_finale_rows.
     appends = [t for t in g.tasks + g.rows if t.op == OP_ROPE_APPEND]
     assert len(appends) == dm.layers * dm.heads * batch
-    assert len(g.rows) == (len(appends) if batch == 1 else 0)
+    assert len(g.rows) == (len(appends) if batch <= TILING.rope_finale_rows else 0)
 
 
 def test_real_moondream2_graph_checks():

@@ -8,9 +8,9 @@ under the pinned Triton (test_kernels_compile_sm90.py) and under the older suppo
 (test_triton_versions.py), and bench/triton_versions.py prints the full matrix.
 
 Case names: the per-op kernels by PER_OP's names; megakernel variants as
-"megakernel_b<batch>_<fp32|bf16>[_kvbf16][_fp8][_trace][_pipe<N>][_prefetch<N>][_dot<N>][_wide<N>][_unroll<N>][_aligned][_static][_tiles][_n<BLOCK_N>][_k<BLOCK_K>][_t<BLOCK_T>][_d<BLOCK_D>]"
+"megakernel_b<batch>_<fp32|bf16>[_kvbf16][_fp8][_trace][_pipe<N>][_prefetch<N>][_dot<N>][_wide<N>][_unroll<N>][_aligned][_static][_tiles][_lspans][_n<BLOCK_N>][_k<BLOCK_K>][_t<BLOCK_T>][_d<BLOCK_D>]"
 (_trace: the traced build; _pipe / _prefetch / _dot / _wide / _unroll / _aligned / _static: kernel.KernelVariant;
-_tiles: expert tasks over several column tiles, kernel.XTILES),
+_tiles: expert tasks over several column tiles, kernel.XTILES; _lspans: dense linear tasks over several, kernel.LTILES),
 defaults the roofline's GPU tiling (BLOCK_N 64, BLOCK_K 128 / batch (>= 16), BLOCK_T 64, BLOCK_D 64),
 BLOCK_S 8 and BLOCK_R 1024 (what a real vocabulary compiles).
 """
@@ -108,7 +108,7 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax",
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
           "lstm_cell")
-_MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_tiles|_[ntdk]\d+)*)$")
+_MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_tiles|_lspans|_[ntdk]\d+)*)$")
 
 
 def compile_env(first: Path | None = None, cache_dir: Path | None = None) -> dict[str, str]:
@@ -151,6 +151,8 @@ def megakernel_case(name: str) -> tuple[Any, dict[str, str], dict[str, Any]]:
                  **variant.constexprs())
     # _aligned: a table of 16-aligned caches, as every family's (kernel.kv_aligned)
     const["LOOP"] += mk.KV16 if variant.aligned else 0
+    # _lspans: a table whose dense linear tasks span several column tiles (Tiling.linear_span > 1)
+    const["LOOP"] += mk.LTILES if "_lspans" in opts else 0
     # _tiles: a table whose expert tasks span several column tiles (Tiling.expert_span > 1)
     const["XLOOP"] = mk.expert_loop(variant, const["BLOCK_M"], 1 if "_fp8" in opts else 4 if wdt == "fp32" else 2,
                                     mk.Megakernel.tuning, "_tiles" in opts)

@@ -31,7 +31,7 @@ from photon_core.megakernel.graph import BATCH_BUCKETS, DYN_SECTIONS, Arena, Sta
 from photon_core.megakernel.layout import Plan, Tiling, needed_nodes
 from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Planning
 from photon_core.megakernel.ops.kv_append import head_groups
-from photon_core.megakernel.ops.linear import stage_shape
+from photon_core.megakernel.ops.linear import stage_shape, stage_span
 from photon_core.megakernel.ops.moe import expert_spans
 from photon_core.megakernel.stepgraph import StepGraph, Value
 from photon_core.runtime.decode import WEIGHT_DTYPES, ThreadSetting, engine_label
@@ -148,7 +148,7 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
         rule = ops.RULES.get(node.op)
         if rule is not None and rule.tail_scratch is not None:
             shapes.update(rule.tail_scratch(graph, node, batch, tiling))
-    shape: dict[str, tuple[int, int]] = {}
+    shape: dict[str, tuple[int, int, int]] = {}
     for node in graph.nodes:
         if node.op != "linear":
             continue
@@ -157,7 +157,8 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
         written = qkv_store[name].value if name in qkv_store else node.value
         readers = [c for c in graph.consumers(written) if c.op == "attention"]
         align = readers[0].args["k"].spec.head_dim if readers else None
-        shape[name] = stage_shape(rows, cols, tiling, align, narrow=name not in logits)
+        width, splits = stage_shape(rows, cols, tiling, align, narrow=name not in logits)
+        shape[name] = (width, splits, stage_span(rows, width, splits, tiling, align))
         if shape[name][1] > 1:
             shapes[f"{name}.kpart"] = (shape[name][1], batch, rows)
     rope_groups = {}
@@ -166,7 +167,8 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
         if (src is None or src.op != "linear" or src.value.name in qkv_store or node.args["tau"] is not None
                 or [id(c) for c in graph.consumers(src.value)] != [id(node)]):
             continue
-        groups = head_groups(node, shape[src.value.name][0])
+        width, _, span = shape[src.value.name]
+        groups = head_groups(node, width * span)     # heads joined by a task's columns
         if batch * max(map(len, groups)) <= tiling.rope_finale_rows:
             rope_groups[src.value.name] = (node, groups)
     for spec in graph.caches.values():
@@ -176,7 +178,10 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
         shapes[st.name] = (batch,) + st.shape
     # Row statistics of normed values, written once by their producer's stage (a ticket finale)
     # rather than by every tile of every linear reading them: produced by tiles / rows that cover
-    # the whole value (not q|k|v stores, attention, recurrent ops) and normed one way only.
+    # the whole value (not q|k|v stores, attention, recurrent ops) and normed one way only. A
+    # linear's tiles (at most ops.linear.STATS_TILES) leave their partial statistics ("{v}.tstats":
+    # count, mean, M2 per row and tile) for the finale to merge in the aligned builds
+    # (kernel._tile_stats), so it reads 3 floats a tile, not the value.
     kinds: dict[str, set[int]] = {}
     for nrm in norm_of.values():
         kinds.setdefault(nrm.args["x"].name, set()).add(NORM_CODES[nrm.op])
@@ -186,6 +191,9 @@ def plan(graph: StepGraph, batch: int, tiling: Tiling = Tiling(), weight_dtype: 
         if len(codes) == 1 and src is not None and ops.rule(src.op).stats_finale and src.value.name not in qkv_store:
             stats[v] = codes.pop()
             shapes[f"{v}.stats"] = (batch, 2)
+            tiles = -(-src.value.width // shape[v][0]) if src.op == "linear" else 0
+            if 0 < tiles <= ops.linear.STATS_TILES and v not in logits:
+                shapes[f"{v}.tstats"] = (batch, tiles, 3)
     for k, shp in shapes.items():
         sa.alloc(k, math.prod(shp), dtype=kv_dtype if k in graph.caches else None)
 
@@ -247,6 +255,7 @@ def _proven_kernel(graph: TaskGraph, table: torch.Tensor, weights: torch.Tensor,
     dev = weights.device
     mk.graph, mk.run_task = graph, run_task
     mk.expert_tiles = kernel.spans_expert_tiles(graph, block_n)
+    mk.linear_tiles = kernel.spans_linear_tiles(graph, block_n)
     mk.kv_aligned = kernel.kv_aligned(graph)
     mk.tasks = table.to(dev)
     mk.ctrl = torch.zeros(graph.ctrl_size(), dtype=torch.int32, device=dev)
@@ -501,11 +510,13 @@ class CompiledStep(StateViews):
 
     def sparse_scratch(self) -> set[str]:
         """State regions a launch may leave partly unwritten by design, never reading what it leaves:
-        split-K partial slots a stage does not use, and a MoE layer's per-pair slabs ({name}.h,
-        {name}.part) in the rows that did not choose that pair's expert."""
+        split-K partial slots a stage does not use, a MoE layer's per-pair slabs ({name}.h,
+        {name}.part) in the rows that did not choose that pair's expert, and the tiles' partial
+        statistics ({name}.tstats), which only the aligned builds write and read (the plain builds'
+        finales read the value itself: kernel._task_row_stats)."""
         moe = [n.value.name for n in self.graph_def.nodes if n.op == "moe"]
         sparse = {f"{m}.{part}" for m in moe for part in ("h", "part")}
-        return {k for k in self.sarena.regions if k.endswith(".kpart") or k in sparse}
+        return {k for k in self.sarena.regions if k.endswith((".kpart", ".tstats")) or k in sparse}
 
     def expert_bytes_read(self) -> dict[str, int]:
         """Per MoE layer, the expert bytes (weights, and FP8 row scales) the last launch read, from

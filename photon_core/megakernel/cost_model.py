@@ -22,8 +22,9 @@ this model is a simulation of the persistent kernel's schedule, in which time is
   the wide steps alike).
 * An attention partial's body is its key blocks, one trip each (`k_step`: the caches are in HBM);
   the last partial of a head merges (`l2` per partial read). Statistics finales read the stage's
-  output twice in BLOCK_K chunks, one L2 trip each (`l2`); append rows, argmax blocks, embeds and
-  the rest a few L2 trips.
+  output twice in BLOCK_K chunks, one L2 trip each (`l2`), or, in builds whose linear tiles leave
+  partial statistics (Launch.stats_tiles), merge those, one trip a chunk of them; append rows,
+  argmax blocks, embeds and the rest a few L2 trips.
 
 Five constants, fitted once to the eight measured steps (Whisper tiny.en and Moondream 2, batch 1
 and 8, fp32 and bf16 weights) and stated in FITTED; test_megakernel_cost_model holds the model to
@@ -84,6 +85,8 @@ class Launch:
     cross_len: tuple[int, ...] | None
     weight_bytes: int
     stats_chunk: int = 0     # elements of a row a statistics finale reads a trip (0: block_k, as measured)
+    stats_tiles: int = 0     # tiles' partial statistics a linear stage's finale merges a trip (kernel.STATS_TILES;
+                             # 0: it reads the value, as the measured build did)
     expert_k_step: int = 0   # elements an expert task's K loop reads a trip (0: k_step)
     expert_bytes: int = 0    # bytes an expert weight (0: weight_bytes; FP8 experts 1)
     expert_pairs: int | None = None   # routed pairs whose expert tasks compute (the first pair choosing each
@@ -111,12 +114,14 @@ def body(t, launch: Launch, m: Machine) -> float:
     """Seconds of a task's own work (its waits and finale apart)."""
     a, op = t.args, t.op
     if op in (OP_LINEAR, OP_LINEAR_SPLIT):
+        # a task of several block_n tiles (Tiling.linear_span) computes them one after another
+        tiles = math.ceil((a["n1"] - a["n0"]) / launch.block_n)
         steps = math.ceil((a["k1"] - a["k0"]) / launch.k_step)
-        tile = (a["n1"] - a["n0"]) * launch.k_step * launch.weight_bytes
+        tile = (a["n1"] - a["n0"]) / tiles * launch.k_step * launch.weight_bytes
         per = max(m.k_step / m.tiles_in_flight, tile * m.programs / m.bandwidth)
         fused_norm_without_stats = a.get("lnw", -1) >= 0 and a.get("lnst", -1) < 0
         own_stats = 2 * math.ceil(a["K"] / launch.k_step) * m.l2 if fused_norm_without_stats else 0
-        return m.k_step + (steps - 1) * per + own_stats + 2 * m.l2
+        return tiles * (m.k_step + (steps - 1) * per + own_stats) + 2 * m.l2
     if op in (OP_MOE_UP, OP_MOE_DOWN):
         if launch.expert_pairs is not None and a["tile"] >= launch.expert_pairs:   # not its expert's first pair: exits
             return 2 * m.l2
@@ -142,8 +147,10 @@ def finale(t, graph: TaskGraph, launch: Launch, m: Machine) -> float:
     a = t.args
     if t.op == OP_ATTN_PARTIAL:
         return a["S"] * m.l2 / 4 + m.l2       # the S partials read together, then the output
-    if a.get("stout", -1) >= 0:               # row statistics: two passes over K, a trip a chunk
-        return 2 * math.ceil(a["stn"] / (launch.stats_chunk or launch.block_k)) * m.l2
+    if a.get("stout", -1) >= 0:
+        if launch.stats_tiles and a.get("stpart", -1) >= 0:    # the tiles' partials, a trip a chunk of them
+            return math.ceil(a["stnt"] / launch.stats_tiles) * m.l2
+        return 2 * math.ceil(a["stn"] / (launch.stats_chunk or launch.block_k)) * m.l2   # two passes over K
     if "fin" in a:                            # the heads' append rows, one after another
         return a["nfin"] * 2 * m.l2
     if t.op == OP_LINEAR_SPLIT:               # the slices' sum and the epilogue
@@ -223,11 +230,13 @@ def stats_row_chunk(batch: int, block_k: int, tile: int) -> int:
 
 
 def launch_of(plan_graph: Any, tiling: Any, batch: int, positions: list[int], cross_len: list[int] | None,
-              weight_bytes: int, k_step: int, block_r: int, stats_chunk: int = 0, **experts: int) -> Launch:
+              weight_bytes: int, k_step: int, block_r: int, stats_chunk: int = 0, stats_tiles: int = 0,
+              **experts: int) -> Launch:
     """experts: expert_k_step, expert_bytes, expert_pairs (Launch), for graphs with MoE layers."""
     return Launch(k_step=k_step, block_k=tiling.block_k, block_t=tiling.block_t, block_r=block_r,
                   positions=tuple(positions), cross_len=None if cross_len is None else tuple(cross_len),
-                  weight_bytes=weight_bytes, stats_chunk=stats_chunk, block_n=tiling.block_n, **experts)
+                  weight_bytes=weight_bytes, stats_chunk=stats_chunk, stats_tiles=stats_tiles, block_n=tiling.block_n,
+                  **experts)
 
 
 def distinct_experts(experts: int, top_k: int, rows: int) -> int:

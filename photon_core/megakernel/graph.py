@@ -38,7 +38,7 @@ FIELDS = ("op", "w0", "t0", "w1", "t1", "sig",
           "lenkind", "n1", "k0", "k1", "kpart", "ksplit", "ldw", "norm", "xglu",
           "xgate", "window", "ring", "scale", "xs", "xc0", "gact", "xact", "tau", "alpha", "sw", "chunk",
           "wsc", "loads", "ticket", "tickets", "lnst", "stx", "stn", "stout", "stkind", "kticket", "ktickets",
-          "fin", "nfin", "rows", "prows")
+          "fin", "nfin", "rows", "prows", "stpart", "stnt", "sttile")
 F = {name: i for i, name in enumerate(FIELDS)}
 NUM_FIELDS = 80  # rows stay 128-byte aligned (640 bytes)
 assert len(FIELDS) <= NUM_FIELDS

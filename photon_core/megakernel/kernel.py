@@ -76,6 +76,8 @@ ATTN_TILE: tl.constexpr = tl.constexpr(_BUDGET.attn_tile)
 # builds at the edge of the register file into spilling (ptxas -v: Triton 3.6 batch 8 fp32 4-40 B,
 # 3.9 batch 1 FP8 experts 24 B).
 STATS_TILE: tl.constexpr = tl.constexpr(1024)
+# The most tiles whose partial statistics a finale merges in one trip (ops.linear.STATS_TILES).
+STATS_TILES: tl.constexpr = tl.constexpr(ops.linear.STATS_TILES)
 
 # Task-table fields by name: one constant per field of graph.FIELDS (the one layout), so a task
 # body reads `tl.load(row + F_M)`, never a literal column.
@@ -147,6 +149,9 @@ F_fin: tl.constexpr = tl.constexpr(F["fin"])
 F_nfin: tl.constexpr = tl.constexpr(F["nfin"])
 F_rows: tl.constexpr = tl.constexpr(F["rows"])
 F_prows: tl.constexpr = tl.constexpr(F["prows"])
+F_stpart: tl.constexpr = tl.constexpr(F["stpart"])
+F_stnt: tl.constexpr = tl.constexpr(F["stnt"])
+F_sttile: tl.constexpr = tl.constexpr(F["sttile"])
 # Kernel op codes, as the op modules declare them (ops/<op>.py; ops.OP_NAMES).
 OP_EMBED: tl.constexpr = tl.constexpr(ops.OP_EMBED)
 OP_LINEAR: tl.constexpr = tl.constexpr(ops.OP_LINEAR)
@@ -172,6 +177,11 @@ XTILES = 1 << 25
 # without it: the offsets are loaded fields) with a softmax per key lane (decode_partial's LANES:
 # no barrier a step). _step_tasks says it as 33554432, as XTILES.
 KV16 = 1 << 25
+# LOOP's flag, set by the host for a table whose dense linear tasks span several column tiles
+# (Tiling.linear_span > 1, spans_linear_tiles): _task_linear loops over them. Without it the build
+# keeps the one-tile task, its registers unchanged (the loop cost the plain batch-1 bf16 build 48 B
+# of stack under Triton 3.9). _step_tasks says it as 67108864.
+LTILES = 1 << 26
 
 
 @triton.jit
@@ -292,22 +302,76 @@ def _norm_stats(s_ptr, lnw, lnst, norm, x_rows, rmask, K, eps, BLOCK_M: tl.const
 
 
 @triton.jit
-def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_stats(row, acc, omask, rows, rmask, s_ptr, stpart, width, sub):
+    """A tile's share of its rows' statistics, from the values it just stored (still in registers):
+    per row, the count of its columns (`width`), their mean and M2 (the sum of squares about that mean: two
+    passes over registers, exact) into slot `sttile` + sub of the stage's [B, stnt, 3] partials, which
+    the stage's finale merges (_merge_tile_stats) instead of reading the whole value again."""
+    stnt = tl.load(row + F_stnt)
+    tile = tl.load(row + F_sttile) + sub
+    mean = tl.sum(tl.where(omask, acc, 0.0), axis=1) / width
+    dev = tl.where(omask, acc - mean[:, None], 0.0)
+    p = s_ptr + stpart + (rows.to(tl.int64) * stnt + tile) * 3
+    tl.store(p, rows * 0 + width.to(tl.float32), mask=rmask)
+    tl.store(p + 1, mean, mask=rmask)
+    tl.store(p + 2, tl.sum(dev * dev, axis=1), mask=rmask)
+
+
+@triton.jit
+def _merge_tile_stats(parts, nt, rmask, K, norm, eps, BLOCK_M: tl.constexpr):
+    """Each row's (mean, rstd) from its `nt` <= STATS_TILES tiles' (count, mean, M2) at `parts`
+    ([BLOCK_M, nt, 3]), read in one trip: the mean of the tiles' means by their counts, and M2 as
+    the tiles' M2 plus each tile's count times its mean's squared distance from that mean (Chan et
+    al.'s pairwise combination). No sum of squares about zero is ever subtracted, so a row whose
+    mean is large against its spread keeps its variance (E[x^2] - E[x]^2 in fp32 would cancel).
+    RMSNorm (norm code 2): the mean square is M2 / K + mean^2, a sum of non-negative terms, and
+    the mean held at 0."""
+    rows = tl.arange(0, BLOCK_M)
+    tiles = tl.arange(0, STATS_TILES)
+    tm = rmask[:, None] & (tiles < nt)[None, :]
+    p = parts + (rows[:, None].to(tl.int64) * nt + tiles[None, :]) * 3
+    c = tl.load(p, mask=tm, other=0.0, cache_modifier=CG)
+    m = tl.load(p + 1, mask=tm, other=0.0, cache_modifier=CG)
+    q = tl.load(p + 2, mask=tm, other=0.0, cache_modifier=CG)
+    mu = tl.sum(c * m, axis=1) / K
+    dm = m - mu[:, None]
+    var = tl.sum(q + c * dm * dm, axis=1) / K
+    if norm == 2:
+        var += mu * mu
+        mu = tl.zeros((BLOCK_M,), tl.float32)
+    return mu, 1.0 / tl.sqrt(var + eps)
+
+
+@triton.jit
+def _task_row_stats(row, s_ptr, B, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MERGE: tl.constexpr = False):
     """The finale of a stage whose output x feeds a fused LayerNorm / RMSNorm (run by the stage's
     last task to finish, see _step_tasks): each of the B rows' (mean, rstd) of x ([B, stn] at stx)
     into stout ([B, 2]), so the linear's tiles read 2 floats a row instead of 2 passes over K.
-    It is its level's one task (every reader waits on it), so each pass reads STATS_TILE elements
-    a trip over the rows, not BLOCK_K a row (Moondream 2, K 2048, BLOCK_K 64: 2 trips a pass instead
-    of 32 at batch 1, 16 instead of 32 at batch 8). Bytes: 2*B*K*4 read (L2: the stage just wrote x), 8*B written."""
+    MERGE (the aligned builds, the GPU's candidates): a linear stage's tiles left their partial
+    statistics (stpart >= 0, _tile_stats), and one trip merges them (Moondream 2 at batch 8: 1 trip
+    where the passes over x take 32). The plain builds, and other stages' finales, read x: each
+    pass STATS_TILE elements a trip over the rows, not BLOCK_K a row (K 2048, BLOCK_K 64: 2 trips a
+    pass instead of 32 at batch 1, 16 at batch 8). (Plain builds only: their code stays as it was,
+    at the edge of the register file: with the merge, Triton 3.6's plain fp32 batch-8 build
+    spilled 24 B.)
+    Bytes: 2*B*K*4 read (L2: the stage just wrote x), or 12*B*stnt from the partials; 8*B written."""
     # Above batch 1 at most twice BLOCK_K a row: a wider tile spilled the roofline tiling's batch-8
     # fp32 build under Triton 3.6 (40 B; BLOCK_K 16 there, 64 in Tiling()).
     WIDE_CH: tl.constexpr = STATS_TILE // BLOCK_M if STATS_TILE // BLOCK_M <= 2 * BLOCK_K else 2 * BLOCK_K
     CH: tl.constexpr = STATS_TILE if BLOCK_M == 1 else (WIDE_CH if WIDE_CH >= BLOCK_K else BLOCK_K)
     K = tl.load(row + F_stn)
+    stpart = tl.load(row + F_stpart)
+    kind = tl.load(row + F_stkind)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < B
-    mean, rstd = _row_stats(s_ptr + tl.load(row + F_stx) + rows[:, None].to(tl.int64) * K, rmask, K,
-                            tl.load(row + F_stkind), eps, BLOCK_M, CH)
+    x_rows = s_ptr + tl.load(row + F_stx) + rows[:, None].to(tl.int64) * K
+    if MERGE:
+        if stpart >= 0:
+            mean, rstd = _merge_tile_stats(s_ptr + stpart, tl.load(row + F_stnt), rmask, K, kind, eps, BLOCK_M)
+        else:
+            mean, rstd = _row_stats(x_rows, rmask, K, kind, eps, BLOCK_M, CH)
+    else:
+        mean, rstd = _row_stats(x_rows, rmask, K, kind, eps, BLOCK_M, CH)
     out = s_ptr + tl.load(row + F_stout) + 2 * rows
     tl.store(out, mean, mask=rmask)
     tl.store(out + 1, rstd, mask=rmask)
@@ -683,19 +747,23 @@ def _linear_dot_steps(k0, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, 
 
 @triton.jit
 def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     KV_BF16: tl.constexpr = False):
+                     KV_BF16: tl.constexpr = False, TILE_STATS: tl.constexpr = False, sub=0):
     """Finish a tile: + bias, activation, + residual, then store by mode: plain, q|k|v (q to its
     buffer, k and v into the caches at each row's position) or logits (plus the tile's per-row
-    (max, first index) for the argmax)."""
+    (max, first index) for the argmax). TILE_STATS (the aligned builds' linear tasks, see
+    _task_row_stats): a plain tile of a stage whose output feeds a norm also stores its share of the
+    rows' statistics (_tile_stats). sub: the tile's place in its task's span (columns from
+    n0 + sub * BLOCK_N; tile indices from the task's first)."""
     M = tl.load(row + F_M)
     N = tl.load(row + F_N)
-    n0 = tl.load(row + F_n0)
+    n0 = tl.load(row + F_n0) + sub * BLOCK_N
     b_off = tl.load(row + F_b)
     act = tl.load(row + F_act)
     res = tl.load(row + F_res)
     mode = tl.load(row + F_mode)
     out = tl.load(row + F_out)
     n1 = tl.load(row + F_n1)
+    stpart = tl.load(row + F_stpart)
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < M
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -709,6 +777,9 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
         acc += tl.load(s_ptr + res + flat, mask=omask, other=0.0, cache_modifier=CG)
     if mode == 0:
         tl.store(s_ptr + out + flat, acc, mask=omask)
+        if TILE_STATS:
+            if stpart >= 0:    # the stage's output feeds a norm: this tile's share of the statistics
+                _tile_stats(row, acc, omask, rows, rmask, s_ptr, stpart, tl.minimum(n1 - n0, BLOCK_N), sub)
     elif mode == 1:
         # QKV: columns [0, D) are q (row-major [M, D] at out), [D, 2D) / [2D, 3D) go straight into the
         # K / V caches [B, H, Tmax, Dh] at each row's position: the cache append costs no extra task.
@@ -738,7 +809,7 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
     else:
         # Logits: the tile's (max, first index) per row for the argmax reduction.
         tl.store(s_ptr + out + flat, acc, mask=omask)
-        tile = tl.load(row + F_tile)
+        tile = tl.load(row + F_tile) + sub
         part = tl.load(row + F_part)
         ntiles = tl.load(row + F_ntiles)
         vals = tl.where(omask, acc, float("-inf"))
@@ -757,13 +828,21 @@ def _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BLOCK_M: tl.constexpr, 
 @triton.jit
 def _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV_BF16: tl.constexpr = False,
-                 LOOP: tl.constexpr = 0):
-    """A whole tile: product over all of K, then the epilogue. Bytes: (n1-n0)*K weights + M*K x."""
+                 LOOP: tl.constexpr = 0, TILES: tl.constexpr = 0):
+    """A task's tiles of BLOCK_N columns (one; with TILES, a span of them: Tiling.linear_span), one
+    after another: each its product over all of K, then the epilogue; the claim, header, waits and
+    fields paid once for them. Bytes a tile: BLOCK_N*K weights + M*K x."""
     # The tensor-core loop over bf16 weights only: fp32 and fp16 arenas keep the exact loop.
     LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 256 * ((LOOP // 256) % 256)
     BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 256) % 256 > 0 else BLOCK_M
-    acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP)
-    _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16)
+    TS: tl.constexpr = LOOP // 16777216 % 2    # an aligned build: tiles leave partial statistics
+    if TILES:
+        for sub in range(0, tl.cdiv(tl.load(row + F_n1) - tl.load(row + F_n0), BLOCK_N)):
+            acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP, n_shift=sub * BLOCK_N)
+            _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16, TS, sub)
+    else:
+        acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP)
+        _linear_epilogue(row, acc, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16, TS)
 
 
 @triton.jit
@@ -788,6 +867,7 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
     # The tensor-core loop over bf16 weights only: fp32 and fp16 arenas keep the exact loop.
     LP: tl.constexpr = LOOP if w_ptr.dtype.element_ty == tl.bfloat16 else LOOP - 256 * ((LOOP // 256) % 256)
     BM: tl.constexpr = (16 if BLOCK_M < 16 else BLOCK_M) if (LP // 256) % 256 > 0 else BLOCK_M
+    TS: tl.constexpr = LOOP // 16777216 % 2    # an aligned build: tiles leave partial statistics
     acc = _linear_acc(row, w_ptr, s_ptr, ln_eps, BM, BLOCK_N, BLOCK_K, LOOP=LP)
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -804,7 +884,7 @@ def _task_linear_split(row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, B, ln_eps, BLOCK_M:
             total = tl.zeros((BM, BLOCK_N), tl.float32)
             for s in range(0, nslices):
                 total += tl.load(tile + s * M * N, mask=omask, other=0.0, cache_modifier=CG)
-            _linear_epilogue(row, total, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16)
+            _linear_epilogue(row, total, w_ptr, s_ptr, dyn_ptr, B, BM, BLOCK_N, KV_BF16, TS)
 
 
 @triton.jit
@@ -1507,15 +1587,17 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
     pick the variant at compile time: the one megakernel is at the edge of the register file, and
     a run-time choice between variants would hold both and spill (ptxas -v). Returns 0, or the
     task's failure (graph.ERR_OP, ERR_RANGE). LOOP: the dense linear tasks' K loop, + KV16 where
-    the caches are aligned; XLOOP: the expert tasks' (expert_loop, chosen on the host), + XTILES
+    the caches are aligned, + LTILES where the linear tasks span several tiles; XLOOP: the expert tasks' (expert_loop, chosen on the host), + XTILES
     where they span several tiles."""
     XTILED: tl.constexpr = XLOOP // 33554432 % 2
     XK: tl.constexpr = XLOOP % 33554432
     KVA: tl.constexpr = LOOP // 33554432 % 2
+    LT: tl.constexpr = LOOP // 67108864 % 2
     LK: tl.constexpr = LOOP % 33554432
+    MERGE: tl.constexpr = LOOP // 16777216 % 2    # an aligned build: statistics merged from the tiles' partials
     status = tl.full([], 0, tl.int32)
     if op == OP_LINEAR:
-        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LK)
+        _task_linear(row, w_ptr, s_ptr, dyn_ptr, B, ln_eps, BLOCK_M, BLOCK_N, BLOCK_K, KV_BF16, LK, LT)
     elif op == OP_ATTN_PARTIAL:
         _task_attn_partial(row, s_ptr, ctrl_ptr, dyn_ptr, B, BLOCK_T, BLOCK_D, BLOCK_S, KV_BF16, KVA)
     elif op == OP_ATTN_MERGE:
@@ -1570,7 +1652,7 @@ def _step_tasks(op, row, w_ptr, s_ptr, ctrl_ptr, dyn_ptr, out_ptr, B, ln_eps, BL
         tl.debug_barrier()
         if drawn == tickets - 1:
             if stout >= 0:
-                _task_row_stats(row, s_ptr, B, ln_eps, BLOCK_M, BLOCK_K)
+                _task_row_stats(row, s_ptr, B, ln_eps, BLOCK_M, BLOCK_K, MERGE)
             else:
                 arow = row + fin
                 napp = nfin
@@ -1919,6 +2001,12 @@ def kv_aligned(graph: TaskGraph) -> bool:
                for t in graph.tasks if t.op == ops.OP_ATTN_PARTIAL)
 
 
+def spans_linear_tiles(graph: TaskGraph, block_n: int) -> bool:
+    """Whether some dense linear task spans several column tiles (Tiling.linear_span > 1): its build
+    must loop over them (LTILES)."""
+    return any(t.op == ops.OP_LINEAR and t.args["n1"] - t.args["n0"] > block_n for t in graph.tasks)
+
+
 def spans_expert_tiles(graph: TaskGraph, block_n: int) -> bool:
     """Whether some expert task spans several column tiles (Tiling.expert_span > 1): its build
     must loop over them (XTILES)."""
@@ -1932,6 +2020,7 @@ class Megakernel:
     run_task = step_tasks
     variant = KernelVariant()
     expert_tiles = False           # the table's expert tasks span several tiles (spans_expert_tiles)
+    linear_tiles = False           # the table's dense linear tasks span several tiles (spans_linear_tiles)
     kv_aligned = False             # the table's caches are 16-aligned (kv_aligned)
     tuning = megakernel_tuning()   # programs an SM under the running Triton
     options = megakernel_options()   # its launch options (num_warps, maxnreg): those compile_check compiles with
@@ -1944,6 +2033,7 @@ class Megakernel:
         check(graph)
         self.graph = graph
         self.expert_tiles = spans_expert_tiles(graph, block_n)
+        self.linear_tiles = spans_linear_tiles(graph, block_n)
         self.kv_aligned = kv_aligned(graph)
         if run_task is not None:   # a variant of the task table (step_tasks_for)
             self.run_task = run_task
@@ -1988,8 +2078,9 @@ class Megakernel:
 
     def loop(self) -> int:
         """This launch's LOOP: the variant's dense K loop, + KV16 where an aligned build's caches
-        are aligned."""
-        return self.variant.loop + (KV16 if self.variant.aligned and self.kv_aligned else 0)
+        are aligned, + LTILES where the table's linear tasks span several tiles."""
+        return (self.variant.loop + (KV16 if self.variant.aligned and self.kv_aligned else 0)
+                + (LTILES if self.linear_tiles else 0))
 
     def expert_loop(self, weight_bytes: int | None = None) -> int:
         """This launch's expert K loop (expert_loop: the variant's, at this batch and expert format;

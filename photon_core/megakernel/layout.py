@@ -31,11 +31,20 @@ class Tiling:
     min_tasks: int = 0
     min_block_n: int = 16
     max_split_k: int = 8
+    # A dense linear task computes up to `linear_span` block_n tiles one after another (its claim,
+    # header, waits and fields paid once for them), the span halving while the stage would have
+    # fewer than `linear_min_tasks` tasks (or a task would reach past a head its readers wait on
+    # alone). Stages of narrowed tiles or K slices keep one tile a task.
+    linear_span: int = 1
+    linear_min_tasks: int = 128
     # A q|k|v linear runs its rotary / per-head-norm append's (row, head) tasks as finales of its
     # own tiles (the last tile of a head's q, k and v to finish does that head: no level of its
-    # own) when each finale is at most this many (row, head) tasks (0: never). Larger batches keep
-    # the append tasks, which run in parallel rather than one after another in one program.
-    rope_finale_rows: int = 1
+    # own) when each finale is at most this many (row, head) tasks (0: never). Larger groups keep
+    # the append tasks, which run in parallel rather than one after another in one program. 8: a
+    # head's rows at batch 8 (Moondream 2: 8 rows of one head a finale; 6144 append tasks a step
+    # at 1, each paying a task's fixed cost; the cost model: batch 8 3589 -> 3194 us, and 2757 ->
+    # 2655 us were a task's fixed cost 1 us, not the fitted 5: bench/RESULTS.md).
+    rope_finale_rows: int = 8
     # An MoE expert task computes up to `expert_span` block_n column tiles of its pair, one after
     # another: its fixed cost (claim, header, waits, the routing read), about half of an expert
     # task's modelled time at one tile, is paid once for all of them. The span halves while a
@@ -65,7 +74,7 @@ class Plan:
     act_of: dict[str, Node]               # linear name -> the activation fused into its loads of x
     qkv_store: dict[str, Node]            # linear name -> the kv_append it stores for
     logits: dict[str, int]                # linear name -> tiles, for linears argmax reads
-    shape: dict[str, tuple[int, int]]     # linear name -> (tile width, K slices)
+    shape: dict[str, tuple[int, int, int]]   # linear name -> (tile width, K slices, tiles a task)
     ldw: dict[str, int]                   # weight name -> padded row stride (matrices tasks stream)
     weight_offset: dict[str, float]       # weight name -> constant added when stored (RMSNorm 1 + w)
     ln_eps: float

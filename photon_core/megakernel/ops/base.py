@@ -145,9 +145,22 @@ class Lowering:
         code = p.stats.get(value)
         if code is None:
             return {}, {}
-        S, key = p.sarena, f"{value}.stats"
-        return (dict(stx=S.off(value), stn=p.shapes[value][1], stout=S.off(key), stkind=code),
-                dict(ticket=key, last_reads=[S.region(value)], last_writes=[S.region(key)]))
+        S, key, parts = p.sarena, f"{value}.stats", f"{value}.tstats"
+        args = dict(stx=S.off(value), stn=p.shapes[value][1], stout=S.off(key), stkind=code)
+        if parts in p.shapes:    # a linear's tiles leave partials (tile_stats): the finale merges those
+            args.update(stpart=S.off(parts), stnt=p.shapes[parts][1])
+        return args, dict(ticket=key, last_reads=[S.region(parts if parts in p.shapes else value)],
+                          last_writes=[S.region(key)])
+
+    def tile_stats(self, value: str, tile: int) -> tuple[dict, list[Region]]:
+        """(arguments, writes) of tile `tile` of a linear stage whose tiles leave their rows' partial
+        statistics for its stats finale (kernel._tile_stats): its slot of each row's partials."""
+        parts = f"{value}.tstats"
+        if parts not in self.p.shapes:
+            return {}, []
+        B, nt, _ = self.p.shapes[parts]
+        return dict(sttile=tile), [self.S.region(parts, (r * nt + tile) * 3, (r * nt + tile + 1) * 3)
+                                   for r in range(B)]
 
     def stats_read(self, norm: Node | None) -> tuple[dict, list[Region]]:
         """(arguments, reads) of a linear / expert task with `norm` fused in front: where the norm's

@@ -23,6 +23,11 @@ OP_LINEAR_SPLIT = 7   # one K slice of a linear tile: the raw partial product in
                       # OP_LINEAR's epilogue (op 8, a reduce task of its own, is retired)
 # Store modes of OP_LINEAR.
 MODE_PLAIN, MODE_QKV, MODE_LOGITS = 0, 1, 2
+# The most tiles of a stage whose partial row statistics its finale merges in one trip (the
+# aligned builds: kernel._tile_stats, _merge_tile_stats): 64 covers a 2048-wide value in 32-column
+# tiles; [8 rows, 64 tiles] x 3 floats is 6 registers a thread at batch 8. A stage of more tiles
+# leaves none (compiler.plan), and its finale reads the value.
+STATS_TILES = 64
 
 
 def stage_shape(n: int, k: int, tiling, align: int | None = None, narrow: bool = True) -> tuple[int, int]:
@@ -42,6 +47,19 @@ def stage_shape(n: int, k: int, tiling, align: int | None = None, narrow: bool =
     return width, splits
 
 
+def stage_span(n: int, width: int, splits: int, tiling, align: int | None = None) -> int:
+    """Tiles of `width` columns a task of the stage computes one after another (Tiling.linear_span,
+    halved while the stage would have fewer than Tiling.linear_min_tasks tasks, or while a task's
+    columns would not divide `align`, a head its readers wait on alone). One where the stage's tiles
+    are narrowed or split in K (min_tasks: such a stage has too few tiles already)."""
+    if splits > 1 or width != tiling.block_n:
+        return 1
+    span, tiles = tiling.linear_span, -(-n // width)
+    while span > 1 and (-(-tiles // span) < tiling.linear_min_tasks or (align is not None and align % (span * width))):
+        span //= 2
+    return span
+
+
 def reference(e: Eager, node: Node) -> torch.Tensor:
     from photon_core.backends import reference as ref
     a = node.args
@@ -59,7 +77,8 @@ def lower(lo: Lowering, node: Node) -> None:
     p, g, graph, B, S, W = lo.p, lo.g, lo.graph, lo.B, lo.S, lo.W
     a, name = node.args, node.value.name
     N, K = graph.weight_shapes[a["w"]]
-    width, splits = p.shape[name]
+    width, splits, span = p.shape[name]
+    cols = width * span     # a task's columns: `span` tiles, one after another (kernel._task_linear)
     norm, glu, mul, xact = p.norm_of.get(name), p.glu_of.get(name), p.mul_of.get(name), p.act_of.get(name)
     fused = norm or glu or mul or xact
     x = fused.args["x"] if fused else a["x"]
@@ -75,7 +94,7 @@ def lower(lo: Lowering, node: Node) -> None:
     kv = p.qkv_store.get(name)
     out = kv.value if kv is not None else node.value      # what the tiles write
     dh = lo.per_head(out)
-    head_dim = dh if dh is not None and dh % width == 0 else 0   # 0: one counter for the stage
+    head_dim = dh if dh is not None and dh % cols == 0 else 0   # 0: one counter for the stage
     signal_heads = head_dim > 0
     d = out.width
     heads = -(-d // head_dim) if signal_heads else 0
@@ -93,8 +112,9 @@ def lower(lo: Lowering, node: Node) -> None:
     if splits > 1:
         step = -(-K // splits // p.tiling.block_k) * p.tiling.block_k   # slices on the K-step grid
         used = -(-K // step)
-    for i, n0 in enumerate(range(0, N, width)):
-        n1 = min(N, n0 + width)
+    for i, n0 in enumerate(range(0, N, cols)):
+        n1 = min(N, n0 + cols)
+        tiles = range(i * span, i * span + -(-(n1 - n0) // width))    # the task's tiles, by index
         args = dict(M=B, K=K, N=N, n0=n0, n1=n1, k0=0, k1=K, x=S.off(x.name), w=W.off(a["w"]), ldw=p.ldw[a["w"]],
                     b=W.off(a["b"]) if a["b"] else -1,
                     lnw=W.off(norm.args["w"]) if norm else -1,
@@ -105,6 +125,11 @@ def lower(lo: Lowering, node: Node) -> None:
                     mode=mode, out=S.off(out.name))
         fa, fk = lo.stats_finale(out.name) if kv is None else ({}, {})
         args.update(fa)
+        tile_writes = []
+        for j in tiles if kv is None else ():
+            ta, tw = lo.tile_stats(out.name, j)
+            args.update(ta if j == tiles[0] else {})
+            tile_writes += tw
         # The epilogue's accesses: the whole tile's, or the finale of the slices' ticket.
         reads = []
         if a["residual"] is not None:
@@ -125,11 +150,11 @@ def lower(lo: Lowering, node: Node) -> None:
                 else:
                     writes += [lo.cache_cols(cache, r, lo_ - c0, hi - c0) for r in range(B)]
         else:
-            writes += S.columns(out.name, B, N, n0, n1)
+            writes += S.columns(out.name, B, N, n0, n1) + tile_writes
         if mode == MODE_LOGITS:
             part = f"{name}.part"
-            args.update(tile=i, part=S.off(part), ntiles=ntiles, rb=-1)
-            writes += [S.region(part, (r * ntiles + i) * 2, (r * ntiles + i) * 2 + 2) for r in range(B)]
+            args.update(tile=tiles[0], part=S.off(part), ntiles=ntiles, rb=-1)
+            writes += [S.region(part, (r * ntiles + j) * 2, (r * ntiles + j) * 2 + 2) for r in range(B) for j in tiles]
         if finales is not None and rope is not None:
             fa, fk, signal = finales[qkv_head(rope, n0)]
             args.update(fa)
