@@ -36,10 +36,11 @@ FLOOR_US = {("whisper-tiny.en", 1, "bf16"): 587 / 36.33, ("whisper-tiny.en", 8, 
 
 def measured_tiling() -> Any:
     """The tiling the run's builds had: Tiling() of 2026-12-04, before the attention followed the
-    batch (Tiling.attn_min_tasks: 4 self / 8 cross splits at every batch then) and took 64 keys a
-    step (32 then)."""
+    batch (Tiling.attn_min_tasks: 4 self / 8 cross splits at every batch then), took 64 keys a
+    step (32 then) and ran batch 8's append rows as finales (Tiling.rope_finale_rows: batch 1's only
+    then)."""
     from photon_core.megakernel.compiler import Tiling
-    return Tiling(block_t=32, attn_min_tasks=0)
+    return Tiling(block_t=32, attn_min_tasks=0, rope_finale_rows=1)
 
 
 def graphs(tiling: Any = None) -> dict[tuple[str, int], tuple[Any, Any]]:
@@ -59,9 +60,11 @@ def graphs(tiling: Any = None) -> dict[tuple[str, int], tuple[Any, Any]]:
 
 def launch(name: str, batch: int, weights: str, graph: Any, tiling: Any, k_step_scale: float = 1.0,
            stats_chunk: int = 0, expert_fp8: bool | None = None, expert_wide: int = 0,
-           expert_pairs: int | None = None) -> cm.Launch:
+           expert_pairs: int | None = None, stats_tiles: int = 0) -> cm.Launch:
     """The launch the run timed: Triton 3.6's K step (its register budgets), the run's rows;
-    stats_chunk: the build's STATS_TILE (0: the run's build, BLOCK_K a row). A graph with MoE
+    stats_chunk: the build's STATS_TILE (0: the run's build, BLOCK_K a row); stats_tiles: the
+    build's STATS_TILES, where linear stages' finales merge their tiles' partials (0: the run's
+    build, which read the value). A graph with MoE
     layers: expert_fp8 (its experts FP8, else in the arena's dtype), expert_wide (their wide step's
     elements; 0: the plain loop's step) and expert_pairs (cost_model.Launch)."""
     from photon_core.kernels.triton_versions import megakernel_tuning
@@ -77,7 +80,8 @@ def launch(name: str, batch: int, weights: str, graph: Any, tiling: Any, k_step_
         expert_bytes=1 if expert_fp8 else unit, expert_pairs=expert_pairs)
     return cm.launch_of(graph, tiling, batch, [r["start"] + r["spacing"] * i for i in range(batch)], r["cross"](batch),
                         unit, k, meta["BLOCK_R"],
-                        cm.stats_row_chunk(batch, tiling.block_k, stats_chunk) if stats_chunk else 0, **experts)
+                        cm.stats_row_chunk(batch, tiling.block_k, stats_chunk) if stats_chunk else 0, stats_tiles,
+                        **experts)
 
 
 def predict(m: cm.Machine, gs: dict, **launch_kw: Any) -> dict[tuple[str, int, str], float]:
@@ -138,7 +142,17 @@ def changes(m: cm.Machine) -> list[tuple[str, cm.Machine, dict]]:
         ("streaming builds + today's attention (built, the default): splits that follow the batch (Tiling."
          "attn_min_tasks 128: B8 one split a (row, head)), 64 keys a step, a step's K and V loads in flight "
          "together (16-byte loads and a softmax per key lane, no barrier a step, in the aligned builds; the "
-         "model counts a step as one trip either way)", m, dict(STREAMING_KW, tiling=Tiling())),
+         "model counts a step as one trip either way)", m, dict(STREAMING_KW, tiling=Tiling(rope_finale_rows=1))),
+        ("... + statistics merged from the tiles' partials (built, in every aligned build: each tile of a linear "
+         "whose output feeds a norm leaves its rows' count, mean and M2, and the stage's finale merges them in one "
+         "trip, where it read the value twice, 128 elements a row a trip at batch 8)", m,
+         dict(TODAY_KW, tiling=Tiling(rope_finale_rows=1))),
+        ("... + batch 8's append rows as finales of their qkv tiles (Tiling.rope_finale_rows 8, the default: a "
+         "head's 8 rows one after another in the program that finishes its qkv tiles, where 6144 append tasks a step "
+         "each paid a task's fixed cost)", m, dict(TODAY_KW, tiling=Tiling())),
+        ("... + dense linear tasks of 4 column tiles (Tiling(linear_span=4): a task's claim, header, waits and "
+         "fields paid once for its tiles, the span halved while a stage would have under 128 tasks; built, "
+         "kernel.LTILES, for the GPU to measure)", m, dict(TODAY_KW, tiling=Tiling(linear_span=4))),
     ]
 
 
@@ -173,7 +187,7 @@ def moondream3_table(m: cm.Machine) -> list[str]:
         for b in (1, 8):
             floor = (g.weight_bytes(2, rows=b) + roofline.state_bytes(g, 1024) * b) / roofline.GPUS["H200"]
             name = "wide512+aligned" if b == 1 else "unroll8+aligned"
-            stream = dict(k_step_scale=STREAMING_KW["by_batch"][b]["k_step_scale"], stats_chunk=1024)
+            stream = dict(TODAY_KW["by_batch"][b])
             # the streaming build's expert step under 3.6 (the fitted run's Triton), as the kernel derives it
             wide = expert_step(KernelVariant.parse(name), triton.next_power_of_2(b), 1 if fp8 else 2,
                                megakernel_tuning("3.6.0"))
@@ -198,6 +212,8 @@ def moondream3_table(m: cm.Machine) -> list[str]:
 
 STATIC_TASK = 3 / 5    # a static build's per-task fixed time, of the fitted one: a guess until a timeline measures it
 STREAMING_KW = {"by_batch": {1: dict(k_step_scale=8, stats_chunk=1024), 8: dict(k_step_scale=8, stats_chunk=1024)}}
+# Today's streaming builds: their linear stages' statistics merged from the tiles' partials (kernel.STATS_TILES).
+TODAY_KW = {"by_batch": {b: dict(kw, stats_tiles=64) for b, kw in STREAMING_KW["by_batch"].items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "| design change (bf16) | Moondream 2 B1 us | x floor | / peer | Moondream 2 B8 us | B8 / B1 | "
                   "Whisper tiny.en B1 us | / peer |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     built = {}    # the graphs of a row's own tiling, lowered once
-    for label, mm, kw in changes(m):
+    # The last rows cut tasks or their fixed time, whose fitted constant (task) sits at its bound: the
+    # same rows with a task's own trips at 1 us instead of 5, to read how much rests on it.
+    rows = changes(m)
+    rows += [("(task 1 us) " + label.split(" (")[0], replace(mm, task=1e-6), kw) for label, mm, kw in rows[-4:]]
+    for label, mm, kw in rows:
         if "tiling" in kw and kw["tiling"] not in built:
             built[kw["tiling"]] = graphs(kw["tiling"])
         row_graphs = built[kw["tiling"]] if "tiling" in kw else gs
@@ -233,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {label} | {md1:.0f} | {md1 / FLOOR_US['moondream2', 1, 'bf16']:.1f} | "
                      f"{md1 / PEER_US['moondream2', 1]:.2f} | {md8:.0f} | {md8 / md1:.2f} | {wh1:.0f} | "
                      f"{wh1 / PEER_US['whisper-tiny.en', 1]:.2f} |")
+    lines += ["", "The (task 1 us) rows repeat the last four with a task's own trips (claim, header, fields) at 1 us "
+              "instead of the fitted 5, a constant at its bound: what a change is worth if the fit put too much "
+              "time there. The statistics partials and the append finales keep most of their batch-8 gain either "
+              "way and are built in (the partials in every aligned build, the finales at every batch up to 8); the "
+              "linear spans keep less of theirs and cost registers (sm_90, Triton 3.9: 240-264 B of stack outside "
+              "the K loops of the wide512 / unroll8 span builds, none inside; the one-tile builds unchanged, "
+              "kernel.LTILES), so Tiling.linear_span stays 1 until a GPU times the span builds "
+              "(bench/gpu_timeline.py part 5) and a traced launch measures a task's fixed time."]
     lines += ["", "Moondream 3.1 (no GPU has run it: the model's alone; the experts' K loops per build in their own terms, "
               "from the SASS: see moondream3_table). Floor: bf16 weights, the experts the rows choose (uniform "
               "routing) once, bf16 KV at context 1024, at 4.8 TB/s.", ""] + moondream3_table(m)

@@ -20,7 +20,9 @@ Parts, in this order (the first ones are what the next design step needs most):
    buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
 4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static,
    wide256+aligned and prefetch), if the budget is left (its build takes ~25 s).
-5. Moondream 3.1 at batch 1 (its bf16 experts; plain and wide512+aligned, whose expert tasks stream
+5. Whisper tiny.en and Moondream 2 at batch 1 with dense linear tasks of 4 column tiles
+   (Tiling.linear_span 4; plain and wide512+aligned), each if 45 s of the budget are left.
+6. Moondream 3.1 at batch 1 (its bf16 experts; plain and wide512+aligned, whose expert tasks stream
    16 KB a trip where the plain loop's stream 4 KB), if 45 s of the budget are left; then the same
    with expert tasks of 4 column tiles (Tiling.expert_span), if 45 s are still left.
 
@@ -433,6 +435,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         RESULTS["skipped"] = "moondream2 B8 (budget)"
     save(args.out)
+
+    # Dense linear tasks of 4 column tiles (Tiling.linear_span 4, kernel.LTILES), built for this to
+    # measure: the cost model predicts Whisper tiny.en B1 -20%, Moondream 2 B1 -12%; span 1 is the default.
+    for fam_name in ("whisper-tiny.en", "moondream2"):
+        name = f"{fam_name} B1 prod linear span4"
+        if not (cuda and time.time() - T0 < args.budget_s - 45):
+            RESULTS.setdefault("skipped_linear_span4", []).append(name)
+            continue
+        make, prod, _ = fams[fam_name]
+        cfg = guarded(f"build {name}", lambda: Config(name, make(lambda b: replace(prod(b), linear_span=4)), 1, dev))
+        if cfg is not None:
+            guarded(f"measure {name}", lambda: measure(cfg, [plain, wider], [], rate, cuda, iters // 2))
+        cfg = None
+        save(args.out)
 
     if cuda and "moondream3" in fams and time.time() - T0 < args.budget_s - 45:
         make, prod, _ = fams["moondream3"]

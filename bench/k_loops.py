@@ -17,7 +17,8 @@ build's K step (W0: the plain build's bytes a trip under 3.6) and takes W / F la
 (k_step_scale = W / W0, tiles_in_flight = F / W); the programs per version as each launches them
 (one an SM under 3.6, two under 3.9); row statistics STATS_TILE elements a trip, as the builds
 since that run read them (kernel.STATS_TILE: the plain rows are today's default build, not the
-measured one). The model's other constants are unchanged, so the rows
+measured one), and in the aligned builds a linear stage's merged from its tiles' partials in one
+trip (kernel.STATS_TILES). The model's other constants are unchanged, so the rows
 differ only by what the K loop does (the static builds' rows also by their schedule, and by a
 guessed per-task time: cost_model.STATIC_TASK); read them as +-15% and as the model's, until a GPU measures
 the variants (bench/gpu_timeline.py).
@@ -67,7 +68,7 @@ def compile_all(versions: list[str]) -> dict[str, dict]:
 
 
 from photon_core.kernels.sass_loops import dense_loop, dense_loops, expert_loops  # noqa: E402
-from photon_core.megakernel.kernel import STATS_TILE  # noqa: E402  (the builds since that run read statistics so)
+from photon_core.megakernel.kernel import STATS_TILE, STATS_TILES  # noqa: E402  (the builds since that run read statistics so)
 
 
 def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], programs: dict[str, int]) -> dict:
@@ -86,7 +87,7 @@ def predictions(per_program: dict[tuple[str, int, str], tuple[int, int]], progra
         for name in ("moondream2", "whisper-tiny.en"):
             graph, tiling = gs[name, batch]
             launch = cmb.launch(name, batch, "bf16", graph, tiling, k_step_scale=w / w0,
-                                stats_chunk=STATS_TILE.value)
+                                stats_chunk=STATS_TILE.value, stats_tiles=STATS_TILES.value * ("aligned" in variant))
             row[name] = cm.simulate(graph, launch, m)["seconds"] * 1e6
         out[version, batch, variant] = row
     return out

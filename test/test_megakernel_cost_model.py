@@ -24,6 +24,13 @@ def graphs():
     return bench.graphs()
 
 
+@pytest.fixture(scope="module")
+def today():
+    """The graphs at today's Tiling() (the run's: bench.measured_tiling)."""
+    from photon_core.megakernel import Tiling
+    return bench.graphs(Tiling())
+
+
 def test_the_model_reproduces_the_measured_steps(graphs):
     got = bench.predict(cm.FITTED, graphs)
     off = {k: got[k] / us - 1 for k, us in cm.MEASURED_US.items()}
@@ -125,14 +132,12 @@ def test_expert_tasks_of_several_column_tiles_cost_their_tiles_and_less_fixed_ti
     assert cm.simulate(four, la, m)["seconds"] > cm.simulate(one, la, m)["seconds"]
 
 
-def test_attention_splits_follow_the_batch_on_the_real_shapes(graphs):
+def test_attention_splits_follow_the_batch_on_the_real_shapes(graphs, today):
     """Tiling() splits each (row, head)'s keys only while the stage would otherwise have too few
     tasks for the GPU (Tiling.attn_min_tasks): Moondream 2 (32 heads, 24 layers) keeps 4 splits at
     batch 1 and takes one at batch 8; Whisper tiny.en (6 heads) keeps its 4 self splits at batch 8
     and halves its 8 cross splits. The model sees the batch-8 step shorter than the run's build."""
-    from photon_core.megakernel import Tiling
     from photon_core.megakernel.ops import OP_ATTN_PARTIAL
-    today = bench.graphs(Tiling())
 
     def partials(g):
         return sum(t.op == OP_ATTN_PARTIAL for t in g.tasks)
@@ -143,3 +148,39 @@ def test_attention_splits_follow_the_batch_on_the_real_shapes(graphs):
     run, now = (cm.simulate(g, bench.launch("moondream2", 8, "bf16", g, t), cm.FITTED)["seconds"]
                 for g, t in (graphs["moondream2", 8], today["moondream2", 8]))
     assert now < run, (now, run)
+
+
+def test_statistics_finales_merge_the_tiles_partials_on_the_real_shapes(graphs):
+    """Every statistics finale of a linear stage merges its tiles' partials (Moondream 2: the out
+    projection feeding the next layer's LayerNorm, 64 tiles of 32 columns; Whisper tiny.en: the
+    residual linears, 12 tiles): one trip a STATS_TILES of them, where reading the value takes two
+    passes of 128 elements a row a trip at batch 8. The model sees the batch-8 steps shorter."""
+    from photon_core.megakernel.ops import OP_LINEAR
+    for (name, batch), (g, tiling) in graphs.items():
+        finales = [t for t in g.tasks if t.args.get("stout", -1) >= 0]
+        linear = [t for t in finales if t.op == OP_LINEAR]
+        assert linear and all(t.args["stpart"] >= 0 and 0 <= t.args["sttile"] < t.args["stnt"] for t in linear)
+        assert all(t.args.get("stpart", -1) == -1 for t in finales if t.op != OP_LINEAR)
+        if name == "moondream2":
+            assert {t.args["stnt"] for t in linear} == {2048 // 32}
+        if batch == 8:
+            read, merged = (cm.simulate(g, bench.launch(name, 8, "bf16", g, tiling, stats_chunk=1024, stats_tiles=n),
+                                        cm.FITTED)["seconds"] for n in (0, 64))
+            assert merged < read, (name, merged, read)
+
+
+def test_batch_8_append_rows_run_as_finales_of_their_qkv_tiles(graphs, today):
+    """Tiling.rope_finale_rows 8: Moondream 2 at batch 8 has no append tasks (the run's build had
+    8 x 32 a layer), the last q|k|v tile of each head to finish runs its 8 rows; the model sees the
+    step shorter with the stages otherwise alike."""
+    from photon_core.megakernel import Tiling
+    from photon_core.megakernel.ops import OP_ROPE_APPEND
+    run, now = graphs["moondream2", 8][0], today["moondream2", 8][0]
+    assert sum(t.op == OP_ROPE_APPEND for t in run.tasks) == 24 * 8 * 32
+    assert not any(t.op == OP_ROPE_APPEND for t in now.tasks)
+    assert {t.args["nfin"] for t in now.tasks if t.args.get("fin", -1) >= 0} == {8}
+    tasks = bench.graphs(Tiling(rope_finale_rows=1))["moondream2", 8]
+    kw = bench.TODAY_KW["by_batch"][8]
+    before, after = (cm.simulate(g, bench.launch("moondream2", 8, "bf16", g, t, **kw), cm.FITTED)["seconds"]
+                     for g, t in (tasks, today["moondream2", 8]))
+    assert after < before, (after, before)
