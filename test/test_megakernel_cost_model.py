@@ -179,7 +179,11 @@ def test_batch_8_append_rows_run_as_finales_of_their_qkv_tiles(graphs, today):
     assert sum(t.op == OP_ROPE_APPEND for t in run.tasks) == 24 * 8 * 32
     assert not any(t.op == OP_ROPE_APPEND for t in now.tasks)
     assert {t.args["nfin"] for t in now.tasks if t.args.get("fin", -1) >= 0} == {8}
-    tasks = bench.graphs(Tiling(rope_finale_rows=1))["moondream2", 8]
+    import roofline
+
+    from photon_core.megakernel.compiler import lower, plan
+    tiling = Tiling(rope_finale_rows=1)
+    tasks = lower(plan(roofline.moondream2().graph, 8, tiling)), tiling
     kw = bench.TODAY_KW["by_batch"][8]
     before, after = (cm.simulate(g, bench.launch("moondream2", 8, "bf16", g, t, **kw), cm.FITTED)["seconds"]
                      for g, t in (tasks, today["moondream2", 8]))
