@@ -152,15 +152,16 @@ class Lowering:
         return args, dict(ticket=key, last_reads=[S.region(parts if parts in p.shapes else value)],
                           last_writes=[S.region(key)])
 
-    def tile_stats(self, value: str, tile: int) -> tuple[dict, list[Region]]:
-        """(arguments, writes) of tile `tile` of a linear stage whose tiles leave their rows' partial
-        statistics for its stats finale (kernel._tile_stats): its slot of each row's partials."""
+    def tile_stats(self, value: str, tiles: range) -> tuple[dict, list[Region]]:
+        """(arguments, writes) of a task computing `tiles` (their indices) of a linear stage whose
+        tiles leave their rows' partial statistics for its stats finale (kernel._tile_stats): the
+        first tile's slot, and each tile's slot of each row's partials."""
         parts = f"{value}.tstats"
         if parts not in self.p.shapes:
             return {}, []
         B, nt, _ = self.p.shapes[parts]
-        return dict(sttile=tile), [self.S.region(parts, (r * nt + tile) * 3, (r * nt + tile + 1) * 3)
-                                   for r in range(B)]
+        return dict(sttile=tiles[0]), [self.S.region(parts, (r * nt + j) * 3, (r * nt + j + 1) * 3)
+                                       for j in tiles for r in range(B)]
 
     def stats_read(self, norm: Node | None) -> tuple[dict, list[Region]]:
         """(arguments, reads) of a linear / expert task with `norm` fused in front: where the norm's

@@ -125,11 +125,8 @@ def lower(lo: Lowering, node: Node) -> None:
                     mode=mode, out=S.off(out.name))
         fa, fk = lo.stats_finale(out.name) if kv is None else ({}, {})
         args.update(fa)
-        tile_writes = []
-        for j in tiles if kv is None else ():
-            ta, tw = lo.tile_stats(out.name, j)
-            args.update(ta if j == tiles[0] else {})
-            tile_writes += tw
+        ta, tile_writes = lo.tile_stats(out.name, tiles) if kv is None else ({}, [])
+        args.update(ta)
         # The epilogue's accesses: the whole tile's, or the finale of the slices' ticket.
         reads = []
         if a["residual"] is not None:
