@@ -103,6 +103,31 @@ def test_async_copies_stay_in_flight_until_their_wait():
         /*0060*/              @!P0 BRA `(.L_x_5) ;
 """, 553)
     assert loop.weight_bytes == 48 and loop.in_flight_bytes == 32
+    assert loop.ahead == 1          # one commit group a trip, one left outstanding at the wait
+
+
+def test_a_pipelined_loop_counts_the_trips_still_in_flight_at_its_wait():
+    """A loop as Triton's pipeliner emits it with 4 stages: wait until at most 4 commit groups are
+    outstanding (this trip's x and weights done), use the trip's tiles from shared memory, copy a
+    later trip's x and weights (two groups): two later trips stream while one is used."""
+    loop = only_loop("""
+.L_x_6:
+        /*0000*/                   DEPBAR.LE SB0, 0x4 ;
+        /*0010*/                   LDS.128 R8, [R3] ;
+        /*0020*/                   FFMA R20, R8, R9, R20 ;
+        /*0030*/                   LDGSTS.E [R5], desc[UR4][R10.64] ;
+        /*0040*/                   LDGDEPBAR ;
+        /*0050*/                   LDGSTS.E.BYPASS.128 [R3+0x800], desc[UR4][R6.64] ;
+        /*0060*/                   LDGDEPBAR ;
+        /*0070*/              @!P0 BRA `(.L_x_6) ;
+""", 553)
+    assert (loop.ahead, loop.shared) == (2, 1)
+    # a loop of register loads has none
+    assert only_loop("""
+.L_x_7:
+        /*0000*/                   LDG.E.128 R20, desc[UR4][R6.64] ;
+        /*0010*/              @!P0 BRA `(.L_x_7) ;
+""").ahead == 0
 
 
 def test_a_wide_read_of_a_loaded_register_ends_what_is_in_flight():

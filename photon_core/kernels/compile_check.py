@@ -108,7 +108,7 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax",
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
           "lstm_cell")
-_MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_tiles|_lspans|_[ntdk]\d+)*)$")
+_MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d+|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_tiles|_lspans|_[ntdk]\d+)*)$")
 
 
 def compile_env(first: Path | None = None, cache_dir: Path | None = None) -> dict[str, str]:
@@ -229,12 +229,13 @@ def sass_loops_of(cubin: bytes, arch: int) -> dict[str, list[dict[str, Any]]]:
     """The megakernel's loops per trip and thread, read from one disassembly of the cubin's SASS
     (sass_loops, with the disassembler next to the running Triton's ptxas), one dict per loop
     (task, loads by width, weight and in-flight bytes, barriers, shared-memory instructions,
-    spill loads and stores: local). "k_loops": the weight-streaming loops, whose loads are the
-    lines of kernel.py holding sass_loops.WEIGHT_LOAD (found in the source: an edit that moves
-    them moves nothing here). "attention_loops": the attention key loops (decode_partial,
-    inlined), "weight_bytes" being the K and V bytes a step moves: every global load on a line of
-    decode_partial's key loop counts (ptxas records a load on any line of its statement, or the
-    next; the loop holds no other global load)."""
+    spill loads and stores: local; later trips in flight at a pipelined loop's wait: ahead).
+    "k_loops": the weight-streaming loops, whose loads are the lines of kernel.py holding
+    sass_loops.WEIGHT_LOAD (found in the source: an edit that moves them moves nothing here).
+    "attention_loops": the attention key loops (decode_partial, inlined), "weight_bytes" being the
+    K and V bytes a step moves: every global load on a line of decode_partial's key loop counts
+    (ptxas records a load on any line of its statement, or the next; the loop holds no other
+    global load)."""
     from photon_core.kernels import sass_loops
     nvdisasm = str(Path(ptxas_path(arch)).parent / "nvdisasm")
     insns, labels = sass_loops.instructions(sass_loops.disassemble(cubin, nvdisasm))
@@ -251,7 +252,7 @@ def sass_loops_of(cubin: bytes, arch: int) -> dict[str, list[dict[str, Any]]]:
 
     def record(lp: Any, task: str) -> dict[str, Any]:
         return dict(task=task, loads=lp.loads, weight_bytes=lp.weight_bytes, in_flight_bytes=lp.in_flight_bytes,
-                    barriers=lp.barriers, shared=lp.shared, local=lp.local)
+                    barriers=lp.barriers, shared=lp.shared, local=lp.local, ahead=lp.ahead)
     dense = found(ROOT / "photon_core" / "megakernel" / "kernel.py",
                   lambda text, names: sass_loops.load_sites(text, sass_loops.WEIGHT_LOAD, names))
     keys = found(ROOT / "photon_core" / "kernels" / "attention.py", key_loop_lines)
@@ -262,7 +263,8 @@ def sass_loops_of(cubin: bytes, arch: int) -> dict[str, list[dict[str, Any]]]:
 def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool = False,
         loops: bool = False) -> dict[str, Any]:
     """{"triton": version, "cases": {"<case>@sm_<arch>": {seconds, cubin, [ptx], [registers, ...]}}}:
-    report adds ptxas -v's figures, usage cuobjdump's (registers, stack), loops (megakernel cases)
+    report adds ptxas -v's figures, usage cuobjdump's (registers, stack) and the shared memory a
+    program takes (bytes, Triton's metadata), loops (megakernel cases)
     the K loops' and attention loops' figures from the SASS (sass_loops_of) and the threads of a
     program."""
     import triton
@@ -275,7 +277,8 @@ def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool
                 t0 = time.perf_counter()
                 rec.update(ptxas_report(ck.asm["ptx"], arch), ptxas_seconds=round(time.perf_counter() - t0, 2))
             if usage:
-                rec.update(resource_usage(ck.asm["cubin"], arch))
+                # shared memory a program (bytes): with registers, how many programs an SM holds
+                rec.update(resource_usage(ck.asm["cubin"], arch), shared_memory=int(ck.metadata.shared))
             if loops and name.startswith("megakernel"):
                 rec.update(sass_loops_of(ck.asm["cubin"], arch), threads=32 * ck.metadata.num_warps)
             if ptx:

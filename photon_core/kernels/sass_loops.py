@@ -12,7 +12,12 @@ reports per loop and trip, per thread:
   any of them loaded (in SASS order: what the scheduler can have outstanding at once, trip by trip);
 * `loads`: weight loads by width; `barriers`: BAR instructions; `shared`: LDS/STS/LDSM (a layout
   change through shared memory shows as stores, a barrier and loads inside the loop); `local`:
-  LDL/STL, a spill's traffic inside the trip (a kernel's stack may be spilled off the loops).
+  LDL/STL, a spill's traffic inside the trip (a kernel's stack may be spilled off the loops);
+* `ahead`: in a software-pipelined loop (copies into shared memory, cp.async: LDGSTS), the later
+  trips whose copies are still in flight when a trip waits for its own: the wait's count of
+  outstanding commit groups (DEPBAR.LE SB0, N) over the groups a trip commits (LDGDEPBAR). A
+  trip consumes its copies from shared memory while `ahead` trips' weights stream (0: no such
+  loop).
 
 The figures are per thread; a program moves `threads` (num_warps x 32) times them. Loads ptxas
 hoisted out of a loop (a pipelined loop's prologue) are not in its trips; copies into shared memory
@@ -63,6 +68,7 @@ class Loop:
     barriers: int = 0
     shared: int = 0
     local: int = 0                            # local-memory loads and stores (spills) inside a trip
+    ahead: int = 0                            # later trips' copies in flight at a trip's wait (cp.async loops)
 
     @property
     def task(self) -> str:
@@ -215,7 +221,18 @@ def _trip(body: list[Insn], file_suffix: str, sites: set[int], names: dict[int, 
             loop.shared += 1
         if i.opcode.startswith(("LDL", "STL")):
             loop.local += 1
+    groups = sum(i.opcode == "LDGDEPBAR" for i in body)
+    waits = [int(i.operands[-1], 0) for i in body if i.opcode.startswith("DEPBAR.LE") and i.operands]
+    if groups and waits and any(op.startswith("LDGSTS") for op in loop.loads):
+        loop.ahead = min(waits) // groups
     return loop
+
+
+def streaming_bytes(loop: dict) -> int:
+    """Weight bytes a thread has in flight while a trip of `loop` (a compile_check record) waits or
+    computes: a register loop's bytes issued before the first use; a pipelined loop's later trips'
+    copies (ahead x a trip), the trip it waits for being done."""
+    return loop["weight_bytes"] * loop["ahead"] if loop.get("ahead") else loop["in_flight_bytes"]
 
 
 def dense_loops(loops: list[dict]) -> list[dict]:
