@@ -19,7 +19,7 @@ Parts, in this order (the first ones are what the next design step needs most):
    (megakernel/perop_engine.py: the same step graph op by op with torch's kernels, on the same
    buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
 4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static,
-   wide256+aligned and prefetch), if the budget is left (its build takes ~25 s).
+   wide256+aligned, aligned+pipe15 and prefetch), if the budget is left (its build takes ~25 s).
 5. Whisper tiny.en and Moondream 2 at batch 1 with dense linear tasks of 4 column tiles
    (Tiling.linear_span 4; plain and wide512+aligned), each if 45 s of the budget are left.
 6. Moondream 3.1 at batch 1 (its bf16 experts; plain and wide512+aligned, whose expert tasks stream
@@ -27,8 +27,12 @@ Parts, in this order (the first ones are what the next design step needs most):
    with expert tasks of 4 column tiles (Tiling.expert_span), if 45 s are still left.
 
 Variants (kernel.KernelVariant): plain (today's build), prefetch2 / 1 (each linear task's weight
-tile into L2 before its dependency wait, one bulk copy per row / per line), pipe3 (a 3-stage K loop:
-under Triton 3.6-3.9 only x's loads are staged, 4 bytes each), dot64+pipe4 (the K loop on the
+tile into L2 before its dependency wait, one bulk copy per row / per line), aligned+pipe4 /
+aligned+pipe8 (K loops of 4 / 8 stages whose 16-byte weight loads Triton's pipeliner turns into
+copies into shared memory, 2 / 6 trips ahead of the one in use: under 3.6 16 / 48 KB a program
+in flight, 25 / 59 KB of shared memory, none of it in registers; the plain build's 2-byte loads
+are not staged, SASS; at batch 8, whose K step the product's registers keep at 2 KB a trip,
+aligned+pipe15: 13 trips ahead, 26 KB where unroll8+aligned has 16), dot64+pipe4 (the K loop on the
 tensor cores, x split into two bf16 terms; its weights in 2-byte loads and 104-184 B of spills at
 batch 1, SASS), wide512+aligned / wide256+aligned (512- / 256-element steps reduced as they come:
 32 / 16 KB of weights in flight a program a trip as 16-byte loads, no spill under 3.6 or 3.9, the
@@ -271,7 +275,7 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
         cfg.restore()
         tr = k.traced_launch()
         k.raise_on_error()
-        a = timeline.analyse(k.graph, tr, linear_k_step(k.meta))
+        a = timeline.analyse(k.graph, tr, linear_k_step(k.meta, variant=k.variant))
         key = f"{cfg.name}.{v.name()}"
         TRACES[key] = tr.numpy()
         RESULTS.setdefault("timelines", {})[key] = a
@@ -371,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{RESULTS['machine']}")
     save(args.out)
 
-    plain, pipe3 = KernelVariant(), KernelVariant(pipeline=3)
+    plain = KernelVariant()
+    pipe4, pipe8 = KernelVariant(pipeline=4, aligned=True), KernelVariant(pipeline=8, aligned=True)
+    pipe15 = KernelVariant(pipeline=15, aligned=True)
     pre1, pre2 = KernelVariant(prefetch=1), KernelVariant(prefetch=2)
     dot = KernelVariant(dot=64, pipeline=4)
     wide, wider = KernelVariant(wide=256, aligned=True), KernelVariant(wide=512, aligned=True)
@@ -380,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     wider_static = KernelVariant(wide=512, aligned=True, static=True)
     unrolled8 = KernelVariant(unroll=8, aligned=True)
     unrolled8_static = KernelVariant(unroll=8, aligned=True, static=True)
-    variants = ([plain, aligned, unrolled, wider, wider_static, wide, pre2, pre1, pipe3, dot] if cuda
-                else [plain, aligned, unrolled, wider, wider_static, wide, pipe3, dot])
+    variants = ([plain, aligned, unrolled, wider, wider_static, wide, pipe4, pipe8, pre2, pre1, dot] if cuda
+                else [plain, aligned, unrolled, wider, wider_static, wide, pipe4, dot])
     from photon_core.megakernel.kernel import Megakernel
     fams = families(args.dry_run, sms * Megakernel.tuning.programs_per_sm)
     pool = None
@@ -430,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = guarded("build moondream2 B8 prod", lambda: Config("moondream2 B8 prod", make(prod), 8, dev))
         if cfg is not None:
             # wide256+aligned: its rows take turns in a loop since 2026-12-05 (no stack at batch 8, SASS)
-            b8_variants = [plain, unrolled, unrolled8, unrolled8_static, wide, pre2]
+            b8_variants = [plain, unrolled, unrolled8, unrolled8_static, wide, pipe15, pre2]
             guarded("measure moondream2 B8 prod", lambda: measure(cfg, b8_variants, [], rate, cuda, iters // 2))
     else:
         RESULTS["skipped"] = "moondream2 B8 (budget)"

@@ -59,7 +59,7 @@ def run(step, variant: KernelVariant) -> torch.Tensor:
     return out
 
 
-VARIANTS = [KernelVariant(pipeline=3), KernelVariant(dot=32, pipeline=2), KernelVariant(wide=32),
+VARIANTS = [KernelVariant(pipeline=4, aligned=True), KernelVariant(dot=32, pipeline=2), KernelVariant(wide=32),
             KernelVariant(wide=32, aligned=True), KernelVariant(unroll=4, aligned=True),
             KernelVariant(unroll=8, aligned=True), KernelVariant(static=True),
             KernelVariant(wide=32, aligned=True, static=True)]
@@ -153,7 +153,7 @@ for name in sys.argv[2:]:
                  ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
                  ("smid", r"%smid"))}
     out[name].update(cc.sass_loops_of(ck.asm["cubin"], 90), threads=32 * ck.metadata.num_warps,
-                     **cc.resource_usage(ck.asm["cubin"], 90))
+                     shared_memory=int(ck.metadata.shared), **cc.resource_usage(ck.asm["cubin"], 90))
 print(json.dumps(out))
 '''
 
@@ -182,7 +182,8 @@ NAMES = ["megakernel_b1_bf16_n32_k64", "megakernel_b1_bf16_n32_k64_prefetch2", "
          "megakernel_b1_bf16_kvbf16_fp8_n32_k64_wide512_aligned",
          "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned",
          "megakernel_b8_bf16_kvbf16_fp8_n32_k64_unroll8_aligned_tiles",
-         "megakernel_b1_bf16_n32_k64_wide512_aligned_lspans"]
+         "megakernel_b1_bf16_n32_k64_wide512_aligned_lspans", "megakernel_b1_bf16_n32_k64_pipe8_aligned",
+         "megakernel_b8_bf16_n32_k64_pipe15_aligned"]
 
 
 def test_variants_compile_for_sm90_with_their_instructions(compiled):
@@ -234,6 +235,70 @@ def test_the_streaming_variants_keep_more_weight_bytes_in_flight(compiled):
     keys = ("loads", "weight_bytes", "in_flight_bytes", "local")
     span_loops = [lp for lp in dense_loops(spans["k_loops"]) if lp["task"] == "_task_linear"]
     assert span_loops and all({k: lp[k] for k in keys} == {k: wide[k] for k in keys} for lp in span_loops), spans
+
+
+def test_the_pipelined_builds_stream_their_weights_through_shared_memory(compiled):
+    """aligned+pipe8 (batch 1) and aligned+pipe15 (batch 8): Triton's pipeliner turns the 16-byte
+    weight loads into copies into shared memory (cp.async, LDGSTS), and a trip waits for its own
+    with 6 / 13 later trips' copies still in flight (sass_loops' `ahead`): at batch 1 the budgets'
+    widest K step (8 KB a trip under 3.6, 16 under 3.9) and >= 48 KB in flight a program where
+    wide512+aligned holds 32 KB in registers; at batch 8, whose product's registers keep a trip at
+    2 KB, 26 KB where unroll8+aligned holds 16. None of it in registers: no stack, no spill
+    traffic in any dense K loop. Their shared memory holds the stages (what residency counts:
+    kernel.programs_per_sm)."""
+    from photon_core.kernels.sass_loops import dense_loop, dense_loops, streaming_bytes
+    _, got = compiled
+    unroll8 = got["megakernel_b8_bf16_n32_k64_unroll8_aligned"]
+    for name, ahead, least in (("megakernel_b1_bf16_n32_k64_pipe8_aligned", 6, 48 * 1024),
+                               ("megakernel_b8_bf16_n32_k64_pipe15_aligned", 13, 24 * 1024)):
+        rec = got[name]
+        lp = dense_loop(rec["k_loops"])
+        threads = rec["threads"]
+        assert all(op.startswith("LDGSTS") for op in lp["loads"]) and lp["ahead"] == ahead, (name, lp)
+        assert streaming_bytes(lp) * threads >= least and rec["stack"] == 0, (name, lp, rec["stack"])
+        assert all(x["local"] == 0 for x in dense_loops(rec["k_loops"])), (name, rec["k_loops"])
+        assert rec["shared_memory"] >= ahead * lp["weight_bytes"] * threads, (name, rec["shared_memory"])
+    b1 = dense_loop(got["megakernel_b1_bf16_n32_k64_pipe8_aligned"]["k_loops"])
+    assert set(b1["loads"]) == {"LDGSTS.E.BYPASS.128"}
+    # a trip is the K step the host computes for the build under this Triton's budgets (the timeline's
+    # linear_k_step; this process interprets, so they are named): 32 bf16 columns
+    from photon_core.kernels.triton_versions import megakernel_tuning
+    from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
+    step = linear_k_step(megakernel_meta(1, 32, 64, 64, 64, 8, 1024), tuning=megakernel_tuning(),
+                         variant=KernelVariant(pipeline=8, aligned=True))
+    assert b1["weight_bytes"] * got["megakernel_b1_bf16_n32_k64_pipe8_aligned"]["threads"] == step * 32 * 2
+    b8 = dense_loop(got["megakernel_b8_bf16_n32_k64_pipe15_aligned"]["k_loops"])
+    assert streaming_bytes(b8) > dense_loop(unroll8["k_loops"])["in_flight_bytes"]
+
+
+def test_a_pipelined_aligned_build_takes_the_budgets_k_step():
+    """The K step of each build as the host computes it (kernel.linear_k_step): Tiling's 64 for the
+    plain loop; the budgets' widest for a pipelined aligned build (128 under Triton 3.6, 256 under
+    3.9), whose later steps wait in shared memory; a pipelined build of 2-byte loads (not staged)
+    and batch 8 (the product's registers: 32) keep theirs."""
+    from photon_core.kernels.triton_versions import megakernel_tuning
+    from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
+    b1, b8 = (megakernel_meta(b, 32, 64, 32, 64, 8, 1024) for b in (1, 8))
+    t36, t39 = megakernel_tuning("3.6.0"), megakernel_tuning("3.9.0")
+    piped = KernelVariant(pipeline=8, aligned=True)
+    assert linear_k_step(b1, tuning=t36) == linear_k_step(b1, tuning=t39) == 64
+    assert linear_k_step(b1, tuning=t36, variant=piped) == 128 and linear_k_step(b1, tuning=t39, variant=piped) == 256
+    assert linear_k_step(b1, tuning=t39, variant=KernelVariant(pipeline=8)) == 64
+    assert linear_k_step(b8, tuning=t39, variant=KernelVariant(pipeline=15, aligned=True)) == 32
+
+
+def test_shared_memory_bounds_the_programs_an_sm_holds():
+    """A build's programs an SM: the tuning's, fewer where its shared memory does not fit them (an
+    H100/H200 SM has 228 KB, each block 1 KB of it reserved): aligned+pipe8 under Triton 3.9 (122 KB
+    a program) one, aligned+pipe4 (52 KB) the tuning's two; never none."""
+    from photon_core.megakernel.kernel import programs_per_sm
+    sm = 228 * 1024
+    assert programs_per_sm(2, 121856, sm) == 1
+    assert programs_per_sm(2, 52224, sm) == 2
+    assert programs_per_sm(2, 0, sm) == 2
+    assert programs_per_sm(1, 60928, sm) == 1
+    assert programs_per_sm(2, 300 * 1024, sm) == 1
+    assert programs_per_sm(4, 60 * 1024, sm) == 3
 
 
 def test_attention_loads_keys_and_values_together_and_aligned_builds_in_16_byte_vectors(compiled):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -422,7 +423,12 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     FIT_MNK: tl.constexpr = LINEAR_TILE // (BLOCK_M * BLOCK_N) // (2 if FP8 else 1)
     FIT_NK: tl.constexpr = WEIGHT_TILE // BLOCK_N // (2 if FP8 else 1)
     FIT: tl.constexpr = FIT_MNK if FIT_MNK <= FIT_NK else FIT_NK
-    BK: tl.constexpr = BK0 if BK0 <= FIT else (FIT if FIT >= 16 else 16)
+    # A pipelined loop of 16-byte loads (PIPE with ALIGNED) stages its later steps' tiles in shared
+    # memory, not registers: it takes the budgets' widest step, up to 256 (block_k 64 gave it 4 KB a
+    # trip at batch 1; the budgets' 8 KB under 3.6, 16 under 3.9, SASS; 256 under the interpreter).
+    PIPE_WIDE: tl.constexpr = 0 if FP8 else ((ALIGNED if UNROLL + DOT + WIDE == 0 else 0) if PIPE > 0 else 0)
+    BK1: tl.constexpr = BK0 if PIPE_WIDE == 0 else (BK0 if FIT <= BK0 else (FIT if FIT <= 256 else 256))
+    BK: tl.constexpr = BK1 if BK1 <= FIT else (FIT if FIT >= 16 else 16)
     # Every field first, before any branch on one: independent loads issue together (one trip to
     # L2 for the task row) where a load behind each branch would wait for the one before.
     M = tl.load(row + F_M)
@@ -521,7 +527,9 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     elif PIPE > 0:
         # Software-pipelined: the loads of PIPE - 1 later K steps are in flight while one is
         # consumed (Triton's pipeliner stages them through shared memory), so a tile streams with
-        # several steps' weights outstanding instead of one.
+        # several steps' weights outstanding instead of one, none of them in registers. The weights
+        # are staged only where they load 16 bytes (ALIGNED: cp.async of 16 bytes, SASS under 3.6 and
+        # 3.9); the plain build's 2-byte loads stay loads, and only x's 4-byte loads are staged.
         for kb in tl.range(k0, k1, BK, num_stages=PIPE):
             acc3 = _linear_k_step(acc3, kb, ks, k1, k1w, K, rmask, x_rows, g_rows, xglu, xact, xgate, gact, lnw, lnb,
                                   mean, rstd, w_ptr, w_off, cols, cmask, ldw, FP8)
@@ -1882,13 +1890,37 @@ def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int
     return max(1, min(4, num_tasks))
 
 
-def linear_k_step(meta: dict[str, int], fp8: bool = False, tuning: MegakernelTuning | None = None) -> int:
+def programs_per_sm(tuned: int, shared: int, smem_per_sm: int) -> int:
+    """Programs of a build one SM holds: the tuning's (registers), fewer where its shared memory
+    (bytes a program, + the 1 KB the hardware reserves for each block since sm_80) does not fit
+    that many; at least one."""
+    if shared <= 0:
+        return tuned
+    return max(1, min(tuned, smem_per_sm // (shared + 1024)))
+
+
+def shared_memory_per_sm(device: torch.device) -> int:
+    """Bytes of shared memory an SM of `device` has (torch's property; Triton's per-block limit
+    plus the block's reserve where torch lacks it)."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
+    if per_sm:
+        return int(per_sm)
+    return int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]) + 1024
+
+
+def linear_k_step(meta: dict[str, int], fp8: bool = False, tuning: MegakernelTuning | None = None,
+                  variant: "KernelVariant | None" = None) -> int:
     """The K step _linear_acc takes at a launch's constexprs (BLOCK_K, shrunk to the register
-    budgets of `tuning`: the running Triton's, none under the interpreter), for the timeline."""
+    budgets of `tuning`: the running Triton's, none under the interpreter; a pipelined aligned
+    `variant` takes the budgets' step), for the timeline."""
     budget = tuning or _BUDGET
     bk0 = meta["BLOCK_K"] // 2 if fp8 else meta["BLOCK_K"]
     fit = min(budget.linear_tile // (meta["BLOCK_M"] * meta["BLOCK_N"]) // (2 if fp8 else 1),
               budget.weight_tile // meta["BLOCK_N"] // (2 if fp8 else 1))
+    v = variant or KernelVariant()
+    if v.pipeline and v.aligned and not (v.unroll or v.dot or v.wide or fp8):
+        bk0 = max(bk0, min(fit, 256))
     return bk0 if bk0 <= fit else max(fit, 16)
 
 
@@ -1907,9 +1939,10 @@ def megakernel_meta(batch: int, block_n: int, block_k: int, block_t: int, head_d
 class KernelVariant:
     """How the one megakernel is built beyond its tiling: choices measured against each other on a
     GPU (bench/gpu_timeline.py) before one becomes the default. pipeline: stages of a dense linear
-    task's K loop (0: a plain loop; 3 with dot); prefetch: its weight tile into L2 before its
-    dependency wait (0: off; 1: a prefetch per 128-byte line, sm_80+; 2: one bulk prefetch per row,
-    sm_90+); dot: its K loop on the tensor cores, `dot` elements a step (bf16 weights; 0: the
+    task's K loop (0: a plain loop; 3 with dot; with aligned the weights are copied into shared
+    memory pipeline - 2 trips ahead of the one in use, bench/RESULTS.md "Megakernel K loop");
+    prefetch: its weight tile into L2 before its dependency wait (0: off; 1: a prefetch per
+    128-byte line, sm_80+; 2: one bulk prefetch per row, sm_90+); dot: its K loop on the tensor cores, `dot` elements a step (bf16 weights; 0: the
     elementwise loop; see _linear_dot_steps); wide: steps of `wide` elements reduced as they come
     (_linear_wide_steps); unroll: 2, 4 or 8 weight tiles loaded before the first is multiplied;
     aligned: the weight offsets' alignment said so that the dense tasks' loads are 16 bytes (see
@@ -2066,15 +2099,37 @@ class Megakernel:
         self.ctrl.zero_()
         cuda = self.weights.device.type == "cuda"
         mode = 0 if trace is None else (1 if cuda else 2)
+        args = (self.tasks, len(self.graph.tasks), self.ctrl, self.dyn, self.weights, self.state, self.out,
+                self.batch, self.ln_eps, self.spin_limit, self.ctrl if trace is None else trace)
+        kw = dict(RUN_TASK=self.run_task, TRACE=mode, **dict(self.variant.constexprs(), LOOP=self.loop()),
+                  XLOOP=self.expert_loop(), **self.options, **self.meta)
         # The interpreter runs programs one after another: a static share waiting on another
         # program's task would never see it run, so there one program runs them all.
         programs = self.num_programs if cuda or not self.variant.static else 1
-        _megakernel[(programs,)](self.tasks, len(self.graph.tasks), self.ctrl, self.dyn,
-                                          self.weights, self.state, self.out, self.batch, self.ln_eps,
-                                          self.spin_limit, self.ctrl if trace is None else trace,
-                                          RUN_TASK=self.run_task, TRACE=mode,
-                                          **dict(self.variant.constexprs(), LOOP=self.loop()),
-                                          XLOOP=self.expert_loop(), **self.options, **self.meta)
+        if cuda and self.variant.static:
+            programs = min(programs, self.resident_for(args, kw))
+        _megakernel[(programs,)](*args, **kw)
+
+    def resident_for(self, args: tuple, kw: dict) -> int:
+        """Programs of this build the GPU holds at once: fewer than num_programs where the compiled
+        build's shared memory leaves room for fewer programs an SM than the tuning's (a pipelined
+        build's stages: aligned+pipe8 takes 122 KB a program under Triton 3.9, one an SM, not two).
+        A static build launches no more (a share whose program is not yet running would block its
+        waiters); a claiming one may (its extra programs start late and claim what is left).
+        Compiled once per build (the compile its launch would do), before its first launch."""
+        known = self.__dict__.setdefault("_resident", {})   # shared by copy.copy's copies: keyed by all it reads
+        key = (str(self.weights.device), len(self.graph.tasks),
+               tuple(sorted((k, getattr(v, "__name__", v)) for k, v in kw.items())))
+        if key not in known:
+            try:
+                shared = int(_megakernel.warmup(*args, grid=(1,), **kw).metadata.shared)
+            except (AttributeError, TypeError) as e:   # a Triton without warmup's compiled kernel
+                warnings.warn(f"megakernel: the build's shared memory is unknown ({e!r}); assuming the "
+                              f"tuning's {self.tuning.programs_per_sm} programs an SM", stacklevel=2)
+                shared = 0
+            per_sm = programs_per_sm(self.tuning.programs_per_sm, shared, shared_memory_per_sm(self.weights.device))
+            known[key] = resident_programs(self.weights.device, len(self.graph.tasks), per_sm)
+        return known[key]
 
     def loop(self) -> int:
         """This launch's LOOP: the variant's dense K loop, + KV16 where an aligned build's caches
