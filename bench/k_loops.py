@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec = got[v]["cases"][f"{BASE[b]}{variant}@sm_90"]
                 lp = dense_loop(rec["k_loops"])
                 w, f = lp["weight_bytes"] * rec["threads"], streaming_bytes(lp) * rec["threads"]
-                per_program[version, b, variant] = (w, f, 132 * programs_per_sm(programs[version], rec["shared_memory"],
+                per_program[version, b, variant] = (w, f, 132 * programs_per_sm(programs[version], rec.get("shared_memory", 0),
                                                                                   H200_SHARED_PER_SM))
                 table.append((version, b, variant, rec, lp, w, f))
     pred = predictions(per_program)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         loads = loads_text(lp["loads"])
         md, wh = pr["moondream2"], pr["whisper-tiny.en"]
         lines.append(f"| {version} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | {rec['registers']} / "
-                     f"{rec['stack']} | {rec['shared_memory'] / 1024:.1f} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
+                     f"{rec['stack']} | {rec.get('shared_memory', 0) / 1024:.1f} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
                      f"{lp['local']} | {experts_kb(rec)} | "
                      f"{md:.0f} | {md / floor[b]:.1f} | {md / peer['moondream2', b]:.2f} | {wh:.0f} | "
                      f"{wh / peer['whisper-tiny.en', b]:.2f} |")

@@ -264,9 +264,11 @@ def test_the_pipelined_builds_stream_their_weights_through_shared_memory(compile
     # linear_k_step; this process interprets, so they are named): 32 bf16 columns
     from photon_core.kernels.triton_versions import megakernel_tuning
     from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
-    step = linear_k_step(megakernel_meta(1, 32, 64, 64, 64, 8, 1024), tuning=megakernel_tuning(),
-                         variant=KernelVariant(pipeline=8, aligned=True))
-    assert b1["weight_bytes"] * got["megakernel_b1_bf16_n32_k64_pipe8_aligned"]["threads"] == step * 32 * 2
+    for batch, name, stages in ((1, "megakernel_b1_bf16_n32_k64_pipe8_aligned", 8),
+                                (8, "megakernel_b8_bf16_n32_k64_pipe15_aligned", 15)):
+        step = linear_k_step(megakernel_meta(batch, 32, 64, 64, 64, 8, 1024), tuning=megakernel_tuning(),
+                             variant=KernelVariant(pipeline=stages, aligned=True))
+        assert dense_loop(got[name]["k_loops"])["weight_bytes"] * got[name]["threads"] == step * 32 * 2, name
     b8 = dense_loop(got["megakernel_b8_bf16_n32_k64_pipe15_aligned"]["k_loops"])
     assert streaming_bytes(b8) > dense_loop(unroll8["k_loops"])["in_flight_bytes"]
 

@@ -108,11 +108,13 @@ def test_async_copies_stay_in_flight_until_their_wait():
 
 def test_a_pipelined_loop_counts_the_trips_still_in_flight_at_its_wait():
     """A loop as Triton's pipeliner emits it with 4 stages: wait until at most 4 commit groups are
-    outstanding (this trip's x and weights done), use the trip's tiles from shared memory, copy a
+    outstanding (this trip's x and weights done; ptxas may name registers to wait for too, and
+    a wait on another scoreboard is not a copy's), use the trip's tiles from shared memory, copy a
     later trip's x and weights (two groups): two later trips stream while one is used."""
     loop = only_loop("""
 .L_x_6:
-        /*0000*/                   DEPBAR.LE SB0, 0x4 ;
+        /*0000*/                   DEPBAR.LE SB0, 0x4, {2,1} ;
+        /*0008*/                   DEPBAR.LE SB1, 0x0 ;
         /*0010*/                   LDS.128 R8, [R3] ;
         /*0020*/                   FFMA R20, R8, R9, R20 ;
         /*0030*/                   LDGSTS.E [R5], desc[UR4][R10.64] ;

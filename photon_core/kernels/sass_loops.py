@@ -222,7 +222,10 @@ def _trip(body: list[Insn], file_suffix: str, sites: set[int], names: dict[int, 
         if i.opcode.startswith(("LDL", "STL")):
             loop.local += 1
     groups = sum(i.opcode == "LDGDEPBAR" for i in body)
-    waits = [int(i.operands[-1], 0) for i in body if i.opcode.startswith("DEPBAR.LE") and i.operands]
+    # DEPBAR.LE SB0, N[, {...}]: cp.async's commit groups count on scoreboard 0 (other
+    # scoreboards wait for other things); the strictest wait in the trip
+    waits = [int(i.operands[1], 0) for i in body
+             if i.opcode.startswith("DEPBAR.LE") and len(i.operands) > 1 and i.operands[0] == "SB0"]
     if groups and waits and any(op.startswith("LDGSTS") for op in loop.loads):
         loop.ahead = min(waits) // groups
     return loop
@@ -254,7 +257,7 @@ def dense_loop(loops: list[dict]) -> dict:
     dense = dense_loops(loops)
     if not dense or any(lp["loads"] != dense[0]["loads"] for lp in dense):
         raise ValueError(f"expected the dense linear K loops, with the same loads: {loops}")
-    return min(dense, key=lambda lp: lp["in_flight_bytes"])
+    return min(dense, key=streaming_bytes)
 
 
 def load_sites(text: list[str], marker: tuple[str, ...], names: dict[int, str]) -> set[int]:

@@ -427,7 +427,8 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     # memory, not registers: it takes the budgets' widest step, up to 256 (block_k 64 gave it 4 KB a
     # trip at batch 1; the budgets' 8 KB under 3.6, 16 under 3.9, SASS; 256 under the interpreter).
     PIPE_WIDE: tl.constexpr = 0 if FP8 else ((ALIGNED if UNROLL + DOT + WIDE == 0 else 0) if PIPE > 0 else 0)
-    BK1: tl.constexpr = BK0 if PIPE_WIDE == 0 else (BK0 if FIT <= BK0 else (FIT if FIT <= 256 else 256))
+    FIT256: tl.constexpr = FIT if FIT <= 256 else 256
+    BK1: tl.constexpr = BK0 if PIPE_WIDE == 0 else (BK0 if FIT256 <= BK0 else FIT256)   # widened, never narrowed
     BK: tl.constexpr = BK1 if BK1 <= FIT else (FIT if FIT >= 16 else 16)
     # Every field first, before any branch on one: independent loads issue together (one trip to
     # L2 for the task row) where a load behind each branch would wait for the one before.
@@ -525,9 +526,10 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
                 acc3 = _xw_steps4(acc3, w4, w5, w6, w7, kb + 4 * BK, BK, ks, k1, K, rmask, x_rows, g_rows, xglu, xact,
                                   xgate, gact, lnw, lnb, mean, rstd, w_ptr, FP8)
     elif PIPE > 0:
-        # Software-pipelined: the loads of PIPE - 1 later K steps are in flight while one is
-        # consumed (Triton's pipeliner stages them through shared memory), so a tile streams with
-        # several steps' weights outstanding instead of one, none of them in registers. The weights
+        # Software-pipelined: the loads of later K steps are in flight while one is consumed
+        # (Triton's pipeliner stages them through shared memory: PIPE - 2 steps' copies outstanding
+        # at a step's wait, PIPE - 1 once the next is issued, SASS), so a tile streams with several
+        # steps' weights outstanding instead of one, none of them in registers. The weights
         # are staged only where they load 16 bytes (ALIGNED: cp.async of 16 bytes, SASS under 3.6 and
         # 3.9); the plain build's 2-byte loads stay loads, and only x's 4-byte loads are staged.
         for kb in tl.range(k0, k1, BK, num_stages=PIPE):
@@ -1879,10 +1881,11 @@ def resident_programs(device: torch.device, num_tasks: int, programs_per_sm: int
     """How many programs to launch: no more than can be resident at once. (Tasks are claimed when a
     program starts running, so a program that is not yet resident holds no task and cannot block
     anyone; staying within residency keeps every claimed task on an SM all the same.) Under the
-    pinned Triton, compiled for sm_90, the kernel needs <= 255 registers x 128 threads and ~1 KB
-    shared memory, so two programs fit on every SM; more in-flight loads per SM is what a
+    pinned Triton, compiled for sm_90, the kernel needs <= 255 registers x 128 threads and a few KB
+    of shared memory, so two programs fit on every SM; more in-flight loads per SM is what a
     bandwidth-bound step needs. Older Tritons build it with 8 warps, one program an SM
-    (triton_versions.megakernel_tuning)."""
+    (triton_versions.megakernel_tuning). A pipelined build's stages can fit fewer: a static build
+    launches what Megakernel.resident_for finds."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(sms * programs_per_sm, num_tasks))
@@ -1906,14 +1909,16 @@ def shared_memory_per_sm(device: torch.device) -> int:
     per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
     if per_sm:
         return int(per_sm)
-    return int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]) + 1024
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]) + 1024
 
 
 def linear_k_step(meta: dict[str, int], fp8: bool = False, tuning: MegakernelTuning | None = None,
                   variant: "KernelVariant | None" = None) -> int:
     """The K step _linear_acc takes at a launch's constexprs (BLOCK_K, shrunk to the register
     budgets of `tuning`: the running Triton's, none under the interpreter; a pipelined aligned
-    `variant` takes the budgets' step), for the timeline."""
+    `variant` widens it to the budgets' step, up to 256: as _linear_acc, for bf16 weights, where a
+    dot variant keeps its own loop), for the timeline."""
     budget = tuning or _BUDGET
     bk0 = meta["BLOCK_K"] // 2 if fp8 else meta["BLOCK_K"]
     fit = min(budget.linear_tile // (meta["BLOCK_M"] * meta["BLOCK_N"]) // (2 if fp8 else 1),
@@ -2117,8 +2122,8 @@ class Megakernel:
         A static build launches no more (a share whose program is not yet running would block its
         waiters); a claiming one may (its extra programs start late and claim what is left).
         Compiled once per build (the compile its launch would do), before its first launch."""
-        known = self.__dict__.setdefault("_resident", {})   # shared by copy.copy's copies: keyed by all it reads
-        key = (str(self.weights.device), len(self.graph.tasks),
+        known = self.__dict__.setdefault("_resident", {})   # keyed by all the build depends on
+        key = (str(self.weights.device), self.weights.dtype, len(self.graph.tasks),
                tuple(sorted((k, getattr(v, "__name__", v)) for k, v in kw.items())))
         if key not in known:
             try:
