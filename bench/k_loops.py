@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             args.compiled.write_text(json.dumps(got))
     names = {v: got[v]["triton"] for v in args.versions}
     # an H200's 132 SMs, each holding the tuning's programs or as many as the build's shared memory fits
-    programs = {names[v]: megakernel_tuning(names[v]).programs_per_sm for v in args.versions}
+    per_sm = {names[v]: megakernel_tuning(names[v]).programs_per_sm for v in args.versions}
     table, per_program = [], {}
     for v in args.versions:
         version = names[v]
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec = got[v]["cases"][f"{BASE[b]}{variant}@sm_90"]
                 lp = dense_loop(rec["k_loops"])
                 w, f = lp["weight_bytes"] * rec["threads"], streaming_bytes(lp) * rec["threads"]
-                per_program[version, b, variant] = (w, f, 132 * programs_per_sm(programs[version], rec.get("shared_memory", 0),
-                                                                                  H200_SHARED_PER_SM))
+                resident = 132 * programs_per_sm(per_sm[version], rec.get("shared_memory", 0), H200_SHARED_PER_SM)
+                per_program[version, b, variant] = (w, f, resident)
                 table.append((version, b, variant, rec, lp, w, f))
     pred = predictions(per_program)
     import cost_model as cmb
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         loads = loads_text(lp["loads"])
         md, wh = pr["moondream2"], pr["whisper-tiny.en"]
         lines.append(f"| {version} | {b} | {variant.lstrip('_') or 'plain'} | {rec['threads']} | {rec['registers']} / "
-                     f"{rec['stack']} | {rec.get('shared_memory', 0) / 1024:.1f} | {loads} | {w / 1024:.1f} | {f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
+                     f"{rec['stack']} | {rec.get('shared_memory', 0) / 1024:.1f} | {loads} | {w / 1024:.1f} | "
+                     f"{f / 1024:.1f} | {lp['barriers']} | {lp['shared']} | "
                      f"{lp['local']} | {experts_kb(rec)} | "
                      f"{md:.0f} | {md / floor[b]:.1f} | {md / peer['moondream2', b]:.2f} | {wh:.0f} | "
                      f"{wh / peer['whisper-tiny.en', b]:.2f} |")

@@ -153,7 +153,7 @@ for name in sys.argv[2:]:
                  ("line_prefetch", r"prefetch\.global\.L2"), ("mma", r"mma\.sync"), ("timer", r"%globaltimer"),
                  ("smid", r"%smid"))}
     out[name].update(cc.sass_loops_of(ck.asm["cubin"], 90), threads=32 * ck.metadata.num_warps,
-                     shared_memory=int(ck.metadata.shared), **cc.resource_usage(ck.asm["cubin"], 90))
+                     **cc.build_usage(ck, 90))
 print(json.dumps(out))
 '''
 

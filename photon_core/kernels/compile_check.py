@@ -225,6 +225,12 @@ def resource_usage(cubin: bytes, arch: int) -> dict[str, int]:
     return dict(registers=int(m.group(1)), stack=int(m.group(2)))
 
 
+def build_usage(ck: Any, arch: int) -> dict[str, int]:
+    """A compiled kernel's registers and stack (resource_usage) and the shared memory a program
+    takes (bytes, Triton's metadata: with the registers, how many programs an SM holds)."""
+    return dict(resource_usage(ck.asm["cubin"], arch), shared_memory=int(ck.metadata.shared))
+
+
 def sass_loops_of(cubin: bytes, arch: int) -> dict[str, list[dict[str, Any]]]:
     """The megakernel's loops per trip and thread, read from one disassembly of the cubin's SASS
     (sass_loops, with the disassembler next to the running Triton's ptxas), one dict per loop
@@ -277,8 +283,7 @@ def run(cases: list[str], archs: list[int], report: bool, ptx: bool, usage: bool
                 t0 = time.perf_counter()
                 rec.update(ptxas_report(ck.asm["ptx"], arch), ptxas_seconds=round(time.perf_counter() - t0, 2))
             if usage:
-                # shared memory a program (bytes): with registers, how many programs an SM holds
-                rec.update(resource_usage(ck.asm["cubin"], arch), shared_memory=int(ck.metadata.shared))
+                rec.update(build_usage(ck, arch))
             if loops and name.startswith("megakernel"):
                 rec.update(sass_loops_of(ck.asm["cubin"], arch), threads=32 * ck.metadata.num_warps)
             if ptx:
