@@ -17,7 +17,10 @@ Parts, in this order (the first ones are what the next design step needs most):
    plain build (and of prefetch, on Moondream 2) analysed by photon_core.megakernel.timeline, then
    the median CUDA-graph replay of every variant; on the prod tiling also the per-op engine
    (megakernel/perop_engine.py: the same step graph op by op with torch's kernels, on the same
-   buffers) and what backend "auto" chooses at load (engine_choice.choose, its own replays).
+   buffers), its chained build (kernels/chained.py: one Triton kernel an op, launches chained by
+   programmatic dependent launch on sm_90: each starts, and issues its weight loads, while the one
+   before finishes; a few seconds of JIT compiles) and what backend "auto" chooses at load
+   (engine_choice.choose, its own replays).
 4. Moondream 2 at batch 8 (plain, unroll4+aligned, unroll8+aligned, unroll8+aligned+static,
    wide256+aligned, aligned+pipe15 and prefetch), if the budget is left (its build takes ~25 s).
 5. Whisper tiny.en and Moondream 2 at batch 1 with dense linear tasks of 4 column tiles
@@ -237,20 +240,29 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
         log(f"{cfg.name} {v.name():18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
         RESULTS.setdefault("timing", []).append(rows[-1])
     if "prod" in cfg.name:     # the per-op engine on the same step (perop_engine.py; issue 38.4)
-        step.set_engine("perop")
-        k = step.kernel
-        cfg.restore()
-        k.launch()
-        k.raise_on_error()
-        err = rel_err(step.view(logits_name), plain_logits)
-        cfg.restore()
-        us = replay_us(k.launch, cuda, iters)
-        k.raise_on_error()
-        rows.append(dict(config=cfg.name, variant="per-op engine", us=round(us, 1), rel_err_vs_plain=err,
-                         floor_us=round(floor_us, 1), x_floor=round(us / floor_us, 2),
-                         x_copy_rate=round(us / (floor_bytes / rate * 1e6), 2), bytes=floor_bytes))
-        log(f"{cfg.name} {'per-op engine':18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
-        RESULTS.setdefault("timing", []).append(rows[-1])
+        for build in ("plain", "chained"):    # torch's kernels; kernels/chained.py's, chained by PDL
+            label = "per-op engine" + (" chained" if build == "chained" else "")
+            try:
+                step.set_engine("perop", build)
+                k = step.kernel
+                cfg.restore()
+                k.launch()
+                k.raise_on_error()
+                err = rel_err(step.view(logits_name), plain_logits)
+                cfg.restore()
+                us = replay_us(k.launch, cuda, iters)
+                k.raise_on_error()
+            except Exception as e:  # noqa: BLE001  the other rows still run
+                log(f"{cfg.name} {label}: failed ({type(e).__name__}: {e})")
+                RESULTS.setdefault("failures", []).append(dict(part=f"{cfg.name} {label}",
+                                                               error=f"{type(e).__name__}: {e}"[:500]))
+                continue
+            rows.append(dict(config=cfg.name, variant=label, us=round(us, 1), rel_err_vs_plain=err,
+                             floor_us=round(floor_us, 1), x_floor=round(us / floor_us, 2),
+                             x_copy_rate=round(us / (floor_bytes / rate * 1e6), 2), bytes=floor_bytes,
+                             pdl=bool(getattr(k, "pdl", False))))
+            log(f"{cfg.name} {label:18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
+            RESULTS.setdefault("timing", []).append(rows[-1])
         # what backend "auto" decides at load (engine_choice.choose: its own replays, nothing recorded)
         from photon_core.megakernel import engine_choice
         cfg.restore()
@@ -265,7 +277,7 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
         RESULTS.setdefault("engine_choice", {})[cfg.name] = dict(engine=c.engine, variant=c.variant, how=c.how,
                                                                  megakernel_ms=c.megakernel_ms, perop_ms=c.perop_ms,
                                                                  variant_ms=c.variant_ms, timed_variant=c.timed_variant,
-                                                                 note=c.note)
+                                                                 chained_ms=c.chained_ms, note=c.note)
         log(f"{cfg.name}: auto chooses {c.line()}")
         step.set_engine("megakernel")
     for v in traced:

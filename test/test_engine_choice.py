@@ -31,8 +31,10 @@ class Timer:
     """ms per engine (and megakernel variant: "megakernel wide512+aligned"), counting the
     measurements and keeping which kernel variant each megakernel measurement would launch."""
 
+    CHAINED = 9.9    # the per-op engine's chained build: the slowest, where a test does not time it
+
     def __init__(self, ms: dict | None = None, **kw: float) -> None:
-        self.ms, self.calls, self.launched = dict(ms or {}, **kw), 0, []
+        self.ms, self.calls, self.launched = dict({"perop chained": self.CHAINED}, **(ms or {}), **kw), 0, []
 
     def __call__(self, step) -> float:
         self.calls += 1
@@ -57,7 +59,8 @@ def test_the_faster_engine_runs_the_step_and_the_next_start_reads_it(cache, mega
     timer = Timer(megakernel=mega, perop=perop)
     choice = engine_choice.choose(step, timer)
     assert (choice.engine, choice.how, step.engine) == (want, "measured", want)
-    assert (choice.megakernel_ms, choice.perop_ms) == (mega, perop) and timer.calls == 2
+    assert (choice.megakernel_ms, choice.perop_ms, choice.chained_ms) == (mega, perop, Timer.CHAINED)
+    assert timer.calls == 3
     record = json.loads(engine_choice.record_path(step).read_text())
     assert record["engine"] == want
     # the next start: nothing measured, and a per-op choice builds no megakernel
@@ -67,7 +70,7 @@ def test_the_faster_engine_runs_the_step_and_the_next_start_reads_it(cache, mega
     assert any(e == "megakernel" for e, _ in again._kernels) == (want == "megakernel")
     # another bucket is another key: measured
     timer = Timer(megakernel=mega, perop=perop)
-    assert engine_choice.choose(build(2), timer).how == "measured" and timer.calls == 2
+    assert engine_choice.choose(build(2), timer).how == "measured" and timer.calls == 3
 
 
 def test_a_failing_engine_is_not_chosen_and_not_recorded(cache):
@@ -77,7 +80,8 @@ def test_a_failing_engine_is_not_chosen_and_not_recorded(cache):
     assert "megakernel failed: RuntimeError: no spills allowed" in choice.note
     assert not engine_choice.record_path(step).exists()     # measured again at the next start
     with pytest.raises(RuntimeError, match="no decode engine runs here"):
-        engine_choice.choose(build(), Timer(megakernel=RuntimeError("a"), perop=RuntimeError("b")))
+        engine_choice.choose(build(), Timer({"megakernel": RuntimeError("a"), "perop": RuntimeError("b"),
+                                             "perop chained": RuntimeError("c")}))
 
 
 def test_a_recorded_engine_that_no_longer_builds_is_measured_again(cache, monkeypatch):
@@ -160,11 +164,12 @@ def test_a_bf16_step_also_times_the_streaming_megakernel_and_keeps_the_fastest(c
     recorded with its variant, which the next start's megakernel is built as."""
     label = f"megakernel {streaming}"
     step = build(batch, torch.bfloat16)
-    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("megakernel", streaming), ("perop", "plain")]
+    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("megakernel", streaming), ("perop", "plain"),
+                                              ("perop", "chained")]
     timer = Timer({"megakernel": 7.2, label: 1.9, "perop": 2.98})
     choice = engine_choice.choose(step, timer)
     assert (choice.engine, choice.variant, choice.how, step.engine_label) == ("megakernel", streaming, "measured", label)
-    assert timer.launched == ["plain", streaming] and timer.calls == 3
+    assert timer.launched == ["plain", streaming] and timer.calls == 4
     assert step.kernel_for(None).variant.name() == streaming        # what decode launches now
     if batch == 1:   # the streaming build launches and computes the plain build's logits (Triton's interpreter)
         step.set_step([5], [3])
@@ -180,7 +185,7 @@ def test_a_bf16_step_also_times_the_streaming_megakernel_and_keeps_the_fastest(c
         torch.testing.assert_close(logits[streaming], logits["plain"], rtol=1e-4, atol=1e-4)
         step.set_engine("megakernel", streaming)
     assert choice.line() == (f"megakernel {streaming} (measured: megakernel 7.200 ms, {label} 1.900 ms, "
-                             "per-op 2.980 ms)")
+                             "per-op 2.980 ms, per-op chained 9.900 ms)")
     record = json.loads(engine_choice.record_path(step).read_text())
     assert (record["engine"], record["variant"]) == ("megakernel", streaming)
     again = build(batch, torch.bfloat16)
@@ -197,9 +202,9 @@ def test_a_bf16_step_also_times_the_streaming_megakernel_and_keeps_the_fastest(c
 
 def test_fp32_weights_time_no_streaming_build_and_old_records_read_as_plain(cache):
     step = build()
-    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("perop", "plain")]
+    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("perop", "plain"), ("perop", "chained")]
     choice = engine_choice.choose(step, Timer(megakernel=1.0, perop=2.0))
-    assert choice.line() == "megakernel (measured: megakernel 1.000 ms, per-op 2.000 ms)"
+    assert choice.line() == "megakernel (measured: megakernel 1.000 ms, per-op 2.000 ms, per-op chained 9.900 ms)"
     path = engine_choice.record_path(step)
     path.write_text(json.dumps(dict(engine="megakernel", megakernel_ms=1.0, perop_ms=2.0)))   # written before variants
     choice = engine_choice.choose(build(), Timer())
@@ -219,7 +224,7 @@ def test_variant_names_round_trip():
 
 
 def test_a_streaming_build_that_computes_otherwise_is_refused_and_not_tried_again(cache, monkeypatch):
-    def differs(step, variant, tolerance=1e-3):
+    def differs(step, variant, tolerance=1e-3, engine="megakernel"):
         raise RuntimeError(f"the {variant} build's logits differs from the plain build's (3.1e-01 of its largest)")
     monkeypatch.setattr(engine_choice, "same_as_plain", differs)
     step = build(1, torch.bfloat16)
@@ -227,7 +232,8 @@ def test_a_streaming_build_that_computes_otherwise_is_refused_and_not_tried_agai
     choice = engine_choice.choose(step, timer)
     assert (choice.engine, choice.variant, choice.how) == ("perop", "plain", "fallback")
     assert "megakernel wide512+aligned failed: RuntimeError: the wide512+aligned build's logits differs" in choice.note
-    assert timer.calls == 2                      # never timed
+    assert "perop chained failed" in choice.note
+    assert timer.calls == 2                      # neither build beside a plain one timed
     choice = engine_choice.choose(build(1, torch.bfloat16), Timer())   # recorded: nothing measured or compiled
     assert (choice.engine, choice.how) == ("perop", "recorded")
 
@@ -270,5 +276,27 @@ def test_a_new_variant_is_a_new_kernel_object_and_the_per_op_engine_has_none():
     step.set_engine("megakernel", "unroll4+aligned")
     assert held.variant.name() == "plain" and step.kernel_for(None) is not held
     assert step.kernel_for(None).variant.name() == "unroll4+aligned" and step.kernel_for(None).tasks is held.tasks
-    with pytest.raises(ValueError, match="no megakernel variants"):
+    with pytest.raises(ValueError, match="per-op engine's variants"):
         step.set_engine("perop", "unroll4+aligned")
+
+
+def test_the_per_op_engines_chained_build_is_timed_checked_and_recorded(cache):
+    """The per-op engine's chained build (kernels/chained.py) is a candidate for fp32 and bf16
+    weights: checked against the plain per-op build by one launch each (the real check, Triton's
+    interpreter), chosen where it is the fastest, recorded, and built again from the record."""
+    step = build(1, torch.bfloat16)
+    step.set_step([5], [3])
+    engine_choice.same_as_plain(step, "chained", engine_choice._tolerance(step, "perop"), engine="perop")
+    assert step.engine_label == "perop chained" and step.kernel_for(None).chained
+    timer = Timer({"megakernel": 7.2, "megakernel wide512+aligned": 1.9, "perop": 2.98, "perop chained": 0.9})
+    choice = engine_choice.choose(build(1, torch.bfloat16), timer)
+    assert (choice.engine, choice.variant, choice.how, choice.chained_ms) == ("perop", "chained", "measured", 0.9)
+    assert choice.line().startswith("perop chained (measured: ")
+    record = json.loads(engine_choice.record_path(step).read_text())
+    assert (record["engine"], record["variant"], record["chained_ms"]) == ("perop", "chained", 0.9)
+    again = build(1, torch.bfloat16)
+    choice = engine_choice.choose(again, Timer())
+    assert (choice.how, again.engine_label, choice.chained_ms) == ("recorded", "perop chained", 0.9)
+    assert not any(e == "megakernel" for e, _ in again._kernels)
+    engine_choice.record_path(step).write_text(json.dumps(dict(engine="perop", variant="wide512+aligned")))
+    assert engine_choice.choose(build(1, torch.bfloat16), Timer(timer.ms)).how == "measured"

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The per-op kernels of the newer families also for the Jetson Orin (sm_87): their tl.dot tiles and
 # reductions must lower there too.
-SM87 = ("attn_decode_partial_gqa", "moe_up", "causal_conv1d", "delta_step", "delta_chunk", "lstm_cell")
+SM87 = ("attn_decode_partial_gqa", "moe_up", "causal_conv1d", "delta_step", "delta_chunk", "lstm_cell",
+        "chained_linear_orin")
 # Batch 1 and 8; Moondream 3 on a GPU: bf16 weights and KV caches, FP8 experts (the variant it compiles).
 MEGA90 = ("megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_kvbf16_fp8")
 # The megakernel for the Jetson Orin (sm_87) too, in bf16 at batch 1 (what a 16 GB Orin runs).
@@ -62,11 +63,33 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax", "sample",
                  "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk", "lstm_cell",
                  "attn_decode_partial_gqa_sm87", "moe_up_sm87", "causal_conv1d_sm87", "delta_step_sm87",
-                 "delta_chunk_sm87", "lstm_cell_sm87",
+                 "delta_chunk_sm87", "lstm_cell_sm87", "chained_linear", "chained_linear_n8", "chained_linear_b8",
+                 "chained_gated", "chained_norm",
+                 "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
+                 "chained_linear_orin_sm87",
                  "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87",
                  "megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87",
                  "megakernel_b1_bf16_kvbf16_n32_k64_t32_d64_sm80"):
         assert compiled[name]["cubin"] > 0, name
+
+
+def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compiled):
+    """The per-op engine's chained kernels (kernels/chained.py) under programmatic dependent
+    launch: each waits for the launch ahead (griddepcontrol.wait) before any load of a value or
+    cache and any store, then lets the next launch start; the linears and the norm issue their
+    weight loads first (a linear's as 16-byte loads), the others nothing. On sm_87, no PDL."""
+    weights_first = {"chained_linear": {"ld.global.v4.b32"}, "chained_linear_n8": {"ld.global.v4.b32"},
+                     "chained_linear_b8": {"ld.global.v4.b32"}, "chained_norm": {"ld.global.b32"}}
+    for name in ("chained_linear", "chained_linear_n8", "chained_linear_b8", "chained_gated", "chained_norm",
+                 "chained_rotary_append", "chained_attention_partial", "chained_attention_merge"):
+        ptx = compiled[name]["ptx"]
+        wait, go = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        assert 0 < wait < go, name
+        assert "st.global" not in ptx[:wait], name
+        before = set(re.findall(r"ld\.global[.\w]*", ptx[:wait]))
+        assert before == weights_first.get(name, set()), (name, before)
+        assert compiled[name]["stack"] == 0, name
+    assert "griddepcontrol" not in compiled["chained_linear_orin_sm87"]["ptx"]
 
 
 # PTX properties of a megakernel build, shared with test_triton_versions.py (every supported Triton).

@@ -38,11 +38,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def perop_step(name: str, batch: int = 2, advance: bool = True):
+def perop_step(name: str, batch: int = 2, advance: bool = True, variant: str = "plain"):
     fam = FAMILIES[name]
     fam.load(torch.device("cpu"))
     with first_engine("perop"):
         step = fam.build(batch, advance and fam.advance)
+    if variant != "plain":
+        step.set_engine("perop", variant)
     return fam, step
 
 
@@ -62,10 +64,24 @@ def start(fam, step, seed: int = 3):
     return rows, caches, inputs
 
 
+# What each family's chained build runs as kernels/chained.py's kernels (at least): appends with
+# per-head norms (Qwen3, Gemma 4) or tau (Moondream 3) stay on the reference, as do MoE and recurrences.
+CHAINED_OPS = {"whisper-tiny.en": {"linear", "layer_norm", "kv_append", "attention"},
+               "moondream2": {"linear", "layer_norm", "kv_append", "attention"},
+               "moondream3": {"linear", "layer_norm", "attention"},
+               "qwen3-asr-0.6b": {"linear", "rms_norm", "glu", "attention"},
+               "qwen3.5-0.8b": {"linear", "rms_norm", "glu", "mul", "attention"},
+               "gemma4-e2b": {"linear", "rms_norm", "glu", "mul", "attention"}}
+
+
+@pytest.mark.parametrize("variant", ["plain", "chained"])
 @pytest.mark.parametrize("name", NAMES)
-def test_a_perop_step_equals_the_eager_graph(name):
-    fam, step = perop_step(name)
+def test_a_perop_step_equals_the_eager_graph(name, variant):
+    fam, step = perop_step(name, variant=variant)
     assert all(engine == "perop" for engine, _ in step._kernels), "a megakernel was built"
+    if variant == "chained":      # the ops kernels/chained.py runs are run by it
+        ops = {n.op for n in step.graph_def.nodes if id(n) in step.kernel.chained}
+        assert ops >= CHAINED_OPS[name] and step.engine_label == "perop chained", ops
     g, B = step.graph_def, step.batch
     rows, caches, inputs = start(fam, step)
     want = run_reference(g, fam.ref_weights(torch.float32), caches, rows.tokens, rows.positions,
@@ -84,8 +100,9 @@ def test_a_perop_step_equals_the_eager_graph(name):
             assert step.dyn[B:2 * B].tolist() == [p + 1 for p in rows.positions]
 
 
-def test_the_guards_of_the_device_values():
-    fam, step = perop_step("whisper-tiny.en", batch=2)
+@pytest.mark.parametrize("variant", ["plain", "chained"])
+def test_the_guards_of_the_device_values(variant):
+    fam, step = perop_step("whisper-tiny.en", batch=2, variant=variant)
     B, max_pos = step.batch, step.plan.max_position
     rows, _, _ = start(fam, step)
     # row 0 at the last position (full), row 1 with no cross keys (attention over nothing: zeros)
@@ -215,3 +232,28 @@ def test_which_slots_hold_a_rows_keys():
     assert rows(e.keys("self", 4, 4, True)) == [[0], [0, 1, 2, 3], [0, 1, 2, 3]]
     assert rows(e.keys("self", 3, 4, True)) == [[0], [0, 2, 3], [0, 1, 3]]
     assert rows(e.keys("cross", None, 8, False)) == [[0, 1, 2], [], [0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("name", ["whisper-tiny.en", "moondream2"])
+def test_the_chained_build_on_bfloat16_weights_matches_the_plain_build(name):
+    """bf16 weights: both builds round a linear's input to bf16 and accumulate in fp32 (the chained
+    kernels in Triton, the plain build through torch's GEMM, whose output is bf16 on the CPU): both
+    within bf16's rounding of the fp32 weights' step, and of each other."""
+    fam, step = perop_step(name)
+    rows, _, _ = start(fam, step)
+    step.weights = step.weights.to(torch.bfloat16)
+    out = {}
+    for variant in ("plain", "chained"):
+        step.set_engine("perop", variant)
+        with restoring(step, 1):
+            step.launch()
+            out[variant] = {k: step.view(k).clone() for k in step.graph_def.exposed}
+    step.weights = step.weights.float()
+    step.set_engine("perop", "plain")
+    with restoring(step, 1):
+        step.launch()
+        exact = {k: step.view(k).clone() for k in step.graph_def.exposed}
+    for k in exact:
+        # bf16's 8-bit mantissa: ~0.3% a rounding, here 0.3-0.5% after a step of them
+        assert 0 < rel_err(out["chained"][k], exact[k]) < 0.02, k
+        assert rel_err(out["chained"][k], out["plain"][k]) < 0.02, k

@@ -42,9 +42,9 @@ from photon_core.kernels.compile_check import compile_env  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PER_OP = ["attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge"]
 PLAN = {   # version -> [(cases, targets)]
-    "3.6.0": [(PER_OP + ["megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned",
+    "3.6.0": [(PER_OP + ["chained_linear", "chained_attention_partial", "megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned",
                          "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned"], [90])],
-    "3.3.1": [(PER_OP + ["megakernel_b1_bf16"], [87]), (PER_OP, [80])],
+    "3.3.1": [(PER_OP + ["chained_linear_orin", "megakernel_b1_bf16"], [87]), (PER_OP, [80])],
 }
 INTERPRETED = "test/test_megakernel_compiler.py::test_compiled_step_equals_the_eager_graph[1-True-tiling0-rms]"
 
@@ -138,6 +138,15 @@ def test_the_experts_stream_in_the_tables_steps_under_the_gpu_machines_triton(ru
     from photon_core.kernels.triton_versions import megakernel_tuning
     name = "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned@sm_90"
     assert_experts_stream(name, runs["3.6.0"]["cases"][name], megakernel_tuning("3.6.0").fp8_expert_bytes[3])
+
+
+def test_the_chained_kernels_chain_under_the_gpu_machines_triton_and_compile_without_gdc(runs):
+    """The per-op engine's chained kernels: Triton 3.6 (the H200 machine's) emits the programmatic
+    launch's wait and go; 3.3.1 has no gdc and builds the kernel without them (kernels/chained.py)."""
+    for name in ("chained_linear", "chained_attention_partial"):
+        ptx = runs["3.6.0"]["cases"][f"{name}@sm_90"]["ptx"]
+        assert 0 < ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch_dependents"), name
+    assert "griddepcontrol" not in runs["3.3.1"]["cases"]["chained_linear_orin@sm_87"]["ptx"]
 
 
 @pytest.mark.parametrize("version", list(PLAN))

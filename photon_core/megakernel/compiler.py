@@ -48,6 +48,7 @@ _cuda_kv_dtype = [torch.bfloat16]   # what a CompiledStep on CUDA gets when its 
 # How a step runs: one persistent megakernel launch, or its graph op by op with torch's kernels
 # (perop_engine.py); engine_choice.py picks between them by measuring both on the GPU.
 ENGINES = ("megakernel", "perop")
+PEROP_VARIANTS = ("plain", "chained")   # perop_engine.VARIANTS (this module does not import it)
 _first_engine = ThreadSetting("engine", ENGINES, "megakernel")   # what a CompiledStep starts on
 
 
@@ -350,6 +351,7 @@ class CompiledStep(StateViews):
         self._kernels: dict[tuple[str, frozenset[str] | None], object] = {}
         self.engine = _first_engine.get()
         self.variant = "plain"     # how the megakernel's K loops are built (kernel.KernelVariant.name())
+        self.perop_variant = "plain"   # the per-op engine's build (perop_engine.VARIANTS)
         if self.engine == "megakernel":
             self.kernel_for(None)   # build and prove the full graph at load time
 
@@ -363,7 +365,7 @@ class CompiledStep(StateViews):
     def set_engine(self, engine: str, variant: str = "plain") -> None:
         """Run the following launches on `engine` ("megakernel" or "perop"), the megakernel built as
         `variant` (kernel.KernelVariant's name: the same task table, another compile of its K
-        loops): every engine reads and writes the same buffers, so a step may switch between
+        loops), the per-op engine as PEROP_VARIANTS' "plain" or "chained": every engine reads and writes the same buffers, so a step may switch between
         launches. A loop built on the step before (DeviceDecode, whose CUDA graphs hold the kernel
         they captured) keeps the kernel object it took, and its build: a new variant is a new
         object. The per-op engine holds the small weights (norms, rotary tables) as fp32 copies
@@ -374,9 +376,12 @@ class CompiledStep(StateViews):
         from photon_core.megakernel.kernel import KernelVariant
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: one of {ENGINES}")
-        if engine == "perop" and variant != "plain":
-            raise ValueError(f"the per-op engine has no megakernel variants (asked for {variant!r})")
-        built = KernelVariant.parse(variant)       # a bad name fails before anything changes
+        if engine == "perop":
+            if variant not in PEROP_VARIANTS:
+                raise ValueError(f"the per-op engine's variants are {PEROP_VARIANTS} (asked for {variant!r})")
+            self.perop_variant = variant
+        else:
+            built = KernelVariant.parse(variant)       # a bad name fails before anything changes
         for k in [k for k in self._kernels if k[0] == "perop"]:
             del self._kernels[k]
         if engine == "megakernel" and variant != self.variant:
@@ -389,8 +394,8 @@ class CompiledStep(StateViews):
 
     @property
     def engine_label(self) -> str:
-        """The engine and, for the megakernel, its variant where it is not the plain build."""
-        return engine_label(self.engine, self.variant)
+        """The engine and its variant where it is not the plain build."""
+        return engine_label(self.engine, self.perop_variant if self.engine == "perop" else self.variant)
 
     def weight(self, key: str) -> torch.Tensor:
         """A weight as the arena holds it (matrices without their row padding): a view, so writes
@@ -420,7 +425,7 @@ class CompiledStep(StateViews):
             k = self._kernels.get(("perop", key))
             if k is None or getattr(k, "arena", None) != self.weights.data_ptr():   # built on an arena since swapped
                 from photon_core.megakernel.perop_engine import PerOpKernel
-                self._kernels["perop", key] = PerOpKernel(self, key)
+                self._kernels["perop", key] = PerOpKernel(self, key, self.perop_variant)
             return self._kernels["perop", key]
         if ("megakernel", key) not in self._kernels:
             from photon_core.megakernel import build_cache

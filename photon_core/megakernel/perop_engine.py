@@ -53,12 +53,20 @@ class PerOpKernel:
     (all, or those computing `results`) on the step's buffers. Its control buffer reads as a
     megakernel's: one task, always claimed; the error word set when a launch clamped an index."""
 
-    def __init__(self, step: Any, results: Iterable[str] | None = None) -> None:
+    def __init__(self, step: Any, results: Iterable[str] | None = None, variant: str = "plain") -> None:
         """step: the compiler.CompiledStep whose buffers it runs on (the compiler makes this
-        kernel, so this module does not import it)."""
+        kernel, so this module does not import it). variant: VARIANTS' "plain" (torch's kernels)
+        or "chained" (linears, norms, rotary appends and attention as kernels/chained.py's
+        Triton kernels, chained by programmatic dependent launch on sm_90+)."""
         from photon_core.megakernel.layout import needed_nodes
+        if variant not in VARIANTS:
+            raise ValueError(f"the per-op engine's variants are {VARIANTS}, not {variant!r}")
         g, p, dev = step.graph_def, step.plan, step.state.device
-        self.step, self.nodes = step, needed_nodes(g, p, results)
+        self.step, self.nodes, self.variant = step, needed_nodes(g, p, results), variant
+        self.chained = _chained_ops(self.nodes) if variant == "chained" else {}
+        self.pdl = variant == "chained" and _pdl_for(dev)
+        # a chained linear's programs: two an SM keep every SM streaming weights
+        self.programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         unknown = {n.op for n in self.nodes} - REFERENCE_OPS - set(OWN) - {"argmax"}
         if unknown:
             raise ValueError(f"{g.name}: the per-op engine does not run ops {sorted(unknown)}")
@@ -115,7 +123,12 @@ class PerOpKernel:
             if node.op == "argmax":
                 advance += self._argmax(e, node)
                 continue
-            y = OWN[node.op](e, node) if node.op in OWN else rule(node.op).reference(e, node)
+            if id(node) in self.chained:
+                y = self.chained[id(node)](e, node)
+            elif node.op in OWN:
+                y = OWN[node.op](e, node)
+            else:
+                y = rule(node.op).reference(e, node)
             assert y is not None, node.op
             name = node.value.name
             if name in self.observed:
@@ -222,6 +235,12 @@ def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
 _FP32_OUT: dict[torch.device, bool] = {}   # whether addmm(out_dtype=float32) runs on a device
 
 
+def rounds_outputs(dev: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the plain build's GEMMs with `dtype` weights round their outputs to that dtype on
+    `dev` (16-bit weights where no GEMM writes fp32: the CPU)."""
+    return dtype != torch.float32 and not (dev.type == "cuda" and _FP32_OUT.get(dev, True))
+
+
 def _kv_append(e: _Run, node: Node) -> torch.Tensor:
     """q and k rotated together (adjacent heads of q|k|v), k and v written at each row's slot.
     A per-head norm or tau (Qwen3's, Gemma 4's, Moondream 3's) takes the eager reference."""
@@ -295,5 +314,27 @@ def _moe(e: _Run, node: Node) -> torch.Tensor:
 # Ops run here rather than by their eager reference (which reads the host or upcasts whole tables).
 OWN = {"embed": _embed, "linear": _linear, "kv_append": _kv_append, "attention": _attention, "moe": _moe}
 
+VARIANTS = ("plain", "chained")
 
-__all__ = ["PerOpKernel", "REFERENCE_OPS", "OWN"]
+
+def _pdl_for(dev: torch.device) -> bool:
+    from photon_core.kernels.chained import pdl_for
+    return pdl_for(dev)
+
+
+def _chained_ops(nodes: list[Node]) -> dict[int, Any]:
+    """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner; the
+    rest (embed, argmax, MoE, add_norm, act, recurrences, appends with per-head norms) run as in
+    the plain build, and a chain of programmatic launches restarts after each of them."""
+    from photon_core.megakernel.perop_chained import CHAINED
+    return {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED and _chainable(n)}
+
+
+def _chainable(node: Node) -> bool:
+    a = node.args
+    if node.op == "kv_append":       # the per-head norm and tau take the reference
+        return a["tau"] is None and a["norm"] is None
+    return True
+
+
+__all__ = ["PerOpKernel", "REFERENCE_OPS", "OWN", "VARIANTS", "rounds_outputs"]

@@ -84,9 +84,9 @@ def current_engine_policy() -> str:
 
 
 def engine_label(engine: str, variant: str = "plain") -> str:
-    """How an engine is named in logs, records and /diagnostics: the megakernel with its build
-    where that is not the plain one ("megakernel wide512+aligned")."""
-    return engine if engine == "perop" or variant == "plain" else f"{engine} {variant}"
+    """How an engine is named in logs, records and /diagnostics: the engine with its build where
+    that is not the plain one ("megakernel wide512+aligned", "perop chained")."""
+    return engine if variant == "plain" else f"{engine} {variant}"
 
 
 @dataclass(frozen=True)
@@ -102,15 +102,17 @@ class EngineChoice:
     megakernel_ms: float | None = None
     perop_ms: float | None = None
     note: str = ""
-    variant: str = "plain"             # the megakernel's build (kernel.KernelVariant name) where it runs
-    variant_ms: float | None = None    # the streaming build's time, where it was timed
+    variant: str = "plain"             # the running engine's build (a KernelVariant name, or "chained")
+    variant_ms: float | None = None    # the megakernel's streaming build's time, where it was timed
     timed_variant: str = ""            # which build that was
+    chained_ms: float | None = None    # the per-op engine's chained build's time, where it was timed
 
     def line(self) -> str:
         times = ", ".join(f"{k} {v:.3f} ms" for k, v in (("megakernel", self.megakernel_ms),
                                                           (engine_label("megakernel", self.timed_variant),
                                                            self.variant_ms),
-                                                          ("per-op", self.perop_ms)) if v is not None)
+                                                          ("per-op", self.perop_ms),
+                                                          ("per-op chained", self.chained_ms)) if v is not None)
         return f"{engine_label(self.engine, self.variant)} ({self.how}{': ' + times if times else ''}{'; ' + self.note if self.note else ''})"
 
 

@@ -1,0 +1,330 @@
+"""A decode step's op kernels that chain: each launch starts while the launch before it finishes.
+
+The per-op engine's "chained" build (megakernel/perop_engine.py) runs a step's linears, norms,
+rotary appends and attention as these kernels, one launch an op. On sm_90 and later each is
+launched with programmatic dependent launch (PDL: Triton's `launch_pdl`): its programs may start
+while the kernel ahead of it in the stream is still running, and run up to `gdc_wait`, which
+returns once that kernel has finished and its writes are visible. So a kernel reads only weights
+before the wait (no kernel of a step writes a weight) and every value, cache slot and output after
+it; straight after the wait it lets its own successor launch (`gdc_launch_dependents`). A launch's
+start-up and its first weight bytes then overlap the previous op's tail: how ~100 ordinary kernels
+in one CUDA graph came within 5% of a megakernel on an H200 (Hazy Research's Llama-1B). A CUDA
+graph captures the programmatic edges (CUDA 12.3+).
+
+Elsewhere (Triton's interpreter, GPUs before sm_90, a Triton without gdc: 3.3) the same kernels
+run as ordinary launches, PDL compiled out (a constexpr).
+
+Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
+* linear_kernel: y[M, N] = act(x @ W.T + b) + r for a decode step's M <= 16 rows. A program owns
+  BLOCK_N output features of every row and walks K in BLOCK_K steps; each step's weight tile is
+  issued before the previous step's products are formed (two tiles in flight a program), and the
+  first before the wait. Bytes: W once (N x K in its dtype), x once a program (M x K x 4, L2).
+* norm_kernel: LayerNorm / RMSNorm of one row a program (weight and bias loaded before the wait).
+* gated_kernel: act(a) * b elementwise: a GLU's halves, or a gate times a value's slice.
+* rotary_append_kernel: one (row, head) of a fused q|k|v a program: rotary on q and k heads
+  (half-split over the first `dims`), q out, k and v into the caches at the row's slot (NaN
+  stored as 0, as the torch build stores it).
+* attention_partial_kernel + attention_merge_kernel: one query head of one row over one split
+  of its keys (online softmax, kernels/attention.decode_partial), then the splits merged; a row
+  without keys gives zeros.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
+from photon_core.kernels.linear import apply_activation
+
+try:   # Triton 3.4+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:   # never traced: PDL is a constexpr False wherever gdc is missing
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+def pdl_for(device: torch.device) -> bool:
+    """Whether launches on `device` chain by programmatic dependent launch: CUDA sm_90+, a Triton
+    with gdc, not the interpreter."""
+    if device.type != "cuda" or not HAS_GDC or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _after_previous(PDL: tl.constexpr):
+    """Wait for the kernel ahead (its writes visible), then let the next one start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w,
+                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, ROUND_X: tl.constexpr,
+                  PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    rmask, cmask = rows < M, cols < N
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    w = tl.load(w_rows + ks[None, :], mask=cmask[:, None] & (ks < K)[None, :], other=0.0)
+    _after_previous(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
+                    mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
+        if ROUND_X:     # x rounded to the weights' dtype, as a 16-bit GEMM takes it
+            x = x.to(w_ptr.dtype.element_ty)
+        nxt = kk + BLOCK_K      # the next step's tile, in flight while this one is reduced
+        w_next = tl.load(w_rows + nxt[None, :], mask=cmask[:, None] & (nxt < K)[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = w_next
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACT)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    omask = rmask[:, None] & cmask[None, :]
+    if HAS_RES:
+        acc += tl.load(r_ptr + offs, mask=omask, other=0.0)
+    tl.store(y_ptr + offs, acc, mask=omask)
+
+
+@triton.jit
+def norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, eps, offset,
+                HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr, PDL: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    scale = tl.full((BLOCK_N,), 1.0, tl.float32)
+    bias = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_WEIGHT:
+        scale = offset + tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    _after_previous(PDL)
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    if RMS:
+        xc = x
+    else:
+        xc = tl.where(mask, x - tl.sum(x, axis=0) / N, 0.0)
+    y = xc / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps) * scale + bias
+    tl.store(y_ptr + row * N + cols, y, mask=mask)
+
+
+@triton.jit
+def _rotate(x_ptr, cos_ptr, sin_ptr, DH, HALF, BLOCK_D: tl.constexpr):
+    """One head's DH values with rotary on its first 2 x HALF (pairs (i, i + HALF))."""
+    dd = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + dd, mask=dd < DH, other=0.0)
+    partner = tl.where(dd < HALF, dd + HALF, dd - HALF)
+    rot = dd < 2 * HALF
+    xp = tl.load(x_ptr + partner, mask=rot, other=0.0)
+    i = tl.where(dd < HALF, dd, dd - HALF)
+    c = tl.load(cos_ptr + i, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + i, mask=rot, other=0.0)
+    return tl.where(rot, x * c + tl.where(dd < HALF, -xp, xp) * s, x)
+
+
+@triton.jit
+def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_ptr, sin_ptr,
+                         HQ, H, DH, HALF, QKV_W, RING, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                         ROTARY: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < DH
+    _after_previous(PDL)
+    src = qkv_ptr + b * QKV_W + j * DH
+    if ROTARY:
+        r = tl.load(rpos_ptr + b).to(tl.int64) * HALF
+        x = _rotate(src, cos_ptr + r, sin_ptr + r, DH, HALF, BLOCK_D)
+    else:
+        x = tl.load(src + dd, mask=dmask, other=0.0)
+    if j < HQ:
+        tl.store(q_ptr + b * HQ * DH + j * DH + dd, x, mask=dmask)
+    elif APPEND:
+        h = j - HQ
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        slot = tl.where(RING > 0, pos % tl.maximum(RING, 1), pos)
+        v = tl.load(qkv_ptr + b * QKV_W + (HQ + H + h) * DH + dd, mask=dmask, other=0.0)
+        x = tl.where(x == x, x, 0.0)     # NaN stored as 0 (perop_engine._kv_append says why)
+        v = tl.where(v == v, v, 0.0)
+        tl.store(kc_ptr + b * sk_b + h * sk_h + slot * sk_t + dd, x.to(kc_ptr.dtype.element_ty), mask=dmask)
+        tl.store(vc_ptr + b * sv_b + h * sv_h + slot * sv_t + dd, v.to(vc_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def attention_partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, HQ, GROUP, DH, S, scale, WINDOW,
+                             T, RING, sk_b, sk_h, sv_b, sv_h, SELF: tl.constexpr,
+                             PDL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (row b x query head, split s): keys [start, end) of the row's [lo, n), n its
+    position + 1 (SELF) or its cross length, lo = n - WINDOW (0 at least); a ring cache holds key
+    t in slot t % T (RING)."""
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    b, hq = bh // HQ, bh % HQ
+    kvh = hq // GROUP
+    _after_previous(PDL)
+    n = tl.load(len_ptr + b).to(tl.int32)
+    if SELF:
+        n += 1
+    n = tl.where(RING == 0, tl.minimum(n, T), n)
+    lo = tl.maximum(n - WINDOW, 0)
+    chunk = tl.cdiv(tl.cdiv(n - lo, S), BLOCK_T) * BLOCK_T
+    start = tl.minimum(lo + s * chunk, n)
+    end = tl.minimum(start + chunk, n)
+    m, l, acc = decode_partial(q_ptr + bh * DH, k_ptr + b * sk_b + kvh * sk_h, v_ptr + b * sv_b + kvh * sv_h,
+                               start, end, DH, scale, BLOCK_T, BLOCK_D, ring=RING)
+    store_partial(part_ptr + (bh * S + s) * (DH + 2), m, l, acc, DH, BLOCK_D)
+
+
+@triton.jit
+def attention_merge_kernel(part_ptr, o_ptr, S, DH, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    _after_previous(PDL)
+    out = decode_merge(part_ptr + bh * S * (DH + 2), S, DH, BLOCK_S, BLOCK_D)
+    dd = tl.arange(0, BLOCK_D)
+    tl.store(o_ptr + bh * DH + dd, out, mask=dd < DH)
+
+
+@triton.jit
+def gated_kernel(a_ptr, b_ptr, y_ptr, W, stride_a, stride_b, ACT: tl.constexpr, PDL: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """y[row, i] = act(a[row, i]) * b[row, i], i < W: a GLU (a the gate half, b the up half of one
+    value) or a gate (a the gate, b a slice of another value). Program (row, block of BLOCK)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < W
+    _after_previous(PDL)
+    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+    b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
+    tl.store(y_ptr + row * W + cols, apply_activation(a, ACT) * b, mask=mask)
+
+
+# A linear's weight tile a K step (two in flight a program: the step reduced and the next), and
+# the most [rows, BLOCK_N, BLOCK_K] products a step holds in registers (4-warp programs).
+LINEAR_TILE_BYTES = 8192
+LINEAR_PRODUCTS = 8192
+ATTENTION_BLOCK_T = 64
+
+
+def linear_blocks(M: int, N: int, K: int, elem_bytes: int, programs: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a chained linear: all M rows in a program; BLOCK_N from 64 down
+    to 8 while the programs would not reach `programs`; BLOCK_K filling LINEAR_TILE_BYTES, within
+    LINEAR_PRODUCTS (at batch 1, bf16: 16 x 256 or 8 x 512, 8 KB a step)."""
+    block_m, block_n = max(1, triton.next_power_of_2(M)), 64
+    while programs and block_n > 8 and triton.cdiv(N, block_n) < programs:
+        block_n //= 2
+    block_k = min(LINEAR_TILE_BYTES // (elem_bytes * block_n), LINEAR_PRODUCTS // (block_m * block_n))
+    return block_m, block_n, max(16, min(block_k, triton.next_power_of_2(K)))
+
+
+def _launch(kernel, grid, pdl: bool, *args, **meta) -> None:
+    if pdl:
+        kernel[grid](*args, **meta, PDL=True, launch_pdl=True)
+    else:
+        kernel[grid](*args, **meta, PDL=False)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, residual: torch.Tensor | None,
+           pdl: bool, programs: int = 0) -> torch.Tensor:
+    """act(x @ w.T + b) + residual: x [M, K] fp32 contiguous (M <= 16), w [N, K] with unit stride
+    along K, fp32 out. `programs`: how many programs to aim for (a GPU's SMs x 2: enough to keep
+    every SM streaming; 0: one program per 64 features)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M > 16 or w.stride(1) != 1 or w.shape[1] != K:
+        raise ValueError(f"chained linear: x {tuple(x.shape)}, w {tuple(w.shape)} stride {w.stride()}")
+    block_m, block_n, block_k = linear_blocks(M, N, K, w.element_size(), programs)
+    y = torch.empty(M, N, device=x.device, dtype=torch.float32)
+    _launch(linear_kernel, (triton.cdiv(N, block_n),), pdl, x, w, w if b is None else b,
+            y if residual is None else residual, y, M, N, K, w.stride(0),
+            HAS_BIAS=b is not None, HAS_RES=residual is not None, ACT=act,
+            ROUND_X=w.dtype != torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
+
+
+def gated(a: torch.Tensor, b: torch.Tensor, act: int, pdl: bool) -> torch.Tensor:
+    """act(a) * b for [M, W] fp32 views whose rows are contiguous (slices of wider values)."""
+    M, W = a.shape
+    if b.shape != a.shape or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"chained gated: {tuple(a.shape)} {a.stride()} and {tuple(b.shape)} {b.stride()}")
+    y = torch.empty(M, W, device=a.device, dtype=torch.float32)
+    block = min(1024, triton.next_power_of_2(W))
+    _launch(gated_kernel, (M, triton.cdiv(W, block)), pdl, a, b, y, W, a.stride(0), b.stride(0), ACT=act, BLOCK=block)
+    return y
+
+
+def norm(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float, rms: bool,
+         offset: float, pdl: bool) -> torch.Tensor:
+    """LayerNorm (rms False) or RMSNorm of each row of x [M, N] fp32 contiguous, scaled by
+    (offset + w) where there is a w, + b."""
+    M, N = x.shape
+    y = torch.empty_like(x)
+    _launch(norm_kernel, (M,), pdl, x, x if w is None else w, x if b is None else b, y, N, eps, float(offset),
+            HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, RMS=rms, BLOCK_N=triton.next_power_of_2(N))
+    return y
+
+
+def rotary_append(qkv: torch.Tensor, hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                  rot_pos: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None, dims: int,
+                  ring: bool, append: bool, pdl: bool) -> torch.Tensor:
+    """q [M, hq x Dh] from a fused q|k|v [M, *] (rotary over the first `dims` of each q and k head
+    at rot_pos where cos/sin are given); with `append`, k and v written into the [M, H, T, Dh]
+    caches at slot pos (pos % T for a ring)."""
+    M, H, T, dh = k_cache.shape
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("chained rotary_append: a cache's head dim must be contiguous")
+    q = torch.empty(M, hq * dh, device=qkv.device, dtype=torch.float32)
+    rotary = cos is not None
+    _launch(rotary_append_kernel, (M, hq + (H if append else 0)), pdl, qkv, q, k_cache, v_cache, pos,
+            rot_pos if rotary else pos, cos if rotary else q, sin if rotary else q, hq, H, dh, dims // 2,
+            qkv.stride(0), T if ring else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
+            ROTARY=rotary, APPEND=append, BLOCK_D=triton.next_power_of_2(dh))
+    return q
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+              self_keys: bool, window: int | None, ring: bool, scale: float, pdl: bool,
+              splits: int = 0) -> torch.Tensor:
+    """Decode attention of q [M, Hq x Dh] over [M, Hkv, T, Dh] caches: row b's keys are positions
+    [lo, n) with n = lengths[b] + 1 (self_keys: lengths are positions) or lengths[b] (cross),
+    lo = n - window; slot t % T in a ring. fp32 [M, Hq x Dh] out; a row without keys gives zeros."""
+    M, H, T, dh = k_cache.shape
+    hq = q.shape[1] // dh
+    if k_cache.stride(2) != dh or v_cache.stride(2) != dh or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("chained attention: a cache's slots must be rows of Dh contiguous values")
+    # a ring holds the last T positions: no window reaches further back
+    bound = min(T, window or T) if ring else (window or T + 1)
+    keys = min(T, bound)
+    splits = splits or max(1, min(16, triton.cdiv(keys, 4 * ATTENTION_BLOCK_T)))
+    part = torch.empty(M * hq, splits, dh + 2, device=q.device, dtype=torch.float32)
+    out = torch.empty(M, hq * dh, device=q.device, dtype=torch.float32)
+    bd = triton.next_power_of_2(dh)
+    _launch(attention_partial_kernel, (M * hq, splits), pdl, q, k_cache, v_cache, lengths, part, hq, hq // H, dh,
+            splits, scale, bound, T, T if ring else 0,
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            SELF=self_keys, BLOCK_T=ATTENTION_BLOCK_T, BLOCK_D=bd)
+    _launch(attention_merge_kernel, (M * hq,), pdl, part, out, splits, dh,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd)
+    return out
+
+
+__all__ = ["HAS_GDC", "pdl_for", "linear_blocks", "linear", "gated", "norm", "rotary_append", "attention"]

@@ -1,0 +1,82 @@
+"""The per-op engine's chained build: step-graph nodes run as kernels/chained.py's Triton kernels.
+
+Each runner takes what the plain build's op takes (perop_engine._Run's values, weights, caches,
+the launch's clamped positions) and returns the node's value [B, width] in fp32; the kernel
+object (e.kernel) says whether launches chain (PDL) and how many programs a linear aims for.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from photon_core.kernels import chained
+from photon_core.kernels.linear import ACT_SIGMOID, ACT_TANH, activation_code
+from photon_core.megakernel.stepgraph import Node
+
+
+def _act(name: str | None) -> int:
+    """kernels/linear.apply_activation's code of a step graph's activation."""
+    return {"sigmoid": ACT_SIGMOID, "tanh": ACT_TANH}.get(name) or activation_code(name)  # type: ignore[arg-type]
+
+
+def _linear(e, node: Node) -> torch.Tensor:
+    a, k = node.args, e.kernel
+    act = _act(a["act"])
+    res = None if a["residual"] is None else e.val(a["residual"]).float().contiguous()
+    return chained.linear(e.val(a["x"]).float().contiguous(), e.weights[a["w"]],
+                          None if a["b"] is None else e.weights[a["b"]], act, res, k.pdl, k.programs)
+
+
+def _layer_norm(e, node: Node) -> torch.Tensor:
+    a = node.args
+    return chained.norm(e.val(a["x"]).float().contiguous(), e.weights[a["w"]],
+                        None if a["b"] is None else e.weights[a["b"]], a["eps"], False, 0.0, e.kernel.pdl)
+
+
+def _rms_norm(e, node: Node) -> torch.Tensor:
+    a = node.args
+    return chained.norm(e.val(a["x"]).float().contiguous(), None if a["w"] is None else e.weights[a["w"]],
+                        None, a["eps"], True, a["offset"], e.kernel.pdl)
+
+
+def _glu(e, node: Node) -> torch.Tensor:
+    a, f = node.args, node.value.width
+    x = e.val(a["x"]).float().contiguous()
+    return chained.gated(x[:, :f], x[:, f:], _act(a["act"]), e.kernel.pdl)
+
+
+def _mul(e, node: Node) -> torch.Tensor:
+    a, w = node.args, node.value.width
+    x = e.val(a["x"]).float().contiguous()
+    return chained.gated(e.val(a["g"]).float().contiguous(), x[:, a["c0"]:a["c0"] + w], _act(a["act"]), e.kernel.pdl)
+
+
+def _kv_append(e, node: Node) -> torch.Tensor:
+    a = node.args
+    dh = a["k"].spec.head_dim
+    rot = a["rotary"]
+    cos = sin = None
+    if rot is not None:
+        cos, sin = e.weights[rot.cos], e.weights[rot.sin]
+        if cos.shape[-1] != rot.dims // 2 or not cos.is_contiguous() or not sin.is_contiguous():
+            raise ValueError(f"{node.value.name}: rotary tables {tuple(cos.shape)} for {rot.dims} dims")
+    return chained.rotary_append(e.val(a["qkv"]).float().contiguous(), node.value.width // dh, e.cache(a["k"]),
+                                 e.cache(a["v"]), e.pos, e.rot_pos, cos, sin, 0 if rot is None else rot.dims,
+                                 a["k"].spec.ring, a["append"], e.kernel.pdl)
+
+
+def _attention(e, node: Node) -> torch.Tensor:
+    a = node.args
+    spec = a["k"].spec
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(spec.head_dim)
+    self_keys = a["length"] == "self"
+    return chained.attention(e.val(a["q"]).float().contiguous(), e.cache(a["k"]), e.cache(a["v"]),
+                             e.pos if self_keys else e.lengths, self_keys, a["window"], spec.ring, scale,
+                             e.kernel.pdl)
+
+
+CHAINED = {"linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _glu, "mul": _mul,
+           "kv_append": _kv_append, "attention": _attention}
+
+__all__ = ["CHAINED"]
