@@ -63,7 +63,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax", "sample",
                  "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk", "lstm_cell",
                  "attn_decode_partial_gqa_sm87", "moe_up_sm87", "causal_conv1d_sm87", "delta_step_sm87",
-                 "delta_chunk_sm87", "lstm_cell_sm87", "chained_linear", "chained_linear_n8", "chained_linear_b8",
+                 "delta_chunk_sm87", "lstm_cell_sm87", "chained_linear", "chained_linear_norm", "chained_linear_n8",
+                 "chained_linear_b8",
                  "chained_gated", "chained_norm",
                  "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
                  "chained_linear_orin_sm87",
@@ -78,10 +79,11 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
     launch: each waits for the launch ahead (griddepcontrol.wait) before any load of a value or
     cache and any store, then lets the next launch start; the linears and the norm issue their
     weight loads first (a linear's as 16-byte loads), the others nothing. On sm_87, no PDL."""
-    weights_first = {"chained_linear": {"ld.global.v4.b32"}, "chained_linear_n8": {"ld.global.v4.b32"},
-                     "chained_linear_b8": {"ld.global.v4.b32"}, "chained_norm": {"ld.global.b32"}}
-    for name in ("chained_linear", "chained_linear_n8", "chained_linear_b8", "chained_gated", "chained_norm",
-                 "chained_rotary_append", "chained_attention_partial", "chained_attention_merge"):
+    weights_first = {"chained_linear": {"ld.global.v4.b32"}, "chained_linear_norm": {"ld.global.v4.b32"},
+                     "chained_linear_n8": {"ld.global.v4.b32"}, "chained_linear_b8": {"ld.global.v4.b32"},
+                     "chained_norm": {"ld.global.b32"}}
+    for name in ("chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8", "chained_gated",
+                 "chained_norm", "chained_rotary_append", "chained_attention_partial", "chained_attention_merge"):
         ptx = compiled[name]["ptx"]
         wait, go = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert 0 < wait < go, name

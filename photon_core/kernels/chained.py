@@ -19,6 +19,8 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
   BLOCK_N output features of every row and walks K in BLOCK_K steps; each step's weight tile is
   issued before the previous step's products are formed (two tiles in flight a program), and the
   first before the wait. Bytes: W once (N x K in its dtype), x once a program (M x K x 4, L2).
+  A LayerNorm or RMSNorm whose only readers are linears is applied by each of them to its input
+  (NORM): two more passes over x for the rows' statistics, from L2, instead of a launch.
 * norm_kernel: LayerNorm / RMSNorm of one row a program (weight and bias loaded before the wait).
 * gated_kernel: act(a) * b elementwise: a GLU's halves, or a gate times a value's slice.
 * rotary_append_kernel: one (row, head) of a fused q|k|v a program: rotary on q and k heads
@@ -31,11 +33,13 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from photon_core.kernels import new_output
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
 from photon_core.kernels.linear import apply_activation
 
@@ -71,9 +75,44 @@ def _after_previous(PDL: tl.constexpr):
 
 
 @triton.jit
-def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w,
+def round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: the bits a GPU's conversion
+    gives, and the same under the interpreter (whose conversion truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_stats(x_ptr, rows, rmask, K, eps, RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(mean, 1 / std) of each of the rows of x [M, K] (mean 0 for RMSNorm), two passes over x (from
+    L2: a program reads its rows' K values three times, weights once)."""
+    ks = tl.arange(0, BLOCK_K)
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    if not RMS:
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
+                        mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
+            mean += tl.sum(x, axis=1)
+        mean = mean / K
+    var = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        m = rmask[:, None] & (kk < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], mask=m, other=0.0)
+        xc = tl.where(m, x - mean[:, None], 0.0)
+        var += tl.sum(xc * xc, axis=1)
+    return mean, 1.0 / tl.sqrt(var / K + eps)
+
+
+@triton.jit
+def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, nb_ptr, eps, offset,
                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, ROUND_X: tl.constexpr,
+                  NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
                   PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """NORM 1 / 2: x is a LayerNorm's / RMSNorm's input, normalised here ((x - mean) / std *
+    (offset + nw) + nb) rather than by a launch of its own."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,16 +121,24 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w,
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
     w = tl.load(w_rows + ks[None, :], mask=cmask[:, None] & (ks < K)[None, :], other=0.0)
     _after_previous(PDL)
+    if NORM != 0:
+        mean, rstd = _row_stats(x_ptr, rows, rmask, K, eps, NORM == 2, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
                     mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
-        if ROUND_X:     # x rounded to the weights' dtype, as a 16-bit GEMM takes it
-            x = x.to(w_ptr.dtype.element_ty)
+        if NORM != 0:       # a masked k's weight is 0: what x becomes there does not count
+            x = (x - mean[:, None]) * rstd[:, None]
+            if HAS_NW:
+                x = x * (offset + tl.load(nw_ptr + kk, mask=kk < K, other=0.0))[None, :]
+            if HAS_NB:
+                x = x + tl.load(nb_ptr + kk, mask=kk < K, other=0.0)[None, :]
+        if ROUND_X:     # x rounded to the bf16 weights' dtype, as a 16-bit GEMM takes it
+            x = round_bf16(x)
         nxt = kk + BLOCK_K      # the next step's tile, in flight while this one is reduced
         w_next = tl.load(w_rows + nxt[None, :], mask=cmask[:, None] & (nxt < K)[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         w = w_next
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -143,7 +190,7 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, DH, HALF, BLOCK_D: tl.constexpr):
 @triton.jit
 def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_ptr, sin_ptr,
                          HQ, H, DH, HALF, QKV_W, RING, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                         ROTARY: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr,
+                         ROTARY: tl.constexpr, APPEND: tl.constexpr, BF16_CACHE: tl.constexpr, PDL: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -165,6 +212,8 @@ def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_
         v = tl.load(qkv_ptr + b * QKV_W + (HQ + H + h) * DH + dd, mask=dmask, other=0.0)
         x = tl.where(x == x, x, 0.0)     # NaN stored as 0 (perop_engine._kv_append says why)
         v = tl.where(v == v, v, 0.0)
+        if BF16_CACHE:
+            x, v = round_bf16(x), round_bf16(v)
         tl.store(kc_ptr + b * sk_b + h * sk_h + slot * sk_t + dd, x.to(kc_ptr.dtype.element_ty), mask=dmask)
         tl.store(vc_ptr + b * sv_b + h * sv_h + slot * sv_t + dd, v.to(vc_ptr.dtype.element_ty), mask=dmask)
 
@@ -243,21 +292,34 @@ def _launch(kernel, grid, pdl: bool, *args, **meta) -> None:
         kernel[grid](*args, **meta, PDL=False)
 
 
+class Norm(NamedTuple):
+    """A norm a linear applies to its input itself: RMSNorm (rms) or LayerNorm, scaled by
+    (offset + w) where there is a w, + b."""
+    w: torch.Tensor | None
+    b: torch.Tensor | None
+    eps: float
+    rms: bool
+    offset: float = 0.0
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, residual: torch.Tensor | None,
-           pdl: bool, programs: int = 0) -> torch.Tensor:
-    """act(x @ w.T + b) + residual: x [M, K] fp32 contiguous (M <= 16), w [N, K] with unit stride
-    along K, fp32 out. `programs`: how many programs to aim for (a GPU's SMs x 2: enough to keep
-    every SM streaming; 0: one program per 64 features)."""
+           pdl: bool, programs: int = 0, norm: Norm | None = None) -> torch.Tensor:
+    """act(norm(x) @ w.T + b) + residual: x [M, K] fp32 contiguous (M <= 16), w [N, K] fp32 or bf16
+    (x then rounded to bf16) with unit stride along K, fp32 out. `programs`: how many programs to
+    aim for (a GPU's SMs x 2: enough to keep every SM streaming; 0: one program per 64 features)."""
     M, K = x.shape
     N = w.shape[0]
-    if M > 16 or w.stride(1) != 1 or w.shape[1] != K:
+    if M > 16 or w.stride(1) != 1 or w.shape[1] != K or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"chained linear: x {tuple(x.shape)}, w {tuple(w.shape)} stride {w.stride()}")
     block_m, block_n, block_k = linear_blocks(M, N, K, w.element_size(), programs)
-    y = torch.empty(M, N, device=x.device, dtype=torch.float32)
+    y = new_output((M, N), x.device, torch.float32)
+    nw, nb = (None, None) if norm is None else (norm.w, norm.b)
     _launch(linear_kernel, (triton.cdiv(N, block_n),), pdl, x, w, w if b is None else b,
-            y if residual is None else residual, y, M, N, K, w.stride(0),
-            HAS_BIAS=b is not None, HAS_RES=residual is not None, ACT=act,
-            ROUND_X=w.dtype != torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            y if residual is None else residual, y, M, N, K, w.stride(0), x if nw is None else nw,
+            x if nb is None else nb, 0.0 if norm is None else norm.eps, 0.0 if norm is None else float(norm.offset),
+            HAS_BIAS=b is not None, HAS_RES=residual is not None, ACT=act, ROUND_X=w.dtype == torch.bfloat16,
+            NORM=0 if norm is None else 2 if norm.rms else 1, HAS_NW=nw is not None, HAS_NB=nb is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y
 
 
@@ -266,7 +328,7 @@ def gated(a: torch.Tensor, b: torch.Tensor, act: int, pdl: bool) -> torch.Tensor
     M, W = a.shape
     if b.shape != a.shape or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"chained gated: {tuple(a.shape)} {a.stride()} and {tuple(b.shape)} {b.stride()}")
-    y = torch.empty(M, W, device=a.device, dtype=torch.float32)
+    y = new_output((M, W), a.device, torch.float32)
     block = min(1024, triton.next_power_of_2(W))
     _launch(gated_kernel, (M, triton.cdiv(W, block)), pdl, a, b, y, W, a.stride(0), b.stride(0), ACT=act, BLOCK=block)
     return y
@@ -277,7 +339,7 @@ def norm(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: f
     """LayerNorm (rms False) or RMSNorm of each row of x [M, N] fp32 contiguous, scaled by
     (offset + w) where there is a w, + b."""
     M, N = x.shape
-    y = torch.empty_like(x)
+    y = new_output(x.shape, x.device, torch.float32)
     _launch(norm_kernel, (M,), pdl, x, x if w is None else w, x if b is None else b, y, N, eps, float(offset),
             HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, RMS=rms, BLOCK_N=triton.next_power_of_2(N))
     return y
@@ -292,12 +354,13 @@ def rotary_append(qkv: torch.Tensor, hq: int, k_cache: torch.Tensor, v_cache: to
     M, H, T, dh = k_cache.shape
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("chained rotary_append: a cache's head dim must be contiguous")
-    q = torch.empty(M, hq * dh, device=qkv.device, dtype=torch.float32)
+    q = new_output((M, hq * dh), qkv.device, torch.float32)
     rotary = cos is not None
     _launch(rotary_append_kernel, (M, hq + (H if append else 0)), pdl, qkv, q, k_cache, v_cache, pos,
             rot_pos if rotary else pos, cos if rotary else q, sin if rotary else q, hq, H, dh, dims // 2,
             qkv.stride(0), T if ring else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
-            ROTARY=rotary, APPEND=append, BLOCK_D=triton.next_power_of_2(dh))
+            ROTARY=rotary, APPEND=append, BF16_CACHE=k_cache.dtype == torch.bfloat16,
+            BLOCK_D=triton.next_power_of_2(dh))
     return q
 
 
@@ -315,8 +378,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
     bound = min(T, window or T) if ring else (window or T + 1)
     keys = min(T, bound)
     splits = splits or max(1, min(16, triton.cdiv(keys, 4 * ATTENTION_BLOCK_T)))
-    part = torch.empty(M * hq, splits, dh + 2, device=q.device, dtype=torch.float32)
-    out = torch.empty(M, hq * dh, device=q.device, dtype=torch.float32)
+    part = new_output((M * hq, splits, dh + 2), q.device, torch.float32)
+    out = new_output((M, hq * dh), q.device, torch.float32)
     bd = triton.next_power_of_2(dh)
     _launch(attention_partial_kernel, (M * hq, splits), pdl, q, k_cache, v_cache, lengths, part, hq, hq // H, dh,
             splits, scale, bound, T, T if ring else 0,
@@ -327,4 +390,4 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
     return out
 
 
-__all__ = ["HAS_GDC", "pdl_for", "linear_blocks", "linear", "gated", "norm", "rotary_append", "attention"]
+__all__ = ["HAS_GDC", "pdl_for", "linear_blocks", "Norm", "linear", "gated", "norm", "rotary_append", "attention"]

@@ -46,15 +46,19 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     # The per-op engine's chained build (kernels/chained.py) as an H100 runs it: bf16 weights and
     # caches, launches chained (PDL); "_orin": the same without PDL (sm_87 has no griddepcontrol).
     B16 = "*bf16"
-    ch_lin = dict(x_ptr=P, w_ptr=B16, b_ptr=B16, r_ptr=P, y_ptr=P, M="i32", N="i32", K="i32", stride_w="i32")
+    ch_lin = dict(x_ptr=P, w_ptr=B16, b_ptr=B16, r_ptr=P, y_ptr=P, M="i32", N="i32", K="i32", stride_w="i32",
+                  nw_ptr=P, nb_ptr=P, eps="fp32", offset="fp32")
     # tiles as chained.linear_blocks picks them for Moondream 2 on an H100/H200 (264 programs):
     # its q|k|v and fc1 at batch 1 (16 x 256), its fc2 and proj (8 x 512), q|k|v at batch 8 (16 x 64)
-    ch_lin_c = dict(HAS_BIAS=True, HAS_RES=True, ACT=2, ROUND_X=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
+    ch_lin_c = dict(HAS_BIAS=True, HAS_RES=True, ACT=2, ROUND_X=True, NORM=0, HAS_NW=False, HAS_NB=False,
+                    BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
     ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, HQ="i32", GROUP="i32", DH="i32",
                    S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32", sk_h="i32", sv_b="i32",
                    sv_h="i32")
     chained_cases = {
         "chained_linear": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True)),
+        "chained_linear_norm": (chained.linear_kernel, ch_lin,
+                                dict(ch_lin_c, PDL=True, NORM=1, HAS_NW=True, HAS_NB=True, HAS_RES=False)),
         "chained_linear_n8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_N=8, BLOCK_K=512)),
         "chained_linear_b8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_M=8, BLOCK_K=64)),
         "chained_gated": (chained.gated_kernel, dict(a_ptr=P, b_ptr=P, y_ptr=P, W="i32", stride_a="i32",
@@ -68,7 +72,7 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                                        cos_ptr=P, sin_ptr=P, HQ="i32", H="i32", DH="i32", HALF="i32", QKV_W="i32",
                                        RING="i32", sk_b="i32", sk_h="i32", sk_t="i32", sv_b="i32", sv_h="i32",
                                        sv_t="i32"),
-                                  dict(ROTARY=True, APPEND=True, PDL=True, BLOCK_D=64)),
+                                  dict(ROTARY=True, APPEND=True, BF16_CACHE=True, PDL=True, BLOCK_D=64)),
         "chained_attention_partial": (chained.attention_partial_kernel, ch_part,
                                       dict(SELF=True, PDL=True, BLOCK_T=chained.ATTENTION_BLOCK_T, BLOCK_D=64)),
         "chained_attention_merge": (chained.attention_merge_kernel, dict(part_ptr=P, o_ptr=P, S="i32", DH="i32"),
@@ -138,12 +142,14 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
 PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv_append", "attn_prefill",
           "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax",
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
-          "lstm_cell", "chained_linear", "chained_linear_n8", "chained_linear_b8", "chained_gated", "chained_norm",
-          "chained_rotary_append", "chained_attention_partial", "chained_attention_merge")
+          "lstm_cell", "chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8",
+          "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention_partial",
+          "chained_attention_merge")
 # Arguments a launch specialises as multiples of 16 (pointers from torch, sizes and strides of real
 # models: Triton's JIT does it at run time), where a kernel's vector loads depend on it.
-PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8) for k in ("chained_linear", "chained_linear_n8", "chained_linear_b8",
-                                                       "chained_linear_orin")}
+PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) for k in ("chained_linear", "chained_linear_norm",
+                                                               "chained_linear_n8", "chained_linear_b8",
+                                                               "chained_linear_orin")}
 _MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d+|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_tiles|_lspans|_[ntdk]\d+)*)$")
 
 

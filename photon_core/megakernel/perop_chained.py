@@ -21,11 +21,20 @@ def _act(name: str | None) -> int:
 
 
 def _linear(e, node: Node) -> torch.Tensor:
+    """A linear; where its input is a norm the build fused (kernel.fused_norm), of the norm's input."""
     a, k = node.args, e.kernel
-    act = _act(a["act"])
     res = None if a["residual"] is None else e.val(a["residual"]).float().contiguous()
-    return chained.linear(e.val(a["x"]).float().contiguous(), e.weights[a["w"]],
-                          None if a["b"] is None else e.weights[a["b"]], act, res, k.pdl, k.programs)
+    fused = k.fused_norm.get(id(node))
+    if fused is None:
+        x, norm = e.val(a["x"]), None
+    else:
+        n, rms = fused.args, fused.op == "rms_norm"
+        x = e.val(n["x"])
+        norm = chained.Norm(None if n["w"] is None else e.weights[n["w"]],
+                            None if rms or n["b"] is None else e.weights[n["b"]], n["eps"], rms,
+                            n["offset"] if rms else 0.0)
+    return chained.linear(x.float().contiguous(), e.weights[a["w"]], None if a["b"] is None else e.weights[a["b"]],
+                          _act(a["act"]), res, k.pdl, k.programs, norm)
 
 
 def _layer_norm(e, node: Node) -> torch.Tensor:

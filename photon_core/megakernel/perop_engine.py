@@ -10,6 +10,12 @@ replay of those kernels: that is how transformers decodes Moondream 2 in 2.98 ms
 the megakernel took 7.67 ms (../shared/gpu-runs/h200-2026-12-04). engine_choice.py measures both
 on the user's GPU and keeps the faster.
 
+Two builds (VARIANTS): "plain", the ops as torch's kernels; "chained", the linears (with the
+LayerNorm or RMSNorm they read applied in their own prologue), GLUs and gates, rotary appends and
+decode attention as kernels/chained.py's Triton kernels (perop_chained.py runs them), one launch
+an op, which on sm_90+ start while the launch before them finishes (programmatic dependent
+launch). Its attention reads only a row's keys; its linears' outputs are fp32.
+
 Capture-safe: fixed shapes, no host reads. A row's token and position come from dyn; attention
 reads every slot of its caches under a mask of the row's keys (self: positions [0, position] or
 the last `window` of them, a ring cache's slots holding those; cross: [0, cross length)), so a
@@ -38,7 +44,7 @@ import torch.nn.functional as F
 from photon_core.megakernel.graph import CTRL_CLAIM, CTRL_COUNTERS, CTRL_ERROR
 from photon_core.megakernel.ops import rule
 from photon_core.megakernel.ops.base import Eager, eager_act
-from photon_core.megakernel.stepgraph import Node
+from photon_core.megakernel.stepgraph import Node, Value
 
 # Ops whose eager reference is capture-safe and cheap (fp32 work on vectors): run as they are.
 REFERENCE_OPS = frozenset({"input", "layer_norm", "rms_norm", "glu", "mul", "act", "add_norm", "conv_step",
@@ -63,7 +69,6 @@ class PerOpKernel:
             raise ValueError(f"the per-op engine's variants are {VARIANTS}, not {variant!r}")
         g, p, dev = step.graph_def, step.plan, step.state.device
         self.step, self.nodes, self.variant = step, needed_nodes(g, p, results), variant
-        self.chained = _chained_ops(self.nodes) if variant == "chained" else {}
         self.pdl = variant == "chained" and _pdl_for(dev)
         # a chained linear's programs: two an SM keep every SM streaming weights
         self.programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
@@ -91,6 +96,8 @@ class PerOpKernel:
         # Values written to their regions: those the host reads (exposed: logits, hidden). The rest
         # live in the launch only; a copy each would be a kernel each (~2 us in a replay).
         self.observed = {v.name for v in g.exposed.values()}
+        # the chained build's runners by node, and the norms its linears apply themselves (by linear)
+        self.chained, self.fused_norm = _chained_ops(self.nodes, self.observed) if variant == "chained" else ({}, {})
         self.bad = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def raise_for(self, err: int, claimed: int) -> None:
@@ -124,6 +131,8 @@ class PerOpKernel:
                 advance += self._argmax(e, node)
                 continue
             if id(node) in self.chained:
+                if self.chained[id(node)] is None:    # a norm its readers apply (fused_norm)
+                    continue
                 y = self.chained[id(node)](e, node)
             elif node.op in OWN:
                 y = OWN[node.op](e, node)
@@ -322,12 +331,29 @@ def _pdl_for(dev: torch.device) -> bool:
     return pdl_for(dev)
 
 
-def _chained_ops(nodes: list[Node]) -> dict[int, Any]:
-    """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner; the
-    rest (embed, argmax, MoE, add_norm, act, recurrences, appends with per-head norms) run as in
-    the plain build, and a chain of programmatic launches restarts after each of them."""
+def _chained_ops(nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any], dict[int, Node]]:
+    """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner (None:
+    a LayerNorm or RMSNorm that is not observed and whose every reader is a chained linear's input,
+    which those linears apply themselves), and those linears' norm nodes. The rest (embed, argmax,
+    MoE, add_norm, act, recurrences, appends with per-head norms) run as in the plain build, and a
+    chain of programmatic launches restarts after each of them."""
     from photon_core.megakernel.perop_chained import CHAINED
-    return {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED and _chainable(n)}
+    runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED and _chainable(n)}
+    readers: dict[str, list[tuple[Node, str]]] = {}
+    for n in nodes:
+        for k, v in n.args.items():
+            for value in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(value, Value):
+                    readers.setdefault(value.name, []).append((n, k))
+    fused: dict[int, Node] = {}
+    for n in nodes:
+        if n.op not in ("layer_norm", "rms_norm") or n.value.name in observed:
+            continue
+        r = readers.get(n.value.name, [])
+        if r and all(c.op == "linear" and k == "x" and id(c) in runners for c, k in r):
+            fused.update({id(c): n for c, _ in r})
+            runners[id(n)] = None
+    return runners, fused
 
 
 def _chainable(node: Node) -> bool:

@@ -1,0 +1,184 @@
+"""The per-op engine's chained kernels (photon_core/kernels/chained.py) against PyTorch on fresh
+random inputs: ragged sizes, padded weight rows, bf16 weights and caches, a norm applied by the
+linear itself, partial rotary, ring caches that have wrapped, windows, grouped query heads, rows
+with no keys. Under TRITON_INTERPRET=1 (PDL is compiled out there; test_kernels_compile_sm90.py
+checks its waits in the sm_90 PTX); outputs poisoned with NaN before each kernel runs.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+os.environ["PHOTON_POISON_OUTPUTS"] = "1"
+
+import math  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import photon_core.kernels as K  # noqa: E402
+from photon_core.kernels import chained  # noqa: E402
+from photon_core.kernels.linear import ACT_GELU, ACT_GELU_TANH, ACT_NONE, ACT_SIGMOID, ACT_SILU, ACT_TANH  # noqa: E402
+
+K.POISON_OUTPUTS = True
+ACTS = {ACT_NONE: lambda y: y, ACT_GELU: F.gelu, ACT_GELU_TANH: lambda y: F.gelu(y, approximate="tanh"),
+        ACT_SILU: F.silu, ACT_SIGMOID: torch.sigmoid, ACT_TANH: torch.tanh}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.isfinite(a).all(), "an element left unwritten (NaN)"
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def padded(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, k] weights in rows of k + 16 (the arena pads rows): a view with stride k + 16."""
+    return torch.randn(n, k + 16).to(dtype)[:, :k]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", [(1, 40, 100), (3, 72, 64), (8, 24, 200), (16, 9, 33)])
+@pytest.mark.parametrize("norm", [None, "layer", "rms", "rms_bare"])
+def test_linear(dtype, rows, n, k, norm):
+    x = torch.randn(rows, k) * 2 + 0.5
+    w, b, r = padded(n, k, dtype), torch.randn(n), torch.randn(rows, n)
+    act = [ACT_NONE, ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_TANH][(rows + n) % 5]
+    spec = None
+    xn = x
+    if norm == "layer":
+        spec = chained.Norm(torch.randn(k), torch.randn(k), 1e-5, False)
+        xn = F.layer_norm(x, (k,), spec.w, spec.b, 1e-5)
+    elif norm is not None:
+        spec = chained.Norm(torch.randn(k) if norm == "rms" else None, None, 1e-6, True, 1.0 if norm == "rms" else 0.0)
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if spec.w is not None:
+            xn = xn * (1.0 + spec.w)
+    if dtype != torch.float32:
+        xn = xn.to(dtype).float()     # a 16-bit GEMM's input
+    want = ACTS[act](xn @ w.float().T + b) + r
+    for programs in (0, 7):
+        got = chained.linear(x, w, b, act, r, pdl=False, programs=programs, norm=spec)
+        close(got, want, 1e-5 if dtype == torch.float32 else 2e-3)
+    close(chained.linear(x, w, None, ACT_NONE, None, pdl=False, norm=spec), xn @ w.float().T,
+          1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_the_linear_tiles():
+    """At batch 1 on a 132-SM GPU (264 programs), bf16: 8 KB weight tiles; more rows, narrower K steps."""
+    assert chained.linear_blocks(1, 6144, 2048, 2, 264) == (1, 16, 256)
+    assert chained.linear_blocks(1, 2048, 8192, 2, 264) == (1, 8, 512)
+    assert chained.linear_blocks(1, 51200, 2048, 2, 264) == (1, 64, 64)
+    assert chained.linear_blocks(8, 2048, 8192, 2, 264) == (8, 8, 128)
+    assert chained.linear_blocks(1, 384, 40, 4, 264) == (1, 8, 64)       # never past K's power of 2
+    for m, n, k, e in ((1, 6144, 2048, 2), (4, 1152, 384, 4), (16, 100, 1000, 2)):
+        bm, bn, bk = chained.linear_blocks(m, n, k, e, 264)
+        assert bn * bk * e <= chained.LINEAR_TILE_BYTES and bm * bn * bk <= chained.LINEAR_PRODUCTS
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms", "rms_bare"])
+def test_norm(kind):
+    x = torch.randn(3, 300) * 4 + 2
+    w, b = torch.randn(300), torch.randn(300)
+    if kind == "layer":
+        got, want = chained.norm(x, w, b, 1e-5, False, 0.0, pdl=False), F.layer_norm(x, (300,), w, b, 1e-5)
+    else:
+        scale = None if kind == "rms_bare" else w
+        got = chained.norm(x, scale, None, 1e-6, True, 1.0, pdl=False)
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 if scale is None else 1.0 + w)
+    close(got, want)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_gated(act):
+    x = torch.randn(4, 2 * 1500)         # a GLU's gate | up halves, wider than one block
+    close(chained.gated(x[:, :1500], x[:, 1500:], act, pdl=False), ACTS[act](x[:, :1500]) * x[:, 1500:])
+
+
+@pytest.mark.parametrize("ring, append, dims, dtype", [
+    (False, True, 16, torch.float32), (True, True, 32, torch.bfloat16), (False, False, 8, torch.float32),
+    (False, True, 0, torch.float32)])
+def test_rotary_append(ring, append, dims, dtype):
+    """Layer 1 of a two-layer cache [layers, rows, heads, T, Dh]: q (and k) rotated over their first
+    `dims` (pairs i, i + dims / 2), k and v written at the row's slot (a wrapped ring: position % T),
+    NaN written as 0; the other slots and layer untouched."""
+    M, hq, h, dh, T = 3, 4, 2, 32, 8
+    qkv = torch.randn(M, (hq + 2 * h) * dh if append else hq * dh)
+    qkv[2, (hq + h) * dh + 5 if append else 0] = float("nan")      # row 2: NaN in v (or in q)
+    pos = torch.tensor([0, 5, 13 if ring else 7])
+    rot_pos = pos + 2
+    cos, sin = torch.randn(32, max(1, dims // 2)), torch.randn(32, max(1, dims // 2))
+    caches = [torch.randn(2, M, h, T, dh).to(dtype) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    q = chained.rotary_append(qkv, hq, caches[0][1], caches[1][1], pos, rot_pos, cos if dims else None,
+                              sin if dims else None, dims, ring, append, pdl=False)
+
+    def rotate(x):                       # [M, heads, dh]
+        if not dims:
+            return x
+        c, s = cos[rot_pos][:, None], sin[rot_pos][:, None]
+        x1, x2 = x[..., :dims // 2], x[..., dims // 2:dims]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., dims:]], -1)
+    heads = qkv.view(M, -1, dh)
+    want_q = rotate(heads[:, :hq]).reshape(M, -1)
+    if append:
+        close(q, want_q)
+    else:                                # row 2's q holds the NaN (and its rotary partner): as the reference
+        close(q[:2], want_q[:2])
+        assert torch.equal(q[2].isnan(), want_q[2].isnan()) and q[2].isnan().sum() == 2
+        close(q[2].nan_to_num(0.0), want_q[2].nan_to_num(0.0))
+    want = [b.clone() for b in before]
+    if append:
+        k, v = rotate(heads[:, hq:hq + h]), heads[:, hq + h:]
+        for r in range(M):
+            slot = pos[r] % T if ring else pos[r]
+            want[0][1, r, :, slot] = k[r].nan_to_num(0.0).to(dtype)
+            want[1][1, r, :, slot] = v[r].nan_to_num(0.0).to(dtype)
+    for got, w in zip(caches, want):
+        assert torch.isfinite(got.float()).all()
+        close(got.float(), w.float(), 1e-5 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("case", ["self", "window", "ring", "cross", "gqa"])
+@pytest.mark.parametrize("splits", [0, 3])
+def test_attention(case, splits):
+    """Each row's keys: positions [lo, n), n = position + 1 (self) or the cross length (clamped to
+    the cache), lo = n - window (a ring: the last T positions, slot t % T); a row without keys gives
+    zeros. bf16 caches of a layered cache; the reference a masked softmax in fp32."""
+    M, dh, T = 4, 32, 80
+    hq, h = (4, 2) if case == "gqa" else (2, 2)
+    window = 20 if case in ("window", "ring") else None
+    ring = case == "ring"
+    if ring:
+        T = 20
+    q = torch.randn(M, hq * dh)
+    kc, vc = (torch.randn(2, M, h, T, dh).bfloat16() for _ in range(2))
+    if case == "cross":
+        lengths, self_keys = torch.tensor([5, 0, 200, 77]), False
+    else:
+        lengths, self_keys = torch.tensor([0, 9, 47 if ring else 63, 79 if not ring else 19]), True
+    got = chained.attention(q, kc[1], vc[1], lengths, self_keys, window, ring, 1 / math.sqrt(dh), pdl=False,
+                            splits=splits)
+    want = torch.zeros(M, hq, dh)
+    for r in range(M):
+        n = int(lengths[r]) + (1 if self_keys else 0)
+        n_cached = n if ring else min(n, T)
+        lo = max(0, n_cached - (window or T + 1), n_cached - T if ring else 0)
+        keys = list(range(lo, n_cached))
+        if not keys:
+            continue
+        slots = torch.tensor([t % T for t in keys])
+        for hh in range(hq):
+            kv = hh // (hq // h)
+            k, v = kc[1, r, kv, slots].float(), vc[1, r, kv, slots].float()
+            p = torch.softmax(k @ q[r, hh * dh:(hh + 1) * dh] / math.sqrt(dh), 0)
+            want[r, hh] = p @ v
+    close(got, want.reshape(M, -1))
+    assert got[1 if case == "cross" else 0].abs().sum() > 0 or case == "cross"
+    if case == "cross":
+        assert got[1].abs().sum() == 0          # no cross keys: zeros
