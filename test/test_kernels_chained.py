@@ -182,3 +182,66 @@ def test_attention(case, splits):
     assert got[1 if case == "cross" else 0].abs().sum() > 0 or case == "cross"
     if case == "cross":
         assert got[1].abs().sum() == 0          # no cross keys: zeros
+
+
+@pytest.mark.parametrize("q_w, k_w, v", [(True, True, False), (False, True, True), (True, False, True)])
+def test_rotary_append_with_head_norms(q_w, k_w, v):
+    """Per-head RMSNorm before rotary (Qwen3's q/k norms, scaled by 1 + w; Gemma 4's unscaled v
+    norm), grouped K/V heads, bf16 caches."""
+    M, hq, h, dh, T, dims = 2, 4, 2, 64, 8, 64
+    qkv = torch.randn(M, (hq + 2 * h) * dh) * 3
+    pos, rot_pos = torch.tensor([1, 6]), torch.tensor([1, 6])
+    cos, sin = torch.randn(16, dims // 2), torch.randn(16, dims // 2)
+    wq, wk = torch.randn(dh), torch.randn(dh)
+    hn = chained.HeadNorm(wq if q_w else None, wk if k_w else None, v, 1e-6, 1.0)
+    kc, vc = torch.zeros(M, h, T, dh).bfloat16(), torch.zeros(M, h, T, dh).bfloat16()
+    q = chained.rotary_append(qkv, hq, kc, vc, pos, rot_pos, cos, sin, dims, False, True, pdl=False, head_norm=hn)
+
+    def rms(x, w):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y if w is None else y * (1.0 + w)
+
+    def rotate(x):
+        c, s = cos[rot_pos][:, None], sin[rot_pos][:, None]
+        x1, x2 = x[..., :dims // 2], x[..., dims // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    heads = qkv.view(M, -1, dh)
+    wq_, wk_ = heads[:, :hq], heads[:, hq:hq + h]
+    close(q, rotate(rms(wq_, wq) if q_w else wq_).reshape(M, -1))
+    want_k = rotate(rms(wk_, wk) if k_w else wk_)
+    want_v = rms(heads[:, hq + h:], None) if v else heads[:, hq + h:]
+    for r in range(M):
+        close(kc[r, :, pos[r]].float(), want_k[r], 4e-3)
+        close(vc[r, :, pos[r]].float(), want_v[r], 4e-3)
+
+
+@pytest.mark.parametrize("advance", [False, True])
+def test_argmax_and_the_step_begin(advance):
+    """The picks over columns [c0, c1) of rows wider than a block: the first of tied largest values
+    across blocks, barred (-inf) columns, a NaN row (-2; its fed token 0, its position kept), a row
+    at the last position (-1 advancing, its position kept); the error word copied from bad. And
+    step_begin's clamps: a token past its table and a negative position flag the launch."""
+    B, c0, c1, max_pos = 4, 10, 2300, 50
+    x = torch.randn(B, 2500)
+    x[0, 20], x[0, 2200] = 9.0, 9.0                  # a tie two blocks apart: the first wins
+    x[1, :1500] = -float("inf")
+    x[1, 2299] = 8.0                                  # the last column in range
+    x[2, 700] = float("nan")
+    x[3, 2400] = 99.0                                 # outside [c0, c1): ignored
+    dyn = torch.tensor([5, 6, 7, 8, 3, 4, max_pos - 1, max_pos - 1, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int32)
+    results, err, bad = torch.full((B, 2), -7, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), \
+        torch.tensor([1], dtype=torch.int32)
+    chained.argmax(x, c0, c1, results[:, 1], dyn, B, max_pos, bad, err, advance, pdl=False)
+    best = [10, 2289, 0, int(x[3, c0:c1].argmax())]
+    want = [10, 2289, -2, -1 if advance else best[3]]
+    assert results[:, 1].tolist() == want and results[:, 0].tolist() == [-7] * B and err.item() == 1
+    if advance:
+        assert dyn[:B].tolist() == best and dyn[B:2 * B].tolist() == [4, 5, max_pos - 1, max_pos - 1]
+    else:
+        assert dyn[:2 * B].tolist() == [5, 6, 7, 8, 3, 4, max_pos - 1, max_pos - 1]
+    dyn = torch.tensor([3, 99, 4, -1, 8, 0, 2, 2], dtype=torch.int32)      # B = 2: tokens, positions, cross, offsets
+    tok, pos, rot, cross = chained.step_begin(dyn, 2, 40, 64, 50, bad, pdl=False)
+    assert (tok.tolist(), pos.tolist(), rot.tolist(), cross.tolist(), bad.item()) == ([3, 49], [4, 0], [6, 1], [8, 0], 1)
+    tok, pos, rot, cross = chained.step_begin(torch.tensor([3, 9, 4, 5, 8, 0, 2, 2], dtype=torch.int32), 2, 40, 0, 0,
+                                              bad, pdl=False)
+    assert (tok.tolist(), pos.tolist(), rot.tolist(), bad.item()) == ([3, 9], [4, 5], [6, 7], 0)

@@ -23,9 +23,13 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
   (NORM): two more passes over x for the rows' statistics, from L2, instead of a launch.
 * norm_kernel: LayerNorm / RMSNorm of one row a program (weight and bias loaded before the wait).
 * gated_kernel: act(a) * b elementwise: a GLU's halves, or a gate times a value's slice.
-* rotary_append_kernel: one (row, head) of a fused q|k|v a program: rotary on q and k heads
-  (half-split over the first `dims`), q out, k and v into the caches at the row's slot (NaN
-  stored as 0, as the torch build stores it).
+* rotary_append_kernel: one (row, head) of a fused q|k|v a program: per-head RMSNorms (Qwen3's,
+  Gemma 4's), rotary on q and k heads (half-split over the first `dims`), q out, k and v into the
+  caches at the row's slot (NaN stored as 0, as the torch build stores it).
+* step_begin_kernel, embed_kernel, argmax_kernel: a step's first launches (its device tokens and
+  positions clamped into their tables, the token embeddings) and its last (the picks, the next
+  token and position of each row, the launch's error word), where the plain build runs ~40 small
+  torch kernels.
 * attention_partial_kernel + attention_merge_kernel: one query head of one row over one split
   of its keys (online softmax, kernels/attention.decode_partial), then the splits merged; a row
   without keys gives zeros.
@@ -174,42 +178,58 @@ def norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, eps, offset,
 
 
 @triton.jit
-def _rotate(x_ptr, cos_ptr, sin_ptr, DH, HALF, BLOCK_D: tl.constexpr):
-    """One head's DH values with rotary on its first 2 x HALF (pairs (i, i + HALF))."""
+def _head(x_ptr, n_ptr, cos_ptr, sin_ptr, DH, HALF, NORM, eps, offset, ROTARY: tl.constexpr,
+          HEAD_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head's DH values: RMSNorm over them (NORM 1: scaled by offset + n; 2: no scale) where
+    HEAD_NORM and NORM, then rotary on the first 2 x HALF (pairs (i, i + HALF)) where ROTARY."""
     dd = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + dd, mask=dd < DH, other=0.0)
     partner = tl.where(dd < HALF, dd + HALF, dd - HALF)
     rot = dd < 2 * HALF
-    xp = tl.load(x_ptr + partner, mask=rot, other=0.0)
-    i = tl.where(dd < HALF, dd, dd - HALF)
-    c = tl.load(cos_ptr + i, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + i, mask=rot, other=0.0)
-    return tl.where(rot, x * c + tl.where(dd < HALF, -xp, xp) * s, x)
+    if ROTARY:
+        xp = tl.load(x_ptr + partner, mask=rot, other=0.0)
+    if HEAD_NORM:
+        r = tl.where(NORM != 0, 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DH + eps), 1.0)
+        # n_ptr is a valid buffer at least DH long even where NORM != 1 (then unused)
+        w = tl.where(NORM == 1, offset + tl.load(n_ptr + dd, mask=dd < DH, other=0.0), 1.0)
+        x = x * r * w
+        if ROTARY:
+            wp = tl.where(NORM == 1, offset + tl.load(n_ptr + partner, mask=rot, other=0.0), 1.0)
+            xp = xp * r * wp
+    if ROTARY:
+        i = tl.where(dd < HALF, dd, dd - HALF)
+        c = tl.load(cos_ptr + i, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + i, mask=rot, other=0.0)
+        x = tl.where(rot, x * c + tl.where(dd < HALF, -xp, xp) * s, x)
+    return x
 
 
 @triton.jit
-def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_ptr, sin_ptr,
-                         HQ, H, DH, HALF, QKV_W, RING, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                         ROTARY: tl.constexpr, APPEND: tl.constexpr, BF16_CACHE: tl.constexpr, PDL: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                         HQ, H, DH, HALF, QKV_W, RING, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, QN, KN, VN, eps, offset,
+                         ROTARY: tl.constexpr, HEAD_NORM: tl.constexpr, APPEND: tl.constexpr,
+                         BF16_CACHE: tl.constexpr, PDL: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (row b, head j): j < HQ the query head j, else K/V head j - HQ. Per-head norms
+    (HEAD_NORM: QN / KN / VN 0 none, 1 scaled by offset + its weight, 2 unscaled) before rotary."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < DH
     _after_previous(PDL)
     src = qkv_ptr + b * QKV_W + j * DH
+    r = 0
     if ROTARY:
         r = tl.load(rpos_ptr + b).to(tl.int64) * HALF
-        x = _rotate(src, cos_ptr + r, sin_ptr + r, DH, HALF, BLOCK_D)
-    else:
-        x = tl.load(src + dd, mask=dmask, other=0.0)
     if j < HQ:
+        x = _head(src, qn_ptr, cos_ptr + r, sin_ptr + r, DH, HALF, QN, eps, offset, ROTARY, HEAD_NORM, BLOCK_D)
         tl.store(q_ptr + b * HQ * DH + j * DH + dd, x, mask=dmask)
     elif APPEND:
         h = j - HQ
+        x = _head(src, kn_ptr, cos_ptr + r, sin_ptr + r, DH, HALF, KN, eps, offset, ROTARY, HEAD_NORM, BLOCK_D)
         pos = tl.load(pos_ptr + b).to(tl.int64)
         slot = tl.where(RING > 0, pos % tl.maximum(RING, 1), pos)
-        v = tl.load(qkv_ptr + b * QKV_W + (HQ + H + h) * DH + dd, mask=dmask, other=0.0)
+        v = _head(qkv_ptr + b * QKV_W + (HQ + H + h) * DH, kn_ptr, cos_ptr, sin_ptr, DH, HALF, VN, eps, 0.0,
+                  False, HEAD_NORM, BLOCK_D)
         x = tl.where(x == x, x, 0.0)     # NaN stored as 0 (perop_engine._kv_append says why)
         v = tl.where(v == v, v, 0.0)
         if BF16_CACHE:
@@ -267,6 +287,81 @@ def gated_kernel(a_ptr, b_ptr, y_ptr, W, stride_a, stride_b, ACT: tl.constexpr, 
     tl.store(y_ptr + row * W + cols, apply_activation(a, ACT) * b, mask=mask)
 
 
+@triton.jit
+def step_begin_kernel(dyn_ptr, tok_ptr, pos_ptr, rot_ptr, cross_ptr, bad_ptr, B, POS_ROWS, ROT_ROWS, TOK_ROWS,
+                      PDL: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: the step's device values (dyn: tokens, positions, cross lengths, rotary offsets;
+    B each) as int64 indices, each clamped into its table (positions below POS_ROWS, rotary
+    positions below ROT_ROWS, tokens below TOK_ROWS; a bound of 0: not clamped), and bad = 1 where
+    any was outside (a device value never becomes an address unchecked)."""
+    i = tl.arange(0, BLOCK_B)
+    m = i < B
+    _after_previous(PDL)
+    tok = tl.load(dyn_ptr + i, mask=m, other=0).to(tl.int64)
+    pos = tl.load(dyn_ptr + B + i, mask=m, other=0).to(tl.int64)
+    cross = tl.load(dyn_ptr + 2 * B + i, mask=m, other=0).to(tl.int64)
+    rot = pos + tl.load(dyn_ptr + 3 * B + i, mask=m, other=0).to(tl.int64)
+    pos_c = tl.minimum(tl.maximum(pos, 0), POS_ROWS - 1)
+    rot_c = tl.where(ROT_ROWS > 0, tl.minimum(tl.maximum(rot, 0), ROT_ROWS - 1), rot)
+    tok_c = tl.where(TOK_ROWS > 0, tl.minimum(tl.maximum(tok, 0), TOK_ROWS - 1), tok)
+    off = (pos_c != pos) | (rot_c != rot) | (tok_c != tok)
+    tl.store(tok_ptr + i, tok_c, mask=m)
+    tl.store(pos_ptr + i, pos_c, mask=m)
+    tl.store(rot_ptr + i, rot_c, mask=m)
+    tl.store(cross_ptr + i, cross, mask=m)
+    flag = tl.max(tl.where(m & off, 1, 0), axis=0).to(tl.int32)
+    tl.store(bad_ptr + i, tl.where(i == 0, flag, 0), mask=i < 1)
+
+
+@triton.jit
+def embed_kernel(tok_ptr, pos_ptr, table_ptr, stride_t, ptable_ptr, stride_p, y_ptr, D, scale,
+                 HAS_POS: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, block of BLOCK): table[token] * scale (+ ptable[position]) in fp32."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    _after_previous(PDL)
+    y = tl.load(table_ptr + tl.load(tok_ptr + b) * stride_t + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    if HAS_POS:
+        y += tl.load(ptable_ptr + tl.load(pos_ptr + b) * stride_p + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + b * D + cols, y, mask=mask)
+
+
+@triton.jit
+def argmax_kernel(x_ptr, stride_x, C0, C1, res_ptr, res_stride, dyn_ptr, B, MAX_POS, bad_ptr, err_ptr,
+                  ADVANCE: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: the first largest of row b's x[C0:C1] (its column from C0), -2 where the row
+    holds NaN; with ADVANCE, -1 where the row's next position would pass MAX_POS, and the row's
+    next token (NaN: column 0) and position (kept where NaN or full) written into dyn. Program 0
+    also copies the launch's bad flag into the error word."""
+    b = tl.program_id(0).to(tl.int64)
+    _after_previous(PDL)
+    best_v = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    nan = tl.full([], 0, tl.int32)
+    for c0 in range(C0, C1, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        m = cols < C1
+        x = tl.load(x_ptr + b * stride_x + cols, mask=m, other=float("-inf"))
+        nan = tl.maximum(nan, tl.max(tl.where(m & (x != x), 1, 0), axis=0))
+        v = tl.max(x, axis=0)
+        i = tl.min(tl.where(x == v, cols, C1), axis=0) - C0     # the first of the block's largest
+        take = v > best_v
+        best_i = tl.where(take, i, best_i)
+        best_v = tl.where(take, v, best_v)
+    best = tl.where(nan > 0, 0, best_i)
+    res = tl.where(nan > 0, -2, best)
+    if ADVANCE:
+        pos = tl.load(dyn_ptr + B + b)
+        full = pos + 1 >= MAX_POS
+        res = tl.where(nan > 0, -2, tl.where(full, -1, best))
+        tl.store(dyn_ptr + b, best)
+        tl.store(dyn_ptr + B + b, tl.where(full | (nan > 0), pos, pos + 1))
+    tl.store(res_ptr + b * res_stride, res)
+    if b == 0:
+        tl.store(err_ptr, tl.load(bad_ptr))
+
+
 # A linear's weight tile a K step (two in flight a program: the step reduced and the next), and
 # the most [rows, BLOCK_N, BLOCK_K] products a step holds in registers (4-warp programs).
 LINEAR_TILE_BYTES = 8192
@@ -303,16 +398,18 @@ class Norm(NamedTuple):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, residual: torch.Tensor | None,
-           pdl: bool, programs: int = 0, norm: Norm | None = None) -> torch.Tensor:
+           pdl: bool, programs: int = 0, norm: Norm | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """act(norm(x) @ w.T + b) + residual: x [M, K] fp32 contiguous (M <= 16), w [N, K] fp32 or bf16
-    (x then rounded to bf16) with unit stride along K, fp32 out. `programs`: how many programs to
-    aim for (a GPU's SMs x 2: enough to keep every SM streaming; 0: one program per 64 features)."""
+    (x then rounded to bf16) with unit stride along K, fp32 out (written into `out` where that is a
+    contiguous fp32 tensor of M x N). `programs`: how many programs to aim for (a GPU's SMs x 2:
+    enough to keep every SM streaming; 0: one program per 64 features)."""
     M, K = x.shape
     N = w.shape[0]
     if M > 16 or w.stride(1) != 1 or w.shape[1] != K or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"chained linear: x {tuple(x.shape)}, w {tuple(w.shape)} stride {w.stride()}")
     block_m, block_n, block_k = linear_blocks(M, N, K, w.element_size(), programs)
-    y = new_output((M, N), x.device, torch.float32)
+    fits = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == M * N
+    y = out.view(M, N) if fits else new_output((M, N), x.device, torch.float32)
     nw, nb = (None, None) if norm is None else (norm.w, norm.b)
     _launch(linear_kernel, (triton.cdiv(N, block_n),), pdl, x, w, w if b is None else b,
             y if residual is None else residual, y, M, N, K, w.stride(0), x if nw is None else nw,
@@ -345,21 +442,34 @@ def norm(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: f
     return y
 
 
+class HeadNorm(NamedTuple):
+    """RMSNorm of each head before rotary: q's and k's scaled by (offset + their weight) where
+    given (None: that head type not normalised), v's unscaled where `v`."""
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    v: bool
+    eps: float
+    offset: float = 0.0
+
+
 def rotary_append(qkv: torch.Tensor, hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                   rot_pos: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None, dims: int,
-                  ring: bool, append: bool, pdl: bool) -> torch.Tensor:
-    """q [M, hq x Dh] from a fused q|k|v [M, *] (rotary over the first `dims` of each q and k head
-    at rot_pos where cos/sin are given); with `append`, k and v written into the [M, H, T, Dh]
-    caches at slot pos (pos % T for a ring)."""
+                  ring: bool, append: bool, pdl: bool, head_norm: HeadNorm | None = None) -> torch.Tensor:
+    """q [M, hq x Dh] from a fused q|k|v [M, *] (per-head norms where given, then rotary over the
+    first `dims` of each q and k head at rot_pos where cos/sin are given); with `append`, k and v
+    written into the [M, H, T, Dh] caches at slot pos (pos % T for a ring)."""
     M, H, T, dh = k_cache.shape
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("chained rotary_append: a cache's head dim must be contiguous")
     q = new_output((M, hq * dh), qkv.device, torch.float32)
-    rotary = cos is not None
+    rotary, hn = cos is not None, head_norm
+    flags = (0, 0, 0) if hn is None else (int(hn.q is not None), int(hn.k is not None), 2 * int(hn.v))
     _launch(rotary_append_kernel, (M, hq + (H if append else 0)), pdl, qkv, q, k_cache, v_cache, pos,
-            rot_pos if rotary else pos, cos if rotary else q, sin if rotary else q, hq, H, dh, dims // 2,
-            qkv.stride(0), T if ring else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
-            ROTARY=rotary, APPEND=append, BF16_CACHE=k_cache.dtype == torch.bfloat16,
+            rot_pos if rotary else pos, cos if rotary else q, sin if rotary else q,
+            q if hn is None or hn.q is None else hn.q, q if hn is None or hn.k is None else hn.k,
+            hq, H, dh, dims // 2, qkv.stride(0), T if ring else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
+            *flags, 0.0 if hn is None else hn.eps, 0.0 if hn is None else float(hn.offset),
+            ROTARY=rotary, HEAD_NORM=hn is not None, APPEND=append, BF16_CACHE=k_cache.dtype == torch.bfloat16,
             BLOCK_D=triton.next_power_of_2(dh))
     return q
 
@@ -390,4 +500,40 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
     return out
 
 
-__all__ = ["HAS_GDC", "pdl_for", "linear_blocks", "Norm", "linear", "gated", "norm", "rotary_append", "attention"]
+def step_begin(dyn: torch.Tensor, B: int, pos_rows: int, rot_rows: int, tok_rows: int, bad: torch.Tensor,
+               pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, positions, rotary positions, cross lengths) [B] int64 from a step's dyn buffer, each
+    clamped into its table (a bound of 0: not clamped; positions always), bad[0] = 1 where any was
+    not (else 0)."""
+    out = new_output((4, B), dyn.device, torch.int64)
+    _launch(step_begin_kernel, (1,), pdl, dyn, out[0], out[1], out[2], out[3], bad, B, pos_rows, rot_rows, tok_rows,
+            BLOCK_B=max(2, triton.next_power_of_2(B)))
+    return out[0], out[1], out[2], out[3]
+
+
+def embed(tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, ptable: torch.Tensor | None,
+          scale: float, pdl: bool) -> torch.Tensor:
+    """table[tokens] * scale (+ ptable[positions]) as fp32 [B, D]: indices already clamped (step_begin)."""
+    B, D = tokens.shape[0], table.shape[1]
+    if table.stride(1) != 1 or (ptable is not None and ptable.stride(1) != 1):
+        raise ValueError("chained embed: a table's rows must be contiguous")
+    y = new_output((B, D), table.device, torch.float32)
+    block = min(1024, triton.next_power_of_2(D))
+    _launch(embed_kernel, (B, triton.cdiv(D, block)), pdl, tokens, positions, table, table.stride(0),
+            table if ptable is None else ptable, table.stride(0) if ptable is None else ptable.stride(0), y, D,
+            float(scale), HAS_POS=ptable is not None, BLOCK=block)
+    return y
+
+
+def argmax(x: torch.Tensor, c0: int, c1: int, result: torch.Tensor, dyn: torch.Tensor, B: int, max_pos: int,
+           bad: torch.Tensor, err: torch.Tensor, advance: bool, pdl: bool) -> None:
+    """result[b] = the first largest column of x[b, c0:c1] (from c0), -2 for a row with NaN; with
+    `advance`, -1 for a row whose next position would reach max_pos, and dyn's token and position
+    of each row advanced (kept where NaN or full; a NaN row's token 0). err[0] = bad[0]."""
+    if x.stride(1) != 1:
+        raise ValueError("chained argmax: a row of x must be contiguous")
+    _launch(argmax_kernel, (B,), pdl, x, x.stride(0), c0, c1, result, result.stride(0), dyn, B, max_pos, bad, err,
+            ADVANCE=advance, BLOCK=min(1024, triton.next_power_of_2(max(1, c1 - c0))))
+
+
+__all__ = ["HAS_GDC", "pdl_for", "step_begin", "embed", "argmax", "linear_blocks", "Norm", "HeadNorm", "linear", "gated", "norm", "rotary_append", "attention"]

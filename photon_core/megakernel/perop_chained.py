@@ -34,7 +34,7 @@ def _linear(e, node: Node) -> torch.Tensor:
                             None if rms or n["b"] is None else e.weights[n["b"]], n["eps"], rms,
                             n["offset"] if rms else 0.0)
     return chained.linear(x.float().contiguous(), e.weights[a["w"]], None if a["b"] is None else e.weights[a["b"]],
-                          _act(a["act"]), res, k.pdl, k.programs, norm)
+                          _act(a["act"]), res, k.pdl, k.programs, norm, out=e.outs.get(node.value.name))
 
 
 def _layer_norm(e, node: Node) -> torch.Tensor:
@@ -61,6 +61,12 @@ def _mul(e, node: Node) -> torch.Tensor:
     return chained.gated(e.val(a["g"]).float().contiguous(), x[:, a["c0"]:a["c0"] + w], _act(a["act"]), e.kernel.pdl)
 
 
+def _embed(e, node: Node) -> torch.Tensor:
+    a = node.args
+    return chained.embed(e.token_ids, e.pos, e.weights[a["tok"]], None if a["pos"] is None else e.weights[a["pos"]],
+                         a["scale"], e.kernel.pdl)
+
+
 def _kv_append(e, node: Node) -> torch.Tensor:
     a = node.args
     dh = a["k"].spec.head_dim
@@ -70,9 +76,12 @@ def _kv_append(e, node: Node) -> torch.Tensor:
         cos, sin = e.weights[rot.cos], e.weights[rot.sin]
         if cos.shape[-1] != rot.dims // 2 or not cos.is_contiguous() or not sin.is_contiguous():
             raise ValueError(f"{node.value.name}: rotary tables {tuple(cos.shape)} for {rot.dims} dims")
+    hn = a["norm"]
+    norm = None if hn is None else chained.HeadNorm(None if hn.q is None else e.weights[hn.q],
+                                                    None if hn.k is None else e.weights[hn.k], hn.v, hn.eps, hn.offset)
     return chained.rotary_append(e.val(a["qkv"]).float().contiguous(), node.value.width // dh, e.cache(a["k"]),
                                  e.cache(a["v"]), e.pos, e.rot_pos, cos, sin, 0 if rot is None else rot.dims,
-                                 a["k"].spec.ring, a["append"], e.kernel.pdl)
+                                 a["k"].spec.ring, a["append"], e.kernel.pdl, norm)
 
 
 def _attention(e, node: Node) -> torch.Tensor:
@@ -85,7 +94,7 @@ def _attention(e, node: Node) -> torch.Tensor:
                              e.kernel.pdl)
 
 
-CHAINED = {"linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _glu, "mul": _mul,
+CHAINED = {"embed": _embed, "linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _glu, "mul": _mul,
            "kv_append": _kv_append, "attention": _attention}
 
 __all__ = ["CHAINED"]

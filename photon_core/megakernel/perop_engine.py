@@ -90,6 +90,9 @@ class PerOpKernel:
         # the rows of the rotary tables (every layer reads tables of one length): the clamp's bound
         self.rotary_rows = min((self.weights[n.args["rotary"].cos].shape[0] for n in self.nodes
                                 if n.op == "kv_append" and n.args["rotary"] is not None), default=0)
+        # tokens are clamped into the smallest token table (the chained build's step_begin)
+        self.token_rows = min((self.weights[n.args["tok"]].shape[0] for n in self.nodes if n.op == "embed"),
+                              default=0)
         self.caches = {name: step.view(name) for name in (*g.caches, *g.states)}
         self.inputs = {n.value.name: step.view(n.value.name) for n in g.nodes if n.op == "input"}
         self.results = step.out.view(step.batch, max(1, len(g.results)))
@@ -117,18 +120,26 @@ class PerOpKernel:
     def launch(self) -> None:
         step, B = self.step, self.step.batch
         dyn = step.dyn
-        self.bad.zero_()
-        limit = step.plan.max_position
-        pos = self._clamped(dyn[B:2 * B].long(), limit)
-        rot = dyn[B:2 * B].long() + dyn[3 * B:4 * B].long()
-        e = _Run(B, dyn.device, pos, rot, dyn[:B].long(), dyn[2 * B:3 * B].long(), self.weights, self.caches,
-                 self.inputs, kernel=self)
+        if self.chained:
+            e = self._begin_chained()
+        else:
+            self.bad.zero_()
+            pos = self._clamped(dyn[B:2 * B].long(), step.plan.max_position)
+            rot = dyn[B:2 * B].long() + dyn[3 * B:4 * B].long()
+            e = _Run(B, dyn.device, pos, rot, dyn[:B].long(), dyn[2 * B:3 * B].long(), self.weights, self.caches,
+                     self.inputs, kernel=self)
+            if self.rotary_rows:
+                e.rot_pos = self._clamped(rot, self.rotary_rows)
         advance: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if self.rotary_rows:
-            e.rot_pos = self._clamped(rot, self.rotary_rows)
+        last: list[Node] = []        # the chained build's advancing argmax: after every reader of dyn
         for node in self.nodes:
             if node.op == "argmax":
-                advance += self._argmax(e, node)
+                if not self.chained:
+                    advance += self._argmax(e, node)
+                elif node.args["advance"]:
+                    last.append(node)
+                else:
+                    self._argmax_chained(e, node)
                 continue
             if id(node) in self.chained:
                 if self.chained[id(node)] is None:    # a norm its readers apply (fused_norm)
@@ -142,13 +153,36 @@ class PerOpKernel:
             name = node.value.name
             if name in self.observed:
                 view = step.view(name)
-                view.copy_(y.reshape(view.shape))
+                if y.data_ptr() != view.data_ptr():   # a chained linear writes it in place
+                    view.copy_(y.reshape(view.shape))
                 y = view
             e.vals[name] = y
         for token, nxt in advance:           # after every reader of this step's tokens and positions
             dyn[:B].copy_(token)
             dyn[B:2 * B].copy_(nxt)
-        self.ctrl[CTRL_ERROR:CTRL_ERROR + 1].copy_(self.bad)
+        for node in last:
+            self._argmax_chained(e, node)
+        if not self.chained or not any(n.op == "argmax" for n in self.nodes):   # else the argmax kernels copy it
+            self.ctrl[CTRL_ERROR:CTRL_ERROR + 1].copy_(self.bad)
+
+    def _begin_chained(self) -> "_Run":
+        """The chained build's first launch: the rows' tokens, positions, rotary positions and cross
+        lengths from dyn, clamped into their tables (the launch flagged where one was not)."""
+        from photon_core.kernels import chained
+        step, B = self.step, self.step.batch
+        tok, pos, rot, cross = chained.step_begin(step.dyn, B, step.plan.max_position, self.rotary_rows,
+                                                  self.token_rows, self.bad, self.pdl)
+        e = _Run(B, step.dyn.device, pos, rot, tok, cross, self.weights, self.caches, self.inputs, kernel=self)
+        e.outs = {name: step.view(name) for name in self.observed}
+        return e
+
+    def _argmax_chained(self, e: "_Run", node: Node) -> None:
+        """kernels/chained.argmax: the result column; advancing, dyn's tokens and positions too."""
+        from photon_core.kernels import chained
+        a, step = node.args, self.step
+        col = self.results[:, step.graph_def.results.index(a["name"])]
+        chained.argmax(e.val(a["x"]).float().contiguous(), a["c0"], a["c1"], col, step.dyn, step.batch, step.plan.max_position,
+                       self.bad, self.ctrl[CTRL_ERROR:CTRL_ERROR + 1], a["advance"], self.pdl)
 
     def _clamped(self, index: torch.Tensor, rows: int) -> torch.Tensor:
         """index clamped into [0, rows), flagging the launch where it was not: a device value never
@@ -184,6 +218,7 @@ class _Run(Eager):
                  kernel: PerOpKernel | None) -> None:
         super().__init__(bsz, dev, pos, rot_pos, [], None, weights, caches, inputs)
         self.token_ids, self.lengths, self.kernel = tokens, cross_len, kernel
+        self.outs: dict[str, torch.Tensor] = {}    # where the chained build writes observed values
         self.masks: dict[tuple, Any] = {}      # what a launch computes once: key masks, rotary rows
 
     def rotary(self, rot) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +370,7 @@ def _chained_ops(nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any],
     """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner (None:
     a LayerNorm or RMSNorm that is not observed and whose every reader is a chained linear's input,
     which those linears apply themselves), and those linears' norm nodes. The rest (embed, argmax,
-    MoE, add_norm, act, recurrences, appends with per-head norms) run as in the plain build, and a
+    MoE, add_norm, act, recurrences, Moondream 3's appends with tau) run as in the plain build, and a
     chain of programmatic launches restarts after each of them."""
     from photon_core.megakernel.perop_chained import CHAINED
     runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED and _chainable(n)}
@@ -358,8 +393,8 @@ def _chained_ops(nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any],
 
 def _chainable(node: Node) -> bool:
     a = node.args
-    if node.op == "kv_append":       # the per-head norm and tau take the reference
-        return a["tau"] is None and a["norm"] is None
+    if node.op == "kv_append":       # Moondream 3's tau takes the reference
+        return a["tau"] is None
     return True
 
 
