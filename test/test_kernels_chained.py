@@ -98,6 +98,17 @@ def test_norm(kind):
 def test_gated(act):
     x = torch.randn(4, 2 * 1500)         # a GLU's gate | up halves, wider than one block
     close(chained.gated(x[:, :1500], x[:, 1500:], act, pdl=False), ACTS[act](x[:, :1500]) * x[:, 1500:])
+    close(chained.gated(x[:, :1500], None, act, pdl=False), ACTS[act](x[:, :1500]))
+
+
+@pytest.mark.parametrize("chunk, scale_w", [(48, False), (192, True)])
+def test_add_norm(chunk, scale_w):
+    """(x + rms_norm(z) * (1 + w)) * scale (* sw[0]), the norm over each chunk of z's columns."""
+    x, z, w, sw = torch.randn(3, 192), torch.randn(3, 192) * 5, torch.randn(chunk), torch.randn(1)
+    zc = z.view(3, -1, chunk)
+    zn = (zc * torch.rsqrt(zc.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w)).view(3, 192)
+    want = (x + zn) * 0.7 * (sw if scale_w else 1.0)
+    close(chained.add_norm(x, z, w, 1e-6, 1.0, chunk, 0.7, sw if scale_w else None, pdl=False), want)
 
 
 @pytest.mark.parametrize("ring, append, dims, dtype", [

@@ -22,7 +22,8 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
   A LayerNorm or RMSNorm whose only readers are linears is applied by each of them to its input
   (NORM): two more passes over x for the rows' statistics, from L2, instead of a launch.
 * norm_kernel: LayerNorm / RMSNorm of one row a program (weight and bias loaded before the wait).
-* gated_kernel: act(a) * b elementwise: a GLU's halves, or a gate times a value's slice.
+* gated_kernel: act(a) * b elementwise: a GLU's halves, a gate times a value's slice, or act(a).
+* add_norm_kernel: x + an RMSNorm of z over chunks of its columns, scaled (Gemma 4's post-norms).
 * rotary_append_kernel: one (row, head) of a fused q|k|v a program: per-head RMSNorms (Qwen3's,
   Gemma 4's), rotary on q and k heads (half-split over the first `dims`), q out, k and v into the
   caches at the row's slot (NaN stored as 0, as the torch build stores it).
@@ -274,17 +275,38 @@ def attention_merge_kernel(part_ptr, o_ptr, S, DH, PDL: tl.constexpr, BLOCK_S: t
 
 
 @triton.jit
-def gated_kernel(a_ptr, b_ptr, y_ptr, W, stride_a, stride_b, ACT: tl.constexpr, PDL: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def gated_kernel(a_ptr, b_ptr, y_ptr, W, stride_a, stride_b, ACT: tl.constexpr, HAS_B: tl.constexpr,
+                 PDL: tl.constexpr, BLOCK: tl.constexpr):
     """y[row, i] = act(a[row, i]) * b[row, i], i < W: a GLU (a the gate half, b the up half of one
-    value) or a gate (a the gate, b a slice of another value). Program (row, block of BLOCK)."""
+    value), a gate (a the gate, b a slice of another value) or, without b, an activation.
+    Program (row, block of BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < W
     _after_previous(PDL)
-    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
-    b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
-    tl.store(y_ptr + row * W + cols, apply_activation(a, ACT) * b, mask=mask)
+    y = apply_activation(tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0), ACT)
+    if HAS_B:
+        y = y * tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
+    tl.store(y_ptr + row * W + cols, y, mask=mask)
+
+
+@triton.jit
+def add_norm_kernel(x_ptr, z_ptr, w_ptr, sw_ptr, y_ptr, W, CHUNK, eps, offset, scale,
+                    HAS_SW: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, chunk c): y = (x + rms_norm(z) * (offset + w)) * scale (* sw[0]) over the
+    row's columns [c x CHUNK, (c + 1) x CHUNK), the norm over the chunk (Gemma 4's post-norms)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    mask = i < CHUNK
+    w = offset + tl.load(w_ptr + i, mask=mask, other=0.0)
+    sw = 1.0
+    if HAS_SW:
+        sw = tl.load(sw_ptr)
+    _after_previous(PDL)
+    at = row * W + tl.program_id(1) * CHUNK + i
+    z = tl.load(z_ptr + at, mask=mask, other=0.0)
+    zn = z / tl.sqrt(tl.sum(z * z, axis=0) / CHUNK + eps) * w
+    tl.store(y_ptr + at, (tl.load(x_ptr + at, mask=mask, other=0.0) + zn) * scale * sw, mask=mask)
 
 
 @triton.jit
@@ -420,14 +442,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, r
     return y
 
 
-def gated(a: torch.Tensor, b: torch.Tensor, act: int, pdl: bool) -> torch.Tensor:
-    """act(a) * b for [M, W] fp32 views whose rows are contiguous (slices of wider values)."""
+def gated(a: torch.Tensor, b: torch.Tensor | None, act: int, pdl: bool) -> torch.Tensor:
+    """act(a) * b (b None: act(a)) for [M, W] fp32 views whose rows are contiguous (slices of wider
+    values)."""
     M, W = a.shape
-    if b.shape != a.shape or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError(f"chained gated: {tuple(a.shape)} {a.stride()} and {tuple(b.shape)} {b.stride()}")
+    if (b is not None and (b.shape != a.shape or b.stride(1) != 1)) or a.stride(1) != 1:
+        raise ValueError(f"chained gated: {tuple(a.shape)} {a.stride()} and "
+                         f"{None if b is None else (tuple(b.shape), b.stride())}")
     y = new_output((M, W), a.device, torch.float32)
     block = min(1024, triton.next_power_of_2(W))
-    _launch(gated_kernel, (M, triton.cdiv(W, block)), pdl, a, b, y, W, a.stride(0), b.stride(0), ACT=act, BLOCK=block)
+    _launch(gated_kernel, (M, triton.cdiv(W, block)), pdl, a, a if b is None else b, y, W, a.stride(0),
+            a.stride(0) if b is None else b.stride(0), ACT=act, HAS_B=b is not None, BLOCK=block)
+    return y
+
+
+def add_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, offset: float, chunk: int, scale: float,
+             scale_w: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    """(x + rms_norm(z) * (offset + w)) * scale (* scale_w[0]), the norm over each `chunk` columns of
+    z with the one [chunk] weight w; x, z [M, W] fp32 contiguous."""
+    M, W = x.shape
+    if W % chunk or w.numel() != chunk:
+        raise ValueError(f"chained add_norm: width {W}, chunk {chunk}, weight {tuple(w.shape)}")
+    y = new_output((M, W), x.device, torch.float32)
+    _launch(add_norm_kernel, (M, W // chunk), pdl, x, z, w, w if scale_w is None else scale_w, y, W, chunk, eps,
+            float(offset), float(scale), HAS_SW=scale_w is not None, BLOCK=triton.next_power_of_2(chunk))
     return y
 
 
@@ -536,4 +574,4 @@ def argmax(x: torch.Tensor, c0: int, c1: int, result: torch.Tensor, dyn: torch.T
             ADVANCE=advance, BLOCK=min(1024, triton.next_power_of_2(max(1, c1 - c0))))
 
 
-__all__ = ["HAS_GDC", "pdl_for", "step_begin", "embed", "argmax", "linear_blocks", "Norm", "HeadNorm", "linear", "gated", "norm", "rotary_append", "attention"]
+__all__ = ["HAS_GDC", "pdl_for", "step_begin", "embed", "argmax", "linear_blocks", "Norm", "HeadNorm", "linear", "gated", "add_norm", "norm", "rotary_append", "attention"]

@@ -62,7 +62,10 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_linear_n8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_N=8, BLOCK_K=512)),
         "chained_linear_b8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_M=8, BLOCK_K=64)),
         "chained_gated": (chained.gated_kernel, dict(a_ptr=P, b_ptr=P, y_ptr=P, W="i32", stride_a="i32",
-                                                     stride_b="i32"), dict(ACT=3, PDL=True, BLOCK=1024)),
+                                                     stride_b="i32"), dict(ACT=3, HAS_B=True, PDL=True, BLOCK=1024)),
+        "chained_add_norm": (chained.add_norm_kernel, dict(x_ptr=P, z_ptr=P, w_ptr=P, sw_ptr=P, y_ptr=P, W="i32",
+                                                           CHUNK="i32", eps="fp32", offset="fp32", scale="fp32"),
+                             dict(HAS_SW=True, PDL=True, BLOCK=2048)),
         "chained_linear_orin": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=False)),
         "chained_norm": (chained.norm_kernel, dict(x_ptr=P, w_ptr=P, b_ptr=P, y_ptr=P, N="i32", eps="fp32",
                                                    offset="fp32"),
@@ -157,7 +160,7 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
           "lstm_cell", "chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8",
           "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention_partial",
-          "chained_attention_merge", "chained_step_begin", "chained_embed", "chained_argmax")
+          "chained_attention_merge", "chained_step_begin", "chained_embed", "chained_argmax", "chained_add_norm")
 # Arguments a launch specialises as multiples of 16 (pointers from torch, sizes and strides of real
 # models: Triton's JIT does it at run time), where a kernel's vector loads depend on it.
 PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) for k in ("chained_linear", "chained_linear_norm",

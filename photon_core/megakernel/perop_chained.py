@@ -67,6 +67,17 @@ def _embed(e, node: Node) -> torch.Tensor:
                          a["scale"], e.kernel.pdl)
 
 
+def _act_node(e, node: Node) -> torch.Tensor:
+    return chained.gated(e.val(node.args["x"]).float().contiguous(), None, _act(node.args["act"]), e.kernel.pdl)
+
+
+def _add_norm(e, node: Node) -> torch.Tensor:
+    a = node.args
+    return chained.add_norm(e.val(a["x"]).float().contiguous(), e.val(a["z"]).float().contiguous(),
+                            e.weights[a["w"]], a["eps"], a["offset"], a["chunk"], a["scale"],
+                            None if a["scale_w"] is None else e.weights[a["scale_w"]], e.kernel.pdl)
+
+
 def _kv_append(e, node: Node) -> torch.Tensor:
     a = node.args
     dh = a["k"].spec.head_dim
@@ -94,7 +105,7 @@ def _attention(e, node: Node) -> torch.Tensor:
                              e.kernel.pdl)
 
 
-CHAINED = {"embed": _embed, "linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _glu, "mul": _mul,
-           "kv_append": _kv_append, "attention": _attention}
+CHAINED = {"embed": _embed, "linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _glu,
+           "mul": _mul, "act": _act_node, "add_norm": _add_norm, "kv_append": _kv_append, "attention": _attention}
 
 __all__ = ["CHAINED"]
