@@ -43,7 +43,8 @@ def padded(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, n, k", [(1, 40, 100), (3, 72, 64), (8, 24, 200), (16, 9, 33)])
+# (16, 9, 300): a norm's statistics in two steps of 256 and 44 columns (STATS_ELEMENTS / 16 rows)
+@pytest.mark.parametrize("rows, n, k", [(1, 40, 100), (3, 72, 64), (8, 24, 200), (16, 9, 33), (16, 9, 300)])
 @pytest.mark.parametrize("norm", [None, "layer", "rms", "rms_bare"])
 def test_linear(dtype, rows, n, k, norm):
     x = torch.randn(rows, k) * 2 + 0.5

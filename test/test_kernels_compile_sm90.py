@@ -78,11 +78,11 @@ def test_every_kernel_compiles_for_sm90(compiled):
 def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compiled):
     """The per-op engine's chained kernels (kernels/chained.py) under programmatic dependent
     launch: each waits for the launch ahead (griddepcontrol.wait) before any load of a value or
-    cache and any store, then lets the next launch start; the linears and the norm issue their
+    cache and any store, then lets the next launch start; the linears and the norms issue their
     weight loads first (a linear's as 16-byte loads), the others nothing. On sm_87, no PDL."""
     weights_first = {"chained_linear": {"ld.global.v4.b32"}, "chained_linear_norm": {"ld.global.v4.b32"},
                      "chained_linear_n8": {"ld.global.v4.b32"}, "chained_linear_b8": {"ld.global.v4.b32"},
-                     "chained_norm": {"ld.global.b32"}}
+                     "chained_norm": {"ld.global.b32"}, "chained_add_norm": {"ld.global.b32"}}
     for name in ("chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8", "chained_gated",
                  "chained_norm", "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
                  "chained_step_begin", "chained_embed", "chained_argmax", "chained_add_norm"):

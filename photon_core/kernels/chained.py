@@ -20,7 +20,8 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
   issued before the previous step's products are formed (two tiles in flight a program), and the
   first before the wait. Bytes: W once (N x K in its dtype), x once a program (M x K x 4, L2).
   A LayerNorm or RMSNorm whose only readers are linears is applied by each of them to its input
-  (NORM): two more passes over x for the rows' statistics, from L2, instead of a launch.
+  (NORM): one more pass over x for the rows' statistics (at batch 1 one load of the row, from L2)
+  instead of a launch.
 * norm_kernel: LayerNorm / RMSNorm of one row a program (weight and bias loaded before the wait).
 * gated_kernel: act(a) * b elementwise: a GLU's halves, a gate times a value's slice, or act(a).
 * add_norm_kernel: x + an RMSNorm of z over chunks of its columns, scaled (Gemma 4's post-norms).
@@ -89,35 +90,71 @@ def round_bf16(x):
 
 
 @triton.jit
-def _row_stats(x_ptr, rows, rmask, K, eps, RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(mean, 1 / std) of each of the rows of x [M, K] (mean 0 for RMSNorm), two passes over x (from
-    L2: a program reads its rows' K values three times, weights once)."""
-    ks = tl.arange(0, BLOCK_K)
+def _row_stats(x_ptr, rows, rmask, K, eps, RMS: tl.constexpr, BLOCK_M: tl.constexpr, STATS_K: tl.constexpr):
+    """(mean, 1 / std) of each of the rows of x [M, K] (mean 0 for RMSNorm) in one pass over x of
+    STATS_K columns a step (at batch 1 the whole row: one trip to L2), each step's mean and sum of
+    squared deviations merged into the running ones (Chan et al.: no E[x^2] - E[x]^2 cancellation)."""
+    ks = tl.arange(0, STATS_K)
     mean = tl.zeros((BLOCK_M,), tl.float32)
-    if not RMS:
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
-                        mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
-            mean += tl.sum(x, axis=1)
-        mean = mean / K
-    var = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    m2 = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, STATS_K):
         kk = k0 + ks
         m = rmask[:, None] & (kk < K)[None, :]
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], mask=m, other=0.0)
-        xc = tl.where(m, x - mean[:, None], 0.0)
-        var += tl.sum(xc * xc, axis=1)
-    return mean, 1.0 / tl.sqrt(var / K + eps)
+        if RMS:
+            m2 += tl.sum(x * x, axis=1)
+        else:
+            n = tl.minimum(K - k0, STATS_K) * 1.0
+            step_mean = tl.sum(x, axis=1) / n
+            d = tl.where(m, x - step_mean[:, None], 0.0)
+            delta = step_mean - mean
+            seen = k0 * 1.0
+            mean += delta * n / (seen + n)
+            m2 += tl.sum(d * d, axis=1) + delta * delta * seen * n / (seen + n)
+    return mean, 1.0 / tl.sqrt(m2 / K + eps)
+
+
+@triton.jit
+def _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, kk, K, NORM: tl.constexpr, HAS_NW: tl.constexpr,
+            HAS_NB: tl.constexpr):
+    """A K step's loads of x [rows, kk] and of the norm's weight and bias there (issued together)."""
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
+                mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
+    nw = tl.zeros_like(kk).to(tl.float32)
+    nb = tl.zeros_like(kk).to(tl.float32)
+    if NORM != 0:
+        if HAS_NW:
+            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
+        if HAS_NB:
+            nb = tl.load(nb_ptr + kk, mask=kk < K, other=0.0)
+    return x, nw, nb
+
+
+@triton.jit
+def _x_ready(x, nw, nb, mean, rstd, offset, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
+             ROUND_X: tl.constexpr):
+    """A K step's x as the products take it: normalised ((x - mean) / std * (offset + nw) + nb; a
+    masked k's weight is 0, so what x becomes there does not count), rounded to bf16 for bf16
+    weights (as a 16-bit GEMM takes it)."""
+    if NORM != 0:
+        x = (x - mean[:, None]) * rstd[:, None]
+        if HAS_NW:
+            x = x * (offset + nw)[None, :]
+        if HAS_NB:
+            x = x + nb[None, :]
+    if ROUND_X:
+        x = round_bf16(x)
+    return x
 
 
 @triton.jit
 def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, nb_ptr, eps, offset,
                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, ROUND_X: tl.constexpr,
-                  NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
+                  NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr, STATS_K: tl.constexpr,
                   PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """NORM 1 / 2: x is a LayerNorm's / RMSNorm's input, normalised here ((x - mean) / std *
-    (offset + nw) + nb) rather than by a launch of its own."""
+    (offset + nw) + nb) rather than by a launch of its own. The loop issues step k + 1's loads (W's
+    tile from HBM, x's and the norm's from L2) before forming step k's products."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,25 +163,23 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, 
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
     w = tl.load(w_rows + ks[None, :], mask=cmask[:, None] & (ks < K)[None, :], other=0.0)
     _after_previous(PDL)
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if NORM != 0:
-        mean, rstd = _row_stats(x_ptr, rows, rmask, K, eps, NORM == 2, BLOCK_M, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        mean, rstd = _row_stats(x_ptr, rows, rmask, K, eps, NORM == 2, BLOCK_M, STATS_K)
+    x, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, ks, K, NORM, HAS_NW, HAS_NB)
+    x = _x_ready(x, nw, nb, mean, rstd, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
+    # products summed in the load layout: no reduction across threads (shared memory, barriers)
+    # inside the loop, one after it
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
-                    mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
-        if NORM != 0:       # a masked k's weight is 0: what x becomes there does not count
-            x = (x - mean[:, None]) * rstd[:, None]
-            if HAS_NW:
-                x = x * (offset + tl.load(nw_ptr + kk, mask=kk < K, other=0.0))[None, :]
-            if HAS_NB:
-                x = x + tl.load(nb_ptr + kk, mask=kk < K, other=0.0)[None, :]
-        if ROUND_X:     # x rounded to the bf16 weights' dtype, as a 16-bit GEMM takes it
-            x = round_bf16(x)
-        nxt = kk + BLOCK_K      # the next step's tile, in flight while this one is reduced
+        nxt = k0 + BLOCK_K + ks
         w_next = tl.load(w_rows + nxt[None, :], mask=cmask[:, None] & (nxt < K)[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        x_next, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, nxt, K, NORM, HAS_NW, HAS_NB)
+        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        x = _x_ready(x_next, nw, nb, mean, rstd, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
         w = w_next
+    acc = tl.sum(acc3, axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     acc = apply_activation(acc, ACT)
@@ -388,6 +423,8 @@ def argmax_kernel(x_ptr, stride_x, C0, C1, res_ptr, res_stride, dyn_ptr, B, MAX_
 # the most [rows, BLOCK_N, BLOCK_K] products a step holds in registers (4-warp programs).
 LINEAR_TILE_BYTES = 8192
 LINEAR_PRODUCTS = 8192
+# x values a fused norm's statistics load at a time (all rows): a whole row of up to 4096 at batch 1
+STATS_ELEMENTS = 4096
 ATTENTION_BLOCK_T = 64
 
 
@@ -438,7 +475,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, r
             x if nb is None else nb, 0.0 if norm is None else norm.eps, 0.0 if norm is None else float(norm.offset),
             HAS_BIAS=b is not None, HAS_RES=residual is not None, ACT=act, ROUND_X=w.dtype == torch.bfloat16,
             NORM=0 if norm is None else 2 if norm.rms else 1, HAS_NW=nw is not None, HAS_NB=nb is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            STATS_K=min(triton.next_power_of_2(K), STATS_ELEMENTS // block_m), BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k)
     return y
 
 

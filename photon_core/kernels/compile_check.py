@@ -51,7 +51,7 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     # tiles as chained.linear_blocks picks them for Moondream 2 on an H100/H200 (264 programs):
     # its q|k|v and fc1 at batch 1 (16 x 256), its fc2 and proj (8 x 512), q|k|v at batch 8 (16 x 64)
     ch_lin_c = dict(HAS_BIAS=True, HAS_RES=True, ACT=2, ROUND_X=True, NORM=0, HAS_NW=False, HAS_NB=False,
-                    BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
+                    STATS_K=2048, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
     ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, HQ="i32", GROUP="i32", DH="i32",
                    S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32", sk_h="i32", sv_b="i32",
                    sv_h="i32")
@@ -60,7 +60,9 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_linear_norm": (chained.linear_kernel, ch_lin,
                                 dict(ch_lin_c, PDL=True, NORM=1, HAS_NW=True, HAS_NB=True, HAS_RES=False)),
         "chained_linear_n8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_N=8, BLOCK_K=512)),
-        "chained_linear_b8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_M=8, BLOCK_K=64)),
+        "chained_linear_b8": (chained.linear_kernel, ch_lin,
+                              dict(ch_lin_c, PDL=True, BLOCK_M=8, BLOCK_K=64, NORM=1, HAS_NW=True, HAS_NB=True,
+                                   STATS_K=512)),
         "chained_gated": (chained.gated_kernel, dict(a_ptr=P, b_ptr=P, y_ptr=P, W="i32", stride_a="i32",
                                                      stride_b="i32"), dict(ACT=3, HAS_B=True, PDL=True, BLOCK=1024)),
         "chained_add_norm": (chained.add_norm_kernel, dict(x_ptr=P, z_ptr=P, w_ptr=P, sw_ptr=P, y_ptr=P, W="i32",
