@@ -139,11 +139,12 @@ def test_switching_engines_gives_the_same_step_and_the_same_greedy_rounds():
         mega = step.view("logits").clone()
     assert rel_err(perop, mega) < 1e-4
     tokens = {}
-    for engine in ("megakernel", "perop"):
-        step.set_engine(engine)
+    for engine, variant in (("megakernel", "plain"), ("perop", "plain"), ("perop", "chained")):
+        step.set_engine(engine, variant)
         with restoring(step, 6):
-            tokens[engine] = DeviceDecode(step, chunk=4).generate([rows.tokens[0]], 6, stop=())
-    assert tokens["perop"] == tokens["megakernel"] and len(tokens["perop"][0]) == 6
+            tokens[engine, variant] = DeviceDecode(step, chunk=4).generate([rows.tokens[0]], 6, stop=())
+    assert tokens["perop", "plain"] == tokens["megakernel", "plain"] == tokens["perop", "chained"]
+    assert len(tokens["perop", "chained"][0]) == 6
 
 
 def test_nan_left_in_a_cache_refuses_that_request_only():

@@ -17,8 +17,8 @@ run as ordinary launches, PDL compiled out (a constexpr).
 Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 * linear_kernel: y[M, N] = act(x @ W.T + b) + r for a decode step's M <= 16 rows. A program owns
   BLOCK_N output features of every row and walks K in BLOCK_K steps; each step's weight tile is
-  issued before the previous step's products are formed (two tiles in flight a program), and the
-  first before the wait. Bytes: W once (N x K in its dtype), x once a program (M x K x 4, L2).
+  issued two steps before its products are formed (three tiles a program: 24 KB of bf16 at batch
+  1), the first two before the wait. Bytes: W once (N x K in its dtype), x once a program (M x K x 4, L2).
   A LayerNorm or RMSNorm whose only readers are linears is applied by each of them to its input
   (NORM): one more pass over x for the rows' statistics (at batch 1 one load of the row, from L2)
   instead of a launch.
@@ -131,17 +131,33 @@ def _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, kk, K, NORM: tl.constexpr, HAS_N
 
 
 @triton.jit
+def _row_tile(x_ptr, nw_ptr, nb_ptr, idx, K, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr):
+    """Batch 1's K step loads of x (and the norm's weight and bias) at k = idx, a [BLOCK_N, BLOCK_K]
+    index tile laid out as W's tile: every column's copy of the row, so the products need no layout
+    change (the copies are the same addresses: one L1 line serves a warp's)."""
+    x = tl.load(x_ptr + idx, mask=idx < K, other=0.0)
+    nw = tl.zeros_like(x)
+    nb = tl.zeros_like(x)
+    if NORM != 0:
+        if HAS_NW:
+            nw = tl.load(nw_ptr + idx, mask=idx < K, other=0.0)
+        if HAS_NB:
+            nb = tl.load(nb_ptr + idx, mask=idx < K, other=0.0)
+    return x, nw, nb
+
+
+@triton.jit
 def _x_ready(x, nw, nb, mean, rstd, offset, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
              ROUND_X: tl.constexpr):
-    """A K step's x as the products take it: normalised ((x - mean) / std * (offset + nw) + nb; a
-    masked k's weight is 0, so what x becomes there does not count), rounded to bf16 for bf16
-    weights (as a 16-bit GEMM takes it)."""
+    """A K step's x as the products take it: normalised ((x - mean) / std * (offset + nw) + nb,
+    mean, rstd, nw and nb broadcastable to x; a masked k's weight is 0, so what x becomes there
+    does not count), rounded to bf16 for bf16 weights (as a 16-bit GEMM takes it)."""
     if NORM != 0:
-        x = (x - mean[:, None]) * rstd[:, None]
+        x = (x - mean) * rstd
         if HAS_NW:
-            x = x * (offset + nw)[None, :]
+            x = x * (offset + nw)
         if HAS_NB:
-            x = x + nb[None, :]
+            x = x + nb
     if ROUND_X:
         x = round_bf16(x)
     return x
@@ -153,8 +169,9 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, 
                   NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr, STATS_K: tl.constexpr,
                   PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """NORM 1 / 2: x is a LayerNorm's / RMSNorm's input, normalised here ((x - mean) / std *
-    (offset + nw) + nb) rather than by a launch of its own. The loop issues step k + 1's loads (W's
-    tile from HBM, x's and the norm's from L2) before forming step k's products."""
+    (offset + nw) + nb) rather than by a launch of its own. W streams two steps ahead: steps 0 and
+    1's tiles are issued before the wait, and step k's products are formed with k + 1's and k + 2's
+    tiles in flight (and k + 1's x and norm loads, from L2)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,24 +179,41 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, 
     rmask, cmask = rows < M, cols < N
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
     w = tl.load(w_rows + ks[None, :], mask=cmask[:, None] & (ks < K)[None, :], other=0.0)
+    w1 = tl.load(w_rows + (BLOCK_K + ks)[None, :], mask=cmask[:, None] & (BLOCK_K + ks < K)[None, :], other=0.0)
     _after_previous(PDL)
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if NORM != 0:
         mean, rstd = _row_stats(x_ptr, rows, rmask, K, eps, NORM == 2, BLOCK_M, STATS_K)
-    x, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, ks, K, NORM, HAS_NW, HAS_NB)
-    x = _x_ready(x, nw, nb, mean, rstd, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
     # products summed in the load layout: no reduction across threads (shared memory, barriers)
     # inside the loop, one after it
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        nxt = k0 + BLOCK_K + ks
-        w_next = tl.load(w_rows + nxt[None, :], mask=cmask[:, None] & (nxt < K)[None, :], other=0.0)
-        x_next, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, nxt, K, NORM, HAS_NW, HAS_NB)
-        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
-        x = _x_ready(x_next, nw, nb, mean, rstd, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
-        w = w_next
-    acc = tl.sum(acc3, axis=2)
+    if BLOCK_M == 1:     # x loaded in W's tile layout (_row_tile): no layout change in the loop either
+        idx = cols[:, None] * 0 + ks[None, :]
+        mean1, rstd1 = tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
+        x, nw, nb = _row_tile(x_ptr, nw_ptr, nb_ptr, idx, K, NORM, HAS_NW, HAS_NB)
+        x = _x_ready(x, nw, nb, mean1, rstd1, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            far = k0 + 2 * BLOCK_K + ks
+            w2 = tl.load(w_rows + far[None, :], mask=cmask[:, None] & (far < K)[None, :], other=0.0)
+            x_next, nw, nb = _row_tile(x_ptr, nw_ptr, nb_ptr, idx + k0 + BLOCK_K, K, NORM, HAS_NW, HAS_NB)
+            acc2 += x * w.to(tl.float32)
+            x = _x_ready(x_next, nw, nb, mean1, rstd1, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
+            w, w1 = w1, w2
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        x, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, ks, K, NORM, HAS_NW, HAS_NB)
+        x = _x_ready(x, nw[None, :], nb[None, :], mean[:, None], rstd[:, None], offset, NORM, HAS_NW, HAS_NB, ROUND_X)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            far = k0 + 2 * BLOCK_K + ks
+            w2 = tl.load(w_rows + far[None, :], mask=cmask[:, None] & (far < K)[None, :], other=0.0)
+            x_next, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, k0 + BLOCK_K + ks, K, NORM, HAS_NW, HAS_NB)
+            acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
+            x = _x_ready(x_next, nw[None, :], nb[None, :], mean[:, None], rstd[:, None], offset, NORM, HAS_NW,
+                         HAS_NB, ROUND_X)
+            w, w1 = w1, w2
+        acc = tl.sum(acc3, axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     acc = apply_activation(acc, ACT)
@@ -419,7 +453,7 @@ def argmax_kernel(x_ptr, stride_x, C0, C1, res_ptr, res_stride, dyn_ptr, B, MAX_
         tl.store(err_ptr, tl.load(bad_ptr))
 
 
-# A linear's weight tile a K step (two in flight a program: the step reduced and the next), and
+# A linear's weight tile a K step (three a program: the step reduced and the next two), and
 # the most [rows, BLOCK_N, BLOCK_K] products a step holds in registers (4-warp programs).
 LINEAR_TILE_BYTES = 8192
 LINEAR_PRODUCTS = 8192
