@@ -216,6 +216,9 @@ def test_a_real_transcription_on_the_perop_engine_matches_the_reference():
     assert got_raw.tokens == want_raw.tokens and len(want_raw.tokens) >= 4
     assert got["text"] == want["text"] and got["segments"] == want["segments"]
     assert any(c.engine == "perop" and c.how == "asked" for c in engine_choices())
+    steps.mk.set_engine("perop", "chained")        # its Triton kernels (the interpreter), the same tokens
+    got, got_raw = model.transcribe_detailed(pcm, rate, timestamps=True)
+    assert got_raw.tokens == want_raw.tokens and got["segments"] == want["segments"]
 
 
 def test_which_slots_hold_a_rows_keys():

@@ -464,10 +464,12 @@ ATTENTION_BLOCK_T = 64
 
 def linear_blocks(M: int, N: int, K: int, elem_bytes: int, programs: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) of a chained linear: all M rows in a program; BLOCK_N from 64 down
-    to 8 while the programs would not reach `programs`; BLOCK_K filling LINEAR_TILE_BYTES, within
+    to 8 while the programs would not reach `programs` (0: the interpreter's few, large programs); BLOCK_K filling LINEAR_TILE_BYTES, within
     LINEAR_PRODUCTS (at batch 1, bf16: 16 x 256 or 8 x 512, 8 KB a step)."""
     block_m, block_n = max(1, triton.next_power_of_2(M)), 64
-    while programs and block_n > 8 and triton.cdiv(N, block_n) < programs:
+    if not programs:      # Triton's interpreter (no GPU): its cost is per program and per step
+        return block_m, min(128, triton.next_power_of_2(N)), min(512, triton.next_power_of_2(K))
+    while block_n > 8 and triton.cdiv(N, block_n) < programs:
         block_n //= 2
     block_k = min(LINEAR_TILE_BYTES // (elem_bytes * block_n), LINEAR_PRODUCTS // (block_m * block_n))
     return block_m, block_n, max(16, min(block_k, triton.next_power_of_2(K)))
