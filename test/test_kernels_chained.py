@@ -229,23 +229,23 @@ def test_rotary_append_with_head_norms(q_w, k_w, v):
 
 @pytest.mark.parametrize("advance", [False, True])
 def test_argmax_and_the_step_begin(advance):
-    """The picks over columns [c0, c1) of rows wider than a block: the first of tied largest values
+    """The picks over columns [c0, c1) of rows of several partials: the first of tied largest values
     across blocks, barred (-inf) columns, a NaN row (-2; its fed token 0, its position kept), a row
     at the last position (-1 advancing, its position kept); the error word copied from bad. And
     step_begin's clamps: a token past its table and a negative position flag the launch."""
-    B, c0, c1, max_pos = 4, 10, 2300, 50
-    x = torch.randn(B, 2500)
-    x[0, 20], x[0, 2200] = 9.0, 9.0                  # a tie two blocks apart: the first wins
-    x[1, :1500] = -float("inf")
-    x[1, 2299] = 8.0                                  # the last column in range
+    B, c0, c1, max_pos = 4, 10, 11000, 50             # 3 partials of ARGMAX_BLOCK (4096) columns a row
+    x = torch.randn(B, 12000)
+    x[0, 20], x[0, 9000] = 9.0, 9.0                  # a tie two blocks apart: the first wins
+    x[1, :5000] = -float("inf")
+    x[1, 10999] = 8.0                                 # the last column in range
     x[2, 700] = float("nan")
-    x[3, 2400] = 99.0                                 # outside [c0, c1): ignored
+    x[3, 11500] = 99.0                                # outside [c0, c1): ignored
     dyn = torch.tensor([5, 6, 7, 8, 3, 4, max_pos - 1, max_pos - 1, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int32)
     results, err, bad = torch.full((B, 2), -7, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), \
         torch.tensor([1], dtype=torch.int32)
     chained.argmax(x, c0, c1, results[:, 1], dyn, B, max_pos, bad, err, advance, pdl=False)
-    best = [10, 2289, 0, int(x[3, c0:c1].argmax())]
-    want = [10, 2289, -2, -1 if advance else best[3]]
+    best = [10, 10989, 0, int(x[3, c0:c1].argmax())]
+    want = [10, 10989, -2, -1 if advance else best[3]]
     assert results[:, 1].tolist() == want and results[:, 0].tolist() == [-7] * B and err.item() == 1
     if advance:
         assert dyn[:B].tolist() == best and dyn[B:2 * B].tolist() == [4, 5, max_pos - 1, max_pos - 1]
@@ -257,3 +257,13 @@ def test_argmax_and_the_step_begin(advance):
     tok, pos, rot, cross = chained.step_begin(torch.tensor([3, 9, 4, 5, 8, 0, 2, 2], dtype=torch.int32), 2, 40, 0, 0,
                                               bad, pdl=False)
     assert (tok.tolist(), pos.tolist(), rot.tolist(), bad.item()) == ([3, 9], [4, 5], [6, 7], 0)
+
+
+def test_the_installed_triton_takes_the_programmatic_launch_option():
+    """chained._launch passes launch_pdl=True on sm_90+: an option of this Triton's CUDA backend
+    (the launcher then sets CUDA's programmatic stream serialization attribute), which it keeps."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    assert chained.HAS_GDC
+    assert CUDABackend(GPUTarget("cuda", 90, 32)).parse_options({"launch_pdl": True}).launch_pdl is True
+    assert not chained.pdl_for(torch.device("cpu"))

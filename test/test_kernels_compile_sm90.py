@@ -67,8 +67,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "chained_linear_b8",
                  "chained_gated", "chained_norm",
                  "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
-                 "chained_step_begin", "chained_embed", "chained_argmax", "chained_add_norm",
-                 "chained_linear_orin_sm87",
+                 "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
+                 "chained_add_norm", "chained_linear_orin_sm87",
                  "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87",
                  "megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87",
                  "megakernel_b1_bf16_kvbf16_n32_k64_t32_d64_sm80"):
@@ -85,7 +85,8 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
                      "chained_norm": {"ld.global.b32"}, "chained_add_norm": {"ld.global.b32"}}
     for name in ("chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8", "chained_gated",
                  "chained_norm", "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
-                 "chained_step_begin", "chained_embed", "chained_argmax", "chained_add_norm"):
+                 "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
+                 "chained_add_norm"):
         ptx = compiled[name]["ptx"]
         wait, go = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert 0 < wait < go, name

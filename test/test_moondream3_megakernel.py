@@ -320,7 +320,8 @@ def test_fp8_experts_in_a_bf16_step_time_the_streaming_build_which_computes_the_
                                            weight_dtype=torch.bfloat16)
     assert step.plan.fp8 and step.plan.weight_dtype == torch.bfloat16
     streaming = engine_choice.STREAMING.get(batch, engine_choice.STREAMING_ABOVE_1)
-    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("megakernel", streaming), ("perop", "plain")]
+    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("megakernel", streaming), ("perop", "plain"),
+                                              ("perop", "chained")]
     rows = make_rows(batch, fast.config.text.vocab_size, (4, 3))
     fill(step, rows, seed=5)
     step.scrub_nonfinite()

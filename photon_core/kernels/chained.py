@@ -28,10 +28,10 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 * rotary_append_kernel: one (row, head) of a fused q|k|v a program: per-head RMSNorms (Qwen3's,
   Gemma 4's), rotary on q and k heads (half-split over the first `dims`), q out, k and v into the
   caches at the row's slot (NaN stored as 0, as the torch build stores it).
-* step_begin_kernel, embed_kernel, argmax_kernel: a step's first launches (its device tokens and
-  positions clamped into their tables, the token embeddings) and its last (the picks, the next
-  token and position of each row, the launch's error word), where the plain build runs ~40 small
-  torch kernels.
+* step_begin_kernel, embed_kernel, argmax_partial_kernel + argmax_kernel: a step's first launches
+  (its device tokens and positions clamped into their tables, the token embeddings) and its last
+  (the picks, the next token and position of each row, the launch's error word), where the plain
+  build runs ~40 small torch kernels.
 * attention_partial_kernel + attention_merge_kernel: one query head of one row over one split
   of its keys (online softmax, kernels/attention.decode_partial), then the splits merged; a row
   without keys gives zeros.
@@ -419,28 +419,38 @@ def embed_kernel(tok_ptr, pos_ptr, table_ptr, stride_t, ptable_ptr, stride_p, y_
 
 
 @triton.jit
-def argmax_kernel(x_ptr, stride_x, C0, C1, res_ptr, res_stride, dyn_ptr, B, MAX_POS, bad_ptr, err_ptr,
-                  ADVANCE: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
-    """Program b: the first largest of row b's x[C0:C1] (its column from C0), -2 where the row
-    holds NaN; with ADVANCE, -1 where the row's next position would pass MAX_POS, and the row's
-    next token (NaN: column 0) and position (kept where NaN or full) written into dyn. Program 0
-    also copies the launch's bad flag into the error word."""
+def argmax_partial_kernel(x_ptr, stride_x, C0, C1, pv_ptr, pi_ptr, S, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row b, block s): the largest of x[b, C0 + s x BLOCK ...] within [C0, C1) (NaN if the
+    block holds one) and the first column holding it (from C0), into partial b x S + s."""
     b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    cols = C0 + s * BLOCK + tl.arange(0, BLOCK)
+    m = cols < C1
     _after_previous(PDL)
-    best_v = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int32)
-    nan = tl.full([], 0, tl.int32)
-    for c0 in range(C0, C1, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        m = cols < C1
-        x = tl.load(x_ptr + b * stride_x + cols, mask=m, other=float("-inf"))
-        nan = tl.maximum(nan, tl.max(tl.where(m & (x != x), 1, 0), axis=0))
-        v = tl.max(x, axis=0)
-        i = tl.min(tl.where(x == v, cols, C1), axis=0) - C0     # the first of the block's largest
-        take = v > best_v
-        best_i = tl.where(take, i, best_i)
-        best_v = tl.where(take, v, best_v)
-    best = tl.where(nan > 0, 0, best_i)
+    x = tl.load(x_ptr + b * stride_x + cols, mask=m, other=float("-inf"))
+    nan = tl.max(tl.where(m & (x != x), 1, 0), axis=0)
+    v = tl.max(tl.where(x != x, float("-inf"), x), axis=0)
+    i = tl.min(tl.where(m & (x == v), cols, C1), axis=0) - C0
+    tl.store(pv_ptr + b * S + s, tl.where(nan > 0, float("nan"), v))
+    tl.store(pi_ptr + b * S + s, i)
+
+
+@triton.jit
+def argmax_kernel(pv_ptr, pi_ptr, S, res_ptr, res_stride, dyn_ptr, B, MAX_POS, bad_ptr, err_ptr,
+                  ADVANCE: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program b: row b's pick from its S partials (argmax_partial_kernel): the first column of
+    the largest value, -2 where the row holds NaN; with ADVANCE, -1 where the row's next position
+    would pass MAX_POS, and the row's next token (NaN: column 0) and position (kept where NaN or
+    full) written into dyn. Program 0 also copies the launch's bad flag into the error word."""
+    b = tl.program_id(0).to(tl.int64)
+    ss = tl.arange(0, BLOCK_S)
+    sm = ss < S
+    _after_previous(PDL)
+    pv = tl.load(pv_ptr + b * S + ss, mask=sm, other=float("-inf"))
+    pi = tl.load(pi_ptr + b * S + ss, mask=sm, other=2147483647)
+    nan = tl.max(tl.where(sm & (pv != pv), 1, 0), axis=0)
+    v = tl.max(tl.where(pv != pv, float("-inf"), pv), axis=0)
+    best = tl.where(nan > 0, 0, tl.min(tl.where(sm & (pv == v), pi, 2147483647), axis=0))
     res = tl.where(nan > 0, -2, best)
     if ADVANCE:
         pos = tl.load(dyn_ptr + B + b)
@@ -460,6 +470,7 @@ LINEAR_PRODUCTS = 8192
 # x values a fused norm's statistics load at a time (all rows): a whole row of up to 4096 at batch 1
 STATS_ELEMENTS = 4096
 ATTENTION_BLOCK_T = 64
+ARGMAX_BLOCK = 4096       # columns an argmax partial reads (one load: 32 a thread)
 
 
 def linear_blocks(M: int, N: int, K: int, elem_bytes: int, programs: int) -> tuple[int, int, int]:
@@ -641,11 +652,17 @@ def argmax(x: torch.Tensor, c0: int, c1: int, result: torch.Tensor, dyn: torch.T
            bad: torch.Tensor, err: torch.Tensor, advance: bool, pdl: bool) -> None:
     """result[b] = the first largest column of x[b, c0:c1] (from c0), -2 for a row with NaN; with
     `advance`, -1 for a row whose next position would reach max_pos, and dyn's token and position
-    of each row advanced (kept where NaN or full; a NaN row's token 0). err[0] = bad[0]."""
+    of each row advanced (kept where NaN or full; a NaN row's token 0). err[0] = bad[0]. Two
+    launches: blocks of ARGMAX_BLOCK columns side by side (a vocabulary of 51200: 13 programs a
+    row, one load each, where one program's loop would make 50 trips to L2), then their merge."""
     if x.stride(1) != 1:
         raise ValueError("chained argmax: a row of x must be contiguous")
-    _launch(argmax_kernel, (B,), pdl, x, x.stride(0), c0, c1, result, result.stride(0), dyn, B, max_pos, bad, err,
-            ADVANCE=advance, BLOCK=min(1024, triton.next_power_of_2(max(1, c1 - c0))))
-
+    block = min(ARGMAX_BLOCK, triton.next_power_of_2(max(1, c1 - c0)))
+    splits = triton.cdiv(max(1, c1 - c0), block)
+    pv = new_output((B, splits), x.device, torch.float32)
+    pi = new_output((B, splits), x.device, torch.int32)
+    _launch(argmax_partial_kernel, (B, splits), pdl, x, x.stride(0), c0, c1, pv, pi, splits, BLOCK=block)
+    _launch(argmax_kernel, (B,), pdl, pv, pi, splits, result, result.stride(0), dyn, B, max_pos, bad, err,
+            ADVANCE=advance, BLOCK_S=max(2, triton.next_power_of_2(splits)))
 
 __all__ = ["HAS_GDC", "pdl_for", "step_begin", "embed", "argmax", "linear_blocks", "Norm", "HeadNorm", "linear", "gated", "add_norm", "norm", "rotary_append", "attention"]

@@ -87,10 +87,13 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_embed": (chained.embed_kernel, dict(tok_ptr="*i64", pos_ptr="*i64", table_ptr=B16, stride_t="i32",
                                                      ptable_ptr=B16, stride_p="i32", y_ptr=P, D="i32", scale="fp32"),
                           dict(HAS_POS=True, PDL=True, BLOCK=1024)),
-        "chained_argmax": (chained.argmax_kernel, dict(x_ptr=P, stride_x="i32", C0="i32", C1="i32", res_ptr="*i32",
+        "chained_argmax_partial": (chained.argmax_partial_kernel,
+                                   dict(x_ptr=P, stride_x="i32", C0="i32", C1="i32", pv_ptr=P, pi_ptr="*i32", S="i32"),
+                                   dict(PDL=True, BLOCK=chained.ARGMAX_BLOCK)),
+        "chained_argmax": (chained.argmax_kernel, dict(pv_ptr=P, pi_ptr="*i32", S="i32", res_ptr="*i32",
                                                        res_stride="i32", dyn_ptr="*i32", B="i32", MAX_POS="i32",
                                                        bad_ptr="*i32", err_ptr="*i32"),
-                           dict(ADVANCE=True, PDL=True, BLOCK=1024)),
+                           dict(ADVANCE=True, PDL=True, BLOCK_S=16)),
         "chained_attention_partial": (chained.attention_partial_kernel, ch_part,
                                       dict(SELF=True, PDL=True, BLOCK_T=chained.ATTENTION_BLOCK_T, BLOCK_D=64)),
         "chained_attention_merge": (chained.attention_merge_kernel, dict(part_ptr=P, o_ptr=P, S="i32", DH="i32"),
@@ -162,7 +165,8 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
           "lstm_cell", "chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8",
           "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention_partial",
-          "chained_attention_merge", "chained_step_begin", "chained_embed", "chained_argmax", "chained_add_norm")
+          "chained_attention_merge", "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
+          "chained_add_norm")
 # Arguments a launch specialises as multiples of 16 (pointers from torch, sizes and strides of real
 # models: Triton's JIT does it at run time), where a kernel's vector loads depend on it.
 PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) for k in ("chained_linear", "chained_linear_norm",
