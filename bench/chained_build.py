@@ -17,7 +17,8 @@ fit the GPU at once, and never faster than their bytes at 80% of 4.8 TB/s; plus 
 fitted l2, 0.76 us) for x and one for a fused norm's statistics. Attention: the row's keys in 64-key
 steps over its splits, a trip each, then the merge's L2 trip. Everything else (the step's begin,
 embeds, appends, gates, norms, argmax's two stages): two L2 trips. Left to torch (MoE, Moondream 3's
-tau appends, recurrences): not predicted (marked).
+tau appends) or to the unchained per-op kernels with torch glue (Qwen 3.5's recurrences): not
+predicted (marked).
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ GAPS_US = (0.5, 1.0, 2.0)
 # the step's other launches: kernels/chained.py's count per node (argmax: its two stages)
 LAUNCHES = {"linear": 1, "attention": 2, "embed": 1, "kv_append": 1, "glu": 1, "mul": 1, "act": 1,
             "add_norm": 1, "layer_norm": 1, "rms_norm": 1, "argmax": 2}
+# run by the per-op Triton kernels (kernels/conv.py, kernels/delta_rule.py) and torch glue, not chained
+UNCHAINED = {"conv_step", "delta_rule"}
 PEERS_US = {"Moondream 2": 2981, "Whisper tiny.en": 365}   # transformers in one CUDA graph, H200, 2026-12-04
 
 
@@ -82,7 +85,7 @@ def analyse(model, context: int = 1024) -> dict:
             continue
         if node.op == "input":
             continue
-        if id(node) not in runners:
+        if id(node) not in runners or node.op in UNCHAINED:
             left.append(node.op)
             continue
         if runners[id(node)] is None:           # a norm its readers apply
@@ -112,7 +115,7 @@ def main() -> None:
         "fitted HBM trip, two tiles ahead, never above 80% of 4.8 TB/s; `gap` (a launch's end to the next one's "
         "first dependent instruction under PDL in a CUDA graph) unmeasured, so three values. The GPU's "
         "replays (bench/gpu_timeline.py, rows \"per-op engine chained\") replace it.", "",
-        f"| model | launches a step | norms fused | left to torch | floor us | work us | {gaps} |",
+        f"| model | launches a step | norms fused | not chained | floor us | work us | {gaps} |",
         "|---|---:|---:|---|---:|---:|" + "---|" * len(GAPS_US)]
     for m in models():
         a = analyse(m)

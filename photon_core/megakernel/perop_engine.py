@@ -369,9 +369,9 @@ def _pdl_for(dev: torch.device) -> bool:
 def _chained_ops(nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any], dict[int, Node]]:
     """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner (None:
     a LayerNorm or RMSNorm that is not observed and whose every reader is a chained linear's input,
-    which those linears apply themselves), and those linears' norm nodes. The rest (embed, argmax,
-    MoE, add_norm, act, recurrences, Moondream 3's appends with tau) run as in the plain build, and a
-    chain of programmatic launches restarts after each of them."""
+    which those linears apply themselves), and those linears' norm nodes (argmax: _argmax_chained).
+    Qwen 3.5's recurrences run as the per-op Triton kernels with torch glue, MoE and Moondream 3's
+    appends with tau as in the plain build; a chain of programmatic launches restarts after each."""
     from photon_core.megakernel.perop_chained import CHAINED
     runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED and _chainable(n)}
     readers: dict[str, list[tuple[Node, str]]] = {}
