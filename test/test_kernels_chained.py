@@ -230,8 +230,8 @@ def test_rotary_append_with_head_norms(q_w, k_w, v):
 @pytest.mark.parametrize("advance", [False, True])
 def test_argmax_and_the_step_begin(advance):
     """The picks over columns [c0, c1) of rows of several partials: the first of tied largest values
-    across blocks, barred (-inf) columns, a NaN row (-2; its fed token 0, its position kept), a row
-    at the last position (-1 advancing, its position kept); the error word copied from bad. And
+    across blocks, barred (-inf) columns, a NaN row mid-cache (-2; its fed token 0, its position
+    kept), a row at the last position (-1 advancing, its position kept); the error word copied from bad. And
     step_begin's clamps: a token past its table and a negative position flag the launch."""
     B, c0, c1, max_pos = 4, 10, 11000, 50             # 3 partials of ARGMAX_BLOCK (4096) columns a row
     x = torch.randn(B, 12000)
@@ -240,17 +240,17 @@ def test_argmax_and_the_step_begin(advance):
     x[1, 10999] = 8.0                                 # the last column in range
     x[2, 700] = float("nan")
     x[3, 11500] = 99.0                                # outside [c0, c1): ignored
-    dyn = torch.tensor([5, 6, 7, 8, 3, 4, max_pos - 1, max_pos - 1, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int32)
+    dyn = torch.tensor([5, 6, 7, 8, 3, 4, 4, max_pos - 1, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int32)
     results, err, bad = torch.full((B, 2), -7, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), \
         torch.tensor([1], dtype=torch.int32)
     chained.argmax(x, c0, c1, results[:, 1], dyn, B, max_pos, bad, err, advance, pdl=False)
     best = [10, 10989, 0, int(x[3, c0:c1].argmax())]
     want = [10, 10989, -2, -1 if advance else best[3]]
     assert results[:, 1].tolist() == want and results[:, 0].tolist() == [-7] * B and err.item() == 1
-    if advance:
-        assert dyn[:B].tolist() == best and dyn[B:2 * B].tolist() == [4, 5, max_pos - 1, max_pos - 1]
+    if advance:     # row 2 (NaN) keeps its position 4, row 3 (full) its last
+        assert dyn[:B].tolist() == best and dyn[B:2 * B].tolist() == [4, 5, 4, max_pos - 1]
     else:
-        assert dyn[:2 * B].tolist() == [5, 6, 7, 8, 3, 4, max_pos - 1, max_pos - 1]
+        assert dyn[:2 * B].tolist() == [5, 6, 7, 8, 3, 4, 4, max_pos - 1]
     dyn = torch.tensor([3, 99, 4, -1, 8, 0, 2, 2], dtype=torch.int32)      # B = 2: tokens, positions, cross, offsets
     tok, pos, rot, cross = chained.step_begin(dyn, 2, 40, 64, 50, bad, pdl=False)
     assert (tok.tolist(), pos.tolist(), rot.tolist(), cross.tolist(), bad.item()) == ([3, 49], [4, 0], [6, 1], [8, 0], 1)
@@ -267,3 +267,24 @@ def test_the_installed_triton_takes_the_programmatic_launch_option():
     assert chained.HAS_GDC
     assert CUDABackend(GPUTarget("cuda", 90, 32)).parse_options({"launch_pdl": True}).launch_pdl is True
     assert not chained.pdl_for(torch.device("cpu"))
+
+
+def test_a_gpus_nan_survives_the_bf16_rounding_and_infinities_are_not_cached():
+    """A GPU's NaN is 0x7FFFFFFF (numpy's, the interpreter's, 0x7FC00000): the bf16 rounding by bits
+    must keep it NaN (the carry would make it -0.0 and a NaN row's logits finite: never refused);
+    an append stores NaN and infinities as 0, as the plain build's nan_to_num(0, 0, 0)."""
+    gpu_nan = torch.tensor([0x7FFFFFFF, 0x7F800001, -1], dtype=torch.int32).view(torch.float32)
+    x = torch.randn(2, 64)
+    x[1, 5] = gpu_nan[0]
+    y = chained.linear(x, torch.randn(16, 64).bfloat16(), None, ACT_NONE, None, pdl=False)
+    assert torch.isfinite(y[0]).all() and y[1].isnan().all()
+    for bits in gpu_nan:
+        x[1, 5] = bits
+        assert chained.linear(x, torch.randn(16, 64).bfloat16(), None, ACT_NONE, None, pdl=False)[1].isnan().all()
+    M, hq, h, dh = 1, 2, 2, 32
+    qkv = torch.randn(M, (hq + 2 * h) * dh)
+    qkv[0, hq * dh + 3], qkv[0, (hq + h) * dh + 7] = float("inf"), gpu_nan[0]     # k and v
+    kc, vc = torch.full((M, h, 4, dh), 5.0).bfloat16(), torch.full((M, h, 4, dh), 5.0).bfloat16()
+    chained.rotary_append(qkv, hq, kc, vc, torch.tensor([2]), None, None, None, 0, False, True, pdl=False)
+    assert kc[0, 0, 2, 3] == 0 and vc[0, 0, 2, 7] == 0 and torch.isfinite(kc.float()).all()
+    assert torch.isfinite(vc.float()).all()

@@ -262,3 +262,17 @@ def test_the_chained_build_on_bfloat16_weights_matches_the_plain_build(name):
         # bf16's 8-bit mantissa: ~0.3% a rounding, here 0.3-0.5% after a step of them
         assert 0 < rel_err(out["chained"][k], exact[k]) < 0.02, k
         assert rel_err(out["chained"][k], out["plain"][k]) < 0.02, k
+
+
+def test_the_chained_build_never_reads_a_slot_past_a_rows_keys():
+    """Its attention reads a row's keys only (as the megakernel): NaN a refused request left past
+    them refuses nothing, and the tokens are those of the clean caches."""
+    fam, step = perop_step("whisper-tiny.en", batch=1, variant="chained")
+    rows, _, _ = start(fam, step)
+    with restoring(step, 4):
+        clean = DeviceDecode(step, chunk=2).generate([rows.tokens[0]], 4, stop=())
+    cache = next(n for n in step.graph_def.nodes if n.op == "kv_append").args["k"]
+    view = step.view(cache.spec.name)
+    view[(cache.layer,) if cache.layer is not None else ()][0, :, rows.positions[0] + 8] = float("nan")
+    with restoring(step, 4):
+        assert DeviceDecode(step, chunk=2).generate([rows.tokens[0]], 4, stop=()) == clean

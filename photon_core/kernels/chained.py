@@ -27,7 +27,7 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 * add_norm_kernel: x + an RMSNorm of z over chunks of its columns, scaled (Gemma 4's post-norms).
 * rotary_append_kernel: one (row, head) of a fused q|k|v a program: per-head RMSNorms (Qwen3's,
   Gemma 4's), rotary on q and k heads (half-split over the first `dims`), q out, k and v into the
-  caches at the row's slot (NaN stored as 0, as the torch build stores it).
+  caches at the row's slot (NaN and infinities stored as 0, as the torch build stores them).
 * step_begin_kernel, embed_kernel, argmax_partial_kernel + argmax_kernel: a step's first launches
   (its device tokens and positions clamped into their tables, the token embeddings) and its last
   (the picks, the next token and position of each row, the launch's error word), where the plain
@@ -86,7 +86,8 @@ def round_bf16(x):
     gives, and the same under the interpreter (whose conversion truncates)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    # a GPU's NaN is 0x7FFFFFFF, which the carry would make -0.0: NaN stays NaN
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -300,8 +301,9 @@ def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_
         slot = tl.where(RING > 0, pos % tl.maximum(RING, 1), pos)
         v = _head(qkv_ptr + b * QKV_W + (HQ + H + h) * DH, kn_ptr, cos_ptr, sin_ptr, DH, HALF, VN, eps, 0.0,
                   False, HEAD_NORM, BLOCK_D)
-        x = tl.where(x == x, x, 0.0)     # NaN stored as 0 (perop_engine._kv_append says why)
-        v = tl.where(v == v, v, 0.0)
+        # NaN and infinities stored as 0, as nan_to_num(0, 0, 0) (perop_engine._kv_append says why)
+        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
+        v = tl.where(tl.abs(v) < float("inf"), v, 0.0)
         if BF16_CACHE:
             x, v = round_bf16(x), round_bf16(v)
         tl.store(kc_ptr + b * sk_b + h * sk_h + slot * sk_t + dd, x.to(kc_ptr.dtype.element_ty), mask=dmask)

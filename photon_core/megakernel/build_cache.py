@@ -57,10 +57,12 @@ from photon_core.megakernel.stepgraph import StepGraph, Value
 log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parent
-# What lowering runs besides this package: the activation codes it writes into tasks; and the
-# per-Triton tuning the kernel is built with (its expert steps among it), which an engine choice
-# recorded beside an entry was measured on.
-EXTRA_SOURCES = (PACKAGE.parent / "kernels" / "linear.py", PACKAGE.parent / "kernels" / "triton_versions.py")
+# What lowering runs besides this package: the activation codes it writes into tasks; the
+# per-Triton tuning the kernel is built with (its expert steps among it); and the per-op engine's
+# chained kernels (and the attention helpers they share): what an engine choice recorded beside
+# an entry was measured on.
+EXTRA_SOURCES = tuple(PACKAGE.parent / "kernels" / f for f in ("linear.py", "triton_versions.py", "chained.py",
+                                                                 "attention.py"))
 
 
 def cache_dir() -> Path | None:

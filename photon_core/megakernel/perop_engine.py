@@ -35,6 +35,7 @@ FULL (-1) and keeps it.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -377,9 +378,8 @@ def _chained_ops(nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any],
     readers: dict[str, list[tuple[Node, str]]] = {}
     for n in nodes:
         for k, v in n.args.items():
-            for value in (v if isinstance(v, (list, tuple)) else [v]):
-                if isinstance(value, Value):
-                    readers.setdefault(value.name, []).append((n, k))
+            for value in _values_in(v):
+                readers.setdefault(value.name, []).append((n, k))
     fused: dict[int, Node] = {}
     for n in nodes:
         if n.op not in ("layer_norm", "rms_norm") or n.value.name in observed:
@@ -389,6 +389,18 @@ def _chained_ops(nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any],
             fused.update({id(c): n for c, _ in r})
             runners[id(n)] = None
     return runners, fused
+
+
+def _values_in(v: Any):
+    """The Values an argument holds: itself, in lists or tuples, or in a dataclass's fields (a Tau's)."""
+    if isinstance(v, Value):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _values_in(x)
+    elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+        for f in dataclasses.fields(v):
+            yield from _values_in(getattr(v, f.name))
 
 
 def _chainable(node: Node) -> bool:
