@@ -121,14 +121,21 @@ def _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, kk, K, NORM: tl.constexpr, HAS_N
     """A K step's loads of x [rows, kk] and of the norm's weight and bias there (issued together)."""
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :],
                 mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
-    nw = tl.zeros_like(kk).to(tl.float32)
-    nb = tl.zeros_like(kk).to(tl.float32)
+    nw, nb = _norm_tile(nw_ptr, nb_ptr, kk, K, NORM, HAS_NW, HAS_NB)
+    return x, nw, nb
+
+
+@triton.jit
+def _norm_tile(nw_ptr, nb_ptr, idx, K, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr):
+    """A fused norm's weight and bias at k = idx (zeros where the norm has none)."""
+    nw = tl.zeros_like(idx).to(tl.float32)
+    nb = tl.zeros_like(idx).to(tl.float32)
     if NORM != 0:
         if HAS_NW:
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
+            nw = tl.load(nw_ptr + idx, mask=idx < K, other=0.0)
         if HAS_NB:
-            nb = tl.load(nb_ptr + kk, mask=kk < K, other=0.0)
-    return x, nw, nb
+            nb = tl.load(nb_ptr + idx, mask=idx < K, other=0.0)
+    return nw, nb
 
 
 @triton.jit
@@ -137,13 +144,7 @@ def _row_tile(x_ptr, nw_ptr, nb_ptr, idx, K, NORM: tl.constexpr, HAS_NW: tl.cons
     index tile laid out as W's tile: every column's copy of the row, so the products need no layout
     change (the copies are the same addresses: one L1 line serves a warp's)."""
     x = tl.load(x_ptr + idx, mask=idx < K, other=0.0)
-    nw = tl.zeros_like(x)
-    nb = tl.zeros_like(x)
-    if NORM != 0:
-        if HAS_NW:
-            nw = tl.load(nw_ptr + idx, mask=idx < K, other=0.0)
-        if HAS_NB:
-            nb = tl.load(nb_ptr + idx, mask=idx < K, other=0.0)
+    nw, nb = _norm_tile(nw_ptr, nb_ptr, idx, K, NORM, HAS_NW, HAS_NB)
     return x, nw, nb
 
 
