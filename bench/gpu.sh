@@ -8,6 +8,7 @@
 #      (bf16), analysed by photon_core/megakernel/timeline.py (levels, per-program time,
 #      signal-to-observe, the linear K step: the cost model's constants measured); every
 #      KernelVariant and the split tiling timed, each checked against the plain build's logits;
+#      the per-op engine, plain and chained (kernels/chained.py, PDL on sm_90), and auto's choice;
 #      transformers in one CUDA graph timed in the same run; Moondream 2 batch 8 if time is left.
 #      Writes gpu_timeline.json (after every part), traces.npz and gpu.log. Run it first: the
 #      next design step waits on it. Its CPU dry run: python bench/gpu_timeline.py --dry-run.

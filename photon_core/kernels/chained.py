@@ -18,7 +18,8 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 * linear_kernel: y[M, N] = act(x @ W.T + b) + r for a decode step's M <= 16 rows. A program owns
   BLOCK_N output features of every row and walks K in BLOCK_K steps; each step's weight tile is
   issued two steps before its products are formed (three tiles a program: 24 KB of bf16 at batch
-  1), the first two before the wait. Bytes: W once (N x K in its dtype), x once a program (M x K x 4, L2).
+  1), the first two before the wait. Bytes: W once (N x K in its dtype), x once a program from L2
+  (M x K x 4; at batch 1 each column's copy of it from L1, in W's tile layout).
   A LayerNorm or RMSNorm whose only readers are linears is applied by each of them to its input
   (NORM): one more pass over x for the rows' statistics (at batch 1 one load of the row, from L2)
   instead of a launch.
