@@ -518,8 +518,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, r
     if M > 16 or w.stride(1) != 1 or w.shape[1] != K or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"chained linear: x {tuple(x.shape)}, w {tuple(w.shape)} stride {w.stride()}")
     block_m, block_n, block_k = linear_blocks(M, N, K, w.element_size(), programs)
-    fits = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == M * N
-    y = out.view(M, N) if fits else new_output((M, N), x.device, torch.float32)
+    if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == M * N:
+        y = out.view(M, N)
+    else:
+        y = new_output((M, N), x.device, torch.float32)
     nw, nb = (None, None) if norm is None else (norm.w, norm.b)
     _launch(linear_kernel, (triton.cdiv(N, block_n),), pdl, x, w, w if b is None else b,
             y if residual is None else residual, y, M, N, K, w.stride(0), x if nw is None else nw,
