@@ -76,7 +76,7 @@ def attention_us(node, context: int) -> float:
 def analyse(model, context: int = 1024) -> dict:
     g = model.graph
     observed = {v.name for v in g.exposed.values()}
-    runners, fused = _chained_ops(list(g.nodes), observed)
+    runners, fused = _chained_ops(g, list(g.nodes), observed)
     launches, work, left = 1, 2 * FITTED.l2 * 1e6, []        # the step's begin
     for node in g.nodes:
         if node.op == "argmax":

@@ -79,33 +79,19 @@ def _add_norm(e, node: Node) -> torch.Tensor:
 
 
 def _conv_step(e, node: Node) -> torch.Tensor:
-    """Qwen 3.5's causal conv step as kernels/conv.py's kernel (an ordinary launch: the chain
-    restarts after it), its state shifted in place."""
-    from photon_core.kernels import conv
-    a = node.args
-    st = e.caches[a["state"].name]                      # [B, C, W-1]: channel-major in the arena
-    xs = e.val(a["x"])[:, a["c0"]:a["c0"] + node.value.width].float()
-    y, new = conv.causal_conv1d(xs[:, None, :], e.weights[a["w"]], None, st.transpose(1, 2), a["act"])
-    st.copy_(new.transpose(1, 2))
-    return y[:, 0]
+    """Qwen 3.5's causal conv step on kernels/conv.py's kernel (an ordinary launch: the chain
+    restarts after it): ops/recurrent's reference on the per-op Triton backend."""
+    from photon_core.backends import triton as tri
+    from photon_core.megakernel.ops.recurrent import conv_reference
+    return conv_reference(e, node, tri)
 
 
 def _delta_rule(e, node: Node) -> torch.Tensor:
-    """Qwen 3.5's gated delta rule step as kernels/delta_rule.py's kernel and its gated RMSNorm as
-    kernels/norm.py's (ordinary launches), the gates as in ops/recurrent.delta_reference."""
-    from photon_core.kernels import delta_rule, norm
-    a, bsz = node.args, e.bsz
-    st = e.caches[a["state"].name]
-    hv, dk, dv = a["state"].shape
-    hk = a["k_heads"]
-    q, k, v = e.val(a["x"]).float().split([hk * dk, hk * dk, hv * dv], dim=1)
-    zba = e.val(a["zba"]).float()[:, a["c0"]:]
-    z, b_, a_ = zba[:, :hv * dv], zba[:, hv * dv:hv * dv + hv], zba[:, hv * dv + hv:hv * dv + 2 * hv]
-    g = -e.weights[a["a_log"]].exp() * torch.nn.functional.softplus(a_ + e.weights[a["dt_bias"]])
-    o, new = delta_rule.gated_delta_step(q.reshape(bsz, hk, dk), k.reshape(bsz, hk, dk), v.reshape(bsz, hv, dv), g,
-                                         torch.sigmoid(b_), st, qk_l2norm=True)
-    st.copy_(new)
-    return norm.rms_norm_gated(o, z.reshape(bsz, hv, dv), e.weights[a["norm_w"]], a["eps"]).reshape(bsz, hv * dv)
+    """Qwen 3.5's gated delta rule step and its gated RMSNorm on kernels/delta_rule.py's and
+    kernels/norm.py's kernels (ordinary launches; the gates in torch), as _conv_step."""
+    from photon_core.backends import triton as tri
+    from photon_core.megakernel.ops.recurrent import delta_reference
+    return delta_reference(e, node, tri)
 
 
 def _kv_append(e, node: Node) -> torch.Tensor:

@@ -35,7 +35,6 @@ FULL (-1) and keeps it.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from photon_core.megakernel.graph import CTRL_CLAIM, CTRL_COUNTERS, CTRL_ERROR
 from photon_core.megakernel.ops import rule
 from photon_core.megakernel.ops.base import Eager, eager_act
-from photon_core.megakernel.stepgraph import Node, Value
+from photon_core.megakernel.stepgraph import Node
 
 # Ops whose eager reference is capture-safe and cheap (fp32 work on vectors): run as they are.
 REFERENCE_OPS = frozenset({"input", "layer_norm", "rms_norm", "glu", "mul", "act", "add_norm", "conv_step",
@@ -101,7 +100,8 @@ class PerOpKernel:
         # live in the launch only; a copy each would be a kernel each (~2 us in a replay).
         self.observed = {v.name for v in g.exposed.values()}
         # the chained build's runners by node, and the norms its linears apply themselves (by linear)
-        self.chained, self.fused_norm = _chained_ops(self.nodes, self.observed) if variant == "chained" else ({}, {})
+        self.chained, self.fused_norm = _chained_ops(g, self.nodes, self.observed) if variant == "chained" else ({}, {})
+        self.outs = {name: step.view(name) for name in self.observed}   # where chained linears write them
         self.bad = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def raise_for(self, err: int, claimed: int) -> None:
@@ -174,7 +174,7 @@ class PerOpKernel:
         tok, pos, rot, cross = chained.step_begin(step.dyn, B, step.plan.max_position, self.rotary_rows,
                                                   self.token_rows, self.bad, self.pdl)
         e = _Run(B, step.dyn.device, pos, rot, tok, cross, self.weights, self.caches, self.inputs, kernel=self)
-        e.outs = {name: step.view(name) for name in self.observed}
+        e.outs = self.outs
         return e
 
     def _argmax_chained(self, e: "_Run", node: Node) -> None:
@@ -367,40 +367,26 @@ def _pdl_for(dev: torch.device) -> bool:
     return pdl_for(dev)
 
 
-def _chained_ops(nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any], dict[int, Node]]:
+def _chained_ops(graph: Any, nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any], dict[int, Node]]:
     """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner (None:
-    a LayerNorm or RMSNorm that is not observed and whose every reader is a chained linear's input,
-    which those linears apply themselves), and those linears' norm nodes (argmax: _argmax_chained).
-    Qwen 3.5's recurrences run as the per-op Triton kernels with torch glue, MoE and Moondream 3's
-    appends with tau as in the plain build; a chain of programmatic launches restarts after each."""
+    a LayerNorm or RMSNorm that is not observed and whose every reader among `nodes` is a chained
+    linear's input, which those linears apply themselves), and those linears' norm nodes (argmax:
+    _argmax_chained). Qwen 3.5's recurrences run as the per-op Triton kernels with torch glue, MoE
+    and Moondream 3's appends with tau as in the plain build; a chain of programmatic launches
+    restarts after each."""
     from photon_core.megakernel.perop_chained import CHAINED
     runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED and _chainable(n)}
-    readers: dict[str, list[tuple[Node, str]]] = {}
-    for n in nodes:
-        for k, v in n.args.items():
-            for value in _values_in(v):
-                readers.setdefault(value.name, []).append((n, k))
+    here = {id(n) for n in nodes}
     fused: dict[int, Node] = {}
     for n in nodes:
         if n.op not in ("layer_norm", "rms_norm") or n.value.name in observed:
             continue
-        r = readers.get(n.value.name, [])
-        if r and all(c.op == "linear" and k == "x" and id(c) in runners for c, k in r):
-            fused.update({id(c): n for c, _ in r})
+        readers = [c for c in graph.consumers(n.value) if id(c) in here]
+        if readers and all(c.op == "linear" and id(c) in runners and c.args["x"] is n.value
+                           and c.args["residual"] is not n.value for c in readers):
+            fused.update({id(c): n for c in readers})
             runners[id(n)] = None
     return runners, fused
-
-
-def _values_in(v: Any):
-    """The Values an argument holds: itself, in lists or tuples, or in a dataclass's fields (a Tau's)."""
-    if isinstance(v, Value):
-        yield v
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            yield from _values_in(x)
-    elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-        for f in dataclasses.fields(v):
-            yield from _values_in(getattr(v, f.name))
 
 
 def _chainable(node: Node) -> bool:
