@@ -473,7 +473,9 @@ LINEAR_TILE_BYTES = 8192
 LINEAR_PRODUCTS = 8192
 # x values a fused norm's statistics load at a time (all rows): a whole row of up to 4096 at batch 1
 STATS_ELEMENTS = 4096
-ATTENTION_BLOCK_T = 64
+# Keys a step of an attention partial: 32 keeps its online softmax in registers under Triton 3.6
+# (64: 255 registers and 8 B of stack at 4 warps, sm_90; 3.9 fits either)
+ATTENTION_BLOCK_T = 32
 ARGMAX_BLOCK = 4096       # columns an argmax partial reads (one load: 32 a thread)
 
 
