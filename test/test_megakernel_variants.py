@@ -289,6 +289,18 @@ def test_a_pipelined_aligned_build_takes_the_budgets_k_step():
     assert linear_k_step(b8, tuning=t39, variant=KernelVariant(pipeline=15, aligned=True)) == 32
 
 
+def test_fp8_experts_take_the_same_k_step_under_8_warps():
+    """An FP8 expert tile at the roofline tiling (64 columns, BLOCK_K 128: 64 bytes a step) is 4 KB
+    under Triton 3.6 (8 warps) as under 3.9 (4 warps): 16 bytes a thread at 8 warps, where half of
+    3.6's weight budget made it 2 KB, 8-byte loads (MegakernelTuning.fp8_weight_tile)."""
+    from photon_core.kernels.triton_versions import megakernel_tuning
+    from photon_core.megakernel.kernel import linear_k_step, megakernel_meta
+    meta = megakernel_meta(1, 64, 128, 64, 64, 8, 1024)
+    t36, t39 = megakernel_tuning("3.6.0"), megakernel_tuning("3.9.0")
+    assert linear_k_step(meta, fp8=True, tuning=t36) == linear_k_step(meta, fp8=True, tuning=t39) == 64
+    assert 64 * 64 // (t36.num_warps * 32) == 16
+
+
 def test_shared_memory_bounds_the_programs_an_sm_holds():
     """A build's programs an SM: the tuning's, fewer where its shared memory does not fit them (an
     H100/H200 SM has 228 KB, each block 1 KB of it reserved): aligned+pipe8 under Triton 3.9 (122 KB

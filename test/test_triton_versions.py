@@ -13,7 +13,8 @@ A megakernel compile takes 15-60 s on 2 cores, so each version compiles a repres
   weights: the variant that spilled most there before the per-version launch options) and the
   wide512+aligned build at batch 1 (its K loop's bytes in flight, from the SASS) and the
   unroll8+aligned build with FP8 experts at batch 8 (Moondream 3's streaming build: its expert
-  steps, the tuning table's for 3.4-3.7).
+  steps, the tuning table's for 3.4-3.7), and the default build with FP8 experts at batch 1 (its
+  expert loops' loads).
 * 3.3.1, sm_87 (a Jetson Orin on an older torch): the same per-op kernels and the megakernel in bf16
   at batch 1 (what a 16 GB Orin runs; where 3.3 needs triton_versions' narrower weight tile).
   sm_80 compiles the per-op kernels.
@@ -43,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PER_OP = ["attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge"]
 PLAN = {   # version -> [(cases, targets)]
     "3.6.0": [(PER_OP + ["chained_linear", "chained_attention_partial", "megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned",
-                         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned"], [90])],
+                         "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned", "megakernel_b1_bf16_kvbf16_fp8"],
+               [90])],
     "3.3.1": [(PER_OP + ["chained_linear_orin", "megakernel_b1_bf16"], [87]), (PER_OP, [80])],
 }
 INTERPRETED = "test/test_megakernel_compiler.py::test_compiled_step_equals_the_eager_graph[1-True-tiling0-rms]"
@@ -138,6 +140,19 @@ def test_the_experts_stream_in_the_tables_steps_under_the_gpu_machines_triton(ru
     from photon_core.kernels.triton_versions import megakernel_tuning
     name = "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned@sm_90"
     assert_experts_stream(name, runs["3.6.0"]["cases"][name], megakernel_tuning("3.6.0").fp8_expert_bytes[3])
+
+
+def test_the_default_builds_fp8_experts_load_16_bytes_under_the_gpu_machines_triton(runs):
+    """Triton 3.6, batch 1, the default (plain loop) build with FP8 experts: the expert tasks' K loops
+    load 16 bytes a thread (LDG.E.128, SASS) and spill nothing in a trip. Their weight tile was half
+    of the 8-warp weight budget, 2 KB over 256 threads: 8-byte loads (issue 38's list of 3.6 defects;
+    MegakernelTuning.fp8_weight_tile)."""
+    from photon_core.kernels.sass_loops import expert_loops
+    rec = runs["3.6.0"]["cases"]["megakernel_b1_bf16_kvbf16_fp8@sm_90"]
+    loops = expert_loops(rec["k_loops"])
+    assert {lp["task"] for lp in loops} == {"_task_moe_up", "_task_moe_down"}, rec["k_loops"]
+    for lp in loops:
+        assert set(lp["loads"]) == {"LDG.E.128"} and lp["local"] == 0, lp
 
 
 def test_the_chained_kernels_chain_under_the_gpu_machines_triton_and_compile_without_gdc(runs):

@@ -60,6 +60,10 @@ class MegakernelTuning:
     linear_tile: int = 8192
     weight_tile: int = 8192
     attn_tile: int = 4096
+    # An FP8 expert task's weight tile (bytes = elements), held as bytes and decoded floats at once:
+    # half of weight_tile at 4 warps (8192 whole spilled at batch 1). Under 8 warps it stays 4096, not
+    # half of theirs: 2048 bytes over 256 threads loaded 8 bytes a thread (no 128-bit load, PTX 3.6).
+    fp8_weight_tile: int = 4096
     # Bytes of an expert's weight row an expert task's K loop streams a step in the streaming
     # builds (aligned variants), at batch 1, 2, 4 and 8, for 16-bit experts and for FP8 ones (0:
     # the plain loop; kernel.expert_loop). At 32 columns 512 bytes a row is 16 KB a program a trip.
@@ -88,7 +92,8 @@ _MEGAKERNEL: tuple[tuple[tuple[int, int], MegakernelTuning], ...] = (
     # 3.3 as 3.4-3.7 (there the 64 x 128 weight tile spilled on sm_90 too: fp32 ~290 B, bf16 160 B,
     # FP8 experts 520 B; a 4K-element product at batch 8 instead of 8K spilled 4-40 B), and 64 keys
     # x 64 left bf16 at batch 1 on the edge (0 or 8 B, by what the process compiled before): 32 keys
-    # leave room. The roofline tiling at batch 8 still spills (fp32: 80 B).
+    # leave room. The roofline tiling at batch 8 still spills (fp32: 80 B). The FP8 weight tile of
+    # 4096 leaves 16 B of stack on sm_90 outside any K loop, none on sm_87.
     (OLDEST, MegakernelTuning(num_warps=8, programs_per_sm=1, weight_tile=4096, attn_tile=2048,
                               expert_bytes=(512,) * 4, fp8_expert_bytes=(512,) * 4)),
 )

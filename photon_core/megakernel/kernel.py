@@ -67,9 +67,10 @@ ERR_RANGE: tl.constexpr = tl.constexpr(_ERR_RANGE)
 # heads) runs more, shorter steps. The interpreter has no registers to spare: there the tiles stay
 # as tiled (a shorter step only costs it time; test_megakernel_tile_budgets.py sets small budgets).
 _BUDGET = megakernel_tuning() if not interpreting() else MegakernelTuning(linear_tile=1 << 30, weight_tile=1 << 30,
-                                                                          attn_tile=1 << 30)
+                                                                          attn_tile=1 << 30, fp8_weight_tile=1 << 30)
 LINEAR_TILE: tl.constexpr = tl.constexpr(_BUDGET.linear_tile)
 WEIGHT_TILE: tl.constexpr = tl.constexpr(_BUDGET.weight_tile)
+FP8_WEIGHT_TILE: tl.constexpr = tl.constexpr(_BUDGET.fp8_weight_tile)
 ATTN_TILE: tl.constexpr = tl.constexpr(_BUDGET.attn_tile)
 # Elements of x a batch-1 row-statistics finale reads a trip; above batch 1 each row reads
 # STATS_TILE / BLOCK_M, at most 2 x BLOCK_K, at least BLOCK_K (Tiling(): 128 a row at batch 2-8;
@@ -417,11 +418,12 @@ def _linear_acc(row, w_ptr, s_ptr, ln_eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     ALIGNED: tl.constexpr = LOOP // 16777216 % 2
     # FP8 tiles take half the K step: a byte tile decoded to fp32 holds the bytes and the floats at
     # once, and at batch 1 (BLOCK_K 128) the full step spills registers (ptxas -v); for the same
-    # reason they get half of the budgets. A step keeps the product and the weight tile within
+    # reason they get half of the product budget, and a weight tile of their own (fp8_weight_tile:
+    # 16 bytes a thread at 8 warps too). A step keeps the product and the weight tile within
     # them, and at least 16 elements (the weights' alignment, see k1w).
     BK0: tl.constexpr = BLOCK_K // 2 if FP8 else BLOCK_K
     FIT_MNK: tl.constexpr = LINEAR_TILE // (BLOCK_M * BLOCK_N) // (2 if FP8 else 1)
-    FIT_NK: tl.constexpr = WEIGHT_TILE // BLOCK_N // (2 if FP8 else 1)
+    FIT_NK: tl.constexpr = (FP8_WEIGHT_TILE if FP8 else WEIGHT_TILE) // BLOCK_N
     FIT: tl.constexpr = FIT_MNK if FIT_MNK <= FIT_NK else FIT_NK
     # A pipelined loop of 16-byte loads (PIPE with ALIGNED) stages its later steps' tiles in shared
     # memory, not registers: it takes the budgets' widest step, up to 256 (block_k 64 gave it 4 KB a
@@ -1922,7 +1924,7 @@ def linear_k_step(meta: dict[str, int], fp8: bool = False, tuning: MegakernelTun
     budget = tuning or _BUDGET
     bk0 = meta["BLOCK_K"] // 2 if fp8 else meta["BLOCK_K"]
     fit = min(budget.linear_tile // (meta["BLOCK_M"] * meta["BLOCK_N"]) // (2 if fp8 else 1),
-              budget.weight_tile // meta["BLOCK_N"] // (2 if fp8 else 1))
+              (budget.fp8_weight_tile if fp8 else budget.weight_tile) // meta["BLOCK_N"])
     v = variant or KernelVariant()
     if v.pipeline and v.aligned and not (v.unroll or v.dot or v.wide or fp8):
         bk0 = max(bk0, min(fit, 256))
