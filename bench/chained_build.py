@@ -14,10 +14,11 @@ dependent launch in a CUDA graph, which nothing here has measured (0.5, 1 and 2 
 Work: a linear's programs stream their weights two tiles ahead, a trip of the fitted cost model's
 k_step (0.81 us, an H200 HBM trip under load as the megakernel saw it) per step when the programs
 fit the GPU at once, and never faster than their bytes at 80% of 4.8 TB/s; plus an L2 trip (the
-fitted l2, 0.76 us) for x and one for a fused norm's statistics. Attention: the row's keys in 64-key
-steps over its splits, a trip each, then the merge's L2 trip. Everything else (the step's begin,
-embeds, appends, gates, norms, argmax's two stages): two L2 trips. Left to torch (MoE, Moondream 3's
-tau appends) or to the unchained per-op kernels with torch glue (Qwen 3.5's recurrences): not
+fitted l2, 0.76 us) for x and one for a fused norm's statistics. MoE (Moondream 3's FP8 experts):
+its two launches stream the chosen experts the same way, with an L2 trip each for the routing.
+Attention: the row's keys in 32-key steps over its splits, a trip each, then the merge's L2 trip.
+Everything else (the step's begin, embeds, appends, gates, norms, argmax's two stages): two L2
+trips. Left to the unchained per-op kernels with torch glue (Qwen 3.5's recurrences): not
 predicted (marked).
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ SMS, PROGRAMS_PER_SM, BANDWIDTH, EFFICIENCY = 132, 4, 4.8e12, 0.8
 GAPS_US = (0.5, 1.0, 2.0)
 # the step's other launches: kernels/chained.py's count per node (argmax: its two stages)
 LAUNCHES = {"linear": 1, "attention": 2, "embed": 1, "kv_append": 1, "glu": 1, "mul": 1, "act": 1,
-            "add_norm": 1, "layer_norm": 1, "rms_norm": 1, "argmax": 2}
+            "add_norm": 1, "layer_norm": 1, "rms_norm": 1, "argmax": 2, "moe": 2}
 # run by the per-op Triton kernels (kernels/conv.py, kernels/delta_rule.py) and torch glue, not chained
 UNCHAINED = {"conv_step", "delta_rule"}
 PEERS_US = {"Moondream 2": 2981, "Whisper tiny.en": 365}   # transformers in one CUDA graph, H200, 2026-12-04
@@ -54,13 +55,29 @@ def models() -> list:
     return out + ([md3] if md3 is not None else [])
 
 
+def stream_s(programs: int, trips: int, nbytes: int) -> float:
+    """Seconds of `programs` each streaming `trips` weight tiles two ahead (half an HBM trip a step),
+    never faster than their bytes at EFFICIENCY of the bandwidth."""
+    waves = math.ceil(programs / (SMS * PROGRAMS_PER_SM))
+    return max(waves * (trips + 1) * FITTED.k_step / 2, nbytes / (BANDWIDTH * EFFICIENCY))
+
+
 def linear_us(n: int, k: int, fused_norm: bool) -> float:
     _, bn, bk = chained.linear_blocks(1, n, k, 2, 2 * SMS)
-    programs, trips = math.ceil(n / bn), math.ceil(k / bk)
-    waves = math.ceil(programs / (SMS * PROGRAMS_PER_SM))
-    stream = waves * (trips + 1) * FITTED.k_step / 2          # two tiles ahead: half a trip a step
-    bytes_s = n * k * 2 / (BANDWIDTH * EFFICIENCY)
-    return (max(stream, bytes_s) + FITTED.l2 * (2 if fused_norm else 1)) * 1e6
+    return (stream_s(math.ceil(n / bn), math.ceil(k / bk), n * k * 2) + FITTED.l2 * (2 if fused_norm else 1)) * 1e6
+
+
+def moe_us(node, g) -> float:
+    """Experts up (each program routes its row from the logits, an L2 trip, then streams gate and up
+    tiles of its expert) and down (the pairs' experts and weights from L2, then K x F of each
+    output block), the chosen experts' bytes at 1 (FP8) or 2 bytes a weight."""
+    _, f2, d = g.weight_shapes[node.args["gate_up"]]
+    f, k = f2 // 2, node.args["top_k"]
+    unit = 1 if node.args["gate_up_scale"] else 2
+    bf, bd, bn, bfd = chained.moe_blocks(k, f, 1, d, 2 * SMS, unit)
+    up = stream_s(k * math.ceil(f / bf), math.ceil(d / bd), k * f2 * d * unit)
+    down = stream_s(math.ceil(d / bn), k * math.ceil(f / bfd), k * d * f * unit)
+    return (up + down + 2 * FITTED.l2) * 1e6
 
 
 def attention_us(node, context: int) -> float:
@@ -96,6 +113,8 @@ def analyse(model, context: int = 1024) -> dict:
             work += linear_us(n, k, id(node) in fused)
         elif node.op == "attention":
             work += attention_us(node, context)
+        elif node.op == "moe":
+            work += moe_us(node, g)
         else:
             work += 2 * FITTED.l2 * 1e6
     floor = (g.weight_bytes(2) + roofline.state_bytes(g, context)) / BANDWIDTH * 1e6

@@ -227,6 +227,106 @@ def test_rotary_append_with_head_norms(q_w, k_w, v):
         close(vc[r, :, pos[r]].float(), want_v[r], 4e-3)
 
 
+def test_rotary_append_with_tau():
+    """Moondream 3's tau: query head h times t[h] + p_h, value head h times t[Hq + h] + p_h, with
+    p_h = sigmoid(alpha_h log(pos + 1)) + 0.5 at each row's own position; k unscaled; before rotary
+    (the megakernel's ops/kv_append.reference)."""
+    M, hq, h, dh, T, dims = 3, 4, 2, 16, 40, 16
+    qkv = torch.randn(M, (hq + 2 * h) * dh)
+    pos, rot_pos = torch.tensor([0, 5, 31]), torch.tensor([0, 5, 31])
+    cos, sin = torch.randn(40, dims // 2), torch.randn(40, dims // 2)
+    t, alpha = torch.tanh(torch.randn(M, 2 * hq)), torch.randn(hq)
+    kc, vc = torch.zeros(M, h, T, dh), torch.zeros(M, h, T, dh)
+    q = chained.rotary_append(qkv, hq, kc, vc, pos, rot_pos, cos, sin, dims, False, True, pdl=False,
+                              tau=chained.Tau(t, alpha))
+    heads = qkv.view(M, -1, dh)
+    p = torch.sigmoid(alpha[None] * torch.log(pos.float() + 1)[:, None]) + 0.5      # [M, hq]
+
+    def rotate(x):
+        c, s = cos[rot_pos][:, None], sin[rot_pos][:, None]
+        x1, x2 = x[..., :dims // 2], x[..., dims // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    close(q, rotate(heads[:, :hq] * (t[:, :hq] + p)[..., None]).reshape(M, -1))
+    want_k, want_v = rotate(heads[:, hq:hq + h]), heads[:, hq + h:] * (t[:, hq:hq + h] + p[:, :h])[..., None]
+    for r in range(M):
+        close(kc[r, :, pos[r]], want_k[r])
+        close(vc[r, :, pos[r]], want_v[r])
+
+
+def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn rows, fp32 row scales) of w [E, rows, k] (each row's largest at 448)."""
+    scale = w.abs().amax(-1).clamp_min(1e-6) / 448.0
+    return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def moe_reference(x, logits, gu, dn, top_k, act, up_offset, renorm, residual):
+    """backends.reference's routing, each (row, slot) applied in fp32 and summed in slot order."""
+    from photon_core.backends import reference as ref
+    weights, ids = ref.moe_route(logits, top_k, renorm)
+    f = dn.shape[-1]
+    y = torch.zeros(x.shape[0], dn.shape[1])
+    for r in range(x.shape[0]):
+        for s in range(top_k):
+            e = int(ids[r, s])
+            g = gu[e].float() @ x[r]
+            y[r] += weights[r, s] * (dn[e].float() @ (ACTS[act](g[:f]) * (g[f:] + up_offset)))
+    return y if residual is None else y + residual
+
+
+@pytest.mark.parametrize("experts", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("rows, top_k, renorm, programs", [(1, 2, True, 0), (3, 3, False, 0), (2, 4, True, 64)])
+def test_moe(experts, rows, top_k, renorm, programs):
+    """Each row's top_k of 6 experts (ties in the logits: the lower id first), their gated MLPs
+    weighted and summed, + residual; gate_up rows padded as the arena pads them; bf16 experts take
+    x rounded to bf16; FP8 experts decoded with their row scales (W = bytes.float() x scale).
+    programs 64: the GPU's block sizes (several F and D blocks, steps walking across slots)."""
+    E, D, F_ = 6, 48, 40
+    x, logits, residual = torch.randn(rows, D), torch.randn(rows, E), torch.randn(rows, D)
+    logits[0, 1] = logits[0, 4]       # a tie: expert 1 ranks first
+    gu = torch.randn(E, 2 * F_, D + 16)[:, :, :D] / 4
+    dn = torch.randn(E, D, F_) / 4
+    scales = None
+    if experts == "bf16":
+        gu, dn = gu.bfloat16(), dn.bfloat16()
+        ref_x = x.bfloat16().float()
+    elif experts == "fp8":
+        (gq, gs), (dq, ds) = to_fp8(gu), to_fp8(dn)
+        gu, dn, scales = gq, dq, (gs, ds)
+        ref_x = x
+    else:
+        ref_x = x
+    y = chained.moe(x, logits, gu, dn, top_k, ACT_GELU_TANH, 0.5, renorm, residual, pdl=False, programs=programs,
+                    scales=scales)
+    gu_ref = gu.float() * scales[0][..., None] if scales else gu.float()
+    dn_ref = dn.float() * scales[1][..., None] if scales else dn.float()
+    want = moe_reference(ref_x, logits, gu_ref, dn_ref, top_k, ACT_GELU_TANH, 0.5, renorm, residual)
+    close(y, want, 1e-5 if experts != "bf16" else 1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")    # the interpreter's numpy on the NaN row
+def test_moe_nan_logits_read_only_real_experts():
+    """A row whose router logits hold NaN still reads experts inside the table (one past it would
+    read past the weights: on a GPU an illegal address), and its output is NaN (the row is refused
+    downstream); the other rows are exact."""
+    E, D, F_ = 4, 32, 16
+    x, logits = torch.randn(2, D), torch.randn(2, E)
+    logits[1] = float("nan")
+    gu, dn = torch.randn(E, 2 * F_, D), torch.randn(E, D, F_)
+    y = chained.moe(x, logits, gu, dn, 2, ACT_SILU, 0.0, True, None, pdl=False)
+    assert y[1].isnan().all()
+    close(y[:1], moe_reference(x[:1], logits[:1], gu, dn, 2, ACT_SILU, 0.0, True, None))
+
+
+def test_moe_blocks_reach_the_programs_asked_for():
+    """Moondream 3's FP8 experts at batch 1 on a 132-SM GPU (264 programs): 8 pairs x 64 feature
+    blocks of 16 up, 2048 / 8 output blocks down (no fewer than 8 outputs a program); up steps of
+    MOE_UP_TILE elements, down steps of MOE_DOWN_TILE_BYTES (bf16: half the elements)."""
+    up_f, up_d, dn_n, dn_f = chained.moe_blocks(8, 1024, 1, 2048, 264, 1)
+    assert (up_f, dn_n) == (16, 8) and 8 * 1024 // up_f >= 264 and 2048 // dn_n < 264
+    assert up_f * up_d == chained.MOE_UP_TILE and dn_n * dn_f == chained.MOE_DOWN_TILE_BYTES
+    assert chained.moe_blocks(8, 1024, 1, 2048, 264, 2)[3] == dn_f // 2
+
+
 @pytest.mark.parametrize("advance", [False, True])
 def test_argmax_and_the_step_begin(advance):
     """The picks over columns [c0, c1) of rows of several partials: the first of tied largest values

@@ -68,7 +68,8 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "chained_gated", "chained_norm",
                  "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
-                 "chained_add_norm", "chained_linear_orin_sm87",
+                 "chained_add_norm", "chained_linear_orin_sm87", "chained_rotary_append_tau", "chained_moe_up",
+                 "chained_moe_up_bf16", "chained_moe_down",
                  "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87",
                  "megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87",
                  "megakernel_b1_bf16_kvbf16_n32_k64_t32_d64_sm80"):
@@ -86,7 +87,8 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
     for name in ("chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8", "chained_gated",
                  "chained_norm", "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
-                 "chained_add_norm"):
+                 "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16",
+                 "chained_moe_down"):
         ptx = compiled[name]["ptx"]
         wait, go = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert 0 < wait < go, name
@@ -95,6 +97,15 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
         assert before == weights_first.get(name, set()), (name, before)
         assert compiled[name]["stack"] == 0, name
     assert "griddepcontrol" not in compiled["chained_linear_orin_sm87"]["ptx"]
+
+
+def test_chained_experts_stream_16_byte_loads(compiled):
+    """Moondream 3's experts on the chained build (kernels/chained.moe at its batch-1 blocks): FP8
+    bytes and bf16 weights load 16 bytes a thread (never a byte at a time), nothing spills."""
+    for name in ("chained_moe_up", "chained_moe_up_bf16", "chained_moe_down"):
+        ptx = compiled[name]["ptx"]
+        assert "ld.global.v4.b32" in ptx and not re.search(r"ld\.global(\.\w+)*\.[bu]8", ptx), name
+        assert_no_spills(name, compiled[name])
 
 
 # PTX properties of a megakernel build, shared with test_triton_versions.py (every supported Triton).

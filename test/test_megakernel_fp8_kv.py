@@ -16,7 +16,8 @@ import triton.language as tl  # noqa: E402
 
 from photon_core.megakernel import CompiledStep, Rotary, StepGraph, Tiling, run_reference  # noqa: E402
 from photon_core.megakernel.compiler import plan  # noqa: E402
-from photon_core.megakernel.kernel import bf16_rne, fp8_e4m3_over_256  # noqa: E402
+from photon_core.kernels.fp8 import fp8_e4m3_over_256  # noqa: E402
+from photon_core.megakernel.kernel import bf16_rne  # noqa: E402
 from photon_core.megakernel.memory import step_memory  # noqa: E402
 
 RTOL = 1e-4

@@ -328,3 +328,27 @@ def test_fp8_experts_in_a_bf16_step_time_the_streaming_build_which_computes_the_
     step.set_step(rows.tokens, rows.positions)
     engine_choice.same_as_plain(step, streaming, tolerance=1e-5)
     assert step.kernel_for(None).variant.name() == streaming
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fp8_experts_on_the_chained_per_op_build_compute_the_plain_per_op_builds_values(pair, batch):
+    """The per-op engine's chained build runs Moondream 3's experts as kernels/chained.moe (FP8 bytes
+    decoded in the kernel with their row scales, only the chosen experts read) and its tau appends
+    as the chained rotary append: on a step with FP8 experts (the other weights fp32, so that no
+    build rounds: bf16's rounding alone moves L1's tau by ~1.5e-2 between any two builds) it
+    computes what the plain per-op build (torch's float8 conversion, batched GEMVs) does within
+    1e-5 of each value's largest, the same picks."""
+    from photon_core.gpu_proof.build import fill
+    from photon_core.megakernel import engine_choice
+    from photon_core.megakernel.graph_family import make_rows
+    _, fast = pair
+    step = md3.Moondream3DecoderMegakernel(fast.text_w, fast.region_w, fast.config, batch, 32, STEP_TILING,
+                                           weight_dtype=torch.float32)
+    assert step.plan.fp8
+    rows = make_rows(batch, fast.config.text.vocab_size, (4, 3))
+    fill(step, rows, seed=7)
+    step.scrub_nonfinite()
+    step.set_step(rows.tokens, rows.positions)
+    engine_choice.same_as_plain(step, "chained", tolerance=1e-5, engine="perop")
+    ops = {n.op for n in step.graph_def.nodes if id(n) in step.kernel_for(None).chained}
+    assert {"moe", "kv_append"} <= ops

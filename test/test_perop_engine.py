@@ -65,10 +65,10 @@ def start(fam, step, seed: int = 3):
 
 
 # What each family's chained build runs as Triton kernels (at least; Qwen 3.5's recurrences as the
-# per-op kernels, unchained): Moondream 3's appends with tau and MoE stay on the reference.
+# per-op kernels, unchained).
 CHAINED_OPS = {"whisper-tiny.en": {"embed", "linear", "layer_norm", "kv_append", "attention"},
                "moondream2": {"linear", "layer_norm", "kv_append", "attention"},
-               "moondream3": {"linear", "layer_norm", "act", "attention"},
+               "moondream3": {"linear", "layer_norm", "act", "kv_append", "attention", "moe"},
                "qwen3-asr-0.6b": {"embed", "linear", "rms_norm", "glu", "kv_append", "attention"},
                "qwen3.5-0.8b": {"embed", "linear", "rms_norm", "glu", "mul", "kv_append", "attention", "conv_step",
                                 "delta_rule"},

@@ -27,8 +27,12 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 * gated_kernel: act(a) * b elementwise: a GLU's halves, a gate times a value's slice, or act(a).
 * add_norm_kernel: x + an RMSNorm of z over chunks of its columns, scaled (Gemma 4's post-norms).
 * rotary_append_kernel: one (row, head) of a fused q|k|v a program: per-head RMSNorms (Qwen3's,
-  Gemma 4's), rotary on q and k heads (half-split over the first `dims`), q out, k and v into the
-  caches at the row's slot (NaN and infinities stored as 0, as the torch build stores them).
+  Gemma 4's) or tau's factors (Moondream 3's), rotary on q and k heads (half-split over the first
+  `dims`), q out, k and v into the caches at the row's slot (NaN and infinities stored as 0, as the
+  torch build stores them).
+* moe_up_kernel + moe_down_kernel: a mixture of experts at decode (Moondream 3's): each program
+  routes its row itself (top-k of the router's logits) and streams the chosen expert's rows (bf16,
+  fp32, or FP8 bytes decoded in registers with their row scales); only chosen experts are read.
 * step_begin_kernel, embed_kernel, argmax_partial_kernel + argmax_kernel: a step's first launches
   (its device tokens and positions clamped into their tables, the token embeddings) and its last
   (the picks, the next token and position of each row, the launch's error word), where the plain
@@ -48,6 +52,7 @@ import triton.language as tl
 
 from photon_core.kernels import new_output
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
+from photon_core.kernels.fp8 import FP8_UNSCALE, fp8_e4m3_over_256
 from photon_core.kernels.linear import apply_activation
 
 try:   # Triton 3.4+
@@ -251,16 +256,17 @@ def norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, eps, offset,
 
 
 @triton.jit
-def _head(x_ptr, n_ptr, cos_ptr, sin_ptr, DH, HALF, NORM, eps, offset, ROTARY: tl.constexpr,
+def _head(x_ptr, n_ptr, cos_ptr, sin_ptr, DH, HALF, NORM, eps, offset, mult, ROTARY: tl.constexpr,
           HEAD_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head's DH values: RMSNorm over them (NORM 1: scaled by offset + n; 2: no scale) where
-    HEAD_NORM and NORM, then rotary on the first 2 x HALF (pairs (i, i + HALF)) where ROTARY."""
+    """One head's DH values times `mult` (tau's factor; 1 without), RMSNorm over them (NORM 1:
+    scaled by offset + n; 2: no scale) where HEAD_NORM and NORM, then rotary on the first 2 x HALF
+    (pairs (i, i + HALF)) where ROTARY."""
     dd = tl.arange(0, BLOCK_D)
-    x = tl.load(x_ptr + dd, mask=dd < DH, other=0.0)
+    x = tl.load(x_ptr + dd, mask=dd < DH, other=0.0) * mult
     partner = tl.where(dd < HALF, dd + HALF, dd - HALF)
     rot = dd < 2 * HALF
     if ROTARY:
-        xp = tl.load(x_ptr + partner, mask=rot, other=0.0)
+        xp = tl.load(x_ptr + partner, mask=rot, other=0.0) * mult
     if HEAD_NORM:
         r = tl.where(NORM != 0, 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DH + eps), 1.0)
         # n_ptr is a valid buffer at least DH long even where NORM != 1 (then unused)
@@ -278,30 +284,44 @@ def _head(x_ptr, n_ptr, cos_ptr, sin_ptr, DH, HALF, NORM, eps, offset, ROTARY: t
 
 
 @triton.jit
+def _tau(t_ptr, alpha_ptr, pos, h):
+    """Moondream 3's tau factor of head h: t[h] + sigmoid(alpha[h] x log(pos + 1)) + 0.5."""
+    z = tl.load(alpha_ptr + h) * tl.log(pos.to(tl.float32) + 1.0)
+    return tl.load(t_ptr) + 1.0 / (1.0 + tl.exp(-z)) + 0.5
+
+
+@triton.jit
 def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-                         HQ, H, DH, HALF, QKV_W, RING, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, QN, KN, VN, eps, offset,
-                         ROTARY: tl.constexpr, HEAD_NORM: tl.constexpr, APPEND: tl.constexpr,
-                         BF16_CACHE: tl.constexpr, PDL: tl.constexpr, BLOCK_D: tl.constexpr):
+                         t_ptr, alpha_ptr, HQ, H, DH, HALF, QKV_W, RING, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, QN, KN, VN,
+                         eps, offset, ROTARY: tl.constexpr, HEAD_NORM: tl.constexpr, TAU: tl.constexpr,
+                         APPEND: tl.constexpr, BF16_CACHE: tl.constexpr, PDL: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (row b, head j): j < HQ the query head j, else K/V head j - HQ. Per-head norms
-    (HEAD_NORM: QN / KN / VN 0 none, 1 scaled by offset + its weight, 2 unscaled) before rotary."""
+    (HEAD_NORM: QN / KN / VN 0 none, 1 scaled by offset + its weight, 2 unscaled) before rotary;
+    TAU: query head h and value head h scaled by _tau (t [rows, 2 x HQ]: q's factors, then v's)."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < DH
     _after_previous(PDL)
     src = qkv_ptr + b * QKV_W + j * DH
+    pos = tl.load(pos_ptr + b).to(tl.int64)
     r = 0
     if ROTARY:
         r = tl.load(rpos_ptr + b).to(tl.int64) * HALF
     if j < HQ:
-        x = _head(src, qn_ptr, cos_ptr + r, sin_ptr + r, DH, HALF, QN, eps, offset, ROTARY, HEAD_NORM, BLOCK_D)
+        mult = 1.0
+        if TAU:
+            mult = _tau(t_ptr + b * 2 * HQ + j, alpha_ptr, pos, j)
+        x = _head(src, qn_ptr, cos_ptr + r, sin_ptr + r, DH, HALF, QN, eps, offset, mult, ROTARY, HEAD_NORM, BLOCK_D)
         tl.store(q_ptr + b * HQ * DH + j * DH + dd, x, mask=dmask)
     elif APPEND:
         h = j - HQ
-        x = _head(src, kn_ptr, cos_ptr + r, sin_ptr + r, DH, HALF, KN, eps, offset, ROTARY, HEAD_NORM, BLOCK_D)
-        pos = tl.load(pos_ptr + b).to(tl.int64)
+        x = _head(src, kn_ptr, cos_ptr + r, sin_ptr + r, DH, HALF, KN, eps, offset, 1.0, ROTARY, HEAD_NORM, BLOCK_D)
         slot = tl.where(RING > 0, pos % tl.maximum(RING, 1), pos)
-        v = _head(qkv_ptr + b * QKV_W + (HQ + H + h) * DH, kn_ptr, cos_ptr, sin_ptr, DH, HALF, VN, eps, 0.0,
+        mult = 1.0
+        if TAU:
+            mult = _tau(t_ptr + b * 2 * HQ + HQ + h, alpha_ptr, pos, h)
+        v = _head(qkv_ptr + b * QKV_W + (HQ + H + h) * DH, kn_ptr, cos_ptr, sin_ptr, DH, HALF, VN, eps, 0.0, mult,
                   False, HEAD_NORM, BLOCK_D)
         # NaN and infinities stored as 0, as nan_to_num(0, 0, 0) (perop_engine._kv_append says why)
         x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
@@ -380,6 +400,151 @@ def add_norm_kernel(x_ptr, z_ptr, w_ptr, sw_ptr, y_ptr, W, CHUNK, eps, offset, s
     z = tl.load(z_ptr + at, mask=mask, other=0.0)
     zn = z / tl.sqrt(tl.sum(z * z, axis=0) / CHUNK + eps) * w
     tl.store(y_ptr + at, (tl.load(x_ptr + at, mask=mask, other=0.0) + zn) * scale * sw, mask=mask)
+
+
+@triton.jit
+def _route(logit_ptr, E, K, slot, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, weight) of a row's `slot`-th choice among its E router logits: the top K by repeated
+    argmax (equal logits: the lower id first, as moe_route's stable sort), weighted by its softmax
+    probability (RENORM: over the K chosen). A NaN logit ranks as -inf, so the id is always an
+    expert's (one past the table would read past the weights); its weight is then NaN, which
+    poisons the row's output and the row is refused downstream."""
+    ee = tl.arange(0, BLOCK_E)
+    emask = ee < E
+    logits = tl.load(logit_ptr + ee, mask=emask, other=float("-inf"))
+    p = tl.where(emask, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    rank = tl.where(logits == logits, logits, float("-inf"))
+    taken = ~emask
+    pick = 0
+    mine = 0.0
+    chosen = 0.0
+    for s in range(K):
+        cand = tl.where(taken, float("-inf"), rank)
+        best = tl.max(cand, axis=0)
+        i = tl.min(tl.where(~taken & (cand == best), ee, BLOCK_E), axis=0)
+        ps = tl.sum(tl.where(ee == i, p, 0.0), axis=0)
+        chosen += ps
+        pick = tl.where(s == slot, i, pick)
+        mine = tl.where(s == slot, ps, mine)
+        taken = taken | (ee == i)
+    if RENORM:
+        mine = mine / chosen
+    else:
+        mine = mine / tl.sum(p, axis=0)
+    return pick, mine
+
+
+@triton.jit
+def _weights(w_ptr, rows, cmask, kk, D):
+    """An expert's [rows, kk] weight tile as loaded (FP8: its bytes)."""
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) + kk[None, :], mask=cmask[:, None] & (kk < D)[None, :],
+                   other=0)
+
+
+@triton.jit
+def _weights_f32(w, FP8: tl.constexpr):
+    """A loaded tile's values in fp32 (FP8: 2^-8 of them; the caller scales the sums back)."""
+    if FP8:
+        return fp8_e4m3_over_256(w)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def moe_up_kernel(x_ptr, logit_ptr, w_ptr, s_ptr, h_ptr, id_ptr, rw_ptr, D, F, E, K, stride_e, stride_w, up_offset,
+                  ACT: tl.constexpr, FP8: tl.constexpr, ROUND_X: tl.constexpr, RENORM: tl.constexpr,
+                  PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (pair = row x K + slot, feature block): the row's slot-th expert e (_route, from
+    the router's logits), then BLOCK_F features of h = act(G_e x) * (U_e x + up_offset) over D in
+    BLOCK_D steps, gate and up tiles streamed two steps ahead. The first feature block writes the
+    pair's expert and weight for moe_down_kernel. Nothing is loaded before the wait: which rows
+    of which expert to read is the router's output. Bytes: 2 x BLOCK_F x D of the expert (its
+    dtype), x from L2."""
+    pair = tl.program_id(0).to(tl.int64)
+    fb = tl.program_id(1)
+    row, slot = pair // K, pair % K
+    ff = fb * BLOCK_F + tl.arange(0, BLOCK_F)
+    dd = tl.arange(0, BLOCK_D)
+    fmask = ff < F
+    _after_previous(PDL)
+    e, weight = _route(logit_ptr + row * E, E, K, slot, RENORM, BLOCK_E)
+    if fb == 0:
+        tl.store(id_ptr + pair, e)
+        tl.store(rw_ptr + pair, weight)
+    g_rows = ff.to(tl.int64) * stride_w + e.to(tl.int64) * stride_e
+    u_rows = g_rows + F * stride_w
+    g = _weights(w_ptr, g_rows, fmask, dd, D)
+    u = _weights(w_ptr, u_rows, fmask, dd, D)
+    g1 = _weights(w_ptr, g_rows, fmask, BLOCK_D + dd, D)
+    u1 = _weights(w_ptr, u_rows, fmask, BLOCK_D + dd, D)
+    idx = ff[:, None] * 0 + dd[None, :]     # x in the tiles' layout (linear_kernel's _row_tile)
+    x = tl.load(x_ptr + row * D + idx, mask=idx < D, other=0.0)
+    acc_g = tl.zeros((BLOCK_F, BLOCK_D), tl.float32)
+    acc_u = tl.zeros((BLOCK_F, BLOCK_D), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        g2 = _weights(w_ptr, g_rows, fmask, d0 + 2 * BLOCK_D + dd, D)
+        u2 = _weights(w_ptr, u_rows, fmask, d0 + 2 * BLOCK_D + dd, D)
+        x_next = tl.load(x_ptr + row * D + idx + d0 + BLOCK_D, mask=idx + d0 + BLOCK_D < D, other=0.0)
+        if ROUND_X:
+            x = round_bf16(x)
+        acc_g += x * _weights_f32(g, FP8)
+        acc_u += x * _weights_f32(u, FP8)
+        x = x_next
+        g, g1 = g1, g2
+        u, u1 = u1, u2
+    gs = tl.sum(acc_g, axis=1)
+    us = tl.sum(acc_u, axis=1)
+    if FP8:
+        scales = s_ptr + e.to(tl.int64) * 2 * F
+        gs *= tl.load(scales + ff, mask=fmask, other=0.0) * FP8_UNSCALE
+        us *= tl.load(scales + F + ff, mask=fmask, other=0.0) * FP8_UNSCALE
+    tl.store(h_ptr + pair * F + ff, apply_activation(gs, ACT) * (us + up_offset), mask=fmask)
+
+
+@triton.jit
+def _down_tile(w_ptr, id_ptr, row, K, i, steps, nn, nmask, ff, F, stride_e, stride_w, FP8: tl.constexpr,
+               BLOCK_F: tl.constexpr):
+    """Step i of a row's walk over (slot, F step): the slot's expert's [BLOCK_N, BLOCK_F] tile of
+    its down rows nn (none past the walk's last step)."""
+    slot = tl.minimum(i // steps, K - 1)
+    e = tl.load(id_ptr + row * K + slot).to(tl.int64)
+    kk = (i % steps) * BLOCK_F + ff
+    live = nmask & (nn * 0 + i < K * steps)
+    return _weights(w_ptr, nn.to(tl.int64) * stride_w + e * stride_e, live, kk, F)
+
+
+@triton.jit
+def moe_down_kernel(h_ptr, id_ptr, rw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, D, F, K, stride_e, stride_w,
+                    FP8: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_F: tl.constexpr):
+    """Program (row, output block): y[row, nn] = sum over the row's K slots, in order, of weight x
+    (Down_e h_slot)[nn] (+ the residual), walking (slot, F step) as one loop so the weight tiles
+    stream two steps ahead across slots; each slot's routing weight is folded into its h, an FP8
+    expert's row scales into its tile. Bytes: K x BLOCK_N x F of the experts, h from L2."""
+    row = tl.program_id(0).to(tl.int64)
+    nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ff = tl.arange(0, BLOCK_F)
+    nmask = nn < D
+    _after_previous(PDL)
+    steps = tl.cdiv(F, BLOCK_F)
+    w = _down_tile(w_ptr, id_ptr, row, K, 0, steps, nn, nmask, ff, F, stride_e, stride_w, FP8, BLOCK_F)
+    w1 = _down_tile(w_ptr, id_ptr, row, K, 1, steps, nn, nmask, ff, F, stride_e, stride_w, FP8, BLOCK_F)
+    idx = nn[:, None] * 0 + ff[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_F), tl.float32)
+    for i in range(0, K * steps):
+        w2 = _down_tile(w_ptr, id_ptr, row, K, i + 2, steps, nn, nmask, ff, F, stride_e, stride_w, FP8, BLOCK_F)
+        slot = i // steps
+        f0 = (i % steps) * BLOCK_F
+        h = tl.load(h_ptr + (row * K + slot) * F + f0 + idx, mask=f0 + idx < F, other=0.0)
+        wv = _weights_f32(w, FP8)
+        if FP8:
+            e = tl.load(id_ptr + row * K + slot).to(tl.int64)
+            wv = wv * (tl.load(s_ptr + e * D + nn, mask=nmask, other=0.0) * FP8_UNSCALE)[:, None]
+        acc += wv * (h * tl.load(rw_ptr + row * K + slot))
+        w, w1 = w1, w2
+    y = tl.sum(acc, axis=1)
+    if HAS_RES:
+        y += tl.load(r_ptr + row * D + nn, mask=nmask, other=0.0)
+    tl.store(y_ptr + row * D + nn, y, mask=nmask)
 
 
 @triton.jit
@@ -476,6 +641,12 @@ STATS_ELEMENTS = 4096
 # Keys a step of an attention partial: 32 keeps its online softmax in registers under Triton 3.6
 # (64: 255 registers and 8 B of stack at 4 warps, sm_90; 3.9 fits either)
 ATTENTION_BLOCK_T = 32
+# Elements of an expert's weight tile a MoE up step loads (a gate and an up tile): at 4 warps 16
+# bytes a thread of FP8 (one 128-bit load), 32 of bf16; three steps in flight a program
+MOE_UP_TILE = 2048
+# Bytes of a MoE down step's tile: 32 a thread, so a program's walk over K slots x F takes half the
+# trips 2048 elements of FP8 took (Moondream 3: 16 of 8 x 512; 136 registers, no spill, sm_90)
+MOE_DOWN_TILE_BYTES = 4096
 ARGMAX_BLOCK = 4096       # columns an argmax partial reads (one load: 32 a thread)
 
 
@@ -562,6 +733,60 @@ def add_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, offs
     return y
 
 
+def moe_blocks(pairs: int, F: int, rows: int, D: int, programs: int, elem_bytes: int) -> tuple[int, int, int, int]:
+    """(BLOCK_F, BLOCK_D) of moe_up_kernel and (BLOCK_N, BLOCK_F) of moe_down_kernel: output blocks
+    from 64 down to 8 while the programs would not reach `programs` (0: the interpreter's few, large
+    programs), the reduction steps filling MOE_UP_TILE elements and MOE_DOWN_TILE_BYTES."""
+    if not programs:
+        return (min(128, triton.next_power_of_2(F)), min(512, triton.next_power_of_2(D)),
+                min(128, triton.next_power_of_2(D)), min(512, triton.next_power_of_2(F)))
+    up, down = 64, 64
+    while up > 8 and pairs * triton.cdiv(F, up) < programs:
+        up //= 2
+    while down > 8 and rows * triton.cdiv(D, down) < programs:
+        down //= 2
+    return (up, max(16, min(MOE_UP_TILE // up, triton.next_power_of_2(D))),
+            down, max(16, min(MOE_DOWN_TILE_BYTES // (elem_bytes * down), triton.next_power_of_2(F))))
+
+
+def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, act: int,
+        up_offset: float, renormalize: bool, residual: torch.Tensor | None, pdl: bool, programs: int = 0,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The step graph's moe for x [M, D] fp32 contiguous: each row's top_k experts by its router
+    logits [M, E], sum of weight x down_e(act(gate_e x) * (up_e x + up_offset)) (+ residual). gate_up
+    [E, 2F, D] and down [E, D, F] with unit stride along their last dim (rows may be padded); fp32
+    or bf16 (x then rounded to bf16), or float8_e4m3fn with `scales` ([E, 2F] and [E, D] fp32:
+    W_e = W_e.float() x its row's scale). Two launches: experts up (routing in each program), then
+    down."""
+    M, D = x.shape
+    E, F2, _ = gate_up.shape
+    F = F2 // 2
+    fp8 = scales is not None
+    if (tuple(gate_up.shape) != (E, 2 * F, D) or tuple(down.shape) != (E, D, F) or gate_up.stride(2) != 1
+            or down.stride(2) != 1 or tuple(logits.shape) != (M, E) or not 1 <= top_k <= E
+            or fp8 != (gate_up.dtype == torch.float8_e4m3fn)
+            or (scales is not None and (tuple(scales[0].shape) != (E, 2 * F) or tuple(scales[1].shape) != (E, D)))):
+        raise ValueError(f"chained moe: x {tuple(x.shape)}, logits {tuple(logits.shape)}, gate_up "
+                         f"{tuple(gate_up.shape)} {gate_up.dtype}, down {tuple(down.shape)}, top {top_k}, "
+                         f"scales {None if scales is None else [tuple(t.shape) for t in scales]}")
+    wgu, wd = (gate_up.view(torch.uint8), down.view(torch.uint8)) if fp8 else (gate_up, down)
+    sgu, sd = scales if scales is not None else (x, x)
+    pairs = M * top_k
+    bf, bd, bn, bfd = moe_blocks(pairs, F, M, D, programs, gate_up.element_size())
+    h = new_output((pairs, F), x.device, torch.float32)
+    ids = new_output((pairs,), x.device, torch.int32)
+    rw = new_output((pairs,), x.device, torch.float32)
+    y = new_output((M, D), x.device, torch.float32)
+    _launch(moe_up_kernel, (pairs, triton.cdiv(F, bf)), pdl, x, logits.float().contiguous(), wgu, sgu, h, ids, rw,
+            D, F, E, top_k, wgu.stride(0), wgu.stride(1), float(up_offset), ACT=act, FP8=fp8,
+            ROUND_X=gate_up.dtype == torch.bfloat16, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E),
+            BLOCK_F=bf, BLOCK_D=bd)
+    _launch(moe_down_kernel, (M, triton.cdiv(D, bn)), pdl, h, ids, rw, wd, sd, y if residual is None else residual,
+            y, D, F, top_k, wd.stride(0), wd.stride(1), FP8=fp8, HAS_RES=residual is not None, BLOCK_N=bn,
+            BLOCK_F=bfd)
+    return y
+
+
 def norm(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float, rms: bool,
          offset: float, pdl: bool) -> torch.Tensor:
     """LayerNorm (rms False) or RMSNorm of each row of x [M, N] fp32 contiguous, scaled by
@@ -583,25 +808,37 @@ class HeadNorm(NamedTuple):
     offset: float = 0.0
 
 
+class Tau(NamedTuple):
+    """Moondream 3's tau scaling: t [rows, 2 x Hq] fp32 contiguous (tanh of its projection: the
+    query heads' factors, then the value heads'), alpha [Hq] fp32."""
+    t: torch.Tensor
+    alpha: torch.Tensor
+
+
 def rotary_append(qkv: torch.Tensor, hq: int, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                   rot_pos: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None, dims: int,
-                  ring: bool, append: bool, pdl: bool, head_norm: HeadNorm | None = None) -> torch.Tensor:
-    """q [M, hq x Dh] from a fused q|k|v [M, *] (per-head norms where given, then rotary over the
-    first `dims` of each q and k head at rot_pos where cos/sin are given); with `append`, k and v
-    written into the [M, H, T, Dh] caches at slot pos (pos % T for a ring)."""
+                  ring: bool, append: bool, pdl: bool, head_norm: HeadNorm | None = None,
+                  tau: Tau | None = None) -> torch.Tensor:
+    """q [M, hq x Dh] from a fused q|k|v [M, *] (tau's factors, or per-head norms, where given, then
+    rotary over the first `dims` of each q and k head at rot_pos where cos/sin are given); with
+    `append`, k and v written into the [M, H, T, Dh] caches at slot pos (pos % T for a ring)."""
     M, H, T, dh = k_cache.shape
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("chained rotary_append: a cache's head dim must be contiguous")
+    if tau is not None and (tuple(tau.t.shape) != (M, 2 * hq) or not tau.t.is_contiguous() or tau.alpha.numel() < hq):
+        raise ValueError(f"chained rotary_append: tau t {tuple(tau.t.shape)}, alpha {tuple(tau.alpha.shape)} "
+                         f"for {M} rows of {hq} heads")
     q = new_output((M, hq * dh), qkv.device, torch.float32)
     rotary, hn = cos is not None, head_norm
     flags = (0, 0, 0) if hn is None else (int(hn.q is not None), int(hn.k is not None), 2 * int(hn.v))
     _launch(rotary_append_kernel, (M, hq + (H if append else 0)), pdl, qkv, q, k_cache, v_cache, pos,
             rot_pos if rotary else pos, cos if rotary else q, sin if rotary else q,
             q if hn is None or hn.q is None else hn.q, q if hn is None or hn.k is None else hn.k,
+            q if tau is None else tau.t, q if tau is None else tau.alpha,
             hq, H, dh, dims // 2, qkv.stride(0), T if ring else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
             *flags, 0.0 if hn is None else hn.eps, 0.0 if hn is None else float(hn.offset),
-            ROTARY=rotary, HEAD_NORM=hn is not None, APPEND=append, BF16_CACHE=k_cache.dtype == torch.bfloat16,
-            BLOCK_D=triton.next_power_of_2(dh))
+            ROTARY=rotary, HEAD_NORM=hn is not None, TAU=tau is not None, APPEND=append,
+            BF16_CACHE=k_cache.dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(dh))
     return q
 
 

@@ -55,6 +55,13 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, HQ="i32", GROUP="i32", DH="i32",
                    S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32", sk_h="i32", sv_b="i32",
                    sv_h="i32")
+    ch_rot = dict(qkv_ptr=P, q_ptr=P, kc_ptr=B16, vc_ptr=B16, pos_ptr="*i64", rpos_ptr="*i64", cos_ptr=P, sin_ptr=P,
+                  qn_ptr=P, kn_ptr=P, t_ptr=P, alpha_ptr=P, HQ="i32", H="i32", DH="i32", HALF="i32", QKV_W="i32",
+                  RING="i32", sk_b="i32", sk_h="i32", sk_t="i32", sv_b="i32", sv_h="i32", sv_t="i32", QN="i32",
+                  KN="i32", VN="i32", eps="fp32", offset="fp32")
+    ch_up = dict(x_ptr=P, logit_ptr=P, w_ptr="*u8", s_ptr=P, h_ptr=P, id_ptr="*i32", rw_ptr=P, D="i32", F="i32",
+                 E="i32", K="i32", stride_e="i32", stride_w="i32", up_offset="fp32")
+    ch_up_c = dict(ACT=1, RENORM=True, PDL=True, BLOCK_E=64, BLOCK_F=16, BLOCK_D=128)
     chained_cases = {
         "chained_linear": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True)),
         "chained_linear_norm": (chained.linear_kernel, ch_lin,
@@ -72,14 +79,20 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_norm": (chained.norm_kernel, dict(x_ptr=P, w_ptr=P, b_ptr=P, y_ptr=P, N="i32", eps="fp32",
                                                    offset="fp32"),
                          dict(HAS_WEIGHT=True, HAS_BIAS=True, RMS=False, PDL=True, BLOCK_N=2048)),
-        "chained_rotary_append": (chained.rotary_append_kernel,
-                                  dict(qkv_ptr=P, q_ptr=P, kc_ptr=B16, vc_ptr=B16, pos_ptr="*i64", rpos_ptr="*i64",
-                                       cos_ptr=P, sin_ptr=P, qn_ptr=P, kn_ptr=P, HQ="i32", H="i32", DH="i32",
-                                       HALF="i32", QKV_W="i32", RING="i32", sk_b="i32", sk_h="i32", sk_t="i32",
-                                       sv_b="i32", sv_h="i32", sv_t="i32", QN="i32", KN="i32", VN="i32", eps="fp32",
-                                       offset="fp32"),
-                                  dict(ROTARY=True, HEAD_NORM=True, APPEND=True, BF16_CACHE=True, PDL=True,
-                                       BLOCK_D=128)),
+        "chained_rotary_append": (chained.rotary_append_kernel, ch_rot,
+                                  dict(ROTARY=True, HEAD_NORM=True, TAU=False, APPEND=True, BF16_CACHE=True,
+                                       PDL=True, BLOCK_D=128)),
+        "chained_rotary_append_tau": (chained.rotary_append_kernel, ch_rot,
+                                      dict(ROTARY=True, HEAD_NORM=False, TAU=True, APPEND=True, BF16_CACHE=True,
+                                           PDL=True, BLOCK_D=64)),
+        # Moondream 3's experts at batch 1 on an H100/H200 (chained.moe_blocks at 264 programs): FP8
+        # bytes (and bf16), up 16 features x 128 a step, down 8 outputs x 512 a step
+        "chained_moe_up": (chained.moe_up_kernel, ch_up, dict(ch_up_c, FP8=True, ROUND_X=False)),
+        "chained_moe_up_bf16": (chained.moe_up_kernel, dict(ch_up, w_ptr=B16), dict(ch_up_c, FP8=False, ROUND_X=True)),
+        "chained_moe_down": (chained.moe_down_kernel,
+                             dict(h_ptr=P, id_ptr="*i32", rw_ptr=P, w_ptr="*u8", s_ptr=P, r_ptr=P, y_ptr=P, D="i32",
+                                  F="i32", K="i32", stride_e="i32", stride_w="i32"),
+                             dict(FP8=True, HAS_RES=True, PDL=True, BLOCK_N=8, BLOCK_F=512)),
         "chained_step_begin": (chained.step_begin_kernel,
                                dict(dyn_ptr="*i32", tok_ptr="*i64", pos_ptr="*i64", rot_ptr="*i64", cross_ptr="*i64",
                                     bad_ptr="*i32", B="i32", POS_ROWS="i32", ROT_ROWS="i32", TOK_ROWS="i32"),
@@ -166,12 +179,14 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "lstm_cell", "chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8",
           "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention_partial",
           "chained_attention_merge", "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
-          "chained_add_norm")
+          "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16", "chained_moe_down")
 # Arguments a launch specialises as multiples of 16 (pointers from torch, sizes and strides of real
 # models: Triton's JIT does it at run time), where a kernel's vector loads depend on it.
 PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) for k in ("chained_linear", "chained_linear_norm",
                                                                "chained_linear_n8", "chained_linear_b8",
-                                                               "chained_linear_orin")}
+                                                               "chained_linear_orin")} | {
+    "chained_moe_up": (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12), "chained_moe_up_bf16": (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12),
+    "chained_moe_down": (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11)}
 _MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d+|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_tiles|_lspans|_[ntdk]\d+)*)$")
 
 

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
+from photon_core.kernels.fp8 import FP8_UNSCALE, fp8_e4m3_over_256
 from photon_core.kernels.linear import apply_activation
 from photon_core.kernels.triton_versions import (MegakernelTuning, check_supported, interpreting, megakernel_options,
                                                  megakernel_tuning)
@@ -190,22 +191,6 @@ LTILES = 1 << 26
 def _f32(bits):
     """A float constant the compiler stored as its fp32 bit pattern in the int64 task table."""
     return bits.to(tl.int32).to(tl.float32, bitcast=True)
-
-
-# FP8 e4m3 bytes decode to (value * 2^-8) exactly (fp8_e4m3_over_256); the scale epilogue puts it back.
-FP8_UNSCALE: tl.constexpr = tl.constexpr(256.0)
-
-
-@triton.jit
-def fp8_e4m3_over_256(b):
-    """float8_e4m3fn bytes (any integer type) -> their values times 2^-8, as fp32, with integer ops
-    and an fp16 conversion, so one path serves every GPU (Triton's fp8e4nv needs sm_89+; Orin is
-    sm_87) and the interpreter. e4m3's sign | 4-bit exponent | 3-bit mantissa placed as fp16's
-    sign | low 4 exponent bits | top 3 mantissa bits is the same number with exponent bias 15
-    instead of 7: exact for every finite value, subnormals included (NaN bytes decode as 480/256)."""
-    b = b.to(tl.uint16)
-    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

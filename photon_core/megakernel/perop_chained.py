@@ -106,9 +106,12 @@ def _kv_append(e, node: Node) -> torch.Tensor:
     hn = a["norm"]
     norm = None if hn is None else chained.HeadNorm(None if hn.q is None else e.weights[hn.q],
                                                     None if hn.k is None else e.weights[hn.k], hn.v, hn.eps, hn.offset)
+    tau = a["tau"]
+    if tau is not None:
+        tau = chained.Tau(e.val(tau.value).float().contiguous(), e.weights[tau.alpha])
     return chained.rotary_append(e.val(a["qkv"]).float().contiguous(), node.value.width // dh, e.cache(a["k"]),
                                  e.cache(a["v"]), e.pos, e.rot_pos, cos, sin, 0 if rot is None else rot.dims,
-                                 a["k"].spec.ring, a["append"], e.kernel.pdl, norm)
+                                 a["k"].spec.ring, a["append"], e.kernel.pdl, norm, tau)
 
 
 def _attention(e, node: Node) -> torch.Tensor:
@@ -121,8 +124,18 @@ def _attention(e, node: Node) -> torch.Tensor:
                              e.kernel.pdl)
 
 
+def _moe(e, node: Node) -> torch.Tensor:
+    """Moondream 3's experts: only the chosen ones read, FP8 ones as bytes with their row scales."""
+    a = node.args
+    scales = None if a["gate_up_scale"] is None else (e.weights[a["gate_up_scale"]], e.weights[a["down_scale"]])
+    res = None if a["residual"] is None else e.val(a["residual"]).float().contiguous()
+    return chained.moe(e.val(a["x"]).float().contiguous(), e.val(a["logits"]), e.weights[a["gate_up"]],
+                       e.weights[a["down"]], a["top_k"], _act(a["act"]), a["up_offset"], a["renormalize"], res,
+                       e.kernel.pdl, e.kernel.programs, scales)
+
+
 CHAINED = {"embed": _embed, "linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _glu,
            "mul": _mul, "act": _act_node, "add_norm": _add_norm, "kv_append": _kv_append, "attention": _attention,
-           "conv_step": _conv_step, "delta_rule": _delta_rule}
+           "conv_step": _conv_step, "delta_rule": _delta_rule, "moe": _moe}
 
 __all__ = ["CHAINED"]

@@ -371,11 +371,10 @@ def _chained_ops(graph: Any, nodes: list[Node], observed: set[str]) -> tuple[dic
     """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner (None:
     a LayerNorm or RMSNorm that is not observed and whose every reader among `nodes` is a chained
     linear's input, which those linears apply themselves), and those linears' norm nodes (argmax:
-    _argmax_chained). Qwen 3.5's recurrences run as the per-op Triton kernels with torch glue, MoE
-    and Moondream 3's appends with tau as in the plain build; a chain of programmatic launches
-    restarts after each."""
+    _argmax_chained). Qwen 3.5's recurrences run as the per-op Triton kernels with torch glue (a
+    chain of programmatic launches restarts after each)."""
     from photon_core.megakernel.perop_chained import CHAINED
-    runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED and _chainable(n)}
+    runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED}
     here = {id(n) for n in nodes}
     fused: dict[int, Node] = {}
     for n in nodes:
@@ -387,13 +386,6 @@ def _chained_ops(graph: Any, nodes: list[Node], observed: set[str]) -> tuple[dic
             fused.update({id(c): n for c in readers})
             runners[id(n)] = None
     return runners, fused
-
-
-def _chainable(node: Node) -> bool:
-    a = node.args
-    if node.op == "kv_append":       # Moondream 3's tau takes the reference
-        return a["tau"] is None
-    return True
 
 
 __all__ = ["PerOpKernel", "REFERENCE_OPS", "OWN", "VARIANTS", "rounds_outputs"]
