@@ -292,6 +292,13 @@ def case_moe_route(B):
         assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
         assert ids[0, 0] == 2 and (k == 1 or ids[0, 1] == 5)
         close(w, want_w)
+    # a NaN logit: every id still names an expert (a GPU kernel reading one past the table faults),
+    # the row's weights are NaN (its output too: refused downstream), the other rows as ever
+    logits = torch.randn(2, 64)
+    logits[1, 3] = float("nan")
+    w, ids = B.moe_route(logits, 8, True)
+    assert ((ids >= 0) & (ids < 64)).all() and w[1].isnan().all()
+    assert torch.equal(ids[0], ref.moe_route(logits, 8, True)[1][0])
 
 
 @case

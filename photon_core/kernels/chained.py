@@ -54,6 +54,7 @@ from photon_core.kernels import new_output
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
 from photon_core.kernels.fp8 import FP8_UNSCALE, fp8_e4m3_over_256
 from photon_core.kernels.linear import apply_activation
+from photon_core.kernels.moe import route_top_k
 
 try:   # Triton 3.4+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -403,38 +404,6 @@ def add_norm_kernel(x_ptr, z_ptr, w_ptr, sw_ptr, y_ptr, W, CHUNK, eps, offset, s
 
 
 @triton.jit
-def _route(logit_ptr, E, K, slot, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(expert, weight) of a row's `slot`-th choice among its E router logits: the top K by repeated
-    argmax (equal logits: the lower id first, as moe_route's stable sort), weighted by its softmax
-    probability (RENORM: over the K chosen). A NaN logit ranks as -inf, so the id is always an
-    expert's (one past the table would read past the weights); its weight is then NaN, which
-    poisons the row's output and the row is refused downstream."""
-    ee = tl.arange(0, BLOCK_E)
-    emask = ee < E
-    logits = tl.load(logit_ptr + ee, mask=emask, other=float("-inf"))
-    p = tl.where(emask, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    rank = tl.where(logits == logits, logits, float("-inf"))
-    taken = ~emask
-    pick = 0
-    mine = 0.0
-    chosen = 0.0
-    for s in range(K):
-        cand = tl.where(taken, float("-inf"), rank)
-        best = tl.max(cand, axis=0)
-        i = tl.min(tl.where(~taken & (cand == best), ee, BLOCK_E), axis=0)
-        ps = tl.sum(tl.where(ee == i, p, 0.0), axis=0)
-        chosen += ps
-        pick = tl.where(s == slot, i, pick)
-        mine = tl.where(s == slot, ps, mine)
-        taken = taken | (ee == i)
-    if RENORM:
-        mine = mine / chosen
-    else:
-        mine = mine / tl.sum(p, axis=0)
-    return pick, mine
-
-
-@triton.jit
 def _weights(w_ptr, rows, cmask, kk, D):
     """An expert's [rows, kk] weight tile as loaded (FP8: its bytes)."""
     return tl.load(w_ptr + rows[:, None].to(tl.int64) + kk[None, :], mask=cmask[:, None] & (kk < D)[None, :],
@@ -452,9 +421,10 @@ def _weights_f32(w, FP8: tl.constexpr):
 @triton.jit
 def moe_up_kernel(x_ptr, logit_ptr, w_ptr, s_ptr, h_ptr, id_ptr, rw_ptr, D, F, E, K, stride_e, stride_w, up_offset,
                   ACT: tl.constexpr, FP8: tl.constexpr, ROUND_X: tl.constexpr, RENORM: tl.constexpr,
-                  PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (pair = row x K + slot, feature block): the row's slot-th expert e (_route, from
-    the router's logits), then BLOCK_F features of h = act(G_e x) * (U_e x + up_offset) over D in
+                  PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Program (pair = row x K + slot, feature block): the row's slot-th expert e (moe.route_top_k of
+    the router's logits, which the expert tasks share), then BLOCK_F features of h = act(G_e x) * (U_e x + up_offset) over D in
     BLOCK_D steps, gate and up tiles streamed two steps ahead. The first feature block writes the
     pair's expert and weight for moe_down_kernel. Nothing is loaded before the wait: which rows
     of which expert to read is the router's output. Bytes: 2 x BLOCK_F x D of the expert (its
@@ -466,7 +436,10 @@ def moe_up_kernel(x_ptr, logit_ptr, w_ptr, s_ptr, h_ptr, id_ptr, rw_ptr, D, F, E
     dd = tl.arange(0, BLOCK_D)
     fmask = ff < F
     _after_previous(PDL)
-    e, weight = _route(logit_ptr + row * E, E, K, slot, RENORM, BLOCK_E)
+    ids, ws = route_top_k(logit_ptr + row * E, E, K, RENORM, BLOCK_E, BLOCK_K)   # the row's routing, again
+    slots = tl.arange(0, BLOCK_K)
+    e = tl.sum(tl.where(slots == slot, ids, 0), axis=0)
+    weight = tl.sum(tl.where(slots == slot, ws, 0.0), axis=0)
     if fb == 0:
         tl.store(id_ptr + pair, e)
         tl.store(rw_ptr + pair, weight)
@@ -780,7 +753,7 @@ def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torc
     _launch(moe_up_kernel, (pairs, triton.cdiv(F, bf)), pdl, x, logits.float().contiguous(), wgu, sgu, h, ids, rw,
             D, F, E, top_k, wgu.stride(0), wgu.stride(1), float(up_offset), ACT=act, FP8=fp8,
             ROUND_X=gate_up.dtype == torch.bfloat16, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E),
-            BLOCK_F=bf, BLOCK_D=bd)
+            BLOCK_K=triton.next_power_of_2(top_k), BLOCK_F=bf, BLOCK_D=bd)
     _launch(moe_down_kernel, (M, triton.cdiv(D, bn)), pdl, h, ids, rw, wd, sd, y if residual is None else residual,
             y, D, F, top_k, wd.stride(0), wd.stride(1), FP8=fp8, HAS_RES=residual is not None, BLOCK_N=bn,
             BLOCK_F=bfd)

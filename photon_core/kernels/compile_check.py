@@ -61,7 +61,7 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                   KN="i32", VN="i32", eps="fp32", offset="fp32")
     ch_up = dict(x_ptr=P, logit_ptr=P, w_ptr="*u8", s_ptr=P, h_ptr=P, id_ptr="*i32", rw_ptr=P, D="i32", F="i32",
                  E="i32", K="i32", stride_e="i32", stride_w="i32", up_offset="fp32")
-    ch_up_c = dict(ACT=1, RENORM=True, PDL=True, BLOCK_E=64, BLOCK_F=16, BLOCK_D=128)
+    ch_up_c = dict(ACT=1, RENORM=True, PDL=True, BLOCK_E=64, BLOCK_K=8, BLOCK_F=16, BLOCK_D=128)
     chained_cases = {
         "chained_linear": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True)),
         "chained_linear_norm": (chained.linear_kernel, ch_lin,

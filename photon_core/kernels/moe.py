@@ -30,20 +30,23 @@ from photon_core.kernels.linear import apply_activation, linear
 
 
 @triton.jit
-def _route_kernel(logit_ptr, w_ptr, id_ptr, E, K, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def route_top_k(logit_ptr, E, K, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(ids [BLOCK_K] int32, weights [BLOCK_K] fp32) of one row's top K among its E router logits,
+    by repeated argmax (the largest remaining logit; equal logits: the lower id first); weights
+    the chosen softmax probabilities, divided by their sum when RENORM. A NaN logit ranks as -inf,
+    so every id names an expert (one past the table would be read past the weights); the row's
+    weights are then NaN, as the reference's, and poison its output."""
     ee = tl.arange(0, BLOCK_E)
     emask = ee < E
-    logits = tl.load(logit_ptr + row * E + ee, mask=emask, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logit_ptr + ee, mask=emask, other=float("-inf")).to(tl.float32)
     p = tl.where(emask, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    z = tl.sum(p, axis=0)
+    rank = tl.where(logits == logits, logits, float("-inf"))
     taken = ee >= E  # padding lanes can never be chosen
     slots = tl.arange(0, BLOCK_K)
     ids = tl.zeros((BLOCK_K,), tl.int32)
     ws = tl.zeros((BLOCK_K,), tl.float32)
     for slot in range(K):
-        cand = tl.where(taken, float("-inf"), logits)
+        cand = tl.where(taken, float("-inf"), rank)
         best = tl.max(cand, axis=0)
         pick = tl.min(tl.where((cand == best) & (~taken), ee, BLOCK_E), axis=0)
         ids = tl.where(slots == slot, pick, ids)
@@ -52,7 +55,18 @@ def _route_kernel(logit_ptr, w_ptr, id_ptr, E, K, RENORM: tl.constexpr, BLOCK_E:
     if RENORM:
         ws = ws / tl.sum(ws, axis=0)
     else:
-        ws = ws / z
+        ws = ws / tl.sum(p, axis=0)
+    # NaN anywhere makes the softmax NaN (a GPU's max skips NaN, so the chosen weights could not tell)
+    nan = tl.max(tl.where(emask & (logits != logits), 1, 0), axis=0)
+    return ids, tl.where(nan > 0, float("nan"), ws)
+
+
+@triton.jit
+def _route_kernel(logit_ptr, w_ptr, id_ptr, E, K, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ids, ws = route_top_k(logit_ptr + row * E, E, K, RENORM, BLOCK_E, BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
     kmask = slots < K
     tl.store(w_ptr + row * K + slots, ws, mask=kmask)
     tl.store(id_ptr + row * K + slots, ids.to(tl.int64), mask=kmask)
