@@ -16,10 +16,10 @@ k_step (0.81 us, an H200 HBM trip under load as the megakernel saw it) per step 
 fit the GPU at once, and never faster than their bytes at 80% of 4.8 TB/s; plus an L2 trip (the
 fitted l2, 0.76 us) for x and one for a fused norm's statistics. MoE (Moondream 3's FP8 experts):
 its two launches stream the chosen experts the same way, with an L2 trip each for the routing.
+Qwen 3.5's delta rule: a program a value head, its fp32 state's slabs a trip each, twice.
 Attention: the row's keys in 32-key steps over its splits, a trip each, then the merge's L2 trip.
-Everything else (the step's begin, embeds, appends, gates, norms, argmax's two stages): two L2
-trips. Left to the unchained per-op kernels with torch glue (Qwen 3.5's recurrences): not
-predicted (marked).
+Everything else (the step's begin, embeds, appends, gates, norms, the conv step, argmax's two
+stages): two L2 trips.
 """
 from __future__ import annotations
 
@@ -41,9 +41,7 @@ SMS, PROGRAMS_PER_SM, BANDWIDTH, EFFICIENCY = 132, 4, 4.8e12, 0.8
 GAPS_US = (0.5, 1.0, 2.0)
 # the step's other launches: kernels/chained.py's count per node (argmax: its two stages)
 LAUNCHES = {"linear": 1, "attention": 2, "embed": 1, "kv_append": 1, "glu": 1, "mul": 1, "act": 1,
-            "add_norm": 1, "layer_norm": 1, "rms_norm": 1, "argmax": 2, "moe": 2}
-# run by the per-op Triton kernels (kernels/conv.py, kernels/delta_rule.py) and torch glue, not chained
-UNCHAINED = {"conv_step", "delta_rule"}
+            "add_norm": 1, "layer_norm": 1, "rms_norm": 1, "argmax": 2, "moe": 2, "conv_step": 1, "delta_rule": 1}
 PEERS_US = {"Moondream 2": 2981, "Whisper tiny.en": 365}   # transformers in one CUDA graph, H200, 2026-12-04
 
 
@@ -90,6 +88,15 @@ def attention_us(node, context: int) -> float:
     return (max(steps * FITTED.k_step, bytes_s) + FITTED.l2) * 1e6
 
 
+def delta_us(node) -> float:
+    """A gated delta rule step: one program a value head, its [Dk, Dv] fp32 state read in slabs of
+    DELTA_SLAB twice (the prediction, then the update: a trip a slab each) and written once; q, k
+    and the gates from L2 first."""
+    hv, dk, dv = node.args["state"].shape
+    slabs = math.ceil(dk / max(1, min(dk, chained.DELTA_SLAB // dv)))
+    return (stream_s(hv, 2 * slabs, 3 * hv * dk * dv * 4) + FITTED.l2) * 1e6
+
+
 def analyse(model, context: int = 1024) -> dict:
     g = model.graph
     observed = {v.name for v in g.exposed.values()}
@@ -102,7 +109,7 @@ def analyse(model, context: int = 1024) -> dict:
             continue
         if node.op == "input":
             continue
-        if id(node) not in runners or node.op in UNCHAINED:
+        if id(node) not in runners:
             left.append(node.op)
             continue
         if runners[id(node)] is None:           # a norm its readers apply
@@ -115,6 +122,8 @@ def analyse(model, context: int = 1024) -> dict:
             work += attention_us(node, context)
         elif node.op == "moe":
             work += moe_us(node, g)
+        elif node.op == "delta_rule":
+            work += delta_us(node)
         else:
             work += 2 * FITTED.l2 * 1e6
     floor = (g.weight_bytes(2) + roofline.state_bytes(g, context)) / BANDWIDTH * 1e6

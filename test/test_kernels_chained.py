@@ -327,6 +327,42 @@ def test_moe_blocks_reach_the_programs_asked_for():
     assert chained.moe_blocks(8, 1024, 1, 2048, 264, 2)[3] == dn_f // 2
 
 
+@pytest.mark.parametrize("width, act", [(4, "silu"), (2, None)])
+def test_conv_step(width, act):
+    """Qwen 3.5's causal conv at decode: channels x[:, c0:c0 + C] against backends.reference's
+    causal_conv1d over [state; x], the [M, C, W-1] state shifted in place (channel-major)."""
+    from photon_core.backends import reference as ref
+    M, C, c0 = 3, 40, 8
+    x, w = torch.randn(M, c0 + C + 5), torch.randn(C, width)
+    state = torch.randn(M, C, width - 1)
+    want, want_state = ref.causal_conv1d(x[:, None, c0:c0 + C], w, None, state.transpose(1, 2).clone(), act)
+    y = chained.conv_step(x, c0, w, state, {None: ACT_NONE, "silu": ACT_SILU}[act], pdl=False)
+    close(y, want[:, 0])
+    assert torch.equal(state, want_state.transpose(1, 2))
+
+
+@pytest.mark.parametrize("k_heads, dk, dv", [(2, 16, 24), (4, 32, 32)])
+def test_delta_step(k_heads, dk, dv):
+    """Qwen 3.5's Gated DeltaNet at decode: q | k | v and z | b | a columns (from c0) as the step
+    graph lays them out, grouped key heads, a value head width that is not a power of two: against
+    backends.reference (gates, gated_delta_step with q/k L2 norms, rms_norm_gated), the state in place."""
+    from photon_core.backends import reference as ref
+    M, hv, c0, eps = 2, 4, 3, 1e-6
+    x = torch.randn(M, 2 * k_heads * dk + hv * dv)
+    zba = torch.randn(M, c0 + hv * dv + 2 * hv)
+    a_log, dt_bias, norm_w = torch.randn(hv), torch.randn(hv), torch.randn(dv)
+    state = torch.randn(M, hv, dk, dv)
+    q, k, v = x.split([k_heads * dk, k_heads * dk, hv * dv], dim=1)
+    z, b, a = zba[:, c0:c0 + hv * dv], zba[:, c0 + hv * dv:c0 + hv * dv + hv], zba[:, c0 + hv * dv + hv:]
+    g = -a_log.exp() * F.softplus(a + dt_bias)
+    o, want_state = ref.gated_delta_step(q.reshape(M, k_heads, dk), k.reshape(M, k_heads, dk), v.reshape(M, hv, dv),
+                                         g, torch.sigmoid(b), state.clone(), qk_l2norm=True)
+    want = ref.rms_norm_gated(o, z.reshape(M, hv, dv), norm_w, eps).reshape(M, hv * dv)
+    y = chained.delta_step(x, zba, c0, k_heads, a_log, dt_bias, norm_w, eps, state, pdl=False)
+    close(y, want)
+    close(state, want_state)
+
+
 @pytest.mark.parametrize("advance", [False, True])
 def test_argmax_and_the_step_begin(advance):
     """The picks over columns [c0, c1) of rows of several partials: the first of tied largest values

@@ -69,7 +69,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
                  "chained_add_norm", "chained_linear_orin_sm87", "chained_rotary_append_tau", "chained_moe_up",
-                 "chained_moe_up_bf16", "chained_moe_down",
+                 "chained_moe_up_bf16", "chained_moe_down", "chained_conv_step", "chained_delta_step",
                  "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87",
                  "megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87",
                  "megakernel_b1_bf16_kvbf16_n32_k64_t32_d64_sm80"):
@@ -79,16 +79,18 @@ def test_every_kernel_compiles_for_sm90(compiled):
 def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compiled):
     """The per-op engine's chained kernels (kernels/chained.py) under programmatic dependent
     launch: each waits for the launch ahead (griddepcontrol.wait) before any load of a value or
-    cache and any store, then lets the next launch start; the linears and the norms issue their
-    weight loads first (a linear's as 16-byte loads), the others nothing. On sm_87, no PDL."""
+    cache and any store, then lets the next launch start; the linears, the norms and Qwen 3.5's
+    conv and delta rule issue their weight loads first (a linear's as 16-byte loads), the others
+    nothing (an expert's rows depend on the routing). On sm_87, no PDL."""
     weights_first = {"chained_linear": {"ld.global.v4.b32"}, "chained_linear_norm": {"ld.global.v4.b32"},
                      "chained_linear_n8": {"ld.global.v4.b32"}, "chained_linear_b8": {"ld.global.v4.b32"},
-                     "chained_norm": {"ld.global.b32"}, "chained_add_norm": {"ld.global.b32"}}
+                     "chained_norm": {"ld.global.b32"}, "chained_add_norm": {"ld.global.b32"},
+                     "chained_conv_step": {"ld.global.b32"}, "chained_delta_step": {"ld.global.b32"}}
     for name in ("chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8", "chained_gated",
                  "chained_norm", "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
                  "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16",
-                 "chained_moe_down"):
+                 "chained_moe_down", "chained_conv_step", "chained_delta_step"):
         ptx = compiled[name]["ptx"]
         wait, go = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert 0 < wait < go, name

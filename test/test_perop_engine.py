@@ -64,8 +64,7 @@ def start(fam, step, seed: int = 3):
     return rows, caches, inputs
 
 
-# What each family's chained build runs as Triton kernels (at least; Qwen 3.5's recurrences as the
-# per-op kernels, unchained).
+# What each family's chained build runs as its Triton kernels (at least).
 CHAINED_OPS = {"whisper-tiny.en": {"embed", "linear", "layer_norm", "kv_append", "attention"},
                "moondream2": {"linear", "layer_norm", "kv_append", "attention"},
                "moondream3": {"linear", "layer_norm", "act", "kv_append", "attention", "moe"},

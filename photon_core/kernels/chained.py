@@ -30,6 +30,9 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
   Gemma 4's) or tau's factors (Moondream 3's), rotary on q and k heads (half-split over the first
   `dims`), q out, k and v into the caches at the row's slot (NaN and infinities stored as 0, as the
   torch build stores them).
+* conv_step_kernel, delta_step_kernel: Qwen 3.5's Gated DeltaNet at decode (the short conv with its
+  state shifted in place; the gated delta rule per (row, value head) with its gates, state update
+  and gated RMSNorm), the megakernel's task code (kernels/conv.py, kernels/delta_rule.py).
 * moe_up_kernel + moe_down_kernel: a mixture of experts at decode (Moondream 3's): each program
   routes its row itself (top-k of the router's logits) and streams the chosen expert's rows (bf16,
   fp32, or FP8 bytes decoded in registers with their row scales); only chosen experts are read.
@@ -52,6 +55,8 @@ import triton.language as tl
 
 from photon_core.kernels import new_output
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
+from photon_core.kernels.conv import conv_decode_step
+from photon_core.kernels.delta_rule import gated_delta_head
 from photon_core.kernels.fp8 import FP8_UNSCALE, fp8_e4m3_over_256
 from photon_core.kernels.linear import apply_activation
 from photon_core.kernels.moe import route_top_k
@@ -521,6 +526,46 @@ def moe_down_kernel(h_ptr, id_ptr, rw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, D, F, K, 
 
 
 @triton.jit
+def conv_step_kernel(x_ptr, w_ptr, s_ptr, y_ptr, C, X_W, c0, W, ACT: tl.constexpr, PDL: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Program (row b, channel block): Qwen 3.5's causal conv at decode on channels of x[b, c0:]
+    (kernels/conv.conv_decode_step: its [B, C, W-1] state shifted in place); the taps [C, W] are
+    loaded before the wait."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < C
+    jj = tl.arange(0, 8)[None, :]     # W <= 8 (stepgraph.conv_step)
+    taps = tl.load(w_ptr + cols[:, None] * W + jj, mask=cmask[:, None] & (jj < W), other=0.0)
+    _after_previous(PDL)
+    x = tl.load(x_ptr + b * X_W + c0 + cols, mask=cmask, other=0.0)
+    y = conv_decode_step(x, s_ptr + (b * C + cols[:, None]) * (W - 1), taps, jj, cmask, W, ACT, "")
+    tl.store(y_ptr + b * C + cols, y, mask=cmask)
+
+
+@triton.jit
+def delta_step_kernel(x_ptr, zba_ptr, alog_ptr, dtb_ptr, nw_ptr, s_ptr, y_ptr, X_W, Z_W, c0, HK, HV, DK, DV, eps,
+                      PDL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program (row b, value head h): Qwen 3.5's gated delta rule and gated RMSNorm at decode
+    (kernels/delta_rule.gated_delta_head: the head's [DK, DV] fp32 state updated in place), its
+    q, k, v in x[b] (q and k of key head h // (HV / HK)), z, b and a in zba[b, c0:]; the head's
+    a_log, dt_bias and the norm's weight loaded before the wait."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vv = tl.arange(0, BLOCK_V)
+    a_log = tl.load(alog_ptr + h)
+    dt_bias = tl.load(dtb_ptr + h)
+    nw = tl.load(nw_ptr + vv, mask=vv < DV, other=0.0)
+    _after_previous(PDL)
+    j = h // (HV // HK)
+    xr = x_ptr + b * X_W
+    zr = zba_ptr + b * Z_W + c0
+    y = gated_delta_head(xr + j * DK, xr + (HK + j) * DK, xr + 2 * HK * DK + h * DV, zr + h * DV, zr + HV * DV + h,
+                         zr + HV * DV + HV + h, a_log, dt_bias, nw, s_ptr + (b * HV + h) * DK * DV, DK, DV, eps,
+                         BLOCK_K, BLOCK_V, "")
+    tl.store(y_ptr + (b * HV + h) * DV + vv, y, mask=vv < DV)
+
+
+@triton.jit
 def step_begin_kernel(dyn_ptr, tok_ptr, pos_ptr, rot_ptr, cross_ptr, bad_ptr, B, POS_ROWS, ROT_ROWS, TOK_ROWS,
                       PDL: tl.constexpr, BLOCK_B: tl.constexpr):
     """One program: the step's device values (dyn: tokens, positions, cross lengths, rotary offsets;
@@ -620,6 +665,10 @@ MOE_UP_TILE = 2048
 # Bytes of a MoE down step's tile: 32 a thread, so a program's walk over K slots x F takes half the
 # trips 2048 elements of FP8 took (Moondream 3: 16 of 8 x 512; 136 registers, no spill, sm_90)
 MOE_DOWN_TILE_BYTES = 4096
+# Channels a conv step program takes (Qwen 3.5 0.8B's 6144: 24 programs a row)
+CONV_BLOCK = 256
+# Elements of a delta rule state slab a step (Qwen 3.5: 32 x 128, 32 a thread): its K loops' bytes
+DELTA_SLAB = 4096
 ARGMAX_BLOCK = 4096       # columns an argmax partial reads (one load: 32 a thread)
 
 
@@ -757,6 +806,38 @@ def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torc
     _launch(moe_down_kernel, (M, triton.cdiv(D, bn)), pdl, h, ids, rw, wd, sd, y if residual is None else residual,
             y, D, F, top_k, wd.stride(0), wd.stride(1), FP8=fp8, HAS_RES=residual is not None, BLOCK_N=bn,
             BLOCK_F=bfd)
+    return y
+
+
+def conv_step(x: torch.Tensor, c0: int, w: torch.Tensor, state: torch.Tensor, act: int, pdl: bool) -> torch.Tensor:
+    """A causal depthwise conv's decode step on x[:, c0:c0 + C] (x [M, *] fp32 contiguous): taps w
+    [C, W] fp32 contiguous, state [M, C, W-1] fp32 contiguous, shifted in place; fp32 [M, C] out."""
+    M, C, w1 = state.shape
+    if tuple(w.shape) != (C, w1 + 1) or not (w.is_contiguous() and state.is_contiguous()) or w1 + 1 > 8 \
+            or x.shape[0] != M or c0 + C > x.shape[1]:
+        raise ValueError(f"chained conv_step: x {tuple(x.shape)} at {c0}, taps {tuple(w.shape)}, "
+                         f"state {tuple(state.shape)}")
+    y = new_output((M, C), x.device, torch.float32)
+    block = min(CONV_BLOCK, triton.next_power_of_2(C))
+    _launch(conv_step_kernel, (M, triton.cdiv(C, block)), pdl, x, w, state, y, C, x.shape[1], c0, w1 + 1, ACT=act,
+            BLOCK_N=block)
+    return y
+
+
+def delta_step(x: torch.Tensor, zba: torch.Tensor, c0: int, k_heads: int, a_log: torch.Tensor,
+               dt_bias: torch.Tensor, norm_w: torch.Tensor, eps: float, state: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """Gated DeltaNet's decode step (stepgraph.delta_rule): x [M, 2 HK DK + HV DV] = q | k | v,
+    zba [M, *] holding z [HV DV], b [HV], a [HV] from column c0, state [M, HV, DK, DV] updated in
+    place; all fp32 contiguous. fp32 [M, HV DV] out: each head's output RMSNorm'd and gated."""
+    M, hv, dk, dv = state.shape
+    if (x.shape != (M, 2 * k_heads * dk + hv * dv) or zba.shape[0] != M or c0 + hv * (dv + 2) > zba.shape[1]
+            or hv % k_heads or not state.is_contiguous() or norm_w.numel() != dv):
+        raise ValueError(f"chained delta_step: x {tuple(x.shape)}, zba {tuple(zba.shape)} at {c0}, "
+                         f"state {tuple(state.shape)}, {k_heads} key heads")
+    y = new_output((M, hv * dv), x.device, torch.float32)
+    bv = triton.next_power_of_2(dv)
+    _launch(delta_step_kernel, (M, hv), pdl, x, zba, a_log, dt_bias, norm_w, state, y, x.shape[1], zba.shape[1], c0,
+            k_heads, hv, dk, dv, eps, BLOCK_K=max(1, min(triton.next_power_of_2(dk), DELTA_SLAB // bv)), BLOCK_V=bv)
     return y
 
 

@@ -93,6 +93,14 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                              dict(h_ptr=P, id_ptr="*i32", rw_ptr=P, w_ptr="*u8", s_ptr=P, r_ptr=P, y_ptr=P, D="i32",
                                   F="i32", K="i32", stride_e="i32", stride_w="i32"),
                              dict(FP8=True, HAS_RES=True, PDL=True, BLOCK_N=8, BLOCK_F=512)),
+        # Qwen 3.5 0.8B's Gated DeltaNet at decode: 256 channels of the conv, one 128 x 128 head a program
+        "chained_conv_step": (chained.conv_step_kernel, dict(x_ptr=P, w_ptr=P, s_ptr=P, y_ptr=P, C="i32", X_W="i32",
+                                                             c0="i32", W="i32"),
+                              dict(ACT=3, PDL=True, BLOCK_N=chained.CONV_BLOCK)),
+        "chained_delta_step": (chained.delta_step_kernel,
+                               dict(x_ptr=P, zba_ptr=P, alog_ptr=P, dtb_ptr=P, nw_ptr=P, s_ptr=P, y_ptr=P, X_W="i32",
+                                    Z_W="i32", c0="i32", HK="i32", HV="i32", DK="i32", DV="i32", eps="fp32"),
+                               dict(PDL=True, BLOCK_K=chained.DELTA_SLAB // 128, BLOCK_V=128)),
         "chained_step_begin": (chained.step_begin_kernel,
                                dict(dyn_ptr="*i32", tok_ptr="*i64", pos_ptr="*i64", rot_ptr="*i64", cross_ptr="*i64",
                                     bad_ptr="*i32", B="i32", POS_ROWS="i32", ROT_ROWS="i32", TOK_ROWS="i32"),
@@ -179,7 +187,8 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "lstm_cell", "chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8",
           "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention_partial",
           "chained_attention_merge", "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
-          "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16", "chained_moe_down")
+          "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16", "chained_moe_down",
+          "chained_conv_step", "chained_delta_step")
 # Arguments a launch specialises as multiples of 16 (pointers from torch, sizes and strides of real
 # models: Triton's JIT does it at run time), where a kernel's vector loads depend on it.
 PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) for k in ("chained_linear", "chained_linear_norm",

@@ -20,6 +20,23 @@ import triton
 import triton.language as tl
 
 from photon_core.kernels import new_output
+from photon_core.kernels.linear import apply_activation
+
+
+@triton.jit
+def conv_decode_step(x, sbase, taps, jj, cmask, W, act, CACHE: tl.constexpr):
+    """One decode step of a tile of channels, the state shifted in place: x [C_tile] this step's
+    inputs, sbase [C_tile, 1] each channel's W-1 state entries (oldest first, channel-major),
+    taps [C_tile, 8] (W <= 8) at columns jj [1, 8]; y = act(sum_j taps[c, j] xp[c, j]) with xp the
+    state then x (linear.apply_activation's code `act`), returned in fp32. CACHE: the loads'
+    cache modifier (the megakernel's ".cg")."""
+    hist = tl.load(sbase + jj, mask=cmask[:, None] & (jj < W - 1), other=0.0, cache_modifier=CACHE)
+    nxt = tl.load(sbase + jj + 1, mask=cmask[:, None] & (jj < W - 2), other=0.0, cache_modifier=CACHE)
+    y = apply_activation(tl.sum(tl.where(jj == W - 1, x[:, None], hist) * taps, axis=1), act)
+    # Every thread's loads of the old state must land before any thread overwrites it.
+    tl.debug_barrier()
+    tl.store(sbase + jj, tl.where(jj == W - 2, x[:, None], nxt), mask=cmask[:, None] & (jj < W - 1))
+    return y
 
 
 @triton.jit

@@ -45,6 +45,61 @@ def _l2norm_rows(x, L2: tl.constexpr):
 
 
 @triton.jit
+def gated_delta_head(qp, kp, vp, zp, bp, ap, a_log, dt_bias, norm_w, sbase, Dk, Dv, eps,
+                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CACHE: tl.constexpr):
+    """One (row, value head) of a Gated DeltaNet decode step, its state updated in place, and its
+    output: backends.reference.gated_delta_step with qk_l2norm, then rms_norm_gated(o, z). qp, kp,
+    vp, zp: the head's q, k (Dk) and v, z (Dv) values; bp, ap: its beta and a inputs (beta =
+    sigmoid(b), decay = exp(-exp(a_log) softplus(a + dt_bias))); norm_w [BLOCK_V]: the norm's
+    weight, loaded; sbase: its [Dk, Dv] fp32 state. The state streams in [BLOCK_K, Dv] slabs twice:
+    once for S^T k (the rule's prediction), once to write the decayed, corrected state and read
+    o = S^T q from it; each slab is loaded and stored by the same threads (no barrier). CACHE:
+    the values' loads' cache modifier (the megakernel's ".cg": written by other SMs in the same
+    launch). Returns y [BLOCK_V] fp32. Bytes: 3 Dk Dv 4 of state, (2 Dk + 2 Dv) 4 of values."""
+    vv = tl.arange(0, BLOCK_V)
+    vmask = vv < Dv
+    kk = tl.arange(0, BLOCK_K)
+    sq = tl.zeros((BLOCK_K,), tl.float32)
+    sk = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, Dk, BLOCK_K):
+        m = (k0 + kk) < Dk
+        q = tl.load(qp + k0 + kk, mask=m, other=0.0, cache_modifier=CACHE)
+        k = tl.load(kp + k0 + kk, mask=m, other=0.0, cache_modifier=CACHE)
+        sq += q * q
+        sk += k * k
+    # FLA's l2norm (rsqrt(sum + 1e-6)), and q's 1/sqrt(Dk) scale folded into its factor.
+    rq = 1.0 / tl.sqrt(tl.sum(sq, axis=0) + 1e-6) / tl.sqrt(Dk.to(tl.float32))
+    rk = 1.0 / tl.sqrt(tl.sum(sk, axis=0) + 1e-6)
+    beta = tl.sigmoid(tl.load(bp, cache_modifier=CACHE))
+    sp = tl.load(ap, cache_modifier=CACHE) + dt_bias
+    sp = tl.where(sp > 20.0, sp, tl.log(1.0 + tl.exp(tl.minimum(sp, 20.0))))   # softplus, threshold 20
+    decay = tl.exp(-tl.exp(a_log) * sp)
+    kv = tl.zeros((BLOCK_V,), tl.float32)
+    for k0 in range(0, Dk, BLOCK_K):
+        m = (k0 + kk) < Dk
+        k = tl.load(kp + k0 + kk, mask=m, other=0.0, cache_modifier=CACHE) * rk
+        s = tl.load(sbase + (k0 + kk)[:, None] * Dv + vv[None, :], mask=m[:, None] & vmask[None, :], other=0.0,
+                    cache_modifier=CACHE)
+        kv += tl.sum(s * k[:, None], axis=0)
+    v = tl.load(vp + vv, mask=vmask, other=0.0, cache_modifier=CACHE)
+    delta = beta * (v - decay * kv)
+    o = tl.zeros((BLOCK_V,), tl.float32)
+    for k0 in range(0, Dk, BLOCK_K):
+        m = (k0 + kk) < Dk
+        k = tl.load(kp + k0 + kk, mask=m, other=0.0, cache_modifier=CACHE) * rk
+        q = tl.load(qp + k0 + kk, mask=m, other=0.0, cache_modifier=CACHE) * rq
+        sm = m[:, None] & vmask[None, :]
+        addr = sbase + (k0 + kk)[:, None] * Dv + vv[None, :]
+        s = decay * tl.load(addr, mask=sm, other=0.0, cache_modifier=CACHE) + k[:, None] * delta[None, :]
+        tl.store(addr, s, mask=sm)
+        o += tl.sum(s * q[:, None], axis=0)
+    # rms_norm_gated: norm over the head, scale, then silu(z).
+    o = o / tl.sqrt(tl.sum(o * o, axis=0) / Dv + eps) * norm_w
+    z = tl.load(zp + vv, mask=vmask, other=0.0, cache_modifier=CACHE)
+    return o * z * tl.sigmoid(z)
+
+
+@triton.jit
 def _delta_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, ns_ptr, DK, DV, GROUP, scale,
                        L2: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)

@@ -58,11 +58,11 @@ log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parent
 # What lowering runs besides this package: the activation codes it writes into tasks; the
-# per-Triton tuning the kernel is built with (its expert steps among it); and the per-op engine's
-# chained kernels (and the attention and FP8 helpers they share): what an engine choice recorded beside
-# an entry was measured on.
+# per-Triton tuning the kernel is built with (its expert steps among it); the helpers the kernel
+# shares with the per-op engine's chained kernels (attention, FP8, conv, delta rule, routing); and
+# those chained kernels: what an engine choice recorded beside an entry was measured on.
 EXTRA_SOURCES = tuple(PACKAGE.parent / "kernels" / f for f in ("linear.py", "triton_versions.py", "chained.py", "fp8.py",
-                                                                 "attention.py"))
+                                                                 "attention.py", "conv.py", "delta_rule.py", "moe.py"))
 
 
 def cache_dir() -> Path | None:

@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 
 from photon_core.kernels.attention import decode_merge, decode_partial, store_partial
+from photon_core.kernels.conv import conv_decode_step
+from photon_core.kernels.delta_rule import gated_delta_head
 from photon_core.kernels.fp8 import FP8_UNSCALE, fp8_e4m3_over_256
 from photon_core.kernels.linear import apply_activation
 from photon_core.kernels.triton_versions import (MegakernelTuning, check_supported, interpreting, megakernel_options,
@@ -1144,8 +1146,9 @@ def _task_rope_append(row, w_ptr, s_ptr, dyn_ptr, B, eps, BLOCK_D: tl.constexpr,
 @triton.jit
 def _task_conv_step(row, w_ptr, s_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Channels [n0, n1) of a causal depthwise conv, one new input per row: xp = the state's W-1
-    inputs (oldest first) then x; y = act(sum_j w[c, j] * xp[c, j]); the state becomes xp[1:].
-    The state is channel-major [B, C, W-1], so a tile's state is one contiguous span per row.
+    inputs (oldest first) then x; y = act(sum_j w[c, j] * xp[c, j]); the state becomes xp[1:]
+    (kernels/conv.conv_decode_step, as the chained build runs it). The state is channel-major
+    [B, C, W-1], so a tile's state is one contiguous span per row.
     Bytes: C_tile*W weights, M*C_tile*(2W-1) state and values."""
     M = tl.load(row + F_M)
     K = tl.load(row + F_K)
@@ -1167,23 +1170,16 @@ def _task_conv_step(row, w_ptr, s_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     for m in range(0, M):
         sbase = s_ptr + st + (m * C + cols[:, None]).to(tl.int64) * (W - 1)
         x = tl.load(s_ptr + x_off + m * K + c0 + cols, mask=cmask, other=0.0, cache_modifier=CG)
-        hist = tl.load(sbase + jj, mask=cmask[:, None] & (jj < W - 1), other=0.0, cache_modifier=CG)
-        nxt = tl.load(sbase + jj + 1, mask=cmask[:, None] & (jj < W - 2), other=0.0, cache_modifier=CG)
-        y = apply_activation(tl.sum(tl.where(jj == W - 1, x[:, None], hist) * wt, axis=1), act)
-        # Every thread's loads of the old state must land before any thread overwrites it.
-        tl.debug_barrier()
-        tl.store(sbase + jj, tl.where(jj == W - 2, x[:, None], nxt), mask=cmask[:, None] & (jj < W - 1))
+        y = conv_decode_step(x, sbase, wt, jj, cmask, W, act, CG)
         tl.store(s_ptr + out + m * C + cols, y, mask=cmask)
 
 
 @triton.jit
 def _task_delta_step(row, w_ptr, s_ptr, eps, BLOCK_V: tl.constexpr):
-    """(row b, value head h) of the gated delta rule (as backends.reference.gated_delta_step with
-    qk_l2norm), then rms_norm_gated(o, z). The [Dk, Dv] state is streamed in [BLOCK_K, Dv] slabs
-    twice: once for S^T k (the delta rule's prediction), once to write the decayed, corrected
-    state and read o = S^T q from it; each slab is loaded and stored by the same threads, so no
-    barrier is needed. A slab is 1024 elements (8 per thread): the task shares the kernel's register
-    budget with the linear tiles. Bytes: 3*Dk*Dv*4 of state, (2Dk + 2Dv)*4 of values."""
+    """(row b, value head h) of the gated delta rule, then rms_norm_gated(o, z):
+    kernels/delta_rule.gated_delta_head (the per-op engine's chained build runs it too). A state
+    slab is 1024 elements (8 per thread): the task shares the kernel's register budget with the
+    linear tiles."""
     # Not max(): Triton 3.3 compiles max() in a kernel to tl.maximum, a tensor, not a constexpr.
     BLOCK_K: tl.constexpr = 1024 // BLOCK_V if BLOCK_V <= 1024 else 1
     K = tl.load(row + F_K)
@@ -1204,51 +1200,14 @@ def _task_delta_step(row, w_ptr, s_ptr, eps, BLOCK_V: tl.constexpr):
     c0 = tl.load(row + F_k0)
     j = h // (Hv // Hk)
     xr = s_ptr + x_off + b * K
-    qp = xr + j * Dk
-    kp = xr + (Hk + j) * Dk
-    vv = tl.arange(0, BLOCK_V)
-    vmask = vv < Dv
-    kk = tl.arange(0, BLOCK_K)
-    sq = tl.zeros((BLOCK_K,), tl.float32)
-    sk = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, Dk, BLOCK_K):
-        m = (k0 + kk) < Dk
-        q = tl.load(qp + k0 + kk, mask=m, other=0.0, cache_modifier=CG)
-        k = tl.load(kp + k0 + kk, mask=m, other=0.0, cache_modifier=CG)
-        sq += q * q
-        sk += k * k
-    # FLA's l2norm (rsqrt(sum + 1e-6)), and q's 1/sqrt(Dk) scale folded into its factor.
-    rq = 1.0 / tl.sqrt(tl.sum(sq, axis=0) + 1e-6) / tl.sqrt(Dk.to(tl.float32))
-    rk = 1.0 / tl.sqrt(tl.sum(sk, axis=0) + 1e-6)
     zr = s_ptr + zba + b * N + c0
-    beta = tl.sigmoid(tl.load(zr + Hv * Dv + h, cache_modifier=CG))
-    sp = tl.load(zr + Hv * Dv + Hv + h, cache_modifier=CG) + tl.load(w_ptr + dt_bias + h).to(tl.float32)
-    sp = tl.where(sp > 20.0, sp, tl.log(1.0 + tl.exp(tl.minimum(sp, 20.0))))   # softplus, threshold 20
-    decay = tl.exp(-tl.exp(tl.load(w_ptr + a_log + h).to(tl.float32)) * sp)
-    sbase = s_ptr + st + (b * Hv + h).to(tl.int64) * Dk * Dv
-    kv = tl.zeros((BLOCK_V,), tl.float32)
-    for k0 in range(0, Dk, BLOCK_K):
-        m = (k0 + kk) < Dk
-        k = tl.load(kp + k0 + kk, mask=m, other=0.0, cache_modifier=CG) * rk
-        s = tl.load(sbase + (k0 + kk)[:, None] * Dv + vv[None, :], mask=m[:, None] & vmask[None, :], other=0.0,
-                    cache_modifier=CG)
-        kv += tl.sum(s * k[:, None], axis=0)
-    v = tl.load(xr + 2 * Hk * Dk + h * Dv + vv, mask=vmask, other=0.0, cache_modifier=CG)
-    delta = beta * (v - decay * kv)
-    o = tl.zeros((BLOCK_V,), tl.float32)
-    for k0 in range(0, Dk, BLOCK_K):
-        m = (k0 + kk) < Dk
-        k = tl.load(kp + k0 + kk, mask=m, other=0.0, cache_modifier=CG) * rk
-        q = tl.load(qp + k0 + kk, mask=m, other=0.0, cache_modifier=CG) * rq
-        sm = m[:, None] & vmask[None, :]
-        addr = sbase + (k0 + kk)[:, None] * Dv + vv[None, :]
-        s = decay * tl.load(addr, mask=sm, other=0.0, cache_modifier=CG) + k[:, None] * delta[None, :]
-        tl.store(addr, s, mask=sm)
-        o += tl.sum(s * q[:, None], axis=0)
-    # rms_norm_gated: norm over the head, scale, then silu(z).
-    o = o / tl.sqrt(tl.sum(o * o, axis=0) / Dv + eps) * tl.load(w_ptr + norm_w + vv, mask=vmask, other=0.0).to(tl.float32)
-    z = tl.load(zr + h * Dv + vv, mask=vmask, other=0.0, cache_modifier=CG)
-    tl.store(s_ptr + out + (b * Hv + h) * Dv + vv, o * z * tl.sigmoid(z), mask=vmask)
+    vv = tl.arange(0, BLOCK_V)
+    nw = tl.load(w_ptr + norm_w + vv, mask=vv < Dv, other=0.0).to(tl.float32)
+    y = gated_delta_head(xr + j * Dk, xr + (Hk + j) * Dk, xr + 2 * Hk * Dk + h * Dv, zr + h * Dv, zr + Hv * Dv + h,
+                         zr + Hv * Dv + Hv + h, tl.load(w_ptr + a_log + h).to(tl.float32),
+                         tl.load(w_ptr + dt_bias + h).to(tl.float32), nw,
+                         s_ptr + st + (b * Hv + h).to(tl.int64) * Dk * Dv, Dk, Dv, eps, BLOCK_K, BLOCK_V, CG)
+    tl.store(s_ptr + out + (b * Hv + h) * Dv + vv, y, mask=vv < Dv)
 
 
 @triton.jit

@@ -79,19 +79,18 @@ def _add_norm(e, node: Node) -> torch.Tensor:
 
 
 def _conv_step(e, node: Node) -> torch.Tensor:
-    """Qwen 3.5's causal conv step on kernels/conv.py's kernel (an ordinary launch: the chain
-    restarts after it): ops/recurrent's reference on the per-op Triton backend."""
-    from photon_core.backends import triton as tri
-    from photon_core.megakernel.ops.recurrent import conv_reference
-    return conv_reference(e, node, tri)
+    """Qwen 3.5's causal conv step, its state ([B, C, W-1] in the arena) shifted in place."""
+    a = node.args
+    return chained.conv_step(e.val(a["x"]).float().contiguous(), a["c0"], e.weights[a["w"]], e.caches[a["state"].name],
+                             _act(a["act"]), e.kernel.pdl)
 
 
 def _delta_rule(e, node: Node) -> torch.Tensor:
-    """Qwen 3.5's gated delta rule step and its gated RMSNorm on kernels/delta_rule.py's and
-    kernels/norm.py's kernels (ordinary launches; the gates in torch), as _conv_step."""
-    from photon_core.backends import triton as tri
-    from photon_core.megakernel.ops.recurrent import delta_reference
-    return delta_reference(e, node, tri)
+    """Qwen 3.5's gated delta rule step with its gates and gated RMSNorm, the state in place."""
+    a = node.args
+    return chained.delta_step(e.val(a["x"]).float().contiguous(), e.val(a["zba"]).float().contiguous(), a["c0"],
+                              a["k_heads"], e.weights[a["a_log"]], e.weights[a["dt_bias"]], e.weights[a["norm_w"]],
+                              a["eps"], e.caches[a["state"].name], e.kernel.pdl)
 
 
 def _kv_append(e, node: Node) -> torch.Tensor:

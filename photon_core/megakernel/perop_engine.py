@@ -10,11 +10,12 @@ replay of those kernels: that is how transformers decodes Moondream 2 in 2.98 ms
 the megakernel took 7.67 ms (../shared/gpu-runs/h200-2026-12-04). engine_choice.py measures both
 on the user's GPU and keeps the faster.
 
-Two builds (VARIANTS): "plain", the ops as torch's kernels; "chained", the linears (with the
-LayerNorm or RMSNorm they read applied in their own prologue), GLUs and gates, rotary appends and
-decode attention as kernels/chained.py's Triton kernels (perop_chained.py runs them), one launch
-an op, which on sm_90+ start while the launch before them finishes (programmatic dependent
-launch). Its attention reads only a row's keys; its linears' outputs are fp32.
+Two builds (VARIANTS): "plain", the ops as torch's kernels; "chained", every op as
+kernels/chained.py's Triton kernels (perop_chained.py runs them: linears with the LayerNorm or
+RMSNorm they read applied in their own prologue, GLUs and gates, rotary appends, decode attention,
+experts, Qwen 3.5's conv and delta rule), one launch an op, which on sm_90+ start while the launch
+before them finishes (programmatic dependent launch). Its attention reads only a row's keys; its
+linears' outputs are fp32.
 
 Capture-safe: fixed shapes, no host reads. A row's token and position come from dyn; attention
 reads every slot of its caches under a mask of the row's keys (self: positions [0, position] or
@@ -62,8 +63,8 @@ class PerOpKernel:
     def __init__(self, step: Any, results: Iterable[str] | None = None, variant: str = "plain") -> None:
         """step: the compiler.CompiledStep whose buffers it runs on (the compiler makes this
         kernel, so this module does not import it). variant: VARIANTS' "plain" (torch's kernels)
-        or "chained" (linears, norms, rotary appends and attention as kernels/chained.py's
-        Triton kernels, chained by programmatic dependent launch on sm_90+)."""
+        or "chained" (every op as kernels/chained.py's Triton kernels, chained by programmatic
+        dependent launch on sm_90+)."""
         from photon_core.megakernel.layout import needed_nodes
         if variant not in VARIANTS:
             raise ValueError(f"the per-op engine's variants are {VARIANTS}, not {variant!r}")
@@ -371,8 +372,7 @@ def _chained_ops(graph: Any, nodes: list[Node], observed: set[str]) -> tuple[dic
     """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner (None:
     a LayerNorm or RMSNorm that is not observed and whose every reader among `nodes` is a chained
     linear's input, which those linears apply themselves), and those linears' norm nodes (argmax:
-    _argmax_chained). Qwen 3.5's recurrences run as the per-op Triton kernels with torch glue (a
-    chain of programmatic launches restarts after each)."""
+    _argmax_chained). Every node of every family's step has a chained kernel."""
     from photon_core.megakernel.perop_chained import CHAINED
     runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED}
     here = {id(n) for n in nodes}
