@@ -17,7 +17,8 @@ fit the GPU at once, and never faster than their bytes at 80% of 4.8 TB/s; plus 
 fitted l2, 0.76 us) for x and one for a fused norm's statistics. MoE (Moondream 3's FP8 experts):
 its two launches stream the chosen experts the same way, with an L2 trip each for the routing.
 Qwen 3.5's delta rule: a program a value head, its fp32 state's slabs a trip each, twice.
-Attention: the row's keys in 32-key steps over its splits, a trip each, then the merge's L2 trip.
+Attention (one launch): the row's keys in 32-key steps over its splits, a trip each, then the
+last split's merge, an L2 trip.
 Everything else (the step's begin, embeds, appends, gates, norms, the conv step, argmax's two
 stages): two L2 trips.
 """
@@ -40,7 +41,7 @@ from photon_core.megakernel.perop_engine import _chained_ops  # noqa: E402
 SMS, PROGRAMS_PER_SM, BANDWIDTH, EFFICIENCY = 132, 4, 4.8e12, 0.8
 GAPS_US = (0.5, 1.0, 2.0)
 # the step's other launches: kernels/chained.py's count per node (argmax: its two stages)
-LAUNCHES = {"linear": 1, "attention": 2, "embed": 1, "kv_append": 1, "glu": 1, "mul": 1, "act": 1,
+LAUNCHES = {"linear": 1, "attention": 1, "embed": 1, "kv_append": 1, "glu": 1, "mul": 1, "act": 1,
             "add_norm": 1, "layer_norm": 1, "rms_norm": 1, "argmax": 2, "moe": 2, "conv_step": 1, "delta_rule": 1}
 PEERS_US = {"Moondream 2": 2981, "Whisper tiny.en": 365}   # transformers in one CUDA graph, H200, 2026-12-04
 

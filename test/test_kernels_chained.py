@@ -161,36 +161,43 @@ def test_rotary_append(ring, append, dims, dtype):
 def test_attention(case, splits):
     """Each row's keys: positions [lo, n), n = position + 1 (self) or the cross length (clamped to
     the cache), lo = n - window (a ring: the last T positions, slot t % T); a row without keys gives
-    zeros. bf16 caches of a layered cache; the reference a masked softmax in fp32."""
+    zeros. bf16 caches of a layered cache; the reference a masked softmax in fp32. Two launches on
+    one tickets buffer: the last split of each head merges, and leaves its ticket at zero for the next."""
     M, dh, T = 4, 32, 80
     hq, h = (4, 2) if case == "gqa" else (2, 2)
     window = 20 if case in ("window", "ring") else None
     ring = case == "ring"
     if ring:
         T = 20
-    q = torch.randn(M, hq * dh)
     kc, vc = (torch.randn(2, M, h, T, dh).bfloat16() for _ in range(2))
     if case == "cross":
         lengths, self_keys = torch.tensor([5, 0, 200, 77]), False
     else:
         lengths, self_keys = torch.tensor([0, 9, 47 if ring else 63, 79 if not ring else 19]), True
-    got = chained.attention(q, kc[1], vc[1], lengths, self_keys, window, ring, 1 / math.sqrt(dh), pdl=False,
-                            splits=splits)
-    want = torch.zeros(M, hq, dh)
-    for r in range(M):
-        n = int(lengths[r]) + (1 if self_keys else 0)
-        n_cached = n if ring else min(n, T)
-        lo = max(0, n_cached - (window or T + 1), n_cached - T if ring else 0)
-        keys = list(range(lo, n_cached))
-        if not keys:
-            continue
-        slots = torch.tensor([t % T for t in keys])
-        for hh in range(hq):
-            kv = hh // (hq // h)
-            k, v = kc[1, r, kv, slots].float(), vc[1, r, kv, slots].float()
-            p = torch.softmax(k @ q[r, hh * dh:(hh + 1) * dh] / math.sqrt(dh), 0)
-            want[r, hh] = p @ v
-    close(got, want.reshape(M, -1))
+
+    def reference(q):
+        want = torch.zeros(M, hq, dh)
+        for r in range(M):
+            n = int(lengths[r]) + (1 if self_keys else 0)
+            n_cached = n if ring else min(n, T)
+            lo = max(0, n_cached - (window or T + 1), n_cached - T if ring else 0)
+            keys = list(range(lo, n_cached))
+            if not keys:
+                continue
+            slots = torch.tensor([t % T for t in keys])
+            for hh in range(hq):
+                kv = hh // (hq // h)
+                k, v = kc[1, r, kv, slots].float(), vc[1, r, kv, slots].float()
+                p = torch.softmax(k @ q[r, hh * dh:(hh + 1) * dh] / math.sqrt(dh), 0)
+                want[r, hh] = p @ v
+        return want.reshape(M, -1)
+    tickets = torch.zeros(M * hq + 3, dtype=torch.int32)
+    for _ in range(2):
+        q = torch.randn(M, hq * dh)
+        got = chained.attention(q, kc[1], vc[1], lengths, self_keys, window, ring, 1 / math.sqrt(dh), pdl=False,
+                                splits=splits, tickets=tickets)
+        close(got, reference(q))
+        assert not tickets.any()
     assert got[1 if case == "cross" else 0].abs().sum() > 0 or case == "cross"
     if case == "cross":
         assert got[1].abs().sum() == 0          # no cross keys: zeros

@@ -66,7 +66,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "delta_chunk_sm87", "lstm_cell_sm87", "chained_linear", "chained_linear_norm", "chained_linear_n8",
                  "chained_linear_b8",
                  "chained_gated", "chained_norm",
-                 "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
+                 "chained_rotary_append", "chained_attention",
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
                  "chained_add_norm", "chained_linear_orin_sm87", "chained_rotary_append_tau", "chained_moe_up",
                  "chained_moe_up_bf16", "chained_moe_down", "chained_conv_step", "chained_delta_step",
@@ -87,7 +87,7 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
                      "chained_norm": {"ld.global.b32"}, "chained_add_norm": {"ld.global.b32"},
                      "chained_conv_step": {"ld.global.b32"}, "chained_delta_step": {"ld.global.b32"}}
     for name in ("chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8", "chained_gated",
-                 "chained_norm", "chained_rotary_append", "chained_attention_partial", "chained_attention_merge",
+                 "chained_norm", "chained_rotary_append", "chained_attention",
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
                  "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16",
                  "chained_moe_down", "chained_conv_step", "chained_delta_step"):
@@ -99,6 +99,16 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
         assert before == weights_first.get(name, set()), (name, before)
         assert compiled[name]["stack"] == 0, name
     assert "griddepcontrol" not in compiled["chained_linear_orin_sm87"]["ptx"]
+
+
+def test_chained_attention_merges_in_its_last_split(compiled):
+    """Attention in one launch: a split's partial stored, then a CTA barrier, then its ticket (an
+    acq_rel add at GPU scope: the partials published, the others' seen); the last split reads the
+    partials past its L1 (ld.global.cg: other SMs wrote them in this launch)."""
+    ptx = compiled["chained_attention"]["ptx"]
+    atom = ptx.index("atom.global.gpu.acq_rel.add")
+    assert ptx.rfind("st.global", 0, atom) < ptx.rfind("bar.sync", 0, atom), "a store after the last barrier"
+    assert "ld.global.cg" in ptx[atom:]
 
 
 def test_chained_experts_stream_16_byte_loads(compiled):

@@ -43,7 +43,7 @@ from photon_core.kernels.compile_check import compile_env  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PER_OP = ["attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge"]
 PLAN = {   # version -> [(cases, targets)]
-    "3.6.0": [(PER_OP + ["chained_linear", "chained_attention_partial", "chained_moe_up", "megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned",
+    "3.6.0": [(PER_OP + ["chained_linear", "chained_attention", "chained_moe_up", "megakernel_b8_fp32", "megakernel_b1_bf16_n32_k64_t32_d64_wide512_aligned",
                          "megakernel_b8_bf16_kvbf16_fp8_n32_k64_t32_d64_unroll8_aligned", "megakernel_b1_bf16_kvbf16_fp8"],
                [90])],
     "3.3.1": [(PER_OP + ["chained_linear_orin", "megakernel_b1_bf16"], [87]), (PER_OP, [80])],
@@ -158,7 +158,7 @@ def test_the_default_builds_fp8_experts_load_16_bytes_under_the_gpu_machines_tri
 def test_the_chained_kernels_chain_under_the_gpu_machines_triton_and_compile_without_gdc(runs):
     """The per-op engine's chained kernels: Triton 3.6 (the H200 machine's) emits the programmatic
     launch's wait and go; 3.3.1 has no gdc and builds the kernel without them (kernels/chained.py)."""
-    for name in ("chained_linear", "chained_attention_partial", "chained_moe_up"):
+    for name in ("chained_linear", "chained_attention", "chained_moe_up"):
         ptx = runs["3.6.0"]["cases"][f"{name}@sm_90"]["ptx"]
         assert 0 < ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch_dependents"), name
     assert "ld.global.v4.b32" in runs["3.6.0"]["cases"]["chained_moe_up@sm_90"]["ptx"]    # FP8: 16 bytes a load

@@ -40,9 +40,9 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
   (its device tokens and positions clamped into their tables, the token embeddings) and its last
   (the picks, the next token and position of each row, the launch's error word), where the plain
   build runs ~40 small torch kernels.
-* attention_partial_kernel + attention_merge_kernel: one query head of one row over one split
-  of its keys (online softmax, kernels/attention.decode_partial), then the splits merged; a row
-  without keys gives zeros.
+* attention_kernel: one query head of one row over one split of its keys (online softmax,
+  kernels/attention.decode_partial); the last split of a head to finish merges them (a ticket), so
+  attention is one launch; a row without keys gives zeros.
 """
 from __future__ import annotations
 
@@ -339,12 +339,14 @@ def rotary_append_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rpos_ptr, cos_
 
 
 @triton.jit
-def attention_partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, HQ, GROUP, DH, S, scale, WINDOW,
-                             T, RING, sk_b, sk_h, sv_b, sv_h, SELF: tl.constexpr,
-                             PDL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, tick_ptr, o_ptr, HQ, GROUP, DH, S, scale, WINDOW,
+                     T, RING, sk_b, sk_h, sv_b, sv_h, SELF: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (row b x query head, split s): keys [start, end) of the row's [lo, n), n its
     position + 1 (SELF) or its cross length, lo = n - WINDOW (0 at least); a ring cache holds key
-    t in slot t % T (RING)."""
+    t in slot t % T (RING). Its partial (m, l, acc) goes to part; the last of the S splits of a
+    (row, head) to finish (a ticket: tick_ptr's counter, back to 0 after it) merges them into o,
+    so attention is one launch. Bytes: the split's K and V, the partials twice (L2)."""
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b, hq = bh // HQ, bh % HQ
@@ -361,16 +363,14 @@ def attention_partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_ptr, HQ, GROUP, 
     m, l, acc = decode_partial(q_ptr + bh * DH, k_ptr + b * sk_b + kvh * sk_h, v_ptr + b * sv_b + kvh * sv_h,
                                start, end, DH, scale, BLOCK_T, BLOCK_D, ring=RING)
     store_partial(part_ptr + (bh * S + s) * (DH + 2), m, l, acc, DH, BLOCK_D)
-
-
-@triton.jit
-def attention_merge_kernel(part_ptr, o_ptr, S, DH, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    _after_previous(PDL)
-    out = decode_merge(part_ptr + bh * S * (DH + 2), S, DH, BLOCK_S, BLOCK_D)
-    dd = tl.arange(0, BLOCK_D)
-    tl.store(o_ptr + bh * DH + dd, out, mask=dd < DH)
+    # every thread's partial stored before the ticket is taken (its release publishes them)
+    tl.debug_barrier()
+    if tl.atomic_add(tick_ptr + bh, 1, sem="acq_rel") == S - 1:
+        # the other splits' partials, past this SM's L1 (written by other SMs in this launch)
+        out = decode_merge(part_ptr + bh * S * (DH + 2), S, DH, BLOCK_S, BLOCK_D, CACHE=".cg")
+        dd = tl.arange(0, BLOCK_D)
+        tl.store(o_ptr + bh * DH + dd, out, mask=dd < DH)
+        tl.store(tick_ptr + bh, 0)
 
 
 @triton.jit
@@ -898,27 +898,31 @@ def rotary_append(qkv: torch.Tensor, hq: int, k_cache: torch.Tensor, v_cache: to
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
               self_keys: bool, window: int | None, ring: bool, scale: float, pdl: bool,
-              splits: int = 0) -> torch.Tensor:
+              splits: int = 0, tickets: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [M, Hq x Dh] over [M, Hkv, T, Dh] caches: row b's keys are positions
     [lo, n) with n = lengths[b] + 1 (self_keys: lengths are positions) or lengths[b] (cross),
-    lo = n - window; slot t % T in a ring. fp32 [M, Hq x Dh] out; a row without keys gives zeros."""
+    lo = n - window; slot t % T in a ring. fp32 [M, Hq x Dh] out; a row without keys gives zeros.
+    tickets: int32 zeros, at least M x Hq, that only this caller's launches use (each launch leaves
+    them at zero; None: fresh ones)."""
     M, H, T, dh = k_cache.shape
     hq = q.shape[1] // dh
     if k_cache.stride(2) != dh or v_cache.stride(2) != dh or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("chained attention: a cache's slots must be rows of Dh contiguous values")
+    if tickets is None:
+        tickets = torch.zeros(M * hq, dtype=torch.int32, device=q.device)
+    elif tickets.dtype != torch.int32 or tickets.numel() < M * hq:
+        raise ValueError(f"chained attention: tickets {tickets.dtype} x {tickets.numel()} for {M * hq} heads")
     # a ring holds the last T positions: no window reaches further back
     bound = min(T, window or T) if ring else (window or T + 1)
     keys = min(T, bound)
     splits = splits or max(1, min(16, triton.cdiv(keys, 4 * ATTENTION_BLOCK_T)))
     part = new_output((M * hq, splits, dh + 2), q.device, torch.float32)
     out = new_output((M, hq * dh), q.device, torch.float32)
-    bd = triton.next_power_of_2(dh)
-    _launch(attention_partial_kernel, (M * hq, splits), pdl, q, k_cache, v_cache, lengths, part, hq, hq // H, dh,
-            splits, scale, bound, T, T if ring else 0,
+    _launch(attention_kernel, (M * hq, splits), pdl, q, k_cache, v_cache, lengths, part, tickets, out, hq, hq // H,
+            dh, splits, scale, bound, T, T if ring else 0,
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            SELF=self_keys, BLOCK_T=ATTENTION_BLOCK_T, BLOCK_D=bd)
-    _launch(attention_merge_kernel, (M * hq,), pdl, part, out, splits, dh,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd)
+            SELF=self_keys, BLOCK_T=ATTENTION_BLOCK_T, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(dh))
     return out
 
 

@@ -52,7 +52,8 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     # its q|k|v and fc1 at batch 1 (16 x 256), its fc2 and proj (8 x 512), q|k|v at batch 8 (16 x 64)
     ch_lin_c = dict(HAS_BIAS=True, HAS_RES=True, ACT=2, ROUND_X=True, NORM=0, HAS_NW=False, HAS_NB=False,
                     STATS_K=2048, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
-    ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, HQ="i32", GROUP="i32", DH="i32",
+    ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, tick_ptr="*i32", o_ptr=P, HQ="i32",
+                   GROUP="i32", DH="i32",
                    S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32", sk_h="i32", sv_b="i32",
                    sv_h="i32")
     ch_rot = dict(qkv_ptr=P, q_ptr=P, kc_ptr=B16, vc_ptr=B16, pos_ptr="*i64", rpos_ptr="*i64", cos_ptr=P, sin_ptr=P,
@@ -115,10 +116,8 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                                                        res_stride="i32", dyn_ptr="*i32", B="i32", MAX_POS="i32",
                                                        bad_ptr="*i32", err_ptr="*i32"),
                            dict(ADVANCE=True, PDL=True, BLOCK_S=16)),
-        "chained_attention_partial": (chained.attention_partial_kernel, ch_part,
-                                      dict(SELF=True, PDL=True, BLOCK_T=chained.ATTENTION_BLOCK_T, BLOCK_D=64)),
-        "chained_attention_merge": (chained.attention_merge_kernel, dict(part_ptr=P, o_ptr=P, S="i32", DH="i32"),
-                                    dict(PDL=True, BLOCK_S=16, BLOCK_D=64)),
+        "chained_attention": (chained.attention_kernel, ch_part,
+                              dict(SELF=True, PDL=True, BLOCK_T=chained.ATTENTION_BLOCK_T, BLOCK_S=16, BLOCK_D=64)),
     }
     return chained_cases | {
         "norm": (norm._norm_kernel, norm_sig,
@@ -185,8 +184,8 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax",
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
           "lstm_cell", "chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8",
-          "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention_partial",
-          "chained_attention_merge", "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
+          "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention",
+          "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
           "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16", "chained_moe_down",
           "chained_conv_step", "chained_delta_step")
 # Arguments a launch specialises as multiples of 16 (pointers from torch, sizes and strides of real

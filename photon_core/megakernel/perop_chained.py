@@ -120,7 +120,7 @@ def _attention(e, node: Node) -> torch.Tensor:
     self_keys = a["length"] == "self"
     return chained.attention(e.val(a["q"]).float().contiguous(), e.cache(a["k"]), e.cache(a["v"]),
                              e.pos if self_keys else e.lengths, self_keys, a["window"], spec.ring, scale,
-                             e.kernel.pdl)
+                             e.kernel.pdl, tickets=e.kernel.tickets)
 
 
 def _moe(e, node: Node) -> torch.Tensor:

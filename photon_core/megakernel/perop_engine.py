@@ -103,6 +103,10 @@ class PerOpKernel:
         # the chained build's runners by node, and the norms its linears apply themselves (by linear)
         self.chained, self.fused_norm = _chained_ops(g, self.nodes, self.observed) if variant == "chained" else ({}, {})
         self.outs = {name: step.view(name) for name in self.observed}   # where chained linears write them
+        # the chained attention's tickets (kernels/chained.attention), this step's alone: every
+        # launch leaves them at zero, and another step (another model, another thread) has its own
+        heads = max((n.value.width // n.args["k"].spec.head_dim for n in self.nodes if n.op == "attention"), default=0)
+        self.tickets = torch.zeros(step.batch * heads, dtype=torch.int32, device=dev)
         self.bad = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def raise_for(self, err: int, claimed: int) -> None:
