@@ -101,6 +101,25 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
     assert "griddepcontrol" not in compiled["chained_linear_orin_sm87"]["ptx"]
 
 
+def ptx_loops(ptx: str) -> list[list[str]]:
+    """The bodies of a PTX function's loops: the lines from a label to a branch back to it."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$L__BB\d+_\d+):", line))}
+    return [lines[labels[m.group(1)]:i] for i, line in enumerate(lines)
+            if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)) and labels.get(m.group(1), i) < i]
+
+
+def test_chained_linears_k_loop_has_no_barrier_at_batch_1(compiled):
+    """The chained linear's K loop at batch 1 (the loop with the most global loads; with and
+    without a fused LayerNorm): loads and FMAs, no shared memory and no CTA barrier (x is loaded in
+    W's tile layout). Above batch 1 x goes through shared memory into the products' layout (batch 8:
+    4 barriers a step); loading it in that layout keeps the loop free of them only at K steps of 32,
+    whose 1 KB weight tiles load 8 bytes a thread (the GPU to weigh)."""
+    for name in ("chained_linear", "chained_linear_norm"):
+        body = max(ptx_loops(compiled[name]["ptx"]), key=lambda b: sum("ld.global" in line for line in b))
+        assert not any("bar.sync" in line or "st.shared" in line for line in body), name
+
+
 def test_chained_attention_merges_in_its_last_split(compiled):
     """Attention in one launch: a split's partial stored, then a CTA barrier, then its ticket (an
     acq_rel add at GPU scope: the partials published, the others' seen); the last split reads the
