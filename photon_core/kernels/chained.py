@@ -492,7 +492,8 @@ def _down_tile(w_ptr, id_ptr, row, K, i, steps, nn, nmask, ff, F, stride_e, stri
 
 @triton.jit
 def moe_down_kernel(h_ptr, id_ptr, rw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, D, F, K, stride_e, stride_w,
-                    FP8: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    FP8: tl.constexpr, ROUND_H: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
                     BLOCK_F: tl.constexpr):
     """Program (row, output block): y[row, nn] = sum over the row's K slots, in order, of weight x
     (Down_e h_slot)[nn] (+ the residual), walking (slot, F step) as one loop so the weight tiles
@@ -513,6 +514,8 @@ def moe_down_kernel(h_ptr, id_ptr, rw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, D, F, K, 
         slot = i // steps
         f0 = (i % steps) * BLOCK_F
         h = tl.load(h_ptr + (row * K + slot) * F + f0 + idx, mask=f0 + idx < F, other=0.0)
+        if ROUND_H:      # bf16 experts take h in bf16, as up took x (a 16-bit GEMM's inputs)
+            h = round_bf16(h)
         wv = _weights_f32(w, FP8)
         if FP8:
             e = tl.load(id_ptr + row * K + slot).to(tl.int64)
@@ -535,7 +538,7 @@ def conv_step_kernel(x_ptr, w_ptr, s_ptr, y_ptr, C, X_W, c0, W, ACT: tl.constexp
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < C
     jj = tl.arange(0, 8)[None, :]     # W <= 8 (stepgraph.conv_step)
-    taps = tl.load(w_ptr + cols[:, None] * W + jj, mask=cmask[:, None] & (jj < W), other=0.0)
+    taps = tl.load(w_ptr + cols[:, None] * W + jj, mask=cmask[:, None] & (jj < W), other=0.0).to(tl.float32)
     _after_previous(PDL)
     x = tl.load(x_ptr + b * X_W + c0 + cols, mask=cmask, other=0.0)
     y = conv_decode_step(x, s_ptr + (b * C + cols[:, None]) * (W - 1), taps, jj, cmask, W, ACT, "")
@@ -552,9 +555,9 @@ def delta_step_kernel(x_ptr, zba_ptr, alog_ptr, dtb_ptr, nw_ptr, s_ptr, y_ptr, X
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vv = tl.arange(0, BLOCK_V)
-    a_log = tl.load(alog_ptr + h)
-    dt_bias = tl.load(dtb_ptr + h)
-    nw = tl.load(nw_ptr + vv, mask=vv < DV, other=0.0)
+    a_log = tl.load(alog_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    nw = tl.load(nw_ptr + vv, mask=vv < DV, other=0.0).to(tl.float32)
     _after_previous(PDL)
     j = h // (HV // HK)
     xr = x_ptr + b * X_W
@@ -777,7 +780,7 @@ def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torc
     """The step graph's moe for x [M, D] fp32 contiguous: each row's top_k experts by its router
     logits [M, E], sum of weight x down_e(act(gate_e x) * (up_e x + up_offset)) (+ residual). gate_up
     [E, 2F, D] and down [E, D, F] with unit stride along their last dim (rows may be padded); fp32
-    or bf16 (x then rounded to bf16), or float8_e4m3fn with `scales` ([E, 2F] and [E, D] fp32:
+    or bf16 (x and h then rounded to bf16), or float8_e4m3fn with `scales` ([E, 2F] and [E, D] fp32:
     W_e = W_e.float() x its row's scale). Two launches: experts up (routing in each program), then
     down."""
     M, D = x.shape
@@ -804,7 +807,8 @@ def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torc
             ROUND_X=gate_up.dtype == torch.bfloat16, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(E),
             BLOCK_K=triton.next_power_of_2(top_k), BLOCK_F=bf, BLOCK_D=bd)
     _launch(moe_down_kernel, (M, triton.cdiv(D, bn)), pdl, h, ids, rw, wd, sd, y if residual is None else residual,
-            y, D, F, top_k, wd.stride(0), wd.stride(1), FP8=fp8, HAS_RES=residual is not None, BLOCK_N=bn,
+            y, D, F, top_k, wd.stride(0), wd.stride(1), FP8=fp8, ROUND_H=down.dtype == torch.bfloat16,
+            HAS_RES=residual is not None, BLOCK_N=bn,
             BLOCK_F=bfd)
     return y
 
@@ -903,7 +907,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
     [lo, n) with n = lengths[b] + 1 (self_keys: lengths are positions) or lengths[b] (cross),
     lo = n - window; slot t % T in a ring. fp32 [M, Hq x Dh] out; a row without keys gives zeros.
     tickets: int32 zeros, at least M x Hq, that only this caller's launches use (each launch leaves
-    them at zero; None: fresh ones)."""
+    them at zero; None: fresh ones). A launch stopped part way (a sticky CUDA error, after which the
+    context is lost anyway) would leave some above zero."""
     M, H, T, dh = k_cache.shape
     hq = q.shape[1] // dh
     if k_cache.stride(2) != dh or v_cache.stride(2) != dh or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:

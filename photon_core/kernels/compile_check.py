@@ -93,7 +93,7 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_moe_down": (chained.moe_down_kernel,
                              dict(h_ptr=P, id_ptr="*i32", rw_ptr=P, w_ptr="*u8", s_ptr=P, r_ptr=P, y_ptr=P, D="i32",
                                   F="i32", K="i32", stride_e="i32", stride_w="i32"),
-                             dict(FP8=True, HAS_RES=True, PDL=True, BLOCK_N=8, BLOCK_F=512)),
+                             dict(FP8=True, ROUND_H=False, HAS_RES=True, PDL=True, BLOCK_N=8, BLOCK_F=512)),
         # Qwen 3.5 0.8B's Gated DeltaNet at decode: 256 channels of the conv, one 128 x 128 head a program
         "chained_conv_step": (chained.conv_step_kernel, dict(x_ptr=P, w_ptr=P, s_ptr=P, y_ptr=P, C="i32", X_W="i32",
                                                              c0="i32", W="i32"),
