@@ -70,6 +70,23 @@ def test_linear(dtype, rows, n, k, norm):
           1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", [(1, 40, 100), (3, 24, 64), (16, 9, 300)])
+def test_linear_applying_a_glu(dtype, rows, n, k):
+    """A down projection that applies its GLU itself: x [M, 2K] = gate | up, the product takes
+    act(gate) * up (rounded to bf16 for bf16 weights), as a GLU launch then the linear would."""
+    x = torch.randn(rows, 2 * k) * 2
+    w, r = padded(n, k, dtype), torch.randn(rows, n)
+    act = [ACT_SILU, ACT_GELU_TANH, ACT_GELU][(rows + n) % 3]
+    h = ACTS[act](x[:, :k]) * x[:, k:]
+    if dtype == torch.bfloat16:
+        h = h.bfloat16().float()
+    y = chained.linear(x, w, None, ACT_NONE, r, pdl=False, glu=act)
+    close(y, h @ w.float().T + r, 1e-5 if dtype == torch.float32 else 1e-4)
+    with pytest.raises(ValueError, match="glu"):
+        chained.linear(x[:, :k].contiguous(), w, None, ACT_NONE, None, pdl=False, glu=act)
+
+
 def test_the_linear_tiles():
     """At batch 1 on a 132-SM GPU (264 programs), bf16: 8 KB weight tiles; more rows, narrower K steps."""
     assert chained.linear_blocks(1, 6144, 2048, 2, 264) == (1, 16, 256)

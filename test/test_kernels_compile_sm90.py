@@ -70,6 +70,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
                  "chained_add_norm", "chained_linear_orin_sm87", "chained_rotary_append_tau", "chained_moe_up",
                  "chained_moe_up_bf16", "chained_moe_down", "chained_conv_step", "chained_delta_step",
+                 "chained_linear_glu",
                  "megakernel_b1_fp32", "megakernel_b8_fp32", "megakernel_b1_bf16", "megakernel_b1_bf16_sm87",
                  "megakernel_b1_bf16_kvbf16_fp8", "megakernel_b1_bf16_kvbf16_fp8_sm87",
                  "megakernel_b1_bf16_kvbf16_n32_k64_t32_d64_sm80"):
@@ -84,13 +85,14 @@ def test_chained_kernels_read_only_weights_before_the_previous_launch_ends(compi
     nothing (an expert's rows depend on the routing). On sm_87, no PDL."""
     weights_first = {"chained_linear": {"ld.global.v4.b32"}, "chained_linear_norm": {"ld.global.v4.b32"},
                      "chained_linear_n8": {"ld.global.v4.b32"}, "chained_linear_b8": {"ld.global.v4.b32"},
+                     "chained_linear_glu": {"ld.global.v4.b32"},
                      "chained_norm": {"ld.global.b32"}, "chained_add_norm": {"ld.global.b32"},
                      "chained_conv_step": {"ld.global.b32"}, "chained_delta_step": {"ld.global.b32"}}
     for name in ("chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8", "chained_gated",
                  "chained_norm", "chained_rotary_append", "chained_attention",
                  "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
                  "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16",
-                 "chained_moe_down", "chained_conv_step", "chained_delta_step"):
+                 "chained_moe_down", "chained_conv_step", "chained_delta_step", "chained_linear_glu"):
         ptx = compiled[name]["ptx"]
         wait, go = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert 0 < wait < go, name
@@ -110,12 +112,12 @@ def ptx_loops(ptx: str) -> list[list[str]]:
 
 
 def test_chained_linears_k_loop_has_no_barrier_at_batch_1(compiled):
-    """The chained linear's K loop at batch 1 (the loop with the most global loads; with and
-    without a fused LayerNorm): loads and FMAs, no shared memory and no CTA barrier (x is loaded in
+    """The chained linear's K loop at batch 1 (the loop with the most global loads; plain, with a
+    fused LayerNorm, with a fused GLU): loads and FMAs, no shared memory and no CTA barrier (x is loaded in
     W's tile layout). Above batch 1 x goes through shared memory into the products' layout (batch 8:
     4 barriers a step); loading it in that layout keeps the loop free of them only at K steps of 32,
     whose 1 KB weight tiles load 8 bytes a thread (the GPU to weigh)."""
-    for name in ("chained_linear", "chained_linear_norm"):
+    for name in ("chained_linear", "chained_linear_norm", "chained_linear_glu"):
         body = max(ptx_loops(compiled[name]["ptx"]), key=lambda b: sum("ld.global" in line for line in b))
         assert not any("bar.sync" in line or "st.shared" in line for line in body), name
 

@@ -82,6 +82,9 @@ def test_a_perop_step_equals_the_eager_graph(name, variant):
     if variant == "chained":      # the ops kernels/chained.py runs are run by it
         ops = {n.op for n in step.graph_def.nodes if id(n) in step.kernel.chained}
         assert ops >= CHAINED_OPS[name] and step.engine_label == "perop chained", ops
+        glus = [n for n in step.graph_def.nodes if n.op == "glu"]     # each applied by its down projection
+        assert {id(n) for n in glus} == {id(p) for p in step.kernel.prologues.values() if p.op == "glu"}
+        assert all(step.kernel.chained[id(n)] is None for n in glus)
     g, B = step.graph_def, step.batch
     rows, caches, inputs = start(fam, step)
     want = run_reference(g, fam.ref_weights(torch.float32), caches, rows.tokens, rows.positions,

@@ -51,7 +51,7 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     # tiles as chained.linear_blocks picks them for Moondream 2 on an H100/H200 (264 programs):
     # its q|k|v and fc1 at batch 1 (16 x 256), its fc2 and proj (8 x 512), q|k|v at batch 8 (16 x 64)
     ch_lin_c = dict(HAS_BIAS=True, HAS_RES=True, ACT=2, ROUND_X=True, NORM=0, HAS_NW=False, HAS_NB=False,
-                    STATS_K=2048, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
+                    STATS_K=2048, GLU_ACT=0, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
     ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, tick_ptr="*i32", o_ptr=P, HQ="i32",
                    GROUP="i32", DH="i32",
                    S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32", sk_h="i32", sv_b="i32",
@@ -68,6 +68,9 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_linear_norm": (chained.linear_kernel, ch_lin,
                                 dict(ch_lin_c, PDL=True, NORM=1, HAS_NW=True, HAS_NB=True, HAS_RES=False)),
         "chained_linear_n8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_N=8, BLOCK_K=512)),
+        # an MLP's down projection applying its GLU (Qwen3's, Gemma's: silu; 8 x 512 as fc2 above)
+        "chained_linear_glu": (chained.linear_kernel, ch_lin,
+                               dict(ch_lin_c, PDL=True, NORM=3, GLU_ACT=3, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=512)),
         "chained_linear_b8": (chained.linear_kernel, ch_lin,
                               dict(ch_lin_c, PDL=True, BLOCK_M=8, BLOCK_K=64, NORM=1, HAS_NW=True, HAS_NB=True,
                                    STATS_K=512)),
@@ -184,7 +187,7 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "attn_prefill_bias", "attn_decode_partial", "attn_decode_partial_gqa", "attn_decode_merge", "argmax",
           "sample", "glu", "moe_route", "moe_up", "moe_down", "causal_conv1d", "delta_step", "delta_chunk",
           "lstm_cell", "chained_linear", "chained_linear_norm", "chained_linear_n8", "chained_linear_b8",
-          "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention",
+          "chained_linear_glu", "chained_gated", "chained_norm", "chained_rotary_append", "chained_attention",
           "chained_step_begin", "chained_embed", "chained_argmax_partial", "chained_argmax",
           "chained_add_norm", "chained_rotary_append_tau", "chained_moe_up", "chained_moe_up_bf16", "chained_moe_down",
           "chained_conv_step", "chained_delta_step")
@@ -192,7 +195,7 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
 # models: Triton's JIT does it at run time), where a kernel's vector loads depend on it.
 PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) for k in ("chained_linear", "chained_linear_norm",
                                                                "chained_linear_n8", "chained_linear_b8",
-                                                               "chained_linear_orin")} | {
+                                                               "chained_linear_orin", "chained_linear_glu")} | {
     "chained_moe_up": (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12), "chained_moe_up_bf16": (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12),
     "chained_moe_down": (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11)}
 _MK = re.compile(r"megakernel_b(\d+)_(fp32|bf16|fp16)((?:_kvbf16|_fp8|_trace|_pipe\d+|_prefetch\d|_dot\d+|_wide\d+|_unroll\d|_aligned|_static|_tiles|_lspans|_[ntdk]\d+)*)$")

@@ -21,12 +21,16 @@ def _act(name: str | None) -> int:
 
 
 def _linear(e, node: Node) -> torch.Tensor:
-    """A linear; where its input is a norm the build fused (kernel.fused_norm), of the norm's input."""
+    """A linear; where its input is a norm or GLU the build fused (kernel.prologues), of that
+    node's input."""
     a, k = node.args, e.kernel
     res = None if a["residual"] is None else e.val(a["residual"]).float().contiguous()
-    fused = k.fused_norm.get(id(node))
+    fused = k.prologues.get(id(node))
+    norm, glu = None, None
     if fused is None:
-        x, norm = e.val(a["x"]), None
+        x = e.val(a["x"])
+    elif fused.op == "glu":
+        x, glu = e.val(fused.args["x"]), _act(fused.args["act"])
     else:
         n, rms = fused.args, fused.op == "rms_norm"
         x = e.val(n["x"])
@@ -34,7 +38,7 @@ def _linear(e, node: Node) -> torch.Tensor:
                             None if rms or n["b"] is None else e.weights[n["b"]], n["eps"], rms,
                             n["offset"] if rms else 0.0)
     return chained.linear(x.float().contiguous(), e.weights[a["w"]], None if a["b"] is None else e.weights[a["b"]],
-                          _act(a["act"]), res, k.pdl, k.programs, norm, out=e.outs.get(node.value.name))
+                          _act(a["act"]), res, k.pdl, k.programs, norm, out=e.outs.get(node.value.name), glu=glu)
 
 
 def _layer_norm(e, node: Node) -> torch.Tensor:
