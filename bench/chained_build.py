@@ -4,8 +4,8 @@ makes, the nodes it leaves to torch, and a prediction of its time on an H200 (ba
     python bench/chained_build.py [--write]
 
 Each family's real step graph (bench/roofline.py's shapes and contexts) planned as PerOpKernel
-plans its chained build (megakernel/perop_engine._chained_ops: norms and GLUs fused into the
-linears that read them), with chained.linear_blocks' tiles for 132 SMs. No weights, no kernels run.
+plans its chained build (megakernel/perop_engine._chained_ops: norms, GLUs, gates and activations
+fused into the linears that read them), with chained.linear_blocks' tiles for 132 SMs. No weights, no kernels run.
 
 The prediction is a guess with its parts stated, to be replaced by the GPU's replays
 (bench/gpu_timeline.py's "per-op engine chained" rows): each launch costs its work plus `gap`, the
@@ -118,7 +118,7 @@ def analyse(model, context: int = 1024) -> dict:
         launches += LAUNCHES[node.op]
         if node.op == "linear":
             n, k = g.weight_shapes[node.args["w"]]
-            work += linear_us(n, k, id(node) in fused and fused[id(node)].op != "glu")
+            work += linear_us(n, k, id(node) in fused and fused[id(node)].op in ("layer_norm", "rms_norm"))
         elif node.op == "attention":
             work += attention_us(node, context)
         elif node.op == "moe":
@@ -139,13 +139,13 @@ def main() -> None:
     gaps = " | ".join(f"gap {g} us: us (x floor, / peer)" for g in GAPS_US)
     lines = report.heading("Per-op engine's chained build at real sizes (prediction, no GPU)") + [
         "Batch 1, bf16 weights and KV, context 1024 (keys at half of it); each family's real step graph planned as "
-        "the chained build plans it (perop_engine._chained_ops: norms and GLUs read only by linears applied by "
-        "them), tiles for 132 SMs (chained.linear_blocks). "
+        "the chained build plans it (perop_engine._chained_ops: norms, GLUs, gates and activations read only by "
+        "linears applied by them), tiles for 132 SMs (chained.linear_blocks). "
         "A prediction with guessed parts (the script's docstring): the linears' streams at the cost model's "
         "fitted HBM trip, two tiles ahead, never above 80% of 4.8 TB/s; `gap` (a launch's end to the next one's "
         "first dependent instruction under PDL in a CUDA graph) unmeasured, so three values. The GPU's "
         "replays (bench/gpu_timeline.py, rows \"per-op engine chained\") replace it.", "",
-        f"| model | launches a step | norms, GLUs fused | not chained | floor us | work us | {gaps} |",
+        f"| model | launches a step | norms, GLUs, gates fused | not chained | floor us | work us | {gaps} |",
         "|---|---:|---:|---|---:|---:|" + "---|" * len(GAPS_US)]
     for m in models():
         a = analyse(m)

@@ -72,19 +72,32 @@ def test_linear(dtype, rows, n, k, norm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, n, k", [(1, 40, 100), (3, 24, 64), (16, 9, 300)])
-def test_linear_applying_a_glu(dtype, rows, n, k):
-    """A down projection that applies its GLU itself: x [M, 2K] = gate | up, the product takes
-    act(gate) * up (rounded to bf16 for bf16 weights), as a GLU launch then the linear would."""
-    x = torch.randn(rows, 2 * k) * 2
+@pytest.mark.parametrize("kind", ["glu", "mul", "act"])
+def test_linear_applying_a_gate(dtype, rows, n, k, kind):
+    """A linear that applies what its input is to it itself: a GLU (x = gate | up, act(gate) * up),
+    a gate (a slice of one value times act of another: rows of different strides) or an activation
+    alone, rounded to bf16 for bf16 weights, as that node's launch then the linear would."""
     w, r = padded(n, k, dtype), torch.randn(rows, n)
-    act = [ACT_SILU, ACT_GELU_TANH, ACT_GELU][(rows + n) % 3]
-    h = ACTS[act](x[:, :k]) * x[:, k:]
+    act = [ACT_SILU, ACT_GELU_TANH, ACT_GELU, ACT_SIGMOID][(rows + n) % 4]
+    if kind == "glu":
+        x = torch.randn(rows, 2 * k) * 2
+        gate, h = chained.Gate(x[:, :k], x[:, k:], act), ACTS[act](x[:, :k]) * x[:, k:]
+    elif kind == "mul":
+        g, x = torch.randn(rows, k), torch.randn(rows, k + 7)
+        gate, h = chained.Gate(g, x[:, 5:5 + k], act), x[:, 5:5 + k] * ACTS[act](g)
+    else:
+        x = torch.randn(rows, k)
+        gate, h = chained.Gate(x, None, act), ACTS[act](x)
     if dtype == torch.bfloat16:
         h = h.bfloat16().float()
-    y = chained.linear(x, w, None, ACT_NONE, r, pdl=False, glu=act)
+    y = chained.linear(None, w, None, ACT_NONE, r, pdl=False, gate=gate)
     close(y, h @ w.float().T + r, 1e-5 if dtype == torch.float32 else 1e-4)
-    with pytest.raises(ValueError, match="glu"):
-        chained.linear(x[:, :k].contiguous(), w, None, ACT_NONE, None, pdl=False, glu=act)
+
+
+def test_a_gates_halves_must_fit():
+    w, a = torch.randn(8, 16), torch.randn(2, 16)
+    with pytest.raises(ValueError, match="gate"):
+        chained.linear(None, w, None, ACT_NONE, None, pdl=False, gate=chained.Gate(a, torch.randn(2, 12), ACT_SILU))
 
 
 def test_the_linear_tiles():

@@ -22,8 +22,8 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
   (M x K x 4; at batch 1 each column's copy of it from L1, in W's tile layout).
   A LayerNorm or RMSNorm whose only readers are linears is applied by each of them to its input
   (NORM): one more pass over x for the rows' statistics (at batch 1 one load of the row, from L2)
-  instead of a launch; so is a GLU read only by linears (the MLP's down projection: its x loads
-  read gate and up and multiply them).
+  instead of a launch; so is a GLU, a gate or an activation read only by linears (the MLP's down
+  projection: its x loads read gate and up and multiply them).
 * norm_kernel: LayerNorm / RMSNorm of one row a program (weight and bias loaded before the wait).
 * gated_kernel: act(a) * b elementwise: a GLU's halves, a gate times a value's slice, or act(a).
 * add_norm_kernel: x + an RMSNorm of z over chunks of its columns, scaled (Gemma 4's post-norms).
@@ -129,24 +129,26 @@ def _row_stats(x_ptr, rows, rmask, K, eps, RMS: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, kk, K, NORM: tl.constexpr, HAS_NW: tl.constexpr,
-            HAS_NB: tl.constexpr, GLU_ACT: tl.constexpr):
+def _x_tile(x_ptr, g_ptr, nw_ptr, nb_ptr, rows, rmask, kk, K, stride_x, stride_g, NORM: tl.constexpr,
+            HAS_NW: tl.constexpr, HAS_NB: tl.constexpr, GATE_ACT: tl.constexpr, HAS_G: tl.constexpr):
     """A K step's loads of x [rows, kk] and of the norm's weight and bias there (issued together)."""
-    x = _x_load(x_ptr, rows[:, None].to(tl.int64) * (2 * K if NORM == 3 else K) + kk[None, :],
-                rmask[:, None] & (kk < K)[None, :], K, NORM, GLU_ACT)
+    r = rows[:, None].to(tl.int64)
+    x = _x_load(x_ptr, g_ptr, r * stride_x + kk[None, :], r * stride_g + kk[None, :],
+                rmask[:, None] & (kk < K)[None, :], NORM, GATE_ACT, HAS_G)
     nw, nb = _norm_tile(nw_ptr, nb_ptr, kk, K, NORM, HAS_NW, HAS_NB)
     return x, nw, nb
 
 
 @triton.jit
-def _x_load(x_ptr, off, mask, K, NORM: tl.constexpr, GLU_ACT: tl.constexpr):
-    """x at `off`; where the linear applies a GLU (NORM 3), act(gate) * up of its input's row
-    [gate (K) | up (K)]."""
+def _x_load(x_ptr, g_ptr, off_x, off_g, mask, NORM: tl.constexpr, GATE_ACT: tl.constexpr, HAS_G: tl.constexpr):
+    """x at its offsets; where the linear applies a gate (NORM 3), act(x) times g at its offsets
+    (HAS_G): a GLU's act(gate) * up, a gate's x * act(g), an activation alone."""
+    x = tl.load(x_ptr + off_x, mask=mask, other=0.0)
     if NORM == 3:
-        g = tl.load(x_ptr + off, mask=mask, other=0.0)
-        u = tl.load(x_ptr + off + K, mask=mask, other=0.0)
-        return apply_activation(g, GLU_ACT) * u
-    return tl.load(x_ptr + off, mask=mask, other=0.0)
+        x = apply_activation(x, GATE_ACT)
+        if HAS_G:
+            x = x * tl.load(g_ptr + off_g, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -163,12 +165,12 @@ def _norm_tile(nw_ptr, nb_ptr, idx, K, NORM: tl.constexpr, HAS_NW: tl.constexpr,
 
 
 @triton.jit
-def _row_tile(x_ptr, nw_ptr, nb_ptr, idx, K, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
-              GLU_ACT: tl.constexpr):
+def _row_tile(x_ptr, g_ptr, nw_ptr, nb_ptr, idx, K, NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
+              GATE_ACT: tl.constexpr, HAS_G: tl.constexpr):
     """Batch 1's K step loads of x (and the norm's weight and bias) at k = idx, a [BLOCK_N, BLOCK_K]
     index tile laid out as W's tile: every column's copy of the row, so the products need no layout
     change (the copies are the same addresses: one L1 line serves a warp's)."""
-    x = _x_load(x_ptr, idx, idx < K, K, NORM, GLU_ACT)
+    x = _x_load(x_ptr, g_ptr, idx, idx, idx < K, NORM, GATE_ACT, HAS_G)
     nw, nb = _norm_tile(nw_ptr, nb_ptr, idx, K, NORM, HAS_NW, HAS_NB)
     return x, nw, nb
 
@@ -192,13 +194,15 @@ def _x_ready(x, nw, nb, mean, rstd, offset, NORM: tl.constexpr, HAS_NW: tl.const
 
 @triton.jit
 def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, nb_ptr, eps, offset,
+                  g_ptr, stride_x, stride_g,
                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, ROUND_X: tl.constexpr,
                   NORM: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr, STATS_K: tl.constexpr,
-                  GLU_ACT: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  GATE_ACT: tl.constexpr, HAS_G: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """NORM 1 / 2: x is a LayerNorm's / RMSNorm's input, normalised here ((x - mean) / std *
-    (offset + nw) + nb) rather than by a launch of its own; NORM 3: x [M, 2K] is a GLU's input,
-    applied here (act(gate) * up, activation code GLU_ACT). W streams two steps ahead: steps 0 and
+    (offset + nw) + nb) rather than by a launch of its own; NORM 3: the product takes act(x) (code
+    GATE_ACT) times g (HAS_G), rows of stride_x and stride_g: a GLU, gate or activation applied
+    here. W streams two steps ahead: steps 0 and
     1's tiles are issued before the wait, and step k's products are formed with k + 1's and k + 2's
     tiles in flight (and k + 1's x and norm loads, from L2)."""
     pid = tl.program_id(0)
@@ -219,27 +223,28 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, 
     if BLOCK_M == 1:     # x loaded in W's tile layout (_row_tile): no layout change in the loop either
         idx = cols[:, None] * 0 + ks[None, :]
         mean1, rstd1 = tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
-        x, nw, nb = _row_tile(x_ptr, nw_ptr, nb_ptr, idx, K, NORM, HAS_NW, HAS_NB, GLU_ACT)
+        x, nw, nb = _row_tile(x_ptr, g_ptr, nw_ptr, nb_ptr, idx, K, NORM, HAS_NW, HAS_NB, GATE_ACT, HAS_G)
         x = _x_ready(x, nw, nb, mean1, rstd1, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             far = k0 + 2 * BLOCK_K + ks
             w2 = tl.load(w_rows + far[None, :], mask=cmask[:, None] & (far < K)[None, :], other=0.0)
-            x_next, nw, nb = _row_tile(x_ptr, nw_ptr, nb_ptr, idx + k0 + BLOCK_K, K, NORM, HAS_NW, HAS_NB,
-                                       GLU_ACT)
+            x_next, nw, nb = _row_tile(x_ptr, g_ptr, nw_ptr, nb_ptr, idx + k0 + BLOCK_K, K, NORM, HAS_NW, HAS_NB,
+                                       GATE_ACT, HAS_G)
             acc2 += x * w.to(tl.float32)
             x = _x_ready(x_next, nw, nb, mean1, rstd1, offset, NORM, HAS_NW, HAS_NB, ROUND_X)
             w, w1 = w1, w2
         acc = tl.sum(acc2, axis=1)[None, :]
     else:
-        x, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, ks, K, NORM, HAS_NW, HAS_NB, GLU_ACT)
+        x, nw, nb = _x_tile(x_ptr, g_ptr, nw_ptr, nb_ptr, rows, rmask, ks, K, stride_x, stride_g, NORM, HAS_NW, HAS_NB,
+                            GATE_ACT, HAS_G)
         x = _x_ready(x, nw[None, :], nb[None, :], mean[:, None], rstd[:, None], offset, NORM, HAS_NW, HAS_NB, ROUND_X)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             far = k0 + 2 * BLOCK_K + ks
             w2 = tl.load(w_rows + far[None, :], mask=cmask[:, None] & (far < K)[None, :], other=0.0)
-            x_next, nw, nb = _x_tile(x_ptr, nw_ptr, nb_ptr, rows, rmask, k0 + BLOCK_K + ks, K, NORM, HAS_NW, HAS_NB,
-                                     GLU_ACT)
+            x_next, nw, nb = _x_tile(x_ptr, g_ptr, nw_ptr, nb_ptr, rows, rmask, k0 + BLOCK_K + ks, K, stride_x,
+                                     stride_g, NORM, HAS_NW, HAS_NB, GATE_ACT, HAS_G)
             acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
             x = _x_ready(x_next, nw[None, :], nb[None, :], mean[:, None], rstd[:, None], offset, NORM, HAS_NW,
                          HAS_NB, ROUND_X)
@@ -722,20 +727,35 @@ class Norm(NamedTuple):
     offset: float = 0.0
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, residual: torch.Tensor | None,
-           pdl: bool, programs: int = 0, norm: Norm | None = None, out: torch.Tensor | None = None,
-           glu: int | None = None) -> torch.Tensor:
+class Gate(NamedTuple):
+    """What a linear applies to its input itself: act(a) (an activation code) times b where there
+    is a b; a and b [M, K] fp32 views with unit column stride (a GLU's halves, a gate's slice)."""
+    a: torch.Tensor
+    b: torch.Tensor | None
+    act: int
+
+
+def linear(x: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, act: int,
+           residual: torch.Tensor | None, pdl: bool, programs: int = 0, norm: Norm | None = None,
+           out: torch.Tensor | None = None, gate: Gate | None = None) -> torch.Tensor:
     """act(norm(x) @ w.T + b) + residual: x [M, K] fp32 contiguous (M <= 16), w [N, K] fp32 or bf16
     (x then rounded to bf16) with unit stride along K, fp32 out (written into `out` where that is a
     contiguous fp32 tensor of M x N). `programs`: how many programs to aim for (a GPU's SMs x 2:
-    enough to keep every SM streaming; 0: one program per 64 features). glu (an activation code,
-    not with a norm): x is [M, 2K], gate then up, and the product takes act(gate) * up."""
-    M = x.shape[0]
+    enough to keep every SM streaming; 0: one program per 64 features). gate (x None, no norm):
+    the product takes gate.act(gate.a) * gate.b."""
     N, K = w.shape
-    if M > 16 or w.stride(1) != 1 or x.shape[1] != (2 * K if glu is not None else K) \
-            or w.dtype not in (torch.float32, torch.bfloat16) or (glu is not None and norm is not None):
-        raise ValueError(f"chained linear: x {tuple(x.shape)}, w {tuple(w.shape)} stride {w.stride()}, "
-                         f"glu {glu}, norm {norm is not None}")
+    if gate is not None:
+        x, g = gate.a, gate.b
+    else:
+        g = None
+    if x is None or x.dim() != 2 or x.shape[1] != K or x.shape[0] > 16 or x.stride(1) != 1 or w.stride(1) != 1 \
+            or w.dtype not in (torch.float32, torch.bfloat16) or (gate is not None and norm is not None) \
+            or (norm is not None and not x.is_contiguous()) \
+            or (g is not None and (g.shape != x.shape or g.stride(1) != 1)):
+        raise ValueError(f"chained linear: x {None if x is None else (tuple(x.shape), x.stride())}, w "
+                         f"{tuple(w.shape)} stride {w.stride()}, gate {None if g is None else tuple(g.shape)}, "
+                         f"norm {norm is not None}")
+    M = x.shape[0]
     block_m, block_n, block_k = linear_blocks(M, N, K, w.element_size(), programs)
     if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == M * N:
         y = out.view(M, N)
@@ -745,10 +765,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int, r
     _launch(linear_kernel, (triton.cdiv(N, block_n),), pdl, x, w, w if b is None else b,
             y if residual is None else residual, y, M, N, K, w.stride(0), x if nw is None else nw,
             x if nb is None else nb, 0.0 if norm is None else norm.eps, 0.0 if norm is None else float(norm.offset),
+            x if g is None else g, x.stride(0), x.stride(0) if g is None else g.stride(0),
             HAS_BIAS=b is not None, HAS_RES=residual is not None, ACT=act, ROUND_X=w.dtype == torch.bfloat16,
-            NORM=3 if glu is not None else 0 if norm is None else 2 if norm.rms else 1, HAS_NW=nw is not None,
+            NORM=3 if gate is not None else 0 if norm is None else 2 if norm.rms else 1, HAS_NW=nw is not None,
             HAS_NB=nb is not None, STATS_K=min(triton.next_power_of_2(K), STATS_ELEMENTS // block_m),
-            GLU_ACT=0 if glu is None else glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            GATE_ACT=0 if gate is None else gate.act, HAS_G=g is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k)
     return y
 
 

@@ -47,11 +47,11 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     # caches, launches chained (PDL); "_orin": the same without PDL (sm_87 has no griddepcontrol).
     B16 = "*bf16"
     ch_lin = dict(x_ptr=P, w_ptr=B16, b_ptr=B16, r_ptr=P, y_ptr=P, M="i32", N="i32", K="i32", stride_w="i32",
-                  nw_ptr=P, nb_ptr=P, eps="fp32", offset="fp32")
+                  nw_ptr=P, nb_ptr=P, eps="fp32", offset="fp32", g_ptr=P, stride_x="i32", stride_g="i32")
     # tiles as chained.linear_blocks picks them for Moondream 2 on an H100/H200 (264 programs):
     # its q|k|v and fc1 at batch 1 (16 x 256), its fc2 and proj (8 x 512), q|k|v at batch 8 (16 x 64)
     ch_lin_c = dict(HAS_BIAS=True, HAS_RES=True, ACT=2, ROUND_X=True, NORM=0, HAS_NW=False, HAS_NB=False,
-                    STATS_K=2048, GLU_ACT=0, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
+                    STATS_K=2048, GATE_ACT=0, HAS_G=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
     ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, tick_ptr="*i32", o_ptr=P, HQ="i32",
                    GROUP="i32", DH="i32",
                    S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32", sk_h="i32", sv_b="i32",
@@ -70,7 +70,8 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_linear_n8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_N=8, BLOCK_K=512)),
         # an MLP's down projection applying its GLU (Qwen3's, Gemma's: silu; 8 x 512 as fc2 above)
         "chained_linear_glu": (chained.linear_kernel, ch_lin,
-                               dict(ch_lin_c, PDL=True, NORM=3, GLU_ACT=3, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=512)),
+                               dict(ch_lin_c, PDL=True, NORM=3, GATE_ACT=3, HAS_G=True, HAS_BIAS=False, BLOCK_N=8,
+                                    BLOCK_K=512)),
         "chained_linear_b8": (chained.linear_kernel, ch_lin,
                               dict(ch_lin_c, PDL=True, BLOCK_M=8, BLOCK_K=64, NORM=1, HAS_NW=True, HAS_NB=True,
                                    STATS_K=512)),
@@ -193,7 +194,7 @@ PER_OP = ("norm", "norm_rms_gated", "linear_gemv", "linear_tiled", "rotary", "kv
           "chained_conv_step", "chained_delta_step")
 # Arguments a launch specialises as multiples of 16 (pointers from torch, sizes and strides of real
 # models: Triton's JIT does it at run time), where a kernel's vector loads depend on it.
-PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) for k in ("chained_linear", "chained_linear_norm",
+PER_OP_ALIGNED = {k: (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 13, 14, 15) for k in ("chained_linear", "chained_linear_norm",
                                                                "chained_linear_n8", "chained_linear_b8",
                                                                "chained_linear_orin", "chained_linear_glu")} | {
     "chained_moe_up": (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12), "chained_moe_up_bf16": (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12),

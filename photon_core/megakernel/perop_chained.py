@@ -21,24 +21,36 @@ def _act(name: str | None) -> int:
 
 
 def _linear(e, node: Node) -> torch.Tensor:
-    """A linear; where its input is a norm or GLU the build fused (kernel.prologues), of that
-    node's input."""
+    """A linear; where its input is a norm, GLU, gate or activation the build fused
+    (kernel.prologues), of that node's inputs."""
     a, k = node.args, e.kernel
     res = None if a["residual"] is None else e.val(a["residual"]).float().contiguous()
     fused = k.prologues.get(id(node))
-    norm, glu = None, None
+    x, norm, gate = None, None, None
     if fused is None:
-        x = e.val(a["x"])
-    elif fused.op == "glu":
-        x, glu = e.val(fused.args["x"]), _act(fused.args["act"])
-    else:
+        x = e.val(a["x"]).float().contiguous()
+    elif fused.op in ("layer_norm", "rms_norm"):
         n, rms = fused.args, fused.op == "rms_norm"
-        x = e.val(n["x"])
+        x = e.val(n["x"]).float().contiguous()
         norm = chained.Norm(None if n["w"] is None else e.weights[n["w"]],
                             None if rms or n["b"] is None else e.weights[n["b"]], n["eps"], rms,
                             n["offset"] if rms else 0.0)
-    return chained.linear(x.float().contiguous(), e.weights[a["w"]], None if a["b"] is None else e.weights[a["b"]],
-                          _act(a["act"]), res, k.pdl, k.programs, norm, out=e.outs.get(node.value.name), glu=glu)
+    else:
+        gate = _gate(e, fused)
+    return chained.linear(x, e.weights[a["w"]], None if a["b"] is None else e.weights[a["b"]], _act(a["act"]), res,
+                          k.pdl, k.programs, norm, out=e.outs.get(node.value.name), gate=gate)
+
+
+def _gate(e, node: Node) -> chained.Gate:
+    """A glu, mul or act node as the linear reading it applies it: act(a) * b."""
+    a, w = node.args, node.value.width
+    if node.op == "glu":
+        x = e.val(a["x"]).float().contiguous()
+        return chained.Gate(x[:, :w], x[:, w:], _act(a["act"]))
+    if node.op == "mul":
+        x = e.val(a["x"]).float().contiguous()
+        return chained.Gate(e.val(a["g"]).float().contiguous(), x[:, a["c0"]:a["c0"] + w], _act(a["act"]))
+    return chained.Gate(e.val(a["x"]).float().contiguous(), None, _act(a["act"]))
 
 
 def _layer_norm(e, node: Node) -> torch.Tensor:

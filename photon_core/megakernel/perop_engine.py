@@ -100,7 +100,7 @@ class PerOpKernel:
         # Values written to their regions: those the host reads (exposed: logits, hidden). The rest
         # live in the launch only; a copy each would be a kernel each (~2 us in a replay).
         self.observed = {v.name for v in g.exposed.values()}
-        # the chained build's runners by node, and the norms and GLUs its linears apply themselves (by linear)
+        # the chained build's runners by node, and what its linears apply to their inputs themselves
         self.chained, self.prologues = _chained_ops(g, self.nodes, self.observed) if variant == "chained" else ({}, {})
         self.outs = {name: step.view(name) for name in self.observed}   # where chained linears write them
         # the chained attention's tickets (kernels/chained.attention), this step's alone: every
@@ -148,7 +148,7 @@ class PerOpKernel:
                     self._argmax_chained(e, node)
                 continue
             if id(node) in self.chained:
-                if self.chained[id(node)] is None:    # a norm or GLU its readers apply (prologues)
+                if self.chained[id(node)] is None:    # applied by its readers (prologues)
                     continue
                 y = self.chained[id(node)](e, node)
             elif node.op in OWN:
@@ -374,15 +374,16 @@ def _pdl_for(dev: torch.device) -> bool:
 
 def _chained_ops(graph: Any, nodes: list[Node], observed: set[str]) -> tuple[dict[int, Any], dict[int, Node]]:
     """The nodes the chained build runs as kernels/chained.py's kernels, each with its runner (None:
-    a LayerNorm, RMSNorm or GLU that is not observed and whose every reader among `nodes` is a
-    chained linear's input, which those linears apply themselves), and those linears' prologue
-    nodes (argmax: _argmax_chained). Every node of every family's step has a chained kernel."""
+    a LayerNorm, RMSNorm, GLU, gate or activation that is not observed and whose every reader
+    among `nodes` is a chained linear's input, which those linears apply themselves), and those
+    linears' prologue nodes (argmax: _argmax_chained). Every node of every family's step has a
+    chained kernel."""
     from photon_core.megakernel.perop_chained import CHAINED
     runners: dict[int, Any] = {id(n): CHAINED[n.op] for n in nodes if n.op in CHAINED}
     here = {id(n) for n in nodes}
     fused: dict[int, Node] = {}
     for n in nodes:
-        if n.op not in ("layer_norm", "rms_norm", "glu") or n.value.name in observed:
+        if n.op not in ("layer_norm", "rms_norm", "glu", "mul", "act") or n.value.name in observed:
             continue
         readers = [c for c in graph.consumers(n.value) if id(c) in here]
         if readers and all(c.op == "linear" and id(c) in runners and c.args["x"] is n.value
