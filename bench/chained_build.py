@@ -5,7 +5,8 @@ makes, the nodes it leaves to torch, and a prediction of its time on an H200 (ba
 
 Each family's real step graph (bench/roofline.py's shapes and contexts) planned as PerOpKernel
 plans its chained build (megakernel/perop_engine._chained_ops: norms, GLUs, gates and activations
-fused into the linears that read them), with chained.linear_blocks' tiles for 132 SMs. No weights, no kernels run.
+fused into the linears that read them), with chained.linear_blocks' tiles for 132 SMs. No weights,
+no kernels run.
 
 The prediction is a guess with its parts stated, to be replaced by the GPU's replays
 (bench/gpu_timeline.py's "per-op engine chained" rows): each launch costs its work plus `gap`, the
@@ -40,9 +41,8 @@ from photon_core.megakernel.perop_engine import _chained_ops  # noqa: E402
 
 SMS, PROGRAMS_PER_SM, BANDWIDTH, EFFICIENCY = 132, 4, 4.8e12, 0.8
 GAPS_US = (0.5, 1.0, 2.0)
-# the step's other launches: kernels/chained.py's count per node (argmax: its two stages)
-LAUNCHES = {"linear": 1, "attention": 1, "embed": 1, "kv_append": 1, "glu": 1, "mul": 1, "act": 1,
-            "add_norm": 1, "layer_norm": 1, "rms_norm": 1, "argmax": 2, "moe": 2, "conv_step": 1, "delta_rule": 1}
+# kernels/chained.py's launches a node makes where not one (argmax: its two stages, counted below)
+LAUNCHES = {"moe": 2}
 PEERS_US = {"Moondream 2": 2981, "Whisper tiny.en": 365}   # transformers in one CUDA graph, H200, 2026-12-04
 
 
@@ -115,7 +115,7 @@ def analyse(model, context: int = 1024) -> dict:
             continue
         if runners[id(node)] is None:           # a norm its readers apply
             continue
-        launches += LAUNCHES[node.op]
+        launches += LAUNCHES.get(node.op, 1)
         if node.op == "linear":
             n, k = g.weight_shapes[node.args["w"]]
             work += linear_us(n, k, id(node) in fused and fused[id(node)].op in ("layer_norm", "rms_norm"))

@@ -244,7 +244,8 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
                          tasks=len(k.graph.tasks), programs=k.num_programs, bytes=floor_bytes))
         log(f"{cfg.name} {v.name():18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
         RESULTS.setdefault("timing", []).append(rows[-1])
-    if "prod" in cfg.name if perop is None else perop:     # the per-op engine on the same step (issue 38.4)
+    perop = "prod" in cfg.name if perop is None else perop
+    if perop:     # the per-op engine on the same step (perop_engine.py; issue 38.4)
         for build in ("plain", "chained"):    # torch's kernels; kernels/chained.py's, chained by PDL
             label = "per-op engine" + (" chained" if build == "chained" else "")
             try:
@@ -269,7 +270,7 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
             log(f"{cfg.name} {label:18s} {us:9.1f} us/step  {rows[-1]['x_floor']:6.2f}x floor  err vs plain {err:.1e}")
             RESULTS.setdefault("timing", []).append(rows[-1])
         step.set_engine("megakernel")
-    if ("prod" in cfg.name if perop is None else perop) and choose:
+    if perop and choose:
         # what backend "auto" decides at load (engine_choice.choose: its own replays, nothing recorded)
         from photon_core.megakernel import engine_choice
         cfg.restore()

@@ -202,9 +202,9 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_w, nw_ptr, 
     """NORM 1 / 2: x is a LayerNorm's / RMSNorm's input, normalised here ((x - mean) / std *
     (offset + nw) + nb) rather than by a launch of its own; NORM 3: the product takes act(x) (code
     GATE_ACT) times g (HAS_G), rows of stride_x and stride_g: a GLU, gate or activation applied
-    here. W streams two steps ahead: steps 0 and
-    1's tiles are issued before the wait, and step k's products are formed with k + 1's and k + 2's
-    tiles in flight (and k + 1's x and norm loads, from L2)."""
+    here. W streams two steps ahead: steps 0 and 1's tiles are issued before the wait, and step k's
+    products are formed with k + 1's and k + 2's tiles in flight (and k + 1's x and norm loads,
+    from L2)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -450,9 +450,10 @@ def moe_up_kernel(x_ptr, logit_ptr, w_ptr, s_ptr, h_ptr, id_ptr, rw_ptr, D, F, E
                   ACT: tl.constexpr, FP8: tl.constexpr, ROUND_X: tl.constexpr, RENORM: tl.constexpr,
                   PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
                   BLOCK_D: tl.constexpr):
-    """Program (pair = row x K + slot, feature block): the row's slot-th expert e (moe.route_top_k of
-    the router's logits, which the expert tasks share), then BLOCK_F features of h = act(G_e x) * (U_e x + up_offset) over D in
-    BLOCK_D steps, gate and up tiles streamed two steps ahead. The first feature block writes the
+    """Program (pair = row x K + slot, feature block): the row's slot-th expert e (kernels/moe.route_top_k
+    of the router's logits, as the per-op route kernel picks it), then BLOCK_F features of
+    h = act(G_e x) * (U_e x + up_offset) over D in BLOCK_D steps, gate and up tiles streamed two
+    steps ahead. The first feature block writes the
     pair's expert and weight for moe_down_kernel. Nothing is loaded before the wait: which rows
     of which expert to read is the router's output. Bytes: 2 x BLOCK_F x D of the expert (its
     dtype), x from L2."""
@@ -501,8 +502,7 @@ def moe_up_kernel(x_ptr, logit_ptr, w_ptr, s_ptr, h_ptr, id_ptr, rw_ptr, D, F, E
 
 
 @triton.jit
-def _down_tile(w_ptr, id_ptr, row, K, i, steps, nn, nmask, ff, F, stride_e, stride_w, FP8: tl.constexpr,
-               BLOCK_F: tl.constexpr):
+def _down_tile(w_ptr, id_ptr, row, K, i, steps, nn, nmask, ff, F, stride_e, stride_w, BLOCK_F: tl.constexpr):
     """Step i of a row's walk over (slot, F step): the slot's expert's [BLOCK_N, BLOCK_F] tile of
     its down rows nn (none past the walk's last step)."""
     slot = tl.minimum(i // steps, K - 1)
@@ -515,8 +515,7 @@ def _down_tile(w_ptr, id_ptr, row, K, i, steps, nn, nmask, ff, F, stride_e, stri
 @triton.jit
 def moe_down_kernel(h_ptr, id_ptr, rw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, D, F, K, stride_e, stride_w,
                     FP8: tl.constexpr, ROUND_H: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
-                    BLOCK_N: tl.constexpr,
-                    BLOCK_F: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
     """Program (row, output block): y[row, nn] = sum over the row's K slots, in order, of weight x
     (Down_e h_slot)[nn] (+ the residual), walking (slot, F step) as one loop so the weight tiles
     stream two steps ahead across slots; each slot's routing weight is folded into its h, an FP8
@@ -527,12 +526,12 @@ def moe_down_kernel(h_ptr, id_ptr, rw_ptr, w_ptr, s_ptr, r_ptr, y_ptr, D, F, K, 
     nmask = nn < D
     _after_previous(PDL)
     steps = tl.cdiv(F, BLOCK_F)
-    w = _down_tile(w_ptr, id_ptr, row, K, 0, steps, nn, nmask, ff, F, stride_e, stride_w, FP8, BLOCK_F)
-    w1 = _down_tile(w_ptr, id_ptr, row, K, 1, steps, nn, nmask, ff, F, stride_e, stride_w, FP8, BLOCK_F)
+    w = _down_tile(w_ptr, id_ptr, row, K, 0, steps, nn, nmask, ff, F, stride_e, stride_w, BLOCK_F)
+    w1 = _down_tile(w_ptr, id_ptr, row, K, 1, steps, nn, nmask, ff, F, stride_e, stride_w, BLOCK_F)
     idx = nn[:, None] * 0 + ff[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_F), tl.float32)
     for i in range(0, K * steps):
-        w2 = _down_tile(w_ptr, id_ptr, row, K, i + 2, steps, nn, nmask, ff, F, stride_e, stride_w, FP8, BLOCK_F)
+        w2 = _down_tile(w_ptr, id_ptr, row, K, i + 2, steps, nn, nmask, ff, F, stride_e, stride_w, BLOCK_F)
         slot = i // steps
         f0 = (i % steps) * BLOCK_F
         h = tl.load(h_ptr + (row * K + slot) * F + f0 + idx, mask=f0 + idx < F, other=0.0)
@@ -851,8 +850,7 @@ def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torc
             BLOCK_K=triton.next_power_of_2(top_k), BLOCK_F=bf, BLOCK_D=bd)
     _launch(moe_down_kernel, (M, triton.cdiv(D, bn)), pdl, h, ids, rw, wd, sd, y if residual is None else residual,
             y, D, F, top_k, wd.stride(0), wd.stride(1), FP8=fp8, ROUND_H=down.dtype == torch.bfloat16,
-            HAS_RES=residual is not None, BLOCK_N=bn,
-            BLOCK_F=bfd)
+            HAS_RES=residual is not None, BLOCK_N=bn, BLOCK_F=bfd)
     return y
 
 

@@ -53,9 +53,8 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     ch_lin_c = dict(HAS_BIAS=True, HAS_RES=True, ACT=2, ROUND_X=True, NORM=0, HAS_NW=False, HAS_NB=False,
                     STATS_K=2048, GATE_ACT=0, HAS_G=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
     ch_part = dict(q_ptr=P, k_ptr=B16, v_ptr=B16, len_ptr="*i64", part_ptr=P, tick_ptr="*i32", o_ptr=P, HQ="i32",
-                   GROUP="i32", DH="i32",
-                   S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32", sk_h="i32", sv_b="i32",
-                   sv_h="i32")
+                   GROUP="i32", DH="i32", S="i32", scale="fp32", WINDOW="i32", T="i32", RING="i32", sk_b="i32",
+                   sk_h="i32", sv_b="i32", sv_h="i32")
     ch_rot = dict(qkv_ptr=P, q_ptr=P, kc_ptr=B16, vc_ptr=B16, pos_ptr="*i64", rpos_ptr="*i64", cos_ptr=P, sin_ptr=P,
                   qn_ptr=P, kn_ptr=P, t_ptr=P, alpha_ptr=P, HQ="i32", H="i32", DH="i32", HALF="i32", QKV_W="i32",
                   RING="i32", sk_b="i32", sk_h="i32", sk_t="i32", sv_b="i32", sv_h="i32", sv_t="i32", QN="i32",

@@ -42,7 +42,7 @@ def _linear(e, node: Node) -> torch.Tensor:
 
 
 def _gate(e, node: Node) -> chained.Gate:
-    """A glu, mul or act node as the linear reading it applies it: act(a) * b."""
+    """A glu, mul or act node as act(a) * b: what a linear reading it applies, or _gated launches."""
     a, w = node.args, node.value.width
     if node.op == "glu":
         x = e.val(a["x"]).float().contiguous()
@@ -51,6 +51,12 @@ def _gate(e, node: Node) -> chained.Gate:
         x = e.val(a["x"]).float().contiguous()
         return chained.Gate(e.val(a["g"]).float().contiguous(), x[:, a["c0"]:a["c0"] + w], _act(a["act"]))
     return chained.Gate(e.val(a["x"]).float().contiguous(), None, _act(a["act"]))
+
+
+def _gated(e, node: Node) -> torch.Tensor:
+    """A glu, mul or act node whose value is not only a linear's input: its own launch."""
+    g = _gate(e, node)
+    return chained.gated(g.a, g.b, g.act, e.kernel.pdl)
 
 
 def _layer_norm(e, node: Node) -> torch.Tensor:
@@ -65,26 +71,10 @@ def _rms_norm(e, node: Node) -> torch.Tensor:
                         None, a["eps"], True, a["offset"], e.kernel.pdl)
 
 
-def _glu(e, node: Node) -> torch.Tensor:
-    a, f = node.args, node.value.width
-    x = e.val(a["x"]).float().contiguous()
-    return chained.gated(x[:, :f], x[:, f:], _act(a["act"]), e.kernel.pdl)
-
-
-def _mul(e, node: Node) -> torch.Tensor:
-    a, w = node.args, node.value.width
-    x = e.val(a["x"]).float().contiguous()
-    return chained.gated(e.val(a["g"]).float().contiguous(), x[:, a["c0"]:a["c0"] + w], _act(a["act"]), e.kernel.pdl)
-
-
 def _embed(e, node: Node) -> torch.Tensor:
     a = node.args
     return chained.embed(e.token_ids, e.pos, e.weights[a["tok"]], None if a["pos"] is None else e.weights[a["pos"]],
                          a["scale"], e.kernel.pdl)
-
-
-def _act_node(e, node: Node) -> torch.Tensor:
-    return chained.gated(e.val(node.args["x"]).float().contiguous(), None, _act(node.args["act"]), e.kernel.pdl)
 
 
 def _add_norm(e, node: Node) -> torch.Tensor:
@@ -149,8 +139,8 @@ def _moe(e, node: Node) -> torch.Tensor:
                        e.kernel.pdl, e.kernel.programs, scales)
 
 
-CHAINED = {"embed": _embed, "linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _glu,
-           "mul": _mul, "act": _act_node, "add_norm": _add_norm, "kv_append": _kv_append, "attention": _attention,
+CHAINED = {"embed": _embed, "linear": _linear, "layer_norm": _layer_norm, "rms_norm": _rms_norm, "glu": _gated,
+           "mul": _gated, "act": _gated, "add_norm": _add_norm, "kv_append": _kv_append, "attention": _attention,
            "conv_step": _conv_step, "delta_rule": _delta_rule, "moe": _moe}
 
 __all__ = ["CHAINED"]

@@ -2,8 +2,6 @@
 input) and delta_rule (one token of the gated delta rule, Gated DeltaNet)."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from photon_core.kernels.linear import activation_code
@@ -28,11 +26,8 @@ def plan(pl: Planning, node: Node) -> None:
                              f"{src.value.name!r}, which is fused into linears only")
 
 
-def conv_reference(e: Eager, node: Node, ref: Any = None) -> torch.Tensor:
-    """ref: the backend whose causal_conv1d runs it (the contract's; default backends.reference;
-    the per-op engine's chained build passes backends.triton)."""
-    if ref is None:
-        from photon_core.backends import reference as ref
+def conv_reference(e: Eager, node: Node) -> torch.Tensor:
+    from photon_core.backends import reference as ref
     a = node.args
     st = e.caches[a["state"].name]                      # [B, C, W-1]: channel-major in the arena
     xs = e.val(a["x"])[:, a["c0"]:a["c0"] + node.value.width]
@@ -59,10 +54,8 @@ def conv_lower(lo: Lowering, node: Node) -> None:
     lo.stage_of[node.value.name] = st
 
 
-def delta_reference(e: Eager, node: Node, ref: Any = None) -> torch.Tensor:
-    """ref: the backend whose gated_delta_step and rms_norm_gated run it (as conv_reference's)."""
-    if ref is None:
-        from photon_core.backends import reference as ref
+def delta_reference(e: Eager, node: Node) -> torch.Tensor:
+    from photon_core.backends import reference as ref
     a, bsz = node.args, e.bsz
     st = e.caches[a["state"].name]
     hv, dk, dv = a["state"].shape
