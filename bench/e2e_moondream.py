@@ -112,8 +112,9 @@ class Moondream2(Family):
         from photon_core.models.moondream import image_crops, skills, vision
         c = self.sides["ours"].clock
         c.add(image_crops, "make_crops", "preprocess")
-        for fn in ("normalize", "encode_crops", "project"):
+        for fn in ("normalize", "project"):
             c.add(vision, fn, "encoder")
+        c.add(self.model, "encode_crops", "encoder")   # eager or replayed (runtime/shape_graphs)
         c.add(skills, "forward", classify=by_length("prefill", None, arg=1))
         if self.model.decode is not None:
             # On the megakernel the prompt's last token is the first decode step: its end is the

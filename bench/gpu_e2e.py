@@ -298,12 +298,15 @@ class Run:
                     self.add_row(fam, plan_mod.Config(name, cfg.task, c, cfg.side), derived(r, c), prewarm)
             self.save()
         # what backend "auto" chose on this GPU: each decode bucket's engine, each many-row shape's
-        # linear / attention (issues 38.4 and 39.2)
+        # linear / attention, each encoder shape's eager call or graph replay (issues 38.4 and 39.2)
         from photon_core.runtime.decode import engine_choices
         from photon_core.runtime.measured import choices
+        from photon_core.runtime.shape_graphs import graph_choices
         info["decode_engines"] = {f"{c.model} B{c.batch}": c.line() for c in engine_choices()}
         info["op_choices"] = {" ".join(map(str, k)): dict(chosen=v, ms={n: round(t * 1e3, 3) for n, t in ts.items()})
                               for k, (v, ts) in choices().items()}
+        info["encoder_graphs"] = {f"{k[0]} {k[2]}": dict(chosen=v, ms={n: round(t * 1e3, 3) for n, t in ts.items()})
+                                  for k, (v, ts) in graph_choices().items()}
         self.save()
         del fam
         gc.collect()

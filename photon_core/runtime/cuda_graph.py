@@ -12,10 +12,14 @@ from typing import Any, Callable
 import torch
 
 
-def capture(fn: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
+            errors: str = "global") -> tuple[torch.cuda.CUDAGraph, Any]:
     """(graph, output of the captured call): replaying the graph reruns fn, writing its outputs
     into that same output's memory. Warm-up runs go on a side stream first (lazy initialization,
-    Triton's first-launch compilation and autotuning must not happen during capture)."""
+    Triton's first-launch compilation and autotuning must not happen during capture). pool: a
+    memory pool shared with other graphs (torch.cuda.graph_pool_handle()), or None for its own.
+    errors: torch.cuda.graph's capture_error_mode ("thread_local": only this thread's calls that a
+    capture forbids fail, not other threads' work going on meanwhile)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -23,6 +27,6 @@ def capture(fn: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGrap
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=errors):
         out = fn()
     return graph, out

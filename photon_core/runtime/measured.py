@@ -65,6 +65,17 @@ class Choices:
                 name = self.chosen.get(key) or self._measure(key, candidates)
         return candidates[name or next(iter(candidates))]()
 
+    def overrule(self, key: Hashable, name: str) -> None:
+        """Run `name` for key from now on, whatever was measured (a candidate found wrong)."""
+        with self._lock:
+            self.chosen[key] = name
+
+    def forget(self, key: Hashable) -> None:
+        """Drop key's choice: its next call is measured again."""
+        with self._lock:
+            self.chosen.pop(key, None)
+            self.seconds.pop(key, None)
+
     def _measure(self, key: Hashable, candidates: Mapping[str, Callable[[], Any]]) -> str:
         times: dict[str, float] = {}
         for name, fn in candidates.items():

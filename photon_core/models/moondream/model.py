@@ -10,6 +10,7 @@ import torch
 
 from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import Request, Settings, SpatialRef
+from photon_core.runtime.shape_graphs import ShapeGraphs
 
 from . import batch as batch_decoding
 from . import image_crops, region, skills, text, vision
@@ -113,6 +114,8 @@ class MoondreamModel:
         self.vision_w = vision.VisionWeights.from_state(state, config.vision)
         self.text_w = self.text_impl.TextWeights.from_state(state, config.text)
         self.region_w = self.region_impl.RegionWeights.from_state(state)
+        # a camera's crops have one shape frame after frame: on a GPU, replayed from a graph where faster
+        self.encode_crops = ShapeGraphs(f"{model_id} vision encoder", self._encode_crops)
         self.decode = None
         if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
@@ -186,13 +189,16 @@ class MoondreamModel:
         prepared = [self.preprocess(image, channel_order) for image in images]
         crops = np.concatenate([c for c, _ in prepared])
         x = vision.normalize(crops, self.dtype, self.device, self.normalize_via)
-        feats = vision.encode_crops(x, self.vision_w, cfg.vision, self.ops)
+        feats = self.encode_crops(x)
         tokens, start = [], 0
         for own_crops, tiling in prepared:
             end = start + len(own_crops)
             tokens.append(vision.project(feats[start:end], tiling, self.vision_w, cfg.vision, self.ops))
             start = end
         return tokens, [tiling for _, tiling in prepared]
+
+    def _encode_crops(self, x: torch.Tensor) -> torch.Tensor:
+        return vision.encode_crops(x, self.vision_w, self.config.vision, self.ops)
 
     def decoder_megakernel(self) -> type:
         """The compiled decode step class of this model's decoder (used by the megakernel backend)."""

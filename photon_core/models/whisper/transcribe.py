@@ -16,6 +16,7 @@ import torch
 from photon_core.audio_io import AudioStream
 from photon_core.backends import reference
 from photon_core.runtime.requests import TranscribeRequest
+from photon_core.runtime.shape_graphs import ShapeGraphs
 from photon_core.runtime.thread_tuner import ThreadTuner
 from photon_core.models.whisper.checkpoint import (
     WhisperCheckpoint, WhisperWeightsNotFound, load_checkpoint_file, resolve_whisper)
@@ -199,15 +200,20 @@ class WhisperSpeech:
         self.time_precision = self.input_stride * HOP_LENGTH / SAMPLE_RATE
         self.decoder = WindowDecoder(self.net, self.tokenizer, self.time_precision)
         self.decoder.threads = step_threads
+        # every window is 30 s (or the fitted context): on a GPU, replayed from a graph where faster
+        self._encoder = ShapeGraphs(f"{model_id} encoder", self._encode)
 
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
         """Encoder on [B, n_mels, 3000]; under autocast when a lower-precision dtype was chosen
         (features come back as float32 for the decoder)."""
-        mel = mel.to(self.device)
+        return self._encoder(mel.to(self.device))
+
+    def _encode(self, mel: torch.Tensor) -> torch.Tensor:
         if self.encoder_dtype == torch.float32:
             return self.net.encode(mel)
-        with torch.autocast(self.device.type, dtype=self.encoder_dtype):
+        # a graph capture needs autocast without its cast cache (torch.cuda.graph says so)
+        with torch.autocast(self.device.type, dtype=self.encoder_dtype, cache_enabled=False):
             return self.net.encode(mel).float()
 
     def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
