@@ -158,7 +158,8 @@ class Qwen35(HFVision):
         from photon_core.models.qwen3_5 import vision as qvision
         c = self.sides["ours"].clock
         c.add(qvision, "preprocess", "preprocess")
-        c.add(qvision, "encode", "encoder")
+        c.add(self.model, "_positions", "encoder")
+        c.add(self.model, "encode_patches", "encoder")   # eager or replayed (runtime/shape_graphs)
         c.add(qtext, "prefill", "prefill")
         if self.with_peer:
             self.hook_peer([self.hf.model.visual])
@@ -239,7 +240,8 @@ class Gemma4(HFVision):
         self.processor = Gemma4ImageProcessorPil(patch_size=16, max_soft_tokens=soft, pooling_kernel_size=3)
         c = self.sides["ours"].clock
         c.add(gvision, "patchify", "preprocess")
-        c.add(gvision, "encode", "encoder")
+        c.add(gvision, "pool_groups", "encoder")
+        c.add(self.model, "encode_patches", "encoder")   # eager or replayed (runtime/shape_graphs)
         c.add(gvision, "project", "encoder")
         c.add(gtext, "prefill", "prefill")
         if self.with_peer:

@@ -16,6 +16,7 @@ from photon_core.runtime.generate import room
 from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import Request
 from photon_core.runtime.sampling import Sampling
+from photon_core.runtime.shape_graphs import ShapeGraphs
 from photon_core.runtime.text_settings import text_sampling
 from photon_core.runtime.text_stream import text_pieces
 from photon_core.weights.tensor_files import parse_dtype
@@ -51,6 +52,8 @@ class Gemma4Model:
         self.config, self.w, self.prompter, self.ops = config, state, prompter, ops
         self.device, self.dtype, self.model_id, self.eos_ids = device, dtype, model_id, frozenset(eos_ids)
         self.rotary = text.Rotary(config.text, device)
+        # a camera's frames patch to one shape: on a GPU, replayed from a graph where faster
+        self.encode_patches = ShapeGraphs(f"{model_id} vision encoder", self._encode_patches)
         self.decode = None
         if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
@@ -71,9 +74,15 @@ class Gemma4Model:
             raise ValueError("this Gemma 4 checkpoint has no vision tower (no vision_config); ask text-only")
         rgb = to_rgb(image, channel_order)
         pixels, pos = vision.patchify(rgb, self.config.vision, self.prompter.max_soft_tokens)
-        soft = vision.encode(pixels.to(self.device), pos.to(self.device), self.w, self.config.vision, self.ops)
+        groups = vision.pool_groups(pos, self.w, self.config.vision)
+        soft = self.encode_patches(pixels.to(self.device), pos.to(self.device), groups.to(self.device))
         tokens = vision.project(soft, self.w, self.config.vision.eps, self.ops, self.dtype)
         return EncodedImage(tokens, id(self))
+
+    def _encode_patches(self, pixels: torch.Tensor, pos: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        if self.config.vision is None:
+            raise ValueError("this Gemma 4 checkpoint has no vision tower (no vision_config); ask text-only")
+        return vision.encode_patches(pixels, pos, groups, self.w, self.config.vision, self.ops)
 
     # -- the decoder ---------------------------------------------------------------------------
     def embed_prompt(self, ids: list[int], image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

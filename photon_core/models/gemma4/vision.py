@@ -82,10 +82,25 @@ def _linear(x: Tensor, w: dict, name: str, ops, activation: str | None = None) -
 def encode(pixels: Tensor, pos: Tensor, w: dict, cfg: VisionConfig, ops) -> Tensor:
     """One image's patches [N, 3p^2] (values in [0, 1]) and positions [N, 2] -> soft tokens
     [N / pool^2, vision dim] in fp32 (pooled, scaled by sqrt(dim), standardized when configured)."""
+    return encode_patches(pixels, pos, pool_groups(pos, w, cfg), w, cfg, ops)
+
+
+def pool_groups(pos: Tensor, w: dict, cfg: VisionConfig) -> Tensor:
+    """Each patch's soft token (k x k average pooling, row-major over the pooled grid), the
+    positions checked against the position table: the host reads `encode_patches` must not make
+    (an encoder replayed from a CUDA graph reads nothing on the host)."""
+    side = int(pos.max()) + 1
+    table = w["vision.patch_embedder.position_embedding_table"]
+    if side > table.shape[1]:
+        raise ValueError(f"image is {side} patches on a side; the position table has {table.shape[1]}")
+    k, cols = cfg.pool, int(pos[:, 0].max()) + 1
+    return (pos[:, 0] // k) + (cols // k) * (pos[:, 1] // k)
+
+
+def encode_patches(pixels: Tensor, pos: Tensor, groups: Tensor, w: dict, cfg: VisionConfig, ops) -> Tensor:
+    """encode, its positions checked and pooling groups made (pool_groups), all on the device."""
     dtype = w["vision.patch_embedder.input_proj.weight"].dtype
     table = w["vision.patch_embedder.position_embedding_table"]
-    if int(pos.max()) >= table.shape[1]:
-        raise ValueError(f"image is {int(pos.max()) + 1} patches on a side; the position table has {table.shape[1]}")
     x = ops.linear((2 * (pixels - 0.5)).to(dtype), w["vision.patch_embedder.input_proj.weight"])
     x = (x + table[0][pos[:, 0]] + table[1][pos[:, 1]])[None]                   # [1, N, dim]
     tabs = _axial_tables(pos, cfg, x.dtype)
@@ -106,16 +121,15 @@ def encode(pixels: Tensor, pos: Tensor, w: dict, cfg: VisionConfig, ops) -> Tens
         m = ops.glu(_linear(h, w, p + "mlp.gate_proj", ops), _linear(h, w, p + "mlp.up_proj", ops), cfg.activation)
         m = _linear(m, w, p + "mlp.down_proj", ops)
         x = x + ops.rms_norm(m, w[p + "post_feedforward_layernorm.weight"], cfg.eps)
-    return pool(x[0], pos, w, cfg)
+    return pool(x[0], groups, w, cfg)
 
 
-def pool(x: Tensor, pos: Tensor, w: dict, cfg: VisionConfig) -> Tensor:
+def pool(x: Tensor, groups: Tensor, w: dict, cfg: VisionConfig) -> Tensor:
+    """k x k average pooling of the patches' features into their soft tokens (pool_groups)."""
     k = cfg.pool
-    cols = int(pos[:, 0].max()) + 1
-    group = (pos[:, 0] // k) + (cols // k) * (pos[:, 1] // k)
     n = x.shape[0] // (k * k)
     out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, group.to(x.device), x.float())
+    out.index_add_(0, groups.to(x.device), x.float())
     out = out / (k * k) * (cfg.dim ** 0.5)
     if cfg.standardize:
         out = (out - w["vision.std_bias"].float()) * w["vision.std_scale"].float()

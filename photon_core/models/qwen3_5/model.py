@@ -12,6 +12,7 @@ from photon_core.runtime import chat_messages
 from photon_core.runtime.generate import room
 from photon_core.runtime.image_input import ImageLike
 from photon_core.runtime.requests import Request
+from photon_core.runtime.shape_graphs import ShapeGraphs
 from photon_core.runtime.text_settings import text_sampling
 from photon_core.runtime.text_stream import text_pieces
 from photon_core.weights.tensor_files import parse_dtype
@@ -44,6 +45,9 @@ class Qwen35Model:
         self.preprocess = vision.Preprocess.from_folder(folder, cfg.vision) if cfg.vision else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
+        # a camera's frames patch to one grid: on a GPU, replayed from a graph where faster
+        self.encode_patches = ShapeGraphs(f"{model_id} vision encoder", self._encode_patches)
+        self._grids: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.decode = None
         if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
@@ -52,6 +56,25 @@ class Qwen35Model:
             self.decode = MegakernelDecode(self, tiling or Tiling(), max_len)
 
     # ------------------------------------------------------------------ model pieces
+
+    def _encode_patches(self, patches: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+        return vision.encode_patches(patches, pos, cos, sin, *self._vision(), self.ops)
+
+    def _vision(self) -> tuple[vision.VisionWeights, Any]:
+        if self.vision_w is None or self.config.vision is None:
+            raise ValueError(f"{self.model_id} is a text-only Qwen 3.5 checkpoint: it cannot take images")
+        return self.vision_w, self.config.vision
+
+    def _positions(self, gh: int, gw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A grid's position embeddings and rotary tables (vision.positions), kept for the last few
+        grids (a camera's frames share one)."""
+        grid = (gh, gw)
+        if grid not in self._grids:
+            if len(self._grids) >= 4:
+                self._grids.pop(next(iter(self._grids)))
+            self._grids[grid] = vision.positions(grid, *self._vision())
+        return self._grids[grid]
 
     def encode_image(self, image: ImageLike | EncodedImage, channel_order: str = "rgb") -> EncodedImage:
         """Preprocess and run the vision encoder (image input: runtime.image_input; BGR arrays need
@@ -69,7 +92,7 @@ class Qwen35Model:
                              f"{gh * self.preprocess.patch} pixels after resizing) exceed the context "
                              f"({self.config.text.max_context} tokens); give a smaller image")
         with torch.no_grad():
-            feats = vision.encode(patches, (gh, gw), self.vision_w, self.config.vision, self.ops)
+            feats = self.encode_patches(patches.to(self.device), *self._positions(gh, gw))
         return EncodedImage(feats, (gh // m, gw // m))
 
     def prompt_inputs(self, image: Any, question: str) -> tuple[torch.Tensor, torch.Tensor, int]:

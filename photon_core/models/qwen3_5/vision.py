@@ -118,21 +118,35 @@ def _resample_axis(n: int, side: int) -> torch.Tensor:
 
 def encode(patches: torch.Tensor, grid: tuple[int, int], w: VisionWeights, cfg: VisionConfig, ops) -> torch.Tensor:
     """Patches of one image -> its text-width features [gh*gw / merge^2, out_dim]."""
+    return encode_patches(patches.to(w.patch_w.device), *positions(grid, w, cfg), w, cfg, ops)
+
+
+def positions(grid: tuple[int, int], w: VisionWeights, cfg: VisionConfig
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(position embeddings [gh*gw, dim] in the weights' dtype, rotary cos and sin [gh*gw,
+    head_dim / 2]) of a grid, in merge-block order, on the weights' device: what encode_patches
+    takes, made from the grid's sizes on the host (an encoder replayed from a CUDA graph reads
+    nothing on the host)."""
     gh, gw = grid
     m, d = cfg.merge, cfg.dim
     dtype, device = w.patch_w.dtype, w.patch_w.device
-    x = ops.linear(patches.to(device, dtype), w.patch_w, w.patch_b)
     side = math.isqrt(cfg.num_pos)
     table = w.pos.float().reshape(side, side, d)
     along_h, along_w = _resample_axis(gh, side).to(device), _resample_axis(gw, side).to(device)
     pos = torch.einsum("rs,ct,std->rcd", along_h, along_w, table)             # [gh, gw, dim]
-    x = x + _block_order(pos, gh, gw, m).to(dtype)
     rows = torch.arange(gh, device=device)[:, None].expand(gh, gw)
     cols = torch.arange(gw, device=device)[None, :].expand(gh, gw)
     rc = _block_order(torch.stack([rows, cols], -1), gh, gw, m).float()           # [N, 2]
     freqs = w.inv_freq.to(device)
     angles = torch.cat([rc[:, :1] * freqs, rc[:, 1:] * freqs], dim=-1)           # [N, head_dim/2]
-    cos, sin = angles.cos(), angles.sin()
+    return _block_order(pos, gh, gw, m).to(dtype), angles.cos(), angles.sin()
+
+
+def encode_patches(patches: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   w: VisionWeights, cfg: VisionConfig, ops) -> torch.Tensor:
+    """encode, its grid's positions made (positions), all on the device."""
+    m, d, dtype = cfg.merge, cfg.dim, w.patch_w.dtype
+    x = ops.linear(patches.to(dtype), w.patch_w, w.patch_b) + pos
     n, hn, hd = x.shape[0], cfg.n_heads, cfg.head_dim
     for b in w.blocks:
         h = ops.layer_norm(x, b["norm1.weight"], b["norm1.bias"], 1e-6)
