@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from photon_ros.audio_conversions import Pcm, bytes_to_samples, samples_to_pcm
+from photon_ros.audio_conversions import FLOAT_PEAK_LIMIT, Pcm, bytes_to_samples, samples_to_pcm
 
 MGONZS13, ROS_DRIVERS = "mgonzs13", "ros_drivers"
 
@@ -66,10 +66,6 @@ _GSTREAMER_FORMATS: dict[str, np.dtype] = {
 }
 _RAW_CODINGS = ("wave", "raw")   # the capture node's caps for "wave" are raw PCM (no WAV header)
 
-# Float PCM is nominally in [-1, 1]; overshoot up to this peak is kept (inter-sample peaks, gain
-# before a limiter). Beyond it the data is not float PCM: integer-scaled samples in a float field,
-# or integer bytes declared as floats.
-FLOAT_PEAK_LIMIT = 2.0
 
 
 class DecodedAudio(NamedTuple):
@@ -138,16 +134,6 @@ def _typed_array(values: Any, dtype: np.dtype, field: str) -> np.ndarray:
     return array.astype(dtype)
 
 
-def _check_float_peak(values: np.ndarray, what: str) -> None:
-    if values.dtype.kind != "f" or values.size == 0:
-        return
-    finite = values[np.isfinite(values)]   # NaN and infinities get their own error later
-    peak = float(np.abs(finite).max()) if finite.size else 0.0
-    if peak > FLOAT_PEAK_LIMIT:
-        raise ValueError(f"{what}: float samples reach {peak:g}, far outside [-1, 1]: this is not "
-                         f"float PCM (integer samples in a float field, or a wrong sample format?)")
-
-
 def mgonzs13_to_pcm(msg: Any) -> DecodedAudio:
     """An mgonzs13 `AudioStamped` or `Audio` as mono Pcm, with its stamp."""
     audio = getattr(msg, "audio", msg)
@@ -173,7 +159,6 @@ def mgonzs13_to_pcm(msg: Any) -> DecodedAudio:
                          f"which array is the audio is ambiguous")
     values = _typed_array(getattr(data, field), dtype, field)
     what = f"{field} ({name}, {int(info.channels)} channel(s), {int(info.rate)} Hz)"
-    _check_float_peak(values, what)
     try:
         pcm = samples_to_pcm(values, int(info.channels), int(info.rate))
     except ValueError as err:
@@ -242,7 +227,6 @@ class AudioInfoFormat:
             if values.size and len(values) % fmt.channels:
                 raise ValueError(f"{values.nbytes} bytes are not a whole number of "
                                  f"{fmt.channels} x {fmt.dtype.itemsize}-byte frames ({frame} bytes)")
-            _check_float_peak(values, "data")
             pcm = samples_to_pcm(values, fmt.channels, fmt.sample_rate)
         except ValueError as err:
             raise ValueError(f"audio data does not fit its declared format ({what}): {err}") from None

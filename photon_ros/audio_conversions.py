@@ -26,6 +26,13 @@ _FORMATS: dict[str, tuple[str, float, float]] = {
 }
 
 
+# Float PCM is nominally in [-1, 1]; overshoot up to this peak is kept (inter-sample peaks, gain
+# before a limiter). Beyond it the data is not float PCM: integer-scaled samples in a float field,
+# or integer bytes declared as floats. (The file readers take up to audio_io.MAX_FLOAT_SAMPLE: a
+# file says what it holds; a message's float field is filled by code that may have forgotten to scale.)
+FLOAT_PEAK_LIMIT = 2.0
+
+
 class Pcm(NamedTuple):
     samples: np.ndarray     # float32, mono, nominally in [-1, 1]
     sample_rate: int
@@ -52,6 +59,17 @@ def _check(samples: np.ndarray, sample_rate: int) -> Pcm:
     return Pcm(samples.astype(np.float32, copy=False), int(sample_rate))
 
 
+def check_float_peak(values: np.ndarray, what: str = "audio") -> None:
+    """ValueError where float samples peak beyond FLOAT_PEAK_LIMIT (integer samples pass)."""
+    if values.dtype.kind != "f" or values.size == 0:
+        return
+    finite = values[np.isfinite(values)]   # NaN and infinities get their own error later
+    peak = float(np.abs(finite).max()) if finite.size else 0.0
+    if peak > FLOAT_PEAK_LIMIT:
+        raise ValueError(f"{what}: float samples reach {peak:g}, far outside [-1, 1]: this is not "
+                         f"float PCM (integer samples in a float field, or a wrong sample format?)")
+
+
 def bytes_to_samples(data, dtype: str | np.dtype, sample_format: str) -> np.ndarray:
     """Raw sample bytes (bytes, or a uint8 array such as a message's uint8[] field) viewed as
     interleaved samples of `dtype`; `sample_format` names the format in the error."""
@@ -66,6 +84,7 @@ def bytes_to_samples(data, dtype: str | np.dtype, sample_format: str) -> np.ndar
 def samples_to_pcm(values: np.ndarray, channels: int, sample_rate: int) -> Pcm:
     """Interleaved samples of any PCM dtype (8-bit unsigned with silence at 128, wider signed
     integers, floats in [-1, 1]; see photon_core.audio_io.pcm_to_float) as mono float32 Pcm."""
+    check_float_peak(values)
     return _check(_to_mono(pcm_to_float(values), int(channels)), sample_rate)
 
 
@@ -91,6 +110,7 @@ def int16_array_to_pcm(msg: Int16MultiArray, sample_rate: int, channels: int = 1
 
 def float32_array_to_pcm(msg: Float32MultiArray, sample_rate: int, channels: int = 1) -> Pcm:
     values = np.asarray(msg.data, dtype=np.float32)[msg.layout.data_offset:]
+    check_float_peak(values)
     return _check(_to_mono(values, _channels_from_layout(msg, channels)), sample_rate)
 
 

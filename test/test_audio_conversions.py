@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from std_msgs.msg import Float32MultiArray, Int16MultiArray
 
-from photon_ros.audio_conversions import (audio_chunk_to_pcm, float32_array_to_pcm,
+from photon_ros.audio_conversions import (FLOAT_PEAK_LIMIT, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm, pcm_to_audio_chunk,
                                           pcm_to_float32_array, pcm_to_int16_array)
 from photon_ros.msg import AudioChunk
@@ -52,6 +52,13 @@ def test_plain_multiarray_without_layout(pcm):
                                np.array([200, -200]) / 32768.0)
 
 
+def test_float_overshoot_within_the_limit_is_kept():
+    values = np.array([0.5, -1.5, FLOAT_PEAK_LIMIT], np.float32)
+    chunk = AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=values.astype("<f4").tobytes())
+    np.testing.assert_array_equal(audio_chunk_to_pcm(chunk).samples, values)
+    np.testing.assert_array_equal(float32_array_to_pcm(Float32MultiArray(data=values.tolist()), 16000).samples, values)
+
+
 def nan_chunk():
     return pcm_to_audio_chunk(np.array([0.1, np.nan, 0.2], np.float32), 16000, "F32LE")
 
@@ -64,6 +71,9 @@ def nan_chunk():
     (lambda: AudioChunk(sample_rate=16000, channels=1, sample_format="S16LE", data=bytes(3)), "whole number"),
     (lambda: AudioChunk(sample_rate=16000, channels=2, sample_format="S16LE", data=bytes(6)), "multiple of 2 channels"),
     (lambda: AudioChunk(sample_rate=16000, channels=0, sample_format="S16LE", data=bytes(4)), "0 channels"),
+    # int16-scaled values in a float format: the model would see audio 3000x too loud
+    (lambda: AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE",
+                        data=np.array([0.0, 3276.8, -1200.0], "<f4").tobytes()), "not float PCM"),
 ])
 def test_malformed_chunks_raise(make, message):
     with pytest.raises(ValueError, match=message):
@@ -73,6 +83,8 @@ def test_malformed_chunks_raise(make, message):
 def test_malformed_multiarrays_raise():
     with pytest.raises(ValueError, match="NaN or infinite"):
         float32_array_to_pcm(Float32MultiArray(data=[0.0, float("inf")]), 16000)
+    with pytest.raises(ValueError, match="not float PCM"):
+        float32_array_to_pcm(Float32MultiArray(data=[0.0, 3276.8]), 16000)
     with pytest.raises(ValueError, match="empty"):
         int16_array_to_pcm(Int16MultiArray(), 16000)
     with pytest.raises(ValueError, match="sample rate"):
