@@ -217,6 +217,9 @@ class SpeechModel(Protocol):
     def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
         """Run every path a first call takes, with the options later calls will use."""
 
+    # Optional: check_language(language) -> None, ValueError naming why the model cannot transcribe
+    # in `language` (Whisper, Qwen3-ASR); a family without it takes any (Parakeet ignores it).
+
 
 @runtime_checkable
 class StreamingSpeechModel(SpeechModel, Protocol):

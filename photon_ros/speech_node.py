@@ -155,7 +155,7 @@ class SpeechNode(ManagedNode):
         super().__init__("speech", **kwargs)
         # Checked at startup (a bad value stops the node with the reason, rather than the first
         # audio callback that builds the segmenter) and on every change.
-        self.params = NodeParams(self, speech_params(), apply=self.apply_params, check_all=check_vad)
+        self.params = NodeParams(self, speech_params(), apply=self.apply_params, check_all=self.check_params)
         self.vad_config = vad_config(self.params.values)
         self.model_name = self.params["model"]   # the one loaded: read again at configure
         self.queue = UtteranceQueue(self.params["max_pending_s"])
@@ -164,6 +164,8 @@ class SpeechNode(ManagedNode):
         self.watch = StreamWatch(self.params["idle_flush_s"])
         self.skipped_chunks = 0
         self.health = InputHealth()     # chunks lost on the way, chunks failing in a row
+        self.transcribing = InputHealth()   # transcriptions failing in a row, the last error
+        self.transcripts_failed = 0
         self.ignored_chunks = 0         # chunks that arrived while the node was not active
         self.chunks_received = 0
         self.finals_published = 0
@@ -205,6 +207,19 @@ class SpeechNode(ManagedNode):
             if "idle_flush_s" in changes:
                 self.watch.idle_s = changes["idle_flush_s"]
         self.get_logger().info("parameters changed: " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+
+    def check_params(self, values: dict) -> str:
+        """Why these parameter values are refused ("" if they are not): the VAD's rules, and a
+        language the loaded model cannot transcribe in (English-only Whisper and "de", say),
+        which would make every transcription fail."""
+        language, check = values["language"] or None, getattr(self.model, "check_language", None)
+        if (reason := check_vad(values)) or check is None:
+            return reason
+        try:
+            check(language)
+        except ValueError as err:
+            return f"language: {err}"
+        return ""
 
     @property
     def model(self):
@@ -280,14 +295,15 @@ class SpeechNode(ManagedNode):
     # --- input: callback and timer (cheap) ---------------------------------------------------
     def on_audio(self, msg, info) -> None:
         self.chunks_received += 1
-        self.health.arrived(info)
+        lost = self.health.arrived(info)
         with self.activity.admitting() as admitted:
             if admitted:
-                self.take_audio(msg)
+                self.take_audio(msg, lost)
             else:
                 self.ignored_chunks += 1
 
-    def take_audio(self, msg) -> None:
+    def take_audio(self, msg, lost: int = 0) -> None:
+        """msg's audio into the segmenter; `lost`: its publisher's messages lost just before it."""
         try:
             pcm, start, stamped, frame_id = self.decode(msg)
         except ValueError as err:
@@ -302,8 +318,12 @@ class SpeechNode(ManagedNode):
             elif self.segmenter.config is not self.vad_config and not self.segmenter.in_speech:
                 self.segmenter.reconfigure(self.vad_config)
             self.last_frame_id = frame_id
-            self.watch.chunk(time.monotonic())
-            for utterance in self.segmenter.push(pcm.samples, start, stamped):
+            chunk_s = pcm.samples.size / pcm.sample_rate
+            self.watch.chunk(time.monotonic(), chunk_s)
+            # as many chunks as this one lost in transport (sequence numbers): a hole in the
+            # audio even where it is too short for the stamps to show
+            gap = self.segmenter.transport_lost(lost * chunk_s) if lost else []
+            for utterance in gap + self.segmenter.push(pcm.samples, start, stamped):
                 self.enqueue(utterance)
             self.request_partial_if_due()
             self.offer_speculation_if_due()
@@ -402,7 +422,7 @@ class SpeechNode(ManagedNode):
     def flush_if_idle(self) -> None:
         with self.lock:
             if self.watch.stopped(time.monotonic()) and self.segmenter is not None:
-                utterance = self.segmenter.flush(
+                utterance = self.segmenter.stream_stopped(
                     f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
                 if utterance is not None:
                     self.enqueue(utterance)
@@ -480,7 +500,10 @@ class SpeechNode(ManagedNode):
                     engine.lock.release()
         except Exception as err:  # noqa: BLE001
             self.get_logger().error(f"transcription failed: {type(err).__name__}: {err}")
+            self.transcripts_failed += 1
+            self.transcribing.failed(f"{type(err).__name__}: {err}")
             return None, time.monotonic() - started
+        self.transcribing.succeeded()
         return result, time.monotonic() - started
 
     def publish(self, result: dict, utterance: Utterance, processing: float, epoch: int) -> Transcript | None:
@@ -508,7 +531,7 @@ class SpeechNode(ManagedNode):
         status.level, status.message = health(state, self.loading, self.model_error, self.chunks_received, "audio")
         if self.incompatible_qos and self.chunks_received == 0 and status.level < DiagnosticStatus.ERROR:
             status.level, status.message = DiagnosticStatus.WARN, self.incompatible_qos
-        failing = self.health.failing("audio chunks")
+        failing = self.health.failing("audio chunks") or self.transcribing.failing("transcriptions")
         if failing and state == "active":
             status.level, status.message = DiagnosticStatus.ERROR, failing
         segmenter = self.segmenter
@@ -525,6 +548,7 @@ class SpeechNode(ManagedNode):
             "audio_lost_s": f"{segmenter.lost_s if segmenter else 0.0:.2f}",
             "transcripts_final": str(self.finals_published),
             "transcripts_incomplete": str(self.incomplete_published),
+            "transcripts_failed": str(self.transcripts_failed),
             "utterances_dropped_backlog": str(self.queue.dropped),
             "pending_audio_s": f"{self.queue.seconds:.2f}",
             "finals_decoded_ahead": str(self.speculations.used),

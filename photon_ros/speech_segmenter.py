@@ -165,8 +165,25 @@ class SpeechSegmenter:
         return done
 
     def flush(self, note: str = "the audio stream stopped mid-utterance") -> Utterance | None:
-        """End the current utterance now (the stream stopped); it is marked incomplete with `note`."""
+        """End the current utterance now (the stream ended); it is marked incomplete with `note`."""
         return self._finish(note) if self._in_speech else None
+
+    def stream_stopped(self, note: str = "the audio stream stopped mid-utterance") -> Utterance | None:
+        """No chunk has come for a while (a stalled driver, push-to-talk released). The utterance
+        in progress ends, incomplete with `note`, and speech that follows continues it: incomplete
+        too, until a pause of hangover_s (a stalled driver's backlog is the rest of that speech).
+        The time without chunks is not lost audio: the next chunk's stamp restarts the clock."""
+        cut = self.flush(note)
+        self._restart_stream()
+        if cut is not None:
+            self._after_gap = "continues speech cut when the audio stream stopped"
+        return cut
+
+    def transport_lost(self, seconds: float) -> list[Utterance]:
+        """Messages were lost before the next chunk (their publisher's sequence numbers show it),
+        about `seconds` of audio: a discontinuity, however little (the stamps miss a jump of under
+        min_gap_s). Counted once: the next chunk's stamp restarts the clock."""
+        return self._discontinuity(seconds)
 
     def _tail_frames(self, cfg: SegmenterConfig) -> int:
         return round(cfg.tail_s / self._frame_s)
@@ -284,11 +301,17 @@ class SpeechSegmenter:
         what = (f"{jump:.2f} s of audio lost" if jump > 0
                 else f"audio out of order (a chunk starts {-jump:.2f} s before the previous one ended)")
         cut = self._finish(f"{what} after it") if self._in_speech else None
+        self._restart_stream()
+        self._after_gap = f"{what} before it"
+        return [cut] if cut is not None else []
+
+    def _restart_stream(self) -> None:
+        """Audio before this point does not join audio after it: frames in the making, the
+        preroll and the runs of (non-)speech are dropped, and the clock restarts."""
         self._pending = np.zeros(0, np.float32)
         self._preroll.clear()
         self._voiced_run = self._quiet_run = 0
-        self._after_gap = f"{what} before it"
-        return [cut] if cut is not None else []
+        self.last_time = None
 
     def _finish(self, note: str = "", keep: int | None = None) -> Utterance | None:
         """End the utterance in progress with its first `keep` frames (all by default)."""

@@ -320,7 +320,7 @@ def bad_chunks(battery, chunks: list[AudioChunk]) -> DiagnosticStatus:
 
 def test_malformed_audio_chunks(battery):
     """Unknown format, a byte count that is no whole sample, no channels, rates 0 and 1 GHz, NaN
-    samples, float samples no audio has (1e30, refused like a file's): each skipped and counted,
+    samples, float samples no audio has (1e30) or at integer scale (3276.8): each skipped and counted,
     ERROR with the reason while they go on."""
     before = int(battery.value("speech", "chunks_skipped_bad"))
     bad = [AudioChunk(sample_rate=16000, channels=1, sample_format="MP3", data=bytes(3200)),
@@ -329,7 +329,9 @@ def test_malformed_audio_chunks(battery):
            AudioChunk(sample_rate=0, channels=1, sample_format="S16LE", data=bytes(3200)),
            AudioChunk(sample_rate=1_000_000_000, channels=1, sample_format="S16LE", data=bytes(3200)),
            AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=np.full(1600, np.nan, "<f4").tobytes()),
-           AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=np.full(1600, 1e30, "<f4").tobytes())]
+           AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=np.full(1600, 1e30, "<f4").tobytes()),
+           # int16-scaled values declared float: would reach the model 3000x too loud
+           AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE", data=np.full(1600, 3276.8, "<f4").tobytes())]
     bad_chunks(battery, bad)
     assert int(battery.value("speech", "chunks_skipped_bad")) == before + len(bad)
     status = battery.says("speech", lambda s, v: s.level == DiagnosticStatus.ERROR)
@@ -340,7 +342,8 @@ def test_malformed_audio_chunks(battery):
 def test_bad_speech_parameters_are_refused_with_the_reason(battery):
     refused = [("vad.hangover_s", -1.0, "vad.hangover_s"), ("vad.tail_s", 5.0, "tail_s"),
                ("partial_interval_s", -1.0, "partial_interval_s"), ("input_type", "bogus", "input_type"),
-               ("idle_flush_s", 0.0, "idle_flush_s"), ("vad.threshold_db", math.nan, "vad.threshold_db")]
+               ("idle_flush_s", 0.0, "idle_flush_s"), ("vad.threshold_db", math.nan, "vad.threshold_db"),
+               ("language", "de", "English-only")]   # whisper-tiny.en: every utterance would fail
     for name, value, said in refused:
         ok, reason = battery.set_parameter("speech", name, value)
         assert not ok and said in reason, (name, value, reason)

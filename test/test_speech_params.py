@@ -69,3 +69,43 @@ def test_changes_are_checked_and_taken_between_utterances(context):
         assert node.segmenter.config.hangover_s == 0.6 and node.segmenter.tail_frames == round(0.1 / 0.03)
     finally:
         node.destroy_node()
+
+
+def test_a_language_the_model_cannot_take_is_refused_and_failing_transcriptions_say_error():
+    """whisper-tiny.en refuses language "de" when it is set (every utterance would fail), and
+    transcriptions that keep failing turn /diagnostics ERROR with the model's reason."""
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+
+    from photon_ros.speech_segmenter import Utterance
+    from ros_harness import RosGraph, wait_for
+
+    graph = RosGraph()
+    try:
+        statuses = []
+        graph.node("listener").create_subscription(DiagnosticArray, "/diagnostics",
+                                                   lambda m: statuses.extend(m.status), 10)
+        node = graph.add(SpeechNode(context=graph.context))
+        assert wait_for(lambda: node.model is not None or node.model_error, timeout=120), "no model"
+        assert node.model is not None, node.model_error
+        refused = node.set_parameters([Parameter("language", value="de")])[0]
+        assert not refused.successful and "English-only" in refused.reason and node.language is None
+        assert node.set_parameters([Parameter("language", value="en")])[0].successful
+
+        def last():
+            mine = [s for s in statuses if s.name.endswith(node.get_fully_qualified_name())]
+            return mine[-1] if mine else None
+
+        # the real model failing, three utterances in a row (NaN samples: the model's own refusal)
+        for i in range(3):
+            assert node.run_model(Utterance(np.full(1600, np.nan, np.float32), 16000, 100.0 + i))[0] is None
+        node.chunks_received = 1   # audio arrives (else the node says it has none, a warning)
+        statuses.clear()
+        assert wait_for(lambda: last() is not None and last().level == DiagnosticStatus.ERROR, timeout=10)
+        status = last()
+        assert "transcriptions all failed" in status.message and "NaN" in status.message
+        assert {v.key: v.value for v in status.values}["transcripts_failed"] == "3"
+        assert node.run_model(Utterance(np.zeros(16000, np.float32), 16000, 110.0))[0] is not None
+        statuses.clear()
+        assert wait_for(lambda: last() is not None and last().level == DiagnosticStatus.OK, timeout=10)
+    finally:
+        graph.close()

@@ -242,6 +242,57 @@ def test_a_stream_that_stops_mid_speech_gives_an_incomplete_utterance():
     assert segmenter.flush() is None
 
 
+def test_speech_after_a_stalled_stream_is_the_incomplete_rest_of_it():
+    # The driver stalls mid-sentence (the node's idle tick flushes), then sends its backlog with
+    # the stamps continuing: that is the second half of the command, not a command of its own.
+    audio, rate = sentence_with_silence("Bring me the red cup from the kitchen and put it on the table.")
+    lo, hi = speech_bounds(audio, rate)
+    middle = int((lo + hi) / 2 * rate) // 1600 * 1600
+    segmenter = SpeechSegmenter(rate)
+    out = push_all(segmenter, audio[:middle], rate, 1600, lambda k, i: 100.0 + i / rate)
+    first = segmenter.stream_stopped("stopped")
+    assert out == [] and first is not None and not first.complete
+    out = push_all(segmenter, audio[middle:], rate, 1600, lambda k, i: 100.0 + (middle + i) / rate)
+    assert len(out) == 1 and not out[0].complete and "cut when the audio stream stopped" in out[0].note
+    assert segmenter.discontinuities == 0
+    # a pause that would end an utterance: the speech after it is whole again
+    out = push_all(segmenter, audio, rate, 1600, lambda k, i: 100.0 + (audio.size + i) / rate)
+    assert len(out) == 1 and out[0].complete and out[0].note == ""
+
+
+def test_a_stream_that_stops_and_restarts_later_lost_nothing():
+    # Push-to-talk, or a VAD-gated driver: silence, nothing for a minute, then a command.
+    audio, rate = sentence_with_silence()
+    segmenter = SpeechSegmenter(rate)
+    assert push_all(segmenter, np.zeros(rate, np.float32), rate, 1600, lambda k, i: 100.0 + i / rate) == []
+    assert segmenter.stream_stopped() is None
+    out = push_all(segmenter, audio, rate, 1600, lambda k, i: 158.0 + i / rate)
+    assert len(out) == 1 and out[0].complete and out[0].note == ""
+    assert segmenter.discontinuities == 0 and segmenter.lost_s == 0.0
+    assert abs(out[0].start_time - (158.0 + speech_bounds(audio, rate)[0])) < 0.5
+
+
+@pytest.mark.parametrize("chunk_ms", [10, 20])
+def test_messages_lost_in_transport_break_the_utterance_even_when_the_stamps_cannot_show_it(chunk_ms):
+    # One chunk of 10-20 ms lost: a jump within min_gap_s (the stamps' jitter), which only the
+    # publisher's sequence numbers reveal.
+    audio, rate = sentence_with_silence()
+    chunk = rate * chunk_ms // 1000
+    lo, hi = speech_bounds(audio, rate)
+    lost_at = int((lo + hi) / 2 * rate) // chunk
+    segmenter = SpeechSegmenter(rate)
+    out = []
+    for k, i in enumerate(range(0, audio.size, chunk)):
+        if k == lost_at:
+            continue
+        if k == lost_at + 1:
+            out += segmenter.transport_lost(chunk / rate)
+        out += segmenter.push(audio[i:i + chunk], 100.0 + i / rate)
+    assert len(out) == 2 and not out[0].complete and not out[1].complete
+    assert "lost after it" in out[0].note and "lost before it" in out[1].note
+    assert segmenter.discontinuities == 1 and abs(segmenter.lost_s - chunk / rate) < 1e-9
+
+
 def test_speech_cut_at_the_limit_is_incomplete_on_both_sides():
     speech, rate = espeak_pcm("one two three four five six seven eight nine ten " * 2)
     config = SegmenterConfig(max_utterance_s=3.0, hangover_s=2.0)

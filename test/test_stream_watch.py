@@ -23,3 +23,12 @@ def test_a_stream_that_stops_is_reported_once():
     assert not watch.stopped(11.1) and not watch.stopped(11.2)
     watch.chunk(20.0)
     assert not watch.stopped(20.9) and watch.stopped(21.0)
+
+
+def test_a_stream_of_long_chunks_is_not_stopped_between_them():
+    watch = StreamWatch(idle_s=0.8)
+    for t in (10.0, 11.0, 12.02, 12.95):   # a second of audio a message, with jitter
+        watch.chunk(t, duration_s=1.0)
+        assert not any(watch.stopped(t + dt) for dt in (0.3, 0.6, 0.9, 1.0))
+    # two chunks' time with none (past 14.95), for two ticks in a row: stopped
+    assert not watch.stopped(14.9) and not watch.stopped(15.0) and watch.stopped(15.1)

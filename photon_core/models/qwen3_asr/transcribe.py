@@ -182,6 +182,11 @@ class Qwen3ASRSpeech:
             language_name(language)
         return audio, sample_rate, language, initial_prompt, max_new, gate
 
+    def check_language(self, language: str | None) -> None:
+        """ValueError when `language` (a code or a name; None: detect it) is not one of the model's."""
+        if language is not None:
+            language_name(language)
+
     def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
         """Run every path a first command takes, once, at startup: the resampler (48 kHz input),
         the gate, and (past the gate, on a tone burst train) the encoder, prefill and a few

@@ -216,6 +216,12 @@ class WhisperSpeech:
         with torch.autocast(self.device.type, dtype=self.encoder_dtype, cache_enabled=False):
             return self.net.encode(mel).float()
 
+    def check_language(self, language: str | None) -> None:
+        """ValueError when this model cannot transcribe in `language` (None: detect it, always
+        possible): an English-only model takes only "en"."""
+        if language is not None:
+            self.tokenizer.sot_sequence(language)
+
     def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
         """Run, on silence, every path a first spoken command takes, so none of it is paid on
         that command: BLAS/oneDNN setup and first allocations, the resampler (scipy: ~2 s to
