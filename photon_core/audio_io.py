@@ -120,9 +120,30 @@ def _seek_data(f, path: Path) -> tuple[bytes, int]:
         elif chunk_id == b"data":
             if fmt is None:
                 raise AudioFileError(f"{path}: a damaged WAV file (data before the fmt chunk)")
+            if size == 0 and (rest := _placeholder_data(f)):
+                _log.warning("%s: its data chunk declares 0 bytes but %d follow it (a writer that "
+                             "never closed the file leaves 0): read them as its audio", path, rest)
+                return fmt, rest
             return fmt, size
         else:
             f.seek(size + (size & 1), 1)
+
+
+def _placeholder_data(f) -> int:
+    """Bytes after an empty data chunk when they are audio (0 otherwise): anything but a run of
+    chunks (4-letter ids, sizes that end at the end of the file) that a closed file may hold there."""
+    start = f.tell()
+    end = f.seek(0, 2)
+    pos = start
+    while pos + 8 <= end:
+        f.seek(pos)
+        header = f.read(8)
+        size = struct.unpack("<I", header[4:])[0]
+        if not all(32 <= b < 127 for b in header[:4]) or pos + 8 + size > end:
+            break
+        pos += 8 + size + (size & 1)
+    f.seek(start)
+    return 0 if pos >= end else end - start
 
 
 def _parse_fmt(fmt: bytes, path: Path) -> tuple[np.dtype | None, int, int, int]:

@@ -54,6 +54,27 @@ def test_a_file_cut_short_reads_its_whole_frames_with_the_warning(tmp_path, capl
     assert stream.frames == 500 and np.array_equal(_streamed(path, 64), whole)
 
 
+def test_a_data_size_left_at_0_reads_to_the_end_with_a_warning(tmp_path, caplog):
+    # A writer that never closed the file (a recorder killed mid-take) leaves the size at 0.
+    path = tmp_path / "open.wav"
+    data = np.arange(-500, 500, dtype="<i2").tobytes()
+    path.write_bytes(wav_bytes(PCM, 1, 16000, 2, data, declared=0))
+    with caplog.at_level(logging.WARNING):
+        whole, _ = read_wav(path)
+        stream = open_audio_stream(path)
+    said = list(caplog.messages)
+    assert len(said) == 2 and all("declares 0 bytes but 2000 follow" in m for m in said)
+    assert len(whole) == 1000 and np.array_equal(whole, np.arange(-500, 500, dtype=np.int16))
+    assert stream.frames == 1000 and np.array_equal(_streamed(path, 64), whole)
+    # a really empty data chunk, a metadata chunk after it: empty, and nothing said
+    caplog.clear()
+    empty = wav_bytes(PCM, 1, 16000, 2, b"") + b"LIST" + (4).to_bytes(4, "little") + b"INFO"
+    (tmp_path / "empty.wav").write_bytes(empty)
+    with caplog.at_level(logging.WARNING):
+        assert len(read_wav(tmp_path / "empty.wav")[0]) == 0 and open_audio_stream(tmp_path / "empty.wav").frames == 0
+    assert caplog.messages == []
+
+
 @pytest.mark.parametrize("data, said", [
     (wav_bytes(PCM, 1, 0, 2, bytes(8)), "declares a sample rate of 0 Hz"),
     (wav_bytes(PCM, 1, 16000, 2, b"")[:36], "no data chunk"),
