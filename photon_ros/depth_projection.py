@@ -10,9 +10,10 @@ Pieces, in the order a frame goes through them:
 - `intrinsics_from_camera_info(msg)` (or `intrinsics(...)` from the fields): the camera model.
   For the raw colour image (`image_raw`), K and D: a pixel is undistorted with OpenCV
   (`undistortPoints`, iterated to convergence) before it is deprojected. Distortion models:
-  `plumb_bob` (5 coefficients k1 k2 t1 t2 k3) and none (empty model or `none`, coefficients empty
-  or zero); a model whose coefficients are all zero is no distortion whatever its name; any other
-  model with non-zero coefficients is refused. `rectified=True` is for a rectified colour image
+  `plumb_bob` (k1 k2 t1 t2 [k3]), `rational_polynomial` (8, 12 or 14 of OpenCV's coefficients:
+  depthai's OAK cameras send 8) and none (empty model or `none`, coefficients empty or zero); a
+  model whose coefficients are all zero is no distortion whatever its name; any other model with
+  non-zero coefficients is refused. `rectified=True` is for a rectified colour image
   (`image_rect_color`): P's intrinsics, no distortion (P's translation column is ignored: points
   stay in this camera's own frame, as depth_image_proc does). R is not used: it rotates into a
   stereo pair's rectified frame, and results are in the frame the colour image names. Binning and
@@ -95,7 +96,10 @@ import numpy as np
 # per unit. 0 means "no reading" in 16UC1; NaN / inf mean it in 32FC1.
 DEPTH_ENCODINGS: dict[str, tuple[str, float]] = {"16UC1": ("<u2", 0.001), "32FC1": ("<f4", 1.0)}
 DEFAULT_MAX_PIXELS = 64_000_000
-DISTORTION_MODELS = ("plumb_bob", "none")
+# Coefficient counts OpenCV's model takes for each CameraInfo model (a plumb_bob with 4 omits k3;
+# depthai's rational_polynomial sends the first 8 of OpenCV's 14): undistortPoints reads them all.
+DISTORTION_COEFFICIENTS = {"plumb_bob": (4, 5), "rational_polynomial": (8, 12, 14)}
+DISTORTION_MODELS = (*DISTORTION_COEFFICIENTS, "none")
 # undistortPoints' default (5 iterations) leaves tenths of a pixel near the corners of a
 # wide-angle lens; this converges to far below that.
 _UNDISTORT_CRITERIA = (cv2.TERM_CRITERIA_COUNT | cv2.TERM_CRITERIA_EPS, 40, 1e-10)
@@ -144,14 +148,15 @@ class Point3D:
 
 @dataclass(frozen=True)
 class Intrinsics:
-    """A pinhole camera with optional plumb_bob distortion, for a width x height pixel grid."""
+    """A pinhole camera with optional distortion (plumb_bob, rational_polynomial), for a width x
+    height pixel grid."""
     width: int
     height: int
     fx: float
     fy: float
     cx: float
     cy: float
-    distortion: tuple[float, ...] = ()     # plumb_bob (k1, k2, t1, t2, k3); () for none
+    distortion: tuple[float, ...] = ()     # OpenCV's coefficients (k1, k2, p1, p2[, k3...]); () for none
 
     def normalized(self, uv: np.ndarray) -> np.ndarray:
         """(N, 2) pixel coordinates of this grid (pixel centres at integers) -> (N, 2) normalized
@@ -207,10 +212,11 @@ def _pinhole(m: np.ndarray, what: str, width: int, height: int) -> tuple[float, 
 def _distortion(model: str, d: np.ndarray) -> tuple[float, ...]:
     if not np.any(d):
         return ()     # all zero (or none given): no distortion, whatever the model's name
-    if model == "plumb_bob":
-        if d.size != 5:
-            raise DepthError(f"invalid camera_info: plumb_bob takes 5 coefficients "
-                             f"(k1 k2 t1 t2 k3), d has {d.size}")
+    if model in DISTORTION_COEFFICIENTS:
+        counts = DISTORTION_COEFFICIENTS[model]
+        if d.size not in counts:
+            raise DepthError(f"invalid camera_info: {model} takes {' or '.join(map(str, counts))} coefficients "
+                             f"(OpenCV's k1 k2 p1 p2 [k3 [k4 k5 k6 [s1 s2 s3 s4 [tx ty]]]]), d has {d.size}")
         return tuple(float(v) for v in d)
     if model in ("", "none"):
         raise DepthError(f"invalid camera_info: distortion_model is {model!r} but d = [{_show(d)}] "
@@ -489,12 +495,16 @@ class DepthView:
         region = self.depth.values[r0:r1, c0:c1]
         if region.size > self.settings.max_samples:
             stride = math.ceil(math.sqrt(region.size / self.settings.max_samples))
-            region = region[stride // 2::stride, stride // 2::stride]
+            rows, cols = region.shape
+            # a long thin region (one row of thousands of pixels) keeps its one row
+            region = region[min(stride // 2, rows - 1)::stride, min(stride // 2, cols - 1)::stride]
         region = self._native(region)
         return region[(region >= self._lo) & (region <= self._hi)], region.size
 
     def _enough(self, valid: int, sampled: int, where: str) -> NoDepth | None:
         s = self.settings
+        if sampled == 0:
+            return NoDepth(f"no depth pixels {where}")
         need = max(math.ceil(s.min_valid_fraction * sampled), min(s.min_valid_pixels, sampled))
         if valid >= need:
             return None
@@ -620,17 +630,36 @@ def frame_depth(pairing: DepthPairing, stamp: float, camera: Any, image_width: i
                       image_height, settings, rectified=rectified)
 
 
+def misaligned(image_frame: str, depth: Any, camera: Any) -> str:
+    """Why the depth image or camera_info does not describe the colour image ("" if nothing says
+    so): a frame id of its own, non-empty and not the colour image's. Unregistered depth (the
+    depth camera's image_rect_raw) or the depth camera's camera_info of the same aspect ratio
+    would pass every size check and give positions off by the stereo baseline, or through the
+    wrong intrinsics, labelled with the wrong frame."""
+    for what, msg in (("depth image", depth), ("camera_info", camera)):
+        frame = getattr(getattr(msg, "header", None), "frame_id", "")
+        if image_frame and frame and frame != image_frame:
+            return (f"the {what} is in frame {frame!r} but the colour image in {image_frame!r}: depth must be "
+                    "registered to the colour camera (e.g. aligned_depth_to_color) and camera_info be the colour "
+                    "camera's")
+    return ""
+
+
 def depth_view(depth: Any, camera: Any, image_width: int, image_height: int,
-               settings: DepthSettings = DepthSettings(), *, rectified: bool = False) -> DepthView | NoDepth:
+               settings: DepthSettings = DepthSettings(), *, rectified: bool = False,
+               image_frame: str = "") -> DepthView | NoDepth:
     """`frame_depth` for a frame already paired (photon_ros.stamp_pairing): `depth` is its depth
     image (a DepthImage or a sensor_msgs/Image) or a NoDepth, `camera` as in frame_depth. Never
-    raises for bad input. A missing camera_info is the reason given first."""
+    raises for bad input. A missing camera_info is the reason given first. `image_frame`: the
+    colour image's frame id, which the depth image's and camera_info's must match (misaligned)."""
     if camera is None:
         return NoDepth("no camera_info received yet")
     if isinstance(camera, NoDepth):
         return camera
     if isinstance(depth, NoDepth):
         return depth
+    if reason := misaligned(image_frame, depth, camera):
+        return NoDepth(reason)
     try:
         model = camera if isinstance(camera, Intrinsics) else intrinsics_from_camera_info(
             camera, rectified=rectified)

@@ -22,31 +22,59 @@ class Transform(NamedTuple):
 Lookup = Callable[[str, str, float], Transform]
 
 
-def tf2_lookup(node, timeout_s: float = 0.05) -> Lookup:
-    """A lookup over tf2 (a buffer and a listener on `node`, kept alive by the closure)."""
+def tf2_lookup(node, timeout_s: float = 0.05) -> "Tf2Lookup":
+    """A lookup over tf2 (a buffer and a listener on `node`); close() when done with it."""
     try:
         import tf2_ros
     except ImportError:
         raise ValueError("target_frame needs tf2_ros, which is not installed here (on a robot it comes "
                          "with ROS: apt install ros-$ROS_DISTRO-tf2-ros); leave target_frame empty for "
                          "positions in the camera's optical frame") from None
-    from rclpy.duration import Duration
-    from rclpy.time import Time
+    return Tf2Lookup(tf2_ros, node, timeout_s)
 
-    buffer = tf2_ros.Buffer()
-    listener = tf2_ros.TransformListener(buffer, node)
-    failures = (tf2_ros.LookupException, tf2_ros.ConnectivityException, tf2_ros.ExtrapolationException)
 
-    def lookup(target: str, source: str, stamp: float) -> Transform:
-        _ = listener   # the listener feeds the buffer for as long as the lookup lives
+class Tf2Lookup:
+    """(target, source, stamp) -> Transform over a tf2 buffer its listener feeds from /tf."""
+
+    def __init__(self, tf2_ros, node, timeout_s: float) -> None:
+        from rclpy.duration import Duration
+        from rclpy.time import Time
+
+        self._time, self._timeout = Time, Duration(seconds=timeout_s)
+        self._buffer = tf2_ros.Buffer()
+        self._listener = tf2_ros.TransformListener(self._buffer, node)
+        # Every tf2 error, TransformException's subclasses included: an invalid frame id (empty, or
+        # "/base_link" as ROS 1 wrote it) raises InvalidArgumentException, which is none of the
+        # three a lookup usually meets, and must cost a frame its 3D, never its results.
+        self._failures = tuple(getattr(tf2_ros, name) for name in (
+            "TransformException", "LookupException", "ConnectivityException", "ExtrapolationException",
+            "InvalidArgumentException", "TimeoutException") if hasattr(tf2_ros, name))
+
+    def __call__(self, target: str, source: str, stamp: float) -> Transform:
         try:
-            t = buffer.lookup_transform(target, source, Time(nanoseconds=round(stamp * 1e9)),
-                                        Duration(seconds=timeout_s)).transform
-        except failures as err:
-            raise LookupError(f"no transform {source} -> {target} at {stamp:.3f} s: {err}") from None
+            t = self._buffer.lookup_transform(target, source, self._time(nanoseconds=round(stamp * 1e9)),
+                                              self._timeout).transform
+        except self._failures as err:
+            raise LookupError(f"no transform {source or '(no frame)'} -> {target} at {stamp:.3f} s: "
+                              f"{type(err).__name__}: {err}") from None
         return Transform(np.array([t.translation.x, t.translation.y, t.translation.z]),
                          np.array([t.rotation.x, t.rotation.y, t.rotation.z, t.rotation.w]))
-    return lookup
+
+    def close(self) -> None:
+        """Take the listener's /tf subscriptions off the node (tf2's listener keeps them until it
+        is garbage, which a subscription's callback holding it never lets happen)."""
+        unregister = getattr(self._listener, "unregister", None)
+        if unregister is not None:
+            unregister()
+
+
+def frame_refusal(frame: str) -> str:
+    """Why `frame` cannot name a tf2 frame ("" if it can): tf2 refuses a leading "/"."""
+    if frame.startswith("/"):
+        return f"must not start with '/' (tf2 frame ids have none: {frame.lstrip('/')!r}), got {frame!r}"
+    if frame != frame.strip():
+        return f"must not start or end with spaces, got {frame!r}"
+    return ""
 
 
 def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:

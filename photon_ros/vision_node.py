@@ -158,6 +158,7 @@ class VisionNode(ManagedNode):
         self.watch_info_timer = self.latched_info = None
         self.pub_objects_3d = self.pub_point_positions = self.pub_detection3d = None
         self.lookup = None   # tf2 into target_frame (configure), None: the optical frame
+        self.target_frame = ""
         self.depth_stream: StampPairing | None = None    # depth images by stamp, and frames waiting
         self.info_stream: StampPairing | None = None     # camera_info alike (use_depth, at configure)
         self.frames_without_depth, self.without_depth_in_a_row, self.depth_note = 0, 0, ""
@@ -204,7 +205,9 @@ class VisionNode(ManagedNode):
         latches it (published once, transient local) gets a latched subscription too, once it is
         seen (watch_camera_info), so that the one it published before this node subscribed comes.
         Not before: a volatile publisher would log each such subscription as incompatible."""
-        self.lookup = tf2_lookup(self) if self.params["target_frame"] else None
+        # read once: a change applies at the next configure, as the parameter says
+        self.target_frame = self.params["target_frame"]
+        self.lookup = tf2_lookup(self) if self.target_frame else None
         tolerance = self.params["depth_tolerance_s"]
         self.depth_stream = StampPairing("depth image", tolerance)
         self.info_stream = StampPairing("camera_info", tolerance, keep=4, fallback_newest=True)
@@ -273,6 +276,9 @@ class VisionNode(ManagedNode):
         for pub in (self.pub_objects_3d, self.pub_point_positions, self.pub_detection3d):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
+        close = getattr(self.lookup, "close", None)
+        if close is not None:
+            close()   # the tf listener's subscriptions go with the interfaces
         self.depth_subscriptions, self.lookup = [], None
         self.depth_stream = self.info_stream = None
         self.pub_objects_3d = self.pub_point_positions = self.pub_detection3d = None
@@ -452,12 +458,12 @@ class VisionNode(ManagedNode):
         settings = DepthSettings(min_depth_m=self.params["depth_min_m"], max_depth_m=self.params["depth_max_m"])
         camera = info.msg if isinstance(info, Match) else NoDepth(info.reason)
         depth = depth_view(paired.msg if isinstance(paired, Match) else NoDepth(paired.reason), camera, width,
-                           height, settings, rectified=self.params["rectified"])
+                           height, settings, rectified=self.params["rectified"], image_frame=header.frame_id)
         optical = (camera.header.frame_id if isinstance(info, Match) else "") or header.frame_id
         transform = None
         if self.lookup is not None and not isinstance(depth, NoDepth):
             try:
-                transform = self.lookup(self.params["target_frame"], optical, time_to_seconds(header.stamp))
+                transform = self.lookup(self.target_frame, optical, time_to_seconds(header.stamp))
             except LookupError as err:
                 transform = err
         if isinstance(depth, NoDepth) or isinstance(transform, LookupError):
@@ -467,7 +473,7 @@ class VisionNode(ManagedNode):
             self.get_logger().warning(f"results without 3D: {self.depth_note}", throttle_duration_sec=5.0)
         else:
             self.without_depth_in_a_row = 0
-        frame_id = self.params["target_frame"] if self.lookup is not None else optical
+        frame_id = self.target_frame if self.lookup is not None else optical
         return depth, frame_id, transform
 
     def placed(self, task: str, prompt: str, msg, space: tuple, model_id: str, latency: float) -> list:
@@ -579,9 +585,20 @@ class VisionNode(ManagedNode):
         except Exception as err:  # noqa: BLE001 - a bad request is answered, never fatal
             response.success, response.message = False, self.refused("infer", str(err) or type(err).__name__)
             return response
-        model_id, header = self.engine.model.model_id, source.header
-        height, width = rgb.shape[:2]
-        latency = time.monotonic() - received
+        try:
+            self.answer(request, response, result, source.header, rgb.shape, space, time.monotonic() - received)
+        except Exception as err:  # noqa: BLE001 - answered as a failure: never fatal to the node
+            failed = Infer.Response()
+            failed.success, failed.message = False, self.refused("infer", f"{type(err).__name__}: {err}")
+            return failed
+        response.success = True
+        return response
+
+    def answer(self, request: Infer.Request, response: Infer.Response, result: dict, header, shape: tuple,
+               space: tuple | None, latency: float) -> None:
+        """The model's result as the response's message for its task (and its objects in 3D)."""
+        model_id = self.engine.model.model_id
+        height, width = shape[:2]
         if request.task == Infer.Request.TASK_DETECT:
             response.detections = detections_message(result, header, prompt=request.prompt, width=width,
                                                      height=height, latency=latency, model_id=model_id)
@@ -602,8 +619,6 @@ class VisionNode(ManagedNode):
             response.text = vision_text_message(text, header, task=request.task, prompt=request.prompt,
                                                 latency=latency, model_id=model_id,
                                                 reasoning=result.get("reasoning"), width=width, height=height)
-        response.success = True
-        return response
 
     def refused(self, what: str, reason: str) -> str:
         """`reason` (why an on-demand request failed: an option it may not take, a model that refused

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rclpy.parameter import Parameter
 
+from photon_ros.frames import frame_refusal
 from photon_ros.params import Param
 
 CAPTION_LENGTHS = ("short", "normal", "long")
@@ -46,7 +47,7 @@ def vision_params() -> list[Param]:
         Param("rectified", False, "the colour image is rectified (image_rect_color): camera_info's P, "
               "no distortion; false: K and the distortion (plumb_bob or none)"),
         Param("target_frame", "", "publish 3D results in this frame through tf2 (e.g. base_link, map); "
-              "empty: the camera's optical frame", applies="configure"),
+              "empty: the camera's optical frame", applies="configure", check=frame_refusal),
         Param("tracking", True, "give each detect / point result an id that follows the object across frames"),
         Param("track_max_missed", 5, "a track ends after this many model results in a row without it", low=1),
     ]

@@ -16,7 +16,7 @@ import pytest
 
 from photon_ros.depth_projection import (Box3D, DepthError, DepthImage, DepthPairing,
                                          DepthSettings, DepthView, Intrinsics, NoDepth, Point3D,
-                                         depth_image, depth_to_metres, frame_depth, intrinsics,
+                                         depth_image, depth_to_metres, depth_view, frame_depth, intrinsics,
                                          intrinsics_from_camera_info)
 
 WIDTH, HEIGHT = 640, 480
@@ -25,6 +25,9 @@ CX, CY = 319.5, 239.5
 K = np.array([[FX, 0.0, CX], [0.0, FY, CY], [0.0, 0.0, 1.0]])
 # A wide-angle webcam's calibration (barrel distortion, small tangential terms).
 PLUMB_BOB = (-0.25, 0.08, 0.0006, -0.0004, -0.01)
+# OpenCV's rational model, 8 coefficients as depthai (OAK cameras) sends them: k4..k6 divide (dropping
+# them misses the near object by more than the 2% the test allows)
+RATIONAL = (0.35, -0.2, 0.0006, -0.0004, 0.01, 0.6, -0.25, 0.05)
 NOISE = 0.01
 SETTINGS = DepthSettings(min_depth_m=0.2, max_depth_m=8.0)
 
@@ -145,6 +148,8 @@ CASES = {
     "32FC1-pinhole-bigendian": ("32FC1", ("none", ()), True, 0, False),
     "16UC1-plumb_bob-bigendian-padded": ("16UC1", ("plumb_bob", PLUMB_BOB), True, 6, False),
     "32FC1-plumb_bob-padded": ("32FC1", ("plumb_bob", PLUMB_BOB), False, 12, False),
+    "16UC1-plumb_bob-4": ("16UC1", ("plumb_bob", PLUMB_BOB[:4]), False, 0, False),
+    "16UC1-rational_polynomial": ("16UC1", ("rational_polynomial", RATIONAL), False, 0, False),
     # A rectified image with the raw camera's K and D in camera_info: P is what applies.
     "16UC1-rectified": ("16UC1", ("plumb_bob", PLUMB_BOB), False, 0, True),
 }
@@ -154,7 +159,7 @@ CASES = {
 def test_objects_at_known_depths(case: str) -> None:
     encoding, (model, d), bigendian, padding, rectified = CASES[case]
     distorted = bool(d) and not rectified
-    lens = PLUMB_BOB if distorted else None
+    lens = tuple(d) if distorted else None
     if rectified:
         info = camera_info(k=[[540.0, 0, 322.0], [0, 538.0, 236.0], [0, 0, 1]], d=d, model=model,
                            p=np.hstack([K, np.zeros((3, 1))]))
@@ -275,9 +280,9 @@ def test_malformed_depth_gives_a_reason(msg, reason: str) -> None:
     (camera_info(k=np.zeros((3, 3))), "K is all zeros"),
     (camera_info(k=[[FX, 0, np.nan], [0, FY, CY], [0, 0, 1]]), "K has non-finite values"),
     (camera_info(d=(0.1, 0.02, 0.0, 0.0), model="equidistant"), "unsupported distortion model 'equidistant'"),
-    (camera_info(d=(0.1, 0.02, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), model="rational_polynomial"),
-     "unsupported distortion model 'rational_polynomial'"),
-    (camera_info(d=(-0.2, 0.05, 0.0)), "plumb_bob takes 5 coefficients"),
+    (camera_info(d=(0.1, 0.02, 0.0, 0.0, 0.0), model="rational_polynomial"),
+     "rational_polynomial takes 8 or 12 or 14 coefficients"),
+    (camera_info(d=(-0.2, 0.05, 0.0)), "plumb_bob takes 4 or 5 coefficients"),
     (camera_info(d=(-0.2, 0.05, 0.0, 0.0, 0.0), model=""), "is not zero"),
     (camera_info(k=[[FX, 0, 960], [0, FY, 540], [0, 0, 1]]), "principal point (960, 540) lies outside"),
     (camera_info(width=0, height=0), "image size 0x0"),
@@ -369,3 +374,33 @@ def test_real_ros_messages() -> None:
     assert np.shares_memory(view.depth.values, np.frombuffer(image.data, np.uint8))
     for plane in OBJECTS:
         assert_close(view.box_3d(detection_box(plane, PLUMB_BOB)), (plane.x, plane.y, plane.z))
+
+
+@pytest.mark.parametrize("box", [(100, 700, 2400, 701), (1200, 40, 1201, 1400)], ids=["one-row", "one-column"])
+def test_a_long_thin_box_gets_its_depth(box) -> None:
+    # A shelf edge or a cable: an inner region one depth pixel across and thousands long, sampled
+    # on a grid, kept its one row (it used to sample none and raise IndexError).
+    w, h = 2560, 1440
+    info = camera_info(width=w, height=h, k=[[1000.0, 0, w / 2], [0, 1000.0, h / 2], [0, 0, 1]], d=())
+    view = frame_depth(paired(depth_msg(np.full((h, w), 2000, np.uint16), "16UC1")), 100.0, info, w, h)
+    got = view.boxes_3d([box])[0]
+    assert isinstance(got, Box3D) and got.z == pytest.approx(2.0, abs=1e-6), got
+
+
+@pytest.mark.parametrize("depth_frame, info_frame, said", [
+    ("camera_depth_optical_frame", "camera_color_optical_frame", "the depth image is in frame 'camera_depth_optical_frame'"),
+    ("camera_color_optical_frame", "camera_depth_optical_frame", "the camera_info is in frame 'camera_depth_optical_frame'"),
+    ("camera_color_optical_frame", "camera_color_optical_frame", None),
+    ("", "", None)])       # frames not named: nothing says they differ
+def test_depth_or_camera_info_of_another_camera_gives_no_depth(depth_frame, info_frame, said) -> None:
+    # A RealSense's unaligned depth (image_rect_raw) at the colour image's size passes every size
+    # check: only its frame id tells it is another camera's.
+    msg = depth_msg(measured(render(None), "16UC1"), "16UC1")
+    msg.header = SimpleNamespace(frame_id=depth_frame)
+    info = camera_info(d=())
+    info.header = SimpleNamespace(frame_id=info_frame)
+    view = depth_view(msg, info, WIDTH, HEIGHT, image_frame="camera_color_optical_frame")
+    if said is None:
+        assert isinstance(view, DepthView)
+    else:
+        assert isinstance(view, NoDepth) and said in view.reason and "registered" in view.reason

@@ -117,7 +117,9 @@ def test_the_shipped_config_sets_every_declared_parameter_and_no_other():
 @pytest.mark.parametrize("name, value, reason", [
     ("input", "compresed", "input must be one of raw, compressed"),
     ("reliability", "bogus", "reliability must be one of best_effort, reliable"),
-    ("max_objects", -1, "max_objects must be >= 0"), ("max_frame_age_s", math.nan, "max_frame_age_s must be a number")])
+    ("max_objects", -1, "max_objects must be >= 0"), ("max_frame_age_s", math.nan, "max_frame_age_s must be a number"),
+    # ROS 1's spelling: tf2 raises InvalidArgumentException on it for every frame
+    ("target_frame", "/base_link", "target_frame must not start with '/'")])
 def test_the_vision_node_refuses_bad_values_at_startup(context, name, value, reason):
     from photon_ros.vision_node import VisionNode
 
@@ -131,7 +133,7 @@ def test_the_vision_node_refuses_bad_changes_and_takes_the_others(context):
     node = VisionNode(context=context, parameter_overrides=[Parameter("autostart", value=False)])
     try:
         for name, value in (("max_objects", -5), ("max_frame_age_s", math.nan), ("caption_length", "huge"),
-                            ("max_pixels", 0), ("segment_max_tokens", 0)):
+                            ("max_pixels", 0), ("segment_max_tokens", 0), ("target_frame", "/map")):
             result = node.set_parameters([Parameter(name, value=value)])[0]
             assert not result.successful and name in result.reason, (name, result.reason)
         assert node.max_objects == 10 and node.max_frame_age == 5.0

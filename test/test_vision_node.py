@@ -467,7 +467,7 @@ def test_target_frame_through_a_tf2_lookup(graph, monkeypatch):
             raise LookupError(f"no transform {source} -> {target} at {stamp:.3f} s: extrapolation")
         return mount
     monkeypatch.setattr(vision_module, "tf2_lookup", lambda node: lookup)
-    vision_node(graph, point=["dog"], use_depth=True, target_frame="base_link")
+    node = vision_node(graph, point=["dog"], use_depth=True, target_frame="base_link")
     placed = collect(graph, Objects3D, "objects_3d")
     camera = graph.node("camera")
     pubs = {name: camera.create_publisher(t, name, RELIABLE) for name, t in
@@ -475,6 +475,8 @@ def test_target_frame_through_a_tf2_lookup(graph, monkeypatch):
     for pub in pubs.values():
         wait_for_match(pub)
     for i in (1, 2):
+        if i == 2:   # a change waits for the next configure (its description says): frame 2 is in base_link too
+            assert node.set_parameters([Parameter("target_frame", value="odom")])[0].successful
         optical = header(i, "camera_color_optical_frame")
         pubs["camera_info"].publish(camera_info(optical))
         pubs["depth"].publish(wall_depth(optical))
@@ -490,6 +492,7 @@ def test_target_frame_through_a_tf2_lookup(graph, monkeypatch):
         got = np.array([obj.pose.position.x, obj.pose.position.y, obj.pose.position.z])
         assert np.abs(got - truth).max() <= 0.04, (got, truth)
     assert failed.objects and all(not o.has_position and "extrapolation" in o.reason for o in failed.objects)
+    assert [c[0] for c in calls] == ["base_link", "base_link"] and failed.header.frame_id == "base_link"
 
 
 def test_spoken_command_to_a_3d_target_and_a_goal(graph, monkeypatch):

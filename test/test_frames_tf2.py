@@ -1,0 +1,69 @@
+"""frames.Tf2Lookup over tf2_ros's interface (a test double of tf2_ros: it cannot be installed
+here; its exception tree as tf2_py defines it): every tf2 error becomes the LookupError the node
+turns into results without 3D, and close() takes the listener's /tf subscriptions away."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from photon_ros.frames import frame_refusal, tf2_lookup
+
+
+class TransformException(Exception):
+    pass
+
+
+class LookupException(TransformException):
+    pass
+
+
+class InvalidArgumentException(TransformException):   # tf2: an empty or "/"-prefixed frame id
+    pass
+
+
+def fake_tf2(monkeypatch, fail=None):
+    log = []
+
+    class Buffer:
+        def lookup_transform(self, target, source, time, timeout):
+            log.append(("lookup", target, source, time.nanoseconds))
+            if fail is not None:
+                raise fail
+            v = SimpleNamespace
+            return v(transform=v(translation=v(x=1.0, y=2.0, z=3.0), rotation=v(x=0.0, y=0.0, z=0.0, w=1.0)))
+
+    class TransformListener:
+        def __init__(self, buffer, node):
+            log.append(("listen", node))
+
+        def unregister(self):
+            log.append(("unregister",))
+
+    module = SimpleNamespace(Buffer=Buffer, TransformListener=TransformListener, TransformException=TransformException,
+                             LookupException=LookupException, InvalidArgumentException=InvalidArgumentException)
+    monkeypatch.setitem(__import__("sys").modules, "tf2_ros", module)
+    return log
+
+
+def test_a_transform_comes_back_and_close_unregisters_the_listener(monkeypatch):
+    log = fake_tf2(monkeypatch)
+    lookup = tf2_lookup("node")
+    t = lookup("base_link", "camera_color_optical_frame", 1001.25)
+    assert np.array_equal(t.translation, [1.0, 2.0, 3.0]) and np.array_equal(t.rotation, [0, 0, 0, 1])
+    assert log[1] == ("lookup", "base_link", "camera_color_optical_frame", 1_001_250_000_000)
+    lookup.close()
+    assert log[-1] == ("unregister",)
+
+
+@pytest.mark.parametrize("error", [LookupException("no base_link"),
+                                   InvalidArgumentException("frame_ids cannot be empty")])
+def test_every_tf2_error_is_a_lookup_error(monkeypatch, error):
+    fake_tf2(monkeypatch, fail=error)
+    with pytest.raises(LookupError, match=type(error).__name__):
+        tf2_lookup("node")("base_link", "", 5.0)
+
+
+def test_frame_ids_tf2_would_refuse():
+    assert frame_refusal("base_link") == "" and frame_refusal("") == ""
+    assert "must not start with '/'" in frame_refusal("/base_link")
+    assert "spaces" in frame_refusal("map ")
