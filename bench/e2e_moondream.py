@@ -115,6 +115,7 @@ class Moondream2(Family):
         for fn in ("normalize", "project"):
             c.add(vision, fn, "encoder")
         c.add(self.model, "encode_crops", "encoder")   # eager or replayed (runtime/shape_graphs)
+        c.add(self.model, "prefill_images", "prefill")
         c.add(skills, "forward", classify=by_length("prefill", None, arg=1))
         if self.model.decode is not None:
             # On the megakernel the prompt's last token is the first decode step: its end is the

@@ -126,3 +126,33 @@ def test_a_graph_that_replays_a_stale_result_is_never_used(caplog):
     assert "differs from the eager call" in caplog.text and sg.shapes() == 0
     y = torch.randn(6)
     assert torch.equal(sg(y), y * 2 + 1) and len(captures) == 1
+
+
+class TupleGraph:
+    def __init__(self, fn):
+        self.fn, self.out = fn, fn()
+
+    def replay(self):
+        for o, n in zip(self.out, self.fn()):
+            o.copy_(n)
+
+
+def test_a_tuple_of_outputs_each_the_callers_own():
+    def kv(x):
+        return x * 2, x - 1
+
+    times = iter([2.0, 1.0])
+    captures = []
+
+    def cap(fn, pool):
+        captures.append(pool)
+        g = TupleGraph(fn)
+        return g, g.out
+
+    sg = ShapeGraphs("prefill", kv, capture=cap, choices=Choices(timer=lambda fn: (fn(), next(times))[1]),
+                     on_gpu=lambda inputs: True, pool=lambda: "pool")
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    k, v = sg(x)
+    assert torch.equal(k, x * 2) and torch.equal(v, x - 1) and sg.shapes() == 1
+    k2, v2 = sg(y)
+    assert torch.equal(k2, y * 2) and torch.equal(v2, y - 1) and torch.equal(k, x * 2) and len(captures) == 1

@@ -37,11 +37,12 @@ MAX_SHAPES = 4
 REPLAY_RTOL = 1e-2
 # every encoder's eager-or-graph choice per shape, for logs and benchmarks (graph_choices)
 GRAPH_CHOICES = Choices()
-Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Any, torch.Tensor]]   # (fn, pool) -> (graph, output)
+Output = Any   # a Tensor, or a tuple of Tensors
+Capture = Callable[[Callable[[], Output], Any], tuple[Any, Output]]   # (fn, pool) -> (graph, output)
 _serial = itertools.count()
 
 
-def capture_cuda(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
+def capture_cuda(fn: Callable[[], Output], pool: Any) -> tuple[Any, Output]:
     """fn captured in a CUDA graph drawing on `pool` (one warm-up: the eager call before it
     compiled and measured everything fn launches). Thread-local capture: a request comes while
     other threads of the process (another model, a node's callbacks) keep using the GPU."""
@@ -54,10 +55,11 @@ def new_pool() -> Any:
 
 
 class ShapeGraphs:
-    """fn(*inputs) -> Tensor, inputs tensors only (weights and settings closed over), called eagerly
-    or replayed from a graph of the inputs' shape, whichever this GPU runs faster."""
+    """fn(*inputs) -> a Tensor or a tuple of them, inputs tensors only (weights and settings closed
+    over), called eagerly or replayed from a graph of the inputs' shape, whichever this GPU runs
+    faster."""
 
-    def __init__(self, name: str, fn: Callable[..., torch.Tensor], max_shapes: int = MAX_SHAPES,
+    def __init__(self, name: str, fn: Callable[..., Output], max_shapes: int = MAX_SHAPES,
                  capture: Capture = capture_cuda, choices: Choices = GRAPH_CHOICES,
                  on_gpu: Callable[[tuple[torch.Tensor, ...]], bool] | None = None,
                  pool: Callable[[], Any] = new_pool) -> None:
@@ -65,11 +67,11 @@ class ShapeGraphs:
         self._capture, self._choices, self._new_pool = capture, choices, pool
         self._on_gpu = on_gpu or _capturable
         self._serial = next(_serial)
-        self._graphs: OrderedDict[Hashable, tuple[Any, list[torch.Tensor], torch.Tensor]] = OrderedDict()
+        self._graphs: OrderedDict[Hashable, tuple[Any, list[torch.Tensor], Output]] = OrderedDict()
         self._pool: Any = None
         self._lock = threading.RLock()
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *inputs: torch.Tensor) -> Output:
         if not self._on_gpu(inputs):
             return self.fn(*inputs)
         key = (self.name, self._serial, tuple((tuple(t.shape), t.dtype, tuple(t.stride()), str(t.device))
@@ -98,15 +100,16 @@ class ShapeGraphs:
         call gives, within REPLAY_RTOL of the result's largest value: a capture that froze a value
         of its first input (a host-side read) would replay that input's result."""
         other = tuple(t.flip(-1) for t in inputs)
-        want, got = self.fn(*other), self._replay(key, other)
-        err = (got.float() - want.float()).abs().max().item()
-        if err <= REPLAY_RTOL * want.float().abs().max().item():
+        pairs = list(zip(_tensors(self.fn(*other)), _tensors(self._replay(key, other))))
+        err = max((got.float() - want.float()).abs().max().item() for want, got in pairs)
+        if all((got.float() - want.float()).abs().max().item() <= REPLAY_RTOL * want.float().abs().max().item()
+               for want, got in pairs):
             return True
         log.error("%s %s: the graph's replay differs from the eager call by %.3g on a second input; "
                   "this shape stays eager", self.name, key[2], err)
         return False
 
-    def _replay(self, key: Hashable, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _replay(self, key: Hashable, inputs: tuple[torch.Tensor, ...]) -> Output:
         entry = self._graphs.get(key)
         if entry is None:
             if self._pool is None:
@@ -119,7 +122,11 @@ class ShapeGraphs:
         for s, t in zip(static, inputs):
             s.copy_(t)
         graph.replay()
-        return out.clone()
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+
+def _tensors(out: Output) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _capturable(inputs: tuple[torch.Tensor, ...]) -> bool:

@@ -116,6 +116,8 @@ class MoondreamModel:
         self.region_w = self.region_impl.RegionWeights.from_state(state)
         # a camera's crops have one shape frame after frame: on a GPU, replayed from a graph where faster
         self.encode_crops = ShapeGraphs(f"{model_id} vision encoder", self._encode_crops)
+        # and the [BOS][image] prefix's prefill: 730 positions per image, whatever the image
+        self.prefill_images = ShapeGraphs(f"{model_id} image prefill", self._prefill_images)
         self.decode = None
         if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling
@@ -175,10 +177,15 @@ class MoondreamModel:
         tokens, tilings = self.image_tokens(images, channel_order)
         bos = self.text_impl.embed(torch.full((len(images), 1), cfg.tokenizer.bos_id, device=self.device), self.text_w)
         x = torch.cat([bos, torch.stack(tokens)], dim=1)
-        cache = self.text_impl.KVCache(cfg.text, x.shape[1], self.dtype, self.device, batch=len(images))
-        skills.forward(self, x, 0, cache, lora)  # bidirectional over BOS + image
-        return [EncodedImage(cache.k[:, i:i + 1], cache.v[:, i:i + 1], x.shape[1], tiling, id(self))
+        k, v = self.prefill_images(x) if lora is None else self._prefill_images(x, lora)
+        return [EncodedImage(k[:, i:i + 1], v[:, i:i + 1], x.shape[1], tiling, id(self))
                 for i, tiling in enumerate(tilings)]
+
+    def _prefill_images(self, x: torch.Tensor, lora: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches of [BOS][image] prefixes x [images, positions, dim], bidirectional over each."""
+        cache = self.text_impl.KVCache(self.config.text, x.shape[1], self.dtype, self.device, batch=x.shape[0])
+        skills.forward(self, x, 0, cache, lora)
+        return cache.k, cache.v
 
     @torch.inference_mode()
     def image_tokens(self, images: list[ImageLike | image_crops.Crops], channel_order: str = "rgb"
