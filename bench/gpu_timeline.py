@@ -246,8 +246,9 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
         RESULTS.setdefault("timing", []).append(rows[-1])
     perop = "prod" in cfg.name if perop is None else perop
     if perop:     # the per-op engine on the same step (perop_engine.py; issue 38.4)
-        for build in ("plain", "chained"):    # torch's kernels; kernels/chained.py's, chained by PDL
-            label = "per-op engine" + (" chained" if build == "chained" else "")
+        builds = ["plain", "chained"]    # torch's kernels; kernels/chained.py's, chained by PDL
+        for build in builds:
+            label = "per-op engine" + (f" {build}" if build != "plain" else "")
             try:
                 step.set_engine("perop", build)
                 k = step.kernel
@@ -262,6 +263,8 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
                 log(f"{cfg.name} {label}: failed ({type(e).__name__}: {e})")
                 RESULTS.setdefault("failures", []).append(dict(part=f"{cfg.name} {label}",
                                                                error=f"{type(e).__name__}: {e}"[:500]))
+                if build == "chained" and getattr(step.kernel, "pdl", False):
+                    builds.append("chained-unlinked")   # the same kernels without PDL, as auto would try
                 continue
             rows.append(dict(config=cfg.name, variant=label, us=round(us, 1), rel_err_vs_plain=err,
                              floor_us=round(floor_us, 1), x_floor=round(us / floor_us, 2),

@@ -300,3 +300,24 @@ def test_the_per_op_engines_chained_build_is_timed_checked_and_recorded(cache):
     assert not any(e == "megakernel" for e, _ in again._kernels)
     engine_choice.record_path(step).write_text(json.dumps(dict(engine="perop", variant="wide512+aligned")))
     assert engine_choice.choose(build(1, torch.bfloat16), Timer(timer.ms)).how == "measured"
+
+
+def test_a_chained_build_whose_pdl_launches_fail_is_tried_as_ordinary_launches(cache, monkeypatch):
+    """Where the GPU offers PDL but its launches fail (a Triton or driver that cannot capture them),
+    the same kernels are timed as ordinary launches ("chained-unlinked"), chosen where fastest,
+    recorded, and built again from the record without PDL. Off a GPU nothing links: not tried."""
+    monkeypatch.setattr(engine_choice, "same_as_plain", lambda *a, **k: None)
+    timer = Timer({"megakernel": 7.2, "megakernel wide512+aligned": 1.9, "perop": 2.98,
+                   "perop chained": RuntimeError("CUDA error: operation not permitted when stream is capturing"),
+                   "perop chained-unlinked": 0.95})
+    assert engine_choice.choose(build(1, torch.bfloat16), timer).variant == "wide512+aligned"   # no PDL here: not tried
+    assert "perop chained-unlinked" not in json.dumps(json.loads(engine_choice.record_path(build(1, torch.bfloat16)).read_text()))
+    engine_choice.record_path(build(1, torch.bfloat16)).unlink()
+    monkeypatch.setattr(engine_choice, "_links", lambda step: True)
+    choice = engine_choice.choose(build(1, torch.bfloat16), timer)
+    assert (choice.engine, choice.variant, choice.chained_ms) == ("perop", "chained-unlinked", 0.95)
+    assert "perop chained failed: RuntimeError: CUDA error: operation not permitted" in choice.note
+    again = build(1, torch.bfloat16)
+    assert engine_choice.choose(again, Timer()).how == "recorded"
+    kernel = again.kernel_for(None)
+    assert again.engine_label == "perop chained-unlinked" and kernel.chained and kernel.pdl is False

@@ -48,7 +48,7 @@ _cuda_kv_dtype = [torch.bfloat16]   # what a CompiledStep on CUDA gets when its 
 # How a step runs: one persistent megakernel launch, or its graph op by op with torch's kernels
 # (perop_engine.py); engine_choice.py picks between them by measuring both on the GPU.
 ENGINES = ("megakernel", "perop")
-PEROP_VARIANTS = ("plain", "chained")   # perop_engine.VARIANTS (this module does not import it)
+PEROP_VARIANTS = ("plain", "chained", "chained-unlinked")   # perop_engine.VARIANTS (this module does not import it)
 _first_engine = ThreadSetting("engine", ENGINES, "megakernel")   # what a CompiledStep starts on
 
 

@@ -186,6 +186,12 @@ def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
         return _measure(step, path, timer)
 
 
+def _links(step: "CompiledStep") -> bool:
+    """Whether the per-op engine's chained build launches by PDL on this step's device."""
+    from photon_core.kernels.chained import pdl_for
+    return pdl_for(step.state.device)
+
+
 def same_as_plain(step: "CompiledStep", variant: str, tolerance: float = 1e-3, engine: str = "megakernel") -> None:
     """Raise unless one launch of `engine` built as `variant` computes what its plain build does
     from the same state (every exposed value within `tolerance` of its largest, the same picks): a
@@ -261,7 +267,8 @@ def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> En
     failed: dict[str, str] = {}
     tried = candidates(step)
     streaming = next((v for (e, v) in tried if e == "megakernel" and v != "plain"), None)
-    for engine, variant in tried:
+
+    def attempt(engine: str, variant: str) -> None:
         try:
             if variant != "plain":     # checked where it is timed: the rows mid-cache, cross keys full
                 with typical_rows(step):
@@ -272,6 +279,14 @@ def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> En
             label = engine_label(engine, variant)
             failed[label] = f"{type(e).__name__}: {e}"
             log.warning("%s B%d: the %s engine failed (%s)", name, B, label, failed[label])
+
+    for engine, variant in tried:
+        attempt(engine, variant)
+    if engine_label("perop", "chained") in failed and _links(step):
+        # PDL is an optimisation: its launches failing (a Triton or driver that cannot capture
+        # them) leaves the same kernels as ordinary launches
+        tried.append(("perop", "chained-unlinked"))
+        attempt("perop", "chained-unlinked")
     if not times:
         raise RuntimeError(f"{name} B{B}: no decode engine runs here: {failed}")
     best, variant = min(times, key=times.__getitem__)
@@ -280,7 +295,7 @@ def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> En
     choice = EngineChoice(name, B, best, "measured" if not failed else "fallback", times.get(("megakernel", "plain")),
                           times.get(("perop", "plain")), note, variant,
                           times.get(("megakernel", streaming)) if streaming else None, streaming or "",
-                          times.get(("perop", "chained")))
+                          times.get(("perop", "chained"), times.get(("perop", "chained-unlinked"))))
     rec = dict(engine=best, variant=variant, megakernel_ms=choice.megakernel_ms, perop_ms=choice.perop_ms,
                variant_ms=choice.variant_ms, timed_variant=choice.timed_variant, chained_ms=choice.chained_ms,
                note=note)

@@ -14,8 +14,9 @@ Two builds (VARIANTS): "plain", the ops as torch's kernels; "chained", every op 
 kernels/chained.py's Triton kernels (perop_chained.py runs them: linears with the LayerNorm or
 RMSNorm they read applied in their own prologue, GLUs and gates, rotary appends, decode attention,
 experts, Qwen 3.5's conv and delta rule), one launch an op, which on sm_90+ start while the launch
-before them finishes (programmatic dependent launch). Its attention reads only a row's keys; its
-linears' outputs are fp32.
+before them finishes (programmatic dependent launch; "chained-unlinked": the same kernels as
+ordinary launches, which engine_choice tries where PDL launches fail). Its attention reads only a
+row's keys; its linears' outputs are fp32.
 
 Capture-safe: fixed shapes, no host reads. A row's token and position come from dyn; attention
 reads every slot of its caches under a mask of the row's keys (self: positions [0, position] or
@@ -70,7 +71,7 @@ class PerOpKernel:
             raise ValueError(f"the per-op engine's variants are {VARIANTS}, not {variant!r}")
         g, p, dev = step.graph_def, step.plan, step.state.device
         self.step, self.nodes, self.variant = step, needed_nodes(g, p, results), variant
-        self.pdl = variant == "chained" and _pdl_for(dev)
+        self.pdl = variant == "chained" and _pdl_for(dev)     # "chained-unlinked": ordinary launches
         # a chained linear's programs: two an SM keep every SM streaming weights
         self.programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         unknown = {n.op for n in self.nodes} - REFERENCE_OPS - set(OWN) - {"argmax"}
@@ -101,7 +102,8 @@ class PerOpKernel:
         # live in the launch only; a copy each would be a kernel each (~2 us in a replay).
         self.observed = {v.name for v in g.exposed.values()}
         # the chained build's runners by node, and what its linears apply to their inputs themselves
-        self.chained, self.prologues = _chained_ops(g, self.nodes, self.observed) if variant == "chained" else ({}, {})
+        self.chained, self.prologues = (_chained_ops(g, self.nodes, self.observed) if variant.startswith("chained")
+                                        else ({}, {}))
         self.outs = {name: step.view(name) for name in self.observed}   # where chained linears write them
         # the chained attention's tickets (kernels/chained.attention), this step's alone: every
         # launch leaves them at zero, and another step (another model, another thread) has its own
@@ -364,7 +366,9 @@ def _moe(e: _Run, node: Node) -> torch.Tensor:
 # Ops run here rather than by their eager reference (which reads the host or upcasts whole tables).
 OWN = {"embed": _embed, "linear": _linear, "kv_append": _kv_append, "attention": _attention, "moe": _moe}
 
-VARIANTS = ("plain", "chained")
+# "chained-unlinked": the chained build's kernels as ordinary launches, where a GPU offers PDL but
+# its launches fail (in a CUDA graph's capture, say): engine_choice tries it then
+VARIANTS = ("plain", "chained", "chained-unlinked")
 
 
 def _pdl_for(dev: torch.device) -> bool:
