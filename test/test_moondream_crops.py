@@ -58,6 +58,38 @@ def test_crops_are_pil_lanczos3_of_the_original(h, w, tiling):
         assert not np.array_equal(crops[0], from_canvas)
 
 
+# A frame enlarged to a 2x4 canvas and shrunk to its global crop; one enlarged to a single crop.
+@pytest.mark.parametrize("h,w", [(480, 640), (200, 250)])
+def test_crops_made_on_a_device_are_pils_bytes(h, w):
+    """The GPU's path (runtime/lanczos.py: PIL's arithmetic as torch ops), run here on the CPU,
+    gives PIL's bytes crop for crop."""
+    image = frame(h, w, seed=7)
+    want, tiling = image_crops.make_crops(image)
+    got, got_tiling = image_crops.make_crops(image, device="cpu")
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.uint8 and got_tiling == tiling
+    assert np.array_equal(got.numpy(), want)
+    both = image_crops.stacked([want, got], torch.device("cpu"))
+    assert isinstance(both, torch.Tensor) and torch.equal(both, torch.cat([torch.from_numpy(want), got]))
+
+
+def test_lanczos_on_torch_is_pils_resize_at_any_sizes():
+    """Shrinking, enlarging, one axis each way, sizes of 1, 3 and odd ratios: the bytes of the
+    installed Pillow, whichever pass it runs first for the sizes (lanczos.pil_order finds out;
+    Pillow 13 runs the vertical one first for some, e.g. 500x3 -> 10x7)."""
+    from photon_core.runtime import lanczos as lz
+
+    rng = np.random.default_rng()
+    sizes = [((500, 3), (10, 7)), ((1, 1), (5, 9)), ((64, 64), (64, 33)), ((37, 53), (120, 90)), ((97, 12), (23, 29))]
+    sizes += [((int(a), int(b)), (int(c), int(d))) for a, b, c, d in rng.integers(2, 90, (6, 4))]
+    for (h, w), (oh, ow) in sizes:
+        image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        order = lz.pil_order(h, w, oh, ow)
+        # None: both orders gave PIL's bytes on the probes (a 1-pixel source), and PIL resizes
+        for o in [order] if order else lz.ORDERS:
+            got = lz.resize_lanczos3(torch.from_numpy(image), oh, ow, o).numpy()
+            assert np.array_equal(got, lanczos(image, oh, ow)), ((h, w), (oh, ow), o)
+
+
 def test_make_crops_takes_any_layout_of_the_pixels():
     image = frame(300, 420, seed=3)
     a, _ = image_crops.make_crops(image)

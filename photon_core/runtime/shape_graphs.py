@@ -47,7 +47,7 @@ def capture_cuda(fn: Callable[[], Output], pool: Any) -> tuple[Any, Output]:
     compiled and measured everything fn launches). Thread-local capture: a request comes while
     other threads of the process (another model, a node's callbacks) keep using the GPU."""
     from photon_core.runtime.cuda_graph import capture
-    return capture(fn, warmup=1, pool=pool, errors="thread_local")
+    return capture(fn, warmup=1, pool=pool)
 
 
 def new_pool() -> Any:

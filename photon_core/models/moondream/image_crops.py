@@ -27,6 +27,8 @@ public reference's and a greedy caption took another word after a dozen tokens (
   threads (PIL lets go of the GIL while it resizes), and the model lets a caller make the crops
   ahead, off the batch's critical path: MoondreamModel.prepare in a camera's own thread, the Crops
   then given to any skill as its image.
+- On a GPU the two resizes run there (runtime/lanczos.py: PIL's arithmetic as torch ops, the same
+  bytes, in well under a millisecond), so a frame's crops cost the host nothing but the upload.
 - Normalisation to [-1, 1] is vision.normalize's: through bfloat16 for Moondream 2, as the reference's
   prepare_crops; in the model's dtype for Moondream 3, as kestrel's.
 """
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 
 # Image input (any array / PIL image -> [H, W, 3] uint8 RGB) is runtime.image_input's; the name
@@ -55,7 +58,7 @@ class Crops:
     """An image made into the encoder's crops ahead of a request (MoondreamModel.prepare): any
     skill takes it as its image and skips the resizing. `resampler`, `crop_size`, `patch_size`,
     `overlap_margin` and `max_crops`: how it was made, checked against the model that reads it."""
-    crops: np.ndarray              # [1 + rows*cols, crop, crop, 3] uint8, crops[0] the global one
+    crops: np.ndarray | torch.Tensor   # [1 + rows*cols, crop, crop, 3] uint8, crops[0] the global one
     tiling: tuple[int, int]        # (rows, cols)
     resampler: str
     crop_size: int
@@ -112,12 +115,16 @@ def _in_background(fn: Any, *args: Any) -> Future:
 
 
 def make_crops(image: np.ndarray, crop_size: int = 378, patch_size: int = 14, overlap_margin: int = 4,
-               max_crops: int = 12, resampler: str = "pil") -> tuple[np.ndarray, tuple[int, int]]:
+               max_crops: int = 12, resampler: str = "pil", device: torch.device | str | None = None
+               ) -> tuple[np.ndarray | torch.Tensor, tuple[int, int]]:
     """HxWx3 uint8 RGB -> (crops [1 + rows*cols, crop, crop, 3] uint8, (rows, cols)).
 
     crops[0] is the whole image resized to crop x crop; crops[1:] are the local crops in row-major
     order, cut from the image resized to target_size. Both resizes start from `image` (see the
-    module docstring for why, and for `resampler`)."""
+    module docstring for why, and for `resampler`). `device`: resize there with PIL's arithmetic
+    (runtime/lanczos.py; the crops a tensor on it), None: with PIL on this CPU."""
+    if device is not None:
+        return _crops_on(torch.device(device), image, crop_size, patch_size, overlap_margin, max_crops, resampler)
     h, w = image.shape[:2]
     (rows, cols), (target_h, target_w) = target_size(h, w, crop_size, patch_size, overlap_margin, max_crops)
     window = crop_size - 2 * patch_size * overlap_margin
@@ -134,3 +141,36 @@ def make_crops(image: np.ndarray, crop_size: int = 378, patch_size: int = 14, ov
             y0, x0 = i * window, j * window
             crops[1 + i * cols + j] = canvas[y0:y0 + crop_size, x0:x0 + crop_size]
     return crops, (rows, cols)
+
+
+def _crops_on(device: torch.device, image: np.ndarray, crop_size: int, patch_size: int, overlap_margin: int,
+              max_crops: int, resampler: str) -> tuple[torch.Tensor, tuple[int, int]]:
+    """make_crops on `device`: the same bytes (a size pair whose pass order the installed Pillow
+    does not show, lanczos.pil_order None, is resized by PIL here and uploaded)."""
+    from photon_core.runtime import lanczos
+
+    if resampler not in RESAMPLERS:
+        raise ValueError(f"resampler must be one of {RESAMPLERS}, not {resampler!r}")
+    h, w = image.shape[:2]
+    (rows, cols), (target_h, target_w) = target_size(h, w, crop_size, patch_size, overlap_margin, max_crops)
+    window = crop_size - 2 * patch_size * overlap_margin
+    source = torch.from_numpy(np.ascontiguousarray(image)).to(device)
+
+    def resized(height: int, width: int) -> torch.Tensor:
+        order = lanczos.pil_order(h, w, height, width, str(device))
+        if order is None:
+            return torch.from_numpy(resize_lanczos3(image, height, width, resampler)).to(device)
+        return lanczos.resize_lanczos3(source, height, width, order)
+
+    canvas = resized(target_h, target_w)
+    tiles = [canvas[i * window:i * window + crop_size, j * window:j * window + crop_size]
+             for i in range(rows) for j in range(cols)]
+    return torch.stack([resized(crop_size, crop_size), *tiles]), (rows, cols)
+
+
+def stacked(crops: list[np.ndarray | torch.Tensor], device: torch.device) -> np.ndarray | torch.Tensor:
+    """Several images' crops as one array: numpy where all are (made by PIL), else a tensor on
+    `device`."""
+    if all(isinstance(c, np.ndarray) for c in crops):
+        return np.concatenate(crops)
+    return torch.cat([torch.as_tensor(c).to(device) for c in crops])

@@ -130,13 +130,15 @@ class MoondreamModel:
         call it in the caller's own thread (a camera's worker) and pass the Crops as the image of any
         skill, so that the model's batch does not wait on the resizing."""
         v = self.config.vision
+        # on a GPU the resizes run there, the same bytes (image_crops.py)
+        on = self.device if self.device.type == "cuda" else None
         crops, tiling = image_crops.make_crops(to_rgb(image, channel_order), v.crop_size, v.enc_patch_size,
-                                               v.overlap_margin, v.max_crops, self.resampler)
+                                               v.overlap_margin, v.max_crops, self.resampler, on)
         return image_crops.Crops(crops, tiling, self.resampler, v.crop_size, v.enc_patch_size,
                                  v.overlap_margin, v.max_crops)
 
     def preprocess(self, image: ImageLike | image_crops.Crops, channel_order: str = "rgb"
-                   ) -> tuple[np.ndarray, tuple[int, int]]:
+                   ) -> tuple[np.ndarray | torch.Tensor, tuple[int, int]]:
         """Image -> (uint8 crops [1 + rows*cols, S, S, 3], tiling); a Crops (prepare) as it is."""
         if not isinstance(image, image_crops.Crops):
             image = self.prepare(image, channel_order)
@@ -194,7 +196,7 @@ class MoondreamModel:
         through the vision encoder together) and their tilings."""
         cfg = self.config
         prepared = [self.preprocess(image, channel_order) for image in images]
-        crops = np.concatenate([c for c, _ in prepared])
+        crops = image_crops.stacked([c for c, _ in prepared], self.device)
         x = vision.normalize(crops, self.dtype, self.device, self.normalize_via)
         feats = self.encode_crops(x)
         tokens, start = [], 0

@@ -48,7 +48,7 @@ class VisionWeights:
                    take(sd, "vision.post_ln"), take(sd, "vision.proj_mlp.fc1"), take(sd, "vision.proj_mlp.fc2"))
 
 
-def normalize(crops: np.ndarray, dtype: torch.dtype, device: torch.device | str,
+def normalize(crops: np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device | str,
               via: torch.dtype | None = torch.bfloat16) -> torch.Tensor:
     """uint8 [N, H, W, 3] RGB -> [N, 3, H, W] in [-1, 1] of `dtype`, the encoder's training normalisation.
 
@@ -57,7 +57,7 @@ def normalize(crops: np.ndarray, dtype: torch.dtype, device: torch.device | str,
     default); kestrel computes it in the model's dtype (Moondream 3: via=None). The two differ by up
     to bfloat16's rounding (~4e-3), which a decoder turns into another word (image_crops.py's
     docstring). Each step on `device`, as both do, so the rounding is the device's."""
-    x = torch.from_numpy(crops).to(device).permute(0, 3, 1, 2)
+    x = (torch.from_numpy(crops) if isinstance(crops, np.ndarray) else crops).to(device).permute(0, 3, 1, 2)
     x = x.to(dtype if via is None else via).div_(255.0).sub_(0.5).div_(0.5)
     return x.to(dtype)
 
