@@ -110,9 +110,10 @@ def frame_requests(rgb, detect: list[str], point: list[str], caption_length: str
 
 def prepared_image(engine: SharedModel, rgb):
     """The frame as the model takes it: its crops made here, in this camera's worker thread, where
-    the model can make them ahead (Moondream's prepare: 14-67 ms of Lanczos-3 a frame on 2 cores,
-    bench/RESULTS.md "Moondream crops"), rather than inside the batch every camera waits on; the
-    frame itself for a model that makes none."""
+    the model can make them ahead (Moondream's prepare: 14-67 ms of Lanczos-3 a frame on 2 CPU
+    cores, bench/RESULTS.md "Moondream crops"; on a GPU the same bytes in under a millisecond there,
+    runtime/lanczos.py), rather than inside the batch every camera waits on; the frame itself for
+    a model that makes none."""
     model = engine.model
     return model.prepare(rgb) if hasattr(model, "prepare") else rgb
 
