@@ -154,6 +154,19 @@ class Run:
             m["gpu"] = torch.cuda.get_device_name()
         return m
 
+    def check_device(self) -> None:
+        """What the timed paths compute on the device, checked first (e2e_checks)."""
+        import e2e_checks
+        try:
+            r = e2e_checks.crops_match_pil(self.device, e2e_checks.DRY_FRAMES if self.args.dry_run else e2e_checks.FRAMES)
+            self.out["checks"] = {"crops_match_pil": r}
+            log(f"crops on {self.device} = PIL's: {r['ok']} ({r['frames']})")
+            if not r["ok"]:
+                self.fail("crops on the device", RuntimeError(f"not PIL's bytes: {r['frames']}"))
+        except Exception as e:  # noqa: BLE001  the timing still runs
+            self.fail("crops on the device", e)
+        self.save()
+
     def main(self) -> int:
         a = self.args
         self.out["machine"] = self.machine()
@@ -182,6 +195,7 @@ class Run:
         self.save()
         if a.plan:
             return 0
+        self.check_device()
         # Children only for the families the plan expects to reach within the budget.
         starts = plan_mod.family_starts(cfgs, a.repeats, setups)
         reached = [f for f in families if starts.get(f, 0.0) < a.budget_s]

@@ -151,6 +151,7 @@ def test_dry_run_times_every_phase_of_every_family_on_both_sides(dry):
     import e2e_families
     res, md = dry
     assert not res["failures"]
+    assert res["checks"]["crops_match_pil"]["ok"]      # the device's crops checked first (here the CPU)
     rows = res["rows"]
     for family in e2e_families.ORDER:
         mine = [r for r in rows if r["family"] == family]
