@@ -165,8 +165,9 @@ class PhotonClient:
     # -- the client's calls ------------------------------------------------------------------------
     def encode_image(self, image: Any) -> Any:
         """The image run through the model's vision encoder once, for several calls on it (the
-        model's own EncodedImage, not the client's Base64EncodedImage)."""
-        return self._skill("encode_image")(_image(image))
+        model's own EncodedImage, not the client's Base64EncodedImage), with this client's variant
+        (its adapter prefills the image too, as every call of this client does)."""
+        return self._call("encode_image", None, image=_image(image))
 
     def caption(self, image: Any, length: str = "normal", stream: bool = False,
                 settings: Mapping[str, Any] | None = None) -> dict[str, Any]:

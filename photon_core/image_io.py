@@ -23,7 +23,9 @@ class ImageFileError(ValueError):
 def read_image(path: str | Path, max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """The image at `path` as an [H, W, 3] uint8 RGB array. 16-bit images are scaled by
     255/65535, float images from [0, 1] (clipped there), alpha is dropped. ImageFileError for a
-    missing, unreadable or larger-than-`max_pixels` file, before the pixels are decoded."""
+    missing, unreadable or larger-than-`max_pixels` file, before the pixels are decoded. The stored
+    pixel grid, EXIF orientation not applied (as PIL opens it, and as the moondream client passes
+    a PIL image): coordinates are of the grid, as a camera's are."""
     from PIL import Image
 
     path = Path(path)

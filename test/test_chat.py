@@ -167,3 +167,22 @@ def test_gemma_conversation_matches_transformers(gemma4_dir, gemma4_hf):  # noqa
     assert one["message"]["content"] == model.query(image, "what is this?", settings=greedy)["answer"]
     with pytest.raises(ValueError, match="no thinking mode"):
         model.chat(messages, reasoning=True)
+
+
+def _png_header(width: int, height: int) -> str:
+    """A data URL of a PNG that declares width x height and holds no pixels (PIL reads the size
+    from the header; a decode would be the harm)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.mark.parametrize("width, height", [(10_000, 10_000), (15_000, 13_000)])
+def test_a_huge_image_url_is_refused_before_its_pixels_are_decoded(width, height):
+    # 100 Mpixel: over our limit (PIL only warns); 195 Mpixel: PIL's own refusal, as a ValueError too
+    with pytest.raises(ValueError, match="over the limit|too large"):
+        chat_messages.image_from_url(_png_header(width, height))

@@ -154,6 +154,10 @@ def test_model_names_variants_and_factory_errors(vision, picture, monkeypatch):
     monkeypatch.setattr(tuned._model, "detect", detect)
     assert tuned.detect(picture, "cup", settings={"max_objects": 1}) == {"objects": []}
     assert heard == [{"max_objects": 1, "variant": "ft1@5"}]
+    # encode_image too: the adapter prefills the image, so the image is the variant's
+    monkeypatch.setattr(tuned._model, "encode_image", lambda image, settings=None: heard.append(settings))
+    tuned.encode_image(picture)
+    assert heard[-1] == {"variant": "ft1@5"}
     # A model without settings cannot take a variant.
     monkeypatch.setattr(tuned._model, "detect", lambda image, object, max_objects=50: {"objects": []})
     with pytest.raises(NotImplementedError, match="variants"):

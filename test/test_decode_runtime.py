@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from photon_core.backends import reference
 from photon_core.runtime import decode
 from photon_core.runtime.sampling import Sampling, pick
-from photon_core.runtime.text_stream import text_pieces
+from photon_core.runtime.text_stream import JoinedPieces, text_pieces
 
 
 class FakeStep:
@@ -154,7 +155,7 @@ def test_sampling_settings_refused_with_reasons():
         Sampling(-1, -0.5, 0.0)
     msg = str(err.value)
     assert "max_tokens must be >= 0" in msg and "temperature must be >= 0" in msg and "top_p must be in (0, 1]" in msg
-    for bad in ({"top_p": 1.5}, {"temperature": float("nan")}):
+    for bad in ({"top_p": 1.5}, {"temperature": float("nan")}, {"temperature": float("inf")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Sampling(4, **bad)
 
@@ -186,6 +187,29 @@ def test_text_pieces_holds_back_a_character_split_across_tokens():
     # A stream ending inside a character gives what the tokenizer says for it.
     assert "".join(text_pieces(dec, [0, 1])) == dec([0, 1])
     assert list(text_pieces(dec, [])) == []
+
+
+def test_joined_pieces_is_text_pieces_joined_at_every_length_with_one_decode_a_token():
+    vocab = {0: b"caf", 1: b"\xc3", 2: b"\xa9", 3: b" ", 4: b"\xf0\x9f", 5: b"\x98", 6: b"\x80", 7: b"!"}
+    calls = []
+
+    def dec(ids):
+        calls.append(len(ids))
+        return b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+    rng = np.random.default_rng()
+    for _ in range(20):
+        tokens = [int(t) for t in rng.integers(0, 8, int(rng.integers(0, 12)))]
+        joined = JoinedPieces(dec)
+        for n in range(len(tokens) + 1):
+            calls.clear()
+            assert joined.text(tokens[:n]) == "".join(text_pieces(dec, tokens[:n]))
+        calls.clear()
+        joined.text(tokens)
+        assert len(calls) == 1                      # a report without a new token: one decode
+    assert JoinedPieces(dec).text([0, 1]) == dec([0, 1])
+    other = JoinedPieces(dec)
+    other.text([0, 3, 7])
+    assert other.text([7, 7]) == "!!"               # not a continuation: started again
 
 
 def test_text_pieces_is_lazy():

@@ -39,6 +39,8 @@ def test_settings_validation(model, picture):
         model.detect(enc, "cup", settings=[("max_objects", 2)])
     with pytest.raises(ValueError, match="top_p"):
         model.query(enc, "what is this ?", settings={"top_p": 0})
+    with pytest.raises(ValueError, match="finite"):   # infinity samples NaN: an empty answer
+        model.query(enc, "what is this ?", settings={"temperature": float("inf")})
     with pytest.raises(ValueError, match="max_objects"):
         model.point(enc, "cup", settings={"max_objects": -1})
     for bad in ([(0.5,)], [(0.1, 0.2, 1.5, 0.3)], [(0.6, 0.2, 0.5, 0.3)], "0.5,0.5"):

@@ -154,6 +154,34 @@ def test_a_closed_batcher_serves_what_is_queued_then_stops():
         batcher.submit([3])
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the thread's end, on purpose
+def test_a_batch_that_ends_the_batchers_thread_leaves_no_caller_waiting():
+    # SystemExit out of a request's progress callback, say: the thread stops; its callers and every
+    # later one get an error instead of waiting forever.
+    def run_many(items):
+        if 0 in items:
+            raise SystemExit("a callback exited")
+        return items
+
+    batcher = Batcher(run_many, threading.Lock(), window_s=0.0)
+    assert batcher.submit([1]) == [1]
+    with pytest.raises(RuntimeError, match="batcher stopped"):
+        batcher.submit([0])
+    batcher._thread.join(10)
+    assert not batcher._thread.is_alive()
+    with pytest.raises(RuntimeError, match="released|closed"):
+        batcher.submit([2])
+
+
+def test_a_released_engine_says_so():
+    from photon_core.runtime.shared_models import SharedModel
+
+    engine = SharedModel(model())
+    engine.retire()
+    with pytest.raises(RuntimeError, match="released"):
+        engine.batcher
+
+
 def test_a_short_result_list_fails_its_callers_instead_of_shifting_results():
     # A family's batch() that loses a result (a bug no family here has) must not hand one camera
     # another camera's results: sliced by position, caller 1 would get caller 2's first one.

@@ -198,6 +198,22 @@ def test_zero_adapter_is_the_base_model_exactly(model, inputs, tmp_path):
     assert (lg_live - lg_base).abs().max() > 0.1
 
 
+def test_an_image_encoded_for_one_variant_is_refused_by_another(model, tmp_path):
+    """An EncodedImage's cache is the prefill of its variant's adapter: a request of another variant
+    (or the base model) refuses it rather than continue another model's cache; its own answers as
+    the image itself does."""
+    path = tmp_path / "live.safetensors"
+    save_file(adapter(model.config.text, seed=2, trained_names=False), str(path))
+    name, pic = str(path), np.random.default_rng(0).integers(0, 256, (64, 80, 3), dtype=np.uint8)
+    base, tuned = model.encode_image(pic), model.encode_image(pic, settings={"variant": name})
+    assert (base.variant, tuned.variant) == (None, name)
+    with pytest.raises(ValueError, match="encoded with the base model but the request asks for variant"):
+        model.point(base, "cup", settings={"variant": name})
+    with pytest.raises(ValueError, match="encoded with variant .* but the request asks for the base model"):
+        model.query(tuned, "What is it?", settings={"max_tokens": 2})
+    assert model.point(tuned, "cup", settings={"variant": name}) == model.point(pic, "cup", settings={"variant": name})
+
+
 def test_triton_backend_serves_variants():
     """The adapted decoder on the per-op Triton backend (CPU interpreter) against the reference ops:
     a prefill with a bidirectional prefix, then ragged decode steps of two rows."""

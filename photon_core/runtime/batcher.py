@@ -61,15 +61,24 @@ class Batcher:
         self.run_many = None
 
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._pending or self._closed)
+                    if not self._pending:
+                        return   # closed, nothing left to serve
+                    # Give other cameras a moment to join, unless the batch is already full.
+                    self._cond.wait_for(lambda: self._queued() >= self.max_batch or self._closed, self.window_s)
+                    groups = self._take()
+                self._serve(groups)
+        except BaseException as err:
+            # The thread ends (SystemExit from a callback, say): no caller may wait for it forever.
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if not self._pending:
-                    return   # closed, nothing left to serve
-                # Give other cameras a moment to join, unless the batch is already full.
-                self._cond.wait_for(lambda: self._queued() >= self.max_batch or self._closed, self.window_s)
-                groups = self._take()
-            self._serve(groups)
+                self._closed = True
+                left, self._pending = self._pending, []
+            for _, future in left:
+                future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__}: {err})"))
+            raise
 
     def _serve(self, groups: list[tuple[list, Future]]) -> None:
         items = [item for group, _ in groups for item in group]
@@ -81,7 +90,12 @@ class Batcher:
             if len(results) != len(items):
                 # Sliced by position, a short list would hand one caller (camera) another's results.
                 raise RuntimeError(f"the model returned {len(results)} results for {len(items)} requests")
-        except Exception as err:  # noqa: BLE001 - handed to the callers
+        except BaseException as err:  # noqa: BLE001 - handed to the callers
+            if not isinstance(err, Exception):   # SystemExit, KeyboardInterrupt: this batch's callers
+                for _, future in groups:          # are told, and the thread stops (_run)
+                    if not future.done():
+                        future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__})"))
+                raise
             if len(groups) == 1:
                 groups[0][1].set_exception(err)
             else:

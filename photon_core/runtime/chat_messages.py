@@ -16,10 +16,12 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .image_input import check_size
 from .requests import Settings
 from .sampling import Sampling
 
@@ -94,8 +96,14 @@ def image_from_url(spec: Any) -> Any:
         raise ValueError("an image_url must be a base64 data: URL ('data:image/jpeg;base64,...')")
     try:
         data = base64.b64decode(url.split(",", 1)[1], validate=True)
-        image = Image.open(io.BytesIO(data))
-        image.load()
+        with warnings.catch_warnings():
+            # the size is refused below, with the limit, before the pixels are decoded
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            check_size(*image.size)
+            image.load()
+    except Image.DecompressionBombError as err:    # PIL's own refusal, at twice its threshold
+        raise ValueError(f"the image_url's image is too large ({err})") from None
     except (binascii.Error, OSError, ValueError) as err:
         raise ValueError(f"the image_url's data is not a readable image ({err})") from err
     return image

@@ -35,7 +35,7 @@ def to_rgb(image: ImageLike, channel_order: str = "rgb") -> np.ndarray:
     if isinstance(image, Image.Image):
         if channel_order != "rgb":
             raise ValueError("channel_order 'bgr' applies to numpy arrays only; PIL images are RGB")
-        _check_size(image.width, image.height)
+        check_size(image.width, image.height)
         return pil_to_rgb(image)
     if not isinstance(image, np.ndarray):
         raise ValueError(f"image must be a numpy array ([H, W, 3] uint8 RGB) or a PIL image, "
@@ -45,7 +45,7 @@ def to_rgb(image: ImageLike, channel_order: str = "rgb") -> np.ndarray:
     if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
         raise ValueError(f"image must be [H, W] (grey), [H, W, 3] (RGB) or [H, W, 4] (RGBA), "
                          f"got shape {image.shape}")
-    _check_size(image.shape[1], image.shape[0])
+    check_size(image.shape[1], image.shape[0])
     image = _to_uint8(image)
     if image.ndim == 2:
         return np.repeat(image[:, :, None], 3, axis=2)
@@ -73,7 +73,8 @@ def pil_to_rgb(im: Image.Image) -> np.ndarray:
     return np.asarray(im.convert("RGB"))
 
 
-def _check_size(width: int, height: int) -> None:
+def check_size(width: int, height: int) -> None:
+    """ValueError for an image of no pixels or over MAX_PIXELS (before its pixels are decoded)."""
     if width == 0 or height == 0:
         raise ValueError(f"image has zero size ({width}x{height})")
     if width * height > MAX_PIXELS:

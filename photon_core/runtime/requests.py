@@ -62,8 +62,8 @@ class Settings:
             raise TypeError(f"settings['variant'] must be a str or None, got {settings['variant']!r}")
         s = cls(**{k: settings[k] for k in settings})
         wrong = []
-        if not s.temperature >= 0:   # (NaN too)
-            wrong.append(f"temperature must be >= 0 (0: greedy), got {s.temperature!r}")
+        if not 0 <= s.temperature < float("inf"):   # (NaN too; infinity samples NaN)
+            wrong.append(f"temperature must be >= 0 and finite (0: greedy), got {s.temperature!r}")
         if not 0 < s.top_p <= 1:
             wrong.append(f"top_p must be in (0, 1], got {s.top_p!r}")
         if s.max_tokens < 0:

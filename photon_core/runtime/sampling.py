@@ -28,8 +28,8 @@ class Sampling:
         wrong = []
         if not self.max_tokens >= 0:
             wrong.append(f"max_tokens must be >= 0, got {self.max_tokens!r}")
-        if not self.temperature >= 0:   # (NaN too)
-            wrong.append(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):   # (NaN too; infinity samples NaN)
+            wrong.append(f"temperature must be >= 0 and finite (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             wrong.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if wrong:

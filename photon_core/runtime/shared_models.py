@@ -36,6 +36,8 @@ class SharedModel:
         if self._batcher is None:
             from photon_core.runtime.batcher import Batcher
             with self.lock:
+                if self.model is None:
+                    raise RuntimeError("this engine was released (its batcher is closed)")
                 if self._batcher is None:
                     self._batcher = Batcher(self.model.batch, self.lock)
         return self._batcher
@@ -43,9 +45,10 @@ class SharedModel:
     def retire(self) -> None:
         """Let go of the model so its memory can be freed, even while someone still holds this
         object: the batcher serves what is queued, stops its thread and drops the model."""
+        with self.lock:   # a batcher made meanwhile would keep the model
+            self.model = None
         if self._batcher is not None:
             self._batcher.close()
-        self.model = None
 
 
 _models: dict[tuple, SharedModel] = {}

@@ -28,4 +28,26 @@ def text_pieces(decode: Callable[[list[int]], str], tokens: Iterable[int]) -> It
         yield txt[len(shown):]
 
 
-__all__ = ["text_pieces"]
+class JoinedPieces:
+    """"".join(text_pieces(decode, tokens)) of a token list that grows between calls, one decode
+    per new token: a progress report after every token would otherwise decode every prefix again
+    (cubic in the answer's length, under the engine's lock)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def text(self, tokens: list[int]) -> str:
+        if tokens[:len(self.ids)] != self.ids:     # not a continuation: start again
+            self.ids, self.shown = [], ""
+        for tok in tokens[len(self.ids):]:          # text_pieces' rule, token by token
+            self.ids.append(tok)
+            txt = self.decode(self.ids)
+            if txt.startswith(self.shown) and len(txt) > len(self.shown) and not txt.endswith(REPLACEMENT):
+                self.shown = txt
+        txt = self.decode(self.ids)
+        return txt if txt.startswith(self.shown) and len(txt) > len(self.shown) else self.shown
+
+
+__all__ = ["text_pieces", "JoinedPieces"]

@@ -33,7 +33,7 @@ import torch
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.requests import Request, Settings, SpatialRef, check_spatial_refs
 from photon_core.runtime.sampling import Sampling, pick
-from photon_core.runtime.text_stream import text_pieces
+from photon_core.runtime.text_stream import JoinedPieces, text_pieces
 
 from . import object_score, skills, text
 
@@ -68,6 +68,7 @@ class _Row:
     remask: torch.Tensor | None = None   # the tokens it may pick from its next step on, when they change
     value: Any = None                    # the region heads' coordinate or (w, h) at its last step
     feed: tuple[str, Any] | None = None  # ("coord" | "size", value) its next input encodes; None: a token
+    text: Any = None                     # its answer's text as reported so far (JoinedPieces)
 
     def __post_init__(self) -> None:
         if self.opts is None:
@@ -184,6 +185,7 @@ def _encode_distinct(model: "MoondreamModel", images: list, lora: Any = None) ->
     for image in images:
         if isinstance(image, EncodedImage):
             model._check_owner(image)
+            model.check_variant(image, None if lora is None else lora.name)
         elif image is not None:
             raw.setdefault(id(image), image)
     done = dict(zip(raw, model.encode_images(list(raw.values()), lora=lora)))
@@ -496,7 +498,9 @@ def _result(model: "MoondreamModel", row: _Row) -> dict:
         return {"objects": row.objects}
     if task == "point":
         return {"points": row.objects}
-    answer = "".join(text_pieces(model.tokenizer.decode, row.tokens))
+    if row.text is None:
+        row.text = JoinedPieces(model.tokenizer.decode)
+    answer = row.text.text(row.tokens)
     if task == "caption":
         return {"caption": answer}
     return {**_reasoning(model, row), "answer": answer}

@@ -110,6 +110,7 @@ def prefill(model: "MoondreamModel", pieces: list[Piece], lora: Any = None) -> "
     if not isinstance(first, list):   # BOS then an image: a query's own prefix
         start = first if isinstance(first, EncodedImage) else model.encode_images([first], lora=lora)[0]
         model._check_owner(start)
+        model.check_variant(start, None if lora is None else lora.name)
         rest = pieces[2:]
     else:
         start, rest = model.empty_prefix(), pieces
@@ -137,7 +138,8 @@ def prefill(model: "MoondreamModel", pieces: list[Piece], lora: Any = None) -> "
         # An image block sees itself whole and all before it; text is causal.
         skills.forward(model, x, pos, cache, lora, text_only=not image, bidirectional_to=end if image else None)
         pos = end
-    return EncodedImage(cache.k, cache.v, pos, start.tiling, id(model), causal=start.pos == 0)
+    return EncodedImage(cache.k, cache.v, pos, start.tiling, id(model), causal=start.pos == 0,
+                        variant=None if lora is None else lora.name)
 
 
 def _decode(model: "MoondreamModel", request: Request) -> tuple[dict, Any]:

@@ -32,6 +32,13 @@ class EncodedImage:
     # No image block at its start (a chat's text-only history, chat.py): what continues it attends
     # causally, as a text-only query does, instead of seeing the first prefix_attn positions whole.
     causal: bool = False
+    # The fine-tuned variant whose adapter prefilled it (None: the base model): a request of another
+    # variant would continue another model's cache (model.check_variant refuses that)
+    variant: str | None = None
+
+
+def _variant_name(variant: str | None) -> str:
+    return "the base model" if variant is None else f"variant {variant!r}"
 
 
 def expected_shapes(cfg: MoondreamConfig) -> dict[str, tuple[int, ...]]:
@@ -180,7 +187,8 @@ class MoondreamModel:
         bos = self.text_impl.embed(torch.full((len(images), 1), cfg.tokenizer.bos_id, device=self.device), self.text_w)
         x = torch.cat([bos, torch.stack(tokens)], dim=1)
         k, v = self.prefill_images(x) if lora is None else self._prefill_images(x, lora)
-        return [EncodedImage(k[:, i:i + 1], v[:, i:i + 1], x.shape[1], tiling, id(self))
+        variant = None if lora is None else lora.name
+        return [EncodedImage(k[:, i:i + 1], v[:, i:i + 1], x.shape[1], tiling, id(self), variant=variant)
                 for i, tiling in enumerate(tilings)]
 
     def _prefill_images(self, x: torch.Tensor, lora: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +225,14 @@ class MoondreamModel:
     def _check_owner(self, enc: EncodedImage) -> None:
         if enc.owner != id(self):
             raise ValueError("this EncodedImage was made by another model; encode the image again")
+
+    def check_variant(self, enc: EncodedImage, variant: str | None) -> None:
+        """ValueError unless `enc` was prefilled with `variant`'s adapter (None: the base model's):
+        the image's cache is part of what a variant computes."""
+        if enc.pos and enc.variant != variant:
+            raise ValueError(f"this EncodedImage was encoded with {_variant_name(enc.variant)} but the request asks "
+                             f"for {_variant_name(variant)}: encode the image with "
+                             f"settings={{'variant': {variant!r}}}, or pass the image itself")
 
     def _encoded(self, image: ImageLike | EncodedImage) -> EncodedImage:
         return self.encode_image(image)
@@ -272,6 +288,7 @@ class MoondreamModel:
             enc = self.empty_prefix()
         elif isinstance(r.image, EncodedImage):
             enc = self.encode_image(r.image)
+            self.check_variant(enc, opts.variant)
         else:
             enc = self.encode_images([r.image], lora=lora)[0]
         if self.decode is not None:
