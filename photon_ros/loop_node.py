@@ -27,8 +27,10 @@ import time
 from action_msgs.msg import GoalStatus
 from geometry_msgs.msg import PointStamped, PoseStamped, Twist
 from rclpy.action import ActionClient
+from rclpy.duration import Duration
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.time import Time
 from std_msgs.msg import String
 
 from photon_ros.commands import VisionRequest, parse_command
@@ -49,6 +51,8 @@ LOOP_PARAMS = [
     Param("deadband_deg", 2.0, "a target this close to the image centre needs no turn", low=0.0),
     Param("publish_goal", False, "publish a planner goal on goal_pose (nav2) for a target placed in 3D in "
           "the robot's frame (the vision node's target_frame)"),
+    Param("robot_frame", "base_link", "the robot's own frame: goals are placed only from positions in it (their "
+          "origin is the robot); positions in any other frame (the camera's optical frame, map, odom) give none"),
     Param("goal_standoff_m", 0.5, "the goal stops this far short of the object", low=0.0),
 ]
 
@@ -119,6 +123,8 @@ class LoopNode(Node):
         self.create_timer(TICK_S, self.send_turn)
         self.find = ActionClient(self, Find, "find")
         self.goal = None   # the find goal in progress
+        self.command = 0   # the newest command's number: only its result is acted on
+        self.still_since = None   # rclpy Time the last turn ends: a frame taken before then is stale
         self.create_subscription(Transcript, "transcript", self.on_transcript, reliable)
 
     def say(self, text: str) -> None:
@@ -144,24 +150,30 @@ class LoopNode(Node):
         if not self.find.server_is_ready():
             self.say(f"cannot {request.task} at {request.target!r}: the vision node's find action is not available")
             return
+        self.command += 1
         if self.goal is not None:
             self.goal.cancel_goal_async()   # what it was looking for is no longer wanted
             self.say("canceled the previous search: a new command came")
         self.say(f"{request.task}: looking for {request.target!r}")
         sent = self.find.send_goal_async(Find.Goal(task=request.task, prompt=request.target, use_latest_frame=True))
-        sent.add_done_callback(lambda f: self.on_accepted(request, f))
+        sent.add_done_callback(lambda f, n=self.command: self.on_accepted(request, f, n))
 
-    def on_accepted(self, request: VisionRequest, future) -> None:
+    def on_accepted(self, request: VisionRequest, future, command: int) -> None:
         handle = future.result()
         if not handle.accepted:
             self.say(f"the vision node refused to {request.task} at {request.target!r}")
             return
+        if command != self.command:   # a newer command came before this one was accepted
+            handle.cancel_goal_async()
+            return
         self.goal = handle
-        handle.get_result_async().add_done_callback(lambda f: self.on_result(request, f, handle))
+        handle.get_result_async().add_done_callback(lambda f: self.on_result(request, f, handle, command))
 
-    def on_result(self, request: VisionRequest, future, handle) -> None:
+    def on_result(self, request: VisionRequest, future, handle, command: int) -> None:
         if self.goal is handle:
             self.goal = None
+        if command != self.command:
+            return   # replaced by a newer command (said when it came), whatever this one found
         try:
             outcome = future.result()
         except Exception as err:  # noqa: BLE001 - a failed call is reported, not raised into the executor
@@ -178,6 +190,10 @@ class LoopNode(Node):
             self.say(f"no {request.target} in view")
             return
         self.pub_image_target.publish(target)
+        stale = self.taken_before_last_turn(target.header.stamp)
+        if stale:
+            self.say(f"found {request.target}, but {stale}: not acting on it (ask again)")
+            return
         found = (f"found {request.target} at pixel ({target.x_px:.0f}, {target.y_px:.0f}) of the "
                  f"{target.image_width}x{target.image_height} image")
         placed, why_not = position_from_response(response)
@@ -191,11 +207,11 @@ class LoopNode(Node):
             found += f"; at ({p.x:.2f}, {p.y:.2f}, {p.z:.2f}) m in {frame} on target"
             # In the camera's optical frame (z forward, x right) the bearing is exact; in another
             # frame its axes are not known here, so the image's field of view gives it.
-            optical = frame == target.header.frame_id
+            optical = bool(frame) and frame == target.header.frame_id
             heading = (math.atan2(-p.x, p.z) if optical
                        else bearing(target.x, math.radians(self.params["horizontal_fov_deg"])))
             if self.params["publish_goal"]:
-                found += "; " + self.send_goal(response.objects_3d.header, p, optical)
+                found += "; " + self.send_goal(response.objects_3d.header, p)
         if not self.params["turn"]:
             self.say(f"{found}; turning is off")
             return
@@ -203,15 +219,28 @@ class LoopNode(Node):
         turn = plan_turn(heading, p["max_turn_rate"], p["max_turn_s"], math.radians(p["deadband_deg"]))
         if turn is not None:
             self.turns.start(turn, time.monotonic())
+            self.still_since = self.get_clock().now() + Duration(seconds=turn.duration)
             self.send_turn()
         self.say(f"{found}; {describe_turn(turn)}")
 
-    def send_goal(self, header, position, optical: bool) -> str:
+    def taken_before_last_turn(self, stamp) -> str:
+        """Why a result from a frame captured at `stamp` must not move the robot ("" if it may):
+        the camera turned since (or was turning), so the bearing it gives is not the robot's now."""
+        if self.still_since is None or (stamp.sec == 0 and stamp.nanosec == 0):
+            return ""
+        captured = Time.from_msg(stamp, clock_type=self.still_since.clock_type)
+        if captured >= self.still_since:
+            return ""
+        return (f"its frame was captured {(self.still_since - captured).nanoseconds / 1e9:.1f} s before the "
+                "last turn ended")
+
+    def send_goal(self, header, position) -> str:
         """A planner goal `goal_standoff_m` short of the object, facing it, on goal_pose; what was
         done, for status. The goal is placed from the frame's origin, so the frame must be the
-        robot's (the vision node's target_frame, e.g. base_link): nav2 transforms it from there."""
-        if optical:
-            return "no goal: positions are in the camera's optical frame (set the vision node's target_frame)"
+        robot's (`robot_frame`, the vision node's target_frame): nav2 transforms it from there."""
+        if header.frame_id != self.params["robot_frame"] or not header.frame_id:
+            return (f"no goal: positions are in {header.frame_id or 'an unnamed frame'!r}, not the robot's frame "
+                    f"{self.params['robot_frame']!r} (set the vision node's target_frame to it)")
         goal = approach_goal(position.x, position.y, self.params["goal_standoff_m"])
         if goal is None:
             return f"no goal: already within {self.params['goal_standoff_m']:g} m"

@@ -56,8 +56,8 @@ class VisionActions:
             return f"task must be one of {', '.join(tasks)}, got {task!r}"
         if task != "caption" and not prompt.strip():
             return "an empty prompt"
-        if not timeout_s >= 0:
-            return f"timeout_s must be >= 0, got {timeout_s}"
+        if not 0 <= timeout_s <= threading.TIMEOUT_MAX:   # (NaN and infinity too: a timer cannot take them)
+            return f"timeout_s must be >= 0 and at most {threading.TIMEOUT_MAX:g}, got {timeout_s}"
         return self.node.lacks(task)
 
     def on_find_goal(self, goal: Find.Goal) -> GoalResponse:
@@ -88,6 +88,8 @@ class VisionActions:
         key, cancel = bytes(goal_handle.goal_id.uuid), threading.Event()
         with self._lock:
             self._cancels[key] = cancel
+        if goal_handle.is_cancel_requested:   # canceled between its acceptance and now (on_cancel found no event)
+            cancel.set()
         timer = threading.Timer(goal.timeout_s, cancel.set) if goal.timeout_s > 0 else None
         if timer is not None:
             timer.start()
@@ -108,11 +110,13 @@ class VisionActions:
                 timer.cancel()
             with self._lock:
                 self._cancels.pop(key, None)
-        if result.success:
-            goal_handle.succeed()
-        elif goal_handle.is_cancel_requested:
-            result.message = result.message or "canceled"
+        if goal_handle.is_cancel_requested:
+            # a canceled goal ends canceled, even where its work finished: its client replaced it
+            result.success = False
+            result.message = "canceled"
             goal_handle.canceled()
+        elif result.success:
+            goal_handle.succeed()
         else:
             if cancel.is_set() and not result.message:
                 result.message = f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})"

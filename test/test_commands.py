@@ -17,12 +17,19 @@ from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
     ("Look at the door, please.", VisionRequest("point", "door")),
     ("Show me all the apples", VisionRequest("detect", "apples")),
     ("Hey robot, locate the fire extinguisher", VisionRequest("detect", "fire extinguisher")),
+    ("Turn to face the door.", VisionRequest("point", "door")),
+    ("Where's the charger?!", VisionRequest("point", "charger")),
 ])
 def test_commands_are_understood(text, expected):
     assert parse_command(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "Hello there.", "What time is it?", "Find.", "point at the"])
+@pytest.mark.parametrize("text", ["", "Hello there.", "What time is it?", "Find.", "point at the",
+                                  # a direction or a pronoun is no object to look for
+                                  "Turn to the left.", "Look to the right", "Look at me.", "turn around",
+                                  # which one the speaker meant is not ours to guess
+                                  "Point at the red cup. Stop!", "Point at the cup, no, the mug.",
+                                  "Find the keys; then wait"])
 def test_other_sentences_ask_for_nothing(text):
     assert parse_command(text) is None
 

@@ -103,3 +103,52 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     assert done.status == GoalStatus.STATUS_ABORTED and "no frame arrived" in done.result.message
     assert not send(find, Find.Goal(task="caption", prompt="x"), []).accepted
     assert not send(ask, Ask.Goal(task="query", prompt="  "), []).accepted
+
+
+class _Handle:
+    """A goal handle canceled between its acceptance and its execution (rclpy answers the goal,
+    then schedules execute: a cancel can land between the two)."""
+
+    def __init__(self, goal):
+        self.request, self.is_cancel_requested, self.ended = goal, True, None
+        self.goal_id = type("Id", (), {"uuid": bytes(16)})()
+
+    def succeed(self):
+        self.ended = "succeeded"
+
+    def canceled(self):
+        self.ended = "canceled"
+
+    def abort(self):
+        self.ended = "aborted"
+
+
+def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from photon_ros.vision_actions import VisionActions
+
+    actions = VisionActions.__new__(VisionActions)          # its logic, without action servers
+    actions._cancels, actions._lock = {}, threading.Lock()
+    actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda: contextlib.nullcontext(True)))
+    seen = {}
+
+    def run(goal_handle, goal, result, cancel, find):
+        seen["canceled"] = cancel.is_set()
+        result.success = True        # a decode that finished anyway
+    actions.run = run
+    handle = _Handle(Find.Goal(task="point", prompt="cup", timeout_s=0.0))
+    actions.on_cancel(handle)        # before execute registered the goal: nothing to set yet
+    result = actions.execute(handle, find=True)
+    assert seen["canceled"] and handle.ended == "canceled" and not result.success and result.message == "canceled"
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e30, float("nan"), -1.0])
+def test_a_timeout_no_timer_can_take_is_refused(timeout_s):
+    from photon_ros.vision_actions import VisionActions
+
+    actions = VisionActions.__new__(VisionActions)
+    actions.node = None
+    assert "timeout_s" in actions.refusal("point", "cup", ("point",), timeout_s)

@@ -1,0 +1,108 @@
+"""The loop node's decisions about what it acts on (a real LoopNode; the action's futures and
+handles are stand-ins, to order their callbacks as a network may): only the newest command's
+result moves the robot, goals come only from positions in the robot's own frame, and a result
+from a frame taken before the last turn ended does not turn it again."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import rclpy
+from action_msgs.msg import GoalStatus
+from builtin_interfaces.msg import Time
+from geometry_msgs.msg import Point
+from rclpy.parameter import Parameter
+from std_msgs.msg import Header
+
+from photon_ros.action import Find
+from photon_ros.commands import VisionRequest
+from photon_ros.loop_node import LoopNode
+from photon_ros.msg import ImagePoint, Object3D
+
+
+@pytest.fixture
+def loop():
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    node = LoopNode(context=ctx, parameter_overrides=[Parameter("publish_goal", value=True),
+                                                      Parameter("max_turn_s", value=0.2)])
+    said: list[str] = []
+    node.say = said.append          # what it would put on status
+    node.said = said
+    yield node
+    node.destroy_node()
+    rclpy.shutdown(context=ctx)
+
+
+class Handle:
+    def __init__(self, accepted=True):
+        self.accepted, self.canceled = accepted, False
+
+    def cancel_goal_async(self):
+        self.canceled = True
+
+    def get_result_async(self):
+        return SimpleNamespace(add_done_callback=lambda cb: None)
+
+
+def done(value):
+    return SimpleNamespace(result=lambda: value)
+
+
+def found(stamp: Time, frame: str = "camera_color_optical_frame", placed_frame: str | None = None) -> SimpleNamespace:
+    """A find result: a point right of the image centre, placed in 3D in `placed_frame` if given."""
+    r = Find.Result(success=True)
+    r.points.header = Header(stamp=stamp, frame_id=frame)
+    r.points.image_width, r.points.image_height = 640, 480
+    r.points.points = [ImagePoint(x=0.8, y=0.5, x_px=512.0, y_px=240.0)]
+    if placed_frame is not None:
+        r.objects_3d.header = Header(stamp=stamp, frame_id=placed_frame)
+        r.objects_3d.task = "point"
+        r.objects_3d.objects = [Object3D(has_position=True)]
+        r.objects_3d.objects[0].pose.position = Point(x=2.0, y=-0.5, z=0.0)
+    return SimpleNamespace(status=GoalStatus.STATUS_SUCCEEDED, result=r)
+
+
+def now(node) -> Time:
+    return node.get_clock().now().to_msg()
+
+
+POINT = VisionRequest("point", "red cup")
+
+
+def test_only_the_newest_commands_result_is_acted_on(loop):
+    loop.command = 2                                       # a second command came meanwhile
+    late = Handle()
+    loop.on_accepted(POINT, done(late), command=1)         # the first one's acceptance, late
+    assert late.canceled and loop.goal is None
+    loop.on_result(POINT, done(found(now(loop))), late, command=1)   # its result, succeeded anyway
+    assert not any("found" in s for s in loop.said) and not loop.turns.active
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=2)
+    assert any("found red cup" in s for s in loop.said) and loop.turns.active
+
+
+@pytest.mark.parametrize("frame, goal", [("base_link", True), ("camera_color_optical_frame", False),
+                                         ("map", False), ("", False)])
+def test_goals_only_from_positions_in_the_robots_frame(loop, frame, goal):
+    loop.command = 1
+    sent = []
+    loop.pub_goal.publish = sent.append
+    loop.on_result(POINT, done(found(now(loop), frame="", placed_frame=frame)), Handle(), command=1)
+    assert bool(sent) == goal, loop.said
+    if not goal:
+        assert any("no goal" in s and "not the robot's frame 'base_link'" in s for s in loop.said)
+
+
+def test_a_frame_taken_before_the_last_turn_ended_does_not_turn_the_robot_again(loop):
+    loop.command = 1
+    before = now(loop)
+    loop.on_result(POINT, done(found(before)), Handle(), command=1)
+    assert loop.turns.active                               # the first result turns
+    loop.command = 2
+    loop.on_result(POINT, done(found(before)), Handle(), command=2)   # a frame from before that turn
+    assert any("before the last turn ended" in s for s in loop.said)
+    later = loop.get_clock().now() + rclpy.duration.Duration(seconds=1.0)
+    loop.command = 3
+    loop.said.clear()
+    loop.on_result(POINT, done(found(later.to_msg())), Handle(), command=3)
+    assert any("found red cup" in s for s in loop.said) and not any("before the last turn" in s for s in loop.said)
