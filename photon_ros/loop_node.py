@@ -211,7 +211,11 @@ class LoopNode(Node):
             heading = (math.atan2(-p.x, p.z) if optical
                        else bearing(target.x, math.radians(self.params["horizontal_fov_deg"])))
             if self.params["publish_goal"]:
-                found += "; " + self.send_goal(response.objects_3d.header, p)
+                sent, said = self.send_goal(response.objects_3d.header, p)
+                if sent:   # the planner's controller drives cmd_vel now: a turn of ours would fight it
+                    self.say(f"{found}; {said}; no turn of ours")
+                    return
+                found += "; " + said
         if not self.params["turn"]:
             self.say(f"{found}; turning is off")
             return
@@ -234,22 +238,22 @@ class LoopNode(Node):
         return (f"its frame was captured {(self.still_since - captured).nanoseconds / 1e9:.1f} s before the "
                 "last turn ended")
 
-    def send_goal(self, header, position) -> str:
+    def send_goal(self, header, position) -> tuple[bool, str]:
         """A planner goal `goal_standoff_m` short of the object, facing it, on goal_pose; what was
-        done, for status. The goal is placed from the frame's origin, so the frame must be the
+        done (whether a goal went out, and what to say). The goal is placed from the frame's origin, so the frame must be the
         robot's (`robot_frame`, the vision node's target_frame): nav2 transforms it from there."""
         if header.frame_id != self.params["robot_frame"] or not header.frame_id:
-            return (f"no goal: positions are in {header.frame_id or 'an unnamed frame'!r}, not the robot's frame "
-                    f"{self.params['robot_frame']!r} (set the vision node's target_frame to it)")
+            return False, (f"no goal: positions are in {header.frame_id or 'an unnamed frame'!r}, not the robot's "
+                           f"frame {self.params['robot_frame']!r} (set the vision node's target_frame to it)")
         goal = approach_goal(position.x, position.y, self.params["goal_standoff_m"])
         if goal is None:
-            return f"no goal: already within {self.params['goal_standoff_m']:g} m"
+            return False, f"no goal: already within {self.params['goal_standoff_m']:g} m"
         x, y, yaw = goal
         msg = PoseStamped(header=header)
         msg.pose.position.x, msg.pose.position.y = x, y
         msg.pose.orientation.z, msg.pose.orientation.w = math.sin(yaw / 2), math.cos(yaw / 2)
         self.pub_goal.publish(msg)
-        return f"goal ({x:.2f}, {y:.2f}) m in {header.frame_id} on goal_pose"
+        return True, f"goal ({x:.2f}, {y:.2f}) m in {header.frame_id} on goal_pose"
 
     def destroy_node(self) -> None:
         if self.turns.active:   # a turn in progress ends here, not when the base's timeout (if any) fires

@@ -89,6 +89,7 @@ def test_goals_only_from_positions_in_the_robots_frame(loop, frame, goal):
     loop.pub_goal.publish = sent.append
     loop.on_result(POINT, done(found(now(loop), frame="", placed_frame=frame)), Handle(), command=1)
     assert bool(sent) == goal, loop.said
+    assert loop.turns.active != goal        # a goal: the planner drives, no turn of ours fights it
     if not goal:
         assert any("no goal" in s and "not the robot's frame 'base_link'" in s for s in loop.said)
 
