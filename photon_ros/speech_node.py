@@ -213,6 +213,8 @@ class SpeechNode(ManagedNode):
         language the loaded model cannot transcribe in (English-only Whisper and "de", say),
         which would make every transcription fail."""
         language, check = values["language"] or None, getattr(self.model, "check_language", None)
+        if check is not None and values["model"] != self.model_name:
+            check = None   # another model from the next configure: its warm-up checks the language
         if (reason := check_vad(values)) or check is None:
             return reason
         try:

@@ -173,9 +173,10 @@ class SpeechSegmenter:
         in progress ends, incomplete with `note`, and speech that follows continues it: incomplete
         too, until a pause of hangover_s (a stalled driver's backlog is the rest of that speech).
         The time without chunks is not lost audio: the next chunk's stamp restarts the clock."""
-        cut = self.flush(note)
+        speaking = self._in_speech
+        cut = self.flush(note)        # None also where the part was too short to keep
         self._restart_stream()
-        if cut is not None:
+        if speaking:
             self._after_gap = "continues speech cut when the audio stream stopped"
         return cut
 

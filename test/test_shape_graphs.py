@@ -156,3 +156,25 @@ def test_a_tuple_of_outputs_each_the_callers_own():
     assert torch.equal(k, x * 2) and torch.equal(v, x - 1) and sg.shapes() == 1
     k2, v2 = sg(y)
     assert torch.equal(k2, y * 2) and torch.equal(v2, y - 1) and torch.equal(k, x * 2) and len(captures) == 1
+
+
+def test_a_check_that_fails_leaves_the_shape_eager(caplog):
+    # Out of memory while the replay is checked, say: the error reaches the caller, and the graph,
+    # never checked, is never replayed.
+    enc = Encoder()
+    calls = {"n": 0}
+    base = enc.__call__
+
+    def flaky(x):
+        calls["n"] += 1
+        if calls["n"] == 3:            # eager measured, captured, then the check's eager call
+            raise RuntimeError("CUDA out of memory")
+        return base(x)
+
+    sg, captures = graphs(flaky, 2.0, 1.0, capture=FrozenGraph)
+    x = torch.randn(5)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sg(x)
+    assert sg.shapes() == 0
+    y = torch.randn(5)
+    assert torch.equal(sg(y), y * 2 + 1) and len(captures) == 1

@@ -107,5 +107,8 @@ def test_a_language_the_model_cannot_take_is_refused_and_failing_transcriptions_
         assert node.run_model(Utterance(np.zeros(16000, np.float32), 16000, 110.0))[0] is not None
         statuses.clear()
         assert wait_for(lambda: last() is not None and last().level == DiagnosticStatus.OK, timeout=10)
+        # another model from the next configure: its language is its warm-up's to check, not tiny.en's
+        assert node.set_parameters([Parameter("model", value="openai/whisper-small")])[0].successful
+        assert node.set_parameters([Parameter("language", value="de")])[0].successful
     finally:
         graph.close()

@@ -260,6 +260,19 @@ def test_speech_after_a_stalled_stream_is_the_incomplete_rest_of_it():
     assert len(out) == 1 and out[0].complete and out[0].note == ""
 
 
+def test_speech_after_a_stop_too_short_to_keep_is_still_incomplete():
+    # The stream stalls right after speech began (a quarter second: no utterance to publish), then
+    # its backlog comes: still the rest of a command whose start is gone.
+    audio, rate = sentence_with_silence("Bring me the red cup from the kitchen and put it on the table.")
+    lo = speech_bounds(audio, rate)[0]
+    cut_at = int((lo + 0.25) * rate) // 160 * 160
+    segmenter = SpeechSegmenter(rate, SegmenterConfig(preroll_s=0.0))
+    push_all(segmenter, audio[:cut_at], rate, 160, lambda k, i: 100.0 + i / rate)
+    assert segmenter.in_speech and segmenter.stream_stopped("stopped") is None
+    out = push_all(segmenter, audio[cut_at:], rate, 1600, lambda k, i: 100.0 + (cut_at + i) / rate)
+    assert out and not out[0].complete and "cut when the audio stream stopped" in out[0].note
+
+
 def test_a_stream_that_stops_and_restarts_later_lost_nothing():
     # Push-to-talk, or a VAD-gated driver: silence, nothing for a minute, then a command.
     audio, rate = sentence_with_silence()

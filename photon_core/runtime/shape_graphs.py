@@ -80,9 +80,17 @@ class ShapeGraphs:
             new = key not in self._choices.chosen
             out = self._choices.run(key, {"eager": lambda: self.fn(*inputs),
                                           "graph": lambda: self._replay(key, inputs)}, True)
-            if new and self._choices.chosen.get(key) == "graph" and not self._replays_right(key, inputs):
-                self._choices.overrule(key, "eager")
-                out = self.fn(*inputs)
+            if new and self._choices.chosen.get(key) == "graph":
+                try:
+                    right = self._replays_right(key, inputs)
+                except BaseException:
+                    # unchecked (out of memory while checking, say): never replayed
+                    self._choices.overrule(key, "eager")
+                    self._graphs.pop(key, None)
+                    raise
+                if not right:
+                    self._choices.overrule(key, "eager")
+                    out = self.fn(*inputs)
             if self._choices.chosen.get(key) != "graph":
                 self._graphs.pop(key, None)      # measured slower (or its capture failed): memory back
             while len(self._graphs) > self.max_shapes:

@@ -112,6 +112,9 @@ class MoondreamModel:
     # as the public reference makes it (PIL's Lanczos-3, normalised through bfloat16).
     resampler: str = "pil"
     normalize_via: torch.dtype | None = torch.bfloat16
+    # Replay the image prefill from CUDA graphs (runtime/shape_graphs). Not where its layers make
+    # large transients a graph's pool would keep for good (Moondream 3's experts dequantised per call)
+    prefill_graphs: bool = True
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: MoondreamTokenizer,
                  ops: Any, device: torch.device, dtype: torch.dtype, model_id: str = "moondream2",
@@ -123,8 +126,10 @@ class MoondreamModel:
         self.region_w = self.region_impl.RegionWeights.from_state(state)
         # a camera's crops have one shape frame after frame: on a GPU, replayed from a graph where faster
         self.encode_crops = ShapeGraphs(f"{model_id} vision encoder", self._encode_crops)
-        # and the [BOS][image] prefix's prefill: 730 positions per image, whatever the image
-        self.prefill_images = ShapeGraphs(f"{model_id} image prefill", self._prefill_images)
+        # and the [BOS][image] prefix's prefill: 730 positions per image, whatever the image. Its
+        # graphs keep their caches (Moondream 2: ~144 MB an image in bf16): two image counts at most
+        self.prefill_images = (ShapeGraphs(f"{model_id} image prefill", self._prefill_images, max_shapes=2)
+                               if self.prefill_graphs else self._prefill_images)
         self.decode = None
         if getattr(ops, "COMPILES_STEPS", False):
             from photon_core.megakernel.compiler import Tiling

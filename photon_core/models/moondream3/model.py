@@ -100,6 +100,9 @@ class Moondream3Model(MoondreamModel):
     # kestrel bars no token while Moondream 3 reasons (its query skill's suppressed_token_ids are
     # Moondream 2's only): eos there ends the request (batch.py).
     reasoning_barred = ()
+    # its MoE layers' prefill dequantises experts per call: a graph's pool would keep the peak
+    # (~0.8 GB for a layer) for good, which memory.py counts as a request's transient
+    prefill_graphs = False
     # Crops as kestrel makes them (its image_crops.py / vision.py prepare_crops): the reference's
     # two Lanczos-3 resizes from the original (PIL's: kestrel's native resize is unlicensed, see
     # image_crops), normalised in the model's dtype.

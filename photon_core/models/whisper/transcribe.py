@@ -201,7 +201,7 @@ class WhisperSpeech:
         self.decoder = WindowDecoder(self.net, self.tokenizer, self.time_precision)
         self.decoder.threads = step_threads
         # every window is 30 s (or the fitted context): on a GPU, replayed from a graph where faster
-        self._encoder = ShapeGraphs(f"{model_id} encoder", self._encode)
+        self._encoder = ShapeGraphs(f"{model_id} encoder", self._encode, max_shapes=8)   # batches 1-8
 
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
