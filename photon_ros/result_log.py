@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from builtin_interfaces.msg import Duration, Time
-from geometry_msgs.msg import Twist
+from geometry_msgs.msg import PointStamped, PoseStamped, Twist
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
@@ -42,7 +42,9 @@ def role_outputs(role: str) -> list[Output]:
         "vision": [Output("detections", Detections, "frame"), Output("points", Points, "frame"),
                    Output("caption", VisionText, "frame")] + _detection2d_output(),
         "speech": [Output("transcript", Transcript, "utterance")],
-        "loop": [Output("image_target", ImageTarget, None), Output("cmd_vel", Twist, None),
+        # what a planner receives from the loop, all of it: where (image, metres), its goal, its motion
+        "loop": [Output("image_target", ImageTarget, None), Output("target", PointStamped, None),
+                 Output("goal_pose", PoseStamped, None), Output("cmd_vel", Twist, None),
                  Output("status", String, None)],
     }
     return outputs.get(role, [])

@@ -96,7 +96,7 @@ def test_evaluate_a_recorded_bag_through_the_whole_graph(tmp_path, storage, comp
     results = {}
     for m in read_messages(out / "results", list(bag_topics(out / "results"))):
         results.setdefault(m.topic.lstrip("/"), []).append(m.msg)
-    for topic in ("detections", "points", "caption", "transcript", "image_target", "cmd_vel", "status"):
+    for topic in ("detections", "points", "caption", "transcript", "image_target", "target", "goal_pose", "cmd_vel", "status"):
         rows = read_csv(out / f"{topic}.csv")
         assert len(rows) == len(results.get(topic, [])) == summary["results"][topic], topic
 
