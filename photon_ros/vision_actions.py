@@ -37,6 +37,7 @@ class VisionActions:
     def __init__(self, node: "VisionNode") -> None:
         self.node = node
         self._cancels: dict[bytes, threading.Event] = {}
+        self._early: set[bytes] = set()   # canceled before execute registered them
         self._lock = threading.Lock()
         group = ReentrantCallbackGroup()   # goals block while they decode: several at once
         self.servers = [
@@ -75,8 +76,11 @@ class VisionActions:
         return GoalResponse.ACCEPT
 
     def on_cancel(self, goal_handle) -> CancelResponse:
+        key = bytes(goal_handle.goal_id.uuid)
         with self._lock:
-            cancel = self._cancels.get(bytes(goal_handle.goal_id.uuid))
+            cancel = self._cancels.get(key)
+            if cancel is None:
+                self._early.add(key)   # execute has not begun: it sees this when it does
         if cancel is not None:
             cancel.set()
         return CancelResponse.ACCEPT
@@ -88,7 +92,9 @@ class VisionActions:
         key, cancel = bytes(goal_handle.goal_id.uuid), threading.Event()
         with self._lock:
             self._cancels[key] = cancel
-        if goal_handle.is_cancel_requested:   # canceled between its acceptance and now (on_cancel found no event)
+            early = key in self._early
+            self._early.discard(key)
+        if early or goal_handle.is_cancel_requested:   # canceled between its acceptance and now
             cancel.set()
         timer = threading.Timer(goal.timeout_s, cancel.set) if goal.timeout_s > 0 else None
         if timer is not None:

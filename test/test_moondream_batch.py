@@ -171,6 +171,30 @@ def test_a_batch_that_ends_the_batchers_thread_leaves_no_caller_waiting():
     assert not batcher._thread.is_alive()
     with pytest.raises(RuntimeError, match="released|closed"):
         batcher.submit([2])
+    # ... also where it happens while a failed batch's groups are retried one by one
+    def retried(items):
+        if len(items) > 1:
+            raise ValueError("one of these is bad")
+        if items == ["a"]:
+            raise SystemExit("a callback exited")
+        return items
+
+    batcher = Batcher(retried, threading.Lock(), max_batch=2, window_s=120)
+    outcome = {}
+
+    def ask(item):
+        try:
+            outcome[item] = batcher.submit([item])
+        except RuntimeError as err:
+            outcome[item] = err
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "a caller still waits"
+    assert all(isinstance(outcome[i], RuntimeError) and "stopped" in str(outcome[i]) for i in "ab")
 
 
 def test_a_released_engine_says_so():

@@ -131,7 +131,7 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
     from photon_ros.vision_actions import VisionActions
 
     actions = VisionActions.__new__(VisionActions)          # its logic, without action servers
-    actions._cancels, actions._lock = {}, threading.Lock()
+    actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
     actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda: contextlib.nullcontext(True)))
     seen = {}
 
@@ -143,6 +143,13 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
     actions.on_cancel(handle)        # before execute registered the goal: nothing to set yet
     result = actions.execute(handle, find=True)
     assert seen["canceled"] and handle.ended == "canceled" and not result.success and result.message == "canceled"
+    # rclpy marks the goal CANCELING only after on_cancel returns: execute may not see it yet
+    handle = _Handle(Find.Goal(task="point", prompt="cup", timeout_s=0.0))
+    handle.is_cancel_requested = False
+    actions.on_cancel(handle)
+    seen.clear()
+    actions.execute(handle, find=True)
+    assert seen["canceled"] and not actions._early
 
 
 @pytest.mark.parametrize("timeout_s", [float("inf"), 1e30, float("nan"), -1.0])

@@ -14,6 +14,13 @@ from concurrent.futures import Future
 from typing import Callable
 
 
+def _stopped(groups: list[tuple[list, Future]], err: BaseException) -> None:
+    """The callers of `groups` not yet answered hear that the batcher's thread stops."""
+    for _, future in groups:
+        if not future.done():
+            future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__}: {err})"))
+
+
 class Batcher:
     def __init__(self, run_many: Callable[[list], list] | None, lock: threading.Lock, max_batch: int = 8,
                  window_s: float = 0.005) -> None:
@@ -91,17 +98,19 @@ class Batcher:
                 # Sliced by position, a short list would hand one caller (camera) another's results.
                 raise RuntimeError(f"the model returned {len(results)} results for {len(items)} requests")
         except BaseException as err:  # noqa: BLE001 - handed to the callers
-            if not isinstance(err, Exception):   # SystemExit, KeyboardInterrupt: this batch's callers
-                for _, future in groups:          # are told, and the thread stops (_run)
-                    if not future.done():
-                        future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__})"))
+            if not isinstance(err, Exception):   # SystemExit, KeyboardInterrupt: the thread stops (_run)
+                _stopped(groups, err)
                 raise
             if len(groups) == 1:
                 groups[0][1].set_exception(err)
             else:
                 # Find whose request failed: each group alone, so the others still get results.
-                for group in groups:
-                    self._serve([group])
+                try:
+                    for group in groups:
+                        self._serve([group])
+                except BaseException as stop:   # one group's retry stopped the thread: tell the rest
+                    _stopped(groups, stop)
+                    raise
             return
         self.sizes.append(len(items))
         start = 0

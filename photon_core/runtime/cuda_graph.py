@@ -11,9 +11,9 @@ the capture refuses), its exit raises from capture_end before it restores the ca
 and the caching allocator is left routing that stream's allocations to the graph's pool, after
 which every empty_cache (and with it every later torch.cuda.graph) fails an internal assert. So
 capture() drives the capture itself and, on any failure, ends it, gives the allocator its state
-back (as far as torch lets a caller) and re-raises. Captures are serialised process-wide, each on a stream of its own: two
-threads capturing at once (a node's decode rounds and an encoder's graph) would otherwise share
-torch's one capture stream.
+back (as far as torch lets a caller) and re-raises. Captures are serialised process-wide (two
+threads capturing at once, a node's decode rounds and an encoder's graph, would share the one
+capture stream).
 """
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ from typing import Any, Callable
 import torch
 
 _CAPTURING = threading.Lock()
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+# Failed captures' graph objects, kept: the allocators may still hold their routing to a pool
+# (pinned host memory's cannot be ended from Python), and its filter points at the graph
+_FAILED: list[torch.cuda.CUDAGraph] = []
 
 
 def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
@@ -45,11 +49,22 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     graph = torch.cuda.CUDAGraph()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     device = torch.cuda.current_device()
-    stream = torch.cuda.Stream()
     with _CAPTURING:
+        # as torch.cuda.graph: the cached blocks freed (a capture cannot release any), and one
+        # capture stream a device (the allocator reuses a pool's blocks on the stream they were
+        # made on: graphs sharing a pool share their temporaries only on one stream)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if device not in _STREAMS:
+            _STREAMS[device] = torch.cuda.Stream()
+        stream = _STREAMS[device]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode=errors)
+            try:
+                graph.capture_begin(pool=pool, capture_error_mode=errors)
+            except BaseException:
+                _abandon(graph, device, pool, end=False)
+                raise
             try:
                 out = fn()
             except BaseException:
@@ -69,6 +84,7 @@ def _abandon(graph: torch.cuda.CUDAGraph, device: int, pool: Any, end: bool) -> 
     invalidated capture ends it and raises), then the allocator's routing of this capture to the
     pool ended where capture_end did not get that far. The pool's hold for this graph is kept (a
     little memory): giving it back by hand could release it twice where the graph object does too."""
+    _FAILED.append(graph)
     if end:
         try:
             graph.capture_end()

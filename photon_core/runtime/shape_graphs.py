@@ -123,7 +123,11 @@ class ShapeGraphs:
             if self._pool is None:
                 self._pool = self._new_pool()
             static = [t.clone() for t in inputs]
-            graph, out = self._capture(lambda: self.fn(*static), self._pool)
+            try:
+                graph, out = self._capture(lambda: self.fn(*static), self._pool)
+            except BaseException:
+                self._pool = None   # a failed capture may leave routing to its pool: the next takes a new one
+                raise
             entry = self._graphs[key] = (graph, static, out)
         self._graphs.move_to_end(key)
         graph, static, out = entry

@@ -28,6 +28,7 @@ class SharedModel:
         self.holders = 0     # shared_engine/shared_model calls not yet released
         self.lock = threading.Lock()
         self._batcher: Batcher | None = None
+        self._making = threading.Lock()   # the batcher's creation against retire()
         self.family: Family | None = None   # the registry family, when loaded through shared_engine
 
     @property
@@ -35,7 +36,7 @@ class SharedModel:
         """A Batcher over the model's `batch` (requests -> results; made on first use)."""
         if self._batcher is None:
             from photon_core.runtime.batcher import Batcher
-            with self.lock:
+            with self._making:
                 if self.model is None:
                     raise RuntimeError("this engine was released (its batcher is closed)")
                 if self._batcher is None:
@@ -45,8 +46,8 @@ class SharedModel:
     def retire(self) -> None:
         """Let go of the model so its memory can be freed, even while someone still holds this
         object: the batcher serves what is queued, stops its thread and drops the model."""
-        with self.lock:   # a batcher made meanwhile would keep the model
-            self.model = None
+        with self._making:   # a batcher made meanwhile would keep the model (not the engine's lock:
+            self.model = None   # an inference in flight must not hold up a release)
         if self._batcher is not None:
             self._batcher.close()
 
