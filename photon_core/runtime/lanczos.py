@@ -78,13 +78,21 @@ def coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, n
     return first, count, weights
 
 
-def _pass(image: torch.Tensor, first: np.ndarray, weights: np.ndarray, axis: int) -> torch.Tensor:
-    """One axis's resample of uint8 image [H, W, 3] along `axis` (0: rows, 1: columns)."""
-    dev = image.device
-    out, ksize = weights.shape
-    n = image.shape[axis]
-    taps = torch.from_numpy(np.minimum(first[:, None] + np.arange(ksize), n - 1)).to(dev)   # [out, ksize]
-    w = torch.from_numpy(weights).to(dev)
+@functools.lru_cache(maxsize=64)
+def _taps(in_size: int, out_size: int, shift: int, n: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One axis's source index per output and tap ([out, ksize], the first index less `shift`,
+    clamped to the n rows or columns at hand: a clamped tap's weight is 0) and its weights, on
+    `device`: uploaded once per pair of sizes, not per frame."""
+    first, _, weights = coefficients(in_size, out_size)
+    taps = np.minimum(first[:, None] - shift + np.arange(weights.shape[1]), n - 1)
+    return torch.from_numpy(taps).to(device), torch.from_numpy(weights).to(device)
+
+
+def _pass(image: torch.Tensor, in_size: int, out_size: int, axis: int, shift: int = 0) -> torch.Tensor:
+    """One axis's resample (in_size -> out_size) of uint8 image [H, W, 3] along `axis` (0: rows,
+    1: columns); `shift`: the image starts that many rows into the axis's input."""
+    taps, w = _taps(in_size, out_size, shift, image.shape[axis], str(image.device))
+    out, ksize = w.shape
     other = image.shape[1 - axis]
     step = max(1, CHUNK_ELEMENTS // (out * ksize * 3))
     parts = []
@@ -112,19 +120,18 @@ def resize_lanczos3(image: torch.Tensor, height: int, width: int, order: str = "
     h, w = image.shape[:2]
     if (h, w) == (height, width):
         return image
-    v_first, v_count, v_weights = coefficients(h, height)
-    h_first, _, h_weights = coefficients(w, width)
     if order == "vh":
         if height != h:
-            image = _pass(image, v_first, v_weights, axis=0)
-        return _pass(image, h_first, h_weights, axis=1) if width != w else image
+            image = _pass(image, h, height, axis=0)
+        return _pass(image, w, width, axis=1) if width != w else image
+    top = 0
     if width != w:
         # only the rows the vertical pass reads, as PIL's horizontal pass
+        v_first, v_count, _ = coefficients(h, height)
         top, bottom = int(v_first[0]), int(v_first[-1] + v_count[-1])
-        image = _pass(image[top:bottom], h_first, h_weights, axis=1)
-        v_first = v_first - top
+        image = _pass(image[top:bottom], w, width, axis=1)
     if height != h:
-        image = _pass(image, v_first, v_weights, axis=0)
+        image = _pass(image, h, height, axis=0, shift=top)
     return image
 
 

@@ -123,49 +123,44 @@ def make_crops(image: np.ndarray, crop_size: int = 378, patch_size: int = 14, ov
     order, cut from the image resized to target_size. Both resizes start from `image` (see the
     module docstring for why, and for `resampler`). `device`: resize there with PIL's arithmetic
     (runtime/lanczos.py; the crops a tensor on it), None: with PIL on this CPU."""
-    if device is not None:
-        return _crops_on(torch.device(device), image, crop_size, patch_size, overlap_margin, max_crops, resampler)
     h, w = image.shape[:2]
     (rows, cols), (target_h, target_w) = target_size(h, w, crop_size, patch_size, overlap_margin, max_crops)
     window = crop_size - 2 * patch_size * overlap_margin
-    crops = np.empty((1 + rows * cols, crop_size, crop_size, 3), dtype=np.uint8)
-    if h * w >= _PARALLEL_MIN_PIXELS:
-        pending = _in_background(resize_lanczos3, image, crop_size, crop_size, resampler)
-        canvas = resize_lanczos3(image, target_h, target_w, resampler)
-        crops[0] = pending.result()
-    else:
-        canvas = resize_lanczos3(image, target_h, target_w, resampler)
-        crops[0] = resize_lanczos3(image, crop_size, crop_size, resampler)
-    for i in range(rows):
-        for j in range(cols):
-            y0, x0 = i * window, j * window
-            crops[1 + i * cols + j] = canvas[y0:y0 + crop_size, x0:x0 + crop_size]
-    return crops, (rows, cols)
-
-
-def _crops_on(device: torch.device, image: np.ndarray, crop_size: int, patch_size: int, overlap_margin: int,
-              max_crops: int, resampler: str) -> tuple[torch.Tensor, tuple[int, int]]:
-    """make_crops on `device`: the same bytes (a size pair whose pass order the installed Pillow
-    does not show, lanczos.pil_order None, is resized by PIL here and uploaded)."""
-    from photon_core.runtime import lanczos
-
-    if resampler not in RESAMPLERS:
-        raise ValueError(f"resampler must be one of {RESAMPLERS}, not {resampler!r}")
-    h, w = image.shape[:2]
-    (rows, cols), (target_h, target_w) = target_size(h, w, crop_size, patch_size, overlap_margin, max_crops)
-    window = crop_size - 2 * patch_size * overlap_margin
-    source = torch.from_numpy(np.ascontiguousarray(image)).to(device)
-
-    def resized(height: int, width: int) -> torch.Tensor:
-        order = lanczos.pil_order(h, w, height, width, str(device))
-        if order is None:
-            return torch.from_numpy(resize_lanczos3(image, height, width, resampler)).to(device)
-        return lanczos.resize_lanczos3(source, height, width, order)
-
-    canvas = resized(target_h, target_w)
+    resize = _pil_resizes if device is None else _device_resizes(torch.device(device))
+    canvas, whole = resize(image, (target_h, target_w), (crop_size, crop_size), resampler)
     tiles = [canvas[i * window:i * window + crop_size, j * window:j * window + crop_size]
              for i in range(rows) for j in range(cols)]
-    return torch.stack([resized(crop_size, crop_size), *tiles]), (rows, cols)
+    stack: Any = np.stack if device is None else torch.stack
+    return stack([whole, *tiles]), (rows, cols)
+
+
+def _pil_resizes(image: np.ndarray, canvas: tuple[int, int], whole: tuple[int, int], resampler: str
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The canvas and the global crop by PIL, on two threads for a large image."""
+    if image.shape[0] * image.shape[1] >= _PARALLEL_MIN_PIXELS:
+        pending = _in_background(resize_lanczos3, image, *whole, resampler)
+        return resize_lanczos3(image, *canvas, resampler), pending.result()
+    return resize_lanczos3(image, *canvas, resampler), resize_lanczos3(image, *whole, resampler)
+
+
+def _device_resizes(device: torch.device) -> Any:
+    """_pil_resizes' bytes on `device` (runtime/lanczos.py); a size pair whose pass order the
+    installed Pillow does not show (lanczos.pil_order None) is resized by PIL and uploaded."""
+    from photon_core.runtime import lanczos
+
+    def resizes(image: np.ndarray, canvas: tuple[int, int], whole: tuple[int, int], resampler: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if resampler not in RESAMPLERS:
+            raise ValueError(f"resampler must be one of {RESAMPLERS}, not {resampler!r}")
+        source = torch.from_numpy(np.ascontiguousarray(image)).to(device)
+
+        def resized(height: int, width: int) -> torch.Tensor:
+            order = lanczos.pil_order(*image.shape[:2], height, width, str(device))
+            if order is None:
+                return torch.from_numpy(resize_lanczos3(image, height, width, resampler)).to(device)
+            return lanczos.resize_lanczos3(source, height, width, order)
+        return resized(*canvas), resized(*whole)
+    return resizes
 
 
 def stacked(crops: list[np.ndarray | torch.Tensor], device: torch.device) -> np.ndarray | torch.Tensor:
