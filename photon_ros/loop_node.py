@@ -12,7 +12,8 @@ vision node has depth, and a bounded turn toward it.
                   node placed it in (its optical frame or target_frame), when it has one; without
                   depth, status says why there is none and nothing is published here
          goal_pose (geometry_msgs/PoseStamped, with `publish_goal`): a planner goal short of a
-                  target placed in the robot's frame, facing it
+                  target placed in the robot's frame, facing it; once one went out, no turn of
+                  ours (the planner's controller may still be driving cmd_vel)
          cmd_vel (geometry_msgs/Twist, when `turn` is on): a bounded turn that faces the target,
                   its angle from the 3D position in the optical frame or read off the image
                   through `horizontal_fov_deg`, at most `max_turn_s` long, streamed at 10 Hz and
@@ -27,7 +28,6 @@ import time
 from action_msgs.msg import GoalStatus
 from geometry_msgs.msg import PointStamped, PoseStamped, Twist
 from rclpy.action import ActionClient
-from rclpy.duration import Duration
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.time import Time
@@ -124,7 +124,8 @@ class LoopNode(Node):
         self.find = ActionClient(self, Find, "find")
         self.goal = None   # the find goal in progress
         self.command = 0   # the newest command's number: only its result is acted on
-        self.still_since = None   # rclpy Time the last turn ends: a frame taken before then is stale
+        self.still_since = None   # rclpy Time the last turn ended: a frame taken before then is stale
+        self.goal_sent = False    # a planner goal of ours went out: the planner may be driving since
         self.create_subscription(Transcript, "transcript", self.on_transcript, reliable)
 
     def say(self, text: str) -> None:
@@ -132,9 +133,14 @@ class LoopNode(Node):
         self.pub_status.publish(String(data=text))
 
     def send_turn(self) -> None:
+        was_turning = self.turns.active
         twist = self.turns.tick(time.monotonic())
         if twist is not None:
             self.pub_cmd.publish(twist)
+        if was_turning and not self.turns.active:
+            # when it really ended, on the clock the camera's stamps are compared with: a turn lasts
+            # wall seconds, which under sim time at another rate are not as many ROS seconds
+            self.still_since = self.get_clock().now()
 
     def on_transcript(self, msg: Transcript) -> None:
         if not msg.is_final:
@@ -219,17 +225,24 @@ class LoopNode(Node):
         if not self.params["turn"]:
             self.say(f"{found}; turning is off")
             return
+        if self.goal_sent:
+            # nothing here can cancel a goal published on goal_pose: its controller may still be
+            # driving cmd_vel, and a turn of ours would fight it
+            self.say(f"{found}; no turn: a planner goal sent earlier may still be driving the robot "
+                     "(cancel it in the planner, or run with publish_goal off)")
+            return
         p = self.params
         turn = plan_turn(heading, p["max_turn_rate"], p["max_turn_s"], math.radians(p["deadband_deg"]))
         if turn is not None:
             self.turns.start(turn, time.monotonic())
-            self.still_since = self.get_clock().now() + Duration(seconds=turn.duration)
             self.send_turn()
         self.say(f"{found}; {describe_turn(turn)}")
 
     def taken_before_last_turn(self, stamp) -> str:
         """Why a result from a frame captured at `stamp` must not move the robot ("" if it may):
         the camera turned since (or was turning), so the bearing it gives is not the robot's now."""
+        if self.turns.active:
+            return "its frame was captured before the last turn ended (the robot is still turning)"
         if self.still_since is None or (stamp.sec == 0 and stamp.nanosec == 0):
             return ""
         captured = Time.from_msg(stamp, clock_type=self.still_since.clock_type)
@@ -253,6 +266,7 @@ class LoopNode(Node):
         msg.pose.position.x, msg.pose.position.y = x, y
         msg.pose.orientation.z, msg.pose.orientation.w = math.sin(yaw / 2), math.cos(yaw / 2)
         self.pub_goal.publish(msg)
+        self.goal_sent = True
         return True, f"goal ({x:.2f}, {y:.2f}) m in {header.frame_id} on goal_pose"
 
     def destroy_node(self) -> None:

@@ -4,6 +4,7 @@ result moves the robot, goals come only from positions in the robot's own frame,
 from a frame taken before the last turn ended does not turn it again."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -94,16 +95,51 @@ def test_goals_only_from_positions_in_the_robots_frame(loop, frame, goal):
         assert any("no goal" in s and "not the robot's frame 'base_link'" in s for s in loop.said)
 
 
+def end_turn(loop) -> None:
+    """The turn's ticks until its zero Twist, as the node's 10 Hz timer would send them."""
+    while loop.turns.active:
+        time.sleep(0.05)
+        loop.send_turn()
+
+
 def test_a_frame_taken_before_the_last_turn_ended_does_not_turn_the_robot_again(loop):
     loop.command = 1
     before = now(loop)
     loop.on_result(POINT, done(found(before)), Handle(), command=1)
     assert loop.turns.active                               # the first result turns
     loop.command = 2
-    loop.on_result(POINT, done(found(before)), Handle(), command=2)   # a frame from before that turn
-    assert any("before the last turn ended" in s for s in loop.said)
-    later = loop.get_clock().now() + rclpy.duration.Duration(seconds=1.0)
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=2)   # a frame taken while turning
+    assert any("still turning" in s for s in loop.said)
+    end_turn(loop)
     loop.command = 3
+    loop.on_result(POINT, done(found(before)), Handle(), command=3)   # a frame from before that turn
+    assert any("before the last turn ended" in s for s in loop.said) and not loop.turns.active
+    loop.command = 4
     loop.said.clear()
-    loop.on_result(POINT, done(found(later.to_msg())), Handle(), command=3)
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=4)
     assert any("found red cup" in s for s in loop.said) and not any("before the last turn" in s for s in loop.said)
+    assert loop.turns.active
+
+
+def test_the_turns_end_is_taken_on_the_nodes_clock_when_it_ends(loop):
+    """Under sim time the clock may run at another rate than the turn's wall seconds: the end is
+    read off the node's clock when the zero Twist goes out, not predicted from the duration."""
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    assert loop.still_since is None and loop.turns.active
+    end_turn(loop)
+    after = loop.get_clock().now()
+    assert loop.still_since is not None and loop.still_since <= after
+    assert (after - loop.still_since).nanoseconds < 0.5e9
+
+
+def test_no_turn_of_ours_once_a_planner_goal_went_out(loop):
+    loop.command = 1
+    sent = []
+    loop.pub_goal.publish = sent.append
+    loop.on_result(POINT, done(found(now(loop), frame="", placed_frame="base_link")), Handle(), command=1)
+    assert sent and not loop.turns.active
+    loop.command = 2                                       # a later result without depth: a turn, once
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=2)
+    assert not loop.turns.active
+    assert any("planner goal sent earlier" in s for s in loop.said)
