@@ -53,6 +53,20 @@ def test_log_mel_content_equals_padded_version(speech):
         assert (full[:, :content.shape[-1]] - content).abs().max().item() < 1e-6
 
 
+def test_log_mel_runs_where_the_model_is(speech):
+    """A GPU model's features are computed on its device (the meta device stands in for one here:
+    every step of the STFT and the filterbank follows the audio there, nothing falls back to the
+    CPU's tensors); a CPU model's on the CPU, unchanged."""
+    from photon_core.runtime.audio_frontend import feature_device
+    x = fe.prepare_audio(*speech)
+    here = fe.log_mel_content(x, 128)
+    there = fe.log_mel_content(x, 128, device=torch.device("meta"))
+    assert there.device.type == "meta" and there.shape == here.shape
+    assert feature_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert feature_device(torch.device("cpu")) is None
+    assert torch.equal(fe.log_mel_content(x, 128, device=feature_device(torch.device("cpu"))), here)
+
+
 def test_resample_matches_reference_and_preserves_tone():
     t = np.arange(44100) / 44100
     tone = (0.5 * np.sin(2 * np.pi * 440 * t) * 32767).astype(np.int16)

@@ -17,9 +17,13 @@ MIN_SAMPLES = 8000   # the original library pads shorter clips to half a second
 __all__ = ["SAMPLE_RATE", "prepare_audio", "log_mel", "MIN_SAMPLES"]
 
 
-def log_mel(pcm: np.ndarray, n_mels: int, chunk_frames: int) -> tuple[torch.Tensor, int]:
-    """([n_mels, frames padded to a multiple of chunk_frames], valid frames) for 16 kHz audio."""
+def log_mel(pcm: np.ndarray, n_mels: int, chunk_frames: int,
+            device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+    """([n_mels, frames padded to a multiple of chunk_frames], valid frames) for 16 kHz audio,
+    computed on `device` (None: the CPU) and left there."""
     x = torch.as_tensor(pcm, dtype=torch.float32)
+    if device is not None:
+        x = x.to(device)
     if x.shape[-1] < MIN_SAMPLES:
         x = torch.nn.functional.pad(x, (0, MIN_SAMPLES - x.shape[-1]))
     mel = log_mel_spectrogram(x, n_mels)          # [n_mels, len // 160]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from photon_core.backends import reference
+from photon_core.runtime.audio_frontend import feature_device
 from photon_core.runtime.generate import greedy_tokens
 from photon_core.runtime.requests import TranscribeRequest
 from photon_core.weights.tensor_files import parse_dtype
@@ -71,7 +72,7 @@ class Qwen3ASRSpeech:
     def features(self, pcm: np.ndarray) -> tuple[torch.Tensor, int]:
         """16 kHz float audio -> (log-mel [n_mels, frames padded to chunks], valid frames)."""
         a = self.config.audio
-        return log_mel(pcm, a.n_mels, a.chunk_frames)
+        return log_mel(pcm, a.n_mels, a.chunk_frames, feature_device(self.device))
 
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor, frames: int) -> torch.Tensor:

@@ -22,18 +22,19 @@ N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE    # 480000 samples in a 30 s window
 N_FRAMES = N_SAMPLES // HOP_LENGTH         # 3000 mel frames in a 30 s window
 
 
-def log_mel_content(audio: np.ndarray | torch.Tensor, n_mels: int = 80) -> torch.Tensor:
+def log_mel_content(audio: np.ndarray | torch.Tensor, n_mels: int = 80,
+                    device: torch.device | None = None) -> torch.Tensor:
     """The first len(audio) // 160 frames of `log_mel_spectrogram(audio, padding=N_SAMPLES)`
     (the frames openai-whisper's transcribe reads), without transforming 30 s of zeros.
 
     Exact because every frame whose 400-sample window touches audio is computed here on the same
     samples (enough zero padding for the window and for the end's reflect padding), and all other
     frames of the 30 s-padded version are windows of zeros, at the clamp value -10, which can only
-    tie the global max used by the floor.
+    tie the global max used by the floor. Computed on `device` (None: where the audio is).
     """
     x = torch.as_tensor(audio, dtype=torch.float32)
     n_frames = x.shape[-1] // HOP_LENGTH
-    return log_mel_spectrogram(x, n_mels, padding=N_FFT + HOP_LENGTH)[:, :n_frames]
+    return log_mel_spectrogram(x, n_mels, padding=N_FFT + HOP_LENGTH, device=device)[:, :n_frames]
 
 
 def pad_or_trim(x: torch.Tensor, length: int, dim: int = -1) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from photon_core.audio_io import AudioStream
 from photon_core.backends import reference
+from photon_core.runtime.audio_frontend import feature_device
 from photon_core.runtime.requests import TranscribeRequest
 from photon_core.runtime.shape_graphs import ShapeGraphs
 from photon_core.runtime.thread_tuner import ThreadTuner
@@ -381,7 +382,9 @@ class WhisperSpeech:
         opts = self._options(language, timestamps, initial_prompt, beam_size, temperature,
                              condition_on_previous_text, longform_options)
         pcm = prepare_audio(audio, sample_rate)
-        return pcm, log_mel_content(pcm, self.dims.n_mels), opts
+        # on a GPU the STFT runs there; the long-form loop reads the frames on the CPU
+        mel = log_mel_content(pcm, self.dims.n_mels, feature_device(self.device)).cpu()
+        return pcm, mel, opts
 
     def _options(self, language: str | None, timestamps: bool, initial_prompt: str | None,
                  beam_size: int, temperature: float | Sequence[float], condition_on_previous_text: bool,
