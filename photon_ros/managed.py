@@ -247,10 +247,12 @@ class ManagedNode(LifecycleNode):
         raise NotImplementedError(f"{type(self).__name__} must define work()")
 
 
-def health(state: str, loading: bool, model_error: str | None, received: int, inputs: str) -> tuple[bytes, str]:
+def health(state: str, loading: bool, model_error: str | None, received: int, inputs: str,
+           silent_s: float | None = None, timeout_s: float = 0.0) -> tuple[bytes, str]:
     """The /diagnostics level and message of a node in lifecycle `state` that takes `inputs`
     ("images", "audio"). Not processing by a manager's choice (unconfigured, inactive) is OK, not
-    a warning."""
+    a warning. `silent_s`: seconds since the last input arrived (None: none yet); beyond
+    `timeout_s` (0: never) a source that stopped is a warning, not "running"."""
     from diagnostic_msgs.msg import DiagnosticStatus
 
     if model_error:
@@ -265,6 +267,8 @@ def health(state: str, loading: bool, model_error: str | None, received: int, in
         return DiagnosticStatus.OK, state
     if received == 0:
         return DiagnosticStatus.WARN, f"no {inputs} received"
+    if timeout_s > 0 and silent_s is not None and silent_s > timeout_s:
+        return DiagnosticStatus.WARN, f"no {inputs} for {silent_s:.0f} s: has the source stopped?"
     return DiagnosticStatus.OK, "running"
 
 

@@ -2,6 +2,8 @@
 
 Optional: needs `pip install sounddevice` and the PortAudio library (`apt install libportaudio2`).
 Without them, or without an input device, it says so and exits instead of publishing nothing.
+A device that stops delivering later is reopened until it delivers again; /diagnostics says so,
+and counts the audio lost in the driver (overflows) and in a stalled executor.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 import numpy as np
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from std_msgs.msg import Header
 
 from photon_ros.params import NodeParams, Param
@@ -32,24 +35,39 @@ def open_sounddevice():
 class SampleClock:
     """Capture stamps counted in samples, so consecutive blocks join exactly (the speech node reads
     a jump as lost audio), slewed toward the wall clock by at most `slew` of each block so the
-    sound card's drift never builds up; a driver overflow (samples lost) re-anchors at once."""
+    sound card's drift never builds up. Audio lost in the driver re-anchors the count on the wall
+    clock, so the loss shows as a jump: at once where the driver says so (an overflow), and where it
+    does not (a sound server's overrun), once the wall clock has stayed more than `jump_s` off the
+    count for `persist_s` (late callbacks that catch up in a burst come back within that time)."""
 
-    def __init__(self, rate: int, slew: float = 0.01) -> None:
+    def __init__(self, rate: int, slew: float = 0.01, jump_s: float = 0.2, persist_s: float = 0.15) -> None:
         self.rate = rate
         self.slew = slew
+        self.jump_s, self.persist_s = jump_s, persist_s
         self.next: float | None = None   # stamp of the next block's first sample
+        self.off_since: float | None = None   # when the wall clock left the count by > jump_s
 
     def stamp(self, frames: int, now: float, overflow: bool = False) -> float:
         """Stamp of a block of `frames` samples whose last sample was captured about `now`."""
         duration = frames / self.rate
         wall = now - duration
-        if self.next is None or overflow:
+        if self.next is None or overflow or self._lost(wall, now):
             start = wall
+            self.off_since = None
         else:
             limit = self.slew * duration
             start = self.next + min(max(wall - self.next, -limit), limit)
         self.next = start + duration
         return start
+
+    def _lost(self, wall: float, now: float) -> bool:
+        assert self.next is not None
+        if abs(wall - self.next) <= self.jump_s:
+            self.off_since = None
+            return False
+        if self.off_since is None:
+            self.off_since = now
+        return now - self.off_since >= self.persist_s
 
 
 # All read once, when the audio stream opens.
@@ -59,6 +77,8 @@ MICROPHONE_PARAMS = [
     Param("channels", 1, "channels to capture (interleaved in each chunk)", low=1, high=64, applies="restart"),
     Param("frame_id", "microphone", "frame id of the audio chunks", applies="restart"),
     Param("chunk_ms", 100.0, "milliseconds of audio per chunk", low=1.0, high=1000.0, applies="restart"),
+    Param("stall_s", 2.0, "no audio from the device for this long: the stream is reopened (a USB microphone "
+          "unplugged and back, a sound server restarted) and /diagnostics says so", positive=True, applies="restart"),
 ]
 
 
@@ -67,29 +87,44 @@ class MicrophoneNode(Node):
         super().__init__("microphone", **kwargs)
         p = NodeParams(self, MICROPHONE_PARAMS)
         device = p["device"] or None         # name or index; default input when empty
-        self.rate, channels, self.frame_id = p["sample_rate"], p["channels"], p["frame_id"]
-        block = max(1, int(self.rate * p["chunk_ms"] / 1000))
-        sd = open_sounddevice()
-        if device is not None and str(device).isdigit():
-            device = int(device)
+        self.rate, self.channels, self.frame_id = p["sample_rate"], p["channels"], p["frame_id"]
+        self.block = max(1, int(self.rate * p["chunk_ms"] / 1000))
+        self.stall_s = max(p["stall_s"], 3 * self.block / self.rate)
+        self.sd = open_sounddevice()
+        self.device = int(device) if device is not None and str(device).isdigit() else device
         self.blocks: queue.Queue = queue.Queue(maxsize=100)
         self.clock = SampleClock(self.rate)
+        self.overflows = self.dropped = self.reopened = 0
+        self.lost_seen = 0   # overflows + dropped at the last diagnostics
+        self.stalled = ""   # why no audio comes now ("" while it does)
         self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
             depth=100, reliability=ReliabilityPolicy.RELIABLE))
-        # PortAudio calls back on its own thread; hand blocks over, publish from the executor.
-        self.stream = sd.InputStream(samplerate=self.rate, channels=channels, dtype="int16",
-                                     blocksize=block, device=device, callback=self.on_block)
-        self.stream.start()
-        self.create_timer(block / self.rate / 2, self.publish_pending)
+        self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
+            depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self.stream = self.open_stream()   # a device that cannot open now: the node exits with why
+        self.last_block = time.monotonic()
+        self.create_timer(self.block / self.rate / 2, self.publish_pending)
+        self.create_timer(0.5, self.watch)
+        self.create_timer(1.0, self.publish_diagnostics)
         self.get_logger().info(f"capturing {self.stream.device} at {self.rate} Hz")
 
+    def open_stream(self):
+        # PortAudio calls back on its own thread; blocks are handed over and published from the executor
+        stream = self.sd.InputStream(samplerate=self.rate, channels=self.channels, dtype="int16",
+                                     blocksize=self.block, device=self.device, callback=self.on_block)
+        stream.start()
+        return stream
+
     def on_block(self, data: np.ndarray, frames: int, time_info, status) -> None:
-        captured = self.clock.stamp(frames, time.time(), overflow=bool(status and status.input_overflow))
+        overflow = bool(status and status.input_overflow)
+        self.overflows += overflow
+        self.last_block = time.monotonic()
+        captured = self.clock.stamp(frames, time.time(), overflow=overflow)
         try:
             self.blocks.put_nowait((data.copy(), captured))
         except queue.Full:
-            pass  # the executor is stalled; losing audio beats blocking the audio thread (the
-            #       stamps of the next blocks still count these samples: the gap shows downstream)
+            self.dropped += 1   # the executor is stalled; losing audio beats blocking the audio
+            #                     thread (the next blocks' stamps still count these samples: the gap shows)
 
     def publish_pending(self) -> None:
         while not self.blocks.empty():
@@ -97,9 +132,55 @@ class MicrophoneNode(Node):
             header = Header(stamp=seconds_to_time(captured), frame_id=self.frame_id)
             self.publisher.publish(pcm_to_audio_chunk(data, self.rate, AudioChunk.FORMAT_S16LE, header))
 
+    def watch(self) -> None:
+        """A device that stops calling back (unplugged, its server gone, a driver error) is
+        reopened every stall_s until it delivers again: a microphone that went quiet for good
+        must not leave the robot deaf while everything looks fine."""
+        silent = time.monotonic() - self.last_block
+        if silent < self.stall_s:
+            if self.stalled:
+                self.get_logger().info("audio is coming again")
+                self.stalled = ""
+            return
+        self.stalled = f"no audio from {self.device or 'the default input'} for {silent:.1f} s"
+        self.get_logger().error(f"{self.stalled}: reopening the stream", throttle_duration_sec=10.0)
+        try:
+            self.stream.close()
+        except Exception:  # noqa: BLE001 - a dead stream may not close cleanly; a new one is what matters
+            pass
+        try:
+            self.clock.next = None   # a new stream: its first block re-anchors (the stall shows as a jump)
+            self.stream = self.open_stream()
+            self.reopened += 1
+        except Exception as err:  # noqa: BLE001 - the device may be absent for now: tried again later
+            self.stalled += f" (reopening failed: {err})"
+        self.last_block = time.monotonic()   # the next try after another stall_s
+
+    def publish_diagnostics(self) -> None:
+        level, message = (DiagnosticStatus.ERROR, self.stalled) if self.stalled else (DiagnosticStatus.OK, "capturing")
+        lost = self.overflows + self.dropped
+        if lost > self.lost_seen:   # in the last second
+            self.get_logger().warning(f"audio lost: {self.overflows} driver overflow(s), {self.dropped} block(s) "
+                                      "dropped by a stalled executor so far", throttle_duration_sec=10.0)
+            if not self.stalled:
+                level, message = DiagnosticStatus.WARN, "capturing; audio was lost in the last second (see the counters)"
+        self.lost_seen = lost
+        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}", level=level,
+                                  message=message, hardware_id=str(self.device or "default input"))
+        values = {"sample_rate": str(self.rate), "channels": str(self.channels),
+                  "input_overflows": str(self.overflows), "blocks_dropped_queue_full": str(self.dropped),
+                  "stream_reopened": str(self.reopened)}
+        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
+        header = Header(stamp=self.get_clock().now().to_msg())
+        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+
     def destroy_node(self) -> None:
         if hasattr(self, "stream"):   # absent when the device failed to open in __init__
-            self.stream.close()
+            try:
+                self.stream.stop()     # its last callbacks have run when this returns
+            finally:
+                self.stream.close()
+            self.publish_pending()     # what was captured is sent, not lost at shutdown
         super().destroy_node()
 
 

@@ -43,6 +43,8 @@ def speech_params() -> list[Param]:
         Param("initial_prompt", "", "text given to the model before each utterance (names, jargon)"),
         Param("idle_flush_s", 0.8, "no audio for this long (and for two chunks' time) ends the utterance in progress "
               "(incomplete; speech after it continues that utterance, incomplete too)", positive=True),
+        Param("input_timeout_s", 5.0, "no audio for this long while active: /diagnostics warns that the source may have "
+              "stopped (a microphone driver that died, a cable); 0: never", low=0.0),
         Param("partial_interval_s", 0.5, "seconds of speech between partial transcripts; 0: none", low=0.0),
         Param("first_partial_s", 0.3, "seconds of speech before the first partial transcript", low=0.0),
         Param("speculate", True, "decode the final ahead while the hangover is waited for"),

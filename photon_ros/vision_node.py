@@ -145,6 +145,7 @@ class VisionNode(ManagedNode):
         self.apply_params(self.params.values)
 
         self.frames = LatestFrame()
+        self.last_frame_at: float | None = None   # monotonic arrival of the newest frame
         self.stats = RateStats()
         self.bad_frames = 0
         self.health = InputHealth()   # frames lost on the way, frames failing in a row
@@ -320,6 +321,7 @@ class VisionNode(ManagedNode):
 
     # --- input ----------------------------------------------------------------------------------
     def on_image(self, msg, info) -> None:
+        self.last_frame_at = time.monotonic()
         self.health.arrived(info)
         with self.activity.admitting() as admitted:
             if not admitted:
@@ -668,8 +670,9 @@ class VisionNode(ManagedNode):
         state = self.lifecycle_state()
         status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
                                   hardware_id=self.model_name)
+        silent = None if self.last_frame_at is None else time.monotonic() - self.last_frame_at
         status.level, status.message = health(state, self.loading, self.model_error, self.frames.received,
-                                              "images")
+                                              "images", silent, self.params["input_timeout_s"])
         failing = self.health.failing("frames")
         if failing and state == "active":
             status.level, status.message = DiagnosticStatus.ERROR, failing

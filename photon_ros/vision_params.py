@@ -35,6 +35,8 @@ def vision_params() -> list[Param]:
         Param("max_objects", 10, "most objects per prompt and frame", low=0),
         Param("publish_annotated", True, "publish image_annotated (drawn only while someone subscribes)"),
         Param("max_pixels", 64_000_000, "larger frames are refused before they are decoded", low=1),
+        Param("input_timeout_s", 5.0, "no frame for this long while active: /diagnostics warns that the camera may have "
+              "stopped; 0: never (a camera triggered now and then)", low=0.0),
         Param("max_frame_age_s", 5.0, "infer on the latest frame refuses one older than this; 0: any age", low=0.0),
         Param("use_depth", False, "also subscribe to `depth` (aligned to the colour image: 16UC1 mm or 32FC1 m) "
               "and `camera_info`, and publish detect / point results in metres on objects_3d",

@@ -51,7 +51,7 @@ def speech_node(graph, **params):
 def test_wav_publisher_to_transcript(graph):
     sentence = "Go to the kitchen and bring me a glass of water."
     received = listen(graph)
-    node = speech_node(graph)
+    node = speech_node(graph, input_timeout_s=30.0)
     started = time.time()
     player = graph.add(WavPublisher(context=graph.context, parameter_overrides=[
         Parameter("file", value=str(espeak_wav(sentence))), Parameter("speed", value=2.0),
@@ -82,6 +82,10 @@ def test_wav_publisher_to_transcript(graph):
     # (chunks published before DDS matched the player may be missed: at most every chunk arrives)
     assert last["lifecycle_state"] == "active" and 0 < int(last["chunks_received"]) <= len(player.chunks)
     assert last["transcripts_incomplete"] == "0" and last["audio_jumps"] == "0"
+    # The player has finished: a source that stopped is a warning once input_timeout_s has passed.
+    node.set_parameters([Parameter("input_timeout_s", value=1.0)])
+    assert wait_for(lambda: statuses[-1].level == DiagnosticStatus.WARN, timeout=10), statuses[-1]
+    assert "no audio for" in statuses[-1].message and "stopped" in statuses[-1].message
 
 
 def test_one_wav_replayed_20_times_gives_the_same_utterance_every_time(graph):

@@ -342,6 +342,12 @@ def test_diagnostics_count_frames_lost_on_the_way_and_say_when_every_frame_fails
     pub.publish(rgb_to_image(image(3, size=(24, 32)), "rgb8", header=header(400)))
     assert wait_for(lambda: any(d.header == header(400) for d in detections), timeout=60)
     assert wait_for(lambda: own()[-1].level == DiagnosticStatus.OK, timeout=10), own()[-1]
+    # The camera stops: once input_timeout_s has passed without a frame, a warning says so.
+    node.set_parameters([Parameter("input_timeout_s", value=1.0)])
+    assert wait_for(lambda: own()[-1].level == DiagnosticStatus.WARN, timeout=10), own()[-1]
+    assert "no images for" in own()[-1].message
+    pub.publish(rgb_to_image(image(3, size=(24, 32)), "rgb8", header=header(401)))
+    assert wait_for(lambda: own()[-1].level == DiagnosticStatus.OK, timeout=10), own()[-1]
 
 
 def camera_info(stamp_header, fx=100.0, width=128, height=96):
