@@ -7,7 +7,9 @@ package is imported only by `audio_common_types()`, so this module imports witho
 mgonzs13/audio_common: `AudioStamped` (header, `audio`) or `Audio` (`audio_data`, `info`). The
 format travels in every message: `info.format` is a PortAudio sample-format flag naming the one
 `audio_data` array that holds the interleaved samples; `info.channels` and `info.rate` the layout.
-Its capturer stamps a chunk when it has been read, i.e. at its last sample, not its first.
+Its capturer (audio_capturer_node, C++) stamps a chunk with its clock just before the blocking read
+that returns it: about its first sample, late by however long its loop was held up (the speech
+node counts such stamps in samples: sample_clock.ReadStamps).
 
 ros-drivers/audio_common (ros2): `AudioData` (`data`, raw bytes) or `AudioDataStamped` (header,
 `audio`). The format travels apart, as `AudioInfo` on its own topic: `AudioInfoFormat` keeps the

@@ -21,6 +21,7 @@ from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import seconds_to_time
+from photon_ros.sample_clock import SampleClock
 
 
 def open_sounddevice():
@@ -30,44 +31,6 @@ def open_sounddevice():
         raise RuntimeError(f"sounddevice is not usable ({err}): `pip install sounddevice` and "
                            "`apt install libportaudio2`, or play a file with wav_publisher") from None
     return sounddevice
-
-
-class SampleClock:
-    """Capture stamps counted in samples, so consecutive blocks join exactly (the speech node reads
-    a jump as lost audio), slewed toward the wall clock by at most `slew` of each block so the
-    sound card's drift never builds up. Audio lost in the driver re-anchors the count on the wall
-    clock, so the loss shows as a jump: at once where the driver says so (an overflow), and where it
-    does not (a sound server's overrun), once the wall clock has stayed more than `jump_s` off the
-    count for `persist_s` (late callbacks that catch up in a burst come back within that time)."""
-
-    def __init__(self, rate: int, slew: float = 0.01, jump_s: float = 0.2, persist_s: float = 0.15) -> None:
-        self.rate = rate
-        self.slew = slew
-        self.jump_s, self.persist_s = jump_s, persist_s
-        self.next: float | None = None   # stamp of the next block's first sample
-        self.off_since: float | None = None   # when the wall clock left the count by > jump_s
-
-    def stamp(self, frames: int, now: float, overflow: bool = False) -> float:
-        """Stamp of a block of `frames` samples whose last sample was captured about `now`."""
-        duration = frames / self.rate
-        wall = now - duration
-        if self.next is None or overflow or self._lost(wall, now):
-            start = wall
-            self.off_since = None
-        else:
-            limit = self.slew * duration
-            start = self.next + min(max(wall - self.next, -limit), limit)
-        self.next = start + duration
-        return start
-
-    def _lost(self, wall: float, now: float) -> bool:
-        assert self.next is not None
-        if abs(wall - self.next) <= self.jump_s:
-            self.off_since = None
-            return False
-        if self.off_since is None:
-            self.off_since = now
-        return now - self.off_since >= self.persist_s
 
 
 # All read once, when the audio stream opens.

@@ -74,6 +74,7 @@ from photon_ros.audio_common_conversions import (MGONZS13, ROS_DRIVERS, AudioInf
 from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, MAX_RATE, MIN_RATE, audio_common_input, check_vad,
                                       speech_params, vad_config)
 from photon_ros.speech_segmenter import SpeechSegmenter, Utterance
+from photon_ros.sample_clock import ReadStamps
 from photon_ros.stream_watch import StreamWatch
 from photon_ros.utterance_queue import Speculations, UtteranceQueue
 
@@ -162,6 +163,7 @@ class SpeechNode(ManagedNode):
         self.segmenter: SpeechSegmenter | None = None
         self.last_frame_id = self.params["frame_id"]
         self.watch = StreamWatch(self.params["idle_flush_s"])
+        self.read_stamps = ReadStamps(self.jump_tolerance)   # for a driver that stamps its reads
         self.skipped_chunks = 0
         self.health = InputHealth()     # chunks lost on the way, chunks failing in a row
         self.transcribing = InputHealth()   # transcriptions failing in a row, the last error
@@ -289,6 +291,7 @@ class SpeechNode(ManagedNode):
             in_progress = self.segmenter.current() if self.segmenter is not None else None
             self.segmenter = None
             self.watch = StreamWatch(self.params["idle_flush_s"])
+            self.read_stamps = ReadStamps(self.jump_tolerance)
             dropped = ([u for u in drain(self.queue) if u.final and not u.speculative]
                        + ([in_progress] if in_progress else []))
         if dropped:
@@ -349,7 +352,8 @@ class SpeechNode(ManagedNode):
             pcm = decoded.pcm
             start = time_to_seconds(decoded.stamp) if decoded.stamp is not None else 0.0
             if start > 0.0 and AUDIO_COMMON_INPUTS[self.params["input_type"]][1] == MGONZS13:
-                start -= pcm.samples.size / pcm.sample_rate   # its capturer stamps a chunk's last sample
+                # its capturer stamps a read as it starts: jitter counted away (sample_clock.ReadStamps)
+                start = self.read_stamps.stamp(start, pcm.samples.size, pcm.sample_rate)
             frame_id = self.params["frame_id"] or decoded.frame_id
         else:
             convert = int16_array_to_pcm if isinstance(msg, Int16MultiArray) else float32_array_to_pcm
@@ -362,6 +366,9 @@ class SpeechNode(ManagedNode):
         if not stamped:   # the chunk ended about now
             start = self.now_seconds() - pcm.samples.size / pcm.sample_rate
         return pcm, start, stamped, frame_id
+
+    def jump_tolerance(self, chunk_s: float) -> float:
+        return self.vad_config.jump_tolerance(chunk_s)
 
     def restart_segmenter(self, sample_rate: int) -> None:
         if self.segmenter is not None:
@@ -426,6 +433,7 @@ class SpeechNode(ManagedNode):
     def flush_if_idle(self) -> None:
         with self.lock:
             if self.watch.stopped(time.monotonic()) and self.segmenter is not None:
+                self.read_stamps = ReadStamps(self.jump_tolerance)   # a stream that comes back: counted anew
                 utterance = self.segmenter.stream_stopped(
                     f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
                 if utterance is not None:

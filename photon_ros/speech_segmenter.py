@@ -57,6 +57,11 @@ class SegmenterConfig:
     min_gap_s: float = 0.02          # ... and always this much (chunks of a few ms stamped on arrival)
     band_hz: tuple[float, float] | None = (250.0, 4000.0)   # None: the whole spectrum
 
+    def jump_tolerance(self, chunk_s: float) -> float:
+        """How far a chunk's stamp may be from where the last one ended before it is lost (or out
+        of order) audio: one lost chunk moves the stamps by one chunk, as long as those the stream
+        has been sending, so less than half of the last one, but at least min_gap_s of jitter."""
+        return min(self.max_gap_s, max(self.min_gap_s, 0.5 * chunk_s))
 
     def check(self) -> None:
         """ValueError naming the first setting out of its range (a node checks at startup)."""
@@ -142,10 +147,7 @@ class SpeechSegmenter:
         chunk_s = samples.size / self.sample_rate
         if stamped and self.last_time is not None:
             jump = start_time - self.last_time
-            # One lost chunk moves the stamps by one chunk, as long as those the stream has been
-            # sending: tolerate less than half of the last one, but at least min_gap_s of jitter.
-            tolerance = max(self.config.min_gap_s, 0.5 * self._chunk_s)
-            if abs(jump) > min(self.config.max_gap_s, tolerance):
+            if abs(jump) > self.config.jump_tolerance(self._chunk_s):
                 done += self._discontinuity(jump)
         self._chunk_s = chunk_s
         if self._pending.size == 0:

@@ -2,7 +2,7 @@
 drift never builds up, and audio lost in the driver shows as a jump the speech node can see."""
 import numpy as np
 
-from photon_ros.microphone_node import SampleClock
+from photon_ros.sample_clock import SampleClock
 
 
 def test_blocks_join_exactly_despite_callback_jitter():
@@ -55,3 +55,46 @@ def test_late_callbacks_that_catch_up_in_a_burst_are_not_a_loss():
         at = max(now + late, 1000.0 + 0.1 * 7 + 0.3) if k in (4, 5, 6) else now
         stamps.append(clock.stamp(frames, at))
     assert np.all(np.abs(np.diff(stamps) - 0.1) <= 0.0011)   # joined: nothing was lost
+
+
+def mgonzs13_reads(audio: np.ndarray, rate: int, chunk: int, late: dict[int, float], lost: set[int] = frozenset()):
+    """(stamp, samples) of mgonzs13's capturer: `now()` then a blocking read of `chunk` samples; the
+    loop held up `late[k]` s before read k (PortAudio keeps the samples meanwhile); chunks in `lost`
+    overrun the driver's buffer (their samples never come, the clock goes on)."""
+    t_end, out, t0 = 1000.0, [], 1000.0
+    for k in range(len(audio) // chunk):
+        stamp = t_end + late.get(k, 0.0)
+        t_end = max(stamp, t0 + (k + 1) * chunk / rate)   # the read returns once its chunk is captured
+        if k not in lost:
+            out.append((stamp, audio[k * chunk:(k + 1) * chunk]))
+    return out
+
+
+def segment(reads, rate: int):
+    from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter
+    from photon_ros.sample_clock import ReadStamps
+    seg, stamps = SpeechSegmenter(rate), ReadStamps(SegmenterConfig().jump_tolerance)
+    out = []
+    for stamp, samples in reads:
+        out += seg.push(samples, stamps.stamp(stamp, samples.size, rate))
+    return out + [u for u in [seg.flush()] if u], seg
+
+
+def test_a_driver_that_stamps_its_reads_late_does_not_cut_the_command():
+    """mgonzs13's 512-sample chunks (32 ms) read 25-40 ms late once, with no sample lost: one
+    complete utterance, where the raw stamps read as audio lost and then out of order, and the
+    command was refused in two halves. Audio the driver really lost still shows."""
+    from speech_audio import espeak_pcm
+    from scipy.signal import resample_poly
+    pcm, sr = espeak_pcm("robot, go to the kitchen and bring me the red cup")
+    rate = 16000
+    speech = resample_poly(pcm, rate, sr).astype(np.float32)
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    middle = len(audio) // 512 // 2
+    for late in (0.025, 0.040):
+        utterances, seg = segment(mgonzs13_reads(audio, rate, 512, {middle: late}), rate)
+        assert seg.discontinuities == 0
+        assert len(utterances) == 1 and utterances[0].complete, [(u.duration, u.note) for u in utterances]
+    utterances, seg = segment(mgonzs13_reads(audio, rate, 512, {}, lost={middle, middle + 1}), rate)
+    assert seg.discontinuities == 1 and 0.05 < seg.lost_s < 0.08
+    assert not all(u.complete for u in utterances)
