@@ -97,21 +97,32 @@ def audio_chunk_to_pcm(msg: AudioChunk) -> Pcm:
                           msg.channels, msg.sample_rate)
 
 
-def _channels_from_layout(msg, default: int) -> int:
+def _interleaved(msg, values: np.ndarray, default: int) -> tuple[np.ndarray, int]:
+    """A MultiArray's samples interleaved, and its channel count. A two-dimensional layout says
+    which: [samples, channels] (interleaved, as ours) or, where its first dimension is labelled a
+    channel, [channels, samples] (planar, as some microphone arrays send): transposed here. A
+    layout the data does not fill is refused: read as the other one, planar audio is noise."""
     dims = msg.layout.dim
-    return int(dims[1].size) if len(dims) >= 2 else default
+    if len(dims) < 2:
+        return values, default
+    rows, cols = int(dims[0].size), int(dims[1].size)
+    if rows * cols != values.size:
+        raise ValueError(f"the array's layout says {rows} x {cols} samples but it holds {values.size}")
+    if "chan" in dims[0].label.lower() and "chan" not in dims[1].label.lower():
+        return np.ascontiguousarray(values.reshape(rows, cols).T).reshape(-1), rows
+    return values, cols
 
 
 def int16_array_to_pcm(msg: Int16MultiArray, sample_rate: int, channels: int = 1) -> Pcm:
     values = np.asarray(msg.data, dtype=np.int16)[msg.layout.data_offset:]
-    mono = _to_mono(values, _channels_from_layout(msg, channels))
+    mono = _to_mono(*_interleaved(msg, values, channels))
     return _check(mono.astype(np.float32) / 32768.0, sample_rate)
 
 
 def float32_array_to_pcm(msg: Float32MultiArray, sample_rate: int, channels: int = 1) -> Pcm:
     values = np.asarray(msg.data, dtype=np.float32)[msg.layout.data_offset:]
     check_float_peak(values)
-    return _check(_to_mono(values, _channels_from_layout(msg, channels)), sample_rate)
+    return _check(_to_mono(*_interleaved(msg, values, channels)), sample_rate)
 
 
 def _as_interleaved(samples: np.ndarray) -> tuple[np.ndarray, int]:
@@ -135,9 +146,12 @@ def pcm_to_audio_chunk(samples: np.ndarray, sample_rate: int, sample_format: str
         encoded = interleaved.astype("<i2")
     elif sample_format == AudioChunk.FORMAT_F32LE:
         encoded = pcm_to_float(interleaved).astype("<f4")
+    elif sample_format == AudioChunk.FORMAT_S32LE and interleaved.dtype == np.int32:
+        encoded = interleaved.astype("<i4")
     else:
+        # in float64: float32 rounds 2**31 - 1 up to 2**31, which the cast wraps to -2**31
         info = np.iinfo(np.dtype(dtype))
-        scaled = np.round(pcm_to_float(interleaved) * scale + offset)
+        scaled = np.round(pcm_to_float(interleaved).astype(np.float64) * scale + offset)
         encoded = np.clip(scaled, info.min, info.max).astype(dtype)
     msg = AudioChunk()
     if header is not None:

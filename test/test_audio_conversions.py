@@ -89,3 +89,32 @@ def test_malformed_multiarrays_raise():
         int16_array_to_pcm(Int16MultiArray(), 16000)
     with pytest.raises(ValueError, match="sample rate"):
         int16_array_to_pcm(Int16MultiArray(data=[1, 2]), 0)
+
+
+def test_full_scale_s32le_keeps_its_sign():
+    """float32 rounds 2**31 - 1 up to 2**31, and the cast to int32 wrapped it to -2**31: full-scale
+    positive samples became -1.0 (clicks of reversed polarity on clipped or normalised audio)."""
+    floats = np.array([1.0, 1.5, -1.0, 0.5], np.float32)
+    out = audio_chunk_to_pcm(pcm_to_audio_chunk(floats, 16000, "S32LE")).samples
+    assert out[0] > 0.999 and out[1] > 0.999 and out[2] == -1.0 and abs(out[3] - 0.5) < 1e-9
+    ints = np.array([2**31 - 1, -2**31, 7], np.int32)
+    out = audio_chunk_to_pcm(pcm_to_audio_chunk(ints, 16000, "S32LE")).samples
+    np.testing.assert_array_equal(out, (ints / 2**31).astype(np.float32))
+
+
+def test_a_channel_first_layout_is_read_as_planar_and_a_layout_the_data_does_not_fill_is_refused(pcm):
+    """Some microphone arrays send [channels, samples]: taken as [samples, channels] it was two
+    mono samples of 1600 values, and the speech node heard nothing, silently."""
+    from std_msgs.msg import MultiArrayDimension
+    left, right = pcm[:1600], -0.5 * pcm[:1600]
+    planar = Int16MultiArray(data=np.round(np.concatenate([left, right]) * 32767).astype(np.int16).tolist())
+    planar.layout.dim = [MultiArrayDimension(label="channels", size=2, stride=3200),
+                         MultiArrayDimension(label="samples", size=1600, stride=1600)]
+    out = int16_array_to_pcm(planar, 16000)
+    assert out.samples.size == 1600
+    np.testing.assert_allclose(out.samples, 0.25 * pcm[:1600], atol=2 / 32768)
+    wrong = Float32MultiArray(data=pcm[:1600].tolist())
+    wrong.layout.dim = [MultiArrayDimension(label="samples", size=999, stride=1998),
+                        MultiArrayDimension(label="channels", size=2, stride=2)]
+    with pytest.raises(ValueError, match="layout says 999 x 2"):
+        float32_array_to_pcm(wrong, 16000)
