@@ -77,9 +77,12 @@ DEFAULT_MAX_MISSED = 5
 DEFAULT_MIN_IOU = 0.3
 DEFAULT_POINT_GATE = 0.05
 
-# Assignment cost of a pair under the minimum overlap: above every allowed pair's cost (at most 1),
-# so the solver takes it only where nothing else is left, and such pairs are then dropped.
-_FORBIDDEN = 1e6
+# Assignment costs: an allowed pair's is minus its overlap, a pair under the minimum overlap costs
+# what leaving both unmatched does (0), and is dropped after the solve. (Forbidden pairs priced
+# high made the solver maximise the number of allowed pairs first: two weak pairs beat one
+# perfect one, and an unmoved object took its hidden neighbour's id.) _TIE makes an allowed pair
+# of overlap 0 still better than none.
+_TIE = 1e-9
 
 
 class IdSource:
@@ -464,7 +467,7 @@ class _Tracker:
         else:
             score = self._similarity(last, rows)
         allowed = score >= 0
-        cost = np.where(allowed, 1.0 - score, _FORBIDDEN)
+        cost = np.where(allowed, -score - _TIE, 0.0)
         track_rows, detection_cols = linear_sum_assignment(cost)
         return [(int(t), int(d)) for t, d in zip(track_rows, detection_cols) if allowed[t, d]]
 

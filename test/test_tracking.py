@@ -253,3 +253,17 @@ def test_bad_input_is_a_clear_error(texture):
         with pytest.raises(ValueError, match=message):
             call()
     assert [t.coords for t in tracker.tracks()] == [pytest.approx(box(100, 100))]   # untouched
+
+
+def test_an_unmoved_object_keeps_its_id_when_its_neighbour_hides_and_a_new_one_appears():
+    """A and B side by side; then A unmoved (overlap 1 with its track), B hidden, a new C at A's
+    other side. Maximising the number of pairs matched A to B's track and C to A's: both ids named
+    the wrong objects. Maximising the overlap keeps A's id and gives C a new one."""
+    tracker = BoxTracker(velocity=False)
+    a, b = tracker.update([[100, 100, 200, 200], [150, 100, 250, 200]], 0.0, SIZE)
+    a2, c = tracker.update([[100, 100, 200, 200], [50, 100, 150, 200]], DT, SIZE)
+    assert a2.track_id == a.track_id and c.track_id not in (a.track_id, b.track_id)
+    points = PointTracker(velocity=False)   # (pixels) the new point 20 px from the unmoved one
+    p, q = points.update([[100, 100], [120, 100]], 0.0, SIZE)
+    p2, r = points.update([[100, 100], [80, 100]], DT, SIZE)
+    assert p2.track_id == p.track_id and r.track_id != p.track_id
