@@ -328,10 +328,13 @@ class _Tracker:
     dims = 0
     what = ""
 
-    def __init__(self, *, max_missed: int, velocity: bool, ids: IdSource | None) -> None:
+    def __init__(self, *, max_missed: int, velocity: bool, ids: IdSource | None, max_age_s: float = math.inf) -> None:
         if isinstance(max_missed, bool) or not isinstance(max_missed, (int, np.integer)) or max_missed < 1:
             raise ValueError(f"max_missed must be a whole number >= 1, got {max_missed!r}")
+        if not max_age_s > 0:
+            raise ValueError(f"max_age_s must be > 0, got {max_age_s!r}")
         self.max_missed = int(max_missed)
+        self.max_age_s = float(max_age_s)
         self.velocity = bool(velocity)
         self.ids = ids if ids is not None else IdSource()
         self.image_size: tuple[int, int] | None = None
@@ -380,6 +383,7 @@ class _Tracker:
         if self.image_size is not None and size != self.image_size:
             self._tracks = []
         self.image_size, self.last_result_stamp = size, stamp
+        self._expire(stamp)
 
         centres = self._centres(rows)
         matches = self._associate(rows, stamp)
@@ -444,7 +448,9 @@ class _Tracker:
         if self.last_result_stamp is not None and stamp < self.last_result_stamp:
             raise ValueError(f"frame stamped {stamp:.6f} s is older than the latest model result "
                              f"({self.last_result_stamp:.6f} s)")
-        for track, move in zip(self._tracks, moves):
+        live = [(t, m) for t, m in zip(self._tracks, moves) if stamp - t.detected_stamp <= self.max_age_s]
+        self._tracks = [t for t, _ in live]   # (_expire, keeping each track's move)
+        for track, move in live:
             if move.moved:
                 track.coords = self._translate(track.coords, np.asarray(move.shift))
                 track.stamp = stamp
@@ -454,6 +460,12 @@ class _Tracker:
         return self.tracks()
 
     # -- internals --
+    def _expire(self, stamp: float) -> None:
+        """Tracks last detected more than max_age_s before `stamp` end, however few results came
+        since (a camera off for minutes, a node inactive meanwhile): an id is not handed to
+        whatever is at that place now."""
+        self._tracks = [t for t in self._tracks if stamp - t.detected_stamp <= self.max_age_s]
+
     def _associate(self, rows: np.ndarray, stamp: float) -> list[tuple[int, int]]:
         if not self._tracks or not len(rows):
             return []
@@ -511,8 +523,8 @@ class BoxTracker(_Tracker):
     what = "box"
 
     def __init__(self, *, max_missed: int = DEFAULT_MAX_MISSED, min_iou: float = DEFAULT_MIN_IOU,
-                 velocity: bool = True, ids: IdSource | None = None) -> None:
-        super().__init__(max_missed=max_missed, velocity=velocity, ids=ids)
+                 velocity: bool = True, ids: IdSource | None = None, max_age_s: float = math.inf) -> None:
+        super().__init__(max_missed=max_missed, velocity=velocity, ids=ids, max_age_s=max_age_s)
         if not 0.0 < min_iou <= 1.0:
             raise ValueError(f"min_iou must be in (0, 1], got {min_iou}")
         self.min_iou = float(min_iou)
@@ -544,8 +556,9 @@ class PointTracker(_Tracker):
     what = "point"
 
     def __init__(self, *, max_missed: int = DEFAULT_MAX_MISSED, gate: float = DEFAULT_POINT_GATE,
-                 velocity: bool = True, window: float = 40.0, ids: IdSource | None = None) -> None:
-        super().__init__(max_missed=max_missed, velocity=velocity, ids=ids)
+                 velocity: bool = True, window: float = 40.0, ids: IdSource | None = None,
+                 max_age_s: float = math.inf) -> None:
+        super().__init__(max_missed=max_missed, velocity=velocity, ids=ids, max_age_s=max_age_s)
         if not 0.0 < gate <= 1.5:
             raise ValueError(f"gate must be in (0, 1.5] (a distance relative to the image), got {gate}")
         if window <= 0:
@@ -578,12 +591,13 @@ class StreamTrackers:
 
     def __init__(self, *, ids: IdSource | None = None, flow: SparseFlow | None = None,
                  max_missed: int = DEFAULT_MAX_MISSED, min_iou: float = DEFAULT_MIN_IOU,
-                 gate: float = DEFAULT_POINT_GATE, velocity: bool = True, window: float = 40.0) -> None:
+                 gate: float = DEFAULT_POINT_GATE, velocity: bool = True, window: float = 40.0,
+                 max_age_s: float = math.inf) -> None:
         self.ids = ids if ids is not None else IdSource()
         self.flow = flow or SparseFlow()
         self._settings = {
-            "detect": dict(max_missed=max_missed, min_iou=min_iou, velocity=velocity),
-            "point": dict(max_missed=max_missed, gate=gate, velocity=velocity, window=window),
+            "detect": dict(max_missed=max_missed, min_iou=min_iou, velocity=velocity, max_age_s=max_age_s),
+            "point": dict(max_missed=max_missed, gate=gate, velocity=velocity, window=window, max_age_s=max_age_s),
         }
         for task, settings in self._settings.items():   # bad settings fail here, not at first use
             TRACKERS[task](**settings)

@@ -25,6 +25,7 @@ infer refuses with the reason while the node is not active.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import NamedTuple
@@ -55,7 +56,7 @@ from photon_ros.result_messages import (detection2d_array, detections_message, p
                                         segmentation_message, time_to_seconds, vision_text_message)
 from photon_ros.run_node import run_node
 from photon_ros.spatial import detection3d_array, objects_3d, point_positions
-from photon_ros.stamp_pairing import Match, StampPairing, Wait, stamp_ns
+from photon_ros.stamp_pairing import JUMP_BACK_NS, Match, StampPairing, Wait, stamp_ns
 from photon_ros.tracking import IdSource, StreamTrackers
 from photon_ros.vision_actions import VisionActions
 from photon_ros.vision_requests import engine_request, missing_reasoning, request_options
@@ -318,6 +319,7 @@ class VisionNode(ManagedNode):
         if self.frames.take(timeout=0) is not None:
             self.inactive_frames += 1
         self.frames.latest = None
+        self.trackers.reset()   # after an activate, ids are not handed to whatever is there by then
 
     # --- input ----------------------------------------------------------------------------------
     def on_image(self, msg, info) -> None:
@@ -356,8 +358,9 @@ class VisionNode(ManagedNode):
                            ("max_frame_age_s", "max_frame_age")):
             if name in values:
                 setattr(self, attr, values[name])
-        if "track_max_missed" in values or "tracking" in values:   # new settings: tracks start over
-            self.trackers = StreamTrackers(ids=self.track_ids, max_missed=self.params["track_max_missed"])
+        if {"track_max_missed", "track_max_age_s", "tracking"} & set(values):   # new settings: tracks start over
+            self.trackers = StreamTrackers(ids=self.track_ids, max_missed=self.params["track_max_missed"],
+                                           max_age_s=self.params["track_max_age_s"] or math.inf)
         for task in ("detect", "point", "segment"):
             if task in values:
                 setattr(self, f"{task}_targets", targets(values[task]))
@@ -528,8 +531,11 @@ class VisionNode(ManagedNode):
         rows = ([(d.x_min_px, d.y_min_px, d.x_max_px, d.y_max_px) for d in items] if task == "detect"
                 else [(p.x_px, p.y_px) for p in items])
         stamp = time_to_seconds(header.stamp)
-        if tracker.last_result_stamp is not None and stamp < tracker.last_result_stamp:
+        last = tracker.last_result_stamp
+        if last is not None and stamp < last - JUMP_BACK_NS / 1e9:
             tracker.reset()   # the stream went back in time (a bag played again): new tracks
+        elif last is not None and stamp < last:
+            return   # a frame older than the last result (two publishers, reordering): untracked (id 0)
         for item, tracked in zip(items, tracker.update(rows, stamp, (width, height))):
             item.track_id = tracked.track_id
 

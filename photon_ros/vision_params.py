@@ -52,6 +52,8 @@ def vision_params() -> list[Param]:
               "empty: the camera's optical frame", applies="configure", check=frame_refusal),
         Param("tracking", True, "give each detect / point result an id that follows the object across frames"),
         Param("track_max_missed", 5, "a track ends after this many model results in a row without it", low=1),
+        Param("track_max_age_s", 10.0, "a track last detected this long ago ends, however few results came since "
+              "(a camera off for minutes); 0: no limit", low=0.0),
     ]
 
 

@@ -267,3 +267,14 @@ def test_an_unmoved_object_keeps_its_id_when_its_neighbour_hides_and_a_new_one_a
     p, q = points.update([[100, 100], [120, 100]], 0.0, SIZE)
     p2, r = points.update([[100, 100], [80, 100]], DT, SIZE)
     assert p2.track_id == p.track_id and r.track_id != p.track_id
+
+
+def test_a_track_last_detected_longer_ago_than_max_age_ends():
+    """Misses count model results: a camera off for ten minutes (or a node inactive meanwhile)
+    left the cup's track live, and a different cup there now took its id."""
+    tracker = BoxTracker(max_age_s=10.0)
+    first = tracker.update([box(100, 100)], 0.0, SIZE)
+    later = tracker.update([box(110, 100)], 600.0, SIZE)
+    assert later[0].track_id != first[0].track_id
+    soon = tracker.update([box(112, 100)], 601.0, SIZE)
+    assert soon[0].track_id == later[0].track_id

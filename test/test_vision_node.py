@@ -90,6 +90,15 @@ def test_detections_carry_the_image_header(graph):
     assert 0 not in first and len(set(first)) == len(first)
     assert [b.track_id for b in detections[1].detections] == first[:2]
     assert [p.track_id for p in points[1].points] == first[2:]
+    # A frame a little older than the last result (two publishers, reordered delivery): its
+    # results are untracked (0), and the tracks go on; only a jump back over 1 s restarts them.
+    older = Header(stamp=Time(sec=1008, nanosec=0), frame_id="camera")
+    pub.publish(rgb_to_image(image(), "bgr8", header=older))
+    assert wait_for(lambda: len(detections) == 3, timeout=60)
+    assert all(b.track_id == 0 for b in detections[2].detections)
+    pub.publish(rgb_to_image(image(), "bgr8", header=header(9)))
+    assert wait_for(lambda: len(detections) == 4, timeout=60)
+    assert [b.track_id for b in detections[3].detections] == first[:2]
 
 
 def test_warm_up_runs_a_frame_of_the_standing_tasks_as_one_batch():
