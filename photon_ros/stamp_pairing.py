@@ -99,6 +99,13 @@ class Wait(Generic[T]):
         self._newest: tuple[int, Any] | None = None          # the last one offered: camera_info's fallback
         self._outcome: Match[T] | NoMatch | None = None
 
+    @property
+    def unstamped(self) -> bool:
+        """A frame stamped 0 (a driver that stamps nothing, sim time before /clock): every message
+        stamped 0 would be its "exact" pair, whenever it was taken. Only a stream whose newest message
+        stands for all (camera_info's fallback) pairs with it."""
+        return self.stamp == 0 and not self._pairing.fallback_newest
+
     def clock(self) -> float:
         """Now, on the pairing's clock (for `result(read_from=...)`)."""
         return self._pairing.clock()
@@ -163,6 +170,9 @@ class Wait(Generic[T]):
     def _outcome_now(self, decided_at: float, given_up: bool) -> Match[T] | NoMatch:
         pairing = self._pairing
         waited = max(decided_at - self.arrived_at, 0.0)
+        if self.unstamped:
+            return NoMatch(f"the frame has no stamp (0): no {pairing.what} can be paired with it by time "
+                           "(stamp the camera's frames)", waited)
         if self._best is not None:
             distance, stamp, msg = self._best
             return Match(msg, stamp, _seconds(stamp - self.stamp), waited, "exact" if distance == 0 else "nearest")
@@ -247,6 +257,9 @@ class StampPairing(Generic[T]):
             arrived = now if arrived_at is None else arrived_at
             self._expire(now)
             wait: Wait[T] = Wait(self, int(stamp), arrived, now)
+            if wait.unstamped:   # nothing to pair by: decided at once (_outcome_now says why)
+                self._decide(wait, arrived)
+                return wait
             gap, end_at, seen_all = self._gap(), None, False
             for kept_stamp, kept_at, msg in self._kept:
                 if kept_at > wait.deadline:

@@ -466,6 +466,9 @@ class VisionNode(ManagedNode):
         depth = depth_view(paired.msg if isinstance(paired, Match) else NoDepth(paired.reason), camera, width,
                            height, settings, rectified=self.params["rectified"], image_frame=header.frame_id)
         optical = (camera.header.frame_id if isinstance(info, Match) else "") or header.frame_id
+        if not optical and not isinstance(depth, NoDepth):
+            depth = NoDepth("neither the image nor camera_info names a frame (frame_id empty): positions "
+                            "would be metres in no frame")
         transform = None
         if self.lookup is not None and not isinstance(depth, NoDepth):
             try:
@@ -578,6 +581,9 @@ class VisionNode(ManagedNode):
                 response.success, response.message = False, refusal
                 return response
         source = latest.msg if request.use_latest_frame else request.image
+        placing = request.task in (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT)
+        # Paired from the frame's arrival (the request's, for an image it carries), while the model runs.
+        waits = (latest.extra if request.use_latest_frame else self.depth_waits(source.header)) if placing else None
         try:
             request_options(request.task, request, self.max_objects)   # checked before the image is read
             rgb = self.to_rgb(source)
@@ -587,10 +593,7 @@ class VisionNode(ManagedNode):
                 task = engine_request(request.task, rgb, request.prompt, request, self.max_objects)
                 result = self.engine.batcher.submit([task])[0]
             missing_reasoning(request.reasoning, result)
-            # Paired from the frame's arrival (the request's, for an image it carries), while the model ran.
-            space = (self.space(source.header, rgb.shape[1], rgb.shape[0], latest.extra if request.use_latest_frame
-                                else None) if request.task in (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT)
-                     else None)
+            space = self.space(source.header, rgb.shape[1], rgb.shape[0], waits) if placing else None
         except Exception as err:  # noqa: BLE001 - a bad request is answered, never fatal
             response.success, response.message = False, self.refused("infer", str(err) or type(err).__name__)
             return response

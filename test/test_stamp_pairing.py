@@ -284,6 +284,24 @@ def test_camera_info_with_every_frame_pairs_by_stamp_and_falls_back_to_the_newes
             assert outcome.msg == f"info {i}" and outcome.rule == "exact" and outcome.waited_s == pytest.approx(0.03)
 
 
+def test_an_unstamped_frame_pairs_with_no_depth_however_old_an_unstamped_depth_is():
+    """A driver that stamps nothing: a depth image stamped 0 taken ten seconds ago was the "exact"
+    pair of a colour frame stamped 0. Decided at once, with the reason; camera_info, whose newest
+    stands for all, still pairs."""
+    clock = Clock()
+    depth = StampPairing("depth image", 0.05, clock=clock)
+    depth.add(0, "depth of ten seconds ago")
+    clock.now += 10.0
+    wait = depth.wait_for(0)
+    assert wait.done
+    outcome = wait.poll()
+    assert isinstance(outcome, NoMatch) and "no stamp" in outcome.reason
+    info = camera_info_pairing(clock)
+    info.add(0, "info")
+    clock.now += 1.0
+    assert info.wait_for(0).poll().msg == "info"
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="tolerance"):
         StampPairing("depth image", float("nan"))

@@ -23,6 +23,7 @@ from photon_ros.image_conversions import rgb_to_compressed, rgb_to_image
 from photon_ros.loop_node import LoopNode
 from photon_ros.msg import Detections, ImageTarget, Objects3D, Points, Transcript
 from photon_ros.srv import Infer
+from photon_ros.stamp_pairing import stamp_ns
 from photon_ros.vision_node import VisionNode, load_vision_model, stale_frame, warm_up
 from ros_harness import RosGraph, wait_for, wait_for_match
 
@@ -419,6 +420,36 @@ def test_results_in_metres_from_an_aligned_depth_image(graph):
     assert wait_for(lambda: len(placed) == 6, timeout=60)
     assert all(m.depth_note and not any(o.has_position for o in m.objects) for m in placed[4:]), placed[4].depth_note
     assert node.frames_without_depth == 2
+    # Neither the image nor camera_info names a frame: metres in no frame are not published.
+    unnamed = header(4, "")
+    pubs["camera_info"].publish(camera_info(unnamed))
+    pubs["depth"].publish(wall_depth(unnamed))
+    pubs["image"].publish(rgb_to_image(image(5), header=unnamed))
+    assert wait_for(lambda: len(placed) == 8, timeout=60)
+    assert all("names a frame" in m.depth_note and not any(o.has_position for o in m.objects) for m in placed[6:])
+    # infer with an image of its own: its depth pairing begins when the request arrives, not after
+    # the model ran (meanwhile ten later depth images would push its own out of the kept ones).
+    client = graph.node("client").create_client(Infer, "infer")
+    assert client.wait_for_service(timeout_sec=10)
+    own = header(10, "camera_color_optical_frame")
+    pubs["camera_info"].publish(camera_info(own))
+    pubs["depth"].publish(wall_depth(own))
+    time.sleep(0.3)
+    with node.engine.lock:   # the model held up while the depth stream goes on
+        future = client.call_async(Infer.Request(task="point", prompt="dog", use_latest_frame=False,
+                                                 image=rgb_to_image(image(5), header=own)))
+        time.sleep(0.5)
+        for i in range(11, 24):
+            later = header(i, "camera_color_optical_frame")
+            pubs["camera_info"].publish(camera_info(later))
+            pubs["depth"].publish(wall_depth(later))
+            time.sleep(0.05)   # each taken in (a burst would overflow the subscription's queue)
+        assert wait_for(lambda: node.depth_stream._kept[0][0] > stamp_ns(own.stamp), timeout=10)
+    assert wait_for(future.done, timeout=60)
+    answer = future.result()
+    assert answer.success, answer.message
+    assert answer.objects_3d.objects and all(o.has_position for o in answer.objects_3d.objects), \
+        answer.objects_3d.depth_note
 
 
 def test_bad_depth_input_is_said_and_survived(graph):
