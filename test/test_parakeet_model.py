@@ -403,3 +403,12 @@ def test_nemo_without_tokenizer_or_encoder_is_a_clear_error(tmp_path):
     pf.write_nemo(path, config)
     with pytest.raises(ValueError, match="d_model"):
         load_parakeet(path)
+
+
+def test_nan_joint_logits_refuse_the_request(pcm):
+    """A joint whose logits turn NaN chose token and duration by a NaN's argmax: refused instead."""
+    from photon_core.runtime.sampling import NonFiniteLogits
+    model = load_parakeet(pf.hf_checkpoint())
+    model.model.head_b[3] = float("nan")
+    with pytest.raises(NonFiniteLogits):
+        model.transcribe(pcm, 16000)

@@ -45,14 +45,33 @@ class NonFiniteLogits(RuntimeError):
     rather than decoding on from a token the NaN chose (an index nobody checked)."""
 
 
+def check_finite(logits: torch.Tensor, what: str = "logits") -> None:
+    """NonFiniteLogits when `logits` (any shape: a row, rows, a head's bins) hold NaN, whose
+    argmax is an index nobody can trust (torch's picks the NaN, our kernels the best other)."""
+    if bool(torch.isnan(logits).any()):
+        raise NonFiniteLogits(f"the model's {what} hold NaN ({int(torch.isnan(logits).sum())} of "
+                              f"{logits.numel()}): no token can be chosen; the request is refused")
+
+
+def step_argmax(value: int, what: str = "logits") -> int:
+    """A compiled step's own argmax (a token, a coordinate or size bin), taken as it is: a negative
+    one is the step's mark that its logits held NaN (megakernel.decode_loop.NON_FINITE), never an
+    index to decode on."""
+    if value < 0:
+        raise NonFiniteLogits(f"the model's {what} held NaN at this step (its argmax marked {value}): "
+                              "no token can be chosen; the request is refused")
+    return value
+
+
 def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | None = None,
          generator: torch.Generator | None = None) -> int:
     """The next token of one row from its logits [V]; allowed: bool [V] (None: every token);
     generator: the uniform's source (None: torch's default, seeded by torch.manual_seed).
-    Raises NonFiniteLogits for logits with a NaN."""
-    if bool(torch.isnan(logits).any()):
-        raise NonFiniteLogits(f"the model's logits hold NaN ({int(torch.isnan(logits).sum())} of "
-                              f"{logits.numel()}): no token can be chosen; the request is refused")
+    Raises NonFiniteLogits for logits with a NaN, and a sampled row's with +inf (its softmax is
+    NaN: the draw would return token 0); -inf is a mask."""
+    check_finite(logits)
+    if not s.greedy and bool(torch.isposinf(logits).any()):
+        raise NonFiniteLogits("the model's logits hold +inf: no token can be sampled; the request is refused")
     if s.greedy:
         return int(ops.argmax(logits) if allowed is None else ops.argmax(logits, allowed))
     if allowed is not None:
@@ -62,4 +81,4 @@ def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | No
     return int(ops.sample(logits[None], s.temperature, s.top_p, u)[0])
 
 
-__all__ = ["NonFiniteLogits", "Sampling", "pick"]
+__all__ = ["NonFiniteLogits", "Sampling", "check_finite", "pick", "step_argmax"]

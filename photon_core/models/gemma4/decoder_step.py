@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from photon_core.megakernel.compiler import CompiledStep, Tiling
+from photon_core.megakernel.decode_loop import FULL
 from photon_core.megakernel.stepgraph import HeadNorm, Rotary, StepGraph
 from photon_core.runtime.decode import copy_prefilled_kv
 
@@ -261,8 +262,11 @@ class Gemma4DecoderStep(CompiledStep):
             logits = torch.tanh(logits / c) * c
         logits.masked_fill_(~self.allowed, float("-inf"))
         # The argmax advances: it wrote each row's token into the next step's input, also for a row at
-        # the last compiled position, whose result column says -1 (no room for a next step).
-        return StepOut(logits, self.dyn[:self.batch].tolist())
+        # the last compiled position, whose result column says -1 (no room for a next step); -2
+        # says the row's logits held NaN (its input token then means nothing: the -2 is passed on).
+        marks = self.result("token").tolist()
+        fed = self.dyn[:self.batch].tolist()
+        return StepOut(logits, [t if m == FULL else m for t, m in zip(fed, marks)])
 
 
 # google/gemma-4-E2B-it's text config (as bench/families.py states it): 35 layers x 1536, 8 heads /

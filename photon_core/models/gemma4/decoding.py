@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from photon_core.runtime.generate import generate, room
-from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.sampling import Sampling, pick, step_argmax
 
 from . import text
 
@@ -60,7 +60,7 @@ class BatchDecoder:
         """Row b's next token; `greedy`: its argmax already taken (the megakernel's, under the same bar)."""
         s = self.sampling[b]
         if s.greedy and greedy is not None:
-            return greedy
+            return step_argmax(greedy)
         return pick(logits, s, self.model.ops, self.allowed, self.gen)
 
     def _stepper(self) -> "Stepper":

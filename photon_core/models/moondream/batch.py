@@ -32,7 +32,7 @@ import torch
 
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.requests import Request, Settings, SpatialRef, check_spatial_refs
-from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.sampling import Sampling, check_finite, pick
 from photon_core.runtime.text_stream import JoinedPieces, text_pieces
 
 from . import object_score, skills, text
@@ -469,6 +469,7 @@ class OpsHeads:
     def tokens(self, rows: list[int]) -> list[int]:
         m = self.model
         logits = m.text_impl.lm_logits(self.hidden[rows], m.text_w, m.ops)
+        check_finite(logits)
         self._logits = dict(zip(rows, logits))
         return m.ops.argmax(logits, self.masks[rows]).tolist()
 

@@ -42,7 +42,7 @@ from photon_core.models.moondream.batch import Request
 from photon_core.models.moondream.decoder_step import MoondreamDecoderMegakernel, StepResult
 from photon_core.runtime.decode import (CompiledSteps, copy_prefilled_kv, decode_length, require_triton_ops,
                                        resolve_weight_dtype)
-from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.sampling import Sampling, pick, step_argmax
 
 if TYPE_CHECKING:
     from photon_core.models.moondream.model import EncodedImage, MoondreamModel
@@ -135,7 +135,9 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
 
         def choose(row: int, logits: torch.Tensor, greedy: int | None) -> int:
             # Greedy: the step's own masked argmax.
-            return greedy if s.greedy and greedy is not None else pick(logits, s, self.model.ops, self._answer)
+            if s.greedy and greedy is not None:
+                return step_argmax(greedy)
+            return pick(logits, s, self.model.ops, self._answer)
 
         def pieces() -> Iterator[str]:
             with self.sequence(enc, length, region_heads=False) as seq:
@@ -222,6 +224,12 @@ class MegakernelStepper:
         self.mk.set_bias(torch.stack(self.masks))
 
 
+def _checked_sizes(bins: Any) -> Any:
+    for b in bins:
+        step_argmax(int(b), "size logits")
+    return bins
+
+
 class MegakernelHeads:
     """One launch's results, by request row: the in-kernel masked argmax, the biased logits (and the
     objects' scores from them), and the coordinate/size bins turned into values with the region
@@ -232,7 +240,7 @@ class MegakernelHeads:
         self.res, self.slots, self.mk, self.n_bins, self.tk = res, slots, mk, n_bins, tokenizer
 
     def tokens(self, rows: list[int]) -> list[int]:
-        return [self.res.tokens[self.slots[i]] for i in rows]
+        return [step_argmax(self.res.tokens[self.slots[i]]) for i in rows]
 
     def logits(self, row: int) -> torch.Tensor:
         return self.mk.logits[self.slots[row]].clone()
@@ -247,13 +255,13 @@ class MegakernelHeads:
         bins = self.res.coord_bins
         if bins is None:
             raise RuntimeError("this step ran without the region heads: it has no coordinates")
-        return [bins[self.slots[i]] / self.n_bins for i in rows]
+        return [step_argmax(bins[self.slots[i]], "coordinate logits") / self.n_bins for i in rows]
 
     def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
         bins = self.res.size_bins
         if bins is None:
             raise RuntimeError("this step ran without the region heads: it has no sizes")
-        return [size_values(bins[self.slots[i]]) for i in rows]
+        return [size_values(_checked_sizes(bins[self.slots[i]])) for i in rows]
 
 
 class Sequence:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from photon_core.megakernel.decode_loop import DeviceDecode
-from photon_core.runtime.sampling import NonFiniteLogits
+from photon_core.runtime.sampling import NonFiniteLogits, step_argmax
 
 from . import batch as batch_decoding
 from . import object_score
@@ -131,13 +131,13 @@ class RecordedHeads:
         self.records, self.slots, self.n_bins = records, slots, n_bins
 
     def tokens(self, rows: list[int]) -> list[int]:
-        return [self.records[self.slots[i]][0] for i in rows]
+        return [step_argmax(self.records[self.slots[i]][0]) for i in rows]
 
     def boundary_scores(self, rows: list[int]) -> list[float]:
         return [object_score.from_bits(self.records[self.slots[i]][4]) for i in rows]
 
     def coords(self, rows: list[int]) -> list[float]:
-        return [self.records[self.slots[i]][1] / self.n_bins for i in rows]
+        return [step_argmax(self.records[self.slots[i]][1], "coordinate logits") / self.n_bins for i in rows]
 
     def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
         from .megakernel_decode import size_values

@@ -11,6 +11,8 @@ from typing import TypedDict
 
 import torch
 
+from photon_core.runtime.sampling import check_finite
+
 from .vision import Linear, take
 
 
@@ -104,11 +106,13 @@ def coord_divisor(bins: int) -> int:
 
 def coords_from_logits(logits: torch.Tensor, ops) -> list[float]:
     """Coordinate logits [n, bins] -> n values argmax bin / bins."""
+    check_finite(logits, "coordinate logits")
     return [b / logits.shape[-1] for b in ops.argmax(logits).tolist()]
 
 
 def sizes_from_logits(logits: torch.Tensor, n: int, ops) -> list[tuple[float, float]]:
     """Size logits [n, 2 * bins] -> n (width, height) pairs, 2 ** (bin / 1023 * 10 - 10) per axis."""
+    check_finite(logits, "size logits")
     bins = ops.argmax(logits.view(n, 2, -1)).float()
     size = torch.pow(2.0, bins / 1023.0 * 10.0 - 10.0)
     return [(wd, ht) for wd, ht in size.tolist()]

@@ -22,6 +22,7 @@ from photon_core.models.moondream.region import (encode_coord, encode_coord_tens
                                                  encode_size_tensor, encode_sizes)
 from photon_core.models.moondream.region import encoder_weights, sizes_from_logits
 from photon_core.models.moondream.vision import Linear, take
+from photon_core.runtime.sampling import check_finite
 
 
 @dataclass
@@ -48,6 +49,7 @@ def coord_divisor(bins: int) -> int:
 def decode_coords(hidden: torch.Tensor, w: RegionWeights, ops) -> list[float]:
     """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1]."""
     logits = ops.linear(ops.layer_norm(hidden, *w.ln), *w.coord_head)
+    check_finite(logits, "coordinate logits")
     return [b / coord_divisor(logits.shape[-1]) for b in ops.argmax(logits).tolist()]
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from photon_core.models.moondream import skills
+from photon_core.runtime.sampling import check_finite, step_argmax
 
 if TYPE_CHECKING:
     from photon_core.models.moondream.model import EncodedImage
@@ -75,7 +76,9 @@ class _OpsSteps:
 
     def token(self) -> int:
         m = self.model
-        return int(m.ops.argmax(m.text_impl.lm_logits(self.hidden, m.text_w, m.ops))[0])
+        logits = m.text_impl.lm_logits(self.hidden, m.text_w, m.ops)
+        check_finite(logits)
+        return int(m.ops.argmax(logits)[0])
 
     def coord(self) -> float:
         return self.model.region_impl.decode_coords(self.hidden, self.model.region_w, self.model.ops)[0]
@@ -101,14 +104,14 @@ class _MegakernelSteps:
         self.res = self.seq.step(emb)
 
     def token(self) -> int:
-        return self.res.tokens[0]
+        return step_argmax(self.res.tokens[0])
 
     def coord(self) -> float:
-        return self.res.coord_bins[0] / self.n_bins
+        return step_argmax(self.res.coord_bins[0], "coordinate logits") / self.n_bins
 
     def size(self) -> tuple[float, float]:
-        from photon_core.models.moondream.megakernel_decode import size_values
-        return size_values(self.res.size_bins[0])
+        from photon_core.models.moondream.megakernel_decode import _checked_sizes, size_values
+        return size_values(_checked_sizes(self.res.size_bins[0]))
 
 
 class Decoded:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from photon_core.runtime.sampling import NonFiniteLogits
+
 from .model import ParakeetModel
 
 
@@ -64,6 +66,7 @@ def greedy_tdt_many(model: ParakeetModel, enc_proj: torch.Tensor, lengths: list[
     rows = torch.arange(B, device=dev)
     t = torch.zeros(B, dtype=torch.long, device=dev)
     run = torch.zeros(B, dtype=torch.long, device=dev)
+    nan = torch.zeros(B, dtype=torch.bool, device=dev)   # an active row's joint gave NaN
     one = torch.ones(B, dtype=torch.long, device=dev)
     zero = torch.zeros(B, dtype=torch.long, device=dev)
     last = (T - 1).clamp(min=0)
@@ -73,6 +76,7 @@ def greedy_tdt_many(model: ParakeetModel, enc_proj: torch.Tensor, lengths: list[
         for i in range(block):
             active = (t < T) & (caps > steps + i)
             logits = model.joint(enc_proj[rows, torch.minimum(t, last)], pred)
+            nan |= active & torch.isnan(logits).any(-1)
             tok = ops.argmax(logits[:, :V])
             dur = dur_table[ops.argmax(logits[:, V:])]
             blank = tok == cfg.blank_id
@@ -92,6 +96,8 @@ def greedy_tdt_many(model: ParakeetModel, enc_proj: torch.Tensor, lengths: list[
         steps += block
         if bool(((t >= T) | (caps <= steps)).all()):   # the one host read per block
             break
+    if bool(nan.any()):   # (read once: the rows it poisoned decoded on to their caps, never shown)
+        raise NonFiniteLogits("the model's joint logits hold NaN: no token can be chosen; the request is refused")
     table = torch.stack(records, dim=1).cpu() if records else torch.zeros(B, 0, 4, dtype=torch.long)
     out = []
     for b in range(B):

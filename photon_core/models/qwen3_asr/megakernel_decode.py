@@ -21,6 +21,7 @@ import torch
 from photon_core.megakernel.compiler import Tiling
 from photon_core.runtime.decode import CompiledSteps, copy_prefilled_kv, decode_length, resolve_weight_dtype
 from photon_core.runtime.generate import greedy_tokens
+from photon_core.runtime.sampling import check_finite
 
 from .decoder import TextDecoder
 from .decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights
@@ -80,6 +81,7 @@ class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
         """The prompts prefilled and the step set to each row's first token (the prefill's argmax)
         at its prompt length: the bucket's step and the first tokens (for driving it by hand)."""
         mk, logits, lengths = self._prefill(prompts)
+        check_finite(logits)
         first = [int(t) for t in self.text.ops.argmax(logits)]
         pad = mk.batch - len(prompts)
         mk.set_step(first + [0] * pad, lengths + [0] * pad)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from photon_core.runtime.generate import generate, room, token_lists
-from photon_core.runtime.sampling import Sampling
+from photon_core.runtime.sampling import Sampling, check_finite
 from photon_core.runtime.thread_tuner import ThreadTuner
 
 from .model import DecoderCache, WhisperNet
@@ -224,6 +224,7 @@ class TokenChooser:
         self.sum_logprob = [0.0] * rows
 
     def __call__(self, row: int, logits: torch.Tensor, greedy: int | None) -> int:
+        check_finite(logits)   # (before the rules: they mask with -inf, never NaN)
         self.dec._apply_rules(logits, self.sampled[row], self.timestamps)
         if self.temperature == 0:
             t = int(self.dec.net.ops.argmax(logits))

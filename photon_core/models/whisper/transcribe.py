@@ -17,6 +17,7 @@ from photon_core.audio_io import AudioStream
 from photon_core.backends import reference
 from photon_core.runtime.audio_frontend import feature_device
 from photon_core.runtime.requests import TranscribeRequest
+from photon_core.runtime.sampling import check_finite
 from photon_core.runtime.shape_graphs import ShapeGraphs
 from photon_core.runtime.thread_tuner import ThreadTuner
 from photon_core.models.whisper.checkpoint import (
@@ -253,6 +254,7 @@ class WhisperSpeech:
         logits = self.net.logits(self.net.decode(sot, 0, cache))[0, -1]
         allowed = torch.zeros_like(logits, dtype=torch.bool)
         allowed[list(tok.languages.values())] = True
+        check_finite(logits)
         best = int(self.net.ops.argmax(logits, allowed))
         return next(code for code, i in tok.languages.items() if i == best)
 
