@@ -220,3 +220,37 @@ def test_the_host_driven_step_reads_its_token_at_the_last_position(mk_model):
     out = mk.step([17], [MAX_LEN - 1])
     assert mk.result("token").tolist() == [-1]
     assert out.tokens == [int(out.logits[0].argmax())] and out.tokens[0] >= 0
+
+
+def test_a_request_canceled_mid_round_stops_there(ref, mk_model):
+    """Canceled at its first piece of text (an action goal canceled, a timeout): on the device
+    rounds its later tokens are dropped and the rounds end, as the host-driven decode stops at its
+    next step; before, the rounds decoded on to max_tokens and returned that text."""
+    import threading
+
+    from photon_core.runtime.requests import Request
+
+    def ask(model):
+        cancel, seen = threading.Event(), []
+
+        def progress(result):
+            seen.append(result["answer"])
+            cancel.set()
+        out = model.batch([Request("query", None, "hello world", max_tokens=8, cancel=cancel, progress=progress)])
+        return out, seen
+
+    want, want_seen = ask(ref)
+    got, got_seen = ask(mk_model)
+    assert got == want and got_seen == want_seen and len(want_seen) == 1
+
+
+def test_a_row_with_no_room_at_a_full_context_does_not_refuse_the_batch(ref, gemma4_dir):
+    """A row asking max_tokens 0 whose prompt fills the compiled context exactly still feeds its
+    (unseen) first token: at the last position. It was given the one past it, and the step's range
+    check refused the whole batch."""
+    from photon_core.runtime.requests import Request
+    a, b = "describe this image in detail. the cat sat on the mat", "hello world"
+    full = len(ref._row(None, a, Sampling(0)).prompt)
+    mk = load_gemma4(gemma4_dir, backend=get_backend("megakernel", "cpu"), tiling=TILING, max_len=full)
+    asks = [Request("query", None, a, max_tokens=0), Request("query", None, b, max_tokens=2)]
+    assert mk.batch(asks) == ref.batch(asks)

@@ -136,3 +136,18 @@ def test_transcribe_on_the_megakernel_equals_the_reference_backend():
     assert photon_core.load(tiny_checkpoint(False), backend="megakernel", skills=("transcribe",)).megakernel is not None
     with pytest.raises(ValueError, match="megakernel backend only"):
         load_qwen3_asr(tiny_checkpoint(False), backend="reference", max_len=MAX_LEN)
+
+
+def test_a_request_that_fits_the_context_exactly_is_decoded():
+    """The k-th new token is fed at prompt + k - 1, so prompt + n - 1 positions hold n new tokens:
+    a prompt of t tokens and 4 new ones fit a context of t + 3, and were refused. Per-row budgets:
+    a batch is checked row by row, not its longest prompt against its largest budget."""
+    model = ours()
+    p = model.decoder.embed_tokens(torch.tensor(model.prompt.encode("turn on the kitchen lights")))
+    t = p.shape[0]
+    mkd = MegakernelDecode(model.decoder, tensors(), INTERPRETER_TILING, t + 3)
+    assert mkd.generate([p], 4, []) == model.generate([p], 4) and len(model.generate([p], 4)[0]) == 4
+    short = p[:t - 2]
+    assert mkd.generate([p, short], [4, 6], []) == [model.generate([p], 4)[0], model.generate([short], 6)[0]]
+    with pytest.raises(ValueError, match="exceeds"):
+        mkd.generate([p], 5, [])

@@ -63,7 +63,8 @@ def generate(session: Session, sampling: Sequence[Sampling], rooms: Sequence[int
     row stops before its next token. `rooms` are read at each step: a family may shorten a row's
     while it decodes (Moondream: a reasoning's answer gets its own max_tokens once it starts).
     Greedy batches decode on the device when the session has rounds and `device_rounds` (a
-    canceled row is then noticed only at the end)."""
+    canceled row is then noticed as each round is read: its later tokens are dropped, and the
+    rounds end once every row has stopped)."""
     n = len(sampling)
     if len(rooms) != n:
         raise ValueError(f"need one room per row ({n}), got {len(rooms)}")
@@ -71,7 +72,7 @@ def generate(session: Session, sampling: Sequence[Sampling], rooms: Sequence[int
     if not any(r > 0 for r in rooms):
         return
     if device_rounds and hasattr(session, "rounds") and all(s.greedy for s in sampling):
-        yield from _rounds(session, logits, greedy, rooms, stop, choose)   # type: ignore[arg-type]
+        yield from _rounds(session, logits, greedy, rooms, stop, choose, canceled)   # type: ignore[arg-type]
         return
     live = list(range(n))            # the session's rows, by request row
     count = [0] * n
@@ -110,17 +111,19 @@ def token_lists(steps: Iterable[list[int | None]], rows: int) -> list[list[int]]
     return out
 
 
-def greedy_tokens(session: Session, rows: int, max_tokens: int, stop: Collection[int], ops: Any) -> list[list[int]]:
-    """Each row's greedy tokens (the ops' argmax; stop tokens excluded, at most max_tokens) from a
-    prefilled session, in rounds on the device where the session has them."""
-    greedy = Sampling(max_tokens)
-    steps = generate(session, [greedy] * rows, [max_tokens] * rows, stop,
-                     lambda r, logits, _: pick(logits, greedy, ops))
+def greedy_tokens(session: Session, rows: int, max_tokens: int | Sequence[int], stop: Collection[int],
+                  ops: Any) -> list[list[int]]:
+    """Each row's greedy tokens (the ops' argmax; stop tokens excluded, at most max_tokens, or
+    each row's own) from a prefilled session, in rounds on the device where the session has them."""
+    budgets = [max_tokens] * rows if isinstance(max_tokens, int) else list(max_tokens)
+    greedy = [Sampling(n) for n in budgets]
+    steps = generate(session, greedy, budgets, stop, lambda r, logits, _: pick(logits, greedy[r], ops))
     return token_lists(steps, rows)
 
 
 def _rounds(session: DeviceSession, logits: torch.Tensor, greedy: list[int] | None, rooms: Sequence[int],
-            stop: Collection[int], choose: Choose) -> Iterator[list[int | None]]:
+            stop: Collection[int], choose: Choose, canceled: Callable[[int], bool] | None = None
+            ) -> Iterator[list[int | None]]:
     n = len(rooms)
     # A row with no room still needs a first token to feed (it is not shown: max_new 0).
     first = [choose(r, logits[r], None if greedy is None else greedy[r]) for r in range(n)]
@@ -137,7 +140,14 @@ def _rounds(session: DeviceSession, logits: torch.Tensor, greedy: list[int] | No
         pending.clear()
         return new
 
-    for r, tok in session.rounds(first, list(rooms), stop):
+    stream = session.rounds(first, list(rooms), stop)
+    for r, tok in stream:
+        if canceled is not None and going[r] and canceled(r):
+            going[r] = False   # its tokens from here on are dropped
+        if not going[r]:
+            if not any(going):
+                break   # every row stopped: no more rounds
+            continue
         if pending and count[r] != at:
             yield flush()
         at = count[r]
@@ -147,5 +157,7 @@ def _rounds(session: DeviceSession, logits: torch.Tensor, greedy: list[int] | No
             going[r] = False
         if all(not g or i in pending for i, g in enumerate(going)):
             yield flush()
+    if hasattr(stream, "close"):
+        stream.close()   # ends the device loop's rounds where they stand
     if pending:
         yield flush()

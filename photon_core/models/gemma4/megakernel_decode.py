@@ -95,5 +95,8 @@ class MegakernelStepper:
         if any(p + n - 1 > self.max_len for p, n in zip(positions, max_new)):
             raise ValueError(f"{max(max_new)} new tokens do not fit the rows' {self.max_len} positions")
         pad = self.mk.batch - self.rows
-        self.mk.set_step(list(first) + [self.fm.model.config.text.pad_id] * pad, list(positions) + [0] * pad)
+        # a row with no room (max_new 0) whose prompt fills the context still feeds its (unseen) first
+        # token: at the last position, where the step's range check would refuse the one past it
+        fed = [min(p, self.max_len - 1) for p in positions]
+        self.mk.set_step(list(first) + [self.fm.model.config.text.pad_id] * pad, fed + [0] * pad)
         return self.loop.stream(first, max_new, stop)

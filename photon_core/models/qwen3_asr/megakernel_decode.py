@@ -56,21 +56,23 @@ class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
                                          self.weight_dtype, shared_weights=weights)
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int],
                  stop: Sequence[int]) -> list[list[int]]:
         """Qwen3ASRSpeech.generate's contract: greedy ids of each prompt's embeddings [T, hidden]
-        until a stop token (excluded) or `max_new_tokens`."""
+        until a stop token (excluded) or `max_new_tokens` (or each row's own)."""
         if not prompts:
             return []
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(prompts) > self.max_rows:
             n = self.max_rows
-            return self.generate(prompts[:n], max_new_tokens, stop) + self.generate(prompts[n:], max_new_tokens, stop)
-        longest = max(p.shape[0] for p in prompts)
-        if longest + max_new_tokens > self.max_len:
-            raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the megakernel's "
-                             f"context of {self.max_len} positions; load with a larger max_len or shorter audio")
+            return self.generate(prompts[:n], budgets[:n], stop) + self.generate(prompts[n:], budgets[n:], stop)
+        for p, new in zip(prompts, budgets):
+            # the k-th new token is fed at prompt + k - 1: the last one needs no position of its own
+            if p.shape[0] + new - 1 > self.max_len:
+                raise ValueError(f"a prompt of {p.shape[0]} tokens plus {new} new ones exceeds the megakernel's "
+                                 f"context of {self.max_len} positions; load with a larger max_len or shorter audio")
         with self.exclusive():
-            return greedy_tokens(self.session(prompts), len(prompts), max_new_tokens, stop, self.text.ops)
+            return greedy_tokens(self.session(prompts), len(prompts), budgets, stop, self.text.ops)
 
     def session(self, prompts: Sequence[torch.Tensor]) -> "StepSession":
         """runtime.generate's session on the smallest bucket holding the prompts, prefilled

@@ -94,15 +94,16 @@ class Qwen3ASRSpeech:
         return embeds
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
         """Greedy decoding of several prompts' embeddings at once (one cache row each) until each
-        emits a stop token or `max_new_tokens`; the ids, stop token excluded (runtime.generate's
-        loop; on the megakernel in rounds on the device)."""
+        emits a stop token or `max_new_tokens` (or each row's own); the ids, stop token excluded
+        (runtime.generate's loop; on the megakernel in rounds on the device)."""
         if self.megakernel is not None:
             return self.megakernel.generate(prompts, max_new_tokens, self.config.eos_token_ids)
         if not prompts:
             return []
-        session = OpsSession(self.decoder, prompts, max(p.shape[0] for p in prompts) + max_new_tokens)
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        session = OpsSession(self.decoder, prompts, max(p.shape[0] + n for p, n in zip(prompts, budgets)))
         return greedy_tokens(session, len(prompts), max_new_tokens, self.config.eos_token_ids, self.ops)
 
     # ---------------------------------------------------------------- the face to the nodes
@@ -155,9 +156,7 @@ class Qwen3ASRSpeech:
             for (pcm, lang, ctx, max_new, _), tokens in zip(talking, audio):
                 prompts.append(self.prompt_embeds(self.prompt_ids(tokens.shape[0], lang, ctx), tokens))
                 budgets.append(max_new or max(32, int(12 * len(pcm) / SAMPLE_RATE)))
-        outputs = self.generate(prompts, max(budgets)) if prompts else []
-        # greedy rows are independent: cutting a row at its own budget is decoding it alone
-        outputs = [ids[:budget] for ids, budget in zip(outputs, budgets)]
+        outputs = self.generate(prompts, budgets) if prompts else []
         results, it = [], iter(outputs)
         for (pcm, language, *_), has_speech in zip(prepared, speech):
             duration = len(pcm) / SAMPLE_RATE
