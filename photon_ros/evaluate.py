@@ -19,6 +19,10 @@ types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArra
 Replay at a rate keeps the bag's timing; at max, each stream goes as fast as the graph takes it
 (photon_ros.replay). The evaluation ends when every result the inputs call for has arrived
 (photon_ros.graph_probe predicts them), or when nothing has moved for --settle-timeout seconds.
+Exit status: 0 when every result the inputs called for came, 3 when some never came or the graph
+published nothing (the outputs are written either way), 2 for unusable input, 1 for a graph that
+could not run. In the `all` graph the loop's rule against frames captured before its own last turn
+is off: a bag's frames were captured with the recording robot's motion, not the loop's.
 Modules: bag_io (bags), eval_graph (the graph, run), replay (timing), graph_probe (the nodes'
 counters), result_log (results, CSVs), eval_report (the PNG); this one reads the bag's inputs
 and writes the outputs.
@@ -92,8 +96,10 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
     """Read the topics the graph needs from the bag; BagError when it lacks them."""
     topics = bag_topics(bag)
     inputs = Inputs(Path(bag))
-    chosen = {"image": choose_topic(topics, IMAGE_TYPES, image_topic, "image"),
-              "audio": choose_topic(topics, AUDIO_TYPES, audio_topic, "audio")}
+    # only the streams the graph takes: a speech graph need not choose among a RealSense's images
+    choose = {"image": lambda: choose_topic(topics, IMAGE_TYPES, image_topic, "image"),
+              "audio": lambda: choose_topic(topics, AUDIO_TYPES, audio_topic, "audio")}
+    chosen = {stream: choose[stream]() for stream in NEEDS[graph]}
     for stream in NEEDS[graph]:
         if chosen[stream] is None:
             kinds = IMAGE_TYPES if stream == "image" else AUDIO_TYPES
@@ -118,8 +124,11 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
 
 
 def input_overrides(inputs: Inputs) -> dict[str, dict[str, Any]]:
-    """Node parameters that make the graph take the bag's input types."""
-    overrides: dict[str, dict[str, Any]] = {}
+    """Node parameters that make the graph take the bag's input types, and the loop judge its
+    frames as a replay must: they were captured with the recording robot's motion, on a clock the
+    graph's does not share, so its rule against frames from before its own last turn (a live
+    robot's) is off."""
+    overrides: dict[str, dict[str, Any]] = {"loop": {"refuse_frames_before_turn": False}}
     if "image" in inputs.types:
         overrides["vision"] = {"input": IMAGE_TYPES[inputs.types["image"]]}
     if "audio" in inputs.types:
@@ -285,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: skipped {count} undecodable message(s) on {topic}", file=sys.stderr)
     for missing in summary["missing_results"]:
         print(f"evaluate: never came: {missing}", file=sys.stderr)
+    if summary["missing_results"] or not any(summary["results"].values()):
+        print("evaluate: incomplete: " + ("results the inputs called for never came" if summary["missing_results"]
+                                          else "the graph published no result at all"), file=sys.stderr)
+        return 3
     return 0
 
 

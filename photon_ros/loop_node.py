@@ -54,6 +54,8 @@ LOOP_PARAMS = [
     Param("robot_frame", "base_link", "the robot's own frame: goals are placed only from positions in it (their "
           "origin is the robot); positions in any other frame (the camera's optical frame, map, odom) give none"),
     Param("goal_standoff_m", 0.5, "the goal stops this far short of the object", low=0.0),
+    Param("refuse_frames_before_turn", True, "a result from a frame captured before the last turn ended (or "
+          "while turning) moves nothing; false only for replays, whose frames are not this robot's (evaluate)"),
 ]
 
 
@@ -241,6 +243,8 @@ class LoopNode(Node):
     def taken_before_last_turn(self, stamp) -> str:
         """Why a result from a frame captured at `stamp` must not move the robot ("" if it may):
         the camera turned since (or was turning), so the bearing it gives is not the robot's now."""
+        if not self.params["refuse_frames_before_turn"]:
+            return ""
         if self.turns.active:
             return "its frame was captured before the last turn ended (the robot is still turning)"
         if self.still_since is None or (stamp.sec == 0 and stamp.nanosec == 0):

@@ -15,6 +15,7 @@ class RateStats:
         self._latencies: deque[tuple[float, float]] = deque(maxlen=max_events)
         self._max_events = max_events
         self._lock = threading.Lock()
+        self._started = time.monotonic()
 
     def tick(self, name: str, latency: float | None = None) -> None:
         now = time.monotonic()
@@ -24,11 +25,12 @@ class RateStats:
                 self._latencies.append((now, latency))
 
     def rate(self, name: str) -> float:
-        """Events per second over the window."""
+        """Events per second over the window, or over the time since this began where that is
+        shorter (at least a second): a node 2 s up at 10 Hz says 10 Hz, not 2."""
         now = time.monotonic()
         with self._lock:
             times = [t for t in self._events.get(name, ()) if now - t <= self.window_s]
-        return len(times) / self.window_s
+        return len(times) / min(self.window_s, max(now - self._started, 1.0))
 
     def latency_percentiles(self, qs=(50, 90, 99)) -> dict[int, float]:
         now = time.monotonic()

@@ -258,3 +258,22 @@ def test_bad_input_fails_with_its_reason(tmp_path, capsys):
     assert "NODE.PARAM=VALUE" in capsys.readouterr().err
     assert evaluate.main([str(fake), "--set", "visoin.detect=[cup]"]) == 2
     assert "names no node" in capsys.readouterr().err
+
+
+def test_only_the_streams_a_graph_takes_are_chosen(tmp_path):
+    """A RealSense bag has colour and depth images: a speech graph need not choose between them
+    (it failed with 'several image topics'); a vision graph still asks for --image-topic."""
+    bag = tmp_path / "realsense"
+    header = Header(stamp=seconds_to_time(1000.0), frame_id="camera")
+    frame = rgb_to_image(np.zeros((8, 8, 3), np.uint8), "bgr8", header=header)
+    chunk = pcm_to_audio_chunk(np.zeros(1600, np.float32), 16000, "S16LE", header=header)
+    with BagWriter(bag, "sqlite3") as w:
+        for topic, msg in (("/camera/color/image_raw", frame), ("/camera/depth/image_rect_raw", frame),
+                           ("/mic/audio", chunk)):
+            w.write(topic, msg, int(1000.1e9))
+    inputs = evaluate.load_inputs(bag, "speech")
+    assert inputs.topics == {"audio": "/mic/audio"}
+    with pytest.raises(BagError, match="several image topics"):
+        evaluate.load_inputs(bag, "vision")
+    assert evaluate.load_inputs(bag, "vision", image_topic="/camera/color/image_raw").topics == \
+        {"image": "/camera/color/image_raw"}

@@ -143,3 +143,27 @@ def test_no_turn_of_ours_once_a_planner_goal_went_out(loop):
     loop.on_result(POINT, done(found(now(loop))), Handle(), command=2)
     assert not loop.turns.active
     assert any("planner goal sent earlier" in s for s in loop.said)
+
+
+def test_replays_turn_the_stale_frame_rule_off():
+    """In a bag evaluation the frames were captured with the recording robot's motion, on a clock
+    the graph does not share (their stamps are all 'before' a turn ended now): the evaluator turns
+    the rule off, and every command's result is acted on."""
+    from photon_ros.evaluate import Inputs, input_overrides
+    assert input_overrides(Inputs(bag=None))["loop"] == {"refuse_frames_before_turn": False}
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    node = LoopNode(context=ctx, parameter_overrides=[Parameter("refuse_frames_before_turn", value=False)])
+    try:
+        node.say = lambda text: None
+        old = Time(sec=1000)                                  # a recording's stamps
+        node.command = 1
+        node.on_result(POINT, done(found(old)), Handle(), command=1)
+        assert node.turns.active
+        end_turn(node)
+        node.command = 2
+        node.on_result(POINT, done(found(old)), Handle(), command=2)
+        assert node.turns.active
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=ctx)
