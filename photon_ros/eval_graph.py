@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import rclpy
-from rclpy.duration import Duration
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -146,8 +145,7 @@ class GraphRun:
                     for i, (m, pcm) in enumerate(zip(messages, self.audio))}
             gate = None
             if rate is None:
-                gate = ChunkGate(self.speech, [ends[i] for i in range(len(messages))], publisher,
-                                 stall_s=stall_s, ack_timeout=Duration(seconds=stall_s))
+                gate = ChunkGate(self.speech, [ends[i] for i in range(len(messages))], stall_s=stall_s)
             streams.append(Stream("audio", "audio", messages, publisher, gate))
         return streams, ends
 

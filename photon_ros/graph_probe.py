@@ -81,6 +81,11 @@ class SpeechProbe:
         segmenter = self.node.segmenter
         return None if segmenter is None else segmenter.last_time
 
+    def chunks_taken(self) -> int:
+        """Audio messages the node has taken off its subscription, or knows were lost on the way
+        (its publishers' sequence numbers): the backlog behind them is what its queue holds."""
+        return self.node.chunks_received + self.node.health.lost_in_transport
+
     def in_speech(self) -> bool:
         """An utterance is open: its end (or the idle flush) is still to come."""
         segmenter = self.node.segmenter

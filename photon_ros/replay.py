@@ -109,13 +109,15 @@ class FrameGate(Gate):
 class ChunkGate(Gate):
     """Chunk i waits until the speech node has consumed chunk i - window. Consumption shows as the
     segmenter's stream time reaching the chunk's end (`ends`, computed as the node computes it).
-    Unstamped audio (std_msgs arrays) shows none: each chunk then waits for DDS to acknowledge it,
-    which bounds the backlog in transit but not in the node's subscription queue."""
+    Unstamped audio (std_msgs arrays) shows none: chunk i then waits until the node has taken
+    i - window chunks off its subscription (or learnt they were lost on the way), which bounds the
+    backlog in its queue (100 chunks: a longer one pushed chunks out unheard, and nothing counted
+    them). (DDS acknowledgements, the earlier rule, bound nothing for a best-effort reader.)"""
 
-    def __init__(self, probe: SpeechProbe, ends: list[float | None], publisher, window: int = 50,
-                 stall_s: float = 120.0, ack_timeout=None) -> None:
-        self.probe, self.ends, self.publisher = probe, ends, publisher
-        self.window, self.stall_s, self.ack_timeout = window, stall_s, ack_timeout
+    def __init__(self, probe: SpeechProbe, ends: list[float | None], window: int = 50,
+                 stall_s: float = 120.0) -> None:
+        self.probe, self.ends = probe, ends
+        self.window, self.stall_s = window, stall_s
         self.consumed = -1          # index of the newest chunk the node is known to have consumed
         self.sent = 0
 
@@ -131,14 +133,12 @@ class ChunkGate(Gate):
 
     def published(self, index: int) -> None:
         self.sent = index + 1
-        if self.ends[index] is None:
-            acked = (self.publisher.wait_for_all_acked() if self.ack_timeout is None
-                     else self.publisher.wait_for_all_acked(self.ack_timeout))
-            if not acked:
-                raise GraphError(f"the speech node did not acknowledge audio chunk {index}")
-            self.consumed = index
 
     def _advance(self) -> bool:
+        taken = min(self.probe.chunks_taken(), self.sent) - 1   # (a subscription's queue is FIFO)
+        if taken > self.consumed:
+            self.consumed = taken
+            return True
         until = self.probe.audio_until()
         for j in range(self.sent - 1, self.consumed, -1):
             if self.ends[j] is not None and self.ends[j] == until:

@@ -277,3 +277,26 @@ def test_only_the_streams_a_graph_takes_are_chosen(tmp_path):
         evaluate.load_inputs(bag, "vision")
     assert evaluate.load_inputs(bag, "vision", image_topic="/camera/color/image_raw").topics == \
         {"image": "/camera/color/image_raw"}
+
+
+def test_unstamped_audio_at_max_rate_is_paced_by_what_the_node_takes(tmp_path):
+    """Int16MultiArray audio carries no stamps: at max rate each chunk waited for DDS to acknowledge
+    it, which a best-effort reader never does, so the whole bag went at once into a queue of 100 and
+    every command before the last ~100 chunks was lost, unseen. Now each waits until the node has
+    taken the chunks 50 before it: three commands in 160 chunks, three transcripts."""
+    from scipy.signal import resample_poly
+    from photon_ros.audio_conversions import pcm_to_int16_array
+    parts = []
+    for sentence in ("Find the red ball.", "Point at the blue box.", "Hello robot, how are you today?"):
+        pcm, sr = espeak_pcm(sentence)
+        parts += [pcm, np.zeros(int(1.5 * sr), np.float32)]
+    audio = resample_poly(np.concatenate(parts), 16000, sr).astype(np.float32)
+    bag, t0, sent = tmp_path / "int16", time.time(), 0
+    with BagWriter(bag, "mcap") as w:
+        for c in chunk_audio(audio, 16000, 0.05, 0.5, 1.0):
+            w.write("/audio_raw", pcm_to_int16_array(c), int((t0 + sent / 16000) * 1e9))
+            sent += len(c)
+    out = tmp_path / "eval"
+    assert evaluate.main([str(bag), "--graph", "speech", "--rate", "max", "--out", str(out)]) == 0
+    finals = [r for r in read_csv(out / "transcript.csv") if r["is_final"] == "True"]
+    assert len(finals) == 3 and words(finals[0]["text"]) == words("Find the red ball.")
