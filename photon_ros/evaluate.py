@@ -193,7 +193,10 @@ def write_outputs(out: Path, storage: str, inputs: Inputs, run: Run, title: str)
     summary = {"bag": str(inputs.bag), "inputs": inputs.topics, "ignored_topics": inputs.ignored,
                "undecodable_messages": inputs.undecodable_counts(),
                "results": {topic: len(r) for topic, r in rows.items()}, **run.counters,
-               "missing_results": run.pending}
+               "missing_results": run.pending,
+               # their results name no frame: no input_index or delay_s, has_results left empty
+               "frames_sharing_stamps": sum(1 for p in run.published if p.stream == "image"
+                                            and p.stamp_ns in timeline.shared)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -220,7 +223,7 @@ def write_inputs_csv(path: Path, published: list[Published], inputs: Inputs, wit
         writer.writerow(["stream", "bag_topic", "index", "stamp_ns", "time_s", "log_time_ns",
                          "published_s", "has_results"])
         for p in published:
-            has = (p.stamp_ns in with_results) if p.stream == "image" else ""
+            has = (p.stamp_ns in with_results) if p.stream == "image" and p.stamp_ns not in timeline.shared else ""
             writer.writerow([p.stream, inputs.topics[p.stream], p.index, p.stamp_ns,
                              timeline.seconds(p.stamp_ns), p.log_time_ns, round(p.at - start, 6), has])
 

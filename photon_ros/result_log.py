@@ -14,7 +14,8 @@ import csv
 import json
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,18 +131,25 @@ class InputTimeline:
     chunk_ends: list[float]                    # end capture time (s) of each audio chunk, sorted
     chunks: list[Published]                    # in the same order
     t0_ns: int                                 # zero of the timeline: the first input stamp
+    shared: set[int] = field(default_factory=set)   # stamps several frames carry: no result is told apart
 
     @classmethod
     def build(cls, published: list[Published], chunk_ends: dict[int, float | None]) -> "InputTimeline":
-        frames = {p.stamp_ns: p for p in published if p.stream == "image" and p.stamp_ns is not None}
+        # A result names its frame by the frame's stamp: where several frames share one (a camera
+        # that leaves it 0, a driver that repeats it), its frame is not known, and none is named.
+        counts = Counter(p.stamp_ns for p in published if p.stream == "image" and p.stamp_ns is not None)
+        shared = {stamp for stamp, n in counts.items() if n > 1}
+        frames = {p.stamp_ns: p for p in published
+                  if p.stream == "image" and p.stamp_ns is not None and p.stamp_ns not in shared}
         chunks = sorted(((chunk_ends[p.index], p) for p in published
                          if p.stream == "audio" and chunk_ends.get(p.index) is not None), key=lambda c: c[0])
         # Without any stamp (std_msgs audio), results carry the node's clock: zero is the replay's start.
         stamps = [p.stamp_ns for p in published if p.stamp_ns] or [p.wall_ns for p in published]
-        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], min(stamps, default=0))
+        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], min(stamps, default=0), shared)
 
     def seconds(self, stamp: int | None) -> float | None:
-        return None if stamp is None else (stamp - self.t0_ns) / 1e9
+        """A stamp on the timeline; None for none, or 0 (unstamped: not a time on it)."""
+        return None if not stamp else (stamp - self.t0_ns) / 1e9
 
     def source(self, output: Output, msg: Any) -> Published | None:
         """The input that produced `msg`, when one input did."""

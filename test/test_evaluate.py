@@ -300,3 +300,19 @@ def test_unstamped_audio_at_max_rate_is_paced_by_what_the_node_takes(tmp_path):
     assert evaluate.main([str(bag), "--graph", "speech", "--rate", "max", "--out", str(out)]) == 0
     finals = [r for r in read_csv(out / "transcript.csv") if r["is_final"] == "True"]
     assert len(finals) == 3 and words(finals[0]["text"]) == words("Find the red ball.")
+
+
+def test_results_of_frames_sharing_a_stamp_name_no_frame():
+    """A camera that leaves its stamps 0 (or repeats them): every result was credited to the last
+    frame with that stamp, with negative delays. Now they name none, and 0 is no time on the timeline."""
+    from photon_ros.replay import Published
+    from photon_ros.result_log import InputTimeline, Output
+    published = [Published("image", i, 0, 10 + i, at=float(i)) for i in range(3)]
+    published += [Published("image", 3, 5_000_000_000, 13, at=3.0)]
+    timeline = InputTimeline.build(published, {})
+    assert timeline.shared == {0}
+    frame = Output("detections", Detections, "frame")
+    unstamped, stamped = Detections(), Detections()
+    stamped.header.stamp.sec = 5
+    assert timeline.source(frame, unstamped) is None and timeline.seconds(0) is None
+    assert timeline.source(frame, stamped).index == 3
