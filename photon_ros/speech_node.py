@@ -75,7 +75,7 @@ from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, MAX_RATE, MIN_RATE, a
                                       speech_params, vad_config)
 from photon_ros.speech_segmenter import SpeechSegmenter, Utterance
 from photon_ros.sample_clock import ReadStamps
-from photon_ros.stream_watch import StreamWatch
+from photon_ros.stream_watch import ArrivalRate, StreamWatch
 from photon_ros.utterance_queue import Speculations, UtteranceQueue
 
 INPUT_TYPES = {"audio_chunk": AudioChunk, "int16": Int16MultiArray, "float32": Float32MultiArray}
@@ -163,6 +163,7 @@ class SpeechNode(ManagedNode):
         self.segmenter: SpeechSegmenter | None = None
         self.last_frame_id = self.params["frame_id"]
         self.watch = StreamWatch(self.params["idle_flush_s"])
+        self.arrival = ArrivalRate()   # std_msgs arrays: is sample_rate the rate they come at?
         self.read_stamps = ReadStamps(self.jump_tolerance)   # for a driver that stamps its reads
         self.skipped_chunks = 0
         self.health = InputHealth()     # chunks lost on the way, chunks failing in a row
@@ -291,6 +292,7 @@ class SpeechNode(ManagedNode):
             in_progress = self.segmenter.current() if self.segmenter is not None else None
             self.segmenter = None
             self.watch = StreamWatch(self.params["idle_flush_s"])
+            self.arrival.restart()
             self.read_stamps = ReadStamps(self.jump_tolerance)
             dropped = ([u for u in drain(self.queue) if u.final and not u.speculative]
                        + ([in_progress] if in_progress else []))
@@ -327,6 +329,8 @@ class SpeechNode(ManagedNode):
             self.last_frame_id = frame_id
             chunk_s = pcm.samples.size / pcm.sample_rate
             self.watch.chunk(time.monotonic(), chunk_s)
+            if isinstance(msg, (Int16MultiArray, Float32MultiArray)) and self.params["check_sample_rate"]:
+                self.arrival.chunk(time.monotonic(), pcm.samples.size, pcm.sample_rate)
             # as many chunks as this one lost in transport (sequence numbers): a hole in the
             # audio even where it is too short for the stamps to show
             gap = self.segmenter.transport_lost(lost * chunk_s) if lost else []
@@ -434,6 +438,7 @@ class SpeechNode(ManagedNode):
         with self.lock:
             if self.watch.stopped(time.monotonic()) and self.segmenter is not None:
                 self.read_stamps = ReadStamps(self.jump_tolerance)   # a stream that comes back: counted anew
+                self.arrival.restart()
                 utterance = self.segmenter.stream_stopped(
                     f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
                 if utterance is not None:
@@ -548,6 +553,11 @@ class SpeechNode(ManagedNode):
         failing = self.health.failing("audio chunks") or self.transcribing.failing("transcriptions")
         if failing and state == "active":
             status.level, status.message = DiagnosticStatus.ERROR, failing
+        wrong_rate = self.arrival.mismatch() if state == "active" else ""
+        if wrong_rate:
+            self.get_logger().warning(wrong_rate, throttle_duration_sec=30.0)
+            if status.level < DiagnosticStatus.WARN:
+                status.level, status.message = DiagnosticStatus.WARN, wrong_rate
         segmenter = self.segmenter
         values = {
             "model": str(self.model_name),

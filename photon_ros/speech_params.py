@@ -38,6 +38,8 @@ def speech_params() -> list[Param]:
               "(microphone drivers) and reliable publishers alike", choices=RELIABILITIES, applies="configure"),
         Param("sample_rate", 16000, "Hz of std_msgs array input (the arrays carry none)", low=MIN_RATE, high=MAX_RATE),
         Param("channels", 1, "channels of std_msgs array input, interleaved", low=1, high=64),
+        Param("check_sample_rate", True, "std_msgs array input: warn (log, /diagnostics) when audio arrives over 10% "
+              "faster or slower than sample_rate says (over 5 s); false for replays not at real time"),
         Param("frame_id", "", "frame id of the transcripts; empty keeps the audio's"),
         Param("language", "", "language code for multilingual models (en, de, ...); empty: detect it"),
         Param("initial_prompt", "", "text given to the model before each utterance (names, jargon)"),

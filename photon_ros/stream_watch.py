@@ -35,3 +35,37 @@ class StreamWatch:
         self._armed = False
         self.last_chunk = None   # reported; the next chunk starts watching again
         return True
+
+
+class ArrivalRate:
+    """Does audio whose rate only a parameter states (std_msgs arrays carry none) arrive at it?
+    Its samples are counted against the clock over a stretch of at least `min_s` without a stop
+    (restart() at one): 48 kHz audio read as 16 kHz arrives three times too fast, and the model
+    would hear it three times slower and lower, with nothing else to show it."""
+
+    def __init__(self, min_s: float = 5.0, tolerance: float = 0.1) -> None:
+        self.min_s, self.tolerance = min_s, tolerance
+        self.restart()
+
+    def restart(self) -> None:
+        self.first: float | None = None   # arrival of the stretch's first chunk
+        self.last = 0.0
+        self.samples = 0                  # after the first chunk
+        self.rate = 0
+
+    def chunk(self, now: float, samples: int, rate: int) -> None:
+        if self.first is None or rate != self.rate:
+            self.restart()
+            self.first, self.last, self.rate = now, now, rate
+            return
+        self.last, self.samples = now, self.samples + samples
+
+    def mismatch(self) -> str:
+        """Why the stated rate looks wrong ("" while it looks right, or too little is known)."""
+        if self.first is None or self.last - self.first < self.min_s:
+            return ""
+        measured = self.samples / (self.last - self.first)
+        if abs(measured / self.rate - 1) <= self.tolerance:
+            return ""
+        return (f"audio arrives at about {measured:.0f} samples/s but sample_rate says {self.rate} Hz: "
+                "set the speech node's sample_rate to the source's")
