@@ -86,7 +86,7 @@ class GraphRun:
         prompts = self.vision.prompts()
         stamps = [stamp_ns(m.msg) for m in self.messages["image"]]
         if not prompts:
-            return None, "with no detect or point prompt, a caption still coming cannot be told from none"
+            return None, "with no detect, point or segment prompt, a caption still coming cannot be told from none"
         if len(set(stamps)) < len(stamps):
             return None, "frames of the bag share stamps, so their results cannot be told apart"
         return FrameProgress(prompts), ""

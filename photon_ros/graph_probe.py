@@ -64,7 +64,8 @@ class VisionProbe:
         """(topic, prompt) of every result a processed frame always gives (captions come only
         when their period is due, so they are not counted on)."""
         return ([("detections", p) for p in self.node.detect_targets]
-                + [("points", p) for p in self.node.point_targets])
+                + [("points", p) for p in self.node.point_targets]
+                + [("segmentation", p) for p in self.node.segment_targets])
 
 
 class SpeechProbe:

@@ -66,7 +66,7 @@ class Gate:
 class FrameGate(Gate):
     """At most `window` frames in flight: published, and neither answered in full nor dropped.
     A frame is answered when every awaited result of it has arrived (`progress`); without that
-    (no detect or point prompt to wait for), when the vision worker has taken it. With window 1
+    (no detect, point or segment prompt to wait for), when the vision worker has taken it. With window 1
     each frame's delay is its own processing time; 2 keeps a frame waiting in the node's mailbox
     while one is processed (the model never idles); more makes the node drop frames, which its
     counters show. A frame that does not arrive within `transport_s` is presumed lost on the way

@@ -25,7 +25,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
 from photon_ros.bag_io import BagWriter, stamp_ns
-from photon_ros.msg import Detections, ImageTarget, Points, Transcript, VisionText
+from photon_ros.msg import Detections, ImageTarget, Points, Segmentation, Transcript, VisionText
 from photon_ros.replay import Published
 from photon_ros.result_messages import time_to_seconds
 
@@ -41,7 +41,8 @@ def role_outputs(role: str) -> list[Output]:
     """The result topics of a node of the graph (relative names, as the nodes publish them)."""
     outputs = {
         "vision": [Output("detections", Detections, "frame"), Output("points", Points, "frame"),
-                   Output("caption", VisionText, "frame")] + _detection2d_output(),
+                   Output("caption", VisionText, "frame"), Output("segmentation", Segmentation, "frame")]
+                  + _detection2d_output(),
         "speech": [Output("transcript", Transcript, "utterance")],
         # what a planner receives from the loop, all of it: where (image, metres), its goal, its motion
         "loop": [Output("image_target", ImageTarget, None), Output("target", PointStamped, None),

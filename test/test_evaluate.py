@@ -316,3 +316,14 @@ def test_results_of_frames_sharing_a_stamp_name_no_frame():
     stamped.header.stamp.sec = 5
     assert timeline.source(frame, unstamped) is None and timeline.seconds(0) is None
     assert timeline.source(frame, stamped).index == 3
+
+
+def test_segmentation_results_are_recorded_and_awaited():
+    """A segment prompt's outlines were neither recorded nor awaited: a segment-only evaluation
+    recorded nothing and ran until the settle timeout."""
+    from types import SimpleNamespace
+    from photon_ros.graph_probe import VisionProbe
+    from photon_ros.result_log import role_outputs
+    assert ("segmentation", "frame") in [(o.topic, o.source) for o in role_outputs("vision")]
+    node = SimpleNamespace(detect_targets=["cup"], point_targets=[], segment_targets=["mug"])
+    assert VisionProbe(node).prompts() == [("detections", "cup"), ("segmentation", "mug")]
