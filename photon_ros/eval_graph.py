@@ -20,7 +20,7 @@ from photon_ros.bag_io import BagMessage, message_class, stamp_ns
 from photon_ros.bringup import build_graph
 from photon_ros.graph_probe import (GraphError, SpeechProbe, VisionProbe, chunk_end, chunk_start,
                                     loop_statuses, predict_utterances)
-from photon_ros.replay import ChunkGate, FrameGate, Published, Stream, replay
+from photon_ros.replay import ChunkGate, FrameGate, Published, ReplayStalled, Stream, replay
 from photon_ros.result_log import FrameProgress, ResultLog, role_outputs
 
 # The processing nodes of each graph; the audio source of bringup's graphs is the bag here.
@@ -249,7 +249,12 @@ class GraphRun:
         streams, ends = self.streams(rate, window, settle_timeout)
         self.wait_ready(streams)
         utterances = self.predicted_utterances()
-        published = replay(streams, rate, self.failed)
+        try:
+            published = replay(streams, rate, self.failed)
+        except ReplayStalled as stalled:   # what came until then is written out, with the reason
+            self.check()
+            return Run(stalled.published, self.log, ends, self.counters(stalled.published, utterances),
+                       [f"the replay stopped: {stalled}"])
         self.check()
         frames = sum(1 for p in published if p.stream == "image")
         pending = self.settle(frames, utterances, settle_timeout)

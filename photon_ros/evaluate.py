@@ -19,9 +19,9 @@ types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArra
 Replay at a rate keeps the bag's timing; at max, each stream goes as fast as the graph takes it
 (photon_ros.replay). The evaluation ends when every result the inputs call for has arrived
 (photon_ros.graph_probe predicts them), or when nothing has moved for --settle-timeout seconds.
-Exit status: 0 when every result the inputs called for came, 3 when some never came or the graph
-published nothing (the outputs are written either way), 2 for unusable input, 1 for a graph that
-could not run. In the `all` graph the loop's rule against frames captured before its own last turn
+Exit status: 0 when every result the inputs called for came, 3 when some never came, the graph
+published nothing, or a node stopped taking input for --settle-timeout (the outputs are written
+either way, with what came), 2 for unusable input, 1 for a graph that could not run. In the `all` graph the loop's rule against frames captured before its own last turn
 is off: a bag's frames were captured with the recording robot's motion, not the loop's.
 Modules: bag_io (bags), eval_graph (the graph, run), replay (timing), graph_probe (the nodes'
 counters), result_log (results, CSVs), eval_report (the PNG); this one reads the bag's inputs

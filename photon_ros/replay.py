@@ -147,9 +147,18 @@ class ChunkGate(Gate):
         return False
 
 
+class ReplayStalled(GraphError):
+    """A stream's gate gave up on the graph (it stopped taking input): what was published before."""
+
+    def __init__(self, cause: GraphError, published: list[Published]) -> None:
+        super().__init__(str(cause))
+        self.published = published
+
+
 def replay(streams: list[Stream], rate: float | None, stop: threading.Event | None = None) -> list[Published]:
     """Publish every stream (concurrently, one thread each) and return what was published when,
-    in publishing order. An error in one stream stops the others and is raised here."""
+    in publishing order. An error in one stream stops the others and is raised here (a stall as
+    ReplayStalled, with what was published)."""
     stop = stop or threading.Event()
     first = min((m.log_time_ns for s in streams for m in s.messages), default=0)
     start = time.monotonic()
@@ -178,9 +187,12 @@ def replay(streams: list[Stream], rate: float | None, stop: threading.Event | No
         thread.start()
     for thread in threads:
         thread.join()
+    published = sorted(log, key=lambda p: p.at)
     if errors:
+        if isinstance(errors[0], GraphError):
+            raise ReplayStalled(errors[0], published)
         raise errors[0]
-    return sorted(log, key=lambda p: p.at)
+    return published
 
 
 def _sleep_until(deadline: float, stop: threading.Event) -> None:

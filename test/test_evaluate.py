@@ -327,3 +327,23 @@ def test_segmentation_results_are_recorded_and_awaited():
     assert ("segmentation", "frame") in [(o.topic, o.source) for o in role_outputs("vision")]
     node = SimpleNamespace(detect_targets=["cup"], point_targets=[], segment_targets=["mug"])
     assert VisionProbe(node).prompts() == [("detections", "cup"), ("segmentation", "mug")]
+
+
+def test_a_stalled_replay_keeps_what_was_published():
+    """A gate that gives up on the graph (it stopped taking input) stopped the evaluation with
+    nothing written; the replay now hands back what it published, and the run writes it out."""
+    from types import SimpleNamespace
+    from photon_ros.graph_probe import GraphError
+    from photon_ros.replay import Gate, ReplayStalled, Stream, replay
+
+    class GivesUp(Gate):
+        def wait_turn(self, index, stop):
+            if index == 2:
+                raise GraphError("the vision node answered no frame for 0.1 s")
+
+    sent = []
+    messages = [SimpleNamespace(msg=Detections(), log_time_ns=i) for i in range(4)]
+    stream = Stream("image", "image", messages, SimpleNamespace(publish=sent.append), GivesUp())
+    with pytest.raises(ReplayStalled, match="answered no frame") as stalled:
+        replay([stream], None)
+    assert [p.index for p in stalled.value.published] == [0, 1] and len(sent) == 2
