@@ -12,6 +12,7 @@ stream).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -155,15 +156,38 @@ class ReplayStalled(GraphError):
         self.published = published
 
 
+class BagOrder:
+    """At max rate, the streams in the bag's order: a message goes out once every other stream has
+    sent what the bag holds before it. Each stream is still paced by its own gate, so the graph sets
+    the speed; without this the image and audio streams drifted apart (a command's audio minutes
+    of bag time away from the frames its find was answered on)."""
+
+    def __init__(self, streams: list[Stream]) -> None:
+        self._next = {s.name: (s.messages[0].log_time_ns if s.messages else math.inf) for s in streams}
+        self._cond = threading.Condition()
+
+    def wait_turn(self, name: str, log_time_ns: int, stop: threading.Event) -> None:
+        with self._cond:
+            while not stop.is_set() and any(t < log_time_ns for other, t in self._next.items() if other != name):
+                self._cond.wait(POLL_S * 10)
+
+    def sent(self, name: str, next_log_time_ns: float) -> None:
+        """`name` has sent all before `next_log_time_ns` (math.inf: all of it, or it stopped)."""
+        with self._cond:
+            self._next[name] = next_log_time_ns
+            self._cond.notify_all()
+
+
 def replay(streams: list[Stream], rate: float | None, stop: threading.Event | None = None) -> list[Published]:
     """Publish every stream (concurrently, one thread each) and return what was published when,
-    in publishing order. An error in one stream stops the others and is raised here (a stall as
-    ReplayStalled, with what was published)."""
+    in publishing order; at max rate in the bag's order across streams (BagOrder). An error in one
+    stream stops the others and is raised here (a stall as ReplayStalled, with what was published)."""
     stop = stop or threading.Event()
     first = min((m.log_time_ns for s in streams for m in s.messages), default=0)
     start = time.monotonic()
     log: list[Published] = []
     errors: list[BaseException] = []
+    order = BagOrder(streams) if rate is None and len(streams) > 1 else None
 
     def play(stream: Stream) -> None:
         try:
@@ -171,6 +195,8 @@ def replay(streams: list[Stream], rate: float | None, stop: threading.Event | No
             gate = stream.gate or Gate()
             for index, (message, offset) in enumerate(zip(stream.messages, offsets)):
                 _sleep_until(start + offset, stop)
+                if order is not None:
+                    order.wait_turn(stream.name, message.log_time_ns, stop)
                 gate.wait_turn(index, stop)
                 if stop.is_set():
                     return
@@ -178,9 +204,15 @@ def replay(streams: list[Stream], rate: float | None, stop: threading.Event | No
                 stream.publisher.publish(message.msg)
                 log.append(Published(stream.name, index, stamp_ns(message.msg), message.log_time_ns, at, wall_ns))
                 gate.published(index)
+                if order is not None:
+                    following = stream.messages[index + 1].log_time_ns if index + 1 < len(stream.messages) else math.inf
+                    order.sent(stream.name, following)
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
             errors.append(err)
             stop.set()
+        finally:
+            if order is not None:
+                order.sent(stream.name, math.inf)
 
     threads = [threading.Thread(target=play, args=(s,), name=f"replay-{s.name}", daemon=True) for s in streams]
     for thread in threads:

@@ -347,3 +347,22 @@ def test_a_stalled_replay_keeps_what_was_published():
     with pytest.raises(ReplayStalled, match="answered no frame") as stalled:
         replay([stream], None)
     assert [p.index for p in stalled.value.published] == [0, 1] and len(sent) == 2
+
+
+def test_at_max_rate_the_streams_go_out_in_the_bags_order():
+    """Each stream paced only by its own gate drifted from the other (the audio of a command far
+    ahead of the frames its find was answered on); now a message waits for the other streams'
+    earlier ones, whatever each gate's pace."""
+    from types import SimpleNamespace
+    from photon_ros.replay import Gate, Stream, replay
+
+    class Slow(Gate):
+        def wait_turn(self, index, stop):
+            time.sleep(0.02)
+
+    sent = []
+    image = [SimpleNamespace(msg=Detections(), log_time_ns=t) for t in (0, 10, 20, 30)]
+    audio = [SimpleNamespace(msg=AudioChunk(), log_time_ns=t) for t in (5, 15, 25, 35)]
+    published = replay([Stream("image", "image", image, SimpleNamespace(publish=sent.append), Slow()),
+                        Stream("audio", "audio", audio, SimpleNamespace(publish=sent.append))], None)
+    assert [p.log_time_ns for p in published] == [0, 5, 10, 15, 20, 25, 30, 35]
