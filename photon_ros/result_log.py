@@ -142,8 +142,11 @@ class InputTimeline:
         shared = {stamp for stamp, n in counts.items() if n > 1}
         frames = {p.stamp_ns: p for p in published
                   if p.stream == "image" and p.stamp_ns is not None and p.stamp_ns not in shared}
-        chunks = sorted(((chunk_ends[p.index], p) for p in published
-                         if p.stream == "audio" and chunk_ends.get(p.index) is not None), key=lambda c: c[0])
+        # A chunk's end: its capture stamp's, or for unstamped audio (std_msgs arrays) when it was
+        # published, the node's estimate too (it stamps such a chunk as ending when it arrives).
+        chunks = sorted(((chunk_ends[p.index] if chunk_ends.get(p.index) is not None else p.wall_ns / 1e9, p)
+                         for p in published if p.stream == "audio"
+                         and (chunk_ends.get(p.index) is not None or p.stamp_ns is None)), key=lambda c: c[0])
         # Without any stamp (std_msgs audio), results carry the node's clock: zero is the replay's start.
         stamps = [p.stamp_ns for p in published if p.stamp_ns] or [p.wall_ns for p in published]
         return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], min(stamps, default=0), shared)

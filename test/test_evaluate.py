@@ -300,6 +300,10 @@ def test_unstamped_audio_at_max_rate_is_paced_by_what_the_node_takes(tmp_path):
     assert evaluate.main([str(bag), "--graph", "speech", "--rate", "max", "--out", str(out)]) == 0
     finals = [r for r in read_csv(out / "transcript.csv") if r["is_final"] == "True"]
     assert len(finals) == 3 and words(finals[0]["text"]) == words("Find the red ball.")
+    # Unstamped, each transcript is still tied to the chunk that ended its utterance (by when it was
+    # published: the node stamps such audio as it arrives), so it has a delay.
+    indices = [int(r["input_index"]) for r in finals]
+    assert indices == sorted(indices) and all(float(r["delay_s"]) > 0 for r in finals)
 
 
 def test_results_of_frames_sharing_a_stamp_name_no_frame():
