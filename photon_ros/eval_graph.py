@@ -36,6 +36,12 @@ def graph_nodes(config_path: Path, roles: list[str], context, overrides: dict[st
     """The graph's processing nodes, configured as bringup configures them (its build_graph, without
     an audio source: the bag is the source)."""
     nodes = build_graph(config_path, "all", context=context, overrides=overrides, roles=roles)
+    for role, node in zip(roles, nodes):
+        if node.get_parameter("use_sim_time").value:
+            for made in nodes:
+                made.destroy_node()
+            raise GraphError(f"{role}: use_sim_time is not supported here: the replay publishes no /clock (the "
+                             "graph runs on this machine's clock, the bag's stamps kept as recorded)")
     return dict(zip(roles, nodes))
 
 

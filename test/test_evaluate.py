@@ -370,3 +370,13 @@ def test_at_max_rate_the_streams_go_out_in_the_bags_order():
     published = replay([Stream("image", "image", image, SimpleNamespace(publish=sent.append), Slow()),
                         Stream("audio", "audio", audio, SimpleNamespace(publish=sent.append))], None)
     assert [p.log_time_ns for p in published] == [0, 5, 10, 15, 20, 25, 30, 35]
+
+
+def test_sim_time_is_refused_with_the_reason(tmp_path, capsys):
+    """The replay publishes no /clock: with use_sim_time the nodes stamped transcripts near 0 and
+    the loop's timer never fired, and the run said rc 0. Refused now, saying why."""
+    bag = tmp_path / "session"
+    record_bag(bag, "sqlite3", False)
+    assert evaluate.main([str(bag), "--graph", "speech", "--set", "speech.use_sim_time=true",
+                          "--out", str(tmp_path / "eval")]) == 1
+    assert "use_sim_time is not supported" in capsys.readouterr().err
