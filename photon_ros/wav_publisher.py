@@ -72,7 +72,9 @@ class WavPublisher(Node):
         self.index = 0
         self.sent_samples = 0
         self.done = False
-        self.published_at: list[float] = []   # monotonic time of each chunk, for latency measurements
+        # monotonic time of each chunk of the first play, for latency measurements (not of later loops:
+        # a loop left playing for days would hold one entry per chunk)
+        self.published_at: list[float] = []
         self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
             depth=100, reliability=ReliabilityPolicy.RELIABLE))
         self.t0 = time.time()
@@ -85,7 +87,10 @@ class WavPublisher(Node):
                 self.get_logger().info(f"waiting for {self.wait_for_subscribers} subscriber(s) on "
                                        f"{self.publisher.topic_name}", once=True)
                 return   # nobody listens yet: the file's clock starts with its first chunk
-            self.t0 = time.time()
+            # as a driver stamps it: a chunk goes out once its last sample is captured, so the first
+            # sample of the first one was captured a chunk's time ago (stamped t0, it arrived as its
+            # audio would only begin)
+            self.t0 = time.time() - len(self.chunks[0]) / self.rate
         if self.index >= len(self.chunks):
             if not self.loop:
                 self.done = True
@@ -99,7 +104,8 @@ class WavPublisher(Node):
         self.publisher.publish(pcm_to_audio_chunk(chunk, self.rate, self.sample_format, header=header))
         self.index += 1
         self.sent_samples += len(chunk)
-        self.published_at.append(time.monotonic())
+        if len(self.published_at) < len(self.chunks):
+            self.published_at.append(time.monotonic())
 
 
 def main(args=None) -> None:

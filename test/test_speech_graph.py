@@ -238,3 +238,17 @@ def test_pauses_between_words_do_not_split_the_command(graph):
     time.sleep(1.0)
     assert [words(m.text) for m in received] == [words(sentence)]
     assert received[0].audio_complete
+
+
+def test_wav_publisher_stamps_each_chunk_as_a_driver_does(graph):
+    """A driver publishes a chunk once its last sample is captured: the chunk's stamp plus its
+    duration is about when it arrives, never later (the player's chunks arrived as their audio
+    would only begin: a chunk ahead of any microphone)."""
+    arrivals = []
+    graph.node("ears").create_subscription(AudioChunk, "audio", lambda m: arrivals.append((m, time.time())), QOS)
+    graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(espeak_wav("Stop."))), Parameter("leading_silence_s", value=0.0)]))
+    assert wait_for(lambda: len(arrivals) >= 5, timeout=30)
+    for msg, arrived in arrivals[:5]:
+        end = time_to_seconds(msg.header.stamp) + len(msg.data) / 2 / msg.sample_rate
+        assert arrived - 0.25 < end <= arrived + 0.02, (end, arrived)
