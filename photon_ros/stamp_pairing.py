@@ -216,7 +216,9 @@ class StampPairing(Generic[T]):
         self.outcomes = {"exact": 0, "nearest": 0, "newest": 0, "none": 0}
         self.late = 0           # frames' own messages that reached the process after their deadline
         self.seen_late = 0      # ... in time, but whose callback ran after the frame was decided
-        self._without_own: deque[Wait[T]] = deque(maxlen=4 * max_waiting)   # decided, not exact
+        # (stamp, deadline) of frames decided without their own message: only what counts a late
+        # one (holding the Waits held their depth images, up to 64 of them, past `keep`)
+        self._without_own: deque[tuple[int, float]] = deque(maxlen=4 * max_waiting)
         self.waited_s: deque[float] = deque(maxlen=200)                  # per decided frame
 
     # --- arrivals ---------------------------------------------------------------------------
@@ -296,10 +298,10 @@ class StampPairing(Generic[T]):
             self._decide(wait, wait.deadline)
 
     def _count_late(self, stamp: int, received: float) -> None:
-        for wait in self._without_own:
-            if wait.stamp == stamp:
-                self._without_own.remove(wait)
-                if received > wait.deadline:
+        for entry in self._without_own:
+            if entry[0] == stamp:
+                self._without_own.remove(entry)
+                if received > entry[1]:
                     self.late += 1
                 else:
                     self.seen_late += 1
@@ -310,7 +312,7 @@ class StampPairing(Generic[T]):
             return
         wait._outcome = wait._outcome_now(at, given_up)
         if not (isinstance(wait._outcome, Match) and wait._outcome.rule == "exact"):
-            self._without_own.append(wait)
+            self._without_own.append((wait.stamp, wait.deadline))
             own = next(((s, at) for s, at, _ in self._kept if s == wait.stamp), None)
             if own is not None:      # already here, received after the deadline (or not seen by then)
                 self._count_late(*own)

@@ -307,3 +307,29 @@ def test_bad_arguments_are_refused():
         StampPairing("depth image", float("nan"))
     with pytest.raises(ValueError, match="keep"):
         StampPairing("depth image", 0.05, keep=0)
+
+
+def test_frames_decided_without_their_own_depth_hold_no_depth_image():
+    """What counts a late own message keeps only (stamp, deadline): the decided frames it held
+    kept their depth images alive past `keep` (85 MB of 720p depth at 30 Hz colour, 15 Hz depth)."""
+    import gc
+    import weakref
+
+    class Depth:
+        pass
+
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock, keep=2)
+    alive = []
+    for i in range(30):
+        stamp = T0 + i * 66 * MS
+        wait = pairing.wait_for(stamp)
+        depth = Depth()
+        alive.append(weakref.ref(depth))
+        clock.now += 0.01
+        pairing.add(stamp + 20 * MS, depth)   # the nearest within the tolerance, never its own
+        clock.now += 0.06
+        assert wait.poll().rule == "nearest"
+        del wait, depth
+    gc.collect()
+    assert sum(ref() is not None for ref in alive) <= 2
