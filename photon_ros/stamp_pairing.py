@@ -155,7 +155,11 @@ class Wait(Generic[T]):
         offset = stamp - self.stamp
         self._newest = (stamp, msg)          # offered in the order they arrived
         if offset > JUMP_BACK_NS:
-            return False                     # from before the frames' stamps went back (a bag played again)
+            # from before the frames' stamps went back (a bag played again), or a clock far ahead
+            # of the camera's: not a pair, but the reason says how far it was
+            if self._outside is None or abs(offset) < abs(self._outside):
+                self._outside = offset
+            return False
         if abs(offset) <= tolerance:
             if self._best is None or abs(offset) < self._best[0]:
                 self._best = (abs(offset), stamp, msg)

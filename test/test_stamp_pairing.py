@@ -333,3 +333,15 @@ def test_frames_decided_without_their_own_depth_hold_no_depth_image():
         del wait, depth
     gc.collect()
     assert sum(ref() is not None for ref in alive) <= 2
+
+
+def test_a_depth_clock_far_ahead_is_named_in_the_reason():
+    """Depth stamped 2 s after the colour frames (unsynchronised machines): no pair, and the reason
+    says how far the nearest was, as it does at 0.9 s, where it said nothing."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock)
+    wait = pairing.wait_for(T0)
+    pairing.add(T0 + 2 * NS, "depth")
+    clock.now += 1.0
+    outcome = wait.poll()
+    assert isinstance(outcome, NoMatch) and "the nearest was stamped 2.000 s after it" in outcome.reason
