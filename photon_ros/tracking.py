@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -86,12 +87,20 @@ _TIE = 1e-9
 
 
 class IdSource:
-    """Ids 1, 2, 3, ... each handed out once for the life of this object. Safe to share between
-    trackers on different threads."""
+    """Ids first, first + 1, ... each handed out once for the life of this object. Safe to share
+    between trackers on different threads. `clock_based()`: a first id from the clock, so a node
+    that restarts does not hand out again the ids a planner may still hold."""
 
-    def __init__(self) -> None:
-        self._next = 1
+    def __init__(self, first: int = 1) -> None:
+        self._first = self._next = int(first)
         self._lock = threading.Lock()
+
+    @classmethod
+    def clock_based(cls) -> "IdSource":
+        # milliseconds, modulo 2**31 (24.8 days): a restart starts past the ids of an earlier run
+        # that handed out fewer than a thousand a second since it began, and 2**31 ids remain below
+        # uint32's end
+        return cls(1 + (time.time_ns() // 1_000_000) % 2**31)
 
     def take(self) -> int:
         with self._lock:
@@ -102,6 +111,11 @@ class IdSource:
     @property
     def issued(self) -> int:
         """How many ids have been handed out."""
+        return self._next - self._first
+
+    @property
+    def last(self) -> int:
+        """The id handed out last (first - 1 before any)."""
         return self._next - 1
 
 

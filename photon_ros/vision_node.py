@@ -140,7 +140,7 @@ class VisionNode(ManagedNode):
 
     def __init__(self, **kwargs) -> None:
         super().__init__("vision", **kwargs)
-        self.track_ids = IdSource()   # ids unique across this node's prompts, never reused
+        self.track_ids = IdSource.clock_based()   # unique across this node's prompts, and its restarts
         self.params = NodeParams(self, vision_params(), apply=self.apply_params, check_all=self.check_params)
         self.model_name = self.params["model"]   # the one loaded: read again at configure
         self.apply_params(self.params.values)

@@ -115,7 +115,7 @@ def test_occlusion_of_max_missed_results_gives_a_new_id_never_a_reused_one(max_m
     assert [t.track_id for t in tracker.tracks()] == [first[1].track_id]   # the hidden one ended
     back = tracker.update([box(100, 100), box(300, 300)], (max_missed + 1) * DT, SIZE)
     assert back[1].track_id == first[1].track_id
-    assert back[0].track_id not in seen and back[0].track_id == ids.issued
+    assert back[0].track_id not in seen and back[0].track_id == ids.last
     # An id ended by reset() is not handed out again either.
     tracker.reset()
     again = tracker.update([box(100, 100)], 0.0, SIZE)
@@ -278,3 +278,14 @@ def test_a_track_last_detected_longer_ago_than_max_age_ends():
     assert later[0].track_id != first[0].track_id
     soon = tracker.update([box(112, 100)], 601.0, SIZE)
     assert soon[0].track_id == later[0].track_id
+
+
+def test_a_restarted_node_does_not_hand_out_the_ids_of_its_last_run():
+    """Ids began at 1 in every process: a planner holding id 3 across a respawn of the vision node
+    saw another object take it. A clock-based first id starts past the earlier run's."""
+    import time
+    first = IdSource.clock_based()
+    taken = [first.take() for _ in range(3)]
+    time.sleep(0.2)
+    again = IdSource.clock_based()
+    assert again.take() > max(taken) and 0 < again.last < 2**32
