@@ -9,14 +9,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import rclpy
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-from photon_ros.bag_io import BagMessage, message_class, stamp_ns
+from photon_ros.bag_io import BagMessage, StreamedMessages, message_class, stamp_ns
 from photon_ros.bringup import build_graph
 from photon_ros.graph_probe import (GraphError, SpeechProbe, VisionProbe, chunk_end, chunk_start,
                                     loop_statuses, predict_utterances)
@@ -56,7 +56,7 @@ class Run:
 
 
 class GraphRun:
-    def __init__(self, messages: dict[str, list[BagMessage]], types: dict[str, str], graph: str,
+    def __init__(self, messages: dict[str, Sequence[BagMessage]], types: dict[str, str], graph: str,
                  config: Path, overrides: dict[str, dict]) -> None:
         self.messages, self.types = messages, types
         self.context = rclpy.Context()
@@ -90,7 +90,9 @@ class GraphRun:
         if self.vision is None or "image" not in self.messages:
             return None, ""
         prompts = self.vision.prompts()
-        stamps = [stamp_ns(m.msg) for m in self.messages["image"]]
+        frames = self.messages["image"]
+        stamps = ([frames.stamp_of(i) for i in range(len(frames))] if isinstance(frames, StreamedMessages)
+                  else [stamp_ns(m.msg) for m in frames])
         if not prompts:
             return None, "with no detect, point or segment prompt, a caption still coming cannot be told from none"
         if len(set(stamps)) < len(stamps):

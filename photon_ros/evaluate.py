@@ -35,13 +35,13 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 from rclpy.exceptions import ParameterException
 
-from photon_ros.bag_io import (STORAGES, BagError, BagMessage, Undecodable, bag_storage, bag_topics,
-                               read_messages)
+from photon_ros.bag_io import (STORAGES, BagError, BagMessage, StreamedMessages, Undecodable, bag_storage,
+                               bag_topics, read_messages)
 from photon_ros.bringup import DEFAULT_CONFIG, use_large_data_profile
 from photon_ros.eval_graph import ROLES, GraphRun, Run
 from photon_ros.eval_report import ReportData, audio_envelope, plot_report
@@ -62,7 +62,7 @@ class Inputs:
     bag: Path
     topics: dict[str, str] = field(default_factory=dict)           # stream -> bag topic
     types: dict[str, str] = field(default_factory=dict)            # stream -> message type
-    messages: dict[str, list[BagMessage]] = field(default_factory=dict)
+    messages: dict[str, Sequence[BagMessage]] = field(default_factory=dict)
     ignored: dict[str, str] = field(default_factory=dict)          # bag topic -> type, not replayed
     undecodable: list[Undecodable] = field(default_factory=list)   # damaged records, skipped
 
@@ -112,7 +112,9 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
         # A damaged record is skipped and counted (summary.json, the report): one bad message
         # should not cost the evaluation of a whole recording.
         skipped: list[Undecodable] = []
-        inputs.messages[stream] = list(read_messages(bag, [topic], skipped))
+        # images are read again as they are replayed, not held (a bag's frames can be gigabytes)
+        inputs.messages[stream] = (StreamedMessages(bag, topic, skipped) if stream == "image"
+                                   else list(read_messages(bag, [topic], skipped)))
         inputs.undecodable += skipped
         if not inputs.messages[stream]:
             if skipped:

@@ -28,7 +28,7 @@ POLL_S = 0.002
 class Stream:
     name: str                   # "image" or "audio"
     topic: str                  # the graph's topic it is published on
-    messages: list[BagMessage]
+    messages: Sequence[BagMessage]
     publisher: Any = None       # rclpy publisher, made by the caller
     gate: "Gate | None" = None  # pacing at max rate
 
