@@ -127,10 +127,10 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
 
 def input_overrides(inputs: Inputs) -> dict[str, dict[str, Any]]:
     """Node parameters that make the graph take the bag's input types, and the loop judge its
-    frames as a replay must: they were captured with the recording robot's motion, on a clock the
-    graph's does not share, so its rule against frames from before its own last turn (a live
-    robot's) is off."""
-    overrides: dict[str, dict[str, Any]] = {"loop": {"refuse_frames_before_turn": False}}
+    inputs as a replay must: they were captured with the recording robot's motion, on a clock the
+    graph's does not share, so its rules against frames from before its own last turn and against
+    commands said long ago (a live robot's) are off."""
+    overrides: dict[str, dict[str, Any]] = {"loop": {"refuse_frames_before_turn": False, "max_command_age_s": 0.0}}
     if "image" in inputs.types:
         overrides["vision"] = {"input": IMAGE_TYPES[inputs.types["image"]]}
     if "audio" in inputs.types:

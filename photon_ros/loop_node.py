@@ -54,6 +54,9 @@ LOOP_PARAMS = [
     Param("robot_frame", "base_link", "the robot's own frame: goals are placed only from positions in it (their "
           "origin is the robot); positions in any other frame (the camera's optical frame, map, odom) give none"),
     Param("goal_standoff_m", 0.5, "the goal stops this far short of the object", low=0.0),
+    Param("max_command_age_s", 10.0, "a command said longer ago than this (its audio's end, by the transcript's "
+          "stamp) is not acted on: a speech node behind on its backlog must not move the robot on what was said "
+          "long before; 0: any age (replays, whose stamps are old)", low=0.0),
     Param("refuse_frames_before_turn", True, "a result from a frame captured before the last turn ended (or "
           "while turning) moves nothing; false only for replays, whose frames are not this robot's (evaluate)"),
 ]
@@ -104,6 +107,16 @@ def incomplete_reason(msg: Transcript) -> str:
     return f"not acting on {msg.text!r}: part of the command was lost ({msg.audio_note or 'no reason given'})"
 
 
+def command_age(msg: Transcript, now_ns: int) -> float | None:
+    """Seconds since the command's audio ended, by the transcript's stamp (its first sample's
+    capture) and duration; None for an unstamped transcript."""
+    stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
+    if stamp == 0:
+        return None
+    duration = msg.audio_duration.sec * 1_000_000_000 + msg.audio_duration.nanosec
+    return (now_ns - stamp - duration) / 1e9
+
+
 def describe_turn(turn: Turn | None) -> str:
     if turn is None:
         return "already facing it: no turn"
@@ -150,6 +163,10 @@ class LoopNode(Node):
         refusal = incomplete_reason(msg)
         if refusal:
             self.say(refusal)
+            return
+        age, limit = command_age(msg, self.get_clock().now().nanoseconds), self.params["max_command_age_s"]
+        if limit > 0 and age is not None and age > limit:
+            self.say(f"not acting on {msg.text!r}: it was said {age:.1f} s ago (max_command_age_s {limit:g} s)")
             return
         request = parse_command(msg.text)
         if request is None:

@@ -150,7 +150,7 @@ def test_replays_turn_the_stale_frame_rule_off():
     the graph does not share (their stamps are all 'before' a turn ended now): the evaluator turns
     the rule off, and every command's result is acted on."""
     from photon_ros.evaluate import Inputs, input_overrides
-    assert input_overrides(Inputs(bag=None))["loop"] == {"refuse_frames_before_turn": False}
+    assert input_overrides(Inputs(bag=None))["loop"] == {"refuse_frames_before_turn": False, "max_command_age_s": 0.0}
     ctx = rclpy.Context()
     rclpy.init(context=ctx)
     node = LoopNode(context=ctx, parameter_overrides=[Parameter("refuse_frames_before_turn", value=False)])
@@ -167,3 +167,21 @@ def test_replays_turn_the_stale_frame_rule_off():
     finally:
         node.destroy_node()
         rclpy.shutdown(context=ctx)
+
+
+def test_a_command_said_long_ago_is_not_acted_on(loop):
+    """A speech node behind on its backlog (up to max_pending_s, 60 s) may publish a command long
+    after it was said: the robot must not move on it."""
+    from builtin_interfaces.msg import Duration
+    from photon_ros.msg import Transcript
+    said_at = loop.get_clock().now() - rclpy.duration.Duration(seconds=32.0)
+    old = Transcript(text="Point at the red cup.", is_final=True, audio_complete=True,
+                     audio_duration=Duration(sec=2))
+    old.header.stamp = said_at.to_msg()
+    loop.on_transcript(old)
+    assert any("said 30.0 s ago" in s and "max_command_age_s" in s for s in loop.said), loop.said
+    loop.said.clear()
+    fresh = Transcript(text="Point at the red cup.", is_final=True, audio_complete=True)
+    fresh.header.stamp = now(loop)
+    loop.on_transcript(fresh)   # (no find server here: it says so, past the age check)
+    assert loop.said and not any("ago" in s for s in loop.said) and "not available" in loop.said[-1]
