@@ -2,6 +2,8 @@
 node's image_annotated)."""
 from __future__ import annotations
 
+import math
+
 import cv2
 import numpy as np
 
@@ -9,6 +11,16 @@ _COLORS = [(255, 64, 64), (64, 200, 64), (64, 128, 255), (255, 200, 0), (200, 64
 
 
 MASK_ALPHA = 0.4   # how much of a mask's colour covers the image under it
+
+
+def _first_pixel(v: float, size: int) -> int:
+    """The pixel holding normalized coordinate v."""
+    return min(max(math.floor(v * size), 0), size - 1)
+
+
+def _last_pixel(v: float, size: int) -> int:
+    """The last pixel a span ending at normalized v covers."""
+    return min(max(math.ceil(v * size) - 1, 0), size - 1)
 
 
 def draw_results(rgb: np.ndarray, detections: dict[str, list[dict]], points: dict[str, list[dict]],
@@ -21,15 +33,16 @@ def draw_results(rgb: np.ndarray, detections: dict[str, list[dict]], points: dic
     for i, (label, boxes) in enumerate(detections.items()):
         color = _COLORS[i % len(_COLORS)]
         for b in boxes:
-            p0 = (round(b["x_min"] * w), round(b["y_min"] * h))
-            p1 = (round(b["x_max"] * w), round(b["y_max"] * h))
+            # the pixels the box covers (pixel k spans [k, k + 1)): x_max 1.0 is the last column
+            p0 = (_first_pixel(b["x_min"], w), _first_pixel(b["y_min"], h))
+            p1 = (_last_pixel(b["x_max"], w), _last_pixel(b["y_max"], h))
             cv2.rectangle(out, p0, p1, color, thickness)
             cv2.putText(out, label, (p0[0], max(12, p0[1] - 4)), cv2.FONT_HERSHEY_SIMPLEX,
                         0.4 * thickness, color, thickness)
     for i, (label, pts) in enumerate(points.items()):
         color = _COLORS[(i + len(detections)) % len(_COLORS)]
         for p in pts:
-            centre = (round(p["x"] * w), round(p["y"] * h))
+            centre = (_first_pixel(p["x"], w), _first_pixel(p["y"], h))
             cv2.circle(out, centre, 4 * thickness, color, -1)
             cv2.putText(out, label, (centre[0] + 6, centre[1]), cv2.FONT_HERSHEY_SIMPLEX,
                         0.4 * thickness, color, thickness)

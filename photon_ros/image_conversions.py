@@ -148,6 +148,11 @@ def _rows(buf: np.ndarray, encoding: str, step: int, rows: int, row_bytes: int,
     if buf.size < step * rows:
         raise ValueError(f"image data has {buf.size} bytes, fewer than {what} = "
                          f"{step} x {rows} = {step * rows}")
+    if buf.size >= step * (rows + 1):
+        # a row or more left over: another encoding or size than the message says (rgba8 sent
+        # as rgb8), which read as declared is a garbled image the model would answer on
+        raise ValueError(f"image data has {buf.size} bytes, more than {what} = {step} x {rows} = "
+                         f"{step * rows} by a row or more: is the encoding ({encoding}) or the size right?")
     return buf[: step * rows].reshape(rows, step)[:, :row_bytes]
 
 
@@ -226,7 +231,7 @@ def _peek_size(data: np.ndarray, max_pixels: int, what: str) -> tuple[int, int]:
 
 
 def rgb_to_image(rgb: np.ndarray, encoding: str = "rgb8", header=None, row_padding: int = 0,
-                 is_bigendian: bool = False) -> Image:
+                 is_bigendian: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image:
     """An HxWx3 uint8 RGB array as a sensor_msgs/Image in one of WRITABLE_ENCODINGS (mono and
     single-channel encodings get the luma). Wider values are v x 257 (16 bit) or v / 255
     (float), so image_to_rgb gives the array back. `row_padding` bytes are added after each
@@ -237,7 +242,7 @@ def rgb_to_image(rgb: np.ndarray, encoding: str = "rgb8", header=None, row_paddi
     if layout is None or encoding not in WRITABLE_ENCODINGS:
         raise ValueError(f"rgb_to_image cannot write encoding {encoding!r}; "
                          f"it writes: {', '.join(WRITABLE_ENCODINGS)}")
-    rgb = _check_rgb(rgb)
+    rgb = _check_rgb(rgb, max_pixels)
     pixels = rgb
     if layout.channels == 1:
         pixels = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
@@ -287,9 +292,9 @@ def rgb_to_compressed(rgb: np.ndarray, fmt: str = "jpeg", quality: int = 90,
     return msg
 
 
-def _check_rgb(rgb: np.ndarray) -> np.ndarray:
+def _check_rgb(rgb: np.ndarray, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     if not isinstance(rgb, np.ndarray) or rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
         raise ValueError(f"expected an HxWx3 uint8 RGB array, got "
                          f"{getattr(rgb, 'shape', None)} {getattr(rgb, 'dtype', type(rgb).__name__)}")
-    _check_size(rgb.shape[1], rgb.shape[0], DEFAULT_MAX_PIXELS)
+    _check_size(rgb.shape[1], rgb.shape[0], max_pixels)
     return rgb

@@ -434,7 +434,12 @@ class VisionNode(ManagedNode):
         outputs += self.segmentation_messages(masks, header, width, height, latency)
         annotated = None
         if self.annotate and (boxes or points or masks) and self.pub_annotated.get_subscription_count() > 0:
-            annotated = rgb_to_image(draw_results(rgb, boxes, points, masks), header=header)
+            try:   # a picture for people: its failure must not cost the frame's results
+                annotated = rgb_to_image(draw_results(rgb, boxes, points, masks), header=header,
+                                         max_pixels=self.max_pixels)
+            except Exception as err:  # noqa: BLE001 - logged; the results still go out
+                self.get_logger().warning(f"image_annotated not drawn: {type(err).__name__}: {err}",
+                                          throttle_duration_sec=5.0)
         with self.activity.publishing(epoch) as current:
             if not current:   # deactivated meanwhile: results of that activation stay unpublished
                 self.inactive_frames += 1

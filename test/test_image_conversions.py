@@ -406,3 +406,26 @@ def test_the_same_conversions_under_opencv_4_6():
         there = np.frombuffer(old[1], np.uint8).reshape(old[0])
         np.testing.assert_array_equal(there, here, err_msg=label)
         assert _max_error(here, expected, inside) <= tolerance, label
+
+
+def test_data_longer_than_the_image_by_a_row_or_more_is_refused():
+    """An rgba8 frame sent as rgb8 (step 3 x width): the extra bytes were cut off silently and the
+    model answered on a garbled image. Trailing bytes short of a row (an allocator's) still pass."""
+    rgba = np.full((4, 6, 4), 200, np.uint8)
+    wrong = Image(height=4, width=6, encoding="rgb8", step=18, data=rgba.tobytes())
+    with pytest.raises(ValueError, match="more than step x height"):
+        image_to_rgb(wrong)
+    padded = Image(height=4, width=6, encoding="rgb8", step=18, data=bytes(4 * 18 + 7))
+    assert image_to_rgb(padded).shape == (4, 6, 3)
+
+
+def test_boxes_and_points_are_drawn_on_the_pixels_they_cover():
+    """A box to x_max 1.0 was drawn at column w, outside the image: its right and bottom sides
+    were missing."""
+    from photon_core.draw import draw_results
+    rgb = np.zeros((100, 200, 3), np.uint8)
+    out = draw_results(rgb, {"box": [{"x_min": 0.5, "y_min": 0.5, "x_max": 1.0, "y_max": 1.0}]},
+                       {"pt": [{"x": 0.9999, "y": 0.0}]})
+    painted = out.any(axis=2)
+    assert painted[50:100, 199].sum() > 40 and painted[99, 100:200].sum() > 90   # right and bottom sides
+    assert painted[:5, 195:200].any()                                            # the point, inside

@@ -93,3 +93,10 @@ def test_every_vision_family_takes_images_the_same_way():
         assert params["channel_order"].default == "rgb", model
         assert params["channel_order"].kind in (inspect.Parameter.KEYWORD_ONLY,
                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD), model
+
+
+def test_big_endian_uint16_arrays_are_taken():
+    """ROS is_bigendian mono16 held as '>u2' was refused, told to pass uint16 (which it was)."""
+    from photon_core.runtime.image_input import to_rgb
+    big = np.full((4, 4), 32896, dtype=">u2")
+    assert (to_rgb(big) == 128).all()

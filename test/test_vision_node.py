@@ -134,6 +134,19 @@ def test_compressed_input(graph):
     pub.publish(rgb_to_compressed(image(1), "jpeg", header=header(3)))
     assert wait_for(lambda: detections, timeout=60)
     assert [d.header for d in detections] == [header(3)]
+    # The annotated picture fails to draw (someone watches image_annotated): the results go out.
+    graph.node("viewer").create_subscription(Image, "image_annotated", lambda m: None, RELIABLE)
+    assert wait_for(lambda: node.pub_annotated.get_subscription_count() > 0, timeout=10)
+    import photon_ros.vision_node as vision_module
+    drawn = vision_module.draw_results
+
+    def broken(*args, **kwargs):
+        vision_module.draw_results = drawn
+        raise OverflowError("Numerical result out of range")
+    vision_module.draw_results = broken
+    pub.publish(rgb_to_compressed(image(1), "jpeg", header=header(4)))
+    assert wait_for(lambda: len(detections) == 2, timeout=60)
+    assert detections[1].header == header(4) and node.bad_frames == 2
 
 
 def test_burst_drops_frames_and_bad_frames_do_not_stop_the_node(graph):

@@ -85,6 +85,8 @@ def check_size(width: int, height: int) -> None:
 def _to_uint8(image: np.ndarray) -> np.ndarray:
     if image.dtype == np.uint8:
         return image
+    if image.dtype.kind == "u" and image.dtype.itemsize == 2:   # either byte order (ROS is_bigendian)
+        image = image.astype(np.uint16)
     if image.dtype == np.uint16:
         return np.rint(image.astype(np.float32) / 257.0).astype(np.uint8)
     if not np.issubdtype(image.dtype, np.floating):
