@@ -164,6 +164,8 @@ def _arc(p0: np.ndarray, rx: float, ry: float, phi_deg: float, large: bool, swee
          p1: np.ndarray, t: np.ndarray) -> np.ndarray:
     """Points of an SVG elliptical arc at parameters t in (0, 1] (SVG 1.1 appendix F.6.5/F.6.6)."""
     rx, ry = abs(rx), abs(ry)
+    if max(rx, ry) > 1e12:   # as straight as a line (and its squares would overflow)
+        return np.asarray(p1, dtype=float)[None]
     if rx == 0 or ry == 0 or np.allclose(p0, p1):
         return np.asarray(p1, dtype=float)[None] if rx == 0 or ry == 0 else np.empty((0, 2))
     phi = math.radians(phi_deg % 360)

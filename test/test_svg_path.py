@@ -64,6 +64,8 @@ def test_arcs():
     mid = poly("M 1 0 A 1 1 0 0 0 0 1", steps=2)[1]
     np.testing.assert_allclose(mid, [1 - math.sqrt(0.5), 1 - math.sqrt(0.5)], atol=1e-12)
     np.testing.assert_allclose(poly("M 0 0 A 0 1 0 0 1 1 1"), [[0, 0], [1, 1]])   # zero radius: a line
+    # a radius whose square overflows a float (OverflowError before): as straight as a line
+    np.testing.assert_allclose(poly("M 0 0 A 1e308 1e308 0 0 0 1 1"), [[0, 0], [1, 1]])
 
 
 def test_subpaths_and_what_segment_emits():
