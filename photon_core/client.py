@@ -77,6 +77,14 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def client_backend(backend: str, device: str, variant: str | None) -> str:
+    """The backend a client loads: `auto` on a GPU is the compiled decode steps, which take no
+    variant adapters (yet); a client of a fine-tuned variant gets the per-op kernels there instead."""
+    if variant and backend == "auto" and str(device).startswith("cuda"):
+        return "triton"
+    return backend
+
+
 def _image(image: Any) -> Any:
     """The client's Base64EncodedImage (any object with a data: URL `image_url`) as a PIL image;
     anything else goes to the model as it is (arrays, PIL images, the model's EncodedImage)."""
@@ -98,9 +106,10 @@ class PhotonClient:
             raise TypeError(f"unknown runtime options {unknown}; Photon's are {', '.join(RUNTIME_OPTIONS)}")
         base, self.variant = parse_model_name(model)
         device = runtime.get("device") or _default_device()
-        backend = runtime.get("backend") or "auto"
+        backend = client_backend(runtime.get("backend") or "auto", device, self.variant)
         get_backend(backend, device)   # an unusable backend is reported before any file is read
-        found = registry.recognise(MOONDREAM_MODELS.get(base, base))
+        # a short name (moondream2) is moondream's, unless a folder of that name is here
+        found = registry.recognise(base if Path(base).exists() else MOONDREAM_MODELS.get(base, base))
         self.family = found.family.name
         self._model: Any = found.load(device, runtime.get("dtype"), backend)
 
@@ -232,6 +241,9 @@ class PhotonClient:
                                       "photon_ros speech node and WhisperSpeech.transcribe_stream stream")
         if "audio" not in prompt:
             raise TypeError("transcribe needs audio=<PCM samples>")
+        if self.variant:
+            raise NotImplementedError(f"fine-tuned variants ({self.variant}) are not supported for transcription: "
+                                      "load the fine-tuned speech checkpoint itself")
         return dict(self._skill("transcribe")(**prompt))
 
 

@@ -189,3 +189,23 @@ def test_whisper_transcribes_through_the_client():
         speech.transcribe(audio=pcm, sample_rate=rate, stream=True)
     with pytest.raises(TypeError, match="audio"):
         speech.transcribe(sample_rate=rate)
+    # a fine-tuned variant it cannot apply is refused, not dropped (the base model's transcript)
+    tuned = md.vl(local=True, model=f"{tiny_en_path()}/myfinetune@100", device="cpu")
+    with pytest.raises(NotImplementedError, match="myfinetune@100"):
+        tuned.transcribe(audio=pcm, sample_rate=rate)
+
+
+def test_a_local_folder_named_as_a_moondream_model_is_that_folder(tmp_path, monkeypatch):
+    """`moondream2` beside the caller is that checkpoint, as photon_core.load takes it; it was mapped
+    to vikhyatk/moondream2 (another model, from the cache, or none)."""
+    (tmp_path / "moondream2").symlink_to(mdfx.checkpoint(), target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    assert md.vl(local=True, model="moondream2", device="cpu").family == "moondream"
+
+
+def test_a_variant_on_a_gpu_loads_the_per_op_kernels():
+    """The compiled decode steps take no adapters: a variant's client on a GPU failed every call."""
+    assert md.client_backend("auto", "cuda", "ft@5") == "triton"
+    assert md.client_backend("auto", "cuda:1", None) == "auto"
+    assert md.client_backend("auto", "cpu", "ft@5") == "auto"
+    assert md.client_backend("megakernel", "cuda", "ft@5") == "megakernel"   # asked for: its own error

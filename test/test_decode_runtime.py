@@ -4,6 +4,7 @@ sampling settings and the next-token pick, and text streaming over split UTF-8."
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -110,26 +111,39 @@ def test_a_failed_build_keeps_no_half_built_bucket():
     assert 2 not in s._steps and 2 not in s._loops
 
 
-def test_exclusive_use_refuses_a_second_caller():
+def test_exclusive_use_refuses_its_own_thread_and_queues_others():
+    """The arenas hold one request: the holder's own thread (a call inside a stream's loop) is
+    refused at once; another thread waits its turn (as the moondream client queues), and gives up
+    with the reason after its wait."""
     s = Steps()
     with s.exclusive():
         with pytest.raises(RuntimeError, match="A toy model on the megakernel decodes one request or batch at a time"):
             with s.exclusive():
                 pass
-        # another thread too (the arenas are the model's, not a thread's)
         seen: list[BaseException] = []
 
-        def other() -> None:
+        def impatient() -> None:
             try:
-                with s.exclusive():
+                with s.exclusive(wait_s=0.05):
                     pass
             except RuntimeError as e:
                 seen.append(e)
-        t = threading.Thread(target=other)
+        t = threading.Thread(target=impatient)
         t.start()
         t.join()
-        assert len(seen) == 1
-    with s.exclusive():   # released after the first
+        assert len(seen) == 1 and "held them for over 0.05 s" in str(seen[0])
+        served = threading.Event()
+
+        def patient() -> None:
+            with s.exclusive():
+                served.set()
+        t = threading.Thread(target=patient)
+        t.start()
+        time.sleep(0.1)
+        assert not served.is_set()            # waiting for the first
+    t.join(timeout=5)
+    assert served.is_set()                    # its turn came when the first ended
+    with s.exclusive():   # released after both
         pass
 
 

@@ -114,3 +114,13 @@ def test_a_steps_negative_argmax_is_refused():
     for mark in (-1, -2):
         with pytest.raises(NonFiniteLogits):
             step_argmax(mark)
+
+
+@pytest.mark.parametrize("ops", [reference, triton_ops], ids=["reference", "triton"])
+def test_a_temperature_too_small_to_divide_by_is_the_argmax(ops):
+    """logits / 1e-50 overflow float32 to NaN and token 0 was drawn every time (the backends
+    disagreeing below which temperature): below GREEDY_BELOW a temperature is taken as 0."""
+    logits = torch.tensor([0.0, 1.0, 5.0, 2.0])
+    for t in (1e-50, 1e-40, 1e-7):
+        assert Sampling(1, t).greedy and pick(logits, Sampling(1, t), ops) == 2
+    assert not Sampling(1, 1e-3).greedy

@@ -71,3 +71,29 @@ def test_dtype_names():
         parse_dtype("int8")
     # Named none: bfloat16 on a GPU (the vision node's `dtype: auto`), float32 on the CPU.
     assert default_dtype("cuda:1") == "bfloat16" and default_dtype(torch.device("cpu")) == "float32"
+
+
+def test_a_shard_index_naming_files_outside_the_folder_is_refused(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    save_file({"secret": torch.arange(3.0)}, str(tmp_path / "elsewhere" / "x.safetensors"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"secret": "../elsewhere/x.safetensors"}}))
+    with pytest.raises(ValueError, match="outside the checkpoint folder"):
+        read_safetensors(ckpt)
+
+
+def test_a_legacy_torch_file_is_recognised_as_the_loader_reads_it(tmp_path):
+    """A .pt saved in torch's legacy (non-zip) format is read by the loaders but was not by the
+    registry's probe (mmap), which refused the model saying it could not be read weights-only."""
+    import shutil
+
+    import moondream_fixtures as mdfx
+    from safetensors.torch import load_file
+
+    import photon_core
+    src = mdfx.checkpoint()
+    shutil.copy(src / "config.json", tmp_path)
+    shutil.copy(src / "tokenizer.json", tmp_path)
+    torch.save(load_file(str(src / "model.safetensors")), tmp_path / "model.pt", _use_new_zipfile_serialization=False)
+    assert type(photon_core.load(tmp_path)).__name__ == "MoondreamModel"

@@ -6,7 +6,9 @@ built on first use and streams the first bucket's weights arena (one copy of the
 many buckets run), and is built together with its device rounds (megakernel.decode_loop's
 DeviceDecode), before any request writes the step's state: on CUDA building the rounds captures
 (so runs) them. A step's arena (caches, activations) holds one request or batch at a time, so a
-model decodes under `exclusive()` (a second caller gets a clear error) or, for a family that
+model decodes under `exclusive()` (a caller on another thread waits its turn, up to
+EXCLUSIVE_WAIT_S; the holder's own thread, e.g. a call inside a stream's loop, gets a clear error
+at once, as it would wait for itself) or, for a family that
 interleaves requests step by step, under `turn()` with each request's state `bind`-ed to the rows
 before its step.
 
@@ -210,6 +212,11 @@ class Bindable(Protocol):
 S = TypeVar("S", bound="CompiledStep")
 
 
+# How long a request waits for another's compiled steps (a long caption on a CPU takes minutes;
+# a stream's holder may never finish it).
+EXCLUSIVE_WAIT_S = 600.0
+
+
 class CompiledSteps(Generic[S]):
     """The compiled decode steps of one model by batch bucket, sharing the first one's weights."""
 
@@ -222,6 +229,7 @@ class CompiledSteps(Generic[S]):
         self._loops: dict[int, Any] = {}
         self._owner: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
+        self._holder: int | None = None   # the thread inside exclusive()
         self.engine_policy = current_engine_policy()
 
     # -- what a family supplies ------------------------------------------------------------------
@@ -298,15 +306,23 @@ class CompiledSteps(Generic[S]):
 
     # -- one user at a time --------------------------------------------------------------------
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the steps' arenas for one request or batch; a second caller meanwhile raises
-        instead of corrupting the first."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"{self.family} on the megakernel decodes one request or batch at a time (its "
-                               "compiled steps' arenas); finish or close the running one (e.g. a stream) first")
+    def exclusive(self, wait_s: float | None = None) -> Iterator[None]:
+        """Hold the steps' arenas for one request or batch. Another thread's caller meanwhile waits
+        for them (up to `wait_s`, EXCLUSIVE_WAIT_S by default: a stream left open holds them), as
+        the moondream client queues requests; the holder's own thread raises at once."""
+        busy = (f"{self.family} on the megakernel decodes one request or batch at a time (its compiled "
+                "steps' arenas)")
+        if self._holder == threading.get_ident():
+            raise RuntimeError(f"{busy}, and this thread holds them (a stream still open?): finish or close "
+                               "it first")
+        if not self._lock.acquire(timeout=EXCLUSIVE_WAIT_S if wait_s is None else wait_s):
+            raise RuntimeError(f"{busy}; another request held them for over "
+                               f"{EXCLUSIVE_WAIT_S if wait_s is None else wait_s:g} s (a stream left open?)")
+        self._holder = threading.get_ident()
         try:
             yield
         finally:
+            self._holder = None
             self._lock.release()
 
     @contextmanager

@@ -37,7 +37,12 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below GREEDY_BELOW, logits / temperature overflow float32 (NaN: token 0 drawn every time,
+        # and the backends disagreed where): what such a temperature asks for is the argmax
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-6   # a temperature this small samples as temperature 0 would
 
 
 class NonFiniteLogits(RuntimeError):

@@ -127,9 +127,9 @@ class CheckpointFiles:
             return set()
 
     def _torch_keys(self, path: Path) -> set[str]:
-        import torch
+        from photon_core.weights.tensor_files import read_torch
         try:
-            data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            data = read_torch(path)   # (legacy, non-zip files too, as the loaders read them)
         except Exception as err:  # noqa: BLE001 - refused pickles and legacy formats alike
             self.notes.append(f"{path.name} could not be read as a weights-only torch file "
                               f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")

@@ -50,6 +50,10 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        root = path.resolve()
+        outside = [s for s in shards if not (path / s).resolve().is_relative_to(root)]
+        if outside:
+            raise ValueError(f"{path}: the shard index names files outside the checkpoint folder ({outside}): refused")
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise FileNotFoundError(f"{path}: the shard index names {missing}, which are missing")
