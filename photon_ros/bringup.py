@@ -103,8 +103,12 @@ def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def node_parameters(config: dict, node_name: str) -> list[Parameter]:
-    section = (config.get(node_name) or {}).get("ros__parameters") or {}
-    return [Parameter(name, value=value) for name, value in flatten(section).items()]
+    """A node's parameters from a ROS params file: the sections that match a node of this name in
+    any namespace, as rcl matches them (`/**`, `/**/name`, `name`, `/name`), the more specific last."""
+    merged: dict = {}
+    for key in ("/**", f"/**/{node_name}", node_name, f"/{node_name}"):
+        merged.update(flatten((config.get(key) or {}).get("ros__parameters") or {}))
+    return [Parameter(name, value=value) for name, value in merged.items()]
 
 
 def check_namespaces(namespaces: list[str]) -> list[str]:

@@ -71,7 +71,7 @@ def plain_part(name: str) -> dict:
 
 
 def yaml_parameters(node: str) -> dict:
-    return yaml.safe_load((ROOT / "config" / "photon.yaml").read_text())[node]["ros__parameters"]
+    return yaml.safe_load((ROOT / "config" / "photon.yaml").read_text())[f"/**/{node}"]["ros__parameters"]
 
 
 SETTINGS = {"vision.launch.py": ("vision_settings", "vision"), "speech.launch.py": ("speech_settings", "speech")}

@@ -110,7 +110,7 @@ def test_the_shipped_config_sets_every_declared_parameter_and_no_other():
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "photon.yaml").read_text())
     for node, specs in (("speech", speech_params()), ("vision", vision_params()), ("loop", LOOP_PARAMS),
                         ("microphone", MICROPHONE_PARAMS), ("wav_publisher", WAV_PUBLISHER_PARAMS)):
-        named = set(flatten(config[node]["ros__parameters"])) - {"autostart"}   # the lifecycle base's
+        named = set(flatten(config[f"/**/{node}"]["ros__parameters"])) - {"autostart"}   # the lifecycle base's
         assert named == {s.name for s in specs}, node
 
 
@@ -145,3 +145,32 @@ def test_the_vision_node_refuses_bad_changes_and_takes_the_others(context):
         assert later.successful and node.params["input"] == "compressed"   # used at the next configure
     finally:
         node.destroy_node()
+
+
+def test_the_params_file_reaches_nodes_in_any_namespace(tmp_path):
+    """Sections keyed by a bare name (`loop:`) match /loop only: under namespace:=robot1 every value
+    of the params file was dropped, silently, and the nodes ran on their defaults. Keyed /**/loop,
+    as config/photon.yaml is, they reach /robot1/loop, through rcl and through bringup alike."""
+    from pathlib import Path
+
+    import yaml
+
+    from photon_ros.bringup import node_parameters
+    from photon_ros.loop_node import LoopNode
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "photon.yaml").read_text())
+    config["/**/loop"]["ros__parameters"]["max_turn_s"] = 7.0
+    path = tmp_path / "robot.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx, args=["--ros-args", "--params-file", str(path)])
+    try:
+        node = LoopNode(context=ctx, namespace="robot1")
+        assert node.get_fully_qualified_name() == "/robot1/loop" and node.params["max_turn_s"] == 7.0
+        node.destroy_node()
+    finally:
+        rclpy.shutdown(context=ctx)
+    given = {p.name: p.value for p in node_parameters(config, "loop")}
+    assert given["max_turn_s"] == 7.0
+    assert {p.name: p.value for p in node_parameters({"loop": {"ros__parameters": {"max_turn_s": 2.0}}},
+                                                     "loop")} == {"max_turn_s": 2.0}
