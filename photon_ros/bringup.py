@@ -31,7 +31,7 @@ from rclpy.exceptions import InvalidNamespaceException
 from rclpy.parameter import Parameter
 from rclpy.validate_namespace import validate_namespace
 
-from photon_ros.run_node import spin_nodes
+from photon_ros.run_node import init_rclpy, spin_nodes
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "photon.yaml"
 LARGE_DATA_PROFILE = "fastdds_large_data.xml"
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     use_large_data_profile()
     # Not sys.argv: rcl would take our -r rules for global ones (its deprecated syntax) and apply
     # them to every node, beside the per-node rules build_graph gives.
-    rclpy.init(args=[])
+    init_rclpy([])
     try:
         nodes = build_graph(args.config, args.graph, args.namespace, args.remap, args.wav,
                             managed=args.managed, namespaces=args.namespaces)

@@ -1,18 +1,31 @@
 """The `main()` every node shares: init, construct, spin until Ctrl-C or shutdown, clean up."""
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Callable
 
 import rclpy
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.signals import SignalHandlerOptions
+
+
+def init_rclpy(args=None) -> None:
+    """rclpy.init without rclpy's own signal handlers: theirs shut the context down as Ctrl-C
+    arrives, before a node's destroy_node could publish anything, so a loop node stopped mid-turn
+    could not send its zero Twist and a base without a cmd_vel timeout kept turning. Here SIGINT
+    (ros2 launch's Ctrl-C) and SIGTERM (its escalation) raise KeyboardInterrupt in the spinning
+    thread, and the nodes are destroyed while the context still works."""
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def run_node(make_node: Callable[[], object], args=None, until: Callable[[object], bool] | None = None) -> None:
     """Spin the node made by `make_node` on a multi-threaded executor (the vision and speech nodes
     serve callbacks while their workers publish). `until(node)` ends the spin early when true.
     A node that cannot start (missing device, bad parameter) exits non-zero with its reason."""
-    rclpy.init(args=args)
+    init_rclpy(args)
     try:
         node = make_node()
     except Exception as err:  # noqa: BLE001 - report why the node cannot start

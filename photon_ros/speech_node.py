@@ -68,7 +68,7 @@ from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.params import NodeParams
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
-from photon_ros.run_node import run_node, spin_nodes
+from photon_ros.run_node import init_rclpy, run_node, spin_nodes
 from photon_ros.audio_common_conversions import (MGONZS13, ROS_DRIVERS, AudioInfoFormat, audio_common_to_pcm,
                                                  audio_common_types)
 from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, MAX_RATE, MIN_RATE, audio_common_input, check_vad,
@@ -643,7 +643,7 @@ def run_speech_nodes(microphones: list[str], args: list[str] | None = None) -> i
     """Spin the speech nodes of `microphones` on one multi-threaded executor until shutdown."""
     import rclpy
 
-    rclpy.init(args=args)
+    init_rclpy(args)
     nodes: list[SpeechNode] = []
     try:
         for name in microphones:   # one at a time: if one cannot start, the others are destroyed

@@ -1,0 +1,76 @@
+"""A loop node stopped mid-turn (Ctrl-C from ros2 launch: SIGINT; its escalation: SIGTERM) ends the
+turn with a zero Twist, as the README promises: rclpy's own signal handler shut the context down
+first, the stop could not be published, and a base without a cmd_vel timeout kept turning. The
+node runs in a process of its own through run_node, as `ros2 run` starts it; run as a script, this
+file is that process (a turn started 1 s in, as a find result would start one)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child() -> None:
+    import threading
+
+    from photon_ros.loop_node import LoopNode
+    from photon_ros.run_node import run_node
+    from photon_ros.steering import Turn
+
+    def make():
+        node = LoopNode()
+
+        def later():
+            time.sleep(1.0)
+            node.turns.start(Turn(rate=0.5, duration=30.0), time.monotonic())
+        threading.Thread(target=later, daemon=True).start()
+        return node
+    run_node(make, sys.argv[2:])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_turn_stopped_by_a_signal_ends_with_a_zero_twist(sig):
+    import rclpy
+    from geometry_msgs.msg import Twist
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, __file__, "child", "--ros-args", "-r", "__ns:=/shutdown_test"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    node = rclpy.create_node("base", context=ctx)
+    got: list[float] = []
+    node.create_subscription(Twist, "/shutdown_test/cmd_vel", lambda m: got.append(m.angular.z),
+                             QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+    executor = rclpy.executors.SingleThreadedExecutor(context=ctx)
+    executor.add_node(node)
+
+    def spin_for(seconds: float, until=lambda: False) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not until():
+            executor.spin_once(timeout_sec=0.05)
+    try:
+        spin_for(60, lambda: len(got) >= 3)
+        assert got and got[-1] == 0.5, (got, proc.poll())
+        proc.send_signal(sig)
+        spin_for(10, lambda: proc.poll() is not None and got[-1] == 0.0)
+        assert proc.wait(timeout=10) == 0
+        spin_for(0.5)
+        assert got[-1] == 0.0, got[-5:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        node.destroy_node()
+        rclpy.shutdown(context=ctx)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    child()
