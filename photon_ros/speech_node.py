@@ -171,6 +171,7 @@ class SpeechNode(ManagedNode):
         self.transcripts_failed = 0
         self.ignored_chunks = 0         # chunks that arrived while the node was not active
         self.chunks_received = 0
+        self.input_type = self.params["input_type"]   # as the subscription takes it (create_interfaces)
         self.last_chunk_at: float | None = None   # monotonic arrival of the newest chunk
         self.finals_published = 0
         self.incompatible_qos = ""      # the last publisher QoS that could not be matched, and why
@@ -237,7 +238,9 @@ class SpeechNode(ManagedNode):
     def create_interfaces(self) -> None:
         self.publisher = self.create_lifecycle_publisher(Transcript, "transcript", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        input_type = self.params["input_type"]
+        # what the subscription takes until the next configure, whatever input_type says meanwhile
+        # (a change waits for it: decoding by the new value crashed on the old messages)
+        self.input_type = input_type = self.params["input_type"]
         qos = audio_qos(self.params["reliability"])
         if input_type in AUDIO_COMMON_INPUTS:
             msg_type = audio_common_input(input_type)
@@ -315,10 +318,11 @@ class SpeechNode(ManagedNode):
         """msg's audio into the segmenter; `lost`: its publisher's messages lost just before it."""
         try:
             pcm, start, stamped, frame_id = self.decode(msg)
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - one chunk, not the node (an exception here left the executor)
+            reason = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
             self.skipped_chunks += 1
-            self.health.failed(str(err))
-            self.get_logger().warning(f"skipping audio chunk: {err}", throttle_duration_sec=5.0)
+            self.health.failed(reason)
+            self.get_logger().warning(f"skipping audio chunk: {reason}", throttle_duration_sec=5.0)
             return
         self.health.succeeded()
         with self.lock:
@@ -351,11 +355,11 @@ class SpeechNode(ManagedNode):
             pcm = audio_chunk_to_pcm(msg)
             start = time_to_seconds(msg.header.stamp)
             frame_id = self.params["frame_id"] or msg.header.frame_id
-        elif self.params["input_type"] in AUDIO_COMMON_INPUTS:
+        elif self.input_type in AUDIO_COMMON_INPUTS:
             decoded = audio_common_to_pcm(msg, self.audio_info)
             pcm = decoded.pcm
             start = time_to_seconds(decoded.stamp) if decoded.stamp is not None else 0.0
-            if start > 0.0 and AUDIO_COMMON_INPUTS[self.params["input_type"]][1] == MGONZS13:
+            if start > 0.0 and AUDIO_COMMON_INPUTS[self.input_type][1] == MGONZS13:
                 # its capturer stamps a read as it starts: jitter counted away (sample_clock.ReadStamps)
                 start = self.read_stamps.stamp(start, pcm.samples.size, pcm.sample_rate)
             frame_id = self.params["frame_id"] or decoded.frame_id
@@ -447,7 +451,7 @@ class SpeechNode(ManagedNode):
     def warn_on_type_mismatch(self) -> None:
         """Publishers of another type on our topic never reach us (DDS does not match them):
         say so, since a silent speech node is the hardest failure to debug."""
-        input_type = self.params["input_type"]
+        input_type = self.input_type
         expected = {"audio_chunk": "photon_ros/msg/AudioChunk", "int16": "std_msgs/msg/Int16MultiArray",
                     "float32": "std_msgs/msg/Float32MultiArray",
                     **{k: name for k, (name, _) in AUDIO_COMMON_INPUTS.items()}}[input_type]

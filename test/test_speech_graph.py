@@ -176,7 +176,18 @@ def test_bad_chunks_are_skipped_and_speech_still_arrives(graph):
 def test_int16_multiarray_input(graph):
     received = listen(graph)
     speech, rate = espeak_pcm("Turn on the lights.")
-    speech_node(graph, input_type="int16", sample_rate=rate)
+    node = speech_node(graph, input_type="int16", sample_rate=rate)
+    # input_type changes at the next configure: the subscription's type is decoded meanwhile (the
+    # new value was used at once, and crashed the node on the old type's messages)
+    assert node.set_parameters([Parameter("input_type", value="float32")])[0].successful
+    assert node.input_type == "int16"
+    # and a chunk whose decoding fails in a way nothing foresaw is skipped, not the executor's end
+    decode = node.decode
+
+    def fails_once(msg):
+        node.decode = decode
+        raise AttributeError("'AudioDataStamped' object has no attribute 'data'")
+    node.decode = fails_once
     pub = graph.node("mic").create_publisher(Int16MultiArray, "audio", QOS)
     wait_for_match(pub)
     audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
@@ -184,6 +195,7 @@ def test_int16_multiarray_input(graph):
         pub.publish(pcm_to_int16_array(audio[i:i + rate // 10]))
     assert wait_for(lambda: received, timeout=60)
     assert words(received[0].text) == ["turn", "on", "the", "lights"]
+    assert node.skipped_chunks == 1
 
 
 def test_partials_arrive_while_speaking_and_their_stable_text_leads_to_the_final(graph):
