@@ -106,6 +106,12 @@ class Activity:
         with self._cond:
             yield self._running and self._epoch == epoch
 
+    def current(self) -> int | None:
+        """The running activation's epoch (None while not running): work begun in it may compare
+        later whether it still runs (current() == its epoch)."""
+        with self._cond:
+            return self._epoch if self._running else None
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no work is in flight; False if some still was after `timeout`."""
         with self._cond:

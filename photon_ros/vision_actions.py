@@ -100,12 +100,18 @@ class VisionActions:
         if timer is not None:
             timer.start()
         started = time.monotonic()
+        epoch = self.node.activity.current()
         try:
-            with self.node.activity.work() as running:
+            with self.node.activity.work(epoch) as running:
                 if not running:
                     result.message = self.node.why_not_running()
                 else:
-                    self.run(goal_handle, goal, result, cancel, find)
+                    self.run(goal_handle, goal, result, cancel, find, epoch)
+                    if result.success and self.node.activity.current() != epoch:
+                        # as the topics are: results of work begun in an activation that ended
+                        # are not given (a loop node would turn the robot on them)
+                        result.success = False
+                        result.message = "the node was deactivated while the goal ran: its result is not given"
         except ValueError as err:   # an option the task does not take, or the model refused
             result.success, result.message = False, self.node.refused("find" if find else "ask", str(err))
         except Exception as err:  # noqa: BLE001 - a goal that fails is answered, never fatal
@@ -129,10 +135,10 @@ class VisionActions:
             goal_handle.abort()
         return result
 
-    def run(self, goal_handle, goal, result, cancel: threading.Event, find: bool) -> None:
+    def run(self, goal_handle, goal, result, cancel: threading.Event, find: bool, epoch: int | None = None) -> None:
         action = Find if find else Ask
         request_options(goal.task, goal, self.node.max_objects)   # refused before waiting for a frame
-        frame = self.frame(goal_handle, goal.use_latest_frame, cancel, action)
+        frame = self.frame(goal_handle, goal.use_latest_frame, cancel, action, epoch)
         if isinstance(frame, str):
             result.message = frame
             return
@@ -201,8 +207,10 @@ class VisionActions:
                                              latency=0.0, model_id=model_id)
             feedback.objects_found = len(feedback.points.points)
 
-    def frame(self, goal_handle, latest: bool, cancel: threading.Event, action) -> Any:
-        """The frame to use, or why there is none (a string)."""
+    def frame(self, goal_handle, latest: bool, cancel: threading.Event, action, epoch: int | None = None) -> Any:
+        """The frame to use, or why there is none (a string). Waiting for the next frame ends
+        with the activation (deactivate, cleanup, shutdown: a goal with no timeout held them up
+        for good)."""
         frames, node = self.node.frames, self.node
         if latest:
             if frames.latest is None:
@@ -217,4 +225,6 @@ class VisionActions:
             current = frames.latest
             if current is not None and current.received_at > asked:
                 return current
+            if node.stopping.is_set() or node.activity.current() != epoch:
+                return "the node was deactivated (or is shutting down) while the goal waited for a frame"
         return "canceled" if goal_handle.is_cancel_requested else "no frame arrived before the timeout"

@@ -565,12 +565,20 @@ class VisionNode(ManagedNode):
     # --- on demand ------------------------------------------------------------------------------
     def on_infer(self, request: Infer.Request, response: Infer.Response) -> Infer.Response:
         received = time.monotonic()
+        epoch = self.activity.current()
         # Counted as work in flight: cleanup does not release the model under a request.
-        with self.activity.work() as running:
+        with self.activity.work(epoch) as running:
             if not running:
                 response.success, response.message = False, self.why_not_running()
                 return response
-            return self.infer(request, response, received)
+            response = self.infer(request, response, received)
+            if response.success and self.activity.current() != epoch:
+                # as the topics are: results of work begun in an activation that ended are not given
+                answered = Infer.Response()
+                answered.success = False
+                answered.message = "the node was deactivated while the request ran: its result is not given"
+                return answered
+            return response
 
     def infer(self, request: Infer.Request, response: Infer.Response, received: float) -> Infer.Response:
         if self.lacks(request.task):

@@ -104,6 +104,37 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     assert not send(find, Find.Goal(task="caption", prompt="x"), []).accepted
     assert not send(ask, Ask.Goal(task="query", prompt="  "), []).accepted
 
+    # A goal waiting for the next frame without a timeout ends with the activation (it held up
+    # deactivate's cleanup and the process's shutdown for good); a goal decoding when the node is
+    # deactivated gives no result (as the topics give none).
+    handle = send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=False, timeout_s=0.0), [])
+    time.sleep(0.3)
+    node.trigger_deactivate()
+    done = outcome(handle, timeout=30)
+    assert done.status == GoalStatus.STATUS_ABORTED and "deactivated" in done.result.message
+    node.trigger_activate()
+    camera.publish(rgb_to_image(frame))
+    assert wait_for(lambda: node.frames.latest is not None, timeout=10)
+    with node.engine.lock:   # the model held up while the node is deactivated
+        handle = send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=True), [])
+        time.sleep(0.3)
+        node.trigger_deactivate()
+    done = outcome(handle, timeout=60)
+    assert done.status == GoalStatus.STATUS_ABORTED and "deactivated while the goal ran" in done.result.message
+    # the infer service likewise
+    from photon_ros.srv import Infer
+    node.trigger_activate()
+    camera.publish(rgb_to_image(frame))
+    assert wait_for(lambda: node.frames.latest is not None, timeout=10)
+    infer = client_node.create_client(Infer, "infer")
+    assert infer.wait_for_service(timeout_sec=10)
+    with node.engine.lock:
+        future = infer.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True))
+        time.sleep(0.3)
+        node.trigger_deactivate()
+    assert wait_for(future.done, timeout=60)
+    assert not future.result().success and "deactivated while the request ran" in future.result().message
+
 
 class _Handle:
     """A goal handle canceled between its acceptance and its execution (rclpy answers the goal,
@@ -132,10 +163,11 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
 
     actions = VisionActions.__new__(VisionActions)          # its logic, without action servers
     actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
-    actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda: contextlib.nullcontext(True)))
+    actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda epoch=None: contextlib.nullcontext(True),
+                                                            current=lambda: 1))
     seen = {}
 
-    def run(goal_handle, goal, result, cancel, find):
+    def run(goal_handle, goal, result, cancel, find, epoch=None):
         seen["canceled"] = cancel.is_set()
         result.success = True        # a decode that finished anyway
     actions.run = run
