@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
 from photon_core.runtime.shared_models import SharedModel, release
@@ -128,7 +129,10 @@ class ManagedNode(LifecycleNode):
 
     def __init__(self, node_name: str, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
-        self.autostart = self.declare_parameter("autostart", True).value
+        # read once, at start: a live change would be accepted and do nothing
+        self.autostart = self.declare_parameter("autostart", True, ParameterDescriptor(
+            description="configure and activate at start; false: wait for a lifecycle manager",
+            read_only=True)).value
         self.activity = Activity(admitting=self.autostart)
         self.engine: SharedModel | None = None
         self.model_error: str | None = None
@@ -142,7 +146,9 @@ class ManagedNode(LifecycleNode):
 
     def _worker_main(self) -> None:
         if self.autostart and not self._start_itself():
-            self.activity.stop()   # nothing will process what arrives: stop taking it in
+            # nothing will process what arrives: stop taking it in, and forget what came during the
+            # load (a manager's later configure would publish speech heard before it, as new)
+            self.pause()
         self.work()
 
     def _start_itself(self) -> bool:
@@ -222,11 +228,16 @@ class ManagedNode(LifecycleNode):
             self.get_logger().info("model released" + ("" if freed else " (other nodes still use it)"))
 
     def destroy_node(self) -> None:
+        if not hasattr(self, "stopping"):   # its constructor failed (a bad parameter): nothing of ours
+            super().destroy_node()
+            return
         # The worker publishes: stop it before the publishers go away, then give the model back.
+        # A worker still loading the model (a daemon) is not waited for: Ctrl-C during a long load
+        # took a minute, and under ros2 launch ended in SIGKILL.
         self.stopping.set()
         self.activity.stop()
         if self.worker is not None:
-            self.worker.join(timeout=60)
+            self.worker.join(timeout=2.0 if self.loading else 60)
         self.release_engine()
         super().destroy_node()
 

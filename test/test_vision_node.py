@@ -250,6 +250,8 @@ def test_missing_model_reports_error_and_stays_up(graph, tmp_path):
     future = client.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True))
     assert wait_for(future.done, timeout=10)
     assert not future.result().success and "not loaded" in future.result().message
+    # autostart is read at start: a live change was accepted and did nothing
+    assert not node.set_parameters([Parameter("autostart", value=False)])[0].successful
 
 
 @pytest.mark.parametrize("backend,reason", [("megakernel", "TRITON_INTERPRET"), ("tensorrt", "unknown backend")])
