@@ -33,7 +33,7 @@ from rclpy.validate_namespace import validate_namespace
 
 from photon_ros.run_node import init_rclpy, spin_nodes
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "photon.yaml"
+SOURCE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 LARGE_DATA_PROFILE = "fastdds_large_data.xml"
 # The first is Fast DDS 3's name; rmw_fastrtps still honours the second (deprecated).
 PROFILE_VARIABLES = ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE")
@@ -64,15 +64,23 @@ def node_classes() -> dict[str, type]:
             "wav_publisher": WavPublisher, "microphone": microphone}
 
 
-def large_data_profile() -> Path | None:
-    """config/fastdds_large_data.xml of the source tree, else of the installed package."""
-    candidates = [DEFAULT_CONFIG.parent / LARGE_DATA_PROFILE]
+def config_file(name: str) -> Path | None:
+    """config/<name> of the source tree, else of the installed package (an installed module sits
+    in site-packages, where no config/ is)."""
+    candidates = [SOURCE_CONFIG_DIR / name]
     try:
         from ament_index_python.packages import get_package_share_directory
-        candidates.append(Path(get_package_share_directory("photon_ros")) / "config" / LARGE_DATA_PROFILE)
+        candidates.append(Path(get_package_share_directory("photon_ros")) / "config" / name)
     except (ImportError, LookupError):   # not built or not sourced: the source tree is all there is
         pass
     return next((path for path in candidates if path.is_file()), None)
+
+
+def large_data_profile() -> Path | None:
+    return config_file(LARGE_DATA_PROFILE)
+
+
+DEFAULT_CONFIG = config_file("photon.yaml") or SOURCE_CONFIG_DIR / "photon.yaml"
 
 
 def use_large_data_profile(environ: MutableMapping[str, str] = os.environ) -> str | None:
@@ -108,7 +116,10 @@ def node_parameters(config: dict, node_name: str) -> list[Parameter]:
     merged: dict = {}
     for key in ("/**", f"/**/{node_name}", node_name, f"/{node_name}"):
         merged.update(flatten((config.get(key) or {}).get("ros__parameters") or {}))
-    return [Parameter(name, value=value) for name, value in merged.items()]
+    # an empty list has no type of its own (rclpy took it for a BYTE_ARRAY and the node refused
+    # `detect: []`, which rcl's params file reading takes): our list parameters are string arrays
+    return [Parameter(name, Parameter.Type.STRING_ARRAY, []) if value == [] else Parameter(name, value=value)
+            for name, value in merged.items()]
 
 
 def check_namespaces(namespaces: list[str]) -> list[str]:

@@ -144,3 +144,19 @@ def test_namespaces_build_the_graph_once_in_each(graph, tmp_path):
     for node in speech_only:
         graph.add(node)
     assert sorted(n.get_fully_qualified_name() for n in speech_only) == ["/r3/speech", "/r4/speech"]
+
+
+def test_an_installed_bringup_finds_the_packages_config(tmp_path, monkeypatch):
+    """Installed, the module sits in site-packages, where no config/ is: bringup's default config
+    was <site-packages>/config/photon.yaml and it could not start without --config."""
+    from photon_ros import bringup
+    monkeypatch.setattr(bringup, "SOURCE_CONFIG_DIR", tmp_path / "no-config-here")
+    found = bringup.config_file("photon.yaml")
+    assert found is not None and found.parts[-4:] == ("share", "photon_ros", "config", "photon.yaml")
+
+
+def test_an_empty_list_in_the_config_is_an_empty_string_array():
+    from rclpy.parameter import Parameter
+    from photon_ros.bringup import node_parameters
+    (param,) = node_parameters({"/**/vision": {"ros__parameters": {"detect": []}}}, "vision")
+    assert param.type_ == Parameter.Type.STRING_ARRAY and param.value == []
