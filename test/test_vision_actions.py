@@ -112,26 +112,25 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     node.trigger_deactivate()
     done = outcome(handle, timeout=30)
     assert done.status == GoalStatus.STATUS_ABORTED and "deactivated" in done.result.message
-    node.trigger_activate()
-    camera.publish(rgb_to_image(frame))
-    assert wait_for(lambda: node.frames.latest is not None, timeout=10)
-    with node.engine.lock:   # the model held up while the node is deactivated
-        handle = send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=True), [])
-        time.sleep(0.3)
-        node.trigger_deactivate()
-    done = outcome(handle, timeout=60)
-    assert done.status == GoalStatus.STATUS_ABORTED and "deactivated while the goal ran" in done.result.message
-    # the infer service likewise
     from photon_ros.srv import Infer
-    node.trigger_activate()
-    camera.publish(rgb_to_image(frame))
-    assert wait_for(lambda: node.frames.latest is not None, timeout=10)
     infer = client_node.create_client(Infer, "infer")
     assert infer.wait_for_service(timeout_sec=10)
-    with node.engine.lock:
-        future = infer.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True))
-        time.sleep(0.3)
-        node.trigger_deactivate()
+
+    def deactivated_while(start):
+        """start() a request on a fresh frame of a new activation, the model held up, and
+        deactivate the node meanwhile; what start() gave."""
+        node.trigger_activate()
+        camera.publish(rgb_to_image(frame))
+        assert wait_for(lambda: node.frames.latest is not None, timeout=10)
+        with node.engine.lock:
+            started = start()
+            time.sleep(0.3)
+            node.trigger_deactivate()
+        return started
+    handle = deactivated_while(lambda: send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=True), []))
+    done = outcome(handle, timeout=60)
+    assert done.status == GoalStatus.STATUS_ABORTED and "deactivated while the goal ran" in done.result.message
+    future = deactivated_while(lambda: infer.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True)))
     assert wait_for(future.done, timeout=60)
     assert not future.result().success and "deactivated while the request ran" in future.result().message
 
