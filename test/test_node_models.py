@@ -56,3 +56,36 @@ def test_names_of_one_checkpoint_share_one_engine(tmp_path):
     a = shared_engine(str(path), skills=["detect"])
     b = shared_engine(str(tmp_path / "camera_model"), skills=["point"])
     assert a is b and a.family.name == "moondream"
+
+
+def test_a_load_holds_up_other_loads_only():
+    """The cache's lock was held across a load: another node's cleanup (a release) and a lookup
+    of a loaded model waited for a 15 s load of some other model. Loads still go one at a time,
+    and one key loads once."""
+    import threading
+    import time
+
+    from photon_core.runtime.shared_models import release, shared_model
+
+    loaded = shared_model(("test", "loaded"), lambda: object())
+    gate, loads = threading.Event(), []
+
+    def slow():
+        loads.append(1)
+        gate.wait(10)
+        return object()
+    started = [threading.Thread(target=lambda: shared_model(("test", "slow"), slow)) for _ in range(2)]
+    for t in started:
+        t.start()
+    time.sleep(0.2)
+    begun = time.monotonic()
+    again = shared_model(("test", "loaded"), lambda: object())   # in the cache: no wait
+    assert again is loaded and release(again) is False and release(loaded) is True
+    assert time.monotonic() - begun < 1.0
+    gate.set()
+    for t in started:
+        t.join(10)
+    assert loads == [1]                                          # two callers, one load
+    from photon_core.runtime.shared_models import _models
+    engine = _models[("test", "slow")]
+    assert engine.holders == 2 and not release(engine) and release(engine)

@@ -53,18 +53,30 @@ class SharedModel:
 
 
 _models: dict[tuple, SharedModel] = {}
-_loading = threading.Lock()
+_loading = threading.Lock()       # the cache: held for lookups and changes, never across a load
+_one_load = threading.Lock()      # one load at a time (a load peaks its memory), and a key loads once
 
 
 def shared_model(key: tuple, load: Callable[[], Any]) -> SharedModel:
     """The process's model for `key`, loading it with `load()` the first time. Each call is one
-    hold on it, given back with release()."""
+    hold on it, given back with release(). A load holds up other loads only: a model already in
+    the cache, and a release (another node's cleanup), do not wait for it."""
     with _loading:
         engine = _models.get(key)
-        if engine is None:
-            engine = _models[key] = SharedModel(load(), key)
-        engine.holders += 1
-        return engine
+        if engine is not None:
+            engine.holders += 1
+            return engine
+    with _one_load:
+        with _loading:
+            engine = _models.get(key)   # loaded by the caller this one waited for
+            if engine is not None:
+                engine.holders += 1
+                return engine
+        model = load()
+        with _loading:
+            engine = _models[key] = SharedModel(model, key)
+            engine.holders += 1
+            return engine
 
 
 def release(engine: SharedModel) -> bool:
