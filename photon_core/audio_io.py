@@ -99,7 +99,26 @@ def _read_riff_wave(f, path: Path) -> tuple[np.ndarray, int]:
         dtype, width, channels, rate = _parse_fmt(fmt, path)
     except _Unsupported as err:
         return _read_with_soundfile(path, str(err))
-    return _read_data(f, size, dtype, width, channels, path), rate
+    return _right_justified_24(_read_data(f, size, dtype, width, channels, path), fmt, path), rate
+
+
+def _right_justified_24(samples: np.ndarray, fmt: bytes, path: Path) -> np.ndarray:
+    """Plain PCM headers declaring fewer bits than their 4-byte words leave open where the bits
+    sit: left-justified (the WAVE rule, read as they are) or right-justified, as `arecord -f
+    S24_LE` writes them, which read as int32 were 48 dB too quiet, under the speech detector's
+    floor. Told apart by the data: a low byte never used is left-justified; values that all fit
+    the declared bits, sign-extended, are right-justified, and are shifted into place (warned)."""
+    tag, _, _, _, _, bits = struct.unpack("<HHIIHH", fmt[:16])
+    if tag != _PCM or samples.dtype != np.int32 or not 8 < bits < 32 or samples.size == 0:
+        return samples
+    if not (samples & 0xFF).any():
+        return samples
+    low, high = -(1 << (bits - 1)), 1 << (bits - 1)
+    if samples.min() >= low and samples.max() < high:
+        _log.warning("%s: %d-bit samples right-justified in 32-bit words (as arecord S24_LE writes them): "
+                     "read as such", path, bits)
+        return samples << (32 - bits)
+    return samples
 
 
 def _seek_data(f, path: Path) -> tuple[bytes, int]:

@@ -134,3 +134,23 @@ def test_wav_publisher_refuses_a_zero_speed_or_chunk_at_startup(tmp_path):
     assert results[0][0] == 1 and "speed must be > 0, got 0" in results[0][1]
     assert results[1][0] == 1 and "chunk_ms must be >= 1, got 0" in results[1][1]
     assert "Traceback" not in results[0][1] + results[1][1]
+
+
+def test_24_bit_samples_in_32_bit_words_are_read_where_they_sit(tmp_path, caplog):
+    """A plain PCM header of 24 bits in 4-byte words: `arecord -f S24_LE` writes the samples
+    right-justified, which read as int32 were 48 dB too quiet (under the speech detector's
+    floor); left-justified ones (the WAVE rule) are read as they are."""
+    tone = np.round(0.5 * 2**23 * np.sin(np.arange(800) / 5)).astype(np.int32)   # -6 dBFS
+
+    def written(samples, name):
+        data = bytearray(wav_bytes(PCM, 1, 16000, 4, samples.astype("<i4").tobytes()))
+        data[34:36] = struct.pack("<H", 24)   # wBitsPerSample 24, in 4-byte blocks
+        path = tmp_path / name
+        path.write_bytes(bytes(data))
+        return read_wav(path)[0]
+
+    with caplog.at_level(logging.WARNING):
+        right = written(tone, "s24_le.wav")
+    np.testing.assert_array_equal(right, tone << 8)
+    assert "right-justified" in caplog.text
+    np.testing.assert_array_equal(written(tone << 8, "left.wav"), tone << 8)
