@@ -52,7 +52,10 @@ def spin_nodes(nodes: list) -> int:
     for node in nodes:
         executor.add_node(node)
     try:
-        executor.spin()
+        while rclpy.ok():
+            # (short waits: without rclpy's signal handler nothing wakes a wait at Ctrl-C; the
+            # KeyboardInterrupt comes when the wait returns)
+            executor.spin_once(timeout_sec=0.1)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:

@@ -74,3 +74,21 @@ def test_a_turn_stopped_by_a_signal_ends_with_a_zero_twist(sig):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
     child()
+
+
+def test_bringup_stops_at_ctrl_c():
+    """Several nodes in one process (bringup) stop on SIGINT and exit 0, their destroy_node run
+    (with rclpy's signal handler off, nothing else wakes the executor's wait)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "photon_ros.bringup", "--graph", "loop", "--namespace", "stop_test"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(3.0)
+        assert proc.poll() is None, proc.stdout.read()
+        began = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - began < 5.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
