@@ -65,7 +65,7 @@ class MicrophoneNode(Node):
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
         self.stream = self.open_stream()   # a device that cannot open now: the node exits with why
-        self.last_block = time.monotonic()
+        self.last_block = self.last_try = time.monotonic()
         self.create_timer(self.block / self.rate / 2, self.publish_pending)
         self.create_timer(0.5, self.watch)
         self.create_timer(1.0, self.publish_diagnostics)
@@ -99,11 +99,12 @@ class MicrophoneNode(Node):
         """A device that stops calling back (unplugged, its server gone, a driver error) is
         reopened every stall_s until it delivers again: a microphone that went quiet for good
         must not leave the robot deaf while everything looks fine."""
-        silent = time.monotonic() - self.last_block
-        if silent < self.stall_s:
-            if self.stalled:
-                self.get_logger().info("audio is coming again")
-                self.stalled = ""
+        now = time.monotonic()
+        if self.stalled and self.last_block > self.last_try:   # a block came since the last reopening
+            self.get_logger().info("audio is coming again")
+            self.stalled = ""
+        silent = now - self.last_block
+        if silent < self.stall_s or (self.stalled and now - self.last_try < self.stall_s):
             return
         self.stalled = f"no audio from {self.device or 'the default input'} for {silent:.1f} s"
         self.get_logger().error(f"{self.stalled}: reopening the stream", throttle_duration_sec=10.0)
@@ -117,7 +118,9 @@ class MicrophoneNode(Node):
             self.reopened += 1
         except Exception as err:  # noqa: BLE001 - the device may be absent for now: tried again later
             self.stalled += f" (reopening failed: {err})"
-        self.last_block = time.monotonic()   # the next try after another stall_s
+        # the next try after another stall_s; the stall ends only with a block (the reopening's
+        # own time once did it, and the status said "capturing" with nothing captured)
+        self.last_try = time.monotonic()
 
     def publish_diagnostics(self) -> None:
         level, message = (DiagnosticStatus.ERROR, self.stalled) if self.stalled else (DiagnosticStatus.OK, "capturing")
