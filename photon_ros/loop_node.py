@@ -36,6 +36,7 @@ from std_msgs.msg import String
 from photon_ros.commands import VisionRequest, parse_command
 from photon_ros.msg import ImageTarget, Object3D, Transcript
 from photon_ros.params import NodeParams, Param
+from photon_ros.result_messages import time_to_seconds
 from photon_ros.run_node import run_node
 from photon_ros.action import Find
 from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
@@ -110,11 +111,10 @@ def incomplete_reason(msg: Transcript) -> str:
 def command_age(msg: Transcript, now_ns: int) -> float | None:
     """Seconds since the command's audio ended, by the transcript's stamp (its first sample's
     capture) and duration; None for an unstamped transcript."""
-    stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
-    if stamp == 0:
+    said = time_to_seconds(msg.header.stamp)
+    if said == 0:
         return None
-    duration = msg.audio_duration.sec * 1_000_000_000 + msg.audio_duration.nanosec
-    return (now_ns - stamp - duration) / 1e9
+    return now_ns / 1e9 - said - time_to_seconds(msg.audio_duration)
 
 
 def describe_turn(turn: Turn | None) -> str:

@@ -29,6 +29,7 @@ unconfigured, for a lifecycle manager (nav2_lifecycle_manager, `ros2 lifecycle s
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -139,6 +140,14 @@ class ManagedNode(LifecycleNode):
         self.loading = self.autostart   # diagnostics and the infer service say "loading" until it ends
         self.stopping = threading.Event()
         self.worker: threading.Thread | None = None
+        self.last_input_at: float | None = None   # monotonic arrival of the newest input (frame, chunk)
+
+    def input_arrived(self) -> None:
+        self.last_input_at = time.monotonic()
+
+    def input_silence(self) -> float | None:
+        """Seconds since the newest input arrived (None: none yet), for health()'s timeout."""
+        return None if self.last_input_at is None else time.monotonic() - self.last_input_at
 
     def start_worker(self) -> None:
         self.worker = threading.Thread(target=self._worker_main, daemon=True)

@@ -172,7 +172,6 @@ class SpeechNode(ManagedNode):
         self.ignored_chunks = 0         # chunks that arrived while the node was not active
         self.chunks_received = 0
         self.input_type = self.params["input_type"]   # as the subscription takes it (create_interfaces)
-        self.last_chunk_at: float | None = None   # monotonic arrival of the newest chunk
         self.finals_published = 0
         self.incompatible_qos = ""      # the last publisher QoS that could not be matched, and why
         self.incomplete_published = 0   # finals whose audio was cut (audio_complete false)
@@ -306,7 +305,7 @@ class SpeechNode(ManagedNode):
     # --- input: callback and timer (cheap) ---------------------------------------------------
     def on_audio(self, msg, info) -> None:
         self.chunks_received += 1
-        self.last_chunk_at = time.monotonic()
+        self.input_arrived()
         lost = self.health.arrived(info)
         with self.activity.admitting() as admitted:
             if admitted:
@@ -549,9 +548,8 @@ class SpeechNode(ManagedNode):
         state = self.lifecycle_state()
         status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
                                   hardware_id=str(self.model_name))
-        silent = None if self.last_chunk_at is None else time.monotonic() - self.last_chunk_at
         status.level, status.message = health(state, self.loading, self.model_error, self.chunks_received, "audio",
-                                              silent, self.params["input_timeout_s"])
+                                              self.input_silence(), self.params["input_timeout_s"])
         if self.incompatible_qos and self.chunks_received == 0 and status.level < DiagnosticStatus.ERROR:
             status.level, status.message = DiagnosticStatus.WARN, self.incompatible_qos
         failing = self.health.failing("audio chunks") or self.transcribing.failing("transcriptions")

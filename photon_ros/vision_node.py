@@ -146,7 +146,6 @@ class VisionNode(ManagedNode):
         self.apply_params(self.params.values)
 
         self.frames = LatestFrame()
-        self.last_frame_at: float | None = None   # monotonic arrival of the newest frame
         self.stats = RateStats()
         self.bad_frames = 0
         self.health = InputHealth()   # frames lost on the way, frames failing in a row
@@ -323,7 +322,7 @@ class VisionNode(ManagedNode):
 
     # --- input ----------------------------------------------------------------------------------
     def on_image(self, msg, info) -> None:
-        self.last_frame_at = time.monotonic()
+        self.input_arrived()
         self.health.arrived(info)
         with self.activity.admitting() as admitted:
             if not admitted:
@@ -692,9 +691,8 @@ class VisionNode(ManagedNode):
         state = self.lifecycle_state()
         status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
                                   hardware_id=self.model_name)
-        silent = None if self.last_frame_at is None else time.monotonic() - self.last_frame_at
         status.level, status.message = health(state, self.loading, self.model_error, self.frames.received,
-                                              "images", silent, self.params["input_timeout_s"])
+                                              "images", self.input_silence(), self.params["input_timeout_s"])
         failing = self.health.failing("frames")
         if failing and state == "active":
             status.level, status.message = DiagnosticStatus.ERROR, failing

@@ -264,8 +264,8 @@ class Gemma4DecoderStep(CompiledStep):
         # The argmax advances: it wrote each row's token into the next step's input, also for a row at
         # the last compiled position, whose result column says -1 (no room for a next step); -2
         # says the row's logits held NaN (its input token then means nothing: the -2 is passed on).
-        marks = self.result("token").tolist()
-        fed = self.dyn[:self.batch].tolist()
+        marks_col = self.result("token")
+        marks, fed = torch.stack([marks_col, self.dyn[:self.batch].to(marks_col.dtype)]).tolist()   # one read
         return StepOut(logits, [t if m == FULL else m for t, m in zip(fed, marks)])
 
 
