@@ -321,3 +321,49 @@ def test_a_chained_build_whose_pdl_launches_fail_is_tried_as_ordinary_launches(c
     assert engine_choice.choose(again, Timer()).how == "recorded"
     kernel = again.kernel_for(None)
     assert again.engine_label == "perop chained-unlinked" and kernel.chained and kernel.pdl is False
+
+
+def test_fp16_weights_time_the_megakernels_builds_and_are_recorded(cache):
+    """The per-op engine refuses fp16 weights, so it is no candidate: were it one, its failure would
+    keep every start from recording the choice (measured and compiled again each time, 'fallback')."""
+    step = build(1, torch.float16)
+    assert engine_choice.candidates(step) == [("megakernel", "plain"), ("megakernel", "wide512+aligned")]
+    choice = engine_choice.choose(step, Timer({"megakernel": 7.2, "megakernel wide512+aligned": 1.9}))
+    assert (choice.how, choice.variant, choice.note) == ("measured", "wide512+aligned", "")
+    again = engine_choice.choose(build(1, torch.float16), Timer())
+    assert (again.how, again.variant) == ("recorded", "wide512+aligned")
+
+
+def test_a_record_with_fields_of_the_wrong_type_is_measured_again_and_a_recorded_choice_is_logged(cache, caplog):
+    step = build()
+    path = engine_choice.record_path(step)
+    path.parent.mkdir(parents=True)
+    for bad in (dict(engine="megakernel", megakernel_ms="1.0"), dict(engine="perop", note=5), ["megakernel"]):
+        path.write_text(json.dumps(bad))
+        caplog.clear()
+        with caplog.at_level("INFO", logger=engine_choice.__name__):
+            choice = engine_choice.choose(build(), Timer(megakernel=1.0, perop=2.0))
+        assert choice.how == "measured" and "measuring again" in caplog.text, bad
+    caplog.clear()
+    with caplog.at_level("INFO", logger=engine_choice.__name__):
+        choice = engine_choice.choose(build(), Timer())
+    assert choice.how == "recorded" and f"decodes on {choice.line()}" in caplog.text   # both times, every start
+
+
+def test_a_record_folder_that_cannot_be_opened_costs_only_the_record(tmp_path, monkeypatch, caplog):
+    """A folder stat() refuses (here a name too long for the file system; another user's 0700
+    folder alike) is a miss and a warning, never a failed load."""
+    monkeypatch.setenv("PHOTON_BUILD_CACHE", "1")
+    monkeypatch.setenv("PHOTON_CACHE_DIR", str(tmp_path / ("x" * 300)))
+    with caplog.at_level("WARNING", logger=engine_choice.__name__):
+        choice = engine_choice.choose(build(), Timer(megakernel=1.0, perop=2.0))
+    assert (choice.how, choice.engine) == ("measured", "megakernel") and "not written" in caplog.text
+
+
+def test_a_record_that_fails_half_way_leaves_no_temporary_file(cache, monkeypatch):
+    def fails(rec, f):
+        f.write('{"engine": "mega')
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(engine_choice.json, "dump", fails)
+    engine_choice.choose(build(), Timer(megakernel=1.0, perop=2.0))
+    assert [p.name for p in cache.iterdir() if p.suffix == ".json"] == []    # the build cache's entry only

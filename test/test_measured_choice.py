@@ -63,8 +63,19 @@ def test_a_failing_candidate_is_not_chosen():
         raise RuntimeError("out of resources: shared memory")
     choices = measured.Choices(lambda fn: (fn(), 1e-3)[1])
     assert choices.run("k", {"triton": broken, "torch": lambda: 7}, measure=True) == 7
-    with pytest.raises(RuntimeError, match="every implementation failed"):
+    with pytest.raises(RuntimeError, match="out of resources"):
         choices.run("j", {"triton": broken, "torch": broken}, measure=True)
+
+
+def test_a_mistake_every_candidate_refuses_keeps_its_type_and_message():
+    """A caller's wrong shape raises what the unmeasured call raises (a ValueError a caller may
+    catch), not a generic failure with the reason only in the log."""
+    def wrong_shape():
+        raise ValueError("linear: x has 64 features, weight is (48, 65)")
+    choices = measured.Choices(lambda fn: (fn(), 1e-3)[1])
+    with pytest.raises(ValueError, match="64 features"):
+        choices.run("k", {"triton": wrong_shape, "torch": wrong_shape}, measure=True)
+    assert "k" not in choices.chosen
 
 
 def test_the_backend_dispatches_by_the_choice(monkeypatch):

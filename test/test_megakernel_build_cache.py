@@ -232,6 +232,16 @@ def test_a_cache_that_cannot_be_written_costs_only_the_cache(tmp_path, monkeypat
     assert torch.equal(step().kernel.tasks, first.kernel.tasks)
 
 
+def test_a_cache_folder_that_cannot_be_opened_costs_only_the_cache(tmp_path, monkeypatch, builds, caplog):
+    """stat() refusing the folder (a name too long here; another user's 0700 folder alike) is a miss
+    and a warning: the step builds."""
+    monkeypatch.setenv("PHOTON_BUILD_CACHE", "1")
+    monkeypatch.setenv("PHOTON_CACHE_DIR", str(tmp_path / ("x" * 300)))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        built = step()
+    assert builds["lower"] == 1 and "could not write" in caplog.text and built.kernel.tasks.numel() > 0
+
+
 def test_where_the_cache_lives(tmp_path, monkeypatch):
     for name in ("PHOTON_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)

@@ -162,9 +162,11 @@ def _path(key: str) -> Path | None:
 def load(key: str) -> tuple[TaskGraph, torch.Tensor] | None:
     """The graph and table stored under `key`, or None (not there, or not usable: warned)."""
     path = _path(key)
-    if path is None or not path.is_file():
+    if path is None:
         return None
     try:
+        if not path.is_file():   # inside: a folder this process may not open raises, a miss all the same
+            return None
         graph, table, header = graph_file.read(path)
         if header.get("key") != key:
             raise graph_file.EntryError(f"it holds the entry of key {header.get('key')!r}")

@@ -22,8 +22,9 @@ Triton compile (12-16 s on an H200's host) at the first start only, and is chose
 wins. A streaming build that fails (no compile, other values) while both engines run is recorded
 as failed, so no later start compiles it again.
 
-The per-op engine is timed in two builds too: "plain" (torch's kernels: its vendor GEMMs, SDPA over
-the whole cache, norms as several kernels) and, for fp32 or bf16 weights, "chained" (linears, norms,
+The per-op engine runs fp32 or bf16 weights (fp16 inputs to its GEMMs could overflow: an fp16 step
+times the megakernel's builds only) and is timed in two builds too: "plain" (torch's kernels: its
+vendor GEMMs, SDPA over the whole cache, norms as several kernels) and "chained" (linears, norms,
 rotary appends and attention as kernels/chained.py's Triton kernels, one launch an op, chained by
 programmatic dependent launch on sm_90+: each launch starts, and issues its weight loads, while the
 one before it finishes). The chained build must compute what the plain one does (same_as_plain).
@@ -75,11 +76,11 @@ def candidates(step: "CompiledStep") -> list[tuple[str, str]]:
     either is decoded; each step reduced only by the rows that chose the expert), where the plain
     build's FP8 trip is 1 KB at batch 1 and 0.5 KB at batch 8 (sm_90, bench/RESULTS.md "Megakernel
     K loop from the SASS": no spill inside any K loop under Triton 3.6 or 3.9)."""
-    out = [("megakernel", "plain"), ("perop", "plain")]
+    out = [("megakernel", "plain")]
     if step.plan.weight_dtype in (torch.bfloat16, torch.float16):
-        out.insert(1, ("megakernel", STREAMING.get(step.batch, STREAMING_ABOVE_1)))
+        out.append(("megakernel", STREAMING.get(step.batch, STREAMING_ABOVE_1)))
     if step.plan.weight_dtype != torch.float16:      # the per-op engine runs fp32 or bf16 weights
-        out.append(("perop", "chained"))
+        out += [("perop", "plain"), ("perop", "chained")]
     return out
 
 
@@ -89,7 +90,8 @@ def replay_ms(step: "CompiledStep", launches: int = LAUNCHES, repeats: int = REP
     from photon_core.megakernel.decode_loop import restoring
     from photon_core.runtime.cuda_graph import capture
     kernel = step.kernel_for(None)
-    with typical_rows(step):
+    # on the step's GPU: on another one the graph and its events would time nothing of the step's
+    with torch.cuda.device(step.state.device), typical_rows(step):
         with restoring(step, launches * (repeats + 2)):
             def run() -> None:
                 for _ in range(launches):
@@ -132,11 +134,24 @@ def record_path(step: "CompiledStep") -> Path | None:
     return None if folder is None or key is None else folder / f"{key}.engine.json"
 
 
+_TIMES = ("megakernel_ms", "perop_ms", "variant_ms", "chained_ms")
+
+
 def _read(path: Path | None) -> dict | None:
-    if path is None or not path.is_file():
+    if path is None:
         return None
     try:
+        if not path.is_file():   # inside: a folder this process may not open raises, a miss all the same
+            return None
         rec = json.loads(path.read_text())
+        if not isinstance(rec, dict):
+            raise ValueError(f"a {type(rec).__name__}, not an object")
+        for k in _TIMES:
+            if not (rec.get(k) is None or type(rec[k]) in (int, float)):
+                raise ValueError(f"{k} {rec[k]!r}")
+        for k in ("note", "timed_variant"):
+            if not isinstance(rec.get(k, ""), str):
+                raise ValueError(f"{k} {rec[k]!r}")
         if rec.get("engine") not in ENGINES:
             raise ValueError(f"engine {rec.get('engine')!r}")
         variant = rec.setdefault("variant", "plain")   # a record before variants: the plain build
@@ -154,14 +169,19 @@ def _read(path: Path | None) -> dict | None:
 def _write(path: Path | None, rec: dict) -> None:
     if path is None:
         return
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(rec, f)
         os.replace(tmp, path)
+        tmp = None
     except OSError as e:   # the choice stands; only the next start measures again
         log.warning("decode engine record %s not written (%s)", path, e)
+    finally:
+        if tmp is not None:   # a full disk: no half-written record left behind a start
+            Path(tmp).unlink(missing_ok=True)
 
 
 def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
@@ -176,9 +196,11 @@ def choose(step: "CompiledStep", timer: Timer | None = None) -> EngineChoice:
     if rec is not None:
         try:
             step.set_engine(rec["engine"], rec["variant"])
-            return EngineChoice(name, B, rec["engine"], "recorded", rec.get("megakernel_ms"), rec.get("perop_ms"),
-                                rec.get("note", ""), rec["variant"], rec.get("variant_ms"), rec.get("timed_variant", ""),
-                                rec.get("chained_ms"))
+            choice = EngineChoice(name, B, rec["engine"], "recorded", rec.get("megakernel_ms"), rec.get("perop_ms"),
+                                  rec.get("note", ""), rec["variant"], rec.get("variant_ms"), rec.get("timed_variant", ""),
+                                  rec.get("chained_ms"))
+            log.info("%s B%d decodes on %s", name, B, choice.line())
+            return choice
         except Exception as e:  # noqa: BLE001  what ran before no longer builds: measure both again
             log.warning("%s B%d: the recorded %s engine failed (%s: %s); measuring again", name, B, rec["engine"],
                         type(e).__name__, e)
@@ -305,7 +327,8 @@ def _measure(step: "CompiledStep", path: Path | None, timer: Timer | None) -> En
     # failing while both engines' plain builds ran: a build that does not compile or computes
     # otherwise here will not next time either, and retrying costs a compile a start.
     builds = {engine_label(e, v) for e, v in tried if v != "plain"}
-    if not failed or set(failed) <= builds and ("megakernel", "plain") in times and ("perop", "plain") in times:
+    plains = {(e, v) for e, v in tried if v == "plain"}
+    if not failed or set(failed) <= builds and plains <= set(times):
         _write(path, rec)
     return choice
 

@@ -78,13 +78,15 @@ class Choices:
 
     def _measure(self, key: Hashable, candidates: Mapping[str, Callable[[], Any]]) -> str:
         times: dict[str, float] = {}
+        errors: list[Exception] = []
         for name, fn in candidates.items():
             try:
                 times[name] = self.timer(fn)
             except Exception as e:  # noqa: BLE001  another candidate computes the same
+                errors.append(e)
                 log.warning("%s: %s failed (%s: %s); not chosen", key, name, type(e).__name__, e)
-        if not times:
-            raise RuntimeError(f"{key}: every implementation failed: {list(candidates)}")
+        if not times:   # the caller's own mistake (a shape, a dtype) as the unmeasured call raises it
+            raise errors[0]
         best = min(times, key=times.__getitem__)
         self.seconds[key], self.chosen[key] = times, best
         log.info("%s: %s (%s)", key, best, ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in times.items()))
