@@ -23,6 +23,7 @@ vision node has depth, and a bounded turn toward it.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 from action_msgs.msg import GoalStatus
@@ -135,6 +136,7 @@ class LoopNode(Node):
         self.pub_cmd = self.create_publisher(Twist, "cmd_vel", reliable)
         self.pub_status = self.create_publisher(String, "status", reliable)
         self.turns = TurnCommands()
+        self.turn_lock = threading.Lock()   # the timer's Twist and the shutdown's zero Twist: one after the other
         self.create_timer(TICK_S, self.send_turn)
         self.find = ActionClient(self, Find, "find")
         self.goal = None   # the find goal in progress
@@ -148,10 +150,11 @@ class LoopNode(Node):
         self.pub_status.publish(String(data=text))
 
     def send_turn(self) -> None:
-        was_turning = self.turns.active
-        twist = self.turns.tick(time.monotonic())
-        if twist is not None:
-            self.pub_cmd.publish(twist)
+        with self.turn_lock:
+            was_turning = self.turns.active
+            twist = self.turns.tick(time.monotonic())
+            if twist is not None:
+                self.pub_cmd.publish(twist)
         if was_turning and not self.turns.active:
             # when it really ended, on the clock the camera's stamps are compared with: a turn lasts
             # wall seconds, which under sim time at another rate are not as many ROS seconds
@@ -290,9 +293,15 @@ class LoopNode(Node):
         self.goal_sent = True
         return True, f"goal ({x:.2f}, {y:.2f}) m in {header.frame_id} on goal_pose"
 
+    def stop_for_shutdown(self) -> None:
+        """A turn in progress ends here, not when the base's timeout (if any) fires: called first at
+        shutdown, before waiting for callbacks that may run for seconds (run_node)."""
+        with self.turn_lock:
+            if self.turns.stop():
+                self.pub_cmd.publish(Twist())
+
     def destroy_node(self) -> None:
-        if self.turns.active:   # a turn in progress ends here, not when the base's timeout (if any) fires
-            self.pub_cmd.publish(Twist())
+        self.stop_for_shutdown()
         super().destroy_node()
 
 

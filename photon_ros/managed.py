@@ -236,6 +236,13 @@ class ManagedNode(LifecycleNode):
             freed = release(engine)
             self.get_logger().info("model released" + ("" if freed else " (other nodes still use it)"))
 
+    def stop_for_shutdown(self) -> None:
+        """Tell the worker and every waiting request to end (run_node calls it first at shutdown:
+        the executor waits for running callbacks, and a goal waiting for a frame ends only so)."""
+        if hasattr(self, "stopping"):   # a constructor that failed made none
+            self.stopping.set()
+            self.activity.stop()
+
     def destroy_node(self) -> None:
         if not hasattr(self, "stopping"):   # its constructor failed (a bad parameter): nothing of ours
             super().destroy_node()
@@ -243,8 +250,7 @@ class ManagedNode(LifecycleNode):
         # The worker publishes: stop it before the publishers go away, then give the model back.
         # A worker still loading the model (a daemon) is not waited for: Ctrl-C during a long load
         # took a minute, and under ros2 launch ended in SIGKILL.
-        self.stopping.set()
-        self.activity.stop()
+        self.stop_for_shutdown()
         if self.worker is not None:
             self.worker.join(timeout=2.0 if self.loading else 60)
         self.release_engine()

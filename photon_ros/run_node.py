@@ -33,25 +33,42 @@ def run_node(make_node: Callable[[], object], args=None, until: Callable[[object
         rclpy.try_shutdown()
         sys.exit(1)
     executor = MultiThreadedExecutor()
-    executor.add_node(node)
     try:
+        executor.add_node(node)
         while rclpy.ok() and not (until and until(node)):
             executor.spin_once(timeout_sec=0.1)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        executor.shutdown()
-        node.destroy_node()
+        stop_and_destroy(executor, [node])
         rclpy.try_shutdown()
 
 
+def stop_and_destroy(executor, nodes: list) -> None:
+    """Shut `nodes` down in the order a robot needs: each told to stop first (a loop node mid-turn
+    sends its zero Twist now; waiting goals and workers end), then the executor waits for the
+    callbacks still running (an inference may take seconds), then the nodes are destroyed. A second
+    signal meanwhile (ros2 launch's SIGTERM) cuts the wait short, never the destruction."""
+    for node in nodes:
+        stop = getattr(node, "stop_for_shutdown", None)
+        if stop is not None:
+            stop()
+    try:
+        executor.shutdown()
+    except KeyboardInterrupt:
+        pass
+    for node in nodes:
+        try:
+            node.destroy_node()
+        except KeyboardInterrupt:   # a signal mid-way: the other nodes are still destroyed
+            pass
 def spin_nodes(nodes: list) -> int:
     """Spin already-made `nodes` on one multi-threaded executor until Ctrl-C or shutdown, then
     destroy them and shut rclpy down (several nodes in one process: bring-up, several microphones)."""
     executor = MultiThreadedExecutor()
-    for node in nodes:
-        executor.add_node(node)
     try:
+        for node in nodes:
+            executor.add_node(node)
         while rclpy.ok():
             # (short waits: without rclpy's signal handler nothing wakes a wait at Ctrl-C; the
             # KeyboardInterrupt comes when the wait returns)
@@ -59,8 +76,6 @@ def spin_nodes(nodes: list) -> int:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        executor.shutdown()
-        for node in nodes:
-            node.destroy_node()
+        stop_and_destroy(executor, nodes)
         rclpy.try_shutdown()
     return 0

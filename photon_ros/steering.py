@@ -59,6 +59,13 @@ class TurnCommands:
     def active(self) -> bool:
         return self._turn is not None or self._stop_due
 
+    def stop(self) -> bool:
+        """End the turn in progress now (the node is shutting down); True when it was moving the
+        base, so a zero Twist is due."""
+        due = self.active
+        self._turn, self._stop_due = None, False
+        return due
+
     def tick(self, now: float) -> Twist | None:
         """What to publish at `now`: the turn's Twist, the final zero Twist, or None (idle)."""
         twist = Twist()

@@ -72,8 +72,85 @@ def test_a_turn_stopped_by_a_signal_ends_with_a_zero_twist(sig):
         rclpy.shutdown(context=ctx)
 
 
+def busy_child() -> None:
+    """The loop node beside a node whose callback runs for seconds (an inference, a goal waiting
+    for a frame), in one process as bringup spins them; the turn starts 1 s in, the long callback
+    1.5 s in, and says 'done' on /shutdown_busy/done as it ends."""
+    import threading
+
+    import rclpy
+    from rclpy.node import Node
+    from std_msgs.msg import String
+
+    from photon_ros.loop_node import LoopNode
+    from photon_ros.run_node import init_rclpy, spin_nodes
+    from photon_ros.steering import Turn
+
+    init_rclpy(sys.argv[2:])
+    loop, busy = LoopNode(), Node("busy")
+    done = busy.create_publisher(String, "done", 10)
+
+    def long_callback():
+        timer.cancel()
+        time.sleep(6.0)
+        done.publish(String(data="done"))
+    timer = busy.create_timer(1.5, long_callback)
+
+    def later():
+        time.sleep(1.0)
+        loop.turns.start(Turn(rate=0.5, duration=30.0), time.monotonic())
+    threading.Thread(target=later, daemon=True).start()
+    spin_nodes([loop, busy])
+    assert not rclpy.ok()
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
     child()
+if __name__ == "__main__" and sys.argv[1:2] == ["busy"]:
+    busy_child()
+
+
+def test_the_zero_twist_goes_out_before_waiting_for_a_long_callback():
+    """At Ctrl-C the executor waits for the callbacks still running (an inference may take seconds;
+    a goal waiting for a frame ends only when its node is told to stop): the loop's zero Twist must
+    not wait for them. It arrives before the long callback's 'done'."""
+    import rclpy
+    from geometry_msgs.msg import Twist
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from std_msgs.msg import String
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, __file__, "busy", "--ros-args", "-r", "__ns:=/shutdown_busy"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    node = rclpy.create_node("base", context=ctx)
+    events: list[tuple[str, float]] = []
+    reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+    node.create_subscription(Twist, "/shutdown_busy/cmd_vel", lambda m: events.append(("twist", m.angular.z)), reliable)
+    node.create_subscription(String, "/shutdown_busy/done", lambda m: events.append(("done", 0.0)), 10)
+    executor = rclpy.executors.SingleThreadedExecutor(context=ctx)
+    executor.add_node(node)
+
+    def spin_for(seconds: float, until=lambda: False) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not until():
+            executor.spin_once(timeout_sec=0.05)
+    try:
+        spin_for(60, lambda: sum(e == ("twist", 0.5) for e in events) >= 3)
+        assert events and events[-1] == ("twist", 0.5), (events[-5:], proc.poll())
+        time.sleep(1.0)   # the long callback has begun (1.5 s in; the turn began at 1 s)
+        proc.send_signal(signal.SIGINT)
+        spin_for(30, lambda: proc.poll() is not None and ("done", 0.0) in events)
+        assert proc.wait(timeout=10) == 0, proc.stdout.read()[-2000:]
+        spin_for(0.5)
+        after = [e for e in events if e != ("twist", 0.5)]
+        assert after[:2] == [("twist", 0.0), ("done", 0.0)], events[-6:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        node.destroy_node()
+        rclpy.shutdown(context=ctx)
 
 
 def test_bringup_stops_at_ctrl_c():
@@ -82,9 +159,16 @@ def test_bringup_stops_at_ctrl_c():
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "photon_ros.bringup", "--graph", "loop", "--namespace", "stop_test"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import rclpy
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    watcher = rclpy.create_node("watcher", context=ctx)
     try:
-        time.sleep(3.0)
-        assert proc.poll() is None, proc.stdout.read()
+        deadline = time.monotonic() + 60   # up once its nodes are on the graph (imports take seconds on a busy CPU)
+        while ("loop", "/stop_test") not in watcher.get_node_names_and_namespaces():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        time.sleep(0.5)
         began = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0
@@ -92,3 +176,5 @@ def test_bringup_stops_at_ctrl_c():
     finally:
         if proc.poll() is None:
             proc.kill()
+        watcher.destroy_node()
+        rclpy.shutdown(context=ctx)
