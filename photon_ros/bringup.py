@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, MutableMapping
@@ -110,16 +111,30 @@ def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def node_parameters(config: dict, node_name: str) -> list[Parameter]:
-    """A node's parameters from a ROS params file: the sections that match a node of this name in
-    any namespace, as rcl matches them (`/**`, `/**/name`, `name`, `/name`), the more specific last."""
+def section_matches(key: str, fully_qualified_name: str) -> bool:
+    """Whether a params file's section `key` applies to the node `fully_qualified_name`, as rcl
+    reads the file: a bare key is absolute (`vision` is /vision only), `*` one name, `**` any
+    number of them (`/**/vision` is a vision node in any namespace)."""
+    tokens = (key if key.startswith("/") else "/" + key).strip("/").split("/")
+    pattern = "".join(r"(/\w+)*" if t == "**" else r"/\w+" if t == "*" else "/" + re.escape(t)
+                      for t in tokens if t) or r"/"
+    return re.fullmatch(pattern, fully_qualified_name) is not None
+
+
+def node_parameters(config: dict, node_name: str, namespace: str = "") -> list[Parameter]:
+    """A node's parameters from a ROS params file, as rcl takes them for the same file: every
+    section matching the node's fully qualified name, in the file's order, a later one's value
+    winning (`ros2 launch` with this file and bringup give a node the same values)."""
+    ns = "/" + namespace.strip("/")
+    fqn = (ns.rstrip("/") + "/" + node_name)
     merged: dict = {}
-    for key in ("/**", f"/**/{node_name}", node_name, f"/{node_name}"):
-        merged.update(flatten((config.get(key) or {}).get("ros__parameters") or {}))
-    # an empty list has no type of its own (rclpy took it for a BYTE_ARRAY and the node refused
-    # `detect: []`, which rcl's params file reading takes): our list parameters are string arrays
-    return [Parameter(name, Parameter.Type.STRING_ARRAY, []) if value == [] else Parameter(name, value=value)
-            for name, value in merged.items()]
+    for key, section in config.items():
+        if isinstance(key, str) and section_matches(key, fqn):
+            merged.update(flatten((section or {}).get("ros__parameters") or {}))
+    # An empty list carries no type to rclpy (it takes it for a byte array, and a node declaring a
+    # string array refuses it); every list parameter of ours declares [] as its default, so an
+    # empty one is left to that.
+    return [Parameter(name, value=value) for name, value in merged.items() if value != []]
 
 
 def check_namespaces(namespaces: list[str]) -> list[str]:
@@ -204,7 +219,7 @@ def build_graph(config_path: Path, graph: str, namespace: str = "", remaps: list
                 name = role if role != "audio" else ("wav_publisher" if wav else "microphone")
                 if name == "microphone" and served is not None:
                     continue   # a robot's microphone is on the robot: its driver publishes <ns>/audio
-                params = node_parameters(config, name)
+                params = node_parameters(config, name, ns)
                 extra = {"autostart": False} if managed and name in MANAGED else {}
                 extra.update(node_overrides(overrides, ns, name))
                 if name == "wav_publisher":
@@ -212,7 +227,7 @@ def build_graph(config_path: Path, graph: str, namespace: str = "", remaps: list
                 params = [p for p in params if p.name not in extra] + [Parameter(k, value=v) for k, v in extra.items()]
                 nodes.append(classes[name](namespace=ns, cli_args=cli_args, parameter_overrides=params,
                                            context=context))
-    except Exception:
+    except BaseException:   # a bad section, or Ctrl-C during a long construction
         for node in nodes:
             node.destroy_node()
         raise
@@ -240,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         nodes = build_graph(args.config, args.graph, args.namespace, args.remap, args.wav,
                             managed=args.managed, namespaces=args.namespaces)
+    except KeyboardInterrupt:   # Ctrl-C before the graph was up: nothing ran, nothing to report
+        rclpy.try_shutdown()
+        return 0
     except Exception as err:  # noqa: BLE001 - a bad config or missing device ends bring-up with its reason
         print(f"bringup: {err}", file=sys.stderr)
         rclpy.try_shutdown()

@@ -155,8 +155,67 @@ def test_an_installed_bringup_finds_the_packages_config(tmp_path, monkeypatch):
     assert found is not None and found.parts[-4:] == ("share", "photon_ros", "config", "photon.yaml")
 
 
-def test_an_empty_list_in_the_config_is_an_empty_string_array():
-    from rclpy.parameter import Parameter
+PRECEDENCE = {   # the same parameter in several sections of one file
+    "specific_first": "vision:\n  ros__parameters: {x: specific}\n/**:\n  ros__parameters: {x: wildcard}\n",
+    "any_ns_then_all": "/**/vision:\n  ros__parameters: {x: any_ns}\n/**:\n  ros__parameters: {x: wildcard}\n",
+    "any_ns_then_robot1": "/**/vision:\n  ros__parameters: {x: any_ns}\n/robot1/vision:\n  ros__parameters: {x: robot1}\n",
+    "robot1_then_any_ns": "/robot1/vision:\n  ros__parameters: {x: robot1}\n/**/vision:\n  ros__parameters: {x: any_ns}\n",
+    "bare": "vision:\n  ros__parameters: {x: bare}\n",
+    "one_level": "/*/vision:\n  ros__parameters: {x: one_level}\n",
+    "other_node": "/**/speech:\n  ros__parameters: {x: speech}\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(PRECEDENCE))
+def test_bringup_reads_a_params_file_as_rcl_does(tmp_path, case):
+    """The same file gives a node the same values under `ros2 launch` (rcl reads it) and under
+    bringup: sections matched against the node's fully qualified name, later ones winning. Bringup
+    applied a bare `vision:` section in every namespace, dropped /robot1/vision, and let the more
+    specific key win over the file's order."""
+    import rclpy
+    import yaml
+    from rclpy.node import Node
+
     from photon_ros.bringup import node_parameters
-    (param,) = node_parameters({"/**/vision": {"ros__parameters": {"detect": []}}}, "vision")
-    assert param.type_ == Parameter.Type.STRING_ARRAY and param.value == []
+
+    text = PRECEDENCE[case]
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx, args=[])
+    try:
+        for ns in ("", "/robot1", "/fleet/robot1"):
+            node = Node("vision", namespace=ns, context=ctx, cli_args=["--ros-args", "--params-file", str(path)],
+                        automatically_declare_parameters_from_overrides=True)
+            rcl = node.get_parameter("x").value if node.has_parameter("x") else None
+            node.destroy_node()
+            ours = {p.name: p.value for p in node_parameters(yaml.safe_load(text), "vision", ns)}.get("x")
+            assert ours == rcl, (case, ns)
+    finally:
+        rclpy.shutdown(context=ctx)
+
+
+def test_an_empty_list_in_the_config_builds_the_node(tmp_path):
+    """`detect: []` (no objects on every frame) is left to the list's declared default, []: rclpy
+    types an empty list as a byte array, and a node declaring a string array refused it."""
+    import rclpy
+    import yaml
+
+    from photon_ros.bringup import build_graph, node_parameters
+
+    config = {"/**/vision": {"ros__parameters": {"detect": ["cup"], "autostart": False}},
+              "/robot1/vision": {"ros__parameters": {"detect": []}}}
+    assert [p.name for p in node_parameters(config, "vision", "robot1")] == ["autostart"]
+    assert [p.value for p in node_parameters(config, "vision", "robot2") if p.name == "detect"] == [["cup"]]
+    path = tmp_path / "photon.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx, args=[])
+    try:
+        (node,) = build_graph(path, "vision", "robot1", context=ctx, roles=["vision"])
+        try:
+            assert node.params["detect"] == []
+        finally:
+            node.destroy_node()
+    finally:
+        rclpy.shutdown(context=ctx)
