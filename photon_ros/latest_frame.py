@@ -14,6 +14,7 @@ class Frame(NamedTuple):
     msg: Any               # sensor_msgs/Image or CompressedImage, unconverted (conversion is the worker's job)
     received_at: float     # time.monotonic() at arrival: latency is measured from here
     extra: Any = None      # what travels with the frame (the vision node: its depth pairing)
+    epoch: int | None = None   # the activation that admitted it: processed and published in that one only
 
 
 class LatestFrame:
@@ -25,8 +26,8 @@ class LatestFrame:
         self.dropped = 0
         self.taken = 0       # received == taken + dropped, plus one while a frame waits
 
-    def put(self, msg: Any, extra: Any = None) -> None:
-        frame = Frame(msg, time.monotonic(), extra)
+    def put(self, msg: Any, extra: Any = None, epoch: int | None = None) -> None:
+        frame = Frame(msg, time.monotonic(), extra, epoch)
         with self._cond:
             if self._waiting is not None:
                 self.dropped += 1

@@ -141,6 +141,7 @@ class VisionNode(ManagedNode):
     def __init__(self, **kwargs) -> None:
         super().__init__("vision", **kwargs)
         self.track_ids = IdSource.clock_based()   # unique across this node's prompts, and its restarts
+        self.tracked_epoch: int | None = None      # the activation the trackers' tracks come from
         self.params = NodeParams(self, vision_params(), apply=self.apply_params, check_all=self.check_params)
         self.model_name = self.params["model"]   # the one loaded: read again at configure
         self.apply_params(self.params.values)
@@ -318,7 +319,8 @@ class VisionNode(ManagedNode):
         if self.frames.take(timeout=0) is not None:
             self.inactive_frames += 1
         self.frames.latest = None
-        self.trackers.reset()   # after an activate, ids are not handed to whatever is there by then
+        # The trackers are reset by the worker at its first frame of the next activation (process):
+        # reset here, a frame still in the model would track into them after.
 
     # --- input ----------------------------------------------------------------------------------
     def on_image(self, msg, info) -> None:
@@ -329,7 +331,7 @@ class VisionNode(ManagedNode):
                 self.inactive_frames += 1
                 return
             self.stats.tick("received")
-            self.frames.put(msg, self.depth_waits(msg.header, reception_time(info)))
+            self.frames.put(msg, self.depth_waits(msg.header, reception_time(info)), self.activity.current())
 
     def vision_msgs_publisher(self, qos):
         try:
@@ -370,10 +372,14 @@ class VisionNode(ManagedNode):
     # --- worker ---------------------------------------------------------------------------------
     def work(self) -> None:
         while not self.stopping.is_set():
-            epoch = self.activity.wait_running(timeout=0.1)
-            frame = self.frames.take(timeout=0.1) if epoch is not None else None
+            running_now = self.activity.wait_running(timeout=0.1) is not None
+            frame = self.frames.take(timeout=0.1) if running_now else None
             if frame is None:
                 continue
+            # the frame's own activation, not the one read before waiting for it: a deactivate and
+            # activate inside that wait dropped the first frame of the new activation (None: taken
+            # in while an autostart loaded the model, before the first activation)
+            epoch = frame.epoch if frame.epoch is not None else self.activity.current()
             with self.activity.work(epoch) as running:
                 if running:
                     self.process_guarded(frame, epoch)
@@ -425,6 +431,9 @@ class VisionNode(ManagedNode):
             self.health.failed(f"the model failed: {err}")
             self.get_logger().warning(f"frame not processed: {err}", throttle_duration_sec=5.0)
             return
+        if epoch != self.tracked_epoch:   # a new activation: ids are not handed to whatever is there by now
+            self.trackers.reset()
+            self.tracked_epoch = epoch
         # The frame's depth was waited for while the model ran: its pairing began at its arrival.
         space = self.space(header, width, height, frame.extra) if (detect or point) else None
         latency = time.monotonic() - frame.received_at

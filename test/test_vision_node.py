@@ -102,6 +102,31 @@ def test_detections_carry_the_image_header(graph):
     assert [b.track_id for b in detections[3].detections] == first[:2]
 
 
+def test_a_frame_in_the_model_at_deactivate_leaves_no_tracks_to_the_next_activation(graph):
+    """The frame being processed when the node is deactivated ends after it (its results are not
+    published): the tracks it made must not hand their ids to what the camera shows after the next
+    activate. The worker's own call is made here on the test thread, once deactivated."""
+    from photon_ros.latest_frame import Frame
+    node = vision_node(graph, detect=["cup"])
+    detections = collect(graph, Detections, "detections")
+    pub = graph.node("camera").create_publisher(Image, "image", RELIABLE)
+    wait_for_match(pub)
+    pub.publish(rgb_to_image(image(), "bgr8", header=header(1)))
+    assert wait_for(lambda: detections, timeout=60)
+    first = {b.track_id for b in detections[0].detections}
+    epoch = node.activity.current()
+    node.trigger_deactivate()
+    assert node.activity.current() is None
+    node.process(Frame(rgb_to_image(image(), "bgr8", header=header(2)), time.monotonic()), epoch)   # in flight
+    first |= {t.track_id for t in node.trackers.get("detect", "cup").tracks()}   # its own, unpublished
+    node.trigger_activate()
+    assert node.activity.current() not in (None, epoch)
+    pub.publish(rgb_to_image(image(), "bgr8", header=header(3)))
+    assert wait_for(lambda: len(detections) == 2, timeout=60)
+    again = {b.track_id for b in detections[1].detections}
+    assert again and not again & first and 0 not in again
+
+
 def test_warm_up_runs_a_frame_of_the_standing_tasks_as_one_batch():
     """Startup decodes one batch the size of a frame's requests, so the compiled step of that batch
     size (built on first use, seconds at real sizes on a GPU) is not built on the first frame."""
