@@ -632,16 +632,25 @@ def frame_depth(pairing: DepthPairing, stamp: float, camera: Any, image_width: i
 
 def misaligned(image_frame: str, depth: Any, camera: Any) -> str:
     """Why the depth image or camera_info does not describe the colour image ("" if nothing says
-    so): a frame id of its own, non-empty and not the colour image's. Unregistered depth (the
+    so): a frame id of its own, non-empty and not the colour image's, or (the colour image naming
+    none) depth and camera_info naming different frames. Unregistered depth (the
     depth camera's image_rect_raw) or the depth camera's camera_info of the same aspect ratio
     would pass every size check and give positions off by the stereo baseline, or through the
     wrong intrinsics, labelled with the wrong frame."""
+    frames = {}
     for what, msg in (("depth image", depth), ("camera_info", camera)):
-        frame = getattr(getattr(msg, "header", None), "frame_id", "")
+        frame = frames[what] = getattr(getattr(msg, "header", None), "frame_id", "")
         if image_frame and frame and frame != image_frame:
             return (f"the {what} is in frame {frame!r} but the colour image in {image_frame!r}: depth must be "
                     "registered to the colour camera (e.g. aligned_depth_to_color) and camera_info be the colour "
                     "camera's")
+    # A colour image that names no frame cannot vouch for either, but two that name different
+    # frames are still two cameras: one of them is not the colour camera's.
+    depth_frame, info_frame = frames["depth image"], frames["camera_info"]
+    if depth_frame and info_frame and depth_frame != info_frame:
+        return (f"the depth image is in frame {depth_frame!r} but the camera_info in {info_frame!r}: depth must be "
+                "registered to the colour camera (e.g. aligned_depth_to_color) and camera_info be the colour "
+                "camera's")
     return ""
 
 

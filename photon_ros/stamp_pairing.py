@@ -18,22 +18,36 @@ not take whatever depth is there when it arrives; it waits for its own:
   neighbour's message outside the tolerance is never used. A message arriving after the deadline
   does not change an outcome: a frame's pairing is the same whenever it is read.
 - Arrival is when a message reached the process (the middleware's reception time, rclpy's
-  MessageInfo `received_timestamp`, wall clock), not when its callback ran: a busy executor (a
-  model on the CPU of the same process) runs callbacks tens of milliseconds late, the colour
-  frame's and the depth's by different amounts. So past its deadline a frame still waits for the
-  callbacks of what reached the process by then: until a message received later has been seen (all
-  before it have, then), at most `grace_s` (CALLBACK_GRACE_S) past its deadline, past its own
-  callback when that ran later still, or past the first read of its outcome when that came later
-  (a reader busy past the deadline, a long inference, may itself have kept the callbacks waiting).
+  MessageInfo `received_timestamp`, wall clock, converted to the monotonic clock on arrival), not
+  when its callback ran: a busy executor (a model on the CPU of the same process) runs callbacks
+  tens of milliseconds late, the colour frame's and the depth's by different amounts. So past its
+  deadline a frame still waits for the callbacks of what reached the process by then: until a
+  message received later has been seen (all before it have, then), at most `grace_s`
+  (CALLBACK_GRACE_S) past its deadline, past its own callback when that ran later still, or past
+  the first read of its outcome when that came later (a reader busy past the deadline, a long
+  inference, may itself have kept the callbacks waiting).
 - A frame's own message that comes after the frame was decided without it is counted: `late`
   when it reached the process after the frame's deadline (the depth_tolerance_s is too short for
   this driver), `seen_late` when it reached it in time but its callback ran after the decision
   (the process was too busy to run callbacks).
 - Nothing here blocks a callback: a message's arrival (`add`) and a frame's (`wait_for`) only note
   them. Only a reader of the outcome (`Wait.result()`) waits, and at most until the deadline plus
-  the grace.
-  Bounded: the last `keep` messages are kept, and at most `max_waiting` frames wait at once; past
-  that the oldest is decided early with what it has (counted in `given_up`).
+  the grace; and, whatever its clock says, never more than `tolerance_s + grace_s` of
+  time.monotonic() from its first read.
+- Deadlines are on the monotonic clock: the system clock steps (NTP, chrony makestep, GPS time),
+  and a deadline on it would hold a frame, and the worker reading it, until the clock caught up.
+- Bounded: the last `keep` messages are kept, and at most `max_waiting` frames wait at once (by
+  default enough for MAX_RATE_HZ over the tolerance and grace). A frame arriving past that is
+  decided at once with what it has (counted in `given_up`), never with a neighbour's depth: the
+  frames already waiting, one of them the frame being processed, keep their wait.
+- A stream's stamps rise. A message stamped more than the tolerance before the newest kept one
+  means they started over (a bag looped, a simulation reset, a driver restarted): what is kept is
+  forgotten (counted in `restarts`, and `add` returns why). For the same reason a kept message
+  stamped more than the tolerance after a frame does not end its wait: it is from before the
+  frame's stamps went back, not the one after it; and what was kept before a frame arrived ends its
+  wait at once with the frame's own stamp only (the first frame after a short step back finds the
+  previous run's depth stamped near its own). A frame whose own stamp is not kept may so wait for
+  the next message, at most the tolerance, while the model runs.
 
 camera_info (`fallback_newest=True`): a driver that publishes it with every frame is paired as
 depth is; when none within the tolerance comes, the newest one received is used (a camera's model
@@ -44,6 +58,7 @@ Stamps are integer nanoseconds (`stamp_ns(header.stamp)`), so equal stamps compa
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -53,6 +68,8 @@ from typing import Any, Callable, Generic, TypeVar
 T = TypeVar("T")
 NS = 1_000_000_000
 JUMP_BACK_NS = NS          # stamps going back this far: the stream started over (a bag played again)
+MAX_RATE_HZ = 120          # the fastest stream max_waiting is sized for by default
+WAITING_MARGIN = 8         # ... plus frames whose callbacks ran late, and requests with their own image
 STREAM_GAP_S = 0.5         # camera_info with no new stamp for this long is latched (published once)
 CALLBACK_GRACE_S = 0.1     # past its deadline, a frame waits this long at most for the callbacks of
                            # messages that reached the process by then (a busy executor runs them late)
@@ -98,6 +115,7 @@ class Wait(Generic[T]):
         self._outside: int | None = None                     # nearest offset outside it (for the reason)
         self._newest: tuple[int, Any] | None = None          # the last one offered: camera_info's fallback
         self._outcome: Match[T] | NoMatch | None = None
+        self._backstop: float | None = None   # time.monotonic() past which result() waits no more
 
     @property
     def unstamped(self) -> bool:
@@ -120,11 +138,15 @@ class Wait(Generic[T]):
         received later shows they have run).
         `timeout`, when given, bounds the wait too: then an undecided wait is decided with what it has.
         `read_from`: when the reader began reading (this pairing's clock; now if None), so that a
-        frame's reads one after another (depth, then camera_info) share one grace."""
+        frame's reads one after another (depth, then camera_info) share one grace.
+        Whatever the pairing's clock does (an injected one that steps back), it never waits more
+        than tolerance_s + grace_s of time.monotonic() from its first read."""
         pairing = self._pairing
         with pairing._cond:
             first_read = pairing.clock() if read_from is None else read_from
             give_up_at = None if timeout is None else first_read + timeout
+            if self._backstop is None:
+                self._backstop = time.monotonic() + pairing.tolerance_s + pairing.grace_s
             if self._outcome is None and first_read > self.last_call:
                 # callbacks the busy reader held up get the grace from now (ended early, as ever, by
                 # a message received after the deadline)
@@ -134,10 +156,13 @@ class Wait(Generic[T]):
                 end = self.last_call
                 if give_up_at is not None:
                     end = min(end, give_up_at)
-                if now >= end:
+                # The only inference worker reads this: a clock that never reaches `end` must not
+                # stop it for good.
+                backstop_in = self._backstop - time.monotonic()
+                if now >= end or backstop_in <= 0:
                     pairing._decide(self, min(now, self.deadline))
                     break
-                pairing._cond.wait(end - now)
+                pairing._cond.wait(min(end - now, backstop_in))
             assert self._outcome is not None
             return self._outcome
 
@@ -149,26 +174,32 @@ class Wait(Generic[T]):
             return self._outcome
 
     # called under the pairing's lock
+    @property
+    def _exact(self) -> bool:
+        return self._best is not None and self._best[0] == 0
+
+    def _forget(self) -> None:
+        """The stream started over after this frame's stamp: what it was offered was the previous
+        run's (its own, and its neighbours, come in the new one)."""
+        self._best = self._outside = None
+
     def _offer(self, stamp: int, msg: Any, gap: int | None) -> bool:
         """Note one message, received by the deadline; True when nothing nearer can come."""
         tolerance = self._pairing.tolerance_ns
         offset = stamp - self.stamp
         self._newest = (stamp, msg)          # offered in the order they arrived
-        if offset > JUMP_BACK_NS:
-            # from before the frames' stamps went back (a bag played again), or a clock far ahead
-            # of the camera's: not a pair, but the reason says how far it was
-            if self._outside is None or abs(offset) < abs(self._outside):
-                self._outside = offset
-            return False
         if abs(offset) <= tolerance:
             if self._best is None or abs(offset) < self._best[0]:
                 self._best = (abs(offset), stamp, msg)
         elif self._outside is None or abs(offset) < abs(self._outside):
-            self._outside = offset
+            self._outside = offset           # not a pair, but the reason says how far it was
         if self._best is not None and self._best[0] == 0:
             return True                      # its own stamp
-        if offset > 0:
-            return True                      # stamped after the frame: none nearer follows
+        if 0 < offset <= tolerance:
+            # stamped after the frame: none nearer follows. Farther after it, it may be from before
+            # the frames' stamps went back (a bag looped: the stream starts over when its own do),
+            # or a clock ahead of the camera's: its own may still come.
+            return True
         return self._best is not None and gap is not None and 2 * self._best[0] <= gap
 
     def _outcome_now(self, decided_at: float, given_up: bool) -> Match[T] | NoMatch:
@@ -177,7 +208,8 @@ class Wait(Generic[T]):
         if self.unstamped:
             return NoMatch(f"the frame has no stamp (0): no {pairing.what} can be paired with it by time "
                            "(stamp the camera's frames)", waited)
-        if self._best is not None:
+        # Cut short, a frame might still have had its own: a neighbour's depth would pass for it.
+        if self._best is not None and (self._best[0] == 0 or not given_up or pairing.fallback_newest):
             distance, stamp, msg = self._best
             return Match(msg, stamp, _seconds(stamp - self.stamp), waited, "exact" if distance == 0 else "nearest")
         if pairing.fallback_newest and self._newest is not None:
@@ -200,16 +232,27 @@ class StampPairing(Generic[T]):
     """One stream (depth images, or camera_info): its last messages by stamp, and the frames
     waiting for theirs. Thread-safe: subscriptions add while the worker and requests read."""
 
-    def __init__(self, what: str, tolerance_s: float, *, keep: int = 10, max_waiting: int = 16,
-                 fallback_newest: bool = False, clock: Callable[[], float] = time.time,
-                 grace_s: float = CALLBACK_GRACE_S) -> None:
+    def __init__(self, what: str, tolerance_s: float, *, keep: int = 10, max_waiting: int | None = None,
+                 fallback_newest: bool = False, clock: Callable[[], float] | None = None,
+                 wall_clock: Callable[[], float] | None = None, grace_s: float = CALLBACK_GRACE_S) -> None:
+        """`clock`: what deadlines are on (time.monotonic by default). `wall_clock`: the clock of
+        the `received_at`/`arrived_at` given (the middleware's reception times: time.time by
+        default; the same as `clock` when only `clock` is given). `max_waiting`: None sizes it
+        from the tolerance (MAX_RATE_HZ frames over tolerance_s + grace_s)."""
         if not (tolerance_s >= 0 and tolerance_s < float("inf")):
             raise ValueError(f"pairing tolerance {tolerance_s} s must be finite and >= 0")
+        if max_waiting is None:
+            # A fixed bound gave up the frames still in their wait once the tolerance was raised
+            # past what it covers (0.53 s at 30 Hz).
+            max_waiting = max(16, math.ceil((tolerance_s + grace_s) * MAX_RATE_HZ) + WAITING_MARGIN)
         if keep < 1 or max_waiting < 1:
             raise ValueError(f"keep ({keep}) and max_waiting ({max_waiting}) must be at least 1")
         self.what, self.tolerance_s = what, float(tolerance_s)
         self.tolerance_ns = round(self.tolerance_s * NS)
-        self.keep, self.max_waiting, self.fallback_newest, self.clock = keep, max_waiting, fallback_newest, clock
+        self.keep, self.max_waiting, self.fallback_newest = keep, max_waiting, fallback_newest
+        self.clock: Callable[[], float] = time.monotonic if clock is None else clock
+        self.wall_clock: Callable[[], float] = (time.time if clock is None else clock) if wall_clock is None \
+            else wall_clock
         self.grace_s = grace_s
         self._cond = threading.Condition()
         self._kept: deque[tuple[int, float, Any]] = deque(maxlen=keep)   # (stamp, arrived, msg), in arrival order
@@ -217,6 +260,7 @@ class StampPairing(Generic[T]):
         self._last_new: float | None = None                              # when the last new stamp arrived
         self.received = 0
         self.given_up = 0
+        self.restarts = 0       # the stream's stamps went back: what was kept was forgotten
         self.outcomes = {"exact": 0, "nearest": 0, "newest": 0, "none": 0}
         self.late = 0           # frames' own messages that reached the process after their deadline
         self.seen_late = 0      # ... in time, but whose callback ran after the frame was decided
@@ -227,17 +271,26 @@ class StampPairing(Generic[T]):
 
     # --- arrivals ---------------------------------------------------------------------------
     def add(self, stamp: int, msg: T, received_at: float | None = None) -> str:
-        """A message arrived (`received_at`: when it reached this process, this pairing's clock; now
+        """A message arrived (`received_at`: when it reached this process, on `wall_clock`; now
         if None). Returns a warning for the log ("" normally)."""
         stamp, note = int(stamp), ""
         with self._cond:
             now = self.clock()
-            received = now if received_at is None else received_at
+            received = self._local(received_at, now)
             self._expire(now)
             self.received += 1
-            if self._kept and stamp < self._kept[-1][0] - JUMP_BACK_NS:
-                note = (f"{self.what} stamps went back {_seconds(self._kept[-1][0] - stamp):.3f} s (a bag "
-                        "played again, a driver restarted?): the earlier ones are forgotten")
+            kept = [s for s, _, _ in self._kept]
+            newest = max(kept, default=stamp)
+            # Within the tolerance a step back only offers a neighbour it would offer anyway; past
+            # it, a frame of the new run would take the old run's depth. The same message again
+            # (a latched one through a second subscription) is no step back.
+            if stamp < newest - self.tolerance_ns and stamp not in kept:
+                self.restarts += 1
+                note = (f"{self.what} stamps went back {_seconds(newest - stamp):.3f} s (a bag "
+                        "played again, a simulation reset, a driver restarted?): the earlier ones are forgotten")
+                for wait in self._waiting:
+                    if wait.stamp < newest - self.tolerance_ns:
+                        wait._forget()
                 self._kept.clear()
                 self._without_own.clear()
             if self._kept and self._kept[-1][0] == stamp:
@@ -256,11 +309,11 @@ class StampPairing(Generic[T]):
         return note
 
     def wait_for(self, stamp: int, arrived_at: float | None = None) -> Wait[T]:
-        """A frame stamped `stamp` arrived (`arrived_at`: when it reached this process, this
-        pairing's clock; now if None): its pairing, decided now if it can be."""
+        """A frame stamped `stamp` arrived (`arrived_at`: when it reached this process, on
+        `wall_clock`; now if None): its pairing, decided now if it can be."""
         with self._cond:
             now = self.clock()
-            arrived = now if arrived_at is None else arrived_at
+            arrived = self._local(arrived_at, now)
             self._expire(now)
             wait: Wait[T] = Wait(self, int(stamp), arrived, now)
             if wait.unstamped:   # nothing to pair by: decided at once (_outcome_now says why)
@@ -270,7 +323,10 @@ class StampPairing(Generic[T]):
             for kept_stamp, kept_at, msg in self._kept:
                 if kept_at > wait.deadline:
                     seen_all = True
-                elif wait._offer(kept_stamp, msg, gap) and end_at is None:
+                elif wait._offer(kept_stamp, msg, gap) and end_at is None and (kept_at > arrived or wait._exact):
+                    # What was there before the frame ends its wait with its own stamp only: the
+                    # first frames after the stamps went back find the previous run's depth stamped
+                    # near theirs, and their own (the one that starts the stream over) is yet to come.
                     end_at = max(kept_at, arrived)
             if end_at is not None:
                 self._decide(wait, end_at)
@@ -278,14 +334,25 @@ class StampPairing(Generic[T]):
                 self._decide(wait, arrived)
             elif seen_all:
                 self._decide(wait, wait.deadline)
+            elif len(self._waiting) >= self.max_waiting:
+                # The newcomer, not the oldest: the oldest is the frame most likely being read
+                # now, and cutting it short would hand it whatever neighbour is kept.
+                self.given_up += 1
+                self._decide(wait, arrived, given_up=True)
             else:
-                while len(self._waiting) >= self.max_waiting:
-                    self.given_up += 1
-                    self._decide(self._waiting[0], now, given_up=True)
                 self._waiting.append(wait)
             return wait
 
     # --- state, under the lock --------------------------------------------------------------
+    def _local(self, at: float | None, now: float) -> float:
+        """A time on the wall clock (a reception time) on `clock`, measured back from now: a step
+        of the wall clock between then and now moves it, never a deadline. Never after now."""
+        if at is None:
+            return now
+        if self.wall_clock is not self.clock:
+            at = at - self.wall_clock() + now
+        return min(at, now)
+
     def _gap(self) -> int | None:
         """The smallest positive gap between consecutive kept stamps (None with fewer than two)."""
         stamps = [s for s, _, _ in self._kept]

@@ -685,6 +685,7 @@ class VisionNode(ManagedNode):
             "camera_info_paired_exact": str(info.outcomes["exact"]),
             "camera_info_latched_or_newest": str(info.outcomes["newest"] + info.outcomes["nearest"]),
             "depth_waits_given_up": str(depth.given_up + info.given_up),
+            "depth_stamp_restarts": str(depth.restarts + info.restarts),
             # a frame's own message after the frame was decided: reached the process past the
             # deadline (depth_tolerance_s too short for the driver), or in time but its callback ran
             # late (the process too busy to run callbacks)
@@ -736,9 +737,9 @@ class VisionNode(ManagedNode):
 
 
 def reception_time(info) -> float | None:
-    """When a message reached this process (the middleware's reception time, wall clock seconds,
-    the pairings' clock), from rclpy's MessageInfo; None where the middleware gives none (then:
-    when the callback runs)."""
+    """When a message reached this process (the middleware's reception time, wall clock seconds:
+    the pairings take it onto their monotonic clock), from rclpy's MessageInfo; None where the
+    middleware gives none (then: when the callback runs)."""
     received = info.get("received_timestamp") if info else None
     return received / 1e9 if received else None
 

@@ -404,3 +404,23 @@ def test_depth_or_camera_info_of_another_camera_gives_no_depth(depth_frame, info
         assert isinstance(view, DepthView)
     else:
         assert isinstance(view, NoDepth) and said in view.reason and "registered" in view.reason
+
+
+@pytest.mark.parametrize("depth_frame, info_frame, refused", [
+    ("camera_depth_optical_frame", "camera_color_optical_frame", True),
+    ("camera_color_optical_frame", "camera_color_optical_frame", False),
+    ("camera_depth_optical_frame", "", False)])   # one unnamed: nothing says they differ
+def test_a_colour_image_naming_no_frame_does_not_hide_depth_of_another_camera(depth_frame, info_frame,
+                                                                                refused) -> None:
+    # With no frame id on the colour image there is nothing to compare each against, but depth and
+    # camera_info naming two frames are two cameras: positions would be off by the stereo baseline.
+    msg = depth_msg(measured(render(None), "16UC1"), "16UC1")
+    msg.header = SimpleNamespace(frame_id=depth_frame)
+    info = camera_info(d=())
+    info.header = SimpleNamespace(frame_id=info_frame)
+    view = depth_view(msg, info, WIDTH, HEIGHT, image_frame="")
+    if refused:
+        assert isinstance(view, NoDepth) and "registered" in view.reason
+        assert repr(depth_frame) in view.reason and repr(info_frame) in view.reason
+    else:
+        assert isinstance(view, DepthView)

@@ -109,11 +109,12 @@ def test_nothing_received_and_bounded_waiting():
     clock = Clock()
     pairing = StampPairing("depth image", 0.05, max_waiting=2, clock=clock)
     waits = [pairing.wait_for(T0 + i * MS) for i in range(3)]   # three frames within 2 ms
-    assert waits[0].done and not waits[1].done and pairing.given_up == 1
-    assert waits[0].result().reason == ("gave up waiting for a depth image: more than 2 frames were waiting at "
+    # the newcomer is given up: the frames already waiting (one of them being read) keep their wait
+    assert waits[2].done and not waits[0].done and not waits[1].done and pairing.given_up == 1
+    assert waits[2].result().reason == ("gave up waiting for a depth image: more than 2 frames were waiting at "
                                         "once")
     clock.now += 0.15                  # its deadline and the callbacks' grace past it
-    assert waits[2].poll().reason == "no depth image received yet"
+    assert waits[0].poll().reason == "no depth image received yet"
 
 
 def test_stamps_going_back_start_over():
@@ -345,3 +346,74 @@ def test_a_depth_clock_far_ahead_is_named_in_the_reason():
     clock.now += 1.0
     outcome = wait.poll()
     assert isinstance(outcome, NoMatch) and "the nearest was stamped 2.000 s after it" in outcome.reason
+
+
+@pytest.mark.parametrize("rate_hz, lag_s, tolerance", [(30, 0.6, 0.7), (60, 0.3, 0.35)])
+def test_a_raised_tolerance_gives_up_no_frame_still_in_its_wait(rate_hz, lag_s, tolerance):
+    """Depth lagging its frame by more than 0.5 s, the tolerance raised above the lag: the frames
+    waiting at once outnumber a fixed bound of 16. The default bound grows with the tolerance:
+    every frame gets its own depth, none a neighbour's."""
+    outcomes, pairing = stream(rate_hz, lag_s, 90, tolerance=tolerance)
+    assert all(o.rule == "exact" for o in outcomes), {(o.rule, o.offset_s) for o in outcomes}
+    assert pairing.given_up == 0
+
+
+def test_over_the_bound_the_newcomer_is_given_up_and_never_with_a_neighbours_depth():
+    """Frames already waiting (the oldest is the one being read) keep their wait; the one over the
+    bound gets no depth, with the reason, not the neighbour's depth that is kept."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, max_waiting=2, clock=clock)
+    pairing.add(T0 - 33 * MS, "neighbour")
+    waits = [pairing.wait_for(T0 + i * MS) for i in range(3)]
+    assert not waits[0].done and not waits[1].done and pairing.given_up == 1
+    over = waits[2].poll()
+    assert isinstance(over, NoMatch) and over.reason.startswith("gave up waiting"), over
+    clock.now += 0.01
+    pairing.add(T0, "own")
+    assert waits[0].poll().msg == "own" and waits[0].poll().rule == "exact"
+
+
+def jumping_stream(jump_s: float, frames: int = 60, at_frame: int = 30):
+    """Colour and depth at 30 Hz, depth 10 ms after its frame with its stamp; from `at_frame` on,
+    both streams' stamps are `jump_s` earlier (a short bag looped, a simulation reset)."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock)
+    events = []
+    for i in range(frames):
+        at = 100.0 + i / 30
+        stamp = T0 + round(i * NS / 30) - (round(jump_s * NS) if i >= at_frame else 0)
+        events += [(at, 1, "colour", i, stamp), (at + 0.010, 0, "depth", i, stamp)]
+    waits, notes = {}, {}
+    for at, _, kind, i, stamp in sorted(events):
+        clock.now = at
+        if kind == "colour":
+            waits[i] = pairing.wait_for(stamp)
+        else:
+            notes[i] = pairing.add(stamp, f"depth {i}")
+    clock.now += 1.0
+    return [waits[i].poll() for i in range(frames)], notes, pairing
+
+
+@pytest.mark.parametrize("jump_s", [0.8, 0.25])
+def test_stamps_going_back_less_than_a_second_start_over(jump_s):
+    """Under JUMP_BACK_NS, a step back still started a new run: each frame of it took the previous
+    frame's depth (stamped later, within the tolerance) as 'nearest'. Each takes its own, and the
+    start over is said once (the note, the counter)."""
+    outcomes, notes, pairing = jumping_stream(jump_s)
+    assert [(o.rule, o.msg) for o in outcomes] == [("exact", f"depth {i}") for i in range(60)]
+    assert pairing.restarts == 1
+    assert notes[30].startswith(f"depth image stamps went back {jump_s - 1 / 30:.3f} s")
+    assert all(note == "" for i, note in notes.items() if i != 30)
+
+
+def test_a_kept_message_stamped_well_after_the_frame_does_not_end_its_wait():
+    """The first colour frame after the stamps went back, before its depth: the kept depth, from
+    before, is stamped after it but is not 'the next one' (nothing nearer would follow)."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock)
+    pairing.add(T0 + 500 * MS, "before the loop")
+    wait = pairing.wait_for(T0)
+    assert not wait.done
+    clock.now += 0.01
+    pairing.add(T0, "own")
+    assert wait.poll().msg == "own" and wait.poll().rule == "exact"
