@@ -75,7 +75,7 @@ from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, MAX_RATE, MIN_RATE, a
                                       speech_params, vad_config)
 from photon_ros.speech_segmenter import SpeechSegmenter, Utterance
 from photon_ros.sample_clock import ReadStamps
-from photon_ros.stream_watch import ArrivalRate, StreamWatch
+from photon_ros.stream_watch import ArrivalRate, RecentLosses, StreamWatch
 from photon_ros.utterance_queue import Speculations, UtteranceQueue
 
 INPUT_TYPES = {"audio_chunk": AudioChunk, "int16": Int16MultiArray, "float32": Float32MultiArray}
@@ -164,6 +164,7 @@ class SpeechNode(ManagedNode):
         self.last_frame_id = self.params["frame_id"]
         self.watch = StreamWatch(self.params["idle_flush_s"])
         self.arrival = ArrivalRate()   # std_msgs arrays: is sample_rate the rate they come at?
+        self.losses = RecentLosses()   # commands dropped, audio lost: WARN while recent
         self.read_stamps = ReadStamps(self.jump_tolerance)   # for a driver that stamps its reads
         self.skipped_chunks = 0
         self.health = InputHealth()     # chunks lost on the way, chunks failing in a row
@@ -561,6 +562,19 @@ class SpeechNode(ManagedNode):
             if status.level < DiagnosticStatus.WARN:
                 status.level, status.message = DiagnosticStatus.WARN, wrong_rate
         segmenter = self.segmenter
+        # Commands thrown away from a backlog (speech outran the model) and audio lost at jumps in
+        # the stamps are counted below; the level says so while they are recent.
+        now = time.monotonic()
+        losses = [loss for loss in (
+            self.losses.note("backlog", self.queue, self.queue.dropped,
+                             lambda: f"{self.queue.dropped} utterance(s) ({self.queue.dropped_seconds:.1f} s of "
+                                     f"speech) dropped untranscribed: speech outran the model", now),
+            self.losses.note("jumps", segmenter, segmenter.discontinuities if segmenter else 0,
+                             lambda: f"audio lost at {segmenter.discontinuities} jump(s) in the stream "
+                                     f"({segmenter.lost_s:.2f} s missing): utterances across them are incomplete", now),
+        ) if loss]
+        if losses and state == "active" and status.level < DiagnosticStatus.WARN:
+            status.level, status.message = DiagnosticStatus.WARN, "; ".join(losses)
         values = {
             "model": str(self.model_name),
             "model_loaded": str(self.model is not None),

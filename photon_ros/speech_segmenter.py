@@ -12,6 +12,22 @@ With both, every command of the set whose pauses stay within 0.2 s is one uttera
 level and ends within 0.3 s of its last sound (test_speech_segmenter.py), so a neural VAD
 (silero-vad: a new dependency and a model run in the callback) has nothing left to fix there.
 
+The floor is learnt from the first frame and then from non-speech frames: it falls at once to a
+quieter frame and rises slowly (`noise_adapt_s`). Left at that, a floor that ever sits more than
+`threshold_db` under the steady noise is stuck: the noise reads as speech, speech frames never
+update the floor, and the node sends 28 s "utterances" of noise without end. Two rules keep it
+from sticking. Digital silence (below -100 dBFS: an overrun filled with zeros, a muted mic, a
+driver's padding) says nothing about the room, so it never sets or lowers the floor; a stream that
+opens with it has no floor until a quiet frame of the room comes (meanwhile `min_level_db` alone
+judges, so a command spoken as the mic unmutes is found). And a minimum-statistics guard: the levels of the last `floor_window_s` of frames (speech
+included, digital silence not) are kept; when that window is full and even its quietest frame
+stands more than `continue_db` above the floor (or, with none yet, above `min_level_db`), nothing
+in it came near the floor: speech, with
+its pauses and weak sounds, comes near it within seconds (the speech set at 10-20 dB SNR is cut as
+before), steady noise over a stuck floor never does, so the floor rises to that minimum. A room
+that gets louder (a fan turns on) thus costs one utterance of noise of about `floor_window_s`,
+which Whisper's no-speech check rejects, and speech after it is found.
+
 An utterance starts after `min_speech_s` of speech (with `preroll_s` of audio before it, so the
 first syllable is not clipped) and ends after `hangover_s` of non-speech, at `max_utterance_s`, or
 when the stream stops (flush). An utterance ended by a pause keeps only `tail_s` of that pause
@@ -39,6 +55,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Below this a frame is digital silence, not a room: zeros, or no more than 16-bit quantisation
+# noise (about -101 dBFS); a microphone's own noise sits well above it.
+DIGITAL_SILENCE_DB = -100.0
+
 
 @dataclass
 class SegmenterConfig:
@@ -53,6 +73,7 @@ class SegmenterConfig:
     max_utterance_s: float = 28.0    # Whisper sees 30 s windows; cut before one overflows
     min_utterance_s: float = 0.3
     noise_adapt_s: float = 2.0       # time constant of the noise-floor tracker
+    floor_window_s: float = 3.0      # a floor this long below every frame is stuck: raised (see above)
     max_gap_s: float = 0.1           # stamps may jitter this much (and < half a chunk) between chunks; more is lost audio
     min_gap_s: float = 0.02          # ... and always this much (chunks of a few ms stamped on arrival)
     band_hz: tuple[float, float] | None = (250.0, 4000.0)   # None: the whole spectrum
@@ -65,7 +86,8 @@ class SegmenterConfig:
 
     def check(self) -> None:
         """ValueError naming the first setting out of its range (a node checks at startup)."""
-        positive = ("frame_s", "min_speech_s", "hangover_s", "max_utterance_s", "noise_adapt_s", "max_gap_s")
+        positive = ("frame_s", "min_speech_s", "hangover_s", "max_utterance_s", "noise_adapt_s", "max_gap_s",
+                    "floor_window_s")
         for name in positive:
             value = getattr(self, name)
             if not value > 0:   # NaN too
@@ -131,7 +153,13 @@ class SpeechSegmenter:
         self._in_speech = False
         self._voiced_run = 0
         self._silent_run = 0
-        self._noise_db: float | None = None
+        self._noise_db: float | None = None         # None until a frame of the room (not digital silence)
+        self._frames_seen = 0                       # frames stepped (digital silence included)
+        # The last floor_window_s of levels, as a monotonic queue of (frame number, level) with
+        # rising levels: its first entry is the window's minimum at O(1) amortised per frame.
+        self._window_frames = max(1, round(cfg.floor_window_s / self._frame_s))
+        self._recent: deque[tuple[int, float]] = deque()
+        self._levels_seen = 0                       # frames that entered the window
         self._after_gap = ""                        # set by lost audio until a pause of hangover_s
         self._quiet_run = 0                         # non-speech frames in a row outside an utterance
         self._chunk_s = 0.0                         # duration of the last pushed chunk
@@ -206,6 +234,7 @@ class SpeechSegmenter:
         self.config = config
         self.tail_frames = self._tail_frames(config)
         self._preroll = deque(self._preroll, maxlen=self._preroll_frames(config))
+        self._window_frames = max(1, round(config.floor_window_s / self._frame_s))
 
     def continues_after(self, note: str) -> None:
         """The stream was cut before this segmenter's first sample (a format change): speech from
@@ -258,14 +287,25 @@ class SpeechSegmenter:
     def _step(self, frame: np.ndarray, t: float) -> Utterance | None:
         cfg = self.config
         level = self._level_db(frame)
-        if self._noise_db is None:
-            self._noise_db = level
+        room = level >= DIGITAL_SILENCE_DB          # digital silence tells nothing about the room
+        if room and self._frames_seen == 0:
+            self._noise_db = level                  # a mic opens before anyone speaks
+        self._frames_seen += 1
         above = cfg.continue_db if self._in_speech else cfg.threshold_db
-        voiced = level > max(self._noise_db + above, cfg.min_level_db)
-        if not voiced:
-            # Track the floor on non-speech frames: fall at once, rise slowly.
-            alpha = min(1.0, cfg.frame_s / cfg.noise_adapt_s)
-            self._noise_db = min(level, self._noise_db + alpha * (level - self._noise_db))
+        floor = self._noise_db if self._noise_db is not None else -np.inf
+        voiced = level > max(floor + above, cfg.min_level_db)
+        if room:
+            if not voiced:
+                # Track the floor on non-speech frames: fall at once, rise slowly.
+                alpha = min(1.0, cfg.frame_s / cfg.noise_adapt_s)
+                self._noise_db = level if self._noise_db is None else \
+                    min(level, self._noise_db + alpha * (level - self._noise_db))
+            window_min = self._window_min(level)
+            # Without a floor yet (after digital silence) only min_level_db has judged the frames.
+            stuck_above = (self._noise_db if self._noise_db is not None else cfg.min_level_db) + cfg.continue_db
+            if window_min is not None and window_min > stuck_above:
+                # No frame in floor_window_s came near the floor: it is stuck under the noise.
+                self._noise_db = window_min
 
         if not self._in_speech:
             self._preroll.append(frame)
@@ -296,6 +336,17 @@ class SpeechSegmenter:
             self._after_gap = f"continues speech cut at the {limit}"
             return cut
         return None
+
+    def _window_min(self, level: float) -> float | None:
+        """Add a frame's level to the window; the window's minimum once it is full, else None."""
+        n = self._levels_seen
+        self._levels_seen += 1
+        while self._recent and self._recent[-1][1] >= level:
+            self._recent.pop()          # never the minimum again: this newer frame is as quiet
+        self._recent.append((n, level))
+        while self._recent[0][0] <= n - self._window_frames:
+            self._recent.popleft()      # slid out of the window
+        return self._recent[0][1] if self._levels_seen >= self._window_frames else None
 
     def _discontinuity(self, jump: float) -> list[Utterance]:
         """The stream jumped by `jump` seconds: audio before the jump does not join audio after it."""

@@ -10,6 +10,8 @@ second of audio a message (microphone_node allows chunks up to 1 s) is not stopp
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class StreamWatch:
     def __init__(self, idle_s: float) -> None:
@@ -69,3 +71,24 @@ class ArrivalRate:
             return ""
         return (f"audio arrives at about {measured:.0f} samples/s but sample_rate says {self.rate} Hz: "
                 "set the speech node's sample_rate to the source's")
+
+
+class RecentLosses:
+    """Which losses of input (each a running count) grew within the last `recent_s`: a monitor
+    watches /diagnostics' level, not its counts, so a node raises it to WARN while a loss is news
+    (ten 1 Hz statuses for a monitor or an aggregator to catch) and lets it fall once the loss is
+    minutes old (the counts keep it). A count is tied to the object that counts it: a new one (a
+    segmenter made after a rate change or a deactivation) counts from 0 again."""
+
+    def __init__(self, recent_s: float = 10.0) -> None:
+        self.recent_s = recent_s
+        self._seen: dict[str, tuple[object, int, float | None, str]] = {}   # name -> (counter, count, at, text)
+
+    def note(self, name: str, counter: object, count: int, describe: Callable[[], str], now: float) -> str:
+        """The loss as `describe()` said it when `count` last grew, if that was within recent_s;
+        else ""."""
+        old_counter, old_count, at, text = self._seen.get(name, (counter, 0, None, ""))
+        if count > (old_count if old_counter is counter else 0):
+            at, text = now, describe()
+        self._seen[name] = (counter, count, at, text)
+        return text if at is not None and now - at <= self.recent_s else ""

@@ -338,3 +338,65 @@ def test_speech_after_a_format_change_is_incomplete_until_a_pause():
     later.continues_after("the sample rate changed before it")
     whole = run(later, np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)]), 1600)
     assert len(whole) == 1 and whole[0].complete
+
+
+# --- the noise floor cannot get stuck under steady noise ------------------------------------------
+
+def fan_noise(seconds, rate, rms, seed):
+    """Steady broadband noise (a fan, motors): about -45 dBFS in the speech band at rms 0.008."""
+    return (rms * np.random.default_rng(seed).standard_normal(int(seconds * rate))).astype(np.float32)
+
+
+# Noise read as speech until the floor catches up: the guard's 3 s window plus preroll and hangover.
+FEW_S = 4.0
+
+
+def total_s(utterances):
+    return sum(u.duration for u in utterances)
+
+
+@pytest.mark.parametrize("offset_ms", [0, 7, 15, 22])
+def test_a_block_of_zeros_inside_fan_noise_does_not_turn_the_noise_into_speech(offset_ms):
+    # A USB/ALSA overrun filled with zeros (60 ms: at least one whole frame of them, at any
+    # alignment) inside steady noise nobody speaks over. Had the zeros pulled the floor down, the
+    # noise would stand far above it and read as speech from then on, 28 s at a time.
+    rate = 16000
+    audio = fan_noise(40, rate, 0.008, seed=1)
+    at = 5 * rate + rate * offset_ms // 1000
+    audio[at:at + 960] = 0.0
+    segmenter = SpeechSegmenter(rate)
+    out = run(segmenter, audio, 1600)
+    assert total_s(out) <= FEW_S, [(u.start_time, u.duration) for u in out]
+
+
+def test_digital_silence_then_fan_noise_is_not_speech():
+    # A muted microphone (or a driver's zero padding) before the room's noise: zeros say nothing
+    # about the room, so they must not leave the floor at -200 dB under the fan.
+    rate = 16000
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), fan_noise(40, rate, 0.008, seed=2)])
+    segmenter = SpeechSegmenter(rate)
+    out = run(segmenter, audio, 160)
+    assert total_s(out) <= FEW_S, [(u.start_time, u.duration) for u in out]
+
+
+def test_a_room_that_gets_20_db_louder_costs_one_short_utterance_and_speech_after_it_is_found():
+    # A fan turns on: -60 to -40 dBFS for good. The floor, learnt on non-speech frames only, would
+    # never learn the new level; the guard must bring it up within about floor_window_s, and a
+    # command spoken later over that noise must still be one utterance ending after its last sound.
+    speech, rate = espeak_pcm("Please bring me the red cup from the kitchen.")
+    quiet = fan_noise(3, rate, 0.001, seed=3)
+    loud = fan_noise(25, rate, 0.01, seed=4)
+    said_at = 15 * rate
+    loud[said_at:said_at + speech.size] += speech
+    audio = np.concatenate([quiet, loud])
+    segmenter = SpeechSegmenter(rate)
+    out = run(segmenter, audio, 2205)
+    start, end = 100.0 + 3 + 15, 100.0 + 3 + 15 + speech.size / rate
+    noise_only = [u for u in out if u.start_time + u.duration < start - 1.0]
+    command = [u for u in out if u.start_time < end and u.start_time + u.duration > start]
+    cfg = segmenter.config
+    assert total_s(noise_only) <= FEW_S, [(u.start_time, u.duration) for u in out]
+    assert len(command) == 1 and command[0].complete, [(u.start_time, u.duration) for u in out]
+    first, last = speech_bounds(speech, rate)
+    assert command[0].start_time <= start + first
+    assert start + last <= command[0].start_time + command[0].duration <= start + last + cfg.hangover_s + 0.1
