@@ -33,10 +33,17 @@ class AudioFileError(ValueError):
 
 def pcm_to_float(samples: np.ndarray) -> np.ndarray:
     """PCM of any common dtype as float32 in [-1, 1], same shape. 8-bit PCM is unsigned
-    (silence at 128); wider integers are signed."""
+    (silence at 128); wider integers are signed (WAV's convention): uint16/uint32/uint64 are
+    refused, as no convention says where their silence is."""
     samples = np.asarray(samples)
     if samples.dtype == np.uint8:
         return (samples.astype(np.float32) - 128.0) / 128.0
+    if np.issubdtype(samples.dtype, np.unsignedinteger):
+        # Scaled like a signed type they divide by -min = 0: NaN and inf, then a misleading
+        # "audio contains NaN" far from the cause.
+        raise ValueError(f"unsupported audio dtype {samples.dtype}: PCM wider than 8 bits is signed "
+                         f"(int16, int32); for offset-binary samples subtract 2**{samples.dtype.itemsize * 8 - 1} "
+                         f"into a signed type first")
     if np.issubdtype(samples.dtype, np.integer):
         return samples.astype(np.float32) / float(-np.iinfo(samples.dtype).min)
     if np.issubdtype(samples.dtype, np.floating):

@@ -21,22 +21,37 @@ _PATTERNS: list[tuple[str, str]] = [
     (r"(?:where is|where's|where are)", "point"),
     (r"(?:find|locate|detect|search for|look for|show me|count)", "detect"),
 ]
-_FILLER = r"(?:(?:hey |ok |okay )?robot,? )?(?:(?:can|could|would) you |please |now |then )*"
+# What a speaker says before the command: "hey robot", "okay", "ok robot" (Whisper writes "Okay,"
+# and "Hey, robot," with commas, which are taken out before the one-sentence check), then politeness.
+_OPENERS = r"(?:hey|hi|ok|okay|robot)"
+_FILLER = rf"(?:{_OPENERS} )*(?:(?:can|could|would) you |please |now |then )*"
 _ARTICLE = r"(?:the|a|an|some|any|all|all the|my|that|this)\s+"
 # Words that name a direction or nobody in particular, not an object to look for ("turn to the
 # left", "look at me"): the model would point at something, and the robot turn toward it.
 _NOT_OBJECTS = frozenset("left right around back forward forwards backward backwards up down me it them "
                          "him her us you yourself there here".split())
+# A clause after the object without punctuation ("point at the cup and then stop", "find the keys
+# but wait"): a second instruction, or a correction. "and" alone joins objects ("salt and
+# pepper"), so only "and" before a verb or a subject counts.
+_VERBS = ("stop wait come go bring pick grab take put give turn look point find locate detect show tell "
+          "say move follow drive return open close stay sit stand leave drop hold check count search get")
+_CLAUSE = re.compile(rf"\b(?:then|but|after that|afterwards|and (?:{'|'.join(_VERBS.split())}|i|you|we|they))\b")
+# Typographic apostrophes ("Where’s", as transcripts and phones write them) are the plain one.
+_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 
 
 def parse_command(text: str) -> VisionRequest | None:
     """The vision request a transcript asks for, or None when it asks for none we know. None too
     for more than one sentence or a clause after the object ("point at the red cup. Stop!",
-    "point at the cup, no, the mug"): which one the speaker meant is not ours to guess."""
+    "point at the cup, no, the mug", "point at the cup and then stop"): which one the speaker
+    meant is not ours to guess. Openers before the command ("Okay, ...", "Hey, robot, ...",
+    "Please, ...") are not a clause."""
+    text = text.translate(_APOSTROPHES)
     raw = re.sub(r"\s+", " ", text.lower()).strip()
     raw = re.sub(r"[.!?;:\s]+$", "", raw)                       # the sentence's own end
     raw = re.sub(r",\s*please$", " please", raw)                 # "..., please"
-    raw = re.sub(r"^((?:hey |ok |okay )?robot),", r"\1", raw)    # "robot, ..."
+    # "okay, ...", "hey, robot, ...", "robot, please, ...": commas after openers, not clauses
+    raw = re.sub(rf"^(?:(?:{_OPENERS}|please)\b,?\s*)+", lambda m: m.group(0).replace(",", " "), raw)
     if re.search(r"[.!?;:,]", raw):
         return None
     sentence = re.sub(r"[^\w\s']", " ", text.lower())
@@ -47,7 +62,7 @@ def parse_command(text: str) -> VisionRequest | None:
             target = re.sub(rf"^{_ARTICLE}", "", m.group(1)).strip()
             if task == "point" and target.startswith("face "):   # "turn to face the door"
                 target = re.sub(rf"^{_ARTICLE}", "", target[5:]).strip()
-            if target in _NOT_OBJECTS:
+            if target in _NOT_OBJECTS or _CLAUSE.search(target):
                 return None
             if target and not re.fullmatch(_ARTICLE.replace(r"\s+", ""), target):
                 return VisionRequest(task, target)

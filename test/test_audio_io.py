@@ -154,3 +154,12 @@ def test_24_bit_samples_in_32_bit_words_are_read_where_they_sit(tmp_path, caplog
     np.testing.assert_array_equal(right, tone << 8)
     assert "right-justified" in caplog.text
     np.testing.assert_array_equal(written(tone << 8, "left.wav"), tone << 8)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint64])
+def test_unsigned_pcm_wider_than_8_bits_is_refused_by_name(dtype):
+    # uint8 is WAV's unsigned 8-bit PCM; wider unsigned types have no such convention, and scaled
+    # like signed ones they divided by zero into NaN and inf without a word.
+    with pytest.raises(ValueError, match=rf"unsupported audio dtype {np.dtype(dtype).name}.*signed"):
+        pcm_to_float(np.array([0, 32768, 65535], dtype))
+    assert pcm_to_float(np.array([0, 128, 255], np.uint8)).tolist() == [-1.0, 0.0, 127 / 128]

@@ -19,6 +19,14 @@ from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
     ("Hey robot, locate the fire extinguisher", VisionRequest("detect", "fire extinguisher")),
     ("Turn to face the door.", VisionRequest("point", "door")),
     ("Where's the charger?!", VisionRequest("point", "charger")),
+    # openers as Whisper writes them, with commas: not a clause before the command
+    ("Okay, find the red cup.", VisionRequest("detect", "red cup")),
+    ("OK, point at the mug.", VisionRequest("point", "mug")),
+    ("Hey, robot, find the cup.", VisionRequest("detect", "cup")),
+    ("Please, find the keys.", VisionRequest("detect", "keys")),
+    ("Okay robot, please, look at the door", VisionRequest("point", "door")),
+    # a typographic apostrophe, as phones and some transcripts write it
+    ("Where\u2019s the red cup?", VisionRequest("point", "red cup")),
 ])
 def test_commands_are_understood(text, expected):
     assert parse_command(text) == expected
@@ -32,6 +40,16 @@ def test_commands_are_understood(text, expected):
                                   "Find the keys; then wait"])
 def test_other_sentences_ask_for_nothing(text):
     assert parse_command(text) is None
+
+
+def test_a_clause_after_the_object_asks_for_nothing_but_and_between_objects_is_kept():
+    # Without punctuation the clause would become part of the object ("cup and then stop").
+    for text in ("point at the cup and then stop", "Find the keys but wait", "look at the door then come back",
+                 "find the cup and bring it to me", "point at the mug and you stay here"):
+        assert parse_command(text) is None, text
+    # "and" joining objects (or colours) is one object phrase, not a clause
+    assert parse_command("Find the salt and pepper.") == VisionRequest("detect", "salt and pepper")
+    assert parse_command("Point at the black and white cat") == VisionRequest("point", "black and white cat")
 
 
 def test_bearing_of_a_point_in_the_image():

@@ -126,3 +126,25 @@ def test_reads_pcm_wav(tmp_path, width, dtype):
     assert rate == 8000 and data.dtype == np.dtype(dtype).newbyteorder("<")
     np.testing.assert_array_equal(data, samples)
     assert fe.prepare_audio(data, rate).dtype == np.float32
+
+
+@pytest.mark.parametrize("shape", [(2, 48000), (1, 16000), (6, 4800), (2, 40)])
+def test_channel_first_audio_is_refused_not_misread(shape):
+    # torchaudio and librosa give [channels, samples]; read as [samples, channels] a second of
+    # stereo would become 2 "samples" of audio without a word of warning.
+    planar = np.sin(np.arange(shape[0] * shape[1]) * 0.05).reshape(shape).astype(np.float32)
+    with pytest.raises(ValueError, match=r"channel-first.*\[samples, channels\]"):
+        fe.prepare_audio(planar, 48000)
+    assert len(fe.prepare_audio(planar.T, 48000)) == -(-shape[1] // 3)   # transposed: all of it, at 16 kHz
+    if shape[1] > 64:     # any real length: refused by the block-level conversion too
+        with pytest.raises(ValueError, match="channel-first"):
+            fe.to_float_mono(planar)
+    # the last block of a streamed stereo file may hold one frame: still [samples, channels]
+    np.testing.assert_allclose(fe.to_float_mono(np.array([[0.5, 0.25]], np.float32)), [0.375])
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_unsigned_pcm_wider_than_8_bits_is_refused_by_name(dtype):
+    # Scaled as signed it divides by zero: NaN, and an error about NaN that hides the cause.
+    with pytest.raises(ValueError, match=rf"unsupported audio dtype {np.dtype(dtype).name}"):
+        fe.prepare_audio(np.array([0, 32768, 65535], dtype), 16000)

@@ -1,8 +1,9 @@
 """The speech families' shared audio front end: any PCM array -> mono float32 at the model's
 rate -> log-mel features.
 
-- to_float_mono / resample / prepare_audio: integer PCM scaled to [-1, 1], channels averaged,
-  polyphase (anti-aliased) resampling to the model's rate (16 kHz unless it says otherwise);
+- to_float_mono / resample / prepare_audio: integer PCM scaled to [-1, 1], channels averaged
+  ([samples, channels] only: channel-first arrays are refused, not misread), polyphase
+  (anti-aliased) resampling to the model's rate (16 kHz unless it says otherwise);
 - mel_filterbank: the Slaney-normalised triangular bank librosa.filters.mel gives (Whisper and
   Qwen3-ASR are trained on it; Parakeet uses it when its checkpoint ships none);
 - log_mel_spectrogram: openai-whisper's log-mel (STFT n_fft 400, hop 160, periodic Hann window,
@@ -73,13 +74,27 @@ def feature_device(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
+# More channels than any microphone array or ambisonic order this serves: a 2-D array with more
+# is channel-first ([channels, samples], as torchaudio and librosa give), whose mixdown over the
+# last axis would silently turn the whole clip into a few samples.
+MAX_CHANNELS = 64
+
+
+def _channel_first_error(shape: tuple[int, ...]) -> ValueError:
+    return ValueError(f"audio of shape {shape} looks channel-first ([channels, samples], as torchaudio "
+                      f"and librosa give); 2-D audio must be [samples, channels]: pass audio.T")
+
+
 def to_float_mono(audio: np.ndarray) -> np.ndarray:
-    """PCM of any common dtype, [samples] or [samples, channels] -> float32 mono in [-1, 1]."""
+    """PCM of any common dtype, [samples] or [samples, channels] (at most MAX_CHANNELS) -> float32
+    mono in [-1, 1]. A block of a longer stream may have fewer samples than channels."""
     audio = np.asarray(audio)
     if audio.ndim not in (1, 2):
         raise ValueError(f"audio must be [samples] or [samples, channels], got shape {audio.shape}")
     if audio.size == 0:
         raise ValueError("audio is empty")
+    if audio.ndim == 2 and audio.shape[1] > MAX_CHANNELS:
+        raise _channel_first_error(audio.shape)
     x = pcm_to_float(audio)
     if not np.isfinite(x).all():
         raise ValueError("audio contains NaN or infinite samples")
@@ -105,6 +120,11 @@ def prepare_audio(audio: np.ndarray, sample_rate: int = SAMPLE_RATE, target: int
              and sample_rate > 0 and float(sample_rate).is_integer())
     if not valid:
         raise ValueError(f"sample_rate must be a positive whole number of Hz, got {sample_rate!r}")
+    audio = np.asarray(audio)
+    # A whole clip with more channels than samples is a short channel-first one (a stream's last
+    # block may be that short, so to_float_mono alone cannot refuse it).
+    if audio.ndim == 2 and audio.size and audio.shape[1] > audio.shape[0]:
+        raise _channel_first_error(audio.shape)
     return resample(to_float_mono(audio), int(sample_rate), target)
 
 
