@@ -97,3 +97,74 @@ def test_a_legacy_torch_file_is_recognised_as_the_loader_reads_it(tmp_path):
     shutil.copy(src / "tokenizer.json", tmp_path)
     torch.save(load_file(str(src / "model.safetensors")), tmp_path / "model.pt", _use_new_zipfile_serialization=False)
     assert type(photon_core.load(tmp_path)).__name__ == "MoondreamModel"
+
+
+def _hf_cache_snapshot(tmp_path, files):
+    """A folder laid out as `huggingface-cli download` leaves it: the content in
+    models--org--name/blobs/<sha>, and snapshots/<rev>/<name> a relative symlink into ../../blobs.
+    `files` maps each snapshot name to a function writing the blob at the path it is given."""
+    import os
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, (name, write) in enumerate(files.items()):
+        blob = blobs / f"{i:040x}"
+        write(blob)
+        os.symlink(os.path.relpath(blob, snap), snap / name)
+    return snap
+
+
+def test_a_sharded_checkpoint_in_a_hugging_face_cache_snapshot_loads(tmp_path):
+    """Every file of a hub cache snapshot is a symlink into ../../blobs/; the shard index check
+    once resolved those links and refused every sharded model loaded from the cache as naming
+    files outside the checkpoint folder."""
+    a, b = {"x.weight": torch.randn(3, 4)}, {"y.bias": torch.randn(5)}
+    index = {"weight_map": {"x.weight": "model-00001-of-00002.safetensors",
+                            "y.bias": "model-00002-of-00002.safetensors"}}
+    snap = _hf_cache_snapshot(tmp_path, {
+        "model-00001-of-00002.safetensors": lambda p: save_file(a, str(p)),
+        "model-00002-of-00002.safetensors": lambda p: save_file(b, str(p)),
+        "model.safetensors.index.json": lambda p: p.write_text(json.dumps(index))})
+    assert (snap / "model-00001-of-00002.safetensors").is_symlink()
+    got = read_folder(snap)   # what the family loaders call on a folder
+    assert torch.equal(got["x.weight"], a["x.weight"]) and torch.equal(got["y.bias"], b["y.bias"])
+
+
+def test_a_tiny_model_loads_end_to_end_from_a_hugging_face_cache_snapshot(tmp_path):
+    """The same through photon_core.load: a tiny Qwen3-ASR checkpoint saved in two shards, every
+    file of it a symlink into the cache's blobs, as a user gets it from `huggingface-cli download`."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from test_qwen3_asr_reference import tiny_checkpoint
+
+    import photon_core
+    src = tiny_checkpoint(False)
+    state = load_file(str(src / "model.safetensors"))
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    files = {name: (lambda p, ks=ks: save_file({k: state[k] for k in ks}, str(p))) for name, ks in shards.items()}
+    files["model.safetensors.index.json"] = lambda p: p.write_text(
+        json.dumps({"weight_map": {k: n for n, ks in shards.items() for k in ks}}))
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            files[f.name] = lambda p, f=f: shutil.copy(f, p)
+    assert type(photon_core.load(_hf_cache_snapshot(tmp_path, files))).__name__ == "Qwen3ASRSpeech"
+
+
+def test_shard_names_are_judged_lexically(tmp_path):
+    """Names that climb out of the folder or name a root or drive are refused whatever the file
+    system holds (a Windows drive or UNC name counts as absolute on every platform, so an index is
+    judged alike everywhere); a name that only wanders inside the folder is read."""
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    for bad in ("/etc/x.safetensors", "a/../../x.safetensors", "..", ".", "C:/x.safetensors",
+                "C:x.safetensors", "\\\\server\\share\\x.safetensors", "..\\x.safetensors"):
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": bad}}))
+        with pytest.raises(ValueError, match="outside the checkpoint folder"):
+            read_safetensors(tmp_path)
+    (tmp_path / "sub").mkdir()
+    index = {"weight_map": {"w": "sub/../model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert torch.equal(read_safetensors(tmp_path)["w"], torch.ones(2))

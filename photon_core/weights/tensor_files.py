@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import io
 import json
+import ntpath
+import os
+import posixpath
 import re
 import tarfile
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
@@ -39,6 +42,25 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def shard_name_stays_inside(name: str) -> bool:
+    """Whether a shard name from an index stays inside the checkpoint folder, judged on the name
+    alone. Not by resolving it: in a Hugging Face cache snapshot every file is a symlink into
+    ../../blobs/, so a resolved shard always lies outside the snapshot folder although the index
+    names a file right beside it. What an index must not do is name an absolute path, a drive or
+    root, or climb out with '..' (read as a POSIX and as a Windows path, so the same index is
+    judged alike on either)."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        return False
+    for pure in (PurePosixPath(name), PureWindowsPath(name)):
+        if pure.drive or pure.root:
+            return False
+    for normal in (posixpath.normpath(name), ntpath.normpath(name)):
+        first = re.split(r"[\\/]", normal)[0]
+        if first == ".." or normal == ".":   # climbs out, or names the folder itself
+            return False
+    return True
+
+
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """A .safetensors file, or a folder with model.safetensors or a sharded index (every shard it
     names must be there)."""
@@ -50,8 +72,7 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        root = path.resolve()
-        outside = [s for s in shards if not (path / s).resolve().is_relative_to(root)]
+        outside = [s for s in shards if not shard_name_stays_inside(s)]
         if outside:
             raise ValueError(f"{path}: the shard index names files outside the checkpoint folder ({outside}): refused")
         missing = [s for s in shards if not (path / s).is_file()]
