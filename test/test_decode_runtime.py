@@ -147,6 +147,85 @@ def test_exclusive_use_refuses_its_own_thread_and_queues_others():
         pass
 
 
+def _open_stream_in_a_thread_that_ends(s: Steps):
+    """A stream (a generator holding exclusive() across its yields) started in a thread that then
+    ends, the stream left open: (the stream, the ended thread)."""
+    def stream():
+        with s.exclusive():
+            yield 1
+            yield 2
+    box = []
+
+    def opener() -> None:
+        g = stream()
+        next(g)
+        box.append(g)
+    a = threading.Thread(target=opener)
+    a.start()
+    a.join()
+    return box[0], a
+
+
+def test_a_thread_with_an_ended_holders_id_is_not_taken_for_the_holder():
+    """The holder was kept by thread id, which Linux reuses once a thread ends: a new thread given
+    the id of the ended thread that opened a stream was refused at once as holding the arenas
+    itself. It is another request: it waits its turn (here: gives up after its short wait)."""
+    s = Steps()
+    g, a = _open_stream_in_a_thread_that_ends(s)
+    seen: list[str] = []
+
+    def probe() -> None:
+        if threading.get_ident() != a.ident:
+            return
+        try:
+            with s.exclusive(wait_s=0.05):
+                seen.append("served")
+        except RuntimeError as e:
+            seen.append(str(e))
+    for _ in range(500):   # glibc hands an ended thread's id to a new thread within a few starts
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        if seen:
+            break
+    else:
+        pytest.skip("no thread got the ended thread's id: the reuse this test needs did not happen")
+    assert len(seen) == 1 and "held them for over 0.05 s" in seen[0] and "this thread holds them" not in seen[0]
+    assert list(g) == [2]   # finishing the stream in another thread frees the arenas
+    with s.exclusive(wait_s=5):
+        pass
+
+
+def test_a_call_inside_a_stream_consumed_in_another_thread_says_it_waits_for_itself(monkeypatch):
+    """A stream opened in one thread and consumed in another holds the arenas under the opening
+    thread, so a call inside its loop in the consuming thread waits (the arenas cannot tell it from
+    another request): its error, after the wait, must say that it may be waiting for itself (it
+    only blamed "another request", after 600 s)."""
+    monkeypatch.setattr(decode, "EXCLUSIVE_WAIT_S", 0.1)
+    s = Steps()
+    g, a = _open_stream_in_a_thread_that_ends(s)
+    seen: list[BaseException] = []
+
+    def consumer() -> None:
+        for _ in g:
+            try:
+                with s.exclusive():
+                    pass
+            except RuntimeError as e:
+                seen.append(e)
+    b = threading.Thread(target=consumer)
+    started = time.monotonic()
+    b.start()
+    b.join(timeout=60)
+    assert not b.is_alive() and time.monotonic() - started < 30   # the patched wait, not 600 s
+    assert len(seen) == 1
+    msg = str(seen[0])
+    assert "held them for over 0.1 s" in msg and "the thread that opened it has ended" in msg
+    assert "this thread is itself consuming an open stream" in msg
+    with s.exclusive(wait_s=5):   # the stream ended in the consumer: nothing held
+        pass
+
+
 def test_binding_moves_the_previous_state_out_first():
     s = Steps()
     a, b = State(), State()

@@ -61,6 +61,20 @@ def test_moondream_greedy_caption_on_the_compiled_step_refuses_nan_logits(moondr
         model.caption(enc, settings=GREEDY)
 
 
+def test_moondream_detect_refuses_nan_size_logits_host_driven_and_in_device_rounds():
+    """A NaN in the size head (its bias, width half): the compiled step's size argmax marks -2.
+    The host-driven steps refused it; the device rounds (greedy detect's default on the megakernel)
+    turned the mark into a box about 0.001 wide and returned it."""
+    model = load_moondream(ff.checkpoint(seed=1), backend=get_backend("megakernel", "cpu"),   # objects found
+                           tiling=TILING)
+    enc = model.encode_image(ff.image(seed=1))
+    model.decode.decoder(1).weight("s_fc2_b")[3] = float("nan")   # one arena: every bucket
+    for rounds in (False, True):
+        model.decode.device_rounds = rounds
+        with pytest.raises(NonFiniteLogits, match="size logits"):
+            model.detect(enc, "cup", settings={"max_objects": 2})
+
+
 def test_moondream_per_op_heads_refuse_nan_logits():
     """The host-driven per-op path (reference ops): a NaN in the LM head's bias, then in the
     coordinate head's: detect refuses, where it returned no objects."""

@@ -151,3 +151,21 @@ def test_a_request_that_fits_the_context_exactly_is_decoded():
     assert mkd.generate([p, short], [4, 6], []) == [model.generate([p], 4)[0], model.generate([short], 6)[0]]
     with pytest.raises(ValueError, match="exceeds"):
         mkd.generate([p], 5, [])
+
+
+def test_a_prompt_that_fills_the_context_still_gives_its_one_token():
+    """generate accepts prompt + n - 1 <= max_len, so a prompt of max_len tokens with a one-token
+    budget fits (that token comes from the prefill's logits, no cache position of its own), but the
+    prefill refused any prompt of max_len tokens. Alone, and beside a row that steps on (the full
+    row must then not be set at a position past the caches)."""
+    model = ours()
+    p = model.decoder.embed_tokens(torch.tensor(model.prompt.encode("turn on the kitchen lights")))
+    t = p.shape[0]
+    mkd = MegakernelDecode(model.decoder, tensors(), INTERPRETER_TILING, t)
+    want = model.generate([p], 1)
+    assert mkd.generate([p], 1, []) == want and len(want[0]) == 1
+    short = p[:t - 2]
+    stepped = model.generate([short], 3)[0]
+    assert mkd.generate([p, short], [1, 3], []) == [want[0], stepped] and len(stepped) == 3
+    with pytest.raises(ValueError, match="exceeds"):
+        mkd.generate([p], 2, [])

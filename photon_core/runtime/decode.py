@@ -229,7 +229,9 @@ class CompiledSteps(Generic[S]):
         self._loops: dict[int, Any] = {}
         self._owner: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
-        self._holder: int | None = None   # the thread inside exclusive()
+        # The thread that entered exclusive(), as its Thread object: a thread id is reused by the
+        # OS once its thread ends, and a new thread with the id was told it held the arenas.
+        self._holder: threading.Thread | None = None
         self.engine_policy = current_engine_policy()
 
     # -- what a family supplies ------------------------------------------------------------------
@@ -309,16 +311,28 @@ class CompiledSteps(Generic[S]):
     def exclusive(self, wait_s: float | None = None) -> Iterator[None]:
         """Hold the steps' arenas for one request or batch. Another thread's caller meanwhile waits
         for them (up to `wait_s`, EXCLUSIVE_WAIT_S by default: a stream left open holds them), as
-        the moondream client queues requests; the holder's own thread raises at once."""
+        the moondream client queues requests; the thread that entered it raises at once.
+
+        A stream's body runs in whichever thread consumes it, so a stream opened in one thread
+        and consumed in another holds the arenas under its opening thread: a call inside its loop
+        in the consuming thread cannot be told from another request and waits, and its error
+        then names that cause."""
         busy = (f"{self.family} on the megakernel decodes one request or batch at a time (its compiled "
                 "steps' arenas)")
-        if self._holder == threading.get_ident():
+        me = threading.current_thread()
+        if self._holder is me:   # a Thread object, never another thread's (ended or not)
             raise RuntimeError(f"{busy}, and this thread holds them (a stream still open?): finish or close "
                                "it first")
-        if not self._lock.acquire(timeout=EXCLUSIVE_WAIT_S if wait_s is None else wait_s):
-            raise RuntimeError(f"{busy}; another request held them for over "
-                               f"{EXCLUSIVE_WAIT_S if wait_s is None else wait_s:g} s (a stream left open?)")
-        self._holder = threading.get_ident()
+        wait = EXCLUSIVE_WAIT_S if wait_s is None else wait_s
+        if not self._lock.acquire(timeout=wait):
+            holder = self._holder
+            ended = (" (the thread that opened it has ended)" if holder is not None and not holder.is_alive()
+                     else "")
+            raise RuntimeError(f"{busy}; another request held them for over {wait:g} s: a stream left "
+                               f"open{ended}? If this thread is itself consuming an open stream of this model "
+                               "(one opened in another thread), it was waiting for itself: finish or close "
+                               "the stream first")
+        self._holder = me
         try:
             yield
         finally:

@@ -140,8 +140,11 @@ class RecordedHeads:
         return [step_argmax(self.records[self.slots[i]][1], "coordinate logits") / self.n_bins for i in rows]
 
     def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
-        from .megakernel_decode import size_values
-        return [size_values((self.records[self.slots[i]][2], self.records[self.slots[i]][3])) for i in rows]
+        # Checked as the host-driven heads check theirs: a negative bin is the step's mark that the
+        # size logits held NaN, which size_values would turn into a box ~0.001 wide.
+        from .megakernel_decode import _checked_sizes, size_values
+        return [size_values(_checked_sizes((self.records[self.slots[i]][2], self.records[self.slots[i]][3])))
+                for i in rows]
 
     def logits(self, row: int) -> torch.Tensor:
         raise RuntimeError("rounds decode greedy answers only; a sampled one is host-driven")

@@ -68,7 +68,8 @@ class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
             return self.generate(prompts[:n], budgets[:n], stop) + self.generate(prompts[n:], budgets[n:], stop)
         for p, new in zip(prompts, budgets):
             # the k-th new token is fed at prompt + k - 1: the last one needs no position of its own
-            if p.shape[0] + new - 1 > self.max_len:
+            # (the first comes from the prefill's logits), but the prompt's K/V must fit the caches
+            if p.shape[0] + max(new, 1) - 1 > self.max_len:
                 raise ValueError(f"a prompt of {p.shape[0]} tokens plus {new} new ones exceeds the megakernel's "
                                  f"context of {self.max_len} positions; load with a larger max_len or shorter audio")
         with self.exclusive():
@@ -83,6 +84,9 @@ class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
         """The prompts prefilled and the step set to each row's first token (the prefill's argmax)
         at its prompt length: the bucket's step and the first tokens (for driving it by hand)."""
         mk, logits, lengths = self._prefill(prompts)
+        if max(lengths) >= self.max_len:   # the step is set at the prompt's length: a position of its own
+            raise ValueError(f"a prompt of {max(lengths)} tokens leaves no room to step in the megakernel's "
+                             f"context ({self.max_len})")
         check_finite(logits)
         first = [int(t) for t in self.text.ops.argmax(logits)]
         pad = mk.batch - len(prompts)
@@ -97,8 +101,11 @@ class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
         logits, lengths = [], []
         for row, embeds in enumerate(prompts):
             t = embeds.shape[0]
-            if t >= self.max_len:
-                raise ValueError(f"a prompt of {t} tokens leaves no room in the megakernel's context ({self.max_len})")
+            # A prompt that fills the context exactly still gives its first token (these logits);
+            # only a longer one does not fit the caches. generate() refuses, before this, a budget
+            # that would need a step past the context.
+            if t > self.max_len:
+                raise ValueError(f"a prompt of {t} tokens does not fit the megakernel's context ({self.max_len})")
             tmp = dec.new_cache(1, t)
             logits.append(dec.logits(dec.prefill(embeds, tmp, 0)[-1:]))
             copy_prefilled_kv(mk, ("kcache", "vcache"), list(zip(tmp.k, tmp.v)), slice(row, row + 1), t)
@@ -127,7 +134,11 @@ class StepSession:
 
     def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
         pad = self.mk.batch - len(first)
-        self.mk.set_step(first + [0] * pad, self.lengths + [0] * pad)
+        # A prompt that fills the context (generate allows it for a one-token budget, which the
+        # prefill's logits give) has no position to step at; it is never stepped for a token of
+        # its own, so it decodes a placeholder from position 0 of its own row, as padding rows do.
+        positions = [n if n < self.mk.max_len else 0 for n in self.lengths]
+        self.mk.set_step(first + [0] * pad, positions + [0] * pad)
         return self.decode.loop(self.mk.batch).stream(first, max_new, stop)
 
 
