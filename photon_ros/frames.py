@@ -50,12 +50,18 @@ class Tf2Lookup:
             "TransformException", "LookupException", "ConnectivityException", "ExtrapolationException",
             "InvalidArgumentException", "TimeoutException") if hasattr(tf2_ros, name))
 
-    def __call__(self, target: str, source: str, stamp: float) -> Transform:
+    def __call__(self, target: str, source: str, stamp_ns: int) -> Transform:
+        """The transform at the image's stamp, in integer nanoseconds: through float seconds it was
+        off by up to ~100 ns at today's epoch, and a driver that stamps its tf with the image's own
+        stamp is then asked for a time just past it (an extrapolation error)."""
+        at = f"{stamp_ns / 1e9:.3f} s"
+        if stamp_ns < 0:   # rclpy's Time refuses it with a ValueError, which would cost the frame its results
+            raise LookupError(f"no transform {source or '(no frame)'} -> {target} at {at}: a stamp before 1970")
         try:
-            t = self._buffer.lookup_transform(target, source, self._time(nanoseconds=round(stamp * 1e9)),
+            t = self._buffer.lookup_transform(target, source, self._time(nanoseconds=int(stamp_ns)),
                                               self._timeout).transform
         except self._failures as err:
-            raise LookupError(f"no transform {source or '(no frame)'} -> {target} at {stamp:.3f} s: "
+            raise LookupError(f"no transform {source or '(no frame)'} -> {target} at {at}: "
                               f"{type(err).__name__}: {err}") from None
         return Transform(np.array([t.translation.x, t.translation.y, t.translation.z]),
                          np.array([t.rotation.x, t.rotation.y, t.rotation.z, t.rotation.w]))

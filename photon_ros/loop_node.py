@@ -31,7 +31,6 @@ from geometry_msgs.msg import PointStamped, PoseStamped, Twist
 from rclpy.action import ActionClient
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from rclpy.time import Time
 from std_msgs.msg import String
 
 from photon_ros.commands import VisionRequest, parse_command
@@ -198,6 +197,16 @@ class LoopNode(Node):
         handle.get_result_async().add_done_callback(lambda f: self.on_result(request, f, handle, command))
 
     def on_result(self, request: VisionRequest, future, handle, command: int) -> None:
+        # Raised into the executor, an error here would end the spin of every node in the process
+        # (bringup runs vision, speech and the loop in one): the result is not acted on, and said.
+        try:
+            self.act_on_result(request, future, handle, command)
+        except Exception as err:  # noqa: BLE001
+            self.get_logger().error(f"result of {request.task} {request.target!r} not acted on: "
+                                    f"{type(err).__name__}: {err}")
+            self.say(f"found nothing to act on: the result could not be read ({type(err).__name__})")
+
+    def act_on_result(self, request: VisionRequest, future, handle, command: int) -> None:
         if self.goal is handle:
             self.goal = None
         if command != self.command:
@@ -267,12 +276,12 @@ class LoopNode(Node):
             return ""
         if self.turns.active:
             return "its frame was captured before the last turn ended (the robot is still turning)"
-        if self.still_since is None or (stamp.sec == 0 and stamp.nanosec == 0):
+        captured = stamp.sec * 1_000_000_000 + stamp.nanosec   # integers: rclpy's Time refuses a negative stamp
+        if self.still_since is None or captured == 0:
             return ""
-        captured = Time.from_msg(stamp, clock_type=self.still_since.clock_type)
-        if captured >= self.still_since:
+        if captured >= self.still_since.nanoseconds:
             return ""
-        return (f"its frame was captured {(self.still_since - captured).nanoseconds / 1e9:.1f} s before the "
+        return (f"its frame was captured {(self.still_since.nanoseconds - captured) / 1e9:.1f} s before the "
                 "last turn ended")
 
     def send_goal(self, header, position) -> tuple[bool, str]:

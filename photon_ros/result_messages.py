@@ -14,9 +14,19 @@ def time_to_seconds(stamp: Time) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
+_INT32 = 2**31
+
+
 def _sec_nanosec(seconds: float) -> dict:
-    sec = math.floor(seconds)
-    return {"sec": int(sec), "nanosec": min(999_999_999, int(round((seconds - sec) * 1e9)))}
+    """Seconds as builtin_interfaces' (sec, nanosec): rounded to the nanosecond and carried (1.9999999996
+    is (2, 0), not (1, 999999999)). A value outside int32 seconds would be sent wrapped (field checks
+    are off in release builds), a NaN or infinite one has no time: both refused, naming the value."""
+    if not math.isfinite(seconds):
+        raise ValueError(f"a time of {seconds} s cannot be a ROS time")
+    sec, nanosec = divmod(round(seconds * 1e9), 1_000_000_000)
+    if not -_INT32 <= sec < _INT32:
+        raise ValueError(f"a time of {seconds} s is outside a ROS time's int32 seconds")
+    return {"sec": int(sec), "nanosec": int(nanosec)}
 
 
 def seconds_to_time(seconds: float) -> Time:

@@ -485,7 +485,7 @@ class VisionNode(ManagedNode):
         transform = None
         if self.lookup is not None and not isinstance(depth, NoDepth):
             try:
-                transform = self.lookup(self.target_frame, optical, time_to_seconds(header.stamp))
+                transform = self.lookup(self.target_frame, optical, stamp_ns(header.stamp))
             except LookupError as err:
                 transform = err
         if isinstance(depth, NoDepth) or isinstance(transform, LookupError):

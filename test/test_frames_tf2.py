@@ -48,9 +48,9 @@ def fake_tf2(monkeypatch, fail=None):
 def test_a_transform_comes_back_and_close_unregisters_the_listener(monkeypatch):
     log = fake_tf2(monkeypatch)
     lookup = tf2_lookup("node")
-    t = lookup("base_link", "camera_color_optical_frame", 1001.25)
+    t = lookup("base_link", "camera_color_optical_frame", 1_700_000_001_123_456_789)
     assert np.array_equal(t.translation, [1.0, 2.0, 3.0]) and np.array_equal(t.rotation, [0, 0, 0, 1])
-    assert log[1] == ("lookup", "base_link", "camera_color_optical_frame", 1_001_250_000_000)
+    assert log[1] == ("lookup", "base_link", "camera_color_optical_frame", 1_700_000_001_123_456_789)   # exact
     lookup.close()
     assert log[-1] == ("unregister",)
 
@@ -60,7 +60,16 @@ def test_a_transform_comes_back_and_close_unregisters_the_listener(monkeypatch):
 def test_every_tf2_error_is_a_lookup_error(monkeypatch, error):
     fake_tf2(monkeypatch, fail=error)
     with pytest.raises(LookupError, match=type(error).__name__):
-        tf2_lookup("node")("base_link", "", 5.0)
+        tf2_lookup("node")("base_link", "", 5_000_000_000)
+
+
+def test_a_stamp_before_1970_is_a_lookup_error_not_a_lost_frame(monkeypatch):
+    """rclpy's Time refuses negative nanoseconds with a ValueError, which the node does not take
+    for a failed lookup: the frame lost its results, not only its 3D."""
+    log = fake_tf2(monkeypatch)
+    with pytest.raises(LookupError, match="before 1970"):
+        tf2_lookup("node")("base_link", "camera", -500_000_000)
+    assert [e for e in log if e[0] == "lookup"] == []
 
 
 def test_frame_ids_tf2_would_refuse():

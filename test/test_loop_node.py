@@ -121,6 +121,23 @@ def test_a_frame_taken_before_the_last_turn_ended_does_not_turn_the_robot_again(
     assert loop.turns.active
 
 
+def test_a_frame_stamped_before_1970_after_a_turn_is_said_not_raised(loop):
+    """rclpy's Time refuses a negative stamp: raised in the result's callback, it ended the spin of
+    every node of the process (bringup runs vision, speech and the loop in one)."""
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    end_turn(loop)
+    loop.command = 2
+    loop.on_result(POINT, done(found(Time(sec=-1, nanosec=500_000_000))), Handle(), command=2)
+    assert any("before the last turn ended" in s for s in loop.said) and not loop.turns.active
+
+
+def test_a_result_the_loop_cannot_read_is_said_not_raised(loop):
+    loop.command = 1
+    loop.on_result(POINT, done(SimpleNamespace(status=0, result=None)), Handle(), command=1)
+    assert not loop.turns.active and any("could not be read" in s for s in loop.said)
+
+
 def test_the_turns_end_is_taken_on_the_nodes_clock_when_it_ends(loop):
     """Under sim time the clock may run at another rate than the turn's wall seconds: the end is
     read off the node's clock when the zero Twist goes out, not predicted from the duration."""

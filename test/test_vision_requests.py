@@ -84,3 +84,18 @@ def test_reasoning_result_as_a_message_with_its_grounding_in_pixels():
     missing_reasoning(False, {"answer": "x"})
     with pytest.raises(ValueError, match="without reasoning"):
         missing_reasoning(True, {"answer": "x"})
+
+
+def test_seconds_become_a_ros_time_exactly_or_are_refused():
+    """Rounded to the nanosecond and carried into the seconds (1.9999999996 s was (1, 999999999));
+    a value with no time (NaN, infinite) or past int32 seconds (sent wrapped to 1901) refused."""
+    from photon_ros.result_messages import seconds_to_duration, seconds_to_time
+    t = seconds_to_time(1.9999999996)
+    assert (t.sec, t.nanosec) == (2, 0)
+    t = seconds_to_time(-0.25)
+    assert (t.sec, t.nanosec) == (-1, 750_000_000)
+    d = seconds_to_duration(0.0300000004)
+    assert (d.sec, d.nanosec) == (0, 30_000_000)
+    for bad in (float("nan"), float("inf"), 2.0**31 + 0.5, -(2.0**31) - 1):
+        with pytest.raises(ValueError, match="ROS time"):
+            seconds_to_time(bad)
