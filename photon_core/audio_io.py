@@ -113,19 +113,26 @@ def _right_justified_24(samples: np.ndarray, fmt: bytes, path: Path) -> np.ndarr
     """Plain PCM headers declaring fewer bits than their 4-byte words leave open where the bits
     sit: left-justified (the WAVE rule, read as they are) or right-justified, as `arecord -f
     S24_LE` writes them, which read as int32 were 48 dB too quiet, under the speech detector's
-    floor. Told apart by the data: a low byte never used is left-justified; values that all fit
-    the declared bits, sign-extended, are right-justified, and are shifted into place (warned)."""
+    floor. Told apart by the data (_justified_shift); right-justified ones are shifted into place."""
+    if samples.dtype != np.int32 or samples.size == 0:
+        return samples
+    shift = _justified_shift(fmt, bool((samples & 0xFF).any()), int(samples.min()), int(samples.max()), path)
+    return samples << shift if shift else samples
+
+
+def _justified_shift(fmt: bytes, low_byte_used: bool, lowest: int, highest: int, path: Path) -> int:
+    """How far a file's int32 words must be shifted left to put its declared bits on top: 0 for a
+    low byte never used (left-justified) or for values that do not fit the declared bits; 32 - bits
+    where all of them fit, sign-extended (right-justified: warned). Decided over the whole file,
+    so a stream's blocks are read alike."""
     tag, _, _, _, _, bits = struct.unpack("<HHIIHH", fmt[:16])
-    if tag != _PCM or samples.dtype != np.int32 or not 8 < bits < 32 or samples.size == 0:
-        return samples
-    if not (samples & 0xFF).any():
-        return samples
-    low, high = -(1 << (bits - 1)), 1 << (bits - 1)
-    if samples.min() >= low and samples.max() < high:
+    if tag != _PCM or not 8 < bits < 32 or not low_byte_used:
+        return 0
+    if -(1 << (bits - 1)) <= lowest and highest < 1 << (bits - 1):
         _log.warning("%s: %d-bit samples right-justified in 32-bit words (as arecord S24_LE writes them): "
                      "read as such", path, bits)
-        return samples << (32 - bits)
-    return samples
+        return 32 - bits
+    return 0
 
 
 def _seek_data(f, path: Path) -> tuple[bytes, int]:
@@ -275,9 +282,16 @@ class AudioStream(ABC):
 
 class _RiffStream(AudioStream):
     def __init__(self, path: Path, rate: int, channels: int, frames: int, offset: int,
-                 dtype: np.dtype | None, width: int):
+                 dtype: np.dtype | None, width: int, fmt: bytes = b""):
         super().__init__(path, rate, channels, frames)
         self._offset, self._dtype, self._width = offset, dtype, width
+        self._shift = 0
+        if dtype == np.int32 and len(fmt) >= 16 and frames:
+            # where 24 bits sit in their 4-byte words, read once over the file as read_wav does
+            low, lo, hi = False, 0, 0
+            for block in self.blocks():
+                low, lo, hi = low or bool((block & 0xFF).any()), min(lo, int(block.min())), max(hi, int(block.max()))
+            self._shift = _justified_shift(fmt, low, lo, hi, path)
 
     def blocks(self, frames: int = STREAM_BLOCK_FRAMES) -> Iterator[np.ndarray]:
         if frames <= 0:
@@ -297,6 +311,8 @@ class _RiffStream(AudioStream):
                                else np.frombuffer(raw, dtype=self._dtype))
                     if self._dtype is not None and self._dtype.kind == "f":
                         samples = samples.astype(np.float32, copy=False)
+                    if self._shift:
+                        samples = samples << self._shift
                     if self.channels > 1:
                         samples = samples.reshape(-1, self.channels)
                     check_float_samples(samples, str(self.path), first_frame=done)
@@ -352,7 +368,7 @@ def open_audio_stream(path: str | Path) -> AudioStream:
                                      "declares (%d byte(s) of a partial frame dropped): read %d whole "
                                      "frames", path, min(declared, available), declared,
                                      min(declared, available) - whole, whole // frame)
-                    return _RiffStream(path, rate, channels, whole // frame, offset, dtype, width)
+                    return _RiffStream(path, rate, channels, whole // frame, offset, dtype, width, fmt)
     except FileNotFoundError:
         raise AudioFileError(f"{path}: no such file") from None
     except OSError as err:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from photon_core.audio_io import AudioFileError, pcm_to_float, read_wav, write_wav
+from photon_core.audio_io import AudioFileError, open_audio_stream, pcm_to_float, read_wav, write_wav
 
 PCM, FLOAT, EXTENSIBLE = 1, 3, 0xFFFE
 
@@ -154,6 +154,10 @@ def test_24_bit_samples_in_32_bit_words_are_read_where_they_sit(tmp_path, caplog
     np.testing.assert_array_equal(right, tone << 8)
     assert "right-justified" in caplog.text
     np.testing.assert_array_equal(written(tone << 8, "left.wav"), tone << 8)
+    # streamed (the CLI's transcribe reads files so), block by block, the same samples
+    for name in ("s24_le.wav", "left.wav"):
+        streamed = np.concatenate(list(open_audio_stream(tmp_path / name).blocks(frames=128)))
+        np.testing.assert_array_equal(streamed, read_wav(tmp_path / name)[0])
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint64])
