@@ -10,7 +10,7 @@
 #      KernelVariant and the split tiling timed, each checked against the plain build's logits;
 #      the per-op engine, plain and chained (kernels/chained.py, PDL on sm_90), and auto's choice;
 #      transformers in one CUDA graph timed in the same run; Moondream 2 batch 8 if time is left.
-#      Writes gpu_timeline.json (after every part), traces.npz and gpu.log. Run it first: the
+#      Writes gpu_timeline.json and traces.npz (after every row), and gpu.log. Run it first: the
 #      next design step waits on it. Its CPU dry run: python bench/gpu_timeline.py --dry-run.
 #   1. BENCH_OUT=$OUT bash bench/gpu.sh core --write      device tool timeout_s 260
 #      Whisper tiny.en and Moondream 2 at batch 1 and 8, fp32 and bf16 weights: decode steps vs
@@ -31,9 +31,14 @@
 # The results file is rewritten after every configuration, so a killed run keeps everything it
 # finished; timing runs right after the steps, so a kill in a later part keeps the times too.
 #
+# Which machine: the device tool's default kind is an H100 (nvidia-h100-x1: 132 SMs, 80 GB, 3.35 TB/s);
+# nvidia-h200 is an H200 (132 SMs, 141 GB, 4.8 TB/s). Every floor is computed at the device's own
+# bandwidth, by its name (photon_core/gpu_proof/hbm.py; an unknown name keeps 4.8 TB/s and says so),
+# and each json records it (hbm_tbps, hbm_source). Compare timings only between runs on the same kind.
+#
 # The time plan (python bench/gpu_proof.py --plan --profile core|others, on any CPU; every run
-# prints it first): seconds on an H200 from the costs the first GPU run measured
-# (photon_core/gpu_proof/costs.py: the run of 2026-12-04, ../shared/gpu-runs/h200-2026-12-04/),
+# prints it first): seconds on an H200 (the only kind measured so far) from the costs the first GPU
+# run measured (photon_core/gpu_proof/costs.py: the run of 2026-12-04, ../shared/gpu-runs/h200-2026-12-04/),
 # estimates where that run never got (float64 steps, core's poison and control, the others'
 # timing, the child processes), tested to fit 240 s (test/test_gpu_proof_plan.py):
 #                 start  build  compiles  steps  timing  stress  poison  control  total
@@ -49,12 +54,22 @@
 #   Triton cache (a second call on the same machine) the compiles take ~4 s. If the compile pool
 #   failed, each variant would compile at its first launch (12-17 s each): the kill would end the
 #   run in its later parts, with everything before them written.
+#   On an H100 (the default kind) the host work (start, build, compiles: CPU) takes what it takes on
+#   the H200's machine; what the GPU's memory bounds takes up to 4.8 / 3.35 = 1.43x (stress is cut by
+#   time, not launches). Were all of steps, timing, poison and control bandwidth-bound, core's 208 s
+#   would be ~245 s (the kill at 240 s would cut control, its last part) and others' 195 s ~227 s;
+#   the timeline's optional parts start only if the budget left covers them (gpu_timeline.OPTIONAL_S).
 #
 # Results go to BENCH_OUT (default bench/): gpu.log (everything printed), gpu_proof_<mode>.json
-# (gpu_bench.json), each rounds child's gpu_proof_<mode>.rounds-<family>.{json,log} and, with
-# --write, a copy of bench/RESULTS.md holding the mode's table (the device's working tree does not
-# come back: take the section from that copy). More arguments: PROOF_ARGS (e.g. "--parts
-# steps,stress --families moondream2"), BENCH_ARGS (default "--batches 1,8").
+# (gpu_bench.json; the timeline: gpu_timeline.json and traces.npz) and, with --write, a copy of
+# bench/RESULTS.md holding the mode's table (the device's working tree does not come back: take the
+# section from that copy). The device tool brings back at most 8 files from $OUT (16 MiB each, 64 MiB
+# in all, at most 2 folders down: /work/.library/device/README.md): every mode leaves at most 4 there
+# (gpu.log, its results files, RESULTS.md with --write), 5 if the kill lands while a results file is
+# being rewritten (its .tmp), as test/test_gpu_prepared_runs.py checks.
+# The rounds children's results files and logs go to a temporary folder (their results are merged
+# into the parent's json, their logs printed into gpu.log as each child ends). More arguments:
+# PROOF_ARGS (e.g. "--parts steps,stress --families moondream2"), BENCH_ARGS (default "--batches 1,8").
 set -uo pipefail
 start=$SECONDS
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

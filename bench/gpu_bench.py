@@ -7,8 +7,12 @@ Part 1, per-op: each Triton kernel against the PyTorch eager op at decode shapes
 Part 2, per decode step of Whisper tiny.en's decoder (d 384, 6 heads, 4 layers, vocab 51864, fp32):
 PyTorch eager vs per-op Triton replayed from a CUDA graph vs the megakernel (plain launch and CUDA
 graph). Reported: time per step (median of CUDA-event timings after warm-up), achieved bandwidth =
-weight bytes per step / time, and the ratio to the floor = weight bytes / HBM bandwidth (--hbm-tbps).
+weight bytes per step / time, and the ratio to the floor = weight bytes / HBM bandwidth (--hbm-tbps;
+default the device's by its name, photon_core.gpu_proof.hbm, recorded in the results).
 Every path is checked against the reference step first (logits rel. error, same argmax).
+--json is rewritten (whole, then renamed) after the per-op part and after every batch, and each batch
+runs guarded (a failure is recorded in "failures", the exit status is 1, the other batches still run):
+a run killed by gpu.sh's timeout keeps everything it finished.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8)")
+    p.add_argument("--hbm-tbps", type=float, default=None,
+                   help="HBM bandwidth for the floor (default: the device's by its name, photon_core.gpu_proof.hbm)")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--sweep-block-n", default="16,32", help="extra megakernel tile widths to time ('' = none)")
     p.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bf16-weights megakernel")
@@ -203,6 +208,18 @@ def bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int, 
     return res
 
 
+def write_json(path: str, out: dict) -> None:
+    """The results so far, written whole to a side file and renamed over `path` (a kill mid-write
+    leaves the previous file)."""
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    os.replace(tmp, p)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.dry_run:
@@ -223,24 +240,43 @@ def main(argv: list[str] | None = None) -> dict:
         d, heads, layers, vocab, max_len, t_enc = 384, 6, 4, 51864, 448, 1500
         batches = [int(b) for b in args.batches.split(",")]
         tiling = None  # per batch, below
-    out: dict = dict(device=torch.cuda.get_device_name() if cuda else "cpu (interpreter dry run)",
+    from photon_core.gpu_proof.hbm import hbm_tbps
+    device = torch.cuda.get_device_name() if cuda else "cpu (interpreter dry run)"
+    args.hbm_tbps, hbm_source = hbm_tbps(device, args.hbm_tbps)
+    out: dict = dict(device=device, hbm_tbps=args.hbm_tbps, hbm_source=hbm_source,
                      shapes=dict(d=d, heads=heads, layers=layers, vocab=vocab, max_len=max_len, t_enc=t_enc))
     t0 = time.time()
-    print(f"per-op kernels ({out['device']})", flush=True)
-    out["ops"] = bench_ops(args, dev, cuda, d, vocab, max_len // 2, t_enc)
+    print(f"per-op kernels ({out['device']}; floors at {args.hbm_tbps} TB/s: {hbm_source})", flush=True)
+    try:
+        out["ops"] = bench_ops(args, dev, cuda, d, vocab, max_len // 2, t_enc)
+    except Exception as e:  # noqa: BLE001  the decode steps still run
+        fail(out, "per-op kernels", e)
+    out["seconds"] = time.time() - t0
+    write_json(args.json, out)
     wt = WhisperDecoderWeights.random(d, heads, layers, vocab, max(max_len, 8), seed=0, device=dev)
     print(f"decode step, weights {wt.weight_bytes_per_step() / 1e6:.1f} MB fp32, "
           f"floor at {args.hbm_tbps} TB/s", flush=True)
-    # A linear task holds a [B, block_n, block_k] product in registers: keep it at 8K elements.
-    out["steps"] = [bench_step(args, dev, cuda, wt, b, max_len, t_enc,
-                               tiling or Tiling(block_n=64, block_k=max(16, 128 // b), block_t=64,
-                                                self_splits=4, cross_splits=8))
-                    for b in batches]
-    out["seconds"] = time.time() - t0
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    out["steps"] = []
+    for b in batches:
+        # A linear task holds a [B, block_n, block_k] product in registers: keep it at 8K elements.
+        try:
+            out["steps"].append(bench_step(args, dev, cuda, wt, b, max_len, t_enc,
+                                           tiling or Tiling(block_n=64, block_k=max(16, 128 // b), block_t=64,
+                                                            self_splits=4, cross_splits=8)))
+        except Exception as e:  # noqa: BLE001  the other batches still run
+            fail(out, f"decode step B{b}", e)
+        out["seconds"] = time.time() - t0
+        write_json(args.json, out)
     publish_steps(out, args)
     return out
+
+
+def fail(out: dict, part: str, e: BaseException) -> None:
+    """Record a failed part (its error and the end of its traceback) and say so."""
+    import traceback
+    print(f"  {part} FAILED: {type(e).__name__}: {e}", flush=True)
+    out.setdefault("failures", []).append(dict(part=part, error=f"{type(e).__name__}: {e}"[:500],
+                                               trace=traceback.format_exc()[-1500:]))
 
 
 def publish_steps(out: dict, args) -> None:
@@ -265,4 +301,4 @@ def publish_steps(out: dict, args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main().get("failures") else 0)

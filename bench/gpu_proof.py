@@ -395,8 +395,8 @@ def summary_lines(ctx: Ctx, profile: str) -> list[str]:
         f"fp32 noise up to {NOISE_RATIO:g}). Stress: launches per program count, outputs that differed "
         "from the first (every other launch after a NaN-fill of the scratch, a 512 MB copy loop on another "
         "stream). Timing: CUDA-graph replay, median; floor = (weights + K/V read) / "
-        f"{ctx.hbm_tbps} TB/s (fp32 caches, as checked); per-op = Whisper's per-op Triton step in a CUDA graph "
-        "(fp32 weights).", "",
+        f"{ctx.hbm_tbps} TB/s ({ctx.out.get('hbm_source', 'given')}; fp32 caches, as checked); per-op = "
+        "Whisper's per-op Triton step in a CUDA graph (fp32 weights).", "",
         "| model | batch | weights | steps: err values / kv, picks | stress: launches x programs, differing "
         "| poisoned launches, differing | us/step | GB/s | x floor | x per-op | B/B1 time |",
         "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|"]
@@ -475,7 +475,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--families", default="", help="comma-separated subset of the profile's (default: all)")
     p.add_argument("--steps", type=int, default=0, help="override the steps of part steps")
     p.add_argument("--launches", type=int, default=0, help="override the launches per stress")
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8)")
+    p.add_argument("--hbm-tbps", type=float, default=None,
+                   help="HBM bandwidth for the floor (default: the device's by its name, gpu_proof.hbm: H200 4.8, "
+                        "H100 SXM 3.35, H100 PCIe 2.0; 4.8 for a device not known there, saying so)")
     p.add_argument("--time-anyway", action="store_true", help="time even after a failed correctness check")
     p.add_argument("--workers", type=int, default=0, help="compile processes (default: CPU cores - 2, at most 14, "
                                                           "fewer beside child processes; 1 compiles in order)")
@@ -494,11 +496,17 @@ def child_builds(fam, plan: Plan) -> list[tuple[int, str]]:
 
 
 def rounds_children(args: argparse.Namespace, fams: dict, plans: dict[str, Plan], budget_s: float) -> list:
-    """One child process per family with rounds: this driver, for that family's rounds alone."""
+    """One child process per family with rounds: this driver, for that family's rounds alone. Each
+    child's results file and log go to a temporary folder, never beside --json: the device tool
+    brings back at most 8 files from $OUT (/work/.library/device/README.md), and 3 children's json
+    and log beside the parent's gpu.log, json and RESULTS.md made 9. Nothing is lost: the parent
+    merges each child's results into its own json (children.merge) and prints each child's log
+    into its output (gpu.log) as the child is merged."""
     import tempfile
 
     from photon_core.gpu_proof.children import Child
-    base = Path(args.json) if args.json else Path(tempfile.mkdtemp(prefix="gpu_proof_")) / "proof.json"
+    stem = Path(args.json).stem if args.json else "proof"
+    base = Path(tempfile.mkdtemp(prefix="gpu_proof_children_")) / f"{stem}.json"
     out = []
     for name in fams:
         if "rounds" not in plans[name].parts:
@@ -575,18 +583,21 @@ def main(argv: list[str] | None = None) -> dict:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 3
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     sizes = replace(sizes, steps=args.steps or sizes.steps, launches=args.launches or sizes.launches)
-    out = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu (TRITON_INTERPRET=1)", sms=sms,
+    from photon_core.gpu_proof.hbm import hbm_tbps
+    device = torch.cuda.get_device_name(dev) if cuda else "cpu (TRITON_INTERPRET=1)"
+    tbps, tbps_source = hbm_tbps(device, args.hbm_tbps)
+    out = dict(device=device, sms=sms, hbm_tbps=tbps, hbm_source=tbps_source,
                profile=args.profile, dry_run=args.dry_run, torch=torch.__version__, triton=triton.__version__,
                python=sys.version.split()[0], budget_s=args.budget_s, sizes=sizes.__dict__, parts={})
-    ctx = Ctx(dev, cuda, sizes, sms, budget_s=args.budget_s, json_path=args.json, hbm_tbps=args.hbm_tbps, out=out)
+    ctx = Ctx(dev, cuda, sizes, sms, budget_s=args.budget_s, json_path=args.json, hbm_tbps=tbps, out=out)
     fams, plans, parts, absent = select(cuda, args.profile, families(args.dry_run, sms), args.families, args.parts)
     if absent:   # moondream3 without its decode step; whisper-turbo has no dry-run size (tiny.en's shapes)
         print(f"not run here: {absent}", flush=True)
         out["absent"] = absent
     mode = "" if cuda else ", interpreter: programs run one after another"
     print(f"megakernel proof ({args.profile}) on {out['device']} ({sms} SMs{mode}); Python {out['python']}, torch "
-          f"{out['torch']}, Triton {out['triton']}; families {list(fams)}; parts {parts}; budget {args.budget_s:.0f} s",
-          flush=True)
+          f"{out['torch']}, Triton {out['triton']}; families {list(fams)}; parts {parts}; budget {args.budget_s:.0f} s; "
+          f"floors at {tbps} TB/s: {tbps_source}", flush=True)
     if not args.in_child:
         pred = time_plan(args)
         out["plan"] = dict(seconds=pred.seconds, total=pred.total, beside=pred.beside)
@@ -612,9 +623,14 @@ def main(argv: list[str] | None = None) -> dict:
         def collect() -> None:
             for c in children.done():
                 before = len(ctx.checks.failed)
-                merge(out, ctx.checks, c, "rounds")
+                lines = merge(out, ctx.checks, c, "rounds")
                 from_children.extend(ctx.checks.failed[before:])
-                print(f"  ({c.label}: child process ended, exit {c.rc}; results merged)", flush=True)
+                # Its log into this process's output (gpu.log) now: the child's own files are in a
+                # temporary folder that does not come back (rounds_children), and a kill later in
+                # the run must not lose it.
+                print(f"  ({c.label}: child process ended, exit {c.rc}{', killed' if c.killed else ''}, "
+                      f"{c.ended - c.started:.1f} s; results merged; its log {c.log_path}:)", flush=True)
+                print("\n".join(f"  | {line}" for line in lines), flush=True)
         ctx.on_record = collect
     run_fams = {k: f for k, f in fams.items() if plans[k].parts}
     if cuda:
@@ -646,12 +662,10 @@ def main(argv: list[str] | None = None) -> dict:
             if part == "rounds" and children is not None:
                 ctx.record(part, None)
                 children.wait(max(5.0, ctx.left()))
-                collect()
+                collect()          # each child's log was printed as it was merged
                 for c in children.children:
                     print(f"  [{c.label}: child process, exit {c.rc}{', killed' if c.killed else ''}, "
-                          f"{c.ended - c.started:.1f} s; its log {c.log_path}]", flush=True)
-                    lines = c.log_path.read_text(errors="replace").splitlines() if c.log_path.exists() else []
-                    print("\n".join(f"  | {line}" for line in lines), flush=True)
+                          f"{c.ended - c.started:.1f} s]", flush=True)
             else:
                 # Timing, and a child's rounds, on a GPU nothing else of this run uses (the lock: a
                 # child finds its path in its environment); timing waits for it at most 30 s.

@@ -115,7 +115,8 @@ def test_proof_others_dry_run(tmp_path):
     assert all(r["ways"] == (["host", "rounds"] if r["family"] == "moondream2" else ["host", "replay", "rounds", "pick"])
                for r in rounds)
     # Each family's rounds ran in a child process of its own (a sticky CUDA error ends that child
-    # alone), its results file and log beside the parent's.
+    # alone), its results file and log in a temporary folder (not beside the parent's: the device
+    # tool brings back at most 8 files; test_gpu_prepared_runs).
     kids = out["children"]
     families = ("moondream2", "qwen3-asr-0.6b", "whisper-tiny.en")
     assert sorted(c["label"] for c in kids) == [f"rounds {f}" for f in families]

@@ -104,4 +104,8 @@ def test_the_prepared_gpu_run_runs_whole_on_the_cpu(tmp_path):
     assert {c: e["how"] for c, e in out["engine_choice"].items()} == {
         "moondream2 B1 prod": "measured", "whisper-tiny.en B1 prod": "measured"}
     assert set(out["timelines"]) == {"moondream2 B1 prod.plain", "whisper-tiny.en B1 prod.plain"}
-    assert (tmp_path / "traces.npz").exists()
+    # what it leaves for the device tool to bring back: the results, whole (no side file left)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_timeline.json", "traces.npz"]
+    # floors at fp32 caches' bytes and a bandwidth it names (no device known here: the default, said so)
+    assert {t["kv_dtype"] for t in out["timing"]} == {"float32"}
+    assert out["machine"]["hbm_tbps"] == 4.8 and "UNKNOWN" in out["machine"]["hbm_source"]

@@ -104,23 +104,29 @@ class Prewarm:
         self.reported: set = set()
         self.done: list[dict] = []
 
-    def submit(self, kernel: Any, weight_dtypes: list[Any], label: str) -> None:
-        """Compile `kernel` for each weight dtype (one job per distinct launch signature)."""
+    def submit(self, kernel: Any, weight_dtypes: list[Any], label: str) -> list:
+        """Compile `kernel` for each weight dtype (one job per distinct launch signature); the jobs'
+        keys (for wait(keys=...))."""
+        keys = []
         for dt in weight_dtypes:
             spec = warmup_spec(kernel, dt)
             if spec not in self.jobs:
                 self.jobs[spec] = (f"megakernel {label} {len(kernel.graph.tasks)} tasks "
                                    f"{str(dt).removeprefix('torch.')}", time.time(),
                                    self.pool.submit(compile_megakernel, spec))
+            keys.append(spec)
+        return keys
 
     def run(self, label: str, fn: Callable[..., float], *args: Any) -> None:
         """Run a module-level function in a worker (e.g. a per-op step, to compile its kernels)."""
         self.jobs[("call", label)] = (label, time.time(), self.pool.submit(fn, *args))
 
-    def wait(self, timeout_s: float) -> list[dict]:
-        """Wait for every job (at most timeout_s); print and return each finished job's record:
-        label, compile seconds in its worker, seconds from submission to done, error if any."""
-        pending = [f for _, _, f in self.jobs.values() if not f.done()]
+    def wait(self, timeout_s: float, keys: Any = None) -> list[dict]:
+        """Wait for every job, or for the jobs `keys` names (submit's), at most timeout_s; print and
+        return each finished job's record (any job's, not yet reported): label, compile seconds in its
+        worker, seconds from submission to done, error if any."""
+        wanted = self.jobs if keys is None else {k: self.jobs[k] for k in keys if k in self.jobs}
+        pending = [f for _, _, f in wanted.values() if not f.done()]
         if pending:
             wait_futures(pending, timeout=max(0.0, timeout_s))
         new = []
@@ -140,7 +146,7 @@ class Prewarm:
                                             f"FAILED in the worker ({rec['error']}); compiled at first launch")
                   + f", done {rec['done_after_s']} s after submission", flush=True)
         self.done += new
-        left = [label for label, _, f in self.jobs.values() if not f.done()]
+        left = [label for label, _, f in wanted.values() if not f.done()]
         if left:
             print(f"  still compiling after the wait: {left} (compiled again at first launch if not done)", flush=True)
         return new
