@@ -35,41 +35,53 @@ def child() -> None:
     run_node(make, sys.argv[2:])
 
 
+class Base:
+    """The test's side: the node process (this file run in `mode`, in namespace `ns`) and a node of
+    our own listening to it, spun here."""
+
+    def __init__(self, mode: str, ns: str) -> None:
+        import rclpy
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen([sys.executable, __file__, mode, "--ros-args", "-r", f"__ns:={ns}"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.ctx = rclpy.Context()
+        rclpy.init(context=self.ctx)
+        self.node = rclpy.create_node("base", context=self.ctx)
+        self.executor = rclpy.executors.SingleThreadedExecutor(context=self.ctx)
+        self.executor.add_node(self.node)
+
+    def spin_for(self, seconds: float, until=lambda: False) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not until():
+            self.executor.spin_once(timeout_sec=0.05)
+
+    def close(self) -> None:
+        import rclpy
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.node.destroy_node()
+        rclpy.shutdown(context=self.ctx)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_turn_stopped_by_a_signal_ends_with_a_zero_twist(sig):
-    import rclpy
     from geometry_msgs.msg import Twist
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, __file__, "child", "--ros-args", "-r", "__ns:=/shutdown_test"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx)
-    node = rclpy.create_node("base", context=ctx)
+    base = Base("child", "/shutdown_test")
     got: list[float] = []
-    node.create_subscription(Twist, "/shutdown_test/cmd_vel", lambda m: got.append(m.angular.z),
-                             QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
-    executor = rclpy.executors.SingleThreadedExecutor(context=ctx)
-    executor.add_node(node)
-
-    def spin_for(seconds: float, until=lambda: False) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not until():
-            executor.spin_once(timeout_sec=0.05)
+    base.node.create_subscription(Twist, "/shutdown_test/cmd_vel", lambda m: got.append(m.angular.z),
+                                  QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
     try:
-        spin_for(60, lambda: len(got) >= 3)
-        assert got and got[-1] == 0.5, (got, proc.poll())
-        proc.send_signal(sig)
-        spin_for(10, lambda: proc.poll() is not None and got[-1] == 0.0)
-        assert proc.wait(timeout=10) == 0
-        spin_for(0.5)
+        base.spin_for(60, lambda: len(got) >= 3)
+        assert got and got[-1] == 0.5, (got, base.proc.poll())
+        base.proc.send_signal(sig)
+        base.spin_for(10, lambda: base.proc.poll() is not None and got[-1] == 0.0)
+        assert base.proc.wait(timeout=10) == 0
+        base.spin_for(0.5)
         assert got[-1] == 0.0, got[-5:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        node.destroy_node()
-        rclpy.shutdown(context=ctx)
+        base.close()
 
 
 def busy_child() -> None:
@@ -114,43 +126,28 @@ def test_the_zero_twist_goes_out_before_waiting_for_a_long_callback():
     """At Ctrl-C the executor waits for the callbacks still running (an inference may take seconds;
     a goal waiting for a frame ends only when its node is told to stop): the loop's zero Twist must
     not wait for them. It arrives before the long callback's 'done'."""
-    import rclpy
     from geometry_msgs.msg import Twist
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
 
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, __file__, "busy", "--ros-args", "-r", "__ns:=/shutdown_busy"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx)
-    node = rclpy.create_node("base", context=ctx)
+    base = Base("busy", "/shutdown_busy")
     events: list[tuple[str, float]] = []
     reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-    node.create_subscription(Twist, "/shutdown_busy/cmd_vel", lambda m: events.append(("twist", m.angular.z)), reliable)
-    node.create_subscription(String, "/shutdown_busy/done", lambda m: events.append(("done", 0.0)), 10)
-    executor = rclpy.executors.SingleThreadedExecutor(context=ctx)
-    executor.add_node(node)
-
-    def spin_for(seconds: float, until=lambda: False) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not until():
-            executor.spin_once(timeout_sec=0.05)
+    base.node.create_subscription(Twist, "/shutdown_busy/cmd_vel", lambda m: events.append(("twist", m.angular.z)),
+                                  reliable)
+    base.node.create_subscription(String, "/shutdown_busy/done", lambda m: events.append(("done", 0.0)), 10)
     try:
-        spin_for(60, lambda: sum(e == ("twist", 0.5) for e in events) >= 3)
-        assert events and events[-1] == ("twist", 0.5), (events[-5:], proc.poll())
+        base.spin_for(60, lambda: sum(e == ("twist", 0.5) for e in events) >= 3)
+        assert events and events[-1] == ("twist", 0.5), (events[-5:], base.proc.poll())
         time.sleep(1.0)   # the long callback has begun (1.5 s in; the turn began at 1 s)
-        proc.send_signal(signal.SIGINT)
-        spin_for(30, lambda: proc.poll() is not None and ("done", 0.0) in events)
-        assert proc.wait(timeout=10) == 0, proc.stdout.read()[-2000:]
-        spin_for(0.5)
+        base.proc.send_signal(signal.SIGINT)
+        base.spin_for(30, lambda: base.proc.poll() is not None and ("done", 0.0) in events)
+        assert base.proc.wait(timeout=10) == 0, base.proc.stdout.read()[-2000:]
+        base.spin_for(0.5)
         after = [e for e in events if e != ("twist", 0.5)]
         assert after[:2] == [("twist", 0.0), ("done", 0.0)], events[-6:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        node.destroy_node()
-        rclpy.shutdown(context=ctx)
+        base.close()
 
 
 def test_bringup_stops_at_ctrl_c():
