@@ -186,3 +186,19 @@ def test_a_huge_image_url_is_refused_before_its_pixels_are_decoded(width, height
     # 100 Mpixel: over our limit (PIL only warns); 195 Mpixel: PIL's own refusal, as a ValueError too
     with pytest.raises(ValueError, match="over the limit|too large"):
         chat_messages.image_from_url(_png_header(width, height))
+
+
+def test_image_urls_with_line_breaks_read_and_other_urls_say_what_they_must_be():
+    """MIME base64 breaks its lines, and a URL pasted from a file ends in a newline: no data (they
+    were refused as 'excess data'); a data URL without ;base64 is refused saying so."""
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3), (10, 20, 30)).save(buf, "PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    for url in (f"data:image/png;base64,{b64}\n", "data:image/png;base64," + "\r\n".join(
+            b64[i:i + 76] for i in range(0, len(b64), 76)), f" data:image/png;base64,{b64}"):
+        assert chat_messages.image_from_url(url).size == (4, 3)
+    with pytest.raises(ValueError, match="base64 data: URL.*got 'data:image/png'"):
+        chat_messages.image_from_url("data:image/png,%89PNG")

@@ -100,3 +100,41 @@ def test_big_endian_uint16_arrays_are_taken():
     from photon_core.runtime.image_input import to_rgb
     big = np.full((4, 4), 32896, dtype=">u2")
     assert (to_rgb(big) == 128).all()
+
+
+def test_deep_pil_modes_keep_pils_own_scale():
+    """Mode I holding 8-bit values (Image.fromarray of an int32 array, convert("I") of an L image)
+    is 8-bit data (it came out near black, divided by 257); 16-bit values in I are scaled as I;16;
+    mode F holds 0..1 (a float TIFF) or PIL's own 0..255 (convert("F"): it came out white); NaN
+    is refused (it came out black)."""
+    grey3 = np.repeat(GREY[:, :, None], 3, axis=2)
+    _same_as(grey3, Image.fromarray(GREY).convert("I"))
+    _same_as(grey3, Image.fromarray(GREY.astype(np.int32) * 257))
+    _same_as(grey3, Image.fromarray((GREY / 255.0).astype(np.float32)))
+    _same_as(grey3, Image.fromarray(GREY).convert("F"))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        to_rgb(Image.fromarray(np.array([[0.5, np.nan]], np.float32)))
+
+
+def test_transparency_onto_white_as_transformers_does():
+    """alpha="white" (Gemma 4, Qwen 3.5) composites as transformers' convert_to_rgb, the
+    processors' first step; the default drops alpha (the Moondream reference's convert("RGB"))."""
+    from transformers.image_transforms import convert_to_rgb
+    rgba = np.concatenate([RGB, np.random.default_rng(4).integers(0, 256, (5, 7, 1), dtype=np.uint8)], -1)
+    palette = Image.fromarray(GREY).convert("P")
+    palette.info["transparency"] = int(np.asarray(palette)[0, 0])
+    for image in (Image.fromarray(rgba), Image.fromarray(rgba).convert("LA"), palette, rgba):
+        np.testing.assert_array_equal(to_rgb(image, alpha="white"), convert_to_rgb(image, return_numpy=True))
+    np.testing.assert_array_equal(to_rgb(Image.fromarray(rgba)), RGB)
+    with pytest.raises(ValueError, match="alpha must be"):
+        to_rgb(RGB, alpha="black")
+
+
+def test_a_truncated_file_opened_lazily_is_a_value_error(tmp_path):
+    import io
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    path = tmp_path / "cut.png"
+    path.write_bytes(buf.getvalue()[:len(buf.getvalue()) // 2])
+    with pytest.raises(ValueError, match="could not be read"):
+        to_rgb(Image.open(path))

@@ -94,8 +94,12 @@ def image_from_url(spec: Any) -> Any:
     url = spec.get("url") if isinstance(spec, Mapping) else spec
     if not isinstance(url, str) or not url.strip().startswith("data:") or "," not in url:
         raise ValueError("an image_url must be a base64 data: URL ('data:image/jpeg;base64,...')")
+    head, payload = url.strip().split(",", 1)
+    if not head.endswith(";base64"):
+        raise ValueError(f"an image_url must be a base64 data: URL ('data:image/jpeg;base64,...'), got {head!r}")
     try:
-        data = base64.b64decode(url.split(",", 1)[1], validate=True)
+        # line breaks (MIME's 76-column base64) and a trailing newline are no data
+        data = base64.b64decode("".join(payload.split()), validate=True)
         with warnings.catch_warnings():
             # the size is refused below, with the limit, before the pixels are decoded
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

@@ -1,17 +1,24 @@
 """Images as users pass them -> the one form every vision family reads: [H, W, 3] uint8 RGB.
 
 Accepted, the same way by every family's `encode_image(image, channel_order=...)` and skills:
-- a PIL image of any mode: converted as PIL converts to RGB (palette, grey, CMYK, ...; alpha is
-  dropped, not composited), except deep single-channel modes (16-bit, 32-bit integer, float),
-  which are scaled to 8 bits: PIL's own conversion clips them, turning a 16-bit image white;
-- a numpy array [H, W] (grey), [H, W, 1], [H, W, 3] or [H, W, 4] (alpha dropped) of dtype
-  uint8 (as is), uint16 (scaled by 255 / 65535) or float16/32/64 holding values in [0, 1]
-  (scaled by 255); scaled values are rounded to the nearest integer;
+- a PIL image of any mode: converted as PIL converts to RGB (palette, grey, CMYK, ...), except
+  deep single-channel modes, which are scaled to 8 bits (PIL's own conversion clips them, turning
+  a 16-bit image white): "I;16*" by 255 / 65535; "I" by its range (values up to 255 are 8-bit data,
+  as Image.fromarray of an int32 array or convert("I") gives; up to 65535 16-bit, as older PIL
+  opens 16-bit PNGs; above, 32-bit); "F" (float TIFF) in [0, 1], overshoot clipped, or on PIL's
+  0..255 scale (convert("F")) where values exceed F_NOMINAL_MAX; NaN or infinite refused;
+- a numpy array [H, W] (grey), [H, W, 1], [H, W, 3] or [H, W, 4] of dtype uint8 (as is), uint16
+  (scaled by 255 / 65535) or float16/32/64 holding values in [0, 1] (scaled by 255); scaled
+  values are rounded to the nearest integer;
+- transparency (RGBA, LA, a palette's transparent colour, an array's 4th channel): dropped by
+  default (`alpha="drop"`, as the Moondream reference's convert("RGB")), or composited onto white
+  (`alpha="white"`, as transformers' convert_to_rgb does for Gemma 4 and Qwen 3.5);
 - channel_order "rgb" (default) or "bgr" (OpenCV, ROS bgr8/bgra8) for arrays; a PIL image is RGB.
 
 Everything else is refused with a ValueError that says why: not an array or PIL image, another
 dtype, another shape, an empty image, NaN or infinite values, float values outside [0, 1] (most
-often 0..255 data in a float array), more than MAX_PIXELS pixels, an unknown channel_order.
+often 0..255 data in a float array), more than MAX_PIXELS pixels, an unknown channel_order, a PIL
+image whose lazily read file turns out truncated or corrupt.
 """
 from __future__ import annotations
 
@@ -24,19 +31,26 @@ from PIL import Image
 # (the models resize to well under 1 Mpixel anyway).
 MAX_PIXELS = 89_478_485
 CHANNEL_ORDERS = ("rgb", "bgr")
+ALPHAS = ("drop", "white")
+F_NOMINAL_MAX = 2.0   # a float ("F") image above this is on PIL's 0..255 scale, not 0..1 with overshoot
 
 ImageLike = Union[np.ndarray, Image.Image]
 
 
-def to_rgb(image: ImageLike, channel_order: str = "rgb") -> np.ndarray:
+def to_rgb(image: ImageLike, channel_order: str = "rgb", alpha: str = "drop") -> np.ndarray:
     """`image` as a C-contiguous [H, W, 3] uint8 RGB array; ValueError for anything else."""
     if channel_order not in CHANNEL_ORDERS:
         raise ValueError(f"channel_order must be 'rgb' or 'bgr', got {channel_order!r}")
+    if alpha not in ALPHAS:
+        raise ValueError(f"alpha must be 'drop' or 'white', got {alpha!r}")
     if isinstance(image, Image.Image):
         if channel_order != "rgb":
             raise ValueError("channel_order 'bgr' applies to numpy arrays only; PIL images are RGB")
         check_size(image.width, image.height)
-        return pil_to_rgb(image)
+        try:
+            return pil_to_rgb(image, alpha)
+        except (OSError, SyntaxError) as err:   # a lazily opened file read only now (PIL's errors)
+            raise ValueError(f"the image could not be read: {err}") from None
     if not isinstance(image, np.ndarray):
         raise ValueError(f"image must be a numpy array ([H, W, 3] uint8 RGB) or a PIL image, "
                          f"got {type(image).__name__}")
@@ -49,25 +63,39 @@ def to_rgb(image: ImageLike, channel_order: str = "rgb") -> np.ndarray:
     image = _to_uint8(image)
     if image.ndim == 2:
         return np.repeat(image[:, :, None], 3, axis=2)
-    image = image[:, :, 2::-1] if channel_order == "bgr" else image[:, :, :3]
-    return np.ascontiguousarray(image)
+    rgb = image[:, :, 2::-1] if channel_order == "bgr" else image[:, :, :3]
+    if alpha == "white" and image.shape[2] == 4:
+        a = image[:, :, 3:] / 255.0   # float64 and rounded half to even, as transformers blends
+        rgb = np.rint(rgb * a + 255.0 * (1.0 - a)).astype(np.uint8)
+    return np.ascontiguousarray(rgb)
 
 
-def pil_to_rgb(im: Image.Image) -> np.ndarray:
-    """A PIL image (any mode) as [H, W, 3] uint8 RGB, deep single-channel modes scaled to 8 bits."""
+def pil_to_rgb(im: Image.Image, alpha: str = "drop") -> np.ndarray:
+    """A PIL image (any mode) as [H, W, 3] uint8 RGB, deep single-channel modes scaled to 8 bits,
+    transparency dropped or composited onto white (`alpha`)."""
     mode = im.mode
-    if mode.startswith("I;16") or mode in ("I", "F"):
-        # 16-bit PNG / TIFF ("I;16*"; older PIL and some TIFFs give "I" holding 16-bit values)
-        # and float TIFF ("F", nominally 0..1).
-        x = np.asarray(im).astype(np.float32)
-        if mode == "F":
-            x = np.nan_to_num(x, nan=0.0) * 255.0
-        elif mode == "I" and x.size and x.max() > 65535:
+    if mode == "F":
+        # Float TIFFs hold 0..1 nominally, overshoot clipped; PIL's own float images (convert("F")
+        # of an 8-bit one) hold 0..255: read so where the values go past F_NOMINAL_MAX.
+        x = np.asarray(im).astype(np.float64)
+        if not np.isfinite(x).all():
+            raise ValueError("image has NaN or infinite values")
+        scale = 1.0 if x.size and x.max() > F_NOMINAL_MAX else 255.0
+        grey = np.clip(np.rint(x * scale), 0, 255).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=-1)
+    if mode.startswith("I;16") or mode == "I":
+        x = np.asarray(im).astype(np.float64)
+        top = float(x.max()) if x.size else 0.0
+        if mode == "I" and top > 65535:
             x = x / 16843009.0   # a genuine 32-bit integer image: (2**32 - 1) / 255
-        else:
-            x = x / 257.0        # 65535 / 255
+        elif mode.startswith("I;16") or top > 255:
+            x = x / 257.0        # 16-bit: 65535 / 255
         grey = np.clip(np.rint(x), 0, 255).astype(np.uint8)
         return np.repeat(grey[..., None], 3, axis=-1)
+    if alpha == "white" and ("A" in im.getbands() or im.info.get("transparency") is not None):
+        # as transformers' convert_to_rgb: over a white RGBA background, then RGB
+        rgba = im.convert("RGBA")
+        return np.asarray(Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB"))
     # Every other mode (palette, grey, grey+alpha, CMYK, YCbCr, 16-bit RGB which PIL already
     # reduces to 8 bits per channel) converts to RGB without loss of scale.
     return np.asarray(im.convert("RGB"))

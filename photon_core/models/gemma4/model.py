@@ -72,7 +72,7 @@ class Gemma4Model:
             return image
         if self.config.vision is None:
             raise ValueError("this Gemma 4 checkpoint has no vision tower (no vision_config); ask text-only")
-        rgb = to_rgb(image, channel_order)
+        rgb = to_rgb(image, channel_order, alpha="white")   # as its processor (convert_to_rgb)
         pixels, pos = vision.patchify(rgb, self.config.vision, self.prompter.max_soft_tokens)
         groups = vision.pool_groups(pos, self.w, self.config.vision)
         soft = self.encode_patches(pixels.to(self.device), pos.to(self.device), groups.to(self.device))

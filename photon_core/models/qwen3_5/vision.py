@@ -69,7 +69,7 @@ def preprocess(image: ImageLike, pp: Preprocess, channel_order: str = "rgb") -> 
     """(patches [gh*gw, 3*temporal*patch*patch] fp32 in merge-block order, (gh, gw) in patches)."""
     from PIL import Image
 
-    arr = to_rgb(image, channel_order)
+    arr = to_rgb(image, channel_order, alpha="white")   # as its processor (convert_to_rgb)
     height, width = arr.shape[:2]
     h, w = target_size(height, width, pp)
     if (h, w) != (height, width):
