@@ -478,3 +478,24 @@ def test_a_gpus_nan_survives_the_bf16_rounding_and_infinities_are_not_cached():
     chained.rotary_append(qkv, hq, kc, vc, torch.tensor([2]), None, None, None, 0, False, True, pdl=False)
     assert kc[0, 0, 2, 3] == 0 and vc[0, 0, 2, 7] == 0 and torch.isfinite(kc.float()).all()
     assert torch.isfinite(vc.float()).all()
+
+
+def test_attention_refuses_shapes_it_would_read_past():
+    """Query head h reads kv head h // (Hq / Hkv): 3 query heads over 2 kv heads would read a kv head
+    that does not exist (head 2 // 1 = 2). A query of other rows than the caches, or fewer lengths
+    than rows, would be read past its end. All refused with the shapes named, before any launch."""
+    M, h, T, dh = 2, 2, 8, 16
+    kc, vc = torch.randn(M, h, T, dh), torch.randn(M, h, T, dh)
+    lengths = torch.tensor([5, 3])
+    for q, lens in [(torch.randn(M, 3 * dh), lengths), (torch.randn(M, 3 * dh + 5), lengths),
+                    (torch.randn(M + 1, 2 * dh), lengths), (torch.randn(M, 4 * dh), lengths[:1]),
+                    (torch.randn(4 * dh, M).t(), lengths)]:
+        with pytest.raises(ValueError, match=r"\(2, 2, 8, 16\)"):
+            chained.attention(q, kc, vc, lens, True, None, False, 1 / math.sqrt(dh), pdl=False)
+    q = torch.randn(M, 4 * dh)   # 4 query heads over 2: the grouped case still runs
+    got = chained.attention(q, kc, vc, lengths, True, None, False, 1 / math.sqrt(dh), pdl=False)
+    for r, n in enumerate((6, 4)):
+        for hh in range(4):
+            k, v = kc[r, hh // 2, :n], vc[r, hh // 2, :n]
+            want = torch.softmax(k @ q[r, hh * dh:(hh + 1) * dh] / math.sqrt(dh), 0) @ v
+            close(got[r, hh * dh:(hh + 1) * dh], want)

@@ -596,3 +596,114 @@ def test_moe_route_renormalised_is_softmax_over_chosen_logits():
     close(w, torch.softmax(top.values, dim=-1))
     w_all, _ = ref.moe_route(logits, 8, False)
     close(w_all, torch.softmax(logits, -1).gather(1, top.indices))
+
+
+# ---------------------------------------------------------------- shapes and dtypes at the edges (the fuzz review)
+
+def test_single_query_inside_the_prefix_block_sees_every_key():
+    """Tq == 1 (Triton's decode path) with causal, a window and prefix_len >= Tk: the query (p = Tk - 1)
+    is inside the prefix block, so it sees every key, not only its window; past the block
+    (prefix_len < Tk) the window holds, and keys before it are never read."""
+    b, hq, hkv, tk, d, window = 2, 4, 2, 9, 32, 3
+    q, k, v = _attention_inputs(b, hq, hkv, 1, tk, d)
+    k_rep, v_rep = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    for prefix in (tk, 20):
+        every = torch.ones(1, tk, dtype=torch.bool)
+        want = _masked_softmax_attention(q, k_rep, v_rep, every, d**-0.5)
+        close(ref.attention(q, k, v, True, prefix, None, window), want)
+        close(tri.attention(q, k, v, True, prefix, None, window), want)
+    for prefix in (0, tk - 1):   # p = Tk - 1 >= prefix_len: the window applies
+        band = (torch.arange(tk) > tk - 1 - window)[None, :]
+        want = _masked_softmax_attention(q, k_rep, v_rep, band, d**-0.5)
+        close(ref.attention(q, k, v, True, prefix, None, window), want)
+        kp, vp = k.clone(), v.clone()
+        kp[:, :, :tk - window] = vp[:, :, :tk - window] = NAN
+        close(tri.attention(q, kp, vp, True, prefix, None, window), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_attention_with_more_queries_than_keys(backend):
+    """Causal, Tq > Tk: the first Tq - Tk queries sit before position 0 and see no key, unless the
+    prefix block reaches them: refused (ValueError naming the shapes) without a prefix, computed with one."""
+    B = BACKENDS[backend]
+    for b, hq, hkv, tq, tk, prefix, window in [(1, 1, 1, 6, 4, 0, None), (2, 4, 2, 20, 3, 0, 2),
+                                               (1, 2, 2, 1, 0, 0, None), (1, 2, 2, 3, 0, 5, None)]:
+        q, k, v = _attention_inputs(b, hq, hkv, tq, tk, 16)
+        with pytest.raises(ValueError, match=rf"\(Tq {tq} > Tk {tk}\)"):
+            B.attention(q, k, v, True, prefix, None, window)
+        if tk:   # not causal: every query sees every key, Tq > Tk or not (cross-attention)
+            close(B.attention(q, k, v), ref.attention(q, k, v))
+    for b, hq, hkv, tq, tk, prefix, window in [(1, 2, 1, 6, 4, 2, None), (2, 2, 2, 21, 17, 1, 3)]:
+        q, k, v = _attention_inputs(b, hq, hkv, tq, tk, 16)
+        p = torch.arange(tk - tq, tk)[:, None]
+        j = torch.arange(tk)[None, :]
+        seen = ((j <= p) & ((window is None) | (j > p - (window or 0)))) | ((p < prefix) & (j < prefix))
+        rep = hq // hkv
+        want = _masked_softmax_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), seen, 16**-0.5)
+        close(B.attention(q, k, v, True, prefix, None, window), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_norm_shapes(backend):
+    """Norm weights and biases are [N] (a kernel reads exactly N of them); add_layer_norm's residual
+    broadcasts to x (a [1, N] residual is added to every row), never x to the residual."""
+    B = BACKENDS[backend]
+    x, z, w, b = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64), torch.randn(64)
+    for call in (lambda: B.layer_norm(x, w[:48], b), lambda: B.layer_norm(x, w, b[:48]),
+                 lambda: B.rms_norm(x, w[:48]), lambda: B.rms_norm(x, torch.randn(128)),
+                 lambda: B.rms_norm_gated(x, z, w[:32]), lambda: B.add_layer_norm(x, z, w[:48], None),
+                 lambda: B.add_layer_norm(x, z, w, b[:48], 1e-5, True)):
+        with pytest.raises(ValueError, match=r"\(4, 64\)"):
+            call()
+    for xs, rs in [((2, 3, 64), (3, 2, 64)), ((1, 64), (4, 64))]:
+        with pytest.raises(ValueError, match="residual"):
+            B.add_layer_norm(torch.randn(xs), torch.randn(rs), w, b)
+    for xs, rs in [((4, 64), (1, 64)), ((2, 3, 64), (3, 64)), ((2, 3, 64), (64,))]:
+        for rms in (False, True):
+            x, r = torch.randn(xs), torch.randn(rs)
+            y, s = B.add_layer_norm(x, r, w, b, 1e-5, rms, 1.0)
+            close(s, x + r)
+            norm = ref.rms_norm(x + r, 1.0 + w, 1e-5) + b if rms else ref.layer_norm(x + r, 1.0 + w, b, 1e-5)
+            close(y, norm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_shapes(backend):
+    """bias [N]; the residual broadcasts to the output [..., N] ([N], [M, 1] too), else a ValueError
+    (a residual [N, M] for an output [M, N] has the right size but is not the output's layout)."""
+    B = BACKENDS[backend]
+    x, w = torch.randn(4, 64), torch.randn(32, 64) / 8
+    with pytest.raises(ValueError, match=r"bias \(16,\)"):
+        B.linear(x, w, torch.randn(16))
+    for rs in [(32, 4), (4, 16), (2, 4, 32)]:
+        with pytest.raises(ValueError, match=r"residual .* \(4, 32\)"):
+            B.linear(x, w, None, None, torch.randn(rs))
+    for xs, rs in [((4, 64), (32,)), ((4, 64), (4, 1)), ((2, 20, 64), (20, 32)), ((1, 64), (1, 32))]:
+        x, r, bias = torch.randn(xs), torch.randn(rs), torch.randn(32)
+        close(B.linear(x, w, bias, "silu", r), F.silu(x @ w.T + bias) + r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_attention_takes_one_length_per_row(backend):
+    B = BACKENDS[backend]
+    q, kc, vc = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 10, 32), torch.randn(2, 2, 10, 32)
+    for lengths in ([3], [3, 4, 5], [[3], [4]]):
+        with pytest.raises(ValueError, match=r"lengths .* \(2, 2, 1, 32\)"):
+            B.decode_attention(q, kc, vc, torch.tensor(lengths, dtype=torch.int32))
+
+
+def test_outputs_keep_the_main_inputs_dtype():
+    """The contract's rule, output in the main input's dtype, on every backend: rotary of bf16 x with
+    fp32 cos/sin, and add_layer_norm of bf16 x with an fp32 residual (both outputs), within bf16's
+    rounding of the fp32 result."""
+    bf = torch.bfloat16
+    x = torch.randn(2, 3, 5, 64).to(bf)
+    ang = torch.randn(5, 16)
+    xn, r, w = torch.randn(3, 96).to(bf), torch.randn(3, 96), torch.randn(96)
+    for B in (ref, tri):
+        close(B.rotary(x, ang.cos(), ang.sin(), 32), ref.rotary(x.float(), ang.cos(), ang.sin(), 32).to(bf), 2e-2)
+        for rms in (False, True):
+            y, s = B.add_layer_norm(xn, r, w, None, 1e-5, rms)
+            close(s, (xn.float() + r).to(bf), 2e-2)
+            want = ref.rms_norm(xn.float() + r, w, 1e-5) if rms else ref.layer_norm(xn.float() + r, w, None, 1e-5)
+            close(y, want.to(bf), 2e-2)

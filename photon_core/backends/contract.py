@@ -48,7 +48,8 @@ class Ops(Protocol):
                residual: Tensor | None = None) -> Tensor:
         """y = act(x @ weight.T + bias) + residual.
 
-        x [..., K], weight [N, K], bias [N] or None, residual [..., N] or None -> [..., N], dtype
+        x [..., K], weight [N, K], bias [N] or None, residual None or broadcastable to the output
+        [..., N] (e.g. [N]; other shapes: ValueError) -> [..., N], dtype
         torch.result_type(x, weight). activation: None, "gelu" (erf), "gelu_tanh" (tanh approximation)
         or "silu" (x * sigmoid(x)); the residual is added AFTER the activation. fp32 accumulation.
         """
@@ -73,7 +74,9 @@ class Ops(Protocol):
         """s = x + residual; returns (norm(s), s): a pre-norm block's residual add fused with its norm.
 
         norm is layer_norm(s, offset + weight, bias) or, with rms, rms_norm(s) * (offset + weight)
-        (+ bias when given). Both outputs have x's shape and dtype.
+        (+ bias when given). Both outputs have x's shape and dtype: the residual must broadcast to x
+        (ValueError otherwise). Norm weights and biases (here and in the norms above) are [N], N =
+        x.shape[-1]; other shapes: ValueError.
         """
 
     def glu(self, gate: Tensor, up: Tensor, activation: str = "silu", up_offset: float = 0.0) -> Tensor:
@@ -99,7 +102,9 @@ class Ops(Protocol):
           (j <= p  and  (window is None or j > p - window))  or  (p < prefix_len and j < prefix_len)
         i.e. a causal band of `window` keys ending at the query itself, plus a bidirectional prefix
         block (Moondream's image tokens). `window` (>= 1) requires `causal` (ValueError otherwise).
-        scale defaults to 1/sqrt(D). Every query sees at least itself, so no row is empty.
+        scale defaults to 1/sqrt(D). A query at p >= 0 sees at least itself, so no row is empty; with
+        `causal` and Tq > Tk the first Tq - Tk queries sit before position 0 and see only the prefix
+        block, so that needs prefix_len >= 1 and Tk >= 1 (ValueError otherwise).
         Never reads: keys/values before the first position any query can see (with a window,
         j <= Tk - Tq - window when prefix_len == 0).
         bias: None, or a float tensor [B or 1, Hq, Tq, Tk] (a leading 1 broadcasts over the batch)
@@ -115,10 +120,11 @@ class Ops(Protocol):
                          scale: float | None = None, window: int | None = None) -> Tensor:
         """One query per row: q [B, Hq, 1, D] over a KV cache k/v [B, Hkv, T_max, D] -> [B, Hq, 1, D].
 
-        Row b's query sits at position lengths[b] - 1 (int tensor [B] on q's device, 0 <= lengths[b]
-        <= T_max) and sees keys [lengths[b] - window, lengths[b]) clipped at 0 (all of [0, lengths[b])
-        without a window). A row of length 0 sees no key and its output is zeros (a padding row, or
-        a cross-attention state not yet filled: never 0 / 0, whose NaN would reach the logits).
+        Row b's query sits at position lengths[b] - 1 (int tensor [B] on q's device, other shapes a
+        ValueError; 0 <= lengths[b] <= T_max) and sees keys [lengths[b] - window, lengths[b]) clipped
+        at 0 (all of [0, lengths[b]) without a window). A row of length 0 sees no key and its output
+        is zeros (a padding row, or a cross-attention state not yet filled: never 0 / 0, whose NaN
+        would reach the logits).
         GQA as in `attention`. Also serves cross-attention (lengths = encoder length).
         Never reads: cache positions >= lengths[b], or before the window; they may hold NaN.
         """

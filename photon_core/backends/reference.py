@@ -40,18 +40,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """act(x @ weight.T + bias) + residual; activation is None, "gelu" (erf), "gelu_tanh" or "silu"."""
     if activation == "sigmoid":
         raise ValueError("linear: unknown activation 'sigmoid'")
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"linear: bias {tuple(bias.shape)} for weight {tuple(weight.shape)}: not [N]")
+    if residual is not None and not _broadcasts_to(residual.shape, out_shape):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} does not broadcast to the output "
+                         f"{out_shape} of x {tuple(x.shape)} and weight {tuple(weight.shape)}")
     y = activate(F.linear(x, weight, bias), activation)
     return y if residual is None else y + residual
 
 
+def _broadcasts_to(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    """Whether a tensor of `shape` broadcasts to `target` without changing it."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
+    except RuntimeError:
+        return False
+
+
+def _check_norm(op: str, x: torch.Tensor, **params: torch.Tensor | None) -> None:
+    """A norm's weight / bias: one value per feature of x's last dim, [N]."""
+    for name, t in params.items():
+        if t is not None and tuple(t.shape) != (x.shape[-1],):
+            raise ValueError(f"{op}: {name} {tuple(t.shape)} for x {tuple(x.shape)}: not [{x.shape[-1]}]")
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                eps: float = 1e-5) -> torch.Tensor:
+    _check_norm("layer_norm", x, weight=weight, bias=bias)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
              offset: float = 0.0) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * (offset + weight) over the last dim, in fp32."""
+    _check_norm("rms_norm", x, weight=weight)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
@@ -62,13 +85,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float = 1e-6) -> torch.Tensor:
     """rms_norm(x, weight) * silu(gate): norm first, then the gate."""
+    _check_norm("rms_norm_gated", x, weight=weight)
     return (rms_norm(x.float(), weight, eps) * F.silu(gate.float())).to(x.dtype)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None, eps: float = 1e-5, rms: bool = False,
                    offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual), the norm scaled by (offset + weight)."""
+    """(norm(x + residual), x + residual), the norm scaled by (offset + weight). The residual
+    broadcasts to x; both outputs have x's shape and dtype (the norm is taken of the sum before it is
+    rounded to that dtype)."""
+    if not _broadcasts_to(residual.shape, tuple(x.shape)):
+        raise ValueError(f"add_layer_norm: residual {tuple(residual.shape)} does not broadcast to x {tuple(x.shape)}")
+    _check_norm("add_layer_norm", x, weight=weight, bias=bias)
     s = x + residual
     w = offset + weight.float()
     if rms:
@@ -77,7 +106,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
             y = y + bias.float()
     else:
         y = F.layer_norm(s.float(), (s.shape[-1],), w, None if bias is None else bias.float(), eps)
-    return y.to(x.dtype), s
+    return y.to(x.dtype), s.to(x.dtype)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", up_offset: float = 0.0) -> torch.Tensor:
@@ -110,6 +139,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                              or tuple(bias.shape[1:]) != (q.shape[1], tq, tk)):
         raise ValueError(f"attention: bias {tuple(bias.shape)} is not [B or 1, Hq, Tq, Tk] = "
                          f"[{q.shape[0]} or 1, {q.shape[1]}, {tq}, {tk}]")
+    if causal and tq > tk and min(prefix_len, tk) < 1:
+        # the first Tq - Tk queries sit before position 0: no key is visible to them
+        raise ValueError(f"attention: causal with q {tuple(q.shape)} longer than k {tuple(k.shape)} "
+                         f"(Tq {tq} > Tk {tk}) puts queries before position 0, which see no key "
+                         f"(prefix_len {prefix_len})")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     lo = 0
     if window is not None and tk - tq >= prefix_len:
@@ -155,6 +189,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     included: a mask would still multiply them by zero), so each row attends over its own slice."""
     hq, hkv = q.shape[1], k_cache.shape[1]
     _check_gqa(hq, hkv)
+    if tuple(lengths.shape) != (q.shape[0],):   # one length per row: no row dropped or invented
+        raise ValueError(f"decode_attention: lengths {tuple(lengths.shape)} for q {tuple(q.shape)}: "
+                         f"one length per row, [{q.shape[0]}]")
     out = []
     for b, n in enumerate(lengths.tolist()):
         if n <= 0:   # no keys: zeros (the contract), where SDPA would give NaN
@@ -172,7 +209,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) 
     rot, rest = x[..., :rot_dim], x[..., rot_dim:]
     x1, x2 = rot.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return torch.cat([out, rest], dim=-1)
+    return torch.cat([out.to(x.dtype), rest], dim=-1)   # x's dtype, whatever cos/sin hold
 
 
 # ---------------------------------------------------------------- token choice

@@ -5,7 +5,9 @@ Semantics are backends.reference.attention: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D
 (query head h reads kv head h // G, G = Hq // Hkv; since rows are laid out b-major, the kv row of
 query row bh = b*Hq + h is simply bh // G). Query i sits at absolute position p = Tk - Tq + i; with
 `causal` it sees keys in (p - window, p] (window = Tk when there is none), and the first `prefix_len`
-positions also see each other (Moondream's image-prefix block).
+positions also see each other (Moondream's image-prefix block). Causal attention with Tq > Tk puts
+queries before position 0, which see no key unless the prefix block covers them: refused (ValueError)
+when prefix_len or Tk is 0.
 
 * prefill: one program owns BLOCK_M queries of one (b, h) and streams keys in BLOCK_N blocks with the
   online-softmax recurrence (running max m, normaliser l, accumulator acc [BLOCK_M, BLOCK_D]); QK^T and
@@ -17,7 +19,9 @@ positions also see each other (Moondream's image-prefix block).
   key block it visits and adds it to the scaled scores before the mask: at most Tq*Tk*4 bytes per
   (b, h), each bias element read once (a batch-1 bias is re-read by every b through stride 0).
   A call with a bias and Tq == 1 also runs this kernel (the decode kernels take no bias).
-* decode (Tq == 1, also cross-attention over encoder K/V): "flash decoding". Phase 1, grid (B*Hq, S):
+* decode (Tq == 1, also cross-attention over encoder K/V; `attention` with Tq == 1 and no bias comes
+  here too, with its window only when the query is past the prefix block): "flash decoding". Phase 1,
+  grid (B*Hq, S):
   program (bh, s) takes keys [lo + s*chunk, min(L, lo + (s+1)*chunk)) of its row in BLOCK_T blocks,
   lo = max(0, L - window), and writes a partial (m, l, acc[D]). Phase 2, grid (B*Hq): merges the S
   partials with the usual rescaling. Per-row lengths L come from device memory (`lengths`), so a KV
@@ -273,6 +277,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(v_cache.shape)} do not match")
     if window is not None and window < 1:
         raise ValueError(f"decode_attention: window must be >= 1, got {window}")
+    if tuple(lengths.shape) != (b,):
+        # phase 1 reads lengths[b] for every row b < B: fewer entries would be read past the end
+        raise ValueError(f"decode_attention: lengths {tuple(lengths.shape)} for q {tuple(q.shape)}: "
+                         f"one length per row, [{b}]")
     group = h // hkv
     win = t_max if window is None else min(int(window), t_max)
     block_t = block_t or DECODE_BLOCK_T
@@ -312,11 +320,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if bias is not None and (bias.dim() != 4 or bias.shape[0] not in (1, b) or tuple(bias.shape[1:]) != (h, tq, tk)):
         raise ValueError(f"attention: bias {tuple(bias.shape)} is not [B or 1, Hq, Tq, Tk] = "
                          f"[{b} or 1, {h}, {tq}, {tk}]")
+    if causal and tq > tk and min(prefix_len, tk) < 1:
+        # queries at positions < 0 would see no key at all (only the prefix block reaches them)
+        raise ValueError(f"attention: causal with q {tuple(q.shape)} longer than k {tuple(k.shape)} "
+                         f"(Tq {tq} > Tk {tk}) puts queries before position 0, which see no key "
+                         f"(prefix_len {prefix_len})")
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     if tq == 1 and bias is None:
-        # The single query is the last position: causal or not, it sees every key (of its window).
+        # The single query is the last position p = Tk - 1: causal or not, it sees every key up to
+        # itself, limited by the window only when it is past the prefix block (p >= prefix_len;
+        # inside the block it sees the whole prefix, which holds every key).
         lengths = torch.full((b,), tk, device=q.device, dtype=torch.int32)
-        return decode_attention(q, k, v, lengths, scale, window)
+        return decode_attention(q, k, v, lengths, scale, window if causal and prefix_len < tk else None)
     out = new_output((b, h, tq, d), q.device, torch.float32)
     bm, bn = 16, 16
     win = tk if window is None else min(int(window), tk)

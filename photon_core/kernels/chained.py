@@ -947,11 +947,19 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
     """Decode attention of q [M, Hq x Dh] over [M, Hkv, T, Dh] caches: row b's keys are positions
     [lo, n) with n = lengths[b] + 1 (self_keys: lengths are positions) or lengths[b] (cross),
     lo = n - window; slot t % T in a ring. fp32 [M, Hq x Dh] out; a row without keys gives zeros.
+    Query head h reads kv head h // (Hq / Hkv): Hq not a multiple of Hkv is refused (ValueError).
     tickets: int32 zeros, at least M x Hq, that only this caller's launches use (each launch leaves
     them at zero; None: fresh ones). A launch stopped part way (a sticky CUDA error, after which the
     context is lost anyway) would leave some above zero."""
     M, H, T, dh = k_cache.shape
-    hq = q.shape[1] // dh
+    hq = q.shape[1] // dh if q.dim() == 2 else 0
+    # query head h reads kv head h // (Hq // Hkv), row b of q and lengths[b] for every cache row b < M:
+    # anything else would read a kv head, a query row or a length that does not exist
+    if (q.dim() != 2 or q.shape != (M, hq * dh) or not q.is_contiguous() or hq < 1 or hq % H
+            or v_cache.shape != k_cache.shape or lengths.numel() < M):
+        raise ValueError(f"chained attention: q {tuple(q.shape)} is not a contiguous [M, Hq x Dh] with Hq a "
+                         f"multiple of Hkv for caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} "
+                         f"[M, Hkv, T, Dh] and lengths {tuple(lengths.shape)}")
     if k_cache.stride(2) != dh or v_cache.stride(2) != dh or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("chained attention: a cache's slots must be rows of Dh contiguous values")
     if tickets is None:

@@ -11,7 +11,9 @@ Two paths, chosen by the number of rows M:
   BLOCK_K steps, fp32 "ieee" precision so results match the fp32 reference. Grid: cdiv(M,BM) x cdiv(N,BN).
   Bytes: x re-read cdiv(N,BN) times, W re-read cdiv(M,BM) times.
 
-Activations: "gelu" (erf), "gelu_tanh" and "silu", as in backends/reference.py.
+Activations: "gelu" (erf), "gelu_tanh" and "silu", as in backends/reference.py. The bias is [N]; the
+residual broadcasts to the output [..., N] (expanded to whole rows before the launch); other shapes are
+refused (ValueError).
 """
 from __future__ import annotations
 
@@ -128,6 +130,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"linear: x has {k} features, weight is {tuple(weight.shape)}")
+    out_shape = (*x.shape[:-1], n)
+    # The epilogue reads N bias values and one [N] residual row per output row: other shapes would be
+    # read past their end or mixed up (a residual [N, M] for an output [M, N] has the same size).
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"linear: bias {tuple(bias.shape)} for weight {tuple(weight.shape)}: not [{n}]")
+    if residual is not None:
+        try:
+            residual = residual.expand(out_shape)   # a broadcast residual ([N], [1, N]) as whole rows
+        except RuntimeError:
+            raise ValueError(f"linear: residual {tuple(residual.shape)} does not broadcast to the output "
+                             f"{out_shape} of x {tuple(x.shape)} and weight {tuple(weight.shape)}") from None
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     out_dtype = torch.result_type(x, weight)
