@@ -11,18 +11,20 @@ vision.launch.py and speech.launch.py take the arguments of their own node; here
 are vision_model and speech_model, device applies to both. Unset arguments keep the params file's values.
 """
 import os
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription, OpaqueFunction
+from launch.actions import DeclareLaunchArgument, IncludeLaunchDescription, LogInfo, OpaqueFunction
 from launch.launch_description_sources import PythonLaunchDescriptionSource
+from launch.conditions import LaunchConfigurationNotEquals
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import Node
+from launch_ros.actions import Node, SetParameter
 from photon_ros.launch_helpers import dds_profile_env
 
 # Each included file's arguments -> the argument of this file that sets it.
-SHARED = {"namespace": "namespace", "params_file": "params_file", "managed": "managed", "device": "device"}
+SHARED = {"namespace": "namespace", "params_file": "params_file", "managed": "managed", "device": "device",
+          "use_sim_time": "use_sim_time"}
 VISION = {**SHARED, "model": "vision_model", "dtype": "dtype", "input": "input", "image": "image",
           "depth_image": "depth_image", "camera_info": "camera_info", "use_depth": "use_depth",
           "depth_tolerance_s": "depth_tolerance_s", "target_frame": "target_frame"}
@@ -30,11 +32,14 @@ SPEECH = {**SHARED, "model": "speech_model", "input_type": "input_type", "audio"
           "audio_info": "audio_info", "wav_file": "wav_file", "microphone": "microphone"}
 
 
-def refuse_ambiguous(args: Mapping[str, str]) -> None:
-    """model:= names neither model here; the included files would silently overwrite it."""
-    if args.get("model"):
-        raise ValueError("photon.launch.py takes vision_model:= and speech_model:=, not model:= "
-                         "(model:= is vision.launch.py's and speech.launch.py's)")
+def ambiguous_model(argv: Sequence[str]) -> str:
+    """What to say when the command line gives model:=, which names neither model here (it would be
+    ignored). Only the command line's: a parent launch file's own `model` argument (a URDF's, as
+    robot descriptions name theirs) is not ours to refuse."""
+    if any(arg.split(":=", 1)[0] == "model" for arg in argv):
+        return ("photon.launch.py ignores model:=; it takes vision_model:= and speech_model:= "
+                "(model:= is vision.launch.py's and speech.launch.py's)")
+    return ""
 
 
 def generate_launch_description():
@@ -49,6 +54,11 @@ def generate_launch_description():
     unset = " (unset: the params file's value)"
     return LaunchDescription([
         DeclareLaunchArgument("namespace", default_value="", description="the nodes' namespace, e.g. robot1"),
+        DeclareLaunchArgument("use_sim_time", default_value="",
+                              description="true: every node on the /clock topic's time (a simulator, a bag played "
+                                          "with --clock)" + unset),
+        SetParameter(name="use_sim_time", value=LaunchConfiguration("use_sim_time"),
+                     condition=LaunchConfigurationNotEquals("use_sim_time", "")),
         DeclareLaunchArgument("params_file", default_value=config,
                               description="the parameters file (defaults of every argument left unset)"),
         DeclareLaunchArgument("managed", default_value="false",
@@ -84,7 +94,7 @@ def generate_launch_description():
         DeclareLaunchArgument("microphone", default_value="true",
                               description="false: start no microphone node of ours (another driver publishes "
                                           "the audio topic)"),
-        OpaqueFunction(function=lambda context: refuse_ambiguous(context.launch_configurations)),
+        OpaqueFunction(function=lambda context: [LogInfo(msg=m)] if (m := ambiguous_model(context.argv)) else []),
         include("vision.launch.py", VISION),
         include("speech.launch.py", SPEECH),
         Node(package="photon_ros", executable="loop_node", name="loop",

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.conditions import LaunchConfigurationNotEquals
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import Node
+from launch_ros.actions import Node, SetParameter
 from photon_ros.launch_helpers import dds_profile_env, photon_node
 
 # Arguments that set the speech node's parameter of the same name. Their default is "" (unset),
@@ -70,6 +71,11 @@ def generate_launch_description():
     unset = " (unset: the params file's value)"
     return LaunchDescription([
         DeclareLaunchArgument("namespace", default_value="", description="the nodes' namespace, e.g. robot1"),
+        DeclareLaunchArgument("use_sim_time", default_value="",
+                              description="true: every node on the /clock topic's time (a simulator, a bag played "
+                                          "with --clock)" + unset),
+        SetParameter(name="use_sim_time", value=LaunchConfiguration("use_sim_time"),
+                     condition=LaunchConfigurationNotEquals("use_sim_time", "")),
         DeclareLaunchArgument("params_file", default_value=config,
                               description="the parameters file (defaults of every argument left unset)"),
         DeclareLaunchArgument("managed", default_value="false",

@@ -210,8 +210,29 @@ def test_photon_launch_forwards_every_argument_of_both():
     assert set(ours) == used, f"photon.launch.py declares unused {sorted(set(ours) - used)}"
 
 
-def test_photon_launch_refuses_model_which_would_be_overwritten():
-    refuse = plain_part("photon.launch.py")["refuse_ambiguous"]
-    refuse({"vision_model": "m", "model": ""})
-    with pytest.raises(ValueError, match="vision_model:= and speech_model:="):
-        refuse({"model": "vikhyatk/moondream2"})
+def test_photon_launch_says_model_on_its_command_line_is_ignored_and_lets_a_parents_be():
+    """model:= given to photon.launch.py names neither model: said. A parent launch file's own
+    `model` argument (a robot description's URDF) is in the launch context too: it failed the whole
+    launch when the context, not the command line, was read."""
+    said = plain_part("photon.launch.py")["ambiguous_model"]
+    assert said(["vision_model:=m"]) == "" and said([]) == ""
+    assert "vision_model:= and speech_model:=" in said(["image:=/cam", "model:=vikhyatk/moondream2"])
+
+
+@pytest.mark.parametrize("name", ["photon.launch.py", "vision.launch.py", "speech.launch.py"])
+def test_use_sim_time_reaches_every_node(name):
+    """use_sim_time:=true (a simulator, a bag with --clock) sets the parameter of every node the
+    file starts (the loop node refused every command on the sim clock without it): declared unset,
+    set by a SetParameter ahead of every node; unset, nothing is set (a params file's stands)."""
+    tree = tree_of(name)
+    assert ast.literal_eval(declared(name)["use_sim_time"]) == ""
+    (setter,) = calls_named(tree, "SetParameter")
+    keywords = {k.arg: k.value for k in setter.keywords}
+    (unless_unset,) = calls_named(keywords["condition"], "LaunchConfigurationNotEquals")
+    assert [ast.literal_eval(a) for a in unless_unset.args] == ["use_sim_time", ""]
+    assert ast.literal_eval(keywords["name"]) == "use_sim_time"
+    assert calls_named(keywords["value"], "LaunchConfiguration")[0].args[0].value == "use_sim_time"
+    actions = next(c for c in calls_named(tree, "LaunchDescription")).args[0].elts
+    first_node = next(i for i, a in enumerate(actions) if isinstance(a, ast.Call)
+                      and getattr(a.func, "id", "") in ("Node", "OpaqueFunction", "IncludeLaunchDescription", "include"))
+    assert actions.index(next(a for a in actions if a is setter)) < first_node
