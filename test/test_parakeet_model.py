@@ -205,7 +205,7 @@ def test_long_audio_is_decoded_in_chunks(pcm):
     long_pcm = np.concatenate([pcm, noise, pcm])
     result = speech.transcribe(long_pcm, 16000)
     noise_span = (len(pcm) / 16000, (len(pcm) + len(noise)) / 16000)
-    from photon_core.models.parakeet.speech_gate import chunk_bounds
+    from photon_core.runtime.audio_chunks import chunk_bounds   # the chunks transcribe cuts
 
     bounds = chunk_bounds(long_pcm, 16000, 1.5)
     assert len(bounds) >= 5 and bounds[0][0] == 0 and bounds[-1][1] == len(long_pcm)
@@ -220,7 +220,9 @@ def test_long_audio_is_decoded_in_chunks(pcm):
               if a / 16000 >= noise_span[0] and b / 16000 <= noise_span[1]]
     assert inside and not [w for w in result["words"] for a, b in inside if a <= w["start"] < b]
     assert any(w["start"] < noise_span[0] for w in result["words"])
-    assert any(w["start"] >= noise_span[1] for w in result["words"])
+    # the speech after the noise is transcribed too (this random model writes no "▁", so its
+    # tokens there continue the last word, as they do in the text: a chunk change alone starts none)
+    assert any(w["end"] > noise_span[1] for w in result["words"])
 
 
 def _colored_noise(alpha: float, n: int, seed: int = 0) -> np.ndarray:

@@ -1,13 +1,14 @@
 """Parakeet's face to the nodes: `transcribe(samples, sample_rate, ...)` -> text, segments, words.
 
 Audio is validated and resampled to the model's rate, checked by the weight-independent speech
-gate (speech_gate.py), cut into chunks at quiet points when long (a chunk the gate finds no speech
-in is skipped), and each chunk runs front end ->
+gate (speech_gate.py), cut into chunks at quiet points when long (runtime.audio_chunks; a chunk the
+gate finds no speech in is skipped), and each chunk runs front end ->
 encoder -> greedy TDT; the prediction network's state carries from one chunk to the next. Token
 times come from the durations: a token read at encoder frame t starts at t * frame_seconds and
-lasts its duration (at least one frame). Words start at tokens carrying SentencePiece's "▁";
-segments end at sentence punctuation, at a pause of more than `segment_gap` seconds, or at a
-chunk boundary.
+lasts its duration (at least one frame), within its own chunk. Words start at tokens carrying
+SentencePiece's "▁", and only there (a word a chunk cut splits stays one word, as in the text);
+segments end at sentence punctuation, at a pause of more than `segment_gap` seconds, or at the
+first word of a new chunk.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from photon_core.runtime.audio_chunks import chunk_bounds
 from photon_core.runtime.requests import TranscribeRequest
 
 from . import speech_gate
@@ -100,7 +102,7 @@ class ParakeetSpeech:
             chunks = None
             if speech_gate.has_speech(pcm, sr):
                 chunks = []
-                for n, (a, b) in enumerate(speech_gate.chunk_bounds(pcm, sr, self.chunk_seconds)):
+                for n, (a, b) in enumerate(chunk_bounds(pcm, sr, self.chunk_seconds)):
                     # a chunk of only silence or noise is not shown to the model either
                     if self.mel.frames(b - a) >= 2 and speech_gate.has_speech(pcm[a:b], sr):
                         chunks.append((n, a, b))
@@ -113,11 +115,12 @@ class ParakeetSpeech:
             decoded = self._decode_chunks([pcms[i][plans[i][r][1]:plans[i][r][2]] for i in rows],
                                           [states[i] for i in rows])
             for i, (steps, state) in zip(rows, decoded):
-                n, a, _ = plans[i][r]
+                n, a, b = plans[i][r]
                 states[i] = state
-                # A token's duration can reach past the audio's end (the last frame's padding):
-                # its times are kept within the audio, as Whisper's are.
-                end_s = len(pcms[i]) / sr
+                # A token's duration can reach past its chunk's end (the last frame's padding):
+                # its times are kept within its own chunk (so within the audio, as Whisper's are),
+                # never reaching into the next chunk's first word.
+                end_s = b / sr
                 for tok, dur, frame in zip(steps.tokens, steps.durations, steps.frames):
                     if tok != self.cfg.blank_id:
                         tokens[i].append((tok, min(a / sr + frame * fs, end_s),
@@ -144,7 +147,8 @@ class ParakeetSpeech:
         words: list[dict] = []
         groups: list[list[tuple]] = []
         for item in tokens:
-            if not groups or self.vocab.starts_word(item[0]) or item[3] != groups[-1][-1][3]:
+            # a chunk cut inside a word does not split it: `text` decodes all tokens together
+            if not groups or self.vocab.starts_word(item[0]):
                 groups.append([item])
             else:
                 groups[-1].append(item)

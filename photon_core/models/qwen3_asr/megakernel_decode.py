@@ -25,11 +25,13 @@ from photon_core.runtime.sampling import check_finite
 
 from .decoder import TextDecoder
 from .decoder_step import Dims, Qwen3ASRDecoderMegakernel, gather_weights
+from .transcribe import DECODE_CONTEXT
 
 # The megakernel's caches are per bucket row: 2 x layers x kv_heads x head_dim x 2 bytes a
-# position on a GPU (bf16: 115 KB for the 0.6B and 1.7B; 4 bytes, fp32, on the CPU), so the default context is what a speech segment needs
-# (about 80 s of audio with its transcript), not the model's 65536 positions.
-DEFAULT_MAX_LEN = 2048
+# position on a GPU (bf16: 115 KB for the 0.6B and 1.7B; 4 bytes, fp32, on the CPU), so the default
+# context is what one speech chunk needs, not the model's 65536 positions: transcribe.py cuts long
+# audio into chunks whose prompt plus transcript fit it (about 76 s each at 2048 positions).
+DEFAULT_MAX_LEN = DECODE_CONTEXT
 
 
 class MegakernelDecode(CompiledSteps[Qwen3ASRDecoderMegakernel]):
