@@ -43,10 +43,24 @@ def _mel_to_hz(m: np.ndarray) -> np.ndarray:
     return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
 
 
+# Bounds on the filterbank's arguments (a [n_mels + 2, n_fft / 2 + 1] float64 array is built):
+# at these its temporaries are a few hundred MB at most; a crafted config's 3e6 mels or 1e9-point FFT
+# asked for GBs.
+MAX_MELS = 1024
+MAX_N_FFT = 1 << 15
+MAX_SAMPLE_RATE = 384_000
+
+
 @lru_cache(maxsize=4)
 def mel_filterbank(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
     """Slaney-normalized triangular mel filters [n_mels, 1 + n_fft // 2], float32, from 0 to
-    Nyquist; the bank librosa.filters.mel(sr, n_fft, n_mels) gives, which Whisper was trained on."""
+    Nyquist; the bank librosa.filters.mel(sr, n_fft, n_mels) gives, which Whisper was trained on.
+    Its size comes from checkpoint configs, so it is bounded (real models: 80-128 mels, n_fft
+    400-512, 16 kHz): ValueError past MAX_MELS, MAX_N_FFT, MAX_SAMPLE_RATE."""
+    for name, value, high in (("n_mels", n_mels, MAX_MELS), ("n_fft", n_fft, MAX_N_FFT),
+                              ("sample_rate", sample_rate, MAX_SAMPLE_RATE)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= high:
+            raise ValueError(f"mel filterbank: {name} must be an integer from 1 to {high}, got {value!r}")
     fft_freqs = np.linspace(0, sample_rate / 2, 1 + n_fft // 2)
     mel_pts = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(sample_rate / 2), n_mels + 2))
     fdiff = np.diff(mel_pts)

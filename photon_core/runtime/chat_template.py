@@ -9,15 +9,23 @@ template sees `messages`, `tools`, `documents`, `add_generation_prompt` and the 
 special tokens (`bos_token`, `eos_token`, ...), as in `apply_chat_template`.
 
 A template's `raise_exception` becomes a ValueError ("chat template: ..."), the error this
-package gives for input a model refuses.
+package gives for input a model refuses. A template comes with a checkpoint, so it is not trusted:
+beyond the sandbox, a render is bounded in loop steps, string and list sizes and output length
+(TemplateLimit, a ValueError), and its file is read only where it resolves inside the checkpoint.
 """
 from __future__ import annotations
 
 import json
+import re
+from contextvars import ContextVar
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
+
+from jinja2 import Template, nodes
+from jinja2.visitor import NodeTransformer
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Where transformers looks for a chat template, in its order (after chat_template.jinja).
 _TEMPLATE_FILES = ("chat_template.json", "tokenizer_config.json", "processor_config.json")
@@ -47,12 +55,26 @@ def token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _inside_checkpoint(folder: Path, path: Path) -> Path:
+    """`path` when it resolves inside `folder`, or inside the blobs/ of the Hugging Face cache
+    repository the folder is a snapshot of (snapshots/<rev>/file -> ../../blobs/<hash>); a file
+    symlinked anywhere else (/etc/passwd, another user's files) is refused: ValueError."""
+    real, home = path.resolve(), folder.resolve()
+    allowed = [home] + [s.parent / "blobs" for s in (home, *home.parents) if s.name == "snapshots"]
+    if not any(real.is_relative_to(a) for a in allowed):
+        raise ValueError(f"{path}: a symlink to {real}, outside the checkpoint folder: refused")
+    return path
+
+
 def read_template(folder: Path) -> str | None:
-    """The checkpoint's chat template source, or None when it ships none."""
+    """The checkpoint's chat template source, or None when it ships none. Each file is read only
+    where it resolves inside the checkpoint (_inside_checkpoint)."""
     if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
+        return _inside_checkpoint(folder, folder / "chat_template.jinja").read_text()
     for name in _TEMPLATE_FILES:
-        template = read_json(folder / name).get("chat_template")
+        if not (folder / name).is_file():
+            continue
+        template = read_json(_inside_checkpoint(folder, folder / name)).get("chat_template")
         if isinstance(template, str):
             return template
     return None
@@ -72,16 +94,177 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=16)
-def _compile(source: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+# Bounds on what rendering a checkpoint's template may cost. jinja2's sandbox stops attribute
+# escapes and bounds a single range() (100000), but not nested loops, "x" * 4000000000 or a padded
+# format: a crafted template could hang the loader's caller or take all memory. The limits are far
+# above what real templates reach (the test checkpoints' Qwen 3.5, Gemma 4 and Qwen3-ASR templates
+# render a conversation in a few hundred loop steps and a few KB; a model's whole context is < 1M
+# tokens, a few MB of text).
+MAX_OUTPUT_CHARS = 1 << 24      # the rendered prompt, and any one string or list a template builds
+MAX_LOOP_STEPS = 1 << 22        # loop iterations in one render, all loops together (~seconds)
+MAX_POW_BITS = 1 << 16          # an integer power's size ("10 ** 10 ** 10" would compute for ever)
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")   # printf width and precision
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")                           # str.format's spec
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+
+class TemplateLimit(ValueError):
+    """A chat template went past one of the render bounds above."""
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.steps = 0
+
+
+_BUDGET: ContextVar[_Budget | None] = ContextVar("chat_template_budget", default=None)
+
+
+def _spend(steps: int = 1) -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.steps += steps
+        if budget.steps > MAX_LOOP_STEPS:
+            raise TemplateLimit(f"chat template: more than {MAX_LOOP_STEPS} loop steps in one render: refused")
+
+
+def _bounded_loop(iterable: Any) -> Iterator[Any]:
+    """What every {% for %} iterates: the template's iterable, each item paid for."""
+    for item in iterable:
+        _spend()
+        yield item
+
+
+def _check_int(value: Any, what: str) -> None:
+    """A number given to a call, filter or format: a size (width, count) above the output bound
+    would allocate it before anything could stop it."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OUTPUT_CHARS:
+        raise TemplateLimit(f"chat template: {what} {value} is over {MAX_OUTPUT_CHARS}: refused")
+
+
+def _check_format(fmt: Any) -> None:
+    """A format string's widths and precisions ("%9999999999s", "{:>9999999999}", "{:.9999999999f}")."""
+    if not isinstance(fmt, str):
+        return
+    numbers = [d for m in _PERCENT_SPEC.finditer(fmt) for d in m.groups() if d]
+    numbers += [d for m in _BRACE_SPEC.finditer(fmt) for d in re.findall(r"\d+", m.group(1))]
+    for digits in numbers:
+        if len(digits) > 9 or int(digits) > MAX_OUTPUT_CHARS:
+            raise TemplateLimit(f"chat template: a format width {digits[:20]} is over {MAX_OUTPUT_CHARS}: refused")
+
+
+def _check_amplifier(name: str, args: tuple, kwargs: dict) -> None:
+    """The size of what join, replace and indent would build, before they build it: each can
+    turn inputs within the bounds into one far beyond them ([s] * n | join, replace('x', s))."""
+    if name == "join" and args and isinstance(args[0], (list, tuple)):
+        sep = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+        _check_len(sum(len(x) if isinstance(x, str) else 1 for x in args[0]) + len(sep) * len(args[0]))
+    elif name == "replace" and len(args) >= 3 and all(isinstance(a, str) for a in args[:3]):
+        _check_len(len(args[0]) + (args[0].count(args[1]) + 1) * len(args[2]))
+    elif name == "indent" and args and isinstance(args[0], str):
+        width = args[1] if len(args) > 1 else kwargs.get("width", 4)
+        per_line = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        _check_len(len(args[0]) + (args[0].count("\n") + 1) * per_line)
+
+
+def _bounded_filter(f: Callable[..., Any]) -> Callable[..., Any]:
+    """A filter whose numeric arguments (center/indent/truncate widths, batch sizes) are bounded,
+    the format filter's format string, and join/replace/indent's result (jinja's pass_context and
+    such are kept by wraps)."""
+    @wraps(f)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            _check_int(value, "a filter argument")
+        if f.__name__ == "do_format" and args:
+            _check_format(args[0])
+        passed = 1 if f.__name__ in ("do_join", "do_replace") else 0   # their eval context comes first
+        _check_amplifier(f.__name__.removeprefix("do_"), args[passed:], kwargs)
+        return f(*args, **kwargs)
+    return bounded
+
+
+def _check_len(n: int) -> None:
+    if n > MAX_OUTPUT_CHARS:
+        raise TemplateLimit(f"chat template: a value of {n} items is over {MAX_OUTPUT_CHARS}: refused")
+
+
+def _sized(value: Any) -> Any:
+    """A string or list a template built by concatenation ("~"), within the output bound (so
+    doubling a string in a loop stops at the bound, not at the machine's memory)."""
+    if isinstance(value, (str, list, tuple)):
+        _check_len(len(value))
+    return value
+
+
+class _Bound(NodeTransformer):
+    """Rewrites a parsed template: every loop iterates through environment.photon_loop (each item
+    paid for) and every "~" concatenation passes environment.photon_sized. Reached as environment
+    attributes, which a template cannot rebind (a global of the same name it could shadow)."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)   # in place: a For's fields are rewritten, the node kept
+        node.iter = nodes.Call(nodes.EnvironmentAttribute("photon_loop"), [node.iter], [], None, None)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        return nodes.Call(nodes.EnvironmentAttribute("photon_sized"), [self.generic_visit(node)], [], None, None)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with the bounds above on repetition, powers, padding and calls."""
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+    photon_loop = staticmethod(_bounded_loop)
+    photon_sized = staticmethod(_sized)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            _check_len(len(left) + len(right))   # before the sum is built
+        elif operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_OUTPUT_CHARS:
+                    raise TemplateLimit(f"chat template: repeating {len(seq)} items {n} times is over "
+                                        f"{MAX_OUTPUT_CHARS}: refused")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                and right * abs(left).bit_length() > MAX_POW_BITS:
+            raise TemplateLimit(f"chat template: an integer power over {MAX_POW_BITS} bits: refused")
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left)
+            for value in (right if isinstance(right, tuple) else (right,)):
+                _check_int(value, "a format argument")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        # every call from the template costs a step, and no argument may be a size above the
+        # output bound ("x".ljust(4000000000), "x".center(...), "{:{}}".format("x", 4000000000))
+        _spend()
+        for value in (*args, *kwargs.values()):
+            _check_int(value, "a call argument")
+        owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+        if isinstance(owner, str) and name == "join" and args:   # "sep".join(items)
+            _check_amplifier("join", (args[0], owner), {})
+        elif isinstance(owner, str) and name == "replace":
+            _check_amplifier("replace", (owner, *args), kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:
+            _check_format(value.__self__)
+        return wrapped
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> Template:
+    from jinja2.ext import loopcontrols
+
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.globals.pop("lipsum", None)   # lipsum(n=...) writes n paragraphs: no chat template uses it
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    # every loop's items are paid from one budget per render (nested loops multiply), every
+    # concatenation is sized
+    return env.from_string(_Bound().visit(env.parse(source)))
 
 
 class ChatTemplate:
@@ -109,6 +292,21 @@ class ChatTemplate:
         assert text is not None   # refused above
         return cls(text, special, source is not None)
 
+    def _render_bounded(self, **variables: Any) -> str:
+        """The template's output, within MAX_OUTPUT_CHARS and MAX_LOOP_STEPS (TemplateLimit, a
+        ValueError, past either)."""
+        token = _BUDGET.set(_Budget())
+        try:
+            parts, size = [], 0
+            for part in self.template.generate(**variables):
+                size += len(part)
+                if size > MAX_OUTPUT_CHARS:
+                    raise TemplateLimit(f"chat template: the prompt is over {MAX_OUTPUT_CHARS} characters: refused")
+                parts.append(part)
+            return "".join(parts)
+        finally:
+            _BUDGET.reset(token)
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
                continue_final_message: bool = False, **variables: Any) -> str:
         """The conversation as the prompt text. continue_final_message: the last message is left
@@ -116,7 +314,7 @@ class ChatTemplate:
         `variables` reach the template beside the special tokens (e.g. enable_thinking)."""
         if continue_final_message:
             messages = _tag_final_message(messages)
-        text = self.template.render(messages=messages, tools=None, documents=None,
+        text = self._render_bounded(messages=messages, tools=None, documents=None,
                                     add_generation_prompt=add_generation_prompt,
                                     **{**self.special_tokens, **variables})
         if not continue_final_message:

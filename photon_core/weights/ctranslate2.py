@@ -9,6 +9,7 @@ Strings are u16 length (counting a trailing NUL), the UTF-8 bytes, then the NUL.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,25 +48,35 @@ class CT2Model:
 
 
 class _Reader:
-    def __init__(self, buf: memoryview | bytes | bytearray) -> None:
+    """Bounds-checked reads from a model.bin buffer: a truncated or malformed file is a ValueError
+    naming `source` and what was being read, never a struct.error or UnicodeDecodeError."""
+
+    def __init__(self, buf: memoryview | bytes | bytearray, source: object = "model.bin") -> None:
         self.buf = buf
         self.view = memoryview(buf)
         self.pos = 0
+        self.source = source
 
-    def unpack(self, fmt: str):
+    def unpack(self, fmt: str, what: str = "a header field"):
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.buf):
+            raise ValueError(f"{self.source}: truncated at byte {self.pos} while reading {what}")
         values = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += struct.calcsize("<" + fmt)
+        self.pos += size
         return values if len(values) > 1 else values[0]
 
-    def string(self) -> str:
-        n = self.unpack("H")
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        return raw.rstrip(b"\0").decode("utf-8")
+    def string(self, what: str = "a name") -> str:
+        n = self.unpack("H", what)
+        raw = bytes(self.take(n, what))
+        try:
+            return raw.rstrip(b"\0").decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.source}: {what} at byte {self.pos - n} is not UTF-8") from None
 
-    def take(self, n: int) -> memoryview:
+    def take(self, n: int, what: str = "data") -> memoryview:
         if self.pos + n > len(self.buf):
-            raise ValueError("model.bin is truncated")
+            raise ValueError(f"{self.source}: truncated: {what} needs {n} bytes at byte {self.pos}, "
+                             f"the file has {len(self.buf) - self.pos} left")
         view = self.view[self.pos:self.pos + n]
         self.pos += n
         return view
@@ -110,33 +121,38 @@ def read_ctranslate2(path: str | Path, allow_quantized: bool = False) -> CT2Mode
     buf = bytearray(path.stat().st_size)
     with open(path, "rb") as f:
         f.readinto(buf)
-    r = _Reader(buf)
-    version = r.unpack("I")
+    r = _Reader(buf, path)
+    version = r.unpack("I", "the binary version")
     if version not in SUPPORTED_BINARY_VERSIONS:
         raise ValueError(f"{path}: CTranslate2 binary version {version} is not supported "
                          f"(supported: {SUPPORTED_BINARY_VERSIONS.start}.."
                          f"{SUPPORTED_BINARY_VERSIONS.stop - 1})")
     spec_name, revision = "", 1
     if version >= 2:
-        spec_name = r.string()
-        revision = r.unpack("I")
+        spec_name = r.string("the spec name")
+        revision = r.unpack("I", "the spec revision")
     model = CT2Model(version, spec_name, revision)
     quantized = []
-    for _ in range(r.unpack("I")):
-        name = r.string()
-        rank = r.unpack("B")
-        shape = [r.unpack("I") for _ in range(rank)]
+    for _ in range(r.unpack("I", "the variable count")):
+        name = r.string("a variable name")
+        rank = r.unpack("B", f"{name!r}'s rank")
+        shape = [r.unpack("I", f"{name!r}'s shape") for _ in range(rank)]
         if version >= 4:
-            type_id = r.unpack("B")
+            type_id = r.unpack("B", f"{name!r}'s dtype")
             if type_id not in _DTYPES:
                 raise ValueError(f"{path}: variable {name!r} has unknown dtype id {type_id}")
             dtype = _DTYPES[type_id]
-            num_bytes = r.unpack("I")
+            num_bytes = r.unpack("I", f"{name!r}'s byte count")
         else:
-            item_size = r.unpack("B")
+            item_size = r.unpack("B", f"{name!r}'s item size")
+            if item_size not in _DTYPE_BY_ITEM_SIZE:
+                raise ValueError(f"{path}: variable {name!r} has item size {item_size} (not 1, 2 or 4)")
             dtype = _DTYPE_BY_ITEM_SIZE[item_size]
-            num_bytes = r.unpack("I") * item_size
-        data = r.take(num_bytes)
+            num_bytes = r.unpack("I", f"{name!r}'s element count") * item_size
+        data = r.take(num_bytes, f"variable {name!r}")
+        # the shape must account for the bytes exactly (else reshape fails, or views are misread)
+        if math.prod(shape) * dtype.itemsize != num_bytes:
+            raise ValueError(f"{path}: variable {name!r} has shape {shape} of {dtype} but {num_bytes} bytes")
         # Integer scalars/vectors are config (num_heads, activation...); integer weights are
         # quantized.
         if dtype in (torch.int8, torch.int16) and name.endswith("weight"):
@@ -153,7 +169,7 @@ def read_ctranslate2(path: str | Path, allow_quantized: bool = False) -> CT2Mode
             "int8/int16 CTranslate2 models are not yet supported. Use a float16, bfloat16 or "
             "float32 conversion (ct2-transformers-converter --quantization float16).")
     if version >= 3:
-        for _ in range(r.unpack("I")):
-            alias = r.string()
-            model.aliases[alias] = r.string()
+        for _ in range(r.unpack("I", "the alias count")):
+            alias = r.string("an alias")
+            model.aliases[alias] = r.string("an alias target")
     return model

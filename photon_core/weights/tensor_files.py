@@ -15,8 +15,10 @@ import os
 import posixpath
 import re
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 import torch
 
@@ -108,24 +110,111 @@ def read_folder(folder: str | Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{folder}: no model.safetensors(.index.json) or pytorch_model.bin")
 
 
-def read_nemo(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A NeMo checkpoint (a tar holding model_config.yaml and model_weights.ckpt, possibly under a
-    folder): (config, state dict)."""
+# Bounds on what a .nemo may hold, so a crafted archive cannot make the loader use unbounded memory
+# or time. Real NeMo checkpoints hold a handful of members (model_config.yaml, model_weights.ckpt,
+# tokenizer files); the largest weights member of a real Parakeet (TDT 0.6B, float32) is ~2.4 GB,
+# its model_config.yaml ~20 KB and its tokenizer files ~250 KB.
+NEMO_MAX_MEMBERS = 1024
+NEMO_MAX_WEIGHTS_BYTES = 8 << 30
+NEMO_MAX_SMALL_BYTES = 64 << 20    # model_config.yaml and tokenizer files
+# A compressed (w:gz, older NeMo) archive may expand only this much beyond its size on disk: float
+# weights barely compress (~1.1x), while a bomb of zeros expands ~1000x. Up to NEMO_BOMB_FLOOR of
+# declared content is accepted whatever the ratio (tiny test archives compress well).
+NEMO_MAX_EXPANSION = 16
+NEMO_BOMB_FLOOR = 64 << 20
+_READ_CHUNK = 16 << 20
+
+
+@lru_cache(maxsize=1)
+def _no_alias_loader() -> type:
+    """yaml.SafeLoader without aliases: a few lines of nested aliases ("billion laughs") stand for
+    billions of nodes as soon as anything walks or formats the result. NeMo's configs (OmegaConf's
+    dumps) never use them. Built on first use: yaml is imported only when a YAML is read."""
     import yaml
 
-    config, state = None, None
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are refused",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
+def safe_yaml(data: bytes | str, source: object) -> object:
+    """YAML text parsed with safe_load's types and no aliases; ValueError naming `source`."""
+    import yaml
+
+    try:
+        return yaml.load(data, Loader=_no_alias_loader())   # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ValueError(f"{source}: {str(err).splitlines()[0] if str(err) else 'not valid YAML'} "
+                         f"({type(err).__name__})") from None
+
+
+def read_nemo_members(path: str | Path, wanted: Callable[[str], int | None]) -> dict[str, bytes]:
+    """The bytes of the regular-file members of a .nemo tar whose base name `wanted` accepts
+    (`wanted(name)` gives that member's byte limit, None to skip it), keyed by base name (a later
+    member of the same name wins, as a dict of the listing would).
+
+    Bounded: at most NEMO_MAX_MEMBERS members; sparse members (GNU sparse files declare any size
+    from a few bytes) are refused; each wanted member within its limit; and the content the tar
+    declares, up to each header, at most NEMO_MAX_EXPANSION times the file's size on disk (checked
+    before reading or skipping a member, so a compressed bomb is refused before it is inflated).
+    Members are read in chunks with a running count. ValueError naming the file and the member."""
+    path = Path(path)
+    on_disk = path.stat().st_size
+    declared = 0
+    out: dict[str, bytes] = {}
     with tarfile.open(path) as tar:
-        for member in tar.getmembers():
+        for count, member in enumerate(tar, start=1):   # lazily: a header at a time
+            if count > NEMO_MAX_MEMBERS:
+                raise ValueError(f"{path}: a .nemo with more than {NEMO_MAX_MEMBERS} members is refused")
+            if member.issparse():
+                raise ValueError(f"{path}: member {member.name!r} is a sparse file: refused")
+            declared += max(member.size, 0)
+            if declared > max(NEMO_MAX_EXPANSION * on_disk, NEMO_BOMB_FLOOR):
+                raise ValueError(f"{path}: the archive declares {declared} bytes by member {member.name!r}, "
+                                 f"over {NEMO_MAX_EXPANSION}x its {on_disk} bytes on disk: refused as a "
+                                 "decompression bomb")
             name = Path(member.name).name
-            data = tar.extractfile(member) if name in ("model_config.yaml", "model_weights.ckpt") else None
-            if data is None:   # another member, or one that is not a regular file
+            limit = wanted(name) if member.isfile() else None   # links and folders are never read
+            if limit is None:
                 continue
-            if name == "model_config.yaml":
-                config = yaml.safe_load(data.read())
-            else:
-                state = torch.load(io.BytesIO(data.read()), map_location="cpu", weights_only=True)
-    if config is None or state is None:
+            if member.size > limit:
+                raise ValueError(f"{path}: member {member.name!r} declares {member.size} bytes, over the "
+                                 f"{limit}-byte limit for it")
+            out[name] = _read_member(tar, member, limit, path)
+    return out
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int, path: Path) -> bytes:
+    data = tar.extractfile(member)
+    if data is None:   # not a regular file (checked by the caller)
+        raise ValueError(f"{path}: member {member.name!r} is not a regular file")
+    chunks, total = [], 0
+    with data:
+        while chunk := data.read(min(_READ_CHUNK, limit + 1 - total)):
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"{path}: member {member.name!r} holds more than its {limit}-byte limit")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_nemo(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A NeMo checkpoint (a tar holding model_config.yaml and model_weights.ckpt, possibly under a
+    folder): (config, state dict). Bounded as read_nemo_members says; the YAML has no aliases."""
+    limits = {"model_config.yaml": NEMO_MAX_SMALL_BYTES, "model_weights.ckpt": NEMO_MAX_WEIGHTS_BYTES}
+    members = read_nemo_members(path, limits.get)
+    if "model_config.yaml" not in members or "model_weights.ckpt" not in members:
         raise ValueError(f"{path}: a .nemo needs model_config.yaml and model_weights.ckpt")
+    config = safe_yaml(members.pop("model_config.yaml"), f"{path}: model_config.yaml")
+    # BytesIO over bytes shares them (no second copy of a multi-GB member)
+    state = torch.load(io.BytesIO(members.pop("model_weights.ckpt")), map_location="cpu", weights_only=True)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: model_config.yaml must be a mapping")
     return config, state
 
 

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from photon_core.weights.config_values import config_float, config_int
+
 
 @dataclass(frozen=True)
 class TextConfig:
@@ -145,14 +147,42 @@ def refusal(config_cls: Any, d: dict | None) -> str | None:
     return None
 
 
+# Upper bounds on config numbers, so a crafted config.json cannot size allocations at load:
+# max_context sets the rotary tables (max_context x rot_dim / 2 floats, twice) and max_crops the
+# crops an image is encoded in. Real Moondream 2 values are the defaults above (max_context 2048,
+# max_crops 12, dims up to 8192, vocabulary 51200); Moondream 3's max_context is 32768.
+NUMBER_LIMITS = {"max_context": 1 << 17, "max_crops": 64, "vocab_size": 1 << 21, "n_layers": 256,
+                 "enc_n_layers": 256, "in_channels": 4, "rope_theta": 1e9}
+DIM_LIMIT = 1 << 16          # any other size (widths, heads, patch and crop sizes)
+# Fields that may be 0: token ids and the crop overlap.
+ZERO_ALLOWED = {"overlap_margin"} | {f.name for f in dataclasses.fields(TokenizerConfig)}
+
+
+def check_numbers(section: Any, name: str) -> None:
+    """Every number of a config section is an int (or, where declared float, a number) within its
+    bounds: ValueError naming config.json and the field, instead of a ZeroDivisionError, TypeError
+    or MemoryError at load."""
+    for f in dataclasses.fields(section):
+        value, kind = getattr(section, f.name), str(f.type)
+        if kind.startswith("float"):
+            config_float(value, "config.json", f"{name}.{f.name}", high=NUMBER_LIMITS.get(f.name), positive=True)
+        elif kind.startswith("int") and not (value is None and "None" in kind):
+            config_int(value, "config.json", f"{name}.{f.name}", 0 if f.name in ZERO_ALLOWED else 1,
+                       int(NUMBER_LIMITS.get(f.name, DIM_LIMIT if f.name not in ZERO_ALLOWED else 1 << 21)))
+
+
 def _build(cls, d: dict, section: str):
+    if d is not None and not isinstance(d, dict):
+        raise ValueError(f"config.json: '{section}' must be an object")
     d = dict(d or {})
     md3 = MD3_KEYS & set(d)
     if md3:
         raise ValueError(f"a Moondream 3 (MoE) config (config.{section} has {sorted(md3)}): load it with "
                          "photon_core.models.moondream3, not as Moondream 2")
     check_keys(cls, d, section)
-    return cls(**d)
+    built = cls(**d)
+    check_numbers(built, section)
+    return built
 
 
 class ModelConfig(Protocol):

@@ -341,7 +341,10 @@ def open_checkpoint(path_or_id: str | Path, device: str | torch.device, dtype: t
     torch_dtype: torch.dtype = weights_module.parse_dtype(dtype)
     device = torch.device(device)
     ckpt = weights_module.resolve(path_or_id)
-    config = config_cls.from_dict(ckpt.config)
+    try:
+        config = config_cls.from_dict(ckpt.config)
+    except ValueError as err:   # the checks name the field; this names the checkpoint
+        raise ValueError(f"{ckpt.folder}: {err}") from None
     return Opened(backend, device, torch_dtype, ckpt, config, MoondreamTokenizer(find_tokenizer(ckpt.folder)))
 
 

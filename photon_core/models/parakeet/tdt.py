@@ -18,6 +18,7 @@ import torch
 
 from photon_core.runtime.sampling import NonFiniteLogits
 
+from .config import MAX_SYMBOLS_PER_STEP
 from .model import ParakeetModel
 
 
@@ -49,6 +50,9 @@ def greedy_tdt_many(model: ParakeetModel, enc_proj: torch.Tensor, lengths: list[
     row steps at once (one joint and one prediction step for the batch), each at its own frame;
     a row past its end or its step limit is inactive: nothing of it is recorded or kept, so it
     decodes as it would alone."""
+    if max_symbols is not None and not 1 <= max_symbols <= MAX_SYMBOLS_PER_STEP:
+        # the decode runs up to frames x (max_symbols + 1) steps: past the bound a stuck model hangs
+        raise ValueError(f"max_symbols must be from 1 to {MAX_SYMBOLS_PER_STEP}, got {max_symbols}")
     cfg, ops = model.cfg, model.ops
     dev = enc_proj.device
     B = enc_proj.shape[0]

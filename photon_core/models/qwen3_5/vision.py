@@ -20,8 +20,14 @@ import numpy as np
 import torch
 
 from photon_core.runtime.image_input import ImageLike, to_rgb
+from photon_core.weights.config_values import config_float, config_int
 
 from .config import VisionConfig
+
+
+# The most pixels an image may be resized to: 4x the real Qwen 3.5 / Qwen3-VL processors' budget
+# (size.longest_edge 16777216 = 4096 x 4096; size.shortest_edge 65536).
+MAX_PIXELS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -36,17 +42,35 @@ class Preprocess:
 
     @classmethod
     def from_folder(cls, folder: Path, vcfg: VisionConfig) -> "Preprocess":
-        """preprocessor_config.json where present; the vision config decides patch and merge sizes."""
+        """preprocessor_config.json where present; the vision config decides patch and merge sizes.
+        The pixel budget is bounded: every image is resized to at least min_pixels, so a crafted
+        4e10 would make each request allocate terabytes."""
         raw: dict[str, Any] = {}
         f = Path(folder) / "preprocessor_config.json"
         if f.is_file():
             raw = json.loads(f.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError(f"{f}: must hold a JSON object")
         size = raw.get("size") or {}
+        if not isinstance(size, dict):
+            raise ValueError(f"{f}: size must be an object")
         base = cls()
+
+        def pick(size_key: str, raw_key: str, default: int) -> tuple[Any, str]:
+            """(value, field name): size.<key> first, as the Qwen processors read it."""
+            return (size[size_key], f"size.{size_key}") if size_key in size else (raw.get(raw_key, default), raw_key)
+
+        value, field = pick("longest_edge", "max_pixels", base.max_pixels)
+        max_pixels = config_int(value, f, field, 1, MAX_PIXELS)
+        value, field = pick("shortest_edge", "min_pixels", base.min_pixels)
+        min_pixels = config_int(value, f, field, 1, max_pixels)
+        mean, std = raw.get("image_mean", base.mean), raw.get("image_std", base.std)
+        if not isinstance(mean, (list, tuple)) or not isinstance(std, (list, tuple)) or len(mean) != 3 or len(std) != 3:
+            raise ValueError(f"{f}: image_mean and image_std must hold 3 numbers (RGB)")
         return cls(patch=vcfg.patch, temporal_patch=vcfg.temporal_patch, merge=vcfg.merge,
-                   mean=tuple(raw.get("image_mean", base.mean)), std=tuple(raw.get("image_std", base.std)),
-                   min_pixels=int(size.get("shortest_edge", raw.get("min_pixels", base.min_pixels))),
-                   max_pixels=int(size.get("longest_edge", raw.get("max_pixels", base.max_pixels))))
+                   mean=tuple(config_float(m, f, "image_mean") for m in mean),
+                   std=tuple(config_float(x, f, "image_std", positive=True) for x in std),
+                   min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def target_size(height: int, width: int, pp: Preprocess) -> tuple[int, int]:

@@ -104,11 +104,17 @@ def load_ctranslate2_whisper(path: str | Path) -> WhisperCheckpoint:
         pat = re.compile(prefix + r"/layer_(\d+)/")
         return len({m.group(1) for k in ct2.variables if (m := pat.match(k))})
 
-    sd = ct2_to_internal(ct2.get, count("encoder"), count("decoder"))
+    try:
+        sd = ct2_to_internal(ct2.get, count("encoder"), count("decoder"))
+    except KeyError as err:   # a variable the Whisper spec has is absent
+        raise ValueError(f"{path}: not a complete CTranslate2 Whisper model: no variable {err.args[0]!r}") from None
     heads = {}
     for part in ("encoder", "decoder"):
         if f"{part}/num_heads" in ct2:
-            heads[part] = int(ct2.get(f"{part}/num_heads").item())
+            value = ct2.get(f"{part}/num_heads")
+            if value.numel() != 1:
+                raise ValueError(f"{path}: {part}/num_heads must be a scalar, has shape {tuple(value.shape)}")
+            heads[part] = int(value.item())
     folder = Path(path) if Path(path).is_dir() else Path(path).parent
     return WhisperCheckpoint(sd, str(path), "ctranslate2", heads.get("encoder"),
                              heads.get("decoder"), _tokenizer_next_to(folder))

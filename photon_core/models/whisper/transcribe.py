@@ -23,7 +23,7 @@ from photon_core.runtime.thread_tuner import ThreadTuner
 from photon_core.models.whisper.checkpoint import (
     WhisperCheckpoint, WhisperWeightsNotFound, load_checkpoint_file, resolve_whisper)
 
-from .config import WhisperDims, name_from_dims
+from .config import WhisperDims, checked_dims, name_from_dims
 from .decoding import WindowDecoder
 from .frontend import HOP_LENGTH, N_FRAMES, SAMPLE_RATE, log_mel_content, prepare_audio
 from .longform import (DEFAULT_TEMPERATURES, FIT_STEP_FRAMES, LongFormOptions, LongFormResult,
@@ -168,8 +168,8 @@ class WhisperSpeech:
                  dtype: torch.dtype | str | None = None, ops: ModuleType = reference,
                  quantize: str | None = "auto", audio_context: str = "auto"):
         self.device = torch.device(device)
-        self.dims = WhisperDims.from_state_dict(checkpoint.state_dict, checkpoint.n_audio_head,
-                                                checkpoint.n_text_head)
+        self.dims = checked_dims(checkpoint.state_dict, checkpoint.n_audio_head, checkpoint.n_text_head,
+                                 checkpoint.source)
         self.model_id = model_id
         self.encoder_dtype = pick_encoder_dtype(self.device, dtype)
         tok_path = checkpoint.tokenizer_path or _default_tokenizer(self.dims)
