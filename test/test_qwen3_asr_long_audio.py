@@ -170,3 +170,14 @@ def test_registry_loaded_model_chunks_to_the_megakernel_default():
     seconds = model.chunk_seconds_for(None, None, None)
     need = len(model.prompt_ids(0, None, None)) + model.audio_tokens(int(seconds * SR)) + int(12 * seconds) - 1
     assert need <= DEFAULT_MAX_LEN
+
+
+def test_a_clip_that_needs_no_chunking_takes_any_budget_its_backend_can():
+    """Chunk sizing (the decode context less its spare) applies only where a clip must be cut: a
+    short clip with a budget over the chunking context, on a backend whose positions allow it,
+    decodes as one prompt, as before chunking existed (it was refused)."""
+    model = Qwen3ASRSpeech(tiny_checkpoint(False))
+    assert model.position_limit > model.context
+    budget = model.context + 100
+    result = model.transcribe(speech(), SR, language="en", max_new_tokens=budget)
+    assert result["text"] == _direct(model, speech(), "en", budget)[1]

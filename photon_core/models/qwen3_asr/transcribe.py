@@ -231,6 +231,14 @@ class Qwen3ASRSpeech:
             return int(self.megakernel.max_len)
         return min(DECODE_CONTEXT, self.config.text.max_positions)
 
+    @property
+    def position_limit(self) -> int:
+        """Positions one prompt plus its new tokens can take at all: the megakernel's caches, or
+        the text model's positions (a clip within it that needs no chunking is one prompt)."""
+        if self.megakernel is not None:
+            return int(self.megakernel.max_len)
+        return int(self.config.text.max_positions)
+
     def audio_tokens(self, samples: int) -> int:
         """Audio tokens the encoder makes of `samples` 16 kHz samples (frontend + encoder_many's
         count: conv_out_length of each chunk_frames-frame chunk's valid frames)."""
@@ -279,10 +287,15 @@ class Qwen3ASRSpeech:
         (before any model work) when a chunk's prompt plus budget cannot fit the context."""
         if gate and not speech_gate(pcm, SAMPLE_RATE, self.gate_options).speech:
             return None
+        fixed = len(self.prompt_ids(0, language, context))
+        whole = fixed + self.audio_tokens(len(pcm)) + self._budget(len(pcm), max_new) - 1
+        short = self.chunk_seconds is None or len(pcm) <= self.chunk_seconds * SAMPLE_RATE
+        if short and whole <= self.position_limit:
+            # one prompt, as before chunking existed: no chunk sizing (its spare, its refusals) applies
+            return [(0, len(pcm))]
         bounds = chunk_bounds(pcm, SAMPLE_RATE, self.chunk_seconds_for(language, context, max_new))
         if gate and len(bounds) > 1:
             bounds = [(a, b) for a, b in bounds if speech_gate(pcm[a:b], SAMPLE_RATE, self.gate_options).speech]
-        fixed = len(self.prompt_ids(0, language, context))
         for a, b in bounds:   # chunk_seconds_for's bound makes this hold; checked, not assumed
             need = fixed + self.audio_tokens(b - a) + self._budget(b - a, max_new) - 1
             if need > self.context:
