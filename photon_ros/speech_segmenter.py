@@ -21,8 +21,8 @@ driver's padding) says nothing about the room, so it never sets or lowers the fl
 opens with it has no floor until a quiet frame of the room comes (meanwhile `min_level_db` alone
 judges, so a command spoken as the mic unmutes is found). And a minimum-statistics guard: the levels of the last `floor_window_s` of frames (speech
 included, digital silence not) are kept; when that window is full and even its quietest frame
-stands more than `continue_db` above the floor (or, with none yet, above `min_level_db`), nothing
-in it came near the floor: speech, with
+stands more than `continue_db` above the floor (or, with none yet, above `min_level_db`: every
+frame of the window counted as speech), nothing in it came near the floor: speech, with
 its pauses and weak sounds, comes near it within seconds (the speech set at 10-20 dB SNR is cut as
 before), steady noise over a stuck floor never does, so the floor rises to that minimum. A room
 that gets louder (a fan turns on) thus costs one utterance of noise of about `floor_window_s`,
@@ -301,8 +301,9 @@ class SpeechSegmenter:
                 self._noise_db = level if self._noise_db is None else \
                     min(level, self._noise_db + alpha * (level - self._noise_db))
             window_min = self._window_min(level)
-            # Without a floor yet (after digital silence) only min_level_db has judged the frames.
-            stuck_above = (self._noise_db if self._noise_db is not None else cfg.min_level_db) + cfg.continue_db
+            # Without a floor yet (after digital silence) only min_level_db has judged the frames:
+            # a window all above it is stuck (noise between it and continue_db over it never ends).
+            stuck_above = self._noise_db + cfg.continue_db if self._noise_db is not None else cfg.min_level_db
             if window_min is not None and window_min > stuck_above:
                 # No frame in floor_window_s came near the floor: it is stuck under the noise.
                 self._noise_db = window_min
