@@ -44,10 +44,9 @@ not take whatever depth is there when it arrives; it waits for its own:
   means they started over (a bag looped, a simulation reset, a driver restarted): what is kept is
   forgotten (counted in `restarts`, and `add` returns why). For the same reason a kept message
   stamped more than the tolerance after a frame does not end its wait: it is from before the
-  frame's stamps went back, not the one after it; and what was kept before a frame arrived ends its
-  wait at once with the frame's own stamp only (the first frame after a short step back finds the
-  previous run's depth stamped near its own). A frame whose own stamp is not kept may so wait for
-  the next message, at most the tolerance, while the model runs.
+  frame's stamps went back, not the one after it; and a frame stamped more than the tolerance
+  before the newest kept message (its stamps went back first) has its wait ended by what was kept
+  before it arrived only with its own stamp (the previous run's depth lies stamped near its own).
 
 camera_info (`fallback_newest=True`): a driver that publishes it with every frame is paired as
 depth is; when none within the tolerance comes, the newest one received is used (a camera's model
@@ -320,13 +319,17 @@ class StampPairing(Generic[T]):
                 self._decide(wait, arrived)
                 return wait
             gap, end_at, seen_all = self._gap(), None, False
+            # A frame stamped well before the newest kept message: the frames' stamps went back
+            # (a bag looped) before this stream's did. What is kept is the previous run's, stamped
+            # near the frame by chance; its own (the one that starts the stream over) is yet to
+            # come, so what was there before it ends its wait with its own stamp only. Otherwise (a
+            # driver whose depth comes first, stamped a few ms off the colour) it ends it at once.
+            went_back = bool(self._kept) and stamp < max(s for s, _, _ in self._kept) - self.tolerance_ns
             for kept_stamp, kept_at, msg in self._kept:
                 if kept_at > wait.deadline:
                     seen_all = True
-                elif wait._offer(kept_stamp, msg, gap) and end_at is None and (kept_at > arrived or wait._exact):
-                    # What was there before the frame ends its wait with its own stamp only: the
-                    # first frames after the stamps went back find the previous run's depth stamped
-                    # near theirs, and their own (the one that starts the stream over) is yet to come.
+                elif (wait._offer(kept_stamp, msg, gap) and end_at is None
+                      and (kept_at > arrived or wait._exact or not went_back)):
                     end_at = max(kept_at, arrived)
             if end_at is not None:
                 self._decide(wait, end_at)

@@ -105,6 +105,21 @@ def test_depth_before_its_colour_frame_pairs_at_once_and_nothing_is_kept_forever
     assert len(pairing._kept) == 3 and pairing.waiting() == 0
 
 
+@pytest.mark.parametrize("offset_ms", [-3, 3])
+def test_depth_before_its_colour_frame_stamped_a_few_ms_off_pairs_at_once(offset_ms):
+    """Separate sensors (an OAK-type driver) stamp depth a few ms off the colour and may send it
+    first: the frame pairs at once, not after the next depth message (a frame period later), once
+    the stream's spacing is known (from its second message: nothing nearer can come then)."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock)
+    for i in range(6):
+        pairing.add(T0 + i * 33 * MS + offset_ms * MS, f"depth {i}")
+        outcome = pairing.wait_for(T0 + i * 33 * MS).poll()
+        if i:
+            assert outcome is not None and outcome.msg == f"depth {i}" and outcome.waited_s == 0
+        clock.now += 0.033
+
+
 def test_nothing_received_and_bounded_waiting():
     clock = Clock()
     pairing = StampPairing("depth image", 0.05, max_waiting=2, clock=clock)
