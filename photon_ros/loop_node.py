@@ -136,6 +136,7 @@ class LoopNode(Node):
         self.pub_status = self.create_publisher(String, "status", reliable)
         self.turns = TurnCommands()
         self.turn_lock = threading.Lock()   # the timer's Twist and the shutdown's zero Twist: one after the other
+        self.halted = False                 # shutting down: no turn starts
         self.create_timer(TICK_S, self.send_turn)
         self.find = ActionClient(self, Find, "find")
         self.goal = None   # the find goal in progress
@@ -265,7 +266,11 @@ class LoopNode(Node):
         p = self.params
         turn = plan_turn(heading, p["max_turn_rate"], p["max_turn_s"], math.radians(p["deadband_deg"]))
         if turn is not None:
-            self.turns.start(turn, time.monotonic())
+            with self.turn_lock:
+                if self.halted:
+                    self.say(f"{found}; not turning: the node is shutting down")
+                    return
+                self.turns.start(turn, time.monotonic())
             self.send_turn()
         self.say(f"{found}; {describe_turn(turn)}")
 
@@ -306,6 +311,7 @@ class LoopNode(Node):
         """A turn in progress ends here, not when the base's timeout (if any) fires: called first at
         shutdown, before waiting for callbacks that may run for seconds (run_node)."""
         with self.turn_lock:
+            self.halted = True   # a result still being handled starts no turn after this
             if self.turns.stop():
                 self.pub_cmd.publish(Twist())
 

@@ -51,8 +51,13 @@ def stop_and_destroy(executor, nodes: list) -> None:
     signal meanwhile (ros2 launch's SIGTERM) cuts the wait short, never the destruction."""
     for node in nodes:
         stop = getattr(node, "stop_for_shutdown", None)
-        if stop is not None:
-            stop()
+        try:
+            if stop is not None:
+                stop()
+        except Exception as err:  # noqa: BLE001 - one node's failing stop must not skip the others' destruction
+            print(f"{node.get_name()}: stopping failed ({type(err).__name__}: {err})", file=sys.stderr)
+        except KeyboardInterrupt:
+            pass
     try:
         executor.shutdown()
     except KeyboardInterrupt:

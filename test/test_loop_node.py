@@ -202,3 +202,12 @@ def test_a_command_said_long_ago_is_not_acted_on(loop):
     fresh.header.stamp = now(loop)
     loop.on_transcript(fresh)   # (no find server here: it says so, past the age check)
     assert loop.said and not any("ago" in s for s in loop.said) and "not available" in loop.said[-1]
+
+
+def test_a_result_handled_after_the_stop_starts_no_turn(loop):
+    """At shutdown the zero Twist goes out first; a result callback still running then (the
+    executor waits for it) must not start a turn after it."""
+    loop.stop_for_shutdown()
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    assert not loop.turns.active and any("shutting down" in s for s in loop.said)
