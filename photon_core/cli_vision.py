@@ -53,7 +53,7 @@ def _infer(model: VisionModel, args: argparse.Namespace, image: np.ndarray) -> d
 
 
 def _run(args: argparse.Namespace) -> int:
-    image = read_image(args.image)
+    image = read_image(args.image, keep_alpha=True)   # transparency: each family treats it as its reference does
     t0 = time.perf_counter()
     # Any family with this skill: the checkpoint given with --model decides which.
     model = cli_checks.load_model(args.model, args.device, args.dtype, (args.command,), backend="reference")
@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.draw:
-        draw(image, result, args.object, args.draw)
+        draw(np.ascontiguousarray(image[..., :3]), result, args.object, args.draw)
     return 0
 
 

@@ -20,9 +20,11 @@ class ImageFileError(ValueError):
     """An image file that cannot be read or written as asked; the message names the file."""
 
 
-def read_image(path: str | Path, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+def read_image(path: str | Path, max_pixels: int = MAX_PIXELS, keep_alpha: bool = False) -> np.ndarray:
     """The image at `path` as an [H, W, 3] uint8 RGB array. 16-bit images are scaled by
-    255/65535, float images from [0, 1] (clipped there), alpha is dropped. ImageFileError for a
+    255/65535, float images from [0, 1] (clipped there), alpha is dropped; with `keep_alpha` an
+    image with transparency comes as [H, W, 4] RGBA, for the model to drop or composite as its
+    family does (runtime.image_input.to_rgb's alpha). ImageFileError for a
     missing, unreadable or larger-than-`max_pixels` file, before the pixels are decoded. The stored
     pixel grid, EXIF orientation not applied (as PIL opens it, and as the moondream client passes
     a PIL image): coordinates are of the grid, as a camera's are."""
@@ -39,6 +41,8 @@ def read_image(path: str | Path, max_pixels: int = MAX_PIXELS) -> np.ndarray:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as im:
                 _check_size(path, im.size, max_pixels)
+                if keep_alpha and ("A" in im.getbands() or im.info.get("transparency") is not None):
+                    return np.asarray(im.convert("RGBA"))
                 return pil_to_rgb(im)
     except Image.DecompressionBombError as err:
         # PIL refuses on its own at twice its threshold, in open(), before we see the size.

@@ -77,3 +77,14 @@ def test_unreadable_files_and_draw_paths_are_named(tmp_path):
     with pytest.raises(ImageFileError, match="the folder .*missing does not exist"):
         check_writable_image(tmp_path / "missing" / "out.png")
     assert check_writable_image(tmp_path / "out.jpg") == tmp_path / "out.jpg"
+
+
+def test_transparency_is_kept_for_the_model_when_asked(tmp_path):
+    """The CLI keeps a file's alpha for the model (Gemma 4 and Qwen 3.5 composite it onto white as
+    their processors do; it was dropped before they saw it); without transparency, RGB as ever."""
+    rgba = np.random.default_rng(6).integers(0, 256, (6, 9, 4), dtype=np.uint8)
+    Image.fromarray(rgba).save(tmp_path / "a.png")
+    np.testing.assert_array_equal(read_image(tmp_path / "a.png", keep_alpha=True), rgba)
+    np.testing.assert_array_equal(read_image(tmp_path / "a.png"), rgba[..., :3])
+    Image.fromarray(rgba[..., :3]).save(tmp_path / "b.png")
+    assert read_image(tmp_path / "b.png", keep_alpha=True).shape == (6, 9, 3)
