@@ -179,6 +179,7 @@ class SpeechNode(ManagedNode):
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
         self.next_partial: tuple[float | None, float] = (None, 0.0)   # (utterance, at speech_s)
         self.stable = StableText()     # worker thread only
+        self.partial_stamp: float | None = None   # the utterance the last partial was published for (worker)
         self.speculations = Speculations()   # worker thread only
         self.speculated: tuple[float, int] | None = None   # (utterance, samples) last offered
 
@@ -405,6 +406,7 @@ class SpeechNode(ManagedNode):
         if seg.speech_s >= due and seg.pause_s < PARTIAL_MAX_PAUSE_S:
             partial = seg.current()
             partial.seen_at, partial.frame_id = time.monotonic(), self.last_frame_id
+            partial.epoch = self.activity.current()
             self.queue.offer_partial(partial)
             due = seg.speech_s + self.params["partial_interval_s"]
         self.next_partial = (utterance, due)
@@ -419,7 +421,7 @@ class SpeechNode(ManagedNode):
             return
         self.speculated = (candidate.start_time, candidate.samples.size)
         candidate.speculative, candidate.frame_id = True, self.last_frame_id
-        candidate.seen_at = time.monotonic()
+        candidate.seen_at, candidate.epoch = time.monotonic(), self.activity.current()
         self.queue.offer_speculation(candidate)
 
     def speculation_still_wanted(self, speculation: Utterance) -> bool:
@@ -466,6 +468,7 @@ class SpeechNode(ManagedNode):
     def enqueue(self, utterance: Utterance) -> None:
         utterance.seen_at = time.monotonic()
         utterance.frame_id = self.last_frame_id
+        utterance.epoch = self.activity.current()
         dropped = self.queue.put(utterance)
         if dropped:
             self.get_logger().warning(
@@ -482,12 +485,14 @@ class SpeechNode(ManagedNode):
         # use at most half of its time, and the audio callbacks and other nodes keep the rest.
         rest_until = 0.0
         while not self.stopping.is_set():
-            epoch = self.activity.wait_running(timeout=0.1)
-            if epoch is None:
+            if self.activity.wait_running(timeout=0.1) is None:
                 continue
             utterance = self.queue.get(timeout=0.1, partials=time.monotonic() >= rest_until)
             if utterance is None:
                 continue
+            # the activation that queued it, not the one read before waiting: a deactivate and
+            # activate within that wait dropped a final of the new activation, counted nowhere
+            epoch = utterance.epoch if utterance.epoch is not None else self.activity.current()
             with self.activity.work(epoch) as running:
                 if not running:   # deactivated since it was taken: dropped with the rest
                     continue
@@ -613,6 +618,7 @@ class SpeechNode(ManagedNode):
                    "segments": [{"start": 0.0, "end": utterance.duration, "text": whole}]}
         if self.publish(partial, utterance, processing, epoch) is None:
             return processing
+        self.partial_stamp = utterance.start_time
         self.get_logger().debug(f"[partial, {utterance.duration:.1f} s audio, {processing:.2f} s] "
                                 f"{committed} | {tentative}")
         return processing
@@ -621,17 +627,23 @@ class SpeechNode(ManagedNode):
         """Decode the final a pause will give, as a final is decoded, and keep the result for it."""
         if not self.speculation_still_wanted(speculation):
             return
+        settings = (self.language, self.initial_prompt)
         result, processing = self.run_model(speculation)
         if result is not None:
-            self.speculations.keep(speculation, result, processing)
+            self.speculations.keep(speculation, result, processing, settings)
 
     def transcribe_one(self, utterance: Utterance, epoch: int) -> None:
-        ahead = self.speculations.take(utterance)
+        ahead = self.speculations.take(utterance, (self.language, self.initial_prompt))
         result, processing = ahead if ahead is not None else self.run_model(utterance)
-        if result is None:
-            return
-        if not result["text"].strip():
-            self.get_logger().debug(f"no speech in {utterance.duration:.1f} s of audio")
+        if result is None or not result["text"].strip():
+            if result is not None:
+                self.get_logger().debug(f"no speech in {utterance.duration:.1f} s of audio")
+            if self.partial_stamp == utterance.start_time:
+                # Its partials said a later message would replace them: an empty final does
+                # (no words, or the decode failed), so a display or planner is not left holding them.
+                empty = {"text": "", "language": (result or {}).get("language") or self.language or "",
+                         "segments": []}
+                self.publish(empty, utterance, processing, epoch)
             return
         msg = self.publish(result, utterance, processing, epoch)
         if msg is None:

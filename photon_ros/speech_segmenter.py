@@ -115,6 +115,7 @@ class Utterance:
     note: str = ""                   # why it is incomplete
     final: bool = True               # False: the utterance so far, for a partial transcript
     speculative: bool = False        # the final a pause will give if it lasts (decoded ahead)
+    epoch: int | None = None         # the node's activation that queued it (set by the node)
 
     @property
     def duration(self) -> float:
@@ -258,7 +259,8 @@ class SpeechSegmenter:
         """The final utterance the current pause will end, if it lasts the hangover: available
         once the pause has reached the tail (None before, outside speech, or when too short).
         The same samples, start and notes as the final `push` will return then."""
-        if not self._in_speech or self._silent_run < self.tail_frames:
+        # a pause of at least one frame: with tail_s 0, no pause would offer the speech so far
+        if not self._in_speech or self._silent_run < max(1, self.tail_frames):
             return None
         return self._cut(self._speech[:end_cut(len(self._speech), self._silent_run, self.tail_frames)],
                          [self._start_note] if self._start_note else [])
@@ -333,8 +335,10 @@ class SpeechSegmenter:
         if duration >= cfg.max_utterance_s:
             # Speech goes on: the next utterance is its continuation, incomplete as well.
             limit = f"{cfg.max_utterance_s:g} s utterance limit"
+            pause = self._silent_run   # a pause the cut falls in goes on counting after it
             cut = self._finish(f"cut at the {limit}")
             self._after_gap = f"continues speech cut at the {limit}"
+            self._quiet_run = pause
             return cut
         return None
 

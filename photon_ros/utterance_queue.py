@@ -38,21 +38,24 @@ class Speculations:
     speech went on, or the cut was different: the final is decoded normally)."""
 
     def __init__(self) -> None:
-        self._kept: tuple[Utterance, Any, float] | None = None
+        self._kept: tuple[Utterance, Any, float, Any] | None = None
         self.used = 0        # finals published from a speculation
         self.wasted = 0      # speculations decoded whose final turned out different
 
-    def keep(self, utterance: Utterance, result: Any, seconds: float) -> None:
+    def keep(self, utterance: Utterance, result: Any, seconds: float, settings: Any = None) -> None:
+        """Keep a result decoded ahead, with the decoding `settings` it was made under (the
+        language and initial_prompt: parameters that change at once)."""
         if self._kept is not None:
             self.wasted += 1
-        self._kept = (utterance, result, seconds)
+        self._kept = (utterance, result, seconds, settings)
 
-    def take(self, final: Utterance) -> tuple[Any, float] | None:
-        """(result, seconds it took) decoded on exactly `final`'s audio, else None."""
+    def take(self, final: Utterance, settings: Any = None) -> tuple[Any, float] | None:
+        """(result, seconds it took) decoded on exactly `final`'s audio under the same `settings`,
+        else None (a prompt changed meanwhile: the final is decoded with the new one)."""
         kept, self._kept = self._kept, None
         if kept is None:
             return None
-        if not same_audio(kept[0], final):
+        if not same_audio(kept[0], final) or kept[3] != settings:
             self.wasted += 1
             return None
         self.used += 1

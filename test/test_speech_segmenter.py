@@ -405,3 +405,20 @@ def test_a_room_that_gets_20_db_louder_costs_one_short_utterance_and_speech_afte
     first, last = speech_bounds(speech, rate)
     assert command[0].start_time <= start + first
     assert start + last <= command[0].start_time + command[0].duration <= start + last + cfg.hangover_s + 0.1
+
+
+def test_a_pause_the_length_limit_cuts_still_counts_as_a_pause():
+    """The max_utterance_s cut falling inside a pause longer than the hangover: the speech after
+    it is a new, whole command (the pause restarted at the cut, and it was marked incomplete)."""
+    rate = 16000
+    rng = np.random.default_rng(0)
+
+    def quiet(s):
+        return (rng.standard_normal(int(s * rate)) * 3e-4).astype(np.float32)
+
+    def tone(s):
+        t = np.arange(int(s * rate)) / rate
+        return (0.1 * np.sin(2 * np.pi * 700 * t) + rng.standard_normal(t.size) * 3e-4).astype(np.float32)
+    audio = np.concatenate([quiet(1.0), tone(2.4), quiet(0.45), tone(1.0), quiet(1.0)])
+    out = run(SpeechSegmenter(rate, SegmenterConfig(max_utterance_s=3.0)), audio, 160)
+    assert len(out) == 2 and not out[0].complete and out[1].complete, [(u.duration, u.note) for u in out]
