@@ -146,3 +146,99 @@ def test_real_tiny_en_graphs_check_for_every_bucket(tiling):
         g = lower(plan(step_graph(wt, 448, 1500, advance=True, logit_bias=True), b, tiling))
         check(g)
         assert len([t for t in g.tasks if t.name.startswith("logits[")]) == -(-51864 // tiling.block_n)
+
+
+# Moondream 2 at test sizes: heads of 16 features, so Tiling(block_n=16) gives each head its own q|k|v
+# tiles, whose ticket's finale runs that head's append rows (TaskGraph.rows).
+HEADS16 = Tiling(block_n=16, block_k=64, block_t=16, self_splits=2)
+
+
+def _moondream_plan(batch, tiling=HEADS16, kv_dtype=torch.float32):
+    from photon_core.megakernel.compiler import plan
+    from photon_core.models.moondream import decoder_step as md
+    dm = md.Dims(d=64, heads=4, head_dim=16, rot=8, ff=128, vocab=256, layers=2, region_inner=32,
+                 coord_bins=64, size_bins=128, max_context=128)
+    return plan(md.step_graph(dm, 100), batch, tiling, kv_dtype=kv_dtype)
+
+
+def _members(g, ticket):
+    return [t for t in g.tasks if t.ticket == ticket]
+
+
+def _swap_rows(g):
+    g.rows[0], g.rows[1] = g.rows[1], g.rows[0]      # batch 1: head 0's append <-> head 1's
+
+
+def _fin_of_another_group(g):
+    for t in _members(g, "L0.rope.g0"):              # head 0's tiles run head 1's rows
+        t.args["fin"] = 1
+
+
+def _one_members_fin(g):
+    _members(g, "L0.rope.g0")[1].args["fin"] = 1
+
+
+def _row_left_out(g):
+    for t in _members(g, "L0.rope.g0"):              # batch 2: rows (b0, h0), (b1, h0); b1's never runs
+        t.args["nfin"] = 1
+
+
+def _row_not_an_append(g):
+    g.rows[0].op = OP_EMBED
+
+
+@pytest.mark.parametrize("batch,mutate,message", [
+    (1, _swap_rows, r"ticket 'L0.rope.g0': its finale row 0 'L0.rope\[b0,h1\]' reads .* do not declare"),
+    (1, _fin_of_another_group, r"ticket 'L0.rope.g0': its finale row 1 'L0.rope\[b0,h1\]' reads .* do not declare"),
+    (1, _one_members_fin, r"ticket 'L0.rope.g0': tasks .* run different finales \(fin 0 and 1"),
+    (2, _row_left_out, r"ticket 'L0.rope.g0': its members declare the finale writes .* none of its finale rows"),
+    (1, _row_not_an_append, r"finale row 0 'L0.rope\[b0,h0\]' of ticket 'L0.rope.g0': op embed"),
+], ids=["rows-swapped", "fin-of-another-group", "one-members-fin", "a-row-left-out", "row-not-an-append"])
+def test_finale_rows_must_be_their_groups_own(batch, mutate, message):
+    # The kernel runs the rows `fin` points at, not the accesses the members declare: a group that
+    # ran another head's rows would write that head's q and cache columns unordered.
+    from photon_core.megakernel.compiler import lower
+    g = lower(_moondream_plan(batch))
+    assert g.rows and _members(g, "L0.rope.g0")[0].args["fin"] == 0
+    check(g)
+    g2 = copy.deepcopy(g)
+    mutate(g2)
+    with pytest.raises(GraphError, match=message):
+        check(g2)
+
+
+@pytest.mark.parametrize("arg", ["fin", "stout"])
+def test_a_finale_without_a_ticket_is_refused(arg):
+    # The kernel would draw the missing ticket at ctrl_ptr + (-1), outside the control buffer.
+    from photon_core.megakernel.compiler import lower
+    g = lower(_moondream_plan(1))
+    i, t = next((i, t) for i, t in enumerate(g.tasks) if t.op == OP_LINEAR and t.ticket is None)
+    t.args.update(fin=0, nfin=1) if arg == "fin" else t.args.update(stout=0)
+    with pytest.raises(GraphError, match=rf"task {i} .*names a finale \({arg}\) without a ticket"):
+        check(g)
+
+
+def _value_over_kcache(sa):
+    sa.regions["L0.mlp_up"] = (sa.off("kcache") + 8, sa.regions["L0.mlp_up"][1])
+
+
+def _vcache_over_kcache_layer_1(sa):
+    sa.regions["vcache"] = (sa.off("kcache") + sa.regions["kcache"][1] // 2, sa.regions["vcache"][1])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32-kv", "bf16-kv"])
+@pytest.mark.parametrize("relocate,message", [
+    (_value_over_kcache, r"task \d+ 'L0.mlp_up\[0:64\]' writes state\[.*inside the memory of cache 'kcache\[0\]'"),
+    (_vcache_over_kcache_layer_1, r"caches 'kcache\[1\]' and 'vcache\[0\]' overlap"),
+], ids=["value-over-cache", "cache-over-cache"])
+def test_caches_must_lie_apart_from_the_state(kv_dtype, relocate, message):
+    # Cache accesses are declared as "{cache}@cols" while the kernel addresses the cache inside the
+    # state arena (kc / vc): a value placed there would write the K cache attention reads, unordered.
+    from photon_core.megakernel.compiler import lower
+    p = _moondream_plan(1, Tiling(block_n=64, block_k=128, block_t=32, self_splits=2), kv_dtype)
+    g = lower(p)
+    assert set(g.caches) == {f"{c}[{layer}]@cols" for c in ("kcache", "vcache") for layer in (0, 1)}
+    check(g)
+    relocate(p.sarena)
+    with pytest.raises(GraphError, match=message):
+        check(lower(p))

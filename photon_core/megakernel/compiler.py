@@ -27,13 +27,13 @@ from typing import Any, ContextManager
 import torch
 
 from photon_core.megakernel import ops
-from photon_core.megakernel.graph import BATCH_BUCKETS, DYN_SECTIONS, Arena, StateViews, TaskGraph
+from photon_core.megakernel.graph import BATCH_BUCKETS, DYN_SECTIONS, Arena, CacheLayout, StateViews, TaskGraph
 from photon_core.megakernel.layout import Plan, Tiling, needed_nodes
 from photon_core.megakernel.ops.base import FUSED, NORM_CODES, Lowering, Planning
 from photon_core.megakernel.ops.kv_append import head_groups
 from photon_core.megakernel.ops.linear import stage_shape, stage_span
 from photon_core.megakernel.ops.moe import expert_spans
-from photon_core.megakernel.stepgraph import StepGraph, Value
+from photon_core.megakernel.stepgraph import CacheRef, StepGraph, Value
 from photon_core.runtime.decode import WEIGHT_DTYPES, ThreadSetting, engine_label
 
 # Kept importable from here: what callers (tests, bench) name the compiler's helpers by.
@@ -242,6 +242,11 @@ def lower(p: Plan, results: Iterable[str] | None = None) -> TaskGraph:
             raise ValueError(f"{p.graph.name}: no lowering for op {node.op!r}")
         if rule.lower is not None:
             rule.lower(lo, node)
+    S, unit = p.sarena, p.sarena.unit
+    for spec in p.graph.caches.values():   # where each cache's namespace lies in the state arena
+        for ref in [CacheRef(spec)] if spec.layers is None else [spec[i] for i in range(spec.layers)]:
+            lo.g.caches[f"{ref.key}@cols"] = CacheLayout(S.name, unit, lo.cache_off(ref), p.kv_dtype.itemsize,
+                                                         spec.heads, spec.length, spec.head_dim)
     return lo.g
 
 

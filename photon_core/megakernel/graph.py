@@ -195,6 +195,24 @@ class StateViews:
         return self.view("logits")
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where one KV cache (one layer of a layered one) lies in the state arena, for the checker:
+    tasks declare its accesses in a namespace of its own ("{key}@cols", ops/base.py cache_cols)
+    but address it at `toff` (their kc / vc: elements of `itemsize` bytes into `buffer`, an arena
+    of `unit`-byte elements), as [batch, heads, length, head_dim]."""
+    buffer: str
+    unit: int
+    toff: int
+    itemsize: int
+    heads: int
+    length: int
+    head_dim: int
+
+    def byte_span(self, batch: int) -> tuple[int, int]:
+        return self.toff * self.itemsize, (self.toff + batch * self.heads * self.length * self.head_dim) * self.itemsize
+
+
 @dataclass
 class TaskGraph:
     model: str
@@ -207,6 +225,10 @@ class TaskGraph:
     # here of the first) and `nfin` (how many) name them; their waits, signal and accesses are the
     # members' (the accesses declared as the ticket's finale's).
     rows: list[Task] = field(default_factory=list)
+    # Each cache namespace ("{key}@cols") -> its CacheLayout, set by compiler.lower (checker.check
+    # proves the caches disjoint from the state the tasks declare). Not kept by graph_file: a graph
+    # read back from the build cache was proven when it was built, and compares equal without it.
+    caches: dict[str, CacheLayout] = field(default_factory=dict, compare=False)
 
     def counter(self, name: str) -> str:
         self.counters.setdefault(name, len(self.counters))
