@@ -250,7 +250,8 @@ class Qwen3ASRSpeech:
     def _budget(samples: int, max_new: int | None) -> int:
         return max_new or max(MIN_BUDGET, int(BUDGET_PER_SECOND * samples / SAMPLE_RATE))
 
-    def chunk_seconds_for(self, language: str | None, context: str | None, max_new: int | None) -> float:
+    def chunk_seconds_for(self, language: str | None, context: str | None, max_new: int | None,
+                          fixed: int | None = None) -> float:
         """The longest chunk (seconds) whose prompt plus budget fits `context` positions, less
         CONTEXT_SPARE of them. A chunk of s seconds holds at most rate * s + 1 audio tokens (rate:
         conv_out_length(chunk_frames) tokens per chunk_frames mel frames, 13 a second; a part chunk
@@ -258,11 +259,12 @@ class Qwen3ASRSpeech:
         tokens, and a budget of max_new, or max(MIN_BUDGET, BUDGET_PER_SECOND * s): the decode
         needs fixed + audio + budget - 1 positions, so rate * s + budget <= room = context - spare
         - fixed. With the real 0.6B/1.7B and the default 2048: (2048 - 128 - 19) / (13 + 12) = 76 s.
-        `chunk_seconds` (the constructor's), when shorter, wins. ValueError when the context holds
-        less than MIN_CHUNK_SECONDS of audio."""
+        `chunk_seconds` (the constructor's), when shorter, wins. `fixed`: the prompt's length where
+        the caller has it. ValueError when the context holds less than MIN_CHUNK_SECONDS of audio."""
         a = self.config.audio
         rate = conv_out_length(a.chunk_frames) / (a.chunk_frames * HOP_LENGTH / SAMPLE_RATE)
-        fixed = len(self.prompt_ids(0, language, context))
+        if fixed is None:
+            fixed = len(self.prompt_ids(0, language, context))
         room = self.context - int(self.context * CONTEXT_SPARE) - fixed
         if max_new:
             seconds = (room - max_new) / rate
@@ -293,7 +295,7 @@ class Qwen3ASRSpeech:
         if short and whole <= self.position_limit:
             # one prompt, as before chunking existed: no chunk sizing (its spare, its refusals) applies
             return [(0, len(pcm))]
-        bounds = chunk_bounds(pcm, SAMPLE_RATE, self.chunk_seconds_for(language, context, max_new))
+        bounds = chunk_bounds(pcm, SAMPLE_RATE, self.chunk_seconds_for(language, context, max_new, fixed))
         if gate and len(bounds) > 1:
             bounds = [(a, b) for a, b in bounds if speech_gate(pcm[a:b], SAMPLE_RATE, self.gate_options).speech]
         for a, b in bounds:   # chunk_seconds_for's bound makes this hold; checked, not assumed
