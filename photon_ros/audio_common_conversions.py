@@ -23,12 +23,13 @@ How a node subscribes (topic names relative to the driver's namespace; QoS as th
     `mgonzs13_to_pcm` (or `audio_common_to_pcm`).
   ros-drivers ("audio_common_msgs/msg/AudioDataStamped" among them): audio_capture_node publishes
     the same audio twice, AudioData on "audio" and AudioDataStamped on "audio_stamped" (reliable,
-    depth 10), and AudioInfo on "audio_info" (reliable, depth 1, volatile: sent at start and every
-    5 s, not latched, so a transient-local reader never matches it and the first chunks can come
-    before the first AudioInfo). Its launch files put the three in the namespace "audio". Take one
-    AudioInfoFormat per stream: subscribe to "audio_info" with a volatile reader of depth 1 feeding
-    `update`, and to ONE audio topic, preferably "audio_stamped" (its capture stamps show lost
-    audio), decoding with `to_pcm`.
+    depth 10), and AudioInfo on "audio_info" (reliable, depth 1, sent at start and every 5 s:
+    volatile in older releases, where the first chunks can come before the first AudioInfo;
+    latched, transient local, in newer ones, where a late volatile reader waits for the repeat).
+    Its launch files put the three in the namespace "audio". Take one AudioInfoFormat per stream:
+    subscribe to "audio_info" with a volatile reader of depth 1 feeding `update`, and a latched
+    one once a publisher offers it (photon_ros.latched_topic), and to ONE audio topic, preferably
+    "audio_stamped" (its capture stamps show lost audio), decoding with `to_pcm`.
   Best-effort readers match both best-effort and reliable writers. A ValueError means: skip that
   chunk and report its message (it names the reason, e.g. no AudioInfo yet, or mp3).
 

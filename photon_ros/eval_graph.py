@@ -73,8 +73,8 @@ class GraphRun:
             self.vision = VisionProbe(self.nodes["vision"]) if "vision" in self.nodes else None
             self.speech = SpeechProbe(self.nodes["speech"]) if "speech" in self.nodes else None
             self.progress, self.no_progress = self._frame_progress()
-            self.log = ResultLog(self.node, [o for role in ROLES[graph] for o in role_outputs(role)],
-                                 self.progress.add if self.progress else None)
+            outputs = [o for role in ROLES[graph] for o in role_outputs(role, self.nodes.get(role))]
+            self.log = ResultLog(self.node, outputs, self.progress.add if self.progress else None)
             self.audio = self._decoded_audio()
             self.executor = MultiThreadedExecutor(num_threads=4, context=self.context)
             for node in [*self.nodes.values(), self.node]:

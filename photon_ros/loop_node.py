@@ -14,11 +14,13 @@ vision node has depth, and a bounded turn toward it.
          goal_pose (geometry_msgs/PoseStamped, with `publish_goal`): a planner goal short of a
                   target placed in the robot's frame, facing it; once one went out, no turn of
                   ours (the planner's controller may still be driving cmd_vel)
-         cmd_vel (geometry_msgs/Twist, when `turn` is on): a bounded turn that faces the target,
-                  its angle from the 3D position in the optical frame or read off the image
-                  through `horizontal_fov_deg`, at most `max_turn_s` long, streamed at 10 Hz and
-                  always ended by a zero Twist (steering.py)
+         cmd_vel (geometry_msgs/Twist, or TwistStamped with `stamped_cmd_vel`, when `turn` is
+                  on): a bounded turn that faces the target, its angle from the 3D position in the
+                  optical frame or read off the image through `horizontal_fov_deg`, at most
+                  `max_turn_s` long, streamed at 10 Hz and always ended by a zero Twist (steering.py)
          status (std_msgs/String, for people: what was understood, what was found, what was not done)
+    /diagnostics: WARN while turns on cmd_vel would move nothing: a subscriber takes another type
+                  (DDS never matches different types, and nothing else says so), or none is there
 """
 from __future__ import annotations
 
@@ -27,11 +29,12 @@ import threading
 import time
 
 from action_msgs.msg import GoalStatus
-from geometry_msgs.msg import PointStamped, PoseStamped, Twist
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from geometry_msgs.msg import PointStamped, PoseStamped, Twist, TwistStamped
 from rclpy.action import ActionClient
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from std_msgs.msg import String
+from std_msgs.msg import Header, String
 
 from photon_ros.commands import VisionRequest, parse_command
 from photon_ros.msg import ImageTarget, Object3D, Transcript
@@ -42,6 +45,7 @@ from photon_ros.action import Find
 from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
 
 TICK_S = 0.1   # cmd_vel is streamed at 10 Hz while a turn lasts
+TWIST, TWIST_STAMPED = "geometry_msgs/msg/Twist", "geometry_msgs/msg/TwistStamped"
 
 LOOP_PARAMS = [
     Param("turn", True, "publish a bounded turn toward each target on cmd_vel; false: no motion at all"),
@@ -52,6 +56,11 @@ LOOP_PARAMS = [
     Param("deadband_deg", 2.0, "a target this close to the image centre needs no turn", low=0.0),
     Param("publish_goal", False, "publish a planner goal on goal_pose (nav2) for a target placed in 3D in "
           "the robot's frame (the vision node's target_frame)"),
+    Param("stamped_cmd_vel", False, "publish cmd_vel as geometry_msgs/TwistStamped (header: now, robot_frame) "
+          "instead of Twist: ros2_control's diff_drive_controller takes only TwistStamped since Jazzy, as does nav2 "
+          "with enable_stamped_cmd_vel (its Kilted default); DDS never matches different types. The publisher's type "
+          "is fixed when the node starts, so a change is refused: restart the node with the new value",
+          applies="restart"),
     Param("robot_frame", "base_link", "the robot's own frame: goals are placed only from positions in it (their "
           "origin is the robot); positions in any other frame (the camera's optical frame, map, odom) give none"),
     Param("goal_standoff_m", 0.5, "the goal stops this far short of the object", low=0.0),
@@ -117,6 +126,32 @@ def command_age(msg: Transcript, now_ns: int) -> float | None:
     return now_ns / 1e9 - said - time_to_seconds(msg.audio_duration)
 
 
+def velocity_message(twist: Twist, stamped: bool, stamp, frame_id: str) -> Twist | TwistStamped:
+    """What goes on cmd_vel: `twist` itself, or stamped at `stamp` in `frame_id` (the robot's frame)."""
+    if not stamped:
+        return twist
+    return TwistStamped(header=Header(stamp=stamp, frame_id=frame_id), twist=twist)
+
+
+def cmd_vel_problem(topic: str, stamped: bool, subscribers: list[tuple[str, str]]) -> tuple[str, bool]:
+    """Why turns published on `topic` may move nothing ("" when nothing is wrong), from its
+    `subscribers` as (node, type), and whether that is certain: a subscriber of another type never
+    receives them (DDS does not match different types, and neither side logs anything), while
+    "none at all" may only mean that discovery has not found the base yet."""
+    ours = TWIST_STAMPED if stamped else TWIST
+    others = sorted({(node, kind) for node, kind in subscribers if kind != ours})
+    if others:
+        theirs = ", ".join(f"{node} takes {kind}" for node, kind in others)
+        fixes = sorted({f"set stamped_cmd_vel {'true' if kind == TWIST_STAMPED else 'false'}"
+                        for _, kind in others if kind in (TWIST, TWIST_STAMPED)})
+        return (f"{topic}: {theirs}, but this node publishes {ours} (stamped_cmd_vel "
+                f"{'true' if stamped else 'false'}): different types never match, so turns do not reach "
+                f"{'it' if len(others) == 1 else 'them'}" + (f"; {' / '.join(fixes)}" if fixes else ""), True)
+    if not subscribers:
+        return f"nothing subscribes to {topic}: turns move nothing", False
+    return "", False
+
+
 def describe_turn(turn: Turn | None) -> str:
     if turn is None:
         return "already facing it: no turn"
@@ -132,8 +167,14 @@ class LoopNode(Node):
         self.pub_image_target = self.create_publisher(ImageTarget, "image_target", reliable)
         self.pub_target = self.create_publisher(PointStamped, "target", reliable)     # metres only
         self.pub_goal = self.create_publisher(PoseStamped, "goal_pose", reliable)
-        self.pub_cmd = self.create_publisher(Twist, "cmd_vel", reliable)
+        # the type is fixed here: stamped_cmd_vel is read once (a change is refused, not ignored)
+        self.stamped = self.params["stamped_cmd_vel"]
+        self.pub_cmd = self.create_publisher(TwistStamped if self.stamped else Twist, "cmd_vel", reliable)
         self.pub_status = self.create_publisher(String, "status", reliable)
+        self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
+            depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self.cmd_vel_problem = ""   # why turns would move nothing now ("" while they would)
+        self.create_timer(1.0, self.publish_diagnostics)
         self.turns = TurnCommands()
         self.turn_lock = threading.Lock()   # the timer's Twist and the shutdown's zero Twist: one after the other
         self.halted = False                 # shutting down: no turn starts
@@ -149,12 +190,49 @@ class LoopNode(Node):
         self.get_logger().info(text)
         self.pub_status.publish(String(data=text))
 
+    def publish_velocity(self, twist: Twist) -> None:
+        """Every message on cmd_vel goes out here (a turn's, its zero Twist, the stop at shutdown),
+        as the type the publisher was made for."""
+        self.pub_cmd.publish(velocity_message(twist, self.stamped, self.get_clock().now().to_msg(),
+                                              self.params["robot_frame"]))
+
+    def check_cmd_vel(self, turn_starting: bool = False) -> str:
+        """Why turns on cmd_vel would move nothing now ("" when they would; also while turning is
+        off), kept for /diagnostics. Logged (every 30 s at most) when a turn starts, or at any check
+        while a subscriber takes another type; "nothing subscribes" alone is not logged between
+        turns, since it may only mean that discovery has not found the base yet."""
+        problem, certain = "", False
+        if self.params["turn"]:
+            topic = self.pub_cmd.topic_name
+            subscribers = [(f"{info.node_namespace.rstrip('/')}/{info.node_name}", info.topic_type)
+                           for info in self.get_subscriptions_info_by_topic(topic)]
+            problem, certain = cmd_vel_problem(topic, self.stamped, subscribers)
+        if problem and (turn_starting or certain):
+            self.get_logger().warning(problem, throttle_duration_sec=30.0)
+        self.cmd_vel_problem = problem
+        return problem
+
+    def publish_diagnostics(self) -> None:
+        problem = self.check_cmd_vel()
+        if problem:
+            level, message = DiagnosticStatus.WARN, problem
+        else:
+            level, message = DiagnosticStatus.OK, ("ready" if self.params["turn"] else "ready; turning is off")
+        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}", level=level,
+                                  message=message)
+        values = {"cmd_vel_type": TWIST_STAMPED if self.stamped else TWIST,
+                  "cmd_vel_matched": str(self.pub_cmd.get_subscription_count()),
+                  "turning": str(self.turns.active), "planner_goal_sent": str(self.goal_sent)}
+        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
+        header = Header(stamp=self.get_clock().now().to_msg())
+        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+
     def send_turn(self) -> None:
         with self.turn_lock:
             was_turning = self.turns.active
             twist = self.turns.tick(time.monotonic())
             if twist is not None:
-                self.pub_cmd.publish(twist)
+                self.publish_velocity(twist)
         if was_turning and not self.turns.active:
             # when it really ended, on the clock the camera's stamps are compared with: a turn lasts
             # wall seconds, which under sim time at another rate are not as many ROS seconds
@@ -265,6 +343,7 @@ class LoopNode(Node):
             return
         p = self.params
         turn = plan_turn(heading, p["max_turn_rate"], p["max_turn_s"], math.radians(p["deadband_deg"]))
+        unheard = ""
         if turn is not None:
             with self.turn_lock:
                 if self.halted:
@@ -272,7 +351,9 @@ class LoopNode(Node):
                     return
                 self.turns.start(turn, time.monotonic())
             self.send_turn()
-        self.say(f"{found}; {describe_turn(turn)}")
+            problem = self.check_cmd_vel(turn_starting=True)
+            unheard = f" (but {problem})" if problem else ""
+        self.say(f"{found}; {describe_turn(turn)}{unheard}")
 
     def taken_before_last_turn(self, stamp) -> str:
         """Why a result from a frame captured at `stamp` must not move the robot ("" if it may):
@@ -313,7 +394,7 @@ class LoopNode(Node):
         with self.turn_lock:
             self.halted = True   # a result still being handled starts no turn after this
             if self.turns.stop():
-                self.pub_cmd.publish(Twist())
+                self.publish_velocity(Twist())
 
     def destroy_node(self) -> None:
         self.stop_for_shutdown()

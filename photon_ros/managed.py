@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rcl_interfaces.msg import ParameterDescriptor
+from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
 from photon_core.runtime.shared_models import SharedModel, release
@@ -141,6 +142,7 @@ class ManagedNode(LifecycleNode):
         self.stopping = threading.Event()
         self.worker: threading.Thread | None = None
         self.last_input_at: float | None = None   # monotonic arrival of the newest input (frame, chunk)
+        self.incompatible_qos = ""   # the last publisher QoS an input subscription could not match, and why
 
     def input_arrived(self) -> None:
         self.last_input_at = time.monotonic()
@@ -148,6 +150,18 @@ class ManagedNode(LifecycleNode):
     def input_silence(self) -> float | None:
         """Seconds since the newest input arrived (None: none yet), for health()'s timeout."""
         return None if self.last_input_at is None else time.monotonic() - self.last_input_at
+
+    def qos_events(self, topic: str, lost: str) -> SubscriptionEventCallbacks:
+        """Event callbacks for the input subscription on `topic`: a publisher whose QoS it cannot
+        match (rclpy logs that once) is logged again and kept in incompatible_qos for /diagnostics,
+        saying what is lost ("its images never arrive")."""
+        def incompatible(event) -> None:
+            policy = getattr(event.last_policy_kind, "name", str(event.last_policy_kind))
+            policy = policy.removeprefix("RMW_QOS_POLICY_")   # RELIABILITY, DURABILITY, ...
+            self.incompatible_qos = (f"a publisher on {self.resolve_topic_name(topic)} offers QoS this node "
+                                     f"cannot match ({policy}); {lost}")
+            self.get_logger().warning(self.incompatible_qos, throttle_duration_sec=30.0)
+        return SubscriptionEventCallbacks(incompatible_qos=incompatible)
 
     def start_worker(self) -> None:
         self.worker = threading.Thread(target=self._worker_main, daemon=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from builtin_interfaces.msg import Duration, Time
-from geometry_msgs.msg import PointStamped, PoseStamped, Twist
+from geometry_msgs.msg import PointStamped, PoseStamped, Twist, TwistStamped
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
@@ -37,8 +37,10 @@ class Output:
     source: str | None      # what produced it: "frame", "utterance", or None (not one input)
 
 
-def role_outputs(role: str) -> list[Output]:
-    """The result topics of a node of the graph (relative names, as the nodes publish them)."""
+def role_outputs(role: str, node: Any = None) -> list[Output]:
+    """The result topics of a node of the graph (relative names, as the nodes publish them); `node`,
+    the role's node where its types depend on its parameters (the loop's cmd_vel)."""
+    cmd_vel = TwistStamped if getattr(node, "stamped", False) else Twist
     outputs = {
         "vision": [Output("detections", Detections, "frame"), Output("points", Points, "frame"),
                    Output("caption", VisionText, "frame"), Output("segmentation", Segmentation, "frame")]
@@ -46,7 +48,7 @@ def role_outputs(role: str) -> list[Output]:
         "speech": [Output("transcript", Transcript, "utterance")],
         # what a planner receives from the loop, all of it: where (image, metres), its goal, its motion
         "loop": [Output("image_target", ImageTarget, None), Output("target", PointStamped, None),
-                 Output("goal_pose", PoseStamped, None), Output("cmd_vel", Twist, None),
+                 Output("goal_pose", PoseStamped, None), Output("cmd_vel", cmd_vel, None),
                  Output("status", String, None)],
     }
     return outputs.get(role, [])

@@ -54,7 +54,6 @@ import time
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
@@ -64,6 +63,7 @@ from photon_core.runtime.shared_models import SharedModel
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
 from photon_ros.input_health import InputHealth
+from photon_ros.latched_topic import LatchedReader
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.params import NodeParams
@@ -174,7 +174,6 @@ class SpeechNode(ManagedNode):
         self.chunks_received = 0
         self.input_type = self.params["input_type"]   # as the subscription takes it (create_interfaces)
         self.finals_published = 0
-        self.incompatible_qos = ""      # the last publisher QoS that could not be matched, and why
         self.incomplete_published = 0   # finals whose audio was cut (audio_complete false)
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
         self.next_partial: tuple[float | None, float] = (None, 0.0)   # (utterance, at speech_s)
@@ -185,6 +184,8 @@ class SpeechNode(ManagedNode):
 
         self.publisher = self.subscription = None
         self.info_subscription = None
+        self.latched_info: LatchedReader | None = None   # audio_info from a driver that latches it
+        self.latched_info_timer = None
         self.audio_info: AudioInfoFormat | None = None   # ros-drivers input: the latest AudioInfo
         self.create_timer(0.1, self.flush_if_idle)
         self.create_timer(5.0, self.warn_on_type_mismatch)
@@ -247,19 +248,30 @@ class SpeechNode(ManagedNode):
             msg_type = audio_common_input(input_type)
             if AUDIO_COMMON_INPUTS[input_type][1] == ROS_DRIVERS:   # its format comes apart, repeated
                 self.audio_info = AudioInfoFormat()
+                info_type = audio_common_types()["audio_common_msgs/msg/AudioInfo"]
+                # Older audio_capture repeats it volatile every 5 s; newer ones latch it, and a
+                # volatile reader alone waited for a repeat that may never come: both readers,
+                # one format (a repeat changes nothing).
                 self.info_subscription = self.create_subscription(
-                    audio_common_types()["audio_common_msgs/msg/AudioInfo"], "audio_info",
-                    self.audio_info.update, QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
+                    info_type, "audio_info", self.audio_info.update,
+                    QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
+                self.latched_info = LatchedReader(self, info_type, "audio_info", self.audio_info.update)
+                self.latched_info_timer = self.create_timer(1.0, self.latched_info.poll)
+                self.latched_info.poll()
         else:
             msg_type = INPUT_TYPES[input_type]
         self.subscription = self.create_subscription(
             msg_type, "audio", self.on_audio, qos,
-            event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self.on_incompatible_qos))
+            event_callbacks=self.qos_events("audio", "its audio never arrives"))
 
     def destroy_interfaces(self) -> None:
         if self.info_subscription is not None:
             self.destroy_subscription(self.info_subscription)
-        self.info_subscription = self.audio_info = None
+        if self.latched_info_timer is not None:
+            self.destroy_timer(self.latched_info_timer)
+        if self.latched_info is not None:
+            self.latched_info.destroy()
+        self.info_subscription = self.audio_info = self.latched_info = self.latched_info_timer = None
         if self.subscription is not None:
             self.destroy_subscription(self.subscription)
         if self.publisher is not None:
@@ -285,24 +297,23 @@ class SpeechNode(ManagedNode):
         self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")
         return engine
 
-    def on_incompatible_qos(self, event) -> None:
-        policy = getattr(event.last_policy_kind, "name", str(event.last_policy_kind))
-        self.incompatible_qos = (f"a publisher on {self.resolve_topic_name('audio')} offers QoS this "
-                                 f"node cannot match ({policy}); its audio never arrives")
-        self.get_logger().warning(self.incompatible_qos, throttle_duration_sec=30.0)
-
     def drop_pending(self) -> None:
         with self.lock:   # the callback and the idle timer feed the segmenter and the queue under it
             in_progress = self.segmenter.current() if self.segmenter is not None else None
             self.segmenter = None
             self.watch = StreamWatch(self.params["idle_flush_s"])
-            self.arrival.restart()
-            self.read_stamps = ReadStamps(self.jump_tolerance)
+            self.stream_restarts()
             dropped = ([u for u in drain(self.queue) if u.final and not u.speculative]
                        + ([in_progress] if in_progress else []))
         if dropped:
             self.get_logger().info(f"deactivated: dropped {len(dropped)} utterance(s) not yet transcribed "
                                    f"({sum(u.duration for u in dropped):.1f} s of audio)")
+
+    def stream_restarts(self) -> None:
+        """The next chunk starts a new stream (after a stop or a deactivation): its rate and its
+        driver's read stamps are judged afresh, not against the stream before. Under self.lock."""
+        self.arrival.restart()
+        self.read_stamps = ReadStamps(self.jump_tolerance)
 
     # --- input: callback and timer (cheap) ---------------------------------------------------
     def on_audio(self, msg, info) -> None:
@@ -443,8 +454,7 @@ class SpeechNode(ManagedNode):
     def flush_if_idle(self) -> None:
         with self.lock:
             if self.watch.stopped(time.monotonic()) and self.segmenter is not None:
-                self.read_stamps = ReadStamps(self.jump_tolerance)   # a stream that comes back: counted anew
-                self.arrival.restart()
+                self.stream_restarts()
                 utterance = self.segmenter.stream_stopped(
                     f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
                 if utterance is not None:

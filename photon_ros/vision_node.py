@@ -1,6 +1,7 @@
 """Vision node: camera in, detections / points / captions / segmentations out.
 
-    image (sensor_msgs/Image) or image/compressed (CompressedImage), sensor-data QoS by default
+    image (sensor_msgs/Image) or <image>/compressed (CompressedImage: image_transport's name, which
+    follows a remap of `image`), sensor-data QoS by default (a publisher it cannot match: /diagnostics)
       -> newest-frame mailbox (frames arriving while the model is busy are counted and dropped)
       -> worker thread: convert; every configured task on the frame goes to the engine's batcher as
          one group (decoded in one batch with other cameras' groups, the image encoded once);
@@ -34,8 +35,7 @@ import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PointStamped
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.event_handler import SubscriptionEventCallbacks
-from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 from std_msgs.msg import Header
 
@@ -48,6 +48,7 @@ from photon_ros.frames import tf2_lookup
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.input_health import FAILING_IN_A_ROW, InputHealth
 from photon_ros.latest_frame import LatestFrame
+from photon_ros.latched_topic import LatchedReader
 from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import Detections, Objects3D, Points, Segmentation, VisionText
 from photon_ros.params import NodeParams
@@ -155,6 +156,7 @@ class VisionNode(ManagedNode):
         self.inactive_frames = 0   # frames not processed because the node was not active
         self.last_caption = 0.0
         self.subscription = None
+        self.image_qos = self.params["reliability"]   # the image subscription's (read at configure)
         self.pub_detections = self.pub_points = self.pub_caption = self.pub_segmentation = None
         self.pub_annotated = self.pub_detection2d = None
         self.depth_subscriptions: list = []
@@ -187,10 +189,14 @@ class VisionNode(ManagedNode):
         reliable = param("reliability") == "reliable"
         qos = QoSProfile(depth=param("depth"), history=HistoryPolicy.KEEP_LAST,
                          reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT)
-        if param("input") == "compressed":
-            self.subscription = self.create_subscription(CompressedImage, "image/compressed", self.on_image, qos)
-        else:
-            self.subscription = self.create_subscription(Image, "image", self.on_image, qos)
+        # image_transport's name for the compressed stream: `<image>/compressed` of the image topic as
+        # resolved (namespace, remaps), so a remap of `image` moves it too (a remap matches whole names)
+        topic, msg_type = (("image", Image) if param("input") == "raw"
+                           else (self.resolve_topic_name("image") + "/compressed", CompressedImage))
+        self.image_qos = param("reliability")   # as subscribed, until the next configure
+        self.incompatible_qos = ""
+        self.subscription = self.create_subscription(msg_type, topic, self.on_image, qos,
+                                                     event_callbacks=self.qos_events(topic, "its images never arrive"))
         out = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_detections = self.create_lifecycle_publisher(Detections, "detections", out)
         self.pub_points = self.create_lifecycle_publisher(Points, "points", out)
@@ -206,7 +212,7 @@ class VisionNode(ManagedNode):
         a target_frame this machine cannot serve (no tf2_ros) fails the configure with the reason.
         camera_info comes as sensor data (drivers that publish it with every frame); a driver that
         latches it (published once, transient local) gets a latched subscription too, once it is
-        seen (watch_camera_info), so that the one it published before this node subscribed comes.
+        seen (photon_ros.latched_topic), so that the one it published before this node subscribed comes.
         Not before: a volatile publisher would log each such subscription as incompatible."""
         # read once: a change applies at the next configure, as the parameter says
         self.target_frame = self.params["target_frame"]
@@ -218,31 +224,15 @@ class VisionNode(ManagedNode):
         self.depth_subscriptions = [
             self.create_subscription(Image, "depth", self.on_depth, sensor),
             self.create_subscription(CameraInfo, "camera_info", self.on_camera_info, sensor)]
-        self.latched_info = None
-        self.watch_info_timer = self.create_timer(1.0, self.watch_camera_info)
-        self.watch_camera_info()
+        self.latched_info = LatchedReader(self, CameraInfo, "camera_info", self.on_camera_info)
+        self.watch_info_timer = self.create_timer(1.0, self.latched_info.poll)
+        self.latched_info.poll()
         self.pub_objects_3d = self.create_lifecycle_publisher(Objects3D, "objects_3d", out)
         self.pub_point_positions = self.create_lifecycle_publisher(PointStamped, "point_positions", out)
         self.pub_detection3d = None
         if detection3d_array(Objects3D()) is not None:   # vision_msgs installed
             from vision_msgs.msg import Detection3DArray
             self.pub_detection3d = self.create_lifecycle_publisher(Detection3DArray, "detections_3d", out)
-
-    def watch_camera_info(self) -> None:
-        """Subscribe latched (reliable, transient local) once a publisher on camera_info offers it."""
-        if self.latched_info is not None or self.info_stream is None:
-            return
-        publishers = self.get_publishers_info_by_topic(self.resolve_topic_name("camera_info"))
-        if not offers_latched(p.qos_profile for p in publishers):
-            return
-        latched = QoSProfile(depth=1, history=HistoryPolicy.KEEP_LAST, reliability=ReliabilityPolicy.RELIABLE,
-                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        # Volatile publishers on the same topic cannot match it; they are served by the other one.
-        self.latched_info = self.create_subscription(
-            CameraInfo, "camera_info", self.on_camera_info, latched,
-            event_callbacks=SubscriptionEventCallbacks(incompatible_qos=lambda event: None))
-        self.depth_subscriptions.append(self.latched_info)
-        self.get_logger().info(f"{self.resolve_topic_name('camera_info')} is latched: subscribed to it latched")
 
     def on_depth(self, msg: Image, info) -> None:
         # a frame whose own depth was lost takes the nearest within the tolerance: counted, so
@@ -273,6 +263,8 @@ class VisionNode(ManagedNode):
     def destroy_interfaces(self) -> None:
         if self.watch_info_timer is not None:
             self.destroy_timer(self.watch_info_timer)
+        if self.latched_info is not None:
+            self.latched_info.destroy()
         for sub in self.depth_subscriptions:
             self.destroy_subscription(sub)
         self.watch_info_timer = self.latched_info = None
@@ -703,6 +695,8 @@ class VisionNode(ManagedNode):
                                   hardware_id=self.model_name)
         status.level, status.message = health(state, self.loading, self.model_error, self.frames.received,
                                               "images", self.input_silence(), self.params["input_timeout_s"])
+        if self.incompatible_qos and self.frames.received == 0 and status.level < DiagnosticStatus.ERROR:
+            status.level, status.message = DiagnosticStatus.WARN, self.incompatible_qos
         failing = self.health.failing("frames")
         if failing and state == "active":
             status.level, status.message = DiagnosticStatus.ERROR, failing
@@ -714,6 +708,7 @@ class VisionNode(ManagedNode):
             "model": self.model_name,
             "model_loaded": str(self.engine is not None),
             "lifecycle_state": state,
+            "image_qos": self.image_qos,
             "input_rate_hz": f"{self.stats.rate('received'):.2f}",
             "frames_received": str(self.frames.received),
             "frames_dropped": str(self.frames.dropped),
@@ -742,12 +737,6 @@ def reception_time(info) -> float | None:
     middleware gives none (then: when the callback runs)."""
     received = info.get("received_timestamp") if info else None
     return received / 1e9 if received else None
-
-
-def offers_latched(profiles) -> bool:
-    """Whether any of these publisher QoS profiles is latched (transient local: a late subscriber
-    gets what was published before it)."""
-    return any(p.durability == DurabilityPolicy.TRANSIENT_LOCAL for p in profiles)
 
 
 class DepthWaits(NamedTuple):

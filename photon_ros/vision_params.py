@@ -21,9 +21,11 @@ def vision_params() -> list[Param]:
               applies="configure"),
         Param("backend", "auto", "auto, reference, triton or megakernel (checked when the model loads)",
               applies="configure"),
-        Param("input", "raw", "subscribe to `image` (raw) or `image/compressed`", choices=("raw", "compressed"),
-              applies="configure"),
-        Param("reliability", "best_effort", "QoS of the image subscription (camera drivers: best_effort)",
+        Param("input", "raw", "subscribe to `image` (raw) or `<image>/compressed` (image_transport's name: "
+              "it follows a remap of `image`)", choices=("raw", "compressed"), applies="configure"),
+        Param("reliability", "best_effort", "QoS of the image subscription: best_effort matches every camera "
+              "driver, best-effort (sensor-data QoS) and reliable alike; reliable matches only reliable ones, and "
+              "the images of a best-effort one never arrive (/diagnostics says so)",
               choices=("best_effort", "reliable"), applies="configure"),
         Param("depth", 1, "image subscription queue depth (1: the newest frame wins)", low=1, applies="configure"),
         Param("detect", Parameter.Type.STRING_ARRAY, "objects to detect on every frame"),

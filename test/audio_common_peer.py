@@ -3,13 +3,15 @@
 
   cases              stdin: pickled cases; each built as the family's real generated message,
                      serialized to CDR and back, converted; stdout: pickled results.
-  publish WAV [T,..] [--prime | --lead-in]
+  publish WAV [T,..] [--prime | --lead-in] [--latched-info]
                      a driver of the family publishing the WAV (16-bit mono) over DDS, as the
                      real driver does: topics, message types, QoS, stamps on the sample clock;
                      it starts once the topics T (default: all of them) have a subscriber. With
                      --prime, early messages first (chunks of PRIMING_FRAMES, an AudioInfo at
                      PRIMING_RATE: no real message's) on every topic, until "go" on stdin; with
                      --lead-in, silence on the sample clock at real time until "go", then the WAV.
+                     --latched-info (ros-drivers): AudioInfo latched (reliable, transient local,
+                     as newer audio_capture publishes it), sent once at the start, never again.
   subscribe N OUT    a node receiving the family's audio topics, converting every message with
                      photon_ros.audio_common_conversions; stops once N samples came on each topic
                      (or after 30 s) and writes what it got to OUT (.npz). It ignores the early
@@ -126,9 +128,10 @@ def early(family: str, msg) -> bool:
     return len(getattr(msg, "audio", msg).data) == 2 * PRIMING_FRAMES   # AudioDataStamped or AudioData
 
 
-def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False, lead_in: bool = False) -> None:
+def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False, lead_in: bool = False,
+            latched_info: bool = False) -> None:
     import rclpy
-    from rclpy.qos import QoSProfile, qos_profile_sensor_data
+    from rclpy.qos import DurabilityPolicy, QoSProfile, qos_profile_sensor_data
 
     from photon_core.audio_io import read_wav
 
@@ -142,7 +145,11 @@ def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False, le
     else:                    # audio_capture_node: two audio topics (depth 10), info apart (depth 1)
         pubs = {"audio": node.create_publisher(t["AudioData"], "audio", 10),
                 "audio_stamped": node.create_publisher(t["AudioDataStamped"], "audio_stamped", 10),
-                "audio_info": node.create_publisher(t["AudioInfo"], "audio_info", QoSProfile(depth=1))}
+                "audio_info": node.create_publisher(t["AudioInfo"], "audio_info", QoSProfile(
+                    depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL if latched_info else DurabilityPolicy.VOLATILE))}
+    if latched_info:   # once, before anyone subscribed: only a latched reader can still get it
+        pubs["audio_info"].publish(t["AudioInfo"](channels=1, sample_rate=rate, sample_format="S16LE",
+                                                  bitrate=0, coding_format="wave"))
     deadline = time.monotonic() + 30
     awaited = [pubs[name] for name in (wait_for or pubs)]
     while any(p.get_subscription_count() == 0 for p in awaited) and time.monotonic() < deadline:
@@ -166,6 +173,8 @@ def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False, le
         pubs["audio_stamped"].publish(stamped)
 
     def send_info(sample_rate: int = rate) -> None:
+        if latched_info:
+            return   # sent once, at the start
         pubs["audio_info"].publish(t["AudioInfo"](channels=1, sample_rate=sample_rate, sample_format="S16LE",
                                                   bitrate=0, coding_format="wave"))
 
@@ -287,10 +296,10 @@ if __name__ == "__main__":
     if mode == "cases":
         run_cases()
     elif mode == "publish":
-        flags = {"--prime", "--lead-in"}
-        prime, lead_in = "--prime" in args, "--lead-in" in args
+        flags = {"--prime", "--lead-in", "--latched-info"}
+        prime, lead_in, latched = "--prime" in args, "--lead-in" in args, "--latched-info" in args
         args = [a for a in args if a not in flags]
-        publish(args[0], args[1].split(",") if len(args) > 1 else None, prime, lead_in)
+        publish(args[0], args[1].split(",") if len(args) > 1 else None, prime, lead_in, latched)
     elif mode == "subscribe":
         subscribe(int(args[0]), args[1])
     else:

@@ -382,6 +382,18 @@ def test_espeak_command_over_dds(family, tmp_path):
             assert set(got[f"{topic}.frame_ids"]) == {"mic"}
 
 
+def decoded_chunks(counts: list):
+    """A /diagnostics callback appending the chunks the speech node decoded (received, neither
+    bad nor ignored) to `counts`."""
+    def on_diagnostics(array) -> None:
+        for status in array.status:
+            v = {kv.key: kv.value for kv in status.values}
+            if status.name.startswith("photon_ros: ") and "chunks_received" in v:
+                counts.append(int(v["chunks_received"]) - int(v["chunks_skipped_bad"])
+                              - int(v["chunks_ignored_inactive"]))
+    return on_diagnostics
+
+
 @pytest.mark.parametrize("family, input_type", [(MGONZS13, "audio_stamped"), (ROS_DRIVERS, "audio_data_stamped")])
 def test_the_speech_node_transcribes_each_driver(family, input_type):
     """The speech node in a process of its own, subscribed as its input_type says (for ros-drivers
@@ -398,13 +410,7 @@ def test_the_speech_node_transcribes_each_driver(family, input_type):
     listener = graph.node("listener")
     listener.create_subscription(Transcript, "/transcript", lambda m: m.is_final and finals.append(m), reliable)
 
-    def on_diagnostics(array) -> None:   # chunks the node decoded (received, neither bad nor ignored)
-        for status in array.status:
-            v = {kv.key: kv.value for kv in status.values}
-            if status.name.startswith("photon_ros: ") and "chunks_received" in v:
-                decoded.append(int(v["chunks_received"]) - int(v["chunks_skipped_bad"])
-                               - int(v["chunks_ignored_inactive"]))
-    listener.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, reliable)
+    listener.create_subscription(DiagnosticArray, "/diagnostics", decoded_chunks(decoded), reliable)
     env = workspace_env(family)
     remap = ["-r", "audio:=/audio_stamped"] if family == ROS_DRIVERS else []
     node = subprocess.Popen([sys.executable, "-m", "photon_ros.speech_node", "--ros-args", "-p",
@@ -428,3 +434,37 @@ def test_the_speech_node_transcribes_each_driver(family, input_type):
         graph.close()
     assert [w.strip(".,").lower() for w in finals[0].text.split()] == ["find", "the", "red", "ball"], log[-3000:]
     assert finals[0].audio_complete and finals[0].header.frame_id == "mic", finals[0].audio_note
+
+
+def test_the_speech_node_takes_a_latched_audio_info():
+    """Newer ros-drivers audio_capture latches its AudioInfo (reliable, transient local) and the
+    driver here sends it once, before the speech node starts: the node decodes the driver's
+    chunks with it (a volatile reader alone never gets it; the real driver's repeat came 5 s later,
+    with every chunk before it refused)."""
+    from diagnostic_msgs.msg import DiagnosticArray
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from ros_harness import RosGraph, wait_for
+
+    decoded: list[int] = []
+    graph = RosGraph()
+    listener = graph.node("listener")
+    listener.create_subscription(DiagnosticArray, "/diagnostics", decoded_chunks(decoded),
+                                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    env = workspace_env(ROS_DRIVERS)
+    driver = subprocess.Popen([sys.executable, str(PEER), "publish", str(espeak_wav("Stop.")), "audio_stamped",
+                               "--lead-in", "--latched-info"], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    node = None
+    try:
+        assert wait_for(lambda: listener.get_publishers_info_by_topic("/audio_info"), timeout=30)
+        time.sleep(0.5)   # its one AudioInfo is out before the node exists
+        node = subprocess.Popen([sys.executable, "-m", "photon_ros.speech_node", "--ros-args", "-p",
+                                 "input_type:=audio_data_stamped", "-r", "audio:=/audio_stamped"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        heard = wait_for(lambda: max(decoded, default=0) >= 1 or driver.poll() is not None, timeout=60)
+    finally:
+        driver.kill()
+        driver.communicate(timeout=30)
+        log = node.communicate(timeout=30)[0] if node is not None and node.terminate() is None else ""
+        graph.close()
+    assert heard and max(decoded) >= 1, log[-3000:]

@@ -286,7 +286,7 @@ def test_latched_camera_info_and_depth_that_never_comes(graph, tmp_path):
     seen, problems, node, _ = run(graph, tmp_path, 2.5, 10, "latched", 3, tolerance=0.3, enough=3)
     assert problems == [], problems[:5]
     assert seen["placed"] >= 3 and seen["no depth"] >= 3, seen
-    assert node.latched_info is not None and node.info_stream.outcomes["none"] == 0
+    assert node.latched_info.subscription is not None and node.info_stream.outcomes["none"] == 0
     assert node.depth_stream.outcomes["nearest"] == 0, node.depth_stream.outcomes
 
 

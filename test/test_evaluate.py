@@ -322,6 +322,19 @@ def test_results_of_frames_sharing_a_stamp_name_no_frame():
     assert timeline.source(frame, stamped).index == 3
 
 
+def test_cmd_vel_is_recorded_as_the_loop_publishes_it():
+    """With stamped_cmd_vel the loop publishes TwistStamped: a Twist recorder never matched it and
+    recorded no motion at all."""
+    from types import SimpleNamespace
+    from geometry_msgs.msg import Twist, TwistStamped
+    from photon_ros.result_log import role_outputs
+
+    def cmd_vel(node):
+        return next(o.msg_class for o in role_outputs("loop", node) if o.topic == "cmd_vel")
+    assert cmd_vel(None) is Twist and cmd_vel(SimpleNamespace(stamped=False)) is Twist
+    assert cmd_vel(SimpleNamespace(stamped=True)) is TwistStamped
+
+
 def test_segmentation_results_are_recorded_and_awaited():
     """A segment prompt's outlines were neither recorded nor awaited: a segment-only evaluation
     recorded nothing and ran until the settle timeout."""

@@ -11,14 +11,17 @@ import pytest
 import rclpy
 from action_msgs.msg import GoalStatus
 from builtin_interfaces.msg import Time
-from geometry_msgs.msg import Point
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from geometry_msgs.msg import Point, Twist, TwistStamped
 from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
 from photon_ros.action import Find
 from photon_ros.commands import VisionRequest
-from photon_ros.loop_node import LoopNode
+from photon_ros.loop_node import TWIST, TWIST_STAMPED, LoopNode, cmd_vel_problem
 from photon_ros.msg import ImagePoint, Object3D
+from ros_harness import RosGraph, wait_for, wait_for_match
 
 
 @pytest.fixture
@@ -211,3 +214,87 @@ def test_a_result_handled_after_the_stop_starts_no_turn(loop):
     loop.command = 1
     loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
     assert not loop.turns.active and any("shutting down" in s for s in loop.said)
+
+
+RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+
+
+@pytest.fixture
+def graph():
+    """A spun graph: loop nodes added here run their own timers (10 Hz turns, 1 Hz diagnostics)."""
+    g = RosGraph()
+    yield g
+    g.close()
+
+
+def spun_loop(graph, **params) -> LoopNode:
+    loop = graph.add(LoopNode(context=graph.context, parameter_overrides=[
+        Parameter(name, value=value) for name, value in params.items()]))
+    loop.said = []
+    loop.say = loop.said.append
+    return loop
+
+
+@pytest.mark.parametrize("ending", ["its end", "shutdown"])
+def test_stamped_cmd_vel_reaches_a_twist_stamped_base(graph, ending):
+    """ros2_control's diff_drive_controller (Jazzy on) takes only TwistStamped on cmd_vel: a Twist
+    never matches it, and the robot does not move while the loop says it turns."""
+    loop = spun_loop(graph, stamped_cmd_vel=True, robot_frame="base_footprint",
+                     max_turn_s=0.3 if ending == "its end" else 3.0)
+    base = RosGraph()   # the base in a process of its own (a participant of its own)
+    try:
+        got: list[TwistStamped] = []
+        base.node("base").create_subscription(TwistStamped, "cmd_vel", got.append, RELIABLE)
+        wait_for_match(loop.pub_cmd)
+        assert not loop.set_parameters([Parameter("stamped_cmd_vel", value=False)])[0].successful   # fixed at start
+        loop.command = 1
+        loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+        assert loop.turns.active
+        if ending == "shutdown":
+            assert wait_for(lambda: len(got) >= 2, timeout=5.0)
+            loop.stop_for_shutdown()
+        assert wait_for(lambda: not loop.turns.active and got and got[-1].twist.angular.z == 0.0, timeout=5.0), got
+    finally:
+        base.close()
+    turning = [m for m in got if m.twist.angular.z != 0.0]
+    assert turning and all(m.twist.angular.z < 0 for m in turning)      # the target is right of centre
+    assert all(m.header.frame_id == "base_footprint" and m.header.stamp.sec > 0 for m in got)
+    assert not any("(but" in s for s in loop.said), loop.said           # the turn reaches the base
+
+
+@pytest.mark.parametrize("stamped", [False, True])
+def test_diagnostics_warn_when_cmd_vel_subscribers_take_the_other_type(graph, stamped):
+    """A base that takes the other type matches nothing and nobody logs it: /diagnostics says so,
+    naming both types and the parameter, and so does the status of a turn; one of our type is OK."""
+    loop = spun_loop(graph, stamped_cmd_vel=stamped, max_turn_s=0.2)
+    statuses: list[DiagnosticStatus] = []
+    graph.node("watcher").create_subscription(DiagnosticArray, "/diagnostics", lambda a: statuses.extend(
+        s for s in a.status if s.name == f"photon_ros: {loop.get_fully_qualified_name()}"), RELIABLE)
+    other, ours = (TWIST, TWIST_STAMPED) if stamped else (TWIST_STAMPED, TWIST)
+    fix = f"set stamped_cmd_vel {'false' if stamped else 'true'}"
+    base = RosGraph()   # a process of its own: one participant refuses two types on one topic
+    try:
+        base.node("base").create_subscription(Twist if stamped else TwistStamped, "cmd_vel", lambda m: None, RELIABLE)
+
+        def warned() -> bool:
+            return any(s.level == DiagnosticStatus.WARN and other in s.message and ours in s.message
+                       and fix in s.message and "/base" in s.message for s in statuses)
+        assert wait_for(warned, timeout=10.0), [s.message for s in statuses]
+        loop.command = 1
+        loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+        assert any("turning" in s and other in s and fix in s for s in loop.said), loop.said
+    finally:
+        base.close()
+    graph.node("mine").create_subscription(TwistStamped if stamped else Twist, "cmd_vel", lambda m: None, RELIABLE)
+    seen = len(statuses)
+    assert wait_for(lambda: any(s.level == DiagnosticStatus.OK for s in statuses[seen:]), timeout=10.0), \
+        [s.message for s in statuses[seen:]]
+
+
+def test_cmd_vel_problems_in_words():
+    assert cmd_vel_problem("/cmd_vel", False, [("/base", TWIST)]) == ("", False)
+    assert cmd_vel_problem("/cmd_vel", False, []) == ("nothing subscribes to /cmd_vel: turns move nothing", False)
+    mixed, certain = cmd_vel_problem("/cmd_vel", False, [("/rec", TWIST), ("/diff_drive", TWIST_STAMPED)])
+    assert certain and "/diff_drive takes geometry_msgs/msg/TwistStamped" in mixed and "/rec" not in mixed
+    odd, certain = cmd_vel_problem("/cmd_vel", True, [("/x", "std_msgs/msg/String")])
+    assert certain and "std_msgs/msg/String" in odd and "set stamped_cmd_vel" not in odd
