@@ -65,8 +65,19 @@ VARIANTS = [KernelVariant(pipeline=4, aligned=True), KernelVariant(dot=32, pipel
             KernelVariant(wide=32, aligned=True, static=True)]
 
 
-def _same_as_plain(step, variant: KernelVariant) -> None:
-    plain = run(step, KernelVariant())
+@pytest.fixture(scope="module")
+def plain(step):
+    """The plain build's logits on `step`, launched once for every variant compared with it (run
+    leaves the step's state as it found it, so each variant starts from the same state)."""
+    return run(step, KernelVariant())
+
+
+@pytest.fixture(scope="module")
+def span_plain(span_step):
+    return run(span_step, KernelVariant())
+
+
+def _same_as_plain(step, plain: torch.Tensor, variant: KernelVariant) -> None:
     got = run(step, variant)
     err = ((got - plain).abs().max() / plain.abs().max()).item()
     # The elementwise loops sum in another order at most; the tensor-core loop drops x's third
@@ -76,18 +87,18 @@ def _same_as_plain(step, variant: KernelVariant) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name())
-def test_a_variant_computes_what_the_plain_build_does(step, variant):
+def test_a_variant_computes_what_the_plain_build_does(step, plain, variant):
     assert any(t.op == 7 for t in step.graph.tasks)          # split-K slices are on the path too
-    _same_as_plain(step, variant)
+    _same_as_plain(step, plain, variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS[2:], ids=lambda v: v.name())
-def test_a_variant_computes_what_the_plain_build_does_in_tasks_of_several_tiles(span_step, variant):
+def test_a_variant_computes_what_the_plain_build_does_in_tasks_of_several_tiles(span_step, span_plain, variant):
     """The streaming loops, the aligned builds' tile statistics and the static schedule over tasks
     of several tiles (Tiling.linear_span) compute what the plain build does (which equals the eager
     graph: test_megakernel_compiler's span cases)."""
     assert any(t.op == 2 and t.args["n1"] - t.args["n0"] > 16 for t in span_step.graph.tasks)
-    _same_as_plain(span_step, variant)
+    _same_as_plain(span_step, span_plain, variant)
 
 
 
