@@ -102,7 +102,9 @@ def test_unbatchable_requests_fall_back_one_by_one(model, clips, monkeypatch):
     """Sampling first (temperature > 0), audio over 30 s and a prompt of its own: same results,
     only the greedy <= 30 s clips share a batch."""
     (medium, rate), (short, _), _ = clips
-    long = np.concatenate([medium] * 4)
+    # Just over 30 s, two windows, with speech in each but half of it a pause: the routing is what
+    # is tested, and four sentences of speech cost four times the decoding of the two here.
+    long = np.concatenate([medium, np.zeros(14 * rate, medium.dtype), medium])
     assert len(long) / rate > 30
     requests = [{"audio": short, "sample_rate": rate, "temperature": 0.5},
                 {"audio": long, "sample_rate": rate},
