@@ -57,25 +57,14 @@ def test_rounds_give_the_per_token_tokens_with_one_read_per_round():
             t.copy_(s)
         return mk
 
-    want = per_token(restored(), first, 10)
+    want = per_token(restored(), first, 8)
     assert len({t for w in want for t in w}) >= 4
-    loop = mkd._loops[4]
-    restored()
-    assert loop.generate(first, 10, []) == want
-    assert loop.rounds == 2   # 9 steps: rounds of 8 and 1
-    # A row stopping in the middle of a round: its later tokens in that round are dropped, the
-    # others decode on (greedy tokens do not depend on when a row stops). One round of 5 steps.
-    stop = {want[1][3]}
-    want_stop = cut(want, stop, 6)
-    assert len(want_stop[1]) == want[1].index(want[1][3]) and len(want_stop[0]) >= 4
-    restored()
-    assert loop.generate(first, 6, stop) == want_stop
-    # A prefill that already gives a stop token: that row is empty, the others unchanged.
-    restored()
-    assert loop.generate(first, 5, {want[0][0]}) == cut(want, {want[0][0]}, 5)
-    # On CUDA a round of 7 steps is the replays of its captured parts, 4, 2 and 1 steps at offsets
-    # 0, 4 and 6 of the history, then one read. Each part stands in here for its graph by running
-    # the same round (what capture records), so the offsets and the accumulators are what is tested.
+    # Rounds of at most 4 steps (production's are 8, mkd's loop: the same code, half the launches
+    # under the interpreter). On CUDA a round is the replays of its captured parts: a round of 4
+    # the 4-step part, a round of 3 the 2- and 1-step parts at offsets 0 and 2 of the history, then
+    # one read. Each part stands in here for its graph by running the same round (what capture
+    # records), so the offsets and the accumulators are what is tested.
+    loop = DeviceDecode(mk, chunk=4)
     replayed = []
 
     class Part:
@@ -88,25 +77,38 @@ def test_rounds_give_the_per_token_tokens_with_one_read_per_round():
     restored()
     loop._graphs = {(n, at): Part(n, at) for n, at in _parts_to_capture(loop.chunk)}
     try:
-        assert loop.generate(first, 8, []) == cut(want, set(), 8)
+        assert loop.generate(first, 8, []) == want
     finally:
         loop._graphs = {}
-    assert replayed == [(4, 0), (2, 4), (1, 6)]
+    assert loop.rounds == 2   # 7 steps: rounds of 4 and 3, one read each
+    assert replayed == [(4, 0), (2, 0), (1, 2)]
+    # Without graphs (the CPU's rounds, launched in turn). A row stopping in the middle of a round:
+    # its later tokens in that round are dropped, the others decode on (greedy tokens do not depend
+    # on when a row stops). One round of 3 steps.
+    stop = {want[1][2]}
+    want_stop = cut(want, stop, 4)
+    assert len(want_stop[1]) == want[1].index(want[1][2]) < 3 and len(want_stop[0]) == 4
+    restored()
+    assert loop.generate(first, 4, stop) == want_stop
+    assert loop.rounds == 3
+    # A prefill that already gives a stop token: that row is empty, the others unchanged.
+    restored()
+    assert loop.generate(first, 3, {want[0][0]}) == cut(want, {want[0][0]}, 3)
     # (The model's own entry, prefill then rounds, is test_qwen3_asr_megakernel's transcribe test.)
 
 
 def test_a_wait_that_gave_up_mid_round_is_reported_with_its_task():
     model = ours()
     mkd = MegakernelDecode(model.decoder, tensors(), INTERPRETER_TILING, MAX_LEN)
-    mkd.start(prompts(model))
-    loop = mkd._loops[4]
+    mk, _ = mkd.start(prompts(model))
+    loop = DeviceDecode(mk, chunk=4)   # production's rounds are 8 steps: here 4, fewer launches
     kernel = loop.kernel
     victim = next(i for i, t in enumerate(kernel.graph.tasks) if t.waits)
     launch, calls = kernel.launch, []
 
     def third_launch_never_satisfied():
-        # Launch 3 of the round waits for a count no task reaches; launches 4.. are sound and
-        # zero the control buffer again, so only the loop's own record still shows the error.
+        # Launch 3 of the round waits for a count no task reaches; launch 4 is sound and zeroes
+        # the control buffer again, so only the loop's own record still shows the error.
         calls.append(1)
         if len(calls) == 3:
             saved = kernel.tasks[victim, 2].clone()
@@ -118,8 +120,8 @@ def test_a_wait_that_gave_up_mid_round_is_reported_with_its_task():
     kernel.launch = third_launch_never_satisfied
     try:
         with pytest.raises(RuntimeError, match=f"task {victim} "):
-            loop.generate([1, 2, 3], 9, [])
-        assert len(calls) == 8 and kernel.ctrl[1].item() == 0   # the last launch's own flag is clear
+            loop.generate([1, 2, 3], 5, [])
+        assert len(calls) == 4 and kernel.ctrl[1].item() == 0   # the last launch's own flag is clear
     finally:
         kernel.launch = launch
 

@@ -14,8 +14,9 @@
   of the fixtures' +100 bias.
 
 Runs Triton under the CPU interpreter on moondream_fast_fixtures' reduced checkpoint (vocab 1024,
-126-px crops), which keeps all of it around a minute and a half on two cores.
+126-px crops), which keeps all of it around a minute on two cores.
 """
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
@@ -42,6 +43,10 @@ SCORE_ATOL = 1e-5
 MARGIN = 3.0   # coord's LM bias over eos's: every boundary of these tests still goes on (gaps > -2.1)
 # Wider tiles than the GPU default: the interpreter's cost is per task, not per byte.
 TILING = Tiling(block_n=64, block_k=128, block_t=32, self_splits=2)
+# The skills' steps (end to end against the reference's results): wider still, a linear's 128-256
+# outputs one task (half the tasks of TILING, still split KV); the steps themselves at TILING's
+# narrower tiles are the decode-step tests'.
+SKILL_TILING = Tiling(block_n=256, block_k=128, block_t=32, self_splits=2)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -51,7 +56,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def fast_model(ckpt):
     """The same checkpoint on the megakernel backend: Triton per-op encode/prefill, compiled decode steps."""
-    return load_moondream(ckpt, backend=get_backend("megakernel", "cpu"), tiling=TILING)
+    return load_moondream(ckpt, backend=get_backend("megakernel", "cpu"), tiling=SKILL_TILING)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +71,18 @@ def encoded(pair):
     ref_m, fast = pair
     img = ff.image()
     return ref_m.encode_image(img), fast.encode_image(img)
+
+
+@pytest.fixture(scope="module")
+def unbiased():
+    """(reference model, fast model, their encodings of one image) on a checkpoint whose LM head is
+    not biased towards `coord` (the caption tests': their greedy tokens a real search). The image is
+    encoded once, by the reference model: the fast model's own encoder and prefill are `encoded`'s
+    (test_vision_features_and_tokens_match, test_prefill_kv_cache_matches); these test its decode."""
+    ckpt = ff.checkpoint(seed=1, object_bias=False)
+    ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
+    ref_e = ref_m.encode_image(ff.image(seed=1))
+    return ref_m, fast, ref_e, dataclasses.replace(ref_e, owner=id(fast))
 
 
 def test_batched_requests_through_the_triton_ops_match_reference(pair, encoded):
@@ -259,12 +276,9 @@ def test_detect_and_point_match_reference(pair, encoded):
     assert fast.caption(fast_e, "short", settings={"temperature": 0, "max_tokens": 2}) == ref_m.caption(ref_e, "short", settings={"temperature": 0, "max_tokens": 2})
 
 
-def test_caption_and_query_match_reference():
+def test_caption_and_query_match_reference(unbiased):
     """An unbiased LM head, so the greedy tokens are a real search over the vocabulary."""
-    ckpt = ff.checkpoint(seed=1, object_bias=False)
-    ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
-    img = ff.image(seed=1)
-    ref_e, fast_e = ref_m.encode_image(img), fast.encode_image(img)
+    ref_m, fast, ref_e, fast_e = unbiased
     want = ref_m.caption(ref_e, "short", settings={"temperature": 0, "max_tokens": 4})
     assert fast.caption(fast_e, "short", settings={"temperature": 0, "max_tokens": 4}) == want
     assert len(set(want["caption"].split())) > 1  # not one token repeated
@@ -279,14 +293,15 @@ def test_query_features_match_across_backends(pair, encoded):
     calls, streamed, and batched). A variant on the megakernel is refused."""
     ref_m, fast = pair
     ref_e, fast_e = encoded
-    g = {"temperature": 0, "max_tokens": 3}
+    g = {"temperature": 0, "max_tokens": 2}   # each path prefills, then steps: few steps keep it short
     refs = [(0.25, 0.5), (0.1, 0.2, 0.6, 0.7)]
 
     def asks(enc):
         return [Request("query", enc, "what is this ?", settings=g, reasoning=True, spatial_refs=refs),
-                Request("point", enc, "cup", settings={"max_objects": 2}, spatial_refs=refs)]
+                Request("point", enc, "cup", settings={"max_objects": 1}, spatial_refs=refs)]
     want = ref_m.batch(asks(ref_e))
     assert len(want[0]["reasoning"]["grounding"][0]["points"]) == 1   # the biased head: coords
+    assert len(want[1]["points"]) == 1 and len(want[0]["answer"].split()) == 2
     ff.assert_same_results(batch_decoding.run(fast, asks(fast_e)), want, SCORE_ATOL)
     ff.assert_same_results(fast.batch(asks(fast_e)), want, SCORE_ATOL)
     streamed = fast.query(fast_e, "what is this ?", reasoning=True, spatial_refs=refs, stream=True, settings=g)
@@ -301,14 +316,11 @@ def test_query_features_match_across_backends(pair, encoded):
         fast.detect(fast_e, "cup", settings={"variant": "any"})
 
 
-def test_greedy_caption_decodes_in_rounds_on_the_device():
+def test_greedy_caption_decodes_in_rounds_on_the_device(unbiased):
     """A greedy caption of 11 tokens on the megakernel: the tokens after the first come in rounds of
     8 and 2 steps (the masked argmax's token embedded into the next input on the device), one read
     each, and the text is the reference's."""
-    ckpt = ff.checkpoint(seed=1, object_bias=False)
-    ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
-    img = ff.image(seed=1)
-    ref_e, fast_e = ref_m.encode_image(img), fast.encode_image(img)
+    ref_m, fast, ref_e, fast_e = unbiased
     want = ref_m.caption(ref_e, "normal", settings={"temperature": 0, "max_tokens": 11})
     n = len(fast.tokenizer.encode(want["caption"]))
     fast.decode.decoder(1)
@@ -393,7 +405,7 @@ def test_a_row_the_prompt_step_ends_may_sit_at_the_end_of_the_caches(pair, encod
     pt = Request("point", fast_e, "cup", max_objects=1)
     lengths = [len(batch_decoding._prompt(fast, r, r.options())[0]) for r in (det, pt)]
     assert lengths[0] - lengths[1] >= 2                       # the point's 2 steps fit too
-    fm = MegakernelDecode(fast, TILING, max_len=fast_e.pos + lengths[0])
+    fm = MegakernelDecode(fast, SKILL_TILING, max_len=fast_e.pos + lengths[0])
     assert fm.batch([det, pt]) == [{"objects": []}, ref_m.point(ref_e, "cup", settings={"max_objects": 1})]
     assert fm.object_rounds(fm.decoder(2)).loop.rounds == 1
 
