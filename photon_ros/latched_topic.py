@@ -26,13 +26,17 @@ def offers_latched(profiles: Iterable[Any]) -> bool:
 
 class LatchedReader:
     """Beside a node's volatile subscription to `topic`: a latched one feeding the same callback,
-    created the first time `poll()` (call it from a timer) sees a latched publisher on the topic.
-    Both readers get a latched publisher's live messages: the callback must take a repeat as
-    harmless (a format, a stamp-paired message). `destroy()` removes what was created."""
+    created the first time `poll()` (now, then every `period_s` on a timer of the node) sees a
+    latched publisher on the topic. Both readers get a latched publisher's live messages: the
+    callback must take a repeat as harmless (a format, a stamp-paired message). `destroy()`
+    removes the timer and what was created."""
 
-    def __init__(self, node: Any, msg_type: type, topic: str, callback: Callable[..., None]) -> None:
+    def __init__(self, node: Any, msg_type: type, topic: str, callback: Callable[..., None],
+                 period_s: float = 1.0) -> None:
         self.node, self.msg_type, self.topic, self.callback = node, msg_type, topic, callback
         self.subscription: Any = None
+        self.timer = node.create_timer(period_s, self.poll)
+        self.poll()
 
     def poll(self) -> None:
         if self.subscription is not None:
@@ -47,6 +51,7 @@ class LatchedReader:
         self.node.get_logger().info(f"{self.node.resolve_topic_name(self.topic)} is latched: subscribed to it latched")
 
     def destroy(self) -> None:
+        self.node.destroy_timer(self.timer)
         if self.subscription is not None:
             self.node.destroy_subscription(self.subscription)
         self.subscription = None

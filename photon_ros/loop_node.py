@@ -29,13 +29,14 @@ import threading
 import time
 
 from action_msgs.msg import GoalStatus
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from geometry_msgs.msg import PointStamped, PoseStamped, Twist, TwistStamped
 from rclpy.action import ActionClient
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header, String
 
+from photon_ros.diagnostics import publish_status
 from photon_ros.commands import VisionRequest, parse_command
 from photon_ros.msg import ImageTarget, Object3D, Transcript
 from photon_ros.params import NodeParams, Param
@@ -173,7 +174,6 @@ class LoopNode(Node):
         self.pub_status = self.create_publisher(String, "status", reliable)
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        self.cmd_vel_problem = ""   # why turns would move nothing now ("" while they would)
         self.create_timer(1.0, self.publish_diagnostics)
         self.turns = TurnCommands()
         self.turn_lock = threading.Lock()   # the timer's Twist and the shutdown's zero Twist: one after the other
@@ -198,7 +198,7 @@ class LoopNode(Node):
 
     def check_cmd_vel(self, turn_starting: bool = False) -> str:
         """Why turns on cmd_vel would move nothing now ("" when they would; also while turning is
-        off), kept for /diagnostics. Logged (every 30 s at most) when a turn starts, or at any check
+        off). Logged (every 30 s at most) when a turn starts, or at any check
         while a subscriber takes another type; "nothing subscribes" alone is not logged between
         turns, since it may only mean that discovery has not found the base yet."""
         problem, certain = "", False
@@ -209,7 +209,6 @@ class LoopNode(Node):
             problem, certain = cmd_vel_problem(topic, self.stamped, subscribers)
         if problem and (turn_starting or certain):
             self.get_logger().warning(problem, throttle_duration_sec=30.0)
-        self.cmd_vel_problem = problem
         return problem
 
     def publish_diagnostics(self) -> None:
@@ -218,14 +217,11 @@ class LoopNode(Node):
             level, message = DiagnosticStatus.WARN, problem
         else:
             level, message = DiagnosticStatus.OK, ("ready" if self.params["turn"] else "ready; turning is off")
-        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}", level=level,
-                                  message=message)
+        status = DiagnosticStatus(level=level, message=message)
         values = {"cmd_vel_type": TWIST_STAMPED if self.stamped else TWIST,
                   "cmd_vel_matched": str(self.pub_cmd.get_subscription_count()),
                   "turning": str(self.turns.active), "planner_goal_sent": str(self.goal_sent)}
-        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
-        header = Header(stamp=self.get_clock().now().to_msg())
-        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+        publish_status(self, self.pub_diagnostics, status, values)
 
     def send_turn(self) -> None:
         with self.turn_lock:

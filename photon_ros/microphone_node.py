@@ -13,9 +13,10 @@ import time
 import numpy as np
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from std_msgs.msg import Header
 
+from photon_ros.diagnostics import publish_status
 from photon_ros.params import NodeParams, Param
 from photon_ros.run_node import run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
@@ -131,14 +132,11 @@ class MicrophoneNode(Node):
             if not self.stalled:
                 level, message = DiagnosticStatus.WARN, "capturing; audio was lost in the last second (see the counters)"
         self.lost_seen = lost
-        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}", level=level,
-                                  message=message, hardware_id=str(self.device or "default input"))
+        status = DiagnosticStatus(level=level, message=message, hardware_id=str(self.device or "default input"))
         values = {"sample_rate": str(self.rate), "channels": str(self.channels),
                   "input_overflows": str(self.overflows), "blocks_dropped_queue_full": str(self.dropped),
                   "stream_reopened": str(self.reopened)}
-        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
-        header = Header(stamp=self.get_clock().now().to_msg())
-        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+        publish_status(self, self.pub_diagnostics, status, values)
 
     def destroy_node(self) -> None:
         if hasattr(self, "stream"):   # absent when the device failed to open in __init__

@@ -52,7 +52,7 @@ import threading
 import time
 
 import numpy as np
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
@@ -60,6 +60,7 @@ from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 from photon_core.runtime.decode import engine_diagnostics
 from photon_core.runtime.requests import TranscribeRequest
 from photon_core.runtime.shared_models import SharedModel
+from photon_ros.diagnostics import publish_status
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
 from photon_ros.input_health import InputHealth
@@ -185,7 +186,6 @@ class SpeechNode(ManagedNode):
         self.publisher = self.subscription = None
         self.info_subscription = None
         self.latched_info: LatchedReader | None = None   # audio_info from a driver that latches it
-        self.latched_info_timer = None
         self.audio_info: AudioInfoFormat | None = None   # ros-drivers input: the latest AudioInfo
         self.create_timer(0.1, self.flush_if_idle)
         self.create_timer(5.0, self.warn_on_type_mismatch)
@@ -256,8 +256,6 @@ class SpeechNode(ManagedNode):
                     info_type, "audio_info", self.audio_info.update,
                     QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
                 self.latched_info = LatchedReader(self, info_type, "audio_info", self.audio_info.update)
-                self.latched_info_timer = self.create_timer(1.0, self.latched_info.poll)
-                self.latched_info.poll()
         else:
             msg_type = INPUT_TYPES[input_type]
         self.subscription = self.create_subscription(
@@ -267,11 +265,9 @@ class SpeechNode(ManagedNode):
     def destroy_interfaces(self) -> None:
         if self.info_subscription is not None:
             self.destroy_subscription(self.info_subscription)
-        if self.latched_info_timer is not None:
-            self.destroy_timer(self.latched_info_timer)
         if self.latched_info is not None:
             self.latched_info.destroy()
-        self.info_subscription = self.audio_info = self.latched_info = self.latched_info_timer = None
+        self.info_subscription = self.audio_info = self.latched_info = None
         if self.subscription is not None:
             self.destroy_subscription(self.subscription)
         if self.publisher is not None:
@@ -562,8 +558,7 @@ class SpeechNode(ManagedNode):
 
     def publish_diagnostics(self) -> None:
         state = self.lifecycle_state()
-        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
-                                  hardware_id=str(self.model_name))
+        status = DiagnosticStatus(hardware_id=str(self.model_name))
         status.level, status.message = health(state, self.loading, self.model_error, self.chunks_received, "audio",
                                               self.input_silence(), self.params["input_timeout_s"])
         if self.incompatible_qos and self.chunks_received == 0 and status.level < DiagnosticStatus.ERROR:
@@ -611,9 +606,7 @@ class SpeechNode(ManagedNode):
             # which engine decodes each bucket on this GPU, and both times where measured (issue 38)
             **engine_diagnostics(),
         }
-        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
-        header = Header(stamp=self.get_clock().now().to_msg())
-        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+        publish_status(self, self.pub_diagnostics, status, values)
 
     def transcribe_partial(self, utterance: Utterance, epoch: int) -> float:
         """Publish a partial transcript of the utterance so far; returns the seconds it took."""

@@ -32,17 +32,17 @@ from collections import deque
 from typing import NamedTuple
 
 import numpy as np
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from geometry_msgs.msg import PointStamped
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image
-from std_msgs.msg import Header
 
 from photon_core.draw import draw_results
 from photon_core.runtime.decode import engine_diagnostics
 from photon_core.runtime.requests import Request
 from photon_core.runtime.shared_models import SharedModel, shared_engine
+from photon_ros.diagnostics import publish_status
 from photon_ros.depth_projection import DepthSettings, NoDepth, depth_view
 from photon_ros.frames import tf2_lookup
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
@@ -160,7 +160,7 @@ class VisionNode(ManagedNode):
         self.pub_detections = self.pub_points = self.pub_caption = self.pub_segmentation = None
         self.pub_annotated = self.pub_detection2d = None
         self.depth_subscriptions: list = []
-        self.watch_info_timer = self.latched_info = None
+        self.latched_info = None
         self.pub_objects_3d = self.pub_point_positions = self.pub_detection3d = None
         self.lookup = None   # tf2 into target_frame (configure), None: the optical frame
         self.target_frame = ""
@@ -225,8 +225,6 @@ class VisionNode(ManagedNode):
             self.create_subscription(Image, "depth", self.on_depth, sensor),
             self.create_subscription(CameraInfo, "camera_info", self.on_camera_info, sensor)]
         self.latched_info = LatchedReader(self, CameraInfo, "camera_info", self.on_camera_info)
-        self.watch_info_timer = self.create_timer(1.0, self.latched_info.poll)
-        self.latched_info.poll()
         self.pub_objects_3d = self.create_lifecycle_publisher(Objects3D, "objects_3d", out)
         self.pub_point_positions = self.create_lifecycle_publisher(PointStamped, "point_positions", out)
         self.pub_detection3d = None
@@ -261,13 +259,11 @@ class VisionNode(ManagedNode):
         return DepthWaits(depth.wait_for(stamp, arrived_at), info.wait_for(stamp, arrived_at))
 
     def destroy_interfaces(self) -> None:
-        if self.watch_info_timer is not None:
-            self.destroy_timer(self.watch_info_timer)
         if self.latched_info is not None:
             self.latched_info.destroy()
         for sub in self.depth_subscriptions:
             self.destroy_subscription(sub)
-        self.watch_info_timer = self.latched_info = None
+        self.latched_info = None
         for pub in (self.pub_objects_3d, self.pub_point_positions, self.pub_detection3d):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
@@ -691,8 +687,7 @@ class VisionNode(ManagedNode):
 
     def publish_diagnostics(self) -> None:
         state = self.lifecycle_state()
-        status = DiagnosticStatus(name=f"photon_ros: {self.get_fully_qualified_name()}",
-                                  hardware_id=self.model_name)
+        status = DiagnosticStatus(hardware_id=self.model_name)
         status.level, status.message = health(state, self.loading, self.model_error, self.frames.received,
                                               "images", self.input_silence(), self.params["input_timeout_s"])
         if self.incompatible_qos and self.frames.received == 0 and status.level < DiagnosticStatus.ERROR:
@@ -726,9 +721,7 @@ class VisionNode(ManagedNode):
         }
         for q, v in self.stats.latency_percentiles().items():
             values[f"latency_p{q}_ms"] = f"{v * 1000:.1f}"
-        status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
-        header = Header(stamp=self.get_clock().now().to_msg())
-        self.pub_diagnostics.publish(DiagnosticArray(header=header, status=[status]))
+        publish_status(self, self.pub_diagnostics, status, values)
 
 
 def reception_time(info) -> float | None:
