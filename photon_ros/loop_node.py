@@ -175,7 +175,7 @@ class LoopNode(Node):
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
         self.create_timer(1.0, self.publish_diagnostics)
-        self.turns = TurnCommands()
+        self.turns = TurnCommands(TICK_S)
         self.turn_lock = threading.Lock()   # the timer's Twist and the shutdown's zero Twist: one after the other
         self.halted = False                 # shutting down: no turn starts
         self.create_timer(TICK_S, self.send_turn)

@@ -42,12 +42,16 @@ def plan_turn(angle: float, max_rate: float, max_turn_s: float, deadband: float)
 
 
 class TurnCommands:
-    """The Twists a turn publishes, one per tick of a steady timer: the turn's rate until its
-    duration has passed (bases with a command timeout need a steady stream), then one zero Twist.
-    A new turn replaces the one in progress. The angle turned is the plan's to within one tick of
-    the timer (the zero Twist comes at the first tick past the duration)."""
+    """The Twists a turn publishes, one per tick of a steady timer of `period` s: the turn's rate
+    while a whole tick of it is left (bases with a command timeout need a steady stream), the rate
+    scaled to what is left for the last, partial tick, then one zero Twist. A Twist holds until the
+    next tick, so the angle commanded is the plan's, where a full-rate last tick would overrun it
+    by up to one tick. A new turn replaces the one in progress."""
 
-    def __init__(self) -> None:
+    def __init__(self, period: float) -> None:
+        if not period > 0.0:
+            raise ValueError(f"the tick period must be > 0 s, got {period}")
+        self.period = period
         self._turn: Turn | None = None
         self._started = 0.0
         self._stop_due = False
@@ -69,9 +73,11 @@ class TurnCommands:
     def tick(self, now: float) -> Twist | None:
         """What to publish at `now`: the turn's Twist, the final zero Twist, or None (idle)."""
         twist = Twist()
-        if self._turn is not None and now - self._started < self._turn.duration:
-            twist.angular.z = self._turn.rate
-            return twist
+        if self._turn is not None:
+            left = self._turn.duration - (now - self._started)
+            if left > 1e-9:
+                twist.angular.z = self._turn.rate * min(1.0, left / self.period)
+                return twist
         self._turn = None
         if self._stop_due:
             self._stop_due = False

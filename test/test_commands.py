@@ -70,16 +70,21 @@ def test_a_turn_is_bounded_and_ends_in_a_stop():
     assert plan_turn(0.01, max_rate=0.5, max_turn_s=3.0, deadband=0.02) is None
     with pytest.raises(ValueError):
         plan_turn(0.4, max_rate=0.0, max_turn_s=3.0, deadband=0.0)
-    commands = TurnCommands()
+    with pytest.raises(ValueError, match="period"):
+        TurnCommands(0.0)
+    commands = TurnCommands(period=0.1)
     assert commands.tick(0.0) is None                              # idle: nothing published
     commands.start(turn, now=10.0)
-    sent = [commands.tick(10.05 + 0.1 * i) for i in range(12)]
+    times = [10.0] + [10.05 + 0.1 * i for i in range(12)]           # sent at the start, then the timer's phase
+    sent = [commands.tick(t) for t in times]
     rates = [t.angular.z if t is not None else None for t in sent]
-    assert rates == [0.5] * 8 + [0.0] + [None] * 3                  # 0.8 s of turning, one stop, then quiet
+    assert rates[:10] == pytest.approx([0.5] * 8 + [0.25, 0.0]) and rates[10:] == [None] * 3   # last tick: what is left
     assert all(t.linear.x == 0.0 for t in sent if t is not None)
+    # each Twist holds until the next: the base is commanded through the plan's angle, not a tick more
+    assert sum(r * (t1 - t0) for r, t0, t1 in zip(rates[:9], times, times[1:])) == pytest.approx(turn.angle)
     commands.start(Turn(0.5, 1.0), now=20.0)
     commands.start(Turn(-0.5, 0.2), now=20.1)                       # a new target replaces the turn
-    assert [commands.tick(20.15 + 0.1 * i).angular.z for i in range(3)] == [-0.5, -0.5, 0.0]
+    assert [commands.tick(20.15 + 0.1 * i).angular.z for i in range(3)] == pytest.approx([-0.5, -0.25, 0.0])
     assert commands.tick(20.5) is None and not commands.active
 
 def test_an_approach_goal_stops_short_and_faces_the_object():
