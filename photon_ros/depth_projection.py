@@ -93,7 +93,9 @@ import cv2
 import numpy as np
 
 # Per encoding: the numpy type of one value (little-endian; byte order per message), and metres
-# per unit. 0 means "no reading" in 16UC1; NaN / inf mean it in 32FC1.
+# per unit. 0 means "no reading" in 16UC1, and so does its largest value (65.535 m, beyond any
+# depth camera's range: drivers that mark saturated or out-of-range pixels write it); NaN / inf
+# mean it in 32FC1.
 DEPTH_ENCODINGS: dict[str, tuple[str, float]] = {"16UC1": ("<u2", 0.001), "32FC1": ("<f4", 1.0)}
 DEFAULT_MAX_PIXELS = 64_000_000
 # Coefficient counts OpenCV's model takes for each CameraInfo model (a plumb_bob with 4 omits k3;
@@ -284,6 +286,8 @@ def _metres(values: np.ndarray, scale: float, lo: float, hi: float) -> np.ndarra
         metres *= np.float32(scale)
     # NaN fails both comparisons; inf and -inf and zero fail one (lo > 0).
     metres[~((metres >= lo) & (metres <= hi))] = np.nan
+    if values.dtype.kind == "u":
+        metres[values == np.iinfo(values.dtype).max] = np.nan   # "no reading", as 0
     return metres
 
 
@@ -473,7 +477,7 @@ class DepthView:
         self._scale = depth.metres_per_unit
         native = depth.values.dtype.newbyteorder("=")
         if native.kind == "u":
-            top = np.iinfo(native).max
+            top = np.iinfo(native).max - 1   # the largest value is "no reading" (DEPTH_ENCODINGS)
             self._lo = native.type(min(math.ceil(settings.min_depth_m / self._scale - 1e-6), top))
             self._hi = native.type(min(math.floor(settings.max_depth_m / self._scale + 1e-6), top))
         else:

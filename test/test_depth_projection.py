@@ -331,6 +331,13 @@ def test_no_valid_depth_is_never_zero_metres() -> None:
     in_hole, too_near, edge, off = view.points_3d([(150.5, 150.5), (200.5, 350.5), (0.0, 0.0),
                                                    (-1.0, 10.0)])
     assert isinstance(in_hole, NoDepth) and "around the point" in in_hole.reason
+    # 16UC1's largest value is "no reading" even where the range reaches past it
+    saturated = np.full((HEIGHT, WIDTH), 65535, np.uint16)
+    saturated[:, WIDTH // 2:] = 65534
+    far = DepthView(DepthImage(saturated, 0.001), Intrinsics(WIDTH, HEIGHT, FX, FY, CX, CY),
+                    WIDTH, HEIGHT, DepthSettings(min_depth_m=0.3, max_depth_m=100.0))
+    marked, deep = far.points_3d([(100.5, 100.5), (500.5, 100.5)])
+    assert isinstance(marked, NoDepth) and isinstance(deep, Point3D) and deep.z == pytest.approx(65.534)
     assert isinstance(too_near, NoDepth) and "0 of 25 pixels valid" in too_near.reason
     # A corner's window is moved inside the image; its ray is the corner's.
     assert isinstance(edge, Point3D) and edge.valid_pixels == 25
@@ -357,6 +364,11 @@ def test_depth_to_metres_marks_invalid_values() -> None:
         assert got[0, 5] == np.float32(1.25) and got[0, 7] == np.float32(0.5)
     with pytest.raises(DepthError, match="0 < min_depth_m < max_depth_m"):
         depth_to_metres(msg.data, "32FC1", 8, 1, msg.step, False, 0.0, 6.0)
+    # 16UC1's largest value is "no reading" (a driver's saturated pixel) even where the range
+    # would take 65.535 m; the value below it is a depth
+    msg = depth_msg(np.array([[65535, 65534]], np.uint16), "16UC1")
+    got = depth_to_metres(msg.data, "16UC1", 2, 1, msg.step, False, 0.5, 100.0)
+    assert np.isnan(got[0, 0]) and got[0, 1] == pytest.approx(65.534)
 
 
 def test_real_ros_messages() -> None:
