@@ -24,7 +24,8 @@ of a command spoken right after activation. The price is that an inactive node s
 With the `autostart` parameter (default true) a node configures and activates itself from its
 worker thread, so it is up at once and reports "loading" while the model loads, as an unmanaged
 node did; input that arrives meanwhile waits for the model. With autostart false it waits,
-unconfigured, for a lifecycle manager (nav2_lifecycle_manager, `ros2 lifecycle set`).
+unconfigured, for a lifecycle manager (nav2_lifecycle_manager, `ros2 lifecycle set`), and holds
+a bond with it while active (photon_ros.lifecycle_bond: nav2's manager fails a bringup without one).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
 from photon_core.runtime.shared_models import SharedModel, release
+from photon_ros.lifecycle_bond import Heartbeat, status_type
 
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
 # How long cleanup waits for an inference in flight before releasing the model anyway (its
@@ -143,6 +145,7 @@ class ManagedNode(LifecycleNode):
         self.worker: threading.Thread | None = None
         self.last_input_at: float | None = None   # monotonic arrival of the newest input (frame, chunk)
         self.incompatible_qos = ""   # the last publisher QoS an input subscription could not match, and why
+        self.heartbeat: Heartbeat | None = None   # the bond with a lifecycle manager, while active
 
     def input_arrived(self) -> None:
         self.last_input_at = time.monotonic()
@@ -210,6 +213,7 @@ class ManagedNode(LifecycleNode):
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         result = super().on_activate(state)   # the lifecycle publishers publish from here on
         self.activity.start()
+        self.start_bond()
         return result
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -232,8 +236,27 @@ class ManagedNode(LifecycleNode):
         return SUCCESS
 
     def pause(self) -> None:
+        self.end_bond()
         self.activity.stop()
         self.drop_pending()
+
+    def start_bond(self) -> None:
+        """Heartbeats to a lifecycle manager (photon_ros.lifecycle_bond) while active, as nav2's servers
+        send them; not for a node that starts itself, which no manager drives."""
+        if self.autostart:
+            return
+        status = status_type()
+        if status is None:
+            self.get_logger().info("the bond messages are not installed: no bond with a lifecycle "
+                                   "manager (give nav2's lifecycle_manager bond_timeout: 0.0)", once=True)
+            return
+        self.end_bond()
+        self.heartbeat = Heartbeat(self, status, self.get_name())
+
+    def end_bond(self) -> None:
+        heartbeat, self.heartbeat = getattr(self, "heartbeat", None), None
+        if heartbeat is not None:
+            heartbeat.end()
 
     def unload(self) -> None:
         self.release_engine()
@@ -256,6 +279,7 @@ class ManagedNode(LifecycleNode):
         if hasattr(self, "stopping"):   # a constructor that failed made none
             self.stopping.set()
             self.activity.stop()
+            self.end_bond()   # a manager watching it learns at once that this node is going
 
     def destroy_node(self) -> None:
         if not hasattr(self, "stopping"):   # its constructor failed (a bad parameter): nothing of ours

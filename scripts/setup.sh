@@ -85,7 +85,7 @@ fi
 . install/setup.bash
 set -u
 python -c 'import photon_ros.msg' || { say "generated interfaces do not import"; exit 1; }
-# The tests' stand-ins for the two audio_common_msgs packages and vision_msgs (test/workspaces:
+# The tests' stand-ins for the two audio_common_msgs packages, vision_msgs and bond (test/workspaces:
 # robots install the real ones), each in an install space of its own under ~/.cache/photon; built
 # once, here rather than in the first test that needs them.
 python -c 'import sys; sys.path.insert(0, "test"); import interface_workspaces as w

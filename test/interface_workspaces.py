@@ -1,7 +1,7 @@
 """The test-only interface packages (test/workspaces/), built and made importable.
 
 Each workspace is one package: the two `audio_common_msgs` families (same package name, so they
-cannot share an install space) and `vision_msgs`. `workspace_env(name)` builds the package with
+cannot share an install space), `vision_msgs` and `bond`. `workspace_env(name)` builds the package with
 colcon into ~/.cache/photon/ws-<name>-<hash> once (tens of seconds; the hash covers the package's
 files and the ROS wheels it is built against, so an edit or a new venv rebuilds) and returns an
 environment in which the package imports; for subprocesses only, since the dynamic loader reads
@@ -25,6 +25,7 @@ PACKAGES = {
     "mgonzs13": "mgonzs13/audio_common_msgs",
     "ros_drivers": "ros_drivers/audio_common_msgs",
     "vision_msgs": "vision_msgs/vision_msgs",
+    "bond": "bond/bond",
 }
 AUDIO_COMMON_FAMILIES = ("mgonzs13", "ros_drivers")
 REPO = Path(__file__).resolve().parents[1]
