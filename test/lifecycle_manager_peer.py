@@ -63,9 +63,9 @@ def main(namespace: str, name: str, watch_s: float) -> int:
                              "active": msg.active, "period": msg.heartbeat_period,
                              "timeout": msg.heartbeat_timeout, "id": msg.id})
 
-    qos_out = QoSProfile(depth=5, reliability=ReliabilityPolicy.RELIABLE)
+    # bondcpp's QoS: its subscription keeps 100, its publisher 5, both reliable
     node.create_subscription(Status, "bond", heard, QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
-    pub = node.create_publisher(Status, "bond", qos_out)
+    pub = node.create_publisher(Status, "bond", QoSProfile(depth=5, reliability=ReliabilityPolicy.RELIABLE))
     if not transition(Transition.TRANSITION_CONFIGURE, State.PRIMARY_STATE_INACTIVE):
         print("configure failed", file=sys.stderr)
         return 1
