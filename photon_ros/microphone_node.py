@@ -3,7 +3,9 @@
 Optional: needs `pip install sounddevice` and the PortAudio library (`apt install libportaudio2`).
 Without them, or without an input device, it says so and exits instead of publishing nothing.
 A device that stops delivering later is reopened until it delivers again; /diagnostics says so,
-and counts the audio lost in the driver (overflows) and in a stalled executor.
+and counts the audio lost in the driver (overflows) and in a stalled executor. Chunks are stamped
+on the node's clock (a simulator's under use_sim_time), counted in samples (sample_clock); the
+audio itself is delivered in real time whatever that clock does.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import queue
 import time
 
 import numpy as np
+from rclpy.clock import Clock, ClockType
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
@@ -34,9 +37,37 @@ def open_sounddevice():
     return sounddevice
 
 
+class DeviceParam(Param):
+    """The `device` parameter: a name, or an index written as a number (`device: 2` in YAML,
+    `-p device:=2`) as well as a string; a string parameter refused the number at startup."""
+
+    def type_refusal(self, value: object) -> str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return "" if value >= 0 else f"must be a device name or an index >= 0, got {value}"
+        return super().type_refusal(value)
+
+
+def portaudio_device(value: str | int) -> str | int | None:
+    """The device as sounddevice takes it: None (the default input) for "", an index for 2 or "2",
+    else a name."""
+    if isinstance(value, int):
+        return value
+    return int(value) if value.isdigit() else value or None
+
+
+# A simulator's clock (use_sim_time) runs at its real-time factor, 0.8 in a busy world, and in
+# steps (gazebo_ros publishes /clock at 10 Hz). Stamps counted in real samples follow it by up to
+# this part of each block: inside the half block the speech node takes as jitter, not lost audio.
+# (On the wall clock, SampleClock's 1% keeps the joins exact; at 1% a simulator left the count
+# 0.2 s off within seconds, and each re-anchoring was a jump that cut a command.)
+SIM_SLEW = 0.25
+WALL_SLEW = 0.01
+
+
 # All read once, when the audio stream opens.
 MICROPHONE_PARAMS = [
-    Param("device", "", "PortAudio input device, by name or index; empty: the default input", applies="restart"),
+    DeviceParam("device", "", "PortAudio input device, by name or index; empty: the default input",
+                applies="restart"),
     Param("sample_rate", 16000, "Hz to capture at", low=4000, high=384000, applies="restart"),
     Param("channels", 1, "channels to capture (interleaved in each chunk)", low=1, high=64, applies="restart"),
     Param("frame_id", "microphone", "frame id of the audio chunks", applies="restart"),
@@ -50,14 +81,13 @@ class MicrophoneNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("microphone", **kwargs)
         p = NodeParams(self, MICROPHONE_PARAMS)
-        device = p["device"] or None         # name or index; default input when empty
         self.rate, self.channels, self.frame_id = p["sample_rate"], p["channels"], p["frame_id"]
         self.block = max(1, int(self.rate * p["chunk_ms"] / 1000))
         self.stall_s = max(p["stall_s"], 3 * self.block / self.rate)
         self.sd = open_sounddevice()
-        self.device = int(device) if device is not None and str(device).isdigit() else device
+        self.device = portaudio_device(p["device"])
         self.blocks: queue.Queue = queue.Queue(maxsize=100)
-        self.clock = SampleClock(self.rate)
+        self.clock = SampleClock(self.rate, slew=WALL_SLEW)
         self.overflows = self.dropped = self.reopened = 0
         self.lost_seen = 0   # overflows + dropped at the last diagnostics
         self.stalled = ""   # why no audio comes now ("" while it does)
@@ -67,9 +97,13 @@ class MicrophoneNode(Node):
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
         self.stream = self.open_stream()   # a device that cannot open now: the node exits with why
         self.last_block = self.last_try = time.monotonic()
-        self.create_timer(self.block / self.rate / 2, self.publish_pending)
-        self.create_timer(0.5, self.watch)
-        self.create_timer(1.0, self.publish_diagnostics)
+        # On the steady clock, not the node's: under use_sim_time a simulator not started yet or
+        # paused stopped these timers, and the audio (real time whatever the simulator does) piled
+        # up unpublished and was dropped, with no /diagnostics to say so.
+        steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self.create_timer(self.block / self.rate / 2, self.publish_pending, clock=steady)
+        self.create_timer(0.5, self.watch, clock=steady)
+        self.create_timer(1.0, self.publish_diagnostics, clock=steady)
         self.get_logger().info(f"capturing {self.stream.device} at {self.rate} Hz")
 
     def open_stream(self):
@@ -83,12 +117,25 @@ class MicrophoneNode(Node):
         overflow = bool(status and status.input_overflow)
         self.overflows += overflow
         self.last_block = time.monotonic()
-        captured = self.clock.stamp(frames, time.time(), overflow=overflow)
+        captured = self.capture_stamp(frames, overflow)
         try:
             self.blocks.put_nowait((data.copy(), captured))
         except queue.Full:
             self.dropped += 1   # the executor is stalled; losing audio beats blocking the audio
             #                     thread (the next blocks' stamps still count these samples: the gap shows)
+
+    def capture_stamp(self, frames: int, overflow: bool) -> float:
+        """Stamp of a block of `frames` samples just captured, on the node's clock: the
+        simulator's under use_sim_time, as every other stamp the robot sees (the loop node reads a
+        command's age against that clock: wall-clock stamps made every command young). 0, which
+        readers take as unstamped, while that clock has no time yet (no /clock so far)."""
+        clock = self.get_clock()
+        now = clock.now().nanoseconds * 1e-9
+        if now <= frames / self.rate:
+            self.clock.next = None   # the first block with a time anchors the count
+            return 0.0
+        self.clock.slew = SIM_SLEW if clock.ros_time_is_active else WALL_SLEW
+        return self.clock.stamp(frames, now, overflow=overflow)
 
     def publish_pending(self) -> None:
         while not self.blocks.empty():
@@ -107,7 +154,7 @@ class MicrophoneNode(Node):
         silent = now - self.last_block
         if silent < self.stall_s or (self.stalled and now - self.last_try < self.stall_s):
             return
-        self.stalled = f"no audio from {self.device or 'the default input'} for {silent:.1f} s"
+        self.stalled = f"no audio from {self.device_name()} for {silent:.1f} s"
         self.get_logger().error(f"{self.stalled}: reopening the stream", throttle_duration_sec=10.0)
         try:
             self.stream.close()
@@ -132,11 +179,15 @@ class MicrophoneNode(Node):
             if not self.stalled:
                 level, message = DiagnosticStatus.WARN, "capturing; audio was lost in the last second (see the counters)"
         self.lost_seen = lost
-        status = DiagnosticStatus(level=level, message=message, hardware_id=str(self.device or "default input"))
+        status = DiagnosticStatus(level=level, message=message, hardware_id=self.device_name())
         values = {"sample_rate": str(self.rate), "channels": str(self.channels),
                   "input_overflows": str(self.overflows), "blocks_dropped_queue_full": str(self.dropped),
                   "stream_reopened": str(self.reopened)}
         publish_status(self, self.pub_diagnostics, status, values)
+
+    def device_name(self) -> str:
+        """The device as the log and /diagnostics name it (index 0 is a device, not the default input)."""
+        return "default input" if self.device is None else str(self.device)
 
     def destroy_node(self) -> None:
         if hasattr(self, "stream"):   # absent when the device failed to open in __init__

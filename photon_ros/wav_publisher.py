@@ -89,8 +89,9 @@ class WavPublisher(Node):
                 return   # nobody listens yet: the file's clock starts with its first chunk
             # as a driver stamps it: a chunk goes out once its last sample is captured, so the first
             # sample of the first one was captured a chunk's time ago (stamped t0, it arrived as its
-            # audio would only begin)
-            self.t0 = time.time() - len(self.chunks[0]) / self.rate
+            # audio would only begin). On the node's clock: a simulator's under use_sim_time, which
+            # also paces this timer (on the wall clock, the loop node took every command as young)
+            self.t0 = self.get_clock().now().nanoseconds * 1e-9 - len(self.chunks[0]) / self.rate
         if self.index >= len(self.chunks):
             if not self.loop:
                 self.done = True

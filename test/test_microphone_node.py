@@ -49,6 +49,7 @@ class FakeStream:
         self.card = card
         self.rate, self.channels, self.block, self.callback = samplerate, channels, blocksize, callback
         self.device, self.started, self.closed = device or "fake card", False, False
+        self.device_arg = device   # as the node passed it: None (the default input), an index or a name
         self.sent = 0
 
     def start(self) -> None:
@@ -159,3 +160,19 @@ def test_an_overflow_is_counted_and_warned_about(graph, card):
     assert wait_for(lambda: statuses and statuses[-1].level == DiagnosticStatus.WARN, timeout=10)
     assert "audio was lost" in statuses[-1].message
     assert dict((v.key, v.value) for v in statuses[-1].values)["input_overflows"] == "1"
+
+
+@pytest.mark.parametrize("device, index", [(2, 2), ("2", 2), ("0", 0)], ids=["number", "string", "zero"])
+def test_a_device_index_opens_that_device_and_is_named_on_diagnostics(graph, card, device, index):
+    """`device: 2` in the YAML (an index, as config/photon.yaml says it may be) stopped the node at
+    startup ("must be a string"); index 0 was opened but named "default input" on /diagnostics."""
+    _, statuses = listen(graph)
+    microphone(graph, device=device)
+    assert card.streams[0].device_arg == index
+    assert wait_for(lambda: statuses, timeout=10)
+    assert statuses[-1].hardware_id == str(index)
+
+
+def test_a_negative_device_index_is_refused_at_startup(graph, card):
+    with pytest.raises(ValueError, match="device"):
+        microphone(graph, device=-1)

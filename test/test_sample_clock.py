@@ -57,6 +57,26 @@ def test_late_callbacks_that_catch_up_in_a_burst_are_not_a_loss():
     assert np.all(np.abs(np.diff(stamps) - 0.1) <= 0.0011)   # joined: nothing was lost
 
 
+def test_a_simulators_clock_is_followed_without_jumps():
+    """Under use_sim_time the microphone counts real samples against a simulator's clock, which runs
+    at its real-time factor (a busy world at 0.8, a light one faster than real time) in steps
+    (gazebo_ros publishes /clock at 10 Hz). At the wall clock's 1% slew the count fell 0.2 s behind
+    or ahead within seconds and re-anchored: a jump every few seconds, each one an incomplete
+    command. At SIM_SLEW the stamps follow the clock and join within half a block (the speech
+    node's jitter allowance)."""
+    from photon_ros.microphone_node import SIM_SLEW
+    rng = np.random.default_rng(0)
+    for factor in (0.8, 1.0, 1.2):
+        clock, real, stamps = SampleClock(16000, slew=SIM_SLEW), 0.0, []
+        for _ in range(600):                       # a minute of 100 ms blocks
+            real += 0.1
+            at = real + rng.uniform(0, 0.02)       # the callback, a little late
+            sim = 1000.0 + factor * np.floor(at * 10) / 10
+            stamps.append(clock.stamp(1600, sim))
+        assert np.all(np.abs(np.diff(stamps) - 0.1) <= 0.05), factor
+        assert abs(stamps[-1] + 0.1 - sim) < 0.2, factor
+
+
 def mgonzs13_reads(audio: np.ndarray, rate: int, chunk: int, late: dict[int, float], lost: set[int] = frozenset()):
     """(stamp, samples) of mgonzs13's capturer: `now()` then a blocking read of `chunk` samples; the
     loop held up `late[k]` s before read k (PortAudio keeps the samples meanwhile); chunks in `lost`

@@ -1,0 +1,88 @@
+"""Audio sources under use_sim_time (which the launch files set on every node they start): the
+microphone delivers whatever the simulator's clock does, and both it and the WAV player stamp
+chunks on that clock, as every other stamp the robot sees, not on the wall clock (the loop node
+reads a command's age from the transcript's stamp against its clock: wall-clock stamps made every
+command young, however late).
+
+A simulator's /clock is played here by a node of the test: from 1000 s, at a real-time factor, in
+steps (gazebo_ros publishes it at 10 Hz)."""
+from __future__ import annotations
+
+import time
+import wave
+
+import numpy as np
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rosgraph_msgs.msg import Clock
+
+from photon_ros.result_messages import seconds_to_time, time_to_seconds
+from ros_harness import wait_for
+from test_microphone_node import BLOCK, RATE, card, graph, listen, microphone  # noqa: F401 (fixtures)
+
+SIM_START = 1000.0
+
+
+def simulator(graph, factor: float = 1.0, step_s: float = 0.01) -> None:
+    """/clock from SIM_START, running at `factor` times real time, published every `step_s` real seconds."""
+    node = graph.node("simulator")
+    pub = node.create_publisher(Clock, "/clock", QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    t0 = time.monotonic()
+    node.create_timer(step_s, lambda: pub.publish(Clock(clock=seconds_to_time(
+        SIM_START + factor * (time.monotonic() - t0)))))
+
+
+def sim_now(node) -> float:
+    return node.get_clock().now().nanoseconds * 1e-9
+
+
+def test_the_microphone_delivers_before_the_simulators_clock_starts(graph, card):
+    """No /clock yet (the simulator not started, or paused): the node's timers ran on that clock,
+    so no chunk and no /diagnostics came while the blocks piled up and were dropped."""
+    chunks, statuses = listen(graph)
+    mic = microphone(graph, use_sim_time=True)
+    assert wait_for(lambda: mic.publisher.get_subscription_count() > 0, timeout=10)
+    card.streams[0].deliver(3)
+    assert wait_for(lambda: len(chunks) == 3, timeout=5), f"{len(chunks)} chunks, {mic.blocks.qsize()} blocks held"
+    assert wait_for(lambda: statuses, timeout=5)
+    # no time to give yet: unstamped (0), as the speech and loop nodes read it, not a wall-clock time
+    assert [time_to_seconds(c.header.stamp) for c in chunks] == [0.0, 0.0, 0.0]
+
+
+def test_the_microphone_stamps_on_the_simulators_clock(graph, card):
+    """A busy world at 0.8 real time, its clock in 10 Hz steps: the stamps are on that clock and
+    still join within the half block the speech node takes for jitter (not lost audio)."""
+    chunks, _ = listen(graph)
+    simulator(graph, factor=0.8, step_s=0.1)
+    mic = microphone(graph, use_sim_time=True)
+    assert wait_for(lambda: sim_now(mic) > SIM_START and mic.publisher.get_subscription_count() > 0, timeout=10)
+    card.streams[0].deliver(12)
+    assert wait_for(lambda: len(chunks) == 12, timeout=10)
+    starts = np.array([time_to_seconds(c.header.stamp) for c in chunks])
+    now = sim_now(mic)
+    assert SIM_START < starts[0] and now - 0.5 < starts[-1] < now, (starts, now)   # not the wall clock's 1.7e9 s
+    assert np.all(np.abs(np.diff(starts) - BLOCK / RATE) <= 0.5 * BLOCK / RATE), np.diff(starts)
+
+
+def test_the_wav_publisher_stamps_on_the_simulators_clock(graph, tmp_path):
+    from photon_ros.wav_publisher import WavPublisher
+    from photon_ros.msg import AudioChunk
+
+    path = tmp_path / "tone.wav"
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(RATE)
+        f.writeframes((np.sin(np.arange(RATE // 2) * 0.1) * 8000).astype("<i2").tobytes())
+    chunks = []
+    graph.node("listener").create_subscription(AudioChunk, "audio", chunks.append,
+                                               QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+    simulator(graph)
+    params = {"file": str(path), "use_sim_time": True, "leading_silence_s": 0.0, "trailing_silence_s": 0.0}
+    player = graph.add(WavPublisher(context=graph.context,
+                                    parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
+    assert wait_for(lambda: player.done, timeout=10)
+    assert wait_for(lambda: len(chunks) == 5, timeout=5)
+    starts = np.array([time_to_seconds(c.header.stamp) for c in chunks])
+    assert SIM_START - 0.2 < starts[0] and starts[-1] < sim_now(player), starts   # not the wall clock's 1.7e9 s
+    assert np.allclose(np.diff(starts), BLOCK / RATE, atol=1e-6)   # the file's own clock: joined exactly
