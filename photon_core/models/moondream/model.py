@@ -108,6 +108,9 @@ class MoondreamModel:
     # Tokens a reasoning may not pick from its second token on (TokenizerConfig field names): the
     # public reference's, as kestrel keeps them for Moondream 2 only.
     reasoning_barred: tuple[str, ...] = ("eos_id", "size_id")
+    # Tokens an answer (caption, query, chat) may not pick: the answer marker, which ends the
+    # prompt, as the public reference sets its logit to -inf.
+    answer_barred: tuple[str, ...] = ("answer_id",)
     # How an image becomes the encoder's input (image_crops.py's docstring says why): Moondream 2's
     # as the public reference makes it (PIL's Lanczos-3, normalised through bfloat16).
     resampler: str = "pil"

@@ -78,9 +78,14 @@ def check_prompt(model: "MoondreamModel", enc: "EncodedImage", ids: list[int]) -
 
 
 def answer_mask(model: "MoondreamModel") -> torch.Tensor:
-    """Tokens an answer may contain: all but the answer marker, which ends the prompt."""
+    """Tokens an answer (caption, query) may contain: all but the model's `answer_barred`
+    (Moondream 2: the answer marker, which ends its prompt; Moondream 3 bars nothing, as kestrel
+    suppresses nothing in its answers)."""
+    tk = model.config.tokenizer
     allowed = torch.ones(model.config.text.vocab_size, dtype=torch.bool, device=model.device)
-    allowed[model.config.tokenizer.answer_id] = False
+    barred = [getattr(tk, name) for name in model.answer_barred]
+    if barred:
+        allowed[barred] = False
     return allowed
 
 

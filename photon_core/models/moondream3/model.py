@@ -100,6 +100,10 @@ class Moondream3Model(MoondreamModel):
     # kestrel bars no token while Moondream 3 reasons (its query skill's suppressed_token_ids are
     # Moondream 2's only): eos there ends the request (batch.py).
     reasoning_barred = ()
+    # Nor in an answer (caption, query, chat): its query template's answer_suppressed_token_ids are
+    # empty and its caption suppresses the answer marker for moondream2 only, so a marker the model
+    # picks in an answer is an answer token (skills.answer_mask; Moondream 2 bars it).
+    answer_barred: tuple[str, ...] = ()
     # its MoE layers' prefill dequantises experts per call: a graph's pool would keep the peak
     # (~0.8 GB for a layer) for good, which memory.py counts as a request's transient
     prefill_graphs = False
