@@ -379,8 +379,9 @@ class SpeechNode(ManagedNode):
         if not MIN_RATE <= pcm.sample_rate <= MAX_RATE:
             raise ValueError(f"sample rate {pcm.sample_rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
         stamped = start > 0.0
-        if not stamped:   # the chunk ended about now
-            start = self.now_seconds() - pcm.samples.size / pcm.sample_rate
+        if not stamped:   # the chunk ended about now; never before 0 (a simulator's clock before
+            #               its first /clock reads 0): a negative stamp is no time at all
+            start = max(0.0, self.now_seconds() - pcm.samples.size / pcm.sample_rate)
         return pcm, start, stamped, frame_id
 
     def jump_tolerance(self, chunk_s: float) -> float:

@@ -112,3 +112,17 @@ def test_a_language_the_model_cannot_take_is_refused_and_failing_transcriptions_
         assert node.set_parameters([Parameter("language", value="de")])[0].successful
     finally:
         graph.close()
+
+
+def test_unstamped_audio_before_a_simulators_first_clock_is_not_stamped_negative(context):
+    """Under use_sim_time the node's clock reads 0 until the first /clock: an unstamped chunk
+    (std_msgs arrays, a zero stamp) "ended now" began before 0, and its transcript carried a
+    negative stamp, which rclpy's Time (and so many readers) refuses."""
+    node = unconfigured(context, use_sim_time=True)
+    try:
+        chunk = pcm_to_audio_chunk(np.zeros(1600, np.int16), 16000)
+        assert node.get_clock().now().nanoseconds == 0
+        _, start, stamped, _ = node.decode(chunk)
+        assert start == 0.0 and not stamped
+    finally:
+        node.destroy_node()
