@@ -68,16 +68,18 @@ def test_device_rules_choose_as_the_host_rules(model, timestamps):
         rules.reset([[]] * B, timestamps)
 
 
-def test_megakernel_batch_of_windows_decodes_as_rows_of_a_bucket(model):
+def test_megakernel_batch_of_windows_decodes_as_rows_of_a_bucket(model, monkeypatch):
     """Two clips through WhisperSpeech.batch on the megakernel: their first windows decode as the
-    rows of the 2-row bucket in rounds on the device (rows finishing at different steps), and each
-    clip's transcript is the reference path's for that clip alone."""
-    from test_whisper_megakernel import INTERPRETER_TILING
+    rows of the 2-row bucket in rounds on the device (rows finishing at different steps: 6 and 5
+    launches, the last round's 2 steps), and each clip's transcript is the reference path's for
+    that clip alone."""
+    from test_whisper_megakernel import CHUNK, INTERPRETER_TILING, rounds_of
     from speech_audio import espeak_pcm
     from photon_core.models.whisper.megakernel_steps import MegakernelSteps
 
     clips = [espeak_pcm(t) for t in ("Stop right there.", "Turn left.")]
     want = [model.transcribe(pcm, rate) for pcm, rate in clips]
+    rounds_of(monkeypatch)   # rounds of CHUNK launches: 3 rounds, 6 launches (one round of 8 in production)
     steps = MegakernelSteps(model.net, tiling=INTERPRETER_TILING)
     model.decoder.steps = steps
     try:
@@ -87,4 +89,5 @@ def test_megakernel_batch_of_windows_decodes_as_rows_of_a_bucket(model):
     for g, w in zip(got, want):
         assert g["text"] == w["text"] and g["segments"] == w["segments"]
     assert len({len(w["text"]) for w in want}) == 2
-    assert steps._loops[2][1].rounds > 0 and steps._loops[1] is None   # one batch, no window alone
+    loop = steps._loops[2][1]   # one batch, no window alone; one read a round of the longer row's 6 launches
+    assert loop.chunk == CHUNK and loop.rounds == -(-6 // CHUNK) and steps._loops[1] is None
