@@ -155,7 +155,8 @@ class Captioner(VisionModel, Protocol):
         top_p in (0, 1] (0.3), max_tokens (768), max_objects (50), variant (None); an unknown key
         is a TypeError; a setting the family cannot honour (variant: Moondream's adapters) is a
         NotImplementedError saying so. Every vision family takes this signature and these
-        defaults; max_objects is accepted and unused by text skills."""
+        defaults (Moondream 3 fills in kestrel's: temperature 0.2, top_p 0.9); max_objects is
+        accepted and unused by text skills."""
 
 
 @runtime_checkable

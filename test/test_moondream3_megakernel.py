@@ -231,16 +231,106 @@ def test_skills_match_reference(pair, encoded):
 
 
 def test_greedy_caption_decodes_in_rounds_on_the_device(pair, encoded):
-    """A streamed greedy caption on the megakernel: rounds on the device (FP8 experts, tau attention)
-    give the reference's text."""
+    """A streamed greedy caption on the megakernel: rounds on the device (FP8 experts, tau attention;
+    batch-1 object rounds, which feed its coord/size tokens as region values) give the reference's
+    text."""
     ref_m, fast = pair
     ref_e, fast_e = encoded
     want = ref_m.caption(ref_e, "short", settings={"temperature": 0, "max_tokens": 6})
-    fast.decode.decoder(1)
-    loop = fast.decode._text_loop
+    loop = fast.decode.object_rounds(fast.decode.decoder(1)).loop
     before = loop.rounds
     assert "".join(fast.caption(fast_e, "short", stream=True, settings={"temperature": 0, "max_tokens": 6})["caption"]) == want["caption"]
     assert len(set(want["caption"].split())) > 2 and loop.rounds - before >= 1
+
+
+def _kestrel_greedy(model, enc, prompt: list[int], n: int) -> list[int]:
+    """Up to n greedy tokens after `prompt` by kestrel's rules, written out with the reference ops:
+    the argmax over the whole vocabulary (Moondream 3's answers bar nothing); after a coord or size
+    token the next input is the region encoder's value of what the region heads read from the
+    hidden state that picked it (kestrel's runtime.py post_sample / _embed_packed_token_batch),
+    after any other token its embedding; eos ends."""
+    from photon_core.models.moondream3 import region as md3_region
+    tw, rw, cfg = model.text_w, model.region_w, model.config.text
+    cache = md3_text.KVCache(cfg, enc.pos + len(prompt) + n, torch.float32, "cpu")
+    cache.k[:, :, :, :enc.pos], cache.v[:, :, :, :enc.pos] = enc.k, enc.v
+    x, pos, tokens = md3_text.embed(torch.tensor([prompt]), tw), enc.pos, []
+    for _ in range(n):
+        hidden = md3_text.forward(x, pos, tw, cfg, cache, ref)[:, -1]
+        pos += x.shape[1]
+        tok = int(md3_text.lm_logits(hidden, tw, ref).argmax())
+        if tok == model.config.tokenizer.eos_id:
+            break
+        tokens.append(tok)
+        if tok == COORD_ID:
+            x = md3_region.encode_coords(md3_region.decode_coords(hidden, rw, ref), rw, ref).reshape(1, 1, -1)
+        elif tok == SIZE_ID:
+            x = md3_region.encode_sizes(md3_region.decode_sizes(hidden, rw, ref), rw, ref).reshape(1, 1, -1)
+        else:
+            x = md3_text.embed(torch.tensor([[tok]]), tw)
+    return tokens
+
+
+def test_answers_decode_as_kestrel_on_every_path(pair, encoded):
+    """This checkpoint's greedy caption mixes words with coord and size tokens. Its tokens are
+    kestrel's (_kestrel_greedy) on the reference backend and on the megakernel, host-driven and in
+    device rounds; its text is the words alone, streamed or not (kestrel's caption decodes its
+    text tokens only)."""
+    from photon_core.models.moondream import batch as batch_decoding
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    n, greedy = 8, {"temperature": 0, "max_tokens": 8}
+    want = _kestrel_greedy(ref_m, ref_e, skills.caption_prompt(ref_m, "short"), n)
+    assert {COORD_ID, SIZE_ID} <= set(want) and set(want) - {COORD_ID, SIZE_ID}   # words and region tokens
+    text = ref_m.tokenizer.decode([t for t in want if t not in (COORD_ID, SIZE_ID)])
+
+    def tokens(model, enc) -> list[int]:
+        rows, encd = batch_decoding.prepare(model, [Request("caption", enc, "short", settings=greedy)])
+        if model.decode is None:
+            list(batch_decoding.ops_steps(model, rows, encd))
+        else:
+            with model.decode.exclusive():
+                model.decode._decode_rows(rows, encd)
+        return rows[0].tokens
+    assert tokens(ref_m, ref_e) == want and ref_m.caption(ref_e, "short", settings=greedy)["caption"] == text
+    assert tokens(fast, fast_e) == want   # device rounds
+    fast.decode.device_rounds = False
+    try:
+        assert tokens(fast, fast_e) == want   # host-driven megakernel steps
+        assert "".join(fast.caption(fast_e, "short", stream=True, settings=greedy)["caption"]) == text
+    finally:
+        fast.decode.device_rounds = True
+    assert fast.caption(fast_e, "short", settings=greedy)["caption"] == text
+
+
+def test_sampled_object_skills_on_the_megakernel(pair, encoded):
+    """A detect, point or segment given a temperature samples on the megakernel too (kestrel
+    applies settings' temperature and top_p to them): host-driven steps (not the greedy rounds),
+    each coordinate and size drawn from the region heads' logits on the launch's hidden state. A
+    nucleus of one bin (a tiny top_p) gives the greedy decode; a hot one differs between seeds."""
+    from photon_core.runtime.sampling import Sampling
+    ref_m, fast = pair
+    ref_e, fast_e = encoded
+    hot, narrow = {"temperature": 5.0, "top_p": 1.0}, {"temperature": 5.0, "top_p": 1e-6}
+    for task, limit in (("detect", 1), ("point", 2)):
+        want = getattr(ref_m, task)(ref_e, "cup", settings={"max_objects": limit})
+        loop = fast.decode.object_rounds(fast.decode.decoder(1)).loop
+        before = loop.rounds
+        got = getattr(fast, task)(fast_e, "cup", settings={"max_objects": limit, **narrow})
+        ff.assert_same_results([got], [want], SCORE_ATOL)
+        assert loop.rounds == before   # sampled: host-driven
+
+        def sampled(seed: int) -> dict:
+            torch.manual_seed(seed)
+            return getattr(fast, task)(fast_e, "cup", settings={"max_objects": limit, **hot})
+        assert sampled(0) != sampled(1)
+    prompt = seg.segment_prompt(ref_m, "dog")
+    want = seg.decode(ref_m, ref_e, prompt, 6)
+    assert seg.decode(fast, fast_e, prompt, 6, sampling=Sampling(6, **narrow)) == want
+    draws = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        draws.append(seg.decode(fast, fast_e, prompt, 6, sampling=Sampling(6, **hot)))
+    assert draws[0] != draws[1]
 
 
 def test_fp8_experts_stay_fp8_on_the_megakernel(pair):

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 DEFAULT_MAX_OBJECTS = 50
 DEFAULT_MAX_TOKENS = 768
 # The public Moondream reference's sampling defaults (moondream/torch/moondream.py): a `settings`
-# dict that leaves them out samples with these, as the reference and Moondream Cloud do.
+# dict that leaves them out samples with these, as the reference and Moondream Cloud do. A family
+# whose makers' engine fills in others passes them to Request.options (Moondream 3: kestrel's).
 DEFAULT_TEMPERATURE = 0.5
 DEFAULT_TOP_P = 0.3
 
@@ -25,7 +26,8 @@ SpatialRef = tuple[float, float] | tuple[float, float, float, float]
 class Settings:
     """A skill call's `settings` dict, checked, with the reference's defaults filled in.
     temperature 0 decodes greedily; max_objects bounds detect/point, max_tokens text (a reasoning
-    query spends up to max_tokens on its reasoning and again on its answer, as the reference does);
+    query spends up to max_tokens on its reasoning and again on its answer, as Moondream 2's public
+    reference does; Moondream 3's share one max_tokens, as kestrel's do);
     variant: the fine-tuned adapter (LoRA) to decode with, None for the base model."""
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
@@ -127,9 +129,12 @@ class Request:
     def canceled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
 
-    def options(self) -> Settings:
-        """The settings this request decodes with: `settings` checked (the reference's defaults for
-        keys left out), or without a dict the fields above (greedy unless temperature says not)."""
+    def options(self, defaults: Mapping[str, Any] | None = None) -> Settings:
+        """The settings this request decodes with: `settings` checked (for keys left out the
+        family's `defaults`, else the reference's), or without a dict the fields above (greedy
+        unless temperature says not)."""
+        if isinstance(self.settings, Mapping) and defaults:
+            return Settings.of({**defaults, **self.settings})
         if self.settings is not None:
             return Settings.of(self.settings)
         return Settings.of({"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,

@@ -60,13 +60,15 @@ class _Row:
     score: float = 0.0                   # the object in progress: P(coord) at its boundary
     done: bool = False
     reported: int = 0                    # objects or tokens the caller's progress has heard of
-    sampling: Sampling | None = None     # how a caption/query row picks its tokens (None: detect/point)
+    sampling: Sampling | None = None     # how the row picks its tokens (None: a detect/point decoded greedily)
     opts: Settings = None  # type: ignore[assignment]  # (None: the request's own, __post_init__)
     refs: list[SpatialRef] = field(default_factory=list)
     think: list[int] = field(default_factory=list)       # a reasoning query's reasoning tokens
     think_coords: list[float] = field(default_factory=list)  # the coordinates at its coord tokens
     remask: torch.Tensor | None = None   # the tokens it may pick from its next step on, when they change
     value: Any = None                    # the region heads' coordinate or (w, h) at its last step
+    size: Any = None                     # an answer's or reasoning's (w, h) at its last step, where a size
+                                         # token it picks is fed (model.spatial_tokens_fed)
     feed: tuple[str, Any] | None = None  # ("coord" | "size", value) its next input encodes; None: a token
     text: Any = None                     # its answer's text as reported so far (JoinedPieces)
 
@@ -107,27 +109,34 @@ def _prompt(model: "MoondreamModel", r: Request, opts: Settings) -> tuple[list[i
     raise ValueError(f"unknown task {r.task!r}; one of {', '.join(TASKS)}")
 
 
-def _sampling(r: Request, opts: Settings) -> Sampling | None:
-    """A caption/query request's Sampling; None for detect/point (which decode greedily, as the
-    reference's do: their temperature and top_p are not used)."""
-    return None if r.task in ("detect", "point") else opts.sampling()
+def _sampling(model: "MoondreamModel", r: Request, opts: Settings) -> Sampling | None:
+    """A request's Sampling: a caption's or query's, and a detect's or point's where the model
+    samples those (spatial_values_sampled: Moondream 3, as kestrel applies settings' temperature
+    and top_p to them); else None: they decode greedily, as Moondream 2's reference's do (their
+    temperature and top_p are not used)."""
+    if r.task in ("detect", "point") and not model.spatial_values_sampled:
+        return None
+    return opts.sampling()
 
 
 def _new_row(model: "MoondreamModel", r: Request, prompt: list[int], enc: "EncodedImage",
              sampling: Sampling | None, opts: Settings, refs: list[SpatialRef]) -> _Row:
     skills.check_prompt(model, enc, prompt)
-    length = min(model.config.text.max_context, enc.pos + len(prompt) + _need(r, opts))
+    length = min(model.config.text.max_context, enc.pos + len(prompt) + _need(model, r, opts))
     if r.task in ("detect", "point"):
-        return _Row(r, prompt, length, enc.pos, BOUNDARY, opts=opts, refs=refs)
+        return _Row(r, prompt, length, enc.pos, BOUNDARY, sampling=sampling, opts=opts, refs=refs)
     return _Row(r, prompt, length, enc.pos, THINK if r.reasoning else TOKEN, sampling=sampling, opts=opts, refs=refs)
 
 
-def _need(r: Request, opts: Settings) -> int:
+def _need(model: "MoondreamModel", r: Request, opts: Settings) -> int:
     """The tokens a request may take: its objects' steps, its answer's (a reasoning's tokens, the
-    answer marker, then the answer's)."""
+    answer marker, then the answer's: max_tokens for them all where the model's reasoning shares
+    one, as kestrel's does; else max_tokens each, as Moondream 2's public code gives them)."""
     if r.task in ("detect", "point"):
         return _steps_per_object(r.task) * opts.max_objects
-    return 2 * opts.max_tokens + 1 if r.reasoning else opts.max_tokens
+    if r.reasoning and not model.reasoning_shares_max_tokens:
+        return 2 * opts.max_tokens + 1
+    return opts.max_tokens
 
 
 def prepare(model: "MoondreamModel", requests: list[Request]) -> tuple[list[_Row], list["EncodedImage"]]:
@@ -136,8 +145,8 @@ def prepare(model: "MoondreamModel", requests: list[Request]) -> tuple[list[_Row
     the same variant (run groups them)."""
     checked = []
     for r in requests:   # every request checked before any image is encoded
-        opts = r.options()
-        checked.append((opts, _sampling(r, opts), *_prompt(model, r, opts)))
+        opts = model.request_settings(r)
+        checked.append((opts, _sampling(model, r, opts), *_prompt(model, r, opts)))
     variants = {opts.variant for opts, *_ in checked}
     if len(variants) > 1:
         raise ValueError(f"one decode serves one variant; these requests ask for {sorted(map(str, variants))}")
@@ -199,7 +208,7 @@ def ops_steps(model: "MoondreamModel", rows: list[_Row], encoded: list["EncodedI
     return decode(BatchSession(model, rows, encoded, stepper))
 
 
-_OBJECTS = Sampling(0)   # detect and point decide greedily (the reference's do; temperature and top_p unused)
+_OBJECTS = Sampling(0)   # detect and point without a Sampling decide greedily (_sampling)
 
 
 def decode(session: "BatchSession", device_rounds: bool = False) -> Iterator[None]:
@@ -231,7 +240,8 @@ class BatchSession:
     reference lays a sequence out: an answer's tokens; per box of a detect `coord coord size`, per
     point `coord coord` (tokens whose inputs are the region encoder's values, not embeddings),
     then eos; a reasoning's tokens (a `coord` among them fed its coordinate), the answer marker,
-    the answer's. Each step reads the heads its rows need, each head once for all of them (_read):
+    the answer's (Moondream 3: every coord and size token of an answer or a reasoning is fed its
+    value, _fed_as_region). Each step reads the heads its rows need, each head once for all of them (_read):
     the masked LM argmax at an answer token or an object boundary, the region heads' coordinate
     or size inside an object; choose() runs the row's protocol on what was read (its objects, its
     text, the value its next input encodes) and step() feeds the next inputs.
@@ -243,10 +253,11 @@ class BatchSession:
         self.model, self.rows, self.encoded, self.stepper = model, rows, encoded, stepper
         self.live = list(range(len(rows)))   # request rows, by the session's (live) row
         self.answer = skills.answer_mask(model)       # built once, not per token
+        self.boundary = skills.boundary_mask(model)
         self.think = skills.reasoning_mask(model)
-        # A row's room: its objects' steps, its answer's tokens (a reasoning's is set when its
-        # answer starts, choose()), within its cache.
-        self.rooms = [room(_need(row.request, row.opts), row.pos + len(row.prompt), row.length) for row in rows]
+        # A row's room: its objects' steps, its answer's tokens (a Moondream 2 reasoning's answer
+        # gets its own max_tokens when it starts, choose()), within its cache.
+        self.rooms = [room(_need(model, row.request, row.opts), row.pos + len(row.prompt), row.length) for row in rows]
 
     def prefill(self) -> tuple[torch.Tensor, list[int]]:
         heads = self.stepper.start(self.rows, self.encoded)
@@ -281,25 +292,48 @@ class BatchSession:
         greedy = [tk.size_id if r.phase == SIZE else tk.coord_id for r in rows]
         for i, tok in zip(asks, heads.tokens(asks) if asks else []):
             greedy[i] = tok
-        starts = [i for i in asks if rows[i].phase == BOUNDARY and greedy[i] == tk.coord_id]
         sampled = [i for i in asks if not (rows[i].sampling or _OBJECTS).greedy]
-        # a reasoning's coord token is fed the coordinate read from the same hidden state
-        coord = starts + [i for i, r in enumerate(rows) if r.phase == COORD_Y or
-                          (r.phase == THINK and (greedy[i] == tk.coord_id or i in sampled))]
-        size = [i for i, r in enumerate(rows) if r.phase == SIZE]
+        # object boundaries where another object may start (a sampled row's: before it picks)
+        starts = [i for i in asks if rows[i].phase == BOUNDARY and (greedy[i] == tk.coord_id or i in sampled)]
+
+        def fed(i: int, tok: int) -> bool:
+            # an answer's or reasoning's coord/size token fed as a region value (_fed_as_region) is
+            # fed the value read from the same hidden state (a sampled row's: whichever it picks)
+            r = rows[i]
+            return (r.phase in (TOKEN, THINK) and _fed_as_region(self.model, r, tok)
+                    and (greedy[i] == tok or i in sampled))
+        coord = starts + [i for i, r in enumerate(rows) if r.phase == COORD_Y or fed(i, tk.coord_id)]
+        size = [i for i, r in enumerate(rows) if r.phase == SIZE or fed(i, tk.size_id)]
         if starts:
             for i, p in zip(starts, heads.boundary_scores(starts)):
                 rows[i].score = p
         if coord:
-            for i, v in zip(coord, heads.coords(coord)):
+            for i, v in zip(coord, self._values(heads, rows, coord, "coord")):
                 rows[i].value = v
         if size:
-            for i, wh in zip(size, heads.sizes(size)):
-                rows[i].value = wh
+            for i, wh in zip(size, self._values(heads, rows, size, "size")):
+                if rows[i].phase == SIZE:
+                    rows[i].value = wh
+                else:
+                    rows[i].size = wh
         logits = torch.zeros(len(rows), self.model.config.text.vocab_size if sampled else 0, device=self.model.device)
         for i in sampled:
             logits[i] = heads.logits(i)
         return logits, greedy
+
+    def _values(self, heads: Any, rows: list[_Row], idx: list[int], kind: str) -> list[Any]:
+        """The coordinates (kind "coord") or sizes of rows `idx`: the region heads' argmax, or
+        where the model samples them (spatial_values_sampled) and the row samples, drawn from the
+        region heads' logits on its hidden state with its temperature and top_p."""
+        m = self.model
+        drawn = [i for i in idx if m.spatial_values_sampled and not (rows[i].sampling or _OBJECTS).greedy]
+        argmax = [i for i in idx if i not in drawn]
+        got = dict(zip(argmax, (heads.coords if kind == "coord" else heads.sizes)(argmax))) if argmax else {}
+        if drawn:
+            draw = m.region_impl.sample_coords if kind == "coord" else m.region_impl.sample_sizes
+            got.update(zip(drawn, draw(heads.hidden_of(drawn).to(m.dtype), m.region_w, m.ops,
+                                       [rows[i].sampling for i in drawn])))
+        return [got[i] for i in idx]
 
     def choose(self, r: int, logits: torch.Tensor, greedy: int | None) -> int:
         """Request row r's next token by its protocol (its greedy one, or sampled from `logits`),
@@ -309,7 +343,9 @@ class BatchSession:
         assert greedy is not None, "every step reads each row's greedy token (_read)"
         row.feed = None
         if row.phase == BOUNDARY:
-            if len(row.objects) >= row.opts.max_objects or row.pos + row.steps > row.length or greedy != tk.coord_id:
+            s = row.sampling   # another object (coord) or the end: greedy, or sampled under the mask
+            more = greedy if s is None or s.greedy else pick(logits, s, model.ops, self.boundary)
+            if len(row.objects) >= row.opts.max_objects or row.pos + row.steps > row.length or more != tk.coord_id:
                 return self._end(row)
             row.x, row.phase, row.feed = row.value, COORD_Y, ("coord", row.value)
             return tk.coord_id
@@ -335,6 +371,7 @@ class BatchSession:
             if tok is None:
                 return self._end(row)
             row.tokens.append(tok)
+            row.feed = _region_feed(model, row, tok)
             return tok
         # THINK. The reference picks the first reasoning token from the prompt's logits unmasked.
         tok = _reasoning_token(model, row, greedy, lambda: logits, self.think if row.think else None)
@@ -343,18 +380,22 @@ class BatchSession:
             # request with its reasoning and no answer, as kestrel's stop does. (Moondream 2's
             # first reasoning token is unmasked, and the reference feeds an eos there on.)
             return self._end(row)
-        if tok is None or row.pos >= row.length:
-            # The reasoning ends (the answer marker, or max_tokens): the marker is fed next and
-            # the answer follows, as the reference prefills its suffix after reasoning.
+        shared = model.reasoning_shares_max_tokens
+        if tok is None or (not shared and row.pos >= row.length):
+            # The reasoning ends (the answer marker; Moondream 2 also at max_tokens of reasoning):
+            # the marker is fed next and the answer follows, as the reference prefills its suffix
+            # after reasoning, with max_tokens of its own. Where reasoning and answer share one
+            # max_tokens (Moondream 3, as kestrel) the request simply ends when it runs out: rooms.
             row.phase, row.remask = TOKEN, self.answer
-            self.rooms[r] = min(self.rooms[r], len(row.think) + 1 + row.opts.max_tokens)
+            if not shared:
+                self.rooms[r] = min(self.rooms[r], len(row.think) + 1 + row.opts.max_tokens)
             return tk.answer_id
         if not row.think:
-            row.remask = self.think   # eos and size barred from the second token on
+            row.remask = self.think   # Moondream 2: eos and size barred from the second token on
         row.think.append(tok)
         if tok == tk.coord_id:
             row.think_coords.append(row.value)
-            row.feed = ("coord", row.value)
+        row.feed = _region_feed(model, row, tok)
         return tok
 
     def _end(self, row: _Row) -> int:
@@ -381,12 +422,39 @@ class BatchSession:
         return nxt
 
 
+def _fed_as_region(model: "MoondreamModel", row: _Row, tok: int) -> bool:
+    """Whether `tok`, picked in `row`'s answer or reasoning, is fed back as the region encoder's
+    value of what the region heads read from the hidden state that picked it (else its embedding):
+    every coord and size token where the model's engine feeds them so (model.spatial_tokens_fed:
+    kestrel types every coord/size id it samples as a region token and embeds it with the region
+    encoder), else a reasoning's coord (Moondream 2's public code)."""
+    tk = model.config.tokenizer
+    if model.spatial_tokens_fed:
+        return tok in (tk.coord_id, tk.size_id)
+    return row.phase == THINK and tok == tk.coord_id
+
+
+def _region_feed(model: "MoondreamModel", row: _Row, tok: int) -> tuple[str, Any] | None:
+    """What `row`'s next input encodes after its answer or reasoning token `tok` (row.feed)."""
+    if not _fed_as_region(model, row, tok):
+        return None
+    return ("coord", row.value) if tok == model.config.tokenizer.coord_id else ("size", row.size)
+
+
+def spent(model: "MoondreamModel", row: _Row) -> int:
+    """The tokens a caption/query row's max_tokens has paid for: its answer's, and where reasoning
+    shares the budget (reasoning_shares_max_tokens) its reasoning's and the answer marker too."""
+    if not (row.request.reasoning and model.reasoning_shares_max_tokens):
+        return len(row.tokens)
+    return len(row.think) + (row.phase == TOKEN) + len(row.tokens)
+
+
 def _reasoning_token(model: "MoondreamModel", row: _Row, greedy: int, logits, allowed: torch.Tensor | None) -> int | None:
     """The next reasoning token (under `allowed`: None, or eos and size barred), or None when the
-    reasoning ends: the answer marker, or max_tokens of reasoning."""
+    reasoning ends: the answer marker, or (Moondream 2) max_tokens of reasoning."""
     s = row.sampling
     assert s is not None
-    if len(row.think) >= s.max_tokens:
+    if not model.reasoning_shares_max_tokens and len(row.think) >= s.max_tokens:
         return None
     tok = greedy if s.greedy else pick(logits(), s, model.ops, allowed)
     return None if tok == model.config.tokenizer.answer_id else tok
@@ -485,6 +553,9 @@ class OpsHeads:
     def coords(self, rows: list[int]) -> list[float]:
         return self.model.region_impl.decode_coords(self.hidden[rows], self.model.region_w, self.model.ops)
 
+    def hidden_of(self, rows: list[int]) -> torch.Tensor:
+        return self.hidden[rows]
+
     def sizes(self, rows: list[int]) -> list[tuple[float, float]]:
         return self.model.region_impl.decode_sizes(self.hidden[rows], self.model.region_w, self.model.ops)
 
@@ -501,7 +572,7 @@ def _result(model: "MoondreamModel", row: _Row) -> dict:
         return {"points": row.objects}
     if row.text is None:
         row.text = JoinedPieces(model.tokenizer.decode)
-    answer = row.text.text(row.tokens)
+    answer = row.text.text(skills.text_ids(model, row.tokens))
     if task == "caption":
         return {"caption": answer}
     return {**_reasoning(model, row), "answer": answer}
@@ -533,12 +604,12 @@ def stream(model: "MoondreamModel", request: Request, decode: Any = None) -> dic
     def tokens() -> Iterator[int]:
         shown = 0
         while True:
-            yield from row.tokens[shown:]
+            yield from skills.text_ids(model, row.tokens[shown:])
             shown = len(row.tokens)
             with torch.inference_mode():
                 if next(steps, StopIteration) is StopIteration:
                     break
-        yield from row.tokens[shown:]
+        yield from skills.text_ids(model, row.tokens[shown:])
 
     pieces = text_pieces(model.tokenizer.decode, tokens())
     return {**reasoning, ("caption" if request.task == "caption" else "answer"): pieces}

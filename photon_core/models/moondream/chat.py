@@ -54,12 +54,11 @@ def chat(model: "MoondreamModel", messages: Any, stream: bool = False, settings:
     history, question = layout(model, conv)
     prefix = prefill(model, history, skills.variant(model, opts.variant))
     request = Request("query", prefix, question, settings=settings, reasoning=reasoning)
-    if stream:
-        return {"message": model.query(prefix, question, reasoning=reasoning, stream=True,
-                                       settings=settings)["answer"]}
+    if stream:   # model.query's decode, without its input normalising (kestrel's chat has none)
+        return {"message": model._text(request, stream=True)["answer"]}
     result, row = _decode(model, request)
     room = row.sampling.max_tokens if row.sampling is not None else 0
-    finish = "length" if len(row.tokens) >= room or row.pos >= row.length else "stop"
+    finish = "length" if batch_decoding.spent(model, row) >= room or row.pos >= row.length else "stop"
     reason = result.get("reasoning") or {}
     return chat_messages.assistant_reply(result["answer"], finish, reason.get("text"),
                                          {"grounding": reason["grounding"]} if reason.get("grounding") else None)

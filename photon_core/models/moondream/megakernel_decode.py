@@ -14,7 +14,8 @@ its skills go through it:
   that holds them; every bucket's compiled step reads one shared copy of the weights. Greedy
   batches decode the steps after the prompt's in rounds on the device (object_rounds.py: the
   protocol's next inputs chosen by device ops, the host reading a round of results at once).
-* caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step);
+* caption/query stream their text from a batch-1 loop (skills.generate_text's rules, step for step;
+  not Moondream 3's, whose answers feed coord/size tokens back as region values: batch.py's protocol);
   greedy ones decode in rounds on the device (megakernel.decode_loop: the masked argmax's token is
   embedded into the next step's input by device ops; on CUDA one CUDA-graph replay and one read per
   round of up to 8 tokens). `sequence` gives that loop's one-request decode state to other
@@ -122,14 +123,19 @@ class MegakernelDecode(CompiledSteps[MoondreamDecoderMegakernel]):
         state from the first step to the answer's last piece (or until the caller drops it)."""
         def steps(rows: list, encoded: list[EncodedImage]) -> Iterator[None]:
             with self.exclusive(), torch.no_grad():
-                session = batch_decoding.BatchSession(self.model, rows, encoded, MegakernelStepper(self))
-                yield from batch_decoding.decode(session)
+                # a greedy answer (Moondream 3's, whose coord/size tokens the text loop cannot feed
+                # as region values: model._text) in rounds, as _decode_rows decodes it
+                rounds = self.device_rounds and object_rounds.greedy(rows)
+                session = (object_rounds.RoundsSession(self, rows, encoded) if rounds
+                           else batch_decoding.BatchSession(self.model, rows, encoded, MegakernelStepper(self)))
+                yield from batch_decoding.decode(session, device_rounds=rounds)
         return batch_decoding.stream(self.model, request, steps)
 
     def generate_text(self, enc: EncodedImage, prompt: list[int], s: Sampling,
                       refs: list | None = None) -> Iterator[str]:
         """skills.generate_text with megakernel steps; yields text pieces. Greedy: the tokens after
         the first decode in rounds on the device."""
+        skills.check_text_loop(self.model)
         skills.check_prompt(self.model, enc, prompt)
         length = min(self.config.text.max_context, enc.pos + len(prompt) + s.max_tokens)
 
@@ -198,8 +204,9 @@ class MegakernelStepper:
         idle = [fm._answer] * (self.mk.batch - len(rows))
         self.masks = batch_decoding.row_masks(fm.model, rows) + idle
         self.mk.set_bias(torch.stack(self.masks))
-        # region heads: objects' coordinates and sizes, a reasoning's grounding coordinates
-        self.region_heads = any(r.is_object or r.request.reasoning for r in rows)
+        # region heads: objects' coordinates and sizes, a reasoning's grounding coordinates, and
+        # any answer's where its coord/size tokens are fed as region values (spatial_tokens_fed)
+        self.region_heads = fm.model.spatial_tokens_fed or any(r.is_object or r.request.reasoning for r in rows)
         last = []
         for slot, (row, enc) in enumerate(zip(rows, encoded)):
             emb = skills.prompt_embeddings(fm.model, row.prompt, row.refs)
@@ -250,6 +257,10 @@ class MegakernelHeads:
         (read before the next launch overwrites them)."""
         logits = self.mk.logits[[self.slots[i] for i in rows]]
         return object_score.continue_probability(logits, self.tk.coord_id, self.tk.eos_id).tolist()
+
+    def hidden_of(self, rows: list[int]) -> torch.Tensor:
+        """The rows' hidden states before post_ln (a sampled row's region values are drawn from them)."""
+        return self.res.hidden[[self.slots[i] for i in rows]]
 
     def coords(self, rows: list[int]) -> list[float]:
         bins = self.res.coord_bins

@@ -111,6 +111,19 @@ class MoondreamModel:
     # Tokens an answer (caption, query, chat) may not pick: the answer marker, which ends the
     # prompt, as the public reference sets its logit to -inf.
     answer_barred: tuple[str, ...] = ("answer_id",)
+    # Whether every coord or size token an answer (caption, query, chat) or a reasoning picks is fed
+    # back as the region encoder's value of what the region heads read from the hidden state that
+    # picked it, and kept out of the text (batch.py). Moondream 2: only a reasoning's coord is,
+    # as its public code feeds it; an answer's are token embeddings.
+    spatial_tokens_fed: bool = False
+    # Whether a reasoning query's reasoning, answer marker and answer share one max_tokens. Moondream
+    # 2: no, its public code gives the reasoning max_tokens and the answer max_tokens again, and
+    # feeds the answer marker when the reasoning's run out.
+    reasoning_shares_max_tokens: bool = False
+    # Whether a sampled request (temperature > 0) draws its coordinates and sizes from the region
+    # heads' logits with its temperature and top_p, and a detect/point samples its continue-or-stop
+    # token. Moondream 2: no, its public code decodes them by argmax (its detect and point greedily).
+    spatial_values_sampled: bool = False
     # How an image becomes the encoder's input (image_crops.py's docstring says why): Moondream 2's
     # as the public reference makes it (PIL's Lanczos-3, normalised through bfloat16).
     resampler: str = "pil"
@@ -245,14 +258,26 @@ class MoondreamModel:
     def _encoded(self, image: ImageLike | EncodedImage) -> EncodedImage:
         return self.encode_image(image)
 
+    def request_settings(self, r: Request) -> Settings:
+        """The settings `r` decodes with (Request.options: the public reference's defaults for keys
+        `settings` leaves out); a family whose makers' engine fills in or bounds them otherwise
+        overrides this (Moondream 3)."""
+        return r.options()
+
+    def as_read(self, r: Request) -> Request:
+        """`r` with its object, question or caption length as the skills read it: as given here,
+        as Moondream 2's public code reads them (Moondream 3 normalises them as kestrel does)."""
+        return r
+
     # -- skills ------------------------------------------------------------------------------
     # The public reference's signatures, defaults and result shapes (moondream/torch/moondream.py);
     # settings: runtime.requests.Settings (temperature 0.5, top_p 0.3, max_tokens 768, max_objects
-    # 50, variant None when left out).
+    # 50, variant None when left out), as request_settings fills them in (Moondream 3: kestrel's).
     def detect(self, image: ImageLike | EncodedImage, object: str, settings: dict | None = None) -> dict:
         """Boxes of `object`: {"objects": [{"x_min", "y_min", "x_max", "y_max", "score"}]}, normalised to
         [0, 1]; score: the model's probability of this object (object_score.py), in [0, 1]. Greedy,
-        as the reference's (temperature and top_p are not used)."""
+        as the reference's (temperature and top_p are not used; Moondream 3 samples where settings
+        give a temperature, as kestrel: spatial_values_sampled)."""
         return self.batch([Request("detect", image, object, settings={} if settings is None else settings)])[0]
 
     def point(self, image: ImageLike | EncodedImage, object: str, settings: dict | None = None,
@@ -266,7 +291,8 @@ class MoondreamModel:
     def caption(self, image: ImageLike | EncodedImage, length: str = "normal", stream: bool = False,
                 settings: dict | None = None) -> dict:
         """{"caption": str}, or a generator of text pieces with stream=True. length: short/normal/long."""
-        return self._text(Request("caption", image, length, settings={} if settings is None else settings), stream)
+        r = Request("caption", image, length, settings={} if settings is None else settings)
+        return self._text(self.as_read(r), stream)
 
     def query(self, image: ImageLike | EncodedImage | None = None, question: str | None = None,
               reasoning: bool = False, spatial_refs: list[SpatialRef] | None = None, stream: bool = False,
@@ -277,18 +303,20 @@ class MoondreamModel:
         boxes (x_min, y_min, x_max, y_max), normalised, that the question refers to."""
         if question is None:
             raise ValueError("question must be provided")
-        return self._text(Request("query", image, question, settings={} if settings is None else settings,
-                                  spatial_refs=spatial_refs, reasoning=reasoning), stream)
+        return self._text(self.as_read(Request("query", image, question, settings={} if settings is None else settings,
+                                               spatial_refs=spatial_refs, reasoning=reasoning)), stream)
 
     def _text(self, r: Request, stream: bool) -> dict:
-        """A caption or query: reasoning through the batched protocol (its phases), the rest on the
-        text loop (device rounds on the megakernel)."""
+        """A caption or query (as_read already): reasoning through the batched protocol (its
+        phases), and so every answer of a model that feeds an answer's coord and size tokens back
+        as region values (spatial_tokens_fed: the text loops feed token embeddings); the rest on
+        the text loop (device rounds on the megakernel)."""
         key = "caption" if r.task == "caption" else "answer"
-        if r.reasoning:
+        if r.reasoning or self.spatial_tokens_fed:
             if stream:
                 return self.decode.stream(r) if self.decode is not None else batch_decoding.stream(self, r)
-            return self.batch([r])[0]
-        opts = r.options()
+            return self._batch([r])[0]
+        opts = self.request_settings(r)
         prompt, refs = batch_decoding._prompt(self, r, opts)
         s = opts.sampling()
         lora = skills.variant(self, opts.variant)
@@ -319,6 +347,10 @@ class MoondreamModel:
         """Several requests (any mix of skills, images and prompts) decoded together: each decode
         step is one batched forward (or one megakernel launch) for all of them. Results in order,
         shaped as the single calls return them (caption/query text not streamed). See batch.py."""
+        return self._batch([self.as_read(r) for r in requests])
+
+    def _batch(self, requests: list[batch_decoding.Request]) -> list[dict]:
+        """batch() of requests already as_read."""
         if self.decode is not None:
             return self.decode.batch(requests)
         return batch_decoding.run(self, requests)

@@ -8,7 +8,8 @@ Here the protocol's input side runs on the device. Each row's phase is a device 
                         this same launch) or not; next input: the encoded x, else the token's embedding
     phase 1  y          next input: the encoded y; then the size (detect) or the next boundary (point)
     phase 2  size       next input: the encoded (width, height); then the next boundary
-    phase 3  answer     next input: the token's embedding (caption/query rows of a mixed batch)
+    phase 3  answer     next input: the token's embedding (caption/query rows of a mixed batch); a
+                        coord or size token's encoded value where the model feeds them so (Moondream 3)
 
 After each launch device ops choose that input from the launch's results (token, coordinate bin,
 width and height bins) and advance the phase; the results are recorded per step (decode_loop), and
@@ -33,7 +34,8 @@ to the round's end on the device; those records are ignored (its slot is its own
 Greedy answers only: a sampled caption/query in a batch needs logits, so such a batch stays
 host-driven. The rounds run the whole step graph, so a batch of captions alone streams the region
 heads' weights too (their results unused), which the host-driven text graph skips; one request's
-caption or query has its own rounds on the text graph (megakernel_decode.generate_text).
+caption or query has its own rounds on the text graph (megakernel_decode.generate_text), except
+Moondream 3's, whose answers need the region heads (batch._fed_as_region): they decode here.
 """
 from __future__ import annotations
 
@@ -97,10 +99,13 @@ class ObjectRounds:
         rec [B, 4 or more], its columns token, coordinate bin, width bin, height bin (then the score)."""
         m, fm = self.fm.model, self.fm
         tok, coord, width, height = rec[:, :4].long().unbind(1)
-        ph = self.phase
-        starts = (ph == 0) & (tok == fm.config.tokenizer.coord_id)
-        coord_in = (starts | (ph == 1))[:, None, None]
-        size_in = (ph == 2)[:, None, None]
+        ph, tk = self.phase, fm.config.tokenizer
+        starts = (ph == 0) & (tok == tk.coord_id)
+        coord_in, size_in = starts | (ph == 1), ph == 2
+        if m.spatial_tokens_fed:   # an answer's coord/size token: this launch's value (batch._fed_as_region)
+            coord_in = coord_in | ((ph == 3) & (tok == tk.coord_id))
+            size_in = size_in | ((ph == 3) & (tok == tk.size_id))
+        coord_in, size_in = coord_in[:, None, None], size_in[:, None, None]
         e_coord = m.region_impl.encode_coord_tensor(self.coord_table[coord.clamp(min=0)], m.region_w, m.ops)
         sizes = torch.stack([self.size_table[width.clamp(min=0)], self.size_table[height.clamp(min=0)]], dim=1)
         e_size = m.region_impl.encode_size_tensor(sizes, m.region_w, m.ops)
@@ -149,6 +154,9 @@ class RecordedHeads:
     def logits(self, row: int) -> torch.Tensor:
         raise RuntimeError("rounds decode greedy answers only; a sampled one is host-driven")
 
+    def hidden_of(self, rows: list[int]) -> torch.Tensor:
+        raise RuntimeError("rounds decode greedy rows only; a sampled one's region values are drawn host-driven")
+
 
 def round_size(rows: list["_Row"], live: list[int]) -> int:
     """Steps of the next round: each object row through its next boundary plus as many objects as
@@ -168,9 +176,9 @@ def round_size(rows: list["_Row"], live: list[int]) -> int:
 
 
 def greedy(rows: list["_Row"]) -> bool:
-    """Whether rounds can decode these rows (no sampled answer, no reasoning: its coordinates are
+    """Whether rounds can decode these rows (no sampled row, no reasoning: its coordinates are
     fed back host-driven)."""
-    return all(r.is_object or (r.sampling is not None and r.sampling.greedy and not r.request.reasoning)
+    return all((r.sampling.greedy if r.sampling is not None else r.is_object) and not r.request.reasoning
                for r in rows)
 
 

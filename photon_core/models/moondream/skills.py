@@ -3,6 +3,7 @@
 Every request continues from an encoded image (the KV cache of [BOS][729 image tokens]) in a cache of
 its own. Caption and query stream their text from `generate_text`; detect and point decode with the
 region module (the object protocol lives in batch.py, which runs one request or several together).
+Moondream 3's captions and queries decode through batch.py too (check_text_loop says why).
 """
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ def check_prompt(model: "MoondreamModel", enc: "EncodedImage", ids: list[int]) -
                          f"({model.config.text.max_context} incl. {enc.pos} image tokens)")
 
 
+def check_text_loop(model: "MoondreamModel") -> None:
+    """ValueError for a model whose answers feed coord/size tokens back as region values
+    (spatial_tokens_fed: Moondream 3): the text loops feed every token's embedding, so they would
+    decode another sequence; its answers decode through batch.py (model._text routes them)."""
+    if model.spatial_tokens_fed:
+        raise ValueError(f"{model.model_id}: an answer's coord/size tokens are fed back as region values, which "
+                         "this text loop cannot do: decode it with model.caption/query/batch")
+
+
 def answer_mask(model: "MoondreamModel") -> torch.Tensor:
     """Tokens an answer (caption, query) may contain: all but the model's `answer_barred`
     (Moondream 2: the answer marker, which ends its prompt; Moondream 3 bars nothing, as kestrel
@@ -105,6 +115,7 @@ def generate_text(model: "MoondreamModel", enc: "EncodedImage", prompt: list[int
                   refs: list[SpatialRef] | None = None, lora: Any = None) -> Iterator[str]:
     """Yields the answer text in pieces as tokens are decoded (caption and query); `refs` fill the
     prompt's coord/size placeholders (prompt_embeddings)."""
+    check_text_loop(model)
     check_prompt(model, enc, prompt)
     length = min(model.config.text.max_context, enc.pos + len(prompt) + s.max_tokens)
     session = TextSession(Sequence(model, enc, length, lora), prompt_embeddings(model, prompt, refs))
@@ -237,11 +248,21 @@ def reasoning_mask(model: "MoondreamModel") -> torch.Tensor:
     return allowed
 
 
+def text_ids(model: "MoondreamModel", tokens: list[int]) -> list[int]:
+    """An answer's or reasoning's tokens that are text: all, or where coord and size tokens are fed
+    as region values (spatial_tokens_fed) all but those (kestrel decodes text tokens only)."""
+    if not model.spatial_tokens_fed:
+        return tokens
+    tk = model.config.tokenizer
+    return [t for t in tokens if t not in (tk.coord_id, tk.size_id)]
+
+
 def grounding(model: "MoondreamModel", tokens: list[int], coords: list[float]) -> dict:
     """The reference's reasoning result from its tokens and the coordinates decoded at its coord
     tokens: {"text", "grounding": [{"start_idx", "end_idx", "points": [(x, y), ...]}]}. The text
     is cut into chunks at each start-ground-points and end-ground token, each chunk decoded on its
-    own; a chunk with at least two coordinates grounds its span of the text on their (x, y) pairs."""
+    own (its text_ids); a chunk with at least two coordinates grounds its span of the text on their
+    (x, y) pairs."""
     tk = model.config.tokenizer
     chunks: list[list[int]] = [[]]
     values: list[list[float]] = [[]]
@@ -253,7 +274,7 @@ def grounding(model: "MoondreamModel", tokens: list[int], coords: list[float]) -
         chunks[-1].append(tok)
         if tok == tk.coord_id:
             values[-1].append(next(it))
-    texts = [model.tokenizer.decode(c) for c in chunks]
+    texts = [model.tokenizer.decode(text_ids(model, c)) for c in chunks]
     out, start = [], 0
     for text, vals in zip(texts, values):
         if len(vals) > 1:

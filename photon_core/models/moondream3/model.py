@@ -12,6 +12,8 @@ the vision encoder and the prompt prefill run on the per-op Triton kernels.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from photon_core.models.moondream import model as md2_model
 from photon_core.models.moondream.model import EncodedImage, MoondreamModel, open_checkpoint
 from photon_core.models.moondream.tokenizer import MoondreamTokenizer
 from photon_core.runtime.image_input import ImageLike
-from photon_core.runtime.requests import Settings, check_spatial_refs
+from photon_core.runtime.requests import Request, Settings, check_spatial_refs
+from photon_core.runtime.sampling import Sampling
 
 from . import region, segment, text
 from . import weights as weights_io
@@ -32,6 +35,12 @@ from .config import Moondream3Config
 # positions hold any skill request with the default token limits (730 image positions + prompt + up
 # to 768 tokens) in 0.8 GB per row (memory.device_memory: the model fits 16 GB at batch 1).
 MEGAKERNEL_MAX_LEN = 4096
+# kestrel's sampling defaults for caption, query and chat (kestrel/skills/base.py,
+# AR_DEFAULT_TEMPERATURE and AR_DEFAULT_TOP_P; parse_settings fills them in for keys left out).
+KESTREL_TEXT_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+# and for detect and point (their build_request: parse_settings(temperature=0.0, top_p=1.0)): greedy
+# unless `settings` says otherwise.
+KESTREL_OBJECT_DEFAULTS = {"temperature": 0.0, "top_p": 1.0}
 
 
 def expected_shapes(cfg: Moondream3Config) -> dict[str, tuple[int, ...]]:
@@ -104,6 +113,19 @@ class Moondream3Model(MoondreamModel):
     # empty and its caption suppresses the answer marker for moondream2 only, so a marker the model
     # picks in an answer is an answer token (skills.answer_mask; Moondream 2 bars it).
     answer_barred: tuple[str, ...] = ()
+    # Every coord and size token an answer or reasoning picks is fed back as its region encoding
+    # (kestrel's decode types each sampled coord/size id as a CoordToken/SizeToken valued by the
+    # spatial heads, runtime.py post_sample, and embeds it with the region encoder,
+    # _embed_packed_token_batch) and is no text (its skills decode TextTokens only).
+    spatial_tokens_fed = True
+    # One max_tokens for reasoning, answer marker and answer together (kestrel's query has one
+    # max_new_tokens for the request; at it the request ends, reason "length", no marker forced).
+    reasoning_shares_max_tokens = True
+    # A sampled request draws its coordinates and sizes with its temperature and top_p, and a
+    # detect/point given a temperature samples whether another object follows (kestrel samples
+    # every token, a detect's under its coord/eos mask, and every spatial value with the
+    # request's settings: scheduler/spatial.py compute_spatial_values; region.sample_coords).
+    spatial_values_sampled = True
     # its MoE layers' prefill dequantises experts per call: a graph's pool would keep the peak
     # (~0.8 GB for a layer) for good, which memory.py counts as a request's transient
     prefill_graphs = False
@@ -131,6 +153,32 @@ class Moondream3Model(MoondreamModel):
         from .decoder_step import Moondream3DecoderMegakernel
         return Moondream3DecoderMegakernel
 
+    def request_settings(self, r: Request) -> Settings:
+        """The settings `r` decodes with, filled in and bounded as kestrel's skills do
+        (build_request): caption and query (and chat, a query here) sample with temperature 0.2
+        and top_p 0.9 where `settings` leaves them out, detect and point decode greedily unless
+        `settings` gives a temperature (spatial_values_sampled); a detect or point finds at least one
+        object (max(1, max_objects)); a point whose `settings` has no max_objects is bounded by
+        max_tokens alone, two tokens a point (detect keeps 50). Requests without a `settings`
+        dict (the nodes', field by field) decode with their fields as given, as before."""
+        opts = r.options(KESTREL_TEXT_DEFAULTS if r.task in ("caption", "query") else KESTREL_OBJECT_DEFAULTS)
+        if r.task not in ("detect", "point") or not isinstance(r.settings, Mapping):
+            return opts
+        if r.task == "point" and "max_objects" not in r.settings:
+            return dataclasses.replace(opts, max_objects=opts.max_tokens // 2)
+        return dataclasses.replace(opts, max_objects=max(1, opts.max_objects))
+
+    def as_read(self, r: Request) -> Request:
+        """`r` as kestrel's skills read it (build_request): the object and the question stripped of
+        surrounding whitespace, the caption length stripped and lower-cased ("" is "normal").
+        A chat's text is not (kestrel's chat takes it as written; chat.py decodes without this)."""
+        if not isinstance(r.prompt, str):
+            return r
+        read = r.prompt.strip()
+        if r.task == "caption":
+            read = read.lower() or "normal"
+        return r if read == r.prompt else dataclasses.replace(r, prompt=read)
+
     def segment(self, image: ImageLike | EncodedImage, object: str, spatial_refs: list | None = None,
                 stream: bool = False, settings: dict | None = None, refine: bool = False) -> Any:
         """{"path": SVG path string, "bbox": {"x_min", "y_min", "x_max", "y_max"} or None}: the outline
@@ -139,15 +187,17 @@ class Moondream3Model(MoondreamModel):
         relative to, in the prompt as kestrel places them. stream=True: an iterator of the
         client's updates ({"bbox"}, {"chunk"}..., {"path", "bbox", "completed": True};
         segment.segment_stream). settings: max_tokens (default segment.DEFAULT_MAX_TOKENS);
-        decoded greedily (temperature and top_p are not used)."""
-        opts = Settings.of(settings)
+        decoded greedily unless settings give a temperature (and top_p), as kestrel's segment
+        (parse_settings with temperature 0, top_p 1 by default)."""
+        opts = Settings.of({**KESTREL_OBJECT_DEFAULTS, **settings} if isinstance(settings, Mapping) else settings)
         refs = check_spatial_refs(spatial_refs)
         if opts.variant is not None:
             raise NotImplementedError(f"settings['variant'] ({opts.variant!r}) is not supported by segment yet "
                                       "(its decode does not take an adapter)")
         max_tokens = opts.max_tokens if settings and "max_tokens" in settings else segment.DEFAULT_MAX_TOKENS
         run = segment.segment_stream if stream else segment.segment
-        return run(self, self._encoded(image), object, max_tokens, refine, refs)
+        sampling = Sampling(max_tokens, opts.temperature, opts.top_p)
+        return run(self, self._encoded(image), object, max_tokens, refine, refs, sampling)
 
 
 def to_device(device: torch.device, *weights: Any) -> None:

@@ -22,7 +22,7 @@ from photon_core.models.moondream.region import (encode_coord, encode_coord_tens
                                                  encode_size_tensor, encode_sizes)
 from photon_core.models.moondream.region import encoder_weights, sizes_from_logits
 from photon_core.models.moondream.vision import Linear, take
-from photon_core.runtime.sampling import check_finite
+from photon_core.runtime.sampling import Sampling, check_finite, pick
 
 
 @dataclass
@@ -46,13 +46,41 @@ def coord_divisor(bins: int) -> int:
     return bins - 1
 
 
+def coord_logits(hidden: torch.Tensor, w: RegionWeights, ops) -> torch.Tensor:
+    """Hidden states [n, dim] (before post_ln) -> coordinate logits [n, bins]."""
+    return ops.linear(ops.layer_norm(hidden, *w.ln), *w.coord_head)
+
+
+def size_logits(hidden: torch.Tensor, w: RegionWeights, ops) -> torch.Tensor:
+    """Hidden states [n, dim] (before post_ln) -> size logits [n, 2 * bins] (width's, height's)."""
+    return ops.linear(ops.layer_norm(hidden, *w.ln), *w.size_head)
+
+
 def decode_coords(hidden: torch.Tensor, w: RegionWeights, ops) -> list[float]:
     """Hidden states [n, dim] (before post_ln) -> n coordinates in [0, 1]."""
-    logits = ops.linear(ops.layer_norm(hidden, *w.ln), *w.coord_head)
+    logits = coord_logits(hidden, w, ops)
     check_finite(logits, "coordinate logits")
     return [b / coord_divisor(logits.shape[-1]) for b in ops.argmax(logits).tolist()]
 
 
 def decode_sizes(hidden: torch.Tensor, w: RegionWeights, ops) -> list[tuple[float, float]]:
     """Hidden states [n, dim] (before post_ln) -> n (width, height) pairs in (0, 1]."""
-    return sizes_from_logits(ops.linear(ops.layer_norm(hidden, *w.ln), *w.size_head), hidden.shape[0], ops)
+    return sizes_from_logits(size_logits(hidden, w, ops), hidden.shape[0], ops)
+
+
+# A sampled request's coordinates and sizes: kestrel draws each bin from the region heads' logits
+# with the request's temperature and top_p (scheduler/spatial.py compute_spatial_values), its
+# argmax only at temperature 0. runtime.sampling.pick draws each here (its greedy rows: argmax).
+def sample_coords(hidden: torch.Tensor, w: RegionWeights, ops, sampling: list[Sampling]) -> list[float]:
+    """Hidden states [n, dim] (before post_ln) -> n coordinates, row i's bin drawn by sampling[i]."""
+    logits = coord_logits(hidden, w, ops)
+    return [pick(row, s, ops) / coord_divisor(logits.shape[-1]) for row, s in zip(logits, sampling)]
+
+
+def sample_sizes(hidden: torch.Tensor, w: RegionWeights, ops, sampling: list[Sampling]) -> list[tuple[float, float]]:
+    """Hidden states [n, dim] (before post_ln) -> n (width, height) pairs, row i's two bins drawn by
+    sampling[i]; each bin's value by decode_sizes' rule (sizes_from_logits)."""
+    logits = size_logits(hidden, w, ops).view(hidden.shape[0], 2, -1)
+    bins = torch.tensor([[pick(row[0], s, ops), pick(row[1], s, ops)] for row, s in zip(logits, sampling)]).float()
+    size = torch.pow(2.0, bins / 1023.0 * 10.0 - 10.0)
+    return [(wd, ht) for wd, ht in size.tolist()]

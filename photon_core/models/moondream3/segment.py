@@ -3,7 +3,8 @@
 The prompt protocol (Moondream 3; facts from the kestrel engine's segment skill):
 - prompt: `[BOS][729 image tokens]` + segment prefix `[1, 17374, 2]` + tokens(object) + suffix `[3]`
   (the object's text as it is, without the leading space detect/point add);
-- decoding is unconstrained and greedy; whenever the LM head picks `coord` (5) the region head
+- decoding is unconstrained and greedy (settings' temperature and top_p, where given, sample every
+  token and every coordinate and size, as kestrel applies them); whenever the LM head picks `coord` (5) the region head
   reads the same hidden state and the coordinate it gives is the next input embedding (encoded
   coordinate), likewise `size` (6); any other token is a word of the path; `eos` (0) ends it;
 - the first two coordinates are the box centre, the first size its (width, height): the bbox is
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from photon_core.models.moondream import skills
-from photon_core.runtime.sampling import check_finite, step_argmax
+from photon_core.runtime.sampling import Sampling, check_finite, pick, step_argmax
 
 if TYPE_CHECKING:
     from photon_core.models.moondream.model import EncodedImage
@@ -50,16 +51,19 @@ def segment_prompt(model: "Moondream3Model", name: str, refs: list | None = None
     t = model.config.tokenizer.templates.get("segment")
     if t is None:
         raise ValueError("this checkpoint's config has no segment template")
-    return list(t["prefix"]) + skills.ref_placeholders(model, refs) + model.tokenizer.encode(name) + list(t["suffix"])
+    # the object stripped of surrounding whitespace, as kestrel's segment skill reads it (build_request)
+    return list(t["prefix"]) + skills.ref_placeholders(model, refs) + model.tokenizer.encode(name.strip()) + \
+        list(t["suffix"])
 
 
 class _OpsSteps:
     """The decode steps as forwards of the model's ops: each step's hidden state, read by the LM
     head and the region heads on demand."""
 
-    def __init__(self, model: "Moondream3Model", enc: "EncodedImage", length: int) -> None:
+    def __init__(self, model: "Moondream3Model", enc: "EncodedImage", length: int,
+                 sampling: Sampling | None = None) -> None:
         cfg, tx = model.config, model.text_impl
-        self.model = model
+        self.model, self.sampling = model, _drawn(sampling)
         self.cache = tx.KVCache(cfg.text, length, model.dtype, model.device)
         self.cache.k[:, :, :, :enc.pos] = enc.k
         self.cache.v[:, :, :, :enc.pos] = enc.v
@@ -78,21 +82,23 @@ class _OpsSteps:
         m = self.model
         logits = m.text_impl.lm_logits(self.hidden, m.text_w, m.ops)
         check_finite(logits)
+        if self.sampling is not None:
+            return pick(logits[0], self.sampling, m.ops)
         return int(m.ops.argmax(logits)[0])
 
     def coord(self) -> float:
-        return self.model.region_impl.decode_coords(self.hidden, self.model.region_w, self.model.ops)[0]
+        return _coord(self.model, self.hidden, self.sampling)
 
     def size(self) -> tuple[float, float]:
-        return self.model.region_impl.decode_sizes(self.hidden, self.model.region_w, self.model.ops)[0]
+        return _size(self.model, self.hidden, self.sampling)
 
 
 class _MegakernelSteps:
     """The decode steps as launches of the compiled step (batch 1): the prompt but its last token
     prefilled per-op, then one launch per input, which yields the token and the region bins."""
 
-    def __init__(self, seq: Any) -> None:
-        self.seq = seq
+    def __init__(self, seq: Any, sampling: Sampling | None = None) -> None:
+        self.seq, self.sampling = seq, _drawn(sampling)
         self.n_bins = seq.fm.model.region_impl.coord_divisor(seq.fm.config.region.coord_out_dim)
 
     def start(self, prompt: list[int], refs: list | None = None) -> None:
@@ -104,14 +110,41 @@ class _MegakernelSteps:
         self.res = self.seq.step(emb)
 
     def token(self) -> int:
+        if self.sampling is not None:   # from the launch's logits (a zero bias: unmasked)
+            return pick(self.seq.logits()[0], self.sampling, self.seq.fm.model.ops)
         return step_argmax(self.res.tokens[0])
 
     def coord(self) -> float:
+        if self.sampling is not None:
+            return _coord(self.seq.fm.model, self.res.hidden, self.sampling)
         return step_argmax(self.res.coord_bins[0], "coordinate logits") / self.n_bins
 
     def size(self) -> tuple[float, float]:
+        if self.sampling is not None:
+            return _size(self.seq.fm.model, self.res.hidden, self.sampling)
         from photon_core.models.moondream.megakernel_decode import _checked_sizes, size_values
         return size_values(_checked_sizes(self.res.size_bins[0]))
+
+
+def _drawn(sampling: Sampling | None) -> Sampling | None:
+    """The Sampling a decode draws its tokens and region values with; None: greedy (argmax)."""
+    return None if sampling is None or sampling.greedy else sampling
+
+
+def _coord(model: "Moondream3Model", hidden: torch.Tensor, sampling: Sampling | None) -> float:
+    """The coordinate of the hidden state [1, dim]: the argmax bin's, or one drawn by `sampling`."""
+    rg, h = model.region_impl, hidden.reshape(1, -1).to(model.dtype)
+    if sampling is None:
+        return rg.decode_coords(h, model.region_w, model.ops)[0]
+    return rg.sample_coords(h, model.region_w, model.ops, [sampling])[0]
+
+
+def _size(model: "Moondream3Model", hidden: torch.Tensor, sampling: Sampling | None) -> tuple[float, float]:
+    """The (width, height) of the hidden state [1, dim]: the argmax bins', or drawn by `sampling`."""
+    rg, h = model.region_impl, hidden.reshape(1, -1).to(model.dtype)
+    if sampling is None:
+        return rg.decode_sizes(h, model.region_w, model.ops)[0]
+    return rg.sample_sizes(h, model.region_w, model.ops, [sampling])[0]
 
 
 class Decoded:
@@ -124,16 +157,18 @@ class Decoded:
 
 
 def decode(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_tokens: int,
-           refs: list | None = None) -> tuple[list[int], list[float], list[tuple[float, float]]]:
-    """Greedy decode of the segment protocol: (path word ids, coordinates, sizes), in order."""
+           refs: list | None = None, sampling: Sampling | None = None
+           ) -> tuple[list[int], list[float], list[tuple[float, float]]]:
+    """Decode of the segment protocol, greedy unless `sampling` samples: (path word ids,
+    coordinates, sizes), in order."""
     out = Decoded()
-    for _ in steps(model, enc, prompt, max_tokens, refs, out):
+    for _ in steps(model, enc, prompt, max_tokens, refs, out, sampling):
         pass
     return out.words, out.coords, out.sizes
 
 
 def steps(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_tokens: int,
-          refs: list | None, out: Decoded) -> Iterator[None]:
+          refs: list | None, out: Decoded, sampling: Sampling | None = None) -> Iterator[None]:
     """The decode, yielding after each token it adds to `out` (checks done before the first step);
     on the megakernel the batch-1 step is held until the generator ends or is dropped."""
     if max_tokens < 0:
@@ -145,10 +180,11 @@ def steps(model: "Moondream3Model", enc: "EncodedImage", prompt: list[int], max_
     def run() -> Iterator[None]:
         with torch.inference_mode():
             if model.decode is None:
-                yield from _decode(model, _OpsSteps(model, enc, length), prompt, refs, start, length, max_tokens, out)
+                yield from _decode(model, _OpsSteps(model, enc, length, sampling), prompt, refs, start, length,
+                                   max_tokens, out)
                 return
             with model.decode.sequence(enc, length) as seq:
-                yield from _decode(model, _MegakernelSteps(seq), prompt, refs, start, length, max_tokens, out)
+                yield from _decode(model, _MegakernelSteps(seq, sampling), prompt, refs, start, length, max_tokens, out)
     return run()
 
 
@@ -219,9 +255,9 @@ def svg_path(words: list[str], viewbox: float = VIEWBOX) -> str:
 
 
 def segment(model: "Moondream3Model", enc: "EncodedImage", name: str, max_tokens: int = DEFAULT_MAX_TOKENS,
-            refine: bool = False, refs: list | None = None) -> dict:
+            refine: bool = False, refs: list | None = None, sampling: Sampling | None = None) -> dict:
     _refuse_refine(refine)
-    ids, coords, sizes = decode(model, enc, segment_prompt(model, name, refs), max_tokens, refs)
+    ids, coords, sizes = decode(model, enc, segment_prompt(model, name, refs), max_tokens, refs, sampling)
     return _result(model, ids, coords, sizes)
 
 
@@ -241,7 +277,8 @@ def _refuse_refine(refine: bool) -> None:
 
 
 def segment_stream(model: "Moondream3Model", enc: "EncodedImage", name: str, max_tokens: int = DEFAULT_MAX_TOKENS,
-                   refine: bool = False, refs: list | None = None) -> Iterator[dict]:
+                   refine: bool = False, refs: list | None = None, sampling: Sampling | None = None
+                   ) -> Iterator[dict]:
     """The client's SegmentStreamChunk updates as the decode goes: {"bbox"} once it is known (the
     first coordinates and size; or None before anything else when the decode gave none), then
     {"chunk"} per path command once the next one begins (kestrel's streaming: one command with its
@@ -250,7 +287,7 @@ def segment_stream(model: "Moondream3Model", enc: "EncodedImage", name: str, max
     chunk is sent from there, and the last update carries segment()'s "error"."""
     _refuse_refine(refine)
     out = Decoded()
-    decoding = steps(model, enc, segment_prompt(model, name, refs), max_tokens, refs, out)  # checks now
+    decoding = steps(model, enc, segment_prompt(model, name, refs), max_tokens, refs, out, sampling)  # checks now
 
     def updates() -> Iterator[dict]:
         sent_box, sent_words, broken = False, 0, False
