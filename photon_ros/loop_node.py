@@ -178,7 +178,7 @@ class LoopNode(Node):
         self.turns = TurnCommands(TICK_S)
         self.turn_lock = threading.Lock()   # the timer's Twist and the shutdown's zero Twist: one after the other
         self.halted = False                 # shutting down: no turn starts
-        self.create_timer(TICK_S, self.send_turn)
+        self.turn_timer = self.create_timer(TICK_S, self.send_turn)
         self.find = ActionClient(self, Find, "find")
         self.goal = None   # the find goal in progress
         self.command = 0   # the newest command's number: only its result is acted on
@@ -223,10 +223,13 @@ class LoopNode(Node):
                   "turning": str(self.turns.active), "planner_goal_sent": str(self.goal_sent)}
         publish_status(self, self.pub_diagnostics, status, values)
 
-    def send_turn(self) -> None:
+    def send_turn(self, at_start: bool = False) -> None:
+        """The turn's Twist now: on the timer's tick, or `at_start` (at once, holding until the
+        timer's next tick)."""
         with self.turn_lock:
             was_turning = self.turns.active
-            twist = self.turns.tick(time.monotonic())
+            until_tick = self.turn_timer.time_until_next_call() if at_start else None
+            twist = self.turns.tick(time.monotonic(), None if until_tick is None else until_tick * 1e-9)
             if twist is not None:
                 self.publish_velocity(twist)
         if was_turning and not self.turns.active:
@@ -346,7 +349,7 @@ class LoopNode(Node):
                     self.say(f"{found}; not turning: the node is shutting down")
                     return
                 self.turns.start(turn, time.monotonic())
-            self.send_turn()
+            self.send_turn(at_start=True)
             problem = self.check_cmd_vel(turn_starting=True)
             unheard = f" (but {problem})" if problem else ""
         self.say(f"{found}; {describe_turn(turn)}{unheard}")

@@ -42,11 +42,12 @@ def plan_turn(angle: float, max_rate: float, max_turn_s: float, deadband: float)
 
 
 class TurnCommands:
-    """The Twists a turn publishes, one per tick of a steady timer of `period` s: the turn's rate
-    while a whole tick of it is left (bases with a command timeout need a steady stream), the rate
-    scaled to what is left for the last, partial tick, then one zero Twist. A Twist holds until the
-    next tick, so the angle commanded is the plan's, where a full-rate last tick would overrun it
-    by up to one tick. A new turn replaces the one in progress."""
+    """The Twists a turn publishes, one per tick of a steady timer of `period` s (and one at once
+    when it starts): the turn's rate while what is left of it outlasts the Twist (a Twist holds
+    until the timer's next tick; bases with a command timeout need a steady stream), the rate
+    scaled to what is left for the last, partial one, then one zero Twist. So the angle commanded
+    is the plan's, where a full-rate last tick would overrun it by up to one tick. A new turn
+    replaces the one in progress."""
 
     def __init__(self, period: float) -> None:
         if not period > 0.0:
@@ -70,13 +71,16 @@ class TurnCommands:
         self._turn, self._stop_due = None, False
         return due
 
-    def tick(self, now: float) -> Twist | None:
-        """What to publish at `now`: the turn's Twist, the final zero Twist, or None (idle)."""
+    def tick(self, now: float, holds: float | None = None) -> Twist | None:
+        """What to publish at `now`: the turn's Twist, the final zero Twist, or None (idle).
+        `holds`: seconds until the timer's next tick, when this is not one of its ticks (the
+        Twist sent at once when a turn starts); a tick's Twist holds `period`."""
         twist = Twist()
         if self._turn is not None:
             left = self._turn.duration - (now - self._started)
             if left > 1e-9:
-                twist.angular.z = self._turn.rate * min(1.0, left / self.period)
+                hold = self.period if holds is None else max(holds, 1e-9)
+                twist.angular.z = self._turn.rate * min(1.0, left / hold)
                 return twist
         self._turn = None
         if self._stop_due:

@@ -82,6 +82,16 @@ def test_a_turn_is_bounded_and_ends_in_a_stop():
     assert all(t.linear.x == 0.0 for t in sent if t is not None)
     # each Twist holds until the next: the base is commanded through the plan's angle, not a tick more
     assert sum(r * (t1 - t0) for r, t0, t1 in zip(rates[:9], times, times[1:])) == pytest.approx(turn.angle)
+    # a turn shorter than a tick, started 0.04 s before the timer's next one: the Twist sent at
+    # once holds only until then, and is scaled to that (a tick's period would undershoot it)
+    short = Turn(0.5, 0.03)
+    commands.start(short, now=15.0)
+    first, second = commands.tick(15.0, holds=0.04), commands.tick(15.04)
+    assert first.angular.z * 0.04 == pytest.approx(short.angle) and second.angular.z == 0.0
+    commands.start(short, now=16.0)                                  # the next tick comes sooner
+    first, second = commands.tick(16.0, holds=0.02), commands.tick(16.02)
+    assert first.angular.z * 0.02 + second.angular.z * 0.1 == pytest.approx(short.angle)
+    assert first.angular.z == 0.5 and commands.tick(16.12).angular.z == 0.0
     commands.start(Turn(0.5, 1.0), now=20.0)
     commands.start(Turn(-0.5, 0.2), now=20.1)                       # a new target replaces the turn
     assert [commands.tick(20.15 + 0.1 * i).angular.z for i in range(3)] == pytest.approx([-0.5, -0.25, 0.0])
