@@ -86,7 +86,9 @@ def measure(fam: Any, cfg: plan_mod.Config, repeats: int, device: Any) -> dict[s
     tokens = run(cfg.task, inputs)
     sync(device)
     first = time.perf_counter() - t
-    n = plan_mod.repeats_for(first, repeats)
+    # --repeats 0 (the dry run's tests: every path, no figures): no timed call after the warm-up,
+    # whose time stands for the latency.
+    n = plan_mod.repeats_for(first, repeats) if repeats else 0
     times = []
     for _ in range(n):
         sync(device)
@@ -101,7 +103,7 @@ def measure(fam: Any, cfg: plan_mod.Config, repeats: int, device: Any) -> dict[s
         run(cfg.task, inputs)
     sync(device)
     s = clock.summary(t0, time.perf_counter())
-    lat = statistics.median(times)
+    lat = statistics.median(times) if times else first
     return dict(latency_s=lat, times_s=times, throughput_rps=cfg.concurrency / lat, first_call_s=first,
                 ttft_s=s["ttft"], phases_s=s["phases"], instrumented_s=s["whole"], tokens=tokens, repeats=n)
 
@@ -386,7 +388,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tasks", nargs="*", help="only tasks whose name holds one of these (e.g. 'detect 756', '30 s')")
     ap.add_argument("--levels", default=None, help="concurrency levels (default 1,8,4; dry run 1,2)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per configuration, fewer for slow "
-                    "calls (default 3; dry run 1)")
+                    "calls (default 3; dry run 1; 0: none, the warm-up call's time is the latency)")
     ap.add_argument("--budget-s", type=float, default=None, help="skip what would pass this (default 270 on CUDA)")
     ap.add_argument("--moondream-ref", default=os.environ.get("MOONDREAM_REF_SRC"),
                     help="folder holding moondream/torch/ of github.com/vikhyat/moondream (default $MOONDREAM_REF_SRC)")
@@ -398,7 +400,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the build cache and Triton's cache the run and its children share")
     ap.add_argument("--plan", action="store_true", help="print the plan and stop")
     ap.add_argument("--write", action="store_true", help="replace this benchmark's section of bench/RESULTS.md")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    # A prewarm child of a family not known fails here, before torch and transformers load.
+    ap.add_argument("--child", choices=ORDER, help=argparse.SUPPRESS)
     ap.add_argument("--bucket", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.device is None:

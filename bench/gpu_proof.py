@@ -435,7 +435,8 @@ def summary_lines(ctx: Ctx, profile: str) -> list[str]:
     for r in parts.get("rounds", {}).get("results", []):
         us = r["us_per_token"]
         if r.get("objects"):
-            lines.append(f"Detect/point rounds ({r['family']} B{r['batch']} {r['dtype']}, rounds of 3, 5, 8): "
+            sizes = ", ".join(map(str, r.get("rounds", (3, 5, 8))))
+            lines.append(f"Detect/point rounds ({r['family']} B{r['batch']} {r['dtype']}, rounds of {sizes}): "
                          f"captured == eager {r['same']}; us/step captured {us['graphs']:.1f}, eager {us['eager']:.1f}.")
             continue
         if r.get("feed"):

@@ -297,6 +297,24 @@ def replay_us(fn: Callable[[], Any], cuda: bool, iters: int) -> float:
     return timer(graphed(fn, cuda), iters, max(3, iters // 10) if cuda else 0, cuda) * 1e6
 
 
+def timed_again(cfg: Config, k: Any, cuda: bool, iters: int, checked_us: float) -> float:
+    """Microseconds per step of `k` (the variant or per-op build just checked): the median of
+    `iters` replays from the config's state again, or with iters 0 (the dry run's --iters 0: an
+    interpreted launch is most of a second and its time means nothing) the checking launch's own
+    host time `checked_us`, launched once instead of twice."""
+    if not iters:
+        return checked_us
+    cfg.restore()
+    us = replay_us(k.launch, cuda, iters)
+    k.raise_on_error()
+    return us
+
+
+def since_us(t: float) -> float:
+    """Microseconds since time.perf_counter() read `t`."""
+    return (time.perf_counter() - t) * 1e6
+
+
 def floor_bytes_of(step: Any, rows: Any) -> int:
     """The step's bytes (weights once, K/V read at its caches' element size: fp32 caches, 4 bytes, as
     built here; 2 where a step has bf16 ones)."""
@@ -332,8 +350,9 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
         key = f"{cfg.name}.{v.name()}"
         try:
             k = cfg.kernel(v)
-            cfg.restore()
-            k.launch()            # warm (the compiled traced build is another kernel)
+            if iters:             # (the dry run's --iters 0: no warm-up launch)
+                cfg.restore()
+                k.launch()        # warm (the compiled traced build is another kernel)
             cfg.restore()
             tr = k.traced_launch()
             k.raise_on_error()
@@ -351,15 +370,15 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
         try:
             k = cfg.kernel(v)
             cfg.restore()
+            t = time.perf_counter()
             k.launch()
             k.raise_on_error()
+            checked_us = since_us(t)
             got = step.view(logits_name).clone()
             if plain_logits is None:       # the first variant that ran (plain, unless plain failed)
                 plain_logits, plain_name = got, v.name()
             err = rel_err(got, plain_logits)
-            cfg.restore()
-            us = replay_us(k.launch, cuda, iters)
-            k.raise_on_error()
+            us = timed_again(cfg, k, cuda, iters, checked_us)
         except Exception as e:  # noqa: BLE001  the other variants still run
             failed(f"{cfg.name} {v.name()}", e)
             continue
@@ -381,12 +400,12 @@ def measure(cfg: Config, variants: list, traced: list, rate: float, cuda: bool, 
                 step.set_engine("perop", build)
                 k = step.kernel
                 cfg.restore()
+                t = time.perf_counter()
                 k.launch()
                 k.raise_on_error()
+                checked_us = since_us(t)
                 err = rel_err(step.view(logits_name), plain_logits) if plain_logits is not None else None
-                cfg.restore()
-                us = replay_us(k.launch, cuda, iters)
-                k.raise_on_error()
+                us = timed_again(cfg, k, cuda, iters, checked_us)
             except Exception as e:  # noqa: BLE001  the other rows still run
                 log(f"{cfg.name} {label}: failed ({type(e).__name__}: {e})")
                 RESULTS.setdefault("failures", []).append(dict(part=f"{cfg.name} {label}",
@@ -498,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("BENCH_OUT", ROOT / "bench")))
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes under Triton's interpreter")
     p.add_argument("--budget-s", type=float, default=240.0, help="skip the optional parts past this")
-    p.add_argument("--iters", type=int, default=100, help="CUDA-graph replays timed per variant")
+    p.add_argument("--iters", type=int, default=100, help="CUDA-graph replays timed per variant (the dry run: "
+                   "1, or 0 for none: each row's launch that checks it is its time, and no warm-up launches)")
     p.add_argument("--hbm-tbps", type=float, default=None,
                    help="HBM bandwidth for the floor (default: the device's, photon_core.gpu_proof.hbm)")
     args = p.parse_args(argv)
@@ -519,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     HBM["bytes_per_s"] = tbps * 1e12
     RESULTS["machine"] = dict(device=device, sms=sms, hbm_tbps=tbps, hbm_source=tbps_source,
                               python=sys.version.split()[0], torch=torch.__version__, triton=triton.__version__)
-    iters = args.iters if cuda else 1
+    # The dry run times nothing real: one replay per row, or none (--iters 0, the tests' choice: an
+    # interpreted launch is most of a second; each row is still launched and checked once).
+    iters = args.iters if cuda else min(1, args.iters)
     rate = copy_rate(dev, cuda)
     RESULTS["machine"]["copy_rate_tbps"] = round(rate / 1e12, 2)
     log(f"{RESULTS['machine']}")
@@ -584,9 +606,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = {c.name: c.rows for c, _, _ in configs}
         md = rows.get("moondream2 B1 prod")
         wh = rows.get("whisper-tiny.en B1 prod")
-        for label, fn in (("peer phi B1", lambda: peer_phi(dev, cuda, args.dry_run, 1, md.positions[0], iters)),
+        peer_iters = max(1, iters)    # a peer has no checking launch to stand for its time
+        for label, fn in (("peer phi B1", lambda: peer_phi(dev, cuda, args.dry_run, 1, md.positions[0], peer_iters)),
                           ("peer whisper B1", lambda: peer_whisper(dev, cuda, args.dry_run, 1, wh.positions[0],
-                                                                    wh.cross_len[0], iters))):
+                                                                    wh.cross_len[0], peer_iters))):
             r = guarded(label, fn)
             if r is not None:
                 RESULTS.setdefault("peers", {})[label] = r

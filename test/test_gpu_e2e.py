@@ -147,13 +147,19 @@ def dry_tasks(family: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
+    # --repeats 0: each configuration's warm-up call and its instrumented call, no timed call between
+    # (the rows' latency is the warm-up's; every phase is the instrumented call's, as before).
     out = tmp_path_factory.mktemp("e2e")
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--dry-run", "--out", str(out), "--levels", "1,2",
-           "--tasks", *DRY_INPUTS]
+           "--tasks", *DRY_INPUTS, "--repeats", "0"]
     if REF:
         cmd += ["--moondream-ref", REF]
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    # One torch thread: the tiny shapes' ops gain nothing from a second one, and on a busy 2-core
+    # machine two threads spin-wait on each other (measured with other work running: 93 s of CPU
+    # with two threads, 22 s with one, for the same rows).
+    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "gpu_e2e.json").read_text()), (out / "gpu_e2e.md").read_text()

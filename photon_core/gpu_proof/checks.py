@@ -126,11 +126,12 @@ class Sizes:
     cap_many_s: float         # time cap per stress with >= #SMs programs
     poison_launches: int
     control_launches: int     # launches the dropped-wait stress gets to show a difference
-    iters: int
+    iters: int                # timed CUDA-graph replays (0: the checking launch's own time, none more)
     warmup: int
     liveness_timeout_s: float
     round_tokens: int         # tokens per request in the rounds part (launches: one fewer)
     round_repeats: int        # timed requests per way of decoding (median)
+    object_rounds: tuple[int, ...]   # Moondream 2's detect/point rounds, steps each (launches: their sum, per way)
 
 
 # The stress caps fit the proof's call (gpu_proof.plan): 1000 launches where a launch takes up to
@@ -139,10 +140,14 @@ class Sizes:
 # one SM streams the whole model) a plain launch and a poisoned one.
 GPU_SIZES = Sizes(steps=64, launches=1000, min_launches=2, cap_few_s=1.0, cap_many_s=4.0, poison_launches=100,
                   control_launches=1000, iters=200, warmup=20, liveness_timeout_s=120.0, round_tokens=33,
-                  round_repeats=5)
+                  round_repeats=5, object_rounds=(3, 5, 8))
+# The dry run launches on the interpreter (~0.3 s a launch) and times nothing real: a timed step is
+# its checking launch (iters 0); object rounds are one that ends an object and one that goes on from
+# the phase it left (on a GPU, rounds of 3 and 5 also replay several graphs a round; the interpreter
+# launches each step eagerly either way).
 DRY_SIZES = Sizes(steps=2, launches=2, min_launches=2, cap_few_s=float("inf"), cap_many_s=float("inf"),
-                  poison_launches=2, control_launches=2, iters=1, warmup=0, liveness_timeout_s=120.0,
-                  round_tokens=4, round_repeats=1)
+                  poison_launches=2, control_launches=2, iters=0, warmup=0, liveness_timeout_s=120.0,
+                  round_tokens=4, round_repeats=1, object_rounds=(3, 2))
 
 
 def launch_plan(per_launch_s: float, programs: int, sms: int, sizes: Sizes) -> tuple[int, bool]:

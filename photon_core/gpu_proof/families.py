@@ -159,7 +159,8 @@ class MoondreamFamily:
 
     def object_decode(self, dev) -> Any:
         """What object_rounds.ObjectRounds reads of a MegakernelDecode: the model's token table
-        (`emb`), random region encoders of the config's shapes, the Triton ops, the config."""
+        (`emb`), random region encoders of the config's shapes, the Triton ops, the config, and
+        spatial_tokens_fed (False: Moondream 2 feeds every answer token as its embedding)."""
         import torch
 
         from photon_core.backends.select import get_backend
@@ -174,7 +175,8 @@ class MoondreamFamily:
                                    size_features=randn(2, r.size_feat_dim // 2) * 10,
                                    size_encoder=(randn(d, r.size_feat_dim), randn(d)))
         model = SimpleNamespace(region_w=encoders, region_impl=region, text_impl=text,
-                                text_w=SimpleNamespace(wte=self.emb), ops=get_backend("triton", dev))
+                                text_w=SimpleNamespace(wte=self.emb), ops=get_backend("triton", dev),
+                                spatial_tokens_fed=False)
         return SimpleNamespace(model=model, config=self.cfg)
 
     def _master(self) -> dict:

@@ -163,7 +163,7 @@ def prove_object_rounds(ctx: Ctx, fam, batch: int) -> dict:
     bias[[r for r in range(B) if phases[r] != 3], tk.coord_id] = 2.0     # objects more often than not
     bias[[r for r in range(B) if phases[r] != 3], tk.eos_id] = 0.0
     x0 = fam.emb[torch.tensor(rows.tokens, device=ctx.dev)]
-    sizes, got, secs = (3, 5, 8), {}, {}
+    sizes, got, secs = ctx.sizes.object_rounds, {}, {}
     for name, dev_rounds in ways.items():
         with preserved(step):
             step.set_step(None, rows.positions)
@@ -173,7 +173,7 @@ def prove_object_rounds(ctx: Ctx, fam, batch: int) -> dict:
             dev_rounds.detect.copy_(torch.tensor(detect))
             ctx.sync()
             t = time.perf_counter()
-            records = [dev_rounds.loop.run_round(n)[0] for n in sizes]   # 3 and 5: several graphs a round
+            records = [dev_rounds.loop.run_round(n)[0] for n in sizes]   # on a GPU 3 and 5: several graphs a round
             ctx.sync()
             secs[name] = time.perf_counter() - t
             got[name] = (records, dev_rounds.phase.tolist(), step.view("x").clone())
@@ -185,5 +185,5 @@ def prove_object_rounds(ctx: Ctx, fam, batch: int) -> dict:
     us = {k: v / sum(sizes) * 1e6 for k, v in secs.items()}
     print(f"  {fam.name:22s} B{batch} {fam.stress_dtype}: detect/point rounds of {sizes}, captured == eager "
           f"{same}; us/step captured {us['graphs']:.1f}, eager {us['eager']:.1f}", flush=True)
-    return dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, steps=sum(sizes), same=same,
-                objects_started=starts, ways=["graphs", "eager"], us_per_token=us, objects=True)
+    return dict(family=fam.name, batch=batch, dtype=fam.stress_dtype, steps=sum(sizes), rounds=list(sizes),
+                same=same, objects_started=starts, ways=["graphs", "eager"], us_per_token=us, objects=True)

@@ -5,6 +5,8 @@ as the checks built them (fp32 caches; the per-op step reads fp32 caches too).""
 from __future__ import annotations
 
 import math
+import time
+from typing import Callable
 
 from photon_core.gpu_proof import checks
 from photon_core.gpu_proof.build import build, fill, flags
@@ -26,6 +28,16 @@ def kv_read_bytes(graph, rows: Rows, kv_bytes: int = 4) -> int:
     return n + sum(2 * 4 * math.prod(s.shape) for s in graph.states.values()) * len(rows.positions)
 
 
+def per_call_s(ctx: Ctx, fn: Callable[[], object], checked_s: float) -> float:
+    """Seconds per call of `fn`, just run once to be checked (taking `checked_s`): the median of
+    ctx.sizes.iters CUDA-graph replays after its warm-up, or with iters 0 (the dry run: an
+    interpreted launch is most of a second and its time means nothing) that checked call's own
+    time, with no second run."""
+    if not ctx.sizes.iters:
+        return checked_s
+    return timer(graphed(fn, ctx.cuda), ctx.sizes.iters, ctx.sizes.warmup, ctx.cuda)
+
+
 def perop_whisper(ctx: Ctx, fam, batch: int, rows: Rows, caches: dict) -> dict:
     """decoder_step.triton_perop_step (the per-op Triton kernels, fp32 weights) in a CUDA graph, at
     the same inputs; its logits checked against run_reference first."""
@@ -43,13 +55,14 @@ def perop_whisper(ctx: Ctx, fam, batch: int, rows: Rows, caches: dict) -> dict:
     want = run_reference(g, fam.ref_weights(torch.float32), {k: v.clone() for k, v in caches.items()},
                          rows.tokens, rows.positions, rows.cross_len)
     checked = fam.own_state(caches)     # cache copies of its own: the step appends in place
+    t0 = time.perf_counter()
     logits, _ = triton_perop_step(tri, fam.wt, toks, pos, checked["self_kv"], checked["cross_kv"], xlen)
     err = rel_err(logits, want["logits"])
+    checked_s = time.perf_counter() - t0
     ctx.checks.expect(err <= checks.TOL, f"timing {fam.name} B{batch}: per-op step logits err {err:.1e}")
     state = fam.own_state(caches)
-    t = timer(graphed(lambda: triton_perop_step(tri, fam.wt, toks, pos, state["self_kv"], state["cross_kv"], xlen),
-                      ctx.cuda),
-              ctx.sizes.iters, ctx.sizes.warmup, ctx.cuda)
+    t = per_call_s(ctx, lambda: triton_perop_step(tri, fam.wt, toks, pos, state["self_kv"], state["cross_kv"], xlen),
+                   checked_s)
     return dict(us=t * 1e6, rel_err=err)
 
 
@@ -88,10 +101,12 @@ def time_step(ctx: Ctx, fam, batch: int, dtype_name: str, perop: dict | None) ->
     rows = fam.rows(batch, "fixed")
     fill(step, rows, seed=20 + batch)
     b.apply_inputs(step, rows.tokens, rows.positions)
+    t0 = time.perf_counter()
     kernel.launch()
     ctx.sync()
+    checked_s = time.perf_counter() - t0
     problem = flags(kernel)
-    t = timer(graphed(kernel.launch, ctx.cuda), ctx.sizes.iters, ctx.sizes.warmup, ctx.cuda)
+    t = per_call_s(ctx, kernel.launch, checked_s)
     ctx.sync()
     problem = problem or flags(kernel)
     ctx.checks.expect(problem is None, f"timing {fam.name} B{batch} {dtype_name}: {problem}")
