@@ -48,6 +48,8 @@ DECLARED = {
     "launch": Declared("launch", None),
     "launch_ros": Declared("launch_ros", None),
     "vision_msgs": Declared("vision_msgs", None, feature="vision_msgs"),
+    # the bond with a lifecycle manager (photon_ros/lifecycle_bond.py); nav2 installs it
+    "bond": Declared("bond", None, feature="bond"),
     # Both audio_common families name their messages package so; rosdep's is ros-drivers' (Kilted),
     # mgonzs13's is built from source in the workspace (rosdep's --ignore-src then skips the key).
     "audio_common_msgs": Declared("audio_common_msgs", None, feature="audio_common"),
