@@ -1,6 +1,8 @@
 """Real rclpy nodes over real DDS for tests: a private context, an executor on a thread."""
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 import time
 from typing import Callable
@@ -67,3 +69,14 @@ def wait_for_match(publisher, subscribers: int = 1, timeout: float = 10.0) -> No
     """Block until DDS discovery has matched the publisher with its subscribers."""
     if not wait_for(lambda: publisher.get_subscription_count() >= subscribers, timeout):
         raise TimeoutError(f"{publisher.topic_name}: no subscriber matched within {timeout} s")
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """Stop a node's process as Ctrl-C does (SIGINT), killing it if it has not exited in `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

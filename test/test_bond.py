@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from interface_workspaces import install_dir, package_dir, workspace_env
 from moondream_fixtures import checkpoint
+from ros_harness import interrupt
 
 PEER = Path(__file__).with_name("lifecycle_manager_peer.py")
 # RIHS01 type hashes of ros/bond_core's bond messages (branch ros2 at e6d0fc2c), computed with
@@ -42,16 +42,6 @@ def test_stand_in_has_the_upstream_type_hashes():
         assert hashes[0]["hash_string"] == want, name
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_a_managed_node_holds_a_bond_while_active(tmp_path):
     ns = f"/bond_test_{os.getpid()}"
     env = workspace_env("bond")
@@ -64,7 +54,7 @@ def test_a_managed_node_holds_a_bond_while_active(tmp_path):
         manager = subprocess.run([sys.executable, str(PEER), ns, "vision", "1.5"], env=env,
                                  capture_output=True, text=True, timeout=240)
     finally:
-        stop(node)
+        interrupt(node)
     assert manager.returncode == 0, manager.stderr[-3000:] + log.read_text()[-3000:]
     got = json.loads(manager.stdout)
     assert got["cleaned"]

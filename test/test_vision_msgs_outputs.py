@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from interface_workspaces import install_dir, package_dir, workspace_env
 from moondream_fixtures import checkpoint
 from photon_ros.image_conversions import rgb_to_image
 from photon_ros.msg import Detections, Objects3D
-from ros_harness import RosGraph, wait_for
+from ros_harness import RosGraph, interrupt, wait_for
 from test_vision_node import RELIABLE, camera_info, header, image, wall_depth
 
 PEER = Path(__file__).with_name("vision_msgs_peer.py")
@@ -136,16 +135,6 @@ def graph():
     g.close()
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_detections_2d_and_3d_say_what_our_messages_say(graph, tmp_path):
     ns = f"/vision_msgs_test_{os.getpid()}"
     env = workspace_env("vision_msgs")
@@ -199,7 +188,7 @@ def test_detections_2d_and_3d_say_what_our_messages_say(graph, tmp_path):
                 break
         got_out, got_err = listener.communicate(timeout=60)
     finally:
-        stop(node)
+        interrupt(node)
         listener.kill()
         listener.wait()
     assert listener.returncode == 0, got_err[-3000:] + log.read_text()[-3000:]
