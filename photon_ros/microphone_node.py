@@ -132,7 +132,7 @@ class MicrophoneNode(Node):
         clock = self.get_clock()
         now = clock.now().nanoseconds * 1e-9
         if now <= frames / self.rate:
-            self.clock.next = None   # the first block with a time anchors the count
+            self.clock.reanchor()   # the first block with a time anchors the count
             return 0.0
         self.clock.slew = SIM_SLEW if clock.ros_time_is_active else WALL_SLEW
         return self.clock.stamp(frames, now, overflow=overflow)
@@ -161,7 +161,7 @@ class MicrophoneNode(Node):
         except Exception:  # noqa: BLE001 - a dead stream may not close cleanly; a new one is what matters
             pass
         try:
-            self.clock.next = None   # a new stream: its first block re-anchors (the stall shows as a jump)
+            self.clock.reanchor()   # a new stream: its first block re-anchors (the stall shows as a jump)
             self.stream = self.open_stream()
             self.reopened += 1
         except Exception as err:  # noqa: BLE001 - the device may be absent for now: tried again later

@@ -21,6 +21,11 @@ class SampleClock:
         self.next: float | None = None   # stamp of the next block's first sample
         self.off_since: float | None = None   # when the wall clock left the count by > jump_s
 
+    def reanchor(self) -> None:
+        """The next block starts the count afresh on the clock (a new stream, a clock that has no
+        time yet)."""
+        self.next = self.off_since = None
+
     def stamp(self, frames: int, now: float, overflow: bool = False) -> float:
         """Stamp of a block of `frames` samples whose last sample was captured about `now`."""
         duration = frames / self.rate
