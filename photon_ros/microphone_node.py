@@ -4,8 +4,9 @@ Optional: needs `pip install sounddevice` and the PortAudio library (`apt instal
 Without them, or without an input device, it says so and exits instead of publishing nothing.
 A device that stops delivering later is reopened until it delivers again; /diagnostics says so,
 and counts the audio lost in the driver (overflows) and in a stalled executor. Chunks are stamped
-on the node's clock (a simulator's under use_sim_time), counted in samples (sample_clock); the
-audio itself is delivered in real time whatever that clock does.
+with their capture time (PortAudio's, before the driver's buffering) on the node's clock (a
+simulator's under use_sim_time), counted in samples (sample_clock); the audio itself is delivered
+in real time whatever that clock does.
 """
 from __future__ import annotations
 
@@ -53,6 +54,25 @@ def portaudio_device(value: str | int) -> str | int | None:
     if isinstance(value, int):
         return value
     return int(value) if value.isdigit() else value or None
+
+
+# Beyond this, a host API's capture times are taken as wrong (some report 0 for the ADC time, or
+# times on another clock): no sound card holds a captured sample for half a second.
+MAX_ADC_DELAY_S = 0.5
+
+
+def adc_delay(time_info, duration: float) -> float:
+    """Seconds between the capture of a block's last sample and its callback, from PortAudio's
+    times (the first sample's ADC time against the callback's, on the stream's clock): the
+    driver's and the sound card's buffering, tens of ms on USB microphones and sound servers,
+    which a stamp taken at the callback put on every chunk as if the robot heard it later. 0 where
+    the host API gives no usable times."""
+    adc = getattr(time_info, "inputBufferAdcTime", 0.0)
+    current = getattr(time_info, "currentTime", 0.0)
+    if not adc or not current:
+        return 0.0
+    delay = current - adc - duration
+    return delay if 0.0 < delay <= MAX_ADC_DELAY_S else 0.0
 
 
 # A simulator's clock (use_sim_time) runs at its real-time factor, 0.8 in a busy world, and in
@@ -117,15 +137,16 @@ class MicrophoneNode(Node):
         overflow = bool(status and status.input_overflow)
         self.overflows += overflow
         self.last_block = time.monotonic()
-        captured = self.capture_stamp(frames, overflow)
+        captured = self.capture_stamp(frames, overflow, adc_delay(time_info, frames / self.rate))
         try:
             self.blocks.put_nowait((data.copy(), captured))
         except queue.Full:
             self.dropped += 1   # the executor is stalled; losing audio beats blocking the audio
             #                     thread (the next blocks' stamps still count these samples: the gap shows)
 
-    def capture_stamp(self, frames: int, overflow: bool) -> float:
-        """Stamp of a block of `frames` samples just captured, on the node's clock: the
+    def capture_stamp(self, frames: int, overflow: bool, delay: float = 0.0) -> float:
+        """Stamp of a block of `frames` samples whose last sample was captured `delay` s before
+        this call (adc_delay), on the node's clock: the
         simulator's under use_sim_time, as every other stamp the robot sees (the loop node reads a
         command's age against that clock: wall-clock stamps made every command young). 0, which
         readers take as unstamped, while that clock has no time yet (no /clock so far)."""
@@ -135,7 +156,7 @@ class MicrophoneNode(Node):
             self.clock.reanchor()   # the first block with a time anchors the count
             return 0.0
         self.clock.slew = SIM_SLEW if clock.ros_time_is_active else WALL_SLEW
-        return self.clock.stamp(frames, now, overflow=overflow)
+        return self.clock.stamp(frames, now - delay, overflow=overflow)
 
     def publish_pending(self) -> None:
         while not self.blocks.empty():

@@ -51,6 +51,8 @@ class FakeStream:
         self.device, self.started, self.closed = device or "fake card", False, False
         self.device_arg = device   # as the node passed it: None (the default input), an index or a name
         self.sent = 0
+        self.buffering: float | None = None   # capture-to-callback delay the stream reports; None: no times
+        self.calls: list[tuple[float, float]] = []   # wall clock just before and after each callback
 
     def start(self) -> None:
         self.started = True
@@ -76,7 +78,14 @@ class FakeStream:
             time.sleep(self.block / self.rate)
             ramp = (np.arange(self.sent, self.sent + self.block) % 30000).astype(np.int16)
             status = SimpleNamespace(input_overflow=overflow)
-            self.callback(ramp.reshape(-1, 1).repeat(self.channels, axis=1), self.block, None, status)
+            # PortAudio's times are on the stream's own clock (an arbitrary origin); a host API
+            # that has none reports 0
+            now = time.monotonic() + 1000.0
+            adc = 0.0 if self.buffering is None else now - self.block / self.rate - self.buffering
+            times = SimpleNamespace(inputBufferAdcTime=adc, currentTime=now if adc else 0.0)
+            before = time.time()
+            self.callback(ramp.reshape(-1, 1).repeat(self.channels, axis=1), self.block, times, status)
+            self.calls.append((before, time.time()))
             self.sent += self.block
 
 
@@ -127,6 +136,24 @@ def test_blocks_are_published_on_the_sample_clock_and_sent_at_shutdown(graph, ca
     samples = np.concatenate([np.frombuffer(bytes(c.data), "<i2") for c in chunks])
     assert np.array_equal(samples, np.arange(8 * BLOCK) % 30000)   # nothing lost, nothing repeated
     assert card.streams[0].closed
+
+
+@pytest.mark.parametrize("buffering, expected", [(0.08, 0.08), (None, 0.0), (5.0, 0.0)],
+                         ids=["reported", "no-times", "implausible"])
+def test_a_chunk_is_stamped_when_its_first_sample_was_captured(graph, card, buffering, expected):
+    """USB microphones and sound servers hold audio for tens of ms before PortAudio calls back:
+    what the stream reports of it comes off the stamp (a host API without times, or with times
+    no sound card could mean, leaves the callback's time)."""
+    chunks, _ = listen(graph)
+    mic = microphone(graph)
+    assert wait_for(lambda: mic.publisher.get_subscription_count() > 0, timeout=10)
+    stream = card.streams[0]
+    stream.buffering = buffering
+    stream.deliver(1)
+    assert wait_for(lambda: chunks, timeout=10)
+    (before, after), duration = stream.calls[0], BLOCK / RATE
+    stamp = time_to_seconds(chunks[0].header.stamp)
+    assert before - duration - expected - 0.005 <= stamp <= after - duration - expected + 0.005
 
 
 def test_a_device_that_stops_is_reopened_and_diagnostics_say_so(graph, card):
