@@ -130,7 +130,11 @@ class MicrophoneNode(Node):
         # PortAudio calls back on its own thread; blocks are handed over and published from the executor
         stream = self.sd.InputStream(samplerate=self.rate, channels=self.channels, dtype="int16",
                                      blocksize=self.block, device=self.device, callback=self.on_block)
-        stream.start()
+        try:
+            stream.start()
+        except BaseException:
+            stream.close()   # opened but not started: its device stays held until closed
+            raise
         return stream
 
     def on_block(self, data: np.ndarray, frames: int, time_info, status) -> None:

@@ -32,6 +32,7 @@ class SoundCard:
     def __init__(self) -> None:
         self.streams: list[FakeStream] = []
         self.plugged = False   # True: every open stream delivers by itself, in real time
+        self.start_fails = False   # True: a stream opens but will not start (PortAudio's "device unavailable")
 
     def module(self) -> ModuleType:
         mod = ModuleType("sounddevice")
@@ -55,6 +56,8 @@ class FakeStream:
         self.calls: list[tuple[float, float]] = []   # wall clock just before and after each callback
 
     def start(self) -> None:
+        if self.card.start_fails:
+            raise RuntimeError("Error starting stream: Device unavailable [PaErrorCode -9985]")
         self.started = True
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -176,6 +179,25 @@ def test_a_device_that_stops_is_reopened_and_diagnostics_say_so(graph, card):
     assert wait_for(lambda: statuses[-1].level == DiagnosticStatus.OK, timeout=10), statuses[-1]
     values = dict((v.key, v.value) for v in statuses[-1].values)
     assert int(values["stream_reopened"]) >= 1
+
+
+def test_a_stream_that_will_not_start_is_closed_and_tried_again(graph, card):
+    """A device that is back but busy opens and then fails to start: each such stream is closed
+    at once (left open, it held the device until the garbage collector came by), and the node
+    keeps trying until one starts."""
+    chunks, statuses = listen(graph)
+    card.plugged = True
+    mic = microphone(graph, stall_s=0.5)
+    assert wait_for(lambda: chunks, timeout=10)
+    card.plugged, card.start_fails = False, True
+    assert wait_for(lambda: len(card.streams) >= 3, timeout=10)
+    assert wait_for(lambda: "reopening failed" in statuses[-1].message, timeout=10), statuses[-1]
+    failed = card.streams[1:-1] if not card.streams[-1].closed else card.streams[1:]
+    assert failed and all(s.closed and not s.started for s in failed)
+    card.plugged, card.start_fails = True, False
+    before = len(chunks)
+    assert wait_for(lambda: len(chunks) > before and statuses[-1].level == DiagnosticStatus.OK, timeout=10)
+    assert card.streams[-1].started and not card.streams[-1].closed
 
 
 def test_an_overflow_is_counted_and_warned_about(graph, card):
