@@ -14,13 +14,15 @@ from test_qwen3_5_fixtures import CHAT_TEMPLATE as QWEN3_5
 from test_qwen3_asr_reference import TEMPLATE as QWEN3_ASR
 
 # Every helper: tojson with its options (non-ASCII and HTML characters kept), strftime_now,
-# loopcontrols, trimmed and left-stripped blocks, special tokens, a template variable.
+# loopcontrols, trimmed and left-stripped blocks, special tokens, a template variable, generation
+# blocks (transformers' assistant-mask marks: Qwen3-ASR's checkpoints put the assistant turn in one).
 HELPERS = """{{ bos_token }}
 {% for m in messages %}
     {% if loop.index > 3 %}{% break %}{% endif %}
     <{{ m.role }}>{{ m.content | tojson }}|{{ m | tojson(indent=2, sort_keys=true) }}
     {% if m.role == 'system' %}{% continue %}{% endif %}
     [{{ m.content | tojson(separators=(',', ':'), ensure_ascii=true) }}]
+    {% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}{% endif %}
 {% endfor %}
 year {{ strftime_now('%Y')[:2] }} {{ extra | default('none') }}
 {% if add_generation_prompt %}<assistant>{% endif %}"""

@@ -3,7 +3,8 @@
 The template is read from the files transformers reads it from (chat_template.jinja first, then
 the "chat_template" of chat_template.json, tokenizer_config.json or processor_config.json) and
 rendered in the environment transformers builds for it: jinja2's immutable sandbox with
-trim_blocks and lstrip_blocks, the loopcontrols extension, a `tojson` filter that does not escape
+trim_blocks and lstrip_blocks, the loopcontrols extension, `{% generation %}` blocks (transformers'
+marks for its assistant-token mask, which render their body unchanged), a `tojson` filter that does not escape
 HTML and keeps non-ASCII text, `raise_exception(message)` and `strftime_now(format)`. The
 template sees `messages`, `tools`, `documents`, `add_generation_prompt` and the tokenizer's
 special tokens (`bos_token`, `eos_token`, ...), as in `apply_chat_template`.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from jinja2 import Template, nodes
+from jinja2.ext import Extension
 from jinja2.visitor import NodeTransformer
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -252,11 +254,22 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return wrapped
 
 
+class _GenerationBlocks(Extension):
+    """`{% generation %} ... {% endgeneration %}`: where transformers tracks which characters the
+    assistant wrote (return_assistant_tokens_mask); a prompt is rendered without that, so the block
+    is its body. Templates that mark the assistant turn so (Qwen3-ASR's) failed to load without it."""
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)   # the tag's own name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> Template:
     from jinja2.ext import loopcontrols
 
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
     env.globals.pop("lipsum", None)   # lipsum(n=...) writes n paragraphs: no chat template uses it

@@ -1,11 +1,13 @@
 """Qwen3-ASR's prompt and output text: its tokenizer, its chat template, its language tags.
 
 The prompt is the checkpoint's chat template rendered as the processor does for a transcription
-request: an optional system turn (the context: `initial_prompt`), a user turn holding the audio
+request: a system turn (the context: `initial_prompt`), a user turn holding the audio
 (`<|audio_start|><|audio_pad|><|audio_end|>`, the pad then repeated once per audio token) and
 the assistant turn continued from "language <Name><asr_text>" when the language is given, or
-from nothing (the model then writes "language <Name><asr_text>" itself: detection). Checkpoints
-without a template get the ChatML layout the template produces.
+from nothing (the model then writes "language <Name><asr_text>" itself: detection). The system
+turn is always there, empty without a context, as the original library sends it and the
+checkpoints' template renders it. Checkpoints without a template get the ChatML layout the
+template produces.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ LANGUAGES = {
 _BY_NAME = {name.lower(): code for code, name in LANGUAGES.items()}
 
 _FALLBACK_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
@@ -115,6 +120,8 @@ class Qwen3ASRPrompt:
 
     def render(self, language: str | None, context: str | None) -> str:
         """The prompt text, one audio pad, continued from the language prefix (if given)."""
+        # the messages transformers' processor builds (a system message only with a context; the
+        # checkpoints' template renders an empty system turn without one, as does the fallback)
         messages: list[dict] = []
         if context is not None:
             messages.append({"role": "system", "content": [{"type": "text", "text": context}]})
