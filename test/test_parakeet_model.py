@@ -155,13 +155,19 @@ def test_transcribe_text_words_and_segments_follow_the_steps(ours, pcm, referenc
     assert result["text"] == ours.vocab.decode(emitted) and result["text"]
     assert result["language"] == "en" and result["model_id"] == "parakeet-tdt-tiny"
     assert result["duration"] == pytest.approx(len(pcm) / 16000)
-    # token times from the durations: a token read at frame f spans [f, f + max(d, 1)) * 80 ms;
-    # a word runs from its first token's start to its last token's end
+    # token times from the durations: a token read at frame f spans [f, f + max(d, 1)) * 80 ms,
+    # a punctuation mark after the first token [e, e) where e is the end of the token before it
+    # (NeMo's _refine_timestamps_tdt); a word runs from its first token's start to its last
+    # token's end, and a mark never starts one
     frames = np.cumsum([0] + durations[:-1])
-    spans = [(t, f * fs, (f + max(d, 1)) * fs) for t, f, d in zip(tokens, frames, durations) if t != blank]
+    spans: list[tuple] = []
+    for t, f, d in zip(tokens, frames, durations):
+        if t != blank:
+            marked = bool(spans) and ours.vocab.decode([t]) in (".", ",", "?")
+            spans.append((t, spans[-1][2], spans[-1][2]) if marked else (t, f * fs, (f + max(d, 1)) * fs))
     words: list[list] = []
     for span in spans:
-        if not words or ours.vocab.starts_word(span[0]):
+        if not words or (ours.vocab.starts_word(span[0]) and ours.vocab.decode([span[0]]) not in (".", ",", "?")):
             words.append([])
         words[-1].append(span)
     expected = [{"start": round(w[0][1], 3), "end": round(w[-1][2], 3),
@@ -181,11 +187,31 @@ def test_words_and_segments_from_timed_tokens(ours):
              (piece["\u2581to"], 3.0, 3.08, 1)]
     out = ours._assemble(timed)
     assert out["text"] == "thea. is ita to"
-    assert out["words"] == [{"start": 0.0, "end": 0.32, "word": "thea."}, {"start": 0.4, "end": 0.48, "word": "is"},
+    # the "." takes the end of the "a" before it (NeMo's TDT timestamp refinement)
+    assert out["words"] == [{"start": 0.0, "end": 0.24, "word": "thea."}, {"start": 0.4, "end": 0.48, "word": "is"},
                             {"start": 2.0, "end": 2.4, "word": "ita"}, {"start": 3.0, "end": 3.08, "word": "to"}]
     # a segment ends at sentence punctuation, at a pause over a second, and at a chunk boundary
-    assert out["segments"] == [{"start": 0.0, "end": 0.32, "text": "thea."}, {"start": 0.4, "end": 0.48, "text": "is"},
+    assert out["segments"] == [{"start": 0.0, "end": 0.24, "text": "thea."}, {"start": 0.4, "end": 0.48, "text": "is"},
                                {"start": 2.0, "end": 2.4, "text": "ita"}, {"start": 3.0, "end": 3.08, "text": "to"}]
+
+
+def test_punctuation_takes_the_end_of_the_token_before_it(ours, monkeypatch):
+    """NeMo's TDT timestamps (rnnt_decoding._refine_timestamps_tdt, and transformers'
+    ParakeetProcessor._refine_timestamps): a mark emitted after a pause starts and ends where the
+    token before it ends, so the word and segment it closes end there too; a mark piece with "▁"
+    joins the word before it (timestamp_utils.get_words_offsets), and the first token keeps its
+    own times."""
+    from photon_core.models.parakeet.tokenizer import Vocabulary
+
+    pieces = list(pf.PIECES) + ["\u2581?"]
+    monkeypatch.setattr(ours, "vocab", Vocabulary(pieces))
+    piece = {p: i for i, p in enumerate(pieces)}
+    timed = [(piece[","], 0.0, 0.08, 0), (piece["\u2581it"], 0.16, 0.32, 0), (piece["."], 1.2, 1.52, 0),
+             (piece["\u2581is"], 2.0, 2.08, 0), (piece["\u2581?"], 2.8, 2.96, 0), (piece[","], 3.0, 3.08, 0)]
+    out = ours._assemble(timed)
+    assert out["words"] == [{"start": 0.0, "end": 0.08, "word": ","}, {"start": 0.16, "end": 0.32, "word": "it."},
+                            {"start": 2.0, "end": 2.08, "word": "is ?,"}]
+    assert out["segments"] == [{"start": 0.0, "end": 0.32, "text": ", it."}, {"start": 2.0, "end": 2.08, "text": "is ?,"}]
 
 
 def test_other_sample_rates_and_int_pcm_are_converted(ours, pcm):
@@ -383,6 +409,11 @@ def test_shared_engine_serves_parakeet():
     ("encoder", "self_attention_model", "abs_pos", "self_attention_model 'abs_pos'"),
     ("encoder", "conv_norm_type", "layer_norm", "conv_norm_type"),
     ("model_defaults", "tdt_durations", None, "plain RNN-T"),
+    # NeMo front-end settings other than its defaults (which every released Parakeet uses)
+    ("preprocessor", "exact_pad", True, "exact_pad"),
+    ("preprocessor", "mag_power", 1.0, "mag_power 1.0"),
+    ("preprocessor", "log_zero_guard_type", "clamp", "log_zero_guard_type 'clamp'"),
+    ("preprocessor", "log_zero_guard_value", 1e-5, "log_zero_guard_value 1e-05"),
 ])
 def test_unsupported_nemo_configs_are_refused_plainly(tmp_path, section, key, value, message):
     config = pf.nemo_config()

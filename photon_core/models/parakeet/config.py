@@ -235,6 +235,15 @@ def from_nemo(yaml_cfg: dict[str, Any], source: str = "model_config.yaml") -> Pa
     if pre.get("window", "hann") != "hann":
         _check(False, f"window {r(pre.get('window'))}")
     _check(bool(pre.get("log", True)), "a linear (non-log) mel")
+    # the front end is NeMo's defaults for these (every released Parakeet): centred STFT, power
+    # spectrum, log(mel + 2^-24); another value would give other features without a word
+    _check(not pre.get("exact_pad", False), "exact_pad (an uncentred STFT)")
+    if pre.get("mag_power", 2.0) != 2.0:
+        _check(False, f"mag_power {r(pre.get('mag_power'))}")
+    if pre.get("log_zero_guard_type", "add") != "add":
+        _check(False, f"log_zero_guard_type {r(pre.get('log_zero_guard_type'))}")
+    if pre.get("log_zero_guard_value", 2 ** -24) != 2 ** -24:
+        _check(False, f"log_zero_guard_value {r(pre.get('log_zero_guard_value'))}")
     sr = _int(pre, "sample_rate", 16000, src, where="preprocessor")
     d_model = _int(enc, "d_model", None, src, "hidden_size", where="encoder")
     classes = joint.get("num_classes", dec.get("vocab_size"))

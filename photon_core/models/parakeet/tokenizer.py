@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import struct
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,21 @@ _SPACE = "\u2581"
 _CONTROL, _BYTE_TYPE = 3, 6
 
 
+# Pieces whose characters are not punctuation marks of the vocabulary (NeMo's
+# extract_punctuation_from_vocab): [..], <..>, ##.., word-initial and blank pieces.
+_NOT_PUNCTUATION_SOURCE = re.compile(r"^\[.*\]$|^<.*>$|^##|^\u2581|^\s*$")
+
+
 class Vocabulary:
     def __init__(self, pieces: list[str], types: list[int] | None = None, hf_tokenizer=None) -> None:
         self.pieces = pieces
         self.types = types or [self._guess_type(p) for p in pieces]
         self._hf = hf_tokenizer
+        # the punctuation marks of the vocabulary, as NeMo finds them: every character of Unicode
+        # category P in a piece that is not special, word-initial or blank
+        self.punctuation = frozenset(c for p in pieces if not _NOT_PUNCTUATION_SOURCE.match(p)
+                                     for c in p if unicodedata.category(c).startswith("P"))
+        self._is_punctuation: dict[int, bool] = {}
 
     @staticmethod
     def _guess_type(piece: str) -> int:
@@ -40,6 +51,14 @@ class Vocabulary:
 
     def starts_word(self, token: int) -> bool:
         return 0 <= token < len(self.pieces) and self.pieces[token].startswith(_SPACE)
+
+    def is_punctuation(self, token: int) -> bool:
+        """Whether the token, decoded alone, is one punctuation mark of the vocabulary (NeMo's test
+        for the TDT timestamp refinement and for attaching a mark to the word before it)."""
+        known = self._is_punctuation.get(token)
+        if known is None:
+            known = self._is_punctuation[token] = self.decode([token]) in self.punctuation
+        return known
 
     def decode(self, ids: list[int]) -> str:
         if self._hf is not None:

@@ -5,10 +5,14 @@ gate (speech_gate.py), cut into chunks at quiet points when long (runtime.audio_
 gate finds no speech in is skipped), and each chunk runs front end ->
 encoder -> greedy TDT; the prediction network's state carries from one chunk to the next. Token
 times come from the durations: a token read at encoder frame t starts at t * frame_seconds and
-lasts its duration (at least one frame), within its own chunk. Words start at tokens carrying
-SentencePiece's "▁", and only there (a word a chunk cut splits stays one word, as in the text);
-segments end at sentence punctuation, at a pause of more than `segment_gap` seconds, or at the
-first word of a new chunk.
+lasts its duration (at least one frame), within its own chunk; a punctuation mark (a token that
+decodes to one punctuation character of the vocabulary) after the first token starts and ends
+where the token before it ends, as NeMo's TDT timestamps (and transformers' processor) have it:
+the model often emits a mark long after its word, after the pause that follows it. Words start at
+tokens carrying SentencePiece's "▁", and only there (a word a chunk cut splits stays one word, as
+in the text), punctuation marks never (NeMo's words: a mark joins the word before it); segments
+end at sentence punctuation, at a pause of more than `segment_gap` seconds, or at the first word
+of a new chunk.
 """
 from __future__ import annotations
 
@@ -146,9 +150,15 @@ class ParakeetSpeech:
     def _assemble(self, tokens: list[tuple[int, float, float, int]]) -> dict:
         words: list[dict] = []
         groups: list[list[tuple]] = []
-        for item in tokens:
+        timed: list[tuple[int, float, float, int]] = []
+        for tok, start, end, chunk in tokens:
+            # NeMo's _refine_timestamps_tdt: a mark takes the end of the token before it
+            if timed and self.vocab.is_punctuation(tok):
+                start = end = timed[-1][2]
+            timed.append((tok, start, end, chunk))
+        for item in timed:
             # a chunk cut inside a word does not split it: `text` decodes all tokens together
-            if not groups or self.vocab.starts_word(item[0]):
+            if not groups or (self.vocab.starts_word(item[0]) and not self.vocab.is_punctuation(item[0])):
                 groups.append([item])
             else:
                 groups[-1].append(item)
