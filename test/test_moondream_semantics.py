@@ -357,3 +357,159 @@ def test_moondream3_sampled_reasoning_draws_its_coordinates(md3, md3_enc, monkey
     greedy = points({"temperature": 0})
     assert points({"temperature": 5.0, "top_p": 1e-6}) == greedy
     assert points({"temperature": 5.0, "top_p": 1.0}, 0) != points({"temperature": 5.0, "top_p": 1.0}, 1)
+
+
+def _grounded_reasoning(tok, tk) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A reasoning that grounds " the cup" on one point: (words before, the grounded words, words
+    after, all its tokens up to and with the answer marker). The test tokenizer joins decoded words
+    with spaces, so the text decoded whole is not its chunks' texts joined."""
+    look, cup, ok = tok.encode(" a robot is"), tok.encode(" the cup"), tok.encode(" this dog ?")
+    think = (look + [tk.start_ground_points_id] + cup + [tk.coord_id, tk.coord_id] + [tk.end_ground_id] + ok
+             + [tk.answer_id])
+    return look, cup, ok, think
+
+
+@pytest.mark.parametrize("call", ["query", "query streamed", "query batched", "chat"])
+def test_moondream3_reasoning_text_leaves_out_the_grounding_marks(md3, md3_enc, monkeypatch, call):
+    """kestrel's query skill keeps a reasoning's start-ground-points and end-ground tokens out of
+    its text: they only close the chunk in progress (skills/query.py consume_step), the text is
+    all the reasoning's text tokens decoded at once and each grounded span's offsets are the
+    lengths of the chunks decoded on their own (finalize). Its chat passes the same text and
+    grounding on (models/moondream/skills/chat.py). Moondream 2's public code keeps the marks in
+    the text (the next test)."""
+    tok, tk = md3.tokenizer, md3.config.tokenizer
+    look, cup, ok, think = _grounded_reasoning(tok, tk)
+    seen = _script(monkeypatch, md3_text, md3.config.text.vocab_size, think + tok.encode(" a cup") + [tk.eos_id])
+    settings = {**GREEDY, "max_tokens": 20}
+    if call == "chat":
+        turn = {"role": "user", "content": [{"type": "image", "image": md3_enc}, {"type": "text", "text": "what ?"}]}
+        msg = md3.chat([turn], settings=settings)["message"]
+        reasoning = {"text": msg["reasoning"], "grounding": msg["reasoning_details"]["grounding"]}
+    elif call == "query batched":
+        reasoning = md3.batch([Request("query", md3_enc, "what ?", settings=settings, reasoning=True)])[0]["reasoning"]
+    else:
+        reasoning = md3.query(md3_enc, "what ?", reasoning=True, stream=call.endswith("streamed"),
+                              settings=settings)["reasoning"]
+    at = len(look) + 1 + len(cup)   # the first coord's step
+    x, y = (md3.region_impl.decode_coords(seen[j], md3.region_w, md3.ops)[0] for j in (at, at + 1))
+    start = len(tok.decode(look))
+    assert reasoning == {"text": tok.decode(look + cup + ok),
+                         "grounding": [{"start_idx": start, "end_idx": start + len(tok.decode(cup)),
+                                        "points": [(x, y)]}]}
+
+
+def test_moondream2_reasoning_text_keeps_the_grounding_marks(monkeypatch):
+    """Moondream 2 keeps its public code's reasoning text: a grounding mark starts a chunk of it,
+    decoded with that chunk, and the text is the chunks' texts joined."""
+    model = mf.model()
+    enc = model.encode_image(ramp_image(120, 160, 1))
+    tok, tk = model.tokenizer, model.config.tokenizer
+    look, cup, ok, think = _grounded_reasoning(tok, tk)
+    _script(monkeypatch, md2_text, model.config.text.vocab_size, think + [mf.EOS_ID])
+    out = model.query(enc, "what ?", reasoning=True, settings={**GREEDY, "max_tokens": 20})
+    chunks = [look, [tk.start_ground_points_id] + cup + [tk.coord_id, tk.coord_id], [tk.end_ground_id] + ok]
+    texts = [tok.decode(c) for c in chunks]
+    assert out["reasoning"]["text"] == "".join(texts)
+    assert [(g["start_idx"], g["end_idx"]) for g in out["reasoning"]["grounding"]] == \
+        [(len(texts[0]), len(texts[0]) + len(texts[1]))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_moondream3_chat_answers_an_image_only_turn(md3, md3_enc, monkeypatch, stream):
+    """kestrel's chat refuses a last user message only when it has neither text nor an image
+    (skills/chat.py build_request); its Moondream chat renders an image-only turn as the query
+    prefix with no question tokens, then the opener (models/moondream/skills/chat.py), and a
+    whitespace text as written. Moondream 2's chat still needs words to ask."""
+    tok, tk = md3.tokenizer, md3.config.tokenizer
+    answer = tok.encode(" a cup")
+    seen = _script(monkeypatch, md3_text, md3.config.text.vocab_size, answer + [tk.eos_id])
+    turn = {"role": "user", "content": [{"type": "image", "image": md3_enc}]}
+    reply = md3.chat([turn], stream=stream, settings={**GREEDY, "reasoning": False})
+    content = "".join(reply["message"]) if stream else reply["message"]["content"]
+    assert content == tok.decode(answer)
+    if not stream:
+        assert reply == {"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+    prompt = list(tk.templates["query"]["prefix"]) + skills.query_openers(md3)[0]
+    full = _one_forward(md3, md3_enc, prompt, md3_text.embed(torch.tensor([answer]), md3.text_w))
+    torch.testing.assert_close(torch.cat(seen), full[len(prompt) - 1:], rtol=1e-4, atol=1e-4)
+    texts = _encoded_texts(monkeypatch, md3)
+    _script(monkeypatch, md3_text, md3.config.text.vocab_size, [tk.eos_id])
+    spaced = {"role": "user", "content": [{"type": "image", "image": md3_enc}, {"type": "text", "text": "  "}]}
+    md3.chat([spaced], settings={**GREEDY, "reasoning": False})
+    assert texts == ["  "]
+    with pytest.raises(ValueError, match="text or an image"):
+        md3.chat([{"role": "user", "content": [{"type": "text", "text": ""}]}], settings=GREEDY)
+    md2 = mf.model()
+    enc = md2.encode_image(ramp_image(120, 160, 1))
+    with pytest.raises(ValueError, match="needs text"):
+        md2.chat([{"role": "user", "content": [{"type": "image", "image": enc}]}], settings=GREEDY)
+
+
+def test_moondream3_settings_are_checked_as_kestrel_checks_them(md3, md3_enc, monkeypatch):
+    """kestrel's parse_settings refuses a max_tokens below 1 in the settings of caption, query,
+    chat, point and segment ("max_tokens must be positive", skills/base.py); its detect drops
+    settings' max_tokens before parsing (its budget is max_objects'), and detect and point raise
+    any max_objects below 1, negative ones too, to 1 (max(1, int(max_objects))). Moondream 2 keeps
+    max_tokens 0 (an empty answer) and refuses a negative max_objects."""
+    tk = md3.config.tokenizer
+    turn = {"role": "user", "content": [{"type": "image", "image": md3_enc}, {"type": "text", "text": "what ?"}]}
+    zero = {"temperature": 0, "max_tokens": 0}
+    calls = [lambda s: md3.caption(md3_enc, "short", settings=s), lambda s: md3.query(md3_enc, "what ?", settings=s),
+             lambda s: md3.query(md3_enc, "what ?", reasoning=True, settings=s),
+             lambda s: md3.batch([Request("query", md3_enc, "what ?", settings=s)]),
+             lambda s: md3.chat([turn], settings=s), lambda s: md3.point(md3_enc, "dog", settings=s),
+             lambda s: md3.point(md3_enc, "dog", settings={**s, "max_objects": 2}),
+             lambda s: md3.segment(md3_enc, "cup", settings=s)]
+    for call in calls:
+        with pytest.raises(ValueError, match="max_tokens must be positive"):
+            call(zero)
+        with pytest.raises(ValueError, match="max_tokens must be"):
+            call({"max_tokens": -1})
+    _script(monkeypatch, md3_text, md3.config.text.vocab_size, [tk.coord_id] * 200)
+    assert len(md3.detect(md3_enc, "cup", settings={"max_objects": 2, "max_tokens": 0})["objects"]) == 2
+    assert len(md3.detect(md3_enc, "cup", settings={"max_objects": 2, "max_tokens": -5})["objects"]) == 2
+    assert len(md3.detect(md3_enc, "cup", settings={"max_objects": -3})["objects"]) == 1
+    assert len(md3.point(md3_enc, "dog", settings={"max_objects": -3})["points"]) == 1
+    md2 = mf.model()
+    enc = md2.encode_image(ramp_image(120, 160, 1))
+    assert md2.query(enc, "what ?", settings=zero) == {"answer": ""}
+    with pytest.raises(ValueError, match="max_objects must be >= 0"):
+        md2.detect(enc, "cup", settings={"max_objects": -3})
+
+
+def test_moondream3_chat_reply_has_reasoning_whenever_it_was_on(md3, md3_enc, monkeypatch):
+    """kestrel's Moondream chat puts the reasoning's text on the message whenever reasoning was on,
+    "" where the model went straight to the answer marker (models/moondream/skills/chat.py
+    finalize: the query result's reasoning is always there then); reasoning off, no key. Moondream
+    2's chat keeps the key for a reasoning with text (runtime.chat_messages.assistant_reply)."""
+    tok, tk = md3.tokenizer, md3.config.tokenizer
+    answer = tok.encode(" a cup")
+    turn = {"role": "user", "content": [{"type": "image", "image": md3_enc}, {"type": "text", "text": "what ?"}]}
+    _script(monkeypatch, md3_text, md3.config.text.vocab_size, [tk.answer_id] + answer + [tk.eos_id])
+    reply = md3.chat([turn], settings={**GREEDY, "max_tokens": 20})
+    assert reply == {"message": {"role": "assistant", "content": tok.decode(answer), "reasoning": ""},
+                     "finish_reason": "stop"}
+    _script(monkeypatch, md3_text, md3.config.text.vocab_size, answer + [tk.eos_id])
+    reply = md3.chat([turn], settings={**GREEDY, "max_tokens": 20, "reasoning": False})
+    assert reply["message"] == {"role": "assistant", "content": tok.decode(answer)}
+    md2 = mf.model()
+    enc = md2.encode_image(ramp_image(120, 160, 1))
+    _script(monkeypatch, md2_text, md2.config.text.vocab_size, [mf.ANSWER_ID] + answer + [mf.EOS_ID])
+    turn = {"role": "user", "content": [{"type": "image", "image": enc}, {"type": "text", "text": "what ?"}]}
+    assert "reasoning" not in md2.chat([turn], settings={**GREEDY, "max_tokens": 20})["message"]
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_chat_refuses_images_in_assistant_messages(md3, version):
+    """kestrel's Moondream chat places images at user turns only and refuses an image part in any
+    other message (models/moondream/skills/chat.py build_prompt_tokens), rather than dropping it
+    (and handing it to a later user turn's image part, which took the wrong picture). Moondream 2's
+    chat, shaped as kestrel's, refuses it too."""
+    model = md3 if version == 3 else mf.model()
+    messages = [{"role": "user", "content": "what ?"},
+                {"role": "assistant", "content": [{"type": "image", "image": ramp_image(200, 300, 4)},
+                                                  {"type": "text", "text": "a"}]},
+                {"role": "user", "content": [{"type": "image", "image": ramp_image(200, 300, 3)},
+                                             {"type": "text", "text": "and this ?"}]}]
+    with pytest.raises(ValueError, match="only in user messages"):
+        model.chat(messages, settings=GREEDY)

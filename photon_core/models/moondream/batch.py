@@ -85,6 +85,14 @@ class _Row:
         return self.request.task in ("detect", "point")
 
 
+@dataclass
+class ChatTurn(Request):
+    """A chat's last user turn, decoded as a query on the conversation before it (chat.py). Its
+    text is taken as written: where the model takes such a turn (chat_turn_as_written: Moondream
+    3, as kestrel's chat renders it) it may be empty (an image-only turn: no question tokens) or
+    whitespace."""
+
+
 def _steps_per_object(task: str) -> int:
     return 3 if task == "detect" else 2
 
@@ -105,7 +113,9 @@ def _prompt(model: "MoondreamModel", r: Request, opts: Settings) -> tuple[list[i
     if r.task == "caption":
         return skills.caption_prompt(model, r.prompt or "normal"), refs
     if r.task == "query":
-        return skills.query_prompt(model, r.prompt, refs, r.reasoning, text_only=r.image is None), refs
+        as_written = isinstance(r, ChatTurn) and model.chat_turn_as_written
+        return skills.query_prompt(model, r.prompt, refs, r.reasoning, text_only=r.image is None,
+                                   as_written=as_written), refs
     raise ValueError(f"unknown task {r.task!r}; one of {', '.join(TASKS)}")
 
 
@@ -168,7 +178,7 @@ def run(model: "MoondreamModel", requests: list[Request], decode: Any = None) ->
         return []
     groups: dict[str | None, list[int]] = {}
     for i, r in enumerate(requests):
-        groups.setdefault(r.options().variant, []).append(i)
+        groups.setdefault(model.request_settings(r).variant, []).append(i)
     if len(groups) > 1:
         results: list[dict] = [{}] * len(requests)
         for idx in groups.values():

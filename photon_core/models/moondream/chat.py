@@ -15,7 +15,13 @@ which is what this module does (facts from there):
 - the reply is decoded as a query's (its masks, its grounded reasoning); reasoning is on unless
   asked off (chat(reasoning=False), or settings["reasoning"], which wins as in kestrel);
 - the message: {"role": "assistant", "content": answer, "reasoning": its text (when reasoning was
-  on and gave some), "reasoning_details": {"grounding": ...} (when it grounded points)}.
+  on and gave some; Moondream 3: whenever it was on, "" included), "reasoning_details":
+  {"grounding": ...} (when it grounded points)}.
+
+Images are taken in user messages only, as kestrel's Moondream chat places them (one in an
+assistant message is refused). Moondream 3 also takes a last user turn with an image and no text
+(no question tokens) or only whitespace, as kestrel renders them (model.chat_turn_as_written,
+chat_reasoning_always); Moondream 2's last turn needs words.
 
 So a one-turn chat is exactly query(image, question, reasoning=...). Here everything before the
 last user turn's text (earlier turns, then that turn's images) is prefilled into one EncodedImage
@@ -28,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from photon_core.runtime import chat_messages
-from photon_core.runtime.requests import Request, Settings
+from photon_core.runtime.requests import Request
 
 from . import batch as batch_decoding
 from . import skills
@@ -50,18 +56,26 @@ def chat(model: "MoondreamModel", messages: Any, stream: bool = False, settings:
     reasoning = True if reasoning is None else reasoning
     if not isinstance(reasoning, bool):
         raise TypeError(f"reasoning must be True or False, got {reasoning!r}")
-    opts = Settings.of(settings)   # checked before any image is encoded
+    # checked (as the model reads a query's settings) before any image is encoded
+    opts = model.request_settings(Request("query", None, "", settings=settings))
     history, question = layout(model, conv)
     prefix = prefill(model, history, skills.variant(model, opts.variant))
-    request = Request("query", prefix, question, settings=settings, reasoning=reasoning)
+    request = batch_decoding.ChatTurn("query", prefix, question, settings=settings, reasoning=reasoning)
     if stream:   # model.query's decode, without its input normalising (kestrel's chat has none)
         return {"message": model._text(request, stream=True)["answer"]}
     result, row = _decode(model, request)
     room = row.sampling.max_tokens if row.sampling is not None else 0
     finish = "length" if batch_decoding.spent(model, row) >= room or row.pos >= row.length else "stop"
     reason = result.get("reasoning") or {}
-    return chat_messages.assistant_reply(result["answer"], finish, reason.get("text"),
-                                         {"grounding": reason["grounding"]} if reason.get("grounding") else None)
+    reply = chat_messages.assistant_reply(result["answer"], finish, reason.get("text"),
+                                          {"grounding": reason["grounding"]} if reason.get("grounding") else None)
+    msg = reply["message"]
+    if reasoning and model.chat_reasoning_always and "reasoning" not in msg:
+        # kestrel's Moondream chat puts the reasoning's text on the message whenever reasoning was
+        # on, "" included (its query result always has the reasoning then)
+        reply["message"] = {"role": msg["role"], "content": msg["content"], "reasoning": reason.get("text", ""),
+                            **{k: v for k, v in msg.items() if k not in ("role", "content")}}
+    return reply
 
 
 def layout(model: "MoondreamModel", conv: chat_messages.Conversation) -> tuple[list[Piece], str]:
@@ -79,6 +93,11 @@ def layout(model: "MoondreamModel", conv: chat_messages.Conversation) -> tuple[l
     for i, turn in enumerate(turns):
         text = _text(turn["content"])
         if turn["role"] == "assistant":   # a reply (or a stray assistant turn, kestrel emits it so)
+            if any(isinstance(p, dict) and p["type"] == "image" for p in turn["content"]):
+                # kestrel's Moondream chat places images at user turns only and refuses others
+                # (skipped, a later user turn's image part would take this one's image)
+                raise ValueError("Moondream chat takes images only in user messages; found one in an "
+                                 "'assistant' message")
             pieces += [answer, model.tokenizer.encode(text) if text else []]
             continue
         pieces += [next(images) for part in turn["content"] if isinstance(part, dict) and part["type"] == "image"]
@@ -88,7 +107,13 @@ def layout(model: "MoondreamModel", conv: chat_messages.Conversation) -> tuple[l
             question = text
         else:
             pieces += [prefix, model.tokenizer.encode(text) if text else []]
-    if not question.strip():
+    if model.chat_turn_as_written:
+        # kestrel's chat refuses only a last message with neither text nor an image (before a
+        # system message is folded in); an image-only one is a query without question tokens.
+        last = turns[-1]["content"]
+        if not _text(last) and not any(isinstance(p, dict) and p["type"] == "image" for p in last):
+            raise ValueError("the last user message must have text or an image")
+    elif not question.strip():
         raise ValueError("the last user message needs text: Moondream answers it as a query's question")
     return pieces, question
 

@@ -124,6 +124,18 @@ class MoondreamModel:
     # heads' logits with its temperature and top_p, and a detect/point samples its continue-or-stop
     # token. Moondream 2: no, its public code decodes them by argmax (its detect and point greedily).
     spatial_values_sampled: bool = False
+    # Whether a reasoning's start-ground-points and end-ground tokens are part of its text (and each
+    # starts a chunk of it, the chunks' texts joined: skills.grounding). Moondream 2: yes, as its
+    # public code decodes them (Moondream 3: no, as kestrel keeps them out of the reasoning's text).
+    grounding_marks_in_text: bool = True
+    # Whether a chat's last user message may hold an image and no text (its query then has no
+    # question words), or text that is only whitespace. Moondream 2: no, its turn needs words to
+    # ask (chat.layout; Moondream 3 takes both, as kestrel's chat renders them).
+    chat_turn_as_written: bool = False
+    # Whether a chat reply with reasoning on always has "reasoning" on its message ("" where the
+    # reasoning gave no text). Moondream 2: only when there is some, as runtime.chat_messages
+    # shapes replies (Moondream 3: always, as kestrel's Moondream chat does).
+    chat_reasoning_always: bool = False
     # How an image becomes the encoder's input (image_crops.py's docstring says why): Moondream 2's
     # as the public reference makes it (PIL's Lanczos-3, normalised through bfloat16).
     resampler: str = "pil"

@@ -164,16 +164,17 @@ def _wrap(model: "MoondreamModel", skill: str, words: list[int]) -> list[int]:
 
 
 def query_prompt(model: "MoondreamModel", question: str, refs: list[SpatialRef] | None = None,
-                 reasoning: bool = False, text_only: bool = False) -> list[int]:
+                 reasoning: bool = False, text_only: bool = False, as_written: bool = False) -> list[int]:
     """prefix + refs' placeholders + question + the opener (query_openers). A text-only query
-    starts with BOS (no image prefix holds it)."""
-    if not isinstance(question, str) or not question.strip():
+    starts with BOS (no image prefix holds it). as_written: a chat turn's text, which may be empty
+    (no question tokens) or whitespace (batch.ChatTurn); a query's question must have words."""
+    if not isinstance(question, str) or not (question.strip() or as_written):
         raise ValueError("question must be a non-empty string")
     tk = model.config.tokenizer
     bos = [tk.bos_id] if text_only else []
     answer, think = query_openers(model)
     return bos + list(tk.templates["query"]["prefix"]) + ref_placeholders(model, refs) + \
-        model.tokenizer.encode(question) + (think if reasoning else answer)
+        (model.tokenizer.encode(question) if question else []) + (think if reasoning else answer)
 
 
 def query_openers(model: "MoondreamModel") -> tuple[list[int], list[int]]:
@@ -258,12 +259,18 @@ def text_ids(model: "MoondreamModel", tokens: list[int]) -> list[int]:
 
 
 def grounding(model: "MoondreamModel", tokens: list[int], coords: list[float]) -> dict:
-    """The reference's reasoning result from its tokens and the coordinates decoded at its coord
-    tokens: {"text", "grounding": [{"start_idx", "end_idx", "points": [(x, y), ...]}]}. The text
-    is cut into chunks at each start-ground-points and end-ground token, each chunk decoded on its
-    own (its text_ids); a chunk with at least two coordinates grounds its span of the text on their
-    (x, y) pairs."""
+    """The reasoning result from its tokens and the coordinates decoded at its coord tokens:
+    {"text", "grounding": [{"start_idx", "end_idx", "points": [(x, y), ...]}]}. The tokens are cut
+    into chunks at each start-ground-points and end-ground token; a chunk with at least two
+    coordinates grounds its span of the text (from the lengths of the chunks decoded on their own,
+    their text_ids) on their (x, y) pairs.
+
+    Where the model keeps the grounding marks in the text (grounding_marks_in_text: Moondream 2,
+    as its public code does) each mark starts its chunk and the text is the chunks' texts joined;
+    else (Moondream 3, as kestrel's query skill finalizes it) the marks are no text, in no chunk,
+    and the text is all the reasoning's text tokens decoded together."""
     tk = model.config.tokenizer
+    marks_kept = model.grounding_marks_in_text
     chunks: list[list[int]] = [[]]
     values: list[list[float]] = [[]]
     it = iter(coords)
@@ -271,6 +278,8 @@ def grounding(model: "MoondreamModel", tokens: list[int], coords: list[float]) -
         if tok in (tk.start_ground_points_id, tk.end_ground_id):
             chunks.append([])
             values.append([])
+            if not marks_kept:
+                continue
         chunks[-1].append(tok)
         if tok == tk.coord_id:
             values[-1].append(next(it))
@@ -281,4 +290,5 @@ def grounding(model: "MoondreamModel", tokens: list[int], coords: list[float]) -
             out.append({"start_idx": start, "end_idx": start + len(text),
                         "points": [(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]})
         start += len(text)
-    return {"text": "".join(texts), "grounding": out}
+    whole = "".join(texts) if marks_kept else model.tokenizer.decode(text_ids(model, [t for c in chunks for t in c]))
+    return {"text": whole, "grounding": out}

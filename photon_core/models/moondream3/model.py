@@ -126,6 +126,17 @@ class Moondream3Model(MoondreamModel):
     # every token, a detect's under its coord/eos mask, and every spatial value with the
     # request's settings: scheduler/spatial.py compute_spatial_values; region.sample_coords).
     spatial_values_sampled = True
+    # A reasoning's start-ground-points and end-ground tokens are no text: kestrel's query skill
+    # keeps them out of the reasoning's tokens and its chunks (skills/query.py consume_step: they
+    # only flush the chunk) and decodes the text from all its text tokens at once (finalize).
+    grounding_marks_in_text = False
+    # A chat's last user message may be an image without text (kestrel's chat refuses only one with
+    # neither, skills/chat.py build_request; its Moondream chat renders no question tokens then)
+    # or whitespace, encoded as written (chat.layout).
+    chat_turn_as_written = True
+    # A chat reply with reasoning on has "reasoning" on its message, "" where the reasoning gave no
+    # text (kestrel's Moondream chat finalize: its query result always holds the reasoning then).
+    chat_reasoning_always = True
     # its MoE layers' prefill dequantises experts per call: a graph's pool would keep the peak
     # (~0.8 GB for a layer) for good, which memory.py counts as a request's transient
     prefill_graphs = False
@@ -158,15 +169,25 @@ class Moondream3Model(MoondreamModel):
         (build_request): caption and query (and chat, a query here) sample with temperature 0.2
         and top_p 0.9 where `settings` leaves them out, detect and point decode greedily unless
         `settings` gives a temperature (spatial_values_sampled); a detect or point finds at least one
-        object (max(1, max_objects)); a point whose `settings` has no max_objects is bounded by
-        max_tokens alone, two tokens a point (detect keeps 50). Requests without a `settings`
-        dict (the nodes', field by field) decode with their fields as given, as before."""
-        opts = r.options(KESTREL_TEXT_DEFAULTS if r.task in ("caption", "query") else KESTREL_OBJECT_DEFAULTS)
-        if r.task not in ("detect", "point") or not isinstance(r.settings, Mapping):
-            return opts
-        if r.task == "point" and "max_objects" not in r.settings:
+        object (max(1, max_objects), a negative one too); a point whose `settings` has no
+        max_objects is bounded by max_tokens alone, two tokens a point (detect keeps 50). A
+        max_tokens in `settings` must be positive (parse_settings), except a detect's, which is
+        not read (its budget is its max_objects'). Requests without a `settings` dict (the nodes',
+        field by field) decode with their fields as given, as before."""
+        defaults = KESTREL_TEXT_DEFAULTS if r.task in ("caption", "query") else KESTREL_OBJECT_DEFAULTS
+        if not isinstance(r.settings, Mapping):
+            return r.options(defaults)
+        given = dict(r.settings)
+        if r.task == "detect":
+            given.pop("max_tokens", None)
+        objects = given.get("max_objects")
+        if r.task in ("detect", "point") and isinstance(objects, int) and not isinstance(objects, bool):
+            given["max_objects"] = max(1, objects)
+        opts = Settings.of({**defaults, **given})
+        check_max_tokens(opts)
+        if r.task == "point" and "max_objects" not in given:
             return dataclasses.replace(opts, max_objects=opts.max_tokens // 2)
-        return dataclasses.replace(opts, max_objects=max(1, opts.max_objects))
+        return opts
 
     def as_read(self, r: Request) -> Request:
         """`r` as kestrel's skills read it (build_request): the object and the question stripped of
@@ -190,6 +211,7 @@ class Moondream3Model(MoondreamModel):
         decoded greedily unless settings give a temperature (and top_p), as kestrel's segment
         (parse_settings with temperature 0, top_p 1 by default)."""
         opts = Settings.of({**KESTREL_OBJECT_DEFAULTS, **settings} if isinstance(settings, Mapping) else settings)
+        check_max_tokens(opts)
         refs = check_spatial_refs(spatial_refs)
         if opts.variant is not None:
             raise NotImplementedError(f"settings['variant'] ({opts.variant!r}) is not supported by segment yet "
@@ -198,6 +220,13 @@ class Moondream3Model(MoondreamModel):
         run = segment.segment_stream if stream else segment.segment
         sampling = Sampling(max_tokens, opts.temperature, opts.top_p)
         return run(self, self._encoded(image), object, max_tokens, refine, refs, sampling)
+
+
+def check_max_tokens(opts: Settings) -> None:
+    """ValueError unless max_tokens is positive, as kestrel's parse_settings requires of every
+    autoregressive skill's settings (caption, query, chat, point, segment; detect reads none)."""
+    if opts.max_tokens < 1:
+        raise ValueError(f"settings: max_tokens must be positive, got {opts.max_tokens!r}")
 
 
 def to_device(device: torch.device, *weights: Any) -> None:
