@@ -150,6 +150,38 @@ def test_moe_config_is_refused(tmp_path):
         registry.recognise(tmp_path)
 
 
+def test_sizes_a_config_leaves_out_are_transformers_defaults():
+    """A config.json written with only what differs from transformers' defaults is the same model
+    here: head sizes, per-layer inputs, the layer plan (five sliding layers then a full one, the
+    last layer always full) and the rotary settings as Gemma4TextConfig / Gemma4VisionConfig fill
+    them in."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig, Gemma4VisionConfig
+
+    from photon_core.models.gemma4.config import TextConfig, VisionConfig
+
+    for sparse in ({"num_hidden_layers": 7, "hidden_size": 64, "num_attention_heads": 4},
+                   {"num_hidden_layers": 3, "layer_types": ["full_attention", "sliding_attention",
+                                                            "sliding_attention"]}, {}):
+        ours, ref = TextConfig.from_dict(dict(sparse)), Gemma4TextConfig(**sparse)
+        assert [L.kind for L in ours.layers] == ref.layer_types
+        per_layer = [ref.per_layer_config[i] for i in range(ref.num_hidden_layers)]   # each layer's view
+        assert [L.head_dim for L in ours.layers] == [c.head_dim for c in per_layer]
+        assert [L.n_kv_heads for L in ours.layers] == [c.num_key_value_heads for c in per_layer]
+        assert (ours.vocab_size, ours.dim, ours.n_heads, ours.sliding_window, ours.ple_dim, ours.ple_vocab) == \
+            (ref.vocab_size, ref.hidden_size, ref.num_attention_heads, ref.sliding_window,
+             ref.hidden_size_per_layer_input, ref.vocab_size_per_layer_input)
+        assert ours.layers[0].ff_dim == ref.intermediate_size
+        for kind, r in ours.rope.items():
+            p = ref.rope_parameters[kind]
+            assert (r.kind, r.theta, r.partial) == \
+                (p["rope_type"], p["rope_theta"], p.get("partial_rotary_factor", 1.0))
+    sparse = {"hidden_size": 96, "num_attention_heads": 12}
+    ours_v, ref_v = VisionConfig.from_dict(dict(sparse)), Gemma4VisionConfig(**sparse)
+    assert (ours_v.head_dim, ours_v.n_kv_heads, ours_v.n_layers, ours_v.ff_dim, ours_v.pool, ours_v.patch_size) == \
+        (ref_v.head_dim, ref_v.num_key_value_heads, ref_v.num_hidden_layers, ref_v.intermediate_size,
+         ref_v.pooling_kernel_size, ref_v.patch_size)
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

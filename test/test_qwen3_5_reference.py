@@ -116,6 +116,59 @@ def test_preprocessing_and_vision_features_match(pair):
         torch.testing.assert_close(model.encode_image(img).features, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("files", [
+    # a top-level min_pixels / max_pixels overrides size (the Qwen2-VL layout beside the new one)
+    {"preprocessor_config.json": {"patch_size": 8, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                                  "size": {"shortest_edge": 256, "longest_edge": 4096},
+                                  "min_pixels": 1024, "max_pixels": 2304}},
+    # newer exports nest the image processor in processor_config.json, which comes first
+    {"processor_config.json": {"image_processor": {"patch_size": 8, "image_mean": [0.2, 0.3, 0.4],
+                                                   "image_std": [0.6, 0.7, 0.8],
+                                                   "size": {"shortest_edge": 512, "longest_edge": 1536}}},
+     "preprocessor_config.json": {"patch_size": 8, "size": {"shortest_edge": 256, "longest_edge": 4096}}},
+    # settings left out take the processor class's defaults (CLIP normalisation, its pixel budget)
+    {"preprocessor_config.json": {"patch_size": 8, "size": {"shortest_edge": 256, "longest_edge": 4096}}},
+    {"preprocessor_config.json": {"patch_size": 8, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}},
+])
+def test_image_processor_settings_are_read_as_transformers_reads_them(tmp_path, files):
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLImageProcessorPil
+
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    ref = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    pp = vision.Preprocess.from_folder(tmp_path, SimpleNamespace(patch=8, temporal_patch=2, merge=2))
+    assert (pp.min_pixels, pp.max_pixels) == (ref.size.shortest_edge, ref.size.longest_edge)
+    assert pp.mean == pytest.approx(ref.image_mean, abs=1e-7) and pp.std == pytest.approx(ref.image_std, abs=1e-7)
+    img = fx.image(30, 170, seed=2)
+    inputs = ref(images=[img], return_tensors="pt")
+    patches, grid = vision.preprocess(img, pp)
+    assert [1, *grid] == inputs["image_grid_thw"][0].tolist()
+    torch.testing.assert_close(patches, inputs["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_sizes_a_config_leaves_out_are_transformers_defaults():
+    """A config.json written with only what differs from transformers' defaults (head_dim 256
+    here where hidden_size / heads is 128, 4 kv heads) is the same model here."""
+    from transformers import Qwen3_5TextConfig
+
+    from photon_core.models.qwen3_5.config import Qwen35Config
+
+    sparse = {"hidden_size": 1024, "num_attention_heads": 8, "num_hidden_layers": 4}
+    ours = Qwen35Config.from_dict({"model_type": "qwen3_5_text", **sparse}).text
+    ref = Qwen3_5TextConfig(**sparse)
+    assert (ours.head_dim, ours.n_kv_heads, ours.vocab_size, ours.intermediate, ours.n_layers, ours.dim) == \
+        (ref.head_dim, ref.num_key_value_heads, ref.vocab_size, ref.intermediate_size, ref.num_hidden_layers,
+         ref.hidden_size)
+    assert ours.rot_dim == int(ref.head_dim * ref.rope_parameters["partial_rotary_factor"])
+    assert list(ours.layer_types) == ref.layer_types
+    # and with nothing at all, every size is transformers' default
+    bare, ref = Qwen35Config.from_dict({"model_type": "qwen3_5_text"}).text, Qwen3_5TextConfig()
+    assert (bare.dim, bare.n_layers, bare.n_heads, bare.head_dim, bare.vocab_size) == \
+        (ref.hidden_size, ref.num_hidden_layers, ref.num_attention_heads, ref.head_dim, ref.vocab_size)
+
+
 # ---------------------------------------------------------------- recognition and bad inputs
 
 def test_recognised_as_qwen3_5_only(pair, tmp_path):

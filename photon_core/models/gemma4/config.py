@@ -15,6 +15,19 @@ def _need(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
+# What transformers' Gemma4TextConfig / Gemma4VisionConfig take for a value config.json leaves out
+# (a config saved with only what differs from these is the same model there and here).
+TEXT_DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
+                 "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256}
+SLIDING_PATTERN = 6   # without layer_types: five sliding layers, then a full one
+DEFAULT_ROPE: dict[str, dict[str, Any]] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 16,
+                   "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64}
+
+
 @dataclass(frozen=True)
 class Rope:
     kind: str            # "default" or "proportional"
@@ -76,13 +89,16 @@ class TextConfig:
         act = t.get("hidden_activation", "gelu_pytorch_tanh")
         if act not in ACTIVATIONS:
             raise NotImplementedError(f"hidden_activation {act!r} is not supported")
-        n_layers = int(_need(t, "num_hidden_layers", w))
-        types = list(t.get("layer_types") or [])
+        d = {**TEXT_DEFAULTS, **t}   # sizes config.json leaves out are transformers' defaults
+        n_layers = int(_need(d, "num_hidden_layers", w))
+        types = list(t.get("layer_types") or ["full_attention" if (i + 1) % SLIDING_PATTERN == 0
+                                              else "sliding_attention" for i in range(n_layers)])
         if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
             raise ValueError(f"config.json: layer_types must name sliding_attention/full_attention for each "
                              f"of the {n_layers} layers, got {types}")
-        head_dim = int(_need(t, "head_dim", w))
-        n_kv = int(_need(t, "num_key_value_heads", w))
+        types[-1] = "full_attention"   # as transformers makes it (with a warning) whatever the config says
+        head_dim = int(_need(d, "head_dim", w))
+        n_kv = int(_need(d, "num_key_value_heads", w))
         per_layer = {int(k): v for k, v in (t.get("per_layer_config") or {}).items()}
         k_eq_v = bool(t.get("attention_k_eq_v", False))
         if not per_layer:   # configs written before per_layer_config existed
@@ -95,7 +111,7 @@ class TextConfig:
         if n_shared and (first_shared <= 0 or {types[i] for i in range(first_shared)} != set(types)):
             raise ValueError("config.json: num_kv_shared_layers leaves no earlier layer of every attention type "
                              "to share keys/values from")
-        ff = int(_need(t, "intermediate_size", w))
+        ff = int(_need(d, "intermediate_size", w))
         double = bool(t.get("use_double_wide_mlp", False))
         layers = []
         for i, kind in enumerate(types):
@@ -108,7 +124,7 @@ class TextConfig:
                 ff_dim=ff * (2 if double and i >= first_shared else 1), kv_source=source,
                 k_eq_v=k_eq_v and not sliding))
         rope = {}
-        params = t.get("rope_parameters") or {}
+        params = t.get("rope_parameters") or DEFAULT_ROPE
         for kind in set(types):
             p = params.get(kind)
             if p is None:
@@ -118,23 +134,24 @@ class TextConfig:
                 raise NotImplementedError(f"rope_type {rtype!r} ({kind}) is not supported yet")
             rope[kind] = Rope(rtype, float(p.get("rope_theta", 10000.0)),
                               float(p.get("partial_rotary_factor", 1.0)), float(p.get("factor", 1.0)))
-        ple_vocab = int(t.get("vocab_size_per_layer_input") or 0)
-        if t.get("hidden_size_per_layer_input") and ple_vocab < int(_need(t, "vocab_size", w)):
+        ple_vocab = int(d["vocab_size_per_layer_input"] or 0)   # null: no per-layer inputs
+        ple_dim = int(d["hidden_size_per_layer_input"] or 0)
+        vocab = int(_need(d, "vocab_size", w))
+        if ple_dim and ple_vocab < vocab:
             raise ValueError("config.json: vocab_size_per_layer_input is smaller than vocab_size; every token "
                              "needs a per-layer embedding")
         eos = t.get("eos_token_id", 1)
         eos = tuple(eos) if isinstance(eos, list) else (int(eos),) if eos is not None else ()
-        n_heads = int(_need(t, "num_attention_heads", w))
+        n_heads = int(_need(d, "num_attention_heads", w))
         for spec in layers:
             if n_heads % spec.n_kv_heads:
                 raise ValueError(f"config.json: {spec.n_kv_heads} kv heads do not divide {n_heads} heads")
         return cls(
-            vocab_size=int(_need(t, "vocab_size", w)), dim=int(_need(t, "hidden_size", w)), n_layers=n_layers,
+            vocab_size=vocab, dim=int(_need(d, "hidden_size", w)), n_layers=n_layers,
             n_heads=n_heads, eps=float(t.get("rms_norm_eps", 1e-6)),
-            activation=ACTIVATIONS[act], sliding_window=int(_need(t, "sliding_window", w)),
+            activation=ACTIVATIONS[act], sliding_window=int(_need(d, "sliding_window", w)),
             final_softcap=t.get("final_logit_softcapping"),
-            ple_vocab=int(t.get("vocab_size_per_layer_input") or 0),
-            ple_dim=int(t.get("hidden_size_per_layer_input") or 0),
+            ple_vocab=ple_vocab, ple_dim=ple_dim,
             pad_id=int(t.get("pad_token_id") or 0), bos_id=int(t.get("bos_token_id", 2)), eos_ids=eos,
             max_context=int(t.get("max_position_embeddings", 131072)), rope=rope, layers=tuple(layers),
             tie_embeddings=bool(t.get("tie_word_embeddings", True)))
@@ -166,11 +183,11 @@ class VisionConfig:
         act = v.get("hidden_activation", "gelu_pytorch_tanh")
         if act not in ACTIVATIONS:
             raise NotImplementedError(f"vision hidden_activation {act!r} is not supported")
-        dim, heads = int(_need(v, "hidden_size", w)), int(_need(v, "num_attention_heads", w))
-        return cls(dim=dim, ff_dim=int(_need(v, "intermediate_size", w)),
-                   n_layers=int(_need(v, "num_hidden_layers", w)), n_heads=heads,
-                   n_kv_heads=int(v.get("num_key_value_heads") or heads),
-                   head_dim=int(v.get("head_dim") or dim // heads), eps=float(v.get("rms_norm_eps", 1e-6)),
+        v = {**VISION_DEFAULTS, **{k: x for k, x in v.items() if x is not None}}
+        return cls(dim=int(v["hidden_size"]), ff_dim=int(_need(v, "intermediate_size", w)),
+                   n_layers=int(v["num_hidden_layers"]), n_heads=int(v["num_attention_heads"]),
+                   n_kv_heads=int(v["num_key_value_heads"]), head_dim=int(v["head_dim"]),
+                   eps=float(v.get("rms_norm_eps", 1e-6)),
                    activation=ACTIVATIONS[act], patch_size=int(v.get("patch_size", 16)),
                    pool=int(v.get("pooling_kernel_size") or 3),
                    pos_table=int(v.get("position_embedding_size", 10240)),

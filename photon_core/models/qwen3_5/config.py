@@ -87,15 +87,16 @@ class Qwen35Config:
                    tie_embeddings=tie)
 
 
-def _need(raw: dict, key: str, where: str) -> Any:
-    if key not in raw:
-        raise ValueError(f"config.json {where} lacks {key!r}")
-    return raw[key]
+# What transformers' Qwen3_5TextConfig takes for a size its config.json leaves out (a config saved
+# with only the values that differ from these reads as the same model there and here).
+_TEXT_DEFAULTS = {"vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+                  "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256}
 
 
 def _text(raw: dict) -> TextConfig:
     where = "text_config"
-    n_layers = int(_need(raw, "num_hidden_layers", where))
+    size: dict[str, Any] = {k: raw.get(k) if raw.get(k) is not None else v for k, v in _TEXT_DEFAULTS.items()}
+    n_layers = int(size["num_hidden_layers"])
     layer_types = raw.get("layer_types")
     if layer_types is None:   # older configs state the pattern as an interval
         every = int(raw.get("full_attention_interval", 4))
@@ -109,18 +110,16 @@ def _text(raw: dict) -> TextConfig:
     if rope_type not in ("default", "mrope"):
         raise NotImplementedError(f"Qwen 3.5 rope_type {rope_type!r} is not supported yet")
     theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    n_heads = int(_need(raw, "num_attention_heads", where))
-    dim = int(_need(raw, "hidden_size", where))
-    head_dim = int(raw.get("head_dim") or dim // n_heads)
+    n_heads, dim, head_dim = int(size["num_attention_heads"]), int(size["hidden_size"]), int(size["head_dim"])
     partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
     rot_dim = int(head_dim * partial)
     section = tuple(int(s) for s in rope.get("mrope_section", (11, 11, 10)))
     if len(section) != 3 or rot_dim % 2 or rot_dim > head_dim:
         raise ValueError(f"config.json {where}: rotary dims (rot_dim {rot_dim}, mrope_section {section}) invalid")
     return TextConfig(
-        vocab_size=int(_need(raw, "vocab_size", where)), dim=dim,
-        intermediate=int(_need(raw, "intermediate_size", where)), n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=int(raw.get("num_key_value_heads", n_heads)), head_dim=head_dim, rot_dim=rot_dim,
+        vocab_size=int(size["vocab_size"]), dim=dim,
+        intermediate=int(size["intermediate_size"]), n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=int(size["num_key_value_heads"]), head_dim=head_dim, rot_dim=rot_dim,
         rope_theta=theta, mrope_section=section, eps=float(raw.get("rms_norm_eps", 1e-6)),
         layer_types=tuple(layer_types), attention_bias=bool(raw.get("attention_bias", False)),
         conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),

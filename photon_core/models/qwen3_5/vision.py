@@ -29,6 +29,15 @@ from .config import VisionConfig
 # (size.longest_edge 16777216 = 4096 x 4096; size.shortest_edge 65536).
 MAX_PIXELS = 1 << 26
 
+# What the image processor transformers builds for a Qwen 3.5 checkpoint (Qwen2VLImageProcessor)
+# takes for a setting its config leaves out: the class's own defaults, the CLIP normalisation and a
+# pixel budget of [56 * 56, 28 * 28 * 1280]. They apply only where the checkpoint ships an image
+# processor config; without one, the real Qwen 3.5 values (Preprocess' defaults) are used.
+CLASS_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLASS_STD = (0.26862954, 0.26130258, 0.27577711)
+CLASS_MIN_PIXELS = 56 * 56
+CLASS_MAX_PIXELS = 28 * 28 * 1280
+
 
 @dataclass(frozen=True)
 class Preprocess:
@@ -42,35 +51,55 @@ class Preprocess:
 
     @classmethod
     def from_folder(cls, folder: Path, vcfg: VisionConfig) -> "Preprocess":
-        """preprocessor_config.json where present; the vision config decides patch and merge sizes.
-        The pixel budget is bounded: every image is resized to at least min_pixels, so a crafted
-        4e10 would make each request allocate terabytes."""
-        raw: dict[str, Any] = {}
-        f = Path(folder) / "preprocessor_config.json"
-        if f.is_file():
-            raw = json.loads(f.read_text())
-            if not isinstance(raw, dict):
-                raise ValueError(f"{f}: must hold a JSON object")
+        """The image processor's settings where transformers finds them: the "image_processor" of
+        processor_config.json first (newer exports nest it there), else preprocessor_config.json;
+        the vision config decides patch and merge sizes. Read as its processor reads them: a
+        top-level min_pixels / max_pixels overrides size.shortest_edge / size.longest_edge, and a
+        setting left out takes the processor class's default (CLASS_*). The pixel budget is
+        bounded: every image is resized to at least min_pixels, so a crafted 4e10 would make each
+        request allocate terabytes."""
+        folder = Path(folder)
+        f = folder / "processor_config.json"
+        raw = _read_object(f).get("image_processor")
+        if raw is None:
+            f = folder / "preprocessor_config.json"
+            if not f.is_file():
+                return cls(patch=vcfg.patch, temporal_patch=vcfg.temporal_patch, merge=vcfg.merge)
+            raw = _read_object(f)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{f}: image_processor must be an object")
         size = raw.get("size") or {}
         if not isinstance(size, dict):
             raise ValueError(f"{f}: size must be an object")
-        base = cls()
 
-        def pick(size_key: str, raw_key: str, default: int) -> tuple[Any, str]:
-            """(value, field name): size.<key> first, as the Qwen processors read it."""
-            return (size[size_key], f"size.{size_key}") if size_key in size else (raw.get(raw_key, default), raw_key)
+        def pick(raw_key: str, size_key: str, default: int) -> tuple[Any, str]:
+            """(value, field name): the top-level key first, then size.<key>, as the processor
+            reads them."""
+            if raw.get(raw_key) is not None:
+                return raw[raw_key], raw_key
+            return (size[size_key], f"size.{size_key}") if size_key in size else (default, raw_key)
 
-        value, field = pick("longest_edge", "max_pixels", base.max_pixels)
+        value, field = pick("max_pixels", "longest_edge", CLASS_MAX_PIXELS)
         max_pixels = config_int(value, f, field, 1, MAX_PIXELS)
-        value, field = pick("shortest_edge", "min_pixels", base.min_pixels)
+        value, field = pick("min_pixels", "shortest_edge", CLASS_MIN_PIXELS)
         min_pixels = config_int(value, f, field, 1, max_pixels)
-        mean, std = raw.get("image_mean", base.mean), raw.get("image_std", base.std)
+        mean, std = raw.get("image_mean", CLASS_MEAN), raw.get("image_std", CLASS_STD)
         if not isinstance(mean, (list, tuple)) or not isinstance(std, (list, tuple)) or len(mean) != 3 or len(std) != 3:
             raise ValueError(f"{f}: image_mean and image_std must hold 3 numbers (RGB)")
         return cls(patch=vcfg.patch, temporal_patch=vcfg.temporal_patch, merge=vcfg.merge,
                    mean=tuple(config_float(m, f, "image_mean") for m in mean),
                    std=tuple(config_float(x, f, "image_std", positive=True) for x in std),
                    min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON file's object ({} when the file is absent); ValueError naming it otherwise."""
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return raw
 
 
 def target_size(height: int, width: int, pp: Preprocess) -> tuple[int, int]:
