@@ -125,6 +125,11 @@ def test_settings_are_moondreams_and_what_it_alone_has_is_refused(setup):
         model.batch([Request("caption", img, "short", settings={"variant": "ft@1"})])
     with pytest.raises(ValueError, match="question"):
         model.query(img)
+    for words in ("", "  \n"):   # the batch refuses what query refuses (it once decoded a blank turn)
+        with pytest.raises(ValueError, match="non-empty question"):
+            model.query(img, words)
+        with pytest.raises(ValueError, match="non-empty question"):
+            model.batch([Request("query", img, words, settings=greedy(2))])
 
 
 def test_batch_decodes_together_and_matches_single_calls(setup, monkeypatch):

@@ -146,9 +146,7 @@ class Qwen35Model:
         """{"answer": str}, or a generator of text pieces with stream=True. image None: text only.
         reasoning and spatial_refs are Moondream's (NotImplementedError); thinking is chat's."""
         s = text_sampling(FAMILY, settings, reasoning, spatial_refs)
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError("query needs a non-empty question")
-        gen = self._text(image, question, s)
+        gen = self._text(image, question or "", s)   # a question without words is refused (prompts.chat_ids)
         return {"answer": gen if stream else "".join(gen)}
 
     def caption(self, image: Any, length: str = "normal", stream: bool = False, settings: dict | None = None) -> dict:

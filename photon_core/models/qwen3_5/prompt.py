@@ -34,7 +34,10 @@ class Prompts:
 
     def chat_ids(self, question: str, with_image: bool) -> list[int]:
         """The user turn (an image first when given, then the question) and the assistant's opening,
-        thinking switched off, as token ids with one placeholder per image."""
+        thinking switched off, as token ids with one placeholder per image. The question must have
+        words (query and batch alike, as Gemma 4's and Moondream's)."""
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("query needs a non-empty question")
         content: Any = ([{"type": "image"}, {"type": "text", "text": question}] if with_image else question)
         text = self.template.render([{"role": "user", "content": content}], add_generation_prompt=True,
                                     enable_thinking=False)
