@@ -147,6 +147,40 @@ def test_select_refuses_cpu_without_interpreter(monkeypatch):
         get_backend("nope")
 
 
+@pytest.mark.parametrize("gpu, triton_version, why", [
+    ((8, 7), None, "Triton is not installed"),          # a Jetson Orin whose JetPack torch brings no Triton
+    ((8, 0), "3.2.0", "older than 3.3"),
+    ((7, 5), "3.6.0", "sm_75; the kernels need sm_80"),  # a T4 (a Xavier: sm_72)
+    ((9, 0), "3.6.0", ""),
+])
+def test_auto_on_a_gpu_the_kernels_cannot_use_runs_pytorch_there(monkeypatch, caplog, gpu, triton_version, why):
+    """`auto` on CUDA is the megakernel only where Triton can build it for that GPU; elsewhere the
+    reference backend (PyTorch on the GPU), logged once, where it failed at the first kernel (or at
+    `import triton`). Named backends there are refused with the reason. (No GPU here: torch.cuda's
+    answers are stood in for.)"""
+    import sys
+    import triton
+    from photon_core.backends import select
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the GPU")
+    monkeypatch.setattr(select, "_told", set())
+    if triton_version is None:
+        monkeypatch.setitem(sys.modules, "triton", None)   # import triton: ImportError
+    else:
+        monkeypatch.setattr(triton, "__version__", triton_version)
+    with caplog.at_level("WARNING", logger="photon_core"):
+        got = [get_backend("auto", "cuda") for _ in range(2)]
+    if not why:
+        assert got[0] is get_backend("megakernel", "cpu") and not caplog.records
+        return
+    assert got == [ref, ref]
+    assert len(caplog.records) == 1 and why in caplog.records[0].getMessage()
+    for name in ("triton", "megakernel"):
+        with pytest.raises(RuntimeError, match=why):
+            get_backend(name, "cuda")
+
+
 def test_select_triton_and_megakernel_modules():
     mega = get_backend("megakernel", "cpu")
     for name in ("linear", "layer_norm", "attention", "rotary", "argmax"):
