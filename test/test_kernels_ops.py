@@ -161,6 +161,7 @@ def test_auto_on_a_gpu_the_kernels_cannot_use_runs_pytorch_there(monkeypatch, ca
     import sys
     import triton
     from photon_core.backends import select
+    from photon_core.runtime.decode import engine_diagnostics   # the nodes' /diagnostics values
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the GPU")
@@ -173,9 +174,11 @@ def test_auto_on_a_gpu_the_kernels_cannot_use_runs_pytorch_there(monkeypatch, ca
         got = [get_backend("auto", "cuda") for _ in range(2)]
     if not why:
         assert got[0] is get_backend("megakernel", "cpu") and not caplog.records
+        assert not any(k.startswith("backend") for k in engine_diagnostics())
         return
     assert got == [ref, ref]
     assert len(caplog.records) == 1 and why in caplog.records[0].getMessage()
+    assert why in engine_diagnostics()["backend cuda"]
     for name in ("triton", "megakernel"):
         with pytest.raises(RuntimeError, match=why):
             get_backend(name, "cuda")

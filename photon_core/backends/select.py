@@ -33,6 +33,11 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def fallbacks() -> dict[str, str]:
+    """Per CUDA device where `auto` ran the reference backend in this process: why."""
+    return {device: why for device, why in sorted(_told)}
+
+
 def triton_unusable(device: torch.device) -> str:
     """Why our Triton kernels cannot run on the CUDA `device`, or "" when they can."""
     try:

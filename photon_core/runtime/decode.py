@@ -131,8 +131,11 @@ def engine_choices() -> list[EngineChoice]:
 
 
 def engine_diagnostics() -> dict[str, str]:
-    """/diagnostics values: one per model and bucket whose step was built in this process."""
-    return {f"decode_engine {c.model} B{c.batch}": c.line() for c in engine_choices()}
+    """/diagnostics values: one per model and bucket whose step was built in this process, and one
+    per GPU where `auto` runs PyTorch because our kernels cannot run there (backends.select)."""
+    from photon_core.backends.select import fallbacks
+    return {**{f"decode_engine {c.model} B{c.batch}": c.line() for c in engine_choices()},
+            **{f"backend {device}": f"reference (PyTorch): {why}" for device, why in fallbacks().items()}}
 
 
 def bucket_for(rows: int) -> int:
