@@ -7,6 +7,7 @@ names the checkpoint in a loader's failure.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -91,6 +92,22 @@ def image_out_path(text: str) -> str:
     except ImageFileError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return text
+
+
+def json_text(result: Any, **options: Any) -> str:
+    """`result` as JSON text (json.dumps' `options`), made whole before a byte of it is written, so
+    that a failure leaves no partial output. Array scalars and arrays (NumPy, torch) are written as
+    their values; NaN or infinity, which JSON has no way to write (json's "NaN" is not JSON: a
+    consumer's parser refuses the whole line), is a RuntimeError, the model's fault."""
+    def plain(value: Any) -> Any:
+        tolist = getattr(value, "tolist", None)
+        if callable(tolist):
+            return tolist()
+        raise TypeError(f"a {type(value).__name__} is not JSON serializable")
+    try:
+        return json.dumps(result, allow_nan=False, default=plain, **options)
+    except (TypeError, ValueError) as err:
+        raise RuntimeError(f"the result cannot be written as JSON: {err}") from None
 
 
 def shorten(text: str, width: int = 40) -> str:

@@ -6,7 +6,6 @@ and 3 detect and point, Gemma 4 and Qwen 3.5 caption and answer too, Moondream 3
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -68,8 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     result = {**result, "model": model.model_id, "load_s": round(t1 - t0, 3), "infer_s": round(t2 - t1, 3)}
     # The result goes out first: a drawing that fails after all cannot lose it.
-    json.dump(result, sys.stdout)
-    sys.stdout.write("\n")
+    sys.stdout.write(cli_checks.json_text(result) + "\n")
     sys.stdout.flush()
     if args.draw:
         draw(np.ascontiguousarray(image[..., :3]), result, args.object, args.draw)
@@ -79,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, model: str = "moondream2") -> None:
         p.add_argument("image", help="image file (any format PIL reads)")
-        p.add_argument("--model", default=model,
+        p.add_argument("--model", default=model, type=cli_checks.non_empty,   # "" would be the current folder
                        help=f"checkpoint folder or file, or a model id in the Hugging Face cache (default {model})")
         p.add_argument("--device", default="cpu", type=cli_checks.device, help="cpu, cuda or cuda:N")
         p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],

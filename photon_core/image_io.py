@@ -42,7 +42,7 @@ def read_image(path: str | Path, max_pixels: int = MAX_PIXELS, keep_alpha: bool 
             with Image.open(path) as im:
                 _check_size(path, im.size, max_pixels)
                 if keep_alpha and ("A" in im.getbands() or im.info.get("transparency") is not None):
-                    return np.asarray(im.convert("RGBA"))
+                    return _rgba(im)
                 return pil_to_rgb(im)
     except Image.DecompressionBombError as err:
         # PIL refuses on its own at twice its threshold, in open(), before we see the size.
@@ -53,6 +53,20 @@ def read_image(path: str | Path, max_pixels: int = MAX_PIXELS, keep_alpha: bool 
         if isinstance(err, ImageFileError):
             raise
         raise ImageFileError(f"{path}: cannot read it as an image ({err})") from None
+
+
+def _rgba(im) -> np.ndarray:
+    """[H, W, 4] uint8 of an image with transparency. Deep single-channel images (16-bit, 32-bit,
+    float: their transparency is a key value, as a 16-bit PNG's tRNS) are scaled as pil_to_rgb
+    scales them, the key's pixels transparent: PIL's own convert("RGBA") clips them to 8 bits (a
+    16-bit depth or IR frame came out all white) and keeps every pixel opaque."""
+    if im.mode in ("I", "F") or im.mode.startswith("I;16"):
+        key = im.info.get("transparency")
+        opaque = np.full((im.height, im.width), 255, np.uint8)
+        if isinstance(key, (int, float)):
+            opaque[np.asarray(im) == key] = 0
+        return np.dstack([pil_to_rgb(im), opaque])
+    return np.asarray(im.convert("RGBA"))
 
 
 def _check_size(path: Path, size: tuple[int, int], max_pixels: int) -> None:
