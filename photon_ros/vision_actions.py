@@ -12,6 +12,11 @@ A cancel, or the goal's timeout, sets the request's cancel event: the decode loo
 at its next step, which frees its batch slot for the next request (Request.cancel). The goal then
 ends canceled (or aborted, for a timeout) with what was found so far. Segment (Moondream 3) runs
 its own decode loop outside the batch: a cancel takes effect when that decode ends.
+
+A goal's work (waiting for its frame, decoding) runs on a thread of its own, not on the executor's:
+run_node spins a thread per core (2 on a 2-core computer), and goals that held them would keep out
+the frame that ends their wait, their cancels, deactivate and /diagnostics. The executor only ends
+the goal (succeed, abort, canceled), so the goal's status stays accepted until then.
 """
 from __future__ import annotations
 
@@ -39,14 +44,25 @@ class VisionActions:
         self._cancels: dict[bytes, threading.Event] = {}
         self._early: set[bytes] = set()   # canceled before execute registered them
         self._lock = threading.Lock()
-        group = ReentrantCallbackGroup()   # goals block while they decode: several at once
+        self._workers: set[threading.Thread] = set()   # goals at work (accepted)
+        group = ReentrantCallbackGroup()
         self.servers = [
             ActionServer(node, Find, "find", lambda h: self.execute(h, find=True), callback_group=group,
-                         goal_callback=self.on_find_goal, cancel_callback=self.on_cancel),
+                         goal_callback=self.on_find_goal, cancel_callback=self.on_cancel,
+                         handle_accepted_callback=lambda h: self.start(h, find=True)),
             ActionServer(node, Ask, "ask", lambda h: self.execute(h, find=False), callback_group=group,
-                         goal_callback=self.on_ask_goal, cancel_callback=self.on_cancel)]
+                         goal_callback=self.on_ask_goal, cancel_callback=self.on_cancel,
+                         handle_accepted_callback=lambda h: self.start(h, find=False))]
 
     def destroy(self) -> None:
+        """Stop the goals at work (their decodes end within a step, their waits at once) and wait
+        for them, then remove the servers."""
+        with self._lock:
+            cancels, workers = list(self._cancels.values()), list(self._workers)
+        for cancel in cancels:
+            cancel.set()
+        for worker in workers:
+            worker.join(timeout=30)
         for server in self.servers:
             server.destroy()
 
@@ -70,8 +86,8 @@ class VisionActions:
         return self._answer(reason, "ask")
 
     def _answer(self, reason: str, action: str) -> GoalResponse:
-        if reason:
-            self.node.get_logger().warning(f"{action} goal refused: {reason}")
+        if reason:   # logged and counted on /diagnostics, as infer's refusals are
+            self.node.refused(f"{action} goal", reason)
             return GoalResponse.REJECT
         return GoalResponse.ACCEPT
 
@@ -86,7 +102,41 @@ class VisionActions:
         return CancelResponse.ACCEPT
 
     # --- execution ------------------------------------------------------------------------------
+    def start(self, goal_handle, find: bool) -> None:
+        """An accepted goal: its work on a thread of its own (see the module's docstring); the
+        executor then only ends it."""
+        def finish(handle) -> Any:
+            return self.end(handle, result)
+
+        def work() -> None:
+            nonlocal result
+            try:
+                try:
+                    result = self.work(goal_handle, find)
+                except Exception as err:  # noqa: BLE001 - a goal left unended would hang its client
+                    result.success, result.message = False, f"{type(err).__name__}: {err}"
+                try:
+                    goal_handle.execute(finish)
+                except Exception:  # noqa: BLE001 - canceled between execute's check and its transition
+                    if not goal_handle.is_cancel_requested:
+                        raise
+                    goal_handle.execute(finish)   # (canceling now: it ends the goal without that transition)
+            finally:
+                with self._lock:
+                    self._workers.discard(threading.current_thread())
+
+        result = (Find if find else Ask).Result()
+        worker = threading.Thread(target=work, daemon=True, name="vision-goal")
+        with self._lock:
+            self._workers.add(worker)
+        worker.start()
+
     def execute(self, goal_handle, find: bool) -> Any:
+        """A goal's work and its end, on the calling thread."""
+        return self.end(goal_handle, self.work(goal_handle, find))
+
+    def work(self, goal_handle, find: bool) -> Any:
+        """The goal's result (success false, with the reason, when it failed or was stopped)."""
         action = Find if find else Ask
         goal, result = goal_handle.request, action.Result()
         key, cancel = bytes(goal_handle.goal_id.uuid), threading.Event()
@@ -103,15 +153,16 @@ class VisionActions:
         epoch = self.node.activity.current()
         try:
             with self.node.activity.work(epoch) as running:
-                if not running:
+                if not running or epoch is None:   # (None: not active when it came; work(None) admits any)
                     result.message = self.node.why_not_running()
                 else:
                     self.run(goal_handle, goal, result, cancel, find, epoch)
                     if result.success and self.node.activity.current() != epoch:
                         # as the topics are: results of work begun in an activation that ended
-                        # are not given (a loop node would turn the robot on them)
-                        result.success = False
-                        result.message = "the node was deactivated while the goal ran: its result is not given"
+                        # are not given (a loop node would turn the robot on them); none of
+                        # them, as infer gives none
+                        result = action.Result(success=False, message="the node was deactivated "
+                                               "while the goal ran: its result is not given")
         except ValueError as err:   # an option the task does not take, or the model refused
             result.success, result.message = False, self.node.refused("find" if find else "ask", str(err))
         except Exception as err:  # noqa: BLE001 - a goal that fails is answered, never fatal
@@ -122,6 +173,14 @@ class VisionActions:
                 timer.cancel()
             with self._lock:
                 self._cancels.pop(key, None)
+        if not result.success and cancel.is_set() and not result.message:
+            # (a cancel requested says "canceled" instead: end())
+            result.message = f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})"
+        return result
+
+    @staticmethod
+    def end(goal_handle, result: Any) -> Any:
+        """End the goal with `result` (from work)."""
         if goal_handle.is_cancel_requested:
             # a canceled goal ends canceled, even where its work finished: its client replaced it
             result.success = False
@@ -130,8 +189,6 @@ class VisionActions:
         elif result.success:
             goal_handle.succeed()
         else:
-            if cancel.is_set() and not result.message:
-                result.message = f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})"
             goal_handle.abort()
         return result
 
@@ -192,7 +249,7 @@ class VisionActions:
                 result.objects_3d = node.placed("point", goal.prompt, result.points, space, model_id, latency())[0][1]
         else:
             text = answer.get("answer", answer.get("caption", ""))
-            result.text = vision_text_message(text, header, task=goal.task, prompt=goal.prompt,
+            result.text = vision_text_message(text, header, task=goal.task, prompt=prompt,   # the length used
                                               latency=latency(), model_id=model_id,
                                               reasoning=answer.get("reasoning"), width=width, height=height)
         result.success = not cancel.is_set()
@@ -213,12 +270,13 @@ class VisionActions:
         for good)."""
         frames, node = self.node.frames, self.node
         if latest:
-            if frames.latest is None:
+            newest = frames.latest   # read once: a deactivate meanwhile sets it to None
+            if newest is None:
                 return "no frame received yet"
             from photon_ros.vision_node import stale_frame
 
-            refusal = stale_frame(time.monotonic() - frames.latest.received_at, node.max_frame_age)
-            return refusal or frames.latest
+            refusal = stale_frame(time.monotonic() - newest.received_at, node.max_frame_age)
+            return refusal or newest
         asked = time.monotonic()
         goal_handle.publish_feedback(action.Feedback(state=action.Feedback.STATE_WAITING_FOR_FRAME))
         while not cancel.wait(FRAME_POLL_S):

@@ -66,7 +66,7 @@ from photon_ros.vision_params import targets, vision_params
 
 VISION_SKILLS = {"detect", "point", "caption", "query", "segment"}
 TASKS = (Infer.Request.TASK_DETECT, Infer.Request.TASK_POINT, Infer.Request.TASK_CAPTION,
-         Infer.Request.TASK_QUERY)
+         Infer.Request.TASK_QUERY, Infer.Request.TASK_SEGMENT)   # the infer service's
 
 
 def load_vision_model(name: str, device: str, dtype: str | None, backend: str = "auto", skills: list[str] = ()):
@@ -564,7 +564,7 @@ class VisionNode(ManagedNode):
         epoch = self.activity.current()
         # Counted as work in flight: cleanup does not release the model under a request.
         with self.activity.work(epoch) as running:
-            if not running:
+            if not running or epoch is None:   # (None: not active when it came; work(None) admits any)
                 response.success, response.message = False, self.why_not_running()
                 return response
             response = self.infer(request, response, received)
@@ -577,6 +577,10 @@ class VisionNode(ManagedNode):
             return response
 
     def infer(self, request: Infer.Request, response: Infer.Response, received: float) -> Infer.Response:
+        if request.task not in TASKS:   # not "a moondream model cannot Detect": no model can
+            response.success = False
+            response.message = self.refused("infer", f"task must be one of {', '.join(TASKS)}, got {request.task!r}")
+            return response
         if self.lacks(request.task):
             response.success, response.message = False, self.refused("infer", self.lacks(request.task))
             return response

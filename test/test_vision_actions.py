@@ -81,6 +81,11 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     assert streamed and streamed[-1] == done.result.text.text
     assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))
 
+    # A caption of the default length says which length that was (as the caption topic does).
+    done = outcome(send(ask, Ask.Goal(task="caption", prompt="", use_latest_frame=True, max_tokens=2), []))
+    assert done.status == GoalStatus.STATUS_SUCCEEDED and done.result.text.prompt == "short"
+    assert done.result.text.task == "caption"
+
     # A cancel mid-decode stops it within a step; the next goal is served at once after it.
     texts = []
     handle = send(ask, Ask.Goal(task="query", prompt="Describe everything.", use_latest_frame=True,
@@ -101,8 +106,13 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     handle = send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=False, timeout_s=0.3), [])
     done = outcome(handle, timeout=30)
     assert done.status == GoalStatus.STATUS_ABORTED and "no frame arrived" in done.result.message
+    failed = node.requests_failed
     assert not send(find, Find.Goal(task="caption", prompt="x"), []).accepted
+    assert not send(find, Find.Goal(task="segment", prompt="cup"), []).accepted   # Moondream 2 has none
+    assert "cannot segment" in node.last_request_error
     assert not send(ask, Ask.Goal(task="query", prompt="  "), []).accepted
+    # refused goals are counted on /diagnostics as infer's refusals are
+    assert node.requests_failed == failed + 3 and node.last_request_error == "ask goal: an empty prompt"
 
     # A goal waiting for the next frame without a timeout ends with the activation (it held up
     # deactivate's cleanup and the process's shutdown for good); a goal decoding when the node is
@@ -130,6 +140,7 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     handle = deactivated_while(lambda: send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=True), []))
     done = outcome(handle, timeout=60)
     assert done.status == GoalStatus.STATUS_ABORTED and "deactivated while the goal ran" in done.result.message
+    assert not done.result.detections.detections and done.result.detections.header.stamp.sec == 0   # none given
     future = deactivated_while(lambda: infer.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True)))
     assert wait_for(future.done, timeout=60)
     assert not future.result().success and "deactivated while the request ran" in future.result().message
@@ -190,3 +201,129 @@ def test_a_timeout_no_timer_can_take_is_refused(timeout_s):
     actions = VisionActions.__new__(VisionActions)
     actions.node = None
     assert "timeout_s" in actions.refusal("point", "cup", ("point",), timeout_s)
+
+
+def test_goals_at_work_leave_the_executors_threads_free(graph):
+    """run_node spins the node on a thread per core (2 on a 2-core robot computer). Goals waiting
+    for the next frame, or decoding, must not hold those threads: held, the frame that ends the
+    wait is never taken in, a cancel is never heard, and deactivate is never served."""
+    import threading
+
+    from rclpy.executors import MultiThreadedExecutor
+
+    node = VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(checkpoint())), Parameter("max_objects", value=2),
+        Parameter("max_frame_age_s", value=600.0), Parameter("reliability", value="reliable")])
+    executor = MultiThreadedExecutor(num_threads=2, context=graph.context)   # as on a 2-core robot
+    executor.add_node(node)
+    spinning = threading.Event()
+    spinning.set()
+
+    def spin():
+        while spinning.is_set() and graph.context.ok():
+            executor.spin_once(timeout_sec=0.05)
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
+        client_node = Node("client", context=graph.context)
+        find, ask = ActionClient(client_node, Find, "find"), ActionClient(client_node, Ask, "ask")
+        graph.add(client_node)
+        assert find.wait_for_server(timeout_sec=30) and ask.wait_for_server(timeout_sec=30)
+        camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
+        wait_for_match(camera)
+
+        # Two goals waiting for the next frame (a bounded wait: held threads time them out).
+        feedback = [[], []]
+        handles = [send(find, Find.Goal(task="point", prompt="cup", use_latest_frame=False, timeout_s=10.0), f)
+                   for f in feedback]
+        assert all(h.accepted for h in handles)
+        assert wait_for(lambda: all(any(x.state == Find.Feedback.STATE_WAITING_FOR_FRAME for x in f)
+                                    for f in feedback), timeout=10)
+        camera.publish(rgb_to_image(np.random.default_rng(2).integers(0, 256, (96, 128, 3), dtype=np.uint8)))
+        for handle in handles:
+            done = outcome(handle, timeout=30)
+            assert done.status == GoalStatus.STATUS_SUCCEEDED, done.result.message
+            assert len(done.result.points.points) == 2
+
+        # A long decode, and a second goal queued behind it: each is canceled mid-decode.
+        texts = [[], []]
+        handles = [send(ask, Ask.Goal(task="query", prompt="What is this?", use_latest_frame=True,
+                                      max_tokens=2000, timeout_s=60.0), t) for t in texts]
+        for handle, streamed in zip(handles, texts):
+            assert wait_for(lambda: len([f for f in streamed if f.text]) >= 2, timeout=60)
+            cancel = handle.cancel_goal_async()
+            assert wait_for(cancel.done, timeout=10) and cancel.result().goals_canceling
+            done = outcome(handle, timeout=30)
+            assert done.status == GoalStatus.STATUS_CANCELED and done.result.message == "canceled"
+
+        # A lifecycle manager's deactivate is served while goals wait with no timeout (it ends them).
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
+        manager = graph.node("manager").create_client(ChangeState, "/vision/change_state")
+        assert manager.wait_for_service(timeout_sec=10)
+        waiting = [send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=False, timeout_s=0.0), [])
+                   for _ in range(2)]
+        time.sleep(0.3)
+        changed = manager.call_async(ChangeState.Request(transition=Transition(id=Transition.TRANSITION_DEACTIVATE)))
+        assert wait_for(changed.done, timeout=10) and changed.result().success
+        for h in waiting:
+            done = outcome(h, timeout=30)
+            assert done.status == GoalStatus.STATUS_ABORTED and "deactivated" in done.result.message
+    finally:
+        spinning.clear()
+        spinner.join(timeout=10)
+        executor.remove_node(node)
+        node.destroy_node()
+        executor.shutdown()
+
+
+def test_the_latest_frame_is_read_once():
+    """A deactivate sets the node's latest frame to None (drop_pending) whenever it comes: a goal
+    that read it as there must use the frame it read, not fail on None."""
+    from types import SimpleNamespace
+
+    from photon_ros.latest_frame import Frame
+    from photon_ros.vision_actions import VisionActions
+
+    frame = Frame(Image(), time.monotonic())
+
+    class Frames:
+        reads = 0
+
+        @property
+        def latest(self):
+            self.reads += 1
+            return frame if self.reads == 1 else None   # dropped right after the first read
+
+    actions = VisionActions.__new__(VisionActions)
+    actions.node = SimpleNamespace(frames=Frames(), max_frame_age=600.0)
+    import threading
+    assert actions.frame(None, True, threading.Event(), Find) is frame
+
+
+def test_a_request_that_came_while_inactive_is_refused_even_if_activate_follows_at_once():
+    """A request read the activation as none (inactive), and the node was activated before its work
+    was admitted: it is refused as inactive, not run and then withheld as "deactivated while it ran"."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from photon_ros.srv import Infer
+    from photon_ros.vision_actions import VisionActions
+
+    ran = []
+    activity = SimpleNamespace(current=lambda: None,                          # inactive when it came
+                               work=lambda epoch=None: contextlib.nullcontext(True))   # active by now
+    node = SimpleNamespace(activity=activity, why_not_running=lambda: "node is not active",
+                           infer=lambda *a: ran.append("infer"))
+    response = VisionNode.on_infer(node, Infer.Request(task="detect", prompt="cup"), Infer.Response())
+    assert not response.success and response.message == "node is not active" and not ran
+
+    actions = VisionActions.__new__(VisionActions)
+    actions._cancels, actions._lock, actions._early = {}, __import__("threading").Lock(), set()
+    actions.node = node
+    actions.run = lambda *a, **k: ran.append("run")
+    handle = _Handle(Find.Goal(task="point", prompt="cup", timeout_s=0.0))
+    handle.is_cancel_requested = False
+    result = actions.execute(handle, find=True)
+    assert handle.ended == "aborted" and result.message == "node is not active" and not ran

@@ -99,3 +99,21 @@ def test_seconds_become_a_ros_time_exactly_or_are_refused():
     for bad in (float("nan"), float("inf"), 2.0**31 + 0.5, -(2.0**31) - 1):
         with pytest.raises(ValueError, match="ROS time"):
             seconds_to_time(bad)
+
+
+def test_infer_refuses_a_task_that_is_none_of_its_own():
+    """An unknown task (a typo, an empty field) is refused as such, not as one the loaded model lacks
+    ("a moondream model cannot  (it offers ...)"), and counted."""
+    import time
+    from types import SimpleNamespace
+
+    from photon_ros.vision_node import VisionNode
+
+    refused = []
+    node = SimpleNamespace(refused=lambda what, why: refused.append((what, why)) or why,
+                           lacks=lambda task: f"a moondream model cannot {task}")
+    for task in ("", "Detect", "transcribe"):
+        response = VisionNode.infer(node, Infer.Request(task=task, prompt="cup"), Infer.Response(), time.monotonic())
+        assert not response.success
+        assert response.message == f"task must be one of detect, point, caption, query, segment, got {task!r}"
+    assert len(refused) == 3
