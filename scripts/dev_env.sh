@@ -9,8 +9,9 @@ case ":${AMENT_PREFIX_PATH:-}:" in *":$VIRTUAL_ENV:"*) ;;
 case ":${CMAKE_PREFIX_PATH:-}:" in *":$VIRTUAL_ENV:"*) ;;
   *) export CMAKE_PREFIX_PATH="$VIRTUAL_ENV${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}" ;; esac
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
-# A domain of our own keeps parallel runs on one machine from seeing each other.
-export ROS_DOMAIN_ID="${ROS_DOMAIN_ID:-$(( 100 + $$ % 100 ))}"
+# ROS_DOMAIN_ID is left as it is (ROS 2's 0 when unset), so every terminal that sources this
+# file shares one graph; test runs and the demo take a domain of their own (test/conftest.py,
+# scripts/setup.sh).
 # Camera frames between processes need a shared-memory segment larger than Fast DDS's 512 KiB
 # (config/fastdds_large_data.xml says why). A profile the user already chose wins.
 if [ -z "${FASTDDS_DEFAULT_PROFILES_FILE:-}" ] && [ -z "${FASTRTPS_DEFAULT_PROFILES_FILE:-}" ]; then

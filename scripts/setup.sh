@@ -95,7 +95,9 @@ say "ready: . scripts/dev_env.sh to enter the environment"
 # 5. The main job.
 if [ "$demo" = 1 ]; then
   if [ -f photon_ros/demo.py ]; then
-    python -m photon_ros.demo
+    # a domain of its own: a graph already running on this machine (another terminal's, a
+    # robot's) would otherwise hear the demo's audio, and the demo its
+    ROS_DOMAIN_ID=$(( 100 + $$ % 100 )) python -m photon_ros.demo
   else
     say "no demo yet (the speech graph lands with the speech issue)"
   fi

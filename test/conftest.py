@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-os.environ.setdefault("ROS_DOMAIN_ID", str(100 + os.getpid() % 100))
+# Always this run's own: the environment's domain is the user's graph (a robot's, another terminal's).
+os.environ["ROS_DOMAIN_ID"] = str(100 + os.getpid() % 100)
 # No test reads or writes the user's megakernel build cache (megakernel/build_cache.py): a stored
 # table would skip the builds tests make on purpose (and their checks). test_megakernel_build_cache
 # turns it on in a temporary folder; child processes (nodes under test) inherit this.
