@@ -11,14 +11,13 @@ from photon_core import cli_checks
 from photon_core.audio_io import AudioFileError, AudioStream, open_audio_stream, read_wav
 from photon_core.cli_checks import UserError
 from photon_core.contracts import SpeechModel, StreamingSpeechModel
-from photon_core.runtime.audio_frontend import MAX_CHANNELS, to_float_mono
+from photon_core.runtime.audio_frontend import MAX_CHANNELS, MAX_INPUT_RATE, MIN_INPUT_RATE, to_float_mono
 
 
-# Sample rates a recording can have: below 1 kHz no speech band fits (Nyquist 500 Hz), above
-# 768 kHz no ADC records; a header outside them is damaged, and taken at its word it resamples to
-# nonsense without a word said (1000 samples under a 4 GHz header became one sample at 16 kHz;
-# under a 1 Hz one, "1000 s" of audio and 13 s of work).
-MIN_RATE, MAX_RATE = 1_000, 768_000
+# A header outside the rates recordings have (audio_frontend's bounds) is damaged, and taken at its
+# word it would be refused only after the model loaded (1000 samples under a 1 Hz header were once
+# "1000 s" of audio and 13 s of work).
+MIN_RATE, MAX_RATE = MIN_INPUT_RATE, MAX_INPUT_RATE
 
 
 def _check_stream(stream: AudioStream, file: str) -> None:

@@ -127,13 +127,24 @@ def resample(audio: np.ndarray, sample_rate: int, target: int = SAMPLE_RATE) -> 
     return resample_poly(audio, target // g, int(sample_rate) // g).astype(np.float32)
 
 
+# The input rates prepare_audio resamples from (the CLI's bounds on a file's header): past them no
+# recording lies, and the polyphase filter grows with the rate (its length ~20x the rate's
+# reduced ratio to the target): 1000 samples declared at 99,999,989 Hz were a filter of 2e10
+# taps, the process killed for its memory.
+MIN_INPUT_RATE, MAX_INPUT_RATE = 1_000, 768_000
+
+
 def prepare_audio(audio: np.ndarray, sample_rate: int = SAMPLE_RATE, target: int = SAMPLE_RATE) -> np.ndarray:
-    """Validate and convert user audio to mono float32 at `target` Hz; ValueError on bad input."""
+    """Validate and convert user audio to mono float32 at `target` Hz; ValueError on bad input
+    (a sample_rate that is not a whole number of Hz from MIN_INPUT_RATE to MAX_INPUT_RATE)."""
     valid = (isinstance(sample_rate, (int, float, np.integer, np.floating))
              and not isinstance(sample_rate, bool) and np.isfinite(sample_rate)
              and sample_rate > 0 and float(sample_rate).is_integer())
     if not valid:
         raise ValueError(f"sample_rate must be a positive whole number of Hz, got {sample_rate!r}")
+    if not MIN_INPUT_RATE <= sample_rate <= MAX_INPUT_RATE:
+        raise ValueError(f"sample_rate {sample_rate!r} Hz is outside {MIN_INPUT_RATE} to {MAX_INPUT_RATE} Hz, "
+                         f"where recordings lie")
     audio = np.asarray(audio)
     # A whole clip with more channels than samples is a short channel-first one (a stream's last
     # block may be that short, so to_float_mono alone cannot refuse it).

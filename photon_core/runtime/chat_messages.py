@@ -115,9 +115,12 @@ def image_from_url(spec: Any) -> Any:
 
 def sampling(settings: Mapping[str, Any] | None) -> Sampling:
     """The client's SamplingSettings for a text reply; a setting chat has no use for is a TypeError."""
+    if settings is not None and not isinstance(settings, Mapping):
+        raise TypeError(f"settings must be a dict, not {type(settings).__name__}")
     settings = dict(settings or {})
-    if "variant" in settings:
+    if settings.get("variant") is not None:
         raise NotImplementedError("fine-tuned variants ('base/finetune@step') run on Moondream models only")
+    settings.pop("variant", None)   # None: the base model, the only one there is (as Settings.of reads it)
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise TypeError(f"chat settings are {', '.join(SETTINGS)}; got {', '.join(map(str, unknown))}")

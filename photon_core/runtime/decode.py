@@ -193,6 +193,10 @@ def copy_prefilled_kv(step: "CompiledStep", names: KVNames,
         else:
             dk, dv = step.view(names[0])[i], step.view(names[1])[i]
         n = k.shape[2] if length is None else length
+        if n > k.shape[2] or n > v.shape[2]:
+            # sliced to fewer positions, torch would broadcast a 1-position source over all n
+            raise ValueError(f"prefilled K/V of layer {i} hold {min(k.shape[2], v.shape[2])} positions; "
+                             f"{n} were asked for")
         if n > dk.shape[2] or len(range(*rows.indices(dk.shape[0]))) != k.shape[0]:
             raise ValueError(f"prefilled K/V of {k.shape[0]} rows x {n} positions do not fit rows {rows.start}:"
                              f"{rows.stop} of layer {i}'s cache [{dk.shape[0]} rows, {dk.shape[2]} positions]")

@@ -3,6 +3,7 @@ model's `batch(requests)`, so they never import a family. `Request` is a vision 
 `TranscribeRequest` a speech one (photon_core.contracts says what each model does with them)."""
 from __future__ import annotations
 
+import numbers
 import threading
 from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
@@ -45,7 +46,8 @@ class Settings:
         """TypeError naming keys that are not settings (or a value of the wrong type), ValueError
         naming values out of range."""
         if isinstance(settings, Settings):
-            return settings
+            # built directly, it was never checked: checked as its dict would be
+            settings = {f.name: getattr(settings, f.name) for f in fields(settings)}
         if settings is None:
             return cls()
         if not isinstance(settings, Mapping):
@@ -54,15 +56,22 @@ class Settings:
         unknown = sorted(str(k) for k in settings if k not in known)
         if unknown:
             raise TypeError(f"unknown settings {unknown}; known: {sorted(known)}")
+        values = dict(settings)
+        # numpy's scalars too (np.int64, np.float32: an array's element), as Python's int and float
         for key in ("max_tokens", "max_objects"):
-            if key in settings and (isinstance(settings[key], bool) or not isinstance(settings[key], int)):
-                raise TypeError(f"settings[{key!r}] must be an int, got {settings[key]!r}")
+            if key in values:
+                if isinstance(values[key], bool) or not isinstance(values[key], numbers.Integral):
+                    raise TypeError(f"settings[{key!r}] must be an int, got {values[key]!r}")
+                values[key] = int(values[key])
         for key in ("temperature", "top_p"):
-            if key in settings and (isinstance(settings[key], bool) or not isinstance(settings[key], (int, float))):
-                raise TypeError(f"settings[{key!r}] must be a number, got {settings[key]!r}")
-        if settings.get("variant") is not None and not isinstance(settings["variant"], str):
-            raise TypeError(f"settings['variant'] must be a str or None, got {settings['variant']!r}")
-        s = cls(**{k: settings[k] for k in settings})
+            if key in values:
+                if isinstance(values[key], bool) or not isinstance(values[key], numbers.Real):
+                    raise TypeError(f"settings[{key!r}] must be a number, got {values[key]!r}")
+                if not isinstance(values[key], (int, float)):
+                    values[key] = float(values[key])
+        if values.get("variant") is not None and not isinstance(values["variant"], str):
+            raise TypeError(f"settings['variant'] must be a str or None, got {values['variant']!r}")
+        s = cls(**values)
         wrong = []
         if not 0 <= s.temperature < float("inf"):   # (NaN too; infinity samples NaN)
             wrong.append(f"temperature must be >= 0 and finite (0: greedy), got {s.temperature!r}")
@@ -90,7 +99,8 @@ def check_spatial_refs(refs: Any) -> list[SpatialRef]:
         if not isinstance(ref, (list, tuple)) or len(ref) not in (2, 4):
             raise ValueError(f"spatial_refs[{i}] must be a point (x, y) or a box (x_min, y_min, x_max, y_max), "
                              f"got {ref!r}")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in ref):
+        # (numpy's scalars too: a detector's float32 box as a tuple)
+        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0.0 <= float(v) <= 1.0 for v in ref):
             raise ValueError(f"spatial_refs[{i}] = {ref!r}: every value must be a number in [0, 1] (normalised)")
         if len(ref) == 4 and (ref[0] > ref[2] or ref[1] > ref[3]):
             raise ValueError(f"spatial_refs[{i}] = {ref!r}: a box needs x_min <= x_max and y_min <= y_max")

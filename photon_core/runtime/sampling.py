@@ -72,18 +72,27 @@ def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | No
          generator: torch.Generator | None = None) -> int:
     """The next token of one row from its logits [V]; allowed: bool [V] (None: every token);
     generator: the uniform's source (None: torch's default, seeded by torch.manual_seed).
-    Raises NonFiniteLogits for logits with a NaN, and a sampled row's with +inf (its softmax is
-    NaN: the draw would return token 0); -inf is a mask."""
-    check_finite(logits)
-    if not s.greedy and bool(torch.isposinf(logits).any()):
+    Raises NonFiniteLogits for logits with a NaN, for a row whose every allowed token is -inf
+    (the ops' argmax and draw return token 0 there, barred or not), and for a sampled row whose
+    allowed tokens hold +inf (its softmax is NaN: the draw would return token 0); -inf is a mask,
+    and a barred token's +inf is never drawn."""
+    masked = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    # one read back from the device for all three checks (a token's pick is on the host's path)
+    nan, none_left, posinf = (bool(v) for v in torch.stack(
+        [torch.isnan(logits).any(), torch.isneginf(masked).all(), torch.isposinf(masked).any()]).tolist())
+    if nan:
+        check_finite(logits)
+    if none_left:
+        raise NonFiniteLogits(f"every token the row may take has logit -inf ({logits.numel()} logits"
+                              f"{'' if allowed is None else f', {int(allowed.sum())} allowed'}): no token "
+                              "can be chosen; the request is refused")
+    if not s.greedy and posinf:
         raise NonFiniteLogits("the model's logits hold +inf: no token can be sampled; the request is refused")
     if s.greedy:
         return int(ops.argmax(logits) if allowed is None else ops.argmax(logits, allowed))
-    if allowed is not None:
-        logits = logits.float().masked_fill(~allowed, float("-inf"))
     where = generator.device if generator is not None else logits.device
     u = torch.rand(1, generator=generator, device=where).to(logits.device)
-    return int(ops.sample(logits[None], s.temperature, s.top_p, u)[0])
+    return int(ops.sample((masked if allowed is None else masked.float())[None], s.temperature, s.top_p, u)[0])
 
 
 __all__ = ["NonFiniteLogits", "Sampling", "check_finite", "pick", "step_argmax"]
