@@ -127,6 +127,10 @@ def float32_array_to_pcm(msg: Float32MultiArray, sample_rate: int, channels: int
 
 def _as_interleaved(samples: np.ndarray) -> tuple[np.ndarray, int]:
     samples = np.asarray(samples)
+    if samples.dtype.kind in "fc" and not np.isfinite(samples).all():
+        # cast to an integer format they were garbage samples (with a RuntimeWarning at most);
+        # as floats, a message every reader refuses
+        raise ValueError("samples hold NaN or infinite values: not audio to publish")
     if samples.ndim == 1:
         return samples, 1
     if samples.ndim == 2:

@@ -59,8 +59,20 @@ def test_float_overshoot_within_the_limit_is_kept():
     np.testing.assert_array_equal(float32_array_to_pcm(Float32MultiArray(data=values.tolist()), 16000).samples, values)
 
 
-def nan_chunk():
-    return pcm_to_audio_chunk(np.array([0.1, np.nan, 0.2], np.float32), 16000, "F32LE")
+def nan_chunk():   # another publisher's: ours refuses to write one (test_nan_samples_are_not_published)
+    return AudioChunk(sample_rate=16000, channels=1, sample_format="F32LE",
+                      data=np.array([0.1, np.nan, 0.2], "<f4").tobytes())
+
+
+@pytest.mark.parametrize("fmt", ["S16LE", "S32LE", "F32LE", "U8"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_samples_are_not_published(fmt, bad):
+    """Cast to an integer format, NaN became a garbage sample with only a RuntimeWarning."""
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        pcm_to_audio_chunk(np.array([[0.1, bad], [0.2, 0.0]], np.float32), 16000, fmt)
+    for write in (pcm_to_int16_array, pcm_to_float32_array):
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            write(np.array([0.1, bad]))
 
 
 @pytest.mark.parametrize("make, message", [
