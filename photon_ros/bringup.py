@@ -59,7 +59,10 @@ def node_classes() -> dict[str, type]:
 
     def microphone(**kwargs):
         from photon_ros.microphone_node import MicrophoneNode
-        return MicrophoneNode(**kwargs)
+        try:
+            return MicrophoneNode(**kwargs)
+        except RuntimeError as err:   # no sounddevice, no input device: what bringup offers instead
+            raise RuntimeError(f"{err} (bringup: --wav FILE plays a file instead of the microphone)") from None
 
     return {"vision": VisionNode, "speech": SpeechNode, "loop": LoopNode,
             "wav_publisher": WavPublisher, "microphone": microphone}

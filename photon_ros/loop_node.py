@@ -250,7 +250,8 @@ class LoopNode(Node):
             return
         request = parse_command(msg.text)
         if request is None:
-            self.say(f"no vision command in {msg.text!r}")
+            self.say(f"no vision command in {msg.text!r} (one sentence: 'point at X', 'look at X', "
+                     "'where is X', 'find X', 'show me X', ...)")
             return
         if not self.find.server_is_ready():
             self.say(f"cannot {request.task} at {request.target!r}: the vision node's find action is not available")

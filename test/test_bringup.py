@@ -117,6 +117,14 @@ def test_namespace_and_namespaces_on_the_command_line_are_refused(capsys):
     assert "--namespaces: not allowed with argument --namespace" in capsys.readouterr().err
 
 
+def test_a_graph_without_a_microphone_says_to_play_a_file(graph):
+    """Without sounddevice (never installed here) the microphone node's own advice names the WAV
+    publisher, a node bringup starts itself: bringup says its own way, --wav."""
+    from photon_ros.bringup import node_classes
+    with pytest.raises(RuntimeError, match="sounddevice is not usable.*bringup: --wav FILE plays a file"):
+        node_classes()["microphone"](context=graph.context)
+
+
 def test_namespaces_build_the_graph_once_in_each(graph, tmp_path):
     """Managed nodes (no model loaded): every role per namespace, the WAV played into each, no
     microphone (a robot's is on the robot), remaps and overrides applied per namespace."""

@@ -330,7 +330,7 @@ def test_transcript_to_target(graph):
     time.sleep(0.5)
     assert len(turns) == count                  # the stop is the last command
     speaker.publish(Transcript(text="What a lovely day.", is_final=True, audio_complete=True))
-    assert wait_for(lambda: any("no vision command" in s.data for s in status), timeout=10)
+    assert wait_for(lambda: any("no vision command" in s.data and "point at X" in s.data for s in status), timeout=10)
     assert positions == []                      # no depth: nothing on target
     # A newer command while the first is still being decoded (the engine held up): the first goal
     # is canceled, and only the newer one's target comes.
