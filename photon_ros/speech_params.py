@@ -52,11 +52,15 @@ def speech_params() -> list[Param]:
         Param("speculate", True, "decode the final ahead while the hangover is waited for"),
         Param("max_pending_s", 60.0, "audio waiting for the model beyond this drops the oldest utterances",
               positive=True, applies="restart"),
-        Param("vad.threshold_db", vad.threshold_db, "speech starts this far above the noise floor (dB)", low=0.0),
-        Param("vad.continue_db", vad.continue_db, "and, once started, goes on while this far above it (dB)", low=0.0),
-        Param("vad.min_level_db", vad.min_level_db, "and above this absolute level (dBFS)", high=0.0),
+        Param("vad.threshold_db", vad.threshold_db, "speech starts when the level is this far above the noise floor "
+              "(dB)", low=0.0),
+        Param("vad.continue_db", vad.continue_db, "speech, once started, goes on while the level is this far above "
+              "the noise floor (dB)", low=0.0),
+        Param("vad.min_level_db", vad.min_level_db, "speech needs at least this absolute level too (dBFS): quieter "
+              "sound is never speech", high=0.0),
         Param("vad.hangover_s", vad.hangover_s, "a pause this long ends an utterance", positive=True),
-        Param("vad.tail_s", vad.tail_s, "of that pause, kept after the last speech (at most vad.hangover_s)", low=0.0),
+        Param("vad.tail_s", vad.tail_s, "seconds of the pause that ends an utterance kept after its last speech "
+              "(at most vad.hangover_s)", low=0.0),
         Param("vad.min_speech_s", vad.min_speech_s, "speech this long starts an utterance", positive=True),
         Param("vad.max_utterance_s", vad.max_utterance_s, "longer speech is cut here (marked incomplete)",
               positive=True),
