@@ -32,7 +32,8 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, backend: str
     from photon_core.backends.select import get_backend
 
     get_backend(backend, device)   # an unusable backend is reported before any file is read
-    found = registry.recognise(model)
+    skills = tuple(skills)
+    found = registry.recognise(model, skills)   # a model not found: hints at families with `skills`
     registry.require_skills(found.family, skills)
     return found.load(device, dtype, backend)
 

@@ -123,9 +123,11 @@ def load_model(model: str, device: str, dtype: Any, skills: Iterable[str],
     from photon_core import registry
     from photon_core.contracts import ContractError
 
-    checkpoint = registry.resolve(model)   # ModelNotFound says where it looked
+    skills = tuple(skills)
+    # ModelNotFound says where it looked, and hints only at models of families offering `skills`
+    checkpoint = registry.resolve(model, skills)
     try:
-        return photon_core.load(model, device=device, dtype=dtype, backend=backend, skills=tuple(skills))
+        return photon_core.load(model, device=device, dtype=dtype, backend=backend, skills=skills)
     except (FileNotFoundError, NotImplementedError, ValueError, ContractError):
         raise   # the registry's and loaders' own messages name the checkpoint and the reason; a
         # model short of its family's contract is the family's fault, not the checkpoint's

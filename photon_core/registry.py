@@ -175,20 +175,25 @@ def require_skills(family: Family, skills: Iterable[str]) -> None:
             f"{', '.join(sorted(family.skills))}); families that can: {', '.join(able) or 'none yet'}")
 
 
-def resolve(name: str | Path) -> Resolved:
-    """The files `name` stands for; ModelNotFound (a FileNotFoundError) says where it looked."""
+def resolve(name: str | Path, skills: Iterable[str] = ()) -> Resolved:
+    """The files `name` stands for; ModelNotFound (a FileNotFoundError) says where it looked and how
+    to get weights: the hints of the families that offer every one of `skills` (of all families
+    when none is asked for), so that a detect command is not told to download a speech model."""
     text = str(name)
+    skills = set(skills)
+    _check_skill_names(skills)
     # A generator: families are asked about places only when `name` is not a local path.
     places = (place for family in families() for place in family.places(text))
-    hints = [hint for family in families() for hint in family.hints]
+    hints = [hint for family in families() if skills <= family.skills for hint in family.hints]
     return resolve_files(name, places, hints)
 
 
-def recognise(name: str | Path) -> Recognised:
-    """Resolve `name` and find its family from the files. UnknownModelFamily lists what was found
-    and what each family looks for; BadCheckpointConfig names a config.json that is not one;
-    NotImplementedError for checkpoints known but not runnable."""
-    checkpoint = resolve(name)
+def recognise(name: str | Path, skills: Iterable[str] = ()) -> Recognised:
+    """Resolve `name` and find its family from the files. ModelNotFound hints at models of the
+    families offering `skills` (whether the family found has them is require_skills' question);
+    UnknownModelFamily lists what was found and what each family looks for; BadCheckpointConfig
+    names a config.json that is not one; NotImplementedError for checkpoints known but not runnable."""
+    checkpoint = resolve(name, skills)
     files = CheckpointFiles(checkpoint.path)
     check_config(files)
     claims = [family for family in families() if _asking(family, files, family.recognise)]

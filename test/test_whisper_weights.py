@@ -173,7 +173,7 @@ def test_missing_model_error_says_where_and_how(tmp_path, monkeypatch):
         wc.resolve_whisper("openai/whisper-small")
     msg = str(err.value)
     assert "Hugging Face cache" in msg and str(tmp_path / "hub") in msg
-    assert "huggingface-cli download openai/whisper-small" in msg
+    assert "hf download openai/whisper-small" in msg and "huggingface-cli" not in msg
     with pytest.raises(wc.WhisperWeightsNotFound, match="no Whisper weights found"):
         wc.load_checkpoint_file(tmp_path)
 

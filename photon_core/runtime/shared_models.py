@@ -121,7 +121,8 @@ def shared_engine(name: str, device: str = "cpu", dtype: Any = None, backend: st
     from photon_core.backends.select import get_backend
 
     get_backend(backend, device)   # an unusable backend is reported before any file is read
-    found = registry.recognise(name)
+    skills = tuple(skills)
+    found = registry.recognise(name, skills)   # a model not found: hints at families with `skills`
     registry.require_skills(found.family, skills)
     key = (found.family.name, str(found.checkpoint.path.resolve()), device, str(dtype), backend)
     engine = shared_model(key, lambda: found.load(device, dtype, backend))

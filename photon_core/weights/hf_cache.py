@@ -2,7 +2,7 @@
 
 The cache layout is `<hub>/models--<org>--<name>/snapshots/<commit>/<file>`, with
 `refs/<revision>` holding the commit a revision points at. Nothing here downloads: on a robot the
-user fetches weights once (`huggingface-cli download <repo>`), and we only read what is there.
+user fetches weights once (`hf download <repo>`), and we only read what is there.
 """
 from __future__ import annotations
 

@@ -70,6 +70,7 @@ def resolve(name: str | Path, candidates: Iterable[str | Path] = (), hints: Iter
             looked.append(hf_cache.describe_search(place))
     repo = next((p for p in places if isinstance(p, str) and is_hf_id(p)), "ORG/NAME")
     how = ["pass a local folder or weights file", *hints,
-           f"fetch Hugging Face weights once with `huggingface-cli download {repo}`"]
+           f"fetch Hugging Face weights once with `hf download {repo}` (huggingface_hub's command; "
+           "`huggingface-cli download` in huggingface_hub before 0.34)"]
     raise ModelNotFound(f"model {text!r} not found: " + "; ".join(dict.fromkeys(looked))
                         + ". To get it: " + "; or ".join(how) + ".")

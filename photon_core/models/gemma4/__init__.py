@@ -57,7 +57,7 @@ FAMILY = Family(
     cli="photon_core.cli_vision",
     refuse=refuse,
     places=places,
-    hints=("`huggingface-cli download google/gemma-4-E2B-it` gives Gemma 4 E2B",),
+    hints=("`hf download google/gemma-4-E2B-it` gives Gemma 4 E2B",),
 )
 
 __all__ = ["FAMILY", "EncodedImage", "Gemma4Model", "load_gemma4"]

@@ -66,7 +66,7 @@ FAMILY = Family(
     cli="photon_core.cli_vision",
     refuse=refuse,
     places=places,
-    hints=(f"`huggingface-cli download {weights.HF_REPO}` gives moondream2",),
+    hints=(f"`hf download {weights.HF_REPO}` gives moondream2",),
 )
 
 __all__ = ["Request", "EncodedImage", "MoondreamModel", "load_moondream", "FAMILY"]

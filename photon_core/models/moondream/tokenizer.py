@@ -23,8 +23,8 @@ def find_tokenizer(folder: Path | None) -> Path:
     raise FileNotFoundError(
         f"Moondream tokenizer not found: looked at {where}"
         + "; ".join(hf_cache.describe_search(r) for r in TOKENIZER_REPOS)
-        + ". Get it with `huggingface-cli download moondream/starmie-v1 tokenizer.json` "
-          "(or `huggingface-cli download vikhyatk/moondream2`).")
+        + ". Get it with `hf download moondream/starmie-v1 tokenizer.json` "
+          "(or `hf download vikhyatk/moondream2`).")
 
 
 class MoondreamTokenizer:

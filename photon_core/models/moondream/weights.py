@@ -66,7 +66,7 @@ class Checkpoint:
 
 
 def _how_to_get() -> str:
-    return (f"Download the weights once with `huggingface-cli download {HF_REPO}` "
+    return (f"Download the weights once with `hf download {HF_REPO}` "
             f"(or pass a folder holding {WEIGHTS_FILE} and tokenizer.json).")
 
 

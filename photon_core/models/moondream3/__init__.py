@@ -60,7 +60,7 @@ FAMILY = Family(
     cli="photon_core.cli_vision",
     refuse=refuse,
     places=places,
-    hints=("`huggingface-cli download moondream/moondream3.1-9B-A2B` gives Moondream 3.1",),
+    hints=("`hf download moondream/moondream3.1-9B-A2B` gives Moondream 3.1",),
 )
 
 __all__ = ["Moondream3Config", "Moondream3Model", "load_moondream3", "FAMILY"]

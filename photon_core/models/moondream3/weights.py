@@ -57,7 +57,7 @@ Checkpoint = md2_weights.Checkpoint
 
 
 def _how_to_get() -> str:
-    return ("Download the weights once with `huggingface-cli download moondream/moondream3.1-9B-A2B` "
+    return ("Download the weights once with `hf download moondream/moondream3.1-9B-A2B` "
             "(or pass a folder holding model.safetensors / model_fp8.pt and tokenizer.json).")
 
 

