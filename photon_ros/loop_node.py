@@ -24,6 +24,10 @@ vision node has depth, and a bounded turn toward it.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (seconds) ends it at once
+    from photon_ros.run_node import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import math
 import threading
 import time
@@ -41,7 +45,7 @@ from photon_ros.commands import VisionRequest, parse_command
 from photon_ros.msg import ImageTarget, Object3D, Transcript
 from photon_ros.params import NodeParams, Param
 from photon_ros.result_messages import time_to_seconds
-from photon_ros.run_node import run_node
+from photon_ros.run_node import exit_on_help, run_node
 from photon_ros.action import Find
 from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
 
@@ -402,6 +406,7 @@ class LoopNode(Node):
 
 
 def main(args=None) -> None:
+    exit_on_help(args, __doc__, "photon_ros.loop_node", "loop")
     run_node(LoopNode, args)
 
 

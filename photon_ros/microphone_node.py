@@ -10,6 +10,10 @@ in real time whatever that clock does.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (seconds) ends it at once
+    from photon_ros.run_node import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import queue
 import time
 
@@ -22,7 +26,7 @@ from std_msgs.msg import Header
 
 from photon_ros.diagnostics import publish_status
 from photon_ros.params import NodeParams, Param
-from photon_ros.run_node import run_node
+from photon_ros.run_node import exit_on_help, run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import seconds_to_time
@@ -225,6 +229,7 @@ class MicrophoneNode(Node):
 
 
 def main(args=None) -> None:
+    exit_on_help(args, __doc__, "photon_ros.microphone_node", "microphone")
     run_node(MicrophoneNode, args)
 
 

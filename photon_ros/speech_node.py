@@ -45,6 +45,10 @@ act on after it.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (seconds) ends it at once
+    from photon_ros.run_node import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import argparse
 import re
 import sys
@@ -69,7 +73,7 @@ from photon_ros.managed import ManagedNode, health, ready_or_released
 from photon_ros.msg import AudioChunk, Transcript
 from photon_ros.params import NodeParams
 from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcript_message
-from photon_ros.run_node import init_rclpy, run_node, spin_nodes
+from photon_ros.run_node import exit_leaving_no_thread, exit_on_help, finish, init_rclpy, run_node, spin_nodes
 from photon_ros.audio_common_conversions import (MGONZS13, ROS_DRIVERS, AudioInfoFormat, audio_common_to_pcm,
                                                  audio_common_types)
 from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, MAX_RATE, MIN_RATE, audio_common_input, check_vad,
@@ -673,18 +677,19 @@ def speech_nodes(microphones: list[str], **kwargs) -> list[SpeechNode]:
 
 def run_speech_nodes(microphones: list[str], args: list[str] | None = None) -> int:
     """Spin the speech nodes of `microphones` on one multi-threaded executor until shutdown."""
-    import rclpy
-
-    init_rclpy(args)
     nodes: list[SpeechNode] = []
     try:
+        init_rclpy(args)
         for name in microphones:   # one at a time: if one cannot start, the others are destroyed
             nodes += speech_nodes([name])
+    except KeyboardInterrupt:   # Ctrl-C while starting: stop what started, status 0
+        finish(None, nodes)
+        exit_leaving_no_thread(0)
+        return 0
     except Exception as err:  # noqa: BLE001 - report why the nodes cannot start
         print(f"speech_node: {err}", file=sys.stderr)
-        for node in nodes:
-            node.destroy_node()
-        rclpy.try_shutdown()
+        finish(None, nodes)
+        exit_leaving_no_thread(1)
         return 1
     return spin_nodes(nodes)
 
@@ -698,6 +703,9 @@ def split_microphones(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(args=None) -> None:
+    exit_on_help(args, __doc__, "photon_ros.speech_node", "speech", "[--microphones A,B]",
+                 "  --microphones A,B      one speech node per microphone in one process, in namespaces A, B\n"
+                 "                         (A/audio -> A/transcript, ...), sharing one model")
     microphones, rest = split_microphones(list(sys.argv if args is None else args))
     if microphones:
         sys.exit(run_speech_nodes(microphones, rest))

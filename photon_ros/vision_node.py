@@ -26,6 +26,10 @@ infer refuses with the reason while the node is not active.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (seconds) ends it at once
+    from photon_ros.run_node import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import math
 import time
 from collections import deque
@@ -55,7 +59,7 @@ from photon_ros.params import NodeParams
 from photon_ros.rate_stats import RateStats
 from photon_ros.result_messages import (detection2d_array, detections_message, points_message,
                                         segmentation_message, time_to_seconds, vision_text_message)
-from photon_ros.run_node import run_node
+from photon_ros.run_node import exit_on_help, run_node
 from photon_ros.spatial import detection3d_array, objects_3d, point_positions
 from photon_ros.stamp_pairing import JUMP_BACK_NS, Match, StampPairing, Wait, stamp_ns
 from photon_ros.tracking import IdSource, StreamTrackers
@@ -753,6 +757,7 @@ def stale_frame(age: float, max_age: float) -> str:
 
 
 def main(args=None) -> None:
+    exit_on_help(args, __doc__, "photon_ros.vision_node", "vision")
     run_node(VisionNode, args)
 
 

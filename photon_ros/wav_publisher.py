@@ -11,6 +11,10 @@ command cut short without any gap to show it.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (seconds) ends it at once
+    from photon_ros.run_node import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import time
 
 import numpy as np
@@ -20,7 +24,7 @@ from std_msgs.msg import Header
 
 from photon_core.audio_io import pcm_to_float, read_wav
 from photon_ros.params import NodeParams, Param
-from photon_ros.run_node import run_node
+from photon_ros.run_node import exit_on_help, run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import seconds_to_time
@@ -110,6 +114,7 @@ class WavPublisher(Node):
 
 
 def main(args=None) -> None:
+    exit_on_help(args, __doc__, "photon_ros.wav_publisher", "wav_publisher")
     run_node(WavPublisher, args, until=lambda node: node.done)
 
 
