@@ -41,16 +41,22 @@ def outcome(handle, timeout=120):
     return future.result()
 
 
+def action_clients(graph) -> tuple[Node, ActionClient, ActionClient]:
+    """Clients of find and ask on a node of their own, made before it joins the spinning executor
+    (see test_vision_reasoning), once both servers are there."""
+    client_node = Node("client", context=graph.context)
+    find, ask = ActionClient(client_node, Find, "find"), ActionClient(client_node, Ask, "ask")
+    graph.add(client_node)
+    assert find.wait_for_server(timeout_sec=30) and ask.wait_for_server(timeout_sec=30)
+    return client_node, find, ask
+
+
 def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
         Parameter("model", value=str(checkpoint())), Parameter("max_objects", value=3),
         Parameter("max_frame_age_s", value=600.0)]))
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
-    # Clients made before the node joins the spinning executor (see test_vision_reasoning).
-    client_node = Node("client", context=graph.context)
-    find, ask = ActionClient(client_node, Find, "find"), ActionClient(client_node, Ask, "ask")
-    graph.add(client_node)
-    assert find.wait_for_server(timeout_sec=30) and ask.wait_for_server(timeout_sec=30)
+    client_node, find, ask = action_clients(graph)
     camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
     wait_for_match(camera)
 
@@ -226,10 +232,7 @@ def test_goals_at_work_leave_the_executors_threads_free(graph):
     spinner.start()
     try:
         assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
-        client_node = Node("client", context=graph.context)
-        find, ask = ActionClient(client_node, Find, "find"), ActionClient(client_node, Ask, "ask")
-        graph.add(client_node)
-        assert find.wait_for_server(timeout_sec=30) and ask.wait_for_server(timeout_sec=30)
+        client_node, find, ask = action_clients(graph)
         camera = graph.node("camera").create_publisher(Image, "image", RELIABLE)
         wait_for_match(camera)
 
