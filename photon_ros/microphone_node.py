@@ -2,9 +2,10 @@
 
 Optional: needs `pip install sounddevice` and the PortAudio library (`apt install libportaudio2`).
 Without them, or without an input device, it says so and exits instead of publishing nothing.
-A device that stops delivering later is reopened until it delivers again; /diagnostics says so,
-and counts the audio lost in the driver (overflows) and in a stalled executor. Chunks are stamped
-with their capture time (PortAudio's, before the driver's buffering) on the node's clock (a
+A device that stops delivering later is reopened until it delivers again (after a failed try
+PortAudio lists the devices anew: a USB microphone may come back under another card number);
+/diagnostics says so, and counts the audio lost in the driver (overflows) and in a stalled
+executor. Chunks are stamped with their capture time (PortAudio's, before the driver's buffering) on the node's clock (a
 simulator's under use_sim_time), counted in samples (sample_clock); the audio itself is delivered
 in real time whatever that clock does.
 """
@@ -15,6 +16,7 @@ if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (s
     exit_on_ctrl_c()
 
 import queue
+import threading
 import time
 
 import numpy as np
@@ -65,18 +67,41 @@ def portaudio_device(value: str | int) -> str | int | None:
 MAX_ADC_DELAY_S = 0.5
 
 
-def adc_delay(time_info, duration: float) -> float:
+def adc_delay(time_info, duration: float) -> float | None:
     """Seconds between the capture of a block's last sample and its callback, from PortAudio's
     times (the first sample's ADC time against the callback's, on the stream's clock): the
     driver's and the sound card's buffering, tens of ms on USB microphones and sound servers,
-    which a stamp taken at the callback put on every chunk as if the robot heard it later. 0 where
-    the host API gives no usable times."""
+    which a stamp taken at the callback put on every chunk as if the robot heard it later. None
+    where this block's times are unusable (0, as some host APIs give now and then, or out of
+    range): the caller keeps the last usable delay, since falling to 0 for a block moved its
+    stamp by the whole delay and the next usable one moved it back."""
     adc = getattr(time_info, "inputBufferAdcTime", 0.0)
     current = getattr(time_info, "currentTime", 0.0)
     if not adc or not current:
-        return 0.0
+        return None
     delay = current - adc - duration
-    return delay if 0.0 < delay <= MAX_ADC_DELAY_S else 0.0
+    return delay if 0.0 <= delay <= MAX_ADC_DELAY_S else None
+
+
+# The streams this process's microphone nodes hold open (bringup and the speech node's
+# --microphones run several in one process): PortAudio restarts only while none is.
+_OPEN_STREAMS: set = set()
+_RESCAN = threading.Lock()
+
+
+def rescan_devices(sd) -> bool:
+    """Restarts PortAudio so that it lists the devices again; True if it did. It lists them once,
+    when it starts: a USB microphone unplugged and back under another card number (another sound
+    device enumerated meanwhile) is not in that list, and reopening it by name found a stale entry
+    or none, every try, for good. A restart closes every stream of the process, so it waits until
+    no other microphone node here holds one."""
+    with _RESCAN:
+        if _OPEN_STREAMS or not hasattr(sd, "_initialize"):
+            return False
+        if getattr(sd, "_initialized", 1):   # 0 after a restart whose start failed: only start it
+            sd._terminate()
+        sd._initialize()   # raises if PortAudio cannot start: the reopening fails and says why
+        return True
 
 
 # A simulator's clock (use_sim_time) runs at its real-time factor, 0.8 in a busy world, and in
@@ -112,7 +137,9 @@ class MicrophoneNode(Node):
         self.device = portaudio_device(p["device"])
         self.blocks: queue.Queue = queue.Queue(maxsize=100)
         self.clock = SampleClock(self.rate, slew=WALL_SLEW)
-        self.overflows = self.dropped = self.reopened = 0
+        self.delay = 0.0   # the last usable capture-to-callback delay (adc_delay)
+        self.overflows = self.dropped = self.reopened = self.rescanned = 0
+        self.tries = 0   # reopenings in this stall
         self.lost_seen = 0   # overflows + dropped at the last diagnostics
         self.stalled = ""   # why no audio comes now ("" while it does)
         self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
@@ -139,13 +166,21 @@ class MicrophoneNode(Node):
         except BaseException:
             stream.close()   # opened but not started: its device stays held until closed
             raise
+        _OPEN_STREAMS.add(stream)
         return stream
+
+    def close_stream(self) -> None:
+        _OPEN_STREAMS.discard(self.stream)
+        self.stream.close()
 
     def on_block(self, data: np.ndarray, frames: int, time_info, status) -> None:
         overflow = bool(status and status.input_overflow)
         self.overflows += overflow
         self.last_block = time.monotonic()
-        captured = self.capture_stamp(frames, overflow, adc_delay(time_info, frames / self.rate))
+        delay = adc_delay(time_info, frames / self.rate)
+        if delay is not None:
+            self.delay = delay
+        captured = self.capture_stamp(frames, overflow, self.delay)
         try:
             self.blocks.put_nowait((data.copy(), captured))
         except queue.Full:
@@ -159,12 +194,14 @@ class MicrophoneNode(Node):
         command's age against that clock: wall-clock stamps made every command young). 0, which
         readers take as unstamped, while that clock has no time yet (no /clock so far)."""
         clock = self.get_clock()
-        now = clock.now().nanoseconds * 1e-9
-        if now <= frames / self.rate:
+        # the delay comes off before the check: a simulator's clock just started (0.15 s) less 80 ms
+        # of buffering and the block made a negative stamp, which rclpy's and rclcpp's Time refuse
+        captured = clock.now().nanoseconds * 1e-9 - delay
+        if captured <= frames / self.rate:
             self.clock.reanchor()   # the first block with a time anchors the count
             return 0.0
         self.clock.slew = SIM_SLEW if clock.ros_time_is_active else WALL_SLEW
-        return self.clock.stamp(frames, now - delay, overflow=overflow)
+        return self.clock.stamp(frames, captured, overflow=overflow)
 
     def publish_pending(self) -> None:
         while not self.blocks.empty():
@@ -180,17 +217,24 @@ class MicrophoneNode(Node):
         if self.stalled and self.last_block > self.last_try:   # a block came since the last reopening
             self.get_logger().info("audio is coming again")
             self.stalled = ""
+            self.tries = 0
         silent = now - self.last_block
         if silent < self.stall_s or (self.stalled and now - self.last_try < self.stall_s):
             return
         self.stalled = f"no audio from {self.device_name()} for {silent:.1f} s"
         self.get_logger().error(f"{self.stalled}: reopening the stream", throttle_duration_sec=10.0)
         try:
-            self.stream.close()
+            self.close_stream()
         except Exception:  # noqa: BLE001 - a dead stream may not close cleanly; a new one is what matters
             pass
         try:
             self.clock.reanchor()   # a new stream: its first block re-anchors (the stall shows as a jump)
+            self.delay = 0.0        # and its own buffering
+            # the first try opens what PortAudio listed; the next ones list the devices again
+            if self.tries and rescan_devices(self.sd):
+                self.rescanned += 1
+                self.get_logger().info("listed the audio devices again")
+            self.tries += 1
             self.stream = self.open_stream()
             self.reopened += 1
         except Exception as err:  # noqa: BLE001 - the device may be absent for now: tried again later
@@ -211,7 +255,7 @@ class MicrophoneNode(Node):
         status = DiagnosticStatus(level=level, message=message, hardware_id=self.device_name())
         values = {"sample_rate": str(self.rate), "channels": str(self.channels),
                   "input_overflows": str(self.overflows), "blocks_dropped_queue_full": str(self.dropped),
-                  "stream_reopened": str(self.reopened)}
+                  "stream_reopened": str(self.reopened), "device_list_rescanned": str(self.rescanned)}
         publish_status(self, self.pub_diagnostics, status, values)
 
     def device_name(self) -> str:
@@ -223,7 +267,7 @@ class MicrophoneNode(Node):
             try:
                 self.stream.stop()     # its last callbacks have run when this returns
             finally:
-                self.stream.close()
+                self.close_stream()
             self.publish_pending()     # what was captured is sent, not lost at shutdown
         super().destroy_node()
 

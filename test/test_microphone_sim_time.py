@@ -87,3 +87,20 @@ def test_the_wav_publisher_stamps_on_the_simulators_clock(graph, tmp_path):
     starts = np.array([time_to_seconds(c.header.stamp) for c in chunks])
     assert SIM_START - 0.2 < starts[0] and starts[-1] < sim_now(player), starts   # not the wall clock's 1.7e9 s
     assert np.allclose(np.diff(starts), BLOCK / RATE, atol=1e-6)   # the file's own clock: joined exactly
+
+
+def test_a_simulators_clock_just_started_gives_no_negative_stamp(graph, card):
+    """A simulator's clock starts at 0: at 0.15 s, a block of 0.1 s that the sound card held for
+    80 ms (adc_delay) began at -0.03 s. Sent so, rclpy's and rclcpp's Time refuse the stamp
+    (ValueError in a synchroniser's callback); it is unstamped (0) until the clock has the time."""
+    chunks, _ = listen(graph)
+    node = graph.node("simulator")
+    pub = node.create_publisher(Clock, "/clock", QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    node.create_timer(0.01, lambda: pub.publish(Clock(clock=seconds_to_time(0.15))))
+    mic = microphone(graph, use_sim_time=True)
+    assert wait_for(lambda: sim_now(mic) > 0.1 and mic.publisher.get_subscription_count() > 0, timeout=10)
+    stream = card.streams[0]
+    stream.buffering = 0.08
+    stream.deliver(2)
+    assert wait_for(lambda: len(chunks) == 2, timeout=10)
+    assert all(c.header.stamp.sec >= 0 for c in chunks), [(c.header.stamp.sec, c.header.stamp.nanosec) for c in chunks]
