@@ -138,6 +138,16 @@ def _as_interleaved(samples: np.ndarray) -> tuple[np.ndarray, int]:
     raise ValueError(f"expected samples shaped [n] or [n, channels], got {samples.shape}")
 
 
+def _as_float32(interleaved: np.ndarray) -> np.ndarray:
+    """Float PCM as float32, refused where the cast overflows (a finite float64 of 1e39 became inf:
+    a message every reader refuses)."""
+    with np.errstate(over="ignore"):   # said below, as an error
+        values = pcm_to_float(interleaved)
+    if not np.isfinite(values).all():
+        raise ValueError("samples overflow float32: not audio to publish")
+    return values
+
+
 def pcm_to_audio_chunk(samples: np.ndarray, sample_rate: int, sample_format: str = AudioChunk.FORMAT_S16LE,
                        header=None) -> AudioChunk:
     """Float ([-1, 1]) or int16 samples, [n] or [n, channels], as an AudioChunk."""
@@ -149,7 +159,7 @@ def pcm_to_audio_chunk(samples: np.ndarray, sample_rate: int, sample_format: str
     if sample_format == AudioChunk.FORMAT_S16LE and interleaved.dtype == np.int16:
         encoded = interleaved.astype("<i2")
     elif sample_format == AudioChunk.FORMAT_F32LE:
-        encoded = pcm_to_float(interleaved).astype("<f4")
+        encoded = _as_float32(interleaved).astype("<f4")
     elif sample_format == AudioChunk.FORMAT_S32LE and interleaved.dtype == np.int32:
         encoded = interleaved.astype("<i4")
     else:
@@ -186,5 +196,5 @@ def pcm_to_float32_array(samples: np.ndarray) -> Float32MultiArray:
     interleaved, channels = _as_interleaved(samples)
     msg = Float32MultiArray()
     _layout(msg, interleaved.size, channels)
-    msg.data = pcm_to_float(interleaved)
+    msg.data = _as_float32(interleaved)
     return msg

@@ -75,6 +75,13 @@ def test_nan_samples_are_not_published(fmt, bad):
             write(np.array([0.1, bad]))
 
 
+def test_samples_beyond_float32_are_not_published():
+    """Finite as float64, 1e39 became inf in float32: a message every reader refuses."""
+    for write in (lambda x: pcm_to_audio_chunk(x, 16000, "F32LE"), pcm_to_float32_array):
+        with pytest.raises(ValueError, match="overflow float32"):
+            write(np.array([0.1, 1e39]))
+
+
 @pytest.mark.parametrize("make, message", [
     (nan_chunk, "NaN or infinite"),
     (lambda: AudioChunk(sample_rate=16000, channels=1, sample_format="S16LE"), "empty"),
