@@ -184,6 +184,45 @@ def test_auto_on_a_gpu_the_kernels_cannot_use_runs_pytorch_there(monkeypatch, ca
             get_backend(name, "cuda")
 
 
+@pytest.mark.parametrize("broken, why", [
+    (RuntimeError("libtriton.so: undefined symbol"), "Triton cannot be imported (RuntimeError"),
+    (OSError("libcuda.so.1: cannot open shared object file"), "Triton cannot be imported (OSError"),
+    (ModuleNotFoundError("No module named 'triton._C'", name="triton._C"), "Triton cannot be imported"),
+    ("namespace", "has no version"),   # a folder an uninstall left: imports, no __version__
+])
+def test_auto_on_a_gpu_with_a_broken_triton_runs_pytorch_there(monkeypatch, caplog, broken, why):
+    """A Triton that is installed but broken (its import raises something other than ImportError,
+    or a leftover folder imports without a version) is no usable Triton: `auto` falls back as
+    without one, and named backends are refused with the reason (they raised from select)."""
+    import importlib.abc
+    import re
+    import sys
+    import types
+    from photon_core.backends import select
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 7))   # an Orin
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the GPU")
+    monkeypatch.setattr(select, "_told", set())
+    if broken == "namespace":
+        leftover = types.ModuleType("triton")
+        leftover.__path__ = []
+        monkeypatch.setitem(sys.modules, "triton", leftover)
+    else:
+        class Broken(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "triton":
+                    raise broken
+                return None
+        monkeypatch.delitem(sys.modules, "triton", raising=False)
+        monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    with caplog.at_level("WARNING", logger="photon_core"):
+        assert get_backend("auto", "cuda") is ref
+    assert len(caplog.records) == 1 and why in caplog.records[0].getMessage()
+    for name in ("triton", "megakernel"):
+        with pytest.raises(RuntimeError, match=re.escape(why)):
+            get_backend(name, "cuda")
+
+
 def test_select_triton_and_megakernel_modules():
     mega = get_backend("megakernel", "cpu")
     for name in ("linear", "layer_norm", "attention", "rotary", "argmax"):

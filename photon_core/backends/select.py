@@ -42,12 +42,21 @@ def triton_unusable(device: torch.device) -> str:
     """Why our Triton kernels cannot run on the CUDA `device`, or "" when they can."""
     try:
         import triton
-    except ImportError as err:
+    except ModuleNotFoundError as err:
+        if err.name != "triton":   # triton is there, a module it imports is not: a broken install
+            return f"Triton cannot be imported ({type(err).__name__}: {err}); reinstall it (3.3 or newer)"
         return (f"Triton is not installed ({err}); it comes with PyPI's CUDA torch builds, or `pip install "
                 f"triton` (3.3 or newer) where one is built for this platform")
-    version = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2])
+    except Exception as err:  # noqa: BLE001 - a broken install (a library it loads, its backends) is no Triton either
+        return f"Triton cannot be imported ({type(err).__name__}: {err}); reinstall it (3.3 or newer)"
+    # A folder left by an uninstall imports as a namespace package, without a version.
+    found = str(getattr(triton, "__version__", ""))
+    version = tuple(int(n) for n in re.findall(r"\d+", found)[:2])
+    if not version:
+        return (f"the Triton found ({getattr(triton, '__path__', None) or triton!r}) has no version: a broken "
+                "or partly removed install; reinstall it (3.3 or newer)")
     if version < MIN_TRITON:
-        return f"Triton {triton.__version__} is older than 3.3, the oldest the kernels are built for"
+        return f"Triton {found} is older than 3.3, the oldest the kernels are built for"
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < MIN_CAPABILITY:
