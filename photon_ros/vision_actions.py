@@ -16,7 +16,9 @@ its own decode loop outside the batch: a cancel takes effect when that decode en
 A goal's work (waiting for its frame, decoding) runs on a thread of its own, not on the executor's:
 run_node spins a thread per core (2 on a 2-core computer), and goals that held them would keep out
 the frame that ends their wait, their cancels, deactivate and /diagnostics. The executor only ends
-the goal (succeed, abort, canceled), so the goal's status stays accepted until then.
+the goal (succeed, abort, canceled), so the goal's status stays accepted until then. At most
+MAX_GOALS goals are at work at once (each a thread holding its frame): more are refused, as
+nothing bounded them once the executor's threads no longer did.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from photon_ros.vision_node import VisionNode
 
 FRAME_POLL_S = 0.02
+MAX_GOALS = 16   # two batches' worth: beyond it a goal would only wait behind the others
+DEACTIVATED = "the node was deactivated while the goal ran: its result is not given"
 
 
 class VisionActions:
@@ -75,6 +79,9 @@ class VisionActions:
             return "an empty prompt"
         if not 0 <= timeout_s <= threading.TIMEOUT_MAX:   # (NaN and infinity too: a timer cannot take them)
             return f"timeout_s must be >= 0 and at most {threading.TIMEOUT_MAX:g}, got {timeout_s}"
+        with self._lock:
+            if len(self._workers) >= MAX_GOALS:
+                return f"{MAX_GOALS} goals are at work already: try again when one has ended"
         return self.node.lacks(task)
 
     def on_find_goal(self, goal: Find.Goal) -> GoalResponse:
@@ -106,15 +113,16 @@ class VisionActions:
         """An accepted goal: its work on a thread of its own (see the module's docstring); the
         executor then only ends it."""
         def finish(handle) -> Any:
-            return self.end(handle, result)
+            return self.end(handle, result, epoch)
 
         def work() -> None:
-            nonlocal result
+            nonlocal result, epoch
             try:
                 try:
-                    result = self.work(goal_handle, find)
+                    result, epoch = self.work(goal_handle, find)
                 except Exception as err:  # noqa: BLE001 - a goal left unended would hang its client
-                    result.success, result.message = False, f"{type(err).__name__}: {err}"
+                    result.success = False   # (logged and counted on /diagnostics, as work's failures are)
+                    result.message = self.node.refused("find" if find else "ask", f"{type(err).__name__}: {err}")
                 try:
                     goal_handle.execute(finish)
                 except Exception:  # noqa: BLE001 - canceled between execute's check and its transition
@@ -125,18 +133,25 @@ class VisionActions:
                 with self._lock:
                     self._workers.discard(threading.current_thread())
 
-        result = (Find if find else Ask).Result()
+        result, epoch = (Find if find else Ask).Result(), None
         worker = threading.Thread(target=work, daemon=True, name="vision-goal")
         with self._lock:
             self._workers.add(worker)
-        worker.start()
+        try:
+            worker.start()
+        except RuntimeError as err:   # no thread to be had: the goal is ended at once, failed
+            with self._lock:
+                self._workers.discard(worker)   # (never started: destroy() must not join it)
+            result.message = self.node.refused("find" if find else "ask", f"no thread for the goal: {err}")
+            goal_handle.execute(finish)
 
     def execute(self, goal_handle, find: bool) -> Any:
         """A goal's work and its end, on the calling thread."""
-        return self.end(goal_handle, self.work(goal_handle, find))
+        return self.end(goal_handle, *self.work(goal_handle, find))
 
-    def work(self, goal_handle, find: bool) -> Any:
-        """The goal's result (success false, with the reason, when it failed or was stopped)."""
+    def work(self, goal_handle, find: bool) -> tuple[Any, int | None]:
+        """The goal's result (success false, with the reason, when it failed or was stopped), and
+        the activation it ran in (None: none)."""
         action = Find if find else Ask
         goal, result = goal_handle.request, action.Result()
         key, cancel = bytes(goal_handle.goal_id.uuid), threading.Event()
@@ -161,8 +176,7 @@ class VisionActions:
                         # as the topics are: results of work begun in an activation that ended
                         # are not given (a loop node would turn the robot on them); none of
                         # them, as infer gives none
-                        result = action.Result(success=False, message="the node was deactivated "
-                                               "while the goal ran: its result is not given")
+                        result = action.Result(success=False, message=DEACTIVATED)
         except ValueError as err:   # an option the task does not take, or the model refused
             result.success, result.message = False, self.node.refused("find" if find else "ask", str(err))
         except Exception as err:  # noqa: BLE001 - a goal that fails is answered, never fatal
@@ -176,20 +190,28 @@ class VisionActions:
         if not result.success and cancel.is_set() and not result.message:
             # (a cancel requested says "canceled" instead: end())
             result.message = f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})"
-        return result
+        return result, epoch
 
-    @staticmethod
-    def end(goal_handle, result: Any) -> Any:
-        """End the goal with `result` (from work)."""
+    def end(self, goal_handle, result: Any, epoch: int | None = None) -> Any:
+        """End the goal with `result` (from work, in activation `epoch`). A goal's work ends on its
+        own thread and the executor ends the goal later: a deactivate in between withholds the
+        result too. succeed() is called while the activation holds (Activity.publishing, as the
+        topics publish), so once deactivate has stopped it no result of it is given."""
+        with self._lock:
+            self._early.discard(bytes(goal_handle.goal_id.uuid))   # a cancel that came after the work
         if goal_handle.is_cancel_requested:
             # a canceled goal ends canceled, even where its work finished: its client replaced it
             result.success = False
             result.message = "canceled"
             goal_handle.canceled()
-        elif result.success:
-            goal_handle.succeed()
-        else:
-            goal_handle.abort()
+            return result
+        if result.success:
+            with self.node.activity.publishing(epoch) as current:
+                if current:
+                    goal_handle.succeed()
+                    return result
+            result = type(result)(success=False, message=DEACTIVATED)
+        goal_handle.abort()
         return result
 
     def run(self, goal_handle, goal, result, cancel: threading.Event, find: bool, epoch: int | None = None) -> None:

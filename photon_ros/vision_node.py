@@ -659,6 +659,9 @@ class VisionNode(ManagedNode):
 
     def destroy_node(self) -> None:
         if hasattr(self, "actions"):   # absent when __init__ refused a parameter
+            # stopped first (as run_node stops it): a goal that registered after destroy()'s
+            # cancels then ends at once instead of waiting out its frame wait
+            self.stop_for_shutdown()
             self.actions.destroy()
         super().destroy_node()
 

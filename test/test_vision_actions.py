@@ -180,7 +180,8 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
     actions = VisionActions.__new__(VisionActions)          # its logic, without action servers
     actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
     actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda epoch=None: contextlib.nullcontext(True),
-                                                            current=lambda: 1))
+                                                            current=lambda: 1,
+                                                            publishing=lambda epoch: contextlib.nullcontext(True)))
     seen = {}
 
     def run(goal_handle, goal, result, cancel, find, epoch=None):
@@ -200,6 +201,48 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
     assert seen["canceled"] and not actions._early
 
 
+def test_a_deactivate_after_the_goals_work_and_before_its_end_withholds_the_result():
+    """The goal's work ends on its own thread and the executor ends the goal later (start): a
+    deactivate in between withholds the result as one during the work does (a loop node would
+    turn the robot on it). A cancel that came after the work is not kept."""
+    import threading
+    from types import SimpleNamespace
+
+    from photon_ros.managed import Activity
+    from photon_ros.vision_actions import VisionActions
+
+    def goal(activity):
+        actions = VisionActions.__new__(VisionActions)
+        actions._cancels, actions._lock, actions._early, actions._workers = {}, threading.Lock(), set(), set()
+        actions.node = SimpleNamespace(activity=activity)
+
+        def run(goal_handle, goal, result, cancel, find, epoch=None):
+            result.points.header.frame_id = "camera"
+            result.success = True
+        actions.run = run
+        handle = _Handle(Find.Goal(task="point", prompt="cup", timeout_s=0.0))
+        handle.is_cancel_requested = False
+        ends = []
+        handle.execute = ends.append   # the executor runs the end later
+        actions.start(handle, find=True)
+        assert wait_for(lambda: ends and not actions._workers, timeout=10)
+        return actions, handle, ends[0]
+
+    activity = Activity()
+    activity.start()
+    actions, handle, finish = goal(activity)
+    result = finish(handle)
+    assert handle.ended == "succeeded" and result.success and result.points.header.frame_id == "camera"
+
+    actions, handle, finish = goal(activity)
+    actions.on_cancel(handle)   # came after the work: nothing to stop
+    activity.stop()             # deactivated before the executor ended the goal
+    result = finish(handle)
+    assert handle.ended == "aborted" and not result.success and "deactivated" in result.message
+    assert not result.points.header.frame_id   # none of its results
+    assert not actions._early
+
+
 @pytest.mark.parametrize("timeout_s", [float("inf"), 1e30, float("nan"), -1.0])
 def test_a_timeout_no_timer_can_take_is_refused(timeout_s):
     from photon_ros.vision_actions import VisionActions
@@ -207,6 +250,38 @@ def test_a_timeout_no_timer_can_take_is_refused(timeout_s):
     actions = VisionActions.__new__(VisionActions)
     actions.node = None
     assert "timeout_s" in actions.refusal("point", "cup", ("point",), timeout_s)
+
+
+def test_goals_beyond_the_limit_are_refused_and_one_without_a_thread_ends_failed(monkeypatch):
+    """Each goal at work is a thread holding its frame: a client sending goals in a loop grew them
+    without bound. Past MAX_GOALS goals are refused; one whose thread cannot start is ended
+    (aborted, with why) instead of staying accepted, and destroy() does not wait for that thread."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from photon_ros import vision_actions
+    from photon_ros.vision_actions import MAX_GOALS, VisionActions
+
+    actions = VisionActions.__new__(VisionActions)
+    actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
+    actions._workers = {threading.Thread() for _ in range(MAX_GOALS - 1)}
+    actions.node = SimpleNamespace(lacks=lambda task: "", refused=lambda what, why: why,
+                                   activity=SimpleNamespace(publishing=lambda epoch: contextlib.nullcontext(True)))
+    assert actions.refusal("point", "cup", ("point",), 0.0) == ""
+    actions._workers.add(threading.Thread())
+    assert f"{MAX_GOALS} goals are at work" in actions.refusal("point", "cup", ("point",), 0.0)
+
+    class NoThread(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(vision_actions.threading, "Thread", NoThread)
+    actions._workers = set()
+    handle = _Handle(Find.Goal(task="point", prompt="cup", timeout_s=0.0))
+    handle.is_cancel_requested = False
+    handle.execute = lambda finish: finish(handle)
+    actions.start(handle, find=True)
+    assert handle.ended == "aborted" and not actions._workers
 
 
 def test_goals_at_work_leave_the_executors_threads_free(graph):
