@@ -19,6 +19,10 @@ the file into every namespace.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below ends it at once
+    from photon_ros.run_node import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import argparse
 import os
 import re
@@ -32,7 +36,7 @@ from rclpy.exceptions import InvalidNamespaceException
 from rclpy.parameter import Parameter
 from rclpy.validate_namespace import validate_namespace
 
-from photon_ros.run_node import init_rclpy, spin_nodes
+from photon_ros.run_node import exit_leaving_no_thread, init_rclpy, spin_nodes
 
 SOURCE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 LARGE_DATA_PROFILE = "fastdds_large_data.xml"
@@ -260,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
                             managed=args.managed, namespaces=args.namespaces)
     except KeyboardInterrupt:   # Ctrl-C before the graph was up: nothing ran, nothing to report
         rclpy.try_shutdown()
+        exit_leaving_no_thread(0)   # a node's model load given up (as spin_nodes ends)
         return 0
     except Exception as err:  # noqa: BLE001 - a bad config or missing device ends bring-up with its reason
         print(f"bringup: {err}", file=sys.stderr)
         rclpy.try_shutdown()
+        exit_leaving_no_thread(1)
         return 1
     if args.namespaces is not None and "audio" in GRAPHS[args.graph] and not args.wav:
         audio = ", ".join(node.resolve_topic_name("audio") for node in nodes if node.get_name() == "speech")
