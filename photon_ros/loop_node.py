@@ -70,8 +70,10 @@ LOOP_PARAMS = [
           "origin is the robot); positions in any other frame (the camera's optical frame, map, odom) give none"),
     Param("goal_standoff_m", 0.5, "the goal stops this far short of the object", low=0.0),
     Param("max_command_age_s", 10.0, "a command said longer ago than this (its audio's end, by the transcript's "
-          "stamp) is not acted on: a speech node behind on its backlog must not move the robot on what was said "
-          "long before; 0: any age (replays, whose stamps are old)", low=0.0),
+          "stamp) when its transcript comes is not acted on: a speech node behind on its backlog must not move "
+          "the robot on what was said long before; a stamp this far ahead of the node's clock is refused too "
+          "(clocks that differ: use_sim_time on one node and not another); 0: any age (replays, whose stamps "
+          "are old)", low=0.0),
     Param("refuse_frames_before_turn", True, "a result from a frame captured before the last turn ended (or "
           "while turning) moves nothing; false only for replays, whose frames are not this robot's (evaluate)"),
 ]
@@ -129,6 +131,18 @@ def command_age(msg: Transcript, now_ns: int) -> float | None:
     if said == 0:
         return None
     return now_ns / 1e9 - said - time_to_seconds(msg.audio_duration)
+
+
+def age_refusal(text: str, age: float | None, limit: float) -> str:
+    """Why a command of `age` s must not be acted on ("" when it may): said too long ago, or
+    stamped so far ahead of this node's clock that the two clocks cannot be the same one (the
+    age rule would never fire: a simulator's time against wall-clock stamps)."""
+    if limit <= 0 or age is None or abs(age) <= limit:
+        return ""
+    if age > limit:
+        return f"not acting on {text!r}: it was said {age:.1f} s ago (max_command_age_s {limit:g} s)"
+    return (f"not acting on {text!r}: its stamp is {-age:.1f} s ahead of this node's clock, so its age cannot be "
+            f"told (max_command_age_s {limit:g} s): are the clocks the same (use_sim_time on every node or none)?")
 
 
 def velocity_message(twist: Twist, stamped: bool, stamp, frame_id: str) -> Twist | TwistStamped:
@@ -248,9 +262,10 @@ class LoopNode(Node):
         if refusal:
             self.say(refusal)
             return
-        age, limit = command_age(msg, self.get_clock().now().nanoseconds), self.params["max_command_age_s"]
-        if limit > 0 and age is not None and age > limit:
-            self.say(f"not acting on {msg.text!r}: it was said {age:.1f} s ago (max_command_age_s {limit:g} s)")
+        too_old = age_refusal(msg.text, command_age(msg, self.get_clock().now().nanoseconds),
+                              self.params["max_command_age_s"])
+        if too_old:
+            self.say(too_old)
             return
         request = parse_command(msg.text)
         if request is None:

@@ -207,6 +207,40 @@ def test_a_command_said_long_ago_is_not_acted_on(loop):
     assert loop.said and not any("ago" in s for s in loop.said) and "not available" in loop.said[-1]
 
 
+class Sent:
+    """send_goal_async's future: its done callback, kept to be called as the acceptance comes."""
+    def __init__(self):
+        self.callbacks = []
+
+    def add_done_callback(self, cb):
+        self.callbacks.append(cb)
+
+
+def stand_in_server(loop) -> list[Sent]:
+    sent: list[Sent] = []
+    loop.find.server_is_ready = lambda: True
+    loop.find.send_goal_async = lambda goal: sent.append(Sent()) or sent[-1]
+    return sent
+
+
+def spoken(loop, seconds_ago: float, text: str = "Point at the red cup."):
+    from photon_ros.msg import Transcript
+    msg = Transcript(text=text, is_final=True, audio_complete=True)
+    msg.header.stamp = (loop.get_clock().now() - rclpy.duration.Duration(seconds=seconds_ago)).to_msg()
+    return msg
+
+
+def test_a_command_stamped_far_ahead_of_the_nodes_clock_is_not_acted_on(loop):
+    """Stamps on another clock than the node's (wall-clock audio and a loop on use_sim_time, or a
+    simulator's clock not started) read as said in the future: the age rule would never fire, so
+    the command is refused and the status says why; a small offset between computers is not."""
+    sent = stand_in_server(loop)
+    loop.on_transcript(spoken(loop, -60.0))
+    assert not sent and any("ahead of this node's clock" in s and "use_sim_time" in s for s in loop.said), loop.said
+    loop.on_transcript(spoken(loop, -0.5))
+    assert len(sent) == 1
+
+
 def test_a_result_handled_after_the_stop_starts_no_turn(loop):
     """At shutdown the zero Twist goes out first; a result callback still running then (the
     executor waits for it) must not start a turn after it."""
