@@ -67,3 +67,20 @@ def parse_command(text: str) -> VisionRequest | None:
             if target and not re.fullmatch(_ARTICLE.replace(r"\s+", ""), target):
                 return VisionRequest(task, target)
     return None
+
+
+# Stop words: the whole utterance, once or repeated ("stop, stop!"), after openers and "no" ("no,
+# stop"). Stopping is always safe, so these are taken from partial transcripts too (the loop).
+_STOP = (r"(?:stop(?: (?:it|that|now|moving|turning|looking|searching|there|right there))?|halt|freeze|"
+         r"cancel(?: (?:it|that))?|never ?mind|abort|wait)")
+_STOP_LEAD = rf"(?:(?:{_OPENERS}|no|please|now) )*"
+_STOP_TAIL = r"(?: (?:please|now|robot))*"
+
+
+def is_stop(text: str) -> bool:
+    """Whether the utterance asks the robot to stop ("stop", "no, stop!", "hey robot, halt",
+    "never mind", "stop turning please"): nothing else may be in it ("stop at the door" is no stop
+    word, and no command either)."""
+    words = re.sub(r"[^\w\s']", " ", text.translate(_APOSTROPHES).lower())
+    words = re.sub(r"\s+", " ", words).strip()
+    return bool(words) and re.fullmatch(rf"{_STOP_LEAD}{_STOP}(?: {_STOP})*{_STOP_TAIL}", words) is not None

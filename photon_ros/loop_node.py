@@ -6,6 +6,8 @@ vision node has depth, and a bounded turn toward it.
       -> commands.parse_command -> VisionRequest("point", "red cup")
       -> the vision node's find action on its latest frame (a newer command cancels a goal still
          decoding: the robot acts on what it was told last)
+    "stop" ("halt", "cancel", "never mind", ...: commands.is_stop), from a partial transcript
+               already: the search in progress is canceled and a turn ends at once (zero Twist)
       -> image_target (photon_ros/ImageTarget: where the target is in the image, pixels and
                        normalized, the frame's header): always
          target (geometry_msgs/PointStamped): only a position in metres, in the frame the vision
@@ -41,7 +43,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header, String
 
 from photon_ros.diagnostics import publish_status
-from photon_ros.commands import VisionRequest, parse_command
+from photon_ros.commands import VisionRequest, is_stop, parse_command
 from photon_ros.msg import ImageTarget, Object3D, Transcript
 from photon_ros.params import NodeParams, Param
 from photon_ros.result_messages import time_to_seconds
@@ -256,6 +258,9 @@ class LoopNode(Node):
             self.still_since = self.get_clock().now()
 
     def on_transcript(self, msg: Transcript) -> None:
+        if is_stop(msg.text):   # partial or not, whole or not, however old: stopping is always safe
+            self.stop(msg.text)
+            return
         if not msg.is_final:
             return   # a partial transcript is for display; the final one replaces it
         refusal = incomplete_reason(msg)
@@ -282,6 +287,24 @@ class LoopNode(Node):
         self.say(f"{request.task}: looking for {request.target!r}")
         sent = self.find.send_goal_async(Find.Goal(task=request.task, prompt=request.target, use_latest_frame=True))
         sent.add_done_callback(lambda f, n=self.command: self.on_accepted(request, f, n))
+
+    def stop(self, text: str) -> None:
+        """A spoken stop: the search in progress is canceled (a result still coming is dropped) and
+        a turn in progress ends now with a zero Twist. A goal on goal_pose is the planner's."""
+        self.command += 1   # any result still coming belongs to an older command: dropped
+        stopped = []
+        if self.goal is not None:
+            self.goal.cancel_goal_async()
+            self.goal = None
+            stopped.append("the search")
+        with self.turn_lock:
+            if self.turns.stop():
+                self.publish_velocity(Twist())
+                self.still_since = self.get_clock().now()
+                stopped.append("the turn")
+        planner = " (a goal sent on goal_pose is the planner's to cancel)" if self.goal_sent else ""
+        self.say(f"{text.strip()!r}: stopped {' and '.join(stopped)}{planner}" if stopped
+                 else f"{text.strip()!r}: nothing to stop{planner}")
 
     def on_accepted(self, request: VisionRequest, future, command: int) -> None:
         handle = future.result()

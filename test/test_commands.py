@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from photon_ros.commands import VisionRequest, parse_command
+from photon_ros.commands import VisionRequest, is_stop, parse_command
 from photon_ros.loop_node import approach_goal
 from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
 
@@ -50,6 +50,19 @@ def test_a_clause_after_the_object_asks_for_nothing_but_and_between_objects_is_k
     # "and" joining objects (or colours) is one object phrase, not a clause
     assert parse_command("Find the salt and pepper.") == VisionRequest("detect", "salt and pepper")
     assert parse_command("Point at the black and white cat") == VisionRequest("point", "black and white cat")
+
+
+@pytest.mark.parametrize("text", ["Stop.", "stop, stop!", "No, stop!", "Hey robot, halt.", "Never mind.",
+                                  "Stop turning, please.", "Okay, cancel that.", "Wait!", "STOP", "freeze",
+                                  "Please stop now."])
+def test_stop_words_are_a_stop_and_no_command(text):
+    assert is_stop(text) and parse_command(text) is None
+
+
+@pytest.mark.parametrize("text", ["", "No.", "Thank you.", "Stop at the door.", "Stop the music",
+                                  "Point at the red cup. Stop!", "find the stop sign", "don't stop"])
+def test_other_sentences_are_no_stop(text):
+    assert not is_stop(text)
 
 
 def test_bearing_of_a_point_in_the_image():

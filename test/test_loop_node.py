@@ -241,6 +241,33 @@ def test_a_command_stamped_far_ahead_of_the_nodes_clock_is_not_acted_on(loop):
     assert len(sent) == 1
 
 
+@pytest.mark.parametrize("final", [False, True], ids=["partial", "final"])
+def test_a_spoken_stop_ends_the_turn_and_the_search_at_once(loop, final):
+    """"Stop" is obeyed from the first partial transcript that says it (stopping is always safe):
+    the turn in progress ends with a zero Twist now, not at max_turn_s, the search in progress is
+    canceled, and its result, still coming, moves nothing."""
+    from photon_ros.msg import Transcript
+    twists = []
+    loop.publish_velocity = twists.append
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    assert loop.turns.active
+    sent = stand_in_server(loop)
+    loop.on_transcript(spoken(loop, 0.0, "Find the mug."))
+    search = Handle()
+    sent[0].callbacks[0](done(search))
+    assert loop.goal is search
+    twists.clear()
+    loop.on_transcript(Transcript(text="No, stop!", is_final=final, audio_complete=final))
+    assert not loop.turns.active and twists and twists[-1].angular.z == 0.0
+    assert search.canceled and loop.goal is None
+    assert any("stopped the search and the turn" in s for s in loop.said), loop.said
+    loop.on_result(VisionRequest("detect", "mug"), done(found(now(loop))), search, command=2)
+    assert not loop.turns.active                                    # its late result moves nothing
+    loop.on_transcript(Transcript(text="Stop.", is_final=True, audio_complete=True))
+    assert "nothing to stop" in loop.said[-1]
+
+
 def test_a_result_handled_after_the_stop_starts_no_turn(loop):
     """At shutdown the zero Twist goes out first; a result callback still running then (the
     executor waits for it) must not start a turn after it."""
