@@ -17,7 +17,10 @@ Pieces, in the order a frame goes through them:
   (`image_rect_color`): P's intrinsics, no distortion (P's translation column is ignored: points
   stay in this camera's own frame, as depth_image_proc does). R is not used: it rotates into a
   stereo pair's rectified frame, and results are in the frame the colour image names. Binning and
-  ROI other than the full image are refused rather than half-applied.
+  ROI other than the full image are refused rather than half-applied. A pixel whose undistorted
+  ray does not project back onto it (a calibration whose polynomial turns over before the image's
+  edge, where OpenCV's iteration diverges or returns the distorted coordinates) has no ray: a
+  result that needs it has no position, with the reason, rather than a wrong one.
 - `depth_image(...)` / `depth_image_from_msg(msg)`: a view of the depth message's values (16UC1
   millimetres or 32FC1 metres, with `step` and `is_bigendian` honoured; no copy when rows are
   unpadded). Only the pixels a result reads are touched (validity is tested in the stored unit),
@@ -105,6 +108,11 @@ DISTORTION_MODELS = (*DISTORTION_COEFFICIENTS, "none")
 # undistortPoints' default (5 iterations) leaves tenths of a pixel near the corners of a
 # wide-angle lens; this converges to far below that.
 _UNDISTORT_CRITERIA = (cv2.TERM_CRITERIA_COUNT | cv2.TERM_CRITERIA_EPS, 40, 1e-10)
+# An undistorted ray must project back onto its pixel within this (pixels of camera_info's grid).
+# Where the calibration's polynomial turns over before the image's edge (a wide-angle lens fitted
+# without samples in its corners) no ray distorts onto the pixel: OpenCV's iteration then diverges
+# or gives up, returning the distorted coordinates, and either is a wrong ray, silently.
+_REPROJECTION_TOLERANCE_PX = 0.1
 
 T = TypeVar("T")
 
@@ -162,7 +170,8 @@ class Intrinsics:
 
     def normalized(self, uv: np.ndarray) -> np.ndarray:
         """(N, 2) pixel coordinates of this grid (pixel centres at integers) -> (N, 2) normalized
-        image coordinates (x', y'): the ray through the pixel is (x', y', 1)."""
+        image coordinates (x', y'): the ray through the pixel is (x', y', 1). NaN for a pixel the
+        distortion model cannot be inverted at (its ray does not project back onto it)."""
         uv = np.asarray(uv, dtype=np.float64).reshape(-1, 2)
         if not self.distortion:
             return (uv - (self.cx, self.cy)) / (self.fx, self.fy)
@@ -175,7 +184,12 @@ class Intrinsics:
             out = cv2.undistortPointsIter(src, camera, dist, None, None, _UNDISTORT_CRITERIA)
         else:
             out = cv2.undistortPoints(src, camera, dist, criteria=_UNDISTORT_CRITERIA)
-        return out.reshape(-1, 2)
+        rays = out.reshape(-1, 2).astype(np.float64)
+        back, _ = cv2.projectPoints(np.column_stack([rays, np.ones(len(rays))]), np.zeros(3), np.zeros(3),
+                                    camera, dist)
+        miss = np.hypot(*(back.reshape(-1, 2) - uv).T)
+        rays[~(miss <= _REPROJECTION_TOLERANCE_PX)] = np.nan     # NaN in, or a miss: no ray
+        return rays
 
 
 def _floats(values: Any, what: str, count: int | None = None) -> np.ndarray:
@@ -440,6 +454,10 @@ _SIDE_AXES = np.array([[0, 0, 0], [0, 0, 0], [1, 1, 1], [1, 1, 1]])
 _SIDE_SIGNS = np.array([[1.0] * 3, [-1.0] * 3, [1.0] * 3, [-1.0] * 3])
 
 
+_UNDISTORTABLE = ("camera_info's distortion model cannot be inverted at the {}: no ray projects back onto "
+                  "it (the calibration does not reach this part of the image)")
+
+
 def _quantiles(values: np.ndarray, qs: Sequence[float]) -> list[float]:
     """Nearest-rank quantiles by one partial sort (np.percentile costs several times more)."""
     ranks = [math.floor((values.size - 1) * q + 0.5) for q in qs]
@@ -559,10 +577,15 @@ class DepthView:
         if not pending:
             return results
         rays = self._rays(np.array(geometry)[:, _OUTLINE].reshape(-1, 2)).reshape(-1, 9, 2)
-        # The rectangle inside the undistorted outline: each side at its innermost point.
-        sides = (rays[:, _SIDE_POINTS, _SIDE_AXES] * _SIDE_SIGNS).max(axis=2).tolist()
-        for index, (cx, cy), (left, neg_right, top, neg_bottom), (q1, z, q3, count, sampled) in zip(
-                pending, rays[:, 0].tolist(), sides, stats):
+        # The rectangle inside the undistorted outline: each side at its innermost point (of those
+        # the camera model can undistort: -inf where none of a side's can).
+        signed = rays[:, _SIDE_POINTS, _SIDE_AXES] * _SIDE_SIGNS
+        sides = np.where(np.isnan(signed), -np.inf, signed).max(axis=2).tolist()
+        for index, (cx, cy), (left, neg_right, top, neg_bottom), (q1, z, q3, count, sampled), box in zip(
+                pending, rays[:, 0].tolist(), sides, stats, geometry):
+            if not all(map(math.isfinite, (cx, cy, left, neg_right, top, neg_bottom))):
+                results[index] = NoDepth(_UNDISTORTABLE.format("box ({:g}, {:g}, {:g}, {:g})".format(*box[:4])))
+                continue
             z, spread = z * self._scale, (q3 - q1) * self._scale
             results[index] = Box3D(
                 x=cx * z, y=cy * z, z=z, size_x=max(-neg_right - left, 0.0) * z,
@@ -602,9 +625,12 @@ class DepthView:
         ordered = np.sort(np.where(valid, values, np.inf), axis=1)
         rank = np.floor((np.maximum(counts, 1) - 1) * 0.5 + 0.5).astype(np.intp)    # as _quantiles
         medians = ordered[np.arange(len(at)), rank].tolist()
-        for index, count, depth, (rx, ry) in zip(at, counts.tolist(), medians,
-                                                 self._rays(xy).tolist()):
+        for index, count, depth, (rx, ry), (x, y) in zip(at, counts.tolist(), medians,
+                                                         self._rays(xy).tolist(), inside):
             z = depth * self._scale
+            if not (math.isfinite(rx) and math.isfinite(ry)):
+                results[index] = NoDepth(_UNDISTORTABLE.format(f"point ({x:g}, {y:g})"))
+                continue
             results[index] = self._enough(count, window.size, "around the point") or Point3D(
                 x=rx * z, y=ry * z, z=z, valid_pixels=count, valid_fraction=count / window.size)
         return results

@@ -436,3 +436,37 @@ def test_a_colour_image_naming_no_frame_does_not_hide_depth_of_another_camera(de
         assert repr(depth_frame) in view.reason and repr(info_frame) in view.reason
     else:
         assert isinstance(view, DepthView)
+
+
+def test_a_pixel_the_distortion_model_cannot_invert_has_no_position() -> None:
+    """A wide-angle plumb_bob calibration whose polynomial turns over before the image's corners
+    (fitted without samples there): no ray distorts onto a corner pixel, and OpenCV's iteration
+    there diverges or returns the distorted coordinates (positions metres to kilometres off, with
+    no sign of it). Such a pixel gets no position, with the reason; every position given is on a
+    ray that projects back onto its own pixel, and the rest of the image is placed as before."""
+    fx, d = 350.0, (-0.35, 0.12, 0.0, 0.0, -0.02)
+    camera = Intrinsics(WIDTH, HEIGHT, fx, fx, CX, CY, d)
+    view = DepthView(DepthImage(np.full((HEIGHT, WIDTH), 1500, np.uint16), 0.001), camera, WIDTH, HEIGHT)
+    k = np.array([[fx, 0, CX], [0, fx, CY], [0, 0, 1]])
+    grid = [(x, y) for x in np.linspace(0.5, WIDTH - 0.5, 33) for y in np.linspace(0.5, HEIGHT - 0.5, 25)]
+    placed = 0
+    for (x, y), got in zip(grid, view.points_3d(grid)):
+        if isinstance(got, NoDepth):
+            assert "cannot be inverted at the point" in got.reason, got
+            continue
+        placed += 1
+        assert np.isfinite([got.x, got.y, got.z]).all() and got.z == pytest.approx(1.5)
+        back = project(np.array([[got.x, got.y, got.z]]), k, d)[0] + 0.5
+        assert np.hypot(*(back - (x, y))) < 0.5, ((x, y), back, got)
+    assert 0.5 * len(grid) < placed < len(grid)      # the corners have none, the middle has
+    corner, middle = view.boxes_3d([(0, 0, 40, 30), (300, 220, 340, 260)])
+    assert isinstance(corner, NoDepth) and "cannot be inverted at the box" in corner.reason, corner
+    assert isinstance(middle, Box3D) and np.isfinite([middle.x, middle.y, middle.size_x, middle.size_y]).all()
+    # A box whose corners lie where the model does not invert, the middles of its sides where it
+    # does, keeps its position and takes its size from those (under barrel distortion a side's
+    # middle is its innermost point anyway); one whose side has no point that inverts has none.
+    large, whole = view.boxes_3d([(40, 30, 600, 450), (0, 0, WIDTH, HEIGHT)])
+    assert isinstance(large, Box3D) and abs(large.x) < 0.01, large
+    left_middle = camera.normalized([(40 - 0.5, CY)])[0, 0]      # the right side's mirrors it
+    assert np.isfinite(left_middle) and large.size_x == pytest.approx(-2 * left_middle * 1.5, rel=1e-6)
+    assert isinstance(whole, NoDepth) and "cannot be inverted at the box" in whole.reason
