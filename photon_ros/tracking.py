@@ -352,6 +352,7 @@ class _Tracker:
         self.velocity = bool(velocity)
         self.ids = ids if ids is not None else IdSource()
         self.image_size: tuple[int, int] | None = None
+        self.frame: str | None = None      # the camera frame (frame_id) the tracks' pixels are in
         self.last_result_stamp: float | None = None
         self._tracks: list[_Track] = []
 
@@ -375,11 +376,14 @@ class _Tracker:
 
     # -- public --
     def update(self, detections: ArrayLike, stamp: float, image_size: tuple[int, int],
-               scores: Sequence[float] | None = None) -> list[Tracked]:
+               scores: Sequence[float] | None = None, frame: str | None = None) -> list[Tracked]:
         """One model result: detections (N rows in pixels) of the frame stamped `stamp` (seconds),
         of an image (width, height). Returns one Tracked per detection, in their order, each
         DETECTED with its id. Tracks not matched are missed; those missed `max_missed` times end.
-        A new image size ends every track first (their pixels are of another image)."""
+        A new image size ends every track first (their pixels are of another image), and so does
+        a new `frame` (the image's frame_id, where given: the pixels are another camera's, such
+        as a topic switched between cameras, and an object there is not the one at the same
+        pixels here)."""
         stamp = _check_stamp(stamp)
         size = _check_size(image_size)
         rows = _as_rows(detections, self.dims, f"{self.what}s")
@@ -394,9 +398,12 @@ class _Tracker:
             raise ValueError(f"model result stamped {stamp:.6f} s is older than the previous one "
                              f"({self.last_result_stamp:.6f} s): results must come in stamp order "
                              f"(reset() after a jump back in time, such as a bag played again)")
-        if self.image_size is not None and size != self.image_size:
+        if (self.image_size is not None and size != self.image_size) or (
+                frame is not None and self.frame is not None and frame != self.frame):
             self._tracks = []
         self.image_size, self.last_result_stamp = size, stamp
+        if frame is not None:
+            self.frame = frame
         self._expire(stamp)
 
         centres = self._centres(rows)
@@ -444,7 +451,7 @@ class _Tracker:
     def reset(self) -> None:
         """Ends every track (their ids are not handed out again) and forgets the stamp order."""
         self._tracks = []
-        self.image_size = self.last_result_stamp = None
+        self.image_size = self.last_result_stamp = self.frame = None
 
     # -- used by StreamTrackers to follow many trackers with one flow call --
     def flow_regions(self) -> np.ndarray:

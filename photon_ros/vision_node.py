@@ -544,7 +544,9 @@ class VisionNode(ManagedNode):
             tracker.reset()   # the stream went back in time (a bag played again): new tracks
         elif last is not None and stamp < last:
             return   # a frame older than the last result (two publishers, reordering): untracked (id 0)
-        for item, tracked in zip(items, tracker.update(rows, stamp, (width, height))):
+        # frame: another camera's frame (a topic switched between cameras) ends the tracks, as a
+        # new image size does: the object at the same pixels there is another one
+        for item, tracked in zip(items, tracker.update(rows, stamp, (width, height), frame=header.frame_id)):
             item.track_id = tracked.track_id
 
     def segmentation_messages(self, masks: dict[str, dict], header, width: int, height: int,

@@ -229,6 +229,25 @@ def test_new_image_size_ends_tracks_and_streams_dropped():
     assert streams.get("detect", "cup").update([box(100, 100)], 0.0, SIZE)[0].track_id > b.track_id
 
 
+def test_another_cameras_frame_ends_tracks():
+    """A topic switched between cameras (a mux), or two drivers on one topic, at one image size:
+    the object at the same pixels of another camera's frame is another object and must not take
+    this camera's id (a planner following id N would follow it). No frame given: as before."""
+    tracker = BoxTracker()
+    front = tracker.update([box(100, 100)], 0.0, SIZE, frame="front_optical")[0]
+    assert tracker.update([box(102, 100)], DT, SIZE, frame="front_optical")[0].track_id == front.track_id
+    rear = tracker.update([box(104, 100)], 2 * DT, SIZE, frame="rear_optical")[0]
+    assert rear.track_id != front.track_id and len(tracker.tracks()) == 1
+    back = tracker.update([box(104, 100)], 3 * DT, SIZE, frame="front_optical")[0]
+    assert back.track_id not in (front.track_id, rear.track_id)
+    assert tracker.update([box(104, 100)], 4 * DT, SIZE)[0].track_id == back.track_id
+    points = PointTracker()
+    a = points.update([(100, 100)], 0.0, SIZE, frame="front_optical")[0]
+    assert points.update([(100, 100)], DT, SIZE, frame="rear_optical")[0].track_id != a.track_id
+    tracker.reset()
+    assert tracker.frame is None
+
+
 def test_bad_input_is_a_clear_error(texture):
     tracker = BoxTracker()
     tracker.update([box(100, 100)], 1.0, SIZE)

@@ -127,6 +127,24 @@ def test_a_frame_in_the_model_at_deactivate_leaves_no_tracks_to_the_next_activat
     assert again and not again & first and 0 not in again
 
 
+def test_tracks_do_not_carry_onto_another_cameras_frame():
+    """The node's tracking passes each image's frame_id: an image topic switched between two
+    cameras of one size does not give the rear camera's cup the front camera's cup's id."""
+    from types import SimpleNamespace
+    from photon_ros.msg import Detection
+    from photon_ros.tracking import StreamTrackers
+    stub = SimpleNamespace(params={"tracking": True}, trackers=StreamTrackers())
+
+    def ids(i, frame):
+        items = [Detection(x_min_px=10.0, y_min_px=10.0, x_max_px=50.0, y_max_px=50.0)]
+        VisionNode.track(stub, "detect", "cup", items, header(i, frame), 128, 96)
+        return items[0].track_id
+
+    front = ids(1, "front_optical")
+    assert front and ids(2, "front_optical") == front
+    assert ids(3, "rear_optical") not in (0, front)
+
+
 def test_warm_up_runs_a_frame_of_the_standing_tasks_as_one_batch():
     """Startup decodes one batch the size of a frame's requests, so the compiled step of that batch
     size (built on first use, seconds at real sizes on a GPU) is not built on the first frame."""
