@@ -451,12 +451,14 @@ class VisionNode(ManagedNode):
         self.health.succeeded()
         self.stats.tick("processed", latency=time.monotonic() - frame.received_at)
 
-    def space(self, header, width: int, height: int, waits: "DepthWaits | None" = None) -> tuple | None:
+    def space(self, header, width: int, height: int, waits: "DepthWaits | None" = None,
+              carried: bool = False) -> tuple | None:
         """Where a frame's results go in 3D: (depth view or why there is none, the frame the
         positions are in, the transform there or why there is none); None without use_depth.
         `waits`: the frame's pairings, begun at its arrival (depth_waits); None: begun now (an
         image sent with a request). Waits for them to be decided: the tolerance from the frame's
-        arrival at most."""
+        arrival at most. `carried`: an image sent with the request, which must name its frame to
+        be placed with this camera's depth (a stamp alone paired any image with it)."""
         if self.pub_objects_3d is None:
             return None
         waits = waits or self.depth_waits(header)
@@ -471,7 +473,10 @@ class VisionNode(ManagedNode):
         depth = depth_view(paired.msg if isinstance(paired, Match) else NoDepth(paired.reason), camera, width,
                            height, settings, rectified=self.params["rectified"], image_frame=header.frame_id)
         optical = (camera.header.frame_id if isinstance(info, Match) else "") or header.frame_id
-        if not optical and not isinstance(depth, NoDepth):
+        if carried and not header.frame_id and not isinstance(depth, NoDepth):
+            depth = NoDepth("the image sent with the request names no frame (frame_id empty): it is placed with "
+                            "this camera's depth only when it names the colour camera's frame")
+        elif not optical and not isinstance(depth, NoDepth):
             depth = NoDepth("neither the image nor camera_info names a frame (frame_id empty): positions "
                             "would be metres in no frame")
         transform = None
@@ -612,7 +617,8 @@ class VisionNode(ManagedNode):
                 task = engine_request(request.task, rgb, request.prompt, request, self.max_objects)
                 result = self.engine.batcher.submit([task])[0]
             missing_reasoning(request.reasoning, result)
-            space = self.space(source.header, rgb.shape[1], rgb.shape[0], waits) if placing else None
+            space = (self.space(source.header, rgb.shape[1], rgb.shape[0], waits, carried=not request.use_latest_frame)
+                     if placing else None)
         except Exception as err:  # noqa: BLE001 - a bad request is answered, never fatal
             response.success, response.message = False, self.refused("infer", str(err) or type(err).__name__)
             return response

@@ -510,6 +510,18 @@ def test_results_in_metres_from_an_aligned_depth_image(graph):
     assert answer.success, answer.message
     assert answer.objects_3d.objects and all(o.has_position for o in answer.objects_3d.objects), \
         answer.objects_3d.depth_note
+    # An image of its own that names no frame: any image stamped so paired with this camera's depth.
+    unnamed = header(30, "camera_color_optical_frame")
+    pubs["camera_info"].publish(camera_info(unnamed))
+    pubs["depth"].publish(wall_depth(unnamed))
+    time.sleep(0.3)
+    future = client.call_async(Infer.Request(task="point", prompt="dog", use_latest_frame=False,
+                                             image=rgb_to_image(image(5), header=header(30, ""))))
+    assert wait_for(future.done, timeout=60)
+    answer = future.result()
+    assert answer.success and answer.objects_3d.objects, answer.message
+    assert "names no frame" in answer.objects_3d.depth_note
+    assert not any(o.has_position for o in answer.objects_3d.objects)
 
 
 def test_bad_depth_input_is_said_and_survived(graph):
