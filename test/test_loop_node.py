@@ -98,6 +98,19 @@ def test_goals_only_from_positions_in_the_robots_frame(loop, frame, goal):
         assert any("no goal" in s and "not the robot's frame 'base_link'" in s for s in loop.said)
 
 
+def test_a_target_placed_in_the_optical_frame_turns_by_its_3d_bearing(loop):
+    """In the camera's optical frame (x right, z forward) the bearing comes from the 3D position,
+    atan2(-x, z): an object placed left of the axis turns the robot left (positive yaw), even
+    where the image's field of view would have read the point otherwise."""
+    twists = []
+    loop.publish_velocity = twists.append
+    loop.command = 1
+    result = found(now(loop), placed_frame="camera_color_optical_frame")   # the image's point: right of centre
+    result.result.objects_3d.objects[0].pose.position = Point(x=-1.0, y=0.0, z=2.0)
+    loop.on_result(POINT, done(result), Handle(), command=1)
+    assert loop.turns.active and twists and twists[0].angular.z > 0, (twists, loop.said)
+
+
 def end_turn(loop) -> None:
     """The turn's ticks until its zero Twist, as the node's 10 Hz timer would send them."""
     while loop.turns.active:
