@@ -71,6 +71,18 @@ def _message(encoding, values, bigendian=False):
                  step=len(data), data=data)
 
 
+def test_eight_bit_colour_orders_from_bytes_written_by_hand():
+    """The round trips build their input through the same table they read it with: a swapped
+    entry would pass them. Here each encoding's bytes are laid out by hand (sensor_msgs'
+    image_encodings: bgr8 and OpenCV's 8UC3 are blue first, alpha last)."""
+    red, green = (200, 10, 30), (5, 220, 40)   # RGB
+    for encoding, order in (("rgb8", [0, 1, 2]), ("bgr8", [2, 1, 0]), ("8UC3", [2, 1, 0]),
+                            ("rgba8", [0, 1, 2, 3]), ("bgra8", [2, 1, 0, 3]), ("8UC4", [2, 1, 0, 3])):
+        row = [[(*pixel, 77)[i] for i in order] for pixel in (red, green)]
+        out = image_to_rgb(_message(encoding, np.array(row, np.uint8)))
+        np.testing.assert_array_equal(out[0], [red, green], err_msg=encoding)
+
+
 @pytest.mark.parametrize("bigendian", [False, True])
 def test_sixteen_bit_values_span_the_full_range(bigendian):
     # v -> round(v / 257): a 16-bit frame is never saturated to white, a mid grey stays mid grey.

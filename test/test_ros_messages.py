@@ -116,3 +116,18 @@ def test_infer_service_round_trip(graph):
     assert wait_for(future.done, timeout=10)
     result = future.result()
     assert result.success and result.detections.prompt == "person" and result.detections.image_width == 6
+
+
+def test_pixel_boxes_and_points_scale_each_axis_by_its_own_size():
+    """x by the width, y by the height (a non-square image: a swapped or shared scale shows)."""
+    from photon_ros.result_messages import detections_message, points_message
+    header = Header(frame_id="camera")
+    box = {"x_min": 0.1, "y_min": 0.2, "x_max": 0.5, "y_max": 0.9, "score": 0.8}
+    d = detections_message({"objects": [box]}, header, prompt="cup", width=640, height=360, latency=0.1,
+                           model_id="m").detections[0]
+    got = (d.x_min_px, d.y_min_px, d.x_max_px, d.y_max_px)
+    np.testing.assert_allclose(got, (64.0, 72.0, 320.0, 324.0))
+    assert (d.x_min, d.y_min, d.x_max, d.y_max) == (0.1, 0.2, 0.5, 0.9)
+    p = points_message({"points": [{"x": 0.25, "y": 0.75}]}, header, prompt="cup", width=640, height=360,
+                       latency=0.1, model_id="m").points[0]
+    np.testing.assert_allclose((p.x_px, p.y_px), (160.0, 270.0))
