@@ -335,6 +335,12 @@ class SpeechNode(ManagedNode):
             self.skipped_chunks += 1
             self.health.failed(reason)
             self.get_logger().warning(f"skipping audio chunk: {reason}", throttle_duration_sec=5.0)
+            with self.lock:
+                # Its audio is a hole in the stream (a short one showed nowhere: the utterance
+                # around it passed as whole): cut as at a jump.
+                if self.segmenter is not None:
+                    for utterance in self.segmenter.chunk_refused("a malformed audio chunk was skipped"):
+                        self.enqueue(utterance)
             return
         self.health.succeeded()
         with self.lock:

@@ -163,6 +163,7 @@ class SpeechSegmenter:
         self._levels_seen = 0                       # frames that entered the window
         self._after_gap = ""                        # set by lost audio until a pause of hangover_s
         self._quiet_run = 0                         # non-speech frames in a row outside an utterance
+        self._continues = False                     # speech cut at the length limit goes on (continue_db)
         self._chunk_s = 0.0                         # duration of the last pushed chunk
         self._start_note = ""                       # why the current utterance began incomplete
         self.last_time = None                       # capture time after the last pushed sample
@@ -216,6 +217,19 @@ class SpeechSegmenter:
         about `seconds` of audio: a discontinuity, however little (the stamps miss a jump of under
         min_gap_s). Counted once: the next chunk's stamp restarts the clock."""
         return self._discontinuity(seconds)
+
+    def chunk_refused(self, what: str = "an audio chunk was refused") -> list[Utterance]:
+        """The node refused a chunk of this stream (malformed: it could not be decoded): its audio
+        is missing between the last chunk and the next, however short (a refused 10-20 ms chunk is
+        within the stamps' jitter, and unstamped chunks show nothing). The utterance in progress
+        ends incomplete and speech after it is incomplete until a pause, as at a jump; the stream's
+        clock is kept, so a jump the stamps do show is still counted as lost audio."""
+        cut = self._finish(f"audio lost after it ({what})") if self._in_speech else None
+        last_time = self.last_time
+        self._restart_stream()
+        self.last_time = last_time
+        self._after_gap = f"audio lost before it ({what})"
+        return [cut] if cut is not None else []
 
     def _tail_frames(self, cfg: SegmenterConfig) -> int:
         return round(cfg.tail_s / self._frame_s)
@@ -293,7 +307,10 @@ class SpeechSegmenter:
         if room and self._frames_seen == 0:
             self._noise_db = level                  # a mic opens before anyone speaks
         self._frames_seen += 1
-        above = cfg.continue_db if self._in_speech else cfg.threshold_db
+        # Speech the length limit cut is judged as it was before the cut until a pause ends it:
+        # by threshold_db, its weak frames read as a pause, were lost beyond the preroll and,
+        # once they lasted hangover_s, the rest of the speech passed for a whole command.
+        above = cfg.continue_db if self._in_speech or self._continues else cfg.threshold_db
         floor = self._noise_db if self._noise_db is not None else -np.inf
         voiced = level > max(floor + above, cfg.min_level_db)
         if room:
@@ -317,10 +334,10 @@ class SpeechSegmenter:
             if self._quiet_run * self._frame_s >= cfg.hangover_s:
                 # A pause that would end an utterance: speech after it is a new one, whole. (One
                 # quiet frame is not: a plosive or a word boundary right after the gap.)
-                self._after_gap = ""
+                self._after_gap, self._continues = "", False
             if self._voiced_run * self._frame_s >= cfg.min_speech_s:
                 self._in_speech = True
-                self._start_note, self._after_gap = self._after_gap, ""
+                self._start_note, self._after_gap, self._continues = self._after_gap, "", False
                 self._speech = list(self._preroll)
                 self._speech_start = t + self._frame_s - len(self._speech) * self._frame_s
                 self._preroll.clear()
@@ -338,7 +355,7 @@ class SpeechSegmenter:
             pause = self._silent_run   # a pause the cut falls in goes on counting after it
             cut = self._finish(f"cut at the {limit}")
             self._after_gap = f"continues speech cut at the {limit}"
-            self._quiet_run = pause
+            self._quiet_run, self._continues = pause, True
             return cut
         return None
 
@@ -370,6 +387,7 @@ class SpeechSegmenter:
         self._pending = np.zeros(0, np.float32)
         self._preroll.clear()
         self._voiced_run = self._quiet_run = 0
+        self._continues = False
         self.last_time = None
 
     def _finish(self, note: str = "", keep: int | None = None) -> Utterance | None:

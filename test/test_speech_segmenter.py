@@ -422,3 +422,30 @@ def test_a_pause_the_length_limit_cuts_still_counts_as_a_pause():
     audio = np.concatenate([quiet(1.0), tone(2.4), quiet(0.45), tone(1.0), quiet(1.0)])
     out = run(SpeechSegmenter(rate, SegmenterConfig(max_utterance_s=3.0)), audio, 160)
     assert len(out) == 2 and not out[0].complete and out[1].complete, [(u.duration, u.note) for u in out]
+
+
+@pytest.mark.parametrize("weak_db", [8.0, 9.0, 10.0, 11.0])
+def test_weak_speech_right_after_the_length_limit_is_neither_lost_nor_whole(weak_db):
+    """Frames between continue_db and threshold_db over the floor are speech inside an utterance
+    (hysteresis). Cut at the limit among such frames, the speech that goes on must be judged the
+    same way: by threshold_db, 0.3 s of them read as a pause (the continuation then passed for a
+    whole command) and those beyond the preroll were dropped, untranscribed."""
+    rate = 16000
+    rng = np.random.default_rng(0)
+
+    def noise(s):
+        return (rng.standard_normal(int(s * rate)) * 1e-3).astype(np.float32)
+
+    def tone(s, amplitude):
+        t = np.arange(int(s * rate)) / rate
+        return (amplitude * np.sin(2 * np.pi * 700 * t)).astype(np.float32) + noise(s)
+    audio = np.concatenate([noise(1.0), tone(1.9, 0.1), tone(1.0, 1e-3 * 10 ** (weak_db / 20)),
+                            tone(1.0, 0.1), noise(1.0)])
+    whole = run(SpeechSegmenter(rate), audio, 160)
+    assert len(whole) == 1 and whole[0].complete      # one utterance without the limit
+    out = run(SpeechSegmenter(rate, SegmenterConfig(max_utterance_s=2.5)), audio, 160)
+    assert len(out) == 2 and "cut at the 2.5 s utterance limit" in out[0].note
+    assert not out[1].complete and "continues speech cut" in out[1].note, [(u.start_time, u.note) for u in out]
+    # nothing between the parts is missing, and together they are the utterance without the limit
+    assert abs(out[0].start_time + out[0].duration - out[1].start_time) < 1e-6
+    assert np.array_equal(np.concatenate([out[0].samples, out[1].samples]), whole[0].samples)
