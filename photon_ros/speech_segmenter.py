@@ -161,7 +161,9 @@ class SpeechSegmenter:
         self._window_frames = max(1, round(cfg.floor_window_s / self._frame_s))
         self._recent: deque[tuple[int, float]] = deque()
         self._levels_seen = 0                       # frames that entered the window
-        self._after_gap = ""                        # set by lost audio until a pause of hangover_s
+        # Listening begins unheard-before: speech already under way (a node activated, or a
+        # stream restarted, while someone spoke) is the tail of an utterance, until a pause.
+        self._after_gap = "it began before listening did (no pause heard before it)"
         self._quiet_run = 0                         # non-speech frames in a row outside an utterance
         self._continues = False                     # speech cut at the length limit goes on (continue_db)
         self._chunk_s = 0.0                         # duration of the last pushed chunk

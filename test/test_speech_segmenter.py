@@ -35,6 +35,20 @@ def test_one_sentence_is_one_utterance(chunk_ms):
     assert u.duration < (last - first) + 1.5
 
 
+def test_speech_under_way_when_listening_begins_is_incomplete_until_a_pause():
+    """A node activated (or a stream restarted) while someone speaks hears the tail of what was
+    said ("...find the cup" of "don't find the cup"): that utterance is incomplete, with the
+    reason; after a pause, speech is whole again."""
+    speech, rate = espeak_pcm("Please bring me the red cup from the kitchen.")
+    silence = np.zeros(rate, np.float32)
+    tail = speech[int(0.6 * rate):]
+    cut, whole = run(SpeechSegmenter(rate), np.concatenate([tail, silence, speech, silence]), 1600)
+    assert not cut.complete and "began before listening" in cut.note
+    assert whole.complete and not whole.note
+    (first,) = run(SpeechSegmenter(rate), np.concatenate([silence[:rate // 2], speech, silence]), 1600)
+    assert first.complete, first.note
+
+
 def test_two_sentences_with_a_pause_are_two_utterances():
     a, rate = espeak_pcm("Turn left.")
     b, _ = espeak_pcm("Now stop here.")
