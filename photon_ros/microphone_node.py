@@ -3,7 +3,8 @@
 Optional: needs `pip install sounddevice` and the PortAudio library (`apt install libportaudio2`).
 Without them, or without an input device, it says so and exits instead of publishing nothing.
 A device that stops delivering later is reopened until it delivers again (after a failed try
-PortAudio lists the devices anew: a USB microphone may come back under another card number);
+PortAudio lists the devices anew: a USB microphone may come back under another card number, and a
+device given by index is found again by its name, since its index may now be another device's);
 /diagnostics says so, and counts the audio lost in the driver (overflows) and in a stalled
 executor. Chunks are stamped with their capture time (PortAudio's, before the driver's buffering) on the node's clock (a
 simulator's under use_sim_time), counted in samples (sample_clock); the audio itself is delivered
@@ -89,6 +90,14 @@ _OPEN_STREAMS: set = set()
 _RESCAN = threading.Lock()
 
 
+def device_label(sd, index: int) -> str:
+    """The name PortAudio gives device `index` ("" if it cannot say)."""
+    try:
+        return str(sd.query_devices(index)["name"])
+    except Exception:  # noqa: BLE001 - a label is a nicety; the index still opens the device
+        return ""
+
+
 def rescan_devices(sd) -> bool:
     """Restarts PortAudio so that it lists the devices again; True if it did. It lists them once,
     when it starts: a USB microphone unplugged and back under another card number (another sound
@@ -134,7 +143,9 @@ class MicrophoneNode(Node):
         self.block = max(1, int(self.rate * p["chunk_ms"] / 1000))
         self.stall_s = max(p["stall_s"], 3 * self.block / self.rate)
         self.sd = open_sounddevice()
-        self.device = portaudio_device(p["device"])
+        self.device = portaudio_device(p["device"])   # as configured
+        self.open_device = self.device   # as PortAudio's list numbers it now (an index moves at a rescan)
+        self.device_label = ""           # an index's device name, read when it first opened
         self.blocks: queue.Queue = queue.Queue(maxsize=100)
         self.clock = SampleClock(self.rate, slew=WALL_SLEW)
         self.delay = 0.0   # the last usable capture-to-callback delay (adc_delay)
@@ -160,14 +171,26 @@ class MicrophoneNode(Node):
     def open_stream(self):
         # PortAudio calls back on its own thread; blocks are handed over and published from the executor
         stream = self.sd.InputStream(samplerate=self.rate, channels=self.channels, dtype="int16",
-                                     blocksize=self.block, device=self.device, callback=self.on_block)
+                                     blocksize=self.block, device=self.open_device, callback=self.on_block)
         try:
             stream.start()
         except BaseException:
             stream.close()   # opened but not started: its device stays held until closed
             raise
         _OPEN_STREAMS.add(stream)
+        if isinstance(self.device, int) and not self.device_label:
+            self.device_label = device_label(self.sd, self.open_device)
         return stream
+
+    def reindexed(self) -> str | int | None:
+        """The configured device in PortAudio's new list: an index names another device once the
+        list changed (a device enumerated meanwhile), so it is found again by the name it had."""
+        if not isinstance(self.device, int) or not self.device_label:
+            return self.device
+        for index, info in enumerate(self.sd.query_devices()):
+            if info["name"] == self.device_label and info["max_input_channels"] > 0:
+                return index
+        raise RuntimeError(f"{self.device_label!r} (device {self.device}) is not among the devices listed now")
 
     def close_stream(self) -> None:
         _OPEN_STREAMS.discard(self.stream)
@@ -234,6 +257,7 @@ class MicrophoneNode(Node):
             if self.tries and rescan_devices(self.sd):
                 self.rescanned += 1
                 self.get_logger().info("listed the audio devices again")
+                self.open_device = self.reindexed()
             self.tries += 1
             self.stream = self.open_stream()
             self.reopened += 1

@@ -45,7 +45,12 @@ class SoundCard:
         mod._initialized = 1
         mod._terminate = lambda: None
         mod._initialize = self._initialize
+        mod.query_devices = self._query_devices
         return mod
+
+    def _query_devices(self, index=None):
+        listed = [{"name": name, "max_input_channels": 1} for name in (self.listed or {})]
+        return listed if index is None else listed[index]
 
     def _initialize(self) -> None:
         self.rescans += 1
@@ -54,6 +59,8 @@ class SoundCard:
 
     def _open(self, **kw) -> "FakeStream":
         name = kw["device"]
+        if isinstance(name, int) and self.listed is not None:   # an index into PortAudio's list
+            name = list(self.listed)[name] if name < len(self.listed) else f"#{name}"
         if self.listed is not None and (name not in self.listed or self.attached.get(name) != self.listed[name]):
             raise ValueError(f"No input device matching {name!r}" if name not in self.listed else
                              "Error opening InputStream: Unanticipated host error [PaErrorCode -9999]")
@@ -232,6 +239,24 @@ def test_a_microphone_back_under_another_card_number_is_found(graph, card):
     assert wait_for(lambda: len(chunks) >= before + 2, timeout=10), statuses[-1]
     assert wait_for(lambda: statuses[-1].level == DiagnosticStatus.OK, timeout=10), statuses[-1]
     assert int(dict((v.key, v.value) for v in statuses[-1].values)["device_list_rescanned"]) >= 1
+
+
+def test_a_microphone_by_index_is_found_by_its_name_after_the_list_changed(graph, card):
+    """An index numbers PortAudio's list: plugged back after another device was enumerated, the
+    microphone moved to another index, and its old one named the other device. Reopened by the
+    old index, the robot would have listened through the wrong microphone, saying all was well."""
+    chunks, statuses = listen(graph)
+    card.listed = card.attached = {"HDMI": 0, "USB mic": 2}
+    card.plugged = True
+    mic = microphone(graph, device=1, stall_s=0.3)
+    assert wait_for(lambda: chunks, timeout=10)
+    card.plugged, card.attached = False, {"HDMI": 0}
+    assert wait_for(lambda: statuses and "reopening failed" in statuses[-1].message, timeout=10), statuses[-1:]
+    card.attached = {"HDMI": 0, "webcam mic": 3, "USB mic": 4}
+    before = len(chunks)
+    card.plugged = True
+    assert wait_for(lambda: len(chunks) >= before + 2, timeout=10), statuses[-1]
+    assert card.streams[-1].device_arg == 2 and mic.device_label == "USB mic"
 
 
 def test_the_devices_are_not_listed_again_while_another_microphone_streams(card):
