@@ -8,27 +8,39 @@ model=...)` or `moondream.photon(model)` runs after changing its import to
 The methods have the client's names, signatures and result dicts (moondream.types: CaptionOutput,
 QueryOutput, ChatOutput, DetectOutput, PointOutput, SegmentOutput / SegmentStreamChunk) and hand
 the call to the model photon_core.load gives, in this process: there is no engine thread, no
-cloud and nothing leaves the machine. A call the model's family does not have is a
-NotImplementedError saying so.
+cloud and nothing leaves the machine. A call the model's family does not have is an
+UnsupportedTask (a NotImplementedError, and the client's ValueError) saying so.
 
 Model names: a local folder, a Hugging Face id in the local cache, a package name ("whisper-tiny.en"),
 or the client's Moondream names (MOONDREAM_MODELS). "base/finetune_id@step" names a fine-tuned
-variant of `base`: every call passes it on as settings["variant"].
+variant of `base`: every call passes it on as settings["variant"] (a call's settings["adapter"],
+the client engine's name, does the same for that call).
 """
 from __future__ import annotations
 
 import inspect
+import logging
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from photon_core.runtime.chat_messages import image_from_url
+
+_log = logging.getLogger(__name__)
 
 # The client's Moondream names and the Hugging Face repositories they stand for.
 MOONDREAM_MODELS = {"moondream2": "vikhyatk/moondream2",
                     "moondream3-preview": "moondream/moondream3-preview",
                     "moondream3.1-9B-A2B": "moondream/moondream3.1-9B-A2B"}
-RUNTIME_OPTIONS = ("device", "dtype", "backend")
+RUNTIME_OPTIONS = ("device", "dtype", "backend", "model_path")
+# The client's engine (kestrel's RuntimeConfig) knobs that size or tune its scheduler; this client has
+# no such engine, so they are accepted (moondream's own docs pass max_batch_size, kv_cache_pages) and
+# change nothing. Results do not depend on them there either.
+ENGINE_OPTIONS = ("max_batch_size", "page_size", "kv_cache_pages", "enable_cuda_graphs",
+                  "enable_prefix_cache", "service_name", "decode_path")
 TASKS = ("caption", "query", "chat", "detect", "point", "segment", "transcribe")
 
 
@@ -41,7 +53,9 @@ def photon_models() -> list[str]:
 def photon(model: str, *, api_key: str | None = None, **runtime: Any) -> "PhotonClient":
     """A local model with every call its family offers. runtime: device ("cuda" when there is one,
     else "cpu"), dtype (the family's default), backend ("auto", "reference", "triton",
-    "megakernel"). api_key is accepted for the client's sake and unused: nothing is fetched."""
+    "megakernel"), model_path (the checkpoint's file or folder, read instead of the name's; as
+    kestrel's RuntimeConfig.model_path); the client's engine knobs (ENGINE_OPTIONS) are accepted and
+    change nothing. api_key is accepted for the client's sake and unused: nothing is fetched."""
     return PhotonClient(model=model, api_key=api_key, **runtime)
 
 
@@ -92,6 +106,11 @@ def _image(image: Any) -> Any:
     return image_from_url(url) if isinstance(url, str) else image
 
 
+class UnsupportedTask(NotImplementedError, ValueError):
+    """A call the model's family does not have: NotImplementedError as everywhere in photon_core,
+    and the ValueError moondream's client raises for it (code catching that keeps working)."""
+
+
 class PhotonClient:
     """moondream's PhotonClient calls on a model photon_core.load gives."""
 
@@ -101,15 +120,19 @@ class PhotonClient:
 
         if not isinstance(model, str) or not model:
             raise TypeError(f"model must be a model name or path, got {model!r}")
-        unknown = sorted(set(runtime) - set(RUNTIME_OPTIONS))
+        unknown = sorted(set(runtime) - set(RUNTIME_OPTIONS) - set(ENGINE_OPTIONS))
         if unknown:
             raise TypeError(f"unknown runtime options {unknown}; Photon's are {', '.join(RUNTIME_OPTIONS)}")
+        ignored = sorted(set(runtime) & set(ENGINE_OPTIONS))
+        if ignored:
+            _log.info("engine options %s have no meaning here (no batching engine): ignored", ignored)
         base, self.variant = parse_model_name(model)
         device = runtime.get("device") or _default_device()
         backend = client_backend(runtime.get("backend") or "auto", device, self.variant)
         get_backend(backend, device)   # an unusable backend is reported before any file is read
         # a short name (moondream2) is moondream's, unless a folder of that name is here
-        found = registry.recognise(base if Path(base).exists() else MOONDREAM_MODELS.get(base, base))
+        found = registry.recognise(runtime.get("model_path") or
+                                   (base if Path(base).exists() else MOONDREAM_MODELS.get(base, base)))
         self.family = found.family.name
         self._model: Any = found.load(device, runtime.get("dtype"), backend)
 
@@ -143,9 +166,16 @@ class PhotonClient:
     def _skill(self, task: str) -> Any:
         fn = getattr(self._model, task, None)
         if not callable(fn):
-            raise NotImplementedError(f"{self.model_id} ({self.family}) does not {task} (it offers "
-                                      f"{', '.join(self.tasks) or 'nothing'})")
+            raise UnsupportedTask(f"{self.model_id} ({self.family}) does not {task} (it offers "
+                                  f"{', '.join(self.tasks) or 'nothing'})")
         return fn
+
+    def _variant(self, settings: dict[str, Any]) -> str | None:
+        """This call's fine-tuned variant: the client's (from its model name), else
+        settings["adapter"], kestrel's name for it, which moondream's client passes through (popped:
+        the models call it `variant`)."""
+        adapter = settings.pop("adapter", None)
+        return self.variant if self.variant is not None else adapter
 
     def _call(self, task: str, settings: Mapping[str, Any] | None, **args: Any) -> Any:
         """The model's `task` with the client's options: settings (and this client's variant) as
@@ -154,8 +184,9 @@ class PhotonClient:
         fn = self._skill(task)
         params = inspect.signature(fn).parameters
         settings = dict(settings or {})
-        if self.variant is not None:
-            settings["variant"] = self.variant
+        variant = self._variant(settings)
+        if variant is not None:
+            settings["variant"] = variant
         call = {}
         for name, value in args.items():
             if name in params:
@@ -166,7 +197,7 @@ class PhotonClient:
             call["settings"] = settings or None
         elif "variant" in settings:
             raise NotImplementedError(f"{self.model_id} ({self.family}) has no fine-tuned variants "
-                                      f"(asked for {self.variant!r})")
+                                      f"(asked for {variant!r})")
         elif settings:   # every family's skills take `settings` (photon_core.contracts); transcribe none
             raise TypeError(f"{task} on {self.model_id} takes no settings (got {sorted(settings)})")
         return fn(**call)
@@ -234,17 +265,105 @@ class PhotonClient:
         return _segment_updates(out)
 
     def transcribe(self, **prompt: Any) -> dict[str, Any]:
-        """The speech model's transcript of prompt["audio"] (sample_rate, language, ... as the
-        model's transcribe takes them): {"text", "segments", "language", "duration", ...}."""
+        """The speech model's transcript of prompt["audio"], with the client's (kestrel's) prompt:
+        audio as PCM samples (with sample_rate) or an audio file (a path, its bytes or an open
+        binary file; read by audio_io.read_wav), language, initial_prompt,
+        condition_on_previous_text, timestamps ("segment" / "none", or a bool), task="transcribe",
+        clip_start_seconds / clip_end_seconds, settings={"temperature"}; other keywords are the
+        model's own (photon_core.contracts.SpeechModel.transcribe). Returns the model's
+        {"text", "segments", "language", "duration", ...} plus the client's "task",
+        "duration_seconds", "source_duration_seconds", "clip_start_seconds", "clip_end_seconds";
+        times are seconds of the whole audio, as there."""
         if prompt.pop("stream", False):
             raise NotImplementedError("streamed transcription is not offered by this client; the "
                                       "photon_ros speech node and WhisperSpeech.transcribe_stream stream")
         if "audio" not in prompt:
-            raise TypeError("transcribe needs audio=<PCM samples>")
-        if self.variant:
-            raise NotImplementedError(f"fine-tuned variants ({self.variant}) are not supported for transcription: "
+            raise TypeError("transcribe needs audio=<PCM samples or an audio file>")
+        fn = self._skill("transcribe")
+        settings = dict(prompt.pop("settings", None) or {})
+        variant = self._variant(settings)
+        if variant:
+            raise NotImplementedError(f"fine-tuned variants ({variant}) are not supported for transcription: "
                                       "load the fine-tuned speech checkpoint itself")
-        return dict(self._skill("transcribe")(**prompt))
+        prompt.update(_speech_options(prompt, settings))
+        audio = _pcm(prompt)
+        start, end = prompt.pop("clip_start_seconds", 0.0), prompt.pop("clip_end_seconds", None)
+        clip = _clip(audio, start, end, prompt.get("sample_rate", 16000))
+        out = dict(fn(audio=clip, **prompt))
+        return _with_clip_times(out, start, len(np.asarray(audio)) / max(len(clip), 1))
+
+
+# kestrel's timestamp modes this client has; "word" / "character" are not offered (refused).
+TIMESTAMP_MODES = {"none": False, "segment": True}
+
+
+def _speech_options(prompt: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """The client's transcription options as the speech models' keywords: `timestamps` modes as
+    the bool the models take ("none" is truthy: passed on, it gave segment times), `task` (only
+    transcription), settings' `temperature` (one temperature: no fallback, as there)."""
+    options: dict[str, Any] = {}
+    task = prompt.pop("task", "transcribe")
+    if task == "translate":
+        raise NotImplementedError("task='translate' is not offered: Photon's speech models transcribe only")
+    if task != "transcribe":
+        raise ValueError(f"task must be 'transcribe' or 'translate', got {task!r}")
+    mode = prompt.get("timestamps")
+    if isinstance(mode, str):
+        if mode in ("word", "character"):
+            raise NotImplementedError(f"timestamps={mode!r} is not offered: 'segment' or 'none'")
+        if mode not in TIMESTAMP_MODES:
+            raise ValueError(f"timestamps must be 'none', 'segment', 'word' or 'character', got {mode!r}")
+        options["timestamps"] = TIMESTAMP_MODES[mode]
+    if "temperature" in settings:
+        options["temperature"] = float(settings.pop("temperature"))
+    if settings:
+        raise NotImplementedError(f"transcription settings {sorted(settings)} are not offered (only temperature)")
+    return options
+
+
+def _pcm(prompt: dict[str, Any]) -> Any:
+    """prompt's audio as samples, an audio file read with its rate put in prompt["sample_rate"]
+    (given too, it is refused, as by the client: a file has its own)."""
+    from photon_core.audio_io import read_wav
+
+    audio = prompt.pop("audio")
+    if callable(getattr(audio, "read", None)):
+        audio = audio.read()
+    if not isinstance(audio, (str, Path, bytes, bytearray)):
+        return audio
+    if "sample_rate" in prompt:
+        raise ValueError("sample_rate must be omitted for an audio file (it has its own)")
+    if isinstance(audio, (bytes, bytearray)):
+        with tempfile.TemporaryDirectory() as folder:   # read_wav (and soundfile) read paths
+            path = Path(folder) / "audio"
+            path.write_bytes(audio)
+            samples, prompt["sample_rate"] = read_wav(path)
+        return samples
+    samples, prompt["sample_rate"] = read_wav(audio)
+    return samples
+
+
+def _clip(audio: Any, start: float, end: float | None, rate: int) -> Any:
+    """audio[start s : end s] (the whole audio when neither is given)."""
+    if start == 0.0 and end is None:
+        return audio
+    if start < 0 or (end is not None and end <= start):
+        raise ValueError(f"clip_start_seconds must be >= 0 and below clip_end_seconds, got {start}, {end}")
+    clip = np.asarray(audio)[round(start * rate):None if end is None else round(end * rate)]
+    if len(clip) == 0:
+        raise ValueError("the selected audio clip contains no samples")
+    return clip
+
+
+def _with_clip_times(out: dict[str, Any], start: float, source_per_clip: float) -> dict[str, Any]:
+    """The model's transcript of a clip with the client's keys, its times in the whole audio."""
+    for key in ("segments", "words"):
+        if start and isinstance(out.get(key), list):
+            out[key] = [dict(item, start=item["start"] + start, end=item["end"] + start) for item in out[key]]
+    duration = out["duration"]
+    return {**out, "task": "transcribe", "duration_seconds": duration,
+            "source_duration_seconds": duration * source_per_clip,
+            "clip_start_seconds": start, "clip_end_seconds": start + duration}
 
 
 def _segment_updates(out: Any) -> Iterator[dict[str, Any]]:

@@ -209,3 +209,101 @@ def test_a_variant_on_a_gpu_loads_the_per_op_kernels():
     assert md.client_backend("auto", "cuda:1", None) == "auto"
     assert md.client_backend("auto", "cpu", "ft@5") == "auto"
     assert md.client_backend("megakernel", "cuda", "ft@5") == "megakernel"   # asked for: its own error
+
+
+def test_the_clients_runtime_options_and_model_path(picture):
+    """moondream's docs pass the engine's knobs (max_batch_size, kv_cache_pages) to vl(local=True);
+    they were a TypeError. model_path names the weights as kestrel's RuntimeConfig.model_path does."""
+    folder = mdfx.checkpoint()
+    tuned = md.vl(local=True, model="moondream2", model_path=str(folder / "model.safetensors"),
+                  device="cpu", max_batch_size=8, kv_cache_pages=4096, enable_cuda_graphs=False)
+    assert tuned.family == "moondream" and tuned.variant is None
+    assert set(tuned.detect(picture, "cup", settings={"max_objects": 1})) == {"objects"}
+    with pytest.raises(TypeError, match="runtime options"):
+        md.vl(local=True, model=str(folder), device="cpu", max_batch=8)
+
+
+def test_settings_adapter_is_the_variant(vision, picture, monkeypatch):
+    """settings["adapter"] is kestrel's name for a fine-tune id (what moondream's client sends): it
+    was refused as an unknown setting; the client's own variant wins, as there."""
+    heard = []
+
+    def detect(image, object, settings=None):
+        heard.append(settings)
+        return {"objects": []}
+    monkeypatch.setattr(vision._model, "detect", detect)
+    vision.detect(picture, "cup", settings={"adapter": "ft1@5", "max_objects": 2})
+    vision.detect(picture, "cup", settings={"adapter": None})
+    assert heard == [{"max_objects": 2, "variant": "ft1@5"}, None]
+    tuned = md.photon(f"{mdfx.checkpoint()}/ft2@7", device="cpu")
+    monkeypatch.setattr(tuned._model, "detect", detect)
+    tuned.detect(picture, "cup", settings={"adapter": "ft1@5"})
+    assert heard[-1] == {"variant": "ft2@7"}
+
+
+def test_a_missing_call_is_the_clients_value_error(vision, picture):
+    """moondream's client raises ValueError for a task the model lacks; NotImplementedError stays."""
+    with pytest.raises(ValueError, match="does not segment"):
+        vision.segment(picture, "cup")
+    with pytest.raises(md.UnsupportedTask):
+        vision.transcribe(audio=np.zeros(1600, np.float32))
+
+
+@pytest.fixture(scope="module")
+def speech():
+    from whisper_fixtures import tiny_en_path
+    return md.vl(local=True, model=str(tiny_en_path()), device="cpu")
+
+
+def test_transcribe_reads_audio_files_as_the_client_does(speech, tmp_path):
+    """The client's transcribe takes a path, bytes or an open file (moondream's docs:
+    audio=Path("meeting.m4a")); they reached the model as samples and failed."""
+    from photon_core.audio_io import write_wav
+    from speech_audio import espeak_pcm
+
+    pcm, rate = espeak_pcm("the quick brown fox")
+    wav = tmp_path / "fox.wav"
+    write_wav(wav, pcm, rate)
+    want = speech.transcribe(audio=pcm, sample_rate=rate)["text"]
+    assert "fox" in want.lower()
+    assert speech.transcribe(audio=wav)["text"] == want
+    assert speech.transcribe(audio=str(wav))["text"] == want
+    assert speech.transcribe(audio=wav.read_bytes())["text"] == want
+    with open(wav, "rb") as f:
+        assert speech.transcribe(audio=f)["text"] == want
+    with pytest.raises(ValueError, match="sample_rate must be omitted"):
+        speech.transcribe(audio=wav, sample_rate=rate)
+
+
+def test_transcribe_takes_the_clients_options_and_gives_its_keys(speech, monkeypatch):
+    """timestamps modes, task, settings and clip bounds as the client's engine takes them (a mode
+    string reached Whisper as a truthy bool, the rest were TypeErrors); the result carries the
+    client's keys, segment times in the whole audio."""
+    heard = []
+
+    def transcribe(audio, sample_rate=16000, **options):
+        heard.append((len(audio), sample_rate, options))
+        return {"text": "hi", "segments": [{"start": 0.5, "end": 1.0, "text": "hi"}], "language": "en",
+                "duration": len(audio) / sample_rate}
+    monkeypatch.setattr(speech._model, "transcribe", transcribe)
+    pcm = np.zeros(16000 * 4, np.float32)
+    out = speech.transcribe(audio=pcm, sample_rate=16000, timestamps="none", task="transcribe",
+                            settings={"temperature": 0}, clip_start_seconds=1.0, clip_end_seconds=3.0)
+    assert heard[-1] == (32000, 16000, {"timestamps": False, "temperature": 0.0})
+    assert out["segments"] == [{"start": 1.5, "end": 2.0, "text": "hi"}]
+    assert {k: out[k] for k in ("task", "duration_seconds", "source_duration_seconds", "clip_start_seconds",
+                                "clip_end_seconds")} == {"task": "transcribe", "duration_seconds": 2.0,
+                                                         "source_duration_seconds": 4.0, "clip_start_seconds": 1.0,
+                                                         "clip_end_seconds": 3.0}
+    speech.transcribe(audio=pcm, sample_rate=16000, timestamps="segment")
+    assert heard[-1] == (64000, 16000, {"timestamps": True})
+    with pytest.raises(NotImplementedError, match="translate"):
+        speech.transcribe(audio=pcm, sample_rate=16000, task="translate")
+    with pytest.raises(NotImplementedError, match="word"):
+        speech.transcribe(audio=pcm, sample_rate=16000, timestamps="word")
+    with pytest.raises(NotImplementedError, match="top_p"):
+        speech.transcribe(audio=pcm, sample_rate=16000, settings={"top_p": 0.9})
+    with pytest.raises(ValueError, match="clip"):
+        speech.transcribe(audio=pcm, sample_rate=16000, clip_start_seconds=2.0, clip_end_seconds=1.0)
+    with pytest.raises(NotImplementedError, match="ft@3"):
+        speech.transcribe(audio=pcm, sample_rate=16000, settings={"adapter": "ft@3"})
