@@ -291,8 +291,11 @@ class LoopNode(Node):
     def stop(self, text: str) -> None:
         """A spoken stop: the search in progress is canceled (a result still coming is dropped) and
         a turn in progress ends now with a zero Twist. A goal on goal_pose is the planner's."""
-        self.command += 1   # any result still coming belongs to an older command: dropped
         stopped = []
+        with self.turn_lock:
+            # any result still coming belongs to an older command: dropped (a result being handled
+            # now checks the number again under this lock before its turn starts)
+            self.command += 1
         if self.goal is not None:
             self.goal.cancel_goal_async()
             self.goal = None
@@ -390,6 +393,11 @@ class LoopNode(Node):
             with self.turn_lock:
                 if self.halted:
                     self.say(f"{found}; not turning: the node is shutting down")
+                    return
+                if command != self.command:
+                    # a stop or a newer command came while this result was handled (the result
+                    # callback runs beside the transcript's, on another executor thread)
+                    self.say(f"{found}; not turning: a newer command came meanwhile")
                     return
                 self.turns.start(turn, time.monotonic())
             self.send_turn(at_start=True)

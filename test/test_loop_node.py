@@ -281,6 +281,24 @@ def test_a_spoken_stop_ends_the_turn_and_the_search_at_once(loop, final):
     assert "nothing to stop" in loop.said[-1]
 
 
+def test_a_stop_said_while_a_result_is_being_handled_starts_no_turn(loop):
+    """The action's result callback runs on an executor thread of its own, beside the transcript
+    subscription: a "stop" handled after the result passed its command check, and before its
+    turn began, found no turn to stop. The turn that began then must not go on after the stop."""
+    twists = []
+    loop.publish_velocity = twists.append
+    loop.command = 1
+    checked = loop.taken_before_last_turn
+
+    def stop_meanwhile(stamp):   # runs between act_on_result's command check and the turn's start
+        from photon_ros.msg import Transcript
+        loop.on_transcript(Transcript(text="Stop!", is_final=False))
+        return checked(stamp)
+    loop.taken_before_last_turn = stop_meanwhile
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    assert not loop.turns.active and not any(t.angular.z for t in twists), (twists, loop.said)
+
+
 def test_a_result_handled_after_the_stop_starts_no_turn(loop):
     """At shutdown the zero Twist goes out first; a result callback still running then (the
     executor waits for it) must not start a turn after it."""
