@@ -17,6 +17,7 @@ if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (s
     exit_on_ctrl_c()
 
 import queue
+import re
 import threading
 import time
 
@@ -88,6 +89,10 @@ def adc_delay(time_info, duration: float) -> float | None:
 # --microphones run several in one process): PortAudio restarts only while none is.
 _OPEN_STREAMS: set = set()
 _RESCAN = threading.Lock()
+
+
+# The card and device numbers PortAudio's ALSA host API puts at the end of a device's name.
+_ALSA_CARD = re.compile(r"\s*\(hw:\d+,\d+\)$")
 
 
 def device_label(sd, index: int) -> str:
@@ -169,15 +174,18 @@ class MicrophoneNode(Node):
         self.get_logger().info(f"capturing {self.stream.device} at {self.rate} Hz")
 
     def open_stream(self):
-        # PortAudio calls back on its own thread; blocks are handed over and published from the executor
-        stream = self.sd.InputStream(samplerate=self.rate, channels=self.channels, dtype="int16",
-                                     blocksize=self.block, device=self.open_device, callback=self.on_block)
-        try:
-            stream.start()
-        except BaseException:
-            stream.close()   # opened but not started: its device stays held until closed
-            raise
-        _OPEN_STREAMS.add(stream)
+        # PortAudio calls back on its own thread; blocks are handed over and published from the executor.
+        # Under _RESCAN: another microphone node's rescan_devices (its own executor thread) must not
+        # restart PortAudio while this stream is being made and is not yet in _OPEN_STREAMS.
+        with _RESCAN:
+            stream = self.sd.InputStream(samplerate=self.rate, channels=self.channels, dtype="int16",
+                                         blocksize=self.block, device=self.open_device, callback=self.on_block)
+            try:
+                stream.start()
+            except BaseException:
+                stream.close()   # opened but not started: its device stays held until closed
+                raise
+            _OPEN_STREAMS.add(stream)
         if isinstance(self.device, int) and not self.device_label:
             self.device_label = device_label(self.sd, self.open_device)
         return stream
@@ -187,14 +195,26 @@ class MicrophoneNode(Node):
         list changed (a device enumerated meanwhile), so it is found again by the name it had."""
         if not isinstance(self.device, int) or not self.device_label:
             return self.device
-        for index, info in enumerate(self.sd.query_devices()):
-            if info["name"] == self.device_label and info["max_input_channels"] > 0:
+        inputs = [(index, str(info["name"])) for index, info in enumerate(self.sd.query_devices())
+                  if info["max_input_channels"] > 0]
+        for index, name in inputs:
+            if name == self.device_label:
                 return index
+        # ALSA's names end with the card number ("USB mic: Audio (hw:2,0)"), which is what a device
+        # plugged back under another number changed: the same name without it, if only one has it
+        same = [index for index, name in inputs if _ALSA_CARD.sub("", name) == _ALSA_CARD.sub("", self.device_label)]
+        if len(same) == 1:
+            return same[0]
+        if same:
+            raise RuntimeError(f"{self.device_label!r} (device {self.device}) is not among the devices listed now, "
+                               f"and {len(same)} devices of that name are: set device to the one to use")
         raise RuntimeError(f"{self.device_label!r} (device {self.device}) is not among the devices listed now")
 
     def close_stream(self) -> None:
-        _OPEN_STREAMS.discard(self.stream)
-        self.stream.close()
+        try:
+            self.stream.close()
+        finally:   # counted as open until closed: no PortAudio restart under a closing stream
+            _OPEN_STREAMS.discard(self.stream)
 
     def on_block(self, data: np.ndarray, frames: int, time_info, status) -> None:
         overflow = bool(status and status.input_overflow)

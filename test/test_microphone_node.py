@@ -259,6 +259,24 @@ def test_a_microphone_by_index_is_found_by_its_name_after_the_list_changed(graph
     assert card.streams[-1].device_arg == 2 and mic.device_label == "USB mic"
 
 
+def test_a_microphone_by_index_is_found_when_alsa_names_its_new_card_number(graph, card):
+    """PortAudio's ALSA devices carry their card number in their names ("USB mic: Audio (hw:2,0)"):
+    back under another card number, the name it had is not listed any more, only the same device
+    at its new number. Matched on the whole name, it was never found again (a deaf robot)."""
+    chunks, statuses = listen(graph)
+    card.listed = card.attached = {"HDMI 0 (hw:0,3)": 0, "USB mic: Audio (hw:2,0)": 2}
+    card.plugged = True
+    mic = microphone(graph, device=1, stall_s=0.3)
+    assert wait_for(lambda: chunks, timeout=10)
+    card.plugged, card.attached = False, {"HDMI 0 (hw:0,3)": 0}
+    assert wait_for(lambda: statuses and "reopening failed" in statuses[-1].message, timeout=10), statuses[-1:]
+    card.attached = {"HDMI 0 (hw:0,3)": 0, "webcam mic: Audio (hw:2,0)": 2, "USB mic: Audio (hw:3,0)": 3}
+    before = len(chunks)
+    card.plugged = True
+    assert wait_for(lambda: len(chunks) >= before + 2, timeout=10), statuses[-1]
+    assert card.streams[-1].device_arg == 2, card.streams[-1].device_arg
+
+
 def test_the_devices_are_not_listed_again_while_another_microphone_streams(card):
     """Restarting PortAudio closes every stream of the process: with another microphone node's
     stream open here (bringup, the speech node's --microphones), the list is left as it is."""
@@ -272,6 +290,43 @@ def test_the_devices_are_not_listed_again_while_another_microphone_streams(card)
     finally:
         _OPEN_STREAMS.discard(other)
     assert rescan_devices(sounddevice) and card.rescans == 1
+
+
+def test_the_devices_are_not_listed_again_while_another_microphone_opens_its_stream(card):
+    """Each microphone node reopens on its own executor thread: a restart of PortAudio while
+    another node's stream was being opened (made, not yet counted as open) terminated PortAudio
+    under it. The restart waits for the opening, and then leaves the list as it is."""
+    import sounddevice
+
+    from photon_ros.microphone_node import _OPEN_STREAMS, MicrophoneNode, rescan_devices
+    opening, go_on = threading.Event(), threading.Event()
+    make = sounddevice.InputStream
+
+    def slow_open(**kw):
+        opening.set()
+        go_on.wait(5)
+        return make(**kw)
+    sounddevice.InputStream = slow_open
+    other = SimpleNamespace(sd=sounddevice, rate=RATE, channels=1, block=BLOCK, open_device=None, device=None,
+                            device_label="", on_block=lambda *args: None, stream=None)
+    opener = threading.Thread(target=lambda: setattr(other, "stream", MicrophoneNode.open_stream(other)))
+    opener.start()
+    rescanned: list[bool] = []
+    try:
+        assert opening.wait(5)
+        rescanner = threading.Thread(target=lambda: rescanned.append(rescan_devices(sounddevice)))
+        rescanner.start()
+        time.sleep(0.2)
+        go_on.set()
+        opener.join(5)
+        rescanner.join(5)
+        assert rescanned == [False] and card.rescans == 0, (rescanned, card.rescans)
+    finally:
+        go_on.set()
+        opener.join(5)
+        _OPEN_STREAMS.discard(other.stream)
+        if other.stream is not None:
+            other.stream.close()
 
 
 def test_a_stream_that_will_not_start_is_closed_and_tried_again(graph, card):
