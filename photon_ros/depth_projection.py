@@ -17,10 +17,12 @@ Pieces, in the order a frame goes through them:
   (`image_rect_color`): P's intrinsics, no distortion (P's translation column is ignored: points
   stay in this camera's own frame, as depth_image_proc does). R is not used: it rotates into a
   stereo pair's rectified frame, and results are in the frame the colour image names. Binning and
-  ROI other than the full image are refused rather than half-applied. A pixel whose undistorted
-  ray does not project back onto it (a calibration whose polynomial turns over before the image's
-  edge, where OpenCV's iteration diverges or returns the distorted coordinates) has no ray: a
-  result that needs it has no position, with the reason, rather than a wrong one.
+  ROI other than the full image are refused rather than half-applied. A pixel without a ray
+  through the lens has none: its undistorted ray does not project back onto it (a calibration
+  whose polynomial turns over before the image's edge, where OpenCV's iteration diverges or
+  returns the distorted coordinates), or does, but from past the fold or a rational model's pole
+  (another ray nearer the centre lands there first). A result that needs it has no position, with
+  the reason, rather than a wrong one.
 - `depth_image(...)` / `depth_image_from_msg(msg)`: a view of the depth message's values (16UC1
   millimetres or 32FC1 metres, with `step` and `is_bigendian` honoured; no copy when rows are
   unpadded). Only the pixels a result reads are touched (validity is tested in the stored unit),
@@ -113,6 +115,8 @@ _UNDISTORT_CRITERIA = (cv2.TERM_CRITERIA_COUNT | cv2.TERM_CRITERIA_EPS, 40, 1e-1
 # without samples in its corners) no ray distorts onto the pixel: OpenCV's iteration then diverges
 # or gives up, returning the distorted coordinates, and either is a wrong ray, silently.
 _REPROJECTION_TOLERANCE_PX = 0.1
+# Points from the centre to a ray whose images must move outward (_inverts).
+_ALONG_RAY = 16
 
 T = TypeVar("T")
 
@@ -185,11 +189,47 @@ class Intrinsics:
         else:
             out = cv2.undistortPoints(src, camera, dist, criteria=_UNDISTORT_CRITERIA)
         rays = out.reshape(-1, 2).astype(np.float64)
-        back, _ = cv2.projectPoints(np.column_stack([rays, np.ones(len(rays))]), np.zeros(3), np.zeros(3),
-                                    camera, dist)
-        miss = np.hypot(*(back.reshape(-1, 2) - uv).T)
-        rays[~(miss <= _REPROJECTION_TOLERANCE_PX)] = np.nan     # NaN in, or a miss: no ray
+        rays[~_inverts(rays, uv, camera, dist)] = np.nan     # NaN in, a miss, or another branch's: no ray
         return rays
+
+
+def _projected(rays: np.ndarray, camera: np.ndarray, dist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pixels of the rays (x', y', 1) and the 2x2 Jacobians d(pixel) / d(x', y')."""
+    points = np.column_stack([rays, np.ones(len(rays))])
+    pixels, jacobian = cv2.projectPoints(points, np.zeros(3), np.zeros(3), camera, dist)
+    # with no rotation, a ray's derivative is the translation's: columns 3-4 (tx, ty)
+    return pixels.reshape(-1, 2), jacobian[:, 3:5].reshape(-1, 2, 2)
+
+
+def _inverts(rays: np.ndarray, uv: np.ndarray, camera: np.ndarray, dist: np.ndarray) -> np.ndarray:
+    """Which rays are their pixels': projected back within the tolerance, inside the rational
+    model's pole (where its denominator, 1 + k4 r^2 + k5 r^4 + k6 r^6, first reaches 0), and with
+    an image that moves outward all the way from the centre to the ray (_ALONG_RAY points on it,
+    measured along the ray's direction, may fall back by no more than the tolerance). Past the fold
+    of a polynomial that turns over, or past a pole, other rays project onto the pixels that rays
+    nearer the centre reach (or, where the model changes sign, onto the opposite side): none of
+    them came through the lens to the pixel."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        pixels, _ = _projected(rays, camera, dist)
+        miss = np.hypot(*(pixels - uv).T)
+        steps = np.linspace(1.0 / _ALONG_RAY, 1.0, _ALONG_RAY)
+        along, _ = _projected((rays[:, None, :] * steps[None, :, None]).reshape(-1, 2), camera, dist)
+        offsets = along.reshape(len(rays), _ALONG_RAY, 2) - camera[:2, 2]
+        direction = rays / np.maximum(np.hypot(*rays.T), 1e-12)[:, None]
+        reach = np.einsum("nsk,nk->ns", offsets, direction)   # signed: the opposite side is negative
+        outward = (np.diff(reach, axis=1) >= -_REPROJECTION_TOLERANCE_PX).all(axis=1) & (reach[:, 0] >= 0)
+        inside = np.hypot(*rays.T) < _pole_radius(dist)
+        return (miss <= _REPROJECTION_TOLERANCE_PX) & outward & inside
+
+
+def _pole_radius(dist: np.ndarray) -> float:
+    """The smallest ray radius where the rational model's denominator 1 + k4 r^2 + k5 r^4 + k6 r^6
+    is 0 (inf for the other models, and where it never is)."""
+    if len(dist) < 8 or not dist[5:8].any():
+        return math.inf
+    roots = np.roots([dist[7], dist[6], dist[5], 1.0])   # in r^2
+    real = roots[(np.abs(roots.imag) < 1e-12) & (roots.real > 0)].real
+    return float(np.sqrt(real.min())) if real.size else math.inf
 
 
 def _floats(values: Any, what: str, count: int | None = None) -> np.ndarray:
