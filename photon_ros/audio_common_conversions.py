@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from photon_ros.audio_conversions import FLOAT_PEAK_LIMIT, Pcm, bytes_to_samples, samples_to_pcm
+from photon_ros.audio_conversions import FLOAT_PEAK_LIMIT, EmptyAudio, Pcm, bytes_to_samples, samples_to_pcm
 
 MGONZS13, ROS_DRIVERS = "mgonzs13", "ros_drivers"
 
@@ -155,8 +155,8 @@ def mgonzs13_to_pcm(msg: Any) -> DecodedAudio:
     filled = {f: len(getattr(data, f)) for f in _MGONZS13_ARRAYS if len(getattr(data, f))}
     others = ", ".join(f"{f} holds {n} values" for f, n in filled.items() if f != field)
     if field not in filled:
-        raise ValueError(f"info.format is {code} ({name}) but {field} is empty"
-                         + (f"; {others}" if others else ""))
+        raise (ValueError if others else EmptyAudio)(f"info.format is {code} ({name}) but {field} is empty"
+                                                     + (f"; {others}" if others else ""))
     if others:
         raise ValueError(f"info.format is {code} ({name}) but besides {field}, {others}: "
                          f"which array is the audio is ambiguous")

@@ -33,6 +33,10 @@ _FORMATS: dict[str, tuple[str, float, float]] = {
 FLOAT_PEAK_LIMIT = 2.0
 
 
+class EmptyAudio(ValueError):
+    """A message that holds no samples: refused, though no audio went missing with it."""
+
+
 class Pcm(NamedTuple):
     samples: np.ndarray     # float32, mono, nominally in [-1, 1]
     sample_rate: int
@@ -42,7 +46,7 @@ def _to_mono(interleaved: np.ndarray, channels: int) -> np.ndarray:
     if channels < 1:
         raise ValueError(f"audio has {channels} channels")
     if interleaved.size == 0:
-        raise ValueError("audio chunk is empty")
+        raise EmptyAudio("audio chunk is empty")
     if interleaved.size % channels:
         raise ValueError(f"audio has {interleaved.size} samples, not a multiple of {channels} channels")
     if channels == 1:

@@ -65,7 +65,7 @@ from photon_core.runtime.decode import engine_diagnostics
 from photon_core.runtime.requests import TranscribeRequest
 from photon_core.runtime.shared_models import SharedModel
 from photon_ros.diagnostics import publish_status
-from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
+from photon_ros.audio_conversions import (EmptyAudio, Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
 from photon_ros.input_health import InputHealth
 from photon_ros.latched_topic import LatchedReader
@@ -337,8 +337,8 @@ class SpeechNode(ManagedNode):
             self.get_logger().warning(f"skipping audio chunk: {reason}", throttle_duration_sec=5.0)
             with self.lock:
                 # Its audio is a hole in the stream (a short one showed nowhere: the utterance
-                # around it passed as whole): cut as at a jump.
-                if self.segmenter is not None:
+                # around it passed as whole): cut as at a jump. An empty one lost nothing.
+                if self.segmenter is not None and not isinstance(err, EmptyAudio):
                     for utterance in self.segmenter.chunk_refused("a malformed audio chunk was skipped"):
                         self.enqueue(utterance)
             return

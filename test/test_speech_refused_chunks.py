@@ -66,3 +66,20 @@ def test_a_skipped_chunk_in_silence_leaves_the_next_command_whole(node):
     finals = [u for u in drain(node.queue) if u.final]
     assert node.skipped_chunks == 1 and len(finals) == 1 and finals[0].complete and finals[0].note == ""
     assert node.segmenter.discontinuities == 0
+
+
+def test_an_empty_chunk_mid_speech_lost_nothing(node):
+    """A chunk with no samples is refused (and counted), but no audio went missing with it: the
+    utterance around it stays whole."""
+    speech, rate = espeak_pcm("Go to the kitchen.")
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    size = rate // 100
+    middle = audio.size // 2 // size
+    for k, i in enumerate(range(0, audio.size, size)):
+        stamp = 1_764_600_000.0 + i / rate
+        if k == middle:
+            node.take_audio(AudioChunk(header=chunk(audio[:1], rate, stamp).header, sample_rate=rate, channels=1,
+                                       sample_format=AudioChunk.FORMAT_F32LE))
+        node.take_audio(chunk(audio[i:i + size], rate, stamp))
+    finals = [u for u in drain(node.queue) if u.final]
+    assert node.skipped_chunks == 1 and len(finals) == 1 and finals[0].complete, [(u.complete, u.note) for u in finals]
