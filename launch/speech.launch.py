@@ -83,7 +83,7 @@ def generate_launch_description():
         DeclareLaunchArgument("model", default_value="",
                               description="a model name, a local path or a Hugging Face id, e.g. "
                                           "openai/whisper-small" + unset),
-        DeclareLaunchArgument("device", default_value="", description="cpu or cuda" + unset),
+        DeclareLaunchArgument("device", default_value="", description="cpu, cuda or cuda:N" + unset),
         DeclareLaunchArgument("input_type", default_value="",
                               description="the message type on the audio topic (the values are listed in "
                                           "config/photon.yaml)" + unset),

@@ -85,7 +85,7 @@ def generate_launch_description():
                               description="true: a lifecycle node waiting unconfigured for a manager"),
         DeclareLaunchArgument("model", default_value="",
                               description="a local folder/file or a Hugging Face id, e.g. vikhyatk/moondream2" + unset),
-        DeclareLaunchArgument("device", default_value="", description="cpu or cuda" + unset),
+        DeclareLaunchArgument("device", default_value="", description="cpu, cuda or cuda:N" + unset),
         DeclareLaunchArgument("dtype", default_value="",
                               description="auto, float32, float16 or bfloat16" + unset),
         DeclareLaunchArgument("input", default_value="",

@@ -59,7 +59,7 @@ LOOP_PARAMS = [
     Param("horizontal_fov_deg", 60.0, "the camera's horizontal field of view: a turn's angle comes from it",
           positive=True, high=179.0),
     Param("max_turn_rate", 0.5, "rad/s of a turn", positive=True),
-    Param("max_turn_s", 3.0, "no turn lasts longer", positive=True),
+    Param("max_turn_s", 3.0, "no turn lasts longer than this many seconds", positive=True),
     Param("deadband_deg", 2.0, "a target this close to the image centre needs no turn", low=0.0),
     Param("publish_goal", False, "publish a planner goal on goal_pose (nav2) for a target placed in 3D in "
           "the robot's frame (the vision node's target_frame)"),

@@ -19,8 +19,9 @@ def vision_params() -> list[Param]:
         Param("device", "cpu", "cpu, cuda or cuda:N", applies="configure"),
         Param("dtype", "auto", "weights' dtype; auto: bfloat16 on a GPU, float32 on the CPU", choices=DTYPES,
               applies="configure"),
-        Param("backend", "auto", "auto, reference, triton or megakernel (checked when the model loads)",
-              applies="configure"),
+        Param("backend", "auto", "the engine's kernels: auto (the fastest usable here), reference (PyTorch), triton "
+              "or megakernel (whether it can run here is checked when the model loads)",
+              choices=("auto", "reference", "triton", "megakernel"), applies="configure"),
         Param("input", "raw", "subscribe to `image` (raw) or `<image>/compressed` (image_transport's name: "
               "it follows a remap of `image`)", choices=("raw", "compressed"), applies="configure"),
         Param("reliability", "best_effort", "QoS of the image subscription: best_effort matches every camera "
@@ -33,13 +34,16 @@ def vision_params() -> list[Param]:
         Param("segment", Parameter.Type.STRING_ARRAY, "objects to segment on every frame (Moondream 3)"),
         Param("segment_max_tokens", 768, "the longest path a segment may take, in tokens", low=1),
         Param("caption_period_s", 0.0, "caption a frame every this many seconds; 0: never", low=0.0),
-        Param("caption_length", "short", "length of those captions", choices=CAPTION_LENGTHS),
-        Param("max_objects", 10, "most objects per prompt and frame", low=0),
+        Param("caption_length", "short", "length of the periodic captions (caption_period_s)", choices=CAPTION_LENGTHS),
+        # 0 found nothing at all (a robot blind to obstacles while all looked well), not "no limit"
+        Param("max_objects", 10, "most objects per prompt and frame, and a request's when it leaves its own at 0",
+              low=1),
         Param("publish_annotated", True, "publish image_annotated (drawn only while someone subscribes)"),
         Param("max_pixels", 64_000_000, "larger frames are refused before they are decoded", low=1),
         Param("input_timeout_s", 5.0, "no frame for this long while active: /diagnostics warns that the camera may have "
               "stopped; 0: never (a camera triggered now and then)", low=0.0),
-        Param("max_frame_age_s", 5.0, "infer on the latest frame refuses one older than this; 0: any age", low=0.0),
+        Param("max_frame_age_s", 5.0, "infer, find and ask on the latest frame refuse one older than this; 0: any "
+              "age", low=0.0),
         Param("use_depth", False, "also subscribe to `depth` (aligned to the colour image: 16UC1 mm or 32FC1 m) "
               "and `camera_info`, and publish detect / point results in metres on objects_3d",
               applies="configure"),

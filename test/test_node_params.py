@@ -117,7 +117,9 @@ def test_the_shipped_config_sets_every_declared_parameter_and_no_other():
 @pytest.mark.parametrize("name, value, reason", [
     ("input", "compresed", "input must be one of raw, compressed"),
     ("reliability", "bogus", "reliability must be one of best_effort, reliable"),
-    ("max_objects", -1, "max_objects must be >= 0"), ("max_frame_age_s", math.nan, "max_frame_age_s must be a number"),
+    # 0 found nothing (no limit is what a user setting it meant): refused, not a robot blind to obstacles
+    ("max_objects", 0, "max_objects must be >= 1"), ("max_frame_age_s", math.nan, "max_frame_age_s must be a number"),
+    ("backend", "megakernal", "backend must be one of auto, reference, triton, megakernel"),
     # ROS 1's spelling: tf2 raises InvalidArgumentException on it for every frame
     ("target_frame", "/base_link", "target_frame must not start with '/'")])
 def test_the_vision_node_refuses_bad_values_at_startup(context, name, value, reason):
@@ -174,3 +176,11 @@ def test_the_params_file_reaches_nodes_in_any_namespace(tmp_path):
     assert given["max_turn_s"] == 7.0
     assert {p.name: p.value for p in node_parameters({"loop": {"ros__parameters": {"max_turn_s": 2.0}}},
                                                      "loop")} == {"max_turn_s": 2.0}
+
+
+def test_the_vision_nodes_backends_are_the_engines():
+    from photon_core.backends.select import BACKENDS
+    from photon_ros.vision_params import vision_params
+
+    (backend,) = [p for p in vision_params() if p.name == "backend"]
+    assert backend.choices == ("auto", *BACKENDS)
