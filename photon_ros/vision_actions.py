@@ -242,7 +242,7 @@ class VisionActions:
             return
         if find:
             def report(partial: dict) -> None:
-                self.find_feedback(feedback, goal, partial, header, width, height, model_id)
+                self.find_feedback(feedback, goal, partial, header, width, height, model_id, latency())
                 goal_handle.publish_feedback(feedback)
             request = engine_request(goal.task, rgb, goal.prompt, goal, node.max_objects, cancel=cancel,
                                      progress=report)
@@ -276,14 +276,17 @@ class VisionActions:
                                               reasoning=answer.get("reasoning"), width=width, height=height)
         result.success = not cancel.is_set()
 
-    def find_feedback(self, feedback, goal, partial: dict, header, width: int, height: int, model_id: str) -> None:
+    def find_feedback(self, feedback, goal, partial: dict, header, width: int, height: int, model_id: str,
+                      latency: float) -> None:
+        """The objects found so far; `latency`: image received -> now (they were found), as the
+        Detections / Points field says."""
         if goal.task == "detect":
             feedback.detections = detections_message(partial, header, prompt=goal.prompt, width=width,
-                                                      height=height, latency=0.0, model_id=model_id)
+                                                      height=height, latency=latency, model_id=model_id)
             feedback.objects_found = len(feedback.detections.detections)
         else:
             feedback.points = points_message(partial, header, prompt=goal.prompt, width=width, height=height,
-                                             latency=0.0, model_id=model_id)
+                                             latency=latency, model_id=model_id)
             feedback.objects_found = len(feedback.points.points)
 
     def frame(self, goal_handle, latest: bool, cancel: threading.Event, action, epoch: int | None = None) -> Any:

@@ -77,6 +77,14 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     assert counts == [1, 2, 3]
     last = [f for f in feedback if f.objects_found == 3][-1].detections.detections
     assert [(d.x_min, d.y_max) for d in last] == [(d.x_min, d.y_max) for d in found]
+    # Each feedback's Detections is the frame's (its header) and its latency says what the field
+    # says, image received -> these objects found: more than 0 s, growing, at most the result's.
+    def seconds(d):
+        return d.sec + d.nanosec * 1e-9
+    so_far = [f.detections for f in feedback if f.state == Find.Feedback.STATE_DECODING and f.objects_found]
+    assert all(d.header == done.result.detections.header for d in so_far)
+    waited = [seconds(d.latency) for d in so_far] + [seconds(done.result.detections.latency)]
+    assert waited[0] > 0 and waited == sorted(waited), waited
 
     # ask: the answer's text streamed as feedback, each longer, the last one the answer.
     texts = []

@@ -95,6 +95,10 @@ def test_conversions_through_the_generated_classes():
         assert v["id"] == (str(box["track_id"]) if box["track_id"] else "")
         assert [(r["class_id"], r["score"]) for r in v["results"]] == [
             (box["label"], 0.0 if math.isnan(box["score"]) else box["score"])]
+        # The hypothesis' pose is a geometry_msgs pose (metres in the header's frame, to tf2): a
+        # 2D result has none, so never the pixel centre there.
+        assert [r["pose"] for r in v["results"]] == [{"position": [0.0, 0.0, 0.0],
+                                                      "orientation": [0.0, 0.0, 0.0, 1.0]}]
     placed = [o for o in objects if o["has_position"]]
     assert d3["header"] == dict(stamp, frame_id="base_link") and len(d3["detections"]) == len(placed) == 2
     for v, o in zip(d3["detections"], placed):
