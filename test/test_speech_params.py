@@ -89,6 +89,7 @@ def test_a_language_the_model_cannot_take_is_refused_and_failing_transcriptions_
         assert node.model is not None, node.model_error
         refused = node.set_parameters([Parameter("language", value="de")])[0]
         assert not refused.successful and "English-only" in refused.reason and node.language is None
+        assert node.set_parameters([Parameter("language", value="EN")])[0].successful   # as openai-whisper takes it
         assert node.set_parameters([Parameter("language", value="en")])[0].successful
 
         def last():

@@ -51,3 +51,12 @@ def test_english_only_rejects_other_language(toks):
     ours, _ = toks
     with pytest.raises(ValueError, match="English-only"):
         ours.sot_sequence("de")
+
+
+@pytest.mark.parametrize("given, code", [("en", "en"), ("EN", "en"), (" en ", "en"), ("<|en|>", "en"),
+                                         ("", None), (None, None), ("DE", "de")])
+def test_language_spellings_openai_whisper_takes(given, code):
+    """openai-whisper and transformers take a code in any case, and transformers the token's
+    form: 'EN' was refused as not English."""
+    from photon_core.models.whisper.tokenizer import language_code
+    assert language_code(given) == code

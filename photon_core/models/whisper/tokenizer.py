@@ -14,6 +14,19 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 
+def language_code(language: str | None) -> str | None:
+    """A language as the tokenizer names it: 'EN', ' en ' and '<|en|>' are 'en' (openai-whisper and
+    transformers take them so); None and '' leave it to be detected."""
+    if language is None:
+        return None
+    if not isinstance(language, str):
+        raise TypeError(f"language must be a code such as 'en', got {language!r}")
+    code = language.strip().lower()
+    if code.startswith("<|") and code.endswith("|>"):
+        code = code[2:-2]
+    return code or None
+
+
 class WhisperTokenizer:
     def __init__(self, tokenizer_json: str | Path, n_vocab: int):
         spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
@@ -60,7 +73,8 @@ class WhisperTokenizer:
             # transcribe() detects the language before building a prompt; a direct caller must say it.
             raise ValueError("a multilingual model's prompt needs a language code (e.g. 'en')")
         if language not in self.languages:
-            raise ValueError(f"unknown language {language!r}")
+            raise ValueError(f"unknown language {language!r}: a code of {len(self.languages)} such as 'en' or 'de' "
+                             "(names such as 'English' are not taken)")
         return [self.sot, self.languages[language],
                 self.transcribe if task == "transcribe" else self.translate]
 

@@ -30,7 +30,7 @@ from .longform import (DEFAULT_TEMPERATURES, FIT_STEP_FRAMES, LongFormOptions, L
                        MelFrames, encoder_window, first_window_options, transcribe_mel)
 from .model import REDUCE_RANGE, WhisperNet, WhisperWeights, cpu_flags
 from .stream_frontend import StreamedLogMel, pcm_16k_blocks
-from .tokenizer import WhisperTokenizer
+from .tokenizer import WhisperTokenizer, language_code
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -221,6 +221,7 @@ class WhisperSpeech:
     def check_language(self, language: str | None) -> None:
         """ValueError when this model cannot transcribe in `language` (None: detect it, always
         possible): an English-only model takes only "en"."""
+        language = language_code(language)
         if language is not None:
             self.tokenizer.sot_sequence(language)
 
@@ -393,6 +394,7 @@ class WhisperSpeech:
                  longform_options: dict) -> LongFormOptions:
         if beam_size != 1:
             raise NotImplementedError("beam search is not implemented yet; use beam_size=1")
+        language = language_code(language)
         if language is None and not self.tokenizer.multilingual:
             language = "en"
         prompt_tokens = (self.tokenizer.encode(" " + initial_prompt.strip())
