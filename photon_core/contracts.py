@@ -219,7 +219,10 @@ class SpeechModel(Protocol):
         """Run every path a first call takes, with the options later calls will use."""
 
     # Optional: check_language(language) -> None, ValueError naming why the model cannot transcribe
-    # in `language` (Whisper, Qwen3-ASR); a family without it takes any (Parakeet ignores it).
+    # in `language` (Whisper, Qwen3-ASR; Parakeet: any language, it cannot be told one); a family
+    # without it takes any. Optional: check_prompt(initial_prompt) -> None, ValueError naming why
+    # the model cannot take it (Parakeet: any prompt, it reads none). transcribe() still takes and
+    # ignores what they refuse; the speech node refuses such parameters with their reason.
 
 
 @runtime_checkable

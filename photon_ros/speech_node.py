@@ -146,6 +146,21 @@ def load_speech_model(name: str, device: str) -> SharedModel:
     return shared_engine(name, device, skills=["transcribe"])
 
 
+def model_refuses(model, language: str | None, initial_prompt: str | None) -> str:
+    """Why `model` cannot take this language or prompt ("" when it can): its optional
+    check_language / check_prompt (photon_core.contracts.SpeechModel), as "<parameter>: <reason>"."""
+    for name, value, hook in (("language", language, "check_language"),
+                              ("initial_prompt", initial_prompt, "check_prompt")):
+        check = getattr(model, hook, None)
+        if check is None:
+            continue
+        try:
+            check(value)
+        except ValueError as err:
+            return f"{name}: {err}"
+    return ""
+
+
 def drain(queue: UtteranceQueue) -> list[Utterance]:
     """Everything waiting in `queue` (final utterances and a partial request), taken out."""
     taken = []
@@ -221,18 +236,13 @@ class SpeechNode(ManagedNode):
 
     def check_params(self, values: dict) -> str:
         """Why these parameter values are refused ("" if they are not): the VAD's rules, and a
-        language the loaded model cannot transcribe in (English-only Whisper and "de", say),
-        which would make every transcription fail."""
-        language, check = values["language"] or None, getattr(self.model, "check_language", None)
-        if check is not None and values["model"] != self.model_name:
-            check = None   # another model from the next configure: its warm-up checks the language
-        if (reason := check_vad(values)) or check is None:
-            return reason
-        try:
-            check(language)
-        except ValueError as err:
-            return f"language: {err}"
-        return ""
+        language or prompt the loaded model cannot take (English-only Whisper and "de", which
+        would make every transcription fail; Parakeet and any language or prompt, which it would
+        ignore while its transcripts named them)."""
+        model = self.model
+        if (reason := check_vad(values)) or model is None or values["model"] != self.model_name:
+            return reason   # another model from the next configure: configure checks them
+        return model_refuses(model, values["language"] or None, values["initial_prompt"] or None)
 
     @property
     def model(self):
@@ -282,8 +292,10 @@ class SpeechNode(ManagedNode):
         started = time.monotonic()
 
         def warm_up(engine: SharedModel) -> None:
-            # The first call of each path is slower: pay for them before speech arrives.
             model = engine.model
+            if reason := model_refuses(model, self.language, self.initial_prompt or None):
+                raise ValueError(reason)
+            # The first call of each path is slower: pay for them before speech arrives.
             model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
             if callable(getattr(model, "batch", None)):
                 # Transcriptions go through batch() then, a path of its own: a final's and a partial's.

@@ -41,8 +41,10 @@ def speech_params() -> list[Param]:
         Param("check_sample_rate", True, "std_msgs array input: warn (log, /diagnostics) when audio arrives over 10% "
               "faster or slower than sample_rate says (over 5 s); false for replays not at real time"),
         Param("frame_id", "", "frame id of the transcripts; empty keeps the audio's"),
-        Param("language", "", "language code for multilingual models (en, de, ...); empty: detect it"),
-        Param("initial_prompt", "", "text given to the model before each utterance (names, jargon)"),
+        Param("language", "", "language code for multilingual models (en, de, ...); empty: the model decides "
+              "(Whisper and Qwen3-ASR detect it; Parakeet takes none and refuses one)"),
+        Param("initial_prompt", "", "text given to the model before each utterance (names, jargon; Parakeet "
+              "reads none and refuses one)"),
         Param("idle_flush_s", 0.8, "no audio for this long (and for two chunks' time) ends the utterance in progress "
               "(incomplete; speech after it continues that utterance, incomplete too)", positive=True),
         Param("input_timeout_s", 5.0, "no audio for this long while active: /diagnostics warns that the source may have "

@@ -57,6 +57,20 @@ class ParakeetSpeech:
         self.chunk_seconds = chunk_seconds
         self.segment_gap = segment_gap
 
+    def check_language(self, language: str | None) -> None:
+        """ValueError for any `language` (None passes): Parakeet cannot be told one. It transcribes
+        what it hears (v2: English only; v3: 25 European languages) and does not say which, so a
+        language asked for would be ignored, and a node echoing it would claim what the model
+        never used."""
+        if language:
+            raise ValueError(f"Parakeet TDT cannot be told a language (it transcribes what it hears and does "
+                             f"not say which), so {language!r} would be ignored; leave it empty")
+
+    def check_prompt(self, initial_prompt: str | None) -> None:
+        """ValueError for any `initial_prompt` (None passes): Parakeet reads no prompt."""
+        if initial_prompt:
+            raise ValueError("Parakeet TDT reads no prompt, so it would be ignored; leave it empty")
+
     def warmup(self, language: str | None = None, initial_prompt: str | None = None) -> None:
         """Run the whole path once (resampler, front end, encoder, decode loop) so the first real
         request pays no first-call costs. The gate would stop silence before the model, so the
@@ -85,9 +99,10 @@ class ParakeetSpeech:
         """Mono or [samples, channels] int/float PCM at any rate -> {"text", "segments" [{start, end,
         text}], "words", "tokens", "language", "duration", "processing_time", "model_id"}. Parakeet
         has no prompt and no language switch (v3 recognises its 25 languages by itself): `language`
-        is reported back as given ("" when None), `initial_prompt` is ignored, and so are Whisper's
-        decoding options (WHISPER_ONLY_OPTIONS); others are a TypeError. ValueError on empty / NaN /
-        inf audio or a bad sample rate."""
+        is reported back as given ("" when None), `initial_prompt` is ignored (check_language and
+        check_prompt refuse both, for callers that must not have them ignored: the speech node), and
+        so are Whisper's decoding options (WHISPER_ONLY_OPTIONS); others are a TypeError.
+        ValueError on empty / NaN / inf audio or a bad sample rate."""
         return self.batch([TranscribeRequest(audio, sample_rate, language, initial_prompt, options)])[0]
 
     def batch(self, requests: Sequence[TranscribeRequest | dict]) -> list[dict]:
