@@ -130,6 +130,10 @@ class ManagedNode(LifecycleNode):
     start_worker() at the end of their __init__."""
 
     kind = "model"   # "vision" / "speech", for log lines
+    # Callbacks that may hold an executor thread for seconds (run_node.make_executor adds a thread
+    # for each): a transition served by the lifecycle service (configure loads the model, cleanup
+    # waits for inference in flight).
+    blocking_callbacks = 1
 
     def __init__(self, node_name: str, **kwargs) -> None:
         super().__init__(node_name, **kwargs)

@@ -120,13 +120,30 @@ def init_rclpy(args=None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+def make_executor(nodes: list, context=None):
+    """A multi-threaded executor spinning `nodes`: a thread per core, plus one for each callback of
+    theirs that may wait for seconds (`blocking_callbacks`: a vision node's infer service waiting on
+    the engine, a managed node's transition loading a model or waiting for inference at cleanup).
+    With a thread per core only, two robots' infer requests (bringup --namespaces on a 2-core
+    computer) held both threads for as long as the model decoded: no lifecycle service, no
+    /diagnostics, no goal or cancel and no timer (a loop node's turn and its zero Twist) ran meanwhile."""
+    from rclpy.executors import MultiThreadedExecutor
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    blocking = sum(getattr(node, "blocking_callbacks", 0) for node in nodes)
+    executor = MultiThreadedExecutor(num_threads=max(cores, 2) + blocking, context=context)
+    for node in nodes:
+        executor.add_node(node)
+    return executor
+
+
 def run_node(make_node: Callable[[], object], args=None, until: Callable[[object], bool] | None = None) -> None:
     """Spin the node made by `make_node` on a multi-threaded executor (the vision and speech nodes
     serve callbacks while their workers publish). `until(node)` ends the spin early when true.
     A node that cannot start (missing device, bad parameter) exits non-zero with its reason.
     Ctrl-C at any point (also during init or make_node) ends it with status 0."""
     import rclpy
-    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+    from rclpy.executors import ExternalShutdownException
 
     code, nodes, executor = 0, [], None
     try:
@@ -137,8 +154,7 @@ def run_node(make_node: Callable[[], object], args=None, until: Callable[[object
             print(f"{getattr(make_node, '__name__', 'node')}: {err}", file=sys.stderr)
             code = 1
         else:
-            executor = MultiThreadedExecutor()
-            executor.add_node(nodes[0])
+            executor = make_executor(nodes)
             while rclpy.ok() and not (until and until(nodes[0])):
                 executor.spin_once(timeout_sec=0.1)
     except (KeyboardInterrupt, ExternalShutdownException):
@@ -199,13 +215,11 @@ def spin_nodes(nodes: list) -> int:
     destroy them and shut rclpy down (several nodes in one process: bring-up, several microphones).
     A thread still running then (a model load given up) ends the process here (exit_leaving_no_thread)."""
     import rclpy
-    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+    from rclpy.executors import ExternalShutdownException
 
     executor = None
     try:
-        executor = MultiThreadedExecutor()
-        for node in nodes:
-            executor.add_node(node)
+        executor = make_executor(nodes)
         while rclpy.ok():
             # (short waits: without rclpy's signal handler nothing wakes a wait at Ctrl-C; the
             # KeyboardInterrupt comes when the wait returns)

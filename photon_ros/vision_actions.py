@@ -14,8 +14,9 @@ ends canceled (or aborted, for a timeout) with what was found so far. Segment (M
 its own decode loop outside the batch: a cancel takes effect when that decode ends.
 
 A goal's work (waiting for its frame, decoding) runs on a thread of its own, not on the executor's:
-run_node spins a thread per core (2 on a 2-core computer), and goals that held them would keep out
-the frame that ends their wait, their cancels, deactivate and /diagnostics. The executor only ends
+run_node spins a thread per core (2 on a 2-core computer) and one per callback that may wait (an
+infer, a transition: run_node.make_executor), and goals, unbounded in number, that held them would
+keep out the frame that ends their wait, their cancels, deactivate and /diagnostics. The executor only ends
 the goal (succeed, abort, canceled), so the goal's status stays accepted until then. At most
 MAX_GOALS goals are at work at once (each a thread holding its frame): more are refused, as
 nothing bounded them once the executor's threads no longer did.

@@ -142,6 +142,7 @@ def segment_frame(engine: SharedModel, rgb, targets: list[str], max_tokens: int)
 
 class VisionNode(ManagedNode):
     kind = "vision"
+    blocking_callbacks = 2   # a transition, and the infer service (it waits on the engine)
 
     def __init__(self, **kwargs) -> None:
         super().__init__("vision", **kwargs)

@@ -148,5 +148,69 @@ def test_four_robots_on_one_engine_get_only_their_own_results(graph, tmp_path):
     assert unnamespaced == []
 
 
+def test_robots_waiting_on_the_engine_leave_the_process_serving(graph, monkeypatch):
+    """The executor run_node and spin_nodes spin (bringup --namespaces) on a 2-core computer: while
+    an infer request of each robot waits on the engine (a long decode; here its lock is held), the
+    process still serves a lifecycle manager and publishes /diagnostics. With a thread per core,
+    the two requests held both threads until the decode ended."""
+    import os
+    import threading
+
+    from diagnostic_msgs.msg import DiagnosticArray
+    from lifecycle_msgs.srv import GetState
+
+    from photon_ros.run_node import make_executor
+    from photon_ros.srv import Infer
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)   # as on a 2-core robot
+    robots = ROBOTS[:2]
+    nodes = build_graph(DEFAULT_CONFIG, "vision", namespaces=robots, context=graph.context,
+                        overrides={"vision": {"model": str(checkpoint()), "detect": ["cup"], "max_objects": 1,
+                                              "publish_annotated": False, "max_frame_age_s": 600.0,
+                                              "reliability": "reliable"}})
+    executor = make_executor(nodes, context=graph.context)
+    spinning = threading.Event()
+    spinning.set()
+
+    def spin():
+        while spinning.is_set() and graph.context.ok():
+            executor.spin_once(timeout_sec=0.05)
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        assert wait_for(lambda: all(n.engine is not None or n.model_error for n in nodes), timeout=120)
+        assert all(n.engine is not None for n in nodes), [n.model_error for n in nodes]
+        client = graph.node("fleet_client")
+        diagnostics = []
+        client.create_subscription(DiagnosticArray, "/diagnostics",
+                                   lambda m: diagnostics.append((time.monotonic(), m.status[0].name)), RELIABLE)
+        cameras = [client.create_publisher(Image, f"/{r}/image", RELIABLE) for r in robots]
+        infer = [client.create_client(Infer, f"/{r}/infer") for r in robots]
+        get_state = client.create_client(GetState, f"/{robots[0]}/vision/get_state")
+        assert all(c.wait_for_service(timeout_sec=30) for c in infer + [get_state])
+        assert wait_for(lambda: all(p.get_subscription_count() >= 1 for p in cameras), 10)
+        assert wait_for(lambda: [p.publish(rgb_to_image(robot_image(k))) for k, p in enumerate(cameras)]
+                        and all(n.frames.latest is not None for n in nodes), timeout=30, poll=0.2)
+
+        with nodes[0].engine.lock:   # every robot's decode waits for it
+            asked = [c.call_async(Infer.Request(task="detect", prompt="cup", use_latest_frame=True)) for c in infer]
+            assert wait_for(lambda: all(n.activity._busy for n in nodes), timeout=30)   # both requests wait
+            held = time.monotonic()
+            state = get_state.call_async(GetState.Request())
+            assert wait_for(state.done, timeout=5), "no lifecycle service while the robots' requests waited"
+            assert state.result().current_state.label == "active"
+            assert wait_for(lambda: any(at > held for at, name in diagnostics if robots[1] in name), timeout=5), \
+                "no /diagnostics while the robots' requests waited"
+        assert wait_for(lambda: all(f.done() for f in asked), timeout=60)
+        assert all(f.result().success for f in asked), [f.result().message for f in asked]
+    finally:
+        spinning.clear()
+        spinner.join(timeout=10)
+        for node in nodes:
+            executor.remove_node(node)
+            node.destroy_node()
+        executor.shutdown()
+
+
 if __name__ == "__main__":
     sys.exit(run_cameras())
