@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, NoReturn
 
 HELP_FLAGS = ("-h", "--help")
@@ -185,6 +186,23 @@ def finish(executor, nodes: list) -> None:
         rclpy.try_shutdown()
 
 
+# How long the executor keeps spinning at shutdown for the goals the stop ended (their ends run on it).
+SETTLE_S = 3.0
+
+
+def settle(executor, nodes: list, timeout: float = SETTLE_S) -> None:
+    """Spin until no node has a goal accepted and not ended (`pending_goals`), `timeout` at most: a
+    goal's end (its result to the client) runs on the executor, and one queued when the executor
+    stopped never ran: its client, without a timeout of its own, waited for ever."""
+    deadline = time.monotonic() + timeout
+    try:
+        while (any(getattr(node, "pending_goals", lambda: 0)() for node in nodes)
+               and time.monotonic() < deadline and executor.context.ok()):
+            executor.spin_once(timeout_sec=0.05)
+    except KeyboardInterrupt:   # a second signal: no more waiting
+        pass
+
+
 def stop_and_destroy(executor, nodes: list) -> None:
     """Shut `nodes` down in the order a robot needs: each told to stop first (a loop node mid-turn
     sends its zero Twist now; waiting goals and workers end), then the executor waits for the
@@ -199,6 +217,7 @@ def stop_and_destroy(executor, nodes: list) -> None:
             print(f"{node.get_name()}: stopping failed ({type(err).__name__}: {err})", file=sys.stderr)
         except KeyboardInterrupt:
             pass
+    settle(executor, nodes)
     try:
         executor.shutdown()
     except KeyboardInterrupt:

@@ -50,6 +50,8 @@ class VisionActions:
         self._early: set[bytes] = set()   # canceled before execute registered them
         self._lock = threading.Lock()
         self._workers: set[threading.Thread] = set()   # goals at work (accepted)
+        self._open: set[bytes] = set()   # goals accepted and not yet ended (their end runs on the executor)
+        self.stopping = False            # the process shuts down: goals end, new ones are refused
         group = ReentrantCallbackGroup()
         self.servers = [
             ActionServer(node, Find, "find", lambda h: self.execute(h, find=True), callback_group=group,
@@ -58,6 +60,21 @@ class VisionActions:
             ActionServer(node, Ask, "ask", lambda h: self.execute(h, find=False), callback_group=group,
                          goal_callback=self.on_ask_goal, cancel_callback=self.on_cancel,
                          handle_accepted_callback=lambda h: self.start(h, find=False))]
+
+    def stop(self) -> None:
+        """The process shuts down: new goals are refused and those at work end now (their decodes
+        within a step, their waits at once), saying why; the executor must still end them (pending),
+        or their clients never hear."""
+        self.stopping = True
+        with self._lock:
+            cancels = list(self._cancels.values())
+        for cancel in cancels:
+            cancel.set()
+
+    def pending(self) -> int:
+        """Goals accepted and not yet ended."""
+        with self._lock:
+            return len(self._open)
 
     def destroy(self) -> None:
         """Stop the goals at work (their decodes end within a step, their waits at once) and wait
@@ -78,6 +95,8 @@ class VisionActions:
             return f"task must be one of {', '.join(tasks)}, got {task!r}"
         if task != "caption" and not prompt.strip():
             return "an empty prompt"
+        if self.stopping:
+            return "the node is shutting down"
         if not 0 <= timeout_s <= threading.TIMEOUT_MAX:   # (NaN and infinity too: a timer cannot take them)
             return f"timeout_s must be >= 0 and at most {threading.TIMEOUT_MAX:g}, got {timeout_s}"
         with self._lock:
@@ -138,6 +157,7 @@ class VisionActions:
         worker = threading.Thread(target=work, daemon=True, name="vision-goal")
         with self._lock:
             self._workers.add(worker)
+            self._open.add(bytes(goal_handle.goal_id.uuid))
         try:
             worker.start()
         except RuntimeError as err:   # no thread to be had: the goal is ended at once, failed
@@ -160,7 +180,7 @@ class VisionActions:
             self._cancels[key] = cancel
             early = key in self._early
             self._early.discard(key)
-        if early or goal_handle.is_cancel_requested:   # canceled between its acceptance and now
+        if early or goal_handle.is_cancel_requested or self.stopping:   # canceled between its acceptance and now
             cancel.set()
         timer = threading.Timer(goal.timeout_s, cancel.set) if goal.timeout_s > 0 else None
         if timer is not None:
@@ -190,7 +210,8 @@ class VisionActions:
                 self._cancels.pop(key, None)
         if not result.success and cancel.is_set() and not result.message:
             # (a cancel requested says "canceled" instead: end())
-            result.message = f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})"
+            result.message = ("the node is shutting down" if self.stopping else
+                              f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})")
         return result, epoch
 
     def end(self, goal_handle, result: Any, epoch: int | None = None) -> Any:
@@ -200,6 +221,7 @@ class VisionActions:
         topics publish), so once deactivate has stopped it no result of it is given."""
         with self._lock:
             self._early.discard(bytes(goal_handle.goal_id.uuid))   # a cancel that came after the work
+            self._open.discard(bytes(goal_handle.goal_id.uuid))
         if goal_handle.is_cancel_requested:
             # a canceled goal ends canceled, even where its work finished: its client replaced it
             result.success = False
@@ -311,4 +333,6 @@ class VisionActions:
                 return current
             if node.stopping.is_set() or node.activity.current() != epoch:
                 return "the node was deactivated (or is shutting down) while the goal waited for a frame"
-        return "canceled" if goal_handle.is_cancel_requested else "no frame arrived before the timeout"
+        if goal_handle.is_cancel_requested:
+            return "canceled"
+        return "the node is shutting down" if self.stopping else "no frame arrived before the timeout"

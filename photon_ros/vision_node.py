@@ -666,6 +666,15 @@ class VisionNode(ManagedNode):
         self.get_logger().warning(f"{what} refused: {reason}", throttle_duration_sec=1.0)
         return reason
 
+    def stop_for_shutdown(self) -> None:
+        super().stop_for_shutdown()
+        if hasattr(self, "actions"):   # its goals end now, saying why (run_node lets the executor end them)
+            self.actions.stop()
+
+    def pending_goals(self) -> int:
+        """Goals accepted and not yet ended: the executor must run their ends before it stops."""
+        return self.actions.pending() if hasattr(self, "actions") else 0
+
     def destroy_node(self) -> None:
         if hasattr(self, "actions"):   # absent when __init__ refused a parameter
             # stopped first (as run_node stops it): a goal that registered after destroy()'s

@@ -35,6 +35,17 @@ def send(client, goal, feedback: list):
     return future.result()
 
 
+def bare_actions():
+    """VisionActions' logic without its action servers (tests set the node they need)."""
+    import threading
+
+    from photon_ros.vision_actions import VisionActions
+    actions = VisionActions.__new__(VisionActions)
+    actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
+    actions._workers, actions._open, actions.stopping = set(), set(), False
+    return actions
+
+
 def outcome(handle, timeout=120):
     future = handle.get_result_async()
     assert wait_for(future.done, timeout=timeout)
@@ -185,7 +196,7 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
 
     from photon_ros.vision_actions import VisionActions
 
-    actions = VisionActions.__new__(VisionActions)          # its logic, without action servers
+    actions = bare_actions()          # its logic, without action servers
     actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
     actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda epoch=None: contextlib.nullcontext(True),
                                                             current=lambda: 1,
@@ -220,7 +231,7 @@ def test_a_deactivate_after_the_goals_work_and_before_its_end_withholds_the_resu
     from photon_ros.vision_actions import VisionActions
 
     def goal(activity):
-        actions = VisionActions.__new__(VisionActions)
+        actions = bare_actions()
         actions._cancels, actions._lock, actions._early, actions._workers = {}, threading.Lock(), set(), set()
         actions.node = SimpleNamespace(activity=activity)
 
@@ -255,7 +266,7 @@ def test_a_deactivate_after_the_goals_work_and_before_its_end_withholds_the_resu
 def test_a_timeout_no_timer_can_take_is_refused(timeout_s):
     from photon_ros.vision_actions import VisionActions
 
-    actions = VisionActions.__new__(VisionActions)
+    actions = bare_actions()
     actions.node = None
     assert "timeout_s" in actions.refusal("point", "cup", ("point",), timeout_s)
 
@@ -271,7 +282,7 @@ def test_goals_beyond_the_limit_are_refused_and_one_without_a_thread_ends_failed
     from photon_ros import vision_actions
     from photon_ros.vision_actions import MAX_GOALS, VisionActions
 
-    actions = VisionActions.__new__(VisionActions)
+    actions = bare_actions()
     actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
     actions._workers = {threading.Thread() for _ in range(MAX_GOALS - 1)}
     actions.node = SimpleNamespace(lacks=lambda task: "", refused=lambda what, why: why,
@@ -382,7 +393,7 @@ def test_the_latest_frame_is_read_once():
             self.reads += 1
             return frame if self.reads == 1 else None   # dropped right after the first read
 
-    actions = VisionActions.__new__(VisionActions)
+    actions = bare_actions()
     actions.node = SimpleNamespace(frames=Frames(), max_frame_age=600.0)
     import threading
     assert actions.frame(None, True, threading.Event(), Find) is frame
@@ -405,7 +416,7 @@ def test_a_request_that_came_while_inactive_is_refused_even_if_activate_follows_
     response = VisionNode.on_infer(node, Infer.Request(task="detect", prompt="cup"), Infer.Response())
     assert not response.success and response.message == "node is not active" and not ran
 
-    actions = VisionActions.__new__(VisionActions)
+    actions = bare_actions()
     actions._cancels, actions._lock, actions._early = {}, __import__("threading").Lock(), set()
     actions.node = node
     actions.run = lambda *a, **k: ran.append("run")
@@ -413,3 +424,38 @@ def test_a_request_that_came_while_inactive_is_refused_even_if_activate_follows_
     handle.is_cancel_requested = False
     result = actions.execute(handle, find=True)
     assert handle.ended == "aborted" and result.message == "node is not active" and not ran
+
+
+def test_goals_at_work_when_the_process_stops_end_with_why(graph):
+    """At shutdown (run_node's stop_and_destroy) a goal waiting for its frame ends at once, aborted
+    with the reason, and its client hears it: its end runs on the executor, which stopped before
+    running it, so a client without a timeout of its own waited for ever. New goals are refused."""
+    import threading
+
+    from photon_ros.run_node import make_executor, stop_and_destroy
+
+    node = VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(checkpoint())), Parameter("reliability", value="reliable")])
+    executor = make_executor([node], context=graph.context)
+    spinning = threading.Event()
+    spinning.set()
+
+    def spin():
+        while spinning.is_set() and graph.context.ok():
+            executor.spin_once(timeout_sec=0.05)
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
+    _, find, _ = action_clients(graph)
+    handle = send(find, Find.Goal(task="point", prompt="cup", use_latest_frame=False, timeout_s=60.0), [])
+    assert handle.accepted
+    result = handle.get_result_async()
+    assert wait_for(lambda: node.pending_goals() == 1, timeout=10)
+    spinning.clear()
+    spinner.join(timeout=10)
+    began = time.monotonic()
+    stop_and_destroy(executor, [node])
+    assert time.monotonic() - began < 10
+    assert wait_for(result.done, timeout=10), "the client never heard of its goal"
+    assert result.result().status == GoalStatus.STATUS_ABORTED
+    assert result.result().result.message == "the node is shutting down"
