@@ -56,6 +56,25 @@ class RosGraph:
         self._thread.join(timeout=5)
 
 
+class ExecutorThread:
+    """`executor` spun on a thread of its own, as run_node spins a process's nodes, until stop()."""
+
+    def __init__(self, executor, context) -> None:
+        self.executor, self.context = executor, context
+        self._running = threading.Event()
+        self._running.set()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        while self._running.is_set() and self.context.ok():
+            self.executor.spin_once(timeout_sec=0.05)
+
+    def stop(self) -> None:
+        self._running.clear()
+        self._thread.join(timeout=10)
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, poll: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -24,7 +24,7 @@ from photon_ros.bringup import DEFAULT_CONFIG, build_graph
 from photon_ros.image_conversions import rgb_to_image
 from photon_ros.msg import Detections
 from photon_ros.vision_node import frame_requests
-from ros_harness import RosGraph, wait_for
+from ros_harness import ExecutorThread, RosGraph, wait_for
 from test_camera_cross_process import Lines, camera_env
 
 ROBOTS = ["r1", "r2", "r3", "r4"]
@@ -169,14 +169,7 @@ def test_robots_waiting_on_the_engine_leave_the_process_serving(graph, monkeypat
                                               "publish_annotated": False, "max_frame_age_s": 600.0,
                                               "reliability": "reliable"}})
     executor = make_executor(nodes, context=graph.context)
-    spinning = threading.Event()
-    spinning.set()
-
-    def spin():
-        while spinning.is_set() and graph.context.ok():
-            executor.spin_once(timeout_sec=0.05)
-    spinner = threading.Thread(target=spin, daemon=True)
-    spinner.start()
+    spinner = ExecutorThread(executor, graph.context)
     try:
         assert wait_for(lambda: all(n.engine is not None or n.model_error for n in nodes), timeout=120)
         assert all(n.engine is not None for n in nodes), [n.model_error for n in nodes]
@@ -204,8 +197,7 @@ def test_robots_waiting_on_the_engine_leave_the_process_serving(graph, monkeypat
         assert wait_for(lambda: all(f.done() for f in asked), timeout=60)
         assert all(f.result().success for f in asked), [f.result().message for f in asked]
     finally:
-        spinning.clear()
-        spinner.join(timeout=10)
+        spinner.stop()
         for node in nodes:
             executor.remove_node(node)
             node.destroy_node()

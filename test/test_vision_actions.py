@@ -16,7 +16,7 @@ from photon_ros.action import Ask, Find
 from photon_ros.image_conversions import rgb_to_image
 from photon_ros.vision_node import VisionNode
 from rclpy.parameter import Parameter
-from ros_harness import RosGraph, wait_for, wait_for_match
+from ros_harness import ExecutorThread, RosGraph, wait_for, wait_for_match
 
 RELIABLE = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 
@@ -316,14 +316,7 @@ def test_goals_at_work_leave_the_executors_threads_free(graph):
         Parameter("max_frame_age_s", value=600.0), Parameter("reliability", value="reliable")])
     executor = MultiThreadedExecutor(num_threads=2, context=graph.context)   # as on a 2-core robot
     executor.add_node(node)
-    spinning = threading.Event()
-    spinning.set()
-
-    def spin():
-        while spinning.is_set() and graph.context.ok():
-            executor.spin_once(timeout_sec=0.05)
-    spinner = threading.Thread(target=spin, daemon=True)
-    spinner.start()
+    spinner = ExecutorThread(executor, graph.context)
     try:
         assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
         client_node, find, ask = action_clients(graph)
@@ -368,8 +361,7 @@ def test_goals_at_work_leave_the_executors_threads_free(graph):
             done = outcome(h, timeout=30)
             assert done.status == GoalStatus.STATUS_ABORTED and "deactivated" in done.result.message
     finally:
-        spinning.clear()
-        spinner.join(timeout=10)
+        spinner.stop()
         executor.remove_node(node)
         node.destroy_node()
         executor.shutdown()
@@ -437,22 +429,14 @@ def test_goals_at_work_when_the_process_stops_end_with_why(graph):
     node = VisionNode(context=graph.context, parameter_overrides=[
         Parameter("model", value=str(checkpoint())), Parameter("reliability", value="reliable")])
     executor = make_executor([node], context=graph.context)
-    spinning = threading.Event()
-    spinning.set()
-
-    def spin():
-        while spinning.is_set() and graph.context.ok():
-            executor.spin_once(timeout_sec=0.05)
-    spinner = threading.Thread(target=spin, daemon=True)
-    spinner.start()
+    spinner = ExecutorThread(executor, graph.context)
     assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120), node.model_error
     _, find, _ = action_clients(graph)
     handle = send(find, Find.Goal(task="point", prompt="cup", use_latest_frame=False, timeout_s=60.0), [])
     assert handle.accepted
     result = handle.get_result_async()
     assert wait_for(lambda: node.pending_goals() == 1, timeout=10)
-    spinning.clear()
-    spinner.join(timeout=10)
+    spinner.stop()
     began = time.monotonic()
     stop_and_destroy(executor, [node])
     assert time.monotonic() - began < 10
