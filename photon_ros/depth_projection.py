@@ -88,6 +88,7 @@ Conventions (decided here, documented for the node's users):
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import deque
@@ -189,7 +190,8 @@ class Intrinsics:
         else:
             out = cv2.undistortPoints(src, camera, dist, criteria=_UNDISTORT_CRITERIA)
         rays = out.reshape(-1, 2).astype(np.float64)
-        rays[~_inverts(rays, uv, camera, dist)] = np.nan     # NaN in, a miss, or another branch's: no ray
+        # NaN in, a miss, or another branch's: no ray
+        rays[~_inverts(rays, uv, camera, dist, _pole_radius(self.distortion))] = np.nan
         return rays
 
 
@@ -201,7 +203,7 @@ def _projected(rays: np.ndarray, camera: np.ndarray, dist: np.ndarray) -> tuple[
     return pixels.reshape(-1, 2), jacobian[:, 3:5].reshape(-1, 2, 2)
 
 
-def _inverts(rays: np.ndarray, uv: np.ndarray, camera: np.ndarray, dist: np.ndarray) -> np.ndarray:
+def _inverts(rays: np.ndarray, uv: np.ndarray, camera: np.ndarray, dist: np.ndarray, pole: float) -> np.ndarray:
     """Which rays are their pixels': projected back within the tolerance, inside the rational
     model's pole (where its denominator, 1 + k4 r^2 + k5 r^4 + k6 r^6, first reaches 0), and with
     an image that moves outward all the way from the centre to the ray (_ALONG_RAY points on it,
@@ -218,16 +220,18 @@ def _inverts(rays: np.ndarray, uv: np.ndarray, camera: np.ndarray, dist: np.ndar
         direction = rays / np.maximum(np.hypot(*rays.T), 1e-12)[:, None]
         reach = np.einsum("nsk,nk->ns", offsets, direction)   # signed: the opposite side is negative
         outward = (np.diff(reach, axis=1) >= -_REPROJECTION_TOLERANCE_PX).all(axis=1) & (reach[:, 0] >= 0)
-        inside = np.hypot(*rays.T) < _pole_radius(dist)
+        inside = np.hypot(*rays.T) < pole
         return (miss <= _REPROJECTION_TOLERANCE_PX) & outward & inside
 
 
-def _pole_radius(dist: np.ndarray) -> float:
+@functools.lru_cache(maxsize=16)   # once per calibration, not per frame
+def _pole_radius(distortion: tuple[float, ...]) -> float:
     """The smallest ray radius where the rational model's denominator 1 + k4 r^2 + k5 r^4 + k6 r^6
     is 0 (inf for the other models, and where it never is)."""
-    if len(dist) < 8 or not dist[5:8].any():
+    k = distortion
+    if len(k) < 8 or not any(k[5:8]):
         return math.inf
-    roots = np.roots([dist[7], dist[6], dist[5], 1.0])   # in r^2
+    roots = np.roots([k[7], k[6], k[5], 1.0])   # in r^2
     real = roots[(np.abs(roots.imag) < 1e-12) & (roots.real > 0)].real
     return float(np.sqrt(real.min())) if real.size else math.inf
 
