@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 FRAME_POLL_S = 0.02
 MAX_GOALS = 16   # two batches' worth: beyond it a goal would only wait behind the others
 DEACTIVATED = "the node was deactivated while the goal ran: its result is not given"
+SHUTTING_DOWN = "the node is shutting down"
 
 
 class VisionActions:
@@ -79,10 +80,9 @@ class VisionActions:
     def destroy(self) -> None:
         """Stop the goals at work (their decodes end within a step, their waits at once) and wait
         for them, then remove the servers."""
+        self.stop()
         with self._lock:
-            cancels, workers = list(self._cancels.values()), list(self._workers)
-        for cancel in cancels:
-            cancel.set()
+            workers = list(self._workers)
         for worker in workers:
             worker.join(timeout=30)
         for server in self.servers:
@@ -96,7 +96,7 @@ class VisionActions:
         if task != "caption" and not prompt.strip():
             return "an empty prompt"
         if self.stopping:
-            return "the node is shutting down"
+            return SHUTTING_DOWN
         if not 0 <= timeout_s <= threading.TIMEOUT_MAX:   # (NaN and infinity too: a timer cannot take them)
             return f"timeout_s must be >= 0 and at most {threading.TIMEOUT_MAX:g}, got {timeout_s}"
         with self._lock:
@@ -210,7 +210,7 @@ class VisionActions:
                 self._cancels.pop(key, None)
         if not result.success and cancel.is_set() and not result.message:
             # (a cancel requested says "canceled" instead: end())
-            result.message = ("the node is shutting down" if self.stopping else
+            result.message = (SHUTTING_DOWN if self.stopping else
                               f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})")
         return result, epoch
 
@@ -335,4 +335,4 @@ class VisionActions:
                 return "the node was deactivated (or is shutting down) while the goal waited for a frame"
         if goal_handle.is_cancel_requested:
             return "canceled"
-        return "the node is shutting down" if self.stopping else "no frame arrived before the timeout"
+        return SHUTTING_DOWN if self.stopping else "no frame arrived before the timeout"
