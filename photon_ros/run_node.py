@@ -188,17 +188,27 @@ def finish(executor, nodes: list) -> None:
 
 # How long the executor keeps spinning at shutdown for the goals the stop ended (their ends run on it).
 SETTLE_S = 3.0
+RESULT_FLUSH_S = 0.3
 
 
 def settle(executor, nodes: list, timeout: float = SETTLE_S) -> None:
     """Spin until no node has a goal accepted and not ended (`pending_goals`), `timeout` at most: a
     goal's end (its result to the client) runs on the executor, and one queued when the executor
     stopped never ran: its client, without a timeout of its own, waited for ever."""
+    def pending() -> bool:
+        return any(getattr(node, "pending_goals", lambda: 0)() for node in nodes)
+
+    if not pending():
+        return
     deadline = time.monotonic() + timeout
     try:
-        while (any(getattr(node, "pending_goals", lambda: 0)() for node in nodes)
-               and time.monotonic() < deadline and executor.context.ok()):
+        while pending() and time.monotonic() < deadline and executor.context.ok():
             executor.spin_once(timeout_sec=0.05)
+        # the result's response to a client waiting for it is a task of its own, resumed once the
+        # goal has ended: a few more turns send it
+        flushed = min(deadline, time.monotonic() + RESULT_FLUSH_S)
+        while time.monotonic() < flushed and executor.context.ok():
+            executor.spin_once(timeout_sec=0.02)
     except KeyboardInterrupt:   # a second signal: no more waiting
         pass
 

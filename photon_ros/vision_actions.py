@@ -331,6 +331,8 @@ class VisionActions:
             current = frames.latest
             if current is not None and current.received_at > asked:
                 return current
+            if self.stopping:
+                return SHUTTING_DOWN
             if node.stopping.is_set() or node.activity.current() != epoch:
                 return "the node was deactivated (or is shutting down) while the goal waited for a frame"
         if goal_handle.is_cancel_requested:

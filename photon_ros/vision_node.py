@@ -667,9 +667,9 @@ class VisionNode(ManagedNode):
         return reason
 
     def stop_for_shutdown(self) -> None:
-        super().stop_for_shutdown()
         if hasattr(self, "actions"):   # its goals end now, saying why (run_node lets the executor end them)
-            self.actions.stop()
+            self.actions.stop()        # (first: the goals' frame waits also end on the node's stop)
+        super().stop_for_shutdown()
 
     def pending_goals(self) -> int:
         """Goals accepted and not yet ended: the executor must run their ends before it stops."""
