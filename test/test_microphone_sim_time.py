@@ -61,7 +61,9 @@ def test_the_microphone_stamps_on_the_simulators_clock(graph, card):
     assert wait_for(lambda: len(chunks) == 12, timeout=10)
     starts = np.array([time_to_seconds(c.header.stamp) for c in chunks])
     now = sim_now(mic)
-    assert SIM_START < starts[0] and delivered - 0.5 < starts[-1] < now, (starts, delivered)   # not the wall clock's 1.7e9 s
+    # on the simulator's clock (not the wall clock's 1.7e9 s); how far the last stamp trails the clock
+    # read at delivery is the loaded machine's (0.64 s seen in CI), so the bound is loose
+    assert SIM_START < starts[0] and delivered - 1.5 < starts[-1] < now, (starts, delivered)
     assert np.all(np.abs(np.diff(starts) - BLOCK / RATE) <= 0.5 * BLOCK / RATE), np.diff(starts)
 
 
