@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import importlib.util
 import json
+import math
 import os
 import pickle
 import select
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from audio_common_peer import CHUNK as DRIVER_CHUNK
 from interface_workspaces import AUDIO_COMMON_FAMILIES as FAMILIES
 from interface_workspaces import install_dir, package_dir, workspace_env
 from photon_core.audio_io import read_wav
@@ -30,6 +32,7 @@ from photon_ros.audio_common_conversions import (FLOAT_PEAK_LIMIT, MGONZS13, ROS
                                                  AudioInfoFormat, audio_common_to_pcm, audio_common_types,
                                                  family_of, mgonzs13_to_pcm)
 from photon_ros.audio_conversions import pcm_to_audio_chunk
+from photon_ros.speech_segmenter import SegmenterConfig
 from speech_audio import espeak_wav
 
 PEER = Path(__file__).with_name("audio_common_peer.py")
@@ -421,10 +424,15 @@ def test_the_speech_node_transcribes_each_driver(family, input_type):
         # The command's first chunk carries speech, and ros-drivers' needs an AudioInfo before it:
         # the driver sends silence until the node has decoded some (so its readers have matched
         # the driver's writers, audio_info's included), then the command on "go".
-        driver = subprocess.Popen([sys.executable, str(PEER), "publish", str(espeak_wav("Find the red ball.")),
+        # Speech is a whole command only after a pause heard before it (hangover_s): until the
+        # node has decoded twice that much of the lead-in, "go" could make the command the tail
+        # of an utterance under way when listening began (a CI run: 1 chunk, then "go").
+        wav = espeak_wav("Find the red ball.")
+        lead_chunks = math.ceil(2 * SegmenterConfig().hangover_s * read_wav(wav)[1] / DRIVER_CHUNK)
+        driver = subprocess.Popen([sys.executable, str(PEER), "publish", str(wav),
                                    ",".join(wait), "--lead-in"], env=env, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        heard = wait_for(lambda: max(decoded, default=0) >= 1 or driver.poll() is not None, timeout=110)
+        heard = wait_for(lambda: max(decoded, default=0) >= lead_chunks or driver.poll() is not None, timeout=110)
         driver_err = driver.communicate(b"go\n" if heard else b"", timeout=120)[1]
         assert heard and driver.returncode == 0, driver_err.decode()[-3000:]
         assert wait_for(lambda: finals, timeout=120), "no transcript"
