@@ -624,7 +624,9 @@ class VisionNode(ManagedNode):
             response.success, response.message = False, self.refused("infer", str(err) or type(err).__name__)
             return response
         try:
-            self.answer(request, response, result, source.header, rgb.shape, space, time.monotonic() - received)
+            # "image received -> result ready", as on the topics: the latest frame came before the request
+            since = latest.received_at if request.use_latest_frame else received
+            self.answer(request, response, result, source.header, rgb.shape, space, time.monotonic() - since)
         except Exception as err:  # noqa: BLE001 - answered as a failure: never fatal to the node
             failed = Infer.Response()
             failed.success, failed.message = False, self.refused("infer", f"{type(err).__name__}: {err}")

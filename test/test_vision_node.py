@@ -274,9 +274,13 @@ def test_stale_latest_frame_is_refused(graph):
     assert not future.result().success and "max_frame_age_s" in future.result().message
     assert "is the camera still publishing" in future.result().message
     assert node.set_parameters([Parameter("max_frame_age_s", value=0)])[0].successful   # 0: any age
+    frame_age = time.monotonic() - node.frames.latest.received_at
     future = client.call_async(ask)
     assert wait_for(future.done, timeout=60)
     assert future.result().success and future.result().points.header == header(5)
+    # latency is "image received -> result ready", as on the topics: from the frame, not the request
+    latency = future.result().points.latency
+    assert latency.sec + latency.nanosec * 1e-9 >= frame_age
     assert stale_frame(1.0, 2.0) == "" and stale_frame(2.5, 2.0) and stale_frame(1e6, 0.0) == ""
 
 
