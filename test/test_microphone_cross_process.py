@@ -2,10 +2,13 @@
 reaches the speech node with its default settings and gives the spoken command; a node set to
 `reliability: reliable` cannot match such a driver, and says so on /diagnostics instead of staying
 silent. Run as a script, this file is the microphone: 16 kHz S16LE AudioChunks of a WAV, stamped
-on its sample clock, paced at twice real time, on every topic named on its command line."""
+on its sample clock, paced at twice real time, on every topic named on its command line (silence
+until "go" on its stdin, then the WAV)."""
 from __future__ import annotations
 
+import math
 import os
+import select
 import subprocess
 import sys
 import time
@@ -34,7 +37,8 @@ SENTENCE = "Find the red ball."
 
 
 def microphone(wav: str, topics: list[str]) -> None:
-    """Wait for a subscriber on the first topic, then play the WAV (resampled to 16 kHz) once."""
+    """Wait for a subscriber on the first topic, send silence until "go" on stdin, then play the
+    WAV (resampled to 16 kHz) once, all on one sample clock."""
     samples, rate = read_wav(wav)
     audio = samples.astype(np.float32) / 32768.0
     audio = resample_poly(audio, RATE, rate)   # espeak-ng speaks at 22050 Hz
@@ -45,14 +49,29 @@ def microphone(wav: str, topics: list[str]) -> None:
     deadline = time.monotonic() + 30
     while pubs[0].get_subscription_count() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)   # discovery both ways before the first chunk
-    t0, step = time.time(), int(RATE * CHUNK_S)
-    for k, i in enumerate(range(0, audio.size, step)):
-        header = Header(stamp=seconds_to_time(t0 + i / RATE), frame_id="mic")
-        chunk = pcm_to_audio_chunk(audio[i:i + step], RATE, "S16LE", header=header)
+    t0, step, k = time.time(), int(RATE * CHUNK_S), 0
+
+    def send(samples: np.ndarray) -> None:
+        nonlocal k
+        header = Header(stamp=seconds_to_time(t0 + k * CHUNK_S), frame_id="mic")
+        chunk = pcm_to_audio_chunk(samples, RATE, "S16LE", header=header)
         for pub in pubs:
             pub.publish(chunk)
-        time.sleep(max(0.0, t0 + (k + 1) * CHUNK_S / 2 - time.time()))
+        k += 1
+        time.sleep(max(0.0, t0 + k * CHUNK_S / 2 - time.time()))
+
+    # Silence, as a driver streams it, until the test has seen the node take enough of it: what
+    # reaches the node from a best-effort writer starts once its reader has matched ours, which
+    # may come after our writer matched it.
+    go_by = time.monotonic() + 60
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        if time.monotonic() > go_by:
+            raise SystemExit("microphone: no 'go' on stdin (the node never took the lead-in)")
+        send(np.zeros(step, np.float32))
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("microphone: stdin closed before 'go'")
+    for i in range(0, audio.size, step):
+        send(audio[i:i + step])
     time.sleep(0.5)
     node.destroy_node()
     rclpy.shutdown()
@@ -80,10 +99,19 @@ def test_best_effort_microphone_in_another_process(graph):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     # The driver waits for the default node's subscription only: the strict one can never match.
     mic = subprocess.Popen([sys.executable, __file__, str(espeak_wav(SENTENCE)), "/default/audio", "/strict/audio"],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        # Speech is a whole command only after a pause the node heard before it (hangover_s): the
+        # command starts once the node has taken twice that much of the driver's silence (its
+        # first chunks are lost while its reader has not yet matched the driver's writer).
+        lead_chunks = math.ceil(round(2 * default.vad_config.hangover_s / CHUNK_S, 6))
+        heard = wait_for(lambda: default.chunks_received >= lead_chunks or mic.poll() is not None, timeout=60)
+        assert heard and mic.poll() is None, mic.stdout.read() if mic.poll() is not None else "no lead-in taken"
+        mic.stdin.write("go\n")
+        mic.stdin.flush()
         assert wait_for(lambda: finals, timeout=90), mic.stdout.read() if mic.poll() is not None else "no transcript"
     finally:
+        mic.stdin.close()
         mic.wait(timeout=60)
     assert words(finals[0].text) == words(SENTENCE)
     assert finals[0].audio_complete and finals[0].header.frame_id == "mic"
