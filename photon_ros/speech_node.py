@@ -295,15 +295,18 @@ class SpeechNode(ManagedNode):
             model = engine.model
             if reason := model_refuses(model, self.language, self.initial_prompt or None):
                 raise ValueError(reason)
-            # The first call of each path is slower: pay for them before speech arrives.
-            model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
-            if callable(getattr(model, "batch", None)):
-                # Transcriptions go through batch() then, a path of its own: a final's and a partial's.
-                silence = np.zeros(16000, np.float32)
-                prompt = self.initial_prompt or None
-                model.batch([TranscribeRequest(silence, 16000, self.language, prompt),
-                             TranscribeRequest(silence, 16000, self.language, prompt,
-                                               {"timestamps": False, "temperature": 0.0})])
+            # The first call of each path is slower: pay for them before speech arrives. Under
+            # the engine's lock: another node of this process may be transcribing on it (a
+            # compiled decode step's buffers are the engine's, one call at a time).
+            with engine.lock:
+                model.warmup(language=self.language, initial_prompt=self.initial_prompt or None)
+                if callable(getattr(model, "batch", None)):
+                    # Transcriptions go through batch() then, a path of its own: a final's and a partial's.
+                    silence = np.zeros(16000, np.float32)
+                    prompt = self.initial_prompt or None
+                    model.batch([TranscribeRequest(silence, 16000, self.language, prompt),
+                                 TranscribeRequest(silence, 16000, self.language, prompt,
+                                                   {"timestamps": False, "temperature": 0.0})])
 
         engine = ready_or_released(load_speech_model(self.model_name, self.params["device"]), warm_up)
         self.get_logger().info(f"loaded {engine.model.model_id} in {time.monotonic() - started:.1f} s")

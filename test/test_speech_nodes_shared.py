@@ -157,6 +157,29 @@ def test_two_microphones_two_speech_nodes_one_engine(graph):
         engine.model.__dict__.pop("batch", None)
 
 
+def test_a_node_configured_beside_a_transcribing_one_warms_up_under_the_engines_lock(graph, monkeypatch):
+    """A second speech node of the process configures while the first transcribes on their shared
+    engine: its warm-up runs the model only once the engine's lock is free (the lock a batch holds:
+    two calls at once on an engine's compiled decode step share its buffers)."""
+    import threading
+
+    from photon_ros import speech_node
+
+    first = graph.add(SpeechNode(context=graph.context, namespace="first"))
+    assert wait_for(lambda: first.model is not None or first.model_error, timeout=60), first.model_error
+    engine, checked, warmed = first.engine, threading.Event(), []
+    real_refuses, real_warmup = speech_node.model_refuses, engine.model.warmup
+    monkeypatch.setattr(speech_node, "model_refuses", lambda *a: (checked.set(), real_refuses(*a))[1])
+    monkeypatch.setattr(engine.model, "warmup", lambda **kw: (warmed.append(engine.lock.locked()), real_warmup(**kw))[1])
+    with engine.lock:   # as the first node's transcription holds it through the batcher
+        second = graph.add(SpeechNode(context=graph.context, namespace="second"))
+        assert checked.wait(timeout=60)   # the second node's warm-up has begun
+        time.sleep(0.5)
+        assert warmed == [] and second.model is None
+    assert wait_for(lambda: second.model is not None, timeout=60), second.model_error
+    assert second.engine is engine and warmed == [True]   # it ran, holding the lock itself
+
+
 def test_microphones_option_names_one_node_per_microphone():
     from photon_ros.speech_node import split_microphones
 
