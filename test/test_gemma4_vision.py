@@ -5,6 +5,7 @@ decode steps against Gemma4ForConditionalGeneration with pixel_values; then the 
 caption, streaming, sampling, text-only, batch) and the command line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import threading
@@ -109,6 +110,8 @@ def test_image_prompt_logits_and_decode_match_transformers(model, gemma4_hf, ima
 def test_query_caption_stream_and_text_only(model, image):
     enc = model.encode_image(image)
     assert isinstance(enc, EncodedImage) and model.encode_image(enc) is enc
+    with pytest.raises(ValueError, match="another model"):   # a released model's, whose id() this one got
+        model.encode_image(dataclasses.replace(enc, owner=id(model)))
     answer = model.query(image, "what is in this image?", settings=greedy(8))
     assert set(answer) == {"answer"} and isinstance(answer["answer"], str)
     assert model.query(enc, "what is in this image?", settings=greedy(8)) == answer

@@ -82,7 +82,7 @@ def unbiased():
     ckpt = ff.checkpoint(seed=1, object_bias=False)
     ref_m, fast = load_moondream(ckpt), fast_model(ckpt)
     ref_e = ref_m.encode_image(ff.image(seed=1))
-    return ref_m, fast, ref_e, dataclasses.replace(ref_e, owner=id(fast))
+    return ref_m, fast, ref_e, dataclasses.replace(ref_e, owner=fast.serial)
 
 
 def test_batched_requests_through_the_triton_ops_match_reference(pair, encoded):

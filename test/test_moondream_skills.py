@@ -3,6 +3,7 @@ loading (both namings, dtypes, config overrides) and the command line."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -298,6 +299,9 @@ def test_both_namings_load_to_identical_outputs(model, image, enc):
     assert old.caption(enc_old, settings={"temperature": 0, "max_tokens": 5}) == model.caption(enc, settings={"temperature": 0, "max_tokens": 5})
     with pytest.raises(ValueError, match="another model"):
         old.detect(enc, "cup")
+    # made by a model released since, whose id() `old` got: not old's own either
+    with pytest.raises(ValueError, match="another model"):
+        old.detect(dataclasses.replace(enc_old, owner=id(old)), "cup")
 
 
 def test_config_json_overrides_dims(tmp_path, image):

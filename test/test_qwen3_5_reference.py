@@ -3,6 +3,7 @@ prefill logits and 20 greedy decode steps (text-only and image prompts, two conf
 preprocessing and features, recognition, and errors for bad checkpoints and inputs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -114,6 +115,10 @@ def test_preprocessing_and_vision_features_match(pair):
         with torch.no_grad():
             ref = hf.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
         torch.testing.assert_close(model.encode_image(img).features, ref, atol=1e-5, rtol=0)
+    enc = model.encode_image(img)
+    assert model.encode_image(enc) is enc
+    with pytest.raises(ValueError, match="another model"):   # a released model's, whose id() this one got
+        model.query(dataclasses.replace(enc, owner=id(model)), "what is it?")
 
 
 @pytest.mark.parametrize("files", [

@@ -13,6 +13,7 @@ import torch
 from photon_core.runtime import chat_messages
 from photon_core.runtime.chat_template import stop_ids
 from photon_core.runtime.generate import room
+from photon_core.models.serials import new_serial
 from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import Request
 from photon_core.runtime.sampling import Sampling
@@ -37,7 +38,7 @@ class EncodedImage:
     """An image after the vision tower and projection: soft tokens [n, text dim]. Reusable for any
     number of questions about the same image; read-only."""
     tokens: torch.Tensor
-    owner: int   # id() of the model that made it
+    owner: int   # serial of the model that made it (models.serials)
 
 
 class Gemma4Model:
@@ -51,6 +52,7 @@ class Gemma4Model:
         `max_len`: megakernel_decode.py) and every decode step is one launch; otherwise None."""
         self.config, self.w, self.prompter, self.ops = config, state, prompter, ops
         self.device, self.dtype, self.model_id, self.eos_ids = device, dtype, model_id, frozenset(eos_ids)
+        self.serial = new_serial()   # marks the images it encodes (EncodedImage.owner)
         self.rotary = text.Rotary(config.text, device)
         # a camera's frames patch to one shape: on a GPU, replayed from a graph where faster
         self.encode_patches = ShapeGraphs(f"{model_id} vision encoder", self._encode_patches)
@@ -67,7 +69,7 @@ class Gemma4Model:
         """Vision tower and projection (image input: runtime.image_input; BGR arrays need
         channel_order="bgr")."""
         if isinstance(image, EncodedImage):
-            if image.owner != id(self):
+            if image.owner != self.serial:
                 raise ValueError("this EncodedImage was made by another model; encode the image again")
             return image
         if self.config.vision is None:
@@ -77,7 +79,7 @@ class Gemma4Model:
         groups = vision.pool_groups(pos, self.w, self.config.vision)
         soft = self.encode_patches(pixels.to(self.device), pos.to(self.device), groups.to(self.device))
         tokens = vision.project(soft, self.w, self.config.vision.eps, self.ops, self.dtype)
-        return EncodedImage(tokens, id(self))
+        return EncodedImage(tokens, self.serial)
 
     def _encode_patches(self, pixels: torch.Tensor, pos: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         if self.config.vision is None:

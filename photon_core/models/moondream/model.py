@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from photon_core.models.serials import new_serial
 from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import Request, Settings, SpatialRef
 from photon_core.runtime.shape_graphs import ShapeGraphs
@@ -28,7 +29,7 @@ class EncodedImage:
     v: torch.Tensor
     pos: int
     tiling: tuple[int, int]
-    owner: int  # id() of the model that made it: another model's cache would be meaningless
+    owner: int  # serial of the model that made it: another model's cache would be meaningless
     # No image block at its start (a chat's text-only history, chat.py): what continues it attends
     # causally, as a text-only query does, instead of seeing the first prefix_attn positions whole.
     causal: bool = False
@@ -149,6 +150,7 @@ class MoondreamModel:
                  tiling: Any = None, max_len: int | None = None) -> None:
         self.config, self.tokenizer, self.ops = config, tokenizer, ops
         self.device, self.dtype, self.model_id = device, dtype, model_id
+        self.serial = new_serial()   # marks the images it encodes (EncodedImage.owner)
         self.vision_w = vision.VisionWeights.from_state(state, config.vision)
         self.text_w = self.text_impl.TextWeights.from_state(state, config.text)
         self.region_w = self.region_impl.RegionWeights.from_state(state)
@@ -205,7 +207,7 @@ class MoondreamModel:
         t = self.config.text
         shape = (t.n_layers, 1, t.n_kv_heads, 0, t.dim // t.n_heads)
         empty = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return EncodedImage(empty, empty, 0, (0, 0), id(self), causal=True)
+        return EncodedImage(empty, empty, 0, (0, 0), self.serial, causal=True)
 
     @torch.inference_mode()
     def encode_images(self, images: list[ImageLike | image_crops.Crops], channel_order: str = "rgb",
@@ -221,7 +223,7 @@ class MoondreamModel:
         x = torch.cat([bos, torch.stack(tokens)], dim=1)
         k, v = self.prefill_images(x) if lora is None else self._prefill_images(x, lora)
         variant = None if lora is None else lora.name
-        return [EncodedImage(k[:, i:i + 1], v[:, i:i + 1], x.shape[1], tiling, id(self), variant=variant)
+        return [EncodedImage(k[:, i:i + 1], v[:, i:i + 1], x.shape[1], tiling, self.serial, variant=variant)
                 for i, tiling in enumerate(tilings)]
 
     def _prefill_images(self, x: torch.Tensor, lora: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +258,7 @@ class MoondreamModel:
         return MoondreamDecoderMegakernel
 
     def _check_owner(self, enc: EncodedImage) -> None:
-        if enc.owner != id(self):
+        if enc.owner != self.serial:
             raise ValueError("this EncodedImage was made by another model; encode the image again")
 
     def check_variant(self, enc: EncodedImage, variant: str | None) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from photon_core.runtime import chat_messages
+from photon_core.models.serials import new_serial
 from photon_core.runtime.generate import room
 from photon_core.runtime.image_input import ImageLike
 from photon_core.runtime.requests import Request
@@ -28,6 +29,7 @@ class EncodedImage:
     """An image's vision features [tokens, dim] and its merged-token grid (rows, cols)."""
     features: torch.Tensor
     grid: tuple[int, int]
+    owner: int   # serial of the model that made it (models.serials): another model's features are not its own
 
 
 class Qwen35Model:
@@ -40,6 +42,7 @@ class Qwen35Model:
                  max_len: int | None = None) -> None:
         self.config, self.prompts, self.ops = cfg, prompts, ops
         self.device, self.dtype, self.model_id = device, dtype, model_id
+        self.serial = new_serial()   # marks the images it encodes (EncodedImage.owner)
         self.text_w = text.TextWeights(state, cfg.text)
         self.vision_w = vision.VisionWeights(state, cfg.vision) if cfg.vision else None
         self.preprocess = vision.Preprocess.from_folder(folder, cfg.vision) if cfg.vision else None
@@ -80,6 +83,8 @@ class Qwen35Model:
         """Preprocess and run the vision encoder (image input: runtime.image_input; BGR arrays need
         channel_order="bgr"). ValueError for an unusable or too large image."""
         if isinstance(image, EncodedImage):
+            if image.owner != self.serial:
+                raise ValueError("this EncodedImage was made by another model; encode the image again")
             return image
         if self.vision_w is None or self.preprocess is None or self.config.vision is None:
             raise ValueError(f"{self.model_id} is a text-only Qwen 3.5 checkpoint: it cannot take images")
@@ -93,7 +98,7 @@ class Qwen35Model:
                              f"({self.config.text.max_context} tokens); give a smaller image")
         with torch.no_grad():
             feats = self.encode_patches(patches.to(self.device), *self._positions(gh, gw))
-        return EncodedImage(feats, (gh // m, gw // m))
+        return EncodedImage(feats, (gh // m, gw // m), self.serial)
 
     def prompt_inputs(self, image: Any, question: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(input embeddings [1, T, dim], rotary positions [3, T], rope delta) of a chat turn."""
