@@ -8,9 +8,10 @@ cancel that stops the decode.
             its decode reports each object found and the answer's text as it grows (feedback)
          -> result: the same messages the topics carry (2D, and 3D with use_depth)
 
-A cancel, or the goal's timeout, sets the request's cancel event: the decode loop drops the row
-at its next step, which frees its batch slot for the next request (Request.cancel). The goal then
-ends canceled (or aborted, for a timeout) with what was found so far. Segment (Moondream 3) runs
+A cancel, or the goal's timeout, sets the request's cancel event: a request still waiting for its
+batch (behind other work on the engine) is dropped at once (Batcher.submit), and in a decode the
+loop drops the row at its next step, which frees its batch slot for the next request
+(Request.cancel). The goal then ends canceled (or aborted, for a timeout) with what was found so far. Segment (Moondream 3) runs
 its own decode loop outside the batch: a cancel takes effect when that decode ends.
 
 A goal's work (waiting for its frame, decoding) runs on a thread of its own, not on the executor's:
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 
+from photon_core.runtime.batcher import Canceled
 from photon_ros.action import Ask, Find
 from photon_ros.result_messages import (detections_message, points_message, segmentation_message,
                                         vision_text_message)
@@ -276,7 +278,11 @@ class VisionActions:
             prompt = goal.prompt or ("short" if goal.task == "caption" else "")
             request = engine_request(goal.task, rgb, prompt, goal, node.max_objects, cancel=cancel,
                                      progress=report)
-        answer = node.engine.batcher.submit([request])[0]
+        try:
+            # A cancel (or the timeout) while it waits behind other work ends the goal at once.
+            answer = node.engine.batcher.submit([request], cancel=cancel)[0]
+        except Canceled:
+            return
         # The frame's depth pairing began at its arrival and went on while the model ran.
         space = node.space(header, width, height, frame.extra) if find else None
         if not find:

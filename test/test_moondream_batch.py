@@ -1,6 +1,7 @@
 """Batching: several images encoded together, and several requests decoded together, give what the
 one-at-a-time calls give; the batcher gathers concurrent callers (several cameras on one engine)."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from moondream_fixtures import assert_same_results, model
 from photon_core.backends import reference
 from photon_core.models.moondream import Request, text
-from photon_core.runtime.batcher import Batcher
+from photon_core.runtime.batcher import Batcher, Canceled
 
 
 def images(n, seed=0):
@@ -224,4 +225,69 @@ def test_a_short_result_list_fails_its_callers_instead_of_shifting_results():
     for t in threads:
         t.join(timeout=30)
     assert all(isinstance(outcome[n], RuntimeError) and "1 results for 2 requests" in str(outcome[n]) for n in "ab")
+    batcher.close()
+
+
+def test_a_caller_canceled_while_its_requests_wait_is_answered_at_once_and_they_never_run():
+    """A robot goal's timeout must bound its wait: requests canceled while they wait behind a
+    batch that runs, or for the engine's lock, are dropped and Canceled is raised at once; once
+    they run, the caller waits for their results."""
+    entered, release, ran = threading.Event(), threading.Event(), []
+
+    def run_many(items):
+        ran.append(list(items))
+        if "slow" in items:
+            entered.set()
+            assert release.wait(30)
+        return [f"{i}!" for i in items]
+
+    lock = threading.Lock()
+    batcher = Batcher(run_many, lock, window_s=0.0)
+    outcome: dict = {}
+
+    def ask(name, items, cancel=None):
+        try:
+            outcome[name] = batcher.submit(items, cancel=cancel)
+        except Canceled as err:
+            outcome[name] = err
+
+    slow = threading.Thread(target=ask, args=("slow", ["slow"]))
+    slow.start()
+    assert entered.wait(30)                       # a batch runs
+    queued_cancel = threading.Event()
+    queued = threading.Thread(target=ask, args=("queued", ["queued"], queued_cancel))
+    queued.start()
+    time.sleep(0.1)
+    queued_cancel.set()
+    queued.join(5)
+    assert not queued.is_alive() and isinstance(outcome["queued"], Canceled)   # while the batch still runs
+    release.set()
+    slow.join(30)
+    assert outcome["slow"] == ["slow!"]
+
+    # taken into a batch that waits for the engine's lock (another caller's work under it)
+    with lock:
+        lock_cancel = threading.Event()
+        waiting = threading.Thread(target=ask, args=("waiting", ["waiting"], lock_cancel))
+        waiting.start()
+        time.sleep(0.1)
+        lock_cancel.set()
+        waiting.join(5)
+        assert not waiting.is_alive() and isinstance(outcome["waiting"], Canceled)
+    assert batcher.submit(["after"], cancel=threading.Event()) == ["after!"]
+    assert ["queued"] not in ran and ["waiting"] not in ran
+
+    # canceled once running: its results come (the model drops canceled rows itself)
+    release.clear()
+    entered.clear()
+    running_cancel = threading.Event()
+    running = threading.Thread(target=ask, args=("running", ["slow"], running_cancel))
+    running.start()
+    assert entered.wait(30)
+    running_cancel.set()
+    time.sleep(0.1)
+    assert running.is_alive()
+    release.set()
+    running.join(30)
+    assert outcome["running"] == ["slow!"]
     batcher.close()

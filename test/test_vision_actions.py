@@ -131,6 +131,12 @@ def test_find_and_ask_with_feedback_cancel_and_timeout(graph):
     handle = send(find, Find.Goal(task="detect", prompt="cup", use_latest_frame=False, timeout_s=0.3), [])
     done = outcome(handle, timeout=30)
     assert done.status == GoalStatus.STATUS_ABORTED and "no frame arrived" in done.result.message
+    # ... and one waiting behind other work on the engine (another camera's batch holds its lock)
+    # ends at its timeout, not once the engine is free
+    with node.engine.lock:
+        handle = send(find, Find.Goal(task="point", prompt="dog", use_latest_frame=True, timeout_s=0.5), [])
+        done = outcome(handle, timeout=30)
+    assert done.status == GoalStatus.STATUS_ABORTED and "timed out" in done.result.message
     failed = node.requests_failed
     assert not send(find, Find.Goal(task="caption", prompt="x"), []).accepted
     assert not send(find, Find.Goal(task="segment", prompt="cup"), []).accepted   # Moondream 2 has none

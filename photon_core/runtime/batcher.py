@@ -11,14 +11,35 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Callable
 
+# How often a caller waiting with a cancel event looks at it (a timed-out robot goal answers within it).
+CANCEL_POLL_S = 0.02
 
-def _stopped(groups: list[tuple[list, Future]], err: BaseException) -> None:
+
+class Canceled(Exception):
+    """The caller's cancel was set before its requests began to run: they never ran."""
+
+
+@dataclass(eq=False)
+class _Group:
+    """One caller's requests, answered together."""
+    items: list
+    future: Future = field(default_factory=Future)
+    cancel: threading.Event | None = None
+    started: bool = False       # taken into a batch that holds the engine: it runs
+    abandoned: bool = False     # its caller stopped waiting (canceled before it started)
+
+    def canceled(self) -> bool:
+        return self.abandoned or (self.cancel is not None and self.cancel.is_set())
+
+
+def _stopped(groups: list[_Group], err: BaseException) -> None:
     """The callers of `groups` not yet answered hear that the batcher's thread stops."""
-    for _, future in groups:
-        if not future.done():
-            future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__}: {err})"))
+    for group in groups:
+        if not group.future.done():
+            group.future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__}: {err})"))
 
 
 class Batcher:
@@ -28,35 +49,50 @@ class Batcher:
         self.lock = lock                  # the engine's lock: a batch runs while nothing else does
         self.max_batch = max_batch
         self.window_s = window_s
-        self._pending: list[tuple[list, Future]] = []
+        self._pending: list[_Group] = []
         self._cond = threading.Condition()
         self.sizes: list[int] = []        # requests per batch that ran (diagnostics, tests)
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="batcher")
         self._thread.start()
 
-    def submit(self, items: list) -> list:
+    def submit(self, items: list, cancel: threading.Event | None = None) -> list:
         """Results of `items`, computed in a batch with whatever other callers submit meanwhile.
-        Raises what running them raised (another caller's bad request never fails this one)."""
+        Raises what running them raised (another caller's bad request never fails this one).
+        With `cancel`: once it is set while the items still wait for their batch (behind a batch
+        that runs, or the engine's lock), they are dropped and Canceled is raised at once; once
+        they run, the caller waits for their results (the model drops canceled rows itself)."""
         if not items:
             return []
-        future: Future = Future()
+        group = _Group(list(items), cancel=cancel)
         with self._cond:
             if self._closed:
                 raise RuntimeError("this engine was released (its batcher is closed)")
-            self._pending.append((list(items), future))
+            self._pending.append(group)
             self._cond.notify()
-        return future.result()
+        if cancel is None:
+            return group.future.result()
+        while True:
+            try:
+                return group.future.result(timeout=CANCEL_POLL_S)
+            except TimeoutError:
+                if cancel.is_set():
+                    with self._cond:
+                        if not group.started and not group.future.done():
+                            group.abandoned = True
+                            if group in self._pending:
+                                self._pending.remove(group)
+                            raise Canceled("canceled while waiting for its batch")
 
     def _queued(self) -> int:
-        return sum(len(items) for items, _ in self._pending)
+        return sum(len(group.items) for group in self._pending)
 
-    def _take(self) -> list[tuple[list, Future]]:
-        groups: list[tuple[list, Future]] = []
+    def _take(self) -> list[_Group]:
+        groups: list[_Group] = []
         count = 0
-        while self._pending and (not groups or count + len(self._pending[0][0]) <= self.max_batch):
+        while self._pending and (not groups or count + len(self._pending[0].items) <= self.max_batch):
             groups.append(self._pending.pop(0))
-            count += len(groups[-1][0])
+            count += len(groups[-1].items)
         return groups
 
     def close(self, timeout: float = 60.0) -> None:
@@ -83,14 +119,26 @@ class Batcher:
             with self._cond:
                 self._closed = True
                 left, self._pending = self._pending, []
-            for _, future in left:
-                future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__}: {err})"))
+            _stopped(left, err)
             raise
 
-    def _serve(self, groups: list[tuple[list, Future]]) -> None:
-        items = [item for group, _ in groups for item in group]
+    def _start(self, groups: list[_Group]) -> list[_Group]:
+        """The groups that run, marked started; canceled ones are answered Canceled instead."""
+        with self._cond:
+            running = [g for g in groups if not g.canceled()]
+            for group in groups:
+                if group.canceled() and not group.future.done():
+                    group.future.set_exception(Canceled("canceled while waiting for its batch"))
+                group.started = not group.canceled()
+        return running
+
+    def _serve(self, groups: list[_Group]) -> None:
         try:
             with self.lock:
+                groups = self._start(groups)   # a cancel that came while the lock was awaited
+                if not groups:
+                    return
+                items = [item for group in groups for item in group.items]
                 if self.run_many is None:
                     raise RuntimeError("this engine was released (its batcher is closed)")
                 results = self.run_many(items)
@@ -102,7 +150,7 @@ class Batcher:
                 _stopped(groups, err)
                 raise
             if len(groups) == 1:
-                groups[0][1].set_exception(err)
+                groups[0].future.set_exception(err)
             else:
                 # Find whose request failed: each group alone, so the others still get results.
                 try:
@@ -114,7 +162,6 @@ class Batcher:
             return
         self.sizes.append(len(items))
         start = 0
-        for items_of, future in groups:
-            future.set_result(results[start:start + len(items_of)])
-            start += len(items_of)
-
+        for group in groups:
+            group.future.set_result(results[start:start + len(group.items)])
+            start += len(group.items)
