@@ -89,3 +89,45 @@ def test_a_load_holds_up_other_loads_only():
     from photon_core.runtime.shared_models import _models
     engine = _models[("test", "slow")]
     assert engine.holders == 2 and not release(engine) and release(engine)
+
+
+def test_a_release_serving_its_last_batch_holds_up_loads_only():
+    """A node's cleanup (release) serves its engine's last batch, which may decode for seconds:
+    it held the cache's lock meanwhile, and every other node's configure waited on it, a model
+    already loaded too. Loads still wait for the released engine's memory."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from photon_core.runtime.shared_models import release, shared_model
+
+    gate, ran, order = threading.Event(), threading.Event(), []
+
+    def batch(items):
+        ran.set()
+        gate.wait(10)
+        order.append("last batch served")
+        return items
+
+    busy = shared_model(("test", "busy"), lambda: SimpleNamespace(batch=batch))
+    other = shared_model(("test", "other"), lambda: object())
+    asking = threading.Thread(target=lambda: busy.batcher.submit(["x"]))
+    asking.start()
+    assert ran.wait(10)
+    releasing = threading.Thread(target=lambda: release(busy))
+    releasing.start()
+    time.sleep(0.2)                                               # retire waits for the batch
+    begun = time.monotonic()
+    assert shared_model(("test", "other"), lambda: object()) is other   # in the cache: no wait
+    assert time.monotonic() - begun < 1.0
+    loading = threading.Thread(target=lambda: shared_model(("test", "new"), lambda: order.append("loaded")))
+    loading.start()
+    time.sleep(0.3)
+    assert order == []                                            # a load waits for the memory
+    gate.set()
+    for t in (asking, releasing, loading):
+        t.join(10)
+    assert order == ["last batch served", "loaded"]
+    from photon_core.runtime.shared_models import _models
+    for key in (("test", "other"), ("test", "other"), ("test", "new")):
+        release(_models[key])

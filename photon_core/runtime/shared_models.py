@@ -53,14 +53,17 @@ class SharedModel:
 
 
 _models: dict[tuple, SharedModel] = {}
-_loading = threading.Lock()       # the cache: held for lookups and changes, never across a load
+_loading = threading.Lock()       # the cache: held for lookups and changes, never across a load or a retire
 _one_load = threading.Lock()      # one load at a time (a load peaks its memory), and a key loads once
+_retiring = 0                     # released engines whose memory is not yet given back (under _loading)
+_retired = threading.Condition(_loading)
 
 
 def shared_model(key: tuple, load: Callable[[], Any]) -> SharedModel:
     """The process's model for `key`, loading it with `load()` the first time. Each call is one
     hold on it, given back with release(). A load holds up other loads only: a model already in
-    the cache, and a release (another node's cleanup), do not wait for it."""
+    the cache, and a release (another node's cleanup), do not wait for it. A load waits for the
+    engines being released to give their memory back (two models at once could not fit)."""
     with _loading:
         engine = _models.get(key)
         if engine is not None:
@@ -72,6 +75,7 @@ def shared_model(key: tuple, load: Callable[[], Any]) -> SharedModel:
             if engine is not None:
                 engine.holders += 1
                 return engine
+            _retired.wait_for(lambda: _retiring == 0)
         model = load()
         with _loading:
             engine = _models[key] = SharedModel(model, key)
@@ -82,7 +86,9 @@ def shared_model(key: tuple, load: Callable[[], Any]) -> SharedModel:
 def release(engine: SharedModel) -> bool:
     """Give back one hold on `engine`. When no hold is left it leaves the cache, lets go of its
     model and the memory is returned (garbage collection, and the CUDA caching allocator's
-    blocks); True then. A later shared_engine() loads the checkpoint afresh."""
+    blocks); True then. A later shared_engine() loads the checkpoint afresh. The engine's last
+    batch is served outside the cache's lock: other nodes' shared_engine() calls do not wait for it."""
+    global _retiring
     with _loading:
         if engine.holders <= 0:
             raise ValueError("release() of an engine that is not held")
@@ -91,8 +97,14 @@ def release(engine: SharedModel) -> bool:
             return False
         if engine.key is not None and _models.get(engine.key) is engine:
             del _models[engine.key]
+        _retiring += 1
+    try:
         engine.retire()
-    free_memory()
+        free_memory()
+    finally:
+        with _loading:
+            _retiring -= 1
+            _retired.notify_all()
     return True
 
 
