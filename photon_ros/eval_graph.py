@@ -195,8 +195,11 @@ class GraphRun:
             waiting.append(f"{frames_sent - c.received} frame(s) on the way to the vision node")
         if c.received > c.settled:
             waiting.append("a frame waits in the vision node's mailbox")
-        if self.progress is None:   # only the settle timeout can end this wait
-            waiting.append(f"the results of the last frames ({self.no_progress})")
+        if self.progress is None:
+            # Results not told apart by frame (no prompt a frame always answers, or shared stamps):
+            # all are out once the worker is done with every frame it took (it publishes first).
+            if c.done < c.taken:
+                waiting.append(f"the results of {c.taken - c.done} frame(s) the vision node is processing")
         elif self.progress.complete + c.bad < c.taken:
             waiting.append(f"results of {c.taken - c.bad - self.progress.complete} frame(s) "
                            f"({', '.join(f'{t} {p!r}' for t, p in sorted(self.progress.prompts))})")

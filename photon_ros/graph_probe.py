@@ -39,6 +39,7 @@ class VisionCounters:
     taken: int        # frames its worker took to process
     dropped: int      # frames replaced in the mailbox by a newer one before the worker took them
     bad: int          # frames it could not convert (no results)
+    done: int = 0     # frames taken that its worker is done with (every result of them published)
 
     @property
     def settled(self) -> int:
@@ -58,7 +59,8 @@ class VisionProbe:
 
     def counters(self) -> VisionCounters:
         frames = self.node.frames
-        return VisionCounters(frames.received, frames.taken, frames.dropped, self.node.bad_frames)
+        return VisionCounters(frames.received, frames.taken, frames.dropped, self.node.bad_frames,
+                              self.node.frames_done)
 
     def prompts(self) -> list[tuple[str, str]]:
         """(topic, prompt) of every result a processed frame always gives (captions come only

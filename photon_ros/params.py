@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
+from rclpy.exceptions import InvalidParameterTypeException
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
@@ -141,7 +142,7 @@ class NodeParams:
         self.values: dict[str, Any] = {}
         problems = []
         for spec in specs:
-            value = node.declare_parameter(spec.name, spec.default, spec.descriptor()).value
+            value = self._declare(spec)
             value = [] if value is None and isinstance(spec.default, Parameter.Type) else value
             taken, reason = spec.refusal(value)
             if reason:
@@ -152,6 +153,19 @@ class NodeParams:
         if problems:
             raise ValueError("invalid parameters: " + "; ".join(problems))
         node.add_on_set_parameters_callback(self._on_set)
+
+    def _declare(self, spec: "Param") -> Any:
+        try:
+            return self.node.declare_parameter(spec.name, spec.default, spec.descriptor()).value
+        except InvalidParameterTypeException:
+            # rclpy types an empty list given as an override (bringup's overrides, the evaluator's
+            # --set vision.detect=[]) a byte array, which a string-array parameter refuses; the
+            # empty list it means is the parameter's declared default.
+            override = getattr(self.node, "_parameter_overrides", {}).get(spec.name)
+            empty = override is not None and isinstance(override.value, (list, tuple)) and not override.value
+            if not (empty and isinstance(spec.default, Parameter.Type)):
+                raise
+            return self.node.declare_parameter(spec.name, spec.default, spec.descriptor(), ignore_override=True).value
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]

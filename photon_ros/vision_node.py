@@ -159,6 +159,7 @@ class VisionNode(ManagedNode):
         self.depth_health = InputHealth()   # depth images lost on the way (best-effort QoS drops them)
         self.info_health = InputHealth()    # camera_info messages lost on the way
         self.inactive_frames = 0   # frames not processed because the node was not active
+        self.frames_done = 0       # frames the worker took and is done with (their results out, or none)
         self.last_caption = 0.0
         self.subscription = None
         self.image_qos = self.params["reliability"]   # the image subscription's (read at configure)
@@ -378,6 +379,7 @@ class VisionNode(ManagedNode):
                     self.process_guarded(frame, epoch)
                 else:   # deactivated since it was taken
                     self.inactive_frames += 1
+            self.frames_done += 1
 
     def process_guarded(self, frame, epoch: int) -> None:
         """process, surviving what it did not foresee: this thread is the node's only worker, and

@@ -416,3 +416,21 @@ def test_a_bags_frames_are_read_as_replayed_not_held(tmp_path):
     for i, m in enumerate(frames):
         assert stamp_ns(m.msg) == frames.stamp_of(i) and bytes(m.msg.data[:1]) == bytes([i])
     assert frames[3].msg.data[0] == 3                       # going back reads the bag again
+
+
+def test_a_caption_only_graph_ends_once_its_frames_are_done(tmp_path):
+    """With no prompt every frame answers (captions only), the results could not be told apart by
+    frame and only the settle timeout ended the evaluation: every run waited it out (120 s) and
+    exited 3 with all its results in. Now it ends once the vision worker is done with every frame."""
+    bag, t0 = tmp_path / "captions", time.time()
+    with BagWriter(bag, "mcap") as w:
+        for i in range(FRAMES):
+            header = Header(stamp=seconds_to_time(t0 + 0.5 * i), frame_id="camera")
+            w.write("/image_raw", rgb_to_image(scene(i), "rgb8", header=header), int((t0 + 0.5 * i + 0.003) * 1e9))
+    out = tmp_path / "eval"
+    rc = evaluate.main([str(bag), "--graph", "vision", "--rate", "max", "--out", str(out), "--settle-timeout", "120",
+                        "--set", f"vision.model={checkpoint()}", "--set", "vision.detect=[]", "--set", "vision.point=[]",
+                        "--set", "vision.caption_period_s=0.001"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert rc == 0 and summary["missing_results"] == []
+    assert summary["results"]["caption"] == summary["vision"]["frames_processed"] >= 1

@@ -50,6 +50,18 @@ def test_declared_with_descriptors_and_whole_numbers_taken_as_floats(context):
         node.destroy_node()
 
 
+def test_an_empty_list_override_is_the_empty_list(context):
+    """rclpy types an override of [] a byte array: the string-array parameter refused it and the
+    node did not start (the evaluator's --set vision.detect=[] to clear the config's prompts)."""
+    node, params = make(context, "p_empty", [("names", [])])
+    try:
+        assert params["names"] == []
+    finally:
+        node.destroy_node()
+    with pytest.raises(Exception, match="names"):   # a byte array that is not empty stays refused
+        make(context, "p_bytes", [("names", [b"x"])])
+
+
 @pytest.mark.parametrize("name, value, reason", [
     ("gain", -1.0, "gain must be >= 0"), ("gain", "loud", "gain must be a number"),
     ("gain", math.nan, "gain must be a number"), ("gain", math.inf, "gain must be finite"),
