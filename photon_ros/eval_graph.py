@@ -256,10 +256,21 @@ class GraphRun:
                                 "utterances_in_audio": utterances, **self.speech.counters()}
         return counts
 
+    def end_of_audio(self, published: list[Published], timeout: float) -> None:
+        """At max rate (no idle flush): once the node has handled every chunk, the recording's end
+        ends the utterance in progress."""
+        chunks = sum(1 for p in published if p.stream == "audio")
+        if self.speech is None or not chunks:
+            return
+        if _wait(lambda: self.speech.chunks_handled() >= chunks, timeout, self.check):
+            self.speech.end_of_recording()
+
     def run(self, rate: float | None, window: int, settle_timeout: float) -> Run:
         streams, ends = self.streams(rate, window, settle_timeout)
         self.wait_ready(streams)
         utterances = self.predicted_utterances()
+        if self.speech is not None and rate != 1.0:
+            self.speech.pace(rate)
         try:
             published = replay(streams, rate, self.failed)
         except ReplayStalled as stalled:   # what came until then is written out, with the reason
@@ -267,6 +278,8 @@ class GraphRun:
             return Run(stalled.published, self.log, ends, self.counters(stalled.published, utterances),
                        [f"the replay stopped: {stalled}"])
         self.check()
+        if rate is None:
+            self.end_of_audio(published, settle_timeout)
         frames = sum(1 for p in published if p.stream == "image")
         pending = self.settle(frames, utterances, settle_timeout)
         return Run(published, self.log, ends, self.counters(published, utterances), pending)

@@ -17,7 +17,9 @@ types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArra
                    bag's messages that could not be decoded (skipped, counted per topic)
 
 Replay at a rate keeps the bag's timing; at max, each stream goes as fast as the graph takes it
-(photon_ros.replay). The evaluation ends when every result the inputs call for has arrived
+(photon_ros.replay). The speech node's idle flush (an utterance ends after idle_flush_s without
+audio, by the clock) follows the pace: scaled by the rate, off at max rate, where the recording's
+end ends the last utterance (graph_probe.SpeechProbe.pace). The evaluation ends when every result the inputs call for has arrived
 (photon_ros.graph_probe predicts them), or when nothing has moved for --settle-timeout seconds.
 Exit status: 0 when every result the inputs called for came, 3 when some never came, the graph
 published nothing, or a node stopped taking input for --settle-timeout (the outputs are written

@@ -20,6 +20,8 @@ from typing import Iterable
 
 import numpy as np
 
+from rclpy.parameter import Parameter
+
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
 from photon_ros.commands import parse_command
@@ -27,6 +29,10 @@ from photon_ros.loop_node import incomplete_reason
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import time_to_seconds
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter
+
+
+# At max rate the idle flush is off (a finite parameter: no gap of a replay lasts this long).
+NO_IDLE_FLUSH_S = 1e9
 
 
 class GraphError(Exception):
@@ -88,6 +94,27 @@ class SpeechProbe:
         """Audio messages the node has taken off its subscription, or knows were lost on the way
         (its publishers' sequence numbers): the backlog behind them is what its queue holds."""
         return self.node.chunks_received + self.node.health.lost_in_transport
+
+    def chunks_handled(self) -> int:
+        """Audio messages the node is done with (in its segmenter, refused or ignored), or knows
+        were lost on the way."""
+        return self.node.chunks_handled + self.node.health.lost_in_transport
+
+    def pace(self, rate: float | None) -> None:
+        """The node ends an utterance after idle_flush_s without audio, by this machine's clock. A
+        replay not at the bag's pace moves the bag's gaps: at a rate they last 1 / rate times as
+        long (idle_flush_s scaled alike), and at max rate the audio waits wherever the frames
+        before it in the bag wait for the vision model, for as long as that takes (no idle flush
+        then: end_of_recording() ends the last utterance instead). Either way the utterances are
+        cut where the robot's node cut them live."""
+        idle = self.node.params["idle_flush_s"]
+        paced = idle / rate if rate is not None else NO_IDLE_FLUSH_S
+        if not self.node.set_parameters([Parameter("idle_flush_s", value=paced)])[0].successful:
+            raise GraphError(f"speech: idle_flush_s could not be set to {paced:g} s for the replay")
+
+    def end_of_recording(self) -> None:
+        """The bag's audio is all in the node: the utterance in progress, if any, ends there."""
+        self.node.end_stream("the recording's audio ended mid-utterance")
 
     def in_speech(self) -> bool:
         """An utterance is open: its end (or the idle flush) is still to come."""

@@ -192,6 +192,7 @@ class SpeechNode(ManagedNode):
         self.transcripts_failed = 0
         self.ignored_chunks = 0         # chunks that arrived while the node was not active
         self.chunks_received = 0
+        self.chunks_handled = 0         # chunks whose audio is in the segmenter, refused, or ignored
         self.input_type = self.params["input_type"]   # as the subscription takes it (create_interfaces)
         self.finals_published = 0
         self.incomplete_published = 0   # finals whose audio was cut (audio_complete false)
@@ -335,11 +336,14 @@ class SpeechNode(ManagedNode):
         self.chunks_received += 1
         self.input_arrived()
         lost = self.health.arrived(info)
-        with self.activity.admitting() as admitted:
-            if admitted:
-                self.take_audio(msg, lost)
-            else:
-                self.ignored_chunks += 1
+        try:
+            with self.activity.admitting() as admitted:
+                if admitted:
+                    self.take_audio(msg, lost)
+                else:
+                    self.ignored_chunks += 1
+        finally:
+            self.chunks_handled += 1
 
     def take_audio(self, msg, lost: int = 0) -> None:
         """msg's audio into the segmenter; `lost`: its publisher's messages lost just before it."""
@@ -475,12 +479,23 @@ class SpeechNode(ManagedNode):
 
     def flush_if_idle(self) -> None:
         with self.lock:
-            if self.watch.stopped(time.monotonic()) and self.segmenter is not None:
-                self.stream_restarts()
-                utterance = self.segmenter.stream_stopped(
-                    f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
-                if utterance is not None:
-                    self.enqueue(utterance)
+            if self.watch.stopped(time.monotonic()):
+                self.stream_ended(f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
+
+    def end_stream(self, note: str) -> None:
+        """The audio source has ended (a replayed recording's last chunk is in): the utterance in
+        progress ends now, incomplete with `note`, as the idle timer ends it after idle_flush_s."""
+        with self.lock:
+            self.watch.ended()   # the idle timer does not end it again
+            self.stream_ended(note)
+
+    def stream_ended(self, note: str) -> None:
+        """Under self.lock."""
+        if self.segmenter is not None:
+            self.stream_restarts()
+            utterance = self.segmenter.stream_stopped(note)
+            if utterance is not None:
+                self.enqueue(utterance)
 
     def warn_on_type_mismatch(self) -> None:
         """Publishers of another type on our topic never reach us (DDS does not match them):

@@ -26,6 +26,10 @@ class StreamWatch:
         self.chunk_s = duration_s
         self._armed = False
 
+    def ended(self) -> None:
+        """The stream's end was reported by other means: no stop to report until the next chunk."""
+        self.last_chunk, self._armed = None, False
+
     def stopped(self, now: float) -> bool:
         """Call from a periodic tick: True once per stop, on the second idle tick in a row."""
         if self.last_chunk is None or now - self.last_chunk <= max(self.idle_s, 2.0 * self.chunk_s):

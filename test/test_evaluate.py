@@ -434,3 +434,40 @@ def test_a_caption_only_graph_ends_once_its_frames_are_done(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert rc == 0 and summary["missing_results"] == []
     assert summary["results"]["caption"] == summary["vision"]["frames_processed"] >= 1
+
+
+def test_speech_is_cut_as_live_when_the_replay_is_not_at_the_bags_pace(tmp_path, monkeypatch):
+    """The speech node ends an utterance after idle_flush_s (0.8 s) without audio, by the wall
+    clock. At max rate the audio waits wherever the frames before it in the bag wait for the vision
+    model (a real Moondream 2 frame takes seconds on a CPU): the command came out as fragments,
+    incomplete, the loop did not act, and the run exited 0. At a rate below 1 the bag's gaps grow
+    alike. Now the idle flush follows the replay's pace (off at max rate, the recording's end
+    ending the last utterance), and the command is heard whole."""
+    import photon_ros.vision_node as vision_node
+    from photon_ros.graph_probe import NO_IDLE_FLUSH_S, SpeechProbe
+
+    prepare = vision_node.prepared_image
+
+    def slow_prepare(engine, rgb):   # a frame as slow as a real model's: longer than idle_flush_s
+        time.sleep(1.2)
+        return prepare(engine, rgb)
+    monkeypatch.setattr(vision_node, "prepared_image", slow_prepare)
+    bag = tmp_path / "session"
+    record_bag(bag, "sqlite3", False)
+    out = tmp_path / "eval"
+    rc = evaluate.main([str(bag), "--graph", "all", "--rate", "max", "--out", str(out),
+                        "--set", f"vision.model={checkpoint()}", "--set", "vision.detect=[red ball]",
+                        "--set", "vision.max_objects=1"])
+    finals = [r for r in read_csv(out / "transcript.csv") if r["is_final"] == "True"]
+    assert rc == 0 and len(finals) == 1, [r["text"] for r in finals]
+    assert words(finals[0]["text"]) == words(SENTENCE) and finals[0]["audio_complete"] == "True"
+    assert any("looking for 'red ball'" in r["data"] for r in read_csv(out / "status.csv"))
+
+    # at a rate: the node's idle_flush_s scaled by it, set before the replay and applied
+    from types import SimpleNamespace
+    set_to = []
+    node = SimpleNamespace(params={"idle_flush_s": 0.8}, set_parameters=lambda ps: (
+        set_to.extend(p.value for p in ps), [SimpleNamespace(successful=True)])[1])
+    SpeechProbe(node).pace(0.25)
+    SpeechProbe(node).pace(None)
+    assert set_to == [pytest.approx(3.2), NO_IDLE_FLUSH_S]
