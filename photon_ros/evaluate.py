@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,6 +242,10 @@ def evaluate(bag: Path, graph: str = "all", rate: float | None = 1.0, out: Path 
     BagError for a bag that cannot be used, GraphError for a graph that cannot run."""
     if window < 1:
         raise ValueError(f"--window must be at least 1 frame, got {window}")
+    if not 0 < settle_timeout < math.inf:   # (NaN too: it would wait for ever on a stalled graph)
+        raise ValueError(f"--settle-timeout must be a positive number of seconds, got {settle_timeout}")
+    if config is not None and not Path(config).is_file():
+        raise ValueError(f"--config {config}: no such file")
     known = {role for roles in ROLES.values() for role in roles}
     if set(overrides or {}) - known:
         raise ValueError(f"--set names no node of a graph: {', '.join(sorted(set(overrides) - known))} "
@@ -249,6 +254,8 @@ def evaluate(bag: Path, graph: str = "all", rate: float | None = 1.0, out: Path 
     out = Path(out) if out is not None else Path.cwd() / f"{bag.name.split('.')[0]}_eval"
     if (out / "results").exists():
         raise BagError(f"{out / 'results'} exists already: choose another --out")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
     inputs = load_inputs(bag, graph, image_topic, audio_topic)
     storage = storage or bag_storage(bag)
     use_large_data_profile()   # before rclpy starts: Fast DDS reads it once

@@ -258,6 +258,15 @@ def test_bad_input_fails_with_its_reason(tmp_path, capsys):
     assert "NODE.PARAM=VALUE" in capsys.readouterr().err
     assert evaluate.main([str(fake), "--set", "visoin.detect=[cup]"]) == 2
     assert "names no node" in capsys.readouterr().err
+    # checked before anything runs: a traceback, a bad argument read as a model's failure (exit 3),
+    # results lost after the whole replay
+    assert evaluate.main([str(fake), "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "--config" in capsys.readouterr().err
+    for settle in ("-5", "nan", "inf", "0"):
+        assert evaluate.main([str(fake), "--settle-timeout", settle]) == 2
+        assert "--settle-timeout" in capsys.readouterr().err
+    assert evaluate.main([str(fake), "--out", str(plain)]) == 2
+    assert "is a file" in capsys.readouterr().err
 
 
 def test_only_the_streams_a_graph_takes_are_chosen(tmp_path):
