@@ -230,7 +230,7 @@ def write_inputs_csv(path: Path, published: list[Published], inputs: Inputs, wit
         for p in published:
             has = (p.stamp_ns in with_results) if p.stream == "image" and p.stamp_ns not in timeline.shared else ""
             writer.writerow([p.stream, inputs.topics[p.stream], p.index, p.stamp_ns,
-                             timeline.seconds(p.stamp_ns), p.log_time_ns, round(p.at - start, 6), has])
+                             timeline.input_seconds(p), p.log_time_ns, round(p.at - start, 6), has])
 
 
 # --- entry points ---------------------------------------------------------------------------------

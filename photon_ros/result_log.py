@@ -129,12 +129,16 @@ class FrameProgress:
 # --- tying results to inputs ----------------------------------------------------------------------
 @dataclass
 class InputTimeline:
-    """The published inputs, indexed for the lookups results need."""
+    """The published inputs, indexed for the lookups results need. Its clock is the recording's:
+    input stamps, or for unstamped input the bag's log times (the recorder's clock), from the
+    earliest of them (t0_ns). Transcripts of unstamped audio carry the speech node's clock (it
+    stamps such audio as it arrives) and are brought onto it through the chunk they began in."""
     frames: dict[int, Published]               # header stamp (ns) -> the frame published with it
     chunk_ends: list[float]                    # end capture time (s) of each audio chunk, sorted
     chunks: list[Published]                    # in the same order
-    t0_ns: int                                 # zero of the timeline: the first input stamp
+    t0_ns: int                                 # zero of the timeline: the first input's recorded time
     shared: set[int] = field(default_factory=set)   # stamps several frames carry: no result is told apart
+    node_clock: bool = False                   # the chunks' ends are the node's clock (unstamped audio)
 
     @classmethod
     def build(cls, published: list[Published], chunk_ends: dict[int, float | None]) -> "InputTimeline":
@@ -144,18 +148,36 @@ class InputTimeline:
         shared = {stamp for stamp, n in counts.items() if n > 1}
         frames = {p.stamp_ns: p for p in published
                   if p.stream == "image" and p.stamp_ns is not None and p.stamp_ns not in shared}
-        # A chunk's end: its capture stamp's, or for unstamped audio (std_msgs arrays) when it was
-        # published, the node's estimate too (it stamps such a chunk as ending when it arrives).
+        # A chunk's end: its capture stamp's, or for unstamped audio (std_msgs arrays, a zero stamp)
+        # when it was published, the node's estimate too (it stamps such a chunk as ending when it arrives).
+        audio = [p for p in published if p.stream == "audio"]
+        node_clock = any(chunk_ends.get(p.index) is None and not p.stamp_ns for p in audio)
         chunks = sorted(((chunk_ends[p.index] if chunk_ends.get(p.index) is not None else p.wall_ns / 1e9, p)
-                         for p in published if p.stream == "audio"
-                         and (chunk_ends.get(p.index) is not None or p.stamp_ns is None)), key=lambda c: c[0])
-        # Without any stamp (std_msgs audio), results carry the node's clock: zero is the replay's start.
-        stamps = [p.stamp_ns for p in published if p.stamp_ns] or [p.wall_ns for p in published]
-        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], min(stamps, default=0), shared)
+                         for p in audio if chunk_ends.get(p.index) is not None or not p.stamp_ns),
+                        key=lambda c: c[0])
+        t0 = min((p.stamp_ns or p.log_time_ns for p in published), default=0)
+        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], t0, shared, node_clock)
 
     def seconds(self, stamp: int | None) -> float | None:
-        """A stamp on the timeline; None for none, or 0 (unstamped: not a time on it)."""
+        """A recorded stamp on the timeline; None for none, or 0 (unstamped: not a time on it)."""
         return None if not stamp else (stamp - self.t0_ns) / 1e9
+
+    def input_seconds(self, p: Published) -> float:
+        """Where an input is on the timeline: its stamp, or its log time when it has none."""
+        return (p.stamp_ns or p.log_time_ns) / 1e9 - self.t0_ns / 1e9
+
+    def result_seconds(self, output: Output, msg: Any) -> float | None:
+        """Where a result is on the timeline: its stamp, brought from the node's clock for a
+        transcript of unstamped audio: its last sample's place in the chunk that held it (the
+        node stamps a chunk at its arrival), then back by its duration (audio time: a replay not
+        at the bag's pace bunches the node's stamps of earlier chunks)."""
+        stamp = stamp_ns(msg)
+        if output.source == "utterance" and stamp and self.node_clock and self.chunks:
+            last = self.source(output, msg)
+            duration = _seconds(msg.audio_duration)
+            after_last = max(0.0, last.wall_ns / 1e9 - (stamp / 1e9 + duration))
+            return (last.log_time_ns - self.t0_ns) / 1e9 - after_last - duration
+        return self.seconds(stamp)
 
     def source(self, output: Output, msg: Any) -> Published | None:
         """The input that produced `msg`, when one input did."""
@@ -182,7 +204,7 @@ def _row(result: Result, output: Output, timeline: InputTimeline) -> dict:
     stamp = stamp_ns(result.msg)
     return {"received_ns": result.received_ns,
             "stamp_ns": stamp,
-            "time_s": timeline.seconds(stamp),
+            "time_s": timeline.result_seconds(output, result.msg),
             "input_index": None if source is None else source.index,
             "delay_s": None if source is None else round(result.at - source.at, 6),
             **flatten_message(result.msg)}

@@ -300,7 +300,7 @@ def test_unstamped_audio_at_max_rate_is_paced_by_what_the_node_takes(tmp_path):
         pcm, sr = espeak_pcm(sentence)
         parts += [pcm, np.zeros(int(1.5 * sr), np.float32)]
     audio = resample_poly(np.concatenate(parts), 16000, sr).astype(np.float32)
-    bag, t0, sent = tmp_path / "int16", time.time(), 0
+    bag, t0, sent = tmp_path / "int16", time.time() - 3600, 0   # recorded an hour ago
     with BagWriter(bag, "mcap") as w:
         for c in chunk_audio(audio, 16000, 0.05, 0.5, 1.0):
             w.write("/audio_raw", pcm_to_int16_array(c), int((t0 + sent / 16000) * 1e9))
@@ -313,6 +313,9 @@ def test_unstamped_audio_at_max_rate_is_paced_by_what_the_node_takes(tmp_path):
     # published: the node stamps such audio as it arrives), so it has a delay.
     indices = [int(r["input_index"]) for r in finals]
     assert indices == sorted(indices) and all(float(r["delay_s"]) > 0 for r in finals)
+    # ... and placed on the recording's timeline, not an hour after it (the node's clock)
+    times = [float(r["time_s"]) for r in finals]
+    assert 0 <= times[0] < times[1] < times[2] < sent / 16000, times
 
 
 def test_results_of_frames_sharing_a_stamp_name_no_frame():
@@ -329,6 +332,27 @@ def test_results_of_frames_sharing_a_stamp_name_no_frame():
     stamped.header.stamp.sec = 5
     assert timeline.source(frame, unstamped) is None and timeline.seconds(0) is None
     assert timeline.source(frame, stamped).index == 3
+
+
+def test_transcripts_of_zero_stamped_audio_name_their_chunk_on_the_recordings_clock():
+    """AudioChunks stamped 0 are unstamped to the speech node (it stamps them on its clock as they
+    arrive): their transcripts named no chunk (no input_index, no delay), and stamped frames beside
+    them put the timeline's zero on another clock."""
+    from photon_ros.msg import Transcript
+    from photon_ros.replay import Published
+    from photon_ros.result_log import InputTimeline, Output
+    recorded, replayed = 1_000_000_000_000, 5_000_000_000_000   # log times; the replay's wall clock
+    published = [Published("audio", i, 0, recorded + i * 100_000_000, at=float(i),
+                           wall_ns=replayed + (i + 1) * 100_000_000) for i in range(10)]
+    published.append(Published("image", 0, recorded + 250_000_000, recorded + 253_000_000, at=2.5))
+    timeline = InputTimeline.build(published, {i: None for i in range(10)})
+    said = Transcript()   # began 0.05 s into chunk 3 (as the node stamps it), 0.3 s long
+    said.header.stamp.sec, said.header.stamp.nanosec = divmod(replayed + 350_000_000, 1_000_000_000)
+    said.audio_duration.nanosec = 300_000_000
+    utterance = Output("transcript", Transcript, "utterance")
+    assert timeline.t0_ns == recorded and timeline.source(utterance, said).index == 6   # its last sample's
+    assert timeline.result_seconds(utterance, said) == pytest.approx(0.25)   # chunk 3's recorded span
+    assert timeline.input_seconds(published[-1]) == pytest.approx(0.25)
 
 
 def test_cmd_vel_is_recorded_as_the_loop_publishes_it():
