@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -19,7 +19,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from photon_ros.bag_io import BagMessage, StreamedMessages, message_class, stamp_ns
 from photon_ros.bringup import build_graph
 from photon_ros.graph_probe import (GraphError, SpeechProbe, VisionProbe, chunk_end, chunk_start,
-                                    loop_statuses, predict_utterances)
+                                    Predicted, loop_statuses, predict_utterances)
 from photon_ros.replay import ChunkGate, FrameGate, Published, ReplayStalled, Stream, replay
 from photon_ros.result_log import FrameProgress, ResultLog, role_outputs
 
@@ -30,6 +30,9 @@ LOAD_TIMEOUT_S = 300.0     # models load (and warm up) before the replay starts
 MATCH_TIMEOUT_S = 30.0     # DDS discovery between the evaluator and the graph
 TRANSPORT_S = 5.0          # a frame not at the node this long after it was sent is lost
 GRACE_S = 0.5              # after the awaited results, for extras still in flight (captions, partials)
+# At max rate a frame's depth and camera_info go this far ahead of the bag's order: before their
+# frame (logged a few ms apart from it), never more than a frame or two ahead at 30 Hz (the node keeps 10).
+COMPANION_LEAD_S = 0.05
 
 
 def graph_nodes(config_path: Path, roles: list[str], context, overrides: dict[str, dict]) -> dict[str, Any]:
@@ -53,6 +56,10 @@ class Run:
     chunk_ends: dict[int, float | None]   # audio chunk index -> capture time after its last sample
     counters: dict[str, Any]
     pending: list[str]            # results awaited that never came
+    # unstamped audio: chunk index -> (its first sample, samples), and where the utterances lie in them
+    chunk_samples: dict[int, tuple[int, int]] = field(default_factory=dict)
+    utterances: list[Predicted] = field(default_factory=list)
+    sample_rate: int = 0
 
 
 class GraphRun:
@@ -146,6 +153,10 @@ class GraphRun:
             publisher = self.node.create_publisher(message_class(self.types["image"]), topic, qos(10))
             gate = FrameGate(self.vision, self.progress, window, TRANSPORT_S, stall_s) if rate is None else None
             streams.append(Stream("image", topic, self.messages["image"], publisher, gate))
+        for name in ("depth", "camera_info"):   # (use_depth) as the bag has them, in its order with the frames
+            if name in self.messages:
+                publisher = self.node.create_publisher(message_class(self.types[name]), name, qos(10))
+                streams.append(Stream(name, name, self.messages[name], publisher, lead_s=COMPANION_LEAD_S))
         if "audio" in self.messages and self.speech is not None:
             messages = self.messages["audio"]
             publisher = self.node.create_publisher(message_class(self.types["audio"]), "audio", qos(100))
@@ -172,13 +183,25 @@ class GraphRun:
         return ([s.publisher.topic_name for s in streams if s.publisher.get_subscription_count() == 0]
                 + self.log.unmatched())
 
-    def predicted_utterances(self) -> int:
+    def predicted_utterances(self) -> list[Predicted]:
         """Final utterances the speech node will cut from the bag's audio."""
         if self.speech is None:
-            return 0
+            return []
         chunks = [(pcm, chunk_start(m.msg)) for m, pcm in zip(self.messages.get("audio", []), self.audio)
                   if pcm is not None]
-        return len(predict_utterances(chunks, self.speech.vad_config))
+        return predict_utterances(chunks, self.speech.vad_config)
+
+    def sample_rate(self) -> int:
+        return next((pcm.sample_rate for pcm in self.audio if pcm is not None), 0)
+
+    def chunk_samples(self) -> dict[int, tuple[int, int]]:
+        """Audio chunk index -> (its first sample, its samples), over the decodable chunks in order."""
+        spans, first = {}, 0
+        for i, pcm in enumerate(self.audio):
+            if pcm is not None:
+                spans[i] = (first, pcm.samples.size)
+                first += pcm.samples.size
+        return spans
 
     # --- after the replay -----------------------------------------------------------------------
     def pending(self, frames_sent: int, since_sent: float, utterances: int) -> list[str]:
@@ -268,7 +291,8 @@ class GraphRun:
     def run(self, rate: float | None, window: int, settle_timeout: float) -> Run:
         streams, ends = self.streams(rate, window, settle_timeout)
         self.wait_ready(streams)
-        utterances = self.predicted_utterances()
+        predicted = self.predicted_utterances()
+        utterances = len(predicted)
         if self.speech is not None and rate != 1.0:
             self.speech.pace(rate)
         try:
@@ -276,13 +300,14 @@ class GraphRun:
         except ReplayStalled as stalled:   # what came until then is written out, with the reason
             self.check()
             return Run(stalled.published, self.log, ends, self.counters(stalled.published, utterances),
-                       [f"the replay stopped: {stalled}"])
+                       [f"the replay stopped: {stalled}"], self.chunk_samples(), predicted, self.sample_rate())
         self.check()
         if rate is None:
             self.end_of_audio(published, settle_timeout)
         frames = sum(1 for p in published if p.stream == "image")
         pending = self.settle(frames, utterances, settle_timeout)
-        return Run(published, self.log, ends, self.counters(published, utterances), pending)
+        return Run(published, self.log, ends, self.counters(published, utterances), pending,
+                   self.chunk_samples(), predicted, self.sample_rate())
 
 
 def _wait(predicate: Callable[[], bool], timeout: float, check: Callable[[], None], poll: float = 0.05) -> bool:

@@ -2,11 +2,13 @@
 
     python -m photon_ros.evaluate BAG --graph vision|speech|all [--rate 1.0|max] [--out DIR]
         [--config photon.yaml] [--set vision.detect='[cup]'] [--image-topic T] [--audio-topic T]
-        [--window N] [--storage sqlite3|mcap] [--settle-timeout S]
+        [--depth-topic T] [--camera-info-topic T] [--window N] [--storage sqlite3|mcap] [--settle-timeout S]
 
 The graph is the one `photon_ros.bringup` starts from the same YAML, minus the audio source (the
 bag is the source), in this process over real DDS. It is configured to take the bag's input
-types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArray). Out come:
+types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArray). With
+vision.use_depth the bag's depth image (aligned to the colour image) and the colour camera's
+CameraInfo are replayed too, and the 3D results recorded (no /tf: target_frame is refused). Out come:
   results/         a bag (the input's storage) of every result message, at its arrival time
   <topic>.csv      one row per result message: its stamp, the input that produced it, the delay
                    from publishing that input to receiving the result, and the message's fields
@@ -45,7 +47,7 @@ from rclpy.exceptions import ParameterException
 
 from photon_ros.bag_io import (STORAGES, BagError, BagMessage, StreamedMessages, Undecodable, bag_storage,
                                bag_topics, read_messages)
-from photon_ros.bringup import DEFAULT_CONFIG, use_large_data_profile
+from photon_ros.bringup import DEFAULT_CONFIG, node_parameters, use_large_data_profile
 from photon_ros.eval_graph import ROLES, GraphRun, Run
 from photon_ros.eval_report import ReportData, audio_envelope, plot_report
 from photon_ros.graph_probe import GraphError
@@ -57,6 +59,8 @@ IMAGE_TYPES = {"sensor_msgs/msg/Image": "raw", "sensor_msgs/msg/CompressedImage"
 AUDIO_TYPES = {"photon_ros/msg/AudioChunk": "audio_chunk", "std_msgs/msg/Int16MultiArray": "int16",
                "std_msgs/msg/Float32MultiArray": "float32"}
 NEEDS = {"vision": ["image"], "speech": ["audio"], "all": ["image", "audio"]}
+# With vision.use_depth: the depth image aligned to the colour image, and the colour camera's info.
+DEPTH_TYPE, INFO_TYPE = "sensor_msgs/msg/Image", "sensor_msgs/msg/CameraInfo"
 
 
 @dataclass
@@ -94,13 +98,56 @@ def choose_topic(topics: dict[str, str], accepted: dict[str, str], wanted: str |
     return candidates[0] if candidates else None
 
 
-def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
-                audio_topic: str | None = None) -> Inputs:
-    """Read the topics the graph needs from the bag; BagError when it lacks them."""
+def _namespace(topic: str) -> str:
+    """/camera/color/image_raw/compressed -> /camera/color"""
+    parts = topic.rstrip("/").split("/")
+    while parts and parts[-1] in ("compressed", "image_raw", "image_rect_raw", "image_rect", "image"):
+        parts.pop()
+    return "/".join(parts)
+
+
+def choose_depth_topic(topics: dict[str, str], image_topic: str, wanted: str | None) -> str:
+    """The depth image aligned to the colour image: `wanted`, else the only Image topic named for
+    depth, the aligned one where there are several (a RealSense records both)."""
+    if wanted is not None:
+        return choose_topic(topics, {DEPTH_TYPE: ""}, wanted, "depth")
+    depth = sorted(t for t, kind in topics.items() if kind == DEPTH_TYPE and t != image_topic and "depth" in t)
+    aligned = [t for t in depth if "aligned" in t]
+    if len(aligned) == 1 or len(depth) == 1:
+        return (aligned or depth)[0]
+    if not depth:
+        raise BagError("vision.use_depth is set but the bag has no depth image (an Image topic named for "
+                       "depth; compressed depth is not taken): give it with --depth-topic, or evaluate without depth")
+    raise BagError(f"the bag has several depth images ({', '.join(depth)}): choose the one aligned to "
+                   f"{image_topic} with --depth-topic")
+
+
+def choose_info_topic(topics: dict[str, str], image_topic: str, depth_topic: str, wanted: str | None) -> str:
+    """The colour camera's CameraInfo: `wanted`, else the one beside the image (or beside the
+    aligned depth, which carries the colour camera's), else the only one."""
+    if wanted is not None:
+        return choose_topic(topics, {INFO_TYPE: ""}, wanted, "camera-info")
+    infos = sorted(t for t, kind in topics.items() if kind == INFO_TYPE)
+    for near in (image_topic, depth_topic):
+        if (beside := _namespace(near) + "/camera_info") in infos:
+            return beside
+    if len(infos) == 1:
+        return infos[0]
+    raise BagError(f"vision.use_depth is set and the bag has {'no' if not infos else 'several'} CameraInfo "
+                   f"topic{'s' if len(infos) != 1 else ''}{' (' + ', '.join(infos) + ')' if infos else ''} "
+                   f"beside none of {image_topic}, {depth_topic}: choose one with --camera-info-topic")
+
+
+def load_inputs(bag: Path, graph: str, image_topic: str | None = None, audio_topic: str | None = None,
+                depth: bool = False, depth_topic: str | None = None, info_topic: str | None = None) -> Inputs:
+    """Read the topics the graph needs from the bag (with `depth`, the vision node's depth image
+    and camera_info too); BagError when it lacks them."""
     topics = bag_topics(bag)
     inputs = Inputs(Path(bag))
     # only the streams the graph takes: a speech graph need not choose among a RealSense's images
-    choose = {"image": lambda: choose_topic(topics, IMAGE_TYPES, image_topic, "image"),
+    # a depth camera's depth images are not the colour images the model takes
+    colour = {t: k for t, k in topics.items() if "depth" not in t} if image_topic is None else topics
+    choose = {"image": lambda: choose_topic(colour, IMAGE_TYPES, image_topic, "image"),
               "audio": lambda: choose_topic(topics, AUDIO_TYPES, audio_topic, "audio")}
     chosen = {stream: choose[stream]() for stream in NEEDS[graph]}
     for stream in NEEDS[graph]:
@@ -111,12 +158,17 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
                            + (", ".join(f"{t} ({k})" for t, k in sorted(topics.items())) or "nothing"))
         inputs.topics[stream] = chosen[stream]
         inputs.types[stream] = topics[chosen[stream]]
+    if depth and "image" in chosen:
+        inputs.topics["depth"] = choose_depth_topic(topics, inputs.topics["image"], depth_topic)
+        inputs.topics["camera_info"] = choose_info_topic(topics, inputs.topics["image"], inputs.topics["depth"],
+                                                         info_topic)
+        inputs.types.update(depth=DEPTH_TYPE, camera_info=INFO_TYPE)
     for stream, topic in inputs.topics.items():
         # A damaged record is skipped and counted (summary.json, the report): one bad message
         # should not cost the evaluation of a whole recording.
         skipped: list[Undecodable] = []
         # images are read again as they are replayed, not held (a bag's frames can be gigabytes)
-        inputs.messages[stream] = (StreamedMessages(bag, topic, skipped) if stream == "image"
+        inputs.messages[stream] = (StreamedMessages(bag, topic, skipped) if stream in ("image", "depth")
                                    else list(read_messages(bag, [topic], skipped)))
         inputs.undecodable += skipped
         if not inputs.messages[stream]:
@@ -126,6 +178,31 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None,
             raise BagError(f"{bag}: topic {topic} holds no messages")
     inputs.ignored = {t: k for t, k in topics.items() if t not in inputs.topics.values()}
     return inputs
+
+
+def vision_setting(config: Path, overrides: dict[str, dict], name: str, default: Any) -> Any:
+    """A vision node parameter as the graph will have it: the override, else the config file's
+    (as bringup reads it), else the node's default."""
+    if name in overrides.get("vision", {}):
+        return overrides["vision"][name]
+    params = node_parameters(yaml.safe_load(Path(config).read_text()) or {}, "vision")
+    return next((p.value for p in params if p.name == name), default)
+
+
+def depth_wanted(graph: str, config: Path, overrides: dict[str, dict], depth_topic: str | None,
+                 info_topic: str | None) -> bool:
+    """Whether the vision node uses depth (its depth image and camera_info are replayed then);
+    ValueError for what the replay cannot give it."""
+    if graph == "speech":
+        return False
+    use_depth = bool(vision_setting(config, overrides, "use_depth", False))
+    if not use_depth and (depth_topic or info_topic):
+        raise ValueError("--depth-topic / --camera-info-topic are for a vision node with depth: "
+                         "add --set vision.use_depth=true")
+    if use_depth and vision_setting(config, overrides, "target_frame", ""):
+        raise ValueError("vision.target_frame is set, but the replay does not publish the bag's /tf: "
+                         "results would not reach that frame. Leave it empty (positions in the camera's frame)")
+    return use_depth
 
 
 def input_overrides(inputs: Inputs) -> dict[str, dict[str, Any]]:
@@ -181,7 +258,7 @@ def parse_rate(text: str) -> float | None:
 # --- outputs --------------------------------------------------------------------------------------
 def write_outputs(out: Path, storage: str, inputs: Inputs, run: Run, title: str) -> dict[str, Any]:
     """The results bag, the CSVs, the report and the summary; returns the summary."""
-    timeline = InputTimeline.build(run.published, run.chunk_ends)
+    timeline = InputTimeline.build(run.published, run.chunk_ends, run.chunk_samples, run.utterances, run.sample_rate)
     rows = result_rows(run.log, timeline)
     write_results_bag(out / "results", storage, run.log)
     for topic, topic_rows in rows.items():
@@ -237,7 +314,8 @@ def write_inputs_csv(path: Path, published: list[Published], inputs: Inputs, wit
 def evaluate(bag: Path, graph: str = "all", rate: float | None = 1.0, out: Path | None = None,
              config: Path | None = None, overrides: dict[str, dict] | None = None,
              image_topic: str | None = None, audio_topic: str | None = None,
-             storage: str | None = None, window: int = 1, settle_timeout: float = 120.0) -> dict[str, Any]:
+             storage: str | None = None, window: int = 1, settle_timeout: float = 120.0,
+             depth_topic: str | None = None, info_topic: str | None = None) -> dict[str, Any]:
     """Replay `bag` through `graph` and write the outputs to `out`; returns the summary.
     BagError for a bag that cannot be used, GraphError for a graph that cannot run."""
     if window < 1:
@@ -256,7 +334,8 @@ def evaluate(bag: Path, graph: str = "all", rate: float | None = 1.0, out: Path 
         raise BagError(f"{out / 'results'} exists already: choose another --out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
-    inputs = load_inputs(bag, graph, image_topic, audio_topic)
+    depth = depth_wanted(graph, config or DEFAULT_CONFIG, overrides or {}, depth_topic, info_topic)
+    inputs = load_inputs(bag, graph, image_topic, audio_topic, depth, depth_topic, info_topic)
     storage = storage or bag_storage(bag)
     use_large_data_profile()   # before rclpy starts: Fast DDS reads it once
     # audio not at real time: the speech node's check of array audio's rate would cry wolf
@@ -287,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a node parameter, e.g. --set vision.detect='[cup]'")
     parser.add_argument("--image-topic", help="the bag's image topic, when it has several")
     parser.add_argument("--audio-topic", help="the bag's audio topic, when it has several")
+    parser.add_argument("--depth-topic", help="with vision.use_depth: the depth image aligned to the colour "
+                        "image, when the bag's is not found by its name")
+    parser.add_argument("--camera-info-topic", help="with vision.use_depth: the colour camera's CameraInfo, "
+                        "when the bag's is not the one beside the image")
     parser.add_argument("--storage", choices=STORAGES, help="of the results bag (default: the input's)")
     parser.add_argument("--window", type=int, default=1, metavar="N",
                         help="at max rate, frames in flight at once (1: each frame's latency is its "
@@ -298,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_sets(args.set)
         summary = evaluate(args.bag, args.graph, args.rate, args.out, args.config, overrides,
                            args.image_topic, args.audio_topic, args.storage, args.window,
-                           args.settle_timeout)
+                           args.settle_timeout, args.depth_topic, args.camera_info_topic)
     except (BagError, ValueError, yaml.YAMLError, ParameterException) as err:   # bad input
         print(f"evaluate: {err}", file=sys.stderr)
         return 2

@@ -157,26 +157,41 @@ def chunk_start(msg) -> float | None:
     return start if start > 0.0 else None
 
 
-def predict_utterances(chunks: Iterable[tuple[Pcm, float | None]], config: SegmenterConfig) -> list[float | None]:
-    """Start times of the final utterances the speech node will cut from these chunks (PCM, start
-    stamp or None): the node's segmenter run over the same samples, restarted where the sample
-    rate changes and flushed at the end as the node's idle timer does. Start times are None for
-    unstamped audio (the node stamps it with its own clock)."""
-    starts: list[float | None] = []
+@dataclass(frozen=True)
+class Predicted:
+    """A final utterance the speech node will cut."""
+    start: float | None    # capture time of its first sample; None for unstamped audio
+    first: int             # its first sample, counted over the chunks' samples in order
+    end: int               # one past its last sample
+
+
+def predict_utterances(chunks: Iterable[tuple[Pcm, float | None]], config: SegmenterConfig) -> list[Predicted]:
+    """The final utterances the speech node will cut from these chunks (PCM, start stamp or None):
+    the node's segmenter run over the same samples, restarted where the sample rate changes and
+    flushed at the end, as the node's idle timer (or the replay's end) does. Unstamped audio (the
+    node stamps it with its own clock) runs on the samples' own clock: where each utterance lies
+    in them is what ties its transcripts to the chunks."""
+    found: list[Predicted] = []
     segmenter: SpeechSegmenter | None = None
+    base = offset = 0            # samples before the current segmenter; before the current chunk
+
+    def add(utterances: list, stamped: bool) -> None:
+        for u in utterances:
+            first = base + round(u.start_time * u.sample_rate) if not stamped else 0
+            found.append(Predicted(u.start_time if stamped else None, first, first + u.samples.size))
+
     for pcm, start in chunks:
-        if segmenter is None or segmenter.sample_rate != pcm.sample_rate:
-            starts += _flushed(segmenter)
-            segmenter = SpeechSegmenter(pcm.sample_rate, config)
         stamped = start is not None
-        done = segmenter.push(np.asarray(pcm.samples), start if stamped else 0.0, stamped)
-        starts += [u.start_time if stamped else None for u in done]
-    return starts + _flushed(segmenter)
-
-
-def _flushed(segmenter: SpeechSegmenter | None) -> list[float]:
-    tail = segmenter.flush() if segmenter is not None else None
-    return [] if tail is None else [tail.start_time]
+        if segmenter is None or segmenter.sample_rate != pcm.sample_rate:
+            if segmenter is not None and (tail := segmenter.flush()) is not None:
+                add([tail], stamped)
+            segmenter, base = SpeechSegmenter(pcm.sample_rate, config), offset
+        clock = start if stamped else (offset - base) / pcm.sample_rate
+        add(segmenter.push(np.asarray(pcm.samples), clock, stamped), stamped)
+        offset += pcm.samples.size
+    if segmenter is not None and (tail := segmenter.flush()) is not None:
+        add([tail], stamped)
+    return found
 
 
 def loop_statuses(final_transcript) -> int:

@@ -31,6 +31,7 @@ class Stream:
     messages: Sequence[BagMessage]
     publisher: Any = None       # rclpy publisher, made by the caller
     gate: "Gate | None" = None  # pacing at max rate
+    lead_s: float = 0.0         # at max rate, how far ahead of the bag's order it may go (BagOrder)
 
 
 @dataclass
@@ -160,15 +161,19 @@ class BagOrder:
     """At max rate, the streams in the bag's order: a message goes out once every other stream has
     sent what the bag holds before it. Each stream is still paced by its own gate, so the graph sets
     the speed; without this the image and audio streams drifted apart (a command's audio minutes
-    of bag time away from the frames its find was answered on)."""
+    of bag time away from the frames its find was answered on). A stream with a lead goes that much
+    ahead: a frame's depth and camera_info reach the node before it, not after it as the bag's few
+    microseconds put them (behind a frame the model then took, they came late for its pairing)."""
 
     def __init__(self, streams: list[Stream]) -> None:
         self._next = {s.name: (s.messages[0].log_time_ns if s.messages else math.inf) for s in streams}
+        self._lead = {s.name: int(s.lead_s * 1e9) for s in streams}
         self._cond = threading.Condition()
 
     def wait_turn(self, name: str, log_time_ns: int, stop: threading.Event) -> None:
+        due = log_time_ns - self._lead[name]
         with self._cond:
-            while not stop.is_set() and any(t < log_time_ns for other, t in self._next.items() if other != name):
+            while not stop.is_set() and any(t < due for other, t in self._next.items() if other != name):
                 self._cond.wait(POLL_S * 10)
 
     def sent(self, name: str, next_log_time_ns: float) -> None:

@@ -25,7 +25,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 
 from photon_ros.bag_io import BagWriter, stamp_ns
-from photon_ros.msg import Detections, ImageTarget, Points, Segmentation, Transcript, VisionText
+from photon_ros.msg import Detections, ImageTarget, Objects3D, Points, Segmentation, Transcript, VisionText
 from photon_ros.replay import Published
 from photon_ros.result_messages import time_to_seconds
 
@@ -41,10 +41,14 @@ def role_outputs(role: str, node: Any = None) -> list[Output]:
     """The result topics of a node of the graph (relative names, as the nodes publish them); `node`,
     the role's node where its types depend on its parameters (the loop's cmd_vel)."""
     cmd_vel = TwistStamped if getattr(node, "stamped", False) else Twist
+    params = getattr(getattr(node, "params", None), "values", {})
+    depth = role == "vision" and bool(params.get("use_depth"))   # its 3D results too
     outputs = {
         "vision": [Output("detections", Detections, "frame"), Output("points", Points, "frame"),
                    Output("caption", VisionText, "frame"), Output("segmentation", Segmentation, "frame")]
-                  + _detection2d_output(),
+                  + _detection2d_output()
+                  + ([Output("objects_3d", Objects3D, "frame"), Output("point_positions", PointStamped, "frame")]
+                     + _detection3d_output() if depth else []),
         "speech": [Output("transcript", Transcript, "utterance")],
         # what a planner receives from the loop, all of it: where (image, metres), its goal, its motion
         "loop": [Output("image_target", ImageTarget, None), Output("target", PointStamped, None),
@@ -52,6 +56,14 @@ def role_outputs(role: str, node: Any = None) -> list[Output]:
                  Output("status", String, None)],
     }
     return outputs.get(role, [])
+
+
+def _detection3d_output() -> list[Output]:
+    try:   # as detections_2d
+        from vision_msgs.msg import Detection3DArray
+    except ImportError:
+        return []
+    return [Output("detections_3d", Detection3DArray, "frame")]
 
 
 def _detection2d_output() -> list[Output]:
@@ -131,32 +143,47 @@ class FrameProgress:
 class InputTimeline:
     """The published inputs, indexed for the lookups results need. Its clock is the recording's:
     input stamps, or for unstamped input the bag's log times (the recorder's clock), from the
-    earliest of them (t0_ns). Transcripts of unstamped audio carry the speech node's clock (it
-    stamps such audio as it arrives) and are brought onto it through the chunk they began in."""
+    earliest of them (t0_ns).
+
+    A transcript of stamped audio names its chunks by its stamp. One of unstamped audio (std_msgs
+    arrays, zero stamps) carries the speech node's clock, which says nothing about the bag, and at
+    max rate not even the order of arrival: it is tied to the utterance the node's segmenter cut,
+    predicted over the same samples (graph_probe.predict_utterances), the k-th utterance stamp seen
+    being the k-th predicted (its partials and final share the stamp)."""
     frames: dict[int, Published]               # header stamp (ns) -> the frame published with it
-    chunk_ends: list[float]                    # end capture time (s) of each audio chunk, sorted
+    chunk_ends: list[float]                    # end capture time (s) of each stamped audio chunk, sorted
     chunks: list[Published]                    # in the same order
     t0_ns: int                                 # zero of the timeline: the first input's recorded time
     shared: set[int] = field(default_factory=set)   # stamps several frames carry: no result is told apart
-    node_clock: bool = False                   # the chunks' ends are the node's clock (unstamped audio)
+    # unstamped audio: its chunks in sample order as (first sample, samples, published), the
+    # predicted utterances' (first, end) samples, and the sample rate
+    samples: list[tuple[int, int, Published]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    rate: int = 0
+    _utterance: dict[int, int] = field(default_factory=dict)   # transcript stamp -> utterance number
+
+    def __post_init__(self) -> None:
+        self.firsts = [first for first, _, _ in self.samples]
 
     @classmethod
-    def build(cls, published: list[Published], chunk_ends: dict[int, float | None]) -> "InputTimeline":
+    def build(cls, published: list[Published], chunk_ends: dict[int, float | None],
+              chunk_samples: dict[int, tuple[int, int]] | None = None, utterances: list | None = None,
+              rate: int = 0) -> "InputTimeline":
         # A result names its frame by the frame's stamp: where several frames share one (a camera
         # that leaves it 0, a driver that repeats it), its frame is not known, and none is named.
         counts = Counter(p.stamp_ns for p in published if p.stream == "image" and p.stamp_ns is not None)
         shared = {stamp for stamp, n in counts.items() if n > 1}
         frames = {p.stamp_ns: p for p in published
                   if p.stream == "image" and p.stamp_ns is not None and p.stamp_ns not in shared}
-        # A chunk's end: its capture stamp's, or for unstamped audio (std_msgs arrays, a zero stamp)
-        # when it was published, the node's estimate too (it stamps such a chunk as ending when it arrives).
         audio = [p for p in published if p.stream == "audio"]
-        node_clock = any(chunk_ends.get(p.index) is None and not p.stamp_ns for p in audio)
-        chunks = sorted(((chunk_ends[p.index] if chunk_ends.get(p.index) is not None else p.wall_ns / 1e9, p)
-                         for p in audio if chunk_ends.get(p.index) is not None or not p.stamp_ns),
+        chunks = sorted(((chunk_ends[p.index], p) for p in audio if chunk_ends.get(p.index) is not None),
                         key=lambda c: c[0])
+        unstamped = sorted((p for p in audio if chunk_ends.get(p.index) is None and not p.stamp_ns
+                            and p.index in (chunk_samples or {})), key=lambda p: p.index)
+        samples = [(*(chunk_samples or {})[p.index], p) for p in unstamped]
+        spans = [(u.first, u.end) for u in utterances or [] if u.start is None] if samples else []
         t0 = min((p.stamp_ns or p.log_time_ns for p in published), default=0)
-        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], t0, shared, node_clock)
+        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], t0, shared, samples, spans, rate)
 
     def seconds(self, stamp: int | None) -> float | None:
         """A recorded stamp on the timeline; None for none, or 0 (unstamped: not a time on it)."""
@@ -166,24 +193,47 @@ class InputTimeline:
         """Where an input is on the timeline: its stamp, or its log time when it has none."""
         return (p.stamp_ns or p.log_time_ns) / 1e9 - self.t0_ns / 1e9
 
+    def number_utterances(self, transcripts: list[Any]) -> None:
+        """Number the utterances of unstamped audio by their transcripts' stamps, in arrival order."""
+        for msg in transcripts:
+            stamp = stamp_ns(msg)
+            if stamp and stamp not in self._utterance:
+                self._utterance[stamp] = len(self._utterance)
+
+    def _chunk_at(self, sample: int) -> tuple[int, int, Published]:
+        """The unstamped chunk holding `sample` (the last one past the end)."""
+        i = bisect.bisect_right(self.firsts, sample) - 1
+        return self.samples[max(0, min(i, len(self.samples) - 1))]
+
+    def _predicted(self, msg: Any) -> tuple[int, int] | None:
+        """(first sample, one past the last) of a transcript of unstamped audio, from its utterance."""
+        k = self._utterance.get(stamp_ns(msg))
+        if k is None or k >= len(self.spans) or not self.rate:
+            return None
+        first = self.spans[k][0]
+        return first, first + max(1, round(_seconds(msg.audio_duration) * self.rate))
+
     def result_seconds(self, output: Output, msg: Any) -> float | None:
-        """Where a result is on the timeline: its stamp, brought from the node's clock for a
-        transcript of unstamped audio: its last sample's place in the chunk that held it (the
-        node stamps a chunk at its arrival), then back by its duration (audio time: a replay not
-        at the bag's pace bunches the node's stamps of earlier chunks)."""
-        stamp = stamp_ns(msg)
-        if output.source == "utterance" and stamp and self.node_clock and self.chunks:
-            last = self.source(output, msg)
-            duration = _seconds(msg.audio_duration)
-            after_last = max(0.0, last.wall_ns / 1e9 - (stamp / 1e9 + duration))
-            return (last.log_time_ns - self.t0_ns) / 1e9 - after_last - duration
-        return self.seconds(stamp)
+        """Where a result is on the timeline: its stamp, or for a transcript of unstamped audio
+        its first sample's place in the bag (the log time of the chunk that held it, a chunk
+        logged as its capture ends)."""
+        if output.source == "utterance" and self.samples:
+            span = self._predicted(msg)
+            if span is None:
+                return None
+            first, n, chunk = self._chunk_at(span[0])
+            return (chunk.log_time_ns - self.t0_ns) / 1e9 - (first + n - span[0]) / self.rate
+        return self.seconds(stamp_ns(msg))
 
     def source(self, output: Output, msg: Any) -> Published | None:
-        """The input that produced `msg`, when one input did."""
+        """The input that produced `msg`, when one input did: for a transcript, the chunk that held
+        its last sample (the earliest it could have been transcribed)."""
         stamp = stamp_ns(msg)
         if output.source == "frame":
             return self.frames.get(stamp)
+        if output.source == "utterance" and self.samples:
+            span = self._predicted(msg)
+            return None if span is None else self._chunk_at(span[1] - 1)[2]
         if output.source == "utterance" and self.chunks:
             last_sample = time_to_seconds(msg.header.stamp) + _seconds(msg.audio_duration)
             i = bisect.bisect_left(self.chunk_ends, last_sample - 1e-6)
@@ -194,6 +244,7 @@ class InputTimeline:
 def result_rows(log: ResultLog, timeline: InputTimeline) -> dict[str, list[dict]]:
     """topic -> one row per message received on it (every topic of the log, empty ones too)."""
     rows: dict[str, list[dict]] = {}
+    timeline.number_utterances([r.msg for o in log.outputs if o.source == "utterance" for r in log.results(o.topic)])
     for output in log.outputs:
         rows[output.topic] = [_row(r, output, timeline) for r in log.results(output.topic)]
     return rows

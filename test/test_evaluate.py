@@ -271,7 +271,8 @@ def test_bad_input_fails_with_its_reason(tmp_path, capsys):
 
 def test_only_the_streams_a_graph_takes_are_chosen(tmp_path):
     """A RealSense bag has colour and depth images: a speech graph need not choose between them
-    (it failed with 'several image topics'); a vision graph still asks for --image-topic."""
+    (it failed with 'several image topics'); a vision graph takes the one not named for depth, and
+    asks for --image-topic where several colour images remain."""
     bag = tmp_path / "realsense"
     header = Header(stamp=seconds_to_time(1000.0), frame_id="camera")
     frame = rgb_to_image(np.zeros((8, 8, 3), np.uint8), "bgr8", header=header)
@@ -282,10 +283,14 @@ def test_only_the_streams_a_graph_takes_are_chosen(tmp_path):
             w.write(topic, msg, int(1000.1e9))
     inputs = evaluate.load_inputs(bag, "speech")
     assert inputs.topics == {"audio": "/mic/audio"}
+    assert evaluate.load_inputs(bag, "vision").topics == {"image": "/camera/color/image_raw"}
+    assert evaluate.load_inputs(bag, "vision", image_topic="/camera/depth/image_rect_raw").topics == \
+        {"image": "/camera/depth/image_rect_raw"}   # named: taken
+    with BagWriter(tmp_path / "two", "sqlite3") as w:
+        for topic in ("/left/image_raw", "/right/image_raw"):
+            w.write(topic, frame, int(1000.1e9))
     with pytest.raises(BagError, match="several image topics"):
-        evaluate.load_inputs(bag, "vision")
-    assert evaluate.load_inputs(bag, "vision", image_topic="/camera/color/image_raw").topics == \
-        {"image": "/camera/color/image_raw"}
+        evaluate.load_inputs(tmp_path / "two", "vision")
 
 
 def test_unstamped_audio_at_max_rate_is_paced_by_what_the_node_takes(tmp_path):
@@ -334,25 +339,38 @@ def test_results_of_frames_sharing_a_stamp_name_no_frame():
     assert timeline.source(frame, stamped).index == 3
 
 
-def test_transcripts_of_zero_stamped_audio_name_their_chunk_on_the_recordings_clock():
-    """AudioChunks stamped 0 are unstamped to the speech node (it stamps them on its clock as they
-    arrive): their transcripts named no chunk (no input_index, no delay), and stamped frames beside
-    them put the timeline's zero on another clock."""
+def test_transcripts_of_unstamped_audio_are_tied_to_the_utterances_the_node_cut():
+    """Audio without stamps (std_msgs arrays, AudioChunks stamped 0) is stamped by the speech node
+    on its clock as it arrives: zero-stamped chunks' transcripts named no chunk, and at max rate
+    every transcript was tied to the bag's last chunk (the node's arrivals bunch behind the
+    replay), its delay from there and its place an hour from the frames'. Now the k-th utterance
+    stamp is the k-th utterance the same segmenter cuts from the same samples."""
+    from photon_ros.graph_probe import Predicted
     from photon_ros.msg import Transcript
     from photon_ros.replay import Published
     from photon_ros.result_log import InputTimeline, Output
-    recorded, replayed = 1_000_000_000_000, 5_000_000_000_000   # log times; the replay's wall clock
-    published = [Published("audio", i, 0, recorded + i * 100_000_000, at=float(i),
-                           wall_ns=replayed + (i + 1) * 100_000_000) for i in range(10)]
-    published.append(Published("image", 0, recorded + 250_000_000, recorded + 253_000_000, at=2.5))
-    timeline = InputTimeline.build(published, {i: None for i in range(10)})
-    said = Transcript()   # began 0.05 s into chunk 3 (as the node stamps it), 0.3 s long
-    said.header.stamp.sec, said.header.stamp.nanosec = divmod(replayed + 350_000_000, 1_000_000_000)
-    said.audio_duration.nanosec = 300_000_000
+    recorded, node_clock = 1_000_000_000_000, 5_000_000_000_000
+    # ten 0.1 s chunks of 16 kHz, each logged as its capture ends, all arriving at once at the node
+    published = [Published("audio", i, 0, recorded + (i + 1) * 100_000_000, at=float(i),
+                           wall_ns=node_clock) for i in range(10)]
+    published.append(Published("image", 0, recorded + 50_000_000, recorded + 53_000_000, at=2.5))
+    samples = {i: (1600 * i, 1600) for i in range(10)}
+    utterances = [Predicted(None, 1600, 4000), Predicted(None, 4000, 8800)]   # 0.1-0.25 s, 0.25-0.55 s
+    timeline = InputTimeline.build(published, {i: None for i in range(10)}, samples, utterances, 16000)
+
+    def transcript(stamp_s, duration_ns):
+        t = Transcript()
+        t.header.stamp.sec, t.header.stamp.nanosec = stamp_s, 0
+        t.audio_duration.nanosec = duration_ns
+        return t
+    heard = [transcript(7, 100_000_000), transcript(7, 150_000_000),     # the first: a partial, its final
+             transcript(9, 300_000_000)]                                  # the second (whatever the node's clock said)
+    timeline.number_utterances(heard)
     utterance = Output("transcript", Transcript, "utterance")
-    assert timeline.t0_ns == recorded and timeline.source(utterance, said).index == 6   # its last sample's
-    assert timeline.result_seconds(utterance, said) == pytest.approx(0.25)   # chunk 3's recorded span
-    assert timeline.input_seconds(published[-1]) == pytest.approx(0.25)
+    assert timeline.t0_ns == recorded + 50_000_000 and timeline.input_seconds(published[-1]) == 0.0
+    assert [timeline.source(utterance, t).index for t in heard] == [1, 2, 5]   # chunks of their last samples
+    assert [timeline.result_seconds(utterance, t) for t in heard] == pytest.approx([0.05, 0.05, 0.2])
+    assert timeline.result_seconds(utterance, transcript(11, 1)) is None   # a third: none was predicted
 
 
 def test_cmd_vel_is_recorded_as_the_loop_publishes_it():
@@ -504,3 +522,69 @@ def test_speech_is_cut_as_live_when_the_replay_is_not_at_the_bags_pace(tmp_path,
     SpeechProbe(node).pace(0.25)
     SpeechProbe(node).pace(None)
     assert set_to == [pytest.approx(3.2), NO_IDLE_FLUSH_S]
+
+
+def depth_bag(path: Path, with_depth: bool = True) -> list[int]:
+    """A RealSense-like recording: colour frames, the depth aligned to them (a wall 2 m away) and
+    the raw depth beside it, and each camera's info; returns the frames' stamps."""
+    from sensor_msgs.msg import CameraInfo, Image
+
+    def info(header):
+        return CameraInfo(header=header, width=128, height=96, distortion_model="plumb_bob", d=[0.0] * 5,
+                          k=[100.0, 0.0, 64.0, 0.0, 100.0, 48.0, 0.0, 0.0, 1.0],
+                          r=[1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0], p=[100.0, 0.0, 64.0, 0.0, 0.0, 100.0, 48.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+
+    def wall(header, metres):
+        return Image(header=header, height=96, width=128, encoding="16UC1", step=256,
+                     data=np.full((96, 128), metres * 1000, "<u2").tobytes())
+    t0, stamps = time.time(), []
+    with BagWriter(path, "mcap") as w:
+        for i in range(FRAMES):
+            t = t0 + 0.5 * i
+            colour = Header(stamp=seconds_to_time(t), frame_id="camera_color_optical_frame")
+            log = int((t + 0.003) * 1e9)
+            frame = rgb_to_image(scene(i), "rgb8", header=colour)
+            w.write("/camera/color/image_raw", frame, log)
+            w.write("/camera/color/camera_info", info(colour), log)
+            stamps.append(stamp_ns(frame))
+            if with_depth:
+                w.write("/camera/aligned_depth_to_color/image_raw", wall(colour, 2.0), log + 1000)
+                raw = Header(stamp=colour.stamp, frame_id="camera_depth_optical_frame")
+                w.write("/camera/depth/image_rect_raw", wall(raw, 3.0), log + 2000)
+                w.write("/camera/depth/camera_info", info(raw), log + 2000)
+    return stamps
+
+
+def test_a_bag_with_depth_is_evaluated_in_metres(tmp_path, capsys):
+    """With vision.use_depth the bag's aligned depth and the colour camera's info are replayed (they
+    were ignored: no position came and the run passed, with only a log line to say why) and the
+    3D results recorded."""
+    bag = tmp_path / "realsense"
+    stamps = depth_bag(bag)
+    out = tmp_path / "eval"
+    rc = evaluate.main([str(bag), "--graph", "vision", "--rate", "max", "--out", str(out),
+                        "--set", f"vision.model={checkpoint()}", "--set", "vision.detect=[red ball]",
+                        "--set", "vision.max_objects=1", "--set", "vision.use_depth=true"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert rc == 0, capsys.readouterr().err
+    assert summary["inputs"] == {"image": "/camera/color/image_raw", "depth": "/camera/aligned_depth_to_color/image_raw",
+                                 "camera_info": "/camera/color/camera_info"}
+    assert set(summary["ignored_topics"]) == {"/camera/depth/image_rect_raw", "/camera/depth/camera_info"}
+    placed = read_csv(out / "objects_3d.csv")
+    assert placed and {int(r["stamp_ns"]) for r in placed} <= set(stamps)
+    objects = [o for r in placed for o in json.loads(r["objects"])]
+    assert objects and all(o["has_position"] and abs(o["pose.position.z"] - 2.0) < 0.05 for o in objects)
+    assert all(r["header.frame_id"] == "camera_color_optical_frame" for r in placed)
+
+    # what the replay cannot give the node is said before it runs
+    assert evaluate.main([str(bag), "--graph", "vision", "--set", "vision.use_depth=true",
+                          "--set", "vision.target_frame=base_link", "--out", str(tmp_path / "e2")]) == 2
+    assert "/tf" in capsys.readouterr().err
+    assert evaluate.main([str(bag), "--graph", "vision", "--depth-topic", "/camera/depth/image_rect_raw",
+                          "--out", str(tmp_path / "e3")]) == 2
+    assert "use_depth" in capsys.readouterr().err
+    flat = tmp_path / "colour_only"
+    depth_bag(flat, with_depth=False)
+    assert evaluate.main([str(flat), "--graph", "vision", "--set", "vision.use_depth=true",
+                          "--out", str(tmp_path / "e4")]) == 2
+    assert "no depth image" in capsys.readouterr().err
