@@ -18,8 +18,9 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from photon_ros.bag_io import BagMessage, StreamedMessages, message_class, stamp_ns
 from photon_ros.bringup import build_graph
-from photon_ros.graph_probe import (GraphError, SpeechProbe, VisionProbe, chunk_end, chunk_start,
-                                    Predicted, loop_statuses, predict_utterances)
+from photon_ros.audio_common_conversions import AudioInfoFormat
+from photon_ros.graph_probe import (GraphError, Predicted, SpeechProbe, VisionProbe, chunk_end, loop_statuses,
+                                    predict_utterances)
 from photon_ros.replay import ChunkGate, FrameGate, Published, ReplayStalled, Stream, replay
 from photon_ros.result_log import FrameProgress, ResultLog, role_outputs
 
@@ -108,10 +109,21 @@ class GraphRun:
 
     def _decoded_audio(self) -> list:
         """PCM of each audio message as the speech node will decode it (None where it cannot:
-        the node skips those chunks)."""
+        the node skips those chunks): ros-drivers' audio with the AudioInfo logged before it."""
         if self.speech is None:
             return []
-        return [_or_none(lambda m=m: self.speech.decode(m.msg)) for m in self.messages.get("audio", [])]
+        infos, info, pcms = list(self.messages.get("audio_info", [])), AudioInfoFormat(), []
+        for m in self.messages.get("audio", []):
+            while infos and infos[0].log_time_ns <= m.log_time_ns:
+                info.update(infos.pop(0).msg)
+            pcms.append(_or_none(lambda m=m: self.speech.decode(m.msg, info)))
+        return pcms
+
+    def audio_starts(self) -> list[float | None]:
+        """Capture time of each audio message's first sample as the node computes it."""
+        if self.speech is None:
+            return []
+        return self.speech.starts([m.msg for m in self.messages.get("audio", [])], self.audio)
 
     def _spin(self) -> None:
         while self.context.ok() and not self.closing.is_set():
@@ -157,11 +169,15 @@ class GraphRun:
             if name in self.messages:
                 publisher = self.node.create_publisher(message_class(self.types[name]), name, qos(10))
                 streams.append(Stream(name, name, self.messages[name], publisher, lead_s=COMPANION_LEAD_S))
+        if "audio_info" in self.messages and self.speech is not None:   # ros-drivers' format, beside its audio
+            publisher = self.node.create_publisher(message_class(self.types["audio_info"]), "audio_info", qos(10))
+            streams.append(Stream("audio_info", "audio_info", self.messages["audio_info"], publisher,
+                                  lead_s=COMPANION_LEAD_S))
         if "audio" in self.messages and self.speech is not None:
             messages = self.messages["audio"]
             publisher = self.node.create_publisher(message_class(self.types["audio"]), "audio", qos(100))
-            ends = {i: None if pcm is None else chunk_end(m.msg, pcm)
-                    for i, (m, pcm) in enumerate(zip(messages, self.audio))}
+            ends = {i: None if pcm is None else chunk_end(start, pcm)
+                    for i, (start, pcm) in enumerate(zip(self.audio_starts(), self.audio))}
             gate = None
             if rate is None:
                 gate = ChunkGate(self.speech, [ends[i] for i in range(len(messages))], stall_s=stall_s)
@@ -187,8 +203,7 @@ class GraphRun:
         """Final utterances the speech node will cut from the bag's audio."""
         if self.speech is None:
             return []
-        chunks = [(pcm, chunk_start(m.msg)) for m, pcm in zip(self.messages.get("audio", []), self.audio)
-                  if pcm is not None]
+        chunks = [(pcm, start) for start, pcm in zip(self.audio_starts(), self.audio) if pcm is not None]
         return predict_utterances(chunks, self.speech.vad_config)
 
     def sample_rate(self) -> int:

@@ -6,7 +6,9 @@
 
 The graph is the one `photon_ros.bringup` starts from the same YAML, minus the audio source (the
 bag is the source), in this process over real DDS. It is configured to take the bag's input
-types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArray). With
+types (Image or CompressedImage; AudioChunk, Int16MultiArray or Float32MultiArray, and both
+audio_common_msgs families' audio where that package is installed: ros-drivers' with its AudioInfo
+topic, replayed beside it). With
 vision.use_depth the bag's depth image (aligned to the colour image) and the colour camera's
 CameraInfo are replayed too, and the 3D results recorded (no /tf: target_frame is refused). Out come:
   results/         a bag (the input's storage) of every result message, at its arrival time
@@ -45,6 +47,7 @@ from typing import Any, Sequence
 import yaml
 from rclpy.exceptions import ParameterException
 
+from photon_ros.audio_common_conversions import ROS_DRIVERS
 from photon_ros.bag_io import (STORAGES, BagError, BagMessage, StreamedMessages, Undecodable, bag_storage,
                                bag_topics, read_messages)
 from photon_ros.bringup import DEFAULT_CONFIG, node_parameters, use_large_data_profile
@@ -53,11 +56,15 @@ from photon_ros.eval_report import ReportData, audio_envelope, plot_report
 from photon_ros.graph_probe import GraphError
 from photon_ros.replay import Published
 from photon_ros.result_log import InputTimeline, Output, csv_name, result_rows, write_csv, write_results_bag
+from photon_ros.speech_params import AUDIO_COMMON_INPUTS
 
 # Input types the graph takes, and the node parameter value that makes it take each.
 IMAGE_TYPES = {"sensor_msgs/msg/Image": "raw", "sensor_msgs/msg/CompressedImage": "compressed"}
 AUDIO_TYPES = {"photon_ros/msg/AudioChunk": "audio_chunk", "std_msgs/msg/Int16MultiArray": "int16",
-               "std_msgs/msg/Float32MultiArray": "float32"}
+               "std_msgs/msg/Float32MultiArray": "float32",
+               **{msgtype: input_type for input_type, (msgtype, _) in AUDIO_COMMON_INPUTS.items()}}
+# ros-drivers' audio carries no format: its AudioInfo topic is replayed beside it.
+AUDIO_INFO_TYPE = "audio_common_msgs/msg/AudioInfo"
 NEEDS = {"vision": ["image"], "speech": ["audio"], "all": ["image", "audio"]}
 # With vision.use_depth: the depth image aligned to the colour image, and the colour camera's info.
 DEPTH_TYPE, INFO_TYPE = "sensor_msgs/msg/Image", "sensor_msgs/msg/CameraInfo"
@@ -138,6 +145,17 @@ def choose_info_topic(topics: dict[str, str], image_topic: str, depth_topic: str
                    f"beside none of {image_topic}, {depth_topic}: choose one with --camera-info-topic")
 
 
+def choose_audio_info_topic(topics: dict[str, str], audio_topic: str) -> str:
+    """ros-drivers' AudioInfo for its audio: the one beside it, else the only one."""
+    infos = sorted(t for t, kind in topics.items() if kind == AUDIO_INFO_TYPE)
+    beside = audio_topic.rsplit("/", 1)[0] + "/audio_info"
+    if beside in infos or len(infos) == 1:
+        return beside if beside in infos else infos[0]
+    raise BagError(f"{audio_topic} is ros-drivers audio, which carries no format, and the bag has "
+                   + (f"several AudioInfo topics ({', '.join(infos)}), none beside it" if infos else
+                      "no AudioInfo topic: record audio_info with the audio"))
+
+
 def load_inputs(bag: Path, graph: str, image_topic: str | None = None, audio_topic: str | None = None,
                 depth: bool = False, depth_topic: str | None = None, info_topic: str | None = None) -> Inputs:
     """Read the topics the graph needs from the bag (with `depth`, the vision node's depth image
@@ -163,6 +181,9 @@ def load_inputs(bag: Path, graph: str, image_topic: str | None = None, audio_top
         inputs.topics["camera_info"] = choose_info_topic(topics, inputs.topics["image"], inputs.topics["depth"],
                                                          info_topic)
         inputs.types.update(depth=DEPTH_TYPE, camera_info=INFO_TYPE)
+    if AUDIO_COMMON_INPUTS.get(AUDIO_TYPES.get(inputs.types.get("audio", ""), ""), ("", ""))[1] == ROS_DRIVERS:
+        inputs.topics["audio_info"] = choose_audio_info_topic(topics, inputs.topics["audio"])
+        inputs.types["audio_info"] = AUDIO_INFO_TYPE
     for stream, topic in inputs.topics.items():
         # A damaged record is skipped and counted (summary.json, the report): one bad message
         # should not cost the evaluation of a whole recording.

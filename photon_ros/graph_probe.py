@@ -22,12 +22,14 @@ import numpy as np
 
 from rclpy.parameter import Parameter
 
+from photon_ros.audio_common_conversions import MGONZS13, AudioInfoFormat, audio_common_to_pcm, family_of
 from photon_ros.audio_conversions import (Pcm, audio_chunk_to_pcm, float32_array_to_pcm,
                                           int16_array_to_pcm)
 from photon_ros.commands import parse_command
 from photon_ros.loop_node import incomplete_reason
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import time_to_seconds
+from photon_ros.sample_clock import ReadStamps
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter
 
 
@@ -128,10 +130,13 @@ class SpeechProbe:
                 "discontinuities": segmenter.discontinuities if segmenter else 0,
                 "lost_audio_s": round(segmenter.lost_s, 3) if segmenter else 0.0}
 
-    def decode(self, msg) -> Pcm:
-        """The PCM the node makes of `msg` (same conversion and parameters)."""
+    def decode(self, msg, info: AudioInfoFormat | None = None) -> Pcm:
+        """The PCM the node makes of `msg` (same conversion and parameters; `info`: a ros-drivers
+        stream's format, from its audio_info messages so far)."""
         if isinstance(msg, AudioChunk):
             return audio_chunk_to_pcm(msg)
+        if family_of(msg) is not None:   # audio_common_msgs
+            return audio_common_to_pcm(msg, info).pcm
         params = self.node.params
         convert = int16_array_to_pcm if params["input_type"] == "int16" else float32_array_to_pcm
         return convert(msg, params["sample_rate"], params["channels"])
@@ -140,20 +145,32 @@ class SpeechProbe:
     def vad_config(self) -> SegmenterConfig:
         return self.node.vad_config
 
+    def starts(self, messages: list, pcms: list) -> list[float | None]:
+        """The capture time of each chunk's first sample as the node computes it (None where it
+        has none: unstamped, or undecodable): its stamp, which for mgonzs13's capturer is a
+        read's start, counted in samples as the node counts it (sample_clock.ReadStamps)."""
+        reads, starts = ReadStamps(self.node.jump_tolerance), []
+        for msg, pcm in zip(messages, pcms):
+            start = chunk_start(msg) if pcm is not None else None
+            if start is not None and family_of(msg) == MGONZS13:
+                start = reads.stamp(start, pcm.samples.size, pcm.sample_rate)
+            starts.append(start)
+        return starts
 
-def chunk_end(msg, pcm: Pcm) -> float | None:
+
+def chunk_end(start: float | None, pcm: Pcm) -> float | None:
     """The capture time after the chunk's last sample, computed as the node's segmenter computes
     it (so the two compare equal); None for audio without a stamp."""
-    start = chunk_start(msg)
     return None if start is None else start + pcm.samples.size / pcm.sample_rate
 
 
 def chunk_start(msg) -> float | None:
-    """Capture time of the chunk's first sample; None where the node sees no stamp (std_msgs
-    arrays have no header, and a zero stamp means "not stamped")."""
-    if not isinstance(msg, AudioChunk):
+    """The stamp of a chunk; None where the node sees none (std_msgs arrays and ros-drivers'
+    AudioData have no header, and a zero stamp means "not stamped")."""
+    header = getattr(msg, "header", None)
+    if header is None:
         return None
-    start = time_to_seconds(msg.header.stamp)
+    start = time_to_seconds(header.stamp)
     return start if start > 0.0 else None
 
 

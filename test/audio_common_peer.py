@@ -12,6 +12,8 @@
                      --lead-in, silence on the sample clock at real time until "go", then the WAV.
                      --latched-info (ros-drivers): AudioInfo latched (reliable, transient local,
                      as newer audio_capture publishes it), sent once at the start, never again.
+  evaluate WAV DIR   a recording of the family's driver saying the WAV, evaluated through the speech
+                     graph (photon_ros.evaluate); JSON of the outcome on stdout.
   subscribe N OUT    a node receiving the family's audio topics, converting every message with
                      photon_ros.audio_common_conversions; stops once N samples came on each topic
                      (or after 30 s) and writes what it got to OUT (.npz). It ignores the early
@@ -291,6 +293,48 @@ def subscribe(expected: int, out: str) -> None:
     rclpy.shutdown()
 
 
+def record_and_evaluate(wav: str, folder: str) -> None:
+    """A recording of the family's driver saying the WAV (its messages as publish sends them,
+    stamped on the sample clock, logged as each chunk's capture ends; ros-drivers' AudioInfo
+    first and every 5 s), evaluated through the speech graph at max rate. stdout: JSON of the exit
+    status, the final transcripts and the summary."""
+    import csv
+    import json
+    from pathlib import Path
+
+    from photon_core.audio_io import read_wav
+    from photon_ros import evaluate
+    from photon_ros.bag_io import BagWriter
+
+    samples, rate = read_wav(wav)
+    family, t = types()
+    bag, out = Path(folder) / "bag", Path(folder) / "eval"
+    audio = np.concatenate([np.zeros(rate // 2, np.int16), samples, np.zeros(rate, np.int16)])
+    with BagWriter(bag, "mcap") as writer:
+        for k, i in enumerate(range(0, audio.size, CHUNK)):
+            chunk, stamp = audio[i:i + CHUNK], _stamp(i, rate)
+            log_ns = stamp.sec * 10**9 + stamp.nanosec + round(chunk.size * 10**9 / rate)
+            if family == MGONZS13:
+                msg = t["AudioStamped"]()
+                msg.header.stamp, msg.header.frame_id = stamp, "mic"
+                msg.audio.audio_data.int16_data = _typed("int16_data", chunk)
+                msg.audio.info.format, msg.audio.info.channels = PORTAUDIO_INT16, 1
+                msg.audio.info.rate, msg.audio.info.chunk = rate, CHUNK
+                writer.write("/audio", msg, log_ns)
+                continue
+            if k % round(5 * rate / CHUNK) == 0:
+                writer.write("/audio_info", t["AudioInfo"](channels=1, sample_rate=rate, sample_format="S16LE",
+                                                            bitrate=0, coding_format="wave"), log_ns - 1)
+            msg = t["AudioDataStamped"]()
+            msg.header.stamp, msg.header.frame_id = stamp, "mic"
+            msg.audio.data = chunk.astype("<i2").tobytes()
+            writer.write("/audio_stamped", msg, log_ns)
+    rc = evaluate.main([str(bag), "--graph", "speech", "--rate", "max", "--out", str(out)])
+    with open(out / "transcript.csv", newline="") as f:
+        finals = [r for r in csv.DictReader(f) if r["is_final"] == "True"]
+    print(json.dumps({"rc": rc, "finals": finals, "summary": json.loads((out / "summary.json").read_text())}))
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "cases":
@@ -302,5 +346,7 @@ if __name__ == "__main__":
         publish(args[0], args[1].split(",") if len(args) > 1 else None, prime, lead_in, latched)
     elif mode == "subscribe":
         subscribe(int(args[0]), args[1])
+    elif mode == "evaluate":
+        record_and_evaluate(args[0], args[1])
     else:
         raise SystemExit(f"unknown mode {mode!r}")

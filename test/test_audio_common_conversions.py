@@ -476,3 +476,21 @@ def test_the_speech_node_takes_a_latched_audio_info():
         log = node.communicate(timeout=30)[0] if node is not None and node.terminate() is None else ""
         graph.close()
     assert heard and max(decoded) >= 1, log[-3000:]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_recording_of_each_driver_is_evaluated(family, tmp_path):
+    """A bag recorded from either family's driver goes through the evaluator as the live node takes
+    it (it was refused: "no audio topic"): ros-drivers' audio with its AudioInfo topic replayed
+    beside it, each transcript tied to the chunk that ended its utterance."""
+    run = subprocess.run([sys.executable, str(PEER), "evaluate", str(espeak_wav("Find the red ball.")), str(tmp_path)],
+                         env=workspace_env(family), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.loads(run.stdout.strip().splitlines()[-1])
+    assert outcome["rc"] == 0, run.stderr[-3000:]
+    (final,) = outcome["finals"]
+    assert [w.strip(".,").lower() for w in final["text"].split()] == ["find", "the", "red", "ball"]
+    assert final["audio_complete"] == "True" and final["header.frame_id"] == "mic" and final["input_index"]
+    summary = outcome["summary"]
+    assert summary["speech"]["skipped_chunks"] == 0 and summary["speech"]["discontinuities"] == 0
+    assert set(summary["inputs"]) == ({"audio"} if family == MGONZS13 else {"audio", "audio_info"})
