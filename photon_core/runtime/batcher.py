@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as WaitTimedOut   # (before 3.11 not the builtin)
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,7 +76,7 @@ class Batcher:
         while True:
             try:
                 return group.future.result(timeout=CANCEL_POLL_S)
-            except TimeoutError:
+            except WaitTimedOut:
                 if cancel.is_set():
                     with self._cond:
                         if not group.started and not group.future.done():

@@ -162,7 +162,7 @@ def prefill(model: "MoondreamModel", pieces: list[Piece], lora: Any = None) -> "
         # An image block sees itself whole and all before it; text is causal.
         skills.forward(model, x, pos, cache, lora, text_only=not image, bidirectional_to=end if image else None)
         pos = end
-    return EncodedImage(cache.k, cache.v, pos, start.tiling, id(model), causal=start.pos == 0,
+    return EncodedImage(cache.k, cache.v, pos, start.tiling, model.serial, causal=start.pos == 0,
                         variant=None if lora is None else lora.name)
 
 
