@@ -57,10 +57,9 @@ class Run:
     chunk_ends: dict[int, float | None]   # audio chunk index -> capture time after its last sample
     counters: dict[str, Any]
     pending: list[str]            # results awaited that never came
-    # unstamped audio: chunk index -> (its first sample, samples), and where the utterances lie in them
-    chunk_samples: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # audio: chunk index -> (its first sample, samples, rate), and the utterances predicted in them
+    chunk_samples: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     utterances: list[Predicted] = field(default_factory=list)
-    sample_rate: int = 0
 
 
 class GraphRun:
@@ -206,15 +205,13 @@ class GraphRun:
         chunks = [(pcm, start) for start, pcm in zip(self.audio_starts(), self.audio) if pcm is not None]
         return predict_utterances(chunks, self.speech.vad_config)
 
-    def sample_rate(self) -> int:
-        return next((pcm.sample_rate for pcm in self.audio if pcm is not None), 0)
-
-    def chunk_samples(self) -> dict[int, tuple[int, int]]:
-        """Audio chunk index -> (its first sample, its samples), over the decodable chunks in order."""
+    def chunk_samples(self) -> dict[int, tuple[int, int, int]]:
+        """Audio chunk index -> (its first sample, its samples, its rate), over the decodable
+        chunks in order (as predict_utterances counts them)."""
         spans, first = {}, 0
         for i, pcm in enumerate(self.audio):
             if pcm is not None:
-                spans[i] = (first, pcm.samples.size)
+                spans[i] = (first, pcm.samples.size, pcm.sample_rate)
                 first += pcm.samples.size
         return spans
 
@@ -315,14 +312,14 @@ class GraphRun:
         except ReplayStalled as stalled:   # what came until then is written out, with the reason
             self.check()
             return Run(stalled.published, self.log, ends, self.counters(stalled.published, utterances),
-                       [f"the replay stopped: {stalled}"], self.chunk_samples(), predicted, self.sample_rate())
+                       [f"the replay stopped: {stalled}"], self.chunk_samples(), predicted)
         self.check()
         if rate is None:
             self.end_of_audio(published, settle_timeout)
         frames = sum(1 for p in published if p.stream == "image")
         pending = self.settle(frames, utterances, settle_timeout)
         return Run(published, self.log, ends, self.counters(published, utterances), pending,
-                   self.chunk_samples(), predicted, self.sample_rate())
+                   self.chunk_samples(), predicted)
 
 
 def _wait(predicate: Callable[[], bool], timeout: float, check: Callable[[], None], poll: float = 0.05) -> bool:

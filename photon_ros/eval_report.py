@@ -155,7 +155,7 @@ def frames_panel(ax, times: list[float], has_result: list[bool], note: str) -> N
 
 def audio_envelope(messages: list, t0_ns: int, bins: int = 4000):
     """The AudioChunk audio of bag messages as (bin times, low, high) on the input timeline,
-    each chunk placed at its stamp (at its log time when unstamped); (None, None, None) without
+    each chunk placed at its stamp (ending at its log time when unstamped); (None, None, None) without
     any. std_msgs arrays carry neither a rate nor a stamp and are not drawn."""
     from photon_ros.audio_conversions import audio_chunk_to_pcm
     from photon_ros.msg import AudioChunk
@@ -169,7 +169,8 @@ def audio_envelope(messages: list, t0_ns: int, bins: int = 4000):
         except ValueError:
             continue
         stamp = m.msg.header.stamp.sec * 1_000_000_000 + m.msg.header.stamp.nanosec
-        start = ((stamp or m.log_time_ns) - t0_ns) / 1e9
+        # unstamped: logged as its capture ended
+        start = ((stamp or m.log_time_ns) - t0_ns) / 1e9 - (0.0 if stamp else pcm.samples.size / pcm.sample_rate)
         times.append(start + np.arange(pcm.samples.size) / pcm.sample_rate)
         samples.append(pcm.samples)
     if not samples:

@@ -279,7 +279,7 @@ def parse_rate(text: str) -> float | None:
 # --- outputs --------------------------------------------------------------------------------------
 def write_outputs(out: Path, storage: str, inputs: Inputs, run: Run, title: str) -> dict[str, Any]:
     """The results bag, the CSVs, the report and the summary; returns the summary."""
-    timeline = InputTimeline.build(run.published, run.chunk_ends, run.chunk_samples, run.utterances, run.sample_rate)
+    timeline = InputTimeline.build(run.published, run.chunk_ends, run.chunk_samples, run.utterances)
     rows = result_rows(run.log, timeline)
     write_results_bag(out / "results", storage, run.log)
     for topic, topic_rows in rows.items():

@@ -178,8 +178,13 @@ def chunk_start(msg) -> float | None:
 class Predicted:
     """A final utterance the speech node will cut."""
     start: float | None    # capture time of its first sample; None for unstamped audio
-    first: int             # its first sample, counted over the chunks' samples in order
-    end: int               # one past its last sample
+    first: int             # unstamped: its first sample, counted over the chunks' samples in order
+    end: int               # one past its last sample (first + its samples)
+    rate: int              # its sample rate
+
+    @property
+    def duration(self) -> float:
+        return (self.end - self.first) / self.rate
 
 
 def predict_utterances(chunks: Iterable[tuple[Pcm, float | None]], config: SegmenterConfig) -> list[Predicted]:
@@ -191,23 +196,24 @@ def predict_utterances(chunks: Iterable[tuple[Pcm, float | None]], config: Segme
     found: list[Predicted] = []
     segmenter: SpeechSegmenter | None = None
     base = offset = 0            # samples before the current segmenter; before the current chunk
+    stamped = False              # the last chunk pushed was
 
-    def add(utterances: list, stamped: bool) -> None:
+    def add(utterances: list) -> None:
         for u in utterances:
             first = base + round(u.start_time * u.sample_rate) if not stamped else 0
-            found.append(Predicted(u.start_time if stamped else None, first, first + u.samples.size))
+            found.append(Predicted(u.start_time if stamped else None, first, first + u.samples.size, u.sample_rate))
 
     for pcm, start in chunks:
-        stamped = start is not None
         if segmenter is None or segmenter.sample_rate != pcm.sample_rate:
             if segmenter is not None and (tail := segmenter.flush()) is not None:
-                add([tail], stamped)
+                add([tail])
             segmenter, base = SpeechSegmenter(pcm.sample_rate, config), offset
+        stamped = start is not None
         clock = start if stamped else (offset - base) / pcm.sample_rate
-        add(segmenter.push(np.asarray(pcm.samples), clock, stamped), stamped)
+        add(segmenter.push(np.asarray(pcm.samples), clock, stamped))
         offset += pcm.samples.size
     if segmenter is not None and (tail := segmenter.flush()) is not None:
-        add([tail], stamped)
+        add([tail])
     return found
 
 

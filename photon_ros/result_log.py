@@ -148,27 +148,28 @@ class InputTimeline:
     A transcript of stamped audio names its chunks by its stamp. One of unstamped audio (std_msgs
     arrays, zero stamps) carries the speech node's clock, which says nothing about the bag, and at
     max rate not even the order of arrival: it is tied to the utterance the node's segmenter cut,
-    predicted over the same samples (graph_probe.predict_utterances), the k-th utterance stamp seen
-    being the k-th predicted (its partials and final share the stamp)."""
+    predicted over the same samples (graph_probe.predict_utterances). An utterance's partials and
+    final share its stamp; its final's duration is the predicted one's to the sample, which finds
+    it among the predicted in order, past utterances that gave no transcript (nothing heard in
+    them, a failed decode, a queue that dropped them)."""
     frames: dict[int, Published]               # header stamp (ns) -> the frame published with it
     chunk_ends: list[float]                    # end capture time (s) of each stamped audio chunk, sorted
     chunks: list[Published]                    # in the same order
     t0_ns: int                                 # zero of the timeline: the first input's recorded time
     shared: set[int] = field(default_factory=set)   # stamps several frames carry: no result is told apart
-    # unstamped audio: its chunks in sample order as (first sample, samples, published), the
-    # predicted utterances' (first, end) samples, and the sample rate
-    samples: list[tuple[int, int, Published]] = field(default_factory=list)
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    rate: int = 0
-    _utterance: dict[int, int] = field(default_factory=dict)   # transcript stamp -> utterance number
+    # unstamped audio: its chunks in sample order as (first sample, samples, rate, published), and
+    # the predicted utterances (graph_probe.Predicted)
+    samples: list[tuple[int, int, int, Published]] = field(default_factory=list)
+    utterances: list[Any] = field(default_factory=list)
+    _utterance: dict[int, Any] = field(default_factory=dict)   # transcript stamp -> its Predicted
 
     def __post_init__(self) -> None:
-        self.firsts = [first for first, _, _ in self.samples]
+        self.firsts = [first for first, _, _, _ in self.samples]
 
     @classmethod
     def build(cls, published: list[Published], chunk_ends: dict[int, float | None],
-              chunk_samples: dict[int, tuple[int, int]] | None = None, utterances: list | None = None,
-              rate: int = 0) -> "InputTimeline":
+              chunk_samples: dict[int, tuple[int, int, int]] | None = None,
+              utterances: list | None = None) -> "InputTimeline":
         # A result names its frame by the frame's stamp: where several frames share one (a camera
         # that leaves it 0, a driver that repeats it), its frame is not known, and none is named.
         counts = Counter(p.stamp_ns for p in published if p.stream == "image" and p.stamp_ns is not None)
@@ -178,12 +179,12 @@ class InputTimeline:
         audio = [p for p in published if p.stream == "audio"]
         chunks = sorted(((chunk_ends[p.index], p) for p in audio if chunk_ends.get(p.index) is not None),
                         key=lambda c: c[0])
-        unstamped = sorted((p for p in audio if chunk_ends.get(p.index) is None and not p.stamp_ns
-                            and p.index in (chunk_samples or {})), key=lambda p: p.index)
+        unstamped = [p for p in sorted(audio, key=lambda p: p.index)
+                     if chunk_ends.get(p.index) is None and not p.stamp_ns and p.index in (chunk_samples or {})]
         samples = [(*(chunk_samples or {})[p.index], p) for p in unstamped]
-        spans = [(u.first, u.end) for u in utterances or [] if u.start is None] if samples else []
         t0 = min((p.stamp_ns or p.log_time_ns for p in published), default=0)
-        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], t0, shared, samples, spans, rate)
+        return cls(frames, [end for end, _ in chunks], [p for _, p in chunks], t0, shared, samples,
+                   list(utterances or []) if samples else [])
 
     def seconds(self, stamp: int | None) -> float | None:
         """A recorded stamp on the timeline; None for none, or 0 (unstamped: not a time on it)."""
@@ -193,37 +194,51 @@ class InputTimeline:
         """Where an input is on the timeline: its stamp, or its log time when it has none."""
         return (p.stamp_ns or p.log_time_ns) / 1e9 - self.t0_ns / 1e9
 
-    def number_utterances(self, transcripts: list[Any]) -> None:
-        """Number the utterances of unstamped audio by their transcripts' stamps, in arrival order."""
+    def match_utterances(self, transcripts: list[Any]) -> None:
+        """Find the predicted utterance of each transcript stamp (transcripts in arrival order)."""
+        groups: dict[int, list] = {}
         for msg in transcripts:
-            stamp = stamp_ns(msg)
-            if stamp and stamp not in self._utterance:
-                self._utterance[stamp] = len(self._utterance)
+            if stamp := stamp_ns(msg):
+                groups.setdefault(stamp, []).append(msg)
+        k = 0
+        for stamp, msgs in groups.items():
+            finals = [m for m in msgs if m.is_final]
+            j = k
+            if finals:   # the first predicted from here on that lasts as long (to a sample)
+                heard = _seconds(finals[-1].audio_duration)
+                while j < len(self.utterances) and abs(self.utterances[j].duration - heard) > 0.5 / self.utterances[j].rate:
+                    j += 1
+            if j < len(self.utterances):
+                self._utterance[stamp], k = self.utterances[j], j + 1
 
-    def _chunk_at(self, sample: int) -> tuple[int, int, Published]:
+    def _chunk_at(self, sample: int) -> tuple[int, int, int, Published]:
         """The unstamped chunk holding `sample` (the last one past the end)."""
         i = bisect.bisect_right(self.firsts, sample) - 1
         return self.samples[max(0, min(i, len(self.samples) - 1))]
 
-    def _predicted(self, msg: Any) -> tuple[int, int] | None:
+    def _span(self, msg: Any) -> tuple[int, int] | None:
         """(first sample, one past the last) of a transcript of unstamped audio, from its utterance."""
-        k = self._utterance.get(stamp_ns(msg))
-        if k is None or k >= len(self.spans) or not self.rate:
+        u = self._utterance.get(stamp_ns(msg))
+        if u is None or u.start is not None:   # unknown, or stamped: its stamp says
             return None
-        first = self.spans[k][0]
-        return first, first + max(1, round(_seconds(msg.audio_duration) * self.rate))
+        return u.first, u.first + max(1, round(_seconds(msg.audio_duration) * u.rate))
 
     def result_seconds(self, output: Output, msg: Any) -> float | None:
         """Where a result is on the timeline: its stamp, or for a transcript of unstamped audio
         its first sample's place in the bag (the log time of the chunk that held it, a chunk
         logged as its capture ends)."""
-        if output.source == "utterance" and self.samples:
-            span = self._predicted(msg)
+        if output.source == "utterance" and self.samples and not self._stamped(msg):
+            span = self._span(msg)
             if span is None:
                 return None
-            first, n, chunk = self._chunk_at(span[0])
-            return (chunk.log_time_ns - self.t0_ns) / 1e9 - (first + n - span[0]) / self.rate
+            first, n, rate, chunk = self._chunk_at(span[0])
+            return (chunk.log_time_ns - self.t0_ns) / 1e9 - (first + n - span[0]) / rate
         return self.seconds(stamp_ns(msg))
+
+    def _stamped(self, msg: Any) -> bool:
+        """A transcript of stamped audio, where the stream has unstamped chunks too."""
+        u = self._utterance.get(stamp_ns(msg))
+        return u is not None and u.start is not None
 
     def source(self, output: Output, msg: Any) -> Published | None:
         """The input that produced `msg`, when one input did: for a transcript, the chunk that held
@@ -231,9 +246,9 @@ class InputTimeline:
         stamp = stamp_ns(msg)
         if output.source == "frame":
             return self.frames.get(stamp)
-        if output.source == "utterance" and self.samples:
-            span = self._predicted(msg)
-            return None if span is None else self._chunk_at(span[1] - 1)[2]
+        if output.source == "utterance" and self.samples and not self._stamped(msg):
+            span = self._span(msg)
+            return None if span is None else self._chunk_at(span[1] - 1)[3]
         if output.source == "utterance" and self.chunks:
             last_sample = time_to_seconds(msg.header.stamp) + _seconds(msg.audio_duration)
             i = bisect.bisect_left(self.chunk_ends, last_sample - 1e-6)
@@ -244,7 +259,7 @@ class InputTimeline:
 def result_rows(log: ResultLog, timeline: InputTimeline) -> dict[str, list[dict]]:
     """topic -> one row per message received on it (every topic of the log, empty ones too)."""
     rows: dict[str, list[dict]] = {}
-    timeline.number_utterances([r.msg for o in log.outputs if o.source == "utterance" for r in log.results(o.topic)])
+    timeline.match_utterances([r.msg for o in log.outputs if o.source == "utterance" for r in log.results(o.topic)])
     for output in log.outputs:
         rows[output.topic] = [_row(r, output, timeline) for r in log.results(output.topic)]
     return rows

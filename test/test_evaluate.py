@@ -343,34 +343,46 @@ def test_transcripts_of_unstamped_audio_are_tied_to_the_utterances_the_node_cut(
     """Audio without stamps (std_msgs arrays, AudioChunks stamped 0) is stamped by the speech node
     on its clock as it arrives: zero-stamped chunks' transcripts named no chunk, and at max rate
     every transcript was tied to the bag's last chunk (the node's arrivals bunch behind the
-    replay), its delay from there and its place an hour from the frames'. Now the k-th utterance
-    stamp is the k-th utterance the same segmenter cuts from the same samples."""
+    replay), its delay from there and its place an hour from the frames'. Now each utterance's
+    transcripts are tied to the utterance the same segmenter cuts from the same samples: its
+    final's duration finds it, past utterances that gave no transcript, across a rate change, and
+    beside stamped audio in the same stream."""
     from photon_ros.graph_probe import Predicted
     from photon_ros.msg import Transcript
     from photon_ros.replay import Published
     from photon_ros.result_log import InputTimeline, Output
     recorded, node_clock = 1_000_000_000_000, 5_000_000_000_000
-    # ten 0.1 s chunks of 16 kHz, each logged as its capture ends, all arriving at once at the node
-    published = [Published("audio", i, 0, recorded + (i + 1) * 100_000_000, at=float(i),
-                           wall_ns=node_clock) for i in range(10)]
+    # 0.1 s chunks logged as their capture ends, all arriving at once at the node: ten at 16 kHz,
+    # then ten at 48 kHz, then ten stamped
+    published = [Published("audio", i, 0, recorded + (i + 1) * 100_000_000, at=float(i), wall_ns=node_clock)
+                 for i in range(20)]
+    published += [Published("audio", i, recorded + i * 100_000_000, recorded + (i + 1) * 100_000_000,
+                            at=float(i), wall_ns=node_clock) for i in range(20, 30)]
     published.append(Published("image", 0, recorded + 50_000_000, recorded + 53_000_000, at=2.5))
-    samples = {i: (1600 * i, 1600) for i in range(10)}
-    utterances = [Predicted(None, 1600, 4000), Predicted(None, 4000, 8800)]   # 0.1-0.25 s, 0.25-0.55 s
-    timeline = InputTimeline.build(published, {i: None for i in range(10)}, samples, utterances, 16000)
+    samples = {i: (1600 * i, 1600, 16000) for i in range(10)}
+    samples |= {i: (16000 + 4800 * (i - 10), 4800, 48000) for i in range(10, 30)}
+    ends = {i: None for i in range(20)} | {i: (recorded + (i + 1) * 100_000_000) / 1e9 for i in range(20, 30)}
+    utterances = [Predicted(None, 1600, 4000, 16000), Predicted(None, 4000, 8800, 16000),   # 0.1-0.25, 0.25-0.55 s
+                  Predicted(None, 8800, 9600, 16000),                                       # 0.55-0.6 s: nothing heard
+                  Predicted(None, 16000 + 4800, 16000 + 19200, 48000),                       # 1.1-1.4 s
+                  Predicted((recorded + 2_200_000_000) / 1e9, 0, 9600, 48000)]               # 2.2-2.4 s, stamped
+    timeline = InputTimeline.build(published, ends, samples, utterances)
 
-    def transcript(stamp_s, duration_ns):
-        t = Transcript()
-        t.header.stamp.sec, t.header.stamp.nanosec = stamp_s, 0
-        t.audio_duration.nanosec = duration_ns
+    def transcript(stamp_ns, duration_s, final=True):
+        t = Transcript(is_final=final)
+        t.header.stamp.sec, t.header.stamp.nanosec = divmod(stamp_ns, 1_000_000_000)
+        t.audio_duration.sec, t.audio_duration.nanosec = divmod(round(duration_s * 1e9), 1_000_000_000)
         return t
-    heard = [transcript(7, 100_000_000), transcript(7, 150_000_000),     # the first: a partial, its final
-             transcript(9, 300_000_000)]                                  # the second (whatever the node's clock said)
-    timeline.number_utterances(heard)
+    heard = [transcript(7 * 10**9, 0.1, final=False), transcript(7 * 10**9, 0.15),   # the first: a partial, its final
+             transcript(9 * 10**9, 0.3),          # the second (whatever the node's clock said)
+             transcript(10 * 10**9, 0.3),         # the fourth, at 48 kHz: the third gave no transcript
+             transcript(recorded + 2_200_000_000, 0.2)]   # the fifth, stamped
+    timeline.match_utterances(heard)
     utterance = Output("transcript", Transcript, "utterance")
     assert timeline.t0_ns == recorded + 50_000_000 and timeline.input_seconds(published[-1]) == 0.0
-    assert [timeline.source(utterance, t).index for t in heard] == [1, 2, 5]   # chunks of their last samples
-    assert [timeline.result_seconds(utterance, t) for t in heard] == pytest.approx([0.05, 0.05, 0.2])
-    assert timeline.result_seconds(utterance, transcript(11, 1)) is None   # a third: none was predicted
+    assert [timeline.source(utterance, t).index for t in heard] == [1, 2, 5, 13, 23]   # chunks of their last samples
+    assert [timeline.result_seconds(utterance, t) for t in heard] == pytest.approx([0.05, 0.05, 0.2, 1.05, 2.15])
+    assert timeline.result_seconds(utterance, transcript(11 * 10**9, 0.7)) is None   # none was predicted so long
 
 
 def test_cmd_vel_is_recorded_as_the_loop_publishes_it():
