@@ -56,6 +56,11 @@ WAV_PUBLISHER_PARAMS = [
 ]
 
 
+# Chunks one timer tick publishes at most (an executor held up for seconds catches up in a burst,
+# as a driver's buffered audio does).
+MAX_CATCH_UP = 100
+
+
 class WavPublisher(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("wav_publisher", **kwargs)
@@ -72,10 +77,18 @@ class WavPublisher(Node):
         samples, self.rate = read_wav(path)   # its errors name the file
         if samples.dtype != np.int16:   # 8-bit silence is 128, not 0: pad and send floats instead
             samples = pcm_to_float(samples)
+            if samples.size and (peak := float(np.max(np.abs(samples)))) > 1.0:
+                # float samples on the int16 scale (read_wav takes them): sent as they are, every
+                # sample past full scale was clipped (S16LE) or the chunk refused (F32LE)
+                samples = samples / np.float32(32768.0)
+                self.get_logger().info(f"{path}: float samples up to {peak:g}, taken on the int16 scale")
         self.chunks = chunk_audio(samples, self.rate, chunk_s, leading_s, trailing_s)
         self.index = 0
         self.sent_samples = 0
         self.done = False
+        self.started_at: float | None = None   # node clock when the first chunk was due
+        self.sent_at_start = 0                  # samples sent before it (a clock that went back starts again)
+        self.last_now = 0.0
         # monotonic time of each chunk of the first play, for latency measurements (not of later loops:
         # a loop left playing for days would hold one entry per chunk)
         self.published_at: list[float] = []
@@ -86,16 +99,48 @@ class WavPublisher(Node):
         self.get_logger().info(f"playing {path}: {len(samples) / self.rate:.1f} s at {self.rate} Hz")
 
     def publish_next(self) -> None:
-        if self.index == 0 and self.sent_samples == 0:
-            if self.publisher.get_subscription_count() < self.wait_for_subscribers:
-                self.get_logger().info(f"waiting for {self.wait_for_subscribers} subscriber(s) on "
-                                       f"{self.publisher.topic_name}", once=True)
-                return   # nobody listens yet: the file's clock starts with its first chunk
-            # as a driver stamps it: a chunk goes out once its last sample is captured, so the first
-            # sample of the first one was captured a chunk's time ago (stamped t0, it arrived as its
-            # audio would only begin). On the node's clock: a simulator's under use_sim_time, which
-            # also paces this timer (on the wall clock, the loop node took every command as young)
-            self.t0 = self.get_clock().now().nanoseconds * 1e-9 - len(self.chunks[0]) / self.rate
+        """Every chunk whose last sample is due by now (the timer ticks once a chunk, but a short
+        chunk, a rounded one, a loop's last, must not cost a whole tick: the stamps, counted in
+        samples, drifted behind the clock, 1 s in 6 s of a short file looped)."""
+        now = self.get_clock().now().nanoseconds * 1e-9
+        if self.started_at is not None and now < self.last_now - 1.0:
+            # a simulator's clock went back (a reset): the file's clock starts again from here
+            self.get_logger().info(f"the clock went back {self.last_now - now:.1f} s: stamps start again from it")
+            self.started_at = None
+        self.last_now = now
+        if self.started_at is None and not self.start(now):
+            return
+        for _ in range(MAX_CATCH_UP):
+            if self.done or now < self.started_at + self.due_after(self.next_chunk()):
+                return
+            self.publish_chunk()
+
+    def start(self, now: float) -> bool:
+        """Anchor the file's clock at `now` with its first chunk due, if it can start."""
+        if self.publisher.get_subscription_count() < self.wait_for_subscribers:
+            self.get_logger().info(f"waiting for {self.wait_for_subscribers} subscriber(s) on "
+                                   f"{self.publisher.topic_name}", once=True)
+            return False   # nobody listens yet: the file's clock starts with its first chunk
+        first = len(self.next_chunk()) / self.rate
+        if now < first:
+            return False   # a simulator's clock just started: no chunk can have been captured before 0
+        # as a driver stamps it: a chunk goes out once its last sample is captured, so the first
+        # sample of the first one was captured a chunk's time ago (stamped t0, it arrived as its
+        # audio would only begin). On the node's clock: a simulator's under use_sim_time, which
+        # also paces this timer (on the wall clock, the loop node took every command as young)
+        self.t0 = now - first
+        self.sent_at_start = self.sent_samples
+        self.started_at = now - first / self.speed
+        return True
+
+    def due_after(self, chunk: np.ndarray) -> float:
+        """Seconds after started_at at which `chunk`, the next one, is due (its last sample captured)."""
+        return (self.sent_samples - self.sent_at_start + len(chunk)) / self.rate / self.speed
+
+    def next_chunk(self) -> np.ndarray:
+        return self.chunks[self.index if self.index < len(self.chunks) else 0]
+
+    def publish_chunk(self) -> None:
         if self.index >= len(self.chunks):
             if not self.loop:
                 self.done = True
@@ -103,7 +148,7 @@ class WavPublisher(Node):
                 self.get_logger().info("finished playing")
                 return
             self.index = 0
-        header = Header(stamp=seconds_to_time(self.t0 + self.sent_samples / self.rate),
+        header = Header(stamp=seconds_to_time(self.t0 + (self.sent_samples - self.sent_at_start) / self.rate),
                         frame_id=self.frame_id)
         chunk = self.chunks[self.index]
         self.publisher.publish(pcm_to_audio_chunk(chunk, self.rate, self.sample_format, header=header))

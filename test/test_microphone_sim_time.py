@@ -106,3 +106,38 @@ def test_a_simulators_clock_just_started_gives_no_negative_stamp(graph, card):
     stream.deliver(2)
     assert wait_for(lambda: len(chunks) == 2, timeout=10)
     assert all(c.header.stamp.sec >= 0 for c in chunks), [(c.header.stamp.sec, c.header.stamp.nanosec) for c in chunks]
+
+
+def test_the_wav_publisher_follows_a_simulators_clock_that_starts_at_zero_and_goes_back(graph, tmp_path):
+    """A simulator's clock starting at 0: the first chunk went out stamped before 0 (rclpy's Time
+    refuses it). A reset sends the clock back: the stamps stayed on the old timeline, ~1000 s
+    ahead of every node's clock, and the loop node refused each command as not yet said."""
+    from photon_ros.msg import AudioChunk
+    from photon_ros.wav_publisher import WavPublisher
+
+    path = tmp_path / "tone.wav"
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(RATE)
+        f.writeframes((np.sin(np.arange(RATE // 4) * 0.1) * 8000).astype("<i2").tobytes())
+    chunks = []
+    graph.node("listener").create_subscription(AudioChunk, "audio", chunks.append,
+                                               QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+    clock = {"start": 0.0, "t0": time.monotonic()}
+    node = graph.node("simulator")
+    pub = node.create_publisher(Clock, "/clock", QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    node.create_timer(0.01, lambda: pub.publish(Clock(clock=seconds_to_time(
+        clock["start"] + time.monotonic() - clock["t0"]))))
+    params = {"file": str(path), "use_sim_time": True, "loop": True, "leading_silence_s": 0.0,
+              "trailing_silence_s": 0.0}
+    player = graph.add(WavPublisher(context=graph.context,
+                                    parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
+    assert wait_for(lambda: len(chunks) >= 3, timeout=10)
+    assert all(c.header.stamp.sec >= 0 and time_to_seconds(c.header.stamp) > 0 for c in chunks)
+    clock["start"], clock["t0"] = 500.0, time.monotonic()      # the world runs on; then a reset:
+    assert wait_for(lambda: time_to_seconds(chunks[-1].header.stamp) > 500.0, timeout=10)
+    clock["start"], clock["t0"] = 0.0, time.monotonic()
+    assert wait_for(lambda: time_to_seconds(chunks[-1].header.stamp) < 10.0, timeout=10), \
+        time_to_seconds(chunks[-1].header.stamp)
+    assert not player.done

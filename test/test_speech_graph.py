@@ -274,3 +274,52 @@ def test_wav_publisher_stamps_each_chunk_as_a_driver_does(graph):
     for msg, arrived in arrivals[:5]:
         end = time_to_seconds(msg.header.stamp) + len(msg.data) / 2 / msg.sample_rate
         assert arrived - 0.25 < end <= arrived + 0.02, (end, arrived)
+
+
+def test_a_looped_wav_keeps_its_stamps_on_the_clock(graph, tmp_path):
+    """Each chunk went out one timer period after the last, the short last chunk of every loop
+    too: a 0.15 s file in 100 ms chunks played at three quarters of real time, its stamps (counted
+    in samples) a second behind the clock after 4 s, and the loop node soon refused every command
+    as too old. Chunks now go out as their audio is due."""
+    import wave
+    path = tmp_path / "short.wav"
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(16000)
+        f.writeframes((np.sin(np.arange(2400) * 0.2) * 8000).astype("<i2").tobytes())
+    arrivals = []
+    graph.node("ears").create_subscription(AudioChunk, "audio", arrivals.append, QOS)
+    player = graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(path)), Parameter("loop", value=True),
+        Parameter("leading_silence_s", value=0.0), Parameter("trailing_silence_s", value=0.0)]))
+    assert wait_for(lambda: arrivals, timeout=30)
+    time.sleep(4.0)
+    last = arrivals[-1]
+    end = time_to_seconds(last.header.stamp) + len(last.data) / 2 / last.sample_rate
+    behind = player.get_clock().now().nanoseconds * 1e-9 - end
+    assert behind < 0.4, behind
+    starts = [time_to_seconds(m.header.stamp) for m in arrivals]
+    sizes = [len(m.data) // 2 for m in arrivals]
+    assert np.allclose(np.diff(starts), np.array(sizes[:-1]) / 16000, atol=1e-6)   # joined exactly
+
+
+def test_a_float_wav_on_the_int16_scale_is_played_unclipped(graph, tmp_path):
+    """read_wav takes float samples up to 32768 (files written on the int16 scale exist); the
+    player sent them as if within [-1, 1]: S16LE chunks clipped 80% of the samples to full scale."""
+    tone = (np.sin(np.arange(1600) * 0.2) * 20000).astype("<f4")
+    path = tmp_path / "float.wav"
+    with open(path, "wb") as f:   # WAVE_FORMAT_IEEE_FLOAT, mono, 16 kHz, 32-bit
+        data = tone.tobytes()
+        f.write(b"RIFF" + (36 + len(data)).to_bytes(4, "little") + b"WAVEfmt " + (16).to_bytes(4, "little")
+                + (3).to_bytes(2, "little") + (1).to_bytes(2, "little") + (16000).to_bytes(4, "little")
+                + (64000).to_bytes(4, "little") + (4).to_bytes(2, "little") + (32).to_bytes(2, "little")
+                + b"data" + len(data).to_bytes(4, "little") + data)
+    arrivals = []
+    graph.node("ears").create_subscription(AudioChunk, "audio", arrivals.append, QOS)
+    player = graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+        Parameter("file", value=str(path)), Parameter("speed", value=10.0),
+        Parameter("leading_silence_s", value=0.0), Parameter("trailing_silence_s", value=0.0)]))
+    assert wait_for(lambda: player.done, timeout=30) and wait_for(lambda: len(arrivals) == 1, timeout=10)
+    played = np.frombuffer(bytes(arrivals[0].data), "<i2")
+    assert np.abs(played.astype(int) - np.round(tone)).max() <= 1   # not clipped at 32767
