@@ -118,12 +118,16 @@ def rescan_devices(sd) -> bool:
         return True
 
 
-# A simulator's clock (use_sim_time) runs at its real-time factor, 0.8 in a busy world, and in
+# A simulator's clock (use_sim_time) runs at its real-time factor, 0.5-0.8 in a busy world, and in
 # steps (gazebo_ros publishes /clock at 10 Hz). Stamps counted in real samples follow it by up to
-# this part of each block: inside the half block the speech node takes as jitter, not lost audio.
-# (On the wall clock, SampleClock's 1% keeps the joins exact; at 1% a simulator left the count
-# 0.2 s off within seconds, and each re-anchoring was a jump that cut a command.)
-SIM_SLEW = 0.25
+# this part of each block, and at most SIM_MAX_SLEW_S: inside what the speech node takes as
+# jitter, not lost audio (half a block, and vad.max_gap_s, 0.1 s by default). So they keep up with
+# a world at 0.55-1.45 real time; one further off leaves the count behind or ahead, and each
+# re-anchoring is a jump that cuts a command (at 0.25, a world at 0.6 cut every command). (On the
+# wall clock, SampleClock's 1% keeps the joins exact; at 1% a simulator left the count 0.2 s off
+# within seconds.)
+SIM_SLEW = 0.45
+SIM_MAX_SLEW_S = 0.09
 WALL_SLEW = 0.01
 
 
@@ -243,7 +247,8 @@ class MicrophoneNode(Node):
         if captured <= frames / self.rate:
             self.clock.reanchor()   # the first block with a time anchors the count
             return 0.0
-        self.clock.slew = SIM_SLEW if clock.ros_time_is_active else WALL_SLEW
+        sim = clock.ros_time_is_active
+        self.clock.slew, self.clock.max_slew_s = (SIM_SLEW, SIM_MAX_SLEW_S) if sim else (WALL_SLEW, float("inf"))
         return self.clock.stamp(frames, captured, overflow=overflow)
 
     def publish_pending(self) -> None:

@@ -14,9 +14,11 @@ class SampleClock:
     does not (a sound server's overrun), once the wall clock has stayed more than `jump_s` off the
     count for `persist_s` (late callbacks that catch up in a burst come back within that time)."""
 
-    def __init__(self, rate: int, slew: float = 0.01, jump_s: float = 0.2, persist_s: float = 0.15) -> None:
+    def __init__(self, rate: int, slew: float = 0.01, jump_s: float = 0.2, persist_s: float = 0.15,
+                 max_slew_s: float = float("inf")) -> None:
         self.rate = rate
         self.slew = slew
+        self.max_slew_s = max_slew_s   # and at most this much of any block
         self.jump_s, self.persist_s = jump_s, persist_s
         self.next: float | None = None   # stamp of the next block's first sample
         self.off_since: float | None = None   # when the wall clock left the count by > jump_s
@@ -34,7 +36,7 @@ class SampleClock:
             start = wall
             self.off_since = None
         else:
-            limit = self.slew * duration
+            limit = min(self.slew * duration, self.max_slew_s)
             start = self.next + min(max(wall - self.next, -limit), limit)
         self.next = start + duration
         return start
