@@ -169,6 +169,7 @@ class SpeechSegmenter:
         self._chunk_s = 0.0                         # duration of the last pushed chunk
         self._start_note = ""                       # why the current utterance began incomplete
         self.last_time = None                       # capture time after the last pushed sample
+        self._last_stamped = False                  # whether that time came from a stamp
         self.discontinuities = 0                    # jumps in the stamps seen so far
         self.lost_s = 0.0                           # seconds of audio missing at those jumps
 
@@ -177,10 +178,13 @@ class SpeechSegmenter:
         says the time is only an arrival estimate: the chunk is taken as continuing the stream."""
         done = []
         chunk_s = samples.size / self.sample_rate
-        if stamped and self.last_time is not None:
+        # From an unstamped chunk (its time an arrival estimate, perhaps on another clock: a
+        # simulator's before its first /clock reads 0) a stamp's distance says nothing of lost audio.
+        if stamped and self.last_time is not None and self._last_stamped:
             jump = start_time - self.last_time
             if abs(jump) > self.config.jump_tolerance(self._chunk_s):
                 done += self._discontinuity(jump)
+        self._last_stamped = stamped
         self._chunk_s = chunk_s
         if self._pending.size == 0:
             self._pending_start = start_time

@@ -246,6 +246,18 @@ def test_unstamped_chunks_are_taken_as_one_stream():
     assert len(out) == 1 and out[0].complete
 
 
+def test_stamps_that_begin_after_unstamped_chunks_are_no_lost_audio():
+    """A microphone under use_sim_time sends chunks unstamped (0) until the simulator's first
+    /clock, then stamped at its time (1000 s): the first stamp read as 999.9 s of audio lost, and
+    the command under way as two incomplete pieces."""
+    audio, rate = sentence_with_silence()
+    segmenter, out = SpeechSegmenter(rate), []
+    for k, i in enumerate(range(0, audio.size, 2205)):
+        stamped = k >= 8   # (the sentence starts after 0.5 s of silence: 5 chunks)
+        out += segmenter.push(audio[i:i + 2205], 1000.0 + i / rate if stamped else 0.0, stamped=stamped)
+    assert segmenter.discontinuities == 0 and len(out) == 1 and out[0].complete, [u.note for u in out]
+
+
 def test_a_stream_that_stops_mid_speech_gives_an_incomplete_utterance():
     speech, rate = espeak_pcm("Bring me the red cup from the kitchen.")
     segmenter = SpeechSegmenter(rate)
