@@ -127,6 +127,8 @@ def rescan_devices(sd) -> bool:
 # wall clock, SampleClock's 1% keeps the joins exact; at 1% a simulator left the count 0.2 s off
 # within seconds.)
 SIM_SLEW = 0.45
+# Blocks of nothing but zeros for this long: /diagnostics warns (muted, or a null source).
+DIGITAL_SILENCE_WARN_S = 10.0
 SIM_MAX_SLEW_S = 0.09
 WALL_SLEW = 0.01
 
@@ -162,6 +164,7 @@ class MicrophoneNode(Node):
         self.tries = 0   # reopenings in this stall
         self.lost_seen = 0   # overflows + dropped at the last diagnostics
         self.stalled = ""   # why no audio comes now ("" while it does)
+        self.zeros_since: float | None = None   # monotonic time since when every block was all 0
         self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
             depth=100, reliability=ReliabilityPolicy.RELIABLE))
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
@@ -224,6 +227,10 @@ class MicrophoneNode(Node):
         overflow = bool(status and status.input_overflow)
         self.overflows += overflow
         self.last_block = time.monotonic()
+        if data.any():
+            self.zeros_since = None
+        elif self.zeros_since is None:
+            self.zeros_since = self.last_block
         delay = adc_delay(time_info, frames / self.rate)
         if delay is not None:
             self.delay = delay
@@ -301,6 +308,12 @@ class MicrophoneNode(Node):
             if not self.stalled:
                 level, message = DiagnosticStatus.WARN, "capturing; audio was lost in the last second (see the counters)"
         self.lost_seen = lost
+        zeros_since = self.zeros_since
+        if not self.stalled and zeros_since is not None and time.monotonic() - zeros_since >= DIGITAL_SILENCE_WARN_S:
+            # a real microphone's noise is never exactly 0 for long: the robot hears nothing
+            level = DiagnosticStatus.WARN
+            message = (f"capturing digital silence (every sample 0) for {time.monotonic() - zeros_since:.0f} s: "
+                       "the device is muted, or a sound server's null source stands in for it")
         status = DiagnosticStatus(level=level, message=message, hardware_id=self.device_name())
         values = {"sample_rate": str(self.rate), "channels": str(self.channels),
                   "input_overflows": str(self.overflows), "blocks_dropped_queue_full": str(self.dropped),

@@ -66,8 +66,8 @@ def speech_params() -> list[Param]:
         Param("vad.min_speech_s", vad.min_speech_s, "speech this long starts an utterance", positive=True),
         Param("vad.max_utterance_s", vad.max_utterance_s, "longer speech is cut here (marked incomplete)",
               positive=True),
-        Param("vad.max_gap_s", vad.max_gap_s, "stamp jitter tolerated between chunks; more is lost audio",
-              positive=True),
+        Param("vad.max_gap_s", vad.max_gap_s, "stamp jitter tolerated between chunks, and never more than half a "
+              "chunk (one lost chunk must show); more is lost audio", positive=True),
     ]
 
 

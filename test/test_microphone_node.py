@@ -98,12 +98,12 @@ class FakeStream:
     def close(self) -> None:
         self.closed = True
 
-    def deliver(self, n: int = 1, overflow: bool = False) -> None:
+    def deliver(self, n: int = 1, overflow: bool = False, zeros: bool = False) -> None:
         """n blocks as PortAudio's thread hands them over, in real time: a ramp, so each sample is
-        traceable."""
+        traceable (or digital silence, a muted device's)."""
         for _ in range(n):
             time.sleep(self.block / self.rate)
-            ramp = (np.arange(self.sent, self.sent + self.block) % 30000).astype(np.int16)
+            ramp = (np.arange(self.sent, self.sent + self.block) % 30000).astype(np.int16) * (not zeros)
             status = SimpleNamespace(input_overflow=overflow)
             # PortAudio's times are on the stream's own clock (an arbitrary origin); a host API
             # that has none reports 0
@@ -347,6 +347,21 @@ def test_an_overflow_is_counted_and_warned_about(graph, card):
     assert wait_for(lambda: statuses and statuses[-1].level == DiagnosticStatus.WARN, timeout=10)
     assert "audio was lost" in statuses[-1].message
     assert dict((v.key, v.value) for v in statuses[-1].values)["input_overflows"] == "1"
+
+
+def test_a_device_that_delivers_only_zeros_is_warned_about(graph, card, monkeypatch):
+    """A muted microphone, or a sound server's null source after an unplug, delivers blocks of 0:
+    /diagnostics said "capturing", OK, while the robot heard nothing."""
+    import photon_ros.microphone_node as microphone_node
+    monkeypatch.setattr(microphone_node, "DIGITAL_SILENCE_WARN_S", 0.3)
+    _, statuses = listen(graph)
+    mic = microphone(graph)
+    assert wait_for(lambda: mic.publisher.get_subscription_count() > 0, timeout=10)
+    card.streams[0].deliver(5, zeros=True)
+    assert wait_for(lambda: statuses and "digital silence" in statuses[-1].message, timeout=10)
+    assert statuses[-1].level == DiagnosticStatus.WARN
+    card.streams[0].deliver(1)   # sound again
+    assert wait_for(lambda: statuses[-1].level == DiagnosticStatus.OK, timeout=10), statuses[-1].message
 
 
 @pytest.mark.parametrize("device, index", [(2, 2), ("2", 2), ("0", 0)], ids=["number", "string", "zero"])
