@@ -169,7 +169,7 @@ class SpeechSegmenter:
         self._chunk_s = 0.0                         # duration of the last pushed chunk
         self._start_note = ""                       # why the current utterance began incomplete
         self.last_time = None                       # capture time after the last pushed sample
-        self._last_stamped = False                  # whether that time came from a stamp
+        self._stamped_end: float | None = None      # where the stamps say the stream has got to
         self.discontinuities = 0                    # jumps in the stamps seen so far
         self.lost_s = 0.0                           # seconds of audio missing at those jumps
 
@@ -178,18 +178,22 @@ class SpeechSegmenter:
         says the time is only an arrival estimate: the chunk is taken as continuing the stream."""
         done = []
         chunk_s = samples.size / self.sample_rate
-        # From an unstamped chunk (its time an arrival estimate, perhaps on another clock: a
-        # simulator's before its first /clock reads 0) a stamp's distance says nothing of lost audio.
-        if stamped and self.last_time is not None and self._last_stamped:
-            jump = start_time - self.last_time
+        # Measured from the last stamped chunk's end (and the unstamped audio since): an unstamped
+        # chunk's time is an arrival estimate, perhaps on another clock (a simulator's before its
+        # first /clock reads 0), and a first stamp after such chunks shows no lost audio.
+        if stamped and self._stamped_end is not None:
+            jump = start_time - self._stamped_end
             if abs(jump) > self.config.jump_tolerance(self._chunk_s):
                 done += self._discontinuity(jump)
-        self._last_stamped = stamped
         self._chunk_s = chunk_s
         if self._pending.size == 0:
             self._pending_start = start_time
         self._pending = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
         self.last_time = start_time + samples.size / self.sample_rate
+        if stamped:
+            self._stamped_end = self.last_time
+        elif self._stamped_end is not None:
+            self._stamped_end += chunk_s
         n_frames = self._pending.size // self.frame
         for i in range(n_frames):
             frame = self._pending[i * self.frame:(i + 1) * self.frame]
@@ -231,9 +235,9 @@ class SpeechSegmenter:
         ends incomplete and speech after it is incomplete until a pause, as at a jump; the stream's
         clock is kept, so a jump the stamps do show is still counted as lost audio."""
         cut = self._finish(f"audio lost after it ({what})") if self._in_speech else None
-        last_time = self.last_time
+        last_time, stamped_end = self.last_time, self._stamped_end
         self._restart_stream()
-        self.last_time = last_time
+        self.last_time, self._stamped_end = last_time, stamped_end
         self._after_gap = f"audio lost before it ({what})"
         return [cut] if cut is not None else []
 
@@ -394,7 +398,7 @@ class SpeechSegmenter:
         self._preroll.clear()
         self._voiced_run = self._quiet_run = 0
         self._continues = False
-        self.last_time = None
+        self.last_time = self._stamped_end = None
 
     def _finish(self, note: str = "", keep: int | None = None) -> Utterance | None:
         """End the utterance in progress with its first `keep` frames (all by default)."""

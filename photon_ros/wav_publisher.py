@@ -59,6 +59,7 @@ WAV_PUBLISHER_PARAMS = [
 # Chunks one timer tick publishes at most (an executor held up for seconds catches up in a burst,
 # as a driver's buffered audio does).
 MAX_CATCH_UP = 100
+TICK_JITTER_S = 0.005
 
 
 class WavPublisher(Node):
@@ -95,7 +96,8 @@ class WavPublisher(Node):
         self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
             depth=100, reliability=ReliabilityPolicy.RELIABLE))
         self.t0 = time.time()
-        self.timer = self.create_timer(chunk_s / self.speed, self.publish_next)
+        self.period = chunk_s / self.speed
+        self.timer = self.create_timer(self.period, self.publish_next)
         self.get_logger().info(f"playing {path}: {len(samples) / self.rate:.1f} s at {self.rate} Hz")
 
     def publish_next(self) -> None:
@@ -111,7 +113,9 @@ class WavPublisher(Node):
         if self.started_at is None and not self.start(now):
             return
         for _ in range(MAX_CATCH_UP):
-            if self.done or now < self.started_at + self.due_after(self.next_chunk()):
+            # due within TICK_JITTER_S: the ticks keep their own schedule, and one that read the clock
+            # a few us earlier than the first (or a stepping /clock's rounding) held a chunk a tick
+            if self.done or now + TICK_JITTER_S < self.started_at + self.due_after(self.next_chunk()):
                 return
             self.publish_chunk()
 

@@ -256,6 +256,14 @@ def test_stamps_that_begin_after_unstamped_chunks_are_no_lost_audio():
         stamped = k >= 8   # (the sentence starts after 0.5 s of silence: 5 chunks)
         out += segmenter.push(audio[i:i + 2205], 1000.0 + i / rate if stamped else 0.0, stamped=stamped)
     assert segmenter.discontinuities == 0 and len(out) == 1 and out[0].complete, [u.note for u in out]
+    # ... while audio lost beside an unstamped chunk in a stamped stream is still seen: measured
+    # from the last stamp's end and the unstamped audio since
+    segmenter, t = SpeechSegmenter(rate), 1000.0
+    for stamped, lost in [(True, 0.0), (True, 0.0), (False, 0.0), (True, 1.0)]:
+        t += lost
+        segmenter.push(np.zeros(2205, np.float32), t if stamped else 3.0, stamped=stamped)
+        t += 0.1
+    assert segmenter.discontinuities == 1 and segmenter.lost_s == pytest.approx(1.0)
 
 
 def test_a_stream_that_stops_mid_speech_gives_an_incomplete_utterance():
