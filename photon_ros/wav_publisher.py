@@ -104,10 +104,15 @@ class WavPublisher(Node):
         """Every chunk whose last sample is due by now (the timer ticks once a chunk, but a short
         chunk, a rounded one, a loop's last, must not cost a whole tick: the stamps, counted in
         samples, drifted behind the clock, 1 s in 6 s of a short file looped)."""
-        now = self.get_clock().now().nanoseconds * 1e-9
+        clock = self.get_clock()
+        now = clock.now().nanoseconds * 1e-9
         if self.started_at is not None and now < self.last_now - 1.0:
             # a simulator's clock went back (a reset): the file's clock starts again from here
             self.get_logger().info(f"the clock went back {self.last_now - now:.1f} s: stamps start again from it")
+            self.started_at = None
+        elif self.started_at is not None and clock.ros_time_is_active and now > self.last_now + 1.0:
+            # ... or leapt ahead (a bag seek): not a backlog to send in a burst
+            self.get_logger().info(f"the clock leapt {now - self.last_now:.1f} s: stamps start again from it")
             self.started_at = None
         self.last_now = now
         if self.started_at is None and not self.start(now):

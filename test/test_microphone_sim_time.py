@@ -111,10 +111,11 @@ def test_a_simulators_clock_just_started_gives_no_negative_stamp(graph, card):
     assert all(c.header.stamp.sec >= 0 for c in chunks), [(c.header.stamp.sec, c.header.stamp.nanosec) for c in chunks]
 
 
-def test_the_wav_publisher_follows_a_simulators_clock_that_starts_at_zero_and_goes_back(graph, tmp_path):
+def test_the_wav_publisher_follows_a_simulators_clock_that_starts_at_zero_goes_back_and_leaps(graph, tmp_path):
     """A simulator's clock starting at 0: the first chunk went out stamped before 0 (rclpy's Time
     refuses it). A reset sends the clock back: the stamps stayed on the old timeline, ~1000 s
-    ahead of every node's clock, and the loop node refused each command as not yet said."""
+    ahead of every node's clock, and the loop node refused each command as not yet said. A leap
+    ahead (a bag seek) is no backlog to send in a burst."""
     from photon_ros.msg import AudioChunk
     from photon_ros.wav_publisher import WavPublisher
 
@@ -143,4 +144,8 @@ def test_the_wav_publisher_follows_a_simulators_clock_that_starts_at_zero_and_go
     clock["start"], clock["t0"] = 0.0, time.monotonic()
     assert wait_for(lambda: time_to_seconds(chunks[-1].header.stamp) < 10.0, timeout=10), \
         time_to_seconds(chunks[-1].header.stamp)
+    sent = len(chunks)
+    clock["start"], clock["t0"] = 2000.0, time.monotonic()    # a leap ahead (a bag seek): no burst
+    assert wait_for(lambda: time_to_seconds(chunks[-1].header.stamp) > 1999.0, timeout=10)
+    assert len(chunks) - sent < 20, len(chunks) - sent
     assert not player.done
