@@ -12,7 +12,7 @@ A cancel, or the goal's timeout, sets the request's cancel event: a request stil
 batch (behind other work on the engine) is dropped at once (Batcher.submit), and in a decode the
 loop drops the row at its next step, which frees its batch slot for the next request
 (Request.cancel). The goal then ends canceled (or aborted, for a timeout) with what was found so far. Segment (Moondream 3) runs
-its own decode loop outside the batch: a cancel takes effect when that decode ends.
+its own decode loop outside the batch: a cancel ends it between two path commands.
 
 A goal's work (waiting for its frame, decoding) runs on a thread of its own, not on the executor's:
 run_node spins a thread per core (2 on a 2-core computer) and one per callback that may wait (an
@@ -259,8 +259,8 @@ class VisionActions:
         if find and goal.task == "segment":
             from photon_ros.vision_node import segment_frame   # not a batched skill
 
-            # Segment decodes on its own loop, not the batch's: a cancel takes effect when it ends.
-            segment = segment_frame(node.engine, rgb, [goal.prompt], node.segment_max_tokens)[0]
+            # Segment decodes on its own loop, not the batch's: a cancel ends it between two path commands.
+            segment = segment_frame(node.engine, rgb, [goal.prompt], node.segment_max_tokens, cancel)[0]
             result.segmentation = segmentation_message(segment, header, prompt=goal.prompt, width=width,
                                                        height=height, latency=latency(), model_id=model_id)
             result.success = not cancel.is_set()

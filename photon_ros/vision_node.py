@@ -31,6 +31,7 @@ if __name__ == "__main__":   # `python -m`: a Ctrl-C during the imports below (s
     exit_on_ctrl_c()
 
 import math
+import threading
 import time
 from collections import deque
 from typing import NamedTuple
@@ -45,6 +46,7 @@ from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 from photon_core.draw import draw_results
 from photon_core.runtime.decode import engine_diagnostics
 from photon_core.runtime.requests import Request
+from photon_core.runtime.batcher import CANCEL_POLL_S
 from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.diagnostics import publish_status
 from photon_ros.depth_projection import DepthSettings, NoDepth, depth_view
@@ -124,20 +126,60 @@ def prepared_image(engine: SharedModel, rgb):
     return model.prepare(rgb) if hasattr(model, "prepare") else rgb
 
 
-def segment_frame(engine: SharedModel, rgb, targets: list[str], max_tokens: int) -> list[dict]:
+def segment_frame(engine: SharedModel, rgb, targets: list[str], max_tokens: int,
+                  cancel: threading.Event | None = None) -> list[dict]:
     """`segment` results for every target on one frame. Segment is not a batched skill: each call
     goes to the model's own segment() under the engine's lock (the lock the batcher takes too), one
     target at a time so that batched requests of other cameras run in between; the image is encoded
-    once for all targets."""
+    once for all targets. With `cancel` (a goal's): once it is set, waiting for the lock or
+    decoding ends, and the target's result is {"path": "", "bbox": what was found, "error": "canceled"}."""
     if not targets:
         return []
-    with engine.lock:
+    if not _acquire(engine.lock, cancel):
+        return [CANCELED_SEGMENT] * len(targets)
+    try:
         encoded = engine.model.encode_image(rgb)
+    finally:
+        engine.lock.release()
     results = []
     for target in targets:
-        with engine.lock:
-            results.append(engine.model.segment(encoded, target, settings={"max_tokens": max_tokens}))
+        if not _acquire(engine.lock, cancel):
+            return results + [CANCELED_SEGMENT] * (len(targets) - len(results))
+        try:
+            settings = {"max_tokens": max_tokens}
+            results.append(engine.model.segment(encoded, target, settings=settings) if cancel is None else
+                           segment_until(engine.model.segment(encoded, target, stream=True, settings=settings), cancel))
+        finally:
+            engine.lock.release()
     return results
+
+
+def _acquire(lock: threading.Lock, cancel: threading.Event | None) -> bool:
+    """`lock` held (True), or `cancel` set while it was waited for (False)."""
+    while not lock.acquire(timeout=CANCEL_POLL_S if cancel is not None else -1):
+        if cancel is not None and cancel.is_set():
+            return False
+    return True
+
+
+CANCELED_SEGMENT = {"path": "", "bbox": None, "error": "canceled"}
+
+
+def segment_until(updates, cancel: threading.Event) -> dict:
+    """segment()'s result from its stream of updates, or once `cancel` is set between two of them,
+    what was found so far, marked canceled (the decode stops there)."""
+    box = None
+    try:
+        for update in updates:
+            if update.get("completed"):
+                return {k: v for k, v in update.items() if k != "completed"}
+            box = update.get("bbox", box)
+            if cancel.is_set():
+                return {**CANCELED_SEGMENT, "bbox": box}
+    finally:
+        if callable(close := getattr(updates, "close", None)):
+            close()   # a generator's decode stops here
+    return {**CANCELED_SEGMENT, "bbox": box}
 
 
 class VisionNode(ManagedNode):

@@ -148,3 +148,31 @@ def test_infer_segment_on_a_family_without_it_is_refused(graph):
     reply = call(client, Infer.Request(task="segment", prompt="cup", use_latest_frame=False,
                                        image=rgb_to_image(gradient(64, 64), "rgb8", header=head(1))))
     assert not reply.success and "moondream model cannot segment" in reply.message
+
+
+def test_a_canceled_segment_stops_its_decode(monkeypatch):
+    """A find goal's cancel took effect only when its segment decode ended (or after another
+    caller's work released the engine): it now ends the decode between two path commands, and
+    the wait for the engine too; what was found is kept, marked canceled."""
+    import threading
+
+    from photon_core.runtime.shared_models import release, shared_engine
+    from photon_ros.vision_node import segment_frame
+
+    folder = ck.checkpoint("safetensors")[0]
+    engine = shared_engine(str(folder), skills=["segment"])
+    try:
+        script_segment(monkeypatch, folder)
+        rgb = gradient()
+        whole = segment_frame(engine, rgb, ["cup"], 40, threading.Event())[0]
+        assert whole["path"] == DIAMOND_PATH and whole["bbox"] is not None   # as without a cancel
+        script_segment(monkeypatch, folder)
+        canceled = threading.Event()
+        canceled.set()
+        stopped = segment_frame(engine, rgb, ["cup", "mug"], 40, canceled)
+        assert [s["error"] for s in stopped] == ["canceled", "canceled"] and stopped[0]["path"] == ""
+        assert stopped[0]["bbox"] == whole["bbox"]   # found before the first path command ended
+        with engine.lock:   # another caller's work holds the engine: the wait ends too
+            assert segment_frame(engine, rgb, ["cup"], 40, canceled) == [{"path": "", "bbox": None, "error": "canceled"}]
+    finally:
+        release(engine)
