@@ -130,6 +130,16 @@ def early(family: str, msg) -> bool:
     return len(getattr(msg, "audio", msg).data) == 2 * PRIMING_FRAMES   # AudioDataStamped or AudioData
 
 
+def audio_stamped(t: dict, chunk: np.ndarray, rate: int, stamp) -> object:
+    """mgonzs13's AudioStamped of 16-bit mono `chunk`, as its audio_capturer_node sends it."""
+    msg = t["AudioStamped"]()
+    msg.header.stamp, msg.header.frame_id = stamp, "mic"
+    msg.audio.audio_data.int16_data = _typed("int16_data", chunk)
+    msg.audio.info.format, msg.audio.info.channels = PORTAUDIO_INT16, 1
+    msg.audio.info.rate, msg.audio.info.chunk = rate, CHUNK
+    return msg
+
+
 def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False, lead_in: bool = False,
             latched_info: bool = False) -> None:
     import rclpy
@@ -160,12 +170,7 @@ def publish(wav: str, wait_for: list[str] | None = None, prime: bool = False, le
     def send(chunk: np.ndarray, first_frame: int) -> None:
         stamp = _stamp(first_frame, rate)
         if family == MGONZS13:
-            msg = t["AudioStamped"]()
-            msg.header.stamp, msg.header.frame_id = stamp, "mic"
-            msg.audio.audio_data.int16_data = _typed("int16_data", chunk)
-            msg.audio.info.format, msg.audio.info.channels = PORTAUDIO_INT16, 1
-            msg.audio.info.rate, msg.audio.info.chunk = rate, CHUNK
-            pubs["audio"].publish(msg)
+            pubs["audio"].publish(audio_stamped(t, chunk, rate, stamp))
             return
         data = chunk.astype("<i2").tobytes()
         pubs["audio"].publish(t["AudioData"](data=data))
@@ -315,12 +320,7 @@ def record_and_evaluate(wav: str, folder: str) -> None:
             chunk, stamp = audio[i:i + CHUNK], _stamp(i, rate)
             log_ns = stamp.sec * 10**9 + stamp.nanosec + round(chunk.size * 10**9 / rate)
             if family == MGONZS13:
-                msg = t["AudioStamped"]()
-                msg.header.stamp, msg.header.frame_id = stamp, "mic"
-                msg.audio.audio_data.int16_data = _typed("int16_data", chunk)
-                msg.audio.info.format, msg.audio.info.channels = PORTAUDIO_INT16, 1
-                msg.audio.info.rate, msg.audio.info.chunk = rate, CHUNK
-                writer.write("/audio", msg, log_ns)
+                writer.write("/audio", audio_stamped(t, chunk, rate, stamp), log_ns)
                 continue
             if k % round(5 * rate / CHUNK) == 0:
                 writer.write("/audio_info", t["AudioInfo"](channels=1, sample_rate=rate, sample_format="S16LE",

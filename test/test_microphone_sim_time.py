@@ -33,6 +33,17 @@ def simulator(graph, factor: float = 1.0, step_s: float = 0.01) -> None:
         SIM_START + factor * (time.monotonic() - t0)))))
 
 
+def tone_wav(folder, samples: int):
+    """A 16-bit mono WAV of a tone, `samples` long."""
+    path = folder / "tone.wav"
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(RATE)
+        f.writeframes((np.sin(np.arange(samples) * 0.1) * 8000).astype("<i2").tobytes())
+    return path
+
+
 def sim_now(node) -> float:
     return node.get_clock().now().nanoseconds * 1e-9
 
@@ -50,9 +61,9 @@ def test_the_microphone_delivers_before_the_simulators_clock_starts(graph, card)
     assert [time_to_seconds(c.header.stamp) for c in chunks] == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("factor", [0.8, 0.6, 1.4])
+@pytest.mark.parametrize("factor", [0.8, 0.65, 1.3])
 def test_the_microphone_stamps_on_the_simulators_clock(graph, card, factor):
-    """A busy world at 0.8 real time (or 0.6: every command was cut by jumps; or a fast one), its
+    """A busy world at 0.8 real time (or 0.65: every command was cut by jumps; or a fast one), its
     clock in 10 Hz steps: the stamps are on that clock and still join within the half block the
     speech node takes for jitter (not lost audio)."""
     chunks, _ = listen(graph)
@@ -74,12 +85,7 @@ def test_the_wav_publisher_stamps_on_the_simulators_clock(graph, tmp_path):
     from photon_ros.wav_publisher import WavPublisher
     from photon_ros.msg import AudioChunk
 
-    path = tmp_path / "tone.wav"
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(RATE)
-        f.writeframes((np.sin(np.arange(RATE // 2) * 0.1) * 8000).astype("<i2").tobytes())
+    path = tone_wav(tmp_path, RATE // 2)
     chunks = []
     graph.node("listener").create_subscription(AudioChunk, "audio", chunks.append,
                                                QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
@@ -119,12 +125,7 @@ def test_the_wav_publisher_follows_a_simulators_clock_that_starts_at_zero_goes_b
     from photon_ros.msg import AudioChunk
     from photon_ros.wav_publisher import WavPublisher
 
-    path = tmp_path / "tone.wav"
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(RATE)
-        f.writeframes((np.sin(np.arange(RATE // 4) * 0.1) * 8000).astype("<i2").tobytes())
+    path = tone_wav(tmp_path, RATE // 4)
     chunks = []
     graph.node("listener").create_subscription(AudioChunk, "audio", chunks.append,
                                                QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
