@@ -12,7 +12,6 @@ import time
 import wave
 
 import numpy as np
-import pytest
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rosgraph_msgs.msg import Clock
@@ -61,13 +60,13 @@ def test_the_microphone_delivers_before_the_simulators_clock_starts(graph, card)
     assert [time_to_seconds(c.header.stamp) for c in chunks] == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("factor", [0.8, 0.65, 1.3])
-def test_the_microphone_stamps_on_the_simulators_clock(graph, card, factor):
-    """A busy world at 0.8 real time (or 0.65: every command was cut by jumps; or a fast one), its
-    clock in 10 Hz steps: the stamps are on that clock and still join within the half block the
-    speech node takes for jitter (not lost audio)."""
+def test_the_microphone_stamps_on_the_simulators_clock(graph, card):
+    """A busy world at 0.8 real time, its clock in 10 Hz steps: the stamps are on that clock and
+    still join within the half block the speech node takes for jitter (not lost audio). (Worlds at
+    0.6-1.4: test_sample_clock, on a clock of its own: here a loaded machine's late callbacks
+    could push the count past its re-anchoring bound.)"""
     chunks, _ = listen(graph)
-    simulator(graph, factor=factor, step_s=0.1)
+    simulator(graph, factor=0.8, step_s=0.1)
     mic = microphone(graph, use_sim_time=True)
     assert wait_for(lambda: sim_now(mic) > SIM_START and mic.publisher.get_subscription_count() > 0, timeout=10)
     card.streams[0].deliver(20)
