@@ -79,10 +79,11 @@ class GraphRun:
             self.node = Node("photon_evaluate", context=self.context)
             self.vision = VisionProbe(self.nodes["vision"]) if "vision" in self.nodes else None
             self.speech = SpeechProbe(self.nodes["speech"]) if "speech" in self.nodes else None
-            self.progress, self.no_progress = self._frame_progress()
+            self.progress = self._frame_progress()
             outputs = [o for role in ROLES[graph] for o in role_outputs(role, self.nodes.get(role))]
             self.log = ResultLog(self.node, outputs, self.progress.add if self.progress else None)
             self.audio = self._decoded_audio()
+            self.starts = self._audio_starts()
             self.executor = MultiThreadedExecutor(num_threads=4, context=self.context)
             for node in [*self.nodes.values(), self.node]:
                 self.executor.add_node(node)
@@ -92,19 +93,20 @@ class GraphRun:
             self.close()
             raise
 
-    def _frame_progress(self) -> tuple[FrameProgress | None, str]:
-        """How a frame is seen answered (every awaited result in), or None and why it cannot be."""
+    def _frame_progress(self) -> FrameProgress | None:
+        """How a frame is seen answered (every awaited result in); None where it cannot be: no
+        prompt every frame answers (a caption still coming cannot be told from none), or frames
+        sharing stamps (their results cannot be told apart). The worker's frames_done ends the
+        wait then (_vision_pending)."""
         if self.vision is None or "image" not in self.messages:
-            return None, ""
+            return None
         prompts = self.vision.prompts()
         frames = self.messages["image"]
         stamps = ([frames.stamp_of(i) for i in range(len(frames))] if isinstance(frames, StreamedMessages)
                   else [stamp_ns(m.msg) for m in frames])
-        if not prompts:
-            return None, "with no detect, point or segment prompt, a caption still coming cannot be told from none"
-        if len(set(stamps)) < len(stamps):
-            return None, "frames of the bag share stamps, so their results cannot be told apart"
-        return FrameProgress(prompts), ""
+        if not prompts or len(set(stamps)) < len(stamps):
+            return None
+        return FrameProgress(prompts)
 
     def _decoded_audio(self) -> list:
         """PCM of each audio message as the speech node will decode it (None where it cannot:
@@ -118,7 +120,7 @@ class GraphRun:
             pcms.append(_or_none(lambda m=m: self.speech.decode(m.msg, info)))
         return pcms
 
-    def audio_starts(self) -> list[float | None]:
+    def _audio_starts(self) -> list[float | None]:
         """Capture time of each audio message's first sample as the node computes it."""
         if self.speech is None:
             return []
@@ -176,7 +178,7 @@ class GraphRun:
             messages = self.messages["audio"]
             publisher = self.node.create_publisher(message_class(self.types["audio"]), "audio", qos(100))
             ends = {i: None if pcm is None else chunk_end(start, pcm)
-                    for i, (start, pcm) in enumerate(zip(self.audio_starts(), self.audio))}
+                    for i, (start, pcm) in enumerate(zip(self.starts, self.audio))}
             gate = None
             if rate is None:
                 gate = ChunkGate(self.speech, [ends[i] for i in range(len(messages))], stall_s=stall_s)
@@ -202,7 +204,7 @@ class GraphRun:
         """Final utterances the speech node will cut from the bag's audio."""
         if self.speech is None:
             return []
-        chunks = [(pcm, start) for start, pcm in zip(self.audio_starts(), self.audio) if pcm is not None]
+        chunks = [(pcm, start) for start, pcm in zip(self.starts, self.audio) if pcm is not None]
         return predict_utterances(chunks, self.speech.vad_config)
 
     def chunk_samples(self) -> dict[int, tuple[int, int, int]]:

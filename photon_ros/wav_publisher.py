@@ -95,7 +95,6 @@ class WavPublisher(Node):
         self.published_at: list[float] = []
         self.publisher = self.create_publisher(AudioChunk, "audio", QoSProfile(
             depth=100, reliability=ReliabilityPolicy.RELIABLE))
-        self.t0 = time.time()
         self.period = chunk_s / self.speed
         self.timer = self.create_timer(self.period, self.publish_next)
         self.get_logger().info(f"playing {path}: {len(samples) / self.rate:.1f} s at {self.rate} Hz")
