@@ -208,6 +208,29 @@ def test_missing_shard_is_named(pair, tmp_path):
         load_qwen3_5(sharded)
 
 
+def test_tensors_of_other_shapes_than_the_config_are_refused_at_load(pair, tmp_path):
+    """A tensor cut short, or a config.json of another size than its tensors, is a ValueError at load
+    naming the tensor, not a matmul error in the middle of a caption."""
+    from safetensors.torch import load_file, save_file
+
+    _, _, folder = pair
+    cut = tmp_path / "cut"
+    shutil.copytree(folder, cut)
+    sd = load_file(str(cut / "model.safetensors"))
+    name = "model.language_model.layers.0.mlp.down_proj.weight"
+    sd[name] = sd[name][:, :-8].clone()
+    save_file(sd, str(cut / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"wrong shapes \['text.layers.0.mlp.down_proj.weight"):
+        load_qwen3_5(cut)
+    wider = tmp_path / "wider"
+    shutil.copytree(folder, wider)
+    cfg = json.loads((wider / "config.json").read_text())
+    cfg["vision_config"]["intermediate_size"] *= 2
+    (wider / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"do not match the Qwen 3.5 config.*vision.blocks.0.mlp.linear_fc1.weight"):
+        load_qwen3_5(wider)
+
+
 def test_bad_dtypes_and_images(pair, tmp_path):
     _, model, folder = pair
     with pytest.raises(ValueError, match="dtype"):

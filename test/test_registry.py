@@ -145,6 +145,41 @@ def test_unknown_checkpoint_lists_what_was_found_and_the_families(tmp_path):
         registry.recognise(tmp_path / "ct2")
 
 
+def test_other_mixture_of_experts_models_are_not_taken_for_moondream3(tmp_path):
+    """Moondream 3's marker names ("experts", ...) are in every MoE model: a Qwen 3.5 MoE folder
+    gets its own family's refusal, not "claimed by several families", and an MoE state dict without
+    a config (Mixtral-named) is unknown, not a Moondream 3 that fails to load."""
+    qwen_moe = tmp_path / "qwen3_5_moe"
+    qwen_moe.mkdir()
+    (qwen_moe / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": {}}))
+    save_file({"model.language_model.layers.0.mlp.experts.gate_up_proj": torch.zeros(2, 4, 2),
+               "model.language_model.layers.0.mlp.shared_expert.up_proj.weight": torch.zeros(2, 2),
+               "model.language_model.embed_tokens.weight": torch.zeros(4, 2),
+               "model.visual.blocks.0.attn.qkv.weight": torch.zeros(6, 2)}, str(qwen_moe / "model.safetensors"))
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        registry.recognise(qwen_moe)
+    mixtral = tmp_path / "mixtral"
+    mixtral.mkdir()
+    save_file({"model.layers.0.block_sparse_moe.experts.0.w1.weight": torch.zeros(2, 2),
+               "model.embed_tokens.weight": torch.zeros(4, 2)}, str(mixtral / "model.safetensors"))
+    with pytest.raises(registry.UnknownModelFamily, match="cannot tell which model family"):
+        registry.recognise(mixtral)
+
+
+def test_another_speech_model_with_whisper_like_tensor_names_is_not_whisper(tmp_path):
+    """Moonshine's transformers checkpoint has model.encoder.conv1.weight and
+    model.decoder.embed_tokens.weight, as Whisper's does; its config.json says what it is."""
+    moonshine = tmp_path / "moonshine-tiny"
+    moonshine.mkdir()
+    (moonshine / "config.json").write_text(json.dumps({"model_type": "moonshine",
+                                                       "architectures": ["MoonshineForConditionalGeneration"]}))
+    save_file({"model.encoder.conv1.weight": torch.zeros(4, 1, 127),
+               "model.decoder.embed_tokens.weight": torch.zeros(8, 4)}, str(moonshine / "model.safetensors"))
+    with pytest.raises(registry.UnknownModelFamily, match="model_type 'moonshine'"):
+        registry.recognise(moonshine)
+
+
 def test_a_config_json_that_is_not_one_is_refused_naming_it(tmp_path):
     """The same refusal for the Python API and the nodes' shared engines (and so the command line):
     invalid JSON, a JSON list, and a section of the wrong type that a family's probe reads."""

@@ -27,6 +27,15 @@ def test_sharded_safetensors_read_whole_and_a_missing_shard_is_named(tmp_path):
         read_safetensors(tmp_path)
 
 
+@pytest.mark.parametrize("text", ['{"weight_map": ', '{"metadata": {}}', '[1]', '{"weight_map": {"x": ["a"]}}'],
+                         ids=["truncated", "no-map", "list", "shard-not-a-name"])
+def test_a_malformed_shard_index_is_a_value_error_naming_it(tmp_path, text):
+    save_file({"x": torch.zeros(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match="model.safetensors.index.json: .*shard index"):
+        read_folder(tmp_path)
+
+
 def test_torch_files_load_without_running_pickled_code(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "ok.pt")
     assert torch.equal(read_torch(tmp_path / "ok.pt")["w"], torch.ones(2))

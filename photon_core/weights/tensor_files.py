@@ -73,7 +73,7 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = _index_shards(index)
         outside = [s for s in shards if not shard_name_stays_inside(s)]
         if outside:
             raise ValueError(f"{path}: the shard index names files outside the checkpoint folder ({outside}): refused")
@@ -87,6 +87,20 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").is_file():
         return load_file(str(path / "model.safetensors"))
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard names a model.safetensors.index.json maps tensors to; ValueError naming the file
+    when it is not {"weight_map": {tensor name: shard file name, ...}} (a truncated or hand-edited
+    index would otherwise be a bare KeyError or TypeError)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (ValueError, AttributeError) as err:   # invalid JSON or UTF-8; JSON other than an object
+        raise ValueError(f"{index}: not a shard index ({type(err).__name__}: {err})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise ValueError(f"{index}: a shard index maps tensor names to shard file names "
+                         f"(\"weight_map\": {{name: file, ...}}); this one does not")
+    return sorted(set(weight_map.values()))
 
 
 def read_torch(path: str | Path) -> dict:

@@ -21,9 +21,20 @@ _NEW_PARTS = (("model.vision.", "vision."), ("model.text.", "text."), ("model.re
 _OLD_PARTS = (("vision_encoder.",), ("text_model.",), ("region_model.",))
 
 
+def has_moondream_parts(files: CheckpointFiles) -> bool:
+    """A vision tower, a text model and a region head, under either naming."""
+    names = [n.replace("._orig_mod", "") for n in files.tensor_names]
+    return any(all(any(n.startswith(prefixes) for n in names) for prefixes in parts)
+               for parts in (_NEW_PARTS, _OLD_PARTS))
+
+
 def is_moondream3(files: CheckpointFiles) -> bool:
-    """Moondream 3 checkpoints (config or tensor names) belong to the moondream3 family."""
-    return is_moondream3_config(files.config) or bool(weights.moondream3_markers(files.tensor_names))
+    """Moondream 3 checkpoints (config or tensor names) belong to the moondream3 family. The
+    marker names ("experts", "tau_", ...) are in other mixture-of-experts models too (Qwen 3.5 MoE,
+    Gemma 4 26B-A4B): they mark Moondream 3 only beside Moondream's own parts."""
+    if is_moondream3_config(files.config):
+        return True
+    return bool(weights.moondream3_markers(files.tensor_names)) and has_moondream_parts(files)
 
 
 def recognise(files: CheckpointFiles) -> bool:
@@ -31,9 +42,7 @@ def recognise(files: CheckpointFiles) -> bool:
         return False
     if (files.model_type or "").startswith("moondream"):
         return True
-    names = [n.replace("._orig_mod", "") for n in files.tensor_names]
-    return any(all(any(n.startswith(prefixes) for n in names) for prefixes in parts)
-               for parts in (_NEW_PARTS, _OLD_PARTS))
+    return has_moondream_parts(files)
 
 
 def refuse(files: CheckpointFiles) -> str | None:

@@ -35,30 +35,57 @@ def load_state(folder: str | Path, cfg: Qwen35Config, dtype: torch.dtype,
             raise ValueError(f"{folder}: no lm_head.weight and tie_word_embeddings is false")
         if "text.embed_tokens.weight" in state:
             state["text.lm_head.weight"] = state["text.embed_tokens.weight"]
-    missing = [n for n in expected_names(cfg) if n not in state or state[n] is None]
+    want = expected_shapes(cfg)
+    missing = [n for n in want if n not in state or state[n] is None]
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} "
                          f"(a shard or a part of the checkpoint is absent)")
+    # A tensor of another shape than the config implies would fail only mid-inference, in a matmul.
+    wrong = [f"{n} {tuple(state[n].shape)} != {shape}" for n, shape in want.items() if tuple(state[n].shape) != shape]
+    if wrong:
+        raise ValueError(f"{folder}: the tensors do not match the Qwen 3.5 config (layers, widths, heads, "
+                         f"vocabulary): wrong shapes {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
     return {k: t.to(device=device, dtype=dtype) for k, t in state.items()}
 
 
 def expected_names(cfg: Qwen35Config) -> list[str]:
+    return list(expected_shapes(cfg))
+
+
+def expected_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor the model reads, as the config implies."""
     t = cfg.text
-    names = ["text.embed_tokens.weight", "text.norm.weight", "text.lm_head.weight"]
+    d = t.dim
+    s: dict[str, tuple[int, ...]] = {"text.embed_tokens.weight": (t.vocab_size, d), "text.norm.weight": (d,),
+                                     "text.lm_head.weight": (t.vocab_size, d)}
+    q, kv, v = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim, t.lin_v_heads * t.lin_v_dim
     for i in range(t.n_layers):
         p = f"text.layers.{i}."
-        names += [p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+        s.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                  p + "mlp.gate_proj.weight": (t.intermediate, d), p + "mlp.up_proj.weight": (t.intermediate, d),
+                  p + "mlp.down_proj.weight": (d, t.intermediate)})
         if t.is_attention(i):
-            names += [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+            a = p + "self_attn."
+            s.update({a + "q_proj.weight": (2 * q, d),   # each head's query and its output gate
+                      a + "k_proj.weight": (kv, d), a + "v_proj.weight": (kv, d), a + "o_proj.weight": (d, q),
+                      a + "q_norm.weight": (t.head_dim,), a + "k_norm.weight": (t.head_dim,)})
         else:
-            names += [p + f"linear_attn.{n}" for n in (
-                "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-                "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
-    if cfg.vision is not None:
-        names += ["vision.patch_embed.proj.weight", "vision.pos_embed.weight", "vision.merger.norm.weight",
-                  "vision.merger.linear_fc1.weight", "vision.merger.linear_fc2.weight"]
-        for i in range(cfg.vision.depth):
-            names += [f"vision.blocks.{i}.{n}.weight" for n in ("norm1", "norm2", "attn.qkv", "attn.proj",
-                                                                 "mlp.linear_fc1", "mlp.linear_fc2")]
-    return names
+            a = p + "linear_attn."
+            s.update({a + "in_proj_qkv.weight": (t.conv_dim, d), a + "in_proj_z.weight": (v, d),
+                      a + "in_proj_b.weight": (t.lin_v_heads, d), a + "in_proj_a.weight": (t.lin_v_heads, d),
+                      a + "conv1d.weight": (t.conv_dim, 1, t.conv_kernel), a + "dt_bias": (t.lin_v_heads,),
+                      a + "A_log": (t.lin_v_heads,), a + "norm.weight": (t.lin_v_dim,), a + "out_proj.weight": (d, v)})
+    vc = cfg.vision
+    if vc is not None:
+        merged = vc.dim * vc.merge ** 2
+        s.update({"vision.patch_embed.proj.weight": (vc.dim, vc.in_channels, vc.temporal_patch, vc.patch, vc.patch),
+                  "vision.pos_embed.weight": (vc.num_pos, vc.dim), "vision.merger.norm.weight": (vc.dim,),
+                  # the merger's output is read as text embeddings: its width is the decoder's
+                  "vision.merger.linear_fc1.weight": (merged, merged), "vision.merger.linear_fc2.weight": (d, merged)})
+        for i in range(vc.depth):
+            p = f"vision.blocks.{i}."
+            s.update({p + "norm1.weight": (vc.dim,), p + "norm2.weight": (vc.dim,),
+                      p + "attn.qkv.weight": (3 * vc.dim, vc.dim), p + "attn.proj.weight": (vc.dim, vc.dim),
+                      p + "mlp.linear_fc1.weight": (vc.intermediate, vc.dim),
+                      p + "mlp.linear_fc2.weight": (vc.dim, vc.intermediate)})
+    return s

@@ -9,6 +9,8 @@ import torch
 
 from photon_core.weights.tensor_files import read_folder, rename
 
+from .config import Qwen3ASRConfig
+
 # (regex matching a whole name, replacement). The original layout (Qwen/Qwen3-ASR-*) kept the
 # projector inside the audio tower as proj1/proj2 and the decoder under thinker.model.
 RULES = (
@@ -49,14 +51,92 @@ def looks_like_qwen3_asr(names: set[str]) -> bool:
     return all(r in schema for r in REQUIRED)
 
 
-def load_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+def load_tensors(folder: str | Path, config: Qwen3ASRConfig | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under the schema's names (safetensors, no code executed);
-    ValueError naming missing or unexpected tensors."""
+    ValueError naming missing or unexpected tensors (with `config`: checked against it)."""
     tensors = rename(read_folder(folder), RULES, drop=DROP)
     missing = [m for m in REQUIRED if m not in tensors]
     if missing:
         raise ValueError(f"{folder}: not a complete Qwen3-ASR checkpoint, missing tensors {missing}")
+    if config is not None:
+        check_tensors(tensors, config, folder)
     return tensors
+
+
+def expected_shapes(c: Qwen3ASRConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """name -> (shape, required) of every tensor the encoder and decoder read, as the config implies."""
+    a, t = c.audio, c.text
+    s: dict[str, tuple[tuple[int, ...], bool]] = {}
+
+    def put(name: str, shape: tuple[int, ...], required: bool = True) -> None:
+        s[name] = (shape, required)
+
+    freq = a.n_mels
+    for i in (1, 2, 3):   # 3x3 convolutions, stride 2, padding 1, over (mel bins, frames)
+        put(f"audio_tower.conv2d{i}.weight", (a.conv_channels, 1 if i == 1 else a.conv_channels, 3, 3))
+        put(f"audio_tower.conv2d{i}.bias", (a.conv_channels,))
+        freq = (freq - 1) // 2 + 1
+    put("audio_tower.conv_out.weight", (a.d_model, a.conv_channels * freq))
+    put("audio_tower.conv_out.bias", (a.d_model,), False)
+    for i in range(a.n_layers):
+        p = f"audio_tower.layers.{i}."
+        for n in ("self_attn_layer_norm", "final_layer_norm"):
+            put(p + n + ".weight", (a.d_model,))
+            put(p + n + ".bias", (a.d_model,))
+        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            put(p + f"self_attn.{n}.weight", (a.d_model, a.d_model))
+            put(p + f"self_attn.{n}.bias", (a.d_model,))
+        put(p + "fc1.weight", (a.ffn_dim, a.d_model))
+        put(p + "fc1.bias", (a.ffn_dim,))
+        put(p + "fc2.weight", (a.d_model, a.ffn_dim))
+        put(p + "fc2.bias", (a.d_model,))
+    put("audio_tower.ln_post.weight", (a.d_model,))
+    put("audio_tower.ln_post.bias", (a.d_model,))
+    # the projector's output is read as text embeddings: its width is the decoder's
+    put("multi_modal_projector.linear_1.weight", (a.d_model, a.d_model))
+    put("multi_modal_projector.linear_1.bias", (a.d_model,))
+    put("multi_modal_projector.linear_2.weight", (t.hidden, a.d_model))
+    put("multi_modal_projector.linear_2.bias", (t.hidden,))
+    q, kv = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim
+    put("language_model.embed_tokens.weight", (t.vocab_size, t.hidden))
+    for i in range(t.n_layers):
+        p = f"language_model.layers.{i}."
+        put(p + "input_layernorm.weight", (t.hidden,))
+        put(p + "post_attention_layernorm.weight", (t.hidden,))
+        put(p + "self_attn.q_proj.weight", (q, t.hidden))
+        put(p + "self_attn.k_proj.weight", (kv, t.hidden))
+        put(p + "self_attn.v_proj.weight", (kv, t.hidden))
+        put(p + "self_attn.o_proj.weight", (t.hidden, q))
+        put(p + "self_attn.q_norm.weight", (t.head_dim,))
+        put(p + "self_attn.k_norm.weight", (t.head_dim,))
+        put(p + "mlp.gate_proj.weight", (t.intermediate, t.hidden))
+        put(p + "mlp.up_proj.weight", (t.intermediate, t.hidden))
+        put(p + "mlp.down_proj.weight", (t.hidden, t.intermediate))
+    put("language_model.norm.weight", (t.hidden,))
+    put("lm_head.weight", (t.vocab_size, t.hidden), False)   # absent: tied to the embeddings
+    return s
+
+
+_LAYER = re.compile(r"(audio_tower|language_model)\.layers\.(\d+)\..*")
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], c: Qwen3ASRConfig, source: object) -> None:
+    """Every tensor the config implies is there with its shape and a float dtype, and no layer lies
+    beyond the config's count: a ValueError naming the checkpoint, instead of a KeyError at load, a
+    shape error mid-transcription, quantized integers cast to floats, or layers silently left out."""
+    expected = expected_shapes(c)
+    missing = [n for n, (_, required) in expected.items() if required and n not in tensors]
+    wrong = [f"{n} {tuple(tensors[n].shape)} != {shape}" for n, (shape, _) in expected.items()
+             if n in tensors and tuple(tensors[n].shape) != shape]
+    ints = [n for n in expected if n in tensors and not tensors[n].is_floating_point()]
+    layers = {"audio_tower": c.audio.n_layers, "language_model": c.text.n_layers}
+    beyond = sorted(n for n in tensors if (m := _LAYER.fullmatch(n)) and int(m.group(2)) >= layers[m.group(1)])
+    problems = [f"{label} {names[:4]}{'...' if len(names) > 4 else ''}" for label, names in
+                (("missing", missing), ("wrong shapes", wrong), ("not floating point", ints),
+                 ("layers beyond the config's count", beyond)) if names]
+    if problems:
+        raise ValueError(f"{source}: the tensors do not match the Qwen3-ASR config (layers, widths, heads, "
+                         f"vocabulary): {'; '.join(problems)}")
 
 
 def owned(x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

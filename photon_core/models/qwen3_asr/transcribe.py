@@ -76,7 +76,7 @@ class Qwen3ASRSpeech:
         self.dtype = _pick_dtype(self.device, dtype)
         self.config: Qwen3ASRConfig = load_config(folder)
         self.prompt = Qwen3ASRPrompt(folder, self.config.audio_token_id)
-        sd = load_tensors(folder)
+        sd = load_tensors(folder, self.config)
         self.ops = ops
         self.encoder = AudioEncoder(sd, self.config.audio, ops, self.device, self.dtype)
         self.decoder = TextDecoder(sd, self.config.text, ops, self.device, self.dtype)

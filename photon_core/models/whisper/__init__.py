@@ -19,6 +19,8 @@ def recognise(files: CheckpointFiles) -> bool:
         return True
     if files.model_type == "whisper" or any(a.startswith("Whisper") for a in files.architectures):
         return True
+    if files.model_type is not None:   # another model's config.json decides, not tensor names: Moonshine
+        return False                   # has encoder.conv1 and decoder.embed_tokens too
     names = {n.removeprefix("model.") for n in files.tensor_names}
     return "encoder.conv1.weight" in names and bool(_EMBEDDINGS & names)
 
