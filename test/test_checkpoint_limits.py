@@ -308,6 +308,10 @@ def whisper_hf_tensors():
     return openai_to_hf({k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
+def _last(tensors: dict) -> int:
+    return max(int(k.split(".")[3]) for k in tensors if k.startswith("model.decoder.layers."))
+
+
 @pytest.mark.parametrize("name, change_tensors, change_config, field", [
     ("heads_3", None, {"encoder_attention_heads": 3}, r"encoder_attention_heads \(3\) must divide"),
     ("heads_str", None, {"decoder_attention_heads": "2"}, "decoder_attention_heads must be an integer"),
@@ -318,6 +322,10 @@ def whisper_hf_tensors():
     ("fc1_transposed", lambda t: t.update({"model.encoder.layers.0.fc1.weight":
                                            t["model.encoder.layers.0.fc1.weight"].t().contiguous()}), None,
      "encoder.blocks.0.mlp"),
+    # a checkpoint cut after a whole layer holds together by its tensors alone: its config says so
+    ("last_layer_cut", lambda t: [t.pop(k) for k in [k for k in t if k.startswith(f"model.decoder.layers.{_last(t)}.")]],
+     {"decoder_layers": 2}, "decoder_layers is 2 but the tensors hold 1 layers"),
+    ("layers_str", None, {"encoder_layers": "2"}, "encoder_layers must be an integer"),
 ])
 def test_whisper_config_and_tensors_must_agree_at_load(tmp_path, whisper_hf_tensors, name, change_tensors,
                                                        change_config, field):

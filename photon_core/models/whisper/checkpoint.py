@@ -35,6 +35,10 @@ class WhisperCheckpoint:
     n_audio_head: int | None = None
     n_text_head: int | None = None
     tokenizer_path: Path | None = None
+    # layer counts the checkpoint states beside its tensors (config.json, the .pt's dims): the
+    # tensors alone cannot show a checkpoint cut short after its last whole layer
+    n_audio_layer: object = None
+    n_text_layer: object = None
 
 
 # ---------------------------------------------------------------- CTranslate2
@@ -160,15 +164,15 @@ def load_hf_whisper(path: str | Path) -> WhisperCheckpoint:
         tensors, folder = (read_safetensors(path), path.parent) if path.is_file() else (read_folder(path), path)
     except FileNotFoundError as err:
         raise WhisperWeightsNotFound(str(err)) from None
-    heads: dict[str, int] = {}
+    cfg: dict = {}
     cfg_file = folder / "config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())
-        heads = {k: cfg[k] for k in ("encoder_attention_heads", "decoder_attention_heads")
-                 if k in cfg}
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_file}: not a config (a JSON object)")
     return WhisperCheckpoint(hf_to_internal(tensors), str(path), "hf",
-                             heads.get("encoder_attention_heads"),
-                             heads.get("decoder_attention_heads"), _tokenizer_next_to(folder))
+                             cfg.get("encoder_attention_heads"), cfg.get("decoder_attention_heads"),
+                             _tokenizer_next_to(folder), cfg.get("encoder_layers"), cfg.get("decoder_layers"))
 
 
 # ---------------------------------------------------------------- OpenAI .pt
@@ -182,7 +186,8 @@ def load_openai_whisper(path: str | Path) -> WhisperCheckpoint:
     dims = ckpt.get("dims") or {}
     sd = {k: v for k, v in ckpt["model_state_dict"].items() if k != "alignment_heads"}
     return WhisperCheckpoint(sd, str(path), "openai", dims.get("n_audio_head"),
-                             dims.get("n_text_head"), _tokenizer_next_to(path.parent))
+                             dims.get("n_text_head"), _tokenizer_next_to(path.parent),
+                             dims.get("n_audio_layer"), dims.get("n_text_layer"))
 
 
 # ---------------------------------------------------------------- resolution

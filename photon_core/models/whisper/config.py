@@ -111,11 +111,13 @@ def _shapes(dims: WhisperDims, sd: dict[str, torch.Tensor]) -> dict[str, tuple[t
 
 
 def checked_dims(sd: dict[str, torch.Tensor], n_audio_head: object, n_text_head: object,
-                 source: object) -> WhisperDims:
+                 source: object, n_audio_layer: object = None, n_text_layer: object = None) -> WhisperDims:
     """WhisperDims.from_state_dict, after checking that the checkpoint is one this engine can run:
     head counts that are positive integers dividing the widths, every tensor the dims imply present
     with its shape and a float dtype, the audio and text contexts and vocabulary above. ValueError
-    naming `source` and the field, instead of a KeyError at load or a shape error mid-transcription."""
+    naming `source` and the field, instead of a KeyError at load or a shape error mid-transcription.
+    Layer counts the checkpoint states (None: it states none) must be the ones its tensors hold: a
+    checkpoint cut after a whole layer would otherwise run shallower and transcribe wrong."""
     from photon_core.weights.config_values import config_int
 
     missing = [n for n in _TOP if n not in sd or sd[n].dim() != (3 if n.endswith("conv1.weight") else 2)]
@@ -129,6 +131,10 @@ def checked_dims(sd: dict[str, torch.Tensor], n_audio_head: object, n_text_head:
                                   ("decoder_attention_heads", dims.n_text_head, dims.n_text_state)):
         if heads_n < 1 or width % heads_n:
             problems.append(f"{field} ({heads_n}) must divide the width ({width})")
+    for field, stated, held in (("encoder_layers", n_audio_layer, dims.n_audio_layer),
+                                ("decoder_layers", n_text_layer, dims.n_text_layer)):
+        if stated is not None and config_int(stated, source, field, 1, 1024) != held:
+            problems.append(f"{field} is {stated} but the tensors hold {held} layers")
     if dims.n_vocab < ENGLISH_ONLY_VOCAB:
         problems.append(f"decoder.token_embedding has {dims.n_vocab} rows, fewer than Whisper's "
                         f"{ENGLISH_ONLY_VOCAB} tokens")

@@ -169,7 +169,7 @@ class WhisperSpeech:
                  quantize: str | None = "auto", audio_context: str = "auto"):
         self.device = torch.device(device)
         self.dims = checked_dims(checkpoint.state_dict, checkpoint.n_audio_head, checkpoint.n_text_head,
-                                 checkpoint.source)
+                                 checkpoint.source, checkpoint.n_audio_layer, checkpoint.n_text_layer)
         self.model_id = model_id
         self.encoder_dtype = pick_encoder_dtype(self.device, dtype)
         tok_path = checkpoint.tokenizer_path or _default_tokenizer(self.dims)
