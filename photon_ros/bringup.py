@@ -128,6 +128,23 @@ def section_matches(key: str, fully_qualified_name: str) -> bool:
     return re.fullmatch(pattern, fully_qualified_name) is not None
 
 
+def sections(config: dict, prefix: str = "") -> list[tuple[str, dict]]:
+    """The node sections of a params file in the file's order, each keyed by its full name. rcl
+    also takes a namespace as a level of its own (`robot1:` / `vision:` / `ros__parameters:` is
+    /robot1/vision, several nodes under one namespace key): those were dropped here, silently,
+    while `ros2 launch` with the same file gave the nodes their values."""
+    found = []
+    for key, value in config.items():
+        if not isinstance(key, str) or not isinstance(value, dict):
+            continue
+        name = f"{prefix.rstrip('/')}/{key.strip('/')}" if prefix else key
+        if isinstance(value.get("ros__parameters"), dict):
+            found.append((name, value["ros__parameters"]))
+        nested = {k: v for k, v in value.items() if k != "ros__parameters"}
+        found.extend(sections(nested, name))
+    return found
+
+
 def node_parameters(config: dict, node_name: str, namespace: str = "") -> list[Parameter]:
     """A node's parameters from a ROS params file, as rcl takes them for the same file: every
     section matching the node's fully qualified name, in the file's order, a later one's value
@@ -135,9 +152,9 @@ def node_parameters(config: dict, node_name: str, namespace: str = "") -> list[P
     ns = "/" + namespace.strip("/")
     fqn = (ns.rstrip("/") + "/" + node_name)
     merged: dict = {}
-    for key, section in config.items():
-        if isinstance(key, str) and section_matches(key, fqn):
-            merged.update(flatten((section or {}).get("ros__parameters") or {}))
+    for key, params in sections(config):
+        if section_matches(key, fqn):
+            merged.update(flatten(params))
     # An empty list carries no type to rclpy (it takes it for a byte array, and a node declaring a
     # string array refuses it); every list parameter of ours declares [] as its default, so an
     # empty one is left to that.

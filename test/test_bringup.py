@@ -171,6 +171,12 @@ PRECEDENCE = {   # the same parameter in several sections of one file
     "bare": "vision:\n  ros__parameters: {x: bare}\n",
     "one_level": "/*/vision:\n  ros__parameters: {x: one_level}\n",
     "other_node": "/**/speech:\n  ros__parameters: {x: speech}\n",
+    # a namespace as a level of its own (rcl_yaml_param_parser's `<node_namespace>: <node>:` form)
+    "nested_ns": "robot1:\n  vision:\n    ros__parameters: {x: nested}\n  speech:\n    ros__parameters: {x: s}\n",
+    "nested_any_ns": "/**:\n  vision:\n    ros__parameters: {x: nested_any}\n",
+    "nested_two_levels": "fleet:\n  robot1:\n    vision:\n      ros__parameters: {x: deep}\n",
+    "any_ns_then_nested": "/**/vision:\n  ros__parameters: {x: any_ns}\n/robot1:\n  vision:\n    ros__parameters: {x: b}\n",
+    "node_and_nested": "robot1:\n  ros__parameters: {x: r}\n  vision:\n    ros__parameters: {x: v}\n",
 }
 
 
@@ -179,7 +185,8 @@ def test_bringup_reads_a_params_file_as_rcl_does(tmp_path, case):
     """The same file gives a node the same values under `ros2 launch` (rcl reads it) and under
     bringup: sections matched against the node's fully qualified name, later ones winning. Bringup
     applied a bare `vision:` section in every namespace, dropped /robot1/vision, and let the more
-    specific key win over the file's order."""
+    specific key win over the file's order, and dropped a section whose namespace was a level of
+    its own (`robot1:` / `vision:` / `ros__parameters:`), silently."""
     import rclpy
     import yaml
     from rclpy.node import Node
