@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from photon_ros.audio_common_conversions import MGONZS13, ROS_DRIVERS, audio_common_types, family_of
+from photon_ros.engine_params import DEVICES, device_refusal, model_refusal
 from photon_ros.params import Param
 from photon_ros.speech_segmenter import SegmenterConfig
 
@@ -28,8 +29,8 @@ def speech_params() -> list[Param]:
     vad = SegmenterConfig()
     return [
         Param("model", "whisper-tiny.en", "checkpoint: a known name, a folder or a file; any family that "
-              "transcribes (Whisper, Parakeet TDT, Qwen3-ASR)", applies="configure"),
-        Param("device", "cpu", "cpu, cuda or cuda:N", applies="configure"),
+              "transcribes (Whisper, Parakeet TDT, Qwen3-ASR)", applies="configure", check=model_refusal),
+        Param("device", "cpu", DEVICES, applies="configure", check=device_refusal),
         Param("input_type", "audio_chunk", "message type on `audio`: photon_ros/AudioChunk; std_msgs "
               "Int16MultiArray / Float32MultiArray; audio_common_msgs AudioStamped (mgonzs13), or "
               "AudioDataStamped / AudioData with AudioInfo on `audio_info` (ros-drivers)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rclpy.parameter import Parameter
 
 from photon_ros.frames import frame_refusal
+from photon_ros.engine_params import DEVICES, device_refusal, model_refusal
 from photon_ros.params import Param
 
 CAPTION_LENGTHS = ("short", "normal", "long")
@@ -15,8 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def vision_params() -> list[Param]:
     return [
         Param("model", "moondream2", "checkpoint: a known name, a folder or a file (Moondream 2 / 3.1, "
-              "Qwen 3.5, Gemma 4)", applies="configure"),
-        Param("device", "cpu", "cpu, cuda or cuda:N", applies="configure"),
+              "Qwen 3.5, Gemma 4)", applies="configure", check=model_refusal),
+        Param("device", "cpu", DEVICES, applies="configure", check=device_refusal),
         Param("dtype", "auto", "weights' dtype; auto: bfloat16 on a GPU, float32 on the CPU", choices=DTYPES,
               applies="configure"),
         Param("backend", "auto", "the engine's kernels: auto (the fastest usable here), reference (PyTorch), triton "

@@ -133,7 +133,8 @@ def test_the_shipped_config_sets_every_declared_parameter_and_no_other():
     ("max_objects", 0, "max_objects must be >= 1"), ("max_frame_age_s", math.nan, "max_frame_age_s must be a number"),
     ("backend", "megakernal", "backend must be one of auto, reference, triton, megakernel"),
     # ROS 1's spelling: tf2 raises InvalidArgumentException on it for every frame
-    ("target_frame", "/base_link", "target_frame must not start with '/'")])
+    ("target_frame", "/base_link", "target_frame must not start with '/'"),
+    ("device", "cuda0", r"device must be cpu, cuda or cuda:N, got 'cuda0'"), ("model", " ", "model must name a checkpoint")])
 def test_the_vision_node_refuses_bad_values_at_startup(context, name, value, reason):
     from photon_ros.vision_node import VisionNode
 
@@ -147,7 +148,8 @@ def test_the_vision_node_refuses_bad_changes_and_takes_the_others(context):
     node = VisionNode(context=context, parameter_overrides=[Parameter("autostart", value=False)])
     try:
         for name, value in (("max_objects", -5), ("max_frame_age_s", math.nan), ("caption_length", "huge"),
-                            ("max_pixels", 0), ("segment_max_tokens", 0), ("target_frame", "/map")):
+                            ("max_pixels", 0), ("segment_max_tokens", 0), ("target_frame", "/map"),
+                            ("device", "cuda:x")):
             result = node.set_parameters([Parameter(name, value=value)])[0]
             assert not result.successful and name in result.reason, (name, result.reason)
         assert node.max_objects == 10 and node.max_frame_age == 5.0

@@ -37,7 +37,9 @@ def unconfigured(context, **params):
     ({"sample_rate": 0}, "sample_rate must be >= 4000"),
     ({"partial_interval_s": float("nan")}, "partial_interval_s must be a number"),
     ({"input_type": "audio_stamped"}, "needs the audio_common_msgs of mgonzs13/audio_common"),
-    ({"input_type": "audio_data"}, "needs the audio_common_msgs of ros-drivers/audio_common")])
+    ({"input_type": "audio_data"}, "needs the audio_common_msgs of ros-drivers/audio_common"),
+    # refused when set, not at configure; an empty model read as the current directory
+    ({"device": "gpu"}, r"device must be cpu, cuda or cuda:N, got 'gpu'"), ({"model": ""}, "model must name a checkpoint")])
 def test_a_bad_parameter_stops_the_node_at_startup(context, params, reason):
     with pytest.raises(ValueError, match=reason):
         unconfigured(context, **params)
