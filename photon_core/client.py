@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+import numbers
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -183,7 +185,7 @@ class PhotonClient:
         default (None / False)."""
         fn = self._skill(task)
         params = inspect.signature(fn).parameters
-        settings = dict(settings or {})
+        settings = _settings_dict(settings)
         variant = self._variant(settings)
         if variant is not None:
             settings["variant"] = variant
@@ -280,17 +282,41 @@ class PhotonClient:
         if "audio" not in prompt:
             raise TypeError("transcribe needs audio=<PCM samples or an audio file>")
         fn = self._skill("transcribe")
-        settings = dict(prompt.pop("settings", None) or {})
+        settings = _settings_dict(prompt.pop("settings", None))
         variant = self._variant(settings)
         if variant:
             raise NotImplementedError(f"fine-tuned variants ({variant}) are not supported for transcription: "
                                       "load the fine-tuned speech checkpoint itself")
         prompt.update(_speech_options(prompt, settings))
         audio = _pcm(prompt)
-        start, end = prompt.pop("clip_start_seconds", 0.0), prompt.pop("clip_end_seconds", None)
+        start = _seconds("clip_start_seconds", prompt.pop("clip_start_seconds", 0.0))
+        end = prompt.pop("clip_end_seconds", None)
+        end = None if end is None else _seconds("clip_end_seconds", end)
         clip = _clip(audio, start, end, prompt.get("sample_rate", 16000))
         out = dict(fn(audio=clip, **prompt))
         return _with_clip_times(out, start, len(np.asarray(audio)) / max(len(clip), 1))
+
+
+def _settings_dict(settings: Any) -> dict[str, Any]:
+    """A call's settings as a dict of its own (the variant is added to it); TypeError for anything
+    but a mapping, as Settings.of says it: dict() of a list or a string failed with "dictionary
+    update sequence element #0", and took a list of pairs for settings."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"settings must be a dict, not {type(settings).__name__}")
+    return dict(settings)
+
+
+def _seconds(name: str, value: Any) -> float:
+    """A clip bound as seconds from the audio's start: TypeError for no number, ValueError for NaN,
+    infinity or a negative one (NaN and infinity failed converting samples to an index, as
+    "cannot convert float NaN to integer" and an OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 # kestrel's timestamp modes this client has; "word" / "character" are not offered (refused).
@@ -315,7 +341,11 @@ def _speech_options(prompt: dict[str, Any], settings: dict[str, Any]) -> dict[st
             raise ValueError(f"timestamps must be 'none', 'segment', 'word' or 'character', got {mode!r}")
         options["timestamps"] = TIMESTAMP_MODES[mode]
     if "temperature" in settings:
-        options["temperature"] = float(settings.pop("temperature"))
+        # a number, as Settings.of takes it (float() took "0.5" and named no setting for "hot")
+        temperature = settings.pop("temperature")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"settings['temperature'] must be a number, got {temperature!r}")
+        options["temperature"] = float(temperature)
     if settings:
         raise NotImplementedError(f"transcription settings {sorted(settings)} are not offered (only temperature)")
     return options

@@ -307,3 +307,30 @@ def test_transcribe_takes_the_clients_options_and_gives_its_keys(speech, monkeyp
         speech.transcribe(audio=pcm, sample_rate=16000, clip_start_seconds=2.0, clip_end_seconds=1.0)
     with pytest.raises(NotImplementedError, match="ft@3"):
         speech.transcribe(audio=pcm, sample_rate=16000, settings={"adapter": "ft@3"})
+
+
+def test_clip_bounds_and_settings_that_are_no_numbers_or_dicts_are_named(speech, vision, picture, monkeypatch):
+    """clip_start_seconds / clip_end_seconds NaN or infinite failed as "cannot convert float NaN to
+    integer" or an OverflowError, None or a string as a comparison's TypeError; settings that are
+    not a dict as "dictionary update sequence element #0" (a list of pairs was taken as settings);
+    a transcription temperature that is no number as "could not convert string to float"."""
+    monkeypatch.setattr(speech._model, "transcribe", lambda audio, sample_rate=16000, **options: {
+        "text": "", "segments": [], "language": "en", "duration": len(audio) / sample_rate})
+    pcm = np.zeros(16000 * 2, np.float32)
+    for bound in ("clip_start_seconds", "clip_end_seconds"):
+        for value in (float("nan"), float("inf"), -1.0):
+            with pytest.raises(ValueError, match=f"{bound} must be a finite number of seconds >= 0, got"):
+                speech.transcribe(audio=pcm, sample_rate=16000, **{bound: value})
+        for value in ("1", None if bound == "clip_start_seconds" else "x", True):
+            with pytest.raises(TypeError, match=f"{bound} must be a number of seconds"):
+                speech.transcribe(audio=pcm, sample_rate=16000, **{bound: value})
+    got = speech.transcribe(audio=pcm, sample_rate=16000, clip_start_seconds=np.float32(0.5), clip_end_seconds=1)
+    assert (got["duration"], got["clip_start_seconds"], got["clip_end_seconds"]) == (0.5, 0.5, 1.0)
+    for settings in ([("max_objects", 1)], "max_objects", 3):
+        with pytest.raises(TypeError, match=f"settings must be a dict, not {type(settings).__name__}"):
+            vision.detect(picture, "cup", settings=settings)
+        with pytest.raises(TypeError, match=f"settings must be a dict, not {type(settings).__name__}"):
+            speech.transcribe(audio=pcm, sample_rate=16000, settings=settings)
+    for temperature in ("hot", "0.5", None, False):
+        with pytest.raises(TypeError, match=r"settings\['temperature'\] must be a number, got"):
+            speech.transcribe(audio=pcm, sample_rate=16000, settings={"temperature": temperature})

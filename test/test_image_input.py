@@ -4,6 +4,7 @@ with the same `encode_image(image, channel_order)`."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -138,3 +139,31 @@ def test_a_truncated_file_opened_lazily_is_a_value_error(tmp_path):
     path.write_bytes(buf.getvalue()[:len(buf.getvalue()) // 2])
     with pytest.raises(ValueError, match="could not be read"):
         to_rgb(Image.open(path))
+
+
+def test_a_lazily_opened_image_whose_file_was_closed_is_a_value_error(tmp_path):
+    """`with Image.open(path) as im:` and `im` used after the block: its pixels were never read and
+    its file is closed; PIL failed with a bare AssertionError (no message at all)."""
+    path = tmp_path / "frame.png"
+    Image.fromarray(RGB).save(path)
+    with Image.open(path) as after_with:
+        pass
+    closed = Image.open(path)
+    closed.close()
+    for image in (after_with, closed):
+        with pytest.raises(ValueError, match="file was closed before its pixels were read"):
+            to_rgb(image)
+    with Image.open(path) as loaded:   # read inside the block: taken
+        loaded.load()
+    _same_as(RGB, loaded)
+
+
+def test_finite_float_values_beyond_float32_are_out_of_range_not_infinite():
+    """A float64 image holding 1e300 (finite) overflowed float32 on the way to the range check and
+    was refused as "NaN or infinite values" (with numpy's overflow warning): it is out of [0, 1]."""
+    image = np.zeros((4, 4, 3))
+    image[0, 0, 0] = 1e300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no overflow in a cast on the way
+        with pytest.raises(ValueError, match=r"values in \[0, 1\], got 0..1e\+300"):
+            to_rgb(image)

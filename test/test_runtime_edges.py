@@ -110,6 +110,16 @@ def test_spatial_refs_of_numpy_scalars_are_numbers():
             check_spatial_refs(bad)
 
 
+
+def test_spatial_refs_as_an_array_are_refused_by_the_text_families_with_the_reason():
+    """A detector's boxes as a numpy array, given to Qwen 3.5's or Gemma 4's query: `if spatial_refs`
+    failed as numpy's "truth value of an array ... is ambiguous"; an empty array is no refs, as []."""
+    from photon_core.runtime.text_settings import text_sampling
+    for refs in (np.array([[0.1, 0.2, 0.3, 0.4]], np.float32), np.array([0.5, 0.5])):
+        with pytest.raises(NotImplementedError, match="spatial_refs: Moondream's region encoder"):
+            text_sampling("qwen3_5", None, spatial_refs=refs)
+    assert text_sampling("qwen3_5", None, spatial_refs=np.zeros((0, 4))) == text_sampling("qwen3_5", None)
+
 # --- decode.copy_prefilled_kv -------------------------------------------------------------------
 def test_prefilled_kv_shorter_than_the_length_asked_is_refused_not_broadcast():
     """A source of 1 position with length 4: k[:, :, :4] is still 1 position, which torch

@@ -18,14 +18,14 @@ Accepted, the same way by every family's `encode_image(image, channel_order=...)
 Everything else is refused with a ValueError that says why: not an array or PIL image, another
 dtype, another shape, an empty image, NaN or infinite values, float values outside [0, 1] (most
 often 0..255 data in a float array), more than MAX_PIXELS pixels, an unknown channel_order, a PIL
-image whose lazily read file turns out truncated or corrupt.
+image whose lazily read file turns out truncated or corrupt, or was closed before it was read.
 """
 from __future__ import annotations
 
 from typing import Union
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageFile
 
 # PIL's own threshold for a suspected decompression bomb: 89 Mpixel, far above any camera frame
 # (the models resize to well under 1 Mpixel anyway).
@@ -47,6 +47,7 @@ def to_rgb(image: ImageLike, channel_order: str = "rgb", alpha: str = "drop") ->
         if channel_order != "rgb":
             raise ValueError("channel_order 'bgr' applies to numpy arrays only; PIL images are RGB")
         check_size(image.width, image.height)
+        check_open(image)
         try:
             return pil_to_rgb(image, alpha)
         except (OSError, SyntaxError) as err:   # a lazily opened file read only now (PIL's errors)
@@ -110,6 +111,15 @@ def check_size(width: int, height: int) -> None:
                          f"of {MAX_PIXELS / 1e6:.0f} Mpixel; scale it down")
 
 
+def check_open(image: Image.Image) -> None:
+    """ValueError for a lazily opened PIL image whose file was closed before its pixels were read
+    (`with Image.open(path) as im:`, `im` used after the block): PIL fails there with a bare
+    AssertionError, no message at all."""
+    if isinstance(image, ImageFile.ImageFile) and image.tile and image.fp is None:
+        raise ValueError("the PIL image's file was closed before its pixels were read (Image.open reads "
+                         "them lazily): call image.load() or image.copy() while the file is open")
+
+
 def _to_uint8(image: np.ndarray) -> np.ndarray:
     if image.dtype == np.uint8:
         return image
@@ -120,11 +130,14 @@ def _to_uint8(image: np.ndarray) -> np.ndarray:
     if not np.issubdtype(image.dtype, np.floating):
         raise ValueError(f"image dtype {image.dtype} is not accepted: give uint8 (0..255), uint16 (0..65535) "
                          f"or float (0..1)")
-    x = image.astype(np.float32)
-    if not np.isfinite(x).all():
+    # NaN and infinity looked for in the image's own dtype: a finite float64 beyond float32's range
+    # becomes inf in the cast, and was refused as "NaN or infinite" rather than as out of range
+    if not np.isfinite(image).all():
         raise ValueError("image has NaN or infinite values")
-    low, high = float(x.min()), float(x.max())
-    if low < 0.0 or high > 1.0:
+    with np.errstate(over="ignore"):
+        x = image.astype(np.float32)
+    if float(x.min()) < 0.0 or float(x.max()) > 1.0:
+        low, high = float(image.min()), float(image.max())   # as given, not as cast
         raise ValueError(f"a float image must hold values in [0, 1], got {low:g}..{high:g}; give 0..255 data "
                          f"as uint8 (or divide it by 255)")
     return np.rint(x * 255.0).astype(np.uint8)

@@ -22,7 +22,7 @@ def text_sampling(family: str, settings: Mapping[str, Any] | Settings | None, re
     if reasoning:
         raise NotImplementedError(f"reasoning=True: grounded reasoning is Moondream's; {family} has none "
                                   "(a family with a thinking mode thinks in chat(messages, reasoning=True))")
-    if spatial_refs:
+    if spatial_refs is not None and len(spatial_refs) > 0:   # (an array's truth value is an error)
         raise NotImplementedError(f"spatial_refs: Moondream's region encoder puts them in the prompt; "
                                   f"{family} has none (say where in the question instead)")
     return opts.sampling()
