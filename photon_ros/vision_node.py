@@ -384,7 +384,11 @@ class VisionNode(ManagedNode):
             return f"depth_min_m ({values['depth_min_m']:g}) must be below depth_max_m ({values['depth_max_m']:g})"
         for task in ("detect", "point", "segment"):
             if targets(values[task]) and self.lacks(task):
-                return self.lacks(task)
+                # the running model would fail every frame with them (its other results too), so they
+                # wait for the model that can: say how to get there
+                later = ("" if values["model"] == getattr(self, "model_name", values["model"]) else
+                         f"; the model {values['model']!r} is loaded at the next configure: set {task} after it")
+                return self.lacks(task) + later
         return ""
 
     def apply_params(self, values: dict) -> None:

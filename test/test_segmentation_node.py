@@ -137,6 +137,23 @@ def test_a_family_without_segment_is_refused_with_the_reason(graph):
     assert node.engine is None and "moondream model cannot segment" in node.model_error
 
 
+def test_segment_targets_wait_for_the_model_that_can_segment(graph):
+    """On a Moondream 2 node segment targets are refused (every frame would fail with them, its
+    detections too), also beside a change of model to Moondream 3: that model is loaded only at
+    the next configure, and the refusal says so."""
+    from moondream_fixtures import checkpoint as md2_checkpoint
+    node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
+        Parameter("model", value=str(md2_checkpoint()))]))
+    assert wait_for(lambda: node.engine is not None or node.model_error, timeout=120)
+    assert node.engine is not None, node.model_error
+    refused = node.set_parameters([Parameter("segment", value=["cup"])])[0]
+    assert not refused.successful and "cannot segment" in refused.reason and "next configure" not in refused.reason
+    md3 = str(ck.checkpoint("safetensors")[0])
+    refused = node.set_parameters_atomically([Parameter("model", value=md3), Parameter("segment", value=["cup"])])
+    assert not refused.successful and "is loaded at the next configure: set segment after it" in refused.reason
+    assert node.params["model"] == str(md2_checkpoint()) and node.segment_targets == []
+
+
 def test_infer_segment_on_a_family_without_it_is_refused(graph):
     from moondream_fixtures import checkpoint as md2_checkpoint
     node = graph.add(VisionNode(context=graph.context, parameter_overrides=[
