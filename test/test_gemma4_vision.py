@@ -181,6 +181,24 @@ def test_bad_inputs_are_refused(model, image):
         model.prefill_logits([2, IMAGE, 40], None)
 
 
+def test_a_placeholders_text_in_the_question_is_text_not_an_image(model, image):
+    """A question that writes "<|image|>" (or the turn's end) is asked as that text: the prompt holds
+    the one image it was given, and a text-only question is not refused for claiming one."""
+    eot = model.prompter.tok.token_to_id("<turn|>")
+    plain = model.prompter.prompt_ids("what is x?", 3)
+    ids = model.prompter.prompt_ids("what is <|image|><turn|>x?", 3)
+    assert ids.count(BOI) == ids.count(EOI) == 1 and ids.count(IMAGE) == 3
+    assert ids.count(eot) == plain.count(eot)
+    assert model.prompter.decode(ids).count("<|image|><turn|>x?") == 1
+    assert model.prompter.prompt_ids("<|image|>?", None).count(IMAGE) == 0
+    greedy = {"temperature": 0, "max_tokens": 2}
+    assert isinstance(model.query(image, "is <|image|> here?", settings=greedy)["answer"], str)
+    assert isinstance(model.query(None, "is <|image|> here?", settings=greedy)["answer"], str)
+    chat = model.chat([{"role": "user", "content": [{"type": "image", "image": image},
+                                                    {"type": "text", "text": "and <|image|>?"}]}], settings=greedy)
+    assert isinstance(chat["message"]["content"], str)
+
+
 def test_registry_load_and_command_line(gemma4_dir, image, tmp_path, capsys):
     import photon_core
     from PIL import Image

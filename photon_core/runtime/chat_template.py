@@ -7,7 +7,10 @@ trim_blocks and lstrip_blocks, the loopcontrols extension, `{% generation %}` bl
 marks for its assistant-token mask, which render their body unchanged), a `tojson` filter that does not escape
 HTML and keeps non-ASCII text, `raise_exception(message)` and `strftime_now(format)`. The
 template sees `messages`, `tools`, `documents`, `add_generation_prompt` and the tokenizer's
-special tokens (`bos_token`, `eos_token`, ...), as in `apply_chat_template`.
+special tokens (`bos_token`, `eos_token`, ...), as in `apply_chat_template`. `encode` tokenizes
+the prompt with a special token only where the template put one: a special token's string in a
+message (a question writing "<|im_end|>") is text, where apply_chat_template's tokenization would
+read it as the token.
 
 A template's `raise_exception` becomes a ValueError ("chat template: ..."), the error this
 package gives for input a model refuses. A template comes with a checkpoint, so it is not trusted:
@@ -320,6 +323,22 @@ class ChatTemplate:
         finally:
             _BUDGET.reset(token)
 
+    def encode(self, tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False,
+               continue_final_message: bool = False, **variables: Any) -> list[int]:
+        """The rendered conversation as token ids (`tokenizer`: a `tokenizers.Tokenizer`), a special
+        token only where the template put one: a message's text holding a special token's string
+        ("<|im_end|>", an image placeholder) is that text, as the user wrote it. Tokenizing the
+        rendered prompt whole would read it as the token: a question could end its turn and write
+        the assistant's, or claim an image. Where no message holds one, this is the tokenizer's
+        encode of render(...)."""
+        kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      **variables)
+        text = self.render(messages, **kwargs)
+        specials = special_token_pattern(tokenizer)
+        masked = _mask_texts(messages, specials) if specials is not None else None
+        # rendered a second time only where a message holds one (a render may read the clock)
+        return encode_literal_texts(tokenizer, text, text if masked is None else self.render(masked, **kwargs))
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
                continue_final_message: bool = False, **variables: Any) -> str:
         """The conversation as the prompt text. continue_final_message: the last message is left
@@ -357,6 +376,78 @@ def _tag_final_message(messages: list[dict]) -> list[dict]:
     else:
         raise ValueError("continue_final_message: the final message has no content to continue")
     return [*messages[:-1], last]
+
+
+# Stands in for each character of a special token's string inside a message, so that the render of
+# the masked messages lines up character for character with the real one: a private-use character,
+# which no special token is written with.
+_MASK = "\ue000"
+
+
+def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """A regex matching the tokenizer's special tokens' strings (longest first), None when it has none."""
+    tokens = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content},
+                    key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+
+def _mask_texts(messages: list[dict], specials: re.Pattern[str]) -> list[dict] | None:
+    """The messages with every special token's string in their texts masked (same length); None
+    when no text holds one."""
+    found = False
+
+    def mask(text: Any) -> Any:
+        nonlocal found
+        if not isinstance(text, str) or specials.search(text) is None:
+            return text
+        found = True
+        return specials.sub(lambda m: _MASK * len(m.group()), text)
+
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = [{**p, "text": mask(p["text"])} if isinstance(p, dict) and "text" in p else p for p in content]
+        out.append({**m, "content": mask(content)})
+    return out if found else None
+
+
+@lru_cache(maxsize=8)
+def _literal(tokenizer: Any) -> Any:
+    """A copy of the tokenizer that reads special tokens' strings as text (a copy: the model's own
+    is shared by threads, so its setting cannot be switched for one call)."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
+def encode_literal_texts(tokenizer: Any, text: str, masked: str) -> list[int]:
+    """`text` as ids with a special token only where `masked` (the same prompt rendered from masked
+    messages, _mask_texts) has one; the text between is encoded with special tokens read as text,
+    as the tokenizer splits it at its added tokens (with their lstrip / rstrip). ValueError when
+    the two renders do not line up (a template whose layout depends on the masked characters)."""
+    if text == masked:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    if len(text) != len(masked) or any(a != b and b != _MASK for a, b in zip(text, masked)):
+        raise ValueError("chat template: a message holds a special token's text, and the template renders it "
+                         "in a way that cannot keep it as text: refused")
+    specials = special_token_pattern(tokenizer)
+    assert specials is not None   # masked differs from text only where a special token's string was
+    added = {t.content: t for t in tokenizer.get_added_tokens_decoder().values()}
+    literal = _literal(tokenizer)
+    ids: list[int] = []
+    at, strip_left = 0, False
+    for m in specials.finditer(masked):
+        token = added[m.group()]
+        before = text[at:m.start()]
+        before = before.lstrip() if strip_left else before
+        ids += literal.encode(before.rstrip() if token.lstrip else before, add_special_tokens=False).ids
+        ids.append(tokenizer.token_to_id(m.group()))
+        at, strip_left = m.end(), token.rstrip
+    rest = text[at:]
+    return ids + literal.encode(rest.lstrip() if strip_left else rest, add_special_tokens=False).ids
 
 
 def stop_ids(folder: str | Path, config_eos: Any = None, tokenizer: Any = None,

@@ -177,16 +177,8 @@ class Gemma4Model:
                 raise ValueError(f"{self.model_id}: its tokenizer has no {THOUGHT_END!r} token, so there is "
                                  "no thinking mode to ask for (reasoning=False)")
         encs = [self.encode_image(image) for image in conversation.images]
-        rendered = self.prompter.template.render(conversation.turns, add_generation_prompt=True,
-                                                 enable_thinking=bool(reasoning))
-        parts = rendered.split(self.prompter.image_token)
-        if len(parts) != len(encs) + 1:
-            raise ValueError(f"the chat template put {len(parts) - 1} image placeholders in the prompt "
-                             f"for {len(encs)} images")
-        ids = self.prompter.encode(parts[0])
-        for enc, after in zip(encs, parts[1:]):
-            ids += ([self.prompter.boi_id] + [self.prompter.image_token_id] * enc.tokens.shape[0]
-                    + [self.prompter.eoi_id] + self.prompter.encode(after))
+        ids = self.prompter.chat_ids(conversation.turns, [e.tokens.shape[0] for e in encs],
+                                     enable_thinking=bool(reasoning))
         row = Row(ids, torch.cat([e.tokens for e in encs]) if encs else None, s.max_tokens, s.temperature, s.top_p)
         decoder = BatchDecoder(self, [row], seed)   # checks the prompt before the generator starts
         limit = room(row.max_tokens, len(row.prompt), row.limit)

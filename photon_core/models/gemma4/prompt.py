@@ -4,6 +4,7 @@ text becomes [begin-of-image] + soft-token placeholders + [end-of-image] ids."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -45,20 +46,36 @@ class Gemma4Prompter:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def render(self, question: str, with_image: bool) -> str:
+        return self.template.render(self._turn(question, with_image), add_generation_prompt=True)
+
+    @staticmethod
+    def _turn(question: str, with_image: bool) -> list[dict]:
         content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": question}]
-        return self.template.render([{"role": "user", "content": content}], add_generation_prompt=True)
+        return [{"role": "user", "content": content}]
 
     def prompt_ids(self, question: str, n_image_tokens: int | None) -> list[int]:
         """The chat prompt for one user turn; with an image, its placeholder expanded to n soft tokens."""
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
-        text = self.render(question, n_image_tokens is not None)
-        if n_image_tokens is None:
-            return self.encode(text)
-        parts = text.split(self.image_token)
-        if len(parts) != 2:
-            raise ValueError(f"the chat template put {len(parts) - 1} image placeholders "
-                             f"({self.image_token!r}) in the prompt, expected 1")
-        image = [self.boi_id] + [self.image_token_id] * n_image_tokens + [self.eoi_id]
-        return self.encode(parts[0]) + image + self.encode(parts[1])
+        return self.chat_ids(self._turn(question, n_image_tokens is not None),
+                             [] if n_image_tokens is None else [n_image_tokens])
+
+    def chat_ids(self, messages: list[dict], n_image_tokens: list[int], **variables: Any) -> list[int]:
+        """A conversation's prompt ids, each image placeholder the template put expanded to
+        [begin-of-image] + its image's n soft tokens + [end-of-image]. A placeholder's (or any special
+        token's) string in a message's text stays text (ChatTemplate.encode)."""
+        ids = self.template.encode(self.tok, messages, add_generation_prompt=True, **variables)
+        placeholder = self.tok.token_to_id(self.image_token)
+        found = ids.count(placeholder) if placeholder is not None else 0
+        if found != len(n_image_tokens):
+            raise ValueError(f"the chat template put {found} image placeholders ({self.image_token!r}) in the "
+                             f"prompt for {len(n_image_tokens)} images")
+        out: list[int] = []
+        counts = iter(n_image_tokens)
+        for t in ids:
+            if t == placeholder:
+                out += [self.boi_id] + [self.image_token_id] * next(counts) + [self.eoi_id]
+            else:
+                out.append(t)
+        return out
 

@@ -166,9 +166,8 @@ class Qwen35Model:
                     thinking: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
         """prompt_inputs for a whole conversation (runtime.chat_messages), its images in order."""
         encs = [self.encode_image(image) for image in conversation.images]
-        rendered = self.prompts.template.render(conversation.turns, add_generation_prompt=True,
-                                                enable_thinking=thinking)
-        ids = self.prompts.tokenizer.encode(rendered, add_special_tokens=False).ids
+        ids = self.prompts.template.encode(self.prompts.tokenizer, conversation.turns, add_generation_prompt=True,
+                                           enable_thinking=thinking)
         img_tok = self.config.image_token_id
         if img_tok is None and encs:
             raise ValueError(f"{self.model_id} is a text-only Qwen 3.5 checkpoint: it cannot take images")

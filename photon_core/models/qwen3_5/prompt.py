@@ -39,9 +39,9 @@ class Prompts:
         if not isinstance(question, str) or not question.strip():
             raise ValueError("query needs a non-empty question")
         content: Any = ([{"type": "image"}, {"type": "text", "text": question}] if with_image else question)
-        text = self.template.render([{"role": "user", "content": content}], add_generation_prompt=True,
-                                    enable_thinking=False)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encoded so that a special token's string in the question stays text (ChatTemplate.encode)
+        return self.template.encode(self.tokenizer, [{"role": "user", "content": content}],
+                                    add_generation_prompt=True, enable_thinking=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
