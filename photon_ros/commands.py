@@ -36,6 +36,10 @@ _NOT_OBJECTS = frozenset("left right around back forward forwards backward backw
 _VERBS = ("stop wait come go bring pick grab take put give turn look point find locate detect show tell "
           "say move follow drive return open close stay sit stand leave drop hold check count search get")
 _CLAUSE = re.compile(rf"\b(?:then|but|after that|afterwards|and (?:{'|'.join(_VERBS.split())}|i|you|we|they))\b")
+# A correction or a negation after the object's first word ("find the cup not the mug", "point at
+# the door no wait", "find the keys I mean the wallet"): the model would be asked for both objects.
+# Not its first word: "the no entry sign" is one object.
+_CORRECTION = re.compile(r"\b(?:no|not|don't|dont|never|instead|i mean|actually|sorry)\b")
 # Typographic apostrophes ("Where’s", as transcripts and phones write them) are the plain one.
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 
@@ -43,9 +47,10 @@ _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 def parse_command(text: str) -> VisionRequest | None:
     """The vision request a transcript asks for, or None when it asks for none we know. None too
     for more than one sentence or a clause after the object ("point at the red cup. Stop!",
-    "point at the cup, no, the mug", "point at the cup and then stop"): which one the speaker
-    meant is not ours to guess. Openers before the command ("Okay, ...", "Hey, robot, ...",
-    "Please, ...") are not a clause."""
+    "point at the cup, no, the mug", "point at the cup and then stop", and unpunctuated "point at
+    the cup no the mug", "point at the cup stop"): which one the speaker meant is not ours to
+    guess. Openers before the command ("Okay, ...", "Hey, robot, ...", "Please, ...") are not a
+    clause."""
     text = text.translate(_APOSTROPHES)
     raw = re.sub(r"\s+", " ", text.lower()).strip()
     raw = re.sub(r"[.!?;:\s]+$", "", raw)                       # the sentence's own end
@@ -62,7 +67,7 @@ def parse_command(text: str) -> VisionRequest | None:
             target = re.sub(rf"^{_ARTICLE}", "", m.group(1)).strip()
             if task == "point" and target.startswith("face "):   # "turn to face the door"
                 target = re.sub(rf"^{_ARTICLE}", "", target[5:]).strip()
-            if target in _NOT_OBJECTS or _CLAUSE.search(target):
+            if target in _NOT_OBJECTS or _CLAUSE.search(target) or _corrected(target):
                 return None
             if target and not re.fullmatch(_ARTICLE.replace(r"\s+", ""), target):
                 return VisionRequest(task, target)
@@ -75,6 +80,17 @@ _STOP = (r"(?:stop(?: (?:it|that|now|moving|turning|looking|searching|there|righ
          r"cancel(?: (?:it|that))?|never ?mind|abort|wait)")
 _STOP_LEAD = rf"(?:(?:{_OPENERS}|no|please|now) )*"
 _STOP_TAIL = r"(?: (?:please|now|robot))*"
+
+
+# A stop said right after the object without punctuation ("point at the cup stop", "... cup wait"):
+# the speaker took the command back. "the bus stop" is refused too: doing nothing is the safe guess.
+_STOP_AFTER = re.compile(rf" {_STOP_LEAD}{_STOP}(?: {_STOP})*{_STOP_TAIL}$")
+
+
+def _corrected(target: str) -> bool:
+    """Whether an object phrase holds a correction, a negation or a stop after its first word."""
+    _, _, rest = target.partition(" ")
+    return bool(_CORRECTION.search(rest)) or _STOP_AFTER.search(target) is not None
 
 
 def is_stop(text: str) -> bool:

@@ -55,7 +55,8 @@ TICK_S = 0.1   # cmd_vel is streamed at 10 Hz while a turn lasts
 TWIST, TWIST_STAMPED = "geometry_msgs/msg/Twist", "geometry_msgs/msg/TwistStamped"
 
 LOOP_PARAMS = [
-    Param("turn", True, "publish a bounded turn toward each target on cmd_vel; false: no motion at all"),
+    Param("turn", True, "publish a bounded turn toward each target on cmd_vel; false: no motion at all (a turn in "
+          "progress ends at once)"),
     Param("horizontal_fov_deg", 60.0, "the camera's horizontal field of view: a turn's angle comes from it",
           positive=True, high=179.0),
     Param("max_turn_rate", 0.5, "rad/s of a turn", positive=True),
@@ -183,7 +184,7 @@ def describe_turn(turn: Turn | None) -> str:
 class LoopNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__("loop", **kwargs)
-        self.params = NodeParams(self, LOOP_PARAMS)
+        self.params = NodeParams(self, LOOP_PARAMS, apply=self.apply_params)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_image_target = self.create_publisher(ImageTarget, "image_target", reliable)
         self.pub_target = self.create_publisher(PointStamped, "target", reliable)     # metres only
@@ -257,6 +258,23 @@ class LoopNode(Node):
             # wall seconds, which under sim time at another rate are not as many ROS seconds
             self.still_since = self.get_clock().now()
 
+    def apply_params(self, changes: dict) -> None:
+        """`turn` off means no motion at all, from now: a turn in progress ends with a zero Twist
+        at once, not at max_turn_s (a base without a command timeout turned on meanwhile)."""
+        if changes.get("turn") is False:
+            with self.turn_lock:
+                stopped = self.end_turn()
+            if stopped:
+                self.say("turning is off: stopped the turn")
+
+    def end_turn(self) -> bool:
+        """End a turn in progress now with a zero Twist; whether there was one. Under turn_lock."""
+        if not self.turns.stop():
+            return False
+        self.publish_velocity(Twist())
+        self.still_since = self.get_clock().now()
+        return True
+
     def on_transcript(self, msg: Transcript) -> None:
         if is_stop(msg.text):   # partial or not, whole or not, however old: stopping is always safe
             self.stop(msg.text)
@@ -301,9 +319,7 @@ class LoopNode(Node):
             self.goal = None
             stopped.append("the search")
         with self.turn_lock:
-            if self.turns.stop():
-                self.publish_velocity(Twist())
-                self.still_since = self.get_clock().now()
+            if self.end_turn():
                 stopped.append("the turn")
         planner = " (a goal sent on goal_pose is the planner's to cancel)" if self.goal_sent else ""
         self.say(f"{text.strip()!r}: stopped {' and '.join(stopped)}{planner}" if stopped
@@ -393,6 +409,9 @@ class LoopNode(Node):
             with self.turn_lock:
                 if self.halted:
                     self.say(f"{found}; not turning: the node is shutting down")
+                    return
+                if not self.params["turn"]:   # switched off while this result was handled
+                    self.say(f"{found}; turning is off")
                     return
                 if command != self.command:
                     # a stop or a newer command came while this result was handled (the result

@@ -114,3 +114,24 @@ def test_an_approach_goal_stops_short_and_faces_the_object():
     x, y, yaw = approach_goal(3.0, 4.0, standoff=1.0)
     assert (x, y) == pytest.approx((2.4, 3.2)) and yaw == pytest.approx(math.atan2(4, 3))
     assert approach_goal(0.3, 0.0, standoff=0.5) is None
+
+
+@pytest.mark.parametrize("text", ["point at the cup stop", "Point at the door no wait", "point at the cup wait",
+                                  "point at the cup never mind", "Find the cup not the mug.",
+                                  "find the keys no the wallet", "find the cup and don't move",
+                                  "point at the cup do not turn", "find the keys I mean the wallet",
+                                  "look at the cup instead of the mug", "find the keys sorry the wallet"])
+def test_a_stop_or_a_correction_after_the_object_asks_for_nothing(text):
+    """Unpunctuated (a model that writes no commas, or a speaker who does not pause), a stop word or
+    a correction after the object became part of it: "point at the cup stop" turned the robot toward
+    "cup stop", and "find the cup not the mug" asked the model for both."""
+    assert parse_command(text) is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Find the stop sign.", VisionRequest("detect", "stop sign")),
+    ("Point at the no entry sign", VisionRequest("point", "no entry sign")),
+    ("Where is the waiting room?", VisionRequest("point", "waiting room")),
+])
+def test_stop_and_negation_words_inside_an_object_name_are_kept(text, expected):
+    assert parse_command(text) == expected

@@ -390,3 +390,38 @@ def test_cmd_vel_problems_in_words():
     assert certain and "/diff_drive takes geometry_msgs/msg/TwistStamped" in mixed and "/rec" not in mixed
     odd, certain = cmd_vel_problem("/cmd_vel", True, [("/x", "std_msgs/msg/String")])
     assert certain and "std_msgs/msg/String" in odd and "set stamped_cmd_vel" not in odd
+
+
+def test_turning_switched_off_ends_the_turn_in_progress(loop):
+    """`turn` false means no motion at all and applies at once: a turn in progress ends now with a
+    zero Twist, not at max_turn_s (a base without a command timeout turned on meanwhile)."""
+    twists = []
+    loop.publish_velocity = twists.append
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    assert loop.turns.active and twists[-1].angular.z != 0.0
+    assert loop.set_parameters([Parameter("turn", value=False)])[0].successful
+    assert not loop.turns.active and twists[-1].angular.z == 0.0, (twists, loop.said)
+    assert loop.still_since is not None                  # a frame taken while turning moves nothing
+    assert any("turning is off" in s and "stopped the turn" in s for s in loop.said), loop.said
+    twists.clear()
+    loop.send_turn()                                      # the timer's next tick: nothing more
+    assert not twists
+
+
+def test_turning_switched_off_while_a_result_is_being_handled_starts_no_turn(loop, monkeypatch):
+    """The parameter's change runs on an executor thread of its own too: switched off after the
+    result passed its `turn` check and before its turn began, no turn begins."""
+    import photon_ros.loop_node as loop_node
+    twists = []
+    loop.publish_velocity = twists.append
+    loop.command = 1
+    planned = loop_node.plan_turn
+
+    def switch_off_meanwhile(*args):   # runs between act_on_result's `turn` check and the turn's start
+        assert loop.set_parameters([Parameter("turn", value=False)])[0].successful
+        return planned(*args)
+    monkeypatch.setattr(loop_node, "plan_turn", switch_off_meanwhile)
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    assert not loop.turns.active and not any(t.angular.z for t in twists), (twists, loop.said)
+    assert any("turning is off" in s for s in loop.said), loop.said
