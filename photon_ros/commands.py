@@ -95,8 +95,14 @@ def _corrected(target: str) -> bool:
 
 def is_stop(text: str) -> bool:
     """Whether the utterance asks the robot to stop ("stop", "no, stop!", "hey robot, halt",
-    "never mind", "stop turning please"): nothing else may be in it ("stop at the door" is no stop
-    word, and no command either)."""
-    words = re.sub(r"[^\w\s']", " ", text.translate(_APOSTROPHES).lower())
-    words = re.sub(r"\s+", " ", words).strip()
+    "never mind", "stop turning please"): one of its sentences or comma-set phrases is nothing but
+    that ("Stop! That's the wrong one.", "Point at the cup. Stop!", "Wait, find the mug": none is a
+    command we take, and a turn in progress went on through them), while "stop at the door" and
+    "don't stop" are no stop words, and no command either."""
+    text = text.translate(_APOSTROPHES).lower()
+    return any(_is_stop_phrase(part) for part in re.split(r"[.!?;,]+", text))
+
+
+def _is_stop_phrase(part: str) -> bool:
+    words = re.sub(r"\s+", " ", re.sub(r"[^\w\s']", " ", part)).strip()
     return bool(words) and re.fullmatch(rf"{_STOP_LEAD}{_STOP}(?: {_STOP})*{_STOP_TAIL}", words) is not None

@@ -54,13 +54,18 @@ def test_a_clause_after_the_object_asks_for_nothing_but_and_between_objects_is_k
 
 @pytest.mark.parametrize("text", ["Stop.", "stop, stop!", "No, stop!", "Hey robot, halt.", "Never mind.",
                                   "Stop turning, please.", "Okay, cancel that.", "Wait!", "STOP", "freeze",
-                                  "Please stop now."])
+                                  "Please stop now.",
+                                  # a stop sentence beside another: no command is taken from them,
+                                  # and a turn in progress went on
+                                  "Point at the red cup. Stop!", "Stop! That's the wrong one.",
+                                  "Stop. Point at the cup.", "Wait, find the mug.", "No, stop, find the mug"])
 def test_stop_words_are_a_stop_and_no_command(text):
     assert is_stop(text) and parse_command(text) is None
 
 
 @pytest.mark.parametrize("text", ["", "No.", "Thank you.", "Stop at the door.", "Stop the music",
-                                  "Point at the red cup. Stop!", "find the stop sign", "don't stop"])
+                                  "find the stop sign", "don't stop", "Don't stop, find the cup.",
+                                  "Stop at the door, please."])
 def test_other_sentences_are_no_stop(text):
     assert not is_stop(text)
 
