@@ -244,13 +244,20 @@ class LoopNode(Node):
                   "turning": str(self.turns.active), "planner_goal_sent": str(self.goal_sent)}
         publish_status(self, self.pub_diagnostics, status, values)
 
+    def turn_clock(self) -> float:
+        """Seconds on the clock a turn's duration runs on: a simulator's under use_sim_time (its
+        base turns the commanded rate per simulated second, and the timer ticks on it; timed in wall
+        seconds, a world at half real time turned half the angle), else the steady clock."""
+        clock = self.get_clock()
+        return clock.now().nanoseconds * 1e-9 if clock.ros_time_is_active else time.monotonic()
+
     def send_turn(self, at_start: bool = False) -> None:
         """The turn's Twist now: on the timer's tick, or `at_start` (at once, holding until the
         timer's next tick)."""
         with self.turn_lock:
             was_turning = self.turns.active
             until_tick = self.turn_timer.time_until_next_call() if at_start else None
-            twist = self.turns.tick(time.monotonic(), None if until_tick is None else until_tick * 1e-9)
+            twist = self.turns.tick(self.turn_clock(), None if until_tick is None else until_tick * 1e-9)
             if twist is not None:
                 self.publish_velocity(twist)
         if was_turning and not self.turns.active:
@@ -418,7 +425,7 @@ class LoopNode(Node):
                     # callback runs beside the transcript's, on another executor thread)
                     self.say(f"{found}; not turning: a newer command came meanwhile")
                     return
-                self.turns.start(turn, time.monotonic())
+                self.turns.start(turn, self.turn_clock())
             self.send_turn(at_start=True)
             problem = self.check_cmd_vel(turn_starting=True)
             unheard = f" (but {problem})" if problem else ""

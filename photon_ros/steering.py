@@ -77,7 +77,9 @@ class TurnCommands:
         Twist sent at once when a turn starts); a tick's Twist holds `period`."""
         twist = Twist()
         if self._turn is not None:
-            left = self._turn.duration - (now - self._started)
+            # a clock that went back (a simulator reset) ends the turn: counted from its old start,
+            # what is left would outlast the plan by however far it went back
+            left = self._turn.duration - (now - self._started) if now >= self._started else 0.0
             if left > 1e-9:
                 hold = self.period if holds is None else max(holds, 1e-9)
                 twist.angular.z = self._turn.rate * min(1.0, left / hold)

@@ -114,6 +114,11 @@ def test_a_turn_is_bounded_and_ends_in_a_stop():
     commands.start(Turn(-0.5, 0.2), now=20.1)                       # a new target replaces the turn
     assert [commands.tick(20.15 + 0.1 * i).angular.z for i in range(3)] == pytest.approx([-0.5, -0.25, 0.0])
     assert commands.tick(20.5) is None and not commands.active
+    # the clock went back mid-turn (a simulator reset): the turn ends with its zero Twist, where
+    # counting from the old start would have turned on for as long as the clock went back
+    commands.start(Turn(0.5, 1.0), now=100.0)
+    assert commands.tick(100.1).angular.z == 0.5
+    assert commands.tick(2.0).angular.z == 0.0 and commands.tick(2.1) is None and not commands.active
 
 def test_an_approach_goal_stops_short_and_faces_the_object():
     x, y, yaw = approach_goal(3.0, 4.0, standoff=1.0)

@@ -166,6 +166,44 @@ def test_the_turns_end_is_taken_on_the_nodes_clock_when_it_ends(loop):
     assert (after - loop.still_since).nanoseconds < 0.5e9
 
 
+def test_under_sim_time_a_turn_lasts_its_duration_in_simulated_seconds():
+    """A simulated base turns the commanded rate per simulated second: the turn is timed on the
+    simulator's clock (/clock), whatever the wall clock does meanwhile. Timed in wall seconds, a
+    world slower than real time under-turned (and here, with simulated time racing ahead, the rate
+    went on for every tick of 0.2 wall seconds)."""
+    from rosgraph_msgs.msg import Clock
+
+    graph = RosGraph()
+    try:
+        loop = graph.add(LoopNode(context=graph.context, parameter_overrides=[
+            Parameter("use_sim_time", value=True), Parameter("max_turn_s", value=0.2),
+            Parameter("refuse_frames_before_turn", value=False)]))
+        loop.say = lambda text: None
+        clock = graph.node("sim").create_publisher(Clock, "/clock", QoSProfile(
+            depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        wait_for_match(clock)
+
+        def sim_time(seconds: float) -> None:
+            clock.publish(Clock(clock=Time(sec=int(seconds), nanosec=round(seconds % 1 * 1e9))))
+            assert wait_for(lambda: abs(loop.get_clock().now().nanoseconds * 1e-9 - seconds) < 1e-6)
+
+        sim_time(100.0)
+        sent: list[tuple[float, float]] = []   # (simulated seconds, rate) of each Twist
+        loop.publish_velocity = lambda t: sent.append((loop.get_clock().now().nanoseconds * 1e-9, t.angular.z))
+        loop.command = 1
+        loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)   # 0.2 s at the full rate
+        assert loop.turns.active and sent
+        for tick in range(1, 6):   # the node's 10 Hz timer ticks on simulated time, 0.1 s apart here
+            sim_time(100.0 + 0.1 * tick)
+            assert wait_for(lambda: sent[-1][0] > 100.0 + 0.1 * tick - 0.01 or not loop.turns.active)
+        assert wait_for(lambda: not loop.turns.active) and sent[-1][1] == 0.0, sent
+        # each Twist holds until the next: the plan's angle (0.5 rad/s for 0.2 s) in simulated seconds
+        angle = sum(rate * (t1 - t0) for (t0, rate), (t1, _) in zip(sent, sent[1:]))
+        assert abs(angle) == pytest.approx(0.1, abs=1e-6), sent
+    finally:
+        graph.close()
+
+
 def test_no_turn_of_ours_once_a_planner_goal_went_out(loop):
     loop.command = 1
     sent = []
