@@ -310,6 +310,18 @@ def test_bad_input_gives_clear_errors(ours, audio, rate, message):
         ours.transcribe(audio, rate)
 
 
+@pytest.mark.parametrize("options, message", [({"task": "translate"}, "transcribes only"),
+                                              ({"beam_size": 5}, "beam search")])
+def test_a_translation_or_beam_search_is_refused_not_answered_with_greedy_text(ours, pcm, options, message):
+    """Whisper's options Parakeet ignores are those that change nothing; a translation asked for
+    must not come back as a transcript in the spoken language (nor a beam search as greedy text)."""
+    with pytest.raises(NotImplementedError, match=message):
+        ours.transcribe(pcm, 16000, **options)
+    with pytest.raises(NotImplementedError, match=message):
+        ours.batch([{"audio": pcm, **options}])
+    assert ours.transcribe(pcm, 16000, task="transcribe", beam_size=1)["text"]
+
+
 def test_too_short_speech_is_a_clear_error_not_a_crash(ours):
     with pytest.raises(ValueError, match="too short"):
         ours.mel(np.zeros(100, np.float32))

@@ -118,6 +118,22 @@ def test_bad_input_is_a_clear_error(audio, rate, message):
         ours().transcribe(audio, rate)
 
 
+@pytest.mark.parametrize("max_new_tokens", [0, -3, 2.5, True, "16"])
+def test_bad_max_new_tokens_is_refused_before_any_model_work(max_new_tokens, monkeypatch):
+    """0 used to mean the default budget (a long transcript for a request of none), a negative
+    budget failed after the encoder as a cache overflow, a fractional one inside torch."""
+    model = ours()
+    monkeypatch.setattr(model.encoder, "encode_many", lambda *a: pytest.fail("the encoder ran"))
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number"):
+        model.transcribe(speech(), 16000, language="en", max_new_tokens=max_new_tokens)
+
+
+def test_a_numpy_integer_max_new_tokens_is_taken_as_an_int():
+    model = ours()
+    assert model.transcribe(speech(), 16000, language="en", max_new_tokens=np.int64(1))["text"] == \
+        model.transcribe(speech(), 16000, language="en", max_new_tokens=1)["text"]
+
+
 def test_warmup_runs_and_leaves_results_unchanged():
     model = ours()
     before = model.transcribe(speech(), 16000, language="en")["text"]

@@ -154,6 +154,19 @@ def test_bad_input_raises_value_error(model, audio, rate):
         model.transcribe(audio, rate)
 
 
+@pytest.mark.parametrize("temperature", [(), (0.0, -0.5), (0.0, float("nan")), "0.2", (0.0, None)])
+def test_bad_temperatures_are_refused_before_any_decoding(model, speech, temperature):
+    """Every fallback temperature is checked up front: a clean command never falls back, so a bad
+    later temperature used to pass on it and fail only on audio that needed the fallback; an empty
+    sequence failed with an IndexError."""
+    pcm, sr = speech["short"]
+    with pytest.raises(ValueError, match="temperature"):
+        model.transcribe(pcm, sr, temperature=temperature)
+    with pytest.raises(ValueError, match="temperature"):
+        model.batch([{"audio": pcm, "sample_rate": sr, "temperature": temperature}])
+    assert model.transcribe(pcm, sr, temperature=np.float32(0.0))["text"]
+
+
 def test_beam_search_is_reported_unfinished(model, speech):
     with pytest.raises(NotImplementedError, match="beam"):
         model.transcribe(speech["short"][0], speech["short"][1], beam_size=5)

