@@ -85,6 +85,12 @@ def test_integer_scaling_and_mixdown():
     assert fe.to_float_mono(np.array([-32768, 16384], np.int16)).tolist() == [-1.0, 0.5]
     assert fe.to_float_mono(np.array([0, 128, 192], np.uint8)).tolist() == [-1.0, 0.0, 0.5]
     assert fe.to_float_mono(np.array([-2 ** 31], np.int32)).tolist() == [-1.0]
+    # float samples no audio has: refused by name (1e18 failed in torch's quantization), as read_wav does;
+    # a float64 beyond float32's range is one of them, not "infinite"
+    for huge in (np.array([0.0, 1e18], np.float32), np.array([1e300, 0.0])):
+        with pytest.raises(ValueError, match="float samples up to .*not audio"):
+            fe.to_float_mono(huge)
+    assert fe.to_float_mono(np.array([0.0, 32768.0], np.float32)).tolist() == [0.0, 32768.0]
     stereo = np.array([[32767, -32767], [16384, 16384]], np.int16)
     np.testing.assert_allclose(fe.to_float_mono(stereo), [0.0, 0.5], atol=1e-4)
 

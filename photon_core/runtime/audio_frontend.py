@@ -19,7 +19,7 @@ from math import gcd
 import numpy as np
 import torch
 
-from photon_core.audio_io import pcm_to_float
+from photon_core.audio_io import MAX_FLOAT_SAMPLE, pcm_to_float
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -109,9 +109,14 @@ def to_float_mono(audio: np.ndarray) -> np.ndarray:
         raise ValueError("audio is empty")
     if audio.ndim == 2 and audio.shape[1] > MAX_CHANNELS:
         raise _channel_first_error(audio.shape)
-    x = pcm_to_float(audio)
-    if not np.isfinite(x).all():
+    if np.issubdtype(audio.dtype, np.floating) and not np.isfinite(audio).all():
         raise ValueError("audio contains NaN or infinite samples")
+    # finite but no audio (read_wav's bound): ~1e18 failed inside torch's int8 quantization
+    peak = float(np.abs(audio).max()) if np.issubdtype(audio.dtype, np.floating) else 0.0
+    if peak > MAX_FLOAT_SAMPLE:
+        raise ValueError(f"float samples up to {peak:.3g}, where audio lies within [-1, 1] (at most "
+                         f"{MAX_FLOAT_SAMPLE:g} is taken): not audio")
+    x = pcm_to_float(audio)
     if x.ndim == 2:   # mixed down after scaling, so integer sums cannot overflow
         x = x.mean(axis=1, dtype=np.float32)
     return np.ascontiguousarray(x)
