@@ -229,6 +229,17 @@ def test_tensors_of_other_shapes_than_the_config_are_refused_at_load(pair, tmp_p
     (wider / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"do not match the Qwen 3.5 config.*vision.blocks.0.mlp.linear_fc1.weight"):
         load_qwen3_5(wider)
+    # a config of fewer layers than the tensors hold: the model would run shallower than trained
+    fewer = tmp_path / "fewer"
+    shutil.copytree(folder, fewer)
+    cfg = json.loads((fewer / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["num_hidden_layers"] -= 1
+    if "layer_types" in text:
+        text["layer_types"] = text["layer_types"][:-1]
+    (fewer / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"more layers than the Qwen 3.5 config's.*text.layers"):
+        load_qwen3_5(fewer)
 
 
 def test_bad_dtypes_and_images(pair, tmp_path):

@@ -3,6 +3,7 @@ or a text-only checkpoint (model.*), renamed to "text.*" / "vision.*"; the multi
 head (mtp.*) is not used for plain decoding and is left out."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -45,7 +46,20 @@ def load_state(folder: str | Path, cfg: Qwen35Config, dtype: torch.dtype,
     if wrong:
         raise ValueError(f"{folder}: the tensors do not match the Qwen 3.5 config (layers, widths, heads, "
                          f"vocabulary): wrong shapes {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
+    beyond = layers_beyond(state, cfg)
+    if beyond:
+        raise ValueError(f"{folder}: the tensors hold more layers than the Qwen 3.5 config's (it would run "
+                         f"shallower than trained): {beyond[:4]}{' ...' if len(beyond) > 4 else ''}")
     return {k: t.to(device=device, dtype=dtype) for k, t in state.items()}
+
+
+_LAYER = re.compile(r"(text\.layers|vision\.blocks)\.(\d+)\..*")
+
+
+def layers_beyond(state: dict[str, torch.Tensor], cfg: Qwen35Config) -> list[str]:
+    """Tensors of layers past the config's counts (text layers, vision blocks), sorted."""
+    counts = {"text.layers": cfg.text.n_layers, "vision.blocks": cfg.vision.depth if cfg.vision else 0}
+    return sorted(k for k in state if (m := _LAYER.fullmatch(k)) and int(m.group(2)) >= counts[m.group(1)])
 
 
 def expected_names(cfg: Qwen35Config) -> list[str]:
