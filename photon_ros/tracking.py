@@ -623,23 +623,34 @@ class StreamTrackers:
         for task, settings in self._settings.items():   # bad settings fail here, not at first use
             TRACKERS[task](**settings)
         self._trackers: dict[tuple[str, str], _Tracker] = {}
+        self._retained: set[tuple[str, str]] | None = None   # the streams retain() listed (None: any)
+        self._lock = threading.Lock()   # retain() comes from a parameter change, get() from the worker
 
     def get(self, task: str, prompt: str) -> BoxTracker | PointTracker:
+        """The stream's tracker. A stream retain() did not list (the result of a frame that was in
+        the model when its prompt was dropped) gets one of its own that is not kept: kept, its
+        tracks would hand their ids on when the prompt is asked again."""
         if task not in TRACKERS:
             raise ValueError(f"no tracking for task {task!r}: only {sorted(TRACKERS)}")
         key = (task, prompt)
-        if key not in self._trackers:
-            self._trackers[key] = TRACKERS[task](ids=self.ids, **self._settings[task])
-        return self._trackers[key]  # type: ignore[return-value]
+        with self._lock:
+            if self._retained is not None and key not in self._retained:
+                return TRACKERS[task](ids=self.ids, **self._settings[task])  # type: ignore[return-value]
+            if key not in self._trackers:
+                self._trackers[key] = TRACKERS[task](ids=self.ids, **self._settings[task])
+            return self._trackers[key]  # type: ignore[return-value]
 
     def streams(self) -> list[tuple[str, str]]:
         return list(self._trackers)
 
     def retain(self, streams: Iterable[tuple[str, str]]) -> None:
         """Drops the trackers of streams not listed (prompts no longer asked for); their ids are
-        not reused if the prompt comes back."""
+        not reused if the prompt comes back, and get() keeps no tracker for them until a retain()
+        lists them again."""
         keep = set(streams)
-        self._trackers = {key: tracker for key, tracker in self._trackers.items() if key in keep}
+        with self._lock:
+            self._retained = keep
+            self._trackers = {key: tracker for key, tracker in self._trackers.items() if key in keep}
 
     def follow(self, prev: np.ndarray, cur: np.ndarray, stamp: float) -> dict[tuple[str, str], list[Tracked]]:
         """Every tracker's `follow`, with one optical-flow call for all their boxes."""

@@ -405,7 +405,8 @@ class VisionNode(ManagedNode):
         for task in ("detect", "point", "segment"):
             if task in values:
                 setattr(self, f"{task}_targets", targets(values[task]))
-        if "detect" in values or "point" in values:   # a prompt asked again later gets new ids
+        if {"detect", "point", "track_max_missed", "track_max_age_s", "tracking"} & set(values):
+            # a prompt asked again later gets new ids (new trackers too: they learn the prompts now)
             self.trackers.retain([("detect", t) for t in self.detect_targets]
                                  + [("point", t) for t in self.point_targets])
 

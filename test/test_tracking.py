@@ -308,3 +308,20 @@ def test_a_restarted_node_does_not_hand_out_the_ids_of_its_last_run():
     time.sleep(0.2)
     again = IdSource.clock_based()
     assert again.take() > max(taken) and 0 < again.last < 2**32
+
+
+def test_a_late_result_of_a_dropped_prompt_leaves_no_tracks_for_when_it_is_asked_again():
+    """The node's worker tracks a frame's results after its model ran (seconds on a CPU); a prompt
+    dropped meanwhile (retain) had its tracker made again by that frame's result, and kept: asked
+    again later, the prompt's objects took the ids of tracks from before, though a prompt asked
+    again gets new ids (the camera may show other objects there by then)."""
+    streams = StreamTrackers()
+    streams.retain([("detect", "cup")])
+    before = streams.get("detect", "cup").update([box(100, 100)], 0.0, SIZE)[0]
+    streams.retain([("detect", "mug")])                                        # cup dropped ...
+    late = streams.get("detect", "cup").update([box(100, 100)], DT, SIZE)[0]   # ... while its frame ran
+    assert late.track_id != before.track_id and streams.streams() == []
+    streams.retain([("detect", "cup")])                                        # asked again
+    again = streams.get("detect", "cup").update([box(100, 100)], 2 * DT, SIZE)[0]
+    assert again.track_id not in (before.track_id, late.track_id)
+    assert streams.get("detect", "cup").update([box(101, 100)], 3 * DT, SIZE)[0].track_id == again.track_id

@@ -145,6 +145,29 @@ def test_tracks_do_not_carry_onto_another_cameras_frame():
     assert ids(3, "rear_optical") not in (0, front)
 
 
+def test_a_prompt_dropped_while_its_frame_ran_gets_new_ids_when_asked_again():
+    """A frame's results are tracked after its model ran: a prompt dropped meanwhile (a parameter
+    change) had its tracks made again by that frame and kept, and the prompt asked again took those
+    ids (the node's promise: a prompt asked again later gets new ids)."""
+    from types import SimpleNamespace
+    from photon_ros.msg import Detection
+    from photon_ros.tracking import IdSource
+    stub = SimpleNamespace(params={"tracking": True, "track_max_missed": 5, "track_max_age_s": 10.0},
+                           track_ids=IdSource(), detect_targets=[], point_targets=[])
+    VisionNode.apply_params(stub, {"tracking": True, "detect": ["cup"], "point": []})
+
+    def ids(i):
+        items = [Detection(x_min_px=10.0, y_min_px=10.0, x_max_px=50.0, y_max_px=50.0)]
+        VisionNode.track(stub, "detect", "cup", items, header(i), 128, 96)
+        return items[0].track_id
+
+    before = ids(1)
+    VisionNode.apply_params(stub, {"detect": ["mug"]})
+    late = ids(2)                               # the frame in the model when cup was dropped
+    VisionNode.apply_params(stub, {"detect": ["cup"]})
+    assert ids(3) not in (0, before, late)
+
+
 def test_warm_up_runs_a_frame_of_the_standing_tasks_as_one_batch():
     """Startup decodes one batch the size of a frame's requests, so the compiled step of that batch
     size (built on first use, seconds at real sizes on a GPU) is not built on the first frame."""
