@@ -65,5 +65,6 @@ def vision_params() -> list[Param]:
 
 
 def targets(values: list[str] | None) -> list[str]:
-    """The non-empty prompts of a task parameter, stripped."""
-    return [v.strip() for v in (values or []) if v and v.strip()]
+    """The non-empty prompts of a task parameter, stripped, each once (a repeated one was asked
+    and published twice a frame, and its one tracker updated twice with the same frame)."""
+    return list(dict.fromkeys(v.strip() for v in (values or []) if v and v.strip()))

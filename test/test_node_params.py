@@ -154,7 +154,7 @@ def test_the_vision_node_refuses_bad_changes_and_takes_the_others(context):
             assert not result.successful and name in result.reason, (name, result.reason)
         assert node.max_objects == 10 and node.max_frame_age == 5.0
         changes = [Parameter("max_pixels", value=1000), Parameter("max_objects", value=3),
-                   Parameter("detect", value=[" cup ", ""]), Parameter("max_frame_age_s", value=0)]
+                   Parameter("detect", value=[" cup ", "", "cup"]), Parameter("max_frame_age_s", value=0)]
         assert all(r.successful for r in node.set_parameters(changes))
         assert (node.max_pixels, node.max_objects, node.detect_targets, node.max_frame_age) == (1000, 3, ["cup"], 0.0)
         later = node.set_parameters([Parameter("input", value="compressed")])[0]
