@@ -1,8 +1,6 @@
 """Moondream pieces without a model: config, image crops, weight naming and resolution, stitching."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -55,16 +53,13 @@ def test_local_crops_overlap_by_the_margin():
     assert abs(int(crops[0].mean()) - int(img.mean())) < 8  # the global view is the whole image
 
 
-def test_12_megapixel_preprocessing_is_fast():
+def test_12_megapixel_preprocessing_tiles_it_and_keeps_flat_regions_flat():
+    # (Its speed is the bench's: bench/RESULTS.md, "Moondream crops"; a test on a shared CI machine
+    # cannot time it.)
     img = np.random.default_rng(0).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
-    image_crops.make_crops(img)
-    t = time.perf_counter()
     crops, tiling = image_crops.make_crops(img)
-    elapsed = time.perf_counter() - t
     assert tiling == (2, 4)
-    # Lanczos-3 of the original (issue 41): ~0.14 s on 2 idle EPYC cores (bench/RESULTS.md), so
-    # room for a loaded machine.
-    assert elapsed < 1.0, f"4000x3000 preprocessing took {elapsed:.3f}s"
+    assert crops.shape == (1 + 2 * 4, 378, 378, 3) and crops.dtype == np.uint8
     # Lanczos' weights sum to one: a uniform region stays uniform, no ringing.
     flat = np.full((3000, 4000, 3), 77, np.uint8)
     assert np.all(image_crops.make_crops(flat)[0] == 77)

@@ -58,33 +58,48 @@ def test_names_of_one_checkpoint_share_one_engine(tmp_path):
     assert a is b and a.family.name == "moondream"
 
 
+def meanwhile(call, timeout: float = 60.0):
+    """`call()`'s result, made in a thread of its own while the test holds a gate shut (a load, a
+    batch): it must return without the gate, which the test opens only afterwards. A call that waited
+    for the gate is still waiting at the timeout: the test fails, whatever the machine's speed."""
+    import threading
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive() and out, f"still waiting after {timeout} s (for the gate?)"
+    return out[0]
+
+
 def test_a_load_holds_up_other_loads_only():
     """The cache's lock was held across a load: another node's cleanup (a release) and a lookup
     of a loaded model waited for a 15 s load of some other model. Loads still go one at a time,
     and one key loads once."""
     import threading
-    import time
 
     from photon_core.runtime.shared_models import release, shared_model
 
     loaded = shared_model(("test", "loaded"), lambda: object())
-    gate, loads = threading.Event(), []
+    gate, loading, loads = threading.Event(), threading.Event(), []
 
     def slow():
         loads.append(1)
-        gate.wait(10)
+        loading.set()
+        gate.wait(300)    # until the test opens it: far past meanwhile()'s wait
         return object()
     started = [threading.Thread(target=lambda: shared_model(("test", "slow"), slow)) for _ in range(2)]
+    try:
+        for t in started:
+            t.start()
+        assert loading.wait(60)                                  # the load is under way
+        # in the cache: no wait for the load, which cannot end before the gate opens
+        again = meanwhile(lambda: shared_model(("test", "loaded"), lambda: object()))
+        assert meanwhile(lambda: (again is loaded, release(again), release(loaded))) == (True, False, True)
+        assert not gate.is_set() and loads == [1]
+    finally:
+        gate.set()
     for t in started:
-        t.start()
-    time.sleep(0.2)
-    begun = time.monotonic()
-    again = shared_model(("test", "loaded"), lambda: object())   # in the cache: no wait
-    assert again is loaded and release(again) is False and release(loaded) is True
-    assert time.monotonic() - begun < 1.0
-    gate.set()
-    for t in started:
-        t.join(10)
+        t.join(60)
     assert loads == [1]                                          # two callers, one load
     from photon_core.runtime.shared_models import _models
     engine = _models[("test", "slow")]
@@ -99,34 +114,37 @@ def test_a_release_serving_its_last_batch_holds_up_loads_only():
     import time
     from types import SimpleNamespace
 
-    from photon_core.runtime.shared_models import release, shared_model
+    from photon_core.runtime.shared_models import cached_engines, release, shared_model
 
     gate, ran, order = threading.Event(), threading.Event(), []
 
     def batch(items):
         ran.set()
-        gate.wait(10)
+        gate.wait(300)    # until the test opens it: far past meanwhile()'s wait
         order.append("last batch served")
         return items
 
     busy = shared_model(("test", "busy"), lambda: SimpleNamespace(batch=batch))
     other = shared_model(("test", "other"), lambda: object())
     asking = threading.Thread(target=lambda: busy.batcher.submit(["x"]))
-    asking.start()
-    assert ran.wait(10)
-    releasing = threading.Thread(target=lambda: release(busy))
-    releasing.start()
-    time.sleep(0.2)                                               # retire waits for the batch
-    begun = time.monotonic()
-    assert shared_model(("test", "other"), lambda: object()) is other   # in the cache: no wait
-    assert time.monotonic() - begun < 1.0
-    loading = threading.Thread(target=lambda: shared_model(("test", "new"), lambda: order.append("loaded")))
-    loading.start()
-    time.sleep(0.3)
-    assert order == []                                            # a load waits for the memory
-    gate.set()
+    try:
+        asking.start()
+        assert ran.wait(60)
+        releasing = threading.Thread(target=lambda: release(busy))
+        releasing.start()
+        # the release is under way (the engine left the cache; retire waits for the batch)
+        assert wait_for(lambda: busy not in cached_engines(), timeout=60)
+        # in the cache: no wait for the batch, which cannot end before the gate opens
+        assert meanwhile(lambda: shared_model(("test", "other"), lambda: object())) is other
+        assert order == []
+        loading = threading.Thread(target=lambda: shared_model(("test", "new"), lambda: order.append("loaded")))
+        loading.start()
+        time.sleep(0.3)
+        assert order == []                                        # a load waits for the memory
+    finally:
+        gate.set()
     for t in (asking, releasing, loading):
-        t.join(10)
+        t.join(60)
     assert order == ["last batch served", "loaded"]
     from photon_core.runtime.shared_models import _models
     for key in (("test", "other"), ("test", "other"), ("test", "new")):

@@ -35,13 +35,19 @@ def child() -> None:
     run_node(make, sys.argv[2:])
 
 
+# The long callback of busy_child() runs until the test lets it end, at most this long: longer
+# than the test waits for the zero Twist, so that one held up by the callback is never mistaken for
+# one sent before it.
+LONG_CALLBACK_S = 120.0
+
+
 class Base:
     """The test's side: the node process (this file run in `mode`, in namespace `ns`) and a node of
     our own listening to it, spun here."""
 
-    def __init__(self, mode: str, ns: str) -> None:
+    def __init__(self, mode: str, ns: str, **env_vars: str) -> None:
         import rclpy
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **env_vars}
         self.proc = subprocess.Popen([sys.executable, __file__, mode, "--ros-args", "-r", f"__ns:={ns}"],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.ctx = rclpy.Context()
@@ -76,8 +82,8 @@ def test_a_turn_stopped_by_a_signal_ends_with_a_zero_twist(sig):
         base.spin_for(60, lambda: len(got) >= 3)
         assert got and got[-1] == 0.5, (got, base.proc.poll())
         base.proc.send_signal(sig)
-        base.spin_for(10, lambda: base.proc.poll() is not None and got[-1] == 0.0)
-        assert base.proc.wait(timeout=10) == 0
+        base.spin_for(60, lambda: base.proc.poll() is not None and got[-1] == 0.0)
+        assert base.proc.wait(timeout=60) == 0
         base.spin_for(0.5)
         assert got[-1] == 0.0, got[-5:]
     finally:
@@ -87,7 +93,8 @@ def test_a_turn_stopped_by_a_signal_ends_with_a_zero_twist(sig):
 def busy_child() -> None:
     """The loop node beside a node whose callback runs for seconds (an inference, a goal waiting
     for a frame), in one process as bringup spins them; the turn starts 1 s in, the long callback
-    1.5 s in, and says 'done' on /shutdown_busy/done as it ends."""
+    1.5 s in: it creates the file BUSY_DIR/began, runs until the test creates BUSY_DIR/go (or
+    LONG_CALLBACK_S at most), and says 'done' on /shutdown_busy/done as it ends."""
     import threading
 
     import rclpy
@@ -101,10 +108,14 @@ def busy_child() -> None:
     init_rclpy(sys.argv[2:])
     loop, busy = LoopNode(), Node("busy")
     done = busy.create_publisher(String, "done", 10)
+    here = Path(os.environ["BUSY_DIR"])
 
     def long_callback():
         timer.cancel()
-        time.sleep(6.0)
+        (here / "began").touch()
+        end = time.monotonic() + LONG_CALLBACK_S
+        while not (here / "go").exists() and time.monotonic() < end:
+            time.sleep(0.05)
         done.publish(String(data="done"))
     timer = busy.create_timer(1.5, long_callback)
 
@@ -122,27 +133,31 @@ if __name__ == "__main__" and sys.argv[1:2] == ["busy"]:
     busy_child()
 
 
-def test_the_zero_twist_goes_out_before_waiting_for_a_long_callback():
+def test_the_zero_twist_goes_out_before_waiting_for_a_long_callback(tmp_path):
     """At Ctrl-C the executor waits for the callbacks still running (an inference may take seconds;
     a goal waiting for a frame ends only when its node is told to stop): the loop's zero Twist must
-    not wait for them. It arrives before the long callback's 'done'."""
+    not wait for them. It arrives while the long callback still runs (it ends only when the test
+    lets it, once the Twist is in), before its 'done'."""
     from geometry_msgs.msg import Twist
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
 
-    base = Base("busy", "/shutdown_busy")
+    base = Base("busy", "/shutdown_busy", BUSY_DIR=str(tmp_path))
     events: list[tuple[str, float]] = []
     reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
     base.node.create_subscription(Twist, "/shutdown_busy/cmd_vel", lambda m: events.append(("twist", m.angular.z)),
                                   reliable)
     base.node.create_subscription(String, "/shutdown_busy/done", lambda m: events.append(("done", 0.0)), 10)
     try:
-        base.spin_for(60, lambda: sum(e == ("twist", 0.5) for e in events) >= 3)
+        base.spin_for(60, lambda: sum(e == ("twist", 0.5) for e in events) >= 3 and (tmp_path / "began").exists())
+        assert (tmp_path / "began").exists(), (events[-5:], base.proc.poll())   # the long callback runs
         assert events and events[-1] == ("twist", 0.5), (events[-5:], base.proc.poll())
-        time.sleep(1.0)   # the long callback has begun (1.5 s in; the turn began at 1 s)
         base.proc.send_signal(signal.SIGINT)
-        base.spin_for(30, lambda: base.proc.poll() is not None and ("done", 0.0) in events)
-        assert base.proc.wait(timeout=10) == 0, base.proc.stdout.read()[-2000:]
+        base.spin_for(60, lambda: ("twist", 0.0) in events)
+        assert ("twist", 0.0) in events and ("done", 0.0) not in events, events[-6:]
+        (tmp_path / "go").touch()                                # now the long callback may end
+        base.spin_for(60, lambda: base.proc.poll() is not None and ("done", 0.0) in events)
+        assert base.proc.wait(timeout=60) == 0, base.proc.stdout.read()[-2000:]
         base.spin_for(0.5)
         after = [e for e in events if e != ("twist", 0.5)]
         assert after[:2] == [("twist", 0.0), ("done", 0.0)], events[-6:]
@@ -166,10 +181,14 @@ def test_bringup_stops_at_ctrl_c():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.2)
         time.sleep(0.5)
-        began = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - began < 5.0
+        # Without a wake-up the executor's wait never returns: a hang, told apart by this generous
+        # wait (not by timing the exit, which takes seconds on a busy machine).
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("bringup still running 60 s after SIGINT")
+        assert code == 0, proc.stdout.read()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT_S = 6.0   # a model load in progress is waited for 2 s (ManagedNode.destroy_node), then given up
+# SIGINT ends the node promptly; a node that ignored it runs on. The test tells the two apart by
+# this wait, not by timing the exit: a busy CI machine makes a prompt exit take seconds.
+EXIT_WAIT_S = 60.0
 
 
 def start(ns: str, *ros_args: str, ignore_sigint: bool = False) -> subprocess.Popen:
@@ -28,31 +30,52 @@ def start(ns: str, *ros_args: str, ignore_sigint: bool = False) -> subprocess.Po
         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
 
 
-def interrupt(proc: subprocess.Popen) -> tuple[int, str, float]:
-    """SIGINT to `proc`; its exit status, stderr and how long it took to exit."""
+def interrupt(proc: subprocess.Popen) -> tuple[int, str]:
+    """SIGINT to `proc`; its exit status and stderr."""
     proc.send_signal(signal.SIGINT)
-    began = time.monotonic()
     try:
-        _, err = proc.communicate(timeout=20)
+        _, err = proc.communicate(timeout=EXIT_WAIT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
-        pytest.fail(f"still running 20 s after SIGINT; stderr: {err[-2000:]}")
-    return proc.returncode, err, time.monotonic() - began
+        pytest.fail(f"still running {EXIT_WAIT_S:g} s after SIGINT; stderr: {err[-2000:]}")
+    return proc.returncode, err
 
 
-def assert_clean(code: int, err: str, took: float) -> None:
+def assert_clean(code: int, err: str) -> None:
     assert "Traceback" not in err and "terminate called" not in err, err[-2000:]
     assert code == 0, (code, err[-2000:])
-    assert took < PROMPT_S, took
+
+
+def importing(proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+    """Wait until the node's module runs its imports: past `exit_on_ctrl_c()` (the first thing the
+    module does under `python -m`) it imports numpy, whose extension then shows in the process's
+    memory map. A fixed sleep before the SIGINT was no such thing: on a loaded machine the
+    interpreter had not reached the module yet (Python's own KeyboardInterrupt traceback; an
+    inherited SIG_IGN still in force, so the node ran on)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                if "_multiarray_umath" in maps.read():
+                    return True
+        except OSError:
+            return False
+        time.sleep(0.005)
+    return False
 
 
 @pytest.mark.parametrize("ignored", [False, True], ids=["default", "inherited_ignored"])
 def test_ctrl_c_during_the_imports(ignored):
     proc = start(f"/signals_import_{os.getpid()}", ignore_sigint=ignored)
-    time.sleep(0.3)   # importing torch (seconds)
-    assert proc.poll() is None
-    assert_clean(*interrupt(proc))
+    try:
+        assert importing(proc), proc.poll()     # then torch, rclpy, ... (seconds)
+        assert proc.poll() is None
+        assert_clean(*interrupt(proc))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 class Graph:

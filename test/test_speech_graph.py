@@ -262,18 +262,50 @@ def test_pauses_between_words_do_not_split_the_command(graph):
     assert received[0].audio_complete
 
 
+class TickedWavPublisher(WavPublisher):
+    """The player, noting at each tick of its timer its clock as the tick began and the end (stamp
+    plus duration) of the last chunk it has published by the tick's end, from the messages it sent.
+    Once started, a tick leaves no chunk due unsent: that end is less than a chunk (chunk_ms, 100 ms)
+    before the tick's clock, however late the tick ran (it catches up in a burst, MAX_CATCH_UP
+    chunks at most). Arrival times over DDS could not show it: a busy machine delays them."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ticks: list[tuple[float, float, int]] = []   # (clock at the tick, end sent, chunks in the tick)
+        self.sent_end: float | None = None
+        publish = self.publisher.publish
+
+        def noting(msg) -> None:
+            publish(msg)
+            self.sent_end = time_to_seconds(msg.header.stamp) + len(msg.data) / 2 / msg.sample_rate
+        self.publisher.publish = noting
+
+    def publish_next(self) -> None:
+        now, sent = self.get_clock().now().nanoseconds * 1e-9, self.index
+        super().publish_next()
+        if self.sent_end is not None and not self.done:
+            self.ticks.append((now, self.sent_end, self.index - sent))
+
+
+def assert_caught_up(player: TickedWavPublisher, chunk_s: float = 0.1) -> None:
+    from photon_ros.wav_publisher import MAX_CATCH_UP
+    behind = [(now, end) for now, end, n in player.ticks if n < MAX_CATCH_UP and end <= now - chunk_s - 1e-6]
+    assert player.ticks and not behind, behind[:5]
+
+
 def test_wav_publisher_stamps_each_chunk_as_a_driver_does(graph):
     """A driver publishes a chunk once its last sample is captured: the chunk's stamp plus its
-    duration is about when it arrives, never later (the player's chunks arrived as their audio
-    would only begin: a chunk ahead of any microphone)."""
+    duration is when it goes out, never after it arrives (the player's chunks arrived as their
+    audio would only begin: a chunk ahead of any microphone), and no chunk due is held back."""
     arrivals = []
     graph.node("ears").create_subscription(AudioChunk, "audio", lambda m: arrivals.append((m, time.time())), QOS)
-    graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+    player = graph.add(TickedWavPublisher(context=graph.context, parameter_overrides=[
         Parameter("file", value=str(espeak_wav("Stop."))), Parameter("leading_silence_s", value=0.0)]))
     assert wait_for(lambda: len(arrivals) >= 5, timeout=30)
     for msg, arrived in arrivals[:5]:
         end = time_to_seconds(msg.header.stamp) + len(msg.data) / 2 / msg.sample_rate
-        assert arrived - 0.25 < end <= arrived + 0.02, (end, arrived)
+        assert end <= arrived + 0.02, (end, arrived)
+    assert_caught_up(player)
 
 
 def test_a_looped_wav_keeps_its_stamps_on_the_clock(graph, tmp_path):
@@ -290,15 +322,14 @@ def test_a_looped_wav_keeps_its_stamps_on_the_clock(graph, tmp_path):
         f.writeframes((np.sin(np.arange(2400) * 0.2) * 8000).astype("<i2").tobytes())
     arrivals = []
     graph.node("ears").create_subscription(AudioChunk, "audio", arrivals.append, QOS)
-    player = graph.add(WavPublisher(context=graph.context, parameter_overrides=[
+    player = graph.add(TickedWavPublisher(context=graph.context, parameter_overrides=[
         Parameter("file", value=str(path)), Parameter("loop", value=True),
         Parameter("leading_silence_s", value=0.0), Parameter("trailing_silence_s", value=0.0)]))
     assert wait_for(lambda: arrivals, timeout=30)
-    time.sleep(4.0)
-    last = arrivals[-1]
-    end = time_to_seconds(last.header.stamp) + len(last.data) / 2 / last.sample_rate
-    behind = player.get_clock().now().nanoseconds * 1e-9 - end
-    assert behind < 0.4, behind
+    # 4 s of the player's ticks (each loop behind by a tick's 50 ms shows within a second), however
+    # many ticks a busy machine gives it meanwhile
+    assert wait_for(lambda: player.ticks and player.ticks[-1][0] - player.ticks[0][0] >= 4.0, timeout=60)
+    assert_caught_up(player)
     starts = [time_to_seconds(m.header.stamp) for m in arrivals]
     sizes = [len(m.data) // 2 for m in arrivals]
     assert np.allclose(np.diff(starts), np.array(sizes[:-1]) / 16000, atol=1e-6)   # joined exactly

@@ -520,18 +520,23 @@ def test_results_in_metres_from_an_aligned_depth_image(graph):
     client = graph.node("client").create_client(Infer, "infer")
     assert client.wait_for_service(timeout_sec=10)
     own = header(10, "camera_color_optical_frame")
+    received = node.depth_stream.received
     pubs["camera_info"].publish(camera_info(own))
     pubs["depth"].publish(wall_depth(own))
-    time.sleep(0.3)
+    assert wait_for(lambda: node.depth_stream.received > received, timeout=60)
+    exact = node.depth_stream.outcomes["exact"]
     with node.engine.lock:   # the model held up while the depth stream goes on
         future = client.call_async(Infer.Request(task="point", prompt="dog", use_latest_frame=False,
                                                  image=rgb_to_image(image(5), header=own)))
-        time.sleep(0.5)
+        # the request has arrived: its depth paired (a fixed sleep here was a guess at how soon)
+        assert wait_for(lambda: node.depth_stream.outcomes["exact"] > exact, timeout=60)
         for i in range(11, 24):
             later = header(i, "camera_color_optical_frame")
+            received = node.depth_stream.received
             pubs["camera_info"].publish(camera_info(later))
             pubs["depth"].publish(wall_depth(later))
-            time.sleep(0.05)   # each taken in (a burst would overflow the subscription's queue)
+            # each taken in (a burst would overflow the subscription's queue)
+            assert wait_for(lambda: node.depth_stream.received > received, timeout=60)
         assert wait_for(lambda: node.depth_stream._kept[0][0] > stamp_ns(own.stamp), timeout=10)
     assert wait_for(future.done, timeout=60)
     answer = future.result()
