@@ -5,12 +5,20 @@ After a stall the executor runs this node's periodic tick before the chunks that
 meanwhile, so one idle tick proves nothing. A stream counts as stopped only when a tick finds it
 idle and the next tick finds no chunk arrived in between.
 
-Idle means longer than `idle_s` and than two of the stream's own chunks: a driver that sends a
-second of audio a message (microphone_node allows chunks up to 1 s) is not stopped between them.
+Idle means longer than `idle_s`, than two of the stream's own chunks and than two of its usual
+gaps between chunks: a driver that sends a second of audio a message (microphone_node allows
+chunks up to 1 s) is not stopped between them, nor is a source that sends short chunks seldom (a
+WAV player at a tenth of real time, a simulator's microphone at its slow pace, a link that
+delivers in bursts), whose commands were cut between every two chunks.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
+
+GAPS_KEPT = 8   # the usual gap is the median of this many: one long stall does not move it
+GAPS_TRUSTED = 3   # and is known from this many on (one gap may be a stop and a restart)
 
 
 class StreamWatch:
@@ -18,13 +26,23 @@ class StreamWatch:
         self.idle_s = idle_s
         self.last_chunk: float | None = None   # monotonic arrival time of the newest chunk
         self.chunk_s = 0.0                     # its audio's duration
+        self.gaps: deque[float] = deque(maxlen=GAPS_KEPT)   # between the arrivals of recent chunks
+        self._arrived: float | None = None     # the newest chunk's arrival, kept across a stop
         self._armed = False
 
     def chunk(self, now: float, duration_s: float = 0.0) -> None:
         """A chunk of `duration_s` of audio arrived at monotonic time `now`."""
-        self.last_chunk = now
+        if self._arrived is not None:
+            self.gaps.append(max(0.0, now - self._arrived))
+        self.last_chunk = self._arrived = now
         self.chunk_s = duration_s
         self._armed = False
+
+    @property
+    def limit_s(self) -> float:
+        """How long without a chunk is idle."""
+        pace = statistics.median(self.gaps) if len(self.gaps) >= GAPS_TRUSTED else 0.0
+        return max(self.idle_s, 2.0 * self.chunk_s, 2.0 * pace)
 
     def ended(self) -> None:
         """The stream's end was reported by other means: no stop to report until the next chunk."""
@@ -32,7 +50,7 @@ class StreamWatch:
 
     def stopped(self, now: float) -> bool:
         """Call from a periodic tick: True once per stop, on the second idle tick in a row."""
-        if self.last_chunk is None or now - self.last_chunk <= max(self.idle_s, 2.0 * self.chunk_s):
+        if self.last_chunk is None or now - self.last_chunk <= self.limit_s:
             self._armed = False
             return False
         if not self._armed:
