@@ -480,7 +480,8 @@ class SpeechNode(ManagedNode):
     def flush_if_idle(self) -> None:
         with self.lock:
             if self.watch.stopped(time.monotonic()):
-                self.stream_ended(f"the audio stream stopped mid-utterance (no audio for {self.watch.idle_s:g} s)")
+                # the limit the watch used: idle_flush_s, or longer for long chunks or a slow stream
+                self.stream_ended(f"the audio stream stopped mid-utterance (no audio for {self.watch.limit_s:.3g} s)")
 
     def end_stream(self, note: str) -> None:
         """The audio source has ended (a replayed recording's last chunk is in): the utterance in

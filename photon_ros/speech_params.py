@@ -46,8 +46,8 @@ def speech_params() -> list[Param]:
               "(Whisper and Qwen3-ASR detect it; Parakeet takes none and refuses one)"),
         Param("initial_prompt", "", "text given to the model before each utterance (names, jargon; Parakeet "
               "reads none and refuses one)"),
-        Param("idle_flush_s", 0.8, "no audio for this long (and for two chunks' time, and two of the stream's usual gaps between "
-              "chunks) ends the utterance in progress "
+        Param("idle_flush_s", 0.8, "no audio for this long (and for two chunks' time, and two of a steady stream's gaps between "
+              "chunks, up to 4x this) ends the utterance in progress "
               "(incomplete; speech after it continues that utterance, incomplete too)", positive=True),
         Param("input_timeout_s", 5.0, "no audio for this long while active: /diagnostics warns that the source may have "
               "stopped (a microphone driver that died, a cable); 0: never", low=0.0),

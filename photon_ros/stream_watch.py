@@ -5,11 +5,13 @@ After a stall the executor runs this node's periodic tick before the chunks that
 meanwhile, so one idle tick proves nothing. A stream counts as stopped only when a tick finds it
 idle and the next tick finds no chunk arrived in between.
 
-Idle means longer than `idle_s`, than two of the stream's own chunks and than two of its usual
-gaps between chunks: a driver that sends a second of audio a message (microphone_node allows
-chunks up to 1 s) is not stopped between them, nor is a source that sends short chunks seldom (a
-WAV player at a tenth of real time, a simulator's microphone at its slow pace, a link that
-delivers in bursts), whose commands were cut between every two chunks.
+Idle means longer than `idle_s`, than two of the stream's own chunks and, for a stream that
+comes at a steady pace, than two of its gaps between chunks (up to PACE_MAX_FACTOR x idle_s): a
+driver that sends a second of audio a message (microphone_node allows chunks up to 1 s) is not
+stopped between them, nor is a source that sends short chunks seldom but steadily (a WAV player at
+a tenth of real time, a simulator's microphone at its slow pace), whose commands were cut between
+every two chunks. Gaps that are not steady (push-to-talk: short ones within a press, long ones
+between presses) do not stretch it: each press still ends after idle_s.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 
-GAPS_KEPT = 8   # the usual gap is the median of this many: one long stall does not move it
+GAPS_KEPT = 8   # the stream's pace: the median of this many gaps
 GAPS_TRUSTED = 3   # and is known from this many on (one gap may be a stop and a restart)
+PACE_MAX_SPREAD = 2.0   # a steady pace: the longest kept gap at most this times the shortest
+PACE_MAX_FACTOR = 4.0   # the pace stretches idle_s this many times at most
 
 
 class StreamWatch:
@@ -41,8 +45,11 @@ class StreamWatch:
     @property
     def limit_s(self) -> float:
         """How long without a chunk is idle."""
-        pace = statistics.median(self.gaps) if len(self.gaps) >= GAPS_TRUSTED else 0.0
-        return max(self.idle_s, 2.0 * self.chunk_s, 2.0 * pace)
+        limit = max(self.idle_s, 2.0 * self.chunk_s)
+        gaps = self.gaps
+        if len(gaps) >= GAPS_TRUSTED and max(gaps) <= PACE_MAX_SPREAD * min(gaps):
+            limit = max(limit, min(2.0 * statistics.median(gaps), PACE_MAX_FACTOR * self.idle_s))
+        return limit
 
     def ended(self) -> None:
         """The stream's end was reported by other means: no stop to report until the next chunk."""
