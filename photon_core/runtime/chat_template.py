@@ -384,8 +384,10 @@ def _tag_final_message(messages: list[dict]) -> list[dict]:
 _MASK = "\ue000"
 
 
+@lru_cache(maxsize=8)
 def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
-    """A regex matching the tokenizer's special tokens' strings (longest first), None when it has none."""
+    """A regex matching the tokenizer's special tokens' strings (longest first), None when it has none.
+    Made once per tokenizer: with Gemma's ~6,200 special tokens it took ~16 ms, every prompt."""
     tokens = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content},
                     key=len, reverse=True)
     return re.compile("|".join(map(re.escape, tokens))) if tokens else None
@@ -408,7 +410,7 @@ def _mask_texts(messages: list[dict], specials: re.Pattern[str]) -> list[dict] |
         content = m.get("content")
         if isinstance(content, list):
             content = [{**p, "text": mask(p["text"])} if isinstance(p, dict) and "text" in p else p for p in content]
-        out.append({**m, "content": mask(content)})
+        out.append({**m, "content": mask(content)} if "content" in m else m)   # a template may test for it
     return out if found else None
 
 
