@@ -58,8 +58,11 @@ _LAYER = re.compile(r"(text\.layers|vision\.blocks)\.(\d+)\..*")
 
 def layers_beyond(state: dict[str, torch.Tensor], cfg: Qwen35Config) -> list[str]:
     """Tensors of layers past the config's counts (text layers, vision blocks), sorted."""
-    counts = {"text.layers": cfg.text.n_layers, "vision.blocks": cfg.vision.depth if cfg.vision else 0}
-    return sorted(k for k in state if (m := _LAYER.fullmatch(k)) and int(m.group(2)) >= counts[m.group(1)])
+    counts = {"text.layers": cfg.text.n_layers}
+    if cfg.vision is not None:   # a text-only config reads none of a vision tower's tensors
+        counts["vision.blocks"] = cfg.vision.depth
+    return sorted(k for k in state if (m := _LAYER.fullmatch(k)) and m.group(1) in counts
+                  and int(m.group(2)) >= counts[m.group(1)])
 
 
 def expected_names(cfg: Qwen35Config) -> list[str]:
