@@ -77,11 +77,11 @@ def help_requested(args: list[str] | None) -> bool:
 
 
 def usage(doc: str | None, module: str, node_name: str, options: str = "", more: str = "") -> str:
-    """A node's --help: what it is (the first line of its module's docstring), how to start it
+    """A node's --help: what it is (the first paragraph of its module's docstring), how to start it
     (`options`: its own, described in `more`), where its ROS arguments go and where its parameters
     are documented."""
     script = module.rsplit(".", 1)[-1]
-    summary = (doc or "").strip().split("\n")[0]
+    summary = " ".join((doc or "").strip().split("\n\n")[0].split())   # its first line cut a sentence
     opts = f"{options} " if options else ""
     return "\n".join([
         f"usage: python -m {module} {opts}[--ros-args ARGS...]",

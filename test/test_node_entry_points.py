@@ -1,5 +1,6 @@
 """`ros2 run` entry points start, and one that cannot (no audio device here) exits non-zero
 with a reason instead of publishing nothing."""
+import importlib
 import os
 import subprocess
 import sys
@@ -42,6 +43,9 @@ def test_help_prints_usage_without_starting_a_node(module):
     assert f"'{name}'" in out.stdout and "--ros-args" in out.stdout and "-p NAME:=VALUE" in out.stdout
     assert "config/photon.yaml" in out.stdout and f"ros2 param describe /{name}" in out.stdout
     assert out.stderr == ""   # no node started: it would log (rclpy, the model load)
+    # what the node is: its docstring's first sentence whole (its first line cut the loop's in two)
+    doc = importlib.import_module(f"photon_ros.{module}").__doc__
+    assert " ".join(doc.split("\n\n")[0].split()) in out.stdout
 
 
 def test_help_of_a_ros2_run_script_and_ros_arguments_named_help():
