@@ -100,7 +100,8 @@ def is_stop(text: str) -> bool:
     command we take, and a turn in progress went on through them), while "stop at the door" and
     "don't stop" are no stop words, and no command either."""
     text = text.translate(_APOSTROPHES).lower()
-    return any(_is_stop_phrase(part) for part in re.split(r"[.!?;,]+", text))
+    # dashes part phrases as commas do ("Find the cup - stop!"); a hyphen inside a word does not
+    return any(_is_stop_phrase(part) for part in re.split(r"[.!?;,\u2013\u2014]+|\s-+\s", text))
 
 
 def _is_stop_phrase(part: str) -> bool:

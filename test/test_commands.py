@@ -58,13 +58,14 @@ def test_a_clause_after_the_object_asks_for_nothing_but_and_between_objects_is_k
                                   # a stop sentence beside another: no command is taken from them,
                                   # and a turn in progress went on
                                   "Point at the red cup. Stop!", "Stop! That's the wrong one.",
-                                  "Stop. Point at the cup.", "Wait, find the mug.", "No, stop, find the mug"])
+                                  "Stop. Point at the cup.", "Wait, find the mug.", "No, stop, find the mug",
+                                  "Find the cup \u2014 stop!", "Find the cup - stop!"])
 def test_stop_words_are_a_stop_and_no_command(text):
     assert is_stop(text) and parse_command(text) is None
 
 
 @pytest.mark.parametrize("text", ["", "No.", "Thank you.", "Stop at the door.", "Stop the music",
-                                  "find the stop sign", "don't stop", "Don't stop, find the cup.",
+                                  "find the stop sign", "don't stop", "Don't stop, find the cup.", "find the non-stop timer",
                                   "Stop at the door, please."])
 def test_other_sentences_are_no_stop(text):
     assert not is_stop(text)
