@@ -204,6 +204,10 @@ class LoopNode(Node):
         self.goal = None   # the find goal in progress
         self.command = 0   # the newest command's number: only its result is acted on
         self.still_since = None   # rclpy Time the last turn ended: a frame taken before then is stale
+        # An unstamped camera (zero stamps) cannot show when a frame was taken: once one is seen,
+        # goals ask for the next frame, which arrives after the goal went out.
+        self.unstamped_frames = False
+        self.asked = (0, True)    # the newest goal's (clock ns when sent, use_latest_frame)
         self.goal_sent = False    # a planner goal of ours went out: the planner may be driving since
         self.create_subscription(Transcript, "transcript", self.on_transcript, reliable)
 
@@ -310,7 +314,9 @@ class LoopNode(Node):
             self.goal.cancel_goal_async()   # what it was looking for is no longer wanted
             self.say("canceled the previous search: a new command came")
         self.say(f"{request.task}: looking for {request.target!r}")
-        sent = self.find.send_goal_async(Find.Goal(task=request.task, prompt=request.target, use_latest_frame=True))
+        latest = not self.unstamped_frames
+        self.asked = (self.get_clock().now().nanoseconds, latest)
+        sent = self.find.send_goal_async(Find.Goal(task=request.task, prompt=request.target, use_latest_frame=latest))
         sent.add_done_callback(lambda f, n=self.command: self.on_accepted(request, f, n))
 
     def stop(self, text: str) -> None:
@@ -375,6 +381,8 @@ class LoopNode(Node):
             return
         self.pub_image_target.publish(target)
         stale = self.taken_before_last_turn(target.header.stamp)
+        if target.header.stamp.sec == 0 and target.header.stamp.nanosec == 0:
+            self.unstamped_frames = True
         if stale:
             self.say(f"found {request.target}, but {stale}: not acting on it (ask again)")
             return
@@ -439,8 +447,14 @@ class LoopNode(Node):
         if self.turns.active:
             return "its frame was captured before the last turn ended (the robot is still turning)"
         captured = stamp.sec * 1_000_000_000 + stamp.nanosec   # integers: rclpy's Time refuses a negative stamp
-        if self.still_since is None or captured == 0:
+        if self.still_since is None:
             return ""
+        if captured == 0:
+            asked_at, latest = self.asked
+            if not latest and asked_at >= self.still_since.nanoseconds:
+                return ""   # the next frame after a goal sent once the robot was still
+            return ("its frame is unstamped (a zero stamp), so it may have been captured before the last "
+                    "turn ended; commands from now on ask for the next frame, not the latest")
         if captured >= self.still_since.nanoseconds:
             return ""
         return (f"its frame was captured {(self.still_since.nanoseconds - captured) / 1e9:.1f} s before the "

@@ -148,6 +148,51 @@ def test_a_frame_stamped_before_1970_after_a_turn_is_said_not_raised(loop):
     assert any("before the last turn ended" in s for s in loop.said) and not loop.turns.active
 
 
+class FindClient:
+    """The find action's client as the loop uses it: the goals it was sent."""
+    def __init__(self):
+        self.goals = []
+
+    def server_is_ready(self):
+        return True
+
+    def send_goal_async(self, goal):
+        self.goals.append(goal)
+        return SimpleNamespace(add_done_callback=lambda cb: None)
+
+
+def command(loop, text: str = "point at the red cup"):
+    from photon_ros.msg import Transcript
+    loop.on_transcript(Transcript(text=text, is_final=True, audio_complete=True))
+
+
+def test_an_unstamped_frame_after_a_turn_is_not_acted_on_and_later_goals_ask_for_the_next_frame(loop):
+    """A zero stamp says nothing of when the frame was taken: the latest frame may predate the last
+    turn. Once one is seen the loop asks for the next frame, which arrives after its goal went out."""
+    unstamped = Time(sec=0, nanosec=0)
+    loop.find = FindClient()
+    command(loop)
+    assert loop.find.goals[-1].use_latest_frame
+    loop.on_result(POINT, done(found(unstamped)), Handle(), command=loop.command)   # no turn yet: acted on
+    assert loop.turns.active
+    end_turn(loop)
+    loop.said.clear()
+    command(loop)
+    assert not loop.find.goals[-1].use_latest_frame      # learned: the camera does not stamp
+    loop.on_result(POINT, done(found(unstamped)), Handle(), command=loop.command)
+    assert loop.turns.active and not any("unstamped" in s for s in loop.said), loop.said
+    end_turn(loop)
+    loop.command += 1
+    loop.asked = (loop.asked[0], True)                   # a latest frame, asked before the turn ended
+    loop.on_result(POINT, done(found(unstamped)), Handle(), command=loop.command)
+    assert any("unstamped" in s for s in loop.said) and not loop.turns.active
+    loop.said.clear()
+    loop.command += 1
+    loop.asked = (loop.asked[0], False)                  # the next frame, but asked before the turn ended
+    loop.on_result(POINT, done(found(unstamped)), Handle(), command=loop.command)
+    assert any("unstamped" in s for s in loop.said) and not loop.turns.active
+
+
 def test_a_result_the_loop_cannot_read_is_said_not_raised(loop):
     loop.command = 1
     loop.on_result(POINT, done(SimpleNamespace(status=0, result=None)), Handle(), command=1)
