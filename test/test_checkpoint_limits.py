@@ -318,7 +318,7 @@ def _last(tensors: dict) -> int:
     ("heads_neg", None, {"decoder_attention_heads": -2}, "decoder_attention_heads must be an integer"),
     ("enc_pos_4000", lambda t: t.update({"model.encoder.embed_positions.weight": torch.randn(4000, 128)}), None,
      "encoder.positional_embedding"),
-    ("missing_bias", lambda t: t.pop("model.decoder.layer_norm.bias"), None, r"missing: \['decoder.ln.bias'\]"),
+    ("missing_bias", lambda t: t.pop("model.decoder.layer_norm.bias"), None, r"missing \['decoder.ln.bias'\]"),
     ("fc1_transposed", lambda t: t.update({"model.encoder.layers.0.fc1.weight":
                                            t["model.encoder.layers.0.fc1.weight"].t().contiguous()}), None,
      "encoder.blocks.0.mlp"),

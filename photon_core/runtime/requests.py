@@ -72,18 +72,28 @@ class Settings:
         if values.get("variant") is not None and not isinstance(values["variant"], str):
             raise TypeError(f"settings['variant'] must be a str or None, got {values['variant']!r}")
         s = cls(**values)
-        wrong = []
-        if not 0 <= s.temperature < float("inf"):   # (NaN too; infinity samples NaN)
-            wrong.append(f"temperature must be >= 0 and finite (0: greedy), got {s.temperature!r}")
-        if not 0 < s.top_p <= 1:
-            wrong.append(f"top_p must be in (0, 1], got {s.top_p!r}")
-        if s.max_tokens < 0:
-            wrong.append(f"max_tokens must be >= 0, got {s.max_tokens!r}")
+        wrong = sampling_problems(s.max_tokens, s.temperature, s.top_p)
         if s.max_objects < 0:
             wrong.append(f"max_objects must be >= 0, got {s.max_objects!r}")
         if wrong:
             raise ValueError("settings: " + "; ".join(wrong))
         return s
+
+
+def temperature_problem(temperature: float) -> str:
+    """Why `temperature` cannot be sampled at ("" if it can): >= 0 and finite (0: greedy)."""
+    if not 0 <= temperature < float("inf"):   # (NaN too; infinity samples NaN)
+        return f"temperature must be >= 0 and finite (0: greedy), got {temperature!r}"
+    return ""
+
+
+def sampling_problems(max_tokens: int, temperature: float, top_p: float) -> list[str]:
+    """Every one of a text decode's sampling settings out of range, as the message that says so."""
+    wrong = [] if max_tokens >= 0 else [f"max_tokens must be >= 0, got {max_tokens!r}"]
+    wrong += [p for p in [temperature_problem(temperature)] if p]
+    if not 0 < top_p <= 1:
+        wrong.append(f"top_p must be in (0, 1], got {top_p!r}")
+    return wrong
 
 
 def check_spatial_refs(refs: Any) -> list[SpatialRef]:

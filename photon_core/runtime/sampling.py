@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from photon_core.runtime.requests import sampling_problems
+
 
 @dataclass
 class Sampling:
@@ -25,13 +27,7 @@ class Sampling:
 
     def check(self) -> None:
         """ValueError naming every setting out of range."""
-        wrong = []
-        if not self.max_tokens >= 0:
-            wrong.append(f"max_tokens must be >= 0, got {self.max_tokens!r}")
-        if not 0 <= self.temperature < float("inf"):   # (NaN too; infinity samples NaN)
-            wrong.append(f"temperature must be >= 0 and finite (0: greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            wrong.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        wrong = sampling_problems(self.max_tokens, self.temperature, self.top_p)
         if wrong:
             raise ValueError("; ".join(wrong))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from photon_core.weights.tensor_checks import listed, tensor_problems
 from photon_core.weights.tensor_files import parse_dtype, read_folder, rename
 
 from .config import Gemma4Config
@@ -102,12 +103,10 @@ def load_state(folder: str | Path, cfg: Gemma4Config, dtype: torch.dtype | str,
         want["text.lm_head.weight"] = (cfg.text.vocab_size, cfg.text.dim)
     elif not cfg.text.tie_embeddings:
         raise ValueError(f"{folder}: tie_word_embeddings is false but there is no lm_head.weight")
-    missing = [k for k in want if k not in state]
-    wrong = [f"{k}: {tuple(state[k].shape)} != {v}" for k, v in want.items()
-             if k in state and tuple(state[k].shape) != v]
-    if missing or wrong:
-        raise ValueError(f"{folder}: the tensors do not match the Gemma 4 config: missing "
-                         f"{missing[:5]}{'...' if len(missing) > 5 else ''}; wrong shapes {wrong[:5]}")
+    problems = tensor_problems(state, {k: (v, True) for k, v in want.items()})
+    problems.pop("not floating point", None)   # refused below with their dtype
+    if problems:
+        raise ValueError(f"{folder}: the tensors do not match the Gemma 4 config: {listed(problems, shown=5)}")
     # A tensor nobody expects means another model (or another Gemma 4 variant) under this config.
     extra = sorted(k for k in state if k not in want and not _CLIP.fullmatch(k))
     if extra:

@@ -12,6 +12,7 @@ from photon_core.models.serials import new_serial
 from photon_core.runtime.image_input import ImageLike, to_rgb
 from photon_core.runtime.requests import Request, Settings, SpatialRef
 from photon_core.runtime.shape_graphs import ShapeGraphs
+from photon_core.weights.tensor_checks import listed, tensor_problems
 
 from . import batch as batch_decoding
 from . import image_crops, region, skills, text, vision
@@ -82,14 +83,10 @@ def expected_shapes(cfg: MoondreamConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_state(sd: dict[str, torch.Tensor], cfg: MoondreamConfig, source: str) -> None:
-    """Every tensor the config implies is present with its shape; a clear error otherwise."""
-    expected = expected_shapes(cfg)
-    missing = [k for k in expected if k not in sd]
-    wrong = [f"{k}: {tuple(sd[k].shape)} != {v}" for k, v in expected.items() if k in sd and tuple(sd[k].shape) != v]
-    if missing or wrong:
-        raise ValueError(f"{source} does not match the Moondream 2 config: "
-                         f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} "
-                         f"wrong shapes {wrong[:5]}{'...' if len(wrong) > 5 else ''}")
+    """Every tensor the config implies is present with its shape and a float dtype; a clear error otherwise."""
+    problems = tensor_problems(sd, {k: (v, True) for k, v in expected_shapes(cfg).items()})
+    if problems:
+        raise ValueError(f"{source} does not match the Moondream 2 config: {listed(problems, shown=5)}")
 
 
 class MoondreamModel:

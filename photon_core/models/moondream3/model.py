@@ -25,6 +25,7 @@ from photon_core.models.moondream.tokenizer import MoondreamTokenizer
 from photon_core.runtime.image_input import ImageLike
 from photon_core.runtime.requests import Request, Settings, check_spatial_refs
 from photon_core.runtime.sampling import Sampling
+from photon_core.weights.tensor_checks import listed, tensor_problems
 
 from . import region, segment, text
 from . import weights as weights_io
@@ -90,14 +91,10 @@ def check_state(sd: dict[str, torch.Tensor], cfg: Moondream3Config, source: str)
     expected = expected_shapes(cfg)
     for k in [k for k in expected if k.endswith(("experts_gate_up", "experts_down")) and k + "_scale" in sd]:
         expected[k + "_scale"] = expected[k][:2]
-    missing = sorted(k for k in expected if k not in sd)
-    extra = sorted(k for k in sd if k not in expected)
-    wrong = [f"{k}: {tuple(sd[k].shape)} != {v}" for k, v in expected.items() if k in sd and tuple(sd[k].shape) != v]
-    if missing or wrong or extra:
-        raise ValueError(f"{source} does not match the Moondream 3 config: "
-                         f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} "
-                         f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''} "
-                         f"wrong shapes {wrong[:5]}{'...' if len(wrong) > 5 else ''}")
+    problems = tensor_problems(sd, {k: (v, True) for k, v in expected.items()})
+    problems["unexpected"] = sorted(k for k in sd if k not in expected)
+    if listed(problems):
+        raise ValueError(f"{source} does not match the Moondream 3 config: {listed(problems, shown=5)}")
 
 
 class Moondream3Model(MoondreamModel):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from photon_core.weights.tensor_files import NEMO_MAX_SMALL_BYTES, read_folder, read_nemo, read_nemo_members, rename
+from photon_core.weights.tensor_checks import listed, tensor_problems
 
 from . import config as cfg
 from .tokenizer import Vocabulary, from_sentencepiece_model, from_tokenizer_json, from_vocab_listing
@@ -130,10 +131,8 @@ def check_tensors(tensors: dict[str, torch.Tensor], c: cfg.ParakeetConfig, sourc
     """Every tensor the config implies is there with its shape and a float dtype: a ValueError
     naming the checkpoint and the field, instead of a KeyError or a shape error mid-transcription."""
     proj = tensors.get("encoder_projector.weight")
-    expected = expected_shapes(c, proj.shape[0] if proj is not None and proj.dim() == 2 else -1)
-    missing = [n for n, (_, required) in expected.items() if required and n not in tensors]
-    wrong = [f"{n} {tuple(tensors[n].shape)} != {shape}" for n, (shape, _) in expected.items()
-             if n in tensors and tuple(tensors[n].shape) != shape]
+    problems = tensor_problems(tensors, expected_shapes(c, proj.shape[0] if proj is not None and proj.dim() == 2 else -1))
+    missing, wrong = problems.setdefault("missing", []), problems.setdefault("wrong shapes", [])
     emb = tensors.get("decoder.embedding.weight")
     if emb is None:
         missing.append("decoder.embedding.weight")
@@ -142,12 +141,10 @@ def check_tensors(tensors: dict[str, torch.Tensor], c: cfg.ParakeetConfig, sourc
     if "encoder.layers.0.self_attn.q_proj.bias" in tensors:   # q/k/v are fused: all three biases or none
         missing += [n for i in range(c.num_layers) for x in "qkv"
                     if (n := f"encoder.layers.{i}.self_attn.{x}_proj.bias") not in tensors]
-    ints = [n for n, t in tensors.items() if not t.is_floating_point()]
-    if missing or wrong or ints:
+    problems["not floating point"] = [n for n, t in tensors.items() if not t.is_floating_point()]
+    if listed(problems):
         raise ValueError(f"{source}: the tensors do not match the config (hidden size, heads, layers, mel bins, "
-                         f"vocabulary): missing {missing[:4]}{'...' if len(missing) > 4 else ''} "
-                         f"wrong shapes {wrong[:4]}{'...' if len(wrong) > 4 else ''}"
-                         + (f" not floating point {ints[:4]}" if ints else ""))
+                         f"vocabulary): {listed(problems)}")
 
 
 def nemo_file(path: Path) -> Path | None:

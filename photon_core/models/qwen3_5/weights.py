@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from photon_core.weights.tensor_checks import listed, tensor_problems
 from photon_core.weights.tensor_files import read_folder, rename
 
 from .config import Qwen35Config
@@ -36,20 +37,16 @@ def load_state(folder: str | Path, cfg: Qwen35Config, dtype: torch.dtype,
             raise ValueError(f"{folder}: no lm_head.weight and tie_word_embeddings is false")
         if "text.embed_tokens.weight" in state:
             state["text.lm_head.weight"] = state["text.embed_tokens.weight"]
-    want = expected_shapes(cfg)
-    missing = [n for n in want if n not in state or state[n] is None]
-    if missing:
-        raise ValueError(f"{folder}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+    problems = tensor_problems(state, {n: (shape, True) for n, shape in expected_shapes(cfg).items()})
+    if "missing" in problems:
+        raise ValueError(f"{folder}: {listed({'missing tensors': problems['missing']})} "
                          f"(a shard or a part of the checkpoint is absent)")
-    # A tensor of another shape than the config implies would fail only mid-inference, in a matmul.
-    wrong = [f"{n} {tuple(state[n].shape)} != {shape}" for n, shape in want.items() if tuple(state[n].shape) != shape]
-    if wrong:
+    # A tensor of another shape would fail only mid-inference, in a matmul; layers past the
+    # config's counts would leave the model shallower than trained.
+    problems["layers beyond the config's count"] = layers_beyond(state, cfg)
+    if listed(problems):
         raise ValueError(f"{folder}: the tensors do not match the Qwen 3.5 config (layers, widths, heads, "
-                         f"vocabulary): wrong shapes {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
-    beyond = layers_beyond(state, cfg)
-    if beyond:
-        raise ValueError(f"{folder}: the tensors hold more layers than the Qwen 3.5 config's (it would run "
-                         f"shallower than trained): {beyond[:4]}{' ...' if len(beyond) > 4 else ''}")
+                         f"vocabulary): {listed(problems)}")
     return {k: t.to(device=device, dtype=dtype) for k, t in state.items()}
 
 

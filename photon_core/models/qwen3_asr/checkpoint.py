@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from photon_core.weights.tensor_files import read_folder, rename
+from photon_core.weights.tensor_checks import listed, tensor_problems
 
 from .config import Qwen3ASRConfig
 
@@ -124,19 +125,13 @@ def check_tensors(tensors: dict[str, torch.Tensor], c: Qwen3ASRConfig, source: o
     """Every tensor the config implies is there with its shape and a float dtype, and no layer lies
     beyond the config's count: a ValueError naming the checkpoint, instead of a KeyError at load, a
     shape error mid-transcription, quantized integers cast to floats, or layers silently left out."""
-    expected = expected_shapes(c)
-    missing = [n for n, (_, required) in expected.items() if required and n not in tensors]
-    wrong = [f"{n} {tuple(tensors[n].shape)} != {shape}" for n, (shape, _) in expected.items()
-             if n in tensors and tuple(tensors[n].shape) != shape]
-    ints = [n for n in expected if n in tensors and not tensors[n].is_floating_point()]
+    problems = tensor_problems(tensors, expected_shapes(c))
     layers = {"audio_tower": c.audio.n_layers, "language_model": c.text.n_layers}
     beyond = sorted(n for n in tensors if (m := _LAYER.fullmatch(n)) and int(m.group(2)) >= layers[m.group(1)])
-    problems = [f"{label} {names[:4]}{'...' if len(names) > 4 else ''}" for label, names in
-                (("missing", missing), ("wrong shapes", wrong), ("not floating point", ints),
-                 ("layers beyond the config's count", beyond)) if names]
-    if problems:
+    problems["layers beyond the config's count"] = beyond
+    if listed(problems):
         raise ValueError(f"{source}: the tensors do not match the Qwen3-ASR config (layers, widths, heads, "
-                         f"vocabulary): {'; '.join(problems)}")
+                         f"vocabulary): {listed(problems)}")
 
 
 def owned(x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from photon_core.weights.tensor_checks import listed, tensor_problems
+
 # Every released Whisper size uses 64-dim attention heads; used only when a format does not
 # store the head count.
 HEAD_DIM = 64
@@ -140,14 +142,8 @@ def checked_dims(sd: dict[str, torch.Tensor], n_audio_head: object, n_text_head:
                         f"{ENGLISH_ONLY_VOCAB} tokens")
     if dims.n_text_ctx < MIN_TEXT_CTX:
         problems.append(f"decoder.positional_embedding has {dims.n_text_ctx} rows, fewer than {MIN_TEXT_CTX}")
-    expected = _shapes(dims, sd)
-    absent = [n for n, (_, required) in expected.items() if required and n not in sd]
-    wrong = [f"{n} {tuple(sd[n].shape)} != {shape}" for n, (shape, _) in expected.items()
-             if n in sd and tuple(sd[n].shape) != shape]
-    ints = [n for n in expected if n in sd and not sd[n].is_floating_point()]
-    for label, names in (("missing", absent), ("wrong shapes", wrong), ("not floating point", ints)):
-        if names:
-            problems.append(f"{label}: {names[:4]}{'...' if len(names) > 4 else ''}")
+    if mismatched := listed(tensor_problems(sd, _shapes(dims, sd))):
+        problems.append(mismatched)
     if problems:
         raise ValueError(f"{source}: the Whisper checkpoint does not hold together: {'; '.join(problems)}")
     return dims

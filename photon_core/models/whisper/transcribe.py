@@ -17,7 +17,7 @@ import torch
 from photon_core.audio_io import AudioStream
 from photon_core.backends import reference
 from photon_core.runtime.audio_frontend import feature_device
-from photon_core.runtime.requests import TranscribeRequest
+from photon_core.runtime.requests import TranscribeRequest, temperature_problem
 from photon_core.runtime.sampling import check_finite
 from photon_core.runtime.shape_graphs import ShapeGraphs
 from photon_core.runtime.thread_tuner import ThreadTuner
@@ -172,7 +172,7 @@ def checked_temperatures(temperature: float | Sequence[float]) -> tuple[float, .
         raise ValueError("temperature must be a number or a non-empty sequence of numbers (0: greedy)")
     checked = []
     for t in temps:
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= float(t) < math.inf:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or temperature_problem(float(t)):
             raise ValueError(f"temperatures must be numbers >= 0 and finite (0: greedy), got {temperature!r}")
         checked.append(float(t))
     return tuple(checked)
