@@ -71,11 +71,11 @@ Conventions (decided here, documented for the node's users):
   Large boxes are sampled on a regular grid of at most `max_samples` (1024) pixels, which keeps the
   cost per box bounded; the median of 1024 samples is well inside the sensor's noise. Medians and
   quartiles are nearest-rank (a value that was measured, never an average of two).
-- A box's position is its centre pixel deprojected at that depth. Its size_x and size_y are those
-  of the rectangle inside its undistorted outline, at that depth: each side is placed at the
-  innermost of its two corners and its midpoint, undistorted like the centre. A box drawn in a
-  distorted image hugs the object's bowed outline, touching it at a corner or a midpoint of each
-  side; the inscribed rectangle is the object's extent (without distortion it is the box). Its
+- A box's position and its size_x and size_y are the centre and size of the rectangle inside its
+  undistorted outline, at that depth (without distortion: the centre pixel deprojected, and the
+  box's size): each side is placed at the innermost of its two corners and its midpoint,
+  undistorted. A box drawn in a distorted image hugs the object's bowed outline, touching it at a
+  corner or a midpoint of each side; the inscribed rectangle is the object's extent. Its
   size_z is the interquartile range of the valid depths in its inner part: the relief of the
   surface the camera sees (a flat face gives about the sensor's noise). One view cannot see how
   deep an object is behind its front; the box centred at the median spans the middle half of the
@@ -631,8 +631,10 @@ class DepthView:
                 results[index] = NoDepth(_UNDISTORTABLE.format("box ({:g}, {:g}, {:g}, {:g})".format(*box[:4])))
                 continue
             z, spread = z * self._scale, (q3 - q1) * self._scale
+            # centre and size of one rectangle: the distorted box's centre pixel lies off the
+            # inscribed rectangle's centre (toward the image centre under barrel distortion)
             results[index] = Box3D(
-                x=cx * z, y=cy * z, z=z, size_x=max(-neg_right - left, 0.0) * z,
+                x=(left - neg_right) / 2 * z, y=(top - neg_bottom) / 2 * z, z=z, size_x=max(-neg_right - left, 0.0) * z,
                 size_y=max(-neg_bottom - top, 0.0) * z, size_z=spread, valid_pixels=count,
                 valid_fraction=count / sampled)
         return results

@@ -497,3 +497,25 @@ def test_a_pixel_the_distortion_model_cannot_invert_has_no_position() -> None:
     left_middle = camera.normalized([(40 - 0.5, CY)])[0, 0]      # the right side's mirrors it
     assert np.isfinite(left_middle) and large.size_x == pytest.approx(-2 * left_middle * 1.5, rel=1e-6)
     assert isinstance(whole, NoDepth) and "cannot be inverted at the box" in whole.reason
+
+
+@pytest.mark.parametrize("near_x", [1.0, -2.0])
+def test_a_distorted_boxs_centre_and_size_describe_one_rectangle(near_x) -> None:
+    """A 1 m square at 2 m, off-axis, seen through a strong wide-angle lens: the published box,
+    centre +- size / 2, is the square (the distorted box's centre pixel lies nearer the image
+    centre than the square's centre: a centre from it shifted the box ~6 cm inward)."""
+    k = np.array([[300.0, 0, 320], [0, 300, 240], [0, 0, 1]])
+    d = [-0.3, 0.09, 0.0, 0.0, 0.0]
+    view = DepthView(DepthImage(np.full((HEIGHT, WIDTH), 2000, np.uint16), 0.001),
+                     intrinsics(WIDTH, HEIGHT, "plumb_bob", d, k.ravel()), WIDTH, HEIGHT, SETTINGS)
+    edge = np.linspace(0.0, 1.0, 201)
+    outline = np.concatenate([np.c_[near_x + edge, np.full_like(edge, y)] for y in (-0.5, 0.5)]
+                             + [np.c_[np.full_like(edge, x), edge - 0.5] for x in (near_x, near_x + 1.0)])
+    pixels, _ = cv2.projectPoints(np.c_[outline, np.full(len(outline), 2.0)], np.zeros(3), np.zeros(3), k, np.array(d))
+    pixels = pixels.reshape(-1, 2) + 0.5          # OpenCV's pixel centres are at integers, ours at +0.5
+    box = view.box_3d((*pixels.min(axis=0), *pixels.max(axis=0)))
+    assert isinstance(box, Box3D), box
+    assert box.z == pytest.approx(2.0)
+    for centre, size, low in ((box.x, box.size_x, near_x), (box.y, box.size_y, -0.5)):
+        assert centre - size / 2 == pytest.approx(low, abs=0.01)
+        assert centre + size / 2 == pytest.approx(low + 1.0, abs=0.01)
