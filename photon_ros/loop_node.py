@@ -18,7 +18,7 @@ vision node has depth, and a bounded turn toward it.
                   ours (the planner's controller may still be driving cmd_vel)
          cmd_vel (geometry_msgs/Twist, or TwistStamped with `stamped_cmd_vel`, when `turn` is
                   on): a bounded turn that faces the target, its angle from the 3D position in the
-                  optical frame or read off the image through `horizontal_fov_deg`, at most
+                  optical frame or robot_frame, or read off the image through `horizontal_fov_deg`, at most
                   `max_turn_s` long, streamed at 10 Hz and always ended by a zero Twist (steering.py)
          status (std_msgs/String, for people: what was understood, what was found, what was not done)
     /diagnostics: WARN while turns on cmd_vel would move nothing: a subscriber takes another type
@@ -397,11 +397,15 @@ class LoopNode(Node):
             frame = response.objects_3d.header.frame_id
             self.pub_target.publish(PointStamped(header=response.objects_3d.header, point=p))
             found += f"; at ({p.x:.2f}, {p.y:.2f}, {p.z:.2f}) m in {frame} on target"
-            # In the camera's optical frame (z forward, x right) the bearing is exact; in another
+            # In the camera's optical frame (z forward, x right) and in the robot's (REP-103: x
+            # forward, y left) the bearing is exact, whatever the camera's mounting; in another
             # frame its axes are not known here, so the image's field of view gives it.
-            optical = bool(frame) and frame == target.header.frame_id
-            heading = (math.atan2(-p.x, p.z) if optical
-                       else bearing(target.x, math.radians(self.params["horizontal_fov_deg"])))
+            if frame and frame == target.header.frame_id:
+                heading = math.atan2(-p.x, p.z)
+            elif frame and frame == self.params["robot_frame"]:
+                heading = math.atan2(p.y, p.x)
+            else:
+                heading = bearing(target.x, math.radians(self.params["horizontal_fov_deg"]))
             if self.params["publish_goal"]:
                 sent, said = self.send_goal(response.objects_3d.header, p)
                 if sent:   # the planner's controller drives cmd_vel now: a turn of ours would fight it

@@ -111,6 +111,19 @@ def test_a_target_placed_in_the_optical_frame_turns_by_its_3d_bearing(loop):
     assert loop.turns.active and twists and twists[0].angular.z > 0, (twists, loop.said)
 
 
+def test_a_target_placed_in_the_robots_frame_turns_by_its_bearing_there(loop):
+    """In the robot's frame (x forward, y left) the bearing is atan2(y, x), exact however the
+    camera is mounted (one yawed on its mast sees an object left of the robot right of centre)."""
+    twists = []
+    loop.publish_velocity = twists.append
+    loop.set_parameters([Parameter("publish_goal", value=False)])
+    loop.command = 1
+    result = found(now(loop), frame="camera_color_optical_frame", placed_frame="base_link")
+    result.result.objects_3d.objects[0].pose.position = Point(x=2.0, y=1.0, z=0.0)   # left of the robot
+    loop.on_result(POINT, done(result), Handle(), command=1)
+    assert loop.turns.active and twists and twists[0].angular.z > 0, (twists, loop.said)
+
+
 def end_turn(loop) -> None:
     """The turn's ticks until its zero Twist, as the node's 10 Hz timer would send them."""
     while loop.turns.active:
