@@ -83,6 +83,18 @@ def frame_refusal(frame: str) -> str:
     return ""
 
 
+def optical_frame_doubt(frame: str) -> str:
+    """A warning when `frame`, which 3D results are placed in with optical axes (x right, y down,
+    z forward), is not named as an optical frame ("" when it is). REP-103 names them *_optical_frame;
+    a camera that stamps its body frame (x forward, z up: many simulators' camera sensors) would
+    have tf2 turn "2 m ahead" into "2 m up"."""
+    if not frame or "optical" in frame:
+        return ""
+    return (f"3D results are in frame {frame!r} with optical axes (x right, y down, z forward), but its name "
+            "does not say optical (REP-103: *_optical_frame); if it is the camera's body frame (x forward, "
+            "z up), positions and their transforms are wrong: publish the images in the optical frame")
+
+
 def quaternion_multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a * b (Hamilton product): rotating by b, then by a; quaternions as (x, y, z, w)."""
     ax, ay, az, aw = a

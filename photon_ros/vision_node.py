@@ -50,7 +50,7 @@ from photon_core.runtime.batcher import CANCEL_POLL_S
 from photon_core.runtime.shared_models import SharedModel, shared_engine
 from photon_ros.diagnostics import publish_status
 from photon_ros.depth_projection import DepthSettings, NoDepth, depth_view
-from photon_ros.frames import tf2_lookup
+from photon_ros.frames import optical_frame_doubt, tf2_lookup
 from photon_ros.image_conversions import compressed_to_rgb, image_to_rgb, rgb_to_image
 from photon_ros.input_health import FAILING_IN_A_ROW, InputHealth
 from photon_ros.latest_frame import LatestFrame
@@ -215,6 +215,7 @@ class VisionNode(ManagedNode):
         self.depth_stream: StampPairing | None = None    # depth images by stamp, and frames waiting
         self.info_stream: StampPairing | None = None     # camera_info alike (use_depth, at configure)
         self.frames_without_depth, self.without_depth_in_a_row, self.depth_note = 0, 0, ""
+        self.doubted_frames: set[str] = set()   # frames warned of once: not named optical
         self.depth_waits_s: deque[float] = deque(maxlen=200)   # results held back for depth, per frame
         # infer / find / ask requests the node or the model refused (a task, an option) or failed on
         self.requests_failed, self.last_request_error = 0, ""
@@ -529,6 +530,10 @@ class VisionNode(ManagedNode):
         elif not optical and not isinstance(depth, NoDepth):
             depth = NoDepth("neither the image nor camera_info names a frame (frame_id empty): positions "
                             "would be metres in no frame")
+        doubt = optical_frame_doubt(optical) if not isinstance(depth, NoDepth) else ""
+        if doubt and optical not in self.doubted_frames:
+            self.doubted_frames.add(optical)
+            self.get_logger().warning(doubt)
         transform = None
         if self.lookup is not None and not isinstance(depth, NoDepth):
             try:

@@ -76,3 +76,16 @@ def test_frame_ids_tf2_would_refuse():
     assert frame_refusal("base_link") == "" and frame_refusal("") == ""
     assert "must not start with '/'" in frame_refusal("/base_link")
     assert "spaces" in frame_refusal("map ")
+
+
+@pytest.mark.parametrize("frame, doubted", [("camera_color_optical_frame", False), ("oak_rgb_camera_optical_frame", False),
+                                            ("zed_left_camera_frame_optical", False), ("", False),
+                                            ("camera_link", True), ("robot/base_link/rgbd_camera", True)])
+def test_a_frame_not_named_optical_is_doubted(frame, doubted):
+    """Results carry optical axes in the camera's frame: a body frame's name (a simulator's
+    camera sensor) is warned of once by the vision node, an optical frame's is not."""
+    from photon_ros.frames import optical_frame_doubt
+    note = optical_frame_doubt(frame)
+    assert bool(note) == doubted
+    if doubted:
+        assert repr(frame) in note and "x right, y down, z forward" in note
