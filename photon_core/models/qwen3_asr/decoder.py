@@ -4,7 +4,8 @@ Per layer: RMSNorm; q, k, v projections (no bias); per-head RMSNorm on q and on 
 ("rotate half", full head dim); grouped-query causal attention; o_proj + residual; RMSNorm;
 SwiGLU MLP (silu(gate) * up, down) + residual. Then the final RMSNorm and the LM head (tied to
 the embeddings unless the checkpoint has its own). Rows of the cache are independent
-utterances: each is prefilled alone, then all step together, each at its own position.
+utterances: each is prefilled alone, then the unfinished ones step together, each at its own
+position (a finished one leaves the cache).
 """
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[2]
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop the other rows (finished utterances): a finished row stepping on would run past
+        the positions its budget sized the cache for, and would cost every later step."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
+        self.k = [k.index_select(0, idx) for k in self.k]
+        self.v = [v.index_select(0, idx) for v in self.v]
+        self.lengths = self.lengths.index_select(0, idx)
 
 
 class TextDecoder:
@@ -155,24 +164,18 @@ class TextDecoder:
 
 class OpsSession:
     """runtime.generate's session on the per-op decoder: each prompt's embeddings [T, hidden]
-    prefilled alone into its row of one cache, then every row stepped together, each at its own
-    position. A finished row keeps stepping (on its last token, which no live row reads), so the
-    batch keeps the shape it started with."""
+    prefilled alone into its row of one cache, then the live rows stepped together, each at its own
+    position; a finished row leaves the cache (`keep`)."""
 
     def __init__(self, dec: TextDecoder, prompts: Sequence[torch.Tensor], capacity: int) -> None:
         self.dec, self.cache = dec, dec.new_cache(len(prompts), capacity)
         self.first = torch.cat([dec.logits(dec.prefill(p, self.cache, r)[-1:]) for r, p in enumerate(prompts)])
-        self.live = list(range(len(prompts)))
-        self.fed = [0] * len(prompts)
 
     def prefill(self) -> tuple[torch.Tensor, None]:
         return self.first, None
 
     def step(self, tokens: list[int]) -> tuple[torch.Tensor, None]:
-        for r, tok in zip(self.live, tokens):
-            self.fed[r] = tok
-        logits = self.dec.step(torch.tensor(self.fed, device=self.dec.device), self.cache)
-        return logits[self.live], None
+        return self.dec.step(torch.tensor(tokens, dtype=torch.long, device=self.dec.device), self.cache), None
 
     def keep(self, rows: list[int]) -> None:
-        self.live = [self.live[i] for i in rows]
+        self.cache.keep(rows)
