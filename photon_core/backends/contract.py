@@ -156,7 +156,8 @@ class Ops(Protocol):
         logits [..., V] -> int64 [...]. temperature <= 0 means argmax. Otherwise e_i = exp((x_i - max)/T);
         with top_p < 1 the nucleus is {i : e_i >= theta} for the largest theta whose kept mass
         sum{e_i >= theta} is >= top_p * sum(e) (so tokens tied at theta are all kept); the token is the
-        first index, in vocabulary order, whose running kept mass exceeds u * kept mass.
+        first index, in vocabulary order, whose running kept mass exceeds u * kept mass, or, where
+        rounding leaves no running mass above it (u near 1), the last kept index (never one with e_i = 0).
         """
 
     # ---------------------------------------------------------------- mixture of experts

@@ -236,7 +236,12 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, uniform: torc
         theta = desc.gather(-1, first)
         e = torch.where(e >= theta, e, torch.zeros_like(e))
     target = uniform.reshape(-1, 1).float() * e.sum(-1, keepdim=True)
-    token = ((e.cumsum(-1) > target) & (e > 0)).float().argmax(-1)
+    kept = e > 0
+    crossed = (e.cumsum(-1) > target) & kept
+    # The sum and the running sum round differently: for u near 1 none may cross the target, and
+    # argmax of no crossing would be token 0, barred or not. The last kept token is the draw then.
+    last = torch.where(kept, torch.arange(e.shape[-1], device=e.device), 0).amax(-1)
+    token = torch.where(crossed.any(-1), crossed.float().argmax(-1), last)
     return token.view(logits.shape[:-1])
 
 
