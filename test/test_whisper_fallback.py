@@ -1,8 +1,16 @@
 """Temperature fallback and window skipping rules, with a scripted decoder (no model needed)."""
 from __future__ import annotations
 
-from photon_core.models.whisper.decoding import DecodeOptions, DecodeResult, compression_ratio
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from photon_core.backends import reference
+from photon_core.models.whisper.decoding import DecodeOptions, DecodeResult, TokenChooser, compression_ratio
 from photon_core.models.whisper.longform import LongFormOptions, decode_with_fallback
+from photon_core.runtime.sampling import NonFiniteLogits
 
 
 class ScriptedDecoder:
@@ -50,3 +58,30 @@ def test_single_temperature_never_retries():
     dec = ScriptedDecoder({0.0: (LOOP, -3.0, 0.1)})
     decode_with_fallback(dec, None, DecodeOptions(), LongFormOptions(temperatures=(0.0,)))
     assert dec.tried == [0.0]
+
+
+def _chooser(temperature: float, barred: tuple[int, ...] = ()) -> TokenChooser:
+    """A TokenChooser on a stand-in decoder whose only logit rule suppresses `barred`."""
+    def rules(logits: torch.Tensor, sampled: list[int], timestamps: bool) -> None:
+        logits[list(barred)] = float("-inf")
+
+    dec = SimpleNamespace(_apply_rules=rules, net=SimpleNamespace(ops=reference), tok=SimpleNamespace(eot=9))
+    return TokenChooser(dec, 1, False, temperature, torch.Generator().manual_seed(0))
+
+
+def test_a_temperature_below_greedy_below_takes_the_argmax():
+    """1e-40 passes the temperature checks; logits / 1e-40 overflow float32 (NaN softmax), so it is
+    the argmax, as Sampling.greedy reads it."""
+    c = _chooser(1e-40)
+    assert c(0, torch.tensor([1.0, 3.0, 2.0]), None) == 1
+    assert c.sampled == [[1]] and math.isfinite(c.sum_logprob[0])
+
+
+def test_positive_infinite_logits_are_refused_when_sampling():
+    with pytest.raises(NonFiniteLogits):
+        _chooser(0.5)(0, torch.tensor([1.0, float("inf"), 2.0]), None)
+
+
+def test_a_suppressed_tokens_infinity_is_never_drawn():
+    c = _chooser(0.5, barred=(1,))
+    assert c(0, torch.tensor([1.0, float("inf"), 2.0]), None) in (0, 2)

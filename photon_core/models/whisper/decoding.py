@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from photon_core.runtime.generate import generate, room, token_lists
-from photon_core.runtime.sampling import Sampling, check_finite
+from photon_core.runtime.sampling import GREEDY_BELOW, NonFiniteLogits, Sampling, check_finite
 from photon_core.runtime.thread_tuner import ThreadTuner
 
 from .model import DecoderCache, WhisperNet
@@ -213,9 +213,9 @@ class WindowDecoder:
 
 class TokenChooser:
     """runtime.generate's choice of each row's next token by Whisper's rules: the logit rules on
-    the row's tokens so far, then the argmax (temperature 0) or a draw from the softmax at the
-    temperature (openai-whisper's categorical sampling, not the ops' nucleus sampling); every
-    chosen token's log-probability (EOT's too) summed per row."""
+    the row's tokens so far, then the argmax (temperature 0, or below GREEDY_BELOW) or a draw from
+    the softmax at the temperature (openai-whisper's categorical sampling, not the ops' nucleus
+    sampling); every chosen token's log-probability (EOT's too) summed per row."""
 
     def __init__(self, dec: WindowDecoder, rows: int, timestamps: bool, temperature: float,
                  generator: torch.Generator | None) -> None:
@@ -226,9 +226,16 @@ class TokenChooser:
     def __call__(self, row: int, logits: torch.Tensor, greedy: int | None) -> int:
         check_finite(logits)   # (before the rules: they mask with -inf, never NaN)
         self.dec._apply_rules(logits, self.sampled[row], self.timestamps)
-        if self.temperature == 0:
+        # below GREEDY_BELOW, logits / temperature overflow to NaN: such a temperature asks for
+        # the argmax, as everywhere in the package (Sampling.greedy)
+        if self.temperature < GREEDY_BELOW:
             t = int(self.dec.net.ops.argmax(logits))
         else:
+            # +inf makes the softmax NaN, and multinomial would fail on it (after the rules, so a
+            # suppressed token's +inf is never drawn): refused as runtime.sampling.pick refuses it
+            if bool(torch.isposinf(logits).any()):
+                raise NonFiniteLogits("the model's logits hold +inf: no token can be sampled; "
+                                      "the request is refused")
             probs = torch.softmax(logits / self.temperature, dim=-1)
             t = int(torch.multinomial(probs, 1, generator=self.generator))
         self.sum_logprob[row] += torch.log_softmax(logits, dim=-1)[t].item()
