@@ -30,13 +30,17 @@ which Whisper's no-speech check rejects, and speech after it is found.
 
 An utterance starts after `min_speech_s` of speech (with `preroll_s` of audio before it, so the
 first syllable is not clipped) and ends after `hangover_s` of non-speech, at `max_utterance_s`, or
-when the stream stops (flush). An utterance ended by a pause keeps only `tail_s` of that pause
-after its last speech frame (`end_cut`): its samples are defined by the audio alone, so once the
-pause reaches `tail_s` the final utterance is known if the pause goes on (`pending_final()`), and
-the node can decode it while the rest of the hangover is still being waited for. `hangover_s` is how long the speaker must pause for the command to
-count as said: a pause between words that long ends the utterance too, so it is a trade between
-latency and pauses; 0.3 s keeps pauses up to 0.2 s whole. `current()` hands out the utterance in
-progress for partial transcripts. Memory is bounded by `max_utterance_s` plus the preroll.
+when the stream stops (flush). Speech cut at `max_utterance_s` goes on at once as the next
+utterance (incomplete), under the rules inside an utterance: under the start rule, syllables
+shorter than `min_speech_s` would never restart one and the rest of the speech would be lost. An
+utterance ended by a pause keeps only `tail_s` of that pause after its last speech frame
+(`end_cut`): its samples are defined by the audio alone, so once the pause reaches `tail_s` the
+final utterance is known if the pause goes on (`pending_final()`), and the node can decode it while
+the rest of the hangover is still being waited for. `hangover_s` is how long the speaker must pause
+for the command to count as said: a pause between words that long ends the utterance too, so it is
+a trade between latency and pauses; 0.3 s keeps pauses up to 0.2 s whole. `current()` hands out the
+utterance in progress for partial transcripts. Memory is bounded by `max_utterance_s` plus the
+preroll.
 
 Every decision is counted in samples, never read from a clock, so the same audio is cut the same
 way however it is chunked and however late it arrives. Lost audio is the one thing samples cannot
@@ -152,6 +156,7 @@ class SpeechSegmenter:
         self._speech: list[np.ndarray] = []         # frames of the current utterance
         self._speech_start = 0.0
         self._in_speech = False
+        self._heard = False                         # the utterance in progress holds a speech frame
         self._voiced_run = 0
         self._silent_run = 0
         self._noise_db: float | None = None         # None until a frame of the room (not digital silence)
@@ -165,7 +170,6 @@ class SpeechSegmenter:
         # stream restarted, while someone spoke) is the tail of an utterance, until a pause.
         self._after_gap = "it began before listening did (no pause heard before it)"
         self._quiet_run = 0                         # non-speech frames in a row outside an utterance
-        self._continues = False                     # speech cut at the length limit goes on (continue_db)
         self._chunk_s = 0.0                         # duration of the last pushed chunk
         self._start_note = ""                       # why the current utterance began incomplete
         self.last_time = None                       # capture time after the last pushed sample
@@ -208,7 +212,7 @@ class SpeechSegmenter:
 
     def flush(self, note: str = "the audio stream stopped mid-utterance") -> Utterance | None:
         """End the current utterance now (the stream ended); it is marked incomplete with `note`."""
-        return self._finish(note) if self._in_speech else None
+        return self._finish_now(note)
 
     def stream_stopped(self, note: str = "the audio stream stopped mid-utterance") -> Utterance | None:
         """No chunk has come for a while (a stalled driver, push-to-talk released). The utterance
@@ -234,7 +238,7 @@ class SpeechSegmenter:
         within the stamps' jitter, and unstamped chunks show nothing). The utterance in progress
         ends incomplete and speech after it is incomplete until a pause, as at a jump; the stream's
         clock is kept, so a jump the stamps do show is still counted as lost audio."""
-        cut = self._finish(f"audio lost after it ({what})") if self._in_speech else None
+        cut = self._finish_now(f"audio lost after it ({what})")
         last_time, stamped_end = self.last_time, self._stamped_end
         self._restart_stream()
         self.last_time, self._stamped_end = last_time, stamped_end
@@ -272,8 +276,9 @@ class SpeechSegmenter:
 
     def current(self) -> Utterance | None:
         """The utterance in progress so far (a copy), or None outside speech. One concatenation
-        per call: meant for a partial transcript every half second or so, not for every chunk."""
-        if not self._in_speech:
+        per call: meant for a partial transcript every half second or so, not for every chunk.
+        None too while a continuation after the length limit holds only the rest of a pause."""
+        if not self._open:
             return None
         notes = [self._start_note] if self._start_note else []
         return Utterance(np.concatenate(self._speech), self.sample_rate, self._speech_start,
@@ -284,7 +289,7 @@ class SpeechSegmenter:
         once the pause has reached the tail (None before, outside speech, or when too short).
         The same samples, start and notes as the final `push` will return then."""
         # a pause of at least one frame: with tail_s 0, no pause would offer the speech so far
-        if not self._in_speech or self._silent_run < max(1, self.tail_frames):
+        if not self._open or self._silent_run < max(1, self.tail_frames):
             return None
         return self._cut(self._speech[:end_cut(len(self._speech), self._silent_run, self.tail_frames)],
                          [self._start_note] if self._start_note else [])
@@ -301,8 +306,15 @@ class SpeechSegmenter:
 
     @property
     def utterance_start(self) -> float | None:
-        """Capture time of the first sample of the utterance in progress: it names the utterance."""
-        return self._speech_start if self._in_speech else None
+        """Capture time of the first sample of the utterance in progress: it names the utterance.
+        None while it holds no speech yet (see current())."""
+        return self._speech_start if self._open else None
+
+    @property
+    def _open(self) -> bool:
+        # A continuation that is only the rest of a pause is no utterance: silence sent to the
+        # recogniser comes back as invented words.
+        return self._in_speech and self._heard
 
     def _level_db(self, frame: np.ndarray) -> float:
         """Power in the speech band, dBFS."""
@@ -317,10 +329,7 @@ class SpeechSegmenter:
         if room and self._frames_seen == 0:
             self._noise_db = level                  # a mic opens before anyone speaks
         self._frames_seen += 1
-        # Speech the length limit cut is judged as it was before the cut until a pause ends it:
-        # by threshold_db, its weak frames read as a pause, were lost beyond the preroll and,
-        # once they lasted hangover_s, the rest of the speech passed for a whole command.
-        above = cfg.continue_db if self._in_speech or self._continues else cfg.threshold_db
+        above = cfg.continue_db if self._in_speech else cfg.threshold_db
         floor = self._noise_db if self._noise_db is not None else -np.inf
         voiced = level > max(floor + above, cfg.min_level_db)
         if room:
@@ -344,10 +353,10 @@ class SpeechSegmenter:
             if self._quiet_run * self._frame_s >= cfg.hangover_s:
                 # A pause that would end an utterance: speech after it is a new one, whole. (One
                 # quiet frame is not: a plosive or a word boundary right after the gap.)
-                self._after_gap, self._continues = "", False
+                self._after_gap = ""
             if self._voiced_run * self._frame_s >= cfg.min_speech_s:
-                self._in_speech = True
-                self._start_note, self._after_gap, self._continues = self._after_gap, "", False
+                self._in_speech = self._heard = True
+                self._start_note, self._after_gap = self._after_gap, ""
                 self._speech = list(self._preroll)
                 self._speech_start = t + self._frame_s - len(self._speech) * self._frame_s
                 self._preroll.clear()
@@ -356,16 +365,21 @@ class SpeechSegmenter:
 
         self._speech.append(frame)
         self._silent_run = 0 if voiced else self._silent_run + 1
+        self._heard = self._heard or voiced
         duration = len(self._speech) * self._frame_s
         if self._silent_run * self._frame_s >= cfg.hangover_s:
             return self._finish(keep=end_cut(len(self._speech), self._silent_run, self.tail_frames))
         if duration >= cfg.max_utterance_s:
-            # Speech goes on: the next utterance is its continuation, incomplete as well.
+            # Speech goes on: the next frame begins its continuation, incomplete as well and judged
+            # as inside an utterance (continue_db, hangover_s), not by the start rule: by threshold_db
+            # its weak frames read as a pause, and syllables shorter than min_speech_s never
+            # restarted one, so the rest of the speech was lost.
             limit = f"{cfg.max_utterance_s:g} s utterance limit"
             pause = self._silent_run   # a pause the cut falls in goes on counting after it
             cut = self._finish(f"cut at the {limit}")
-            self._after_gap = f"continues speech cut at the {limit}"
-            self._quiet_run, self._continues = pause, True
+            self._in_speech, self._heard, self._silent_run = True, False, pause
+            self._start_note = f"continues speech cut at the {limit}"
+            self._speech_start = t + self._frame_s
             return cut
         return None
 
@@ -386,7 +400,7 @@ class SpeechSegmenter:
         self.lost_s += max(jump, 0.0)
         what = (f"{jump:.2f} s of audio lost" if jump > 0
                 else f"audio out of order (a chunk starts {-jump:.2f} s before the previous one ended)")
-        cut = self._finish(f"{what} after it") if self._in_speech else None
+        cut = self._finish_now(f"{what} after it")
         self._restart_stream()
         self._after_gap = f"{what} before it"
         return [cut] if cut is not None else []
@@ -397,16 +411,30 @@ class SpeechSegmenter:
         self._pending = np.zeros(0, np.float32)
         self._preroll.clear()
         self._voiced_run = self._quiet_run = 0
-        self._continues = False
         self.last_time = self._stamped_end = None
+
+    def _finish_now(self, note: str) -> Utterance | None:
+        """End the utterance in progress (if any) at a cut that is not a pause, incomplete with
+        `note`. The samples not yet making a whole frame are its last audio before the cut: they
+        go into it (up to a frame of speech was lost at every such cut) and leave the stream."""
+        if not self._in_speech:
+            return None
+        if self._pending.size:
+            self._speech.append(self._pending)
+            self._pending_start += self._pending.size / self.sample_rate
+            self._pending = np.zeros(0, np.float32)
+        return self._finish(note)
 
     def _finish(self, note: str = "", keep: int | None = None) -> Utterance | None:
         """End the utterance in progress with its first `keep` frames (all by default)."""
         frames, self._speech = self._speech, []
-        self._in_speech = False
+        heard = self._heard
+        self._in_speech = self._heard = False
         self._voiced_run = self._silent_run = 0
         notes = [n for n in (self._start_note, note) if n]
         self._start_note = ""
+        if not heard:
+            return None   # see _open
         return self._cut(frames if keep is None else frames[:keep], notes)
 
     def _cut(self, frames: list[np.ndarray], notes: list[str]) -> Utterance | None:

@@ -483,3 +483,121 @@ def test_weak_speech_right_after_the_length_limit_is_neither_lost_nor_whole(weak
     # nothing between the parts is missing, and together they are the utterance without the limit
     assert abs(out[0].start_time + out[0].duration - out[1].start_time) < 1e-6
     assert np.array_equal(np.concatenate([out[0].samples, out[1].samples]), whole[0].samples)
+
+
+# --- speech goes on after the length limit; no audio lost at a cut -----------------------------
+
+RATE = 16000
+FRAME = 480     # the default 30 ms frame at 16 kHz
+
+
+def quiet(s, rng):
+    return (rng.standard_normal(round(s * RATE)) * 3e-4).astype(np.float32)
+
+
+def tone(s, rng):
+    t = np.arange(round(s * RATE)) / RATE
+    return (0.1 * np.sin(2 * np.pi * 700 * t) + rng.standard_normal(t.size) * 3e-4).astype(np.float32)
+
+
+def fast_syllables(seconds, rng):
+    """A 0.3 s vowel, then 0.09 s sounds 0.03 s apart, on the frame grid: no voiced run after the
+    vowel reaches min_speech_s (0.12 s), yet no pause comes near hangover_s."""
+    parts = [tone(0.3, rng)]
+    for _ in range(round(seconds / 0.12)):
+        parts += [tone(0.09, rng), quiet(0.03, rng)]
+    return np.concatenate(parts)
+
+
+def test_fast_syllables_after_the_length_limit_go_on_as_its_continuation():
+    """Cut at max_utterance_s, the speech went back to the start rule, which its short sounds never
+    pass: everything after the first cut was lost (one utterance of 32 s of speech)."""
+    rng = np.random.default_rng(0)
+    audio = np.concatenate([quiet(0.99, rng), fast_syllables(12.0, rng), quiet(1.0, rng)])
+    (whole,) = run(SpeechSegmenter(RATE), audio, 1600)
+    out = run(SpeechSegmenter(RATE, SegmenterConfig(max_utterance_s=3.0)), audio, 1600)
+    assert len(out) == 5, [(u.start_time, u.duration, u.note) for u in out]
+    assert all(u.duration <= 3.0 + 1e-9 for u in out)
+    assert "cut at the 3 s utterance limit" in out[0].note
+    assert all(not u.complete and "continues speech cut at the 3 s" in u.note for u in out[1:])
+    for a, b in zip(out, out[1:]):
+        assert abs(a.start_time + a.duration - b.start_time) < 1e-6
+    # together, nothing more and nothing less than the utterance without the limit
+    assert np.array_equal(np.concatenate([u.samples for u in out]), whole.samples)
+
+
+@pytest.mark.parametrize("end", ["pause", "flush"])
+def test_a_continuation_that_is_only_the_rest_of_a_pause_is_no_utterance(end):
+    """The limit cuts in a pause: what follows is the rest of that pause until speech. Silence
+    sent to the recogniser as an incomplete utterance comes back as invented words; speech after
+    the pause is whole."""
+    rng = np.random.default_rng(1)
+    # hangover_s longer than the limit's leftover, min_utterance_s 0: any silent part would be sent
+    config = SegmenterConfig(max_utterance_s=3.0, hangover_s=1.0, min_utterance_s=0.0)
+    segmenter = SpeechSegmenter(RATE, config)
+    t = 100.0
+    out = segmenter.push(np.concatenate([quiet(0.99, rng), tone(2.31, rng), quiet(0.6, rng)]), t)
+    t = segmenter.last_time
+    assert len(out) == 1 and "cut at the 3 s utterance limit" in out[0].note
+    assert segmenter.in_speech and segmenter.current() is None and segmenter.pending_final() is None
+    assert segmenter.utterance_start is None
+    if end == "flush":
+        assert segmenter.flush() is None and not segmenter.in_speech
+        return
+    out = segmenter.push(quiet(0.6, rng), t)
+    assert out == [] and not segmenter.in_speech
+    out = run(segmenter, np.concatenate([tone(1.0, rng), quiet(1.2, rng)]), 1600, t0=segmenter.last_time)
+    assert len(out) == 1 and out[0].complete and out[0].note == "", [u.note for u in out]
+
+
+def tone_after_noise():
+    """1 s of room noise, then 1 s of speech-like tone: 66 frames and 320 samples of a 67th."""
+    rng = np.random.default_rng(2)
+    audio = np.concatenate([quiet(1.0, rng), tone(1.0, rng)])
+    assert audio.size % FRAME == 320
+    return audio
+
+
+def push_chunks(segmenter, audio, t0=100.0):
+    out = []
+    for i in range(0, audio.size, 1000):
+        out += segmenter.push(audio[i:i + 1000], t0 + i / RATE)
+    return out
+
+
+@pytest.mark.parametrize("cut", ["flush", "stream_stopped", "chunk_refused", "jump", "transport_lost"])
+def test_the_last_samples_before_a_cut_that_is_no_pause_are_in_the_utterance(cut):
+    """Only whole frames went into an utterance: up to a frame of speech before the stream
+    stopped, a chunk was lost or the stamps jumped never reached one (it ended 20 ms early)."""
+    audio = tone_after_noise()
+    segmenter = SpeechSegmenter(RATE)
+    assert push_chunks(segmenter, audio) == []
+    if cut == "jump":
+        out = segmenter.push(tone(0.1, np.random.default_rng(3)), 100.0 + 2.0 + 1.0)
+    elif cut == "transport_lost":
+        out = segmenter.transport_lost(0.1)
+    elif cut == "chunk_refused":
+        out = segmenter.chunk_refused()
+    else:
+        out = [getattr(segmenter, cut)()]
+    assert len(out) == 1 and not out[0].complete
+    u = out[0]
+    assert u.start_time + u.duration == pytest.approx(100.0 + 2.0, abs=1e-9)
+    assert np.array_equal(u.samples, audio[audio.size - u.samples.size:])
+
+
+def test_samples_flushed_into_an_utterance_are_not_heard_again():
+    # The stream goes on after a flush (its end was declared too early): the samples the flush
+    # took belong to that utterance only, and the stream's clock goes on from the last sample.
+    audio = tone_after_noise()
+    segmenter = SpeechSegmenter(RATE)
+    push_chunks(segmenter, audio)
+    first = segmenter.flush()
+    rest = np.concatenate([tone(1.0, np.random.default_rng(4)), quiet(1.0, np.random.default_rng(5))])
+    out = push_chunks(segmenter, rest, t0=100.0 + 2.0)
+    assert len(out) == 1 and segmenter.discontinuities == 0
+    assert out[0].start_time >= first.start_time + first.duration - 1e-9
+    # every sample stamped where the stream put it
+    stream = np.concatenate([audio, rest])
+    at = round((out[0].start_time - 100.0) * RATE)
+    assert np.array_equal(out[0].samples, stream[at:at + out[0].samples.size])
