@@ -117,6 +117,12 @@ def _header_of(msg: Any) -> tuple[Any | None, str]:
     return (None, "") if header is None else (header.stamp, header.frame_id)
 
 
+def _in_context(err: ValueError, context: str) -> ValueError:
+    """err's message after `context`, an EmptyAudio kept one: the speech node cuts the utterance
+    at a refused chunk as at lost audio, but an empty one lost none."""
+    return (EmptyAudio if isinstance(err, EmptyAudio) else ValueError)(f"{context}: {err}")
+
+
 def _typed_array(values: Any, dtype: np.dtype, field: str) -> np.ndarray:
     """A message array field (array.array, numpy array or list) as `dtype`. Generated classes
     already hold the right type; plain lists are checked against the type's range rather than
@@ -165,7 +171,7 @@ def mgonzs13_to_pcm(msg: Any) -> DecodedAudio:
     try:
         pcm = samples_to_pcm(values, int(info.channels), int(info.rate))
     except ValueError as err:
-        raise ValueError(f"{what}: {err}") from None
+        raise _in_context(err, what) from None
     return DecodedAudio(pcm, *_header_of(msg))
 
 
@@ -232,7 +238,7 @@ class AudioInfoFormat:
                                  f"{fmt.channels} x {fmt.dtype.itemsize}-byte frames ({frame} bytes)")
             pcm = samples_to_pcm(values, fmt.channels, fmt.sample_rate)
         except ValueError as err:
-            raise ValueError(f"audio data does not fit its declared format ({what}): {err}") from None
+            raise _in_context(err, f"audio data does not fit its declared format ({what})") from None
         return DecodedAudio(pcm, *_header_of(msg))
 
 

@@ -31,7 +31,7 @@ from photon_core.audio_io import read_wav
 from photon_ros.audio_common_conversions import (FLOAT_PEAK_LIMIT, MGONZS13, ROS_DRIVERS,
                                                  AudioInfoFormat, audio_common_to_pcm, audio_common_types,
                                                  family_of, mgonzs13_to_pcm)
-from photon_ros.audio_conversions import pcm_to_audio_chunk
+from photon_ros.audio_conversions import EmptyAudio, pcm_to_audio_chunk
 from photon_ros.speech_segmenter import SegmenterConfig
 from speech_audio import espeak_wav
 
@@ -217,6 +217,25 @@ def test_ros_drivers_data_that_does_not_fit(sample_format, channels, data, messa
     fmt.update(ros_info(sample_format, channels))
     with pytest.raises(ValueError, match=f"does not fit its declared format .*({message})"):
         fmt.to_pcm(ros_msg(data))
+
+
+def test_an_empty_chunk_is_empty_audio_in_both_families():
+    """The speech node cuts the utterance at a refused chunk, as audio lost, but not at an empty
+    one; ros-drivers' EmptyAudio came out a plain ValueError, and an empty chunk cut the command."""
+    fmt = AudioInfoFormat()
+    fmt.update(ros_info("S16LE", 2))
+    for msg in (ros_msg(b""), ros_msg(b"", stamped=True)):
+        with pytest.raises(EmptyAudio, match="does not fit its declared format .*empty"):
+            fmt.to_pcm(msg)
+        with pytest.raises(EmptyAudio):
+            audio_common_to_pcm(msg, fmt)
+    with pytest.raises(EmptyAudio, match="int16_data is empty"):
+        mgonzs13_to_pcm(mgonzs13_msg({}, 8, 1, 16000))
+    # malformed data is no EmptyAudio: its audio is lost
+    for data in (b"\x00", bytes(6)):   # half a sample; one and a half stereo frames
+        with pytest.raises(ValueError) as refused:
+            fmt.to_pcm(ros_msg(data))
+        assert not isinstance(refused.value, EmptyAudio)
 
 
 def test_float_overshoot_within_the_limit_is_kept():
