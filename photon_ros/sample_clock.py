@@ -63,6 +63,13 @@ class ReadStamps:
         self.tolerance = tolerance
         self.clock: SampleClock | None = None
 
+    def reanchor(self) -> None:
+        """Chunks were lost or refused since the last one: the count would go on without their
+        samples and stamp the next chunks early by their time until it re-anchored, a second jump
+        after the real one. The next chunk's own stamp starts the count afresh."""
+        if self.clock is not None:
+            self.clock.reanchor()
+
     def stamp(self, stamp: float, frames: int, rate: int) -> float:
         chunk_s = frames / rate
         if self.clock is None or self.clock.rate != rate:

@@ -347,6 +347,8 @@ class SpeechNode(ManagedNode):
 
     def take_audio(self, msg, lost: int = 0) -> None:
         """msg's audio into the segmenter; `lost`: its publisher's messages lost just before it."""
+        if lost:
+            self.read_stamps.reanchor()   # counted on across them, the next chunks were stamped early
         try:
             pcm, start, stamped, frame_id = self.decode(msg)
         except Exception as err:  # noqa: BLE001 - one chunk, not the node (an exception here left the executor)
@@ -354,6 +356,8 @@ class SpeechNode(ManagedNode):
             self.skipped_chunks += 1
             self.health.failed(reason)
             self.get_logger().warning(f"skipping audio chunk: {reason}", throttle_duration_sec=5.0)
+            if not isinstance(err, EmptyAudio):
+                self.read_stamps.reanchor()   # its samples never reach the count either
             with self.lock:
                 # Its audio is a hole in the stream (a short one showed nowhere: the utterance
                 # around it passed as whole): cut as at a jump. An empty one lost nothing.

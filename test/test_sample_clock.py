@@ -119,3 +119,18 @@ def test_a_driver_that_stamps_its_reads_late_does_not_cut_the_command():
     utterances, seg = segment(mgonzs13_reads(audio, rate, 512, {}, lost={middle, middle + 1}), rate)
     assert seg.discontinuities == 1 and 0.05 < seg.lost_s < 0.08
     assert not all(u.complete for u in utterances)
+
+
+def test_read_stamps_reanchored_take_the_next_stamp_as_it_comes():
+    """Chunks lost in transport or refused never reach the count: counted on across them, the next
+    chunk was stamped early by their time (the speech node re-anchors at such a hole)."""
+    from photon_ros.sample_clock import ReadStamps
+    from photon_ros.speech_segmenter import SegmenterConfig
+    stamps = ReadStamps(SegmenterConfig().jump_tolerance)
+    stamps.reanchor()   # before any chunk: nothing to start afresh
+    for k in range(10):
+        stamps.stamp(1000.0 + k * 0.032 + 0.001 * (k % 2), 512, 16000)
+    after_hole = 1000.0 + 13 * 0.032 + 0.001          # chunks 10-12 never came
+    stamps.reanchor()
+    assert stamps.stamp(after_hole, 512, 16000) == after_hole
+    assert abs(stamps.stamp(after_hole + 0.033, 512, 16000) - (after_hole + 0.032)) < 1e-3   # counted again
