@@ -2,10 +2,11 @@
 
 Accepted inputs: our `photon_ros/AudioChunk` (format and rate travel with the data),
 `std_msgs/Int16MultiArray` and `std_msgs/Float32MultiArray` (the rate and channel count cannot
-travel with these, so the caller states them; a two-dimensional `layout` [samples, channels]
-overrides the channel count). Multi-channel audio is averaged to mono, since speech models take
-one channel. Malformed chunks raise ValueError naming the problem. `bytes_to_samples` and
-`samples_to_pcm` are the decoding steps, shared with photon_ros.audio_common_conversions.
+travel with these, so the caller states them; a two-dimensional `layout` overrides the channel
+count: [samples, channels], or [channels, samples] where its labels say so, see `_interleaved`).
+Multi-channel audio is averaged to mono, since speech models take one channel. Malformed chunks
+raise ValueError naming the problem. `bytes_to_samples` and `samples_to_pcm` are the decoding
+steps, shared with photon_ros.audio_common_conversions.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ _FORMATS: dict[str, tuple[str, float, float]] = {
 # or integer bytes declared as floats. (The file readers take up to audio_io.MAX_FLOAT_SAMPLE: a
 # file says what it holds; a message's float field is filled by code that may have forgotten to scale.)
 FLOAT_PEAK_LIMIT = 2.0
+# photon_core.runtime.audio_frontend.MAX_CHANNELS (that module imports torch): more channels than
+# a microphone array has is a layout read the wrong way round, whose mixdown is a few samples.
+MAX_CHANNELS = 64
 
 
 class EmptyAudio(ValueError):
@@ -104,15 +108,25 @@ def audio_chunk_to_pcm(msg: AudioChunk) -> Pcm:
 def _interleaved(msg, values: np.ndarray, default: int) -> tuple[np.ndarray, int]:
     """A MultiArray's samples interleaved, and its channel count. A two-dimensional layout says
     which: [samples, channels] (interleaved, as ours) or, where its first dimension is labelled a
-    channel, [channels, samples] (planar, as some microphone arrays send): transposed here. A
-    layout the data does not fill is refused: read as the other one, planar audio is noise."""
+    channel or its second samples ("mic", "samples"), [channels, samples] (planar, as some
+    microphone arrays send): transposed here. A layout the data does not fill is refused: read as
+    the other one, planar audio is noise; so is one of more than MAX_CHANNELS channels."""
     dims = msg.layout.dim
     if len(dims) < 2:
         return values, default
     rows, cols = int(dims[0].size), int(dims[1].size)
     if rows * cols != values.size:
         raise ValueError(f"the array's layout says {rows} x {cols} samples but it holds {values.size}")
-    if "chan" in dims[0].label.lower() and "chan" not in dims[1].label.lower():
+    first, second = dims[0].label.lower(), dims[1].label.lower()
+    planar = (("chan" in first and "chan" not in second)
+              or ("sample" in second and "sample" not in first))
+    channels = rows if planar else cols
+    if channels > MAX_CHANNELS:
+        read = "[channels, samples]" if planar else "[samples, channels]"
+        raise ValueError(f"the array's {rows} x {cols} layout (labels {dims[0].label!r}, {dims[1].label!r}), "
+                         f"read as {read}, has {channels} channels, more than {MAX_CHANNELS}: label its "
+                         f"dimensions \"channels\" and \"samples\" in the order the data has them")
+    if planar:
         return np.ascontiguousarray(values.reshape(rows, cols).T).reshape(-1), rows
     return values, cols
 

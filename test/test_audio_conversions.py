@@ -137,3 +137,36 @@ def test_a_channel_first_layout_is_read_as_planar_and_a_layout_the_data_does_not
                         MultiArrayDimension(label="channels", size=2, stride=2)]
     with pytest.raises(ValueError, match="layout says 999 x 2"):
         float32_array_to_pcm(wrong, 16000)
+
+
+@pytest.mark.parametrize("labels", [("mic", "samples"), ("MIC", "Samples"), ("channels", "samples"),
+                                    ("channels", "")])
+def test_a_planar_layout_is_told_by_either_label(labels):
+    """A 4-mic array's [4, 1600] chunk labelled ("mic", "samples") was read as 1600 channels of 4
+    samples: 100 ms of audio became 4 samples, and the speech node heard nothing, silently."""
+    from std_msgs.msg import MultiArrayDimension
+    mics = np.stack([np.full(1600, k, np.int16) + np.arange(1600, dtype=np.int16) for k in range(4)])
+    planar = Int16MultiArray(data=mics.reshape(-1).tolist())
+    planar.layout.dim = [MultiArrayDimension(label=labels[0], size=4, stride=6400),
+                         MultiArrayDimension(label=labels[1], size=1600, stride=1600)]
+    out = int16_array_to_pcm(planar, 16000)
+    np.testing.assert_allclose(out.samples, (np.arange(1600) + 1.5) / 32768, rtol=1e-6)
+
+
+@pytest.mark.parametrize("labels, sizes", [(("", ""), (4, 1600)), (("channels", "samples"), (1600, 4)),
+                                           (("samples", "channels"), (4, 1600))])
+def test_a_layout_of_more_channels_than_any_array_is_refused(labels, sizes):
+    """Read as [samples, channels] an unlabelled [4, 1600] chunk is 1600 channels whose mixdown is
+    4 samples: refused, naming the layout, where it was silently averaged away."""
+    from std_msgs.msg import MultiArrayDimension
+    msg = Float32MultiArray(data=np.zeros(6400, np.float32).tolist())
+    msg.layout.dim = [MultiArrayDimension(label=labels[0], size=sizes[0], stride=6400),
+                      MultiArrayDimension(label=labels[1], size=sizes[1], stride=sizes[1])]
+    with pytest.raises(ValueError, match=f"{sizes[0]} x {sizes[1]} layout .* 1600 channels, more than 64"):
+        float32_array_to_pcm(msg, 16000)
+
+
+def test_the_channel_limit_is_the_frontends():
+    from photon_core.runtime.audio_frontend import MAX_CHANNELS as FRONTEND_MAX
+    from photon_ros.audio_conversions import MAX_CHANNELS
+    assert MAX_CHANNELS == FRONTEND_MAX
