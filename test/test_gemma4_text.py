@@ -15,6 +15,7 @@ from test_gemma4_fixtures import BOS, WINDOW, gemma4_dir, gemma4_hf, save_checkp
 
 from photon_core.models.gemma4 import load_gemma4
 from photon_core.models.gemma4 import text
+from photon_core.runtime.requests import Request
 
 ATOL = 2e-4
 STEPS = 20
@@ -155,3 +156,15 @@ def test_bfloat16_runs_close_to_float32(gemma4_dir, model):
     ids = prompt(WINDOW + 2)
     a, b = low.prefill_logits(ids), model.prefill_logits(ids)
     assert torch.isfinite(a).all() and (a - b).abs().max() < 0.1 * b.abs().max() + 0.05
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_any_batch(model):
+    # Each row draws from its own generator: rows sampled beside it (or before it) take none of its draws.
+    sampled = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
+    a = Request("query", None, "what is in this image?", settings=sampled)
+    b = Request("query", None, "the cat sat on the mat", settings=sampled)
+    alone = model.batch([a], seed=5)[0]
+    assert model.batch([a, b], seed=5)[0] == alone
+    assert model.batch([b, a, b], seed=5)[1] == alone
+    assert model.query(None, "what is in this image?", settings=sampled, seed=5) == alone
+    assert model.batch([a], seed=6)[0] != alone   # the seed still decides the draws

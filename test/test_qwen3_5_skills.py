@@ -203,3 +203,72 @@ def test_cli_and_shared_engine(setup, tmp_path, capsys):
         assert engine.model.model_id
     finally:
         release(engine)
+
+
+def test_a_sampled_request_draws_the_same_alone_or_in_any_batch(setup):
+    # One draw from model.generator seeds every row of a call, each row its own generator: rows
+    # sampled beside it (or before it) take none of its draws.
+    _, model, _ = setup
+    sampled = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
+    a = Request("query", None, "what is in the picture?", settings=sampled)
+    b = Request("query", None, "describe the fox", settings=sampled)
+
+    def seeded(requests, seed=5):
+        model.generator.manual_seed(seed)
+        return model.batch(requests)
+    alone = seeded([a])[0]
+    assert seeded([a, b])[0] == alone
+    assert seeded([b, a, b])[1] == alone
+    model.generator.manual_seed(5)
+    assert model.query(None, "what is in the picture?", settings=sampled) == alone
+    assert seeded([a], seed=6)[0] != alone   # model.generator's seed still decides the draws
+
+
+def test_dropping_finished_rows_waits_for_the_arena_turn(setup):
+    """On the megakernel a batch's state is bound to a compiled bucket: its tensors are views of the
+    bucket's arena rows, and dropping a finished row (Session.keep) copies the kept rows out of
+    them. Another request's thread binding its own state to that bucket meanwhile (its step, in
+    its turn) must wait for the copy, or the kept rows would take that request's caches."""
+    pytest.importorskip("triton")
+    from photon_core.backends.select import get_backend
+    from photon_core.megakernel import Tiling
+    from photon_core.models.qwen3_5 import generate, text
+    _, _, folder = setup
+    mk = load_qwen3_5(folder, backend=get_backend("megakernel"), tiling=Tiling(64, 64, 32, 1, 1), max_len=64)
+
+    def two_rows(*questions):
+        states = [mk.prefill(None, q, extra=4)[0] for q in questions]
+        return text.DecodeState.merge(states, max(s.max_len for s in states))
+    mine, other = two_rows("hi", "ok"), two_rows("why", "no")
+    with mk.decode.turn():
+        mk.decode.bind(mine, mine.batch, mine.max_len)
+    want = {kind: {i: t[:1].clone() for i, t in getattr(mine, kind).items()} for kind in ("k", "v", "conv", "rec")}
+
+    reading, go = threading.Event(), threading.Event()
+
+    class ReadThenWait(dict):
+        # The keeping thread's first read hands over an arena view, then the other thread gets its chance.
+        def __getitem__(self, i):
+            t = super().__getitem__(i)
+            if threading.current_thread() is keeper and not reading.is_set():
+                reading.set()
+                go.wait(10)
+            return t
+    mine.k = ReadThenWait(mine.k)
+
+    def bind_other():
+        with mk.decode.turn():
+            mk.decode.bind(other, other.batch, other.max_len)
+    keeper = threading.Thread(target=generate.Session(mk, mine, []).keep, args=([0],))
+    binder = threading.Thread(target=bind_other)
+    keeper.start()
+    assert reading.wait(10)
+    binder.start()
+    binder.join(1.0)   # with the fix it waits for the keeper's turn; without it, it binds now
+    go.set()
+    keeper.join(10)
+    binder.join(10)
+    assert not keeper.is_alive() and not binder.is_alive() and mine.batch == 1
+    for kind, tensors in want.items():
+        for i, t in tensors.items():
+            assert torch.equal(getattr(mine, kind)[i], t), f"{kind}[{i}] holds another request's rows"

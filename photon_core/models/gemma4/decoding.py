@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from photon_core.runtime.batch_rows import row_generator
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.sampling import Sampling, pick, step_argmax
 
@@ -38,8 +39,10 @@ class Row:
 class BatchDecoder:
     def __init__(self, model: "Gemma4Model", rows: list[Row], seed: int | None = None,
                  device_rounds: bool = True) -> None:
-        """device_rounds: greedy batches on the megakernel decode in rounds on the device (False:
-        one launch per token, the host reading each token)."""
+        """seed: every sampled row's own generator's (runtime.batch_rows.row_generator: a request's
+        draws are the same whatever rows decode beside it); None: unseeded. device_rounds: greedy
+        batches on the megakernel decode in rounds on the device (False: one launch per token, the
+        host reading each token)."""
         cfg = model.config.text
         self.model, self.rows, self.device_rounds = model, rows, device_rounds
         self.sampling = [Sampling(r.max_tokens, r.temperature, r.top_p) for r in rows]
@@ -48,11 +51,7 @@ class BatchDecoder:
                 raise ValueError(f"prompt of {len(r.prompt)} tokens does not fit the context ({cfg.max_context})")
             r.limit = min(cfg.max_context, len(r.prompt) + r.max_tokens)
         self.max_len = max(r.limit for r in rows)
-        self.gen = torch.Generator(device="cpu")
-        if seed is not None:
-            self.gen.manual_seed(seed)
-        else:
-            self.gen.seed()
+        self.gens = [row_generator(seed) for _ in rows]
         self.allowed = torch.ones(cfg.vocab_size, dtype=torch.bool, device=model.device)
         self.allowed[list(model.config.placeholder_ids)] = False
 
@@ -61,7 +60,7 @@ class BatchDecoder:
         s = self.sampling[b]
         if s.greedy and greedy is not None:
             return step_argmax(greedy)
-        return pick(logits, s, self.model.ops, self.allowed, self.gen)
+        return pick(logits, s, self.model.ops, self.allowed, self.gens[b])
 
     def _stepper(self) -> "Stepper":
         fm = getattr(self.model, "decode", None)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from photon_core.runtime import chat_messages
+from photon_core.runtime.batch_rows import Progress
 from photon_core.runtime.chat_template import stop_ids
 from photon_core.runtime.generate import room
 from photon_core.models.serials import new_serial
@@ -187,7 +188,8 @@ class Gemma4Model:
 
     def batch(self, requests: list[Request], seed: int | None = None) -> list[dict]:
         """caption/query requests decoded together (one batched forward per step); results in
-        order, shaped as the single calls return them."""
+        order, shaped as the single calls return them. seed: every request's sampler's, as the
+        single call's (a request draws the same alone or beside others)."""
         if not requests:
             return []
         rows, encoded = [], {}
@@ -203,17 +205,19 @@ class Gemma4Model:
                 encoded[id(r.image)] = self.encode_image(r.image)
             image = None if r.image is None else encoded[id(r.image)]
             rows.append(self._row(image, question, s))
-        # The compiled step holds up to 8 rows; larger batches go through it 8 rows at a time.
+        # The compiled step holds up to 8 rows; larger batches go through it 8 rows at a time
+        # (each row seeded alike, whichever group it lands in: BatchDecoder).
         size = self.decode.max_rows if self.decode is not None else len(rows)
         key = {"caption": "caption", "query": "answer"}
+        progress = [Progress(r.progress) for r in requests]
         for i in range(0, len(rows), size):
-            group, asked = rows[i:i + size], requests[i:i + size]
-            for new in BatchDecoder(self, group, None if seed is None else seed + i).run():
+            group, asked, told = rows[i:i + size], requests[i:i + size], progress[i:i + size]
+            for new in BatchDecoder(self, group, seed).run():
                 # Between steps: a canceled request's row stops (the decoder skips done rows), and
                 # each row that grew tells its caller (on device rounds: as each round is read).
-                for r, row, tok in zip(asked, group, new):
-                    if tok is not None and r.progress is not None:
-                        r.progress({key[r.task]: self.prompter.decode(row.tokens)})
+                for r, row, tok, tell in zip(asked, group, new, told):
+                    if tok is not None and tell.wanted:
+                        tell({key[r.task]: self.prompter.decode(row.tokens)})
                     if r.canceled:
                         row.done = True
         return [{key[r.task]: self.prompter.decode(row.tokens)} for r, row in zip(requests, rows)]

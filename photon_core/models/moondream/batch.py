@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from photon_core.runtime.batch_rows import Progress
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.requests import Request, Settings, SpatialRef, check_spatial_refs
 from photon_core.runtime.sampling import Sampling, check_finite, pick
@@ -71,10 +72,12 @@ class _Row:
                                          # token it picks is fed (model.spatial_tokens_fed)
     feed: tuple[str, Any] | None = None  # ("coord" | "size", value) its next input encodes; None: a token
     text: Any = None                     # its answer's text as reported so far (JoinedPieces)
+    progress: Progress = field(init=False)   # the request's callback, as the decode calls it
 
     def __post_init__(self) -> None:
         if self.opts is None:
             self.opts = self.request.options()
+        self.progress = Progress(self.request.progress)
 
     @property
     def steps(self) -> int:
@@ -240,9 +243,9 @@ def watch(model: "MoondreamModel", rows: list[_Row]) -> None:
     (Request.progress)."""
     for row in rows:
         grown = len(row.objects) if row.is_object else len(row.tokens)
-        if row.request.progress is not None and grown > row.reported:
+        if row.progress.wanted and grown > row.reported:
             row.reported = grown
-            row.request.progress(_result(model, row))
+            row.progress(_result(model, row))
 
 
 class BatchSession:

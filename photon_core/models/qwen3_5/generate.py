@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from photon_core.runtime.batch_rows import Progress, row_generator
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.sampling import Sampling, pick
 
@@ -33,7 +34,10 @@ class Session:
         return self.model.step(torch.tensor(tokens, device=self.model.device)[:, None], self.state), None
 
     def keep(self, rows: list[int]) -> None:
-        self.state.keep(rows)
+        if self.model.decode is not None:
+            self.model.decode.keep(self.state, rows)
+        else:
+            self.state.keep(rows)
 
     def rounds(self, first: list[int], max_new: list[int], stop: Collection[int]) -> Iterator[tuple[int, int]]:
         if self.model.decode is None:
@@ -41,21 +45,33 @@ class Session:
         return self.model.decode.stream_greedy(self.state, first, max_new, stop)
 
 
+def call_seed(model: "Qwen35Model", jobs: list[Sampling]) -> int | None:
+    """The seed of every sampled row of one call: one draw from model.generator (its seed makes the
+    call repeatable; the next call draws afresh). One draw for all the call's rows, so that a row
+    draws as it would alone (runtime.batch_rows.row_generator). None where no row samples: a
+    greedy call leaves model.generator as it was."""
+    if all(s.greedy for s in jobs):
+        return None
+    g = model.generator
+    return int(torch.randint(0, 2**63 - 1, (1,), generator=g, device=g.device))
+
+
 def _decode(model: "Qwen35Model", state: "text.DecodeState", logits: list[torch.Tensor], jobs: list[Sampling],
-            limits: list[int], requests: list | None = None) -> Iterator[list[int | None]]:
-    """runtime.generate over the prefilled rows (limits: each row's own cache size)."""
+            limits: list[int], seed: int | None, requests: list | None = None) -> Iterator[list[int | None]]:
+    """runtime.generate over the prefilled rows (limits: each row's own cache size; seed: call_seed's)."""
     rooms = [room(s.max_tokens, int(state.length[r]), lim) for r, (s, lim) in enumerate(zip(jobs, limits))]
     watched = requests is not None and any(r.cancel is not None or r.progress is not None for r in requests)
     canceled = None if requests is None else (lambda r: requests[r].canceled)
+    gens = [row_generator(seed) for _ in jobs]
     return generate(Session(model, state, logits), jobs, rooms, model.prompts.stop_ids,
-                    lambda r, lg, _: pick(lg, jobs[r], model.ops, generator=model.generator), canceled,
+                    lambda r, lg, _: pick(lg, jobs[r], model.ops, generator=gens[r]), canceled,
                     device_rounds=model.decode is not None and not watched)
 
 
 def tokens(model: "Qwen35Model", state: "text.DecodeState", logits: torch.Tensor, s: Sampling) -> Iterator[int]:
     """The answer's token ids after a prefilled prompt (its last logits), decoded lazily as the caller
     iterates (stop tokens not yielded)."""
-    for new in _decode(model, state, [logits], [s], [state.max_len]):
+    for new in _decode(model, state, [logits], [s], [state.max_len], call_seed(model, [s])):
         if new[0] is not None:   # always, with one row: a step's list is yielded for its token
             yield new[0]
 
@@ -67,12 +83,14 @@ def run_batch(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]],
     and each one's `progress` hears its text as it grows (host-driven decoding; on the
     megakernel's device rounds, greedy batches are decoded whole)."""
     out: list[str] = []
+    seed = call_seed(model, [s for _, _, s in jobs])   # one for all groups: a row draws alike in any
     for i in range(0, len(jobs), MAX_BATCH):
-        out += _decode_group(model, jobs[i:i + MAX_BATCH], None if requests is None else requests[i:i + MAX_BATCH])
+        out += _decode_group(model, jobs[i:i + MAX_BATCH], seed,
+                             None if requests is None else requests[i:i + MAX_BATCH])
     return out
 
 
-def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]],
+def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]], seed: int | None,
                   requests: list | None = None) -> list[str]:
     states, logits = [], []
     for image, question, s in jobs:   # prompts differ in length and image: prefilled one by one
@@ -81,11 +99,14 @@ def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]
         logits.append(lg)
     state = text.DecodeState.merge(states, max(st.max_len for st in states))
     results: list[list[int]] = [[] for _ in jobs]
-    for new in _decode(model, state, logits, [s for _, _, s in jobs], [st.max_len for st in states], requests):
+    asked = requests if requests is not None else []
+    told = [(Progress(r.progress), "answer" if r.task == "query" else "caption") for r in asked]
+    for new in _decode(model, state, logits, [s for _, _, s in jobs], [st.max_len for st in states], seed,
+                       requests):
         for j, tok in enumerate(new):
             if tok is not None:
                 results[j].append(tok)
-                if requests is not None and requests[j].progress is not None:
-                    key = "answer" if requests[j].task == "query" else "caption"
-                    requests[j].progress({key: model.prompts.decode(results[j])})
+                if told and told[j][0].wanted:
+                    tell, key = told[j]
+                    tell({key: model.prompts.decode(results[j])})
     return [model.prompts.decode(r) for r in results]

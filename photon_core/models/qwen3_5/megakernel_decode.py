@@ -68,6 +68,13 @@ class MegakernelDecode(CompiledSteps[Qwen35DecoderStep]):
             with torch.no_grad():
                 return mk.step(ids, state)
 
+    def keep(self, state: text.DecodeState, rows: list[int]) -> None:
+        """state.keep(rows) in the arena's turn: a bound state's tensors are views of its bucket's
+        rows, and another thread's state bound there meanwhile (bind, in its turn) would be copied
+        into them while `keep` still reads them: this state's rows would take the other's caches."""
+        with self.turn():
+            state.keep(rows)
+
     def stream_greedy(self, state: text.DecodeState, first: Sequence[int], max_new: Sequence[int],
                       stop: Collection[int]) -> Iterator[tuple[int, int]]:
         """Greedy tokens of every row of a prefilled state as (row, token) pairs, from each row's
