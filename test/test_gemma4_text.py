@@ -158,13 +158,19 @@ def test_bfloat16_runs_close_to_float32(gemma4_dir, model):
     assert torch.isfinite(a).all() and (a - b).abs().max() < 0.1 * b.abs().max() + 0.05
 
 
-def test_a_seeded_request_samples_the_same_alone_or_in_any_batch(model):
-    # Each row draws from its own generator: rows sampled beside it (or before it) take none of its draws.
+def test_a_seeded_request_samples_the_same_whatever_decodes_beside_it(model):
+    # Each row draws from its own generator, seeded by its place in the call: rows sampled beside
+    # it (stopping sooner or later) take none of its draws, and identical requests draw apart.
     sampled = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
     a = Request("query", None, "what is in this image?", settings=sampled)
     b = Request("query", None, "the cat sat on the mat", settings=sampled)
+    short = Request("query", None, "the cat sat on the mat", settings={**sampled, "max_tokens": 1})
+    greedy = Request("query", None, "the cat sat on the mat", settings={"max_tokens": 8, "temperature": 0.0})
     alone = model.batch([a], seed=5)[0]
     assert model.batch([a, b], seed=5)[0] == alone
-    assert model.batch([b, a, b], seed=5)[1] == alone
+    assert model.batch([a, short, b], seed=5)[0] == alone
     assert model.query(None, "what is in this image?", settings=sampled, seed=5) == alone
+    second = model.batch([b, a], seed=5)[1]
+    assert model.batch([greedy, a], seed=5)[1] == second == model.batch([short, a], seed=5)[1]
+    assert len(set(map(str, model.batch([a, a, a, a], seed=5)))) > 1
     assert model.batch([a], seed=6)[0] != alone   # the seed still decides the draws

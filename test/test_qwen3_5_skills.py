@@ -205,22 +205,25 @@ def test_cli_and_shared_engine(setup, tmp_path, capsys):
         release(engine)
 
 
-def test_a_sampled_request_draws_the_same_alone_or_in_any_batch(setup):
-    # One draw from model.generator seeds every row of a call, each row its own generator: rows
-    # sampled beside it (or before it) take none of its draws.
+def test_a_sampled_request_draws_the_same_whatever_decodes_beside_it(setup):
+    # One draw from model.generator seeds a call; its row i draws from a generator of its own
+    # seeded by that and i: rows sampled beside it take none of its draws, identical ones draw apart.
     _, model, _ = setup
     sampled = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
     a = Request("query", None, "what is in the picture?", settings=sampled)
     b = Request("query", None, "describe the fox", settings=sampled)
+    short = Request("query", None, "describe the fox", settings={**sampled, "max_tokens": 1})
+    greedy = Request("query", None, "describe the fox", settings={"max_tokens": 8, "temperature": 0.0})
 
     def seeded(requests, seed=5):
         model.generator.manual_seed(seed)
         return model.batch(requests)
     alone = seeded([a])[0]
-    assert seeded([a, b])[0] == alone
-    assert seeded([b, a, b])[1] == alone
+    assert seeded([a, b])[0] == seeded([a, short, b])[0] == alone
     model.generator.manual_seed(5)
     assert model.query(None, "what is in the picture?", settings=sampled) == alone
+    assert seeded([greedy, a])[1] == seeded([short, a])[1] == seeded([b, a])[1]
+    assert len(set(map(str, seeded([a, a, a, a])))) > 1
     assert seeded([a], seed=6)[0] != alone   # model.generator's seed still decides the draws
 
 

@@ -38,9 +38,10 @@ class Row:
 
 class BatchDecoder:
     def __init__(self, model: "Gemma4Model", rows: list[Row], seed: int | None = None,
-                 device_rounds: bool = True) -> None:
-        """seed: every sampled row's own generator's (runtime.batch_rows.row_generator: a request's
-        draws are the same whatever rows decode beside it); None: unseeded. device_rounds: greedy
+                 device_rounds: bool = True, first_row: int = 0) -> None:
+        """seed: the call's; row i (counted from `first_row`, its place in the call) draws from a
+        generator of its own seeded seed + i (runtime.batch_rows.row_generator: its draws are the
+        same whatever rows decode beside it); None: unseeded. device_rounds: greedy
         batches on the megakernel decode in rounds on the device (False: one launch per token, the
         host reading each token)."""
         cfg = model.config.text
@@ -51,7 +52,7 @@ class BatchDecoder:
                 raise ValueError(f"prompt of {len(r.prompt)} tokens does not fit the context ({cfg.max_context})")
             r.limit = min(cfg.max_context, len(r.prompt) + r.max_tokens)
         self.max_len = max(r.limit for r in rows)
-        self.gens = [row_generator(seed) for _ in rows]
+        self.gens = [row_generator(None if seed is None else seed + first_row + i) for i in range(len(rows))]
         self.allowed = torch.ones(cfg.vocab_size, dtype=torch.bool, device=model.device)
         self.allowed[list(model.config.placeholder_ids)] = False
 

@@ -188,8 +188,8 @@ class Gemma4Model:
 
     def batch(self, requests: list[Request], seed: int | None = None) -> list[dict]:
         """caption/query requests decoded together (one batched forward per step); results in
-        order, shaped as the single calls return them. seed: every request's sampler's, as the
-        single call's (a request draws the same alone or beside others)."""
+        order, shaped as the single calls return them. seed: the first request's sampler's, as the
+        single call's; the i-th request's is seed + i (what the others are changes none of its draws)."""
         if not requests:
             return []
         rows, encoded = [], {}
@@ -206,13 +206,13 @@ class Gemma4Model:
             image = None if r.image is None else encoded[id(r.image)]
             rows.append(self._row(image, question, s))
         # The compiled step holds up to 8 rows; larger batches go through it 8 rows at a time
-        # (each row seeded alike, whichever group it lands in: BatchDecoder).
+        # (each row seeded by its place in the call, whichever group it lands in: BatchDecoder).
         size = self.decode.max_rows if self.decode is not None else len(rows)
         key = {"caption": "caption", "query": "answer"}
         progress = [Progress(r.progress) for r in requests]
         for i in range(0, len(rows), size):
             group, asked, told = rows[i:i + size], requests[i:i + size], progress[i:i + size]
-            for new in BatchDecoder(self, group, seed).run():
+            for new in BatchDecoder(self, group, seed, first_row=i).run():
                 # Between steps: a canceled request's row stops (the decoder skips done rows), and
                 # each row that grew tells its caller (on device rounds: as each round is read).
                 for r, row, tok, tell in zip(asked, group, new, told):

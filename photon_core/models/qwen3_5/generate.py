@@ -46,23 +46,25 @@ class Session:
 
 
 def call_seed(model: "Qwen35Model", jobs: list[Sampling]) -> int | None:
-    """The seed of every sampled row of one call: one draw from model.generator (its seed makes the
-    call repeatable; the next call draws afresh). One draw for all the call's rows, so that a row
-    draws as it would alone (runtime.batch_rows.row_generator). None where no row samples: a
-    greedy call leaves model.generator as it was."""
+    """The seed of one call: one draw from model.generator (its seed makes the call repeatable;
+    the next call draws afresh); the call's row i samples from a generator of its own seeded
+    seed + i (runtime.batch_rows.row_generator), so what the other rows are changes none of its
+    draws. None where no row samples: a greedy call leaves model.generator as it was."""
     if all(s.greedy for s in jobs):
         return None
     g = model.generator
-    return int(torch.randint(0, 2**63 - 1, (1,), generator=g, device=g.device))
+    return int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
 
 
 def _decode(model: "Qwen35Model", state: "text.DecodeState", logits: list[torch.Tensor], jobs: list[Sampling],
-            limits: list[int], seed: int | None, requests: list | None = None) -> Iterator[list[int | None]]:
-    """runtime.generate over the prefilled rows (limits: each row's own cache size; seed: call_seed's)."""
+            limits: list[int], seed: int | None, requests: list | None = None,
+            first_row: int = 0) -> Iterator[list[int | None]]:
+    """runtime.generate over the prefilled rows (limits: each row's own cache size; seed: call_seed's,
+    `first_row`: the first row's place in the call)."""
     rooms = [room(s.max_tokens, int(state.length[r]), lim) for r, (s, lim) in enumerate(zip(jobs, limits))]
     watched = requests is not None and any(r.cancel is not None or r.progress is not None for r in requests)
     canceled = None if requests is None else (lambda r: requests[r].canceled)
-    gens = [row_generator(seed) for _ in jobs]
+    gens = [row_generator(None if seed is None else seed + first_row + r) for r in range(len(jobs))]
     return generate(Session(model, state, logits), jobs, rooms, model.prompts.stop_ids,
                     lambda r, lg, _: pick(lg, jobs[r], model.ops, generator=gens[r]), canceled,
                     device_rounds=model.decode is not None and not watched)
@@ -83,15 +85,15 @@ def run_batch(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]],
     and each one's `progress` hears its text as it grows (host-driven decoding; on the
     megakernel's device rounds, greedy batches are decoded whole)."""
     out: list[str] = []
-    seed = call_seed(model, [s for _, _, s in jobs])   # one for all groups: a row draws alike in any
+    seed = call_seed(model, [s for _, _, s in jobs])   # one for all groups: rows seeded by their place
     for i in range(0, len(jobs), MAX_BATCH):
         out += _decode_group(model, jobs[i:i + MAX_BATCH], seed,
-                             None if requests is None else requests[i:i + MAX_BATCH])
+                             None if requests is None else requests[i:i + MAX_BATCH], first_row=i)
     return out
 
 
 def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]], seed: int | None,
-                  requests: list | None = None) -> list[str]:
+                  requests: list | None = None, first_row: int = 0) -> list[str]:
     states, logits = [], []
     for image, question, s in jobs:   # prompts differ in length and image: prefilled one by one
         st, lg = model.prefill(image, question, extra=s.max_tokens)
@@ -102,7 +104,7 @@ def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]
     asked = requests if requests is not None else []
     told = [(Progress(r.progress), "answer" if r.task == "query" else "caption") for r in asked]
     for new in _decode(model, state, logits, [s for _, _, s in jobs], [st.max_len for st in states], seed,
-                       requests):
+                       requests, first_row):
         for j, tok in enumerate(new):
             if tok is not None:
                 results[j].append(tok)
