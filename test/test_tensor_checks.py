@@ -23,14 +23,16 @@ def test_long_lists_are_cut():
     assert listed({"missing": [], "unexpected": ["x"]}) == "unexpected ['x']"
 
 
-def test_moondream2_refuses_an_integer_tensor_instead_of_casting_it():
-    from photon_core.models.moondream.config import MoondreamConfig
-    from photon_core.models.moondream.model import check_state, expected_shapes
-    cfg = MoondreamConfig()
-    shapes = expected_shapes(cfg)
-    sd = {k: torch.empty(v, dtype=torch.bfloat16, device="meta") for k, v in shapes.items()}
-    check_state(sd, cfg, "md2")
-    name = next(iter(shapes))
-    sd[name] = torch.empty(shapes[name], dtype=torch.int8, device="meta")
-    with pytest.raises(ValueError, match=rf"md2 does not match the Moondream 2 config: not floating point \['{name}'\]"):
-        check_state(sd, cfg, "md2")
+@pytest.mark.parametrize("family", ["moondream", "moondream3"])
+def test_moondream_loaders_refuse_an_integer_tensor_instead_of_casting_it(tmp_path, family):
+    """Their loaders cast every tensor to the model's dtype on the way in: an int8 (quantized)
+    tensor, cast, would load as garbage weights; it is refused by name before the cast."""
+    import importlib
+
+    from safetensors.torch import save_file
+    weights = importlib.import_module(f"photon_core.models.{family}.weights")
+    path = tmp_path / "model.safetensors"
+    save_file({"vision.patch_emb.weight": torch.ones(4, 3, dtype=torch.int8),
+               "text.wte": torch.ones(8, 4, dtype=torch.bfloat16)}, str(path))
+    with pytest.raises(ValueError, match=r"not floating point \['vision.patch_emb.weight'\]"):
+        weights.load_tensors(path, torch.float32)

@@ -35,3 +35,12 @@ def listed(problems: Mapping[str, Iterable[str]], shown: int = 4) -> str:
         if names:
             parts.append(f"{label} {names[:shown]}{'...' if len(names) > shown else ''}")
     return "; ".join(parts)
+
+
+def refuse_integers(tensors: Mapping[str, torch.Tensor], source: object) -> None:
+    """ValueError naming the integer (quantized) tensors, for a loader that casts every tensor to
+    its dtype on the way in: cast, they would load as garbage weights without a word."""
+    ints = [n for n, t in tensors.items() if not t.is_floating_point()]
+    if ints:
+        raise ValueError(f"{source}: {listed({'not floating point': ints})} (quantized checkpoints are not "
+                         "supported yet)")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from photon_core.weights import hf_cache
+from photon_core.weights.tensor_checks import refuse_integers
 from photon_core.weights.tensor_files import DTYPES, parse_dtype, read_safetensors, read_torch, rename  # noqa: F401
 
 HF_REPO = "vikhyatk/moondream2"
@@ -163,5 +164,7 @@ def normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def load_tensors(path: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    tensors = normalize_names(read(path))
+    raw = read(path)
+    refuse_integers(raw, path)
+    tensors = normalize_names(raw)
     return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in tensors.items()}

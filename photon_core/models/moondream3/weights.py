@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from photon_core.models.moondream import weights as md2_weights
+from photon_core.weights.tensor_checks import refuse_integers
 from photon_core.weights.tensor_files import parse_dtype, rename  # noqa: F401
 
 # model id -> (Hugging Face repo, weights file in it)
@@ -140,7 +141,9 @@ def load_tensors(path: Path, dtype: torch.dtype, device: str | torch.device = "c
                  gate_up_layout: str = "halves", keep_fp8: bool = False) -> dict[str, torch.Tensor]:
     """Reference-named tensors in `dtype` on `device`; with keep_fp8, FP8 experts and their fp32
     scales as stored (rows de-interleaved alike)."""
-    tensors = normalize_names(read(path), dtype, keep_fp8)
+    raw = read(path)
+    refuse_integers(raw, path)
+    tensors = normalize_names(raw, dtype, keep_fp8)
     if gate_up_layout == "interleaved8":
         for key in [k for k in tensors if k.endswith((".experts_gate_up", ".experts_gate_up_scale"))]:
             tensors[key] = deinterleave_rows8(tensors[key])
