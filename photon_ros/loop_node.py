@@ -4,8 +4,9 @@ vision node has depth, and a bounded turn toward it.
     transcript (photon_ros/Transcript), e.g. "point at the red cup"; only final transcripts of
                complete audio are acted on (half a command must not move the robot)
       -> commands.parse_command -> VisionRequest("point", "red cup")
-      -> the vision node's find action on its latest frame (a newer command cancels a goal still
-         decoding: the robot acts on what it was told last)
+      -> the vision node's find action on its latest frame (on the next one for a camera that
+         leaves its frames unstamped), within search_timeout_s (a newer command cancels a goal
+         still decoding: the robot acts on what it was told last)
     "stop" ("halt", "cancel", "never mind", ...: commands.is_stop), from a partial transcript
                already: the search in progress is canceled and a turn ends at once (zero Twist)
       -> image_target (photon_ros/ImageTarget: where the target is in the image, pixels and
@@ -77,6 +78,9 @@ LOOP_PARAMS = [
           "the robot on what was said long before; a stamp this far ahead of the node's clock is refused too "
           "(clocks that differ: use_sim_time on one node and not another); 0: any age (replays, whose stamps "
           "are old)", low=0.0),
+    Param("search_timeout_s", 30.0, "a search (waiting for its frame, then decoding) gives up after this long, "
+          "said on status: a camera that stopped must not leave a command waiting unanswered; 0: no limit",
+          low=0.0),
     Param("refuse_frames_before_turn", True, "a result from a frame captured before the last turn ended (or "
           "while turning) moves nothing; false only for replays, whose frames are not this robot's (evaluate)"),
 ]
@@ -316,7 +320,8 @@ class LoopNode(Node):
         self.say(f"{request.task}: looking for {request.target!r}")
         latest = not self.unstamped_frames
         self.asked = (self.get_clock().now().nanoseconds, latest)
-        sent = self.find.send_goal_async(Find.Goal(task=request.task, prompt=request.target, use_latest_frame=latest))
+        sent = self.find.send_goal_async(Find.Goal(task=request.task, prompt=request.target, use_latest_frame=latest,
+                                                   timeout_s=float(self.params["search_timeout_s"])))
         sent.add_done_callback(lambda f, n=self.command: self.on_accepted(request, f, n))
 
     def stop(self, text: str) -> None:

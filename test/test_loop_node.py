@@ -192,6 +192,7 @@ def test_an_unstamped_frame_after_a_turn_is_not_acted_on_and_later_goals_ask_for
     loop.said.clear()
     command(loop)
     assert not loop.find.goals[-1].use_latest_frame      # learned: the camera does not stamp
+    assert loop.find.goals[-1].timeout_s == 30.0         # a camera that stops: the wait ends, said
     loop.on_result(POINT, done(found(unstamped)), Handle(), command=loop.command)
     assert loop.turns.active and not any("unstamped" in s for s in loop.said), loop.said
     end_turn(loop)
