@@ -10,7 +10,11 @@ from pathlib import Path
 
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 # Always this run's own: the environment's domain is the user's graph (a robot's, another terminal's).
-os.environ["ROS_DOMAIN_ID"] = str(100 + os.getpid() % 100)
+# Under pytest-xdist (scripts/test.sh) each worker is a process of its own: its number, added to
+# the run's (the controller's pid), keeps the workers of one run apart (pids need not be adjacent).
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+_run = os.getppid() + int(_worker[2:]) if _worker.startswith("gw") else os.getpid()
+os.environ["ROS_DOMAIN_ID"] = str(100 + _run % 100)
 # No test reads or writes the user's megakernel build cache (megakernel/build_cache.py): a stored
 # table would skip the builds tests make on purpose (and their checks). test_megakernel_build_cache
 # turns it on in a temporary folder; child processes (nodes under test) inherit this.
