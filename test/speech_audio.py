@@ -1,12 +1,14 @@
 """Real speech with a known text, made by espeak-ng, for speech tests (cached per process)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +63,23 @@ def bench_module(name: str):
     if str(_BENCH) not in sys.path:
         sys.path.append(str(_BENCH))
     return importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def unspun_speech_node() -> Iterator:
+    """A real SpeechNode in a context of its own, never spun: tests feed it through take_audio (the
+    subscription callback's body), without partials or speculation, so only the cuts show."""
+    import rclpy
+    from rclpy.parameter import Parameter
+
+    from photon_ros.speech_node import SpeechNode
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    node = SpeechNode(context=ctx, parameter_overrides=[Parameter("autostart", value=False),
+                                                        Parameter("partial_interval_s", value=0.0),
+                                                        Parameter("speculate", value=False)])
+    try:
+        yield node
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=ctx)

@@ -7,10 +7,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import rclpy
-from rclpy.parameter import Parameter
 
-from photon_ros.speech_node import SpeechNode, drain
+from photon_ros.speech_node import drain
+from speech_audio import unspun_speech_node
 
 RATE, CHUNK = 16000, 512             # mgonzs13's audio_capturer_node: 512 frames (32 ms)
 T0 = 1_764_600_000.0
@@ -19,16 +18,8 @@ GAP = int(1.4 * RATE) // CHUNK       # the first chunk that goes missing, mid-sp
 
 @pytest.fixture
 def node():
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx)
-    node = SpeechNode(context=ctx, parameter_overrides=[Parameter("autostart", value=False),
-                                                        Parameter("partial_interval_s", value=0.0),
-                                                        Parameter("speculate", value=False)])
-    try:
-        yield node
-    finally:
-        node.destroy_node()
-        rclpy.shutdown(context=ctx)
+    with unspun_speech_node() as n:
+        yield n
 
 
 def speech_like() -> np.ndarray:

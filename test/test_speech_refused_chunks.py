@@ -4,29 +4,19 @@ stamps' jitter, and unstamped chunks show none at all, so only the skip itself c
 unspun rclpy node fed through take_audio (the subscription callback's body); nothing is decoded."""
 import numpy as np
 import pytest
-import rclpy
 from builtin_interfaces.msg import Time
-from rclpy.parameter import Parameter
 from std_msgs.msg import Header
 
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.msg import AudioChunk
-from photon_ros.speech_node import SpeechNode, drain
-from speech_audio import espeak_pcm
+from photon_ros.speech_node import drain
+from speech_audio import espeak_pcm, unspun_speech_node
 
 
 @pytest.fixture
 def node():
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx)
-    node = SpeechNode(context=ctx, parameter_overrides=[Parameter("autostart", value=False),
-                                                        Parameter("partial_interval_s", value=0.0),
-                                                        Parameter("speculate", value=False)])
-    try:
-        yield node
-    finally:
-        node.destroy_node()
-        rclpy.shutdown(context=ctx)
+    with unspun_speech_node() as n:
+        yield n
 
 
 def chunk(samples, rate, stamp, nan=False):
