@@ -55,7 +55,8 @@ def message_class(msgtype: str) -> type:
 
 
 def bag_topics(path: str | Path) -> dict[str, str]:
-    """topic -> message type of every topic in the bag."""
+    """topic -> message type of every topic in the bag (one of them for a topic recorded with
+    several, which read_messages refuses: a bag is not refused for a topic it need not replay)."""
     with _open_reader(path) as reader:
         return {c.topic: c.msgtype for c in reader.connections}
 
@@ -73,13 +74,22 @@ def read_messages(path: str | Path, topics: list[str],
                   undecodable: list[Undecodable] | None = None) -> Iterator[BagMessage]:
     """The messages of `topics` in the bag's order (log time), deserialized by rclpy. A message
     that cannot be deserialized is appended to `undecodable` and skipped when that list is given;
-    without it, BagError names the message."""
+    without it, BagError names the message. BagError for a topic recorded with several types."""
     with _open_reader(path) as reader:
         connections = [c for c in reader.connections if c.topic in topics]
         missing = set(topics) - {c.topic for c in connections}
         if missing:
             raise BagError(f"{path}: no topic {', '.join(sorted(missing))} "
                            f"(it has {', '.join(sorted(c.topic for c in reader.connections))})")
+        types: dict[str, set[str]] = {}
+        for c in connections:
+            types.setdefault(c.topic, set()).add(c.msgtype)
+        # one publisher replays a topic: another type's messages on it would fail mid-replay
+        # (several connections of one type, one per recording publisher, are fine)
+        for topic, kinds in sorted(types.items()):
+            if len(kinds) > 1:
+                raise BagError(f"{path}: topic {topic} was recorded with several message types "
+                               f"({', '.join(sorted(kinds))}): a topic is replayed as one type")
         classes = {c.id: message_class(c.msgtype) for c in connections}
         for connection, log_time, raw in reader.messages(connections=connections):
             try:

@@ -19,7 +19,7 @@ class ReportData:
     title: str
     rows: dict[str, list[dict]]                       # result_log.result_rows()
     frame_times: list[float] = field(default_factory=list)       # each published frame
-    frame_has_result: list[bool] = field(default_factory=list)
+    frame_has_result: list[bool | None] = field(default_factory=list)   # None: not known (shared stamp)
     frame_note: str = ""                              # the vision node's counters, in words
     audio_times: np.ndarray | None = None             # the input audio's envelope: bin times (s),
     audio_low: np.ndarray | None = None               # lowest and highest sample of each bin
@@ -138,16 +138,18 @@ def transcript_panel(ax, rows: list[dict], times: np.ndarray | None, low: np.nda
         _empty(ax, "no transcript")
 
 
-def frames_panel(ax, times: list[float], has_result: list[bool], note: str) -> None:
+def frames_panel(ax, times: list[float], has_result: list[bool | None], note: str) -> None:
     ax.set_title("frames with and without results" + (f": {note}" if note else ""), loc="left", fontsize=10)
     if not times:
         _empty(ax, "no camera input")
         return
-    t = np.asarray(times)
-    ok = np.asarray(has_result, bool)
-    ax.plot(t[ok], np.ones(ok.sum()), "|", color=FINAL, ms=14, mew=2, label=f"with results ({ok.sum()})")
-    ax.plot(t[~ok], np.zeros((~ok).sum()), "x", color="tab:red", ms=8, mew=2,
-            label=f"without results ({(~ok).sum()})")
+    # a frame whose stamp other frames share: their results name none of them (as in inputs.csv)
+    groups = [(True, 1, "|", FINAL, 14, "with results"), (False, 0, "x", "tab:red", 8, "without results"),
+              (None, 0.5, "o", "0.5", 6, "stamp shared by several frames: not known")]
+    for value, y, marker, color, size, label in groups:
+        x = [t for t, has in zip(times, has_result) if has is value]
+        if x or value is not None:
+            ax.plot(x, [y] * len(x), marker, color=color, ms=size, mew=2, label=f"{label} ({len(x)})")
     ax.set_ylim(-0.6, 1.6)
     ax.set_yticks([0, 1], ["none", "results"])
     ax.legend(fontsize=8, loc="upper right", ncol=2)

@@ -270,9 +270,11 @@ def parse_rate(text: str) -> float | None:
     try:
         rate = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"rate must be a positive number or 'max', got {text!r}") from None
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"rate must be a positive number or 'max', got {text!r}")
+        raise argparse.ArgumentTypeError(f"rate must be a positive finite number or 'max', got {text!r}") from None
+    # inf too: the speech node's idle flush, divided by the rate, would be 0, which it refuses
+    # only once the models have loaded
+    if not 0 < rate < math.inf:
+        raise argparse.ArgumentTypeError(f"rate must be a positive finite number or 'max', got {text!r}")
     return rate
 
 
@@ -290,8 +292,8 @@ def write_outputs(out: Path, storage: str, inputs: Inputs, run: Run, title: str)
     times, low, high = audio_envelope(inputs.messages.get("audio", []), timeline.t0_ns)
     note = frames_note(run.counters.get("vision"))
     plot_report(out / "report.png", ReportData(
-        title=title, rows=rows, frame_times=[timeline.seconds(p.stamp_ns) for p in frames],
-        frame_has_result=[p.stamp_ns in with_results for p in frames], frame_note=note,
+        title=title, rows=rows, frame_times=[timeline.input_seconds(p) for p in frames],
+        frame_has_result=[frame_has_results(p, with_results, timeline) for p in frames], frame_note=note,
         audio_times=times, audio_low=low, audio_high=high))
     summary = {"bag": str(inputs.bag), "inputs": inputs.topics, "ignored_topics": inputs.ignored,
                "undecodable_messages": inputs.undecodable_counts(),
@@ -318,6 +320,12 @@ def _frames_with_results(rows: dict[str, list[dict]], outputs: list[Output]) -> 
     return {r["stamp_ns"] for t in frame_topics for r in rows.get(t, []) if r["stamp_ns"] is not None}
 
 
+def frame_has_results(frame: Published, with_results: set[int], timeline: InputTimeline) -> bool | None:
+    """Whether a frame gave results; None where its stamp is shared with other frames (their
+    results name none of them)."""
+    return None if frame.stamp_ns in timeline.shared else frame.stamp_ns in with_results
+
+
 def write_inputs_csv(path: Path, published: list[Published], inputs: Inputs, with_results: set[int],
                      timeline: InputTimeline) -> None:
     start = min((p.at for p in published), default=0.0)
@@ -326,9 +334,10 @@ def write_inputs_csv(path: Path, published: list[Published], inputs: Inputs, wit
         writer.writerow(["stream", "bag_topic", "index", "stamp_ns", "time_s", "log_time_ns",
                          "published_s", "has_results"])
         for p in published:
-            has = (p.stamp_ns in with_results) if p.stream == "image" and p.stamp_ns not in timeline.shared else ""
+            has = frame_has_results(p, with_results, timeline) if p.stream == "image" else None
             writer.writerow([p.stream, inputs.topics[p.stream], p.index, p.stamp_ns,
-                             timeline.input_seconds(p), p.log_time_ns, round(p.at - start, 6), has])
+                             timeline.input_seconds(p), p.log_time_ns, round(p.at - start, 6),
+                             "" if has is None else has])
 
 
 # --- entry points ---------------------------------------------------------------------------------

@@ -188,6 +188,27 @@ def test_undecodable_messages_are_skipped_and_counted(tmp_path, capsys):
     assert "none of the 3 messages on /audio can be decoded (the first: failed to deserialize" in err
 
 
+def test_a_topic_recorded_with_two_types_is_refused_before_the_replay(tmp_path):
+    """A topic recorded with two types was taken as the type bag_topics named, and the other's
+    messages reached its publisher mid-replay: a TypeError in the replay's thread, a traceback.
+    Now it is unusable input, named with its types, before any node starts."""
+    header = Header(stamp=seconds_to_time(1000.0), frame_id="camera")
+    for storage in ("sqlite3", "mcap"):
+        bag = tmp_path / storage
+        with BagWriter(bag, storage) as w:
+            w.write("/camera/image_raw", rgb_to_compressed(scene(0), "jpeg", header=header), 1_000)
+            w.write("/camera/image_raw", rgb_to_image(scene(1), "rgb8", header=header), 2_000)
+            w.write("/mic/audio", pcm_to_audio_chunk(np.zeros(160, np.float32), 16000, header=header), 3_000)
+        mixed = r"topic /camera/image_raw was recorded with several message types \(" \
+                r"sensor_msgs/msg/CompressedImage, sensor_msgs/msg/Image\)"
+        with pytest.raises(BagError, match=mixed):
+            evaluate.load_inputs(bag, "vision")
+        with pytest.raises(BagError, match=mixed):
+            list(read_messages(bag, ["/camera/image_raw", "/mic/audio"]))
+        # a graph that does not replay it is not refused for it
+        assert len(evaluate.load_inputs(bag, "speech").messages["audio"]) == 1
+
+
 def test_replay_keeps_the_bag_spacing_scaled_by_the_rate():
     times = [5_000_000_000, 5_500_000_000, 7_000_000_000]
     assert replay_offsets(times, 5_000_000_000, 1.0) == [0.0, 0.5, 2.0]
@@ -269,6 +290,15 @@ def test_bad_input_fails_with_its_reason(tmp_path, capsys):
     assert "is a file" in capsys.readouterr().err
 
 
+def test_an_infinite_rate_is_a_bad_argument(tmp_path, capsys):
+    """--rate inf was taken: the speech node's idle flush, 0.8 s / inf = 0, was refused only once
+    the models had loaded (exit 1, "graph cannot run"). Now it is a bad argument, named (exit 2)."""
+    for rate in ("inf", "1e999", "-inf", "nan"):
+        with pytest.raises(SystemExit) as refused:
+            evaluate.main([str(tmp_path / "no_bag"), "--graph", "speech", "--rate", rate])
+        assert refused.value.code == 2 and "argument --rate" in capsys.readouterr().err
+
+
 def test_only_the_streams_a_graph_takes_are_chosen(tmp_path):
     """A RealSense bag has colour and depth images: a speech graph need not choose between them
     (it failed with 'several image topics'); a vision graph takes the one not named for depth, and
@@ -337,6 +367,43 @@ def test_results_of_frames_sharing_a_stamp_name_no_frame():
     stamped.header.stamp.sec = 5
     assert timeline.source(frame, unstamped) is None and timeline.seconds(0) is None
     assert timeline.source(frame, stamped).index == 3
+
+
+def test_the_report_places_and_judges_frames_as_inputs_csv_does(tmp_path, monkeypatch):
+    """The report's frames panel put frames stamped 0 at no time (an empty panel under a legend
+    counting them) and drew every frame of a shared stamp "with results" when one result carried
+    it, where inputs.csv placed them at their log times and left has_results empty. Now both
+    follow one rule."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    from photon_ros.eval_graph import Run
+    from photon_ros.eval_report import frames_panel
+    from photon_ros.replay import Published
+    from photon_ros.result_log import Output, Result
+    published = [Published("image", i, 0, 1_000_000_000 + i * 100_000_000, at=float(i)) for i in range(3)]
+    published += [Published("image", 3, 2_000_000_000, 2_000_000_000, at=3.0),
+                  Published("image", 4, 3_000_000_000, 3_000_000_000, at=4.0)]
+    unstamped, stamped = Detections(), Detections()
+    stamped.header.stamp.sec = 2
+    results = [Result("detections", msg, 1, 5.0) for msg in (unstamped, stamped)]
+    log = SimpleNamespace(outputs=[Output("detections", Detections, "frame")],
+                          results=lambda topic=None: [r for r in results if topic in (None, r.topic)])
+    drawn = []
+    monkeypatch.setattr(evaluate, "plot_report", lambda path, data: drawn.append(data))
+    evaluate.write_outputs(tmp_path, "mcap", evaluate.Inputs(tmp_path / "bag", {"image": "/camera/image_raw"}),
+                           Run(published, log, {}, {}, []), "report")
+    rows = read_csv(tmp_path / "inputs.csv")
+    report = drawn[0]
+    assert report.frame_times == [float(r["time_s"]) for r in rows] == pytest.approx([0.0, 0.1, 0.2, 1.0, 2.0])
+    assert report.frame_has_result == [None, None, None, True, False]
+    assert [r["has_results"] for r in rows] == ["", "", "", "True", "False"]
+    fig, ax = plt.subplots()
+    frames_panel(ax, report.frame_times, report.frame_has_result, "")
+    assert ax.get_legend_handles_labels()[1] == ["with results (1)", "without results (1)",
+                                                 "stamp shared by several frames: not known (3)"]
+    plt.close(fig)
 
 
 def test_transcripts_of_unstamped_audio_are_tied_to_the_utterances_the_node_cut():
