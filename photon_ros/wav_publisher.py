@@ -76,6 +76,10 @@ class WavPublisher(Node):
             raise ValueError("parameter 'file' (a WAV file to play) is required")
         chunk_s = chunk_ms / 1000.0
         samples, self.rate = read_wav(path)   # its errors name the file
+        if not len(samples):
+            # refused here, as a bad path is: without silence around it there is no chunk to send,
+            # and the timer's first tick died on it (with silence, it would play nothing but that)
+            raise ValueError(f"{path}: holds no audio (0 frames)")
         if samples.dtype != np.int16:   # 8-bit silence is 128, not 0: pad and send floats instead
             samples = pcm_to_float(samples)
             if samples.size and (peak := float(np.max(np.abs(samples)))) > 1.0:
