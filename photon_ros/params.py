@@ -10,7 +10,15 @@ change takes effect (`applies`):
 `NodeParams(node, specs)` declares them all, refuses out-of-range values at startup with one
 ValueError naming every parameter at fault (the node does not start, and says why), and refuses
 an out-of-range change with the reason in the `set_parameters` result; nothing is accepted and
-then ignored. A set of several parameters is checked as a whole before any of them is taken.
+then ignored. A change the node's `apply` fails on is refused with the error, the old values kept.
+
+A change is checked against the values the others have then. rclpy's `set_parameters` (and so
+`ros2 param set`, `ros2 param load` and the set_parameters service) hands the parameters of a list
+over one at a time, each checked and taken before the next: only `set_parameters_atomically` (the
+node's, or its service) checks a list as a whole and takes all of it or nothing. Two parameters
+that a rule ties together and that must move past each other need it, or the right order: the
+speech node's vad.tail_s (at most vad.hangover_s) and its model with the language or prompt the
+new model takes, the vision node's depth_min_m and depth_max_m (min below max).
 
 Scalar parameters are declared with dynamic typing and their type is checked here: rclpy types a
 parameter by its default, so one declared 5.0 would refuse `0` (`max_frame_age_s: 0` in a YAML file,
@@ -184,14 +192,30 @@ class NodeParams:
             reason = self.check_all({**self.values, **changes})
             if reason:
                 return SetParametersResult(successful=False, reason=reason)
-        self.values.update(changes)
         now = {k: v for k, v in changes.items() if self.specs[k].applies == "now"}
         later = sorted(k for k in changes if self.specs[k].applies == "configure")
-        if now and self.apply is not None:
-            self.apply(now)
+        if reason := self._take(changes, now):
+            return SetParametersResult(successful=False, reason=reason)
         if later:
             note = f"{', '.join(later)} take(s) effect at the next configure"
             self.node.get_logger().info(note)
             return SetParametersResult(successful=True, reason=note)
         return SetParametersResult(successful=True)
 
+    def _take(self, changes: dict[str, Any], now: dict[str, Any]) -> str:
+        """Take `changes` and apply `now`: "", or why they are all refused when apply raises. The
+        old values are kept then, as rclpy keeps them (`ros2 param get` tells what the node
+        uses), and the error is not raised: rclpy's parameter service lets it through to the
+        executor's spin, and the node ended."""
+        old = {k: self.values[k] for k in changes}
+        self.values.update(changes)   # before apply: it may read the others (params["name"])
+        if not now or self.apply is None:
+            return ""
+        try:
+            self.apply(now)
+        except Exception as err:  # noqa: BLE001 - any failure refuses the change, said to the caller
+            self.values.update(old)
+            reason = f"{', '.join(sorted(now))} not applied: {type(err).__name__}: {err}"
+            self.node.get_logger().error(reason)
+            return reason
+        return ""

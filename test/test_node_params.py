@@ -101,6 +101,43 @@ def test_changes_checked_applied_or_deferred_and_never_ignored(context):
         node.destroy_node()
 
 
+def test_set_parameters_checks_a_list_one_parameter_at_a_time(context):
+    """As rclpy's set_parameters (ros2 param set / load, the set_parameters service) hands them
+    over: each is checked against the values the others have then, and taken or refused on its
+    own; only set_parameters_atomically judges the list as a whole (params.py says which rules
+    need it)."""
+    node, params = make(context, "p_each", [("gain", 4)],
+                        check_all=lambda v: "count must not exceed gain" if v["count"] > v["gain"] else "")
+    try:
+        results = node.set_parameters([Parameter("count", value=2), Parameter("gain", value=1.0)])
+        assert [r.successful for r in results] == [True, False]
+        assert (params["count"], params["gain"]) == (2, 4.0)
+        whole = node.set_parameters_atomically([Parameter("gain", value=1.0), Parameter("count", value=1)])
+        assert whole.successful and (params["count"], params["gain"]) == (1, 1.0)
+    finally:
+        node.destroy_node()
+
+
+def test_a_change_the_node_fails_to_apply_is_refused_and_the_old_values_kept(context):
+    """An apply that raised left the new values in NodeParams while rclpy stored none of them
+    (`ros2 param get` disagreed with what the node used), and the error escaped the callback
+    (rclpy's parameter service lets it through to the executor's spin: the node ended)."""
+    def apply(changes):
+        if changes.get("gain") == 7.0:
+            raise RuntimeError("the driver takes at most 6")
+
+    node, params = make(context, "p_apply", apply=apply)
+    try:
+        refused = node.set_parameters_atomically([Parameter("gain", value=7), Parameter("mode", value="slow")])
+        assert not refused.successful
+        assert refused.reason == "gain not applied: RuntimeError: the driver takes at most 6"
+        assert (params["gain"], params["mode"]) == (1.5, "fast")
+        assert (node.get_parameter("gain").value, node.get_parameter("mode").value) == (1.5, "fast")
+        assert node.set_parameters([Parameter("gain", value=6)])[0].successful and params["gain"] == 6.0
+    finally:
+        node.destroy_node()
+
+
 def test_number():
     assert number(True) is None and number("1") is None and number(3) == 3.0
 
