@@ -218,10 +218,16 @@ class MicrophoneNode(Node):
         raise RuntimeError(f"{self.device_label!r} (device {self.device}) is not among the devices listed now")
 
     def close_stream(self) -> None:
+        """Close the stream, once: none is left until a reopening succeeds (a closed one, kept
+        after a reopening failed, was stopped and closed again at shutdown, and older
+        sounddevice releases called PortAudio on the freed stream)."""
+        stream, self.stream = self.stream, None
+        if stream is None:
+            return
         try:
-            self.stream.close()
+            stream.close()
         finally:   # counted as open until closed: no PortAudio restart under a closing stream
-            _OPEN_STREAMS.discard(self.stream)
+            _OPEN_STREAMS.discard(stream)
 
     def on_block(self, data: np.ndarray, frames: int, time_info, status) -> None:
         overflow = bool(status and status.input_overflow)
@@ -326,10 +332,11 @@ class MicrophoneNode(Node):
 
     def destroy_node(self) -> None:
         if hasattr(self, "stream"):   # absent when the device failed to open in __init__
-            try:
-                self.stream.stop()     # its last callbacks have run when this returns
-            finally:
-                self.close_stream()
+            if self.stream is not None:   # None: closed for a reopening that failed
+                try:
+                    self.stream.stop()     # its last callbacks have run when this returns
+                finally:
+                    self.close_stream()
             self.publish_pending()     # what was captured is sent, not lost at shutdown
         super().destroy_node()
 

@@ -93,10 +93,16 @@ class FakeStream:
                 time.sleep(0.01)
 
     def stop(self) -> None:
-        pass
+        self._not_closed("stop")
 
     def close(self) -> None:
+        self._not_closed("close")
         self.closed = True
+
+    def _not_closed(self, call: str) -> None:
+        # older sounddevice releases handed a closed stream's freed pointer to PortAudio
+        if self.closed:
+            raise RuntimeError(f"{call}() on a closed stream")
 
     def deliver(self, n: int = 1, overflow: bool = False, zeros: bool = False) -> None:
         """n blocks as PortAudio's thread hands them over, in real time: a ramp, so each sample is
@@ -336,6 +342,21 @@ def test_a_stream_that_will_not_start_is_closed_and_tried_again(graph, card):
     before = len(chunks)
     assert wait_for(lambda: len(chunks) > before and statuses[-1].level == DiagnosticStatus.OK, timeout=10)
     assert card.streams[-1].started and not card.streams[-1].closed
+
+
+def test_a_stream_closed_for_a_reopening_that_failed_is_not_used_again(graph, card):
+    """After a reopening failed, the node held on to the stream it had closed for it, and its
+    shutdown stopped and closed that stream again."""
+    chunks, statuses = listen(graph)
+    card.plugged = True
+    mic = microphone(graph, stall_s=0.3)
+    assert wait_for(lambda: chunks, timeout=10)
+    card.plugged, card.start_fails = False, True
+    assert wait_for(lambda: statuses and "reopening failed" in statuses[-1].message, timeout=10), statuses[-1:]
+    graph.executor.remove_node(mic)
+    graph.nodes.remove(mic)
+    mic.destroy_node()
+    assert all(s.closed for s in card.streams)
 
 
 def test_an_overflow_is_counted_and_warned_about(graph, card):
