@@ -90,7 +90,13 @@ def parse_model_name(name: str) -> tuple[str, str | None]:
 
 def _default_device() -> str:
     import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    # Said, not silent: a GPU machine whose CUDA is broken would otherwise run the model on the
+    # CPU at a fraction of the speed with nothing to tell why.
+    logging.getLogger(__name__).warning("no CUDA device is available: running on the CPU (pass device='cpu' "
+                                        "to choose it and silence this)")
+    return "cpu"
 
 
 def client_backend(backend: str, device: str, variant: str | None) -> str:

@@ -334,3 +334,20 @@ def test_clip_bounds_and_settings_that_are_no_numbers_or_dicts_are_named(speech,
     for temperature in ("hot", "0.5", None, False):
         with pytest.raises(TypeError, match=r"settings\['temperature'\] must be a number, got"):
             speech.transcribe(audio=pcm, sample_rate=16000, settings={"temperature": temperature})
+
+
+def test_a_default_device_without_cuda_is_said(caplog, monkeypatch):
+    """No device named and no CUDA: the CPU, with a warning (a GPU machine whose CUDA is broken
+    would otherwise run at a fraction of the speed with nothing to tell why)."""
+    import logging
+
+    import torch
+
+    from photon_core import client
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="photon_core.client"):
+        assert client._default_device() == "cpu"
+    assert any("no CUDA device" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    caplog.clear()
+    assert client._default_device() == "cuda" and not caplog.records
