@@ -9,7 +9,8 @@ not counted: nothing can tell them from messages sent before the node subscribed
 
 Failing in a row: a node whose every input fails (a camera in an encoding it cannot convert, a
 microphone in a format it refuses) must not report "running": after `FAILING_IN_A_ROW` failures
-with no success between, its diagnostics turn ERROR with the last reason, until an input succeeds.
+with no success between, its diagnostics turn ERROR with the last reason, until an input succeeds
+or the node is configured again (reset).
 """
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ FAILING_IN_A_ROW = 3
 
 class InputHealth:
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start afresh, for a node configured again: its failures were those of the model and the
+        subscription it had (a fixed one may never see another input to clear them), and a new
+        subscription's first message from a publisher is no loss after the old one's last."""
         self.lost_in_transport = 0
         self.failed_in_a_row = 0
         self.last_error = ""

@@ -58,6 +58,7 @@ import time
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
 
@@ -194,6 +195,7 @@ class SpeechNode(ManagedNode):
         self.chunks_received = 0
         self.chunks_handled = 0         # chunks whose audio is in the segmenter, refused, or ignored
         self.input_type = self.params["input_type"]   # as the subscription takes it (create_interfaces)
+        self.audio_reliability = self.params["reliability"]   # the subscription's, alike: /diagnostics says it
         self.finals_published = 0
         self.incomplete_published = 0   # finals whose audio was cut (audio_complete false)
         self.lock = threading.Lock()   # the segmenter is fed by the callback and flushed by a timer
@@ -241,9 +243,15 @@ class SpeechNode(ManagedNode):
         would make every transcription fail; Parakeet and any language or prompt, which it would
         ignore while its transcripts named them)."""
         model = self.model
-        if (reason := check_vad(values)) or model is None or values["model"] != self.model_name:
-            return reason   # another model from the next configure: configure checks them
-        return model_refuses(model, values["language"] or None, values["initial_prompt"] or None)
+        if (reason := check_vad(values)) or model is None:
+            return reason   # no model yet: configure's warm-up checks them
+        # Language and prompt apply now, to the model loaded, even while another one waits for the
+        # next configure: accepted for that one, every transcription until then failed.
+        reason = model_refuses(model, values["language"] or None, values["initial_prompt"] or None)
+        if reason and values["model"] != self.model_name:
+            reason += (f" (it applies now, to {self.model_name!r}; {values['model']!r} is loaded at the "
+                       "next configure: set it after that)")
+        return reason
 
     @property
     def model(self):
@@ -252,13 +260,30 @@ class SpeechNode(ManagedNode):
         return engine.model if engine is not None else None
 
     # --- lifecycle: topics and model ---------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # Here, not at activate: configure replaces the model and the subscription that the old
+        # failures and counts were about, where a deactivate and activate keep both (a model that
+        # still fails must still say so).
+        self.input_starts_afresh()
+        return super().on_configure(state)
+
+    def input_starts_afresh(self) -> None:
+        """Forget how the previous configuration's input went: its failures in a row (a fixed model
+        in a quiet room never succeeds to clear them), its chunks (else "no audio received" could
+        never be said again) and the publisher its subscription could not match."""
+        self.health.reset()
+        self.transcribing.reset()
+        self.chunks_received = self.chunks_handled = 0
+        self.incompatible_qos = ""
+
     def create_interfaces(self) -> None:
         self.publisher = self.create_lifecycle_publisher(Transcript, "transcript", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
         # what the subscription takes until the next configure, whatever input_type says meanwhile
         # (a change waits for it: decoding by the new value crashed on the old messages)
         self.input_type = input_type = self.params["input_type"]
-        qos = audio_qos(self.params["reliability"])
+        self.audio_reliability = self.params["reliability"]
+        qos = audio_qos(self.audio_reliability)
         if input_type in AUDIO_COMMON_INPUTS:
             msg_type = audio_common_input(input_type)
             if AUDIO_COMMON_INPUTS[input_type][1] == ROS_DRIVERS:   # its format comes apart, repeated
@@ -636,7 +661,7 @@ class SpeechNode(ManagedNode):
             "model_loaded": str(self.model is not None),
             "lifecycle_state": state,
             "chunks_received": str(self.chunks_received),
-            "audio_qos": self.params["reliability"],
+            "audio_qos": self.audio_reliability,
             "chunks_skipped_bad": str(self.skipped_chunks),
             "chunks_lost_in_transport": str(self.health.lost_in_transport),
             "chunks_ignored_inactive": str(self.ignored_chunks),

@@ -40,6 +40,7 @@ import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from geometry_msgs.msg import PointStamped
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 
@@ -233,6 +234,20 @@ class VisionNode(ManagedNode):
         self.start_worker()
 
     # --- lifecycle: topics and model ---------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # Here, not at activate: configure replaces the model, the subscriptions and the depth
+        # settings that the old failures were about, where a deactivate and activate keep them all
+        # (a camera that still fails must still say so).
+        self.input_starts_afresh()
+        return super().on_configure(state)
+
+    def input_starts_afresh(self) -> None:
+        """Forget how the previous configuration's input went: its failures in a row (a fixed model
+        or camera may see no frame for a long while to clear them) and its publishers' numbers."""
+        for input_health in (self.health, self.depth_health, self.info_health):
+            input_health.reset()
+        self.without_depth_in_a_row = 0
+
     def create_interfaces(self) -> None:
         param = self.params.__getitem__
         reliable = param("reliability") == "reliable"

@@ -29,3 +29,19 @@ def test_failing_in_a_row_until_a_success():
     assert health.failing("frames") == f"the last {FAILING_IN_A_ROW} frames all failed (last: unknown encoding 'yuv420p')"
     health.succeeded()
     assert health.failing("frames") == ""
+
+
+def test_reset_forgets_the_failures_and_each_publishers_numbers():
+    """A node configured again (another model, a new subscription) starts afresh: the old run of
+    failures named a model or a subscription that is gone, and the first message the new
+    subscription gets is not a loss after the last one the old subscription got."""
+    health = InputHealth()
+    health.arrived(info(1, 5))
+    health.arrived(info(1, 8))
+    for i in range(FAILING_IN_A_ROW):
+        health.failed(f"CUDA out of memory {i}")
+    health.reset()
+    assert health.failing("transcriptions") == "" and health.last_error == ""
+    assert health.lost_in_transport == 0
+    assert health.arrived(info(1, 20)) == 0   # the publisher went on while no subscription existed
+    assert health.arrived(info(1, 22)) == 1

@@ -10,6 +10,8 @@ import pytest
 import rclpy
 from rclpy.parameter import Parameter
 
+from fake_speech_model import fake_speech_model
+from photon_ros.managed import SUCCESS
 from photon_ros.msg import AudioChunk
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.speech_node import SpeechNode
@@ -110,11 +112,33 @@ def test_a_language_the_model_cannot_take_is_refused_and_failing_transcriptions_
         assert node.run_model(Utterance(np.zeros(16000, np.float32), 16000, 110.0))[0] is not None
         statuses.clear()
         assert wait_for(lambda: last() is not None and last().level == DiagnosticStatus.OK, timeout=10)
-        # another model from the next configure: its language is its warm-up's to check, not tiny.en's
+        # another model from the next configure: tiny.en transcribes until then, in the language set now
         assert node.set_parameters([Parameter("model", value="openai/whisper-small")])[0].successful
-        assert node.set_parameters([Parameter("language", value="de")])[0].successful
+        refused = node.set_parameters([Parameter("language", value="de")])[0]
+        assert not refused.successful and "English-only" in refused.reason and node.language == "en"
     finally:
         graph.close()
+
+
+@pytest.mark.parametrize("name, value", [("language", "de"), ("initial_prompt", "Photon, Moondream")])
+def test_language_and_prompt_are_checked_against_the_loaded_model_while_another_waits(context, monkeypatch,
+                                                                                      name, value):
+    """language and initial_prompt apply at once, to the model loaded, while a new `model` waits for
+    the next configure: they were accepted unchecked then, and every transcription failed."""
+    model = fake_speech_model(monkeypatch)
+    node = unconfigured(context)
+    try:
+        assert node.trigger_configure() == SUCCESS
+        assert node.set_parameters([Parameter("model", value="whisper-small")])[0].successful
+        refused = node.set_parameters([Parameter(name, value=value)])[0]
+        assert not refused.successful and refused.reason.startswith(f"{name}: ")
+        assert "at the next configure: set it after that" in refused.reason
+        assert node.params[name] == ""
+        model.english_only = False   # the new model, once configured, takes them
+        assert node.trigger_cleanup() == SUCCESS and node.trigger_configure() == SUCCESS
+        assert node.set_parameters([Parameter(name, value=value)])[0].successful
+    finally:
+        node.destroy_node()
 
 
 def test_unstamped_audio_before_a_simulators_first_clock_is_not_stamped_negative(context):
