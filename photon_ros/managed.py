@@ -60,6 +60,7 @@ class Activity:
         self._running = False
         self._epoch = 0
         self._busy = 0
+        self._enders: list[Callable[[], None]] = []   # of the work in flight (work()'s `end`)
 
     def start(self) -> None:
         with self._cond:
@@ -72,6 +73,9 @@ class Activity:
         with self._cond:
             self._admitting = self._running = False
             self._cond.notify_all()
+            enders = list(self._enders)
+        for end in enders:   # (outside the lock: an end takes its own)
+            end()
 
     @property
     def running(self) -> bool:
@@ -91,18 +95,25 @@ class Activity:
             yield self._admitting
 
     @contextmanager
-    def work(self, epoch: int | None = None) -> Iterator[bool]:
+    def work(self, epoch: int | None = None, end: Callable[[], None] | None = None) -> Iterator[bool]:
         """Whether work may run: the node is running (in `epoch`, when given). While the block
-        lasts the work counts as in flight, and wait_idle() waits for it."""
+        lasts the work counts as in flight, and wait_idle() waits for it. `end` tells the work to
+        end early, and stop() calls it: work that stops only at an event of its own (a goal's
+        decode) would otherwise hold cleanup's wait_idle() until it ran out, for a result that is
+        not given."""
         with self._cond:
             admitted = self._running and epoch in (None, self._epoch)
             self._busy += admitted
+            if admitted and end is not None:
+                self._enders.append(end)
         try:
             yield admitted
         finally:
             if admitted:
                 with self._cond:
                     self._busy -= 1
+                    if end is not None:
+                        self._enders.remove(end)
                     self._cond.notify_all()
 
     @contextmanager

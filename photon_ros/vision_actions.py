@@ -8,10 +8,11 @@ cancel that stops the decode.
             its decode reports each object found and the answer's text as it grows (feedback)
          -> result: the same messages the topics carry (2D, and 3D with use_depth)
 
-A cancel, or the goal's timeout, sets the request's cancel event: a request still waiting for its
-batch (behind other work on the engine) is dropped at once (Batcher.submit), and in a decode the
-loop drops the row at its next step, which frees its batch slot for the next request
-(Request.cancel). The goal then ends canceled (or aborted, for a timeout) with what was found so far. Segment (Moondream 3) runs
+A cancel, the goal's timeout, a deactivate or the shutdown sets the request's cancel event: a
+request still waiting for its batch (behind other work on the engine) is dropped at once
+(Batcher.submit), and in a decode the loop drops the row at its next step, which frees its batch
+slot for the next request (Request.cancel). The goal then ends canceled (aborted for the others,
+saying which) with what was found so far (nothing, when deactivated). Segment (Moondream 3) runs
 its own decode loop outside the batch: a cancel ends it between two path commands.
 
 A goal's work (waiting for its frame, decoding) runs on a thread of its own, not on the executor's:
@@ -24,6 +25,7 @@ nothing bounded them once the executor's threads no longer did.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -42,15 +44,35 @@ if TYPE_CHECKING:
 
 FRAME_POLL_S = 0.02
 MAX_GOALS = 16   # two batches' worth: beyond it a goal would only wait behind the others
+CANCELING_WAIT_S = 1.0   # rclpy marks a goal CANCELING right after on_cancel: microseconds, or one GIL switch
 DEACTIVATED = "the node was deactivated while the goal ran: its result is not given"
+WAIT_DEACTIVATED = "the node was deactivated (or is shutting down) while the goal waited for a frame"
 SHUTTING_DOWN = "the node is shutting down"
+CANCELED, TIMED_OUT = "canceled", "timed out"   # (with DEACTIVATED, SHUTTING_DOWN) why a goal was stopped
+
+
+class GoalStop(threading.Event):
+    """A goal's cancel event, which its frame wait and its decode stop at, and why it was set. The
+    reason is kept where the event is set: the goal's end is chosen by it, as rclpy marks a goal
+    CANCELING only after on_cancel returns, by when its work may have ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = ""
+        self._reason_lock = threading.Lock()
+
+    def stop(self, reason: str) -> None:
+        with self._reason_lock:   # the first reason holds: what stopped the work
+            self.reason = self.reason or reason
+        self.set()
 
 
 class VisionActions:
     def __init__(self, node: "VisionNode") -> None:
         self.node = node
-        self._cancels: dict[bytes, threading.Event] = {}
+        self._cancels: dict[bytes, GoalStop] = {}
         self._early: set[bytes] = set()   # canceled before execute registered them
+        self._canceled: set[bytes] = set()   # work a cancel stopped, its goal not yet ended
         self._lock = threading.Lock()
         self._workers: set[threading.Thread] = set()   # goals at work (accepted)
         self._open: set[bytes] = set()   # goals accepted and not yet ended (their end runs on the executor)
@@ -70,9 +92,9 @@ class VisionActions:
         or their clients never hear."""
         self.stopping = True
         with self._lock:
-            cancels = list(self._cancels.values())
-        for cancel in cancels:
-            cancel.set()
+            stops = list(self._cancels.values())
+        for stop in stops:
+            stop.stop(SHUTTING_DOWN)
 
     def pending(self) -> int:
         """Goals accepted and not yet ended."""
@@ -127,7 +149,7 @@ class VisionActions:
             if cancel is None:
                 self._early.add(key)   # execute has not begun: it sees this when it does
         if cancel is not None:
-            cancel.set()
+            cancel.stop(CANCELED)
         return CancelResponse.ACCEPT
 
     # --- execution ------------------------------------------------------------------------------
@@ -177,25 +199,29 @@ class VisionActions:
         the activation it ran in (None: none)."""
         action = Find if find else Ask
         goal, result = goal_handle.request, action.Result()
-        key, cancel = bytes(goal_handle.goal_id.uuid), threading.Event()
+        key, cancel = bytes(goal_handle.goal_id.uuid), GoalStop()
         with self._lock:
             self._cancels[key] = cancel
             early = key in self._early
             self._early.discard(key)
-        if early or goal_handle.is_cancel_requested or self.stopping:   # canceled between its acceptance and now
-            cancel.set()
-        timer = threading.Timer(goal.timeout_s, cancel.set) if goal.timeout_s > 0 else None
+        if early or goal_handle.is_cancel_requested:   # canceled between its acceptance and now
+            cancel.stop(CANCELED)
+        if self.stopping:
+            cancel.stop(SHUTTING_DOWN)
+        timer = threading.Timer(goal.timeout_s, cancel.stop, (TIMED_OUT,)) if goal.timeout_s > 0 else None
         if timer is not None:
             timer.start()
         started = time.monotonic()
         epoch = self.node.activity.current()
         try:
-            with self.node.activity.work(epoch) as running:
+            # A deactivate stops it as stop() does: none of its results would be given
+            with self.node.activity.work(epoch, end=functools.partial(cancel.stop, DEACTIVATED)) as running:
                 if not running or epoch is None:   # (None: not active when it came; work(None) admits any)
                     result.message = self.node.why_not_running()
                 else:
                     self.run(goal_handle, goal, result, cancel, find, epoch)
-                    if result.success and self.node.activity.current() != epoch:
+                    if ((result.success and self.node.activity.current() != epoch)
+                            or (cancel.reason == DEACTIVATED and not result.message)):
                         # as the topics are: results of work begun in an activation that ended
                         # are not given (a loop node would turn the robot on them); none of
                         # them, as infer gives none
@@ -210,10 +236,11 @@ class VisionActions:
                 timer.cancel()
             with self._lock:
                 self._cancels.pop(key, None)
+                if cancel.reason == CANCELED:   # (a cancel from now on is end()'s, by is_cancel_requested)
+                    self._canceled.add(key)
         if not result.success and cancel.is_set() and not result.message:
-            # (a cancel requested says "canceled" instead: end())
-            result.message = (SHUTTING_DOWN if self.stopping else
-                              f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})")
+            result.message = (f"timed out after {time.monotonic() - started:.1f} s (timeout_s {goal.timeout_s:g})"
+                              if cancel.reason == TIMED_OUT else cancel.reason)
         return result, epoch
 
     def end(self, goal_handle, result: Any, epoch: int | None = None) -> Any:
@@ -221,14 +248,20 @@ class VisionActions:
         own thread and the executor ends the goal later: a deactivate in between withholds the
         result too. succeed() is called while the activation holds (Activity.publishing, as the
         topics publish), so once deactivate has stopped it no result of it is given."""
+        key = bytes(goal_handle.goal_id.uuid)
         with self._lock:
-            self._early.discard(bytes(goal_handle.goal_id.uuid))   # a cancel that came after the work
-            self._open.discard(bytes(goal_handle.goal_id.uuid))
-        if goal_handle.is_cancel_requested:
+            self._early.discard(key)   # a cancel that came after the work
+            self._open.discard(key)
+            canceled = key in self._canceled
+            self._canceled.discard(key)
+        if canceled or goal_handle.is_cancel_requested:
             # a canceled goal ends canceled, even where its work finished: its client replaced it
             result.success = False
-            result.message = "canceled"
-            goal_handle.canceled()
+            result.message = CANCELED
+            if canceled and not self._canceling(goal_handle):
+                goal_handle.abort()   # (only a goal marked CANCELING can end canceled)
+            else:
+                goal_handle.canceled()
             return result
         if result.success:
             with self.node.activity.publishing(epoch) as current:
@@ -239,15 +272,27 @@ class VisionActions:
         goal_handle.abort()
         return result
 
-    def run(self, goal_handle, goal, result, cancel: threading.Event, find: bool, epoch: int | None = None) -> None:
+    @staticmethod
+    def _canceling(goal_handle) -> bool:
+        """Whether the goal is marked CANCELING, waiting a moment for it: a cancel's event may end
+        the goal's work, and bring it here, before rclpy marks the goal (after on_cancel returns),
+        and only a goal so marked can end canceled."""
+        deadline = time.monotonic() + CANCELING_WAIT_S
+        while not goal_handle.is_cancel_requested:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def run(self, goal_handle, goal, result, cancel: GoalStop, find: bool, epoch: int | None = None) -> None:
         action = Find if find else Ask
         request_options(goal.task, goal, self.node.max_objects)   # refused before waiting for a frame
-        frame = self.frame(goal_handle, goal.use_latest_frame, cancel, action, epoch)
-        if isinstance(frame, str):
-            result.message = frame
+        got = self.frame(goal_handle, goal.use_latest_frame, cancel, action, epoch)
+        if isinstance(got, str):
+            result.message = got
             return
+        frame, rgb = got
         node = self.node
-        rgb = node.to_rgb(frame.msg)
         header, (height, width) = frame.msg.header, rgb.shape[:2]
         model_id = node.engine.model.model_id
         feedback = action.Feedback(state=action.Feedback.STATE_DECODING)
@@ -318,10 +363,11 @@ class VisionActions:
                                              latency=latency, model_id=model_id)
             feedback.objects_found = len(feedback.points.points)
 
-    def frame(self, goal_handle, latest: bool, cancel: threading.Event, action, epoch: int | None = None) -> Any:
-        """The frame to use, or why there is none (a string). Waiting for the next frame ends
-        with the activation (deactivate, cleanup, shutdown: a goal with no timeout held them up
-        for good)."""
+    def frame(self, goal_handle, latest: bool, cancel: GoalStop, action,
+              epoch: int | None = None) -> tuple[Any, Any] | str:
+        """The frame to use and its RGB image, or why there is none (a string). Waiting for the
+        next frame ends with the activation (deactivate, cleanup, shutdown: a goal with no timeout
+        held them up for good)."""
         frames, node = self.node.frames, self.node
         if latest:
             newest = frames.latest   # read once: a deactivate meanwhile sets it to None
@@ -330,17 +376,21 @@ class VisionActions:
             from photon_ros.vision_node import stale_frame
 
             refusal = stale_frame(time.monotonic() - newest.received_at, node.max_frame_age)
-            return refusal or newest
-        asked = time.monotonic()
+            return refusal or (newest, node.to_rgb(newest.msg))
+        after, unreadable = time.monotonic(), ""
         goal_handle.publish_feedback(action.Feedback(state=action.Feedback.STATE_WAITING_FOR_FRAME))
         while not cancel.wait(FRAME_POLL_S):
             current = frames.latest
-            if current is not None and current.received_at > asked:
-                return current
+            if current is not None and current.received_at > after:
+                try:
+                    return current, node.to_rgb(current.msg)
+                except ValueError as err:   # one malformed frame: the next may be good, and the timeout runs
+                    after, unreadable = current.received_at, str(err)
             if self.stopping:
                 return SHUTTING_DOWN
             if node.stopping.is_set() or node.activity.current() != epoch:
-                return "the node was deactivated (or is shutting down) while the goal waited for a frame"
-        if goal_handle.is_cancel_requested:
-            return "canceled"
-        return SHUTTING_DOWN if self.stopping else "no frame arrived before the timeout"
+                return WAIT_DEACTIVATED
+        if cancel.reason == TIMED_OUT:
+            return (f"no frame that could be read arrived before the timeout (the last: {unreadable})"
+                    if unreadable else "no frame arrived before the timeout")
+        return WAIT_DEACTIVATED if cancel.reason == DEACTIVATED else cancel.reason   # (canceled, shutting down)

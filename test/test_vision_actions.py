@@ -42,7 +42,7 @@ def bare_actions():
     from photon_ros.vision_actions import VisionActions
     actions = VisionActions.__new__(VisionActions)
     actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
-    actions._workers, actions._open, actions.stopping = set(), set(), False
+    actions._workers, actions._open, actions.stopping, actions._canceled = set(), set(), False, set()
     return actions
 
 
@@ -194,6 +194,29 @@ class _Handle:
     def abort(self):
         self.ended = "aborted"
 
+    def publish_feedback(self, feedback):
+        pass
+
+
+class _MarkedLate(_Handle):
+    """A goal handle as rclpy keeps it: a cancel accepted by on_cancel marks the goal CANCELING
+    only after on_cancel returns; here once `accepted` and looked at twice, as if that transition
+    landed while the goal's end waited for it."""
+
+    def __init__(self, goal):
+        super().__init__(goal)
+        self.accepted, self.looks = False, 0
+
+    @property
+    def is_cancel_requested(self):
+        if self.accepted:
+            self.looks += 1
+        return self.looks >= 2
+
+    @is_cancel_requested.setter
+    def is_cancel_requested(self, value):
+        pass
+
 
 def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
     import contextlib
@@ -204,7 +227,7 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
 
     actions = bare_actions()          # its logic, without action servers
     actions._cancels, actions._lock, actions._early = {}, threading.Lock(), set()
-    actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda epoch=None: contextlib.nullcontext(True),
+    actions.node = SimpleNamespace(activity=SimpleNamespace(work=lambda epoch=None, end=None: contextlib.nullcontext(True),
                                                             current=lambda: 1,
                                                             publishing=lambda epoch: contextlib.nullcontext(True)))
     seen = {}
@@ -218,12 +241,12 @@ def test_a_cancel_before_execute_stops_the_work_and_ends_the_goal_canceled():
     result = actions.execute(handle, find=True)
     assert seen["canceled"] and handle.ended == "canceled" and not result.success and result.message == "canceled"
     # rclpy marks the goal CANCELING only after on_cancel returns: execute may not see it yet
-    handle = _Handle(Find.Goal(task="point", prompt="cup", timeout_s=0.0))
-    handle.is_cancel_requested = False
+    handle = _MarkedLate(Find.Goal(task="point", prompt="cup", timeout_s=0.0))
     actions.on_cancel(handle)
+    handle.accepted = True
     seen.clear()
     actions.execute(handle, find=True)
-    assert seen["canceled"] and not actions._early
+    assert seen["canceled"] and not actions._early and handle.ended == "canceled"
 
 
 def test_a_deactivate_after_the_goals_work_and_before_its_end_withholds_the_result():
@@ -392,9 +415,9 @@ def test_the_latest_frame_is_read_once():
             return frame if self.reads == 1 else None   # dropped right after the first read
 
     actions = bare_actions()
-    actions.node = SimpleNamespace(frames=Frames(), max_frame_age=600.0)
+    actions.node = SimpleNamespace(frames=Frames(), max_frame_age=600.0, to_rgb=lambda msg: "rgb")
     import threading
-    assert actions.frame(None, True, threading.Event(), Find) is frame
+    assert actions.frame(None, True, threading.Event(), Find) == (frame, "rgb")
 
 
 def test_a_request_that_came_while_inactive_is_refused_even_if_activate_follows_at_once():
@@ -408,7 +431,7 @@ def test_a_request_that_came_while_inactive_is_refused_even_if_activate_follows_
 
     ran = []
     activity = SimpleNamespace(current=lambda: None,                          # inactive when it came
-                               work=lambda epoch=None: contextlib.nullcontext(True))   # active by now
+                               work=lambda epoch=None, end=None: contextlib.nullcontext(True))   # active by now
     node = SimpleNamespace(activity=activity, why_not_running=lambda: "node is not active",
                            infer=lambda *a: ran.append("infer"))
     response = VisionNode.on_infer(node, Infer.Request(task="detect", prompt="cup"), Infer.Response())
@@ -449,3 +472,147 @@ def test_goals_at_work_when_the_process_stops_end_with_why(graph):
     assert wait_for(result.done, timeout=10), "the client never heard of its goal"
     assert result.result().status == GoalStatus.STATUS_ABORTED
     assert result.result().result.message == "the node is shutting down"
+
+
+def goal_node(frames, batcher):
+    """A node double for VisionActions.work, active: `frames` its camera, `batcher` its engine's,
+    frames converted as VisionNode converts them (each conversion kept in `converted`)."""
+    import threading
+    from types import SimpleNamespace
+
+    from photon_ros.managed import Activity
+
+    activity = Activity()
+    activity.start()
+    node = SimpleNamespace(frames=frames, activity=activity, stopping=threading.Event(), max_objects=3,
+                           max_pixels=10**8, max_frame_age=600.0, space=lambda *a: None, refusals=[],
+                           converted=[], why_not_running=lambda: "node is not active",
+                           engine=SimpleNamespace(model=SimpleNamespace(model_id="m"), batcher=batcher))
+    node.refused = lambda what, why: node.refusals.append(why) or why
+    node.to_rgb = lambda msg: node.converted.append(msg) or VisionNode.to_rgb(node, msg)
+    return node
+
+
+def test_a_next_frame_goal_waits_past_a_frame_it_cannot_read():
+    """A malformed frame (a driver's truncated buffer) is not the goal's: it waits on for one it can
+    read, converted once, instead of failing with a good frame moments away; at its timeout it says
+    why the frames it saw were not used. Neither is a failed request."""
+    from photon_ros.latest_frame import Frame
+
+    bad = Image(height=4, width=4, encoding="rgb8", step=12, data=bytes(10))
+    good = rgb_to_image(np.zeros((4, 4, 3), np.uint8))
+
+    class Camera:
+        """frames.latest: at each read the next of `sent` arrives (None: nothing new)."""
+        def __init__(self, *sent):
+            self.sent, self.frame = list(sent), None
+
+        @property
+        def latest(self):
+            msg = self.sent.pop(0) if self.sent else None
+            if msg is not None:
+                self.frame = Frame(msg, time.monotonic())
+            return self.frame
+
+    class Batcher:
+        images = []
+
+        def submit(self, requests, cancel=None):
+            self.images.append(requests[0].image.shape)
+            return [{"points": [{"x": 0.5, "y": 0.5}]}]
+
+    actions = bare_actions()
+    actions.node = node = goal_node(Camera(bad, None, good), Batcher())
+    handle = _Handle(Find.Goal(task="point", prompt="cup", use_latest_frame=False, timeout_s=30.0))
+    handle.is_cancel_requested = False
+    result, _ = actions.work(handle, find=True)
+    assert result.success and len(result.points.points) == 1, result.message
+    assert Batcher.images == [(4, 4, 3)] and node.refusals == []
+    assert [m is bad for m in node.converted] == [True, False]   # each frame converted once
+
+    actions.node = node = goal_node(Camera(bad), Batcher())
+    handle = _Handle(Find.Goal(task="point", prompt="cup", use_latest_frame=False, timeout_s=0.2))
+    handle.is_cancel_requested = False
+    result, _ = actions.work(handle, find=True)
+    assert not result.success and "no frame that could be read arrived before the timeout" in result.message
+    assert "image data has 10 bytes" in result.message and node.refusals == [] and len(node.converted) == 1
+
+
+def test_a_deactivate_stops_a_goal_that_is_decoding():
+    """A deactivate tells a goal's decode to stop, as a cancel does: it freed its batch slot only at
+    its end, for a result that is not given, and cleanup's wait for work in flight waited for it
+    (up to a minute). It ends aborted, deactivated, with nothing of what it found."""
+    import threading
+
+    from photon_ros.latest_frame import LatestFrame
+    from photon_ros.vision_actions import DEACTIVATED
+
+    decoding = threading.Event()
+
+    class Batcher:
+        cancel = None
+
+        def submit(self, requests, cancel=None):
+            self.cancel = cancel
+            decoding.set()
+            cancel.wait(60)   # a long decode: its cancel ends it
+            return [{"answer": "half an ans"}]
+
+    frames = LatestFrame()
+    frames.put(rgb_to_image(np.zeros((4, 4, 3), np.uint8)))
+    actions, batcher = bare_actions(), Batcher()
+    actions.node = node = goal_node(frames, batcher)
+    handle = _Handle(Ask.Goal(task="query", prompt="What is this?", use_latest_frame=True, timeout_s=0.0))
+    handle.is_cancel_requested = False
+    worked = []
+    worker = threading.Thread(target=lambda: worked.extend(actions.work(handle, find=False)))
+    worker.start()
+    try:
+        assert decoding.wait(10)
+        node.activity.stop()   # deactivate (ManagedNode.pause)
+        assert batcher.cancel.is_set()   # told as the activation ended
+    finally:
+        if batcher.cancel is not None:
+            batcher.cancel.set()   # (release the decode, told or not)
+        worker.join(10)
+    assert node.activity.wait_idle(0)
+    result, epoch = worked
+    assert not result.success and result.message == DEACTIVATED and not result.text.text
+    assert actions.end(handle, result, epoch).message == DEACTIVATED and handle.ended == "aborted"
+
+
+@pytest.mark.parametrize("latest", [False, True], ids=["waiting for its frame", "decoding"])
+def test_a_cancel_ends_the_goal_canceled_before_rclpy_marks_it(latest):
+    """on_cancel sets the goal's event and its work ends at once, before rclpy marks the goal
+    CANCELING: the work told cancel from its timeout by that mark, so a cancel was reported as a
+    timeout and ended aborted. What set the event decides, and the goal ends canceled."""
+    import threading
+
+    from photon_ros.latest_frame import LatestFrame
+
+    waiting = threading.Event()
+
+    class Batcher:
+        def submit(self, requests, cancel=None):
+            waiting.set()
+            cancel.wait(60)
+            return [{"points": []}]
+
+    frames = LatestFrame()
+    frames.put(rgb_to_image(np.zeros((4, 4, 3), np.uint8)))
+    actions = bare_actions()
+    actions.node = goal_node(frames, Batcher())
+    handle = _MarkedLate(Find.Goal(task="point", prompt="cup", use_latest_frame=latest, timeout_s=60.0))
+    handle.publish_feedback = lambda f: f.state == Find.Feedback.STATE_WAITING_FOR_FRAME and waiting.set()
+    worked = []
+    worker = threading.Thread(target=lambda: worked.extend(actions.work(handle, find=True)))
+    worker.start()
+    try:
+        assert waiting.wait(10)
+        actions.on_cancel(handle)
+    finally:
+        worker.join(10)
+    result, epoch = worked
+    assert not result.success and result.message == "canceled"
+    handle.accepted = True   # rclpy's CANCEL_GOAL, after the work ended
+    assert actions.end(handle, result, epoch).message == "canceled" and handle.ended == "canceled"
