@@ -13,7 +13,12 @@ not take whatever depth is there when it arrives; it waits for its own:
 - The wait ends as soon as nothing nearer can come: at once with the frame's own stamp; when a
   message stamped after the frame arrives (a stream's stamps rise, so nothing nearer follows); or
   when the nearest one is within half the stream's spacing of the frame (the smallest gap between
-  the stamps of the last messages: the next one cannot be nearer).
+  the stamps of the last messages: the next one cannot be nearer) and within half the frames'
+  spacing (the smallest gap between the stamps of the last frames: nearer this frame than any
+  other, it is this frame's own, stamped by another clock, not a neighbour's). A stream that
+  skipped frames for a while (an aligned-depth driver lagging, depth lost on a best-effort queue)
+  has a spacing of two frames or more: the previous frame's message, a frame away, would end the
+  wait on its own, before the frame's own message came.
 - At the deadline without a message within the tolerance the frame has none, with the reason; a
   neighbour's message outside the tolerance is never used. A message arriving after the deadline
   does not change an outcome: a frame's pairing is the same whenever it is read.
@@ -98,6 +103,12 @@ class NoMatch:
 
 def _seconds(ns: int) -> float:
     return ns / NS
+
+
+def _spacing(stamps: list[int]) -> int | None:
+    """The smallest positive gap between consecutive stamps (None with fewer than two)."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
+    return min(gaps) if gaps else None
 
 
 class Wait(Generic[T]):
@@ -255,6 +266,7 @@ class StampPairing(Generic[T]):
         self.grace_s = grace_s
         self._cond = threading.Condition()
         self._kept: deque[tuple[int, float, Any]] = deque(maxlen=keep)   # (stamp, arrived, msg), in arrival order
+        self._frames: deque[int] = deque(maxlen=keep)                    # the last frames' stamps
         self._waiting: list[Wait[T]] = []
         self._last_new: float | None = None                              # when the last new stamp arrived
         self.received = 0
@@ -318,6 +330,7 @@ class StampPairing(Generic[T]):
             if wait.unstamped:   # nothing to pair by: decided at once (_outcome_now says why)
                 self._decide(wait, arrived)
                 return wait
+            self._frames.append(wait.stamp)
             gap, end_at, seen_all = self._gap(), None, False
             # A frame stamped well before the newest kept message: the frames' stamps went back
             # (a bag looped) before this stream's did. What is kept is the previous run's, stamped
@@ -357,10 +370,10 @@ class StampPairing(Generic[T]):
         return min(at, now)
 
     def _gap(self) -> int | None:
-        """The smallest positive gap between consecutive kept stamps (None with fewer than two)."""
-        stamps = [s for s, _, _ in self._kept]
-        gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
-        return min(gaps) if gaps else None
+        """The smaller of the stream's spacing and the frames' (None until both are known): the
+        nearest message ends a frame's wait when within half of it."""
+        gaps = [_spacing([s for s, _, _ in self._kept]), _spacing(list(self._frames))]
+        return None if None in gaps else min(gaps)
 
     def _latched(self, now: float) -> bool:
         """No message with a new stamp for STREAM_GAP_S: a latched camera_info, published once

@@ -78,6 +78,29 @@ def test_at_30_hz_a_missing_depth_takes_the_nearest_within_the_tolerance():
     assert pairing.outcomes == {"exact": 5, "nearest": 1, "newest": 0, "none": 0}
 
 
+def test_a_depth_stream_that_skipped_frames_does_not_hand_a_frame_its_neighbours_depth():
+    """An aligned-depth driver that lagged (or depth lost on a best-effort queue): depth for every
+    other frame, 67 ms apart, then for every frame again, 15 ms after it. The previous frame's
+    depth, 33 ms away, is within half the depth's spacing: it ended the wait at once, and the
+    frame's own depth, coming in time, was ignored. The frames' spacing (33 ms) keeps it waiting;
+    the frames without their own depth still take a neighbour's."""
+    outcomes, _ = stream(30, 0.015, 26, skip=set(range(1, 20, 2)))
+    assert [o.msg for o in outcomes[20:]] == [f"depth {i}" for i in range(20, 26)]
+    assert all(o.rule == "exact" for o in outcomes[20:])
+    assert {outcomes[i].msg for i in range(1, 20, 2)} <= {f"depth {i}" for i in range(0, 21, 2)}
+    # The same before any frame was seen (the frames' spacing unknown): the first waits too.
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock)
+    for i in range(0, 21, 2):
+        clock.now = 100.0 + i * 0.033 + 0.01
+        pairing.add(T0 + i * 33 * MS, f"depth {i}")
+    clock.now = 100.0 + 21 * 0.033
+    wait = pairing.wait_for(T0 + 21 * 33 * MS)
+    clock.now += 0.015
+    pairing.add(T0 + 21 * 33 * MS, "depth 21")
+    assert wait.poll().msg == "depth 21" and wait.poll().rule == "exact"
+
+
 def test_depth_later_than_the_tolerance_is_not_waited_for():
     """Depth 60 ms late at 15 Hz: the deadline (50 ms after arrival) passes first; the depth that
     comes afterwards does not change the outcome read later."""
