@@ -91,6 +91,9 @@ SUPPORTED_ENCODINGS = tuple(_LAYOUTS) + tuple(_PACKED_YUV422) + tuple(_NV420) + 
 # What rgb_to_image writes: the layouts that hold an RGB picture without loss (mono: its luma).
 WRITABLE_ENCODINGS = tuple(name for name in _LAYOUTS if not name.startswith("bayer_"))
 COMPRESSED_FORMATS = ("jpeg", "png")
+# sensor_msgs' colour encodings (image_encodings' isColor): those whose compressed channel order
+# compressed_image_transport names
+_COLOUR_ENCODINGS = frozenset(f"{order}{bits}" for order in ("rgb", "bgr", "rgba", "bgra") for bits in (8, 16))
 
 
 def _check_size(width: int, height: int, max_pixels: int) -> None:
@@ -185,7 +188,10 @@ def _to_uint8(values: np.ndarray) -> np.ndarray:
 
 
 def compressed_to_rgb(msg: CompressedImage, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """A sensor_msgs/CompressedImage (jpeg or png, as image_transport names them) as HxWx3 RGB."""
+    """A sensor_msgs/CompressedImage (jpeg or png, as image_transport names them) as HxWx3 RGB.
+    The channels are in the order the format says they were encoded in, as compressed_image_transport's
+    subscriber reads it ("<encoding>; png compressed <order>"): with a colour encoding and no
+    "compressed bgr..." they were RGB; otherwise (plain "jpeg"/"png" too) BGR, OpenCV's order."""
     fmt = msg.format.lower()
     if "compresseddepth" in fmt:
         raise ValueError(f"compressed image format {msg.format!r} is a depth map "
@@ -193,7 +199,11 @@ def compressed_to_rgb(msg: CompressedImage, max_pixels: int = DEFAULT_MAX_PIXELS
     if not any(name in fmt for name in ("jpeg", "jpg", "png")):
         raise ValueError(f"unsupported compressed image format {msg.format!r}; "
                          f"supported: {', '.join(COMPRESSED_FORMATS)}")
-    return encoded_to_rgb(msg.data, max_pixels, what=f"compressed image ({msg.format!r})")
+    decoded = _decode(msg.data, max_pixels, what=f"compressed image ({msg.format!r})")
+    encoding, split, compressed = fmt.partition(";")
+    if split and encoding.strip() in _COLOUR_ENCODINGS and "compressed bgr" not in compressed:
+        return decoded    # fed to the encoder in RGB order: OpenCV hands that order back
+    return cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)
 
 
 def encoded_to_rgb(data: bytes | bytearray | np.ndarray, max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -202,6 +212,11 @@ def encoded_to_rgb(data: bytes | bytearray | np.ndarray, max_pixels: int = DEFAU
     OpenCV read) as HxWx3 RGB uint8: its size is read from the header by Pillow and checked
     before OpenCV decodes anything; 16-bit samples keep their 8 most significant bits (within
     one level of the raw path's v / 257); EXIF orientation is not applied."""
+    return cv2.cvtColor(_decode(data, max_pixels, what), cv2.COLOR_BGR2RGB)
+
+
+def _decode(data: bytes | bytearray | np.ndarray, max_pixels: int, what: str) -> np.ndarray:
+    """encoded_to_rgb's picture in OpenCV's channel order (BGR for a picture encoded from BGR)."""
     array = np.frombuffer(data, dtype=np.uint8)
     if array.size == 0:
         raise ValueError(f"{what} has no data")
@@ -210,10 +225,10 @@ def encoded_to_rgb(data: bytes | bytearray | np.ndarray, max_pixels: int = DEFAU
     # IMREAD_COLOR (BGR, 8 bits) and IMREAD_IGNORE_ORIENTATION exist in OpenCV 4.6 (Ubuntu's
     # apt) as in 5.x; IMREAD_COLOR_RGB does not. Orientation stays as stored: the camera frame
     # (and its camera_info) is that one, and so is the size checked above.
-    bgr = cv2.imdecode(array, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
-    if bgr is None:
+    decoded = cv2.imdecode(array, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+    if decoded is None:
         raise ValueError(f"corrupt {what}, {array.size} bytes: OpenCV could not decode it")
-    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    return decoded
 
 
 def _peek_size(data: np.ndarray, max_pixels: int, what: str) -> tuple[int, int]:

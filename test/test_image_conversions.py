@@ -229,8 +229,29 @@ def test_compressed_round_trip(fmt):
 
 def test_image_transport_format_string_is_accepted(rgb):
     msg = rgb_to_compressed(rgb, "png")
-    msg.format = "rgb8; png compressed rgb8"
+    msg.format = "rgb8; png compressed bgr8"     # what compressed_image_transport writes for rgb8
     np.testing.assert_array_equal(compressed_to_rgb(msg), rgb)
+
+
+@pytest.mark.parametrize("fmt, fed", [
+    ("jpeg", "bgr"), ("png", "bgr"),                                  # this package's, and older publishers'
+    ("rgb8; jpeg compressed bgr8", "bgr"), ("bgr8; png compressed bgr8", "bgr"),
+    ("rgba8; png compressed bgra8", "bgra"), ("8UC3; png compressed ", "bgr"),  # not a colour encoding
+    ("rgb8; png compressed rgb8", "rgb"), ("bgr8; jpeg compressed rgb8", "rgb"),
+    ("rgba8; png compressed rgba8", "rgba"), ("rgb16; png compressed rgb16", "rgb16"),
+])
+def test_compressed_channel_order_is_the_one_the_format_names(fmt, fed):
+    """A pure red picture, encoded from the channel order the format names (as
+    compressed_image_transport's subscriber reads it): "compressed rgb8" was swapped to blue."""
+    red = np.zeros((8, 8, 3), np.uint8)
+    red[..., 0] = 255
+    opaque = np.full((8, 8, 1), 255, np.uint8)
+    pixels = {"bgr": red[..., ::-1], "rgb": red, "bgra": np.dstack([red[..., ::-1], opaque]),
+              "rgba": np.dstack([red, opaque]), "rgb16": red.astype(np.uint16) * 257}[fed]
+    ok, data = cv2.imencode(".jpg" if "jpeg" in fmt else ".png", np.ascontiguousarray(pixels))
+    assert ok
+    out = compressed_to_rgb(CompressedImage(format=fmt, data=data.tobytes()))
+    assert np.abs(out.astype(int) - red).max() <= (8 if "jpeg" in fmt else 0), (fmt, out[0, 0])
 
 
 @pytest.mark.parametrize("mutate, message", [
