@@ -319,9 +319,11 @@ class StampPairing(Generic[T]):
             self._cond.notify_all()
         return note
 
-    def wait_for(self, stamp: int, arrived_at: float | None = None) -> Wait[T]:
+    def wait_for(self, stamp: int, arrived_at: float | None = None, stream: bool = True) -> Wait[T]:
         """A frame stamped `stamp` arrived (`arrived_at`: when it reached this process, on
-        `wall_clock`; now if None): its pairing, decided now if it can be."""
+        `wall_clock`; now if None): its pairing, decided now if it can be. `stream`: the frame is
+        one of the camera's (its stamp counts in the frames' spacing); False for an image that
+        came on its own (a request's), stamped anywhere between the camera's frames."""
         with self._cond:
             now = self.clock()
             arrived = self._local(arrived_at, now)
@@ -330,7 +332,8 @@ class StampPairing(Generic[T]):
             if wait.unstamped:   # nothing to pair by: decided at once (_outcome_now says why)
                 self._decide(wait, arrived)
                 return wait
-            self._frames.append(wait.stamp)
+            if stream:
+                self._frames.append(wait.stamp)
             gap, end_at, seen_all = self._gap(), None, False
             # A frame stamped well before the newest kept message: the frames' stamps went back
             # (a bag looped) before this stream's did. What is kept is the previous run's, stamped

@@ -312,15 +312,16 @@ class VisionNode(ManagedNode):
             if note:
                 self.get_logger().warning(note, throttle_duration_sec=5.0)
 
-    def depth_waits(self, header, arrived_at: float | None = None) -> "DepthWaits | None":
+    def depth_waits(self, header, arrived_at: float | None = None, camera: bool = False) -> "DepthWaits | None":
         """A colour frame's pairings with depth and camera_info, from its arrival (`arrived_at`:
         reception_time; None: now, as for an image sent with a request); None without use_depth.
+        `camera`: a frame of the subscribed stream (an image sent with a request is not).
         Never waits: the frame's results wait for them (space), not its arrival."""
         depth, info = self.depth_stream, self.info_stream
         if depth is None or info is None:
             return None
         stamp = stamp_ns(header.stamp)
-        return DepthWaits(depth.wait_for(stamp, arrived_at), info.wait_for(stamp, arrived_at))
+        return DepthWaits(depth.wait_for(stamp, arrived_at, camera), info.wait_for(stamp, arrived_at, camera))
 
     def destroy_interfaces(self) -> None:
         if self.latched_info is not None:
@@ -383,7 +384,7 @@ class VisionNode(ManagedNode):
                 self.inactive_frames += 1
                 return
             self.stats.tick("received")
-            self.frames.put(msg, self.depth_waits(msg.header, reception_time(info)), self.activity.current())
+            self.frames.put(msg, self.depth_waits(msg.header, reception_time(info), camera=True), self.activity.current())
 
     def vision_msgs_publisher(self, qos):
         try:

@@ -101,6 +101,26 @@ def test_a_depth_stream_that_skipped_frames_does_not_hand_a_frame_its_neighbours
     assert wait.poll().msg == "depth 21" and wait.poll().rule == "exact"
 
 
+def test_an_image_sent_with_a_request_does_not_count_in_the_frames_spacing():
+    """Depth stamped 10 ms before its 30 Hz frame ends each wait as it arrives. A request's own
+    image, stamped 2 ms after a camera frame, is no frame of the stream: counted, it made the
+    frames' spacing 2 ms and every frame after it waited for the next depth (~33 ms more)."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock)
+    waits = []
+    for i in range(14):
+        clock.now = 100.0 + i * 0.033
+        if i == 5:
+            pairing.wait_for(T0 + 4 * 33 * MS + 2 * MS, stream=False)
+        waits.append(pairing.wait_for(T0 + i * 33 * MS))
+        clock.now += 0.005
+        pairing.add(T0 + i * 33 * MS - 10 * MS, f"depth {i}")
+    clock.now += 1.0
+    outcomes = [w.poll() for w in waits[5:]]
+    assert [o.msg for o in outcomes] == [f"depth {i}" for i in range(5, 14)]
+    assert all(o.waited_s == pytest.approx(0.005) for o in outcomes), [o.waited_s for o in outcomes]
+
+
 def test_depth_later_than_the_tolerance_is_not_waited_for():
     """Depth 60 ms late at 15 Hz: the deadline (50 ms after arrival) passes first; the depth that
     comes afterwards does not change the outcome read later."""
