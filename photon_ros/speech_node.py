@@ -274,6 +274,7 @@ class SpeechNode(ManagedNode):
         self.health.reset()
         self.transcribing.reset()
         self.chunks_received = self.chunks_handled = 0
+        self.last_input_at = None   # the silence timeout counts from this configuration's first chunk
         self.incompatible_qos = ""
 
     def create_interfaces(self) -> None:

@@ -217,6 +217,7 @@ class VisionNode(ManagedNode):
         self.info_stream: StampPairing | None = None     # camera_info alike (use_depth, at configure)
         self.frames_without_depth, self.without_depth_in_a_row, self.depth_note = 0, 0, ""
         self.doubted_frames: set[str] = set()   # frames warned of once: not named optical
+        self.received_before = 0   # frames.received when this configuration began
         self.depth_waits_s: deque[float] = deque(maxlen=200)   # results held back for depth, per frame
         # infer / find / ask requests the node or the model refused (a task, an option) or failed on
         self.requests_failed, self.last_request_error = 0, ""
@@ -247,6 +248,10 @@ class VisionNode(ManagedNode):
         for input_health in (self.health, self.depth_health, self.info_health):
             input_health.reset()
         self.without_depth_in_a_row = 0
+        # frames.received keeps counting (received == taken + dropped for the graph probe): what
+        # this configuration received is counted from here, and its silence from nothing
+        self.received_before = self.frames.received
+        self.last_input_at = None
 
     def create_interfaces(self) -> None:
         param = self.params.__getitem__
@@ -789,9 +794,10 @@ class VisionNode(ManagedNode):
     def publish_diagnostics(self) -> None:
         state = self.lifecycle_state()
         status = DiagnosticStatus(hardware_id=self.model_name)
-        status.level, status.message = health(state, self.loading, self.model_error, self.frames.received,
+        received = self.frames.received - self.received_before
+        status.level, status.message = health(state, self.loading, self.model_error, received,
                                               "images", self.input_silence(), self.params["input_timeout_s"])
-        if self.incompatible_qos and self.frames.received == 0 and status.level < DiagnosticStatus.ERROR:
+        if self.incompatible_qos and received == 0 and status.level < DiagnosticStatus.ERROR:
             status.level, status.message = DiagnosticStatus.WARN, self.incompatible_qos
         failing = self.health.failing("frames")
         if failing and state == "active":

@@ -2,6 +2,7 @@
 configuration are not reported after the next (a fixed model or camera may send no frame for a
 long while to clear them), while a deactivate and activate, which change nothing, still report
 them. One real (unspun) rclpy node whose configure loads a model without weights."""
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -57,6 +58,8 @@ def info(sequence: int) -> dict:
 
 def test_failures_of_one_configuration_are_not_reported_after_the_next(node):
     assert node.trigger_configure() == SUCCESS and node.trigger_activate() == SUCCESS
+    node.frames.put(object())               # frames came in the first configuration
+    node.last_input_at = time.monotonic()
     for _ in range(FAILING_IN_A_ROW):   # as process() says of a frame it cannot convert
         node.health.failed("unknown encoding 'yuv420p'")
     node.without_depth_in_a_row = FAILING_IN_A_ROW
