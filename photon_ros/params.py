@@ -17,8 +17,9 @@ A change is checked against the values the others have then. rclpy's `set_parame
 over one at a time, each checked and taken before the next: only `set_parameters_atomically` (the
 node's, or its service) checks a list as a whole and takes all of it or nothing. Two parameters
 that a rule ties together and that must move past each other need it, or the right order: the
-speech node's vad.tail_s (at most vad.hangover_s) and its model with the language or prompt the
-new model takes, the vision node's depth_min_m and depth_max_m (min below max).
+speech node's vad.tail_s (at most vad.hangover_s), the vision node's depth_min_m and depth_max_m
+(min below max). (A language or prompt only a new model takes waits for that model's configure:
+set `model`, reconfigure, then the language.)
 
 Scalar parameters are declared with dynamic typing and their type is checked here: rclpy types a
 parameter by its default, so one declared 5.0 would refuse `0` (`max_frame_age_s: 0` in a YAML file,

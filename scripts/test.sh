@@ -10,7 +10,8 @@ if [ ! -f install/setup.bash ] || [ ! -x .venv/bin/python ]; then
 fi
 . scripts/dev_env.sh
 python -c 'import photon_ros.msg' || { echo "[test] generated interfaces missing: rerun scripts/setup.sh" >&2; exit 1; }
+python -c 'import xdist' 2>/dev/null || { echo "[test] pytest-xdist missing (requirements changed): rerun scripts/setup.sh" >&2; exit 1; }
 # Two worker processes (pytest-xdist), a test file's tests in one of them (module fixtures built
 # once): the nodes' DDS waits and the single-threaded Triton compiles overlap on two cores.
-# PHOTON_TEST_WORKERS=0 runs in this process; arguments after it (-n N) decide over it.
+# PHOTON_TEST_WORKERS=0 runs in this process (needed for --pdb); a -n N given here decides over it.
 exec python -m pytest -n "${PHOTON_TEST_WORKERS:-2}" --dist loadfile "$@"
