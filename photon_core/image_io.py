@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 # The limit on pixels an image may have (PIL's decompression-bomb threshold; it errors at twice this).
-from photon_core.runtime.image_input import MAX_PIXELS, pil_to_rgb
+from photon_core.runtime.image_input import MAX_PIXELS, is_deep, key_alpha, pil_to_rgb
 
 
 class ImageFileError(ValueError):
@@ -60,12 +60,8 @@ def _rgba(im) -> np.ndarray:
     float: their transparency is a key value, as a 16-bit PNG's tRNS) are scaled as pil_to_rgb
     scales them, the key's pixels transparent: PIL's own convert("RGBA") clips them to 8 bits (a
     16-bit depth or IR frame came out all white) and keeps every pixel opaque."""
-    if im.mode in ("I", "F") or im.mode.startswith("I;16"):
-        key = im.info.get("transparency")
-        opaque = np.full((im.height, im.width), 255, np.uint8)
-        if isinstance(key, (int, float)):
-            opaque[np.asarray(im) == key] = 0
-        return np.dstack([pil_to_rgb(im), opaque])
+    if is_deep(im.mode):
+        return np.dstack([pil_to_rgb(im), key_alpha(im)])
     return np.asarray(im.convert("RGBA"))
 
 

@@ -104,13 +104,13 @@ def test_big_endian_uint16_arrays_are_taken():
 
 
 def test_deep_pil_modes_keep_pils_own_scale():
-    """Mode I holding 8-bit values (Image.fromarray of an int32 array, convert("I") of an L image)
-    is 8-bit data (it came out near black, divided by 257); 16-bit values in I are scaled as I;16;
-    mode F holds 0..1 (a float TIFF) or PIL's own 0..255 (convert("F"): it came out white); NaN
-    is refused (it came out black)."""
+    """16-bit values in mode I are scaled as I;16; 8-bit data put in I (convert("I") of an L image)
+    is read as 16-bit too, and is taken as 8-bit once given as L; mode F holds 0..1 (a float TIFF)
+    or PIL's own 0..255 (convert("F"): it came out white); NaN is refused (it came out black)."""
     grey3 = np.repeat(GREY[:, :, None], 3, axis=2)
-    _same_as(grey3, Image.fromarray(GREY).convert("I"))
     _same_as(grey3, Image.fromarray(GREY.astype(np.int32) * 257))
+    _same_as(np.rint(grey3 / 257.0).astype(np.uint8), Image.fromarray(GREY).convert("I"))
+    _same_as(grey3, Image.fromarray(GREY).convert("I").convert("L"))
     _same_as(grey3, Image.fromarray((GREY / 255.0).astype(np.float32)))
     _same_as(grey3, Image.fromarray(GREY).convert("F"))
     with pytest.raises(ValueError, match="NaN or infinite"):
@@ -167,3 +167,66 @@ def test_finite_float_values_beyond_float32_are_out_of_range_not_infinite():
         warnings.simplefilter("error")   # no overflow in a cast on the way
         with pytest.raises(ValueError, match=r"values in \[0, 1\], got 0..1e\+300"):
             to_rgb(image)
+
+
+def test_hdr_highlights_do_not_black_out_a_float_image():
+    """A float ("F") image was read as 0..255 data when its max passed 2: one HDR highlight at 2.5
+    turned every pixel of a 0.5 grey image black. Highlights are clipped; the rest stays put."""
+    hdr = np.full((10, 10), 0.5, np.float32)
+    hdr[0, 0] = 2.5
+    hdr[1, :] = 6.0                                   # a tenth of the image, a lamp or the sky
+    out = to_rgb(Image.fromarray(hdr))[..., 0]
+    assert out[0, 0] == 255 and (out[1] == 255).all()
+    assert (out[2:] == 128).all() and (out[0, 1:] == 128).all()
+
+
+def test_pils_own_float_images_stay_0_to_255_when_dark():
+    """convert("F") of an 8-bit image is on 0..255 however dark the frame (median 0..2 here)."""
+    dark = np.zeros((10, 10), np.uint8)
+    dark[:4] = 1
+    dark[0, :3] = (40, 200, 255)
+    _same_as(np.repeat(dark[:, :, None], 3, axis=2), Image.fromarray(dark).convert("F"))
+
+
+def test_mode_I_scale_does_not_depend_on_the_frames_values():
+    """Mode I was read as 8-bit when its values were up to 255 and 16-bit otherwise: a frame of
+    200s came out 200 with a max of 255 and 1 with one pixel at 300 (257x flicker in a stream)."""
+    frame = np.full((4, 4), 200, np.int32)
+    outs = []
+    for top in (255, 300, 65535):
+        frame[0, 0] = top
+        outs.append(to_rgb(Image.fromarray(frame))[1:, 1:])
+    for out in outs:
+        np.testing.assert_array_equal(out, 1)          # rint(200 / 257): 16-bit data
+
+
+def test_mode_I_bit_depth_from_the_decoder(tmp_path):
+    """A 32-bit TIFF says its depth and is scaled by it, whatever its values (with a max of 300
+    it was read as 16-bit); a 16-bit PGM (PIL opens it as I) with dark values is 16-bit data (it
+    was read as 8-bit: 257x too bright)."""
+    import cv2
+    for top in (300, 2**31 - 1):
+        Image.fromarray(np.array([[0, 300, top]], np.int32)).save(tmp_path / "i32.tif")
+        with Image.open(tmp_path / "i32.tif") as im:
+            assert im.mode == "I"
+            np.testing.assert_array_equal(to_rgb(im)[0, :, 0], [0, 0, 0 if top == 300 else 127])
+    dark = np.full((4, 4), 200, np.uint16)
+    cv2.imwrite(str(tmp_path / "dark.pgm"), dark)
+    with Image.open(tmp_path / "dark.pgm") as im:
+        assert im.mode == "I"
+        assert (to_rgb(im) == 1).all()
+
+
+def test_a_deep_images_transparent_key_composites_onto_white(tmp_path):
+    """A 16-bit PNG's transparency key (PIL opens it as I;16, the key in info) stayed black under
+    alpha="white", while read_image(keep_alpha=True) marked the pixel transparent."""
+    from photon_core.image_io import read_image
+    Image.fromarray(np.array([[0, 65535, 257 * 9]], np.uint16)).save(tmp_path / "t16.png", transparency=0)
+    with Image.open(tmp_path / "t16.png") as im:
+        assert im.mode == "I;16" and im.info["transparency"] == 0
+        white = to_rgb(im, alpha="white")
+        dropped = to_rgb(im)
+    np.testing.assert_array_equal(white[0, :, 0], [255, 255, 9])
+    np.testing.assert_array_equal(dropped[0, :, 0], [0, 255, 9])
+    rgba = read_image(tmp_path / "t16.png", keep_alpha=True)
+    np.testing.assert_array_equal(white, to_rgb(rgba, alpha="white"))

@@ -3,16 +3,20 @@
 Accepted, the same way by every family's `encode_image(image, channel_order=...)` and skills:
 - a PIL image of any mode: converted as PIL converts to RGB (palette, grey, CMYK, ...), except
   deep single-channel modes, which are scaled to 8 bits (PIL's own conversion clips them, turning
-  a 16-bit image white): "I;16*" by 255 / 65535; "I" by its range (values up to 255 are 8-bit data,
-  as Image.fromarray of an int32 array or convert("I") gives; up to 65535 16-bit, as older PIL
-  opens 16-bit PNGs; above, 32-bit); "F" (float TIFF) in [0, 1], overshoot clipped, or on PIL's
-  0..255 scale (convert("F")) where values exceed F_NOMINAL_MAX; NaN or infinite refused;
+  a 16-bit image white): "I;16*" by 255 / 65535; "I" as 16-bit data too (a 16-bit PGM, a signed
+  16-bit TIFF, Image.fromarray of an int32 array), whatever its values, unless its decoder says 32
+  bits (a 32-bit TIFF, FITS or McIdas file: by 255 / (2**32 - 1)); values outside the range
+  clipped; 8-bit data in mode I (convert("I") of an L image) cannot be told from dark 16-bit data:
+  give it as L (convert("L")) or as a uint8 array; "F" (float TIFF) in [0, 1], overshoot (HDR
+  highlights) clipped, or on PIL's 0..255 scale (convert("F")) where over half its pixels exceed
+  F_NOMINAL_MAX or all are whole numbers, some above 1; NaN or infinite refused;
 - a numpy array [H, W] (grey), [H, W, 1], [H, W, 3] or [H, W, 4] of dtype uint8 (as is), uint16
   (scaled by 255 / 65535) or float16/32/64 holding values in [0, 1] (scaled by 255); scaled
   values are rounded to the nearest integer;
-- transparency (RGBA, LA, a palette's transparent colour, an array's 4th channel): dropped by
-  default (`alpha="drop"`, as the Moondream reference's convert("RGB")), or composited onto white
-  (`alpha="white"`, as transformers' convert_to_rgb does for Gemma 4 and Qwen 3.5);
+- transparency (RGBA, LA, a palette's transparent colour, a deep image's transparent key as a
+  16-bit PNG's, an array's 4th channel): dropped by default (`alpha="drop"`, as the Moondream
+  reference's convert("RGB")), or composited onto white (`alpha="white"`, as transformers'
+  convert_to_rgb does for Gemma 4 and Qwen 3.5);
 - channel_order "rgb" (default) or "bgr" (OpenCV, ROS bgr8/bgra8) for arrays; a PIL image is RGB.
 
 Everything else is refused with a ValueError that says why: not an array or PIL image, another
@@ -32,7 +36,7 @@ from PIL import Image, ImageFile
 MAX_PIXELS = 89_478_485
 CHANNEL_ORDERS = ("rgb", "bgr")
 ALPHAS = ("drop", "white")
-F_NOMINAL_MAX = 2.0   # a float ("F") image above this is on PIL's 0..255 scale, not 0..1 with overshoot
+F_NOMINAL_MAX = 2.0   # an "F" image mostly above this is on PIL's 0..255 scale, not 0..1 with overshoot
 
 ImageLike = Union[np.ndarray, Image.Image]
 
@@ -74,24 +78,10 @@ def to_rgb(image: ImageLike, channel_order: str = "rgb", alpha: str = "drop") ->
 def pil_to_rgb(im: Image.Image, alpha: str = "drop") -> np.ndarray:
     """A PIL image (any mode) as [H, W, 3] uint8 RGB, deep single-channel modes scaled to 8 bits,
     transparency dropped or composited onto white (`alpha`)."""
-    mode = im.mode
-    if mode == "F":
-        # Float TIFFs hold 0..1 nominally, overshoot clipped; PIL's own float images (convert("F")
-        # of an 8-bit one) hold 0..255: read so where the values go past F_NOMINAL_MAX.
-        x = np.asarray(im).astype(np.float64)
-        if not np.isfinite(x).all():
-            raise ValueError("image has NaN or infinite values")
-        scale = 1.0 if x.size and x.max() > F_NOMINAL_MAX else 255.0
-        grey = np.clip(np.rint(x * scale), 0, 255).astype(np.uint8)
-        return np.repeat(grey[..., None], 3, axis=-1)
-    if mode.startswith("I;16") or mode == "I":
-        x = np.asarray(im).astype(np.float64)
-        top = float(x.max()) if x.size else 0.0
-        if mode == "I" and top > 65535:
-            x = x / 16843009.0   # a genuine 32-bit integer image: (2**32 - 1) / 255
-        elif mode.startswith("I;16") or top > 255:
-            x = x / 257.0        # 16-bit: 65535 / 255
-        grey = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+    if is_deep(im.mode):
+        grey = _deep_to_uint8(im)
+        if alpha == "white":
+            grey[key_alpha(im) == 0] = 255   # as to_rgb composites an array's alpha of 0
         return np.repeat(grey[..., None], 3, axis=-1)
     if alpha == "white" and ("A" in im.getbands() or im.info.get("transparency") is not None):
         # as transformers' convert_to_rgb: over a white RGBA background, then RGB
@@ -100,6 +90,47 @@ def pil_to_rgb(im: Image.Image, alpha: str = "drop") -> np.ndarray:
     # Every other mode (palette, grey, grey+alpha, CMYK, YCbCr, 16-bit RGB which PIL already
     # reduces to 8 bits per channel) converts to RGB without loss of scale.
     return np.asarray(im.convert("RGB"))
+
+
+def is_deep(mode: str) -> bool:
+    """Whether a PIL mode is one of the deep single-channel ones pil_to_rgb scales itself."""
+    return mode in ("I", "F") or mode.startswith("I;16")
+
+
+def key_alpha(im: Image.Image) -> np.ndarray:
+    """[H, W] uint8 alpha of a deep single-channel image: 0 where a pixel holds its transparency
+    key (a 16-bit PNG's tRNS), 255 elsewhere. PIL's convert("RGBA") would keep every pixel opaque."""
+    alpha = np.full((im.height, im.width), 255, np.uint8)
+    key = im.info.get("transparency")
+    if isinstance(key, (int, float)):
+        alpha[np.asarray(im) == key] = 0
+    return alpha
+
+
+def _deep_to_uint8(im: Image.Image) -> np.ndarray:
+    x = np.asarray(im).astype(np.float64)
+    if im.mode == "F":
+        if not np.isfinite(x).all():
+            raise ValueError("image has NaN or infinite values")
+        # Float TIFFs hold 0..1 nominally, HDR highlights above; PIL's own float images
+        # (convert("F") of an 8-bit one) hold 0..255. The max told them apart: one highlight past
+        # F_NOMINAL_MAX blacked out a whole HDR image. The median does not move with a few
+        # pixels: half an HDR image is over twice its white only when it is mostly blown out,
+        # half a 0..255 image under 2/255 only in a near-black frame, which convert("F") still
+        # gives as whole numbers (a real float image past 1 practically never is).
+        on_255 = x.size > 0 and (float(np.median(x)) > F_NOMINAL_MAX
+                                 or (float(x.max()) > 1.0 and bool((x == np.rint(x)).all())))
+        return np.clip(np.rint(x if on_255 else x * 255.0), 0, 255).astype(np.uint8)
+    # Mode I carries no bit depth in memory, and reading it from the values (up to 255 as 8-bit)
+    # made one pixel switch a dark 16-bit frame's scale by 257x. Decoders give I for 16-bit data
+    # (PGM, signed 16-bit TIFF) or 32-bit (TIFF says so; FITS and McIdas are always 32); 8-bit
+    # files open as L, so 8-bit data in I was put there by hand and can be given as L instead.
+    bits = 16
+    if im.mode == "I" and im.format == "TIFF":
+        bits = int(getattr(im, "tag_v2", {}).get(258, (16,))[0])   # BitsPerSample (TiffImageFile's)
+    elif im.mode == "I" and im.format in ("FITS", "MCIDAS"):
+        bits = 32
+    return np.clip(np.rint(x * (255.0 / (2.0 ** bits - 1))), 0, 255).astype(np.uint8)
 
 
 def check_size(width: int, height: int) -> None:
