@@ -44,6 +44,24 @@ _CORRECTION = re.compile(r"\b(?:no|not|don't|dont|never|instead|i mean|actually|
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 
 
+# Words a speaker adds after the object that name nothing to look for ("find the keys for me",
+# "where's the cup at"): left in, the model was asked for "keys for me". Not "robot", though a
+# speaker may end with it: "the other robot", "the toy robot" name one, and the model asked for
+# "other" or "toy" looks for something else; "..., robot" with a comma asks for nothing (no guess).
+_TRAILING_FILLER = re.compile(r" (?:please|now|right now|thanks|thank you|for me|at|located|again|"
+                              r"there|here|over there|over here|quickly|real quick|okay|ok)$")
+
+
+def strip_trailing_filler(target: str) -> str:
+    """`target` without the filler words at its end ("keys for me please" -> "keys"); a one-word
+    target is kept as it is."""
+    while True:
+        shorter = _TRAILING_FILLER.sub("", target)
+        if shorter == target:
+            return target
+        target = shorter
+
+
 def parse_command(text: str) -> VisionRequest | None:
     """The vision request a transcript asks for, or None when it asks for none we know. None too
     for more than one sentence or a clause after the object ("point at the red cup. Stop!",
@@ -64,7 +82,7 @@ def parse_command(text: str) -> VisionRequest | None:
     for verb, task in _PATTERNS:
         m = re.match(rf"^{_FILLER}{verb}\s+(?:{_ARTICLE})?(.+?)(?: please)?$", sentence)
         if m:
-            target = re.sub(rf"^{_ARTICLE}", "", m.group(1)).strip()
+            target = re.sub(rf"^{_ARTICLE}", "", strip_trailing_filler(m.group(1))).strip()
             if task == "point" and target.startswith("face "):   # "turn to face the door"
                 target = re.sub(rf"^{_ARTICLE}", "", target[5:]).strip()
             if target in _NOT_OBJECTS or _CLAUSE.search(target) or _corrected(target):
@@ -74,17 +92,35 @@ def parse_command(text: str) -> VisionRequest | None:
     return None
 
 
-# Stop words: the whole utterance, once or repeated ("stop, stop!"), after openers and "no" ("no,
-# stop"). Stopping is always safe, so these are taken from partial transcripts too (the loop).
-_STOP = (r"(?:stop(?: (?:it|that|now|moving|turning|looking|searching|there|right there))?|halt|freeze|"
-         r"cancel(?: (?:it|that))?|never ?mind|abort|wait)")
-_STOP_LEAD = rf"(?:(?:{_OPENERS}|no|please|now) )*"
-_STOP_TAIL = r"(?: (?:please|now|robot))*"
+# Stop words. Stopping is always safe, so an utterance is taken for a stop loosely (and from
+# partial transcripts too, in the loop): a stop not meant costs a command said again, a stop missed
+# a turn that goes on.
+_STOP_OBJECT = (r"(?:it|that|this|everything|all|now|there|here|the (?:robot|turn|search|motors?)|"
+                r"moving|turning|rotating|spinning|looking|searching|pointing|driving|going)")
+_HALT = (rf"(?:(?:(?:emergency|e|full) )?stop(?: {_STOP_OBJECT})?|halt|freeze|abort|cancel(?: {_STOP_OBJECT})?|"
+         r"never ?mind|forget it|wait|hold (?:on|it|up|still)|hang on|whoa+|woah|(?:stay|stand|keep|be) still|"
+         r"stay (?:put|there|here)|(?:don't|dont|do not) (?:move|turn|go|do (?:it|that|this)))")
+# Stops only as a whole phrase: ending a longer one they may belong to it ("the cargo hold",
+# "close enough", "yes or no").
+_HALT_ALONE = (r"(?:no|nope|stay|hold|enough|that's enough|don't|dont|quit it|cut it out|knock it off|"
+               r"(?:that's |that is )?(?:not (?:that|this|it)(?: one)?|(?:the )?wrong(?: one| way| direction)?))")
+_STOP_LEAD = rf"(?:(?:{_OPENERS}|no|please|now|oh|just|i said) )*"
+_STOP_TAIL = (r"(?: (?:please|now|right now|immediately|at once|already|robot|thanks|thank you|okay|ok|again|"
+              r"there|right there|here|left|right|around|(?:for )?(?:a|one) (?:second|sec|moment|minute|bit)))*")
+_STOP_WHOLE = re.compile(rf"{_STOP_LEAD}(?:{_HALT}|{_HALT_ALONE})(?: (?:{_HALT}|{_HALT_ALONE}))*{_STOP_TAIL}")
+# "stop turning to the left", "don't look at the mug": a stop whatever follows.
+_STOP_FIRST = re.compile(rf"{_STOP_LEAD}(?:stop \w+ing|(?:don't|dont|do not) (?:move|turn|go|look|point|"
+                         r"keep|rotate|spin|drive))\b")
+_STOP_END = re.compile(rf"(?:^| ){_HALT}(?: {_HALT})*{_STOP_TAIL}$")
+_NEGATIONS = frozenset("don't dont not never can't cant cannot won't wont didn't doesn't shouldn't".split())
+# "don't stop": the speaker wants it to go on (and a "no" said with it is for the stop: "No, don't stop").
+_NEGATED_STOP = re.compile(r"\b(?:don't|dont|not|never|can't|cannot|won't|wont) (?:stop|halt|freeze|wait)\b")
 
 
-# A stop said right after the object without punctuation ("point at the cup stop", "... cup wait"):
-# the speaker took the command back. "the bus stop" is refused too: doing nothing is the safe guess.
-_STOP_AFTER = re.compile(rf" {_STOP_LEAD}{_STOP}(?: {_STOP})*{_STOP_TAIL}$")
+# A stop said right after the object without punctuation ("point at the cup stop", "... cup wait",
+# "find the mug hold on"): the speaker took the command back. "the bus stop" is refused too, and
+# is a stop (is_stop): stopping is the safe guess.
+_STOP_AFTER = re.compile(rf" {_HALT}(?: {_HALT})*{_STOP_TAIL}$")
 
 
 def _corrected(target: str) -> bool:
@@ -94,16 +130,28 @@ def _corrected(target: str) -> bool:
 
 
 def is_stop(text: str) -> bool:
-    """Whether the utterance asks the robot to stop ("stop", "no, stop!", "hey robot, halt",
-    "never mind", "stop turning please"): one of its sentences or comma-set phrases is nothing but
-    that ("Stop! That's the wrong one.", "Point at the cup. Stop!", "Wait, find the mug": none is a
-    command we take, and a turn in progress went on through them), while "stop at the door" and
-    "don't stop" are no stop words, and no command either."""
+    """Whether the utterance asks the robot to stop, in one of its sentences or comma-set phrases:
+    one that is nothing but stop words ("stop", "No, stop!", "hold on", "Emergency stop!", "No!",
+    "never mind"), starts with "stop ...ing" or "don't move/turn/..." ("Stop turning left."), or
+    ends with a stop ("I said stop", "point at the red cup stop right now": no command is taken
+    from those, and a turn in progress went on through them). "stop at the door", "stop the music"
+    and "don't stop" are no stop; neither are stop words inside an object's name in a command we
+    take ("point at the stop sign")."""
     text = text.translate(_APOSTROPHES).lower()
+    text = re.sub(r"\b(\w{1,3})-(?=\1)", "", text)               # a stutter: "s-stop" is "stop"
     # dashes part phrases as commas do ("Find the cup - stop!"); a hyphen inside a word does not
-    return any(_is_stop_phrase(part) for part in re.split(r"[.!?;,\u2013\u2014]+|\s-+\s", text))
+    parts = [re.sub(r"\s+", " ", re.sub(r"[^\w\s']", " ", part)).strip()
+             for part in re.split(r"[.!?;,\u2013\u2014]+|\s-+\s", text)]
+    going_on = any(_NEGATED_STOP.search(part) for part in parts)
+    return any(_is_stop_phrase(part, going_on) for part in parts if part)
 
 
-def _is_stop_phrase(part: str) -> bool:
-    words = re.sub(r"\s+", " ", re.sub(r"[^\w\s']", " ", part)).strip()
-    return bool(words) and re.fullmatch(rf"{_STOP_LEAD}{_STOP}(?: {_STOP})*{_STOP_TAIL}", words) is not None
+def _is_stop_phrase(words: str, going_on: bool) -> bool:
+    if _NEGATED_STOP.search(words):
+        return False
+    if _STOP_WHOLE.fullmatch(words):
+        return not (going_on and set(words.split()) <= {"no", "nope"})
+    if _STOP_FIRST.match(words):
+        return True
+    end = _STOP_END.search(words)
+    return end is not None and words[:end.start()].rpartition(" ")[2] not in _NEGATIONS

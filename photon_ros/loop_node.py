@@ -7,8 +7,9 @@ vision node has depth, and a bounded turn toward it.
       -> the vision node's find action on its latest frame (on the next one for a camera that
          leaves its frames unstamped), within search_timeout_s (a newer command cancels a goal
          still decoding: the robot acts on what it was told last)
-    "stop" ("halt", "cancel", "never mind", ...: commands.is_stop), from a partial transcript
-               already: the search in progress is canceled and a turn ends at once (zero Twist)
+    "stop" ("halt", "hold on", "don't move", "never mind", ...: commands.is_stop), from a partial
+               transcript already: the search in progress is canceled and a turn ends at once (zero
+               Twist); a new command ends a turn in progress too
       -> image_target (photon_ros/ImageTarget: where the target is in the image, pixels and
                        normalized, the frame's header): always
          target (geometry_msgs/PointStamped): only a position in metres, in the frame the vision
@@ -313,7 +314,11 @@ class LoopNode(Node):
         if not self.find.server_is_ready():
             self.say(f"cannot {request.task} at {request.target!r}: the vision node's find action is not available")
             return
-        self.command += 1
+        with self.turn_lock:   # as in stop(): a result being handled checks the number under it
+            self.command += 1
+            turned = self.end_turn()
+        if turned:   # a turn toward what the speaker no longer wants: it would go on for up to max_turn_s
+            self.say("stopped the turn in progress: a new command came")
         if self.goal is not None:
             self.goal.cancel_goal_async()   # what it was looking for is no longer wanted
             self.say("canceled the previous search: a new command came")

@@ -33,9 +33,13 @@ class Turn:
 
 
 def plan_turn(angle: float, max_rate: float, max_turn_s: float, deadband: float) -> Turn | None:
-    """The turn through `angle` rad at up to `max_rate`, cut at `max_turn_s`; None within the deadband."""
+    """The turn through `angle` rad at up to `max_rate`, the short way round, cut at `max_turn_s`;
+    None within the deadband."""
     if max_rate <= 0.0 or max_turn_s <= 0.0:
         raise ValueError(f"max_rate and max_turn_s must be > 0, got {max_rate}, {max_turn_s}")
+    # 270 deg left is 90 deg right: unwrapped, the turn went left (and was cut at max_turn_s, so it
+    # ended 86 deg left, facing further away than before)
+    angle = math.remainder(angle, 2.0 * math.pi)
     if abs(angle) <= deadband:
         return None
     return Turn(math.copysign(max_rate, angle), min(abs(angle) / max_rate, max_turn_s))

@@ -64,11 +64,60 @@ def test_stop_words_are_a_stop_and_no_command(text):
     assert is_stop(text) and parse_command(text) is None
 
 
-@pytest.mark.parametrize("text", ["", "No.", "Thank you.", "Stop at the door.", "Stop the music",
+@pytest.mark.parametrize("text", ["", "Thank you.", "Stop at the door.", "Stop the music",
                                   "find the stop sign", "don't stop", "Don't stop, find the cup.", "find the non-stop timer",
-                                  "Stop at the door, please."])
+                                  "Stop at the door, please.", "No, don't stop.", "I can't wait", "Is it close enough?",
+                                  "Yes.", "Okay."])
 def test_other_sentences_are_no_stop(text):
     assert not is_stop(text)
+
+
+@pytest.mark.parametrize("text", [
+    "Stop right now.", "Don't move!", "Stop turning left.", "Stop the robot!", "Hold on.", "Emergency stop!",
+    "Hold it", "Stay still", "Hang on", "I said stop", "Wait a second", "Don't turn", "No!", "No.", "no no no",
+    "Stop the turn.", "stop robot", "Stay.", "Whoa!", "Enough.", "Don't do that.", "Hold on a sec.", "E-stop!",
+    "S-stop!", "Stop turning to the left", "please stop right now", "Not that one!", "Wrong way!", "Cancel the search.",
+    "Forget it.", "Just stop.", "Can you stop?", "You need to stop now", "No, the mug.", "Stop looking for the cup."])
+def test_loosely_phrased_stops_are_a_stop_and_no_command(text):
+    """Said while a turn goes on, each of these fell through to the parser, asked for nothing, and
+    the turn went on: stopping is the safe guess for all of them."""
+    assert is_stop(text) and parse_command(text) is None
+
+
+@pytest.mark.parametrize("text", ["point at the red cup stop right now", "find the mug hold on", "point at the cup stop",
+                                  "Find the cup stop", "point at the cup stop it", "Look at the cup please stop",
+                                  "point at the cup and stop", "find the keys emergency stop", "point at the cup wait a second",
+                                  "find the mug don't move"])
+def test_a_stop_after_the_object_is_a_stop_and_no_command(text):
+    """Unpunctuated, "point at the red cup stop right now" turned the robot toward "red cup stop
+    right now", and "point at the cup stop" asked for nothing but let the turn in progress go on."""
+    assert is_stop(text) and parse_command(text) is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Could you find the keys for me?", VisionRequest("detect", "keys")),
+    ("Point at the cup now.", VisionRequest("point", "cup")),
+    ("Point at the cup thanks", VisionRequest("point", "cup")),
+    ("Where's the cup at?", VisionRequest("point", "cup")),
+    ("Where is the cup located?", VisionRequest("point", "cup")),
+    ("Where are the keys right now?", VisionRequest("point", "keys")),
+    ("Point at the door over there.", VisionRequest("point", "door")),
+    ("find the keys for me please thank you", VisionRequest("detect", "keys")),
+    ("Point at the 2 cups now", VisionRequest("point", "2 cups")),
+    # "robot" after the object may name it: kept
+    ("Find the other robot.", VisionRequest("detect", "other robot")),
+])
+def test_filler_after_the_object_is_not_part_of_it(text, expected):
+    assert parse_command(text) == expected
+    assert not is_stop(text)
+
+
+def test_a_turn_takes_the_short_way_round():
+    """270 deg left is 90 deg right: unwrapped, the turn went left, cut at max_turn_s (86 deg)."""
+    turn = plan_turn(math.radians(270), max_rate=0.5, max_turn_s=3.5, deadband=0.02)
+    assert turn.rate == -0.5 and turn.angle == pytest.approx(-math.pi / 2)
+    assert plan_turn(-math.radians(300), max_rate=0.5, max_turn_s=3.5, deadband=0.02).angle == pytest.approx(math.pi / 3)
+    assert plan_turn(2 * math.pi + 0.01, max_rate=0.5, max_turn_s=3.0, deadband=0.02) is None   # facing it already
 
 
 def test_bearing_of_a_point_in_the_image():
@@ -143,6 +192,12 @@ def test_a_stop_or_a_correction_after_the_object_asks_for_nothing(text):
     ("Find the stop sign.", VisionRequest("detect", "stop sign")),
     ("Point at the no entry sign", VisionRequest("point", "no entry sign")),
     ("Where is the waiting room?", VisionRequest("point", "waiting room")),
+    ("where is the emergency stop button", VisionRequest("point", "emergency stop button")),
+    ("look at the no entry sign", VisionRequest("point", "no entry sign")),
+    ("Find the stop light", VisionRequest("detect", "stop light")),
+    ("Point at the stop sign please", VisionRequest("point", "stop sign")),
+    ("Find the hold music speaker", VisionRequest("detect", "hold music speaker")),
 ])
 def test_stop_and_negation_words_inside_an_object_name_are_kept(text, expected):
     assert parse_command(text) == expected
+    assert not is_stop(text)

@@ -359,14 +359,14 @@ def test_a_spoken_stop_ends_the_turn_and_the_search_at_once(loop, final):
     from photon_ros.msg import Transcript
     twists = []
     loop.publish_velocity = twists.append
-    loop.command = 1
-    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
-    assert loop.turns.active
     sent = stand_in_server(loop)
     loop.on_transcript(spoken(loop, 0.0, "Find the mug."))
     search = Handle()
     sent[0].callbacks[0](done(search))
     assert loop.goal is search
+    # a turn beside the search (a new command ends the turn before it: both at once only by a race)
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=loop.command)
+    assert loop.turns.active and loop.goal is search
     twists.clear()
     loop.on_transcript(Transcript(text="No, stop!", is_final=final, audio_complete=final))
     assert not loop.turns.active and twists and twists[-1].angular.z == 0.0
@@ -376,6 +376,43 @@ def test_a_spoken_stop_ends_the_turn_and_the_search_at_once(loop, final):
     assert not loop.turns.active                                    # its late result moves nothing
     loop.on_transcript(Transcript(text="Stop.", is_final=True, audio_complete=True))
     assert "nothing to stop" in loop.said[-1]
+
+
+@pytest.mark.parametrize("text", ["Stop right now.", "Don't move!", "Stop turning left.", "Stop the robot!", "Hold on.",
+                                  "Emergency stop!", "Hold it", "Stay still", "Hang on", "I said stop", "Wait a second",
+                                  "Don't turn", "No!", "point at the red cup stop right now", "find the mug hold on"])
+def test_loosely_phrased_stops_end_the_turn(loop, text):
+    """Each of these fell through to the parser, which asked for nothing, and the turn went on for
+    up to max_turn_s: taken for a stop, from a partial transcript already."""
+    from photon_ros.msg import Transcript
+    twists = []
+    loop.publish_velocity = twists.append
+    sent = stand_in_server(loop)
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)
+    assert loop.turns.active
+    loop.on_transcript(Transcript(text=text, is_final=False))
+    assert not loop.turns.active and twists[-1].angular.z == 0.0, loop.said
+    assert not sent and "stopped the turn" in loop.said[-1], loop.said
+
+
+def test_a_new_command_ends_the_turn_in_progress(loop):
+    """A turn right toward the cup went on while the speaker asked for the mug on the left: the
+    search was canceled, but the base turned on the wrong way for up to max_turn_s."""
+    twists = []
+    loop.publish_velocity = twists.append
+    loop.set_parameters([Parameter("max_turn_s", value=3.0)])
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=1)   # right of centre: a turn right
+    assert loop.turns.active and twists[-1].angular.z < 0.0
+    sent = stand_in_server(loop)
+    loop.on_transcript(spoken(loop, 0.0, "Point at the mug on the left."))
+    assert len(sent) == 1 and not loop.turns.active and twists[-1].angular.z == 0.0, loop.said
+    assert loop.still_since is not None                  # a frame taken while turning moves nothing
+    assert any("stopped the turn in progress: a new command came" in s for s in loop.said), loop.said
+    twists.clear()
+    loop.send_turn()                                      # the timer's next tick: nothing more
+    assert not twists
 
 
 def test_a_stop_said_while_a_result_is_being_handled_starts_no_turn(loop):
