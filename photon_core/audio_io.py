@@ -21,10 +21,17 @@ _PCM, _FLOAT, _EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
 _PCM_DTYPES: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4")}   # 3 bytes: see _int24
 _FLOAT_DTYPES: dict[int, np.dtype] = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
 
-# Float samples are nominally within [-1, 1]. Up to 2**15 is still taken (files written on the
-# int16 scale exist, and the mel front ends are scale-free); beyond that the values are not audio,
-# and their squares overflow float32 inside the models.
+# Float samples are nominally within [-1, 1]. Files are read up to 2**15: files written on the
+# int16 scale exist, and the WAV player rescales them. Beyond that the values are not audio, and
+# their squares overflow float32 inside the models.
 MAX_FLOAT_SAMPLE = 32768.0
+
+# The models take less (audio_frontend.to_float_mono): their input is not scale-free. Whisper's and
+# Qwen3-ASR's log-mel is floored at its max - 8 and then (x + 4) / 4, so audio x32768 moved every
+# feature by ~2.3, and the speech gates' floors are in dBFS. Real float audio overshoots full scale a
+# little (inter-sample peaks after resampling, gain before a limiter: rarely past 2, +6 dB), and 4
+# leaves it room; int16 values stored as floats peak past 4 unless the clip is under -78 dBFS.
+MAX_FLOAT_PEAK = 4.0
 
 
 class AudioFileError(ValueError):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from photon_core.audio_io import AudioFileError, open_audio_stream, pcm_to_float, read_wav, write_wav
+from photon_core.runtime.audio_frontend import prepare_audio
 
 PCM, FLOAT, EXTENSIBLE = 1, 3, 0xFFFE
 
@@ -110,6 +111,27 @@ def test_damaged_or_unreadable_files_are_refused_naming_the_file(tmp_path, make,
     if message in ("not a RIFF/WAVE file", "format tag 0x0002 samples of 8 bits are not read here"):
         # soundfile, where installed, gets its try first; without it, the way out is said.
         assert _has_soundfile() or f"sox {path} -e signed-integer -b 16 out.wav" in str(err.value)
+
+
+def test_float_audio_on_the_int16_scale_is_read_but_refused_as_model_input(tmp_path):
+    """A float WAV holding int16 values (peak 3276.8) went through read_wav and prepare_audio without
+    a word, and Whisper's log-mel of it sat ~2.3 above the real one's in every bin. read_wav still
+    reads the file (the WAV player rescales such files); the models' front end refuses it."""
+    tone = (0.1 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
+    path = tmp_path / "int16_scale.wav"
+    path.write_bytes(wav_bytes(FLOAT, 1, 16000, 4, (tone * 32768).astype("<f4").tobytes()))
+    samples, rate = read_wav(path)
+    assert np.abs(samples).max() == pytest.approx(3276.8)
+    said = r"float samples up to 3276\.8.*looks like int16 values stored as floats; divide them by 32768"
+    with pytest.raises(ValueError, match=said):
+        prepare_audio(samples, rate)
+    with pytest.raises(ValueError, match=said):   # an array passed to transcribe, float64, stereo
+        prepare_audio(np.stack([tone.astype(np.float64) * 32768] * 2, -1), 16000)
+    with pytest.raises(ValueError, match="int16 values stored as floats"):
+        prepare_audio(tone / 0.1 * 4.5, 16000)
+    for peak in (1.2, 3.0, 4.0):   # hot but real: resampling overshoot, gain before a limiter
+        hot = (tone / np.abs(tone).max() * peak).astype(np.float32)
+        np.testing.assert_array_equal(prepare_audio(hot, 16000), hot)
 
 
 def _has_soundfile():

@@ -13,7 +13,7 @@ import torch
 
 from photon_core.audio_io import AudioFileError, open_audio_stream, read_wav, write_wav
 from photon_core.models.whisper.frontend import log_mel_content, prepare_audio
-from photon_core.models.whisper.stream_frontend import StreamedLogMel, StreamResampler
+from photon_core.models.whisper.stream_frontend import StreamedLogMel, StreamResampler, pcm_16k_blocks
 
 from speech_audio import espeak_wav
 from test_audio_io import FLOAT, PCM, wav_bytes
@@ -102,6 +102,19 @@ def test_a_bad_sample_is_named_by_its_frame_in_the_file(tmp_path):
     stream = open_audio_stream(path)   # the header is fine: found when read
     with pytest.raises(AudioFileError, match=r"nan.wav: holds NaN .*\(1 of them, the first in frame 23\)"):
         list(stream.blocks(10))
+
+
+@pytest.mark.parametrize("rate", [16000, 44100])
+def test_a_stream_on_the_int16_scale_is_refused_as_the_whole_file_is(tmp_path, rate):
+    # The streamed front end (Whisper's transcribe_stream, the CLI's path for it) took a float file
+    # of int16 values as it is, as prepare_audio did with the whole one.
+    tone = 0.1 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)
+    path = tmp_path / "int16_scale.wav"
+    path.write_bytes(wav_bytes(FLOAT, 2, rate, 4, np.repeat(tone * 32768, 2).astype("<f4").tobytes()))
+    with pytest.raises(ValueError, match="int16 values stored as floats; divide them by 32768"):
+        prepare_audio(*read_wav(path))
+    with pytest.raises(ValueError, match="int16 values stored as floats; divide them by 32768"):
+        list(pcm_16k_blocks(open_audio_stream(path)))
 
 
 @pytest.mark.parametrize("rate", [16000, 22050, 44100, 48000, 192000, 8000])

@@ -15,7 +15,7 @@ from photon_core import cli_checks
 from photon_core.__main__ import main
 from photon_core.image_io import read_image
 from photon_core.runtime.audio_frontend import prepare_audio
-from test_audio_io import PCM, wav_bytes
+from test_audio_io import FLOAT, PCM, wav_bytes
 from test_cli_errors import one_line
 
 
@@ -84,6 +84,19 @@ def test_stereo_is_mixed_down_not_interleaved(tmp_path, capsys, stand_in):
     assert main(["transcribe", str(wav), "--model", "stand-in"]) == 0
     assert json.loads(capsys.readouterr().out)["duration"] == pytest.approx(0.1)
     assert len(stand_in.seen[0]) == 1600   # 0.1 s at 16 kHz: not 2 x 800 interleaved samples
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_a_float_file_on_the_int16_scale_is_refused_naming_the_file(tmp_path, capsys, stand_in, channels):
+    # Float samples of int16 values reached the model 32768x too loud, without a word.
+    tone = 0.1 * np.sin(2 * np.pi * 440 * np.arange(1600) / 16000)
+    wav = tmp_path / "loud.wav"
+    wav.write_bytes(wav_bytes(FLOAT, channels, 16000, 4, np.repeat(tone * 32768, channels).astype("<f4").tobytes()))
+    assert main(["transcribe", str(wav), "--model", "stand-in"]) == 2
+    line, out = one_line(capsys)
+    assert out == "" and stand_in.seen == []
+    assert line.startswith(f"python -m photon_core transcribe: error: transcribe {wav}: float samples up to 3276.8")
+    assert line.endswith("looks like int16 values stored as floats; divide them by 32768")
 
 
 def test_speech_results_are_written_as_json_whole(tmp_path, capsys, monkeypatch):

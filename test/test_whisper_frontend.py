@@ -90,7 +90,10 @@ def test_integer_scaling_and_mixdown():
     for huge in (np.array([0.0, 1e18], np.float32), np.array([1e300, 0.0])):
         with pytest.raises(ValueError, match="float samples up to .*not audio"):
             fe.to_float_mono(huge)
-    assert fe.to_float_mono(np.array([0.0, 32768.0], np.float32)).tolist() == [0.0, 32768.0]
+    # int16 values stored as floats: refused, saying so (they shifted every log-mel feature by ~2.3)
+    with pytest.raises(ValueError, match="int16 values stored as floats"):
+        fe.to_float_mono(np.array([0.0, 32768.0], np.float32))
+    assert fe.to_float_mono(np.array([0.0, 3.5], np.float32)).tolist() == [0.0, 3.5]   # hot, but audio
     stereo = np.array([[32767, -32767], [16384, 16384]], np.int16)
     np.testing.assert_allclose(fe.to_float_mono(stereo), [0.0, 0.5], atol=1e-4)
 

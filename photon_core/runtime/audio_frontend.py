@@ -19,7 +19,7 @@ from math import gcd
 import numpy as np
 import torch
 
-from photon_core.audio_io import MAX_FLOAT_SAMPLE, pcm_to_float
+from photon_core.audio_io import MAX_FLOAT_PEAK, MAX_FLOAT_SAMPLE, pcm_to_float
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -101,7 +101,8 @@ def _channel_first_error(shape: tuple[int, ...]) -> ValueError:
 
 def to_float_mono(audio: np.ndarray) -> np.ndarray:
     """PCM of any common dtype, [samples] or [samples, channels] (at most MAX_CHANNELS) -> float32
-    mono in [-1, 1]. A block of a longer stream may have fewer samples than channels."""
+    mono in [-1, 1]. A block of a longer stream may have fewer samples than channels. Float samples
+    peaking past MAX_FLOAT_PEAK are a ValueError (int16 values stored as floats, most likely)."""
     audio = np.asarray(audio)
     if audio.ndim not in (1, 2):
         raise ValueError(f"audio must be [samples] or [samples, channels], got shape {audio.shape}")
@@ -116,6 +117,12 @@ def to_float_mono(audio: np.ndarray) -> np.ndarray:
     if peak > MAX_FLOAT_SAMPLE:
         raise ValueError(f"float samples up to {peak:.3g}, where audio lies within [-1, 1] (at most "
                          f"{MAX_FLOAT_SAMPLE:g} is taken): not audio")
+    # Every model's input passes here (prepare_audio, the streamed front end), so this is the one
+    # place the rule is kept; read_wav still reads such files, for the WAV player to rescale.
+    if peak > MAX_FLOAT_PEAK:
+        raise ValueError(f"float samples up to {peak:.6g}, where audio lies within [-1, 1] (peaks up to "
+                         f"{MAX_FLOAT_PEAK:g} are taken): this looks like int16 values stored as floats; "
+                         f"divide them by 32768")
     x = pcm_to_float(audio)
     if x.ndim == 2:   # mixed down after scaling, so integer sums cannot overflow
         x = x.mean(axis=1, dtype=np.float32)
