@@ -32,12 +32,28 @@ def _check_stream(stream: AudioStream, file: str) -> None:
                         f"down; take the microphone's channel N first (`sox {file} out.wav remix N`)")
 
 
+def _check_options(model: SpeechModel, args: argparse.Namespace) -> None:
+    """--language and --initial-prompt against the model's optional check_language / check_prompt
+    (photon_core.contracts.SpeechModel): transcribe() takes and ignores what they refuse (Parakeet
+    even echoes the language back), so a refusal is the user's error, as for any bad argument."""
+    for option, value, hook in (("--language", args.language, "check_language"),
+                                ("--initial-prompt", args.initial_prompt, "check_prompt")):
+        check = getattr(model, hook, None)
+        if value is None or check is None:
+            continue
+        try:
+            check(value)
+        except ValueError as err:
+            raise UserError(f"argument {option}: {err}") from err
+
+
 def _run(args: argparse.Namespace) -> int:
     stream = open_audio_stream(args.file)   # the header now: its errors name the file
     _check_stream(stream, args.file)
     # Any family that transcribes: the checkpoint given with --model decides which.
     model = cli_checks.load_model(args.model, args.device, args.dtype, ("transcribe",))
     assert isinstance(model, SpeechModel)   # a family that transcribes: this tells the type checker
+    _check_options(model, args)
     try:
         if isinstance(model, StreamingSpeechModel):   # memory independent of the file's length
             result = model.transcribe_stream(stream, language=args.language,
