@@ -49,7 +49,7 @@ _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 # speaker may end with it: "the other robot", "the toy robot" name one, and the model asked for
 # "other" or "toy" looks for something else; "..., robot" with a comma asks for nothing (no guess).
 _TRAILING_FILLER = re.compile(r" (?:please|now|right now|thanks|thank you|for me|at|located|again|"
-                              r"there|here|over there|over here|quickly|real quick|okay|ok)$")
+                              r"(?:right |up |down |in |over |out )?(?:there|here)|quickly|real quick|okay|ok)$")
 
 
 def strip_trailing_filler(target: str) -> str:
@@ -98,7 +98,7 @@ def parse_command(text: str) -> VisionRequest | None:
 _STOP_OBJECT = (r"(?:it|that|this|everything|all|now|there|here|the (?:robot|turn|search|motors?)|"
                 r"moving|turning|rotating|spinning|looking|searching|pointing|driving|going)")
 _HALT = (rf"(?:(?:(?:emergency|e|full) )?stop(?: {_STOP_OBJECT})?|halt|freeze|abort|cancel(?: {_STOP_OBJECT})?|"
-         r"never ?mind|forget it|wait|hold (?:on|it|up|still)|hang on|whoa+|woah|(?:stay|stand|keep|be) still|"
+         r"never ?mind|forget (?:it|that)|wait|pause|hold (?:on|it|up|still)|hang on|whoa+|woah|(?:stay|stand|keep|be) still|"
          r"stay (?:put|there|here)|(?:don't|dont|do not) (?:move|turn|go|do (?:it|that|this)))")
 # Stops only as a whole phrase: ending a longer one they may belong to it ("the cargo hold",
 # "close enough", "yes or no").
@@ -108,9 +108,12 @@ _STOP_LEAD = rf"(?:(?:{_OPENERS}|no|please|now|oh|just|i said) )*"
 _STOP_TAIL = (r"(?: (?:please|now|right now|immediately|at once|already|robot|thanks|thank you|okay|ok|again|"
               r"there|right there|here|left|right|around|(?:for )?(?:a|one) (?:second|sec|moment|minute|bit)))*")
 _STOP_WHOLE = re.compile(rf"{_STOP_LEAD}(?:{_HALT}|{_HALT_ALONE})(?: (?:{_HALT}|{_HALT_ALONE}))*{_STOP_TAIL}")
-# "stop turning to the left", "don't look at the mug": a stop whatever follows.
-_STOP_FIRST = re.compile(rf"{_STOP_LEAD}(?:stop \w+ing|(?:don't|dont|do not) (?:move|turn|go|look|point|"
-                         r"keep|rotate|spin|drive))\b")
+# A phrase that begins with a stop word is a stop whatever follows ("stop what you're doing",
+# "no stop you're going the wrong way", "wait that's not the cup", "don't look at the mug"): no
+# command begins so, and a stop missed is a turn that goes on ("stop at the door" stops too).
+_STOP_FIRST = re.compile(rf"{_STOP_LEAD}(?:(?:emergency |e |full )?stop|halt|freeze|abort|cancel|wait|pause|"
+                         r"hold on|hang on|whoa+|never ?mind|forget (?:it|that)|"
+                         r"(?:don't|dont|do not) (?:move|turn|go|look|point|keep|rotate|spin|drive))\b")
 _STOP_END = re.compile(rf"(?:^| ){_HALT}(?: {_HALT})*{_STOP_TAIL}$")
 _NEGATIONS = frozenset("don't dont not never can't cant cannot won't wont didn't doesn't shouldn't".split())
 # "don't stop": the speaker wants it to go on (and a "no" said with it is for the stop: "No, don't stop").
@@ -132,11 +135,11 @@ def _corrected(target: str) -> bool:
 def is_stop(text: str) -> bool:
     """Whether the utterance asks the robot to stop, in one of its sentences or comma-set phrases:
     one that is nothing but stop words ("stop", "No, stop!", "hold on", "Emergency stop!", "No!",
-    "never mind"), starts with "stop ...ing" or "don't move/turn/..." ("Stop turning left."), or
-    ends with a stop ("I said stop", "point at the red cup stop right now": no command is taken
-    from those, and a turn in progress went on through them). "stop at the door", "stop the music"
-    and "don't stop" are no stop; neither are stop words inside an object's name in a command we
-    take ("point at the stop sign")."""
+    "never mind"), begins with one whatever follows ("Stop turning left.", "stop what you're
+    doing", "wait that's not the cup", "don't move"), or ends with one ("I said stop", "point at
+    the red cup stop right now": no command is taken from those, and a turn in progress went on
+    through them). "don't stop" is no stop; neither are stop words inside an object's name in a
+    command we take ("point at the stop sign")."""
     text = text.translate(_APOSTROPHES).lower()
     text = re.sub(r"\b(\w{1,3})-(?=\1)", "", text)               # a stutter: "s-stop" is "stop"
     # dashes part phrases as commas do ("Find the cup - stop!"); a hyphen inside a word does not

@@ -64,10 +64,11 @@ def test_stop_words_are_a_stop_and_no_command(text):
     assert is_stop(text) and parse_command(text) is None
 
 
-@pytest.mark.parametrize("text", ["", "Thank you.", "Stop at the door.", "Stop the music",
+@pytest.mark.parametrize("text", ["", "Thank you.",
                                   "find the stop sign", "don't stop", "Don't stop, find the cup.", "find the non-stop timer",
-                                  "Stop at the door, please.", "No, don't stop.", "I can't wait", "Is it close enough?",
-                                  "Yes.", "Okay."])
+                                  "No, don't stop.", "I can't wait", "Is it close enough?",
+                                  "Yes.", "Okay.", "where is the wait staff", "find the stopwatch", "point at the doorstop",
+                                  "where is the hold button", "point at the person holding the cup"])
 def test_other_sentences_are_no_stop(text):
     assert not is_stop(text)
 
@@ -77,7 +78,13 @@ def test_other_sentences_are_no_stop(text):
     "Hold it", "Stay still", "Hang on", "I said stop", "Wait a second", "Don't turn", "No!", "No.", "no no no",
     "Stop the turn.", "stop robot", "Stay.", "Whoa!", "Enough.", "Don't do that.", "Hold on a sec.", "E-stop!",
     "S-stop!", "Stop turning to the left", "please stop right now", "Not that one!", "Wrong way!", "Cancel the search.",
-    "Forget it.", "Just stop.", "Can you stop?", "You need to stop now", "No, the mug.", "Stop looking for the cup."])
+    "Forget it.", "Just stop.", "Can you stop?", "You need to stop now", "No, the mug.", "Stop looking for the cup.",
+    # a phrase that begins with a stop word, whatever follows
+    "stop what you're doing", "robot stop what you're doing", "no stop you're going the wrong way",
+    "stop stop stop you're going the wrong way", "hey stop you're going to hit the wall", "stop there's a wall",
+    "stop the robot please it's turning the wrong way", "wait that's not the cup", "stop all motion",
+    "Pause.", "pause please", "wait up", "never mind that", "forget that", "cancel the command", "abort mission",
+    "Stop at the door.", "Stop the music", "Stop at the door, please."])
 def test_loosely_phrased_stops_are_a_stop_and_no_command(text):
     """Said while a turn goes on, each of these fell through to the parser, asked for nothing, and
     the turn went on: stopping is the safe guess for all of them."""
@@ -104,6 +111,8 @@ def test_a_stop_after_the_object_is_a_stop_and_no_command(text):
     ("Point at the door over there.", VisionRequest("point", "door")),
     ("find the keys for me please thank you", VisionRequest("detect", "keys")),
     ("Point at the 2 cups now", VisionRequest("point", "2 cups")),
+    ("find the keys right there", VisionRequest("detect", "keys")),
+    ("point at the box up there", VisionRequest("point", "box")),
     # "robot" after the object may name it: kept
     ("Find the other robot.", VisionRequest("detect", "other robot")),
 ])
