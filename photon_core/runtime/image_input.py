@@ -4,9 +4,9 @@ Accepted, the same way by every family's `encode_image(image, channel_order=...)
 - a PIL image of any mode: converted as PIL converts to RGB (palette, grey, CMYK, ...), except
   deep single-channel modes, which are scaled to 8 bits (PIL's own conversion clips them, turning
   a 16-bit image white): "I;16*" by 255 / 65535; "I" as 16-bit data too (a 16-bit PGM, a signed
-  16-bit TIFF, Image.fromarray of an int32 array), whatever its values, unless its decoder says 32
-  bits (a 32-bit TIFF, FITS or McIdas file: by 255 / (2**32 - 1)); values outside the range
-  clipped; 8-bit data in mode I (convert("I") of an L image) cannot be told from dark 16-bit data:
+  16-bit TIFF, Image.fromarray of an int32 array), unless its decoder says 32 bits (a 32-bit TIFF,
+  FITS or McIdas file) or a value is past 65535 (a copy or crop of one): by 255 / (2**32 - 1);
+  values outside the range clipped; 8-bit data in mode I (convert("I") of an L image) cannot be told from dark 16-bit data:
   give it as L (convert("L")) or as a uint8 array; "F" (float TIFF) in [0, 1], overshoot (HDR
   highlights) clipped, or on PIL's 0..255 scale (convert("F")) where over half its pixels exceed
   F_NOMINAL_MAX or all are whole numbers, some above 1; NaN or infinite refused;
@@ -130,6 +130,8 @@ def _deep_to_uint8(im: Image.Image) -> np.ndarray:
         bits = int(getattr(im, "tag_v2", {}).get(258, (16,))[0])   # BitsPerSample (TiffImageFile's)
     elif im.mode == "I" and im.format in ("FITS", "MCIDAS"):
         bits = 32
+    if x.size and float(x.max()) > 65535:
+        bits = 32   # no 16-bit value is: a 32-bit image whose file is gone (.copy(), .crop())
     return np.clip(np.rint(x * (255.0 / (2.0 ** bits - 1))), 0, 255).astype(np.uint8)
 
 
