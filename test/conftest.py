@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 # Always this run's own: the environment's domain is the user's graph (a robot's, another terminal's).
 # Under pytest-xdist (scripts/test.sh) each worker is a process of its own: its number, added to
@@ -73,3 +75,13 @@ def pytest_runtest_setup(item) -> None:
     # After collection: a test module sets TRITON_INTERPRET before it first imports Triton.
     if "triton" in sys.modules:
         _patch_triton_language_once_per_launch()
+
+
+@pytest.fixture
+def context():
+    """An rclpy context of the test's own (its nodes share no graph state with other tests')."""
+    import rclpy
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    yield ctx
+    rclpy.shutdown(context=ctx)

@@ -19,14 +19,6 @@ SPECS = [Param("gain", 1.5, "how much", low=0.0, high=10.0),
          Param("size", 8, "fixed", applies="restart")]
 
 
-@pytest.fixture
-def context():
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx)
-    yield ctx
-    rclpy.shutdown(context=ctx)
-
-
 def make(context, name, overrides=(), **kwargs):
     node = Node(name, context=context, parameter_overrides=[Parameter(k, value=v) for k, v in overrides])
     try:

@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-import rclpy
 from rclpy.parameter import Parameter
 
 from fake_speech_model import fake_speech_model
@@ -15,14 +14,6 @@ from photon_ros.managed import SUCCESS
 from photon_ros.msg import AudioChunk
 from photon_ros.audio_conversions import pcm_to_audio_chunk
 from photon_ros.speech_node import SpeechNode
-
-
-@pytest.fixture
-def context():
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx)
-    yield ctx
-    rclpy.shutdown(context=ctx)
 
 
 def unconfigured(context, **params):

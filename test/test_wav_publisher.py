@@ -1,19 +1,10 @@
 """The WAV publisher refuses, where it is built, a file it cannot play (real rclpy, no DDS traffic)."""
 import numpy as np
 import pytest
-import rclpy
 from rclpy.parameter import Parameter
 
 from photon_core.audio_io import write_wav
 from photon_ros.wav_publisher import WavPublisher
-
-
-@pytest.fixture
-def context():
-    ctx = rclpy.Context()
-    rclpy.init(context=ctx)
-    yield ctx
-    rclpy.shutdown(context=ctx)
 
 
 @pytest.mark.parametrize("silence_s", [0.0, 0.5], ids=["no-silence", "silence"])
