@@ -179,11 +179,19 @@ def cmd_vel_problem(topic: str, stamped: bool, subscribers: list[tuple[str, str]
     return "", False
 
 
-def describe_turn(turn: Turn | None) -> str:
+def describe_turn(turn: Turn | None, heading: float | None = None) -> str:
+    """What the turn does, and, where max_turn_s cut it short of `heading` (rad, the target's
+    bearing), how far short it stops: the robot does not face the target then."""
     if turn is None:
         return "already facing it: no turn"
     side = "left" if turn.rate > 0 else "right"
-    return f"turning {math.degrees(abs(turn.angle)):.0f} deg {side} for {turn.duration:.1f} s, then stopping"
+    said = f"turning {math.degrees(abs(turn.angle)):.0f} deg {side} for {turn.duration:.1f} s, then stopping"
+    if heading is not None:
+        short = abs(math.remainder(heading, 2.0 * math.pi)) - abs(turn.angle)
+        if math.degrees(short) >= 1.0:
+            said += (f" ({math.degrees(short):.0f} deg short of the target: max_turn_s cuts the turn; "
+                     "ask again to go on)")
+    return said
 
 
 class LoopNode(Node):
@@ -451,7 +459,7 @@ class LoopNode(Node):
             self.send_turn(at_start=True)
             problem = self.check_cmd_vel(turn_starting=True)
             unheard = f" (but {problem})" if problem else ""
-        self.say(f"{found}; {describe_turn(turn)}{unheard}")
+        self.say(f"{found}; {describe_turn(turn, heading)}{unheard}")
 
     def taken_before_last_turn(self, stamp) -> str:
         """Why a result from a frame captured at `stamp` must not move the robot ("" if it may):

@@ -210,3 +210,18 @@ def test_a_stop_or_a_correction_after_the_object_asks_for_nothing(text):
 def test_stop_and_negation_words_inside_an_object_name_are_kept(text, expected):
     assert parse_command(text) == expected
     assert not is_stop(text)
+
+
+def test_a_turn_cut_at_max_turn_s_says_how_far_short_it_stops():
+    """At 0.5 rad/s for at most 3 s a turn reaches 86 deg: a target at 120 deg (a wide field of
+    view, a position beside the robot) is not faced, and status must not say it is."""
+    import math
+
+    from photon_ros.loop_node import describe_turn
+    from photon_ros.steering import plan_turn
+    wide = math.radians(120)
+    said = describe_turn(plan_turn(wide, 0.5, 3.0, 0.0), wide)
+    assert "86 deg left" in said and "34 deg short of the target" in said
+    near = math.radians(-40)
+    assert "short" not in describe_turn(plan_turn(near, 0.5, 3.0, 0.0), near)
+    assert describe_turn(None, 0.0) == "already facing it: no turn"
