@@ -85,6 +85,11 @@ def parse_model_name(name: str) -> tuple[str, str | None]:
     finetune, at, step = last.rpartition("@")
     if slash and at and finetune and step.isdigit():
         return base, last
+    if slash and base in MOONDREAM_MODELS:
+        # the client takes what follows a Moondream name for a variant: said here, not a missing
+        # model whose hints name other families' downloads
+        raise ValueError(f"model {name!r}: a fine-tuned variant of {base} is named "
+                         f"'{base}/<finetune_id>@<step>' (the step: a number)")
     return name, None
 
 

@@ -130,13 +130,14 @@ def test_calls_the_family_lacks_say_so(vision, picture):
 def test_model_names_variants_and_factory_errors(vision, picture, monkeypatch):
     assert md.parse_model_name("moondream3.1-9B-A2B/01HXYZ@1000") == ("moondream3.1-9B-A2B", "01HXYZ@1000")
     assert md.parse_model_name("vikhyatk/moondream2") == ("vikhyatk/moondream2", None)
-    assert md.parse_model_name("moondream2/ft@x") == ("moondream2/ft@x", None)
+    # after a Moondream name the client reads a variant: one without @step is said to be malformed
+    for malformed in ("moondream2/ft@x", "moondream2/ft_abc", "moondream2/ft@latest", "moondream2/@7"):
+        with pytest.raises(ValueError, match=r"'moondream2/<finetune_id>@<step>'"):
+            md.parse_model_name(malformed)
     assert md.parse_model_name("moondream3-preview") == ("moondream3-preview", None)
     assert md.parse_model_name("moondream3-preview/01HXYZ@1000") == ("moondream3-preview", "01HXYZ@1000")
     assert md.parse_model_name("Qwen/Qwen3.5-4B") == ("Qwen/Qwen3.5-4B", None)
     assert md.parse_model_name("vikhyatk/moondream2/ft@7") == ("vikhyatk/moondream2", "ft@7")
-    assert md.parse_model_name("moondream2/ft@latest") == ("moondream2/ft@latest", None)   # step: digits
-    assert md.parse_model_name("moondream2/@7") == ("moondream2/@7", None)                # no finetune id
     assert md.parse_model_name("ft@7") == ("ft@7", None)                                  # no base
     folder = str(mdfx.checkpoint())
     assert md.parse_model_name(folder) == (folder, None)
