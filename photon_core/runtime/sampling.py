@@ -54,6 +54,10 @@ def check_finite(logits: torch.Tensor, what: str = "logits") -> None:
                               f"{logits.numel()}): no token can be chosen; the request is refused")
 
 
+# +inf makes a softmax NaN: a draw would be token 0 (or fail, in torch.multinomial)
+POSINF_REFUSAL = "the model's logits hold +inf: no token can be sampled; the request is refused"
+
+
 def step_argmax(value: int, what: str = "logits") -> int:
     """A compiled step's own argmax (a token, a coordinate or size bin), taken as it is: a negative
     one is the step's mark that its logits held NaN (megakernel.decode_loop.NON_FINITE), never an
@@ -83,7 +87,7 @@ def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | No
                               f"{'' if allowed is None else f', {int(allowed.sum())} allowed'}): no token "
                               "can be chosen; the request is refused")
     if not s.greedy and posinf:
-        raise NonFiniteLogits("the model's logits hold +inf: no token can be sampled; the request is refused")
+        raise NonFiniteLogits(POSINF_REFUSAL)
     if s.greedy:
         return int(ops.argmax(logits) if allowed is None else ops.argmax(logits, allowed))
     where = generator.device if generator is not None else logits.device
@@ -91,4 +95,4 @@ def pick(logits: torch.Tensor, s: Sampling, ops: Any, allowed: torch.Tensor | No
     return int(ops.sample((masked if allowed is None else masked.float())[None], s.temperature, s.top_p, u)[0])
 
 
-__all__ = ["NonFiniteLogits", "Sampling", "check_finite", "pick", "step_argmax"]
+__all__ = ["NonFiniteLogits", "POSINF_REFUSAL", "Sampling", "check_finite", "pick", "step_argmax"]

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from photon_core.runtime.generate import generate, room, token_lists
-from photon_core.runtime.sampling import GREEDY_BELOW, NonFiniteLogits, Sampling, check_finite
+from photon_core.runtime.sampling import GREEDY_BELOW, POSINF_REFUSAL, NonFiniteLogits, Sampling, check_finite
 from photon_core.runtime.thread_tuner import ThreadTuner
 
 from .model import DecoderCache, WhisperNet
@@ -234,8 +234,7 @@ class TokenChooser:
             # +inf makes the softmax NaN, and multinomial would fail on it (after the rules, so a
             # suppressed token's +inf is never drawn): refused as runtime.sampling.pick refuses it
             if bool(torch.isposinf(logits).any()):
-                raise NonFiniteLogits("the model's logits hold +inf: no token can be sampled; "
-                                      "the request is refused")
+                raise NonFiniteLogits(POSINF_REFUSAL)
             probs = torch.softmax(logits / self.temperature, dim=-1)
             t = int(torch.multinomial(probs, 1, generator=self.generator))
         self.sum_logprob[row] += torch.log_softmax(logits, dim=-1)[t].item()
