@@ -284,7 +284,12 @@ class LoopNode(Node):
 
     def apply_params(self, changes: dict) -> None:
         """`turn` off means no motion at all, from now: a turn in progress ends with a zero Twist
-        at once, not at max_turn_s (a base without a command timeout turned on meanwhile)."""
+        at once, not at max_turn_s (a base without a command timeout turned on meanwhile).
+        `publish_goal` off hands turning back to the loop: nothing here can tell when a goal sent
+        on goal_pose has ended, so the operator's switch is what says the planner is done."""
+        if changes.get("publish_goal") is False and self.goal_sent:
+            self.goal_sent = False
+            self.say("publish_goal is off: turns toward targets are the loop's again")
         if changes.get("turn") is False:
             with self.turn_lock:
                 stopped = self.end_turn()
@@ -437,7 +442,7 @@ class LoopNode(Node):
             # nothing here can cancel a goal published on goal_pose: its controller may still be
             # driving cmd_vel, and a turn of ours would fight it
             self.say(f"{found}; no turn: a planner goal sent earlier may still be driving the robot "
-                     "(cancel it in the planner, or run with publish_goal off)")
+                     "(cancel it in the planner, then set publish_goal false to hand turning back)")
             return
         p = self.params
         turn = plan_turn(heading, p["max_turn_rate"], p["max_turn_s"], math.radians(p["deadband_deg"]))

@@ -99,6 +99,23 @@ def test_goals_only_from_positions_in_the_robots_frame(loop, frame, goal):
         assert any("no goal" in s and "not the robot's frame 'base_link'" in s for s in loop.said)
 
 
+def test_publish_goal_off_hands_turning_back_to_the_loop(loop):
+    """After a planner goal the loop leaves cmd_vel alone; turning publish_goal off is how the
+    operator says the planner is done (nothing here can tell): the next target turns again."""
+    loop.pub_goal.publish = lambda msg: None
+    loop.command = 1
+    loop.on_result(POINT, done(found(now(loop), frame="", placed_frame="base_link")), Handle(), command=1)
+    assert loop.goal_sent and not loop.turns.active
+    loop.command = 2
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=2)
+    assert not loop.turns.active and "set publish_goal false" in loop.said[-1]
+    loop.set_parameters([Parameter("publish_goal", value=False)])
+    assert not loop.goal_sent and "the loop's again" in loop.said[-1]
+    loop.command = 3
+    loop.on_result(POINT, done(found(now(loop))), Handle(), command=3)
+    assert loop.turns.active, loop.said
+
+
 def test_a_target_placed_in_the_optical_frame_turns_by_its_3d_bearing(loop):
     """In the camera's optical frame (x right, z forward) the bearing comes from the 3D position,
     atan2(-x, z): an object placed left of the axis turns the robot left (positive yaw), even
