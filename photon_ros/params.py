@@ -161,7 +161,22 @@ class NodeParams:
             problems.append(reason)
         if problems:
             raise ValueError("invalid parameters: " + "; ".join(problems))
+        node.add_pre_set_parameters_callback(self._empty_lists)
         node.add_on_set_parameters_callback(self._on_set)
+
+    def _empty_lists(self, params: list[Parameter]) -> list[Parameter]:
+        """An empty list for a list parameter as that parameter's empty list: ros2cli and
+        `ros2 param load` type `[]` a bool array, which a string array's static type would refuse
+        with rclpy's nameless "Wrong parameter type" (`ros2 param set /vision detect "[]"`, the way
+        to stop detecting, failed and the old objects stayed). Runs before rclpy's type check."""
+        out = []
+        for param in params:
+            spec = self.specs.get(param.name)
+            empty = isinstance(param.value, (list, tuple, bytes)) and len(param.value) == 0
+            if spec is not None and spec.is_array and empty and param.type_ != spec.default:
+                param = Parameter(param.name, spec.default, [])
+            out.append(param)
+        return out
 
     def _declare(self, spec: "Param") -> Any:
         try:

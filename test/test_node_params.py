@@ -54,6 +54,22 @@ def test_an_empty_list_override_is_the_empty_list(context):
         make(context, "p_bytes", [("names", [b"x"])])
 
 
+@pytest.mark.parametrize("empty", [Parameter.Type.BOOL_ARRAY, Parameter.Type.BYTE_ARRAY,
+                                   Parameter.Type.INTEGER_ARRAY, Parameter.Type.STRING_ARRAY])
+def test_a_list_is_cleared_by_an_empty_list_of_any_type(context, empty):
+    """`ros2 param set /vision detect "[]"` and `ros2 param load` of `detect: []` send a bool array:
+    rclpy's static type refused it (nameless), and the node kept detecting the old objects."""
+    node, params = make(context, f"p_clear_{empty.name.lower()}", [("names", ["a"])])
+    try:
+        result = node.set_parameters([Parameter("names", empty, [])])[0]
+        assert result.successful, result.reason
+        assert params["names"] == [] and node.get_parameter("names").type_ == Parameter.Type.STRING_ARRAY
+        refused = node.set_parameters([Parameter("names", Parameter.Type.BOOL_ARRAY, [True])])[0]
+        assert not refused.successful and params["names"] == []    # only an empty list is retyped
+    finally:
+        node.destroy_node()
+
+
 @pytest.mark.parametrize("name, value, reason", [
     ("gain", -1.0, "gain must be >= 0"), ("gain", "loud", "gain must be a number"),
     ("gain", math.nan, "gain must be a number"), ("gain", math.inf, "gain must be finite"),
