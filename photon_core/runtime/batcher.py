@@ -43,6 +43,9 @@ def _stopped(groups: list[_Group], err: BaseException) -> None:
             group.future.set_exception(RuntimeError(f"this engine's batcher stopped ({type(err).__name__}: {err})"))
 
 
+SIZES_KEPT = 1000
+
+
 class Batcher:
     def __init__(self, run_many: Callable[[list], list] | None, lock: threading.Lock, max_batch: int = 8,
                  window_s: float = 0.005) -> None:
@@ -52,7 +55,7 @@ class Batcher:
         self.window_s = window_s
         self._pending: list[_Group] = []
         self._cond = threading.Condition()
-        self.sizes: list[int] = []        # requests per batch that ran (diagnostics, tests)
+        self.sizes: list[int] = []        # requests per batch of the last SIZES_KEPT that ran (tests)
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="batcher")
         self._thread.start()
@@ -162,6 +165,8 @@ class Batcher:
                     raise
             return
         self.sizes.append(len(items))
+        if len(self.sizes) > 2 * SIZES_KEPT:   # a camera at 30 Hz runs 2.6 million batches a day
+            del self.sizes[:-SIZES_KEPT]
         start = 0
         for group in groups:
             group.future.set_result(results[start:start + len(group.items)])
