@@ -259,6 +259,24 @@ def test_hugging_face_cache_ids_resolve_to_files_then_the_files_decide(tmp_path,
     assert family_of("moondream2") == "whisper"
 
 
+@pytest.mark.parametrize("variable, value", [("HF_HOME", "~/hf"), ("HF_HOME", "$PHOTON_TEST_ROOT/hf"),
+                                             ("HF_HUB_CACHE", "~/hf/hub"), ("XDG_CACHE_HOME", "~/xdg")])
+def test_the_cache_folder_is_expanded_as_hugging_face_expands_it(tmp_path, monkeypatch, variable, value):
+    """HF_HOME=~/hf set literally (a systemd unit, a Dockerfile's ENV): `hf download` wrote to the
+    expanded folder, and every model was "not found" here."""
+    for name in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PHOTON_TEST_ROOT", str(tmp_path))
+    monkeypatch.setenv(variable, value)
+    hub = {"HF_HOME": tmp_path / "hf" / "hub", "HF_HUB_CACHE": tmp_path / "hf" / "hub",
+           "XDG_CACHE_HOME": tmp_path / "xdg" / "huggingface" / "hub"}[variable]
+    snap = hub / "models--vikhyatk--moondream2" / "snapshots" / "abc"
+    snap.parent.mkdir(parents=True)
+    snap.symlink_to(tiny_en_path(), target_is_directory=True)
+    assert family_of("vikhyatk/moondream2") == "whisper"
+
+
 def test_nemo_is_recognised_as_parakeet(tmp_path):
     nemo = tmp_path / "moondream2.nemo"
     with tarfile.open(nemo, "w") as tar:

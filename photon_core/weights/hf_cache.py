@@ -12,16 +12,17 @@ from pathlib import Path
 
 
 def hub_cache_dirs() -> list[Path]:
-    """Where the Hugging Face hub cache may live, in the order huggingface_hub itself looks."""
-    dirs = []
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
-        dirs.append(Path(os.environ["HUGGINGFACE_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    dirs.append(Path(xdg or Path.home() / ".cache") / "huggingface" / "hub")
+    """Where the Hugging Face hub cache may live, in the order huggingface_hub itself looks, with
+    `~` and `$VAR` expanded as it expands them (a systemd unit, Dockerfile or launch file sets
+    HF_HOME=~/hf literally: `hf download` wrote to the expanded folder)."""
+    def env(name: str) -> Path | None:
+        value = os.environ.get(name)
+        return Path(os.path.expandvars(os.path.expanduser(value))) if value else None
+
+    dirs = [d for d in (env("HF_HUB_CACHE"), env("HUGGINGFACE_HUB_CACHE")) if d is not None]
+    if (home := env("HF_HOME")) is not None:
+        dirs.append(home / "hub")
+    dirs.append((env("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub")
     return dirs
 
 
