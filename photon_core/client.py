@@ -264,8 +264,9 @@ class PhotonClient:
 
     def segment(self, image: Any, object: str, spatial_refs: list[list[float]] | None = None,
                 stream: bool = False, settings: Mapping[str, Any] | None = None) -> Any:
-        """{"path": SVG path, "bbox" (when an object was found)}; with stream=True an iterator of
-        {"bbox"}, then {"chunk": path text}..., then {"path", "bbox", "completed": True}."""
+        """{"path": SVG path, "bbox" (when an object was found), "error" (why the path is empty,
+        when the model's words were none)}; with stream=True an iterator of {"bbox"}, then
+        {"chunk": path text}..., then {"path", "bbox", "completed": True} ("error" too)."""
         fn = self._skill("segment")
         streams = stream and "stream" in inspect.signature(fn).parameters
         out = self._call("segment", settings, image=_image(image), object=object, spatial_refs=spatial_refs,
@@ -274,6 +275,8 @@ class PhotonClient:
             result = {"path": out["path"]}
             if out.get("bbox"):
                 result["bbox"] = out["bbox"]
+            if out.get("error"):   # the words were no path: say why it is empty, as the stream does
+                result["error"] = out["error"]
             return result
         return _segment_updates(out)
 
@@ -417,4 +420,5 @@ def _segment_updates(out: Any) -> Iterator[dict[str, Any]]:
     yield {"bbox": bbox}
     if out["path"]:
         yield {"chunk": out["path"]}
-    yield {"path": out["path"], "bbox": bbox, "completed": True}
+    final = {"path": out["path"], "bbox": bbox, "completed": True}
+    yield {**final, "error": out["error"]} if out.get("error") else final

@@ -114,6 +114,11 @@ def test_moondream3_segment_and_its_stream(monkeypatch):
     assert updates[0] == {"bbox": out["bbox"]}
     assert "".join(u["chunk"] for u in updates[1:-1]) == DIAMOND_PATH
     assert updates[-1] == {"path": DIAMOND_PATH, "bbox": out["bbox"], "completed": True}
+    # words that are no path: the empty path comes with the reason, streamed or not
+    script_segment(monkeypatch, folder, words=["480", "M", "480", "0", "L", "960", "480", "Z"])
+    bad = md3.segment(enc, "cup", settings={"max_tokens": 40})
+    assert bad["path"] == "" and "expected a command" in bad["error"], bad
+    assert list(md3.segment(enc, "cup", stream=True, settings={"max_tokens": 40}))[-1]["error"] == bad["error"]
 
 
 def test_calls_the_family_lacks_say_so(vision, picture):
