@@ -41,7 +41,8 @@ class AudioFileError(ValueError):
 def pcm_to_float(samples: np.ndarray) -> np.ndarray:
     """PCM of any common dtype as float32 in [-1, 1], same shape. 8-bit PCM is unsigned
     (silence at 128); wider integers are signed (WAV's convention): uint16/uint32/uint64 are
-    refused, as no convention says where their silence is."""
+    refused, as no convention says where their silence is, and int64 (no PCM is 64-bit: a list of
+    ints) too."""
     samples = np.asarray(samples)
     if samples.dtype == np.uint8:
         return (samples.astype(np.float32) - 128.0) / 128.0
@@ -51,6 +52,12 @@ def pcm_to_float(samples: np.ndarray) -> np.ndarray:
         raise ValueError(f"unsupported audio dtype {samples.dtype}: PCM wider than 8 bits is signed "
                          f"(int16, int32); for offset-binary samples subtract 2**{samples.dtype.itemsize * 8 - 1} "
                          f"into a signed type first")
+    if samples.dtype == np.int64:
+        # No audio format holds 64-bit PCM: these are int16 or int32 values that came as a list
+        # (np.asarray makes int64 of it), and scaled by 2**63 they were silence.
+        raise ValueError("unsupported audio dtype int64: no PCM is 64-bit; integer samples given as a "
+                         "list or an int64 array are int16 or int32 values: pass np.asarray(samples, np.int16) "
+                         "(or np.int32)")
     if np.issubdtype(samples.dtype, np.integer):
         return samples.astype(np.float32) / float(-np.iinfo(samples.dtype).min)
     if np.issubdtype(samples.dtype, np.floating):

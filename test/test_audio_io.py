@@ -182,6 +182,20 @@ def test_24_bit_samples_in_32_bit_words_are_read_where_they_sit(tmp_path, caplog
         np.testing.assert_array_equal(streamed, read_wav(tmp_path / name)[0])
 
 
+def test_integer_samples_given_as_a_list_are_refused_not_silenced():
+    """A list of int16 values is int64 to numpy; scaled by 2**63 the speech was silence (~1e-15)
+    and the transcript empty without a word. No PCM is 64-bit."""
+    from photon_core.runtime.audio_frontend import to_float_mono
+
+    speech = [0, 12000, -20000, 32767]
+    for given in (speech, np.array(speech)):
+        with pytest.raises(ValueError, match=r"int64.*np.asarray\(samples, np.int16\)"):
+            pcm_to_float(given)
+        with pytest.raises(ValueError, match="int64"):
+            to_float_mono(given)
+    assert pcm_to_float(np.asarray(speech, np.int16)).max() == pytest.approx(32767 / 32768)
+
+
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint64])
 def test_unsigned_pcm_wider_than_8_bits_is_refused_by_name(dtype):
     # uint8 is WAV's unsigned 8-bit PCM; wider unsigned types have no such convention, and scaled
