@@ -22,7 +22,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header
 
-from photon_core.audio_io import pcm_to_float, read_wav
+from photon_core.audio_io import MAX_FLOAT_PEAK, pcm_to_float, read_wav
 from photon_ros.params import NodeParams, Param
 from photon_ros.run_node import exit_on_help, run_node
 from photon_ros.audio_conversions import pcm_to_audio_chunk
@@ -82,11 +82,17 @@ class WavPublisher(Node):
             raise ValueError(f"{path}: holds no audio (0 frames)")
         if samples.dtype != np.int16:   # 8-bit silence is 128, not 0: pad and send floats instead
             samples = pcm_to_float(samples)
-            if samples.size and (peak := float(np.max(np.abs(samples)))) > 1.0:
+            peak = float(np.max(np.abs(samples))) if samples.size else 0.0
+            if peak > MAX_FLOAT_PEAK:
                 # float samples on the int16 scale (read_wav takes them): sent as they are, every
                 # sample past full scale was clipped (S16LE) or the chunk refused (F32LE)
                 samples = samples / np.float32(32768.0)
                 self.get_logger().info(f"{path}: float samples up to {peak:g}, taken on the int16 scale")
+            elif peak > 1.0:
+                # a float file a little past full scale (floats do not clip: a gain, a resampler):
+                # scaled to full scale, not read as int16 values (which made it silence)
+                samples = samples / np.float32(peak)
+                self.get_logger().info(f"{path}: float samples up to {peak:g}, scaled to full scale")
         self.chunks = chunk_audio(samples, self.rate, chunk_s, leading_s, trailing_s)
         self.index = 0
         self.sent_samples = 0
