@@ -58,6 +58,7 @@ import time
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Float32MultiArray, Header, Int16MultiArray
@@ -209,13 +210,18 @@ class SpeechNode(ManagedNode):
         self.info_subscription = None
         self.latched_info: LatchedReader | None = None   # audio_info from a driver that latches it
         self.audio_info: AudioInfoFormat | None = None   # ros-drivers input: the latest AudioInfo
-        self.create_timer(0.1, self.flush_if_idle)
-        self.create_timer(5.0, self.warn_on_type_mismatch)
+        # On the steady clock, not the node's (as the microphone's): under use_sim_time a simulator
+        # not started, paused or gone stopped them, and an utterance cut off by a microphone that
+        # stopped never ended, while /diagnostics said nothing.
+        steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self.create_timer(0.1, self.flush_if_idle, clock=steady)
+        self.create_timer(5.0, self.warn_on_type_mismatch, clock=steady)
         # A plain publisher on a timer of its own group: /diagnostics speaks in every lifecycle state,
         # also while a configure holds the default group for the whole model load.
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        self.create_timer(1.0, self.publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
+        self.create_timer(1.0, self.publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup(),
+                          clock=steady)
         self.start_worker()
 
     @property

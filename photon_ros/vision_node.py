@@ -40,6 +40,7 @@ import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from geometry_msgs.msg import PointStamped
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image
@@ -230,8 +231,10 @@ class VisionNode(ManagedNode):
         self.create_service(Infer, "infer", self.on_infer, callback_group=MutuallyExclusiveCallbackGroup())
         self.actions = VisionActions(self)   # find / ask, with feedback and cancel
         # A group of its own too: a configure served by the lifecycle service holds the default
-        # group for as long as the model loads, and diagnostics must say "loading" meanwhile.
-        self.create_timer(1.0, self.publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
+        # group for as long as the model loads, and diagnostics must say "loading" meanwhile. On the
+        # steady clock: under use_sim_time a simulator not started or paused silenced them.
+        self.create_timer(1.0, self.publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup(),
+                          clock=Clock(clock_type=ClockType.STEADY_TIME))
         self.start_worker()
 
     # --- lifecycle: topics and model ---------------------------------------------------------------
