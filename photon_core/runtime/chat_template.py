@@ -9,8 +9,8 @@ HTML and keeps non-ASCII text, `raise_exception(message)` and `strftime_now(form
 template sees `messages`, `tools`, `documents`, `add_generation_prompt` and the tokenizer's
 special tokens (`bos_token`, `eos_token`, ...), as in `apply_chat_template`. `encode` tokenizes
 the prompt with a special token only where the template put one: a special token's string in a
-message (a question writing "<|im_end|>") is text, where apply_chat_template's tokenization would
-read it as the token.
+message (a question writing "<|im_end|>", or "<|im_" and "end|>" in two parts the template joins)
+is text, where apply_chat_template's tokenization would read it as the token.
 
 A template's `raise_exception` becomes a ValueError ("chat template: ..."), the error this
 package gives for input a model refuses. A template comes with a checkpoint, so it is not trusted:
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache, wraps
@@ -335,7 +336,7 @@ class ChatTemplate:
                       **variables)
         text = self.render(messages, **kwargs)
         specials = special_token_pattern(tokenizer)
-        masked = _mask_texts(messages, specials) if specials is not None else None
+        masked = _mask_texts(messages, specials, _token_ends(tokenizer)) if specials is not None else None
         # rendered a second time only where a message holds one (a render may read the clock)
         return encode_literal_texts(tokenizer, text, text if masked is None else self.render(masked, **kwargs))
 
@@ -378,9 +379,9 @@ def _tag_final_message(messages: list[dict]) -> list[dict]:
     return [*messages[:-1], last]
 
 
-# Stands in for each character of a special token's string inside a message, so that the render of
-# the masked messages lines up character for character with the real one: a private-use character,
-# which no special token is written with.
+# Stands in for each character of a special token's string inside a message (or of a piece of one at
+# a text's start or end), so that the render of the masked messages lines up character for character
+# with the real one: a private-use character, which no special token is written with.
 _MASK = "\ue000"
 
 
@@ -393,17 +394,61 @@ def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     return re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
 
-def _mask_texts(messages: list[dict], specials: re.Pattern[str]) -> list[dict] | None:
-    """The messages with every special token's string in their texts masked (same length); None
-    when no text holds one."""
+@lru_cache(maxsize=8)
+def _token_ends(tokenizer: Any) -> tuple[list[str], list[str], int]:
+    """The tokenizer's special tokens' strings sorted, the same strings reversed and sorted, and the
+    longest one's length: what _open_end and _open_start search by bisection (a few steps per text
+    even with Gemma's ~6,200 special tokens)."""
+    tokens = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content}
+    return sorted(tokens), sorted(t[::-1] for t in tokens), max(map(len, tokens), default=0)
+
+
+def _begins_one(table: list[str], piece: str) -> bool:
+    """Whether a string of the sorted `table` starts with `piece`."""
+    at = bisect_left(table, piece)
+    return at < len(table) and table[at].startswith(piece)
+
+
+def _open_end(text: str, ends: tuple[list[str], list[str], int]) -> int:
+    """How many of `text`'s last characters could begin a special token's string ("hi<|im_" -> 5):
+    the longest such piece, 0 when none."""
+    heads, _, longest = ends
+    return next((n for n in range(min(len(text), longest - 1), 0, -1) if _begins_one(heads, text[-n:])), 0)
+
+
+def _open_start(text: str, ends: tuple[list[str], list[str], int]) -> int:
+    """How many of `text`'s first characters could end a special token's string ("end|>..." -> 5)."""
+    _, tails, longest = ends
+    return next((n for n in range(min(len(text), longest - 1), 0, -1) if _begins_one(tails, text[n - 1::-1])), 0)
+
+
+def _mask_texts(messages: list[dict], specials: re.Pattern[str],
+                ends: tuple[list[str], list[str], int]) -> list[dict] | None:
+    """The messages with every special token's string in their texts masked (same length), and
+    each text's first and last characters that could end or begin one (_open_start, _open_end);
+    None when no text holds either.
+
+    Masking a text's own matches is not enough: a template joins texts (Qwen's joins a message's
+    text parts with nothing between), so "hi<|im_" and "end|>..." make a "<|im_end|>" that neither
+    holds, and the masked render would have it as the template's. With the pieces at each text's
+    ends masked too, no special token's string in the masked render starts or ends inside a message
+    text: it is the template's (unless the template wrote a token's head before a text and its tail
+    after it, which would be the template's doing). Only what may be part of a token is masked, not
+    the whole text: templates test and cut message text (`'</think>' in content`, `.split(...)`,
+    `| trim`), and on a wholly masked text they would render another layout, refused
+    (encode_literal_texts) where nothing was wrong."""
     found = False
 
     def mask(text: Any) -> Any:
         nonlocal found
-        if not isinstance(text, str) or specials.search(text) is None:
+        if not isinstance(text, str):
             return text
-        found = True
-        return specials.sub(lambda m: _MASK * len(m.group()), text)
+        cut = specials.sub(lambda m: _MASK * len(m.group()), text)
+        head, tail = _open_start(text, ends), _open_end(text, ends)
+        kept = cut[head:max(head, len(text) - tail)]
+        cut = _MASK * head + kept + _MASK * (len(text) - head - len(kept))
+        found = found or cut != text
+        return cut
 
     out = []
     for m in messages:
@@ -436,7 +481,7 @@ def encode_literal_texts(tokenizer: Any, text: str, masked: str) -> list[int]:
         raise ValueError("chat template: a message holds a special token's text, and the template renders it "
                          "in a way that cannot keep it as text: refused")
     specials = special_token_pattern(tokenizer)
-    assert specials is not None   # masked differs from text only where a special token's string was
+    assert specials is not None   # masked differs from text only where a special token's string (or a piece) was
     added = {t.content: t for t in tokenizer.get_added_tokens_decoder().values()}
     literal = _literal(tokenizer)
     ids: list[int] = []
