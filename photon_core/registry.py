@@ -52,6 +52,9 @@ class Family:
     # Places a short name of this family may be: package folders, Hugging Face ids.
     places: Callable[[str], Sequence[str | Path]] = _nowhere
     hints: tuple[str, ...] = ()                      # how to get weights, for "not found" errors
+    # device -> the dtype `load` picks for dtype=None, where None means that dtype and nothing more:
+    # shared engines then key the two alike. None where None means more (Whisper's CPU defaults).
+    auto_dtype: Callable[[str], Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skills", frozenset(self.skills))

@@ -2,6 +2,7 @@
 per checkpoint: any family with the skills loads; one without them is refused with a reason, and
 the node stays up to say so."""
 import pytest
+import torch
 from rclpy.parameter import Parameter
 
 from moondream_fixtures import checkpoint
@@ -56,6 +57,49 @@ def test_names_of_one_checkpoint_share_one_engine(tmp_path):
     a = shared_engine(str(path), skills=["detect"])
     b = shared_engine(str(tmp_path / "camera_model"), skills=["point"])
     assert a is b and a.family.name == "moondream"
+
+
+def test_dtype_auto_and_the_dtype_it_resolves_to_share_one_engine(monkeypatch):
+    """Keyed by the dtype as written, auto (None) and "float32" on the CPU loaded the same weights
+    twice: each copy the model's whole memory, and cameras on different copies never batched."""
+    from photon_core import registry
+    from photon_core.runtime.shared_models import cached_engines, release
+
+    loads = []
+    real = registry.Recognised.load
+    monkeypatch.setattr(registry.Recognised, "load", lambda self, *a: loads.append(a) or real(self, *a))
+    held_before = {id(e) for e in cached_engines()}
+    a = shared_engine(str(checkpoint()), "cpu", None, skills=["detect"])
+    b = shared_engine(str(checkpoint()), "cpu", "float32", skills=["detect"])
+    c = shared_engine(str(checkpoint()), "cpu", torch.float32, skills=["detect"])
+    try:
+        assert a is b is c
+        assert len(loads) == (0 if id(a) in held_before else 1)
+    finally:
+        for engine in (a, b, c):
+            release(engine)
+
+
+def test_engine_keys_name_the_device_and_dtype_the_load_uses():
+    """"cuda" is "cuda:0", and auto there is bfloat16 (tensor_files.default_dtype): one key, found
+    without touching CUDA. Whisper's auto also picks its CPU defaults (int8 decoder), so there it
+    stays apart from an explicit "float32"."""
+    from photon_core.models.moondream import FAMILY as MOONDREAM
+    from photon_core.models.whisper import FAMILY as WHISPER
+    from photon_core.runtime.shared_models import engine_key
+
+    path = checkpoint()
+    cuda = {engine_key(MOONDREAM, path, device, dtype, "auto")
+            for device, dtype in (("cuda", None), ("cuda:0", None), ("cuda:0", "bfloat16"),
+                                  ("cuda", torch.bfloat16), ("cuda", "bf16"))}
+    assert len(cuda) == 1
+    assert engine_key(MOONDREAM, path, "cuda:1", None, "auto") not in cuda
+    assert engine_key(MOONDREAM, path, "cuda", "float32", "auto") not in cuda
+    assert not torch.cuda.is_initialized()
+    assert engine_key(MOONDREAM, path, "cpu", None, "auto") == engine_key(MOONDREAM, path, "cpu", "fp32", "auto")
+    assert engine_key(WHISPER, path, "cpu", None, "auto") != engine_key(WHISPER, path, "cpu", "float32", "auto")
+    # a dtype the load refuses never keys as a valid one
+    assert engine_key(MOONDREAM, path, "cpu", "torch.float32", "auto") != engine_key(MOONDREAM, path, "cpu", "float32", "auto")
 
 
 def meanwhile(call, timeout: float = 60.0):

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from photon_core.registry import Family
     from photon_core.runtime.batcher import Batcher
 
@@ -136,7 +138,42 @@ def shared_engine(name: str, device: str = "cpu", dtype: Any = None, backend: st
     skills = tuple(skills)
     found = registry.recognise(name, skills)   # a model not found: hints at families with `skills`
     registry.require_skills(found.family, skills)
-    key = (found.family.name, str(found.checkpoint.path.resolve()), device, str(dtype), backend)
+    key = engine_key(found.family, found.checkpoint.path, device, dtype, backend)
     engine = shared_model(key, lambda: found.load(device, dtype, backend))
     engine.family = found.family
     return engine
+
+
+def engine_key(family: Family, path: Path, device: str, dtype: Any, backend: str) -> tuple:
+    """The cache key of an engine, with the device and dtype as the load will use them: written
+    as given, dtype auto and "float32" on the CPU (or "cuda" and "cuda:0") loaded the same weights
+    twice, each copy the model's whole memory, and cameras on different copies never batched."""
+    return (family.name, str(path.resolve()), _device_key(device), _dtype_key(family, device, dtype), backend)
+
+
+def _device_key(device: str) -> Any:
+    """torch.device, with a bare "cuda" as "cuda:0" (the nodes never change the current device;
+    asking torch.cuda which one it is would initialise CUDA). One the load will refuse: as given."""
+    import torch
+    try:
+        place = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return str(device)
+    if place.type == "cuda" and place.index is None:
+        return torch.device("cuda", 0)
+    return torch.device("cpu") if place.type == "cpu" else place
+
+
+def _dtype_key(family: Family, device: str, dtype: Any) -> Any:
+    """The torch dtype the load will use: dtype None resolved as the family resolves it, where
+    that is all None means (family.auto_dtype); None kept apart otherwise. torch.float32 and
+    "float32" key alike; a dtype the load will refuse keys as given, never as a valid one."""
+    from photon_core.weights.tensor_files import parse_dtype
+    if dtype is None:
+        if family.auto_dtype is None:
+            return None
+        dtype = family.auto_dtype(device)
+    try:
+        return parse_dtype(dtype)
+    except (ValueError, TypeError):
+        return str(dtype)

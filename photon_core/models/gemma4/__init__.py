@@ -54,6 +54,7 @@ FAMILY = Family(
     looks_for="config.json model_type 'gemma4' (architectures Gemma4ForConditionalGeneration)",
     recognise=recognise,
     load=_load,
+    auto_dtype=default_dtype,
     cli="photon_core.cli_vision",
     refuse=refuse,
     places=places,

@@ -72,6 +72,7 @@ FAMILY = Family(
               "MoE/tau tensors",
     recognise=recognise,
     load=_load,
+    auto_dtype=default_dtype,
     cli="photon_core.cli_vision",
     refuse=refuse,
     places=places,

@@ -56,6 +56,7 @@ FAMILY = Family(
               "coordinate_head) in safetensors or model_fp8.pt",
     recognise=recognise,
     load=_load,
+    auto_dtype=default_dtype,
     # The vision commands (detect, point, caption, query, segment) load any family's checkpoint.
     cli="photon_core.cli_vision",
     refuse=refuse,

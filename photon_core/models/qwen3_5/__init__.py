@@ -45,6 +45,7 @@ FAMILY = Family(
               "Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM",
     recognise=recognise,
     load=_load,
+    auto_dtype=default_dtype,
     # The vision commands are shared: the first family naming them registers them, and they load
     # whatever --model names; naming them here keeps caption/query when this family is alone.
     cli="photon_core.cli_vision",
