@@ -424,6 +424,12 @@ class VisionNode(ManagedNode):
                            ("max_frame_age_s", "max_frame_age")):
             if name in values:
                 setattr(self, attr, values[name])
+        if {"depth_min_m", "depth_max_m"} & set(values):
+            # one object, built once a change is whole: the worker read the two values apart, and a
+            # change of both between its reads made a range no check allowed (min above max), which
+            # cost the frame every result
+            self.depth_settings = DepthSettings(min_depth_m=self.params["depth_min_m"],
+                                                max_depth_m=self.params["depth_max_m"])
         if {"track_max_missed", "track_max_age_s", "tracking"} & set(values):   # new settings: tracks start over
             self.trackers = StreamTrackers(ids=self.track_ids, max_missed=self.params["track_max_missed"],
                                            max_age_s=self.params["track_max_age_s"] or math.inf)
@@ -543,7 +549,7 @@ class VisionNode(ManagedNode):
         read_from = waits.depth.clock()
         paired, info = waits.depth.result(read_from=read_from), waits.camera_info.result(read_from=read_from)
         self.depth_waits_s.append(time.monotonic() - started)
-        settings = DepthSettings(min_depth_m=self.params["depth_min_m"], max_depth_m=self.params["depth_max_m"])
+        settings = self.depth_settings
         camera = info.msg if isinstance(info, Match) else NoDepth(info.reason)
         depth = depth_view(paired.msg if isinstance(paired, Match) else NoDepth(paired.reason), camera, width,
                            height, settings, rectified=self.params["rectified"], image_frame=header.frame_id)

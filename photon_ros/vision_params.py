@@ -54,7 +54,7 @@ def vision_params() -> list[Param]:
         Param("depth_min_m", 0.1, "depths nearer than this are invalid (sensor minimum)", positive=True),
         Param("depth_max_m", 10.0, "depths farther than this are invalid (sensor range)", positive=True),
         Param("rectified", False, "the colour image is rectified (image_rect_color): camera_info's P, "
-              "no distortion; false: K and the distortion (plumb_bob or none)"),
+              "no distortion; false: K and the distortion (plumb_bob, rational_polynomial or none)"),
         Param("target_frame", "", "publish 3D results in this frame through tf2 (e.g. base_link, map); "
               "empty: the camera's optical frame", applies="configure", check=frame_refusal),
         Param("tracking", True, "give each detect / point result an id that follows the object across frames"),

@@ -202,6 +202,10 @@ def test_the_vision_node_refuses_bad_changes_and_takes_the_others(context):
                    Parameter("detect", value=[" cup ", "", "cup"]), Parameter("max_frame_age_s", value=0)]
         assert all(r.successful for r in node.set_parameters(changes))
         assert (node.max_pixels, node.max_objects, node.detect_targets, node.max_frame_age) == (1000, 3, ["cup"], 0.0)
+        # a depth range moved past itself, in order: the worker's settings are one object, always whole
+        assert all(r.successful for r in node.set_parameters([Parameter("depth_max_m", value=30.0),
+                                                              Parameter("depth_min_m", value=20.0)]))
+        assert (node.depth_settings.min_depth_m, node.depth_settings.max_depth_m) == (20.0, 30.0)
         later = node.set_parameters([Parameter("input", value="compressed")])[0]
         assert later.successful and node.params["input"] == "compressed"   # used at the next configure
     finally:
