@@ -165,6 +165,7 @@ def _acquire(lock: threading.Lock, cancel: threading.Event | None) -> bool:
 
 
 CANCELED_SEGMENT = {"path": "", "bbox": None, "error": "canceled"}
+IDLE_CHECK_S = 1.0   # with no task on every frame, a frame is read this often to tell it can be
 
 
 def segment_until(updates, cancel: threading.Event) -> dict:
@@ -205,6 +206,7 @@ class VisionNode(ManagedNode):
         self.inactive_frames = 0   # frames not processed because the node was not active
         self.frames_done = 0       # frames the worker took and is done with (their results out, or none)
         self.last_caption = 0.0
+        self.last_idle_check = -math.inf
         self.subscription = None
         self.image_qos = self.params["reliability"]   # the image subscription's (read at configure)
         self.pub_detections = self.pub_points = self.pub_caption = self.pub_segmentation = None
@@ -475,17 +477,36 @@ class VisionNode(ManagedNode):
             return compressed_to_rgb(msg, self.max_pixels)
         return image_to_rgb(msg, self.max_pixels)
 
-    def process(self, frame, epoch: int) -> None:
-        caption_due = self.caption_period > 0 and time.monotonic() - self.last_caption >= self.caption_period
-        detect, point, segment = list(self.detect_targets), list(self.point_targets), list(self.segment_targets)
-        if not (detect or point or caption_due or segment):
-            return
+    def read_frame(self, frame):
+        """The camera frame's pixels, or None when they cannot be read (counted, said, and on
+        /diagnostics)."""
         try:
-            rgb = self.to_rgb(frame.msg)
+            return self.to_rgb(frame.msg)
         except ValueError as err:
             self.bad_frames += 1
             self.health.failed(str(err))
             self.get_logger().warning(f"skipping frame: {err}", throttle_duration_sec=5.0)
+            return None
+
+    def check_idle_frame(self, frame) -> None:
+        """With no task on every frame (the shipped config: find / ask / infer only) frames were
+        never read, and a camera whose every frame is unreadable showed "running" while each
+        request on it failed: one frame every IDLE_CHECK_S is read to tell."""
+        now = time.monotonic()
+        if now - self.last_idle_check < IDLE_CHECK_S:
+            return
+        self.last_idle_check = now
+        if self.read_frame(frame) is not None:
+            self.health.succeeded()
+
+    def process(self, frame, epoch: int) -> None:
+        caption_due = self.caption_period > 0 and time.monotonic() - self.last_caption >= self.caption_period
+        detect, point, segment = list(self.detect_targets), list(self.point_targets), list(self.segment_targets)
+        if not (detect or point or caption_due or segment):
+            self.check_idle_frame(frame)
+            return
+        rgb = self.read_frame(frame)
+        if rgb is None:
             return
         header, (height, width) = frame.msg.header, rgb.shape[:2]
         if caption_due:
@@ -510,7 +531,8 @@ class VisionNode(ManagedNode):
         # The frame's depth was waited for while the model ran: its pairing began at its arrival.
         space = self.space(header, width, height, frame.extra) if (detect or point) else None
         latency = time.monotonic() - frame.received_at
-        outputs, boxes, points = self.result_messages(requests, results, header, width, height, latency, space)
+        outputs, boxes, points = self.result_messages(requests, results, header, width, height, latency, space,
+                                                      frame.received_at)
         masks = dict(zip(segment, segments))
         outputs += self.segmentation_messages(masks, header, width, height, latency)
         annotated = None
@@ -592,8 +614,10 @@ class VisionNode(ManagedNode):
         return outputs
 
     def result_messages(self, requests: list[Request], results: list[dict], header, width: int,
-                        height: int, latency: float, space: tuple | None = None) -> tuple[list, dict, dict]:
-        """(publisher, message) for every result of one frame, and the boxes and points to draw."""
+                        height: int, latency: float, space: tuple | None = None,
+                        received_at: float | None = None) -> tuple[list, dict, dict]:
+        """(publisher, message) for every result of one frame, and the boxes and points to draw
+        (`received_at`: the frame's arrival, monotonic s, for tracking an unstamped camera)."""
         model_id = self.engine.model.model_id
         outputs, boxes, points = [], {}, {}
         for request, result in zip(requests, results):
@@ -601,7 +625,7 @@ class VisionNode(ManagedNode):
                 boxes[request.prompt] = result["objects"]
                 msg = detections_message(result, header, prompt=request.prompt, width=width, height=height,
                                          latency=latency, model_id=model_id)
-                self.track("detect", request.prompt, msg.detections, header, width, height)
+                self.track("detect", request.prompt, msg.detections, header, width, height, received_at)
                 outputs.append((self.pub_detections, msg))
                 if space is not None:
                     outputs += self.placed("detect", request.prompt, msg, space, model_id, latency)
@@ -611,7 +635,7 @@ class VisionNode(ManagedNode):
                 points[request.prompt] = result["points"]
                 msg = points_message(result, header, prompt=request.prompt, width=width, height=height,
                                      latency=latency, model_id=model_id)
-                self.track("point", request.prompt, msg.points, header, width, height)
+                self.track("point", request.prompt, msg.points, header, width, height, received_at)
                 outputs.append((self.pub_points, msg))
                 if space is not None:
                     outputs += self.placed("point", request.prompt, msg, space, model_id, latency)
@@ -621,14 +645,20 @@ class VisionNode(ManagedNode):
                     latency=latency, model_id=model_id)))
         return outputs, boxes, points
 
-    def track(self, task: str, prompt: str, items: list, header, width: int, height: int) -> None:
-        """Give each detection or point of one frame's result its track id (in place)."""
+    def track(self, task: str, prompt: str, items: list, header, width: int, height: int,
+              received_at: float | None = None) -> None:
+        """Give each detection or point of one frame's result its track id (in place).
+        `received_at`: the frame's arrival (monotonic s), its time where it has no stamp."""
         if not self.params["tracking"]:
             return
         tracker = self.trackers.get(task, prompt)
         rows = ([(d.x_min_px, d.y_min_px, d.x_max_px, d.y_max_px) for d in items] if task == "detect"
                 else [(p.x_px, p.y_px) for p in items])
         stamp = time_to_seconds(header.stamp)
+        if stamp == 0.0 and received_at is not None:
+            # an unstamped camera: every frame at 0 never aged a track, and an object seen minutes
+            # ago gave its id to whatever is at its place now (track_max_age_s)
+            stamp = received_at
         last = tracker.last_result_stamp
         if last is not None and stamp < last - JUMP_BACK_NS / 1e9:
             tracker.reset()   # the stream went back in time (a bag played again): new tracks

@@ -76,3 +76,30 @@ def test_failures_of_one_configuration_are_not_reported_after_the_next(node):
     assert node.without_depth_in_a_row == 0   # else a configure without depth warned of none forever
     # the depth publisher went on while no subscription existed: not a loss seen by the new one
     assert node.depth_health.arrived(info(40)) == 0
+
+
+def test_unreadable_frames_say_error_with_no_task_on_every_frame(node, monkeypatch):
+    """With no standing task (the shipped config: the loop's find goals only) frames were never
+    read: a camera whose every frame is unreadable showed "running" with bad_frames 0 while each
+    request failed. One frame a second is read now (every one here)."""
+    import numpy as np
+    from std_msgs.msg import Header
+
+    import photon_ros.vision_node as vision_node
+    from photon_ros.image_conversions import rgb_to_image
+
+    monkeypatch.setattr(vision_node, "IDLE_CHECK_S", 0.0)
+    assert node.trigger_configure() == SUCCESS and node.trigger_activate() == SUCCESS
+    assert not (node.detect_targets or node.point_targets or node.segment_targets or node.caption_period)
+    good = rgb_to_image(np.zeros((8, 8, 3), np.uint8), header=Header(frame_id="camera"))
+    bad = rgb_to_image(np.zeros((8, 8, 3), np.uint8), header=Header(frame_id="camera"))
+    bad.encoding = "yuv420p"
+    for _ in range(FAILING_IN_A_ROW):
+        node.process(SimpleNamespace(msg=bad), epoch=1)
+    st = status(node)
+    assert level(st) == ERROR and "yuv420p" in st.message and node.bad_frames == FAILING_IN_A_ROW, st.message
+    node.process(SimpleNamespace(msg=good), epoch=1)
+    assert level(status(node)) != ERROR
+    monkeypatch.setattr(vision_node, "IDLE_CHECK_S", 3600.0)   # not every frame: at most one an interval
+    node.process(SimpleNamespace(msg=bad), epoch=1)
+    assert node.bad_frames == FAILING_IN_A_ROW

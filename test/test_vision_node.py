@@ -145,6 +145,25 @@ def test_tracks_do_not_carry_onto_another_cameras_frame():
     assert ids(3, "rear_optical") not in (0, front)
 
 
+def test_an_unstamped_cameras_tracks_age_by_the_frames_arrival():
+    """Frames stamped 0 (a driver that stamps nothing) never aged a track: an object seen minutes
+    ago gave its id to whatever was at its place now. Their arrival times age them instead."""
+    from types import SimpleNamespace
+    from photon_ros.msg import Detection
+    from photon_ros.tracking import StreamTrackers
+    from std_msgs.msg import Header
+    stub = SimpleNamespace(params={"tracking": True}, trackers=StreamTrackers(max_missed=5, max_age_s=0.5))
+
+    def ids(received_at):
+        items = [Detection(x_min_px=10.0, y_min_px=10.0, x_max_px=50.0, y_max_px=50.0)]
+        VisionNode.track(stub, "detect", "cup", items, Header(frame_id="cam"), 128, 96, received_at)
+        return items[0].track_id
+
+    first = ids(100.0)
+    assert first and ids(100.2) == first          # a frame 0.2 s later: the same object
+    assert ids(101.5) not in (0, first)           # 1.3 s since it was seen, past track_max_age_s
+
+
 def test_a_prompt_dropped_while_its_frame_ran_gets_new_ids_when_asked_again():
     """A frame's results are tracked after its model ran: a prompt dropped meanwhile (a parameter
     change) had its tracks made again by that frame and kept, and the prompt asked again took those
