@@ -18,7 +18,9 @@ not take whatever depth is there when it arrives; it waits for its own:
   other, it is this frame's own, stamped by another clock, not a neighbour's). A stream that
   skipped frames for a while (an aligned-depth driver lagging, depth lost on a best-effort queue)
   has a spacing of two frames or more: the previous frame's message, a frame away, would end the
-  wait on its own, before the frame's own message came.
+  wait on its own, before the frame's own message came. Both spacings are read from
+  SPACING_STAMPS stamps at least: until then (a stream's first frames) only the first two rules end
+  a wait early.
 - At the deadline without a message within the tolerance the frame has none, with the reason; a
   neighbour's message outside the tolerance is never used. A message arriving after the deadline
   does not change an outcome: a frame's pairing is the same whenever it is read.
@@ -105,8 +107,17 @@ def _seconds(ns: int) -> float:
     return ns / NS
 
 
+# Stamps a spacing is read from at the least: from two, one lost message between made the spacing
+# read twice (or three times) what it is, and a frame took an older depth image as "nothing nearer
+# can come" while a nearer one was on its way (depth at 30 Hz free-running beside colour at 15,
+# just after start-up).
+SPACING_STAMPS = 4
+
+
 def _spacing(stamps: list[int]) -> int | None:
-    """The smallest positive gap between consecutive stamps (None with fewer than two)."""
+    """The smallest positive gap between consecutive stamps (None with fewer than SPACING_STAMPS)."""
+    if len(stamps) < SPACING_STAMPS:
+        return None
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
     return min(gaps) if gaps else None
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from photon_ros.stamp_pairing import NS, Match, NoMatch, StampPairing
+from photon_ros.stamp_pairing import NS, SPACING_STAMPS, Match, NoMatch, StampPairing
 
 MS = NS // 1000
 T0 = 1_700_000_000 * NS       # a realistic stamp: float seconds would lose its nanoseconds
@@ -101,6 +101,28 @@ def test_a_depth_stream_that_skipped_frames_does_not_hand_a_frame_its_neighbours
     assert wait.poll().msg == "depth 21" and wait.poll().rule == "exact"
 
 
+def test_just_after_start_a_lost_depth_image_does_not_end_a_wait_early():
+    """Depth at 30 Hz free-running (6.8 ms off colour's grid) beside colour at 15 Hz, two depth
+    images lost at the start: read from two stamps the depth spacing looked 100 ms, the frames'
+    66.7 ms made "within half of it" 33 ms, and frame 133.3 took depth 106.8 (26.5 ms off) while
+    depth 140.1 (6.8 ms) arrived 30 ms later, inside its deadline."""
+    clock = Clock()
+    pairing = StampPairing("depth image", 0.05, clock=clock, wall_clock=clock)
+
+    def at(ms: float) -> float:
+        clock.now = 100.0 + ms / 1000
+        return clock.now
+
+    pairing.wait_for(T0, at(5.8))
+    pairing.add(T0 + round(6.8 * MS), "depth 6.8", at(38.2))
+    pairing.wait_for(T0 + round(66.7 * MS), at(72.7))
+    pairing.add(T0 + round(106.8 * MS), "depth 106.8", at(138.2))     # 40.1 and 73.4 lost
+    wait = pairing.wait_for(T0 + round(133.3 * MS), at(142.0))
+    pairing.add(T0 + round(140.1 * MS), "depth 140.1", at(171.6))
+    at(300.0)
+    assert wait.poll().msg == "depth 140.1"
+
+
 def test_an_image_sent_with_a_request_does_not_count_in_the_frames_spacing():
     """Depth stamped 10 ms before its 30 Hz frame ends each wait as it arrives. A request's own
     image, stamped 2 ms after a camera frame, is no frame of the stream: counted, it made the
@@ -130,11 +152,13 @@ def test_depth_later_than_the_tolerance_is_not_waited_for():
 
 def test_unsynchronised_stamps_end_the_wait_when_nothing_nearer_can_come():
     """A depth stream stamped 2 ms before its colour frame: pairs as soon as that depth arrives
-    (the next is a frame's spacing later, farther); stamped 10 ms after: as soon as it arrives."""
+    (the next is a frame's spacing later, farther) once the spacing is known (SPACING_STAMPS
+    frames); stamped 10 ms after: as soon as it arrives."""
     for offset_ms in (-2, 10):
         outcomes, _ = stream(30, 0.02, 8, depth_offset_ns=offset_ms * MS)
-        assert all(o.rule == "nearest" and o.offset_s == pytest.approx(offset_ms / 1000) for o in outcomes[1:])
-        assert all(o.waited_s == pytest.approx(0.02) for o in outcomes[1:]), [o.waited_s for o in outcomes]
+        assert all(o.rule == "nearest" and o.offset_s == pytest.approx(offset_ms / 1000) for o in outcomes)
+        known = outcomes[SPACING_STAMPS - 1:] if offset_ms < 0 else outcomes
+        assert all(o.waited_s == pytest.approx(0.02) for o in known), [o.waited_s for o in outcomes]
 
 
 def test_depth_before_its_colour_frame_pairs_at_once_and_nothing_is_kept_forever():
@@ -152,13 +176,13 @@ def test_depth_before_its_colour_frame_pairs_at_once_and_nothing_is_kept_forever
 def test_depth_before_its_colour_frame_stamped_a_few_ms_off_pairs_at_once(offset_ms):
     """Separate sensors (an OAK-type driver) stamp depth a few ms off the colour and may send it
     first: the frame pairs at once, not after the next depth message (a frame period later), once
-    the stream's spacing is known (from its second message: nothing nearer can come then)."""
+    the stream's spacing is known (from SPACING_STAMPS messages: nothing nearer can come then)."""
     clock = Clock()
     pairing = StampPairing("depth image", 0.05, clock=clock)
     for i in range(6):
         pairing.add(T0 + i * 33 * MS + offset_ms * MS, f"depth {i}")
         outcome = pairing.wait_for(T0 + i * 33 * MS).poll()
-        if i:
+        if i >= SPACING_STAMPS - 1:
             assert outcome is not None and outcome.msg == f"depth {i}" and outcome.waited_s == 0
         clock.now += 0.033
 
