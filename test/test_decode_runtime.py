@@ -300,6 +300,10 @@ def test_joined_pieces_is_text_pieces_joined_at_every_length_with_one_decode_a_t
         joined.text(tokens)
         assert len(calls) == 1                      # a report without a new token: one decode
     assert JoinedPieces(dec).text([0, 1]) == dec([0, 1])
+    # a progress report (more tokens may come) shows no unfinished character, as the pieces do
+    progress = JoinedPieces(dec)
+    assert progress.text([0, 1], final=False) == "caf" and progress.text([0, 1, 2], final=False) == "café"
+    assert progress.text([0, 1, 2, 3, 4], final=False) == "café " and progress.text([0, 1, 2, 3, 4]) == dec([0, 1, 2, 3, 4])
     other = JoinedPieces(dec)
     other.text([0, 3, 7])
     assert other.text([7, 7]) == "!!"               # not a continuation: started again

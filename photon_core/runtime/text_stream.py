@@ -38,7 +38,10 @@ class JoinedPieces:
         self.ids: list[int] = []
         self.shown = ""
 
-    def text(self, tokens: list[int]) -> str:
+    def text(self, tokens: list[int], final: bool = True) -> str:
+        """The text of `tokens`; final=False (a progress report: more tokens may come) leaves out an
+        unfinished character at the end, as the streamed pieces do (a report showed "a cat \ufffd"
+        before "a cat 猫")."""
         if tokens[:len(self.ids)] != self.ids:     # not a continuation: start again
             self.ids, self.shown = [], ""
         for tok in tokens[len(self.ids):]:          # text_pieces' rule, token by token
@@ -47,7 +50,8 @@ class JoinedPieces:
             if txt.startswith(self.shown) and len(txt) > len(self.shown) and not txt.endswith(REPLACEMENT):
                 self.shown = txt
         txt = self.decode(self.ids)
-        return txt if txt.startswith(self.shown) and len(txt) > len(self.shown) else self.shown
+        held = not final and txt.endswith(REPLACEMENT)
+        return txt if txt.startswith(self.shown) and len(txt) > len(self.shown) and not held else self.shown
 
 
 __all__ = ["text_pieces", "JoinedPieces"]

@@ -20,7 +20,7 @@ from photon_core.runtime.requests import Request
 from photon_core.runtime.sampling import Sampling
 from photon_core.runtime.shape_graphs import ShapeGraphs
 from photon_core.runtime.text_settings import text_sampling
-from photon_core.runtime.text_stream import text_pieces
+from photon_core.runtime.text_stream import JoinedPieces, text_pieces
 from photon_core.weights.tensor_files import parse_dtype
 
 from . import text, vision
@@ -210,14 +210,16 @@ class Gemma4Model:
         size = self.decode.max_rows if self.decode is not None else len(rows)
         key = {"caption": "caption", "query": "answer"}
         progress = [Progress(r.progress) for r in requests]
+        # a row's text so far, one decode a token and no unfinished character at its end
+        texts = [JoinedPieces(self.prompter.decode) for _ in requests]
         for i in range(0, len(rows), size):
             group, asked, told = rows[i:i + size], requests[i:i + size], progress[i:i + size]
             for new in BatchDecoder(self, group, seed, first_row=i).run():
                 # Between steps: a canceled request's row stops (the decoder skips done rows), and
                 # each row that grew tells its caller (on device rounds: as each round is read).
-                for r, row, tok, tell in zip(asked, group, new, told):
+                for r, row, tok, tell, text in zip(asked, group, new, told, texts[i:i + size]):
                     if tok is not None and tell.wanted:
-                        tell({key[r.task]: self.prompter.decode(row.tokens)})
+                        tell({key[r.task]: text.text(row.tokens, final=False)})
                     if r.canceled:
                         row.done = True
         return [{key[r.task]: self.prompter.decode(row.tokens)} for r, row in zip(requests, rows)]

@@ -245,7 +245,7 @@ def watch(model: "MoondreamModel", rows: list[_Row]) -> None:
         grown = len(row.objects) if row.is_object else len(row.tokens)
         if row.progress.wanted and grown > row.reported:
             row.reported = grown
-            row.progress(_result(model, row))
+            row.progress(_result(model, row, final=False))
 
 
 class BatchSession:
@@ -577,7 +577,7 @@ def _clamp(v: float) -> float:
     return min(max(v, 0.0), 1.0)
 
 
-def _result(model: "MoondreamModel", row: _Row) -> dict:
+def _result(model: "MoondreamModel", row: _Row, final: bool = True) -> dict:
     task = row.request.task
     if task == "detect":
         return {"objects": row.objects}
@@ -585,7 +585,7 @@ def _result(model: "MoondreamModel", row: _Row) -> dict:
         return {"points": row.objects}
     if row.text is None:
         row.text = JoinedPieces(model.tokenizer.decode)
-    answer = row.text.text(skills.text_ids(model, row.tokens))
+    answer = row.text.text(skills.text_ids(model, row.tokens), final)
     if task == "caption":
         return {"caption": answer}
     return {**_reasoning(model, row), "answer": answer}
