@@ -97,7 +97,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                                               "and the box), as JSON")
     common(p, model="moondream3.1-9B-A2B")
     p.add_argument("object", type=cli_checks.non_empty, help='what to outline, e.g. "cup"')
-    p.add_argument("--max-tokens", type=cli_checks.int_at_least(0), default=768)
+    p.add_argument("--max-tokens", type=cli_checks.int_at_least(1), default=768)
     p.add_argument("--draw", metavar="OUT.png", type=cli_checks.image_out_path,
                    help="also write the image with the mask filled (semi-transparent) and its border drawn")
     for name in ("caption", "query"):
@@ -107,7 +107,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
             p.add_argument("question", type=cli_checks.non_empty)
         else:
             p.add_argument("--length", default="normal", choices=["short", "normal", "long"])
-        p.add_argument("--max-tokens", type=cli_checks.int_at_least(0), default=768)
+        p.add_argument("--max-tokens", type=cli_checks.int_at_least(1), default=768)
         p.add_argument("--temperature", type=cli_checks.non_negative_float, default=0.0)
         p.add_argument("--top-p", type=cli_checks.top_p, default=1.0, help="above 0, at most 1")
         p.set_defaults(draw=None)

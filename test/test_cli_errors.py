@@ -45,8 +45,11 @@ def absent_cuda() -> str:
     (["detect", "{image}", ""], "argument object: must not be empty"),
     (["point", "{image}", "  "], "argument object: must not be empty"),
     (["detect", "{image}", "cup", "--max-objects", "-5"], "argument --max-objects: must be at least 0, got -5"),
-    (["segment", "{image}", "cup", "--max-tokens", "-1"], "argument --max-tokens: must be at least 0, got -1"),
-    (["caption", "{image}", "--max-tokens", "-1"], "argument --max-tokens: must be at least 0"),
+    (["segment", "{image}", "cup", "--max-tokens", "-1"], "argument --max-tokens: must be at least 1, got -1"),
+    (["caption", "{image}", "--max-tokens", "-1"], "argument --max-tokens: must be at least 1"),
+    # 0 gave nothing (Moondream 2) or was refused only after the model loaded (Moondream 3: kestrel's rule)
+    (["segment", "{image}", "cup", "--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
+    (["query", "{image}", "what?", "--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
     (["query", "{image}", "what?", "--temperature", "-0.5"], "argument --temperature: must be at least 0"),
     (["caption", "{image}", "--top-p", "0"], "argument --top-p: must be above 0 and at most 1, got 0"),
     (["caption", "{image}", "--top-p", "nan"], "argument --top-p: expected a finite number"),
