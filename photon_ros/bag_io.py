@@ -91,7 +91,7 @@ def read_messages(path: str | Path, topics: list[str],
                 raise BagError(f"{path}: topic {topic} was recorded with several message types "
                                f"({', '.join(sorted(kinds))}): a topic is replayed as one type")
         classes = {c.id: message_class(c.msgtype) for c in connections}
-        for connection, log_time, raw in reader.messages(connections=connections):
+        for connection, log_time, raw in _records(path, reader.messages(connections=connections)):
             try:
                 msg = deserialize_message(bytes(raw), classes[connection.id])
             except Exception as err:  # noqa: BLE001 - rclpy's RMWError, or anything bad bytes cause
@@ -102,6 +102,23 @@ def read_messages(path: str | Path, topics: list[str],
                 undecodable.append(bad)
                 continue
             yield BagMessage(connection.topic, connection.msgtype, log_time, msg)
+
+
+def _records(path: Path, records: Iterator[Any]) -> Iterator[Any]:
+    """The storage's records, a damaged file said as a BagError naming it: rosbags raises what the
+    broken bytes cause (an mcap overwritten in the middle: OverflowError), a traceback and exit 1
+    where the evaluator promises exit 2 for input it cannot use."""
+    read = 0
+    while True:
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except Exception as err:  # noqa: BLE001 - whatever the damage makes the reader raise
+            raise BagError(f"{path}: damaged after {read} messages, cannot be read on "
+                           f"({type(err).__name__}: {' '.join(str(err).split())})") from None
+        read += 1
+        yield record
 
 
 class StreamedMessages(Sequence[BagMessage]):

@@ -188,6 +188,30 @@ def test_undecodable_messages_are_skipped_and_counted(tmp_path, capsys):
     assert "none of the 3 messages on /audio can be decoded (the first: failed to deserialize" in err
 
 
+def test_a_bag_damaged_in_the_middle_is_named_unusable_input(tmp_path, capsys):
+    """An mcap overwritten in its middle (a bad disk block, a copy cut short and patched) made
+    rosbags raise OverflowError while reading on: a traceback and exit 1, where the evaluator
+    promises exit 2 and the bag named for input it cannot use."""
+    bag = tmp_path / "whole"
+    with BagWriter(bag, "mcap") as w:
+        for i in range(40):
+            w.write("/mic/audio", pcm_to_audio_chunk(np.full(1600, 0.01 * (i % 7), np.float32), 16000,
+                                                     header=Header(stamp=seconds_to_time(1000.0 + i / 10))),
+                    1_000_000 + i)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for f in bag.iterdir():
+        data = bytearray(f.read_bytes())
+        if f.suffix == ".mcap":
+            at = len(data) // 2
+            data[at:at + 4096] = b"\xff" * len(data[at:at + 4096])
+        (damaged / f.name).write_bytes(bytes(data))
+    with pytest.raises(BagError, match=r"damaged after \d+ messages"):
+        list(read_messages(damaged, ["/mic/audio"]))
+    assert evaluate.main([str(damaged), "--graph", "speech", "--out", str(tmp_path / "out")]) == 2
+    assert "damaged after" in capsys.readouterr().err
+
+
 def test_a_topic_recorded_with_two_types_is_refused_before_the_replay(tmp_path):
     """A topic recorded with two types was taken as the type bag_topics named, and the other's
     messages reached its publisher mid-replay: a TypeError in the replay's thread, a traceback.
