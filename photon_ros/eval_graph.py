@@ -19,6 +19,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from photon_ros.bag_io import BagMessage, StreamedMessages, message_class, stamp_ns
 from photon_ros.bringup import build_graph
 from photon_ros.audio_common_conversions import AudioInfoFormat
+from photon_ros.audio_conversions import EmptyAudio
 from photon_ros.graph_probe import (GraphError, Predicted, SpeechProbe, VisionProbe, chunk_end, loop_statuses,
                                     predict_utterances)
 from photon_ros.replay import ChunkGate, FrameGate, Published, ReplayStalled, Stream, replay
@@ -82,7 +83,7 @@ class GraphRun:
             self.progress = self._frame_progress()
             outputs = [o for role in ROLES[graph] for o in role_outputs(role, self.nodes.get(role))]
             self.log = ResultLog(self.node, outputs, self.progress.add if self.progress else None)
-            self.audio = self._decoded_audio()
+            self.audio, self.cut = self._decoded_audio()
             self.starts = self._audio_starts()
             self.executor = MultiThreadedExecutor(num_threads=4, context=self.context)
             for node in [*self.nodes.values(), self.node]:
@@ -108,17 +109,26 @@ class GraphRun:
             return None
         return FrameProgress(prompts)
 
-    def _decoded_audio(self) -> list:
+    def _decoded_audio(self) -> tuple[list, list[bool]]:
         """PCM of each audio message as the speech node will decode it (None where it cannot:
-        the node skips those chunks): ros-drivers' audio with the AudioInfo logged before it."""
+        the node skips those chunks), ros-drivers' audio with the AudioInfo logged before it; and
+        for each, whether the node cuts the stream there (a refused chunk is a hole in the audio,
+        an empty one is not)."""
         if self.speech is None:
-            return []
-        infos, info, pcms = list(self.messages.get("audio_info", [])), AudioInfoFormat(), []
+            return [], []
+        infos, info, pcms, cuts = list(self.messages.get("audio_info", [])), AudioInfoFormat(), [], []
         for m in self.messages.get("audio", []):
             while infos and infos[0].log_time_ns <= m.log_time_ns:
                 info.update(infos.pop(0).msg)
-            pcms.append(_or_none(lambda m=m: self.speech.decode(m.msg, info)))
-        return pcms
+            try:
+                pcm, cut = self.speech.decode(m.msg, info), False
+            except EmptyAudio:
+                pcm, cut = None, False
+            except ValueError:
+                pcm, cut = None, True
+            pcms.append(pcm)
+            cuts.append(cut)
+        return pcms, cuts
 
     def _audio_starts(self) -> list[float | None]:
         """Capture time of each audio message's first sample as the node computes it."""
@@ -204,7 +214,9 @@ class GraphRun:
         """Final utterances the speech node will cut from the bag's audio."""
         if self.speech is None:
             return []
-        chunks = [(pcm, start) for start, pcm in zip(self.starts, self.audio) if pcm is not None]
+        # a refused chunk cuts the utterance around it, as in the node: unstamped audio shows no
+        # hole, and one utterance was predicted where the node made two (the second's result lost)
+        chunks = [(pcm, start) for start, pcm, cut in zip(self.starts, self.audio, self.cut) if pcm is not None or cut]
         return predict_utterances(chunks, self.speech.vad_config)
 
     def chunk_samples(self) -> dict[int, tuple[int, int, int]]:
@@ -333,11 +345,3 @@ def _wait(predicate: Callable[[], bool], timeout: float, check: Callable[[], Non
             return True
         time.sleep(poll)
     return bool(predicate())
-
-
-def _or_none(make: Callable[[], Any]) -> Any:
-    """`make()`, or None when the message is malformed (ValueError)."""
-    try:
-        return make()
-    except ValueError:
-        return None

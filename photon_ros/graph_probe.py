@@ -187,8 +187,9 @@ class Predicted:
         return (self.end - self.first) / self.rate
 
 
-def predict_utterances(chunks: Iterable[tuple[Pcm, float | None]], config: SegmenterConfig) -> list[Predicted]:
-    """The final utterances the speech node will cut from these chunks (PCM, start stamp or None):
+def predict_utterances(chunks: Iterable[tuple[Pcm | None, float | None]], config: SegmenterConfig) -> list[Predicted]:
+    """The final utterances the speech node will cut from these chunks (PCM, start stamp or None;
+    PCM None: a chunk the node refused, where it cuts the utterance in progress):
     the node's segmenter run over the same samples, restarted where the sample rate changes and
     flushed at the end, as the node's idle timer (or the replay's end) does. Unstamped audio (the
     node stamps it with its own clock) runs on the samples' own clock: where each utterance lies
@@ -204,6 +205,10 @@ def predict_utterances(chunks: Iterable[tuple[Pcm, float | None]], config: Segme
             found.append(Predicted(u.start_time if stamped else None, first, first + u.samples.size, u.sample_rate))
 
     for pcm, start in chunks:
+        if pcm is None:
+            if segmenter is not None:
+                add(segmenter.chunk_refused())
+            continue
         if segmenter is None or segmenter.sample_rate != pcm.sample_rate:
             if segmenter is not None and (tail := segmenter.flush()) is not None:
                 add([tail])

@@ -691,3 +691,23 @@ def test_a_bag_with_depth_is_evaluated_in_metres(tmp_path, capsys):
     assert evaluate.main([str(flat), "--graph", "vision", "--set", "vision.use_depth=true",
                           "--out", str(tmp_path / "e4")]) == 2
     assert "no depth image" in capsys.readouterr().err
+
+
+def test_a_refused_chunk_cuts_the_predicted_utterance_as_the_node_cuts_it():
+    """The speech node ends the utterance around a chunk it refuses (a NaN sample) and speech after
+    it is another; the evaluator left the chunk out, predicted one utterance where unstamped audio
+    (std_msgs arrays) made two, waited for one final and lost the second, exiting 0."""
+    from photon_ros.audio_conversions import Pcm
+    from photon_ros.graph_probe import predict_utterances
+    from photon_ros.speech_segmenter import SegmenterConfig
+    from speech_audio import espeak_pcm
+
+    speech, rate = espeak_pcm("the quick brown fox jumps over the lazy dog")
+    samples = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    chunks = [Pcm(samples[i:i + 1600], rate) for i in range(0, len(samples), 1600)]
+    middle = (rate // 2 + len(speech) // 2) // 1600
+    whole = predict_utterances([(c, None) for c in chunks], SegmenterConfig())
+    assert len(whole) == 1
+    refused = [(None if i == middle else c, None) for i, c in enumerate(chunks)]
+    cut = predict_utterances(refused, SegmenterConfig())
+    assert len(cut) == 2 and cut[0].end <= middle * 1600 <= cut[1].first, cut
