@@ -407,6 +407,8 @@ class SpeechNode(ManagedNode):
             chunk_s = pcm.samples.size / pcm.sample_rate
             self.watch.chunk(time.monotonic(), chunk_s)
             if isinstance(msg, (Int16MultiArray, Float32MultiArray)) and self.params["check_sample_rate"]:
+                if lost:   # samples that never arrived: measured across them the rate reads low, and
+                    self.arrival.restart()   # a lossy link was blamed on sample_rate
                 self.arrival.chunk(time.monotonic(), pcm.samples.size, pcm.sample_rate)
             # as many chunks as this one lost in transport (sequence numbers): a hole in the
             # audio even where it is too short for the stamps to show

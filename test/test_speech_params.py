@@ -144,3 +144,39 @@ def test_unstamped_audio_before_a_simulators_first_clock_is_not_stamped_negative
         assert start == 0.0 and not stamped
     finally:
         node.destroy_node()
+
+
+def test_audio_lost_in_transport_is_not_blamed_on_the_sample_rate(context, monkeypatch):
+    """Array audio at the right rate over a lossy best-effort link (every 4th message lost, as the
+    sequence numbers show): counted over the chunks that came, the samples arrived at 12 kHz and
+    /diagnostics told the user to set sample_rate, which would have made the model hear it wrong."""
+    import photon_ros.speech_node as speech_node
+    from photon_ros.managed import SUCCESS
+    from std_msgs.msg import Int16MultiArray
+
+    class Clock:
+        now = 1000.0
+
+        def monotonic(self):
+            return self.now
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    fake_speech_model(monkeypatch)
+    clock = Clock()
+    monkeypatch.setattr(speech_node, "time", clock)
+    node = SpeechNode(context=context, parameter_overrides=[
+        Parameter("autostart", value=False), Parameter("input_type", value="int16"), Parameter("sample_rate", value=16000)])
+    try:
+        assert node.trigger_configure() == SUCCESS and node.trigger_activate() == SUCCESS
+        noise = np.random.default_rng(0).normal(0, 30, 1600).astype(np.int16).tolist()
+        for seq in range(1, 81):                    # 8 s of 0.1 s chunks at 10 Hz
+            clock.now += 0.1
+            if seq % 4:
+                node.on_audio(Int16MultiArray(data=noise), {"publication_sequence_number": seq,
+                                                            "publisher_gid": {"data": [7] * 16}})
+        assert node.health.lost_in_transport == 19
+        assert node.arrival.mismatch() == ""
+    finally:
+        node.destroy_node()
