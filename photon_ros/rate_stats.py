@@ -17,6 +17,14 @@ class RateStats:
         self._lock = threading.Lock()
         self._started = time.monotonic()
 
+    def restart(self) -> None:
+        """Count from now, as if just begun: a node's rates begin when it starts taking input (an
+        activation after a model load of a minute), not when it was built."""
+        with self._lock:
+            self._events.clear()
+            self._latencies.clear()
+            self._started = time.monotonic()
+
     def tick(self, name: str, latency: float | None = None) -> None:
         now = time.monotonic()
         with self._lock:

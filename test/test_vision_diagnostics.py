@@ -103,3 +103,15 @@ def test_unreadable_frames_say_error_with_no_task_on_every_frame(node, monkeypat
     monkeypatch.setattr(vision_node, "IDLE_CHECK_S", 3600.0)   # not every frame: at most one an interval
     node.process(SimpleNamespace(msg=bad), epoch=1)
     assert node.bad_frames == FAILING_IN_A_ROW
+
+
+def test_rates_count_from_the_activation_not_from_the_nodes_start(node):
+    """input_rate_hz was frames over the time since the node was built, where frames come only once
+    it is active: after a model load of a minute a 10 Hz camera read 1 Hz for 10 s."""
+    assert node.trigger_configure() == SUCCESS
+    node.stats._started -= 60.0               # built a minute ago: the load took that long
+    assert node.trigger_activate() == SUCCESS
+    for _ in range(10):                       # the first second's frames
+        node.stats.tick("received")
+    values = {v.key: v.value for v in status(node).values}
+    assert float(values["input_rate_hz"]) >= 9.0, values["input_rate_hz"]
