@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from rclpy.clock import Clock, ClockType
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 
@@ -35,7 +36,10 @@ class LatchedReader:
                  period_s: float = 1.0) -> None:
         self.node, self.msg_type, self.topic, self.callback = node, msg_type, topic, callback
         self.subscription: Any = None
-        self.timer = node.create_timer(period_s, self.poll)
+        # on the steady clock: under use_sim_time with no /clock yet (a simulator paused or not
+        # started) a timer on the node's clock never fired, and a driver latching its camera_info or
+        # AudioInfo after the node was made was never read (every audio chunk refused meanwhile)
+        self.timer = node.create_timer(period_s, self.poll, clock=Clock(clock_type=ClockType.STEADY_TIME))
         self.poll()
 
     def poll(self) -> None:

@@ -106,6 +106,24 @@ def test_diagnostics_speak_before_a_simulators_clock_starts(graph, node_type):
                     timeout=10)
 
 
+def test_a_latched_publisher_appearing_under_sim_time_without_a_clock_is_read(graph):
+    """The reader looked for a latched publisher on a timer of the node's clock: under use_sim_time
+    with no /clock (a simulator paused or not started) it never fired, and a camera_info latched
+    after the node was made never arrived."""
+    from sensor_msgs.msg import CameraInfo
+
+    from photon_ros.latched_topic import LATCHED, LatchedReader
+
+    node = graph.node("latched_sim", parameter_overrides=[Parameter("use_sim_time", value=True)])
+    got = []
+    reader = LatchedReader(node, CameraInfo, "camera_info_sim", got.append, period_s=0.2)
+    assert reader.subscription is None
+    publisher = graph.node("latching_driver").create_publisher(CameraInfo, "camera_info_sim", LATCHED)
+    publisher.publish(CameraInfo(width=640, height=480))
+    assert wait_for(lambda: got, timeout=10), "the latched camera_info never arrived"
+    assert node.get_clock().now().nanoseconds == 0
+
+
 def frame(i: int) -> Image:
     rgb = np.random.default_rng(i).integers(0, 256, (96, 128, 3), dtype=np.uint8)
     return rgb_to_image(rgb, header=Header(stamp=Time(sec=1000 + i), frame_id="camera"))
