@@ -193,3 +193,24 @@ def test_a_release_serving_its_last_batch_holds_up_loads_only():
     from photon_core.runtime.shared_models import _models
     for key in (("test", "other"), ("test", "other"), ("test", "new")):
         release(_models[key])
+
+
+def test_freeing_memory_waits_for_a_capture_in_another_thread(monkeypatch):
+    """A released engine's empty_cache ran while another node of the process captured a CUDA
+    graph (a component container): the allocator's assert fails then. It waits for the capture."""
+    import threading
+
+    from photon_core.runtime import cuda_graph
+    from photon_core.runtime.shared_models import free_memory
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append(cuda_graph._CAPTURING.locked()))
+    with cuda_graph._CAPTURING:            # a capture under way in another thread
+        freeing = threading.Thread(target=free_memory)
+        freeing.start()
+        freeing.join(0.5)
+        assert freeing.is_alive() and seen == []   # waits: nothing emptied during the capture
+    freeing.join(10)
+    assert seen == [True]                  # once it ended, under the lock, so no capture begins meanwhile

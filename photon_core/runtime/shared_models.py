@@ -117,7 +117,11 @@ def free_memory() -> None:
     gc.collect()
     torch = sys.modules.get("torch")   # never import torch just to free nothing
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        from photon_core.runtime.cuda_graph import _CAPTURING
+        # not while another thread captures (a node's decode rounds while this one releases its
+        # engine, in one component container): empty_cache then fails the allocator's assert
+        with _CAPTURING:
+            torch.cuda.empty_cache()
 
 
 def cached_engines() -> list[SharedModel]:
