@@ -148,7 +148,8 @@ class Ops(Protocol):
 
     def argmax(self, logits: Tensor, allowed: Tensor | None = None) -> Tensor:
         """Greedy pick over the last dim -> int64 [...]. allowed (bool, broadcastable to logits) masks
-        the others to -inf. Ties: the FIRST index wins (torch.argmax). An all-masked row returns 0."""
+        the others to -inf. Ties: the FIRST index wins (torch.argmax). An all-masked row returns 0.
+        A NaN in a row: undefined (backends differ); callers refuse non-finite logits first."""
 
     def sample(self, logits: Tensor, temperature: float, top_p: float, uniform: Tensor) -> Tensor:
         """Temperature + nucleus sampling with caller-supplied uniforms u in [0, 1), one per row.
