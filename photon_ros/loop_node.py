@@ -81,7 +81,7 @@ LOOP_PARAMS = [
           "are old)", low=0.0),
     Param("search_timeout_s", 30.0, "a search (waiting for its frame, then decoding) gives up after this long, "
           "said on status: a camera that stopped must not leave a command waiting unanswered; 0: no limit",
-          low=0.0),
+          low=0.0, high=threading.TIMEOUT_MAX),   # past it the vision node refuses every goal
     Param("refuse_frames_before_turn", True, "a result from a frame captured before the last turn ended (or "
           "while turning) moves nothing; false only for replays, whose frames are not this robot's (evaluate)"),
 ]

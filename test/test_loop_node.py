@@ -99,6 +99,14 @@ def test_goals_only_from_positions_in_the_robots_frame(loop, frame, goal):
         assert any("no goal" in s and "not the robot's frame 'base_link'" in s for s in loop.said)
 
 
+def test_a_search_timeout_no_goal_can_take_is_refused_when_set(loop):
+    """A search_timeout_s past threading.TIMEOUT_MAX was taken, and the vision node refused every
+    find goal with it ("the vision node refused to point at ..." and no reason)."""
+    result = loop.set_parameters([Parameter("search_timeout_s", value=1e12)])[0]
+    assert not result.successful and "search_timeout_s must be <=" in result.reason
+    assert loop.set_parameters([Parameter("search_timeout_s", value=0.0)])[0].successful   # no limit
+
+
 def test_publish_goal_off_hands_turning_back_to_the_loop(loop):
     """After a planner goal the loop leaves cmd_vel alone; turning publish_goal off is how the
     operator says the planner is done (nothing here can tell): the next target turns again."""
