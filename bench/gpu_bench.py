@@ -106,6 +106,17 @@ def bench_ops(args, dev, cuda: bool, d: int, vocab: int, t_self: int, t_enc: int
 
 
 def bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int, tiling) -> dict:
+    """One batch's decode step on every path, every one reading fp32 KV caches (built outside
+    cuda_kv_dtype, a megakernel step on CUDA gets bf16 ones: its error was bf16's rounding of the
+    caches, not the kernel's, and it read fewer bytes than the paths it was timed against)."""
+    import torch
+
+    from photon_core.megakernel.compiler import cuda_kv_dtype
+    with cuda_kv_dtype(torch.float32):
+        return _bench_step(args, dev, cuda, wt, batch, max_len, t_enc, tiling)
+
+
+def _bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int, tiling) -> dict:
     import torch
 
     from photon_core.backends.select import get_backend
@@ -152,6 +163,7 @@ def bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int, 
     mk_fn = mk.kernel.launch
     mk_graph = graphed(mk.kernel.launch, cuda)
     res = dict(batch=batch, tasks=len(mk.graph.tasks), programs=mk.kernel.num_programs,
+               kv_dtype=str(mk.view("L0.kcache").dtype),
                megakernel_rel_err=mk_err, megakernel_same_argmax=mk_same,
                perop_rel_err=perop_err, perop_same_argmax=perop_same)
     nbytes = wt.weight_bytes_per_step()

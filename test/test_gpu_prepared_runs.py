@@ -273,3 +273,23 @@ def test_gpu_bench_keeps_what_it_finished(monkeypatch, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         bench.main(["--dry-run", "--json", str(path)])
     assert json.loads(path.read_text())["ops"][0]["op"] == "linear"
+
+
+def test_gpu_bench_times_the_megakernel_on_fp32_caches_as_the_other_paths(monkeypatch):
+    """On CUDA a megakernel step built without kv_dtype gets bf16 caches: gpu_bench checked it
+    against the fp32 reference (its error was bf16's rounding, ~1e-3) and timed it against eager
+    and per-op paths reading twice its cache bytes. Here the CPU builds as CUDA does."""
+    from photon_core.megakernel import compiler
+    from photon_core.models.whisper.decoder_step import Tiling, WhisperDecoderWeights
+    bench = _load("gpu_bench")
+    built = compiler.CompiledStep.__init__
+
+    def as_on_cuda(self, *a, kv_dtype=None, **k):
+        built(self, *a, kv_dtype=kv_dtype or compiler._cuda_kv_dtype[0], **k)
+    monkeypatch.setattr(compiler.CompiledStep, "__init__", as_on_cuda)
+    args = bench.parse(["--dry-run", "--sweep-block-n", "", "--no-bf16"])
+    args.iters, args.warmup, args.hbm_tbps = 1, 0, 4.8
+    torch.manual_seed(0)
+    wt = WhisperDecoderWeights.random(64, 2, 1, 100, 8, seed=0, device=torch.device("cpu"))
+    r = bench.bench_step(args, torch.device("cpu"), False, wt, 1, 8, 8, Tiling(64, 64, 16, 1, 1))
+    assert r["kv_dtype"] == "torch.float32" and r["megakernel_rel_err"] < 1e-5, r
