@@ -205,3 +205,23 @@ def test_prewarm_pool_reports_each_job():
         pool.close()
     assert done["ok"]["compile_s"] == 1.2 and done["ok"]["error"] is None
     assert done["bad"]["compile_s"] is None and "ValueError" in done["bad"]["error"]
+
+
+def test_closing_the_prewarm_pool_ends_the_compiles_still_running():
+    """At its exit Python waited for the pool's running jobs: a build skipped for the budget kept a
+    GPU run's process past its results. close() ends them."""
+    import time
+
+    from photon_core.gpu_proof.prewarm import Prewarm
+    pool = Prewarm(workers=1)
+    pool.run("long", time.sleep, 60)
+    pool.run("queued", time.sleep, 60)
+    deadline = time.monotonic() + 60
+    while not pool.pool._processes and time.monotonic() < deadline:   # the worker started
+        time.sleep(0.05)
+    workers = list(pool.pool._processes.values())
+    time.sleep(1.0)                                                     # the first job handed to it
+    pool.close()
+    for worker in workers:
+        worker.join(10)
+        assert not worker.is_alive()

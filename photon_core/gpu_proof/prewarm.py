@@ -152,4 +152,10 @@ class Prewarm:
         return new
 
     def close(self) -> None:
+        """Drop what is queued and end the compiles still running: at its exit Python waits for
+        the pool's running and handed-out jobs (a build skipped for the budget kept a GPU run's
+        process 12-17 s past its results). Triton writes its cache by rename: nothing half-written."""
+        workers = list((getattr(self.pool, "_processes", None) or {}).values())
         self.pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.terminate()
