@@ -27,6 +27,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from photon_core.gpu_proof.results_file import replace_whole  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -223,13 +224,8 @@ def _bench_step(args, dev, cuda: bool, wt, batch: int, max_len: int, t_enc: int,
 def write_json(path: str, out: dict) -> None:
     """The results so far, written whole to a side file and renamed over `path` (a kill mid-write
     leaves the previous file)."""
-    if not path:
-        return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1, default=str))
-    os.replace(tmp, p)
+    if path:
+        replace_whole(path, json.dumps(out, indent=1, default=str))
 
 
 def main(argv: list[str] | None = None) -> dict:

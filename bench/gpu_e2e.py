@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT, ROOT / "test", ROOT / "bench"):
     sys.path.insert(0, str(p))
 
+from photon_core.gpu_proof.results_file import replace_whole  # noqa: E402
 import e2e_plan as plan_mod  # noqa: E402
 from e2e_families import ORDER, family_class  # noqa: E402
 
@@ -134,8 +135,8 @@ class Run:
 
     def save(self) -> None:
         self.out["seconds"] = round(time.time() - T0, 1)
-        (self.args.out / "gpu_e2e.json").write_text(json.dumps(self.out, indent=1, default=str))
-        (self.args.out / "gpu_e2e.md").write_text("\n".join(self.section()) + "\n")
+        replace_whole(self.args.out / "gpu_e2e.json", json.dumps(self.out, indent=1, default=str))
+        replace_whole(self.args.out / "gpu_e2e.md", "\n".join(self.section()) + "\n")
 
     def fail(self, what: str, e: BaseException) -> None:
         log(f"{what} FAILED: {type(e).__name__}: {e}")

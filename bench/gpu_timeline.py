@@ -83,6 +83,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from photon_core.gpu_proof.results_file import replace_whole  # noqa: E402
 
 # The floor's rate: the device's nominal HBM bandwidth (photon_core.gpu_proof.hbm, set by main();
 # 4.8e12, the H200's, until then and for a device not known there); the measured copy rate (read +
@@ -126,21 +127,12 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f} s] {msg}", flush=True)
 
 
-def _replace_into(path: Path, write: Callable[[Any], None]) -> None:
-    """Write `path` whole to a side file (`write(file)`), then rename it over `path`: a kill
-    mid-write leaves the previous file, never a truncated one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
-
-
 def save(out: Path) -> None:
     """gpu_timeline.json, and traces.npz when a trace was added since it was last written."""
     import numpy as np
-    _replace_into(out / "gpu_timeline.json", lambda f: f.write(json.dumps(RESULTS, indent=1, default=str).encode()))
+    replace_whole(out / "gpu_timeline.json", lambda f: f.write(json.dumps(RESULTS, indent=1, default=str).encode()))
     if TRACES and len(TRACES) != _SAVED_TRACES[0]:
-        _replace_into(out / "traces.npz", lambda f: np.savez_compressed(f, **TRACES))
+        replace_whole(out / "traces.npz", lambda f: np.savez_compressed(f, **TRACES))
         _SAVED_TRACES[0] = len(TRACES)
 
 

@@ -293,3 +293,21 @@ def test_gpu_bench_times_the_megakernel_on_fp32_caches_as_the_other_paths(monkey
     wt = WhisperDecoderWeights.random(64, 2, 1, 100, 8, seed=0, device=torch.device("cpu"))
     r = bench.bench_step(args, torch.device("cpu"), False, wt, 1, 8, 8, Tiling(64, 64, 16, 1, 1))
     assert r["kv_dtype"] == "torch.float32" and r["megakernel_rel_err"] < 1e-5, r
+
+
+def test_a_results_file_is_replaced_whole_or_not_at_all(tmp_path):
+    """Every GPU script writes its results through one rule (gpu_e2e wrote its own in place: a kill
+    mid-write left it truncated)."""
+    from photon_core.gpu_proof.results_file import replace_whole
+    path = tmp_path / "deep" / "results.json"
+    replace_whole(path, '{"done": 1}')
+    assert json.loads(path.read_text()) == {"done": 1}
+
+    def killed(f):
+        f.write(b'{"done": ')
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        replace_whole(path, killed)
+    assert json.loads(path.read_text()) == {"done": 1}
+    replace_whole(path, b'{"done": 2}')
+    assert json.loads(path.read_text()) == {"done": 2}

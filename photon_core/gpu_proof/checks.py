@@ -8,8 +8,9 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
+
+from photon_core.gpu_proof.results_file import replace_whole
 
 # The parts in the order they run: timing right after the steps (which prove what it times), so a
 # run killed in a later part still has its times; rounds last (they run in child processes beside
@@ -234,12 +235,7 @@ class Ctx:
         self.out["checks"] = dict(passed=self.checks.passed, failed=self.checks.failed)
         self.out["passed"] = not self.checks.failed
         if self.json_path:
-            # Written whole to a side file, then renamed: a kill mid-write leaves the previous file.
-            path = Path(self.json_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(json.dumps(self.out, indent=1, default=str))
-            tmp.replace(path)
+            replace_whole(self.json_path, json.dumps(self.out, indent=1, default=str))
 
 
 def guarded(ctx: Ctx, what: str, fn: Callable[[], Any]) -> Any:
