@@ -205,7 +205,7 @@ class ManagedNode(LifecycleNode):
     def why_not_running(self) -> str:
         """Why a request cannot be served now (for a node that is not active)."""
         if self.engine is None:
-            reason = self.model_error or ("still loading" if self.loading else "the node is unconfigured")
+            reason = self.model_error or ("still loading" if self.loading else f"the node is {self.lifecycle_state()}")
             return f"model not loaded: {reason}"
         return "node is not active"
 

@@ -205,6 +205,11 @@ def test_vision_node_through_its_lifecycle(graph):
     assert manager.change("vision", Transition.TRANSITION_CONFIGURE)
     assert node.engine is not None and node.engine.model is not None
 
+    # shut down: a request is told the state the node is in (it said "unconfigured")
+    assert manager.change("vision", Transition.TRANSITION_INACTIVE_SHUTDOWN)
+    refused = infer(graph, Infer.Request(task="detect", prompt="cup", image=frame(0)))
+    assert not refused.success and refused.message == "model not loaded: the node is finalized"
+
 
 def test_a_failed_configure_leaves_the_node_unconfigured_until_one_succeeds(graph, tmp_path):
     manager = Manager(graph)
