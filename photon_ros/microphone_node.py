@@ -199,23 +199,30 @@ class MicrophoneNode(Node):
 
     def reindexed(self) -> str | int | None:
         """The configured device in PortAudio's new list: an index names another device once the
-        list changed (a device enumerated meanwhile), so it is found again by the name it had."""
-        if not isinstance(self.device, int) or not self.device_label:
+        list changed (a device enumerated meanwhile), so it is found again by the name it had; a
+        whole ALSA name as `python -m sounddevice` prints it ("USB mic: Audio (hw:2,0)") by that
+        name without its card number (PortAudio matches names by their parts: the old number never
+        matched again, and the robot stayed deaf)."""
+        if isinstance(self.device, int):
+            label = self.device_label
+        else:
+            label = self.device if isinstance(self.device, str) and _ALSA_CARD.search(self.device) else ""
+        if not label:
             return self.device
         inputs = [(index, str(info["name"])) for index, info in enumerate(self.sd.query_devices())
                   if info["max_input_channels"] > 0]
         for index, name in inputs:
-            if name == self.device_label:
+            if name == label:
                 return index
         # ALSA's names end with the card number ("USB mic: Audio (hw:2,0)"), which is what a device
         # plugged back under another number changed: the same name without it, if only one has it
-        same = [index for index, name in inputs if _ALSA_CARD.sub("", name) == _ALSA_CARD.sub("", self.device_label)]
+        same = [index for index, name in inputs if _ALSA_CARD.sub("", name) == _ALSA_CARD.sub("", label)]
         if len(same) == 1:
             return same[0]
         if same:
-            raise RuntimeError(f"{self.device_label!r} (device {self.device}) is not among the devices listed now, "
+            raise RuntimeError(f"{label!r} (device {self.device}) is not among the devices listed now, "
                                f"and {len(same)} devices of that name are: set device to the one to use")
-        raise RuntimeError(f"{self.device_label!r} (device {self.device}) is not among the devices listed now")
+        raise RuntimeError(f"{label!r} (device {self.device}) is not among the devices listed now")
 
     def close_stream(self) -> None:
         """Close the stream, once: none is left until a reopening succeeds (a closed one, kept
