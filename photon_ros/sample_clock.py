@@ -12,16 +12,20 @@ class SampleClock:
     sound card's drift never builds up. Audio lost in the driver re-anchors the count on the wall
     clock, so the loss shows as a jump: at once where the driver says so (an overflow), and where it
     does not (a sound server's overrun), once the wall clock has stayed more than `jump_s` off the
-    count for `persist_s` (late callbacks that catch up in a burst come back within that time)."""
+    count for `persist_s` (late callbacks that catch up in a burst come back within that time), or
+    for `persist_audio_s` of audio: a clock that stands still (a simulator paused, or its /clock
+    gone) never passes persist_s, and real-time audio ran the stamps ahead of it without limit
+    (18 s paused: 10 s ahead, every command refused as stamped in the future, then one jump back)."""
 
     def __init__(self, rate: int, slew: float = 0.01, jump_s: float = 0.2, persist_s: float = 0.15,
-                 max_slew_s: float = float("inf")) -> None:
+                 max_slew_s: float = float("inf"), persist_audio_s: float = 1.0) -> None:
         self.rate = rate
         self.slew = slew
         self.max_slew_s = max_slew_s   # and at most this much of any block
-        self.jump_s, self.persist_s = jump_s, persist_s
+        self.jump_s, self.persist_s, self.persist_audio_s = jump_s, persist_s, persist_audio_s
         self.next: float | None = None   # stamp of the next block's first sample
         self.off_since: float | None = None   # when the wall clock left the count by > jump_s
+        self.off_audio = 0.0                  # seconds of audio counted since then
 
     def reanchor(self) -> None:
         """The next block starts the count afresh on the clock (a new stream, a clock that has no
@@ -32,7 +36,7 @@ class SampleClock:
         """Stamp of a block of `frames` samples whose last sample was captured about `now`."""
         duration = frames / self.rate
         wall = now - duration
-        if self.next is None or overflow or self._lost(wall, now):
+        if self.next is None or overflow or self._lost(wall, now, duration):
             start = wall
             self.off_since = None
         else:
@@ -41,14 +45,15 @@ class SampleClock:
         self.next = start + duration
         return start
 
-    def _lost(self, wall: float, now: float) -> bool:
+    def _lost(self, wall: float, now: float, duration: float) -> bool:
         assert self.next is not None
         if abs(wall - self.next) <= self.jump_s:
             self.off_since = None
             return False
         if self.off_since is None:
-            self.off_since = now
-        return now - self.off_since >= self.persist_s
+            self.off_since, self.off_audio = now, 0.0
+        self.off_audio += duration
+        return now - self.off_since >= self.persist_s or self.off_audio >= self.persist_audio_s
 
 
 class ReadStamps:

@@ -78,6 +78,20 @@ def test_a_simulators_clock_is_followed_without_jumps():
         assert abs(stamps[-1] + 0.1 - sim) < 0.2, factor
 
 
+def test_a_paused_simulators_clock_does_not_leave_the_stamps_ever_further_ahead():
+    """A simulator paused (its /clock standing still, or gone) while the microphone delivers in real
+    time: the count was off the clock for no clock time at all, never re-anchored, and ran 0.055 s
+    ahead a block: 18 s paused, 10 s ahead (every command refused as stamped in the future), then
+    one jump back of the whole drift. Now it re-anchors within a second of audio."""
+    from photon_ros.microphone_node import SIM_MAX_SLEW_S, SIM_SLEW
+    clock, stamps = SampleClock(16000, slew=SIM_SLEW, max_slew_s=SIM_MAX_SLEW_S), []
+    for k in range(300):                            # 30 s of 100 ms blocks, the world paused at 1001 s
+        sim = 1000.0 + min(k + 1, 10) * 0.1
+        stamps.append(clock.stamp(1600, sim))
+    ahead = np.array(stamps) + 0.1 - 1001.0
+    assert ahead.max() < 1.5, ahead.max()
+
+
 def mgonzs13_reads(audio: np.ndarray, rate: int, chunk: int, late: dict[int, float], lost: set[int] = frozenset()):
     """(stamp, samples) of mgonzs13's capturer: `now()` then a blocking read of `chunk` samples; the
     loop held up `late[k]` s before read k (PortAudio keeps the samples meanwhile); chunks in `lost`
