@@ -25,10 +25,10 @@ Rules shared by every model:
 * Audio is mono or [samples, channels] int/float PCM at any sample rate; empty, NaN or inf audio
   and a non-positive sample rate are a ValueError.
 """
-# No `from __future__ import annotations`: TypedDict must see NotRequired[...] as an object to
-# leave those keys out of __required_keys__ (check_result reads them).
+# Optional keys by a total=False subclass, not NotRequired (Python 3.11): JetPack 6's Ubuntu 22.04
+# has 3.10, and this module is imported by every entry point (check_result reads __required_keys__).
 from collections.abc import Iterator, Sequence
-from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from photon_core.runtime.requests import DEFAULT_MAX_OBJECTS, Request, TranscribeRequest
 
@@ -82,11 +82,14 @@ class Reasoning(TypedDict):
     grounding: list[Grounding]
 
 
-class Answer(TypedDict):
+class _AnswerText(TypedDict):
+    answer: str | Iterator[str]
+
+
+class Answer(_AnswerText, total=False):
     """query(): the answer, or with stream=True an iterator of its pieces (never from batch); with
     reasoning=True also the reasoning (complete before the answer's first piece)."""
-    answer: str | Iterator[str]
-    reasoning: NotRequired[Reasoning]
+    reasoning: Reasoning
 
 
 class Outline(TypedDict):
@@ -102,20 +105,23 @@ class TranscriptSegment(TypedDict):
     text: str
 
 
-class Transcript(TypedDict):
-    """transcribe(): the text and its segments (a family without timestamps gives one segment, the
-    whole clip; none when the text is empty), the language code (None when the model could not
-    tell; "" when the family cannot tell and none was given), the audio's duration and the call's
-    processing time in seconds, and the model's id."""
+class _TranscriptText(TypedDict):
     text: str
     segments: list[TranscriptSegment]
     language: str | None
     duration: float
     processing_time: float
     model_id: str
-    no_speech_prob: NotRequired[float]   # Whisper, Qwen3-ASR: the chance the clip holds no speech
-    words: NotRequired[list[dict[str, Any]]]   # Parakeet: {start, end, word}
-    tokens: NotRequired[list[int]]             # Parakeet: the decoded token ids
+
+
+class Transcript(_TranscriptText, total=False):
+    """transcribe(): the text and its segments (a family without timestamps gives one segment, the
+    whole clip; none when the text is empty), the language code (None when the model could not
+    tell; "" when the family cannot tell and none was given), the audio's duration and the call's
+    processing time in seconds, and the model's id."""
+    no_speech_prob: float   # Whisper, Qwen3-ASR: the chance the clip holds no speech
+    words: list[dict[str, Any]]   # Parakeet: {start, end, word}
+    tokens: list[int]             # Parakeet: the decoded token ids
 
 
 # The result of each skill, by the skill's name (registry.SKILLS).

