@@ -18,6 +18,7 @@ class VisionRequest(NamedTuple):
 _PATTERNS: list[tuple[str, str]] = [
     (r"(?:point|pointing) (?:at|to|towards?)", "point"),
     (r"(?:look|turn|face) (?:at|to|towards?)", "point"),
+    (r"face", "point"),   # "face the door", as the README lists it ("face me": no object)
     (r"(?:where is|where's|where are)", "point"),
     (r"(?:find|locate|detect|search for|look for|show me|count)", "detect"),
 ]

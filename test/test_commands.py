@@ -18,6 +18,8 @@ from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
     ("Show me all the apples", VisionRequest("detect", "apples")),
     ("Hey robot, locate the fire extinguisher", VisionRequest("detect", "fire extinguisher")),
     ("Turn to face the door.", VisionRequest("point", "door")),
+    ("Face the red cup.", VisionRequest("point", "red cup")),    # as the README lists it
+    ("please face the person", VisionRequest("point", "person")),
     ("Where's the charger?!", VisionRequest("point", "charger")),
     # openers as Whisper writes them, with commas: not a clause before the command
     ("Okay, find the red cup.", VisionRequest("detect", "red cup")),
@@ -35,6 +37,7 @@ def test_commands_are_understood(text, expected):
 @pytest.mark.parametrize("text", ["", "Hello there.", "What time is it?", "Find.", "point at the",
                                   # a direction or a pronoun is no object to look for
                                   "Turn to the left.", "Look to the right", "Look at me.", "turn around",
+                                  "Face me.", "face left",
                                   # which one the speaker meant is not ours to guess
                                   "Point at the red cup. Stop!", "Point at the cup, no, the mug.",
                                   "Find the keys; then wait"])
