@@ -219,5 +219,11 @@ def test_bad_checkpoints_say_what_is_wrong(gemma4_hf, gemma4_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_gemma4(no_tok)
 
+    # a budget the image processor cannot take: refused at load (every image request failed)
+    odd_budget = _copy(gemma4_dir, tmp_path / "odd_budget")
+    (odd_budget / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": 256}}))
+    with pytest.raises(ValueError, match=r"max_soft_tokens must be one of .*got 256"):
+        load_gemma4(odd_budget)
+
     with pytest.raises(ValueError, match="dtype"):
         load_gemma4(gemma4_dir, dtype="int8")

@@ -10,6 +10,8 @@ from tokenizers import Tokenizer
 
 from photon_core.runtime.chat_template import ChatTemplate, read_json, token_text
 
+from .vision import SOFT_TOKEN_BUDGETS
+
 CAPTIONS = {"short": "Describe this image in one sentence.", "normal": "Describe this image.",
             "long": "Describe this image in detail."}
 DEFAULT_IMAGE_TOKEN = "<|image|>"
@@ -37,6 +39,9 @@ class Gemma4Prompter:
         # preprocessor_config.json (older ones).
         image_proc = proc.get("image_processor") or read_json(folder / "preprocessor_config.json")
         self.max_soft_tokens = int(image_proc.get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS))
+        if self.max_soft_tokens not in SOFT_TOKEN_BUDGETS:   # refused at load, as transformers does, not
+            raise ValueError(f"{folder}: the image processor's max_soft_tokens must be one of "   # at every image
+                             f"{SOFT_TOKEN_BUDGETS}, got {self.max_soft_tokens}")
         self.image_token_id, self.boi_id, self.eoi_id = image_token_id, boi_id, eoi_id
 
     def encode(self, text: str) -> list[int]:
