@@ -368,7 +368,7 @@ def _speech_options(prompt: dict[str, Any], settings: dict[str, Any]) -> dict[st
 def _pcm(prompt: dict[str, Any]) -> Any:
     """prompt's audio as samples, an audio file read with its rate put in prompt["sample_rate"]
     (given too, it is refused, as by the client: a file has its own)."""
-    from photon_core.audio_io import read_wav
+    from photon_core.audio_io import AudioFileError, read_wav
 
     audio = prompt.pop("audio")
     if callable(getattr(audio, "read", None)):
@@ -381,7 +381,10 @@ def _pcm(prompt: dict[str, Any]) -> Any:
         with tempfile.TemporaryDirectory() as folder:   # read_wav (and soundfile) read paths
             path = Path(folder) / "audio"
             path.write_bytes(audio)
-            samples, prompt["sample_rate"] = read_wav(path)
+            try:
+                samples, prompt["sample_rate"] = read_wav(path)
+            except AudioFileError as err:   # named as what was given, not a temporary file gone by now
+                raise AudioFileError(str(err).replace(str(path), f"the audio given as {len(audio)} bytes")) from None
         return samples
     samples, prompt["sample_rate"] = read_wav(audio)
     return samples

@@ -279,6 +279,10 @@ def test_transcribe_reads_audio_files_as_the_client_does(speech, tmp_path):
         assert speech.transcribe(audio=f)["text"] == want
     with pytest.raises(ValueError, match="sample_rate must be omitted"):
         speech.transcribe(audio=wav, sample_rate=rate)
+    # bytes that are no audio file: named as what was given (not a temporary file gone by now)
+    with pytest.raises(ValueError, match=r"^the audio given as 11 bytes: ") as refused:
+        speech.transcribe(audio=b"not a wave!")
+    assert "/tmp" not in str(refused.value)
 
 
 def test_transcribe_takes_the_clients_options_and_gives_its_keys(speech, monkeypatch):
