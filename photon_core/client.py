@@ -384,7 +384,8 @@ def _pcm(prompt: dict[str, Any]) -> Any:
             try:
                 samples, prompt["sample_rate"] = read_wav(path)
             except AudioFileError as err:   # named as what was given, not a temporary file gone by now
-                raise AudioFileError(str(err).replace(str(path), f"the audio given as {len(audio)} bytes")) from None
+                said = str(err).replace(f"sox {path}", "sox FILE")
+                raise AudioFileError(said.replace(str(path), f"the audio given as {len(audio)} bytes")) from None
         return samples
     samples, prompt["sample_rate"] = read_wav(audio)
     return samples
