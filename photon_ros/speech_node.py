@@ -407,9 +407,10 @@ class SpeechNode(ManagedNode):
             chunk_s = pcm.samples.size / pcm.sample_rate
             self.watch.chunk(time.monotonic(), chunk_s)
             if isinstance(msg, (Int16MultiArray, Float32MultiArray)) and self.params["check_sample_rate"]:
-                if lost:   # samples that never arrived: measured across them the rate reads low, and
-                    self.arrival.restart()   # a lossy link was blamed on sample_rate
-                self.arrival.chunk(time.monotonic(), pcm.samples.size, pcm.sample_rate)
+                # the chunks lost just before it were sent at the rate too: without their samples it
+                # read low, and a lossy link was blamed on sample_rate (a restart at each loss would
+                # never judge a wrong rate on a link losing a chunk every few seconds)
+                self.arrival.chunk(time.monotonic(), pcm.samples.size * (1 + lost), pcm.sample_rate)
             # as many chunks as this one lost in transport (sequence numbers): a hole in the
             # audio even where it is too short for the stamps to show
             gap = self.segmenter.transport_lost(lost * chunk_s) if lost else []

@@ -178,5 +178,13 @@ def test_audio_lost_in_transport_is_not_blamed_on_the_sample_rate(context, monke
                                                             "publisher_gid": {"data": [7] * 16}})
         assert node.health.lost_in_transport == 19
         assert node.arrival.mismatch() == ""
+        # the same link, the rate stated wrong: still said (the check is not switched off by losses)
+        assert node.set_parameters([Parameter("sample_rate", value=48000)])[0].successful
+        for seq in range(81, 161):
+            clock.now += 0.1
+            if seq % 4:
+                node.on_audio(Int16MultiArray(data=noise), {"publication_sequence_number": seq,
+                                                            "publisher_gid": {"data": [7] * 16}})
+        assert "about 16000 samples/s but sample_rate says 48000 Hz" in node.arrival.mismatch()
     finally:
         node.destroy_node()
