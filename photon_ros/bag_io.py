@@ -191,6 +191,8 @@ def _open_reader(path: str | Path):
         reader.open()
     except (ReaderError, FileNotFoundError, KeyError, ValueError) as err:
         raise BagError(f"{path}: cannot read it as a rosbag2 bag ({STORAGES[0]} or {STORAGES[1]}): {err}") from None
+    except Exception as err:  # noqa: BLE001 - what damaged bytes make the storage raise (OverflowError, struct.error)
+        raise BagError(f"{path}: damaged, cannot be read ({type(err).__name__}: {' '.join(str(err).split())})") from None
     return contextlib.closing(reader)   # already open: the Reader's own `with` would open it again
 
 

@@ -210,6 +210,13 @@ def test_a_bag_damaged_in_the_middle_is_named_unusable_input(tmp_path, capsys):
         list(read_messages(damaged, ["/mic/audio"]))
     assert evaluate.main([str(damaged), "--graph", "speech", "--out", str(tmp_path / "out")]) == 2
     assert "damaged after" in capsys.readouterr().err
+    # damaged in its header: refused as it opens (OverflowError from the storage, a traceback)
+    mcap = next(damaged.glob("*.mcap"))
+    data = bytearray(next(bag.glob("*.mcap")).read_bytes())
+    data[16:24] = b"\xff" * 8
+    mcap.write_bytes(bytes(data))
+    with pytest.raises(BagError, match="damaged, cannot be read"):
+        list(read_messages(damaged, ["/mic/audio"]))
 
 
 def test_a_topic_recorded_with_two_types_is_refused_before_the_replay(tmp_path):
