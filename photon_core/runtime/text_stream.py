@@ -44,12 +44,14 @@ class JoinedPieces:
         before "a cat 猫")."""
         if tokens[:len(self.ids)] != self.ids:     # not a continuation: start again
             self.ids, self.shown = [], ""
+        txt = None
         for tok in tokens[len(self.ids):]:          # text_pieces' rule, token by token
             self.ids.append(tok)
             txt = self.decode(self.ids)
             if txt.startswith(self.shown) and len(txt) > len(self.shown) and not txt.endswith(REPLACEMENT):
                 self.shown = txt
-        txt = self.decode(self.ids)
+        if txt is None:                              # no new token: the text of those there are
+            txt = self.decode(self.ids)
         held = not final and txt.endswith(REPLACEMENT)
         return txt if txt.startswith(self.shown) and len(txt) > len(self.shown) and not held else self.shown
 

@@ -12,6 +12,7 @@ import torch
 from photon_core.runtime.batch_rows import Progress, row_generator
 from photon_core.runtime.generate import generate, room
 from photon_core.runtime.sampling import Sampling, pick
+from photon_core.runtime.text_stream import JoinedPieces
 
 from . import text
 
@@ -103,6 +104,8 @@ def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]
     results: list[list[int]] = [[] for _ in jobs]
     asked = requests if requests is not None else []
     told = [(Progress(r.progress), "answer" if r.task == "query" else "caption") for r in asked]
+    # a row's text so far, one decode a token and no unfinished character at its end
+    texts = [JoinedPieces(model.prompts.decode) for _ in asked]
     for new in _decode(model, state, logits, [s for _, _, s in jobs], [st.max_len for st in states], seed,
                        requests, first_row):
         for j, tok in enumerate(new):
@@ -110,5 +113,5 @@ def _decode_group(model: "Qwen35Model", jobs: list[tuple[object, str, Sampling]]
                 results[j].append(tok)
                 if told and told[j][0].wanted:
                     tell, key = told[j]
-                    tell({key: model.prompts.decode(results[j])})
+                    tell({key: texts[j].text(results[j], final=False)})
     return [model.prompts.decode(r) for r in results]
