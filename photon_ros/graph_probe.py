@@ -30,6 +30,7 @@ from photon_ros.loop_node import incomplete_reason
 from photon_ros.msg import AudioChunk
 from photon_ros.result_messages import time_to_seconds
 from photon_ros.sample_clock import ReadStamps
+from photon_ros.speech_params import checked_rate
 from photon_ros.speech_segmenter import SegmenterConfig, SpeechSegmenter
 
 
@@ -134,12 +135,12 @@ class SpeechProbe:
         """The PCM the node makes of `msg` (same conversion and parameters; `info`: a ros-drivers
         stream's format, from its audio_info messages so far)."""
         if isinstance(msg, AudioChunk):
-            return audio_chunk_to_pcm(msg)
+            return checked_rate(audio_chunk_to_pcm(msg))
         if family_of(msg) is not None:   # audio_common_msgs
-            return audio_common_to_pcm(msg, info).pcm
+            return checked_rate(audio_common_to_pcm(msg, info).pcm)
         params = self.node.params
         convert = int16_array_to_pcm if params["input_type"] == "int16" else float32_array_to_pcm
-        return convert(msg, params["sample_rate"], params["channels"])
+        return checked_rate(convert(msg, params["sample_rate"], params["channels"]))
 
     @property
     def vad_config(self) -> SegmenterConfig:

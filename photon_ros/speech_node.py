@@ -78,7 +78,7 @@ from photon_ros.result_messages import seconds_to_time, time_to_seconds, transcr
 from photon_ros.run_node import exit_leaving_no_thread, exit_on_help, finish, init_rclpy, run_node, spin_nodes
 from photon_ros.audio_common_conversions import (MGONZS13, ROS_DRIVERS, AudioInfoFormat, audio_common_to_pcm,
                                                  audio_common_types)
-from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, MAX_RATE, MIN_RATE, audio_common_input, check_vad,
+from photon_ros.speech_params import (AUDIO_COMMON_INPUTS, audio_common_input, check_vad, checked_rate,
                                       speech_params, vad_config)
 from photon_ros.speech_segmenter import SpeechSegmenter, Utterance
 from photon_ros.sample_clock import ReadStamps
@@ -444,8 +444,7 @@ class SpeechNode(ManagedNode):
             pcm = convert(msg, self.params["sample_rate"], self.params["channels"])
             start = 0.0   # no header on these
             frame_id = self.params["frame_id"]
-        if not MIN_RATE <= pcm.sample_rate <= MAX_RATE:
-            raise ValueError(f"sample rate {pcm.sample_rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
+        checked_rate(pcm)
         stamped = start > 0.0
         if not stamped:   # the chunk ended about now; never before 0 (a simulator's clock before
             #               its first /clock reads 0): a negative stamp is no time at all

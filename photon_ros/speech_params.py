@@ -20,6 +20,16 @@ INPUT_TYPES = ("audio_chunk", "int16", "float32", *AUDIO_COMMON_INPUTS)
 RELIABILITIES = ("best_effort", "reliable")
 # Rates outside this range are a malformed message, not audio we can use.
 MIN_RATE, MAX_RATE = 4000, 384000
+
+
+def checked_rate(pcm: Any) -> Any:
+    """`pcm` (audio_conversions.Pcm) when its rate is one the node takes; else the ValueError that
+    refuses its chunk (the node and the evaluator's prediction of it share this rule)."""
+    if not MIN_RATE <= pcm.sample_rate <= MAX_RATE:
+        raise ValueError(f"sample rate {pcm.sample_rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
+    return pcm
+
+
 # vad.<name> parameter -> SegmenterConfig field: the settings a user tunes.
 VAD_SETTINGS = ("threshold_db", "continue_db", "min_level_db", "hangover_s", "tail_s", "min_speech_s",
                 "max_utterance_s", "max_gap_s")

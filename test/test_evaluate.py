@@ -718,3 +718,16 @@ def test_a_refused_chunk_cuts_the_predicted_utterance_as_the_node_cuts_it():
     refused = [(None if i == middle else c, None) for i, c in enumerate(chunks)]
     cut = predict_utterances(refused, SegmenterConfig())
     assert len(cut) == 2 and cut[0].end <= middle * 1600 <= cut[1].first, cut
+
+
+def test_the_prediction_refuses_the_chunks_the_node_refuses():
+    """A chunk at a rate the speech node refuses (outside MIN_RATE..MAX_RATE) is a hole where the
+    node cuts the utterance: the prediction decoded it as audio and counted one utterance too few."""
+    from types import SimpleNamespace
+
+    from photon_ros.graph_probe import SpeechProbe
+    probe = SpeechProbe(SimpleNamespace(params={}))
+    good = pcm_to_audio_chunk(np.zeros(160, np.float32), 16000)
+    assert probe.decode(good).sample_rate == 16000
+    with pytest.raises(ValueError, match=r"sample rate 2000 Hz is outside 4000\.\.384000 Hz"):
+        probe.decode(pcm_to_audio_chunk(np.zeros(160, np.float32), 2000))
