@@ -17,7 +17,8 @@ vision node has depth, and a bounded turn toward it.
                   depth, status says why there is none and nothing is published here
          goal_pose (geometry_msgs/PoseStamped, with `publish_goal`): a planner goal short of a
                   target placed in the robot's frame, facing it; once one went out, no turn of
-                  ours (the planner's controller may still be driving cmd_vel)
+                  ours (the planner's controller may still be driving cmd_vel) until publish_goal
+                  is set false, which hands turning back
          cmd_vel (geometry_msgs/Twist, or TwistStamped with `stamped_cmd_vel`, when `turn` is
                   on): a bounded turn that faces the target, its angle from the 3D position in the
                   optical frame or robot_frame, or read off the image through `horizontal_fov_deg`, at most
@@ -40,6 +41,7 @@ from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from geometry_msgs.msg import PointStamped, PoseStamped, Twist, TwistStamped
 from rclpy.action import ActionClient
+from rclpy.clock import Clock, ClockType
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header, String
@@ -65,7 +67,8 @@ LOOP_PARAMS = [
     Param("max_turn_s", 3.0, "no turn lasts longer than this many seconds", positive=True),
     Param("deadband_deg", 2.0, "a target this close to the image centre needs no turn", low=0.0),
     Param("publish_goal", False, "publish a planner goal on goal_pose (nav2) for a target placed in 3D in "
-          "the robot's frame (the vision node's target_frame)"),
+          "the robot's frame (the vision node's target_frame); after a goal the loop turns no more until this "
+          "is set false (the planner may still be driving)"),
     Param("stamped_cmd_vel", False, "publish cmd_vel as geometry_msgs/TwistStamped (header: now, robot_frame) "
           "instead of Twist: ros2_control's diff_drive_controller takes only TwistStamped since Jazzy, as does nav2 "
           "with enable_stamped_cmd_vel (its Kilted default); DDS never matches different types. The publisher's type "
@@ -208,7 +211,9 @@ class LoopNode(Node):
         self.pub_status = self.create_publisher(String, "status", reliable)
         self.pub_diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", QoSProfile(
             depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        self.create_timer(1.0, self.publish_diagnostics)
+        # steady: under use_sim_time with no /clock (a simulator paused) /diagnostics went silent; the
+        # turn's timer stays on the node's clock (a turn lasts simulated seconds: turn_clock)
+        self.create_timer(1.0, self.publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME))
         self.turns = TurnCommands(TICK_S)
         self.turn_lock = threading.Lock()   # the timer's Twist and the shutdown's zero Twist: one after the other
         self.halted = False                 # shutting down: no turn starts

@@ -93,14 +93,18 @@ def diagnostic_states(arrays: list[DiagnosticArray]) -> set[str]:
     return {v.value for a in arrays for v in a.status[0].values if v.key == "lifecycle_state"}
 
 
-@pytest.mark.parametrize("node_type", [VisionNode, SpeechNode])
+@pytest.mark.parametrize("node_type", [VisionNode, SpeechNode, "loop"])
 def test_diagnostics_speak_before_a_simulators_clock_starts(graph, node_type):
     """Under use_sim_time with no /clock yet (the simulator not started, paused, crashed) the
     timers ran on that clock: /diagnostics said nothing at the moment input had failed, and the
     speech node never ended an utterance cut off by a microphone that stopped."""
     diagnostics = collect(graph, DiagnosticArray, "/diagnostics")
-    node = graph.add(node_type(context=graph.context, parameter_overrides=[
-        Parameter("autostart", value=False), Parameter("use_sim_time", value=True)]))
+    if node_type == "loop":
+        from photon_ros.loop_node import LoopNode
+        node = graph.add(LoopNode(context=graph.context, parameter_overrides=[Parameter("use_sim_time", value=True)]))
+    else:
+        node = graph.add(node_type(context=graph.context, parameter_overrides=[
+            Parameter("autostart", value=False), Parameter("use_sim_time", value=True)]))
     assert node.get_clock().now().nanoseconds == 0
     assert wait_for(lambda: any(s.name.endswith(node.get_name()) for a in diagnostics for s in a.status),
                     timeout=10)
