@@ -357,7 +357,7 @@ class Run:
             return
         text = "\n".join(self.section()) + "\n"
         RESULTS.write_text(replace_section(RESULTS.read_text(), text))
-        (self.args.out / "RESULTS.md").write_text(RESULTS.read_text())
+        replace_whole(self.args.out / "RESULTS.md", RESULTS.read_text())
         log(f"wrote the section into {RESULTS} (and a copy in {self.args.out})")
 
 

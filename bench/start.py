@@ -43,6 +43,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from photon_core.gpu_proof.results_file import replace_whole  # noqa: E402   (the standard library only)
 
 
 def graphs() -> dict[str, Callable[[], Any]]:
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runs = results[name]
             print(f"{name}: cold {runs['cold']['ready']:.1f} s, warm {runs['warm']['ready']:.1f} s", flush=True)
-        (args.out / "start.json").write_text(json.dumps(dict(rate=rate, results=results, failed=failed), indent=1))
+        replace_whole(args.out / "start.json", json.dumps(dict(rate=rate, results=results, failed=failed), indent=1))
     from report import heading, publish
     where = "CPU" if args.device == "cpu" else "GPU path, a dry run on the CPU" if args.dry_run else "GPU"
     lines = heading(f"Start: process start to decode steps ready, cold and warm build cache ({where})") + [
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             "read), the first launch (Triton compile or its cache) and a second."), ""]
     lines += table(results, args.device, rate)
     lines += [f"\n{name} failed: {why}" for name, why in failed.items()]
-    (args.out / "start.md").write_text("\n".join(lines) + "\n")
+    replace_whole(args.out / "start.md", "\n".join(lines) + "\n")
     publish(lines, args.write and args.device == "cpu")
     return 1 if failed else 0
 

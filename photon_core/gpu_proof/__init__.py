@@ -19,6 +19,7 @@ parts a driver runs per family, batch and weight dtype; bench/gpu_proof.py is th
     children    parts in child processes (each family's rounds) and the GPU lock
     costs       what each part cost on the first GPU run (H200), for the plan
     plan        a profile's seconds per part, predicted from those costs
+    results_file  every GPU script's results written whole (a run killed at its limit keeps them)
 
 It imports model code (Whisper's and Moondream 2's steps as fixtures), so it lives outside
 photon_core.megakernel, which imports none; nothing in the runtime imports it.
