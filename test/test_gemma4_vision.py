@@ -152,7 +152,9 @@ def test_batch_matches_single_calls(model, image):
         stop.set()   # cancel after the first token
     reqs[1].progress, reqs[1].cancel = progress, stop
     again = model.batch(reqs)
-    assert heard == [out[1]["answer"][:len(heard[0])]] and again[1] == {"answer": heard[0]}
+    # the canceled row's answer is what it had heard, and the unfinished character a report leaves out
+    # (a progress report shows none; the final text is the tokens' as they are)
+    assert heard == [out[1]["answer"][:len(heard[0])]] and again[1]["answer"].rstrip("\ufffd") == heard[0]
     assert len(heard[0]) < len(out[1]["answer"]) and again[0] == out[0] and again[2:] == out[2:]
 
 
