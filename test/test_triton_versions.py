@@ -176,3 +176,17 @@ def test_the_chained_kernels_chain_under_the_gpu_machines_triton_and_compile_wit
 def test_the_interpreter_runs_a_compiled_step(runs, version):
     code, text = runs[version]["interp"]
     assert code == 0 and "1 passed" in text, text[-4000:]
+
+
+def test_the_chained_kernels_compile_under_triton_3_4_without_its_broken_gdc():
+    """Triton 3.4 (torch 2.8's) has gdc, but its gdc_wait takes `_builder` where its frontend passes
+    `_semantic` (triton-lang/triton#7377): every chained kernel failed to compile on an H100, and
+    auto's per-op candidate with it. There they launch without PDL (chained.HAS_GDC False)."""
+    bench = _bench()
+    side = bench.side_install("3.4.0")
+    assert bench.imported_triton(side)[0] == "3.4.0"
+    out = bench.finish(bench.compile_cases(side, ["chained_gated", "chained_linear"], [90], None, report=False,
+                                           ptx=True), 600)
+    for name in ("chained_gated", "chained_linear"):
+        rec = out["cases"][f"{name}@sm_90"]
+        assert rec["cubin"] > 0 and "griddepcontrol" not in rec["ptx"], name

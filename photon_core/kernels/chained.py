@@ -11,8 +11,8 @@ start-up and its first weight bytes then overlap the previous op's tail: how ~10
 in one CUDA graph came within 5% of a megakernel on an H200 (Hazy Research's Llama-1B). A CUDA
 graph captures the programmatic edges (CUDA 12.3+).
 
-Elsewhere (Triton's interpreter, GPUs before sm_90, a Triton without gdc: 3.3) the same kernels
-run as ordinary launches, PDL compiled out (a constexpr).
+Elsewhere (Triton's interpreter, GPUs before sm_90, a Triton without gdc: 3.3, or whose gdc does
+not compile: 3.4) the same kernels run as ordinary launches, PDL compiled out (a constexpr).
 
 Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 * linear_kernel: y[M, N] = act(x @ W.T + b) + r for a decode step's M <= 16 rows. A program owns
@@ -64,7 +64,10 @@ from photon_core.kernels.moe import route_top_k
 
 try:   # Triton 3.4+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    HAS_GDC = True
+    # 3.4's gdc functions still take `_builder` where its frontend passes `_semantic`
+    # (triton-lang/triton#7377, fixed in 3.5): every kernel calling them failed to compile (torch
+    # 2.8's Triton, on an H100). There they are not called: PDL is a constexpr False.
+    HAS_GDC = not triton.__version__.startswith("3.4.")
 except ImportError:   # never traced: PDL is a constexpr False wherever gdc is missing
     HAS_GDC = False
 

@@ -44,7 +44,9 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                    scale="fp32", GROUP="i32", WINDOW="i32", HQ="i32", BIAS_SB="i32")
     delta_sig = dict(q_ptr=P, k_ptr=P, v_ptr=P, g_ptr=P, beta_ptr=P, s_ptr=P, o_ptr=P, ns_ptr=P)
     # The per-op engine's chained build (kernels/chained.py) as an H100 runs it: bf16 weights and
-    # caches, launches chained (PDL); "_orin": the same without PDL (sm_87 has no griddepcontrol).
+    # caches, launches chained (PDL) where this Triton chains them (chained.HAS_GDC: not 3.4, whose
+    # gdc does not compile); "_orin": the same without PDL (sm_87 has no griddepcontrol).
+    PDL = chained.HAS_GDC
     B16 = "*bf16"
     ch_lin = dict(x_ptr=P, w_ptr=B16, b_ptr=B16, r_ptr=P, y_ptr=P, M="i32", N="i32", K="i32", stride_w="i32",
                   nw_ptr=P, nb_ptr=P, eps="fp32", offset="fp32", g_ptr=P, stride_x="i32", stride_g="i32")
@@ -61,34 +63,34 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                   KN="i32", VN="i32", eps="fp32", offset="fp32")
     ch_up = dict(x_ptr=P, logit_ptr=P, w_ptr="*u8", s_ptr=P, h_ptr=P, id_ptr="*i32", rw_ptr=P, D="i32", F="i32",
                  E="i32", K="i32", stride_e="i32", stride_w="i32", up_offset="fp32")
-    ch_up_c = dict(ACT=1, RENORM=True, PDL=True, BLOCK_E=64, BLOCK_K=8, BLOCK_F=16, BLOCK_D=128)
+    ch_up_c = dict(ACT=1, RENORM=True, PDL=PDL, BLOCK_E=64, BLOCK_K=8, BLOCK_F=16, BLOCK_D=128)
     chained_cases = {
-        "chained_linear": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True)),
+        "chained_linear": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=PDL)),
         "chained_linear_norm": (chained.linear_kernel, ch_lin,
-                                dict(ch_lin_c, PDL=True, NORM=1, HAS_NW=True, HAS_NB=True, HAS_RES=False)),
-        "chained_linear_n8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=True, BLOCK_N=8, BLOCK_K=512)),
+                                dict(ch_lin_c, PDL=PDL, NORM=1, HAS_NW=True, HAS_NB=True, HAS_RES=False)),
+        "chained_linear_n8": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=PDL, BLOCK_N=8, BLOCK_K=512)),
         # an MLP's down projection applying its GLU (Qwen3's, Gemma's: silu; 8 x 512 as fc2 above)
         "chained_linear_glu": (chained.linear_kernel, ch_lin,
-                               dict(ch_lin_c, PDL=True, NORM=3, GATE_ACT=3, HAS_G=True, HAS_BIAS=False, BLOCK_N=8,
+                               dict(ch_lin_c, PDL=PDL, NORM=3, GATE_ACT=3, HAS_G=True, HAS_BIAS=False, BLOCK_N=8,
                                     BLOCK_K=512)),
         "chained_linear_b8": (chained.linear_kernel, ch_lin,
-                              dict(ch_lin_c, PDL=True, BLOCK_M=8, BLOCK_K=64, NORM=1, HAS_NW=True, HAS_NB=True,
+                              dict(ch_lin_c, PDL=PDL, BLOCK_M=8, BLOCK_K=64, NORM=1, HAS_NW=True, HAS_NB=True,
                                    STATS_K=512)),
         "chained_gated": (chained.gated_kernel, dict(a_ptr=P, b_ptr=P, y_ptr=P, W="i32", stride_a="i32",
-                                                     stride_b="i32"), dict(ACT=3, HAS_B=True, PDL=True, BLOCK=1024)),
+                                                     stride_b="i32"), dict(ACT=3, HAS_B=True, PDL=PDL, BLOCK=1024)),
         "chained_add_norm": (chained.add_norm_kernel, dict(x_ptr=P, z_ptr=P, w_ptr=P, sw_ptr=P, y_ptr=P, W="i32",
                                                            CHUNK="i32", eps="fp32", offset="fp32", scale="fp32"),
-                             dict(HAS_SW=True, PDL=True, BLOCK=2048)),
+                             dict(HAS_SW=True, PDL=PDL, BLOCK=2048)),
         "chained_linear_orin": (chained.linear_kernel, ch_lin, dict(ch_lin_c, PDL=False)),
         "chained_norm": (chained.norm_kernel, dict(x_ptr=P, w_ptr=P, b_ptr=P, y_ptr=P, N="i32", eps="fp32",
                                                    offset="fp32"),
-                         dict(HAS_WEIGHT=True, HAS_BIAS=True, RMS=False, PDL=True, BLOCK_N=2048)),
+                         dict(HAS_WEIGHT=True, HAS_BIAS=True, RMS=False, PDL=PDL, BLOCK_N=2048)),
         "chained_rotary_append": (chained.rotary_append_kernel, ch_rot,
                                   dict(ROTARY=True, HEAD_NORM=True, TAU=False, APPEND=True, BF16_CACHE=True,
-                                       PDL=True, BLOCK_D=128)),
+                                       PDL=PDL, BLOCK_D=128)),
         "chained_rotary_append_tau": (chained.rotary_append_kernel, ch_rot,
                                       dict(ROTARY=True, HEAD_NORM=False, TAU=True, APPEND=True, BF16_CACHE=True,
-                                           PDL=True, BLOCK_D=64)),
+                                           PDL=PDL, BLOCK_D=64)),
         # Moondream 3's experts at batch 1 on an H100/H200 (chained.moe_blocks at 264 programs): FP8
         # bytes (and bf16), up 16 features x 128 a step, down 8 outputs x 512 a step
         "chained_moe_up": (chained.moe_up_kernel, ch_up, dict(ch_up_c, FP8=True, ROUND_X=False)),
@@ -96,31 +98,31 @@ def per_op_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         "chained_moe_down": (chained.moe_down_kernel,
                              dict(h_ptr=P, id_ptr="*i32", rw_ptr=P, w_ptr="*u8", s_ptr=P, r_ptr=P, y_ptr=P, D="i32",
                                   F="i32", K="i32", stride_e="i32", stride_w="i32"),
-                             dict(FP8=True, ROUND_H=False, HAS_RES=True, PDL=True, BLOCK_N=8, BLOCK_F=512)),
+                             dict(FP8=True, ROUND_H=False, HAS_RES=True, PDL=PDL, BLOCK_N=8, BLOCK_F=512)),
         # Qwen 3.5 0.8B's Gated DeltaNet at decode: 256 channels of the conv, one 128 x 128 head a program
         "chained_conv_step": (chained.conv_step_kernel, dict(x_ptr=P, w_ptr=P, s_ptr=P, y_ptr=P, C="i32", X_W="i32",
                                                              c0="i32", W="i32"),
-                              dict(ACT=3, PDL=True, BLOCK_N=chained.CONV_BLOCK)),
+                              dict(ACT=3, PDL=PDL, BLOCK_N=chained.CONV_BLOCK)),
         "chained_delta_step": (chained.delta_step_kernel,
                                dict(x_ptr=P, zba_ptr=P, alog_ptr=P, dtb_ptr=P, nw_ptr=P, s_ptr=P, y_ptr=P, X_W="i32",
                                     Z_W="i32", c0="i32", HK="i32", HV="i32", DK="i32", DV="i32", eps="fp32"),
-                               dict(PDL=True, BLOCK_K=chained.DELTA_SLAB // 128, BLOCK_V=128)),
+                               dict(PDL=PDL, BLOCK_K=chained.DELTA_SLAB // 128, BLOCK_V=128)),
         "chained_step_begin": (chained.step_begin_kernel,
                                dict(dyn_ptr="*i32", tok_ptr="*i64", pos_ptr="*i64", rot_ptr="*i64", cross_ptr="*i64",
                                     bad_ptr="*i32", B="i32", POS_ROWS="i32", ROT_ROWS="i32", TOK_ROWS="i32"),
-                               dict(PDL=True, BLOCK_B=8)),
+                               dict(PDL=PDL, BLOCK_B=8)),
         "chained_embed": (chained.embed_kernel, dict(tok_ptr="*i64", pos_ptr="*i64", table_ptr=B16, stride_t="i32",
                                                      ptable_ptr=B16, stride_p="i32", y_ptr=P, D="i32", scale="fp32"),
-                          dict(HAS_POS=True, PDL=True, BLOCK=1024)),
+                          dict(HAS_POS=True, PDL=PDL, BLOCK=1024)),
         "chained_argmax_partial": (chained.argmax_partial_kernel,
                                    dict(x_ptr=P, stride_x="i32", C0="i32", C1="i32", pv_ptr=P, pi_ptr="*i32", S="i32"),
-                                   dict(PDL=True, BLOCK=chained.ARGMAX_BLOCK)),
+                                   dict(PDL=PDL, BLOCK=chained.ARGMAX_BLOCK)),
         "chained_argmax": (chained.argmax_kernel, dict(pv_ptr=P, pi_ptr="*i32", S="i32", res_ptr="*i32",
                                                        res_stride="i32", dyn_ptr="*i32", B="i32", MAX_POS="i32",
                                                        bad_ptr="*i32", err_ptr="*i32"),
-                           dict(ADVANCE=True, PDL=True, BLOCK_S=16)),
+                           dict(ADVANCE=True, PDL=PDL, BLOCK_S=16)),
         "chained_attention": (chained.attention_kernel, ch_part,
-                              dict(SELF=True, PDL=True, BLOCK_T=chained.ATTENTION_BLOCK_T, BLOCK_S=16, BLOCK_D=64)),
+                              dict(SELF=True, PDL=PDL, BLOCK_T=chained.ATTENTION_BLOCK_T, BLOCK_S=16, BLOCK_D=64)),
     }
     return chained_cases | {
         "norm": (norm._norm_kernel, norm_sig,
@@ -276,7 +278,10 @@ def compile_case(name: str, arch: int) -> tuple[Any, float]:
 def ptxas_path(arch: int) -> str:
     """The ptxas the running Triton assembles sm_<arch> with (its API differs between versions)."""
     from triton.backends.nvidia.compiler import get_ptxas
-    tool = get_ptxas(arch)
+    try:
+        tool = get_ptxas(arch)
+    except TypeError:   # 3.4 and 3.5 take no target
+        tool = get_ptxas()
     return tool[0] if isinstance(tool, tuple) else tool.path
 
 
