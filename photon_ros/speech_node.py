@@ -91,6 +91,8 @@ RELIABILITIES = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": Relia
 # the utterance, whose final is decoded ahead once the pause reaches the tail (0.1 s), and that
 # decode must not wait behind a partial's.
 PARTIAL_MAX_PAUSE_S = 0.05
+# The key run_model adds to a model's result: the initial_prompt it was decoded with.
+PROMPT_USED = "_prompt_used"
 
 
 def _comparable(words: list[str]) -> list[str]:
@@ -593,8 +595,9 @@ class SpeechNode(ManagedNode):
         """The model's result (None when it failed: one bad utterance must not stop the node; or
         for a speculation, when the engine was busy) and the seconds it took."""
         started = time.monotonic()
+        prompt = self.initial_prompt   # read once: a change during the decode is the next one's
         request = TranscribeRequest(utterance.samples, utterance.sample_rate, self.language,
-                                    self.initial_prompt or None, options)
+                                    prompt or None, options)
         engine = self.engine
         try:
             if callable(getattr(engine.model, "batch", None)):
@@ -616,7 +619,9 @@ class SpeechNode(ManagedNode):
             self.transcribing.failed(f"{type(err).__name__}: {err}")
             return None, time.monotonic() - started
         self.transcribing.succeeded()
-        return result, time.monotonic() - started
+        # the prompt it was decoded with, for the transcript (read when it is published, it named a
+        # prompt set during the decode, which the model never saw)
+        return {**result, PROMPT_USED: prompt}, time.monotonic() - started
 
     def publish(self, result: dict, utterance: Utterance, processing: float, epoch: int) -> Transcript | None:
         """Publish the transcript, unless the node was deactivated since the work began (None then)."""
@@ -624,7 +629,7 @@ class SpeechNode(ManagedNode):
         msg = transcript_message(result, header, audio_duration=utterance.duration,
                                  processing_time=processing,
                                  latency=time.monotonic() - utterance.seen_at,
-                                 prompt=self.initial_prompt, model_id=self.model.model_id,
+                                 prompt=result.get(PROMPT_USED, self.initial_prompt), model_id=self.model.model_id,
                                  is_final=utterance.final, audio_complete=utterance.complete,
                                  audio_note=utterance.note)
         with self.activity.publishing(epoch) as current:
@@ -697,7 +702,7 @@ class SpeechNode(ManagedNode):
             return processing
         committed, tentative = self.stable.update(utterance.start_time, result["text"])
         whole = " ".join(t for t in (committed, tentative) if t)
-        partial = {"text": committed, "language": result["language"],
+        partial = {"text": committed, "language": result["language"], PROMPT_USED: result[PROMPT_USED],
                    "segments": [{"start": 0.0, "end": utterance.duration, "text": whole}]}
         if self.publish(partial, utterance, processing, epoch) is None:
             return processing

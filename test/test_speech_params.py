@@ -188,3 +188,30 @@ def test_audio_lost_in_transport_is_not_blamed_on_the_sample_rate(context, monke
         assert "about 16000 samples/s but sample_rate says 48000 Hz" in node.arrival.mismatch()
     finally:
         node.destroy_node()
+
+
+def test_a_transcript_names_the_prompt_its_audio_was_decoded_with(context, monkeypatch):
+    """initial_prompt was read when the transcript was published: a change during the decode was
+    named on a transcript the model decoded without it."""
+    from photon_ros.speech_segmenter import Utterance
+
+    model = fake_speech_model(monkeypatch)
+    model.english_only = False
+    node = unconfigured(context, initial_prompt="kitchen words")
+    try:
+        assert node.trigger_configure() == SUCCESS and node.trigger_activate() == SUCCESS
+        seen = []
+
+        def transcribe(audio, sample_rate, language=None, initial_prompt=None, **options):
+            seen.append(initial_prompt)
+            assert node.set_parameters([Parameter("initial_prompt", value="garage words")])[0].successful
+            return {"text": "hello", "language": "en", "segments": []}
+        model.transcribe = transcribe
+        sent = []
+        node.publisher.publish = sent.append
+        utterance = Utterance(np.zeros(16000, np.float32), 16000, 100.0)
+        result, seconds = node.run_model(utterance)
+        node.publish(result, utterance, seconds, node.activity.current())
+        assert seen == ["kitchen words"] and sent[-1].prompt == "kitchen words"
+    finally:
+        node.destroy_node()
