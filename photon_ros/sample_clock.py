@@ -13,8 +13,8 @@ class SampleClock:
     clock, so the loss shows as a jump: at once where the driver says so (an overflow), and where it
     does not (a sound server's overrun), once the wall clock has stayed more than `jump_s` off the
     count for `persist_s` (late callbacks that catch up in a burst come back within that time), or
-    for `persist_audio_s` of audio: a clock that stands still (a simulator paused, or its /clock
-    gone) never passes persist_s, and real-time audio ran the stamps ahead of it without limit
+    for `persist_audio_s` of audio counted ahead of it: a clock that stands still (a simulator
+    paused, or its /clock gone) never passes persist_s, and real-time audio ran the stamps ahead of it without limit
     (18 s paused: 10 s ahead, every command refused as stamped in the future, then one jump back)."""
 
     def __init__(self, rate: int, slew: float = 0.01, jump_s: float = 0.2, persist_s: float = 0.15,
@@ -52,7 +52,8 @@ class SampleClock:
             return False
         if self.off_since is None:
             self.off_since, self.off_audio = now, 0.0
-        self.off_audio += duration
+        if wall < self.next:   # ahead of the clock (it stands still); behind it, a burst catching up
+            self.off_audio += duration
         return now - self.off_since >= self.persist_s or self.off_audio >= self.persist_audio_s
 
 

@@ -135,6 +135,27 @@ def test_a_driver_that_stamps_its_reads_late_does_not_cut_the_command():
     assert not all(u.complete for u in utterances)
 
 
+def test_a_long_held_up_reader_catching_up_is_not_a_loss():
+    """Only audio counted ahead of the clock re-anchors after persist_audio_s: counted behind it too,
+    a driver loop held up past a second (PortAudio keeping the samples) re-anchored in the middle of
+    its catch-up burst, a false jump forward and back that cut the command; so did one 1000 ms
+    microphone block 0.3 s late."""
+    from speech_audio import espeak_pcm
+    from scipy.signal import resample_poly
+    pcm, sr = espeak_pcm("robot, go to the kitchen and bring me the red cup")
+    rate = 16000
+    speech = resample_poly(pcm, rate, sr).astype(np.float32)
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), speech, np.zeros(rate, np.float32)])
+    for late in (1.1, 1.5):
+        utterances, seg = segment(mgonzs13_reads(audio, rate, 512, {len(audio) // 512 // 2: late}), rate)
+        assert seg.discontinuities == 0, late
+    clock, stamps, now = SampleClock(16000), [], 1000.0
+    for k in range(6):                                  # 1000 ms blocks, the third one's callback 0.3 s late
+        now += 1.0
+        stamps.append(clock.stamp(16000, now + (0.3 if k == 2 else 0.0)))
+    assert np.all(np.abs(np.diff(stamps) - 1.0) <= 0.011), np.diff(stamps)
+
+
 def test_read_stamps_reanchored_take_the_next_stamp_as_it_comes():
     """Chunks lost in transport or refused never reach the count: counted on across them, the next
     chunk was stamped early by their time (the speech node re-anchors at such a hole)."""
