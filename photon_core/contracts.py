@@ -92,11 +92,16 @@ class Answer(_AnswerText, total=False):
     reasoning: Reasoning
 
 
-class Outline(TypedDict):
-    """segment(): an SVG path in the box's unit square (0..1 across the box), and the box (None
-    when the model found no object; the path is "" then)."""
+class _OutlinePath(TypedDict):
     path: str
     bbox: Box | None
+
+
+class Outline(_OutlinePath, total=False):
+    """segment(): an SVG path in the box's unit square (0..1 across the box), and the box (None
+    when the model found no object; the path is "" then); with `error` when the model's words were
+    no path (the path is "" then too, the box kept)."""
+    error: str
 
 
 class TranscriptSegment(TypedDict):
@@ -315,6 +320,7 @@ def check_result(skill: str, result: object) -> None:
         need(all(isinstance(v, str) for v in result.values()), "text")
     elif skill == "segment":
         need(isinstance(result["path"], str) and (result["bbox"] is None or box(result["bbox"], False)), "outline")
+        need(isinstance(result.get("error", ""), str) and not (result.get("error") and result["path"]), "error")
     elif skill == "transcribe":
         need(isinstance(result["text"], str) and isinstance(result["model_id"], str), "text / model_id")
         need(result["language"] is None or isinstance(result["language"], str), "language")

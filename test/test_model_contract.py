@@ -149,6 +149,12 @@ def test_check_result_refuses_wrong_shapes():
             contracts.check_result("detect", bad)
     with pytest.raises(contracts.ContractError):
         contracts.check_result("transcribe", {"text": "hi"})
+    # segment's error (words that were no path) is part of its contract: an empty path, the box kept
+    box = {"x_min": 0.1, "y_min": 0.2, "x_max": 0.3, "y_max": 0.4}
+    contracts.check_result("segment", {"path": "", "bbox": box, "error": "unexpected SVG path token"})
+    for bad in ({"path": "M 0 0", "bbox": box, "error": "x"}, {"path": "", "bbox": box, "error": 3}):
+        with pytest.raises(contracts.ContractError):
+            contracts.check_result("segment", bad)
 
 
 def test_transcribe_request_from_a_dict():
