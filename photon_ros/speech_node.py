@@ -91,8 +91,8 @@ RELIABILITIES = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": Relia
 # the utterance, whose final is decoded ahead once the pause reaches the tail (0.1 s), and that
 # decode must not wait behind a partial's.
 PARTIAL_MAX_PAUSE_S = 0.05
-# The key run_model adds to a model's result: the initial_prompt it was decoded with.
-PROMPT_USED = "_prompt_used"
+# The key run_model adds to a model's result: the (language, initial_prompt) it was decoded with.
+SETTINGS_USED = "_settings_used"
 
 
 def _comparable(words: list[str]) -> list[str]:
@@ -595,9 +595,8 @@ class SpeechNode(ManagedNode):
         """The model's result (None when it failed: one bad utterance must not stop the node; or
         for a speculation, when the engine was busy) and the seconds it took."""
         started = time.monotonic()
-        prompt = self.initial_prompt   # read once: a change during the decode is the next one's
-        request = TranscribeRequest(utterance.samples, utterance.sample_rate, self.language,
-                                    prompt or None, options)
+        language, prompt = self.language, self.initial_prompt   # read once: a change meanwhile is the next's
+        request = TranscribeRequest(utterance.samples, utterance.sample_rate, language, prompt or None, options)
         engine = self.engine
         try:
             if callable(getattr(engine.model, "batch", None)):
@@ -619,9 +618,9 @@ class SpeechNode(ManagedNode):
             self.transcribing.failed(f"{type(err).__name__}: {err}")
             return None, time.monotonic() - started
         self.transcribing.succeeded()
-        # the prompt it was decoded with, for the transcript (read when it is published, it named a
-        # prompt set during the decode, which the model never saw)
-        return {**result, PROMPT_USED: prompt}, time.monotonic() - started
+        # the settings it was decoded with, for the transcript (read when it was published, it named
+        # a prompt set during the decode, which the model never saw) and a speculation's match
+        return {**result, SETTINGS_USED: (language, prompt)}, time.monotonic() - started
 
     def publish(self, result: dict, utterance: Utterance, processing: float, epoch: int) -> Transcript | None:
         """Publish the transcript, unless the node was deactivated since the work began (None then)."""
@@ -629,7 +628,7 @@ class SpeechNode(ManagedNode):
         msg = transcript_message(result, header, audio_duration=utterance.duration,
                                  processing_time=processing,
                                  latency=time.monotonic() - utterance.seen_at,
-                                 prompt=result.get(PROMPT_USED, self.initial_prompt), model_id=self.model.model_id,
+                                 prompt=result.get(SETTINGS_USED, (None, self.initial_prompt))[1], model_id=self.model.model_id,
                                  is_final=utterance.final, audio_complete=utterance.complete,
                                  audio_note=utterance.note)
         with self.activity.publishing(epoch) as current:
@@ -702,7 +701,7 @@ class SpeechNode(ManagedNode):
             return processing
         committed, tentative = self.stable.update(utterance.start_time, result["text"])
         whole = " ".join(t for t in (committed, tentative) if t)
-        partial = {"text": committed, "language": result["language"], PROMPT_USED: result[PROMPT_USED],
+        partial = {"text": committed, "language": result["language"], SETTINGS_USED: result[SETTINGS_USED],
                    "segments": [{"start": 0.0, "end": utterance.duration, "text": whole}]}
         if self.publish(partial, utterance, processing, epoch) is None:
             return processing
@@ -715,10 +714,9 @@ class SpeechNode(ManagedNode):
         """Decode the final a pause will give, as a final is decoded, and keep the result for it."""
         if not self.speculation_still_wanted(speculation):
             return
-        settings = (self.language, self.initial_prompt)
         result, processing = self.run_model(speculation)
-        if result is not None:
-            self.speculations.keep(speculation, result, processing, settings)
+        if result is not None:   # kept for a final taken under the settings it was decoded with
+            self.speculations.keep(speculation, result, processing, result[SETTINGS_USED])
 
     def transcribe_one(self, utterance: Utterance, epoch: int) -> None:
         ahead = self.speculations.take(utterance, (self.language, self.initial_prompt))
@@ -730,7 +728,7 @@ class SpeechNode(ManagedNode):
                 # Its partials said a later message would replace them: an empty final does
                 # (no words, or the decode failed), so a display or planner is not left holding them.
                 empty = {"text": "", "language": (result or {}).get("language") or self.language or "",
-                         "segments": []}
+                         "segments": [], **({SETTINGS_USED: result[SETTINGS_USED]} if result else {})}
                 self.publish(empty, utterance, processing, epoch)
             return
         msg = self.publish(result, utterance, processing, epoch)
