@@ -47,6 +47,7 @@ Kernels (fp32 values in, fp32 out; weights and caches in their own dtype):
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import NamedTuple
 
@@ -66,8 +67,10 @@ try:   # Triton 3.4+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     # 3.4's gdc functions still take `_builder` where its frontend passes `_semantic`
     # (triton-lang/triton#7377, fixed in 3.5): every kernel calling them failed to compile (torch
-    # 2.8's Triton, on an H100). There they are not called: PDL is a constexpr False.
-    HAS_GDC = not triton.__version__.startswith("3.4.")
+    # 2.8's Triton, on an H100). There they are not called: PDL is a constexpr False. Read from
+    # the function (a 3.4 build with the fix chains).
+    _gdc_params = inspect.signature(getattr(gdc_wait, "fn", gdc_wait)).parameters
+    HAS_GDC = "_semantic" in _gdc_params or "_builder" not in _gdc_params
 except ImportError:   # never traced: PDL is a constexpr False wherever gdc is missing
     HAS_GDC = False
 
