@@ -154,7 +154,7 @@ def test_batch_matches_single_calls(model, image):
     again = model.batch(reqs)
     # the canceled row's answer is what it had heard, and the unfinished character a report leaves out
     # (a progress report shows none; the final text is the tokens' as they are)
-    assert heard == [out[1]["answer"][:len(heard[0])]] and again[1]["answer"].rstrip("\ufffd") == heard[0]
+    assert heard == [out[1]["answer"][:len(heard[0])]] and set(again[1]) == {"answer"} and again[1]["answer"].rstrip("\ufffd") == heard[0]
     assert len(heard[0]) < len(out[1]["answer"]) and again[0] == out[0] and again[2:] == out[2:]
 
 
