@@ -220,9 +220,11 @@ class MicrophoneNode(Node):
         if len(same) == 1:
             return same[0]
         if same:
-            raise RuntimeError(f"{label!r} (device {self.device}) is not among the devices listed now, "
+            named = repr(label) if label == self.device else f"{label!r} (device {self.device})"
+            raise RuntimeError(f"{named} is not among the devices listed now, "
                                f"and {len(same)} devices of that name are: set device to the one to use")
-        raise RuntimeError(f"{label!r} (device {self.device}) is not among the devices listed now")
+        named = repr(label) if label == self.device else f"{label!r} (device {self.device})"
+        raise RuntimeError(f"{named} is not among the devices listed now")
 
     def close_stream(self) -> None:
         """Close the stream, once: none is left until a reopening succeeds (a closed one, kept
