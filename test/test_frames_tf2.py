@@ -21,7 +21,7 @@ class InvalidArgumentException(TransformException):   # tf2: an empty or "/"-pre
     pass
 
 
-def fake_tf2(monkeypatch, fail=None):
+def fake_tf2(monkeypatch, fail=None, rotation=(0.0, 0.0, 0.0, 1.0)):
     log = []
 
     class Buffer:
@@ -30,7 +30,8 @@ def fake_tf2(monkeypatch, fail=None):
             if fail is not None:
                 raise fail
             v = SimpleNamespace
-            return v(transform=v(translation=v(x=1.0, y=2.0, z=3.0), rotation=v(x=0.0, y=0.0, z=0.0, w=1.0)))
+            x, y, z, w = rotation
+            return v(transform=v(translation=v(x=1.0, y=2.0, z=3.0), rotation=v(x=x, y=y, z=z, w=w)))
 
     class TransformListener:
         def __init__(self, buffer, node):
@@ -53,6 +54,21 @@ def test_a_transform_comes_back_and_close_unregisters_the_listener(monkeypatch):
     assert log[1] == ("lookup", "base_link", "camera_color_optical_frame", 1_700_000_001_123_456_789)   # exact
     lookup.close()
     assert log[-1] == ("unregister",)
+
+
+def test_a_rotation_tf2_keeps_unnormalised_is_normalised(monkeypatch):
+    """tf2 accepts |q|^2 within 0.01 of 1 and returns it as published (a static transform typed as
+    0 0 0.71 0.71): rotated by it, a point at (1, 0, 3) m came out at (-0.008, 1.008, 3) and its
+    orientation was no unit quaternion. A rotation of no length is no transform."""
+    from photon_ros.frames import apply
+    fake_tf2(monkeypatch, rotation=(0.0, 0.0, 0.71, 0.71))
+    t = tf2_lookup("node")("base_link", "camera_color_optical_frame", 5_000_000_000)
+    position, orientation = apply(t, np.array([1.0, 0.0, 3.0]), np.array([0.0, 0.0, 0.0, 1.0]))
+    np.testing.assert_allclose(position, [1.0, 3.0, 6.0], atol=1e-9)    # (0, 1, 3) + the translation
+    assert abs(np.linalg.norm(orientation) - 1.0) < 1e-12
+    fake_tf2(monkeypatch, rotation=(0.0, 0.0, 0.0, 0.0))
+    with pytest.raises(LookupError, match="has no rotation"):
+        tf2_lookup("node")("base_link", "camera_color_optical_frame", 5_000_000_000)
 
 
 @pytest.mark.parametrize("error", [LookupException("no base_link"),
