@@ -42,6 +42,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from geometry_msgs.msg import PointStamped, PoseStamped, Twist, TwistStamped
 from rclpy.action import ActionClient
 from rclpy.clock import Clock, ClockType
+from rclpy.duration import Duration
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import Header, String
@@ -56,6 +57,7 @@ from photon_ros.action import Find
 from photon_ros.steering import Turn, TurnCommands, bearing, plan_turn
 
 TICK_S = 0.1   # cmd_vel is streamed at 10 Hz while a turn lasts
+STOP_ACK_S = 1.0   # at shutdown, how long the zero Twist may take to reach the base's subscription
 TWIST, TWIST_STAMPED = "geometry_msgs/msg/Twist", "geometry_msgs/msg/TwistStamped"
 
 LOOP_PARAMS = [
@@ -515,8 +517,13 @@ class LoopNode(Node):
         shutdown, before waiting for callbacks that may run for seconds (run_node)."""
         with self.turn_lock:
             self.halted = True   # a result still being handled starts no turn after this
-            if self.turns.stop():
+            stopped = self.turns.stop()
+            if stopped:
                 self.publish_velocity(Twist())
+        if stopped:
+            # the process ends next: a stop still queued in DDS went with it, and the base turned on
+            # (until its own command timeout, if it has one)
+            self.pub_cmd.wait_for_all_acked(Duration(seconds=STOP_ACK_S))
 
     def destroy_node(self) -> None:
         self.stop_for_shutdown()
