@@ -219,11 +219,10 @@ class MicrophoneNode(Node):
         same = [index for index, name in inputs if _ALSA_CARD.sub("", name) == _ALSA_CARD.sub("", label)]
         if len(same) == 1:
             return same[0]
+        named = repr(label) if label == self.device else f"{label!r} (device {self.device})"
         if same:
-            named = repr(label) if label == self.device else f"{label!r} (device {self.device})"
             raise RuntimeError(f"{named} is not among the devices listed now, "
                                f"and {len(same)} devices of that name are: set device to the one to use")
-        named = repr(label) if label == self.device else f"{label!r} (device {self.device})"
         raise RuntimeError(f"{named} is not among the devices listed now")
 
     def close_stream(self) -> None:
